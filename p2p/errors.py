@@ -1,0 +1,126 @@
+"""One exception hierarchy for shardnet, split by whose fault it is.
+
+Every package raises these (``p2p`` is the bottom layer, so all may import it). Library
+exceptions (libp2p, httpx, h11, OS errors on sockets) are translated once, at the ``p2p``
+boundary, into the transport errors below; nothing above ``p2p`` catches a libp2p type.
+
+==========================  =====================================================
+class                       meaning
+==========================  =====================================================
+``LocalProtocolError``      we were asked to do something invalid: our bug or bad config
+``ConfigError``             a configuration value is invalid (names the field)
+``RemoteProtocolError``     a remote peer broke the protocol (lowers its score)
+``IntegrityError``          bytes do not match a digest, a signature does not verify
+``UntrustedSigner``         a valid signature from a PeerID that is not trusted
+``VerificationError``       an item (rollout, proof) was rejected by a check
+``PeerUnreachable``         could not dial / connect to a peer or an HTTP source
+``StreamBroken``            an established stream/transfer ended early or timed out
+``MessageTooLarge``         a frame or body exceeded the configured bound
+==========================  =====================================================
+"""
+
+from __future__ import annotations
+
+
+class ShardnetError(Exception):
+    """Base class of every error shardnet raises on purpose."""
+
+
+class LocalProtocolError(ShardnetError):
+    """We tried to do something the protocol does not allow (a bug or a bad call)."""
+
+
+class ConfigError(ShardnetError):
+    """A configuration value is invalid.
+
+    Args:
+        field: dotted name of the offending field (``relay.upstream``).
+        message: what is wrong with it.
+    """
+
+    def __init__(self, field: str, message: str) -> None:
+        super().__init__(f"{field}: {message}")
+        self.field = field
+
+
+class RemoteProtocolError(ShardnetError):
+    """A remote peer sent something malformed or out of protocol.
+
+    Args:
+        peer: the remote's PeerID string or source label (``http://127.0.0.1:9000``),
+            used for logging and scoring.
+        message: what was wrong.
+    """
+
+    def __init__(self, peer: str, message: str) -> None:
+        super().__init__(f"{short_id(peer)}: {message}")
+        self.peer = peer
+
+
+class IntegrityError(ShardnetError):
+    """Bytes that do not match their digest, or a signature that does not verify.
+
+    Args:
+        what: what was checked (``shard 12 of model-00001-of-00002.safetensors``).
+        source: who sent the bytes, if known (PeerID or URL); ``""`` otherwise.
+    """
+
+    def __init__(self, what: str, source: str = "") -> None:
+        msg = f"integrity check failed: {what}"
+        if source:
+            msg += f" (from {short_id(source)})"
+        super().__init__(msg)
+        self.what = what
+        self.source = source
+
+
+class UntrustedSigner(IntegrityError):
+    """A signature that verifies, but by a PeerID that is not trusted for this item."""
+
+
+class VerificationError(ShardnetError):
+    """An item was rejected by a verification check.
+
+    Args:
+        reason: a short, stable machine-readable reason (``bad_signature``, ``stale_step``).
+        detail: free text for humans.
+    """
+
+    def __init__(self, reason: str, detail: str = "") -> None:
+        super().__init__(f"{reason}: {detail}" if detail else reason)
+        self.reason = reason
+        self.detail = detail
+
+
+class TransportError(ShardnetError):
+    """Base class of failures to move bytes; ``peer`` names the other end."""
+
+    def __init__(self, peer: str, message: str) -> None:
+        super().__init__(f"{short_id(peer)}: {message}")
+        self.peer = peer
+
+
+class PeerUnreachable(TransportError):
+    """Could not connect to a peer or source at all."""
+
+
+class StreamBroken(TransportError):
+    """A stream or transfer started but ended early, was reset or timed out."""
+
+
+class MessageTooLarge(RemoteProtocolError):
+    """A frame, response or body exceeded the configured bound (the sender's fault)."""
+
+
+def short_id(peer: str) -> str:
+    """Shorten a PeerID for logs: the last 8 characters (``…K7mYU3q``); URLs are kept.
+
+    Args:
+        peer: a base58 PeerID, a URL or any label.
+
+    Returns:
+        ``peer`` unchanged if it looks like a URL or is short, else ``"*" + last 8 chars``.
+    """
+    if "://" in peer or len(peer) <= 12:
+        return peer
+    return "*" + peer[-8:]

@@ -1,0 +1,286 @@
+"""The libp2p host of a shardnet node: listen, dial, request/response streams, gossip.
+
+Theory of operation
+-------------------
+``P2PNode.open(identity, config)`` is an async context manager that owns a py-libp2p 0.8.1
+host (TCP, Noise, yamux — never mplex, which moves ~25 MB/s), a Pubsub/GossipSub router
+configured for small announcements (see :mod:`p2p.gossip`), and the request/response helper
+for one-shot streams. Leaving the context cancels every task the node started and closes the
+host explicitly (leaving ``host.run()`` alone does not close the listener in 0.8.1).
+
+Request/response: ``serve(protocol, handler)`` registers a handler ``(peer_id, request) ->
+response`` on a protocol id such as ``/shardnet/info/1.0.0``; ``request(peer_id, protocol,
+payload)`` sends one length-prefixed request and reads one length-prefixed response. Both
+directions enforce a byte bound and a timeout. Library exceptions are translated here, once,
+into :mod:`p2p.errors` types.
+
+Only this package imports libp2p.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import AsyncIterator, Awaitable, Callable
+from contextlib import asynccontextmanager
+from dataclasses import dataclass, field
+
+import multiaddr
+import trio
+from libp2p import new_host
+from libp2p.custom_types import TProtocol
+from libp2p.peer.id import ID
+from libp2p.peer.peerinfo import info_from_p2p_addr
+from libp2p.pubsub.pubsub import Pubsub
+from libp2p.request_response import (
+    BytesCodec,
+    MessageTooLargeError,
+    ProtocolNotSupportedError,
+    RequestContext,
+    RequestResponse,
+    RequestResponseConfig,
+    RequestResponseError,
+    RequestTimeoutError,
+)
+from libp2p.tools.anyio_service import background_trio_service
+
+from p2p.errors import (
+    ConfigError,
+    MessageTooLarge,
+    PeerUnreachable,
+    RemoteProtocolError,
+    ShardnetError,
+    StreamBroken,
+    short_id,
+)
+from p2p.gossip import GossipConfig, Subscription, make_router, prepare_subscription
+from p2p.identity import Identity
+
+log = logging.getLogger(__name__)
+
+Handler = Callable[[str, bytes], Awaitable[bytes]]
+
+
+@dataclass(frozen=True)
+class HostConfig:
+    """Configuration of the libp2p host.
+
+    Attributes:
+        listen_multiaddrs: where to listen, e.g. ``/ip4/127.0.0.1/tcp/0`` (port 0 = ephemeral).
+        dial_timeout_s: bound on connecting to one peer, seconds.
+        gossip: gossipsub settings.
+    """
+
+    listen_multiaddrs: tuple[str, ...] = ("/ip4/127.0.0.1/tcp/0",)
+    dial_timeout_s: float = 10.0
+    gossip: GossipConfig = field(default_factory=GossipConfig)
+
+    def __post_init__(self) -> None:
+        if not self.listen_multiaddrs:
+            raise ConfigError("listen_multiaddrs", "at least one address is needed")
+        for a in self.listen_multiaddrs:
+            parse_multiaddr(a, "listen_multiaddrs")
+        if self.dial_timeout_s <= 0:
+            raise ConfigError("dial_timeout_s", "must be > 0")
+
+
+def parse_multiaddr(text: str, field_name: str = "multiaddr") -> multiaddr.Multiaddr:
+    """Parse a multiaddr string.
+
+    Raises:
+        ConfigError: not a valid multiaddr.
+    """
+    try:
+        return multiaddr.Multiaddr(text)
+    except Exception as exc:  # multiaddr raises several unrelated types
+        raise ConfigError(field_name, f"invalid multiaddr {text!r}: {exc}") from exc
+
+
+def peer_id_of(addr: str) -> str:
+    """Return the PeerID in the ``/p2p/<id>`` part of a multiaddr string.
+
+    Raises:
+        ConfigError: no ``/p2p/`` component or not a multiaddr.
+    """
+    try:
+        return str(info_from_p2p_addr(parse_multiaddr(addr)).peer_id.to_base58())
+    except ConfigError:
+        raise
+    except Exception as exc:
+        raise ConfigError("multiaddr", f"{addr!r} has no /p2p/<PeerID> part: {exc}") from exc
+
+
+class P2PNode:
+    """A running libp2p host with request/response and gossip.
+
+    Use :meth:`open`; the instance is only valid inside that context. Methods are safe to call
+    from any task of the owning trio run.
+    """
+
+    def __init__(self, identity: Identity, config: HostConfig, host: object, pubsub: Pubsub,
+                 rr: RequestResponse, nursery: trio.Nursery) -> None:
+        self.identity = identity
+        self.config = config
+        self._host = host
+        self._pubsub = pubsub
+        self._rr = rr
+        self._nursery = nursery
+        self._subscriptions: dict[str, Subscription] = {}
+
+    @property
+    def peer_id(self) -> str:
+        """This node's PeerID (base58)."""
+        return self.identity.peer_id
+
+    @classmethod
+    @asynccontextmanager
+    async def open(cls, identity: Identity, config: HostConfig) -> AsyncIterator[P2PNode]:
+        """Start the host, listen, and start gossip; stop and close everything on exit.
+
+        Raises:
+            PeerUnreachable: cannot listen on the configured addresses.
+        """
+        listen = [parse_multiaddr(a) for a in config.listen_multiaddrs]
+        host = new_host(key_pair=identity.key_pair, muxer_preference="YAMUX", listen_addrs=listen)
+        router = make_router(config.gossip)
+        pubsub = Pubsub(host, router)
+        rr = RequestResponse(host)
+        try:
+            async with host.run(listen_addrs=listen):
+                try:
+                    async with trio.open_nursery() as nursery:
+                        async with background_trio_service(pubsub), background_trio_service(router):
+                            await pubsub.wait_until_ready()
+                            node = cls(identity, config, host, pubsub, rr, nursery)
+                            log.info("host_started peer_id=%s addrs=%s", identity.peer_id,
+                                     ",".join(node.multiaddrs()))
+                            try:
+                                yield node
+                            finally:
+                                nursery.cancel_scope.cancel()
+                finally:
+                    # Close while the host's services still run: connections and listeners
+                    # are then torn down deterministically (no leaked sockets).
+                    with trio.CancelScope(shield=True), trio.move_on_after(5):
+                        await host.close()  # type: ignore[attr-defined]
+        except OSError as exc:
+            raise PeerUnreachable(identity.peer_id, f"cannot listen: {exc}") from exc
+
+    def multiaddrs(self) -> list[str]:
+        """Listen addresses with the ``/p2p/<PeerID>`` suffix, as strings."""
+        out = []
+        for a in self._host.get_addrs():  # type: ignore[attr-defined]
+            s = str(a)
+            out.append(s if "/p2p/" in s else f"{s}/p2p/{self.peer_id}")
+        return out
+
+    def connected_peers(self) -> list[str]:
+        """PeerIDs with an open connection."""
+        return [p.to_base58() for p in self._host.get_connected_peers()]  # type: ignore[attr-defined]
+
+    async def connect(self, addr: str) -> str:
+        """Dial ``addr`` (a multiaddr with ``/p2p/<PeerID>``) and return the remote PeerID.
+
+        Raises:
+            ConfigError: ``addr`` is malformed.
+            PeerUnreachable: the dial failed or took longer than ``dial_timeout_s``.
+        """
+        maddr = parse_multiaddr(addr)
+        try:
+            info = info_from_p2p_addr(maddr)
+        except Exception as exc:
+            raise ConfigError("multiaddr", f"{addr!r} has no /p2p/<PeerID> part") from exc
+        pid = info.peer_id.to_base58()
+        if pid == self.peer_id:
+            raise ConfigError("multiaddr", f"{addr!r} is this node itself")
+        try:
+            with trio.fail_after(self.config.dial_timeout_s):
+                await self._host.connect(info)  # type: ignore[attr-defined]
+        except trio.TooSlowError as exc:
+            raise PeerUnreachable(pid, f"dial timed out after {self.config.dial_timeout_s}s") from exc
+        except (OSError, ShardnetError) as exc:
+            raise PeerUnreachable(pid, f"dial failed: {exc}") from exc
+        except Exception as exc:  # libp2p raises SwarmException and friends
+            raise PeerUnreachable(pid, f"dial failed: {type(exc).__name__}: {exc}") from exc
+        log.debug("peer_connected peer=%s", short_id(pid))
+        return pid
+
+    def serve(self, protocol: str, handler: Handler, *, max_request_bytes: int,
+              max_response_bytes: int, timeout_s: float, max_concurrent: int = 64) -> None:
+        """Register ``handler(peer_id, request_bytes) -> response_bytes`` on ``protocol``.
+
+        The handler runs with ``timeout_s`` for reading the request, handling and writing the
+        response; a request over ``max_request_bytes`` is refused before the handler runs. A
+        handler that raises a :class:`ShardnetError` resets the stream (the caller sees
+        ``StreamBroken``); the error is logged with the caller's short PeerID.
+        """
+        async def _wrapped(request: bytes, ctx: RequestContext) -> bytes:
+            sender = ctx.peer_id.to_base58()
+            try:
+                return await handler(sender, request)
+            except ShardnetError as exc:
+                log.warning("request_refused protocol=%s peer=%s error=%s", protocol,
+                            short_id(sender), exc)
+                raise RequestResponseError(str(exc)) from exc
+
+        cfg = RequestResponseConfig(timeout=timeout_s, max_request_size=max_request_bytes,
+                                    max_response_size=max_response_bytes,
+                                    max_concurrent_inbound=max_concurrent)
+        self._rr.set_handler(TProtocol(protocol), _wrapped, BytesCodec(), cfg)
+
+    async def request(self, peer_id: str, protocol: str, payload: bytes, *,
+                      max_response_bytes: int, timeout_s: float) -> bytes:
+        """Send one request on a new stream to ``peer_id`` and return the response bytes.
+
+        Raises:
+            PeerUnreachable: no connection could be opened.
+            StreamBroken: the stream was reset, closed early or timed out.
+            MessageTooLarge: the response exceeded ``max_response_bytes``.
+            RemoteProtocolError: the peer does not speak ``protocol``.
+        """
+        cfg = RequestResponseConfig(timeout=timeout_s, max_request_size=max(len(payload), 1),
+                                    max_response_size=max_response_bytes)
+        try:
+            return bytes(await self._rr.send_request(ID.from_base58(peer_id), [TProtocol(protocol)],
+                                                     payload, BytesCodec(), cfg))
+        except RequestTimeoutError as exc:
+            raise StreamBroken(peer_id, f"{protocol} timed out after {timeout_s}s") from exc
+        except MessageTooLargeError as exc:
+            raise MessageTooLarge(peer_id, f"{protocol} response over {max_response_bytes} bytes") from exc
+        except ProtocolNotSupportedError as exc:
+            raise RemoteProtocolError(peer_id, f"does not speak {protocol}") from exc
+        except RequestResponseError as exc:
+            if peer_id not in self.connected_peers():
+                raise PeerUnreachable(peer_id, f"{protocol}: {exc}") from exc
+            raise StreamBroken(peer_id, f"{protocol}: {exc}") from exc
+
+    async def publish(self, topic: str, data: bytes) -> None:
+        """Publish ``data`` on a gossipsub topic (best effort: gossip may drop; see p2p.gossip).
+
+        Raises:
+            MessageTooLarge: ``data`` exceeds the configured gossip message bound.
+        """
+        if len(data) > self.config.gossip.max_message_bytes:
+            raise MessageTooLarge(self.peer_id, f"gossip message of {len(data)} bytes")
+        prepare_subscription(self._pubsub, self.config.gossip)
+        await self._pubsub.publish(topic, data)
+
+    async def wait_for_subscriber(self, peer_id: str, topic: str, timeout_s: float) -> None:
+        """Wait until ``peer_id`` is known to subscribe to ``topic`` (event-driven, no polling).
+
+        Raises:
+            StreamBroken: not within ``timeout_s`` seconds.
+        """
+        pid = ID.from_base58(peer_id)
+        try:
+            await self._pubsub.wait_for_peer(pid, timeout=timeout_s)
+            await self._pubsub.wait_for_subscription(pid, topic, timeout=timeout_s)
+        except trio.TooSlowError as exc:
+            raise StreamBroken(peer_id, f"no subscription to {topic} within {timeout_s}s") from exc
+
+    async def subscribe(self, topic: str) -> Subscription:
+        """Subscribe to ``topic``; returns a bounded subscription (one per topic per node)."""
+        if topic in self._subscriptions:
+            return self._subscriptions[topic]
+        sub = await Subscription.start(self._pubsub, topic, self.config.gossip, self._nursery)
+        self._subscriptions[topic] = sub
+        return sub

@@ -1,0 +1,412 @@
+"""Source selection for shard downloads: a sans-IO scheduler.
+
+Theory of operation
+-------------------
+A downloader holds a set of *sources* (its relays, the origin, other peers that hold all or
+part of the version) and a set of missing shards. The driver (``shardcast.downloader``, or
+the simulator in virtual time) asks :meth:`Scheduler.next_request` for work whenever it has a
+free slot, performs the transfer, and reports back with ``on_first_byte`` / ``on_success`` /
+``on_failure``. The scheduler does no I/O and reads no clock: ``now`` is an argument and all
+randomness comes from the ``random.Random`` it is given, so the same inputs give the same
+decisions (tests and the simulator rely on that).
+
+Choosing a shard: shards nobody is fetching come first, rarest first (fewest sources that
+hold them), ties broken by the seeded RNG so that peers spread over different shards instead
+of all pulling shard 0 first. A partially received shard (a transfer broke mid-shard) resumes
+at the byte where it stopped, from another source if one is eligible.
+
+Choosing a source: among eligible sources (hold the shard, not penalized, below their
+in-flight cap), pick the best expected completion time ``(queued bytes + shard) / rate``,
+where ``rate`` is an EWMA of measured throughput (first byte to last byte, so time spent
+waiting for a relay to receive the shard itself is not held against it). With probability
+``explore`` pick a random eligible source instead, so a source that was slow once, or is
+new, gets measured again (epsilon-greedy).
+
+Failures: a timeout or broken transfer multiplies the source's rate by ``failure_decay``
+and blocks it for ``penalty_s`` (doubling per consecutive failure). Bytes that fail their
+digest penalize only the source that sent them: if a shard was assembled from several
+sources, :func:`blame` compares it with the verified copy obtained later and names the
+sources whose byte ranges differ. A source with ``max_corrupt`` corrupt transfers is banned.
+
+Endgame: when every missing shard is already in flight, up to ``endgame_duplicates`` extra
+requests per shard (and ``endgame_max_total`` overall) go to other sources; the first copy
+to verify wins and :meth:`on_success` returns the duplicates to cancel.
+"""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field
+
+from p2p.errors import LocalProtocolError
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    """Tuning of the scheduler (units in names).
+
+    Attributes:
+        max_inflight: concurrent requests over all sources.
+        per_source_inflight: concurrent requests to one source.
+        initial_rate_bps: assumed throughput of an unmeasured source, bytes/s.
+        ewma_alpha: weight of the newest throughput sample.
+        explore: probability of choosing a random eligible source.
+        failure_decay: factor applied to a source's rate after a failure.
+        penalty_s: base time a failing source is skipped, seconds (doubles per consecutive
+            failure, capped at 32x).
+        max_corrupt: corrupt transfers after which a source is banned.
+        endgame_duplicates: extra concurrent requests per shard in the endgame.
+        endgame_max_total: bound on duplicate requests in flight at once.
+    """
+
+    max_inflight: int = 8
+    per_source_inflight: int = 4
+    initial_rate_bps: float = 100e6
+    ewma_alpha: float = 0.3
+    explore: float = 0.1
+    failure_decay: float = 0.5
+    penalty_s: float = 1.0
+    max_corrupt: int = 2
+    endgame_duplicates: int = 1
+    endgame_max_total: int = 4
+
+    def __post_init__(self) -> None:
+        if self.max_inflight < 1 or self.per_source_inflight < 1:
+            raise LocalProtocolError("in-flight limits must be >= 1")
+        if not 0 <= self.explore <= 1 or not 0 < self.ewma_alpha <= 1:
+            raise LocalProtocolError("explore and ewma_alpha must be probabilities")
+
+
+@dataclass
+class SourceState:
+    """What the scheduler knows of one source."""
+
+    source: str
+    rate_bps: float
+    have: set[int] | None  # None: holds (or will hold) every shard
+    inflight: int = 0
+    queued_bytes: int = 0
+    failures: int = 0
+    consecutive_failures: int = 0
+    corrupt: int = 0
+    blocked_until: float = 0.0
+    banned: bool = False
+    bytes_received: int = 0
+
+
+@dataclass(frozen=True)
+class Request:
+    """One transfer to perform: bytes ``[start, length)`` of shard ``shard`` from ``source``."""
+
+    id: int
+    shard: int
+    source: str
+    start: int
+    length: int
+    duplicate: bool
+
+
+@dataclass
+class _Flight:
+    req: Request
+    started: float
+    first_byte: float | None = None
+
+
+@dataclass(frozen=True)
+class SchedulerStats:
+    """Counters for reports and tests."""
+
+    requests: int
+    duplicates: int
+    failures: int
+    corrupt: int
+    resumed: int
+    banned: tuple[str, ...]
+
+
+@dataclass
+class _ShardState:
+    length: int
+    done: bool = False
+    received: int = 0  # bytes of a partial transfer kept for resumption
+    flights: list[int] = field(default_factory=list)
+
+
+class Scheduler:
+    """Decides which shard to fetch from which source next (see module docstring).
+
+    Args:
+        shard_lengths: length in bytes of every shard, by index.
+        rng: the seeded random source (never the global RNG).
+        config: tuning.
+        have: indices already held (e.g. resumed from disk); they are never requested.
+    """
+
+    def __init__(self, shard_lengths: Sequence[int], rng: random.Random,
+                 config: SchedulerConfig | None = None, have: Iterable[int] = ()) -> None:
+        self.config = config or SchedulerConfig()
+        self._rng = rng
+        self._shards = [_ShardState(n) for n in shard_lengths]
+        for i in have:
+            self._shards[i].done = True
+        self._missing = sum(1 for s in self._shards if not s.done)
+        self._sources: dict[str, SourceState] = {}
+        self._flights: dict[int, _Flight] = {}
+        self._next_id = 0
+        self._requests = self._duplicates = self._failures = self._corrupt = self._resumed = 0
+
+    # -- sources -----------------------------------------------------------------------------
+
+    def add_source(self, source: str, have: Iterable[int] | None = None,
+                   rate_bps: float | None = None) -> None:
+        """Add a source (or update its have-set). ``have=None`` means it serves every shard."""
+        st = self._sources.get(source)
+        hv = None if have is None else set(have)
+        if st is None:
+            self._sources[source] = SourceState(source, rate_bps or self.config.initial_rate_bps,
+                                                hv)
+        else:
+            st.have = hv
+
+    def add_have(self, source: str, indices: Iterable[int]) -> None:
+        """Record that ``source`` now holds more shards."""
+        st = self._sources.get(source)
+        if st is not None and st.have is not None:
+            st.have.update(indices)
+
+    def remove_source(self, source: str) -> None:
+        """Forget a source; its in-flight requests should be cancelled by the driver."""
+        self._sources.pop(source, None)
+
+    def sources(self) -> list[SourceState]:
+        """Snapshot of the source states (for progress display)."""
+        return list(self._sources.values())
+
+    # -- state -------------------------------------------------------------------------------
+
+    @property
+    def missing(self) -> int:
+        """Shards not yet verified."""
+        return self._missing
+
+    def done(self) -> bool:
+        """True when every shard is verified."""
+        return self._missing == 0
+
+    def is_done(self, shard: int) -> bool:
+        """True if ``shard`` is verified."""
+        return self._shards[shard].done
+
+    def inflight(self) -> int:
+        """Requests in flight."""
+        return len(self._flights)
+
+    def resume_offset(self, shard: int) -> int:
+        """Bytes of ``shard`` already received and kept by the driver."""
+        return self._shards[shard].received
+
+    def statistics(self) -> SchedulerStats:
+        """Counters so far."""
+        return SchedulerStats(self._requests, self._duplicates, self._failures, self._corrupt,
+                              self._resumed,
+                              tuple(s.source for s in self._sources.values() if s.banned))
+
+    # -- decisions ---------------------------------------------------------------------------
+
+    def _eligible(self, shard: int, now: float, exclude: set[str]) -> list[SourceState]:
+        cap = self.config.per_source_inflight
+        out = []
+        for st in self._sources.values():
+            if st.banned or st.source in exclude or st.inflight >= cap or st.blocked_until > now:
+                continue
+            if st.have is not None and shard not in st.have:
+                continue
+            out.append(st)
+        return out
+
+    def _pick_source(self, shard: int, now: float, exclude: set[str]) -> SourceState | None:
+        cands = self._eligible(shard, now, exclude)
+        if not cands:
+            return None
+        if len(cands) > 1 and self._rng.random() < self.config.explore:
+            return self._rng.choice(cands)
+        length = self._shards[shard].length
+        return min(cands, key=lambda s: ((s.queued_bytes + length) / max(s.rate_bps, 1.0),
+                                         s.source))
+
+    def next_request(self, now: float) -> Request | None:
+        """The next transfer to start, or None if nothing can start now.
+
+        Call repeatedly while it returns requests and the driver has free slots.
+        """
+        if len(self._flights) >= self.config.max_inflight or not self._missing:
+            return None
+        idle = [i for i, s in enumerate(self._shards) if not s.done and not s.flights]
+        if idle:
+            avail = {i: self._availability(i) for i in idle}
+            # resumable shards first, then rarest first, ties random
+            order = sorted(idle, key=lambda i: (-self._shards[i].received, avail[i],
+                                                self._rng.random()))
+            for i in order:
+                if avail[i] == 0:
+                    continue
+                st = self._pick_source(i, now, set())
+                if st is not None:
+                    return self._start(i, st, now, duplicate=False)
+            return None
+        return self._endgame(now)
+
+    def _availability(self, shard: int) -> int:
+        return sum(1 for s in self._sources.values()
+                   if not s.banned and (s.have is None or shard in s.have))
+
+    def _endgame(self, now: float) -> Request | None:
+        dup_total = sum(1 for f in self._flights.values() if f.req.duplicate)
+        if dup_total >= self.config.endgame_max_total:
+            return None
+        cands = [i for i, s in enumerate(self._shards)
+                 if not s.done and 0 < len(s.flights) <= self.config.endgame_duplicates]
+        self._rng.shuffle(cands)
+        for i in cands:
+            busy = {self._flights[f].req.source for f in self._shards[i].flights}
+            st = self._pick_source(i, now, busy)
+            if st is not None:
+                return self._start(i, st, now, duplicate=True)
+        return None
+
+    def _start(self, shard: int, st: SourceState, now: float, duplicate: bool) -> Request:
+        s = self._shards[shard]
+        start = 0 if duplicate else s.received
+        if start:
+            self._resumed += 1
+        req = Request(self._next_id, shard, st.source, start, s.length - start, duplicate)
+        self._next_id += 1
+        self._flights[req.id] = _Flight(req, now)
+        s.flights.append(req.id)
+        st.inflight += 1
+        st.queued_bytes += req.length
+        self._requests += 1
+        self._duplicates += duplicate
+        return req
+
+    # -- outcomes ----------------------------------------------------------------------------
+
+    def _finish(self, req_id: int) -> tuple[_Flight, SourceState | None]:
+        fl = self._flights.pop(req_id)
+        self._shards[fl.req.shard].flights.remove(req_id)
+        st = self._sources.get(fl.req.source)
+        if st is not None:
+            st.inflight -= 1
+            st.queued_bytes -= fl.req.length
+        return fl, st
+
+    def on_first_byte(self, req_id: int, now: float) -> None:
+        """The first byte of a request arrived (starts its throughput clock)."""
+        fl = self._flights.get(req_id)
+        if fl is not None and fl.first_byte is None:
+            fl.first_byte = now
+
+    def on_success(self, req_id: int, now: float) -> list[int]:
+        """The request's bytes completed the shard and it verified.
+
+        Returns:
+            ids of duplicate requests for the same shard, which the driver should cancel
+            (and then report with :meth:`on_cancelled`).
+        """
+        fl, st = self._finish(req_id)
+        if st is not None:
+            elapsed = max(now - (fl.first_byte if fl.first_byte is not None else fl.started),
+                          1e-6)
+            sample = fl.req.length / elapsed
+            a = self.config.ewma_alpha
+            st.rate_bps = (1 - a) * st.rate_bps + a * sample
+            st.consecutive_failures = 0
+            st.bytes_received += fl.req.length
+        s = self._shards[fl.req.shard]
+        if not s.done:
+            s.done = True
+            s.received = 0
+            self._missing -= 1
+        return list(s.flights)
+
+    def on_cancelled(self, req_id: int) -> None:
+        """A request was cancelled by the driver (endgame loser, shutdown)."""
+        if req_id in self._flights:
+            self._finish(req_id)
+
+    def on_failure(self, req_id: int, now: float, *, kind: str, received: int = 0) -> None:
+        """A request failed.
+
+        Args:
+            req_id: the request.
+            now: current time, seconds.
+            kind: ``"timeout"``, ``"broken"``, ``"unavailable"`` (source does not have it
+                yet), ``"corrupt"`` (this source alone sent bytes that failed the digest) or
+                ``"suspect"`` (a copy assembled from several sources failed: nobody is
+                penalized until :func:`blame` names the culprit).
+            received: bytes of this request received and kept by the driver for resuming
+                (only for ``timeout``/``broken``); the shard's resume offset advances by it.
+        """
+        fl, st = self._finish(req_id)
+        s = self._shards[fl.req.shard]
+        if not fl.req.duplicate and not s.done and kind in ("timeout", "broken"):
+            s.received = fl.req.start + received
+        elif kind in ("corrupt", "suspect"):
+            s.received = 0
+        if st is None:
+            return
+        self._failures += 1
+        if kind == "suspect":
+            return
+        if kind == "unavailable":
+            if st.have is not None:
+                st.have.discard(fl.req.shard)
+            st.blocked_until = now + self.config.penalty_s / 4
+            return
+        if kind == "corrupt":
+            self.penalize_corrupt(st.source, now)
+            return
+        st.failures += 1
+        st.consecutive_failures += 1
+        st.rate_bps *= self.config.failure_decay
+        st.blocked_until = now + self.config.penalty_s * min(
+            32.0, 2.0 ** (st.consecutive_failures - 1))
+
+    def discard_partial(self, shard: int) -> None:
+        """Forget the bytes kept for resuming ``shard`` (e.g. the assembled copy was bad)."""
+        self._shards[shard].received = 0
+
+    def penalize_corrupt(self, source: str, now: float) -> None:
+        """Record that ``source`` sent bytes that failed a digest (ban after max_corrupt)."""
+        st = self._sources.get(source)
+        if st is None:
+            return
+        self._corrupt += 1
+        st.corrupt += 1
+        st.rate_bps *= self.config.failure_decay
+        st.blocked_until = now + self.config.penalty_s * 4
+        if st.corrupt >= self.config.max_corrupt:
+            st.banned = True
+
+
+def blame(contributions: Sequence[tuple[str, int, int]], bad: bytes | memoryview,
+          good: bytes | memoryview) -> set[str]:
+    """Which sources sent bytes that differ from the verified copy.
+
+    Args:
+        contributions: ``(source, start, end)`` byte ranges of the bad copy, by sender.
+        bad: the assembled copy that failed its digest.
+        good: the verified copy of the same shard.
+
+    Returns:
+        the sources whose range differs from ``good`` (empty if none can be blamed).
+    """
+    if len(bad) != len(good):
+        raise LocalProtocolError("blame needs copies of equal length")
+    out = set()
+    for source, start, end in contributions:
+        if bytes(bad[start:end]) != bytes(good[start:end]):
+            out.add(source)
+    return out

@@ -1,0 +1,324 @@
+"""On-disk store of checkpoint versions: verified shard writes, atomic commit, retention.
+
+Layout under a node's data directory::
+
+    <root>/<run_id>/step-<N>/               a committed version: every file + manifest.json
+    <root>/<run_id>/.partial-step-<N>/      a version being downloaded (never served as complete)
+
+Theory of operation
+-------------------
+A download starts with :meth:`VersionStore.begin`, which creates the partial directory and
+preallocates every file at its final size (sparse). :meth:`PartialVersion.write_shard` checks
+a shard's BLAKE3 digest *before* writing it at its offset with ``pwrite``, so bytes that fail
+their digest never touch the disk. When every shard is present, :meth:`PartialVersion.commit`
+re-hashes every whole file against the manifest, fsyncs the files and ``manifest.json``, and
+renames the partial directory to ``step-<N>`` (atomic on POSIX), then fsyncs the parent. A
+``step-<N>/`` directory therefore exists only if every digest matched, and a crash at any
+point leaves either no version or a complete one; leftover partial directories are removed
+when the store is opened.
+
+Retention keeps the newest ``keep_last`` committed versions. A version that is pinned (being
+read, served, or used as a delta base) is never removed while pinned.
+
+This module does blocking file I/O and no networking; async callers run its methods in a
+worker thread (``trio.to_thread.run_sync``). Methods of one :class:`PartialVersion` may be
+called from several threads for *different* shards at once.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import shutil
+import threading
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+
+import blake3
+
+from p2p.errors import IntegrityError, LocalProtocolError
+from p2p.trust import TrustList
+from shardcast.manifest import MANIFEST_FILE, SignedManifest, check_run_id
+
+log = logging.getLogger(__name__)
+
+_HASH_BLOCK = 8 * 1024 * 1024
+
+
+def _fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def hash_file(path: Path) -> str:
+    """BLAKE3 hex digest of a whole file, read in 8 MiB blocks."""
+    h = blake3.blake3(max_threads=blake3.blake3.AUTO)
+    buf = bytearray(_HASH_BLOCK)
+    with open(path, "rb", buffering=0) as fh:
+        while n := fh.readinto(buf):
+            h.update(memoryview(buf)[:n])
+    return h.hexdigest()
+
+
+class VersionStore:
+    """The versions of one run kept by one node.
+
+    Args:
+        root: the node's version directory (created if missing).
+        run_id: the run whose versions are stored.
+        keep_last: how many committed versions to keep (>= 1).
+    """
+
+    def __init__(self, root: Path, run_id: str, keep_last: int) -> None:
+        if keep_last < 1:
+            raise LocalProtocolError("keep_last must be >= 1")
+        self.run_dir = root / check_run_id(run_id)
+        self.run_id = run_id
+        self.keep_last = keep_last
+        self._pins: dict[int, int] = {}
+        self._lock = threading.Lock()
+        self.run_dir.mkdir(parents=True, exist_ok=True)
+        for p in self.run_dir.glob(".partial-step-*"):
+            log.info("partial_removed path=%s", p)
+            shutil.rmtree(p, ignore_errors=True)
+
+    def committed_steps(self) -> list[int]:
+        """Steps with a committed ``step-N`` directory, ascending."""
+        out = []
+        for p in self.run_dir.glob("step-*"):
+            suffix = p.name[5:]
+            if suffix.isdigit() and (p / MANIFEST_FILE).is_file():
+                out.append(int(suffix))
+        return sorted(out)
+
+    def latest(self) -> int | None:
+        """The newest committed step, or None."""
+        steps = self.committed_steps()
+        return steps[-1] if steps else None
+
+    def version_dir(self, step: int) -> Path:
+        """Directory of a committed step (may not exist)."""
+        return self.run_dir / f"step-{step}"
+
+    def partial_dir(self, step: int) -> Path:
+        """Directory of an in-progress step (may not exist)."""
+        return self.run_dir / f".partial-step-{step}"
+
+    def has(self, step: int) -> bool:
+        """True if ``step`` is committed."""
+        return (self.version_dir(step) / MANIFEST_FILE).is_file()
+
+    def load_manifest(self, step: int, trust: TrustList) -> SignedManifest:
+        """Read and re-verify the manifest of a committed step.
+
+        Raises:
+            FileNotFoundError: not committed.
+            ManifestError / IntegrityError: the stored manifest does not verify.
+        """
+        data = (self.version_dir(step) / MANIFEST_FILE).read_bytes()
+        return SignedManifest.decode(data, trust=trust, source=str(self.version_dir(step)))
+
+    def begin(self, signed: SignedManifest) -> PartialVersion:
+        """Start (or restart) downloading a version; returns its partial handle.
+
+        Raises:
+            LocalProtocolError: the manifest is for another run, or the step is committed.
+        """
+        m = signed.manifest
+        if m.run_id != self.run_id:
+            raise LocalProtocolError(f"manifest of run {m.run_id!r} given to store of "
+                                     f"{self.run_id!r}")
+        if self.has(m.step):
+            raise LocalProtocolError(f"step {m.step} is already committed")
+        return PartialVersion(self, signed)
+
+    def adopt(self, directory: Path, signed: SignedManifest) -> Path:
+        """Commit a directory that this node produced itself (the origin's own checkpoint).
+
+        The directory is renamed into place (it must be on the same filesystem); every file
+        is re-hashed against the manifest first.
+
+        Raises:
+            IntegrityError: a file does not match the manifest.
+        """
+        for f in signed.manifest.files:
+            if hash_file(directory / f.name) != f.digest:
+                raise IntegrityError(f"{directory / f.name} does not match its manifest digest")
+        return _commit_dir(self, directory, signed)
+
+    @contextmanager
+    def pinned(self, step: int) -> Iterator[None]:
+        """Keep ``step`` from being pruned while the context is open (re-entrant)."""
+        with self._lock:
+            self._pins[step] = self._pins.get(step, 0) + 1
+        try:
+            yield
+        finally:
+            with self._lock:
+                self._pins[step] -= 1
+                if not self._pins[step]:
+                    del self._pins[step]
+
+    def prune(self) -> list[int]:
+        """Remove committed versions beyond the newest ``keep_last`` that are not pinned.
+
+        Returns:
+            the removed steps.
+        """
+        steps = self.committed_steps()
+        removed = []
+        with self._lock:
+            for step in steps[: max(0, len(steps) - self.keep_last)]:
+                if step in self._pins:
+                    continue
+                victim = self.run_dir / f".removing-step-{step}"
+                os.rename(self.version_dir(step), victim)  # disappears atomically
+                shutil.rmtree(victim, ignore_errors=True)
+                removed.append(step)
+        if removed:
+            log.info("versions_pruned run=%s steps=%s", self.run_id, removed)
+        return removed
+
+
+def _commit_dir(store: VersionStore, directory: Path, signed: SignedManifest) -> Path:
+    m = signed.manifest
+    for f in m.files:
+        fd = os.open(directory / f.name, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+    tmp = directory / f".{MANIFEST_FILE}.tmp"
+    with open(tmp, "wb") as fh:
+        fh.write(signed.encode())
+        fh.flush()
+        os.fsync(fh.fileno())
+    os.rename(tmp, directory / MANIFEST_FILE)
+    _fsync_dir(directory)
+    final = store.version_dir(m.step)
+    os.rename(directory, final)
+    _fsync_dir(store.run_dir)
+    log.info("version_committed run=%s step=%d files=%d size_bytes=%d digest=%s", m.run_id,
+             m.step, len(m.files), m.total_bytes, signed.digest[:16])
+    store.prune()
+    return final
+
+
+class PartialVersion:
+    """A version being downloaded; see the module docstring.
+
+    Attributes:
+        signed: the signed manifest being fetched.
+        dir: the partial directory.
+    """
+
+    def __init__(self, store: VersionStore, signed: SignedManifest) -> None:
+        self.store = store
+        self.signed = signed
+        self.manifest = signed.manifest
+        self.dir = store.partial_dir(self.manifest.step)
+        shutil.rmtree(self.dir, ignore_errors=True)
+        self.dir.mkdir(parents=True)
+        self._fds: dict[str, int] = {}
+        for f in self.manifest.files:
+            fd = os.open(self.dir / f.name, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o644)
+            os.ftruncate(fd, f.size)
+            self._fds[f.name] = fd
+        self._have = [False] * len(self.manifest.shards)
+        self._missing = len(self._have)
+        self._lock = threading.Lock()
+        self._closed = False
+
+    def has(self, index: int) -> bool:
+        """True if shard ``index`` is written and verified."""
+        return self._have[index]
+
+    def have_bitmap(self) -> list[bool]:
+        """Copy of the per-shard availability."""
+        return list(self._have)
+
+    @property
+    def missing(self) -> int:
+        """Number of shards not yet verified and written."""
+        return self._missing
+
+    def write_shard(self, index: int, data: bytes | bytearray | memoryview, source: str = "") -> bool:
+        """Verify shard ``index`` against its digest, then write it at its offset.
+
+        Args:
+            index: shard index in the manifest.
+            data: exactly the shard's bytes.
+            source: who sent the bytes (for the error).
+
+        Returns:
+            True if written now, False if the shard was already present (nothing written).
+
+        Raises:
+            IntegrityError: wrong length or digest; nothing is written.
+            LocalProtocolError: the version was committed or aborted.
+        """
+        shard = self.manifest.shards[index]
+        if len(data) != shard.length:
+            raise IntegrityError(f"shard {index} has {len(data)} bytes, expected {shard.length}",
+                                 source)
+        if blake3.blake3(data, max_threads=blake3.blake3.AUTO).hexdigest() != shard.digest:
+            raise IntegrityError(f"shard {index} of {shard.file} digest mismatch", source)
+        with self._lock:
+            if self._closed:
+                raise LocalProtocolError(f"step {self.manifest.step} is no longer open")
+            if self._have[index]:
+                return False
+        view = memoryview(data)
+        fd, pos = self._fds[shard.file], 0
+        while pos < len(view):
+            pos += os.pwrite(fd, view[pos:], shard.offset + pos)
+        with self._lock:
+            if self._have[index]:
+                return False
+            self._have[index] = True
+            self._missing -= 1
+        return True
+
+    def read_shard(self, index: int) -> bytes:
+        """The bytes of a verified shard (for re-serving or delta bases).
+
+        Raises:
+            LocalProtocolError: the shard is not present.
+        """
+        if not self._have[index]:
+            raise LocalProtocolError(f"shard {index} is not present")
+        s = self.manifest.shards[index]
+        return os.pread(self._fds[s.file], s.length, s.offset)
+
+    def commit(self) -> Path:
+        """Check every file digest and commit atomically; returns the ``step-N`` directory.
+
+        Raises:
+            LocalProtocolError: shards are missing.
+            IntegrityError: a whole-file digest does not match; the partial is removed and
+                nothing is committed.
+        """
+        if self._missing:
+            raise LocalProtocolError(f"{self._missing} shards missing, cannot commit")
+        self._close_fds()
+        for f in self.manifest.files:
+            if hash_file(self.dir / f.name) != f.digest:
+                self.abort()
+                raise IntegrityError(f"file {f.name} of step {self.manifest.step} digest mismatch")
+        return _commit_dir(self.store, self.dir, self.signed)
+
+    def abort(self) -> None:
+        """Drop the partial version (idempotent); a later ``begin`` starts afresh."""
+        self._close_fds()
+        shutil.rmtree(self.dir, ignore_errors=True)
+
+    def _close_fds(self) -> None:
+        with self._lock:
+            self._closed = True
+            fds, self._fds = self._fds, {}
+        for fd in fds.values():
+            os.close(fd)

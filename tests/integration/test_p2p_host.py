@@ -1,0 +1,65 @@
+"""Two real libp2p hosts on 127.0.0.1: dial, request/response with bounds, gossip."""
+
+from __future__ import annotations
+
+import pytest
+import trio
+
+from p2p.errors import MessageTooLarge, RemoteProtocolError, StreamBroken
+from p2p.host import HostConfig, P2PNode, peer_id_of
+from p2p.identity import Identity
+
+PROTO = "/shardnet/test-echo/1.0.0"
+
+
+async def test_request_response_and_bounds() -> None:
+    a_id, b_id = Identity.from_seed("a"), Identity.from_seed("b")
+    async with P2PNode.open(a_id, HostConfig()) as a, P2PNode.open(b_id, HostConfig()) as b:
+        release = trio.Event()
+
+        async def echo(peer: str, req: bytes) -> bytes:
+            if req == b"stall":
+                await release.wait()
+            if req == b"refuse":
+                raise RemoteProtocolError(peer, "refused")
+            return peer.encode() + b"|" + req
+
+        a.serve(PROTO, echo, max_request_bytes=1024, max_response_bytes=4096, timeout_s=30)
+        addr = a.multiaddrs()[0]
+        assert peer_id_of(addr) == a.peer_id
+        assert await b.connect(addr) == a.peer_id
+        resp = await b.request(a.peer_id, PROTO, b"hi", max_response_bytes=4096, timeout_s=10)
+        assert resp == b.peer_id.encode() + b"|hi"
+        # response over the caller's bound
+        with pytest.raises(MessageTooLarge):
+            await b.request(a.peer_id, PROTO, b"x" * 200, max_response_bytes=100, timeout_s=10)
+        # handler refusal resets the stream
+        with pytest.raises(StreamBroken):
+            await b.request(a.peer_id, PROTO, b"refuse", max_response_bytes=4096, timeout_s=10)
+        # unknown protocol
+        with pytest.raises((RemoteProtocolError, StreamBroken)):
+            await b.request(a.peer_id, "/nope/1", b"x", max_response_bytes=10, timeout_s=10)
+        # a stalled handler hits the caller's timeout
+        with pytest.raises(StreamBroken):
+            await b.request(a.peer_id, PROTO, b"stall", max_response_bytes=4096, timeout_s=0.5)
+        release.set()
+
+
+async def test_gossip_delivers_burst_without_drops() -> None:
+    a_id, b_id = Identity.from_seed("ga"), Identity.from_seed("gb")
+    async with P2PNode.open(a_id, HostConfig()) as a, P2PNode.open(b_id, HostConfig()) as b:
+        await b.connect(a.multiaddrs()[0])
+        sub = await a.subscribe("t")
+        await b.subscribe("t")
+        await b.wait_for_subscriber(a.peer_id, "t", timeout_s=10)
+        n = 200  # far above the library's 32-message queues and 10 msg/s limit
+        for i in range(n):
+            await b.publish("t", b"m%d" % i)
+        got = []
+        with trio.fail_after(20):
+            while len(got) < n:
+                msg = await sub.receive()
+                assert msg.origin == b.peer_id
+                got.append(msg.data)
+        assert got == [b"m%d" % i for i in range(n)]
+        assert sub.statistics().dropped == 0
