@@ -84,13 +84,15 @@ def make_router(cfg: GossipConfig) -> GossipSub:
 def prepare_subscription(pubsub: Pubsub, cfg: GossipConfig) -> None:
     """Raise the library's per-peer outbound queue bounds to ``cfg.queue_size``.
 
-    py-libp2p creates each peer's queue with a fixed default of 32 and offers no parameter;
-    its ``max_size`` attribute is the bound, so we raise it on every existing queue before
-    publishing. Idempotent and cheap (one pass over connected peers).
+    py-libp2p 0.8.1 creates each peer's ``RpcQueue`` with a fixed bound of 32 and offers no
+    parameter; the bound is the ``max_size`` of its inner priority queue, so we raise it on
+    every existing queue before publishing. Idempotent and cheap (one pass over peers). If a
+    later py-libp2p changes that layout, this does nothing and the library default applies.
     """
     for queue in pubsub.peer_queues.values():
-        if queue.max_size < cfg.queue_size:
-            queue.max_size = cfg.queue_size
+        inner = getattr(queue, "_queue", None)
+        if inner is not None and getattr(inner, "max_size", cfg.queue_size) < cfg.queue_size:
+            inner.max_size = cfg.queue_size
 
 
 @dataclass(frozen=True)

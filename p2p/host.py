@@ -144,26 +144,46 @@ class P2PNode:
         router = make_router(config.gossip)
         pubsub = Pubsub(host, router)
         rr = RequestResponse(host)
-        try:
-            async with host.run(listen_addrs=listen):
-                try:
-                    async with trio.open_nursery() as nursery:
-                        async with background_trio_service(pubsub), background_trio_service(router):
-                            await pubsub.wait_until_ready()
-                            node = cls(identity, config, host, pubsub, rr, nursery)
-                            log.info("host_started peer_id=%s addrs=%s", identity.peer_id,
-                                     ",".join(node.multiaddrs()))
-                            try:
-                                yield node
-                            finally:
+        stop = trio.Event()
+
+        async def service(task_status: trio.TaskStatus[P2PNode]) -> None:
+            # The host runs shielded from the caller's cancellation and is stopped explicitly:
+            # py-libp2p 0.8.1 leaks connection sockets when its tasks are cancelled before
+            # host.close() has run, so close() must come first, then the tasks stop.
+            with trio.CancelScope(shield=True):
+                async with host.run(listen_addrs=listen):
+                    try:
+                        async with trio.open_nursery() as nursery:
+                            async with background_trio_service(pubsub), \
+                                    background_trio_service(router):
+                                with trio.fail_after(30):
+                                    await pubsub.wait_until_ready()
+                                node = cls(identity, config, host, pubsub, rr, nursery)
+                                log.info("host_started peer_id=%s addrs=%s", identity.peer_id,
+                                         ",".join(node.multiaddrs()))
+                                task_status.started(node)
+                                await stop.wait()
                                 nursery.cancel_scope.cancel()
+                    finally:
+                        with trio.move_on_after(5):
+                            await host.close()  # type: ignore[attr-defined]
+
+        try:
+            async with trio.open_nursery() as outer:
+                node = await outer.start(service)
+                try:
+                    yield node
                 finally:
-                    # Close while the host's services still run: connections and listeners
-                    # are then torn down deterministically (no leaked sockets).
-                    with trio.CancelScope(shield=True), trio.move_on_after(5):
-                        await host.close()  # type: ignore[attr-defined]
-        except OSError as exc:
-            raise PeerUnreachable(identity.peer_id, f"cannot listen: {exc}") from exc
+                    stop.set()
+        except BaseExceptionGroup as group:
+            # Keep the caller's exception types: the nursery above is an implementation
+            # detail, so a single exception from the body or the service is re-raised as is.
+            if len(group.exceptions) == 1:
+                exc = group.exceptions[0]
+                if isinstance(exc, OSError):
+                    raise PeerUnreachable(identity.peer_id, f"cannot listen: {exc}") from exc
+                raise exc from None
+            raise
 
     def multiaddrs(self) -> list[str]:
         """Listen addresses with the ``/p2p/<PeerID>`` suffix, as strings."""

@@ -41,8 +41,10 @@ def test_round_trip_and_canonical(signed: SignedManifest) -> None:
     assert list(obj) == sorted(obj)
     # re-serialising a permuted object yields the same bytes
     permuted = json.dumps(dict(reversed(list(obj["manifest"].items()))))
-    assert Manifest.from_obj(json.loads(permuted)).canonical_bytes() == \
-        signed.manifest.canonical_bytes()
+    assert (
+        Manifest.from_obj(json.loads(permuted)).canonical_bytes()
+        == signed.manifest.canonical_bytes()
+    )
     assert signed.digest == back.manifest.digest()
 
 
@@ -75,8 +77,10 @@ def test_untrusted_signer(signed: SignedManifest) -> None:
         SignedManifest.decode(forged.encode(), trust=trust())
 
 
-@pytest.mark.parametrize("name", ["../x", "/etc/passwd", "a/b", "..", ".hidden", "",
-                                  "manifest.json", "x" * 300, "a\\b", "ok\0"])
+@pytest.mark.parametrize(
+    "name",
+    ["../x", "/etc/passwd", "a/b", "..", ".hidden", "", "manifest.json", "x" * 300, "a\\b", "ok\0"],
+)
 def test_unsafe_names_rejected(name: str) -> None:
     with pytest.raises(ManifestError):
         check_file_name(name)
@@ -89,17 +93,20 @@ def test_escaping_name_in_manifest_rejected(signed: SignedManifest) -> None:
         Manifest.from_obj(obj)
 
 
-@pytest.mark.parametrize("mutate", [
-    lambda o: o.update(v=2),
-    lambda o: o.update(step=-1),
-    lambda o: o.update(step=True),
-    lambda o: o["shards"].pop(),                      # gap at the end
-    lambda o: o["shards"].__setitem__(0, o["shards"][1]),  # overlap / wrong offset
-    lambda o: o["shards"][0].__setitem__(2, 0),
-    lambda o: o["files"].reverse(),
-    lambda o: o["files"][0].__setitem__("digest", "XYZ"),
-    lambda o: o.update(files=[]),
-])
+@pytest.mark.parametrize(
+    "mutate",
+    [
+        lambda o: o.update(v=2),
+        lambda o: o.update(step=-1),
+        lambda o: o.update(step=True),
+        lambda o: o["shards"].pop(),  # gap at the end
+        lambda o: o["shards"].__setitem__(0, o["shards"][1]),  # overlap / wrong offset
+        lambda o: o["shards"][0].__setitem__(2, 0),
+        lambda o: o["files"].reverse(),
+        lambda o: o["files"][0].__setitem__("digest", "XYZ"),
+        lambda o: o.update(files=[]),
+    ],
+)
 def test_inconsistent_manifest_rejected(signed: SignedManifest, mutate: object) -> None:
     obj = signed.manifest.to_obj()
     mutate(obj)  # type: ignore[operator]

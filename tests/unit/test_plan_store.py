@@ -19,7 +19,12 @@ SIZES = {"model-00001-of-00002.safetensors": 4096, "model-00002-of-00002.safeten
 def test_plan_tiles_exactly() -> None:
     shards = plan_shards({"b": 10, "a": 0, "c": 7}, 4)
     assert [(s.file, s.offset, s.length) for s in shards] == [
-        ("b", 0, 4), ("b", 4, 4), ("b", 8, 2), ("c", 0, 4), ("c", 4, 3)]
+        ("b", 0, 4),
+        ("b", 4, 4),
+        ("b", 8, 2),
+        ("c", 0, 4),
+        ("c", 4, 3),
+    ]
 
 
 def test_layout_checks(tmp_path: Path) -> None:
@@ -61,9 +66,9 @@ def test_write_verify_commit(tmp_path: Path) -> None:
         part.commit()
     assert not store.version_dir(1).exists()
     for s in reversed(m.shards):  # any order
-        data = (ck / s.file).read_bytes()[s.offset:s.offset + s.length]
+        data = (ck / s.file).read_bytes()[s.offset : s.offset + s.length]
         assert part.write_shard(s.index, data)
-    assert not part.write_shard(0, (ck / m.shards[0].file).read_bytes()[:m.shards[0].length])
+    assert not part.write_shard(0, (ck / m.shards[0].file).read_bytes()[: m.shards[0].length])
     final = part.commit()
     assert final == store.version_dir(1) and store.committed_steps() == [1]
     for f in m.files:
@@ -75,7 +80,7 @@ def test_write_verify_commit(tmp_path: Path) -> None:
 def test_commit_refuses_corrupted_file(tmp_path: Path) -> None:
     ck, signed, store, part = _partial(tmp_path)
     for s in signed.manifest.shards:
-        part.write_shard(s.index, (ck / s.file).read_bytes()[s.offset:s.offset + s.length])
+        part.write_shard(s.index, (ck / s.file).read_bytes()[s.offset : s.offset + s.length])
     # simulate on-disk corruption after the shard checks (bit rot, a buggy writer)
     name = signed.manifest.files[-1].name
     with open(part.dir / name, "r+b") as fh:

@@ -1,0 +1,586 @@
+"""HTTP/1.1 server of the bulk lane: h11 over trio sockets, zero-copy file bodies.
+
+Theory of operation
+-------------------
+:meth:`HttpServer.serve` binds a listening socket, reports readiness through
+``task_status.started()`` and accepts connections in a nursery it owns. A semaphore of
+``max_connections`` slots is taken *before* each ``accept``, so excess clients wait in the
+kernel's listen backlog and the server's memory stays bounded.
+
+Each connection is one task driving an ``h11.Connection`` (the sans-IO HTTP state machine):
+read until h11 yields a request (at most ``max_header_bytes`` buffered; ``header_timeout_s`` for
+the first request and once a request has begun, ``idle_timeout_s`` between keep-alive requests),
+hand an :class:`HttpRequest` to the application's handler (which may await, e.g. until a relay
+has verified a shard; bounded by ``handler_timeout_s``, after which the client gets ``503`` with
+``Retry-After``), then send the :class:`HttpResponse`. Only ``GET`` and ``HEAD`` are served and
+request bodies are refused (``413``).
+
+Bodies are ``bytes`` or a :class:`FileSlice`. A file slice goes out with ``os.sendfile`` from
+the page cache straight to the non-blocking socket: on ``EAGAIN`` the task awaits
+``trio.lowlevel.wait_writable`` for at most ``send_timeout_s``, so a client that stops reading
+frees its connection after that long. Where sendfile is unavailable or disabled the file is
+read with ``os.pread`` in a worker thread, one chunk at a time. h11 is told about the body
+with ``send_with_data_passthrough`` (its documented sendfile hook) so its framing checks still
+hold. An optional :class:`~p2p.http_range.TokenBucket`, shared by all connections, caps the
+server's upload rate (body bytes only). Every abnormal end of a connection is counted by kind
+in :meth:`HttpServer.statistics`; none of them stops the server.
+
+Cancelling the scope around :meth:`serve` closes every connection, open file and the listener.
+A file is read while it is sent: if it is shorter than the slice promised, the connection is
+cut (the client sees a short body), never padded. ``sendfile`` itself may block the event loop
+on a disk read when the file is not in the page cache; shards are normally just written or
+verified, hence cached.
+"""
+
+from __future__ import annotations
+
+import email.utils
+import errno
+import logging
+import os
+from collections import Counter
+from collections.abc import AsyncIterator, Awaitable, Callable, Mapping, Sequence
+from contextlib import asynccontextmanager
+from dataclasses import dataclass, field
+from http import HTTPStatus
+from pathlib import Path
+from types import MappingProxyType
+from typing import TYPE_CHECKING, cast
+from urllib.parse import parse_qsl, unquote, urlsplit
+
+import h11
+import trio
+
+from p2p.errors import ConfigError, LocalProtocolError
+from p2p.http_range import (
+    RangeError,
+    RangeSpec,
+    TokenBucket,
+    UnsatisfiableRange,
+    format_content_range,
+    format_unsatisfied_range,
+    parse_range,
+    resolve_range,
+)
+
+if TYPE_CHECKING:
+    # trio-typing's stubs (a libp2p dependency) shadow trio's inline types for mypy.
+    from trio_typing import TaskStatus
+
+__all__ = [
+    "FileSlice",
+    "Handler",
+    "HttpRequest",
+    "HttpResponse",
+    "HttpServer",
+    "HttpServerConfig",
+    "HttpServerStatistics",
+    "file_response",
+    "open_http_server",
+]
+
+logger = logging.getLogger(__name__)
+
+_RECV_BYTES = 64 * 1024
+_COPY_CHUNK_BYTES = 1 << 20
+_HOP_HEADERS = frozenset({"content-length", "transfer-encoding", "connection", "keep-alive"})
+_NO_SENDFILE_ERRNOS = frozenset({errno.EINVAL, errno.ENOSYS, errno.EOPNOTSUPP, errno.ENOTSOCK})
+_ACCEPT_RETRY_ERRNOS = frozenset({errno.EMFILE, errno.ENFILE, errno.ENOMEM, errno.ENOBUFS})
+
+
+@dataclass(frozen=True)
+class HttpServerConfig:
+    """Settings of one :class:`HttpServer`; every limit is enforced per connection.
+
+    Raises:
+        ConfigError: a field is out of range (names the field).
+    """
+
+    host: str = "127.0.0.1"  #: address to bind (numeric)
+    port: int = 0  #: TCP port; 0 picks an ephemeral port
+    backlog: int = 128  #: kernel listen backlog (where clients wait above the limit)
+    max_connections: int = 256  #: connections served at once
+    max_header_bytes: int = 16 * 1024  #: request line + headers; more → 431
+    header_timeout_s: float = 10.0  #: to receive a whole request head
+    idle_timeout_s: float = 30.0  #: keep-alive wait for the next request
+    send_timeout_s: float = 30.0  #: longest time without send progress
+    handler_timeout_s: float = 20.0  #: longest handler wait; then 503 + Retry-After
+    use_sendfile: bool = True  #: zero-copy file bodies (else pread + send)
+    send_chunk_bytes: int = 8 << 20  #: most bytes per sendfile/send call
+    bandwidth_bytes_per_s: float | None = None  #: upload cap over all connections
+    burst_bytes: int = 256 * 1024  #: token bucket depth when capped
+
+    def __post_init__(self) -> None:
+        for name in ("header_timeout_s", "idle_timeout_s", "send_timeout_s", "handler_timeout_s"):
+            if not getattr(self, name) > 0:
+                raise ConfigError(name, "must be > 0")
+        for name in ("backlog", "max_connections", "max_header_bytes", "send_chunk_bytes"):
+            if getattr(self, name) < 1:
+                raise ConfigError(name, "must be >= 1")
+        if not 0 <= self.port <= 65535:
+            raise ConfigError("port", "must be in 0..65535")
+        if self.bandwidth_bytes_per_s is not None and not self.bandwidth_bytes_per_s > 0:
+            raise ConfigError("bandwidth_bytes_per_s", "must be > 0 or None")
+        if self.burst_bytes < 1:
+            raise ConfigError("burst_bytes", "must be >= 1")
+
+
+@dataclass(frozen=True)
+class HttpRequest:
+    """One request as the handler sees it.
+
+    ``path`` is percent-decoded, ``query`` keeps the last value of a repeated key, header names
+    are lower case (repeated headers joined with ``", "``). ``range`` is the single byte range
+    asked for, or ``None`` when there is none or it is ignored (see :mod:`p2p.http_range`).
+    """
+
+    method: str
+    path: str
+    query: Mapping[str, str]
+    headers: Mapping[str, str]
+    range: RangeSpec | None
+
+
+@dataclass(frozen=True)
+class FileSlice:
+    """``length`` bytes at ``offset`` of the file at ``path``, whose full size is ``total_size``."""
+
+    path: Path
+    offset: int
+    length: int
+    total_size: int
+
+    def __post_init__(self) -> None:
+        if self.offset < 0 or self.length < 0 or self.offset + self.length > self.total_size:
+            raise ValueError(f"slice {self.offset}+{self.length} outside {self.total_size} bytes")
+
+
+@dataclass(frozen=True)
+class HttpResponse:
+    """What a handler returns. The server sets Content-Length, Connection, Date and Server."""
+
+    status: int
+    headers: Sequence[tuple[str, str]] = ()
+    body: bytes | FileSlice = b""
+
+
+Handler = Callable[[HttpRequest], Awaitable[HttpResponse]]
+
+
+def file_response(
+    request: HttpRequest,
+    path: Path,
+    total_size: int,
+    *,
+    content_type: str = "application/octet-stream",
+    headers: Sequence[tuple[str, str]] = (),
+) -> HttpResponse:
+    """The ``200``/``206``/``416`` response serving ``request`` from a file of ``total_size`` bytes.
+
+    ``If-Range`` makes the range be ignored (``200``): the lane sends no validators, so an
+    ``If-Range`` condition can never be shown to hold. The file is opened only when sent.
+    """
+    base = [("accept-ranges", "bytes"), ("content-type", content_type), *headers]
+    spec = None if "if-range" in request.headers else request.range
+    if spec is None:
+        return HttpResponse(200, base, FileSlice(path, 0, total_size, total_size))
+    try:
+        offset, length = resolve_range(spec, total_size)
+    except UnsatisfiableRange:
+        return HttpResponse(416, [*base, ("content-range", format_unsatisfied_range(total_size))])
+    content_range = format_content_range(offset, length, total_size)
+    return HttpResponse(
+        206, [*base, ("content-range", content_range)], FileSlice(path, offset, length, total_size)
+    )
+
+
+@dataclass(frozen=True)
+class HttpServerStatistics:
+    """Counters of one server since it was built.
+
+    ``bytes_sent`` counts body bytes only; ``requests`` counts responses started; ``errors``
+    counts abnormal connection ends and refused requests by kind (``bad_request``,
+    ``header_timeout``, ``send_timeout``, ``client_disconnected``, ``handler``,
+    ``handler_timeout``, ``short_file``, ``file_error``, ``os_error``, ``accept_error``...).
+    """
+
+    bytes_sent: int
+    requests: int
+    open_connections: int
+    connections_total: int
+    errors: Mapping[str, int] = field(default_factory=dict)
+
+
+class _Abort(Exception):
+    """Internal: end this connection now, counting ``kind`` (``""``: a normal close)."""
+
+    def __init__(self, kind: str) -> None:
+        super().__init__(kind)
+        self.kind = kind
+
+
+class HttpServer:
+    """An HTTP/1.1 server for ``GET``/``HEAD`` that calls ``handler`` for each request.
+
+    Run it with ``await nursery.start(server.serve)`` or ``async with open_http_server(...)``.
+    One server runs :meth:`serve` at most once. All methods run in the trio thread; the handler
+    is called concurrently for different connections.
+    """
+
+    def __init__(self, handler: Handler, config: HttpServerConfig | None = None) -> None:
+        self._handler = handler
+        self._config = config or HttpServerConfig()
+        self._slots = trio.Semaphore(self._config.max_connections)
+        self._bucket: TokenBucket | None = None
+        self._port: int | None = None
+        self._started = False
+        self._bytes_sent = 0
+        self._requests = 0
+        self._open = 0
+        self._connections_total = 0
+        self._errors: Counter[str] = Counter()
+
+    @property
+    def port(self) -> int:
+        """The bound TCP port. Raises LocalProtocolError before :meth:`serve` has started."""
+        if self._port is None:
+            raise LocalProtocolError("HttpServer is not listening yet")
+        return self._port
+
+    @property
+    def url(self) -> str:
+        """``http://host:port`` of the listener (IPv6 hosts bracketed)."""
+        host = self._config.host
+        return f"http://{f'[{host}]' if ':' in host else host}:{self.port}"
+
+    def statistics(self) -> HttpServerStatistics:
+        """A snapshot of the counters (cheap; safe to call at any time)."""
+        return HttpServerStatistics(
+            self._bytes_sent,
+            self._requests,
+            self._open,
+            self._connections_total,
+            MappingProxyType(dict(self._errors)),
+        )
+
+    async def serve(self, *, task_status: TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
+        """Listen and serve until cancelled; ``started()`` once the port is bound.
+
+        Raises:
+            LocalProtocolError: ``serve`` was already called on this server.
+            OSError: the address cannot be bound.
+
+        Cancellation closes every connection, open file and the listener before returning.
+        """
+        if self._started:
+            raise LocalProtocolError("HttpServer.serve() may run only once")
+        self._started = True
+        cfg = self._config
+        if cfg.bandwidth_bytes_per_s is not None:
+            now = trio.current_time()
+            self._bucket = TokenBucket(cfg.bandwidth_bytes_per_s, cfg.burst_bytes, now=now)
+        infos = await trio.socket.getaddrinfo(
+            cfg.host, cfg.port, type=trio.socket.SOCK_STREAM, flags=trio.socket.AI_PASSIVE
+        )
+        family, type_, proto, _, sockaddr = infos[0]
+        with trio.socket.socket(family, type_, proto) as listener:
+            listener.setsockopt(trio.socket.SOL_SOCKET, trio.socket.SO_REUSEADDR, 1)
+            await listener.bind(sockaddr)
+            listener.listen(cfg.backlog)
+            self._port = listener.getsockname()[1]
+            logger.info("http_server_listening url=%s sendfile=%s", self.url, cfg.use_sendfile)
+            async with trio.open_nursery() as nursery:
+                task_status.started()
+                await self._accept_loop(listener, nursery)
+
+    async def _accept_loop(self, listener: trio.socket.SocketType, nursery: trio.Nursery) -> None:
+        while True:
+            await self._slots.acquire()
+            sock, addr = None, None
+            try:
+                sock, addr = await listener.accept()
+            except OSError as exc:
+                if exc.errno not in _ACCEPT_RETRY_ERRNOS:
+                    raise
+                self._errors["accept_error"] += 1
+                logger.warning("http_accept_failed errno=%s", errno.errorcode.get(exc.errno or 0))
+                await trio.sleep(0.1)  # back off while the process is out of fds/memory
+            finally:
+                if sock is None:
+                    self._slots.release()
+            if sock is not None:
+                nursery.start_soon(self._run_connection, sock, addr)
+
+    async def _run_connection(self, sock: trio.socket.SocketType, addr: object) -> None:
+        peer = ":".join(str(part) for part in addr[:2]) if isinstance(addr, tuple) else str(addr)
+        self._open += 1
+        self._connections_total += 1
+        try:
+            with sock:
+                sock.setsockopt(trio.socket.IPPROTO_TCP, trio.socket.TCP_NODELAY, 1)
+                conn = h11.Connection(
+                    h11.SERVER, max_incomplete_event_size=self._config.max_header_bytes
+                )
+                await self._serve_connection(sock, conn)
+        except _Abort as exc:
+            if exc.kind:
+                self._errors[exc.kind] += 1
+                logger.info("http_connection_aborted kind=%s peer=%s", exc.kind, peer)
+        except ConnectionError:
+            self._errors["client_disconnected"] += 1
+            logger.debug("http_client_disconnected peer=%s", peer)
+        except OSError as exc:
+            self._errors["os_error"] += 1
+            errname = errno.errorcode.get(exc.errno or 0)
+            logger.warning("http_connection_error errno=%s peer=%s", errname, peer)
+        finally:
+            self._open -= 1
+            self._slots.release()
+
+    async def _serve_connection(self, sock: trio.socket.SocketType, conn: h11.Connection) -> None:
+        first = True
+        while True:
+            try:
+                event = await self._receive(sock, conn, first=first)
+                if isinstance(event, h11.ConnectionClosed):
+                    return
+                assert isinstance(event, h11.Request)
+                request = _to_request(event)
+                if not _has_no_body(event):
+                    await self._send(sock, conn, HttpResponse(413), head=False, close=True)
+                    raise _Abort("request_body")
+                end = await self._receive(sock, conn, first=False, started=True)
+                assert isinstance(end, h11.EndOfMessage)
+            except h11.RemoteProtocolError as exc:
+                if conn.our_state in (h11.IDLE, h11.SEND_RESPONSE):
+                    status = exc.error_status_hint
+                    await self._send(sock, conn, HttpResponse(status), head=False, close=True)
+                raise _Abort("bad_request") from None
+            first = False
+            response, close = await self._call_handler(request)
+            await self._send(sock, conn, response, head=request.method == "HEAD", close=close)
+            logger.debug(
+                "http_request method=%s path=%s status=%d",
+                request.method,
+                request.path,
+                response.status,
+            )
+            if conn.our_state is not h11.DONE or conn.their_state is not h11.DONE:
+                return
+            conn.start_next_cycle()
+
+    async def _receive(
+        self,
+        sock: trio.socket.SocketType,
+        conn: h11.Connection,
+        *,
+        first: bool,
+        started: bool = False,
+    ) -> object:
+        cfg = self._config
+        wait_s = cfg.header_timeout_s if first or started else cfg.idle_timeout_s
+        with trio.move_on_after(wait_s) as scope:
+            while True:
+                event = conn.next_event()
+                if event is not h11.NEED_DATA:
+                    return event
+                # Small reads keep h11's buffer near max_header_bytes (it rejects incomplete
+                # heads above that, so a head is refused by 2× the limit at the latest).
+                data = await sock.recv(min(_RECV_BYTES, cfg.max_header_bytes))
+                if not started:
+                    started = True
+                    scope.deadline = trio.current_time() + cfg.header_timeout_s
+                conn.receive_data(data)
+        raise _Abort("header_timeout" if started or first else "")
+
+    async def _call_handler(self, request: HttpRequest) -> tuple[HttpResponse, bool]:
+        if request.method not in ("GET", "HEAD"):
+            return HttpResponse(405, [("allow", "GET, HEAD")]), False
+        try:
+            with trio.fail_after(self._config.handler_timeout_s):
+                return await self._handler(request), False
+        except trio.TooSlowError:
+            self._errors["handler_timeout"] += 1
+            return HttpResponse(503, [("retry-after", "1")]), False
+        except Exception:  # the application's bug: answer 500, keep serving others
+            self._errors["handler"] += 1
+            logger.exception("http_handler_failed method=%s path=%s", request.method, request.path)
+            return HttpResponse(500), True
+
+    async def _send(
+        self,
+        sock: trio.socket.SocketType,
+        conn: h11.Connection,
+        response: HttpResponse,
+        *,
+        head: bool,
+        close: bool,
+    ) -> None:
+        body = response.body
+        fd = -1
+        if isinstance(body, FileSlice) and body.length and not head:
+            try:
+                fd = os.open(body.path, os.O_RDONLY | os.O_CLOEXEC)
+            except OSError as exc:
+                self._errors["file_error"] += 1
+                logger.warning("http_file_open_failed path=%s error=%s", body.path, exc)
+                response, body, close = HttpResponse(500), b"", True
+        try:
+            length = body.length if isinstance(body, FileSlice) else len(body)
+            try:
+                event = _to_h11_response(response, length, close=close)
+            except h11.LocalProtocolError as exc:  # the handler returned an invalid header
+                self._errors["bad_response"] += 1
+                logger.error("http_bad_response status=%s error=%s", response.status, exc)
+                event, body, length = _to_h11_response(HttpResponse(500), 0, close=True), b"", 0
+            self._requests += 1
+            await self._send_bytes(sock, conn.send(event), throttle=False)
+            if length and not head:
+                # h11 only needs len(); the bytes go out below, by sendfile or in chunks.
+                placeholder = body if isinstance(body, bytes) else cast(bytes, _Sized(length))
+                conn.send_with_data_passthrough(h11.Data(data=placeholder))
+                if isinstance(body, FileSlice):
+                    await self._send_file(sock, fd, body)
+                else:
+                    await self._send_bytes(sock, body, throttle=True)
+            await self._send_bytes(sock, conn.send(h11.EndOfMessage()), throttle=False)
+        finally:
+            if fd >= 0:
+                os.close(fd)
+
+    async def _send_bytes(
+        self, sock: trio.socket.SocketType, data: bytes, *, throttle: bool
+    ) -> None:
+        view = memoryview(data)
+        while view:
+            want = min(len(view), self._config.send_chunk_bytes)
+            if throttle:
+                want = await self._grant(want)
+            with trio.move_on_after(self._config.send_timeout_s):
+                sent = await sock.send(view[:want])
+                view = view[sent:]
+                if throttle:
+                    self._bytes_sent += sent
+                    self._refund(want - sent)
+                continue
+            raise _Abort("send_timeout")
+
+    async def _send_file(self, sock: trio.socket.SocketType, fd: int, part: FileSlice) -> None:
+        offset, end = part.offset, part.offset + part.length
+        use_sendfile = self._config.use_sendfile and hasattr(os, "sendfile")
+        while offset < end:
+            want = await self._grant(min(end - offset, self._config.send_chunk_bytes))
+            try:
+                if use_sendfile:
+                    sent = os.sendfile(sock.fileno(), fd, offset, want)
+                else:
+                    chunk = await trio.to_thread.run_sync(
+                        os.pread, fd, min(want, _COPY_CHUNK_BYTES), offset
+                    )
+                    sent = len(chunk)
+                    if chunk:
+                        await self._send_bytes(sock, chunk, throttle=False)
+            except BlockingIOError:
+                self._refund(want)
+                with trio.move_on_after(self._config.send_timeout_s):
+                    await trio.lowlevel.wait_writable(sock.fileno())
+                    continue
+                raise _Abort("send_timeout") from None
+            except OSError as exc:
+                self._refund(want)
+                if use_sendfile and offset == part.offset and exc.errno in _NO_SENDFILE_ERRNOS:
+                    use_sendfile = False  # e.g. a file system without sendfile support
+                    continue
+                raise
+            self._refund(want - sent)
+            if sent == 0:
+                logger.warning("http_short_file path=%s offset=%d", part.path, offset)
+                raise _Abort("short_file")
+            offset += sent
+            self._bytes_sent += sent
+            await trio.lowlevel.checkpoint()
+
+    async def _grant(self, want: int) -> int:
+        if self._bucket is None:
+            return want
+        while True:
+            now = trio.current_time()
+            granted = self._bucket.take(want, now)
+            if granted:
+                return granted
+            await trio.sleep(self._bucket.wait_s(want, now))
+
+    def _refund(self, unused: int) -> None:
+        if self._bucket is not None:
+            self._bucket.refund(unused)
+
+
+class _Sized:
+    """Stands in for a body in h11's passthrough: h11 only takes its ``len()``."""
+
+    def __init__(self, length: int) -> None:
+        self._length = length
+
+    def __len__(self) -> int:
+        return self._length
+
+
+def _to_request(event: h11.Request) -> HttpRequest:
+    headers: dict[str, str] = {}
+    for raw_name, raw_value in event.headers:
+        name, value = raw_name.decode("ascii"), raw_value.decode("latin-1")
+        headers[name] = f"{headers[name]}, {value}" if name in headers else value
+    method = event.method.decode("ascii")
+    target = urlsplit(event.target.decode("latin-1"))
+    spec = None
+    if "range" in headers and method in ("GET", "HEAD"):
+        try:
+            spec = parse_range(headers["range"])
+        except RangeError as exc:  # ignored per RFC 9110 §14.2: the whole file is sent
+            logger.debug("http_range_ignored value=%r reason=%s", headers["range"], exc)
+    query = dict(parse_qsl(target.query, keep_blank_values=True))
+    return HttpRequest(method, unquote(target.path), query, headers, spec)
+
+
+def _has_no_body(event: h11.Request) -> bool:
+    for name, value in event.headers:
+        if name == b"transfer-encoding" or (name == b"content-length" and value.strip() != b"0"):
+            return False
+    return True
+
+
+def _to_h11_response(response: HttpResponse, length: int, *, close: bool) -> h11.Response:
+    headers = [(n, v) for n, v in response.headers if n.lower() not in _HOP_HEADERS]
+    headers += [
+        ("content-length", str(length)),
+        ("date", email.utils.formatdate(usegmt=True)),
+        ("server", "shardnet"),
+    ]
+    if close:
+        headers.append(("connection", "close"))
+    try:
+        reason = HTTPStatus(response.status).phrase
+    except ValueError:
+        reason = ""
+    return h11.Response(status_code=response.status, headers=headers, reason=reason)
+
+
+@asynccontextmanager
+async def open_http_server(
+    handler: Handler, config: HttpServerConfig | None = None
+) -> AsyncIterator[HttpServer]:
+    """Run an :class:`HttpServer` for the duration of the ``async with`` block.
+
+    The server is listening when the block starts; leaving the block (normally, by an
+    exception or by cancellation) cancels it and closes all its sockets and files.
+
+    Raises:
+        OSError: the address cannot be bound.
+    """
+    server = HttpServer(handler, config)
+    async with trio.open_nursery() as nursery:
+        await nursery.start(server.serve)
+        try:
+            yield server
+        finally:
+            nursery.cancel_scope.cancel()

@@ -1,0 +1,84 @@
+"""Building a rollout batch: prompts, seeded sampling, TOPLOC proofs, peer-side rewards.
+
+:func:`build_batch` is what an inference peer does for one policy step with the weights its
+engine holds: take the prompts the task assigns to (this PeerID, step) — the validator
+recomputes them —, sample ``group_size`` completions per prompt with a seed derived from
+(PeerID, step, prompt index), build the TOPLOC proofs from the hidden states the engine
+captured (:mod:`rollout.toploc`), and pack one :class:`~rollout.schema.RolloutBatch`.
+Blocking and CPU-heavy: async callers run it in a worker thread.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from p2p.errors import ConfigError
+from rollout.engine import Engine, Generation
+from rollout.schema import Group, RolloutBatch, Sample
+from rollout.task import Task
+from rollout.toploc import ToplocConfig, build_proofs
+
+Forgery = Callable[[RolloutBatch], RolloutBatch]
+"""A hook that rewrites a batch before it is signed (adversarial tests only)."""
+
+
+@dataclass(frozen=True)
+class SamplingConfig:
+    """The run's sampling rules (must match the trainer's; the validator checks them).
+
+    Attributes:
+        n_prompts: prompts per peer per step.
+        group_size: samples per prompt (the GRPO group).
+        max_new_tokens: completion length cap.
+        temperature: sampling temperature (> 0).
+        toploc: proof parameters.
+    """
+
+    n_prompts: int = 4
+    group_size: int = 8
+    max_new_tokens: int = 16
+    temperature: float = 1.0
+    toploc: ToplocConfig = field(default_factory=ToplocConfig)
+
+    def __post_init__(self) -> None:
+        if self.n_prompts < 1 or self.group_size < 1 or self.max_new_tokens < 1:
+            raise ConfigError("sampling", "n_prompts, group_size and max_new_tokens must be >= 1")
+        if self.temperature <= 0:
+            raise ConfigError("sampling.temperature", "must be > 0")
+
+
+def sample_seed(peer_id: str, step: int, prompt_index: int) -> int:
+    """The sampling seed of one prompt: a 63-bit hash of (PeerID, step, prompt index)."""
+    h = hashlib.sha256(f"{peer_id}\x1f{step}\x1f{prompt_index}".encode()).digest()
+    return int.from_bytes(h[:8], "big") >> 1
+
+
+def build_batch(engine: Engine, tokenizer: Any, task: Task, *, peer_id: str, run_id: str,
+                step: int, manifest_digest: str, cfg: SamplingConfig) -> RolloutBatch:
+    """Generate one batch for ``step`` with the engine's loaded weights.
+
+    Returns:
+        the batch, with a TOPLOC proof per sample and the peer-computed rewards.
+
+    Raises:
+        LocalProtocolError: the engine has nothing loaded.
+    """
+    groups = []
+    for i, text in enumerate(task.prompts_for(peer_id, step, cfg.n_prompts)):
+        prompt_ids = list(tokenizer(text)["input_ids"])
+        gens: list[Generation] = engine.generate(prompt_ids, cfg.group_size, cfg.max_new_tokens,
+                                                 cfg.temperature, sample_seed(peer_id, step, i))
+        samples = []
+        for g in gens:
+            proofs = build_proofs(None if cfg.toploc.skip_prefill else g.prefill_bits,
+                                  g.decode_bits, cfg.toploc)
+            samples.append(Sample(tuple(g.completion_ids), tuple(g.logprobs),
+                                  float(task.reward(g.completion_ids, tokenizer)),
+                                  g.finish_reason, b"".join(proofs)))
+        groups.append(Group(i, tuple(prompt_ids), tuple(samples)))
+    return RolloutBatch(run_id, peer_id, step, manifest_digest, task.name, cfg.n_prompts,
+                        sample_seed(peer_id, step, -1), cfg.temperature, cfg.max_new_tokens,
+                        tuple(groups))

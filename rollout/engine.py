@@ -1,0 +1,340 @@
+"""Inference engines: sample completions and capture the TOPLOC activations.
+
+Theory of operation
+-------------------
+An :class:`Engine` holds one policy version at a time. ``load(dir)`` swaps in a checkpoint
+(strictly checked, see ``rollout.model``); ``generate`` samples ``n`` completions of one
+prompt as one batch (same prompt, so no padding):
+
+1. **Prefill**: one forward pass of the base model over the prompt (batch 1) gives the last
+   hidden state ``h`` (the output of the final RMSNorm, the LM-head input; ``TOPLOC.md`` §2)
+   for every prompt position: ``prefill_bits [L, H]``. Its last row gives the first token
+   ``o_0``. The KV cache is then repeated ``n`` times.
+2. **Decode**: pass ``j = 1..N-1`` feeds ``o_{j-1}`` and yields row ``d_j``, which gives
+   ``o_j``: ``decode_bits [N-1, H]``. The last token's hidden state is never computed.
+3. **Sampling**: ``logits = lm_head(h)`` in the model dtype (bf16), then in float32
+   ``logp = log_softmax(logits / T)``; the token is ``multinomial(exp(logp))`` drawn with a
+   ``torch.Generator`` seeded with ``seed``. The reported ``logprobs`` are ``logp`` at the
+   sampled token: log-probabilities under the *sampling* distribution at temperature ``T``
+   (the policy's own at ``T = 1``). A sequence stops after sampling ``eos`` (kept in the
+   completion, ``finish_reason="stop"``) or at ``max_new_tokens`` (``"length"``); finished
+   rows keep running in the batch until all are done, and their extra tokens are dropped.
+
+:func:`prefill_activations` is the validator's side: one teacher-forced pass over
+``prompt + completion[:-1]`` returning the same layout and the recomputed logprobs. It
+matches generation closely but not bit for bit (batch size and the KV cache change the
+order of float operations); ``tests/unit/test_engine.py`` measures the difference.
+
+Same weights, prompt, arguments, seed and thread count → identical generations.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Literal, Protocol
+
+import numpy as np
+import numpy.typing as npt
+import torch
+from transformers import AutoConfig, DynamicCache
+
+from p2p.errors import LocalProtocolError
+from rollout.model import load_model, load_weights
+
+__all__ = [
+    "Engine",
+    "EngineStats",
+    "Generation",
+    "TransformersEngine",
+    "bf16_bits",
+    "prefill_activations",
+    "sample_group",
+]
+
+FinishReason = Literal["stop", "length"]
+
+
+@dataclass(frozen=True, eq=False)
+class Generation:
+    """One sampled completion and its proof material (arrays are read-only; compare fields,
+    not instances).
+
+    Attributes:
+        prompt_ids: the prompt's token ids (``L`` of them, ``<bos>`` included).
+        completion_ids: sampled ids ``o_0..o_{N-1}``, ``N >= 1``; ends with ``eos`` iff
+            ``finish_reason == "stop"``.
+        logprobs: ``N`` floats, natural log, of each sampled token under the sampling
+            distribution ``softmax(float32(bf16 logits) / T)``.
+        finish_reason: ``"stop"`` (sampled ``eos``) or ``"length"`` (hit the cap).
+        prefill_bits: ``[L, H]`` ``uint16``, bf16 bit patterns of the last hidden state at
+            the prompt positions.
+        decode_bits: ``[N-1, H]`` ``uint16``, row ``j-1`` is decode pass ``j`` (the hidden
+            state that produced ``o_j``).
+    """
+
+    prompt_ids: list[int]
+    completion_ids: list[int]
+    logprobs: list[float]
+    finish_reason: FinishReason
+    prefill_bits: npt.NDArray[np.uint16]
+    decode_bits: npt.NDArray[np.uint16]
+
+
+@dataclass(frozen=True)
+class EngineStats:
+    """Counters of one engine since construction."""
+
+    loads: int
+    generated_tokens: int
+    generate_s: float
+
+
+class Engine(Protocol):
+    """An inference engine holding one policy version. Not safe for concurrent calls."""
+
+    def load(self, checkpoint_dir: str | Path) -> None:
+        """Swap to the checkpoint in ``checkpoint_dir``. Raises ``CheckpointMismatch``."""
+        ...
+
+    def generate(
+        self,
+        prompt_ids: Sequence[int],
+        n: int,
+        max_new_tokens: int,
+        temperature: float,
+        seed: int,
+    ) -> list[Generation]:
+        """Sample ``n`` completions of one prompt."""
+        ...
+
+
+def bf16_bits(t: torch.Tensor) -> npt.NDArray[np.uint16]:
+    """Bit patterns of ``t`` rounded to bf16, as a read-only ``uint16`` array, same shape."""
+    bits = t.detach().to(torch.bfloat16).contiguous().view(torch.int16).numpy().view(np.uint16)
+    bits.setflags(write=False)  # shared by every Generation of a group
+    return bits
+
+
+def _check_args(prompt_ids: Sequence[int], temperature: float, vocab_size: int) -> None:
+    if not prompt_ids:
+        raise LocalProtocolError("empty prompt")
+    if not temperature > 0.0:
+        raise LocalProtocolError(f"temperature must be > 0, got {temperature}")
+    if min(prompt_ids) < 0 or max(prompt_ids) >= vocab_size:
+        raise LocalProtocolError(f"prompt token id outside [0, {vocab_size})")
+
+
+def _logprobs(model: Any, hidden: torch.Tensor, temperature: float) -> torch.Tensor:
+    """``log_softmax(float32(lm_head(hidden)) / T)``: ``[..., H]`` → ``[..., V]`` float32."""
+    return torch.log_softmax(model.lm_head(hidden).float() / temperature, dim=-1)
+
+
+@torch.inference_mode()
+def sample_group(
+    model: Any,
+    prompt_ids: Sequence[int],
+    n: int,
+    max_new_tokens: int,
+    temperature: float,
+    seed: int,
+    eos_token_id: int,
+) -> list[Generation]:
+    """Sample ``n`` completions of one prompt with a KV cache (see module docstring).
+
+    Args:
+        model: a transformers causal LM with ``.model`` (base) and ``.lm_head``.
+        prompt_ids: ``L >= 1`` token ids.
+        n: group size (>= 1), one batch.
+        max_new_tokens: length cap ``N_max >= 1``.
+        temperature: ``T > 0``.
+        seed: seeds the ``torch.Generator`` used for every draw of this call.
+        eos_token_id: the stop token.
+
+    Returns:
+        ``n`` generations, in sample order.
+
+    Raises:
+        LocalProtocolError: empty prompt, bad id, ``n < 1``, ``max_new_tokens < 1`` or
+            ``temperature <= 0``.
+    """
+    _check_args(prompt_ids, temperature, int(model.config.vocab_size))
+    if n < 1 or max_new_tokens < 1:
+        raise LocalProtocolError(f"need n >= 1 and max_new_tokens >= 1, got {n}, {max_new_tokens}")
+    generator = torch.Generator().manual_seed(seed)
+    cache = DynamicCache(config=model.config)
+    out = model.model(input_ids=torch.tensor([list(prompt_ids)]), cache=cache, use_cache=True)
+    hidden = out.last_hidden_state  # [1, L, H]
+    prefill_bits = bf16_bits(hidden[0])
+    cache.batch_repeat_interleave(n)
+    last = hidden[:, -1].expand(n, -1)  # [n, H]
+    tokens: list[torch.Tensor] = []  # each [n] int64
+    token_logprobs: list[torch.Tensor] = []  # each [n] float32
+    decode_rows: list[torch.Tensor] = []  # row j-1 = decode pass j, each [n, H]
+    done = torch.zeros(n, dtype=torch.bool)
+    for step in range(max_new_tokens):
+        logp = _logprobs(model, last, temperature)  # [n, V]
+        token = torch.multinomial(logp.exp(), 1, generator=generator)  # [n, 1]
+        tokens.append(token[:, 0])
+        token_logprobs.append(logp.gather(1, token)[:, 0])
+        done |= token[:, 0] == eos_token_id
+        if bool(done.all()) or step == max_new_tokens - 1:
+            break
+        last = model.model(input_ids=token, cache=cache, use_cache=True).last_hidden_state[:, -1]
+        decode_rows.append(last)
+    all_tokens = torch.stack(tokens, dim=1)  # [n, steps]
+    all_logprobs = torch.stack(token_logprobs, dim=1)
+    all_rows = torch.stack(decode_rows, dim=1) if decode_rows else hidden.new_empty(n, 0, 0)
+    generations = []
+    for i in range(n):
+        row = all_tokens[i].tolist()
+        stop = row.index(eos_token_id) + 1 if eos_token_id in row else len(row)
+        generations.append(
+            Generation(
+                prompt_ids=list(prompt_ids),
+                completion_ids=row[:stop],
+                logprobs=all_logprobs[i, :stop].tolist(),
+                finish_reason="stop" if row[stop - 1] == eos_token_id else "length",
+                prefill_bits=prefill_bits,
+                decode_bits=_decode_bits(all_rows, i, stop - 1, hidden.shape[-1]),
+            )
+        )
+    return generations
+
+
+def _decode_bits(
+    rows: torch.Tensor, i: int, count: int, hidden_size: int
+) -> npt.NDArray[np.uint16]:
+    if count == 0:
+        empty = np.zeros((0, hidden_size), dtype=np.uint16)
+        empty.setflags(write=False)
+        return empty
+    return bf16_bits(rows[i, :count])
+
+
+@torch.inference_mode()
+def prefill_activations(
+    model: Any,
+    prompt_ids: Sequence[int],
+    completion_ids: Sequence[int],
+    temperature: float = 1.0,
+) -> tuple[npt.NDArray[np.uint16], npt.NDArray[np.uint16], list[float]]:
+    """The validator's teacher-forced pass over ``prompt + completion[:-1]``.
+
+    Args:
+        model: the causal LM of the claimed policy version (bf16 for TOPLOC).
+        prompt_ids: ``L >= 1`` ids.
+        completion_ids: ``N >= 1`` ids as submitted.
+        temperature: the claimed sampling temperature ``T > 0``.
+
+    Returns:
+        ``(prefill_bits [L, H] uint16, decode_bits [N-1, H] uint16, logprobs [N])``: the
+        same layout as :class:`Generation`; ``logprobs[j]`` is ``log_softmax(float32(logits)
+        / T)`` of ``o_j`` at position ``L-1+j``.
+
+    Raises:
+        LocalProtocolError: empty prompt or completion, bad id, ``temperature <= 0``.
+    """
+    if not completion_ids:
+        raise LocalProtocolError("empty completion")
+    ids = [*prompt_ids, *completion_ids]
+    _check_args(ids, temperature, int(model.config.vocab_size))
+    length = len(prompt_ids)
+    inputs = torch.tensor([ids[:-1]])
+    hidden = model.model(input_ids=inputs, use_cache=False).last_hidden_state[0]  # [L+N-1, H]
+    logp = _logprobs(model, hidden[length - 1 :], temperature)  # [N, V]
+    targets = torch.tensor(list(completion_ids)).unsqueeze(1)
+    logprobs = logp.gather(1, targets)[:, 0].tolist()
+    return bf16_bits(hidden[:length]), bf16_bits(hidden[length:]), logprobs
+
+
+class TransformersEngine:
+    """CPU inference with transformers and a hand-written sampling loop.
+
+    Args:
+        dtype: parameter dtype of the loaded model; bf16 (the TOPLOC precision).
+
+    Not safe for concurrent calls; ``load`` and ``generate`` must not overlap.
+    """
+
+    def __init__(self, dtype: torch.dtype = torch.bfloat16) -> None:
+        self._dtype = dtype
+        self._model: Any = None
+        self._checkpoint: Path | None = None
+        self._eos: int | None = None
+        self._loads = 0
+        self._tokens = 0
+        self._generate_s = 0.0
+
+    @property
+    def model(self) -> Any:
+        """The loaded model (``None`` before the first load or after a failed swap)."""
+        return self._model
+
+    @property
+    def checkpoint_dir(self) -> Path | None:
+        """The directory the current weights came from."""
+        return self._checkpoint
+
+    def load(self, checkpoint_dir: str | Path) -> None:
+        """Load a checkpoint, in place when the architecture is unchanged.
+
+        Raises:
+            CheckpointMismatch: the checkpoint is incomplete, malformed or does not fit the
+                config. The engine is then left unloaded (``model is None``; fail closed,
+                since an in-place swap may have been half done) until a later ``load``
+                succeeds.
+        """
+        checkpoint_dir = Path(checkpoint_dir)
+        model, self._model, self._checkpoint = self._model, None, None
+        if model is None or _config_changed(model, checkpoint_dir):
+            model = None  # free the old weights before building the new model
+            model = load_model(checkpoint_dir, self._dtype)
+        else:
+            load_weights(model, checkpoint_dir)
+        self._model = model
+        self._checkpoint = checkpoint_dir
+        self._eos = int(self._model.config.eos_token_id)
+        self._loads += 1
+
+    def generate(
+        self,
+        prompt_ids: Sequence[int],
+        n: int,
+        max_new_tokens: int,
+        temperature: float,
+        seed: int,
+    ) -> list[Generation]:
+        """:func:`sample_group` with the loaded model.
+
+        Raises:
+            LocalProtocolError: nothing loaded, or bad arguments.
+        """
+        if self._model is None or self._eos is None:
+            raise LocalProtocolError("generate() before a successful load()")
+        start = time.perf_counter()
+        gens = sample_group(
+            self._model, prompt_ids, n, max_new_tokens, temperature, seed, self._eos
+        )
+        self._generate_s += time.perf_counter() - start
+        self._tokens += sum(len(g.completion_ids) for g in gens)
+        return gens
+
+    def statistics(self) -> EngineStats:
+        """Counters since construction."""
+        return EngineStats(self._loads, self._tokens, self._generate_s)
+
+
+def _config_changed(model: Any, checkpoint_dir: Path) -> bool:
+    """Whether ``checkpoint_dir``'s config.json describes a different model than ``model``'s."""
+    try:
+        new = AutoConfig.from_pretrained(checkpoint_dir, local_files_only=True)
+    except (OSError, ValueError, KeyError):
+        return True  # let load_model raise the typed error
+    old_dict, new_dict = model.config.to_dict(), new.to_dict()
+    ignored = {"dtype", "transformers_version", "architectures", "_name_or_path"}
+    return {k: v for k, v in old_dict.items() if k not in ignored} != {
+        k: v for k, v in new_dict.items() if k not in ignored
+    }

@@ -1,0 +1,285 @@
+"""Rollout exchange, trainer side: ingest each announced batch exactly once, verified.
+
+Theory of operation
+-------------------
+Announcements reach the trainer by two routes: gossip (the run's rollouts topic, relayed by
+the swarm) and the peer's direct announce stream, which waits for an :class:`Ack`. Both go
+through :meth:`RolloutInbox.ingest`:
+
+1. cheap refusals first, without fetching anything: bad signature or wrong run (dropped),
+   submitter refused by reputation (``ignored``), announcement rate limit or a full buffer
+   (``retry``: the peer backs off and re-announces), a policy step outside the async window
+   (``rejected``, counted);
+2. exactly-once: a batch id already decided returns the stored ack; a batch being fetched is
+   awaited, not fetched again (two routes or a repeated announcement collapse into one);
+3. the payload is fetched once from the submitter, checked against the announced size and
+   digest, decoded with bounds, and run through the :class:`~rollout.verify.Validator` in a
+   worker thread (model forward passes), one batch at a time;
+4. the verdict updates the submitter's reputation; an accepted batch enters the bounded
+   training buffer, and the ack is remembered (bounded table of recent ids).
+
+:meth:`RolloutInbox.take` hands the trainer the accepted batches it may train on at a step.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections import OrderedDict, deque
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import trio
+
+from p2p import wire
+from p2p.errors import (
+    IntegrityError,
+    RemoteProtocolError,
+    ShardnetError,
+    TransportError,
+    short_id,
+)
+from p2p.host import P2PNode
+from rollout.exchange import ANNOUNCE_PROTOCOL, FETCH_PROTOCOL, MAX_ACK_BYTES, STATUS_PROTOCOL, Ack
+from rollout.reputation import Reputation
+from rollout.schema import (
+    MAX_ANNOUNCEMENT_BYTES,
+    MAX_BATCH_BYTES,
+    RolloutAnnouncement,
+    RolloutBatch,
+    rollouts_topic,
+)
+from rollout.verify import Validator
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class InboxConfig:
+    """Trainer-side exchange settings.
+
+    Attributes:
+        max_buffer_batches: accepted batches waiting for training (memory bound).
+        max_concurrent_fetches: payload fetches at once.
+        fetch_timeout_s: bound on one payload fetch, seconds.
+        remember_batches: decided batch ids remembered for exactly-once.
+        handler_timeout_s: bound on answering one direct announcement, seconds.
+    """
+
+    max_buffer_batches: int = 64
+    max_concurrent_fetches: int = 4
+    fetch_timeout_s: float = 60.0
+    remember_batches: int = 100_000
+    handler_timeout_s: float = 170.0
+
+
+@dataclass(frozen=True)
+class AcceptedBatch:
+    """A verified batch waiting for the optimizer."""
+
+    batch: RolloutBatch
+    announcement: RolloutAnnouncement
+    received_at: float
+
+
+@dataclass(frozen=True)
+class InboxStats:
+    """Counters of the inbox."""
+
+    announcements: int
+    by_route: dict[str, int]
+    duplicates: int
+    fetched_bytes: int
+    buffered: int
+    expired_samples: int
+    acks: dict[str, int]
+
+
+class RolloutInbox:
+    """The trainer side of the exchange (see module docstring).
+
+    Args:
+        node: the trainer's libp2p node.
+        run_id: the run.
+        validator: the validation pipeline.
+        reputation: submitter scores and rate limits.
+        current_step: returns the trainer's current policy step.
+        config: settings.
+    """
+
+    def __init__(self, node: P2PNode, run_id: str, validator: Validator, reputation: Reputation,
+                 current_step: Callable[[], int], config: InboxConfig | None = None) -> None:
+        self.node = node
+        self.run_id = run_id
+        self.validator = validator
+        self.reputation = reputation
+        self.current_step = current_step
+        self.config = config or InboxConfig()
+        self._buffer: deque[AcceptedBatch] = deque()
+        self._buffer_changed = trio.Event()
+        self._decided: OrderedDict[str, Ack] = OrderedDict()
+        self._inflight: dict[str, trio.Event] = {}
+        self._fetch_slots = trio.Semaphore(self.config.max_concurrent_fetches)
+        self._verify_lock = trio.Lock()
+        self._announcements = self._duplicates = self._fetched = self._expired = 0
+        self._by_route: dict[str, int] = {}
+        self._acks: dict[str, int] = {}
+        self.statuses: dict[str, dict[int, tuple[str, float]]] = {}
+        self._status_changed = trio.Event()
+
+    async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
+        """Serve the announce/status protocols and listen to gossip until cancelled."""
+        self.node.serve(ANNOUNCE_PROTOCOL, self._on_direct, max_request_bytes=MAX_ANNOUNCEMENT_BYTES,
+                        max_response_bytes=MAX_ACK_BYTES, timeout_s=self.config.handler_timeout_s)
+        self.node.serve(STATUS_PROTOCOL, self._on_status, max_request_bytes=512,
+                        max_response_bytes=256, timeout_s=10.0)
+        sub = await self.node.subscribe(rollouts_topic(self.run_id))
+        async with trio.open_nursery() as nursery:
+            task_status.started()
+            async for msg in sub:
+                if self._fetch_slots.value == 0:
+                    continue  # busy: the submitter's direct route will deliver it
+                nursery.start_soon(self._on_gossip, msg.data, msg.origin)
+
+    async def _on_direct(self, sender: str, request: bytes) -> bytes:
+        ack = await self.ingest(request, sender, route="direct")
+        if ack is None:
+            raise RemoteProtocolError(sender, "invalid rollout announcement")
+        return ack.encode()
+
+    async def _on_gossip(self, data: bytes, origin: str) -> None:
+        await self.ingest(data, origin, route="gossip")
+
+    async def _on_status(self, sender: str, request: bytes) -> bytes:
+        msg = wire.decode(request, max_bytes=512, sender=sender)
+        wire.need_version(msg, 1, "status", sender)
+        step = wire.need_int(msg, "step", 0, 1 << 62, sender)
+        digest = wire.need_str(msg, "manifest_digest", 64, sender)
+        self.statuses.setdefault(sender, {})[step] = (digest, trio.current_time())
+        self._status_changed.set()
+        self._status_changed = trio.Event()
+        return wire.encode({"v": 1})
+
+    async def wait_status_change(self) -> None:
+        """Wait until some peer reports a newly committed version."""
+        await self._status_changed.wait()
+
+    def _remember(self, batch_id: str, ack: Ack) -> Ack:
+        self._decided[batch_id] = ack
+        self._decided.move_to_end(batch_id)
+        while len(self._decided) > self.config.remember_batches:
+            self._decided.popitem(last=False)
+        self._acks[ack.status] = self._acks.get(ack.status, 0) + 1
+        return ack
+
+    async def ingest(self, data: bytes, sender: str, *, route: str) -> Ack | None:
+        """Handle one announcement (see module docstring); returns the ack, or None if invalid."""
+        self._announcements += 1
+        self._by_route[route] = self._by_route.get(route, 0) + 1
+        try:
+            ann = RolloutAnnouncement.decode(data, sender=sender)
+        except ShardnetError as exc:
+            log.warning("rollout_announcement_invalid sender=%s route=%s error=%s",
+                        short_id(sender), route, exc)
+            return None
+        if ann.run_id != self.run_id:
+            return Ack(ann.batch_id, "rejected", "wrong_run")
+        done = self._decided.get(ann.batch_id)
+        if done is not None:
+            self._duplicates += 1
+            return done
+        event = self._inflight.get(ann.batch_id)
+        if event is not None:
+            self._duplicates += 1
+            await event.wait()
+            return self._decided.get(ann.batch_id, Ack(ann.batch_id, "retry", "fetch_failed"))
+        if self.reputation.refused(ann.submitter):
+            return Ack(ann.batch_id, "ignored", "refused")
+        if not self.reputation.allow_announcement(ann.submitter, trio.current_time()):
+            return Ack(ann.batch_id, "retry", "rate_limited")
+        current = self.current_step()
+        if not current - self.validator.config.async_level <= ann.step <= current:
+            self.validator.reject_unchecked("stale_step", 0)
+            self.reputation.record(ann.submitter, False, "stale_step")
+            return self._remember(ann.batch_id, Ack(ann.batch_id, "rejected", "stale_step"))
+        if len(self._buffer) >= self.config.max_buffer_batches:
+            return Ack(ann.batch_id, "retry", "busy")
+        self._inflight[ann.batch_id] = trio.Event()
+        try:
+            return await self._fetch_and_check(ann)
+        finally:
+            self._inflight.pop(ann.batch_id).set()
+
+    async def _fetch_and_check(self, ann: RolloutAnnouncement) -> Ack:
+        try:
+            async with self._fetch_slots:
+                payload = await self.node.request(
+                    ann.submitter, FETCH_PROTOCOL, wire.encode({"v": 1, "batch_id": ann.batch_id}),
+                    max_response_bytes=min(ann.size, MAX_BATCH_BYTES),
+                    timeout_s=self.config.fetch_timeout_s)
+        except TransportError as exc:
+            log.info("rollout_fetch_failed batch=%s submitter=%s error=%s", ann.batch_id[:8],
+                     short_id(ann.submitter), exc)
+            return Ack(ann.batch_id, "retry", "fetch_failed")
+        except RemoteProtocolError as exc:
+            return self._refuse(ann, "integrity", f"fetch: {exc}")
+        self._fetched += len(payload)
+        try:
+            ann.check_payload(payload, ann.submitter)
+            batch = RolloutBatch.decode(payload, vocab_size=self.validator.oracle.vocab_size,
+                                        sender=ann.submitter)
+        except IntegrityError as exc:
+            return self._refuse(ann, "integrity", str(exc))
+        except RemoteProtocolError as exc:
+            return self._refuse(ann, "schema", str(exc))
+        if batch.policy_step != ann.step:
+            return self._refuse(ann, "schema", "payload step differs from the announcement")
+        async with self._verify_lock:
+            verdict = await trio.to_thread.run_sync(
+                lambda: self.validator.check(batch, sender=ann.submitter,
+                                             current_step=self.current_step()))
+        self.reputation.record(ann.submitter, verdict.accepted, verdict.reason)
+        if verdict.accepted:
+            self._buffer.append(AcceptedBatch(batch, ann, trio.current_time()))
+            self._buffer_changed.set()
+            self._buffer_changed = trio.Event()
+            return self._remember(ann.batch_id, Ack(ann.batch_id, "accepted", "ok",
+                                                    accepted=verdict.samples))
+        return self._remember(ann.batch_id, Ack(ann.batch_id, "rejected", verdict.reason,
+                                                rejected=verdict.samples))
+
+    def _refuse(self, ann: RolloutAnnouncement, reason: str, detail: str) -> Ack:
+        log.warning("rollout_refused batch=%s submitter=%s reason=%s detail=%s",
+                    ann.batch_id[:8], short_id(ann.submitter), reason, detail)
+        self.validator.reject_unchecked(reason, 0)
+        self.reputation.record(ann.submitter, False, reason)
+        return self._remember(ann.batch_id, Ack(ann.batch_id, "rejected", reason))
+
+    async def take(self, *, min_batches: int, step: int, timeout_s: float) -> list[AcceptedBatch]:
+        """Remove and return the buffered batches usable at ``step``.
+
+        Waits until at least ``min_batches`` usable batches are buffered or ``timeout_s``
+        passes (then returns what there is, possibly nothing). Batches that fell out of the
+        async window meanwhile are dropped and counted (``expired_samples``): they were
+        verified, but are too old to train on.
+        """
+        lo = step - self.validator.config.async_level
+        with trio.move_on_after(timeout_s):
+            while True:
+                self._drop_stale(lo)
+                if len(self._buffer) >= min_batches:
+                    break
+                await self._buffer_changed.wait()
+        self._drop_stale(lo)
+        out = list(self._buffer)
+        self._buffer.clear()
+        return out
+
+    def _drop_stale(self, lo: int) -> None:
+        keep = deque(b for b in self._buffer if b.batch.policy_step >= lo)
+        self._expired += sum(b.batch.n_samples for b in self._buffer if b.batch.policy_step < lo)
+        self._buffer = keep
+
+    def statistics(self) -> InboxStats:
+        """Current counters."""
+        return InboxStats(self._announcements, dict(self._by_route), self._duplicates,
+                          self._fetched, len(self._buffer), self._expired, dict(self._acks))

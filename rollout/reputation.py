@@ -1,0 +1,126 @@
+"""Submitter reputation and announcement rate limits (sans-IO; time is an argument).
+
+Reputation: every submitter starts at ``initial``. A rejected batch lowers the score by the
+penalty of its reason — forgery-like reasons (a bad TOPLOC proof, tampered prompts, inflated
+rewards, a wrong signer, a corrupt payload) cost much more than reasons an honest but slow peer
+can hit (a stale step, a duplicate). An accepted batch raises the score by ``reward``, capped
+at ``initial``, so an honest peer whose batches pass never ends below where it started. Below
+``threshold`` the submitter is *refused*: its announcements are dropped before any payload is
+fetched or any model is run, and the decision is logged once and counted.
+
+Rate limit: a token bucket per submitter (``rate_per_s``, ``burst``) on announcements, so a
+peer that floods announcements is refused (``rate_limited``) without costing a fetch.
+Tables are bounded (``max_tracked``); the least recently seen honest submitters are forgotten
+first, refused ones are kept.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections import OrderedDict
+from dataclasses import dataclass, field
+
+log = logging.getLogger(__name__)
+
+_SEVERE = {"toploc": 0.5, "prompt": 0.5, "reward": 0.5, "untrusted": 0.5, "integrity": 0.5,
+           "schema": 0.5, "sampling": 0.5, "termination": 0.5, "unknown_weights": 0.34,
+           "wrong_run": 0.34, "check_error": 0.1, "stale_step": 0.05, "duplicate": 0.1}
+
+
+@dataclass(frozen=True)
+class ReputationConfig:
+    """Scores and limits.
+
+    Attributes:
+        initial: starting (and maximum) score.
+        threshold: below this a submitter is refused.
+        reward: score added per accepted batch.
+        penalties: score removed per rejected batch, by reason (default 0.5).
+        rate_per_s: sustained announcements per second per submitter.
+        burst: announcements allowed in a burst.
+        max_tracked: submitters kept in the tables.
+    """
+
+    initial: float = 1.0
+    threshold: float = 0.01
+    reward: float = 0.05
+    penalties: dict[str, float] = field(default_factory=lambda: dict(_SEVERE))
+    default_penalty: float = 0.5
+    rate_per_s: float = 2.0
+    burst: float = 8.0
+    max_tracked: int = 100_000
+
+
+@dataclass(frozen=True)
+class ReputationStats:
+    """Scores of known submitters and the refusals made."""
+
+    scores: dict[str, float]
+    refused: tuple[str, ...]
+    refused_announcements: int
+    rate_limited: int
+
+
+class Reputation:
+    """Per-submitter scores and announcement token buckets (see module docstring)."""
+
+    def __init__(self, config: ReputationConfig | None = None) -> None:
+        self.config = config or ReputationConfig()
+        self._scores: OrderedDict[str, float] = OrderedDict()
+        self._buckets: OrderedDict[str, tuple[float, float]] = OrderedDict()
+        self._refused: set[str] = set()
+        self._refused_count = 0
+        self._limited = 0
+
+    def score(self, peer: str) -> float:
+        """Current score (``initial`` for an unknown peer)."""
+        return self._scores.get(peer, self.config.initial)
+
+    def refused(self, peer: str) -> bool:
+        """True if ``peer`` is below the threshold; counts the refusal."""
+        if peer in self._refused:
+            self._refused_count += 1
+            return True
+        return False
+
+    def record(self, peer: str, accepted: bool, reason: str) -> float:
+        """Record a verdict; returns the new score."""
+        c = self.config
+        old = self.score(peer)
+        new = (min(c.initial, old + c.reward) if accepted
+               else old - c.penalties.get(reason, c.default_penalty))
+        self._scores[peer] = new
+        self._scores.move_to_end(peer)
+        if new < c.threshold and peer not in self._refused:
+            self._refused.add(peer)
+            log.warning("submitter_refused peer=%s score=%.2f last_reason=%s", peer[-8:], new,
+                        reason)
+        self._trim(self._scores)
+        return new
+
+    def allow_announcement(self, peer: str, now: float) -> bool:
+        """Take one token from ``peer``'s bucket; False (and counted) if empty."""
+        c = self.config
+        tokens, last = self._buckets.get(peer, (c.burst, now))
+        tokens = min(c.burst, tokens + (now - last) * c.rate_per_s)
+        ok = tokens >= 1.0
+        self._buckets[peer] = (tokens - 1.0 if ok else tokens, now)
+        self._buckets.move_to_end(peer)
+        self._trim(self._buckets)
+        if not ok:
+            self._limited += 1
+        return ok
+
+    def _trim(self, table: OrderedDict[str, object]) -> None:  # type: ignore[type-arg]
+        while len(table) > self.config.max_tracked:
+            for key in table:
+                if key not in self._refused:
+                    del table[key]
+                    break
+            else:
+                break
+
+    def statistics(self) -> ReputationStats:
+        """Current scores and counters."""
+        return ReputationStats(dict(self._scores), tuple(sorted(self._refused)),
+                               self._refused_count, self._limited)

@@ -1,0 +1,155 @@
+"""Control messages of shardcast: version announcements and node info.
+
+Both are canonical CBOR maps (see :mod:`p2p.wire`) with a schema version field ``"v"``.
+
+``VersionAnnouncement`` (gossip topic :func:`versions_topic`, and inside ``NodeInfo``): the
+trainer's signed statement "run R has version N with manifest digest D; submit rollouts to
+these multiaddrs". It is small (a few hundred bytes); the manifest itself is fetched over the
+HTTP lane from whichever node announced or relays it, and checked against ``manifest_digest``
+and the trainer's signature.
+
+``NodeInfo`` (protocol ``/shardnet/info/1.0.0``): what a node tells a neighbour that asks —
+its role, its HTTP lane URL, the versions it has committed, and the newest announcement it
+knows. Downstream nodes poll it (anti-entropy), so a lost gossip message delays a version by
+at most one poll interval.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from p2p import wire
+from p2p.errors import RemoteProtocolError
+from p2p.identity import Identity, verify
+from p2p.trust import TrustList
+from shardcast.manifest import check_run_id
+
+INFO_PROTOCOL = "/shardnet/info/1.0.0"
+ANNOUNCE_DOMAIN = "announce/v1"
+MAX_ANNOUNCEMENT_BYTES = 8 * 1024
+MAX_INFO_BYTES = 64 * 1024
+_ROLES = ("origin", "relay", "peer", "trainer")
+
+
+def versions_topic(run_id: str) -> str:
+    """Gossipsub topic of version announcements for ``run_id``."""
+    return f"shardnet/{run_id}/versions/1"
+
+
+@dataclass(frozen=True)
+class VersionAnnouncement:
+    """A signed "version N is out" statement by the trainer.
+
+    Attributes:
+        run_id: the run.
+        step: the policy step of the version.
+        manifest_digest: BLAKE3 hex digest of the manifest's canonical bytes.
+        trainer_addrs: multiaddrs where the trainer accepts rollouts.
+        signer: the trainer's PeerID.
+        signature: Ed25519 signature over the body under ``announce/v1``.
+    """
+
+    run_id: str
+    step: int
+    manifest_digest: str
+    trainer_addrs: tuple[str, ...]
+    signer: str
+    signature: bytes
+
+    def _body(self) -> bytes:
+        return wire.encode({"v": 1, "run_id": self.run_id, "step": self.step,
+                            "manifest_digest": self.manifest_digest,
+                            "trainer_addrs": list(self.trainer_addrs)})
+
+    @classmethod
+    def create(cls, identity: Identity, run_id: str, step: int, manifest_digest: str,
+               trainer_addrs: tuple[str, ...]) -> VersionAnnouncement:
+        """Build and sign an announcement with the trainer's identity."""
+        unsigned = cls(run_id, step, manifest_digest, trainer_addrs, identity.peer_id, b"")
+        return cls(run_id, step, manifest_digest, trainer_addrs, identity.peer_id,
+                   identity.sign(ANNOUNCE_DOMAIN, unsigned._body()))
+
+    def encode(self) -> bytes:
+        """Envelope bytes: ``{"body", "signer", "sig"}`` in canonical CBOR."""
+        return wire.encode({"body": self._body(), "signer": self.signer, "sig": self.signature})
+
+    @classmethod
+    def decode(cls, data: bytes, *, trust: TrustList, sender: str = "") -> VersionAnnouncement:
+        """Parse and verify an announcement from an untrusted sender.
+
+        Raises:
+            RemoteProtocolError: malformed.
+            IntegrityError: bad signature.
+            UntrustedSigner: signed by someone other than the pinned trainer.
+        """
+        env = wire.decode(data, max_bytes=MAX_ANNOUNCEMENT_BYTES, sender=sender)
+        body_bytes = wire.need_bytes(env, "body", MAX_ANNOUNCEMENT_BYTES, sender)
+        signer = wire.need_str(env, "signer", 128, sender)
+        sig = wire.need_bytes(env, "sig", 64, sender, exact=64)
+        verify(signer, ANNOUNCE_DOMAIN, body_bytes, sig)
+        trust.require_trainer(signer, "version announcement")
+        body = wire.decode(body_bytes, max_bytes=MAX_ANNOUNCEMENT_BYTES, sender=sender)
+        wire.need_version(body, 1, "announcement", sender)
+        run_id = wire.need_str(body, "run_id", 128, sender)
+        try:
+            check_run_id(run_id)
+        except RemoteProtocolError as exc:
+            raise RemoteProtocolError(sender, str(exc)) from exc
+        digest = wire.need_str(body, "manifest_digest", 64, sender)
+        addrs = wire.need_list(body, "trainer_addrs", 16, sender)
+        if not all(isinstance(a, str) and len(a) < 512 for a in addrs):
+            raise RemoteProtocolError(sender, "trainer_addrs must be short strings")
+        ann = cls(run_id, wire.need_int(body, "step", 0, 1 << 62, sender), digest,
+                  tuple(addrs), signer, sig)
+        if ann._body() != body_bytes:
+            raise RemoteProtocolError(sender, "announcement body is not canonical")
+        return ann
+
+
+@dataclass(frozen=True)
+class NodeInfo:
+    """A node's answer on ``/shardnet/info/1.0.0``."""
+
+    peer_id: str
+    role: str
+    run_id: str
+    http_url: str
+    committed: tuple[int, ...]
+    announcement: bytes | None
+
+    def encode(self) -> bytes:
+        """Canonical CBOR bytes."""
+        obj: dict[str, Any] = {"v": 1, "peer_id": self.peer_id, "role": self.role,
+                               "run_id": self.run_id, "http_url": self.http_url,
+                               "committed": list(self.committed)}
+        if self.announcement is not None:
+            obj["announcement"] = self.announcement
+        return wire.encode(obj)
+
+    @classmethod
+    def decode(cls, data: bytes, sender: str = "") -> NodeInfo:
+        """Parse an info response (the announcement inside is verified separately).
+
+        Raises:
+            RemoteProtocolError: malformed, or ``peer_id`` differs from the sender.
+        """
+        obj = wire.decode(data, max_bytes=MAX_INFO_BYTES, sender=sender)
+        wire.need_version(obj, 1, "node info", sender)
+        peer_id = wire.need_str(obj, "peer_id", 128, sender)
+        if sender and peer_id != sender:
+            raise RemoteProtocolError(sender, f"info claims to be {peer_id}")
+        role = wire.need_str(obj, "role", 16, sender)
+        if role not in _ROLES:
+            raise RemoteProtocolError(sender, f"unknown role {role!r}")
+        url = wire.need_str(obj, "http_url", 256, sender)
+        if not url.startswith("http://"):
+            raise RemoteProtocolError(sender, f"http_url {url!r} is not http://")
+        committed = wire.need_list(obj, "committed", 1024, sender)
+        if not all(isinstance(s, int) and not isinstance(s, bool) and s >= 0 for s in committed):
+            raise RemoteProtocolError(sender, "committed must be non-negative integers")
+        ann = obj.get("announcement")
+        if ann is not None and (not isinstance(ann, bytes) or len(ann) > MAX_ANNOUNCEMENT_BYTES):
+            raise RemoteProtocolError(sender, "announcement must be bytes")
+        return cls(peer_id, role, wire.need_str(obj, "run_id", 128, sender), url,
+                   tuple(committed), ann)

@@ -1,0 +1,197 @@
+"""The inference peer: follow versions, load each into the engine, generate, submit rollouts.
+
+Theory of operation
+-------------------
+A peer runs a shardcast node and a :class:`~shardcast.follower.Follower` on its relays. Each
+committed version is reported to the trainer (``/shardnet/status/1.0.0``) and wakes the
+generation loop, which always works on the newest committed version: load it into the engine
+(the version directory is pinned against retention meanwhile), build one batch with
+:func:`rollout.batch.build_batch` in a worker thread, and hand it to the
+:class:`~rollout.exchange.RolloutSender`, which announces it and retries until the trainer
+acknowledges. The network keeps running while the CPU generates.
+
+A forged peer for tests and benchmarks is this class with a ``forgery`` hook that tampers
+with the batch before it is signed.
+"""
+
+from __future__ import annotations
+
+import logging
+import random
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import trio
+
+from p2p.errors import ShardnetError, TransportError, short_id
+from p2p.identity import Identity
+from p2p.trust import TrustList
+from rollout.batch import Forgery, SamplingConfig, build_batch
+from rollout.engine import Engine, TransformersEngine
+from rollout.exchange import RolloutSender, SenderConfig, report_status
+from rollout.task import DEFAULT_TASK
+from shardcast.follower import Follower, FollowConfig, VersionRecord
+from shardcast.manifest import SignedManifest
+from shardcast.node import NodeConfig, ShardcastNode
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class PeerConfig:
+    """Inference-peer settings.
+
+    Attributes:
+        node: shardcast node settings (role ``peer``).
+        follow: upstream relays and download settings.
+        sampling: the run's sampling rules.
+        exchange: rollout exchange settings.
+        max_versions: stop generating after this many versions (None: run forever).
+    """
+
+    node: NodeConfig
+    follow: FollowConfig
+    sampling: SamplingConfig = field(default_factory=SamplingConfig)
+    exchange: SenderConfig = field(default_factory=SenderConfig)
+    max_versions: int | None = None
+
+
+@dataclass
+class PeerRecord:
+    """What the peer did with one version."""
+
+    step: int
+    manifest_digest: str
+    committed_at: float
+    download_s: float
+    bytes_by_source: dict[str, int]
+    generated: bool = False
+    batch_id: str = ""
+    mean_reward: float | None = None
+
+
+class InferencePeer:
+    """Runs an inference peer (see module docstring).
+
+    Args:
+        identity: the peer's key.
+        trust: trust list (pins the trainer).
+        config: settings.
+        engine: the inference engine (a fresh :class:`TransformersEngine` by default).
+        forgery: adversarial hook (tests/benchmarks only).
+    """
+
+    def __init__(self, identity: Identity, trust: TrustList, config: PeerConfig,
+                 engine: Engine | None = None, forgery: Forgery | None = None,
+                 progress: Callable[[int, int, int], None] | None = None) -> None:
+        self.identity = identity
+        self.trust = trust
+        self.config = config
+        self.engine = engine or TransformersEngine()
+        self.forgery = forgery
+        self.progress = progress
+        self.task = DEFAULT_TASK
+        self.records: list[PeerRecord] = []
+        self.node: ShardcastNode | None = None
+        self.sender: RolloutSender | None = None
+        self._latest: tuple[SignedManifest, Path] | None = None
+        self._new_version = trio.Event()
+        self._trainer_connected = False
+        self.done = trio.Event()
+
+    async def run(self, *, task_status: trio.TaskStatus[ShardcastNode] = trio.TASK_STATUS_IGNORED
+                  ) -> None:
+        """Run until cancelled (or until ``max_versions`` batches were handed over)."""
+        rng = random.Random(f"peer:{self.identity.peer_id}")
+        async with ShardcastNode.open(self.identity, self.trust, self.config.node) as node, \
+                trio.open_nursery() as nursery:
+            self.node = node
+            self.sender = RolloutSender(node.p2p, self.identity, self.config.node.run_id,
+                                        self.trust.trainer, self.config.exchange, rng)
+            follower = Follower(node, self.config.follow, rng, on_commit=self._on_commit,
+                                progress=self.progress)
+            await nursery.start(follower.run)
+            task_status.started(node)
+            await self._generate_loop(nursery)
+            self.done.set()
+            await trio.sleep_forever()
+
+    async def _ensure_trainer(self) -> None:
+        """Connect to the trainer at the addresses of the newest announcement."""
+        assert self.node is not None
+        if self.trust.trainer in self.node.p2p.connected_peers():
+            return
+        ann = self.node.announcement
+        for addr in ann.trainer_addrs if ann else ():
+            try:
+                await self.node.p2p.connect(addr)
+                return
+            except (TransportError, ShardnetError) as exc:
+                log.info("trainer_unreachable addr=%s error=%s", addr, exc)
+
+    async def _on_commit(self, signed: SignedManifest, path: Path, rec: VersionRecord) -> None:
+        assert self.node is not None
+        m = signed.manifest
+        stats = rec.stats
+        self.records.append(PeerRecord(m.step, signed.digest, rec.committed_at,
+                                       stats.elapsed_s if stats else 0.0,
+                                       dict(stats.bytes_by_source) if stats else {}))
+        self._latest = (signed, path)
+        self._new_version.set()
+        self._new_version = trio.Event()
+        await self._ensure_trainer()
+        await report_status(self.node.p2p, self.trust.trainer, m.step, signed.digest)
+
+    async def _generate_loop(self, nursery: trio.Nursery) -> None:
+        assert self.node is not None and self.sender is not None
+        from rollout.model import build_tokenizer
+
+        tokenizer = build_tokenizer()
+        done_step = -1
+        generated = 0
+        while self.config.max_versions is None or generated < self.config.max_versions:
+            while self._latest is None or self._latest[0].manifest.step <= done_step:
+                await self._new_version.wait()
+            signed, path = self._latest
+            step = signed.manifest.step
+            store = self.node.store
+            try:
+                with store.pinned(step):
+                    if not store.has(step):
+                        continue  # pruned before we got to it; a newer one exists
+                    await trio.to_thread.run_sync(self.engine.load, path)
+                batch = await trio.to_thread.run_sync(
+                    lambda: build_batch(self.engine, tokenizer, self.task,
+                                        peer_id=self.identity.peer_id,
+                                        run_id=self.config.node.run_id, step=step,
+                                        manifest_digest=signed.digest,
+                                        cfg=self.config.sampling))
+            except ShardnetError as exc:
+                log.error("generation_failed step=%d error=%s", step, exc)
+                done_step = step
+                continue
+            if self.forgery is not None:
+                batch = self.forgery(batch)
+            await self._ensure_trainer()
+            ann = await self.sender.submit(batch.encode(), batch.policy_step, nursery)
+            rewards = [s.reward for g in batch.groups for s in g.samples]
+            for r in self.records:
+                if r.step == step:
+                    r.generated, r.batch_id = True, ann.batch_id
+                    r.mean_reward = sum(rewards) / len(rewards)
+            log.info("rollouts_submitted step=%d batch=%s samples=%d mean_reward=%.4f trainer=%s",
+                     step, ann.batch_id[:8], batch.n_samples, sum(rewards) / len(rewards),
+                     short_id(self.trust.trainer))
+            done_step = step
+            generated += 1
+
+    def report(self) -> dict[str, Any]:
+        """JSON-ready summary of this peer."""
+        sender = self.sender.statistics() if self.sender else None
+        return {
+            "peer_id": self.identity.peer_id,
+            "versions": [vars(r) for r in self.records],
+            "exchange": vars(sender) if sender else None,
+        }

@@ -1,0 +1,131 @@
+"""Checkpoint writer: the trainer's model → a Hugging Face layout directory.
+
+Theory of operation
+-------------------
+The trainer keeps float32 master weights and publishes each version cast to bf16 in the
+layout that transformers and vLLM load as is, and that ``rollout.model.load_model`` checks:
+
+* ``config.json`` (``dtype`` set to the published dtype, ``architectures`` filled in),
+  ``generation_config.json``, the tokenizer's files;
+* weights: one ``model.safetensors`` when everything fits in ``max_shard_bytes``, else shards
+  ``model-0000k-of-0000N.safetensors`` plus ``model.safetensors.index.json``
+  (``{"metadata": {"total_size": ...}, "weight_map": {name: file}}``).
+
+Shards are planned the way ``transformers.save_pretrained`` does it (tensors in state-dict
+order; a new shard starts when the next tensor would overflow the current one; a tensor
+larger than the cap gets a shard of its own), but written here with ``safetensors`` directly:
+no progress bars, no renaming, and bytes that depend only on the tensors and the
+transformers/tokenizers versions (JSON keys sorted; the safetensors header is canonical).
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors.torch import save_file
+from transformers import PreTrainedTokenizerFast
+
+from p2p.errors import LocalProtocolError
+from rollout.model import CONFIG_NAME, INDEX_NAME, SINGLE_WEIGHTS_NAME, shard_name
+
+__all__ = ["plan_shards", "save_checkpoint"]
+
+
+def plan_shards(sizes: Sequence[tuple[str, int]], max_shard_bytes: int) -> list[list[str]]:
+    """Group tensors into shards of at most ``max_shard_bytes`` (pure).
+
+    Args:
+        sizes: ``(name, size_bytes)`` in the order they are written.
+        max_shard_bytes: the cap; a tensor larger than it gets a shard of its own.
+
+    Returns:
+        Names per shard, in order; never an empty shard.
+
+    Raises:
+        LocalProtocolError: ``max_shard_bytes < 1``.
+    """
+    if max_shard_bytes < 1:
+        raise LocalProtocolError(f"max_shard_bytes must be >= 1, got {max_shard_bytes}")
+    shards: list[list[str]] = []
+    current: list[str] = []
+    current_bytes = 0
+    for name, size in sizes:
+        if current and current_bytes + size > max_shard_bytes:
+            shards.append(current)
+            current, current_bytes = [], 0
+        current.append(name)
+        current_bytes += size
+    if current:
+        shards.append(current)
+    return shards
+
+
+def save_checkpoint(
+    model: torch.nn.Module,
+    tokenizer: PreTrainedTokenizerFast,
+    directory: str | Path,
+    max_shard_bytes: int,
+    dtype: torch.dtype = torch.bfloat16,
+) -> list[Path]:
+    """Write ``model`` (cast to ``dtype``) and ``tokenizer`` as a checkpoint directory.
+
+    Args:
+        model: a transformers causal LM (any parameter dtype; the trainer's is float32).
+        tokenizer: saved with ``save_pretrained`` beside the weights.
+        directory: created if absent; must not contain files already (stale shards of an
+            earlier layout would otherwise be mixed in).
+        max_shard_bytes: cap on one weight file's tensor bytes (header excluded).
+        dtype: published dtype (bf16 for inference peers).
+
+    Returns:
+        Every file written, sorted by name.
+
+    Raises:
+        LocalProtocolError: ``directory`` is a non-empty directory or a file, or
+            ``max_shard_bytes < 1``.
+
+    Not safe to call concurrently on the same directory. An exception part-way leaves a
+    partial directory that the caller should remove; a reader rejects it (missing files).
+    """
+    directory = Path(directory)
+    if directory.exists() and (not directory.is_dir() or any(directory.iterdir())):
+        raise LocalProtocolError(f"checkpoint directory {directory} exists and is not empty")
+    directory.mkdir(parents=True, exist_ok=True)
+    state = {
+        name: tensor.detach().to(device="cpu", dtype=dtype).contiguous()
+        for name, tensor in model.state_dict().items()
+    }
+    sizes = [(name, t.numel() * t.element_size()) for name, t in state.items()]
+    plan = plan_shards(sizes, max_shard_bytes)
+    if len(plan) == 1:
+        path = directory / SINGLE_WEIGHTS_NAME
+        save_file(state, str(path), metadata={"format": "pt"})
+    else:
+        weight_map: dict[str, str] = {}
+        for k, names in enumerate(plan, start=1):
+            path = directory / shard_name(k, len(plan))
+            save_file({n: state[n] for n in names}, str(path), metadata={"format": "pt"})
+            weight_map.update(dict.fromkeys(names, path.name))
+        index = {"metadata": {"total_size": sum(s for _, s in sizes)}, "weight_map": weight_map}
+        index_path = directory / INDEX_NAME
+        index_path.write_text(json.dumps(index, indent=2, sort_keys=True) + "\n")
+    _write_configs(model, directory, dtype)
+    tokenizer.save_pretrained(str(directory))
+    return sorted(p for p in directory.iterdir() if p.is_file())  # the directory began empty
+
+
+def _write_configs(model: torch.nn.Module, directory: Path, dtype: torch.dtype) -> None:
+    hf_model: Any = model  # a transformers PreTrainedModel
+    config = copy.deepcopy(hf_model.config)
+    config.dtype = dtype
+    config.architectures = [type(model).__name__]
+    (directory / CONFIG_NAME).write_text(config.to_json_string(use_diff=True))
+    generation_config = getattr(hf_model, "generation_config", None)
+    if generation_config is not None:
+        generation_path = directory / "generation_config.json"
+        generation_path.write_text(generation_config.to_json_string(use_diff=True))

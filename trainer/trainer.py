@@ -1,0 +1,286 @@
+"""The trainer: collect verified rollouts, take GRPO steps, publish each version via the origin.
+
+Theory of operation
+-------------------
+The trainer runs a shardcast node whose identity is the pinned trainer key, so its origin
+signs every manifest and announcement. It publishes version 0 (the seeded initial weights),
+then for each optimizer step ``k = 1..steps``:
+
+1. take the verified batches usable at step ``k-1`` from the rollout inbox: policy step in
+   ``[k-1-async_level, k-1]``; wait until at least ``min_batches`` are there (or
+   ``step_timeout_s``), so peers that lag up to ``async_level`` versions still contribute
+   (asynchronous RL, INTELLECT-2 §2);
+2. recompute every reward (the peer's own number is never used), compute GRPO group
+   advantages and take one AdamW step on the fp32 master weights (:mod:`trainer.grpo`);
+3. write version ``k`` as bf16 safetensors into a staging directory and publish it.
+
+The step counter seen by the inbox (``current_step``) is the newest *published* version, so
+rollouts are judged against the versions peers can actually hold. Every figure of the per-step
+table comes from counters, not from logs: broadcast time from the peers' commit reports, origin
+bytes from the HTTP lane, accepted/rejected samples from the validator.
+"""
+
+from __future__ import annotations
+
+import logging
+import random
+import shutil
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+import trio
+
+from p2p.errors import ConfigError
+from p2p.identity import Identity
+from p2p.trust import TrustList
+from rollout.inbox import AcceptedBatch, InboxConfig, RolloutInbox
+from rollout.model import build_model, build_tokenizer
+from rollout.reputation import Reputation
+from rollout.task import DEFAULT_TASK
+from rollout.verify import Validator, ValidatorConfig
+from shardcast.node import NodeConfig, ShardcastNode
+from shardcast.origin import Origin
+from trainer.checkpoint import save_checkpoint
+from trainer.grpo import DEFAULT_LR, Rollout, collate, group_advantages, make_optimizer, train_step
+from trainer.oracle import TrainerOracle
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class TrainerConfig:
+    """The trainer's settings (the run's rules live here too).
+
+    Attributes:
+        node: shardcast node settings (role ``trainer``).
+        steps: optimizer steps to run (versions 1..steps are published after version 0).
+        preset, seed: the model.
+        lr: AdamW learning rate.
+        async_level: how many versions a rollout may lag.
+        n_prompts, group_size, max_new_tokens, temperature: the sampling rules for peers.
+        min_batches: batches to wait for before each optimizer step.
+        step_timeout_s: longest wait for ``min_batches``, seconds.
+        shard_size: shard size of published versions, bytes.
+        max_shard_bytes: safetensors file size cap of published checkpoints, bytes.
+        expected_peers: PeerIDs whose commit reports define "broadcast finished".
+        final_wait_s: after the last step, how long to wait for peers to commit it, seconds.
+        check_model: run TOPLOC and sampling checks (needs the model per version).
+    """
+
+    node: NodeConfig
+    steps: int = 10
+    preset: str = "tiny"
+    seed: int = 0
+    lr: float = DEFAULT_LR
+    async_level: int = 2
+    n_prompts: int = 4
+    group_size: int = 8
+    max_new_tokens: int = 16
+    temperature: float = 1.0
+    min_batches: int = 2
+    step_timeout_s: float = 300.0
+    shard_size: int = 1 << 20
+    max_shard_bytes: int = 1 << 20
+    expected_peers: tuple[str, ...] = ()
+    final_wait_s: float = 120.0
+    check_model: bool = True
+    inbox: InboxConfig = field(default_factory=InboxConfig)
+
+    def __post_init__(self) -> None:
+        if self.steps < 0:
+            raise ConfigError("steps", "must be >= 0")
+        if self.min_batches < 1:
+            raise ConfigError("min_batches", "must be >= 1")
+        if self.async_level < 0:
+            raise ConfigError("async_level", "must be >= 0")
+
+
+@dataclass
+class StepRecord:
+    """One row of the trainer's report (version ``step`` and the optimizer step before it)."""
+
+    step: int
+    published_at: float
+    manifest_digest: str
+    size_bytes: int
+    rollouts_accepted: int = 0
+    rollouts_rejected: int = 0
+    rejected_by_reason: dict[str, int] = field(default_factory=dict)
+    mean_reward: float | None = None
+    policy_steps_used: list[int] = field(default_factory=list)
+    origin_bytes: int = 0
+    train_stats: dict[str, float] = field(default_factory=dict)
+
+
+class Trainer:
+    """Runs the training loop (see module docstring)."""
+
+    def __init__(self, identity: Identity, trust: TrustList, config: TrainerConfig) -> None:
+        if identity.peer_id != trust.trainer:
+            raise ConfigError("trust.trainer", "the trainer must run with the pinned trainer key")
+        self.identity = identity
+        self.trust = trust
+        self.config = config
+        self.records: list[StepRecord] = []
+        self.published = -1
+        self.node: ShardcastNode | None = None
+        self.inbox: RolloutInbox | None = None
+        self.validator: Validator | None = None
+        self.reputation = Reputation()
+        self.trained_samples = 0
+        self.trained_verified_samples = 0
+        self._rejected_mark: dict[str, int] = {}
+
+    async def run(self, *, task_status: trio.TaskStatus[ShardcastNode] = trio.TASK_STATUS_IGNORED
+                  ) -> None:
+        """Run every step, wait for the last broadcast, and return."""
+        cfg = self.config
+        torch.manual_seed(cfg.seed)
+        tokenizer = build_tokenizer()
+        model = build_model(cfg.preset, cfg.seed, dtype=torch.float32)
+        optimizer = make_optimizer(model, cfg.lr)
+        oracle = TrainerOracle(tokenizer, DEFAULT_TASK, keep=cfg.async_level + 1)
+        oracle.set_vocab_size(int(model.config.vocab_size))
+        vcfg = ValidatorConfig(run_id=cfg.node.run_id, task=DEFAULT_TASK.name,
+                               n_prompts=cfg.n_prompts, group_size=cfg.group_size,
+                               max_new_tokens=cfg.max_new_tokens, temperature=cfg.temperature,
+                               async_level=cfg.async_level, check_model=cfg.check_model)
+        self.validator = Validator(vcfg, oracle, allowed=self.trust.submitter_allowed)
+        staging = cfg.node.data_dir / "staging"
+        shutil.rmtree(staging, ignore_errors=True)
+        staging.mkdir(parents=True)
+        async with ShardcastNode.open(self.identity, self.trust, cfg.node) as node, \
+                trio.open_nursery() as nursery:
+            self.node = node
+            origin = Origin(node, shard_size=cfg.shard_size)
+            self.inbox = RolloutInbox(node.p2p, cfg.node.run_id, self.validator, self.reputation,
+                                      current_step=lambda: self.published, config=cfg.inbox)
+            await nursery.start(self.inbox.run)
+            task_status.started(node)
+            await self._publish(origin, oracle, model, tokenizer, staging, 0)
+            for k in range(1, cfg.steps + 1):
+                batches = await self.inbox.take(min_batches=cfg.min_batches, step=k - 1,
+                                                timeout_s=cfg.step_timeout_s)
+                stats = await self._train(model, optimizer, tokenizer, oracle, batches, k)
+                await self._publish(origin, oracle, model, tokenizer, staging, k)
+                self.records[-1].train_stats = stats
+            await self._wait_final_broadcast()
+            self._close_rejections()
+            nursery.cancel_scope.cancel()
+
+    async def _publish(self, origin: Origin, oracle: TrainerOracle, model: Any, tokenizer: Any,
+                       staging: Path, step: int) -> None:
+        directory = staging / f"step-{step}"
+        await trio.to_thread.run_sync(save_checkpoint, model, tokenizer, directory,
+                                       self.config.max_shard_bytes)
+        result = await origin.publish(directory, step)
+        oracle.add_version(step, result.signed.digest, result.path)
+        self._close_rejections()
+        self.published = step
+        self.records.append(StepRecord(step, result.published_at, result.signed.digest,
+                                       result.signed.manifest.total_bytes))
+
+    async def _train(self, model: Any, optimizer: Any, tokenizer: Any, oracle: TrainerOracle,
+                     batches: list[AcceptedBatch], k: int) -> dict[str, float]:
+        assert self.validator is not None
+        rollouts: list[Rollout] = []
+        rewards: list[float] = []
+        for ab in batches:
+            for g in ab.batch.groups:
+                r = torch.tensor([oracle.reward(s.completion_ids) for s in g.samples])
+                rewards.extend(r.tolist())
+                for s, a in zip(g.samples, group_advantages(r), strict=True):
+                    rollouts.append(Rollout(g.prompt_ids, s.completion_ids, s.logprobs, float(a)))
+        self.trained_samples += len(rollouts)
+        self.trained_verified_samples += sum(ab.batch.n_samples for ab in batches)
+        out: dict[str, float] = {}
+        if rollouts:
+            batch = collate(rollouts, int(tokenizer.pad_token_id), self.config.temperature)
+            st = await trio.to_thread.run_sync(train_step, model, optimizer, batch)
+            out = {"loss": st.loss, "approx_kl": st.approx_kl, "clip_fraction": st.clip_fraction,
+                   "grad_norm": st.grad_norm or 0.0}
+        else:
+            log.warning("train_step_skipped step=%d reason=no_rollouts", k)
+        rec = self.records[-1]  # the version these rollouts were judged against
+        rec.rollouts_accepted = len(rollouts)
+        rec.mean_reward = sum(rewards) / len(rewards) if rewards else None
+        rec.policy_steps_used = sorted({ab.batch.policy_step for ab in batches})
+        log.info("train_step step=%d samples=%d mean_reward=%s policy_steps=%s", k, len(rollouts),
+                 f"{rec.mean_reward:.4f}" if rec.mean_reward is not None else "n/a",
+                 rec.policy_steps_used)
+        return out
+
+    def _close_rejections(self) -> None:
+        """Attribute the rejections since the last publish to the version then current."""
+        assert self.validator is not None
+        now = dict(self.validator.statistics().rejected_samples)
+        if self.records:
+            rec = self.records[-1]
+            rec.rejected_by_reason = {r: n - self._rejected_mark.get(r, 0) for r, n in now.items()
+                                      if n - self._rejected_mark.get(r, 0)}
+            rec.rollouts_rejected = sum(rec.rejected_by_reason.values())
+        self._rejected_mark = now
+
+    def committed(self, step: int) -> dict[str, float]:
+        """PeerID -> seconds from publish to its commit report, for version ``step``."""
+        assert self.inbox is not None
+        rec = next(r for r in self.records if r.step == step)
+        out = {}
+        for peer, versions in self.inbox.statuses.items():
+            got = versions.get(step)
+            if got is not None and got[0] == rec.manifest_digest:
+                out[peer] = got[1] - rec.published_at
+        return out
+
+    async def _wait_final_broadcast(self) -> None:
+        assert self.inbox is not None
+        expected = set(self.config.expected_peers)
+        if not expected:
+            return
+        with trio.move_on_after(self.config.final_wait_s):
+            while not expected <= set(self.committed(self.published)):
+                await self.inbox.wait_status_change()
+
+    def report(self) -> dict[str, Any]:
+        """The per-step report (JSON-ready)."""
+        assert self.node is not None and self.validator is not None and self.inbox is not None
+        steps = []
+        expected = set(self.config.expected_peers)
+        for rec in self.records:
+            done = self.committed(rec.step)
+            complete = bool(expected) and expected <= set(done)
+            steps.append({
+                "step": rec.step, "manifest_digest": rec.manifest_digest,
+                "size_bytes": rec.size_bytes,
+                "broadcast_s": max(done[p] for p in expected) if complete else None,
+                "origin_bytes": self.node.server.bytes_by_step.get(rec.step, 0),
+                "peers_committed": sorted(done),
+                "rollouts_accepted": rec.rollouts_accepted,
+                "rollouts_rejected": rec.rollouts_rejected,
+                "rejected_by_reason": rec.rejected_by_reason,
+                "mean_reward": rec.mean_reward,
+                "policy_steps_used": rec.policy_steps_used,
+                "train": rec.train_stats,
+            })
+        vs = self.validator.statistics()
+        rs = self.reputation.statistics()
+        return {
+            "trainer": self.identity.peer_id,
+            "steps": steps,
+            "validator": {"accepted_samples": vs.accepted_samples,
+                          "rejected_samples": vs.rejected_samples},
+            "reputation": {"scores": rs.scores, "refused": list(rs.refused),
+                           "refused_announcements": rs.refused_announcements,
+                           "rate_limited": rs.rate_limited},
+            "inbox": vars(self.inbox.statistics()),
+            "trained_samples": self.trained_samples,
+            "trained_verified_samples": self.trained_verified_samples,
+            "origin_bytes_total": self.node.http.statistics().bytes_sent,
+        }
+
+
+def seeded_rng(seed: int, label: str) -> random.Random:
+    """A ``random.Random`` seeded from ``(seed, label)`` (never the global RNG)."""
+    return random.Random(f"{seed}:{label}")
