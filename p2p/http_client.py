@@ -19,7 +19,8 @@ what happened                          raised
 =====================================  ==============================================
 connect refused, DNS, connect timeout  :class:`~p2p.errors.PeerUnreachable`
 reset, no progress for ``timeout_s``,  :class:`~p2p.errors.StreamBroken`
-body shorter than promised
+body shorter than promised, 5xx other
+than 503 (the server failed)
 404, 429, 503 (with or without         :class:`~p2p.http_errors.NotAvailable` (``retry_after_s``)
 ``Retry-After``)
 other status, bad ``Content-Range``,   :class:`~p2p.errors.RemoteProtocolError`
@@ -299,6 +300,8 @@ def _status_error(response: httpx.Response, source: str) -> Exception:
         retry = response.headers.get("retry-after")
         delay = None if retry is None else parse_retry_after(retry, now_unix_s=time.time())
         return NotAvailable(source, what, retry_after_s=delay, status=status)
+    if 500 <= status <= 599:  # the server failed; the bytes were not wrong
+        return StreamBroken(source, f"server error {what}")
     return RemoteProtocolError(source, f"unexpected {what}")
 
 

@@ -149,6 +149,9 @@ class FileSlice:
     offset: int
     length: int
     total_size: int
+    fallbacks: tuple[Path, ...] = ()
+    """Paths tried in order if ``path`` no longer exists when the body is sent (the same
+    bytes moved, e.g. a directory renamed on commit)."""
 
     def __post_init__(self) -> None:
         if self.offset < 0 or self.length < 0 or self.offset + self.length > self.total_size:
@@ -420,7 +423,7 @@ class HttpServer:
         fd = -1
         if isinstance(body, FileSlice) and body.length and not head:
             try:
-                fd = os.open(body.path, os.O_RDONLY | os.O_CLOEXEC)
+                fd = _open_first(body.path, body.fallbacks)
             except OSError as exc:
                 self._errors["file_error"] += 1
                 logger.warning("http_file_open_failed path=%s error=%s", body.path, exc)
@@ -523,6 +526,17 @@ class _Sized:
 
     def __len__(self) -> int:
         return self._length
+
+
+def _open_first(path: Path, fallbacks: tuple[Path, ...]) -> int:
+    """Open ``path`` read-only, or the first of ``fallbacks`` that exists."""
+    for candidate in (path, *fallbacks):
+        try:
+            return os.open(candidate, os.O_RDONLY | os.O_CLOEXEC)
+        except FileNotFoundError:
+            if candidate == (fallbacks[-1] if fallbacks else path):
+                raise
+    raise FileNotFoundError(path)  # unreachable: the loop returns or raises
 
 
 def _to_request(event: h11.Request) -> HttpRequest:

@@ -228,14 +228,17 @@ class RolloutSender:
                            len(self._pending), self._served)
 
 
-async def report_status(node: P2PNode, trainer: str, step: int, manifest_digest: str,
-                        attempts: int = 5) -> bool:
+async def report_status(node: P2PNode, trainer: str, step: int | None,
+                        manifest_digest: str = "", attempts: int = 5) -> bool:
     """Tell the trainer this node committed version ``step`` (best effort, bounded retries).
+
+    With ``step=None`` it is a hello: "this peer has joined the run".
 
     Returns:
         True if the trainer acknowledged.
     """
-    msg = wire.encode({"v": 1, "step": step, "manifest_digest": manifest_digest})
+    msg = wire.encode({"v": 1} if step is None else
+                      {"v": 1, "step": step, "manifest_digest": manifest_digest})
     delay = 0.2
     for _ in range(attempts):
         try:
@@ -243,7 +246,7 @@ async def report_status(node: P2PNode, trainer: str, step: int, manifest_digest:
                                timeout_s=10.0)
             return True
         except (TransportError, RemoteProtocolError) as exc:
-            log.info("status_report_failed step=%d error=%s", step, exc)
+            log.info("status_report_failed step=%s error=%s", step, exc)
             await trio.sleep(delay)
             delay *= 2
     return False

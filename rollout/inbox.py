@@ -124,6 +124,7 @@ class RolloutInbox:
         self._by_route: dict[str, int] = {}
         self._acks: dict[str, int] = {}
         self.statuses: dict[str, dict[int, tuple[str, float]]] = {}
+        self.joined: dict[str, float] = {}
         self._status_changed = trio.Event()
 
     async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
@@ -152,15 +153,17 @@ class RolloutInbox:
     async def _on_status(self, sender: str, request: bytes) -> bytes:
         msg = wire.decode(request, max_bytes=512, sender=sender)
         wire.need_version(msg, 1, "status", sender)
-        step = wire.need_int(msg, "step", 0, 1 << 62, sender)
-        digest = wire.need_str(msg, "manifest_digest", 64, sender)
-        self.statuses.setdefault(sender, {})[step] = (digest, trio.current_time())
+        self.joined.setdefault(sender, trio.current_time())
+        if "step" in msg:
+            step = wire.need_int(msg, "step", 0, 1 << 62, sender)
+            digest = wire.need_str(msg, "manifest_digest", 64, sender)
+            self.statuses.setdefault(sender, {})[step] = (digest, trio.current_time())
         self._status_changed.set()
         self._status_changed = trio.Event()
         return wire.encode({"v": 1})
 
     async def wait_status_change(self) -> None:
-        """Wait until some peer reports a newly committed version."""
+        """Wait until some peer says hello or reports a newly committed version."""
         await self._status_changed.wait()
 
     def _remember(self, batch_id: str, ack: Ack) -> Ack:

@@ -276,6 +276,7 @@ class Downloader:
                 scopes.pop(req.id, None)
                 wake.set()
 
+        failure: str | None = None
         async with trio.open_nursery() as nursery:
             while not sched.done():
                 now = trio.current_time()
@@ -287,10 +288,11 @@ class Downloader:
                 if started_any or sched.inflight():
                     last_usable = now
                 elif now - last_usable > self.config.no_source_grace_s:
-                    raise DownloadFailed(
+                    failure = (
                         f"step {m.step}: no usable source for {self.config.no_source_grace_s}s "
                         f"({sched.missing} shards missing; banned: "
                         f"{', '.join(short_id(b) for b in sched.statistics().banned) or 'none'})")
+                    break
                 if sched.done():
                     break
                 wake = trio.Event()
@@ -299,6 +301,8 @@ class Downloader:
                                         if not sched.inflight() else 3600):
                     await wake.wait()
             nursery.cancel_scope.cancel()
+        if failure is not None:  # raised here, outside the nursery: a plain exception type
+            raise DownloadFailed(failure)
 
     @staticmethod
     def _assign_blame(sched: Scheduler, bad_copies: list[tuple[_Buf, set[str]]],

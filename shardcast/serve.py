@@ -22,6 +22,7 @@ never served, so the lane needs no trust.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import re
@@ -30,7 +31,7 @@ from dataclasses import dataclass
 import trio
 
 from p2p.http_range import resolve_range
-from p2p.http_server import HttpRequest, HttpResponse, file_response
+from p2p.http_server import FileSlice, HttpRequest, HttpResponse, file_response
 from p2p.trust import TrustList
 from shardcast.manifest import MANIFEST_FILE, Manifest, SignedManifest
 from shardcast.store import PartialVersion, VersionStore
@@ -181,6 +182,9 @@ class VersionServer:
                     return file_response(req, live.partial.dir / name, entry.size)  # 416
             if self._covered(live, m, name, first, last):
                 resp = file_response(req, live.partial.dir / name, entry.size)
+                if isinstance(resp.body, FileSlice):  # the partial may be committed meanwhile
+                    resp = dataclasses.replace(resp, body=dataclasses.replace(
+                        resp.body, fallbacks=(self.store.version_dir(step) / name,)))
                 break
             remaining = deadline - trio.current_time()
             if remaining <= 0:

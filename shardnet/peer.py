@@ -49,6 +49,8 @@ class PeerConfig:
         sampling: the run's sampling rules.
         exchange: rollout exchange settings.
         max_versions: stop generating after this many versions (None: run forever).
+        trainer_addrs: multiaddrs of the trainer, to say hello before any version exists
+            (otherwise learnt from the first announcement).
     """
 
     node: NodeConfig
@@ -56,6 +58,7 @@ class PeerConfig:
     sampling: SamplingConfig = field(default_factory=SamplingConfig)
     exchange: SenderConfig = field(default_factory=SenderConfig)
     max_versions: int | None = None
+    trainer_addrs: tuple[str, ...] = ()
 
 
 @dataclass
@@ -113,18 +116,30 @@ class InferencePeer:
             follower = Follower(node, self.config.follow, rng, on_commit=self._on_commit,
                                 progress=self.progress)
             await nursery.start(follower.run)
+            if self.config.trainer_addrs:
+                nursery.start_soon(self._hello)
             task_status.started(node)
             await self._generate_loop(nursery)
             self.done.set()
             await trio.sleep_forever()
 
+    async def _hello(self) -> None:
+        assert self.node is not None
+        delay = 0.5
+        while True:
+            await self._ensure_trainer()
+            if await report_status(self.node.p2p, self.trust.trainer, None, attempts=1):
+                return
+            await trio.sleep(delay)
+            delay = min(2 * delay, 10.0)
+
     async def _ensure_trainer(self) -> None:
-        """Connect to the trainer at the addresses of the newest announcement."""
+        """Connect to the trainer (configured addresses, then the newest announcement's)."""
         assert self.node is not None
         if self.trust.trainer in self.node.p2p.connected_peers():
             return
         ann = self.node.announcement
-        for addr in ann.trainer_addrs if ann else ():
+        for addr in (*self.config.trainer_addrs, *(ann.trainer_addrs if ann else ())):
             try:
                 await self.node.p2p.connect(addr)
                 return

@@ -66,6 +66,8 @@ class TrainerConfig:
         max_shard_bytes: safetensors file size cap of published checkpoints, bytes.
         expected_peers: PeerIDs whose commit reports define "broadcast finished".
         final_wait_s: after the last step, how long to wait for peers to commit it, seconds.
+        start_wait_s: before version 0, how long to wait for every expected peer to say
+            hello, seconds (so that no expected peer misses a version).
         check_model: run TOPLOC and sampling checks (needs the model per version).
     """
 
@@ -85,6 +87,7 @@ class TrainerConfig:
     max_shard_bytes: int = 1 << 20
     expected_peers: tuple[str, ...] = ()
     final_wait_s: float = 120.0
+    start_wait_s: float = 300.0
     check_model: bool = True
     inbox: InboxConfig = field(default_factory=InboxConfig)
 
@@ -159,6 +162,7 @@ class Trainer:
                                       current_step=lambda: self.published, config=cfg.inbox)
             await nursery.start(self.inbox.run)
             task_status.started(node)
+            await self._wait_joined()
             await self._publish(origin, oracle, model, tokenizer, staging, 0)
             for k in range(1, cfg.steps + 1):
                 batches = await self.inbox.take(min_batches=cfg.min_batches, step=k - 1,
@@ -233,6 +237,18 @@ class Trainer:
             if got is not None and got[0] == rec.manifest_digest:
                 out[peer] = got[1] - rec.published_at
         return out
+
+    async def _wait_joined(self) -> None:
+        assert self.inbox is not None
+        expected = set(self.config.expected_peers)
+        with trio.move_on_after(self.config.start_wait_s):
+            while not expected <= set(self.inbox.joined):
+                await self.inbox.wait_status_change()
+        missing = expected - set(self.inbox.joined)
+        if missing:
+            log.warning("peers_missing_at_start count=%d", len(missing))
+        else:
+            log.info("peers_joined count=%d", len(expected))
 
     async def _wait_final_broadcast(self) -> None:
         assert self.inbox is not None

@@ -1,0 +1,313 @@
+"""``shardnet demo``: the whole loop on this machine, as separate OS processes on 127.0.0.1.
+
+It creates a key per node, starts ``shardnet trainer`` (with its origin), 2 ``shardnet relay``
+processes whose upstream is the trainer, and 3 ``shardnet peer`` processes that bootstrap from
+both relays — the same entry points an operator runs on separate machines — waits for the
+trainer to finish its steps, stops the relays and peers with SIGTERM, collects every node's
+JSON report and prints a per-step table.
+
+``ok`` is computed from the reports and from the files on disk, not from log text: every peer
+reported every version committed with the trainer's manifest digest, the versions a peer still
+keeps hash to the trainer's manifest, the trainer finished, and every rollout it trained on had
+passed verification. The exit status is 0 only if ``ok``.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import trio
+
+from p2p.errors import LocalProtocolError, ShardnetError
+from p2p.identity import Identity
+from shardnet.roles import READY_PREFIX, write_json_atomic
+
+log = logging.getLogger(__name__)
+
+PRESETS: dict[str, dict[str, Any]] = {
+    "tiny": {"steps": 10, "preset": "tiny", "n_prompts": 4, "group_size": 8,
+             "max_new_tokens": 16, "shard_size": 256 * 1024, "max_shard_bytes": 1 << 20,
+             "min_batches": 2, "lr": 3e-3, "keep_last": 3},
+    "real-1b": {"steps": 2, "preset": "real-1b", "n_prompts": 1, "group_size": 2,
+                "max_new_tokens": 8, "shard_size": 32 << 20, "max_shard_bytes": 256 << 20,
+                "min_batches": 3, "lr": 1e-5, "keep_last": 2},
+}
+N_RELAYS = 2
+N_PEERS = 3
+
+
+@dataclass(frozen=True)
+class DemoOptions:
+    """What ``shardnet demo`` was asked to do (see the CLI help)."""
+
+    model: str = "tiny"
+    steps: int | None = None
+    report: Path | None = None
+    workdir: Path | None = None
+    keep: bool = False
+    timeout_s: float = 1800.0
+
+
+class Child:
+    """One node process: its command, log file and (once ready) its addresses."""
+
+    def __init__(self, name: str, args: list[str], workdir: Path) -> None:
+        self.name = name
+        self.cmd = [sys.executable, "-m", "shardnet.cli", *args]
+        self.log_path = workdir / "logs" / f"{name}.log"
+        self.report_path = workdir / "reports" / f"{name}.json"
+        self.proc: trio.Process | None = None
+        self.ready: dict[str, Any] = {}
+
+    async def start(self, nursery: trio.Nursery, timeout_s: float) -> dict[str, Any]:
+        """Start the process and wait for its ready line.
+
+        Raises:
+            LocalProtocolError: it exited or did not become ready within ``timeout_s``.
+        """
+        self.log_path.parent.mkdir(parents=True, exist_ok=True)
+        logf = open(self.log_path, "wb")  # noqa: SIM115 - closed when the process is reaped
+        env = {**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1"}
+        self.proc = await trio.lowlevel.open_process(self.cmd, stdout=subprocess.PIPE,
+                                                     stderr=logf, stdin=subprocess.DEVNULL,
+                                                     env=env)
+        logf.close()
+        assert self.proc.stdout is not None
+        buf = b""
+        try:
+            with trio.fail_after(timeout_s):
+                while b"\n" not in buf or not any(
+                        ln.startswith(READY_PREFIX.encode()) for ln in buf.split(b"\n")):
+                    chunk = await self.proc.stdout.receive_some(65536)
+                    if not chunk:
+                        raise LocalProtocolError(f"{self.name} exited before it was ready; "
+                                                 f"see {self.log_path}")
+                    buf += chunk
+        except trio.TooSlowError as exc:
+            raise LocalProtocolError(f"{self.name} not ready after {timeout_s}s; see "
+                                     f"{self.log_path}") from exc
+        line = next(ln for ln in buf.split(b"\n") if ln.startswith(READY_PREFIX.encode()))
+        self.ready = json.loads(line[len(READY_PREFIX):])
+        nursery.start_soon(self._drain)
+        log.info("node_started name=%s peer_id=%s pid=%d", self.name, self.ready["peer_id"],
+                 self.proc.pid)
+        return self.ready
+
+    async def _drain(self) -> None:
+        assert self.proc is not None and self.proc.stdout is not None
+        with open(self.log_path, "ab") as fh:
+            while chunk := await self.proc.stdout.receive_some(65536):
+                fh.write(chunk)
+
+    async def stop(self, grace_s: float = 30.0) -> int | None:
+        """SIGTERM, wait up to ``grace_s``, then SIGKILL; returns the exit code."""
+        if self.proc is None:
+            return None
+        if self.proc.returncode is None:
+            self.proc.send_signal(signal.SIGTERM)
+            with trio.move_on_after(grace_s):
+                await self.proc.wait()
+            if self.proc.returncode is None:
+                log.warning("node_killed name=%s", self.name)
+                self.proc.kill()
+        with trio.CancelScope(shield=True):
+            return await self.proc.wait()
+
+    def report(self) -> dict[str, Any] | None:
+        """The node's JSON report, if it wrote one."""
+        try:
+            return json.loads(self.report_path.read_text())  # type: ignore[no-any-return]
+        except (OSError, ValueError):
+            return None
+
+
+def _common(name: str, workdir: Path, run_id: str, keep_last: int) -> list[str]:
+    d = workdir / name
+    return ["--data-dir", str(d), "--key", str(d / "node.key"), "--run-id", run_id,
+            "--keep-last", str(keep_last), "--report", str(workdir / "reports" / f"{name}.json")]
+
+
+async def run_demo(opts: DemoOptions) -> int:
+    """Run the demo; returns the exit code (0 if ``ok``)."""
+    if opts.model not in PRESETS:
+        raise LocalProtocolError(f"unknown --model {opts.model!r}; use {', '.join(PRESETS)}")
+    p = dict(PRESETS[opts.model])
+    steps = opts.steps if opts.steps is not None else p["steps"]
+    workdir = opts.workdir or Path(tempfile.mkdtemp(prefix="shardnet-demo-"))
+    workdir.mkdir(parents=True, exist_ok=True)
+    run_id = f"demo-{opts.model}"
+    t0 = time.monotonic()
+    ids = {}
+    for name in ["trainer", *[f"relay{i}" for i in range(1, N_RELAYS + 1)],
+                 *[f"peer{i}" for i in range(1, N_PEERS + 1)]]:
+        ids[name] = Identity.load_or_create(workdir / name / "node.key").peer_id
+    peers = [f"peer{i}" for i in range(1, N_PEERS + 1)]
+    relays = [f"relay{i}" for i in range(1, N_RELAYS + 1)]
+    print(f"shardnet demo: model={opts.model} steps={steps} workdir={workdir}", flush=True)
+    trainer = Child("trainer", [
+        "trainer", *_common("trainer", workdir, run_id, p["keep_last"]), "--steps", str(steps),
+        "--preset", p["preset"], "--lr", str(p["lr"]), "--n-prompts", str(p["n_prompts"]),
+        "--group-size", str(p["group_size"]), "--max-new-tokens", str(p["max_new_tokens"]),
+        "--min-batches", str(p["min_batches"]), "--shard-size", str(p["shard_size"]),
+        "--max-shard-bytes", str(p["max_shard_bytes"]),
+        *[a for n in peers for a in ("--allow-peer", ids[n], "--expect-peer", ids[n])]], workdir)
+    children = [trainer]
+    code = 1
+    try:
+        with trio.fail_after(opts.timeout_s):
+            async with trio.open_nursery() as nursery:
+                ready = await trainer.start(nursery, 300)
+                origin = ready["multiaddrs"][0]
+                relay_addrs = []
+                for name in relays:
+                    c = Child(name, ["relay", *_common(name, workdir, run_id, p["keep_last"]),
+                                     "--upstream", origin, "--trainer-id", ids["trainer"]],
+                              workdir)
+                    children.append(c)
+                    relay_addrs.append((await c.start(nursery, 120))["multiaddrs"][0])
+                for name in peers:
+                    c = Child(name, ["peer", *_common(name, workdir, run_id, p["keep_last"]),
+                                     *[a for r in relay_addrs for a in ("--bootstrap", r)],
+                                     "--trainer-id", ids["trainer"],
+                                     "--trainer-addr", origin,
+                                     "--n-prompts", str(p["n_prompts"]),
+                                     "--group-size", str(p["group_size"]),
+                                     "--max-new-tokens", str(p["max_new_tokens"])], workdir)
+                    children.append(c)
+                async with trio.open_nursery() as starting:  # peers start in parallel
+                    for c in children[1 + N_RELAYS:]:
+                        starting.start_soon(c.start, nursery, 300)
+                assert trainer.proc is not None
+                trainer_code = await trainer.proc.wait()
+                for c in reversed(children[1:]):
+                    await c.stop()
+                nursery.cancel_scope.cancel()
+        summary = summarize(workdir, trainer, [c for c in children if c.name in peers],
+                            [c for c in children if c.name in relays], steps, trainer_code)
+        summary["duration_s"] = round(time.monotonic() - t0, 1)
+        summary["model"] = opts.model
+        summary["workdir"] = str(workdir)
+        print_table(summary)
+        if opts.report is not None:
+            write_json_atomic(opts.report, summary)
+        code = 0 if summary["ok"] else 1
+    except trio.TooSlowError:
+        print(f"shardnet demo: timed out after {opts.timeout_s}s; logs in {workdir}/logs",
+              flush=True)
+    except ShardnetError as exc:
+        print(f"shardnet demo: {exc}", flush=True)
+    finally:
+        with trio.CancelScope(shield=True):
+            for c in children:
+                await c.stop(grace_s=10)
+        if code != 0 or opts.keep or opts.workdir is not None:
+            print(f"shardnet demo: work directory kept at {workdir}", flush=True)
+        else:
+            shutil.rmtree(workdir, ignore_errors=True)
+    return code
+
+
+def summarize(workdir: Path, trainer: Child, peers: list[Child], relays: list[Child],
+              steps: int, trainer_code: int) -> dict[str, Any]:
+    """Merge the node reports into the demo report and compute ``ok``."""
+    from shardcast.store import hash_file
+
+    tr = trainer.report() or {}
+    rows = tr.get("steps", [])
+    digests = {r["step"]: r["manifest_digest"] for r in rows}
+    problems: list[str] = []
+    if trainer_code != 0 or not tr.get("finished"):
+        problems.append(f"trainer exited with {trainer_code}")
+    if sorted(digests) != list(range(steps + 1)):
+        problems.append(f"trainer published {sorted(digests)}, expected 0..{steps}")
+    peer_versions: dict[str, dict[int, str]] = {}
+    for c in peers:
+        rep = c.report()
+        if rep is None:
+            problems.append(f"{c.name} wrote no report")
+            continue
+        got = {v["step"]: v["manifest_digest"] for v in rep.get("versions", [])}
+        peer_versions[c.name] = got
+        for step, digest in digests.items():
+            if got.get(step) != digest:
+                problems.append(f"{c.name} did not commit version {step} with the trainer's digest")
+    # independent check of what is on disk now: kept versions hash to the trainer's manifest
+    run_dirs = list((workdir / "trainer" / "versions").iterdir())
+    for c in peers:
+        for run_dir in (workdir / c.name / "versions").iterdir():
+            for step_dir in sorted(run_dir.glob("step-*")):
+                step = int(step_dir.name[5:])
+                env = json.loads((step_dir / "manifest.json").read_text())
+                if env["signer"] != trainer.ready.get("peer_id"):
+                    problems.append(f"{c.name} step {step}: manifest not signed by the trainer")
+                ref = next((r / step_dir.name / "manifest.json" for r in run_dirs
+                            if (r / step_dir.name / "manifest.json").exists()), None)
+                if ref is not None and json.loads(ref.read_text()) != env:
+                    problems.append(f"{c.name} step {step}: manifest differs from the trainer's")
+                for f in env["manifest"]["files"]:
+                    if hash_file(step_dir / f["name"]) != f["digest"]:
+                        problems.append(f"{c.name} step {step}: {f['name']} digest mismatch")
+    trained = tr.get("trained_samples", 0)
+    if not trained or trained != tr.get("trained_verified_samples"):
+        problems.append(f"trained {trained} samples, verified "
+                        f"{tr.get('trained_verified_samples')}")
+    for r in rows:
+        if r.get("broadcast_s") is None:
+            problems.append(f"version {r['step']} did not reach every peer")
+    rewards = [r["mean_reward"] for r in rows if r.get("mean_reward") is not None]
+    return {
+        "ok": not problems,
+        "problems": problems,
+        "steps": [{k: r.get(k) for k in ("step", "broadcast_s", "origin_bytes", "size_bytes",
+                                         "peers_committed", "rollouts_accepted",
+                                         "rollouts_rejected", "rejected_by_reason",
+                                         "mean_reward", "policy_steps_used")} for r in rows],
+        "peers": {c.name: {"peer_id": c.ready.get("peer_id"),
+                           "versions": peer_versions.get(c.name, {})} for c in peers},
+        "relays": {c.name: c.report() for c in relays},
+        "reward_first": rewards[0] if rewards else None,
+        "reward_last": rewards[-1] if rewards else None,
+        "trainer": {k: tr.get(k) for k in ("trainer", "validator", "reputation", "inbox",
+                                           "trained_samples", "trained_verified_samples",
+                                           "origin_bytes_total")},
+    }
+
+
+def print_table(summary: dict[str, Any]) -> None:
+    """Print the per-step table."""
+    from rich.console import Console
+    from rich.table import Table
+
+    peer_ids = {v["peer_id"]: k for k, v in summary["peers"].items()}
+    table = Table(title=f"shardnet demo ({summary['model']}): ok={summary['ok']}")
+    for col in ("step", "broadcast s", "origin bytes", "peers with version", "accepted",
+                "rejected", "mean reward", "trained on"):
+        table.add_column(col, justify="right")
+    for r in summary["steps"]:
+        have = [peer_ids.get(p, p[-6:]) for p in r["peers_committed"] or []]
+        rej = r["rollouts_rejected"] or 0
+        reasons = ",".join(f"{k}:{v}" for k, v in sorted((r["rejected_by_reason"] or {}).items()))
+        table.add_row(str(r["step"]),
+                      f"{r['broadcast_s']:.2f}" if r["broadcast_s"] is not None else "-",
+                      f"{r['origin_bytes']:,}", f"{len(have)}/{len(peer_ids)} "
+                      f"({','.join(sorted(have))})", str(r["rollouts_accepted"]),
+                      f"{rej}" + (f" ({reasons})" if reasons else ""),
+                      f"{r['mean_reward']:.3f}" if r["mean_reward"] is not None else "-",
+                      ",".join(map(str, r["policy_steps_used"] or [])) or "-")
+    console = Console(width=140)
+    console.print(table)
+    for p in summary["problems"]:
+        console.print(f"[red]problem:[/red] {p}")
+    console.print(f"duration {summary.get('duration_s')} s; reward first "
+                  f"{summary['reward_first']} -> last {summary['reward_last']}")

@@ -1,0 +1,173 @@
+"""Role runners behind ``shardnet trainer|relay|peer``: start, announce readiness, stop cleanly.
+
+Each runner opens its node, prints one machine-readable line on stdout once it listens::
+
+    shardnet-ready {"role": "relay", "peer_id": "12D3KooW…", "multiaddrs": [...], "http_url": "…"}
+
+(also written atomically to ``--ready-file`` when given), and runs until its work is done (the
+trainer after its last step) or SIGINT/SIGTERM arrives, which cancels everything and closes
+every connection and listener. ``--report`` receives a JSON summary on the way out, also
+after a signal.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import random
+import signal
+from collections.abc import Awaitable, Callable
+from pathlib import Path
+from typing import Any
+
+import trio
+
+from shardnet.config import PeerSettings, RelaySettings, TrainerSettings
+from shardnet.progress import DownloadProgress
+
+log = logging.getLogger(__name__)
+
+READY_PREFIX = "shardnet-ready "
+
+
+def write_json_atomic(path: Path, obj: Any) -> None:
+    """Write ``obj`` as JSON to ``path`` via a temporary file and a rename."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    tmp.write_text(json.dumps(obj, indent=2, default=str))
+    os.replace(tmp, path)
+
+
+def emit_ready(role: str, node: Any, ready_file: Path | None) -> dict[str, Any]:
+    """Print the ready line (and write ``ready_file``)."""
+    info = {"role": role, "peer_id": node.identity.peer_id, "multiaddrs": node.p2p.multiaddrs(),
+            "http_url": node.http.url, "pid": os.getpid()}
+    print(READY_PREFIX + json.dumps(info), flush=True)
+    if ready_file is not None:
+        write_json_atomic(ready_file, info)
+    return info
+
+
+async def until_signal(body: Callable[[], Awaitable[None]]) -> bool:
+    """Run ``body`` until it returns or SIGINT/SIGTERM arrives.
+
+    Returns:
+        True if a signal ended it.
+    """
+    stopped = False
+    async with trio.open_nursery() as nursery:
+        async def watch() -> None:
+            nonlocal stopped
+            with trio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as signals:
+                async for sig in signals:
+                    log.info("shutdown signal=%s", signal.Signals(sig).name)
+                    stopped = True
+                    nursery.cancel_scope.cancel()
+                    return
+
+        nursery.start_soon(watch)
+        await body()
+        nursery.cancel_scope.cancel()
+    return stopped
+
+
+async def run_trainer(s: TrainerSettings) -> int:
+    """``shardnet trainer``: returns the process exit code."""
+    import torch
+
+    from trainer.trainer import Trainer, TrainerConfig
+
+    torch.set_num_threads(s.torch_threads)
+    identity = s.identity()
+    cfg = TrainerConfig(
+        node=s.node_config(), steps=s.steps, preset=s.preset, seed=s.seed, lr=s.lr,
+        async_level=s.async_level, n_prompts=s.n_prompts, group_size=s.group_size,
+        max_new_tokens=s.max_new_tokens, temperature=s.temperature, min_batches=s.min_batches,
+        step_timeout_s=s.step_timeout_s, shard_size=s.shard_size_bytes,
+        max_shard_bytes=s.max_shard_bytes, expected_peers=tuple(s.expect_peers),
+        final_wait_s=s.final_wait_s, start_wait_s=s.start_wait_s, check_model=s.check_model)
+    trainer = Trainer(identity, s.trust(identity), cfg)
+    finished = False
+
+    async def body() -> None:
+        nonlocal finished
+        async with trio.open_nursery() as nursery:
+            node = await nursery.start(trainer.run)
+            emit_ready("trainer", node, s.ready_file)
+        finished = True
+
+    try:
+        await until_signal(body)
+    finally:
+        if s.report is not None and trainer.node is not None:
+            report = trainer.report()
+            report["finished"] = finished
+            write_json_atomic(s.report, report)
+    return 0 if finished else 130
+
+
+async def run_relay(s: RelaySettings) -> int:
+    """``shardnet relay``: runs until a signal; returns the exit code."""
+    from shardcast.follower import Follower
+    from shardcast.node import ShardcastNode
+
+    identity = s.identity()
+    follower: Follower | None = None
+
+    async def body() -> None:
+        nonlocal follower
+        async with ShardcastNode.open(identity, s.trust(), s.node_config()) as node:
+            follower = Follower(node, s.follow_config(s.upstream),
+                                random.Random(f"relay:{identity.peer_id}"))
+            emit_ready("relay", node, s.ready_file)
+            await follower.run()
+
+    try:
+        await until_signal(body)
+    finally:
+        if s.report is not None and follower is not None:
+            write_json_atomic(s.report, {
+                "peer_id": identity.peer_id, "role": "relay",
+                "versions": [{"step": r.step, "manifest_digest": r.digest,
+                              "download_s": r.stats.elapsed_s if r.stats else None,
+                              "bytes_by_source": r.stats.bytes_by_source if r.stats else {}}
+                             for r in follower.records],
+                "http": vars(follower.node.http.statistics()) | {"errors": dict(
+                    follower.node.http.statistics().errors)},
+                "bytes_by_step": follower.node.server.bytes_by_step})
+    return 0
+
+
+async def run_peer(s: PeerSettings) -> int:
+    """``shardnet peer``: runs until a signal; returns the exit code."""
+    import torch
+
+    from rollout.batch import SamplingConfig
+    from shardnet.peer import InferencePeer, PeerConfig
+
+    torch.set_num_threads(s.torch_threads)
+    if s.engine != "transformers":
+        from p2p.errors import ConfigError
+
+        raise ConfigError("engine", f"unknown engine {s.engine!r} (available: transformers)")
+    identity = s.identity()
+    cfg = PeerConfig(node=s.node_config(), follow=s.follow_config(s.bootstrap),
+                     sampling=SamplingConfig(n_prompts=s.n_prompts, group_size=s.group_size,
+                                             max_new_tokens=s.max_new_tokens,
+                                             temperature=s.temperature),
+                     max_versions=s.max_versions, trainer_addrs=tuple(s.trainer_addr))
+    with DownloadProgress() as progress:
+        peer = InferencePeer(identity, s.trust(), cfg, progress=progress)
+
+        async def body() -> None:
+            async with trio.open_nursery() as nursery:
+                node = await nursery.start(peer.run)
+                emit_ready("peer", node, s.ready_file)
+
+        try:
+            await until_signal(body)
+        finally:
+            if s.report is not None:
+                write_json_atomic(s.report, peer.report())
+    return 0
