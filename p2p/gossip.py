@@ -133,13 +133,15 @@ class Subscription:
         self._dropped = 0
 
     @classmethod
-    async def start(cls, pubsub: Pubsub, topic: str, cfg: GossipConfig,
-                    nursery: trio.Nursery) -> Subscription:
+    async def start(
+        cls, pubsub: Pubsub, topic: str, cfg: GossipConfig, nursery: trio.Nursery
+    ) -> Subscription:
         """Subscribe and start the drain task in ``nursery``."""
         sub = cls(topic, cfg)
         # The library reads this module constant at subscribe time for its channel size.
-        _pubsub_mod.SUBSCRIPTION_CHANNEL_SIZE = max(_pubsub_mod.SUBSCRIPTION_CHANNEL_SIZE,
-                                                    cfg.queue_size)
+        _pubsub_mod.SUBSCRIPTION_CHANNEL_SIZE = max(
+            _pubsub_mod.SUBSCRIPTION_CHANNEL_SIZE, cfg.queue_size
+        )
         lib_sub = await pubsub.subscribe(topic)
         my_id = pubsub.my_id
 
@@ -156,8 +158,9 @@ class Subscription:
         self._received += 1
         if len(msg.data) > self._cfg.max_message_bytes:
             self._dropped += 1
-            log.warning("gossip_dropped topic=%s reason=oversize size_bytes=%d", self.topic,
-                        len(msg.data))
+            log.warning(
+                "gossip_dropped topic=%s reason=oversize size_bytes=%d", self.topic, len(msg.data)
+            )
             return
         if len(self._pending) >= self._cfg.queue_size:
             self._pending.popleft()

@@ -23,6 +23,7 @@ import logging
 from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
 
 import multiaddr
 import trio
@@ -54,6 +55,9 @@ from p2p.errors import (
 )
 from p2p.gossip import GossipConfig, Subscription, make_router, prepare_subscription
 from p2p.identity import Identity
+
+if TYPE_CHECKING:
+    from trio_typing import TaskStatus
 
 log = logging.getLogger(__name__)
 
@@ -109,6 +113,25 @@ def peer_id_of(addr: str) -> str:
         raise ConfigError("multiaddr", f"{addr!r} has no /p2p/<PeerID> part: {exc}") from exc
 
 
+async def _no_auto_connect() -> None:
+    """Replacement for py-libp2p's AutoConnector cycle: shardnet dials only what it is told."""
+
+
+def _disable_auto_connect(host: object) -> None:
+    """Turn off py-libp2p 0.8.1's AutoConnector.
+
+    By default it dials every peer in the peerstore until 200 connections are open
+    (learnt addresses included). shardnet's topology is explicit (upstreams, bootstrap peers,
+    the trainer), so a node must never dial an address it was not configured with or told to
+    use by a signed announcement. The library has no switch for this, so the connector's
+    cycle is replaced by a no-op on this host only.
+    """
+    network = host.get_network()  # type: ignore[attr-defined]
+    connector = getattr(network, "auto_connector", None)
+    if connector is not None:
+        connector.maybe_connect = _no_auto_connect
+
+
 class P2PNode:
     """A running libp2p host with request/response and gossip.
 
@@ -116,8 +139,15 @@ class P2PNode:
     from any task of the owning trio run.
     """
 
-    def __init__(self, identity: Identity, config: HostConfig, host: object, pubsub: Pubsub,
-                 rr: RequestResponse, nursery: trio.Nursery) -> None:
+    def __init__(
+        self,
+        identity: Identity,
+        config: HostConfig,
+        host: object,
+        pubsub: Pubsub,
+        rr: RequestResponse,
+        nursery: trio.Nursery,
+    ) -> None:
         self.identity = identity
         self.config = config
         self._host = host
@@ -141,12 +171,13 @@ class P2PNode:
         """
         listen = [parse_multiaddr(a) for a in config.listen_multiaddrs]
         host = new_host(key_pair=identity.key_pair, muxer_preference="YAMUX", listen_addrs=listen)
+        _disable_auto_connect(host)
         router = make_router(config.gossip)
         pubsub = Pubsub(host, router)
         rr = RequestResponse(host)
         stop = trio.Event()
 
-        async def service(task_status: trio.TaskStatus[P2PNode]) -> None:
+        async def service(task_status: TaskStatus[P2PNode]) -> None:
             # The host runs shielded from the caller's cancellation and is stopped explicitly:
             # py-libp2p 0.8.1 leaks connection sockets when its tasks are cancelled before
             # host.close() has run, so close() must come first, then the tasks stop.
@@ -154,19 +185,24 @@ class P2PNode:
                 async with host.run(listen_addrs=listen):
                     try:
                         async with trio.open_nursery() as nursery:
-                            async with background_trio_service(pubsub), \
-                                    background_trio_service(router):
+                            async with (
+                                background_trio_service(pubsub),
+                                background_trio_service(router),
+                            ):
                                 with trio.fail_after(30):
                                     await pubsub.wait_until_ready()
                                 node = cls(identity, config, host, pubsub, rr, nursery)
-                                log.info("host_started peer_id=%s addrs=%s", identity.peer_id,
-                                         ",".join(node.multiaddrs()))
+                                log.info(
+                                    "host_started peer_id=%s addrs=%s",
+                                    identity.peer_id,
+                                    ",".join(node.multiaddrs()),
+                                )
                                 task_status.started(node)
                                 await stop.wait()
                                 nursery.cancel_scope.cancel()
                     finally:
                         with trio.move_on_after(5):
-                            await host.close()  # type: ignore[attr-defined]
+                            await host.close()
 
         try:
             async with trio.open_nursery() as outer:
@@ -216,7 +252,9 @@ class P2PNode:
             with trio.fail_after(self.config.dial_timeout_s):
                 await self._host.connect(info)  # type: ignore[attr-defined]
         except trio.TooSlowError as exc:
-            raise PeerUnreachable(pid, f"dial timed out after {self.config.dial_timeout_s}s") from exc
+            raise PeerUnreachable(
+                pid, f"dial timed out after {self.config.dial_timeout_s}s"
+            ) from exc
         except (OSError, ShardnetError) as exc:
             raise PeerUnreachable(pid, f"dial failed: {exc}") from exc
         except Exception as exc:  # libp2p raises SwarmException and friends
@@ -224,8 +262,16 @@ class P2PNode:
         log.debug("peer_connected peer=%s", short_id(pid))
         return pid
 
-    def serve(self, protocol: str, handler: Handler, *, max_request_bytes: int,
-              max_response_bytes: int, timeout_s: float, max_concurrent: int = 64) -> None:
+    def serve(
+        self,
+        protocol: str,
+        handler: Handler,
+        *,
+        max_request_bytes: int,
+        max_response_bytes: int,
+        timeout_s: float,
+        max_concurrent: int = 64,
+    ) -> None:
         """Register ``handler(peer_id, request_bytes) -> response_bytes`` on ``protocol``.
 
         The handler runs with ``timeout_s`` for reading the request, handling and writing the
@@ -233,22 +279,34 @@ class P2PNode:
         handler that raises a :class:`ShardnetError` resets the stream (the caller sees
         ``StreamBroken``); the error is logged with the caller's short PeerID.
         """
+
         async def _wrapped(request: bytes, ctx: RequestContext) -> bytes:
             sender = ctx.peer_id.to_base58()
             try:
                 return await handler(sender, request)
             except ShardnetError as exc:
-                log.warning("request_refused protocol=%s peer=%s error=%s", protocol,
-                            short_id(sender), exc)
+                log.warning(
+                    "request_refused protocol=%s peer=%s error=%s", protocol, short_id(sender), exc
+                )
                 raise RequestResponseError(str(exc)) from exc
 
-        cfg = RequestResponseConfig(timeout=timeout_s, max_request_size=max_request_bytes,
-                                    max_response_size=max_response_bytes,
-                                    max_concurrent_inbound=max_concurrent)
+        cfg = RequestResponseConfig(
+            timeout=timeout_s,
+            max_request_size=max_request_bytes,
+            max_response_size=max_response_bytes,
+            max_concurrent_inbound=max_concurrent,
+        )
         self._rr.set_handler(TProtocol(protocol), _wrapped, BytesCodec(), cfg)
 
-    async def request(self, peer_id: str, protocol: str, payload: bytes, *,
-                      max_response_bytes: int, timeout_s: float) -> bytes:
+    async def request(
+        self,
+        peer_id: str,
+        protocol: str,
+        payload: bytes,
+        *,
+        max_response_bytes: int,
+        timeout_s: float,
+    ) -> bytes:
         """Send one request on a new stream to ``peer_id`` and return the response bytes.
 
         Raises:
@@ -257,15 +315,24 @@ class P2PNode:
             MessageTooLarge: the response exceeded ``max_response_bytes``.
             RemoteProtocolError: the peer does not speak ``protocol``.
         """
-        cfg = RequestResponseConfig(timeout=timeout_s, max_request_size=max(len(payload), 1),
-                                    max_response_size=max_response_bytes)
+        cfg = RequestResponseConfig(
+            timeout=timeout_s,
+            max_request_size=max(len(payload), 1),
+            max_response_size=max_response_bytes,
+        )
         try:
-            return bytes(await self._rr.send_request(ID.from_base58(peer_id), [TProtocol(protocol)],
-                                                     payload, BytesCodec(), cfg))
+            codec: Any = BytesCodec()
+            return bytes(
+                await self._rr.send_request(
+                    ID.from_base58(peer_id), [TProtocol(protocol)], payload, codec, cfg
+                )
+            )
         except RequestTimeoutError as exc:
             raise StreamBroken(peer_id, f"{protocol} timed out after {timeout_s}s") from exc
         except MessageTooLargeError as exc:
-            raise MessageTooLarge(peer_id, f"{protocol} response over {max_response_bytes} bytes") from exc
+            raise MessageTooLarge(
+                peer_id, f"{protocol} response over {max_response_bytes} bytes"
+            ) from exc
         except ProtocolNotSupportedError as exc:
             raise RemoteProtocolError(peer_id, f"does not speak {protocol}") from exc
         except RequestResponseError as exc:

@@ -80,9 +80,7 @@ def need_int(msg: Mapping[str, Any], key: str, lo: int, hi: int, sender: str = "
     return val
 
 
-def need_float(
-    msg: Mapping[str, Any], key: str, lo: float, hi: float, sender: str = ""
-) -> float:
+def need_float(msg: Mapping[str, Any], key: str, lo: float, hi: float, sender: str = "") -> float:
     """``msg[key]`` as a finite float (ints accepted) in ``[lo, hi]``."""
     val = need(msg, key, (int, float), sender)
     val = float(val)
@@ -123,4 +121,6 @@ def need_version(msg: Mapping[str, Any], supported: int, kind: str, sender: str 
     """Check the schema version field ``"v"`` equals ``supported``."""
     v = need(msg, "v", int, sender)
     if v != supported:
-        raise RemoteProtocolError(sender, f"{kind} schema version {v}, this node speaks {supported}")
+        raise RemoteProtocolError(
+            sender, f"{kind} schema version {v}, this node speaks {supported}"
+        )

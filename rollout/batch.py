@@ -56,8 +56,17 @@ def sample_seed(peer_id: str, step: int, prompt_index: int) -> int:
     return int.from_bytes(h[:8], "big") >> 1
 
 
-def build_batch(engine: Engine, tokenizer: Any, task: Task, *, peer_id: str, run_id: str,
-                step: int, manifest_digest: str, cfg: SamplingConfig) -> RolloutBatch:
+def build_batch(
+    engine: Engine,
+    tokenizer: Any,
+    task: Task,
+    *,
+    peer_id: str,
+    run_id: str,
+    step: int,
+    manifest_digest: str,
+    cfg: SamplingConfig,
+) -> RolloutBatch:
     """Generate one batch for ``step`` with the engine's loaded weights.
 
     Returns:
@@ -69,16 +78,37 @@ def build_batch(engine: Engine, tokenizer: Any, task: Task, *, peer_id: str, run
     groups = []
     for i, text in enumerate(task.prompts_for(peer_id, step, cfg.n_prompts)):
         prompt_ids = list(tokenizer(text)["input_ids"])
-        gens: list[Generation] = engine.generate(prompt_ids, cfg.group_size, cfg.max_new_tokens,
-                                                 cfg.temperature, sample_seed(peer_id, step, i))
+        gens: list[Generation] = engine.generate(
+            prompt_ids,
+            cfg.group_size,
+            cfg.max_new_tokens,
+            cfg.temperature,
+            sample_seed(peer_id, step, i),
+        )
         samples = []
         for g in gens:
-            proofs = build_proofs(None if cfg.toploc.skip_prefill else g.prefill_bits,
-                                  g.decode_bits, cfg.toploc)
-            samples.append(Sample(tuple(g.completion_ids), tuple(g.logprobs),
-                                  float(task.reward(g.completion_ids, tokenizer)),
-                                  g.finish_reason, b"".join(proofs)))
+            proofs = build_proofs(
+                None if cfg.toploc.skip_prefill else g.prefill_bits, g.decode_bits, cfg.toploc
+            )
+            samples.append(
+                Sample(
+                    tuple(g.completion_ids),
+                    tuple(g.logprobs),
+                    float(task.reward(g.completion_ids, tokenizer)),
+                    g.finish_reason,
+                    b"".join(proofs),
+                )
+            )
         groups.append(Group(i, tuple(prompt_ids), tuple(samples)))
-    return RolloutBatch(run_id, peer_id, step, manifest_digest, task.name, cfg.n_prompts,
-                        sample_seed(peer_id, step, -1), cfg.temperature, cfg.max_new_tokens,
-                        tuple(groups))
+    return RolloutBatch(
+        run_id,
+        peer_id,
+        step,
+        manifest_digest,
+        task.name,
+        cfg.n_prompts,
+        sample_seed(peer_id, step, -1),
+        cfg.temperature,
+        cfg.max_new_tokens,
+        tuple(groups),
+    )

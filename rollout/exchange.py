@@ -71,9 +71,16 @@ class Ack:
 
     def encode(self) -> bytes:
         """Canonical CBOR bytes."""
-        return wire.encode({"v": 1, "batch_id": self.batch_id, "status": self.status,
-                            "reason": self.reason, "accepted": self.accepted,
-                            "rejected": self.rejected})
+        return wire.encode(
+            {
+                "v": 1,
+                "batch_id": self.batch_id,
+                "status": self.status,
+                "reason": self.reason,
+                "accepted": self.accepted,
+                "rejected": self.rejected,
+            }
+        )
 
     @classmethod
     def decode(cls, data: bytes, sender: str = "") -> Ack:
@@ -83,10 +90,13 @@ class Ack:
         status = wire.need_str(obj, "status", 16, sender)
         if status not in ACK_STATUSES:
             raise RemoteProtocolError(sender, f"ack status {status!r}")
-        return cls(wire.need_str(obj, "batch_id", 32, sender), status,
-                   wire.need_str(obj, "reason", 64, sender),
-                   wire.need_int(obj, "accepted", 0, 1 << 30, sender),
-                   wire.need_int(obj, "rejected", 0, 1 << 30, sender))
+        return cls(
+            wire.need_str(obj, "batch_id", 32, sender),
+            status,
+            wire.need_str(obj, "reason", 64, sender),
+            wire.need_int(obj, "accepted", 0, 1 << 30, sender),
+            wire.need_int(obj, "rejected", 0, 1 << 30, sender),
+        )
 
 
 @dataclass(frozen=True)
@@ -135,8 +145,15 @@ class RolloutSender:
         rng: seeded randomness for backoff jitter.
     """
 
-    def __init__(self, node: P2PNode, identity: Identity, run_id: str, trainer: str,
-                 config: SenderConfig, rng: random.Random) -> None:
+    def __init__(
+        self,
+        node: P2PNode,
+        identity: Identity,
+        run_id: str,
+        trainer: str,
+        config: SenderConfig,
+        rng: random.Random,
+    ) -> None:
         self.node = node
         self.identity = identity
         self.run_id = run_id
@@ -148,8 +165,13 @@ class RolloutSender:
         self._submitted = self._retries = self._given_up = self._served = 0
         self._acked: dict[str, int] = {}
         self.acks: list[Ack] = []
-        node.serve(FETCH_PROTOCOL, self._on_fetch, max_request_bytes=256,
-                   max_response_bytes=MAX_BATCH_BYTES, timeout_s=120.0)
+        node.serve(
+            FETCH_PROTOCOL,
+            self._on_fetch,
+            max_request_bytes=256,
+            max_response_bytes=MAX_BATCH_BYTES,
+            timeout_s=120.0,
+        )
 
     async def _on_fetch(self, sender: str, request: bytes) -> bytes:
         if sender != self.trainer:
@@ -193,8 +215,13 @@ class RolloutSender:
                 if ack is not None and ack.final:
                     self._acked[ack.status] = self._acked.get(ack.status, 0) + 1
                     self.acks.append(ack)
-                    log.info("rollout_acked batch=%s status=%s reason=%s accepted=%d",
-                             ann.batch_id[:8], ack.status, ack.reason, ack.accepted)
+                    log.info(
+                        "rollout_acked batch=%s status=%s reason=%s accepted=%d",
+                        ann.batch_id[:8],
+                        ack.status,
+                        ack.reason,
+                        ack.accepted,
+                    )
                     return
                 if trio.current_time() + backoff > deadline:
                     self._given_up += 1
@@ -209,13 +236,21 @@ class RolloutSender:
 
     async def _announce_once(self, ann: RolloutAnnouncement, data: bytes) -> Ack | None:
         try:
-            resp = await self.node.request(self.trainer, ANNOUNCE_PROTOCOL, data,
-                                           max_response_bytes=MAX_ACK_BYTES,
-                                           timeout_s=self.config.ack_timeout_s)
+            resp = await self.node.request(
+                self.trainer,
+                ANNOUNCE_PROTOCOL,
+                data,
+                max_response_bytes=MAX_ACK_BYTES,
+                timeout_s=self.config.ack_timeout_s,
+            )
             ack = Ack.decode(resp, sender=self.trainer)
         except (TransportError, RemoteProtocolError) as exc:
-            log.info("rollout_announce_failed batch=%s trainer=%s error=%s", ann.batch_id[:8],
-                     short_id(self.trainer), exc)
+            log.info(
+                "rollout_announce_failed batch=%s trainer=%s error=%s",
+                ann.batch_id[:8],
+                short_id(self.trainer),
+                exc,
+            )
             return None
         if ack.batch_id != ann.batch_id:
             log.warning("rollout_ack_mismatch batch=%s", ann.batch_id[:8])
@@ -224,12 +259,19 @@ class RolloutSender:
 
     def statistics(self) -> SenderStats:
         """Current counters."""
-        return SenderStats(self._submitted, dict(self._acked), self._retries, self._given_up,
-                           len(self._pending), self._served)
+        return SenderStats(
+            self._submitted,
+            dict(self._acked),
+            self._retries,
+            self._given_up,
+            len(self._pending),
+            self._served,
+        )
 
 
-async def report_status(node: P2PNode, trainer: str, step: int | None,
-                        manifest_digest: str = "", attempts: int = 5) -> bool:
+async def report_status(
+    node: P2PNode, trainer: str, step: int | None, manifest_digest: str = "", attempts: int = 5
+) -> bool:
     """Tell the trainer this node committed version ``step`` (best effort, bounded retries).
 
     With ``step=None`` it is a hello: "this peer has joined the run".
@@ -237,13 +279,15 @@ async def report_status(node: P2PNode, trainer: str, step: int | None,
     Returns:
         True if the trainer acknowledged.
     """
-    msg = wire.encode({"v": 1} if step is None else
-                      {"v": 1, "step": step, "manifest_digest": manifest_digest})
+    msg = wire.encode(
+        {"v": 1} if step is None else {"v": 1, "step": step, "manifest_digest": manifest_digest}
+    )
     delay = 0.2
     for _ in range(attempts):
         try:
-            await node.request(trainer, STATUS_PROTOCOL, msg, max_response_bytes=256,
-                               timeout_s=10.0)
+            await node.request(
+                trainer, STATUS_PROTOCOL, msg, max_response_bytes=256, timeout_s=10.0
+            )
             return True
         except (TransportError, RemoteProtocolError) as exc:
             log.info("status_report_failed step=%s error=%s", step, exc)

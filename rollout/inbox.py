@@ -27,6 +27,7 @@ import logging
 from collections import OrderedDict, deque
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import trio
 
@@ -49,6 +50,9 @@ from rollout.schema import (
     rollouts_topic,
 )
 from rollout.verify import Validator
+
+if TYPE_CHECKING:
+    from trio_typing import TaskStatus
 
 log = logging.getLogger(__name__)
 
@@ -106,8 +110,15 @@ class RolloutInbox:
         config: settings.
     """
 
-    def __init__(self, node: P2PNode, run_id: str, validator: Validator, reputation: Reputation,
-                 current_step: Callable[[], int], config: InboxConfig | None = None) -> None:
+    def __init__(
+        self,
+        node: P2PNode,
+        run_id: str,
+        validator: Validator,
+        reputation: Reputation,
+        current_step: Callable[[], int],
+        config: InboxConfig | None = None,
+    ) -> None:
         self.node = node
         self.run_id = run_id
         self.validator = validator
@@ -127,12 +138,22 @@ class RolloutInbox:
         self.joined: dict[str, float] = {}
         self._status_changed = trio.Event()
 
-    async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
+    async def run(self, *, task_status: TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
         """Serve the announce/status protocols and listen to gossip until cancelled."""
-        self.node.serve(ANNOUNCE_PROTOCOL, self._on_direct, max_request_bytes=MAX_ANNOUNCEMENT_BYTES,
-                        max_response_bytes=MAX_ACK_BYTES, timeout_s=self.config.handler_timeout_s)
-        self.node.serve(STATUS_PROTOCOL, self._on_status, max_request_bytes=512,
-                        max_response_bytes=256, timeout_s=10.0)
+        self.node.serve(
+            ANNOUNCE_PROTOCOL,
+            self._on_direct,
+            max_request_bytes=MAX_ANNOUNCEMENT_BYTES,
+            max_response_bytes=MAX_ACK_BYTES,
+            timeout_s=self.config.handler_timeout_s,
+        )
+        self.node.serve(
+            STATUS_PROTOCOL,
+            self._on_status,
+            max_request_bytes=512,
+            max_response_bytes=256,
+            timeout_s=10.0,
+        )
         sub = await self.node.subscribe(rollouts_topic(self.run_id))
         async with trio.open_nursery() as nursery:
             task_status.started()
@@ -181,8 +202,12 @@ class RolloutInbox:
         try:
             ann = RolloutAnnouncement.decode(data, sender=sender)
         except ShardnetError as exc:
-            log.warning("rollout_announcement_invalid sender=%s route=%s error=%s",
-                        short_id(sender), route, exc)
+            log.warning(
+                "rollout_announcement_invalid sender=%s route=%s error=%s",
+                short_id(sender),
+                route,
+                exc,
+            )
             return None
         if ann.run_id != self.run_id:
             return Ack(ann.batch_id, "rejected", "wrong_run")
@@ -216,20 +241,28 @@ class RolloutInbox:
         try:
             async with self._fetch_slots:
                 payload = await self.node.request(
-                    ann.submitter, FETCH_PROTOCOL, wire.encode({"v": 1, "batch_id": ann.batch_id}),
+                    ann.submitter,
+                    FETCH_PROTOCOL,
+                    wire.encode({"v": 1, "batch_id": ann.batch_id}),
                     max_response_bytes=min(ann.size, MAX_BATCH_BYTES),
-                    timeout_s=self.config.fetch_timeout_s)
+                    timeout_s=self.config.fetch_timeout_s,
+                )
         except TransportError as exc:
-            log.info("rollout_fetch_failed batch=%s submitter=%s error=%s", ann.batch_id[:8],
-                     short_id(ann.submitter), exc)
+            log.info(
+                "rollout_fetch_failed batch=%s submitter=%s error=%s",
+                ann.batch_id[:8],
+                short_id(ann.submitter),
+                exc,
+            )
             return Ack(ann.batch_id, "retry", "fetch_failed")
         except RemoteProtocolError as exc:
             return self._refuse(ann, "integrity", f"fetch: {exc}")
         self._fetched += len(payload)
         try:
             ann.check_payload(payload, ann.submitter)
-            batch = RolloutBatch.decode(payload, vocab_size=self.validator.oracle.vocab_size,
-                                        sender=ann.submitter)
+            batch = RolloutBatch.decode(
+                payload, vocab_size=self.validator.oracle.vocab_size, sender=ann.submitter
+            )
         except IntegrityError as exc:
             return self._refuse(ann, "integrity", str(exc))
         except RemoteProtocolError as exc:
@@ -238,21 +271,30 @@ class RolloutInbox:
             return self._refuse(ann, "schema", "payload step differs from the announcement")
         async with self._verify_lock:
             verdict = await trio.to_thread.run_sync(
-                lambda: self.validator.check(batch, sender=ann.submitter,
-                                             current_step=self.current_step()))
+                lambda: self.validator.check(
+                    batch, sender=ann.submitter, current_step=self.current_step()
+                )
+            )
         self.reputation.record(ann.submitter, verdict.accepted, verdict.reason)
         if verdict.accepted:
             self._buffer.append(AcceptedBatch(batch, ann, trio.current_time()))
             self._buffer_changed.set()
             self._buffer_changed = trio.Event()
-            return self._remember(ann.batch_id, Ack(ann.batch_id, "accepted", "ok",
-                                                    accepted=verdict.samples))
-        return self._remember(ann.batch_id, Ack(ann.batch_id, "rejected", verdict.reason,
-                                                rejected=verdict.samples))
+            return self._remember(
+                ann.batch_id, Ack(ann.batch_id, "accepted", "ok", accepted=verdict.samples)
+            )
+        return self._remember(
+            ann.batch_id, Ack(ann.batch_id, "rejected", verdict.reason, rejected=verdict.samples)
+        )
 
     def _refuse(self, ann: RolloutAnnouncement, reason: str, detail: str) -> Ack:
-        log.warning("rollout_refused batch=%s submitter=%s reason=%s detail=%s",
-                    ann.batch_id[:8], short_id(ann.submitter), reason, detail)
+        log.warning(
+            "rollout_refused batch=%s submitter=%s reason=%s detail=%s",
+            ann.batch_id[:8],
+            short_id(ann.submitter),
+            reason,
+            detail,
+        )
         self.validator.reject_unchecked(reason, 0)
         self.reputation.record(ann.submitter, False, reason)
         return self._remember(ann.batch_id, Ack(ann.batch_id, "rejected", reason))
@@ -284,5 +326,12 @@ class RolloutInbox:
 
     def statistics(self) -> InboxStats:
         """Current counters."""
-        return InboxStats(self._announcements, dict(self._by_route), self._duplicates,
-                          self._fetched, len(self._buffer), self._expired, dict(self._acks))
+        return InboxStats(
+            self._announcements,
+            dict(self._by_route),
+            self._duplicates,
+            self._fetched,
+            len(self._buffer),
+            self._expired,
+            dict(self._acks),
+        )

@@ -31,6 +31,7 @@ do not construct models concurrently from several threads.
 from __future__ import annotations
 
 import json
+import threading
 from pathlib import Path
 from typing import Any, cast
 
@@ -158,6 +159,12 @@ def preset_config(preset: str) -> LlamaConfig:
     return LlamaConfig(**_COMMON, **PRESETS[preset])
 
 
+_CONSTRUCT_LOCK = threading.Lock()
+"""Model construction patches process-wide state (transformers' ``no_init_weights`` replaces
+``torch.nn.init`` functions, ``from_config(dtype=…)`` sets the default dtype), so models are
+built one at a time per process, whatever thread asks."""
+
+
 def build_model(preset: str, seed: int, dtype: torch.dtype = torch.bfloat16) -> torch.nn.Module:
     """Build a preset causal LM with seeded random weights.
 
@@ -178,7 +185,7 @@ def build_model(preset: str, seed: int, dtype: torch.dtype = torch.bfloat16) -> 
         ConfigError: unknown preset.
     """
     config = preset_config(preset)
-    with torch.random.fork_rng(devices=[]):
+    with _CONSTRUCT_LOCK, torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
         master = _AUTO_MODEL.from_config(config, dtype=torch.float32)
     if dtype == torch.float32:
@@ -309,6 +316,6 @@ def _load_file(path: Path) -> dict[str, torch.Tensor]:
 
 def _empty_model(config: Any, dtype: torch.dtype) -> torch.nn.Module:
     """Construct ``config``'s causal LM with uninitialized parameters of ``dtype``."""
-    with no_init_weights():
+    with _CONSTRUCT_LOCK, no_init_weights():
         model = _AUTO_MODEL.from_config(config, dtype=dtype)
     return cast(torch.nn.Module, model.eval())

@@ -19,12 +19,25 @@ from __future__ import annotations
 import logging
 from collections import OrderedDict
 from dataclasses import dataclass, field
+from typing import Any
 
 log = logging.getLogger(__name__)
 
-_SEVERE = {"toploc": 0.5, "prompt": 0.5, "reward": 0.5, "untrusted": 0.5, "integrity": 0.5,
-           "schema": 0.5, "sampling": 0.5, "termination": 0.5, "unknown_weights": 0.34,
-           "wrong_run": 0.34, "check_error": 0.1, "stale_step": 0.05, "duplicate": 0.1}
+_SEVERE = {
+    "toploc": 0.5,
+    "prompt": 0.5,
+    "reward": 0.5,
+    "untrusted": 0.5,
+    "integrity": 0.5,
+    "schema": 0.5,
+    "sampling": 0.5,
+    "termination": 0.5,
+    "unknown_weights": 0.34,
+    "wrong_run": 0.34,
+    "check_error": 0.1,
+    "stale_step": 0.05,
+    "duplicate": 0.1,
+}
 
 
 @dataclass(frozen=True)
@@ -87,14 +100,18 @@ class Reputation:
         """Record a verdict; returns the new score."""
         c = self.config
         old = self.score(peer)
-        new = (min(c.initial, old + c.reward) if accepted
-               else old - c.penalties.get(reason, c.default_penalty))
+        new = (
+            min(c.initial, old + c.reward)
+            if accepted
+            else old - c.penalties.get(reason, c.default_penalty)
+        )
         self._scores[peer] = new
         self._scores.move_to_end(peer)
         if new < c.threshold and peer not in self._refused:
             self._refused.add(peer)
-            log.warning("submitter_refused peer=%s score=%.2f last_reason=%s", peer[-8:], new,
-                        reason)
+            log.warning(
+                "submitter_refused peer=%s score=%.2f last_reason=%s", peer[-8:], new, reason
+            )
         self._trim(self._scores)
         return new
 
@@ -111,7 +128,7 @@ class Reputation:
             self._limited += 1
         return ok
 
-    def _trim(self, table: OrderedDict[str, object]) -> None:  # type: ignore[type-arg]
+    def _trim(self, table: OrderedDict[str, Any]) -> None:
         while len(table) > self.config.max_tracked:
             for key in table:
                 if key not in self._refused:
@@ -122,5 +139,6 @@ class Reputation:
 
     def statistics(self) -> ReputationStats:
         """Current scores and counters."""
-        return ReputationStats(dict(self._scores), tuple(sorted(self._refused)),
-                               self._refused_count, self._limited)
+        return ReputationStats(
+            dict(self._scores), tuple(sorted(self._refused)), self._refused_count, self._limited
+        )

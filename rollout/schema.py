@@ -108,15 +108,37 @@ class RolloutBatch:
 
     def encode(self) -> bytes:
         """Canonical CBOR bytes."""
-        return wire.encode({
-            "v": 1, "run_id": self.run_id, "submitter": self.submitter,
-            "policy_step": self.policy_step, "manifest_digest": self.manifest_digest,
-            "task": self.task, "n_prompts": self.n_prompts, "seed": self.seed,
-            "temperature": self.temperature, "max_new_tokens": self.max_new_tokens,
-            "groups": [{"i": g.prompt_index, "prompt": list(g.prompt_ids),
-                        "samples": [{"ids": list(s.completion_ids), "lp": list(s.logprobs),
-                                     "r": s.reward, "fin": s.finish_reason, "proof": s.proof}
-                                    for s in g.samples]} for g in self.groups]})
+        return wire.encode(
+            {
+                "v": 1,
+                "run_id": self.run_id,
+                "submitter": self.submitter,
+                "policy_step": self.policy_step,
+                "manifest_digest": self.manifest_digest,
+                "task": self.task,
+                "n_prompts": self.n_prompts,
+                "seed": self.seed,
+                "temperature": self.temperature,
+                "max_new_tokens": self.max_new_tokens,
+                "groups": [
+                    {
+                        "i": g.prompt_index,
+                        "prompt": list(g.prompt_ids),
+                        "samples": [
+                            {
+                                "ids": list(s.completion_ids),
+                                "lp": list(s.logprobs),
+                                "r": s.reward,
+                                "fin": s.finish_reason,
+                                "proof": s.proof,
+                            }
+                            for s in g.samples
+                        ],
+                    }
+                    for g in self.groups
+                ],
+            }
+        )
 
     @property
     def n_samples(self) -> int:
@@ -147,30 +169,46 @@ class RolloutBatch:
                 ids = _ids(wire.need_list(rs, "ids", max_new, sender), vocab_size, sender)
                 lps = wire.need_list(rs, "lp", max_new, sender)
                 if len(lps) != len(ids) or not ids:
-                    raise RemoteProtocolError(sender, "logprobs and completion lengths differ "
-                                              "or the completion is empty")
-                if not all(isinstance(x, float | int) and not isinstance(x, bool)
-                           and math.isfinite(x) and -1e4 <= x <= 0 for x in lps):
+                    raise RemoteProtocolError(
+                        sender, "logprobs and completion lengths differ or the completion is empty"
+                    )
+                if not all(
+                    isinstance(x, float | int)
+                    and not isinstance(x, bool)
+                    and math.isfinite(x)
+                    and -1e4 <= x <= 0
+                    for x in lps
+                ):
                     raise RemoteProtocolError(sender, "logprob outside [-1e4, 0]")
                 fin = wire.need_str(rs, "fin", 8, sender)
                 if fin not in FINISH_REASONS:
                     raise RemoteProtocolError(sender, f"finish reason {fin!r}")
-                samples.append(Sample(tuple(ids), tuple(float(x) for x in lps),
-                                      wire.need_float(rs, "r", -1e6, 1e6, sender), fin,
-                                      wire.need_bytes(rs, "proof", MAX_PROOF_BYTES, sender)))
+                samples.append(
+                    Sample(
+                        tuple(ids),
+                        tuple(float(x) for x in lps),
+                        wire.need_float(rs, "r", -1e6, 1e6, sender),
+                        fin,
+                        wire.need_bytes(rs, "proof", MAX_PROOF_BYTES, sender),
+                    )
+                )
             if not samples:
                 raise RemoteProtocolError(sender, "group without samples")
-            groups.append(Group(wire.need_int(raw, "i", 0, MAX_GROUPS, sender), tuple(prompt),
-                                tuple(samples)))
-        return cls(wire.need_str(obj, "run_id", 128, sender),
-                   wire.need_str(obj, "submitter", 128, sender),
-                   wire.need_int(obj, "policy_step", 0, 1 << 62, sender),
-                   wire.need_str(obj, "manifest_digest", 64, sender),
-                   wire.need_str(obj, "task", 64, sender),
-                   wire.need_int(obj, "n_prompts", 1, MAX_GROUPS, sender),
-                   wire.need_int(obj, "seed", 0, (1 << 63) - 1, sender),
-                   wire.need_float(obj, "temperature", 1e-3, 100.0, sender),
-                   max_new, tuple(groups))
+            groups.append(
+                Group(wire.need_int(raw, "i", 0, MAX_GROUPS, sender), tuple(prompt), tuple(samples))
+            )
+        return cls(
+            wire.need_str(obj, "run_id", 128, sender),
+            wire.need_str(obj, "submitter", 128, sender),
+            wire.need_int(obj, "policy_step", 0, 1 << 62, sender),
+            wire.need_str(obj, "manifest_digest", 64, sender),
+            wire.need_str(obj, "task", 64, sender),
+            wire.need_int(obj, "n_prompts", 1, MAX_GROUPS, sender),
+            wire.need_int(obj, "seed", 0, (1 << 63) - 1, sender),
+            wire.need_float(obj, "temperature", 1e-3, 100.0, sender),
+            max_new,
+            tuple(groups),
+        )
 
 
 def _ids(raw: list[Any], vocab_size: int, sender: str) -> list[int]:
@@ -203,18 +241,34 @@ class RolloutAnnouncement:
     signature: bytes
 
     def _body(self) -> bytes:
-        return wire.encode({"v": 1, "run_id": self.run_id, "batch_id": self.batch_id,
-                            "digest": self.digest, "size": self.size, "step": self.step,
-                            "submitter": self.submitter})
+        return wire.encode(
+            {
+                "v": 1,
+                "run_id": self.run_id,
+                "batch_id": self.batch_id,
+                "digest": self.digest,
+                "size": self.size,
+                "step": self.step,
+                "submitter": self.submitter,
+            }
+        )
 
     @classmethod
-    def for_payload(cls, identity: Identity, run_id: str, step: int,
-                    payload: bytes) -> RolloutAnnouncement:
+    def for_payload(
+        cls, identity: Identity, run_id: str, step: int, payload: bytes
+    ) -> RolloutAnnouncement:
         """Announce ``payload`` (an encoded batch) signed by ``identity``."""
         digest = blake3.blake3(payload).hexdigest()
         unsigned = cls(run_id, digest[:32], digest, len(payload), step, identity.peer_id, b"")
-        return cls(run_id, digest[:32], digest, len(payload), step, identity.peer_id,
-                   identity.sign(ANNOUNCE_DOMAIN, unsigned._body()))
+        return cls(
+            run_id,
+            digest[:32],
+            digest,
+            len(payload),
+            step,
+            identity.peer_id,
+            identity.sign(ANNOUNCE_DOMAIN, unsigned._body()),
+        )
 
     def encode(self) -> bytes:
         """Envelope bytes (canonical CBOR)."""
@@ -233,12 +287,15 @@ class RolloutAnnouncement:
         sig = wire.need_bytes(env, "sig", 64, sender, exact=64)
         body = wire.decode(body_bytes, max_bytes=MAX_ANNOUNCEMENT_BYTES, sender=sender)
         wire.need_version(body, 1, "rollout announcement", sender)
-        ann = cls(wire.need_str(body, "run_id", 128, sender),
-                  wire.need_str(body, "batch_id", 32, sender),
-                  wire.need_str(body, "digest", 64, sender),
-                  wire.need_int(body, "size", 1, MAX_BATCH_BYTES, sender),
-                  wire.need_int(body, "step", 0, 1 << 62, sender),
-                  wire.need_str(body, "submitter", 128, sender), sig)
+        ann = cls(
+            wire.need_str(body, "run_id", 128, sender),
+            wire.need_str(body, "batch_id", 32, sender),
+            wire.need_str(body, "digest", 64, sender),
+            wire.need_int(body, "size", 1, MAX_BATCH_BYTES, sender),
+            wire.need_int(body, "step", 0, 1 << 62, sender),
+            wire.need_str(body, "submitter", 128, sender),
+            sig,
+        )
         if ann._body() != body_bytes:
             raise RemoteProtocolError(sender, "announcement body is not canonical")
         if ann.batch_id != ann.digest[:32]:
@@ -255,7 +312,8 @@ class RolloutAnnouncement:
         from p2p.errors import IntegrityError
 
         if len(payload) != self.size:
-            raise IntegrityError(f"batch {self.batch_id} has {len(payload)} bytes, announced "
-                                 f"{self.size}", source)
+            raise IntegrityError(
+                f"batch {self.batch_id} has {len(payload)} bytes, announced {self.size}", source
+            )
         if blake3.blake3(payload).hexdigest() != self.digest:
             raise IntegrityError(f"batch {self.batch_id} digest mismatch", source)

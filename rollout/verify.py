@@ -72,8 +72,13 @@ class PolicyOracle(Protocol):
         """The task's reward of one completion."""
         ...
 
-    def prefill(self, step: int, prompt_ids: Sequence[int], completion_ids: Sequence[int],
-                temperature: float) -> tuple[Bits, Bits, list[float]]:
+    def prefill(
+        self,
+        step: int,
+        prompt_ids: Sequence[int],
+        completion_ids: Sequence[int],
+        temperature: float,
+    ) -> tuple[Bits, Bits, list[float]]:
         """Teacher-forced pass with version ``step``: ``(prefill_bits [L,H], decode_bits
         [N-1,H], logprobs [N])`` (see :func:`rollout.engine.prefill_activations`)."""
         ...
@@ -160,8 +165,12 @@ class Validator:
     Not thread-safe; one validator per trainer.
     """
 
-    def __init__(self, config: ValidatorConfig, oracle: PolicyOracle,
-                 allowed: Callable[[str], bool] | None = None) -> None:
+    def __init__(
+        self,
+        config: ValidatorConfig,
+        oracle: PolicyOracle,
+        allowed: Callable[[str], bool] | None = None,
+    ) -> None:
         self.config = config
         self.oracle = oracle
         self.allowed = allowed or (lambda _p: True)
@@ -171,10 +180,14 @@ class Validator:
         self._rejected_batches = 0
         self._rejected: Counter[str] = Counter()
         self.checks: list[tuple[str, Check]] = [
-            ("untrusted", _check_submitter), ("wrong_run", _check_run),
-            ("stale_step", _check_step), ("unknown_weights", _check_weights),
-            ("duplicate", _check_duplicate), ("prompt", _check_prompts),
-            ("termination", _check_termination), ("reward", _check_rewards),
+            ("untrusted", _check_submitter),
+            ("wrong_run", _check_run),
+            ("stale_step", _check_step),
+            ("unknown_weights", _check_weights),
+            ("duplicate", _check_duplicate),
+            ("prompt", _check_prompts),
+            ("termination", _check_termination),
+            ("reward", _check_rewards),
         ]
         if config.check_model:
             self.checks.append(("toploc", _check_model))
@@ -195,8 +208,7 @@ class Validator:
                 return self._reject(rej.reason, rej.detail, n, batch)
             except Exception as exc:  # fail closed: a crashing check is a rejection
                 log.exception("check_crashed check=%s submitter=%s", name, batch.submitter[-8:])
-                return self._reject("check_error", f"{name}: {type(exc).__name__}: {exc}", n,
-                                    batch)
+                return self._reject("check_error", f"{name}: {type(exc).__name__}: {exc}", n, batch)
         self._accepted_keys.add((batch.submitter, batch.policy_step))
         self._accepted_batches += 1
         self._accepted_samples += n
@@ -210,20 +222,31 @@ class Validator:
     def _reject(self, reason: str, detail: str, n: int, batch: RolloutBatch) -> Verdict:
         self._rejected_batches += 1
         self._rejected[reason] += n
-        log.warning("batch_rejected submitter=%s step=%d reason=%s detail=%s",
-                    batch.submitter[-8:], batch.policy_step, reason, detail)
+        log.warning(
+            "batch_rejected submitter=%s step=%d reason=%s detail=%s",
+            batch.submitter[-8:],
+            batch.policy_step,
+            reason,
+            detail,
+        )
         return Verdict(False, reason, detail, n)
 
     def statistics(self) -> ValidatorStats:
         """Current counters."""
-        return ValidatorStats(self._accepted_batches, self._accepted_samples,
-                              self._rejected_batches, dict(self._rejected))
+        return ValidatorStats(
+            self._accepted_batches,
+            self._accepted_samples,
+            self._rejected_batches,
+            dict(self._rejected),
+        )
 
 
 def _check_submitter(v: Validator, b: RolloutBatch, _step: int) -> None:
     if b.submitter != v._sender:
-        raise Reject("untrusted", f"payload names submitter {b.submitter[-8:]} but came from "
-                     f"{v._sender[-8:]}")
+        raise Reject(
+            "untrusted",
+            f"payload names submitter {b.submitter[-8:]} but came from {v._sender[-8:]}",
+        )
     if not v.allowed(b.submitter):
         raise Reject("untrusted", f"{b.submitter[-8:]} is not an allowed submitter")
 
@@ -233,8 +256,9 @@ def _check_run(v: Validator, b: RolloutBatch, _step: int) -> None:
     if b.run_id != c.run_id or b.task != c.task:
         raise Reject("wrong_run", f"run {b.run_id!r} task {b.task!r}")
     if b.max_new_tokens != c.max_new_tokens or not math.isclose(b.temperature, c.temperature):
-        raise Reject("wrong_run", f"sampling max_new_tokens={b.max_new_tokens} "
-                     f"temperature={b.temperature}")
+        raise Reject(
+            "wrong_run", f"sampling max_new_tokens={b.max_new_tokens} temperature={b.temperature}"
+        )
     if b.n_prompts != c.n_prompts:
         raise Reject("wrong_run", f"n_prompts={b.n_prompts}, run uses {c.n_prompts}")
 
@@ -248,14 +272,18 @@ def _check_step(v: Validator, b: RolloutBatch, current: int) -> None:
 def _check_weights(v: Validator, b: RolloutBatch, _step: int) -> None:
     expected = v.oracle.manifest_digest(b.policy_step)
     if expected is None or expected != b.manifest_digest:
-        raise Reject("unknown_weights", f"manifest digest {b.manifest_digest[:16]} is not "
-                     f"version {b.policy_step}'s")
+        raise Reject(
+            "unknown_weights",
+            f"manifest digest {b.manifest_digest[:16]} is not version {b.policy_step}'s",
+        )
 
 
 def _check_duplicate(v: Validator, b: RolloutBatch, _step: int) -> None:
     if (b.submitter, b.policy_step) in v._accepted_keys:
-        raise Reject("duplicate", f"a batch of {b.submitter[-8:]} for step {b.policy_step} "
-                     "was already accepted")
+        raise Reject(
+            "duplicate",
+            f"a batch of {b.submitter[-8:]} for step {b.policy_step} was already accepted",
+        )
 
 
 def _check_prompts(v: Validator, b: RolloutBatch, _step: int) -> None:
@@ -271,8 +299,10 @@ def _check_prompts(v: Validator, b: RolloutBatch, _step: int) -> None:
         if list(g.prompt_ids) != expected[g.prompt_index]:
             raise Reject("prompt", f"prompt {g.prompt_index} is not the assigned prompt")
         if len(g.samples) != c.group_size:
-            raise Reject("prompt", f"group {g.prompt_index} has {len(g.samples)} samples, "
-                         f"expected {c.group_size}")
+            raise Reject(
+                "prompt",
+                f"group {g.prompt_index} has {len(g.samples)} samples, expected {c.group_size}",
+            )
 
 
 def _check_termination(v: Validator, b: RolloutBatch, _step: int) -> None:
@@ -285,8 +315,7 @@ def _check_termination(v: Validator, b: RolloutBatch, _step: int) -> None:
             if s.finish_reason == "stop" and ids[-1] != eos:
                 raise Reject("termination", "'stop' completion does not end on EOS")
             if s.finish_reason == "length" and (len(ids) != cap or ids[-1] == eos):
-                raise Reject("termination", f"'length' completion of {len(ids)} tokens, cap "
-                             f"{cap}")
+                raise Reject("termination", f"'length' completion of {len(ids)} tokens, cap {cap}")
 
 
 def _check_rewards(v: Validator, b: RolloutBatch, _step: int) -> None:
@@ -302,8 +331,9 @@ def _check_model(v: Validator, b: RolloutBatch, _step: int) -> None:
     psize = proof_size_bytes(c.toploc.topk)
     for g in b.groups:
         for s in g.samples:
-            prefill, decode, logprobs = v.oracle.prefill(b.policy_step, g.prompt_ids,
-                                                         s.completion_ids, b.temperature)
+            prefill, decode, logprobs = v.oracle.prefill(
+                b.policy_step, g.prompt_ids, s.completion_ids, b.temperature
+            )
             _check_proof(c, s, prefill, decode, psize)
             _check_sampling(c, s, logprobs)
 
@@ -311,10 +341,11 @@ def _check_model(v: Validator, b: RolloutBatch, _step: int) -> None:
 def _check_proof(c: ValidatorConfig, s: Sample, prefill: Bits, decode: Bits, psize: int) -> None:
     if len(s.proof) % psize:
         raise Reject("toploc", f"proof bytes {len(s.proof)} not a multiple of {psize}")
-    proofs = [s.proof[i:i + psize] for i in range(0, len(s.proof), psize)]
+    proofs = [s.proof[i : i + psize] for i in range(0, len(s.proof), psize)]
     try:
-        results = verify_proofs(None if c.toploc.skip_prefill else prefill, decode, proofs,
-                                c.toploc)
+        results = verify_proofs(
+            None if c.toploc.skip_prefill else prefill, decode, proofs, c.toploc
+        )
     except ShardnetError as exc:
         raise Reject("toploc", str(exc)) from exc
     verdict = judge(results, c.toploc_thresholds)

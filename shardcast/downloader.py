@@ -129,17 +129,23 @@ class Downloader:
         rng: seeded randomness for the scheduler.
     """
 
-    def __init__(self, client: HttpClient, store: VersionStore, config: DownloadConfig,
-                 rng: random.Random) -> None:
+    def __init__(
+        self, client: HttpClient, store: VersionStore, config: DownloadConfig, rng: random.Random
+    ) -> None:
         self.client = client
         self.store = store
         self.config = config
         self.rng = rng
 
-    async def download(self, signed: SignedManifest, sources: list[Source], *,
-                       on_partial: Callable[[PartialVersion], None] | None = None,
-                       on_shard: Callable[[int], None] | None = None,
-                       progress: ProgressFn | None = None) -> tuple[Path, DownloadStats]:
+    async def download(
+        self,
+        signed: SignedManifest,
+        sources: list[Source],
+        *,
+        on_partial: Callable[[PartialVersion], None] | None = None,
+        on_shard: Callable[[int], None] | None = None,
+        progress: ProgressFn | None = None,
+    ) -> tuple[Path, DownloadStats]:
         """Fetch every shard of ``signed`` from ``sources``, verify, and commit.
 
         Args:
@@ -170,8 +176,9 @@ class Downloader:
                 await self._run(part, sources, stats, on_shard, progress)
             path = await trio.to_thread.run_sync(part.commit)
         except trio.TooSlowError as exc:
-            raise DownloadFailed(f"step {m.step} not complete after "
-                                 f"{self.config.deadline_s}s") from exc
+            raise DownloadFailed(
+                f"step {m.step} not complete after {self.config.deadline_s}s"
+            ) from exc
         finally:
             if not self.store.has(m.step):
                 with trio.CancelScope(shield=True):
@@ -179,8 +186,14 @@ class Downloader:
         stats.elapsed_s = trio.current_time() - started
         return path, stats
 
-    async def _run(self, part: PartialVersion, sources: list[Source], stats: DownloadStats,
-                   on_shard: Callable[[int], None] | None, progress: ProgressFn | None) -> None:
+    async def _run(
+        self,
+        part: PartialVersion,
+        sources: list[Source],
+        stats: DownloadStats,
+        on_shard: Callable[[int], None] | None,
+        progress: ProgressFn | None,
+    ) -> None:
         m = part.manifest
         sched = Scheduler([s.length for s in m.shards], self.rng, self.config.scheduler)
         by_id = {s.id: s for s in sources}
@@ -208,55 +221,81 @@ class Downloader:
                     try:
                         first = True
                         async for chunk in self.client.stream_range(
-                                url, shard.offset + req.start, req.length,
-                                timeout_s=self.config.stall_timeout_s):
+                            url,
+                            shard.offset + req.start,
+                            req.length,
+                            timeout_s=self.config.stall_timeout_s,
+                        ):
                             if first:
                                 sched.on_first_byte(req.id, trio.current_time())
                                 first = False
-                            buf.data[buf.pos:buf.pos + len(chunk)] = chunk
+                            buf.data[buf.pos : buf.pos + len(chunk)] = chunk
                             buf.pos += len(chunk)
                     except NotAvailable:
                         sched.on_failure(req.id, trio.current_time(), kind="unavailable")
                         return
                     except (StreamBroken, PeerUnreachable) as exc:
                         got = buf.pos - begin
-                        keep = (not req.duplicate and got > 0
-                                and len(resume) < self.config.max_resume_buffers)
+                        keep = (
+                            not req.duplicate
+                            and got > 0
+                            and len(resume) < self.config.max_resume_buffers
+                        )
                         if keep:
                             buf.parts.append((src.id, begin, buf.pos))
                             resume[req.shard] = buf
-                        sched.on_failure(req.id, trio.current_time(),
-                                         kind="timeout" if "timed out" in str(exc) else "broken",
-                                         received=got if keep else 0)
+                        sched.on_failure(
+                            req.id,
+                            trio.current_time(),
+                            kind="timeout" if "timed out" in str(exc) else "broken",
+                            received=got if keep else 0,
+                        )
                         stats.failures += 1
-                        log.info("shard_fetch_failed step=%d shard=%d source=%s error=%s",
-                                 m.step, req.shard, short_id(src.id), exc)
+                        log.info(
+                            "shard_fetch_failed step=%d shard=%d source=%s error=%s",
+                            m.step,
+                            req.shard,
+                            short_id(src.id),
+                            exc,
+                        )
                         return
                     except RemoteProtocolError as exc:
                         sched.on_failure(req.id, trio.current_time(), kind="corrupt")
                         stats.failures += 1
                         stats.corrupt_by_source[src.id] = stats.corrupt_by_source.get(src.id, 0) + 1
-                        log.warning("source_protocol_error step=%d shard=%d source=%s error=%s",
-                                    m.step, req.shard, short_id(src.id), exc)
+                        log.warning(
+                            "source_protocol_error step=%d shard=%d source=%s error=%s",
+                            m.step,
+                            req.shard,
+                            short_id(src.id),
+                            exc,
+                        )
                         return
                     buf.parts.append((src.id, begin, buf.pos))
                     stats.bytes_fetched += buf.pos - begin
-                    stats.bytes_by_source[src.id] = (stats.bytes_by_source.get(src.id, 0)
-                                                     + buf.pos - begin)
+                    stats.bytes_by_source[src.id] = (
+                        stats.bytes_by_source.get(src.id, 0) + buf.pos - begin
+                    )
                     try:
-                        written = await trio.to_thread.run_sync(part.write_shard, req.shard,
-                                                                buf.data, src.id)
+                        written = await trio.to_thread.run_sync(
+                            part.write_shard, req.shard, buf.data, src.id
+                        )
                     except IntegrityError:
                         contributors = {p[0] for p in buf.parts}
                         if len(contributors) == 1:
                             sched.on_failure(req.id, trio.current_time(), kind="corrupt")
                             stats.corrupt_by_source[src.id] = (
-                                stats.corrupt_by_source.get(src.id, 0) + 1)
+                                stats.corrupt_by_source.get(src.id, 0) + 1
+                            )
                         else:
                             sched.on_failure(req.id, trio.current_time(), kind="suspect")
                             suspects.setdefault(req.shard, []).append((buf, contributors))
-                        log.warning("shard_corrupt step=%d shard=%d sources=%s", m.step,
-                                    req.shard, ",".join(short_id(c) for c in sorted(contributors)))
+                        log.warning(
+                            "shard_corrupt step=%d shard=%d sources=%s",
+                            m.step,
+                            req.shard,
+                            ",".join(short_id(c) for c in sorted(contributors)),
+                        )
                         return
                     losers = sched.on_success(req.id, trio.current_time())
                     for lid in losers:
@@ -291,22 +330,28 @@ class Downloader:
                     failure = (
                         f"step {m.step}: no usable source for {self.config.no_source_grace_s}s "
                         f"({sched.missing} shards missing; banned: "
-                        f"{', '.join(short_id(b) for b in sched.statistics().banned) or 'none'})")
+                        f"{', '.join(short_id(b) for b in sched.statistics().banned) or 'none'})"
+                    )
                     break
                 if sched.done():
                     break
                 wake = trio.Event()
                 # nothing in flight: wait for a blocked source to become eligible again
-                with trio.move_on_after(self.config.scheduler.penalty_s / 4
-                                        if not sched.inflight() else 3600):
+                with trio.move_on_after(
+                    self.config.scheduler.penalty_s / 4 if not sched.inflight() else 3600
+                ):
                     await wake.wait()
             nursery.cancel_scope.cancel()
         if failure is not None:  # raised here, outside the nursery: a plain exception type
             raise DownloadFailed(failure)
 
     @staticmethod
-    def _assign_blame(sched: Scheduler, bad_copies: list[tuple[_Buf, set[str]]],
-                      good: bytearray, stats: DownloadStats) -> None:
+    def _assign_blame(
+        sched: Scheduler,
+        bad_copies: list[tuple[_Buf, set[str]]],
+        good: bytearray,
+        stats: DownloadStats,
+    ) -> None:
         now = trio.current_time()
         for buf, _ in bad_copies:
             for culprit in blame(buf.parts, buf.data, good):

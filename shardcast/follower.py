@@ -17,11 +17,13 @@ short PeerID and retried, never allowed to stop the others.
 
 from __future__ import annotations
 
+import functools
 import logging
 import random
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import trio
 
@@ -32,6 +34,9 @@ from shardcast.downloader import DownloadConfig, Downloader, DownloadStats, Sour
 from shardcast.manifest import ManifestError, SignedManifest
 from shardcast.messages import NodeInfo, VersionAnnouncement, versions_topic
 from shardcast.node import ShardcastNode
+
+if TYPE_CHECKING:
+    from trio_typing import TaskStatus
 
 log = logging.getLogger(__name__)
 
@@ -87,9 +92,14 @@ class Follower:
         progress: ``(step, verified_bytes, total_bytes)`` callback for a progress display.
     """
 
-    def __init__(self, node: ShardcastNode, config: FollowConfig, rng: random.Random,
-                 on_commit: CommitHook | None = None,
-                 progress: Callable[[int, int, int], None] | None = None) -> None:
+    def __init__(
+        self,
+        node: ShardcastNode,
+        config: FollowConfig,
+        rng: random.Random,
+        on_commit: CommitHook | None = None,
+        progress: Callable[[int, int, int], None] | None = None,
+    ) -> None:
         for a in config.upstreams:
             if not node.trust.relay_allowed(peer_id_of(a)):
                 raise ConfigError("upstreams", f"{a} is not in the relay allowlist")
@@ -103,7 +113,7 @@ class Follower:
         self._upstream_changed = trio.Event()
         self._learned: dict[int, float] = {}
 
-    async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
+    async def run(self, *, task_status: TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
         """Run until cancelled; ``started()`` once the first upstream answered its info."""
         async with trio.open_nursery() as nursery:
             for addr in self.config.upstreams:
@@ -141,8 +151,12 @@ class Follower:
                     del self.upstreams[pid]
                     self._note_upstream()
                 connected = False
-                log.info("upstream_unreachable upstream=%s error=%s retry_s=%.1f", short_id(pid),
-                         exc, backoff)
+                log.info(
+                    "upstream_unreachable upstream=%s error=%s retry_s=%.1f",
+                    short_id(pid),
+                    exc,
+                    backoff,
+                )
                 await trio.sleep(backoff)
                 backoff = min(backoff * 2, self.config.max_backoff_s)
                 continue
@@ -153,8 +167,12 @@ class Follower:
                 new = pid not in self.upstreams or self.upstreams[pid].http_url != info.http_url
                 self.upstreams[pid] = info
                 if new:
-                    log.info("upstream_ready upstream=%s role=%s http_url=%s", short_id(pid),
-                             info.role, info.http_url)
+                    log.info(
+                        "upstream_ready upstream=%s role=%s http_url=%s",
+                        short_id(pid),
+                        info.role,
+                        info.http_url,
+                    )
                     self._note_upstream()
                 if info.announcement is not None:
                     self._offer(info.announcement, pid)
@@ -175,14 +193,17 @@ class Follower:
             for src in self._sources():
                 url = manifest_url(src.base_url, ann.run_id, ann.step)
                 try:
-                    data = await self.node.client.get_bytes(url, max_bytes=16 << 20,
-                                                            timeout_s=10.0)
+                    data = await self.node.client.get_bytes(url, max_bytes=16 << 20, timeout_s=10.0)
                     signed = SignedManifest.decode(data, trust=self.node.trust, source=src.id)
                 except NotAvailable:
                     continue
                 except (TransportError, ManifestError, ShardnetError) as exc:
-                    log.warning("manifest_fetch_failed source=%s step=%d error=%s",
-                                short_id(src.id), ann.step, exc)
+                    log.warning(
+                        "manifest_fetch_failed source=%s step=%d error=%s",
+                        short_id(src.id),
+                        ann.step,
+                        exc,
+                    )
                     continue
                 if signed.digest != ann.manifest_digest or signed.manifest.step != ann.step:
                     log.warning("manifest_mismatch source=%s step=%d", short_id(src.id), ann.step)
@@ -204,15 +225,20 @@ class Follower:
             if signed is None:
                 continue
             step = signed.manifest.step
-            record = VersionRecord(step, signed.digest,
-                                   self._learned.get(step, trio.current_time()))
+            record = VersionRecord(
+                step, signed.digest, self._learned.get(step, trio.current_time())
+            )
             server = self.node.server
             try:
                 path, stats = await self.downloader.download(
-                    signed, self._sources(), on_partial=server.add_partial,
-                    on_shard=lambda i, s=step: server.shard_ready(s, i),  # type: ignore[misc]
-                    progress=(None if self.progress is None else
-                              lambda done, total, s=step: self.progress(s, done, total)))  # type: ignore[misc]
+                    signed,
+                    self._sources(),
+                    on_partial=server.add_partial,
+                    on_shard=functools.partial(server.shard_ready, step),
+                    progress=(
+                        None if self.progress is None else functools.partial(self.progress, step)
+                    ),
+                )
             except ShardnetError as exc:
                 log.warning("download_failed step=%d error=%s", step, exc)
                 await trio.sleep(self.config.poll_interval_s)
@@ -223,8 +249,12 @@ class Follower:
             record.stats, record.path = stats, path
             self.records.append(record)
             current = step
-            log.info("version_downloaded step=%d size_bytes=%d download_s=%.3f sources=%s",
-                     step, signed.manifest.total_bytes, stats.elapsed_s,
-                     ",".join(f"{short_id(k)}:{v}" for k, v in sorted(stats.bytes_by_source.items())))
+            log.info(
+                "version_downloaded step=%d size_bytes=%d download_s=%.3f sources=%s",
+                step,
+                signed.manifest.total_bytes,
+                stats.elapsed_s,
+                ",".join(f"{short_id(k)}:{v}" for k, v in sorted(stats.bytes_by_source.items())),
+            )
             if self.on_commit is not None:
                 await self.on_commit(signed, path, record)

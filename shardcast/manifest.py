@@ -159,8 +159,10 @@ class Manifest:
         if not isinstance(obj, dict):
             raise ManifestError(source, "manifest is not an object")
         if obj.get("v") != SCHEMA_VERSION:
-            raise ManifestError(source, f"manifest schema version {obj.get('v')!r}, "
-                                f"this node reads {SCHEMA_VERSION}")
+            raise ManifestError(
+                source,
+                f"manifest schema version {obj.get('v')!r}, this node reads {SCHEMA_VERSION}",
+            )
         run_id = check_run_id(obj.get("run_id"), source)  # type: ignore[arg-type]
         step = _int(obj, "step", 0, (1 << 62), source)
         shard_size = _int(obj, "shard_size", 1, 1 << 34, source)
@@ -174,9 +176,13 @@ class Manifest:
         for rf in raw_files:
             if not isinstance(rf, dict):
                 raise ManifestError(source, "file entry is not an object")
-            files.append(FileEntry(check_file_name(rf.get("name"), source),  # type: ignore[arg-type]
-                                   _int(rf, "size", 0, MAX_FILE_BYTES, source),
-                                   _digest(rf.get("digest"), source)))
+            files.append(
+                FileEntry(
+                    check_file_name(rf.get("name"), source),  # type: ignore[arg-type]
+                    _int(rf, "size", 0, MAX_FILE_BYTES, source),
+                    _digest(rf.get("digest"), source),
+                )
+            )
         shards = []
         for i, rs in enumerate(raw_shards):
             if not isinstance(rs, list) or len(rs) != 4:
@@ -185,8 +191,9 @@ class Manifest:
             for label, val in (("offset", off), ("length", length)):
                 if not isinstance(val, int) or isinstance(val, bool) or val < 0:
                     raise ManifestError(source, f"shard {i} {label} is not a non-negative int")
-            shards.append(ShardEntry(i, check_file_name(name, source), off, length,
-                                     _digest(dig, source)))
+            shards.append(
+                ShardEntry(i, check_file_name(name, source), off, length, _digest(dig, source))
+            )
         m = cls(run_id, step, shard_size, tuple(files), tuple(shards))
         _check_tiling(m, source)
         return m
@@ -199,8 +206,9 @@ def canonical_json(obj: Any) -> bytes:
         TypeError: ``obj`` contains a float or another non-JSON type (caller bug).
     """
     _reject_floats(obj)
-    return json.dumps(obj, sort_keys=True, separators=(",", ":"), ensure_ascii=True,
-                      allow_nan=False).encode()
+    return json.dumps(
+        obj, sort_keys=True, separators=(",", ":"), ensure_ascii=True, allow_nan=False
+    ).encode()
 
 
 def _reject_floats(obj: Any) -> None:
@@ -232,13 +240,14 @@ def _check_tiling(m: Manifest, source: str) -> None:
     if names != sorted(names) or len(set(names)) != len(names):
         raise ManifestError(source, "file names must be unique and sorted")
     by_file: dict[str, list[ShardEntry]] = {n: [] for n in names}
-    order = []
+    order: list[str] = []
     for s in m.shards:
         if s.file not in by_file:
             raise ManifestError(source, f"shard {s.index} names unknown file {s.file!r}")
         if s.length == 0 or s.length > m.shard_size:
-            raise ManifestError(source, f"shard {s.index} length {s.length} not in "
-                                f"[1, {m.shard_size}]")
+            raise ManifestError(
+                source, f"shard {s.index} length {s.length} not in [1, {m.shard_size}]"
+            )
         by_file[s.file].append(s)
         if not order or order[-1] != s.file:
             order.append(s.file)
@@ -248,8 +257,9 @@ def _check_tiling(m: Manifest, source: str) -> None:
         pos = 0
         for s in by_file[f.name]:
             if s.offset != pos:
-                raise ManifestError(source, f"shard {s.index} of {f.name} starts at {s.offset}, "
-                                    f"expected {pos}")
+                raise ManifestError(
+                    source, f"shard {s.index} of {f.name} starts at {s.offset}, expected {pos}"
+                )
             pos += s.length
         if pos != f.size:
             raise ManifestError(source, f"shards of {f.name} cover {pos} of {f.size} bytes")
@@ -270,12 +280,18 @@ class SignedManifest:
 
     def encode(self) -> bytes:
         """The envelope as canonical JSON bytes."""
-        return canonical_json({"manifest": self.manifest.to_obj(), "signer": self.signer,
-                               "signature": self.signature.hex()})
+        return canonical_json(
+            {
+                "manifest": self.manifest.to_obj(),
+                "signer": self.signer,
+                "signature": self.signature.hex(),
+            }
+        )
 
     @classmethod
-    def decode(cls, data: bytes, *, trust: TrustList, source: str = "",
-               max_bytes: int = MAX_MANIFEST_BYTES) -> SignedManifest:
+    def decode(
+        cls, data: bytes, *, trust: TrustList, source: str = "", max_bytes: int = MAX_MANIFEST_BYTES
+    ) -> SignedManifest:
         """Parse, validate and verify an envelope from an untrusted source.
 
         Args:
@@ -308,16 +324,18 @@ class SignedManifest:
         try:
             verify(signer, SIGN_DOMAIN, manifest.canonical_bytes(), signature)
         except IntegrityError as exc:
-            raise IntegrityError(f"manifest {manifest.run_id}/step-{manifest.step}: {exc}",
-                                 source) from exc
+            raise IntegrityError(
+                f"manifest {manifest.run_id}/step-{manifest.step}: {exc}", source
+            ) from exc
         trust.require_trainer(signer, f"manifest {manifest.run_id}/step-{manifest.step}")
         return cls(manifest, signer, signature)
 
 
 def sign_manifest(manifest: Manifest, identity: Identity) -> SignedManifest:
     """Sign ``manifest`` with ``identity`` (the trainer's key)."""
-    return SignedManifest(manifest, identity.peer_id,
-                          identity.sign(SIGN_DOMAIN, manifest.canonical_bytes()))
+    return SignedManifest(
+        manifest, identity.peer_id, identity.sign(SIGN_DOMAIN, manifest.canonical_bytes())
+    )
 
 
 def shards_of(manifest: Manifest, file: str) -> Iterable[ShardEntry]:

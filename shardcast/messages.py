@@ -58,17 +58,35 @@ class VersionAnnouncement:
     signature: bytes
 
     def _body(self) -> bytes:
-        return wire.encode({"v": 1, "run_id": self.run_id, "step": self.step,
-                            "manifest_digest": self.manifest_digest,
-                            "trainer_addrs": list(self.trainer_addrs)})
+        return wire.encode(
+            {
+                "v": 1,
+                "run_id": self.run_id,
+                "step": self.step,
+                "manifest_digest": self.manifest_digest,
+                "trainer_addrs": list(self.trainer_addrs),
+            }
+        )
 
     @classmethod
-    def create(cls, identity: Identity, run_id: str, step: int, manifest_digest: str,
-               trainer_addrs: tuple[str, ...]) -> VersionAnnouncement:
+    def create(
+        cls,
+        identity: Identity,
+        run_id: str,
+        step: int,
+        manifest_digest: str,
+        trainer_addrs: tuple[str, ...],
+    ) -> VersionAnnouncement:
         """Build and sign an announcement with the trainer's identity."""
         unsigned = cls(run_id, step, manifest_digest, trainer_addrs, identity.peer_id, b"")
-        return cls(run_id, step, manifest_digest, trainer_addrs, identity.peer_id,
-                   identity.sign(ANNOUNCE_DOMAIN, unsigned._body()))
+        return cls(
+            run_id,
+            step,
+            manifest_digest,
+            trainer_addrs,
+            identity.peer_id,
+            identity.sign(ANNOUNCE_DOMAIN, unsigned._body()),
+        )
 
     def encode(self) -> bytes:
         """Envelope bytes: ``{"body", "signer", "sig"}`` in canonical CBOR."""
@@ -100,8 +118,14 @@ class VersionAnnouncement:
         addrs = wire.need_list(body, "trainer_addrs", 16, sender)
         if not all(isinstance(a, str) and len(a) < 512 for a in addrs):
             raise RemoteProtocolError(sender, "trainer_addrs must be short strings")
-        ann = cls(run_id, wire.need_int(body, "step", 0, 1 << 62, sender), digest,
-                  tuple(addrs), signer, sig)
+        ann = cls(
+            run_id,
+            wire.need_int(body, "step", 0, 1 << 62, sender),
+            digest,
+            tuple(addrs),
+            signer,
+            sig,
+        )
         if ann._body() != body_bytes:
             raise RemoteProtocolError(sender, "announcement body is not canonical")
         return ann
@@ -120,9 +144,14 @@ class NodeInfo:
 
     def encode(self) -> bytes:
         """Canonical CBOR bytes."""
-        obj: dict[str, Any] = {"v": 1, "peer_id": self.peer_id, "role": self.role,
-                               "run_id": self.run_id, "http_url": self.http_url,
-                               "committed": list(self.committed)}
+        obj: dict[str, Any] = {
+            "v": 1,
+            "peer_id": self.peer_id,
+            "role": self.role,
+            "run_id": self.run_id,
+            "http_url": self.http_url,
+            "committed": list(self.committed),
+        }
         if self.announcement is not None:
             obj["announcement"] = self.announcement
         return wire.encode(obj)
@@ -151,5 +180,6 @@ class NodeInfo:
         ann = obj.get("announcement")
         if ann is not None and (not isinstance(ann, bytes) or len(ann) > MAX_ANNOUNCEMENT_BYTES):
             raise RemoteProtocolError(sender, "announcement must be bytes")
-        return cls(peer_id, role, wire.need_str(obj, "run_id", 128, sender), url,
-                   tuple(committed), ann)
+        return cls(
+            peer_id, role, wire.need_str(obj, "run_id", 128, sender), url, tuple(committed), ann
+        )

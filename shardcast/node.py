@@ -74,9 +74,17 @@ class NodeConfig:
 class ShardcastNode:
     """A running node; only valid inside :meth:`open`."""
 
-    def __init__(self, identity: Identity, trust: TrustList, config: NodeConfig, p2p: P2PNode,
-                 http: HttpServer, client: HttpClient, store: VersionStore,
-                 server: VersionServer) -> None:
+    def __init__(
+        self,
+        identity: Identity,
+        trust: TrustList,
+        config: NodeConfig,
+        p2p: P2PNode,
+        http: HttpServer,
+        client: HttpClient,
+        store: VersionStore,
+        server: VersionServer,
+    ) -> None:
         self.identity = identity
         self.trust = trust
         self.config = config
@@ -90,26 +98,44 @@ class ShardcastNode:
 
     @classmethod
     @asynccontextmanager
-    async def open(cls, identity: Identity, trust: TrustList,
-                   config: NodeConfig) -> AsyncIterator[ShardcastNode]:
+    async def open(
+        cls, identity: Identity, trust: TrustList, config: NodeConfig
+    ) -> AsyncIterator[ShardcastNode]:
         """Start host, HTTP lane and store; stop everything on exit."""
         store = VersionStore(config.data_dir / "versions", config.run_id, config.keep_last)
         server = VersionServer(store, trust, wait_s=config.serve_wait_s)
-        async with P2PNode.open(identity, config.host) as p2p, \
-                open_http_server(server.handle, config.http) as http, \
-                HttpClient() as client:
+        async with (
+            P2PNode.open(identity, config.host) as p2p,
+            open_http_server(server.handle, config.http) as http,
+            HttpClient() as client,
+        ):
             node = cls(identity, trust, config, p2p, http, client, store, server)
-            p2p.serve(INFO_PROTOCOL, node._on_info, max_request_bytes=1024,
-                      max_response_bytes=MAX_INFO_BYTES, timeout_s=config.info_timeout_s)
-            log.info("node_ready role=%s peer_id=%s http_url=%s run=%s", config.role,
-                     identity.peer_id, http.url, config.run_id)
+            p2p.serve(
+                INFO_PROTOCOL,
+                node._on_info,
+                max_request_bytes=1024,
+                max_response_bytes=MAX_INFO_BYTES,
+                timeout_s=config.info_timeout_s,
+            )
+            log.info(
+                "node_ready role=%s peer_id=%s http_url=%s run=%s",
+                config.role,
+                identity.peer_id,
+                http.url,
+                config.run_id,
+            )
             yield node
 
     def info(self) -> NodeInfo:
         """This node's info record."""
-        return NodeInfo(self.identity.peer_id, self.config.role, self.config.run_id,
-                        self.http.url, tuple(self.store.committed_steps()),
-                        self.announcement.encode() if self.announcement else None)
+        return NodeInfo(
+            self.identity.peer_id,
+            self.config.role,
+            self.config.run_id,
+            self.http.url,
+            tuple(self.store.committed_steps()),
+            self.announcement.encode() if self.announcement else None,
+        )
 
     async def _on_info(self, sender: str, request: bytes) -> bytes:
         wire.decode(request, max_bytes=1024, sender=sender)
@@ -121,9 +147,13 @@ class ShardcastNode:
         Raises:
             PeerUnreachable, StreamBroken, RemoteProtocolError: transport or protocol failure.
         """
-        data = await self.p2p.request(peer_id, INFO_PROTOCOL, wire.encode({"v": 1}),
-                                      max_response_bytes=MAX_INFO_BYTES,
-                                      timeout_s=self.config.info_timeout_s)
+        data = await self.p2p.request(
+            peer_id,
+            INFO_PROTOCOL,
+            wire.encode({"v": 1}),
+            max_response_bytes=MAX_INFO_BYTES,
+            timeout_s=self.config.info_timeout_s,
+        )
         return NodeInfo.decode(data, sender=peer_id)
 
     def offer_announcement(self, data: bytes, sender: str) -> VersionAnnouncement | None:
@@ -147,8 +177,12 @@ class ShardcastNode:
     def set_announcement(self, ann: VersionAnnouncement) -> None:
         """Record ``ann`` as the newest known version and wake waiters."""
         self.announcement = ann
-        log.info("version_announced run=%s step=%d digest=%s", ann.run_id, ann.step,
-                 ann.manifest_digest[:16])
+        log.info(
+            "version_announced run=%s step=%d digest=%s",
+            ann.run_id,
+            ann.step,
+            ann.manifest_digest[:16],
+        )
         self._announced.set()
         self._announced = trio.Event()
 

@@ -1,9 +1,9 @@
 """The origin: publishes the trainer's checkpoint directories as signed, served versions.
 
 ``Origin.publish(directory, step)`` hashes the checkpoint into a manifest (in a worker thread),
-signs it with the trainer's key, moves the directory into the store as ``step-N`` (without hashing it a second
-time: the manifest was built from this very directory a moment before), starts
-serving it over the HTTP lane, and announces it on the run's gossip topic. Relays learn of it
+signs it with the trainer's key, moves the directory into the store as ``step-N`` (without
+hashing it a second time: the manifest was built from this very directory a moment before),
+starts serving it over the HTTP lane, and announces it on the run's gossip topic. Relays learn of it
 from gossip or from polling the origin's info record, whichever comes first.
 """
 
@@ -51,8 +51,12 @@ class Origin:
             node's own listen addresses.
     """
 
-    def __init__(self, node: ShardcastNode, shard_size: int = DEFAULT_SHARD_BYTES,
-                 trainer_addrs: tuple[str, ...] | None = None) -> None:
+    def __init__(
+        self,
+        node: ShardcastNode,
+        shard_size: int = DEFAULT_SHARD_BYTES,
+        trainer_addrs: tuple[str, ...] | None = None,
+    ) -> None:
         if node.identity.peer_id != node.trust.trainer:
             raise LocalProtocolError("the origin must run with the pinned trainer identity")
         self.node = node
@@ -71,19 +75,28 @@ class Origin:
         if latest is not None and step <= latest:
             raise LocalProtocolError(f"step {step} is not newer than published step {latest}")
         t0 = trio.current_time()
-        manifest = await trio.to_thread.run_sync(build_manifest, directory, node.config.run_id,
-                                                 step, self.shard_size)
+        manifest = await trio.to_thread.run_sync(
+            build_manifest, directory, node.config.run_id, step, self.shard_size
+        )
         signed = sign_manifest(manifest, node.identity)
         hash_s = trio.current_time() - t0
         path = await trio.to_thread.run_sync(
-            lambda: node.store.adopt(directory, signed, rehash=False))
-        ann = VersionAnnouncement.create(node.identity, node.config.run_id, step, signed.digest,
-                                         self.trainer_addrs)
+            lambda: node.store.adopt(directory, signed, rehash=False)
+        )
+        ann = VersionAnnouncement.create(
+            node.identity, node.config.run_id, step, signed.digest, self.trainer_addrs
+        )
         node.set_announcement(ann)
         await node.p2p.publish(versions_topic(node.config.run_id), ann.encode())
         published_at = trio.current_time()
-        log.info("version_published step=%d size_bytes=%d shards=%d hash_s=%.3f digest=%s",
-                 step, manifest.total_bytes, len(manifest.shards), hash_s, signed.digest[:16])
+        log.info(
+            "version_published step=%d size_bytes=%d shards=%d hash_s=%.3f digest=%s",
+            step,
+            manifest.total_bytes,
+            len(manifest.shards),
+            hash_s,
+            signed.digest[:16],
+        )
         return PublishResult(signed, path, hash_s, published_at)
 
     def egress_bytes(self) -> int:

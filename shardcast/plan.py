@@ -85,8 +85,9 @@ def check_layout(directory: Path) -> list[str]:
         raise CheckpointLayoutError(f"{directory} has no *.safetensors file")
     if len(weights) > 1 or INDEX_FILE in names:
         if INDEX_FILE not in names:
-            raise CheckpointLayoutError(f"{directory}: {len(weights)} safetensors files but no "
-                                        f"{INDEX_FILE}")
+            raise CheckpointLayoutError(
+                f"{directory}: {len(weights)} safetensors files but no {INDEX_FILE}"
+            )
         try:
             index = json.loads((directory / INDEX_FILE).read_text())
             mapped = set(index["weight_map"].values())
@@ -94,8 +95,8 @@ def check_layout(directory: Path) -> list[str]:
             raise CheckpointLayoutError(f"{directory}/{INDEX_FILE} is malformed: {exc}") from exc
         if mapped != set(weights):
             raise CheckpointLayoutError(
-                f"{directory}/{INDEX_FILE} maps {sorted(mapped)} but the directory holds "
-                f"{weights}")
+                f"{directory}/{INDEX_FILE} maps {sorted(mapped)} but the directory holds {weights}"
+            )
     return names
 
 
@@ -118,8 +119,13 @@ def plan_shards(sizes: dict[str, int], shard_size: int) -> list[PlannedShard]:
     return out
 
 
-def build_manifest(directory: Path, run_id: str, step: int, shard_size: int = DEFAULT_SHARD_BYTES,
-                   on_shard: Callable[[ShardEntry], None] | None = None) -> Manifest:
+def build_manifest(
+    directory: Path,
+    run_id: str,
+    step: int,
+    shard_size: int = DEFAULT_SHARD_BYTES,
+    on_shard: Callable[[ShardEntry], None] | None = None,
+) -> Manifest:
     """Hash a checkpoint directory into a manifest (one sequential read of every file).
 
     Args:
@@ -152,8 +158,13 @@ def build_manifest(directory: Path, run_id: str, step: int, shard_size: int = DE
                 if got != pending.length:
                     raise CheckpointLayoutError(f"{directory}/{name} changed while hashing")
                 file_hash.update(view)
-                entry = ShardEntry(len(shards), name, pending.offset, pending.length,
-                                   blake3.blake3(view, max_threads=blake3.blake3.AUTO).hexdigest())
+                entry = ShardEntry(
+                    len(shards),
+                    name,
+                    pending.offset,
+                    pending.length,
+                    blake3.blake3(view, max_threads=blake3.blake3.AUTO).hexdigest(),
+                )
                 shards.append(entry)
                 if on_shard is not None:
                     on_shard(entry)

@@ -144,8 +144,13 @@ class Scheduler:
         have: indices already held (e.g. resumed from disk); they are never requested.
     """
 
-    def __init__(self, shard_lengths: Sequence[int], rng: random.Random,
-                 config: SchedulerConfig | None = None, have: Iterable[int] = ()) -> None:
+    def __init__(
+        self,
+        shard_lengths: Sequence[int],
+        rng: random.Random,
+        config: SchedulerConfig | None = None,
+        have: Iterable[int] = (),
+    ) -> None:
         self.config = config or SchedulerConfig()
         self._rng = rng
         self._shards = [_ShardState(n) for n in shard_lengths]
@@ -159,14 +164,16 @@ class Scheduler:
 
     # -- sources -----------------------------------------------------------------------------
 
-    def add_source(self, source: str, have: Iterable[int] | None = None,
-                   rate_bps: float | None = None) -> None:
+    def add_source(
+        self, source: str, have: Iterable[int] | None = None, rate_bps: float | None = None
+    ) -> None:
         """Add a source (or update its have-set). ``have=None`` means it serves every shard."""
         st = self._sources.get(source)
         hv = None if have is None else set(have)
         if st is None:
-            self._sources[source] = SourceState(source, rate_bps or self.config.initial_rate_bps,
-                                                hv)
+            self._sources[source] = SourceState(
+                source, rate_bps or self.config.initial_rate_bps, hv
+            )
         else:
             st.have = hv
 
@@ -209,9 +216,14 @@ class Scheduler:
 
     def statistics(self) -> SchedulerStats:
         """Counters so far."""
-        return SchedulerStats(self._requests, self._duplicates, self._failures, self._corrupt,
-                              self._resumed,
-                              tuple(s.source for s in self._sources.values() if s.banned))
+        return SchedulerStats(
+            self._requests,
+            self._duplicates,
+            self._failures,
+            self._corrupt,
+            self._resumed,
+            tuple(s.source for s in self._sources.values() if s.banned),
+        )
 
     # -- decisions ---------------------------------------------------------------------------
 
@@ -233,8 +245,9 @@ class Scheduler:
         if len(cands) > 1 and self._rng.random() < self.config.explore:
             return self._rng.choice(cands)
         length = self._shards[shard].length
-        return min(cands, key=lambda s: ((s.queued_bytes + length) / max(s.rate_bps, 1.0),
-                                         s.source))
+        return min(
+            cands, key=lambda s: ((s.queued_bytes + length) / max(s.rate_bps, 1.0), s.source)
+        )
 
     def next_request(self, now: float) -> Request | None:
         """The next transfer to start, or None if nothing can start now.
@@ -247,8 +260,9 @@ class Scheduler:
         if idle:
             avail = {i: self._availability(i) for i in idle}
             # resumable shards first, then rarest first, ties random
-            order = sorted(idle, key=lambda i: (-self._shards[i].received, avail[i],
-                                                self._rng.random()))
+            order = sorted(
+                idle, key=lambda i: (-self._shards[i].received, avail[i], self._rng.random())
+            )
             for i in order:
                 if avail[i] == 0:
                     continue
@@ -259,15 +273,21 @@ class Scheduler:
         return self._endgame(now)
 
     def _availability(self, shard: int) -> int:
-        return sum(1 for s in self._sources.values()
-                   if not s.banned and (s.have is None or shard in s.have))
+        return sum(
+            1
+            for s in self._sources.values()
+            if not s.banned and (s.have is None or shard in s.have)
+        )
 
     def _endgame(self, now: float) -> Request | None:
         dup_total = sum(1 for f in self._flights.values() if f.req.duplicate)
         if dup_total >= self.config.endgame_max_total:
             return None
-        cands = [i for i, s in enumerate(self._shards)
-                 if not s.done and 0 < len(s.flights) <= self.config.endgame_duplicates]
+        cands = [
+            i
+            for i, s in enumerate(self._shards)
+            if not s.done and 0 < len(s.flights) <= self.config.endgame_duplicates
+        ]
         self._rng.shuffle(cands)
         for i in cands:
             busy = {self._flights[f].req.source for f in self._shards[i].flights}
@@ -317,8 +337,7 @@ class Scheduler:
         """
         fl, st = self._finish(req_id)
         if st is not None:
-            elapsed = max(now - (fl.first_byte if fl.first_byte is not None else fl.started),
-                          1e-6)
+            elapsed = max(now - (fl.first_byte if fl.first_byte is not None else fl.started), 1e-6)
             sample = fl.req.length / elapsed
             a = self.config.ewma_alpha
             st.rate_bps = (1 - a) * st.rate_bps + a * sample
@@ -372,7 +391,8 @@ class Scheduler:
         st.consecutive_failures += 1
         st.rate_bps *= self.config.failure_decay
         st.blocked_until = now + self.config.penalty_s * min(
-            32.0, 2.0 ** (st.consecutive_failures - 1))
+            32.0, 2.0 ** (st.consecutive_failures - 1)
+        )
 
     def discard_partial(self, shard: int) -> None:
         """Forget the bytes kept for resuming ``shard`` (e.g. the assembled copy was bad)."""
@@ -391,8 +411,11 @@ class Scheduler:
             st.banned = True
 
 
-def blame(contributions: Sequence[tuple[str, int, int]], bad: bytes | memoryview,
-          good: bytes | memoryview) -> set[str]:
+def blame(
+    contributions: Sequence[tuple[str, int, int]],
+    bad: bytes | bytearray | memoryview,
+    good: bytes | bytearray | memoryview,
+) -> set[str]:
     """Which sources sent bytes that differ from the verified copy.
 
     Args:

@@ -38,8 +38,10 @@ from shardcast.store import PartialVersion, VersionStore
 
 log = logging.getLogger(__name__)
 
-_ROUTE = re.compile(r"^/shardnet/v1/(?P<run>[^/]+)/(?P<step>\d{1,18})/(?P<kind>manifest|have|files)"
-                    r"(?:/(?P<name>[^/]+))?$")
+_ROUTE = re.compile(
+    r"^/shardnet/v1/(?P<run>[^/]+)/(?P<step>\d{1,18})/(?P<kind>manifest|have|files)"
+    r"(?:/(?P<name>[^/]+))?$"
+)
 _VERSIONS = re.compile(r"^/shardnet/v1/(?P<run>[^/]+)/versions$")
 
 
@@ -132,8 +134,9 @@ class VersionServer:
         if mv:
             if mv["run"] != self.store.run_id:
                 return HttpResponse(404)
-            body = json.dumps({"committed": self.store.committed_steps(),
-                               "in_progress": self.in_progress()}).encode()
+            body = json.dumps(
+                {"committed": self.store.committed_steps(), "in_progress": self.in_progress()}
+            ).encode()
             return HttpResponse(200, [("content-type", "application/json")], body)
         mr = _ROUTE.match(req.path)
         if not mr or mr["run"] != self.store.run_id:
@@ -145,8 +148,11 @@ class VersionServer:
         if mr["kind"] == "manifest":
             return HttpResponse(200, [("content-type", "application/json")], signed.encode())
         if mr["kind"] == "have":
-            return HttpResponse(200, [("content-type", "application/octet-stream")],
-                                self._have_bits(step, signed.manifest))
+            return HttpResponse(
+                200,
+                [("content-type", "application/octet-stream")],
+                self._have_bits(step, signed.manifest),
+            )
         return await self._file(req, step, signed.manifest, mr["name"] or "")
 
     def _have_bits(self, step: int, m: Manifest) -> bytes:
@@ -183,8 +189,12 @@ class VersionServer:
             if self._covered(live, m, name, first, last):
                 resp = file_response(req, live.partial.dir / name, entry.size)
                 if isinstance(resp.body, FileSlice):  # the partial may be committed meanwhile
-                    resp = dataclasses.replace(resp, body=dataclasses.replace(
-                        resp.body, fallbacks=(self.store.version_dir(step) / name,)))
+                    resp = dataclasses.replace(
+                        resp,
+                        body=dataclasses.replace(
+                            resp.body, fallbacks=(self.store.version_dir(step) / name,)
+                        ),
+                    )
                 break
             remaining = deadline - trio.current_time()
             if remaining <= 0:

@@ -130,8 +130,9 @@ class VersionStore:
         """
         m = signed.manifest
         if m.run_id != self.run_id:
-            raise LocalProtocolError(f"manifest of run {m.run_id!r} given to store of "
-                                     f"{self.run_id!r}")
+            raise LocalProtocolError(
+                f"manifest of run {m.run_id!r} given to store of {self.run_id!r}"
+            )
         if self.has(m.step):
             raise LocalProtocolError(f"step {m.step} is already committed")
         return PartialVersion(self, signed)
@@ -204,8 +205,14 @@ def _commit_dir(store: VersionStore, directory: Path, signed: SignedManifest) ->
     final = store.version_dir(m.step)
     os.rename(directory, final)
     _fsync_dir(store.run_dir)
-    log.info("version_committed run=%s step=%d files=%d size_bytes=%d digest=%s", m.run_id,
-             m.step, len(m.files), m.total_bytes, signed.digest[:16])
+    log.info(
+        "version_committed run=%s step=%d files=%d size_bytes=%d digest=%s",
+        m.run_id,
+        m.step,
+        len(m.files),
+        m.total_bytes,
+        signed.digest[:16],
+    )
     store.prune()
     return final
 
@@ -248,7 +255,9 @@ class PartialVersion:
         """Number of shards not yet verified and written."""
         return self._missing
 
-    def write_shard(self, index: int, data: bytes | bytearray | memoryview, source: str = "") -> bool:
+    def write_shard(
+        self, index: int, data: bytes | bytearray | memoryview, source: str = ""
+    ) -> bool:
         """Verify shard ``index`` against its digest, then write it at its offset.
 
         Args:
@@ -265,8 +274,9 @@ class PartialVersion:
         """
         shard = self.manifest.shards[index]
         if len(data) != shard.length:
-            raise IntegrityError(f"shard {index} has {len(data)} bytes, expected {shard.length}",
-                                 source)
+            raise IntegrityError(
+                f"shard {index} has {len(data)} bytes, expected {shard.length}", source
+            )
         if blake3.blake3(data, max_threads=blake3.blake3.AUTO).hexdigest() != shard.digest:
             raise IntegrityError(f"shard {index} of {shard.file} digest mismatch", source)
         with self._lock:

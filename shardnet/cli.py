@@ -7,7 +7,6 @@ the subcommands that need it.
 
 from __future__ import annotations
 
-import sys
 from pathlib import Path
 from typing import Annotated, Any
 
@@ -16,9 +15,12 @@ import typer
 
 from p2p.errors import ShardnetError
 
-app = typer.Typer(add_completion=False, no_args_is_help=True, pretty_exceptions_enable=False,
-                  help="shardnet: verified checkpoint broadcast and verified rollouts for "
-                       "decentralized RL.")
+app = typer.Typer(
+    add_completion=False,
+    no_args_is_help=True,
+    pretty_exceptions_enable=False,
+    help="shardnet: verified checkpoint broadcast and verified rollouts for decentralized RL.",
+)
 
 Opt = typer.Option
 
@@ -34,42 +36,69 @@ def _fail(exc: ShardnetError) -> None:
 
 ConfigOpt = Annotated[Path | None, Opt("--config", help="TOML file with the role's settings.")]
 DataDirOpt = Annotated[Path | None, Opt("--data-dir", help="Directory for versions, key, state.")]
-KeyOpt = Annotated[Path | None, Opt("--key", help="Ed25519 key file (created 0600 if missing; "
-                                               "default DATA_DIR/node.key).")]
+KeyOpt = Annotated[
+    Path | None,
+    Opt("--key", help="Ed25519 key file (created 0600 if missing; default DATA_DIR/node.key)."),
+]
 RunOpt = Annotated[str | None, Opt("--run-id", help="Run identifier (same on every node).")]
-ListenOpt = Annotated[list[str] | None, Opt("--listen", help="libp2p listen multiaddr "
-                                                              "(repeatable; default "
-                                                              "/ip4/127.0.0.1/tcp/0).")]
+ListenOpt = Annotated[
+    list[str] | None,
+    Opt("--listen", help="libp2p listen multiaddr (repeatable; default /ip4/127.0.0.1/tcp/0)."),
+]
 HttpHostOpt = Annotated[str | None, Opt("--http-host", help="Address of the HTTP bulk lane.")]
-HttpPortOpt = Annotated[int | None, Opt("--http-port", help="Port of the HTTP bulk lane "
-                                                           "(0: any free port).")]
-UploadOpt = Annotated[float | None, Opt("--upload-limit", help="Cap on HTTP lane upload, "
-                                                               "bytes/s.")]
+HttpPortOpt = Annotated[
+    int | None, Opt("--http-port", help="Port of the HTTP bulk lane (0: any free port).")
+]
+UploadOpt = Annotated[float | None, Opt("--upload-limit", help="Cap on HTTP lane upload, bytes/s.")]
 KeepOpt = Annotated[int | None, Opt("--keep-last", help="Committed versions kept on disk.")]
 ReportOpt = Annotated[Path | None, Opt("--report", help="Write a JSON report here on exit.")]
-ReadyOpt = Annotated[Path | None, Opt("--ready-file", help="Write the node's addresses (JSON) "
-                                                          "here once it listens.")]
+ReadyOpt = Annotated[
+    Path | None, Opt("--ready-file", help="Write the node's addresses (JSON) here once it listens.")
+]
 LevelOpt = Annotated[str | None, Opt("--log-level", help="DEBUG, INFO, WARNING or ERROR.")]
 JsonOpt = Annotated[bool | None, Opt("--log-json/--no-log-json", help="Log JSON lines.")]
-TrainerIdOpt = Annotated[str | None, Opt("--trainer-id", help="The trainer's PeerID (pinned: "
-                                                             "only its signed versions are "
-                                                             "accepted).")]
-AllowRelayOpt = Annotated[list[str] | None, Opt("--allow-relay", help="Only download from this "
-                                                                      "PeerID (repeatable).")]
-PollOpt = Annotated[float | None, Opt("--poll-interval", help="Seconds between upstream info "
-                                                              "polls.")]
+TrainerIdOpt = Annotated[
+    str | None,
+    Opt(
+        "--trainer-id", help="The trainer's PeerID (pinned: only its signed versions are accepted)."
+    ),
+]
+AllowRelayOpt = Annotated[
+    list[str] | None, Opt("--allow-relay", help="Only download from this PeerID (repeatable).")
+]
+PollOpt = Annotated[
+    float | None, Opt("--poll-interval", help="Seconds between upstream info polls.")
+]
 
 
-def _common(data_dir: Path | None, key: Path | None, run_id: str | None,
-            listen: list[str] | None, http_host: str | None, http_port: int | None,
-            upload_limit: float | None, keep_last: int | None, report: Path | None,
-            ready_file: Path | None, log_level: str | None, log_json: bool | None
-            ) -> dict[str, Any]:
-    return _overrides(data_dir=data_dir, key_file=key, run_id=run_id, listen=listen,
-                      http_host=http_host, http_port=http_port,
-                      upload_limit_bytes_per_s=upload_limit, keep_last=keep_last,
-                      report=report, ready_file=ready_file, log_level=log_level,
-                      log_json=log_json)
+def _common(
+    data_dir: Path | None,
+    key: Path | None,
+    run_id: str | None,
+    listen: list[str] | None,
+    http_host: str | None,
+    http_port: int | None,
+    upload_limit: float | None,
+    keep_last: int | None,
+    report: Path | None,
+    ready_file: Path | None,
+    log_level: str | None,
+    log_json: bool | None,
+) -> dict[str, Any]:
+    return _overrides(
+        data_dir=data_dir,
+        key_file=key,
+        run_id=run_id,
+        listen=listen,
+        http_host=http_host,
+        http_port=http_port,
+        upload_limit_bytes_per_s=upload_limit,
+        keep_last=keep_last,
+        report=report,
+        ready_file=ready_file,
+        log_level=log_level,
+        log_json=log_json,
+    )
 
 
 def _run(fn: Any, settings: Any, name: str) -> None:
@@ -98,13 +127,22 @@ def keygen(key: Annotated[Path, Opt("--key", help="Key file to create (or read).
 
 @app.command()
 def trainer(
-    config: ConfigOpt = None, data_dir: DataDirOpt = None, key: KeyOpt = None,
-    run_id: RunOpt = None, listen: ListenOpt = None, http_host: HttpHostOpt = None,
-    http_port: HttpPortOpt = None, upload_limit: UploadOpt = None, keep_last: KeepOpt = None,
-    report: ReportOpt = None, ready_file: ReadyOpt = None, log_level: LevelOpt = None,
+    config: ConfigOpt = None,
+    data_dir: DataDirOpt = None,
+    key: KeyOpt = None,
+    run_id: RunOpt = None,
+    listen: ListenOpt = None,
+    http_host: HttpHostOpt = None,
+    http_port: HttpPortOpt = None,
+    upload_limit: UploadOpt = None,
+    keep_last: KeepOpt = None,
+    report: ReportOpt = None,
+    ready_file: ReadyOpt = None,
+    log_level: LevelOpt = None,
     log_json: JsonOpt = None,
-    steps: Annotated[int | None, Opt(help="Optimizer steps; versions 0..STEPS are published.")]
-    = None,
+    steps: Annotated[
+        int | None, Opt(help="Optimizer steps; versions 0..STEPS are published.")
+    ] = None,
     preset: Annotated[str | None, Opt(help="Model preset: tiny or real-1b.")] = None,
     seed: Annotated[int | None, Opt(help="Model initialisation seed.")] = None,
     lr: Annotated[float | None, Opt(help="AdamW learning rate.")] = None,
@@ -113,42 +151,73 @@ def trainer(
     group_size: Annotated[int | None, Opt(help="Samples per prompt (GRPO group).")] = None,
     max_new_tokens: Annotated[int | None, Opt(help="Completion length cap, tokens.")] = None,
     temperature: Annotated[float | None, Opt(help="Sampling temperature.")] = None,
-    min_batches: Annotated[int | None, Opt(help="Verified batches to wait for per step.")]
-    = None,
+    min_batches: Annotated[int | None, Opt(help="Verified batches to wait for per step.")] = None,
     step_timeout: Annotated[float | None, Opt(help="Longest wait for them, seconds.")] = None,
-    shard_size: Annotated[int | None, Opt(help="Shard size of published versions, bytes.")]
-    = None,
-    max_shard_bytes: Annotated[int | None, Opt(help="Safetensors file size cap, bytes.")]
-    = None,
-    allow_peer: Annotated[list[str] | None, Opt(help="Accept rollouts only from this PeerID "
-                                                     "(repeatable; default: anyone).")] = None,
-    expect_peer: Annotated[list[str] | None, Opt(help="PeerID whose commit reports define the "
-                                                      "broadcast time (repeatable).")] = None,
-    final_wait: Annotated[float | None, Opt(help="Seconds to wait for the last broadcast.")]
-    = None,
-    start_wait: Annotated[float | None, Opt(help="Seconds to wait for every expected peer to "
-                                                 "join before version 0.")] = None,
+    shard_size: Annotated[int | None, Opt(help="Shard size of published versions, bytes.")] = None,
+    max_shard_bytes: Annotated[int | None, Opt(help="Safetensors file size cap, bytes.")] = None,
+    allow_peer: Annotated[
+        list[str] | None,
+        Opt(help="Accept rollouts only from this PeerID (repeatable; default: anyone)."),
+    ] = None,
+    expect_peer: Annotated[
+        list[str] | None,
+        Opt(help="PeerID whose commit reports define the broadcast time (repeatable)."),
+    ] = None,
+    final_wait: Annotated[float | None, Opt(help="Seconds to wait for the last broadcast.")] = None,
+    start_wait: Annotated[
+        float | None, Opt(help="Seconds to wait for every expected peer to join before version 0.")
+    ] = None,
     torch_threads: Annotated[int | None, Opt(help="CPU threads for torch.")] = None,
-    check_model: Annotated[bool | None, Opt("--check-model/--no-check-model",
-                                            help="Run TOPLOC and sampling checks.")] = None,
+    check_model: Annotated[
+        bool | None, Opt("--check-model/--no-check-model", help="Run TOPLOC and sampling checks.")
+    ] = None,
 ) -> None:
     """Run the trainer: publish versions through its origin, verify rollouts, train (GRPO)."""
     from shardnet.config import TrainerSettings, load_settings
     from shardnet.roles import run_trainer
 
     try:
-        s = load_settings(TrainerSettings, config, {
-            **_common(data_dir, key, run_id, listen, http_host, http_port, upload_limit,
-                      keep_last, report, ready_file, log_level, log_json),
-            **_overrides(steps=steps, preset=preset, seed=seed, lr=lr, async_level=async_level,
-                         n_prompts=n_prompts, group_size=group_size,
-                         max_new_tokens=max_new_tokens, temperature=temperature,
-                         min_batches=min_batches, step_timeout_s=step_timeout,
-                         shard_size_bytes=shard_size, max_shard_bytes=max_shard_bytes,
-                         allow_peers=allow_peer, expect_peers=expect_peer,
-                         final_wait_s=final_wait, start_wait_s=start_wait,
-                         torch_threads=torch_threads,
-                         check_model=check_model)})
+        s = load_settings(
+            TrainerSettings,
+            config,
+            {
+                **_common(
+                    data_dir,
+                    key,
+                    run_id,
+                    listen,
+                    http_host,
+                    http_port,
+                    upload_limit,
+                    keep_last,
+                    report,
+                    ready_file,
+                    log_level,
+                    log_json,
+                ),
+                **_overrides(
+                    steps=steps,
+                    preset=preset,
+                    seed=seed,
+                    lr=lr,
+                    async_level=async_level,
+                    n_prompts=n_prompts,
+                    group_size=group_size,
+                    max_new_tokens=max_new_tokens,
+                    temperature=temperature,
+                    min_batches=min_batches,
+                    step_timeout_s=step_timeout,
+                    shard_size_bytes=shard_size,
+                    max_shard_bytes=max_shard_bytes,
+                    allow_peers=allow_peer,
+                    expect_peers=expect_peer,
+                    final_wait_s=final_wait,
+                    start_wait_s=start_wait,
+                    torch_threads=torch_threads,
+                    check_model=check_model,
+                ),
+            },
+        )
     except ShardnetError as exc:
         _fail(exc)
     _run(run_trainer, s, "trainer")
@@ -156,15 +225,27 @@ def trainer(
 
 @app.command()
 def relay(
-    upstream: Annotated[list[str] | None, Opt(help="Multiaddr of the origin or of an upstream "
-                                                   "relay, with /p2p/<PeerID> (repeatable).")]
-    = None,
-    trainer_id: TrainerIdOpt = None, allow_relay: AllowRelayOpt = None,
+    upstream: Annotated[
+        list[str] | None,
+        Opt(
+            help="Multiaddr of the origin or of an upstream relay, with /p2p/<PeerID> (repeatable)."
+        ),
+    ] = None,
+    trainer_id: TrainerIdOpt = None,
+    allow_relay: AllowRelayOpt = None,
     poll_interval: PollOpt = None,
-    config: ConfigOpt = None, data_dir: DataDirOpt = None, key: KeyOpt = None,
-    run_id: RunOpt = None, listen: ListenOpt = None, http_host: HttpHostOpt = None,
-    http_port: HttpPortOpt = None, upload_limit: UploadOpt = None, keep_last: KeepOpt = None,
-    report: ReportOpt = None, ready_file: ReadyOpt = None, log_level: LevelOpt = None,
+    config: ConfigOpt = None,
+    data_dir: DataDirOpt = None,
+    key: KeyOpt = None,
+    run_id: RunOpt = None,
+    listen: ListenOpt = None,
+    http_host: HttpHostOpt = None,
+    http_port: HttpPortOpt = None,
+    upload_limit: UploadOpt = None,
+    keep_last: KeepOpt = None,
+    report: ReportOpt = None,
+    ready_file: ReadyOpt = None,
+    log_level: LevelOpt = None,
     log_json: JsonOpt = None,
 ) -> None:
     """Run a relay: fetch each version from upstream, verify every shard, serve it onward."""
@@ -172,11 +253,32 @@ def relay(
     from shardnet.roles import run_relay
 
     try:
-        s = load_settings(RelaySettings, config, {
-            **_common(data_dir, key, run_id, listen, http_host, http_port, upload_limit,
-                      keep_last, report, ready_file, log_level, log_json),
-            **_overrides(upstream=upstream, trainer_id=trainer_id, allow_relays=allow_relay,
-                         poll_interval_s=poll_interval)})
+        s = load_settings(
+            RelaySettings,
+            config,
+            {
+                **_common(
+                    data_dir,
+                    key,
+                    run_id,
+                    listen,
+                    http_host,
+                    http_port,
+                    upload_limit,
+                    keep_last,
+                    report,
+                    ready_file,
+                    log_level,
+                    log_json,
+                ),
+                **_overrides(
+                    upstream=upstream,
+                    trainer_id=trainer_id,
+                    allow_relays=allow_relay,
+                    poll_interval_s=poll_interval,
+                ),
+            },
+        )
     except ShardnetError as exc:
         _fail(exc)
     _run(run_relay, s, "relay")
@@ -184,25 +286,40 @@ def relay(
 
 @app.command()
 def peer(
-    bootstrap: Annotated[list[str] | None, Opt(help="Multiaddr of a relay to download from, "
-                                                    "with /p2p/<PeerID> (repeatable).")] = None,
-    trainer_id: TrainerIdOpt = None, allow_relay: AllowRelayOpt = None,
+    bootstrap: Annotated[
+        list[str] | None,
+        Opt(help="Multiaddr of a relay to download from, with /p2p/<PeerID> (repeatable)."),
+    ] = None,
+    trainer_id: TrainerIdOpt = None,
+    allow_relay: AllowRelayOpt = None,
     poll_interval: PollOpt = None,
-    n_prompts: Annotated[int | None, Opt(help="Prompts per step (must match the trainer).")]
-    = None,
+    n_prompts: Annotated[int | None, Opt(help="Prompts per step (must match the trainer).")] = None,
     group_size: Annotated[int | None, Opt(help="Samples per prompt (must match).")] = None,
     max_new_tokens: Annotated[int | None, Opt(help="Completion cap (must match).")] = None,
     temperature: Annotated[float | None, Opt(help="Sampling temperature (must match).")] = None,
     torch_threads: Annotated[int | None, Opt(help="CPU threads for inference.")] = None,
     max_versions: Annotated[int | None, Opt(help="Stop generating after N versions.")] = None,
     engine: Annotated[str | None, Opt(help="Inference engine: transformers.")] = None,
-    trainer_addr: Annotated[list[str] | None, Opt(help="Trainer multiaddr, to join before the "
-                                                      "first version (repeatable; otherwise "
-                                                      "learnt from announcements).")] = None,
-    config: ConfigOpt = None, data_dir: DataDirOpt = None, key: KeyOpt = None,
-    run_id: RunOpt = None, listen: ListenOpt = None, http_host: HttpHostOpt = None,
-    http_port: HttpPortOpt = None, upload_limit: UploadOpt = None, keep_last: KeepOpt = None,
-    report: ReportOpt = None, ready_file: ReadyOpt = None, log_level: LevelOpt = None,
+    trainer_addr: Annotated[
+        list[str] | None,
+        Opt(
+            help="Trainer multiaddr, to join before the "
+            "first version (repeatable; otherwise "
+            "learnt from announcements)."
+        ),
+    ] = None,
+    config: ConfigOpt = None,
+    data_dir: DataDirOpt = None,
+    key: KeyOpt = None,
+    run_id: RunOpt = None,
+    listen: ListenOpt = None,
+    http_host: HttpHostOpt = None,
+    http_port: HttpPortOpt = None,
+    upload_limit: UploadOpt = None,
+    keep_last: KeepOpt = None,
+    report: ReportOpt = None,
+    ready_file: ReadyOpt = None,
+    log_level: LevelOpt = None,
     log_json: JsonOpt = None,
 ) -> None:
     """Run an inference peer: download versions, generate rollouts with proofs, submit them."""
@@ -210,15 +327,40 @@ def peer(
     from shardnet.roles import run_peer
 
     try:
-        s = load_settings(PeerSettings, config, {
-            **_common(data_dir, key, run_id, listen, http_host, http_port, upload_limit,
-                      keep_last, report, ready_file, log_level, log_json),
-            **_overrides(bootstrap=bootstrap, trainer_id=trainer_id, allow_relays=allow_relay,
-                         poll_interval_s=poll_interval, n_prompts=n_prompts,
-                         group_size=group_size, max_new_tokens=max_new_tokens,
-                         temperature=temperature, torch_threads=torch_threads,
-                         max_versions=max_versions, engine=engine,
-                         trainer_addr=trainer_addr)})
+        s = load_settings(
+            PeerSettings,
+            config,
+            {
+                **_common(
+                    data_dir,
+                    key,
+                    run_id,
+                    listen,
+                    http_host,
+                    http_port,
+                    upload_limit,
+                    keep_last,
+                    report,
+                    ready_file,
+                    log_level,
+                    log_json,
+                ),
+                **_overrides(
+                    bootstrap=bootstrap,
+                    trainer_id=trainer_id,
+                    allow_relays=allow_relay,
+                    poll_interval_s=poll_interval,
+                    n_prompts=n_prompts,
+                    group_size=group_size,
+                    max_new_tokens=max_new_tokens,
+                    temperature=temperature,
+                    torch_threads=torch_threads,
+                    max_versions=max_versions,
+                    engine=engine,
+                    trainer_addr=trainer_addr,
+                ),
+            },
+        )
     except ShardnetError as exc:
         _fail(exc)
     _run(run_peer, s, "peer")
@@ -226,14 +368,18 @@ def peer(
 
 @app.command()
 def demo(
-    model: Annotated[str, Opt("--model", help="tiny (10 steps) or real-1b (2 steps, >= 1 GiB "
-                                              "checkpoint).")] = "tiny",
-    steps: Annotated[int | None, Opt(help="Optimizer steps (default 10 tiny, 2 real-1b).")]
-    = None,
+    model: Annotated[
+        str, Opt("--model", help="tiny (10 steps) or real-1b (2 steps, >= 1 GiB checkpoint).")
+    ] = "tiny",
+    steps: Annotated[int | None, Opt(help="Optimizer steps (default 10 tiny, 2 real-1b).")] = None,
     report: Annotated[Path | None, Opt(help="Write the JSON report here.")] = None,
-    workdir: Annotated[Path | None, Opt(help="Directory for keys, data and logs (default: a "
-                                             "new temporary directory, removed afterwards).")]
-    = None,
+    workdir: Annotated[
+        Path | None,
+        Opt(
+            help="Directory for keys, data and logs (default: a "
+            "new temporary directory, removed afterwards)."
+        ),
+    ] = None,
     keep: Annotated[bool, Opt("--keep/--no-keep", help="Keep the work directory.")] = False,
     timeout: Annotated[float, Opt(help="Give up after this many seconds.")] = 1800.0,
 ) -> None:
@@ -243,8 +389,9 @@ def demo(
 
     logs.configure("INFO", False, "demo")
     try:
-        opts = DemoOptions(model=model, steps=steps, report=report, workdir=workdir, keep=keep,
-                           timeout_s=timeout)
+        opts = DemoOptions(
+            model=model, steps=steps, report=report, workdir=workdir, keep=keep, timeout_s=timeout
+        )
         code = trio.run(run_demo, opts)
     except ShardnetError as exc:
         _fail(exc)
@@ -259,4 +406,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    main()

@@ -46,8 +46,9 @@ class CommonSettings(BaseSettings):
     listen: list[str] = Field(["/ip4/127.0.0.1/tcp/0"], description="libp2p listen multiaddrs")
     http_host: str = Field("127.0.0.1", description="address of the HTTP bulk lane")
     http_port: int = Field(0, ge=0, le=65535, description="HTTP bulk lane port (0: any)")
-    upload_limit_bytes_per_s: float | None = Field(None, gt=0,
-                                                   description="cap on HTTP lane upload")
+    upload_limit_bytes_per_s: float | None = Field(
+        None, gt=0, description="cap on HTTP lane upload"
+    )
     keep_last: int = Field(3, ge=1, description="committed versions kept on disk")
     report: Path | None = Field(None, description="write a JSON report here on exit")
     ready_file: Path | None = Field(None, description="write the node's addresses here")
@@ -63,8 +64,11 @@ class CommonSettings(BaseSettings):
 
     @classmethod
     def settings_customise_sources(
-        cls, settings_cls: type[BaseSettings], init_settings: PydanticBaseSettingsSource,
-        env_settings: PydanticBaseSettingsSource, dotenv_settings: PydanticBaseSettingsSource,
+        cls,
+        settings_cls: type[BaseSettings],
+        init_settings: PydanticBaseSettingsSource,
+        env_settings: PydanticBaseSettingsSource,
+        dotenv_settings: PydanticBaseSettingsSource,
         file_secret_settings: PydanticBaseSettingsSource,
     ) -> tuple[PydanticBaseSettingsSource, ...]:
         """CLI (init) > environment > TOML file > defaults."""
@@ -77,10 +81,17 @@ class CommonSettings(BaseSettings):
     def node_config(self) -> NodeConfig:
         """The shardcast node configuration."""
         return NodeConfig(
-            role=self.role, run_id=self.run_id, data_dir=self.data_dir, keep_last=self.keep_last,
+            role=self.role,
+            run_id=self.run_id,
+            data_dir=self.data_dir,
+            keep_last=self.keep_last,
             host=HostConfig(listen_multiaddrs=tuple(self.listen)),
-            http=HttpServerConfig(host=self.http_host, port=self.http_port,
-                                  bandwidth_bytes_per_s=self.upload_limit_bytes_per_s))
+            http=HttpServerConfig(
+                host=self.http_host,
+                port=self.http_port,
+                bandwidth_bytes_per_s=self.upload_limit_bytes_per_s,
+            ),
+        )
 
 
 class FollowerSettings(CommonSettings):
@@ -97,8 +108,11 @@ class FollowerSettings(CommonSettings):
 
     def follow_config(self, upstreams: list[str]) -> FollowConfig:
         """The follower configuration."""
-        return FollowConfig(upstreams=tuple(upstreams), poll_interval_s=self.poll_interval_s,
-                            download=DownloadConfig(stall_timeout_s=self.stall_timeout_s))
+        return FollowConfig(
+            upstreams=tuple(upstreams),
+            poll_interval_s=self.poll_interval_s,
+            download=DownloadConfig(stall_timeout_s=self.stall_timeout_s),
+        )
 
 
 class RelaySettings(FollowerSettings):
@@ -162,9 +176,14 @@ def load_settings(cls: type[S], config_file: Path | None, overrides: dict[str, A
     """
     if config_file is not None and not config_file.is_file():
         raise ConfigError("config", f"{config_file} is not a file")
-    bound = type(cls.__name__, (cls,), {
-        "model_config": SettingsConfigDict(**{**cls.model_config, "toml_file": config_file}),
-        "__module__": cls.__module__})
+    bound = type(
+        cls.__name__,
+        (cls,),
+        {
+            "model_config": SettingsConfigDict(**{**cls.model_config, "toml_file": config_file}),
+            "__module__": cls.__module__,
+        },
+    )
     try:
         return bound(**overrides)  # type: ignore[no-any-return]
     except ValidationError as exc:

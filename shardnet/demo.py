@@ -36,12 +36,30 @@ from shardnet.roles import READY_PREFIX, write_json_atomic
 log = logging.getLogger(__name__)
 
 PRESETS: dict[str, dict[str, Any]] = {
-    "tiny": {"steps": 10, "preset": "tiny", "n_prompts": 4, "group_size": 8,
-             "max_new_tokens": 16, "shard_size": 256 * 1024, "max_shard_bytes": 1 << 20,
-             "min_batches": 2, "lr": 3e-3, "keep_last": 3},
-    "real-1b": {"steps": 2, "preset": "real-1b", "n_prompts": 1, "group_size": 2,
-                "max_new_tokens": 8, "shard_size": 32 << 20, "max_shard_bytes": 256 << 20,
-                "min_batches": 3, "lr": 1e-5, "keep_last": 2},
+    "tiny": {
+        "steps": 10,
+        "preset": "tiny",
+        "n_prompts": 4,
+        "group_size": 8,
+        "max_new_tokens": 16,
+        "shard_size": 256 * 1024,
+        "max_shard_bytes": 1 << 20,
+        "min_batches": 2,
+        "lr": 3e-3,
+        "keep_last": 3,
+    },
+    "real-1b": {
+        "steps": 2,
+        "preset": "real-1b",
+        "n_prompts": 1,
+        "group_size": 2,
+        "max_new_tokens": 8,
+        "shard_size": 32 << 20,
+        "max_shard_bytes": 256 << 20,
+        "min_batches": 3,
+        "lr": 1e-5,
+        "keep_last": 2,
+    },
 }
 N_RELAYS = 2
 N_PEERS = 3
@@ -77,36 +95,44 @@ class Child:
             LocalProtocolError: it exited or did not become ready within ``timeout_s``.
         """
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
-        logf = open(self.log_path, "wb")  # noqa: SIM115 - closed when the process is reaped
+        logf = open(self.log_path, "wb")  # noqa: ASYNC230 - tiny, local, once per process
         env = {**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1"}
-        self.proc = await trio.lowlevel.open_process(self.cmd, stdout=subprocess.PIPE,
-                                                     stderr=logf, stdin=subprocess.DEVNULL,
-                                                     env=env)
+        self.proc = await trio.lowlevel.open_process(
+            self.cmd, stdout=subprocess.PIPE, stderr=logf, stdin=subprocess.DEVNULL, env=env
+        )
         logf.close()
         assert self.proc.stdout is not None
         buf = b""
         try:
             with trio.fail_after(timeout_s):
                 while b"\n" not in buf or not any(
-                        ln.startswith(READY_PREFIX.encode()) for ln in buf.split(b"\n")):
+                    ln.startswith(READY_PREFIX.encode()) for ln in buf.split(b"\n")
+                ):
                     chunk = await self.proc.stdout.receive_some(65536)
                     if not chunk:
-                        raise LocalProtocolError(f"{self.name} exited before it was ready; "
-                                                 f"see {self.log_path}")
+                        raise LocalProtocolError(
+                            f"{self.name} exited before it was ready; see {self.log_path}"
+                        )
                     buf += chunk
         except trio.TooSlowError as exc:
-            raise LocalProtocolError(f"{self.name} not ready after {timeout_s}s; see "
-                                     f"{self.log_path}") from exc
+            raise LocalProtocolError(
+                f"{self.name} not ready after {timeout_s}s; see {self.log_path}"
+            ) from exc
         line = next(ln for ln in buf.split(b"\n") if ln.startswith(READY_PREFIX.encode()))
-        self.ready = json.loads(line[len(READY_PREFIX):])
+        self.ready = json.loads(line[len(READY_PREFIX) :])
         nursery.start_soon(self._drain)
-        log.info("node_started name=%s peer_id=%s pid=%d", self.name, self.ready["peer_id"],
-                 self.proc.pid)
+        log.info(
+            "node_started name=%s peer_id=%s pid=%d",
+            self.name,
+            self.ready["peer_id"],
+            self.proc.pid,
+        )
         return self.ready
 
     async def _drain(self) -> None:
-        assert self.proc is not None and self.proc.stdout is not None
-        with open(self.log_path, "ab") as fh:
+        assert self.proc is not None
+        assert self.proc.stdout is not None
+        with open(self.log_path, "ab") as fh:  # noqa: ASYNC230 - local log file
             while chunk := await self.proc.stdout.receive_some(65536):
                 fh.write(chunk)
 
@@ -134,8 +160,18 @@ class Child:
 
 def _common(name: str, workdir: Path, run_id: str, keep_last: int) -> list[str]:
     d = workdir / name
-    return ["--data-dir", str(d), "--key", str(d / "node.key"), "--run-id", run_id,
-            "--keep-last", str(keep_last), "--report", str(workdir / "reports" / f"{name}.json")]
+    return [
+        "--data-dir",
+        str(d),
+        "--key",
+        str(d / "node.key"),
+        "--run-id",
+        run_id,
+        "--keep-last",
+        str(keep_last),
+        "--report",
+        str(workdir / "reports" / f"{name}.json"),
+    ]
 
 
 async def run_demo(opts: DemoOptions) -> int:
@@ -149,19 +185,42 @@ async def run_demo(opts: DemoOptions) -> int:
     run_id = f"demo-{opts.model}"
     t0 = time.monotonic()
     ids = {}
-    for name in ["trainer", *[f"relay{i}" for i in range(1, N_RELAYS + 1)],
-                 *[f"peer{i}" for i in range(1, N_PEERS + 1)]]:
+    for name in [
+        "trainer",
+        *[f"relay{i}" for i in range(1, N_RELAYS + 1)],
+        *[f"peer{i}" for i in range(1, N_PEERS + 1)],
+    ]:
         ids[name] = Identity.load_or_create(workdir / name / "node.key").peer_id
     peers = [f"peer{i}" for i in range(1, N_PEERS + 1)]
     relays = [f"relay{i}" for i in range(1, N_RELAYS + 1)]
     print(f"shardnet demo: model={opts.model} steps={steps} workdir={workdir}", flush=True)
-    trainer = Child("trainer", [
-        "trainer", *_common("trainer", workdir, run_id, p["keep_last"]), "--steps", str(steps),
-        "--preset", p["preset"], "--lr", str(p["lr"]), "--n-prompts", str(p["n_prompts"]),
-        "--group-size", str(p["group_size"]), "--max-new-tokens", str(p["max_new_tokens"]),
-        "--min-batches", str(p["min_batches"]), "--shard-size", str(p["shard_size"]),
-        "--max-shard-bytes", str(p["max_shard_bytes"]),
-        *[a for n in peers for a in ("--allow-peer", ids[n], "--expect-peer", ids[n])]], workdir)
+    trainer = Child(
+        "trainer",
+        [
+            "trainer",
+            *_common("trainer", workdir, run_id, p["keep_last"]),
+            "--steps",
+            str(steps),
+            "--preset",
+            p["preset"],
+            "--lr",
+            str(p["lr"]),
+            "--n-prompts",
+            str(p["n_prompts"]),
+            "--group-size",
+            str(p["group_size"]),
+            "--max-new-tokens",
+            str(p["max_new_tokens"]),
+            "--min-batches",
+            str(p["min_batches"]),
+            "--shard-size",
+            str(p["shard_size"]),
+            "--max-shard-bytes",
+            str(p["max_shard_bytes"]),
+            *[a for n in peers for a in ("--allow-peer", ids[n], "--expect-peer", ids[n])],
+        ],
+        workdir,
+    )
     children = [trainer]
     code = 1
     try:
@@ -171,30 +230,57 @@ async def run_demo(opts: DemoOptions) -> int:
                 origin = ready["multiaddrs"][0]
                 relay_addrs = []
                 for name in relays:
-                    c = Child(name, ["relay", *_common(name, workdir, run_id, p["keep_last"]),
-                                     "--upstream", origin, "--trainer-id", ids["trainer"]],
-                              workdir)
+                    c = Child(
+                        name,
+                        [
+                            "relay",
+                            *_common(name, workdir, run_id, p["keep_last"]),
+                            "--upstream",
+                            origin,
+                            "--trainer-id",
+                            ids["trainer"],
+                        ],
+                        workdir,
+                    )
                     children.append(c)
                     relay_addrs.append((await c.start(nursery, 120))["multiaddrs"][0])
                 for name in peers:
-                    c = Child(name, ["peer", *_common(name, workdir, run_id, p["keep_last"]),
-                                     *[a for r in relay_addrs for a in ("--bootstrap", r)],
-                                     "--trainer-id", ids["trainer"],
-                                     "--trainer-addr", origin,
-                                     "--n-prompts", str(p["n_prompts"]),
-                                     "--group-size", str(p["group_size"]),
-                                     "--max-new-tokens", str(p["max_new_tokens"])], workdir)
+                    c = Child(
+                        name,
+                        [
+                            "peer",
+                            *_common(name, workdir, run_id, p["keep_last"]),
+                            *[a for r in relay_addrs for a in ("--bootstrap", r)],
+                            "--trainer-id",
+                            ids["trainer"],
+                            "--trainer-addr",
+                            origin,
+                            "--n-prompts",
+                            str(p["n_prompts"]),
+                            "--group-size",
+                            str(p["group_size"]),
+                            "--max-new-tokens",
+                            str(p["max_new_tokens"]),
+                        ],
+                        workdir,
+                    )
                     children.append(c)
                 async with trio.open_nursery() as starting:  # peers start in parallel
-                    for c in children[1 + N_RELAYS:]:
+                    for c in children[1 + N_RELAYS :]:
                         starting.start_soon(c.start, nursery, 300)
                 assert trainer.proc is not None
                 trainer_code = await trainer.proc.wait()
                 for c in reversed(children[1:]):
                     await c.stop()
                 nursery.cancel_scope.cancel()
-        summary = summarize(workdir, trainer, [c for c in children if c.name in peers],
-                            [c for c in children if c.name in relays], steps, trainer_code)
+        summary = summarize(
+            workdir,
+            trainer,
+            [c for c in children if c.name in peers],
+            [c for c in children if c.name in relays],
+            steps,
+            trainer_code,
+        )
         summary["duration_s"] = round(time.monotonic() - t0, 1)
         summary["model"] = opts.model
         summary["workdir"] = str(workdir)
@@ -203,8 +289,9 @@ async def run_demo(opts: DemoOptions) -> int:
             write_json_atomic(opts.report, summary)
         code = 0 if summary["ok"] else 1
     except trio.TooSlowError:
-        print(f"shardnet demo: timed out after {opts.timeout_s}s; logs in {workdir}/logs",
-              flush=True)
+        print(
+            f"shardnet demo: timed out after {opts.timeout_s}s; logs in {workdir}/logs", flush=True
+        )
     except ShardnetError as exc:
         print(f"shardnet demo: {exc}", flush=True)
     finally:
@@ -218,8 +305,14 @@ async def run_demo(opts: DemoOptions) -> int:
     return code
 
 
-def summarize(workdir: Path, trainer: Child, peers: list[Child], relays: list[Child],
-              steps: int, trainer_code: int) -> dict[str, Any]:
+def summarize(
+    workdir: Path,
+    trainer: Child,
+    peers: list[Child],
+    relays: list[Child],
+    steps: int,
+    trainer_code: int,
+) -> dict[str, Any]:
     """Merge the node reports into the demo report and compute ``ok``."""
     from shardcast.store import hash_file
 
@@ -251,8 +344,14 @@ def summarize(workdir: Path, trainer: Child, peers: list[Child], relays: list[Ch
                 env = json.loads((step_dir / "manifest.json").read_text())
                 if env["signer"] != trainer.ready.get("peer_id"):
                     problems.append(f"{c.name} step {step}: manifest not signed by the trainer")
-                ref = next((r / step_dir.name / "manifest.json" for r in run_dirs
-                            if (r / step_dir.name / "manifest.json").exists()), None)
+                ref = next(
+                    (
+                        r / step_dir.name / "manifest.json"
+                        for r in run_dirs
+                        if (r / step_dir.name / "manifest.json").exists()
+                    ),
+                    None,
+                )
                 if ref is not None and json.loads(ref.read_text()) != env:
                     problems.append(f"{c.name} step {step}: manifest differs from the trainer's")
                 for f in env["manifest"]["files"]:
@@ -260,8 +359,7 @@ def summarize(workdir: Path, trainer: Child, peers: list[Child], relays: list[Ch
                         problems.append(f"{c.name} step {step}: {f['name']} digest mismatch")
     trained = tr.get("trained_samples", 0)
     if not trained or trained != tr.get("trained_verified_samples"):
-        problems.append(f"trained {trained} samples, verified "
-                        f"{tr.get('trained_verified_samples')}")
+        problems.append(f"trained {trained} samples, verified {tr.get('trained_verified_samples')}")
     for r in rows:
         if r.get("broadcast_s") is None:
             problems.append(f"version {r['step']} did not reach every peer")
@@ -269,18 +367,43 @@ def summarize(workdir: Path, trainer: Child, peers: list[Child], relays: list[Ch
     return {
         "ok": not problems,
         "problems": problems,
-        "steps": [{k: r.get(k) for k in ("step", "broadcast_s", "origin_bytes", "size_bytes",
-                                         "peers_committed", "rollouts_accepted",
-                                         "rollouts_rejected", "rejected_by_reason",
-                                         "mean_reward", "policy_steps_used")} for r in rows],
-        "peers": {c.name: {"peer_id": c.ready.get("peer_id"),
-                           "versions": peer_versions.get(c.name, {})} for c in peers},
+        "steps": [
+            {
+                k: r.get(k)
+                for k in (
+                    "step",
+                    "broadcast_s",
+                    "origin_bytes",
+                    "size_bytes",
+                    "peers_committed",
+                    "rollouts_accepted",
+                    "rollouts_rejected",
+                    "rejected_by_reason",
+                    "mean_reward",
+                    "policy_steps_used",
+                )
+            }
+            for r in rows
+        ],
+        "peers": {
+            c.name: {"peer_id": c.ready.get("peer_id"), "versions": peer_versions.get(c.name, {})}
+            for c in peers
+        },
         "relays": {c.name: c.report() for c in relays},
         "reward_first": rewards[0] if rewards else None,
         "reward_last": rewards[-1] if rewards else None,
-        "trainer": {k: tr.get(k) for k in ("trainer", "validator", "reputation", "inbox",
-                                           "trained_samples", "trained_verified_samples",
-                                           "origin_bytes_total")},
+        "trainer": {
+            k: tr.get(k)
+            for k in (
+                "trainer",
+                "validator",
+                "reputation",
+                "inbox",
+                "trained_samples",
+                "trained_verified_samples",
+                "origin_bytes_total",
+            )
+        },
     }
 
 
@@ -291,23 +414,36 @@ def print_table(summary: dict[str, Any]) -> None:
 
     peer_ids = {v["peer_id"]: k for k, v in summary["peers"].items()}
     table = Table(title=f"shardnet demo ({summary['model']}): ok={summary['ok']}")
-    for col in ("step", "broadcast s", "origin bytes", "peers with version", "accepted",
-                "rejected", "mean reward", "trained on"):
+    for col in (
+        "step",
+        "broadcast s",
+        "origin bytes",
+        "peers with version",
+        "accepted",
+        "rejected",
+        "mean reward",
+        "trained on",
+    ):
         table.add_column(col, justify="right")
     for r in summary["steps"]:
         have = [peer_ids.get(p, p[-6:]) for p in r["peers_committed"] or []]
         rej = r["rollouts_rejected"] or 0
         reasons = ",".join(f"{k}:{v}" for k, v in sorted((r["rejected_by_reason"] or {}).items()))
-        table.add_row(str(r["step"]),
-                      f"{r['broadcast_s']:.2f}" if r["broadcast_s"] is not None else "-",
-                      f"{r['origin_bytes']:,}", f"{len(have)}/{len(peer_ids)} "
-                      f"({','.join(sorted(have))})", str(r["rollouts_accepted"]),
-                      f"{rej}" + (f" ({reasons})" if reasons else ""),
-                      f"{r['mean_reward']:.3f}" if r["mean_reward"] is not None else "-",
-                      ",".join(map(str, r["policy_steps_used"] or [])) or "-")
+        table.add_row(
+            str(r["step"]),
+            f"{r['broadcast_s']:.2f}" if r["broadcast_s"] is not None else "-",
+            f"{r['origin_bytes']:,}",
+            f"{len(have)}/{len(peer_ids)} ({','.join(sorted(have))})",
+            str(r["rollouts_accepted"]),
+            f"{rej}" + (f" ({reasons})" if reasons else ""),
+            f"{r['mean_reward']:.3f}" if r["mean_reward"] is not None else "-",
+            ",".join(map(str, r["policy_steps_used"] or [])) or "-",
+        )
     console = Console(width=140)
     console.print(table)
     for p in summary["problems"]:
         console.print(f"[red]problem:[/red] {p}")
-    console.print(f"duration {summary.get('duration_s')} s; reward first "
-                  f"{summary['reward_first']} -> last {summary['reward_last']}")
+    console.print(
+        f"duration {summary.get('duration_s')} s; reward first "
+        f"{summary['reward_first']} -> last {summary['reward_last']}"
+    )

@@ -19,8 +19,12 @@ class JsonFormatter(logging.Formatter):
     def format(self, record: logging.LogRecord) -> str:
         msg = record.getMessage()
         event, _, rest = msg.partition(" ")
-        out: dict[str, object] = {"ts": round(record.created, 3), "level": record.levelname,
-                                  "logger": record.name, "event": event}
+        out: dict[str, object] = {
+            "ts": round(record.created, 3),
+            "level": record.levelname,
+            "logger": record.name,
+            "event": event,
+        }
         for part in rest.split(" "):
             key, sep, val = part.partition("=")
             if sep and key.isidentifier():
@@ -36,7 +40,8 @@ def configure(level: str = "INFO", as_json: bool = False, name: str = "") -> Non
     if as_json:
         handler.setFormatter(JsonFormatter())
     else:
-        fmt = f"%(asctime)s.%(msecs)03d %(levelname)s {name + ' ' if name else ''}%(name)s %(message)s"
+        prefix = f"{name} " if name else ""
+        fmt = f"%(asctime)s.%(msecs)03d %(levelname)s {prefix}%(name)s %(message)s"
         formatter = logging.Formatter(fmt, "%H:%M:%S")
         formatter.converter = time.gmtime
         handler.setFormatter(formatter)

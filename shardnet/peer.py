@@ -16,12 +16,13 @@ with the batch before it is signed.
 
 from __future__ import annotations
 
+import functools
 import logging
 import random
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import trio
 
@@ -32,9 +33,12 @@ from rollout.batch import Forgery, SamplingConfig, build_batch
 from rollout.engine import Engine, TransformersEngine
 from rollout.exchange import RolloutSender, SenderConfig, report_status
 from rollout.task import DEFAULT_TASK
-from shardcast.follower import Follower, FollowConfig, VersionRecord
+from shardcast.follower import FollowConfig, Follower, VersionRecord
 from shardcast.manifest import SignedManifest
 from shardcast.node import NodeConfig, ShardcastNode
+
+if TYPE_CHECKING:
+    from trio_typing import TaskStatus
 
 log = logging.getLogger(__name__)
 
@@ -86,9 +90,15 @@ class InferencePeer:
         forgery: adversarial hook (tests/benchmarks only).
     """
 
-    def __init__(self, identity: Identity, trust: TrustList, config: PeerConfig,
-                 engine: Engine | None = None, forgery: Forgery | None = None,
-                 progress: Callable[[int, int, int], None] | None = None) -> None:
+    def __init__(
+        self,
+        identity: Identity,
+        trust: TrustList,
+        config: PeerConfig,
+        engine: Engine | None = None,
+        forgery: Forgery | None = None,
+        progress: Callable[[int, int, int], None] | None = None,
+    ) -> None:
         self.identity = identity
         self.trust = trust
         self.config = config
@@ -104,17 +114,27 @@ class InferencePeer:
         self._trainer_connected = False
         self.done = trio.Event()
 
-    async def run(self, *, task_status: trio.TaskStatus[ShardcastNode] = trio.TASK_STATUS_IGNORED
-                  ) -> None:
+    async def run(
+        self, *, task_status: TaskStatus[ShardcastNode] = trio.TASK_STATUS_IGNORED
+    ) -> None:
         """Run until cancelled (or until ``max_versions`` batches were handed over)."""
         rng = random.Random(f"peer:{self.identity.peer_id}")
-        async with ShardcastNode.open(self.identity, self.trust, self.config.node) as node, \
-                trio.open_nursery() as nursery:
+        async with (
+            ShardcastNode.open(self.identity, self.trust, self.config.node) as node,
+            trio.open_nursery() as nursery,
+        ):
             self.node = node
-            self.sender = RolloutSender(node.p2p, self.identity, self.config.node.run_id,
-                                        self.trust.trainer, self.config.exchange, rng)
-            follower = Follower(node, self.config.follow, rng, on_commit=self._on_commit,
-                                progress=self.progress)
+            self.sender = RolloutSender(
+                node.p2p,
+                self.identity,
+                self.config.node.run_id,
+                self.trust.trainer,
+                self.config.exchange,
+                rng,
+            )
+            follower = Follower(
+                node, self.config.follow, rng, on_commit=self._on_commit, progress=self.progress
+            )
             await nursery.start(follower.run)
             if self.config.trainer_addrs:
                 nursery.start_soon(self._hello)
@@ -150,9 +170,15 @@ class InferencePeer:
         assert self.node is not None
         m = signed.manifest
         stats = rec.stats
-        self.records.append(PeerRecord(m.step, signed.digest, rec.committed_at,
-                                       stats.elapsed_s if stats else 0.0,
-                                       dict(stats.bytes_by_source) if stats else {}))
+        self.records.append(
+            PeerRecord(
+                m.step,
+                signed.digest,
+                rec.committed_at,
+                stats.elapsed_s if stats else 0.0,
+                dict(stats.bytes_by_source) if stats else {},
+            )
+        )
         self._latest = (signed, path)
         self._new_version.set()
         self._new_version = trio.Event()
@@ -160,7 +186,8 @@ class InferencePeer:
         await report_status(self.node.p2p, self.trust.trainer, m.step, signed.digest)
 
     async def _generate_loop(self, nursery: trio.Nursery) -> None:
-        assert self.node is not None and self.sender is not None
+        assert self.node is not None
+        assert self.sender is not None
         from rollout.model import build_tokenizer
 
         tokenizer = build_tokenizer()
@@ -178,11 +205,18 @@ class InferencePeer:
                         continue  # pruned before we got to it; a newer one exists
                     await trio.to_thread.run_sync(self.engine.load, path)
                 batch = await trio.to_thread.run_sync(
-                    lambda: build_batch(self.engine, tokenizer, self.task,
-                                        peer_id=self.identity.peer_id,
-                                        run_id=self.config.node.run_id, step=step,
-                                        manifest_digest=signed.digest,
-                                        cfg=self.config.sampling))
+                    functools.partial(
+                        build_batch,
+                        self.engine,
+                        tokenizer,
+                        self.task,
+                        peer_id=self.identity.peer_id,
+                        run_id=self.config.node.run_id,
+                        step=step,
+                        manifest_digest=signed.digest,
+                        cfg=self.config.sampling,
+                    )
+                )
             except ShardnetError as exc:
                 log.error("generation_failed step=%d error=%s", step, exc)
                 done_step = step
@@ -196,9 +230,14 @@ class InferencePeer:
                 if r.step == step:
                     r.generated, r.batch_id = True, ann.batch_id
                     r.mean_reward = sum(rewards) / len(rewards)
-            log.info("rollouts_submitted step=%d batch=%s samples=%d mean_reward=%.4f trainer=%s",
-                     step, ann.batch_id[:8], batch.n_samples, sum(rewards) / len(rewards),
-                     short_id(self.trust.trainer))
+            log.info(
+                "rollouts_submitted step=%d batch=%s samples=%d mean_reward=%.4f trainer=%s",
+                step,
+                ann.batch_id[:8],
+                batch.n_samples,
+                sum(rewards) / len(rewards),
+                short_id(self.trust.trainer),
+            )
             done_step = step
             generated += 1
 

@@ -24,10 +24,19 @@ class DownloadProgress:
 
     def __init__(self, force: bool = False) -> None:
         self.enabled = force or sys.stderr.isatty()
-        self._progress = Progress(
-            "[bold]step {task.fields[step]}", BarColumn(), "[progress.percentage]{task.percentage:>3.0f}%",
-            DownloadColumn(), TransferSpeedColumn(), TimeRemainingColumn(), transient=False,
-        ) if self.enabled else None
+        self._progress = (
+            Progress(
+                "[bold]step {task.fields[step]}",
+                BarColumn(),
+                "[progress.percentage]{task.percentage:>3.0f}%",
+                DownloadColumn(),
+                TransferSpeedColumn(),
+                TimeRemainingColumn(),
+                transient=False,
+            )
+            if self.enabled
+            else None
+        )
         self._tasks: dict[int, TaskID] = {}
 
     def __enter__(self) -> DownloadProgress:
@@ -35,8 +44,9 @@ class DownloadProgress:
             self._progress.start()
         return self
 
-    def __exit__(self, t: type[BaseException] | None, e: BaseException | None,
-                 tb: TracebackType | None) -> None:
+    def __exit__(
+        self, t: type[BaseException] | None, e: BaseException | None, tb: TracebackType | None
+    ) -> None:
         if self._progress is not None:
             self._progress.stop()
 

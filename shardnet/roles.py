@@ -41,8 +41,13 @@ def write_json_atomic(path: Path, obj: Any) -> None:
 
 def emit_ready(role: str, node: Any, ready_file: Path | None) -> dict[str, Any]:
     """Print the ready line (and write ``ready_file``)."""
-    info = {"role": role, "peer_id": node.identity.peer_id, "multiaddrs": node.p2p.multiaddrs(),
-            "http_url": node.http.url, "pid": os.getpid()}
+    info = {
+        "role": role,
+        "peer_id": node.identity.peer_id,
+        "multiaddrs": node.p2p.multiaddrs(),
+        "http_url": node.http.url,
+        "pid": os.getpid(),
+    }
     print(READY_PREFIX + json.dumps(info), flush=True)
     if ready_file is not None:
         write_json_atomic(ready_file, info)
@@ -57,6 +62,7 @@ async def until_signal(body: Callable[[], Awaitable[None]]) -> bool:
     """
     stopped = False
     async with trio.open_nursery() as nursery:
+
         async def watch() -> None:
             nonlocal stopped
             with trio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as signals:
@@ -81,12 +87,25 @@ async def run_trainer(s: TrainerSettings) -> int:
     torch.set_num_threads(s.torch_threads)
     identity = s.identity()
     cfg = TrainerConfig(
-        node=s.node_config(), steps=s.steps, preset=s.preset, seed=s.seed, lr=s.lr,
-        async_level=s.async_level, n_prompts=s.n_prompts, group_size=s.group_size,
-        max_new_tokens=s.max_new_tokens, temperature=s.temperature, min_batches=s.min_batches,
-        step_timeout_s=s.step_timeout_s, shard_size=s.shard_size_bytes,
-        max_shard_bytes=s.max_shard_bytes, expected_peers=tuple(s.expect_peers),
-        final_wait_s=s.final_wait_s, start_wait_s=s.start_wait_s, check_model=s.check_model)
+        node=s.node_config(),
+        steps=s.steps,
+        preset=s.preset,
+        seed=s.seed,
+        lr=s.lr,
+        async_level=s.async_level,
+        n_prompts=s.n_prompts,
+        group_size=s.group_size,
+        max_new_tokens=s.max_new_tokens,
+        temperature=s.temperature,
+        min_batches=s.min_batches,
+        step_timeout_s=s.step_timeout_s,
+        shard_size=s.shard_size_bytes,
+        max_shard_bytes=s.max_shard_bytes,
+        expected_peers=tuple(s.expect_peers),
+        final_wait_s=s.final_wait_s,
+        start_wait_s=s.start_wait_s,
+        check_model=s.check_model,
+    )
     trainer = Trainer(identity, s.trust(identity), cfg)
     finished = False
 
@@ -118,8 +137,9 @@ async def run_relay(s: RelaySettings) -> int:
     async def body() -> None:
         nonlocal follower
         async with ShardcastNode.open(identity, s.trust(), s.node_config()) as node:
-            follower = Follower(node, s.follow_config(s.upstream),
-                                random.Random(f"relay:{identity.peer_id}"))
+            follower = Follower(
+                node, s.follow_config(s.upstream), random.Random(f"relay:{identity.peer_id}")
+            )
             emit_ready("relay", node, s.ready_file)
             await follower.run()
 
@@ -127,15 +147,25 @@ async def run_relay(s: RelaySettings) -> int:
         await until_signal(body)
     finally:
         if s.report is not None and follower is not None:
-            write_json_atomic(s.report, {
-                "peer_id": identity.peer_id, "role": "relay",
-                "versions": [{"step": r.step, "manifest_digest": r.digest,
-                              "download_s": r.stats.elapsed_s if r.stats else None,
-                              "bytes_by_source": r.stats.bytes_by_source if r.stats else {}}
-                             for r in follower.records],
-                "http": vars(follower.node.http.statistics()) | {"errors": dict(
-                    follower.node.http.statistics().errors)},
-                "bytes_by_step": follower.node.server.bytes_by_step})
+            write_json_atomic(
+                s.report,
+                {
+                    "peer_id": identity.peer_id,
+                    "role": "relay",
+                    "versions": [
+                        {
+                            "step": r.step,
+                            "manifest_digest": r.digest,
+                            "download_s": r.stats.elapsed_s if r.stats else None,
+                            "bytes_by_source": r.stats.bytes_by_source if r.stats else {},
+                        }
+                        for r in follower.records
+                    ],
+                    "http": vars(follower.node.http.statistics())
+                    | {"errors": dict(follower.node.http.statistics().errors)},
+                    "bytes_by_step": follower.node.server.bytes_by_step,
+                },
+            )
     return 0
 
 
@@ -152,11 +182,18 @@ async def run_peer(s: PeerSettings) -> int:
 
         raise ConfigError("engine", f"unknown engine {s.engine!r} (available: transformers)")
     identity = s.identity()
-    cfg = PeerConfig(node=s.node_config(), follow=s.follow_config(s.bootstrap),
-                     sampling=SamplingConfig(n_prompts=s.n_prompts, group_size=s.group_size,
-                                             max_new_tokens=s.max_new_tokens,
-                                             temperature=s.temperature),
-                     max_versions=s.max_versions, trainer_addrs=tuple(s.trainer_addr))
+    cfg = PeerConfig(
+        node=s.node_config(),
+        follow=s.follow_config(s.bootstrap),
+        sampling=SamplingConfig(
+            n_prompts=s.n_prompts,
+            group_size=s.group_size,
+            max_new_tokens=s.max_new_tokens,
+            temperature=s.temperature,
+        ),
+        max_versions=s.max_versions,
+        trainer_addrs=tuple(s.trainer_addr),
+    )
     with DownloadProgress() as progress:
         peer = InferencePeer(identity, s.trust(), cfg, progress=progress)
 

@@ -31,5 +31,6 @@ def make_checkpoint(directory: Path, sizes: dict[str, int], seed: int = 0) -> Pa
     if len(weights) > 1:
         wm = {f"layer.{i}.weight": n for i, n in enumerate(weights)}
         (directory / "model.safetensors.index.json").write_text(
-            json.dumps({"metadata": {"total_size": sum(sizes.values())}, "weight_map": wm}))
+            json.dumps({"metadata": {"total_size": sum(sizes.values())}, "weight_map": wm})
+        )
     return directory

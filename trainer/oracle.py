@@ -43,18 +43,27 @@ class TrainerOracle:
         self.tokenizer = tokenizer
         self.task = task
         self.keep = keep
-        self.vocab_size = int(len(tokenizer))
+        self.vocab_size = len(tokenizer)
         self.eos_id = int(tokenizer.eos_token_id)
         self._lock = threading.Lock()
         self._digests: OrderedDict[int, str] = OrderedDict()
         self._models: OrderedDict[int, Any] = OrderedDict()
         self._dirs: dict[int, Path] = {}
 
-    def add_version(self, step: int, digest: str, checkpoint_dir: Path) -> None:
-        """Register a published version; its model is loaded lazily on first use."""
+    def add_version(
+        self, step: int, digest: str, checkpoint_dir: Path, preload: bool = True
+    ) -> None:
+        """Register a published version and (with ``preload``) load its model now.
+
+        Loading right away, from the caller's thread, keeps model construction (which changes
+        process-wide torch defaults while it runs) out of the validator's worker thread.
+        """
+        model = load_model(checkpoint_dir) if preload else None
         with self._lock:
             self._digests[step] = digest
             self._dirs[step] = checkpoint_dir
+            if model is not None:
+                self._models[step] = model
             while len(self._digests) > self.keep:
                 old, _ = self._digests.popitem(last=False)
                 self._models.pop(old, None)
@@ -71,8 +80,10 @@ class TrainerOracle:
 
     def prompt_ids(self, submitter: str, step: int, n: int) -> list[list[int]]:
         """Token ids of the prompts the task assigns to ``submitter`` at ``step``."""
-        return [list(self.tokenizer(text)["input_ids"])
-                for text in self.task.prompts_for(submitter, step, n)]
+        return [
+            list(self.tokenizer(text)["input_ids"])
+            for text in self.task.prompts_for(submitter, step, n)
+        ]
 
     def reward(self, completion_ids: Sequence[int]) -> float:
         """The task's reward of one completion."""
@@ -92,7 +103,12 @@ class TrainerOracle:
                 self._models[step] = model
         return model
 
-    def prefill(self, step: int, prompt_ids: Sequence[int], completion_ids: Sequence[int],
-                temperature: float) -> tuple[Bits, Bits, list[float]]:
+    def prefill(
+        self,
+        step: int,
+        prompt_ids: Sequence[int],
+        completion_ids: Sequence[int],
+        temperature: float,
+    ) -> tuple[Bits, Bits, list[float]]:
         """One teacher-forced pass with version ``step``'s published weights."""
         return prefill_activations(self._model(step), prompt_ids, completion_ids, temperature)

@@ -27,7 +27,7 @@ import random
 import shutil
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any, cast
 
 import torch
 import trio
@@ -45,6 +45,9 @@ from shardcast.origin import Origin
 from trainer.checkpoint import save_checkpoint
 from trainer.grpo import DEFAULT_LR, Rollout, collate, group_advantages, make_optimizer, train_step
 from trainer.oracle import TrainerOracle
+
+if TYPE_CHECKING:
+    from trio_typing import TaskStatus
 
 log = logging.getLogger(__name__)
 
@@ -136,8 +139,9 @@ class Trainer:
         self.trained_verified_samples = 0
         self._rejected_mark: dict[str, int] = {}
 
-    async def run(self, *, task_status: trio.TaskStatus[ShardcastNode] = trio.TASK_STATUS_IGNORED
-                  ) -> None:
+    async def run(
+        self, *, task_status: TaskStatus[ShardcastNode] = trio.TASK_STATUS_IGNORED
+    ) -> None:
         """Run every step, wait for the last broadcast, and return."""
         cfg = self.config
         torch.manual_seed(cfg.seed)
@@ -145,28 +149,43 @@ class Trainer:
         model = build_model(cfg.preset, cfg.seed, dtype=torch.float32)
         optimizer = make_optimizer(model, cfg.lr)
         oracle = TrainerOracle(tokenizer, DEFAULT_TASK, keep=cfg.async_level + 1)
-        oracle.set_vocab_size(int(model.config.vocab_size))
-        vcfg = ValidatorConfig(run_id=cfg.node.run_id, task=DEFAULT_TASK.name,
-                               n_prompts=cfg.n_prompts, group_size=cfg.group_size,
-                               max_new_tokens=cfg.max_new_tokens, temperature=cfg.temperature,
-                               async_level=cfg.async_level, check_model=cfg.check_model)
+        oracle.set_vocab_size(int(cast(Any, model).config.vocab_size))
+        vcfg = ValidatorConfig(
+            run_id=cfg.node.run_id,
+            task=DEFAULT_TASK.name,
+            n_prompts=cfg.n_prompts,
+            group_size=cfg.group_size,
+            max_new_tokens=cfg.max_new_tokens,
+            temperature=cfg.temperature,
+            async_level=cfg.async_level,
+            check_model=cfg.check_model,
+        )
         self.validator = Validator(vcfg, oracle, allowed=self.trust.submitter_allowed)
         staging = cfg.node.data_dir / "staging"
         shutil.rmtree(staging, ignore_errors=True)
         staging.mkdir(parents=True)
-        async with ShardcastNode.open(self.identity, self.trust, cfg.node) as node, \
-                trio.open_nursery() as nursery:
+        async with (
+            ShardcastNode.open(self.identity, self.trust, cfg.node) as node,
+            trio.open_nursery() as nursery,
+        ):
             self.node = node
             origin = Origin(node, shard_size=cfg.shard_size)
-            self.inbox = RolloutInbox(node.p2p, cfg.node.run_id, self.validator, self.reputation,
-                                      current_step=lambda: self.published, config=cfg.inbox)
+            self.inbox = RolloutInbox(
+                node.p2p,
+                cfg.node.run_id,
+                self.validator,
+                self.reputation,
+                current_step=lambda: self.published,
+                config=cfg.inbox,
+            )
             await nursery.start(self.inbox.run)
             task_status.started(node)
             await self._wait_joined()
             await self._publish(origin, oracle, model, tokenizer, staging, 0)
             for k in range(1, cfg.steps + 1):
-                batches = await self.inbox.take(min_batches=cfg.min_batches, step=k - 1,
-                                                timeout_s=cfg.step_timeout_s)
+                batches = await self.inbox.take(
+                    min_batches=cfg.min_batches, step=k - 1, timeout_s=cfg.step_timeout_s
+                )
                 stats = await self._train(model, optimizer, tokenizer, oracle, batches, k)
                 await self._publish(origin, oracle, model, tokenizer, staging, k)
                 self.records[-1].train_stats = stats
@@ -174,20 +193,42 @@ class Trainer:
             self._close_rejections()
             nursery.cancel_scope.cancel()
 
-    async def _publish(self, origin: Origin, oracle: TrainerOracle, model: Any, tokenizer: Any,
-                       staging: Path, step: int) -> None:
+    async def _publish(
+        self,
+        origin: Origin,
+        oracle: TrainerOracle,
+        model: Any,
+        tokenizer: Any,
+        staging: Path,
+        step: int,
+    ) -> None:
         directory = staging / f"step-{step}"
-        await trio.to_thread.run_sync(save_checkpoint, model, tokenizer, directory,
-                                       self.config.max_shard_bytes)
+        await trio.to_thread.run_sync(
+            save_checkpoint, model, tokenizer, directory, self.config.max_shard_bytes
+        )
         result = await origin.publish(directory, step)
-        oracle.add_version(step, result.signed.digest, result.path)
+        await trio.to_thread.run_sync(
+            lambda: oracle.add_version(
+                step, result.signed.digest, result.path, preload=self.config.check_model
+            )
+        )
         self._close_rejections()
         self.published = step
-        self.records.append(StepRecord(step, result.published_at, result.signed.digest,
-                                       result.signed.manifest.total_bytes))
+        self.records.append(
+            StepRecord(
+                step, result.published_at, result.signed.digest, result.signed.manifest.total_bytes
+            )
+        )
 
-    async def _train(self, model: Any, optimizer: Any, tokenizer: Any, oracle: TrainerOracle,
-                     batches: list[AcceptedBatch], k: int) -> dict[str, float]:
+    async def _train(
+        self,
+        model: Any,
+        optimizer: Any,
+        tokenizer: Any,
+        oracle: TrainerOracle,
+        batches: list[AcceptedBatch],
+        k: int,
+    ) -> dict[str, float]:
         assert self.validator is not None
         rollouts: list[Rollout] = []
         rewards: list[float] = []
@@ -203,17 +244,25 @@ class Trainer:
         if rollouts:
             batch = collate(rollouts, int(tokenizer.pad_token_id), self.config.temperature)
             st = await trio.to_thread.run_sync(train_step, model, optimizer, batch)
-            out = {"loss": st.loss, "approx_kl": st.approx_kl, "clip_fraction": st.clip_fraction,
-                   "grad_norm": st.grad_norm or 0.0}
+            out = {
+                "loss": st.loss,
+                "approx_kl": st.approx_kl,
+                "clip_fraction": st.clip_fraction,
+                "grad_norm": st.grad_norm or 0.0,
+            }
         else:
             log.warning("train_step_skipped step=%d reason=no_rollouts", k)
         rec = self.records[-1]  # the version these rollouts were judged against
         rec.rollouts_accepted = len(rollouts)
         rec.mean_reward = sum(rewards) / len(rewards) if rewards else None
         rec.policy_steps_used = sorted({ab.batch.policy_step for ab in batches})
-        log.info("train_step step=%d samples=%d mean_reward=%s policy_steps=%s", k, len(rollouts),
-                 f"{rec.mean_reward:.4f}" if rec.mean_reward is not None else "n/a",
-                 rec.policy_steps_used)
+        log.info(
+            "train_step step=%d samples=%d mean_reward=%s policy_steps=%s",
+            k,
+            len(rollouts),
+            f"{rec.mean_reward:.4f}" if rec.mean_reward is not None else "n/a",
+            rec.policy_steps_used,
+        )
         return out
 
     def _close_rejections(self) -> None:
@@ -222,8 +271,11 @@ class Trainer:
         now = dict(self.validator.statistics().rejected_samples)
         if self.records:
             rec = self.records[-1]
-            rec.rejected_by_reason = {r: n - self._rejected_mark.get(r, 0) for r, n in now.items()
-                                      if n - self._rejected_mark.get(r, 0)}
+            rec.rejected_by_reason = {
+                r: n - self._rejected_mark.get(r, 0)
+                for r, n in now.items()
+                if n - self._rejected_mark.get(r, 0)
+            }
             rec.rollouts_rejected = sum(rec.rejected_by_reason.values())
         self._rejected_mark = now
 
@@ -261,35 +313,45 @@ class Trainer:
 
     def report(self) -> dict[str, Any]:
         """The per-step report (JSON-ready)."""
-        assert self.node is not None and self.validator is not None and self.inbox is not None
+        assert self.node is not None
+        assert self.validator is not None
+        assert self.inbox is not None
         steps = []
         expected = set(self.config.expected_peers)
         for rec in self.records:
             done = self.committed(rec.step)
             complete = bool(expected) and expected <= set(done)
-            steps.append({
-                "step": rec.step, "manifest_digest": rec.manifest_digest,
-                "size_bytes": rec.size_bytes,
-                "broadcast_s": max(done[p] for p in expected) if complete else None,
-                "origin_bytes": self.node.server.bytes_by_step.get(rec.step, 0),
-                "peers_committed": sorted(done),
-                "rollouts_accepted": rec.rollouts_accepted,
-                "rollouts_rejected": rec.rollouts_rejected,
-                "rejected_by_reason": rec.rejected_by_reason,
-                "mean_reward": rec.mean_reward,
-                "policy_steps_used": rec.policy_steps_used,
-                "train": rec.train_stats,
-            })
+            steps.append(
+                {
+                    "step": rec.step,
+                    "manifest_digest": rec.manifest_digest,
+                    "size_bytes": rec.size_bytes,
+                    "broadcast_s": max(done[p] for p in expected) if complete else None,
+                    "origin_bytes": self.node.server.bytes_by_step.get(rec.step, 0),
+                    "peers_committed": sorted(done),
+                    "rollouts_accepted": rec.rollouts_accepted,
+                    "rollouts_rejected": rec.rollouts_rejected,
+                    "rejected_by_reason": rec.rejected_by_reason,
+                    "mean_reward": rec.mean_reward,
+                    "policy_steps_used": rec.policy_steps_used,
+                    "train": rec.train_stats,
+                }
+            )
         vs = self.validator.statistics()
         rs = self.reputation.statistics()
         return {
             "trainer": self.identity.peer_id,
             "steps": steps,
-            "validator": {"accepted_samples": vs.accepted_samples,
-                          "rejected_samples": vs.rejected_samples},
-            "reputation": {"scores": rs.scores, "refused": list(rs.refused),
-                           "refused_announcements": rs.refused_announcements,
-                           "rate_limited": rs.rate_limited},
+            "validator": {
+                "accepted_samples": vs.accepted_samples,
+                "rejected_samples": vs.rejected_samples,
+            },
+            "reputation": {
+                "scores": rs.scores,
+                "refused": list(rs.refused),
+                "refused_announcements": rs.refused_announcements,
+                "rate_limited": rs.rate_limited,
+            },
             "inbox": vars(self.inbox.statistics()),
             "trained_samples": self.trained_samples,
             "trained_verified_samples": self.trained_verified_samples,

@@ -297,8 +297,10 @@ async def test_not_available_and_other_statuses() -> None:
         with pytest.raises(NotAvailable) as info:
             await collect(client, server.url + "/404", 0, 10)
         assert (info.value.status, info.value.retry_after_s) == (404, None)
-        with pytest.raises(RemoteProtocolError, match="HTTP 500"):
+        with pytest.raises(StreamBroken, match="server error HTTP 500"):
             await client.get_bytes(server.url + "/500", max_bytes=10, timeout_s=5)
+        with pytest.raises(RemoteProtocolError, match="HTTP 418"):
+            await client.get_bytes(server.url + "/418", max_bytes=10, timeout_s=5)
         with pytest.raises(RemoteProtocolError, match="range ignored"):
             await collect(client, server.url + "/200", 1, 10)
 

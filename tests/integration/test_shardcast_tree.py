@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import random
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import trio
 
@@ -15,8 +16,14 @@ from shardcast.origin import Origin
 from shardcast.store import hash_file
 from tests.helpers import TRAINER, make_checkpoint, trust
 
-SIZES = {"model-00001-of-00003.safetensors": 300_000, "model-00002-of-00003.safetensors": 200_000,
-         "model-00003-of-00003.safetensors": 50_001}
+if TYPE_CHECKING:
+    from trio_typing import TaskStatus
+
+SIZES = {
+    "model-00001-of-00003.safetensors": 300_000,
+    "model-00002-of-00003.safetensors": 200_000,
+    "model-00003-of-00003.safetensors": 50_001,
+}
 
 
 async def test_version_flows_through_relay_to_peers(tmp_path: Path) -> None:
@@ -32,23 +39,32 @@ async def test_version_flows_through_relay_to_peers(tmp_path: Path) -> None:
             commits.setdefault(name, []).append((signed.manifest.step, signed.digest))
             if all(len(commits.get(p, [])) == 2 for p in ("p1", "p2")):
                 done.set()
+
         return on_commit
 
     async with ShardcastNode.open(TRAINER, tl, NodeConfig("trainer", "run", tmp_path / "o")) as o:
         origin = Origin(o, shard_size=64 * 1024)
         relay_id = Identity.from_seed("relay")
-        async with ShardcastNode.open(relay_id, tl, NodeConfig("relay", "run", tmp_path / "r")) \
-                as r, trio.open_nursery() as nursery:
-            fr = Follower(r, FollowConfig(upstreams=(o.p2p.multiaddrs()[0],),
-                                          poll_interval_s=0.2), random.Random(1),
-                          on_commit=hook("relay"))
+        async with (
+            ShardcastNode.open(relay_id, tl, NodeConfig("relay", "run", tmp_path / "r")) as r,
+            trio.open_nursery() as nursery,
+        ):
+            fr = Follower(
+                r,
+                FollowConfig(upstreams=(o.p2p.multiaddrs()[0],), poll_interval_s=0.2),
+                random.Random(1),
+                on_commit=hook("relay"),
+            )
             await nursery.start(fr.run)
             peers = []
             for name in ("p1", "p2"):
                 node = await nursery.start(_open_node, Identity.from_seed(name), tmp_path / name)
-                fp = Follower(node, FollowConfig(upstreams=(r.p2p.multiaddrs()[0],),
-                                                 poll_interval_s=0.2),
-                              random.Random(2), on_commit=hook(name))
+                fp = Follower(
+                    node,
+                    FollowConfig(upstreams=(r.p2p.multiaddrs()[0],), poll_interval_s=0.2),
+                    random.Random(2),
+                    on_commit=hook(name),
+                )
                 await nursery.start(fp.run)
                 peers.append((node, fp))
             for step in (0, 1):
@@ -67,17 +83,23 @@ async def test_version_flows_through_relay_to_peers(tmp_path: Path) -> None:
                     assert set(rec.stats.bytes_by_source) == {relay_id.peer_id}
             # origin egress: each version crossed the origin->relay link exactly once
             total = sum(
-                (tmp_path / f"ck{s}" / n).stat().st_size if (tmp_path / f"ck{s}").exists()
-                else 0 for s in (0, 1) for n in SIZES)
+                (tmp_path / f"ck{s}" / n).stat().st_size if (tmp_path / f"ck{s}").exists() else 0
+                for s in (0, 1)
+                for n in SIZES
+            )
             assert o.http.statistics().bytes_sent <= 1.1 * sum(
-                sum(f.size for f in o.store.load_manifest(s, tl).manifest.files) for s in (0, 1))
+                sum(f.size for f in o.store.load_manifest(s, tl).manifest.files) for s in (0, 1)
+            )
             del total
             nursery.cancel_scope.cancel()
 
 
-async def _open_node(ident: Identity, data: Path, *,
-                     task_status: trio.TaskStatus[ShardcastNode] = trio.TASK_STATUS_IGNORED
-                     ) -> None:
+async def _open_node(
+    ident: Identity,
+    data: Path,
+    *,
+    task_status: TaskStatus[ShardcastNode] = trio.TASK_STATUS_IGNORED,
+) -> None:
     async with ShardcastNode.open(ident, trust(), NodeConfig("peer", "run", data)) as node:
         task_status.started(node)
         await trio.sleep_forever()

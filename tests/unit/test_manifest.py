@@ -36,7 +36,8 @@ def test_round_trip_and_canonical(signed: SignedManifest) -> None:
     assert back == signed
     assert back.encode() == data
     # canonical: sorted keys, no whitespace
-    assert b" " not in data and b"\n" not in data
+    assert b" " not in data
+    assert b"\n" not in data
     obj = json.loads(data)
     assert list(obj) == sorted(obj)
     # re-serialising a permuted object yields the same bytes

@@ -31,11 +31,11 @@ def test_layout_checks(tmp_path: Path) -> None:
     ck = make_checkpoint(tmp_path / "ok", SIZES)
     assert "config.json" in check_layout(ck)
     (ck / "model.safetensors.index.json").unlink()
-    with pytest.raises(CheckpointLayoutError, match="no model.safetensors.index.json"):
+    with pytest.raises(CheckpointLayoutError, match=r"no model\.safetensors\.index\.json"):
         check_layout(ck)
     bad = make_checkpoint(tmp_path / "noconf", {"model.safetensors": 10})
     (bad / "config.json").unlink()
-    with pytest.raises(CheckpointLayoutError, match="config.json"):
+    with pytest.raises(CheckpointLayoutError, match=r"config\.json"):
         check_layout(bad)
     sub = make_checkpoint(tmp_path / "sub", {"model.safetensors": 10})
     (sub / "nested").mkdir()
@@ -70,7 +70,8 @@ def test_write_verify_commit(tmp_path: Path) -> None:
         assert part.write_shard(s.index, data)
     assert not part.write_shard(0, (ck / m.shards[0].file).read_bytes()[: m.shards[0].length])
     final = part.commit()
-    assert final == store.version_dir(1) and store.committed_steps() == [1]
+    assert final == store.version_dir(1)
+    assert store.committed_steps() == [1]
     for f in m.files:
         assert (final / f.name).read_bytes() == (ck / f.name).read_bytes()
     assert store.load_manifest(1, trust()) == signed
@@ -89,11 +90,12 @@ def test_commit_refuses_corrupted_file(tmp_path: Path) -> None:
     with pytest.raises(IntegrityError, match="digest mismatch"):
         part.commit()
     assert store.committed_steps() == []
-    assert not part.dir.exists() and not store.version_dir(1).exists()
+    assert not part.dir.exists()
+    assert not store.version_dir(1).exists()
 
 
 def test_crash_leaves_no_version(tmp_path: Path) -> None:
-    ck, signed, store, part = _partial(tmp_path)
+    ck, signed, _store, part = _partial(tmp_path)
     s = signed.manifest.shards[0]
     part.write_shard(0, (ck / s.file).read_bytes()[: s.length])
     # "crash": the process dies; a new store instance on the same dir cleans up

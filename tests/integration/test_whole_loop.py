@@ -1,0 +1,147 @@
+"""The whole loop in one process over real libp2p hosts and HTTP lanes on 127.0.0.1:
+trainer (origin) -> relay -> 2 inference peers -> verified rollouts -> trainer."""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Iterator
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+import pytest
+import torch
+import trio
+
+from p2p.identity import Identity
+from p2p.trust import TrustList
+from rollout.batch import SamplingConfig
+from rollout.schema import RolloutBatch
+from shardcast.follower import FollowConfig, Follower
+from shardcast.node import NodeConfig, ShardcastNode
+from shardnet.peer import InferencePeer, PeerConfig
+from trainer.trainer import Trainer, TrainerConfig
+
+if TYPE_CHECKING:
+    from trio_typing import TaskStatus
+
+SAMPLING = SamplingConfig(n_prompts=2, group_size=4, max_new_tokens=8)
+
+
+@pytest.fixture(autouse=True)
+def _one_thread() -> Iterator[None]:
+    old = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(old)
+
+
+async def _run_loop(
+    tmp: Path, steps: int, forger: bool = False
+) -> tuple[Trainer, list[InferencePeer]]:
+    trainer_id = Identity.from_seed("loop-trainer")
+    names = ["p1", "p2"] + (["forger"] if forger else [])
+    peer_ids = [Identity.from_seed(f"loop-{n}") for n in names]
+    honest = [p.peer_id for p in peer_ids[:2]]
+    tl_trainer = TrustList(trainer=trainer_id.peer_id)
+    tl = TrustList(trainer=trainer_id.peer_id)
+    cfg = TrainerConfig(
+        node=NodeConfig("trainer", "loop", tmp / "trainer"),
+        steps=steps,
+        n_prompts=SAMPLING.n_prompts,
+        group_size=SAMPLING.group_size,
+        max_new_tokens=SAMPLING.max_new_tokens,
+        min_batches=2,
+        expected_peers=tuple(honest),
+        shard_size=128 * 1024,
+        max_shard_bytes=1 << 20,
+        final_wait_s=60,
+        start_wait_s=60,
+    )
+    trainer = Trainer(trainer_id, tl_trainer, cfg)
+    peers: list[InferencePeer] = []
+    finished = trio.Event()
+
+    async def run_trainer(task_status: TaskStatus[ShardcastNode]) -> None:
+        await trainer.run(task_status=task_status)
+        finished.set()
+
+    with trio.fail_after(240):
+        async with trio.open_nursery() as nursery:
+            tnode = await nursery.start(run_trainer)
+            taddr = tnode.p2p.multiaddrs()[0]
+            relay = await nursery.start(_relay, tl, taddr, tmp / "relay")
+            for ident, name in zip(peer_ids, names, strict=True):
+                forgery = _inflate_rewards if name == "forger" else None
+                peer = InferencePeer(
+                    ident,
+                    tl,
+                    PeerConfig(
+                        node=NodeConfig("peer", "loop", tmp / name),
+                        follow=FollowConfig(upstreams=(relay,), poll_interval_s=0.2),
+                        sampling=SAMPLING,
+                        trainer_addrs=(taddr,),
+                    ),
+                    forgery=forgery,
+                )
+                peers.append(peer)
+                await nursery.start(peer.run)
+            await finished.wait()
+            nursery.cancel_scope.cancel()
+    return trainer, peers
+
+
+def _inflate_rewards(batch: RolloutBatch) -> RolloutBatch:
+    import dataclasses
+
+    groups = tuple(
+        dataclasses.replace(g, samples=tuple(dataclasses.replace(s, reward=1.0) for s in g.samples))
+        for g in batch.groups
+    )
+    return dataclasses.replace(batch, groups=groups)
+
+
+async def _relay(
+    tl: TrustList,
+    upstream: str,
+    data: Path,
+    *,
+    task_status: TaskStatus[str] = trio.TASK_STATUS_IGNORED,
+) -> None:
+    async with ShardcastNode.open(
+        Identity.from_seed("loop-relay"), tl, NodeConfig("relay", "loop", data)
+    ) as node:
+        follower = Follower(
+            node, FollowConfig(upstreams=(upstream,), poll_interval_s=0.2), random.Random(3)
+        )
+        async with trio.open_nursery() as nursery:
+            await nursery.start(follower.run)
+            task_status.started(node.p2p.multiaddrs()[0])
+
+
+async def test_whole_loop_two_steps(tmp_path: Path) -> None:
+    trainer, peers = await _run_loop(tmp_path, steps=2)
+    report = trainer.report()
+    assert [r["step"] for r in report["steps"]] == [0, 1, 2]
+    digests = {r["step"]: r["manifest_digest"] for r in report["steps"]}
+    for peer in peers:
+        got = {r.step: r.manifest_digest for r in peer.records}
+        assert got == digests  # every version, verified, with the trainer's digest
+        assert all(r["broadcast_s"] is not None for r in report["steps"])
+    # every trained sample came from a verified batch; nothing was rejected
+    assert report["trained_samples"] > 0
+    assert report["trained_samples"] == report["trained_verified_samples"]
+    assert report["validator"]["rejected_samples"] == {}
+    for row in report["steps"][:-1]:
+        assert row["rollouts_accepted"] >= 2 * SAMPLING.n_prompts * SAMPLING.group_size
+        assert row["mean_reward"] is not None
+
+
+async def test_forged_rewards_rejected_honest_peers_continue(tmp_path: Path) -> None:
+    trainer, peers = await _run_loop(tmp_path, steps=2, forger=True)
+    report = trainer.report()
+    forger = peers[-1].identity.peer_id
+    assert report["validator"]["rejected_samples"].get("reward", 0) > 0
+    assert report["reputation"]["scores"][forger] < 1.0
+    for honest in peers[:2]:
+        assert report["reputation"]["scores"].get(honest.identity.peer_id, 1.0) == 1.0
+    assert report["trained_samples"] == report["trained_verified_samples"] > 0
