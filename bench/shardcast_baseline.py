@@ -87,7 +87,10 @@ LOOPBACK = "127.0.0.1"
 # directory can put shardnet's own ``shardcast`` package in front of SHARDCAST's).
 _LAUNCHER = r"""
 import json, os, sys, time
-role, bind = sys.argv[1], sys.argv[2]
+role, bind, site = sys.argv[1], sys.argv[2], sys.argv[3]
+if site:  # a private directory whose "shardcast" links to the venv's package (see isolate_scratch)
+    sys.path.insert(0, site)
+del sys.argv[1:4]
 import shardcast
 import shardcast.server as _server
 if bind:
@@ -100,7 +103,7 @@ print(json.dumps({"event": "launched", "role": role, "shardcast_version": shardc
                   "module": shardcast.__file__, "pid": os.getpid()}), flush=True)
 if role == "origin":
     from shardcast.origin_server import OriginServer
-    origin = OriginServer(sys.argv[3], int(sys.argv[4]), int(sys.argv[5]))
+    origin = OriginServer(sys.argv[1], int(sys.argv[2]), int(sys.argv[3]))
     print(json.dumps({"event": "ready"}), flush=True)
     for line in sys.stdin:
         if not line.strip():
@@ -116,7 +119,7 @@ if role == "origin":
                           "t1": time.time()}), flush=True)
     origin.shutdown()
 else:
-    sys.argv = ["shardcast-" + role] + sys.argv[3:]
+    sys.argv = ["shardcast-" + role] + sys.argv[1:]
     if role == "middle":
         from shardcast.middle_node import main
     else:
@@ -130,6 +133,7 @@ _LISTED_RE = re.compile(r"^Distribution file indicates (\d+) shards for version 
 _FINISHED_RE = re.compile(r"^Finished downloading all (\d+) shards for version (\S+)$")
 _GOT_RE = re.compile(r"^Downloaded (\S+) from (\S+) \(bandwidth: (\d+) MB/s\)$")
 _FAILED_RE = re.compile(r"^Failed to download (\S+) from (\S+): (.*)$")
+_RETRY_RE = re.compile(r"^(Fast|Slow) retrying download of (\S+) ")
 _SHARD_PATH_RE = re.compile(r"^/?(v\d+)/shard_\d+\.bin$")
 
 
@@ -212,7 +216,9 @@ def _pack(checkpoint: Path, dest: Path) -> tuple[Path, str, int, bool]:
     dest.parent.mkdir(parents=True, exist_ok=True)
     with dest.open("wb") as f:
         writer = _HashingWriter(f)
-        with tarfile.open(fileobj=writer, mode="w|", bufsize=4 << 20) as tar:  # type: ignore[call-overload]
+        with tarfile.open(  # type: ignore[call-overload]
+            fileobj=writer, mode="w|", bufsize=4 << 20, copybufsize=16 << 20
+        ) as tar:
             for path in sorted(p for p in checkpoint.rglob("*") if p.is_file()):
                 tar.add(path, arcname=str(path.relative_to(checkpoint)), recursive=False)
     return dest, writer.sha256.hexdigest(), writer.size, True
@@ -307,6 +313,10 @@ class TreeConfig:
     keep_versions: int = 5  # OriginServer(max_distribution_folders)
     shard_size: int | None = None  # SHARDCAST_SHARD_SIZE (default 50_000_000)
     bind_loopback: bool = True
+    # Give every SHARDCAST process its own /tmp (a private mount namespace, needs root) and its
+    # own site-packages scratch dir, as on separate machines: removes the co-location races on
+    # /tmp/dummy.{tmp,bin} and site-packages/temp_distribution.{tmp,txt}.
+    isolate_scratch: bool = False
     verify_sha256: bool = True
     keep_outputs: bool = False  # delete client copies after they were checked
     keep_packed: bool = False
@@ -350,6 +360,7 @@ class _Proc:
     finished: dict[str, float] = field(default_factory=dict)
     got: collections.Counter[str] = field(default_factory=collections.Counter)
     failed: collections.Counter[str] = field(default_factory=collections.Counter)
+    retries: collections.Counter[str] = field(default_factory=collections.Counter)
     launched: dict[str, Any] = field(default_factory=dict)
     done: trio.Event = field(default_factory=trio.Event)
 
@@ -375,6 +386,9 @@ class ShardcastTree:
         self.cfg = config
         self.python = Path(config.venv) / "bin" / "python"
         self.launcher = workdir / "_shardcast_launch.py"
+        self.site_packages = next(
+            (self.python.parent.parent / "lib").glob("python3*/site-packages"), Path("/nonexistent")
+        )
         self.origin: _Proc | None = None
         self.origin_port = 0
         self.middle_ports: list[int] = []
@@ -414,7 +428,27 @@ class ShardcastTree:
 
     async def _spawn(self, proc: _Proc, args: Sequence[str], *, stdin: bool = False) -> None:
         bind = LOOPBACK if self.cfg.bind_loopback else ""
-        argv = [str(self.python), "-I", str(self.launcher), proc.role, bind, *args]
+        site = ""
+        prefix: list[str] = []
+        if self.cfg.isolate_scratch:
+            scratch = self.workdir / "scratch" / proc.name
+            (scratch / "tmp").mkdir(parents=True, exist_ok=True)
+            (scratch / "site").mkdir(exist_ok=True)
+            link = scratch / "site" / "shardcast"
+            if not link.is_symlink():
+                link.symlink_to(self.site_packages / "shardcast", target_is_directory=True)
+            site = str(scratch / "site")
+            prefix = [
+                "unshare",
+                "-m",
+                "--propagation",
+                "private",
+                "sh",
+                "-c",
+                'mount --bind "$0" /tmp && exec "$@"',
+                str(scratch / "tmp"),
+            ]
+        argv = [*prefix, str(self.python), "-I", str(self.launcher), proc.role, bind, site, *args]
         proc.started = time.time()
         proc.process = await trio.lowlevel.open_process(
             argv,
@@ -505,6 +539,8 @@ class ShardcastTree:
                 proc.got[mm.group(2)] += 1
             elif (mm := _FAILED_RE.match(text)) and _SHARD_PATH_RE.match(mm.group(1)):
                 proc.failed[mm.group(2)] += 1
+            elif (mm := _RETRY_RE.match(text)) and _SHARD_PATH_RE.match(mm.group(2)):
+                proc.retries[mm.group(1).lower()] += 1
 
     def _count_request(self, proc: _Proc, method: str, path: str, code: str) -> None:
         stats = proc.stats
@@ -546,6 +582,10 @@ class ShardcastTree:
                 f"{cfg.venv} && {cfg.venv}/bin/pip install "
                 f"shardcast=={EXPECTED_VERSION}"
             )
+        if cfg.isolate_scratch and (
+            os.geteuid() != 0 or self.workdir.resolve().is_relative_to("/tmp")
+        ):
+            raise RuntimeError("isolate_scratch needs root and a workdir outside /tmp")
         (self.workdir / "logs").mkdir(parents=True, exist_ok=True)
         self.launcher.write_text(_LAUNCHER)
         probe = random.Random(1).randbytes(cfg.probe_bytes)
@@ -687,6 +727,8 @@ class ShardcastTree:
                 record["shards_from"][server] = record["shards_from"].get(server, 0) + n
             for server, n in proc.failed.items():
                 record["failed_shard_gets"][server] = record["failed_shard_gets"].get(server, 0) + n
+            for kind, n in proc.retries.items():
+                record["shard_retries"][kind] = record["shard_retries"].get(kind, 0) + n
             if outcome == "ok":
                 record["verified_at"] = proc.verified_at
                 return
@@ -739,6 +781,7 @@ class ShardcastTree:
                 "verified_at": None,
                 "shards_from": {},
                 "failed_shard_gets": {},
+                "shard_retries": {},
             }
             for i in range(cfg.clients)
         ]
@@ -794,6 +837,16 @@ class ShardcastTree:
                     "exit_reasons": [a["reason"] for a in rec["attempts"] if a["outcome"] != "ok"],
                     "shards_from": rec["shards_from"],
                     "failed_shard_gets": rec["failed_shard_gets"],
+                    "shard_retries": rec["shard_retries"],
+                    "attempt_log": [
+                        {
+                            "start_s": rel(a["start"]),
+                            "end_s": rel(a["end"]),
+                            "rc": a["rc"],
+                            "outcome": a["outcome"],
+                        }
+                        for a in rec["attempts"]
+                    ],
                 }
             )
         done: list[float] = [c["verified_s"] for c in clients if c["verified_s"] is not None]
@@ -868,10 +921,9 @@ class ShardcastTree:
             with contextlib.suppress(ProcessLookupError):
                 os.kill(pid, signal.SIGKILL)
         # SHARDCAST's fixed scratch files (shared by every process on the machine).
-        site = next((self.python.parent.parent / "lib").glob("python*/site-packages"), None)
+        site = self.site_packages
         scratch = [Path("/tmp/dummy.bin"), Path("/tmp/dummy.tmp")]
-        if site is not None:
-            scratch += [site / "temp_distribution.txt", site / "temp_distribution.tmp"]
+        scratch += [site / "temp_distribution.txt", site / "temp_distribution.tmp"]
         for path in scratch:
             with contextlib.suppress(OSError):
                 if path.stat().st_mtime >= self.started_wall - 1:
@@ -974,6 +1026,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--shard-size", type=int)
     ap.add_argument("--probe-bytes", type=int, default=1_000_000)
     ap.add_argument("--no-verify", action="store_true")
+    ap.add_argument(
+        "--isolate-scratch",
+        action="store_true",
+        help="private /tmp and scratch dir per process (root): no co-location races",
+    )
     ap.add_argument("--timeout", type=float, default=900.0)
     ap.add_argument("--report", help="also write the JSON result here")
     args = ap.parse_args(argv)
@@ -1006,6 +1063,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             shard_size=args.shard_size,
             probe_bytes=args.probe_bytes,
             verify_sha256=not args.no_verify,
+            isolate_scratch=args.isolate_scratch,
         )
     finally:
         if not args.keep_workdir:

@@ -10,6 +10,8 @@ backed by a reliable path (the version is also learnt by polling the upstream's 
 protocol, a rollout batch is also announced over a direct stream that is acknowledged), so a
 dropped gossip message costs latency, never data. Still, drops should be rare and visible:
 
+- every connection is an explicit (direct) gossip peer (:class:`DirectPeering`), so a message
+  reaches every connected subscriber even before the mesh has formed;
 - heartbeat every ``heartbeat_interval_s`` (1 s) so meshes form within a second or two;
 - the library's per-peer spam limiter is off: rate limiting is done per *submitter* by the
   application (the rollout inbox), which knows who the submitter is; the library only sees the
@@ -27,10 +29,13 @@ from dataclasses import dataclass
 
 import libp2p.pubsub.pubsub as _pubsub_mod
 import trio
+from libp2p.abc import INetConn, INetStream, INetwork, INotifee
 from libp2p.custom_types import TProtocol
 from libp2p.peer.id import ID
+from libp2p.peer.peerinfo import PeerInfo
 from libp2p.pubsub.gossipsub import GossipSub
 from libp2p.pubsub.pubsub import Pubsub
+from multiaddr import Multiaddr
 
 from p2p.errors import ConfigError
 
@@ -79,6 +84,45 @@ def make_router(cfg: GossipConfig) -> GossipSub:
         max_messages_per_topic_per_second=1e9,
         eclipse_protection_enabled=False,
     )
+
+
+class DirectPeering(INotifee):
+    """Make every connected peer a GossipSub *direct peer* (explicit peering, GossipSub v1.1).
+
+    A shardnet node only holds connections it chose (upstreams, bootstrap relays, the trainer)
+    or that downstream nodes opened to it, so its connections *are* its gossip topology.
+    Direct peers receive every message on the topics they subscribe to, without waiting for
+    the mesh to form (py-libp2p 0.8.1 sends nothing to a joined topic whose mesh is still
+    empty, which silently drops announcements published in the first heartbeats). The cost is
+    flooding announcements to every connection, which is right for small, rare messages.
+    Addresses are left empty: the router never re-dials a direct peer on its own.
+    """
+
+    def __init__(self, router: GossipSub) -> None:
+        self.router = router
+
+    async def connected(self, network: INetwork, conn: INetConn) -> None:
+        """Add the peer as a direct gossip peer."""
+        pid = conn.muxed_conn.peer_id
+        self.router.direct_peers[pid] = PeerInfo(pid, [])
+
+    async def disconnected(self, network: INetwork, conn: INetConn) -> None:
+        """Forget the peer when its last connection closed."""
+        pid = conn.muxed_conn.peer_id
+        if not network.get_connections(pid):
+            self.router.direct_peers.pop(pid, None)
+
+    async def opened_stream(self, network: INetwork, stream: INetStream) -> None:
+        """Unused."""
+
+    async def closed_stream(self, network: INetwork, stream: INetStream) -> None:
+        """Unused."""
+
+    async def listen(self, network: INetwork, multiaddr: Multiaddr) -> None:
+        """Unused."""
+
+    async def listen_close(self, network: INetwork, multiaddr: Multiaddr) -> None:
+        """Unused."""
 
 
 def prepare_subscription(pubsub: Pubsub, cfg: GossipConfig) -> None:

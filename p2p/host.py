@@ -53,7 +53,7 @@ from p2p.errors import (
     StreamBroken,
     short_id,
 )
-from p2p.gossip import GossipConfig, Subscription, make_router, prepare_subscription
+from p2p.gossip import DirectPeering, GossipConfig, Subscription, make_router, prepare_subscription
 from p2p.identity import Identity
 
 if TYPE_CHECKING:
@@ -173,6 +173,7 @@ class P2PNode:
         host = new_host(key_pair=identity.key_pair, muxer_preference="YAMUX", listen_addrs=listen)
         _disable_auto_connect(host)
         router = make_router(config.gossip)
+        host.get_network().register_notifee(DirectPeering(router))
         pubsub = Pubsub(host, router)
         rr = RequestResponse(host)
         stop = trio.Event()

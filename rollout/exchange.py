@@ -18,8 +18,9 @@ announcement on the run's rollouts gossip topic (best effort) and sends it on th
 stream to the trainer. The batch is dropped from the table only when an :class:`Ack` says
 the trainer decided (accepted, rejected or ignored); an ``Ack`` with ``retry`` (busy, rate
 limited, fetch failed) or a transport failure re-sends the announcement after an exponential
-backoff with jitter. A batch that became too stale to be accepted is dropped and counted. So
-a batch is never silently lost: it ends acknowledged, or counted as given up, and the table
+backoff with jitter, until ``give_up_s`` (then it is dropped and counted). A batch that became
+too stale is answered by the trainer with a final ``rejected``/``stale_step`` ack. So a batch
+is never silently lost: it ends acknowledged, or counted as given up, and the table
 (at most ``max_pending`` batches) bounds the memory it can hold. ``submit`` waits for room
 when the table is full, which slows generation down instead of dropping work.
 """
@@ -162,6 +163,8 @@ class RolloutSender:
         self.rng = rng
         self._pending: dict[str, bytes] = {}
         self._room = trio.Semaphore(config.max_pending)
+        self._idle = trio.Event()
+        self._idle.set()
         self._submitted = self._retries = self._given_up = self._served = 0
         self._acked: dict[str, int] = {}
         self.acks: list[Ack] = []
@@ -195,6 +198,8 @@ class RolloutSender:
         if len(payload) > MAX_BATCH_BYTES:
             raise ConfigError("rollout batch", f"{len(payload)} bytes over {MAX_BATCH_BYTES}")
         await self._room.acquire()
+        if self._idle.is_set():
+            self._idle = trio.Event()
         ann = RolloutAnnouncement.for_payload(self.identity, self.run_id, step, payload)
         self._pending[ann.batch_id] = payload
         self._submitted += 1
@@ -233,6 +238,8 @@ class RolloutSender:
         finally:
             self._pending.pop(ann.batch_id, None)
             self._room.release()
+            if not self._pending:
+                self._idle.set()
 
     async def _announce_once(self, ann: RolloutAnnouncement, data: bytes) -> Ack | None:
         try:
@@ -256,6 +263,10 @@ class RolloutSender:
             log.warning("rollout_ack_mismatch batch=%s", ann.batch_id[:8])
             return None
         return ack
+
+    async def wait_idle(self) -> None:
+        """Wait until every submitted batch ended (acknowledged or given up)."""
+        await self._idle.wait()
 
     def statistics(self) -> SenderStats:
         """Current counters."""

@@ -96,6 +96,7 @@ class InboxStats:
     buffered: int
     expired_samples: int
     acks: dict[str, int]
+    answers: dict[str, int]
 
 
 class RolloutInbox:
@@ -134,6 +135,8 @@ class RolloutInbox:
         self._announcements = self._duplicates = self._fetched = self._expired = 0
         self._by_route: dict[str, int] = {}
         self._acks: dict[str, int] = {}
+        self._answers: dict[str, int] = {}
+        self._answered = trio.Event()
         self.statuses: dict[str, dict[int, tuple[str, float]]] = {}
         self.joined: dict[str, float] = {}
         self._status_changed = trio.Event()
@@ -196,7 +199,24 @@ class RolloutInbox:
         return ack
 
     async def ingest(self, data: bytes, sender: str, *, route: str) -> Ack | None:
-        """Handle one announcement (see module docstring); returns the ack, or None if invalid."""
+        """Handle one announcement (see module docstring); returns the ack, or None if invalid.
+
+        Every answer is counted by ``status:reason`` in ``statistics().answers``.
+        """
+        ack = await self._ingest(data, sender, route=route)
+        if ack is not None:
+            key = f"{ack.status}:{ack.reason}"
+            self._answers[key] = self._answers.get(key, 0) + 1
+            self._answered.set()
+            self._answered = trio.Event()
+        return ack
+
+    async def wait_answers(self, key: str, count: int) -> None:
+        """Wait until at least ``count`` answers ``status:reason`` (e.g. ``retry:busy``) went out."""
+        while self._answers.get(key, 0) < count:
+            await self._answered.wait()
+
+    async def _ingest(self, data: bytes, sender: str, *, route: str) -> Ack | None:
         self._announcements += 1
         self._by_route[route] = self._by_route.get(route, 0) + 1
         try:
@@ -334,4 +354,5 @@ class RolloutInbox:
             len(self._buffer),
             self._expired,
             dict(self._acks),
+            dict(self._answers),
         )

@@ -233,16 +233,19 @@ class Downloader:
                             buf.pos += len(chunk)
                     except NotAvailable:
                         sched.on_failure(req.id, trio.current_time(), kind="unavailable")
+                        if begin:  # nothing arrived: the kept prefix waits for the next source
+                            resume[req.shard] = buf
                         return
                     except (StreamBroken, PeerUnreachable) as exc:
                         got = buf.pos - begin
                         keep = (
                             not req.duplicate
-                            and got > 0
+                            and buf.pos > 0
                             and len(resume) < self.config.max_resume_buffers
                         )
                         if keep:
-                            buf.parts.append((src.id, begin, buf.pos))
+                            if got:
+                                buf.parts.append((src.id, begin, buf.pos))
                             resume[req.shard] = buf
                         sched.on_failure(
                             req.id,
@@ -250,6 +253,8 @@ class Downloader:
                             kind="timeout" if "timed out" in str(exc) else "broken",
                             received=got if keep else 0,
                         )
+                        if not keep and not req.duplicate:
+                            sched.discard_partial(req.shard)  # the scheduler kept the offset
                         stats.failures += 1
                         log.info(
                             "shard_fetch_failed step=%d shard=%d source=%s error=%s",

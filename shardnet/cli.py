@@ -145,7 +145,10 @@ def trainer(
     ] = None,
     preset: Annotated[str | None, Opt(help="Model preset: tiny or real-1b.")] = None,
     seed: Annotated[int | None, Opt(help="Model initialisation seed.")] = None,
-    lr: Annotated[float | None, Opt(help="AdamW learning rate.")] = None,
+    lr: Annotated[float | None, Opt(help="Learning rate.")] = None,
+    optimizer: Annotated[
+        str | None, Opt(help="adamw or sgd (sgd keeps no optimizer state).")
+    ] = None,
     async_level: Annotated[int | None, Opt(help="How many versions a rollout may lag.")] = None,
     n_prompts: Annotated[int | None, Opt(help="Prompts per peer per step.")] = None,
     group_size: Annotated[int | None, Opt(help="Samples per prompt (GRPO group).")] = None,
@@ -200,6 +203,7 @@ def trainer(
                     preset=preset,
                     seed=seed,
                     lr=lr,
+                    optimizer=optimizer,
                     async_level=async_level,
                     n_prompts=n_prompts,
                     group_size=group_size,
@@ -381,7 +385,9 @@ def demo(
         ),
     ] = None,
     keep: Annotated[bool, Opt("--keep/--no-keep", help="Keep the work directory.")] = False,
-    timeout: Annotated[float, Opt(help="Give up after this many seconds.")] = 1800.0,
+    timeout: Annotated[
+        float | None, Opt(help="Give up after this many seconds (default 900 tiny, 1800 real-1b).")
+    ] = None,
 ) -> None:
     """Run the whole loop on this machine: trainer, 2 relays, 3 peers as separate processes."""
     from shardnet import logs

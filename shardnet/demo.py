@@ -47,6 +47,7 @@ PRESETS: dict[str, dict[str, Any]] = {
         "min_batches": 2,
         "lr": 3e-3,
         "keep_last": 3,
+        "timeout_s": 900,
     },
     "real-1b": {
         "steps": 2,
@@ -58,7 +59,10 @@ PRESETS: dict[str, dict[str, Any]] = {
         "max_shard_bytes": 256 << 20,
         "min_batches": 3,
         "lr": 1e-5,
+        "optimizer": "sgd",
+        "async_level": 1,
         "keep_last": 2,
+        "timeout_s": 1800,
     },
 }
 N_RELAYS = 2
@@ -74,7 +78,7 @@ class DemoOptions:
     report: Path | None = None
     workdir: Path | None = None
     keep: bool = False
-    timeout_s: float = 1800.0
+    timeout_s: float | None = None
 
 
 class Child:
@@ -180,6 +184,7 @@ async def run_demo(opts: DemoOptions) -> int:
         raise LocalProtocolError(f"unknown --model {opts.model!r}; use {', '.join(PRESETS)}")
     p = dict(PRESETS[opts.model])
     steps = opts.steps if opts.steps is not None else p["steps"]
+    timeout_s = opts.timeout_s if opts.timeout_s is not None else p["timeout_s"]
     workdir = opts.workdir or Path(tempfile.mkdtemp(prefix="shardnet-demo-"))
     workdir.mkdir(parents=True, exist_ok=True)
     run_id = f"demo-{opts.model}"
@@ -205,6 +210,10 @@ async def run_demo(opts: DemoOptions) -> int:
             p["preset"],
             "--lr",
             str(p["lr"]),
+            "--optimizer",
+            p.get("optimizer", "adamw"),
+            "--async-level",
+            str(p.get("async_level", 2)),
             "--n-prompts",
             str(p["n_prompts"]),
             "--group-size",
@@ -223,9 +232,20 @@ async def run_demo(opts: DemoOptions) -> int:
     )
     children = [trainer]
     code = 1
+    interrupted = False
+
+    async def on_signal(scope: trio.CancelScope) -> None:
+        nonlocal interrupted
+        with trio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as signals:
+            async for _ in signals:
+                interrupted = True
+                scope.cancel()
+                return
+
     try:
-        with trio.fail_after(opts.timeout_s):
+        with trio.fail_after(timeout_s):
             async with trio.open_nursery() as nursery:
+                nursery.start_soon(on_signal, nursery.cancel_scope)
                 ready = await trainer.start(nursery, 300)
                 origin = ready["multiaddrs"][0]
                 relay_addrs = []
@@ -273,6 +293,9 @@ async def run_demo(opts: DemoOptions) -> int:
                 for c in reversed(children[1:]):
                     await c.stop()
                 nursery.cancel_scope.cancel()
+        if interrupted:
+            print("shardnet demo: interrupted; stopping every node", flush=True)
+            return 130
         summary = summarize(
             workdir,
             trainer,
@@ -289,9 +312,7 @@ async def run_demo(opts: DemoOptions) -> int:
             write_json_atomic(opts.report, summary)
         code = 0 if summary["ok"] else 1
     except trio.TooSlowError:
-        print(
-            f"shardnet demo: timed out after {opts.timeout_s}s; logs in {workdir}/logs", flush=True
-        )
+        print(f"shardnet demo: timed out after {timeout_s}s; logs in {workdir}/logs", flush=True)
     except ShardnetError as exc:
         print(f"shardnet demo: {exc}", flush=True)
     finally:

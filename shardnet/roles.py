@@ -92,6 +92,7 @@ async def run_trainer(s: TrainerSettings) -> int:
         preset=s.preset,
         seed=s.seed,
         lr=s.lr,
+        optimizer=s.optimizer,
         async_level=s.async_level,
         n_prompts=s.n_prompts,
         group_size=s.group_size,

@@ -60,7 +60,9 @@ class TrainerConfig:
         node: shardcast node settings (role ``trainer``).
         steps: optimizer steps to run (versions 1..steps are published after version 0).
         preset, seed: the model.
-        lr: AdamW learning rate.
+        lr: learning rate.
+        optimizer: ``adamw`` (default) or ``sgd`` (no optimizer state: for real-size models
+            on a small machine, where AdamW's two fp32 moments would not fit).
         async_level: how many versions a rollout may lag.
         n_prompts, group_size, max_new_tokens, temperature: the sampling rules for peers.
         min_batches: batches to wait for before each optimizer step.
@@ -79,6 +81,7 @@ class TrainerConfig:
     preset: str = "tiny"
     seed: int = 0
     lr: float = DEFAULT_LR
+    optimizer: str = "adamw"
     async_level: int = 2
     n_prompts: int = 4
     group_size: int = 8
@@ -101,6 +104,8 @@ class TrainerConfig:
             raise ConfigError("min_batches", "must be >= 1")
         if self.async_level < 0:
             raise ConfigError("async_level", "must be >= 0")
+        if self.optimizer not in ("adamw", "sgd"):
+            raise ConfigError("optimizer", f"{self.optimizer!r} is not adamw or sgd")
 
 
 @dataclass
@@ -147,7 +152,11 @@ class Trainer:
         torch.manual_seed(cfg.seed)
         tokenizer = build_tokenizer()
         model = build_model(cfg.preset, cfg.seed, dtype=torch.float32)
-        optimizer = make_optimizer(model, cfg.lr)
+        optimizer = (
+            make_optimizer(model, cfg.lr)
+            if cfg.optimizer == "adamw"
+            else torch.optim.SGD(model.parameters(), lr=cfg.lr)
+        )
         oracle = TrainerOracle(tokenizer, DEFAULT_TASK, keep=cfg.async_level + 1)
         oracle.set_vocab_size(int(cast(Any, model).config.vocab_size))
         vcfg = ValidatorConfig(

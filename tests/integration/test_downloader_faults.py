@@ -1,0 +1,346 @@
+"""The downloader against faulty sources, over real sockets on 127.0.0.1.
+
+The honest source is the real :class:`~shardcast.serve.VersionServer`; the faulty ones are
+scripted HTTP/1.1 servers from :mod:`tests.faults` (corrupt bytes, a connection closed
+mid-shard, stalls, 503s, a file of another length). Source ids sort in the order the tests
+expect the scheduler to break ties in (``a-…`` before ``b-…``), and exploration is off, so
+every decision is reproducible.
+
+Tests whose outcome depends on a timeout run on a MockClock whose autojump threshold is small
+but non-zero: virtual time jumps only once every task, and the kernel's side of the sockets,
+has gone quiet. Tests that must finish *before* a timeout could fire use the real clock.
+"""
+
+from __future__ import annotations
+
+import random
+from pathlib import Path
+
+import pytest
+import trio
+import trio.testing
+
+from p2p.http_client import HttpClient
+from shardcast.downloader import DownloadConfig, Downloader, DownloadFailed, Source
+from shardcast.select import SchedulerConfig
+from shardcast.store import PartialVersion, VersionStore
+from tests.faults import RUN, Ask, Fault, Version, fault_source, honest_source, make_version
+
+SHARD = 16 * 1024
+FILE = "model.safetensors"
+
+
+@pytest.fixture
+def jump_clock() -> trio.testing.MockClock:
+    return trio.testing.MockClock(autojump_threshold=0.05)
+
+
+@pytest.fixture
+def version(tmp_path: Path) -> Version:
+    """One file of four shards."""
+    return make_version(tmp_path, {FILE: 4 * SHARD}, SHARD)
+
+
+@pytest.fixture
+def one_shard(tmp_path: Path) -> Version:
+    """One file of one shard: every request is for the same bytes."""
+    return make_version(tmp_path, {FILE: SHARD}, SHARD)
+
+
+def config(
+    *,
+    stall_timeout_s: float = 30.0,
+    deadline_s: float = 60.0,
+    no_source_grace_s: float = 30.0,
+    penalty_s: float = 30.0,
+    endgame_duplicates: int = 0,
+) -> DownloadConfig:
+    """Explore off; endgame off unless asked; penalties long enough that a failed source is
+    not retried while a test runs (on either clock) unless the test shortens them."""
+    sched = SchedulerConfig(explore=0.0, penalty_s=penalty_s, endgame_duplicates=endgame_duplicates)
+    return DownloadConfig(
+        stall_timeout_s=stall_timeout_s,
+        deadline_s=deadline_s,
+        no_source_grace_s=no_source_grace_s,
+        scheduler=sched,
+    )
+
+
+def target_store(tmp_path: Path) -> VersionStore:
+    return VersionStore(tmp_path / "downloader", RUN, keep_last=2)
+
+
+def assert_committed(store: VersionStore, version: Version, path: Path) -> None:
+    assert path == store.version_dir(version.step)
+    assert store.committed_steps() == [version.step]
+    for name, data in version.files.items():
+        assert (path / name).read_bytes() == data
+    assert not store.partial_dir(version.step).exists()
+
+
+def assert_nothing_left(store: VersionStore) -> None:
+    """No ``step-N/`` and no ``.partial-step-N/``: the run directory is empty."""
+    assert sorted(p.name for p in store.run_dir.iterdir()) == []
+
+
+# --- bad bytes ---------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("fault", [Fault.CORRUPT, Fault.SHORT_FILE])
+async def test_source_of_bad_bytes_is_banned_and_the_honest_one_is_not(
+    tmp_path: Path, version: Version, fault: Fault
+) -> None:
+    # SHORT_FILE: the source's copy is shorter than one shard, so every range it is asked for
+    # is answered with the wrong length (206 for a shorter range, or 416).
+    store = target_store(tmp_path)
+    async with (
+        fault_source(version, fault, short_by=4 * SHARD - SHARD // 2) as bad,
+        honest_source(version) as (honest, _),
+        HttpClient() as client,
+    ):
+        sources = [Source("a-bad", bad.url), Source("b-honest", honest.url)]
+        dl = Downloader(client, store, config(), random.Random(1))
+        path, stats = await dl.download(version.signed, sources)
+    assert_committed(store, version, path)
+    # four shards, explore off: two go to each source at once; both of the bad source's
+    # copies are refused and it is banned (max_corrupt=2), so it is never asked again
+    assert len(bad.asks) == 2
+    assert stats.corrupt_by_source == {"a-bad": 2}
+    assert stats.bytes_by_source["b-honest"] == 4 * SHARD  # every verified byte
+
+
+async def test_only_the_source_of_the_bad_half_is_blamed(
+    tmp_path: Path, one_shard: Version
+) -> None:
+    """The shard is assembled from a truncating source (good first half) and a corrupting one
+    (bad second half); it fails its digest, and once the honest copy arrives blame() names
+    only the corrupting source."""
+
+    def corrupt_mid_shard(ask: Ask) -> Fault:  # full-shard requests: "not yet"
+        return Fault.CORRUPT if ask.offset % SHARD else Fault.UNAVAILABLE
+
+    store = target_store(tmp_path)
+    async with (
+        fault_source(one_shard, Fault.TRUNCATE) as trunc,
+        fault_source(one_shard, corrupt_mid_shard) as corrupt,
+        honest_source(one_shard) as (honest, honest_asks),
+        HttpClient() as client,
+    ):
+        sources = [
+            Source("a-trunc", trunc.url),
+            Source("b-corrupt", corrupt.url),
+            Source("c-honest", honest.url),
+        ]
+        dl = Downloader(client, store, config(), random.Random(1))
+        path, stats = await dl.download(one_shard.signed, sources)
+    assert_committed(store, one_shard, path)
+    # a: first half, then cut; b: resumed the second half (corrupt) -> suspect copy, nobody
+    # penalized; b again from 0: 503; c: the whole shard, verified -> blame -> b only
+    assert [a.offset for a in trunc.asks] == [0]
+    assert [a.offset for a in corrupt.asks] == [SHARD // 2, 0]
+    assert honest_asks == [0]
+    assert stats.corrupt_by_source == {"b-corrupt": 1}
+
+
+# --- broken and stalled transfers ----------------------------------------------------------------
+
+
+async def test_truncated_transfers_resume_at_the_kept_prefix(
+    tmp_path: Path, version: Version
+) -> None:
+    store = target_store(tmp_path)
+    async with (
+        fault_source(version, Fault.TRUNCATE) as trunc,
+        honest_source(version) as (honest, honest_asks),
+        HttpClient() as client,
+    ):
+        sources = [Source("a-trunc", trunc.url), Source("b-honest", honest.url)]
+        dl = Downloader(client, store, config(), random.Random(1))
+        path, stats = await dl.download(version.signed, sources)
+        honest_sent = honest.statistics().bytes_sent
+    assert_committed(store, version, path)
+    assert len(trunc.asks) == 2  # two shards at once; then it is blocked
+    assert stats.failures == 2
+    # each cut shard was resumed by the honest source at the byte where the cut happened
+    cut = sorted(a.offset + a.length // 2 for a in trunc.asks)
+    assert sorted(o for o in honest_asks if o % SHARD) == cut
+    # no byte was downloaded twice: the kept prefixes plus the honest bytes are the version
+    assert trunc.body_bytes_sent + honest_sent == 4 * SHARD
+    assert stats.bytes_by_source == {"b-honest": 4 * SHARD - trunc.body_bytes_sent}
+    assert stats.corrupt_by_source == {}
+
+
+@pytest.mark.parametrize("fault", [Fault.STALL_AFTER_HEADERS, Fault.STALL_BEFORE_ANSWER])
+async def test_stalled_source_costs_one_stall_timeout(
+    tmp_path: Path, version: Version, fault: Fault, jump_clock: trio.testing.MockClock
+) -> None:
+    store = target_store(tmp_path)
+    async with (
+        fault_source(version, fault) as stall,
+        honest_source(version) as (honest, _),
+        HttpClient() as client,
+    ):
+        sources = [Source("a-stall", stall.url), Source("b-honest", honest.url)]
+        dl = Downloader(client, store, config(stall_timeout_s=0.5), random.Random(1))
+        start = trio.current_time()
+        path, stats = await dl.download(version.signed, sources)
+        elapsed = trio.current_time() - start
+    assert_committed(store, version, path)
+    assert 0.5 <= elapsed < 1.0  # the two stalled shards waited one stall timeout, together
+    assert len(stall.asks) == 2
+    assert stats.failures == 2
+    assert stats.corrupt_by_source == {}
+    assert stats.bytes_by_source == {"b-honest": 4 * SHARD}
+
+
+async def test_endgame_duplicates_beat_a_stalled_source(tmp_path: Path, version: Version) -> None:
+    """Real clock: the version commits long before the stall timeout could fire."""
+    store = target_store(tmp_path)
+    async with (
+        fault_source(version, Fault.STALL_AFTER_HEADERS) as stall,
+        honest_source(version) as (honest, _),
+        HttpClient() as client,
+    ):
+        sources = [Source("a-stall", stall.url), Source("b-honest", honest.url)]
+        cfg = config(stall_timeout_s=2.0, endgame_duplicates=1)
+        dl = Downloader(client, store, cfg, random.Random(1))
+        start = trio.current_time()
+        path, stats = await dl.download(version.signed, sources)
+        elapsed = trio.current_time() - start
+    assert_committed(store, version, path)
+    assert elapsed < 2.0
+    assert stats.failures == 0  # the stalled transfers were cancelled, not failed
+    assert stats.bytes_by_source == {"b-honest": 4 * SHARD}
+
+
+@pytest.mark.parametrize(
+    "fault", [Fault.UNAVAILABLE, Fault.STALL_BEFORE_ANSWER, Fault.STALL_AFTER_HEADERS]
+)
+async def test_prefix_survives_a_failed_resumption(
+    tmp_path: Path, one_shard: Version, fault: Fault, jump_clock: trio.testing.MockClock
+) -> None:
+    """A cut transfer keeps its first half; the first resumption fails without a byte (503,
+    stall); the next one, from the honest source, must still start from the kept half and
+    must not blame the honest source for bytes it never sent."""
+    store = target_store(tmp_path)
+    async with (
+        fault_source(one_shard, Fault.TRUNCATE) as trunc,
+        fault_source(one_shard, fault) as flaky,
+        honest_source(one_shard) as (honest, honest_asks),
+        HttpClient() as client,
+    ):
+        sources = [
+            Source("a-trunc", trunc.url),
+            Source("b-flaky", flaky.url),
+            Source("c-honest", honest.url),
+        ]
+        cfg = config(stall_timeout_s=0.5, deadline_s=10.0)
+        dl = Downloader(client, store, cfg, random.Random(1))
+        path, stats = await dl.download(one_shard.signed, sources)
+    assert_committed(store, one_shard, path)
+    assert [a.offset for a in trunc.asks] == [0]
+    assert [a.offset for a in flaky.asks][:1] == [SHARD // 2]
+    assert honest_asks[:1] == [SHARD // 2]
+    assert stats.corrupt_by_source == {}
+    assert stats.bytes_by_source == {"c-honest": SHARD // 2}
+
+
+# --- giving up -----------------------------------------------------------------------------------
+
+
+async def test_every_source_banned_fails_within_the_grace_period(
+    tmp_path: Path, version: Version, jump_clock: trio.testing.MockClock
+) -> None:
+    store = target_store(tmp_path)
+    async with (
+        fault_source(version, Fault.CORRUPT) as corrupt,
+        fault_source(version, Fault.SHORT_FILE, short_by=4 * SHARD - 1) as short,
+        HttpClient() as client,
+    ):
+        sources = [Source("a-corrupt", corrupt.url), Source("b-short", short.url)]
+        cfg = config(no_source_grace_s=1.0, penalty_s=1.0)
+        dl = Downloader(client, store, cfg, random.Random(1))
+        start = trio.current_time()
+        with pytest.raises(DownloadFailed, match="no usable source") as info:
+            await dl.download(version.signed, sources)
+        elapsed = trio.current_time() - start
+    assert "banned: a-corrupt, b-short" in str(info.value)
+    assert 1.0 < elapsed <= 1.0 + 1.0 / 4 + 0.01  # one grace period, polled every penalty/4
+    assert min(len(corrupt.asks), len(short.asks)) >= 2  # max_corrupt
+    assert_nothing_left(store)
+
+
+async def test_sources_that_never_deliver_fail_at_the_deadline(
+    tmp_path: Path, version: Version, jump_clock: trio.testing.MockClock
+) -> None:
+    """Cut, 503 and stalling sources are retried (they are never banned) until deadline_s."""
+    store = target_store(tmp_path)
+    async with (
+        fault_source(version, Fault.TRUNCATE) as trunc,
+        fault_source(version, Fault.UNAVAILABLE) as unavailable,
+        fault_source(version, Fault.STALL_AFTER_HEADERS) as stall,
+        HttpClient() as client,
+    ):
+        sources = [
+            Source("a-trunc", trunc.url),
+            Source("b-unavailable", unavailable.url),
+            Source("c-stall", stall.url),
+        ]
+        cfg = config(stall_timeout_s=0.5, deadline_s=3.0, no_source_grace_s=1.0, penalty_s=1.0)
+        dl = Downloader(client, store, cfg, random.Random(1))
+        start = trio.current_time()
+        with pytest.raises(DownloadFailed, match=r"not complete after 3\.0s"):
+            await dl.download(version.signed, sources)
+        elapsed = trio.current_time() - start
+    assert 3.0 <= elapsed < 3.1
+    assert min(len(trunc.asks), len(unavailable.asks), len(stall.asks)) >= 2  # all retried
+    assert_nothing_left(store)
+
+
+# --- cancellation ------------------------------------------------------------------------------
+
+
+async def test_cancel_after_the_first_verified_shard_leaves_nothing(
+    tmp_path: Path, version: Version
+) -> None:
+    def first_shard_only(ask: Ask) -> Fault:
+        return Fault.HONEST if ask.offset == 0 else Fault.STALL_AFTER_HEADERS
+
+    store = target_store(tmp_path)
+    seen: list[tuple[int, bool]] = []
+    partial_dirs: list[Path] = []
+
+    def on_partial(part: PartialVersion) -> None:
+        partial_dirs.append(part.dir)
+
+    async with fault_source(version, first_shard_only) as src, HttpClient() as client:
+        dl = Downloader(client, store, config(), random.Random(1))
+        with trio.CancelScope() as scope:
+
+            def on_shard(index: int) -> None:
+                seen.append((index, partial_dirs[0].is_dir()))
+                scope.cancel()  # three transfers are still stalled
+
+            await dl.download(
+                version.signed, [Source("a", src.url)], on_partial=on_partial, on_shard=on_shard
+            )
+    assert scope.cancelled_caught
+    assert seen == [(0, True)]  # a partial directory existed, with shard 0 in it
+    assert len(src.asks) == 4
+    assert_nothing_left(store)
+
+
+async def test_cancel_while_every_transfer_is_stalled_leaves_nothing(
+    tmp_path: Path, version: Version, jump_clock: trio.testing.MockClock
+) -> None:
+    store = target_store(tmp_path)
+    async with (
+        fault_source(version, Fault.STALL_AFTER_HEADERS) as src,
+        HttpClient() as client,
+    ):
+        dl = Downloader(client, store, config(), random.Random(1))
+        with trio.move_on_after(1.0) as scope:
+            await dl.download(version.signed, [Source("a", src.url)])
+    assert scope.cancelled_caught
+    assert len(src.asks) == 4
+    assert_nothing_left(store)

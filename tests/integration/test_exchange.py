@@ -1,0 +1,202 @@
+"""Rollout exchange over real libp2p hosts on 127.0.0.1: exactly-once ingestion, retries,
+rate limits, refusals, bad signatures."""
+
+from __future__ import annotations
+
+import random
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+import trio
+
+from p2p.host import HostConfig, P2PNode
+from p2p.identity import Identity
+from rollout.exchange import ANNOUNCE_PROTOCOL, Ack, RolloutSender, SenderConfig
+from rollout.inbox import InboxConfig, RolloutInbox
+from rollout.model import build_tokenizer
+from rollout.reputation import Reputation, ReputationConfig
+from rollout.schema import Group, RolloutAnnouncement, RolloutBatch, Sample, rollouts_topic
+from rollout.task import DEFAULT_TASK
+from rollout.verify import Validator, ValidatorConfig
+from trainer.oracle import TrainerOracle
+
+RUN = "xchg"
+DIGEST = "ab" * 32
+N_PROMPTS, GROUP, CAP = 2, 2, 4
+TRAINER = Identity.from_seed("xchg-trainer")
+PEER = Identity.from_seed("xchg-peer")
+
+
+@dataclass
+class World:
+    trainer: P2PNode
+    peer: P2PNode
+    inbox: RolloutInbox
+    sender: RolloutSender
+    oracle: TrainerOracle
+    step: list[int]
+
+
+def make_batch(
+    oracle: TrainerOracle, submitter: str, step: int, reward_bias: float = 0.0
+) -> RolloutBatch:
+    rng = random.Random(step)
+    groups = []
+    for i, prompt in enumerate(oracle.prompt_ids(submitter, step, N_PROMPTS)):
+        samples = []
+        for _ in range(GROUP):
+            ids = tuple(rng.randrange(4, 100) for _ in range(CAP))
+            samples.append(
+                Sample(ids, (-1.0,) * CAP, oracle.reward(ids) + reward_bias, "length", b"")
+            )
+        groups.append(Group(i, tuple(prompt), tuple(samples)))
+    return RolloutBatch(
+        RUN, submitter, step, DIGEST, DEFAULT_TASK.name, N_PROMPTS, 1, 1.0, CAP, tuple(groups)
+    )
+
+
+@asynccontextmanager
+async def world(
+    tmp: Path, inbox_cfg: InboxConfig | None = None, rep: ReputationConfig | None = None
+) -> AsyncIterator[World]:
+    oracle = TrainerOracle(build_tokenizer(), DEFAULT_TASK, keep=8)
+    for s in range(4):
+        oracle.add_version(s, DIGEST, tmp, preload=False)
+    vcfg = ValidatorConfig(
+        run_id=RUN,
+        task=DEFAULT_TASK.name,
+        n_prompts=N_PROMPTS,
+        group_size=GROUP,
+        max_new_tokens=CAP,
+        temperature=1.0,
+        check_model=False,
+    )
+    step = [0]
+    async with (
+        P2PNode.open(TRAINER, HostConfig()) as t,
+        P2PNode.open(PEER, HostConfig()) as p,
+        trio.open_nursery() as nursery,
+    ):
+        inbox = RolloutInbox(
+            t,
+            RUN,
+            Validator(vcfg, oracle),
+            Reputation(rep),
+            current_step=lambda: step[0],
+            config=inbox_cfg,
+        )
+        await nursery.start(inbox.run)
+        await p.connect(t.multiaddrs()[0])
+        await p.subscribe(rollouts_topic(RUN))
+        await p.wait_for_subscriber(TRAINER.peer_id, rollouts_topic(RUN), timeout_s=10)
+        sender = RolloutSender(
+            p,
+            PEER,
+            RUN,
+            TRAINER.peer_id,
+            SenderConfig(backoff_initial_s=0.05, backoff_max_s=0.2),
+            random.Random(0),
+        )
+        yield World(t, p, inbox, sender, oracle, step)
+        nursery.cancel_scope.cancel()
+
+
+async def test_batch_is_ingested_exactly_once_across_routes(tmp_path: Path) -> None:
+    async with world(tmp_path) as w, trio.open_nursery() as n:
+        payload = make_batch(w.oracle, PEER.peer_id, 0).encode()
+        ann = await w.sender.submit(payload, 0, n)  # gossip + direct announce
+        with trio.fail_after(20):
+            await w.sender.wait_idle()
+        assert [a.status for a in w.sender.acks] == ["accepted"]
+        assert w.sender.statistics().fetches_served == 1  # payload fetched once
+        # a replay of the same announcement (any route) returns the stored ack, no fetch
+        again = await w.inbox.ingest(ann.encode(), PEER.peer_id, route="direct")
+        assert again == w.sender.acks[0]
+        assert w.sender.statistics().fetches_served == 1
+        batches = await w.inbox.take(min_batches=1, step=0, timeout_s=5)
+        assert len(batches) == 1
+        assert batches[0].announcement.batch_id == ann.batch_id
+        assert w.inbox.statistics().duplicates >= 1
+
+
+async def test_busy_trainer_makes_the_peer_retry(tmp_path: Path) -> None:
+    async with world(tmp_path, InboxConfig(max_buffer_batches=1)) as w, trio.open_nursery() as n:
+        w.step[0] = 1
+        await w.sender.submit(make_batch(w.oracle, PEER.peer_id, 0).encode(), 0, n)
+        with trio.fail_after(20):
+            await w.inbox.wait_answers("accepted:ok", 1)
+        await w.sender.submit(make_batch(w.oracle, PEER.peer_id, 1).encode(), 1, n)
+        with trio.fail_after(20):
+            await w.inbox.wait_answers("retry:busy", 1)  # the buffer (1 batch) is full
+        first = await w.inbox.take(min_batches=1, step=1, timeout_s=20)
+        second = await w.inbox.take(min_batches=1, step=1, timeout_s=20)
+        with trio.fail_after(20):
+            await w.sender.wait_idle()
+        assert {b.batch.policy_step for b in first + second} == {0, 1}
+        assert [a.status for a in w.sender.acks] == ["accepted", "accepted"]
+        # the "busy" answer (to whichever route came first) did not lose the batch
+        assert w.inbox.statistics().answers["retry:busy"] >= 1
+
+
+async def test_stale_and_forged_batches_rejected(tmp_path: Path) -> None:
+    async with world(tmp_path) as w, trio.open_nursery() as n:
+        w.step[0] = 3
+        await w.sender.submit(make_batch(w.oracle, PEER.peer_id, 0).encode(), 0, n)
+        await w.sender.submit(make_batch(w.oracle, PEER.peer_id, 1, reward_bias=0.5).encode(), 1, n)
+        with trio.fail_after(20):
+            await w.sender.wait_idle()
+        assert sorted((a.status, a.reason) for a in w.sender.acks) == [
+            ("rejected", "reward"),
+            ("rejected", "stale_step"),
+        ]
+        # the stale one was refused without fetching its payload
+        assert w.sender.statistics().fetches_served == 1
+        assert w.inbox.reputation.score(PEER.peer_id) < 1.0
+
+
+async def test_refused_submitter_is_ignored_without_fetch(tmp_path: Path) -> None:
+    async with world(tmp_path) as w, trio.open_nursery() as n:
+        for _ in range(3):
+            w.inbox.reputation.record(PEER.peer_id, False, "toploc")
+        await w.sender.submit(make_batch(w.oracle, PEER.peer_id, 0).encode(), 0, n)
+        with trio.fail_after(20):
+            await w.sender.wait_idle()
+        assert [(a.status, a.reason) for a in w.sender.acks] == [("ignored", "refused")]
+        assert w.sender.statistics().fetches_served == 0
+        assert w.inbox.reputation.statistics().refused_announcements >= 1
+
+
+async def test_flooding_peer_is_rate_limited(tmp_path: Path) -> None:
+    rep = ReputationConfig(rate_per_s=0.001, burst=3)
+    async with world(tmp_path, rep=rep) as w:
+        acks = []
+        for i in range(10):  # announcements of payloads the trainer cannot even fetch
+            ann = RolloutAnnouncement.for_payload(PEER, RUN, 0, b"junk%d" % i)
+            acks.append(await w.inbox.ingest(ann.encode(), PEER.peer_id, route="direct"))
+        reasons = [a.reason for a in acks if a is not None]
+        assert reasons.count("rate_limited") == 7
+        assert w.inbox.reputation.statistics().rate_limited == 7
+
+
+async def test_bad_signature_is_dropped(tmp_path: Path) -> None:
+    async with world(tmp_path) as w:
+        ann = RolloutAnnouncement.for_payload(PEER, RUN, 0, b"payload")
+        forged = RolloutAnnouncement(
+            ann.run_id, ann.batch_id, ann.digest, ann.size, ann.step, ann.submitter, bytes(64)
+        )
+        assert await w.inbox.ingest(forged.encode(), PEER.peer_id, route="gossip") is None
+        from p2p.errors import StreamBroken
+
+        with pytest.raises(StreamBroken):  # the direct route answers by resetting the stream
+            await w.peer.request(
+                TRAINER.peer_id,
+                ANNOUNCE_PROTOCOL,
+                forged.encode(),
+                max_response_bytes=4096,
+                timeout_s=10,
+            )
+        assert w.inbox.statistics().acks == {}
+        assert isinstance(Ack("x", "retry", "busy"), Ack)

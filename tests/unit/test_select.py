@@ -1,0 +1,538 @@
+"""The sans-IO source scheduler (``shardcast.select``): pure, seeded, no clock.
+
+Each test plays the driver by hand: it asks :meth:`Scheduler.next_request` for work, decides
+the outcome, and reports it with an explicit ``now``. A Hypothesis test then drives random
+event sequences and checks the scheduler's invariants after every event.
+"""
+
+from __future__ import annotations
+
+import random
+from collections import Counter
+from dataclasses import dataclass
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from p2p.errors import LocalProtocolError
+from shardcast.select import Request, Scheduler, SchedulerConfig, SourceState, blame
+
+MB = 1_000_000
+
+
+def state(sched: Scheduler, source: str) -> SourceState:
+    return next(s for s in sched.sources() if s.source == source)
+
+
+def drain(sched: Scheduler, now: float) -> list[Request]:
+    """Everything the scheduler would start now (the driver's inner loop)."""
+    out = []
+    while (req := sched.next_request(now)) is not None:
+        out.append(req)
+    return out
+
+
+# --- choosing a source ------------------------------------------------------------------------
+
+
+def _fast_vs_slow(explore: float, seed: int, decisions: int = 400) -> Counter[str]:
+    """Measure a slow and a fast source once, then count who gets the next ``decisions``."""
+    true_rate_bps = {"a-slow": 1 * MB, "b-fast": 50 * MB}
+    cfg = SchedulerConfig(
+        max_inflight=2,
+        per_source_inflight=1,
+        explore=explore,
+        ewma_alpha=0.5,
+        initial_rate_bps=10 * MB,
+    )
+    sched = Scheduler([MB] * (decisions + 2), random.Random(seed), cfg)
+    for name in true_rate_bps:
+        sched.add_source(name)
+    now = 0.0
+    warm = drain(sched, now)  # per-source cap 1: each unmeasured source gets one request
+    assert sorted(r.source for r in warm) == sorted(true_rate_bps)
+    for r in warm:
+        sched.on_first_byte(r.id, now)
+        sched.on_success(r.id, now + r.length / true_rate_bps[r.source])
+    now = 10.0
+    assert state(sched, "b-fast").rate_bps > 5 * state(sched, "a-slow").rate_bps
+    counts: Counter[str] = Counter()
+    for _ in range(decisions):  # one transfer at a time: every decision sees idle sources
+        req = sched.next_request(now)
+        assert req is not None
+        counts[req.source] += 1
+        sched.on_first_byte(req.id, now)
+        now += req.length / true_rate_bps[req.source]
+        assert sched.on_success(req.id, now) == []
+    assert sched.done()
+    return counts
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_measured_fast_source_gets_most_requests_but_slow_one_is_explored(seed: int) -> None:
+    counts = _fast_vs_slow(explore=0.2, seed=seed)
+    # explore=0.2 between two sources: ~10% random picks of the slow one, the rest greedy
+    assert counts["b-fast"] >= 0.8 * 400
+    assert counts["a-slow"] >= 10
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_without_exploration_the_slow_source_is_never_chosen_again(seed: int) -> None:
+    assert _fast_vs_slow(explore=0.0, seed=seed) == Counter({"b-fast": 400})
+
+
+def test_decisions_replay_exactly_for_a_seed() -> None:
+    def run(seed: int) -> list[tuple[int, str]]:
+        sched = Scheduler([100] * 12, random.Random(seed), SchedulerConfig(explore=0.5))
+        for name in ("a", "b", "c"):
+            sched.add_source(name)
+        return [(r.shard, r.source) for r in drain(sched, 0.0)]
+
+    assert run(7) == run(7)
+    assert len({tuple(run(s)) for s in range(8)}) > 1  # the seed does matter
+
+
+# --- choosing a shard ---------------------------------------------------------------------------
+
+
+def test_rarest_shard_first() -> None:
+    cfg = SchedulerConfig(explore=0.0, endgame_duplicates=0)
+    sched = Scheduler([100, 100, 100], random.Random(0), cfg)
+    sched.add_source("a")  # holds every shard
+    sched.add_source("b", have={1, 2})
+    sched.add_source("c", have={2})
+    # availability: shard 0 -> 1 source, shard 1 -> 2, shard 2 -> 3
+    assert [(r.shard, r.source) for r in drain(sched, 0.0)] == [(0, "a"), (1, "b"), (2, "c")]
+
+
+def test_equally_rare_shards_are_spread_by_the_seed() -> None:
+    firsts = set()
+    for seed in range(10):
+        sched = Scheduler([100] * 8, random.Random(seed), SchedulerConfig(explore=0.0))
+        sched.add_source("a")
+        req = sched.next_request(0.0)
+        assert req is not None
+        firsts.add(req.shard)
+    assert len(firsts) > 2  # peers do not all start with shard 0
+
+
+def test_partially_received_shard_resumes_before_rarer_ones() -> None:
+    cfg = SchedulerConfig(max_inflight=1, explore=0.0, penalty_s=1.0)
+    sched = Scheduler([100] * 4, random.Random(3), cfg)
+    sched.add_source("a")
+    first = sched.next_request(0.0)
+    assert first is not None
+    sched.on_failure(first.id, 0.0, kind="broken", received=10)
+    sched.add_source("b", have={first.shard})  # the partial shard is now the least rare
+    req = sched.next_request(1.0)
+    assert req is not None
+    assert (req.shard, req.start, req.length) == (first.shard, 10, 90)
+    assert req.source == "b"  # "a" failed: its rate was decayed
+    assert sched.statistics().resumed == 1
+
+
+# --- limits and have-sets ------------------------------------------------------------------------
+
+
+def test_global_and_per_source_inflight_caps() -> None:
+    cfg = SchedulerConfig(max_inflight=3, per_source_inflight=2, explore=1.0)
+    sched = Scheduler([100] * 10, random.Random(1), cfg)
+    sched.add_source("a")
+    sched.add_source("b")
+    reqs = drain(sched, 0.0)
+    assert len(reqs) == 3 == sched.inflight()
+    assert max(Counter(r.source for r in reqs).values()) == 2
+
+    cfg = SchedulerConfig(max_inflight=8, per_source_inflight=2, explore=1.0)
+    sched = Scheduler([100] * 10, random.Random(1), cfg)
+    sched.add_source("a")
+    sched.add_source("b")
+    reqs = drain(sched, 0.0)
+    assert Counter(r.source for r in reqs) == {"a": 2, "b": 2}
+    sched.on_success(reqs[0].id, 1.0)
+    more = drain(sched, 1.0)
+    assert [r.source for r in more] == [reqs[0].source]
+
+
+@pytest.mark.parametrize("seed", range(5))
+def test_a_source_never_gets_a_shard_it_does_not_hold(seed: int) -> None:
+    cfg = SchedulerConfig(explore=1.0)  # always a random eligible source
+    sched = Scheduler([100, 100, 100], random.Random(seed), cfg)
+    sched.add_source("a", have={0})
+    sched.add_source("b", have={1})
+    sched.add_source("c", have={0, 1})
+    holders = {"a": {0}, "b": {1}, "c": {0, 1}}
+    reqs = drain(sched, 0.0)
+    assert sorted(r.shard for r in reqs) == [0, 1]  # shard 2: nobody holds it
+    assert all(r.shard in holders[r.source] for r in reqs)
+    for r in reqs:
+        sched.on_success(r.id, 1.0)
+    assert drain(sched, 1.0) == []
+    assert sched.missing == 1
+    assert not sched.done()
+    sched.add_have("b", [2])
+    reqs = drain(sched, 2.0)
+    assert [(r.shard, r.source) for r in reqs] == [(2, "b")]
+
+
+# --- failures ----------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("kind", ["timeout", "broken"])
+def test_transfer_failure_keeps_bytes_and_resumes_elsewhere(kind: str) -> None:
+    cfg = SchedulerConfig(explore=0.0, penalty_s=2.0, endgame_duplicates=0)
+    sched = Scheduler([1000], random.Random(0), cfg)
+    sched.add_source("a")
+    sched.add_source("b")
+    r1 = sched.next_request(0.0)
+    assert r1 is not None
+    assert (r1.source, r1.start, r1.length) == ("a", 0, 1000)  # tie: source name
+    assert sched.next_request(0.0) is None  # no endgame: the only shard is in flight
+    rate_before = state(sched, "a").rate_bps
+    sched.on_failure(r1.id, 10.0, kind=kind, received=400)
+    assert sched.resume_offset(0) == 400
+    assert state(sched, "a").rate_bps == rate_before * cfg.failure_decay
+    r2 = sched.next_request(10.0)
+    assert r2 is not None
+    assert (r2.source, r2.start, r2.length, r2.duplicate) == ("b", 400, 600, False)
+    sched.on_failure(r2.id, 10.0, kind=kind, received=100)
+    assert sched.resume_offset(0) == 500  # offsets accumulate across sources
+    assert sched.next_request(10.0 + 2.0 - 1e-9) is None  # both blocked for penalty_s
+    r3 = sched.next_request(10.0 + 2.0)
+    assert r3 is not None
+    assert (r3.start, r3.length) == (500, 500)
+    assert sched.statistics().resumed == 2
+    assert sched.statistics().failures == 2
+
+
+def test_penalty_doubles_per_consecutive_failure_and_resets_on_success() -> None:
+    cfg = SchedulerConfig(penalty_s=1.0)
+    sched = Scheduler([100] * 10, random.Random(0), cfg)
+    sched.add_source("a")
+    now = 0.0
+    for expected_block in (1.0, 2.0, 4.0, 8.0):
+        req = sched.next_request(now)
+        assert req is not None
+        sched.on_failure(req.id, now, kind="timeout")
+        assert sched.next_request(now + expected_block - 1e-6) is None
+        now += expected_block
+    req = sched.next_request(now)
+    assert req is not None
+    sched.on_success(req.id, now + 1.0)
+    assert state(sched, "a").consecutive_failures == 0
+    req = sched.next_request(now + 1.0)
+    assert req is not None
+    sched.on_failure(req.id, now + 1.0, kind="broken")
+    assert state(sched, "a").blocked_until == now + 1.0 + 1.0  # back to one penalty_s
+
+
+def test_penalty_is_capped_at_32_times() -> None:
+    sched = Scheduler([100], random.Random(0), SchedulerConfig(penalty_s=1.0))
+    sched.add_source("a")
+    now = 0.0
+    for _ in range(8):
+        now = max(now, state(sched, "a").blocked_until)
+        req = sched.next_request(now)
+        assert req is not None
+        sched.on_failure(req.id, now, kind="timeout")
+    assert state(sched, "a").blocked_until == now + 32.0
+
+
+def test_unavailable_blocks_only_briefly_and_does_not_count_as_a_fault() -> None:
+    cfg = SchedulerConfig(penalty_s=4.0)
+    sched = Scheduler([100], random.Random(0), cfg)
+    sched.add_source("a")
+    rate = state(sched, "a").rate_bps
+    req = sched.next_request(0.0)
+    assert req is not None
+    sched.on_failure(req.id, 0.0, kind="unavailable")
+    a = state(sched, "a")
+    assert (a.rate_bps, a.consecutive_failures, a.corrupt, a.banned) == (rate, 0, 0, False)
+    assert sched.next_request(0.999) is None
+    again = sched.next_request(1.0)  # penalty_s / 4
+    assert again is not None
+    assert again.source == "a"
+
+
+def test_unavailable_removes_the_shard_from_a_partial_sources_have_set() -> None:
+    cfg = SchedulerConfig(explore=0.0, endgame_duplicates=0)
+    sched = Scheduler([100, 100], random.Random(0), cfg)
+    sched.add_source("a", have={0, 1})
+    sched.add_source("b")
+    reqs = {r.source: r for r in drain(sched, 0.0)}
+    shard_a = reqs["a"].shard
+    sched.on_failure(reqs["a"].id, 0.0, kind="unavailable")
+    assert shard_a not in (state(sched, "a").have or set())
+
+
+def test_corrupt_bans_after_max_corrupt_and_drops_partial_bytes() -> None:
+    cfg = SchedulerConfig(max_corrupt=2, penalty_s=1.0, explore=0.0)
+    sched = Scheduler([100] * 5, random.Random(0), cfg)
+    sched.add_source("a")
+    r1 = sched.next_request(0.0)
+    assert r1 is not None
+    sched.on_failure(r1.id, 0.0, kind="broken", received=30)
+    assert sched.resume_offset(r1.shard) == 30
+    r2 = sched.next_request(1.0)
+    assert r2 is not None
+    assert r2.start == 30
+    sched.on_failure(r2.id, 1.0, kind="corrupt")
+    assert sched.resume_offset(r1.shard) == 0  # the kept prefix can no longer be trusted
+    assert not state(sched, "a").banned
+    assert sched.next_request(1.0 + 4.0 - 1e-6) is None  # corrupt: 4 x penalty_s
+    r3 = sched.next_request(5.0)
+    assert r3 is not None
+    sched.on_failure(r3.id, 5.0, kind="corrupt")
+    assert state(sched, "a").banned
+    assert sched.statistics().banned == ("a",)
+    assert sched.statistics().corrupt == 2
+    assert sched.next_request(1e9) is None  # banned forever
+
+
+def test_suspect_penalizes_nobody() -> None:
+    cfg = SchedulerConfig(explore=0.0, penalty_s=1.0)
+    sched = Scheduler([100], random.Random(0), cfg)
+    sched.add_source("a")
+    sched.add_source("b")
+    r1 = sched.next_request(0.0)
+    assert r1 is not None
+    sched.on_failure(r1.id, 0.0, kind="broken", received=50)
+    r2 = sched.next_request(0.0)
+    assert r2 is not None
+    assert (r2.source, r2.start) == ("b", 50)
+    b_rate = state(sched, "b").rate_bps
+    sched.on_failure(r2.id, 0.0, kind="suspect")  # the copy of a + b failed its digest
+    b = state(sched, "b")
+    assert (b.rate_bps, b.blocked_until, b.corrupt, b.consecutive_failures) == (b_rate, 0, 0, 0)
+    assert sched.resume_offset(0) == 0  # the assembled bytes are dropped
+    r3 = sched.next_request(0.0)
+    assert r3 is not None
+    assert (r3.source, r3.start) == ("b", 0)  # "b" is still eligible at once
+    sched.penalize_corrupt("b", 0.0)  # blame() named it later
+    assert state(sched, "b").corrupt == 1
+
+
+# --- endgame ---------------------------------------------------------------------------------
+
+
+def test_endgame_duplicates_are_bounded_and_losers_are_returned() -> None:
+    cfg = SchedulerConfig(
+        max_inflight=20,
+        per_source_inflight=4,
+        explore=0.0,
+        endgame_duplicates=2,
+        endgame_max_total=3,
+    )
+    sched = Scheduler([100, 100], random.Random(0), cfg)
+    for name in "abcde":
+        sched.add_source(name)
+    reqs = drain(sched, 0.0)
+    primaries = [r for r in reqs if not r.duplicate]
+    dups = [r for r in reqs if r.duplicate]
+    assert sorted(r.shard for r in primaries) == [0, 1]
+    assert len(dups) == 3  # endgame_max_total
+    assert max(Counter(r.shard for r in dups).values()) <= 2  # endgame_duplicates per shard
+    for d in dups:
+        assert d.start == 0
+        assert d.length == 100
+        assert d.source not in {r.source for r in reqs if r.shard == d.shard and r is not d}
+    assert sched.statistics().duplicates == 3
+
+    winner = next(r for r in dups if r.shard == 0)
+    losers = sched.on_success(winner.id, 1.0)
+    assert sorted(losers) == sorted(r.id for r in reqs if r.shard == 0 and r is not winner)
+    assert sched.is_done(0)
+    for lid in losers:
+        sched.on_cancelled(lid)
+    # the freed duplicate budget goes to shard 1, up to its two duplicates
+    more = drain(sched, 1.0)
+    assert all(r.shard == 1 and r.duplicate for r in more)
+    assert sum(1 for r in [*dups, *more] if r.shard == 1) == 2
+    assert sched.inflight() == 3
+
+
+def test_no_endgame_while_a_missing_shard_is_idle() -> None:
+    cfg = SchedulerConfig(max_inflight=20, per_source_inflight=1, explore=0.0)
+    sched = Scheduler([100, 100, 100], random.Random(0), cfg)
+    sched.add_source("a")
+    sched.add_source("b")
+    reqs = drain(sched, 0.0)  # the third shard waits for a free source: no duplicates yet
+    assert len(reqs) == 2
+    assert not any(r.duplicate for r in reqs)
+
+
+def test_endgame_disabled() -> None:
+    cfg = SchedulerConfig(max_inflight=20, explore=0.0, endgame_duplicates=0)
+    sched = Scheduler([100, 100], random.Random(0), cfg)
+    for name in "abc":
+        sched.add_source(name)
+    reqs = drain(sched, 0.0)
+    assert len(reqs) == 2
+    assert not any(r.duplicate for r in reqs)
+
+
+# --- blame -----------------------------------------------------------------------------------
+
+
+def test_blame_names_only_the_sources_whose_bytes_differ() -> None:
+    good = bytes(range(100))
+    parts = [("a", 0, 50), ("b", 50, 100)]
+    second_bad = bytearray(good)
+    second_bad[70] ^= 0xFF
+    assert blame(parts, second_bad, good) == {"b"}
+    first_bad = bytearray(good)
+    first_bad[0] ^= 1
+    assert blame(parts, memoryview(first_bad), good) == {"a"}
+    both = bytearray(first_bad)
+    both[99] ^= 1
+    assert blame(parts, both, good) == {"a", "b"}
+    assert blame(parts, good, good) == set()
+    with pytest.raises(LocalProtocolError):
+        blame(parts, good[:-1], good)
+
+
+# --- invariants under random events ---------------------------------------------------------
+
+KINDS = ("timeout", "broken", "unavailable", "corrupt", "suspect")
+
+
+@dataclass(frozen=True)
+class _Op:
+    """One driver event: ``next`` drains requests; the others act on an in-flight request."""
+
+    what: str
+    pick: int = 0  # which in-flight request (modulo their number)
+    dt: float = 0.0  # time advanced before the event, seconds
+    kind: str = "broken"  # failure kind
+    frac: float = 0.0  # fraction of the request received before a timeout/broken failure
+
+
+_next = st.builds(_Op, st.just("next"), dt=st.floats(0, 10))
+_ops = st.one_of(
+    _next,
+    _next,  # twice: requests must be issued before anything can happen to them
+    st.builds(_Op, st.just("first_byte"), st.integers(0, 50)),
+    st.builds(_Op, st.just("success"), st.integers(0, 50), st.floats(0, 3)),
+    st.builds(
+        _Op,
+        st.just("failure"),
+        st.integers(0, 50),
+        st.floats(0, 3),
+        st.sampled_from(KINDS),
+        st.floats(0, 1),
+    ),
+    st.builds(_Op, st.just("cancel"), st.integers(0, 50)),
+)
+
+
+@dataclass(frozen=True)
+class _World:
+    lengths: list[int]
+    have: dict[str, frozenset[int] | None]
+    initially_done: frozenset[int]
+    config: SchedulerConfig
+
+
+@st.composite
+def _worlds(draw: st.DrawFn) -> _World:
+    n = draw(st.integers(1, 6))
+    lengths = draw(st.lists(st.integers(1, 1000), min_size=n, max_size=n))
+    have: dict[str, frozenset[int] | None] = {}
+    for name in ("a", "b", "c", "d")[: draw(st.integers(1, 4))]:
+        full = draw(st.booleans())
+        have[name] = None if full else frozenset(draw(st.sets(st.integers(0, n - 1))))
+    config = SchedulerConfig(
+        max_inflight=draw(st.integers(1, 6)),
+        per_source_inflight=draw(st.integers(1, 3)),
+        explore=draw(st.sampled_from([0.0, 0.3, 1.0])),
+        penalty_s=1.0,
+        max_corrupt=draw(st.integers(1, 3)),
+        endgame_duplicates=draw(st.integers(0, 2)),
+        endgame_max_total=draw(st.integers(0, 3)),
+    )
+    done = frozenset(draw(st.sets(st.integers(0, n - 1), max_size=n - 1)))
+    return _World(lengths, have, done, config)
+
+
+def _check_invariants(
+    sched: Scheduler, world: _World, flights: dict[int, Request], verified: set[int]
+) -> None:
+    assert sched.inflight() == len(flights)
+    for src in sched.sources():
+        mine = [r for r in flights.values() if r.source == src.source]
+        assert src.inflight == len(mine) >= 0
+        assert src.queued_bytes == sum(r.length for r in mine) >= 0
+    not_done = [i for i in range(len(world.lengths)) if i not in verified]
+    assert sched.missing == len(not_done)
+    assert sched.done() == (not not_done)
+    assert all(sched.is_done(i) == (i in verified) for i in range(len(world.lengths)))
+    for i in not_done:
+        assert 0 <= sched.resume_offset(i) < world.lengths[i]
+    cfg = world.config
+    per_shard = Counter(r.shard for r in flights.values())
+    assert all(n <= 1 + cfg.endgame_duplicates for n in per_shard.values())
+    assert sum(r.duplicate for r in flights.values()) <= cfg.endgame_max_total
+
+
+@settings(max_examples=250, deadline=None, derandomize=True, database=None)
+@given(world=_worlds(), seed=st.integers(0, 2**32 - 1), ops=st.lists(_ops, min_size=5, max_size=60))
+def test_random_event_sequences_keep_the_invariants(
+    world: _World, seed: int, ops: list[_Op]
+) -> None:
+    sched = Scheduler(world.lengths, random.Random(seed), world.config, have=world.initially_done)
+    for name, hv in world.have.items():
+        sched.add_source(name, hv)
+    flights: dict[int, Request] = {}
+    verified = set(world.initially_done)
+    now = 0.0
+    _check_invariants(sched, world, flights, verified)
+    for op in ops:
+        pending = sorted(flights)
+        now += op.dt
+        if op.what == "next":
+            banned = set(sched.statistics().banned)
+            blocked = {s.source for s in sched.sources() if s.blocked_until > now}
+            offsets = {i: sched.resume_offset(i) for i in range(len(world.lengths))}
+            for req in drain(sched, now):
+                assert req.shard not in verified  # never a request for a done shard
+                assert req.source not in banned | blocked
+                hv = world.have[req.source]
+                assert hv is None or req.shard in hv
+                assert req.start == (0 if req.duplicate else offsets[req.shard])
+                assert req.length == world.lengths[req.shard] - req.start > 0
+                if req.duplicate:  # only in the endgame: every missing shard in flight
+                    assert all(
+                        any(f.shard == i for f in flights.values())
+                        for i in range(len(world.lengths))
+                        if i not in verified
+                    )
+                    assert all(
+                        f.source != req.source for f in flights.values() if f.shard == req.shard
+                    )
+                flights[req.id] = req
+                assert (
+                    sum(1 for f in flights.values() if f.source == req.source)
+                    <= world.config.per_source_inflight
+                )
+                assert len(flights) <= world.config.max_inflight
+        elif pending:
+            req = flights[pending[op.pick % len(pending)]]
+            if op.what == "first_byte":
+                sched.on_first_byte(req.id, now)
+            elif op.what == "success":
+                del flights[req.id]
+                losers = sched.on_success(req.id, now)
+                verified.add(req.shard)
+                assert sorted(losers) == sorted(
+                    f.id for f in flights.values() if f.shard == req.shard
+                )
+            elif op.what == "failure":
+                keeps = op.kind in ("timeout", "broken")
+                received = int(op.frac * (req.length - 1)) if keeps else 0
+                del flights[req.id]
+                sched.on_failure(req.id, now, kind=op.kind, received=received)
+            else:
+                del flights[req.id]
+                sched.on_cancelled(req.id)
+        _check_invariants(sched, world, flights, verified)
