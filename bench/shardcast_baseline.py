@@ -57,6 +57,7 @@ import argparse
 import collections
 import contextlib
 import datetime
+import functools
 import hashlib
 import json
 import math
@@ -91,6 +92,12 @@ role, bind, site = sys.argv[1], sys.argv[2], sys.argv[3]
 if site:  # a private directory whose "shardcast" links to the venv's package (see isolate_scratch)
     sys.path.insert(0, site)
 del sys.argv[1:4]
+import threading
+def _orphan_watch(parent=os.getppid()):  # the harness died without cleanup: take our group down
+    while os.getppid() == parent:
+        time.sleep(1)
+    os.killpg(os.getpgrp(), 9)
+threading.Thread(target=_orphan_watch, daemon=True).start()
 import shardcast
 import shardcast.server as _server
 if bind:
@@ -308,6 +315,7 @@ class TreeConfig:
     client_servers: str = "all"  # "all": every client lists every middle; "one": i % m
     client_start: str = "listed"  # "listed" | "immediate"
     restart_delay_s: float = 1.0
+    stuck_after: int = 3  # restart a middle node after this many monitor errors in a row
     max_attempts: int = 100  # per client per version
     probe_bytes: int = 1_000_000  # data1.bin on every server (empty => weight 0 crash)
     keep_versions: int = 5  # OriginServer(max_distribution_folders)
@@ -361,14 +369,18 @@ class _Proc:
     got: collections.Counter[str] = field(default_factory=collections.Counter)
     failed: collections.Counter[str] = field(default_factory=collections.Counter)
     retries: collections.Counter[str] = field(default_factory=collections.Counter)
+    monitor_errors: int = 0
+    stuck: bool = False
     launched: dict[str, Any] = field(default_factory=dict)
     done: trio.Event = field(default_factory=trio.Event)
 
 
 def _classify_exit(proc: _Proc) -> tuple[str, str]:
-    """('ok'|'crash'|'failure'|'killed', reason) for a client that exited."""
+    """('ok'|'crash'|'failure'|'killed'|'stuck', reason) for a process that exited."""
     if proc.verified_at is not None and proc.rc == 0:
         return "ok", ""
+    if proc.stuck:
+        return "stuck", (proc.errors[-1] if proc.errors else "")[:300]
     if proc.rc is not None and proc.rc < 0:
         return "killed", f"signal {-proc.rc}"
     last = next((line for line in reversed(proc.tail) if line.strip()), "")
@@ -522,7 +534,18 @@ class ShardcastTree:
                 self._count_request(proc, req.group(1), req.group(2), req.group(3))
                 return
         if proc.role == "middle":
-            if text.startswith("Middle node running at"):
+            if text.startswith("Error monitoring upstream servers"):
+                # e.g. "Total of weights must be greater than zero": every upstream's probe
+                # measured 0 bytes/s; the middle node never recovers from that by itself.
+                proc.monitor_errors += 1
+                if proc.monitor_errors >= self.cfg.stuck_after and not proc.stuck:
+                    proc.stuck = True
+                    if proc.process is not None:
+                        with contextlib.suppress(ProcessLookupError):
+                            os.killpg(proc.process.pid, signal.SIGKILL)
+            elif text.startswith("Downloaded distribution.txt from"):
+                proc.monitor_errors = 0
+            elif text.startswith("Middle node running at"):
                 proc.ready = True
                 self._notify()
             elif mm := _LISTED_RE.match(text):
@@ -749,6 +772,7 @@ class ShardcastTree:
         }
         bytes0 = {p.name: dict(p.stats.bytes_by_kind) for p in [self.origin, *self.middles]}
         n_published = sum(1 for r in self.responses if r.get("event") == "broadcast")
+        n_exits = len(self.middle_exits)
         packed, sha256, size, is_temp = await trio.to_thread.run_sync(
             _pack, checkpoint, self.workdir / "publish" / f"{n_published + 1}.tar"
         )
@@ -887,6 +911,7 @@ class ShardcastTree:
             "client_crashes": sum(c["crashes"] for c in clients),
             "client_failures": sum(c["failures"] for c in clients),
             "client_restarts": sum(c["restarts"] for c in clients),
+            "middle_restarts": [{**e, "at": rel(e["at"])} for e in self.middle_exits[n_exits:]],
             "bytes": servers,
             "bytes_ideal": {"origin": cfg.middles * size, "middles_total": cfg.clients * size},
             "cpu_s": cpu,
@@ -1004,6 +1029,23 @@ def run_shardcast(checkpoint_dir: Path | str, workdir: Path | str, **kwargs: Any
 # --------------------------------------------------------------------------- CLI
 
 
+async def _until_signal(*args: Any, **kwargs: Any) -> dict[str, Any] | None:
+    """:func:`arun_shardcast`, cancelled (so that it tears down) on SIGTERM or SIGHUP."""
+    result: dict[str, Any] | None = None
+    async with trio.open_nursery() as nursery:
+
+        async def watch() -> None:
+            with trio.open_signal_receiver(signal.SIGTERM, signal.SIGHUP) as signals:
+                async for _ in signals:
+                    nursery.cancel_scope.cancel()
+                    return
+
+        nursery.start_soon(watch)
+        result = await arun_shardcast(*args, **kwargs)
+        nursery.cancel_scope.cancel()
+    return result
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument(
@@ -1031,7 +1073,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         action="store_true",
         help="private /tmp and scratch dir per process (root): no co-location races",
     )
-    ap.add_argument("--timeout", type=float, default=900.0)
+    ap.add_argument("--timeout", type=float, default=600.0, help="per version, seconds")
     ap.add_argument("--report", help="also write the JSON result here")
     args = ap.parse_args(argv)
     if not args.checkpoint and not args.size_mib:
@@ -1048,23 +1090,29 @@ def main(argv: Sequence[str] | None = None) -> int:
                     tmp_root / f"ckpt_{k + 1}", args.size_mib << 20, seed=k, base=base
                 )
                 checkpoints.append(base)
-        result = run_shardcast(
-            checkpoints[0],
-            workdir,
-            next_checkpoints=checkpoints[1:],
-            timeout_s=args.timeout,
-            venv=args.venv,
-            middles=args.middles,
-            clients=args.clients,
-            check_interval_s=args.check_interval,
-            client_servers=args.client_servers,
-            client_start=args.client_start,
-            restart_delay_s=args.restart_delay,
-            shard_size=args.shard_size,
-            probe_bytes=args.probe_bytes,
-            verify_sha256=not args.no_verify,
-            isolate_scratch=args.isolate_scratch,
+        result = trio.run(
+            functools.partial(
+                _until_signal,
+                checkpoints[0],
+                workdir,
+                next_checkpoints=checkpoints[1:],
+                timeout_s=args.timeout,
+                venv=args.venv,
+                middles=args.middles,
+                clients=args.clients,
+                check_interval_s=args.check_interval,
+                client_servers=args.client_servers,
+                client_start=args.client_start,
+                restart_delay_s=args.restart_delay,
+                shard_size=args.shard_size,
+                probe_bytes=args.probe_bytes,
+                verify_sha256=not args.no_verify,
+                isolate_scratch=args.isolate_scratch,
+            )
         )
+        if result is None:
+            print("interrupted; every process stopped", file=sys.stderr)
+            return 143
     finally:
         if not args.keep_workdir:
             shutil.rmtree(workdir, ignore_errors=True)

@@ -200,6 +200,10 @@ class P2PNode:
                                 )
                                 task_status.started(node)
                                 await stop.wait()
+                                # Connections first, while pubsub still runs: a message that
+                                # arrives during shutdown must find a live pubsub manager.
+                                with trio.move_on_after(5):
+                                    await host.close()
                                 nursery.cancel_scope.cancel()
                     finally:
                         with trio.move_on_after(5):

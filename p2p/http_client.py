@@ -90,6 +90,7 @@ class HttpClient:
         max_keepalive_connections: idle connections kept for reuse.
         keepalive_expiry_s: idle seconds before a pooled connection is dropped; keep it below
             the servers' ``idle_timeout_s`` so a reused connection is rarely closed under us.
+        headers: sent with every request (e.g. ``X-Shardnet-Peer``).
 
     Methods may be called concurrently from several tasks (the pool is shared). Leaving the
     ``async with`` block closes every connection.
@@ -101,6 +102,7 @@ class HttpClient:
         max_connections: int = 64,
         max_keepalive_connections: int = 16,
         keepalive_expiry_s: float = 5.0,
+        headers: Mapping[str, str] | None = None,
     ) -> None:
         limits = httpx.Limits(
             max_connections=max_connections,
@@ -108,7 +110,12 @@ class HttpClient:
             keepalive_expiry=keepalive_expiry_s,
         )
         self._client = httpx.AsyncClient(
-            limits=limits, trust_env=False, follow_redirects=False, http1=True, http2=False
+            limits=limits,
+            trust_env=False,
+            follow_redirects=False,
+            http1=True,
+            http2=False,
+            headers=dict(headers or {}),
         )
         self._requests = 0
         self._bytes_received = 0

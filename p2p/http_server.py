@@ -152,6 +152,9 @@ class FileSlice:
     fallbacks: tuple[Path, ...] = ()
     """Paths tried in order if ``path`` no longer exists when the body is sent (the same
     bytes moved, e.g. a directory renamed on commit)."""
+    on_done: Callable[[], None] | None = field(default=None, compare=False)
+    """Called once when the server is done with this slice (sent, failed or abandoned), e.g.
+    to release a pin that kept the file from being deleted."""
 
     def __post_init__(self) -> None:
         if self.offset < 0 or self.length < 0 or self.offset + self.length > self.total_size:
@@ -411,6 +414,22 @@ class HttpServer:
             return HttpResponse(500), True
 
     async def _send(
+        self,
+        sock: trio.socket.SocketType,
+        conn: h11.Connection,
+        response: HttpResponse,
+        *,
+        head: bool,
+        close: bool,
+    ) -> None:
+        body = response.body
+        try:
+            await self._send_response(sock, conn, response, head=head, close=close)
+        finally:
+            if isinstance(body, FileSlice) and body.on_done is not None:
+                body.on_done()
+
+    async def _send_response(
         self,
         sock: trio.socket.SocketType,
         conn: h11.Connection,

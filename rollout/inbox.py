@@ -212,7 +212,7 @@ class RolloutInbox:
         return ack
 
     async def wait_answers(self, key: str, count: int) -> None:
-        """Wait until at least ``count`` answers ``status:reason`` (e.g. ``retry:busy``) went out."""
+        """Wait until at least ``count`` answers ``status:reason`` (``retry:busy``) went out."""
         while self._answers.get(key, 0) < count:
             await self._answered.wait()
 

@@ -1,23 +1,35 @@
-"""The downloader: fetch a version's shards from several sources in parallel, verify, commit.
+"""The downloader: fetch a version from several sources in parallel, verify, commit.
 
 Theory of operation
 -------------------
-:meth:`Downloader.download` drives the sans-IO :class:`~shardcast.select.Scheduler` with trio:
-whenever the scheduler hands out a request, a task streams that byte range of the shard from
-the chosen source over the HTTP lane into a shard-sized buffer. A complete shard is checked
-against its BLAKE3 digest and written at its offset by :class:`~shardcast.store.PartialVersion`
-(in a worker thread), so bytes that fail never reach the disk or another peer. A transfer that
-breaks mid-shard keeps what it received; the next request for that shard resumes at that byte,
-usually from another source. If a copy assembled from several sources fails its digest, the
-pieces are kept and, once a verified copy exists, :func:`~shardcast.select.blame` names the
-source whose bytes differed; only that source is penalized.
+:meth:`Downloader.download` starts from a verified manifest header (parts may be missing) and
+drives three kinds of tasks with trio:
 
-When every shard verified, the whole version is committed atomically (every file re-hashed,
-then one rename). If the download fails or is cancelled, the partial directory is removed:
-no ``step-N/`` ever appears for an incomplete or unverified version.
+- **parts**: missing manifest parts are fetched from the sources (each request waits at the
+  source until the part exists), verified (trainer signature, header digest) and added; each
+  new part makes its shards eligible. The origin can therefore announce a version before it
+  has hashed it, and every tier forwards parts and shards as soon as they are verified.
+- **shards**: whenever the sans-IO :class:`~shardcast.select.Scheduler` hands out a request, a
+  task streams the byte range from the chosen source over the HTTP lane: the raw file range,
+  or an encoded blob — the ``xor-zstd`` delta when this node holds the delta base, ``zstd``
+  when ``prefer_compressed``. Encoded bytes are checked against their offered digest, decoded
+  with bounds (:mod:`shardcast.codecs`), and the decoded bytes are checked against the shard
+  digest by :class:`~shardcast.store.PartialVersion` before they are written, in a worker
+  thread. Bytes that fail never reach the disk or another node. A transfer that breaks
+  mid-shard keeps what arrived; the next request resumes at that byte, usually from another
+  source. A copy assembled from several sources that fails its digest is kept until a
+  verified copy exists, then :func:`~shardcast.select.blame` names the culprit; only it is
+  penalized. A delta that decodes to wrong bytes although its encoded digest matched means
+  this node's base is not the origin's: the shard falls back to raw and nobody is blamed.
+- **have-sets**: sources that are not complete (peers re-serving what they hold) are polled
+  for their have-bitmap every ``have_poll_s`` seconds.
+
+When every shard verified and every part arrived, the version is committed atomically (every
+file re-hashed, then one rename). If the download fails or is cancelled, the partial
+directory is removed: no ``step-N/`` ever appears for an incomplete or unverified version.
 
 Memory: at most ``max_inflight`` shard buffers in transfer plus ``max_resume_buffers`` kept
-for resumption (shard size each).
+for resumption (shard size each), plus the manifest.
 """
 
 from __future__ import annotations
@@ -25,22 +37,28 @@ from __future__ import annotations
 import logging
 import random
 from collections.abc import Callable
+from contextlib import aclosing
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import blake3
 import trio
 
 from p2p.errors import (
     IntegrityError,
+    LocalProtocolError,
     PeerUnreachable,
     RemoteProtocolError,
     ShardnetError,
     StreamBroken,
+    TransportError,
     short_id,
 )
 from p2p.http_client import HttpClient
 from p2p.http_errors import NotAvailable
-from shardcast.manifest import SignedManifest
+from p2p.trust import TrustList
+from shardcast import codecs
+from shardcast.manifest import Manifest, ManifestError, ShardEntry, decode_part
 from shardcast.select import Request, Scheduler, SchedulerConfig, blame
 from shardcast.store import PartialVersion, VersionStore
 
@@ -53,13 +71,13 @@ class DownloadFailed(ShardnetError):
 
 @dataclass(frozen=True)
 class Source:
-    """A place to fetch shards from.
+    """A place to fetch from.
 
     Attributes:
         id: a stable label (the source's PeerID, or its URL).
         base_url: HTTP lane base URL, e.g. ``http://127.0.0.1:9000``.
         complete: True if it holds (or will hold) every shard of the version; False for a
-            peer that re-serves only what it has (its have-set is then given separately).
+            peer that re-serves only what it has (its have-set is polled).
     """
 
     id: str
@@ -67,14 +85,19 @@ class Source:
     complete: bool = True
 
 
+def version_url(base_url: str, run_id: str, step: int) -> str:
+    """Base URL of one version on a node's HTTP lane."""
+    return f"{base_url}/shardnet/v1/{run_id}/{step}"
+
+
 def file_url(base_url: str, run_id: str, step: int, name: str) -> str:
-    """URL of one file of a version on a node's HTTP lane."""
-    return f"{base_url}/shardnet/v1/{run_id}/{step}/files/{name}"
+    """URL of one file of a version."""
+    return f"{version_url(base_url, run_id, step)}/files/{name}"
 
 
 def manifest_url(base_url: str, run_id: str, step: int) -> str:
-    """URL of a version's signed manifest on a node's HTTP lane."""
-    return f"{base_url}/shardnet/v1/{run_id}/{step}/manifest"
+    """URL of a version's manifest document."""
+    return f"{version_url(base_url, run_id, step)}/manifest"
 
 
 @dataclass(frozen=True)
@@ -86,6 +109,9 @@ class DownloadConfig:
         deadline_s: give up on a version after this long, seconds.
         no_source_grace_s: fail if no source is usable for this long, seconds.
         max_resume_buffers: shard buffers kept for resuming broken transfers.
+        have_poll_s: period of have-bitmap polls of partial sources, seconds.
+        use_deltas: fetch ``xor-zstd`` when the base version is held.
+        prefer_compressed: fetch ``zstd`` where offered (slow links).
         scheduler: source-selection tuning.
     """
 
@@ -93,6 +119,9 @@ class DownloadConfig:
     deadline_s: float = 3600.0
     no_source_grace_s: float = 120.0
     max_resume_buffers: int = 8
+    have_poll_s: float = 0.25
+    use_deltas: bool = True
+    prefer_compressed: bool = False
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
 
 
@@ -103,8 +132,11 @@ class DownloadStats:
     step: int
     bytes_fetched: int = 0
     bytes_by_source: dict[str, int] = field(default_factory=dict)
+    bytes_by_encoding: dict[str, int] = field(default_factory=dict)
     corrupt_by_source: dict[str, int] = field(default_factory=dict)
     failures: int = 0
+    delta_fallbacks: int = 0
+    resumed: int = 0
     elapsed_s: float = 0.0
 
 
@@ -119,41 +151,58 @@ class _Buf:
     parts: list[tuple[str, int, int]] = field(default_factory=list)  # (source, start, end)
 
 
+@dataclass
+class _Base:
+    step: int
+    read: Callable[[str, int, int], bytes]
+
+
 class Downloader:
     """Downloads versions into a :class:`VersionStore` (one download at a time per instance).
 
     Args:
         client: the HTTP lane client.
-        store: where versions are committed.
+        store: where versions are committed (and delta bases are read).
         config: settings.
         rng: seeded randomness for the scheduler.
+        trust: the trust list parts and stored manifests are verified against.
     """
 
     def __init__(
-        self, client: HttpClient, store: VersionStore, config: DownloadConfig, rng: random.Random
+        self,
+        client: HttpClient,
+        store: VersionStore,
+        config: DownloadConfig,
+        rng: random.Random,
+        trust: TrustList,
     ) -> None:
         self.client = client
         self.store = store
         self.config = config
         self.rng = rng
+        self.trust = trust
+        self._extra: Callable[[], list[Source]] | None = None
 
     async def download(
         self,
-        signed: SignedManifest,
+        manifest: Manifest,
         sources: list[Source],
         *,
         on_partial: Callable[[PartialVersion], None] | None = None,
         on_shard: Callable[[int], None] | None = None,
         progress: ProgressFn | None = None,
+        extra_sources: Callable[[], list[Source]] | None = None,
     ) -> tuple[Path, DownloadStats]:
-        """Fetch every shard of ``signed`` from ``sources``, verify, and commit.
+        """Fetch every part and shard of ``manifest`` from ``sources``, verify, and commit.
 
         Args:
-            signed: the verified manifest of the version.
+            manifest: the verified manifest (header at least); parts are added to it.
             sources: where to fetch from (at least one).
-            on_partial: called once with the partial version (e.g. to serve it while it fills).
-            on_shard: called with each shard index once verified and written.
+            on_partial: called once with the partial version (to serve it while it fills).
+            on_shard: called after each verified shard or part (to wake downstream waiters).
             progress: called with (verified bytes, total bytes).
+            extra_sources: polled every ``have_poll_s``; sources it returns that are new are
+                added to the download (nodes discovered while it runs).
 
         Returns:
             the committed ``step-N`` directory and the stats.
@@ -163,78 +212,203 @@ class Downloader:
             IntegrityError: the assembled files do not match (nothing is committed).
             Cancellation leaves no partial directory behind.
         """
-        m = signed.manifest
         if not sources:
-            raise DownloadFailed(f"no source for step {m.step}")
+            raise DownloadFailed(f"no source for step {manifest.step}")
         started = trio.current_time()
-        part = await trio.to_thread.run_sync(self.store.begin, signed)
-        stats = DownloadStats(m.step)
+        self._extra = extra_sources
+        part = await trio.to_thread.run_sync(self.store.begin, manifest)
+        stats = DownloadStats(manifest.step)
+        base_step = manifest.header.base_step
+        use_base = (
+            self.config.use_deltas
+            and base_step is not None
+            and self.store.has(base_step)
+            and self._base_matches(base_step, manifest)
+        )
         try:
             if on_partial is not None:
                 on_partial(part)
             with trio.fail_after(self.config.deadline_s):
-                await self._run(part, sources, stats, on_shard, progress)
+                if use_base:
+                    assert base_step is not None
+                    with self.store.pinned(base_step):
+                        base = _Base(
+                            base_step, lambda n, o, ln: self.store.read_range(base_step, n, o, ln)
+                        )
+                        await self._run(part, sources, stats, base, on_shard, progress)
+                else:
+                    await self._run(part, sources, stats, None, on_shard, progress)
             path = await trio.to_thread.run_sync(part.commit)
         except trio.TooSlowError as exc:
             raise DownloadFailed(
-                f"step {m.step} not complete after {self.config.deadline_s}s"
+                f"step {manifest.step} not complete after {self.config.deadline_s}s"
             ) from exc
         finally:
-            if not self.store.has(m.step):
+            if not self.store.has(manifest.step):
                 with trio.CancelScope(shield=True):
                     await trio.to_thread.run_sync(part.abort)
         stats.elapsed_s = trio.current_time() - started
         return path, stats
+
+    def _base_matches(self, base_step: int, manifest: Manifest) -> bool:
+        try:
+            held = self.store.load_manifest(base_step, self.trust)
+        except Exception:
+            return False
+        return held.digest == manifest.header.base_digest
+
+    def _choose(self, shard: ShardEntry, base: _Base | None, no_delta: set[int]) -> str:
+        if base is not None and shard.index not in no_delta and shard.offered(codecs.XOR_ZSTD):
+            return codecs.XOR_ZSTD
+        if self.config.prefer_compressed and shard.offered(codecs.ZSTD):
+            return codecs.ZSTD
+        return codecs.RAW
 
     async def _run(
         self,
         part: PartialVersion,
         sources: list[Source],
         stats: DownloadStats,
+        base: _Base | None,
         on_shard: Callable[[int], None] | None,
         progress: ProgressFn | None,
     ) -> None:
         m = part.manifest
-        sched = Scheduler([s.length for s in m.shards], self.rng, self.config.scheduler)
+        header = m.header
+        known = [i for i in range(len(header.shards)) if m.known(i)]
+        sched = Scheduler(
+            [s.length for s in header.shards], self.rng, self.config.scheduler, known=known
+        )
         by_id = {s.id: s for s in sources}
         for s in sources:
             sched.add_source(s.id, None if s.complete else ())
+        chosen: dict[int, str] = {}
+        no_delta: set[int] = set()
         resume: dict[int, _Buf] = {}
-        suspects: dict[int, list[tuple[_Buf, set[str]]]] = {}
+        suspects: dict[int, list[_Buf]] = {}
         scopes: dict[int, trio.CancelScope] = {}
         wake = trio.Event()
-        verified_bytes = 0
+        verified = 0
         last_usable = trio.current_time()
 
+        def poke() -> None:
+            nonlocal wake
+            wake.set()
+            wake = trio.Event()
+
+        def reschedule(index: int) -> None:
+            entry = m.shard(index)
+            enc = self._choose(entry, base, no_delta)
+            chosen[index] = enc
+            offered = entry.offered(enc)
+            sched.mark_known(index, offered.size if offered is not None else entry.length)
+
+        for i in known:
+            reschedule(i)
+
+        async def fetch_parts() -> None:
+            missing = [k for k in range(header.n_parts) if k not in m.parts]
+            async with trio.open_nursery() as n:
+                for k in missing:
+                    n.start_soon(fetch_part, k)
+
+        async def fetch_part(k: int) -> None:
+            delay = 0.05
+            while k not in m.parts:
+                for src in list(by_id.values()):
+                    url = f"{version_url(src.base_url, m.run_id, m.step)}/manifest/part/{k}"
+                    try:
+                        data = await self.client.get_bytes(
+                            url, max_bytes=8 << 20, timeout_s=self.config.stall_timeout_s
+                        )
+                        signed = decode_part(data, header, trust=self.trust, source=src.id)
+                    except NotAvailable:
+                        continue
+                    except (TransportError, ManifestError, IntegrityError) as exc:
+                        log.info(
+                            "part_fetch_failed step=%d part=%d source=%s error=%s",
+                            m.step,
+                            k,
+                            short_id(src.id),
+                            exc,
+                        )
+                        continue
+                    if m.add_part(signed):
+                        for i in header.part_range(k):
+                            reschedule(i)
+                        if on_shard is not None:
+                            on_shard(-1)
+                        poke()
+                    return
+                await trio.sleep(delay)
+                delay = min(delay * 2, 1.0)
+
+        async def poll_have(src: Source) -> None:
+            url = f"{version_url(src.base_url, m.run_id, m.step)}/have"
+            while True:
+                try:
+                    bits = await self.client.get_bytes(
+                        url,
+                        max_bytes=(len(header.shards) + 7) // 8,
+                        timeout_s=self.config.stall_timeout_s,
+                    )
+                    sched.add_have(
+                        src.id,
+                        (
+                            i
+                            for i in range(len(header.shards))
+                            if i // 8 < len(bits) and bits[i // 8] & (0x80 >> i % 8)
+                        ),
+                    )
+                    poke()
+                except (TransportError, RemoteProtocolError):
+                    pass
+                await trio.sleep(self.config.have_poll_s)
+
         async def fetch(req: Request) -> None:
-            nonlocal wake, verified_bytes
-            shard = m.shards[req.shard]
+            nonlocal verified
+            entry = m.shard(req.shard)
             src = by_id[req.source]
+            enc = chosen[req.shard]
+            offered = entry.offered(enc)
+            size = offered.size if offered is not None else entry.length
             buf = resume.pop(req.shard, None) if req.start else None
-            if buf is None or buf.pos != req.start:
-                buf = _Buf(bytearray(shard.length), req.start)
+            if buf is None or buf.pos != req.start or len(buf.data) != size:
+                if buf is not None or req.start:
+                    sched.discard_partial(req.shard)
+                    sched.on_cancelled(req.id)
+                    return
+                buf = _Buf(bytearray(size), 0)
             begin = buf.pos
+            if begin:
+                stats.resumed += 1
             scope = scopes[req.id]
-            url = file_url(src.base_url, m.run_id, m.step, shard.file)
+            vurl = version_url(src.base_url, m.run_id, m.step)
+            if enc == codecs.RAW:
+                url, offset = f"{vurl}/files/{entry.file}", entry.offset + req.start
+            else:
+                url, offset = f"{vurl}/shard/{entry.index}/{enc}", req.start
             try:
                 with scope:
                     try:
                         first = True
-                        async for chunk in self.client.stream_range(
-                            url,
-                            shard.offset + req.start,
-                            req.length,
-                            timeout_s=self.config.stall_timeout_s,
-                        ):
-                            if first:
-                                sched.on_first_byte(req.id, trio.current_time())
-                                first = False
-                            buf.data[buf.pos : buf.pos + len(chunk)] = chunk
-                            buf.pos += len(chunk)
+                        async with aclosing(
+                            self.client.stream_range(
+                                url, offset, req.length, timeout_s=self.config.stall_timeout_s
+                            )
+                        ) as chunks:
+                            async for chunk in chunks:
+                                if first:
+                                    sched.on_first_byte(req.id, trio.current_time())
+                                    first = False
+                                buf.data[buf.pos : buf.pos + len(chunk)] = chunk
+                                buf.pos += len(chunk)
                     except NotAvailable:
+                        if buf.pos and not req.duplicate:
+                            resume[req.shard] = buf  # keep the prefix for the next source
+                        elif not req.duplicate:
+                            sched.discard_partial(req.shard)
                         sched.on_failure(req.id, trio.current_time(), kind="unavailable")
-                        if begin:  # nothing arrived: the kept prefix waits for the next source
-                            resume[req.shard] = buf
                         return
                     except (StreamBroken, PeerUnreachable) as exc:
                         got = buf.pos - begin
@@ -247,14 +421,11 @@ class Downloader:
                             if got:
                                 buf.parts.append((src.id, begin, buf.pos))
                             resume[req.shard] = buf
+                        elif not req.duplicate:
+                            sched.discard_partial(req.shard)
                         sched.on_failure(
-                            req.id,
-                            trio.current_time(),
-                            kind="timeout" if "timed out" in str(exc) else "broken",
-                            received=got if keep else 0,
+                            req.id, trio.current_time(), kind="broken", received=got if keep else 0
                         )
-                        if not keep and not req.duplicate:
-                            sched.discard_partial(req.shard)  # the scheduler kept the offset
                         stats.failures += 1
                         log.info(
                             "shard_fetch_failed step=%d shard=%d source=%s error=%s",
@@ -277,14 +448,23 @@ class Downloader:
                         )
                         return
                     buf.parts.append((src.id, begin, buf.pos))
-                    stats.bytes_fetched += buf.pos - begin
-                    stats.bytes_by_source[src.id] = (
-                        stats.bytes_by_source.get(src.id, 0) + buf.pos - begin
-                    )
+                    got = buf.pos - begin
+                    stats.bytes_fetched += got
+                    stats.bytes_by_source[src.id] = stats.bytes_by_source.get(src.id, 0) + got
+                    stats.bytes_by_encoding[enc] = stats.bytes_by_encoding.get(enc, 0) + got
                     try:
                         written = await trio.to_thread.run_sync(
-                            part.write_shard, req.shard, buf.data, src.id
+                            self._verify_and_write, part, entry, enc, buf.data, base, src.id
                         )
+                    except _BaseMismatch:
+                        no_delta.add(req.shard)
+                        stats.delta_fallbacks += 1
+                        sched.on_failure(req.id, trio.current_time(), kind="suspect")
+                        reschedule(req.shard)
+                        log.warning(
+                            "delta_base_mismatch step=%d shard=%d: fetching raw", m.step, req.shard
+                        )
+                        return
                     except IntegrityError:
                         contributors = {p[0] for p in buf.parts}
                         if len(contributors) == 1:
@@ -294,7 +474,7 @@ class Downloader:
                             )
                         else:
                             sched.on_failure(req.id, trio.current_time(), kind="suspect")
-                            suspects.setdefault(req.shard, []).append((buf, contributors))
+                            suspects.setdefault(req.shard, []).append(buf)
                         log.warning(
                             "shard_corrupt step=%d shard=%d sources=%s",
                             m.step,
@@ -306,22 +486,49 @@ class Downloader:
                     for lid in losers:
                         if lid in scopes:
                             scopes[lid].cancel()
+                    resume.pop(req.shard, None)
                     if written:
-                        verified_bytes += shard.length
+                        verified += entry.length
                         if req.shard in suspects:
-                            self._assign_blame(sched, suspects.pop(req.shard), buf.data, stats)
+                            self._assign_blame(
+                                sched, suspects.pop(req.shard), buf.data, chosen[req.shard], stats
+                            )
                         if on_shard is not None:
                             on_shard(req.shard)
                         if progress is not None:
-                            progress(verified_bytes, m.total_bytes)
+                            progress(verified, m.total_bytes)
                 if scope.cancelled_caught:
                     sched.on_cancelled(req.id)
             finally:
                 scopes.pop(req.id, None)
-                wake.set()
+                poke()
 
         failure: str | None = None
+
+        async def discover(nursery: trio.Nursery) -> None:
+            while self._extra is not None:
+                for s in self._extra():
+                    if s.id not in by_id:
+                        by_id[s.id] = s
+                        sched.add_source(s.id, None if s.complete else ())
+                        if not s.complete:
+                            nursery.start_soon(poll_have, s)
+                        log.info(
+                            "source_added step=%d source=%s complete=%s",
+                            m.step,
+                            short_id(s.id),
+                            s.complete,
+                        )
+                        poke()
+                await trio.sleep(self.config.have_poll_s)
+
         async with trio.open_nursery() as nursery:
+            if not m.complete:
+                nursery.start_soon(fetch_parts)
+            for s in sources:
+                if not s.complete:
+                    nursery.start_soon(poll_have, s)
+            nursery.start_soon(discover, nursery)
             while not sched.done():
                 now = trio.current_time()
                 started_any = False
@@ -329,37 +536,70 @@ class Downloader:
                     scopes[req.id] = trio.CancelScope()
                     nursery.start_soon(fetch, req)
                     started_any = True
-                if started_any or sched.inflight():
+                if started_any or sched.inflight() or not m.complete:
                     last_usable = now
                 elif now - last_usable > self.config.no_source_grace_s:
+                    banned = ", ".join(short_id(b) for b in sched.statistics().banned)
                     failure = (
-                        f"step {m.step}: no usable source for {self.config.no_source_grace_s}s "
-                        f"({sched.missing} shards missing; banned: "
-                        f"{', '.join(short_id(b) for b in sched.statistics().banned) or 'none'})"
+                        f"step {m.step}: no usable source for "
+                        f"{self.config.no_source_grace_s}s ({sched.missing} shards "
+                        f"missing; banned: {banned or 'none'})"
                     )
                     break
                 if sched.done():
                     break
-                wake = trio.Event()
-                # nothing in flight: wait for a blocked source to become eligible again
-                with trio.move_on_after(
-                    self.config.scheduler.penalty_s / 4 if not sched.inflight() else 3600
-                ):
+                # wake on any completion, new part or have-set; or when a block expires
+                with trio.move_on_after(self.config.scheduler.penalty_s / 4):
                     await wake.wait()
+            while not m.complete and failure is None:
+                await wake.wait()
             nursery.cancel_scope.cancel()
         if failure is not None:  # raised here, outside the nursery: a plain exception type
             raise DownloadFailed(failure)
 
     @staticmethod
+    def _verify_and_write(
+        part: PartialVersion,
+        entry: ShardEntry,
+        enc: str,
+        data: bytearray,
+        base: _Base | None,
+        source: str,
+    ) -> bool:
+        """Decode (if encoded), verify and write one shard; runs in a worker thread."""
+        if enc == codecs.RAW:
+            return part.write_shard(entry.index, data, source)
+        offered = entry.offered(enc)
+        if offered is None:
+            raise LocalProtocolError(f"shard {entry.index} does not offer {enc}")
+        if blake3.blake3(data).hexdigest() != offered.digest:
+            raise IntegrityError(f"shard {entry.index} {enc} blob digest mismatch", source)
+        base_bytes = None
+        if enc == codecs.XOR_ZSTD:
+            assert base is not None
+            base_bytes = base.read(entry.file, entry.offset, entry.length)
+        raw = codecs.decode(enc, data, entry.length, base_bytes, source)
+        try:
+            return part.write_shard(entry.index, raw, source, blobs={enc: bytes(data)})
+        except IntegrityError as exc:
+            if enc == codecs.XOR_ZSTD:  # blob verified, result wrong: our base differs
+                raise _BaseMismatch(str(exc)) from exc
+            raise
+
+    @staticmethod
     def _assign_blame(
-        sched: Scheduler,
-        bad_copies: list[tuple[_Buf, set[str]]],
-        good: bytearray,
-        stats: DownloadStats,
+        sched: Scheduler, bad_copies: list[_Buf], good: bytearray, enc: str, stats: DownloadStats
     ) -> None:
         now = trio.current_time()
-        for buf, _ in bad_copies:
+        for buf in bad_copies:
+            if len(buf.data) != len(good):
+                continue  # a copy of another encoding cannot be compared byte for byte
             for culprit in blame(buf.parts, buf.data, good):
                 sched.penalize_corrupt(culprit, now)
                 stats.corrupt_by_source[culprit] = stats.corrupt_by_source.get(culprit, 0) + 1
                 log.warning("source_blamed source=%s reason=corrupt_bytes", short_id(culprit))
+        del enc
+
+
+class _BaseMismatch(IntegrityError):
+    """A verified delta decoded to wrong bytes: this node's base is not the origin's."""

@@ -1,15 +1,20 @@
-"""Following a run: learn of new versions from upstreams and download each one.
+"""Following a run: learn of new versions, find sources, download each version.
 
-Relays and inference peers are followers. A follower is given the multiaddrs of its
-upstreams (a relay's upstream is the origin or another relay; a peer's are relays). For each
-upstream it keeps a connection and polls the upstream's info record every
-``poll_interval_s`` (which also carries the newest announcement the upstream knows); it also
-listens to the run's gossip topic. Whichever path delivers a newer, trainer-signed
-announcement first wakes the download loop, which fetches the manifest from an upstream
-(checking it against the announced digest and the trainer's signature), downloads the
-version from all usable upstreams in parallel while serving every verified shard onward, and
-commits it. Versions that were superseded before their download started are skipped: a
-follower always moves to the newest announced version.
+Relays and inference peers are followers. A follower is given the multiaddrs of its upstreams
+(a relay's upstream is the origin or another relay; a peer's are relays). For each upstream it
+keeps a connection and polls the upstream's info record every ``poll_interval_s`` (which also
+carries the newest announcement the upstream knows); it also listens to the run's gossip
+topics: version announcements, and node adverts (:mod:`shardcast.discovery`) that tell which
+other nodes hold or are filling a version. Whichever path delivers a newer, trainer-signed
+announcement first wakes the download loop, which
+
+1. fetches the manifest document from an upstream (header digest checked against the
+   announcement, every signature against the pinned trainer) — parts may still be missing;
+2. plans the catch-up (:mod:`shardcast.catchup`): the newest version in full, or the chain of
+   delta versions from the one it holds, whichever moves fewer bytes;
+3. downloads each planned version from its upstreams plus up to ``max_extra_sources``
+   discovered nodes, serving every verified part and shard onward while it fills
+   (pipelining), and commits it.
 
 Every loop here has a timeout or a bounded backoff; a failing upstream is logged with its
 short PeerID and retried, never allowed to stop the others.
@@ -30,8 +35,16 @@ import trio
 from p2p.errors import ConfigError, ShardnetError, TransportError, short_id
 from p2p.host import peer_id_of
 from p2p.http_errors import NotAvailable
-from shardcast.downloader import DownloadConfig, Downloader, DownloadStats, Source, manifest_url
-from shardcast.manifest import ManifestError, SignedManifest
+from shardcast.catchup import plan
+from shardcast.discovery import NodeAdvert, SourceDirectory, nodes_topic
+from shardcast.downloader import (
+    DownloadConfig,
+    Downloader,
+    DownloadStats,
+    Source,
+    manifest_url,
+)
+from shardcast.manifest import Manifest
 from shardcast.messages import NodeInfo, VersionAnnouncement, versions_topic
 from shardcast.node import ShardcastNode
 
@@ -46,15 +59,21 @@ class FollowConfig:
     """Follower settings.
 
     Attributes:
-        upstreams: multiaddrs (with ``/p2p/<PeerID>``) of the nodes to download from.
+        upstreams: multiaddrs (with ``/p2p/<PeerID>``) of the nodes to follow.
         poll_interval_s: period of the info poll per upstream, seconds.
         max_backoff_s: cap of the retry backoff for a failing upstream, seconds.
+        discovery: advertise this node and use other nodes as extra sources.
+        advert_interval_s: period of this node's advert, seconds.
+        max_extra_sources: discovered sources added to one download.
         download: downloader settings.
     """
 
     upstreams: tuple[str, ...]
     poll_interval_s: float = 1.0
     max_backoff_s: float = 10.0
+    discovery: bool = True
+    advert_interval_s: float = 2.0
+    max_extra_sources: int = 4
     download: DownloadConfig = field(default_factory=DownloadConfig)
 
     def __post_init__(self) -> None:
@@ -62,8 +81,8 @@ class FollowConfig:
             raise ConfigError("upstreams", "at least one upstream multiaddr is required")
         for a in self.upstreams:
             peer_id_of(a)
-        if self.poll_interval_s <= 0:
-            raise ConfigError("poll_interval_s", "must be > 0")
+        if self.poll_interval_s <= 0 or self.advert_interval_s <= 0:
+            raise ConfigError("poll_interval_s", "intervals must be > 0")
 
 
 @dataclass
@@ -78,7 +97,7 @@ class VersionRecord:
     path: Path | None = None
 
 
-CommitHook = Callable[[SignedManifest, Path, VersionRecord], Awaitable[None]]
+CommitHook = Callable[[Manifest, Path, VersionRecord], Awaitable[None]]
 
 
 class Follower:
@@ -105,27 +124,36 @@ class Follower:
                 raise ConfigError("upstreams", f"{a} is not in the relay allowlist")
         self.node = node
         self.config = config
-        self.downloader = Downloader(node.client, node.store, config.download, rng)
+        self.downloader = Downloader(node.client, node.store, config.download, rng, node.trust)
         self.on_commit = on_commit
         self.progress = progress
         self.upstreams: dict[str, NodeInfo] = {}
         self.records: list[VersionRecord] = []
+        self.directory = SourceDirectory(
+            node.identity.peer_id,
+            {peer_id_of(a) for a in config.upstreams},
+            ttl_s=5 * config.advert_interval_s,
+            max_entries=1024,
+            rng=rng,
+        )
         self._upstream_changed = trio.Event()
         self._learned: dict[int, float] = {}
+        self._filling: list[int] = []
+        self._advert_wake = trio.Event()
 
     async def run(self, *, task_status: TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
         """Run until cancelled; ``started()`` once the first upstream answered its info."""
         async with trio.open_nursery() as nursery:
             for addr in self.config.upstreams:
                 nursery.start_soon(self._poll_upstream, addr)
-            nursery.start_soon(self._listen_gossip)
+            nursery.start_soon(self._listen_versions)
+            if self.config.discovery:
+                nursery.start_soon(self._listen_adverts)
+                nursery.start_soon(self._advertise)
             while not self.upstreams:
-                await self._wait_upstream_change()
+                await self._upstream_changed.wait()
             task_status.started()
             await self._download_loop()
-
-    async def _wait_upstream_change(self) -> None:
-        await self._upstream_changed.wait()
 
     def _note_upstream(self) -> None:
         self._upstream_changed.set()
@@ -139,18 +167,14 @@ class Follower:
     async def _poll_upstream(self, addr: str) -> None:
         pid = peer_id_of(addr)
         backoff = self.config.poll_interval_s
-        connected = False
         while True:
             try:
-                if not connected or pid not in self.node.p2p.connected_peers():
+                if pid not in self.node.p2p.connected_peers():
                     await self.node.p2p.connect(addr)
-                    connected = True
                 info = await self.node.query_info(pid)
-            except (TransportError, ShardnetError) as exc:
-                if pid in self.upstreams:
-                    del self.upstreams[pid]
+            except ShardnetError as exc:
+                if self.upstreams.pop(pid, None) is not None:
                     self._note_upstream()
-                connected = False
                 log.info(
                     "upstream_unreachable upstream=%s error=%s retry_s=%.1f",
                     short_id(pid),
@@ -178,38 +202,83 @@ class Follower:
                     self._offer(info.announcement, pid)
             await trio.sleep(self.config.poll_interval_s)
 
-    async def _listen_gossip(self) -> None:
+    async def _listen_versions(self) -> None:
         sub = await self.node.p2p.subscribe(versions_topic(self.node.config.run_id))
         async for msg in sub:
             self._offer(msg.data, msg.origin)
 
-    def _sources(self) -> list[Source]:
+    async def _listen_adverts(self) -> None:
+        sub = await self.node.p2p.subscribe(nodes_topic(self.node.config.run_id))
+        async for msg in sub:
+            try:
+                advert = NodeAdvert.decode(msg.data, msg.origin)
+            except ShardnetError as exc:
+                log.info("advert_rejected origin=%s error=%s", short_id(msg.origin), exc)
+                continue
+            self.directory.offer(advert, trio.current_time())
+
+    async def _advertise(self) -> None:
+        node = self.node
+        topic = nodes_topic(node.config.run_id)
+        role = "relay" if node.config.role == "relay" else "peer"
+        while True:
+            advert = NodeAdvert(
+                node.identity.peer_id,
+                role,
+                node.http.url,
+                tuple(node.store.committed_steps()),
+                tuple(self._filling),
+            )
+            try:
+                await node.p2p.publish(topic, advert.encode())
+            except ShardnetError as exc:
+                log.info("advert_failed error=%s", exc)
+            with trio.move_on_after(self.config.advert_interval_s):
+                await self._advert_wake.wait()
+
+    def _readvertise(self) -> None:
+        self._advert_wake.set()
+        self._advert_wake = trio.Event()
+
+    def _upstream_sources(self) -> list[Source]:
         return [Source(pid, info.http_url) for pid, info in sorted(self.upstreams.items())]
 
-    async def _fetch_manifest(self, ann: VersionAnnouncement) -> SignedManifest | None:
-        """The manifest of ``ann`` from any upstream, or None if superseded meanwhile."""
+    def _extra_sources(self, step: int) -> list[Source]:
+        if not self.config.discovery:
+            return []
+        return self.directory.sources_for(step, trio.current_time(), self.config.max_extra_sources)
+
+    async def fetch_manifest(
+        self, run_id: str, step: int, digest: str | None, give_up: Callable[[], bool]
+    ) -> Manifest | None:
+        """The manifest document of ``step`` from any upstream (parts may be missing).
+
+        Args:
+            digest: the expected header digest (from a signed announcement), if known.
+            give_up: polled between attempts; True abandons the fetch (returns None).
+        """
         delay = 0.05
         while True:
-            for src in self._sources():
-                url = manifest_url(src.base_url, ann.run_id, ann.step)
+            for src in self._upstream_sources():
+                url = manifest_url(src.base_url, run_id, step)
                 try:
-                    data = await self.node.client.get_bytes(url, max_bytes=16 << 20, timeout_s=10.0)
-                    signed = SignedManifest.decode(data, trust=self.node.trust, source=src.id)
+                    data = await self.node.client.get_bytes(url, max_bytes=64 << 20, timeout_s=10.0)
+                    m = Manifest.decode(data, trust=self.node.trust, source=src.id)
                 except NotAvailable:
                     continue
-                except (TransportError, ManifestError, ShardnetError) as exc:
+                except (TransportError, ShardnetError) as exc:
                     log.warning(
                         "manifest_fetch_failed source=%s step=%d error=%s",
                         short_id(src.id),
-                        ann.step,
+                        step,
                         exc,
                     )
                     continue
-                if signed.digest != ann.manifest_digest or signed.manifest.step != ann.step:
-                    log.warning("manifest_mismatch source=%s step=%d", short_id(src.id), ann.step)
+                if m.step != step or m.run_id != run_id or (digest and m.digest != digest):
+                    log.warning("manifest_mismatch source=%s step=%d", short_id(src.id), step)
                     continue
-                return signed
-            if self.node.announcement is not None and self.node.announcement.step > ann.step:
+                return m
+            if give_up():
                 return None
             await trio.sleep(delay)
             delay = min(delay * 2, 1.0)
@@ -220,41 +289,98 @@ class Follower:
         while True:
             ann = await self.node.wait_announcement(newer_than=current)
             while not self.upstreams:
-                await self._wait_upstream_change()
-            signed = await self._fetch_manifest(ann)
-            if signed is None:
+                await self._upstream_changed.wait()
+            newer = functools.partial(self._superseded, ann.step)
+            target = await self.fetch_manifest(ann.run_id, ann.step, ann.manifest_digest, newer)
+            if target is None:
                 continue
-            step = signed.manifest.step
-            record = VersionRecord(
-                step, signed.digest, self._learned.get(step, trio.current_time())
-            )
-            server = self.node.server
-            try:
-                path, stats = await self.downloader.download(
-                    signed,
-                    self._sources(),
-                    on_partial=server.add_partial,
-                    on_shard=functools.partial(server.shard_ready, step),
-                    progress=(
-                        None if self.progress is None else functools.partial(self.progress, step)
-                    ),
+            steps = await self._plan(target, newer)
+            for step in steps:
+                m = (
+                    target
+                    if step == target.step
+                    else await self.fetch_manifest(ann.run_id, step, None, newer)
                 )
-            except ShardnetError as exc:
-                log.warning("download_failed step=%d error=%s", step, exc)
-                await trio.sleep(self.config.poll_interval_s)
+                if m is None or not await self._download(m):
+                    break
+                current = step
+            else:
                 continue
-            finally:
-                server.partial_done(step)
-            record.committed_at = trio.current_time()
-            record.stats, record.path = stats, path
-            self.records.append(record)
-            current = step
-            log.info(
-                "version_downloaded step=%d size_bytes=%d download_s=%.3f sources=%s",
-                step,
-                signed.manifest.total_bytes,
-                stats.elapsed_s,
-                ",".join(f"{short_id(k)}:{v}" for k, v in sorted(stats.bytes_by_source.items())),
+            await trio.sleep(self.config.poll_interval_s)  # failed: back off, then retry
+
+    def _superseded(self, step: int) -> bool:
+        """True if a newer version than ``step`` has been announced."""
+        ann = self.node.announcement
+        return ann is not None and ann.step > step
+
+    async def _plan(self, target: Manifest, give_up: Callable[[], bool]) -> tuple[int, ...]:
+        store = self.node.store
+        have = store.latest()
+        if have is None or have >= target.step - 1:
+            return (target.step,)
+        try:
+            have_digest = store.load_manifest(have, self.node.trust).digest
+        except (OSError, ShardnetError):
+            return (target.step,)
+        chain = {}
+        for step in range(have + 1, target.step):
+            m = await self.fetch_manifest(target.run_id, step, None, lambda: True)
+            if m is None:
+                return (target.step,)
+            chain[step] = m
+        p = plan(have, have_digest, target, chain)
+        log.info(
+            "catch_up have=%d target=%d steps=%s bytes=%d full_bytes=%d",
+            have,
+            target.step,
+            list(p.steps),
+            p.bytes,
+            p.full_bytes,
+        )
+        del give_up
+        return p.steps
+
+    async def _download(self, m: Manifest) -> bool:
+        step = m.step
+        record = VersionRecord(step, m.digest, self._learned.get(step, trio.current_time()))
+        server = self.node.server
+        sources = self._upstream_sources()
+        known = {s.id for s in sources}
+        sources += [s for s in self._extra_sources(step) if s.id not in known]
+        self._filling.append(step)
+        self._readvertise()
+        try:
+            path, stats = await self.downloader.download(
+                m,
+                sources,
+                on_partial=server.add_live,
+                on_shard=lambda _i: server.progress(step),
+                progress=(
+                    None if self.progress is None else functools.partial(self.progress, step)
+                ),
+                extra_sources=functools.partial(self._extra_sources, step),
             )
-            if self.on_commit is not None:
-                await self.on_commit(signed, path, record)
+        except ShardnetError as exc:
+            log.warning("download_failed step=%d error=%s", step, exc)
+            return False
+        finally:
+            server.live_done(step)
+            self._filling.remove(step)
+            self._readvertise()
+        record.committed_at = trio.current_time()
+        record.stats, record.path = stats, path
+        self.records.append(record)
+        log.info(
+            "version_downloaded step=%d size_bytes=%d download_s=%.3f encodings=%s sources=%s",
+            step,
+            m.total_bytes,
+            stats.elapsed_s,
+            stats.bytes_by_encoding,
+            ",".join(f"{short_id(k)}:{v}" for k, v in sorted(stats.bytes_by_source.items())),
+        )
+        if self.on_commit is not None:
+            await self.on_commit(m, path, record)
+        return True
+
+
+__all__ = ["CommitHook", "FollowConfig", "Follower", "VersionAnnouncement", "VersionRecord"]

@@ -1,30 +1,37 @@
-"""The signed manifest of one checkpoint version.
+"""The signed manifest of one checkpoint version: a header, then parts.
 
 Theory of operation
 -------------------
-A manifest names the run, the policy step, every file of the checkpoint (name, size, BLAKE3
-digest) and every shard (index, file, offset, length, BLAKE3 digest of the shard's bytes).
-Shards tile each file exactly, in file order then offset order, so a downloader that holds
-every verified shard holds every file, and the file digests are a second, independent check.
+A version's manifest is signed in pieces so that the origin can announce it before it has
+finished hashing the checkpoint (pipelining, DESIGN.md decision 3):
 
-Encoding (schema version 1) is canonical JSON: UTF-8, keys sorted, no whitespace, integers and
-strings only (no floats), digests as 64 lowercase hex characters. The trainer signs the
-canonical bytes of the ``manifest`` object under the domain ``manifest/v1`` with its Ed25519
-PeerID key (see :mod:`p2p.identity`). The envelope is::
+- the **header** (schema version 2) names the run, the policy step, every file with its size,
+  the shard size, how many shards each part covers, and the delta base (the previous step and
+  its header digest) if the origin offers deltas. Shards tile each file at ``shard_size``
+  bytes, in file-name order, so the shard layout follows from the header alone. The header's
+  BLAKE3 digest is the version's identity on the wire (announcements carry it).
+- each **part** ``k`` covers shards ``[k·S, (k+1)·S)``: the BLAKE3 digest of every shard's
+  decoded bytes, the encodings offered for it (``[encoding, size, digest]`` of the encoded
+  bytes, see :mod:`shardcast.codecs`), and the whole-file digests of the files whose last
+  shard lies in this part (empty files: part 0). A part names the header digest it belongs to.
 
-    {"manifest": {...}, "signer": "<PeerID>", "signature": "<128 hex chars>"}
+Header and parts are canonical JSON (UTF-8, sorted keys, no whitespace, integers and strings
+only), each signed by the trainer's Ed25519 PeerID key under its own domain
+(``manifest-header/v2``, ``manifest-part/v2``) and wrapped as
+``{"body": {...}, "signer": "<PeerID>", "signature": "<hex>"}``. The document stored beside a
+committed version (``manifest.json``) and served at ``.../manifest`` is
+``{"header": <envelope>, "parts": [<envelope>, ...]}``.
 
-:meth:`SignedManifest.decode` treats its input as hostile: size bound, schema and value checks
-(safe file names, shards that tile the files exactly), signature, and the pinned signer, each
-failure a typed error naming what was wrong.
+Every decoder treats its input as hostile: size bounds, schema and value checks (safe flat
+file names, consistent counts), signature, and the pinned trainer, each failure a typed error.
 """
 
 from __future__ import annotations
 
 import json
 import re
-from collections.abc import Iterable, Mapping
-from dataclasses import dataclass
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
 from typing import Any
 
 import blake3
@@ -32,38 +39,43 @@ import blake3
 from p2p.errors import IntegrityError, RemoteProtocolError
 from p2p.identity import Identity, verify
 from p2p.trust import TrustList
+from shardcast.codecs import XOR_ZSTD, ZSTD
 
-SCHEMA_VERSION = 1
-SIGN_DOMAIN = "manifest/v1"
-MAX_MANIFEST_BYTES = 16 * 1024 * 1024
+SCHEMA_VERSION = 2
+HEADER_DOMAIN = "manifest-header/v2"
+PART_DOMAIN = "manifest-part/v2"
+MAX_MANIFEST_BYTES = 64 * 1024 * 1024
+MAX_HEADER_BYTES = 4 * 1024 * 1024
+MAX_PART_BYTES = 8 * 1024 * 1024
 MAX_FILES = 10_000
 MAX_SHARDS = 1_000_000
 MAX_FILE_BYTES = 1 << 44  # 16 TiB
+MANIFEST_FILE = "manifest.json"
 _NAME_RE = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9._-]{0,254}$")
 _RUN_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
 _DIGEST_RE = re.compile(r"^[0-9a-f]{64}$")
-MANIFEST_FILE = "manifest.json"
+OFFERABLE = (ZSTD, XOR_ZSTD)
 
 
 class ManifestError(RemoteProtocolError):
-    """A manifest that is malformed or inconsistent (the sender's fault)."""
+    """A manifest header, part or document that is malformed or inconsistent."""
 
 
-def check_file_name(name: str, source: str = "") -> str:
+def check_file_name(name: object, source: str = "") -> str:
     """Return ``name`` if it is a safe, flat file name inside a version directory.
 
     Only ``[A-Za-z0-9._-]`` with a non-dot first character, at most 255 characters: no ``/``,
     no ``..``, no absolute paths, no hidden files, so a name can never escape the data dir.
 
     Raises:
-        ManifestError: the name is unsafe.
+        ManifestError: the name is unsafe or reserved.
     """
     if not isinstance(name, str) or not _NAME_RE.match(name) or name == MANIFEST_FILE:
         raise ManifestError(source, f"unsafe or reserved file name {name!r}")
     return name
 
 
-def check_run_id(run_id: str, source: str = "") -> str:
+def check_run_id(run_id: object, source: str = "") -> str:
     """Return ``run_id`` if it matches ``[A-Za-z0-9][A-Za-z0-9._-]{0,127}``.
 
     Raises:
@@ -76,127 +88,10 @@ def check_run_id(run_id: str, source: str = "") -> str:
 
 def blake3_hex(data: bytes | bytearray | memoryview) -> str:
     """BLAKE3-256 digest of ``data`` as 64 lowercase hex characters."""
-    return blake3.blake3(data).hexdigest()
+    return blake3.blake3(data, max_threads=blake3.blake3.AUTO).hexdigest()
 
 
-@dataclass(frozen=True)
-class FileEntry:
-    """One checkpoint file: flat name, size in bytes, BLAKE3 hex digest of its content."""
-
-    name: str
-    size: int
-    digest: str
-
-
-@dataclass(frozen=True)
-class ShardEntry:
-    """One shard: bytes ``[offset, offset + length)`` of ``file``, with their BLAKE3 digest."""
-
-    index: int
-    file: str
-    offset: int
-    length: int
-    digest: str
-
-
-@dataclass(frozen=True)
-class Manifest:
-    """The unsigned content of a manifest (see module docstring).
-
-    Attributes:
-        run_id: the training run.
-        step: the policy step (version number), >= 0.
-        shard_size: nominal shard size in bytes (the last shard of a file may be shorter).
-        files: files in canonical (name) order.
-        shards: shards in file order then offset order; ``shards[i].index == i``.
-    """
-
-    run_id: str
-    step: int
-    shard_size: int
-    files: tuple[FileEntry, ...]
-    shards: tuple[ShardEntry, ...]
-
-    @property
-    def total_bytes(self) -> int:
-        """Sum of the file sizes, bytes."""
-        return sum(f.size for f in self.files)
-
-    def file(self, name: str) -> FileEntry:
-        """The entry of file ``name``; raises KeyError if absent."""
-        for f in self.files:
-            if f.name == name:
-                return f
-        raise KeyError(name)
-
-    def to_obj(self) -> dict[str, Any]:
-        """The JSON object (schema version 1)."""
-        return {
-            "v": SCHEMA_VERSION,
-            "run_id": self.run_id,
-            "step": self.step,
-            "shard_size": self.shard_size,
-            "files": [{"name": f.name, "size": f.size, "digest": f.digest} for f in self.files],
-            "shards": [[s.file, s.offset, s.length, s.digest] for s in self.shards],
-        }
-
-    def canonical_bytes(self) -> bytes:
-        """Canonical JSON encoding (the bytes that are signed)."""
-        return canonical_json(self.to_obj())
-
-    def digest(self) -> str:
-        """BLAKE3 hex digest of :meth:`canonical_bytes`: the version's identity on the wire."""
-        return blake3_hex(self.canonical_bytes())
-
-    @classmethod
-    def from_obj(cls, obj: Any, source: str = "") -> Manifest:
-        """Parse and validate a manifest object.
-
-        Raises:
-            ManifestError: wrong schema version, field types or values, unsafe names, or
-                shards that do not tile the files exactly.
-        """
-        if not isinstance(obj, dict):
-            raise ManifestError(source, "manifest is not an object")
-        if obj.get("v") != SCHEMA_VERSION:
-            raise ManifestError(
-                source,
-                f"manifest schema version {obj.get('v')!r}, this node reads {SCHEMA_VERSION}",
-            )
-        run_id = check_run_id(obj.get("run_id"), source)  # type: ignore[arg-type]
-        step = _int(obj, "step", 0, (1 << 62), source)
-        shard_size = _int(obj, "shard_size", 1, 1 << 34, source)
-        raw_files = obj.get("files")
-        raw_shards = obj.get("shards")
-        if not isinstance(raw_files, list) or not 0 < len(raw_files) <= MAX_FILES:
-            raise ManifestError(source, "files must be a non-empty list")
-        if not isinstance(raw_shards, list) or len(raw_shards) > MAX_SHARDS:
-            raise ManifestError(source, "shards must be a list")
-        files = []
-        for rf in raw_files:
-            if not isinstance(rf, dict):
-                raise ManifestError(source, "file entry is not an object")
-            files.append(
-                FileEntry(
-                    check_file_name(rf.get("name"), source),  # type: ignore[arg-type]
-                    _int(rf, "size", 0, MAX_FILE_BYTES, source),
-                    _digest(rf.get("digest"), source),
-                )
-            )
-        shards = []
-        for i, rs in enumerate(raw_shards):
-            if not isinstance(rs, list) or len(rs) != 4:
-                raise ManifestError(source, f"shard {i} is not [file, offset, length, digest]")
-            name, off, length, dig = rs
-            for label, val in (("offset", off), ("length", length)):
-                if not isinstance(val, int) or isinstance(val, bool) or val < 0:
-                    raise ManifestError(source, f"shard {i} {label} is not a non-negative int")
-            shards.append(
-                ShardEntry(i, check_file_name(name, source), off, length, _digest(dig, source))
-            )
-        m = cls(run_id, step, shard_size, tuple(files), tuple(shards))
-        _check_tiling(m, source)
-        return m
+EMPTY_DIGEST = blake3.blake3(b"").hexdigest()
 
 
 def canonical_json(obj: Any) -> bytes:
@@ -235,109 +130,523 @@ def _digest(val: Any, source: str) -> str:
     return val
 
 
-def _check_tiling(m: Manifest, source: str) -> None:
-    names = [f.name for f in m.files]
-    if names != sorted(names) or len(set(names)) != len(names):
-        raise ManifestError(source, "file names must be unique and sorted")
-    by_file: dict[str, list[ShardEntry]] = {n: [] for n in names}
-    order: list[str] = []
-    for s in m.shards:
-        if s.file not in by_file:
-            raise ManifestError(source, f"shard {s.index} names unknown file {s.file!r}")
-        if s.length == 0 or s.length > m.shard_size:
-            raise ManifestError(
-                source, f"shard {s.index} length {s.length} not in [1, {m.shard_size}]"
-            )
-        by_file[s.file].append(s)
-        if not order or order[-1] != s.file:
-            order.append(s.file)
-    if order != [n for n in names if by_file[n]]:
-        raise ManifestError(source, "shards are not in file order")
-    for f in m.files:
-        pos = 0
-        for s in by_file[f.name]:
-            if s.offset != pos:
-                raise ManifestError(
-                    source, f"shard {s.index} of {f.name} starts at {s.offset}, expected {pos}"
-                )
-            pos += s.length
-        if pos != f.size:
-            raise ManifestError(source, f"shards of {f.name} cover {pos} of {f.size} bytes")
+@dataclass(frozen=True)
+class FileEntry:
+    """One checkpoint file: flat name and size in bytes."""
+
+    name: str
+    size: int
 
 
 @dataclass(frozen=True)
-class SignedManifest:
-    """A manifest with the signer's PeerID and Ed25519 signature."""
+class ShardRef:
+    """Where a shard lives: bytes ``[offset, offset + length)`` of ``file``."""
 
-    manifest: Manifest
+    index: int
+    file: str
+    offset: int
+    length: int
+
+
+@dataclass(frozen=True)
+class Encoded:
+    """An encoded form of a shard offered by the origin: its encoding, size and digest."""
+
+    encoding: str
+    size: int
+    digest: str
+
+
+@dataclass(frozen=True)
+class Header:
+    """The signed header of a version (see module docstring).
+
+    Attributes:
+        run_id: the training run.
+        step: the policy step (version number), >= 0.
+        shard_size: bytes per shard (the last shard of a file may be shorter).
+        files: files in name order.
+        shards_per_part: shards covered by each signed part.
+        base_step: the version deltas are computed against, or None (full version only).
+        base_digest: that version's header digest, or None.
+        nonce: 32 hex characters chosen per publication, so that two publications of the same
+            step (e.g. after a trainer restart) never share a header digest even when their
+            files have the same sizes; parts name the header digest, so parts of one
+            publication can never be mixed with another's.
+    """
+
+    run_id: str
+    step: int
+    shard_size: int
+    files: tuple[FileEntry, ...]
+    shards_per_part: int
+    base_step: int | None = None
+    base_digest: str | None = None
+    nonce: str = "0" * 32
+    shards: tuple[ShardRef, ...] = field(default=(), compare=False, repr=False)
+
+    def __post_init__(self) -> None:
+        refs: list[ShardRef] = []
+        for f in self.files:
+            for off in range(0, f.size, self.shard_size):
+                refs.append(ShardRef(len(refs), f.name, off, min(self.shard_size, f.size - off)))
+        object.__setattr__(self, "shards", tuple(refs))
+
+    @property
+    def total_bytes(self) -> int:
+        """Sum of the file sizes, bytes."""
+        return sum(f.size for f in self.files)
+
+    @property
+    def n_parts(self) -> int:
+        """Number of parts (at least 1, even with no shards)."""
+        return max(1, -(-len(self.shards) // self.shards_per_part))
+
+    def part_range(self, k: int) -> range:
+        """Shard indices covered by part ``k``."""
+        return range(
+            k * self.shards_per_part, min((k + 1) * self.shards_per_part, len(self.shards))
+        )
+
+    def files_ending_in(self, k: int) -> list[str]:
+        """Files whose whole-file digest part ``k`` carries (empty files: part 0)."""
+        last: dict[str, int] = {}
+        for s in self.shards:
+            last[s.file] = s.index
+        out = []
+        for f in self.files:
+            if f.name in last:
+                if last[f.name] // self.shards_per_part == k:
+                    out.append(f.name)
+            elif k == 0:
+                out.append(f.name)
+        return out
+
+    def file(self, name: str) -> FileEntry:
+        """The entry of file ``name``; raises KeyError if absent."""
+        for f in self.files:
+            if f.name == name:
+                return f
+        raise KeyError(name)
+
+    def first_shard(self, name: str) -> int:
+        """Index of the first shard of file ``name`` (raises KeyError if it has none)."""
+        for s in self.shards:
+            if s.file == name:
+                return s.index
+        raise KeyError(name)
+
+    def to_obj(self) -> dict[str, Any]:
+        """The JSON body."""
+        obj: dict[str, Any] = {
+            "v": SCHEMA_VERSION,
+            "run_id": self.run_id,
+            "step": self.step,
+            "shard_size": self.shard_size,
+            "shards_per_part": self.shards_per_part,
+            "nonce": self.nonce,
+            "files": [{"name": f.name, "size": f.size} for f in self.files],
+        }
+        if self.base_step is not None:
+            obj["base_step"] = self.base_step
+            obj["base_digest"] = self.base_digest
+        return obj
+
+    def canonical_bytes(self) -> bytes:
+        """Canonical JSON (the signed bytes)."""
+        return canonical_json(self.to_obj())
+
+    def digest(self) -> str:
+        """BLAKE3 hex digest of the canonical bytes: the version's identity."""
+        return blake3_hex(self.canonical_bytes())
+
+    @classmethod
+    def from_obj(cls, obj: Any, source: str = "") -> Header:
+        """Parse and validate a header body.
+
+        Raises:
+            ManifestError: wrong schema version, types, values or unsafe names.
+        """
+        if not isinstance(obj, dict):
+            raise ManifestError(source, "header is not an object")
+        if obj.get("v") != SCHEMA_VERSION:
+            raise ManifestError(
+                source,
+                f"manifest schema version {obj.get('v')!r}, this node reads {SCHEMA_VERSION}",
+            )
+        allowed = {
+            "v",
+            "run_id",
+            "step",
+            "shard_size",
+            "shards_per_part",
+            "files",
+            "base_step",
+            "base_digest",
+            "nonce",
+        }
+        if set(obj) - allowed:
+            raise ManifestError(source, f"unknown header fields {sorted(set(obj) - allowed)}")
+        run_id = check_run_id(obj.get("run_id"), source)
+        step = _int(obj, "step", 0, 1 << 62, source)
+        shard_size = _int(obj, "shard_size", 1, 1 << 34, source)
+        spp = _int(obj, "shards_per_part", 1, MAX_SHARDS, source)
+        raw_files = obj.get("files")
+        if not isinstance(raw_files, list) or not 0 < len(raw_files) <= MAX_FILES:
+            raise ManifestError(source, "files must be a non-empty list")
+        files = []
+        for rf in raw_files:
+            if not isinstance(rf, dict) or set(rf) != {"name", "size"}:
+                raise ManifestError(source, "file entry must be {name, size}")
+            files.append(
+                FileEntry(
+                    check_file_name(rf["name"], source), _int(rf, "size", 0, MAX_FILE_BYTES, source)
+                )
+            )
+        names = [f.name for f in files]
+        if names != sorted(names) or len(set(names)) != len(names):
+            raise ManifestError(source, "file names must be unique and sorted")
+        if sum(-(-f.size // shard_size) for f in files) > MAX_SHARDS:
+            raise ManifestError(source, f"more than {MAX_SHARDS} shards")
+        base_step = base_digest = None
+        if "base_step" in obj or "base_digest" in obj:
+            base_step = _int(obj, "base_step", 0, step - 1, source)
+            base_digest = _digest(obj.get("base_digest"), source)
+        nonce = obj.get("nonce")
+        if not isinstance(nonce, str) or not re.fullmatch(r"[0-9a-f]{32}", nonce):
+            raise ManifestError(source, f"nonce {nonce!r} is not 32 lowercase hex characters")
+        return cls(run_id, step, shard_size, tuple(files), spp, base_step, base_digest, nonce)
+
+
+@dataclass(frozen=True)
+class Part:
+    """One signed part: shard digests, encodings and completed file digests.
+
+    Attributes:
+        run_id, step: the version.
+        header_digest: digest of the header this part belongs to.
+        index: the part number ``k``.
+        digests: BLAKE3 of each covered shard's decoded bytes, in shard order.
+        encodings: per covered shard, the encoded forms offered.
+        file_digests: whole-file BLAKE3 of the files ending in this part.
+    """
+
+    run_id: str
+    step: int
+    header_digest: str
+    index: int
+    digests: tuple[str, ...]
+    encodings: tuple[tuple[Encoded, ...], ...]
+    file_digests: tuple[tuple[str, str], ...]
+
+    def to_obj(self) -> dict[str, Any]:
+        """The JSON body."""
+        return {
+            "v": SCHEMA_VERSION,
+            "run_id": self.run_id,
+            "step": self.step,
+            "header": self.header_digest,
+            "part": self.index,
+            "shards": [
+                [d, [[e.encoding, e.size, e.digest] for e in encs]]
+                for d, encs in zip(self.digests, self.encodings, strict=True)
+            ],
+            "files": {n: d for n, d in self.file_digests},
+        }
+
+    def canonical_bytes(self) -> bytes:
+        """Canonical JSON (the signed bytes)."""
+        return canonical_json(self.to_obj())
+
+    @classmethod
+    def from_obj(cls, obj: Any, header: Header, source: str = "") -> Part:
+        """Parse a part body and check it against ``header``.
+
+        Raises:
+            ManifestError: malformed, for another header, wrong shard count or files, or an
+                encoding that the header does not allow.
+        """
+        if not isinstance(obj, dict) or obj.get("v") != SCHEMA_VERSION:
+            raise ManifestError(source, "part is not a version-2 object")
+        if set(obj) != {"v", "run_id", "step", "header", "part", "shards", "files"}:
+            raise ManifestError(
+                source, "part fields must be v, run_id, step, header, part, shards, files"
+            )
+        if (
+            obj["run_id"] != header.run_id
+            or obj["step"] != header.step
+            or obj["header"] != header.digest()
+        ):
+            raise ManifestError(source, "part belongs to another version")
+        k = _int(obj, "part", 0, header.n_parts - 1, source)
+        rng = header.part_range(k)
+        raw = obj["shards"]
+        if not isinstance(raw, list) or len(raw) != len(rng):
+            raise ManifestError(source, f"part {k} must list {len(rng)} shards")
+        digests, encs = [], []
+        for i, entry in zip(rng, raw, strict=True):
+            if not isinstance(entry, list) or len(entry) != 2 or not isinstance(entry[1], list):
+                raise ManifestError(source, f"shard {i} entry is not [digest, encodings]")
+            digests.append(_digest(entry[0], source))
+            offered = []
+            for e in entry[1]:
+                if not isinstance(e, list) or len(e) != 3 or e[0] not in OFFERABLE:
+                    raise ManifestError(source, f"shard {i} has an invalid encoding {e!r}")
+                if e[0] == XOR_ZSTD and header.base_step is None:
+                    raise ManifestError(source, f"shard {i} offers a delta without a base")
+                if (
+                    not isinstance(e[1], int)
+                    or isinstance(e[1], bool)
+                    or not 1 <= e[1] <= 2 * header.shard_size + 1024
+                ):
+                    raise ManifestError(source, f"shard {i} encoded size {e[1]!r} out of range")
+                offered.append(Encoded(e[0], e[1], _digest(e[2], source)))
+            if len({o.encoding for o in offered}) != len(offered):
+                raise ManifestError(source, f"shard {i} lists an encoding twice")
+            encs.append(tuple(offered))
+        files = obj["files"]
+        if not isinstance(files, dict) or sorted(files) != sorted(header.files_ending_in(k)):
+            raise ManifestError(
+                source, f"part {k} must carry the digests of {header.files_ending_in(k)}"
+            )
+        fd = tuple(sorted((n, _digest(d, source)) for n, d in files.items()))
+        return cls(header.run_id, header.step, obj["header"], k, tuple(digests), tuple(encs), fd)
+
+
+def _envelope(body: bytes, signer: str, signature: bytes) -> dict[str, Any]:
+    return {"body": json.loads(body), "signer": signer, "signature": signature.hex()}
+
+
+def _open_envelope(
+    env: Any, domain: str, trust: TrustList, what: str, source: str
+) -> tuple[Any, str, bytes]:
+    if not isinstance(env, dict) or set(env) != {"body", "signer", "signature"}:
+        raise ManifestError(source, f"{what} envelope must have exactly body, signer, signature")
+    signer, sig_hex = env["signer"], env["signature"]
+    if not isinstance(signer, str) or not isinstance(sig_hex, str):
+        raise ManifestError(source, "signer and signature must be strings")
+    try:
+        signature = bytes.fromhex(sig_hex)
+    except ValueError as exc:
+        raise ManifestError(source, "signature is not hex") from exc
+    try:
+        body_bytes = canonical_json(env["body"])
+    except TypeError as exc:
+        raise ManifestError(source, f"{what} body is not canonical JSON: {exc}") from exc
+    try:
+        verify(signer, domain, body_bytes, signature)
+    except IntegrityError as exc:
+        raise IntegrityError(f"{what}: {exc}", source) from exc
+    trust.require_trainer(signer, what)
+    return env["body"], signer, signature
+
+
+@dataclass(frozen=True)
+class SignedHeader:
+    """A header with the signer's PeerID and signature."""
+
+    header: Header
     signer: str
     signature: bytes
 
     @property
     def digest(self) -> str:
-        """The manifest digest (see :meth:`Manifest.digest`)."""
-        return self.manifest.digest()
+        """The header digest (the version's identity)."""
+        return self.header.digest()
+
+    def envelope(self) -> dict[str, Any]:
+        """The JSON envelope."""
+        return _envelope(self.header.canonical_bytes(), self.signer, self.signature)
+
+    @classmethod
+    def from_envelope(cls, env: Any, *, trust: TrustList, source: str = "") -> SignedHeader:
+        """Verify and parse an envelope (see module docstring for the errors)."""
+        body, signer, sig = _open_envelope(env, HEADER_DOMAIN, trust, "manifest header", source)
+        return cls(Header.from_obj(body, source), signer, sig)
+
+
+@dataclass(frozen=True)
+class SignedPart:
+    """A part with the signer's PeerID and signature."""
+
+    part: Part
+    signer: str
+    signature: bytes
+
+    def envelope(self) -> dict[str, Any]:
+        """The JSON envelope."""
+        return _envelope(self.part.canonical_bytes(), self.signer, self.signature)
 
     def encode(self) -> bytes:
-        """The envelope as canonical JSON bytes."""
-        return canonical_json(
-            {
-                "manifest": self.manifest.to_obj(),
-                "signer": self.signer,
-                "signature": self.signature.hex(),
-            }
+        """Canonical JSON bytes of the envelope."""
+        return canonical_json(self.envelope())
+
+    @classmethod
+    def from_envelope(
+        cls, env: Any, header: Header, *, trust: TrustList, source: str = ""
+    ) -> SignedPart:
+        """Verify and parse a part envelope belonging to ``header``."""
+        body, signer, sig = _open_envelope(env, PART_DOMAIN, trust, "manifest part", source)
+        return cls(Part.from_obj(body, header, source), signer, sig)
+
+
+def sign_header(header: Header, identity: Identity) -> SignedHeader:
+    """Sign a header with the trainer's key."""
+    return SignedHeader(
+        header, identity.peer_id, identity.sign(HEADER_DOMAIN, header.canonical_bytes())
+    )
+
+
+def sign_part(part: Part, identity: Identity) -> SignedPart:
+    """Sign a part with the trainer's key."""
+    return SignedPart(part, identity.peer_id, identity.sign(PART_DOMAIN, part.canonical_bytes()))
+
+
+@dataclass(frozen=True)
+class ShardEntry:
+    """Everything known about one shard once its part arrived."""
+
+    index: int
+    file: str
+    offset: int
+    length: int
+    digest: str
+    encodings: tuple[Encoded, ...]
+
+    def offered(self, encoding: str) -> Encoded | None:
+        """The encoded form ``encoding`` if offered."""
+        return next((e for e in self.encodings if e.encoding == encoding), None)
+
+
+class Manifest:
+    """A signed header plus the signed parts received so far (grows; see module docstring).
+
+    Not thread-safe for concurrent ``add_part``; read-only use from several threads is fine.
+    """
+
+    def __init__(self, signed_header: SignedHeader) -> None:
+        self.signed_header = signed_header
+        self.header = signed_header.header
+        self.parts: dict[int, SignedPart] = {}
+
+    @property
+    def run_id(self) -> str:
+        """The run."""
+        return self.header.run_id
+
+    @property
+    def step(self) -> int:
+        """The policy step."""
+        return self.header.step
+
+    @property
+    def digest(self) -> str:
+        """The header digest (the version's identity)."""
+        return self.signed_header.digest
+
+    @property
+    def total_bytes(self) -> int:
+        """Sum of the file sizes, bytes."""
+        return self.header.total_bytes
+
+    @property
+    def complete(self) -> bool:
+        """True when every part is present."""
+        return len(self.parts) == self.header.n_parts
+
+    def add_part(self, signed: SignedPart) -> bool:
+        """Add a verified part; returns False if it was already present.
+
+        Raises:
+            ManifestError: a different part with the same index (equivocation).
+        """
+        k = signed.part.index
+        if k in self.parts:
+            if self.parts[k].part != signed.part:
+                raise ManifestError(signed.signer, f"two different versions of part {k}")
+            return False
+        self.parts[k] = signed
+        return True
+
+    def known(self, index: int) -> bool:
+        """True if shard ``index``'s part has arrived."""
+        return index // self.header.shards_per_part in self.parts
+
+    def shard(self, index: int) -> ShardEntry:
+        """Full entry of shard ``index``.
+
+        Raises:
+            KeyError: its part has not arrived.
+        """
+        ref = self.header.shards[index]
+        part = self.parts[index // self.header.shards_per_part].part
+        j = index - part.index * self.header.shards_per_part
+        return ShardEntry(
+            index, ref.file, ref.offset, ref.length, part.digests[j], part.encodings[j]
         )
+
+    def file_digest(self, name: str) -> str | None:
+        """Whole-file digest of ``name`` once its part arrived, else None."""
+        for p in self.parts.values():
+            for n, d in p.part.file_digests:
+                if n == name:
+                    return d
+        return None
+
+    def document(self) -> dict[str, Any]:
+        """``{"header": envelope, "parts": [envelopes in index order]}``."""
+        return {
+            "header": self.signed_header.envelope(),
+            "parts": [self.parts[k].envelope() for k in sorted(self.parts)],
+        }
+
+    def encode(self) -> bytes:
+        """Canonical JSON bytes of :meth:`document`."""
+        return canonical_json(self.document())
 
     @classmethod
     def decode(
         cls, data: bytes, *, trust: TrustList, source: str = "", max_bytes: int = MAX_MANIFEST_BYTES
-    ) -> SignedManifest:
-        """Parse, validate and verify an envelope from an untrusted source.
-
-        Args:
-            data: the envelope bytes.
-            trust: the node's trust list; the signer must be its pinned trainer.
-            source: who sent it (PeerID or URL), for errors and logs.
-            max_bytes: size bound checked before parsing.
+    ) -> Manifest:
+        """Parse and verify a document (header and any parts present).
 
         Raises:
-            ManifestError: too large, not JSON, or not a valid manifest.
-            IntegrityError: the signature does not verify.
-            UntrustedSigner: valid signature by a PeerID other than the pinned trainer.
+            ManifestError: too large, not JSON, malformed.
+            IntegrityError: a signature does not verify.
+            UntrustedSigner: signed by someone other than the pinned trainer.
         """
         if len(data) > max_bytes:
             raise ManifestError(source, f"manifest of {len(data)} bytes exceeds {max_bytes}")
         try:
-            env = json.loads(data)
+            doc = json.loads(data)
         except (ValueError, UnicodeDecodeError) as exc:
             raise ManifestError(source, f"manifest is not JSON: {exc}") from exc
-        if not isinstance(env, dict) or set(env) != {"manifest", "signer", "signature"}:
-            raise ManifestError(source, "envelope must have exactly manifest, signer, signature")
-        signer, sig_hex = env["signer"], env["signature"]
-        if not isinstance(signer, str) or not isinstance(sig_hex, str):
-            raise ManifestError(source, "signer and signature must be strings")
-        try:
-            signature = bytes.fromhex(sig_hex)
-        except ValueError as exc:
-            raise ManifestError(source, "signature is not hex") from exc
-        manifest = Manifest.from_obj(env["manifest"], source)
-        try:
-            verify(signer, SIGN_DOMAIN, manifest.canonical_bytes(), signature)
-        except IntegrityError as exc:
-            raise IntegrityError(
-                f"manifest {manifest.run_id}/step-{manifest.step}: {exc}", source
-            ) from exc
-        trust.require_trainer(signer, f"manifest {manifest.run_id}/step-{manifest.step}")
-        return cls(manifest, signer, signature)
+        if (
+            not isinstance(doc, dict)
+            or set(doc) != {"header", "parts"}
+            or not isinstance(doc["parts"], list)
+        ):
+            raise ManifestError(source, "manifest document must be {header, parts: [...]}")
+        m = cls(SignedHeader.from_envelope(doc["header"], trust=trust, source=source))
+        for env in doc["parts"]:
+            m.add_part(SignedPart.from_envelope(env, m.header, trust=trust, source=source))
+        return m
+
+    def parts_after(self, k: int) -> Sequence[SignedPart]:
+        """Parts with index > ``k``, in order."""
+        return [self.parts[i] for i in sorted(self.parts) if i > k]
 
 
-def sign_manifest(manifest: Manifest, identity: Identity) -> SignedManifest:
-    """Sign ``manifest`` with ``identity`` (the trainer's key)."""
-    return SignedManifest(
-        manifest, identity.peer_id, identity.sign(SIGN_DOMAIN, manifest.canonical_bytes())
-    )
+def decode_part(data: bytes, header: Header, *, trust: TrustList, source: str = "") -> SignedPart:
+    """Parse and verify one part's envelope bytes.
 
-
-def shards_of(manifest: Manifest, file: str) -> Iterable[ShardEntry]:
-    """The shards of one file, in offset order."""
-    return (s for s in manifest.shards if s.file == file)
+    Raises:
+        ManifestError, IntegrityError, UntrustedSigner: see :meth:`Manifest.decode`.
+    """
+    if len(data) > MAX_PART_BYTES:
+        raise ManifestError(source, f"part of {len(data)} bytes exceeds {MAX_PART_BYTES}")
+    try:
+        env = json.loads(data)
+    except (ValueError, UnicodeDecodeError) as exc:
+        raise ManifestError(source, f"part is not JSON: {exc}") from exc
+    return SignedPart.from_envelope(env, header, trust=trust, source=source)

@@ -30,7 +30,7 @@ from p2p.identity import Identity
 from p2p.trust import TrustList
 from shardcast.manifest import check_run_id
 from shardcast.messages import INFO_PROTOCOL, MAX_INFO_BYTES, NodeInfo, VersionAnnouncement
-from shardcast.serve import VersionServer
+from shardcast.serve import PEER_HEADER, VersionServer
 from shardcast.store import VersionStore
 
 log = logging.getLogger(__name__)
@@ -49,6 +49,7 @@ class NodeConfig:
         http: HTTP lane server settings.
         serve_wait_s: how long a request for a not-yet-verified shard waits, seconds.
         info_timeout_s: bound on one info request, seconds.
+        serve_once_s: origin super-seeding window (see :mod:`shardcast.serve`), or None.
     """
 
     role: str
@@ -59,6 +60,7 @@ class NodeConfig:
     http: HttpServerConfig = field(default_factory=HttpServerConfig)
     serve_wait_s: float = 10.0
     info_timeout_s: float = 10.0
+    serve_once_s: float | None = None
 
     def __post_init__(self) -> None:
         if self.role not in ("origin", "trainer", "relay", "peer"):
@@ -103,11 +105,13 @@ class ShardcastNode:
     ) -> AsyncIterator[ShardcastNode]:
         """Start host, HTTP lane and store; stop everything on exit."""
         store = VersionStore(config.data_dir / "versions", config.run_id, config.keep_last)
-        server = VersionServer(store, trust, wait_s=config.serve_wait_s)
+        server = VersionServer(
+            store, trust, wait_s=config.serve_wait_s, serve_once_s=config.serve_once_s
+        )
         async with (
             P2PNode.open(identity, config.host) as p2p,
             open_http_server(server.handle, config.http) as http,
-            HttpClient() as client,
+            HttpClient(headers={PEER_HEADER: identity.peer_id}) as client,
         ):
             node = cls(identity, trust, config, p2p, http, client, store, server)
             p2p.serve(

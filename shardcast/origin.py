@@ -1,27 +1,74 @@
-"""The origin: publishes the trainer's checkpoint directories as signed, served versions.
+"""The origin: publishes the trainer's checkpoint directories as signed, pipelined versions.
 
-``Origin.publish(directory, step)`` hashes the checkpoint into a manifest (in a worker thread),
-signs it with the trainer's key, moves the directory into the store as ``step-N`` (without
-hashing it a second time: the manifest was built from this very directory a moment before),
-starts serving it over the HTTP lane, and announces it on the run's gossip topic. Relays learn of it
-from gossip or from polling the origin's info record, whichever comes first.
+``Origin.publish(directory, step)``:
+
+1. describes the directory as a manifest header (file sizes only, no data read), signs it,
+   registers the version with the HTTP lane as *live*, and announces it on the run's gossip
+   topic — relays can start at once;
+2. hashes the files in one sequential pass in a worker thread (:func:`shardcast.plan.hash_parts`);
+   each part (shard digests, encoded forms, file digests) is signed and served the moment it
+   is done, so the first shards flow while the rest is still being hashed;
+3. offers deltas: unless ``step`` is an anchor (``step % anchor_every == 0``), the previous
+   committed version is the delta base and every shard whose file has the same size there gets
+   an ``xor-zstd`` form (kept only if smaller than raw); ``zstd`` is offered too if
+   configured (for slow links);
+4. moves the directory into the store as ``step-N`` (the manifest was built from it a moment
+   before, so it is not hashed twice) and serves it from there.
+
+With ``serve_once_s`` set on the node's server, the origin sends each shard to one relay and
+lets relays exchange the rest (super-seeding), keeping its egress near one copy per version.
 """
 
 from __future__ import annotations
 
+import functools
 import logging
+from contextlib import nullcontext
 from dataclasses import dataclass
 from pathlib import Path
 
 import trio
 
 from p2p.errors import LocalProtocolError
-from shardcast.manifest import SignedManifest, sign_manifest
+from shardcast import codecs
+from shardcast.manifest import Manifest, Part, sign_header, sign_part
 from shardcast.messages import VersionAnnouncement, versions_topic
 from shardcast.node import ShardcastNode
-from shardcast.plan import DEFAULT_SHARD_BYTES, build_manifest
+from shardcast.plan import (
+    BLOB_DIR,
+    DEFAULT_SHARD_BYTES,
+    DEFAULT_SHARDS_PER_PART,
+    Base,
+    hash_parts,
+    make_header,
+)
 
 log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class OriginConfig:
+    """Publishing settings.
+
+    Attributes:
+        shard_size: bytes per shard.
+        shards_per_part: shards per signed manifest part (smaller: earlier first bytes).
+        anchor_every: a full version (no delta base) every this many steps.
+        deltas: offer ``xor-zstd`` against the previous version.
+        zstd: also offer ``zstd`` of every shard (worth it on slow links only).
+        zstd_level: compression level.
+    """
+
+    shard_size: int = DEFAULT_SHARD_BYTES
+    shards_per_part: int = DEFAULT_SHARDS_PER_PART
+    anchor_every: int = 10
+    deltas: bool = True
+    zstd: bool = False
+    zstd_level: int = codecs.DEFAULT_LEVEL
+
+    def __post_init__(self) -> None:
+        if self.shard_size < 1 or self.shards_per_part < 1 or self.anchor_every < 1:
+            raise LocalProtocolError("shard_size, shards_per_part and anchor_every must be >= 1")
 
 
 @dataclass(frozen=True)
@@ -29,16 +76,34 @@ class PublishResult:
     """What one publish did.
 
     Attributes:
-        signed: the signed manifest.
+        manifest: the complete signed manifest.
         path: the committed version directory.
-        hash_s: seconds spent hashing.
-        published_at: ``trio.current_time()`` when the announcement went out.
+        announced_at: ``trio.current_time()`` when the announcement went out.
+        hashed_at: when the last part was signed.
+        hash_s: seconds spent hashing (and encoding).
+        encoded_bytes: bytes of the encoded blobs offered, by encoding.
     """
 
-    signed: SignedManifest
+    manifest: Manifest
     path: Path
+    announced_at: float
+    hashed_at: float
     hash_s: float
-    published_at: float
+    encoded_bytes: dict[str, int]
+
+
+class _Publishing:
+    """The version being hashed, as the HTTP lane sees it (shards of signed parts only)."""
+
+    def __init__(self, manifest: Manifest, directory: Path) -> None:
+        self.manifest = manifest
+        self.dir = directory
+
+    def has(self, index: int) -> bool:
+        return self.manifest.known(index)
+
+    def blob_path(self, index: int, encoding: str) -> Path:
+        return self.dir / BLOB_DIR / f"{index}.{encoding}"
 
 
 class Origin:
@@ -46,7 +111,7 @@ class Origin:
 
     Args:
         node: the trainer's node.
-        shard_size: bytes per shard.
+        config: publishing settings.
         trainer_addrs: multiaddrs put in announcements (where rollouts go); defaults to the
             node's own listen addresses.
     """
@@ -54,50 +119,110 @@ class Origin:
     def __init__(
         self,
         node: ShardcastNode,
-        shard_size: int = DEFAULT_SHARD_BYTES,
+        config: OriginConfig | None = None,
         trainer_addrs: tuple[str, ...] | None = None,
     ) -> None:
         if node.identity.peer_id != node.trust.trainer:
             raise LocalProtocolError("the origin must run with the pinned trainer identity")
         self.node = node
-        self.shard_size = shard_size
+        self.config = config or OriginConfig()
         self.trainer_addrs = trainer_addrs or tuple(node.p2p.multiaddrs())
 
+    def _base(self, step: int) -> Base | None:
+        prev = step - 1
+        store = self.node.store
+        if not self.config.deltas or step % self.config.anchor_every == 0 or not store.has(prev):
+            return None
+        return Base(
+            prev, store.load_manifest(prev, self.node.trust).digest, store.version_dir(prev)
+        )
+
     async def publish(self, directory: Path, step: int) -> PublishResult:
-        """Hash, sign, commit and announce ``directory`` as version ``step``.
+        """Announce, hash (pipelined), sign, commit and serve ``directory`` as ``step``.
 
         Raises:
             CheckpointLayoutError: not a valid checkpoint directory.
             LocalProtocolError: ``step`` is not newer than the last published one.
         """
-        node = self.node
+        node, cfg = self.node, self.config
         latest = node.store.latest()
         if latest is not None and step <= latest:
             raise LocalProtocolError(f"step {step} is not newer than published step {latest}")
-        t0 = trio.current_time()
-        manifest = await trio.to_thread.run_sync(
-            build_manifest, directory, node.config.run_id, step, self.shard_size
+        base = self._base(step)
+        header = await trio.to_thread.run_sync(
+            functools.partial(
+                make_header,
+                directory,
+                node.config.run_id,
+                step,
+                cfg.shard_size,
+                cfg.shards_per_part,
+                base,
+            )
         )
-        signed = sign_manifest(manifest, node.identity)
-        hash_s = trio.current_time() - t0
-        path = await trio.to_thread.run_sync(
-            lambda: node.store.adopt(directory, signed, rehash=False)
-        )
+        manifest = Manifest(sign_header(header, node.identity))
+        node.server.add_live(_Publishing(manifest, directory))
         ann = VersionAnnouncement.create(
-            node.identity, node.config.run_id, step, signed.digest, self.trainer_addrs
+            node.identity, node.config.run_id, step, manifest.digest, self.trainer_addrs
         )
         node.set_announcement(ann)
         await node.p2p.publish(versions_topic(node.config.run_id), ann.encode())
-        published_at = trio.current_time()
-        log.info(
-            "version_published step=%d size_bytes=%d shards=%d hash_s=%.3f digest=%s",
-            step,
-            manifest.total_bytes,
-            len(manifest.shards),
-            hash_s,
-            signed.digest[:16],
+        announced_at = trio.current_time()
+        encodings = ([codecs.XOR_ZSTD] if base is not None else []) + (
+            [codecs.ZSTD] if cfg.zstd else []
         )
-        return PublishResult(signed, path, hash_s, published_at)
+        token = trio.lowlevel.current_trio_token()
+
+        def on_part(part: Part) -> None:  # worker thread: sign, then hand to the trio thread
+            signed = sign_part(part, node.identity)
+
+            def publish_part() -> None:
+                manifest.add_part(signed)
+                node.server.progress(step)
+
+            trio.from_thread.run_sync(publish_part, trio_token=token)
+
+        try:
+            with node.store.pinned(base.step) if base is not None else nullcontext():
+                parts = await trio.to_thread.run_sync(
+                    functools.partial(
+                        hash_parts,
+                        directory,
+                        header,
+                        manifest.digest,
+                        encodings=encodings,
+                        base=base,
+                        blob_dir=directory / BLOB_DIR,
+                        zstd_level=cfg.zstd_level,
+                        on_part=on_part,
+                    )
+                )
+            hashed_at = trio.current_time()
+            path = await trio.to_thread.run_sync(
+                lambda: node.store.adopt(directory, manifest, rehash=False)
+            )
+        finally:
+            node.server.live_done(step)
+        encoded: dict[str, int] = {}
+        for p in parts:
+            for encs in p.encodings:
+                for e in encs:
+                    encoded[e.encoding] = encoded.get(e.encoding, 0) + e.size
+        log.info(
+            "version_published step=%d size_bytes=%d shards=%d parts=%d base=%s "
+            "hash_s=%.3f encoded=%s digest=%s",
+            step,
+            header.total_bytes,
+            len(header.shards),
+            header.n_parts,
+            base.step if base else None,
+            hashed_at - announced_at,
+            encoded,
+            manifest.digest[:16],
+        )
+        return PublishResult(
+            manifest, path, announced_at, hashed_at, hashed_at - announced_at, encoded
+        )
 
     def egress_bytes(self) -> int:
         """Body bytes the origin's HTTP lane has sent so far."""

@@ -1,48 +1,53 @@
-"""The shard plan of a Hugging Face-style checkpoint directory, and the manifest built from it.
+"""Shard plans over Hugging Face-style checkpoint directories, and the hashing pipeline.
 
 A checkpoint directory holds ``config.json``, one or more ``*.safetensors`` files (with
 ``model.safetensors.index.json`` when there are several) and optionally tokenizer and
-generation-config files. :func:`check_layout` validates that layout; :func:`plan_shards` cuts
-every file into shards of ``shard_size`` bytes (the last shard of a file may be shorter; empty
-files have none); :func:`build_manifest` hashes everything in one sequential read per file.
+generation-config files. :func:`check_layout` validates that layout; :func:`make_header`
+describes the version (files, sizes, shard layout, delta base) without reading any data, so the
+origin can sign and announce it at once; :func:`hash_parts` then reads every file once,
+sequentially, and emits one :class:`~shardcast.manifest.Part` per ``shards_per_part`` shards —
+with each shard's digest, its encoded forms (``zstd``, and ``xor-zstd`` against the base
+version when the base has the same file at the same size) and the whole-file digests — as soon
+as that part is done (pipelining: the origin serves the first shards while it hashes the rest).
 """
 
 from __future__ import annotations
 
 import json
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
 import blake3
 
 from p2p.errors import LocalProtocolError
+from p2p.identity import Identity
+from shardcast import codecs
 from shardcast.manifest import (
+    EMPTY_DIGEST,
     MANIFEST_FILE,
+    Encoded,
     FileEntry,
+    Header,
     Manifest,
     ManifestError,
-    ShardEntry,
+    Part,
+    ShardRef,
     check_file_name,
     check_run_id,
+    sign_header,
+    sign_part,
 )
 
 INDEX_FILE = "model.safetensors.index.json"
 DEFAULT_SHARD_BYTES = 32 * 1024 * 1024
+DEFAULT_SHARDS_PER_PART = 16
+BLOB_DIR = ".enc"
 
 
 class CheckpointLayoutError(LocalProtocolError):
     """A directory that is not a valid Hugging Face-style checkpoint."""
-
-
-@dataclass(frozen=True)
-class PlannedShard:
-    """A shard before hashing: ``length`` bytes at ``offset`` of ``file``."""
-
-    file: str
-    offset: int
-    length: int
 
 
 def list_files(directory: Path) -> list[str]:
@@ -100,74 +105,204 @@ def check_layout(directory: Path) -> list[str]:
     return names
 
 
-def plan_shards(sizes: dict[str, int], shard_size: int) -> list[PlannedShard]:
-    """Cut files into shards.
+def plan_shards(sizes: dict[str, int], shard_size: int) -> list[ShardRef]:
+    """Cut files into shards: sorted-name order, then offset order; they tile every file.
 
-    Args:
-        sizes: file name -> size in bytes.
-        shard_size: bytes per shard (> 0).
-
-    Returns:
-        shards in sorted-name order then offset order; they tile every file exactly.
+    Raises:
+        LocalProtocolError: ``shard_size <= 0``.
     """
     if shard_size <= 0:
         raise LocalProtocolError(f"shard_size must be > 0, got {shard_size}")
-    out = []
+    out: list[ShardRef] = []
     for name in sorted(sizes):
         for off in range(0, sizes[name], shard_size):
-            out.append(PlannedShard(name, off, min(shard_size, sizes[name] - off)))
+            out.append(ShardRef(len(out), name, off, min(shard_size, sizes[name] - off)))
     return out
+
+
+@dataclass(frozen=True)
+class Base:
+    """The delta base offered with a version: its step, header digest and directory."""
+
+    step: int
+    digest: str
+    directory: Path
+
+
+def make_header(
+    directory: Path,
+    run_id: str,
+    step: int,
+    shard_size: int = DEFAULT_SHARD_BYTES,
+    shards_per_part: int = DEFAULT_SHARDS_PER_PART,
+    base: Base | None = None,
+) -> Header:
+    """Describe a checkpoint directory as a version header (reads no file content).
+
+    Raises:
+        CheckpointLayoutError: see :func:`check_layout`.
+        ManifestError: invalid run id.
+    """
+    check_run_id(run_id)
+    names = check_layout(directory)
+    files = tuple(FileEntry(n, (directory / n).stat().st_size) for n in names)
+    return Header(
+        run_id,
+        step,
+        shard_size,
+        files,
+        shards_per_part,
+        None if base is None else base.step,
+        None if base is None else base.digest,
+        os.urandom(16).hex(),
+    )
+
+
+def hash_parts(
+    directory: Path,
+    header: Header,
+    header_digest: str,
+    *,
+    encodings: Sequence[str] = (),
+    base: Base | None = None,
+    blob_dir: Path | None = None,
+    zstd_level: int = codecs.DEFAULT_LEVEL,
+    on_part: Callable[[Part], None],
+) -> list[Part]:
+    """Read every file once and emit the version's parts in order.
+
+    Args:
+        directory: the checkpoint directory described by ``header``.
+        header: its header; ``header_digest`` its digest.
+        encodings: encoded forms to offer: ``zstd`` and/or ``xor-zstd``. An encoded form is
+            listed only if it is smaller than the raw shard.
+        base: the delta base (needed for ``xor-zstd``; files of another size get no delta).
+        blob_dir: where encoded blobs are written as ``<index>.<encoding>``.
+        zstd_level: compression level.
+        on_part: called with each part as soon as it is complete (in the calling thread).
+
+    Returns:
+        all parts, in order.
+
+    Raises:
+        CheckpointLayoutError: a file changed size while hashing.
+        LocalProtocolError: encodings requested without ``blob_dir`` (or delta without base).
+    """
+    encodings = tuple(encodings)
+    if encodings and blob_dir is None:
+        raise LocalProtocolError("encoded shards need a blob directory")
+    if codecs.XOR_ZSTD in encodings and base is None:
+        raise LocalProtocolError("xor-zstd needs a base version")
+    if blob_dir is not None:
+        blob_dir.mkdir(parents=True, exist_ok=True)
+    parts: list[Part] = []
+    digests: list[str] = []
+    encs: list[tuple[Encoded, ...]] = []
+    file_digests = {f.name: EMPTY_DIGEST for f in header.files if f.size == 0}
+    buf = bytearray(header.shard_size)
+
+    def emit_ready() -> None:
+        # part k goes out once all its shards are hashed (its files' digests are then final)
+        while len(parts) < header.n_parts and len(digests) >= header.part_range(len(parts)).stop:
+            k = len(parts)
+            rng = header.part_range(k)
+            fds = tuple(sorted((n, file_digests[n]) for n in header.files_ending_in(k)))
+            part = Part(
+                header.run_id,
+                header.step,
+                header_digest,
+                k,
+                tuple(digests[i] for i in rng),
+                tuple(encs[i] for i in rng),
+                fds,
+            )
+            parts.append(part)
+            on_part(part)
+
+    for f in header.files:
+        if f.size == 0:
+            continue
+        file_hash = blake3.blake3(max_threads=blake3.blake3.AUTO)
+        base_fh = None
+        if base is not None and codecs.XOR_ZSTD in encodings:
+            bp = base.directory / f.name
+            if bp.is_file() and bp.stat().st_size == f.size:
+                base_fh = open(bp, "rb", buffering=0)
+        try:
+            with open(directory / f.name, "rb", buffering=0) as fh:
+                for ref in (s for s in header.shards if s.file == f.name):
+                    view = memoryview(buf)[: ref.length]
+                    if fh.readinto(view) != ref.length:
+                        raise CheckpointLayoutError(f"{directory / f.name} changed while hashing")
+                    file_hash.update(view)
+                    digests.append(blake3.blake3(view, max_threads=blake3.blake3.AUTO).hexdigest())
+                    encs.append(_encode_shard(view, ref, encodings, base_fh, blob_dir, zstd_level))
+                    if ref.offset + ref.length == f.size:
+                        file_digests[f.name] = file_hash.hexdigest()
+                    emit_ready()
+        finally:
+            if base_fh is not None:
+                base_fh.close()
+    emit_ready()
+    return parts
+
+
+def _encode_shard(
+    view: memoryview,
+    ref: ShardRef,
+    encodings: tuple[str, ...],
+    base_fh: object,
+    blob_dir: Path | None,
+    level: int,
+) -> tuple[Encoded, ...]:
+    out = []
+    for enc in encodings:
+        if enc == codecs.XOR_ZSTD:
+            if base_fh is None:
+                continue
+            base_bytes = os.pread(base_fh.fileno(), ref.length, ref.offset)  # type: ignore[attr-defined]
+            data = codecs.encode(enc, view, base_bytes, level)
+        elif enc == codecs.ZSTD:
+            data = codecs.encode(enc, view, level=level)
+        else:
+            raise LocalProtocolError(f"cannot offer encoding {enc!r}")
+        if len(data) >= ref.length:  # not worth it
+            continue
+        assert blob_dir is not None
+        path = blob_dir / f"{ref.index}.{enc}"
+        with open(path, "wb") as fh:
+            fh.write(data)
+        out.append(Encoded(enc, len(data), blake3.blake3(data).hexdigest()))
+    return tuple(out)
 
 
 def build_manifest(
     directory: Path,
     run_id: str,
     step: int,
+    identity: Identity,
     shard_size: int = DEFAULT_SHARD_BYTES,
-    on_shard: Callable[[ShardEntry], None] | None = None,
+    shards_per_part: int = DEFAULT_SHARDS_PER_PART,
+    *,
+    encodings: Sequence[str] = (),
+    base: Base | None = None,
+    blob_dir: Path | None = None,
 ) -> Manifest:
-    """Hash a checkpoint directory into a manifest (one sequential read of every file).
+    """Header, parts and signatures in one call (tests, tools); returns a complete Manifest."""
+    header = make_header(directory, run_id, step, shard_size, shards_per_part, base)
+    signed = sign_header(header, identity)
+    m = Manifest(signed)
 
-    Args:
-        directory: the checkpoint directory (validated with :func:`check_layout`).
-        run_id: the run identifier.
-        step: the policy step of this version.
-        shard_size: bytes per shard.
-        on_shard: called with each shard entry as soon as it is hashed (lets an origin start
-            serving before the whole checkpoint is hashed).
+    def add(part: Part) -> None:
+        m.add_part(sign_part(part, identity))
 
-    Raises:
-        CheckpointLayoutError: see :func:`check_layout`.
-        OSError: reading failed.
-    """
-    check_run_id(run_id)
-    names = check_layout(directory)
-    sizes = {n: (directory / n).stat().st_size for n in names}
-    planned = plan_shards(sizes, shard_size)
-    files: list[FileEntry] = []
-    shards: list[ShardEntry] = []
-    buf = bytearray(shard_size)
-    it = iter(planned)
-    pending = next(it, None)
-    for name in names:
-        file_hash = blake3.blake3(max_threads=blake3.blake3.AUTO)
-        with open(directory / name, "rb", buffering=0) as fh:
-            while pending is not None and pending.file == name:
-                view = memoryview(buf)[: pending.length]
-                got = fh.readinto(view)
-                if got != pending.length:
-                    raise CheckpointLayoutError(f"{directory}/{name} changed while hashing")
-                file_hash.update(view)
-                entry = ShardEntry(
-                    len(shards),
-                    name,
-                    pending.offset,
-                    pending.length,
-                    blake3.blake3(view, max_threads=blake3.blake3.AUTO).hexdigest(),
-                )
-                shards.append(entry)
-                if on_shard is not None:
-                    on_shard(entry)
-                pending = next(it, None)
-        files.append(FileEntry(name, sizes[name], file_hash.hexdigest()))
-    return Manifest(run_id, step, shard_size, tuple(files), tuple(shards))
+    hash_parts(
+        directory,
+        header,
+        signed.digest,
+        encodings=encodings,
+        base=base,
+        blob_dir=blob_dir,
+        on_part=add,
+    )
+    return m

@@ -93,6 +93,7 @@ class SourceState:
     blocked_until: float = 0.0
     banned: bool = False
     bytes_received: int = 0
+    not_before: dict[int, float] = field(default_factory=dict)  # shard -> when to ask again
 
 
 @dataclass(frozen=True)
@@ -129,6 +130,7 @@ class SchedulerStats:
 @dataclass
 class _ShardState:
     length: int
+    known: bool = True  # its manifest part arrived (digest and encodings known)
     done: bool = False
     received: int = 0  # bytes of a partial transfer kept for resumption
     flights: list[int] = field(default_factory=list)
@@ -150,10 +152,13 @@ class Scheduler:
         rng: random.Random,
         config: SchedulerConfig | None = None,
         have: Iterable[int] = (),
+        known: Iterable[int] | None = None,
     ) -> None:
         self.config = config or SchedulerConfig()
         self._rng = rng
-        self._shards = [_ShardState(n) for n in shard_lengths]
+        self._shards = [_ShardState(n, known=known is None) for n in shard_lengths]
+        for i in known or ():
+            self._shards[i].known = True
         for i in have:
             self._shards[i].done = True
         self._missing = sum(1 for s in self._shards if not s.done)
@@ -182,6 +187,15 @@ class Scheduler:
         st = self._sources.get(source)
         if st is not None and st.have is not None:
             st.have.update(indices)
+
+    def mark_known(self, index: int, length: int | None = None) -> None:
+        """Shard ``index`` may now be requested (its manifest part arrived); ``length`` is the
+        number of bytes a transfer of it moves (e.g. its encoded size), if not the default."""
+        s = self._shards[index]
+        s.known = True
+        if length is not None and not s.flights:
+            s.length = length
+            s.received = 0
 
     def remove_source(self, source: str) -> None:
         """Forget a source; its in-flight requests should be cancelled by the driver."""
@@ -235,6 +249,8 @@ class Scheduler:
                 continue
             if st.have is not None and shard not in st.have:
                 continue
+            if st.not_before.get(shard, 0.0) > now:
+                continue
             out.append(st)
         return out
 
@@ -256,7 +272,9 @@ class Scheduler:
         """
         if len(self._flights) >= self.config.max_inflight or not self._missing:
             return None
-        idle = [i for i, s in enumerate(self._shards) if not s.done and not s.flights]
+        idle = [i for i, s in enumerate(self._shards) if s.known and not s.done and not s.flights]
+        if not idle and any(not s.known and not s.done for s in self._shards):
+            return None  # shards wait for their manifest part: no endgame yet
         if idle:
             avail = {i: self._availability(i) for i in idle}
             # resumable shards first, then rarest first, ties random
@@ -379,10 +397,10 @@ class Scheduler:
         self._failures += 1
         if kind == "suspect":
             return
-        if kind == "unavailable":
+        if kind == "unavailable":  # this source lacks this shard for now: ask others first
             if st.have is not None:
                 st.have.discard(fl.req.shard)
-            st.blocked_until = now + self.config.penalty_s / 4
+            st.not_before[fl.req.shard] = now + self.config.penalty_s / 10
             return
         if kind == "corrupt":
             self.penalize_corrupt(st.source, now)

@@ -3,15 +3,18 @@
 Layout under a node's data directory::
 
     <root>/<run_id>/step-<N>/               a committed version: every file + manifest.json
+    <root>/<run_id>/step-<N>/.enc/          encoded shard blobs kept for re-serving
     <root>/<run_id>/.partial-step-<N>/      a version being downloaded (never served as complete)
 
 Theory of operation
 -------------------
-A download starts with :meth:`VersionStore.begin`, which creates the partial directory and
-preallocates every file at its final size (sparse). :meth:`PartialVersion.write_shard` checks
-a shard's BLAKE3 digest *before* writing it at its offset with ``pwrite``, so bytes that fail
-their digest never touch the disk. When every shard is present, :meth:`PartialVersion.commit`
-re-hashes every whole file against the manifest, fsyncs the files and ``manifest.json``, and
+A download starts with :meth:`VersionStore.begin` as soon as the signed manifest *header* is
+known (its parts may still be arriving), which creates the partial directory and preallocates
+every file at its final size (sparse). :meth:`PartialVersion.write_shard` checks a shard's
+BLAKE3 digest (from its signed part) *before* writing it at its offset with ``pwrite``, so
+bytes that fail their digest never touch the disk. When every part and every shard is present,
+:meth:`PartialVersion.commit` re-hashes every whole file against the manifest, fsyncs the files
+and ``manifest.json``, and
 renames the partial directory to ``step-<N>`` (atomic on POSIX), then fsyncs the parent. A
 ``step-<N>/`` directory therefore exists only if every digest matched, and a crash at any
 point leaves either no version or a complete one; leftover partial directories are removed
@@ -39,7 +42,8 @@ import blake3
 
 from p2p.errors import IntegrityError, LocalProtocolError
 from p2p.trust import TrustList
-from shardcast.manifest import MANIFEST_FILE, SignedManifest, check_run_id
+from shardcast.manifest import MANIFEST_FILE, Manifest, check_run_id
+from shardcast.plan import BLOB_DIR
 
 log = logging.getLogger(__name__)
 
@@ -112,7 +116,7 @@ class VersionStore:
         """True if ``step`` is committed."""
         return (self.version_dir(step) / MANIFEST_FILE).is_file()
 
-    def load_manifest(self, step: int, trust: TrustList) -> SignedManifest:
+    def load_manifest(self, step: int, trust: TrustList) -> Manifest:
         """Read and re-verify the manifest of a committed step.
 
         Raises:
@@ -120,24 +124,44 @@ class VersionStore:
             ManifestError / IntegrityError: the stored manifest does not verify.
         """
         data = (self.version_dir(step) / MANIFEST_FILE).read_bytes()
-        return SignedManifest.decode(data, trust=trust, source=str(self.version_dir(step)))
+        return Manifest.decode(data, trust=trust, source=str(self.version_dir(step)))
 
-    def begin(self, signed: SignedManifest) -> PartialVersion:
+    def read_range(self, step: int, name: str, offset: int, length: int) -> bytes:
+        """Bytes of a committed version's file (e.g. a delta base); pin the step meanwhile.
+
+        Raises:
+            OSError: not committed, or the file is shorter.
+        """
+        with open(self.version_dir(step) / name, "rb", buffering=0) as fh:
+            data = os.pread(fh.fileno(), length, offset)
+        if len(data) != length:
+            raise OSError(f"step {step} {name}: short read at {offset}")
+        return data
+
+    def blob_path(self, step: int, index: int, encoding: str) -> Path:
+        """Where a committed version keeps shard ``index``'s ``encoding`` blob."""
+        return self.version_dir(step) / BLOB_DIR / f"{index}.{encoding}"
+
+    def begin(self, manifest: Manifest) -> PartialVersion:
         """Start (or restart) downloading a version; returns its partial handle.
+
+        Args:
+            manifest: the verified manifest; parts may still be missing and may be added to
+                it while the download runs.
 
         Raises:
             LocalProtocolError: the manifest is for another run, or the step is committed.
         """
-        m = signed.manifest
+        m = manifest
         if m.run_id != self.run_id:
             raise LocalProtocolError(
                 f"manifest of run {m.run_id!r} given to store of {self.run_id!r}"
             )
         if self.has(m.step):
             raise LocalProtocolError(f"step {m.step} is already committed")
-        return PartialVersion(self, signed)
+        return PartialVersion(self, manifest)
 
-    def adopt(self, directory: Path, signed: SignedManifest, *, rehash: bool = True) -> Path:
+    def adopt(self, directory: Path, manifest: Manifest, *, rehash: bool = True) -> Path:
         """Commit a directory that this node produced itself (the origin's own checkpoint).
 
         The directory is renamed into place (it must be on the same filesystem). With
@@ -148,10 +172,12 @@ class VersionStore:
         Raises:
             IntegrityError: a file does not match the manifest.
         """
-        for f in signed.manifest.files if rehash else ():
-            if hash_file(directory / f.name) != f.digest:
+        if not manifest.complete:
+            raise LocalProtocolError(f"step {manifest.step}: manifest parts are missing")
+        for f in manifest.header.files if rehash else ():
+            if hash_file(directory / f.name) != manifest.file_digest(f.name):
                 raise IntegrityError(f"{directory / f.name} does not match its manifest digest")
-        return _commit_dir(self, directory, signed)
+        return _commit_dir(self, directory, manifest)
 
     @contextmanager
     def pinned(self, step: int) -> Iterator[None]:
@@ -187,9 +213,8 @@ class VersionStore:
         return removed
 
 
-def _commit_dir(store: VersionStore, directory: Path, signed: SignedManifest) -> Path:
-    m = signed.manifest
-    for f in m.files:
+def _commit_dir(store: VersionStore, directory: Path, m: Manifest) -> Path:
+    for f in m.header.files:
         fd = os.open(directory / f.name, os.O_RDONLY)
         try:
             os.fsync(fd)
@@ -197,7 +222,7 @@ def _commit_dir(store: VersionStore, directory: Path, signed: SignedManifest) ->
             os.close(fd)
     tmp = directory / f".{MANIFEST_FILE}.tmp"
     with open(tmp, "wb") as fh:
-        fh.write(signed.encode())
+        fh.write(m.encode())
         fh.flush()
         os.fsync(fh.fileno())
     os.rename(tmp, directory / MANIFEST_FILE)
@@ -209,9 +234,9 @@ def _commit_dir(store: VersionStore, directory: Path, signed: SignedManifest) ->
         "version_committed run=%s step=%d files=%d size_bytes=%d digest=%s",
         m.run_id,
         m.step,
-        len(m.files),
+        len(m.header.files),
         m.total_bytes,
-        signed.digest[:16],
+        m.digest[:16],
     )
     store.prune()
     return final
@@ -221,26 +246,31 @@ class PartialVersion:
     """A version being downloaded; see the module docstring.
 
     Attributes:
-        signed: the signed manifest being fetched.
+        manifest: the version's manifest (parts may arrive while downloading).
         dir: the partial directory.
     """
 
-    def __init__(self, store: VersionStore, signed: SignedManifest) -> None:
+    def __init__(self, store: VersionStore, manifest: Manifest) -> None:
         self.store = store
-        self.signed = signed
-        self.manifest = signed.manifest
-        self.dir = store.partial_dir(self.manifest.step)
+        self.manifest = manifest
+        self.header = manifest.header
+        self.dir = store.partial_dir(manifest.step)
         shutil.rmtree(self.dir, ignore_errors=True)
         self.dir.mkdir(parents=True)
         self._fds: dict[str, int] = {}
-        for f in self.manifest.files:
+        for f in self.header.files:
             fd = os.open(self.dir / f.name, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o644)
             os.ftruncate(fd, f.size)
             self._fds[f.name] = fd
-        self._have = [False] * len(self.manifest.shards)
+        self._have = [False] * len(self.header.shards)
         self._missing = len(self._have)
         self._lock = threading.Lock()
         self._closed = False
+
+    @property
+    def step(self) -> int:
+        """The version's step."""
+        return self.manifest.step
 
     def has(self, index: int) -> bool:
         """True if shard ``index`` is written and verified."""
@@ -255,24 +285,36 @@ class PartialVersion:
         """Number of shards not yet verified and written."""
         return self._missing
 
+    def blob_path(self, index: int, encoding: str) -> Path:
+        """Where this partial keeps shard ``index``'s ``encoding`` blob."""
+        return self.dir / BLOB_DIR / f"{index}.{encoding}"
+
     def write_shard(
-        self, index: int, data: bytes | bytearray | memoryview, source: str = ""
+        self,
+        index: int,
+        data: bytes | bytearray | memoryview,
+        source: str = "",
+        blobs: dict[str, bytes] | None = None,
     ) -> bool:
         """Verify shard ``index`` against its digest, then write it at its offset.
 
         Args:
-            index: shard index in the manifest.
-            data: exactly the shard's bytes.
+            index: shard index.
+            data: exactly the shard's decoded bytes.
             source: who sent the bytes (for the error).
+            blobs: encoded forms received for it (already checked against their offered
+                digests by the caller), kept for re-serving.
 
         Returns:
             True if written now, False if the shard was already present (nothing written).
 
         Raises:
+            LocalProtocolError: its part has not arrived, or the version is closed.
             IntegrityError: wrong length or digest; nothing is written.
-            LocalProtocolError: the version was committed or aborted.
         """
-        shard = self.manifest.shards[index]
+        if not self.manifest.known(index):
+            raise LocalProtocolError(f"shard {index}: its manifest part has not arrived")
+        shard = self.manifest.shard(index)
         if len(data) != shard.length:
             raise IntegrityError(
                 f"shard {index} has {len(data)} bytes, expected {shard.length}", source
@@ -281,13 +323,18 @@ class PartialVersion:
             raise IntegrityError(f"shard {index} of {shard.file} digest mismatch", source)
         with self._lock:
             if self._closed:
-                raise LocalProtocolError(f"step {self.manifest.step} is no longer open")
+                raise LocalProtocolError(f"step {self.step} is no longer open")
             if self._have[index]:
                 return False
         view = memoryview(data)
         fd, pos = self._fds[shard.file], 0
         while pos < len(view):
             pos += os.pwrite(fd, view[pos:], shard.offset + pos)
+        for enc, blob in (blobs or {}).items():
+            path = self.blob_path(index, enc)
+            path.parent.mkdir(exist_ok=True)
+            with open(path, "wb") as fh:
+                fh.write(blob)
         with self._lock:
             if self._have[index]:
                 return False
@@ -296,32 +343,35 @@ class PartialVersion:
         return True
 
     def read_shard(self, index: int) -> bytes:
-        """The bytes of a verified shard (for re-serving or delta bases).
+        """The bytes of a verified shard.
 
         Raises:
             LocalProtocolError: the shard is not present.
         """
         if not self._have[index]:
             raise LocalProtocolError(f"shard {index} is not present")
-        s = self.manifest.shards[index]
+        s = self.header.shards[index]
         return os.pread(self._fds[s.file], s.length, s.offset)
 
     def commit(self) -> Path:
         """Check every file digest and commit atomically; returns the ``step-N`` directory.
 
         Raises:
-            LocalProtocolError: shards are missing.
+            LocalProtocolError: shards or manifest parts are missing.
             IntegrityError: a whole-file digest does not match; the partial is removed and
                 nothing is committed.
         """
-        if self._missing:
-            raise LocalProtocolError(f"{self._missing} shards missing, cannot commit")
+        if self._missing or not self.manifest.complete:
+            raise LocalProtocolError(
+                f"{self._missing} shards missing (manifest complete: "
+                f"{self.manifest.complete}), cannot commit"
+            )
         self._close_fds()
-        for f in self.manifest.files:
-            if hash_file(self.dir / f.name) != f.digest:
+        for f in self.header.files:
+            if hash_file(self.dir / f.name) != self.manifest.file_digest(f.name):
                 self.abort()
-                raise IntegrityError(f"file {f.name} of step {self.manifest.step} digest mismatch")
-        return _commit_dir(self.store, self.dir, self.signed)
+                raise IntegrityError(f"file {f.name} of step {self.step} digest mismatch")
+        return _commit_dir(self.store, self.dir, self.manifest)
 
     def abort(self) -> None:
         """Drop the partial version (idempotent); a later ``begin`` starts afresh."""

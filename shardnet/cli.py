@@ -157,6 +157,26 @@ def trainer(
     min_batches: Annotated[int | None, Opt(help="Verified batches to wait for per step.")] = None,
     step_timeout: Annotated[float | None, Opt(help="Longest wait for them, seconds.")] = None,
     shard_size: Annotated[int | None, Opt(help="Shard size of published versions, bytes.")] = None,
+    shards_per_part: Annotated[
+        int | None, Opt(help="Shards per signed manifest part (smaller: earlier first bytes).")
+    ] = None,
+    anchor_every: Annotated[
+        int | None, Opt(help="Publish a full version (no delta base) every N steps.")
+    ] = None,
+    deltas: Annotated[
+        bool | None,
+        Opt("--deltas/--no-deltas", help="Offer xor-zstd deltas against the previous version."),
+    ] = None,
+    zstd: Annotated[
+        bool | None, Opt("--zstd/--no-zstd", help="Also offer zstd of every shard (slow links).")
+    ] = None,
+    serve_once: Annotated[
+        float | None,
+        Opt(
+            help="Origin super-seeding window, seconds: a shard goes to one relay, the others "
+            "get it from that relay."
+        ),
+    ] = None,
     max_shard_bytes: Annotated[int | None, Opt(help="Safetensors file size cap, bytes.")] = None,
     allow_peer: Annotated[
         list[str] | None,
@@ -212,6 +232,11 @@ def trainer(
                     min_batches=min_batches,
                     step_timeout_s=step_timeout,
                     shard_size_bytes=shard_size,
+                    shards_per_part=shards_per_part,
+                    anchor_every=anchor_every,
+                    deltas=deltas,
+                    zstd=zstd,
+                    serve_once_s=serve_once,
                     max_shard_bytes=max_shard_bytes,
                     allow_peers=allow_peer,
                     expect_peers=expect_peer,
@@ -303,7 +328,10 @@ def peer(
     temperature: Annotated[float | None, Opt(help="Sampling temperature (must match).")] = None,
     torch_threads: Annotated[int | None, Opt(help="CPU threads for inference.")] = None,
     max_versions: Annotated[int | None, Opt(help="Stop generating after N versions.")] = None,
-    engine: Annotated[str | None, Opt(help="Inference engine: transformers.")] = None,
+    engine: Annotated[
+        str | None,
+        Opt(help="Inference engine: transformers (default) or vllm (needs the vllm extra)."),
+    ] = None,
     trainer_addr: Annotated[
         list[str] | None,
         Opt(

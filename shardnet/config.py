@@ -12,7 +12,7 @@ Each settings model knows how to build the component configs (:class:`NodeConfig
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any, ClassVar, TypeVar
+from typing import Any, ClassVar, Literal, TypeVar
 
 from pydantic import Field, ValidationError, field_validator
 from pydantic_settings import (
@@ -30,6 +30,7 @@ from p2p.trust import TrustList
 from shardcast.downloader import DownloadConfig
 from shardcast.follower import FollowConfig
 from shardcast.node import NodeConfig
+from shardcast.origin import OriginConfig
 
 S = TypeVar("S", bound="CommonSettings")
 
@@ -133,7 +134,9 @@ class PeerSettings(FollowerSettings):
     temperature: float = Field(1.0, gt=0, description="sampling temperature (run rule)")
     torch_threads: int = Field(1, ge=1, description="CPU threads for inference")
     max_versions: int | None = Field(None, ge=1, description="stop generating after N versions")
-    engine: str = Field("transformers", description="inference engine")
+    engine: Literal["transformers", "vllm"] = Field(
+        "transformers", description="inference engine: transformers, or vllm (needs the extra)"
+    )
     trainer_addr: list[str] = Field([], description="trainer multiaddrs (say hello at start)")
 
 
@@ -154,6 +157,13 @@ class TrainerSettings(CommonSettings):
     min_batches: int = Field(2, ge=1, description="batches to wait for per step")
     step_timeout_s: float = Field(300.0, gt=0, description="longest wait for min_batches")
     shard_size_bytes: int = Field(1 << 20, ge=4096, description="shard size of versions")
+    shards_per_part: int = Field(16, ge=1, description="shards per signed manifest part")
+    anchor_every: int = Field(10, ge=1, description="a full version every N steps")
+    deltas: bool = Field(True, description="offer xor-zstd deltas against the last version")
+    zstd: bool = Field(False, description="also offer zstd of every shard (slow links)")
+    serve_once_s: float | None = Field(
+        5.0, gt=0, description="origin super-seeding window (unset: serve every request)"
+    )
     max_shard_bytes: int = Field(1 << 20, ge=4096, description="safetensors file size cap")
     allow_peers: list[str] = Field([], description="only accept rollouts from these PeerIDs")
     expect_peers: list[str] = Field([], description="peers whose commits end a broadcast")
@@ -161,6 +171,16 @@ class TrainerSettings(CommonSettings):
     start_wait_s: float = Field(300.0, ge=0, description="wait for expected peers' hello")
     torch_threads: int = Field(1, ge=1, description="CPU threads for training/validation")
     check_model: bool = Field(True, description="run TOPLOC and sampling checks")
+
+    def origin_config(self) -> OriginConfig:
+        """How versions are published."""
+        return OriginConfig(
+            shard_size=self.shard_size_bytes,
+            shards_per_part=self.shards_per_part,
+            anchor_every=self.anchor_every,
+            deltas=self.deltas,
+            zstd=self.zstd,
+        )
 
     def trust(self, identity: Identity) -> TrustList:
         """The trainer trusts itself as trainer and the allowed peers as submitters."""

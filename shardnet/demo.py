@@ -335,6 +335,8 @@ def summarize(
     trainer_code: int,
 ) -> dict[str, Any]:
     """Merge the node reports into the demo report and compute ``ok``."""
+    from p2p.trust import TrustList
+    from shardcast.manifest import MANIFEST_FILE, Manifest
     from shardcast.store import hash_file
 
     tr = trainer.report() or {}
@@ -357,27 +359,21 @@ def summarize(
             if got.get(step) != digest:
                 problems.append(f"{c.name} did not commit version {step} with the trainer's digest")
     # independent check of what is on disk now: kept versions hash to the trainer's manifest
-    run_dirs = list((workdir / "trainer" / "versions").iterdir())
+    trust = TrustList(trainer=str(trainer.ready.get("peer_id")))
     for c in peers:
         for run_dir in (workdir / c.name / "versions").iterdir():
             for step_dir in sorted(run_dir.glob("step-*")):
                 step = int(step_dir.name[5:])
-                env = json.loads((step_dir / "manifest.json").read_text())
-                if env["signer"] != trainer.ready.get("peer_id"):
-                    problems.append(f"{c.name} step {step}: manifest not signed by the trainer")
-                ref = next(
-                    (
-                        r / step_dir.name / "manifest.json"
-                        for r in run_dirs
-                        if (r / step_dir.name / "manifest.json").exists()
-                    ),
-                    None,
-                )
-                if ref is not None and json.loads(ref.read_text()) != env:
+                try:
+                    m = Manifest.decode((step_dir / MANIFEST_FILE).read_bytes(), trust=trust)
+                except (OSError, ShardnetError) as exc:
+                    problems.append(f"{c.name} step {step}: manifest does not verify: {exc}")
+                    continue
+                if m.digest != digests.get(step):
                     problems.append(f"{c.name} step {step}: manifest differs from the trainer's")
-                for f in env["manifest"]["files"]:
-                    if hash_file(step_dir / f["name"]) != f["digest"]:
-                        problems.append(f"{c.name} step {step}: {f['name']} digest mismatch")
+                for f in m.header.files:
+                    if hash_file(step_dir / f.name) != m.file_digest(f.name):
+                        problems.append(f"{c.name} step {step}: {f.name} digest mismatch")
     trained = tr.get("trained_samples", 0)
     if not trained or trained != tr.get("trained_verified_samples"):
         problems.append(f"trained {trained} samples, verified {tr.get('trained_verified_samples')}")

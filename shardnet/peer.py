@@ -34,7 +34,7 @@ from rollout.engine import Engine, TransformersEngine
 from rollout.exchange import RolloutSender, SenderConfig, report_status
 from rollout.task import DEFAULT_TASK
 from shardcast.follower import FollowConfig, Follower, VersionRecord
-from shardcast.manifest import SignedManifest
+from shardcast.manifest import Manifest
 from shardcast.node import NodeConfig, ShardcastNode
 
 if TYPE_CHECKING:
@@ -109,7 +109,7 @@ class InferencePeer:
         self.records: list[PeerRecord] = []
         self.node: ShardcastNode | None = None
         self.sender: RolloutSender | None = None
-        self._latest: tuple[SignedManifest, Path] | None = None
+        self._latest: tuple[Manifest, Path] | None = None
         self._new_version = trio.Event()
         self._trainer_connected = False
         self.done = trio.Event()
@@ -166,24 +166,23 @@ class InferencePeer:
             except (TransportError, ShardnetError) as exc:
                 log.info("trainer_unreachable addr=%s error=%s", addr, exc)
 
-    async def _on_commit(self, signed: SignedManifest, path: Path, rec: VersionRecord) -> None:
+    async def _on_commit(self, m: Manifest, path: Path, rec: VersionRecord) -> None:
         assert self.node is not None
-        m = signed.manifest
         stats = rec.stats
         self.records.append(
             PeerRecord(
                 m.step,
-                signed.digest,
+                m.digest,
                 rec.committed_at,
                 stats.elapsed_s if stats else 0.0,
                 dict(stats.bytes_by_source) if stats else {},
             )
         )
-        self._latest = (signed, path)
+        self._latest = (m, path)
         self._new_version.set()
         self._new_version = trio.Event()
         await self._ensure_trainer()
-        await report_status(self.node.p2p, self.trust.trainer, m.step, signed.digest)
+        await report_status(self.node.p2p, self.trust.trainer, m.step, m.digest)
 
     async def _generate_loop(self, nursery: trio.Nursery) -> None:
         assert self.node is not None
@@ -194,10 +193,10 @@ class InferencePeer:
         done_step = -1
         generated = 0
         while self.config.max_versions is None or generated < self.config.max_versions:
-            while self._latest is None or self._latest[0].manifest.step <= done_step:
+            while self._latest is None or self._latest[0].step <= done_step:
                 await self._new_version.wait()
             signed, path = self._latest
-            step = signed.manifest.step
+            step = signed.step
             store = self.node.store
             try:
                 with store.pinned(step):

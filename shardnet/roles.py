@@ -12,6 +12,7 @@ after a signal.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import os
@@ -19,12 +20,15 @@ import random
 import signal
 from collections.abc import Awaitable, Callable
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import trio
 
 from shardnet.config import PeerSettings, RelaySettings, TrainerSettings
 from shardnet.progress import DownloadProgress
+
+if TYPE_CHECKING:
+    from rollout.engine import Engine
 
 log = logging.getLogger(__name__)
 
@@ -87,7 +91,7 @@ async def run_trainer(s: TrainerSettings) -> int:
     torch.set_num_threads(s.torch_threads)
     identity = s.identity()
     cfg = TrainerConfig(
-        node=s.node_config(),
+        node=dataclasses.replace(s.node_config(), serve_once_s=s.serve_once_s),
         steps=s.steps,
         preset=s.preset,
         seed=s.seed,
@@ -100,7 +104,7 @@ async def run_trainer(s: TrainerSettings) -> int:
         temperature=s.temperature,
         min_batches=s.min_batches,
         step_timeout_s=s.step_timeout_s,
-        shard_size=s.shard_size_bytes,
+        origin=s.origin_config(),
         max_shard_bytes=s.max_shard_bytes,
         expected_peers=tuple(s.expect_peers),
         final_wait_s=s.final_wait_s,
@@ -178,10 +182,7 @@ async def run_peer(s: PeerSettings) -> int:
     from shardnet.peer import InferencePeer, PeerConfig
 
     torch.set_num_threads(s.torch_threads)
-    if s.engine != "transformers":
-        from p2p.errors import ConfigError
-
-        raise ConfigError("engine", f"unknown engine {s.engine!r} (available: transformers)")
+    engine = make_engine(s.engine)
     identity = s.identity()
     cfg = PeerConfig(
         node=s.node_config(),
@@ -196,7 +197,7 @@ async def run_peer(s: PeerSettings) -> int:
         trainer_addrs=tuple(s.trainer_addr),
     )
     with DownloadProgress() as progress:
-        peer = InferencePeer(identity, s.trust(), cfg, progress=progress)
+        peer = InferencePeer(identity, s.trust(), cfg, engine=engine, progress=progress)
 
         async def body() -> None:
             async with trio.open_nursery() as nursery:
@@ -208,4 +209,31 @@ async def run_peer(s: PeerSettings) -> int:
         finally:
             if s.report is not None:
                 write_json_atomic(s.report, peer.report())
+            close = getattr(engine, "close", None)
+            if close is not None:  # vLLM: shut the in-process engine down
+                close()
     return 0
+
+
+def make_engine(name: str) -> Engine:
+    """The inference engine called ``name``: ``transformers`` or ``vllm``.
+
+    Raises:
+        ConfigError: unknown name, or ``vllm`` without the vllm extra installed (field
+            ``engine``).
+    """
+    from p2p.errors import ConfigError
+
+    if name == "transformers":
+        from rollout.engine import TransformersEngine
+
+        return TransformersEngine()
+    if name == "vllm":
+        from rollout.engine_vllm import VllmEngine, vllm_available
+
+        if not vllm_available():
+            raise ConfigError(
+                "engine", "vllm is not installed (extra shardnet[vllm]; see rollout/engine_vllm.py)"
+            )
+        return VllmEngine()
+    raise ConfigError("engine", f"unknown engine {name!r} (available: transformers, vllm)")

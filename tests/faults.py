@@ -18,7 +18,6 @@ from dataclasses import dataclass, field
 from functools import partial
 from pathlib import Path
 
-import blake3
 import h11
 import trio
 
@@ -31,8 +30,8 @@ from p2p.http_range import (
     resolve_range,
 )
 from p2p.http_server import HttpRequest, HttpResponse, HttpServer, open_http_server
-from shardcast.manifest import FileEntry, Manifest, ShardEntry, SignedManifest, sign_manifest
-from shardcast.plan import plan_shards
+from shardcast.manifest import FileEntry, Header, Manifest, sign_header, sign_part
+from shardcast.plan import hash_parts
 from shardcast.serve import VersionServer
 from shardcast.store import VersionStore
 from tests.helpers import TRAINER, trust
@@ -45,17 +44,17 @@ _FILES_ROUTE = re.compile(r"^/shardnet/v1/[^/]+/\d+/files/(?P<name>[^/]+)$")
 class Version:
     """A committed test version: its signed manifest, the true bytes, the store holding it."""
 
-    signed: SignedManifest
+    signed: Manifest
     files: dict[str, bytes]
     store: VersionStore
 
     @property
     def step(self) -> int:
-        return self.signed.manifest.step
+        return self.signed.step
 
     @property
     def shard_size(self) -> int:
-        return self.signed.manifest.shard_size
+        return self.signed.header.shard_size
 
 
 def make_version(
@@ -71,20 +70,16 @@ def make_version(
     directory.mkdir(parents=True)
     for name, data in files.items():
         (directory / name).write_bytes(data)
-    shards = tuple(
-        ShardEntry(
-            i,
-            p.file,
-            p.offset,
-            p.length,
-            blake3.blake3(files[p.file][p.offset : p.offset + p.length]).hexdigest(),
-        )
-        for i, p in enumerate(plan_shards(sizes, shard_size))
+    header = Header(
+        RUN, step, shard_size, tuple(FileEntry(n, len(d)) for n, d in files.items()), 1000
     )
-    entries = tuple(
-        FileEntry(name, len(data), blake3.blake3(data).hexdigest()) for name, data in files.items()
+    signed = Manifest(sign_header(header, TRAINER))
+    hash_parts(
+        directory,
+        header,
+        signed.digest,
+        on_part=lambda p: signed.add_part(sign_part(p, TRAINER)),  # type: ignore[func-returns-value]
     )
-    signed = sign_manifest(Manifest(RUN, step, shard_size, entries, shards), TRAINER)
     store = VersionStore(root / "honest", RUN, keep_last=4)
     store.adopt(directory, signed)
     return Version(signed, files, store)

@@ -41,7 +41,7 @@ from rollout.reputation import Reputation
 from rollout.task import DEFAULT_TASK
 from rollout.verify import Validator, ValidatorConfig
 from shardcast.node import NodeConfig, ShardcastNode
-from shardcast.origin import Origin
+from shardcast.origin import Origin, OriginConfig
 from trainer.checkpoint import save_checkpoint
 from trainer.grpo import DEFAULT_LR, Rollout, collate, group_advantages, make_optimizer, train_step
 from trainer.oracle import TrainerOracle
@@ -67,7 +67,7 @@ class TrainerConfig:
         n_prompts, group_size, max_new_tokens, temperature: the sampling rules for peers.
         min_batches: batches to wait for before each optimizer step.
         step_timeout_s: longest wait for ``min_batches``, seconds.
-        shard_size: shard size of published versions, bytes.
+        origin: how versions are published (shard size, parts, deltas, anchors).
         max_shard_bytes: safetensors file size cap of published checkpoints, bytes.
         expected_peers: PeerIDs whose commit reports define "broadcast finished".
         final_wait_s: after the last step, how long to wait for peers to commit it, seconds.
@@ -89,7 +89,7 @@ class TrainerConfig:
     temperature: float = 1.0
     min_batches: int = 2
     step_timeout_s: float = 300.0
-    shard_size: int = 1 << 20
+    origin: OriginConfig = field(default_factory=lambda: OriginConfig(shard_size=1 << 20))
     max_shard_bytes: int = 1 << 20
     expected_peers: tuple[str, ...] = ()
     final_wait_s: float = 120.0
@@ -178,7 +178,7 @@ class Trainer:
             trio.open_nursery() as nursery,
         ):
             self.node = node
-            origin = Origin(node, shard_size=cfg.shard_size)
+            origin = Origin(node, cfg.origin)
             self.inbox = RolloutInbox(
                 node.p2p,
                 cfg.node.run_id,
@@ -218,14 +218,14 @@ class Trainer:
         result = await origin.publish(directory, step)
         await trio.to_thread.run_sync(
             lambda: oracle.add_version(
-                step, result.signed.digest, result.path, preload=self.config.check_model
+                step, result.manifest.digest, result.path, preload=self.config.check_model
             )
         )
         self._close_rejections()
         self.published = step
         self.records.append(
             StepRecord(
-                step, result.published_at, result.signed.digest, result.signed.manifest.total_bytes
+                step, result.announced_at, result.manifest.digest, result.manifest.total_bytes
             )
         )
 

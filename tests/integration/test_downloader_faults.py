@@ -25,6 +25,7 @@ from shardcast.downloader import DownloadConfig, Downloader, DownloadFailed, Sou
 from shardcast.select import SchedulerConfig
 from shardcast.store import PartialVersion, VersionStore
 from tests.faults import RUN, Ask, Fault, Version, fault_source, honest_source, make_version
+from tests.helpers import trust
 
 SHARD = 16 * 1024
 FILE = "model.safetensors"
@@ -99,7 +100,7 @@ async def test_source_of_bad_bytes_is_banned_and_the_honest_one_is_not(
         HttpClient() as client,
     ):
         sources = [Source("a-bad", bad.url), Source("b-honest", honest.url)]
-        dl = Downloader(client, store, config(), random.Random(1))
+        dl = Downloader(client, store, config(), random.Random(1), trust())
         path, stats = await dl.download(version.signed, sources)
     assert_committed(store, version, path)
     # four shards, explore off: two go to each source at once; both of the bad source's
@@ -131,7 +132,7 @@ async def test_only_the_source_of_the_bad_half_is_blamed(
             Source("b-corrupt", corrupt.url),
             Source("c-honest", honest.url),
         ]
-        dl = Downloader(client, store, config(), random.Random(1))
+        dl = Downloader(client, store, config(), random.Random(1), trust())
         path, stats = await dl.download(one_shard.signed, sources)
     assert_committed(store, one_shard, path)
     # a: first half, then cut; b: resumed the second half (corrupt) -> suspect copy, nobody
@@ -155,7 +156,7 @@ async def test_truncated_transfers_resume_at_the_kept_prefix(
         HttpClient() as client,
     ):
         sources = [Source("a-trunc", trunc.url), Source("b-honest", honest.url)]
-        dl = Downloader(client, store, config(), random.Random(1))
+        dl = Downloader(client, store, config(), random.Random(1), trust())
         path, stats = await dl.download(version.signed, sources)
         honest_sent = honest.statistics().bytes_sent
     assert_committed(store, version, path)
@@ -181,7 +182,7 @@ async def test_stalled_source_costs_one_stall_timeout(
         HttpClient() as client,
     ):
         sources = [Source("a-stall", stall.url), Source("b-honest", honest.url)]
-        dl = Downloader(client, store, config(stall_timeout_s=0.5), random.Random(1))
+        dl = Downloader(client, store, config(stall_timeout_s=0.5), random.Random(1), trust())
         start = trio.current_time()
         path, stats = await dl.download(version.signed, sources)
         elapsed = trio.current_time() - start
@@ -203,7 +204,7 @@ async def test_endgame_duplicates_beat_a_stalled_source(tmp_path: Path, version:
     ):
         sources = [Source("a-stall", stall.url), Source("b-honest", honest.url)]
         cfg = config(stall_timeout_s=2.0, endgame_duplicates=1)
-        dl = Downloader(client, store, cfg, random.Random(1))
+        dl = Downloader(client, store, cfg, random.Random(1), trust())
         start = trio.current_time()
         path, stats = await dl.download(version.signed, sources)
         elapsed = trio.current_time() - start
@@ -235,7 +236,7 @@ async def test_prefix_survives_a_failed_resumption(
             Source("c-honest", honest.url),
         ]
         cfg = config(stall_timeout_s=0.5, deadline_s=10.0)
-        dl = Downloader(client, store, cfg, random.Random(1))
+        dl = Downloader(client, store, cfg, random.Random(1), trust())
         path, stats = await dl.download(one_shard.signed, sources)
     assert_committed(store, one_shard, path)
     assert [a.offset for a in trunc.asks] == [0]
@@ -259,7 +260,7 @@ async def test_every_source_banned_fails_within_the_grace_period(
     ):
         sources = [Source("a-corrupt", corrupt.url), Source("b-short", short.url)]
         cfg = config(no_source_grace_s=1.0, penalty_s=1.0)
-        dl = Downloader(client, store, cfg, random.Random(1))
+        dl = Downloader(client, store, cfg, random.Random(1), trust())
         start = trio.current_time()
         with pytest.raises(DownloadFailed, match="no usable source") as info:
             await dl.download(version.signed, sources)
@@ -287,7 +288,7 @@ async def test_sources_that_never_deliver_fail_at_the_deadline(
             Source("c-stall", stall.url),
         ]
         cfg = config(stall_timeout_s=0.5, deadline_s=3.0, no_source_grace_s=1.0, penalty_s=1.0)
-        dl = Downloader(client, store, cfg, random.Random(1))
+        dl = Downloader(client, store, cfg, random.Random(1), trust())
         start = trio.current_time()
         with pytest.raises(DownloadFailed, match=r"not complete after 3\.0s"):
             await dl.download(version.signed, sources)
@@ -314,7 +315,7 @@ async def test_cancel_after_the_first_verified_shard_leaves_nothing(
         partial_dirs.append(part.dir)
 
     async with fault_source(version, first_shard_only) as src, HttpClient() as client:
-        dl = Downloader(client, store, config(), random.Random(1))
+        dl = Downloader(client, store, config(), random.Random(1), trust())
         with trio.CancelScope() as scope:
 
             def on_shard(index: int) -> None:
@@ -338,7 +339,7 @@ async def test_cancel_while_every_transfer_is_stalled_leaves_nothing(
         fault_source(version, Fault.STALL_AFTER_HEADERS) as src,
         HttpClient() as client,
     ):
-        dl = Downloader(client, store, config(), random.Random(1))
+        dl = Downloader(client, store, config(), random.Random(1), trust())
         with trio.move_on_after(1.0) as scope:
             await dl.download(version.signed, [Source("a", src.url)])
     assert scope.cancelled_caught

@@ -18,6 +18,7 @@ from rollout.batch import SamplingConfig
 from rollout.schema import RolloutBatch
 from shardcast.follower import FollowConfig, Follower
 from shardcast.node import NodeConfig, ShardcastNode
+from shardcast.origin import OriginConfig
 from shardnet.peer import InferencePeer, PeerConfig
 from trainer.trainer import Trainer, TrainerConfig
 
@@ -52,7 +53,7 @@ async def _run_loop(
         max_new_tokens=SAMPLING.max_new_tokens,
         min_batches=2,
         expected_peers=tuple(honest),
-        shard_size=128 * 1024,
+        origin=OriginConfig(shard_size=128 * 1024, shards_per_part=4),
         max_shard_bytes=1 << 20,
         final_wait_s=60,
         start_wait_s=60,

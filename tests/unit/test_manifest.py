@@ -1,4 +1,5 @@
-"""Manifest: round trip, canonical bytes, signature, tampering, hostile input."""
+"""Manifest v2 (header + signed parts): round trip, canonical bytes, signatures, tampering,
+hostile input."""
 
 from __future__ import annotations
 
@@ -6,17 +7,21 @@ import json
 from pathlib import Path
 
 import pytest
-from hypothesis import given
+from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from p2p.errors import IntegrityError, UntrustedSigner
 from p2p.identity import Identity
 from shardcast.manifest import (
+    Header,
     Manifest,
     ManifestError,
-    SignedManifest,
+    Part,
+    SignedPart,
     check_file_name,
-    sign_manifest,
+    decode_part,
+    sign_header,
+    sign_part,
 )
 from shardcast.plan import build_manifest
 from tests.helpers import TRAINER, make_checkpoint, trust
@@ -25,57 +30,89 @@ SIZES = {"model-00001-of-00002.safetensors": 5000, "model-00002-of-00002.safeten
 
 
 @pytest.fixture
-def signed(tmp_path: Path) -> SignedManifest:
+def manifest(tmp_path: Path) -> Manifest:
     ckpt = make_checkpoint(tmp_path / "ckpt", SIZES)
-    return sign_manifest(build_manifest(ckpt, "run1", 3, shard_size=1024), TRAINER)
+    return build_manifest(ckpt, "run1", 3, TRAINER, shard_size=1024, shards_per_part=3)
 
 
-def test_round_trip_and_canonical(signed: SignedManifest) -> None:
-    data = signed.encode()
-    back = SignedManifest.decode(data, trust=trust())
-    assert back == signed
+def test_round_trip_and_canonical(manifest: Manifest, tmp_path: Path) -> None:
+    assert manifest.complete
+    assert manifest.header.n_parts == 4  # config 1 + 5 + 3 + index 1 = 10 shards, 3 per part
+    data = manifest.encode()
+    back = Manifest.decode(data, trust=trust())
     assert back.encode() == data
-    # canonical: sorted keys, no whitespace
+    assert back.digest == manifest.digest
     assert b" " not in data
     assert b"\n" not in data
     obj = json.loads(data)
     assert list(obj) == sorted(obj)
-    # re-serialising a permuted object yields the same bytes
-    permuted = json.dumps(dict(reversed(list(obj["manifest"].items()))))
-    assert (
-        Manifest.from_obj(json.loads(permuted)).canonical_bytes()
-        == signed.manifest.canonical_bytes()
-    )
-    assert signed.digest == back.manifest.digest()
-
-
-def test_shards_tile_files(signed: SignedManifest, tmp_path: Path) -> None:
-    m = signed.manifest
+    # every shard's digest and every file digest are present
     on_disk = {p.name: p.stat().st_size for p in (tmp_path / "ckpt").iterdir()}
-    assert {f.name: f.size for f in m.files} == on_disk
-    assert m.total_bytes == sum(on_disk.values())
-    for f in m.files:
-        shards = [s for s in m.shards if s.file == f.name]
-        assert sum(s.length for s in shards) == f.size
-    assert [s.index for s in m.shards] == list(range(len(m.shards)))
+    assert {f.name: f.size for f in manifest.header.files} == on_disk
+    for f in manifest.header.files:
+        assert manifest.file_digest(f.name) is not None
+    covered = {}
+    for s in manifest.header.shards:
+        covered[s.file] = covered.get(s.file, 0) + s.length
+        assert len(manifest.shard(s.index).digest) == 64
+    assert covered == {n: sz for n, sz in on_disk.items() if sz}
 
 
-def test_tampering_detected(signed: SignedManifest) -> None:
-    obj = json.loads(signed.encode())
-    obj["manifest"]["step"] = 4
+def test_header_digest_is_the_identity(manifest: Manifest) -> None:
+    h = manifest.header
+    permuted = dict(reversed(list(h.to_obj().items())))
+    assert Header.from_obj(permuted).digest() == manifest.digest
+
+
+def test_tampered_header_or_part_detected(manifest: Manifest) -> None:
+    doc = json.loads(manifest.encode())
+    doc["header"]["body"]["step"] = 4
     with pytest.raises(IntegrityError):
-        SignedManifest.decode(json.dumps(obj).encode(), trust=trust())
-    obj = json.loads(signed.encode())
-    obj["manifest"]["shards"][0][3] = "0" * 64
+        Manifest.decode(json.dumps(doc).encode(), trust=trust())
+    doc = json.loads(manifest.encode())
+    doc["parts"][1]["body"]["shards"][0][0] = "0" * 64
     with pytest.raises(IntegrityError):
-        SignedManifest.decode(json.dumps(obj).encode(), trust=trust())
+        Manifest.decode(json.dumps(doc).encode(), trust=trust())
 
 
-def test_untrusted_signer(signed: SignedManifest) -> None:
-    other = Identity.from_seed("mallory")
-    forged = sign_manifest(signed.manifest, other)
+def test_untrusted_signer(manifest: Manifest) -> None:
+    mallory = Identity.from_seed("mallory")
+    forged = Manifest(sign_header(manifest.header, mallory))
     with pytest.raises(UntrustedSigner):
-        SignedManifest.decode(forged.encode(), trust=trust())
+        Manifest.decode(forged.encode(), trust=trust())
+    # a part re-signed by someone else, attached to the genuine header
+    part = manifest.parts[0].part
+    bad = sign_part(part, mallory)
+    with pytest.raises(UntrustedSigner):
+        decode_part(bad.encode(), manifest.header, trust=trust())
+
+
+def test_part_of_another_version_rejected(manifest: Manifest, tmp_path: Path) -> None:
+    other = build_manifest(
+        make_checkpoint(tmp_path / "other", SIZES, seed=9),
+        "run1",
+        3,
+        TRAINER,
+        shard_size=1024,
+        shards_per_part=3,
+    )
+    with pytest.raises(ManifestError, match="another version"):
+        decode_part(other.parts[0].encode(), manifest.header, trust=trust())
+
+
+def test_equivocating_part_rejected(manifest: Manifest) -> None:
+    p = manifest.parts[0].part
+    twisted = Part(
+        p.run_id,
+        p.step,
+        p.header_digest,
+        p.index,
+        ("1" * 64, *p.digests[1:]),
+        p.encodings,
+        p.file_digests,
+    )
+    with pytest.raises(ManifestError, match="two different"):
+        manifest.add_part(sign_part(twisted, TRAINER))
 
 
 @pytest.mark.parametrize(
@@ -87,50 +124,80 @@ def test_unsafe_names_rejected(name: str) -> None:
         check_file_name(name)
 
 
-def test_escaping_name_in_manifest_rejected(signed: SignedManifest) -> None:
-    obj = signed.manifest.to_obj()
+def test_escaping_name_in_header_rejected(manifest: Manifest) -> None:
+    obj = manifest.header.to_obj()
     obj["files"][0]["name"] = "../../evil"
     with pytest.raises(ManifestError, match="unsafe"):
-        Manifest.from_obj(obj)
+        Header.from_obj(obj)
 
 
 @pytest.mark.parametrize(
     "mutate",
     [
-        lambda o: o.update(v=2),
+        lambda o: o.update(v=1),
         lambda o: o.update(step=-1),
         lambda o: o.update(step=True),
-        lambda o: o["shards"].pop(),  # gap at the end
-        lambda o: o["shards"].__setitem__(0, o["shards"][1]),  # overlap / wrong offset
-        lambda o: o["shards"][0].__setitem__(2, 0),
+        lambda o: o.update(shards_per_part=0),
         lambda o: o["files"].reverse(),
-        lambda o: o["files"][0].__setitem__("digest", "XYZ"),
+        lambda o: o["files"][0].update(size=-1),
         lambda o: o.update(files=[]),
+        lambda o: o.update(extra=1),
+        lambda o: o.update(base_step=7),  # base must be older, and come with a digest
     ],
 )
-def test_inconsistent_manifest_rejected(signed: SignedManifest, mutate: object) -> None:
-    obj = signed.manifest.to_obj()
+def test_inconsistent_header_rejected(manifest: Manifest, mutate: object) -> None:
+    obj = manifest.header.to_obj()
     mutate(obj)  # type: ignore[operator]
     with pytest.raises(ManifestError):
-        Manifest.from_obj(obj)
+        Header.from_obj(obj)
+
+
+@pytest.mark.parametrize(
+    "mutate",
+    [
+        lambda o: o["shards"].pop(),  # wrong shard count
+        lambda o: o["shards"][0].__setitem__(0, "XYZ"),  # bad digest
+        lambda o: o["shards"][0][1].append(["xor-zstd", 10, "a" * 64]),  # delta without base
+        lambda o: o["shards"][0][1].append(["gzip", 10, "a" * 64]),
+        lambda o: o.update(files={}),  # missing file digest
+        lambda o: o.update(part=99),
+    ],
+)
+def test_inconsistent_part_rejected(manifest: Manifest, mutate: object) -> None:
+    obj = manifest.parts[2].part.to_obj()
+    mutate(obj)  # type: ignore[operator]
+    with pytest.raises(ManifestError):
+        Part.from_obj(obj, manifest.header)
 
 
 def test_garbage_and_oversize() -> None:
-    for data in (b"", b"{", b"[]", b'{"manifest": 1}', b"\xff\xfe", b'{"a":1,"b":2,"c":3}'):
+    for data in (b"", b"{", b"[]", b'{"header": 1, "parts": []}', b"\xff\xfe", b'{"a":1}'):
         with pytest.raises(ManifestError):
-            SignedManifest.decode(data, trust=trust())
+            Manifest.decode(data, trust=trust())
     with pytest.raises(ManifestError, match="exceeds"):
-        SignedManifest.decode(b"x" * 100, trust=trust(), max_bytes=10)
+        Manifest.decode(b"x" * 100, trust=trust(), max_bytes=10)
 
 
+@settings(max_examples=200)
 @given(st.binary(max_size=300))
 def test_fuzz_never_crashes(data: bytes) -> None:
     with pytest.raises((ManifestError, IntegrityError)):
-        SignedManifest.decode(data, trust=trust())
+        Manifest.decode(data, trust=trust())
 
 
-def test_byte_at_a_time_truncation(signed: SignedManifest) -> None:
-    data = signed.encode()
-    for cut in range(0, len(data), max(1, len(data) // 50)):
+def test_byte_at_a_time_truncation(manifest: Manifest) -> None:
+    data = manifest.encode()
+    for cut in range(0, len(data), max(1, len(data) // 60)):
         with pytest.raises((ManifestError, IntegrityError)):
-            SignedManifest.decode(data[:cut], trust=trust())
+            Manifest.decode(data[:cut], trust=trust())
+
+
+def test_incomplete_document_is_valid_and_grows(manifest: Manifest) -> None:
+    partial = Manifest(manifest.signed_header)
+    partial.add_part(manifest.parts[1])
+    back = Manifest.decode(partial.encode(), trust=trust())
+    assert not back.complete
+    assert sorted(back.parts) == [1]
+    assert not back.known(0)
+    assert back.known(3)
+    assert isinstance(manifest.parts[0], SignedPart)

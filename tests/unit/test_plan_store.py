@@ -1,4 +1,4 @@
-"""Shard plan, digest checks, atomic commit and retention of the version store."""
+"""Shard plan, pipelined hashing, digest checks, atomic commit and retention of the store."""
 
 from __future__ import annotations
 
@@ -8,8 +8,15 @@ from pathlib import Path
 import pytest
 
 from p2p.errors import IntegrityError, LocalProtocolError
-from shardcast.manifest import sign_manifest
-from shardcast.plan import CheckpointLayoutError, build_manifest, check_layout, plan_shards
+from shardcast.manifest import Manifest
+from shardcast.plan import (
+    CheckpointLayoutError,
+    build_manifest,
+    check_layout,
+    hash_parts,
+    make_header,
+    plan_shards,
+)
 from shardcast.store import VersionStore
 from tests.helpers import TRAINER, make_checkpoint, trust
 
@@ -43,48 +50,69 @@ def test_layout_checks(tmp_path: Path) -> None:
         check_layout(sub)
 
 
+def test_parts_come_out_in_order_as_hashed(tmp_path: Path) -> None:
+    ck = make_checkpoint(tmp_path / "c", {**SIZES, "empty.safetensors": 0})
+    header = make_header(ck, "run", 0, shard_size=1000, shards_per_part=2)
+    seen: list[int] = []
+    parts = hash_parts(ck, header, header.digest(), on_part=lambda p: seen.append(p.index))
+    assert seen == list(range(header.n_parts)) == [p.index for p in parts]
+    # every file digest is carried by exactly one part; the empty file by part 0
+    carried = [n for p in parts for n, _ in p.file_digests]
+    assert sorted(carried) == sorted(f.name for f in header.files)
+    assert "empty.safetensors" in dict(parts[0].file_digests)
+
+
 def _partial(tmp_path: Path, step: int = 1, keep: int = 2):  # type: ignore[no-untyped-def]
     ck = make_checkpoint(tmp_path / f"src{step}", SIZES, seed=step)
-    signed = sign_manifest(build_manifest(ck, "run", step, shard_size=1000), TRAINER)
+    m = build_manifest(ck, "run", step, TRAINER, shard_size=1000, shards_per_part=3)
     store = VersionStore(tmp_path / "store", "run", keep_last=keep)
-    return ck, signed, store, store.begin(signed)
+    return ck, m, store
+
+
+def _bytes(ck: Path, m: Manifest, i: int) -> bytes:
+    s = m.header.shards[i]
+    return (ck / s.file).read_bytes()[s.offset : s.offset + s.length]
 
 
 def test_write_verify_commit(tmp_path: Path) -> None:
-    ck, signed, store, part = _partial(tmp_path)
-    m = signed.manifest
-    bad = bytearray((ck / m.shards[0].file).read_bytes()[: m.shards[0].length])
+    ck, m, store = _partial(tmp_path)
+    # parts arrive while the download runs: start from the header alone
+    growing = Manifest(m.signed_header)
+    part = store.begin(growing)
+    with pytest.raises(LocalProtocolError, match="part has not arrived"):
+        part.write_shard(0, _bytes(ck, m, 0))
+    for k in sorted(m.parts):
+        growing.add_part(m.parts[k])
+    bad = bytearray(_bytes(ck, m, 0))
     bad[0] ^= 1
     with pytest.raises(IntegrityError, match="digest mismatch"):
         part.write_shard(0, bad, "http://evil")
     assert not part.has(0)
-    # the bad bytes never reached the file
-    assert (part.dir / m.shards[0].file).read_bytes()[:1] == b"\0"
+    assert (part.dir / m.header.shards[0].file).read_bytes()[:1] == b"\0"
     with pytest.raises(IntegrityError, match="bytes, expected"):
         part.write_shard(0, b"short")
     with pytest.raises(LocalProtocolError, match="missing"):
         part.commit()
     assert not store.version_dir(1).exists()
-    for s in reversed(m.shards):  # any order
-        data = (ck / s.file).read_bytes()[s.offset : s.offset + s.length]
-        assert part.write_shard(s.index, data)
-    assert not part.write_shard(0, (ck / m.shards[0].file).read_bytes()[: m.shards[0].length])
+    for i in reversed(range(len(m.header.shards))):  # any order
+        assert part.write_shard(i, _bytes(ck, m, i))
+    assert not part.write_shard(0, _bytes(ck, m, 0))
     final = part.commit()
     assert final == store.version_dir(1)
     assert store.committed_steps() == [1]
-    for f in m.files:
+    for f in m.header.files:
         assert (final / f.name).read_bytes() == (ck / f.name).read_bytes()
-    assert store.load_manifest(1, trust()) == signed
+    assert store.load_manifest(1, trust()).digest == m.digest
     assert not part.dir.exists()
 
 
 def test_commit_refuses_corrupted_file(tmp_path: Path) -> None:
-    ck, signed, store, part = _partial(tmp_path)
-    for s in signed.manifest.shards:
-        part.write_shard(s.index, (ck / s.file).read_bytes()[s.offset : s.offset + s.length])
-    # simulate on-disk corruption after the shard checks (bit rot, a buggy writer)
-    name = signed.manifest.files[-1].name
-    with open(part.dir / name, "r+b") as fh:
+    ck, m, store = _partial(tmp_path)
+    part = store.begin(m)
+    for i in range(len(m.header.shards)):
+        part.write_shard(i, _bytes(ck, m, i))
+    name = m.header.files[-1].name
+    with open(part.dir / name, "r+b") as fh:  # on-disk corruption after the shard checks
         fh.seek(3)
         fh.write(b"\xff")
     with pytest.raises(IntegrityError, match="digest mismatch"):
@@ -95,11 +123,10 @@ def test_commit_refuses_corrupted_file(tmp_path: Path) -> None:
 
 
 def test_crash_leaves_no_version(tmp_path: Path) -> None:
-    ck, signed, _store, part = _partial(tmp_path)
-    s = signed.manifest.shards[0]
-    part.write_shard(0, (ck / s.file).read_bytes()[: s.length])
-    # "crash": the process dies; a new store instance on the same dir cleans up
-    store2 = VersionStore(tmp_path / "store", "run", keep_last=2)
+    ck, m, store = _partial(tmp_path)
+    part = store.begin(m)
+    part.write_shard(0, _bytes(ck, m, 0))
+    store2 = VersionStore(tmp_path / "store", "run", keep_last=2)  # after a crash
     assert store2.committed_steps() == []
     assert not any(p.name.startswith(".partial") for p in store2.run_dir.iterdir())
 
@@ -108,27 +135,27 @@ def test_retention_and_pins(tmp_path: Path) -> None:
     store = VersionStore(tmp_path / "store", "run", keep_last=2)
     for step in range(1, 5):
         ck = make_checkpoint(tmp_path / f"c{step}", SIZES, seed=step)
-        signed = sign_manifest(build_manifest(ck, "run", step, shard_size=1000), TRAINER)
+        m = build_manifest(ck, "run", step, TRAINER, shard_size=1000)
         if step == 2:
             with store.pinned(1):
-                store.adopt(ck, signed)
+                store.adopt(ck, m)
                 assert store.committed_steps() == [1, 2]
         elif step == 3:
             with store.pinned(2):
-                store.adopt(ck, signed)
+                store.adopt(ck, m)
                 assert store.committed_steps() == [2, 3]  # 1 pruned once unpinned
         else:
-            store.adopt(ck, signed)
+            store.adopt(ck, m)
     assert store.committed_steps() == [3, 4]
 
 
 def test_adopt_checks_digests(tmp_path: Path) -> None:
     ck = make_checkpoint(tmp_path / "c", SIZES)
-    signed = sign_manifest(build_manifest(ck, "run", 0, shard_size=1000), TRAINER)
+    m = build_manifest(ck, "run", 0, TRAINER, shard_size=1000)
     with open(ck / "config.json", "a") as fh:
         fh.write(" ")
     store = VersionStore(tmp_path / "store", "run", keep_last=2)
     with pytest.raises(IntegrityError):
-        store.adopt(ck, signed)
+        store.adopt(ck, m)
     assert store.committed_steps() == []
     assert os.path.exists(ck)

@@ -1,0 +1,160 @@
+"""Shard encodings: raw, zstd, and XOR-delta against the previous version (then zstd).
+
+Theory of operation
+-------------------
+Every shard is identified by the BLAKE3 digest of its *decoded* bytes; an encoding only
+changes what travels. The origin may offer, per shard:
+
+============  ==========================================================================
+``raw``       the bytes themselves (always available; a range of the file)
+``zstd``      ``zstd(raw)``: dense bf16 only shrinks ~1.28x (DESIGN.md), so it pays off on
+              slow links only
+``xor-zstd``  ``zstd(raw XOR base)``, where ``base`` is the same byte range of the previous
+              version's same file. Lossless. Consecutive RL checkpoints differ in a few percent
+              of bf16 elements (0.6-3 % published; an update below half an ulp rounds away),
+              so the XOR is mostly zero bytes and compresses 30-100x.
+============  ==========================================================================
+
+XOR works on bytes, so it needs no alignment assumption about where bf16 elements start; a
+byte that did not change XORs to zero whatever the dtype. Decoding a delta against the wrong
+base yields bytes that fail the shard digest, which the caller checks before anything is
+written, so a wrong or corrupt base can never be committed.
+
+Decompression is bounded: the frame must declare its content size, which must equal the
+shard length, and the window is capped at ``MAX_WINDOW_BYTES``, so a frame that declares an
+enormous window or size is rejected before any large allocation (zstd "decompression bombs").
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import zstandard
+
+from p2p.errors import IntegrityError, LocalProtocolError
+
+RAW = "raw"
+ZSTD = "zstd"
+XOR_ZSTD = "xor-zstd"
+ENCODINGS = (RAW, ZSTD, XOR_ZSTD)
+MAX_WINDOW_BYTES = 1 << 27  # 128 MiB: larger frames are refused
+DEFAULT_LEVEL = 1
+
+
+class CodecError(IntegrityError):
+    """Encoded bytes that cannot be decoded within bounds (the sender's fault)."""
+
+
+def xor_bytes(a: bytes | bytearray | memoryview, b: bytes | bytearray | memoryview) -> bytes:
+    """Bytewise XOR of two equal-length buffers.
+
+    Raises:
+        LocalProtocolError: lengths differ.
+    """
+    if len(a) != len(b):
+        raise LocalProtocolError(f"xor of {len(a)} and {len(b)} bytes")
+    x = np.frombuffer(a, dtype=np.uint8)
+    y = np.frombuffer(b, dtype=np.uint8)
+    return np.bitwise_xor(x, y).tobytes()
+
+
+def encode(
+    encoding: str,
+    raw: bytes | bytearray | memoryview,
+    base: bytes | bytearray | memoryview | None = None,
+    level: int = DEFAULT_LEVEL,
+    threads: int = 0,
+) -> bytes:
+    """Encode one shard.
+
+    Args:
+        encoding: ``zstd`` or ``xor-zstd`` (``raw`` needs no encoding).
+        raw: the shard's bytes.
+        base: for ``xor-zstd``, the same range of the base version (same length).
+        level: zstd level.
+        threads: zstd worker threads (0: single-threaded).
+
+    Returns:
+        the encoded bytes (a zstd frame with its content size recorded).
+
+    Raises:
+        LocalProtocolError: unknown encoding, or a missing/mis-sized base.
+    """
+    if encoding == ZSTD:
+        data = bytes(raw)
+    elif encoding == XOR_ZSTD:
+        if base is None:
+            raise LocalProtocolError("xor-zstd needs the base shard")
+        data = xor_bytes(raw, base)
+    else:
+        raise LocalProtocolError(f"cannot encode {encoding!r}")
+    cctx = zstandard.ZstdCompressor(level=level, write_content_size=True, threads=threads)
+    return cctx.compress(data)
+
+
+def decode(
+    encoding: str,
+    encoded: bytes | bytearray | memoryview,
+    length: int,
+    base: bytes | bytearray | memoryview | None = None,
+    source: str = "",
+) -> bytes:
+    """Decode one shard of ``length`` bytes.
+
+    Args:
+        encoding: ``raw``, ``zstd`` or ``xor-zstd``.
+        encoded: the bytes received.
+        length: the shard's decoded length (from the manifest).
+        base: for ``xor-zstd``, the base version's bytes of the same range.
+        source: who sent the bytes (for errors).
+
+    Returns:
+        the decoded shard bytes (the caller checks their digest).
+
+    Raises:
+        CodecError: not a zstd frame, no or wrong declared content size, window over
+            ``MAX_WINDOW_BYTES``, or a decoded length other than ``length``.
+        LocalProtocolError: unknown encoding, or ``xor-zstd`` without a base of ``length``.
+    """
+    if encoding == RAW:
+        if len(encoded) != length:
+            raise CodecError(f"raw shard of {len(encoded)} bytes, expected {length}", source)
+        return bytes(encoded)
+    if encoding not in (ZSTD, XOR_ZSTD):
+        raise LocalProtocolError(f"unknown encoding {encoding!r}")
+    if encoding == XOR_ZSTD and (base is None or len(base) != length):
+        raise LocalProtocolError("xor-zstd needs a base shard of the same length")
+    try:
+        params = zstandard.get_frame_parameters(bytes(encoded[:18]))
+    except zstandard.ZstdError as exc:
+        raise CodecError(f"not a zstd frame: {exc}", source) from exc
+    if params.content_size != length:
+        raise CodecError(
+            f"zstd frame declares {params.content_size} bytes, expected {length}", source
+        )
+    if params.window_size > MAX_WINDOW_BYTES:
+        raise CodecError(
+            f"zstd window of {params.window_size} bytes over the {MAX_WINDOW_BYTES} cap", source
+        )
+    dctx = zstandard.ZstdDecompressor(max_window_size=MAX_WINDOW_BYTES)
+    try:
+        out = dctx.decompress(bytes(encoded), max_output_size=length)
+    except zstandard.ZstdError as exc:
+        raise CodecError(f"zstd frame does not decode: {exc}", source) from exc
+    if len(out) != length:
+        raise CodecError(f"decoded {len(out)} bytes, expected {length}", source)
+    if encoding == XOR_ZSTD:
+        assert base is not None
+        return xor_bytes(out, base)
+    return out
+
+
+def changed_fraction_bf16(
+    a: bytes | bytearray | memoryview, b: bytes | bytearray | memoryview
+) -> float:
+    """Share of 2-byte (bf16) elements that differ between two equal-length buffers."""
+    n = (len(a) // 2) * 2
+    if n == 0:
+        return 0.0
+    x = np.frombuffer(a[:n], dtype=np.uint16)
+    y = np.frombuffer(b[:n], dtype=np.uint16)
+    return float(np.count_nonzero(x != y)) / (n // 2)
