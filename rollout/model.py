@@ -102,6 +102,17 @@ PRESETS: dict[str, dict[str, Any]] = {
         "num_key_value_heads": 4,
         "max_position_embeddings": 2048,
     },
+    # TinyLlama-1.1B's shape (22 layers): 1.10 G parameters, 2.05 GiB in bf16 — the
+    # "real-architecture checkpoint of at least 2 GiB" of the broadcast benchmark.
+    "real-2b": {
+        "vocab_size": 32000,
+        "hidden_size": 2048,
+        "intermediate_size": 5632,
+        "num_hidden_layers": 22,
+        "num_attention_heads": 32,
+        "num_key_value_heads": 4,
+        "max_position_embeddings": 2048,
+    },
 }
 """Preset name → ``LlamaConfig`` keyword arguments (in addition to the shared ones)."""
 
