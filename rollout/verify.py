@@ -109,9 +109,12 @@ class ValidatorConfig:
     async_level: int = 2
     reward_tolerance: float = 1e-6
     logprob_tolerance: float = 0.05
-    logprob_max_tolerance: float = 1.0
+    logprob_max_tolerance: float = 0.1
     toploc: ToplocConfig = field(default_factory=ToplocConfig)
     toploc_thresholds: ToplocThresholds = field(default_factory=ToplocThresholds)
+    toploc_prefill_thresholds: ToplocThresholds = field(
+        default_factory=lambda: ToplocThresholds(8, 0.25, 1.0)
+    )
     check_model: bool = True
 
 
@@ -348,10 +351,17 @@ def _check_proof(c: ValidatorConfig, s: Sample, prefill: Bits, decode: Bits, psi
         )
     except ShardnetError as exc:
         raise Reject("toploc", str(exc)) from exc
-    verdict = judge(results, c.toploc_thresholds)
-    if not verdict.passed:
-        worst = results[verdict.worst_chunk] if verdict.worst_chunk is not None else None
-        raise Reject("toploc", f"{verdict.reason} in chunk {verdict.worst_chunk}: {worst}")
+    # Chunk 0 is the prefill (unless skipped), judged with its own thresholds.
+    first = 0 if c.toploc.skip_prefill else 1
+    parts = [(0, results[:first], c.toploc_prefill_thresholds)] if first else []
+    if results[first:] or not first:  # no decode chunk at all is fine after a prefill chunk
+        parts.append((first, results[first:], c.toploc_thresholds))
+    for offset, part, thresholds in parts:
+        verdict = judge(part, thresholds)
+        if not verdict.passed:
+            n = None if verdict.worst_chunk is None else offset + verdict.worst_chunk
+            worst = None if n is None else results[n]
+            raise Reject("toploc", f"{verdict.reason} in chunk {n}: {worst}")
 
 
 def _check_sampling(c: ValidatorConfig, s: Sample, logprobs: list[float]) -> None:

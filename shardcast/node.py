@@ -14,7 +14,7 @@ It owns, for the duration of :meth:`ShardcastNode.open`:
 from __future__ import annotations
 
 import logging
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -25,11 +25,18 @@ from p2p import wire
 from p2p.errors import ConfigError, ShardnetError, short_id
 from p2p.host import HostConfig, P2PNode
 from p2p.http_client import HttpClient
-from p2p.http_server import HttpServer, HttpServerConfig, open_http_server
+from p2p.http_server import (
+    HttpRequest,
+    HttpResponse,
+    HttpServer,
+    HttpServerConfig,
+    open_http_server,
+)
 from p2p.identity import Identity
 from p2p.trust import TrustList
 from shardcast.manifest import check_run_id
 from shardcast.messages import INFO_PROTOCOL, MAX_INFO_BYTES, NodeInfo, VersionAnnouncement
+from shardcast.metrics import CONTENT_TYPE, registry_for, render
 from shardcast.serve import PEER_HEADER, VersionServer
 from shardcast.store import VersionStore
 
@@ -108,12 +115,24 @@ class ShardcastNode:
         server = VersionServer(
             store, trust, wait_s=config.serve_wait_s, serve_once_s=config.serve_once_s
         )
+        routes: dict[str, Callable[[], Awaitable[HttpResponse]]] = {}
+
+        async def handle(req: HttpRequest) -> HttpResponse:
+            route = routes.get(req.path)
+            return await (route() if route is not None else server.handle(req))
+
         async with (
             P2PNode.open(identity, config.host) as p2p,
-            open_http_server(server.handle, config.http) as http,
+            open_http_server(handle, config.http) as http,
             HttpClient(headers={PEER_HEADER: identity.peer_id}) as client,
         ):
             node = cls(identity, trust, config, p2p, http, client, store, server)
+            registry = registry_for(node)
+
+            async def metrics() -> HttpResponse:
+                return HttpResponse(200, [("content-type", CONTENT_TYPE)], render(registry))
+
+            routes["/metrics"] = metrics
             p2p.serve(
                 INFO_PROTOCOL,
                 node._on_info,

@@ -253,6 +253,82 @@ def trainer(
 
 
 @app.command()
+def origin(
+    watch: Annotated[
+        Path | None,
+        Opt(
+            help="Directory whose step-<N>/ checkpoint subdirectories (HF layout) "
+            "are published once they contain the ready marker."
+        ),
+    ] = None,
+    ready_marker: Annotated[str | None, Opt(help="Marker file name (default DONE).")] = None,
+    shard_size: Annotated[int | None, Opt(help="Shard size, bytes.")] = None,
+    shards_per_part: Annotated[int | None, Opt(help="Shards per signed manifest part.")] = None,
+    anchor_every: Annotated[int | None, Opt(help="A full version every N steps.")] = None,
+    deltas: Annotated[
+        bool | None, Opt("--deltas/--no-deltas", help="Offer xor-zstd deltas.")
+    ] = None,
+    zstd: Annotated[bool | None, Opt("--zstd/--no-zstd", help="Also offer zstd shards.")] = None,
+    serve_once: Annotated[float | None, Opt(help="Super-seeding window, seconds.")] = None,
+    config: ConfigOpt = None,
+    data_dir: DataDirOpt = None,
+    key: KeyOpt = None,
+    run_id: RunOpt = None,
+    listen: ListenOpt = None,
+    http_host: HttpHostOpt = None,
+    http_port: HttpPortOpt = None,
+    upload_limit: UploadOpt = None,
+    keep_last: KeepOpt = None,
+    report: ReportOpt = None,
+    ready_file: ReadyOpt = None,
+    log_level: LevelOpt = None,
+    log_json: JsonOpt = None,
+) -> None:
+    """Run a standalone origin: publish checkpoints written by any trainer (HF layout).
+
+    Its key is the run's trainer key (relays and peers pin its PeerID). Files are hard-linked
+    into the origin's store, so WATCH is left as it is.
+    """
+    from shardnet.config import OriginSettings, load_settings
+    from shardnet.roles import run_origin
+
+    try:
+        s = load_settings(
+            OriginSettings,
+            config,
+            {
+                **_common(
+                    data_dir,
+                    key,
+                    run_id,
+                    listen,
+                    http_host,
+                    http_port,
+                    upload_limit,
+                    keep_last,
+                    report,
+                    ready_file,
+                    log_level,
+                    log_json,
+                ),
+                **_overrides(
+                    watch=watch,
+                    ready_marker=ready_marker,
+                    shard_size_bytes=shard_size,
+                    shards_per_part=shards_per_part,
+                    anchor_every=anchor_every,
+                    deltas=deltas,
+                    zstd=zstd,
+                    serve_once_s=serve_once,
+                ),
+            },
+        )
+    except ShardnetError as exc:
+        _fail(exc)
+    _run(run_origin, s, "origin")
+
+
+@app.command()
 def relay(
     upstream: Annotated[
         list[str] | None,

@@ -213,3 +213,30 @@ def load_settings(cls: type[S], config_file: Path | None, overrides: dict[str, A
         raise ConfigError(field, err["msg"]) from exc
     except ValueError as exc:  # TOML syntax errors
         raise ConfigError("config", f"{config_file}: {exc}") from exc
+
+
+class OriginSettings(CommonSettings):
+    """``shardnet origin``: publish checkpoint directories written by an external trainer."""
+
+    role: ClassVar[str] = "origin"
+    watch: Path = Field(..., description="directory whose step-<N>/ subdirectories are published")
+    ready_marker: str = Field("DONE", description="file that marks a step-<N>/ as complete")
+    poll_interval_s: float = Field(0.5, gt=0, description="how often WATCH is scanned")
+    shard_size_bytes: int = Field(32 << 20, ge=4096, description="shard size of versions")
+    shards_per_part: int = Field(16, ge=1, description="shards per signed manifest part")
+    anchor_every: int = Field(10, ge=1, description="a full version every N steps")
+    deltas: bool = Field(True, description="offer xor-zstd deltas against the last version")
+    zstd: bool = Field(False, description="also offer zstd of every shard (slow links)")
+    serve_once_s: float | None = Field(
+        5.0, gt=0, description="super-seeding window (unset: serve every request)"
+    )
+
+    def origin_config(self) -> OriginConfig:
+        """How versions are published."""
+        return OriginConfig(
+            shard_size=self.shard_size_bytes,
+            shards_per_part=self.shards_per_part,
+            anchor_every=self.anchor_every,
+            deltas=self.deltas,
+            zstd=self.zstd,
+        )

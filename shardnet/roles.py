@@ -24,7 +24,7 @@ from typing import TYPE_CHECKING, Any
 
 import trio
 
-from shardnet.config import PeerSettings, RelaySettings, TrainerSettings
+from shardnet.config import OriginSettings, PeerSettings, RelaySettings, TrainerSettings
 from shardnet.progress import DownloadProgress
 
 if TYPE_CHECKING:
@@ -237,3 +237,70 @@ def make_engine(name: str) -> Engine:
             )
         return VllmEngine()
     raise ConfigError("engine", f"unknown engine {name!r} (available: transformers, vllm)")
+
+
+def _stage(src: Path, dst: Path) -> None:
+    """Hard-link (or copy, across file systems) the regular files of ``src`` into ``dst``."""
+    import shutil
+
+    shutil.rmtree(dst, ignore_errors=True)
+    dst.mkdir(parents=True)
+    for entry in os.scandir(src):
+        if entry.is_file(follow_symlinks=False) and not entry.name.startswith("."):
+            try:
+                os.link(entry.path, dst / entry.name)
+            except OSError:
+                shutil.copy2(entry.path, dst / entry.name)
+
+
+async def run_origin(s: OriginSettings) -> int:
+    """``shardnet origin``: publish each complete ``WATCH/step-<N>/`` in step order."""
+    import re
+
+    from p2p.trust import TrustList
+    from shardcast.node import ShardcastNode
+    from shardcast.origin import Origin
+
+    identity = s.identity()
+    trust = TrustList(trainer=identity.peer_id)
+    published: list[dict[str, Any]] = []
+
+    async def body() -> None:
+        node_cfg = dataclasses.replace(s.node_config(), serve_once_s=s.serve_once_s)
+        async with ShardcastNode.open(identity, trust, node_cfg) as node:
+            origin = Origin(node, s.origin_config())
+            emit_ready("origin", node, s.ready_file)
+            latest = node.store.latest()
+            while True:
+                ready = []
+                if s.watch.is_dir():
+                    for entry in os.scandir(s.watch):
+                        m = re.fullmatch(r"step-(\d+)", entry.name)
+                        if m and entry.is_dir() and (Path(entry.path) / s.ready_marker).exists():
+                            step = int(m.group(1))
+                            if latest is None or step > latest:
+                                ready.append(step)
+                for step in sorted(ready):
+                    staging = s.data_dir / "staging" / f"step-{step}"
+                    await trio.to_thread.run_sync(_stage, s.watch / f"step-{step}", staging)
+                    result = await origin.publish(staging, step)
+                    latest = step
+                    published.append(
+                        {
+                            "step": step,
+                            "manifest_digest": result.manifest.digest,
+                            "size_bytes": result.manifest.total_bytes,
+                            "hash_s": result.hash_s,
+                            "encoded_bytes": result.encoded_bytes,
+                        }
+                    )
+                await trio.sleep(s.poll_interval_s)
+
+    try:
+        await until_signal(body)
+    finally:
+        if s.report is not None:
+            write_json_atomic(
+                s.report, {"role": "origin", "peer_id": identity.peer_id, "published": published}
+            )
+    return 0

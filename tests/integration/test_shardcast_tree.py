@@ -98,3 +98,20 @@ async def _open_node(
     async with ShardcastNode.open(ident, trust(), NodeConfig("peer", "run", data)) as node:
         task_status.started(node)
         await trio.sleep_forever()
+
+
+async def test_metrics_endpoint(tmp_path: Path) -> None:
+    from p2p.http_client import HttpClient
+
+    async with (
+        ShardcastNode.open(TRAINER, trust(), NodeConfig("trainer", "run", tmp_path)) as o,
+        HttpClient() as client,
+    ):
+        await Origin(o, OriginConfig(shard_size=64 * 1024)).publish(
+            make_checkpoint(tmp_path / "ck", SIZES), 0
+        )
+        text = (
+            await client.get_bytes(o.http.url + "/metrics", max_bytes=1 << 20, timeout_s=5)
+        ).decode()
+        assert "shardnet_http_sent_bytes_total" in text
+        assert "shardnet_latest_committed_step 0.0" in text

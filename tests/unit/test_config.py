@@ -11,10 +11,21 @@ from typer.testing import CliRunner
 
 from p2p.errors import ConfigError
 from shardnet.cli import app
-from shardnet.config import PeerSettings, RelaySettings, TrainerSettings, load_settings
+from shardnet.config import (
+    OriginSettings,
+    PeerSettings,
+    RelaySettings,
+    TrainerSettings,
+    load_settings,
+)
 
 CONFIGS = Path(__file__).resolve().parents[2] / "configs"
-SAMPLES = {"trainer.toml": TrainerSettings, "relay.toml": RelaySettings, "peer.toml": PeerSettings}
+SAMPLES = {
+    "trainer.toml": TrainerSettings,
+    "relay.toml": RelaySettings,
+    "peer.toml": PeerSettings,
+    "origin.toml": OriginSettings,
+}
 
 
 @pytest.mark.parametrize("name", sorted(SAMPLES))
@@ -61,7 +72,9 @@ def test_trust_rejects_malformed_trainer_id() -> None:
         s.trust()
 
 
-@pytest.mark.parametrize("cmd", ["keygen", "trainer", "relay", "peer", "demo"])
+@pytest.mark.parametrize(
+    "cmd", ["keygen", "trainer", "relay", "peer", "origin", "demo", "checkpoint"]
+)
 def test_help_documents_every_option(cmd: str) -> None:
     result = CliRunner().invoke(app, [cmd, "--help"])
     assert result.exit_code == 0
