@@ -45,6 +45,7 @@ from p2p.http_server import FileSlice, HttpRequest, HttpResponse, file_response
 from p2p.trust import TrustList
 from shardcast.codecs import XOR_ZSTD, ZSTD
 from shardcast.manifest import Manifest
+from shardcast.policy import SuperSeeding
 from shardcast.store import VersionStore
 
 log = logging.getLogger(__name__)
@@ -106,9 +107,8 @@ class VersionServer:
         self.serve_once_s = serve_once_s
         self._live: dict[int, _Live] = {}
         self._manifests: dict[int, Manifest] = {}
-        self._served_to: dict[tuple[int, int], tuple[str, float]] = {}
+        self._seeding = SuperSeeding(serve_once_s)
         self.bytes_by_step: dict[int, int] = {}
-        self.refused_once = 0
 
     # -- registration -----------------------------------------------------------------------
 
@@ -127,6 +127,11 @@ class VersionServer:
         live = self._live.pop(step, None)
         if live is not None:
             live.wake()
+
+    @property
+    def refused_once(self) -> int:
+        """Requests refused by super-seeding so far."""
+        return self._seeding.refused
 
     def in_progress(self) -> list[int]:
         """Steps being filled."""
@@ -215,18 +220,9 @@ class VersionServer:
 
     def _refuse_repeat(self, req: HttpRequest, step: int, shards: range) -> bool:
         """Origin super-seeding: True if these shards went to another requester recently."""
-        if self.serve_once_s is None:
-            return False
-        who = req.headers.get(PEER_HEADER, "")
-        now = trio.current_time()
-        for i in shards:
-            prev = self._served_to.get((step, i))
-            if prev is not None and prev[0] != who and now - prev[1] < self.serve_once_s:
-                self.refused_once += 1
-                return True
-        for i in shards:
-            self._served_to.setdefault((step, i), (who, now))
-        return False
+        return not self._seeding.allow(
+            req.headers.get(PEER_HEADER, ""), step, shards, trio.current_time()
+        )
 
     async def _file(self, req: HttpRequest, step: int, m: Manifest, name: str) -> HttpResponse:
         try:

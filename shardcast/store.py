@@ -44,6 +44,7 @@ from p2p.errors import IntegrityError, LocalProtocolError
 from p2p.trust import TrustList
 from shardcast.manifest import MANIFEST_FILE, Manifest, check_run_id
 from shardcast.plan import BLOB_DIR
+from shardcast.policy import versions_to_prune
 
 log = logging.getLogger(__name__)
 
@@ -198,12 +199,9 @@ class VersionStore:
         Returns:
             the removed steps.
         """
-        steps = self.committed_steps()
         removed = []
         with self._lock:
-            for step in steps[: max(0, len(steps) - self.keep_last)]:
-                if step in self._pins:
-                    continue
+            for step in versions_to_prune(self.committed_steps(), self.keep_last, self._pins):
                 victim = self.run_dir / f".removing-step-{step}"
                 os.rename(self.version_dir(step), victim)  # disappears atomically
                 shutil.rmtree(victim, ignore_errors=True)

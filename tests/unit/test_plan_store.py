@@ -159,3 +159,24 @@ def test_adopt_checks_digests(tmp_path: Path) -> None:
         store.adopt(ck, m)
     assert store.committed_steps() == []
     assert os.path.exists(ck)
+
+
+def test_retention_policy_is_pure() -> None:
+    from shardcast.policy import versions_to_prune
+
+    assert versions_to_prune([1, 2, 3, 4, 5], 2, []) == [1, 2, 3]
+    assert versions_to_prune([1, 2, 3, 4, 5], 2, [2]) == [1, 3]
+    assert versions_to_prune([1], 3, []) == []
+
+
+def test_super_seeding_policy() -> None:
+    from shardcast.policy import SuperSeeding
+
+    s = SuperSeeding(window_s=5.0)
+    assert s.allow("relay1", 0, [1, 2], now=0.0)
+    assert s.allow("relay1", 0, [1], now=1.0)  # the same requester retrying
+    assert not s.allow("relay2", 0, [2], now=1.0)  # someone else: fetch it from relay1
+    assert s.allow("relay2", 0, [3], now=1.0)
+    assert s.allow("relay2", 0, [2], now=5.5)  # the window passed
+    assert s.refused == 1
+    assert SuperSeeding(None).allow("x", 0, [1], 0.0)
