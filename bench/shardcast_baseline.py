@@ -34,6 +34,25 @@ How SHARDCAST is driven (see ``_LAUNCHER``, a 40-line shim run by the other venv
   version (``client_start="listed"``; ``"immediate"``: as soon as ``broadcast()`` returns)
   and restarts it after ``restart_delay_s`` whenever it exits without a verified copy.
 
+Crashes and restarts (all reproduced here; counted per version in the result):
+
+- every SHARDCAST process first downloads ``data1.bin`` from each of its servers into the
+  fixed path ``/tmp/dummy.tmp`` and renames it to ``/tmp/dummy.bin``: a server without that
+  file makes the process die (``Exception: Failed to download dummy file``), and processes
+  probing at once on one machine race on those paths (the same exception, from a
+  ``FileNotFoundError``). Clients also share ``site-packages/temp_distribution.txt``.
+- the probe's size over its time seeds the weight of each server; a server whose probe read
+  0 bytes (an empty ``data1.bin``, or one truncated by a concurrent prober) gets weight 0,
+  and with every weight 0 the client dies (``ValueError: Total of weights must be greater
+  than zero``) while a middle node keeps running but logs that error every check interval
+  and never fetches again: after ``stuck_after`` such errors in a row the harness kills and
+  restarts it (outcome ``stuck``).
+- a client that finds the version unlisted exits 1 (``Version vN not found``), as it does
+  when a download or the checksum fails; the harness classifies exits as ``crash`` (an
+  uncaught exception) or ``failure`` (a logged error, exit 1) and restarts the client.
+- ``isolate_scratch=True`` (root) gives each process its own ``/tmp`` (private mount
+  namespace) and its own ``temp_distribution`` directory, as on separate machines.
+
 Completion: a client holds a verified copy when it logs ``Checksum verification passed for
 <file>`` (SHARDCAST's whole-file BLAKE3 check, after reassembly); the harness reads every
 process's log through a pipe as it is written, so nothing polls, and takes the time from
@@ -49,6 +68,10 @@ This was chosen over ``/proc/<pid>/io`` (``wchar`` does not count ``send()``, wh
 ``http.server`` uses, and counts file writes) and over a counting TCP proxy (an extra
 loopback copy of every byte on a 2-core machine would slow what is being measured).
 It was cross-checked against ``lo``'s tx_bytes in a private network namespace.
+
+Teardown: each process runs in its own process group; groups get SIGTERM then SIGKILL, then
+/proc is searched for anything left in those groups (reported, and killed). The launcher
+also kills its own group if the harness dies. The CLI tears down on SIGTERM and SIGHUP.
 """
 
 from __future__ import annotations
@@ -340,13 +363,6 @@ class _ServerStats:
     responses: collections.Counter[str] = field(default_factory=collections.Counter)
     unknown_size: int = 0
 
-    def snapshot(self) -> dict[str, Any]:
-        return {
-            "bytes_by_kind": dict(self.bytes_by_kind),
-            "responses": dict(self.responses),
-            "unknown_size": self.unknown_size,
-        }
-
 
 @dataclass
 class _Proc:
@@ -386,7 +402,7 @@ def _classify_exit(proc: _Proc) -> tuple[str, str]:
     last = next((line for line in reversed(proc.tail) if line.strip()), "")
     if last and not _LOG_RE.match(last) and not last.startswith(" "):
         return "crash", last[:300]  # an uncaught exception's last line
-    return "failure", (proc.errors[-1] if proc.errors else last)[:300]
+    return "failure", (proc.errors[0] if proc.errors else last)[:300]  # the first is the cause
 
 
 class ShardcastTree:
@@ -771,6 +787,7 @@ class ShardcastTree:
             if p.process is not None
         }
         bytes0 = {p.name: dict(p.stats.bytes_by_kind) for p in [self.origin, *self.middles]}
+        codes0 = {p.name: dict(p.stats.responses) for p in [self.origin, *self.middles]}
         n_published = sum(1 for r in self.responses if r.get("event") == "broadcast")
         n_exits = len(self.middle_exits)
         packed, sha256, size, is_temp = await trio.to_thread.run_sync(
@@ -882,6 +899,9 @@ class ShardcastTree:
                 "bytes_by_kind": delta,
                 "shard_bytes_this_version": p.stats.shard_bytes_by_version[version],
                 "shard_gets_this_version": p.stats.shard_gets_by_version[version],
+                "http_responses": {
+                    k: n - codes0[p.name].get(k, 0) for k, n in p.stats.responses.items()
+                },
             }
         return {
             "version": version,
@@ -912,6 +932,8 @@ class ShardcastTree:
             "client_failures": sum(c["failures"] for c in clients),
             "client_restarts": sum(c["restarts"] for c in clients),
             "middle_restarts": [{**e, "at": rel(e["at"])} for e in self.middle_exits[n_exits:]],
+            "origin_bytes": servers["origin"]["bytes_sent"],
+            "middle_bytes": [servers[m.name]["bytes_sent"] for m in self.middles],
             "bytes": servers,
             "bytes_ideal": {"origin": cfg.middles * size, "middles_total": cfg.clients * size},
             "cpu_s": cpu,
@@ -957,7 +979,9 @@ class ShardcastTree:
             "processes_started": len(self.all_procs),
             "leftover_pids_killed": leftovers,
             "server_cpu_s_total": {k: v for k, v in cpu.items() if v is not None},
-            "middle_restarts": self.middle_exits,
+            "middle_restarts": [
+                {**e, "at": round(e["at"] - self.started_wall, 3)} for e in self.middle_exits
+            ],  # "at": seconds since the tree started
             "server_errors_logged": {
                 p.name: p.errors[-5:] for p in self.all_procs if p.role != "client" and p.errors
             },
@@ -984,22 +1008,37 @@ async def shardcast_tree(
             nursery.cancel_scope.cancel()
 
 
+def _remove_data(workdir: Path) -> None:
+    for sub in workdir.iterdir():
+        if sub.is_dir() and sub.name != "logs":
+            shutil.rmtree(sub, ignore_errors=True)
+
+
 async def arun_shardcast(
     checkpoint_dir: Path | str,
     workdir: Path | str,
     *,
     next_checkpoints: Sequence[Path | str] = (),
-    timeout_s: float = 900.0,
+    timeout_s: float = 600.0,
+    keep_data: bool = False,
     **config: Any,
 ) -> dict[str, Any]:
-    """Start a tree, publish ``checkpoint_dir`` then each of ``next_checkpoints``, tear down."""
+    """Start a tree, publish ``checkpoint_dir`` then each of ``next_checkpoints``, tear down.
+
+    ``timeout_s`` bounds each version; ``config`` sets :class:`TreeConfig` fields. Unless
+    ``keep_data``, the shard copies in ``workdir`` are removed at the end (logs are kept).
+    """
     cfg = TreeConfig(**config)
     versions = []
     started = time.time()
-    async with shardcast_tree(workdir, cfg) as tree:
-        t_ready = time.time()
-        for ckpt in [checkpoint_dir, *next_checkpoints]:
-            versions.append(await tree.publish(ckpt, timeout_s=timeout_s))
+    try:
+        async with shardcast_tree(workdir, cfg) as tree:
+            t_ready = time.time()
+            for ckpt in [checkpoint_dir, *next_checkpoints]:
+                versions.append(await tree.publish(ckpt, timeout_s=timeout_s))
+    finally:
+        if not keep_data:
+            _remove_data(Path(workdir))
     teardown = tree.teardown
     return {
         "system": "shardcast",
@@ -1056,8 +1095,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     )
     ap.add_argument("--size-mib", type=int, help="make test checkpoints of this size instead")
     ap.add_argument("--versions", type=int, default=2, help="test checkpoints to make")
-    ap.add_argument("--workdir", help="default: a fresh dir in /dev/shm, removed afterwards")
-    ap.add_argument("--keep-workdir", action="store_true")
+    ap.add_argument(
+        "--workdir",
+        help="kept afterwards with the logs (default: a fresh dir in /dev/shm, removed)",
+    )
+    ap.add_argument("--keep-data", action="store_true", help="keep the shard copies too")
     ap.add_argument("--venv", default=DEFAULT_VENV)
     ap.add_argument("--middles", type=int, default=2)
     ap.add_argument("--clients", type=int, default=4)
@@ -1108,14 +1150,13 @@ def main(argv: Sequence[str] | None = None) -> int:
                 probe_bytes=args.probe_bytes,
                 verify_sha256=not args.no_verify,
                 isolate_scratch=args.isolate_scratch,
+                keep_data=args.keep_data,
             )
         )
         if result is None:
             print("interrupted; every process stopped", file=sys.stderr)
             return 143
     finally:
-        if not args.keep_workdir:
-            shutil.rmtree(workdir, ignore_errors=True)
         shutil.rmtree(tmp_root, ignore_errors=True)
     text = json.dumps(result, indent=2)
     print(text)

@@ -1,0 +1,42 @@
+"""The main job, as a user runs it: `shardnet demo` starts and stops real processes."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+
+def test_demo_two_steps_end_to_end(tmp_path: Path) -> None:
+    report = tmp_path / "r.json"
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "shardnet.cli",
+            "demo",
+            "--steps",
+            "2",
+            "--report",
+            str(report),
+            "--workdir",
+            str(tmp_path / "w"),
+            "--timeout",
+            "400",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=500,
+        check=False,
+    )
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    r = json.loads(report.read_text())
+    assert r["ok"] is True and r["problems"] == []
+    assert [s["step"] for s in r["steps"]] == [0, 1, 2]
+    for s in r["steps"]:
+        assert len(s["peers_committed"]) == 3 and s["broadcast_s"] is not None
+    assert r["trainer"]["trained_samples"] == r["trainer"]["trained_verified_samples"] > 0
+    # every node process is gone
+    ps = subprocess.run(["ps", "-eo", "args"], capture_output=True, text=True, check=True)
+    assert str(tmp_path / "w") not in ps.stdout
