@@ -32,10 +32,12 @@ def test_demo_two_steps_end_to_end(tmp_path: Path) -> None:
     )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     r = json.loads(report.read_text())
-    assert r["ok"] is True and r["problems"] == []
+    assert r["ok"] is True
+    assert r["problems"] == []
     assert [s["step"] for s in r["steps"]] == [0, 1, 2]
     for s in r["steps"]:
-        assert len(s["peers_committed"]) == 3 and s["broadcast_s"] is not None
+        assert len(s["peers_committed"]) == 3
+        assert s["broadcast_s"] is not None
     assert r["trainer"]["trained_samples"] == r["trainer"]["trained_verified_samples"] > 0
     # every node process is gone
     ps = subprocess.run(["ps", "-eo", "args"], capture_output=True, text=True, check=True)
