@@ -44,25 +44,39 @@ class CodecError(IntegrityError):
     """Encoded bytes that cannot be decoded within bounds (the sender's fault)."""
 
 
-def xor_bytes(a: bytes | bytearray | memoryview, b: bytes | bytearray | memoryview) -> bytes:
-    """Bytewise XOR of two equal-length buffers.
+Buffer = bytes | bytearray | memoryview
+
+
+def xor_bytes(a: Buffer, b: Buffer, out: bytearray | memoryview | None = None) -> memoryview:
+    """Bytewise XOR of two equal-length buffers, written into ``out`` (or a new buffer).
+
+    ``out`` may be ``b`` itself (in-place) when ``b`` is writable; no other copy is made.
 
     Raises:
-        LocalProtocolError: lengths differ.
+        LocalProtocolError: lengths differ, or ``out`` is too short.
     """
     if len(a) != len(b):
         raise LocalProtocolError(f"xor of {len(a)} and {len(b)} bytes")
-    x = np.frombuffer(a, dtype=np.uint8)
-    y = np.frombuffer(b, dtype=np.uint8)
-    return np.bitwise_xor(x, y).tobytes()
+    if out is None:
+        out = bytearray(len(a))
+    if len(out) < len(a):
+        raise LocalProtocolError("xor output buffer too short")
+    view = memoryview(out)[: len(a)]
+    np.bitwise_xor(
+        np.frombuffer(a, dtype=np.uint8),
+        np.frombuffer(b, dtype=np.uint8),
+        out=np.frombuffer(view, dtype=np.uint8),
+    )
+    return view
 
 
 def encode(
     encoding: str,
-    raw: bytes | bytearray | memoryview,
-    base: bytes | bytearray | memoryview | None = None,
+    raw: Buffer,
+    base: Buffer | None = None,
     level: int = DEFAULT_LEVEL,
     threads: int = 0,
+    scratch: bytearray | None = None,
 ) -> bytes:
     """Encode one shard.
 
@@ -72,6 +86,8 @@ def encode(
         base: for ``xor-zstd``, the same range of the base version (same length).
         level: zstd level.
         threads: zstd worker threads (0: single-threaded).
+        scratch: a reusable buffer of at least ``len(raw)`` bytes for the XOR (saves an
+            allocation per shard); its content is overwritten.
 
     Returns:
         the encoded bytes (a zstd frame with its content size recorded).
@@ -79,12 +95,13 @@ def encode(
     Raises:
         LocalProtocolError: unknown encoding, or a missing/mis-sized base.
     """
+    data: Buffer
     if encoding == ZSTD:
-        data = bytes(raw)
+        data = raw
     elif encoding == XOR_ZSTD:
         if base is None:
             raise LocalProtocolError("xor-zstd needs the base shard")
-        data = xor_bytes(raw, base)
+        data = xor_bytes(raw, base, scratch)
     else:
         raise LocalProtocolError(f"cannot encode {encoding!r}")
     cctx = zstandard.ZstdCompressor(level=level, write_content_size=True, threads=threads)
@@ -93,11 +110,12 @@ def encode(
 
 def decode(
     encoding: str,
-    encoded: bytes | bytearray | memoryview,
+    encoded: Buffer,
     length: int,
-    base: bytes | bytearray | memoryview | None = None,
+    base: Buffer | None = None,
     source: str = "",
-) -> bytes:
+    out: bytearray | memoryview | None = None,
+) -> Buffer:
     """Decode one shard of ``length`` bytes.
 
     Args:
@@ -106,6 +124,7 @@ def decode(
         length: the shard's decoded length (from the manifest).
         base: for ``xor-zstd``, the base version's bytes of the same range.
         source: who sent the bytes (for errors).
+        out: for ``xor-zstd``, where to write the result (may be ``base`` itself, in place).
 
     Returns:
         the decoded shard bytes (the caller checks their digest).
@@ -118,7 +137,7 @@ def decode(
     if encoding == RAW:
         if len(encoded) != length:
             raise CodecError(f"raw shard of {len(encoded)} bytes, expected {length}", source)
-        return bytes(encoded)
+        return encoded
     if encoding not in (ZSTD, XOR_ZSTD):
         raise LocalProtocolError(f"unknown encoding {encoding!r}")
     if encoding == XOR_ZSTD and (base is None or len(base) != length):
@@ -137,15 +156,15 @@ def decode(
         )
     dctx = zstandard.ZstdDecompressor(max_window_size=MAX_WINDOW_BYTES)
     try:
-        out = dctx.decompress(bytes(encoded), max_output_size=length)
+        plain = dctx.decompress(encoded, max_output_size=length)
     except zstandard.ZstdError as exc:
         raise CodecError(f"zstd frame does not decode: {exc}", source) from exc
-    if len(out) != length:
-        raise CodecError(f"decoded {len(out)} bytes, expected {length}", source)
+    if len(plain) != length:
+        raise CodecError(f"decoded {len(plain)} bytes, expected {length}", source)
     if encoding == XOR_ZSTD:
         assert base is not None
-        return xor_bytes(out, base)
-    return out
+        return xor_bytes(plain, base, out)
+    return plain
 
 
 def changed_fraction_bf16(

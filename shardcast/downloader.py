@@ -154,7 +154,7 @@ class _Buf:
 @dataclass
 class _Base:
     step: int
-    read: Callable[[str, int, int], bytes]
+    read: Callable[[str, int, int], bytearray]
 
 
 class Downloader:
@@ -578,7 +578,8 @@ class Downloader:
         if enc == codecs.XOR_ZSTD:
             assert base is not None
             base_bytes = base.read(entry.file, entry.offset, entry.length)
-        raw = codecs.decode(enc, data, entry.length, base_bytes, source)
+        # xor-zstd decodes in place into the base buffer: no copy of the shard is made
+        raw = codecs.decode(enc, data, entry.length, base_bytes, source, out=base_bytes)
         try:
             return part.write_shard(entry.index, raw, source, blobs={enc: bytes(data)})
         except IntegrityError as exc:

@@ -200,6 +200,7 @@ def hash_parts(
     encs: list[tuple[Encoded, ...]] = []
     file_digests = {f.name: EMPTY_DIGEST for f in header.files if f.size == 0}
     buf = bytearray(header.shard_size)
+    scratch = bytearray(header.shard_size if encodings else 0)
 
     def emit_ready() -> None:
         # part k goes out once all its shards are hashed (its files' digests are then final)
@@ -236,7 +237,9 @@ def hash_parts(
                         raise CheckpointLayoutError(f"{directory / f.name} changed while hashing")
                     file_hash.update(view)
                     digests.append(blake3.blake3(view, max_threads=blake3.blake3.AUTO).hexdigest())
-                    encs.append(_encode_shard(view, ref, encodings, base_fh, blob_dir, zstd_level))
+                    encs.append(
+                        _encode_shard(view, ref, encodings, base_fh, blob_dir, zstd_level, scratch)
+                    )
                     if ref.offset + ref.length == f.size:
                         file_digests[f.name] = file_hash.hexdigest()
                     emit_ready()
@@ -254,14 +257,17 @@ def _encode_shard(
     base_fh: object,
     blob_dir: Path | None,
     level: int,
+    scratch: bytearray,
 ) -> tuple[Encoded, ...]:
     out = []
     for enc in encodings:
         if enc == codecs.XOR_ZSTD:
             if base_fh is None:
                 continue
-            base_bytes = os.pread(base_fh.fileno(), ref.length, ref.offset)  # type: ignore[attr-defined]
-            data = codecs.encode(enc, view, base_bytes, level)
+            base_view = memoryview(scratch)[: ref.length]
+            if os.preadv(base_fh.fileno(), [base_view], ref.offset) != ref.length:  # type: ignore[attr-defined]
+                continue  # the base file is shorter than announced: offer no delta
+            data = codecs.encode(enc, view, base_view, level, scratch=scratch)
         elif enc == codecs.ZSTD:
             data = codecs.encode(enc, view, level=level)
         else:

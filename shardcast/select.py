@@ -276,12 +276,18 @@ class Scheduler:
         if not idle and any(not s.known and not s.done for s in self._shards):
             return None  # shards wait for their manifest part: no endgame yet
         if idle:
-            avail = {i: self._availability(i) for i in idle}
-            # resumable shards first, then rarest first, ties random
-            order = sorted(
-                idle, key=lambda i: (-self._shards[i].received, avail[i], self._rng.random())
-            )
-            for i in order:
+            avail = self._availability_of(idle)
+            # resumable shards first, then rarest first, ties random (one draw per idle shard,
+            # in index order); the best is usually schedulable, so find it in O(n) and sort
+            # only if it is not (same order as a stable sort of ``keyed``)
+            shards, rand = self._shards, self._rng.random
+            keyed = [((-shards[i].received, avail[i], rand()), i) for i in idle]
+            best = min(keyed)[1]
+            if avail[best]:
+                st = self._pick_source(best, now, set())
+                if st is not None:
+                    return self._start(best, st, now, duplicate=False)
+            for _, i in sorted(keyed)[1:]:
                 if avail[i] == 0:
                     continue
                 st = self._pick_source(i, now, set())
@@ -289,6 +295,17 @@ class Scheduler:
                     return self._start(i, st, now, duplicate=False)
             return None
         return self._endgame(now)
+
+    def _availability_of(self, shards: list[int]) -> dict[int, int]:
+        """:meth:`_availability` of each of ``shards`` in one pass over the sources (the same
+        counts; complete sources are counted once instead of once per shard, which keeps a
+        call O(shards x partial sources) — it matters with thousands of shards)."""
+        live = [s for s in self._sources.values() if not s.banned]
+        base = sum(1 for s in live if s.have is None)
+        partial = [s.have for s in live if s.have is not None]
+        if not partial:
+            return dict.fromkeys(shards, base)
+        return {i: base + sum(1 for h in partial if i in h) for i in shards}
 
     def _availability(self, shard: int) -> int:
         return sum(

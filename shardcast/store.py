@@ -127,17 +127,19 @@ class VersionStore:
         data = (self.version_dir(step) / MANIFEST_FILE).read_bytes()
         return Manifest.decode(data, trust=trust, source=str(self.version_dir(step)))
 
-    def read_range(self, step: int, name: str, offset: int, length: int) -> bytes:
-        """Bytes of a committed version's file (e.g. a delta base); pin the step meanwhile.
+    def read_range(self, step: int, name: str, offset: int, length: int) -> bytearray:
+        """Bytes of a committed version's file (e.g. a delta base), as a fresh writable buffer;
+        pin the step meanwhile.
 
         Raises:
             OSError: not committed, or the file is shorter.
         """
+        buf = bytearray(length)
         with open(self.version_dir(step) / name, "rb", buffering=0) as fh:
-            data = os.pread(fh.fileno(), length, offset)
-        if len(data) != length:
+            got = os.preadv(fh.fileno(), [buf], offset)
+        if got != length:
             raise OSError(f"step {step} {name}: short read at {offset}")
-        return data
+        return buf
 
     def blob_path(self, step: int, index: int, encoding: str) -> Path:
         """Where a committed version keeps shard ``index``'s ``encoding`` blob."""
