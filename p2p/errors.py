@@ -1,7 +1,7 @@
 """One exception hierarchy for shardnet, split by whose fault it is.
 
 Every package raises these (``p2p`` is the bottom layer, so all may import it). Library
-exceptions (libp2p, httpx, h11, OS errors on sockets) are translated once, at the ``p2p``
+exceptions (libp2p, h11, OS errors on sockets) are translated once, at the ``p2p``
 boundary, into the transport errors below; nothing above ``p2p`` catches a libp2p type.
 
 ==========================  =====================================================

@@ -1,18 +1,24 @@
-"""HTTP client of the bulk lane: byte ranges and small bodies over a pooled ``httpx.AsyncClient``.
+"""HTTP client of the bulk lane: byte ranges and small bodies, h11 over pooled trio sockets.
 
 Theory of operation
 -------------------
-A downloader holds one :class:`HttpClient` (one connection pool, keep-alive) and asks each
-source for shard bytes with :meth:`HttpClient.stream_range`, which sends a single
+A downloader holds one :class:`HttpClient` (a pool of keep-alive HTTP/1.1 connections) and
+asks each source for shard bytes with :meth:`HttpClient.stream_range`, which sends a single
 ``Range: bytes=first-last`` and yields exactly the bytes asked for, or raises. The answer is
 checked before any byte is yielded: ``206`` with a ``Content-Range`` naming exactly that range
 (or ``200`` whose body is exactly the range, when it starts at 0), and a ``Content-Length``, if
-any, equal to the length. Small bodies (manifests, indexes) come from
+any, equal to the length. Small bodies (manifests, parts, have-maps) come from
 :meth:`HttpClient.get_bytes` with a size bound checked before and while reading.
+
+The protocol is the ``h11`` library's (the HTTP/1.1 state machine httpx itself uses); this
+module only moves bytes between it and trio sockets, reading 1 MiB at a time. It replaced an
+``httpx.AsyncClient``, which reads 64 KiB per call through several layers of async generators:
+on loopback the same transfer cost 4.3x the client CPU (1.34 vs 0.31 CPU-s per GiB;
+``bench/http_lane.py``), and the client is the hottest code of a broadcast.
 
 The lane is untrusted: the caller checks every byte against the signed manifest. This module
 only guarantees the *amount* and *position* of the bytes, and that every failure is one of
-the typed errors below, translated once from httpx here:
+the typed errors below:
 
 =====================================  ==============================================
 what happened                          raised
@@ -26,28 +32,28 @@ than 503 (the server failed)
 other status, bad ``Content-Range``,   :class:`~p2p.errors.RemoteProtocolError`
 more bytes than asked, malformed head
 body over ``max_bytes``                :class:`~p2p.errors.MessageTooLarge`
-our pool full for ``timeout_s``         :class:`~p2p.errors.TransportError` (the base class)
+our pool full for ``timeout_s``        :class:`~p2p.errors.TransportError` (the base class)
 bad URL, bad arguments                 :class:`~p2p.errors.LocalProtocolError`
 =====================================  ==============================================
 
-``timeout_s`` bounds every wait for the network (connect, each read, each write, a pooled
-connection): a source that sends headers and then stalls fails after ``timeout_s`` without
-progress. A source that keeps trickling bytes is not a stall; bound whole transfers with
-``trio.fail_after`` at the call site.
+``timeout_s`` bounds every wait for the network (connect, each read, each write, a free pool
+slot): a source that sends headers and then stalls fails after ``timeout_s`` without progress.
+A source that keeps trickling bytes is not a stall; bound whole transfers with
+``trio.fail_after`` at the call site. A pooled connection that the server closed while idle is
+detected on reuse and the request is retried once on a fresh connection.
 """
 
 from __future__ import annotations
 
 import time
 from collections import Counter
-from collections.abc import AsyncGenerator, Iterator, Mapping
-from contextlib import contextmanager
+from collections.abc import AsyncGenerator, Mapping
 from dataclasses import dataclass
 from types import MappingProxyType, TracebackType
-from typing import cast
+from urllib.parse import urlsplit
 
 import h11
-import httpx
+import trio
 
 from p2p.errors import (
     LocalProtocolError,
@@ -70,6 +76,8 @@ from p2p.http_range import (
 __all__ = ["HttpClient", "HttpClientStatistics"]
 
 _NOT_AVAILABLE = frozenset({404, 429, 503})
+_RECV_BYTES = 1 << 20
+_MAX_HEAD_BYTES = 64 * 1024
 
 
 @dataclass(frozen=True)
@@ -80,6 +88,36 @@ class HttpClientStatistics:
     requests: int
     bytes_received: int
     errors: Mapping[str, int]
+
+
+class _Conn:
+    """One keep-alive connection: a trio socket stream and its h11 state machine."""
+
+    def __init__(self, key: tuple[str, int], stream: trio.SocketStream) -> None:
+        self.key = key
+        self.stream = stream
+        self.h11 = h11.Connection(h11.CLIENT, max_incomplete_event_size=_MAX_HEAD_BYTES)
+        self.idle_since = 0.0
+        self.reused = False
+
+    async def aclose(self) -> None:
+        with trio.CancelScope(shield=True):
+            await self.stream.aclose()
+
+
+def _target(url: str) -> tuple[str, tuple[str, int], str, str]:
+    """``(source label, (host, port), request target, Host header)`` of an ``http://`` URL."""
+    try:
+        parts = urlsplit(url)
+        port = parts.port or 80
+    except ValueError as exc:
+        raise LocalProtocolError(f"invalid URL {url!r}: {exc}") from exc
+    if parts.scheme != "http" or not parts.hostname:
+        raise LocalProtocolError(f"invalid URL {url!r}: only http://host[:port]/path")
+    host = parts.hostname
+    netloc = f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+    target = (parts.path or "/") + (f"?{parts.query}" if parts.query else "")
+    return f"http://{netloc}", (host, port), target, netloc
 
 
 class HttpClient:
@@ -93,7 +131,8 @@ class HttpClient:
         headers: sent with every request (e.g. ``X-Shardnet-Peer``).
 
     Methods may be called concurrently from several tasks (the pool is shared). Leaving the
-    ``async with`` block closes every connection.
+    ``async with`` block closes every idle connection; connections in use are closed by the
+    call that holds them.
     """
 
     def __init__(
@@ -104,19 +143,14 @@ class HttpClient:
         keepalive_expiry_s: float = 5.0,
         headers: Mapping[str, str] | None = None,
     ) -> None:
-        limits = httpx.Limits(
-            max_connections=max_connections,
-            max_keepalive_connections=max_keepalive_connections,
-            keepalive_expiry=keepalive_expiry_s,
-        )
-        self._client = httpx.AsyncClient(
-            limits=limits,
-            trust_env=False,
-            follow_redirects=False,
-            http1=True,
-            http2=False,
-            headers=dict(headers or {}),
-        )
+        if max_connections < 1 or max_keepalive_connections < 0:
+            raise LocalProtocolError("connection limits must be positive")
+        self._slots = trio.Semaphore(max_connections)
+        self._max_idle = max_keepalive_connections
+        self._expiry_s = keepalive_expiry_s
+        self._headers = [(k.lower(), v) for k, v in (headers or {}).items()]
+        self._idle: list[_Conn] = []
+        self._closed = False
         self._requests = 0
         self._bytes_received = 0
         self._errors: Counter[str] = Counter()
@@ -128,7 +162,6 @@ class HttpClient:
         )
 
     async def __aenter__(self) -> HttpClient:
-        await self._client.__aenter__()
         return self
 
     async def __aexit__(
@@ -137,7 +170,145 @@ class HttpClient:
         exc: BaseException | None,
         tb: TracebackType | None,
     ) -> None:
-        await self._client.__aexit__(exc_type, exc, tb)
+        self._closed = True
+        idle, self._idle = self._idle, []
+        for conn in idle:
+            await conn.aclose()
+
+    # -- connections --------------------------------------------------------------------------
+
+    async def _acquire(
+        self, key: tuple[str, int], source: str, timeout_s: float, fresh: bool
+    ) -> _Conn:
+        if self._closed:
+            raise LocalProtocolError("HttpClient is closed")
+        with trio.move_on_after(timeout_s) as waited:
+            await self._slots.acquire()
+        if waited.cancelled_caught:  # our own pool is full: not the source's fault
+            raise TransportError(source, "no free connection in the local pool")
+        try:
+            now = time.monotonic()
+            while not fresh:
+                conn = next((c for c in reversed(self._idle) if c.key == key), None)
+                if conn is None:
+                    break
+                self._idle.remove(conn)
+                if now - conn.idle_since <= self._expiry_s:
+                    conn.reused = True
+                    return conn
+                await conn.aclose()
+            try:
+                with trio.fail_after(timeout_s):
+                    stream = await trio.open_tcp_stream(*key)
+            except trio.TooSlowError as exc:
+                raise PeerUnreachable(source, f"connect timed out after {timeout_s}s") from exc
+            except OSError as exc:
+                raise PeerUnreachable(source, f"connect failed: {exc}") from exc
+            return _Conn(key, stream)
+        except BaseException:
+            self._slots.release()
+            raise
+
+    async def _release(self, conn: _Conn, reusable: bool) -> None:
+        try:
+            if (
+                reusable
+                and not self._closed
+                and conn.h11.our_state is h11.DONE
+                and conn.h11.their_state is h11.DONE
+            ):
+                conn.h11.start_next_cycle()
+                conn.idle_since = time.monotonic()
+                self._idle.append(conn)
+                while len(self._idle) > self._max_idle:
+                    await self._idle.pop(0).aclose()
+            else:
+                await conn.aclose()
+        finally:
+            self._slots.release()
+
+    # -- one exchange -------------------------------------------------------------------------
+
+    async def _send(
+        self,
+        conn: _Conn,
+        target: str,
+        host: str,
+        extra: list[tuple[str, str]],
+        source: str,
+        timeout_s: float,
+    ) -> None:
+        headers = [("host", host), ("accept-encoding", "identity"), *self._headers, *extra]
+        data = conn.h11.send(h11.Request(method="GET", target=target, headers=headers))
+        data += conn.h11.send(h11.EndOfMessage())
+        try:
+            with trio.fail_after(timeout_s):
+                await conn.stream.send_all(data)
+        except trio.TooSlowError as exc:
+            raise StreamBroken(source, "no progress sending the request") from exc
+        except (trio.BrokenResourceError, OSError) as exc:
+            raise StreamBroken(source, f"connection broken: {exc}") from exc
+
+    async def _next_event(self, conn: _Conn, source: str, timeout_s: float) -> h11.Event:
+        """The next h11 event, reading from the socket as needed."""
+        while True:
+            try:
+                event = conn.h11.next_event()
+            except h11.RemoteProtocolError as exc:  # h11 refused to parse what arrived
+                raise RemoteProtocolError(source, f"malformed response: {exc}") from exc
+            if event is not h11.NEED_DATA:
+                return event  # type: ignore[return-value]
+            try:
+                with trio.fail_after(timeout_s):
+                    data = await conn.stream.receive_some(_RECV_BYTES)
+            except trio.TooSlowError as exc:
+                raise StreamBroken(source, f"no progress for {timeout_s}s") from exc
+            except (trio.BrokenResourceError, OSError) as exc:
+                raise StreamBroken(source, f"connection broken: {exc}") from exc
+            if not data and conn.h11.their_state is not h11.DONE:
+                where = (
+                    "before any answer" if conn.h11.their_state is h11.SEND_RESPONSE else "mid-body"
+                )
+                raise StreamBroken(source, f"connection closed {where}")
+            conn.h11.receive_data(data)
+
+    async def _open(
+        self, url: str, timeout_s: float, extra: list[tuple[str, str]]
+    ) -> tuple[_Conn, h11.Response, str]:
+        """Send a GET and read the response head; a stale pooled connection is retried once."""
+        source, key, target, host = _target(url)
+        for attempt in (0, 1):
+            conn = await self._acquire(key, source, timeout_s, fresh=attempt > 0)
+            try:
+                await self._send(conn, target, host, extra, source, timeout_s)
+                self._requests += 1
+                event = await self._next_event(conn, source, timeout_s)
+                if isinstance(event, h11.ConnectionClosed):
+                    raise StreamBroken(source, "connection closed before any answer")
+                if not isinstance(event, h11.Response):
+                    raise RemoteProtocolError(source, f"unexpected {type(event).__name__}")
+                return conn, event, source
+            except StreamBroken:
+                await self._release(conn, False)
+                if not conn.reused or attempt:
+                    raise
+            except BaseException:
+                await self._release(conn, False)
+                raise
+        raise AssertionError("unreachable")
+
+    async def _next_data(self, conn: _Conn, source: str, timeout_s: float) -> bytes | None:
+        """The next piece of the body, or None at its end (a coroutine, not a generator, so
+        that stopping early leaves no half-run generator behind)."""
+        event = await self._next_event(conn, source, timeout_s)
+        if isinstance(event, h11.Data):
+            self._bytes_received += len(event.data)
+            return event.data if isinstance(event.data, bytes) else bytes(event.data)
+        if isinstance(event, h11.EndOfMessage):
+            return None
+        raise StreamBroken(source, f"unexpected {type(event).__name__} in the body")
+
+    # -- public API ---------------------------------------------------------------------------
 
     async def get_bytes(self, url: str, *, max_bytes: int, timeout_s: float) -> bytes:
         """GET ``url`` and return its whole body (``200`` only).
@@ -155,32 +326,26 @@ class HttpClient:
         Safe to call concurrently. Cancellation closes the connection it was using.
         """
         try:
-            return await self._get_bytes(url, max_bytes, timeout_s)
+            conn, response, source = await self._open(url, timeout_s, [])
+            reusable = False
+            try:
+                if response.status_code != 200:
+                    raise _status_error(response, source, url)
+                declared = _header(response, b"content-length")
+                if declared is not None and declared.isdigit() and int(declared) > max_bytes:
+                    raise MessageTooLarge(source, f"body of {declared} bytes exceeds {max_bytes}")
+                body = bytearray()
+                while (chunk := await self._next_data(conn, source, timeout_s)) is not None:
+                    body += chunk
+                    if len(body) > max_bytes:
+                        raise MessageTooLarge(source, f"body exceeds {max_bytes} bytes")
+                reusable = True
+                return bytes(body)
+            finally:
+                await self._release(conn, reusable)
         except ShardnetError as exc:
             self._errors[type(exc).__name__] += 1
             raise
-
-    async def _get_bytes(self, url: str, max_bytes: int, timeout_s: float) -> bytes:
-        source = _source(url)
-        response = await self._open(url, source, timeout_s, {})
-        try:
-            if response.status_code != 200:
-                raise _status_error(response, source)
-            declared = response.headers.get("content-length")
-            if declared is not None and declared.isdigit() and int(declared) > max_bytes:
-                raise MessageTooLarge(source, f"body of {declared} bytes exceeds {max_bytes}")
-            body, chunks = bytearray(), _Body(response, source)
-            try:
-                async for chunk in chunks:
-                    body += chunk
-                    self._bytes_received += len(chunk)
-                    if len(body) > max_bytes:
-                        raise MessageTooLarge(source, f"body exceeds {max_bytes} bytes")
-            finally:
-                await chunks.aclose()
-            return bytes(body)
-        finally:
-            await response.aclose()
 
     async def stream_range(
         self, url: str, start: int, length: int, *, timeout_s: float, chunk_bytes: int = 1 << 20
@@ -191,9 +356,8 @@ class HttpClient:
             start: offset of the first byte.
             length: number of bytes; ``0`` yields nothing and sends no request.
             timeout_s: longest wait without progress (seconds).
-            chunk_bytes: largest chunk yielded (bytes). Chunks are yielded as they arrive
-                (httpcore reads 64 KiB at a time), split when larger, never coalesced:
-                coalescing into fixed-size chunks halved throughput in bench/http_lane.py.
+            chunk_bytes: largest chunk yielded (bytes); chunks are yielded as they arrive,
+                split when larger, never coalesced.
 
         Raises:
             PeerUnreachable, StreamBroken, NotAvailable, RemoteProtocolError, TransportError:
@@ -201,110 +365,52 @@ class HttpClient:
                 except StreamBroken and the "more bytes than asked" RemoteProtocolError.
             LocalProtocolError: a malformed URL or negative ``start``/``length``.
 
-        Safe to run several concurrently. An async generator: a caller that stops early must
-        close it (``async with contextlib.aclosing(...)``), which closes its connection at once;
-        an unclosed one is closed when collected, and trio warns about it. Cancellation closes
-        the connection; the caller keeps whatever chunks it already took.
+        Safe to run several concurrently. An async generator: a caller that stops early should
+        close it (``async with contextlib.aclosing(...)``), which closes its connection at once.
+        Cancellation closes the connection; the caller keeps whatever chunks it already took.
         """
         if start < 0 or length < 0 or chunk_bytes < 1:
             raise LocalProtocolError(f"bad range request {start}+{length} by {chunk_bytes}")
         if length == 0:
             return
         try:
-            source = _source(url)
             spec = format_range(ByteRange(start, start + length - 1))
-            response = await self._open(url, source, timeout_s, {"range": spec})
+            conn, response, source = await self._open(url, timeout_s, [("range", spec)])
+            reusable = False
             try:
-                _check_range_response(response, source, start, length)
-                received, chunks = 0, _Body(response, source)
-                try:
-                    async for chunk in chunks:
-                        received += len(chunk)
-                        self._bytes_received += len(chunk)
-                        if received > length:
-                            raise RemoteProtocolError(source, f"more than the {length} bytes")
+                _check_range_response(response, source, url, start, length)
+                received = 0
+                while (chunk := await self._next_data(conn, source, timeout_s)) is not None:
+                    received += len(chunk)
+                    if received > length:
+                        raise RemoteProtocolError(source, f"more than the {length} bytes")
+                    if len(chunk) > chunk_bytes:
                         for i in range(0, len(chunk), chunk_bytes):
-                            yield chunk[i : i + chunk_bytes] if len(chunk) > chunk_bytes else chunk
-                finally:
-                    await chunks.aclose()
+                            yield chunk[i : i + chunk_bytes]
+                    else:
+                        yield chunk
                 if received < length:
                     raise StreamBroken(source, f"body ended after {received} of {length} bytes")
+                reusable = True
             finally:
-                await response.aclose()
-        except ShardnetError as exc:  # one generator, not a wrapper: see _Body
+                await self._release(conn, reusable)
+        except ShardnetError as exc:
             self._errors[type(exc).__name__] += 1
             raise
 
-    async def _open(
-        self, url: str, source: str, timeout_s: float, headers: dict[str, str]
-    ) -> httpx.Response:
-        with _translate(source, body=False):
-            request = self._client.build_request(
-                "GET",
-                url,
-                headers={"accept-encoding": "identity", **headers},
-                timeout=httpx.Timeout(timeout_s),
-            )
-            self._requests += 1
-            return await self._client.send(request, stream=True)
+
+def _header(response: h11.Response, name: bytes) -> str | None:
+    for k, v in response.headers:
+        if k == name:
+            return v.decode("latin-1")
+    return None
 
 
-class _Body:
-    """Iterate a response body as it arrives, translating errors; an async iterator.
-
-    httpx's body iterators are nested async generators (encode/httpx#3686); trio warns about any
-    that is garbage collected half-way. When the consumer stops early, :meth:`aclose` closes the
-    connection first and then runs them to their end (the closed socket ends them with a read
-    error, ignored here), so none is left half-way.
-    """
-
-    def __init__(self, response: httpx.Response, source: str) -> None:
-        self._response = response
-        self._source = source
-        self._chunks = cast(AsyncGenerator[bytes, None], response.aiter_raw())
-        self._done = False
-
-    def __aiter__(self) -> _Body:
-        return self
-
-    async def __anext__(self) -> bytes:
-        try:
-            with _translate(self._source, body=True):
-                return await self._chunks.__anext__()
-        except BaseException:
-            self._done = True  # the generators ended with this exception
-            raise
-
-    async def aclose(self) -> None:
-        if self._done:
-            return
-        self._done = True
-        try:
-            await self._response.aclose()
-        finally:
-            # Runs even when cancelled: the generators then end with Cancelled at their first
-            # checkpoint, which is just as good as running them to their end.
-            try:
-                async for _ in self._chunks:
-                    pass
-            except httpx.HTTPError:
-                pass  # expected: the connection was closed under the generators
-
-
-def _source(url: str) -> str:
-    """``scheme://host:port`` of ``url``: the label errors and scores use."""
-    try:
-        parsed = httpx.URL(url)
-    except httpx.InvalidURL as exc:
-        raise LocalProtocolError(f"invalid URL {url!r}: {exc}") from exc
-    return f"{parsed.scheme}://{parsed.netloc.decode('ascii')}"
-
-
-def _status_error(response: httpx.Response, source: str) -> Exception:
+def _status_error(response: h11.Response, source: str, url: str) -> Exception:
     status = response.status_code
-    what = f"HTTP {status} for {response.request.url.path}"
+    what = f"HTTP {status} for {urlsplit(url).path}"
     if status in _NOT_AVAILABLE:
-        retry = response.headers.get("retry-after")
+        retry = _header(response, b"retry-after")
         delay = None if retry is None else parse_retry_after(retry, now_unix_s=time.time())
         return NotAvailable(source, what, retry_after_s=delay, status=status)
     if 500 <= status <= 599:  # the server failed; the bytes were not wrong
@@ -312,53 +418,23 @@ def _status_error(response: httpx.Response, source: str) -> Exception:
     return RemoteProtocolError(source, f"unexpected {what}")
 
 
-def _check_range_response(response: httpx.Response, source: str, start: int, length: int) -> None:
+def _check_range_response(
+    response: h11.Response, source: str, url: str, start: int, length: int
+) -> None:
     status = response.status_code
     if status not in (200, 206):
-        raise _status_error(response, source)
-    declared = response.headers.get("content-length")
+        raise _status_error(response, source, url)
+    declared = _header(response, b"content-length")
     if declared is not None and declared.strip() != str(length):
         raise RemoteProtocolError(source, f"Content-Length {declared} for {length} bytes asked")
     if status == 200:
         if start == 0 and declared is not None:
             return  # the whole representation is exactly the range asked for
         raise RemoteProtocolError(source, "range ignored (200 instead of 206)")
-    value = response.headers.get("content-range", "")
+    value = _header(response, b"content-range") or ""
     try:
         got = parse_content_range(value)
     except RangeError as exc:
         raise RemoteProtocolError(source, str(exc)) from None
     if got.first != start or got.length != length:
         raise RemoteProtocolError(source, f"Content-Range {value!r} for {start}+{length} asked")
-
-
-@contextmanager
-def _translate(source: str, *, body: bool) -> Iterator[None]:
-    """Map httpx's exceptions to shardnet's; ``body``: the response head was already read."""
-    try:
-        yield
-    except (httpx.ConnectError, httpx.ConnectTimeout) as exc:
-        raise PeerUnreachable(source, f"{type(exc).__name__}: {exc}") from exc
-    except httpx.PoolTimeout as exc:  # our own pool is full: not the source's fault
-        raise TransportError(source, "no free connection in the local pool") from exc
-    except httpx.TimeoutException as exc:
-        raise StreamBroken(source, f"no progress: {type(exc).__name__}") from exc
-    except httpx.NetworkError as exc:
-        raise StreamBroken(source, f"{type(exc).__name__}: {exc}") from exc
-    except httpx.RemoteProtocolError as exc:
-        # A truncated body and a connection closed before any answer are transport faults; a
-        # malformed response head (h11 refused to parse it) is the source's protocol fault.
-        if body or not _caused_by(exc, h11.RemoteProtocolError):
-            raise StreamBroken(source, f"{exc}") from exc
-        raise RemoteProtocolError(source, f"malformed response: {exc}") from exc
-    except (httpx.UnsupportedProtocol, httpx.InvalidURL, httpx.LocalProtocolError) as exc:
-        raise LocalProtocolError(f"{source}: {exc}") from exc
-
-
-def _caused_by(exc: BaseException, kind: type[BaseException]) -> bool:
-    seen: BaseException | None = exc
-    while seen is not None:
-        if isinstance(seen, kind):
-            return True
-        seen = seen.__cause__ or seen.__context__
-    return False

@@ -48,5 +48,5 @@ def configure(level: str = "INFO", as_json: bool = False, name: str = "") -> Non
     root = logging.getLogger()
     root.handlers[:] = [handler]
     root.setLevel(level)
-    for noisy in ("httpx", "httpcore", "libp2p", "multiaddr"):
+    for noisy in ("libp2p", "multiaddr"):
         logging.getLogger(noisy).setLevel(max(logging.WARNING, root.level))
