@@ -209,8 +209,8 @@ def _import_vllm() -> Any:
             vllm = importlib.import_module("vllm")  # untyped on purpose: Any
     except ImportError as exc:
         raise VllmEngineError(
-            f"vllm is not importable ({exc}); install the extra: pip install 'shardnet[vllm]' "
-            "(see rollout/engine_vllm.py)"
+            f"vllm is not importable ({exc}); install it with .ci/install-vllm (a separate venv; "
+            "see rollout/engine_vllm.py for why plain pip cannot resolve it)"
         ) from exc
     return vllm
 

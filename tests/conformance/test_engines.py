@@ -131,7 +131,7 @@ def _close(engine: Engine) -> None:
 def kind(request: pytest.FixtureRequest) -> str:
     name: str = request.param
     if name == "vllm" and not vllm_available():
-        pytest.skip("vllm is not installed (optional extra: pip install 'shardnet[vllm]')")
+        pytest.skip("vllm is not installed (install it with .ci/install-vllm)")
     return name
 
 
