@@ -9,8 +9,9 @@ Writes a file of ``--size-mib`` MiB to /dev/shm (deleted afterwards), runs
 and downloads the whole file with: ``p2p.http_client.HttpClient.stream_range`` (our client:
 h11 over pooled trio sockets, with its error and bound checks; row ``client``), httpx (row
 ``httpx``, the library this client replaced), a bare h11-over-trio loop (what a lean Python
-client reaches) and ``curl -o /dev/null`` (a C client, the reference). Prints MB/s (10^6 bytes per second), best of ``--repeats``, with the
-CPU seconds per GiB spent by the server process and by the client.
+client reaches) and ``curl -o /dev/null`` (a C client, the reference). Prints MB/s (10^6 bytes
+per second), best of ``--repeats``, with the CPU seconds per GiB spent by the server process and
+by the client.
 """
 
 from __future__ import annotations
