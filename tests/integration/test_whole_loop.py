@@ -138,11 +138,15 @@ async def test_whole_loop_two_steps(tmp_path: Path) -> None:
 
 
 async def test_forged_rewards_rejected_honest_peers_continue(tmp_path: Path) -> None:
-    trainer, peers = await _run_loop(tmp_path, steps=2, forger=True)
+    trainer, peers = await _run_loop(tmp_path, steps=3, forger=True)
     report = trainer.report()
     forger = peers[-1].identity.peer_id
     assert report["validator"]["rejected_samples"].get("reward", 0) > 0
-    assert report["reputation"]["scores"][forger] < 1.0
+    # two forged batches take the forger below the threshold: it is refused from then on
+    assert report["reputation"]["scores"][forger] < 0.01
+    assert forger in report["reputation"]["refused"]
+    # honest peers kept contributing at every optimizer step
     for honest in peers[:2]:
         assert report["reputation"]["scores"].get(honest.identity.peer_id, 1.0) == 1.0
+    assert all(row["rollouts_accepted"] > 0 for row in report["steps"][:-1])
     assert report["trained_samples"] == report["trained_verified_samples"] > 0
