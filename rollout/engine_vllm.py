@@ -118,7 +118,6 @@ from typing import Any
 
 import numpy as np
 import torch
-from safetensors import SafetensorError, safe_open
 from transformers import AutoConfig, AutoModelForCausalLM
 
 from p2p.errors import LocalProtocolError, ShardnetError
@@ -128,20 +127,16 @@ from rollout.engine import EngineStats, FinishReason, Generation, bf16_bits
 # name/shape comparison) and its model-construction lock, reused so that "strict" means one
 # thing in the project.
 from rollout.model import (
-    _CONSTRUCT_LOCK,
     CONFIG_NAME,
     CheckpointMismatch,
-    _compare,
-    _read_header,
-    _tensor_files,
+    compare_shapes,
 )
+from rollout.vllm_capture import SAMPLE_KEY, Capture, VllmEngineError
+from rollout.vllm_weights import checkpoint_shapes, expected_shapes, verify_applied
 
 __all__ = ["VllmEngine", "VllmEngineError", "VllmEngineStats", "verify_applied", "vllm_available"]
 
 log = logging.getLogger(__name__)
-
-SAMPLE_KEY = "shardnet_sample"
-"""Key in ``SamplingParams.extra_args`` carrying a request's sample index."""
 
 _IGNORED_CONFIG_KEYS = frozenset(
     {"dtype", "transformers_version", "architectures", "_name_or_path"}
@@ -149,12 +144,6 @@ _IGNORED_CONFIG_KEYS = frozenset(
 _AUTO_MODEL: Any = AutoModelForCausalLM  # transformers' factory methods are untyped
 _SAMPLING_EPS = 1e-5  # vLLM samples greedily below this temperature
 _PROCESS_ENGINE = threading.Lock()  # vLLM's distributed state is process-global
-
-
-class VllmEngineError(ShardnetError):
-    """vLLM failed: it could not start, a weight reload crashed, a generation call failed, or
-    the captured activations were inconsistent. The message says what the engine did about it
-    (rebuilt from the last good version, or left unloaded)."""
 
 
 @dataclass(frozen=True)
@@ -248,222 +237,6 @@ def _read_config(directory: Path) -> dict[str, Any]:
     return {k: v for k, v in config.to_dict().items() if k not in _IGNORED_CONFIG_KEYS}
 
 
-def _checkpoint_shapes(directory: Path) -> dict[str, tuple[int, ...]]:
-    """Tensor name → shape over all weight files, with the index checks of ``rollout.model``.
-
-    Raises:
-        CheckpointMismatch: missing/unreadable files, duplicate or unindexed tensors, or a
-            ``*.safetensors`` file outside the layout (vLLM would load it too).
-    """
-    files = _tensor_files(directory)
-    stray = sorted(p.name for p in directory.glob("*.safetensors") if p not in files)
-    if stray:  # vLLM would read them too (all *.safetensors when there is no index)
-        raise CheckpointMismatch(f"{directory}: weight files outside the layout {stray[:5]}")
-    found: dict[str, tuple[int, ...]] = {}
-    for path, names in files.items():
-        for name, shape in _read_header(path).items():
-            if name in found:
-                raise CheckpointMismatch(f"tensor {name} stored twice", str(directory))
-            if names is not None and name not in names:
-                raise CheckpointMismatch(f"{name} in {path.name} but not indexed there")
-            found[name] = shape
-        if names is not None and not names <= found.keys():
-            raise CheckpointMismatch(
-                f"{path.name} lacks indexed tensors {sorted(names - found.keys())[:5]}"
-            )
-    return found
-
-
-def _expected_shapes(directory: Path) -> dict[str, tuple[int, ...]]:
-    """Persistent state-dict shapes of the transformers model of ``directory``'s config
-    (built on the meta device: no memory, milliseconds)."""
-    try:
-        config = AutoConfig.from_pretrained(directory, local_files_only=True)
-    except (OSError, ValueError, KeyError) as exc:
-        raise CheckpointMismatch(f"{directory / CONFIG_NAME}: {exc}", str(directory)) from exc
-    with _CONSTRUCT_LOCK, torch.device("meta"):
-        model = _AUTO_MODEL.from_config(config)
-    return {name: tuple(t.shape) for name, t in model.state_dict().items()}
-
-
-class _Reader:
-    """Reads single tensors of a checkpoint (name → file from the headers)."""
-
-    def __init__(self, directory: Path) -> None:
-        self._where: dict[str, Path] = {}
-        for path in _tensor_files(directory):
-            for name in _read_header(path):
-                self._where[name] = path
-        self._handles: dict[Path, Any] = {}
-
-    @property
-    def names(self) -> set[str]:
-        return set(self._where)
-
-    def get(self, name: str) -> torch.Tensor:
-        path = self._where[name]
-        try:
-            if path not in self._handles:
-                self._handles[path] = safe_open(str(path), framework="pt")
-            tensor: torch.Tensor = self._handles[path].get_tensor(name)
-        except (OSError, SafetensorError) as exc:
-            raise CheckpointMismatch(f"{path}: {exc}") from exc
-        return tensor
-
-
-@torch.inference_mode()
-def verify_applied(model: Any, directory: Path, columns: int) -> int:
-    """Check that the engine's weights equal the checkpoint's (see module docstring).
-
-    Args:
-        model: the vLLM model (``LlamaForCausalLM`` of ``vllm.model_executor.models``).
-        directory: the checkpoint it should hold.
-        columns: repacked linears with more input columns than this are checked on that many
-            pseudo-random columns (all rows); ``>= 1``.
-
-    Returns:
-        the number of checkpoint tensors verified (all of them).
-
-    Raises:
-        CheckpointMismatch: a value differs, a checkpoint tensor has no engine parameter, or
-            an engine parameter cannot be checked.
-    """
-    reader = _Reader(directory)
-    names = reader.names
-    packed: dict[str, list[str]] = dict(getattr(model, "packed_modules_mapping", {}) or {})
-    covered: set[str] = set()
-    for module_name, module in model.named_modules():
-        prefix, _, leaf = module_name.rpartition(".")
-        for kind in ("weight", "bias"):
-            param = module._parameters.get(kind)
-            if param is None:
-                continue
-            parts = (
-                [f"{prefix}.{p}.{kind}".lstrip(".") for p in packed[leaf]]
-                if leaf in packed
-                else [f"{module_name}.{kind}"]
-            )
-            if not any(p in names for p in parts):
-                if module_name == "lm_head" and "lm_head.weight" not in names:
-                    continue  # tied to the embedding, which is checked itself
-                raise CheckpointMismatch(f"{directory}: engine parameter {parts} not in checkpoint")
-            if not all(p in names for p in parts):
-                raise CheckpointMismatch(f"{directory}: only some of {parts} in checkpoint")
-            expected = torch.cat([reader.get(p) for p in parts])
-            _compare_param(module, kind, param, expected, parts, columns, directory)
-            covered.update(parts)
-    if covered != names:
-        raise CheckpointMismatch(f"{directory}: tensors not applied {sorted(names - covered)[:5]}")
-    return len(covered)
-
-
-def _compare_param(
-    module: Any,
-    kind: str,
-    param: torch.Tensor,
-    expected: torch.Tensor,
-    parts: list[str],
-    columns: int,
-    directory: Path,
-) -> None:
-    if param.numel() > 0:
-        rows = expected.shape[0]
-        same_layout = param.dim() == expected.dim() and param.shape[1:] == expected.shape[1:]
-        if same_layout and param.shape[0] >= rows:  # vocabulary rows may be padded
-            if torch.equal(param[:rows], expected.to(param.dtype)):
-                return
-            raise CheckpointMismatch(f"{directory}: engine holds other values for {parts}")
-        raise CheckpointMismatch(
-            f"{directory}: {parts} shape {tuple(expected.shape)}, engine {tuple(param.shape)}"
-        )
-    apply = getattr(getattr(module, "quant_method", None), "apply", None)
-    if kind != "weight" or expected.dim() != 2 or apply is None:
-        raise CheckpointMismatch(f"{directory}: cannot read back engine parameter {parts}")
-    in_features = expected.shape[1]
-    if in_features <= columns:
-        cols = list(range(in_features))
-    else:
-        rng = random.Random(f"{directory}\x1f{parts[0]}")
-        cols = sorted(rng.sample(range(in_features), columns))
-    probe = torch.zeros(len(cols), in_features, dtype=expected.dtype)
-    probe[torch.arange(len(cols)), torch.tensor(cols)] = 1
-    out = apply(module, probe.to(param.dtype), None)  # [len(cols), out_features] = W[:, cols]^T
-    if not torch.equal(out.t(), expected[:, cols].to(out.dtype)):
-        raise CheckpointMismatch(f"{directory}: engine holds other values for {parts}")
-
-
-class _Capture:
-    """Activations of one ``generate`` call, gathered by the model hooks.
-
-    ``chunks[i]`` holds ``(positions [m] int64, input_ids [m] int64, rows [m, H])`` triples of
-    sample ``i``, one per forward pass that scheduled tokens of it.
-    """
-
-    def __init__(self, n: int, runner: Any) -> None:
-        self.runner = runner
-        self.chunks: list[list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]] = [
-            [] for _ in range(n)
-        ]
-        self.sample_of: dict[str, int] = {}
-        self.last_rows: torch.Tensor | None = None
-        self.error: str | None = None
-        self.steps = 0
-
-    def index(self, req_id: str) -> int:
-        if req_id not in self.sample_of:
-            params = self.runner.requests[req_id].sampling_params
-            extra = getattr(params, "extra_args", None) or {}
-            if SAMPLE_KEY not in extra:
-                raise LookupError(f"request {req_id} is not one of this call's")
-            self.sample_of[req_id] = int(extra[SAMPLE_KEY])
-        return self.sample_of[req_id]
-
-    def on_forward(self, args: tuple[Any, ...], kwargs: dict[str, Any], out: Any) -> None:
-        if self.error is not None:
-            return
-        try:
-            batch = self.runner.input_batch
-            n_reqs = int(batch.num_reqs)
-            starts = self.runner.query_start_loc.np[: n_reqs + 1].tolist()
-            positions = kwargs["positions"] if "positions" in kwargs else args[1]
-            input_ids = kwargs["input_ids"] if "input_ids" in kwargs else args[0]
-            hidden = out if isinstance(out, torch.Tensor) else out[0]
-            for j, req_id in enumerate(batch.req_ids[:n_reqs]):
-                s, e = starts[j], starts[j + 1]
-                self.chunks[self.index(req_id)].append(
-                    (positions[s:e].clone(), input_ids[s:e].clone(), hidden[s:e].clone())
-                )
-            self.last_rows = hidden[torch.tensor(starts[1:]) - 1].clone()
-            self.steps += 1
-        except (LookupError, IndexError, AttributeError, TypeError, RuntimeError) as exc:
-            self.error = f"capture failed: {type(exc).__name__}: {exc}"
-
-    def on_logits(self, args: tuple[Any, ...]) -> None:
-        if self.error is not None:
-            return
-        rows, self.last_rows = self.last_rows, None
-        if rows is None or len(args) < 2 or not torch.equal(args[1], rows):
-            self.error = "LM-head input differs from the captured rows at the last positions"
-
-    def rows(self, index: int, sequence: Sequence[int], hidden_size: int) -> torch.Tensor:
-        """Rows at positions ``0 .. len(sequence)-2`` of sample ``index``: ``[len-1, H]``."""
-        need = len(sequence) - 1
-        out = torch.empty(need, hidden_size, dtype=torch.bfloat16)
-        seen = torch.zeros(need, dtype=torch.bool)
-        tokens = torch.tensor(list(sequence[:need]), dtype=torch.long)
-        for positions, ids, rows in self.chunks[index]:
-            keep = positions < need
-            pos = positions[keep].long()
-            if not torch.equal(ids[keep].long(), tokens[pos]):
-                raise VllmEngineError(f"sample {index}: captured input tokens differ from output")
-            out[pos] = rows[keep].to(torch.bfloat16)
-            seen[pos] = True
-        if not bool(seen.all()):
-            missing = torch.nonzero(~seen)[:5, 0].tolist()
-            raise VllmEngineError(f"sample {index}: no captured row at positions {missing}")
-        return out
-
-
 class VllmEngine:
     """The :class:`~rollout.engine.Engine` protocol on an in-process vLLM (see module docstring).
 
@@ -492,7 +265,7 @@ class VllmEngine:
         self._llm: Any = None
         self._runner: Any = None
         self._hooks: list[Any] = []
-        self._capture: _Capture | None = None
+        self._capture: Capture | None = None
         self._checkpoint: Path | None = None  # the last good version: what is serving
         self._config: dict[str, Any] = {}
         self._shapes: dict[str, tuple[int, ...]] = {}
@@ -624,8 +397,8 @@ class VllmEngine:
         """Validate strictly, build vLLM on ``directory``, verify, warm up. On failure the
         engine is unloaded and the error raised."""
         started = time.perf_counter()
-        expected = _expected_shapes(directory)
-        _compare(expected, _checkpoint_shapes(directory), directory)
+        expected = expected_shapes(directory)
+        compare_shapes(expected, checkpoint_shapes(directory), directory)
         config = _read_config(directory)
         vllm = _import_vllm()
         if not _PROCESS_ENGINE.acquire(blocking=False):
@@ -670,7 +443,7 @@ class VllmEngine:
 
     def _restart(self, directory: Path) -> None:
         """Another model: validate it first, then replace the engine."""
-        _compare(_expected_shapes(directory), _checkpoint_shapes(directory), directory)
+        compare_shapes(expected_shapes(directory), checkpoint_shapes(directory), directory)
         good = self._checkpoint
         self._close_llm()
         try:
@@ -681,7 +454,7 @@ class VllmEngine:
 
     def _swap(self, directory: Path) -> None:
         started = time.perf_counter()
-        _compare(self._shapes, _checkpoint_shapes(directory), directory)  # before touching it
+        compare_shapes(self._shapes, checkpoint_shapes(directory), directory)  # before touching it
         try:
             with _vllm_warnings():
                 self._llm.collective_rpc("reload_weights", kwargs={"weights_path": str(directory)})
@@ -768,7 +541,7 @@ class VllmEngine:
             )
             for i in range(n)
         ]
-        capture = _Capture(n, self._runner)
+        capture = Capture(n, self._runner)
         self._capture = capture
         try:
             outputs = self._llm.generate([{"prompt_token_ids": prompt}] * n, params, use_tqdm=False)
@@ -788,7 +561,7 @@ class VllmEngine:
         ]
 
     def _generation(
-        self, index: int, out: Any, capture: _Capture, prompt: list[int], max_new_tokens: int
+        self, index: int, out: Any, capture: Capture, prompt: list[int], max_new_tokens: int
     ) -> Generation:
         completion = out.outputs[0]
         ids = [int(t) for t in completion.token_ids]

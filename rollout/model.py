@@ -47,6 +47,7 @@ from p2p.errors import ConfigError, IntegrityError
 __all__ = [
     "BOS",
     "CONFIG_NAME",
+    "CONSTRUCT_LOCK",
     "EOS",
     "INDEX_NAME",
     "PAD",
@@ -57,10 +58,13 @@ __all__ = [
     "CheckpointMismatch",
     "build_model",
     "build_tokenizer",
+    "compare_shapes",
     "load_model",
     "load_weights",
     "preset_config",
+    "read_tensor_shapes",
     "shard_name",
+    "tensor_files",
 ]
 
 PAD, BOS, EOS, UNK = "<pad>", "<bos>", "<eos>", "<unk>"
@@ -170,7 +174,7 @@ def preset_config(preset: str) -> LlamaConfig:
     return LlamaConfig(**_COMMON, **PRESETS[preset])
 
 
-_CONSTRUCT_LOCK = threading.Lock()
+CONSTRUCT_LOCK = threading.Lock()
 """Model construction patches process-wide state (transformers' ``no_init_weights`` replaces
 ``torch.nn.init`` functions, ``from_config(dtype=…)`` sets the default dtype), so models are
 built one at a time per process, whatever thread asks."""
@@ -196,7 +200,7 @@ def build_model(preset: str, seed: int, dtype: torch.dtype = torch.bfloat16) -> 
         ConfigError: unknown preset.
     """
     config = preset_config(preset)
-    with _CONSTRUCT_LOCK, torch.random.fork_rng(devices=[]):
+    with CONSTRUCT_LOCK, torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
         master = _AUTO_MODEL.from_config(config, dtype=torch.float32)
     if dtype == torch.float32:
@@ -249,10 +253,10 @@ def load_weights(model: torch.nn.Module, directory: str | Path) -> None:
     """
     directory = Path(directory)
     expected = {name: tuple(t.shape) for name, t in model.state_dict().items()}
-    files = _tensor_files(directory)
+    files = tensor_files(directory)
     found: dict[str, tuple[int, ...]] = {}
     for path, names in files.items():
-        for name, shape in _read_header(path).items():
+        for name, shape in read_tensor_shapes(path).items():
             if name in found:
                 raise CheckpointMismatch(f"tensor {name} stored twice", str(directory))
             if names is not None and name not in names:
@@ -261,7 +265,7 @@ def load_weights(model: torch.nn.Module, directory: str | Path) -> None:
         if names is not None and not names <= found.keys():
             missing = sorted(names - found.keys())[:5]
             raise CheckpointMismatch(f"{path.name} lacks indexed tensors {missing}", "")
-    _compare(expected, found, directory)
+    compare_shapes(expected, found, directory)
     target = model.state_dict()
     with torch.no_grad():
         for path in files:
@@ -269,9 +273,11 @@ def load_weights(model: torch.nn.Module, directory: str | Path) -> None:
                 target[name].copy_(tensor)
 
 
-def _compare(
+def compare_shapes(
     expected: dict[str, tuple[int, ...]], found: dict[str, tuple[int, ...]], directory: Path
 ) -> None:
+    """Raise :class:`CheckpointMismatch` unless ``found`` has exactly ``expected``'s tensor
+    names and shapes (shared by every engine, so "strict" means the same everywhere)."""
     missing = sorted(expected.keys() - found.keys())
     unexpected = sorted(found.keys() - expected.keys())
     if missing or unexpected:
@@ -284,7 +290,7 @@ def _compare(
             raise CheckpointMismatch(f"{directory}: {name} has shape {found[name]}, want {shape}")
 
 
-def _tensor_files(directory: Path) -> dict[Path, set[str] | None]:
+def tensor_files(directory: Path) -> dict[Path, set[str] | None]:
     """Weight files of a checkpoint → the names the index assigns to them (None: no index)."""
     index_path = directory / INDEX_NAME
     if index_path.is_file():
@@ -308,7 +314,7 @@ def _tensor_files(directory: Path) -> dict[Path, set[str] | None]:
     raise CheckpointMismatch(f"{directory}: neither {INDEX_NAME} nor {SINGLE_WEIGHTS_NAME}")
 
 
-def _read_header(path: Path) -> dict[str, tuple[int, ...]]:
+def read_tensor_shapes(path: Path) -> dict[str, tuple[int, ...]]:
     """Tensor names and shapes of one safetensors file (reads the header only)."""
     try:
         with safe_open(str(path), framework="pt") as handle:
@@ -327,6 +333,6 @@ def _load_file(path: Path) -> dict[str, torch.Tensor]:
 
 def _empty_model(config: Any, dtype: torch.dtype) -> torch.nn.Module:
     """Construct ``config``'s causal LM with uninitialized parameters of ``dtype``."""
-    with _CONSTRUCT_LOCK, no_init_weights():
+    with CONSTRUCT_LOCK, no_init_weights():
         model = _AUTO_MODEL.from_config(config, dtype=dtype)
     return cast(torch.nn.Module, model.eval())

@@ -1,0 +1,101 @@
+"""Capturing the TOPLOC activations inside vLLM: hooks, rows and their owners.
+
+A forward hook on the top-level vLLM model records, for every scheduled token of a step, its
+request, position, input token and final-norm output (the LM-head input); a pre-hook on
+``logits_processor`` checks each step that the LM head received exactly the captured last rows.
+:meth:`Capture.rows` reassembles one sample's rows by position and fails closed if a row is
+missing or its input token differs from the sequence. Relies on vLLM 0.32's model runner
+(``input_batch``, ``query_start_loc``, ``requests``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+
+from p2p.errors import ShardnetError
+
+__all__ = ["SAMPLE_KEY", "Capture", "VllmEngineError"]
+
+SAMPLE_KEY = "shardnet_sample"
+"""Key in ``SamplingParams.extra_args`` carrying a request's sample index."""
+
+
+class VllmEngineError(ShardnetError):
+    """vLLM failed: it could not start, a weight reload crashed, a generation call failed, or
+    the captured activations were inconsistent. The message says what the engine did about it
+    (rebuilt from the last good version, or left unloaded)."""
+
+
+class Capture:
+    """Activations of one ``generate`` call, gathered by the model hooks.
+
+    ``chunks[i]`` holds ``(positions [m] int64, input_ids [m] int64, rows [m, H])`` triples of
+    sample ``i``, one per forward pass that scheduled tokens of it.
+    """
+
+    def __init__(self, n: int, runner: Any) -> None:
+        self.runner = runner
+        self.chunks: list[list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]] = [
+            [] for _ in range(n)
+        ]
+        self.sample_of: dict[str, int] = {}
+        self.last_rows: torch.Tensor | None = None
+        self.error: str | None = None
+        self.steps = 0
+
+    def index(self, req_id: str) -> int:
+        if req_id not in self.sample_of:
+            params = self.runner.requests[req_id].sampling_params
+            extra = getattr(params, "extra_args", None) or {}
+            if SAMPLE_KEY not in extra:
+                raise LookupError(f"request {req_id} is not one of this call's")
+            self.sample_of[req_id] = int(extra[SAMPLE_KEY])
+        return self.sample_of[req_id]
+
+    def on_forward(self, args: tuple[Any, ...], kwargs: dict[str, Any], out: Any) -> None:
+        if self.error is not None:
+            return
+        try:
+            batch = self.runner.input_batch
+            n_reqs = int(batch.num_reqs)
+            starts = self.runner.query_start_loc.np[: n_reqs + 1].tolist()
+            positions = kwargs["positions"] if "positions" in kwargs else args[1]
+            input_ids = kwargs["input_ids"] if "input_ids" in kwargs else args[0]
+            hidden = out if isinstance(out, torch.Tensor) else out[0]
+            for j, req_id in enumerate(batch.req_ids[:n_reqs]):
+                s, e = starts[j], starts[j + 1]
+                self.chunks[self.index(req_id)].append(
+                    (positions[s:e].clone(), input_ids[s:e].clone(), hidden[s:e].clone())
+                )
+            self.last_rows = hidden[torch.tensor(starts[1:]) - 1].clone()
+            self.steps += 1
+        except (LookupError, IndexError, AttributeError, TypeError, RuntimeError) as exc:
+            self.error = f"capture failed: {type(exc).__name__}: {exc}"
+
+    def on_logits(self, args: tuple[Any, ...]) -> None:
+        if self.error is not None:
+            return
+        rows, self.last_rows = self.last_rows, None
+        if rows is None or len(args) < 2 or not torch.equal(args[1], rows):
+            self.error = "LM-head input differs from the captured rows at the last positions"
+
+    def rows(self, index: int, sequence: Sequence[int], hidden_size: int) -> torch.Tensor:
+        """Rows at positions ``0 .. len(sequence)-2`` of sample ``index``: ``[len-1, H]``."""
+        need = len(sequence) - 1
+        out = torch.empty(need, hidden_size, dtype=torch.bfloat16)
+        seen = torch.zeros(need, dtype=torch.bool)
+        tokens = torch.tensor(list(sequence[:need]), dtype=torch.long)
+        for positions, ids, rows in self.chunks[index]:
+            keep = positions < need
+            pos = positions[keep].long()
+            if not torch.equal(ids[keep].long(), tokens[pos]):
+                raise VllmEngineError(f"sample {index}: captured input tokens differ from output")
+            out[pos] = rows[keep].to(torch.bfloat16)
+            seen[pos] = True
+        if not bool(seen.all()):
+            missing = torch.nonzero(~seen)[:5, 0].tolist()
+            raise VllmEngineError(f"sample {index}: no captured row at positions {missing}")
+        return out
