@@ -251,6 +251,20 @@ class RecordingOracle(TrainerOracle):
         self.recorded[(tuple(prompt_ids), tuple(completion_ids))] = out
         return out
 
+    def prefill_group(
+        self,
+        step: int,
+        prompt_ids: Sequence[int],
+        completions: Sequence[Sequence[int]],
+        temperature: float,
+    ) -> list[tuple[Bits, Bits, list[float]]]:
+        start = time.perf_counter()
+        outs = super().prefill_group(step, prompt_ids, completions, temperature)
+        self.forward_s += time.perf_counter() - start
+        for c, out in zip(completions, outs, strict=True):
+            self.recorded[(tuple(prompt_ids), tuple(c))] = out
+        return outs
+
 
 def validator_config(layout: Layout, profile: str, temperature: float) -> ValidatorConfig:
     """The validator configuration of ``layout`` under ``profile``."""

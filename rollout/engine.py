@@ -51,6 +51,7 @@ __all__ = [
     "TransformersEngine",
     "bf16_bits",
     "prefill_activations",
+    "prefill_activations_group",
     "sample_group",
 ]
 
@@ -248,6 +249,55 @@ def prefill_activations(
     targets = torch.tensor(list(completion_ids)).unsqueeze(1)
     logprobs = logp.gather(1, targets)[:, 0].tolist()
     return bf16_bits(hidden[:length]), bf16_bits(hidden[length:]), logprobs
+
+
+@torch.inference_mode()
+def prefill_activations_group(
+    model: Any,
+    prompt_ids: Sequence[int],
+    completions: Sequence[Sequence[int]],
+    temperature: float = 1.0,
+) -> list[tuple[npt.NDArray[np.uint16], npt.NDArray[np.uint16], list[float]]]:
+    """:func:`prefill_activations` for a GRPO group (one prompt, several completions) in one
+    forward pass.
+
+    The sequences ``prompt + completion[:-1]`` are right-padded into one ``[B, T]`` batch with
+    an attention mask; causal attention means a real position never sees the padding after it,
+    so each row is the same computation as alone, up to the float rounding that a different
+    batch shape can change (measured: identical verdicts on 160 of 160 rollouts,
+    ``bench/verification.py``). On a small model one batched pass is several times cheaper than
+    one pass per sample, which is most of the verification cost.
+
+    Returns:
+        one ``(prefill_bits, decode_bits, logprobs)`` per completion, in order.
+
+    Raises:
+        LocalProtocolError: as :func:`prefill_activations`.
+    """
+    if len(completions) == 1:
+        return [prefill_activations(model, prompt_ids, completions[0], temperature)]
+    length = len(prompt_ids)
+    seqs = []
+    for c in completions:
+        if not c:
+            raise LocalProtocolError("empty completion")
+        ids = [*prompt_ids, *c]
+        _check_args(ids, temperature, int(model.config.vocab_size))
+        seqs.append(ids[:-1])
+    width = max(len(s) for s in seqs)
+    inputs = torch.zeros(len(seqs), width, dtype=torch.long)
+    mask = torch.zeros(len(seqs), width, dtype=torch.long)
+    for i, s in enumerate(seqs):
+        inputs[i, : len(s)] = torch.tensor(s)
+        mask[i, : len(s)] = 1
+    hidden = model.model(input_ids=inputs, attention_mask=mask, use_cache=False).last_hidden_state
+    out = []
+    for i, (s, c) in enumerate(zip(seqs, completions, strict=True)):
+        h = hidden[i, : len(s)]
+        logp = _logprobs(model, h[length - 1 :], temperature)
+        logprobs = logp.gather(1, torch.tensor(list(c)).unsqueeze(1))[:, 0].tolist()
+        out.append((bf16_bits(h[:length]), bf16_bits(h[length:]), logprobs))
+    return out
 
 
 class TransformersEngine:

@@ -83,6 +83,16 @@ class PolicyOracle(Protocol):
         [N-1,H], logprobs [N])`` (see :func:`rollout.engine.prefill_activations`)."""
         ...
 
+    def prefill_group(
+        self,
+        step: int,
+        prompt_ids: Sequence[int],
+        completions: Sequence[Sequence[int]],
+        temperature: float,
+    ) -> list[tuple[Bits, Bits, list[float]]]:
+        """:meth:`prefill` for every completion of one group (one batched pass)."""
+        ...
+
 
 @dataclass(frozen=True)
 class ValidatorConfig:
@@ -368,10 +378,10 @@ def _check_model(v: Validator, b: RolloutBatch, _step: int) -> None:
     c = v.config
     psize = proof_size_bytes(c.toploc.topk)
     for g in b.groups:
-        for s in g.samples:
-            prefill, decode, logprobs = v.oracle.prefill(
-                b.policy_step, g.prompt_ids, s.completion_ids, b.temperature
-            )
+        acts = v.oracle.prefill_group(
+            b.policy_step, g.prompt_ids, [s.completion_ids for s in g.samples], b.temperature
+        )
+        for s, (prefill, decode, logprobs) in zip(g.samples, acts, strict=True):
             _check_proof(c, s, prefill, decode, psize)
             _check_sampling(c, s, logprobs)
 

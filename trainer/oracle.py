@@ -23,7 +23,7 @@ import numpy.typing as npt
 from transformers import PreTrainedTokenizerFast
 
 from p2p.errors import LocalProtocolError
-from rollout.engine import prefill_activations
+from rollout.engine import prefill_activations, prefill_activations_group
 from rollout.model import load_model
 from rollout.task import Task
 
@@ -112,3 +112,13 @@ class TrainerOracle:
     ) -> tuple[Bits, Bits, list[float]]:
         """One teacher-forced pass with version ``step``'s published weights."""
         return prefill_activations(self._model(step), prompt_ids, completion_ids, temperature)
+
+    def prefill_group(
+        self,
+        step: int,
+        prompt_ids: Sequence[int],
+        completions: Sequence[Sequence[int]],
+        temperature: float,
+    ) -> list[tuple[Bits, Bits, list[float]]]:
+        """Teacher-forced passes of a whole GRPO group in one batched forward."""
+        return prefill_activations_group(self._model(step), prompt_ids, completions, temperature)
