@@ -317,13 +317,25 @@ async def run_shardnet(
 # ----------------------------------------------------------------------------- SHARDCAST
 
 
-async def run_shardcast(v0: Path, v1: Path, workdir: Path, timeout_s: float) -> dict[str, Any]:
-    """One SHARDCAST run through bench/shardcast_baseline.py."""
+def ensure_shardcast_venv(path: Path) -> Path:
+    """A virtual environment with SHARDCAST 0.3.2 (created on first use)."""
+    if not (path / "bin" / "python").exists():
+        print(f"# installing SHARDCAST 0.3.2 into {path}", file=sys.stderr, flush=True)
+        subprocess.run([sys.executable, "-m", "venv", str(path)], check=True)
+        subprocess.run([str(path / "bin" / "pip"), "install", "-q", "shardcast==0.3.2"], check=True)
+    return path
+
+
+async def run_shardcast(
+    v0: Path, v1: Path, workdir: Path, timeout_s: float, venv: Path
+) -> dict[str, Any]:
+    """One SHARDCAST run through bench/shardcast_baseline.py (1 origin, 2 middles with
+    ``--check-interval 1``, 4 clients on 127.0.0.1; crashed clients restarted and counted)."""
     sys.path.insert(0, str(REPO / "bench"))
     import shardcast_baseline  # type: ignore[import-not-found]
 
     res = await shardcast_baseline.arun_shardcast(
-        v0, workdir, next_checkpoints=[v1], timeout_s=timeout_s
+        v0, workdir, next_checkpoints=[v1], timeout_s=timeout_s, venv=str(venv)
     )
     versions = []
     for step, v in enumerate(res["versions"]):
@@ -405,7 +417,8 @@ async def amain(args: argparse.Namespace) -> dict[str, Any]:
                 wd = root / f"{system}-{rep}"
                 print(f"# run {rep + 1}/{args.repeats}: {system}", file=sys.stderr, flush=True)
                 if system == "shardcast":
-                    r = await run_shardcast(v0, v1, wd, args.timeout)
+                    venv = ensure_shardcast_venv(Path(args.shardcast_venv))
+                    r = await run_shardcast(v0, v1, wd, args.timeout, venv)
                 else:
                     r = await run_shardnet(
                         v0,
@@ -468,6 +481,11 @@ def main() -> int:
     ap.add_argument("--shard-size", type=int, default=16 << 20, help="shardnet shard size")
     ap.add_argument("--systems", nargs="+", default=["shardnet", "shardnet-nodelta", "shardcast"])
     ap.add_argument("--cache", default="/tmp/shardnet-bench-cache")
+    ap.add_argument(
+        "--shardcast-venv",
+        default=os.environ.get("SHARDCAST_VENV", "/tmp/shardnet-bench-cache/shardcast-venv"),
+        help="venv with SHARDCAST 0.3.2 (created if missing)",
+    )
     ap.add_argument("--workdir", default=None, help="parent of the run directories")
     ap.add_argument("--timeout", type=float, default=900.0, help="per version, seconds")
     args = ap.parse_args()
