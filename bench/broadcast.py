@@ -189,6 +189,16 @@ class Proc:
             await self.proc.wait()
 
 
+def _cpu_s(proc: Proc) -> float:
+    """User + system CPU seconds of a node process so far (0 if it is gone)."""
+    try:
+        assert proc.proc is not None
+        fields = Path(f"/proc/{proc.proc.pid}/stat").read_text().rsplit(")", 1)[1].split()
+    except (OSError, AssertionError):
+        return 0.0
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
 async def _served_bytes(client: Any, url: str, step: int) -> int:
     text = (await client.get_bytes(url + "/metrics", max_bytes=1 << 20, timeout_s=10)).decode()
     m = re.search(rf'shardnet_served_bytes_total{{step="{step}"}} (\S+)', text)
@@ -272,6 +282,7 @@ async def run_shardnet(
                 staged.mkdir()
                 for f in src.iterdir():
                     os.link(f, staged / f.name)
+                cpu0 = {p.name: _cpu_s(p) for p in procs}
                 t0 = time.perf_counter()
                 (staged / "DONE").touch()
                 done: dict[str, float] = {}
@@ -304,6 +315,7 @@ async def run_shardnet(
                         },
                         "peer_bytes": {p.name: sent[p.name] for p in peers},
                         "received_bytes": sum(sent.values()),
+                        "cpu_s": {p.name: round(_cpu_s(p) - cpu0[p.name], 2) for p in procs},
                     }
                 )
         finally:

@@ -42,7 +42,7 @@ import torch
 from transformers import AutoConfig, DynamicCache
 
 from p2p.errors import LocalProtocolError
-from rollout.model import load_model, load_weights
+from rollout.model import check_weights, copy_weights, load_model
 
 __all__ = [
     "Engine",
@@ -333,17 +333,22 @@ class TransformersEngine:
 
         Raises:
             CheckpointMismatch: the checkpoint is incomplete, malformed or does not fit the
-                config. The engine is then left unloaded (``model is None``; fail closed,
-                since an in-place swap may have been half done) until a later ``load``
-                succeeds.
+                config. Everything is checked before any weight is touched, so the engine
+                keeps serving the last good version. Only if a file becomes unreadable in the
+                middle of the copy is the engine left unloaded (``model is None``; fail
+                closed, the weights being half swapped) until a later ``load`` succeeds.
         """
         checkpoint_dir = Path(checkpoint_dir)
-        model, self._model, self._checkpoint = self._model, None, None
+        model = self._model
         if model is None or _config_changed(model, checkpoint_dir):
-            model = None  # free the old weights before building the new model
-            model = load_model(checkpoint_dir, self._dtype)
+            model = load_model(checkpoint_dir, self._dtype)  # the old one serves until here
         else:
-            load_weights(model, checkpoint_dir)
+            files = check_weights(model, checkpoint_dir)
+            try:
+                copy_weights(model, files)
+            except BaseException:
+                self._model = self._checkpoint = None
+                raise
         self._model = model
         self._checkpoint = checkpoint_dir
         self._eos = int(self._model.config.eos_token_id)

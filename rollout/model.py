@@ -251,6 +251,18 @@ def load_weights(model: torch.nn.Module, directory: str | Path) -> None:
     Raises:
         CheckpointMismatch: see :func:`load_model`.
     """
+    copy_weights(model, check_weights(model, directory))
+
+
+def check_weights(model: torch.nn.Module, directory: str | Path) -> list[Path]:
+    """Validate a checkpoint against ``model`` without touching the model.
+
+    Returns:
+        the weight files, for :func:`copy_weights`.
+
+    Raises:
+        CheckpointMismatch: any name, shape or index difference (see :func:`load_model`).
+    """
     directory = Path(directory)
     expected = {name: tuple(t.shape) for name, t in model.state_dict().items()}
     files = tensor_files(directory)
@@ -266,6 +278,16 @@ def load_weights(model: torch.nn.Module, directory: str | Path) -> None:
             missing = sorted(names - found.keys())[:5]
             raise CheckpointMismatch(f"{path.name} lacks indexed tensors {missing}", "")
     compare_shapes(expected, found, directory)
+    return list(files)
+
+
+def copy_weights(model: torch.nn.Module, files: list[Path]) -> None:
+    """Copy validated weight files into ``model`` in place.
+
+    Raises:
+        CheckpointMismatch: a file became unreadable; the model is then partly updated and
+            must be discarded.
+    """
     target = model.state_dict()
     with torch.no_grad():
         for path in files:

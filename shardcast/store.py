@@ -87,8 +87,8 @@ class VersionStore:
         self._pins: dict[int, int] = {}
         self._lock = threading.Lock()
         self.run_dir.mkdir(parents=True, exist_ok=True)
-        for p in self.run_dir.glob(".partial-step-*"):
-            log.info("partial_removed path=%s", p)
+        for p in (*self.run_dir.glob(".partial-step-*"), *self.run_dir.glob(".removing-step-*")):
+            log.info("leftover_removed path=%s", p)  # an interrupted download or prune
             shutil.rmtree(p, ignore_errors=True)
 
     def committed_steps(self) -> list[int]:

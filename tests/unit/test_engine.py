@@ -201,8 +201,12 @@ def test_hot_swap_in_place_and_bad_checkpoint(ckpts: tuple[Path, Path], tmp_path
     ]
     with pytest.raises(CheckpointMismatch):
         eng.load(tmp_path)  # empty directory
-    assert eng.model is None
-    assert eng.checkpoint_dir is None
+    # nothing was touched: the last good version keeps serving
+    assert eng.model is module
+    assert eng.checkpoint_dir == ckpts[0]
+    assert [g.completion_ids for g in eng.generate(_prompt(), 4, 8, 1.0, 0)] == [
+        g.completion_ids for g in before
+    ]
     stats = eng.statistics()
     assert stats.loads == 3
     assert stats.generated_tokens > 0
