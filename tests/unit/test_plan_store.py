@@ -180,3 +180,24 @@ def test_super_seeding_policy() -> None:
     assert s.allow("relay2", 0, [2], now=5.5)  # the window passed
     assert s.refused == 1
     assert SuperSeeding(None).allow("x", 0, [1], 0.0)
+
+
+async def test_a_version_being_served_is_not_pruned(tmp_path: Path) -> None:
+    from p2p.http_range import ByteRange
+    from p2p.http_server import FileSlice, HttpRequest
+    from shardcast.serve import VersionServer
+
+    store = VersionStore(tmp_path / "store", "run", keep_last=1)
+    ck = make_checkpoint(tmp_path / "c1", SIZES, seed=1)
+    m1 = build_manifest(ck, "run", 1, TRAINER, shard_size=1000)
+    store.adopt(ck, m1)
+    server = VersionServer(store, trust())
+    name = m1.header.files[0].name
+    req = HttpRequest("GET", f"/shardnet/v1/run/1/files/{name}", {}, {}, ByteRange(0, 99))
+    resp = await server.handle(req)
+    assert isinstance(resp.body, FileSlice) and resp.body.on_done is not None
+    ck2 = make_checkpoint(tmp_path / "c2", SIZES, seed=2)
+    store.adopt(ck2, build_manifest(ck2, "run", 2, TRAINER, shard_size=1000))
+    assert store.committed_steps() == [1, 2]  # version 1 is pinned while the send is pending
+    resp.body.on_done()
+    assert store.prune() == [1]
