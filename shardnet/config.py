@@ -140,7 +140,30 @@ class PeerSettings(FollowerSettings):
     trainer_addr: list[str] = Field([], description="trainer multiaddrs (say hello at start)")
 
 
-class TrainerSettings(CommonSettings):
+class PublishSettings(CommonSettings):
+    """Settings of roles that publish versions (trainer, origin)."""
+
+    shard_size_bytes: int = Field(32 << 20, ge=4096, description="shard size of versions")
+    shards_per_part: int = Field(16, ge=1, description="shards per signed manifest part")
+    anchor_every: int = Field(10, ge=1, description="a full version every N steps")
+    deltas: bool = Field(True, description="offer xor-zstd deltas against the last version")
+    zstd: bool = Field(False, description="also offer zstd of every shard (slow links)")
+    serve_once_s: float | None = Field(
+        5.0, gt=0, description="super-seeding window (unset: serve every request)"
+    )
+
+    def origin_config(self) -> OriginConfig:
+        """How versions are published."""
+        return OriginConfig(
+            shard_size=self.shard_size_bytes,
+            shards_per_part=self.shards_per_part,
+            anchor_every=self.anchor_every,
+            deltas=self.deltas,
+            zstd=self.zstd,
+        )
+
+
+class TrainerSettings(PublishSettings):
     """``shardnet trainer``."""
 
     role: ClassVar[str] = "trainer"
@@ -156,14 +179,6 @@ class TrainerSettings(CommonSettings):
     temperature: float = Field(1.0, gt=0, description="sampling temperature")
     min_batches: int = Field(2, ge=1, description="batches to wait for per step")
     step_timeout_s: float = Field(300.0, gt=0, description="longest wait for min_batches")
-    shard_size_bytes: int = Field(1 << 20, ge=4096, description="shard size of versions")
-    shards_per_part: int = Field(16, ge=1, description="shards per signed manifest part")
-    anchor_every: int = Field(10, ge=1, description="a full version every N steps")
-    deltas: bool = Field(True, description="offer xor-zstd deltas against the last version")
-    zstd: bool = Field(False, description="also offer zstd of every shard (slow links)")
-    serve_once_s: float | None = Field(
-        5.0, gt=0, description="origin super-seeding window (unset: serve every request)"
-    )
     max_shard_bytes: int = Field(1 << 20, ge=4096, description="safetensors file size cap")
     allow_peers: list[str] = Field([], description="only accept rollouts from these PeerIDs")
     expect_peers: list[str] = Field([], description="peers whose commits end a broadcast")
@@ -171,16 +186,6 @@ class TrainerSettings(CommonSettings):
     start_wait_s: float = Field(300.0, ge=0, description="wait for expected peers' hello")
     torch_threads: int = Field(1, ge=1, description="CPU threads for training/validation")
     check_model: bool = Field(True, description="run TOPLOC and sampling checks")
-
-    def origin_config(self) -> OriginConfig:
-        """How versions are published."""
-        return OriginConfig(
-            shard_size=self.shard_size_bytes,
-            shards_per_part=self.shards_per_part,
-            anchor_every=self.anchor_every,
-            deltas=self.deltas,
-            zstd=self.zstd,
-        )
 
     def trust(self, identity: Identity) -> TrustList:
         """The trainer trusts itself as trainer and the allowed peers as submitters."""
@@ -215,28 +220,10 @@ def load_settings(cls: type[S], config_file: Path | None, overrides: dict[str, A
         raise ConfigError("config", f"{config_file}: {exc}") from exc
 
 
-class OriginSettings(CommonSettings):
+class OriginSettings(PublishSettings):
     """``shardnet origin``: publish checkpoint directories written by an external trainer."""
 
     role: ClassVar[str] = "origin"
     watch: Path = Field(..., description="directory whose step-<N>/ subdirectories are published")
     ready_marker: str = Field("DONE", description="file that marks a step-<N>/ as complete")
     poll_interval_s: float = Field(0.5, gt=0, description="how often WATCH is scanned")
-    shard_size_bytes: int = Field(32 << 20, ge=4096, description="shard size of versions")
-    shards_per_part: int = Field(16, ge=1, description="shards per signed manifest part")
-    anchor_every: int = Field(10, ge=1, description="a full version every N steps")
-    deltas: bool = Field(True, description="offer xor-zstd deltas against the last version")
-    zstd: bool = Field(False, description="also offer zstd of every shard (slow links)")
-    serve_once_s: float | None = Field(
-        5.0, gt=0, description="super-seeding window (unset: serve every request)"
-    )
-
-    def origin_config(self) -> OriginConfig:
-        """How versions are published."""
-        return OriginConfig(
-            shard_size=self.shard_size_bytes,
-            shards_per_part=self.shards_per_part,
-            anchor_every=self.anchor_every,
-            deltas=self.deltas,
-            zstd=self.zstd,
-        )

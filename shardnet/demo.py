@@ -178,6 +178,18 @@ def _common(name: str, workdir: Path, run_id: str, keep_last: int) -> list[str]:
     ]
 
 
+def _sampling(p: dict[str, Any]) -> list[str]:
+    """The run's sampling rules, which trainer and peers must agree on."""
+    return [
+        "--n-prompts",
+        str(p["n_prompts"]),
+        "--group-size",
+        str(p["group_size"]),
+        "--max-new-tokens",
+        str(p["max_new_tokens"]),
+    ]
+
+
 async def run_demo(opts: DemoOptions) -> int:
     """Run the demo; returns the exit code (0 if ``ok``)."""
     if opts.model not in PRESETS:
@@ -214,12 +226,7 @@ async def run_demo(opts: DemoOptions) -> int:
             p.get("optimizer", "adamw"),
             "--async-level",
             str(p.get("async_level", 2)),
-            "--n-prompts",
-            str(p["n_prompts"]),
-            "--group-size",
-            str(p["group_size"]),
-            "--max-new-tokens",
-            str(p["max_new_tokens"]),
+            *_sampling(p),
             "--min-batches",
             str(p["min_batches"]),
             "--shard-size",
@@ -275,12 +282,7 @@ async def run_demo(opts: DemoOptions) -> int:
                             ids["trainer"],
                             "--trainer-addr",
                             origin,
-                            "--n-prompts",
-                            str(p["n_prompts"]),
-                            "--group-size",
-                            str(p["group_size"]),
-                            "--max-new-tokens",
-                            str(p["max_new_tokens"]),
+                            *_sampling(p),
                         ],
                         workdir,
                     )
