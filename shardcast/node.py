@@ -57,6 +57,7 @@ class NodeConfig:
         serve_wait_s: how long a request for a not-yet-verified shard waits, seconds.
         info_timeout_s: bound on one info request, seconds.
         serve_once_s: origin super-seeding window (see :mod:`shardcast.serve`), or None.
+        durable: fsync every committed version (see :mod:`shardcast.store`).
     """
 
     role: str
@@ -68,6 +69,7 @@ class NodeConfig:
     serve_wait_s: float = 10.0
     info_timeout_s: float = 10.0
     serve_once_s: float | None = None
+    durable: bool = True
 
     def __post_init__(self) -> None:
         if self.role not in ("origin", "trainer", "relay", "peer"):
@@ -111,7 +113,9 @@ class ShardcastNode:
         cls, identity: Identity, trust: TrustList, config: NodeConfig
     ) -> AsyncIterator[ShardcastNode]:
         """Start host, HTTP lane and store; stop everything on exit."""
-        store = VersionStore(config.data_dir / "versions", config.run_id, config.keep_last)
+        store = VersionStore(
+            config.data_dir / "versions", config.run_id, config.keep_last, durable=config.durable
+        )
         server = VersionServer(
             store, trust, wait_s=config.serve_wait_s, serve_once_s=config.serve_once_s
         )
@@ -121,33 +125,39 @@ class ShardcastNode:
             route = routes.get(req.path)
             return await (route() if route is not None else server.handle(req))
 
-        async with (
-            P2PNode.open(identity, config.host) as p2p,
-            open_http_server(handle, config.http) as http,
-            HttpClient(headers={PEER_HEADER: identity.peer_id}) as client,
-        ):
-            node = cls(identity, trust, config, p2p, http, client, store, server)
-            registry = registry_for(node)
+        try:
+            async with (
+                P2PNode.open(identity, config.host) as p2p,
+                open_http_server(handle, config.http) as http,
+                HttpClient(headers={PEER_HEADER: identity.peer_id}) as client,
+            ):
+                node = cls(identity, trust, config, p2p, http, client, store, server)
+                registry = registry_for(node)
 
-            async def metrics() -> HttpResponse:
-                return HttpResponse(200, [("content-type", CONTENT_TYPE)], render(registry))
+                async def metrics() -> HttpResponse:
+                    return HttpResponse(200, [("content-type", CONTENT_TYPE)], render(registry))
 
-            routes["/metrics"] = metrics
-            p2p.serve(
-                INFO_PROTOCOL,
-                node._on_info,
-                max_request_bytes=1024,
-                max_response_bytes=MAX_INFO_BYTES,
-                timeout_s=config.info_timeout_s,
-            )
-            log.info(
-                "node_ready role=%s peer_id=%s http_url=%s run=%s",
-                config.role,
-                identity.peer_id,
-                http.url,
-                config.run_id,
-            )
-            yield node
+                routes["/metrics"] = metrics
+                p2p.serve(
+                    INFO_PROTOCOL,
+                    node._on_info,
+                    max_request_bytes=1024,
+                    max_response_bytes=MAX_INFO_BYTES,
+                    timeout_s=config.info_timeout_s,
+                )
+                log.info(
+                    "node_ready role=%s peer_id=%s http_url=%s run=%s",
+                    config.role,
+                    identity.peer_id,
+                    http.url,
+                    config.run_id,
+                )
+                yield node
+        finally:
+            # any stop (normal exit, cancellation, an exception) leaves the page cache intact;
+            # only an OS crash or power loss skips this, and then the marker stays behind
+            with trio.CancelScope(shield=True):
+                await trio.to_thread.run_sync(store.close)
 
     def info(self) -> NodeInfo:
         """This node's info record."""

@@ -20,6 +20,14 @@ renames the partial directory to ``step-<N>`` (atomic on POSIX), then fsyncs the
 point leaves either no version or a complete one; leftover partial directories are removed
 when the store is opened.
 
+Durability: with ``durable`` (the origin's default) the files and ``manifest.json`` are
+fsynced before the rename, so a committed version survives a power loss. Followers (relays,
+peers) commit without fsync — a version they lose can be downloaded again, and waiting for the
+disk at every commit would put it on the broadcast's critical path — and instead mark the store
+open while they run: a store opened after an unclean stop (the marker is still there) re-hashes
+every committed version and removes those that do not match their manifest, so a version
+damaged by a crash is never used or served.
+
 Retention keeps the newest ``keep_last`` committed versions. A version that is pinned (being
 read, served, or used as a delta base) is never removed while pinned.
 
@@ -30,6 +38,7 @@ called from several threads for *different* shards at once.
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import shutil
@@ -40,7 +49,7 @@ from pathlib import Path
 
 import blake3
 
-from p2p.errors import IntegrityError, LocalProtocolError
+from p2p.errors import IntegrityError, LocalProtocolError, ShardnetError
 from p2p.trust import TrustList
 from shardcast.manifest import MANIFEST_FILE, Manifest, check_run_id
 from shardcast.plan import BLOB_DIR
@@ -78,18 +87,61 @@ class VersionStore:
         keep_last: how many committed versions to keep (>= 1).
     """
 
-    def __init__(self, root: Path, run_id: str, keep_last: int) -> None:
+    def __init__(self, root: Path, run_id: str, keep_last: int, durable: bool = True) -> None:
         if keep_last < 1:
             raise LocalProtocolError("keep_last must be >= 1")
         self.run_dir = root / check_run_id(run_id)
         self.run_id = run_id
         self.keep_last = keep_last
+        self.durable = durable
         self._pins: dict[int, int] = {}
         self._lock = threading.Lock()
         self.run_dir.mkdir(parents=True, exist_ok=True)
         for p in (*self.run_dir.glob(".partial-step-*"), *self.run_dir.glob(".removing-step-*")):
             log.info("leftover_removed path=%s", p)  # an interrupted download or prune
             shutil.rmtree(p, ignore_errors=True)
+        self._marker = self.run_dir / ".open"
+        if self._marker.exists():
+            self.recover()
+        if not durable:
+            self._marker.write_bytes(b"")
+            _fsync_dir(self.run_dir)
+
+    def recover(self) -> list[int]:
+        """Re-hash every committed version after an unclean stop; remove damaged ones.
+
+        Returns:
+            the removed steps.
+        """
+        removed = []
+        for step in self.committed_steps():
+            d = self.version_dir(step)
+            try:
+                doc = json.loads((d / MANIFEST_FILE).read_bytes())
+                signer = doc["header"]["signer"]
+                m = Manifest.decode(
+                    (d / MANIFEST_FILE).read_bytes(), trust=TrustList(trainer=signer)
+                )
+                ok = m.complete and all(
+                    hash_file(d / f.name) == m.file_digest(f.name) for f in m.header.files
+                )
+            except (OSError, ValueError, KeyError, TypeError, ShardnetError):
+                ok = False
+            if not ok:
+                victim = self.run_dir / f".removing-step-{step}"
+                os.rename(d, victim)
+                shutil.rmtree(victim, ignore_errors=True)
+                removed.append(step)
+        log.warning("store_recovered run=%s removed_steps=%s", self.run_id, removed)
+        return removed
+
+    def close(self) -> None:
+        """Flush what was committed and mark a clean stop (no re-verification at the next
+        open). Idempotent; blocking (``sync``)."""
+        if self._marker.exists():
+            os.sync()  # every commit made without fsync reaches the disk before the marker goes
+            self._marker.unlink()
+            _fsync_dir(self.run_dir)
 
     def committed_steps(self) -> list[int]:
         """Steps with a committed ``step-N`` directory, ascending."""
@@ -214,7 +266,7 @@ class VersionStore:
 
 
 def _commit_dir(store: VersionStore, directory: Path, m: Manifest) -> Path:
-    for f in m.header.files:
+    for f in m.header.files if store.durable else ():
         fd = os.open(directory / f.name, os.O_RDONLY)
         try:
             os.fsync(fd)
@@ -223,13 +275,16 @@ def _commit_dir(store: VersionStore, directory: Path, m: Manifest) -> Path:
     tmp = directory / f".{MANIFEST_FILE}.tmp"
     with open(tmp, "wb") as fh:
         fh.write(m.encode())
-        fh.flush()
-        os.fsync(fh.fileno())
+        if store.durable:
+            fh.flush()
+            os.fsync(fh.fileno())
     os.rename(tmp, directory / MANIFEST_FILE)
-    _fsync_dir(directory)
+    if store.durable:
+        _fsync_dir(directory)
     final = store.version_dir(m.step)
     os.rename(directory, final)
-    _fsync_dir(store.run_dir)
+    if store.durable:
+        _fsync_dir(store.run_dir)
     log.info(
         "version_committed run=%s step=%d files=%d size_bytes=%d digest=%s",
         m.run_id,

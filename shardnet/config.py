@@ -51,6 +51,11 @@ class CommonSettings(BaseSettings):
         None, gt=0, description="cap on HTTP lane upload"
     )
     keep_last: int = Field(3, ge=1, description="committed versions kept on disk")
+    durable_commits: bool | None = Field(
+        None,
+        description="fsync every committed version (default: yes for trainer/origin; relays "
+        "and peers re-verify their versions after an unclean stop instead)",
+    )
     report: Path | None = Field(None, description="write a JSON report here on exit")
     ready_file: Path | None = Field(None, description="write the node's addresses here")
     log_level: str = Field("INFO", description="DEBUG, INFO, WARNING, ERROR")
@@ -81,11 +86,17 @@ class CommonSettings(BaseSettings):
 
     def node_config(self) -> NodeConfig:
         """The shardcast node configuration."""
+        durable = (
+            self.role in ("trainer", "origin")
+            if self.durable_commits is None
+            else self.durable_commits
+        )
         return NodeConfig(
             role=self.role,
             run_id=self.run_id,
             data_dir=self.data_dir,
             keep_last=self.keep_last,
+            durable=durable,
             host=HostConfig(listen_multiaddrs=tuple(self.listen)),
             http=HttpServerConfig(
                 host=self.http_host,

@@ -195,9 +195,26 @@ async def test_a_version_being_served_is_not_pruned(tmp_path: Path) -> None:
     name = m1.header.files[0].name
     req = HttpRequest("GET", f"/shardnet/v1/run/1/files/{name}", {}, {}, ByteRange(0, 99))
     resp = await server.handle(req)
-    assert isinstance(resp.body, FileSlice) and resp.body.on_done is not None
+    assert isinstance(resp.body, FileSlice)
+    assert resp.body.on_done is not None
     ck2 = make_checkpoint(tmp_path / "c2", SIZES, seed=2)
     store.adopt(ck2, build_manifest(ck2, "run", 2, TRAINER, shard_size=1000))
     assert store.committed_steps() == [1, 2]  # version 1 is pinned while the send is pending
     resp.body.on_done()
     assert store.prune() == [1]
+
+
+def test_unclean_stop_of_a_non_durable_store_is_recovered(tmp_path: Path) -> None:
+    ck, m, store = _partial(tmp_path)
+    fast = VersionStore(tmp_path / "fast", "run", keep_last=3, durable=False)
+    for step in (1, 2):
+        cks = make_checkpoint(tmp_path / f"f{step}", SIZES, seed=10 + step)
+        fast.adopt(cks, build_manifest(cks, "run", step, TRAINER, shard_size=1000))
+    # the process dies without close(); a committed file was damaged (lost writeback)
+    victim = fast.version_dir(2) / m.header.files[0].name
+    victim.write_bytes(b"\0" * victim.stat().st_size)
+    again = VersionStore(tmp_path / "fast", "run", keep_last=3, durable=False)
+    assert again.committed_steps() == [1]
+    again.close()
+    assert VersionStore(tmp_path / "fast", "run", keep_last=3).committed_steps() == [1]
+    del ck, store
