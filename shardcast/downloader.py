@@ -289,6 +289,7 @@ class Downloader:
         scopes: dict[int, trio.CancelScope] = {}
         wake = trio.Event()
         verified = 0
+        first_seen = False  # debug hook: one first_byte line per download (simulations/)
         last_usable = trio.current_time()
 
         def poke() -> None:
@@ -366,7 +367,7 @@ class Downloader:
                 await trio.sleep(self.config.have_poll_s)
 
         async def fetch(req: Request) -> None:
-            nonlocal verified
+            nonlocal verified, first_seen
             entry = m.shard(req.shard)
             src = by_id[req.source]
             enc = chosen[req.shard]
@@ -401,6 +402,14 @@ class Downloader:
                                 if first:
                                     sched.on_first_byte(req.id, trio.current_time())
                                     first = False
+                                    if not first_seen:
+                                        first_seen = True
+                                        log.debug(
+                                            "first_byte step=%d shard=%d source=%s",
+                                            m.step,
+                                            req.shard,
+                                            short_id(src.id),
+                                        )
                                 buf.data[buf.pos : buf.pos + len(chunk)] = chunk
                                 buf.pos += len(chunk)
                     except NotAvailable:
@@ -493,6 +502,13 @@ class Downloader:
                             self._assign_blame(
                                 sched, suspects.pop(req.shard), buf.data, chosen[req.shard], stats
                             )
+                        log.debug(
+                            "shard_verified step=%d shard=%d source=%s size_bytes=%d",
+                            m.step,
+                            req.shard,
+                            short_id(src.id),
+                            entry.length,
+                        )
                         if on_shard is not None:
                             on_shard(req.shard)
                         if progress is not None:

@@ -36,6 +36,7 @@ to verify wins and :meth:`on_success` returns the duplicates to cancel.
 from __future__ import annotations
 
 import random
+from collections import Counter
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 
@@ -162,6 +163,11 @@ class Scheduler:
         for i in have:
             self._shards[i].done = True
         self._missing = sum(1 for s in self._shards if not s.done)
+        # kept in step with the shard and source states so next_request stays cheap with
+        # thousands of shards: shards known, not done, not in flight; and, per shard, how many
+        # non-banned partial sources hold it
+        self._idle = {i for i, s in enumerate(self._shards) if s.known and not s.done}
+        self._held: Counter[int] = Counter()
         self._sources: dict[str, SourceState] = {}
         self._flights: dict[int, _Flight] = {}
         self._next_id = 0
@@ -176,30 +182,44 @@ class Scheduler:
         st = self._sources.get(source)
         hv = None if have is None else set(have)
         if st is None:
-            self._sources[source] = SourceState(
+            st = self._sources[source] = SourceState(
                 source, rate_bps or self.config.initial_rate_bps, hv
             )
         else:
+            if st.have is not None and not st.banned:
+                self._held.subtract(st.have)
             st.have = hv
+        if hv is not None and not st.banned:
+            self._held.update(hv)
 
     def add_have(self, source: str, indices: Iterable[int]) -> None:
         """Record that ``source`` now holds more shards."""
         st = self._sources.get(source)
         if st is not None and st.have is not None:
-            st.have.update(indices)
+            have, new = st.have, []
+            for i in indices:
+                if i not in have:
+                    have.add(i)
+                    new.append(i)
+            if not st.banned:
+                self._held.update(new)
 
     def mark_known(self, index: int, length: int | None = None) -> None:
         """Shard ``index`` may now be requested (its manifest part arrived); ``length`` is the
         number of bytes a transfer of it moves (e.g. its encoded size), if not the default."""
         s = self._shards[index]
         s.known = True
+        if not s.done and not s.flights:
+            self._idle.add(index)
         if length is not None and not s.flights:
             s.length = length
             s.received = 0
 
     def remove_source(self, source: str) -> None:
         """Forget a source; its in-flight requests should be cancelled by the driver."""
-        self._sources.pop(source, None)
+        st = self._sources.pop(source, None)
+        if st is not None and st.have is not None and not st.banned:
+            self._held.subtract(st.have)
 
     def sources(self) -> list[SourceState]:
         """Snapshot of the source states (for progress display)."""
@@ -241,12 +261,23 @@ class Scheduler:
 
     # -- decisions ---------------------------------------------------------------------------
 
-    def _eligible(self, shard: int, now: float, exclude: set[str]) -> list[SourceState]:
+    def _ready(self, now: float, exclude: set[str]) -> list[SourceState]:
+        """Sources that could take a request now for some shard (not banned, excluded,
+        full or blocked), in insertion order."""
         cap = self.config.per_source_inflight
+        return [
+            st
+            for st in self._sources.values()
+            if not (
+                st.banned or st.source in exclude or st.inflight >= cap or st.blocked_until > now
+            )
+        ]
+
+    def _eligible(
+        self, shard: int, now: float, exclude: set[str], ready: list[SourceState] | None = None
+    ) -> list[SourceState]:
         out = []
-        for st in self._sources.values():
-            if st.banned or st.source in exclude or st.inflight >= cap or st.blocked_until > now:
-                continue
+        for st in self._ready(now, exclude) if ready is None else ready:
             if st.have is not None and shard not in st.have:
                 continue
             if st.not_before.get(shard, 0.0) > now:
@@ -254,8 +285,10 @@ class Scheduler:
             out.append(st)
         return out
 
-    def _pick_source(self, shard: int, now: float, exclude: set[str]) -> SourceState | None:
-        cands = self._eligible(shard, now, exclude)
+    def _pick_source(
+        self, shard: int, now: float, exclude: set[str], ready: list[SourceState] | None = None
+    ) -> SourceState | None:
+        cands = self._eligible(shard, now, exclude, ready)
         if not cands:
             return None
         if len(cands) > 1 and self._rng.random() < self.config.explore:
@@ -272,40 +305,39 @@ class Scheduler:
         """
         if len(self._flights) >= self.config.max_inflight or not self._missing:
             return None
-        idle = [i for i, s in enumerate(self._shards) if s.known and not s.done and not s.flights]
+        idle = sorted(self._idle)
         if not idle and any(not s.known and not s.done for s in self._shards):
             return None  # shards wait for their manifest part: no endgame yet
         if idle:
-            avail = self._availability_of(idle)
             # resumable shards first, then rarest first, ties random (one draw per idle shard,
             # in index order); the best is usually schedulable, so find it in O(n) and sort
             # only if it is not (same order as a stable sort of ``keyed``)
-            shards, rand = self._shards, self._rng.random
-            keyed = [((-shards[i].received, avail[i], rand()), i) for i in idle]
-            best = min(keyed)[1]
-            if avail[best]:
+            shards, rand, held = self._shards, self._rng.random, self._held
+            base = sum(1 for s in self._sources.values() if not s.banned and s.have is None)
+            keyed = [((-shards[i].received, base + held.get(i, 0), rand()), i) for i in idle]
+            best_key, best = min(keyed)
+            if best_key[1]:
                 st = self._pick_source(best, now, set())
                 if st is not None:
                     return self._start(best, st, now, duplicate=False)
-            for _, i in sorted(keyed)[1:]:
-                if avail[i] == 0:
+            ready = self._ready(now, set())
+            if not ready:  # every source full or blocked: no shard can start (no RNG used)
+                return None
+            # shards no ready source holds cannot start either: skip them without asking
+            holders: set[int] | None = None
+            if all(st.have is not None for st in ready):
+                holders = set()
+            if holders is not None:
+                for st in ready:
+                    holders.update(st.have or ())
+            for (_, avail, _), i in sorted(keyed)[1:]:
+                if avail == 0 or (holders is not None and i not in holders):
                     continue
-                st = self._pick_source(i, now, set())
+                st = self._pick_source(i, now, set(), ready)
                 if st is not None:
                     return self._start(i, st, now, duplicate=False)
             return None
         return self._endgame(now)
-
-    def _availability_of(self, shards: list[int]) -> dict[int, int]:
-        """:meth:`_availability` of each of ``shards`` in one pass over the sources (the same
-        counts; complete sources are counted once instead of once per shard, which keeps a
-        call O(shards x partial sources) — it matters with thousands of shards)."""
-        live = [s for s in self._sources.values() if not s.banned]
-        base = sum(1 for s in live if s.have is None)
-        partial = [s.have for s in live if s.have is not None]
-        if not partial:
-            return dict.fromkeys(shards, base)
-        return {i: base + sum(1 for h in partial if i in h) for i in shards}
 
     def _availability(self, shard: int) -> int:
         return sum(
@@ -340,6 +372,7 @@ class Scheduler:
         self._next_id += 1
         self._flights[req.id] = _Flight(req, now)
         s.flights.append(req.id)
+        self._idle.discard(shard)
         st.inflight += 1
         st.queued_bytes += req.length
         self._requests += 1
@@ -350,7 +383,10 @@ class Scheduler:
 
     def _finish(self, req_id: int) -> tuple[_Flight, SourceState | None]:
         fl = self._flights.pop(req_id)
-        self._shards[fl.req.shard].flights.remove(req_id)
+        s = self._shards[fl.req.shard]
+        s.flights.remove(req_id)
+        if not s.flights and s.known and not s.done:
+            self._idle.add(fl.req.shard)
         st = self._sources.get(fl.req.source)
         if st is not None:
             st.inflight -= 1
@@ -383,6 +419,7 @@ class Scheduler:
             s.done = True
             s.received = 0
             self._missing -= 1
+            self._idle.discard(fl.req.shard)
         return list(s.flights)
 
     def on_cancelled(self, req_id: int) -> None:
@@ -416,7 +453,10 @@ class Scheduler:
             return
         if kind == "unavailable":  # this source lacks this shard for now: ask others first
             if st.have is not None:
-                st.have.discard(fl.req.shard)
+                if fl.req.shard in st.have:
+                    st.have.discard(fl.req.shard)
+                    if not st.banned:
+                        self._held[fl.req.shard] -= 1
             st.not_before[fl.req.shard] = now + self.config.penalty_s / 10
             return
         if kind == "corrupt":
@@ -443,6 +483,8 @@ class Scheduler:
         st.rate_bps *= self.config.failure_decay
         st.blocked_until = now + self.config.penalty_s * 4
         if st.corrupt >= self.config.max_corrupt:
+            if not st.banned and st.have is not None:
+                self._held.subtract(st.have)
             st.banned = True
 
 

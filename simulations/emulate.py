@@ -1,0 +1,485 @@
+"""Emulation: the real node processes of a topology on this machine, on shaped links.
+
+Theory of operation
+-------------------
+:func:`run` starts one real process per node with the CLI an operator uses: ``shardnet origin
+--watch`` for the origin, ``shardnet relay`` for relays, and for peers ``shardnet relay``
+processes whose upstreams are their relays — the download-and-re-serve half of ``shardnet
+peer`` (the same :class:`~shardcast.follower.Follower`), without an inference engine, since
+the checkpoint is synthetic bytes (rollouts are therefore not emulated; the model covers
+them). As root, each node runs in its own network namespace (:mod:`simulations.netns`) with its
+uplink and downlink shaped by ``tc``; otherwise every node listens on 127.0.0.1 and only its
+upload is shaped, inside the transport (``--upload-limit``), and the report says so.
+
+The checkpoint (``size_bytes * scale``; a ``config.json`` and one ``model.safetensors`` of
+seeded random bytes, each later version changing ``delta_ratio`` of its 4 KiB blocks) is
+written before the clock starts; version k is handed to the origin (its ``DONE`` marker) at
+``k * interval_s``. Events fire at their times: ``leave`` sends SIGTERM, ``join`` starts the
+process, ``slow`` changes the node's ``tbf`` rates.
+
+Timelines come from what the nodes expose: JSON logs (``--log-json --log-level DEBUG``:
+``version_announced``, ``first_byte``, ``shard_verified``, ``version_downloaded``, each with a
+wall-clock ``ts``) and ``--report`` files (bytes per source, HTTP bytes sent). The run ends
+when every live honest peer committed the last version, on timeout, or on SIGINT/SIGTERM;
+whatever the end, every process is stopped and every namespace removed (``finally``), and a
+report is written from what was collected.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from types import FrameType
+from typing import Any
+
+import numpy as np
+
+from simulations import netns
+from simulations.summary import finish, progress_curve
+from simulations.topology import Node, Topology, TopologyError, scaled
+
+log = logging.getLogger(__name__)
+
+RUN_ID = "sim"
+LAB_READY = "emulate_lab_ready"
+
+
+class EmulationFailed(RuntimeError):
+    """The emulation did not finish (timeout, a node that would not start)."""
+
+
+@dataclass(frozen=True)
+class EmulateOptions:
+    """Options of one emulation run.
+
+    Attributes:
+        scale: checkpoint size factor (None: the topology's ``[emulation] scale``).
+        timeout_s: give up after this long, seconds (None: the topology's).
+        shaping: ``auto`` (namespaces if possible), ``netns`` (required) or ``transport``.
+        workdir: keep keys, data and logs here (default: a temporary directory, removed).
+        start_timeout_s: longest wait for one node to print its ready record, seconds.
+    """
+
+    scale: float | None = None
+    timeout_s: float | None = None
+    shaping: str = "auto"
+    workdir: Path | None = None
+    start_timeout_s: float = 60.0
+
+
+@dataclass
+class _Proc:
+    node: Node
+    argv: list[str]
+    dir: Path
+    popen: subprocess.Popen[bytes] | None = None
+    ready: dict[str, Any] = field(default_factory=dict)
+
+
+def _raise_interrupt(signum: int, frame: FrameType | None) -> None:
+    raise KeyboardInterrupt(f"signal {signum}")
+
+
+def write_checkpoints(root: Path, size: int, versions: int, delta_ratio: float, seed: int) -> None:
+    """``root/step-k/`` (config.json + model.safetensors) for k < versions; seeded bytes."""
+    rng = np.random.default_rng(seed)
+    data = rng.integers(0, 256, size=size, dtype=np.uint8)
+    blocks = max(1, size // 4096)
+    for k in range(versions):
+        if k:
+            if delta_ratio >= 1:
+                data = rng.integers(0, 256, size=size, dtype=np.uint8)
+            else:
+                pick = rng.choice(blocks, size=max(1, int(blocks * delta_ratio)), replace=False)
+                for b in pick:
+                    data[b * 4096 : (b + 1) * 4096] = rng.integers(0, 256, 4096, dtype=np.uint8)
+        d = root / f"step-{k}"
+        d.mkdir(parents=True)
+        (d / "config.json").write_text(json.dumps({"model_type": "synthetic", "step": k}))
+        data.tofile(d / "model.safetensors")
+
+
+class Emulation:
+    """One emulation run (see module docstring); use :func:`run`."""
+
+    def __init__(self, topo: Topology, opts: EmulateOptions, workdir: Path) -> None:
+        self.scale = opts.scale or topo.spec.emulation.scale
+        self.topo = scaled(topo, self.scale)
+        self.opts = opts
+        self.timeout_s = opts.timeout_s or topo.spec.emulation.timeout_s
+        self.wd = workdir
+        self.procs: dict[int, _Proc] = {}
+        self.lab: netns.Lab | None = None
+        self.notes: list[str] = []
+        self.t0 = 0.0
+        self.published: dict[int, float] = {}
+        self.failure: str | None = None
+        self.trainer_id = ""
+
+    # -- processes ----------------------------------------------------------------------------
+
+    def _addr(self, n: Node) -> tuple[str, int, int]:
+        if self.lab is None:
+            return "127.0.0.1", 0, 0
+        return self.lab.ports[n.index].ip, 4001, 8000
+
+    def _argv(self, n: Node) -> list[str]:
+        d = self.wd / n.name
+        ip, p2p_port, http_port = self._addr(n)
+        ms = self.topo.spec.model
+        common = [
+            "--run-id",
+            RUN_ID,
+            "--data-dir",
+            str(d / "data"),
+            "--key",
+            str(d / "node.key"),
+            "--listen",
+            f"/ip4/{ip}/tcp/{p2p_port}",
+            "--http-host",
+            ip,
+            "--http-port",
+            str(http_port),
+            "--keep-last",
+            str(ms.keep_last),
+            "--report",
+            str(d / "report.json"),
+            "--ready-file",
+            str(d / "ready.json"),
+            "--log-json",
+            "--log-level",
+            "DEBUG",
+        ]
+        if self.lab is None:
+            common += ["--upload-limit", str(n.up_bps)]
+        ck = self.topo.spec.checkpoint
+        if n.role == "origin":
+            role = [
+                "origin",
+                "--watch",
+                str(self.wd / "publish"),
+                "--shard-size",
+                str(ck.shard_size_bytes),
+                "--shards-per-part",
+                str(ck.shards_per_part),
+                "--anchor-every",
+                str(ck.anchor_every),
+                "--deltas" if ck.delta_ratio < 1 else "--no-deltas",
+            ]
+            if ms.serve_once_s is not None:
+                role += ["--serve-once", str(ms.serve_once_s)]
+        else:
+            ups = []
+            for u in n.upstreams:
+                ups += ["--upstream", self.procs[self.topo.index(u)].ready["multiaddrs"][0]]
+            role = ["relay", *ups, "--trainer-id", self.trainer_id]
+        prefix = self.lab.exec_prefix(n.index) if self.lab is not None else []
+        return [*prefix, sys.executable, "-m", "shardnet.cli", *role, *common]
+
+    def _start(self, n: Node) -> _Proc:
+        d = self.wd / n.name
+        d.mkdir(parents=True, exist_ok=True)
+        (d / "ready.json").unlink(missing_ok=True)
+        p = _Proc(n, self._argv(n), d)
+        with open(d / "stdout.log", "ab") as out, open(d / "log.jsonl", "ab") as err:
+            p.popen = subprocess.Popen(
+                p.argv,
+                stdout=out,
+                stderr=err,
+                stdin=subprocess.DEVNULL,
+                start_new_session=True,  # a terminal's Ctrl-C reaches us only; we stop them
+                env={**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1"},
+            )
+        self.procs[n.index] = p
+        return p
+
+    def _wait_ready(self, procs: list[_Proc]) -> None:
+        deadline = time.monotonic() + self.opts.start_timeout_s
+        for p in procs:
+            ready = p.dir / "ready.json"
+            while not ready.exists():
+                assert p.popen is not None
+                if p.popen.poll() is not None:
+                    raise EmulationFailed(
+                        f"{p.node.name} exited ({p.popen.returncode}); see {p.dir / 'log.jsonl'}"
+                    )
+                if time.monotonic() > deadline:
+                    raise EmulationFailed(f"{p.node.name} not ready in time")
+                time.sleep(0.05)
+            p.ready = json.loads(ready.read_text())
+            assert p.popen is not None
+            print(f"emulate_node_ready name={p.node.name} pid={p.popen.pid}", flush=True)
+
+    def stop_all(self) -> None:
+        """SIGTERM every live process (they write their reports), then SIGKILL stragglers."""
+        live = [p.popen for p in self.procs.values() if p.popen and p.popen.poll() is None]
+        for po in live:
+            po.send_signal(signal.SIGTERM)
+        deadline = time.monotonic() + 15
+        for po in live:
+            try:
+                po.wait(max(0.1, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                po.kill()
+                po.wait()
+
+    # -- the run ------------------------------------------------------------------------------
+
+    def start(self) -> None:
+        """Create the lab (or choose transport shaping), the checkpoints and the processes."""
+        ok, why = netns.available() if self.opts.shaping != "transport" else (False, "asked")
+        if self.opts.shaping == "netns" and not ok:
+            raise EmulationFailed(f"network namespaces unavailable: {why}")
+        if ok:
+            self.lab = netns.Lab()
+            self.lab.__enter__()
+            for n in self.topo.nodes:
+                self.lab.add_node(n.index, n.up_bps, n.down_bps, n.latency_s, n.loss)
+            self.notes.append(f"links: network namespaces + tc (lab {self.lab.id})")
+            if not self.lab.netem:
+                self.notes.append(
+                    "kernel has no sch_netem: rates shaped (tbf); latency and loss NOT emulated"
+                )
+            print(f"{LAB_READY} id={self.lab.id}", flush=True)
+        else:
+            self.notes.append(
+                f"no namespaces ({why}): uploads shaped in the transport "
+                "(--upload-limit); downlinks, latency and loss NOT emulated"
+            )
+            print(f"{LAB_READY} id=none", flush=True)
+        if self.topo.links:
+            self.notes.append("[[links]] overrides are not emulated (model only)")
+        if any(n.behavior != "honest" for n in self.topo.nodes):
+            raise TopologyError(
+                "nodes.behavior",
+                "emulation runs honest nodes only; use `shardnet simulate model` for adversaries",
+            )
+        self.notes.append(
+            "peers run as download+re-serve followers (no inference): rollouts are modelled only"
+        )
+        ck = self.topo.spec.checkpoint
+        write_checkpoints(
+            self.wd / "src", ck.size_bytes, ck.versions, ck.delta_ratio, self.topo.spec.seed
+        )
+        (self.wd / "publish").mkdir()
+        from p2p.identity import Identity
+
+        origin = self.topo.origin
+        (self.wd / origin.name).mkdir(parents=True)
+        self.trainer_id = Identity.load_or_create(self.wd / origin.name / "node.key").peer_id
+        offline = {
+            e.node
+            for e in self.topo.events
+            if e.action == "join" and next(x for x in self.topo.events if x.node == e.node) is e
+        }
+        started: set[str] = set()
+        pending = [n for n in self.topo.nodes if n.index not in offline]
+        while pending:
+            tier = [n for n in pending if all(u in started for u in n.upstreams)]
+            if not tier:
+                raise EmulationFailed("upstreams of the remaining nodes never start")
+            self._wait_ready([self._start(n) for n in tier])
+            started |= {n.name for n in tier}
+            pending = [n for n in pending if n.name not in started]
+
+    def _publish(self, k: int) -> None:
+        src, dst = self.wd / "src" / f"step-{k}", self.wd / "publish" / f"step-{k}"
+        dst.mkdir()
+        for f in src.iterdir():
+            os.link(f, dst / f.name)
+        self.published[k] = time.time()
+        (dst / "DONE").touch()
+
+    def _event(self, node: int, action: str, factor: float) -> None:
+        n = self.topo.nodes[node]
+        p = self.procs.get(node)
+        if action == "leave" and p and p.popen and p.popen.poll() is None:
+            p.popen.send_signal(signal.SIGTERM)
+        elif action == "join" and (p is None or (p.popen and p.popen.poll() is not None)):
+            self._wait_ready([self._start(n)])
+        elif action == "slow":
+            if self.lab is not None:
+                self.lab.set_rate(node, factor)
+            else:
+                self.notes.append(f"slow event on {n.name} ignored (transport shaping)")
+
+    def _committed(self, n: Node, step: int) -> bool:
+        run_dir = self.wd / n.name / "data" / "versions" / RUN_ID
+        if not run_dir.is_dir():
+            return False
+        return any(int(d.name[5:]) >= step for d in run_dir.glob("step-*") if d.name[5:].isdigit())
+
+    def loop(self) -> None:
+        """Publish, fire events, and wait for every live honest peer to commit the last one."""
+        ck = self.topo.spec.checkpoint
+        self.t0 = time.time()
+        todo = sorted(
+            [(k * ck.interval_s, 0, k, "publish", 1.0) for k in range(ck.versions)]
+            + [(e.at_s, 1, e.node, e.action, e.factor) for e in self.topo.events]
+        )
+        last = ck.versions - 1
+        while True:
+            now = time.time() - self.t0
+            while todo and todo[0][0] <= now:
+                _, kind, x, action, factor = todo.pop(0)
+                if kind == 0:
+                    self._publish(x)
+                else:
+                    self._event(x, action, factor)
+            if not todo and last in self.published:
+                peers = [
+                    p
+                    for p in self.procs.values()
+                    if p.node.role == "peer" and p.popen is not None and p.popen.poll() is None
+                ]
+                if all(self._committed(p.node, last) for p in peers):
+                    return
+            if now > self.timeout_s:
+                raise EmulationFailed(f"not finished after {self.timeout_s:.0f} s")
+            time.sleep(0.1)
+
+    # -- results ------------------------------------------------------------------------------
+
+    def summary(self) -> dict[str, Any]:
+        """The run summary (see :mod:`simulations.summary`) from logs and reports."""
+        ck = self.topo.spec.checkpoint
+        nodes: dict[str, Any] = {}
+        progress: dict[str, Any] = {}
+        ids: dict[str, str] = {}
+        reports: dict[str, dict[str, Any]] = {}
+        for p in self.procs.values():
+            rp = p.dir / "report.json"
+            reports[p.node.name] = json.loads(rp.read_text()) if rp.exists() else {}
+            ids[p.node.name] = p.ready.get("peer_id", "")
+        origin_id = ids.get(self.topo.origin.name, self.trainer_id)
+        origin_up = 0
+        peers = [n for n in self.topo.nodes if n.role == "peer"]
+        sample = {n.name for n in peers[:: max(1, len(peers) // 12)]}
+        for n in self.topo.nodes:
+            rep = reports.get(n.name, {})
+            down = sum(sum(v.get("bytes_by_source", {}).values()) for v in rep.get("versions", []))
+            origin_up += sum(
+                v.get("bytes_by_source", {}).get(origin_id, 0) for v in rep.get("versions", [])
+            )
+            versions = self._timeline(n, sample, progress)
+            nodes[n.name] = {
+                "role": n.role,
+                "group": n.group,
+                "behavior": n.behavior,
+                "up_bps": n.up_bps,
+                "down_bps": n.down_bps,
+                "bytes_up": rep.get("http", {}).get("bytes_sent", 0),
+                "bytes_down": down,
+                "versions": versions,
+            }
+        nodes[self.topo.origin.name]["bytes_up"] = origin_up
+        summary: dict[str, Any] = {
+            "mode": "emulate",
+            "topology": self.topo.name,
+            "source": str(self.topo.source) if self.topo.source else None,
+            "seed": self.topo.spec.seed,
+            "notes": self.notes,
+            "checkpoint": {
+                "size_bytes": ck.size_bytes,
+                "shard_size_bytes": ck.shard_size_bytes,
+                "n_shards": -(-ck.size_bytes // ck.shard_size_bytes),
+                "versions": ck.versions,
+                "scale": self.scale,
+            },
+            "run": {
+                "rollouts": {"sent": 0, "accepted": 0, "rejected": 0},
+                "wall_s": round(time.time() - self.t0, 3) if self.t0 else 0.0,
+                "failure": self.failure,
+            },
+            "nodes": nodes,
+            "progress": progress,
+        }
+        return finish(summary, self.topo)
+
+    def _timeline(self, n: Node, sample: set[str], progress: dict[str, Any]) -> dict[str, Any]:
+        versions: dict[str, Any] = {}
+        path = self.wd / n.name / "log.jsonl"
+        shards: dict[int, list[float]] = {}
+        if path.exists():
+            for line in path.read_text(errors="replace").splitlines():
+                if not line.startswith("{"):
+                    continue
+                try:
+                    rec = json.loads(line)
+                    step = int(rec.get("step", -1))
+                except ValueError:
+                    continue
+                if step < 0:
+                    continue
+                t = float(rec["ts"]) - self.t0
+                v = versions.setdefault(
+                    str(step), {"learned_s": None, "first_byte_s": None, "commit_s": None}
+                )
+                ev = rec.get("event")
+                if ev == "version_announced" and v["learned_s"] is None:
+                    v["learned_s"] = round(t, 3)
+                elif ev == "first_byte" and v["first_byte_s"] is None:
+                    v["first_byte_s"] = round(t, 3)
+                elif ev == "shard_verified":
+                    shards.setdefault(step, []).append(t)
+                elif ev == "version_downloaded":
+                    v["commit_s"] = round(t, 3)
+        for key, v in versions.items():
+            pub = self.published.get(int(key))
+            v["published_s"] = None if pub is None else round(pub - self.t0, 3)
+            c = v["commit_s"]
+            v["duration_s"] = None if c is None or pub is None else round(c - (pub - self.t0), 3)
+            v["shards"] = len(shards.get(int(key), []))
+        if n.name in sample and 0 in shards and 0 in self.published:
+            nsh = -(
+                -self.topo.spec.checkpoint.size_bytes // self.topo.spec.checkpoint.shard_size_bytes
+            )
+            progress[n.name] = progress_curve(shards[0], self.published[0] - self.t0, nsh)
+        return versions
+
+
+def run(topo: Topology, opts: EmulateOptions) -> dict[str, Any]:
+    """Run one emulation and return its summary; cleans up whatever happens.
+
+    SIGTERM is turned into KeyboardInterrupt for the duration, so Ctrl-C and SIGTERM both
+    unwind through the cleanup; the summary (with ``run.failure`` set) is returned for a
+    timeout or a node that failed, and KeyboardInterrupt is re-raised after cleanup.
+
+    Raises:
+        TopologyError: the topology cannot be emulated (adversaries).
+        EmulationFailed: namespaces required but unavailable.
+    """
+    old = signal.signal(signal.SIGTERM, _raise_interrupt)
+    tmp = opts.workdir is None
+    wd = Path(tempfile.mkdtemp(prefix="shardnet-emulate-")) if tmp else opts.workdir
+    assert wd is not None
+    wd.mkdir(parents=True, exist_ok=True)
+    em = Emulation(topo, opts, wd)
+    try:
+        netns.cleanup_stale()
+        try:
+            em.start()
+            em.loop()
+        except EmulationFailed as exc:
+            em.failure = str(exc)
+            log.error("emulation_failed error=%s", exc)
+        em.stop_all()
+        return em.summary()
+    finally:
+        try:
+            em.stop_all()
+        finally:
+            if em.lab is not None:
+                em.lab.teardown()
+            signal.signal(signal.SIGTERM, old)
+            if tmp:
+                shutil.rmtree(wd, ignore_errors=True)

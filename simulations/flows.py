@@ -1,0 +1,266 @@
+"""Flow-level bandwidth sharing: weighted max-min fairness, and a time-stepped flow network.
+
+Theory of operation
+-------------------
+A *flow* moves bytes from one node to another and crosses a few *resources*: the sender's
+uplink, the receiver's downlink, and optionally a declared link between the two. Each resource
+has a capacity (bytes/s); each flow may also have its own cap (e.g. TCP's window/RTT or the
+Mathis loss bound). Rates are the weighted max-min fair allocation (progressive filling): raise
+every flow's rate in proportion to its weight until a resource saturates or a flow hits its cap,
+freeze those flows, repeat. This is the sharing of SimGrid's CM02 network model without its
+latency-dependent weights (DESIGN.md: such a solver matched SimGrid to 1e-6).
+
+:func:`maxmin` freezes, per round, every resource whose fair level is no larger than that of any
+resource sharing a flow with it (such a resource saturates at that level whatever happens
+elsewhere: the others' levels only rise as flows freeze), so the number of rounds is the depth
+of the bottleneck graph rather than the number of distinct levels; each round is a few numpy
+passes over the flows.
+
+:class:`FlowNetwork` advances all flows in steps of ``dt`` seconds: rates are recomputed at each
+step boundary; a flow that completes inside a step gets its exact completion time, and a flow
+that starts inside a step starts moving at the next boundary (error <= dt per transfer; the
+model picks dt much smaller than a shard's transfer time).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import numpy as np
+import numpy.typing as npt
+
+FArr = npt.NDArray[np.float64]
+IArr = npt.NDArray[np.int64]
+INF = math.inf
+
+
+def maxmin(
+    capacity: FArr,
+    flow_res: IArr,
+    weight: FArr | None = None,
+    cap: FArr | None = None,
+) -> FArr:
+    """Weighted max-min fair rates.
+
+    Args:
+        capacity: (R,) capacity of each resource, bytes/s (>= 0).
+        flow_res: (F, K) resource indices of each flow, ``-1`` for unused slots.
+        weight: (F,) weights (> 0); default 1.
+        cap: (F,) per-flow rate caps, bytes/s (``inf``: none); default none.
+
+    Returns:
+        (F,) rates, bytes/s.
+    """
+    nf = flow_res.shape[0]
+    rate = np.zeros(nf)
+    if nf == 0:
+        return rate
+    w = np.ones(nf) if weight is None else weight
+    fcap = np.full(nf, INF) if cap is None else cap
+    nres = capacity.shape[0]
+    used = flow_res >= 0
+    fr = np.where(used, flow_res, nres)  # slot nres: a dummy resource of infinite capacity
+    cap_ext = np.append(capacity.astype(np.float64), INF)
+    active = np.ones(nf, dtype=bool)
+    remaining = cap_ext.copy()
+    for _ in range(nf + nres + 1):
+        if not active.any():
+            break
+        aw = np.where(active, w, 0.0)
+        wsum = np.zeros(nres + 1)
+        np.add.at(wsum, fr, np.broadcast_to(aw[:, None], fr.shape))
+        with np.errstate(divide="ignore", invalid="ignore"):
+            level = np.where(wsum > 0, remaining / wsum, INF)
+        level[nres] = INF
+        level = np.maximum(level, 0.0)
+        flevel = level[fr].min(axis=1)  # each flow's tightest resource level
+        ocap = np.where(active, fcap / w, INF)  # the level at which a flow hits its own cap
+        fmin = np.minimum(flevel, ocap)
+        fmin_act = np.where(active, fmin, INF)
+        # a resource is locally minimal if no flow crossing it has a lower level elsewhere
+        neigh = np.full(nres + 1, INF)
+        np.minimum.at(neigh, fr, np.broadcast_to(fmin_act[:, None], fr.shape))
+        tight_res = (level <= neigh * (1 + 1e-12)) & (wsum > 0)
+        tight_res[nres] = False
+        on_tight = tight_res[fr].any(axis=1) & active
+        capped = active & (ocap <= flevel * (1 + 1e-12))
+        freeze = on_tight | capped
+        if not freeze.any():  # numerical corner: freeze the globally smallest
+            freeze = active & (fmin_act <= fmin_act.min() * (1 + 1e-12))
+        lvl = np.where(capped, ocap, flevel)
+        rate[freeze] = (w * lvl)[freeze]
+        np.subtract.at(
+            remaining, fr, np.broadcast_to(np.where(freeze, rate, 0.0)[:, None], fr.shape)
+        )
+        remaining[nres] = INF
+        active &= ~freeze
+    return np.where(np.isfinite(rate), rate, 0.0)
+
+
+DoneFn = Callable[[int, float], None]
+"""``done(flow_id, completion_time_s)``."""
+
+
+@dataclass
+class _Pending:
+    fid: int
+    start_at: float
+
+
+class FlowNetwork:
+    """Flows over capacitated resources, advanced in time steps (see module docstring).
+
+    Args:
+        capacity: initial capacity per resource, bytes/s.
+        max_res: resources per flow (K).
+
+    Not thread-safe; callbacks run inside :meth:`advance`.
+    """
+
+    def __init__(self, capacity: list[float], max_res: int = 3) -> None:
+        self.capacity = np.array(capacity, dtype=np.float64)
+        self.k = max_res
+        n = 1024
+        self._res = np.full((n, max_res), -1, dtype=np.int64)
+        self._left = np.zeros(n)
+        self._cap = np.full(n, INF)
+        self._rate = np.zeros(n)
+        self._active = np.zeros(n, dtype=bool)
+        self._moved = np.zeros(n)
+        self._lag = np.zeros(n)
+        self._free = list(range(n - 1, -1, -1))
+        self._slot: dict[int, int] = {}
+        self._flow_of_slot: dict[int, int] = {}
+        self._cb: dict[int, tuple[DoneFn, Callable[[int, float], None] | None]] = {}
+        self._pending: list[_Pending] = []
+        self._next_id = 0
+        self.dirty = True
+
+    def __len__(self) -> int:
+        return len(self._slot)
+
+    def _grow(self) -> None:
+        n = self._left.shape[0]
+        self._res = np.vstack([self._res, np.full((n, self.k), -1, dtype=np.int64)])
+        for name in ("_left", "_rate", "_moved", "_lag"):
+            setattr(self, name, np.concatenate([getattr(self, name), np.zeros(n)]))
+        self._cap = np.concatenate([self._cap, np.full(n, INF)])
+        self._active = np.concatenate([self._active, np.zeros(n, dtype=bool)])
+        self._free.extend(range(2 * n - 1, n - 1, -1))
+
+    def add(
+        self,
+        resources: tuple[int, ...],
+        size_bytes: float,
+        start_at: float,
+        on_done: DoneFn,
+        on_start: Callable[[int, float], None] | None = None,
+        cap_bps: float = INF,
+    ) -> int:
+        """Add a flow that starts moving at ``start_at`` (s); returns its id."""
+        if not self._free:
+            self._grow()
+        slot = self._free.pop()
+        fid = self._next_id
+        self._next_id += 1
+        self._res[slot] = -1
+        self._res[slot, : len(resources)] = resources
+        self._left[slot] = max(float(size_bytes), 0.0)
+        self._cap[slot] = cap_bps
+        self._rate[slot] = 0.0
+        self._moved[slot] = 0.0
+        self._slot[fid] = slot
+        self._flow_of_slot[slot] = fid
+        self._cb[fid] = (on_done, on_start)
+        self._pending.append(_Pending(fid, start_at))
+        return fid
+
+    def cancel(self, fid: int) -> float:
+        """Stop a flow; returns the bytes it moved. Unknown ids return 0."""
+        slot = self._slot.pop(fid, None)
+        if slot is None:
+            return 0.0
+        moved = float(self._moved[slot])
+        self._active[slot] = False
+        del self._flow_of_slot[slot]
+        self._cb.pop(fid, None)
+        self._free.append(slot)
+        self.dirty = True
+        return moved
+
+    def moved(self, fid: int) -> float:
+        """Bytes a flow has moved so far."""
+        slot = self._slot.get(fid)
+        return 0.0 if slot is None else float(self._moved[slot])
+
+    def set_capacity(self, resource: int, bps: float) -> None:
+        """Change a resource's capacity (takes effect at the next step)."""
+        self.capacity[resource] = bps
+        self.dirty = True
+
+    def idle(self) -> bool:
+        """True when no flow exists."""
+        return not self._slot
+
+    def next_start(self) -> float:
+        """Earliest start time of a flow not yet moving (inf: none)."""
+        return min((p.start_at for p in self._pending if p.fid in self._slot), default=INF)
+
+    def advance(self, t0: float, dt: float) -> None:
+        """Move every flow from ``t0`` to ``t0 + dt``; call back completed flows in order."""
+        t1 = t0 + dt
+        if self._pending:
+            keep = []
+            for p in self._pending:
+                if p.fid not in self._slot:
+                    continue
+                if p.start_at <= t0 + 1e-12:
+                    slot = self._slot[p.fid]
+                    self._active[slot] = True
+                    # it should have started inside the last step: back-date it (it moves
+                    # for dt + lag now), using the capacity that completions freed there
+                    lag = min(max(t0 - p.start_at, 0.0), dt)
+                    self._lag[slot] = lag
+                    self.dirty = True
+                    on_start = self._cb[p.fid][1]
+                    if on_start is not None:
+                        on_start(p.fid, t0 - lag)
+                else:
+                    keep.append(p)
+            self._pending = keep
+        act = np.flatnonzero(self._active)
+        if act.size == 0:
+            return
+        if self.dirty:
+            self._rate[act] = maxmin(self.capacity, self._res[act], None, self._cap[act])
+            self.dirty = False
+        rate = self._rate[act]
+        left = self._left[act]
+        lags = self._lag[act]
+        self._lag[act] = 0.0
+        step = np.minimum(rate * (dt + lags), left)
+        self._left[act] = left - step
+        self._moved[act] += step
+        fin = (left - step <= 1e-6) & ((rate > 0) | (left <= 1e-6))
+        done = act[fin]
+        if done.size == 0:
+            return
+        with np.errstate(divide="ignore", invalid="ignore"):
+            t_done = t0 - lags[fin] + np.where(rate[fin] > 0, left[fin] / rate[fin], 0.0)
+        t_done = np.maximum(t_done, t0)
+        order = np.argsort(t_done, kind="stable")
+        finished = [(self._flow_of_slot[int(done[i])], float(min(t_done[i], t1))) for i in order]
+        for fid, _ in finished:
+            slot = self._slot[fid]
+            self._active[slot] = False
+        self.dirty = True
+        for fid, t in finished:
+            cbs = self._cb.pop(fid, None)
+            live = self._slot.pop(fid, None)
+            if live is None or cbs is None:
+                continue  # cancelled by an earlier callback of this step
+            del self._flow_of_slot[live]
+            self._free.append(live)
+            cbs[0](fid, t)

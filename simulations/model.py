@@ -1,0 +1,650 @@
+"""The model: thousands of nodes in virtual time, driven by the real sans-IO policies.
+
+Theory of operation
+-------------------
+SimPy's :class:`simpy.Environment` owns virtual time: publications, the topology's events,
+part hashing at the origin, serve-wait timeouts, discovery rounds and rollouts are SimPy
+timeouts; one SimPy process advances the :class:`~simulations.flows.FlowNetwork` (max-min
+sharing of uplinks, downlinks and declared links) in steps of ``time_step_s``.
+
+Every decision a real node makes with a sans-IO policy is made here by that same code, with the
+model's clock as ``now`` and a per-node seeded ``random.Random``:
+
+- each download is a :class:`shardcast.select.Scheduler` (shard and source choice, exploration,
+  penalties, resumption, endgame duplicates and their cancellation), fed like
+  :class:`shardcast.downloader.Downloader` feeds it: parts become known as the origin hashes
+  them (``mark_known`` with the encoded size — the ``xor-zstd`` delta when the base is held),
+  first bytes, successes, ``unavailable`` (503 after ``serve_wait_s``, super-seeding refusals,
+  404 from a node without the version), ``broken`` (a source left; bytes kept for resuming),
+  ``corrupt``/``suspect`` (digest failures) with blame on the verified copy;
+- extra sources come from a real :class:`shardcast.discovery.SourceDirectory` fed with
+  :class:`~shardcast.discovery.NodeAdvert`\\ s (a node hears ``gossip_sample`` random adverts per
+  ``advert_interval_s`` instead of all N: that keeps a round O(1) per node);
+- the origin refuses repeats with :class:`shardcast.policy.SuperSeeding`;
+- relays and peers serve a shard as soon as they verified it (a request for a shard a source
+  is still filling waits there, as in :mod:`shardcast.serve`), keep versions by
+  :func:`shardcast.policy.versions_to_prune` with served versions and delta bases pinned,
+  and catch up with :func:`shardcast.catchup.plan`.
+
+Not modelled: CPU (hashing is a rate at the origin only; verification is free), TCP slow
+start, HTTP/libp2p control traffic, gossip delays other than one RTT.
+"""
+
+from __future__ import annotations
+
+import math
+import random
+import time
+from collections import defaultdict
+from dataclasses import dataclass, field
+from typing import Any, cast
+
+import simpy
+
+from shardcast import catchup
+from shardcast.discovery import NodeAdvert, SourceDirectory
+from shardcast.manifest import Manifest
+from shardcast.policy import SuperSeeding, versions_to_prune
+from shardcast.select import Request, Scheduler, SchedulerConfig
+from simulations.flows import FlowNetwork
+from simulations.topology import Node, Topology
+from simulations.versions import SimVersion, manifest_stub
+
+UNREACHABLE_S = 1.0  # time to notice a departed source (connect failure), seconds
+MSS = 1448.0  # TCP payload bytes per segment, for the Mathis loss bound
+
+
+@dataclass
+class _Flight:
+    req: Request
+    src: int
+    fid: int | None = None
+    waiting: bool = False
+    done: bool = False
+
+
+@dataclass
+class _Partial:
+    pos: int
+    sources: set[int]
+    bad: set[int]
+
+
+@dataclass
+class _Download:
+    node: int
+    ver: SimVersion
+    sched: Scheduler
+    use_base: bool
+    started: float
+    flights: dict[int, _Flight] = field(default_factory=dict)
+    sources: set[int] = field(default_factory=set)
+    partial: dict[int, _Partial] = field(default_factory=dict)
+    suspects: dict[int, set[int]] = field(default_factory=dict)
+    known_parts: int = 0
+    pump_due: bool = False
+    alive: bool = True
+
+
+@dataclass
+class _NodeState:
+    spec: Node
+    rng: random.Random
+    alive: bool = True
+    committed: list[int] = field(default_factory=list)
+    have: dict[int, set[int]] = field(default_factory=dict)  # step -> verified shards (filling)
+    download: _Download | None = None
+    plan: list[int] = field(default_factory=list)
+    announced: int = -1
+    waiters: dict[tuple[int, int], list[Any]] = field(default_factory=dict)
+    watchers: dict[int, list[_Download]] = field(default_factory=dict)
+    serving: dict[int, int] = field(default_factory=lambda: defaultdict(int))
+    out: dict[int, tuple[_Download, int]] = field(default_factory=dict)  # fid -> (dl, req id)
+    directory: SourceDirectory | None = None
+    bytes_up: float = 0.0
+    bytes_down: float = 0.0
+    records: dict[int, dict[str, Any]] = field(default_factory=dict)
+    generating: bool = False
+    done_step: int = -1
+
+
+class Model:
+    """One model run of a topology (see module docstring).
+
+    Args:
+        topo: the topology.
+        seed: overrides the topology's seed.
+        until_s: stop the virtual clock here, seconds (default: generous bound).
+    """
+
+    def __init__(self, topo: Topology, seed: int | None = None, until_s: float | None = None):
+        self.topo = topo
+        self.spec = topo.spec
+        ms = self.spec.model
+        self.seed = topo.spec.seed if seed is None else seed
+        self.env = simpy.Environment()
+        ck = self.spec.checkpoint
+        n_nodes = len(topo.nodes)
+        caps = [n.up_bps for n in topo.nodes] + [n.down_bps for n in topo.nodes]
+        self._link_res: dict[tuple[int, int], int] = {}
+        self._link_extra: dict[tuple[int, int], tuple[float, float]] = {}
+        for ln in topo.links:
+            key = (min(ln.a, ln.b), max(ln.a, ln.b))
+            if ln.bandwidth_bps is not None:
+                self._link_res[key] = len(caps)
+                caps.append(ln.bandwidth_bps)
+            self._link_extra[key] = (ln.latency_s, ln.loss)
+        self.net = FlowNetwork(caps)
+        self.sched_cfg = SchedulerConfig(
+            max_inflight=ms.max_inflight, per_source_inflight=ms.per_source_inflight
+        )
+        self.nodes = [
+            _NodeState(n, random.Random(f"{self.seed}:{n.name}"), alive=True) for n in topo.nodes
+        ]
+        for ev in topo.events:  # a node whose first event is a join starts offline
+            first = next(e for e in topo.events if e.node == ev.node)
+            self.nodes[ev.node].alive = first.action != "join"
+        self.by_name = {n.name: n.index for n in topo.nodes}
+        self.origin = topo.origin.index
+        self.seeding = SuperSeeding(ms.serve_once_s)
+        self.versions: dict[int, SimVersion] = {}
+        self.board: dict[int, list[int]] = defaultdict(list)  # step -> nodes holding/filling
+        self.rollouts = {"sent": 0, "accepted": 0, "rejected": 0}
+        followers = [n for n in topo.nodes if n.role != "origin"]
+        slowest = min(n.down_bps for n in followers) if followers else 1e9
+        auto = ck.shard_size_bytes / (slowest / ms.max_inflight) / 100
+        self.dt = ms.time_step_s or min(0.25, max(0.002, auto))
+        total = ck.size_bytes * max(1, n_nodes) / max(1.0, sum(n.up_bps for n in topo.nodes))
+        self.until_s = until_s or (
+            ck.versions * ck.interval_s + 50 * total + 20 * ck.size_bytes / slowest + 600
+        )
+        self._wake: simpy.Event | None = None
+        self._n_shards = math.ceil(ck.size_bytes / ck.shard_size_bytes)
+        self.wall_s = 0.0
+
+    # -- helpers ------------------------------------------------------------------------------
+
+    def _path(self, a: int, b: int) -> tuple[float, float, tuple[int, ...]]:
+        """(one-way delay s, loss, resources) of the path a -> b."""
+        na, nb = self.topo.nodes[a], self.topo.nodes[b]
+        key = (min(a, b), max(a, b))
+        lat, loss = self._link_extra.get(key, (0.0, 0.0))
+        delay = na.latency_s + nb.latency_s + lat
+        p = 1 - (1 - na.loss) * (1 - nb.loss) * (1 - loss)
+        res = (a, len(self.nodes) + b) + ((self._link_res[key],) if key in self._link_res else ())
+        return delay, p, res
+
+    def _flow_cap(self, rtt: float, loss: float) -> float:
+        cap = math.inf
+        if loss > 0 and rtt > 0:
+            cap = MSS / rtt * math.sqrt(1.5 / loss)  # Mathis et al. 1997
+        w = self.spec.model.window_bytes
+        if w is not None and rtt > 0:
+            cap = min(cap, w / rtt)
+        return cap
+
+    def _at(self, t: float, fn: Any, *args: Any) -> None:
+        ev = self.env.timeout(max(0.0, t - self.env.now))
+        ev.callbacks.append(lambda _e: fn(*args))
+
+    def _add_flow(
+        self, src: int, dst: int, size: float, start: float, done: Any, first: Any
+    ) -> int:
+        delay, loss, res = self._path(src, dst)
+        fid = self.net.add(res, size, start, done, first, self._flow_cap(2 * delay, loss))
+        if self._wake is not None and not self._wake.triggered:
+            self._wake.succeed()
+        return fid
+
+    def _record(self, node: int, step: int) -> dict[str, Any]:
+        return self.nodes[node].records.setdefault(
+            step,
+            {"learned_s": None, "first_byte_s": None, "commit_s": None, "shards_s": [], "acc": 0},
+        )
+
+    # -- network process ---------------------------------------------------------------------
+
+    def _network(self) -> Any:
+        while True:
+            if self.net.idle():
+                self._wake = self.env.event()
+                yield self._wake
+                self._wake = None
+                continue
+            yield self.env.timeout(self.dt)
+            self.net.advance(self.env.now - self.dt, self.dt)
+
+    # -- publication --------------------------------------------------------------------------
+
+    def _publish(self, step: int) -> None:
+        ck = self.spec.checkpoint
+        now = self.env.now
+        base = None if step % ck.anchor_every == 0 or ck.delta_ratio >= 1 else step - 1
+        ver = SimVersion.make(self.spec.name, step, ck, base, now)
+        self.versions[step] = ver
+        o = self.nodes[self.origin]
+        o.have[step] = set()
+        self._record(self.origin, step)["learned_s"] = now
+        part_bytes = ck.shards_per_part * ck.shard_size_bytes
+        for k in range(ver.n_parts):
+            t = now + min((k + 1) * part_bytes, ck.size_bytes) / ck.hash_bytes_per_s
+            ver.part_time.append(t)
+            self._at(t, self._part_hashed, step, k)
+        for n in self.nodes:
+            if n.spec.role != "origin" and n.alive:
+                delay, _, _ = self._path(n.spec.index, self.origin)
+                self._at(now + 2 * delay, self._learn, n.spec.index, step)
+
+    def _part_hashed(self, step: int, k: int) -> None:
+        ver = self.versions[step]
+        o = self.nodes[self.origin]
+        for i in ver.part_range(k):
+            o.have[step].add(i)
+            self._shard_ready(self.origin, step, i)
+        for dl in list(ver.listeners):
+            self._part_known(dl, k)
+        if k == ver.n_parts - 1:
+            o.committed.append(step)
+            del o.have[step]
+            self._record(self.origin, step)["commit_s"] = self.env.now
+            self._prune(self.origin)
+
+    # -- learning and planning ----------------------------------------------------------------
+
+    def _learn(self, node: int, step: int) -> None:
+        n = self.nodes[node]
+        if not n.alive or step <= n.announced:
+            return
+        n.announced = step
+        rec = self._record(node, step)
+        if rec["learned_s"] is None:
+            rec["learned_s"] = self.env.now
+        self._maybe_start(node)
+
+    def _maybe_start(self, node: int) -> None:
+        n = self.nodes[node]
+        if not n.alive or n.download is not None:
+            return
+        latest = n.committed[-1] if n.committed else None
+        if not n.plan:
+            target = n.announced
+            if target < 0 or (latest is not None and target <= latest):
+                return
+            n.plan = list(self._plan(latest, target))
+        step = n.plan[0]
+        ups = [u for u in (self.by_name[x] for x in n.spec.upstreams) if self._knows(u, step)]
+        if not ups:  # the manifest is not upstream yet: retry (fetch_manifest backs off)
+            self._at(self.env.now + 0.25, self._maybe_start, node)
+            return
+        delay, _, _ = self._path(node, ups[0])
+        self._start_download(node, step, self.env.now + 2 * delay)
+
+    def _plan(self, have: int | None, target: int) -> tuple[int, ...]:
+        """The real catch-up planner over stand-in manifests of the published versions."""
+        if have is None or have >= target - 1:
+            return (target,)
+
+        def stub(s: int) -> Manifest:
+            v = self.versions[s]
+            base = None if v.base is None else self.versions[v.base].digest
+            return cast(Manifest, manifest_stub(v, base))
+
+        chain = {s: stub(s) for s in range(have + 1, target)}
+        p = catchup.plan(have, self.versions[have].digest, stub(target), chain)
+        return p.steps
+
+    def _knows(self, node: int, step: int) -> bool:
+        n = self.nodes[node]
+        return n.alive and (step in n.committed or step in n.have)
+
+    # -- downloads ----------------------------------------------------------------------------
+
+    def _start_download(self, node: int, step: int, at: float) -> None:
+        n = self.nodes[node]
+        ver = self.versions[step]
+        use_base = ver.base is not None and ver.base in n.committed
+        dl = _Download(
+            node, ver, Scheduler(ver.lengths, n.rng, self.sched_cfg, known=[]), use_base, at
+        )
+        n.download = dl
+        n.have[step] = set()
+        self.board[step].append(node)
+        ver.listeners.append(dl)
+        for u in n.spec.upstreams:
+            ui = self.by_name[u]
+            if self.nodes[ui].alive:
+                dl.sched.add_source(u, None)
+                dl.sources.add(ui)
+        if n.directory is None and self.spec.model.discovery:
+            ms = self.spec.model
+            n.directory = SourceDirectory(
+                n.spec.name,
+                set(n.spec.upstreams),
+                5 * ms.advert_interval_s,
+                5 * ms.gossip_sample,
+                n.rng,
+            )
+        for k, t in enumerate(ver.part_time):
+            if t <= self.env.now:
+                self._part_known(dl, k)
+        if self.spec.model.discovery and self.spec.model.max_extra_sources:
+            self._at(at, self._discover, dl)
+        self._at(at, self._pump, dl)
+
+    def _part_known(self, dl: _Download, k: int) -> None:
+        if not dl.alive or k < dl.known_parts:
+            return
+        for kk in range(dl.known_parts, k + 1):
+            for i in dl.ver.part_range(kk):
+                dl.sched.mark_known(i, dl.ver.enc_len(i, dl.use_base))
+        dl.known_parts = k + 1
+        self._pump(dl)
+
+    def _discover(self, dl: _Download) -> None:
+        if not dl.alive:
+            return
+        n = self.nodes[dl.node]
+        ms = self.spec.model
+        step = dl.ver.step
+        cands = [c for c in self.board[step] if c != dl.node and self.nodes[c].alive]
+        now = self.env.now
+        assert n.directory is not None
+        for c in n.rng.sample(cands, min(len(cands), ms.gossip_sample)):
+            cn = self.nodes[c]
+            role = "relay" if cn.spec.role == "relay" else "peer"
+            adv = NodeAdvert(
+                cn.spec.name,
+                role,
+                "http://sim",
+                tuple(cn.committed[-16:]),
+                (step,) if step in cn.have else (),
+            )
+            n.directory.offer(adv, now)
+        for src in n.directory.sources_for(step, now, ms.max_extra_sources):
+            si = self.by_name[src.id]
+            if si in dl.sources:
+                continue
+            dl.sources.add(si)
+            sn = self.nodes[si]
+            if src.complete:
+                dl.sched.add_source(src.id, None)
+            else:
+                dl.sched.add_source(src.id, ())
+                dl.sched.add_have(src.id, sn.have.get(step, ()))
+                sn.watchers.setdefault(step, []).append(dl)
+        self._pump(dl)
+        self._at(now + ms.advert_interval_s, self._discover, dl)
+
+    def _pump(self, dl: _Download) -> None:
+        if not dl.alive or self.env.now < dl.started:
+            return
+        now = self.env.now
+        while (req := dl.sched.next_request(now)) is not None:
+            self._request(dl, req, now)
+        if not dl.flights and not dl.sched.done():  # blocked sources: retry like the driver
+            if not dl.pump_due:
+                dl.pump_due = True
+                self._at(now + self.sched_cfg.penalty_s / 4, self._repump, dl)
+
+    def _repump(self, dl: _Download) -> None:
+        dl.pump_due = False
+        self._pump(dl)
+
+    def _request(self, dl: _Download, req: Request, now: float) -> None:
+        si = self.by_name[req.source]
+        src = self.nodes[si]
+        fl = _Flight(req, si)
+        dl.flights[req.id] = fl
+        delay, _, _ = self._path(si, dl.node)
+        step, i = dl.ver.step, req.shard
+        if not src.alive:
+            self._at(now + UNREACHABLE_S, self._fail, dl, fl, "broken")
+        elif step in src.committed or i in src.have.get(step, ()):
+            self._serve(dl, fl, now + 2 * delay)
+        elif step in src.have:  # filling: the request waits there (pipelining)
+            fl.waiting = True
+            src.waiters.setdefault((step, i), []).append((dl, fl))
+            self._at(now + self.spec.model.serve_wait_s, self._wait_expired, dl, fl)
+        else:
+            self._at(now + 2 * delay, self._fail, dl, fl, "unavailable")
+
+    def _serve(self, dl: _Download, fl: _Flight, start: float) -> None:
+        if fl.done or not dl.alive:
+            return
+        fl.waiting = False
+        step = dl.ver.step
+        if fl.src == self.origin and not self.seeding.allow(
+            self.topo.nodes[dl.node].name, step, (fl.req.shard,), self.env.now
+        ):
+            self._at(start, self._fail, dl, fl, "unavailable")
+            return
+        src = self.nodes[fl.src]
+        src.serving[step] += 1
+        fl.fid = self._add_flow(
+            fl.src,
+            dl.node,
+            fl.req.length,
+            start,
+            lambda fid, t: self._complete(dl, fl, t),
+            lambda fid, t: self._first_byte(dl, fl, t),
+        )
+        src.out[fl.fid] = (dl, fl.req.id)
+
+    def _wait_expired(self, dl: _Download, fl: _Flight) -> None:
+        if fl.waiting and not fl.done:
+            self._fail(dl, fl, "unavailable")
+
+    def _first_byte(self, dl: _Download, fl: _Flight, t: float) -> None:
+        dl.sched.on_first_byte(fl.req.id, t)
+        rec = self._record(dl.node, dl.ver.step)
+        if rec["first_byte_s"] is None:
+            rec["first_byte_s"] = t
+
+    def _fail(self, dl: _Download, fl: _Flight, kind: str, received: int = 0) -> None:
+        if fl.done:
+            return
+        fl.done = True
+        dl.flights.pop(fl.req.id, None)
+        if dl.alive:
+            dl.sched.on_failure(fl.req.id, self.env.now, kind=kind, received=received)
+            self._pump(dl)
+
+    def _complete(self, dl: _Download, fl: _Flight, t: float) -> None:
+        if fl.done:
+            return
+        fl.done = True
+        dl.flights.pop(fl.req.id, None)
+        self._account(dl, fl, float(fl.req.length))
+        if not dl.alive:
+            return
+        req, i = fl.req, fl.req.shard
+        src = self.nodes[fl.src]
+        corrupt = src.spec.behavior == "corrupt" and src.rng.random() < src.spec.corrupt_fraction
+        part = dl.partial.pop(i, None) if req.start and not req.duplicate else None
+        contributors = {fl.src} | (part.sources if part else set())
+        bad = ({fl.src} if corrupt else set()) | (part.bad if part else set())
+        if bad:
+            if len(contributors) == 1:
+                dl.sched.on_failure(req.id, t, kind="corrupt")
+            else:
+                dl.sched.on_failure(req.id, t, kind="suspect")
+                dl.suspects.setdefault(i, set()).update(bad)
+            self._pump(dl)
+            return
+        for lid in dl.sched.on_success(req.id, t):
+            loser = dl.flights.pop(lid, None)
+            if loser is not None:
+                loser.done = True
+                if loser.fid is not None:
+                    self._account(dl, loser, self.net.cancel(loser.fid))
+            dl.sched.on_cancelled(lid)
+        for culprit in dl.suspects.pop(i, set()):
+            dl.sched.penalize_corrupt(self.topo.nodes[culprit].name, t)
+        n = self.nodes[dl.node]
+        n.have[dl.ver.step].add(i)
+        rec = self._record(dl.node, dl.ver.step)
+        rec["shards_s"].append(t)
+        rec["acc"] ^= dl.ver.tokens[i]
+        self._shard_ready(dl.node, dl.ver.step, i)
+        if dl.sched.done() and dl.known_parts == dl.ver.n_parts:
+            self._commit(dl, t)
+        else:
+            self._pump(dl)
+
+    def _account(self, dl: _Download, fl: _Flight, moved: float) -> None:
+        if fl.fid is None:
+            return
+        src = self.nodes[fl.src]
+        src.out.pop(fl.fid, None)
+        src.serving[dl.ver.step] -= 1
+        src.bytes_up += moved
+        self.nodes[dl.node].bytes_down += moved
+
+    def _shard_ready(self, node: int, step: int, i: int) -> None:
+        n = self.nodes[node]
+        for dl, fl in n.waiters.pop((step, i), ()):
+            self._serve(dl, fl, self.env.now + 2 * self._path(node, dl.node)[0])
+        for w in n.watchers.get(step, ()):
+            if w.alive:
+                w.sched.add_have(n.spec.name, (i,))
+                if not w.pump_due:
+                    w.pump_due = True
+                    self._at(self.env.now + 0.25, self._repump, w)  # the have-poll period
+
+    def _commit(self, dl: _Download, t: float) -> None:
+        n = self.nodes[dl.node]
+        step = dl.ver.step
+        dl.alive = False
+        dl.ver.listeners.remove(dl)
+        n.download = None
+        n.committed.append(step)
+        n.committed.sort()
+        del n.have[step]
+        for w in n.watchers.pop(step, ()):
+            if w.alive:
+                w.sched.add_source(n.spec.name, None)
+                self._pump(w)
+        rec = self._record(dl.node, step)
+        rec["commit_s"] = t
+        rec["digest"] = f"{rec['acc']:016x}"
+        self._prune(dl.node)
+        if n.plan and n.plan[0] == step:
+            n.plan.pop(0)
+        if n.spec.role == "peer":
+            self._generate(dl.node)
+        self._maybe_start(dl.node)
+
+    def _prune(self, node: int) -> None:
+        n = self.nodes[node]
+        pinned = {s for s, c in n.serving.items() if c > 0}
+        if n.download is not None and n.download.use_base and n.download.ver.base is not None:
+            pinned.add(n.download.ver.base)
+        for s in versions_to_prune(n.committed, self.spec.model.keep_last, pinned):
+            n.committed.remove(s)
+
+    # -- rollouts -----------------------------------------------------------------------------
+
+    def _generate(self, node: int) -> None:
+        n = self.nodes[node]
+        if n.generating or not n.alive or not n.committed or n.committed[-1] <= n.done_step:
+            return
+        n.generating = True
+        step = n.committed[-1]
+        ro = self.spec.rollouts
+        self._at(self.env.now + ro.load_s + ro.generate_s, self._submit, node, step)
+
+    def _submit(self, node: int, step: int) -> None:
+        n = self.nodes[node]
+        if not n.alive:
+            n.generating = False
+            return
+        self.rollouts["sent"] += 1
+        self._record(node, step)["rollouts_sent_s"] = self.env.now
+        size = self.spec.rollouts.batch_bytes
+
+        def done(_fid: int, t: float) -> None:
+            n.bytes_up += size
+            self.nodes[self.origin].bytes_down += size
+            self.rollouts["rejected" if n.spec.behavior == "forge" else "accepted"] += 1
+            n.generating = False
+            n.done_step = step
+            self._generate(node)
+
+        self._add_flow(node, self.origin, size, self.env.now, done, None)
+
+    # -- events -------------------------------------------------------------------------------
+
+    def _event(self, node: int, action: str, factor: float) -> None:
+        n = self.nodes[node]
+        nn = len(self.nodes)
+        if action == "slow":
+            self.net.set_capacity(node, float(self.net.capacity[node]) * factor)
+            self.net.set_capacity(nn + node, float(self.net.capacity[nn + node]) * factor)
+        elif action == "leave" and n.alive:
+            n.alive = False
+            for fid, (dl, rid) in list(n.out.items()):
+                fl = dl.flights.get(rid)
+                moved = self.net.cancel(fid)
+                if fl is not None:
+                    self._account(dl, fl, moved)
+                    got = int(moved)
+                    if got and not fl.req.duplicate:
+                        p = dl.partial.get(fl.req.shard) or _Partial(fl.req.start, set(), set())
+                        p.pos = fl.req.start + got
+                        p.sources.add(node)
+                        dl.partial[fl.req.shard] = p
+                    self._fail(dl, fl, "broken", got if not fl.req.duplicate else 0)
+            for waits in n.waiters.values():
+                for dl, fl in waits:
+                    self._at(self.env.now + UNREACHABLE_S, self._fail, dl, fl, "broken")
+            n.waiters.clear()
+            own = n.download
+            if own is not None:
+                dl = own
+                dl.alive = False
+                dl.ver.listeners.remove(dl)
+                for fl in list(dl.flights.values()):
+                    fl.done = True
+                    if fl.fid is not None:
+                        self._account(dl, fl, self.net.cancel(fl.fid))
+                n.have.pop(dl.ver.step, None)
+                n.download = None
+                n.plan = []
+        elif action == "join" and not n.alive:
+            n.alive = True
+            if self.versions:
+                delay, _, _ = self._path(node, self.origin)
+                self._at(self.env.now + 2 * delay, self._learn, node, max(self.versions))
+
+    # -- run ----------------------------------------------------------------------------------
+
+    def run(self) -> dict[str, Any]:
+        """Run to completion (or ``until_s``); returns the summary (see :mod:`report`)."""
+        t0 = time.perf_counter()
+        ck = self.spec.checkpoint
+        self.env.process(self._network())
+        for step in range(ck.versions):
+            self._at(step * ck.interval_s, self._publish, step)
+        for ev in self.topo.events:
+            self._at(ev.at_s, self._event, ev.node, ev.action, ev.factor)
+        last = ck.versions - 1
+        while self.env.peek() < self.until_s:
+            self.env.step()
+            if self.env.now >= last * ck.interval_s and self._finished(last):
+                break
+        self.wall_s = time.perf_counter() - t0
+        from simulations.summary import model_summary
+
+        return model_summary(self)
+
+    def _finished(self, last: int) -> bool:
+        if last not in self.versions:
+            return False
+        for n in self.nodes:
+            if n.spec.role == "origin" or not n.alive:
+                continue
+            if last not in n.committed and not any(s > last for s in n.committed):
+                return False
+            if n.spec.role == "peer" and (n.generating or n.done_step < last):
+                return False
+        return True

@@ -1,0 +1,144 @@
+"""Published versions as the model sees them, and stand-ins for the catch-up planner.
+
+A :class:`SimVersion` is one published step: shard lengths (one file cut into
+``shard_size_bytes`` pieces, as :mod:`shardcast.plan` cuts each file), the delta base, when the
+origin published it and hashed each manifest part, and a digest. A delta version (base set)
+moves ``ceil(delta_ratio * length)`` bytes per shard to a node that holds the base, the raw
+length otherwise — what :class:`~shardcast.downloader.Downloader` fetches with ``xor-zstd``.
+
+:func:`manifest_stub` gives :func:`shardcast.catchup.plan` the few manifest attributes it reads
+(``step``, ``digest``, ``complete``, ``total_bytes``, ``header.base_step``,
+``header.base_digest``, ``header.shards``, ``shard(i).length``, ``shard(i).offered(enc)``), so
+the model plans catch-ups with the real planner without signing real manifests.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Any
+
+import blake3
+
+from shardcast.codecs import XOR_ZSTD
+from simulations.topology import CheckpointSpec
+
+
+def shard_token(run: str, step: int, index: int) -> int:
+    """A 64-bit stand-in for the content digest of one shard (what verification compares)."""
+    return int.from_bytes(blake3.blake3(f"{run}:{step}:{index}".encode()).digest()[:8], "big")
+
+
+@dataclass
+class SimVersion:
+    """One published version (see module docstring)."""
+
+    run: str
+    step: int
+    lengths: list[int]
+    base: int | None
+    t_pub: float
+    delta_ratio: float
+    shards_per_part: int
+    digest: str
+    tokens: list[int] = field(default_factory=list)
+    part_time: list[float] = field(default_factory=list)
+    listeners: list[Any] = field(default_factory=list)
+
+    @classmethod
+    def make(
+        cls, run: str, step: int, ck: CheckpointSpec, base: int | None, t_pub: float
+    ) -> SimVersion:
+        """Cut ``ck.size_bytes`` into shards; the digest is the XOR of the shard tokens."""
+        n = math.ceil(ck.size_bytes / ck.shard_size_bytes)
+        lengths = [ck.shard_size_bytes] * (n - 1)
+        lengths.append(ck.size_bytes - ck.shard_size_bytes * (n - 1))
+        tokens = [shard_token(run, step, i) for i in range(n)]
+        acc = 0
+        for t in tokens:
+            acc ^= t
+        return cls(
+            run,
+            step,
+            lengths,
+            base,
+            t_pub,
+            ck.delta_ratio,
+            ck.shards_per_part,
+            f"{acc:016x}",
+            tokens,
+        )
+
+    @property
+    def n_parts(self) -> int:
+        """Signed manifest parts."""
+        return math.ceil(len(self.lengths) / self.shards_per_part)
+
+    @property
+    def total_bytes(self) -> int:
+        """Raw bytes of the version."""
+        return sum(self.lengths)
+
+    def part_range(self, k: int) -> range:
+        """Shard indices described by part ``k``."""
+        return range(
+            k * self.shards_per_part, min(len(self.lengths), (k + 1) * self.shards_per_part)
+        )
+
+    def enc_len(self, i: int, use_base: bool) -> int:
+        """Bytes a download of shard ``i`` moves."""
+        if use_base and self.base is not None and self.delta_ratio < 1:
+            return max(1, math.ceil(self.lengths[i] * self.delta_ratio))
+        return self.lengths[i]
+
+
+@dataclass(frozen=True)
+class _Offered:
+    size: int
+
+
+@dataclass(frozen=True)
+class _Shard:
+    length: int
+    delta: int | None
+
+    def offered(self, encoding: str) -> _Offered | None:
+        return _Offered(self.delta) if encoding == XOR_ZSTD and self.delta is not None else None
+
+
+@dataclass(frozen=True)
+class _Header:
+    base_step: int | None
+    base_digest: str | None
+    shards: tuple[int, ...]
+
+
+@dataclass(frozen=True)
+class ManifestStub:
+    """The manifest attributes :func:`shardcast.catchup.plan` reads."""
+
+    step: int
+    digest: str
+    total_bytes: int
+    header: _Header
+    _shards: tuple[_Shard, ...]
+    complete: bool = True
+
+    def shard(self, i: int) -> _Shard:
+        """Shard entry ``i``."""
+        return self._shards[i]
+
+
+def manifest_stub(v: SimVersion, base_digest: str | None = None) -> ManifestStub:
+    """A stand-in manifest of ``v`` (``base_digest``: the digest of its base version)."""
+    shards = tuple(
+        _Shard(ln, v.enc_len(i, True) if v.base is not None else None)
+        for i, ln in enumerate(v.lengths)
+    )
+    return ManifestStub(
+        v.step,
+        v.digest,
+        v.total_bytes,
+        _Header(v.base, base_digest, tuple(range(len(shards)))),
+        shards,
+    )
