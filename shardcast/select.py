@@ -35,12 +35,15 @@ to verify wins and :meth:`on_success` returns the duplicates to cancel.
 
 from __future__ import annotations
 
+import heapq
 import random
 from collections import Counter
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 
 from p2p.errors import LocalProtocolError
+
+_SCAN_LIMIT = 64  # idle shards looked at in heap order before a full scan
 
 
 @dataclass(frozen=True)
@@ -168,6 +171,13 @@ class Scheduler:
         # non-banned partial sources hold it
         self._idle = {i for i, s in enumerate(self._shards) if s.known and not s.done}
         self._held: Counter[int] = Counter()
+        # ties between equally rare shards are broken by a random order drawn once per
+        # scheduler (seeded), so different downloaders spread over different shards; a lazy
+        # heap of (partial holders, tie-break, shard) finds the rarest idle shard in
+        # O(log n) instead of scanning every idle shard on every request
+        self._tiebreak = [rng.random() for _ in shard_lengths]
+        self._heap: list[tuple[int, float, int]] = [(0, self._tiebreak[i], i) for i in self._idle]
+        heapq.heapify(self._heap)
         self._sources: dict[str, SourceState] = {}
         self._flights: dict[int, _Flight] = {}
         self._next_id = 0
@@ -210,7 +220,7 @@ class Scheduler:
         s = self._shards[index]
         s.known = True
         if not s.done and not s.flights:
-            self._idle.add(index)
+            self._make_idle(index)
         if length is not None and not s.flights:
             s.length = length
             s.received = 0
@@ -298,6 +308,11 @@ class Scheduler:
             cands, key=lambda s: ((s.queued_bytes + length) / max(s.rate_bps, 1.0), s.source)
         )
 
+    def _make_idle(self, index: int) -> None:
+        if index not in self._idle:
+            self._idle.add(index)
+            heapq.heappush(self._heap, (self._held.get(index, 0), self._tiebreak[index], index))
+
     def next_request(self, now: float) -> Request | None:
         """The next transfer to start, or None if nothing can start now.
 
@@ -305,39 +320,55 @@ class Scheduler:
         """
         if len(self._flights) >= self.config.max_inflight or not self._missing:
             return None
-        idle = sorted(self._idle)
-        if not idle and any(not s.known and not s.done for s in self._shards):
-            return None  # shards wait for their manifest part: no endgame yet
-        if idle:
-            # resumable shards first, then rarest first, ties random (one draw per idle shard,
-            # in index order); the best is usually schedulable, so find it in O(n) and sort
-            # only if it is not (same order as a stable sort of ``keyed``)
-            shards, rand, held = self._shards, self._rng.random, self._held
-            base = sum(1 for s in self._sources.values() if not s.banned and s.have is None)
-            keyed = [((-shards[i].received, base + held.get(i, 0), rand()), i) for i in idle]
-            best_key, best = min(keyed)
-            if best_key[1]:
-                st = self._pick_source(best, now, set())
-                if st is not None:
-                    return self._start(best, st, now, duplicate=False)
-            ready = self._ready(now, set())
-            if not ready:  # every source full or blocked: no shard can start (no RNG used)
-                return None
-            # shards no ready source holds cannot start either: skip them without asking
-            holders: set[int] | None = None
-            if all(st.have is not None for st in ready):
-                holders = set()
-            if holders is not None:
-                for st in ready:
-                    holders.update(st.have or ())
-            for (_, avail, _), i in sorted(keyed)[1:]:
-                if avail == 0 or (holders is not None and i not in holders):
+        if not self._idle:
+            if any(not s.known and not s.done for s in self._shards):
+                return None  # shards wait for their manifest part: no endgame yet
+            return self._endgame(now)
+        ready = self._ready(now, set())
+        if not ready:  # every source full or blocked: no shard can start
+            return None
+        base = sum(1 for s in self._sources.values() if not s.banned and s.have is None)
+        # resumable shards first (a transfer broke mid-shard and its prefix is kept)
+        resumable = [i for i in self._idle if self._shards[i].received]
+        for i in sorted(resumable, key=lambda i: (-self._shards[i].received,
+                                                  self._held.get(i, 0), self._tiebreak[i])):
+            st = self._pick_source(i, now, set(), ready)
+            if st is not None:
+                return self._start(i, st, now, duplicate=False)
+        # then rarest first (fewest partial holders; complete sources hold every shard)
+        aside: list[tuple[int, float, int]] = []
+        found: Request | None = None
+        try:
+            while self._heap and len(aside) < _SCAN_LIMIT:
+                held, tb, i = heapq.heappop(self._heap)
+                if i not in self._idle or self._shards[i].received:
+                    continue  # stale entry (in flight, done) or handled above
+                cur = self._held.get(i, 0)
+                if cur > held:  # more holders since it was queued: requeue at its place
+                    heapq.heappush(self._heap, (cur, tb, i))
+                    continue
+                aside.append((cur, tb, i))
+                if base + cur == 0:
                     continue
                 st = self._pick_source(i, now, set(), ready)
                 if st is not None:
-                    return self._start(i, st, now, duplicate=False)
+                    aside.pop()
+                    found = self._start(i, st, now, duplicate=False)
+                    return found
+            if self._heap:  # many unschedulable shards in front: look at every idle one
+                for i in sorted(self._idle, key=lambda i: (self._held.get(i, 0),
+                                                           self._tiebreak[i])):
+                    if base + self._held.get(i, 0) == 0 or self._shards[i].received:
+                        continue
+                    st = self._pick_source(i, now, set(), ready)
+                    if st is not None:
+                        found = self._start(i, st, now, duplicate=False)
+                        return found
             return None
-        return self._endgame(now)
+        finally:
+            for entry in aside:
+                if entry[2] in self._idle:
+                    heapq.heappush(self._heap, entry)
 
     def _availability(self, shard: int) -> int:
         return sum(
@@ -386,7 +417,7 @@ class Scheduler:
         s = self._shards[fl.req.shard]
         s.flights.remove(req_id)
         if not s.flights and s.known and not s.done:
-            self._idle.add(fl.req.shard)
+            self._make_idle(fl.req.shard)
         st = self._sources.get(fl.req.source)
         if st is not None:
             st.inflight -= 1
