@@ -18,9 +18,14 @@ at the byte where it stopped, from another source if one is eligible.
 Choosing a source: among eligible sources (hold the shard, not penalized, below their
 in-flight cap), pick the best expected completion time ``(queued bytes + shard) / rate``,
 where ``rate`` is an EWMA of measured throughput (first byte to last byte, so time spent
-waiting for a relay to receive the shard itself is not held against it). With probability
-``explore`` pick a random eligible source instead, so a source that was slow once, or is
-new, gets measured again (epsilon-greedy).
+waiting for a relay to receive the shard itself is not held against it); its first sample
+replaces the prior. An unmeasured source is assumed as fast as the median measured one (or
+``initial_rate_bps`` before any measurement): a fixed optimistic prior would make every newly
+discovered peer look faster than relays whose per-request throughput is split by the
+downloader's own downlink, and pull traffic onto congested peer uplinks. Ties go to complete
+sources (relays, origin) before partial ones (peers, whose uplinks also carry their own
+work). With probability ``explore`` pick a random eligible source instead, so a source that
+was slow once, or is new, gets measured again (epsilon-greedy).
 
 Failures: a timeout or broken transfer multiplies the source's rate by ``failure_decay``
 and blocks it for ``penalty_s`` (doubling per consecutive failure). Bytes that fail their
@@ -97,6 +102,7 @@ class SourceState:
     blocked_until: float = 0.0
     banned: bool = False
     bytes_received: int = 0
+    samples: int = 0  # throughput samples taken (0: rate_bps is still the prior)
     not_before: dict[int, float] = field(default_factory=dict)  # shard -> when to ask again
 
 
@@ -304,9 +310,20 @@ class Scheduler:
         if len(cands) > 1 and self._rng.random() < self.config.explore:
             return self._rng.choice(cands)
         length = self._shards[shard].length
-        return min(
-            cands, key=lambda s: ((s.queued_bytes + length) / max(s.rate_bps, 1.0), s.source)
-        )
+        prior = self._prior_rate()
+
+        def cost(s: SourceState) -> tuple[float, bool, str]:
+            rate = s.rate_bps if s.samples else min(s.rate_bps, prior)
+            return ((s.queued_bytes + length) / max(rate, 1.0), s.have is not None, s.source)
+
+        return min(cands, key=cost)
+
+    def _prior_rate(self) -> float:
+        """Assumed throughput of an unmeasured source, bytes/s: the median measured rate."""
+        rates = sorted(s.rate_bps for s in self._sources.values() if s.samples and not s.banned)
+        if not rates:
+            return self.config.initial_rate_bps
+        return rates[len(rates) // 2]
 
     def _make_idle(self, index: int) -> None:
         if index not in self._idle:
@@ -330,8 +347,10 @@ class Scheduler:
         base = sum(1 for s in self._sources.values() if not s.banned and s.have is None)
         # resumable shards first (a transfer broke mid-shard and its prefix is kept)
         resumable = [i for i in self._idle if self._shards[i].received]
-        for i in sorted(resumable, key=lambda i: (-self._shards[i].received,
-                                                  self._held.get(i, 0), self._tiebreak[i])):
+        for i in sorted(
+            resumable,
+            key=lambda i: (-self._shards[i].received, self._held.get(i, 0), self._tiebreak[i]),
+        ):
             st = self._pick_source(i, now, set(), ready)
             if st is not None:
                 return self._start(i, st, now, duplicate=False)
@@ -356,8 +375,9 @@ class Scheduler:
                     found = self._start(i, st, now, duplicate=False)
                     return found
             if self._heap:  # many unschedulable shards in front: look at every idle one
-                for i in sorted(self._idle, key=lambda i: (self._held.get(i, 0),
-                                                           self._tiebreak[i])):
+                for i in sorted(
+                    self._idle, key=lambda i: (self._held.get(i, 0), self._tiebreak[i])
+                ):
                     if base + self._held.get(i, 0) == 0 or self._shards[i].received:
                         continue
                     st = self._pick_source(i, now, set(), ready)
@@ -442,7 +462,8 @@ class Scheduler:
             elapsed = max(now - (fl.first_byte if fl.first_byte is not None else fl.started), 1e-6)
             sample = fl.req.length / elapsed
             a = self.config.ewma_alpha
-            st.rate_bps = (1 - a) * st.rate_bps + a * sample
+            st.rate_bps = (1 - a) * st.rate_bps + a * sample if st.samples else sample
+            st.samples += 1
             st.consecutive_failures = 0
             st.bytes_received += fl.req.length
         s = self._shards[fl.req.shard]
@@ -495,10 +516,14 @@ class Scheduler:
             return
         st.failures += 1
         st.consecutive_failures += 1
-        st.rate_bps *= self.config.failure_decay
+        self._decay(st)
         st.blocked_until = now + self.config.penalty_s * min(
             32.0, 2.0 ** (st.consecutive_failures - 1)
         )
+
+    def _decay(self, st: SourceState) -> None:
+        base = st.rate_bps if st.samples else min(st.rate_bps, self._prior_rate())
+        st.rate_bps = base * self.config.failure_decay
 
     def discard_partial(self, shard: int) -> None:
         """Forget the bytes kept for resuming ``shard`` (e.g. the assembled copy was bad)."""
@@ -511,7 +536,7 @@ class Scheduler:
             return
         self._corrupt += 1
         st.corrupt += 1
-        st.rate_bps *= self.config.failure_decay
+        self._decay(st)
         st.blocked_until = now + self.config.penalty_s * 4
         if st.corrupt >= self.config.max_corrupt:
             if not st.banned and st.have is not None:

@@ -82,6 +82,60 @@ def test_without_exploration_the_slow_source_is_never_chosen_again(seed: int) ->
     assert _fast_vs_slow(explore=0.0, seed=seed) == Counter({"b-fast": 400})
 
 
+def test_first_sample_replaces_the_prior_and_later_ones_are_averaged() -> None:
+    cfg = SchedulerConfig(initial_rate_bps=100 * MB, ewma_alpha=0.5, explore=0.0)
+    sched = Scheduler([MB] * 4, random.Random(0), cfg)
+    sched.add_source("relay")
+    req = sched.next_request(0.0)
+    assert req is not None
+    sched.on_first_byte(req.id, 0.0)
+    sched.on_success(req.id, 1.0)  # 1 MB/s, far below the 100 MB/s prior
+    assert state(sched, "relay").rate_bps == pytest.approx(1 * MB)
+    req = sched.next_request(1.0)
+    assert req is not None
+    sched.on_first_byte(req.id, 1.0)
+    sched.on_success(req.id, 1.5)  # 2 MB/s
+    assert state(sched, "relay").rate_bps == pytest.approx(1.5 * MB)
+
+
+def test_unmeasured_peer_is_assumed_median_speed_and_loses_ties_to_a_relay() -> None:
+    """A newly discovered peer is not assumed faster than measured relays (the fixed prior
+    used to pull traffic off idle relays onto congested peer uplinks)."""
+    cfg = SchedulerConfig(initial_rate_bps=100 * MB, explore=0.0, per_source_inflight=8)
+    sched = Scheduler([MB] * 20, random.Random(0), cfg)
+    sched.add_source("relay")
+    req = sched.next_request(0.0)
+    assert req is not None
+    sched.on_first_byte(req.id, 0.0)
+    sched.on_success(req.id, 0.1)  # the relay: 10 MB/s per request
+    sched.add_source("a-peer", range(20))  # sorts before "relay" by name, holds everything
+    picks = [r.source for r in drain(sched, 1.0)]
+    # the relay goes first (tie at equal assumed rate); requests then alternate as the
+    # relay's queue grows: the peer does not take everything
+    assert picks[0] == "relay"
+    assert 3 <= picks.count("a-peer") <= 5
+    peer = state(sched, "a-peer")
+    assert peer.samples == 0
+
+
+def test_failure_of_an_unmeasured_source_decays_from_the_prior_it_is_judged_by() -> None:
+    cfg = SchedulerConfig(initial_rate_bps=100 * MB, explore=0.0, failure_decay=0.5)
+    sched = Scheduler([MB] * 4, random.Random(0), cfg)
+    sched.add_source("relay")
+    r = sched.next_request(0.0)
+    assert r is not None
+    sched.on_first_byte(r.id, 0.0)
+    sched.on_success(r.id, 0.1)  # 10 MB/s measured
+    sched.add_source("peer", range(4))
+    # take the relay out of the way so the peer gets one request, then fail it
+    state(sched, "relay").blocked_until = 5.0
+    r = sched.next_request(1.0)
+    assert r is not None
+    assert r.source == "peer"
+    sched.on_failure(r.id, 1.0, kind="broken")
+    assert state(sched, "peer").rate_bps == pytest.approx(5 * MB)  # half the 10 MB/s prior
+
+
 def test_decisions_replay_exactly_for_a_seed() -> None:
     def run(seed: int) -> list[tuple[int, str]]:
         sched = Scheduler([100] * 12, random.Random(seed), SchedulerConfig(explore=0.5))
