@@ -182,6 +182,7 @@ class Downloader:
         self.rng = rng
         self.trust = trust
         self._extra: Callable[[], list[Source]] | None = None
+        self._max_extra = 4
 
     async def download(
         self,
@@ -192,6 +193,7 @@ class Downloader:
         on_shard: Callable[[int], None] | None = None,
         progress: ProgressFn | None = None,
         extra_sources: Callable[[], list[Source]] | None = None,
+        max_extra_sources: int = 4,
     ) -> tuple[Path, DownloadStats]:
         """Fetch every part and shard of ``manifest`` from ``sources``, verify, and commit.
 
@@ -202,7 +204,11 @@ class Downloader:
             on_shard: called after each verified shard or part (to wake downstream waiters).
             progress: called with (verified bytes, total bytes).
             extra_sources: polled every ``have_poll_s``; sources it returns that are new are
-                added to the download (nodes discovered while it runs).
+                added to the download (nodes discovered while it runs), while fewer than
+                ``max_extra_sources`` added this way are usable (not banned): the source set,
+                its have-polls and their traffic stay bounded however many nodes are
+                discovered.
+            max_extra_sources: bound on usable discovered sources in this download.
 
         Returns:
             the committed ``step-N`` directory and the stats.
@@ -216,6 +222,7 @@ class Downloader:
             raise DownloadFailed(f"no source for step {manifest.step}")
         started = trio.current_time()
         self._extra = extra_sources
+        self._max_extra = max_extra_sources
         part = await trio.to_thread.run_sync(self.store.begin, manifest)
         stats = DownloadStats(manifest.step)
         base_step = manifest.header.base_step
@@ -353,14 +360,16 @@ class Downloader:
                         max_bytes=(len(header.shards) + 7) // 8,
                         timeout_s=self.config.stall_timeout_s,
                     )
-                    sched.add_have(
-                        src.id,
-                        (
-                            i
-                            for i in range(len(header.shards))
-                            if i // 8 < len(bits) and bits[i // 8] & (0x80 >> i % 8)
-                        ),
-                    )
+                    held = [
+                        i
+                        for i in range(len(header.shards))
+                        if i // 8 < len(bits) and bits[i // 8] & (0x80 >> i % 8)
+                    ]
+                    if len(held) == len(header.shards):  # it holds everything: stop polling
+                        sched.add_source(src.id, None)
+                        poke()
+                        return
+                    sched.add_have(src.id, held)
                     poke()
                 except (TransportError, RemoteProtocolError):
                     pass
@@ -521,10 +530,16 @@ class Downloader:
 
         failure: str | None = None
 
+        extra_ids: set[str] = set()
+
         async def discover(nursery: trio.Nursery) -> None:
             while self._extra is not None:
-                for s in self._extra():
-                    if s.id not in by_id:
+                banned = set(sched.statistics().banned)
+                room = self._max_extra - len(extra_ids - banned)
+                for s in self._extra() if room > 0 else ():
+                    if s.id not in by_id and room > 0:
+                        room -= 1
+                        extra_ids.add(s.id)
                         by_id[s.id] = s
                         sched.add_source(s.id, None if s.complete else ())
                         if not s.complete:

@@ -344,9 +344,9 @@ class Follower:
         step = m.step
         record = VersionRecord(step, m.digest, self._learned.get(step, trio.current_time()))
         server = self.node.server
-        sources = self._upstream_sources()
-        known = {s.id for s in sources}
-        sources += [s for s in self._extra_sources(step) if s.id not in known]
+        # discovered sources join through extra_sources (bounded there); they seed the list
+        # only when no upstream is known
+        sources = self._upstream_sources() or self._extra_sources(step)
         self._filling.append(step)
         self._readvertise()
         try:
@@ -359,6 +359,7 @@ class Follower:
                     None if self.progress is None else functools.partial(self.progress, step)
                 ),
                 extra_sources=functools.partial(self._extra_sources, step),
+                max_extra_sources=self.config.max_extra_sources,
             )
         except ShardnetError as exc:
             log.warning("download_failed step=%d error=%s", step, exc)

@@ -177,6 +177,7 @@ class Scheduler:
         # non-banned partial sources hold it
         self._idle = {i for i, s in enumerate(self._shards) if s.known and not s.done}
         self._held: Counter[int] = Counter()
+        self._partial: set[int] = set()  # shards with a kept partial transfer (received > 0)
         # ties between equally rare shards are broken by a random order drawn once per
         # scheduler (seeded), so different downloaders spread over different shards; a lazy
         # heap of (partial holders, tie-break, shard) finds the rarest idle shard in
@@ -212,13 +213,12 @@ class Scheduler:
         """Record that ``source`` now holds more shards."""
         st = self._sources.get(source)
         if st is not None and st.have is not None:
-            have, new = st.have, []
+            have, held, count = st.have, self._held, not st.banned
             for i in indices:
                 if i not in have:
                     have.add(i)
-                    new.append(i)
-            if not st.banned:
-                self._held.update(new)
+                    if count:
+                        held[i] += 1
 
     def mark_known(self, index: int, length: int | None = None) -> None:
         """Shard ``index`` may now be requested (its manifest part arrived); ``length`` is the
@@ -229,7 +229,7 @@ class Scheduler:
             self._make_idle(index)
         if length is not None and not s.flights:
             s.length = length
-            s.received = 0
+            self._set_received(index, 0)
 
     def remove_source(self, source: str) -> None:
         """Forget a source; its in-flight requests should be cancelled by the driver."""
@@ -346,7 +346,7 @@ class Scheduler:
             return None
         base = sum(1 for s in self._sources.values() if not s.banned and s.have is None)
         # resumable shards first (a transfer broke mid-shard and its prefix is kept)
-        resumable = [i for i in self._idle if self._shards[i].received]
+        resumable = [i for i in self._partial if i in self._idle]
         for i in sorted(
             resumable,
             key=lambda i: (-self._shards[i].received, self._held.get(i, 0), self._tiebreak[i]),
@@ -469,7 +469,7 @@ class Scheduler:
         s = self._shards[fl.req.shard]
         if not s.done:
             s.done = True
-            s.received = 0
+            self._set_received(fl.req.shard, 0)
             self._missing -= 1
             self._idle.discard(fl.req.shard)
         return list(s.flights)
@@ -495,9 +495,9 @@ class Scheduler:
         fl, st = self._finish(req_id)
         s = self._shards[fl.req.shard]
         if not fl.req.duplicate and not s.done and kind in ("timeout", "broken"):
-            s.received = fl.req.start + received
+            self._set_received(fl.req.shard, fl.req.start + received)
         elif kind in ("corrupt", "suspect"):
-            s.received = 0
+            self._set_received(fl.req.shard, 0)
         if st is None:
             return
         self._failures += 1
@@ -527,7 +527,14 @@ class Scheduler:
 
     def discard_partial(self, shard: int) -> None:
         """Forget the bytes kept for resuming ``shard`` (e.g. the assembled copy was bad)."""
-        self._shards[shard].received = 0
+        self._set_received(shard, 0)
+
+    def _set_received(self, shard: int, received: int) -> None:
+        self._shards[shard].received = received
+        if received:
+            self._partial.add(shard)
+        else:
+            self._partial.discard(shard)
 
     def penalize_corrupt(self, source: str, now: float) -> None:
         """Record that ``source`` sent bytes that failed a digest (ban after max_corrupt)."""

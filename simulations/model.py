@@ -52,6 +52,8 @@ from simulations.versions import SimVersion, manifest_stub
 
 UNREACHABLE_S = 1.0  # time to notice a departed source (connect failure), seconds
 MSS = 1448.0  # TCP payload bytes per segment, for the Mathis loss bound
+HAVE_POLL_S = 0.25  # watchers learn a partial source's new shards this often (the downloader's
+# ``have_poll_s``): new shards are batched per source and delivered at the next poll
 
 
 @dataclass
@@ -79,6 +81,7 @@ class _Download:
     started: float
     flights: dict[int, _Flight] = field(default_factory=dict)
     sources: set[int] = field(default_factory=set)
+    extra: set[str] = field(default_factory=set)  # discovered sources added (names)
     partial: dict[int, _Partial] = field(default_factory=dict)
     suspects: dict[int, set[int]] = field(default_factory=dict)
     known_parts: int = 0
@@ -98,6 +101,8 @@ class _NodeState:
     announced: int = -1
     waiters: dict[tuple[int, int], list[Any]] = field(default_factory=dict)
     watchers: dict[int, list[_Download]] = field(default_factory=dict)
+    unpolled: dict[int, list[int]] = field(default_factory=dict)  # step -> shards since poll
+    poll_due: bool = False
     serving: dict[int, int] = field(default_factory=lambda: defaultdict(int))
     out: dict[int, tuple[_Download, int]] = field(default_factory=dict)  # fid -> (dl, req id)
     directory: SourceDirectory | None = None
@@ -360,10 +365,14 @@ class Model:
                 (step,) if step in cn.have else (),
             )
             n.directory.offer(adv, now)
-        for src in n.directory.sources_for(step, now, ms.max_extra_sources):
+        banned = set(dl.sched.statistics().banned)
+        room = ms.max_extra_sources - len(dl.extra - banned)  # the downloader's bound
+        for src in n.directory.sources_for(step, now, ms.max_extra_sources) if room > 0 else ():
             si = self.by_name[src.id]
-            if si in dl.sources:
+            if si in dl.sources or room <= 0:
                 continue
+            room -= 1
+            dl.extra.add(src.id)
             dl.sources.add(si)
             sn = self.nodes[si]
             if src.complete:
@@ -504,12 +513,22 @@ class Model:
         n = self.nodes[node]
         for dl, fl in n.waiters.pop((step, i), ()):
             self._serve(dl, fl, self.env.now + 2 * self._path(node, dl.node)[0])
-        for w in n.watchers.get(step, ()):
-            if w.alive:
-                w.sched.add_have(n.spec.name, (i,))
-                if not w.pump_due:
-                    w.pump_due = True
-                    self._at(self.env.now + 0.25, self._repump, w)  # the have-poll period
+        if n.watchers.get(step):
+            n.unpolled.setdefault(step, []).append(i)
+            if not n.poll_due:
+                n.poll_due = True
+                self._at(self.env.now + HAVE_POLL_S, self._have_poll, node)
+
+    def _have_poll(self, node: int) -> None:
+        """Watchers of ``node`` poll its have-bitmap: they learn the shards it verified since."""
+        n = self.nodes[node]
+        n.poll_due = False
+        unpolled, n.unpolled = n.unpolled, {}
+        for step, shards in unpolled.items():
+            for w in n.watchers.get(step, ()):
+                if w.alive:
+                    w.sched.add_have(n.spec.name, shards)
+                    self._pump(w)
 
     def _commit(self, dl: _Download, t: float) -> None:
         n = self.nodes[dl.node]

@@ -345,3 +345,27 @@ async def test_cancel_while_every_transfer_is_stalled_leaves_nothing(
     assert scope.cancelled_caught
     assert len(src.asks) == 4
     assert_nothing_left(store)
+
+
+# --- discovered sources --------------------------------------------------------------------------
+
+
+async def test_discovered_sources_are_bounded(
+    tmp_path: Path, version: Version, caplog: pytest.LogCaptureFixture
+) -> None:
+    """However many nodes discovery returns, at most ``max_extra_sources`` join one download
+    (each would cost a source slot and, for partial ones, a have-poll every 250 ms)."""
+    store = target_store(tmp_path)
+    async with honest_source(version) as (honest, _), HttpClient() as client:
+        many = [Source(f"x-{k:02d}", honest.url) for k in range(12)]
+        dl = Downloader(client, store, config(), random.Random(1), trust())
+        with caplog.at_level("INFO", logger="shardcast.downloader"):
+            path, _stats = await dl.download(
+                version.signed,
+                [Source("a-upstream", honest.url)],
+                extra_sources=lambda: many,
+                max_extra_sources=3,
+            )
+    assert_committed(store, version, path)
+    added = [r.getMessage() for r in caplog.records if "source_added" in r.getMessage()]
+    assert len(added) == 3

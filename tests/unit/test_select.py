@@ -523,6 +523,8 @@ def _check_invariants(
     assert all(sched.is_done(i) == (i in verified) for i in range(len(world.lengths)))
     for i in not_done:
         assert 0 <= sched.resume_offset(i) < world.lengths[i]
+    # white-box: the index of resumable shards matches the per-shard offsets
+    assert sched._partial == {i for i in range(len(world.lengths)) if sched.resume_offset(i)}
     cfg = world.config
     per_shard = Counter(r.shard for r in flights.values())
     assert all(n <= 1 + cfg.endgame_duplicates for n in per_shard.values())
