@@ -57,45 +57,47 @@ def maxmin(
     rate = np.zeros(nf)
     if nf == 0:
         return rate
-    w = np.ones(nf) if weight is None else weight
-    fcap = np.full(nf, INF) if cap is None else cap
+    w_all = np.ones(nf) if weight is None else np.asarray(weight, dtype=np.float64)
+    cap_all = np.full(nf, INF) if cap is None else np.asarray(cap, dtype=np.float64)
     nres = capacity.shape[0]
-    used = flow_res >= 0
-    fr = np.where(used, flow_res, nres)  # slot nres: a dummy resource of infinite capacity
-    cap_ext = np.append(capacity.astype(np.float64), INF)
-    active = np.ones(nf, dtype=bool)
-    remaining = cap_ext.copy()
+    k = flow_res.shape[1]
+    fr_all = np.where(flow_res >= 0, flow_res, nres)  # slot nres: a dummy of infinite capacity
+    remaining = np.append(capacity.astype(np.float64), INF)
+    ai = np.arange(nf)  # the flows still rising, compressed every round
     for _ in range(nf + nres + 1):
-        if not active.any():
+        if ai.size == 0:
             break
-        aw = np.where(active, w, 0.0)
-        wsum = np.zeros(nres + 1)
-        np.add.at(wsum, fr, np.broadcast_to(aw[:, None], fr.shape))
+        fr, w = fr_all[ai], w_all[ai]
+        flat = fr.ravel()
+        wsum = np.bincount(flat, weights=np.repeat(w, k), minlength=nres + 1)
         with np.errstate(divide="ignore", invalid="ignore"):
             level = np.where(wsum > 0, remaining / wsum, INF)
         level[nres] = INF
         level = np.maximum(level, 0.0)
         flevel = level[fr].min(axis=1)  # each flow's tightest resource level
-        ocap = np.where(active, fcap / w, INF)  # the level at which a flow hits its own cap
+        ocap = cap_all[ai] / w  # the level at which a flow hits its own cap
         fmin = np.minimum(flevel, ocap)
-        fmin_act = np.where(active, fmin, INF)
         # a resource is locally minimal if no flow crossing it has a lower level elsewhere
+        order = np.argsort(flat, kind="stable")
+        sflat = flat[order]
+        starts = np.flatnonzero(np.r_[True, sflat[1:] != sflat[:-1]])
         neigh = np.full(nres + 1, INF)
-        np.minimum.at(neigh, fr, np.broadcast_to(fmin_act[:, None], fr.shape))
+        neigh[sflat[starts]] = np.minimum.reduceat(np.repeat(fmin, k)[order], starts)
         tight_res = (level <= neigh * (1 + 1e-12)) & (wsum > 0)
         tight_res[nres] = False
-        on_tight = tight_res[fr].any(axis=1) & active
-        capped = active & (ocap <= flevel * (1 + 1e-12))
+        on_tight = tight_res[fr].any(axis=1)
+        capped = ocap <= flevel * (1 + 1e-12)
         freeze = on_tight | capped
         if not freeze.any():  # numerical corner: freeze the globally smallest
-            freeze = active & (fmin_act <= fmin_act.min() * (1 + 1e-12))
-        lvl = np.where(capped, ocap, flevel)
-        rate[freeze] = (w * lvl)[freeze]
-        np.subtract.at(
-            remaining, fr, np.broadcast_to(np.where(freeze, rate, 0.0)[:, None], fr.shape)
-        )
+            freeze = fmin <= fmin.min() * (1 + 1e-12)
+        got = w * np.where(capped, ocap, flevel)
+        rate[ai[freeze]] = got[freeze]
+        with np.errstate(invalid="ignore"):
+            remaining -= np.bincount(
+                fr[freeze].ravel(), weights=np.repeat(got[freeze], k), minlength=nres + 1
+            )
         remaining[nres] = INF
-        active &= ~freeze
+        ai = ai[~freeze]
     return np.where(np.isfinite(rate), rate, 0.0)
 
 
