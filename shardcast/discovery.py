@@ -115,12 +115,16 @@ class SourceDirectory:
         self.changed = trio.Event()
 
     def sources_for(self, step: int, now: float, limit: int) -> list[Source]:
-        """Up to ``limit`` sources holding (or filling) ``step``; complete ones first."""
+        """Up to ``limit`` sources holding (or filling) ``step``, best first: complete ones,
+        then relays still filling it, then peers still filling it (a relay's uplink exists to
+        serve; a peer's is smaller and shared with its own work), shuffled within each class
+        so that downloaders spread over different sources."""
         fresh = [(a, t) for a, t in self._adverts.values() if now - t <= self.ttl_s]
         full = [a for a, _ in fresh if step in a.committed]
         partial = [a for a, _ in fresh if step in a.filling and step not in a.committed]
         self.rng.shuffle(full)
         self.rng.shuffle(partial)
+        partial.sort(key=lambda a: a.role != "relay")  # stable: shuffled within each role
         out = [Source(a.peer_id, a.http_url, complete=True) for a in full]
         out += [Source(a.peer_id, a.http_url, complete=False) for a in partial]
         return out[:limit]

@@ -182,7 +182,7 @@ class Downloader:
         self.rng = rng
         self.trust = trust
         self._extra: Callable[[], list[Source]] | None = None
-        self._max_extra = 4
+        self._max_extra = 16
 
     async def download(
         self,
@@ -193,7 +193,7 @@ class Downloader:
         on_shard: Callable[[int], None] | None = None,
         progress: ProgressFn | None = None,
         extra_sources: Callable[[], list[Source]] | None = None,
-        max_extra_sources: int = 4,
+        max_extra_sources: int = 16,
     ) -> tuple[Path, DownloadStats]:
         """Fetch every part and shard of ``manifest`` from ``sources``, verify, and commit.
 

@@ -73,7 +73,7 @@ class FollowConfig:
     max_backoff_s: float = 10.0
     discovery: bool = True
     advert_interval_s: float = 2.0
-    max_extra_sources: int = 4
+    max_extra_sources: int = 16
     download: DownloadConfig = field(default_factory=DownloadConfig)
 
     def __post_init__(self) -> None:

@@ -169,7 +169,7 @@ class ModelSpec(_Model):
     serve_wait_s: float = Field(10.0, gt=0)
     serve_once_s: float | None = Field(5.0, gt=0, description="origin super-seeding window")
     discovery: bool = True
-    max_extra_sources: int = Field(4, ge=0)
+    max_extra_sources: int = Field(16, ge=0)
     advert_interval_s: float = Field(2.0, gt=0)
     gossip_sample: int = Field(16, ge=1, description="adverts a node hears per interval")
     keep_last: int = Field(3, ge=1)
