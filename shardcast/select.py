@@ -41,6 +41,7 @@ to verify wins and :meth:`on_success` returns the duplicates to cancel.
 from __future__ import annotations
 
 import heapq
+import math
 import random
 from collections import Counter
 from collections.abc import Iterable, Sequence
@@ -67,6 +68,9 @@ class SchedulerConfig:
         max_corrupt: corrupt transfers after which a source is banned.
         endgame_duplicates: extra concurrent requests per shard in the endgame.
         endgame_max_total: bound on duplicate requests in flight at once.
+        rarity_slack: a rarer shard is skipped for a more common one when its best source is
+            expected to take more than this factor longer (per byte) than the best source
+            holding some idle shard; inf: strict rarest first.
     """
 
     max_inflight: int = 8
@@ -79,10 +83,13 @@ class SchedulerConfig:
     max_corrupt: int = 2
     endgame_duplicates: int = 1
     endgame_max_total: int = 4
+    rarity_slack: float = 1.5
 
     def __post_init__(self) -> None:
         if self.max_inflight < 1 or self.per_source_inflight < 1:
             raise LocalProtocolError("in-flight limits must be >= 1")
+        if not self.rarity_slack >= 1:
+            raise LocalProtocolError("rarity_slack must be >= 1")
         if not 0 <= self.explore <= 1 or not 0 < self.ewma_alpha <= 1:
             raise LocalProtocolError("explore and ewma_alpha must be probabilities")
 
@@ -184,6 +191,7 @@ class Scheduler:
         # O(log n) instead of scanning every idle shard on every request
         self._tiebreak = [rng.random() for _ in shard_lengths]
         self._heap: list[tuple[int, float, int]] = [(0, self._tiebreak[i], i) for i in self._idle]
+        self._typical = max(1, sum(shard_lengths) // max(1, len(shard_lengths)))  # bytes
         heapq.heapify(self._heap)
         self._sources: dict[str, SourceState] = {}
         self._flights: dict[int, _Flight] = {}
@@ -302,28 +310,37 @@ class Scheduler:
         return out
 
     def _pick_source(
-        self, shard: int, now: float, exclude: set[str], ready: list[SourceState] | None = None
+        self,
+        shard: int,
+        now: float,
+        exclude: set[str],
+        ready: list[SourceState] | None = None,
+        explore: bool | None = None,
     ) -> SourceState | None:
+        """The best eligible source for ``shard`` (a random one when exploring; ``explore``
+        None: flip the ``explore`` coin here)."""
         cands = self._eligible(shard, now, exclude, ready)
         if not cands:
             return None
-        if len(cands) > 1 and self._rng.random() < self.config.explore:
+        if explore is None:
+            explore = len(cands) > 1 and self._rng.random() < self.config.explore
+        if explore:
             return self._rng.choice(cands)
         length = self._shards[shard].length
         prior = self._prior_rate()
+        return min(cands, key=lambda s: self._cost(s, length, prior))
 
-        def cost(s: SourceState) -> tuple[float, bool, str]:
-            rate = s.rate_bps if s.samples else min(s.rate_bps, prior)
-            return ((s.queued_bytes + length) / max(rate, 1.0), s.have is not None, s.source)
-
-        return min(cands, key=cost)
+    def _cost(self, st: SourceState, length: int, prior: float) -> tuple[float, bool, str]:
+        """(expected seconds until ``length`` more bytes arrive from ``st``, partial, id)."""
+        rate = st.rate_bps if st.samples else min(st.rate_bps, prior)
+        return ((st.queued_bytes + length) / max(rate, 1.0), st.have is not None, st.source)
 
     def _prior_rate(self) -> float:
         """Assumed throughput of an unmeasured source, bytes/s: the median measured rate."""
         rates = sorted(s.rate_bps for s in self._sources.values() if s.samples and not s.banned)
         if not rates:
             return self.config.initial_rate_bps
-        return rates[len(rates) // 2]
+        return rates[-1]
 
     def _make_idle(self, index: int) -> None:
         if index not in self._idle:
@@ -354,9 +371,15 @@ class Scheduler:
             st = self._pick_source(i, now, set(), ready)
             if st is not None:
                 return self._start(i, st, now, duplicate=False)
-        # then rarest first (fewest partial holders; complete sources hold every shard)
+        # then rarest first (fewest partial holders; complete sources hold every shard), unless
+        # the rarer shard's best source is much slower than what another idle shard can get
+        # (rarity_slack): a congested relay must not hold every slot while idle peers hold
+        # shards this node lacks
+        explore = len(ready) > 1 and self._rng.random() < self.config.explore
+        bar = None if explore else self._best_ready_cost(ready)
         aside: list[tuple[int, float, int]] = []
-        found: Request | None = None
+        fallback: tuple[int, SourceState] | None = None
+        prior = self._prior_rate()
         try:
             while self._heap and len(aside) < _SCAN_LIMIT:
                 held, tb, i = heapq.heappop(self._heap)
@@ -369,26 +392,42 @@ class Scheduler:
                 aside.append((cur, tb, i))
                 if base + cur == 0:
                     continue
-                st = self._pick_source(i, now, set(), ready)
-                if st is not None:
-                    aside.pop()
-                    found = self._start(i, st, now, duplicate=False)
-                    return found
+                st = self._pick_source(i, now, set(), ready, explore)
+                if st is None:
+                    continue
+                length = self._shards[i].length
+                if bar is None or self._cost(st, length, prior)[0] <= bar * length:
+                    return self._start(i, st, now, duplicate=False)
+                if fallback is None:
+                    fallback = (i, st)
+            if fallback is not None:
+                return self._start(fallback[0], fallback[1], now, duplicate=False)
             if self._heap:  # many unschedulable shards in front: look at every idle one
                 for i in sorted(
                     self._idle, key=lambda i: (self._held.get(i, 0), self._tiebreak[i])
                 ):
                     if base + self._held.get(i, 0) == 0 or self._shards[i].received:
                         continue
-                    st = self._pick_source(i, now, set(), ready)
+                    st = self._pick_source(i, now, set(), ready, explore)
                     if st is not None:
-                        found = self._start(i, st, now, duplicate=False)
-                        return found
+                        return self._start(i, st, now, duplicate=False)
             return None
         finally:
             for entry in aside:
                 if entry[2] in self._idle:
                     heapq.heappush(self._heap, entry)
+
+    def _best_ready_cost(self, ready: list[SourceState]) -> float:
+        """``rarity_slack`` x the best expected seconds per byte over ready sources that hold
+        an idle shard (a bar in s/byte; inf if none)."""
+        prior = self._prior_rate()
+        best = math.inf
+        for st in ready:
+            if st.have is not None and st.have.isdisjoint(self._idle):
+                continue
+            rate = st.rate_bps if st.samples else min(st.rate_bps, prior)
+            best = min(best, (st.queued_bytes + self._typical) / max(rate, 1.0) / self._typical)
+        return best * self.config.rarity_slack
 
     def _availability(self, shard: int) -> int:
         return sum(

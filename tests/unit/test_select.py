@@ -98,9 +98,9 @@ def test_first_sample_replaces_the_prior_and_later_ones_are_averaged() -> None:
     assert state(sched, "relay").rate_bps == pytest.approx(1.5 * MB)
 
 
-def test_unmeasured_peer_is_assumed_median_speed_and_loses_ties_to_a_relay() -> None:
-    """A newly discovered peer is not assumed faster than measured relays (the fixed prior
-    used to pull traffic off idle relays onto congested peer uplinks)."""
+def test_unmeasured_peer_is_assumed_as_fast_as_the_best_measured_and_loses_ties() -> None:
+    """A newly discovered peer is not assumed faster than the fastest measured source (a
+    fixed 100 MB/s prior used to pull traffic off idle relays onto congested peer uplinks)."""
     cfg = SchedulerConfig(initial_rate_bps=100 * MB, explore=0.0, per_source_inflight=8)
     sched = Scheduler([MB] * 20, random.Random(0), cfg)
     sched.add_source("relay")
@@ -134,6 +134,40 @@ def test_failure_of_an_unmeasured_source_decays_from_the_prior_it_is_judged_by()
     assert r.source == "peer"
     sched.on_failure(r.id, 1.0, kind="broken")
     assert state(sched, "peer").rate_bps == pytest.approx(5 * MB)  # half the 10 MB/s prior
+
+
+def _measured(sched: Scheduler, source: str, rate_bps: float, now: float) -> None:
+    """Give ``source`` one request and complete it at ``rate_bps``."""
+    req = sched.next_request(now)
+    assert req is not None
+    assert req.source == source
+    sched.on_first_byte(req.id, now)
+    sched.on_success(req.id, now + req.length / rate_bps)
+
+
+@pytest.mark.parametrize(("slack", "expect"), [(1.5, "peer"), (float("inf"), "relay")])
+def test_rare_shard_on_a_slow_source_yields_to_a_common_one_on_a_fast_source(
+    slack: float, expect: str
+) -> None:
+    """Rarest first, unless the rare shard's only source is much slower (rarity_slack): a
+    congested relay must not take every slot while a fast peer holds shards we lack."""
+    cfg = SchedulerConfig(explore=0.0, rarity_slack=slack, per_source_inflight=1)
+    sched = Scheduler([MB] * 6, random.Random(0), cfg)
+    sched.add_source("relay")
+    _measured(sched, "relay", 1 * MB, 0.0)  # the relay: 1 MB/s
+    sched.add_source("peer", (4, 5))
+    sched.add_source("peer-2", (5,))  # shard 5 has two partial holders: the least rare
+    state(sched, "peer-2").blocked_until = 100.0  # never asked in this test
+    state(sched, "relay").blocked_until = 2.5  # so that the peer gets measured first
+    _measured(sched, "peer", 10 * MB, 2.0)  # the peer: 10 MB/s (on shard 4)
+    # left: shards 1-3 (the rarest: only the relay has them) and 5 (the peer has it)
+    req = sched.next_request(3.0)
+    assert req is not None
+    assert req.source == expect
+    # with the slack, the fast peer gets the common shard it holds; strict rarest first
+    # sends a rarer one to the slow relay
+    assert req.shard == (5 if expect == "peer" else req.shard)
+    assert (req.shard in (1, 2, 3)) == (expect == "relay")
 
 
 def test_decisions_replay_exactly_for_a_seed() -> None:
