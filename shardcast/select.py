@@ -316,6 +316,7 @@ class Scheduler:
         exclude: set[str],
         ready: list[SourceState] | None = None,
         explore: bool | None = None,
+        prior: float | None = None,
     ) -> SourceState | None:
         """The best eligible source for ``shard`` (a random one when exploring; ``explore``
         None: flip the ``explore`` coin here)."""
@@ -327,8 +328,8 @@ class Scheduler:
         if explore:
             return self._rng.choice(cands)
         length = self._shards[shard].length
-        prior = self._prior_rate()
-        return min(cands, key=lambda s: self._cost(s, length, prior))
+        p = self._prior_rate() if prior is None else prior
+        return min(cands, key=lambda s: self._cost(s, length, p))
 
     def _cost(self, st: SourceState, length: int, prior: float) -> tuple[float, bool, str]:
         """(expected seconds until ``length`` more bytes arrive from ``st``, partial, id)."""
@@ -336,11 +337,11 @@ class Scheduler:
         return ((st.queued_bytes + length) / max(rate, 1.0), st.have is not None, st.source)
 
     def _prior_rate(self) -> float:
-        """Assumed throughput of an unmeasured source, bytes/s: the median measured rate."""
-        rates = sorted(s.rate_bps for s in self._sources.values() if s.samples and not s.banned)
-        if not rates:
-            return self.config.initial_rate_bps
-        return rates[-1]
+        """Assumed throughput of an unmeasured source, bytes/s: the best measured rate."""
+        return max(
+            (s.rate_bps for s in self._sources.values() if s.samples and not s.banned),
+            default=self.config.initial_rate_bps,
+        )
 
     def _make_idle(self, index: int) -> None:
         if index not in self._idle:
@@ -376,10 +377,10 @@ class Scheduler:
         # (rarity_slack): a congested relay must not hold every slot while idle peers hold
         # shards this node lacks
         explore = len(ready) > 1 and self._rng.random() < self.config.explore
-        bar = None if explore else self._best_ready_cost(ready)
+        prior = self._prior_rate()
+        bar = None if explore else self._best_ready_cost(ready, prior)
         aside: list[tuple[int, float, int]] = []
         fallback: tuple[int, SourceState] | None = None
-        prior = self._prior_rate()
         try:
             while self._heap and len(aside) < _SCAN_LIMIT:
                 held, tb, i = heapq.heappop(self._heap)
@@ -392,7 +393,7 @@ class Scheduler:
                 aside.append((cur, tb, i))
                 if base + cur == 0:
                     continue
-                st = self._pick_source(i, now, set(), ready, explore)
+                st = self._pick_source(i, now, set(), ready, explore, prior)
                 if st is None:
                     continue
                 length = self._shards[i].length
@@ -417,10 +418,9 @@ class Scheduler:
                 if entry[2] in self._idle:
                     heapq.heappush(self._heap, entry)
 
-    def _best_ready_cost(self, ready: list[SourceState]) -> float:
+    def _best_ready_cost(self, ready: list[SourceState], prior: float) -> float:
         """``rarity_slack`` x the best expected seconds per byte over ready sources that hold
         an idle shard (a bar in s/byte; inf if none)."""
-        prior = self._prior_rate()
         best = math.inf
         for st in ready:
             if st.have is not None and st.have.isdisjoint(self._idle):
