@@ -4,7 +4,9 @@
   never remove a pinned one (being read, served, or used as a delta base).
 - :class:`SuperSeeding`: the origin's fan-out rule — a shard's bytes go to the first requester;
   another requester within ``window_s`` is refused (it fetches the shard from a relay that has
-  it), so the origin's egress stays near one copy of each version (BitTorrent "super-seeding").
+  it), and repeats after the window come out of a budget (10 % of the shards by default), so
+  the origin's egress stays near one copy of each version however many nodes ask (BitTorrent
+  "super-seeding"; the budget is ours).
 
 Both take ``now`` as an argument and do no I/O, so :mod:`shardcast.store`,
 :mod:`shardcast.serve` and ``simulations/`` run the very same decisions.
@@ -30,32 +32,108 @@ def versions_to_prune(committed: Sequence[int], keep_last: int, pinned: Iterable
 class SuperSeeding:
     """Per-(step, shard) first-requester memory of an origin (see module docstring).
 
+    Rule, per shard of a request (the request is allowed only if every shard is):
+
+    1. nobody got the shard yet: allowed, and the requester is recorded as its first;
+    2. the same requester asks again (a retry or a resumed transfer): allowed;
+    3. another requester within ``window_s`` of the shard's last serve: refused (it fetches
+       the shard from a relay that has it);
+    4. after the window, a *repeat*: allowed while the step's repeats stay within
+       ``repeat_budget`` x its shard count, so that the origin's egress stays near
+       ``1 + repeat_budget`` copies of the version however many nodes ask;
+    5. over budget: allowed only to a requester that has kept asking for that shard for
+       ``persist_s`` since its first refusal. An honest node that can fetch the shard
+       elsewhere does so after one refusal; one that keeps asking finds no other source (say
+       the first requester withholds it), so the swarm never stalls on a shard that only the
+       origin serves.
+
     Args:
-        window_s: how long a shard is reserved for its first requester, seconds; None: off.
-        max_entries: bound on remembered (step, shard) pairs; the oldest are forgotten.
+        window_s: how long a shard is reserved for its last requester, seconds; None: off
+            (every request allowed).
+        max_entries: bound on remembered (step, shard) pairs and on remembered refusals;
+            the oldest are forgotten.
+        repeat_budget: repeats per step as a share of its shards (rule 4); None: unbounded.
+        persist_s: rule 5's persistence, seconds (default ``30 * window_s``: in the model of
+            the INTELLECT-2-like topology, 6x still let relays that merely preferred the
+            origin through, 1.20x egress; 30x gives 1.10x at the same time to last peer).
     """
 
-    def __init__(self, window_s: float | None, max_entries: int = 1_000_000) -> None:
+    def __init__(
+        self,
+        window_s: float | None,
+        max_entries: int = 1_000_000,
+        repeat_budget: float | None = 0.1,
+        persist_s: float | None = None,
+    ) -> None:
         self.window_s = window_s
         self.max_entries = max_entries
+        self.repeat_budget = repeat_budget
+        self.persist_s = persist_s if persist_s is not None else 30 * (window_s or 0.0)
         self._served_to: dict[tuple[int, int], tuple[str, float]] = {}
+        self._refused_since: dict[tuple[int, int, str], float] = {}
+        self._repeats: dict[int, int] = {}
         self.refused = 0
+        self.repeats = 0
 
-    def allow(self, requester: str, step: int, shards: Iterable[int], now: float) -> bool:
-        """True if ``requester`` may get these shards now (and records it as their first).
+    def allow(
+        self,
+        requester: str,
+        step: int,
+        shards: Iterable[int],
+        now: float,
+        total_shards: int | None = None,
+    ) -> bool:
+        """True if ``requester`` may get these shards now (and records the serve).
 
-        A repeat request by the same requester (a retry or a resumed transfer) is allowed.
+        Args:
+            requester: the requesting node's id (its PeerID or name).
+            step: the version's policy step.
+            shards: indices of the shards the request covers.
+            now: current time, seconds.
+            total_shards: the version's shard count (for ``repeat_budget``; None: no budget).
         """
         if self.window_s is None:
             return True
         shards = list(shards)
+        repeats = 0
         for i in shards:
             prev = self._served_to.get((step, i))
-            if prev is not None and prev[0] != requester and now - prev[1] < self.window_s:
-                self.refused += 1
-                return False
+            if prev is None or prev[0] == requester:
+                continue
+            if now - prev[1] < self.window_s:
+                return self._refuse(requester, step, i, now)
+            repeats += 1
+        if repeats:
+            budget = (
+                None
+                if self.repeat_budget is None or total_shards is None
+                else self.repeat_budget * total_shards
+            )
+            if budget is not None and self._repeats.get(step, 0) + repeats > budget:
+                for i in shards:
+                    since = self._refused_since.get((step, i, requester))
+                    prev = self._served_to.get((step, i))
+                    if (
+                        prev is not None
+                        and prev[0] != requester
+                        and (since is None or now - since < self.persist_s)
+                    ):
+                        return self._refuse(requester, step, i, now)
+            self._repeats[step] = self._repeats.get(step, 0) + repeats
+            self.repeats += repeats
         for i in shards:
-            self._served_to.setdefault((step, i), (requester, now))
-        while len(self._served_to) > self.max_entries:
-            self._served_to.pop(next(iter(self._served_to)))
+            self._served_to[(step, i)] = (requester, now)
+            self._refused_since.pop((step, i, requester), None)
+        _trim(self._served_to, self.max_entries)
         return True
+
+    def _refuse(self, requester: str, step: int, shard: int, now: float) -> bool:
+        self.refused += 1
+        self._refused_since.setdefault((step, shard, requester), now)
+        _trim(self._refused_since, self.max_entries)
+        return False
+
+
+def _trim(d: dict, limit: int) -> None:  # type: ignore[type-arg]
+    while len(d) > limit:
+        d.pop(next(iter(d)))

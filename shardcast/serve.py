@@ -218,10 +218,15 @@ class VersionServer:
                 out[i // 8] |= 0x80 >> (i % 8)
         return bytes(out)
 
-    def _refuse_repeat(self, req: HttpRequest, step: int, shards: range) -> bool:
-        """Origin super-seeding: True if these shards went to another requester recently."""
+    def _refuse_repeat(self, req: HttpRequest, step: int, m: Manifest, shards: range) -> bool:
+        """Origin super-seeding (:class:`shardcast.policy.SuperSeeding`): True if these
+        shards must be fetched from another node."""
         return not self._seeding.allow(
-            req.headers.get(PEER_HEADER, ""), step, shards, trio.current_time()
+            req.headers.get(PEER_HEADER, ""),
+            step,
+            shards,
+            trio.current_time(),
+            len(m.header.shards),
         )
 
     async def _file(self, req: HttpRequest, step: int, m: Manifest, name: str) -> HttpResponse:
@@ -245,7 +250,7 @@ class VersionServer:
             shards = range(0)
         if not await self._wait(step, lambda: all(self._has(step, i) for i in shards)):
             return _retry()
-        if self._refuse_repeat(req, step, shards):
+        if self._refuse_repeat(req, step, m, shards):
             return _retry()
         live = self._live.get(step)
         committed = self.store.version_dir(step) / name
@@ -272,7 +277,7 @@ class VersionServer:
         primary = live.version.blob_path(index, encoding) if live is not None else committed
         if not primary.exists() and not committed.exists():
             return HttpResponse(404)  # this node did not keep that encoding
-        if self._refuse_repeat(req, step, range(index, index + 1)):
+        if self._refuse_repeat(req, step, m, range(index, index + 1)):
             return _retry()
         return self._slice(req, step, offered.size, primary, committed)
 

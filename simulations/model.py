@@ -423,7 +423,11 @@ class Model:
         fl.waiting = False
         step = dl.ver.step
         if fl.src == self.origin and not self.seeding.allow(
-            self.topo.nodes[dl.node].name, step, (fl.req.shard,), self.env.now
+            self.topo.nodes[dl.node].name,
+            step,
+            (fl.req.shard,),
+            self.env.now,
+            self._n_shards,
         ):
             self._at(start, self._fail, dl, fl, "unavailable")
             return

@@ -182,6 +182,29 @@ def test_super_seeding_policy() -> None:
     assert SuperSeeding(None).allow("x", 0, [1], 0.0)
 
 
+def test_super_seeding_repeat_budget_and_persistence() -> None:
+    from shardcast.policy import SuperSeeding
+
+    s = SuperSeeding(window_s=5.0, repeat_budget=0.1, persist_s=60.0)
+    for i in range(20):  # first serves are free
+        assert s.allow("relay1", 0, [i], now=0.0, total_shards=20)
+    # after the window, repeats come out of a budget of 10 % of 20 shards = 2
+    assert s.allow("relay2", 0, [0], now=10.0, total_shards=20)
+    assert s.allow("relay3", 0, [1], now=10.0, total_shards=20)
+    assert not s.allow("relay2", 0, [2], now=10.0, total_shards=20)
+    assert s.repeats == 2
+    # the budget is per step: another version starts afresh
+    assert s.allow("relay1", 1, [0], now=10.0, total_shards=20)
+    assert s.allow("relay2", 1, [0], now=20.0, total_shards=20)
+    # over budget, a requester that keeps asking for persist_s gets it (nobody else serves it)
+    assert not s.allow("relay2", 0, [2], now=69.0, total_shards=20)
+    assert s.allow("relay2", 0, [2], now=70.5, total_shards=20)
+    # ... and one that asks for the first time after the window is refused
+    assert not s.allow("relay3", 0, [3], now=71.0, total_shards=20)
+    # without a shard count there is no budget (window only)
+    assert s.allow("relay3", 0, [3], now=71.0)
+
+
 async def test_a_version_being_served_is_not_pruned(tmp_path: Path) -> None:
     from p2p.http_range import ByteRange
     from p2p.http_server import FileSlice, HttpRequest
