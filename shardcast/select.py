@@ -331,6 +331,18 @@ class Scheduler:
         p = self._prior_rate() if prior is None else prior
         return min(cands, key=lambda s: self._cost(s, length, p))
 
+    def _pick_ranked(self, shard: int, now: float, ranked: list[SourceState]) -> SourceState | None:
+        """The first source of ``ranked`` (ready sources in ascending :meth:`_cost` for this
+        shard's length) that is eligible for ``shard``: :meth:`_pick_source` without the
+        per-shard sort, for scanning many shards against one snapshot of the sources."""
+        for st in ranked:
+            if st.have is not None and shard not in st.have:
+                continue
+            if st.not_before.get(shard, 0.0) > now:
+                continue
+            return st
+        return None
+
     def _cost(self, st: SourceState, length: int, prior: float) -> tuple[float, bool, str]:
         """(expected seconds until ``length`` more bytes arrive from ``st``, partial, id)."""
         rate = st.rate_bps if st.samples else min(st.rate_bps, prior)
@@ -381,6 +393,7 @@ class Scheduler:
         bar = None if explore else self._best_ready_cost(ready, prior)
         aside: list[tuple[int, float, int]] = []
         fallback: tuple[int, SourceState] | None = None
+        rankings: dict[int, list[SourceState]] = {}  # shard length -> ready sources by cost
         try:
             while self._heap and len(aside) < _SCAN_LIMIT:
                 held, tb, i = heapq.heappop(self._heap)
@@ -393,10 +406,17 @@ class Scheduler:
                 aside.append((cur, tb, i))
                 if base + cur == 0:
                     continue
-                st = self._pick_source(i, now, set(), ready, explore, prior)
+                length = self._shards[i].length
+                if explore:
+                    st = self._pick_source(i, now, set(), ready, explore, prior)
+                else:
+                    ranked = rankings.get(length)
+                    if ranked is None:
+                        ranked = sorted(ready, key=lambda s: self._cost(s, length, prior))
+                        rankings[length] = ranked
+                    st = self._pick_ranked(i, now, ranked)
                 if st is None:
                     continue
-                length = self._shards[i].length
                 if bar is None or self._cost(st, length, prior)[0] <= bar * length:
                     return self._start(i, st, now, duplicate=False)
                 if fallback is None:
