@@ -104,13 +104,17 @@ class SourceDirectory:
         self.changed = trio.Event()
 
     def offer(self, advert: NodeAdvert, now: float) -> None:
-        """Remember an advert (bounded; the oldest entry is evicted)."""
+        """Remember an advert (bounded; the entry heard least recently is evicted).
+
+        ``now`` must not decrease between calls (a monotonic clock): entries are kept in the
+        order they were last heard, so the oldest is the first.
+        """
         if advert.peer_id == self.self_id or advert.peer_id in self.exclude:
             return
+        self._adverts.pop(advert.peer_id, None)
         self._adverts[advert.peer_id] = (advert, now)
         if len(self._adverts) > self.max_entries:
-            oldest = min(self._adverts, key=lambda p: self._adverts[p][1])
-            del self._adverts[oldest]
+            del self._adverts[next(iter(self._adverts))]
         self.changed.set()
         self.changed = trio.Event()
 
