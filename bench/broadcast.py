@@ -206,7 +206,14 @@ async def _served_bytes(client: Any, url: str, step: int) -> int:
 
 
 async def run_shardnet(
-    v0: Path, v1: Path, workdir: Path, *, deltas: bool, shard_size: int, timeout_s: float
+    v0: Path,
+    v1: Path,
+    workdir: Path,
+    *,
+    deltas: bool,
+    shard_size: int,
+    timeout_s: float,
+    log_level: str = "WARNING",
 ) -> dict[str, Any]:
     """One shardnet run: publish v0 then v1; returns per-version measurements."""
     from p2p.http_client import HttpClient
@@ -217,7 +224,7 @@ async def run_shardnet(
     trainer_id = Identity.load_or_create(trainer_key).peer_id
     publish = workdir / "publish"
     publish.mkdir()
-    common = ["--run-id", RUN_ID, "--keep-last", "2", "--log-level", "WARNING"]
+    common = ["--run-id", RUN_ID, "--keep-last", "2", "--log-level", log_level]
     procs: list[Proc] = []
     versions = []
     async with trio.open_nursery() as nursery, HttpClient() as client:
@@ -439,12 +446,17 @@ async def amain(args: argparse.Namespace) -> dict[str, Any]:
                         deltas=system == "shardnet",
                         shard_size=args.shard_size,
                         timeout_s=args.timeout,
+                        log_level=args.log_level,
                     )
                 runs[system].append(r)
                 print(json.dumps(r["versions"], default=str)[:2000], file=sys.stderr, flush=True)
-                shutil.rmtree(wd, ignore_errors=True)
+                if not args.keep:
+                    shutil.rmtree(wd, ignore_errors=True)
     finally:
-        shutil.rmtree(root, ignore_errors=True)
+        if args.keep:
+            print(f"# kept: {root}", file=sys.stderr, flush=True)
+        else:
+            shutil.rmtree(root, ignore_errors=True)
     out = summarize(runs, size, loopback)
     out["checkpoint"] = info
     out["runs"] = runs
@@ -500,6 +512,10 @@ def main() -> int:
     )
     ap.add_argument("--workdir", default=None, help="parent of the run directories")
     ap.add_argument("--timeout", type=float, default=900.0, help="per version, seconds")
+    ap.add_argument(
+        "--keep", action="store_true", help="keep the run directories (node data and logs)"
+    )
+    ap.add_argument("--log-level", default="WARNING", help="shardnet nodes' log level")
     args = ap.parse_args()
     if args.quick:
         args.repeats, args.preset = 1, "real-1b"

@@ -115,6 +115,7 @@ def decode(
     base: Buffer | None = None,
     source: str = "",
     out: bytearray | memoryview | None = None,
+    scratch: bytearray | None = None,
 ) -> Buffer:
     """Decode one shard of ``length`` bytes.
 
@@ -125,6 +126,9 @@ def decode(
         base: for ``xor-zstd``, the base version's bytes of the same range.
         source: who sent the bytes (for errors).
         out: for ``xor-zstd``, where to write the result (may be ``base`` itself, in place).
+        scratch: a reusable buffer of at least ``length`` bytes to decompress into (saves
+            allocating, and faulting in, a fresh output buffer per shard); the result of a
+            ``zstd`` decode is then a view of it, valid until it is reused.
 
     Returns:
         the decoded shard bytes (the caller checks their digest).
@@ -155,8 +159,12 @@ def decode(
             f"zstd window of {params.window_size} bytes over the {MAX_WINDOW_BYTES} cap", source
         )
     dctx = zstandard.ZstdDecompressor(max_window_size=MAX_WINDOW_BYTES)
+    plain: Buffer
     try:
-        plain = dctx.decompress(encoded, max_output_size=length)
+        if scratch is not None and len(scratch) >= length:
+            plain = _decompress_into(dctx, encoded, memoryview(scratch)[:length], source)
+        else:
+            plain = dctx.decompress(encoded, max_output_size=length)
     except zstandard.ZstdError as exc:
         raise CodecError(f"zstd frame does not decode: {exc}", source) from exc
     if len(plain) != length:
@@ -165,6 +173,22 @@ def decode(
         assert base is not None
         return xor_bytes(plain, base, out)
     return plain
+
+
+def _decompress_into(
+    dctx: zstandard.ZstdDecompressor, encoded: Buffer, view: memoryview, source: str
+) -> memoryview:
+    """Decompress one frame into ``view`` (exactly its length), refusing trailing output."""
+    with dctx.stream_reader(encoded, read_across_frames=False) as reader:
+        got = 0
+        while got < len(view):
+            n = reader.readinto(view[got:])
+            if n == 0:
+                break
+            got += n
+        if got != len(view) or reader.read(1):
+            raise CodecError(f"zstd frame does not decode to {len(view)} bytes", source)
+    return view
 
 
 def changed_fraction_bf16(

@@ -36,6 +36,7 @@ from __future__ import annotations
 
 import logging
 import random
+import threading
 from collections.abc import Callable
 from contextlib import aclosing
 from dataclasses import dataclass, field
@@ -154,7 +155,36 @@ class _Buf:
 @dataclass
 class _Base:
     step: int
-    read: Callable[[str, int, int], bytearray]
+    read: Callable[[str, int, int, bytearray], memoryview]
+
+
+class _BufferPool:
+    """Reusable shard-sized buffers for decoding in worker threads (bounded: at most
+    ``keep`` idle buffers are kept; a thread that finds none large enough allocates one as
+    large as the largest request seen, so that buffers stay reusable across shard lengths)."""
+
+    def __init__(self, keep: int = 8) -> None:
+        self.keep = keep
+        self._idle: list[bytearray] = []
+        self._largest = 0
+        self._lock = threading.Lock()
+
+    def get(self, length: int) -> bytearray:
+        with self._lock:
+            self._largest = max(self._largest, length)
+            for k, buf in enumerate(self._idle):
+                if len(buf) >= length:
+                    return self._idle.pop(k)
+            size = self._largest
+        return bytearray(size)
+
+    def put(self, buf: bytearray) -> None:
+        with self._lock:
+            if len(self._idle) < self.keep and len(buf) >= self._largest:
+                self._idle.append(buf)
+
+
+_POOL = _BufferPool()  # per process: at most 8 idle shard-sized buffers (128 MiB at 16 MiB)
 
 
 class Downloader:
@@ -240,7 +270,8 @@ class Downloader:
                     assert base_step is not None
                     with self.store.pinned(base_step):
                         base = _Base(
-                            base_step, lambda n, o, ln: self.store.read_range(base_step, n, o, ln)
+                            base_step,
+                            lambda n, o, ln, out: self.store.read_range(base_step, n, o, ln, out),
                         )
                         await self._run(part, sources, stats, base, on_shard, progress)
                 else:
@@ -605,18 +636,26 @@ class Downloader:
             raise LocalProtocolError(f"shard {entry.index} does not offer {enc}")
         if blake3.blake3(data).hexdigest() != offered.digest:
             raise IntegrityError(f"shard {entry.index} {enc} blob digest mismatch", source)
-        base_bytes = None
-        if enc == codecs.XOR_ZSTD:
-            assert base is not None
-            base_bytes = base.read(entry.file, entry.offset, entry.length)
-        # xor-zstd decodes in place into the base buffer: no copy of the shard is made
-        raw = codecs.decode(enc, data, entry.length, base_bytes, source, out=base_bytes)
+        # pooled buffers: the base range is read into one, the frame decompressed into the
+        # other, and xor-zstd XORs in place into the base buffer (no per-shard allocation)
+        held = [_POOL.get(entry.length), _POOL.get(entry.length)]
         try:
-            return part.write_shard(entry.index, raw, source, blobs={enc: bytes(data)})
-        except IntegrityError as exc:
-            if enc == codecs.XOR_ZSTD:  # blob verified, result wrong: our base differs
-                raise _BaseMismatch(str(exc)) from exc
-            raise
+            base_bytes = None
+            if enc == codecs.XOR_ZSTD:
+                assert base is not None
+                base_bytes = base.read(entry.file, entry.offset, entry.length, held[0])
+            raw = codecs.decode(
+                enc, data, entry.length, base_bytes, source, out=base_bytes, scratch=held[1]
+            )
+            try:
+                return part.write_shard(entry.index, raw, source, blobs={enc: bytes(data)})
+            except IntegrityError as exc:
+                if enc == codecs.XOR_ZSTD:  # blob verified, result wrong: our base differs
+                    raise _BaseMismatch(str(exc)) from exc
+                raise
+        finally:
+            for buf in held:
+                _POOL.put(buf)
 
     @staticmethod
     def _assign_blame(

@@ -179,19 +179,27 @@ class VersionStore:
         data = (self.version_dir(step) / MANIFEST_FILE).read_bytes()
         return Manifest.decode(data, trust=trust, source=str(self.version_dir(step)))
 
-    def read_range(self, step: int, name: str, offset: int, length: int) -> bytearray:
-        """Bytes of a committed version's file (e.g. a delta base), as a fresh writable buffer;
+    def read_range(
+        self, step: int, name: str, offset: int, length: int, out: bytearray | None = None
+    ) -> memoryview:
+        """``length`` bytes at ``offset`` of a committed version's file (e.g. a delta base), as
+        a writable view of ``out`` (reused; at least ``length`` bytes) or of a fresh buffer;
         pin the step meanwhile.
 
         Raises:
             OSError: not committed, or the file is shorter.
+            ValueError: ``out`` is shorter than ``length``.
         """
-        buf = bytearray(length)
+        if out is None:
+            out = bytearray(length)
+        if len(out) < length:
+            raise ValueError(f"read buffer of {len(out)} bytes for {length}")
+        view = memoryview(out)[:length]
         with open(self.version_dir(step) / name, "rb", buffering=0) as fh:
-            got = os.preadv(fh.fileno(), [buf], offset)
+            got = os.preadv(fh.fileno(), [view], offset)
         if got != length:
             raise OSError(f"step {step} {name}: short read at {offset}")
-        return buf
+        return view
 
     def blob_path(self, step: int, index: int, encoding: str) -> Path:
         """Where a committed version keeps shard ``index``'s ``encoding`` blob."""

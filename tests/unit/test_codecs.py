@@ -35,6 +35,11 @@ def test_round_trip_random(raw: bytes, other: bytes) -> None:
     for enc in (ZSTD, XOR_ZSTD):
         blob = codecs.encode(enc, raw, base)
         assert codecs.decode(enc, blob, len(raw), base) == raw
+        # into a reused (oversized, dirty) scratch buffer, XOR in place into a copy of the base
+        scratch = bytearray(b"\xff" * (len(raw) + 7))
+        out = bytearray(base)
+        got = codecs.decode(enc, blob, len(raw), out, out=out, scratch=scratch)
+        assert bytes(got) == raw
     assert codecs.decode(RAW, raw, len(raw)) == raw
 
 
@@ -75,6 +80,8 @@ def test_hostile_frames_rejected() -> None:
         codecs.decode(ZSTD, b"garbage!" * 4, 1000)
     with pytest.raises(CodecError):
         codecs.decode(ZSTD, blob[:-3], 1000)  # truncated frame
+    with pytest.raises(CodecError):
+        codecs.decode(ZSTD, blob[:-3], 1000, scratch=bytearray(1000))
     # a frame without a declared content size
     no_size = zstandard.ZstdCompressor(write_content_size=False).compress(raw)
     with pytest.raises(CodecError, match="declares"):
@@ -105,3 +112,21 @@ def test_misuse_is_a_local_error() -> None:
         codecs.decode(XOR_ZSTD, codecs.encode(ZSTD, b"abc"), 3, b"ab")
     with pytest.raises(LocalProtocolError):
         codecs.encode("gzip", b"abc")
+
+
+def test_decode_buffer_pool_is_bounded_and_reuses_buffers() -> None:
+    from shardcast.downloader import _BufferPool
+
+    pool = _BufferPool(keep=2)
+    a, b, c = pool.get(100), pool.get(80), pool.get(100)
+    assert len(b) == 100  # as large as the largest request: reusable for any shard
+    for buf in (a, b, c):
+        pool.put(buf)
+    assert pool.get(50) is a  # reused, and only `keep` were kept
+    assert pool.get(100) is b
+    assert pool.get(100) is not c
+    small = pool.get(10)
+    big = pool.get(1000)
+    pool.put(small)  # smaller than the largest request seen: dropped, not kept
+    assert pool.get(1000) is not small
+    assert len(big) == 1000
