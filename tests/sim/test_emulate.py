@@ -105,9 +105,14 @@ def test_cleanup_stale_removes_labs_of_dead_owners() -> None:
     assert _lab_namespaces(lab.id) == []
 
 
-def _start(tmp_path: Path, *extra: str) -> subprocess.Popen[str]:
+# the same lab on links so slow (0.5 Mb/s: ~34 s for the checkpoint) that a signal sent once the
+# first node is up always lands mid-run (on TINY's links the whole run can end first)
+SLOW = TINY.replace("up_mbps = 100\ndown_mbps = 100", "up_mbps = 0.5\ndown_mbps = 0.5")
+
+
+def _start(tmp_path: Path, *extra: str, topology: str = TINY) -> subprocess.Popen[str]:
     topo = tmp_path / "tiny.toml"
-    topo.write_text(TINY)
+    topo.write_text(topology)
     return subprocess.Popen(
         [
             sys.executable,
@@ -140,7 +145,8 @@ def _read_until(proc: subprocess.Popen[str], prefix: str) -> tuple[str, list[str
 @needs_netns
 @pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT])
 def test_signal_mid_run_removes_everything(tmp_path: Path, sig: signal.Signals) -> None:
-    proc = _start(tmp_path, "--shaping", "netns")
+    assert SLOW != TINY
+    proc = _start(tmp_path, "--shaping", "netns", topology=SLOW)
     lab_line, _ = _read_until(proc, "emulate_lab_ready")
     lab_id = lab_line.split("id=")[1].strip()
     node_line, _ = _read_until(proc, "emulate_node_ready")  # a real node process is up
