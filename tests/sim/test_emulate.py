@@ -105,9 +105,15 @@ def test_cleanup_stale_removes_labs_of_dead_owners() -> None:
     assert _lab_namespaces(lab.id) == []
 
 
-# the same lab on links so slow (0.5 Mb/s: ~34 s for the checkpoint) that a signal sent once the
-# first node is up always lands mid-run (on TINY's links the whole run can end first)
+# the same lab on links so slow (0.5 Mb/s: ~40 s for the checkpoint) that a signal sent once the
+# first node is up lands mid-run, however fast the machine
 SLOW = TINY.replace("up_mbps = 100\ndown_mbps = 100", "up_mbps = 0.5\ndown_mbps = 0.5")
+
+
+def _default_sigint() -> None:
+    # A shell starts background jobs with SIGINT ignored, and Python keeps an ignored SIGINT
+    # ignored: give the emulator the disposition an interactive user's Ctrl-C meets.
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
 
 
 def _start(tmp_path: Path, *extra: str, topology: str = TINY) -> subprocess.Popen[str]:
@@ -129,6 +135,7 @@ def _start(tmp_path: Path, *extra: str, topology: str = TINY) -> subprocess.Pope
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,
         text=True,
+        preexec_fn=_default_sigint,
     )
 
 
