@@ -58,8 +58,8 @@ replaced, logprob kept) and ``last_token_swap_logprob`` (with the logprob recomp
 attacker, who holds the weights).
 
 **Statistics.** The validator's teacher-forced activations are recorded (a
-:class:`TrainerOracle` subclass that keeps what ``prefill`` returned), and the per-chunk TOPLOC
-results (TOPLOC.md §6) and logprob differences are summarized per class, prefill chunk and
+:class:`TrainerOracle` subclass that keeps what ``prefill_group`` returned), and the per-chunk
+TOPLOC results (TOPLOC.md §6) and logprob differences are summarized per class, prefill chunk and
 decode chunks apart. ``details.profiles`` re-judges these same statistics under every profile
 of :data:`PROFILES` (rollouts refused by a check that does not depend on the model stay
 refused).
@@ -229,27 +229,14 @@ class BenchConfig:
 
 
 class RecordingOracle(TrainerOracle):
-    """A :class:`TrainerOracle` that also keeps what each ``prefill`` returned, and the seconds
-    spent in it (the teacher-forced forward pass)."""
+    """A :class:`TrainerOracle` that also keeps what each ``prefill_group`` returned (per
+    completion), and the seconds spent in it (the teacher-forced forward pass)."""
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self.recorded: dict[tuple[tuple[int, ...], tuple[int, ...]], tuple[Bits, Bits, list[float]]]
         self.recorded = {}
         self.forward_s = 0.0
-
-    def prefill(
-        self,
-        step: int,
-        prompt_ids: Sequence[int],
-        completion_ids: Sequence[int],
-        temperature: float,
-    ) -> tuple[Bits, Bits, list[float]]:
-        start = time.perf_counter()
-        out = super().prefill(step, prompt_ids, completion_ids, temperature)
-        self.forward_s += time.perf_counter() - start
-        self.recorded[(tuple(prompt_ids), tuple(completion_ids))] = out
-        return out
 
     def prefill_group(
         self,
@@ -550,7 +537,7 @@ def rollout_stats(
     if acts is None:
         acts = w.oracle.recorded.get((tuple(prompt), s.completion_ids))
     if acts is None:
-        acts = TrainerOracle.prefill(w.oracle, 0, prompt, s.completion_ids, w.cfg.temperature)
+        acts = w.oracle.prefill(0, prompt, s.completion_ids, w.cfg.temperature)
     pre, dec, lps = acts
     diffs = np.abs(np.subtract(s.logprobs, lps))
     lp_mean, lp_max = float(diffs.mean()), float(diffs.max())

@@ -59,6 +59,7 @@ __all__ = [
     "build_model",
     "build_tokenizer",
     "compare_shapes",
+    "indexed_shapes",
     "load_model",
     "load_weights",
     "preset_config",
@@ -266,6 +267,20 @@ def check_weights(model: torch.nn.Module, directory: str | Path) -> list[Path]:
     directory = Path(directory)
     expected = {name: tuple(t.shape) for name, t in model.state_dict().items()}
     files = tensor_files(directory)
+    compare_shapes(expected, indexed_shapes(directory, files), directory)
+    return list(files)
+
+
+def indexed_shapes(
+    directory: Path, files: dict[Path, set[str] | None]
+) -> dict[str, tuple[int, ...]]:
+    """Tensor name → shape over the weight ``files`` of :func:`tensor_files`, read from the
+    safetensors headers, checked against the index.
+
+    Raises:
+        CheckpointMismatch: a tensor stored twice, one a file holds but the index does not
+            assign to it, one the index assigns to a file that lacks it, or an unreadable file.
+    """
     found: dict[str, tuple[int, ...]] = {}
     for path, names in files.items():
         for name, shape in read_tensor_shapes(path).items():
@@ -277,8 +292,7 @@ def check_weights(model: torch.nn.Module, directory: str | Path) -> list[Path]:
         if names is not None and not names <= found.keys():
             missing = sorted(names - found.keys())[:5]
             raise CheckpointMismatch(f"{path.name} lacks indexed tensors {missing}", "")
-    compare_shapes(expected, found, directory)
-    return list(files)
+    return found
 
 
 def copy_weights(model: torch.nn.Module, files: list[Path]) -> None:

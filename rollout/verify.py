@@ -72,17 +72,6 @@ class PolicyOracle(Protocol):
         """The task's reward of one completion."""
         ...
 
-    def prefill(
-        self,
-        step: int,
-        prompt_ids: Sequence[int],
-        completion_ids: Sequence[int],
-        temperature: float,
-    ) -> tuple[Bits, Bits, list[float]]:
-        """Teacher-forced pass with version ``step``: ``(prefill_bits [L,H], decode_bits
-        [N-1,H], logprobs [N])`` (see :func:`rollout.engine.prefill_activations`)."""
-        ...
-
     def prefill_group(
         self,
         step: int,
@@ -90,7 +79,9 @@ class PolicyOracle(Protocol):
         completions: Sequence[Sequence[int]],
         temperature: float,
     ) -> list[tuple[Bits, Bits, list[float]]]:
-        """:meth:`prefill` for every completion of one group (one batched pass)."""
+        """Teacher-forced pass with version ``step`` for every completion of one group (one
+        batched forward): per completion ``(prefill_bits [L,H], decode_bits [N-1,H], logprobs
+        [N])`` (see :func:`rollout.engine.prefill_activations_group`)."""
         ...
 
 

@@ -23,6 +23,7 @@ from rollout.model import (
     CONFIG_NAME,
     CONSTRUCT_LOCK,
     CheckpointMismatch,
+    indexed_shapes,
     read_tensor_shapes,
     tensor_files,
 )
@@ -43,19 +44,7 @@ def checkpoint_shapes(directory: Path) -> dict[str, tuple[int, ...]]:
     stray = sorted(p.name for p in directory.glob("*.safetensors") if p not in files)
     if stray:  # vLLM would read them too (all *.safetensors when there is no index)
         raise CheckpointMismatch(f"{directory}: weight files outside the layout {stray[:5]}")
-    found: dict[str, tuple[int, ...]] = {}
-    for path, names in files.items():
-        for name, shape in read_tensor_shapes(path).items():
-            if name in found:
-                raise CheckpointMismatch(f"tensor {name} stored twice", str(directory))
-            if names is not None and name not in names:
-                raise CheckpointMismatch(f"{name} in {path.name} but not indexed there")
-            found[name] = shape
-        if names is not None and not names <= found.keys():
-            raise CheckpointMismatch(
-                f"{path.name} lacks indexed tensors {sorted(names - found.keys())[:5]}"
-            )
-    return found
+    return indexed_shapes(directory, files)
 
 
 def expected_shapes(directory: Path) -> dict[str, tuple[int, ...]]:
