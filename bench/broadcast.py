@@ -51,6 +51,8 @@ import trio
 
 REPO = Path(__file__).resolve().parents[1]
 RUN_ID = "bench"
+# every node of the benchmark runs on this machine: loopback only, any free port
+LOOPBACK = ["--listen", "/ip4/127.0.0.1/tcp/0", "--http-host", "127.0.0.1", "--http-port", "0"]
 N_RELAYS, N_PEERS = 2, 4
 
 
@@ -224,7 +226,7 @@ async def run_shardnet(
     trainer_id = Identity.load_or_create(trainer_key).peer_id
     publish = workdir / "publish"
     publish.mkdir()
-    common = ["--run-id", RUN_ID, "--keep-last", "2", "--log-level", log_level]
+    common = ["--run-id", RUN_ID, "--keep-last", "2", "--log-level", log_level, *LOOPBACK]
     procs: list[Proc] = []
     versions = []
     async with trio.open_nursery() as nursery, HttpClient() as client:
@@ -239,7 +241,7 @@ async def run_shardnet(
                     str(workdir / "origin"),
                     "--watch",
                     str(publish),
-                    "--shard-size",
+                    "--shard-size-bytes",
                     str(shard_size),
                     "--deltas" if deltas else "--no-deltas",
                     *common,

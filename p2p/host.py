@@ -44,6 +44,13 @@ from libp2p.request_response import (
 )
 from libp2p.tools.anyio_service import background_trio_service
 
+from p2p.addresses import (
+    advertised_multiaddrs,
+    check_multiaddr_text,
+    check_public_host,
+    ensure_listen_bindable,
+    interface_addresses,
+)
 from p2p.errors import (
     ConfigError,
     MessageTooLarge,
@@ -70,11 +77,16 @@ class HostConfig:
 
     Attributes:
         listen_multiaddrs: where to listen, e.g. ``/ip4/127.0.0.1/tcp/0`` (port 0 = ephemeral).
+        announce_multiaddrs: what to advertise instead of the listen addresses (see
+            :mod:`p2p.addresses`); empty: the listen addresses, unspecified ones expanded.
+        public_host: advertise every listen port on this host name/address instead.
         dial_timeout_s: bound on connecting to one peer, seconds.
         gossip: gossipsub settings.
     """
 
     listen_multiaddrs: tuple[str, ...] = ("/ip4/127.0.0.1/tcp/0",)
+    announce_multiaddrs: tuple[str, ...] = ()
+    public_host: str | None = None
     dial_timeout_s: float = 10.0
     gossip: GossipConfig = field(default_factory=GossipConfig)
 
@@ -83,6 +95,10 @@ class HostConfig:
             raise ConfigError("listen_multiaddrs", "at least one address is needed")
         for a in self.listen_multiaddrs:
             parse_multiaddr(a, "listen_multiaddrs")
+        for a in self.announce_multiaddrs:
+            check_multiaddr_text(a, "announce_multiaddrs")
+        if self.public_host is not None:
+            check_public_host(self.public_host, "public_host")
         if self.dial_timeout_s <= 0:
             raise ConfigError("dial_timeout_s", "must be > 0")
 
@@ -155,6 +171,7 @@ class P2PNode:
         self._rr = rr
         self._nursery = nursery
         self._subscriptions: dict[str, Subscription] = {}
+        self._interfaces = interface_addresses()
 
     @property
     def peer_id(self) -> str:
@@ -167,9 +184,12 @@ class P2PNode:
         """Start the host, listen, and start gossip; stop and close everything on exit.
 
         Raises:
+            ConfigError: a listen port is in use or its address is not this host's
+                (``listen``), checked before anything starts.
             PeerUnreachable: cannot listen on the configured addresses.
         """
         listen = [parse_multiaddr(a) for a in config.listen_multiaddrs]
+        ensure_listen_bindable(config.listen_multiaddrs)
         host = new_host(key_pair=identity.key_pair, muxer_preference="YAMUX", listen_addrs=listen)
         _disable_auto_connect(host)
         router = make_router(config.gossip)
@@ -226,13 +246,23 @@ class P2PNode:
                 raise exc from None
             raise
 
+    def listen_multiaddrs(self) -> list[str]:
+        """The bound listen addresses (ports resolved), without ``/p2p/``."""
+        return [str(a).split("/p2p/")[0] for a in self._host.get_addrs()]  # type: ignore[attr-defined]
+
     def multiaddrs(self) -> list[str]:
-        """Listen addresses with the ``/p2p/<PeerID>`` suffix, as strings."""
-        out = []
-        for a in self._host.get_addrs():  # type: ignore[attr-defined]
-            s = str(a)
-            out.append(s if "/p2p/" in s else f"{s}/p2p/{self.peer_id}")
-        return out
+        """Advertised addresses with the ``/p2p/<PeerID>`` suffix (see :mod:`p2p.addresses`).
+
+        Never an unspecified address: a listener on ``0.0.0.0`` is advertised as this host's
+        interface addresses (loopback last) unless announce addresses were configured.
+        """
+        adv = advertised_multiaddrs(
+            self.listen_multiaddrs(),
+            self.config.announce_multiaddrs,
+            self._interfaces,
+            self.config.public_host,
+        )
+        return [a if "/p2p/" in a else f"{a}/p2p/{self.peer_id}" for a in adv]
 
     def connected_peers(self) -> list[str]:
         """PeerIDs with an open connection."""

@@ -186,7 +186,14 @@ class Follower:
                 continue
             backoff = self.config.poll_interval_s
             if info.run_id != self.node.config.run_id:
-                log.warning("upstream_wrong_run upstream=%s run=%s", short_id(pid), info.run_id)
+                if self.node.report_once(("run_id", pid, info.run_id)):
+                    log.error(
+                        "upstream_wrong_run upstream=%s upstream_run_id=%s run_id=%s "
+                        "hint=check --run-id on both nodes",
+                        short_id(pid),
+                        info.run_id,
+                        self.node.config.run_id,
+                    )
             else:
                 new = pid not in self.upstreams or self.upstreams[pid].http_url != info.http_url
                 self.upstreams[pid] = info
@@ -225,7 +232,7 @@ class Follower:
             advert = NodeAdvert(
                 node.identity.peer_id,
                 role,
-                node.http.url,
+                node.http_url,
                 tuple(node.store.committed_steps()),
                 tuple(self._filling),
             )

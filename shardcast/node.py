@@ -22,7 +22,8 @@ from pathlib import Path
 import trio
 
 from p2p import wire
-from p2p.errors import ConfigError, ShardnetError, short_id
+from p2p.addresses import advertised_url, check_http_url, ensure_bindable, interface_addresses
+from p2p.errors import ConfigError, ShardnetError, UntrustedSigner, short_id
 from p2p.host import HostConfig, P2PNode
 from p2p.http_client import HttpClient
 from p2p.http_server import (
@@ -58,6 +59,8 @@ class NodeConfig:
         info_timeout_s: bound on one info request, seconds.
         serve_once_s: origin super-seeding window (see :mod:`shardcast.serve`), or None.
         durable: fsync every committed version (see :mod:`shardcast.store`).
+        public_url: the HTTP lane URL to advertise (None: derived from the bound address, see
+            :func:`p2p.addresses.advertised_url`).
     """
 
     role: str
@@ -70,6 +73,7 @@ class NodeConfig:
     info_timeout_s: float = 10.0
     serve_once_s: float | None = None
     durable: bool = True
+    public_url: str | None = None
 
     def __post_init__(self) -> None:
         if self.role not in ("origin", "trainer", "relay", "peer"):
@@ -80,6 +84,8 @@ class NodeConfig:
             raise ConfigError("run_id", str(exc)) from exc
         if self.keep_last < 1:
             raise ConfigError("keep_last", "must be >= 1")
+        if self.public_url is not None:
+            check_http_url(self.public_url, "public_url")
 
 
 class ShardcastNode:
@@ -106,13 +112,27 @@ class ShardcastNode:
         self.server = server
         self.announcement: VersionAnnouncement | None = None
         self._announced = trio.Event()
+        self._reported: set[tuple[str, ...]] = set()
+        self.http_url = advertised_url(
+            config.http.host,
+            http.port,
+            config.public_url,
+            interface_addresses(),
+            config.host.public_host,
+        )
 
     @classmethod
     @asynccontextmanager
     async def open(
         cls, identity: Identity, trust: TrustList, config: NodeConfig
     ) -> AsyncIterator[ShardcastNode]:
-        """Start host, HTTP lane and store; stop everything on exit."""
+        """Start host, HTTP lane and store; stop everything on exit.
+
+        Raises:
+            ConfigError: a port in use or an address not of this host (``listen`` or
+                ``http_port``), before anything listens.
+        """
+        ensure_bindable(config.http.host, config.http.port, "http_port", "HTTP lane")
         store = VersionStore(
             config.data_dir / "versions", config.run_id, config.keep_last, durable=config.durable
         )
@@ -149,7 +169,7 @@ class ShardcastNode:
                     "node_ready role=%s peer_id=%s http_url=%s run=%s",
                     config.role,
                     identity.peer_id,
-                    http.url,
+                    node.http_url,
                     config.run_id,
                 )
                 yield node
@@ -165,7 +185,7 @@ class ShardcastNode:
             self.identity.peer_id,
             self.config.role,
             self.config.run_id,
-            self.http.url,
+            self.http_url,
             tuple(self.store.committed_steps()),
             self.announcement.encode() if self.announcement else None,
         )
@@ -197,8 +217,20 @@ class ShardcastNode:
         """
         try:
             ann = VersionAnnouncement.decode(data, trust=self.trust, sender=sender)
+        except UntrustedSigner as exc:
+            signer = exc.source
+            if self.report_once(("trainer_id", signer)):
+                log.error(
+                    "trainer_id_mismatch sender=%s signed_by=%s expected=%s "
+                    "hint=the upstream follows another trainer; check --trainer-id",
+                    short_id(sender),
+                    signer,
+                    self.trust.trainer,
+                )
+            return None
         except ShardnetError as exc:
-            log.warning("announcement_rejected sender=%s error=%s", short_id(sender), exc)
+            if self.report_once(("announcement", sender, type(exc).__name__)):
+                log.warning("announcement_rejected sender=%s error=%s", short_id(sender), exc)
             return None
         if ann.run_id != self.config.run_id:
             return None
@@ -206,6 +238,19 @@ class ShardcastNode:
             return None
         self.set_announcement(ann)
         return ann
+
+    def report_once(self, key: tuple[str, ...]) -> bool:
+        """True the first time ``key`` is seen (bounded: at most 1,024 keys remembered).
+
+        For operator-facing problems that would otherwise be logged on every poll (a wrong
+        ``--trainer-id`` or ``--run-id``, a sender of malformed announcements).
+        """
+        if key in self._reported:
+            return False
+        if len(self._reported) >= 1024:
+            self._reported.clear()
+        self._reported.add(key)
+        return True
 
     def set_announcement(self, ann: VersionAnnouncement) -> None:
         """Record ``ann`` as the newest known version and wake waiters."""

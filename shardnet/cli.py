@@ -8,109 +8,106 @@ the subcommands that need it.
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Annotated, Any
+from typing import TYPE_CHECKING, Annotated, Any, NoReturn
 
 import trio
 import typer
 
-from p2p.errors import ShardnetError
+from p2p.errors import ConfigError, ShardnetError
+from shardnet.options import add_role_command, option_name
+
+if TYPE_CHECKING:
+    from shardnet.config import CommonSettings
 
 app = typer.Typer(
     add_completion=False,
     no_args_is_help=True,
     pretty_exceptions_enable=False,
+    rich_markup_mode=None,
     help="shardnet: verified checkpoint broadcast and verified rollouts for decentralized RL.",
 )
 
 Opt = typer.Option
 
 
-def _overrides(**kw: Any) -> dict[str, Any]:
-    return {k: v for k, v in kw.items() if v is not None and v != []}
-
-
-def _fail(exc: ShardnetError) -> None:
-    typer.echo(f"shardnet: error: {exc}", err=True)
+def _fail(exc: ShardnetError) -> NoReturn:
+    if isinstance(exc, ConfigError) and exc.field.split(".")[0] != "config":
+        name = exc.field.split(".")[0]
+        msg = str(exc)[len(exc.field) + 2 :]
+        typer.echo(f"shardnet: error: {option_name(name)}: {msg}", err=True)
+    else:
+        typer.echo(f"shardnet: error: {exc}", err=True)
     raise typer.Exit(2)
 
 
-ConfigOpt = Annotated[Path | None, Opt("--config", help="TOML file with the role's settings.")]
-DataDirOpt = Annotated[Path | None, Opt("--data-dir", help="Directory for versions, key, state.")]
-KeyOpt = Annotated[
-    Path | None,
-    Opt("--key", help="Ed25519 key file (created 0600 if missing; default DATA_DIR/node.key)."),
-]
-RunOpt = Annotated[str | None, Opt("--run-id", help="Run identifier (same on every node).")]
-ListenOpt = Annotated[
-    list[str] | None,
-    Opt("--listen", help="libp2p listen multiaddr (repeatable; default /ip4/127.0.0.1/tcp/0)."),
-]
-HttpHostOpt = Annotated[str | None, Opt("--http-host", help="Address of the HTTP bulk lane.")]
-HttpPortOpt = Annotated[
-    int | None, Opt("--http-port", help="Port of the HTTP bulk lane (0: any free port).")
-]
-UploadOpt = Annotated[float | None, Opt("--upload-limit", help="Cap on HTTP lane upload, bytes/s.")]
-KeepOpt = Annotated[int | None, Opt("--keep-last", help="Committed versions kept on disk.")]
-ReportOpt = Annotated[Path | None, Opt("--report", help="Write a JSON report here on exit.")]
-ReadyOpt = Annotated[
-    Path | None, Opt("--ready-file", help="Write the node's addresses (JSON) here once it listens.")
-]
-LevelOpt = Annotated[str | None, Opt("--log-level", help="DEBUG, INFO, WARNING or ERROR.")]
-JsonOpt = Annotated[bool | None, Opt("--log-json/--no-log-json", help="Log JSON lines.")]
-TrainerIdOpt = Annotated[
-    str | None,
-    Opt(
-        "--trainer-id", help="The trainer's PeerID (pinned: only its signed versions are accepted)."
+ROLES: dict[str, tuple[str, str, str]] = {
+    "trainer": (
+        "TrainerSettings",
+        "run_trainer",
+        "Run the trainer: publish versions through its origin, verify rollouts, train (GRPO).",
     ),
-]
-AllowRelayOpt = Annotated[
-    list[str] | None, Opt("--allow-relay", help="Only download from this PeerID (repeatable).")
-]
-PollOpt = Annotated[
-    float | None, Opt("--poll-interval", help="Seconds between upstream info polls.")
-]
+    "origin": (
+        "OriginSettings",
+        "run_origin",
+        "Run a standalone origin: publish checkpoints written by any trainer (HF layout).\n\n"
+        "Its key is the run's trainer key (relays and peers pin its PeerID). Files are "
+        "hard-linked into the origin's store, so WATCH is left as it is.",
+    ),
+    "relay": (
+        "RelaySettings",
+        "run_relay",
+        "Run a relay: fetch each version from upstream, verify every shard, serve it onward.",
+    ),
+    "peer": (
+        "PeerSettings",
+        "run_peer",
+        "Run an inference peer: download versions, generate rollouts with proofs, submit them.",
+    ),
+}
 
 
-def _common(
-    data_dir: Path | None,
-    key: Path | None,
-    run_id: str | None,
-    listen: list[str] | None,
-    http_host: str | None,
-    http_port: int | None,
-    upload_limit: float | None,
-    keep_last: int | None,
-    report: Path | None,
-    ready_file: Path | None,
-    log_level: str | None,
-    log_json: bool | None,
-) -> dict[str, Any]:
-    return _overrides(
-        data_dir=data_dir,
-        key_file=key,
-        run_id=run_id,
-        listen=listen,
-        http_host=http_host,
-        http_port=http_port,
-        upload_limit_bytes_per_s=upload_limit,
-        keep_last=keep_last,
-        report=report,
-        ready_file=ready_file,
-        log_level=log_level,
-        log_json=log_json,
-    )
+def _leaf(exc: BaseException) -> BaseException:
+    """The single exception inside (nested) exception groups, else ``exc`` itself."""
+    while isinstance(exc, BaseExceptionGroup) and len(exc.exceptions) == 1:
+        exc = exc.exceptions[0]
+    return exc
 
 
-def _run(fn: Any, settings: Any, name: str) -> None:
+def _run_role(
+    cls: type[CommonSettings], config_file: Path | None, overrides: dict[str, Any]
+) -> None:
+    """Load a role's settings, check its paths, and run it; exit with the role's code.
+
+    Exit codes (every role): 0 done or stopped by SIGINT/SIGTERM; 1 a runtime failure,
+    printed as one line; 2 an operator's mistake (setting, address, port, path), one line.
+    """
+    import importlib
+
     from shardnet import logs
+    from shardnet.config import load_settings
 
-    logs.configure(settings.log_level, settings.log_json, name)
+    runner = getattr(importlib.import_module("shardnet.roles"), ROLES[cls.role][1])
     try:
-        code = trio.run(fn, settings)
-    except ShardnetError as exc:
+        settings = load_settings(cls, config_file, overrides)
+        settings.preflight()
+    except ConfigError as exc:
         _fail(exc)
+    logs.configure(settings.log_level, settings.log_json, cls.role)
+    try:
+        code = trio.run(runner, settings)
     except KeyboardInterrupt:
-        code = 130
+        code = 0
+    except BaseException as exc:  # unwrap nursery groups to report a single error in one line
+        leaf = _leaf(exc)
+        if isinstance(leaf, ConfigError):
+            _fail(leaf)
+        if isinstance(leaf, ShardnetError):
+            typer.echo(f"shardnet {cls.role}: error: {leaf}", err=True)
+            raise typer.Exit(1) from None
+        if leaf is not exc and isinstance(leaf, KeyboardInterrupt):
+            code = 0
+        else:
+            raise
     raise typer.Exit(code)
 
 
@@ -125,353 +122,20 @@ def keygen(key: Annotated[Path, Opt("--key", help="Key file to create (or read).
         _fail(exc)
 
 
-@app.command()
-def trainer(
-    config: ConfigOpt = None,
-    data_dir: DataDirOpt = None,
-    key: KeyOpt = None,
-    run_id: RunOpt = None,
-    listen: ListenOpt = None,
-    http_host: HttpHostOpt = None,
-    http_port: HttpPortOpt = None,
-    upload_limit: UploadOpt = None,
-    keep_last: KeepOpt = None,
-    report: ReportOpt = None,
-    ready_file: ReadyOpt = None,
-    log_level: LevelOpt = None,
-    log_json: JsonOpt = None,
-    steps: Annotated[
-        int | None, Opt(help="Optimizer steps; versions 0..STEPS are published.")
-    ] = None,
-    preset: Annotated[str | None, Opt(help="Model preset: tiny or real-1b.")] = None,
-    seed: Annotated[int | None, Opt(help="Model initialisation seed.")] = None,
-    lr: Annotated[float | None, Opt(help="Learning rate.")] = None,
-    optimizer: Annotated[
-        str | None, Opt(help="adamw or sgd (sgd keeps no optimizer state).")
-    ] = None,
-    async_level: Annotated[int | None, Opt(help="How many versions a rollout may lag.")] = None,
-    n_prompts: Annotated[int | None, Opt(help="Prompts per peer per step.")] = None,
-    group_size: Annotated[int | None, Opt(help="Samples per prompt (GRPO group).")] = None,
-    max_new_tokens: Annotated[int | None, Opt(help="Completion length cap, tokens.")] = None,
-    temperature: Annotated[float | None, Opt(help="Sampling temperature.")] = None,
-    min_batches: Annotated[int | None, Opt(help="Verified batches to wait for per step.")] = None,
-    step_timeout: Annotated[float | None, Opt(help="Longest wait for them, seconds.")] = None,
-    shard_size: Annotated[int | None, Opt(help="Shard size of published versions, bytes.")] = None,
-    shards_per_part: Annotated[
-        int | None, Opt(help="Shards per signed manifest part (smaller: earlier first bytes).")
-    ] = None,
-    anchor_every: Annotated[
-        int | None, Opt(help="Publish a full version (no delta base) every N steps.")
-    ] = None,
-    deltas: Annotated[
-        bool | None,
-        Opt("--deltas/--no-deltas", help="Offer xor-zstd deltas against the previous version."),
-    ] = None,
-    zstd: Annotated[
-        bool | None, Opt("--zstd/--no-zstd", help="Also offer zstd of every shard (slow links).")
-    ] = None,
-    serve_once: Annotated[
-        float | None,
-        Opt(
-            help="Origin super-seeding window, seconds: a shard goes to one relay, the others "
-            "get it from that relay."
-        ),
-    ] = None,
-    max_shard_bytes: Annotated[int | None, Opt(help="Safetensors file size cap, bytes.")] = None,
-    allow_peer: Annotated[
-        list[str] | None,
-        Opt(help="Accept rollouts only from this PeerID (repeatable; default: anyone)."),
-    ] = None,
-    expect_peer: Annotated[
-        list[str] | None,
-        Opt(help="PeerID whose commit reports define the broadcast time (repeatable)."),
-    ] = None,
-    final_wait: Annotated[float | None, Opt(help="Seconds to wait for the last broadcast.")] = None,
-    start_wait: Annotated[
-        float | None, Opt(help="Seconds to wait for every expected peer to join before version 0.")
-    ] = None,
-    torch_threads: Annotated[int | None, Opt(help="CPU threads for torch.")] = None,
-    check_model: Annotated[
-        bool | None, Opt("--check-model/--no-check-model", help="Run TOPLOC and sampling checks.")
-    ] = None,
+@app.command("sample-config")
+def sample_config(
+    role: Annotated[str, typer.Argument(help="trainer, origin, relay or peer.")],
 ) -> None:
-    """Run the trainer: publish versions through its origin, verify rollouts, train (GRPO)."""
-    from shardnet.config import TrainerSettings, load_settings
-    from shardnet.roles import run_trainer
+    """Print a sample TOML configuration of ROLE listing every setting (configs/ROLE.toml)."""
+    import importlib
 
-    try:
-        s = load_settings(
-            TrainerSettings,
-            config,
-            {
-                **_common(
-                    data_dir,
-                    key,
-                    run_id,
-                    listen,
-                    http_host,
-                    http_port,
-                    upload_limit,
-                    keep_last,
-                    report,
-                    ready_file,
-                    log_level,
-                    log_json,
-                ),
-                **_overrides(
-                    steps=steps,
-                    preset=preset,
-                    seed=seed,
-                    lr=lr,
-                    optimizer=optimizer,
-                    async_level=async_level,
-                    n_prompts=n_prompts,
-                    group_size=group_size,
-                    max_new_tokens=max_new_tokens,
-                    temperature=temperature,
-                    min_batches=min_batches,
-                    step_timeout_s=step_timeout,
-                    shard_size_bytes=shard_size,
-                    shards_per_part=shards_per_part,
-                    anchor_every=anchor_every,
-                    deltas=deltas,
-                    zstd=zstd,
-                    serve_once_s=serve_once,
-                    max_shard_bytes=max_shard_bytes,
-                    allow_peers=allow_peer,
-                    expect_peers=expect_peer,
-                    final_wait_s=final_wait,
-                    start_wait_s=start_wait,
-                    torch_threads=torch_threads,
-                    check_model=check_model,
-                ),
-            },
-        )
-    except ShardnetError as exc:
-        _fail(exc)
-    _run(run_trainer, s, "trainer")
+    from shardnet.samples import sample_toml
 
-
-@app.command()
-def origin(
-    watch: Annotated[
-        Path | None,
-        Opt(
-            help="Directory whose step-<N>/ checkpoint subdirectories (HF layout) "
-            "are published once they contain the ready marker."
-        ),
-    ] = None,
-    ready_marker: Annotated[str | None, Opt(help="Marker file name (default DONE).")] = None,
-    shard_size: Annotated[int | None, Opt(help="Shard size, bytes.")] = None,
-    shards_per_part: Annotated[int | None, Opt(help="Shards per signed manifest part.")] = None,
-    anchor_every: Annotated[int | None, Opt(help="A full version every N steps.")] = None,
-    deltas: Annotated[
-        bool | None, Opt("--deltas/--no-deltas", help="Offer xor-zstd deltas.")
-    ] = None,
-    zstd: Annotated[bool | None, Opt("--zstd/--no-zstd", help="Also offer zstd shards.")] = None,
-    serve_once: Annotated[float | None, Opt(help="Super-seeding window, seconds.")] = None,
-    config: ConfigOpt = None,
-    data_dir: DataDirOpt = None,
-    key: KeyOpt = None,
-    run_id: RunOpt = None,
-    listen: ListenOpt = None,
-    http_host: HttpHostOpt = None,
-    http_port: HttpPortOpt = None,
-    upload_limit: UploadOpt = None,
-    keep_last: KeepOpt = None,
-    report: ReportOpt = None,
-    ready_file: ReadyOpt = None,
-    log_level: LevelOpt = None,
-    log_json: JsonOpt = None,
-) -> None:
-    """Run a standalone origin: publish checkpoints written by any trainer (HF layout).
-
-    Its key is the run's trainer key (relays and peers pin its PeerID). Files are hard-linked
-    into the origin's store, so WATCH is left as it is.
-    """
-    from shardnet.config import OriginSettings, load_settings
-    from shardnet.roles import run_origin
-
-    try:
-        s = load_settings(
-            OriginSettings,
-            config,
-            {
-                **_common(
-                    data_dir,
-                    key,
-                    run_id,
-                    listen,
-                    http_host,
-                    http_port,
-                    upload_limit,
-                    keep_last,
-                    report,
-                    ready_file,
-                    log_level,
-                    log_json,
-                ),
-                **_overrides(
-                    watch=watch,
-                    ready_marker=ready_marker,
-                    shard_size_bytes=shard_size,
-                    shards_per_part=shards_per_part,
-                    anchor_every=anchor_every,
-                    deltas=deltas,
-                    zstd=zstd,
-                    serve_once_s=serve_once,
-                ),
-            },
-        )
-    except ShardnetError as exc:
-        _fail(exc)
-    _run(run_origin, s, "origin")
-
-
-@app.command()
-def relay(
-    upstream: Annotated[
-        list[str] | None,
-        Opt(
-            help="Multiaddr of the origin or of an upstream relay, with /p2p/<PeerID> (repeatable)."
-        ),
-    ] = None,
-    trainer_id: TrainerIdOpt = None,
-    allow_relay: AllowRelayOpt = None,
-    poll_interval: PollOpt = None,
-    config: ConfigOpt = None,
-    data_dir: DataDirOpt = None,
-    key: KeyOpt = None,
-    run_id: RunOpt = None,
-    listen: ListenOpt = None,
-    http_host: HttpHostOpt = None,
-    http_port: HttpPortOpt = None,
-    upload_limit: UploadOpt = None,
-    keep_last: KeepOpt = None,
-    report: ReportOpt = None,
-    ready_file: ReadyOpt = None,
-    log_level: LevelOpt = None,
-    log_json: JsonOpt = None,
-) -> None:
-    """Run a relay: fetch each version from upstream, verify every shard, serve it onward."""
-    from shardnet.config import RelaySettings, load_settings
-    from shardnet.roles import run_relay
-
-    try:
-        s = load_settings(
-            RelaySettings,
-            config,
-            {
-                **_common(
-                    data_dir,
-                    key,
-                    run_id,
-                    listen,
-                    http_host,
-                    http_port,
-                    upload_limit,
-                    keep_last,
-                    report,
-                    ready_file,
-                    log_level,
-                    log_json,
-                ),
-                **_overrides(
-                    upstream=upstream,
-                    trainer_id=trainer_id,
-                    allow_relays=allow_relay,
-                    poll_interval_s=poll_interval,
-                ),
-            },
-        )
-    except ShardnetError as exc:
-        _fail(exc)
-    _run(run_relay, s, "relay")
-
-
-@app.command()
-def peer(
-    bootstrap: Annotated[
-        list[str] | None,
-        Opt(help="Multiaddr of a relay to download from, with /p2p/<PeerID> (repeatable)."),
-    ] = None,
-    trainer_id: TrainerIdOpt = None,
-    allow_relay: AllowRelayOpt = None,
-    poll_interval: PollOpt = None,
-    n_prompts: Annotated[int | None, Opt(help="Prompts per step (must match the trainer).")] = None,
-    group_size: Annotated[int | None, Opt(help="Samples per prompt (must match).")] = None,
-    max_new_tokens: Annotated[int | None, Opt(help="Completion cap (must match).")] = None,
-    temperature: Annotated[float | None, Opt(help="Sampling temperature (must match).")] = None,
-    torch_threads: Annotated[int | None, Opt(help="CPU threads for inference.")] = None,
-    max_versions: Annotated[int | None, Opt(help="Stop generating after N versions.")] = None,
-    engine: Annotated[
-        str | None,
-        Opt(help="Inference engine: transformers (default) or vllm (needs the vllm extra)."),
-    ] = None,
-    trainer_addr: Annotated[
-        list[str] | None,
-        Opt(
-            help="Trainer multiaddr, to join before the "
-            "first version (repeatable; otherwise "
-            "learnt from announcements)."
-        ),
-    ] = None,
-    config: ConfigOpt = None,
-    data_dir: DataDirOpt = None,
-    key: KeyOpt = None,
-    run_id: RunOpt = None,
-    listen: ListenOpt = None,
-    http_host: HttpHostOpt = None,
-    http_port: HttpPortOpt = None,
-    upload_limit: UploadOpt = None,
-    keep_last: KeepOpt = None,
-    report: ReportOpt = None,
-    ready_file: ReadyOpt = None,
-    log_level: LevelOpt = None,
-    log_json: JsonOpt = None,
-) -> None:
-    """Run an inference peer: download versions, generate rollouts with proofs, submit them."""
-    from shardnet.config import PeerSettings, load_settings
-    from shardnet.roles import run_peer
-
-    try:
-        s = load_settings(
-            PeerSettings,
-            config,
-            {
-                **_common(
-                    data_dir,
-                    key,
-                    run_id,
-                    listen,
-                    http_host,
-                    http_port,
-                    upload_limit,
-                    keep_last,
-                    report,
-                    ready_file,
-                    log_level,
-                    log_json,
-                ),
-                **_overrides(
-                    bootstrap=bootstrap,
-                    trainer_id=trainer_id,
-                    allow_relays=allow_relay,
-                    poll_interval_s=poll_interval,
-                    n_prompts=n_prompts,
-                    group_size=group_size,
-                    max_new_tokens=max_new_tokens,
-                    temperature=temperature,
-                    torch_threads=torch_threads,
-                    max_versions=max_versions,
-                    engine=engine,
-                    trainer_addr=trainer_addr,
-                ),
-            },
-        )
-    except ShardnetError as exc:
-        _fail(exc)
-    _run(run_peer, s, "peer")
+    if role not in ROLES:
+        _fail(ConfigError("role", f"{role!r} is not one of {', '.join(ROLES)}"))
+    typer.echo(
+        sample_toml(getattr(importlib.import_module("shardnet.config"), ROLES[role][0])), nl=False
+    )
 
 
 @app.command()
@@ -696,6 +360,17 @@ def simulate_cleanup() -> None:
 
     removed = netns.cleanup_stale()
     typer.echo(f"removed labs: {', '.join(removed) or 'none'}")
+
+
+def _add_roles() -> None:
+    import importlib
+
+    config = importlib.import_module("shardnet.config")
+    for name, (cls_name, _, help_text) in ROLES.items():
+        add_role_command(app, name, getattr(config, cls_name), _run_role, help_text)
+
+
+_add_roles()
 
 
 def main() -> None:

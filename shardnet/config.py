@@ -11,10 +11,12 @@ Each settings model knows how to build the component configs (:class:`NodeConfig
 
 from __future__ import annotations
 
+import ipaddress
+import tempfile
 from pathlib import Path
 from typing import Any, ClassVar, Literal, TypeVar
 
-from pydantic import Field, ValidationError, field_validator
+from pydantic import Field, ValidationError, ValidationInfo, field_validator
 from pydantic_settings import (
     BaseSettings,
     PydanticBaseSettingsSource,
@@ -22,10 +24,17 @@ from pydantic_settings import (
     TomlConfigSettingsSource,
 )
 
+from p2p.addresses import (
+    check_http_url,
+    check_multiaddr_text,
+    check_public_host,
+    ensure_bindable,
+    ensure_listen_bindable,
+)
 from p2p.errors import ConfigError
-from p2p.host import HostConfig
+from p2p.host import HostConfig, parse_multiaddr
 from p2p.http_server import HttpServerConfig
-from p2p.identity import Identity
+from p2p.identity import Identity, is_valid_peer_id
 from p2p.trust import TrustList
 from shardcast.downloader import DownloadConfig
 from shardcast.follower import FollowConfig
@@ -34,21 +43,57 @@ from shardcast.origin import OriginConfig
 
 S = TypeVar("S", bound="CommonSettings")
 
+# PeerIDs in the sample configurations (documentation addresses, RFC 5737)
+_EXAMPLE_ID = "12D3KooWRdFFg3yTbTsDq5Z1yCvCWbqznEFro9jeVivo7rkayJ4D"
+_EXAMPLE_RELAY = "12D3KooWP7UngXiovSF7V7xuChxypu5eHMbvmauqTX1EAsdUe2Bd"
+
 
 class CommonSettings(BaseSettings):
-    """Settings every role has."""
+    """Settings every role has.
+
+    Field names are the one name of each setting: the option is ``--field-name``, the TOML key
+    ``field_name``, the environment variable ``SHARDNET_FIELD_NAME`` (see :mod:`shardnet.options`).
+    """
 
     model_config = SettingsConfigDict(env_prefix="SHARDNET_", extra="forbid", frozen=True)
     role: ClassVar[str] = ""
+    #: fixed, documented ports of roles meant to be reached (0: any free port)
+    default_p2p_port: ClassVar[int] = 0
+    default_http_port: ClassVar[int] = 0
 
-    run_id: str = Field("shardnet-run", description="the training run to follow or drive")
+    run_id: str = Field(
+        "shardnet-run", description="the training run to follow or drive", examples=["my-run"]
+    )
     data_dir: Path = Field(Path("shardnet-data"), description="versions, key and state")
-    key_file: Path | None = Field(None, description="Ed25519 key (default DATA_DIR/node.key)")
-    listen: list[str] = Field(["/ip4/127.0.0.1/tcp/0"], description="libp2p listen multiaddrs")
-    http_host: str = Field("127.0.0.1", description="address of the HTTP bulk lane")
-    http_port: int = Field(0, ge=0, le=65535, description="HTTP bulk lane port (0: any)")
+    key: Path | None = Field(None, description="Ed25519 key file (default DATA_DIR/node.key)")
+    listen: list[str] = Field(
+        [],
+        description="libp2p listen multiaddrs (default /ip4/0.0.0.0/tcp/PORT with the role's "
+        "port: trainer/origin 4001, relay 4002, peer any free port)",
+    )
+    http_host: str = Field("0.0.0.0", description="address the HTTP bulk lane binds")
+    http_port: int | None = Field(
+        None,
+        ge=0,
+        le=65535,
+        description="HTTP bulk lane port (default: trainer/origin 8001, relay 8002, peer any "
+        "free port; 0: any free port)",
+    )
+    announce: list[str] = Field(
+        [],
+        description="libp2p multiaddrs other hosts dial, advertised instead of the listen "
+        "addresses (e.g. /ip4/203.0.113.5/tcp/4001)",
+    )
+    public_url: str | None = Field(
+        None, description="HTTP lane URL other hosts use (http://HOST:PORT), advertised"
+    )
+    public_host: str | None = Field(
+        None,
+        description="host name or IP other hosts use for this node: advertises both lanes' "
+        "ports on it (--announce and --public-url win)",
+    )
     upload_limit_bytes_per_s: float | None = Field(
-        None, gt=0, description="cap on HTTP lane upload"
+        None, gt=0, description="cap on HTTP lane upload, bytes/s (unset: none)"
     )
     keep_last: int = Field(3, ge=1, description="committed versions kept on disk")
     durable_commits: bool | None = Field(
@@ -68,6 +113,37 @@ class CommonSettings(BaseSettings):
             raise ValueError("must be DEBUG, INFO, WARNING or ERROR")
         return v.upper()
 
+    @field_validator("listen")
+    @classmethod
+    def _listen(cls, v: list[str]) -> list[str]:
+        for a in v:
+            parse_multiaddr(a, "listen")
+        return v
+
+    @field_validator("announce")
+    @classmethod
+    def _announce(cls, v: list[str]) -> list[str]:
+        return [check_multiaddr_text(a, "announce") for a in v]
+
+    @field_validator("public_url")
+    @classmethod
+    def _public_url(cls, v: str | None) -> str | None:
+        return None if v is None else check_http_url(v, "public_url")
+
+    @field_validator("public_host")
+    @classmethod
+    def _public_host(cls, v: str | None) -> str | None:
+        return None if v is None else check_public_host(v, "public_host")
+
+    @field_validator("http_host")
+    @classmethod
+    def _http_host(cls, v: str) -> str:
+        try:
+            ipaddress.ip_address(v.strip("[]"))
+        except ValueError:
+            raise ValueError(f"{v!r} is not a numeric IP address (0.0.0.0: all)") from None
+        return v.strip("[]")
+
     @classmethod
     def settings_customise_sources(
         cls,
@@ -80,9 +156,36 @@ class CommonSettings(BaseSettings):
         """CLI (init) > environment > TOML file > defaults."""
         return (init_settings, env_settings, TomlConfigSettingsSource(settings_cls))
 
+    def preflight(self) -> None:
+        """Check, before anything starts or logs, what an operator can get wrong on this host.
+
+        Creates ``data_dir`` (and parents) if missing. The node checks its ports again when it
+        binds (:meth:`shardcast.node.ShardcastNode.open`); this early check makes a port in use
+        the only output of a failed start.
+
+        Raises:
+            ConfigError: naming ``data_dir``, ``key``, ``report`` or ``ready_file`` when it
+                cannot be created or written, or ``listen``/``http_port`` when a port is in
+                use or an address is not this host's.
+        """
+        _check_writable_dir(self.data_dir, "data_dir")
+        if self.key is not None and not self.key.exists():
+            _check_writable_dir(self.key.parent, "key")
+        for name in ("report", "ready_file"):
+            path = getattr(self, name)
+            if path is not None:
+                _check_writable_dir(path.parent, name)
+        cfg = self.node_config()
+        ensure_listen_bindable(cfg.host.listen_multiaddrs)
+        ensure_bindable(cfg.http.host, cfg.http.port, "http_port", "HTTP lane")
+
     def identity(self) -> Identity:
         """Load or create the node key (mode 0600)."""
-        return Identity.load_or_create(self.key_file or self.data_dir / "node.key")
+        return Identity.load_or_create(self.key or self.data_dir / "node.key")
+
+    def listen_multiaddrs(self) -> tuple[str, ...]:
+        """``listen``, or all interfaces on the role's port."""
+        return tuple(self.listen) or (f"/ip4/0.0.0.0/tcp/{self.default_p2p_port}",)
 
     def node_config(self) -> NodeConfig:
         """The shardcast node configuration."""
@@ -97,26 +200,73 @@ class CommonSettings(BaseSettings):
             data_dir=self.data_dir,
             keep_last=self.keep_last,
             durable=durable,
-            host=HostConfig(listen_multiaddrs=tuple(self.listen)),
+            public_url=self.public_url,
+            host=HostConfig(
+                listen_multiaddrs=self.listen_multiaddrs(),
+                announce_multiaddrs=tuple(self.announce),
+                public_host=self.public_host,
+            ),
             http=HttpServerConfig(
                 host=self.http_host,
-                port=self.http_port,
+                port=self.default_http_port if self.http_port is None else self.http_port,
                 bandwidth_bytes_per_s=self.upload_limit_bytes_per_s,
             ),
         )
 
 
+def _check_writable_dir(path: Path, option: str) -> None:
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+        with tempfile.TemporaryFile(dir=path):
+            pass
+    except OSError as exc:
+        raise ConfigError(
+            option, f"{path} is not a writable directory ({exc.strerror or exc})"
+        ) from None
+
+
+def _check_dialable(addrs: list[str], option: str) -> list[str]:
+    """Each entry must be a dialable multiaddr ending in ``/p2p/<PeerID>``."""
+    for a in addrs:
+        check_multiaddr_text(a, option)
+        pid = a.rsplit("/p2p/", 1)[1] if "/p2p/" in a else ""
+        if not is_valid_peer_id(pid):
+            raise ConfigError(option, f"{a!r} must end in /p2p/<PeerID> with a valid PeerID")
+    return addrs
+
+
+def _check_peer_ids(ids: list[str], option: str) -> list[str]:
+    for pid in ids:
+        if not is_valid_peer_id(pid):
+            raise ConfigError(option, f"{pid!r} is not a PeerID (12D3KooW...)")
+    return ids
+
+
 class FollowerSettings(CommonSettings):
     """Settings of roles that download versions (relay, peer)."""
 
-    trainer_id: str = Field(..., description="the trainer's PeerID (pinned)")
-    allow_relays: list[str] = Field([], description="only download from these PeerIDs")
-    poll_interval_s: float = Field(1.0, gt=0, description="upstream info poll period")
-    stall_timeout_s: float = Field(30.0, gt=0, description="fail a transfer stalled this long")
+    trainer_id: str = Field(
+        ..., description="the trainer's PeerID (pinned)", examples=[_EXAMPLE_ID]
+    )
+    allow_relay: list[str] = Field([], description="only download from these PeerIDs")
+    poll_interval_s: float = Field(1.0, gt=0, description="upstream info poll period, seconds")
+    stall_timeout_s: float = Field(
+        30.0, gt=0, description="fail a transfer stalled this long, seconds"
+    )
+
+    @field_validator("trainer_id")
+    @classmethod
+    def _trainer_id(cls, v: str) -> str:
+        return _check_peer_ids([v], "trainer_id")[0]
+
+    @field_validator("allow_relay")
+    @classmethod
+    def _allow_relay(cls, v: list[str]) -> list[str]:
+        return _check_peer_ids(v, "allow_relay")
 
     def trust(self) -> TrustList:
         """The trust list."""
-        return TrustList(trainer=self.trainer_id, relays=frozenset(self.allow_relays))
+        return TrustList(trainer=self.trainer_id, relays=frozenset(self.allow_relay))
 
     def follow_config(self, upstreams: list[str]) -> FollowConfig:
         """The follower configuration."""
@@ -131,14 +281,31 @@ class RelaySettings(FollowerSettings):
     """``shardnet relay``."""
 
     role: ClassVar[str] = "relay"
-    upstream: list[str] = Field(..., min_length=1, description="origin/relay multiaddrs")
+    default_p2p_port: ClassVar[int] = 4002
+    default_http_port: ClassVar[int] = 8002
+    upstream: list[str] = Field(
+        ...,
+        min_length=1,
+        description="origin/relay multiaddrs with /p2p/<PeerID>",
+        examples=[[f"/ip4/192.0.2.10/tcp/4001/p2p/{_EXAMPLE_ID}"]],
+    )
+
+    @field_validator("upstream")
+    @classmethod
+    def _upstream(cls, v: list[str]) -> list[str]:
+        return _check_dialable(v, "upstream")
 
 
 class PeerSettings(FollowerSettings):
     """``shardnet peer``."""
 
     role: ClassVar[str] = "peer"
-    bootstrap: list[str] = Field(..., min_length=1, description="relay multiaddrs")
+    bootstrap: list[str] = Field(
+        ...,
+        min_length=1,
+        description="relay multiaddrs with /p2p/<PeerID>",
+        examples=[[f"/ip4/192.0.2.11/tcp/4002/p2p/{_EXAMPLE_RELAY}"]],
+    )
     n_prompts: int = Field(4, ge=1, description="prompts per step (run rule)")
     group_size: int = Field(8, ge=1, description="samples per prompt (run rule)")
     max_new_tokens: int = Field(16, ge=1, description="completion cap (run rule)")
@@ -150,9 +317,17 @@ class PeerSettings(FollowerSettings):
     )
     trainer_addr: list[str] = Field([], description="trainer multiaddrs (say hello at start)")
 
+    @field_validator("bootstrap", "trainer_addr")
+    @classmethod
+    def _dialable(cls, v: list[str], info: ValidationInfo) -> list[str]:
+        return _check_dialable(v, str(info.field_name))
+
 
 class PublishSettings(CommonSettings):
     """Settings of roles that publish versions (trainer, origin)."""
+
+    default_p2p_port: ClassVar[int] = 4001
+    default_http_port: ClassVar[int] = 8001
 
     shard_size_bytes: int = Field(32 << 20, ge=4096, description="shard size of versions")
     shards_per_part: int = Field(16, ge=1, description="shards per signed manifest part")
@@ -160,7 +335,10 @@ class PublishSettings(CommonSettings):
     deltas: bool = Field(True, description="offer xor-zstd deltas against the last version")
     zstd: bool = Field(False, description="also offer zstd of every shard (slow links)")
     serve_once_s: float | None = Field(
-        5.0, gt=0, description="super-seeding window (unset: serve every request)"
+        5.0,
+        gt=0,
+        description="origin super-seeding window, seconds: a shard goes to one relay, the "
+        "others get it from that relay",
     )
 
     def origin_config(self) -> OriginConfig:
@@ -189,18 +367,25 @@ class TrainerSettings(PublishSettings):
     max_new_tokens: int = Field(16, ge=1, description="completion cap")
     temperature: float = Field(1.0, gt=0, description="sampling temperature")
     min_batches: int = Field(2, ge=1, description="batches to wait for per step")
-    step_timeout_s: float = Field(300.0, gt=0, description="longest wait for min_batches")
-    max_shard_bytes: int = Field(1 << 20, ge=4096, description="safetensors file size cap")
-    allow_peers: list[str] = Field([], description="only accept rollouts from these PeerIDs")
-    expect_peers: list[str] = Field([], description="peers whose commits end a broadcast")
-    final_wait_s: float = Field(120.0, ge=0, description="wait for the last broadcast")
-    start_wait_s: float = Field(300.0, ge=0, description="wait for expected peers' hello")
+    step_timeout_s: float = Field(300.0, gt=0, description="longest wait for min_batches, seconds")
+    max_shard_bytes: int = Field(1 << 20, ge=4096, description="safetensors file size cap, bytes")
+    allow_peer: list[str] = Field(
+        [], description="only accept rollouts from these PeerIDs (default: anyone)"
+    )
+    expect_peer: list[str] = Field([], description="peers whose commits end a broadcast")
+    final_wait_s: float = Field(120.0, ge=0, description="wait for the last broadcast, seconds")
+    start_wait_s: float = Field(300.0, ge=0, description="wait for expected peers' hello, seconds")
     torch_threads: int = Field(1, ge=1, description="CPU threads for training/validation")
     check_model: bool = Field(True, description="run TOPLOC and sampling checks")
 
     def trust(self, identity: Identity) -> TrustList:
         """The trainer trusts itself as trainer and the allowed peers as submitters."""
-        return TrustList(trainer=identity.peer_id, submitters=frozenset(self.allow_peers))
+        return TrustList(trainer=identity.peer_id, submitters=frozenset(self.allow_peer))
+
+    @field_validator("allow_peer", "expect_peer")
+    @classmethod
+    def _peer_ids(cls, v: list[str], info: ValidationInfo) -> list[str]:
+        return _check_peer_ids(v, str(info.field_name))
 
 
 def load_settings(cls: type[S], config_file: Path | None, overrides: dict[str, Any]) -> S:
@@ -235,6 +420,10 @@ class OriginSettings(PublishSettings):
     """``shardnet origin``: publish checkpoint directories written by an external trainer."""
 
     role: ClassVar[str] = "origin"
-    watch: Path = Field(..., description="directory whose step-<N>/ subdirectories are published")
+    watch: Path = Field(
+        ...,
+        description="directory whose step-<N>/ subdirectories are published",
+        examples=["checkpoints"],
+    )
     ready_marker: str = Field("DONE", description="file that marks a step-<N>/ as complete")
-    poll_interval_s: float = Field(0.5, gt=0, description="how often WATCH is scanned")
+    poll_interval_s: float = Field(0.5, gt=0, description="how often WATCH is scanned, seconds")

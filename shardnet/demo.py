@@ -175,6 +175,13 @@ def _common(name: str, workdir: Path, run_id: str, keep_last: int) -> list[str]:
         str(keep_last),
         "--report",
         str(workdir / "reports" / f"{name}.json"),
+        # every node of the demo is on this machine: loopback only, any free port
+        "--listen",
+        "/ip4/127.0.0.1/tcp/0",
+        "--http-host",
+        "127.0.0.1",
+        "--http-port",
+        "0",
     ]
 
 
@@ -229,7 +236,7 @@ async def run_demo(opts: DemoOptions) -> int:
             *_sampling(p),
             "--min-batches",
             str(p["min_batches"]),
-            "--shard-size",
+            "--shard-size-bytes",
             str(p["shard_size"]),
             "--max-shard-bytes",
             str(p["max_shard_bytes"]),

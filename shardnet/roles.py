@@ -44,12 +44,19 @@ def write_json_atomic(path: Path, obj: Any) -> None:
 
 
 def emit_ready(role: str, node: Any, ready_file: Path | None) -> dict[str, Any]:
-    """Print the ready line (and write ``ready_file``)."""
+    """Print the ready line (and write ``ready_file``).
+
+    ``multiaddrs`` and ``http_url`` are what the node advertises to other hosts (never an
+    unspecified address, see :mod:`p2p.addresses`); ``listen`` and ``http_bind`` what it bound.
+    """
     info = {
         "role": role,
         "peer_id": node.identity.peer_id,
+        "run_id": node.config.run_id,
         "multiaddrs": node.p2p.multiaddrs(),
-        "http_url": node.http.url,
+        "http_url": node.http_url,
+        "listen": node.p2p.listen_multiaddrs(),
+        "http_bind": node.http.url,
         "pid": os.getpid(),
     }
     print(READY_PREFIX + json.dumps(info), flush=True)
@@ -106,7 +113,7 @@ async def run_trainer(s: TrainerSettings) -> int:
         step_timeout_s=s.step_timeout_s,
         origin=s.origin_config(),
         max_shard_bytes=s.max_shard_bytes,
-        expected_peers=tuple(s.expect_peers),
+        expected_peers=tuple(s.expect_peer),
         final_wait_s=s.final_wait_s,
         start_wait_s=s.start_wait_s,
         check_model=s.check_model,
@@ -128,7 +135,7 @@ async def run_trainer(s: TrainerSettings) -> int:
             report = trainer.report()
             report["finished"] = finished
             write_json_atomic(s.report, report)
-    return 0 if finished else 130
+    return 0
 
 
 async def run_relay(s: RelaySettings) -> int:

@@ -9,7 +9,7 @@ peer`` (the same :class:`~shardcast.follower.Follower`), without an inference en
 the checkpoint is synthetic bytes (rollouts are therefore not emulated; the model covers
 them). As root, each node runs in its own network namespace (:mod:`simulations.netns`) with its
 uplink and downlink shaped by ``tc``; otherwise every node listens on 127.0.0.1 and only its
-upload is shaped, inside the transport (``--upload-limit``), and the report says so.
+upload is shaped, inside the transport (``--upload-limit-bytes-per-s``), and the report says so.
 
 The checkpoint (``size_bytes * scale``; a ``config.json`` and one ``model.safetensors`` of
 seeded random bytes, each later version changing ``delta_ratio`` of its 4 KiB blocks) is
@@ -160,14 +160,14 @@ class Emulation:
             "DEBUG",
         ]
         if self.lab is None:
-            common += ["--upload-limit", str(n.up_bps)]
+            common += ["--upload-limit-bytes-per-s", str(n.up_bps)]
         ck = self.topo.spec.checkpoint
         if n.role == "origin":
             role = [
                 "origin",
                 "--watch",
                 str(self.wd / "publish"),
-                "--shard-size",
+                "--shard-size-bytes",
                 str(ck.shard_size_bytes),
                 "--shards-per-part",
                 str(ck.shards_per_part),
@@ -176,7 +176,7 @@ class Emulation:
                 "--deltas" if ck.delta_ratio < 1 else "--no-deltas",
             ]
             if ms.serve_once_s is not None:
-                role += ["--serve-once", str(ms.serve_once_s)]
+                role += ["--serve-once-s", str(ms.serve_once_s)]
         else:
             ups = []
             for u in n.upstreams:
@@ -253,7 +253,7 @@ class Emulation:
         else:
             self.notes.append(
                 f"no namespaces ({why}): uploads shaped in the transport "
-                "(--upload-limit); downlinks, latency and loss NOT emulated"
+                "(--upload-limit-bytes-per-s); downlinks, latency and loss NOT emulated"
             )
             print(f"{LAB_READY} id=none", flush=True)
         if self.topo.links:

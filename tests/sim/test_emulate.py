@@ -208,4 +208,4 @@ def test_emulation_failure_then_clean(tmp_path: Path) -> None:
 def test_emulation_transport_fallback(tmp_path: Path) -> None:
     proc = _start(tmp_path, "--shaping", "transport")
     summary = _check_success(tmp_path, proc)
-    assert any("--upload-limit" in n for n in summary["notes"])
+    assert any("--upload-limit-bytes-per-s" in n for n in summary["notes"])

@@ -10,7 +10,7 @@ import pytest
 from typer.testing import CliRunner
 
 from p2p.errors import ConfigError
-from shardnet.cli import app
+from shardnet.cli import ROLES, app
 from shardnet.config import (
     OriginSettings,
     PeerSettings,
@@ -18,8 +18,12 @@ from shardnet.config import (
     TrainerSettings,
     load_settings,
 )
+from shardnet.options import option_name
+from shardnet.samples import sample_toml
 
 CONFIGS = Path(__file__).resolve().parents[2] / "configs"
+PID = "12D3KooWRdFFg3yTbTsDq5Z1yCvCWbqznEFro9jeVivo7rkayJ4D"
+UP = f"/ip4/127.0.0.1/tcp/1/p2p/{PID}"
 SAMPLES = {
     "trainer.toml": TrainerSettings,
     "relay.toml": RelaySettings,
@@ -54,10 +58,13 @@ def test_errors_name_the_field(tmp_path: Path) -> None:
         load_settings(TrainerSettings, None, {"steps": -1})
     assert info.value.field == "steps"
     cfg = tmp_path / "r.toml"
-    cfg.write_text('trainer_id = "x"\nupstream = []\nbogus = 1\n')
+    cfg.write_text(f'trainer_id = "{PID}"\nupstream = []\nbogus = 1\n')
     with pytest.raises(ConfigError) as info:
         load_settings(RelaySettings, cfg, {})
     assert info.value.field in ("upstream", "bogus")
+    with pytest.raises(ConfigError) as info:
+        load_settings(RelaySettings, None, {"trainer_id": "x", "upstream": [UP]})
+    assert info.value.field == "trainer_id"
     with pytest.raises(ConfigError, match="not a file"):
         load_settings(TrainerSettings, tmp_path / "missing.toml", {})
     bad = tmp_path / "bad.toml"
@@ -66,10 +73,143 @@ def test_errors_name_the_field(tmp_path: Path) -> None:
         load_settings(TrainerSettings, bad, {})
 
 
-def test_trust_rejects_malformed_trainer_id() -> None:
-    s = load_settings(RelaySettings, CONFIGS / "relay.toml", {"trainer_id": "not-a-peer-id"})
-    with pytest.raises(ConfigError, match=r"trust\.trainer"):
-        s.trust()
+@pytest.mark.parametrize(
+    ("overrides", "field"),
+    [
+        ({"trainer_id": "not-a-peer-id"}, "trainer_id"),
+        ({"upstream": ["/ip4/127.0.0.1/tcp/4001"]}, "upstream"),  # no /p2p/<PeerID>
+        ({"upstream": ["garbage"]}, "upstream"),
+        ({"upstream": [f"/ip4/0.0.0.0/tcp/4001/p2p/{PID}"]}, "upstream"),
+        ({"announce": ["/ip4/0.0.0.0/tcp/4001"]}, "announce"),
+        ({"announce": ["/ip4/1.2.3.4/udp/4001"]}, "announce"),
+        ({"public_url": "ftp://example.org:1"}, "public_url"),
+        ({"public_url": "http://example.org"}, "public_url"),  # no port
+        ({"public_host": "0.0.0.0"}, "public_host"),
+        ({"public_host": "bad host!"}, "public_host"),
+        ({"http_host": "localhost"}, "http_host"),
+        ({"listen": ["/ip4/1.2.3/tcp/1"]}, "listen"),
+        ({"allow_relay": ["nope"]}, "allow_relay"),
+    ],
+)
+def test_addresses_and_ids_are_checked_at_load(overrides: dict[str, object], field: str) -> None:
+    with pytest.raises(ConfigError) as info:
+        load_settings(RelaySettings, CONFIGS / "relay.toml", overrides)
+    assert info.value.field.split(".")[0] == field
+
+
+@pytest.mark.parametrize("role", sorted(ROLES))
+def test_every_field_is_an_option_with_the_same_name(role: str) -> None:
+    import shardnet.config as config
+
+    cls = getattr(config, ROLES[role][0])
+    result = CliRunner().invoke(app, [role, "--help"])
+    assert result.exit_code == 0
+    text = "".join(result.output.split())  # help is wrapped to the terminal
+    for name, info in cls.model_fields.items():
+        assert option_name(name) in text, name
+        default = info.get_default(call_default_factory=True)
+        if not info.is_required() and default not in (None, []) and type(default) is not bool:
+            assert f"[default:{default}]".replace(" ", "") in text, name
+
+
+@pytest.mark.parametrize("role", sorted(ROLES))
+def test_samples_are_generated_from_the_models(role: str) -> None:
+    import shardnet.config as config
+
+    cls = getattr(config, ROLES[role][0])
+    assert (CONFIGS / f"{role}.toml").read_text() == sample_toml(cls)
+    result = CliRunner().invoke(app, ["sample-config", role])
+    assert result.exit_code == 0
+    assert result.output == sample_toml(cls)
+
+
+def test_environment_uses_the_field_name(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("SHARDNET_STEP_TIMEOUT_S", "12.5")
+    monkeypatch.setenv("SHARDNET_ALLOW_PEER", f'["{PID}"]')
+    s = load_settings(TrainerSettings, None, {})
+    assert s.step_timeout_s == 12.5
+    assert s.allow_peer == [PID]
+
+
+def test_role_defaults_listen_on_all_interfaces_on_fixed_ports() -> None:
+    t = load_settings(TrainerSettings, None, {}).node_config()
+    assert t.host.listen_multiaddrs == ("/ip4/0.0.0.0/tcp/4001",)
+    assert (t.http.host, t.http.port) == ("0.0.0.0", 8001)
+    r = load_settings(RelaySettings, CONFIGS / "relay.toml", {}).node_config()
+    assert r.host.listen_multiaddrs == ("/ip4/0.0.0.0/tcp/4002",)
+    assert r.http.port == 8002
+    p = load_settings(PeerSettings, CONFIGS / "peer.toml", {}).node_config()
+    assert p.host.listen_multiaddrs == ("/ip4/0.0.0.0/tcp/0",)
+    assert p.http.port == 0
+    s = load_settings(
+        RelaySettings, CONFIGS / "relay.toml", {"public_host": "relay.example.org"}
+    ).node_config()
+    assert s.host.public_host == "relay.example.org"
+
+
+@pytest.mark.parametrize(
+    ("argv", "needle"),
+    [
+        (["--trainer-id", "bogus"], "--trainer-id: 'bogus' is not a PeerID"),
+        (["--upstream", "/ip4/127.0.0.1/tcp/1"], "--upstream:"),
+        (["--data-dir", "/proc/no/such"], "--data-dir: /proc/no/such is not a writable"),
+        (["--announce", "nonsense"], "--announce:"),
+        (["--keep-last", "0"], "--keep-last:"),
+    ],
+)
+def test_operator_mistakes_are_one_line_and_exit_2(
+    tmp_path: Path, argv: list[str], needle: str
+) -> None:
+    base = {
+        "--trainer-id": PID,
+        "--upstream": UP,
+        "--data-dir": str(tmp_path / "d"),
+        "--listen": "/ip4/127.0.0.1/tcp/0",
+        "--http-host": "127.0.0.1",
+        "--http-port": "0",
+    }
+    base.update(dict(zip(argv[::2], argv[1::2], strict=True)))
+    args = [a for kv in base.items() for a in kv]
+    result = CliRunner().invoke(app, ["relay", *args])
+    assert result.exit_code == 2
+    lines = result.output.strip().splitlines()
+    assert len(lines) == 1, result.output
+    assert needle in lines[0]
+    assert "Traceback" not in result.output
+
+
+def test_port_in_use_is_reported_before_ready(tmp_path: Path) -> None:
+    import socket
+
+    with socket.socket() as holder:
+        holder.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        holder.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)  # as py-libp2p does
+        holder.bind(("127.0.0.1", 0))
+        holder.listen()
+        port = holder.getsockname()[1]
+        for lane, extra in (
+            ("--listen", ["--listen", f"/ip4/127.0.0.1/tcp/{port}", "--http-port", "0"]),
+            ("--http-port", ["--listen", "/ip4/127.0.0.1/tcp/0", "--http-port", str(port)]),
+        ):
+            result = CliRunner().invoke(
+                app,
+                [
+                    "relay",
+                    "--trainer-id",
+                    PID,
+                    "--upstream",
+                    UP,
+                    "--data-dir",
+                    str(tmp_path),
+                    "--http-host",
+                    "127.0.0.1",
+                    *extra,
+                ],
+            )
+            assert result.exit_code == 2, result.output
+            assert f"{lane}: port {port}" in result.output
+            assert "already in use" in result.output
+            assert "shardnet-ready" not in result.output
 
 
 @pytest.mark.parametrize(
@@ -101,5 +241,6 @@ def test_keygen_creates_private_key_once(tmp_path: Path) -> None:
 
 
 def test_relay_without_upstream_is_a_config_error(tmp_path: Path) -> None:
-    result = CliRunner().invoke(app, ["relay", "--trainer-id", "x", "--data-dir", str(tmp_path)])
+    result = CliRunner().invoke(app, ["relay", "--trainer-id", PID, "--data-dir", str(tmp_path)])
     assert result.exit_code == 2
+    assert result.output.strip() == "shardnet: error: --upstream: Field required"

@@ -1,0 +1,277 @@
+"""Addresses a node advertises, as opposed to the addresses it binds.
+
+Theory of operation
+-------------------
+A node binds its libp2p listener and its HTTP lane to local addresses (``--listen``,
+``--http-host``/``--http-port``) and tells other nodes where to reach it (its ``shardnet-ready``
+line, its info record, node adverts, the trainer's announcements). The two differ as soon as a
+node is bound to an unspecified address (``0.0.0.0``, ``::``) or sits behind NAT or a load
+balancer. The rules here follow go-libp2p's ``AddrsFactory``/kubo's ``Addresses.Announce``:
+
+1. explicit announce addresses (``--announce`` multiaddrs, ``--public-url`` for the HTTP lane,
+   or ``--public-host`` for both) replace everything else;
+2. otherwise each bound address is advertised as is, except an unspecified one, which is
+   expanded into this host's interface addresses of the same family and port, loopback last
+   (so a node reachable from other hosts never advertises only ``127.0.0.1``);
+3. an unspecified address is never advertised.
+
+Everything but :func:`interface_addresses` is pure.
+"""
+
+from __future__ import annotations
+
+import errno
+import ipaddress
+import socket
+from collections.abc import Iterable
+from dataclasses import dataclass
+from urllib.parse import urlsplit
+
+from p2p.errors import ConfigError
+
+_UNSPECIFIED = frozenset({"0.0.0.0", "::"})
+
+
+@dataclass(frozen=True)
+class Interfaces:
+    """This host's interface addresses (numeric strings), per family.
+
+    Attributes:
+        ipv4: IPv4 addresses, loopback included.
+        ipv6: IPv6 addresses without scope (link-local ones are left out), loopback included.
+    """
+
+    ipv4: tuple[str, ...]
+    ipv6: tuple[str, ...] = ()
+
+
+def interface_addresses() -> Interfaces:
+    """Read this host's interface addresses (psutil), loopback last in each family."""
+    import psutil
+
+    v4: list[str] = []
+    v6: list[str] = []
+    for addrs in psutil.net_if_addrs().values():
+        for a in addrs:
+            if a.family == socket.AF_INET:
+                v4.append(a.address)
+            elif a.family == socket.AF_INET6 and "%" not in a.address:
+                ip6 = ipaddress.IPv6Address(a.address)
+                if not ip6.is_link_local:
+                    v6.append(a.address)
+    return Interfaces(_loopback_last(v4), _loopback_last(v6))
+
+
+def _loopback_last(addrs: Iterable[str]) -> tuple[str, ...]:
+    uniq = list(dict.fromkeys(addrs))
+    return tuple(sorted(uniq, key=lambda a: ipaddress.ip_address(a).is_loopback))
+
+
+def is_unspecified(host: str) -> bool:
+    """True for ``0.0.0.0``, ``::`` and the empty host (all mean "every interface")."""
+    return host in _UNSPECIFIED or host == ""
+
+
+def check_multiaddr_text(text: str, option: str) -> str:
+    """Check that ``text`` is a dialable TCP multiaddr (``/ip4|ip6|dns*/…/tcp/PORT[/p2p/ID]``).
+
+    Returns:
+        ``text`` unchanged.
+
+    Raises:
+        ConfigError: naming ``option``, if it is not such a multiaddr or names an unspecified
+            address or port 0.
+    """
+    parts = text.split("/")
+    if len(parts) < 5 or parts[0] != "" or parts[3] != "tcp":
+        raise ConfigError(option, f"{text!r} is not a multiaddr like /ip4/1.2.3.4/tcp/4001")
+    proto, host, port = parts[1], parts[2], parts[4]
+    if proto not in ("ip4", "ip6", "dns", "dns4", "dns6"):
+        raise ConfigError(option, f"{text!r}: {proto!r} is not ip4, ip6, dns, dns4 or dns6")
+    if proto in ("ip4", "ip6"):
+        try:
+            ip = ipaddress.ip_address(host)
+        except ValueError:
+            raise ConfigError(option, f"{text!r}: {host!r} is not an IP address") from None
+        if (proto == "ip4") != (ip.version == 4):
+            raise ConfigError(option, f"{text!r}: {host!r} is not an {proto} address")
+        if ip.is_unspecified:
+            raise ConfigError(option, f"{text!r}: an unspecified address cannot be dialled")
+    elif not host:
+        raise ConfigError(option, f"{text!r}: empty host name")
+    if not port.isdigit() or not 0 < int(port) < 65536:
+        raise ConfigError(option, f"{text!r}: port must be 1..65535")
+    rest = parts[5:]
+    if rest and not (len(rest) == 2 and rest[0] == "p2p" and rest[1]):
+        raise ConfigError(option, f"{text!r}: only /p2p/<PeerID> may follow the port")
+    return text
+
+
+def check_http_url(text: str, option: str) -> str:
+    """Check an advertised HTTP lane URL (``http://HOST:PORT``, no path).
+
+    Returns:
+        the URL without a trailing ``/``.
+
+    Raises:
+        ConfigError: naming ``option``.
+    """
+    try:
+        u = urlsplit(text)
+        port = u.port
+    except ValueError as exc:
+        raise ConfigError(option, f"{text!r} is not a URL: {exc}") from None
+    if u.scheme != "http" or not u.hostname:
+        raise ConfigError(option, f"{text!r} is not an http://HOST[:PORT] URL")
+    if u.path not in ("", "/") or u.query or u.fragment:
+        raise ConfigError(option, f"{text!r}: the HTTP lane URL takes no path or query")
+    if is_unspecified(u.hostname):
+        raise ConfigError(option, f"{text!r}: an unspecified address cannot be dialled")
+    if port is None:
+        raise ConfigError(option, f"{text!r}: give the port (http://HOST:PORT)")
+    return text.rstrip("/")
+
+
+def check_public_host(text: str, option: str) -> str:
+    """Check a host name or IP address to advertise (``--public-host``).
+
+    Raises:
+        ConfigError: naming ``option``, for an empty, unspecified or malformed host.
+    """
+    host = text.strip("[]")
+    if not host or is_unspecified(host):
+        raise ConfigError(option, f"{text!r}: give an address other hosts can dial")
+    try:
+        ipaddress.ip_address(host)
+    except ValueError:
+        allowed = set("abcdefghijklmnopqrstuvwxyz0123456789-.")
+        if not set(host.lower()) <= allowed or host.startswith(("-", ".")):
+            raise ConfigError(
+                option, f"{text!r} is neither an IP address nor a host name"
+            ) from None
+    return host
+
+
+def host_multiaddr(host: str, port: int) -> str:
+    """``/ip4|ip6|dns/HOST/tcp/PORT`` for a numeric address or a DNS name."""
+    try:
+        ip = ipaddress.ip_address(host)
+    except ValueError:
+        return f"/dns/{host}/tcp/{port}"
+    return f"/ip{ip.version}/{host}/tcp/{port}"
+
+
+def host_url(host: str, port: int) -> str:
+    """``http://HOST:PORT`` (IPv6 bracketed)."""
+    return f"http://{f'[{host}]' if ':' in host else host}:{port}"
+
+
+def advertised_multiaddrs(
+    bound: Iterable[str],
+    announce: Iterable[str],
+    interfaces: Interfaces,
+    public_host: str | None = None,
+) -> list[str]:
+    """The libp2p multiaddrs to advertise (without the ``/p2p/<PeerID>`` suffix).
+
+    Args:
+        bound: the listener's actual addresses (ports resolved), e.g. ``/ip4/0.0.0.0/tcp/4001``.
+        announce: explicit announce multiaddrs; when non-empty they are the answer.
+        interfaces: this host's addresses, used to expand unspecified bound addresses.
+        public_host: if given (and no ``announce``), every bound TCP port is advertised on
+            this host name or address instead.
+
+    Returns:
+        Addresses in order: each bound address, unspecified ones expanded (loopback last
+        within the expansion), duplicates removed. Never an unspecified address.
+    """
+    explicit = list(announce)
+    if explicit:
+        return list(dict.fromkeys(explicit))
+    out: list[str] = []
+    if public_host is not None:
+        for addr in bound:
+            parts = addr.split("/")
+            if len(parts) >= 5 and parts[3] == "tcp":
+                out.append(host_multiaddr(public_host, int(parts[4])))
+        return list(dict.fromkeys(out))
+    for addr in bound:
+        parts = addr.split("/")
+        if len(parts) >= 5 and parts[1] in ("ip4", "ip6") and is_unspecified(parts[2]):
+            family = interfaces.ipv4 if parts[1] == "ip4" else interfaces.ipv6
+            tail = "/".join(parts[3:])
+            out += [f"/{parts[1]}/{ip}/{tail}" for ip in family]
+        else:
+            out.append(addr)
+    return list(dict.fromkeys(out))
+
+
+def advertised_url(
+    bind_host: str,
+    port: int,
+    public_url: str | None,
+    interfaces: Interfaces,
+    public_host: str | None = None,
+) -> str:
+    """The HTTP lane URL to advertise.
+
+    Args:
+        bind_host: the numeric address the lane is bound to.
+        port: the bound port.
+        public_url: explicit URL, if given (the answer).
+        public_host: else, if given, ``http://PUBLIC_HOST:PORT``.
+        interfaces: used when ``bind_host`` is unspecified: the first non-loopback address of
+            the family (loopback only if there is nothing else).
+    """
+    if public_url:
+        return public_url
+    if public_host:
+        return host_url(public_host, port)
+    if is_unspecified(bind_host):
+        family = interfaces.ipv6 if bind_host == "::" else interfaces.ipv4
+        if not family:
+            family = ("::1",) if bind_host == "::" else ("127.0.0.1",)
+        return host_url(family[0], port)
+    return host_url(bind_host, port)
+
+
+def ensure_bindable(host: str, port: int, option: str, lane: str) -> None:
+    """Fail early if ``host:port`` cannot be bound by this process.
+
+    The probe binds without ``SO_REUSEPORT``, so a port that another process holds (even one
+    that set ``SO_REUSEPORT``, as py-libp2p's TCP listener does) is reported instead of being
+    silently shared. Port 0 is always bindable.
+
+    Raises:
+        ConfigError: naming ``option`` and ``lane``: the port is in use, the address is not
+            one of this host's, or binding is not permitted.
+    """
+    if port == 0:
+        return
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    with socket.socket(family, socket.SOCK_STREAM) as sock:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            sock.bind((host, port))
+        except OSError as exc:
+            what = {
+                errno.EADDRINUSE: f"port {port} ({lane}) is already in use on {host}: "
+                "stop the other process or choose another port",
+                errno.EADDRNOTAVAIL: f"{host} is not an address of this host ({lane}): "
+                "bind 0.0.0.0 and advertise the public address with "
+                "--announce/--public-url/--public-host",
+                errno.EACCES: f"binding port {port} ({lane}) is not permitted: use a port >= 1024",
+            }.get(exc.errno or 0, f"cannot bind {host}:{port} ({lane}): {exc.strerror}")
+            raise ConfigError(option, what) from None
+
+
+def ensure_listen_bindable(listen: Iterable[str], option: str = "listen") -> None:
+    """:func:`ensure_bindable` for each ``/ip4|ip6/HOST/tcp/PORT`` listen multiaddr.
+
+    Raises:
+        ConfigError: naming ``option``, as :func:`ensure_bindable`.
+    """
+    for a in listen:
+        parts = a.split("/")
+        if len(parts) >= 5 and parts[1] in ("ip4", "ip6") and parts[3] == "tcp":
+            ensure_bindable(parts[2], int(parts[4]), option, "libp2p")
