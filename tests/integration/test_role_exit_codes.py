@@ -1,0 +1,59 @@
+"""Every role: ready line with advertised addresses, exit 0 on SIGINT/SIGTERM (real processes)."""
+
+from __future__ import annotations
+
+import json
+import os
+import select
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from p2p.identity import Identity
+
+TRAINER_ID = Identity.from_seed("exit-codes-trainer").peer_id
+LOOPBACK = ["--listen", "/ip4/127.0.0.1/tcp/0", "--http-host", "127.0.0.1", "--http-port", "0"]
+
+
+def _argv(role: str, tmp: Path) -> list[str]:
+    common = ["--data-dir", str(tmp / role), *LOOPBACK]
+    if role == "relay":
+        # the upstream is never reachable: the relay must still start, report and stop cleanly
+        up = f"/ip4/127.0.0.1/tcp/9/p2p/{TRAINER_ID}"
+        return ["relay", "--upstream", up, "--trainer-id", TRAINER_ID, *common]
+    return ["origin", "--watch", str(tmp / "watch"), *common]
+
+
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT])
+@pytest.mark.parametrize("role", ["relay", "origin"])
+def test_role_stops_cleanly_with_exit_0(tmp_path: Path, role: str, sig: signal.Signals) -> None:
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "shardnet.cli", *_argv(role, tmp_path)],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        # a user's Ctrl-C meets the default SIGINT disposition (background shells ignore it)
+        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
+    )
+    try:
+        assert proc.stdout is not None
+        ready_now, _, _ = select.select([proc.stdout], [], [], 60)
+        assert ready_now, "no ready line within 60 s"
+        line = proc.stdout.readline()  # the node is ready (or exited)
+        assert line.startswith("shardnet-ready "), (line, proc.stderr.read() if proc.stderr else "")
+        ready = json.loads(line.split(" ", 1)[1])
+        assert ready["role"] == role
+        assert ready["listen"][0].startswith("/ip4/127.0.0.1/tcp/")
+        assert ready["multiaddrs"][0].startswith("/ip4/127.0.0.1/tcp/")
+        assert ready["http_url"].startswith("http://127.0.0.1:")
+        os.kill(proc.pid, sig)
+        _, err = proc.communicate(timeout=30)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    assert proc.returncode == 0, err
+    assert "Traceback" not in err
