@@ -8,13 +8,16 @@ the subcommands that need it.
 from __future__ import annotations
 
 from pathlib import Path
-from typing import TYPE_CHECKING, Annotated, Any, NoReturn
+from typing import TYPE_CHECKING, Annotated, Any
 
 import trio
 import typer
 
 from p2p.errors import ConfigError, ShardnetError
-from shardnet.options import add_role_command, option_name
+from shardnet.checkpoint_cli import checkpoint_app
+from shardnet.errors import fail
+from shardnet.options import add_role_command
+from shardnet.simulate_cli import simulate_app
 
 if TYPE_CHECKING:
     from shardnet.config import CommonSettings
@@ -28,16 +31,6 @@ app = typer.Typer(
 )
 
 Opt = typer.Option
-
-
-def _fail(exc: ShardnetError) -> NoReturn:
-    if isinstance(exc, ConfigError) and exc.field.split(".")[0] != "config":
-        name = exc.field.split(".")[0]
-        msg = str(exc)[len(exc.field) + 2 :]
-        typer.echo(f"shardnet: error: {option_name(name)}: {msg}", err=True)
-    else:
-        typer.echo(f"shardnet: error: {exc}", err=True)
-    raise typer.Exit(2)
 
 
 ROLES: dict[str, tuple[str, str, str]] = {
@@ -91,7 +84,7 @@ def _run_role(
         settings = load_settings(cls, config_file, overrides)
         settings.preflight()
     except ConfigError as exc:
-        _fail(exc)
+        fail(exc)
     logs.configure(settings.log_level, settings.log_json, cls.role)
     try:
         code = trio.run(runner, settings)
@@ -100,7 +93,7 @@ def _run_role(
     except BaseException as exc:  # unwrap nursery groups to report a single error in one line
         leaf = _leaf(exc)
         if isinstance(leaf, ConfigError):
-            _fail(leaf)
+            fail(leaf)
         if isinstance(leaf, ShardnetError):
             typer.echo(f"shardnet {cls.role}: error: {leaf}", err=True)
             raise typer.Exit(1) from None
@@ -119,7 +112,7 @@ def keygen(key: Annotated[Path, Opt("--key", help="Key file to create (or read).
     try:
         typer.echo(Identity.load_or_create(key).peer_id)
     except ShardnetError as exc:
-        _fail(exc)
+        fail(exc)
 
 
 @app.command("sample-config")
@@ -132,7 +125,7 @@ def sample_config(
     from shardnet.samples import sample_toml
 
     if role not in ROLES:
-        _fail(ConfigError("role", f"{role!r} is not one of {', '.join(ROLES)}"))
+        fail(ConfigError("role", f"{role!r} is not one of {', '.join(ROLES)}"))
     typer.echo(
         sample_toml(getattr(importlib.import_module("shardnet.config"), ROLES[role][0])), nl=False
     )
@@ -168,198 +161,14 @@ def demo(
         )
         code = trio.run(run_demo, opts)
     except ShardnetError as exc:
-        _fail(exc)
+        fail(exc)
     except KeyboardInterrupt:
         code = 130
     raise typer.Exit(code)
 
 
-checkpoint_app = typer.Typer(help="Generate real-architecture checkpoints for tests/benchmarks.")
 app.add_typer(checkpoint_app, name="checkpoint")
-
-
-@checkpoint_app.command("generate")
-def checkpoint_generate(
-    out: Annotated[Path, Opt("--out", help="Checkpoint directory to create.")],
-    preset: Annotated[str, Opt(help="Model preset: tiny, real-1b, real-2b (>= 2 GiB).")] = "tiny",
-    seed: Annotated[int, Opt(help="Weight initialisation seed.")] = 0,
-    max_shard_bytes: Annotated[int, Opt(help="Safetensors file size cap, bytes.")] = 1 << 30,
-) -> None:
-    """Write a Llama-architecture checkpoint with seeded random bf16 weights (HF layout)."""
-    import torch
-
-    from rollout.model import build_model, build_tokenizer
-    from trainer.checkpoint import save_checkpoint
-
-    torch.set_num_threads(2)
-    try:
-        files = save_checkpoint(build_model(preset, seed), build_tokenizer(), out, max_shard_bytes)
-    except ShardnetError as exc:
-        _fail(exc)
-    typer.echo(f"{out}: {len(files)} files, {sum(f.stat().st_size for f in files)} bytes")
-
-
-@checkpoint_app.command("evolve")
-def checkpoint_evolve(
-    src: Annotated[Path, typer.Argument(help="Checkpoint of version N.")],
-    dst: Annotated[Path, typer.Argument(help="Directory for version N+1 (created).")],
-    lr: Annotated[float, Opt(help="Adam learning rate (RL-like: 1e-6 .. 3e-6).")] = 1e-6,
-    seed: Annotated[int, Opt(help="Seed of the loss batch.")] = 0,
-    max_shard_bytes: Annotated[
-        int, Opt(help="Safetensors file size cap; use SRC's to keep the file layout.")
-    ] = 1 << 30,
-) -> None:
-    """Version N+1 from N by one real Adam step on an LM loss (see trainer/evolve.py)."""
-    from trainer.evolve import evolve
-
-    try:
-        st = evolve(src, dst, lr=lr, seed=seed, max_shard_bytes=max_shard_bytes, threads=2)
-    except ShardnetError as exc:
-        _fail(exc)
-    typer.echo(
-        f"{dst}: loss {st.loss:.4f}, {st.changed}/{st.elements} bf16 elements changed "
-        f"({100 * st.changed_fraction:.2f} %)"
-    )
-
-
-simulate_app = typer.Typer(
-    help="Simulate topologies: emulate (real processes, shaped links) or model (virtual time)."
-)
 app.add_typer(simulate_app, name="simulate")
-TopologyArg = Annotated[Path, typer.Argument(help="Topology TOML file (simulations/topologies/).")]
-OutOpt = Annotated[
-    Path | None, Opt("--out", help="Report directory (default: sim-reports/<mode>-<name>).")
-]
-CompareOpt = Annotated[
-    Path | None, Opt("--compare", help="Another report directory to put side by side.")
-]
-
-
-def _sim_finish(summary: dict[str, Any], out: Path, compare: Path | None) -> None:
-    from simulations import report
-
-    report.write(summary, out)
-    typer.echo(report.markdown(summary).split("\n\n| tier")[0])
-    if compare is not None:
-        typer.echo(report.compare(compare, out, out))
-    typer.echo(f"report: {out}")
-
-
-@simulate_app.command("model")
-def simulate_model(
-    topology: TopologyArg,
-    out: OutOpt = None,
-    seed: Annotated[int | None, Opt(help="RNG seed (default: the topology's).")] = None,
-    peers: Annotated[
-        int | None, Opt(help="Override the count of the largest peer group (scaling runs).")
-    ] = None,
-    time_step: Annotated[float | None, Opt(help="Flow-model time step, seconds.")] = None,
-    shard_size: Annotated[int | None, Opt(help="Override the shard size, bytes.")] = None,
-    compare: CompareOpt = None,
-) -> None:
-    """Model a topology in virtual time (thousands of nodes; the real sans-IO policies)."""
-    from simulations.model import Model
-    from simulations.topology import TopologyError, load, with_overrides
-
-    try:
-        topo = with_overrides(
-            load(topology), peers=peers, time_step_s=time_step, shard_size_bytes=shard_size
-        )
-        summary = Model(topo, seed=seed).run()
-    except TopologyError as exc:
-        _fail(exc)
-    _sim_finish(summary, out or Path("sim-reports") / f"model-{topo.name}", compare)
-
-
-@simulate_app.command("emulate")
-def simulate_emulate(
-    topology: TopologyArg,
-    out: OutOpt = None,
-    scale: Annotated[
-        float | None, Opt(help="Checkpoint size factor (default: the topology's).")
-    ] = None,
-    timeout: Annotated[float | None, Opt(help="Give up after this many seconds.")] = None,
-    shaping: Annotated[
-        str, Opt(help="auto (namespaces when root), netns (required) or transport.")
-    ] = "auto",
-    workdir: Annotated[
-        Path | None, Opt(help="Keep keys, data and logs here (default: removed).")
-    ] = None,
-    compare: CompareOpt = None,
-) -> None:
-    """Run the real node processes of a topology on shaped links on this machine."""
-    from shardnet import logs
-    from simulations.emulate import EmulateOptions, run
-    from simulations.topology import TopologyError, load
-
-    logs.configure("INFO", False, "simulate")
-    if shaping not in ("auto", "netns", "transport"):
-        _fail(ShardnetError(f"--shaping must be auto, netns or transport, not {shaping!r}"))
-    try:
-        topo = load(topology)
-        summary = run(
-            topo, EmulateOptions(scale=scale, timeout_s=timeout, shaping=shaping, workdir=workdir)
-        )
-    except TopologyError as exc:
-        _fail(exc)
-    except KeyboardInterrupt:
-        typer.echo("shardnet: interrupted; processes and namespaces removed", err=True)
-        raise typer.Exit(130) from None
-    except RuntimeError as exc:
-        typer.echo(f"shardnet: error: {exc}", err=True)
-        raise typer.Exit(2) from None
-    _sim_finish(summary, out or Path("sim-reports") / f"emulate-{topo.name}", compare)
-    if summary["run"].get("failure"):
-        typer.echo(f"shardnet: emulation failed: {summary['run']['failure']}", err=True)
-        raise typer.Exit(1)
-
-
-@simulate_app.command("calibrate")
-def simulate_calibrate(
-    topology: TopologyArg,
-    out: Annotated[Path, Opt("--out", help="Report directory.")] = Path("sim-reports/calibrate"),
-    scale: Annotated[float | None, Opt(help="Checkpoint size factor.")] = None,
-    tolerance: Annotated[float, Opt(help="Allowed |model/emulation - 1|.")] = 0.2,
-) -> None:
-    """Emulate and model one small topology; fail if the model is off by more than TOLERANCE."""
-    import json
-
-    from shardnet import logs
-    from simulations.calibrate import calibrate
-    from simulations.topology import TopologyError, load
-
-    logs.configure("INFO", False, "simulate")
-    try:
-        res = calibrate(load(topology), out, scale, tolerance)
-    except TopologyError as exc:
-        _fail(exc)
-    except KeyboardInterrupt:
-        raise typer.Exit(130) from None
-    typer.echo(json.dumps(res))
-    raise typer.Exit(0 if res["ok"] else 1)
-
-
-@simulate_app.command("compare")
-def simulate_compare(
-    a: Annotated[Path, typer.Argument(help="Report directory A.")],
-    b: Annotated[Path, typer.Argument(help="Report directory B.")],
-    out: Annotated[Path, Opt("--out", help="Where compare.md and the plot go.")] = Path(
-        "sim-reports/compare"
-    ),
-) -> None:
-    """Put two simulation reports side by side."""
-    from simulations import report
-
-    typer.echo(report.compare(a, b, out))
-
-
-@simulate_app.command("cleanup")
-def simulate_cleanup() -> None:
-    """Remove namespaces and processes left by emulations whose owner died (e.g. SIGKILL)."""
-    from simulations import netns
-
-    removed = netns.cleanup_stale()
-    typer.echo(f"removed labs: {', '.join(removed) or 'none'}")
 
 
 def _add_roles() -> None:

@@ -1,0 +1,151 @@
+"""``shardnet simulate model|emulate|calibrate|compare|cleanup``: simulating topologies."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Annotated, Any
+
+import typer
+
+from p2p.errors import ShardnetError
+from shardnet.errors import fail
+
+Opt = typer.Option
+
+simulate_app = typer.Typer(
+    help="Simulate topologies: emulate (real processes, shaped links) or model (virtual time)."
+)
+TopologyArg = Annotated[Path, typer.Argument(help="Topology TOML file (simulations/topologies/).")]
+OutOpt = Annotated[
+    Path | None, Opt("--out", help="Report directory (default: sim-reports/<mode>-<name>).")
+]
+CompareOpt = Annotated[
+    Path | None, Opt("--compare", help="Another report directory to put side by side.")
+]
+
+
+def _sim_finish(summary: dict[str, Any], out: Path, compare: Path | None) -> None:
+    from simulations import report
+
+    report.write(summary, out)
+    typer.echo(report.markdown(summary).split("\n\n| tier")[0])
+    if compare is not None:
+        typer.echo(report.compare(compare, out, out))
+    typer.echo(f"report: {out}")
+
+
+@simulate_app.command("model")
+def simulate_model(
+    topology: TopologyArg,
+    out: OutOpt = None,
+    seed: Annotated[int | None, Opt(help="RNG seed (default: the topology's).")] = None,
+    peers: Annotated[
+        int | None, Opt(help="Override the count of the largest peer group (scaling runs).")
+    ] = None,
+    time_step: Annotated[float | None, Opt(help="Flow-model time step, seconds.")] = None,
+    shard_size: Annotated[int | None, Opt(help="Override the shard size, bytes.")] = None,
+    compare: CompareOpt = None,
+) -> None:
+    """Model a topology in virtual time (thousands of nodes; the real sans-IO policies)."""
+    from simulations.model import Model
+    from simulations.topology import TopologyError, load, with_overrides
+
+    try:
+        topo = with_overrides(
+            load(topology), peers=peers, time_step_s=time_step, shard_size_bytes=shard_size
+        )
+        summary = Model(topo, seed=seed).run()
+    except TopologyError as exc:
+        fail(exc)
+    _sim_finish(summary, out or Path("sim-reports") / f"model-{topo.name}", compare)
+
+
+@simulate_app.command("emulate")
+def simulate_emulate(
+    topology: TopologyArg,
+    out: OutOpt = None,
+    scale: Annotated[
+        float | None, Opt(help="Checkpoint size factor (default: the topology's).")
+    ] = None,
+    timeout: Annotated[float | None, Opt(help="Give up after this many seconds.")] = None,
+    shaping: Annotated[
+        str, Opt(help="auto (namespaces when root), netns (required) or transport.")
+    ] = "auto",
+    workdir: Annotated[
+        Path | None, Opt(help="Keep keys, data and logs here (default: removed).")
+    ] = None,
+    compare: CompareOpt = None,
+) -> None:
+    """Run the real node processes of a topology on shaped links on this machine."""
+    from shardnet import logs
+    from simulations.emulate import EmulateOptions, run
+    from simulations.topology import TopologyError, load
+
+    logs.configure("INFO", False, "simulate")
+    if shaping not in ("auto", "netns", "transport"):
+        fail(ShardnetError(f"--shaping must be auto, netns or transport, not {shaping!r}"))
+    try:
+        topo = load(topology)
+        summary = run(
+            topo, EmulateOptions(scale=scale, timeout_s=timeout, shaping=shaping, workdir=workdir)
+        )
+    except TopologyError as exc:
+        fail(exc)
+    except KeyboardInterrupt:
+        typer.echo("shardnet: interrupted; processes and namespaces removed", err=True)
+        raise typer.Exit(130) from None
+    except RuntimeError as exc:
+        typer.echo(f"shardnet: error: {exc}", err=True)
+        raise typer.Exit(2) from None
+    _sim_finish(summary, out or Path("sim-reports") / f"emulate-{topo.name}", compare)
+    if summary["run"].get("failure"):
+        typer.echo(f"shardnet: emulation failed: {summary['run']['failure']}", err=True)
+        raise typer.Exit(1)
+
+
+@simulate_app.command("calibrate")
+def simulate_calibrate(
+    topology: TopologyArg,
+    out: Annotated[Path, Opt("--out", help="Report directory.")] = Path("sim-reports/calibrate"),
+    scale: Annotated[float | None, Opt(help="Checkpoint size factor.")] = None,
+    tolerance: Annotated[float, Opt(help="Allowed |model/emulation - 1|.")] = 0.2,
+) -> None:
+    """Emulate and model one small topology; fail if the model is off by more than TOLERANCE."""
+    import json
+
+    from shardnet import logs
+    from simulations.calibrate import calibrate
+    from simulations.topology import TopologyError, load
+
+    logs.configure("INFO", False, "simulate")
+    try:
+        res = calibrate(load(topology), out, scale, tolerance)
+    except TopologyError as exc:
+        fail(exc)
+    except KeyboardInterrupt:
+        raise typer.Exit(130) from None
+    typer.echo(json.dumps(res))
+    raise typer.Exit(0 if res["ok"] else 1)
+
+
+@simulate_app.command("compare")
+def simulate_compare(
+    a: Annotated[Path, typer.Argument(help="Report directory A.")],
+    b: Annotated[Path, typer.Argument(help="Report directory B.")],
+    out: Annotated[Path, Opt("--out", help="Where compare.md and the plot go.")] = Path(
+        "sim-reports/compare"
+    ),
+) -> None:
+    """Put two simulation reports side by side."""
+    from simulations import report
+
+    typer.echo(report.compare(a, b, out))
+
+
+@simulate_app.command("cleanup")
+def simulate_cleanup() -> None:
+    """Remove namespaces and processes left by emulations whose owner died (e.g. SIGKILL)."""
+    from simulations import netns
+
+    removed = netns.cleanup_stale()
+    typer.echo(f"removed labs: {', '.join(removed) or 'none'}")
