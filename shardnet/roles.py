@@ -25,6 +25,7 @@ from typing import TYPE_CHECKING, Any
 import trio
 
 from shardnet.config import OriginSettings, PeerSettings, RelaySettings, TrainerSettings
+from shardnet.observe import attach_peer, attach_trainer
 from shardnet.progress import DownloadProgress
 
 if TYPE_CHECKING:
@@ -118,6 +119,7 @@ async def run_trainer(s: TrainerSettings) -> int:
         nonlocal finished
         async with trio.open_nursery() as nursery:
             node = await nursery.start(trainer.run)
+            attach_trainer(trainer, node)
             emit_ready("trainer", node, s.ready_file)
         finished = True
 
@@ -202,6 +204,7 @@ async def run_peer(s: PeerSettings) -> int:
         async def body() -> None:
             async with trio.open_nursery() as nursery:
                 node = await nursery.start(peer.run)
+                attach_peer(peer, node)
                 emit_ready("peer", node, s.ready_file)
 
         try:
