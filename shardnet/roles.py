@@ -144,11 +144,15 @@ async def run_relay(s: RelaySettings) -> int:
     async def body() -> None:
         nonlocal follower
         async with ShardcastNode.open(identity, s.trust(), s.node_config()) as node:
-            follower = Follower(
-                node, s.follow_config(s.upstream), random.Random(f"relay:{identity.peer_id}")
-            )
-            emit_ready("relay", node, s.ready_file)
-            await follower.run()
+            with DownloadProgress() as progress:
+                follower = Follower(
+                    node,
+                    s.follow_config(s.upstream),
+                    random.Random(f"relay:{identity.peer_id}"),
+                    progress=progress,
+                )
+                emit_ready("relay", node, s.ready_file)
+                await follower.run()
 
     try:
         await until_signal(body)
