@@ -268,6 +268,12 @@ class P2PNode:
         """PeerIDs with an open connection."""
         return [p.to_base58() for p in self._host.get_connected_peers()]  # type: ignore[attr-defined]
 
+    def mesh_sizes(self) -> dict[str, int]:
+        """Gossipsub mesh size (peers) per joined topic, for metrics and status."""
+        router = self._pubsub.router
+        mesh = getattr(router, "mesh", None) or {}
+        return {str(topic): len(peers) for topic, peers in mesh.items()}
+
     async def connect(self, addr: str) -> str:
         """Dial ``addr`` (a multiaddr with ``/p2p/<PeerID>``) and return the remote PeerID.
 

@@ -155,6 +155,9 @@ class FileSlice:
     on_done: Callable[[], None] | None = field(default=None, compare=False)
     """Called once when the server is done with this slice (sent, failed or abandoned), e.g.
     to release a pin that kept the file from being deleted."""
+    on_sent: Callable[[int], None] | None = field(default=None, compare=False)
+    """Called once with the body bytes of this slice actually sent (a broken or abandoned
+    response reports what left before it ended), e.g. to count traffic by kind."""
 
     def __post_init__(self) -> None:
         if self.offset < 0 or self.length < 0 or self.offset + self.length > self.total_size:
@@ -462,7 +465,12 @@ class HttpServer:
                 placeholder = body if isinstance(body, bytes) else cast(bytes, _Sized(length))
                 conn.send_with_data_passthrough(h11.Data(data=placeholder))
                 if isinstance(body, FileSlice):
-                    await self._send_file(sock, fd, body)
+                    done = [0]
+                    try:
+                        await self._send_file(sock, fd, body, done)
+                    finally:
+                        if body.on_sent is not None:
+                            body.on_sent(done[0])
                 else:
                     await self._send_bytes(sock, body, throttle=True)
             await self._send_bytes(sock, conn.send(h11.EndOfMessage()), throttle=False)
@@ -487,7 +495,10 @@ class HttpServer:
                 continue
             raise _Abort("send_timeout")
 
-    async def _send_file(self, sock: trio.socket.SocketType, fd: int, part: FileSlice) -> None:
+    async def _send_file(
+        self, sock: trio.socket.SocketType, fd: int, part: FileSlice, done: list[int]
+    ) -> None:
+        """Send ``part``; ``done[0]`` follows the bytes sent so far (also when this raises)."""
         offset, end = part.offset, part.offset + part.length
         use_sendfile = self._config.use_sendfile and hasattr(os, "sendfile")
         while offset < end:
@@ -520,6 +531,7 @@ class HttpServer:
                 raise _Abort("short_file")
             offset += sent
             self._bytes_sent += sent
+            done[0] += sent
             await trio.lowlevel.checkpoint()
 
     async def _grant(self, want: int) -> int:

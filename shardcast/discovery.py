@@ -118,6 +118,15 @@ class SourceDirectory:
         self.changed.set()
         self.changed = trio.Event()
 
+    def entries(self, now: float) -> list[tuple[NodeAdvert, float]]:
+        """Adverts heard within ``ttl_s`` and when (``now``'s clock), oldest first."""
+        return [(a, t) for a, t in self._adverts.values() if now - t <= self.ttl_s]
+
+    def role_of(self, peer_id: str) -> str | None:
+        """The role ``peer_id`` advertised (None: never heard or forgotten)."""
+        entry = self._adverts.get(peer_id)
+        return entry[0].role if entry is not None else None
+
     def sources_for(self, step: int, now: float, limit: int) -> list[Source]:
         """Up to ``limit`` sources holding (or filling) ``step``, best first: complete ones,
         then relays still filling it, then peers still filling it (a relay's uplink exists to

@@ -41,6 +41,7 @@ from collections.abc import Callable
 from contextlib import aclosing
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Protocol
 
 import blake3
 import trio
@@ -145,6 +146,30 @@ ProgressFn = Callable[[int, int], None]
 """``progress(verified_bytes, total_bytes)``, called after every verified shard."""
 
 
+class DownloadObserver(Protocol):
+    """Told of each shard-level event of a download as it happens (for metrics).
+
+    ``source`` is the source's id (a PeerID); calls come from the downloading trio task and
+    must not block.
+    """
+
+    def shard_received(self, source: str, codec: str, size_bytes: int, fetch_s: float) -> None:
+        """``size_bytes`` of one request arrived from ``source`` in ``fetch_s`` seconds."""
+        ...
+
+    def shard_verified(self, source: str, verify_s: float) -> None:
+        """A shard from ``source`` was decoded, hash-checked and written in ``verify_s``."""
+        ...
+
+    def shard_corrupt(self, source: str) -> None:
+        """``source`` was blamed for bytes that failed verification."""
+        ...
+
+    def refused(self, source: str) -> None:
+        """``source`` refused a request under super-seeding (HTTP 429)."""
+        ...
+
+
 @dataclass
 class _Buf:
     data: bytearray
@@ -196,6 +221,10 @@ class Downloader:
         config: settings.
         rng: seeded randomness for the scheduler.
         trust: the trust list parts and stored manifests are verified against.
+        observer: told of each shard-level event (metrics), or None.
+
+    ``current`` is the stats of the download running now (None between downloads), for a
+    status view.
     """
 
     def __init__(
@@ -205,12 +234,15 @@ class Downloader:
         config: DownloadConfig,
         rng: random.Random,
         trust: TrustList,
+        observer: DownloadObserver | None = None,
     ) -> None:
         self.client = client
         self.store = store
         self.config = config
         self.rng = rng
         self.trust = trust
+        self.observer = observer
+        self.current: DownloadStats | None = None
         self._extra: Callable[[], list[Source]] | None = None
         self._max_extra = 16
 
@@ -254,7 +286,7 @@ class Downloader:
         self._extra = extra_sources
         self._max_extra = max_extra_sources
         part = await trio.to_thread.run_sync(self.store.begin, manifest)
-        stats = DownloadStats(manifest.step)
+        stats = self.current = DownloadStats(manifest.step)
         base_step = manifest.header.base_step
         use_base = (
             self.config.use_deltas
@@ -282,6 +314,7 @@ class Downloader:
                 f"step {manifest.step} not complete after {self.config.deadline_s}s"
             ) from exc
         finally:
+            self.current = None
             if not self.store.has(manifest.step):
                 with trio.CancelScope(shield=True):
                     await trio.to_thread.run_sync(part.abort)
@@ -327,6 +360,13 @@ class Downloader:
         scopes: dict[int, trio.CancelScope] = {}
         wake = trio.Event()
         verified = 0
+        observer = self.observer
+
+        def corrupt(source: str) -> None:
+            stats.corrupt_by_source[source] = stats.corrupt_by_source.get(source, 0) + 1
+            if observer is not None:
+                observer.shard_corrupt(source)
+
         first_seen = False  # debug hook: one first_byte line per download (simulations/)
         last_usable = trio.current_time()
 
@@ -429,6 +469,7 @@ class Downloader:
                 url, offset = f"{vurl}/files/{entry.file}", entry.offset + req.start
             else:
                 url, offset = f"{vurl}/shard/{entry.index}/{enc}", req.start
+            t0 = trio.current_time()
             try:
                 with scope:
                     try:
@@ -452,7 +493,9 @@ class Downloader:
                                         )
                                 buf.data[buf.pos : buf.pos + len(chunk)] = chunk
                                 buf.pos += len(chunk)
-                    except NotAvailable:
+                    except NotAvailable as exc:
+                        if exc.status == 429 and observer is not None:
+                            observer.refused(src.id)
                         if buf.pos and not req.duplicate:
                             resume[req.shard] = buf  # keep the prefix for the next source
                         elif not req.duplicate:
@@ -487,7 +530,7 @@ class Downloader:
                     except RemoteProtocolError as exc:
                         sched.on_failure(req.id, trio.current_time(), kind="corrupt")
                         stats.failures += 1
-                        stats.corrupt_by_source[src.id] = stats.corrupt_by_source.get(src.id, 0) + 1
+                        corrupt(src.id)
                         log.warning(
                             "source_protocol_error step=%d shard=%d source=%s error=%s",
                             m.step,
@@ -501,6 +544,9 @@ class Downloader:
                     stats.bytes_fetched += got
                     stats.bytes_by_source[src.id] = stats.bytes_by_source.get(src.id, 0) + got
                     stats.bytes_by_encoding[enc] = stats.bytes_by_encoding.get(enc, 0) + got
+                    v0 = trio.current_time()
+                    if observer is not None:
+                        observer.shard_received(src.id, enc, got, v0 - t0)
                     try:
                         written = await trio.to_thread.run_sync(
                             self._verify_and_write, part, entry, enc, buf.data, base, src.id
@@ -518,9 +564,7 @@ class Downloader:
                         contributors = {p[0] for p in buf.parts}
                         if len(contributors) == 1:
                             sched.on_failure(req.id, trio.current_time(), kind="corrupt")
-                            stats.corrupt_by_source[src.id] = (
-                                stats.corrupt_by_source.get(src.id, 0) + 1
-                            )
+                            corrupt(src.id)
                         else:
                             sched.on_failure(req.id, trio.current_time(), kind="suspect")
                             suspects.setdefault(req.shard, []).append(buf)
@@ -538,9 +582,11 @@ class Downloader:
                     resume.pop(req.shard, None)
                     if written:
                         verified += entry.length
+                        if observer is not None:
+                            observer.shard_verified(src.id, trio.current_time() - v0)
                         if req.shard in suspects:
                             self._assign_blame(
-                                sched, suspects.pop(req.shard), buf.data, chosen[req.shard], stats
+                                sched, suspects.pop(req.shard), buf.data, chosen[req.shard], corrupt
                             )
                         log.debug(
                             "shard_verified step=%d shard=%d source=%s size_bytes=%d",
@@ -659,7 +705,11 @@ class Downloader:
 
     @staticmethod
     def _assign_blame(
-        sched: Scheduler, bad_copies: list[_Buf], good: bytearray, enc: str, stats: DownloadStats
+        sched: Scheduler,
+        bad_copies: list[_Buf],
+        good: bytearray,
+        enc: str,
+        corrupt: Callable[[str], None],
     ) -> None:
         now = trio.current_time()
         for buf in bad_copies:
@@ -667,7 +717,7 @@ class Downloader:
                 continue  # a copy of another encoding cannot be compared byte for byte
             for culprit in blame(buf.parts, buf.data, good):
                 sched.penalize_corrupt(culprit, now)
-                stats.corrupt_by_source[culprit] = stats.corrupt_by_source.get(culprit, 0) + 1
+                corrupt(culprit)
                 log.warning("source_blamed source=%s reason=corrupt_bytes", short_id(culprit))
         del enc
 

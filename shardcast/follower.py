@@ -25,12 +25,14 @@ from __future__ import annotations
 import functools
 import logging
 import random
+import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import trio
+from prometheus_client.core import GaugeMetricFamily, Metric
 
 from p2p.errors import ConfigError, ShardnetError, TransportError, short_id
 from p2p.host import peer_id_of
@@ -46,7 +48,9 @@ from shardcast.downloader import (
 )
 from shardcast.manifest import Manifest
 from shardcast.messages import NodeInfo, VersionAnnouncement, versions_topic
+from shardcast.metrics import DownloadMetrics, source_kind
 from shardcast.node import ShardcastNode
+from shardcast.nodestatus import iso, wall_of
 
 if TYPE_CHECKING:
     from trio_typing import TaskStatus
@@ -124,7 +128,12 @@ class Follower:
                 raise ConfigError("upstreams", f"{a} is not in the relay allowlist")
         self.node = node
         self.config = config
-        self.downloader = Downloader(node.client, node.store, config.download, rng, node.trust)
+        self._metrics = (
+            DownloadMetrics(node.metrics, self._kind_of) if node.metrics.follower else None
+        )
+        self.downloader = Downloader(
+            node.client, node.store, config.download, rng, node.trust, observer=self._metrics
+        )
         self.on_commit = on_commit
         self.progress = progress
         self.upstreams: dict[str, NodeInfo] = {}
@@ -140,6 +149,15 @@ class Follower:
         self._learned: dict[int, float] = {}
         self._filling: list[int] = []
         self._advert_wake = trio.Event()
+        self._heard: dict[str, float] = {}  # upstream -> Unix time of its last info answer
+        self._errors: dict[str, str] = {}  # upstream -> its last error
+        self._progress: dict[int, tuple[int, int, float]] = {}  # step -> done, total, start
+        node.status_sections.update(
+            downloads=self.downloads_status,
+            upstreams=self.upstreams_status,
+            known_nodes=self.known_nodes_status,
+        )
+        node.metrics.add_collector(self._families)
 
     async def run(self, *, task_status: TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
         """Run until cancelled; ``started()`` once the first upstream answered its info."""
@@ -173,6 +191,7 @@ class Follower:
                     await self.node.p2p.connect(addr)
                 info = await self.node.query_info(pid)
             except ShardnetError as exc:
+                self._errors[pid] = str(exc)
                 if self.upstreams.pop(pid, None) is not None:
                     self._note_upstream()
                 log.info(
@@ -185,6 +204,8 @@ class Follower:
                 backoff = min(backoff * 2, self.config.max_backoff_s)
                 continue
             backoff = self.config.poll_interval_s
+            self._heard[pid] = time.time()
+            self._errors.pop(pid, None)
             if info.run_id != self.node.config.run_id:
                 if self.node.report_once(("run_id", pid, info.run_id)):
                     log.error(
@@ -356,15 +377,21 @@ class Follower:
         sources = self._upstream_sources() or self._extra_sources(step)
         self._filling.append(step)
         self._readvertise()
+        started = trio.current_time()
+        self._progress[step] = (0, m.total_bytes, started)
+
+        def progress(done: int, total: int) -> None:
+            self._progress[step] = (done, total, started)
+            if self.progress is not None:
+                self.progress(step, done, total)
+
         try:
             path, stats = await self.downloader.download(
                 m,
                 sources,
                 on_partial=server.add_live,
                 on_shard=lambda _i: server.progress(step),
-                progress=(
-                    None if self.progress is None else functools.partial(self.progress, step)
-                ),
+                progress=progress,
                 extra_sources=functools.partial(self._extra_sources, step),
                 max_extra_sources=self.config.max_extra_sources,
             )
@@ -373,11 +400,14 @@ class Follower:
             return False
         finally:
             server.live_done(step)
+            self._progress.pop(step, None)
             self._filling.remove(step)
             self._readvertise()
         record.committed_at = trio.current_time()
         record.stats, record.path = stats, path
         self.records.append(record)
+        if self._metrics is not None:
+            self._metrics.committed(record.committed_at - record.learned_at, stats.elapsed_s)
         log.info(
             "version_downloaded step=%d size_bytes=%d download_s=%.3f encodings=%s sources=%s",
             step,
@@ -389,6 +419,92 @@ class Follower:
         if self.on_commit is not None:
             await self.on_commit(m, path, record)
         return True
+
+    # -- observability ----------------------------------------------------------------------
+
+    def _kind_of(self, source: str) -> str:
+        """``source_kind`` of a source id: its upstream info's role, else its advert's."""
+        info = self.upstreams.get(source)
+        return source_kind(info.role if info is not None else self.directory.role_of(source))
+
+    def downloads_status(self) -> list[dict[str, Any]]:
+        """The ``downloads`` section of ``/status``: versions in progress, with progress."""
+        now = trio.current_time()
+        current = self.downloader.current
+        out = []
+        for step, (done, total, started) in sorted(self._progress.items()):
+            elapsed = now - started
+            rate = done / elapsed if elapsed > 0 else 0.0
+            stats = current if current is not None and current.step == step else None
+            sources = stats.bytes_by_source if stats is not None else {}
+            out.append(
+                {
+                    "step": step,
+                    "verified_bytes": done,
+                    "total_bytes": total,
+                    "percent": round(100.0 * done / total, 2) if total else 100.0,
+                    "rate_bytes_per_s": round(rate, 1),
+                    "eta_s": round((total - done) / rate, 1) if rate > 0 else None,
+                    "elapsed_s": round(elapsed, 3),
+                    "corrupt_shards": sum(stats.corrupt_by_source.values()) if stats else 0,
+                    "sources": [
+                        {"peer_id": pid, "kind": self._kind_of(pid), "bytes": n}
+                        for pid, n in sorted(sources.items(), key=lambda kv: -kv[1])
+                    ],
+                }
+            )
+        return out
+
+    def upstreams_status(self) -> list[dict[str, Any]]:
+        """The ``upstreams`` section of ``/status``: each configured upstream's state."""
+        out = []
+        for addr in self.config.upstreams:
+            pid = peer_id_of(addr)
+            info = self.upstreams.get(pid)
+            heard = self._heard.get(pid)
+            out.append(
+                {
+                    "peer_id": pid,
+                    "addr": addr,
+                    "state": "ready" if info is not None else "unreachable",
+                    "role": info.role if info is not None else None,
+                    "http_url": info.http_url if info is not None else None,
+                    "latest_step": info.committed[-1] if info and info.committed else None,
+                    "last_heard": iso(heard) if heard is not None else None,
+                    "error": self._errors.get(pid),
+                }
+            )
+        return out
+
+    def known_nodes_status(self) -> list[dict[str, Any]]:
+        """The ``known_nodes`` section of ``/status``: nodes heard through adverts."""
+        now, wall = trio.current_time(), time.time()
+        return [
+            {
+                "peer_id": a.peer_id,
+                "role": a.role,
+                "http_url": a.http_url,
+                "latest_step": max(a.committed) if a.committed else None,
+                "filling": list(a.filling),
+                "last_heard": iso(wall_of(t, now, wall)),
+            }
+            for a, t in reversed(self.directory.entries(now))
+        ]
+
+    def _families(self) -> list[Metric]:
+        ready = GaugeMetricFamily(
+            "shardnet_upstreams", "configured upstreams by state", labels=["state"]
+        )
+        n_ready = sum(1 for a in self.config.upstreams if peer_id_of(a) in self.upstreams)
+        ready.add_metric(["ready"], n_ready)
+        ready.add_metric(["unreachable"], len(self.config.upstreams) - n_ready)
+        known = GaugeMetricFamily(
+            "shardnet_known_nodes", "nodes heard through adverts, by role", labels=["role"]
+        )
+        entries = self.directory.entries(trio.current_time())
+        for role in ("relay", "peer"):
+            known.add_metric([role], sum(1 for a, _ in entries if a.role == role))
+        return [ready, known]
 
 
 __all__ = ["CommitHook", "FollowConfig", "Follower", "VersionAnnouncement", "VersionRecord"]

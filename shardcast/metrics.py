@@ -1,30 +1,68 @@
 """Prometheus metrics of a shardcast node, served at ``/metrics`` on its HTTP lane.
 
-Names follow the Prometheus conventions (``shardnet_`` prefix, base units, ``_total`` for
-counters). Values are read from the node's ``statistics()`` objects at scrape time, so there
-is no second bookkeeping to drift; each node has its own registry (no process-wide state).
+Conventions: ``shardnet_`` prefix, base units (bytes, seconds), ``_total`` for counters,
+bounded label sets only (never a step, a PeerID or a path as a label value). Each node has its
+own registry (no process-wide state). Two kinds of families:
 
-=============================================  ===========================================
-metric                                         meaning
-=============================================  ===========================================
-``shardnet_http_sent_bytes_total``             body bytes the HTTP lane sent
-``shardnet_http_requests_total``               responses started
-``shardnet_http_open_connections``             connections open now
-``shardnet_served_bytes_total{step}``          bytes handed out for one version
-``shardnet_origin_refused_total``              super-seeding refusals (origin only)
-``shardnet_versions_committed``                committed versions kept on disk
-``shardnet_latest_committed_step``             newest committed step (-1: none)
-``shardnet_versions_in_progress``              versions being filled
-``shardnet_http_received_bytes_total``         body bytes this node downloaded
-=============================================  ===========================================
+- *read at scrape time* from the statistics objects the node already keeps (HTTP lane, store,
+  libp2p host): there is no second bookkeeping to drift;
+- *event families* (counters and histograms of things that happen inside a download or a
+  publish) incremented by :class:`NodeMetrics`'s methods as they happen.
+
+Roles add their own families with :meth:`NodeMetrics.add_collector` (the trainer's rollouts,
+a peer's submissions: see :mod:`shardnet.observe`).
+
+Families every node exports (besides ``process_*`` and ``python_info``):
+
+==============================================  ==========================================
+``shardnet_build_info{version,role,run_id,peer_id}``  always 1
+``shardnet_http_requests_total{code}``          lane responses by status class (``2xx``…),
+                                                excluding ``/metrics`` and ``/status``
+``shardnet_http_sent_bytes_total``              lane body bytes sent, excluding scrapes
+``shardnet_sent_bytes_total{codec}``            shard bytes actually sent (``raw`` file
+                                                ranges, ``zstd``, ``xor-zstd`` blobs)
+``shardnet_http_received_bytes_total``          body bytes this node's HTTP client received
+``shardnet_http_open_connections``              lane connections open now
+``shardnet_http_errors_total{kind}``            abnormal lane connection ends by kind
+``shardnet_versions_held``                      committed versions kept on disk
+``shardnet_versions_in_progress``               versions being filled or hashed now
+``shardnet_versions_committed_total``           versions committed (downloaded or published)
+``shardnet_latest_step``                        newest committed step (-1: none)
+``shardnet_announced_step``                     newest announced step known (-1: none)
+``shardnet_libp2p_connected_peers``             peers with an open libp2p connection
+``shardnet_gossip_mesh_peers{topic}``           gossipsub mesh size per topic kind
+==============================================  ==========================================
+
+Origin (roles ``origin``/``trainer``): ``shardnet_superseeding_refusals_total`` (requests the
+origin answered with 429 under super-seeding) and ``shardnet_publish_hash_seconds``.
+
+Followers (``relay``/``peer``): ``shardnet_received_bytes_total{source_kind,codec}``,
+``shardnet_shards_verified_total{source_kind}``, ``shardnet_shards_corrupt_total{source_kind}``,
+``shardnet_superseeding_refusals_seen_total{source_kind}``,
+``shardnet_version_commit_latency_seconds`` (from hearing the announcement to commit),
+``shardnet_version_download_seconds``, ``shardnet_shard_fetch_seconds``,
+``shardnet_shard_verify_write_seconds``, ``shardnet_upstreams{state}``,
+``shardnet_known_nodes{role}``.
+
+``source_kind`` is ``origin``, ``relay``, ``peer`` or ``unknown``; ``codec`` is ``raw``,
+``zstd`` or ``xor-zstd``; ``code`` is ``1xx``…``5xx``.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterable, Iterator
+from importlib import metadata
 from typing import TYPE_CHECKING
 
-from prometheus_client import CollectorRegistry, generate_latest
+from prometheus_client import (
+    GC_COLLECTOR,
+    CollectorRegistry,
+    Counter,
+    Histogram,
+    PlatformCollector,
+    ProcessCollector,
+    generate_latest,
+)
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
@@ -33,64 +71,284 @@ if TYPE_CHECKING:
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 
+SOURCE_KINDS = ("origin", "relay", "peer", "unknown")
+CODECS = ("raw", "zstd", "xor-zstd")
+CODE_CLASSES = ("1xx", "2xx", "3xx", "4xx", "5xx")
+TOPIC_KINDS = ("versions", "nodes", "rollouts")
+ORIGIN_ROLES = ("origin", "trainer")
+FOLLOWER_ROLES = ("relay", "peer")
 
-class NodeCollector(Collector):
-    """Reads a node's counters at scrape time."""
+_SHARD_BUCKETS_S = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60)
+_VERSION_BUCKETS_S = (0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300, 600, 1200, 3600)
 
-    def __init__(self, node: ShardcastNode) -> None:
-        self.node = node
+
+def source_kind(role: str | None) -> str:
+    """The ``source_kind`` label value for a node of ``role`` (None: not known)."""
+    if role in ORIGIN_ROLES:
+        return "origin"
+    if role in ("relay", "peer"):
+        return role
+    return "unknown"
+
+
+def code_class(status: int) -> str:
+    """``2xx`` for 200..299 and so on (``5xx`` for anything out of range)."""
+    return f"{status // 100}xx" if 100 <= status < 600 else "5xx"
+
+
+def package_version() -> str:
+    """The installed shardnet version, or ``unknown`` when run from a bare source tree."""
+    try:
+        return metadata.version("shardnet")
+    except metadata.PackageNotFoundError:
+        return "unknown"
+
+
+class _FnCollector(Collector):
+    def __init__(self, fn: Callable[[], Iterable[Metric]]) -> None:
+        self.fn = fn
 
     def collect(self) -> Iterator[Metric]:
-        """Yield the metric families (see module docstring)."""
-        node = self.node
-        http = node.http.statistics()
-        client = node.client.statistics()
+        yield from self.fn()
+
+
+class NodeMetrics:
+    """A node's registry plus its event families (see module docstring).
+
+    Args:
+        role: the node's role (selects the role's families).
+        run_id: the run (``shardnet_build_info``).
+        peer_id: the node's PeerID (``shardnet_build_info``).
+        process: add the process and platform collectors (off for several nodes in one
+            process, where they would describe the same process several times).
+
+    Methods are cheap and safe to call from any task of the node's trio run; the registry
+    is read by the HTTP handler (same thread).
+    """
+
+    def __init__(self, role: str, run_id: str, peer_id: str, process: bool = True) -> None:
+        self.role = role
+        self.run_id = run_id
+        self.peer_id = peer_id
+        reg = self.registry = CollectorRegistry(auto_describe=True)
+        if process:
+            ProcessCollector(registry=reg)
+            PlatformCollector(registry=reg)
+            reg.register(GC_COLLECTOR)
+        self.versions_committed = Counter(
+            "shardnet_versions_committed",
+            "versions committed on this node (downloaded and verified, or published)",
+            registry=reg,
+        )
+        self.requests_by_class: dict[str, int] = dict.fromkeys(CODE_CLASSES, 0)
+        """HTTP lane responses by status class, excluding ``/metrics`` and ``/status``."""
+        self.observability_bytes = 0
+        """Body bytes of ``/metrics`` and ``/status`` responses (not lane traffic)."""
+        self.follower = role in FOLLOWER_ROLES
+        self.origin = role in ORIGIN_ROLES
+        if self.origin:
+            self.publish_hash = Histogram(
+                "shardnet_publish_hash_seconds",
+                "time to hash, encode and sign one published version, seconds",
+                buckets=_VERSION_BUCKETS_S,
+                registry=reg,
+            )
+        if self.follower:
+            self._follower_families(reg)
+
+    def _follower_families(self, reg: CollectorRegistry) -> None:
+        self.received_bytes = Counter(
+            "shardnet_received_bytes",
+            "shard bytes received, by the kind of node they came from and their codec",
+            ["source_kind", "codec"],
+            registry=reg,
+        )
+        self.shards_verified = Counter(
+            "shardnet_shards_verified",
+            "shards verified and stored, by the kind of node that sent them",
+            ["source_kind"],
+            registry=reg,
+        )
+        self.shards_corrupt = Counter(
+            "shardnet_shards_corrupt",
+            "shards that failed verification, by the kind of node blamed",
+            ["source_kind"],
+            registry=reg,
+        )
+        self.refusals_seen = Counter(
+            "shardnet_superseeding_refusals_seen",
+            "requests a source refused under super-seeding (HTTP 429), by its kind",
+            ["source_kind"],
+            registry=reg,
+        )
+        for k in SOURCE_KINDS:
+            self.shards_verified.labels(k)
+            self.shards_corrupt.labels(k)
+            self.refusals_seen.labels(k)
+            for c in CODECS:
+                self.received_bytes.labels(k, c)
+        self.commit_latency = Histogram(
+            "shardnet_version_commit_latency_seconds",
+            "from hearing a version's announcement to committing it, seconds",
+            buckets=_VERSION_BUCKETS_S,
+            registry=reg,
+        )
+        self.version_download = Histogram(
+            "shardnet_version_download_seconds",
+            "duration of one version's download (first request to commit), seconds",
+            buckets=_VERSION_BUCKETS_S,
+            registry=reg,
+        )
+        self.shard_fetch = Histogram(
+            "shardnet_shard_fetch_seconds",
+            "duration of one shard request that delivered its bytes, seconds",
+            buckets=_SHARD_BUCKETS_S,
+            registry=reg,
+        )
+        self.shard_verify = Histogram(
+            "shardnet_shard_verify_write_seconds",
+            "time to decode, hash-check and write one shard, seconds",
+            buckets=_SHARD_BUCKETS_S,
+            registry=reg,
+        )
+
+    def count_request(self, status: int) -> None:
+        """One lane response with ``status`` was produced."""
+        self.requests_by_class[code_class(status)] += 1
+
+    def bind(self, node: ShardcastNode) -> None:
+        """Add the families read from ``node`` at scrape time."""
+        self.registry.register(_FnCollector(lambda: _node_families(node, self)))
+
+    def add_collector(self, fn: Callable[[], Iterable[Metric]]) -> None:
+        """Add families produced by ``fn`` at every scrape (a role's own statistics)."""
+        self.registry.register(_FnCollector(fn))
+
+    def render(self) -> bytes:
+        """The text exposition of every family."""
+        return generate_latest(self.registry)
+
+
+def _node_families(node: ShardcastNode, m: NodeMetrics) -> Iterator[Metric]:
+    http = node.http.statistics()
+    client = node.client.statistics()
+    info = GaugeMetricFamily(
+        "shardnet_build_info",
+        "always 1; labels say which build, role, run and node this is",
+        labels=["version", "role", "run_id", "peer_id"],
+    )
+    info.add_metric([package_version(), m.role, m.run_id, m.peer_id], 1)
+    yield info
+    requests = CounterMetricFamily(
+        "shardnet_http_requests",
+        "HTTP lane responses by status class, excluding /metrics and /status",
+        labels=["code"],
+    )
+    for c, n in m.requests_by_class.items():
+        requests.add_metric([c], n)
+    yield requests
+    yield CounterMetricFamily(
+        "shardnet_http_sent_bytes",
+        "HTTP lane body bytes sent, excluding /metrics and /status",
+        value=max(0, http.bytes_sent - m.observability_bytes),
+    )
+    sent = CounterMetricFamily(
+        "shardnet_sent_bytes", "shard bytes sent over the HTTP lane, by codec", labels=["codec"]
+    )
+    by_codec = node.server.sent_by_codec
+    for c in CODECS:
+        sent.add_metric([c], by_codec.get(c, 0))
+    yield sent
+    yield GaugeMetricFamily(
+        "shardnet_http_open_connections", "open HTTP lane connections", value=http.open_connections
+    )
+    errors = CounterMetricFamily(
+        "shardnet_http_errors", "abnormal HTTP lane connection ends, by kind", labels=["kind"]
+    )
+    for kind, n in sorted(http.errors.items()):
+        errors.add_metric([kind], n)
+    yield errors
+    yield CounterMetricFamily(
+        "shardnet_http_received_bytes",
+        "HTTP body bytes this node's client received",
+        value=client.bytes_received,
+    )
+    steps = node.store.committed_steps()
+    yield GaugeMetricFamily(
+        "shardnet_versions_held", "committed versions kept on disk", value=len(steps)
+    )
+    yield GaugeMetricFamily(
+        "shardnet_latest_step", "newest committed step (-1: none)", value=steps[-1] if steps else -1
+    )
+    ann = node.announcement
+    yield GaugeMetricFamily(
+        "shardnet_announced_step",
+        "newest announced step this node knows (-1: none)",
+        value=ann.step if ann is not None else -1,
+    )
+    yield GaugeMetricFamily(
+        "shardnet_versions_in_progress",
+        "versions being downloaded or hashed now",
+        value=len(node.server.in_progress()),
+    )
+    yield GaugeMetricFamily(
+        "shardnet_libp2p_connected_peers",
+        "peers with an open libp2p connection",
+        value=len(node.p2p.connected_peers()),
+    )
+    mesh = GaugeMetricFamily(
+        "shardnet_gossip_mesh_peers", "gossipsub mesh peers, by topic kind", labels=["topic"]
+    )
+    sizes = node.p2p.mesh_sizes()
+    for kind in TOPIC_KINDS:
+        mesh.add_metric(
+            [kind], sum(n for t, n in sizes.items() if t.rsplit("/", 2)[-2:-1] == [kind])
+        )
+    yield mesh
+    if m.origin:
         yield CounterMetricFamily(
-            "shardnet_http_sent_bytes", "HTTP lane body bytes sent", value=http.bytes_sent
-        )
-        yield CounterMetricFamily(
-            "shardnet_http_requests", "HTTP responses started", value=http.requests
-        )
-        yield GaugeMetricFamily(
-            "shardnet_http_open_connections", "open HTTP connections", value=http.open_connections
-        )
-        yield CounterMetricFamily(
-            "shardnet_http_received_bytes",
-            "HTTP body bytes downloaded",
-            value=client.bytes_received,
-        )
-        served = CounterMetricFamily(
-            "shardnet_served_bytes", "bytes served per version", labels=["step"]
-        )
-        for step, n in sorted(node.server.bytes_by_step.items()):
-            served.add_metric([str(step)], n)
-        yield served
-        yield CounterMetricFamily(
-            "shardnet_origin_refused", "super-seeding refusals", value=node.server.refused_once
-        )
-        steps = node.store.committed_steps()
-        yield GaugeMetricFamily(
-            "shardnet_versions_committed", "committed versions kept", value=len(steps)
-        )
-        yield GaugeMetricFamily(
-            "shardnet_latest_committed_step",
-            "newest committed step",
-            value=steps[-1] if steps else -1,
-        )
-        yield GaugeMetricFamily(
-            "shardnet_versions_in_progress",
-            "versions being filled",
-            value=len(node.server.in_progress()),
+            "shardnet_superseeding_refusals",
+            "requests refused under origin super-seeding (HTTP 429)",
+            value=node.server.refused_once,
         )
 
 
-def registry_for(node: ShardcastNode) -> CollectorRegistry:
-    """A fresh registry holding this node's collector."""
-    reg = CollectorRegistry(auto_describe=False)
-    reg.register(NodeCollector(node))
-    return reg
+class DownloadMetrics:
+    """A :class:`~shardcast.downloader.DownloadObserver` feeding a follower's event families.
 
+    Args:
+        metrics: the node's metrics (role ``relay`` or ``peer``).
+        kind_of: the ``source_kind`` of a source id (see :func:`source_kind`).
+    """
 
-def render(registry: CollectorRegistry) -> bytes:
-    """The text exposition of ``registry``."""
-    return generate_latest(registry)
+    def __init__(self, metrics: NodeMetrics, kind_of: Callable[[str], str]) -> None:
+        if not metrics.follower:
+            raise ValueError(f"role {metrics.role!r} has no download families")
+        self.m = metrics
+        self.kind_of = kind_of
+
+    def shard_received(self, source: str, codec: str, size_bytes: int, fetch_s: float) -> None:
+        """Count the bytes and the request's duration."""
+        codec = codec if codec in CODECS else "raw"
+        self.m.received_bytes.labels(self.kind_of(source), codec).inc(size_bytes)
+        self.m.shard_fetch.observe(fetch_s)
+
+    def shard_verified(self, source: str, verify_s: float) -> None:
+        """Count the shard and the verification's duration."""
+        self.m.shards_verified.labels(self.kind_of(source)).inc()
+        self.m.shard_verify.observe(verify_s)
+
+    def shard_corrupt(self, source: str) -> None:
+        """Count a corrupt shard against its source's kind."""
+        self.m.shards_corrupt.labels(self.kind_of(source)).inc()
+
+    def refused(self, source: str) -> None:
+        """Count a super-seeding refusal."""
+        self.m.refusals_seen.labels(self.kind_of(source)).inc()
+
+    def committed(self, heard_s: float, download_s: float) -> None:
+        """A version was committed ``heard_s`` after its announcement was heard, after a
+        download of ``download_s`` seconds."""
+        self.m.versions_committed.inc()
+        self.m.commit_latency.observe(heard_s)
+        self.m.version_download.observe(download_s)

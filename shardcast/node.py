@@ -7,6 +7,9 @@ It owns, for the duration of :meth:`ShardcastNode.open`:
 - the HTTP lane server (:mod:`p2p.http_server`) serving :class:`~shardcast.serve.VersionServer`;
 - the :class:`~shardcast.store.VersionStore` of the run under ``<data_dir>/versions``;
 - the ``/shardnet/info/1.0.0`` handler answering with :class:`~shardcast.messages.NodeInfo`;
+- ``/metrics`` (:mod:`shardcast.metrics`) and ``/status`` (:mod:`shardcast.nodestatus`) on
+  the HTTP lane; components add status sections to :attr:`ShardcastNode.status_sections`
+  and metric families through :attr:`ShardcastNode.metrics`;
 - the newest verified :class:`~shardcast.messages.VersionAnnouncement` this node knows, with
   an event that fires when a newer one arrives (from gossip, an info poll, or the origin).
 """
@@ -14,10 +17,12 @@ It owns, for the duration of :meth:`ShardcastNode.open`:
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import trio
 
@@ -37,7 +42,8 @@ from p2p.identity import Identity
 from p2p.trust import TrustList
 from shardcast.manifest import check_run_id
 from shardcast.messages import INFO_PROTOCOL, MAX_INFO_BYTES, NodeInfo, VersionAnnouncement
-from shardcast.metrics import CONTENT_TYPE, registry_for, render
+from shardcast.metrics import CONTENT_TYPE, NodeMetrics
+from shardcast.nodestatus import node_status_json
 from shardcast.serve import PEER_HEADER, VersionServer
 from shardcast.store import VersionStore
 
@@ -101,6 +107,7 @@ class ShardcastNode:
         client: HttpClient,
         store: VersionStore,
         server: VersionServer,
+        metrics: NodeMetrics,
     ) -> None:
         self.identity = identity
         self.trust = trust
@@ -110,6 +117,12 @@ class ShardcastNode:
         self.client = client
         self.store = store
         self.server = server
+        self.metrics = metrics
+        self.started_at = time.time()
+        """Wall-clock start time (Unix seconds)."""
+        self.status_sections: dict[str, Callable[[], Any]] = {}
+        """Extra ``/status`` sections (name -> JSON-ready value), added by the role running
+        on this node (follower, trainer, peer)."""
         self.announcement: VersionAnnouncement | None = None
         self._announced = trio.Event()
         self._reported: set[tuple[str, ...]] = set()
@@ -140,10 +153,18 @@ class ShardcastNode:
             store, trust, wait_s=config.serve_wait_s, serve_once_s=config.serve_once_s
         )
         routes: dict[str, Callable[[], Awaitable[HttpResponse]]] = {}
+        metrics = NodeMetrics(config.role, config.run_id, identity.peer_id)
 
         async def handle(req: HttpRequest) -> HttpResponse:
             route = routes.get(req.path)
-            return await (route() if route is not None else server.handle(req))
+            if route is not None:  # observability: neither lane traffic nor lane requests
+                resp = await route()
+                if req.method == "GET" and isinstance(resp.body, bytes):
+                    metrics.observability_bytes += len(resp.body)
+                return resp
+            resp = await server.handle(req)
+            metrics.count_request(resp.status)
+            return resp
 
         try:
             async with (
@@ -151,13 +172,18 @@ class ShardcastNode:
                 open_http_server(handle, config.http) as http,
                 HttpClient(headers={PEER_HEADER: identity.peer_id}) as client,
             ):
-                node = cls(identity, trust, config, p2p, http, client, store, server)
-                registry = registry_for(node)
+                node = cls(identity, trust, config, p2p, http, client, store, server, metrics)
+                metrics.bind(node)
 
-                async def metrics() -> HttpResponse:
-                    return HttpResponse(200, [("content-type", CONTENT_TYPE)], render(registry))
+                async def metrics_route() -> HttpResponse:
+                    return HttpResponse(200, [("content-type", CONTENT_TYPE)], metrics.render())
 
-                routes["/metrics"] = metrics
+                async def status_route() -> HttpResponse:
+                    body = node_status_json(node)
+                    return HttpResponse(200, [("content-type", "application/json")], body)
+
+                routes["/metrics"] = metrics_route
+                routes["/status"] = status_route
                 p2p.serve(
                     INFO_PROTOCOL,
                     node._on_info,
@@ -236,7 +262,7 @@ class ShardcastNode:
             return None
         if self.announcement is not None and ann.step <= self.announcement.step:
             return None
-        self.set_announcement(ann)
+        self.set_announcement(ann, sender)
         return ann
 
     def report_once(self, key: tuple[str, ...]) -> bool:
@@ -252,15 +278,28 @@ class ShardcastNode:
         self._reported.add(key)
         return True
 
-    def set_announcement(self, ann: VersionAnnouncement) -> None:
-        """Record ``ann`` as the newest known version and wake waiters."""
+    def set_announcement(self, ann: VersionAnnouncement, sender: str | None = None) -> None:
+        """Record ``ann`` as the newest known version and wake waiters.
+
+        Args:
+            sender: who passed it on (None: this node announces it, i.e. the origin).
+        """
         self.announcement = ann
-        log.info(
-            "version_announced run=%s step=%d digest=%s",
-            ann.run_id,
-            ann.step,
-            ann.manifest_digest[:16],
-        )
+        if sender is None:
+            log.info(
+                "version_announced run=%s step=%d digest=%s",
+                ann.run_id,
+                ann.step,
+                ann.manifest_digest[:16],
+            )
+        else:
+            log.info(
+                "announcement_received run=%s step=%d digest=%s from=%s",
+                ann.run_id,
+                ann.step,
+                ann.manifest_digest[:16],
+                short_id(sender),
+            )
         self._announced.set()
         self._announced = trio.Event()
 

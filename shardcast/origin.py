@@ -203,6 +203,9 @@ class Origin:
             )
         finally:
             node.server.live_done(step)
+        node.metrics.versions_committed.inc()
+        if node.metrics.origin:
+            node.metrics.publish_hash.observe(hashed_at - announced_at)
         encoded: dict[str, int] = {}
         for p in parts:
             for encs in p.encodings:

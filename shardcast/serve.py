@@ -20,10 +20,11 @@ and receive it the moment it is verified — pipelining without polling. Unverif
 never served, so the lane needs no trust.
 
 Origin super-seeding (``serve_once_s``): the origin answers a shard's bytes to the first
-requester only; another requester within ``serve_once_s`` gets ``503`` and fetches it from a
-relay that already has it. The requester is the ``X-Shardnet-Peer`` header, which only steers
-this optimisation (lying only costs the origin bandwidth). This keeps the origin's egress near
-one copy of each version whatever the number of relays.
+requester only; another requester within ``serve_once_s`` gets ``429`` (with ``Retry-After``,
+distinct from the ``503`` of "not verified yet", so requesters can count refusals) and fetches
+it from a relay that already has it. The requester is the ``X-Shardnet-Peer`` header, which
+only steers this optimisation (lying only costs the origin bandwidth). This keeps the
+origin's egress near one copy of each version whatever the number of relays.
 
 A version being served is pinned in the store until the response is sent, so retention never
 deletes a file under a reader.
@@ -43,7 +44,7 @@ import trio
 from p2p.http_range import resolve_range
 from p2p.http_server import FileSlice, HttpRequest, HttpResponse, file_response
 from p2p.trust import TrustList
-from shardcast.codecs import XOR_ZSTD, ZSTD
+from shardcast.codecs import RAW, XOR_ZSTD, ZSTD
 from shardcast.manifest import Manifest
 from shardcast.policy import SuperSeeding
 from shardcast.store import VersionStore
@@ -109,6 +110,9 @@ class VersionServer:
         self._manifests: dict[int, Manifest] = {}
         self._seeding = SuperSeeding(serve_once_s)
         self.bytes_by_step: dict[int, int] = {}
+        """Body bytes of GET responses started, per step (what was promised, for reports)."""
+        self.sent_by_codec: dict[str, int] = {}
+        """Shard bytes actually sent, by codec (``raw`` file ranges, encoded blobs)."""
 
     # -- registration -----------------------------------------------------------------------
 
@@ -251,12 +255,13 @@ class VersionServer:
         if not await self._wait(step, lambda: all(self._has(step, i) for i in shards)):
             return _retry()
         if self._refuse_repeat(req, step, m, shards):
-            return _retry()
+            return _refused()
         live = self._live.get(step)
         committed = self.store.version_dir(step) / name
         return self._slice(
             req,
             step,
+            RAW,
             entry.size,
             live.version.dir / name if live is not None else committed,
             committed,
@@ -278,11 +283,11 @@ class VersionServer:
         if not primary.exists() and not committed.exists():
             return HttpResponse(404)  # this node did not keep that encoding
         if self._refuse_repeat(req, step, m, range(index, index + 1)):
-            return _retry()
-        return self._slice(req, step, offered.size, primary, committed)
+            return _refused()
+        return self._slice(req, step, encoding, offered.size, primary, committed)
 
     def _slice(
-        self, req: HttpRequest, step: int, size: int, primary: Path, committed: Path
+        self, req: HttpRequest, step: int, codec: str, size: int, primary: Path, committed: Path
     ) -> HttpResponse:
         """A (ranged) file response for ``primary``, falling back to the committed path if the
         live directory was renamed meanwhile, with the step pinned until it is sent."""
@@ -295,7 +300,10 @@ class VersionServer:
         def release() -> None:
             pin.__exit__(None, None, None)
 
-        body = dataclasses.replace(resp.body, fallbacks=(committed,), on_done=release)
+        def sent(n: int) -> None:
+            self.sent_by_codec[codec] = self.sent_by_codec.get(codec, 0) + n
+
+        body = dataclasses.replace(resp.body, fallbacks=(committed,), on_done=release, on_sent=sent)
         if req.method == "GET" and resp.status < 300:
             self.bytes_by_step[step] = self.bytes_by_step.get(step, 0) + body.length
         return dataclasses.replace(resp, body=body)
@@ -303,6 +311,11 @@ class VersionServer:
 
 def _retry() -> HttpResponse:
     return HttpResponse(503, [("retry-after", "1")])
+
+
+def _refused() -> HttpResponse:
+    """Super-seeding: fetch these bytes from another node (429 + Retry-After)."""
+    return HttpResponse(429, [("retry-after", "1")])
 
 
 OFFERED_ENCODINGS = (ZSTD, XOR_ZSTD)

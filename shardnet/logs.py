@@ -1,8 +1,12 @@
 """Logging configuration for entry points (libraries only emit; see STYLE.md §13).
 
-Messages are ``event key=value`` strings. ``--log-json`` turns each record into one JSON
-object per line with ``ts``, ``level``, ``logger``, ``event`` and the ``key=value`` pairs split
-out, so log shippers can index them.
+Messages are ``event key=value`` strings. py-libp2p's own records (and multiaddr's) are
+captured at WARNING and above and pass through the same handler as ours, rewritten as
+``libp2p_message text="…"`` so that nothing raw reaches stderr (py-libp2p detaches its
+``libp2p`` logger at import, which left its warnings to Python's last-resort handler).
+
+``--log-json`` turns each record into one JSON object per line with ``ts``, ``level``,
+``logger``, ``event`` and the ``key=value`` pairs split out, so log shippers can index them.
 """
 
 from __future__ import annotations
@@ -25,13 +29,48 @@ class JsonFormatter(logging.Formatter):
             "logger": record.name,
             "event": event,
         }
-        for part in rest.split(" "):
+        text = getattr(record, "library_text", None)
+        for part in rest.split(" ") if text is None else ():
             key, sep, val = part.partition("=")
             if sep and key.isidentifier():
                 out[key] = val
+        if text is not None:
+            out["text"] = text
         if record.exc_info:
             out["exc"] = self.formatException(record.exc_info)
         return json.dumps(out)
+
+
+LIBRARY_LOGGERS = ("libp2p", "multiaddr")
+
+
+class LibraryFilter(logging.Filter):
+    """Rewrites a library's record as ``<library>_message text="…"`` (an event like ours)."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        top = record.name.split(".", 1)[0]
+        if top in LIBRARY_LOGGERS and not getattr(record, "_shardnet_rewritten", False):
+            text = record.getMessage()
+            record.msg = f"{top}_message text={json.dumps(text)}"
+            record.args = None
+            record._shardnet_rewritten = True
+            record.library_text = text
+        return True
+
+
+def capture_library_logs(level: int) -> None:
+    """Route py-libp2p's and multiaddr's loggers to the root handler at ``level`` or above.
+
+    Imports libp2p first (through :mod:`p2p.host`) so that its import-time logging setup has
+    run and is undone here, not after.
+    """
+    import p2p.host  # noqa: F401  (libp2p's import configures its logger; undo it below)
+
+    for name in LIBRARY_LOGGERS:
+        lg = logging.getLogger(name)
+        lg.handlers.clear()
+        lg.propagate = True
+        lg.setLevel(max(logging.WARNING, level))
 
 
 def configure(level: str = "INFO", as_json: bool = False, name: str = "") -> None:
@@ -45,8 +84,8 @@ def configure(level: str = "INFO", as_json: bool = False, name: str = "") -> Non
         formatter = logging.Formatter(fmt, "%H:%M:%S")
         formatter.converter = time.gmtime
         handler.setFormatter(formatter)
+    handler.addFilter(LibraryFilter())
     root = logging.getLogger()
     root.handlers[:] = [handler]
     root.setLevel(level)
-    for noisy in ("libp2p", "multiaddr"):
-        logging.getLogger(noisy).setLevel(max(logging.WARNING, root.level))
+    capture_library_logs(root.level)

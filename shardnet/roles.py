@@ -25,6 +25,7 @@ from typing import TYPE_CHECKING, Any
 import trio
 
 from shardnet.config import OriginSettings, PeerSettings, RelaySettings, TrainerSettings
+from shardnet.observe import attach_peer, attach_trainer
 from shardnet.progress import DownloadProgress
 
 if TYPE_CHECKING:
@@ -125,6 +126,7 @@ async def run_trainer(s: TrainerSettings) -> int:
         nonlocal finished
         async with trio.open_nursery() as nursery:
             node = await nursery.start(trainer.run)
+            attach_trainer(trainer, node)
             emit_ready("trainer", node, s.ready_file)
         finished = True
 
@@ -149,11 +151,15 @@ async def run_relay(s: RelaySettings) -> int:
     async def body() -> None:
         nonlocal follower
         async with ShardcastNode.open(identity, s.trust(), s.node_config()) as node:
-            follower = Follower(
-                node, s.follow_config(s.upstream), random.Random(f"relay:{identity.peer_id}")
-            )
-            emit_ready("relay", node, s.ready_file)
-            await follower.run()
+            with DownloadProgress() as progress:
+                follower = Follower(
+                    node,
+                    s.follow_config(s.upstream),
+                    random.Random(f"relay:{identity.peer_id}"),
+                    progress=progress,
+                )
+                emit_ready("relay", node, s.ready_file)
+                await follower.run()
 
     try:
         await until_signal(body)
@@ -209,6 +215,7 @@ async def run_peer(s: PeerSettings) -> int:
         async def body() -> None:
             async with trio.open_nursery() as nursery:
                 node = await nursery.start(peer.run)
+                attach_peer(peer, node)
                 emit_ready("peer", node, s.ready_file)
 
         try:

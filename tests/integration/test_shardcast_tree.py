@@ -114,4 +114,4 @@ async def test_metrics_endpoint(tmp_path: Path) -> None:
             await client.get_bytes(o.http.url + "/metrics", max_bytes=1 << 20, timeout_s=5)
         ).decode()
         assert "shardnet_http_sent_bytes_total" in text
-        assert "shardnet_latest_committed_step 0.0" in text
+        assert "shardnet_latest_step 0.0" in text

@@ -1,0 +1,102 @@
+"""The ``/status`` document of a node: what an operator asks first, as JSON.
+
+Served on every node's HTTP lane (``GET /status``) and read by ``shardnet status``. Times are
+wall-clock ISO-8601 (UTC); durations and sizes carry their unit in the key. Schema 1::
+
+    {
+      "schema": 1, "time": "2025-…Z", "role": "relay", "peer_id": "12D3KooW…",
+      "run_id": "…", "version": "0.1.0", "http_url": "http://…", "multiaddrs": [...],
+      "started_at": "…Z", "uptime_s": 12.3,
+      "versions": {"committed": [3, 4], "latest": 4, "in_progress": [5],
+                   "announced": {"step": 5, "manifest_digest": "…"} | null},
+      "http": {"requests": {"2xx": n, …}, "sent_bytes": n, "received_bytes": n,
+               "open_connections": n},
+      "libp2p": {"connected_peers": n, "mesh_peers": {"<topic>": n}},
+      …sections added by the role (see below)
+    }
+
+Role sections (added through :attr:`ShardcastNode.status_sections`):
+
+- followers (relay, peer): ``downloads`` (per version in progress: ``step``,
+  ``verified_bytes``, ``total_bytes``, ``percent``, ``rate_bytes_per_s``, ``eta_s``,
+  ``corrupt_shards``, ``sources`` [{``peer_id``, ``kind``, ``bytes``}]), ``upstreams``
+  [{``peer_id``, ``state``, ``role``, ``http_url``, ``latest_step``, ``last_heard``, ``error``}],
+  ``known_nodes`` [{``peer_id``, ``role``, ``latest_step``, ``filling``, ``last_heard``}];
+- trainer: ``network`` (per peer: latest reported step, lag in versions, last heard),
+  ``rollouts`` (announced, pending, accepted, rejected by reason), ``reputation``;
+- peer: ``rollouts`` (submitted, acknowledged by status, pending, retries, given up);
+- ``run_card`` where the run card is known.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from datetime import UTC, datetime
+from typing import TYPE_CHECKING, Any
+
+from shardcast.metrics import package_version
+
+if TYPE_CHECKING:
+    from shardcast.node import ShardcastNode
+
+SCHEMA = 1
+
+
+def iso(unix_s: float) -> str:
+    """``unix_s`` as ISO-8601 UTC with millisecond precision (``…Z``)."""
+    t = datetime.fromtimestamp(unix_s, UTC).isoformat(timespec="milliseconds")
+    return t.replace("+00:00", "Z")
+
+
+def wall_of(clock_s: float, now_clock_s: float, now_unix_s: float) -> float:
+    """The Unix time of ``clock_s``, a reading of a monotonic clock now at ``now_clock_s``."""
+    return now_unix_s - (now_clock_s - clock_s)
+
+
+def node_status(node: ShardcastNode) -> dict[str, Any]:
+    """The status document of ``node`` (see module docstring)."""
+    now = time.time()
+    http = node.http.statistics()
+    steps = node.store.committed_steps()
+    ann = node.announcement
+    out: dict[str, Any] = {
+        "schema": SCHEMA,
+        "time": iso(now),
+        "role": node.config.role,
+        "peer_id": node.identity.peer_id,
+        "run_id": node.config.run_id,
+        "version": package_version(),
+        "http_url": node.http.url,
+        "multiaddrs": node.p2p.multiaddrs(),
+        "started_at": iso(node.started_at),
+        "uptime_s": round(now - node.started_at, 3),
+        "versions": {
+            "committed": steps,
+            "latest": steps[-1] if steps else None,
+            "in_progress": node.server.in_progress(),
+            "announced": (
+                {"step": ann.step, "manifest_digest": ann.manifest_digest}
+                if ann is not None
+                else None
+            ),
+        },
+        "http": {
+            "requests": dict(node.metrics.requests_by_class),
+            "sent_bytes": max(0, http.bytes_sent - node.metrics.observability_bytes),
+            "received_bytes": node.client.statistics().bytes_received,
+            "open_connections": http.open_connections,
+        },
+        "libp2p": {
+            "connected_peers": len(node.p2p.connected_peers()),
+            "mesh_peers": node.p2p.mesh_sizes(),
+        },
+    }
+    for name, section in node.status_sections.items():
+        out[name] = section()
+    return out
+
+
+def node_status_json(node: ShardcastNode) -> bytes:
+    """:func:`node_status` encoded as UTF-8 JSON."""
+    return json.dumps(node_status(node), sort_keys=False).encode()

@@ -1,0 +1,257 @@
+"""The trainer's and the inference peer's own ``/status`` sections and metric families.
+
+:func:`attach_trainer` and :func:`attach_peer` register them on the role's running
+:class:`~shardcast.node.ShardcastNode` (the role runners call them once the node is up; tests
+that run a role in-process call them too). Everything is read at scrape or request time from
+the statistics objects the role already keeps, so nothing here can drift from the reports.
+
+Trainer families: ``shardnet_trainer_step``, ``shardnet_trainer_async_window_versions``,
+``shardnet_trainer_mean_reward``, ``shardnet_trainer_peers{state}`` (``current``/``lagging``:
+more than the async window behind), ``shardnet_rollouts_announced_total``,
+``shardnet_rollouts_fetched_bytes_total``, ``shardnet_rollout_batches_buffered``,
+``shardnet_rollout_batches_accepted_total``, ``shardnet_rollout_batches_rejected_total``,
+``shardnet_rollout_samples_accepted_total``, ``shardnet_rollout_samples_rejected_total{reason}``,
+``shardnet_submitters_refused``, ``shardnet_rollout_rate_limited_total``.
+
+Peer families: ``shardnet_rollout_batches_submitted_total``,
+``shardnet_rollout_batches_acked_total{status}``, ``shardnet_rollout_retries_total``,
+``shardnet_rollout_batches_given_up_total``, ``shardnet_rollout_batches_pending``,
+``shardnet_peer_versions_generated_total``, ``shardnet_peer_mean_reward``.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import TYPE_CHECKING, Any
+
+import trio
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+
+from shardcast.nodestatus import iso, wall_of
+
+if TYPE_CHECKING:
+    from shardcast.node import ShardcastNode
+    from shardnet.peer import InferencePeer
+    from trainer.trainer import Trainer
+
+
+def _counter(name: str, doc: str, value: float) -> CounterMetricFamily:
+    return CounterMetricFamily(name, doc, value=value)
+
+
+def _gauge(name: str, doc: str, value: float) -> GaugeMetricFamily:
+    return GaugeMetricFamily(name, doc, value=value)
+
+
+# -- trainer --------------------------------------------------------------------------------
+
+
+def trainer_network(trainer: Trainer) -> list[dict[str, Any]]:
+    """Per peer that said hello: newest version it reported, lag in versions, last heard."""
+    if trainer.inbox is None:
+        return []
+    now, wall = trio.current_time(), time.time()
+    out = []
+    for peer in sorted(set(trainer.inbox.joined) | set(trainer.inbox.statuses)):
+        versions = trainer.inbox.statuses.get(peer, {})
+        latest = max(versions) if versions else None
+        heard = max((t for _, t in versions.values()), default=trainer.inbox.joined.get(peer))
+        out.append(
+            {
+                "peer_id": peer,
+                "latest_step": latest,
+                "lag_versions": (
+                    trainer.published - latest
+                    if latest is not None and trainer.published >= 0
+                    else None
+                ),
+                "last_heard": iso(wall_of(heard, now, wall)) if heard is not None else None,
+            }
+        )
+    return out
+
+
+def trainer_rollouts(trainer: Trainer) -> dict[str, Any]:
+    """Rollouts announced, pending, accepted and rejected by reason; submitter reputation."""
+    out: dict[str, Any] = {}
+    if trainer.inbox is not None:
+        st = trainer.inbox.statistics()
+        out.update(
+            announced=st.announcements,
+            duplicates=st.duplicates,
+            fetched_bytes=st.fetched_bytes,
+            pending_batches=st.buffered,
+            expired_samples=st.expired_samples,
+            acks=st.acks,
+        )
+    if trainer.validator is not None:
+        vs = trainer.validator.statistics()
+        out.update(
+            accepted_batches=vs.accepted_batches,
+            accepted_samples=vs.accepted_samples,
+            rejected_batches=vs.rejected_batches,
+            rejected_samples_by_reason=dict(vs.rejected_samples),
+        )
+    out["trained_samples"] = trainer.trained_samples
+    return out
+
+
+def trainer_section(trainer: Trainer) -> dict[str, Any]:
+    """The trainer's own state: step, window, newest mean reward, reputation."""
+    rewards = [r.mean_reward for r in trainer.records if r.mean_reward is not None]
+    rs = trainer.reputation.statistics()
+    return {
+        "published_step": trainer.published if trainer.published >= 0 else None,
+        "steps": trainer.config.steps,
+        "async_window_versions": trainer.config.async_level,
+        "mean_reward": rewards[-1] if rewards else None,
+        "reputation": {
+            "scores": dict(sorted(rs.scores.items())),
+            "refused": list(rs.refused),
+            "rate_limited": rs.rate_limited,
+        },
+    }
+
+
+def trainer_families(trainer: Trainer) -> list[Metric]:
+    """The trainer's families (see module docstring)."""
+    cfg = trainer.config
+    rewards = [r.mean_reward for r in trainer.records if r.mean_reward is not None]
+    network = trainer_network(trainer)
+    lagging = sum(
+        1 for p in network if p["latest_step"] is None or (p["lag_versions"] or 0) > cfg.async_level
+    )
+    peers = GaugeMetricFamily(
+        "shardnet_trainer_peers",
+        "peers that said hello, by state (lagging: more than the async window behind)",
+        labels=["state"],
+    )
+    peers.add_metric(["current"], len(network) - lagging)
+    peers.add_metric(["lagging"], lagging)
+    rs = trainer.reputation.statistics()
+    out: list[Metric] = [
+        _gauge("shardnet_trainer_step", "newest published step (-1: none)", trainer.published),
+        _gauge(
+            "shardnet_trainer_async_window_versions",
+            "how many versions behind a rollout's policy may be",
+            cfg.async_level,
+        ),
+        _gauge(
+            "shardnet_trainer_mean_reward",
+            "mean recomputed reward of the newest trained step (NaN: none yet)",
+            rewards[-1] if rewards else float("nan"),
+        ),
+        peers,
+        _gauge(
+            "shardnet_submitters_refused", "submitters refused for low reputation", len(rs.refused)
+        ),
+        _counter(
+            "shardnet_rollout_rate_limited", "announcements dropped by rate limits", rs.rate_limited
+        ),
+    ]
+    if trainer.inbox is not None:
+        st = trainer.inbox.statistics()
+        out += [
+            _counter(
+                "shardnet_rollouts_announced",
+                "rollout batch announcements received",
+                st.announcements,
+            ),
+            _counter(
+                "shardnet_rollouts_fetched_bytes", "rollout payload bytes fetched", st.fetched_bytes
+            ),
+            _gauge(
+                "shardnet_rollout_batches_buffered",
+                "verified batches waiting for a step",
+                st.buffered,
+            ),
+        ]
+    if trainer.validator is not None:
+        vs = trainer.validator.statistics()
+        rejected = CounterMetricFamily(
+            "shardnet_rollout_samples_rejected", "samples rejected, by reason", labels=["reason"]
+        )
+        for reason, n in sorted(vs.rejected_samples.items()):
+            rejected.add_metric([reason], n)
+        out += [
+            _counter("shardnet_rollout_batches_accepted", "batches accepted", vs.accepted_batches),
+            _counter("shardnet_rollout_batches_rejected", "batches rejected", vs.rejected_batches),
+            _counter("shardnet_rollout_samples_accepted", "samples accepted", vs.accepted_samples),
+            rejected,
+        ]
+    return out
+
+
+def attach_trainer(trainer: Trainer, node: ShardcastNode) -> None:
+    """Add the trainer's ``/status`` sections and metric families to ``node``."""
+    node.status_sections.update(
+        trainer=lambda: trainer_section(trainer),
+        network=lambda: trainer_network(trainer),
+        rollouts=lambda: trainer_rollouts(trainer),
+    )
+    node.metrics.add_collector(lambda: trainer_families(trainer))
+
+
+# -- inference peer -------------------------------------------------------------------------
+
+
+def peer_rollouts(peer: InferencePeer) -> dict[str, Any]:
+    """Batches submitted, acknowledged by status, pending, retried, given up."""
+    generated = [r for r in peer.records if r.generated]
+    out: dict[str, Any] = {
+        "versions_generated": len(generated),
+        "mean_reward": generated[-1].mean_reward if generated else None,
+    }
+    if peer.sender is not None:
+        st = peer.sender.statistics()
+        out.update(
+            submitted=st.submitted,
+            acked=dict(st.acked),
+            pending=st.pending,
+            retries=st.retries,
+            given_up=st.given_up,
+        )
+    return out
+
+
+def peer_families(peer: InferencePeer) -> list[Metric]:
+    """The peer's families (see module docstring)."""
+    generated = [r for r in peer.records if r.generated]
+    reward = generated[-1].mean_reward if generated else None
+    out: list[Metric] = [
+        _counter(
+            "shardnet_peer_versions_generated",
+            "versions this peer generated rollouts on",
+            len(generated),
+        ),
+        _gauge(
+            "shardnet_peer_mean_reward",
+            "own mean reward of the newest batch (NaN: none)",
+            reward if reward is not None else float("nan"),
+        ),
+    ]
+    if peer.sender is not None:
+        st = peer.sender.statistics()
+        acked = CounterMetricFamily(
+            "shardnet_rollout_batches_acked", "batches acknowledged, by status", labels=["status"]
+        )
+        for status, n in sorted(st.acked.items()):
+            acked.add_metric([status], n)
+        out += [
+            _counter(
+                "shardnet_rollout_batches_submitted", "batches handed to the sender", st.submitted
+            ),
+            acked,
+            _counter("shardnet_rollout_retries", "announcement retries", st.retries),
+            _counter(
+                "shardnet_rollout_batches_given_up", "batches abandoned unacknowledged", st.given_up
+            ),
+            _gauge("shardnet_rollout_batches_pending", "batches not acknowledged yet", st.pending),
+        ]
+    return out
+
+
+def attach_peer(peer: InferencePeer, node: ShardcastNode) -> None:
+    """Add the peer's ``/status`` section and metric families to ``node``."""
+    node.status_sections["rollouts"] = lambda: peer_rollouts(peer)
+    node.metrics.add_collector(lambda: peer_families(peer))

@@ -1,0 +1,375 @@
+"""``shardnet status [ADDR|URL]``: ask a node how it and the network are doing.
+
+A target is an HTTP lane URL (``http://host:8002``, ``host:8002``; ``/status`` is appended) or
+a libp2p multiaddr with ``/p2p/<PeerID>``: then a throwaway identity asks the node's info
+record over ``/shardnet/info/1.0.0`` for its HTTP lane URL, and reads ``/status`` there. The
+document is :mod:`shardcast.nodestatus`'s.
+
+Output: a set of tables (role, versions with progress, upstreams, known nodes; for the
+trainer the network's versions at a glance and the rollouts), ``--json`` the document itself
+(one object per line with ``--watch``), ``--watch`` a live view refreshed every
+``interval_s`` seconds until Ctrl-C.
+
+Exit status: 0; 1 when the node cannot be reached or answers garbage (one line on stderr);
+2 for a target that is neither a URL nor a multiaddr with a PeerID.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import sys
+from typing import Any
+from urllib.parse import urlsplit
+
+import trio
+from rich.console import Console, Group, RenderableType
+from rich.live import Live
+from rich.table import Table
+from rich.text import Text
+
+from p2p.errors import ConfigError, ShardnetError, short_id
+
+DEFAULT_TARGET = "http://127.0.0.1:8001"
+MAX_STATUS_BYTES = 16 << 20
+TIMEOUT_S = 10.0
+
+
+class StatusError(Exception):
+    """The node could not be asked (unreachable, not a shardnet node, bad answer)."""
+
+
+def status_url(target: str) -> str | None:
+    """The ``/status`` URL for an HTTP target, or None if ``target`` is a multiaddr.
+
+    Raises:
+        ConfigError: neither an ``http://`` URL, ``host:port`` nor a ``/p2p/`` multiaddr.
+    """
+    t = target.strip()
+    if t.startswith("/"):
+        if "/p2p/" not in t:
+            raise ConfigError("target", f"{target!r}: a multiaddr needs /p2p/<PeerID>")
+        return None
+    if "://" not in t:
+        t = "http://" + t
+    parts = urlsplit(t)
+    if parts.scheme != "http" or not parts.hostname or parts.port is None:
+        raise ConfigError("target", f"{target!r} is not http://HOST:PORT or a multiaddr")
+    path = parts.path.rstrip("/")
+    if not path.endswith("/status"):
+        path += "/status"
+    return f"http://{parts.netloc}{path}"
+
+
+async def fetch_status(target: str) -> dict[str, Any]:
+    """The status document of ``target`` (see :func:`status_url`).
+
+    Raises:
+        ConfigError: malformed target.
+        StatusError: unreachable, or not a status document.
+    """
+    from p2p.http_client import HttpClient
+
+    url = status_url(target)
+    try:
+        if url is None:
+            url = await _url_over_libp2p(target)
+        async with HttpClient() as client:
+            data = await client.get_bytes(url, max_bytes=MAX_STATUS_BYTES, timeout_s=TIMEOUT_S)
+    except ShardnetError as exc:
+        raise StatusError(f"{target}: {exc}") from exc
+    try:
+        doc = json.loads(data)
+    except ValueError as exc:
+        raise StatusError(f"{url}: not JSON ({exc})") from exc
+    if not isinstance(doc, dict) or "schema" not in doc or "role" not in doc:
+        raise StatusError(f"{url}: not a shardnet status document")
+    return doc
+
+
+async def _url_over_libp2p(addr: str) -> str:
+    """Ask the node at ``addr`` for its info record; its HTTP lane's ``/status`` URL."""
+    from p2p import wire
+    from p2p.host import HostConfig, P2PNode, peer_id_of
+    from p2p.identity import Identity
+    from shardcast.messages import INFO_PROTOCOL, MAX_INFO_BYTES, NodeInfo
+
+    pid = peer_id_of(addr)
+    async with P2PNode.open(Identity.generate(), HostConfig()) as p2p:
+        with trio.fail_after(TIMEOUT_S):
+            await p2p.connect(addr)
+        data = await p2p.request(
+            pid,
+            INFO_PROTOCOL,
+            wire.encode({"v": 1}),
+            max_response_bytes=MAX_INFO_BYTES,
+            timeout_s=TIMEOUT_S,
+        )
+    info = NodeInfo.decode(data, sender=pid)
+    return info.http_url.rstrip("/") + "/status"
+
+
+# -- rendering ------------------------------------------------------------------------------
+
+
+def _bytes(n: float | None) -> str:
+    if n is None:
+        return "-"
+    for unit in ("B", "KB", "MB", "GB", "TB"):
+        if abs(n) < 1000 or unit == "TB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1000
+    return f"{n}"
+
+
+def _secs(s: float | None) -> str:
+    if s is None or (isinstance(s, float) and math.isnan(s)):
+        return "-"
+    if s < 60:
+        return f"{s:.1f}s"
+    m, sec = divmod(int(s), 60)
+    return f"{m}m{sec:02d}s" if m < 60 else f"{m // 60}h{m % 60:02d}m"
+
+
+def _time(iso: str | None) -> str:
+    """``hh:mm:ss`` of an ISO time (the date is the status's own)."""
+    return iso[11:19] if iso else "-"
+
+
+def _steps(steps: list[int]) -> str:
+    if not steps:
+        return "none"
+    if len(steps) > 6:
+        return f"{steps[0]}…{steps[-1]} ({len(steps)})"
+    return ", ".join(map(str, steps))
+
+
+def render(doc: dict[str, Any]) -> RenderableType:
+    """Tables for one status document."""
+    parts: list[RenderableType] = []
+    v = doc.get("versions", {})
+    ann = v.get("announced")
+    head = Table.grid(padding=(0, 2))
+    head.add_column(style="bold")
+    head.add_column()
+    head.add_row("node", f"{doc['role']}  {doc.get('peer_id', '?')}")
+    head.add_row("run", f"{doc.get('run_id')}  (shardnet {doc.get('version')})")
+    head.add_row("lane", f"{doc.get('http_url')}  up {_secs(doc.get('uptime_s'))}")
+    head.add_row(
+        "versions",
+        f"held {_steps(v.get('committed', []))}; announced "
+        f"{ann['step'] if ann else '-'}; in progress {_steps(v.get('in_progress', []))}",
+    )
+    http, p2p = doc.get("http", {}), doc.get("libp2p", {})
+    req = http.get("requests", {})
+    head.add_row(
+        "traffic",
+        f"sent {_bytes(http.get('sent_bytes'))}, received {_bytes(http.get('received_bytes'))}"
+        f"; requests {' '.join(f'{k}={n}' for k, n in req.items() if n)}"
+        f"; libp2p peers {p2p.get('connected_peers', 0)}",
+    )
+    tr = doc.get("trainer")
+    if tr:
+        head.add_row(
+            "trainer",
+            f"published step {tr.get('published_step')} of {tr.get('steps')}; async window "
+            f"{tr.get('async_window_versions')}; mean reward {_num(tr.get('mean_reward'))}",
+        )
+    parts.append(head)
+    if doc.get("downloads"):
+        t = Table(title="versions in progress", title_justify="left")
+        for col in ("step", "done", "size", "rate", "ETA", "corrupt", "sources"):
+            t.add_column(col, justify="right" if col not in ("sources",) else "left")
+        for d in doc["downloads"]:
+            t.add_row(
+                str(d["step"]),
+                f"{d['percent']:.1f}%",
+                _bytes(d["total_bytes"]),
+                f"{_bytes(d['rate_bytes_per_s'])}/s",
+                _secs(d.get("eta_s")),
+                str(d.get("corrupt_shards", 0)),
+                ", ".join(
+                    f"{short_id(s['peer_id'])}({s['kind']}) {_bytes(s['bytes'])}"
+                    for s in d.get("sources", [])[:4]
+                ),
+            )
+        parts.append(t)
+    if doc.get("upstreams"):
+        t = Table(title="upstreams", title_justify="left")
+        for col in ("peer", "state", "role", "latest", "last heard", "error"):
+            t.add_column(col)
+        for u in doc["upstreams"]:
+            style = "green" if u["state"] == "ready" else "red"
+            t.add_row(
+                short_id(u["peer_id"]),
+                Text(u["state"], style=style),
+                u.get("role") or "-",
+                _opt(u.get("latest_step")),
+                _time(u.get("last_heard")),
+                (u.get("error") or "")[:60],
+            )
+        parts.append(t)
+    if doc.get("network"):
+        latest = (tr or {}).get("published_step")
+        window = (tr or {}).get("async_window_versions")
+        t = Table(title="network (peers reporting to the trainer)", title_justify="left")
+        for col in ("peer", "latest", "behind", "last heard"):
+            t.add_column(col)
+        for p in doc["network"]:
+            lag = p.get("lag_versions")
+            bad = lag is None or (window is not None and lag > window)
+            t.add_row(
+                short_id(p["peer_id"]),
+                _opt(p.get("latest_step")),
+                Text(_opt(lag), style="red" if bad and latest is not None else ""),
+                _time(p.get("last_heard")),
+            )
+        parts.append(t)
+    if doc.get("known_nodes"):
+        t = Table(title="known nodes (adverts)", title_justify="left")
+        for col in ("peer", "role", "latest", "filling", "last heard"):
+            t.add_column(col)
+        for n in doc["known_nodes"][:20]:
+            t.add_row(
+                short_id(n["peer_id"]),
+                n["role"],
+                _opt(n.get("latest_step")),
+                _steps(n.get("filling", [])),
+                _time(n.get("last_heard")),
+            )
+        parts.append(t)
+    ro = doc.get("rollouts")
+    if ro:
+        t = Table(title="rollouts", title_justify="left", show_header=False)
+        t.add_column(style="bold")
+        t.add_column()
+        for k, val in ro.items():
+            t.add_row(k.replace("_", " "), _fmt(val))
+        if tr and tr.get("reputation", {}).get("scores"):
+            rep = tr["reputation"]
+            t.add_row(
+                "reputation",
+                ", ".join(f"{short_id(p)}={s:.2f}" for p, s in rep["scores"].items()),
+            )
+            if rep.get("refused"):
+                t.add_row("refused", ", ".join(short_id(p) for p in rep["refused"]))
+        parts.append(t)
+    card = doc.get("run_card")
+    if card:
+        t = Table(title="run card", title_justify="left", show_header=False)
+        t.add_column(style="bold")
+        t.add_column()
+        for k, val in card.items() if isinstance(card, dict) else []:
+            t.add_row(str(k), _fmt(val))
+        parts.append(t)
+    return Group(*parts)
+
+
+def _opt(x: object) -> str:
+    return "-" if x is None else str(x)
+
+
+def _num(x: float | None) -> str:
+    return "-" if x is None else f"{x:.4f}"
+
+
+def _fmt(val: object) -> str:
+    if isinstance(val, dict):
+        return ", ".join(f"{k}={v}" for k, v in val.items()) or "none"
+    if isinstance(val, float):
+        return f"{val:.4f}"
+    return _opt(val)
+
+
+# -- the command ----------------------------------------------------------------------------
+
+
+def run_status(
+    target: str | None,
+    json_out: bool = False,
+    watch: bool = False,
+    interval_s: float = 2.0,
+    *,
+    console: Console | None = None,
+    max_refreshes: int | None = None,
+) -> int:
+    """``shardnet status``: print the status of ``target`` (default :data:`DEFAULT_TARGET`).
+
+    Args:
+        target: URL or multiaddr (see module docstring).
+        json_out: print the document as JSON instead of tables.
+        watch: refresh every ``interval_s`` seconds until Ctrl-C (``--json``: one line each).
+        interval_s: refresh period, seconds (> 0).
+        console: where tables go (tests); stdout by default.
+        max_refreshes: stop watching after this many documents (tests).
+
+    Returns:
+        the exit status (see module docstring).
+    """
+    out = console or Console()
+    target = target or DEFAULT_TARGET
+    try:
+        status_url(target)
+        if interval_s <= 0:
+            raise ConfigError("interval_s", "must be > 0")
+    except ConfigError as exc:
+        print(f"shardnet status: {exc}", file=sys.stderr)
+        return 2
+    if not watch:
+        try:
+            doc = trio.run(fetch_status, target)
+        except StatusError as exc:
+            print(f"shardnet status: {exc}", file=sys.stderr)
+            return 1
+        if json_out:
+            print(json.dumps(doc, indent=2))
+        else:
+            out.print(render(doc))
+        return 0
+    try:
+        trio.run(_watch, target, json_out, interval_s, out, max_refreshes)
+    except KeyboardInterrupt:
+        pass
+    return 0
+
+
+async def _watch(
+    target: str, json_out: bool, interval_s: float, out: Console, max_refreshes: int | None
+) -> None:
+    shown = 0
+    if json_out:
+        while max_refreshes is None or shown < max_refreshes:
+            try:
+                doc: dict[str, Any] | str = await fetch_status(target)
+            except StatusError as exc:
+                doc = {"error": str(exc)}
+            print(json.dumps(doc), flush=True)
+            shown += 1
+            await trio.sleep(interval_s)
+        return
+    with Live(Text("asking " + target), console=out, auto_refresh=False) as live:
+        while max_refreshes is None or shown < max_refreshes:
+            try:
+                view: RenderableType = render(await fetch_status(target))
+            except StatusError as exc:
+                view = Text(f"{exc} (retrying every {interval_s:g}s)", style="red")
+            live.update(view, refresh=True)
+            shown += 1
+            await trio.sleep(interval_s)
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``python -m shardnet.status [--json] [--watch] [--interval-s S] [TARGET]``."""
+    import argparse
+
+    ap = argparse.ArgumentParser(prog="shardnet status", description=__doc__.split("\n")[0])
+    ap.add_argument("target", nargs="?", default=None, help="HTTP lane URL or multiaddr")
+    ap.add_argument("--json", action="store_true", help="print the status document as JSON")
+    ap.add_argument("--watch", action="store_true", help="refresh until Ctrl-C")
+    ap.add_argument("--interval-s", type=float, default=2.0, help="refresh period, seconds")
+    a = ap.parse_args(argv)
+    return run_status(a.target, a.json, a.watch, a.interval_s)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,52 @@
+"""shardnet.logs: py-libp2p's records come out through our handler, in our format."""
+
+from __future__ import annotations
+
+import json
+import logging
+from collections.abc import Iterator
+
+import pytest
+
+from shardnet.logs import configure
+
+
+@pytest.fixture
+def _restore_logging() -> Iterator[None]:
+    root = logging.getLogger()
+    saved = (root.handlers[:], root.level)
+    libs = {
+        n: (lg.handlers[:], lg.level, lg.propagate)
+        for n in ("libp2p", "multiaddr")
+        for lg in [logging.getLogger(n)]
+    }
+    yield
+    root.handlers[:], root.level = saved[0], saved[1]
+    for n, (h, lvl, prop) in libs.items():
+        lg = logging.getLogger(n)
+        lg.handlers[:], lg.propagate = h, prop
+        lg.setLevel(lvl)
+
+
+@pytest.mark.usefixtures("_restore_logging")
+def test_libp2p_warnings_formatted_like_ours(capsys: pytest.CaptureFixture[str]) -> None:
+    configure("INFO", name="relay")
+    logging.getLogger("libp2p.pubsub.gossipsub").warning("GRAFT: ignoring request from %s", "X")
+    logging.getLogger("libp2p.pubsub.gossipsub").info("chatty detail")  # below WARNING
+    logging.getLogger("shardcast.node").info("node_ready role=relay")
+    err = capsys.readouterr().err.splitlines()
+    assert len(err) == 2
+    assert err[0].endswith('libp2p_message text="GRAFT: ignoring request from X"')
+    assert " WARNING relay libp2p.pubsub.gossipsub " in err[0]
+    assert err[1].endswith("node_ready role=relay")
+
+
+@pytest.mark.usefixtures("_restore_logging")
+def test_libp2p_warnings_as_json(capsys: pytest.CaptureFixture[str]) -> None:
+    configure("INFO", as_json=True)
+    logging.getLogger("libp2p.network").warning("dial failed: a b c")
+    (line,) = capsys.readouterr().err.splitlines()
+    rec = json.loads(line)
+    assert rec["event"] == "libp2p_message"
+    assert rec["text"] == "dial failed: a b c"
+    assert rec["level"] == "WARNING"
