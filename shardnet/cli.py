@@ -132,6 +132,25 @@ def sample_config(
 
 
 @app.command()
+def status(
+    target: Annotated[
+        str | None,
+        typer.Argument(
+            help="HTTP lane URL (http://HOST:PORT) or multiaddr with /p2p/<PeerID> of any "
+            "node [default: http://127.0.0.1:8001, a local trainer]"
+        ),
+    ] = None,
+    json_out: Annotated[bool, Opt("--json", help="Print the status document as JSON.")] = False,
+    watch: Annotated[bool, Opt("--watch", help="Refresh in place until Ctrl-C.")] = False,
+    interval_s: Annotated[float, Opt("--interval-s", help="Refresh period, seconds.")] = 2.0,
+) -> None:
+    """Show a node's status: versions, downloads, upstreams, known nodes, rollouts, run card."""
+    from shardnet.status import run_status
+
+    raise typer.Exit(run_status(target, json_out, watch, interval_s))
+
+
+@app.command()
 def demo(
     model: Annotated[
         str, Opt("--model", help="tiny (10 steps) or real-1b (2 steps, >= 1 GiB checkpoint).")

@@ -356,20 +356,3 @@ async def _watch(
             live.update(view, refresh=True)
             shown += 1
             await trio.sleep(interval_s)
-
-
-def main(argv: list[str] | None = None) -> int:
-    """``python -m shardnet.status [--json] [--watch] [--interval-s S] [TARGET]``."""
-    import argparse
-
-    ap = argparse.ArgumentParser(prog="shardnet status", description=__doc__.split("\n")[0])
-    ap.add_argument("target", nargs="?", default=None, help="HTTP lane URL or multiaddr")
-    ap.add_argument("--json", action="store_true", help="print the status document as JSON")
-    ap.add_argument("--watch", action="store_true", help="refresh until Ctrl-C")
-    ap.add_argument("--interval-s", type=float, default=2.0, help="refresh period, seconds")
-    a = ap.parse_args(argv)
-    return run_status(a.target, a.json, a.watch, a.interval_s)
-
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -70,7 +70,7 @@ async def _scrape(nodes: dict[str, ShardcastNode]) -> dict[str, tuple[dict[str, 
 
 async def _cli(*args: str) -> tuple[int, str, str]:
     proc = await trio.run_process(
-        [sys.executable, "-m", "shardnet.status", *args],
+        [sys.executable, "-m", "shardnet.cli", "status", *args],
         capture_stdout=True,
         capture_stderr=True,
         check=False,

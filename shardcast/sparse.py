@@ -1,0 +1,164 @@
+"""The ``sparse`` delta encoding: positions and differences of the changed 16-bit words.
+
+Theory of operation
+-------------------
+Consecutive RL checkpoints differ in a few percent of their bf16 elements, and an element that
+changes under a small learning rate usually moves by one or two units in the last place (ulp).
+PULSE (arXiv 2602.03839) ships such steps as lossless sparse patches: the changed positions and
+their new values, compressed. ``sparse`` does the same on a shard's bytes read as little-endian
+16-bit words (the byte pairs at even offsets from the shard's start; bf16 tensors in a
+safetensors file start at even offsets, and any other dtype still round-trips exactly, only
+less compactly):
+
+- the gap before each changed word (``index - previous index``, the first from -1), as uint32;
+- its difference ``new - base`` modulo 2**16, as uint16, where ``base`` is the same word of the
+  previous version: mostly +-1, so it compresses much better than the new value or an XOR.
+
+Both arrays are stored as byte planes (all low bytes, then all next bytes, ...) inside one zstd
+frame, so runs of zero high bytes cost almost nothing. A shard of odd length carries its last
+byte in the header. Layout (little-endian)::
+
+    b"SPD1" | u64 length | u32 count | u8 has_tail | u8 tail_byte | zstd(planes)
+
+where ``planes`` is exactly ``6 * count`` bytes. Decoding copies the base and patches
+``count`` words: its cost is the base copy (which a caller patching in place avoids) plus work
+proportional to the changes. Every field is checked before any allocation that depends on it:
+``count`` cannot exceed the number of words, the frame must declare exactly ``6 * count``
+bytes, and indices must stay inside the shard, so hostile input costs at most ``O(length)``.
+"""
+
+from __future__ import annotations
+
+import struct
+
+import numpy as np
+import zstandard
+
+from p2p.errors import IntegrityError, LocalProtocolError
+
+MAGIC = b"SPD1"
+_HEADER = struct.Struct("<4sQIBB")
+HEADER_BYTES = _HEADER.size
+MAX_WINDOW_BYTES = 1 << 27
+
+
+class SparseError(IntegrityError):
+    """A sparse blob that does not decode within its bounds (the sender's fault)."""
+
+
+Buffer = bytes | bytearray | memoryview
+
+
+def _words(buf: Buffer, n_words: int) -> np.ndarray:
+    return np.frombuffer(buf, dtype="<u2", count=n_words)
+
+
+def encode_sparse(raw: Buffer, base: Buffer, level: int = 3) -> bytes:
+    """Encode ``raw`` as a patch of ``base`` (same length).
+
+    Args:
+        raw: the new shard bytes.
+        base: the same byte range of the base version.
+        level: zstd level of the planes.
+
+    Returns:
+        the blob (header + one zstd frame).
+
+    Raises:
+        LocalProtocolError: lengths differ.
+    """
+    if len(raw) != len(base):
+        raise LocalProtocolError(f"sparse delta of {len(raw)} and {len(base)} bytes")
+    n = len(raw)
+    n_words = n // 2
+    new = _words(raw, n_words)
+    old = _words(base, n_words)
+    idx = np.flatnonzero(new != old)
+    gaps = np.diff(idx, prepend=-1).astype("<u4")
+    diffs = (new[idx] - old[idx]).astype("<u2")  # wraps modulo 2**16
+    planes = np.concatenate(
+        [
+            gaps.view(np.uint8).reshape(-1, 4).T.reshape(-1),
+            diffs.view(np.uint8).reshape(-1, 2).T.reshape(-1),
+        ]
+    )
+    has_tail = n % 2
+    tail = raw[n - 1] if has_tail else 0
+    header = _HEADER.pack(MAGIC, n, len(idx), has_tail, tail)
+    cctx = zstandard.ZstdCompressor(level=level, write_content_size=True)
+    return header + cctx.compress(planes.tobytes())
+
+
+def decode_sparse(
+    blob: Buffer,
+    length: int,
+    base: Buffer,
+    source: str = "",
+    out: bytearray | memoryview | None = None,
+) -> memoryview:
+    """Apply a sparse blob to ``base``.
+
+    Args:
+        blob: the received bytes.
+        length: the shard's decoded length (from the manifest).
+        base: the base version's bytes of the same range.
+        source: who sent the blob (for errors).
+        out: where the result goes (a writable buffer of at least ``length`` bytes). It may be
+            ``base`` itself: the patch is then applied in place, touching only changed words.
+
+    Returns:
+        a view of the decoded shard in ``out`` (the caller checks its digest).
+
+    Raises:
+        SparseError: bad magic, a header that disagrees with ``length``, a count over the
+            number of words, a frame of the wrong declared size, or an index out of range.
+        LocalProtocolError: ``base`` or ``out`` of the wrong length.
+    """
+    if len(base) != length:
+        raise LocalProtocolError("sparse decoding needs a base of the shard's length")
+    if len(blob) < HEADER_BYTES:
+        raise SparseError(f"sparse blob of {len(blob)} bytes is shorter than its header", source)
+    magic, n, count, has_tail, tail = _HEADER.unpack_from(blob)
+    if magic != MAGIC:
+        raise SparseError("not a sparse blob (bad magic)", source)
+    if n != length or has_tail != length % 2 or (not has_tail and tail):
+        raise SparseError(f"sparse blob is for {n} bytes, expected {length}", source)
+    n_words = length // 2
+    if count > n_words:
+        raise SparseError(f"sparse blob lists {count} changes of {n_words} words", source)
+    frame = memoryview(blob)[HEADER_BYTES:]
+    want = 6 * count
+    try:
+        params = zstandard.get_frame_parameters(bytes(frame[:18]))
+    except zstandard.ZstdError as exc:
+        raise SparseError(f"sparse planes are not a zstd frame: {exc}", source) from exc
+    if params.content_size != want or params.window_size > MAX_WINDOW_BYTES:
+        raise SparseError(f"sparse planes declare {params.content_size} bytes, not {want}", source)
+    try:
+        planes = zstandard.ZstdDecompressor(max_window_size=MAX_WINDOW_BYTES).decompress(
+            frame, max_output_size=want
+        )
+    except zstandard.ZstdError as exc:
+        raise SparseError(f"sparse planes do not decode: {exc}", source) from exc
+    if len(planes) != want:
+        raise SparseError(f"sparse planes decode to {len(planes)} bytes, not {want}", source)
+    p = np.frombuffer(planes, dtype=np.uint8)
+    gaps = np.ascontiguousarray(p[: 4 * count].reshape(4, count).T).view("<u4").reshape(-1)
+    diffs = np.ascontiguousarray(p[4 * count :].reshape(2, count).T).view("<u2").reshape(-1)
+    if count and not gaps.all():  # every gap >= 1: indices strictly increasing, first >= 0
+        raise SparseError("sparse indices are not strictly increasing", source)
+    idx = np.cumsum(gaps, dtype=np.int64) - 1
+    if count and idx[-1] >= n_words:
+        raise SparseError(f"sparse index {int(idx[-1])} outside {n_words} words", source)
+    if out is None:
+        out = bytearray(length)
+    if len(out) < length:
+        raise LocalProtocolError("sparse output buffer too short")
+    view = memoryview(out)[:length]
+    if out is not base:
+        view[:] = base
+    words = np.frombuffer(view, dtype="<u2", count=n_words)
+    words[idx] = words[idx] + diffs
+    if has_tail:
+        view[length - 1] = tail
+    return view
