@@ -234,7 +234,11 @@ class RunCard:
             "card_version": self.card_version,
             "run_id": self.run_id,
             "trainer": self.trainer,
-            "task": {"name": self.task.name, "version": self.task.version, "digest": self.task.digest},
+            "task": {
+                "name": self.task.name,
+                "version": self.task.version,
+                "digest": self.task.digest,
+            },
             "sampling": {
                 "prompts_per_step": self.sampling.prompts_per_step,
                 "group_size": self.sampling.group_size,
@@ -257,7 +261,9 @@ class RunCard:
 
     def same_rules(self, other: RunCard) -> bool:
         """True if ``other`` has the same rules (version and issue time aside)."""
-        return replace(other, card_version=self.card_version, issued_at_ms=self.issued_at_ms) == self
+        return (
+            replace(other, card_version=self.card_version, issued_at_ms=self.issued_at_ms) == self
+        )
 
     @classmethod
     def from_obj(cls, obj: Any, source: str = "") -> RunCard:
@@ -386,7 +392,11 @@ class SignedRunCard:
 
     def envelope(self) -> dict[str, Any]:
         """The JSON envelope ``{"body", "signer", "signature"}``."""
-        return {"body": self.card.to_obj(), "signer": self.signer, "signature": self.signature.hex()}
+        return {
+            "body": self.card.to_obj(),
+            "signer": self.signer,
+            "signature": self.signature.hex(),
+        }
 
     def encode(self) -> bytes:
         """Canonical JSON bytes of the envelope (what is stored and served)."""

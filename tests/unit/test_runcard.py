@@ -57,14 +57,14 @@ def test_round_trip_and_canonical_bytes() -> None:
     assert back.digest == _card().digest()
     # canonical: sorted keys, no whitespace, temperature as its shortest decimal
     body = _card().canonical_bytes()
-    assert body == json.dumps(
-        json.loads(body), sort_keys=True, separators=(",", ":")
-    ).encode()
+    assert body == json.dumps(json.loads(body), sort_keys=True, separators=(",", ":")).encode()
     assert b'"temperature":"0.7"' in body
     assert b" " not in body
     # a re-ordered but equal envelope still verifies (the body is re-canonicalized)
     env = json.loads(data)
-    shuffled = json.dumps({"signature": env["signature"], "signer": env["signer"], "body": env["body"]})
+    shuffled = json.dumps(
+        {"signature": env["signature"], "signer": env["signer"], "body": env["body"]}
+    )
     assert SignedRunCard.decode(shuffled.encode(), trainer=TRAINER.peer_id) == signed
 
 
@@ -162,7 +162,7 @@ def test_choose_engine() -> None:
     assert choose_engine(card, both) == EngineSpec("vllm", "bf16")
     assert choose_engine(card, both, "transformers") == EngineSpec("transformers", "bf16")
     only_vllm = _card(engines=(EngineSpec("vllm", "bf16"),))
-    with pytest.raises(UnsupportedEngine, match="vllm-bf16.*transformers-bf16"):
+    with pytest.raises(UnsupportedEngine, match=r"vllm-bf16.*transformers-bf16"):
         choose_engine(only_vllm, tf)
     with pytest.raises(UnsupportedEngine, match="not among"):
         choose_engine(_card(), both, "vllm")
