@@ -56,6 +56,7 @@ __all__ = [
     "CARD_DOMAIN",
     "CARD_FILE",
     "CARD_SCHEMA",
+    "DEFAULT_ENGINE",
     "MAX_CARD_BYTES",
     "BadRunCardSignature",
     "EngineSpec",
@@ -195,6 +196,10 @@ class EngineSpec:
                 field, f"{text!r} is not FAMILY-DTYPE (e.g. transformers-bf16; dtypes {_DTYPES})"
             )
         return cls(family, dtype)
+
+
+DEFAULT_ENGINE = EngineSpec("transformers", "bf16")
+"""The engine a run accepts unless told otherwise."""
 
 
 @dataclass(frozen=True)
