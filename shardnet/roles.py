@@ -153,13 +153,21 @@ async def run_relay(s: RelaySettings) -> int:
     from shardcast.node import ShardcastNode
 
     identity = s.identity()
-    card = await join_card(s, identity, tuple(s.upstream))
+    # with --run-id the relay starts at once and fetches the card from its upstreams' info;
+    # without, it needs the card's run id first
+    card = (
+        await join_card(s, identity, tuple(s.upstream))
+        if s.run_id is None
+        else check_data_dir(s.data_dir, s.run_id, _trainer_id(s))
+    )
+    run_id = card.card.run_id if card is not None else s.run_id
     follower: Follower | None = None
 
     async def body() -> None:
         nonlocal follower
-        async with ShardcastNode.open(identity, s.trust(), s.node_config(card.card.run_id)) as node:
-            node.set_card(card)
+        async with ShardcastNode.open(identity, s.trust(), s.node_config(run_id)) as node:
+            if card is not None:
+                node.set_card(card)
             follower = Follower(
                 node, s.follow_config(s.upstream), random.Random(f"relay:{identity.peer_id}")
             )
@@ -233,6 +241,11 @@ async def run_peer(s: PeerSettings) -> int:
     return 0
 
 
+def _trainer_id(s: RelaySettings | PeerSettings) -> str:
+    """The pinned trainer PeerID (a malformed one fails here, in one line)."""
+    return s.trust().trainer
+
+
 def local_engines() -> dict[str, frozenset[str]]:
     """Engine family -> dtypes this machine can run (vllm only when installed)."""
     from rollout.engine_vllm import vllm_available
@@ -254,8 +267,7 @@ async def join_card(
             for another run than ``run_id``, or every address offers a card that does not
             verify against ``trainer_id`` (see :func:`shardcast.cardsync.bootstrap_card`).
     """
-    s.trust()  # a malformed trainer_id fails here, in one line
-    card = check_data_dir(s.data_dir, s.run_id, s.trainer_id)
+    card = check_data_dir(s.data_dir, s.run_id, _trainer_id(s))
     if card is None:
         card = await bootstrap_card(identity, addrs, s.trainer_id)
         if s.run_id is not None and card.card.run_id != s.run_id:
