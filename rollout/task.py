@@ -20,15 +20,19 @@ steps. A trailing ``<eos>`` is the stop signal, not content: it is left out of t
 from __future__ import annotations
 
 import hashlib
+import json
 import random
 from collections.abc import Sequence
-from typing import Protocol, cast, runtime_checkable
+from typing import TYPE_CHECKING, Protocol, cast, runtime_checkable
 
-from transformers import PreTrainedTokenizerFast
+import blake3
 
 from p2p.errors import LocalProtocolError
 
-__all__ = ["DEFAULT_TASK", "DigitTask", "Task", "prompts_for", "reward"]
+if TYPE_CHECKING:  # annotations only: this module stays importable without torch
+    from transformers import PreTrainedTokenizerFast
+
+__all__ = ["DEFAULT_TASK", "DigitTask", "Task", "prompts_for", "reward", "task_data_digest"]
 
 
 @runtime_checkable
@@ -64,6 +68,12 @@ class DigitTask:
     """
 
     name = "digits/1"
+    family = "digits"
+    version = 1
+
+    def data_digest(self) -> str:
+        """The task's data digest for the run card: :func:`task_data_digest` of this task."""
+        return task_data_digest()
 
     def prompts_for(self, peer_id: str, step: int, n: int) -> list[str]:
         """Deterministic prompts for ``(peer_id, step)``.
@@ -112,6 +122,28 @@ class DigitTask:
 def _digit_ids(tokenizer: PreTrainedTokenizerFast) -> frozenset[int]:
     ids = [cast(int | None, tokenizer.convert_tokens_to_ids(c)) for c in "0123456789"]
     return frozenset(i for i in ids if i is not None and i != tokenizer.unk_token_id)
+
+
+def task_data_digest() -> str:
+    """BLAKE3 hex digest of everything that defines :class:`DigitTask`'s prompts and reward.
+
+    The built-in task has no data file: its "data" are the word lists, the prompt template,
+    the seed derivation and the reward rule. They are written out here as canonical JSON and
+    hashed, so a change to any of them changes the digest (and must bump ``version``). The
+    value is pinned by ``tests/unit/test_runcard.py``.
+    """
+    data = {
+        "task": DigitTask.family,
+        "version": DigitTask.version,
+        "subjects": list(_SUBJECTS),
+        "objects": list(_OBJECTS),
+        "template": "{verb} {digit} {noun}, then {digit}:",
+        "seed": "sha256(name 0x1f peer_id 0x1f step)[:8] big-endian; random.Random",
+        "draws": "choice(subjects), choice(objects), randrange(10), randrange(10)",
+        "reward": "share of completion tokens in '0'..'9', a trailing eos excluded",
+    }
+    canonical = json.dumps(data, sort_keys=True, separators=(",", ":"), ensure_ascii=True)
+    return blake3.blake3(canonical.encode()).hexdigest()
 
 
 DEFAULT_TASK: Task = DigitTask()

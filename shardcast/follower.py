@@ -4,9 +4,11 @@ Relays and inference peers are followers. A follower is given the multiaddrs of 
 (a relay's upstream is the origin or another relay; a peer's are relays). For each upstream it
 keeps a connection and polls the upstream's info record every ``poll_interval_s`` (which also
 carries the newest announcement the upstream knows); it also listens to the run's gossip
-topics: version announcements, and node adverts (:mod:`shardcast.discovery`) that tell which
-other nodes hold or are filling a version. Whichever path delivers a newer, trainer-signed
-announcement first wakes the download loop, which
+topics: version announcements (each names the run card it was made under; a newer card is
+fetched from an upstream and adopted before the version is used), and node adverts
+(:mod:`shardcast.discovery`) that tell which other nodes hold or are filling a version.
+Whichever path delivers a newer, trainer-signed announcement first wakes the download loop,
+which
 
 1. fetches the manifest document from an upstream (header digest checked against the
    announcement, every signature against the pinned trainer) — parts may still be missing;
@@ -37,6 +39,7 @@ from prometheus_client.core import GaugeMetricFamily, Metric
 from p2p.errors import ConfigError, ShardnetError, TransportError, short_id
 from p2p.host import peer_id_of
 from p2p.http_errors import NotAvailable
+from shardcast.cardsync import fetch_card
 from shardcast.catchup import plan
 from shardcast.discovery import NodeAdvert, SourceDirectory, nodes_topic
 from shardcast.downloader import (
@@ -226,9 +229,39 @@ class Follower:
                         info.http_url,
                     )
                     self._note_upstream()
+                if info.card_version > self._card_version():
+                    await self._fetch_card(pid)
                 if info.announcement is not None:
                     self._offer(info.announcement, pid)
             await trio.sleep(self.config.poll_interval_s)
+
+    def _card_version(self) -> int:
+        card = self.node.card
+        return card.version if card is not None else 0
+
+    async def _fetch_card(self, pid: str) -> bool:
+        """Fetch ``pid``'s run card, verify it and adopt it if newer; False on any failure."""
+        try:
+            card = await fetch_card(self.node.p2p, pid, self.node.trust.trainer)
+        except ShardnetError as exc:
+            log.warning("runcard_refused upstream=%s error=%s", short_id(pid), exc)
+            return False
+        return card is not None and self.node.set_card(card)
+
+    async def _ensure_card(self, ann: VersionAnnouncement) -> None:
+        """Hold the version back until the node has the card its announcement names."""
+        while self._card_version() < ann.card_version and not self._superseded(ann.step):
+            for pid in sorted(self.upstreams):
+                if await self._fetch_card(pid) and self._card_version() >= ann.card_version:
+                    return
+            log.info(
+                "runcard_waiting step=%d card_version=%d have=%d",
+                ann.step,
+                ann.card_version,
+                self._card_version(),
+            )
+            with trio.move_on_after(self.config.poll_interval_s):
+                await self.node.wait_card(ann.card_version)
 
     async def _listen_versions(self) -> None:
         sub = await self.node.p2p.subscribe(versions_topic(self.node.config.run_id))
@@ -318,6 +351,7 @@ class Follower:
             ann = await self.node.wait_announcement(newer_than=current)
             while not self.upstreams:
                 await self._upstream_changed.wait()
+            await self._ensure_card(ann)
             newer = functools.partial(self._superseded, ann.step)
             target = await self.fetch_manifest(ann.run_id, ann.step, ann.manifest_digest, newer)
             if target is None:

@@ -39,6 +39,7 @@ import blake3
 from p2p.errors import IntegrityError, RemoteProtocolError
 from p2p.identity import Identity, verify
 from p2p.trust import TrustList
+from shardcast.canonical import DIGEST_RE, RUN_ID_RE, blake3_hex, canonical_json
 from shardcast.codecs import XOR_ZSTD, ZSTD
 
 SCHEMA_VERSION = 2
@@ -52,8 +53,8 @@ MAX_SHARDS = 1_000_000
 MAX_FILE_BYTES = 1 << 44  # 16 TiB
 MANIFEST_FILE = "manifest.json"
 _NAME_RE = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9._-]{0,254}$")
-_RUN_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
-_DIGEST_RE = re.compile(r"^[0-9a-f]{64}$")
+_RUN_RE = RUN_ID_RE
+_DIGEST_RE = DIGEST_RE
 OFFERABLE = (ZSTD, XOR_ZSTD)
 
 
@@ -86,35 +87,7 @@ def check_run_id(run_id: object, source: str = "") -> str:
     return run_id
 
 
-def blake3_hex(data: bytes | bytearray | memoryview) -> str:
-    """BLAKE3-256 digest of ``data`` as 64 lowercase hex characters."""
-    return blake3.blake3(data, max_threads=blake3.blake3.AUTO).hexdigest()
-
-
 EMPTY_DIGEST = blake3.blake3(b"").hexdigest()
-
-
-def canonical_json(obj: Any) -> bytes:
-    """Canonical JSON: sorted keys, no whitespace, ASCII only; rejects floats.
-
-    Raises:
-        TypeError: ``obj`` contains a float or another non-JSON type (caller bug).
-    """
-    _reject_floats(obj)
-    return json.dumps(
-        obj, sort_keys=True, separators=(",", ":"), ensure_ascii=True, allow_nan=False
-    ).encode()
-
-
-def _reject_floats(obj: Any) -> None:
-    if isinstance(obj, float):
-        raise TypeError("floats are not allowed in canonical manifests")
-    if isinstance(obj, Mapping):
-        for v in obj.values():
-            _reject_floats(v)
-    elif isinstance(obj, list | tuple):
-        for v in obj:
-            _reject_floats(v)
 
 
 def _int(obj: Mapping[str, Any], key: str, lo: int, hi: int, source: str) -> int:

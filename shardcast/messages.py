@@ -4,18 +4,20 @@ Both are canonical CBOR maps (see :mod:`p2p.wire`) with a schema version field `
 
 ``VersionAnnouncement`` (gossip topic :func:`versions_topic`, and inside ``NodeInfo``): the
 trainer's signed statement "run R has version N with manifest digest D; submit rollouts to
-these multiaddrs". It is small (a few hundred bytes); the manifest itself is fetched over the
-HTTP lane from whichever node announced or relays it, and checked against ``manifest_digest``
-and the trainer's signature.
+these multiaddrs; it was made under run card C (version, digest)". It is small (a few
+hundred bytes); the manifest itself is fetched over the HTTP lane from whichever node
+announced or relays it, and checked against ``manifest_digest`` and the trainer's signature.
 
 ``NodeInfo`` (protocol ``/shardnet/info/1.0.0``): what a node tells a neighbour that asks —
-its role, its HTTP lane URL, the versions it has committed, and the newest announcement it
-knows. Downstream nodes poll it (anti-entropy), so a lost gossip message delays a version by
-at most one poll interval.
+its role, its HTTP lane URL, the versions it has committed, the newest announcement it
+knows, and the version and digest of the run card it holds (fetched, when newer, on
+``/shardnet/runcard/1.0.0``). Downstream nodes poll it (anti-entropy), so a lost gossip
+message delays a version (or a card) by at most one poll interval.
 """
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from typing import Any
 
@@ -23,9 +25,13 @@ from p2p import wire
 from p2p.errors import RemoteProtocolError
 from p2p.identity import Identity, verify
 from p2p.trust import TrustList
+from shardcast.canonical import DIGEST_RE
 from shardcast.manifest import check_run_id
 
 INFO_PROTOCOL = "/shardnet/info/1.0.0"
+RUNCARD_PROTOCOL = "/shardnet/runcard/1.0.0"
+"""Request ``{"v": 1}`` (CBOR); response: the run card envelope (:mod:`shardcast.runcard`),
+or empty when the node has no card yet."""
 ANNOUNCE_DOMAIN = "announce/v1"
 MAX_ANNOUNCEMENT_BYTES = 8 * 1024
 MAX_INFO_BYTES = 64 * 1024
@@ -47,6 +53,8 @@ class VersionAnnouncement:
         manifest_digest: BLAKE3 hex digest of the manifest's canonical bytes.
         trainer_addrs: multiaddrs where the trainer accepts rollouts.
         signer: the trainer's PeerID.
+        card_version, card_digest: the run card in force for this version (0 and ``""``: none),
+            so followers fetch a newer card before they use the version.
         signature: Ed25519 signature over the body under ``announce/v1``.
     """
 
@@ -56,17 +64,20 @@ class VersionAnnouncement:
     trainer_addrs: tuple[str, ...]
     signer: str
     signature: bytes
+    card_version: int = 0
+    card_digest: str = ""
 
     def _body(self) -> bytes:
-        return wire.encode(
-            {
-                "v": 1,
-                "run_id": self.run_id,
-                "step": self.step,
-                "manifest_digest": self.manifest_digest,
-                "trainer_addrs": list(self.trainer_addrs),
-            }
-        )
+        body: dict[str, Any] = {
+            "v": 1,
+            "run_id": self.run_id,
+            "step": self.step,
+            "manifest_digest": self.manifest_digest,
+            "trainer_addrs": list(self.trainer_addrs),
+        }
+        if self.card_version:
+            body["card"] = [self.card_version, self.card_digest]
+        return wire.encode(body)
 
     @classmethod
     def create(
@@ -76,16 +87,16 @@ class VersionAnnouncement:
         step: int,
         manifest_digest: str,
         trainer_addrs: tuple[str, ...],
+        card: tuple[int, str] = (0, ""),
     ) -> VersionAnnouncement:
-        """Build and sign an announcement with the trainer's identity."""
-        unsigned = cls(run_id, step, manifest_digest, trainer_addrs, identity.peer_id, b"")
-        return cls(
-            run_id,
-            step,
-            manifest_digest,
-            trainer_addrs,
-            identity.peer_id,
-            identity.sign(ANNOUNCE_DOMAIN, unsigned._body()),
+        """Build and sign an announcement with the trainer's identity.
+
+        Args:
+            card: ``(version, digest)`` of the run card in force, or ``(0, "")``.
+        """
+        unsigned = cls(run_id, step, manifest_digest, trainer_addrs, identity.peer_id, b"", *card)
+        return dataclasses.replace(
+            unsigned, signature=identity.sign(ANNOUNCE_DOMAIN, unsigned._body())
         )
 
     def encode(self) -> bytes:
@@ -118,6 +129,7 @@ class VersionAnnouncement:
         addrs = wire.need_list(body, "trainer_addrs", 16, sender)
         if not all(isinstance(a, str) and len(a) < 512 for a in addrs):
             raise RemoteProtocolError(sender, "trainer_addrs must be short strings")
+        card_version, card_digest = _card_ref(body.get("card"), sender)
         ann = cls(
             run_id,
             wire.need_int(body, "step", 0, 1 << 62, sender),
@@ -125,15 +137,37 @@ class VersionAnnouncement:
             tuple(addrs),
             signer,
             sig,
+            card_version,
+            card_digest,
         )
         if ann._body() != body_bytes:
             raise RemoteProtocolError(sender, "announcement body is not canonical")
         return ann
 
 
+def _card_ref(ref: Any, sender: str) -> tuple[int, str]:
+    """Parse an optional ``[card_version, card_digest]`` pair; ``(0, "")`` when absent."""
+    if ref is None:
+        return 0, ""
+    if (
+        not isinstance(ref, list)
+        or len(ref) != 2
+        or not isinstance(ref[0], int)
+        or isinstance(ref[0], bool)
+        or not 1 <= ref[0] <= 1 << 62
+        or not isinstance(ref[1], str)
+        or not DIGEST_RE.match(ref[1])
+    ):
+        raise RemoteProtocolError(sender, "card must be [version >= 1, 64-hex digest]")
+    return ref[0], ref[1]
+
+
 @dataclass(frozen=True)
 class NodeInfo:
-    """A node's answer on ``/shardnet/info/1.0.0``."""
+    """A node's answer on ``/shardnet/info/1.0.0``.
+
+    ``card_version``/``card_digest``: the run card the node holds (0 and ``""``: none).
+    """
 
     peer_id: str
     role: str
@@ -141,6 +175,8 @@ class NodeInfo:
     http_url: str
     committed: tuple[int, ...]
     announcement: bytes | None
+    card_version: int = 0
+    card_digest: str = ""
 
     def encode(self) -> bytes:
         """Canonical CBOR bytes."""
@@ -154,6 +190,8 @@ class NodeInfo:
         }
         if self.announcement is not None:
             obj["announcement"] = self.announcement
+        if self.card_version:
+            obj["card"] = [self.card_version, self.card_digest]
         return wire.encode(obj)
 
     @classmethod
@@ -181,5 +219,11 @@ class NodeInfo:
         if ann is not None and (not isinstance(ann, bytes) or len(ann) > MAX_ANNOUNCEMENT_BYTES):
             raise RemoteProtocolError(sender, "announcement must be bytes")
         return cls(
-            peer_id, role, wire.need_str(obj, "run_id", 128, sender), url, tuple(committed), ann
+            peer_id,
+            role,
+            wire.need_str(obj, "run_id", 128, sender),
+            url,
+            tuple(committed),
+            ann,
+            *_card_ref(obj.get("card"), sender),
         )

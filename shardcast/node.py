@@ -11,7 +11,11 @@ It owns, for the duration of :meth:`ShardcastNode.open`:
   the HTTP lane; components add status sections to :attr:`ShardcastNode.status_sections`
   and metric families through :attr:`ShardcastNode.metrics`;
 - the newest verified :class:`~shardcast.messages.VersionAnnouncement` this node knows, with
-  an event that fires when a newer one arrives (from gossip, an info poll, or the origin).
+  an event that fires when a newer one arrives (from gossip, an info poll, or the origin);
+- the run card (:mod:`shardcast.runcard`) it holds, kept in ``<data_dir>/runcard.json`` and
+  served at ``GET /shardnet/v1/runcard`` and on ``/shardnet/runcard/1.0.0``. Opening the node
+  checks that the data directory belongs to the configured run
+  (:func:`shardcast.cardsync.check_data_dir`).
 """
 
 from __future__ import annotations
@@ -40,10 +44,18 @@ from p2p.http_server import (
 )
 from p2p.identity import Identity
 from p2p.trust import TrustList
+from shardcast.cardsync import check_data_dir, save_card
 from shardcast.manifest import check_run_id
-from shardcast.messages import INFO_PROTOCOL, MAX_INFO_BYTES, NodeInfo, VersionAnnouncement
+from shardcast.messages import (
+    INFO_PROTOCOL,
+    MAX_INFO_BYTES,
+    RUNCARD_PROTOCOL,
+    NodeInfo,
+    VersionAnnouncement,
+)
 from shardcast.metrics import CONTENT_TYPE, NodeMetrics
 from shardcast.nodestatus import node_status_json
+from shardcast.runcard import MAX_CARD_BYTES, SignedRunCard
 from shardcast.serve import PEER_HEADER, VersionServer
 from shardcast.store import VersionStore
 
@@ -133,6 +145,8 @@ class ShardcastNode:
             interface_addresses(),
             config.host.public_host,
         )
+        self.card: SignedRunCard | None = None
+        self._card_changed = trio.Event()
 
     @classmethod
     @asynccontextmanager
@@ -143,9 +157,11 @@ class ShardcastNode:
 
         Raises:
             ConfigError: a port in use or an address not of this host (``listen`` or
-                ``http_port``), before anything listens.
+                ``http_port``); the data directory holds another run's card or versions, or a
+                card not signed by the pinned trainer (all before anything listens).
         """
         ensure_bindable(config.http.host, config.http.port, "http_port", "HTTP lane")
+        stored_card = check_data_dir(config.data_dir, config.run_id, trust.trainer)
         store = VersionStore(
             config.data_dir / "versions", config.run_id, config.keep_last, durable=config.durable
         )
@@ -173,7 +189,17 @@ class ShardcastNode:
                 HttpClient(headers={PEER_HEADER: identity.peer_id}) as client,
             ):
                 node = cls(identity, trust, config, p2p, http, client, store, server, metrics)
+                node.card = stored_card
                 metrics.bind(node)
+
+                async def runcard() -> HttpResponse:
+                    if node.card is None:
+                        return HttpResponse(404)
+                    return HttpResponse(
+                        200, [("content-type", "application/json")], node.card.encode()
+                    )
+
+                routes["/shardnet/v1/runcard"] = runcard
 
                 async def metrics_route() -> HttpResponse:
                     return HttpResponse(200, [("content-type", CONTENT_TYPE)], metrics.render())
@@ -189,6 +215,13 @@ class ShardcastNode:
                     node._on_info,
                     max_request_bytes=1024,
                     max_response_bytes=MAX_INFO_BYTES,
+                    timeout_s=config.info_timeout_s,
+                )
+                p2p.serve(
+                    RUNCARD_PROTOCOL,
+                    node._on_runcard,
+                    max_request_bytes=1024,
+                    max_response_bytes=MAX_CARD_BYTES,
                     timeout_s=config.info_timeout_s,
                 )
                 log.info(
@@ -214,11 +247,70 @@ class ShardcastNode:
             self.http_url,
             tuple(self.store.committed_steps()),
             self.announcement.encode() if self.announcement else None,
+            self.card.version if self.card else 0,
+            self.card.digest if self.card else "",
         )
 
     async def _on_info(self, sender: str, request: bytes) -> bytes:
         wire.decode(request, max_bytes=1024, sender=sender)
         return self.info().encode()
+
+    async def _on_runcard(self, sender: str, request: bytes) -> bytes:
+        wire.decode(request, max_bytes=1024, sender=sender)
+        return self.card.encode() if self.card is not None else b""
+
+    def set_card(self, card: SignedRunCard) -> bool:
+        """Adopt a verified run card if it is newer than the one held; store and serve it.
+
+        Args:
+            card: a card already verified against the pinned trainer.
+
+        Returns:
+            True if adopted; False if it is not newer, for another run, or conflicts with the
+            held card of the same version (logged: the trainer signed two different cards).
+
+        Blocking (a small file write, fsynced on durable nodes); safe from the trio thread.
+        """
+        old = self.card
+        if card.card.run_id != self.config.run_id or card.signer != self.trust.trainer:
+            log.warning(
+                "runcard_wrong_run run=%s card_run=%s", self.config.run_id, card.card.run_id
+            )
+            return False
+        if old is not None and card.version <= old.version:
+            if card.version == old.version and card.digest != old.digest:
+                log.warning(
+                    "runcard_conflict version=%d held=%s offered=%s",
+                    card.version,
+                    old.digest[:16],
+                    card.digest[:16],
+                )
+            return False
+        save_card(self.config.data_dir, card, self.config.durable)
+        self.card = card
+        rules = card.card.sampling
+        log.info(
+            "runcard_adopted run=%s version=%d digest=%s prompts_per_step=%d group_size=%d "
+            "max_new_tokens=%d temperature=%s engines=%s async_level=%d",
+            card.card.run_id,
+            card.version,
+            card.digest[:16],
+            rules.prompts_per_step,
+            rules.group_size,
+            rules.max_new_tokens,
+            rules.temperature,
+            ",".join(e.id for e in card.card.engines),
+            card.card.async_level,
+        )
+        self._card_changed.set()
+        self._card_changed = trio.Event()
+        return True
+
+    async def wait_card(self, at_least: int = 1) -> SignedRunCard:
+        """Wait until the node holds a card with ``version >= at_least``."""
+        while self.card is None or self.card.version < at_least:
+            await self._card_changed.wait()
+        return self.card
 
     async def query_info(self, peer_id: str) -> NodeInfo:
         """Ask ``peer_id`` for its info record.

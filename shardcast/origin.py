@@ -4,7 +4,7 @@
 
 1. describes the directory as a manifest header (file sizes only, no data read), signs it,
    registers the version with the HTTP lane as *live*, and announces it on the run's gossip
-   topic — relays can start at once;
+   topic (naming the run card the node holds) — relays can start at once;
 2. hashes the files in one sequential pass in a worker thread (:func:`shardcast.plan.hash_parts`);
    each part (shard digests, encoded forms, file digests) is signed and served the moment it
    is done, so the first shards flow while the rest is still being hashed;
@@ -162,8 +162,9 @@ class Origin:
         )
         manifest = Manifest(sign_header(header, node.identity))
         node.server.add_live(_Publishing(manifest, directory))
+        card = (node.card.version, node.card.digest) if node.card is not None else (0, "")
         ann = VersionAnnouncement.create(
-            node.identity, node.config.run_id, step, manifest.digest, self.trainer_addrs
+            node.identity, node.config.run_id, step, manifest.digest, self.trainer_addrs, card
         )
         node.set_announcement(ann)
         await node.p2p.publish(versions_topic(node.config.run_id), ann.encode())

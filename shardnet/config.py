@@ -40,6 +40,10 @@ from shardcast.downloader import DownloadConfig
 from shardcast.follower import FollowConfig
 from shardcast.node import NodeConfig
 from shardcast.origin import OriginConfig
+from shardcast.runcard import EngineSpec
+
+DEFAULT_RUN_ID = "shardnet-run"
+"""The run id of a trainer or origin started without ``run_id``."""
 
 S = TypeVar("S", bound="CommonSettings")
 
@@ -61,8 +65,11 @@ class CommonSettings(BaseSettings):
     default_p2p_port: ClassVar[int] = 0
     default_http_port: ClassVar[int] = 0
 
-    run_id: str = Field(
-        "shardnet-run", description="the training run to follow or drive", examples=["my-run"]
+    run_id: str | None = Field(
+        None,
+        description="the training run (trainer/origin: default shardnet-run; relay/peer: "
+        "default the run card's, and a card for another run is refused)",
+        examples=["my-run"],
     )
     data_dir: Path = Field(Path("shardnet-data"), description="versions, key and state")
     key: Path | None = Field(None, description="Ed25519 key file (default DATA_DIR/node.key)")
@@ -187,8 +194,12 @@ class CommonSettings(BaseSettings):
         """``listen``, or all interfaces on the role's port."""
         return tuple(self.listen) or (f"/ip4/0.0.0.0/tcp/{self.default_p2p_port}",)
 
-    def node_config(self) -> NodeConfig:
-        """The shardcast node configuration."""
+    def run(self) -> str:
+        """The run id: ``run_id``, or :data:`DEFAULT_RUN_ID` when unset."""
+        return self.run_id or DEFAULT_RUN_ID
+
+    def node_config(self, run_id: str | None = None) -> NodeConfig:
+        """The shardcast node configuration (for ``run_id``, default :meth:`run`)."""
         durable = (
             self.role in ("trainer", "origin")
             if self.durable_commits is None
@@ -196,7 +207,7 @@ class CommonSettings(BaseSettings):
         )
         return NodeConfig(
             role=self.role,
-            run_id=self.run_id,
+            run_id=run_id or self.run(),
             data_dir=self.data_dir,
             keep_last=self.keep_last,
             durable=durable,
@@ -303,17 +314,15 @@ class PeerSettings(FollowerSettings):
     bootstrap: list[str] = Field(
         ...,
         min_length=1,
-        description="relay multiaddrs with /p2p/<PeerID>",
+        description="relay multiaddrs with /p2p/<PeerID> (the run card is fetched from them)",
         examples=[[f"/ip4/192.0.2.11/tcp/4002/p2p/{_EXAMPLE_RELAY}"]],
     )
-    n_prompts: int = Field(4, ge=1, description="prompts per step (run rule)")
-    group_size: int = Field(8, ge=1, description="samples per prompt (run rule)")
-    max_new_tokens: int = Field(16, ge=1, description="completion cap (run rule)")
-    temperature: float = Field(1.0, gt=0, description="sampling temperature (run rule)")
     torch_threads: int = Field(1, ge=1, description="CPU threads for inference")
     max_versions: int | None = Field(None, ge=1, description="stop generating after N versions")
-    engine: Literal["transformers", "vllm"] = Field(
-        "transformers", description="inference engine: transformers, or vllm (needs the extra)"
+    engine: Literal["transformers", "vllm"] | None = Field(
+        None,
+        description="inference engine family: transformers, or vllm (needs the extra); default "
+        "the run card's first engine this machine can run",
     )
     trainer_addr: list[str] = Field([], description="trainer multiaddrs (say hello at start)")
 
@@ -340,6 +349,34 @@ class PublishSettings(CommonSettings):
         description="origin super-seeding window, seconds: a shard goes to one relay, the "
         "others get it from that relay",
     )
+    # the run's rules, published in the signed run card (peers adopt them from there)
+    async_level: int = Field(2, ge=0, description="versions a rollout may lag (run card)")
+    n_prompts: int = Field(4, ge=1, description="prompts per peer per step (run card)")
+    group_size: int = Field(8, ge=1, description="samples per prompt (run card)")
+    max_new_tokens: int = Field(16, ge=1, description="completion cap, tokens (run card)")
+    temperature: float = Field(1.0, gt=0, le=100, description="sampling temperature (run card)")
+    engines: list[str] = Field(
+        ["transformers-bf16"],
+        min_length=1,
+        max_length=8,
+        description="FAMILY-DTYPE of the inference engines whose rollouts the run accepts "
+        "(run card; e.g. transformers-bf16, vllm-bf16)",
+    )
+
+    @field_validator("engines")
+    @classmethod
+    def _engines(cls, v: list[str]) -> list[str]:
+        try:
+            specs = [EngineSpec.parse(e) for e in v]
+        except ConfigError as exc:
+            raise ValueError(str(exc).removeprefix("engines: ")) from exc
+        if len(set(specs)) != len(specs):
+            raise ValueError("an engine is listed twice")
+        return v
+
+    def engine_specs(self) -> tuple[EngineSpec, ...]:
+        """The ``engines`` field, parsed."""
+        return tuple(EngineSpec.parse(e) for e in self.engines)
 
     def origin_config(self) -> OriginConfig:
         """How versions are published."""
@@ -361,11 +398,6 @@ class TrainerSettings(PublishSettings):
     seed: int = Field(0, description="model init seed")
     lr: float = Field(3e-3, gt=0, description="learning rate")
     optimizer: str = Field("adamw", description="adamw or sgd (sgd: no optimizer state)")
-    async_level: int = Field(2, ge=0, description="versions a rollout may lag")
-    n_prompts: int = Field(4, ge=1, description="prompts per peer per step")
-    group_size: int = Field(8, ge=1, description="samples per prompt")
-    max_new_tokens: int = Field(16, ge=1, description="completion cap")
-    temperature: float = Field(1.0, gt=0, description="sampling temperature")
     min_batches: int = Field(2, ge=1, description="batches to wait for per step")
     step_timeout_s: float = Field(300.0, gt=0, description="longest wait for min_batches, seconds")
     max_shard_bytes: int = Field(1 << 20, ge=4096, description="safetensors file size cap, bytes")

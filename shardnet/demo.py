@@ -186,7 +186,7 @@ def _common(name: str, workdir: Path, run_id: str, keep_last: int) -> list[str]:
 
 
 def _sampling(p: dict[str, Any]) -> list[str]:
-    """The run's sampling rules, which trainer and peers must agree on."""
+    """The run's sampling rules, given to the trainer (peers adopt them from its run card)."""
     return [
         "--n-prompts",
         str(p["n_prompts"]),
@@ -289,7 +289,6 @@ async def run_demo(opts: DemoOptions) -> int:
                             ids["trainer"],
                             "--trainer-addr",
                             origin,
-                            *_sampling(p),
                         ],
                         workdir,
                     )

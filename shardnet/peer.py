@@ -16,7 +16,9 @@ with the batch before it is signed.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
+import json
 import logging
 import random
 from collections.abc import Callable
@@ -26,16 +28,24 @@ from typing import TYPE_CHECKING, Any
 
 import trio
 
-from p2p.errors import ShardnetError, TransportError, short_id
+from p2p.errors import ConfigError, IntegrityError, ShardnetError, TransportError, short_id
 from p2p.identity import Identity
 from p2p.trust import TrustList
 from rollout.batch import Forgery, SamplingConfig, build_batch
 from rollout.engine import Engine, TransformersEngine
 from rollout.exchange import RolloutSender, SenderConfig, report_status
-from rollout.task import DEFAULT_TASK
+from rollout.task import DEFAULT_TASK, Task, task_data_digest
 from shardcast.follower import FollowConfig, Follower, VersionRecord
 from shardcast.manifest import Manifest
 from shardcast.node import NodeConfig, ShardcastNode
+from shardcast.runcard import (
+    DEFAULT_ENGINE,
+    EngineSpec,
+    RunCard,
+    SignedRunCard,
+    UnsupportedEngine,
+    architecture_digest,
+)
 
 if TYPE_CHECKING:
     from trio_typing import TaskStatus
@@ -50,7 +60,12 @@ class PeerConfig:
     Attributes:
         node: shardcast node settings (role ``peer``).
         follow: upstream relays and download settings.
-        sampling: the run's sampling rules.
+        sampling: None (the default): the run card's sampling rules, followed as the card
+            changes. Given: they must equal the card's, else the peer stops with a
+            ``ConfigError``.
+        engine_spec: the engine family and dtype ``engine`` runs; it must be one the card
+            accepts.
+        card: a card fetched before the node opened (bootstrap), adopted at start.
         exchange: rollout exchange settings.
         max_versions: stop generating after this many versions (None: run forever).
         trainer_addrs: multiaddrs of the trainer, to say hello before any version exists
@@ -59,7 +74,9 @@ class PeerConfig:
 
     node: NodeConfig
     follow: FollowConfig
-    sampling: SamplingConfig = field(default_factory=SamplingConfig)
+    sampling: SamplingConfig | None = None
+    engine_spec: EngineSpec = DEFAULT_ENGINE
+    card: SignedRunCard | None = None
     exchange: SenderConfig = field(default_factory=SenderConfig)
     max_versions: int | None = None
     trainer_addrs: tuple[str, ...] = ()
@@ -113,6 +130,9 @@ class InferencePeer:
         self._new_version = trio.Event()
         self._trainer_connected = False
         self.done = trio.Event()
+        self.fatal: ShardnetError | None = None
+        """Why the peer stopped on its own (a run card it cannot follow), or None."""
+        self.card_versions_used: list[int] = []
 
     async def run(
         self, *, task_status: TaskStatus[ShardcastNode] = trio.TASK_STATUS_IGNORED
@@ -124,6 +144,8 @@ class InferencePeer:
             trio.open_nursery() as nursery,
         ):
             self.node = node
+            if self.config.card is not None:
+                node.set_card(self.config.card)
             self.sender = RolloutSender(
                 node.p2p,
                 self.identity,
@@ -139,7 +161,16 @@ class InferencePeer:
             if self.config.trainer_addrs:
                 nursery.start_soon(self._hello)
             task_status.started(node)
-            await self._generate_loop(nursery)
+            try:
+                await self._generate_loop(nursery)
+            except ShardnetError as exc:  # a card this peer cannot follow: stop, say why
+                if not isinstance(exc, ConfigError):
+                    raise
+                log.error("runcard_unfollowable error=%s", exc)
+                self.fatal = exc
+                self.done.set()
+                nursery.cancel_scope.cancel()
+                return
             self.done.set()
             await trio.sleep_forever()
 
@@ -198,10 +229,17 @@ class InferencePeer:
             signed, path = self._latest
             step = signed.step
             store = self.node.store
+            card = await self.node.wait_card()
+            sampling = self._sampling(card)
             try:
                 with store.pinned(step):
                     if not store.has(step):
                         continue  # pruned before we got to it; a newer one exists
+                    if not await trio.to_thread.run_sync(_architecture_matches, card, path):
+                        raise IntegrityError(
+                            f"config.json of version {step} is not the architecture of run "
+                            f"card v{card.version}"
+                        )
                     await trio.to_thread.run_sync(self.engine.load, path)
                 batch = await trio.to_thread.run_sync(
                     functools.partial(
@@ -213,7 +251,7 @@ class InferencePeer:
                         run_id=self.config.node.run_id,
                         step=step,
                         manifest_digest=signed.digest,
-                        cfg=self.config.sampling,
+                        cfg=sampling,
                     )
                 )
             except ShardnetError as exc:
@@ -229,22 +267,77 @@ class InferencePeer:
                 if r.step == step:
                     r.generated, r.batch_id = True, ann.batch_id
                     r.mean_reward = sum(rewards) / len(rewards)
+            self.card_versions_used.append(card.version)
             log.info(
-                "rollouts_submitted step=%d batch=%s samples=%d mean_reward=%.4f trainer=%s",
+                "rollouts_submitted step=%d batch=%s samples=%d mean_reward=%.4f trainer=%s "
+                "card_version=%d",
                 step,
                 ann.batch_id[:8],
                 batch.n_samples,
                 sum(rewards) / len(rewards),
                 short_id(self.trust.trainer),
+                card.version,
             )
             done_step = step
             generated += 1
 
+    def _sampling(self, card: SignedRunCard) -> SamplingConfig:
+        """The sampling rules of ``card``, after checking this peer can follow it.
+
+        Raises:
+            ConfigError: the card's task or engines are not this peer's, or configured
+                sampling rules differ from the card's.
+        """
+        check_followable(card.card, self.task, self.config.engine_spec)
+        r = card.card.sampling
+        rules = SamplingConfig(r.prompts_per_step, r.group_size, r.max_new_tokens, r.temperature)
+        mine = self.config.sampling
+        if mine is not None and mine != dataclasses.replace(rules, toploc=mine.toploc):
+            raise ConfigError(
+                "sampling", f"configured {mine} differs from run card v{card.version}'s {r}"
+            )
+        return rules if mine is None else mine
+
     def report(self) -> dict[str, Any]:
         """JSON-ready summary of this peer."""
         sender = self.sender.statistics() if self.sender else None
+        card = self.node.card if self.node is not None else None
         return {
             "peer_id": self.identity.peer_id,
+            "run_card": {"version": card.version, "digest": card.digest} if card else None,
             "versions": [vars(r) for r in self.records],
             "exchange": vars(sender) if sender else None,
         }
+
+
+def check_followable(card: RunCard, task: Task, engine: EngineSpec) -> None:
+    """Raise unless a peer with ``task`` and ``engine`` can follow ``card``.
+
+    Raises:
+        ConfigError: the card's task (name/version or data digest) is not ``task`` (field
+            ``task``).
+        UnsupportedEngine: ``engine`` is not among the card's engines (field ``engine``).
+    """
+    if card.task.id != task.name or card.task.digest != task_data_digest():
+        raise ConfigError(
+            "task",
+            f"run card v{card.card_version} asks for task {card.task.id} "
+            f"(data {card.task.digest[:16]}); this peer has {task.name} "
+            f"(data {task_data_digest()[:16]}): upgrade shardnet",
+        )
+    if engine not in card.engines:
+        raise UnsupportedEngine(
+            f"run card v{card.card_version} accepts {', '.join(e.id for e in card.engines)}; "
+            f"this peer runs {engine.id}: restart it to pick another engine"
+        )
+
+
+def _architecture_matches(card: SignedRunCard, path: Path) -> bool:
+    """Whether the version at ``path`` has the card's model architecture (its config.json)."""
+    try:
+        config = json.loads((path / "config.json").read_text())
+    except (OSError, ValueError):
+        return False
+    return isinstance(config, dict) and (
+        architecture_digest(config) == card.card.architecture_digest
+    )

@@ -18,12 +18,26 @@ import logging
 import os
 import random
 import signal
+import time
 from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import trio
 
+from p2p.errors import ConfigError
+from p2p.identity import Identity
+from rollout.task import DEFAULT_TASK
+from shardcast.cardsync import bootstrap_card, check_data_dir
+from shardcast.runcard import (
+    RunCard,
+    SamplingRules,
+    SignedRunCard,
+    TaskSpec,
+    architecture_digest,
+    choose_engine,
+    next_card,
+)
 from shardnet.config import OriginSettings, PeerSettings, RelaySettings, TrainerSettings
 from shardnet.observe import attach_peer, attach_trainer
 from shardnet.progress import DownloadProgress
@@ -98,6 +112,7 @@ async def run_trainer(s: TrainerSettings) -> int:
 
     torch.set_num_threads(s.torch_threads)
     identity = s.identity()
+    check_data_dir(s.data_dir, s.run(), identity.peer_id)  # before anything listens
     cfg = TrainerConfig(
         node=dataclasses.replace(s.node_config(), serve_once_s=s.serve_once_s),
         steps=s.steps,
@@ -110,6 +125,7 @@ async def run_trainer(s: TrainerSettings) -> int:
         group_size=s.group_size,
         max_new_tokens=s.max_new_tokens,
         temperature=s.temperature,
+        engines=s.engine_specs(),
         min_batches=s.min_batches,
         step_timeout_s=s.step_timeout_s,
         origin=s.origin_config(),
@@ -146,11 +162,21 @@ async def run_relay(s: RelaySettings) -> int:
     from shardcast.node import ShardcastNode
 
     identity = s.identity()
+    # with --run-id the relay starts at once and fetches the card from its upstreams' info;
+    # without, it needs the card's run id first
+    card = (
+        await join_card(s, identity, tuple(s.upstream))
+        if s.run_id is None
+        else check_data_dir(s.data_dir, s.run_id, _trainer_id(s))
+    )
+    run_id = card.card.run_id if card is not None else s.run_id
     follower: Follower | None = None
 
     async def body() -> None:
         nonlocal follower
-        async with ShardcastNode.open(identity, s.trust(), s.node_config()) as node:
+        async with ShardcastNode.open(identity, s.trust(), s.node_config(run_id)) as node:
+            if card is not None:
+                node.set_card(card)
             with DownloadProgress() as progress:
                 follower = Follower(
                     node,
@@ -191,21 +217,19 @@ async def run_peer(s: PeerSettings) -> int:
     """``shardnet peer``: runs until a signal; returns the exit code."""
     import torch
 
-    from rollout.batch import SamplingConfig
-    from shardnet.peer import InferencePeer, PeerConfig
+    from shardnet.peer import InferencePeer, PeerConfig, check_followable
 
     torch.set_num_threads(s.torch_threads)
-    engine = make_engine(s.engine)
     identity = s.identity()
+    card = await join_card(s, identity, tuple(s.bootstrap))
+    spec = choose_engine(card.card, local_engines(), s.engine)
+    check_followable(card.card, DEFAULT_TASK, spec)
+    engine = make_engine(spec.family)
     cfg = PeerConfig(
-        node=s.node_config(),
+        node=s.node_config(card.card.run_id),
         follow=s.follow_config(s.bootstrap),
-        sampling=SamplingConfig(
-            n_prompts=s.n_prompts,
-            group_size=s.group_size,
-            max_new_tokens=s.max_new_tokens,
-            temperature=s.temperature,
-        ),
+        engine_spec=spec,
+        card=card,
         max_versions=s.max_versions,
         trainer_addrs=tuple(s.trainer_addr),
     )
@@ -226,7 +250,48 @@ async def run_peer(s: PeerSettings) -> int:
             close = getattr(engine, "close", None)
             if close is not None:  # vLLM: shut the in-process engine down
                 close()
+    if peer.fatal is not None:  # a newer run card this peer cannot follow
+        raise peer.fatal
     return 0
+
+
+def _trainer_id(s: RelaySettings | PeerSettings) -> str:
+    """The pinned trainer PeerID (a malformed one fails here, in one line)."""
+    return s.trust().trainer
+
+
+def local_engines() -> dict[str, frozenset[str]]:
+    """Engine family -> dtypes this machine can run (vllm only when installed)."""
+    from rollout.engine_vllm import vllm_available
+
+    out = {"transformers": frozenset({"bf16"})}
+    if vllm_available():
+        out["vllm"] = frozenset({"bf16"})
+    return out
+
+
+async def join_card(
+    s: RelaySettings | PeerSettings, identity: Identity, addrs: tuple[str, ...]
+) -> SignedRunCard:
+    """The run card a relay or peer starts with: the one stored in its data directory, else
+    one fetched from ``addrs`` (retried until one answers), checked against ``run_id``.
+
+    Raises:
+        ConfigError: the data directory holds another run or a bad card, the fetched card is
+            for another run than ``run_id``, or every address offers a card that does not
+            verify against ``trainer_id`` (see :func:`shardcast.cardsync.bootstrap_card`).
+    """
+    card = check_data_dir(s.data_dir, s.run_id, _trainer_id(s))
+    if card is None:
+        card = await bootstrap_card(identity, addrs, s.trainer_id)
+        if s.run_id is not None and card.card.run_id != s.run_id:
+            raise ConfigError(
+                "run_id",
+                f"the run card from the bootstrap nodes is for run {card.card.run_id!r}, "
+                f"not {s.run_id!r}: drop --run-id or fix it",
+            )
+        check_data_dir(s.data_dir, card.card.run_id, s.trainer_id)
+    return card
 
 
 def make_engine(name: str) -> Engine:
@@ -236,8 +301,6 @@ def make_engine(name: str) -> Engine:
         ConfigError: unknown name, or ``vllm`` without the vllm extra installed (field
             ``engine``).
     """
-    from p2p.errors import ConfigError
-
     if name == "transformers":
         from rollout.engine import TransformersEngine
 
@@ -278,6 +341,7 @@ async def run_origin(s: OriginSettings) -> int:
     identity = s.identity()
     trust = TrustList(trainer=identity.peer_id)
     published: list[dict[str, Any]] = []
+    check_data_dir(s.data_dir, s.run(), identity.peer_id)  # before anything listens
 
     async def body() -> None:
         node_cfg = dataclasses.replace(s.node_config(), serve_once_s=s.serve_once_s)
@@ -297,6 +361,8 @@ async def run_origin(s: OriginSettings) -> int:
                 for step in sorted(ready):
                     staging = s.data_dir / "staging" / f"step-{step}"
                     await trio.to_thread.run_sync(_stage, s.watch / f"step-{step}", staging)
+                    rules = origin_card_rules(s, identity.peer_id, staging)
+                    node.set_card(next_card(rules, node.card, identity))
                     result = await origin.publish(staging, step)
                     latest = step
                     published.append(
@@ -318,3 +384,32 @@ async def run_origin(s: OriginSettings) -> int:
                 s.report, {"role": "origin", "peer_id": identity.peer_id, "published": published}
             )
     return 0
+
+
+def origin_card_rules(s: OriginSettings, trainer: str, version_dir: Path) -> RunCard:
+    """The run card ``shardnet origin`` publishes for the version in ``version_dir``: the
+    rules from the settings, the architecture digest of the version's ``config.json``.
+
+    Raises:
+        ConfigError: ``config.json`` is missing or not a JSON object (field ``watch``).
+    """
+    from rollout.task import DigitTask, task_data_digest
+
+    path = version_dir / "config.json"
+    try:
+        config = json.loads(path.read_text())
+    except (OSError, ValueError) as exc:
+        raise ConfigError("watch", f"{path}: {exc}") from exc
+    if not isinstance(config, dict):
+        raise ConfigError("watch", f"{path} is not a JSON object")
+    return RunCard(
+        card_version=1,
+        run_id=s.run(),
+        trainer=trainer,
+        task=TaskSpec(DigitTask.family, DigitTask.version, task_data_digest()),
+        sampling=SamplingRules(s.n_prompts, s.group_size, s.max_new_tokens, s.temperature),
+        engines=s.engine_specs(),
+        async_level=s.async_level,
+        architecture_digest=architecture_digest(config),
+        issued_at_ms=int(time.time() * 1000),
+    )

@@ -33,7 +33,7 @@ from transformers import PreTrainedTokenizerFast
 from p2p.errors import LocalProtocolError
 from rollout.model import CONFIG_NAME, INDEX_NAME, SINGLE_WEIGHTS_NAME, shard_name
 
-__all__ = ["plan_shards", "save_checkpoint"]
+__all__ = ["config_json", "plan_shards", "save_checkpoint"]
 
 
 def plan_shards(sizes: Sequence[tuple[str, int]], max_shard_bytes: int) -> list[list[str]]:
@@ -119,12 +119,19 @@ def save_checkpoint(
     return sorted(p for p in directory.iterdir() if p.is_file())  # the directory began empty
 
 
-def _write_configs(model: torch.nn.Module, directory: Path, dtype: torch.dtype) -> None:
+def config_json(model: torch.nn.Module, dtype: torch.dtype = torch.bfloat16) -> str:
+    """The ``config.json`` text :func:`save_checkpoint` writes for ``model`` (published as
+    ``dtype``); the run card's architecture digest is computed from it."""
     hf_model: Any = model  # a transformers PreTrainedModel
     config = copy.deepcopy(hf_model.config)
     config.dtype = dtype
     config.architectures = [type(model).__name__]
-    (directory / CONFIG_NAME).write_text(config.to_json_string(use_diff=True))
+    return str(config.to_json_string(use_diff=True))
+
+
+def _write_configs(model: torch.nn.Module, directory: Path, dtype: torch.dtype) -> None:
+    hf_model: Any = model  # a transformers PreTrainedModel
+    (directory / CONFIG_NAME).write_text(config_json(model, dtype))
     generation_config = getattr(hf_model, "generation_config", None)
     if generation_config is not None:
         generation_path = directory / "generation_config.json"

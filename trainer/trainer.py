@@ -3,8 +3,10 @@
 Theory of operation
 -------------------
 The trainer runs a shardcast node whose identity is the pinned trainer key, so its origin
-signs every manifest and announcement. It publishes version 0 (the seeded initial weights),
-then for each optimizer step ``k = 1..steps``:
+signs every manifest and announcement. At start it issues the run card (the rules below, the
+task's digest and the architecture digest of the model's ``config.json``; a new card version
+only if the rules differ from the card stored in its data directory). It publishes version 0
+(the seeded initial weights), then for each optimizer step ``k = 1..steps``:
 
 1. take the verified batches usable at step ``k-1`` from the rollout inbox: policy step in
    ``[k-1-async_level, k-1]``; wait until at least ``min_batches`` are there (or
@@ -22,9 +24,11 @@ bytes from the HTTP lane, accepted/rejected samples from the validator.
 
 from __future__ import annotations
 
+import json
 import logging
 import random
 import shutil
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, cast
@@ -38,11 +42,20 @@ from p2p.trust import TrustList
 from rollout.inbox import AcceptedBatch, InboxConfig, RolloutInbox
 from rollout.model import build_model, build_tokenizer
 from rollout.reputation import Reputation
-from rollout.task import DEFAULT_TASK
+from rollout.task import DEFAULT_TASK, DigitTask, task_data_digest
 from rollout.verify import Validator, ValidatorConfig
 from shardcast.node import NodeConfig, ShardcastNode
 from shardcast.origin import Origin, OriginConfig
-from trainer.checkpoint import save_checkpoint
+from shardcast.runcard import (
+    DEFAULT_ENGINE,
+    EngineSpec,
+    RunCard,
+    SamplingRules,
+    TaskSpec,
+    architecture_digest,
+    next_card,
+)
+from trainer.checkpoint import config_json, save_checkpoint
 from trainer.grpo import DEFAULT_LR, Rollout, collate, group_advantages, make_optimizer, train_step
 from trainer.oracle import TrainerOracle
 
@@ -65,6 +78,7 @@ class TrainerConfig:
             on a small machine, where AdamW's two fp32 moments would not fit).
         async_level: how many versions a rollout may lag.
         n_prompts, group_size, max_new_tokens, temperature: the sampling rules for peers.
+        engines: the inference engines whose rollouts the run accepts (the run card's).
         min_batches: batches to wait for before each optimizer step.
         step_timeout_s: longest wait for ``min_batches``, seconds.
         origin: how versions are published (shard size, parts, deltas, anchors).
@@ -87,6 +101,7 @@ class TrainerConfig:
     group_size: int = 8
     max_new_tokens: int = 16
     temperature: float = 1.0
+    engines: tuple[EngineSpec, ...] = (DEFAULT_ENGINE,)
     min_batches: int = 2
     step_timeout_s: float = 300.0
     origin: OriginConfig = field(default_factory=lambda: OriginConfig(shard_size=1 << 20))
@@ -157,6 +172,7 @@ class Trainer:
             if cfg.optimizer == "adamw"
             else torch.optim.SGD(model.parameters(), lr=cfg.lr)
         )
+        rules = self.card_rules(model)
         oracle = TrainerOracle(tokenizer, DEFAULT_TASK, keep=cfg.async_level + 1)
         oracle.set_vocab_size(int(cast(Any, model).config.vocab_size))
         vcfg = ValidatorConfig(
@@ -178,6 +194,7 @@ class Trainer:
             trio.open_nursery() as nursery,
         ):
             self.node = node
+            node.set_card(next_card(rules, node.card, self.identity))
             origin = Origin(node, cfg.origin)
             self.inbox = RolloutInbox(
                 node.p2p,
@@ -201,6 +218,24 @@ class Trainer:
             await self._wait_final_broadcast()
             self._close_rejections()
             nursery.cancel_scope.cancel()
+
+    def card_rules(self, model: Any) -> RunCard:
+        """The run card this trainer publishes (version 1, issued now; see
+        :func:`shardcast.runcard.next_card` for versions after a change of rules)."""
+        cfg = self.config
+        return RunCard(
+            card_version=1,
+            run_id=cfg.node.run_id,
+            trainer=self.identity.peer_id,
+            task=TaskSpec(DigitTask.family, DigitTask.version, task_data_digest()),
+            sampling=SamplingRules(
+                cfg.n_prompts, cfg.group_size, cfg.max_new_tokens, cfg.temperature
+            ),
+            engines=cfg.engines,
+            async_level=cfg.async_level,
+            architecture_digest=architecture_digest(json.loads(config_json(model))),
+            issued_at_ms=int(time.time() * 1000),
+        )
 
     async def _publish(
         self,

@@ -19,7 +19,8 @@ LOOPBACK = ["--listen", "/ip4/127.0.0.1/tcp/0", "--http-host", "127.0.0.1", "--h
 
 
 def _argv(role: str, tmp: Path) -> list[str]:
-    common = ["--data-dir", str(tmp / role), *LOOPBACK]
+    # with --run-id a relay listens at once (without, it first fetches the run card upstream)
+    common = ["--data-dir", str(tmp / role), "--run-id", "exit-codes", *LOOPBACK]
     if role == "relay":
         # the upstream is never reachable: the relay must still start, report and stop cleanly
         up = f"/ip4/127.0.0.1/tcp/9/p2p/{TRAINER_ID}"
@@ -54,6 +55,6 @@ def test_role_stops_cleanly_with_exit_0(tmp_path: Path, role: str, sig: signal.S
     finally:
         if proc.poll() is None:
             proc.kill()
-            proc.wait()
+            proc.communicate()
     assert proc.returncode == 0, err
     assert "Traceback" not in err

@@ -16,6 +16,7 @@ from p2p.identity import Identity
 from p2p.trust import TrustList
 from rollout.batch import SamplingConfig
 from rollout.schema import RolloutBatch
+from shardcast.cardsync import bootstrap_card
 from shardcast.follower import FollowConfig, Follower
 from shardcast.node import NodeConfig, ShardcastNode
 from shardcast.origin import OriginConfig
@@ -73,13 +74,15 @@ async def _run_loop(
             relay = await nursery.start(_relay, tl, taddr, tmp / "relay")
             for ident, name in zip(peer_ids, names, strict=True):
                 forgery = _inflate_rewards if name == "forger" else None
+                # a peer knows the trainer's PeerID and one relay; run id and rules: the card
+                card = await bootstrap_card(ident, (relay,), trainer_id.peer_id, retry_s=0.1)
                 peer = InferencePeer(
                     ident,
                     tl,
                     PeerConfig(
-                        node=NodeConfig("peer", "loop", tmp / name),
+                        node=NodeConfig("peer", card.card.run_id, tmp / name),
                         follow=FollowConfig(upstreams=(relay,), poll_interval_s=0.2),
-                        sampling=SAMPLING,
+                        card=card,
                         trainer_addrs=(taddr,),
                     ),
                     forgery=forgery,
@@ -127,6 +130,9 @@ async def test_whole_loop_two_steps(tmp_path: Path) -> None:
     for peer in peers:
         got = {r.step: r.manifest_digest for r in peer.records}
         assert got == digests  # every version, verified, with the trainer's digest
+        assert peer.config.sampling is None  # the rules came from the run card only
+        assert peer.card_versions_used
+        assert set(peer.card_versions_used) == {1}
         assert all(r["broadcast_s"] is not None for r in report["steps"])
     # every trained sample came from a verified batch; nothing was rejected
     assert report["trained_samples"] > 0

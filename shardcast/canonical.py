@@ -1,0 +1,48 @@
+"""Canonical JSON and BLAKE3 digests: the signed-bytes helpers of manifests and run cards.
+
+Pure (stdlib and ``blake3`` only): importable without libp2p or torch, so that
+:mod:`shardcast.runcard` and any tool reading signed documents can use it.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from collections.abc import Mapping
+from typing import Any
+
+import blake3
+
+RUN_ID_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
+"""What a run id may be: 1-128 characters of ``[A-Za-z0-9._-]``, not starting with ``.-_``."""
+
+DIGEST_RE = re.compile(r"^[0-9a-f]{64}$")
+"""A BLAKE3-256 hex digest."""
+
+
+def blake3_hex(data: bytes | bytearray | memoryview) -> str:
+    """BLAKE3-256 digest of ``data`` as 64 lowercase hex characters."""
+    return blake3.blake3(data, max_threads=blake3.blake3.AUTO).hexdigest()
+
+
+def canonical_json(obj: Any) -> bytes:
+    """Canonical JSON: sorted keys, no whitespace, ASCII only; rejects floats.
+
+    Raises:
+        TypeError: ``obj`` contains a float or another non-JSON type (caller bug).
+    """
+    _reject_floats(obj)
+    return json.dumps(
+        obj, sort_keys=True, separators=(",", ":"), ensure_ascii=True, allow_nan=False
+    ).encode()
+
+
+def _reject_floats(obj: Any) -> None:
+    if isinstance(obj, float):
+        raise TypeError("floats are not allowed in canonical documents")
+    if isinstance(obj, Mapping):
+        for v in obj.values():
+            _reject_floats(v)
+    elif isinstance(obj, list | tuple):
+        for v in obj:
+            _reject_floats(v)

@@ -1,0 +1,196 @@
+"""The run card: canonical bytes, signatures, bounds and malformed fields."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from dataclasses import replace
+from pathlib import Path
+
+import pytest
+
+from p2p.identity import Identity
+from shardcast.runcard import (
+    MAX_CARD_BYTES,
+    BadRunCardSignature,
+    EngineSpec,
+    MalformedRunCard,
+    RunCard,
+    SamplingRules,
+    SignedRunCard,
+    TaskSpec,
+    UnsupportedEngine,
+    WrongRunCardKey,
+    architecture_digest,
+    choose_engine,
+    next_card,
+    sign_card,
+)
+
+TRAINER = Identity.from_seed("card-trainer")
+OTHER = Identity.from_seed("card-other")
+ROOT = Path(__file__).parents[2]
+
+
+def _card(**kw: object) -> RunCard:
+    base = RunCard(
+        card_version=1,
+        run_id="run-1",
+        trainer=TRAINER.peer_id,
+        task=TaskSpec("digits", 1, "ab" * 32),
+        sampling=SamplingRules(4, 8, 16, 0.7),
+        engines=(EngineSpec("transformers", "bf16"),),
+        async_level=2,
+        architecture_digest="cd" * 32,
+        issued_at_ms=1_767_225_600_000,
+    )
+    return replace(base, **kw)  # type: ignore[arg-type]
+
+
+def test_round_trip_and_canonical_bytes() -> None:
+    signed = sign_card(_card(), TRAINER)
+    data = signed.encode()
+    back = SignedRunCard.decode(data, trainer=TRAINER.peer_id)
+    assert back == signed
+    assert back.encode() == data
+    assert back.digest == _card().digest()
+    # canonical: sorted keys, no whitespace, temperature as its shortest decimal
+    body = _card().canonical_bytes()
+    assert body == json.dumps(json.loads(body), sort_keys=True, separators=(",", ":")).encode()
+    assert b'"temperature":"0.7"' in body
+    assert b" " not in body
+    # a re-ordered but equal envelope still verifies (the body is re-canonicalized)
+    env = json.loads(data)
+    shuffled = json.dumps(
+        {"signature": env["signature"], "signer": env["signer"], "body": env["body"]}
+    )
+    assert SignedRunCard.decode(shuffled.encode(), trainer=TRAINER.peer_id) == signed
+
+
+def test_tampered_body_or_signature_fails() -> None:
+    env = json.loads(sign_card(_card(), TRAINER).encode())
+    env["body"]["sampling"]["group_size"] = 9
+    with pytest.raises(BadRunCardSignature):
+        SignedRunCard.decode(json.dumps(env).encode(), trainer=TRAINER.peer_id)
+    env = json.loads(sign_card(_card(), TRAINER).encode())
+    sig = bytearray(bytes.fromhex(env["signature"]))
+    sig[0] ^= 1
+    env["signature"] = sig.hex()
+    with pytest.raises(BadRunCardSignature):
+        SignedRunCard.decode(json.dumps(env).encode(), trainer=TRAINER.peer_id)
+
+
+def test_wrong_key() -> None:
+    # a card validly signed by another key, naming that key as trainer
+    foreign = sign_card(_card(trainer=OTHER.peer_id), OTHER)
+    with pytest.raises(WrongRunCardKey, match="pinned trainer"):
+        SignedRunCard.decode(foreign.encode(), trainer=TRAINER.peer_id)
+    # signing a card that names someone else is refused
+    with pytest.raises(Exception, match="trainer"):
+        sign_card(_card(), OTHER)
+    # signed by the pinned key's impostor: envelope claims TRAINER, signature by OTHER
+    env = json.loads(sign_card(_card(), TRAINER).encode())
+    env["signature"] = OTHER.sign("runcard/v1", _card().canonical_bytes()).hex()
+    with pytest.raises(BadRunCardSignature):
+        SignedRunCard.decode(json.dumps(env).encode(), trainer=TRAINER.peer_id)
+
+
+def test_size_bound_and_garbage() -> None:
+    with pytest.raises(MalformedRunCard, match="exceed"):
+        SignedRunCard.decode(b" " * (MAX_CARD_BYTES + 1), trainer=TRAINER.peer_id)
+    for junk in (b"", b"{", b"[]", b'{"body": {}}', b"\xff\xfe"):
+        with pytest.raises(MalformedRunCard):
+            SignedRunCard.decode(junk, trainer=TRAINER.peer_id)
+    data = sign_card(_card(), TRAINER).encode()
+    for cut in range(0, len(data), 97):
+        with pytest.raises(MalformedRunCard):
+            SignedRunCard.decode(data[:cut], trainer=TRAINER.peer_id)
+
+
+@pytest.mark.parametrize(
+    ("path", "value", "field"),
+    [
+        (("v",), 2, "v"),
+        (("card_version",), 0, "card_version"),
+        (("run_id",), "../x", "run_id"),
+        (("task", "digest"), "XYZ", "task.digest"),
+        (("task", "version"), True, "task.version"),
+        (("sampling", "group_size"), 0, "sampling.group_size"),
+        (("sampling", "temperature"), 1.0, "sampling.temperature"),
+        (("sampling", "temperature"), "1.00", "sampling.temperature"),
+        (("sampling", "temperature"), "nan", "sampling.temperature"),
+        (("sampling", "temperature"), "-1.0", "sampling.temperature"),
+        (("engines",), [], "engines"),
+        (("engines",), [{"family": "vllm", "dtype": "int3"}], "engines"),
+        (("engines",), [{"family": "vllm", "dtype": "bf16"}] * 2, "engines"),
+        (("async_level",), -1, "async_level"),
+        (("model",), {}, "model"),
+        (("issued_at_ms",), "now", "issued_at_ms"),
+        (("extra",), 1, ""),
+    ],
+)
+def test_malformed_fields_are_named(path: tuple[str, ...], value: object, field: str) -> None:
+    body = _card().to_obj()
+    target = body
+    for key in path[:-1]:
+        target = target[key]
+    target[path[-1]] = value
+    with pytest.raises(MalformedRunCard) as info:
+        RunCard.from_obj(body, "test")
+    assert info.value.field == field
+
+
+def test_next_card_versions() -> None:
+    first = next_card(_card(), None, TRAINER)
+    assert first.version == 1
+    # same rules (later issue time): the stored card is kept
+    assert next_card(_card(issued_at_ms=5), first, TRAINER) is first
+    # changed rules: version + 1, newly signed
+    second = next_card(_card(sampling=SamplingRules(4, 4, 16, 0.7)), first, TRAINER)
+    assert second.version == 2
+    assert SignedRunCard.decode(second.encode(), trainer=TRAINER.peer_id) == second
+    with pytest.raises(Exception, match="holds run 'run-1'"):
+        next_card(_card(run_id="run-2"), first, TRAINER)
+
+
+def test_choose_engine() -> None:
+    card = _card(engines=(EngineSpec("vllm", "bf16"), EngineSpec("transformers", "bf16")))
+    tf = {"transformers": frozenset({"bf16"})}
+    both = tf | {"vllm": frozenset({"bf16"})}
+    assert choose_engine(card, tf) == EngineSpec("transformers", "bf16")
+    assert choose_engine(card, both) == EngineSpec("vllm", "bf16")
+    assert choose_engine(card, both, "transformers") == EngineSpec("transformers", "bf16")
+    only_vllm = _card(engines=(EngineSpec("vllm", "bf16"),))
+    with pytest.raises(UnsupportedEngine, match=r"vllm-bf16.*transformers-bf16"):
+        choose_engine(only_vllm, tf)
+    with pytest.raises(UnsupportedEngine, match="not among"):
+        choose_engine(_card(), both, "vllm")
+    with pytest.raises(UnsupportedEngine, match="fp32"):
+        choose_engine(_card(engines=(EngineSpec("transformers", "fp32"),)), tf)
+    assert EngineSpec.parse("transformers-bf16") == EngineSpec("transformers", "bf16")
+    with pytest.raises(Exception, match="FAMILY-DTYPE"):
+        EngineSpec.parse("transformers")
+
+
+def test_architecture_digest_ignores_dtype_and_versions() -> None:
+    cfg = {"hidden_size": 128, "rms_norm_eps": 1e-5, "dtype": "bfloat16"}
+    same = {"rms_norm_eps": 1e-5, "hidden_size": 128, "transformers_version": "9"}
+    assert architecture_digest(cfg) == architecture_digest(same)
+    assert architecture_digest(cfg) != architecture_digest({**cfg, "hidden_size": 256})
+
+
+def test_digits_task_digest_is_pinned() -> None:
+    from rollout.task import DEFAULT_TASK, task_data_digest
+
+    assert task_data_digest() == "05f0a6230a3729c109e790cf77dad7bca1dc728ed057e86bede8fdb33373dc1d"
+    assert DEFAULT_TASK.name == "digits/1"
+
+
+def test_pure_import() -> None:
+    code = (
+        "import sys, shardcast.runcard, rollout.task; "
+        "bad = [m for m in ('torch', 'libp2p', 'transformers') if m in sys.modules]; "
+        "assert not bad, bad"
+    )
+    subprocess.run([sys.executable, "-c", code], check=True, cwd=ROOT)
