@@ -36,7 +36,7 @@ from p2p.errors import ConfigError, ShardnetError, TransportError, short_id
 from p2p.host import peer_id_of
 from p2p.http_errors import NotAvailable
 from shardcast.catchup import plan
-from shardcast.discovery import NodeAdvert, SourceDirectory, nodes_topic
+from shardcast.discovery import NodeAdvert, SourceDirectory, check_advert_gossip, nodes_topic
 from shardcast.downloader import (
     DownloadConfig,
     Downloader,
@@ -45,7 +45,12 @@ from shardcast.downloader import (
     manifest_url,
 )
 from shardcast.manifest import Manifest
-from shardcast.messages import NodeInfo, VersionAnnouncement, versions_topic
+from shardcast.messages import (
+    NodeInfo,
+    VersionAnnouncement,
+    check_announcement_gossip,
+    versions_topic,
+)
 from shardcast.node import ShardcastNode
 
 if TYPE_CHECKING:
@@ -203,12 +208,16 @@ class Follower:
             await trio.sleep(self.config.poll_interval_s)
 
     async def _listen_versions(self) -> None:
-        sub = await self.node.p2p.subscribe(versions_topic(self.node.config.run_id))
+        run_id = self.node.config.run_id
+        check = check_announcement_gossip(self.node.trust, run_id)
+        sub = await self.node.p2p.subscribe(versions_topic(run_id), check)
         async for msg in sub:
             self._offer(msg.data, msg.origin)
 
     async def _listen_adverts(self) -> None:
-        sub = await self.node.p2p.subscribe(nodes_topic(self.node.config.run_id))
+        sub = await self.node.p2p.subscribe(
+            nodes_topic(self.node.config.run_id), check_advert_gossip
+        )
         async for msg in sub:
             try:
                 advert = NodeAdvert.decode(msg.data, msg.origin)

@@ -16,6 +16,7 @@ at most one poll interval.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -35,6 +36,21 @@ _ROLES = ("origin", "relay", "peer", "trainer")
 def versions_topic(run_id: str) -> str:
     """Gossipsub topic of version announcements for ``run_id``."""
     return f"shardnet/{run_id}/versions/1"
+
+
+def check_announcement_gossip(trust: TrustList, run_id: str) -> Callable[[str, bytes], None]:
+    """Gossip check of the versions topic: a well-formed announcement of ``run_id`` signed by
+    the pinned trainer (run before the message is delivered or forwarded).
+
+    The returned function raises RemoteProtocolError, IntegrityError or UntrustedSigner.
+    """
+
+    def check(origin: str, data: bytes) -> None:
+        ann = VersionAnnouncement.decode(data, trust=trust, sender=origin)
+        if ann.run_id != run_id:
+            raise RemoteProtocolError(origin, f"announcement of run {ann.run_id!r}")
+
+    return check
 
 
 @dataclass(frozen=True)
