@@ -142,6 +142,15 @@ async def reset_quietly(stream: Any) -> None:
             pass
 
 
+async def close_quietly(stream: Any) -> None:
+    """Close our side of ``stream``, ignoring a stream that is already gone (bounded to 1 s)."""
+    with trio.move_on_after(1):
+        try:
+            await stream.close()
+        except (BaseLibp2pError, OSError, trio.ClosedResourceError, trio.BrokenResourceError):
+            pass
+
+
 def stream_peer(stream: Any) -> str:
     """The base58 PeerID of the remote end of a libp2p stream."""
     return str(stream.muxed_conn.peer_id.to_base58())
@@ -171,10 +180,14 @@ class InboundGuard:
         """Wrap the handler registered on ``protocol`` (call after the library registered it)."""
         handlers = self.host.get_mux().handlers
         inner = handlers[protocol]
-        self.host.set_stream_handler(protocol, self.wrap(protocol, inner))
+        self.host.set_stream_handler(protocol, self.wrap(protocol, inner, close_after=True))
 
-    def wrap(self, scope: str, inner: StreamHandler) -> StreamHandler:
-        """A handler that admits the stream into ``scope``, runs ``inner``, isolates failures."""
+    def wrap(self, scope: str, inner: StreamHandler, *, close_after: bool = False) -> StreamHandler:
+        """A handler that admits the stream into ``scope``, runs ``inner``, isolates failures.
+
+        ``close_after``: close the stream when ``inner`` returns (py-libp2p's pubsub handler
+        returns on the remote's EOF without closing its own side, leaving it half-open).
+        """
 
         async def guarded(stream: Any) -> None:
             peer = stream_peer(stream)
@@ -187,15 +200,17 @@ class InboundGuard:
                 log.info(
                     "stream_refused scope=%s peer=%s reason=%s", scope, short_id(peer), ticket.value
                 )
-                await reset_quietly(stream)
                 if ticket is Refusal.PEER_LIMIT:
-                    await self.offend(peer, Offence.OVER_LIMIT, f"{scope} {ticket.value}")
+                    await self.offend(peer, Offence.OVER_LIMIT, f"{scope} {ticket.value}", stream)
+                else:
+                    await reset_quietly(stream)
                 return
             try:
                 await inner(stream)
+                if close_after:
+                    await close_quietly(stream)
             except PEER_FAULTS as exc:
-                await reset_quietly(stream)
-                await self.offend(peer, Offence.MALFORMED_FRAME, f"{scope} {exc!r}")
+                await self.offend(peer, Offence.MALFORMED_FRAME, f"{scope} {exc!r}", stream)
             except Exception:
                 log.exception("stream_handler_failed scope=%s peer=%s", scope, short_id(peer))
                 await reset_quietly(stream)
@@ -204,16 +219,19 @@ class InboundGuard:
 
         return guarded
 
-    async def offend(self, peer: str, offence: Offence, detail: str) -> None:
-        """Charge ``peer`` for ``offence``; on a new ban, close its connections (<= 5 s)."""
+    async def offend(self, peer: str, offence: Offence, detail: str, stream: Any = None) -> None:
+        """Charge ``peer`` for ``offence`` and reset its ``stream`` (if given); on a new ban,
+        close all its connections instead (<= 5 s), which ends the stream too."""
         if self._charge(peer, offence, detail):
-            await self._disconnect(ID.from_base58(peer))
+            self._disconnect_soon(ID.from_base58(peer))
+        if stream is not None:
+            await reset_quietly(stream)
 
     def offend_soon(self, peer: str, offence: Offence, detail: str) -> None:
         """Synchronous form of :meth:`offend` for library callbacks (validators): a new ban
         closes the peer's connections from a task of the pubsub service."""
-        if self._charge(peer, offence, detail) and self.pubsub is not None:
-            self.pubsub.manager.run_task(self._disconnect, ID.from_base58(peer))
+        if self._charge(peer, offence, detail):
+            self._disconnect_soon(ID.from_base58(peer))
 
     def _charge(self, peer: str, offence: Offence, detail: str) -> bool:
         self.refresh_bans()
@@ -227,12 +245,18 @@ class InboundGuard:
             self.pubsub.blacklisted_peers.add(ID.from_base58(peer))
         return True
 
+    def _disconnect_soon(self, pid: ID) -> None:
+        # From a task of the pubsub service: the caller may run inside the very connection
+        # that is being closed, and would be cancelled half-way.
+        if self.pubsub is not None and self.pubsub.manager.is_running:
+            self.pubsub.manager.run_task(self._disconnect, pid)
+
     async def _disconnect(self, pid: ID) -> None:
         with trio.move_on_after(5):
             try:
                 await self.host.disconnect(pid)
-            except (BaseLibp2pError, OSError):
-                pass
+            except (BaseLibp2pError, OSError) as exc:
+                log.info("ban_disconnect_failed peer=%s error=%r", short_id(pid.to_base58()), exc)
 
     def refresh_bans(self) -> None:
         """Lift the pubsub blacklisting of peers whose ban has expired."""

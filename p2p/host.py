@@ -346,7 +346,8 @@ class P2PNode:
         loses the slot and is charged); the handler and the response then get ``timeout_s``.
         A request over ``max_request_bytes`` is refused before the handler runs. A handler that
         raises a :class:`ShardnetError` resets the stream (the caller sees ``StreamBroken``);
-        the error is logged with the caller's short PeerID.
+        the error is logged with the caller's short PeerID, and a
+        :class:`RemoteProtocolError` (the caller's fault) lowers the caller's score.
         """
         limits = self.config.limits
         self._guard.resources.set_limit(
@@ -360,15 +361,17 @@ class P2PNode:
                 try:
                     request = await VarIntLengthMsgReadWriter(stream, max_request_bytes).read_msg()
                 except LibMessageTooLarge:
-                    await reset_quietly(stream)
-                    await guard.offend(sender, Offence.MALFORMED_FRAME, f"{protocol} oversize")
+                    await guard.offend(
+                        sender, Offence.MALFORMED_FRAME, f"{protocol} oversize", stream
+                    )
                     return
                 except IOException:
                     await reset_quietly(stream)  # closed or reset by the caller: its loss
                     return
             if reading.cancelled_caught:
-                await reset_quietly(stream)
-                await guard.offend(sender, Offence.SLOW_REQUEST, f"{protocol} body not sent")
+                await guard.offend(
+                    sender, Offence.SLOW_REQUEST, f"{protocol} body not sent", stream
+                )
                 return
             with trio.move_on_after(timeout_s) as handling:
                 try:
@@ -386,6 +389,8 @@ class P2PNode:
                         short_id(sender),
                         exc,
                     )
+                    if isinstance(exc, RemoteProtocolError):
+                        await guard.offend(sender, Offence.BAD_REQUEST, f"{protocol}: {exc}")
                     await reset_quietly(stream)
                     return
                 except IOException:

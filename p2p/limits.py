@@ -10,11 +10,12 @@ manager in the spirit of go-libp2p's ``rcmgr``: every inbound stream is admitted
 per remote peer and one for the whole node — and released when its handler ends. A refusal
 names which cap was hit (:class:`Refusal`), so the driver can log it and count it.
 
-:class:`PeerLedger` keeps one misbehaviour score per remote peer: each :class:`Offence`
-(a malformed frame, an invalid gossip message, a request body not sent in time, a refused
-stream) subtracts its penalty; the score recovers linearly with time; a peer whose score
-falls to ``ban_score`` is banned for ``ban_s`` seconds (its streams are refused and its
-connections closed by the driver). The ledger is bounded: the least recently touched peer
+:class:`PeerLedger` keeps one misbehaviour score per remote peer: each :class:`Offence` (a
+malformed frame, a request its handler rejected as the peer's fault, an invalid gossip
+message, a request body not sent in time, a stream over its per-peer cap) subtracts its
+penalty; the score recovers linearly with time; a peer whose score falls to ``ban_score`` is
+banned for ``ban_s`` seconds (its streams are refused and its connections closed by the
+driver). The ledger is bounded: the least recently touched peer
 is forgotten first (an unknown peer starts clean, which is what a forgotten one gets).
 
 Both classes are pure: they take ``now`` (seconds, any monotonic clock) as an argument and do
@@ -46,13 +47,15 @@ class Offence(enum.Enum):
     """What a remote peer did wrong at the boundary (the value is the log string)."""
 
     MALFORMED_FRAME = "malformed_frame"
+    BAD_REQUEST = "bad_request"
     INVALID_GOSSIP = "invalid_gossip"
     SLOW_REQUEST = "slow_request"
     OVER_LIMIT = "over_limit"
 
 
 DEFAULT_PENALTIES: dict[Offence, float] = {
-    Offence.MALFORMED_FRAME: 50.0,
+    Offence.MALFORMED_FRAME: 60.0,
+    Offence.BAD_REQUEST: 10.0,
     Offence.INVALID_GOSSIP: 10.0,
     Offence.SLOW_REQUEST: 5.0,
     Offence.OVER_LIMIT: 1.0,
