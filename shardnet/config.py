@@ -26,6 +26,7 @@ from p2p.errors import ConfigError
 from p2p.host import HostConfig
 from p2p.http_server import HttpServerConfig
 from p2p.identity import Identity
+from p2p.limits import LedgerConfig, ResourceLimits
 from p2p.trust import TrustList
 from shardcast.downloader import DownloadConfig
 from shardcast.follower import FollowConfig
@@ -55,6 +56,24 @@ class CommonSettings(BaseSettings):
         None,
         description="fsync every committed version (default: yes for trainer/origin; relays "
         "and peers re-verify their versions after an unclean stop instead)",
+    )
+    request_read_timeout_s: float = Field(
+        2.0,
+        gt=0,
+        description="seconds a remote peer has to send a whole request body on a libp2p "
+        "request protocol before its stream is reset (separate from the handler's time)",
+    )
+    max_streams_per_peer: int = Field(
+        64, ge=1, description="concurrent inbound libp2p streams of one remote peer"
+    )
+    max_requests_per_peer: int = Field(
+        8, ge=1, description="concurrent inbound requests of one remote peer per protocol"
+    )
+    peer_ban_s: float = Field(
+        600.0,
+        ge=0,
+        description="seconds a remote peer that sent malformed frames or invalid gossip "
+        "is banned (its connections closed, its streams refused)",
     )
     report: Path | None = Field(None, description="write a JSON report here on exit")
     ready_file: Path | None = Field(None, description="write the node's addresses here")
@@ -97,7 +116,16 @@ class CommonSettings(BaseSettings):
             data_dir=self.data_dir,
             keep_last=self.keep_last,
             durable=durable,
-            host=HostConfig(listen_multiaddrs=tuple(self.listen)),
+            host=HostConfig(
+                listen_multiaddrs=tuple(self.listen),
+                limits=ResourceLimits(
+                    streams_per_peer=self.max_streams_per_peer,
+                    streams_total=max(4096, self.max_streams_per_peer),
+                    requests_per_peer=self.max_requests_per_peer,
+                    request_read_timeout_s=self.request_read_timeout_s,
+                ),
+                ledger=LedgerConfig(ban_s=self.peer_ban_s),
+            ),
             http=HttpServerConfig(
                 host=self.http_host,
                 port=self.http_port,
