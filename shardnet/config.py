@@ -141,6 +141,12 @@ class FollowerSettings(CommonSettings):
     allow_relays: list[str] = Field([], description="only download from these PeerIDs")
     poll_interval_s: float = Field(1.0, gt=0, description="upstream info poll period")
     stall_timeout_s: float = Field(30.0, gt=0, description="fail a transfer stalled this long")
+    source_ban_s: float = Field(
+        600.0,
+        ge=0,
+        description="seconds a shard source that sent corrupt bytes stays banned, across "
+        "versions (0: for the current version only)",
+    )
 
     def trust(self) -> TrustList:
         """The trust list."""
@@ -151,7 +157,9 @@ class FollowerSettings(CommonSettings):
         return FollowConfig(
             upstreams=tuple(upstreams),
             poll_interval_s=self.poll_interval_s,
-            download=DownloadConfig(stall_timeout_s=self.stall_timeout_s),
+            download=DownloadConfig(
+                stall_timeout_s=self.stall_timeout_s, source_ban_s=self.source_ban_s
+            ),
         )
 
 
