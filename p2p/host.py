@@ -14,6 +14,11 @@ payload)`` sends one length-prefixed request and reads one length-prefixed respo
 directions enforce a byte bound and a timeout. Library exceptions are translated here, once,
 into :mod:`p2p.errors` types.
 
+Every inbound stream passes :mod:`p2p.boundary` first: per-peer and global stream caps
+(:mod:`p2p.limits`), a short deadline for a request body, and fault isolation — a malformed
+frame resets its stream and charges the sender, never ends the node. Gossip topics are
+subscribed with an application check that runs before a message is delivered or forwarded.
+
 Only this package imports libp2p.
 """
 
@@ -29,14 +34,15 @@ import multiaddr
 import trio
 from libp2p import new_host
 from libp2p.custom_types import TProtocol
+from libp2p.io.exceptions import IOException
+from libp2p.io.exceptions import MessageTooLarge as LibMessageTooLarge
+from libp2p.io.msgio import VarIntLengthMsgReadWriter
 from libp2p.peer.id import ID
 from libp2p.peer.peerinfo import info_from_p2p_addr
-from libp2p.pubsub.pubsub import Pubsub
 from libp2p.request_response import (
     BytesCodec,
     MessageTooLargeError,
     ProtocolNotSupportedError,
-    RequestContext,
     RequestResponse,
     RequestResponseConfig,
     RequestResponseError,
@@ -51,8 +57,18 @@ from p2p.addresses import (
     ensure_listen_bindable,
     interface_addresses,
 )
+from p2p.boundary import (
+    GossipCheck,
+    GuardedPubsub,
+    InboundGuard,
+    check_library,
+    reset_quietly,
+    stream_peer,
+    topic_validator,
+)
 from p2p.errors import (
     ConfigError,
+    LocalProtocolError,
     MessageTooLarge,
     PeerUnreachable,
     RemoteProtocolError,
@@ -62,6 +78,17 @@ from p2p.errors import (
 )
 from p2p.gossip import DirectPeering, GossipConfig, Subscription, make_router, prepare_subscription
 from p2p.identity import Identity
+from p2p.limits import (
+    ANY_STREAM,
+    LedgerConfig,
+    LedgerStats,
+    Offence,
+    PeerLedger,
+    ResourceLimits,
+    ResourceManager,
+    ScopeLimit,
+    ScopeStats,
+)
 
 if TYPE_CHECKING:
     from trio_typing import TaskStatus
@@ -82,6 +109,8 @@ class HostConfig:
         public_host: advertise every listen port on this host name/address instead.
         dial_timeout_s: bound on connecting to one peer, seconds.
         gossip: gossipsub settings.
+        limits: per-peer and global inbound stream caps, request read deadline.
+        ledger: misbehaviour scores and bans of remote peers.
     """
 
     listen_multiaddrs: tuple[str, ...] = ("/ip4/127.0.0.1/tcp/0",)
@@ -89,6 +118,8 @@ class HostConfig:
     public_host: str | None = None
     dial_timeout_s: float = 10.0
     gossip: GossipConfig = field(default_factory=GossipConfig)
+    limits: ResourceLimits = field(default_factory=ResourceLimits)
+    ledger: LedgerConfig = field(default_factory=LedgerConfig)
 
     def __post_init__(self) -> None:
         if not self.listen_multiaddrs:
@@ -148,6 +179,14 @@ def _disable_auto_connect(host: object) -> None:
         connector.maybe_connect = _no_auto_connect
 
 
+@dataclass(frozen=True)
+class BoundaryStats:
+    """Inbound streams per scope (``"*"`` or a protocol id) and misbehaviour of peers."""
+
+    streams: dict[str, ScopeStats]
+    peers: LedgerStats
+
+
 class P2PNode:
     """A running libp2p host with request/response and gossip.
 
@@ -160,9 +199,10 @@ class P2PNode:
         identity: Identity,
         config: HostConfig,
         host: object,
-        pubsub: Pubsub,
+        pubsub: GuardedPubsub,
         rr: RequestResponse,
         nursery: trio.Nursery,
+        guard: InboundGuard,
     ) -> None:
         self.identity = identity
         self.config = config
@@ -170,6 +210,7 @@ class P2PNode:
         self._pubsub = pubsub
         self._rr = rr
         self._nursery = nursery
+        self._guard = guard
         self._subscriptions: dict[str, Subscription] = {}
         self._interfaces = interface_addresses()
 
@@ -187,14 +228,25 @@ class P2PNode:
             ConfigError: a listen port is in use or its address is not this host's
                 (``listen``), checked before anything starts.
             PeerUnreachable: cannot listen on the configured addresses.
+            LocalProtocolError: the installed libp2p is not the one :mod:`p2p.boundary` guards.
         """
+        check_library()
         listen = [parse_multiaddr(a) for a in config.listen_multiaddrs]
         ensure_listen_bindable(config.listen_multiaddrs)
         host = new_host(key_pair=identity.key_pair, muxer_preference="YAMUX", listen_addrs=listen)
         _disable_auto_connect(host)
+        limits = config.limits
+        resources = ResourceManager()
+        resources.set_limit(ANY_STREAM, ScopeLimit(limits.streams_per_peer, limits.streams_total))
+        guard = InboundGuard(host, resources, PeerLedger(config.ledger))
+        guard.install()
         router = make_router(config.gossip)
         host.get_network().register_notifee(DirectPeering(router))
-        pubsub = Pubsub(host, router)
+        pubsub = GuardedPubsub(host, router, guard, config.gossip.max_message_bytes)
+        for proto in router.get_protocols():
+            cap = ScopeLimit(limits.pubsub_streams_per_peer, limits.streams_total)
+            resources.set_limit(str(proto), cap)
+            guard.wrap_protocol(proto)
         rr = RequestResponse(host)
         stop = trio.Event()
 
@@ -212,7 +264,7 @@ class P2PNode:
                             ):
                                 with trio.fail_after(30):
                                     await pubsub.wait_until_ready()
-                                node = cls(identity, config, host, pubsub, rr, nursery)
+                                node = cls(identity, config, host, pubsub, rr, nursery, guard)
                                 log.info(
                                     "host_started peer_id=%s addrs=%s",
                                     identity.peer_id,
@@ -263,6 +315,14 @@ class P2PNode:
             self.config.public_host,
         )
         return [a if "/p2p/" in a else f"{a}/p2p/{self.peer_id}" for a in adv]
+
+    def boundary_statistics(self) -> BoundaryStats:
+        """Stream admission counters, offences and current bans (see :mod:`p2p.boundary`)."""
+        self._guard.refresh_bans()
+        return BoundaryStats(
+            self._guard.resources.statistics(),
+            self._guard.ledger.statistics(trio.current_time()),
+        )
 
     def connected_peers(self) -> list[str]:
         """PeerIDs with an open connection."""
@@ -315,29 +375,81 @@ class P2PNode:
     ) -> None:
         """Register ``handler(peer_id, request_bytes) -> response_bytes`` on ``protocol``.
 
-        The handler runs with ``timeout_s`` for reading the request, handling and writing the
-        response; a request over ``max_request_bytes`` is refused before the handler runs. A
-        handler that raises a :class:`ShardnetError` resets the stream (the caller sees
-        ``StreamBroken``); the error is logged with the caller's short PeerID.
+        Admission: at most ``max_concurrent`` requests run at once on ``protocol``, and at most
+        ``config.limits.requests_per_peer`` of them from one peer; a stream over either cap is
+        reset at once (the caller sees ``StreamBroken``). The request body must arrive within
+        ``config.limits.request_read_timeout_s`` (a peer that sends nothing or half a frame
+        loses the slot and is charged); the handler and the response then get ``timeout_s``.
+        A request over ``max_request_bytes`` is refused before the handler runs. A handler that
+        raises a :class:`ShardnetError` resets the stream (the caller sees ``StreamBroken``);
+        the error is logged with the caller's short PeerID, and a
+        :class:`RemoteProtocolError` (the caller's fault) lowers the caller's score.
         """
-
-        async def _wrapped(request: bytes, ctx: RequestContext) -> bytes:
-            sender = ctx.peer_id.to_base58()
-            try:
-                return await handler(sender, request)
-            except ShardnetError as exc:
-                log.warning(
-                    "request_refused protocol=%s peer=%s error=%s", protocol, short_id(sender), exc
-                )
-                raise RequestResponseError(str(exc)) from exc
-
-        cfg = RequestResponseConfig(
-            timeout=timeout_s,
-            max_request_size=max_request_bytes,
-            max_response_size=max_response_bytes,
-            max_concurrent_inbound=max_concurrent,
+        limits = self.config.limits
+        self._guard.resources.set_limit(
+            protocol, ScopeLimit(min(limits.requests_per_peer, max_concurrent), max_concurrent)
         )
-        self._rr.set_handler(TProtocol(protocol), _wrapped, BytesCodec(), cfg)
+        guard = self._guard
+
+        async def inbound(stream: Any) -> None:
+            sender = stream_peer(stream)
+            with trio.move_on_after(limits.request_read_timeout_s) as reading:
+                try:
+                    request = await VarIntLengthMsgReadWriter(stream, max_request_bytes).read_msg()
+                except LibMessageTooLarge:
+                    await guard.offend(
+                        sender, Offence.MALFORMED_FRAME, f"{protocol} oversize", stream
+                    )
+                    return
+                except IOException:
+                    await reset_quietly(stream)  # closed or reset by the caller: its loss
+                    return
+            if reading.cancelled_caught:
+                await guard.offend(
+                    sender, Offence.SLOW_REQUEST, f"{protocol} body not sent", stream
+                )
+                return
+            with trio.move_on_after(timeout_s) as handling:
+                try:
+                    response = await handler(sender, request)
+                    if len(response) > max_response_bytes:
+                        raise LocalProtocolError(
+                            f"{protocol} response of {len(response)} bytes over "
+                            f"{max_response_bytes}"
+                        )
+                    await VarIntLengthMsgReadWriter(stream, max_response_bytes).write_msg(response)
+                except ShardnetError as exc:
+                    log.warning(
+                        "request_refused protocol=%s peer=%s error=%s",
+                        protocol,
+                        short_id(sender),
+                        exc,
+                    )
+                    if isinstance(exc, RemoteProtocolError):
+                        await guard.offend(sender, Offence.BAD_REQUEST, f"{protocol}: {exc}")
+                    await reset_quietly(stream)
+                    return
+                except IOException:
+                    await reset_quietly(stream)
+                    return
+            if handling.cancelled_caught:
+                log.warning(
+                    "request_timed_out protocol=%s peer=%s timeout_s=%s",
+                    protocol,
+                    short_id(sender),
+                    timeout_s,
+                )
+                await reset_quietly(stream)
+                return
+            with trio.move_on_after(1):
+                try:
+                    await stream.close()
+                except IOException:
+                    pass
+
+        self._host.set_stream_handler(  # type: ignore[attr-defined]
+            TProtocol(protocol), guard.wrap(protocol, inbound)
+        )
 
     async def request(
         self,
@@ -405,10 +517,20 @@ class P2PNode:
         except trio.TooSlowError as exc:
             raise StreamBroken(peer_id, f"no subscription to {topic} within {timeout_s}s") from exc
 
-    async def subscribe(self, topic: str) -> Subscription:
-        """Subscribe to ``topic``; returns a bounded subscription (one per topic per node)."""
+    async def subscribe(self, topic: str, check: GossipCheck) -> Subscription:
+        """Subscribe to ``topic``; returns a bounded subscription (one per topic per node).
+
+        ``check(origin, data)`` validates every message on the topic before it is delivered,
+        cached or forwarded to other peers; it raises a :class:`ShardnetError` to reject (the
+        forwarder is charged). It must be cheap and synchronous (a decode and a signature
+        check). A second subscription to the same topic returns the first (and keeps its
+        check).
+        """
         if topic in self._subscriptions:
             return self._subscriptions[topic]
+        self._pubsub.set_topic_validator(
+            topic, topic_validator(topic, check, self._guard, self._pubsub.my_id), False
+        )
         sub = await Subscription.start(self._pubsub, topic, self.config.gossip, self._nursery)
         self._subscriptions[topic] = sub
         return sub

@@ -157,13 +157,22 @@ class RolloutInbox:
             max_response_bytes=256,
             timeout_s=10.0,
         )
-        sub = await self.node.subscribe(rollouts_topic(self.run_id))
+        sub = await self.node.subscribe(rollouts_topic(self.run_id), self._check_gossip)
         async with trio.open_nursery() as nursery:
             task_status.started()
             async for msg in sub:
                 if self._fetch_slots.value == 0:
                     continue  # busy: the submitter's direct route will deliver it
                 nursery.start_soon(self._on_gossip, msg.data, msg.origin)
+
+    def _check_gossip(self, origin: str, data: bytes) -> None:
+        """Runs before a rollout announcement is delivered or forwarded: well-formed, this
+        run, signed by its submitter, and a submitter that reputation does not refuse."""
+        ann = RolloutAnnouncement.decode(data, sender=origin)
+        if ann.run_id != self.run_id:
+            raise RemoteProtocolError(origin, f"rollout announcement of run {ann.run_id!r}")
+        if self.reputation.refused(ann.submitter):
+            raise RemoteProtocolError(origin, f"submitter {short_id(ann.submitter)} is refused")
 
     async def _on_direct(self, sender: str, request: bytes) -> bytes:
         ack = await self.ingest(request, sender, route="direct")

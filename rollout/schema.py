@@ -19,6 +19,7 @@ Field bounds are enforced while decoding (lengths, token-id and float ranges); s
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -36,6 +37,21 @@ MAX_SAMPLES = 256
 MAX_TOKENS = 32768
 MAX_PROOF_BYTES = 1 << 20
 FINISH_REASONS = ("stop", "length")
+
+
+def check_announcement_gossip(run_id: str) -> Callable[[str, bytes], None]:
+    """Gossip check of the rollouts topic: a well-formed announcement of ``run_id`` signed by
+    its submitter (run before the message is delivered or forwarded).
+
+    The returned function raises RemoteProtocolError or IntegrityError.
+    """
+
+    def check(origin: str, data: bytes) -> None:
+        ann = RolloutAnnouncement.decode(data, sender=origin)
+        if ann.run_id != run_id:
+            raise RemoteProtocolError(origin, f"rollout announcement of run {ann.run_id!r}")
+
+    return check
 
 
 def rollouts_topic(run_id: str) -> str:

@@ -81,6 +81,15 @@ class NodeAdvert:
         return cls(peer_id, role, url, steps[0], steps[1])
 
 
+def check_advert_gossip(origin: str, data: bytes) -> None:
+    """Gossip check of the nodes topic: a well-formed advert about its own origin.
+
+    Raises:
+        RemoteProtocolError: see :meth:`NodeAdvert.decode`.
+    """
+    NodeAdvert.decode(data, origin)
+
+
 class SourceDirectory:
     """Adverts heard recently, and the extra sources they offer for a version.
 

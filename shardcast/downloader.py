@@ -61,7 +61,7 @@ from p2p.http_errors import NotAvailable
 from p2p.trust import TrustList
 from shardcast import codecs
 from shardcast.manifest import Manifest, ManifestError, ShardEntry, decode_part
-from shardcast.select import Request, Scheduler, SchedulerConfig, blame
+from shardcast.select import Request, Scheduler, SchedulerConfig, SourceBans, blame
 from shardcast.store import PartialVersion, VersionStore
 
 log = logging.getLogger(__name__)
@@ -115,6 +115,8 @@ class DownloadConfig:
         use_deltas: fetch ``xor-zstd`` when the base version is held.
         prefer_compressed: fetch ``zstd`` where offered (slow links).
         scheduler: source-selection tuning.
+        source_ban_s: a source banned for corrupt bytes stays banned this long, across the
+            versions this downloader fetches, seconds (0: only for the version).
     """
 
     stall_timeout_s: float = 30.0
@@ -125,6 +127,7 @@ class DownloadConfig:
     use_deltas: bool = True
     prefer_compressed: bool = False
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
+    source_ban_s: float = 600.0
 
 
 @dataclass
@@ -245,6 +248,7 @@ class Downloader:
         self.current: DownloadStats | None = None
         self._extra: Callable[[], list[Source]] | None = None
         self._max_extra = 16
+        self.bans = SourceBans(config.source_ban_s)
 
     async def download(
         self,
@@ -353,6 +357,8 @@ class Downloader:
         by_id = {s.id: s for s in sources}
         for s in sources:
             sched.add_source(s.id, None if s.complete else ())
+            if self.bans.is_banned(s.id, trio.current_time()):
+                sched.ban(s.id)
         chosen: dict[int, str] = {}
         no_delta: set[int] = set()
         resume: dict[int, _Buf] = {}
@@ -374,6 +380,24 @@ class Downloader:
             nonlocal wake
             wake.set()
             wake = trio.Event()
+
+        def banish(source: str, cancel: list[int]) -> None:
+            # if the scheduler has banned ``source``: remember it across versions and stop
+            # the transfers it still has in flight (``cancel``)
+            if not sched.is_banned(source):
+                return
+            if not self.bans.is_banned(source, trio.current_time()):
+                self.bans.ban(source, trio.current_time())
+                log.warning(
+                    "source_banned step=%d source=%s inflight_cancelled=%d ban_s=%.0f",
+                    m.step,
+                    short_id(source),
+                    len(cancel),
+                    self.bans.ban_s,
+                )
+            for rid in cancel:
+                if rid in scopes:
+                    scopes[rid].cancel()
 
         def reschedule(index: int) -> None:
             entry = m.shard(index)
@@ -528,7 +552,9 @@ class Downloader:
                         )
                         return
                     except RemoteProtocolError as exc:
-                        sched.on_failure(req.id, trio.current_time(), kind="corrupt")
+                        banish(
+                            src.id, sched.on_failure(req.id, trio.current_time(), kind="corrupt")
+                        )
                         stats.failures += 1
                         corrupt(src.id)
                         log.warning(
@@ -563,7 +589,10 @@ class Downloader:
                     except IntegrityError:
                         contributors = {p[0] for p in buf.parts}
                         if len(contributors) == 1:
-                            sched.on_failure(req.id, trio.current_time(), kind="corrupt")
+                            banish(
+                                src.id,
+                                sched.on_failure(req.id, trio.current_time(), kind="corrupt"),
+                            )
                             corrupt(src.id)
                         else:
                             sched.on_failure(req.id, trio.current_time(), kind="suspect")
@@ -586,7 +615,12 @@ class Downloader:
                             observer.shard_verified(src.id, trio.current_time() - v0)
                         if req.shard in suspects:
                             self._assign_blame(
-                                sched, suspects.pop(req.shard), buf.data, chosen[req.shard], corrupt
+                                sched,
+                                suspects.pop(req.shard),
+                                buf.data,
+                                chosen[req.shard],
+                                corrupt,
+                                banish,
                             )
                         log.debug(
                             "shard_verified step=%d shard=%d source=%s size_bytes=%d",
@@ -619,6 +653,8 @@ class Downloader:
                         extra_ids.add(s.id)
                         by_id[s.id] = s
                         sched.add_source(s.id, None if s.complete else ())
+                        if self.bans.is_banned(s.id, trio.current_time()):
+                            sched.ban(s.id)
                         if not s.complete:
                             nursery.start_soon(poll_have, s)
                         log.info(
@@ -710,16 +746,17 @@ class Downloader:
         good: bytearray,
         enc: str,
         corrupt: Callable[[str], None],
+        banish: Callable[[str, list[int]], None],
     ) -> None:
         now = trio.current_time()
         for buf in bad_copies:
             if len(buf.data) != len(good):
                 continue  # a copy of another encoding cannot be compared byte for byte
             for culprit in blame(buf.parts, buf.data, good):
-                sched.penalize_corrupt(culprit, now)
+                cancel = sched.penalize_corrupt(culprit, now)
                 corrupt(culprit)
                 log.warning("source_blamed source=%s reason=corrupt_bytes", short_id(culprit))
-        del enc
+                banish(culprit, cancel)
 
 
 class _BaseMismatch(IntegrityError):

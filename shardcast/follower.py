@@ -41,7 +41,7 @@ from p2p.host import peer_id_of
 from p2p.http_errors import NotAvailable
 from shardcast.cardsync import fetch_card
 from shardcast.catchup import plan
-from shardcast.discovery import NodeAdvert, SourceDirectory, nodes_topic
+from shardcast.discovery import NodeAdvert, SourceDirectory, check_advert_gossip, nodes_topic
 from shardcast.downloader import (
     DownloadConfig,
     Downloader,
@@ -50,7 +50,12 @@ from shardcast.downloader import (
     manifest_url,
 )
 from shardcast.manifest import Manifest
-from shardcast.messages import NodeInfo, VersionAnnouncement, versions_topic
+from shardcast.messages import (
+    NodeInfo,
+    VersionAnnouncement,
+    check_announcement_gossip,
+    versions_topic,
+)
 from shardcast.metrics import DownloadMetrics, source_kind
 from shardcast.node import ShardcastNode
 from shardcast.nodestatus import iso, wall_of
@@ -264,12 +269,16 @@ class Follower:
                 await self.node.wait_card(ann.card_version)
 
     async def _listen_versions(self) -> None:
-        sub = await self.node.p2p.subscribe(versions_topic(self.node.config.run_id))
+        run_id = self.node.config.run_id
+        check = check_announcement_gossip(self.node.trust, run_id)
+        sub = await self.node.p2p.subscribe(versions_topic(run_id), check)
         async for msg in sub:
             self._offer(msg.data, msg.origin)
 
     async def _listen_adverts(self) -> None:
-        sub = await self.node.p2p.subscribe(nodes_topic(self.node.config.run_id))
+        sub = await self.node.p2p.subscribe(
+            nodes_topic(self.node.config.run_id), check_advert_gossip
+        )
         async for msg in sub:
             try:
                 advert = NodeAdvert.decode(msg.data, msg.origin)

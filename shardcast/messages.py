@@ -18,6 +18,7 @@ message delays a version (or a card) by at most one poll interval.
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -41,6 +42,21 @@ _ROLES = ("origin", "relay", "peer", "trainer")
 def versions_topic(run_id: str) -> str:
     """Gossipsub topic of version announcements for ``run_id``."""
     return f"shardnet/{run_id}/versions/1"
+
+
+def check_announcement_gossip(trust: TrustList, run_id: str) -> Callable[[str, bytes], None]:
+    """Gossip check of the versions topic: a well-formed announcement of ``run_id`` signed by
+    the pinned trainer (run before the message is delivered or forwarded).
+
+    The returned function raises RemoteProtocolError, IntegrityError or UntrustedSigner.
+    """
+
+    def check(origin: str, data: bytes) -> None:
+        ann = VersionAnnouncement.decode(data, trust=trust, sender=origin)
+        if ann.run_id != run_id:
+            raise RemoteProtocolError(origin, f"announcement of run {ann.run_id!r}")
+
+    return check
 
 
 @dataclass(frozen=True)

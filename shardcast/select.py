@@ -31,7 +31,9 @@ Failures: a timeout or broken transfer multiplies the source's rate by ``failure
 and blocks it for ``penalty_s`` (doubling per consecutive failure). Bytes that fail their
 digest penalize only the source that sent them: if a shard was assembled from several
 sources, :func:`blame` compares it with the verified copy obtained later and names the
-sources whose byte ranges differ. A source with ``max_corrupt`` corrupt transfers is banned.
+sources whose byte ranges differ. A source with ``max_corrupt`` (default 1: the first proven)
+corrupt transfers is banned, and the requests it still has in flight are returned for the
+driver to cancel. :class:`SourceBans` carries bans across versions for a set time.
 
 Endgame: when every missing shard is already in flight, up to ``endgame_duplicates`` extra
 requests per shard (and ``endgame_max_total`` overall) go to other sources; the first copy
@@ -80,7 +82,7 @@ class SchedulerConfig:
     explore: float = 0.1
     failure_decay: float = 0.5
     penalty_s: float = 1.0
-    max_corrupt: int = 2
+    max_corrupt: int = 1
     endgame_duplicates: int = 1
     endgame_max_total: int = 4
     rarity_slack: float = 1.5
@@ -538,7 +540,7 @@ class Scheduler:
         if req_id in self._flights:
             self._finish(req_id)
 
-    def on_failure(self, req_id: int, now: float, *, kind: str, received: int = 0) -> None:
+    def on_failure(self, req_id: int, now: float, *, kind: str, received: int = 0) -> list[int]:
         """A request failed.
 
         Args:
@@ -550,6 +552,9 @@ class Scheduler:
                 penalized until :func:`blame` names the culprit).
             received: bytes of this request received and kept by the driver for resuming
                 (only for ``timeout``/``broken``); the shard's resume offset advances by it.
+
+        Returns:
+            requests to cancel: those still in flight to a source this failure just banned.
         """
         fl, st = self._finish(req_id)
         s = self._shards[fl.req.shard]
@@ -558,10 +563,10 @@ class Scheduler:
         elif kind in ("corrupt", "suspect"):
             self._set_received(fl.req.shard, 0)
         if st is None:
-            return
+            return []
         self._failures += 1
         if kind == "suspect":
-            return
+            return []
         if kind == "unavailable":  # this source lacks this shard for now: ask others first
             if st.have is not None:
                 if fl.req.shard in st.have:
@@ -569,16 +574,16 @@ class Scheduler:
                     if not st.banned:
                         self._held[fl.req.shard] -= 1
             st.not_before[fl.req.shard] = now + self.config.penalty_s / 10
-            return
+            return []
         if kind == "corrupt":
-            self.penalize_corrupt(st.source, now)
-            return
+            return self.penalize_corrupt(st.source, now)
         st.failures += 1
         st.consecutive_failures += 1
         self._decay(st)
         st.blocked_until = now + self.config.penalty_s * min(
             32.0, 2.0 ** (st.consecutive_failures - 1)
         )
+        return []
 
     def _decay(self, st: SourceState) -> None:
         base = st.rate_bps if st.samples else min(st.rate_bps, self._prior_rate())
@@ -595,19 +600,74 @@ class Scheduler:
         else:
             self._partial.discard(shard)
 
-    def penalize_corrupt(self, source: str, now: float) -> None:
-        """Record that ``source`` sent bytes that failed a digest (ban after max_corrupt)."""
+    def penalize_corrupt(self, source: str, now: float) -> list[int]:
+        """Record that ``source`` sent bytes that failed a digest (ban after max_corrupt).
+
+        Returns:
+            the ids of requests still in flight to ``source`` if this call banned it (the
+            driver cancels them and reports each with :meth:`on_cancelled`), else ``[]``.
+        """
         st = self._sources.get(source)
         if st is None:
-            return
+            return []
         self._corrupt += 1
         st.corrupt += 1
         self._decay(st)
         st.blocked_until = now + self.config.penalty_s * 4
-        if st.corrupt >= self.config.max_corrupt:
-            if not st.banned and st.have is not None:
-                self._held.subtract(st.have)
-            st.banned = True
+        if st.corrupt >= self.config.max_corrupt and not st.banned:
+            return self.ban(source)
+        return []
+
+    def ban(self, source: str) -> list[int]:
+        """Never ask ``source`` again in this download (e.g. banned in an earlier version).
+
+        Returns:
+            the ids of requests in flight to it, for the driver to cancel.
+        """
+        st = self._sources.get(source)
+        if st is None or st.banned:
+            return []
+        if st.have is not None:
+            self._held.subtract(st.have)
+        st.banned = True
+        return [rid for rid, fl in self._flights.items() if fl.req.source == source]
+
+    def is_banned(self, source: str) -> bool:
+        """True if ``source`` is banned in this download."""
+        st = self._sources.get(source)
+        return st is not None and st.banned
+
+
+class SourceBans:
+    """Sources banned for sending corrupt bytes, remembered across versions for ``ban_s``.
+
+    Pure and bounded: at most ``max_sources`` bans are kept (the one ending first is dropped).
+    """
+
+    def __init__(self, ban_s: float, max_sources: int = 1024) -> None:
+        self.ban_s = ban_s
+        self.max_sources = max_sources
+        self._until: dict[str, float] = {}
+
+    def ban(self, source: str, now: float) -> None:
+        """Ban ``source`` until ``now + ban_s``."""
+        if self.ban_s <= 0:
+            return
+        self._until[source] = now + self.ban_s
+        if len(self._until) > self.max_sources:
+            del self._until[min(self._until, key=self._until.__getitem__)]
+
+    def is_banned(self, source: str, now: float) -> bool:
+        """True while ``source``'s ban lasts."""
+        until = self._until.get(source)
+        if until is not None and now >= until:
+            del self._until[source]
+            return False
+        return until is not None
+
+    def banned(self, now: float) -> list[str]:
+        """Sources banned at ``now``, sorted."""
+        return sorted(s for s in list(self._until) if self.is_banned(s, now))
 
 
 def blame(

@@ -35,6 +35,7 @@ from p2p.errors import ConfigError
 from p2p.host import HostConfig, parse_multiaddr
 from p2p.http_server import HttpServerConfig
 from p2p.identity import Identity, is_valid_peer_id
+from p2p.limits import LedgerConfig, ResourceLimits
 from p2p.trust import TrustList
 from shardcast.downloader import DownloadConfig
 from shardcast.follower import FollowConfig
@@ -107,6 +108,24 @@ class CommonSettings(BaseSettings):
         None,
         description="fsync every committed version (default: yes for trainer/origin; relays "
         "and peers re-verify their versions after an unclean stop instead)",
+    )
+    request_read_timeout_s: float = Field(
+        2.0,
+        gt=0,
+        description="seconds a remote peer has to send a whole request body on a libp2p "
+        "request protocol before its stream is reset (separate from the handler's time)",
+    )
+    max_streams_per_peer: int = Field(
+        64, ge=1, description="concurrent inbound libp2p streams of one remote peer"
+    )
+    max_requests_per_peer: int = Field(
+        8, ge=1, description="concurrent inbound requests of one remote peer per protocol"
+    )
+    peer_ban_s: float = Field(
+        600.0,
+        ge=0,
+        description="seconds a remote peer that sent malformed frames or invalid gossip "
+        "is banned (its connections closed, its streams refused)",
     )
     report: Path | None = Field(None, description="write a JSON report here on exit")
     ready_file: Path | None = Field(None, description="write the node's addresses here")
@@ -216,6 +235,13 @@ class CommonSettings(BaseSettings):
                 listen_multiaddrs=self.listen_multiaddrs(),
                 announce_multiaddrs=tuple(self.announce),
                 public_host=self.public_host,
+                limits=ResourceLimits(
+                    streams_per_peer=self.max_streams_per_peer,
+                    streams_total=max(4096, self.max_streams_per_peer),
+                    requests_per_peer=self.max_requests_per_peer,
+                    request_read_timeout_s=self.request_read_timeout_s,
+                ),
+                ledger=LedgerConfig(ban_s=self.peer_ban_s),
             ),
             http=HttpServerConfig(
                 host=self.http_host,
@@ -275,6 +301,13 @@ class FollowerSettings(CommonSettings):
     def _allow_relay(cls, v: list[str]) -> list[str]:
         return _check_peer_ids(v, "allow_relay")
 
+    source_ban_s: float = Field(
+        600.0,
+        ge=0,
+        description="seconds a shard source that sent corrupt bytes stays banned, across "
+        "versions (0: for the current version only)",
+    )
+
     def trust(self) -> TrustList:
         """The trust list."""
         return TrustList(trainer=self.trainer_id, relays=frozenset(self.allow_relay))
@@ -284,7 +317,9 @@ class FollowerSettings(CommonSettings):
         return FollowConfig(
             upstreams=tuple(upstreams),
             poll_interval_s=self.poll_interval_s,
-            download=DownloadConfig(stall_timeout_s=self.stall_timeout_s),
+            download=DownloadConfig(
+                stall_timeout_s=self.stall_timeout_s, source_ban_s=self.source_ban_s
+            ),
         )
 
 

@@ -369,3 +369,27 @@ async def test_discovered_sources_are_bounded(
     assert_committed(store, version, path)
     added = [r.getMessage() for r in caplog.records if "source_added" in r.getMessage()]
     assert len(added) == 3
+
+
+async def test_ban_for_corrupt_bytes_carries_to_the_next_version(tmp_path: Path) -> None:
+    v1 = make_version(tmp_path / "v1", {FILE: 4 * SHARD}, SHARD, step=1, seed=1)
+    v2 = make_version(tmp_path / "v2", {FILE: 4 * SHARD}, SHARD, step=2, seed=2)
+    store = target_store(tmp_path)
+    async with HttpClient() as client:
+        dl = Downloader(client, store, config(), random.Random(1), trust())
+        async with (
+            fault_source(v1, Fault.CORRUPT) as bad,
+            honest_source(v1) as (honest, _),
+        ):
+            sources = [Source("a-bad", bad.url), Source("b-honest", honest.url)]
+            _, stats = await dl.download(v1.signed, sources)
+        assert stats.corrupt_by_source["a-bad"] >= 1  # banned at its first corrupt shard
+        assert dl.bans.banned(trio.current_time()) == ["a-bad"]
+        async with (
+            fault_source(v2, Fault.HONEST) as bad2,
+            honest_source(v2) as (honest2, _),
+        ):
+            sources = [Source("a-bad", bad2.url), Source("b-honest", honest2.url)]
+            _, stats2 = await dl.download(v2.signed, sources)
+        assert bad2.asks == []  # still banned: not asked at all for the next version
+        assert set(stats2.bytes_by_source) == {"b-honest"}

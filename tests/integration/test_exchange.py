@@ -18,7 +18,14 @@ from rollout.exchange import ANNOUNCE_PROTOCOL, Ack, RolloutSender, SenderConfig
 from rollout.inbox import InboxConfig, RolloutInbox
 from rollout.model import build_tokenizer
 from rollout.reputation import Reputation, ReputationConfig
-from rollout.schema import Group, RolloutAnnouncement, RolloutBatch, Sample, rollouts_topic
+from rollout.schema import (
+    Group,
+    RolloutAnnouncement,
+    RolloutBatch,
+    Sample,
+    check_announcement_gossip,
+    rollouts_topic,
+)
 from rollout.task import DEFAULT_TASK
 from rollout.verify import Validator, ValidatorConfig
 from trainer.oracle import TrainerOracle
@@ -90,7 +97,7 @@ async def world(
         )
         await nursery.start(inbox.run)
         await p.connect(t.multiaddrs()[0])
-        await p.subscribe(rollouts_topic(RUN))
+        await p.subscribe(rollouts_topic(RUN), check_announcement_gossip(RUN))
         await p.wait_for_subscriber(TRAINER.peer_id, rollouts_topic(RUN), timeout_s=10)
         sender = RolloutSender(
             p,

@@ -12,6 +12,10 @@ from p2p.identity import Identity
 PROTO = "/shardnet/test-echo/1.0.0"
 
 
+def _accept(origin: str, data: bytes) -> None:
+    """Gossip check that accepts every message."""
+
+
 async def test_request_response_and_bounds() -> None:
     a_id, b_id = Identity.from_seed("a"), Identity.from_seed("b")
     async with P2PNode.open(a_id, HostConfig()) as a, P2PNode.open(b_id, HostConfig()) as b:
@@ -49,8 +53,8 @@ async def test_gossip_delivers_burst_without_drops() -> None:
     a_id, b_id = Identity.from_seed("ga"), Identity.from_seed("gb")
     async with P2PNode.open(a_id, HostConfig()) as a, P2PNode.open(b_id, HostConfig()) as b:
         await b.connect(a.multiaddrs()[0])
-        sub = await a.subscribe("t")
-        await b.subscribe("t")
+        sub = await a.subscribe("t", _accept)
+        await b.subscribe("t", _accept)
         await b.wait_for_subscriber(a.peer_id, "t", timeout_s=10)
         n = 200  # far above the library's 32-message queues and 10 msg/s limit
         for i in range(n):

@@ -626,3 +626,34 @@ def test_random_event_sequences_keep_the_invariants(
                 del flights[req.id]
                 sched.on_cancelled(req.id)
         _check_invariants(sched, world, flights, verified)
+
+
+def test_first_proven_corrupt_bans_and_returns_its_other_flights() -> None:
+    sched = Scheduler([10] * 4, random.Random(0), SchedulerConfig(explore=0.0, max_corrupt=1))
+    sched.add_source("bad")
+    sched.add_source("good", rate_bps=1.0)  # slower: the bad one gets the first requests
+    reqs = [sched.next_request(0.0) for _ in range(4)]
+    to_bad = [r.id for r in reqs if r is not None and r.source == "bad"]
+    assert len(to_bad) >= 2
+    cancel = sched.on_failure(to_bad[0], 1.0, kind="corrupt")
+    assert sched.is_banned("bad")
+    assert sorted(cancel) == sorted(to_bad[1:])
+    assert sched.statistics().banned == ("bad",)
+    # a second call for the same source bans nothing new
+    assert sched.penalize_corrupt("bad", 2.0) == []
+
+
+def test_source_bans_last_their_time_and_are_bounded() -> None:
+    from shardcast.select import SourceBans
+
+    bans = SourceBans(ban_s=60, max_sources=2)
+    bans.ban("a", now=0.0)
+    assert bans.is_banned("a", now=59.9)
+    assert not bans.is_banned("a", now=60.0)
+    bans.ban("a", now=0.0)
+    bans.ban("b", now=10.0)
+    bans.ban("c", now=20.0)  # over the bound: the ban ending first ("a") is dropped
+    assert bans.banned(now=30.0) == ["b", "c"]
+    off = SourceBans(ban_s=0)
+    off.ban("a", now=0.0)
+    assert off.banned(now=0.0) == []
