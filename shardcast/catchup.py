@@ -12,7 +12,6 @@ from __future__ import annotations
 from collections.abc import Mapping
 from dataclasses import dataclass
 
-from shardcast.codecs import XOR_ZSTD
 from shardcast.manifest import Manifest
 
 
@@ -32,7 +31,7 @@ def delta_cost(m: Manifest) -> int | None:
     total = 0
     for i in range(len(m.header.shards)):
         entry = m.shard(i)
-        offered = entry.offered(XOR_ZSTD)
+        offered = entry.delta()
         total += offered.size if offered is not None else entry.length
     return total
 

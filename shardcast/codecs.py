@@ -1,4 +1,4 @@
-"""Shard encodings: raw, zstd, and XOR-delta against the previous version (then zstd).
+"""Shard encodings: raw, zstd, and deltas against the previous version (xor-zstd, sparse).
 
 Theory of operation
 -------------------
@@ -13,6 +13,10 @@ changes what travels. The origin may offer, per shard:
               version's same file. Lossless. Consecutive RL checkpoints differ in a few percent
               of bf16 elements (0.6-3 % published; an update below half an ulp rounds away),
               so the XOR is mostly zero bytes and compresses 30-100x.
+``sparse``    the changed 16-bit words' positions and differences (:mod:`shardcast.sparse`,
+              as PULSE does): ~1.3 bytes per changed bf16 element where ``xor-zstd`` needs
+              ~2.5, and decoding costs work proportional to the changes. The origin offers
+              whichever delta is smaller per shard.
 ============  ==========================================================================
 
 XOR works on bytes, so it needs no alignment assumption about where bf16 elements start; a
@@ -35,7 +39,9 @@ from p2p.errors import IntegrityError, LocalProtocolError
 RAW = "raw"
 ZSTD = "zstd"
 XOR_ZSTD = "xor-zstd"
-ENCODINGS = (RAW, ZSTD, XOR_ZSTD)
+SPARSE = "sparse"
+ENCODINGS = (RAW, ZSTD, XOR_ZSTD, SPARSE)
+DELTAS = (XOR_ZSTD, SPARSE)  #: encodings decoded against the base version
 MAX_WINDOW_BYTES = 1 << 27  # 128 MiB: larger frames are refused
 DEFAULT_LEVEL = 1
 
@@ -81,9 +87,9 @@ def encode(
     """Encode one shard.
 
     Args:
-        encoding: ``zstd`` or ``xor-zstd`` (``raw`` needs no encoding).
+        encoding: ``zstd``, ``xor-zstd`` or ``sparse`` (``raw`` needs no encoding).
         raw: the shard's bytes.
-        base: for ``xor-zstd``, the same range of the base version (same length).
+        base: for a delta, the same range of the base version (same length).
         level: zstd level.
         threads: zstd worker threads (0: single-threaded).
         scratch: a reusable buffer of at least ``len(raw)`` bytes for the XOR (saves an
@@ -96,11 +102,17 @@ def encode(
         LocalProtocolError: unknown encoding, or a missing/mis-sized base.
     """
     data: Buffer
+    if encoding in DELTAS and base is None:
+        raise LocalProtocolError(f"{encoding} needs the base shard")
+    if encoding == SPARSE:
+        from shardcast.sparse import encode_sparse
+
+        assert base is not None
+        return encode_sparse(raw, base)
     if encoding == ZSTD:
         data = raw
     elif encoding == XOR_ZSTD:
-        if base is None:
-            raise LocalProtocolError("xor-zstd needs the base shard")
+        assert base is not None
         data = xor_bytes(raw, base, scratch)
     else:
         raise LocalProtocolError(f"cannot encode {encoding!r}")
@@ -120,12 +132,13 @@ def decode(
     """Decode one shard of ``length`` bytes.
 
     Args:
-        encoding: ``raw``, ``zstd`` or ``xor-zstd``.
+        encoding: ``raw``, ``zstd``, ``xor-zstd`` or ``sparse``.
         encoded: the bytes received.
         length: the shard's decoded length (from the manifest).
-        base: for ``xor-zstd``, the base version's bytes of the same range.
+        base: for a delta, the base version's bytes of the same range.
         source: who sent the bytes (for errors).
-        out: for ``xor-zstd``, where to write the result (may be ``base`` itself, in place).
+        out: for a delta, where to write the result (may be ``base`` itself, in place:
+            ``sparse`` then only touches the changed words).
         scratch: a reusable buffer of at least ``length`` bytes to decompress into (saves
             allocating, and faulting in, a fresh output buffer per shard); the result of a
             ``zstd`` decode is then a view of it, valid until it is reused.
@@ -136,16 +149,21 @@ def decode(
     Raises:
         CodecError: not a zstd frame, no or wrong declared content size, window over
             ``MAX_WINDOW_BYTES``, or a decoded length other than ``length``.
-        LocalProtocolError: unknown encoding, or ``xor-zstd`` without a base of ``length``.
+        LocalProtocolError: unknown encoding, or a delta without a base of ``length``.
     """
     if encoding == RAW:
         if len(encoded) != length:
             raise CodecError(f"raw shard of {len(encoded)} bytes, expected {length}", source)
         return encoded
-    if encoding not in (ZSTD, XOR_ZSTD):
+    if encoding not in ENCODINGS:
         raise LocalProtocolError(f"unknown encoding {encoding!r}")
-    if encoding == XOR_ZSTD and (base is None or len(base) != length):
-        raise LocalProtocolError("xor-zstd needs a base shard of the same length")
+    if encoding in DELTAS and (base is None or len(base) != length):
+        raise LocalProtocolError(f"{encoding} needs a base shard of the same length")
+    if encoding == SPARSE:
+        from shardcast.sparse import decode_sparse
+
+        assert base is not None
+        return decode_sparse(encoded, length, base, source, out)
     try:
         params = zstandard.get_frame_parameters(bytes(encoded[:18]))
     except zstandard.ZstdError as exc:

@@ -333,8 +333,9 @@ class Downloader:
         return held.digest == manifest.header.base_digest
 
     def _choose(self, shard: ShardEntry, base: _Base | None, no_delta: set[int]) -> str:
-        if base is not None and shard.index not in no_delta and shard.offered(codecs.XOR_ZSTD):
-            return codecs.XOR_ZSTD
+        delta = shard.delta()
+        if base is not None and shard.index not in no_delta and delta is not None:
+            return delta.encoding
         if self.config.prefer_compressed and shard.offered(codecs.ZSTD):
             return codecs.ZSTD
         return codecs.RAW
@@ -723,7 +724,7 @@ class Downloader:
         held = [_POOL.get(entry.length), _POOL.get(entry.length)]
         try:
             base_bytes = None
-            if enc == codecs.XOR_ZSTD:
+            if enc in codecs.DELTAS:
                 assert base is not None
                 base_bytes = base.read(entry.file, entry.offset, entry.length, held[0])
             raw = codecs.decode(
@@ -732,7 +733,7 @@ class Downloader:
             try:
                 return part.write_shard(entry.index, raw, source, blobs={enc: bytes(data)})
             except IntegrityError as exc:
-                if enc == codecs.XOR_ZSTD:  # blob verified, result wrong: our base differs
+                if enc in codecs.DELTAS:  # blob verified, result wrong: our base differs
                     raise _BaseMismatch(str(exc)) from exc
                 raise
         finally:

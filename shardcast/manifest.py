@@ -40,7 +40,7 @@ from p2p.errors import IntegrityError, RemoteProtocolError
 from p2p.identity import Identity, verify
 from p2p.trust import TrustList
 from shardcast.canonical import DIGEST_RE, RUN_ID_RE, blake3_hex, canonical_json
-from shardcast.codecs import XOR_ZSTD, ZSTD
+from shardcast.codecs import DELTAS, SPARSE, XOR_ZSTD, ZSTD
 
 SCHEMA_VERSION = 2
 HEADER_DOMAIN = "manifest-header/v2"
@@ -55,7 +55,7 @@ MANIFEST_FILE = "manifest.json"
 _NAME_RE = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9._-]{0,254}$")
 _RUN_RE = RUN_ID_RE
 _DIGEST_RE = DIGEST_RE
-OFFERABLE = (ZSTD, XOR_ZSTD)
+OFFERABLE = (ZSTD, XOR_ZSTD, SPARSE)
 
 
 class ManifestError(RemoteProtocolError):
@@ -365,7 +365,7 @@ class Part:
             for e in entry[1]:
                 if not isinstance(e, list) or len(e) != 3 or e[0] not in OFFERABLE:
                     raise ManifestError(source, f"shard {i} has an invalid encoding {e!r}")
-                if e[0] == XOR_ZSTD and header.base_step is None:
+                if e[0] in DELTAS and header.base_step is None:
                     raise ManifestError(source, f"shard {i} offers a delta without a base")
                 if (
                     not isinstance(e[1], int)
@@ -489,6 +489,11 @@ class ShardEntry:
     def offered(self, encoding: str) -> Encoded | None:
         """The encoded form ``encoding`` if offered."""
         return next((e for e in self.encodings if e.encoding == encoding), None)
+
+    def delta(self) -> Encoded | None:
+        """The smallest delta against the base version offered, if any."""
+        deltas = [e for e in self.encodings if e.encoding in DELTAS]
+        return min(deltas, key=lambda e: e.size) if deltas else None
 
 
 class Manifest:

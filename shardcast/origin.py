@@ -10,7 +10,8 @@
    is done, so the first shards flow while the rest is still being hashed;
 3. offers deltas: unless ``step`` is an anchor (``step % anchor_every == 0``), the previous
    committed version is the delta base and every shard whose file has the same size there gets
-   an ``xor-zstd`` form (kept only if smaller than raw); ``zstd`` is offered too if
+   a ``sparse`` or ``xor-zstd`` form, whichever is smaller (kept only if smaller than raw;
+   see :func:`shardcast.plan.hash_parts`); ``zstd`` is offered too if
    configured (for slow links);
 4. moves the directory into the store as ``step-N`` (the manifest was built from it a moment
    before, so it is not hashed twice) and serves it from there.
@@ -54,7 +55,8 @@ class OriginConfig:
         shard_size: bytes per shard.
         shards_per_part: shards per signed manifest part (smaller: earlier first bytes).
         anchor_every: a full version (no delta base) every this many steps.
-        deltas: offer ``xor-zstd`` against the previous version.
+        deltas: offer a delta against the previous version (``sparse`` or ``xor-zstd``,
+            whichever is smaller per shard).
         zstd: also offer ``zstd`` of every shard (worth it on slow links only).
         zstd_level: compression level.
     """
@@ -169,7 +171,7 @@ class Origin:
         node.set_announcement(ann)
         await node.p2p.publish(versions_topic(node.config.run_id), ann.encode())
         announced_at = trio.current_time()
-        encodings = ([codecs.XOR_ZSTD] if base is not None else []) + (
+        encodings = ([codecs.SPARSE, codecs.XOR_ZSTD] if base is not None else []) + (
             [codecs.ZSTD] if cfg.zstd else []
         )
         token = trio.lowlevel.current_trio_token()

@@ -7,7 +7,7 @@ Routes (``GET``/``HEAD``)::
     /shardnet/v1/<run>/<step>/manifest/part/<k>   one signed part (waits until it exists)
     /shardnet/v1/<run>/<step>/have                one bit per served shard, MSB of byte 0 first
     /shardnet/v1/<run>/<step>/files/<name>        file bytes, Range requests (206)
-    /shardnet/v1/<run>/<step>/shard/<i>/<enc>     an encoded shard blob (zstd, xor-zstd), Range
+    /shardnet/v1/<run>/<step>/shard/<i>/<enc>     an encoded shard blob (zstd, xor-zstd, sparse)
 
 Theory of operation
 -------------------
@@ -44,7 +44,7 @@ import trio
 from p2p.http_range import resolve_range
 from p2p.http_server import FileSlice, HttpRequest, HttpResponse, file_response
 from p2p.trust import TrustList
-from shardcast.codecs import RAW, XOR_ZSTD, ZSTD
+from shardcast.codecs import ENCODINGS, RAW
 from shardcast.manifest import Manifest
 from shardcast.policy import SuperSeeding
 from shardcast.store import VersionStore
@@ -55,7 +55,7 @@ PEER_HEADER = "x-shardnet-peer"
 _ROUTE = re.compile(
     r"^/shardnet/v1/(?P<run>[^/]+)/(?P<step>\d{1,18})/(?:(?P<kind>manifest|have)"
     r"|manifest/part/(?P<part>\d{1,9})|files/(?P<name>[^/]+)"
-    r"|shard/(?P<shard>\d{1,9})/(?P<enc>zstd|xor-zstd))$"
+    r"|shard/(?P<shard>\d{1,9})/(?P<enc>zstd|xor-zstd|sparse))$"
 )
 _VERSIONS = re.compile(r"^/shardnet/v1/(?P<run>[^/]+)/versions$")
 
@@ -318,4 +318,4 @@ def _refused() -> HttpResponse:
     return HttpResponse(429, [("retry-after", "1")])
 
 
-OFFERED_ENCODINGS = (ZSTD, XOR_ZSTD)
+OFFERED_ENCODINGS = tuple(e for e in ENCODINGS if e != RAW)

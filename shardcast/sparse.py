@@ -34,7 +34,8 @@ import struct
 import numpy as np
 import zstandard
 
-from p2p.errors import IntegrityError, LocalProtocolError
+from p2p.errors import LocalProtocolError
+from shardcast.codecs import CodecError
 
 MAGIC = b"SPD1"
 _HEADER = struct.Struct("<4sQIBB")
@@ -42,7 +43,7 @@ HEADER_BYTES = _HEADER.size
 MAX_WINDOW_BYTES = 1 << 27
 
 
-class SparseError(IntegrityError):
+class SparseError(CodecError):
     """A sparse blob that does not decode within its bounds (the sender's fault)."""
 
 
@@ -87,6 +88,11 @@ def encode_sparse(raw: Buffer, base: Buffer, level: int = 3) -> bytes:
     header = _HEADER.pack(MAGIC, n, len(idx), has_tail, tail)
     cctx = zstandard.ZstdCompressor(level=level, write_content_size=True)
     return header + cctx.compress(planes.tobytes())
+
+
+def sparse_count(blob: Buffer) -> int:
+    """The number of changed words a sparse blob lists (its header only; not validated)."""
+    return int(_HEADER.unpack_from(blob)[2])
 
 
 def decode_sparse(

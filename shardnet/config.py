@@ -376,7 +376,9 @@ class PublishSettings(CommonSettings):
     shard_size_bytes: int = Field(32 << 20, ge=4096, description="shard size of versions")
     shards_per_part: int = Field(16, ge=1, description="shards per signed manifest part")
     anchor_every: int = Field(10, ge=1, description="a full version every N steps")
-    deltas: bool = Field(True, description="offer xor-zstd deltas against the last version")
+    deltas: bool = Field(
+        True, description="offer deltas against the previous version (sparse or xor-zstd)"
+    )
     zstd: bool = Field(False, description="also offer zstd of every shard (slow links)")
     serve_once_s: float | None = Field(
         5.0,

@@ -13,7 +13,7 @@ model's clock as ``now`` and a per-node seeded ``random.Random``:
 - each download is a :class:`shardcast.select.Scheduler` (shard and source choice, exploration,
   penalties, resumption, endgame duplicates and their cancellation), fed like
   :class:`shardcast.downloader.Downloader` feeds it: parts become known as the origin hashes
-  them (``mark_known`` with the encoded size — the ``xor-zstd`` delta when the base is held),
+  them (``mark_known`` with the encoded size — the delta when the base is held),
   first bytes, successes, ``unavailable`` (503 after ``serve_wait_s``, super-seeding refusals,
   404 from a node without the version), ``broken`` (a source left; bytes kept for resuming),
   ``corrupt``/``suspect`` (digest failures) with blame on the verified copy;

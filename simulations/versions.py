@@ -4,7 +4,7 @@ A :class:`SimVersion` is one published step: shard lengths (one file cut into
 ``shard_size_bytes`` pieces, as :mod:`shardcast.plan` cuts each file), the delta base, when the
 origin published it and hashed each manifest part, and a digest. A delta version (base set)
 moves ``ceil(delta_ratio * length)`` bytes per shard to a node that holds the base, the raw
-length otherwise — what :class:`~shardcast.downloader.Downloader` fetches with ``xor-zstd``.
+length otherwise — what :class:`~shardcast.downloader.Downloader` fetches as a delta.
 
 :func:`manifest_stub` gives :func:`shardcast.catchup.plan` the few manifest attributes it reads
 (``step``, ``digest``, ``complete``, ``total_bytes``, ``header.base_step``,
@@ -20,7 +20,7 @@ from typing import Any
 
 import blake3
 
-from shardcast.codecs import XOR_ZSTD
+from shardcast.codecs import SPARSE
 from simulations.topology import CheckpointSpec
 
 
@@ -95,15 +95,19 @@ class SimVersion:
 @dataclass(frozen=True)
 class _Offered:
     size: int
+    encoding: str = SPARSE
 
 
 @dataclass(frozen=True)
 class _Shard:
     length: int
-    delta: int | None
+    delta_size: int | None
 
     def offered(self, encoding: str) -> _Offered | None:
-        return _Offered(self.delta) if encoding == XOR_ZSTD and self.delta is not None else None
+        return self.delta() if encoding == SPARSE else None
+
+    def delta(self) -> _Offered | None:
+        return _Offered(self.delta_size) if self.delta_size is not None else None
 
 
 @dataclass(frozen=True)
