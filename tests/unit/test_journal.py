@@ -85,7 +85,7 @@ def test_other_publication_or_older_partials_are_not_resumed(tmp_path: Path) -> 
     store = _store(tmp_path)
     assert not part.dir.exists()
     # beginning a newer version removes partials of older ones that are not open
-    ck2, m2 = _setup(tmp_path, step=2)
+    _ck2, m2 = _setup(tmp_path, step=2)
     p1 = store.begin(m)
     p1.write_shard(0, _bytes(ck, m, 0))
     p1.close()
