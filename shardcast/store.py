@@ -252,6 +252,11 @@ class VersionStore:
         self._open_partials.add(m.step)
         return part
 
+    def discard_partial(self, step: int) -> None:
+        """Remove the kept partial version of ``step`` unless a download has it open."""
+        if step not in self._open_partials:
+            shutil.rmtree(self.partial_dir(step), ignore_errors=True)
+
     def adopt(self, directory: Path, manifest: Manifest, *, rehash: bool = True) -> Path:
         """Commit a directory that this node produced itself (the origin's own checkpoint).
 

@@ -273,7 +273,7 @@ class FollowerSettings(CommonSettings):
         return FollowConfig(
             upstreams=tuple(upstreams),
             poll_interval_s=self.poll_interval_s,
-            download=DownloadConfig(stall_timeout_s=self.stall_timeout_s),
+            download=DownloadConfig(stall_timeout_s=self.stall_timeout_s, keep_partial=True),
         )
 
 
