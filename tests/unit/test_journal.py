@@ -107,3 +107,21 @@ def test_vanished_data_directory_starts_over(tmp_path: Path) -> None:
         part2.write_shard(i, _bytes(ck, m, i))
     assert part2.commit() == store.version_dir(1)
     assert (store.run_dir / ".open").exists()
+
+
+def test_origin_republishing_unchanged_files_keeps_the_digest(tmp_path: Path) -> None:
+    """An origin restarted mid-publish signs the same header (same digest) for the same,
+    unchanged directory; a changed directory gets a new digest."""
+    from shardcast.manifest import sign_header
+    from shardcast.origin import stable_header
+    from shardcast.plan import make_header
+
+    ck = make_checkpoint(tmp_path / "ck", SIZES, seed=1)
+    record = tmp_path / ".publishing-step-1.json"
+    first = stable_header(record, ck, make_header(ck, "run", 1, 1000, 3))
+    again = stable_header(record, ck, make_header(ck, "run", 1, 1000, 3))  # after a restart
+    assert sign_header(again, TRAINER).digest == sign_header(first, TRAINER).digest
+    name = next(iter(SIZES))
+    os.utime(ck / name, ns=(1, 1))  # rewritten by the trainer meanwhile
+    changed = stable_header(record, ck, make_header(ck, "run", 1, 1000, 3))
+    assert changed.nonce != first.nonce
