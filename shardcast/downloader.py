@@ -60,6 +60,7 @@ from p2p.http_client import HttpClient
 from p2p.http_errors import NotAvailable
 from p2p.trust import TrustList
 from shardcast import codecs
+from shardcast.lane_auth import failed_header
 from shardcast.liveness import Abandon, Answer, DownloadWatch
 from shardcast.manifest import Manifest, ManifestError, ShardEntry, decode_part
 from shardcast.select import Request, Scheduler, SchedulerConfig, blame
@@ -381,6 +382,13 @@ class Downloader:
         stats.restored = len(held)
         first_seen = False  # debug hook: one first_byte line per download (simulations/)
         probing: set[str] = set()
+        failed_by: dict[int, list[str]] = {}  # shard -> sources that failed it (told to origin)
+
+        def failed(shard: int, source: str) -> None:
+            names = failed_by.setdefault(shard, [])
+            if source not in names:
+                names.append(source)
+                del names[:-4]
         store_lost: list[OSError] = []
         spawn: list[trio.Nursery] = []  # the download's nursery, once open
 
@@ -523,7 +531,11 @@ class Downloader:
                         first = True
                         async with aclosing(
                             self.client.stream_range(
-                                url, offset, req.length, timeout_s=self.config.stall_timeout_s
+                                url,
+                                offset,
+                                req.length,
+                                timeout_s=self.config.stall_timeout_s,
+                                headers=failed_header(failed_by.get(req.shard, ())),
                             )
                         ) as chunks:
                             async for chunk in chunks:
@@ -544,6 +556,7 @@ class Downloader:
                                 buf.pos += len(chunk)
                     except NotAvailable as exc:
                         answered(src.id, exc)
+                        failed(req.shard, src.id)
                         if buf.pos and not req.duplicate:
                             resume[req.shard] = buf  # keep the prefix for the next source
                         elif not req.duplicate:
@@ -551,6 +564,7 @@ class Downloader:
                         sched.on_failure(req.id, trio.current_time(), kind="unavailable")
                         return
                     except (StreamBroken, PeerUnreachable) as exc:
+                        failed(req.shard, src.id)
                         if isinstance(exc, PeerUnreachable):
                             watch.on_answer(src.id, Answer.UNREACHABLE, trio.current_time())
                         got = buf.pos - begin
@@ -578,6 +592,7 @@ class Downloader:
                         )
                         return
                     except RemoteProtocolError as exc:
+                        failed(req.shard, src.id)
                         sched.on_failure(req.id, trio.current_time(), kind="corrupt")
                         stats.failures += 1
                         stats.corrupt_by_source[src.id] = stats.corrupt_by_source.get(src.id, 0) + 1
@@ -613,6 +628,8 @@ class Downloader:
                         return
                     except IntegrityError:
                         contributors = {p[0] for p in buf.parts}
+                        for c in contributors:
+                            failed(req.shard, c)
                         if len(contributors) == 1:
                             sched.on_failure(req.id, trio.current_time(), kind="corrupt")
                             stats.corrupt_by_source[src.id] = (

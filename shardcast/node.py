@@ -14,6 +14,7 @@ It owns, for the duration of :meth:`ShardcastNode.open`:
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
@@ -35,10 +36,11 @@ from p2p.http_server import (
 )
 from p2p.identity import Identity
 from p2p.trust import TrustList
+from shardcast.lane_auth import RequestSigner
 from shardcast.manifest import check_run_id
 from shardcast.messages import INFO_PROTOCOL, MAX_INFO_BYTES, NodeInfo, VersionAnnouncement
 from shardcast.metrics import CONTENT_TYPE, registry_for, render
-from shardcast.serve import PEER_HEADER, VersionServer
+from shardcast.serve import VersionServer
 from shardcast.store import VersionStore
 
 log = logging.getLogger(__name__)
@@ -149,7 +151,7 @@ class ShardcastNode:
             async with (
                 P2PNode.open(identity, config.host) as p2p,
                 open_http_server(handle, config.http) as http,
-                HttpClient(headers={PEER_HEADER: identity.peer_id}) as client,
+                HttpClient(sign=RequestSigner(identity, time.time)) as client,
             ):
                 node = cls(identity, trust, config, p2p, http, client, store, server)
                 registry = registry_for(node)

@@ -21,9 +21,13 @@ never served, so the lane needs no trust.
 
 Origin super-seeding (``serve_once_s``): the origin answers a shard's bytes to the first
 requester only; another requester within ``serve_once_s`` gets ``503`` and fetches it from a
-relay that already has it. The requester is the ``X-Shardnet-Peer`` header, which only steers
-this optimisation (lying only costs the origin bandwidth). This keeps the origin's egress near
-one copy of each version whatever the number of relays.
+relay that already has it. This keeps the origin's egress near one copy of each version
+whatever the number of relays. The requester is the PeerID proven by the request's signed
+``X-Shardnet-Auth`` header (:mod:`shardcast.lane_auth`); a request without a valid one is
+anonymous (curl, a mirror) and is served from a bounded share without ever reserving a shard,
+so it cannot delay the nodes. A requester that names the holder of a shard in
+``X-Shardnet-Failed`` (it failed that shard for it) is served at once
+(:class:`~shardcast.policy.SuperSeeding` rule 6).
 
 A version being served is pinned in the store until the response is sent, so retention never
 deletes a file under a reader.
@@ -35,6 +39,8 @@ import dataclasses
 import json
 import logging
 import re
+import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Protocol
 
@@ -44,13 +50,13 @@ from p2p.http_range import resolve_range
 from p2p.http_server import FileSlice, HttpRequest, HttpResponse, file_response
 from p2p.trust import TrustList
 from shardcast.codecs import XOR_ZSTD, ZSTD
+from shardcast.lane_auth import AUTH_HEADER, FAILED_HEADER, parse_failed, verify_request
 from shardcast.manifest import Manifest
 from shardcast.policy import SuperSeeding
 from shardcast.store import VersionStore
 
 log = logging.getLogger(__name__)
 
-PEER_HEADER = "x-shardnet-peer"
 _ROUTE = re.compile(
     r"^/shardnet/v1/(?P<run>[^/]+)/(?P<step>\d{1,18})/(?:(?P<kind>manifest|have)"
     r"|manifest/part/(?P<part>\d{1,9})|files/(?P<name>[^/]+)"
@@ -92,6 +98,7 @@ class VersionServer:
         trust: used to re-verify manifests read back from disk.
         wait_s: longest wait for a part or shard that is not verified yet, seconds.
         serve_once_s: origin super-seeding window, seconds (None: off).
+        clock: wall-clock seconds, for the time window of signed requests.
     """
 
     def __init__(
@@ -100,6 +107,7 @@ class VersionServer:
         trust: TrustList,
         wait_s: float = 10.0,
         serve_once_s: float | None = None,
+        clock: Callable[[], float] = time.time,
     ) -> None:
         self.store = store
         self.trust = trust
@@ -108,6 +116,7 @@ class VersionServer:
         self._live: dict[int, _Live] = {}
         self._manifests: dict[int, Manifest] = {}
         self._seeding = SuperSeeding(serve_once_s)
+        self._clock = clock
         self.bytes_by_step: dict[int, int] = {}
 
     # -- registration -----------------------------------------------------------------------
@@ -221,12 +230,16 @@ class VersionServer:
     def _refuse_repeat(self, req: HttpRequest, step: int, m: Manifest, shards: range) -> bool:
         """Origin super-seeding (:class:`shardcast.policy.SuperSeeding`): True if these
         shards must be fetched from another node."""
+        if self.serve_once_s is None:
+            return False
+        requester = verify_request(req.headers.get(AUTH_HEADER), req.path, self._clock())
         return not self._seeding.allow(
-            req.headers.get(PEER_HEADER, ""),
+            requester,
             step,
             shards,
             trio.current_time(),
             len(m.header.shards),
+            failed=parse_failed(req.headers.get(FAILED_HEADER)) if requester else (),
         )
 
     async def _file(self, req: HttpRequest, step: int, m: Manifest, name: str) -> HttpResponse:

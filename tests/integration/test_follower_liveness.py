@@ -28,8 +28,10 @@ class _Stuck:
     def __init__(self, manifest: Manifest, directory: Path) -> None:
         self.manifest = manifest
         self.dir = directory
+        self.asked = trio.Event()
 
     def has(self, index: int) -> bool:
+        self.asked.set()  # a follower is downloading it
         return False
 
     def blob_path(self, index: int, encoding: str) -> Path:
@@ -57,13 +59,14 @@ async def test_a_download_superseded_by_an_anchor_is_abandoned(
             follow = FollowConfig(upstreams=(o.p2p.multiaddrs()[0],), poll_interval_s=0.1)
             await nursery.start(Follower(peer, follow, random.Random(1), on_commit).run)
             # step 1 is announced and then hangs: every request for its bytes waits, then 503
-            o.server.add_live(_Stuck(stuck, ck1))
+            hung = _Stuck(stuck, ck1)
+            o.server.add_live(hung)
             ann = VersionAnnouncement.create(TRAINER, "run", 1, stuck.digest, ())
             o.set_announcement(ann)
             await o.p2p.publish(versions_topic("run"), ann.encode())
             with trio.fail_after(10):
-                while 1 not in peer.server.in_progress():
-                    await trio.sleep(0.05)
+                await hung.asked.wait()
+            assert peer.server.in_progress() == [1]
             # step 2 is an anchor: step 1 can be the base of nothing the peer will fetch
             await origin.publish(ck2, 2)
             with trio.fail_after(20):
