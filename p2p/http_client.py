@@ -395,9 +395,7 @@ class HttpClient:
             return
         try:
             spec = format_range(ByteRange(start, start + length - 1))
-            conn, response, source = await self._open(
-                url, timeout_s, [("range", spec), *headers]
-            )
+            conn, response, source = await self._open(url, timeout_s, [("range", spec), *headers])
             reusable = False
             try:
                 _check_range_response(response, source, url, start, length)

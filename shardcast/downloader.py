@@ -159,6 +159,8 @@ class DownloadStats:
     delta_fallbacks: int = 0
     resumed: int = 0
     restored: int = 0
+    asked_by_source: dict[str, int] = field(default_factory=dict)
+    unavailable_by_source: dict[str, int] = field(default_factory=dict)
     elapsed_s: float = 0.0
 
 
@@ -235,6 +237,7 @@ class Downloader:
         self._extra: Callable[[], list[Source]] | None = None
         self._max_extra = 16
         self._upstreams: Callable[[], list[Source]] | None = None
+        self.last_stats: DownloadStats | None = None  # of the latest download, even failed
 
     async def download(
         self,
@@ -286,6 +289,7 @@ class Downloader:
         self._upstreams = upstreams
         part = await trio.to_thread.run_sync(self.store.begin, manifest)
         stats = DownloadStats(manifest.step)
+        self.last_stats = stats
         base_step = manifest.header.base_step
         use_base = (
             self.config.use_deltas
@@ -389,6 +393,7 @@ class Downloader:
             if source not in names:
                 names.append(source)
                 del names[:-4]
+
         store_lost: list[OSError] = []
         spawn: list[trio.Nursery] = []  # the download's nursery, once open
 
@@ -519,6 +524,7 @@ class Downloader:
             begin = buf.pos
             if begin:
                 stats.resumed += 1
+            stats.asked_by_source[src.id] = stats.asked_by_source.get(src.id, 0) + 1
             scope = scopes[req.id]
             vurl = version_url(src.base_url, m.run_id, m.step)
             if enc == codecs.RAW:
@@ -557,6 +563,9 @@ class Downloader:
                     except NotAvailable as exc:
                         answered(src.id, exc)
                         failed(req.shard, src.id)
+                        stats.unavailable_by_source[src.id] = (
+                            stats.unavailable_by_source.get(src.id, 0) + 1
+                        )
                         if buf.pos and not req.duplicate:
                             resume[req.shard] = buf  # keep the prefix for the next source
                         elif not req.duplicate:

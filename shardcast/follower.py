@@ -30,6 +30,7 @@ from __future__ import annotations
 import functools
 import logging
 import random
+import secrets
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -49,6 +50,7 @@ from shardcast.downloader import (
     Source,
     manifest_url,
 )
+from shardcast.lane_auth import check_whoami, whoami_path
 from shardcast.manifest import Manifest
 from shardcast.messages import NodeInfo, VersionAnnouncement, versions_topic
 from shardcast.node import ShardcastNode
@@ -142,6 +144,8 @@ class Follower:
             ttl_s=5 * config.advert_interval_s,
             max_entries=1024,
             rng=rng,
+            require_verified=True,
+            one_per_url=True,
         )
         self._upstream_changed = trio.Event()
         self._learned: dict[int, float] = {}
@@ -156,6 +160,7 @@ class Follower:
             nursery.start_soon(self._listen_versions)
             if self.config.discovery:
                 nursery.start_soon(self._listen_adverts)
+                nursery.start_soon(self._verify_adverts)
                 nursery.start_soon(self._advertise)
             while not self.upstreams:
                 await self._upstream_changed.wait()
@@ -230,6 +235,42 @@ class Follower:
                 log.info("advert_rejected origin=%s error=%s", short_id(msg.origin), exc)
                 continue
             self.directory.offer(advert, trio.current_time())
+
+    async def _verify_adverts(self) -> None:
+        """Challenge the lane behind each new advert: its URL is used only once it proved
+        that it holds the advertiser's key (see :mod:`shardcast.discovery`)."""
+        while True:
+            now = trio.current_time()
+            for advert in self.directory.to_verify(now)[:8]:
+                nonce = secrets.token_hex(16)
+                try:
+                    answer = await self.node.client.get_bytes(
+                        advert.http_url + whoami_path(nonce), max_bytes=512, timeout_s=5.0
+                    )
+                    ok = check_whoami(answer, advert.peer_id, nonce, advert.http_url)
+                except (TransportError, ShardnetError):
+                    ok = False
+                if not ok:
+                    log.info(
+                        "advert_unproven advertiser=%s http_url=%s",
+                        short_id(advert.peer_id),
+                        advert.http_url,
+                    )
+                self.directory.verified(advert.peer_id, advert.http_url, ok, trio.current_time())
+            with trio.move_on_after(self.config.advert_interval_s):
+                await self.directory.changed.wait()
+
+    def _score_sources(self, upstream_ids: set[str]) -> None:
+        """Feed the outcome of the latest download to the advertisers' scores."""
+        stats = self.downloader.last_stats
+        if stats is None:
+            return
+        now = trio.current_time()
+        for source, asked in stats.asked_by_source.items():
+            if source in upstream_ids or not asked:
+                continue
+            delivered = stats.bytes_by_source.get(source, 0) > 0
+            self.directory.record(source, delivered=delivered, now=now)
 
     async def _advertise(self) -> None:
         node = self.node
@@ -435,6 +476,7 @@ class Follower:
             server.live_done(step)
             self._filling.remove(step)
             self._readvertise()
+            self._score_sources({peer_id_of(a) for a in self.config.upstreams})
         if error is not None:
             log.warning("download_failed step=%d error=%s", step, error)
             return False

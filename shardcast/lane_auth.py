@@ -90,6 +90,38 @@ class RequestSigner:
         return [(AUTH_HEADER, value)]
 
 
+WHOAMI_DOMAIN = "lane-whoami"
+
+
+def whoami_path(nonce: str) -> str:
+    """The lane path of the identity challenge ``nonce`` (32 lowercase hex characters)."""
+    return f"/shardnet/v1/whoami/{nonce}"
+
+
+def whoami_body(nonce: str, url: str) -> bytes:
+    """What a lane signs to prove that it answers at ``url`` (``http://host:port``) for its
+    PeerID; ``nonce`` is the asker's fresh challenge."""
+    return f"whoami {nonce} {url}".encode()
+
+
+def sign_whoami(identity: Identity, nonce: str, url: str) -> bytes:
+    """The lane's answer to a challenge: ``<PeerID> <signature, base64url>``."""
+    sig = identity.sign(WHOAMI_DOMAIN, whoami_body(nonce, url))
+    return f"{identity.peer_id} {base64.urlsafe_b64encode(sig).decode()}".encode()
+
+
+def check_whoami(answer: bytes, peer_id: str, nonce: str, url: str) -> bool:
+    """True if ``answer`` proves that the lane at ``url`` holds ``peer_id``'s key."""
+    fields = answer.decode("ascii", errors="replace").split(" ")
+    if len(fields) != 2 or fields[0] != peer_id:
+        return False
+    try:
+        verify(peer_id, WHOAMI_DOMAIN, whoami_body(nonce, url), base64.urlsafe_b64decode(fields[1]))
+    except (IntegrityError, binascii.Error, ValueError):
+        return False
+    return True
+
+
 def failed_header(sources: Sequence[str]) -> list[tuple[str, str]]:
     """The ``X-Shardnet-Failed`` header naming sources that failed this shard for the
     requester (at most 4), so the origin can release their reservation."""

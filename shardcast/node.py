@@ -139,7 +139,11 @@ class ShardcastNode:
             config.data_dir / "versions", config.run_id, config.keep_last, durable=config.durable
         )
         server = VersionServer(
-            store, trust, wait_s=config.serve_wait_s, serve_once_s=config.serve_once_s
+            store,
+            trust,
+            wait_s=config.serve_wait_s,
+            serve_once_s=config.serve_once_s,
+            identity=identity,
         )
         routes: dict[str, Callable[[], Awaitable[HttpResponse]]] = {}
 

@@ -8,6 +8,8 @@ Routes (``GET``/``HEAD``)::
     /shardnet/v1/<run>/<step>/have                one bit per served shard, MSB of byte 0 first
     /shardnet/v1/<run>/<step>/files/<name>        file bytes, Range requests (206)
     /shardnet/v1/<run>/<step>/shard/<i>/<enc>     an encoded shard blob (zstd, xor-zstd), Range
+    /shardnet/v1/whoami/<nonce>                   the node's PeerID and its signature of the
+                                                  nonce and this URL (binds adverts' URLs)
 
 Theory of operation
 -------------------
@@ -48,9 +50,16 @@ import trio
 
 from p2p.http_range import resolve_range
 from p2p.http_server import FileSlice, HttpRequest, HttpResponse, file_response
+from p2p.identity import Identity
 from p2p.trust import TrustList
 from shardcast.codecs import XOR_ZSTD, ZSTD
-from shardcast.lane_auth import AUTH_HEADER, FAILED_HEADER, parse_failed, verify_request
+from shardcast.lane_auth import (
+    AUTH_HEADER,
+    FAILED_HEADER,
+    parse_failed,
+    sign_whoami,
+    verify_request,
+)
 from shardcast.manifest import Manifest
 from shardcast.policy import SuperSeeding
 from shardcast.store import VersionStore
@@ -63,6 +72,7 @@ _ROUTE = re.compile(
     r"|shard/(?P<shard>\d{1,9})/(?P<enc>zstd|xor-zstd))$"
 )
 _VERSIONS = re.compile(r"^/shardnet/v1/(?P<run>[^/]+)/versions$")
+_WHOAMI = re.compile(r"^/shardnet/v1/whoami/(?P<nonce>[0-9a-f]{32})$")
 
 
 class LiveVersion(Protocol):
@@ -99,6 +109,7 @@ class VersionServer:
         wait_s: longest wait for a part or shard that is not verified yet, seconds.
         serve_once_s: origin super-seeding window, seconds (None: off).
         clock: wall-clock seconds, for the time window of signed requests.
+        identity: the node's key, to answer identity challenges (None: no ``whoami``).
     """
 
     def __init__(
@@ -108,6 +119,7 @@ class VersionServer:
         wait_s: float = 10.0,
         serve_once_s: float | None = None,
         clock: Callable[[], float] = time.time,
+        identity: Identity | None = None,
     ) -> None:
         self.store = store
         self.trust = trust
@@ -117,6 +129,7 @@ class VersionServer:
         self._manifests: dict[int, Manifest] = {}
         self._seeding = SuperSeeding(serve_once_s)
         self._clock = clock
+        self.identity = identity
         self.bytes_by_step: dict[int, int] = {}
 
     # -- registration -----------------------------------------------------------------------
@@ -187,6 +200,11 @@ class VersionServer:
         """Answer one HTTP request (see the routes in the module docstring)."""
         if req.method not in ("GET", "HEAD"):
             return HttpResponse(405, [("allow", "GET, HEAD")])
+        mw = _WHOAMI.match(req.path)
+        if mw and self.identity is not None:
+            host = req.headers.get("host", "")
+            body = sign_whoami(self.identity, mw["nonce"], f"http://{host}")
+            return HttpResponse(200, [("content-type", "text/plain")], body)
         mv = _VERSIONS.match(req.path)
         if mv:
             if mv["run"] != self.store.run_id:

@@ -77,3 +77,30 @@ async def test_a_download_superseded_by_an_anchor_is_abandoned(
     assert any(
         "download_abandoned step=1 reason=superseded" in r.getMessage() for r in caplog.records
     )
+
+
+async def test_adverts_are_used_only_once_their_lane_proves_the_peer_id(tmp_path: Path) -> None:
+    """A follower challenges the lane behind each advert: a node advertising its own lane is
+    used; an identity advertising someone else's lane (here the origin's) never is."""
+    from p2p.identity import Identity
+    from shardcast.discovery import NodeAdvert
+
+    cfg = NodeConfig("trainer", "run", tmp_path / "o")
+    async with ShardcastNode.open(TRAINER, trust(), cfg) as o, trio.open_nursery() as nursery:
+        p1 = await nursery.start(_node, "p1", tmp_path / "p1")
+        p2 = await nursery.start(_node, "p2", tmp_path / "p2")
+        follow = FollowConfig(upstreams=(o.p2p.multiaddrs()[0],), poll_interval_s=0.1)
+        f = Follower(p2, follow, random.Random(1))
+        await nursery.start(f.run)
+        liar = Identity.from_seed("liar").peer_id
+        now = trio.current_time()
+        f.directory.offer(NodeAdvert(p1.identity.peer_id, "peer", p1.http_url, (1,), ()), now)
+        f.directory.offer(NodeAdvert(liar, "peer", o.http_url, (1,), ()), now)
+        with trio.fail_after(10):
+            while f.directory.to_verify(trio.current_time()):
+                await f.directory.changed.wait()
+        assert [s.id for s in f.directory.sources_for(1, trio.current_time(), 10)] == [
+            p1.identity.peer_id
+        ]
+        assert f.directory.score(liar, trio.current_time()) < 0
+        nursery.cancel_scope.cancel()
