@@ -47,7 +47,7 @@ from __future__ import annotations
 
 import time
 from collections import Counter
-from collections.abc import AsyncGenerator, Mapping
+from collections.abc import AsyncGenerator, Callable, Mapping, Sequence
 from dataclasses import dataclass
 from types import MappingProxyType, TracebackType
 from urllib.parse import urlsplit
@@ -129,6 +129,9 @@ class HttpClient:
         keepalive_expiry_s: idle seconds before a pooled connection is dropped; keep it below
             the servers' ``idle_timeout_s`` so a reused connection is rarely closed under us.
         headers: sent with every request (e.g. ``X-Shardnet-Peer``).
+        sign: called with each request's target (path and query) and returning headers to
+            add to it (e.g. a signature binding the requester to the path); must be cheap
+            and must not block.
 
     Methods may be called concurrently from several tasks (the pool is shared). Leaving the
     ``async with`` block closes every idle connection; connections in use are closed by the
@@ -142,6 +145,7 @@ class HttpClient:
         max_keepalive_connections: int = 16,
         keepalive_expiry_s: float = 5.0,
         headers: Mapping[str, str] | None = None,
+        sign: Callable[[str], Sequence[tuple[str, str]]] | None = None,
     ) -> None:
         if max_connections < 1 or max_keepalive_connections < 0:
             raise LocalProtocolError("connection limits must be positive")
@@ -149,6 +153,7 @@ class HttpClient:
         self._max_idle = max_keepalive_connections
         self._expiry_s = keepalive_expiry_s
         self._headers = [(k.lower(), v) for k, v in (headers or {}).items()]
+        self._sign = sign
         self._idle: list[_Conn] = []
         self._closed = False
         self._requests = 0
@@ -238,7 +243,14 @@ class HttpClient:
         source: str,
         timeout_s: float,
     ) -> None:
-        headers = [("host", host), ("accept-encoding", "identity"), *self._headers, *extra]
+        signed = self._sign(target) if self._sign is not None else ()
+        headers = [
+            ("host", host),
+            ("accept-encoding", "identity"),
+            *self._headers,
+            *signed,
+            *extra,
+        ]
         data = conn.h11.send(h11.Request(method="GET", target=target, headers=headers))
         data += conn.h11.send(h11.EndOfMessage())
         try:
@@ -348,7 +360,14 @@ class HttpClient:
             raise
 
     async def stream_range(
-        self, url: str, start: int, length: int, *, timeout_s: float, chunk_bytes: int = 1 << 20
+        self,
+        url: str,
+        start: int,
+        length: int,
+        *,
+        timeout_s: float,
+        chunk_bytes: int = 1 << 20,
+        headers: Sequence[tuple[str, str]] = (),
     ) -> AsyncGenerator[bytes, None]:
         """Yield bytes ``[start, start + length)`` of ``url``: exactly ``length`` bytes in total.
 
@@ -358,6 +377,7 @@ class HttpClient:
             timeout_s: longest wait without progress (seconds).
             chunk_bytes: largest chunk yielded (bytes); chunks are yielded as they arrive,
                 split when larger, never coalesced.
+            headers: extra request headers for this request only.
 
         Raises:
             PeerUnreachable, StreamBroken, NotAvailable, RemoteProtocolError, TransportError:
@@ -375,7 +395,7 @@ class HttpClient:
             return
         try:
             spec = format_range(ByteRange(start, start + length - 1))
-            conn, response, source = await self._open(url, timeout_s, [("range", spec)])
+            conn, response, source = await self._open(url, timeout_s, [("range", spec), *headers])
             reusable = False
             try:
                 _check_range_response(response, source, url, start, length)

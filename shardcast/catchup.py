@@ -67,3 +67,27 @@ def plan(
     if cost < full:
         return Plan(tuple(range(have + 1, target.step + 1)), cost, full)
     return Plan((target.step,), full, full)
+
+
+def worth_finishing(
+    step: int, digest: str, target: Manifest, chain: Mapping[int, Manifest]
+) -> bool:
+    """Whether a download of version ``(step, digest)`` is still worth finishing now that
+    ``target`` (newer) was announced: True if ``target`` is a delta on it, or if the delta
+    chain from it to ``target`` is cheaper than ``target`` in full (see :func:`plan`); False
+    when it can no longer be the base of a delta the node will use (an anchor came, a link of
+    the chain is missing or is a full version): the caller abandons it and fetches
+    ``target``.
+
+    Args:
+        step: the step being downloaded.
+        digest: its header digest.
+        target: the newest announced version's manifest (``target.step > step``).
+        chain: manifests of ``step+1 .. target.step-1`` known (complete ones count).
+    """
+    if target.step <= step:
+        return False
+    if target.step == step + 1:
+        h = target.header
+        return h.base_step == step and h.base_digest == digest
+    return plan(step, digest, target, chain).steps != (target.step,)

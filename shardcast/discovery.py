@@ -7,7 +7,18 @@ authenticated by libp2p's message signatures, and an advert naming another PeerI
 origin is dropped. A follower keeps the adverts it heard in a :class:`SourceDirectory`
 (bounded, entries expire after ``ttl_s``) and adds, for a version it downloads, a few of the
 nodes that hold it — complete ones as full sources, filling ones as partial sources whose
-have-set it polls. No trust is needed: every byte is checked against the signed manifest.
+have-set it polls. No trust is needed for integrity: every byte is checked against the signed
+manifest. But adverts must not steer the swarm's requests, so:
+
+- **the URL is bound to the PeerID**: a follower uses an advertised URL only after the lane
+  there answered a fresh challenge (``/shardnet/v1/whoami/<nonce>``, see
+  :func:`shardcast.lane_auth.whoami_body`) with the advertiser's signature
+  (``require_verified``); a URL that fails is not asked again for ``ttl_s``;
+- **advertisers are scored**, across versions: a source that delivered bytes gains, one that
+  was used and delivered nothing (or kept answering 503) loses; those at or below
+  ``MIN_SCORE`` are not offered (their score recovers by one point per ``ttl_s``);
+- **slots are shared fairly**: one source per URL (many identities pointing at one server
+  share one slot), best scored first within each class.
 """
 
 from __future__ import annotations
@@ -15,6 +26,7 @@ from __future__ import annotations
 import logging
 import random
 from dataclasses import dataclass
+from urllib.parse import urlsplit
 
 import trio
 
@@ -26,6 +38,8 @@ log = logging.getLogger(__name__)
 
 MAX_ADVERT_BYTES = 4096
 ROLES = ("relay", "peer")
+MIN_SCORE = -3
+MAX_SCORE = 8
 
 
 def nodes_topic(run_id: str) -> str:
@@ -102,15 +116,69 @@ class SourceDirectory:
     """
 
     def __init__(
-        self, self_id: str, exclude: set[str], ttl_s: float, max_entries: int, rng: random.Random
+        self,
+        self_id: str,
+        exclude: set[str],
+        ttl_s: float,
+        max_entries: int,
+        rng: random.Random,
+        *,
+        require_verified: bool = False,
+        one_per_url: bool = False,
     ) -> None:
         self.self_id = self_id
         self.exclude = exclude
         self.ttl_s = ttl_s
         self.max_entries = max_entries
         self.rng = rng
+        self.require_verified = require_verified
+        self.one_per_url = one_per_url
         self._adverts: dict[str, tuple[NodeAdvert, float]] = {}
+        self._verified: dict[str, str] = {}  # PeerID -> URL its lane proved
+        self._failed: dict[str, float] = {}  # PeerID -> when its URL failed the challenge
+        self._scores: dict[str, tuple[float, float]] = {}  # PeerID -> (score, when set)
         self.changed = trio.Event()
+
+    # -- verification and scores ----------------------------------------------------------
+
+    def to_verify(self, now: float) -> list[NodeAdvert]:
+        """Fresh adverts whose URL is not proven yet (and did not fail in the last ``ttl_s``)."""
+        out = []
+        for a, t in self._adverts.values():
+            if now - t > self.ttl_s or self._verified.get(a.peer_id) == a.http_url:
+                continue
+            failed = self._failed.get(a.peer_id)
+            if failed is None or now - failed > self.ttl_s:
+                out.append(a)
+        return out
+
+    def verified(self, peer_id: str, url: str, ok: bool, now: float) -> None:
+        """Record the outcome of a whoami challenge of ``peer_id``'s lane at ``url``."""
+        if ok:
+            self._verified[peer_id] = url
+            self._failed.pop(peer_id, None)
+        else:
+            self._failed[peer_id] = now
+            self.record(peer_id, delivered=False, now=now)
+        self.changed.set()
+        self.changed = trio.Event()
+        _bound(self._verified, self.max_entries)
+        _bound(self._failed, self.max_entries)
+
+    def score(self, peer_id: str, now: float) -> float:
+        """An advertiser's score now (0: unknown; recovers one point per ``ttl_s``)."""
+        value, since = self._scores.get(peer_id, (0.0, now))
+        if value < 0:
+            value = min(0.0, value + (now - since) / self.ttl_s)
+        return value
+
+    def record(self, peer_id: str, *, delivered: bool, now: float) -> None:
+        """A download used ``peer_id``: it delivered bytes, or it delivered nothing (or kept
+        answering 503). Scores survive across versions (bounded memory)."""
+        value = self.score(peer_id, now) + (1.0 if delivered else -1.0)
+        self._scores.pop(peer_id, None)
+        self._scores[peer_id] = (max(MIN_SCORE - 2.0, min(MAX_SCORE, value)), now)
+        _bound(self._scores, self.max_entries)
 
     def offer(self, advert: NodeAdvert, now: float) -> None:
         """Remember an advert (bounded; the entry heard least recently is evicted).
@@ -141,12 +209,33 @@ class SourceDirectory:
         then relays still filling it, then peers still filling it (a relay's uplink exists to
         serve; a peer's is smaller and shared with its own work), shuffled within each class
         so that downloaders spread over different sources."""
-        fresh = [(a, t) for a, t in self._adverts.values() if now - t <= self.ttl_s]
-        full = [a for a, _ in fresh if step in a.committed]
-        partial = [a for a, _ in fresh if step in a.filling and step not in a.committed]
+        fresh = [
+            a
+            for a, t in self._adverts.values()
+            if now - t <= self.ttl_s
+            and self.score(a.peer_id, now) > MIN_SCORE
+            and (not self.require_verified or self._verified.get(a.peer_id) == a.http_url)
+        ]
+        full = [a for a in fresh if step in a.committed]
+        partial = [a for a in fresh if step in a.filling and step not in a.committed]
         self.rng.shuffle(full)
         self.rng.shuffle(partial)
-        partial.sort(key=lambda a: a.role != "relay")  # stable: shuffled within each role
+        full.sort(key=lambda a: -self.score(a.peer_id, now))  # stable: shuffled among equals
+        partial.sort(key=lambda a: (a.role != "relay", -self.score(a.peer_id, now)))
         out = [Source(a.peer_id, a.http_url, complete=True) for a in full]
         out += [Source(a.peer_id, a.http_url, complete=False) for a in partial]
+        if self.one_per_url:
+            seen: set[str] = set()
+            kept = []
+            for src in out:
+                where = urlsplit(src.base_url).netloc
+                if where not in seen:
+                    seen.add(where)
+                    kept.append(src)
+            out = kept
         return out[:limit]
+
+
+def _bound(d: dict, limit: int) -> None:  # type: ignore[type-arg]
+    while len(d) > limit:
+        d.pop(next(iter(d)))

@@ -35,6 +35,7 @@ for resumption (shard size each), plus the manifest.
 from __future__ import annotations
 
 import logging
+import math
 import random
 import threading
 from collections.abc import Callable
@@ -60,6 +61,8 @@ from p2p.http_client import HttpClient
 from p2p.http_errors import NotAvailable
 from p2p.trust import TrustList
 from shardcast import codecs
+from shardcast.lane_auth import failed_header
+from shardcast.liveness import Abandon, Answer, DownloadWatch
 from shardcast.manifest import Manifest, ManifestError, ShardEntry, decode_part
 from shardcast.select import Request, Scheduler, SchedulerConfig, SourceBans, blame
 from shardcast.store import PartialVersion, VersionStore
@@ -68,7 +71,15 @@ log = logging.getLogger(__name__)
 
 
 class DownloadFailed(ShardnetError):
-    """A version could not be downloaded (no usable source, deadline passed)."""
+    """A version could not be downloaded (see :class:`~shardcast.liveness.Abandon`).
+
+    Attributes:
+        reason: why it was abandoned.
+    """
+
+    def __init__(self, message: str, reason: Abandon = Abandon.NO_SOURCE) -> None:
+        super().__init__(message)
+        self.reason = reason
 
 
 @dataclass(frozen=True)
@@ -109,7 +120,13 @@ class DownloadConfig:
     Attributes:
         stall_timeout_s: a transfer that makes no progress for this long fails, seconds.
         deadline_s: give up on a version after this long, seconds.
-        no_source_grace_s: fail if no source is usable for this long, seconds.
+        no_source_grace_s: fail if no source is usable for this long, seconds (a source
+            that answered ``404`` for the version is not usable).
+        gone_grace_s: fail once every source has said for this long that it does not hold
+            the version (``404``, confirmed by its ``/have``) or is unreachable, seconds.
+        no_progress_s: fail if no byte of the version arrives for this long, seconds.
+        keep_partial: on cancellation, keep the partial version and its journal of verified
+            shards (a restarted node resumes it); failures always remove it.
         max_resume_buffers: shard buffers kept for resuming broken transfers.
         have_poll_s: period of have-bitmap polls of partial sources, seconds.
         use_deltas: fetch ``xor-zstd`` when the base version is held.
@@ -122,6 +139,9 @@ class DownloadConfig:
     stall_timeout_s: float = 30.0
     deadline_s: float = 3600.0
     no_source_grace_s: float = 120.0
+    gone_grace_s: float = 5.0
+    no_progress_s: float = 600.0
+    keep_partial: bool = False
     max_resume_buffers: int = 8
     have_poll_s: float = 0.25
     use_deltas: bool = True
@@ -142,6 +162,9 @@ class DownloadStats:
     failures: int = 0
     delta_fallbacks: int = 0
     resumed: int = 0
+    restored: int = 0
+    asked_by_source: dict[str, int] = field(default_factory=dict)
+    unavailable_by_source: dict[str, int] = field(default_factory=dict)
     elapsed_s: float = 0.0
 
 
@@ -249,6 +272,8 @@ class Downloader:
         self._extra: Callable[[], list[Source]] | None = None
         self._max_extra = 16
         self.bans = SourceBans(config.source_ban_s)
+        self._upstreams: Callable[[], list[Source]] | None = None
+        self.last_stats: DownloadStats | None = None  # of the latest download, even failed
 
     async def download(
         self,
@@ -260,6 +285,7 @@ class Downloader:
         progress: ProgressFn | None = None,
         extra_sources: Callable[[], list[Source]] | None = None,
         max_extra_sources: int = 16,
+        upstreams: Callable[[], list[Source]] | None = None,
     ) -> tuple[Path, DownloadStats]:
         """Fetch every part and shard of ``manifest`` from ``sources``, verify, and commit.
 
@@ -275,22 +301,31 @@ class Downloader:
                 its have-polls and their traffic stay bounded however many nodes are
                 discovered.
             max_extra_sources: bound on usable discovered sources in this download.
+            upstreams: polled like ``extra_sources``; the configured upstreams reachable now.
+                Those not yet in the download (one that recovered) join it, unbounded, and
+                one whose URL changed (restarted elsewhere) is used at its new URL.
 
         Returns:
             the committed ``step-N`` directory and the stats.
 
         Raises:
-            DownloadFailed: no usable source for ``no_source_grace_s`` or past ``deadline_s``.
+            DownloadFailed: with its :class:`~shardcast.liveness.Abandon` reason: the version
+                is gone from every source (``gone_grace_s``), no usable source for
+                ``no_source_grace_s``, no byte for ``no_progress_s``, past ``deadline_s``,
+                or the data directory vanished (``store_lost``: a later call starts over).
             IntegrityError: the assembled files do not match (nothing is committed).
-            Cancellation leaves no partial directory behind.
+            Failures leave no partial directory behind; so does cancellation unless
+            ``keep_partial`` (then the verified shards are resumed by the next download).
         """
         if not sources:
             raise DownloadFailed(f"no source for step {manifest.step}")
         started = trio.current_time()
         self._extra = extra_sources
         self._max_extra = max_extra_sources
+        self._upstreams = upstreams
         part = await trio.to_thread.run_sync(self.store.begin, manifest)
         stats = self.current = DownloadStats(manifest.step)
+        self.last_stats = stats
         base_step = manifest.header.base_step
         use_base = (
             self.config.use_deltas
@@ -312,16 +347,27 @@ class Downloader:
                         await self._run(part, sources, stats, base, on_shard, progress)
                 else:
                     await self._run(part, sources, stats, None, on_shard, progress)
-            path = await trio.to_thread.run_sync(part.commit)
+            try:
+                path = await trio.to_thread.run_sync(part.commit)
+            except OSError as exc:  # the data directory vanished under us
+                raise DownloadFailed(
+                    f"step {manifest.step}: store lost at commit ({exc})", Abandon.STORE_LOST
+                ) from exc
         except trio.TooSlowError as exc:
             raise DownloadFailed(
-                f"step {manifest.step} not complete after {self.config.deadline_s}s"
+                f"step {manifest.step} not complete after {self.config.deadline_s}s",
+                Abandon.DEADLINE,
             ) from exc
         finally:
             self.current = None
+            # cancelled from outside: the effective deadline of a cancelled scope is -inf
+            cancelled = trio.current_effective_deadline() == -math.inf
             if not self.store.has(manifest.step):
                 with trio.CancelScope(shield=True):
-                    await trio.to_thread.run_sync(part.abort)
+                    if cancelled and self.config.keep_partial:
+                        await trio.to_thread.run_sync(part.close)
+                    else:
+                        await trio.to_thread.run_sync(part.abort)
         stats.elapsed_s = trio.current_time() - started
         return path, stats
 
@@ -352,21 +398,32 @@ class Downloader:
         m = part.manifest
         header = m.header
         known = [i for i in range(len(header.shards)) if m.known(i)]
+        held = [i for i in known if part.has(i)]  # kept from a previous run (journal)
         sched = Scheduler(
-            [s.length for s in header.shards], self.rng, self.config.scheduler, known=known
+            [s.length for s in header.shards],
+            self.rng,
+            self.config.scheduler,
+            have=held,
+            known=known,
         )
         by_id = {s.id: s for s in sources}
+        cfg = self.config
+        watch = DownloadWatch(
+            trio.current_time(), cfg.no_source_grace_s, cfg.gone_grace_s, cfg.no_progress_s
+        )
         for s in sources:
             sched.add_source(s.id, None if s.complete else ())
             if self.bans.is_banned(s.id, trio.current_time()):
                 sched.ban(s.id)
+            watch.add_source(s.id)
         chosen: dict[int, str] = {}
         no_delta: set[int] = set()
         resume: dict[int, _Buf] = {}
         suspects: dict[int, list[_Buf]] = {}
         scopes: dict[int, trio.CancelScope] = {}
         wake = trio.Event()
-        verified = 0
+        verified = sum(header.shards[i].length for i in held)
+        stats.restored = len(held)
         observer = self.observer
 
         def corrupt(source: str) -> None:
@@ -375,7 +432,17 @@ class Downloader:
                 observer.shard_corrupt(source)
 
         first_seen = False  # debug hook: one first_byte line per download (simulations/)
-        last_usable = trio.current_time()
+        probing: set[str] = set()
+        failed_by: dict[int, list[str]] = {}  # shard -> sources that failed it (told to origin)
+
+        def failed(shard: int, source: str) -> None:
+            names = failed_by.setdefault(shard, [])
+            if source not in names:
+                names.append(source)
+                del names[:-4]
+
+        store_lost: list[OSError] = []
+        spawn: list[trio.Nursery] = []  # the download's nursery, once open
 
         def poke() -> None:
             nonlocal wake
@@ -410,6 +477,34 @@ class Downloader:
         for i in known:
             reschedule(i)
 
+        def answered(src_id: str, exc: NotAvailable) -> None:
+            """A 503/429 shows the source holds the version; a 404 is checked at /have."""
+            if exc.status != 404:
+                watch.on_answer(src_id, Answer.PRESENT, trio.current_time())
+            elif src_id not in probing and not watch.gone(src_id) and spawn:
+                probing.add(src_id)
+                spawn[0].start_soon(probe, src_id)
+
+        async def probe(src_id: str) -> None:
+            src = by_id[src_id]
+            try:
+                await self.client.get_bytes(
+                    f"{version_url(src.base_url, m.run_id, m.step)}/have",
+                    max_bytes=(len(header.shards) + 7) // 8,
+                    timeout_s=cfg.stall_timeout_s,
+                )
+                answer = Answer.PRESENT
+            except NotAvailable as exc:
+                answer = Answer.GONE if exc.status == 404 else Answer.PRESENT
+            except (TransportError, RemoteProtocolError):
+                answer = Answer.UNREACHABLE
+            finally:
+                probing.discard(src_id)
+            watch.on_answer(src_id, answer, trio.current_time())
+            if answer is Answer.GONE:
+                log.info("source_gone step=%d source=%s", m.step, short_id(src_id))
+            poke()
+
         async def fetch_parts() -> None:
             missing = [k for k in range(header.n_parts) if k not in m.parts]
             async with trio.open_nursery() as n:
@@ -426,7 +521,8 @@ class Downloader:
                             url, max_bytes=8 << 20, timeout_s=self.config.stall_timeout_s
                         )
                         signed = decode_part(data, header, trust=self.trust, source=src.id)
-                    except NotAvailable:
+                    except NotAvailable as exc:
+                        answered(src.id, exc)
                         continue
                     except (TransportError, ManifestError, IntegrityError) as exc:
                         log.info(
@@ -437,6 +533,7 @@ class Downloader:
                             exc,
                         )
                         continue
+                    watch.on_answer(src.id, Answer.DELIVERED, trio.current_time())
                     if m.add_part(signed):
                         for i in header.part_range(k):
                             reschedule(i)
@@ -461,12 +558,16 @@ class Downloader:
                         for i in range(len(header.shards))
                         if i // 8 < len(bits) and bits[i // 8] & (0x80 >> i % 8)
                     ]
+                    watch.on_answer(src.id, Answer.PRESENT, trio.current_time())
                     if len(held) == len(header.shards):  # it holds everything: stop polling
                         sched.add_source(src.id, None)
                         poke()
                         return
                     sched.add_have(src.id, held)
                     poke()
+                except NotAvailable as exc:
+                    answer = Answer.GONE if exc.status == 404 else Answer.PRESENT
+                    watch.on_answer(src.id, answer, trio.current_time())
                 except (TransportError, RemoteProtocolError):
                     pass
                 await trio.sleep(self.config.have_poll_s)
@@ -488,6 +589,7 @@ class Downloader:
             begin = buf.pos
             if begin:
                 stats.resumed += 1
+            stats.asked_by_source[src.id] = stats.asked_by_source.get(src.id, 0) + 1
             scope = scopes[req.id]
             vurl = version_url(src.base_url, m.run_id, m.step)
             if enc == codecs.RAW:
@@ -501,11 +603,17 @@ class Downloader:
                         first = True
                         async with aclosing(
                             self.client.stream_range(
-                                url, offset, req.length, timeout_s=self.config.stall_timeout_s
+                                url,
+                                offset,
+                                req.length,
+                                timeout_s=self.config.stall_timeout_s,
+                                headers=failed_header(failed_by.get(req.shard, ())),
                             )
                         ) as chunks:
                             async for chunk in chunks:
+                                watch.on_progress(trio.current_time())
                                 if first:
+                                    watch.on_answer(src.id, Answer.DELIVERED, trio.current_time())
                                     sched.on_first_byte(req.id, trio.current_time())
                                     first = False
                                     if not first_seen:
@@ -521,6 +629,11 @@ class Downloader:
                     except NotAvailable as exc:
                         if exc.status == 429 and observer is not None:
                             observer.refused(src.id)
+                        answered(src.id, exc)
+                        failed(req.shard, src.id)
+                        stats.unavailable_by_source[src.id] = (
+                            stats.unavailable_by_source.get(src.id, 0) + 1
+                        )
                         if buf.pos and not req.duplicate:
                             resume[req.shard] = buf  # keep the prefix for the next source
                         elif not req.duplicate:
@@ -528,6 +641,9 @@ class Downloader:
                         sched.on_failure(req.id, trio.current_time(), kind="unavailable")
                         return
                     except (StreamBroken, PeerUnreachable) as exc:
+                        failed(req.shard, src.id)
+                        if isinstance(exc, PeerUnreachable):
+                            watch.on_answer(src.id, Answer.UNREACHABLE, trio.current_time())
                         got = buf.pos - begin
                         keep = (
                             not req.duplicate
@@ -553,6 +669,7 @@ class Downloader:
                         )
                         return
                     except RemoteProtocolError as exc:
+                        failed(req.shard, src.id)
                         banish(
                             src.id, sched.on_failure(req.id, trio.current_time(), kind="corrupt")
                         )
@@ -578,6 +695,10 @@ class Downloader:
                         written = await trio.to_thread.run_sync(
                             self._verify_and_write, part, entry, enc, buf.data, base, src.id
                         )
+                    except OSError as exc:  # the partial directory vanished: start over
+                        store_lost.append(exc)
+                        sched.on_cancelled(req.id)
+                        return
                     except _BaseMismatch:
                         no_delta.add(req.shard)
                         stats.delta_fallbacks += 1
@@ -589,6 +710,8 @@ class Downloader:
                         return
                     except IntegrityError:
                         contributors = {p[0] for p in buf.parts}
+                        for c in contributors:
+                            failed(req.shard, c)
                         if len(contributors) == 1:
                             banish(
                                 src.id,
@@ -641,66 +764,92 @@ class Downloader:
                 poke()
 
         failure: str | None = None
+        reason: Abandon | None = None
 
         extra_ids: set[str] = set()
 
-        async def discover(nursery: trio.Nursery) -> None:
-            while self._extra is not None:
+        def join(s: Source) -> None:
+            by_id[s.id] = s
+            sched.add_source(s.id, None if s.complete else ())
+            if self.bans.is_banned(s.id, trio.current_time()):
+                sched.ban(s.id)
+            watch.add_source(s.id)
+            if not s.complete and spawn:
+                spawn[0].start_soon(poll_have, s)
+            log.info(
+                "source_added step=%d source=%s complete=%s", m.step, short_id(s.id), s.complete
+            )
+            poke()
+
+        async def discover() -> None:
+            while self._extra is not None or self._upstreams is not None:
+                for s in self._upstreams() if self._upstreams is not None else ():
+                    known_src = by_id.get(s.id)
+                    if known_src is None:
+                        join(s)  # an upstream that recovered (or appeared) since the start
+                    elif known_src.base_url != s.base_url:
+                        by_id[s.id] = s  # restarted elsewhere: new requests go to the new URL
+                        log.info("source_moved step=%d source=%s", m.step, short_id(s.id))
+                if self._extra is None:
+                    await trio.sleep(self.config.have_poll_s)
+                    continue
                 banned = set(sched.statistics().banned)
                 room = self._max_extra - len(extra_ids - banned)
                 for s in self._extra() if room > 0 else ():
                     if s.id not in by_id and room > 0:
                         room -= 1
                         extra_ids.add(s.id)
-                        by_id[s.id] = s
-                        sched.add_source(s.id, None if s.complete else ())
-                        if self.bans.is_banned(s.id, trio.current_time()):
-                            sched.ban(s.id)
-                        if not s.complete:
-                            nursery.start_soon(poll_have, s)
-                        log.info(
-                            "source_added step=%d source=%s complete=%s",
-                            m.step,
-                            short_id(s.id),
-                            s.complete,
-                        )
-                        poke()
+                        join(s)
                 await trio.sleep(self.config.have_poll_s)
 
         async with trio.open_nursery() as nursery:
+            spawn.append(nursery)
             if not m.complete:
                 nursery.start_soon(fetch_parts)
             for s in sources:
                 if not s.complete:
                     nursery.start_soon(poll_have, s)
-            nursery.start_soon(discover, nursery)
-            while not sched.done():
+            nursery.start_soon(discover)
+            while not sched.done() or not m.complete:
                 now = trio.current_time()
                 started_any = False
                 while (req := sched.next_request(now)) is not None:
                     scopes[req.id] = trio.CancelScope()
                     nursery.start_soon(fetch, req)
                     started_any = True
-                if started_any or sched.inflight() or not m.complete:
-                    last_usable = now
-                elif now - last_usable > self.config.no_source_grace_s:
-                    banned = ", ".join(short_id(b) for b in sched.statistics().banned)
-                    failure = (
-                        f"step {m.step}: no usable source for "
-                        f"{self.config.no_source_grace_s}s ({sched.missing} shards "
-                        f"missing; banned: {banned or 'none'})"
-                    )
+                watch.tick(now, started_any or bool(sched.inflight()) or not m.complete)
+                reason = Abandon.STORE_LOST if store_lost else watch.verdict(now)
+                if reason is not None:
+                    failure = self._failure_text(reason, m.step, sched, store_lost)
                     break
-                if sched.done():
+                if sched.done() and m.complete:
                     break
-                # wake on any completion, new part or have-set; or when a block expires
-                with trio.move_on_after(self.config.scheduler.penalty_s / 4):
+                # wake on any completion, new part or have-set; or when a block expires, or
+                # when the watch's verdict can change
+                wait = min(self.config.scheduler.penalty_s / 4, watch.next_change(now) + 1e-3)
+                with trio.move_on_after(wait):
                     await wake.wait()
-            while not m.complete and failure is None:
-                await wake.wait()
             nursery.cancel_scope.cancel()
         if failure is not None:  # raised here, outside the nursery: a plain exception type
-            raise DownloadFailed(failure)
+            assert reason is not None
+            log.warning("download_abandoned step=%d reason=%s", m.step, reason.value)
+            raise DownloadFailed(failure, reason)
+
+    def _failure_text(
+        self, reason: Abandon, step: int, sched: Scheduler, store_lost: list[OSError]
+    ) -> str:
+        banned = ", ".join(short_id(b) for b in sched.statistics().banned) or "none"
+        cfg = self.config
+        if reason is Abandon.GONE:
+            return f"step {step}: gone from every source for {cfg.gone_grace_s}s"
+        if reason is Abandon.NO_PROGRESS:
+            return f"step {step}: no byte received for {cfg.no_progress_s}s"
+        if reason is Abandon.STORE_LOST:
+            return f"step {step}: store lost ({store_lost[0]}); start over"
+        return (
+            f"step {step}: no usable source for {cfg.no_source_grace_s}s "
+            f"({sched.missing} shards missing; banned: {banned})"
+        )
 
     @staticmethod
     def _verify_and_write(

@@ -16,7 +16,12 @@ which
    delta versions from the one it holds, whichever moves fewer bytes;
 3. downloads each planned version from its upstreams plus up to ``max_extra_sources``
    discovered nodes, serving every verified part and shard onward while it fills
-   (pipelining), and commits it.
+   (pipelining), and commits it. Upstreams that become reachable during a download join it.
+
+A download always ends (:mod:`shardcast.liveness`): it fails when the version is gone from
+every source (pruned: the next plan falls back to the newest version in full), when nothing
+arrives for too long, and it is abandoned as soon as a newer version is announced that it
+cannot be the base of (:func:`shardcast.catchup.worth_finishing`).
 
 Every loop here has a timeout or a bounded backoff; a failing upstream is logged with its
 short PeerID and retried, never allowed to stop the others.
@@ -27,6 +32,7 @@ from __future__ import annotations
 import functools
 import logging
 import random
+import secrets
 import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
@@ -40,7 +46,7 @@ from p2p.errors import ConfigError, ShardnetError, TransportError, short_id
 from p2p.host import peer_id_of
 from p2p.http_errors import NotAvailable
 from shardcast.cardsync import fetch_card
-from shardcast.catchup import plan
+from shardcast.catchup import plan, worth_finishing
 from shardcast.discovery import NodeAdvert, SourceDirectory, check_advert_gossip, nodes_topic
 from shardcast.downloader import (
     DownloadConfig,
@@ -49,6 +55,7 @@ from shardcast.downloader import (
     Source,
     manifest_url,
 )
+from shardcast.lane_auth import check_whoami, whoami_path
 from shardcast.manifest import Manifest
 from shardcast.messages import (
     NodeInfo,
@@ -64,6 +71,8 @@ if TYPE_CHECKING:
     from trio_typing import TaskStatus
 
 log = logging.getLogger(__name__)
+
+_MAX_CHAIN = 32  # longest delta chain looked at when deciding to finish a superseded version
 
 
 @dataclass(frozen=True)
@@ -152,6 +161,8 @@ class Follower:
             ttl_s=5 * config.advert_interval_s,
             max_entries=1024,
             rng=rng,
+            require_verified=True,
+            one_per_url=True,
         )
         self._upstream_changed = trio.Event()
         self._learned: dict[int, float] = {}
@@ -175,6 +186,7 @@ class Follower:
             nursery.start_soon(self._listen_versions)
             if self.config.discovery:
                 nursery.start_soon(self._listen_adverts)
+                nursery.start_soon(self._verify_adverts)
                 nursery.start_soon(self._advertise)
             while not self.upstreams:
                 await self._upstream_changed.wait()
@@ -287,6 +299,42 @@ class Follower:
                 continue
             self.directory.offer(advert, trio.current_time())
 
+    async def _verify_adverts(self) -> None:
+        """Challenge the lane behind each new advert: its URL is used only once it proved
+        that it holds the advertiser's key (see :mod:`shardcast.discovery`)."""
+        while True:
+            now = trio.current_time()
+            for advert in self.directory.to_verify(now)[:8]:
+                nonce = secrets.token_hex(16)
+                try:
+                    answer = await self.node.client.get_bytes(
+                        advert.http_url + whoami_path(nonce), max_bytes=512, timeout_s=5.0
+                    )
+                    ok = check_whoami(answer, advert.peer_id, nonce, advert.http_url)
+                except (TransportError, ShardnetError):
+                    ok = False
+                if not ok:
+                    log.info(
+                        "advert_unproven advertiser=%s http_url=%s",
+                        short_id(advert.peer_id),
+                        advert.http_url,
+                    )
+                self.directory.verified(advert.peer_id, advert.http_url, ok, trio.current_time())
+            with trio.move_on_after(self.config.advert_interval_s):
+                await self.directory.changed.wait()
+
+    def _score_sources(self, upstream_ids: set[str]) -> None:
+        """Feed the outcome of the latest download to the advertisers' scores."""
+        stats = self.downloader.last_stats
+        if stats is None:
+            return
+        now = trio.current_time()
+        for source, asked in stats.asked_by_source.items():
+            if source in upstream_ids or not asked:
+                continue
+            delivered = stats.bytes_by_source.get(source, 0) > 0
+            self.directory.record(source, delivered=delivered, now=now)
+
     async def _advertise(self) -> None:
         node = self.node
         topic = nodes_topic(node.config.run_id)
@@ -319,15 +367,22 @@ class Follower:
         return self.directory.sources_for(step, trio.current_time(), self.config.max_extra_sources)
 
     async def fetch_manifest(
-        self, run_id: str, step: int, digest: str | None, give_up: Callable[[], bool]
+        self,
+        run_id: str,
+        step: int,
+        digest: str | None,
+        give_up: Callable[[], bool],
+        timeout_s: float | None = None,
     ) -> Manifest | None:
         """The manifest document of ``step`` from any upstream (parts may be missing).
 
         Args:
             digest: the expected header digest (from a signed announcement), if known.
             give_up: polled between attempts; True abandons the fetch (returns None).
+            timeout_s: give up after this long too, seconds (None: only ``give_up``).
         """
         delay = 0.05
+        until = None if timeout_s is None else trio.current_time() + timeout_s
         while True:
             for src in self._upstream_sources():
                 url = manifest_url(src.base_url, run_id, step)
@@ -348,7 +403,7 @@ class Follower:
                     log.warning("manifest_mismatch source=%s step=%d", short_id(src.id), step)
                     continue
                 return m
-            if give_up():
+            if give_up() or (until is not None and trio.current_time() >= until):
                 return None
             await trio.sleep(delay)
             delay = min(delay * 2, 1.0)
@@ -362,8 +417,16 @@ class Follower:
                 await self._upstream_changed.wait()
             await self._ensure_card(ann)
             newer = functools.partial(self._superseded, ann.step)
-            target = await self.fetch_manifest(ann.run_id, ann.step, ann.manifest_digest, newer)
+            target = await self.fetch_manifest(
+                ann.run_id,
+                ann.step,
+                ann.manifest_digest,
+                newer,
+                timeout_s=self.config.download.no_source_grace_s,
+            )
             if target is None:
+                if not newer():
+                    await trio.sleep(self.config.poll_interval_s)
                 continue
             steps = await self._plan(target, newer)
             for step in steps:
@@ -378,6 +441,36 @@ class Follower:
             else:
                 continue
             await trio.sleep(self.config.poll_interval_s)  # failed: back off, then retry
+
+    async def _watch_superseded(self, m: Manifest, scope: trio.CancelScope) -> None:
+        """Cancel ``scope`` (the download of ``m``) once a newer version is announced that
+        ``m`` cannot be the base of (:func:`~shardcast.catchup.worth_finishing`)."""
+        seen = m.step
+        while True:
+            ann = await self.node.wait_announcement(newer_than=seen)
+            seen = ann.step
+            target = await self.fetch_manifest(
+                ann.run_id,
+                ann.step,
+                ann.manifest_digest,
+                functools.partial(self._superseded, ann.step),
+                timeout_s=self.config.download.no_source_grace_s,
+            )
+            if target is None:
+                continue
+            chain: dict[int, Manifest] = {}
+            for step in range(m.step + 1, min(target.step, m.step + _MAX_CHAIN)):
+                link = await self.fetch_manifest(ann.run_id, step, None, lambda: True)
+                if link is None:
+                    break
+                chain[step] = link
+            if worth_finishing(m.step, m.digest, target, chain):
+                continue
+            log.info(
+                "download_abandoned step=%d reason=superseded newer_step=%d", m.step, target.step
+            )
+            scope.cancel()
+            return
 
     def _superseded(self, step: int) -> bool:
         """True if a newer version than ``step`` has been announced."""
@@ -428,24 +521,38 @@ class Follower:
             if self.progress is not None:
                 self.progress(step, done, total)
 
+        result: tuple[Path, DownloadStats] | None = None
+        error: ShardnetError | None = None
         try:
-            path, stats = await self.downloader.download(
-                m,
-                sources,
-                on_partial=server.add_live,
-                on_shard=lambda _i: server.progress(step),
-                progress=progress,
-                extra_sources=functools.partial(self._extra_sources, step),
-                max_extra_sources=self.config.max_extra_sources,
-            )
-        except ShardnetError as exc:
-            log.warning("download_failed step=%d error=%s", step, exc)
-            return False
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(self._watch_superseded, m, nursery.cancel_scope)
+                try:
+                    result = await self.downloader.download(
+                        m,
+                        sources,
+                        on_partial=server.add_live,
+                        on_shard=lambda _i: server.progress(step),
+                        progress=progress,
+                        extra_sources=functools.partial(self._extra_sources, step),
+                        max_extra_sources=self.config.max_extra_sources,
+                        upstreams=self._upstream_sources,
+                    )
+                except ShardnetError as exc:  # caught here: a nursery would wrap it in a group
+                    error = exc
+                nursery.cancel_scope.cancel()
         finally:
             server.live_done(step)
             self._progress.pop(step, None)
             self._filling.remove(step)
             self._readvertise()
+            self._score_sources({peer_id_of(a) for a in self.config.upstreams})
+        if error is not None:
+            log.warning("download_failed step=%d error=%s", step, error)
+            return False
+        if result is None:  # abandoned: superseded by a version it cannot be the base of
+            await trio.to_thread.run_sync(self.node.store.discard_partial, step)
+            return False
+        path, stats = result
         record.committed_at = trio.current_time()
         record.stats, record.path = stats, path
         self.records.append(record)

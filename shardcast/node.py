@@ -45,6 +45,7 @@ from p2p.http_server import (
 from p2p.identity import Identity
 from p2p.trust import TrustList
 from shardcast.cardsync import check_data_dir, save_card
+from shardcast.lane_auth import RequestSigner
 from shardcast.manifest import check_run_id
 from shardcast.messages import (
     INFO_PROTOCOL,
@@ -56,7 +57,7 @@ from shardcast.messages import (
 from shardcast.metrics import CONTENT_TYPE, NodeMetrics
 from shardcast.nodestatus import node_status_json
 from shardcast.runcard import MAX_CARD_BYTES, SignedRunCard
-from shardcast.serve import PEER_HEADER, VersionServer
+from shardcast.serve import VersionServer
 from shardcast.store import VersionStore
 
 log = logging.getLogger(__name__)
@@ -166,7 +167,11 @@ class ShardcastNode:
             config.data_dir / "versions", config.run_id, config.keep_last, durable=config.durable
         )
         server = VersionServer(
-            store, trust, wait_s=config.serve_wait_s, serve_once_s=config.serve_once_s
+            store,
+            trust,
+            wait_s=config.serve_wait_s,
+            serve_once_s=config.serve_once_s,
+            identity=identity,
         )
         routes: dict[str, Callable[[], Awaitable[HttpResponse]]] = {}
         metrics = NodeMetrics(config.role, config.run_id, identity.peer_id)
@@ -186,7 +191,7 @@ class ShardcastNode:
             async with (
                 P2PNode.open(identity, config.host) as p2p,
                 open_http_server(handle, config.http) as http,
-                HttpClient(headers={PEER_HEADER: identity.peer_id}) as client,
+                HttpClient(sign=RequestSigner(identity, time.time)) as client,
             ):
                 node = cls(identity, trust, config, p2p, http, client, store, server, metrics)
                 node.card = stored_card

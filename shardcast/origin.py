@@ -16,14 +16,25 @@
 4. moves the directory into the store as ``step-N`` (the manifest was built from it a moment
    before, so it is not hashed twice) and serves it from there.
 
+Restarts: before announcing, the origin records the header's nonce with the identity of the
+files (name, size, modification time in ns) in ``<run>/.publishing-step-<N>.json``. An origin
+restarted mid-publish that publishes the same directory again, unchanged, reuses that nonce:
+the header, its digest and every signed part come out identical (Ed25519 signatures are
+deterministic), so followers that were fetching the first publication go on with it. A
+directory that changed gets a fresh nonce (a new digest). The record goes when the version is
+committed.
+
 With ``serve_once_s`` set on the node's server, the origin sends each shard to one relay and
 lets relays exchange the rest (super-seeding), keeping its egress near one copy per version.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import functools
+import json
 import logging
+import os
 from contextlib import nullcontext
 from dataclasses import dataclass
 from pathlib import Path
@@ -32,7 +43,7 @@ import trio
 
 from p2p.errors import LocalProtocolError
 from shardcast import codecs
-from shardcast.manifest import Manifest, Part, sign_header, sign_part
+from shardcast.manifest import Header, Manifest, Part, sign_header, sign_part
 from shardcast.messages import VersionAnnouncement, versions_topic
 from shardcast.node import ShardcastNode
 from shardcast.plan import (
@@ -162,6 +173,9 @@ class Origin:
                 base,
             )
         )
+        header = await trio.to_thread.run_sync(
+            stable_header, self._record_path(step), directory, header
+        )
         manifest = Manifest(sign_header(header, node.identity))
         node.server.add_live(_Publishing(manifest, directory))
         card = (node.card.version, node.card.digest) if node.card is not None else (0, "")
@@ -204,6 +218,7 @@ class Origin:
             path = await trio.to_thread.run_sync(
                 lambda: node.store.adopt(directory, manifest, rehash=False)
             )
+            self._record_path(step).unlink(missing_ok=True)
         finally:
             node.server.live_done(step)
         node.metrics.versions_committed.inc()
@@ -230,6 +245,44 @@ class Origin:
             manifest, path, announced_at, hashed_at, hashed_at - announced_at, encoded
         )
 
+    def _record_path(self, step: int) -> Path:
+        return self.node.store.run_dir / f".publishing-step-{step}.json"
+
     def egress_bytes(self) -> int:
         """Body bytes the origin's HTTP lane has sent so far."""
         return self.node.http.statistics().bytes_sent
+
+
+def stable_header(path: Path, directory: Path, header: Header) -> Header:
+    """``header`` with the nonce of an interrupted publication of the same, unchanged files
+    (recorded at ``path``; see module docstring), or with its own nonce, which is recorded
+    there (blocking, fsynced).
+
+    Raises:
+        OSError: the record cannot be written.
+    """
+    identity = {
+        "files": [[f.name, f.size, (directory / f.name).stat().st_mtime_ns] for f in header.files],
+        "shard_size": header.shard_size,
+        "shards_per_part": header.shards_per_part,
+        "base_step": header.base_step,
+        "base_digest": header.base_digest,
+    }
+    for stale in path.parent.glob(".publishing-step-*.json"):  # older interrupted steps
+        suffix = stale.name[len(".publishing-step-") : -len(".json")]
+        if suffix.isdigit() and int(suffix) < header.step:
+            stale.unlink(missing_ok=True)
+    try:
+        old = json.loads(path.read_bytes())
+        if old.get("identity") == identity and isinstance(old.get("nonce"), str):
+            log.info("publish_resumed step=%d nonce_kept=true", header.step)
+            return dataclasses.replace(header, nonce=old["nonce"])
+    except (OSError, ValueError):
+        pass
+    tmp = path.with_suffix(".tmp")
+    with open(tmp, "w", encoding="utf-8") as fh:
+        json.dump({"identity": identity, "nonce": header.nonce}, fh)
+        fh.flush()
+        os.fsync(fh.fileno())
+    os.rename(tmp, path)
+    return header

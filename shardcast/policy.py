@@ -6,7 +6,9 @@
   another requester within ``window_s`` is refused (it fetches the shard from a relay that has
   it), and repeats after the window come out of a budget (10 % of the shards by default), so
   the origin's egress stays near one copy of each version however many nodes ask (BitTorrent
-  "super-seeding"; the budget is ours).
+  "super-seeding"; the budget is ours). Requesters are authenticated PeerIDs
+  (:mod:`shardcast.lane_auth`); anonymous clients never hold a reservation and get their own
+  bounded share; a reservation whose holder a requester reports failing is released at once.
 
 Both take ``now`` as an argument and do no I/O, so :mod:`shardcast.store`,
 :mod:`shardcast.serve` and ``simulations/`` run the very same decisions.
@@ -46,6 +48,12 @@ class SuperSeeding:
        elsewhere does so after one refusal; one that keeps asking finds no other source (say
        the first requester withholds it), so the swarm never stalls on a shard that only the
        origin serves.
+    6. a requester that names the shard's holder as failing (it stalled, broke, answered 503
+       or sent bad bytes for that shard) is served at once and becomes the holder; each
+       requester may do so for at most ``report_share`` of a step's shards (at least 4).
+    7. an anonymous requester (``requester=None``) never becomes a holder, so it never delays
+       anyone; it is served while the step's anonymous serves stay within
+       ``anonymous_share`` x its shard count.
 
     Args:
         window_s: how long a shard is reserved for its last requester, seconds; None: off
@@ -53,9 +61,11 @@ class SuperSeeding:
         max_entries: bound on remembered (step, shard) pairs and on remembered refusals;
             the oldest are forgotten.
         repeat_budget: repeats per step as a share of its shards (rule 4); None: unbounded.
-        persist_s: rule 5's persistence, seconds (default ``30 * window_s``: in the model of
-            the INTELLECT-2-like topology, 6x still let relays that merely preferred the
-            origin through, 1.20x egress; 30x gives 1.10x at the same time to last peer).
+        persist_s: rule 5's persistence, seconds (default ``3 * window_s``: a holder that
+            dies or withholds costs others at most ``window_s + persist_s`` per shard; it was
+            30x, which let one withholding relay stall a broadcast by 150 s per shard).
+        report_share: rule 6's bound per requester and step, as a share of its shards.
+        anonymous_share: rule 7's bound per step, as a share of its shards.
     """
 
     def __init__(
@@ -64,41 +74,61 @@ class SuperSeeding:
         max_entries: int = 1_000_000,
         repeat_budget: float | None = 0.1,
         persist_s: float | None = None,
+        report_share: float = 0.1,
+        anonymous_share: float = 1.0,
     ) -> None:
         self.window_s = window_s
         self.max_entries = max_entries
         self.repeat_budget = repeat_budget
-        self.persist_s = persist_s if persist_s is not None else 30 * (window_s or 0.0)
+        self.persist_s = persist_s if persist_s is not None else 3 * (window_s or 0.0)
+        self.report_share = report_share
+        self.anonymous_share = anonymous_share
         self._served_to: dict[tuple[int, int], tuple[str, float]] = {}
         self._refused_since: dict[tuple[int, int, str], float] = {}
         self._repeats: dict[int, int] = {}
+        self._reports: dict[tuple[int, str], int] = {}
+        self._anonymous: dict[int, int] = {}
         self.refused = 0
         self.repeats = 0
+        self.released = 0
+        self.anonymous_served = 0
 
     def allow(
         self,
-        requester: str,
+        requester: str | None,
         step: int,
         shards: Iterable[int],
         now: float,
         total_shards: int | None = None,
+        failed: Iterable[str] = (),
     ) -> bool:
         """True if ``requester`` may get these shards now (and records the serve).
 
         Args:
-            requester: the requesting node's id (its PeerID or name).
+            requester: the requesting node's authenticated id (its PeerID), or None for an
+                anonymous client.
             step: the version's policy step.
             shards: indices of the shards the request covers.
             now: current time, seconds.
-            total_shards: the version's shard count (for ``repeat_budget``; None: no budget).
+            total_shards: the version's shard count (for the budgets; None: no budget).
+            failed: ids the requester reports as having failed these shards (rule 6).
         """
         if self.window_s is None:
             return True
         shards = list(shards)
+        if requester is None:
+            return self._allow_anonymous(step, shards, total_shards)
+        failing = set(failed)
+        reports = self._reports.get((step, requester), 0)
+        report_limit = max(4, int(self.report_share * (total_shards or 0)))
         repeats = 0
+        released: list[int] = []
         for i in shards:
             prev = self._served_to.get((step, i))
             if prev is None or prev[0] == requester:
+                continue
+            if prev[0] in failing and reports + len(released) < report_limit:
+                released.append(i)  # its holder is failing: serve now (rule 6)
                 continue
             if now - prev[1] < self.window_s:
                 return self._refuse(requester, step, i, now)
@@ -121,10 +151,25 @@ class SuperSeeding:
                         return self._refuse(requester, step, i, now)
             self._repeats[step] = self._repeats.get(step, 0) + repeats
             self.repeats += repeats
+        if released:
+            self._reports[(step, requester)] = reports + len(released)
+            _trim(self._reports, self.max_entries)
+            self.released += len(released)
         for i in shards:
             self._served_to[(step, i)] = (requester, now)
             self._refused_since.pop((step, i, requester), None)
         _trim(self._served_to, self.max_entries)
+        return True
+
+    def _allow_anonymous(self, step: int, shards: list[int], total_shards: int | None) -> bool:
+        """Rule 7: served within the step's anonymous share, never recorded as a holder."""
+        used = self._anonymous.get(step, 0)
+        if total_shards is not None and used + len(shards) > self.anonymous_share * total_shards:
+            self.refused += 1
+            return False
+        self._anonymous[step] = used + len(shards)
+        _trim(self._anonymous, self.max_entries)
+        self.anonymous_served += len(shards)
         return True
 
     def _refuse(self, requester: str, step: int, shard: int, now: float) -> bool:

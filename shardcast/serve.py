@@ -8,6 +8,8 @@ Routes (``GET``/``HEAD``)::
     /shardnet/v1/<run>/<step>/have                one bit per served shard, MSB of byte 0 first
     /shardnet/v1/<run>/<step>/files/<name>        file bytes, Range requests (206)
     /shardnet/v1/<run>/<step>/shard/<i>/<enc>     an encoded shard blob (zstd, xor-zstd, sparse)
+    /shardnet/v1/whoami/<nonce>                   the node's PeerID and its signature of the
+                                                  nonce and this URL (binds adverts' URLs)
 
 Theory of operation
 -------------------
@@ -22,9 +24,13 @@ never served, so the lane needs no trust.
 Origin super-seeding (``serve_once_s``): the origin answers a shard's bytes to the first
 requester only; another requester within ``serve_once_s`` gets ``429`` (with ``Retry-After``,
 distinct from the ``503`` of "not verified yet", so requesters can count refusals) and fetches
-it from a relay that already has it. The requester is the ``X-Shardnet-Peer`` header, which
-only steers this optimisation (lying only costs the origin bandwidth). This keeps the
-origin's egress near one copy of each version whatever the number of relays.
+it from a relay that already has it. This keeps the origin's egress near one copy of each version
+whatever the number of relays. The requester is the PeerID proven by the request's signed
+``X-Shardnet-Auth`` header (:mod:`shardcast.lane_auth`); a request without a valid one is
+anonymous (curl, a mirror) and is served from a bounded share without ever reserving a shard,
+so it cannot delay the nodes. A requester that names the holder of a shard in
+``X-Shardnet-Failed`` (it failed that shard for it) is served at once
+(:class:`~shardcast.policy.SuperSeeding` rule 6).
 
 A version being served is pinned in the store until the response is sent, so retention never
 deletes a file under a reader.
@@ -36,6 +42,8 @@ import dataclasses
 import json
 import logging
 import re
+import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Protocol
 
@@ -43,21 +51,29 @@ import trio
 
 from p2p.http_range import resolve_range
 from p2p.http_server import FileSlice, HttpRequest, HttpResponse, file_response
+from p2p.identity import Identity
 from p2p.trust import TrustList
 from shardcast.codecs import ENCODINGS, RAW
+from shardcast.lane_auth import (
+    AUTH_HEADER,
+    FAILED_HEADER,
+    parse_failed,
+    sign_whoami,
+    verify_request,
+)
 from shardcast.manifest import Manifest
 from shardcast.policy import SuperSeeding
 from shardcast.store import VersionStore
 
 log = logging.getLogger(__name__)
 
-PEER_HEADER = "x-shardnet-peer"
 _ROUTE = re.compile(
     r"^/shardnet/v1/(?P<run>[^/]+)/(?P<step>\d{1,18})/(?:(?P<kind>manifest|have)"
     r"|manifest/part/(?P<part>\d{1,9})|files/(?P<name>[^/]+)"
     r"|shard/(?P<shard>\d{1,9})/(?P<enc>zstd|xor-zstd|sparse))$"
 )
 _VERSIONS = re.compile(r"^/shardnet/v1/(?P<run>[^/]+)/versions$")
+_WHOAMI = re.compile(r"^/shardnet/v1/whoami/(?P<nonce>[0-9a-f]{32})$")
 
 
 class LiveVersion(Protocol):
@@ -93,6 +109,8 @@ class VersionServer:
         trust: used to re-verify manifests read back from disk.
         wait_s: longest wait for a part or shard that is not verified yet, seconds.
         serve_once_s: origin super-seeding window, seconds (None: off).
+        clock: wall-clock seconds, for the time window of signed requests.
+        identity: the node's key, to answer identity challenges (None: no ``whoami``).
     """
 
     def __init__(
@@ -101,6 +119,8 @@ class VersionServer:
         trust: TrustList,
         wait_s: float = 10.0,
         serve_once_s: float | None = None,
+        clock: Callable[[], float] = time.time,
+        identity: Identity | None = None,
     ) -> None:
         self.store = store
         self.trust = trust
@@ -109,6 +129,8 @@ class VersionServer:
         self._live: dict[int, _Live] = {}
         self._manifests: dict[int, Manifest] = {}
         self._seeding = SuperSeeding(serve_once_s)
+        self._clock = clock
+        self.identity = identity
         self.bytes_by_step: dict[int, int] = {}
         """Body bytes of GET responses started, per step (what was promised, for reports)."""
         self.sent_by_codec: dict[str, int] = {}
@@ -182,6 +204,11 @@ class VersionServer:
         """Answer one HTTP request (see the routes in the module docstring)."""
         if req.method not in ("GET", "HEAD"):
             return HttpResponse(405, [("allow", "GET, HEAD")])
+        mw = _WHOAMI.match(req.path)
+        if mw and self.identity is not None:
+            host = req.headers.get("host", "")
+            body = sign_whoami(self.identity, mw["nonce"], f"http://{host}")
+            return HttpResponse(200, [("content-type", "text/plain")], body)
         mv = _VERSIONS.match(req.path)
         if mv:
             if mv["run"] != self.store.run_id:
@@ -225,12 +252,16 @@ class VersionServer:
     def _refuse_repeat(self, req: HttpRequest, step: int, m: Manifest, shards: range) -> bool:
         """Origin super-seeding (:class:`shardcast.policy.SuperSeeding`): True if these
         shards must be fetched from another node."""
+        if self.serve_once_s is None:
+            return False
+        requester = verify_request(req.headers.get(AUTH_HEADER), req.path, self._clock())
         return not self._seeding.allow(
-            req.headers.get(PEER_HEADER, ""),
+            requester,
             step,
             shards,
             trio.current_time(),
             len(m.header.shards),
+            failed=parse_failed(req.headers.get(FAILED_HEADER)) if requester else (),
         )
 
     async def _file(self, req: HttpRequest, step: int, m: Manifest, name: str) -> HttpResponse:

@@ -17,8 +17,17 @@ bytes that fail their digest never touch the disk. When every part and every sha
 and ``manifest.json``, and
 renames the partial directory to ``step-<N>`` (atomic on POSIX), then fsyncs the parent. A
 ``step-<N>/`` directory therefore exists only if every digest matched, and a crash at any
-point leaves either no version or a complete one; leftover partial directories are removed
-when the store is opened.
+point leaves either no version or a complete one.
+
+Restarts keep verified work: every verified shard write is followed by one line appended to
+``.partial-step-<N>/.journal`` (shard index and digest; the first line names the manifest
+digest). A partial directory left by a stop (SIGKILL, crash, or a cancelled download that
+kept it) survives the next open if it has a journal and is newer than the newest committed
+version; when :meth:`VersionStore.begin` is called again for the same manifest digest, the
+journaled shards whose parts are known are re-hashed from the files (BLAKE3: far cheaper than
+fetching them again) and those that match are kept, so only the rest is fetched. Anything
+inconsistent (another digest, a file of the wrong size, a torn line, bytes that do not match)
+is dropped and fetched again. Partials without a journal or of older steps are removed.
 
 Durability: with ``durable`` (the origin's default) the files and ``manifest.json`` are
 fsynced before the rename, so a committed version survives a power loss. Followers (relays,
@@ -96,10 +105,20 @@ class VersionStore:
         self.durable = durable
         self._pins: dict[int, int] = {}
         self._lock = threading.Lock()
+        self._open_partials: set[int] = set()
         self.run_dir.mkdir(parents=True, exist_ok=True)
+        latest = self.latest()
         for p in (*self.run_dir.glob(".partial-step-*"), *self.run_dir.glob(".removing-step-*")):
-            log.info("leftover_removed path=%s", p)  # an interrupted download or prune
-            shutil.rmtree(p, ignore_errors=True)
+            suffix = p.name.rsplit("-", 1)[-1]
+            resumable = (
+                p.name.startswith(".partial-step-")
+                and suffix.isdigit()
+                and (latest is None or int(suffix) > latest)
+                and (p / JOURNAL_FILE).is_file()
+            )
+            if not resumable:
+                log.info("leftover_removed path=%s", p)  # an interrupted download or prune
+                shutil.rmtree(p, ignore_errors=True)
         self._marker = self.run_dir / ".open"
         if self._marker.exists():
             self.recover()
@@ -222,7 +241,21 @@ class VersionStore:
             )
         if self.has(m.step):
             raise LocalProtocolError(f"step {m.step} is already committed")
-        return PartialVersion(self, manifest)
+        self.run_dir.mkdir(parents=True, exist_ok=True)  # the data directory may have vanished
+        if not self.durable and not self._marker.exists():
+            self._marker.write_bytes(b"")
+        for p in self.run_dir.glob(".partial-step-*"):  # partials of versions passed over
+            suffix = p.name.rsplit("-", 1)[-1]
+            if suffix.isdigit() and int(suffix) < m.step and int(suffix) not in self._open_partials:
+                shutil.rmtree(p, ignore_errors=True)
+        part = PartialVersion(self, manifest)
+        self._open_partials.add(m.step)
+        return part
+
+    def discard_partial(self, step: int) -> None:
+        """Remove the kept partial version of ``step`` unless a download has it open."""
+        if step not in self._open_partials:
+            shutil.rmtree(self.partial_dir(step), ignore_errors=True)
 
     def adopt(self, directory: Path, manifest: Manifest, *, rehash: bool = True) -> Path:
         """Commit a directory that this node produced itself (the origin's own checkpoint).
@@ -305,12 +338,34 @@ def _commit_dir(store: VersionStore, directory: Path, m: Manifest) -> Path:
     return final
 
 
+JOURNAL_FILE = ".journal"
+_JOURNAL_MAGIC = "shardnet-journal 1"
+
+
+def _read_journal(path: Path, digest: str) -> dict[int, str]:
+    """Entries (shard index -> digest) of a journal written for manifest ``digest``; empty if
+    it is missing, of another version, or unreadable. A torn last line is ignored."""
+    try:
+        lines = path.read_text(encoding="ascii", errors="replace").split("\n")
+    except OSError:
+        return {}
+    if not lines or lines[0] != f"{_JOURNAL_MAGIC} {digest}":
+        return {}
+    out: dict[int, str] = {}
+    for line in lines[1:]:
+        fields = line.split(" ")
+        if len(fields) == 2 and fields[0].isdigit() and len(fields[1]) == 64:
+            out[int(fields[0])] = fields[1]
+    return out
+
+
 class PartialVersion:
     """A version being downloaded; see the module docstring.
 
     Attributes:
         manifest: the version's manifest (parts may arrive while downloading).
         dir: the partial directory.
+        restored: shards kept from a previous run of this download (journaled, re-hashed).
     """
 
     def __init__(self, store: VersionStore, manifest: Manifest) -> None:
@@ -318,17 +373,78 @@ class PartialVersion:
         self.manifest = manifest
         self.header = manifest.header
         self.dir = store.partial_dir(manifest.step)
-        shutil.rmtree(self.dir, ignore_errors=True)
-        self.dir.mkdir(parents=True)
-        self._fds: dict[str, int] = {}
-        for f in self.header.files:
-            fd = os.open(self.dir / f.name, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o644)
-            os.ftruncate(fd, f.size)
-            self._fds[f.name] = fd
         self._have = [False] * len(self.header.shards)
-        self._missing = len(self._have)
         self._lock = threading.Lock()
         self._closed = False
+        self._fds: dict[str, int] = {}
+        journal = self.dir / JOURNAL_FILE
+        entries = _read_journal(journal, manifest.digest) if self.dir.is_dir() else {}
+        if not entries or not self._open_files(create=False):
+            self._close_fds()
+            self._closed = False
+            shutil.rmtree(self.dir, ignore_errors=True)
+            self.dir.mkdir(parents=True)
+            self._open_files(create=True)
+            entries = {}
+        self.restored = self._restore(entries)
+        self._missing = len(self._have) - self.restored
+        tmp = self.dir / f"{JOURNAL_FILE}.tmp"  # rewritten with the kept entries only
+        with open(tmp, "w", encoding="ascii") as fh:
+            fh.write(f"{_JOURNAL_MAGIC} {manifest.digest}\n")
+            for i, ok in enumerate(self._have):
+                if ok:
+                    fh.write(f"{i} {self.manifest.shard(i).digest}\n")
+        os.rename(tmp, journal)
+        self._journal = os.open(journal, os.O_WRONLY | os.O_APPEND)
+        if self.restored:
+            log.info(
+                "partial_resumed step=%d shards_kept=%d shards_missing=%d",
+                self.step,
+                self.restored,
+                self._missing,
+            )
+
+    def _open_files(self, *, create: bool) -> bool:
+        """Open every file (created sparse at its size, or reopened: False if one is missing
+        or has another size)."""
+        for f in self.header.files:
+            path = self.dir / f.name
+            if create:
+                fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o644)
+                os.ftruncate(fd, f.size)
+            else:
+                try:
+                    fd = os.open(path, os.O_RDWR)
+                except OSError:
+                    return False
+                if os.fstat(fd).st_size != f.size:
+                    os.close(fd)
+                    return False
+            self._fds[f.name] = fd
+        return True
+
+    def _restore(self, entries: dict[int, str]) -> int:
+        """Keep the journaled shards whose part is known and whose bytes hash to the journaled
+        digest; drop every blob of a shard not kept (or not matching its offered digest)."""
+        kept = 0
+        for index, digest in sorted(entries.items()):
+            if index >= len(self._have) or not self.manifest.known(index):
+                continue
+            shard = self.manifest.shard(index)
+            if shard.digest != digest:
+                continue
+            data = os.pread(self._fds[shard.file], shard.length, shard.offset)
+            if blake3.blake3(data, max_threads=blake3.blake3.AUTO).hexdigest() == digest:
+                self._have[index] = True
+                kept += 1
+        blob_dir = self.dir / BLOB_DIR
+        for path in blob_dir.iterdir() if blob_dir.is_dir() else ():
+            stem, _, enc = path.name.partition(".")
+            ok = stem.isdigit() and int(stem) < len(self._have) and self._have[int(stem)]
+            offered = self.manifest.shard(int(stem)).offered(enc) if ok else None
+            if offered is None or blake3.blake3(path.read_bytes()).hexdigest() != offered.digest:
+                path.unlink(missing_ok=True)
+        return kept
 
     @property
     def step(self) -> int:
@@ -403,6 +519,8 @@ class PartialVersion:
                 return False
             self._have[index] = True
             self._missing -= 1
+            if not self._closed:  # one append per verified shard (atomic with O_APPEND)
+                os.write(self._journal, f"{index} {shard.digest}\n".encode())
         return True
 
     def read_shard(self, index: int) -> bytes:
@@ -434,16 +552,28 @@ class PartialVersion:
             if hash_file(self.dir / f.name) != self.manifest.file_digest(f.name):
                 self.abort()
                 raise IntegrityError(f"file {f.name} of step {self.step} digest mismatch")
+        (self.dir / JOURNAL_FILE).unlink()
+        self.store._open_partials.discard(self.step)
         return _commit_dir(self.store, self.dir, self.manifest)
 
     def abort(self) -> None:
         """Drop the partial version (idempotent); a later ``begin`` starts afresh."""
         self._close_fds()
+        self.store._open_partials.discard(self.step)
         shutil.rmtree(self.dir, ignore_errors=True)
+
+    def close(self) -> None:
+        """Stop writing but keep the partial version and its journal (idempotent): a later
+        :meth:`VersionStore.begin` of the same manifest resumes its verified shards."""
+        self._close_fds()
+        self.store._open_partials.discard(self.step)
 
     def _close_fds(self) -> None:
         with self._lock:
             self._closed = True
             fds, self._fds = self._fds, {}
+            journal, self._journal = getattr(self, "_journal", -1), -1
         for fd in fds.values():
             os.close(fd)
+        if journal >= 0:
+            os.close(journal)

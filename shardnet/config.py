@@ -318,7 +318,9 @@ class FollowerSettings(CommonSettings):
             upstreams=tuple(upstreams),
             poll_interval_s=self.poll_interval_s,
             download=DownloadConfig(
-                stall_timeout_s=self.stall_timeout_s, source_ban_s=self.source_ban_s
+                stall_timeout_s=self.stall_timeout_s,
+                source_ban_s=self.source_ban_s,
+                keep_partial=True,
             ),
         )
 

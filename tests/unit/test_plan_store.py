@@ -123,12 +123,17 @@ def test_commit_refuses_corrupted_file(tmp_path: Path) -> None:
 
 
 def test_crash_leaves_no_version(tmp_path: Path) -> None:
+    """A crash commits nothing; the partial version stays only to be resumed (its journal
+    of verified shards; see tests/unit/test_journal.py)."""
     ck, m, store = _partial(tmp_path)
     part = store.begin(m)
     part.write_shard(0, _bytes(ck, m, 0))
     store2 = VersionStore(tmp_path / "store", "run", keep_last=2)  # after a crash
     assert store2.committed_steps() == []
-    assert not any(p.name.startswith(".partial") for p in store2.run_dir.iterdir())
+    assert [p.name for p in store2.run_dir.iterdir() if p.name.startswith(".partial")] == [
+        ".partial-step-1"
+    ]
+    assert store2.begin(m).missing == len(m.header.shards) - 1
 
 
 def test_retention_and_pins(tmp_path: Path) -> None:

@@ -1,0 +1,102 @@
+"""Super-seeding that is authenticated and lets go: signed lane requests, anonymous share,
+failing holders released, a short persistence window."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from p2p.http_range import ByteRange
+from p2p.http_server import HttpRequest
+from p2p.identity import Identity
+from shardcast.lane_auth import (
+    AUTH_HEADER,
+    FAILED_HEADER,
+    RequestSigner,
+    sign_request,
+    verify_request,
+)
+from shardcast.plan import build_manifest
+from shardcast.policy import SuperSeeding
+from shardcast.serve import VersionServer
+from shardcast.store import VersionStore
+from tests.helpers import TRAINER, make_checkpoint, trust
+
+A = Identity.from_seed("relay-a")
+B = Identity.from_seed("relay-b")
+PATH = "/shardnet/v1/run/1/files/model.safetensors"
+
+
+def test_signed_request_names_its_peer_for_that_path_and_window_only() -> None:
+    value = sign_request(A, PATH, 1000.0)
+    assert verify_request(value, PATH, 1000.0) == A.peer_id
+    assert verify_request(value, PATH, 1040.0) == A.peer_id  # the next window (skew)
+    assert verify_request(value, PATH, 1100.0) is None  # stale
+    assert verify_request(value, PATH + "x", 1000.0) is None  # another path
+    forged = value.replace(A.peer_id, B.peer_id)  # someone else's PeerID, A's signature
+    assert verify_request(forged, PATH, 1000.0) is None
+    for junk in (None, "", "x", "a 1 !!", B.peer_id + " 33 AAAA", "a " * 300):
+        assert verify_request(junk, PATH, 1000.0) is None
+
+
+def test_signer_caches_per_path_and_window() -> None:
+    now = [100.0]
+    signer = RequestSigner(A, lambda: now[0], cache=2)
+    first = signer(PATH)
+    assert signer(PATH) == first
+    now[0] = 200.0
+    assert signer(PATH) != first
+    assert verify_request(signer(PATH)[0][1], PATH, 200.0) == A.peer_id
+
+
+def test_anonymous_requests_never_hold_a_shard_and_have_a_bounded_share() -> None:
+    s = SuperSeeding(window_s=5.0)
+    assert s.allow(None, 0, [0, 1], 0.0, total_shards=4)  # curl fetches first
+    assert s.allow("relay-b", 0, [0], 0.1, total_shards=4)  # ... and delays nobody
+    assert s.allow(None, 0, [2, 3], 0.2, total_shards=4)
+    assert not s.allow(None, 0, [0], 0.3, total_shards=4)  # share (1 copy) used up
+    assert s.anonymous_served == 4
+
+
+def test_a_holder_reported_failing_is_released_at_once() -> None:
+    s = SuperSeeding(window_s=5.0, report_share=0.1)
+    assert s.allow("relay-a", 0, range(40), 0.0, total_shards=40)  # takes everything
+    assert not s.allow("relay-b", 0, [0], 1.0, total_shards=40)  # reserved for relay-a
+    assert s.allow("relay-b", 0, [0], 1.5, total_shards=40, failed=["relay-a"])
+    assert s.released == 1
+    # relay-b now holds shard 0: a report naming relay-a no longer releases it
+    assert not s.allow("relay-c", 0, [0], 2.0, total_shards=40, failed=["relay-a"])
+    # each requester may release at most max(4, 10 % of the shards) per step
+    for i in range(1, 4):
+        assert s.allow("relay-b", 0, [i], 2.0, total_shards=40, failed=["relay-a"])
+    assert not s.allow("relay-b", 0, [4], 2.0, total_shards=40, failed=["relay-a"])
+
+
+def test_a_withholding_holder_costs_at_most_window_plus_three_windows() -> None:
+    s = SuperSeeding(window_s=5.0, repeat_budget=0.0)
+    assert s.allow("relay-a", 0, [0], 0.0, total_shards=10)
+    assert not s.allow("relay-b", 0, [0], 5.0, total_shards=10)  # over budget: persist
+    assert not s.allow("relay-b", 0, [0], 19.0, total_shards=10)
+    assert s.allow("relay-b", 0, [0], 20.0, total_shards=10)  # 5 s + 3 x 5 s, not 150 s
+
+
+async def test_the_origin_lane_believes_signatures_not_claims(tmp_path: Path) -> None:
+    store = VersionStore(tmp_path / "store", "run", keep_last=2)
+    ck = make_checkpoint(tmp_path / "c1", {"model-00001-of-00001.safetensors": 4000}, seed=1)
+    m = build_manifest(ck, "run", 1, TRAINER, shard_size=1000)
+    store.adopt(ck, m)
+    now = 5000.0
+    server = VersionServer(store, trust(), serve_once_s=5.0, clock=lambda: now)
+    path = f"/shardnet/v1/run/1/files/{m.header.files[0].name}"
+
+    async def get(headers: dict[str, str]) -> int:
+        resp = await server.handle(HttpRequest("GET", path, {}, headers, ByteRange(0, 999)))
+        if resp.body is not None and hasattr(resp.body, "on_done") and resp.body.on_done:
+            resp.body.on_done()
+        return resp.status
+
+    claim = {"x-shardnet-peer": A.peer_id}  # the old unauthenticated header: anonymous now
+    assert await get(claim) == 206
+    assert await get({AUTH_HEADER: sign_request(B, path, now)}) == 206  # not delayed by it
+    assert await get({AUTH_HEADER: sign_request(A, path, now)}) == 429  # reserved for B (a super-seeding refusal)
+    report = {AUTH_HEADER: sign_request(A, path, now), FAILED_HEADER: B.peer_id}
+    assert await get(report) == 206  # B failed it for A: released
