@@ -32,7 +32,8 @@ from p2p.trust import TrustList
 from rollout.batch import Forgery, SamplingConfig, build_batch
 from rollout.engine import Engine, TransformersEngine
 from rollout.exchange import RolloutSender, SenderConfig, report_status
-from rollout.task import DEFAULT_TASK
+from rollout.model_dir import load_tokenizer
+from rollout.task import load_task
 from shardcast.follower import FollowConfig, Follower, VersionRecord
 from shardcast.manifest import Manifest
 from shardcast.node import NodeConfig, ShardcastNode
@@ -55,6 +56,7 @@ class PeerConfig:
         max_versions: stop generating after this many versions (None: run forever).
         trainer_addrs: multiaddrs of the trainer, to say hello before any version exists
             (otherwise learnt from the first announcement).
+        task, task_reward: the run's task spec and dataset reward (``rollout.task.load_task``).
     """
 
     node: NodeConfig
@@ -63,6 +65,8 @@ class PeerConfig:
     exchange: SenderConfig = field(default_factory=SenderConfig)
     max_versions: int | None = None
     trainer_addrs: tuple[str, ...] = ()
+    task: str = "digits"
+    task_reward: str = "exact"
 
 
 @dataclass
@@ -105,7 +109,7 @@ class InferencePeer:
         self.engine = engine or TransformersEngine()
         self.forgery = forgery
         self.progress = progress
-        self.task = DEFAULT_TASK
+        self.task = load_task(config.task, config.task_reward)
         self.records: list[PeerRecord] = []
         self.node: ShardcastNode | None = None
         self.sender: RolloutSender | None = None
@@ -187,9 +191,6 @@ class InferencePeer:
     async def _generate_loop(self, nursery: trio.Nursery) -> None:
         assert self.node is not None
         assert self.sender is not None
-        from rollout.model import build_tokenizer
-
-        tokenizer = build_tokenizer()
         done_step = -1
         generated = 0
         while self.config.max_versions is None or generated < self.config.max_versions:
@@ -203,6 +204,7 @@ class InferencePeer:
                     if not store.has(step):
                         continue  # pruned before we got to it; a newer one exists
                     await trio.to_thread.run_sync(self.engine.load, path)
+                    tokenizer = await trio.to_thread.run_sync(load_tokenizer, path)
                 batch = await trio.to_thread.run_sync(
                     functools.partial(
                         build_batch,

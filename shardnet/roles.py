@@ -100,7 +100,10 @@ async def run_trainer(s: TrainerSettings) -> int:
     cfg = TrainerConfig(
         node=dataclasses.replace(s.node_config(), serve_once_s=s.serve_once_s),
         steps=s.steps,
+        model=s.model,
         preset=s.preset,
+        task=s.task,
+        task_reward=s.task_reward,
         seed=s.seed,
         lr=s.lr,
         optimizer=s.optimizer,
@@ -202,6 +205,8 @@ async def run_peer(s: PeerSettings) -> int:
         ),
         max_versions=s.max_versions,
         trainer_addrs=tuple(s.trainer_addr),
+        task=s.task,
+        task_reward=s.task_reward,
     )
     with DownloadProgress() as progress:
         peer = InferencePeer(identity, s.trust(), cfg, engine=engine, progress=progress)
