@@ -65,7 +65,7 @@ class Reward:
         if answer is None:
             return "answer is missing" if self.answer_required else None
         if isinstance(answer, bool) or not isinstance(answer, self.answer_types):
-            want = " or ".join(_TYPE_NAMES[t] for t in self.answer_types)
+            want = " or ".join(dict.fromkeys(_TYPE_NAMES[t] for t in self.answer_types))
             return f"answer {answer!r} is a {type(answer).__name__}, {self.spec} needs {want}"
         if isinstance(answer, float) and not math.isfinite(answer):
             return f"answer {answer!r} is not finite"

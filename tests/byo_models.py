@@ -34,8 +34,8 @@ def write_model_dir(
     tok = bpe_tokenizer()
     common: dict[str, Any] = {
         "vocab_size": len(tok),
-        "hidden_size": 64,
-        "intermediate_size": 128,
+        "hidden_size": 128,
+        "intermediate_size": 256,
         "num_hidden_layers": 2,
         "num_attention_heads": 4,
         "num_key_value_heads": 2,
