@@ -38,7 +38,7 @@ from p2p.trust import TrustList
 from shardcast.manifest import check_run_id
 from shardcast.messages import INFO_PROTOCOL, MAX_INFO_BYTES, NodeInfo, VersionAnnouncement
 from shardcast.metrics import CONTENT_TYPE, registry_for, render
-from shardcast.serve import PEER_HEADER, VersionServer
+from shardcast.serve import HOLD_HEADER, PEER_HEADER, VersionServer
 from shardcast.store import VersionStore
 
 log = logging.getLogger(__name__)
@@ -149,7 +149,10 @@ class ShardcastNode:
             async with (
                 P2PNode.open(identity, config.host) as p2p,
                 open_http_server(handle, config.http) as http,
-                HttpClient(headers={PEER_HEADER: identity.peer_id}) as client,
+                HttpClient(
+                    # ask upstream nodes to hold requests for shards they are still verifying
+                    headers={PEER_HEADER: identity.peer_id, HOLD_HEADER: f"{config.serve_wait_s:g}"}
+                ) as client,
             ):
                 node = cls(identity, trust, config, p2p, http, client, store, server)
                 registry = registry_for(node)
