@@ -15,9 +15,11 @@ Range policy (RFC 9110 §14): the server honours exactly one well-formed byte ra
   header and sends ``200`` (RFC 9110 allows ignoring ``Range``; this is nginx's ``max_ranges 1``
   behaviour). We never generate ``multipart/byteranges``; a multi-range request costs the server
   no more than a plain GET, and our own client never sends one.
-* malformed (``bytes=5-3``, ``bytes=x-``, ``bytes=``) → :class:`InvalidRange`; the server also
-  ignores it (RFC 9110 §14.2: "MAY ignore or reject"). Our client checks for ``206`` and an exact
-  ``Content-Range``, so an ignored range is never mistaken for the bytes it asked for.
+* malformed (``bytes=5-3``, ``bytes=x-``) → :class:`InvalidRange`; the server rejects it with
+  ``416`` as nginx does (RFC 9110 §14.2: "MAY ignore or reject"; :func:`choose_range` holds the
+  whole nginx decision, so a cache in front of a relay or an nginx mirror sees the same
+  answers). Our client checks for ``206`` and an exact ``Content-Range``, so an ignored range is
+  never mistaken for the bytes it asked for.
 * well-formed but unsatisfiable (``first >= total``, ``bytes=-0``, any range of an empty
   representation) → :func:`resolve_range` raises :class:`UnsatisfiableRange` → ``416``.
 
@@ -43,9 +45,11 @@ __all__ = [
     "SuffixRange",
     "TokenBucket",
     "UnsatisfiableRange",
+    "choose_range",
     "format_content_range",
     "format_range",
     "format_unsatisfied_range",
+    "if_range_holds",
     "parse_content_range",
     "parse_range",
     "parse_retry_after",
@@ -154,6 +158,66 @@ def _parse_range_spec(item: str) -> RangeSpec:
     if spec.last is not None and spec.last < spec.first:
         raise InvalidRange(f"range {item!r} ends before it starts")
     return spec
+
+
+def choose_range(value: str | None, total_size: int) -> tuple[int, int] | None:
+    """The server's answer to a ``Range`` header, decided the way nginx decides it.
+
+    nginx (``ngx_http_range_filter_module``, ``max_ranges 1``) ignores a header that is shorter
+    than ``bytes=`` plus one character or has another unit (``200``); answers a syntax error,
+    a range that ends before it starts, or one that starts past the end with ``416``; ignores a
+    range of an empty representation that starts at 0 (and any suffix of it: ``200``); and
+    ignores a set of several ranges (``200``) unless none of them is satisfiable (``416``).
+
+    Args:
+        value: the ``Range`` header, or None.
+        total_size: the representation's size, bytes.
+
+    Returns:
+        ``(offset, length)`` to answer ``206``, or None to answer ``200`` with everything.
+
+    Raises:
+        UnsatisfiableRange: answer ``416`` (``Content-Range: bytes */total_size``).
+    """
+    if value is None:
+        return None
+    text = value.strip(_OWS)
+    if len(text) < 7 or text[:6].lower() != "bytes=":
+        return None
+    try:
+        spec = parse_range(text)
+    except MultipleRanges:
+        items = [i.strip(_OWS) for i in text[6:].split(",") if i.strip(_OWS)]
+        if any(_satisfiable(_parse_range_spec(i), total_size) for i in items):
+            return None
+        raise UnsatisfiableRange(total_size) from None
+    except InvalidRange:
+        raise UnsatisfiableRange(total_size) from None
+    if spec is None:
+        return None
+    if total_size == 0 and (isinstance(spec, SuffixRange) or spec.first == 0):
+        return None
+    return resolve_range(spec, total_size)
+
+
+def _satisfiable(spec: RangeSpec, total_size: int) -> bool:
+    try:
+        resolve_range(spec, total_size)
+    except UnsatisfiableRange:
+        return False
+    return True
+
+
+def if_range_holds(value: str, etag: str | None, last_modified: str | None) -> bool:
+    """Whether an ``If-Range`` condition holds (RFC 9110 §13.1.5, as nginx applies it).
+
+    It holds if ``value`` is the representation's strong ``etag`` (weak tags never match) or,
+    for a date, exactly its ``last_modified`` HTTP-date.
+    """
+    value = value.strip(_OWS)
+    if value.startswith('"'):
+        return etag is not None and not etag.startswith("W/") and value == etag
+    return last_modified is not None and value == last_modified
 
 
 def format_range(spec: RangeSpec) -> str:

@@ -57,10 +57,11 @@ from p2p.http_range import (
     RangeSpec,
     TokenBucket,
     UnsatisfiableRange,
+    choose_range,
     format_content_range,
     format_unsatisfied_range,
+    if_range_holds,
     parse_range,
-    resolve_range,
 )
 
 if TYPE_CHECKING:
@@ -183,24 +184,53 @@ def file_response(
     *,
     content_type: str = "application/octet-stream",
     headers: Sequence[tuple[str, str]] = (),
+    etag: str | None = None,
+    last_modified: str | None = None,
 ) -> HttpResponse:
-    """The ``200``/``206``/``416`` response serving ``request`` from a file of ``total_size`` bytes.
+    """The ``200``/``206``/``304``/``416`` response serving ``request`` from a file of
+    ``total_size`` bytes.
 
-    ``If-Range`` makes the range be ignored (``200``): the lane sends no validators, so an
-    ``If-Range`` condition can never be shown to hold. The file is opened only when sent.
+    The ``Range`` header is decided as nginx decides it (:func:`p2p.http_range.choose_range`).
+    ``If-Range`` is honoured: the range applies only if the condition names this ``etag``
+    (strong) or is exactly ``last_modified``; otherwise the whole file is sent (``200``); with
+    neither validator, the condition can never hold. ``If-None-Match`` naming ``etag`` (or
+    ``*``) answers ``304``. The file is opened only when sent.
+
+    Args:
+        etag: the representation's strong entity tag, quoted (``'"<digest>"'``), sent as
+            ``ETag``.
+        last_modified: an HTTP-date, sent as ``Last-Modified``.
     """
     base = [("accept-ranges", "bytes"), ("content-type", content_type), *headers]
-    spec = None if "if-range" in request.headers else request.range
-    if spec is None:
-        return HttpResponse(200, base, FileSlice(path, 0, total_size, total_size))
+    if etag is not None:
+        base.append(("etag", etag))
+    if last_modified is not None:
+        base.append(("last-modified", last_modified))
+    if etag is not None and _none_match(request.headers.get("if-none-match"), etag):
+        return HttpResponse(304, [h for h in base if h[0] != "content-type"])
+    value = request.headers.get("range") if request.method in ("GET", "HEAD") else None
+    if value is not None and "if-range" in request.headers:
+        if not if_range_holds(request.headers["if-range"], etag, last_modified):
+            value = None
     try:
-        offset, length = resolve_range(spec, total_size)
+        chosen = choose_range(value, total_size)
     except UnsatisfiableRange:
         return HttpResponse(416, [*base, ("content-range", format_unsatisfied_range(total_size))])
+    if chosen is None:
+        return HttpResponse(200, base, FileSlice(path, 0, total_size, total_size))
+    offset, length = chosen
     content_range = format_content_range(offset, length, total_size)
     return HttpResponse(
         206, [*base, ("content-range", content_range)], FileSlice(path, offset, length, total_size)
     )
+
+
+def _none_match(value: str | None, etag: str) -> bool:
+    """``If-None-Match`` holds for ``etag`` (weak comparison, RFC 9110 §13.1.2)."""
+    if value is None:
+        return False
+    tags = [t.strip() for t in value.split(",")]
+    return "*" in tags or etag.removeprefix("W/") in (t.removeprefix("W/") for t in tags)
 
 
 @dataclass(frozen=True)

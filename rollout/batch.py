@@ -18,7 +18,7 @@ from typing import Any
 from p2p.errors import ConfigError
 from rollout.engine import Engine, Generation
 from rollout.schema import Group, RolloutBatch, Sample
-from rollout.task import Task
+from rollout.task import Task, encode_prompt, task_prompts
 from rollout.toploc import ToplocConfig, build_proofs
 
 Forgery = Callable[[RolloutBatch], RolloutBatch]
@@ -69,6 +69,8 @@ def build_batch(
 ) -> RolloutBatch:
     """Generate one batch for ``step`` with the engine's loaded weights.
 
+    ``tokenizer`` must be the loaded checkpoint's own (``rollout.model_dir.load_tokenizer``).
+
     Returns:
         the batch, with a TOPLOC proof per sample and the peer-computed rewards.
 
@@ -76,8 +78,8 @@ def build_batch(
         LocalProtocolError: the engine has nothing loaded.
     """
     groups = []
-    for i, text in enumerate(task.prompts_for(peer_id, step, cfg.n_prompts)):
-        prompt_ids = list(tokenizer(text)["input_ids"])
+    for i, prompt in enumerate(task_prompts(task, peer_id, step, cfg.n_prompts)):
+        prompt_ids = encode_prompt(prompt, tokenizer)
         gens: list[Generation] = engine.generate(
             prompt_ids,
             cfg.group_size,
@@ -94,7 +96,7 @@ def build_batch(
                 Sample(
                     tuple(g.completion_ids),
                     tuple(g.logprobs),
-                    float(task.reward(g.completion_ids, tokenizer)),
+                    float(task.reward(g.completion_ids, tokenizer, prompt)),
                     g.finish_reason,
                     b"".join(proofs),
                 )

@@ -43,6 +43,7 @@ from transformers import AutoConfig, DynamicCache
 
 from p2p.errors import LocalProtocolError
 from rollout.model import check_weights, copy_weights, load_model
+from rollout.model_dir import load_tokenizer, stop_token_id
 
 __all__ = [
     "Engine",
@@ -130,7 +131,14 @@ def _check_args(prompt_ids: Sequence[int], temperature: float, vocab_size: int) 
 
 def _logprobs(model: Any, hidden: torch.Tensor, temperature: float) -> torch.Tensor:
     """``log_softmax(float32(lm_head(hidden)) / T)``: ``[..., H]`` → ``[..., V]`` float32."""
-    return torch.log_softmax(model.lm_head(hidden).float() / temperature, dim=-1)
+    head = model.get_output_embeddings()
+    return torch.log_softmax(head(hidden).float() / temperature, dim=-1)
+
+
+def _base(model: Any) -> Any:
+    """The decoder stack of a causal LM (``model.model`` for Llama/Qwen2): its
+    ``last_hidden_state`` is the LM-head input, after the final norm."""
+    return model.get_decoder()
 
 
 @torch.inference_mode()
@@ -146,7 +154,7 @@ def sample_group(
     """Sample ``n`` completions of one prompt with a KV cache (see module docstring).
 
     Args:
-        model: a transformers causal LM with ``.model`` (base) and ``.lm_head``.
+        model: a transformers causal LM (``get_decoder()`` and ``get_output_embeddings()``).
         prompt_ids: ``L >= 1`` token ids.
         n: group size (>= 1), one batch.
         max_new_tokens: length cap ``N_max >= 1``.
@@ -166,7 +174,7 @@ def sample_group(
         raise LocalProtocolError(f"need n >= 1 and max_new_tokens >= 1, got {n}, {max_new_tokens}")
     generator = torch.Generator().manual_seed(seed)
     cache = DynamicCache(config=model.config)
-    out = model.model(input_ids=torch.tensor([list(prompt_ids)]), cache=cache, use_cache=True)
+    out = _base(model)(input_ids=torch.tensor([list(prompt_ids)]), cache=cache, use_cache=True)
     hidden = out.last_hidden_state  # [1, L, H]
     prefill_bits = bf16_bits(hidden[0])
     cache.batch_repeat_interleave(n)
@@ -183,7 +191,7 @@ def sample_group(
         done |= token[:, 0] == eos_token_id
         if bool(done.all()) or step == max_new_tokens - 1:
             break
-        last = model.model(input_ids=token, cache=cache, use_cache=True).last_hidden_state[:, -1]
+        last = _base(model)(input_ids=token, cache=cache, use_cache=True).last_hidden_state[:, -1]
         decode_rows.append(last)
     all_tokens = torch.stack(tokens, dim=1)  # [n, steps]
     all_logprobs = torch.stack(token_logprobs, dim=1)
@@ -244,7 +252,7 @@ def prefill_activations(
     _check_args(ids, temperature, int(model.config.vocab_size))
     length = len(prompt_ids)
     inputs = torch.tensor([ids[:-1]])
-    hidden = model.model(input_ids=inputs, use_cache=False).last_hidden_state[0]  # [L+N-1, H]
+    hidden = _base(model)(input_ids=inputs, use_cache=False).last_hidden_state[0]  # [L+N-1, H]
     logp = _logprobs(model, hidden[length - 1 :], temperature)  # [N, V]
     targets = torch.tensor(list(completion_ids)).unsqueeze(1)
     logprobs = logp.gather(1, targets)[:, 0].tolist()
@@ -290,7 +298,7 @@ def prefill_activations_group(
     for i, s in enumerate(seqs):
         inputs[i, : len(s)] = torch.tensor(s)
         mask[i, : len(s)] = 1
-    hidden = model.model(input_ids=inputs, attention_mask=mask, use_cache=False).last_hidden_state
+    hidden = _base(model)(input_ids=inputs, attention_mask=mask, use_cache=False).last_hidden_state
     out = []
     for i, (s, c) in enumerate(zip(seqs, completions, strict=True)):
         h = hidden[i, : len(s)]
@@ -332,13 +340,15 @@ class TransformersEngine:
         """Load a checkpoint, in place when the architecture is unchanged.
 
         Raises:
-            CheckpointMismatch: the checkpoint is incomplete, malformed or does not fit the
-                config. Everything is checked before any weight is touched, so the engine
-                keeps serving the last good version. Only if a file becomes unreadable in the
+            CheckpointMismatch: the checkpoint is incomplete, malformed, lacks a tokenizer
+                (``tokenizer.json`` with an eos token), or does not fit the config.
+                Everything is checked before any weight is touched, so the engine keeps
+                serving the last good version. Only if a file becomes unreadable in the
                 middle of the copy is the engine left unloaded (``model is None``; fail
                 closed, the weights being half swapped) until a later ``load`` succeeds.
         """
         checkpoint_dir = Path(checkpoint_dir)
+        eos = stop_token_id(load_tokenizer(checkpoint_dir))  # the checkpoint's own stop token
         model = self._model
         if model is None or _config_changed(model, checkpoint_dir):
             model = load_model(checkpoint_dir, self._dtype)  # the old one serves until here
@@ -351,7 +361,7 @@ class TransformersEngine:
                 raise
         self._model = model
         self._checkpoint = checkpoint_dir
-        self._eos = int(self._model.config.eos_token_id)
+        self._eos = eos
         self._loads += 1
 
     def generate(

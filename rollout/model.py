@@ -65,6 +65,7 @@ __all__ = [
     "preset_config",
     "read_tensor_shapes",
     "shard_name",
+    "stored_state",
     "tensor_files",
 ]
 
@@ -265,10 +266,25 @@ def check_weights(model: torch.nn.Module, directory: str | Path) -> list[Path]:
         CheckpointMismatch: any name, shape or index difference (see :func:`load_model`).
     """
     directory = Path(directory)
-    expected = {name: tuple(t.shape) for name, t in model.state_dict().items()}
+    expected = {name: tuple(t.shape) for name, t in stored_state(model).items()}
     files = tensor_files(directory)
     compare_shapes(expected, indexed_shapes(directory, files), directory)
     return list(files)
+
+
+def stored_state(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """The persistent state dict as stored in a checkpoint: tensors that share storage with an
+    earlier one (tied weights, e.g. ``lm_head.weight`` tied to the input embeddings) are
+    dropped, keeping the first name in state-dict order, as ``save_pretrained`` does."""
+    out: dict[str, torch.Tensor] = {}
+    seen: set[tuple[int, int, tuple[int, ...]]] = set()
+    for name, tensor in model.state_dict().items():
+        key = (tensor.untyped_storage().data_ptr(), tensor.storage_offset(), tuple(tensor.shape))
+        if tensor.numel() and key in seen:
+            continue
+        seen.add(key)
+        out[name] = tensor
+    return out
 
 
 def indexed_shapes(
@@ -371,4 +387,5 @@ def _empty_model(config: Any, dtype: torch.dtype) -> torch.nn.Module:
     """Construct ``config``'s causal LM with uninitialized parameters of ``dtype``."""
     with CONSTRUCT_LOCK, no_init_weights():
         model = _AUTO_MODEL.from_config(config, dtype=dtype)
+        model.tie_weights()  # tied embeddings (``tie_word_embeddings``) share one tensor
     return cast(torch.nn.Module, model.eval())

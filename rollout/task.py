@@ -2,14 +2,33 @@
 
 Theory of operation
 -------------------
-A task is two pure functions (the :class:`Task` protocol):
+A task is two pure functions (the :class:`Task` protocol) and an identity:
 
-* ``prompts_for(peer_id, step, n)`` — the prompts a peer must answer at a policy step. They
+* ``prompts_for(peer_id, step, n)`` — the prompts a peer must answer at a policy step
+  (strings, or :class:`Prompt` objects carrying chat messages and a reference answer). They
   are a function of ``(peer_id, step, n)`` only, drawn from a ``random.Random`` seeded with
   the SHA-256 of the task name, the peer id and the step (never the global RNG), so a
   validator recomputes them and rejects rollouts whose prompts a peer chose itself.
-* ``reward(completion_ids, tokenizer)`` — a verifiable reward in ``[0, 1]`` computed from
-  token ids alone, so the trainer and any validator agree on it bit for bit.
+* ``reward(completion_ids, tokenizer, prompt)`` — a verifiable reward in ``[0, 1]`` computed
+  from token ids and the prompt alone, so the trainer and any validator agree on it bit for
+  bit.
+* ``name`` (what rollout batches carry; the validator refuses another) and, through
+  :func:`task_identity`, ``(name, version, digest)`` for the run card.
+
+Three kinds of task, all loaded by :func:`load_task` from one spec string (the ``task``
+setting), by trainer, validator and peers alike:
+
+* ``digits`` — the built-in demo task below;
+* a dataset file (``*.jsonl`` or ``*.parquet``) with a reward from :mod:`rollout.rewards`
+  (:mod:`rollout.dataset_task`);
+* a Python entry point ``package.module:Name`` — a class (called with no arguments) or an
+  object implementing :class:`Task`.
+
+Prompts become token ids with the checkpoint's tokenizer in :func:`encode_prompt`: chat
+messages are rendered with the tokenizer's chat template and a generation prompt when the
+tokenizer has a template (or the prompt has no text); otherwise the text is tokenized as is
+(the tokenizer adds its special tokens, e.g. ``<bos>``). Both sides use the same checkpoint's
+tokenizer, so they pick the same form.
 
 The default :class:`DigitTask` rewards the share of completion tokens that are ASCII digits.
 It is dense (every token counts) and an untrained model starts near ``10/128 ≈ 0.08`` with
@@ -20,34 +39,78 @@ steps. A trailing ``<eos>`` is the stop signal, not content: it is left out of t
 from __future__ import annotations
 
 import hashlib
+import importlib
+import inspect
 import json
 import random
 from collections.abc import Sequence
-from typing import TYPE_CHECKING, Protocol, cast, runtime_checkable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Protocol, cast, runtime_checkable
 
 import blake3
 
-from p2p.errors import LocalProtocolError
+from p2p.errors import ConfigError, LocalProtocolError
 
 if TYPE_CHECKING:  # annotations only: this module stays importable without torch
     from transformers import PreTrainedTokenizerFast
 
-__all__ = ["DEFAULT_TASK", "DigitTask", "Task", "prompts_for", "reward", "task_data_digest"]
+__all__ = [
+    "DEFAULT_TASK",
+    "DigitTask",
+    "Prompt",
+    "Task",
+    "as_prompt",
+    "encode_prompt",
+    "load_task",
+    "prompts_for",
+    "reward",
+    "task_data_digest",
+    "task_identity",
+    "task_prompts",
+    "task_spec",
+]
+
+
+@dataclass(frozen=True)
+class Prompt:
+    """One prompt of a task.
+
+    Attributes:
+        text: a plain-text prompt (used when ``messages`` is empty).
+        messages: chat messages ``((role, content), ...)``, rendered with the tokenizer's
+            chat template.
+        answer: the reference answer a reward compares with (None for tasks without one).
+        row: where it came from (a dataset row number, 1-based; 0 if none).
+    """
+
+    text: str = ""
+    messages: tuple[tuple[str, str], ...] = ()
+    answer: str | int | float | None = None
+    row: int = 0
 
 
 @runtime_checkable
 class Task(Protocol):
-    """A verifiable RL task. Implementations must be pure and deterministic."""
+    """A verifiable RL task. Implementations must be pure and deterministic.
+
+    ``version`` (a string) and ``digest()`` (hex) are optional; see :func:`task_identity`.
+    """
 
     name: str
-    """Stable identifier; part of the prompt seed (``"digits/1"``)."""
+    """Stable identifier carried by rollout batches; part of the prompt seed (``"digits/1"``)."""
 
-    def prompts_for(self, peer_id: str, step: int, n: int) -> list[str]:
+    def prompts_for(self, peer_id: str, step: int, n: int) -> Sequence[str | Prompt]:
         """The ``n`` prompts assigned to ``peer_id`` at policy step ``step``."""
         ...
 
-    def reward(self, completion_ids: Sequence[int], tokenizer: PreTrainedTokenizerFast) -> float:
-        """Score one completion (token ids, as sampled) in ``[0, 1]``."""
+    def reward(
+        self,
+        completion_ids: Sequence[int],
+        tokenizer: PreTrainedTokenizerFast,
+        prompt: Prompt | None = None,
+    ) -> float:
+        """Score one completion (token ids, as sampled) of ``prompt`` in ``[0, 1]``."""
         ...
 
 
@@ -70,10 +133,6 @@ class DigitTask:
     name = "digits/1"
     family = "digits"
     version = 1
-
-    def data_digest(self) -> str:
-        """The task's data digest for the run card: :func:`task_data_digest` of this task."""
-        return task_data_digest()
 
     def prompts_for(self, peer_id: str, step: int, n: int) -> list[str]:
         """Deterministic prompts for ``(peer_id, step)``.
@@ -99,13 +158,23 @@ class DigitTask:
             prompts.append(f"{verb} {rng.randrange(10)} {noun}, then {rng.randrange(10)}:")
         return prompts
 
-    def reward(self, completion_ids: Sequence[int], tokenizer: PreTrainedTokenizerFast) -> float:
+    def digest(self) -> str:
+        """The task's data digest for the run card: :func:`task_data_digest`."""
+        return task_data_digest()
+
+    def reward(
+        self,
+        completion_ids: Sequence[int],
+        tokenizer: PreTrainedTokenizerFast,
+        prompt: Prompt | None = None,
+    ) -> float:
         """Share of digit tokens in a completion, a trailing ``eos`` excluded.
 
         Args:
             completion_ids: sampled token ids (ids the tokenizer cannot decode count as
                 non-digits).
             tokenizer: gives the ids of ``"0"``..``"9"`` and of ``eos``.
+            prompt: unused (the reward does not depend on the prompt).
 
         Returns:
             ``digits / tokens`` in ``[0, 1]``; 0.0 for an empty completion.
@@ -146,7 +215,7 @@ def task_data_digest() -> str:
     return blake3.blake3(canonical.encode()).hexdigest()
 
 
-DEFAULT_TASK: Task = DigitTask()
+DEFAULT_TASK = DigitTask()
 
 
 def prompts_for(peer_id: str, step: int, n: int) -> list[str]:
@@ -157,3 +226,138 @@ def prompts_for(peer_id: str, step: int, n: int) -> list[str]:
 def reward(completion_ids: Sequence[int], tokenizer: PreTrainedTokenizerFast) -> float:
     """:meth:`DigitTask.reward` of the default task."""
     return DEFAULT_TASK.reward(completion_ids, tokenizer)
+
+
+def as_prompt(item: str | Prompt) -> Prompt:
+    """A task's prompt item as a :class:`Prompt` (a string is a plain-text prompt).
+
+    Raises:
+        LocalProtocolError: neither a string nor a Prompt.
+    """
+    if isinstance(item, Prompt):
+        return item
+    if isinstance(item, str):
+        return Prompt(text=item)
+    raise LocalProtocolError(f"a task prompt must be str or Prompt, got {type(item).__name__}")
+
+
+def task_prompts(task: Task, peer_id: str, step: int, n: int) -> list[Prompt]:
+    """``task.prompts_for(peer_id, step, n)`` as exactly ``n`` :class:`Prompt` objects.
+
+    Raises:
+        LocalProtocolError: the task returned the wrong number or kind of prompts.
+    """
+    items = list(task.prompts_for(peer_id, step, n))
+    if len(items) != n:
+        raise LocalProtocolError(f"task {task.name} returned {len(items)} prompts, asked {n}")
+    return [as_prompt(p) for p in items]
+
+
+def encode_prompt(prompt: Prompt, tokenizer: Any) -> list[int]:
+    """Token ids of ``prompt`` with ``tokenizer`` (see module docstring).
+
+    Raises:
+        LocalProtocolError: chat messages but the tokenizer has no chat template, or an
+            empty encoding.
+    """
+    if prompt.messages and (getattr(tokenizer, "chat_template", None) or not prompt.text):
+        if not getattr(tokenizer, "chat_template", None):
+            raise LocalProtocolError("a chat prompt needs a tokenizer with a chat template")
+        text = tokenizer.apply_chat_template(
+            [{"role": r, "content": c} for r, c in prompt.messages],
+            add_generation_prompt=True,
+            tokenize=False,
+        )
+        ids = list(tokenizer(str(text), add_special_tokens=False)["input_ids"])
+    else:
+        ids = list(tokenizer(prompt.text)["input_ids"])
+    if not ids:
+        raise LocalProtocolError(f"prompt {prompt.text[:40]!r} encodes to no tokens")
+    return [int(i) for i in ids]
+
+
+def task_identity(task: Task) -> tuple[str, str, str]:
+    """``(name, version, digest)`` of a task, for the run card.
+
+    ``version`` is ``task.version`` (``"0"`` if absent). ``digest`` is ``task.digest()`` when
+    the task has one (a dataset: SHA-256 of the file's bytes and of the reward spec), else the
+    SHA-256 of the source file of the task's class, so a validator with other code is told
+    apart.
+    """
+    version = str(getattr(task, "version", "0"))
+    digest_fn = getattr(task, "digest", None)
+    if callable(digest_fn):
+        return task.name, version, str(digest_fn())
+    try:
+        source = Path(inspect.getfile(type(task))).read_bytes()
+    except (OSError, TypeError):
+        source = type(task).__qualname__.encode()
+    return task.name, version, hashlib.sha256(source).hexdigest()
+
+
+def load_task(spec: str, reward_spec: str = "exact", field: str = "task") -> Task:
+    """The task a spec names: ``digits``, a ``.jsonl``/``.parquet`` file, or ``pkg.mod:Name``.
+
+    The task is tried once (``prompts_for("check", 0, 2)``) so that a broken entry point fails
+    here, before the run starts.
+
+    Args:
+        spec: the ``task`` setting.
+        reward_spec: the ``task_reward`` setting (dataset tasks only; see
+            :mod:`rollout.rewards`).
+        field: the setting named in errors.
+
+    Raises:
+        ConfigError: on ``field``: an unknown built-in, a dataset file with a malformed row
+            (naming file and row), an entry point that cannot be imported, raises, or does not
+            implement :class:`Task` (naming the object).
+    """
+    if spec in ("digits", DigitTask.name):
+        return DEFAULT_TASK
+    suffix = Path(spec).suffix.lower()
+    if suffix in (".jsonl", ".parquet"):
+        from rollout.dataset_task import DatasetTask
+
+        return DatasetTask.load(Path(spec), reward_spec, field=field)
+    if ":" in spec and "/" not in spec:
+        return _entry_point(spec, field)
+    raise ConfigError(
+        field, f"{spec!r} is not digits, a .jsonl/.parquet file or a package.module:Task"
+    )
+
+
+def _entry_point(spec: str, field: str) -> Task:
+    module_name, _, attr = spec.partition(":")
+    try:
+        obj: Any = importlib.import_module(module_name)
+        for part in attr.split("."):
+            obj = getattr(obj, part)
+        task = obj() if inspect.isclass(obj) else obj
+    except Exception as exc:  # any error in user code is the operator's to fix: one line
+        raise ConfigError(field, f"{spec}: {type(exc).__name__}: {_line(exc)}") from None
+    missing = [m for m in ("name", "prompts_for", "reward") if not hasattr(task, m)]
+    if missing or not isinstance(getattr(task, "name", None), str):
+        raise ConfigError(field, f"{spec}: not a Task (lacks {missing or ['str name']})")
+    try:
+        task_prompts(cast(Task, task), "check", 0, 2)
+    except Exception as exc:  # user code: report it as one line naming the object
+        raise ConfigError(
+            field, f"{spec}.prompts_for raised {type(exc).__name__}: {_line(exc)}"
+        ) from None
+    return cast(Task, task)
+
+
+def _line(exc: BaseException) -> str:
+    return " ".join(str(exc).split())[:300]
+
+
+def task_spec(task: Task) -> tuple[str, int, str]:
+    """``(name, version, digest)`` of ``task`` as the run card names it.
+
+    ``name`` is the task's family (``digits``; a dataset task's ``<stem>@<digest>``), without
+    the version that :attr:`Task.name` may carry; ``version`` is an integer >= 1;
+    ``digest`` is :func:`task_identity`'s.
+    """
+    name, version, digest = task_identity(task)
+    family = str(getattr(task, "family", name))
+    return family, max(1, int(version)) if version.isdigit() else 1, digest

@@ -68,8 +68,17 @@ class PolicyOracle(Protocol):
         """Token ids of the ``n`` prompts the task assigns to ``submitter`` at ``step``."""
         ...
 
-    def reward(self, completion_ids: Sequence[int]) -> float:
-        """The task's reward of one completion."""
+    def reward(
+        self,
+        completion_ids: Sequence[int],
+        *,
+        submitter: str,
+        step: int,
+        prompt_index: int,
+        n_prompts: int,
+    ) -> float:
+        """The task's reward of one completion of prompt ``prompt_index`` of the ``n_prompts``
+        the task assigns to ``submitter`` at ``step``."""
         ...
 
     def prefill_group(
@@ -360,7 +369,13 @@ def _check_termination(v: Validator, b: RolloutBatch, _step: int) -> None:
 def _check_rewards(v: Validator, b: RolloutBatch, _step: int) -> None:
     for g in b.groups:
         for s in g.samples:
-            r = v.oracle.reward(s.completion_ids)
+            r = v.oracle.reward(
+                s.completion_ids,
+                submitter=b.submitter,
+                step=b.policy_step,
+                prompt_index=g.prompt_index,
+                n_prompts=v.config.n_prompts,
+            )
             if abs(r - s.reward) > v.config.reward_tolerance:
                 raise Reject("reward", f"reported reward {s.reward:.4f}, recomputed {r:.4f}")
 

@@ -57,7 +57,7 @@ from shardcast.messages import (
 from shardcast.metrics import CONTENT_TYPE, NodeMetrics
 from shardcast.nodestatus import node_status_json
 from shardcast.runcard import MAX_CARD_BYTES, SignedRunCard
-from shardcast.serve import VersionServer
+from shardcast.serve import HOLD_HEADER, VersionServer
 from shardcast.store import VersionStore
 
 log = logging.getLogger(__name__)
@@ -191,7 +191,11 @@ class ShardcastNode:
             async with (
                 P2PNode.open(identity, config.host) as p2p,
                 open_http_server(handle, config.http) as http,
-                HttpClient(sign=RequestSigner(identity, time.time)) as client,
+                HttpClient(
+                    sign=RequestSigner(identity, time.time),
+                    # ask upstream nodes to hold requests for shards they are still verifying
+                    headers={HOLD_HEADER: f"{config.serve_wait_s:g}"},
+                ) as client,
             ):
                 node = cls(identity, trust, config, p2p, http, client, store, server, metrics)
                 node.card = stored_card

@@ -79,6 +79,8 @@ MAX_CARD_BYTES = 16 * 1024
 CARD_FILE = "runcard.json"
 MAX_ENGINES = 8
 _TOKEN_RE = re.compile(r"^[a-z][a-z0-9_]{0,31}$")
+# task names: a built-in (``digits``), a dataset (``<stem>@<digest prefix>``) or an entry point
+_TASK_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.@:-]{0,95}$")
 _DTYPES = ("bf16", "fp16", "fp32")
 _BODY_KEYS = frozenset(
     {
@@ -332,7 +334,7 @@ def _check_body(obj: Any, source: str) -> None:
     if not isinstance(trainer, str) or not 8 <= len(trainer) <= 128 or not trainer.isalnum():
         raise _fail(source, "trainer", f"{trainer!r} is not a PeerID")
     task = _obj(obj, "task", {"name", "version", "digest"}, source)
-    if not isinstance(task["name"], str) or not _TOKEN_RE.match(task["name"]):
+    if not isinstance(task["name"], str) or not _TASK_RE.match(task["name"]):
         raise _fail(source, "task.name", f"{task['name']!r} is not a task name")
     _int(task, "version", 1, 1 << 31, source, "task.")
     if not isinstance(task["digest"], str) or not DIGEST_RE.match(task["digest"]):

@@ -16,10 +16,24 @@ Theory of operation
 A *live* version is one whose bytes are still arriving: a download (a relay or peer
 registers its :class:`~shardcast.store.PartialVersion` as soon as the manifest header is
 verified) or the origin's own version while it is still being hashed. A request for a part,
-a range or a blob that is not verified yet waits (up to ``wait_s``) for progress, then gets
-``503`` with ``Retry-After``; so downstream nodes can ask for shard *i* before this node has it
-and receive it the moment it is verified — pipelining without polling. Unverified bytes are
-never served, so the lane needs no trust.
+a range or a blob that is not verified yet is answered at once with ``503``, ``Retry-After``
+and ``Cache-Control: no-store`` — what an HTTP cache or a plain client understands. A shardnet
+downloader may instead ask to be held (request header ``X-Shardnet-Hold-S: <seconds>``, sent by
+every node's HTTP client, :data:`HOLD_HEADER`): the request then waits, up to the smaller of
+that and ``wait_s``, for the shard to be verified, and receives it the moment it is — so
+downstream nodes pipeline from a live relay without polling. Holding is opt-in rather than
+tied to an authenticated identity because it grants nothing but a delayed answer (the wait is
+bounded and a held request costs one parked connection, which the server bounds anyway).
+Unverified bytes are never served, so the lane needs no trust.
+
+Cache semantics. A version is immutable and content-addressed, so every answer with content
+has a strong ``ETag`` taken from the signed manifest: a file's signed whole-file digest, an
+encoded blob's signed digest, the manifest digest for the manifest document and its parts.
+Committed content also has ``Last-Modified`` (when this node committed the version) and
+``Cache-Control: public, max-age=31536000, immutable``; content of a live version is
+``no-cache`` (its bytes are final, but the manifest document grows); lists (``versions``,
+``have``) are ``no-store``. ``If-Range`` and ``If-None-Match`` are honoured, ``Range`` is decided
+as nginx decides it (:func:`p2p.http_range.choose_range`), JSON is ``application/json``.
 
 Origin super-seeding (``serve_once_s``): the origin answers a shard's bytes to the first
 requester only; another requester within ``serve_once_s`` gets ``429`` (with ``Retry-After``,
@@ -39,6 +53,7 @@ deletes a file under a reader.
 from __future__ import annotations
 
 import dataclasses
+import email.utils
 import json
 import logging
 import re
@@ -49,7 +64,7 @@ from typing import Protocol
 
 import trio
 
-from p2p.http_range import resolve_range
+from p2p.http_range import UnsatisfiableRange, choose_range, if_range_holds
 from p2p.http_server import FileSlice, HttpRequest, HttpResponse, file_response
 from p2p.identity import Identity
 from p2p.trust import TrustList
@@ -61,12 +76,16 @@ from shardcast.lane_auth import (
     sign_whoami,
     verify_request,
 )
-from shardcast.manifest import Manifest
+from shardcast.manifest import MANIFEST_FILE, Manifest
 from shardcast.policy import SuperSeeding
 from shardcast.store import VersionStore
 
 log = logging.getLogger(__name__)
 
+HOLD_HEADER = "x-shardnet-hold-s"
+"""Request header: how long (seconds) the client accepts to be held for unverified content."""
+IMMUTABLE = "public, max-age=31536000, immutable"
+_JSON = "application/json"
 _ROUTE = re.compile(
     r"^/shardnet/v1/(?P<run>[^/]+)/(?P<step>\d{1,18})/(?:(?P<kind>manifest|have)"
     r"|manifest/part/(?P<part>\d{1,9})|files/(?P<name>[^/]+)"
@@ -184,9 +203,11 @@ class VersionServer:
         live = self._live.get(step)
         return self.store.has(step) if live is None else live.version.has(index)
 
-    async def _wait(self, step: int, ready: object) -> bool:
-        """Wait until ``ready()`` or ``wait_s``; False on timeout or if the version vanished."""
-        deadline = trio.current_time() + self.wait_s
+    async def _wait(self, req: HttpRequest, step: int, ready: object) -> bool:
+        """Wait until ``ready()``, for as long as the request asked to be held (at most
+        ``wait_s``; not at all without :data:`HOLD_HEADER`). False on timeout or if the version
+        vanished."""
+        deadline = trio.current_time() + _hold_s(req, self.wait_s)
         while not ready():  # type: ignore[operator]
             live = self._live.get(step)
             if live is None:
@@ -216,7 +237,7 @@ class VersionServer:
             body = json.dumps(
                 {"committed": self.store.committed_steps(), "in_progress": self.in_progress()}
             ).encode()
-            return HttpResponse(200, [("content-type", "application/json")], body)
+            return HttpResponse(200, [("content-type", _JSON), _NO_STORE], body)
         mr = _ROUTE.match(req.path)
         if not mr or mr["run"] != self.store.run_id:
             return HttpResponse(404)
@@ -225,21 +246,46 @@ class VersionServer:
         if m is None:
             return HttpResponse(404)
         if mr["kind"] == "manifest":
-            return HttpResponse(200, [("content-type", "application/json")], m.encode())
+            if step in self._live or not m.complete:
+                return HttpResponse(200, [("content-type", _JSON), _NO_CACHE], m.encode())
+            return self._document(req, step, m.encode(), f'"{m.digest}"')
         if mr["kind"] == "have":
             return HttpResponse(
-                200, [("content-type", "application/octet-stream")], self._have_bits(step, m)
+                200,
+                [("content-type", "application/octet-stream"), _NO_STORE],
+                self._have_bits(step, m),
             )
         if mr["part"] is not None:
             k = int(mr["part"])
             if k >= m.header.n_parts:
                 return HttpResponse(404)
-            if not await self._wait(step, lambda: k in m.parts):
+            if not await self._wait(req, step, lambda: k in m.parts):
                 return _retry()
-            return HttpResponse(200, [("content-type", "application/json")], m.parts[k].encode())
+            return self._document(req, step, m.parts[k].encode(), f'"{m.digest}.p{k}"')
         if mr["shard"] is not None:
             return await self._blob(req, step, m, int(mr["shard"]), mr["enc"])
         return await self._file(req, step, m, mr["name"] or "")
+
+    def _validators(self, step: int) -> tuple[str | None, list[tuple[str, str]]]:
+        """``(Last-Modified, cache headers)`` of version ``step`` as served now."""
+        if step in self._live:
+            return None, [_NO_CACHE]
+        try:
+            mtime = (self.store.version_dir(step) / MANIFEST_FILE).stat().st_mtime
+        except OSError:
+            return None, [_NO_CACHE]
+        return email.utils.formatdate(mtime, usegmt=True), [("cache-control", IMMUTABLE)]
+
+    def _document(self, req: HttpRequest, step: int, body: bytes, etag: str) -> HttpResponse:
+        """A small immutable JSON document (a complete manifest or a part) with validators."""
+        last_modified, cache = self._validators(step)
+        headers = [("content-type", _JSON), ("etag", etag), *cache]
+        if last_modified is not None:
+            headers.append(("last-modified", last_modified))
+        inm = req.headers.get("if-none-match", "")
+        if etag in (t.strip() for t in inm.split(",")) or inm.strip() == "*":
+            return HttpResponse(304, [h for h in headers if h[0] != "content-type"])
+        return HttpResponse(200, headers, body)
 
     def _have_bits(self, step: int, m: Manifest) -> bytes:
         n = len(m.header.shards)
@@ -269,21 +315,28 @@ class VersionServer:
             entry = m.header.file(name)
         except KeyError:
             return HttpResponse(404)
+        digest = m.file_digest(name)
+        etag = f'"{digest}"' if digest is not None else f'"{m.digest}.{name}"'
+        last_modified, cache = self._validators(step)
         first, last = 0, entry.size - 1
-        if req.range is not None and "if-range" not in req.headers and entry.size:
-            try:
-                first, length = resolve_range(req.range, entry.size)
-                last = first + length - 1
-            except ValueError:
-                return file_response(req, self.store.version_dir(step) / name, entry.size)
-        if entry.size:
+        value = req.headers.get("range")
+        if value is not None and "if-range" in req.headers:
+            if not if_range_holds(req.headers["if-range"], etag, last_modified):
+                value = None
+        try:
+            chosen = choose_range(value, entry.size)
+        except UnsatisfiableRange:
+            chosen = (0, 0)  # file_response answers 416 without touching any shard
+        if chosen is not None:
+            first, last = chosen[0], chosen[0] + chosen[1] - 1
+        if entry.size and last >= first:
             base = m.header.first_shard(name)
             shards = range(
                 base + first // m.header.shard_size, base + last // m.header.shard_size + 1
             )
         else:
             shards = range(0)
-        if not await self._wait(step, lambda: all(self._has(step, i) for i in shards)):
+        if not await self._wait(req, step, lambda: all(self._has(step, i) for i in shards)):
             return _retry()
         if self._refuse_repeat(req, step, m, shards):
             return _refused()
@@ -296,6 +349,10 @@ class VersionServer:
             entry.size,
             live.version.dir / name if live is not None else committed,
             committed,
+            etag=etag,
+            last_modified=last_modified,
+            headers=cache,
+            content_type=_JSON if name.endswith(".json") else "application/octet-stream",
         )
 
     async def _blob(
@@ -303,7 +360,7 @@ class VersionServer:
     ) -> HttpResponse:
         if index >= len(m.header.shards):
             return HttpResponse(404)
-        if not await self._wait(step, lambda: m.known(index) and self._has(step, index)):
+        if not await self._wait(req, step, lambda: m.known(index) and self._has(step, index)):
             return _retry()
         offered = m.shard(index).offered(encoding)
         if offered is None:
@@ -315,14 +372,44 @@ class VersionServer:
             return HttpResponse(404)  # this node did not keep that encoding
         if self._refuse_repeat(req, step, m, range(index, index + 1)):
             return _refused()
-        return self._slice(req, step, encoding, offered.size, primary, committed)
+        last_modified, cache = self._validators(step)
+        return self._slice(
+            req,
+            step,
+            encoding,
+            offered.size,
+            primary,
+            committed,
+            etag=f'"{offered.digest}"',
+            last_modified=last_modified,
+            headers=cache,
+        )
 
     def _slice(
-        self, req: HttpRequest, step: int, codec: str, size: int, primary: Path, committed: Path
+        self,
+        req: HttpRequest,
+        step: int,
+        codec: str,
+        size: int,
+        primary: Path,
+        committed: Path,
+        *,
+        etag: str,
+        last_modified: str | None,
+        headers: list[tuple[str, str]],
+        content_type: str = "application/octet-stream",
     ) -> HttpResponse:
         """A (ranged) file response for ``primary``, falling back to the committed path if the
         live directory was renamed meanwhile, with the step pinned until it is sent."""
-        resp = file_response(req, primary, size)
+        resp = file_response(
+            req,
+            primary,
+            size,
+            content_type=content_type,
+            headers=headers,
+            etag=etag,
+            last_modified=last_modified,
+        )
         if not isinstance(resp.body, FileSlice):
             return resp
         pin = self.store.pinned(step)
@@ -340,8 +427,21 @@ class VersionServer:
         return dataclasses.replace(resp, body=body)
 
 
+_NO_STORE = ("cache-control", "no-store")
+_NO_CACHE = ("cache-control", "no-cache")
+
+
 def _retry() -> HttpResponse:
-    return HttpResponse(503, [("retry-after", "1")])
+    return HttpResponse(503, [("retry-after", "1"), _NO_STORE])
+
+
+def _hold_s(req: HttpRequest, limit_s: float) -> float:
+    """How long the request may be held: its :data:`HOLD_HEADER` capped at ``limit_s``."""
+    try:
+        asked = float(req.headers.get(HOLD_HEADER, "0"))
+    except ValueError:
+        return 0.0
+    return max(0.0, min(asked, limit_s)) if asked == asked else 0.0
 
 
 def _refused() -> HttpResponse:

@@ -279,6 +279,38 @@ def _check_peer_ids(ids: list[str], option: str) -> list[str]:
     return ids
 
 
+def _task_field() -> Any:
+    return Field(
+        "digits",
+        description="the task: digits (built-in demo), a dataset file (.jsonl or .parquet: "
+        "prompt or messages, answer), or an entry point package.module:Task",
+        examples=["digits", "shardnet/tasks/arithmetic.jsonl"],
+    )
+
+
+def _task_reward_field() -> Any:
+    return Field(
+        "exact",
+        description="reward of a dataset task: exact, numeric[:TOLERANCE], regex:PATTERN or boxed",
+    )
+
+
+def _check_task_reward(v: str) -> str:
+    from rollout.rewards import parse_reward
+
+    parse_reward(v)
+    return v
+
+
+def _preflight_task(task: str, task_reward: str) -> None:
+    """Load the task once so a bad dataset row or entry point stops the start (one line)."""
+    if task == "digits":
+        return  # built in: nothing to read (and no need to import transformers here)
+    from rollout.task import load_task
+
+    load_task(task, task_reward)
+
+
 class FollowerSettings(CommonSettings):
     """Settings of roles that download versions (relay, peer)."""
 
@@ -362,11 +394,23 @@ class PeerSettings(FollowerSettings):
         "the run card's first engine this machine can run",
     )
     trainer_addr: list[str] = Field([], description="trainer multiaddrs (say hello at start)")
+    task: str = _task_field()
+    task_reward: str = _task_reward_field()
 
     @field_validator("bootstrap", "trainer_addr")
     @classmethod
     def _dialable(cls, v: list[str], info: ValidationInfo) -> list[str]:
         return _check_dialable(v, str(info.field_name))
+
+    @field_validator("task_reward")
+    @classmethod
+    def _reward(cls, v: str) -> str:
+        return _check_task_reward(v)
+
+    def preflight(self) -> None:
+        """Common checks, then the task loads (see :meth:`CommonSettings.preflight`)."""
+        super().preflight()
+        _preflight_task(self.task, self.task_reward)
 
 
 class PublishSettings(CommonSettings):
@@ -417,6 +461,19 @@ class PublishSettings(CommonSettings):
         """The ``engines`` field, parsed."""
         return tuple(EngineSpec.parse(e) for e in self.engines)
 
+    task: str = _task_field()
+    task_reward: str = _task_reward_field()
+
+    @field_validator("task_reward")
+    @classmethod
+    def _reward(cls, v: str) -> str:
+        return _check_task_reward(v)
+
+    def preflight(self) -> None:
+        """Common checks, then the task loads (one line naming the file and row)."""
+        super().preflight()
+        _preflight_task(self.task, self.task_reward)
+
     def origin_config(self) -> OriginConfig:
         """How versions are published."""
         return OriginConfig(
@@ -433,7 +490,12 @@ class TrainerSettings(PublishSettings):
 
     role: ClassVar[str] = "trainer"
     steps: int = Field(10, ge=0, description="optimizer steps (versions 1..steps)")
-    preset: str = Field("tiny", description="model preset: tiny or real-1b")
+    model: Path | None = Field(
+        None,
+        description="Hugging Face model directory to train (config.json, safetensors, "
+        "tokenizer.json; any causal-LM architecture); unset: the preset",
+    )
+    preset: str = Field("tiny", description="model preset when --model is unset: tiny or real-1b")
     seed: int = Field(0, description="model init seed")
     lr: float = Field(3e-3, gt=0, description="learning rate")
     optimizer: str = Field("adamw", description="adamw or sgd (sgd: no optimizer state)")
@@ -457,6 +519,14 @@ class TrainerSettings(PublishSettings):
     @classmethod
     def _peer_ids(cls, v: list[str], info: ValidationInfo) -> list[str]:
         return _check_peer_ids(v, str(info.field_name))
+
+    def preflight(self) -> None:
+        """Publisher checks, then the model directory (one line naming the file)."""
+        super().preflight()
+        if self.model is not None:
+            from rollout.model_dir import check_model_dir
+
+            check_model_dir(self.model, "model")
 
 
 def load_settings(cls: type[S], config_file: Path | None, overrides: dict[str, Any]) -> S:

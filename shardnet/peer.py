@@ -34,7 +34,8 @@ from p2p.trust import TrustList
 from rollout.batch import Forgery, SamplingConfig, build_batch
 from rollout.engine import Engine, TransformersEngine
 from rollout.exchange import RolloutSender, SenderConfig, report_status
-from rollout.task import DEFAULT_TASK, Task, task_data_digest
+from rollout.model_dir import load_tokenizer
+from rollout.task import Task, load_task, task_spec
 from shardcast.follower import FollowConfig, Follower, VersionRecord
 from shardcast.manifest import Manifest
 from shardcast.node import NodeConfig, ShardcastNode
@@ -70,6 +71,7 @@ class PeerConfig:
         max_versions: stop generating after this many versions (None: run forever).
         trainer_addrs: multiaddrs of the trainer, to say hello before any version exists
             (otherwise learnt from the first announcement).
+        task, task_reward: the run's task spec and dataset reward (``rollout.task.load_task``).
     """
 
     node: NodeConfig
@@ -80,6 +82,8 @@ class PeerConfig:
     exchange: SenderConfig = field(default_factory=SenderConfig)
     max_versions: int | None = None
     trainer_addrs: tuple[str, ...] = ()
+    task: str = "digits"
+    task_reward: str = "exact"
 
 
 @dataclass
@@ -122,7 +126,7 @@ class InferencePeer:
         self.engine = engine or TransformersEngine()
         self.forgery = forgery
         self.progress = progress
-        self.task = DEFAULT_TASK
+        self.task = load_task(config.task, config.task_reward)
         self.records: list[PeerRecord] = []
         self.node: ShardcastNode | None = None
         self.sender: RolloutSender | None = None
@@ -218,9 +222,6 @@ class InferencePeer:
     async def _generate_loop(self, nursery: trio.Nursery) -> None:
         assert self.node is not None
         assert self.sender is not None
-        from rollout.model import build_tokenizer
-
-        tokenizer = build_tokenizer()
         done_step = -1
         generated = 0
         while self.config.max_versions is None or generated < self.config.max_versions:
@@ -241,6 +242,7 @@ class InferencePeer:
                             f"card v{card.version}"
                         )
                     await trio.to_thread.run_sync(self.engine.load, path)
+                    tokenizer = await trio.to_thread.run_sync(load_tokenizer, path)
                 batch = await trio.to_thread.run_sync(
                     functools.partial(
                         build_batch,
@@ -318,12 +320,14 @@ def check_followable(card: RunCard, task: Task, engine: EngineSpec) -> None:
             ``task``).
         UnsupportedEngine: ``engine`` is not among the card's engines (field ``engine``).
     """
-    if card.task.id != task.name or card.task.digest != task_data_digest():
+    name, version, digest = task_spec(task)
+    if (card.task.name, card.task.version, card.task.digest) != (name, version, digest):
         raise ConfigError(
             "task",
             f"run card v{card.card_version} asks for task {card.task.id} "
-            f"(data {card.task.digest[:16]}); this peer has {task.name} "
-            f"(data {task_data_digest()[:16]}): upgrade shardnet",
+            f"(data {card.task.digest[:16]}); this peer has {name}/{version} "
+            f"(data {digest[:16]}): give the run's task with --task (and --task-reward), "
+            "or upgrade shardnet",
         )
     if engine not in card.engines:
         raise UnsupportedEngine(

@@ -27,7 +27,7 @@ import trio
 
 from p2p.errors import ConfigError
 from p2p.identity import Identity
-from rollout.task import DEFAULT_TASK
+from rollout.task import load_task, task_spec
 from shardcast.cardsync import bootstrap_card, check_data_dir
 from shardcast.runcard import (
     RunCard,
@@ -116,7 +116,10 @@ async def run_trainer(s: TrainerSettings) -> int:
     cfg = TrainerConfig(
         node=dataclasses.replace(s.node_config(), serve_once_s=s.serve_once_s),
         steps=s.steps,
+        model=s.model,
         preset=s.preset,
+        task=s.task,
+        task_reward=s.task_reward,
         seed=s.seed,
         lr=s.lr,
         optimizer=s.optimizer,
@@ -223,7 +226,7 @@ async def run_peer(s: PeerSettings) -> int:
     identity = s.identity()
     card = await join_card(s, identity, tuple(s.bootstrap))
     spec = choose_engine(card.card, local_engines(), s.engine)
-    check_followable(card.card, DEFAULT_TASK, spec)
+    check_followable(card.card, load_task(s.task, s.task_reward), spec)
     engine = make_engine(spec.family)
     cfg = PeerConfig(
         node=s.node_config(card.card.run_id),
@@ -232,6 +235,8 @@ async def run_peer(s: PeerSettings) -> int:
         card=card,
         max_versions=s.max_versions,
         trainer_addrs=tuple(s.trainer_addr),
+        task=s.task,
+        task_reward=s.task_reward,
     )
     with DownloadProgress() as progress:
         peer = InferencePeer(identity, s.trust(), cfg, engine=engine, progress=progress)
@@ -393,8 +398,6 @@ def origin_card_rules(s: OriginSettings, trainer: str, version_dir: Path) -> Run
     Raises:
         ConfigError: ``config.json`` is missing or not a JSON object (field ``watch``).
     """
-    from rollout.task import DigitTask, task_data_digest
-
     path = version_dir / "config.json"
     try:
         config = json.loads(path.read_text())
@@ -406,7 +409,7 @@ def origin_card_rules(s: OriginSettings, trainer: str, version_dir: Path) -> Run
         card_version=1,
         run_id=s.run(),
         trainer=trainer,
-        task=TaskSpec(DigitTask.family, DigitTask.version, task_data_digest()),
+        task=TaskSpec(*task_spec(load_task(s.task, s.task_reward))),
         sampling=SamplingRules(s.n_prompts, s.group_size, s.max_new_tokens, s.temperature),
         engines=s.engine_specs(),
         async_level=s.async_level,

@@ -22,6 +22,9 @@ from __future__ import annotations
 
 import copy
 import json
+import os
+import shutil
+import tempfile
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -31,9 +34,21 @@ from safetensors.torch import save_file
 from transformers import PreTrainedTokenizerFast
 
 from p2p.errors import LocalProtocolError
-from rollout.model import CONFIG_NAME, INDEX_NAME, SINGLE_WEIGHTS_NAME, shard_name
+from rollout.model import (
+    CONFIG_NAME,
+    INDEX_NAME,
+    SINGLE_WEIGHTS_NAME,
+    build_model,
+    build_tokenizer,
+    preset_config,
+    shard_name,
+    stored_state,
+)
+from rollout.model_dir import ASSET_NAMES
 
-__all__ = ["config_json", "plan_shards", "save_checkpoint"]
+__all__ = ["config_json", "plan_shards", "save_checkpoint", "write_preset_dir"]
+
+_COMPLETE = ".complete"
 
 
 def plan_shards(sizes: Sequence[tuple[str, int]], max_shard_bytes: int) -> list[list[str]]:
@@ -71,6 +86,7 @@ def save_checkpoint(
     directory: str | Path,
     max_shard_bytes: int,
     dtype: torch.dtype = torch.bfloat16,
+    assets_from: Path | None = None,
 ) -> list[Path]:
     """Write ``model`` (cast to ``dtype``) and ``tokenizer`` as a checkpoint directory.
 
@@ -81,6 +97,9 @@ def save_checkpoint(
             earlier layout would otherwise be mixed in).
         max_shard_bytes: cap on one weight file's tensor bytes (header excluded).
         dtype: published dtype (bf16 for inference peers).
+        assets_from: a model directory whose tokenizer, chat template and generation config
+            (``rollout.model_dir.ASSET_NAMES``) are copied verbatim instead of being written
+            from ``tokenizer`` and the model: every version then carries the same bytes.
 
     Returns:
         Every file written, sorted by name.
@@ -98,7 +117,7 @@ def save_checkpoint(
     directory.mkdir(parents=True, exist_ok=True)
     state = {
         name: tensor.detach().to(device="cpu", dtype=dtype).contiguous()
-        for name, tensor in model.state_dict().items()
+        for name, tensor in stored_state(model).items()
     }
     sizes = [(name, t.numel() * t.element_size()) for name, t in state.items()]
     plan = plan_shards(sizes, max_shard_bytes)
@@ -115,7 +134,12 @@ def save_checkpoint(
         index_path = directory / INDEX_NAME
         index_path.write_text(json.dumps(index, indent=2, sort_keys=True) + "\n")
     _write_configs(model, directory, dtype)
-    tokenizer.save_pretrained(str(directory))
+    if assets_from is None:
+        tokenizer.save_pretrained(str(directory))
+    else:
+        for name in ASSET_NAMES:
+            if (assets_from / name).is_file():
+                shutil.copyfile(assets_from / name, directory / name)
     return sorted(p for p in directory.iterdir() if p.is_file())  # the directory began empty
 
 
@@ -136,3 +160,34 @@ def _write_configs(model: torch.nn.Module, directory: Path, dtype: torch.dtype) 
     if generation_config is not None:
         generation_path = directory / "generation_config.json"
         generation_path.write_text(generation_config.to_json_string(use_diff=True))
+
+
+def write_preset_dir(preset: str, seed: int, directory: str | Path) -> Path:
+    """Write a preset (seeded random fp32 weights, the character tokenizer) as an ordinary
+    model directory, which the trainer then loads like any ``--model PATH``.
+
+    Idempotent: a complete directory (marked by a hidden ``.complete`` file, which the shard
+    plan skips) is reused. Built in a temporary sibling and renamed, so a crash never leaves a
+    half-written directory under ``directory``.
+
+    Returns:
+        ``directory``.
+
+    Raises:
+        ConfigError: unknown preset.
+    """
+    directory = Path(directory)
+    if (directory / _COMPLETE).is_file():
+        return directory
+    preset_config(preset)  # ConfigError before any work
+    directory.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{directory.name}.", dir=directory.parent))
+    try:
+        model = build_model(preset, seed, dtype=torch.float32)
+        save_checkpoint(model, build_tokenizer(), tmp, 1 << 62, dtype=torch.float32)
+        (tmp / _COMPLETE).write_text(json.dumps({"preset": preset, "seed": seed}) + "\n")
+        shutil.rmtree(directory, ignore_errors=True)
+        os.replace(tmp, directory)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return directory

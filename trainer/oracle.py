@@ -1,7 +1,8 @@
 """The trainer's view of the published policy versions, for the rollout validator.
 
 Implements :class:`rollout.verify.PolicyOracle`: the manifest digest of each recent version,
-the prompts the task assigns to a (PeerID, step), the task's reward, and one teacher-forced
+the prompts the task assigns to a (PeerID, step) encoded with that version's own tokenizer
+(read from its checkpoint directory), the task's reward, and one teacher-forced
 forward pass with the *published* bf16 weights of a version (loaded back from the committed
 checkpoint files, so the validator runs exactly the bytes the peers received, not the
 trainer's fp32 master weights).
@@ -25,7 +26,8 @@ from transformers import PreTrainedTokenizerFast
 from p2p.errors import LocalProtocolError
 from rollout.engine import prefill_activations, prefill_activations_group
 from rollout.model import load_model
-from rollout.task import Task
+from rollout.model_dir import TOKENIZER_NAME, load_tokenizer, stop_token_id
+from rollout.task import Prompt, Task, encode_prompt, task_prompts
 
 Bits = npt.NDArray[np.uint16]
 
@@ -34,7 +36,8 @@ class TrainerOracle:
     """Versions, prompts and rewards for validation (see module docstring).
 
     Args:
-        tokenizer: the run's tokenizer.
+        tokenizer: the run's tokenizer, used for steps whose checkpoint is not registered
+            (each registered version's own tokenizer is used for its step).
         task: the run's task.
         keep: how many versions (models) to keep; async_level + 1 suffices.
     """
@@ -44,8 +47,9 @@ class TrainerOracle:
         self.task = task
         self.keep = keep
         self.vocab_size = len(tokenizer)
-        self.eos_id = int(tokenizer.eos_token_id)
+        self.eos_id = stop_token_id(tokenizer)
         self._lock = threading.Lock()
+        self._tokenizers: dict[int, Any] = {}
         self._digests: OrderedDict[int, str] = OrderedDict()
         self._models: OrderedDict[int, Any] = OrderedDict()
         self._dirs: dict[int, Path] = {}
@@ -56,18 +60,27 @@ class TrainerOracle:
         """Register a published version and (with ``preload``) load its model now.
 
         Loading right away, from the caller's thread, keeps model construction (which changes
-        process-wide torch defaults while it runs) out of the validator's worker thread.
+        process-wide torch defaults while it runs) out of the validator's worker thread. The
+        version's own tokenizer is loaded from ``checkpoint_dir`` (the run's tokenizer is used
+        if the directory has none).
+
+        Raises:
+            CheckpointMismatch: the model or the tokenizer cannot be loaded.
         """
         model = load_model(checkpoint_dir) if preload else None
+        has_tokenizer = (Path(checkpoint_dir) / TOKENIZER_NAME).is_file()
+        tokenizer = load_tokenizer(checkpoint_dir) if has_tokenizer else self.tokenizer
         with self._lock:
             self._digests[step] = digest
             self._dirs[step] = checkpoint_dir
+            self._tokenizers[step] = tokenizer
             if model is not None:
                 self._models[step] = model
             while len(self._digests) > self.keep:
                 old, _ = self._digests.popitem(last=False)
                 self._models.pop(old, None)
                 self._dirs.pop(old, None)
+                self._tokenizers.pop(old, None)
 
     def set_vocab_size(self, vocab_size: int) -> None:
         """Use the model's vocabulary size (may exceed the tokenizer's, e.g. padded)."""
@@ -78,16 +91,33 @@ class TrainerOracle:
         with self._lock:
             return self._digests.get(step)
 
+    def tokenizer_for(self, step: int) -> Any:
+        """Version ``step``'s own tokenizer (the run's if that version is not registered)."""
+        with self._lock:
+            return self._tokenizers.get(step, self.tokenizer)
+
+    def prompts(self, submitter: str, step: int, n: int) -> list[Prompt]:
+        """The prompts the task assigns to ``submitter`` at ``step``."""
+        return task_prompts(self.task, submitter, step, n)
+
     def prompt_ids(self, submitter: str, step: int, n: int) -> list[list[int]]:
         """Token ids of the prompts the task assigns to ``submitter`` at ``step``."""
-        return [
-            list(self.tokenizer(text)["input_ids"])
-            for text in self.task.prompts_for(submitter, step, n)
-        ]
+        tokenizer = self.tokenizer_for(step)
+        return [encode_prompt(p, tokenizer) for p in self.prompts(submitter, step, n)]
 
-    def reward(self, completion_ids: Sequence[int]) -> float:
-        """The task's reward of one completion."""
-        return float(self.task.reward(completion_ids, self.tokenizer))
+    def reward(
+        self,
+        completion_ids: Sequence[int],
+        *,
+        submitter: str = "",
+        step: int = -1,
+        prompt_index: int = 0,
+        n_prompts: int = 1,
+    ) -> float:
+        """The task's reward of one completion of prompt ``prompt_index`` of the ``n_prompts``
+        assigned to ``submitter`` at ``step``, with that version's tokenizer."""
+        prompt = self.prompts(submitter, max(step, 0), n_prompts)[prompt_index]
+        return float(self.task.reward(completion_ids, self.tokenizer_for(step), prompt))
 
     def _model(self, step: int) -> Any:
         with self._lock:

@@ -40,9 +40,9 @@ from p2p.errors import ConfigError
 from p2p.identity import Identity
 from p2p.trust import TrustList
 from rollout.inbox import AcceptedBatch, InboxConfig, RolloutInbox
-from rollout.model import build_model, build_tokenizer
+from rollout.model_dir import load_trainable, pad_token_id
 from rollout.reputation import Reputation
-from rollout.task import DEFAULT_TASK, DigitTask, task_data_digest
+from rollout.task import Task, load_task, task_spec
 from rollout.verify import Validator, ValidatorConfig
 from shardcast.node import NodeConfig, ShardcastNode
 from shardcast.origin import Origin, OriginConfig
@@ -55,7 +55,7 @@ from shardcast.runcard import (
     architecture_digest,
     next_card,
 )
-from trainer.checkpoint import config_json, save_checkpoint
+from trainer.checkpoint import config_json, save_checkpoint, write_preset_dir
 from trainer.grpo import DEFAULT_LR, Rollout, collate, group_advantages, make_optimizer, train_step
 from trainer.oracle import TrainerOracle
 
@@ -72,7 +72,12 @@ class TrainerConfig:
     Attributes:
         node: shardcast node settings (role ``trainer``).
         steps: optimizer steps to run (versions 1..steps are published after version 0).
-        preset, seed: the model.
+        model: a Hugging Face model directory (config, safetensors, tokenizer) of any causal
+            LM architecture; None: the ``preset`` written as one under
+            ``<data_dir>/models/<preset>-seed<seed>``.
+        preset, seed: the demo model used when ``model`` is None.
+        task, task_reward: the task spec (``digits``, a dataset file, ``package.module:Task``)
+            and, for a dataset, its reward (see ``rollout.task.load_task``).
         lr: learning rate.
         optimizer: ``adamw`` (default) or ``sgd`` (no optimizer state: for real-size models
             on a small machine, where AdamW's two fp32 moments would not fit).
@@ -92,7 +97,10 @@ class TrainerConfig:
 
     node: NodeConfig
     steps: int = 10
+    model: Path | None = None
     preset: str = "tiny"
+    task: str = "digits"
+    task_reward: str = "exact"
     seed: int = 0
     lr: float = DEFAULT_LR
     optimizer: str = "adamw"
@@ -158,6 +166,7 @@ class Trainer:
         self.trained_samples = 0
         self.trained_verified_samples = 0
         self._rejected_mark: dict[str, int] = {}
+        self.model_dir = config.model
 
     async def run(
         self, *, task_status: TaskStatus[ShardcastNode] = trio.TASK_STATUS_IGNORED
@@ -165,19 +174,22 @@ class Trainer:
         """Run every step, wait for the last broadcast, and return."""
         cfg = self.config
         torch.manual_seed(cfg.seed)
-        tokenizer = build_tokenizer()
-        model = build_model(cfg.preset, cfg.seed, dtype=torch.float32)
+        self.model_dir = cfg.model or write_preset_dir(
+            cfg.preset, cfg.seed, cfg.node.data_dir / "models" / f"{cfg.preset}-seed{cfg.seed}"
+        )
+        model, tokenizer = load_trainable(self.model_dir)
+        task = load_task(cfg.task, cfg.task_reward)
         optimizer = (
             make_optimizer(model, cfg.lr)
             if cfg.optimizer == "adamw"
             else torch.optim.SGD(model.parameters(), lr=cfg.lr)
         )
-        rules = self.card_rules(model)
-        oracle = TrainerOracle(tokenizer, DEFAULT_TASK, keep=cfg.async_level + 1)
+        rules = self.card_rules(model, task)
+        oracle = TrainerOracle(tokenizer, task, keep=cfg.async_level + 1)
         oracle.set_vocab_size(int(cast(Any, model).config.vocab_size))
         vcfg = ValidatorConfig(
             run_id=cfg.node.run_id,
-            task=DEFAULT_TASK.name,
+            task=task.name,
             n_prompts=cfg.n_prompts,
             group_size=cfg.group_size,
             max_new_tokens=cfg.max_new_tokens,
@@ -219,15 +231,15 @@ class Trainer:
             self._close_rejections()
             nursery.cancel_scope.cancel()
 
-    def card_rules(self, model: Any) -> RunCard:
-        """The run card this trainer publishes (version 1, issued now; see
-        :func:`shardcast.runcard.next_card` for versions after a change of rules)."""
+    def card_rules(self, model: Any, task: Task) -> RunCard:
+        """The run card this trainer publishes for ``model`` and ``task`` (version 1, issued
+        now; see :func:`shardcast.runcard.next_card` for versions after a change of rules)."""
         cfg = self.config
         return RunCard(
             card_version=1,
             run_id=cfg.node.run_id,
             trainer=self.identity.peer_id,
-            task=TaskSpec(DigitTask.family, DigitTask.version, task_data_digest()),
+            task=TaskSpec(*task_spec(task)),
             sampling=SamplingRules(
                 cfg.n_prompts, cfg.group_size, cfg.max_new_tokens, cfg.temperature
             ),
@@ -248,7 +260,13 @@ class Trainer:
     ) -> None:
         directory = staging / f"step-{step}"
         await trio.to_thread.run_sync(
-            save_checkpoint, model, tokenizer, directory, self.config.max_shard_bytes
+            lambda: save_checkpoint(
+                model,
+                tokenizer,
+                directory,
+                self.config.max_shard_bytes,
+                assets_from=self.model_dir,
+            )
         )
         result = await origin.publish(directory, step)
         await trio.to_thread.run_sync(
@@ -278,7 +296,18 @@ class Trainer:
         rewards: list[float] = []
         for ab in batches:
             for g in ab.batch.groups:
-                r = torch.tensor([oracle.reward(s.completion_ids) for s in g.samples])
+                r = torch.tensor(
+                    [
+                        oracle.reward(
+                            s.completion_ids,
+                            submitter=ab.batch.submitter,
+                            step=ab.batch.policy_step,
+                            prompt_index=g.prompt_index,
+                            n_prompts=ab.batch.n_prompts,
+                        )
+                        for s in g.samples
+                    ]
+                )
                 rewards.extend(r.tolist())
                 for s, a in zip(g.samples, group_advantages(r), strict=True):
                     rollouts.append(Rollout(g.prompt_ids, s.completion_ids, s.logprobs, float(a)))
@@ -286,7 +315,7 @@ class Trainer:
         self.trained_verified_samples += sum(ab.batch.n_samples for ab in batches)
         out: dict[str, float] = {}
         if rollouts:
-            batch = collate(rollouts, int(tokenizer.pad_token_id), self.config.temperature)
+            batch = collate(rollouts, pad_token_id(tokenizer), self.config.temperature)
             st = await trio.to_thread.run_sync(train_step, model, optimizer, batch)
             out = {
                 "loss": st.loss,

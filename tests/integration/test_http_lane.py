@@ -235,9 +235,11 @@ async def test_raw_range_forms_head_and_416(blob: tuple[Path, bytes]) -> None:
         past_end = await client.get(url, headers={"range": f"bytes={SIZE}-"})
         assert past_end.status_code == 416
         assert past_end.headers["content-range"] == f"bytes */{SIZE}"
-        for ignored in ["bytes=0-1,5-6", "bytes=9-3", "items=0-1"]:
+        for ignored in ["bytes=0-1,5-6", "items=0-1"]:
             whole = await client.get(url, headers={"range": ignored})
             assert (whole.status_code, len(whole.content)) == (200, SIZE)
+        malformed = await client.get(url, headers={"range": "bytes=9-3"})  # nginx: 416
+        assert malformed.status_code == 416
         if_range = await client.get(url, headers={"range": "bytes=0-1", "if-range": '"x"'})
         assert if_range.status_code == 200
 

@@ -38,7 +38,12 @@ def _one_thread() -> Iterator[None]:
 
 
 async def _run_loop(
-    tmp: Path, steps: int, forger: bool = False
+    tmp: Path,
+    steps: int,
+    forger: bool = False,
+    model: Path | None = None,
+    task: str = "digits",
+    task_reward: str = "exact",
 ) -> tuple[Trainer, list[InferencePeer]]:
     trainer_id = Identity.from_seed("loop-trainer")
     names = ["p1", "p2"] + (["forger"] if forger else [])
@@ -49,6 +54,9 @@ async def _run_loop(
     cfg = TrainerConfig(
         node=NodeConfig("trainer", "loop", tmp / "trainer"),
         steps=steps,
+        model=model,
+        task=task,
+        task_reward=task_reward,
         n_prompts=SAMPLING.n_prompts,
         group_size=SAMPLING.group_size,
         max_new_tokens=SAMPLING.max_new_tokens,
@@ -84,6 +92,8 @@ async def _run_loop(
                         follow=FollowConfig(upstreams=(relay,), poll_interval_s=0.2),
                         card=card,
                         trainer_addrs=(taddr,),
+                        task=task,
+                        task_reward=task_reward,
                     ),
                     forgery=forgery,
                 )
@@ -141,6 +151,28 @@ async def test_whole_loop_two_steps(tmp_path: Path) -> None:
     for row in report["steps"][:-1]:
         assert row["rollouts_accepted"] >= 2 * SAMPLING.n_prompts * SAMPLING.group_size
         assert row["mean_reward"] is not None
+
+
+async def test_whole_loop_own_qwen2_model_and_dataset_task(tmp_path: Path) -> None:
+    """--model PATH (Qwen2, trained BPE tokenizer, chat template) and a dataset task: peers
+    and the validator use the checkpoint's tokenizer; every batch verifies."""
+    from rollout.model_dir import TOKENIZER_NAME, load_tokenizer
+    from rollout.tasks.arithmetic import DATASET
+    from tests.byo_models import write_model_dir
+
+    src = write_model_dir(tmp_path / "qwen2", "qwen2")
+    trainer, peers = await _run_loop(
+        tmp_path, steps=1, model=src, task=str(DATASET), task_reward="numeric"
+    )
+    report = trainer.report()
+    assert report["validator"]["rejected_samples"] == {}
+    assert report["trained_samples"] == report["trained_verified_samples"] > 0
+    for peer in peers:
+        assert peer.node is not None
+        path = peer.node.store.version_dir(1)
+        assert (path / TOKENIZER_NAME).read_bytes() == (src / TOKENIZER_NAME).read_bytes()
+        assert len(load_tokenizer(path)) > 128
+        assert all(r.generated for r in peer.records)
 
 
 async def test_forged_rewards_rejected_honest_peers_continue(tmp_path: Path) -> None:

@@ -18,9 +18,11 @@ from p2p.http_range import (
     SuffixRange,
     TokenBucket,
     UnsatisfiableRange,
+    choose_range,
     format_content_range,
     format_range,
     format_unsatisfied_range,
+    if_range_holds,
     parse_content_range,
     parse_range,
     parse_retry_after,
@@ -237,3 +239,46 @@ def test_token_bucket_never_exceeds_rate_plus_burst(
             assert got == min(want, burst)
         granted += got
     assert granted <= burst + rate * now + 1
+
+
+@pytest.mark.parametrize(
+    ("value", "size", "expected"),
+    [
+        (None, 100, None),
+        ("bytes=0-9", 100, (0, 10)),
+        ("bytes=90-200", 100, (90, 10)),
+        ("bytes=-10", 100, (90, 10)),
+        ("bytes=-200", 100, (0, 100)),
+        ("items=0-9", 100, None),  # another unit: ignored
+        ("bytes=", 100, None),  # shorter than "bytes=" + 1: ignored
+        ("BYTES=0-0", 100, (0, 1)),
+        ("bytes=0-1,5-6", 100, None),  # several ranges: ignored (max_ranges 1)
+        ("bytes=200-,300-", 100, "416"),  # several, none satisfiable
+        ("bytes=9-3", 100, "416"),  # malformed: nginx rejects
+        ("bytes=x-", 100, "416"),
+        ("bytes=100-", 100, "416"),
+        ("bytes=-0", 100, "416"),
+        ("bytes=0-", 0, None),  # empty representation, range at 0: ignored
+        ("bytes=-5", 0, None),
+        ("bytes=3-", 0, "416"),
+    ],
+)
+def test_choose_range_matches_nginx(
+    value: str | None, size: int, expected: tuple[int, int] | str | None
+) -> None:
+    if expected == "416":
+        with pytest.raises(UnsatisfiableRange):
+            choose_range(value, size)
+    else:
+        assert choose_range(value, size) == expected
+
+
+def test_if_range_holds() -> None:
+    date = "Tue, 01 Dec 2026 12:00:00 GMT"
+    assert if_range_holds('"abc"', '"abc"', date)
+    assert not if_range_holds('"abd"', '"abc"', date)
+    assert not if_range_holds('W/"abc"', '"abc"', date)
+    assert not if_range_holds('"abc"', None, date)
+    assert if_range_holds(date, '"abc"', date)
+    assert not if_range_holds("Tue, 01 Dec 2026 12:00:01 GMT", '"abc"', date)
+    assert not if_range_holds(date, '"abc"', None)

@@ -89,7 +89,8 @@ async def test_the_origin_lane_believes_signatures_not_claims(tmp_path: Path) ->
     path = f"/shardnet/v1/run/1/files/{m.header.files[0].name}"
 
     async def get(headers: dict[str, str]) -> int:
-        resp = await server.handle(HttpRequest("GET", path, {}, headers, ByteRange(0, 999)))
+        asked = {**headers, "range": "bytes=0-999"}
+        resp = await server.handle(HttpRequest("GET", path, {}, asked, ByteRange(0, 999)))
         if resp.body is not None and hasattr(resp.body, "on_done") and resp.body.on_done:
             resp.body.on_done()
         return resp.status
@@ -97,6 +98,6 @@ async def test_the_origin_lane_believes_signatures_not_claims(tmp_path: Path) ->
     claim = {"x-shardnet-peer": A.peer_id}  # the old unauthenticated header: anonymous now
     assert await get(claim) == 206
     assert await get({AUTH_HEADER: sign_request(B, path, now)}) == 206  # not delayed by it
-    assert await get({AUTH_HEADER: sign_request(A, path, now)}) == 429  # reserved for B (a super-seeding refusal)
+    assert await get({AUTH_HEADER: sign_request(A, path, now)}) == 429  # reserved for B: refused
     report = {AUTH_HEADER: sign_request(A, path, now), FAILED_HEADER: B.peer_id}
     assert await get(report) == 206  # B failed it for A: released

@@ -1,0 +1,1 @@
+"""Datasets shipped with shardnet (see ``arithmetic.py`` for how each is generated)."""
