@@ -33,6 +33,8 @@ import math
 import re
 from dataclasses import dataclass
 
+from p2p.errors import ShardnetError
+
 __all__ = [
     "ByteRange",
     "ContentRange",
@@ -58,8 +60,9 @@ _OWS = " \t"
 _TOKEN_EPSILON = 1e-6
 
 
-class RangeError(ValueError):
-    """Base class of range errors (a ``ValueError``: they describe bad input, not I/O)."""
+class RangeError(ShardnetError, ValueError):
+    """Base class of range errors: a :class:`~p2p.errors.ShardnetError` (the one hierarchy a
+    decoder of untrusted input raises) and a ``ValueError`` (they describe bad input, not I/O)."""
 
 
 class InvalidRange(RangeError):
