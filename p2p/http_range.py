@@ -246,11 +246,11 @@ def parse_retry_after(value: str, *, now_unix_s: float) -> float | None:
         return float(int(value))
     try:
         when = email.utils.parsedate_to_datetime(value)
-    except (TypeError, ValueError):
+        if when.tzinfo is None:
+            return None
+        return max(0.0, when.timestamp() - now_unix_s)
+    except (TypeError, ValueError, OverflowError):  # OverflowError: a day of 10**40
         return None
-    if when.tzinfo is None:
-        return None
-    return max(0.0, when.timestamp() - now_unix_s)
 
 
 class TokenBucket:

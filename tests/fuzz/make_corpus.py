@@ -25,6 +25,8 @@ REGRESSIONS: dict[str, dict[str, bytes]] = {
     "run-card": {"regress-deep-json": b'{"body":' + b"[" * 10_000},
     # urlsplit raised ValueError ("Invalid IPv6 URL") out of the connection task
     "http-request": {"regress-ipv6-target": b"GET //[x HTTP/1.1\r\nhost: a\r\n\r\n"},
+    # parsedate_to_datetime raised OverflowError out of parse_retry_after
+    "http-range": {"regress-huge-day": b"Wed, 2" + b"9" * 40 + b" Oct 2015 07:28:00 GMT"},
 }
 
 

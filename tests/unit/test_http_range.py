@@ -237,3 +237,9 @@ def test_token_bucket_never_exceeds_rate_plus_burst(
             assert got == min(want, burst)
         granted += got
     assert granted <= burst + rate * now + 1
+
+
+def test_retry_after_with_an_absurd_date_is_ignored() -> None:
+    """Regression (found by the decoder fuzzer): OverflowError escaped parse_retry_after."""
+    value = "Wed, 2" + "9" * 40 + " Oct 2015 07:28:00 GMT"
+    assert parse_retry_after(value, now_unix_s=1.7e9) is None
