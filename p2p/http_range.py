@@ -35,6 +35,8 @@ import math
 import re
 from dataclasses import dataclass
 
+from p2p.errors import ShardnetError
+
 __all__ = [
     "ByteRange",
     "ContentRange",
@@ -62,8 +64,9 @@ _OWS = " \t"
 _TOKEN_EPSILON = 1e-6
 
 
-class RangeError(ValueError):
-    """Base class of range errors (a ``ValueError``: they describe bad input, not I/O)."""
+class RangeError(ShardnetError, ValueError):
+    """Base class of range errors: a :class:`~p2p.errors.ShardnetError` (the one hierarchy a
+    decoder of untrusted input raises) and a ``ValueError`` (they describe bad input, not I/O)."""
 
 
 class InvalidRange(RangeError):
@@ -307,11 +310,11 @@ def parse_retry_after(value: str, *, now_unix_s: float) -> float | None:
         return float(int(value))
     try:
         when = email.utils.parsedate_to_datetime(value)
-    except (TypeError, ValueError):
+        if when.tzinfo is None:
+            return None
+        return max(0.0, when.timestamp() - now_unix_s)
+    except (TypeError, ValueError, OverflowError):  # OverflowError: a day of 10**40
         return None
-    if when.tzinfo is None:
-        return None
-    return max(0.0, when.timestamp() - now_unix_s)
 
 
 class TokenBucket:

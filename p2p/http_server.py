@@ -51,7 +51,7 @@ from urllib.parse import parse_qsl, unquote, urlsplit
 import h11
 import trio
 
-from p2p.errors import ConfigError, LocalProtocolError
+from p2p.errors import ConfigError, LocalProtocolError, RemoteProtocolError
 from p2p.http_range import (
     RangeError,
     RangeSpec,
@@ -69,6 +69,7 @@ if TYPE_CHECKING:
     from trio_typing import TaskStatus
 
 __all__ = [
+    "BadRequest",
     "FileSlice",
     "Handler",
     "HttpRequest",
@@ -78,6 +79,7 @@ __all__ = [
     "HttpServerStatistics",
     "file_response",
     "open_http_server",
+    "parse_request_head",
 ]
 
 logger = logging.getLogger(__name__)
@@ -140,6 +142,48 @@ class HttpRequest:
     query: Mapping[str, str]
     headers: Mapping[str, str]
     range: RangeSpec | None
+
+
+class BadRequest(RemoteProtocolError):
+    """A client's request head cannot be parsed or served (answered with ``status``).
+
+    Args:
+        peer: the client (``host:port``).
+        message: what was wrong.
+        status: the HTTP status to answer (400, 414, 431...).
+    """
+
+    def __init__(self, peer: str, message: str, status: int = 400) -> None:
+        super().__init__(peer, message)
+        self.status = status
+
+
+def parse_request_head(
+    data: bytes, *, max_header_bytes: int = 16 * 1024, peer: str = ""
+) -> HttpRequest | None:
+    """Sans-IO parse of the first request head in ``data``, exactly as the server reads it.
+
+    Args:
+        data: bytes received from a client (untrusted).
+        max_header_bytes: the server's bound on an incomplete head.
+        peer: the client, for errors.
+
+    Returns:
+        The request, or ``None`` when ``data`` does not yet hold a whole head.
+
+    Raises:
+        BadRequest: the head is malformed (with h11's status hint), or its target is not a
+            URL the server can split.
+    """
+    conn = h11.Connection(h11.SERVER, max_incomplete_event_size=max_header_bytes)
+    try:
+        conn.receive_data(data)
+        event = conn.next_event()
+    except h11.RemoteProtocolError as exc:
+        raise BadRequest(peer, str(exc), exc.error_status_hint) from None
+    if not isinstance(event, h11.Request):
+        return None
+    return _to_request(event, peer)
 
 
 @dataclass(frozen=True)
@@ -360,7 +404,7 @@ class HttpServer:
                 conn = h11.Connection(
                     h11.SERVER, max_incomplete_event_size=self._config.max_header_bytes
                 )
-                await self._serve_connection(sock, conn)
+                await self._serve_connection(sock, conn, peer)
         except _Abort as exc:
             if exc.kind:
                 self._errors[exc.kind] += 1
@@ -376,7 +420,9 @@ class HttpServer:
             self._open -= 1
             self._slots.release()
 
-    async def _serve_connection(self, sock: trio.socket.SocketType, conn: h11.Connection) -> None:
+    async def _serve_connection(
+        self, sock: trio.socket.SocketType, conn: h11.Connection, peer: str
+    ) -> None:
         first = True
         while True:
             try:
@@ -384,15 +430,15 @@ class HttpServer:
                 if isinstance(event, h11.ConnectionClosed):
                     return
                 assert isinstance(event, h11.Request)
-                request = _to_request(event)
+                request = _to_request(event, peer)
                 if not _has_no_body(event):
                     await self._send(sock, conn, HttpResponse(413), head=False, close=True)
                     raise _Abort("request_body")
                 end = await self._receive(sock, conn, first=False, started=True)
                 assert isinstance(end, h11.EndOfMessage)
-            except h11.RemoteProtocolError as exc:
+            except (h11.RemoteProtocolError, BadRequest) as exc:
                 if conn.our_state in (h11.IDLE, h11.SEND_RESPONSE):
-                    status = exc.error_status_hint
+                    status = exc.status if isinstance(exc, BadRequest) else exc.error_status_hint
                     await self._send(sock, conn, HttpResponse(status), head=False, close=True)
                 raise _Abort("bad_request") from None
             first = False
@@ -600,13 +646,21 @@ def _open_first(path: Path, fallbacks: tuple[Path, ...]) -> int:
     raise FileNotFoundError(path)  # unreachable: the loop returns or raises
 
 
-def _to_request(event: h11.Request) -> HttpRequest:
+def _to_request(event: h11.Request, peer: str) -> HttpRequest:
+    """The handler's view of an h11 request.
+
+    Raises:
+        BadRequest: the target does not split as a URL (``//[x``: an unclosed IPv6 host).
+    """
     headers: dict[str, str] = {}
     for raw_name, raw_value in event.headers:
         name, value = raw_name.decode("ascii"), raw_value.decode("latin-1")
         headers[name] = f"{headers[name]}, {value}" if name in headers else value
     method = event.method.decode("ascii")
-    target = urlsplit(event.target.decode("latin-1"))
+    try:
+        target = urlsplit(event.target.decode("latin-1"))
+    except ValueError as exc:  # urlsplit refuses an unbalanced "[" in the authority
+        raise BadRequest(peer, f"request target: {exc}") from None
     spec = None
     if "range" in headers and method in ("GET", "HEAD"):
         try:

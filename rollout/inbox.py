@@ -8,10 +8,13 @@ through :meth:`RolloutInbox.ingest`:
 
 1. cheap refusals first, without fetching anything: bad signature or wrong run (dropped),
    submitter refused by reputation (``ignored``), announcement rate limit or a full buffer
-   (``retry``: the peer backs off and re-announces), a policy step outside the async window
-   (``rejected``, counted);
-2. exactly-once: a batch id already decided returns the stored ack; a batch being fetched is
-   awaited, not fetched again (two routes or a repeated announcement collapse into one);
+   (``retry``: the peer backs off and re-announces), a policy step ahead of the trainer's
+   (``retry``), or older than the async window plus its grace (``rejected``, counted, and no
+   fault of the submitter's: see :mod:`rollout.intake`);
+2. exactly-once *per submitter*: decisions are keyed by ``(submitter, payload digest)``
+   (:data:`rollout.intake.BatchKey`); a batch already decided returns the stored ack; a batch
+   being fetched is awaited, not fetched again (two routes or a repeated announcement collapse
+   into one). Another submitter announcing the same bytes names another batch;
 3. the payload is fetched once from the submitter, checked against the announced size and
    digest, decoded with bounds, and run through the :class:`~rollout.verify.Validator` in a
    worker thread (model forward passes), one batch at a time;
@@ -24,7 +27,7 @@ through :meth:`RolloutInbox.ingest`:
 from __future__ import annotations
 
 import logging
-from collections import OrderedDict, deque
+from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
@@ -41,6 +44,16 @@ from p2p.errors import (
 )
 from p2p.host import P2PNode
 from rollout.exchange import ANNOUNCE_PROTOCOL, FETCH_PROTOCOL, MAX_ACK_BYTES, STATUS_PROTOCOL, Ack
+from rollout.intake import (
+    UNFETCHED,
+    Acceptance,
+    BatchKey,
+    IntakeLedger,
+    Staleness,
+    judge_staleness,
+    length_bucket,
+    oldest_trainable_step,
+)
 from rollout.reputation import Reputation
 from rollout.schema import (
     MAX_ANNOUNCEMENT_BYTES,
@@ -67,6 +80,8 @@ class InboxConfig:
         fetch_timeout_s: bound on one payload fetch, seconds.
         remember_batches: decided batch ids remembered for exactly-once.
         handler_timeout_s: bound on answering one direct announcement, seconds.
+        late_grace_steps: steps of policy lag beyond the validator's ``async_level`` still
+            admitted (and trained on) for rollouts already under way when the window moved.
     """
 
     max_buffer_batches: int = 64
@@ -74,6 +89,7 @@ class InboxConfig:
     fetch_timeout_s: float = 60.0
     remember_batches: int = 100_000
     handler_timeout_s: float = 170.0
+    late_grace_steps: int = 1
 
 
 @dataclass(frozen=True)
@@ -83,6 +99,21 @@ class AcceptedBatch:
     batch: RolloutBatch
     announcement: RolloutAnnouncement
     received_at: float
+
+    @property
+    def length_bucket(self) -> str:
+        """The batch's length bucket (mean completion tokens per sample)."""
+        return _bucket(self.batch)
+
+
+def _bucket(batch: RolloutBatch) -> str:
+    n = batch.n_samples
+    tokens = sum(len(s.completion_ids) for g in batch.groups for s in g.samples)
+    return length_bucket(tokens / n if n else 0.0)
+
+
+def _key(ann: RolloutAnnouncement) -> BatchKey:
+    return (ann.submitter, ann.digest)
 
 
 @dataclass(frozen=True)
@@ -97,6 +128,8 @@ class InboxStats:
     expired_samples: int
     acks: dict[str, int]
     answers: dict[str, int]
+    by_submitter: dict[str, Acceptance]
+    by_length: dict[str, Acceptance]
 
 
 class RolloutInbox:
@@ -128,8 +161,8 @@ class RolloutInbox:
         self.config = config or InboxConfig()
         self._buffer: deque[AcceptedBatch] = deque()
         self._buffer_changed = trio.Event()
-        self._decided: OrderedDict[str, Ack] = OrderedDict()
-        self._inflight: dict[str, trio.Event] = {}
+        self.ledger = IntakeLedger(remember=self.config.remember_batches)
+        self._inflight: dict[BatchKey, trio.Event] = {}
         self._fetch_slots = trio.Semaphore(self.config.max_concurrent_fetches)
         self._verify_lock = trio.Lock()
         self._announcements = self._duplicates = self._fetched = self._expired = 0
@@ -171,7 +204,7 @@ class RolloutInbox:
         ann = RolloutAnnouncement.decode(data, sender=origin)
         if ann.run_id != self.run_id:
             raise RemoteProtocolError(origin, f"rollout announcement of run {ann.run_id!r}")
-        if self.reputation.refused(ann.submitter):
+        if self.reputation.refused(ann.submitter, trio.current_time()):
             raise RemoteProtocolError(origin, f"submitter {short_id(ann.submitter)} is refused")
 
     async def _on_direct(self, sender: str, request: bytes) -> bytes:
@@ -199,11 +232,16 @@ class RolloutInbox:
         """Wait until some peer says hello or reports a newly committed version."""
         await self._status_changed.wait()
 
-    def _remember(self, batch_id: str, ack: Ack) -> Ack:
-        self._decided[batch_id] = ack
-        self._decided.move_to_end(batch_id)
-        while len(self._decided) > self.config.remember_batches:
-            self._decided.popitem(last=False)
+    def _remember(
+        self,
+        ann: RolloutAnnouncement,
+        ack: Ack,
+        bucket: str = UNFETCHED,
+        *,
+        late: bool = False,
+    ) -> Ack:
+        self.ledger.remember(_key(ann), ack)
+        self.ledger.count(ann.submitter, bucket, accepted=ack.status == "accepted", late=late)
         self._acks[ack.status] = self._acks.get(ack.status, 0) + 1
         return ack
 
@@ -240,31 +278,42 @@ class RolloutInbox:
             return None
         if ann.run_id != self.run_id:
             return Ack(ann.batch_id, "rejected", "wrong_run")
-        done = self._decided.get(ann.batch_id)
-        if done is not None:
+        key = _key(ann)
+        done = self.ledger.decision(key)
+        if isinstance(done, Ack):
             self._duplicates += 1
             return done
-        event = self._inflight.get(ann.batch_id)
+        event = self._inflight.get(key)
         if event is not None:
             self._duplicates += 1
             await event.wait()
-            return self._decided.get(ann.batch_id, Ack(ann.batch_id, "retry", "fetch_failed"))
-        if self.reputation.refused(ann.submitter):
+            done = self.ledger.decision(key)
+            return done if isinstance(done, Ack) else Ack(ann.batch_id, "retry", "fetch_failed")
+        if self.reputation.refused(ann.submitter, trio.current_time()):
             return Ack(ann.batch_id, "ignored", "refused")
         if not self.reputation.allow_announcement(ann.submitter, trio.current_time()):
             return Ack(ann.batch_id, "retry", "rate_limited")
-        current = self.current_step()
-        if not current - self.validator.config.async_level <= ann.step <= current:
+        staleness = self._staleness(ann.step)
+        if staleness is Staleness.AHEAD:  # the trainer's clock has not caught up: not final
+            return Ack(ann.batch_id, "retry", "ahead")
+        if staleness is Staleness.TOO_OLD:  # no fault: costs the submitter no reputation
             self.validator.reject_unchecked("stale_step", 0)
-            self.reputation.record(ann.submitter, False, "stale_step")
-            return self._remember(ann.batch_id, Ack(ann.batch_id, "rejected", "stale_step"))
+            return self._remember(ann, Ack(ann.batch_id, "rejected", "stale_step"))
         if len(self._buffer) >= self.config.max_buffer_batches:
             return Ack(ann.batch_id, "retry", "busy")
-        self._inflight[ann.batch_id] = trio.Event()
+        self._inflight[key] = trio.Event()
         try:
             return await self._fetch_and_check(ann)
         finally:
-            self._inflight.pop(ann.batch_id).set()
+            self._inflight.pop(key).set()
+
+    def _staleness(self, step: int) -> Staleness:
+        return judge_staleness(
+            step,
+            self.current_step(),
+            self.validator.config.async_level,
+            self.config.late_grace_steps,
+        )
 
     async def _fetch_and_check(self, ann: RolloutAnnouncement) -> Ack:
         try:
@@ -298,22 +347,29 @@ class RolloutInbox:
             return self._refuse(ann, "schema", str(exc))
         if batch.policy_step != ann.step:
             return self._refuse(ann, "schema", "payload step differs from the announcement")
+        bucket = _bucket(batch)
         async with self._verify_lock:
+            # The validator judges the step against the window it knows; a batch in the grace
+            # window is presented as of the oldest step the window admits.
+            late = self._staleness(batch.policy_step) is Staleness.LATE
+            as_of = batch.policy_step + self.validator.config.async_level
+            current = as_of if late else self.current_step()
             verdict = await trio.to_thread.run_sync(
-                lambda: self.validator.check(
-                    batch, sender=ann.submitter, current_step=self.current_step()
-                )
+                lambda: self.validator.check(batch, sender=ann.submitter, current_step=current)
             )
-        self.reputation.record(ann.submitter, verdict.accepted, verdict.reason)
+        self.reputation.record(ann.submitter, verdict.accepted, verdict.reason, trio.current_time())
         if verdict.accepted:
             self._buffer.append(AcceptedBatch(batch, ann, trio.current_time()))
             self._buffer_changed.set()
             self._buffer_changed = trio.Event()
             return self._remember(
-                ann.batch_id, Ack(ann.batch_id, "accepted", "ok", accepted=verdict.samples)
+                ann,
+                Ack(ann.batch_id, "accepted", "ok", accepted=verdict.samples),
+                bucket,
+                late=late,
             )
         return self._remember(
-            ann.batch_id, Ack(ann.batch_id, "rejected", verdict.reason, rejected=verdict.samples)
+            ann, Ack(ann.batch_id, "rejected", verdict.reason, rejected=verdict.samples), bucket
         )
 
     def _refuse(self, ann: RolloutAnnouncement, reason: str, detail: str) -> Ack:
@@ -325,8 +381,8 @@ class RolloutInbox:
             detail,
         )
         self.validator.reject_unchecked(reason, 0)
-        self.reputation.record(ann.submitter, False, reason)
-        return self._remember(ann.batch_id, Ack(ann.batch_id, "rejected", reason))
+        self.reputation.record(ann.submitter, False, reason, trio.current_time())
+        return self._remember(ann, Ack(ann.batch_id, "rejected", reason))
 
     async def take(self, *, min_batches: int, step: int, timeout_s: float) -> list[AcceptedBatch]:
         """Remove and return the buffered batches usable at ``step``.
@@ -334,9 +390,12 @@ class RolloutInbox:
         Waits until at least ``min_batches`` usable batches are buffered or ``timeout_s``
         passes (then returns what there is, possibly nothing). Batches that fell out of the
         async window meanwhile are dropped and counted (``expired_samples``): they were
-        verified, but are too old to train on.
+        verified, but are too old to train on. The bound is the admission bound (async window
+        plus ``late_grace_steps``), so a batch admitted late is not then dropped here.
         """
-        lo = step - self.validator.config.async_level
+        lo = oldest_trainable_step(
+            step, self.validator.config.async_level, self.config.late_grace_steps
+        )
         with trio.move_on_after(timeout_s):
             while True:
                 self._drop_stale(lo)
@@ -346,6 +405,8 @@ class RolloutInbox:
         self._drop_stale(lo)
         out = list(self._buffer)
         self._buffer.clear()
+        for b in out:
+            self.ledger.count_trained(b.announcement.submitter, b.length_bucket)
         return out
 
     def _drop_stale(self, lo: int) -> None:
@@ -364,4 +425,6 @@ class RolloutInbox:
             self._expired,
             dict(self._acks),
             dict(self._answers),
+            self.ledger.by_submitter(),
+            self.ledger.by_length(),
         )

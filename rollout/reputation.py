@@ -2,11 +2,17 @@
 
 Reputation: every submitter starts at ``initial``. A rejected batch lowers the score by the
 penalty of its reason — forgery-like reasons (a bad TOPLOC proof, tampered prompts, inflated
-rewards, a wrong signer, a corrupt payload) cost much more than reasons an honest but slow peer
-can hit (a stale step, a duplicate). An accepted batch raises the score by ``reward``, capped
-at ``initial``, so an honest peer whose batches pass never ends below where it started. Below
+rewards, a wrong signer, a corrupt payload) cost much more than reasons an honest peer can hit
+(a duplicate after a lost ack costs little; arriving late, ``stale_step``, and the trainer's own
+``check_error`` cost nothing). An accepted batch raises the score by ``reward``, capped at
+``initial``, so an honest peer whose batches pass never ends below where it started. Below
 ``threshold`` the submitter is *refused*: its announcements are dropped before any payload is
 fetched or any model is run, and the decision is logged once and counted.
+
+No refusal is permanent: when the caller passes ``now``, a score recovers by
+``recovery_per_s`` per second (up to ``initial``), and a refused submitter is readmitted once
+its score is back at ``readmit_score`` (half an hour with the defaults). A forger readmitted
+costs one verification before it is refused again.
 
 Rate limit: a token bucket per submitter (``rate_per_s``, ``burst``) on announcements, so a
 peer that floods announcements is refused (``rate_limited``) without costing a fetch.
@@ -34,8 +40,8 @@ _SEVERE = {
     "termination": 0.5,
     "unknown_weights": 0.34,
     "wrong_run": 0.34,
-    "check_error": 0.1,
-    "stale_step": 0.05,
+    "check_error": 0.0,
+    "stale_step": 0.0,
     "duplicate": 0.1,
 }
 
@@ -52,6 +58,8 @@ class ReputationConfig:
         rate_per_s: sustained announcements per second per submitter.
         burst: announcements allowed in a burst.
         max_tracked: submitters kept in the tables.
+        recovery_per_s: score regained per second (when callers pass ``now``).
+        readmit_score: a refused submitter is readmitted at this score.
     """
 
     initial: float = 1.0
@@ -62,6 +70,8 @@ class ReputationConfig:
     rate_per_s: float = 2.0
     burst: float = 8.0
     max_tracked: int = 100_000
+    recovery_per_s: float = 1.0 / 3600.0
+    readmit_score: float = 0.5
 
 
 @dataclass(frozen=True)
@@ -80,26 +90,41 @@ class Reputation:
     def __init__(self, config: ReputationConfig | None = None) -> None:
         self.config = config or ReputationConfig()
         self._scores: OrderedDict[str, float] = OrderedDict()
+        self._scored_at: dict[str, float] = {}
         self._buckets: OrderedDict[str, tuple[float, float]] = OrderedDict()
         self._refused: set[str] = set()
         self._refused_count = 0
         self._limited = 0
 
-    def score(self, peer: str) -> float:
-        """Current score (``initial`` for an unknown peer)."""
-        return self._scores.get(peer, self.config.initial)
-
-    def refused(self, peer: str) -> bool:
-        """True if ``peer`` is below the threshold; counts the refusal."""
-        if peer in self._refused:
-            self._refused_count += 1
-            return True
-        return False
-
-    def record(self, peer: str, accepted: bool, reason: str) -> float:
-        """Record a verdict; returns the new score."""
+    def score(self, peer: str, now: float | None = None) -> float:
+        """Current score (``initial`` for an unknown peer), recovered up to ``now`` (seconds,
+        the caller's monotonic clock; None: no time passes)."""
         c = self.config
-        old = self.score(peer)
+        stored = self._scores.get(peer, c.initial)
+        at = self._scored_at.get(peer)
+        if now is None or at is None or now <= at:
+            return stored
+        return min(c.initial, stored + (now - at) * c.recovery_per_s)
+
+    def refused(self, peer: str, now: float | None = None) -> bool:
+        """True if ``peer`` is refused; counts the refusal. A refused peer whose score has
+        recovered to ``readmit_score`` by ``now`` is readmitted (False)."""
+        if peer not in self._refused:
+            return False
+        score = self.score(peer, now)
+        if now is not None and score >= self.config.readmit_score:
+            self._refused.discard(peer)
+            self._scores[peer], self._scored_at[peer] = score, now
+            log.info("submitter_readmitted peer=%s score=%.2f", peer[-8:], score)
+            return False
+        self._refused_count += 1
+        return True
+
+    def record(self, peer: str, accepted: bool, reason: str, now: float | None = None) -> float:
+        """Record a verdict at ``now`` (seconds; None: no recovery is applied); returns the
+        new score."""
+        c = self.config
+        old = self.score(peer, now)
         new = (
             min(c.initial, old + c.reward)
             if accepted
@@ -107,6 +132,8 @@ class Reputation:
         )
         self._scores[peer] = new
         self._scores.move_to_end(peer)
+        if now is not None:
+            self._scored_at[peer] = now
         if new < c.threshold and peer not in self._refused:
             self._refused.add(peer)
             log.warning(
@@ -133,6 +160,8 @@ class Reputation:
             for key in table:
                 if key not in self._refused:
                     del table[key]
+                    if table is self._scores:
+                        self._scored_at.pop(key, None)
                     break
             else:
                 break

@@ -39,6 +39,20 @@ MAX_PROOF_BYTES = 1 << 20
 FINISH_REASONS = ("stop", "length")
 
 
+BATCH_ID_DOMAIN = b"rollout-batch-id/v1\x00"
+
+
+def batch_id_for(submitter: str, digest: str) -> str:
+    """The id of a batch: 32 hex characters of BLAKE3 over the submitter's PeerID and the
+    payload digest, so that two submitters announcing the same bytes name two batches (a
+    decision about one submitter's announcement can never land on another's batch)."""
+    h = blake3.blake3(BATCH_ID_DOMAIN)
+    h.update(submitter.encode())
+    h.update(b"\x00")
+    h.update(digest.encode())
+    return h.hexdigest()[:32]
+
+
 def check_announcement_gossip(run_id: str) -> Callable[[str, bytes], None]:
     """Gossip check of the rollouts topic: a well-formed announcement of ``run_id`` signed by
     its submitter (run before the message is delivered or forwarded).
@@ -240,7 +254,7 @@ class RolloutAnnouncement:
 
     Attributes:
         run_id: the run.
-        batch_id: 32 hex chars, unique per batch (first 16 bytes of the payload digest).
+        batch_id: 32 hex chars, unique per (submitter, payload): :func:`batch_id_for`.
         digest: BLAKE3 hex digest of the payload bytes.
         size: payload size in bytes.
         step: the batch's policy step.
@@ -275,10 +289,11 @@ class RolloutAnnouncement:
     ) -> RolloutAnnouncement:
         """Announce ``payload`` (an encoded batch) signed by ``identity``."""
         digest = blake3.blake3(payload).hexdigest()
-        unsigned = cls(run_id, digest[:32], digest, len(payload), step, identity.peer_id, b"")
+        batch_id = batch_id_for(identity.peer_id, digest)
+        unsigned = cls(run_id, batch_id, digest, len(payload), step, identity.peer_id, b"")
         return cls(
             run_id,
-            digest[:32],
+            batch_id,
             digest,
             len(payload),
             step,
@@ -314,8 +329,8 @@ class RolloutAnnouncement:
         )
         if ann._body() != body_bytes:
             raise RemoteProtocolError(sender, "announcement body is not canonical")
-        if ann.batch_id != ann.digest[:32]:
-            raise RemoteProtocolError(sender, "batch_id does not match digest")
+        if ann.batch_id != batch_id_for(ann.submitter, ann.digest):
+            raise RemoteProtocolError(sender, "batch_id does not bind the submitter and digest")
         verify(ann.submitter, ANNOUNCE_DOMAIN, body_bytes, sig)
         return ann
 

@@ -29,12 +29,29 @@ def canonical_json(obj: Any) -> bytes:
     """Canonical JSON: sorted keys, no whitespace, ASCII only; rejects floats.
 
     Raises:
-        TypeError: ``obj`` contains a float or another non-JSON type (caller bug).
+        TypeError: ``obj`` contains a float or another non-JSON type (caller bug), or is
+            nested too deeply to encode (a parsed untrusted document can be).
     """
-    _reject_floats(obj)
-    return json.dumps(
-        obj, sort_keys=True, separators=(",", ":"), ensure_ascii=True, allow_nan=False
-    ).encode()
+    try:
+        _reject_floats(obj)
+        return json.dumps(
+            obj, sort_keys=True, separators=(",", ":"), ensure_ascii=True, allow_nan=False
+        ).encode()
+    except RecursionError:
+        raise TypeError("document nested too deeply") from None
+
+
+def loads_untrusted(data: bytes) -> Any:
+    """``json.loads`` for bytes from a remote node: every failure is a ``ValueError``.
+
+    Raises:
+        ValueError: not UTF-8, not JSON, or nested too deeply for the parser (a bare
+            ``json.loads`` raises ``RecursionError`` on ``[[[[…`` a few thousand deep).
+    """
+    try:
+        return json.loads(data)
+    except RecursionError:
+        raise ValueError("JSON nested too deeply") from None
 
 
 def _reject_floats(obj: Any) -> None:

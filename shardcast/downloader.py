@@ -19,8 +19,9 @@ drives three kinds of tasks with trio:
   mid-shard keeps what arrived; the next request resumes at that byte, usually from another
   source. A copy assembled from several sources that fails its digest is kept until a
   verified copy exists, then :func:`~shardcast.select.blame` names the culprit; only it is
-  penalized. A delta that decodes to wrong bytes although its encoded digest matched means
-  this node's base is not the origin's: the shard falls back to raw and nobody is blamed.
+  penalized. A blob that matches its signed digest but does not decode, or decodes to wrong
+  bytes, is not the source's doing (a delta against a base this node does not share with the
+  origin, or a blob the origin encoded badly): the shard falls back to raw, nobody is blamed.
 - **have-sets**: sources that are not complete (peers re-serving what they hold) are polled
   for their have-bitmap every ``have_poll_s`` seconds.
 
@@ -379,8 +380,10 @@ class Downloader:
         return held.digest == manifest.header.base_digest
 
     def _choose(self, shard: ShardEntry, base: _Base | None, no_delta: set[int]) -> str:
+        if shard.index in no_delta:  # an encoded form failed after its digest matched
+            return codecs.RAW
         delta = shard.delta()
-        if base is not None and shard.index not in no_delta and delta is not None:
+        if base is not None and delta is not None:
             return delta.encoding
         if self.config.prefer_compressed and shard.offered(codecs.ZSTD):
             return codecs.ZSTD
@@ -705,7 +708,10 @@ class Downloader:
                         sched.on_failure(req.id, trio.current_time(), kind="suspect")
                         reschedule(req.shard)
                         log.warning(
-                            "delta_base_mismatch step=%d shard=%d: fetching raw", m.step, req.shard
+                            "encoded_blob_unusable step=%d shard=%d encoding=%s: fetching raw",
+                            m.step,
+                            req.shard,
+                            enc,
                         )
                         return
                     except IntegrityError:
@@ -876,15 +882,16 @@ class Downloader:
             if enc in codecs.DELTAS:
                 assert base is not None
                 base_bytes = base.read(entry.file, entry.offset, entry.length, held[0])
-            raw = codecs.decode(
-                enc, data, entry.length, base_bytes, source, out=base_bytes, scratch=held[1]
-            )
+            try:
+                raw = codecs.decode(
+                    enc, data, entry.length, base_bytes, source, out=base_bytes, scratch=held[1]
+                )
+            except codecs.CodecError as exc:  # digest matched: the origin wrote a bad blob
+                raise _BaseMismatch(f"{enc} blob does not decode: {exc}") from exc
             try:
                 return part.write_shard(entry.index, raw, source, blobs={enc: bytes(data)})
-            except IntegrityError as exc:
-                if enc in codecs.DELTAS:  # blob verified, result wrong: our base differs
-                    raise _BaseMismatch(str(exc)) from exc
-                raise
+            except IntegrityError as exc:  # blob verified, result wrong: base or origin
+                raise _BaseMismatch(str(exc)) from exc
         finally:
             for buf in held:
                 _POOL.put(buf)
@@ -910,4 +917,6 @@ class Downloader:
 
 
 class _BaseMismatch(IntegrityError):
-    """A verified delta decoded to wrong bytes: this node's base is not the origin's."""
+    """A blob that matched its signed digest did not yield the shard: a delta against a base
+    this node does not share with the origin, or a blob the origin encoded badly. Not the
+    source's fault: the shard is fetched raw and nobody is blamed."""

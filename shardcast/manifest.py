@@ -39,7 +39,13 @@ import blake3
 from p2p.errors import IntegrityError, RemoteProtocolError
 from p2p.identity import Identity, verify
 from p2p.trust import TrustList
-from shardcast.canonical import DIGEST_RE, RUN_ID_RE, blake3_hex, canonical_json
+from shardcast.canonical import (
+    DIGEST_RE,
+    RUN_ID_RE,
+    blake3_hex,
+    canonical_json,
+    loads_untrusted,
+)
 from shardcast.codecs import DELTAS, SPARSE, XOR_ZSTD, ZSTD
 
 SCHEMA_VERSION = 2
@@ -596,7 +602,7 @@ class Manifest:
         if len(data) > max_bytes:
             raise ManifestError(source, f"manifest of {len(data)} bytes exceeds {max_bytes}")
         try:
-            doc = json.loads(data)
+            doc = loads_untrusted(data)
         except (ValueError, UnicodeDecodeError) as exc:
             raise ManifestError(source, f"manifest is not JSON: {exc}") from exc
         if (
@@ -624,7 +630,7 @@ def decode_part(data: bytes, header: Header, *, trust: TrustList, source: str = 
     if len(data) > MAX_PART_BYTES:
         raise ManifestError(source, f"part of {len(data)} bytes exceeds {MAX_PART_BYTES}")
     try:
-        env = json.loads(data)
+        env = loads_untrusted(data)
     except (ValueError, UnicodeDecodeError) as exc:
         raise ManifestError(source, f"part is not JSON: {exc}") from exc
     return SignedPart.from_envelope(env, header, trust=trust, source=source)

@@ -50,7 +50,13 @@ from pathlib import Path
 from typing import Any, Protocol
 
 from p2p.errors import ConfigError, IntegrityError, RemoteProtocolError, UntrustedSigner
-from shardcast.canonical import DIGEST_RE, RUN_ID_RE, blake3_hex, canonical_json
+from shardcast.canonical import (
+    DIGEST_RE,
+    RUN_ID_RE,
+    blake3_hex,
+    canonical_json,
+    loads_untrusted,
+)
 
 __all__ = [
     "CARD_DOMAIN",
@@ -426,7 +432,7 @@ class SignedRunCard:
         if len(data) > MAX_CARD_BYTES:
             raise _fail(source, "", f"{len(data)} bytes exceed {MAX_CARD_BYTES}")
         try:
-            env = json.loads(data)
+            env = loads_untrusted(data)
         except (ValueError, UnicodeDecodeError) as exc:
             raise _fail(source, "", f"not JSON: {exc}") from exc
         if not isinstance(env, dict) or set(env) != {"body", "signer", "signature"}:

@@ -510,6 +510,12 @@ class TrainerSettings(PublishSettings):
     start_wait_s: float = Field(300.0, ge=0, description="wait for expected peers' hello, seconds")
     torch_threads: int = Field(1, ge=1, description="CPU threads for training/validation")
     check_model: bool = Field(True, description="run TOPLOC and sampling checks")
+    late_grace_steps: int = Field(
+        1,
+        ge=0,
+        description="policy steps beyond async_level a rollout that was already under way may "
+        "lag and still be accepted (arriving late is not a fault)",
+    )
 
     def trust(self, identity: Identity) -> TrustList:
         """The trainer trusts itself as trainer and the allowed peers as submitters."""

@@ -108,6 +108,7 @@ async def run_trainer(s: TrainerSettings) -> int:
     """``shardnet trainer``: returns the process exit code."""
     import torch
 
+    from rollout.inbox import InboxConfig
     from trainer.trainer import Trainer, TrainerConfig
 
     torch.set_num_threads(s.torch_threads)
@@ -137,6 +138,7 @@ async def run_trainer(s: TrainerSettings) -> int:
         final_wait_s=s.final_wait_s,
         start_wait_s=s.start_wait_s,
         check_model=s.check_model,
+        inbox=InboxConfig(late_grace_steps=s.late_grace_steps),
     )
     trainer = Trainer(identity, s.trust(identity), cfg)
     finished = False

@@ -6,9 +6,11 @@ from __future__ import annotations
 import random
 from pathlib import Path
 
+import pytest
 import trio
 
 from p2p.identity import Identity
+from shardcast import codecs
 from shardcast.codecs import DELTAS
 from shardcast.follower import FollowConfig, Follower, VersionRecord
 from shardcast.manifest import Manifest
@@ -174,3 +176,34 @@ async def test_anchor_versions_carry_no_delta(tmp_path: Path) -> None:
         assert sum(r1.encoded_bytes.get(e, 0) for e in DELTAS) > 0
         assert r2.manifest.header.base_step is None
         assert r2.encoded_bytes == {}
+
+
+async def test_blob_the_origin_encoded_badly_falls_back_without_blame(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A delta blob that matches its signed digest but does not decode (the origin's encoder
+    wrote a truncated frame) is fetched raw instead, and the origin is not blamed."""
+    w = Watch()
+    ck0 = make_checkpoint(tmp_path / "ck0", SIZES, seed=0)
+    ck1 = evolve_bytes(ck0, tmp_path / "ck1", 0.01, 1)
+    async with (
+        ShardcastNode.open(TRAINER, trust(), NodeConfig("trainer", "run", tmp_path / "o")) as o,
+        trio.open_nursery() as nursery,
+    ):
+        origin = Origin(o, OriginConfig(shard_size=64 * 1024, anchor_every=100))
+        p = await nursery.start(_node, "p", tmp_path / "p")
+        follow = FollowConfig(upstreams=(o.p2p.multiaddrs()[0],), poll_interval_s=0.1)
+        await nursery.start(Follower(p, follow, random.Random(1), w.hook("p")).run)
+        await origin.publish(ck0, 0)
+        await w.until("p", 0)
+        real = codecs.encode
+        monkeypatch.setattr(codecs, "encode", lambda *a, **kw: real(*a, **kw)[:-3])
+        r1 = await origin.publish(ck1, 1)
+        rec = await w.until("p", 1)
+        assert rec.stats is not None
+        assert rec.stats.delta_fallbacks >= 1
+        assert rec.stats.corrupt_by_source == {}
+        assert rec.stats.bytes_by_encoding.get("raw", 0) > 0
+        for f in r1.manifest.header.files:
+            assert hash_file(rec.path / f.name) == r1.manifest.file_digest(f.name)  # type: ignore[operator]
+        nursery.cancel_scope.cancel()

@@ -150,9 +150,9 @@ async def test_busy_trainer_makes_the_peer_retry(tmp_path: Path) -> None:
 
 async def test_stale_and_forged_batches_rejected(tmp_path: Path) -> None:
     async with world(tmp_path) as w, trio.open_nursery() as n:
-        w.step[0] = 3
+        w.step[0] = 4  # lag 4 > async_level 2 + late_grace_steps 1
         await w.sender.submit(make_batch(w.oracle, PEER.peer_id, 0).encode(), 0, n)
-        await w.sender.submit(make_batch(w.oracle, PEER.peer_id, 1, reward_bias=0.5).encode(), 1, n)
+        await w.sender.submit(make_batch(w.oracle, PEER.peer_id, 2, reward_bias=0.5).encode(), 2, n)
         with trio.fail_after(20):
             await w.sender.wait_idle()
         assert sorted((a.status, a.reason) for a in w.sender.acks) == [
@@ -207,3 +207,47 @@ async def test_bad_signature_is_dropped(tmp_path: Path) -> None:
             )
         assert w.inbox.statistics().acks == {}
         assert isinstance(Ack("x", "retry", "busy"), Ack)
+
+
+async def test_decisions_are_per_submitter(tmp_path: Path) -> None:
+    """A sybil announcing an honest peer's payload (seen on gossip) names another batch: its
+    stale announcement is rejected without touching the honest batch, which is accepted once;
+    the honest peer's replay is a duplicate answered from memory."""
+    sybil = Identity.from_seed("xchg-sybil")
+    async with world(tmp_path) as w, trio.open_nursery() as n:
+        w.step[0] = 4
+        payload = make_batch(w.oracle, PEER.peer_id, 3).encode()
+        copy = RolloutAnnouncement.for_payload(sybil, RUN, 0, payload)  # lag 4: too old
+        honest = RolloutAnnouncement.for_payload(PEER, RUN, 3, payload)
+        assert copy.digest == honest.digest
+        assert copy.batch_id != honest.batch_id
+        ack = await w.inbox.ingest(copy.encode(), sybil.peer_id, route="gossip")
+        assert ack is not None
+        assert (ack.status, ack.reason) == ("rejected", "stale_step")
+        assert w.inbox.reputation.score(sybil.peer_id) == 1.0  # late is no fault
+        await w.sender.submit(payload, 3, n)
+        with trio.fail_after(20):
+            await w.sender.wait_idle()
+        assert [(a.status, a.reason) for a in w.sender.acks] == [("accepted", "ok")]
+        before = w.inbox.statistics().duplicates
+        replay = await w.inbox.ingest(honest.encode(), PEER.peer_id, route="direct")
+        assert replay is not None
+        assert (replay.status, replay.batch_id) == ("accepted", honest.batch_id)
+        stats = w.inbox.statistics()
+        assert stats.duplicates == before + 1
+        assert stats.by_submitter[PEER.peer_id].accepted == 1
+        assert stats.by_submitter[sybil.peer_id].accepted == 0
+        assert len(await w.inbox.take(min_batches=1, step=4, timeout_s=1)) == 1
+        assert w.inbox.statistics().by_submitter[PEER.peer_id].trained == 1
+
+
+async def test_batch_in_the_grace_window_is_admitted_and_trained(tmp_path: Path) -> None:
+    async with world(tmp_path) as w, trio.open_nursery() as n:
+        w.step[0] = 3  # lag 3 = async_level 2 + late_grace_steps 1
+        await w.sender.submit(make_batch(w.oracle, PEER.peer_id, 0).encode(), 0, n)
+        with trio.fail_after(20):
+            await w.sender.wait_idle()
+        assert [(a.status, a.reason) for a in w.sender.acks] == [("accepted", "ok")]
+        assert len(await w.inbox.take(min_batches=1, step=3, timeout_s=1)) == 1
+        (acc,) = w.inbox.statistics().by_submitter.values()
+        assert (acc.accepted, acc.late, acc.trained) == (1, 1, 1)

@@ -595,3 +595,23 @@ async def test_server_lifecycle_errors() -> None:
         with pytest.raises(LocalProtocolError):
             await server.serve()
         nursery.cancel_scope.cancel()
+
+
+async def test_unsplittable_target_is_a_400_and_the_server_keeps_serving() -> None:
+    """Regression (found by the decoder fuzzer): ``GET //[x`` made ``urlsplit`` raise
+    ValueError out of the connection task, which took the whole server down."""
+
+    async def handler(request: HttpRequest) -> HttpResponse:
+        return HttpResponse(200, [], b"ok")
+
+    async with open_http_server(handler) as server, HttpClient() as client:
+        stream = await trio.open_tcp_stream("127.0.0.1", server.port)
+        async with stream:
+            await stream.send_all(b"GET //[x HTTP/1.1\r\nhost: a\r\n\r\n")
+            answer = b""
+            with trio.fail_after(5):
+                while chunk := await stream.receive_some():
+                    answer += chunk
+        assert answer.startswith(b"HTTP/1.1 400 ")
+        assert await client.get_bytes(server.url + "/x", max_bytes=10, timeout_s=5) == b"ok"
+        assert server.statistics().errors["bad_request"] == 1

@@ -282,3 +282,9 @@ def test_if_range_holds() -> None:
     assert if_range_holds(date, '"abc"', date)
     assert not if_range_holds("Tue, 01 Dec 2026 12:00:01 GMT", '"abc"', date)
     assert not if_range_holds(date, '"abc"', None)
+
+
+def test_retry_after_with_an_absurd_date_is_ignored() -> None:
+    """Regression (found by the decoder fuzzer): OverflowError escaped parse_retry_after."""
+    value = "Wed, 2" + "9" * 40 + " Oct 2015 07:28:00 GMT"
+    assert parse_retry_after(value, now_unix_s=1.7e9) is None

@@ -13,7 +13,14 @@ from p2p.errors import IntegrityError, RemoteProtocolError
 from p2p.identity import Identity
 from rollout.exchange import Ack
 from rollout.reputation import Reputation, ReputationConfig
-from rollout.schema import Group, RolloutAnnouncement, RolloutBatch, Sample
+from rollout.schema import (
+    ANNOUNCE_DOMAIN,
+    Group,
+    RolloutAnnouncement,
+    RolloutBatch,
+    Sample,
+    batch_id_for,
+)
 
 PEER = Identity.from_seed("schema-peer")
 
@@ -122,3 +129,21 @@ def test_rate_limit_is_per_submitter() -> None:
     assert r.allow_announcement("b", 0.0)
     assert r.allow_announcement("a", 1.0)  # refilled one token
     assert r.statistics().rate_limited == 1
+
+
+def test_batch_id_binds_the_submitter() -> None:
+    """Two submitters announcing the same bytes name two batches; an id that does not bind
+    the submitter (the old ``digest[:32]``) is refused."""
+    a, b = Identity.from_seed("bind-a"), Identity.from_seed("bind-b")
+    ann_a = RolloutAnnouncement.for_payload(a, "run", 1, b"same bytes")
+    ann_b = RolloutAnnouncement.for_payload(b, "run", 1, b"same bytes")
+    assert ann_a.digest == ann_b.digest
+    assert ann_a.batch_id != ann_b.batch_id == batch_id_for(b.peer_id, ann_b.digest)
+    assert RolloutAnnouncement.decode(ann_a.encode()).batch_id == ann_a.batch_id
+    old = RolloutAnnouncement("run", ann_a.digest[:32], ann_a.digest, ann_a.size, 1, a.peer_id, b"")
+    forged = RolloutAnnouncement(
+        *[getattr(old, f) for f in ("run_id", "batch_id", "digest", "size", "step", "submitter")],
+        a.sign(ANNOUNCE_DOMAIN, old._body()),
+    )
+    with pytest.raises(RemoteProtocolError, match="batch_id"):
+        RolloutAnnouncement.decode(forged.encode())
