@@ -44,6 +44,7 @@ from typing import Any
 import numpy as np
 
 from simulations import netns
+from simulations.progress import SimProgress, Snapshot
 from simulations.summary import finish, progress_curve
 from simulations.topology import Node, Topology, TopologyError, scaled
 
@@ -318,8 +319,29 @@ class Emulation:
             return False
         return any(int(d.name[5:]) >= step for d in run_dir.glob("step-*") if d.name[5:].isdigit())
 
-    def loop(self) -> None:
-        """Publish, fire events, and wait for every live honest peer to commit the last one."""
+    def snapshot(self) -> Snapshot:
+        """Where the run stands: seconds since the clock started, versions, peers at latest."""
+        latest = max(self.published) if self.published else -1
+        peers = [
+            p
+            for p in self.procs.values()
+            if p.node.role == "peer" and p.popen is not None and p.popen.poll() is None
+        ]
+        at = sum(1 for p in peers if latest >= 0 and self._committed(p.node, latest))
+        return Snapshot(
+            time.time() - self.t0,
+            len(self.published),
+            self.topo.spec.checkpoint.versions,
+            latest,
+            at,
+            len(peers),
+        )
+
+    def loop(self, progress: SimProgress | None = None) -> None:
+        """Publish, fire events, and wait for every live honest peer to commit the last one.
+
+        ``progress`` (optional) is shown a :meth:`snapshot` whenever it is due.
+        """
         ck = self.topo.spec.checkpoint
         self.t0 = time.time()
         todo = sorted(
@@ -343,6 +365,8 @@ class Emulation:
                 ]
                 if all(self._committed(p.node, last) for p in peers):
                     return
+            if progress is not None and progress.due():
+                progress.update(self.snapshot())
             if now > self.timeout_s:
                 raise EmulationFailed(f"not finished after {self.timeout_s:.0f} s")
             time.sleep(0.1)
@@ -447,8 +471,12 @@ class Emulation:
         return versions
 
 
-def run(topo: Topology, opts: EmulateOptions) -> dict[str, Any]:
+def run(
+    topo: Topology, opts: EmulateOptions, progress: SimProgress | None = None
+) -> dict[str, Any]:
     """Run one emulation and return its summary; cleans up whatever happens.
+
+    ``progress`` (optional) is shown where the run stands while it waits for the peers.
 
     SIGTERM is turned into KeyboardInterrupt for the duration, so Ctrl-C and SIGTERM both
     unwind through the cleanup; the summary (with ``run.failure`` set) is returned for a
@@ -468,7 +496,7 @@ def run(topo: Topology, opts: EmulateOptions) -> dict[str, Any]:
         netns.cleanup_stale()
         try:
             em.start()
-            em.loop()
+            em.loop(progress)
         except EmulationFailed as exc:
             em.failure = str(exc)
             log.error("emulation_failed error=%s", exc)
