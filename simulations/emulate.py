@@ -45,7 +45,7 @@ import numpy as np
 
 from simulations import netns
 from simulations.progress import SimProgress, Snapshot
-from simulations.summary import finish, progress_curve
+from simulations.summary import finish, progress_bands
 from simulations.topology import Node, Topology, TopologyError, scaled
 
 log = logging.getLogger(__name__)
@@ -377,7 +377,7 @@ class Emulation:
         """The run summary (see :mod:`simulations.summary`) from logs and reports."""
         ck = self.topo.spec.checkpoint
         nodes: dict[str, Any] = {}
-        progress: dict[str, Any] = {}
+        shard_times: list[list[float]] = []
         ids: dict[str, str] = {}
         reports: dict[str, dict[str, Any]] = {}
         for p in self.procs.values():
@@ -386,15 +386,13 @@ class Emulation:
             ids[p.node.name] = p.ready.get("peer_id", "")
         origin_id = ids.get(self.topo.origin.name, self.trainer_id)
         origin_up = 0
-        peers = [n for n in self.topo.nodes if n.role == "peer"]
-        sample = {n.name for n in peers[:: max(1, len(peers) // 12)]}
         for n in self.topo.nodes:
             rep = reports.get(n.name, {})
             down = sum(sum(v.get("bytes_by_source", {}).values()) for v in rep.get("versions", []))
             origin_up += sum(
                 v.get("bytes_by_source", {}).get(origin_id, 0) for v in rep.get("versions", [])
             )
-            versions = self._timeline(n, sample, progress)
+            versions = self._timeline(n, shard_times)
             nodes[n.name] = {
                 "role": n.role,
                 "group": n.group,
@@ -425,11 +423,17 @@ class Emulation:
                 "failure": self.failure,
             },
             "nodes": nodes,
-            "progress": progress,
+            "progress": progress_bands(
+                shard_times,
+                self.published[0] - self.t0 if 0 in self.published else 0.0,
+                -(-ck.size_bytes // ck.shard_size_bytes),
+            ),
         }
         return finish(summary, self.topo)
 
-    def _timeline(self, n: Node, sample: set[str], progress: dict[str, Any]) -> dict[str, Any]:
+    def _timeline(self, n: Node, shard_times: list[list[float]]) -> dict[str, Any]:
+        """Node ``n``'s per-version times from its JSON log; a peer's version-0 shard times
+        (seconds from the clock's start) are appended to ``shard_times``."""
         versions: dict[str, Any] = {}
         path = self.wd / n.name / "log.jsonl"
         shards: dict[int, list[float]] = {}
@@ -463,11 +467,8 @@ class Emulation:
             c = v["commit_s"]
             v["duration_s"] = None if c is None or pub is None else round(c - (pub - self.t0), 3)
             v["shards"] = len(shards.get(int(key), []))
-        if n.name in sample and 0 in shards and 0 in self.published:
-            nsh = -(
-                -self.topo.spec.checkpoint.size_bytes // self.topo.spec.checkpoint.shard_size_bytes
-            )
-            progress[n.name] = progress_curve(shards[0], self.published[0] - self.t0, nsh)
+        if n.role == "peer" and 0 in shards:
+            shard_times.append(shards[0])
         return versions
 
 
