@@ -21,6 +21,7 @@ import functools
 import json
 import logging
 import random
+import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -38,6 +39,7 @@ from rollout.task import DEFAULT_TASK, Task, task_data_digest
 from shardcast.follower import FollowConfig, Follower, VersionRecord
 from shardcast.manifest import Manifest
 from shardcast.node import NodeConfig, ShardcastNode
+from shardcast.nodestatus import iso, wall_of
 from shardcast.runcard import (
     DEFAULT_ENGINE,
     EngineSpec,
@@ -299,15 +301,22 @@ class InferencePeer:
         return rules if mine is None else mine
 
     def report(self) -> dict[str, Any]:
-        """JSON-ready summary of this peer."""
+        """JSON-ready summary of this peer (times as wall-clock ISO 8601; call in trio)."""
         sender = self.sender.statistics() if self.sender else None
         card = self.node.card if self.node is not None else None
         return {
             "peer_id": self.identity.peer_id,
             "run_card": {"version": card.version, "digest": card.digest} if card else None,
-            "versions": [vars(r) for r in self.records],
+            "versions": [
+                vars(r) | {"committed_at": _wall_iso(r.committed_at)} for r in self.records
+            ],
             "exchange": vars(sender) if sender else None,
         }
+
+
+def _wall_iso(clock_s: float) -> str:
+    """A ``trio.current_time()`` reading as wall-clock ISO 8601 (in a trio run)."""
+    return iso(wall_of(clock_s, trio.current_time(), time.time()))
 
 
 def check_followable(card: RunCard, task: Task, engine: EngineSpec) -> None:

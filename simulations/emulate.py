@@ -19,7 +19,7 @@ process, ``slow`` changes the node's ``tbf`` rates.
 
 Timelines come from what the nodes expose: JSON logs (``--log-json --log-level DEBUG``:
 ``version_announced``, ``first_byte``, ``shard_verified``, ``version_downloaded``, each with a
-wall-clock ``ts``) and ``--report`` files (bytes per source, HTTP bytes sent). The run ends
+wall-clock ISO 8601 ``ts``) and ``--report`` files (bytes per source, HTTP bytes sent). The run ends
 when every live honest peer committed the last version, on timeout, or on SIGINT/SIGTERM;
 whatever the end, every process is stopped and every namespace removed (``finally``), and a
 report is written from what was collected.
@@ -37,6 +37,7 @@ import sys
 import tempfile
 import time
 from dataclasses import dataclass, field
+from datetime import datetime
 from pathlib import Path
 from types import FrameType
 from typing import Any
@@ -444,11 +445,11 @@ class Emulation:
                 try:
                     rec = json.loads(line)
                     step = int(rec.get("step", -1))
-                except ValueError:
+                except (ValueError, TypeError):
                     continue
                 if step < 0:
                     continue
-                t = float(rec["ts"]) - self.t0
+                t = datetime.fromisoformat(rec["ts"]).timestamp() - self.t0
                 v = versions.setdefault(
                     str(step), {"learned_s": None, "first_byte_s": None, "commit_s": None}
                 )

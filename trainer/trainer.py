@@ -45,6 +45,7 @@ from rollout.reputation import Reputation
 from rollout.task import DEFAULT_TASK, DigitTask, task_data_digest
 from rollout.verify import Validator, ValidatorConfig
 from shardcast.node import NodeConfig, ShardcastNode
+from shardcast.nodestatus import iso, wall_of
 from shardcast.origin import Origin, OriginConfig
 from shardcast.runcard import (
     DEFAULT_ENGINE,
@@ -356,7 +357,7 @@ class Trainer:
                 await self.inbox.wait_status_change()
 
     def report(self) -> dict[str, Any]:
-        """The per-step report (JSON-ready)."""
+        """The per-step report (JSON-ready; times as wall-clock ISO 8601; call in trio)."""
         assert self.node is not None
         assert self.validator is not None
         assert self.inbox is not None
@@ -369,6 +370,9 @@ class Trainer:
                 {
                     "step": rec.step,
                     "manifest_digest": rec.manifest_digest,
+                    "published_at": iso(
+                        wall_of(rec.published_at, trio.current_time(), time.time())
+                    ),
                     "size_bytes": rec.size_bytes,
                     "broadcast_s": max(done[p] for p in expected) if complete else None,
                     "origin_bytes": self.node.server.bytes_by_step.get(rec.step, 0),
