@@ -97,6 +97,7 @@ class InboxStats:
     expired_samples: int
     acks: dict[str, int]
     answers: dict[str, int]
+    fetched_batches: int = 0
 
 
 class RolloutInbox:
@@ -133,6 +134,7 @@ class RolloutInbox:
         self._fetch_slots = trio.Semaphore(self.config.max_concurrent_fetches)
         self._verify_lock = trio.Lock()
         self._announcements = self._duplicates = self._fetched = self._expired = 0
+        self._fetched_batches = 0
         self._by_route: dict[str, int] = {}
         self._acks: dict[str, int] = {}
         self._answers: dict[str, int] = {}
@@ -287,6 +289,7 @@ class RolloutInbox:
         except RemoteProtocolError as exc:
             return self._refuse(ann, "integrity", f"fetch: {exc}")
         self._fetched += len(payload)
+        self._fetched_batches += 1
         try:
             ann.check_payload(payload, ann.submitter)
             batch = RolloutBatch.decode(
@@ -364,4 +367,5 @@ class RolloutInbox:
             self._expired,
             dict(self._acks),
             dict(self._answers),
+            self._fetched_batches,
         )

@@ -125,6 +125,8 @@ class InferencePeer:
         self.forgery = forgery
         self.progress = progress
         self.task = DEFAULT_TASK
+        self.on_weight_swap: Callable[[float], None] | None = None  # seconds (metrics)
+        self.on_generation: Callable[[int, float], None] | None = None  # tokens, seconds
         self.records: list[PeerRecord] = []
         self.node: ShardcastNode | None = None
         self.sender: RolloutSender | None = None
@@ -242,7 +244,11 @@ class InferencePeer:
                             f"config.json of version {step} is not the architecture of run "
                             f"card v{card.version}"
                         )
+                    t0 = time.perf_counter()
                     await trio.to_thread.run_sync(self.engine.load, path)
+                    if self.on_weight_swap is not None:
+                        self.on_weight_swap(time.perf_counter() - t0)
+                t0 = time.perf_counter()
                 batch = await trio.to_thread.run_sync(
                     functools.partial(
                         build_batch,
@@ -260,6 +266,9 @@ class InferencePeer:
                 log.error("generation_failed step=%d error=%s", step, exc)
                 done_step = step
                 continue
+            if self.on_generation is not None:
+                tokens = sum(len(x.completion_ids) for g in batch.groups for x in g.samples)
+                self.on_generation(tokens, time.perf_counter() - t0)
             if self.forgery is not None:
                 batch = self.forgery(batch)
             await self._ensure_trainer()

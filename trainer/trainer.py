@@ -61,6 +61,8 @@ from trainer.grpo import DEFAULT_LR, Rollout, collate, group_advantages, make_op
 from trainer.oracle import TrainerOracle
 
 if TYPE_CHECKING:
+    from collections.abc import Callable
+
     from trio_typing import TaskStatus
 
 log = logging.getLogger(__name__)
@@ -159,6 +161,7 @@ class Trainer:
         self.trained_samples = 0
         self.trained_verified_samples = 0
         self._rejected_mark: dict[str, int] = {}
+        self.on_optimizer_step: Callable[[float], None] | None = None  # seconds (metrics)
 
     async def run(
         self, *, task_status: TaskStatus[ShardcastNode] = trio.TASK_STATUS_IGNORED
@@ -288,7 +291,10 @@ class Trainer:
         out: dict[str, float] = {}
         if rollouts:
             batch = collate(rollouts, int(tokenizer.pad_token_id), self.config.temperature)
+            t0 = time.perf_counter()
             st = await trio.to_thread.run_sync(train_step, model, optimizer, batch)
+            if self.on_optimizer_step is not None:
+                self.on_optimizer_step(time.perf_counter() - t0)
             out = {
                 "loss": st.loss,
                 "approx_kl": st.approx_kl,
