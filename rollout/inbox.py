@@ -130,6 +130,7 @@ class InboxStats:
     answers: dict[str, int]
     by_submitter: dict[str, Acceptance]
     by_length: dict[str, Acceptance]
+    fetched_batches: int = 0
 
 
 class RolloutInbox:
@@ -166,6 +167,7 @@ class RolloutInbox:
         self._fetch_slots = trio.Semaphore(self.config.max_concurrent_fetches)
         self._verify_lock = trio.Lock()
         self._announcements = self._duplicates = self._fetched = self._expired = 0
+        self._fetched_batches = 0
         self._by_route: dict[str, int] = {}
         self._acks: dict[str, int] = {}
         self._answers: dict[str, int] = {}
@@ -336,6 +338,7 @@ class RolloutInbox:
         except RemoteProtocolError as exc:
             return self._refuse(ann, "integrity", f"fetch: {exc}")
         self._fetched += len(payload)
+        self._fetched_batches += 1
         try:
             ann.check_payload(payload, ann.submitter)
             batch = RolloutBatch.decode(
@@ -427,4 +430,5 @@ class RolloutInbox:
             dict(self._answers),
             self.ledger.by_submitter(),
             self.ledger.by_length(),
+            self._fetched_batches,
         )

@@ -47,6 +47,7 @@ PRESETS: dict[str, dict[str, Any]] = {
         "min_batches": 2,
         "lr": 3e-3,
         "keep_last": 3,
+        "anchor_every": 10,
         "timeout_s": 900,
     },
     "real-1b": {
@@ -62,6 +63,7 @@ PRESETS: dict[str, dict[str, Any]] = {
         "optimizer": "sgd",
         "async_level": 1,
         "keep_last": 2,
+        "anchor_every": 10,
         "timeout_s": 1800,
     },
 }
@@ -240,6 +242,8 @@ async def run_demo(opts: DemoOptions) -> int:
             str(p["shard_size"]),
             "--max-shard-bytes",
             str(p["max_shard_bytes"]),
+            "--anchor-every",
+            str(p["anchor_every"]),
             *[a for n in peers for a in ("--allow-peer", ids[n], "--expect-peer", ids[n])],
         ],
         workdir,
@@ -311,6 +315,7 @@ async def run_demo(opts: DemoOptions) -> int:
             [c for c in children if c.name in relays],
             steps,
             trainer_code,
+            p["anchor_every"],
         )
         summary["duration_s"] = round(time.monotonic() - t0, 1)
         summary["model"] = opts.model
@@ -341,8 +346,15 @@ def summarize(
     relays: list[Child],
     steps: int,
     trainer_code: int,
+    anchor_every: int = 10,
 ) -> dict[str, Any]:
-    """Merge the node reports into the demo report and compute ``ok``."""
+    """Merge the node reports into the demo report and compute ``ok``.
+
+    Nodes are named as in the table (``trainer``, ``relay1``, ``peer1`` …) wherever the node
+    reports give PeerIDs; ``peers`` maps each peer's name to its PeerID. Per step,
+    ``samples_trained`` and ``samples_rejected`` are the table's columns; ``totals`` holds the
+    run's sums and the validator's own counts, which the table's last line prints.
+    """
     from p2p.trust import TrustList
     from shardcast.manifest import MANIFEST_FILE, Manifest
     from shardcast.store import hash_file
@@ -389,27 +401,41 @@ def summarize(
         if r.get("broadcast_s") is None:
             problems.append(f"version {r['step']} did not reach every peer")
     rewards = [r["mean_reward"] for r in rows if r.get("mean_reward") is not None]
+    names = {str(c.ready.get("peer_id")): c.name for c in [trainer, *relays, *peers]}
+    validator = tr.get("validator") or {}
+    reputation = dict(tr.get("reputation") or {})
+    if reputation:
+        reputation["scores"] = {
+            names.get(k, k): v for k, v in (reputation.get("scores") or {}).items()
+        }
+        reputation["refused"] = [names.get(k, k) for k in reputation.get("refused") or []]
+    step_rows = [
+        {
+            "step": r.get("step"),
+            "kind": "anchor" if r.get("step", 0) % anchor_every == 0 else "delta",
+            "broadcast_s": r.get("broadcast_s"),
+            "origin_bytes": r.get("origin_bytes"),
+            "size_bytes": r.get("size_bytes"),
+            "peers_committed": sorted(names.get(p, p) for p in r.get("peers_committed") or []),
+            "samples_trained": r.get("rollouts_accepted") or 0,
+            "samples_rejected": r.get("rollouts_rejected") or 0,
+            "rejected_by_reason": r.get("rejected_by_reason") or {},
+            "mean_reward": r.get("mean_reward"),
+            "policy_steps_used": r.get("policy_steps_used"),
+        }
+        for r in rows
+    ]
     return {
         "ok": not problems,
         "problems": problems,
-        "steps": [
-            {
-                k: r.get(k)
-                for k in (
-                    "step",
-                    "broadcast_s",
-                    "origin_bytes",
-                    "size_bytes",
-                    "peers_committed",
-                    "rollouts_accepted",
-                    "rollouts_rejected",
-                    "rejected_by_reason",
-                    "mean_reward",
-                    "policy_steps_used",
-                )
-            }
-            for r in rows
-        ],
+        "anchor_every": anchor_every,
+        "steps": step_rows,
+        "totals": {
+            "samples_trained": sum(r["samples_trained"] for r in step_rows),
+            "samples_rejected": sum(r["samples_rejected"] for r in step_rows),
+            "validator_accepted_samples": _total(validator.get("accepted_samples")),
+            "validator_rejected_samples": _total(validator.get("rejected_samples")),
+        },
         "peers": {
             c.name: {"peer_id": c.ready.get("peer_id"), "versions": peer_versions.get(c.name, {})}
             for c in peers
@@ -422,53 +448,76 @@ def summarize(
             for k in (
                 "trainer",
                 "validator",
-                "reputation",
                 "inbox",
                 "trained_samples",
                 "trained_verified_samples",
                 "origin_bytes_total",
             )
-        },
+        }
+        | {"reputation": reputation},
     }
 
 
+def _total(v: Any) -> int:
+    """A count that a report gives as a number or as counts by reason."""
+    if isinstance(v, dict):
+        return sum(int(x) for x in v.values())
+    return int(v or 0)
+
+
+def _fmt(v: float | None, spec: str) -> str:
+    return "-" if v is None else format(v, spec)
+
+
 def print_table(summary: dict[str, Any]) -> None:
-    """Print the per-step table."""
+    """Print the per-step table, what its columns mean, and the run's totals."""
     from rich.console import Console
     from rich.table import Table
 
-    peer_ids = {v["peer_id"]: k for k, v in summary["peers"].items()}
+    n_peers = len(summary["peers"])
     table = Table(title=f"shardnet demo ({summary['model']}): ok={summary['ok']}")
     for col in (
         "step",
+        "kind",
         "broadcast s",
         "origin bytes",
         "peers with version",
-        "accepted",
-        "rejected",
+        "samples trained",
+        "samples rejected",
         "mean reward",
         "trained on",
     ):
         table.add_column(col, justify="right")
     for r in summary["steps"]:
-        have = [peer_ids.get(p, p[-6:]) for p in r["peers_committed"] or []]
-        rej = r["rollouts_rejected"] or 0
+        have = r["peers_committed"] or []
         reasons = ",".join(f"{k}:{v}" for k, v in sorted((r["rejected_by_reason"] or {}).items()))
         table.add_row(
             str(r["step"]),
-            f"{r['broadcast_s']:.2f}" if r["broadcast_s"] is not None else "-",
-            f"{r['origin_bytes']:,}",
-            f"{len(have)}/{len(peer_ids)} ({','.join(sorted(have))})",
-            str(r["rollouts_accepted"]),
-            f"{rej}" + (f" ({reasons})" if reasons else ""),
-            f"{r['mean_reward']:.3f}" if r["mean_reward"] is not None else "-",
+            r["kind"],
+            _fmt(r["broadcast_s"], ".2f"),
+            f"{r['origin_bytes'] or 0:,}",
+            f"{len(have)}/{n_peers} ({','.join(have)})",
+            str(r["samples_trained"]),
+            f"{r['samples_rejected']}" + (f" ({reasons})" if reasons else ""),
+            _fmt(r["mean_reward"], ".3f"),
             ",".join(map(str, r["policy_steps_used"] or [])) or "-",
         )
     console = Console(width=140)
     console.print(table)
+    console.print(
+        f"kind: anchor = a full version (step 0 and every {summary.get('anchor_every')}th step), "
+        "which a node that missed versions can load without the chain of deltas; delta = "
+        "xor-zstd differences against the previous version, so fewer origin bytes. "
+        "origin bytes: bytes the trainer's origin sent for that version. "
+        "trained on: the policy steps that generated the samples trained at that step."
+    )
     for p in summary["problems"]:
         console.print(f"[red]problem:[/red] {p}")
+    t = summary.get("totals", {})
     console.print(
-        f"duration {summary.get('duration_s')} s; reward first "
-        f"{summary['reward_first']} -> last {summary['reward_last']}"
+        f"duration {_fmt(summary.get('duration_s'), '.1f')} s; samples trained "
+        f"{t.get('samples_trained', 0)} (validator accepted "
+        f"{t.get('validator_accepted_samples', 0)}), rejected {t.get('samples_rejected', 0)}; "
+        f"mean reward first {_fmt(summary['reward_first'], '.3f')} -> last "
+        f"{_fmt(summary['reward_last'], '.3f')}"
     )

@@ -7,6 +7,8 @@ captured at WARNING and above and pass through the same handler as ours, rewritt
 
 ``--log-json`` turns each record into one JSON object per line with ``ts``, ``level``,
 ``logger``, ``event`` and the ``key=value`` pairs split out, so log shippers can index them.
+Times, in both formats, are wall-clock UTC in ISO 8601 with milliseconds
+(``2026-05-01T12:00:00.123Z``; :func:`shardcast.nodestatus.iso`).
 """
 
 from __future__ import annotations
@@ -14,7 +16,15 @@ from __future__ import annotations
 import json
 import logging
 import sys
-import time
+
+from shardcast.nodestatus import iso
+
+
+class TextFormatter(logging.Formatter):
+    """``<ISO time> <LEVEL> [<name>] <logger> <message>``."""
+
+    def formatTime(self, record: logging.LogRecord, datefmt: str | None = None) -> str:
+        return iso(record.created)
 
 
 class JsonFormatter(logging.Formatter):
@@ -24,7 +34,7 @@ class JsonFormatter(logging.Formatter):
         msg = record.getMessage()
         event, _, rest = msg.partition(" ")
         out: dict[str, object] = {
-            "ts": round(record.created, 3),
+            "ts": iso(record.created),
             "level": record.levelname,
             "logger": record.name,
             "event": event,
@@ -80,10 +90,9 @@ def configure(level: str = "INFO", as_json: bool = False, name: str = "") -> Non
         handler.setFormatter(JsonFormatter())
     else:
         prefix = f"{name} " if name else ""
-        fmt = f"%(asctime)s.%(msecs)03d %(levelname)s {prefix}%(name)s %(message)s"
-        formatter = logging.Formatter(fmt, "%H:%M:%S")
-        formatter.converter = time.gmtime
-        handler.setFormatter(formatter)
+        handler.setFormatter(
+            TextFormatter(f"%(asctime)s %(levelname)s {prefix}%(name)s %(message)s")
+        )
     handler.addFilter(LibraryFilter())
     root = logging.getLogger()
     root.handlers[:] = [handler]

@@ -11,12 +11,22 @@ more than the async window behind), ``shardnet_rollouts_announced_total``,
 ``shardnet_rollouts_fetched_bytes_total``, ``shardnet_rollout_batches_buffered``,
 ``shardnet_rollout_batches_accepted_total``, ``shardnet_rollout_batches_rejected_total``,
 ``shardnet_rollout_samples_accepted_total``, ``shardnet_rollout_samples_rejected_total{reason}``,
-``shardnet_submitters_refused``, ``shardnet_rollout_rate_limited_total``.
+``shardnet_submitters_refused``, ``shardnet_rollout_rate_limited_total``,
+``shardnet_rollout_batches_fetched_total`` (payloads fetched from submitters),
+``shardnet_trainer_optimizer_step_seconds`` (histogram: one optimizer step, in its thread).
 
 Peer families: ``shardnet_rollout_batches_submitted_total``,
 ``shardnet_rollout_batches_acked_total{status}``, ``shardnet_rollout_retries_total``,
 ``shardnet_rollout_batches_given_up_total``, ``shardnet_rollout_batches_pending``,
-``shardnet_peer_versions_generated_total``, ``shardnet_peer_mean_reward``.
+``shardnet_peer_versions_generated_total``, ``shardnet_peer_mean_reward``,
+``shardnet_peer_weight_swap_seconds`` (histogram: loading a committed version into the
+engine), ``shardnet_peer_generation_seconds`` (histogram: generating one batch),
+``shardnet_peer_generated_tokens_total`` and ``shardnet_peer_generation_tokens_per_second``
+(completion tokens of the newest batch over its generation time; NaN: none yet). Rates over
+many batches: ``rate(…generated_tokens_total) / rate(…generation_seconds_sum)``.
+
+The duration families are event families: :func:`attach_trainer` and :func:`attach_peer`
+set the role's ``on_*`` hooks to observe them as the durations happen.
 """
 
 from __future__ import annotations
@@ -25,6 +35,7 @@ import time
 from typing import TYPE_CHECKING, Any
 
 import trio
+from prometheus_client import Counter, Gauge, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 
 from shardcast.nodestatus import iso, wall_of
@@ -33,6 +44,10 @@ if TYPE_CHECKING:
     from shardcast.node import ShardcastNode
     from shardnet.peer import InferencePeer
     from trainer.trainer import Trainer
+
+
+# optimizer steps, weight loads and batch generation: CPU seconds to tens of minutes
+_STEP_BUCKETS_S = (0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300, 600, 1800)
 
 
 def _counter(name: str, doc: str, value: float) -> CounterMetricFamily:
@@ -160,6 +175,11 @@ def trainer_families(trainer: Trainer) -> list[Metric]:
             _counter(
                 "shardnet_rollouts_fetched_bytes", "rollout payload bytes fetched", st.fetched_bytes
             ),
+            _counter(
+                "shardnet_rollout_batches_fetched",
+                "rollout batch payloads fetched from submitters",
+                st.fetched_batches,
+            ),
             _gauge(
                 "shardnet_rollout_batches_buffered",
                 "verified batches waiting for a step",
@@ -190,6 +210,12 @@ def attach_trainer(trainer: Trainer, node: ShardcastNode) -> None:
         rollouts=lambda: trainer_rollouts(trainer),
     )
     node.metrics.add_collector(lambda: trainer_families(trainer))
+    trainer.on_optimizer_step = Histogram(
+        "shardnet_trainer_optimizer_step_seconds",
+        "duration of one optimizer step (loss, backward, update), seconds",
+        buckets=_STEP_BUCKETS_S,
+        registry=node.metrics.registry,
+    ).observe
 
 
 # -- inference peer -------------------------------------------------------------------------
@@ -255,3 +281,30 @@ def attach_peer(peer: InferencePeer, node: ShardcastNode) -> None:
     """Add the peer's ``/status`` section and metric families to ``node``."""
     node.status_sections["rollouts"] = lambda: peer_rollouts(peer)
     node.metrics.add_collector(lambda: peer_families(peer))
+    reg = node.metrics.registry
+    peer.on_weight_swap = Histogram(
+        "shardnet_peer_weight_swap_seconds",
+        "time to load a committed version's weights into the inference engine, seconds",
+        buckets=_STEP_BUCKETS_S,
+        registry=reg,
+    ).observe
+    generation = Histogram(
+        "shardnet_peer_generation_seconds",
+        "time to generate one rollout batch (all groups), seconds",
+        buckets=_STEP_BUCKETS_S,
+        registry=reg,
+    )
+    tokens = Counter("shardnet_peer_generated_tokens", "completion tokens generated", registry=reg)
+    rate = Gauge(
+        "shardnet_peer_generation_tokens_per_second",
+        "completion tokens per second of the newest batch (NaN: none yet)",
+        registry=reg,
+    )
+    rate.set(float("nan"))
+
+    def on_generation(n_tokens: int, seconds: float) -> None:
+        generation.observe(seconds)
+        tokens.inc(n_tokens)
+        rate.set(n_tokens / seconds if seconds > 0 else float("nan"))
+
+    peer.on_generation = on_generation

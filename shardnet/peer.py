@@ -21,6 +21,7 @@ import functools
 import json
 import logging
 import random
+import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -39,6 +40,7 @@ from rollout.task import Task, load_task, task_spec
 from shardcast.follower import FollowConfig, Follower, VersionRecord
 from shardcast.manifest import Manifest
 from shardcast.node import NodeConfig, ShardcastNode
+from shardcast.nodestatus import iso, wall_of
 from shardcast.runcard import (
     DEFAULT_ENGINE,
     EngineSpec,
@@ -127,6 +129,8 @@ class InferencePeer:
         self.forgery = forgery
         self.progress = progress
         self.task = load_task(config.task, config.task_reward)
+        self.on_weight_swap: Callable[[float], None] | None = None  # seconds (metrics)
+        self.on_generation: Callable[[int, float], None] | None = None  # tokens, seconds
         self.records: list[PeerRecord] = []
         self.node: ShardcastNode | None = None
         self.sender: RolloutSender | None = None
@@ -241,8 +245,12 @@ class InferencePeer:
                             f"config.json of version {step} is not the architecture of run "
                             f"card v{card.version}"
                         )
+                    t0 = time.perf_counter()
                     await trio.to_thread.run_sync(self.engine.load, path)
+                    if self.on_weight_swap is not None:
+                        self.on_weight_swap(time.perf_counter() - t0)
                     tokenizer = await trio.to_thread.run_sync(load_tokenizer, path)
+                t0 = time.perf_counter()
                 batch = await trio.to_thread.run_sync(
                     functools.partial(
                         build_batch,
@@ -260,6 +268,9 @@ class InferencePeer:
                 log.error("generation_failed step=%d error=%s", step, exc)
                 done_step = step
                 continue
+            if self.on_generation is not None:
+                tokens = sum(len(x.completion_ids) for g in batch.groups for x in g.samples)
+                self.on_generation(tokens, time.perf_counter() - t0)
             if self.forgery is not None:
                 batch = self.forgery(batch)
             await self._ensure_trainer()
@@ -301,15 +312,22 @@ class InferencePeer:
         return rules if mine is None else mine
 
     def report(self) -> dict[str, Any]:
-        """JSON-ready summary of this peer."""
+        """JSON-ready summary of this peer (times as wall-clock ISO 8601; call in trio)."""
         sender = self.sender.statistics() if self.sender else None
         card = self.node.card if self.node is not None else None
         return {
             "peer_id": self.identity.peer_id,
             "run_card": {"version": card.version, "digest": card.digest} if card else None,
-            "versions": [vars(r) for r in self.records],
+            "versions": [
+                vars(r) | {"committed_at": _wall_iso(r.committed_at)} for r in self.records
+            ],
             "exchange": vars(sender) if sender else None,
         }
+
+
+def _wall_iso(clock_s: float) -> str:
+    """A ``trio.current_time()`` reading as wall-clock ISO 8601 (in a trio run)."""
+    return iso(wall_of(clock_s, trio.current_time(), time.time()))
 
 
 def check_followable(card: RunCard, task: Task, engine: EngineSpec) -> None:

@@ -29,6 +29,7 @@ from p2p.errors import ConfigError
 from p2p.identity import Identity
 from rollout.task import load_task, task_spec
 from shardcast.cardsync import bootstrap_card, check_data_dir
+from shardcast.nodestatus import iso
 from shardcast.runcard import (
     RunCard,
     SamplingRules,
@@ -375,6 +376,7 @@ async def run_origin(s: OriginSettings) -> int:
                     published.append(
                         {
                             "step": step,
+                            "published_at": iso(time.time()),
                             "manifest_digest": result.manifest.digest,
                             "size_bytes": result.manifest.total_bytes,
                             "hash_s": result.hash_s,

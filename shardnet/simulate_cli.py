@@ -47,14 +47,18 @@ def simulate_model(
     compare: CompareOpt = None,
 ) -> None:
     """Model a topology in virtual time (thousands of nodes; the real sans-IO policies)."""
+    from shardnet import logs
     from simulations.model import Model
+    from simulations.progress import SimProgress
     from simulations.topology import TopologyError, load, with_overrides
 
+    logs.configure("INFO", False, "simulate")
     try:
         topo = with_overrides(
             load(topology), peers=peers, time_step_s=time_step, shard_size_bytes=shard_size
         )
-        summary = Model(topo, seed=seed).run()
+        with SimProgress("model") as progress:
+            summary = Model(topo, seed=seed).run(progress)
     except TopologyError as exc:
         fail(exc)
     _sim_finish(summary, out or Path("sim-reports") / f"model-{topo.name}", compare)
@@ -79,6 +83,7 @@ def simulate_emulate(
     """Run the real node processes of a topology on shaped links on this machine."""
     from shardnet import logs
     from simulations.emulate import EmulateOptions, run
+    from simulations.progress import SimProgress
     from simulations.topology import TopologyError, load
 
     logs.configure("INFO", False, "simulate")
@@ -86,9 +91,12 @@ def simulate_emulate(
         fail(ShardnetError(f"--shaping must be auto, netns or transport, not {shaping!r}"))
     try:
         topo = load(topology)
-        summary = run(
-            topo, EmulateOptions(scale=scale, timeout_s=timeout, shaping=shaping, workdir=workdir)
-        )
+        with SimProgress("emulate") as progress:
+            summary = run(
+                topo,
+                EmulateOptions(scale=scale, timeout_s=timeout, shaping=shaping, workdir=workdir),
+                progress,
+            )
     except TopologyError as exc:
         fail(exc)
     except KeyboardInterrupt:

@@ -144,6 +144,13 @@ def _steps(steps: list[int]) -> str:
     return ", ".join(map(str, steps))
 
 
+def _step_list(steps: list[int]) -> str:
+    """``none``, ``step 3`` or ``steps 3, 4`` (a count alone would read as a step number)."""
+    if not steps:
+        return "none"
+    return f"step {steps[0]}" if len(steps) == 1 else f"steps {_steps(steps)}"
+
+
 def render(doc: dict[str, Any]) -> RenderableType:
     """Tables for one status document."""
     parts: list[RenderableType] = []
@@ -157,8 +164,9 @@ def render(doc: dict[str, Any]) -> RenderableType:
     head.add_row("lane", f"{doc.get('http_url')}  up {_secs(doc.get('uptime_s'))}")
     head.add_row(
         "versions",
-        f"held {_steps(v.get('committed', []))}; announced "
-        f"{ann['step'] if ann else '-'}; in progress {_steps(v.get('in_progress', []))}",
+        f"held {_step_list(v.get('committed', []))}; announced "
+        f"{_step_list([ann['step']] if ann else [])}; in progress "
+        f"{_step_list(v.get('in_progress', []))}",
     )
     http, p2p = doc.get("http", {}), doc.get("libp2p", {})
     req = http.get("requests", {})

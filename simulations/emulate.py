@@ -19,7 +19,7 @@ process, ``slow`` changes the node's ``tbf`` rates.
 
 Timelines come from what the nodes expose: JSON logs (``--log-json --log-level DEBUG``:
 ``version_announced``, ``first_byte``, ``shard_verified``, ``version_downloaded``, each with a
-wall-clock ``ts``) and ``--report`` files (bytes per source, HTTP bytes sent). The run ends
+wall-clock ISO 8601 ``ts``) and ``--report`` files (bytes per source, HTTP bytes sent). The run ends
 when every live honest peer committed the last version, on timeout, or on SIGINT/SIGTERM;
 whatever the end, every process is stopped and every namespace removed (``finally``), and a
 report is written from what was collected.
@@ -37,6 +37,7 @@ import sys
 import tempfile
 import time
 from dataclasses import dataclass, field
+from datetime import datetime
 from pathlib import Path
 from types import FrameType
 from typing import Any
@@ -44,7 +45,8 @@ from typing import Any
 import numpy as np
 
 from simulations import netns
-from simulations.summary import finish, progress_curve
+from simulations.progress import SimProgress, Snapshot
+from simulations.summary import finish, progress_bands
 from simulations.topology import Node, Topology, TopologyError, scaled
 
 log = logging.getLogger(__name__)
@@ -318,8 +320,29 @@ class Emulation:
             return False
         return any(int(d.name[5:]) >= step for d in run_dir.glob("step-*") if d.name[5:].isdigit())
 
-    def loop(self) -> None:
-        """Publish, fire events, and wait for every live honest peer to commit the last one."""
+    def snapshot(self) -> Snapshot:
+        """Where the run stands: seconds since the clock started, versions, peers at latest."""
+        latest = max(self.published) if self.published else -1
+        peers = [
+            p
+            for p in self.procs.values()
+            if p.node.role == "peer" and p.popen is not None and p.popen.poll() is None
+        ]
+        at = sum(1 for p in peers if latest >= 0 and self._committed(p.node, latest))
+        return Snapshot(
+            time.time() - self.t0,
+            len(self.published),
+            self.topo.spec.checkpoint.versions,
+            latest,
+            at,
+            len(peers),
+        )
+
+    def loop(self, progress: SimProgress | None = None) -> None:
+        """Publish, fire events, and wait for every live honest peer to commit the last one.
+
+        ``progress`` (optional) is shown a :meth:`snapshot` whenever it is due.
+        """
         ck = self.topo.spec.checkpoint
         self.t0 = time.time()
         todo = sorted(
@@ -343,6 +366,8 @@ class Emulation:
                 ]
                 if all(self._committed(p.node, last) for p in peers):
                     return
+            if progress is not None and progress.due():
+                progress.update(self.snapshot())
             if now > self.timeout_s:
                 raise EmulationFailed(f"not finished after {self.timeout_s:.0f} s")
             time.sleep(0.1)
@@ -353,7 +378,7 @@ class Emulation:
         """The run summary (see :mod:`simulations.summary`) from logs and reports."""
         ck = self.topo.spec.checkpoint
         nodes: dict[str, Any] = {}
-        progress: dict[str, Any] = {}
+        shard_times: list[list[float]] = []
         ids: dict[str, str] = {}
         reports: dict[str, dict[str, Any]] = {}
         for p in self.procs.values():
@@ -362,15 +387,13 @@ class Emulation:
             ids[p.node.name] = p.ready.get("peer_id", "")
         origin_id = ids.get(self.topo.origin.name, self.trainer_id)
         origin_up = 0
-        peers = [n for n in self.topo.nodes if n.role == "peer"]
-        sample = {n.name for n in peers[:: max(1, len(peers) // 12)]}
         for n in self.topo.nodes:
             rep = reports.get(n.name, {})
             down = sum(sum(v.get("bytes_by_source", {}).values()) for v in rep.get("versions", []))
             origin_up += sum(
                 v.get("bytes_by_source", {}).get(origin_id, 0) for v in rep.get("versions", [])
             )
-            versions = self._timeline(n, sample, progress)
+            versions = self._timeline(n, shard_times)
             nodes[n.name] = {
                 "role": n.role,
                 "group": n.group,
@@ -401,11 +424,17 @@ class Emulation:
                 "failure": self.failure,
             },
             "nodes": nodes,
-            "progress": progress,
+            "progress": progress_bands(
+                shard_times,
+                self.published[0] - self.t0 if 0 in self.published else 0.0,
+                -(-ck.size_bytes // ck.shard_size_bytes),
+            ),
         }
         return finish(summary, self.topo)
 
-    def _timeline(self, n: Node, sample: set[str], progress: dict[str, Any]) -> dict[str, Any]:
+    def _timeline(self, n: Node, shard_times: list[list[float]]) -> dict[str, Any]:
+        """Node ``n``'s per-version times from its JSON log; a peer's version-0 shard times
+        (seconds from the clock's start) are appended to ``shard_times``."""
         versions: dict[str, Any] = {}
         path = self.wd / n.name / "log.jsonl"
         shards: dict[int, list[float]] = {}
@@ -416,11 +445,11 @@ class Emulation:
                 try:
                     rec = json.loads(line)
                     step = int(rec.get("step", -1))
-                except ValueError:
+                except (ValueError, TypeError):
                     continue
                 if step < 0:
                     continue
-                t = float(rec["ts"]) - self.t0
+                t = datetime.fromisoformat(rec["ts"]).timestamp() - self.t0
                 v = versions.setdefault(
                     str(step), {"learned_s": None, "first_byte_s": None, "commit_s": None}
                 )
@@ -439,16 +468,17 @@ class Emulation:
             c = v["commit_s"]
             v["duration_s"] = None if c is None or pub is None else round(c - (pub - self.t0), 3)
             v["shards"] = len(shards.get(int(key), []))
-        if n.name in sample and 0 in shards and 0 in self.published:
-            nsh = -(
-                -self.topo.spec.checkpoint.size_bytes // self.topo.spec.checkpoint.shard_size_bytes
-            )
-            progress[n.name] = progress_curve(shards[0], self.published[0] - self.t0, nsh)
+        if n.role == "peer" and 0 in shards:
+            shard_times.append(shards[0])
         return versions
 
 
-def run(topo: Topology, opts: EmulateOptions) -> dict[str, Any]:
+def run(
+    topo: Topology, opts: EmulateOptions, progress: SimProgress | None = None
+) -> dict[str, Any]:
     """Run one emulation and return its summary; cleans up whatever happens.
+
+    ``progress`` (optional) is shown where the run stands while it waits for the peers.
 
     SIGTERM is turned into KeyboardInterrupt for the duration, so Ctrl-C and SIGTERM both
     unwind through the cleanup; the summary (with ``run.failure`` set) is returned for a
@@ -468,7 +498,7 @@ def run(topo: Topology, opts: EmulateOptions) -> dict[str, Any]:
         netns.cleanup_stale()
         try:
             em.start()
-            em.loop()
+            em.loop(progress)
         except EmulationFailed as exc:
             em.failure = str(exc)
             log.error("emulation_failed error=%s", exc)

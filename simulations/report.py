@@ -3,10 +3,14 @@
 :func:`write` makes ``OUT/summary.json`` (the schema of :mod:`simulations.summary`),
 ``OUT/summary.md`` and three plots (matplotlib, Agg backend, no display needed):
 
-- ``cdf.png``: CDF of the time honest peers took to commit each version (from publication);
+- ``cdf.png``: CDF of the time honest peers took to commit each version (from publication),
+  its x axis starting near the first commit, the lower bound drawn as a dashed line;
 - ``bytes_per_tier.png``: bytes sent and received by the origin, the relays and the peers;
-- ``timeline.png``: fraction of version 0's shards verified over time, for a sample of peers,
-  with first-byte and commit marks.
+- ``timeline.png``: fraction of version 0's shards verified over time across honest peers:
+  median line, 10th–90th percentile and min–max bands, and the bound.
+
+``summary.md`` holds percentiles per version and the slowest peers, so it stays short at
+thousands of peers; ``summary.json`` keeps every node.
 
 :func:`compare` puts two report directories side by side (``compare.md``, ``compare_cdf.png``).
 """
@@ -44,24 +48,56 @@ def durations(summary: dict[str, Any], step: str) -> list[float]:
     return sorted(out)
 
 
+SLOWEST = 10  # peers listed by name in summary.md
+
+
+def _pct_cells(run: dict[str, Any], step: str) -> str:
+    p = run.get("peer_percentiles_s", {}).get(step, {})
+    return " | ".join(_fmt_s(p.get(k)) for k in ("p50", "p90", "p99"))
+
+
+def _slowest(summary: dict[str, Any], k: int) -> list[tuple[str, str, dict[str, Any]]]:
+    """The ``k`` (peer, version) pairs of honest peers with the longest durations."""
+    rows = [
+        (name, step, v)
+        for name, n in summary["nodes"].items()
+        if n["role"] == "peer" and n["behavior"] == "honest"
+        for step, v in n["versions"].items()
+        if v.get("duration_s") is not None
+    ]
+    rows.sort(key=lambda r: -float(r[2]["duration_s"]))
+    return rows[:k]
+
+
 def markdown(summary: dict[str, Any]) -> str:
-    """The Markdown report of one run."""
+    """The Markdown report of one run: per-version percentiles, tiers, the slowest peers.
+
+    Its length does not grow with the number of peers: peers appear by name only among the
+    ``SLOWEST`` slowest, among the honest peers that never committed (first few), and by
+    count per behaviour otherwise.
+    """
     run = summary["run"]
     ck = summary["checkpoint"]
+    nodes = summary["nodes"]
+    peers = {k: n for k, n in nodes.items() if n["role"] == "peer"}
+    honest = {k: n for k, n in peers.items() if n["behavior"] == "honest"}
     lines = [
         f"# {summary['mode']}: {summary['topology']}",
         "",
         f"checkpoint {ck['size_bytes'] / GB:.3f} GB in {ck['n_shards']} shards of "
         f"{ck['shard_size_bytes'] / 1e6:.2f} MB, {ck['versions']} version(s), "
-        f"scale {ck.get('scale', 1.0):g}",
+        f"scale {ck.get('scale', 1.0):g}; {len(honest)} honest peer(s) of {len(peers)}",
         "",
-        "| version | time to last peer s | mean peer s | peers committed |",
-        "|---|---|---|---|",
+        "Seconds from each version's publication to an honest peer's commit:",
+        "",
+        "| version | peers committed | median s | p90 s | p99 s | last peer s | mean s |",
+        "|---|---|---|---|---|---|---|",
     ]
     for step, last in run["time_to_last_peer_s"].items():
         lines.append(
-            f"| {step} | {_fmt_s(last)} | {_fmt_s(run['mean_peer_s'].get(step))} | "
-            f"{run.get('peers_committed', {}).get(step, '—')} |"
+            f"| {step} | {run.get('peers_committed', {}).get(step, '—')}/{len(honest)} | "
+            f"{_pct_cells(run, step)} | {_fmt_s(last)} | "
+            f"{_fmt_s(run['mean_peer_s'].get(step))} |"
         )
     ro = run.get("rollouts", {})
     lines += [
@@ -83,38 +119,103 @@ def markdown(summary: dict[str, Any]) -> str:
             f"| {role} | {t.get('nodes', 0)} | {t['bytes_up'] / GB:.3f} | "
             f"{t['bytes_down'] / GB:.3f} |"
         )
-    lines += [
-        "",
-        "| node | role | behavior | version | first byte s | commit s | duration s | sent GB "
-        "| received GB |",
-        "|---|---|---|---|---|---|---|---|---|",
-    ]
-    for name, n in summary["nodes"].items():
-        for step, v in n["versions"].items():
+    others: dict[str, int] = {}
+    for n in peers.values():
+        if n["behavior"] != "honest":
+            others[n["behavior"]] = others.get(n["behavior"], 0) + 1
+    if others:
+        lines += ["", "Other peers: " + ", ".join(f"{c} {b}" for b, c in sorted(others.items()))]
+    last_step = str(ck["versions"] - 1)
+    missing = sorted(
+        k for k, n in honest.items() if n["versions"].get(last_step, {}).get("commit_s") is None
+    )
+    if missing:
+        names = [m + (" (left)" if nodes[m].get("alive_at_end") is False else "") for m in missing]
+        shown = ", ".join(names[:SLOWEST]) + (", …" if len(missing) > SLOWEST else "")
+        lines += ["", f"Honest peers without version {last_step}: {len(missing)} ({shown})"]
+    slow = _slowest(summary, SLOWEST)
+    if slow:
+        lines += [
+            "",
+            f"Slowest {len(slow)} (peer, version) of {len(honest)} honest peers:",
+            "",
+            "| peer | group | version | first byte s | commit s | duration s | sent GB "
+            "| received GB |",
+            "|---|---|---|---|---|---|---|---|",
+        ]
+        for name, step, v in slow:
+            n = nodes[name]
             lines.append(
-                f"| {name} | {n['role']} | {n['behavior']} | {step} | "
-                f"{_fmt_s(v.get('first_byte_s'))} | {_fmt_s(v.get('commit_s'))} | "
-                f"{_fmt_s(v.get('duration_s'))} | {n['bytes_up'] / GB:.3f} | "
-                f"{n['bytes_down'] / GB:.3f} |"
+                f"| {name} | {n['group']} | {step} | {_fmt_s(v.get('first_byte_s'))} | "
+                f"{_fmt_s(v.get('commit_s'))} | {_fmt_s(v.get('duration_s'))} | "
+                f"{n['bytes_up'] / GB:.3f} | {n['bytes_down'] / GB:.3f} |"
             )
     return "\n".join(lines) + "\n"
 
 
+def _honest_peers(summary: dict[str, Any]) -> int:
+    return sum(
+        1 for n in summary["nodes"].values() if n["role"] == "peer" and n["behavior"] == "honest"
+    )
+
+
+def _colors(plt: Any, n: int) -> list[Any]:
+    """``n`` distinct colours: tab10 up to 10, else a sequential map (no repeats)."""
+    cmap = plt.get_cmap("tab10" if n <= 10 else "viridis")
+    return [cmap(i if n <= 10 else i / max(1, n - 1)) for i in range(n)]
+
+
 def plot_cdf(summaries: list[tuple[str, dict[str, Any]]], path: Path) -> None:
-    """CDF of peers' commit durations, one line per (run, version)."""
+    """CDF of honest peers' commit durations, one line per (run, version), with the bound.
+
+    The x axis starts near the first commit (not at 0, which would squeeze the curve into
+    the right edge) and includes each run's bound, drawn as a dashed vertical line.
+    """
     plt = _mpl()
     fig, ax = plt.subplots(figsize=(7, 4.5))
-    for label, s in summaries:
-        for step in s["run"]["time_to_last_peer_s"]:
-            d = durations(s, step)
-            if d:
-                ys = [(k + 1) / len(d) for k in range(len(d))]
-                ax.step([0.0, *d], [0.0, *ys], where="post", label=f"{label} v{step}")
+    lines = [
+        (label, s, step, durations(s, step))
+        for label, s in summaries
+        for step in s["run"]["time_to_last_peer_s"]
+    ]
+    lines = [ln for ln in lines if ln[3]]
+    xs: list[float] = []
+    styles = ("--", ":", "-.", (0, (5, 1, 1, 1)))
+    for (label, s, step, d), color in zip(lines, _colors(plt, len(lines)), strict=True):
+        n = max(len(d), _honest_peers(s))  # peers that never committed keep the curve below 1
+        ys = [(k + 1) / n for k in range(len(d))]
+        ax.step(
+            [d[0], *d],
+            [0.0, *ys],
+            where="post",
+            color=color,
+            label=f"{label} v{step} ({len(d)}/{n})",
+        )
+        xs += [d[0], d[-1]]
+    bounds = {
+        (label, float(s["run"]["bound_s"]))
+        for label, s in summaries
+        if s["run"].get("bound_s") is not None
+    }
+    for k, (label, b) in enumerate(sorted(bounds, key=lambda x: x[1])):
+        ax.axvline(
+            b,
+            color="0.3",
+            ls=styles[k % len(styles)],
+            lw=1,
+            label=f"bound {label} (full version): {b:,.1f} s",
+        )
+        xs.append(b)
+    if xs:
+        lo, hi = min(xs), max(xs)
+        pad = max(0.05 * (hi - lo), 0.01 * hi, 1e-3)
+        ax.set_xlim(max(0.0, lo - pad), hi + pad)
     ax.set_xlabel("time from publication to commit (s)")
-    ax.set_ylabel("fraction of honest peers")
-    ax.set_ylim(0, 1.02)
+    ax.set_ylabel("fraction of honest peers committed")
+    ax.set_ylim(0, 1.0)
     ax.grid(alpha=0.3)
-    ax.legend(fontsize=8)
+    if len(lines) + len(bounds) <= 14:
+        ax.legend(fontsize=8, loc="lower right")
     ax.set_title("completion time across peers")
     fig.tight_layout()
     fig.savefig(path, dpi=110)
@@ -142,19 +243,26 @@ def plot_tiers(summary: dict[str, Any], path: Path) -> None:
 
 
 def plot_timeline(summary: dict[str, Any], path: Path) -> None:
-    """Shards verified over time for the sampled peers (version 0)."""
+    """Version 0's shards verified over time across honest peers: median and bands."""
     plt = _mpl()
     fig, ax = plt.subplots(figsize=(7, 4.5))
-    for name, curve in sorted(summary.get("progress", {}).items()):
-        if curve:
-            ax.plot([p[0] for p in curve], [p[1] for p in curve], lw=1, label=name)
+    prog = summary.get("progress") or {}
+    q = prog.get("quantiles", {})
+    if q:
+        t = prog["t_s"]
+        ax.fill_between(t, q["0"], q["100"], color="C0", alpha=0.15, lw=0, label="min–max")
+        ax.fill_between(t, q["10"], q["90"], color="C0", alpha=0.35, lw=0, label="10th–90th pct")
+        ax.plot(t, q["50"], color="C0", lw=1.5, label="median")
+        b = summary["run"].get("bound_s")
+        if b is not None:
+            ax.axvline(b, color="0.3", ls="--", lw=1, label=f"bound (full version) {b:,.1f} s")
+        ax.legend(fontsize=8, loc="upper left")
     ax.set_xlabel("time from publication of version 0 (s)")
-    ax.set_ylabel("fraction of shards verified")
-    ax.set_ylim(0, 1.02)
+    ax.set_ylabel("fraction of version 0's shards verified")
+    ax.set_ylim(0, 1.0)
+    ax.set_xlim(left=0)
     ax.grid(alpha=0.3)
-    if summary.get("progress"):
-        ax.legend(fontsize=7, ncol=2)
-    ax.set_title(f"timeline: {summary['topology']} ({summary['mode']})")
+    ax.set_title(f"{summary['topology']} ({summary['mode']}): {prog.get('peers', 0)} honest peers")
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)

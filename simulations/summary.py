@@ -6,17 +6,23 @@ Schema (times in seconds from the start of the run unless named ``duration``)::
      "checkpoint": {"size_bytes", "shard_size_bytes", "n_shards", "versions", "scale"},
      "run": {"time_to_last_peer_s": {step: s}, "mean_peer_s": {step: s},
              "time_to_last_peer_max_s", "origin_egress_bytes", "bound_s",
+             "peer_percentiles_s": {step: {"p50", "p90", "p99", "max"}},
              "rollouts": {"sent", "accepted", "rejected"}, "wall_s", "virtual_s"},
      "nodes": {name: {"role", "group", "behavior", "up_bps", "down_bps", "bytes_up",
                       "bytes_down", "versions": {step: {"published_s", "learned_s",
                       "first_byte_s", "commit_s", "duration_s", "digest_ok",
                       "rollouts_sent_s"}}}},
      "tiers": {role: {"bytes_up", "bytes_down", "nodes"}},
-     "progress": {name: [[t_s, fraction_of_shards], ...]}}
+     "progress": {"step": "0", "peers": int, "t_s": [t, ...],
+                  "quantiles": {"0" | "10" | "50" | "90" | "100": [fraction, ...]}}}
 
 ``time_to_last_peer_s[step]``: from the version's publication until the last honest peer that
 committed it did so. ``bound_s``: S/B + (ceil(log2(N+1)) - 1) s/B (DESIGN.md), with B the
 slowest honest peer's downlink, N the relays and peers, s the shard size.
+``peer_percentiles_s[step]``: percentiles of honest peers' durations (publication to commit).
+``progress``: across honest peers, percentiles of the fraction of version 0's shards verified
+(never above 1), at ``PROGRESS_POINTS + 1`` times from version 0's publication until the last
+peer's last shard; the report draws them as bands, which stays readable at 1,000 peers.
 """
 
 from __future__ import annotations
@@ -25,12 +31,14 @@ import math
 from collections import defaultdict
 from typing import TYPE_CHECKING, Any
 
+import numpy as np
+
 if TYPE_CHECKING:
     from simulations.model import Model
     from simulations.topology import Topology
 
-PROGRESS_NODES = 12
-PROGRESS_POINTS = 60
+PROGRESS_POINTS = 100
+PROGRESS_QUANTILES = (0, 10, 50, 90, 100)
 
 
 def bound_s(topo: Topology) -> float:
@@ -43,17 +51,36 @@ def bound_s(topo: Topology) -> float:
     return ck.size_bytes / b + (math.ceil(math.log2(n + 1)) - 1) * ck.shard_size_bytes / b
 
 
-def progress_curve(times: list[float], t0: float, n_shards: int) -> list[list[float]]:
-    """Fraction of shards verified over time, sampled at ``PROGRESS_POINTS`` points."""
-    if not times:
-        return []
-    ts = sorted(times)
-    step = max(1, len(ts) // PROGRESS_POINTS)
-    out = [[0.0, 0.0]] + [
-        [round(ts[k] - t0, 4), round((k + 1) / n_shards, 4)] for k in range(0, len(ts), step)
-    ]
-    out.append([round(ts[-1] - t0, 4), round(len(ts) / n_shards, 4)])
-    return out
+def progress_bands(shard_times: list[list[float]], t0: float, n_shards: int) -> dict[str, Any]:
+    """Percentiles across peers of the fraction of shards verified over time (the schema's
+    ``progress``).
+
+    Args:
+        shard_times: per peer, the times its shards of the version were verified, seconds.
+        t0: the version's publication time, seconds (same clock).
+        n_shards: shards in the version; a peer's fraction is capped at 1 (a shard verified
+            twice, e.g. after a resumed download, does not count twice).
+
+    Returns:
+        ``{}`` when no peer verified anything.
+    """
+    curves = [np.sort(np.asarray(ts, dtype=float)) - t0 for ts in shard_times if ts]
+    if not curves or n_shards <= 0:
+        return {}
+    end = max(float(c[-1]) for c in curves)
+    grid = np.linspace(0.0, max(end, 1e-9), PROGRESS_POINTS + 1)
+    frac = np.stack([np.searchsorted(c, grid, side="right") for c in curves]) / n_shards
+    frac = np.minimum(frac, 1.0)
+    q = np.percentile(frac, PROGRESS_QUANTILES, axis=0)
+    return {
+        "step": "0",
+        "peers": len(curves),
+        "t_s": [round(float(t), 4) for t in grid],
+        "quantiles": {
+            str(p): [round(float(x), 4) for x in row]
+            for p, row in zip(PROGRESS_QUANTILES, q, strict=True)
+        },
+    }
 
 
 def finish(summary: dict[str, Any], topo: Topology) -> dict[str, Any]:
@@ -62,6 +89,7 @@ def finish(summary: dict[str, Any], topo: Topology) -> dict[str, Any]:
     last: dict[str, float] = {}
     mean: dict[str, float] = {}
     committed: dict[str, int] = {}
+    pct: dict[str, dict[str, float]] = {}
     steps = sorted({s for n in nodes.values() for s in n["versions"]}, key=int)
     for step in steps:
         ds = [
@@ -76,6 +104,13 @@ def finish(summary: dict[str, Any], topo: Topology) -> dict[str, Any]:
             last[step] = round(max(ds), 3)
             mean[step] = round(sum(ds) / len(ds), 3)
             committed[step] = len(ds)
+            p50, p90, p99 = np.percentile(ds, (50, 90, 99))
+            pct[step] = {
+                "p50": round(float(p50), 3),
+                "p90": round(float(p90), 3),
+                "p99": round(float(p99), 3),
+                "max": round(max(ds), 3),
+            }
     tiers: dict[str, dict[str, float]] = defaultdict(lambda: {"bytes_up": 0, "bytes_down": 0})
     for n in nodes.values():
         t = tiers[n["role"]]
@@ -90,6 +125,7 @@ def finish(summary: dict[str, Any], topo: Topology) -> dict[str, Any]:
             "time_to_last_peer_s": last,
             "mean_peer_s": mean,
             "peers_committed": committed,
+            "peer_percentiles_s": pct,
             "time_to_last_peer_max_s": max(last.values()) if last else None,
             "origin_egress_bytes": origin["bytes_up"],
             "bound_s": round(bound_s(topo), 3),
@@ -103,9 +139,7 @@ def model_summary(m: Model) -> dict[str, Any]:
     topo = m.topo
     ck = topo.spec.checkpoint
     nodes: dict[str, Any] = {}
-    progress: dict[str, Any] = {}
-    peers = [n for n in m.nodes if n.spec.role == "peer"]
-    sample = {p.spec.name for p in peers[:: max(1, len(peers) // PROGRESS_NODES)]}
+    shard_times: list[list[float]] = []
     for n in m.nodes:
         versions = {}
         for step, rec in sorted(n.records.items()):
@@ -125,8 +159,8 @@ def model_summary(m: Model) -> dict[str, Any]:
             if "rollouts_sent_s" in rec:
                 entry["rollouts_sent_s"] = rec["rollouts_sent_s"]
             versions[str(step)] = entry
-            if n.spec.name in sample and ver is not None and step == 0:
-                progress[n.spec.name] = progress_curve(rec["shards_s"], ver.t_pub, len(ver.lengths))
+            if step == 0 and n.spec.role == "peer" and n.spec.behavior == "honest":
+                shard_times.append(rec["shards_s"])
         nodes[n.spec.name] = {
             "role": n.spec.role,
             "group": n.spec.group,
@@ -164,6 +198,10 @@ def model_summary(m: Model) -> dict[str, Any]:
             "seeding_refused": m.seeding.refused,
         },
         "nodes": nodes,
-        "progress": progress,
+        "progress": progress_bands(
+            shard_times,
+            m.versions[0].t_pub if 0 in m.versions else 0.0,
+            len(m.versions[0].lengths) if 0 in m.versions else 0,
+        ),
     }
     return finish(summary, topo)

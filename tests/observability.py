@@ -57,6 +57,8 @@ TRAINER = {
     "shardnet_rollout_batches_rejected": "counter",
     "shardnet_rollout_samples_accepted": "counter",
     "shardnet_rollout_samples_rejected": "counter",
+    "shardnet_rollout_batches_fetched": "counter",
+    "shardnet_trainer_optimizer_step_seconds": "histogram",
 }
 PEER = {
     "shardnet_peer_versions_generated": "counter",
@@ -66,6 +68,10 @@ PEER = {
     "shardnet_rollout_retries": "counter",
     "shardnet_rollout_batches_given_up": "counter",
     "shardnet_rollout_batches_pending": "gauge",
+    "shardnet_peer_weight_swap_seconds": "histogram",
+    "shardnet_peer_generation_seconds": "histogram",
+    "shardnet_peer_generated_tokens": "counter",
+    "shardnet_peer_generation_tokens_per_second": "gauge",
 }
 BY_ROLE = {
     "trainer": COMMON | ORIGIN | TRAINER,

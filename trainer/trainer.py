@@ -45,6 +45,7 @@ from rollout.reputation import Reputation
 from rollout.task import Task, load_task, task_spec
 from rollout.verify import Validator, ValidatorConfig
 from shardcast.node import NodeConfig, ShardcastNode
+from shardcast.nodestatus import iso, wall_of
 from shardcast.origin import Origin, OriginConfig
 from shardcast.runcard import (
     DEFAULT_ENGINE,
@@ -60,6 +61,8 @@ from trainer.grpo import DEFAULT_LR, Rollout, collate, group_advantages, make_op
 from trainer.oracle import TrainerOracle
 
 if TYPE_CHECKING:
+    from collections.abc import Callable
+
     from trio_typing import TaskStatus
 
 log = logging.getLogger(__name__)
@@ -167,6 +170,7 @@ class Trainer:
         self.trained_verified_samples = 0
         self._rejected_mark: dict[str, int] = {}
         self.model_dir = config.model
+        self.on_optimizer_step: Callable[[float], None] | None = None  # seconds (metrics)
 
     async def run(
         self, *, task_status: TaskStatus[ShardcastNode] = trio.TASK_STATUS_IGNORED
@@ -316,7 +320,10 @@ class Trainer:
         out: dict[str, float] = {}
         if rollouts:
             batch = collate(rollouts, pad_token_id(tokenizer), self.config.temperature)
+            t0 = time.perf_counter()
             st = await trio.to_thread.run_sync(train_step, model, optimizer, batch)
+            if self.on_optimizer_step is not None:
+                self.on_optimizer_step(time.perf_counter() - t0)
             out = {
                 "loss": st.loss,
                 "approx_kl": st.approx_kl,
@@ -385,7 +392,7 @@ class Trainer:
                 await self.inbox.wait_status_change()
 
     def report(self) -> dict[str, Any]:
-        """The per-step report (JSON-ready)."""
+        """The per-step report (JSON-ready; times as wall-clock ISO 8601; call in trio)."""
         assert self.node is not None
         assert self.validator is not None
         assert self.inbox is not None
@@ -398,6 +405,9 @@ class Trainer:
                 {
                     "step": rec.step,
                     "manifest_digest": rec.manifest_digest,
+                    "published_at": iso(
+                        wall_of(rec.published_at, trio.current_time(), time.time())
+                    ),
                     "size_bytes": rec.size_bytes,
                     "broadcast_s": max(done[p] for p in expected) if complete else None,
                     "origin_bytes": self.node.server.bytes_by_step.get(rec.step, 0),

@@ -36,9 +36,19 @@ def test_demo_two_steps_end_to_end(tmp_path: Path) -> None:
     assert r["problems"] == []
     assert [s["step"] for s in r["steps"]] == [0, 1, 2]
     for s in r["steps"]:
-        assert len(s["peers_committed"]) == 3
+        assert s["peers_committed"] == ["peer1", "peer2", "peer3"]  # named as in the table
         assert s["broadcast_s"] is not None
+    assert [s["kind"] for s in r["steps"]] == ["anchor", "delta", "delta"]
     assert r["trainer"]["trained_samples"] == r["trainer"]["trained_verified_samples"] > 0
+    # the JSON's counts are the table's: per-step samples sum to the totals line
+    t = r["totals"]
+    assert t["samples_trained"] == sum(s["samples_trained"] for s in r["steps"])
+    assert t["samples_trained"] == r["trainer"]["trained_samples"]
+    assert t["validator_accepted_samples"] >= t["samples_trained"]
+    table = proc.stdout
+    assert "kind: anchor = a full version" in table
+    assert f"samples trained {t['samples_trained']} (validator accepted" in table
+    assert set(r["trainer"]["reputation"]["scores"]) <= {"peer1", "peer2", "peer3"}
     # every node process is gone
     ps = subprocess.run(["ps", "-eo", "args"], capture_output=True, text=True, check=True)
     assert str(tmp_path / "w") not in ps.stdout

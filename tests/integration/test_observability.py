@@ -169,6 +169,10 @@ async def test_status_and_metrics_of_every_role(tmp_path: Path) -> None:
     assert all(p["latest_step"] >= 1 and p["last_heard"].endswith("Z") for p in network.values())
     assert trainer_doc["rollouts"]["accepted_samples"] > 0
     assert trainer_doc["trainer"]["async_window_versions"] == trainer.config.async_level
+    # version 1 exists, so one optimizer step ran on batches fetched from both peers
+    assert _value(trainer_text, "shardnet_trainer_optimizer_step_seconds_count") >= 1
+    assert _value(trainer_text, "shardnet_trainer_optimizer_step_seconds_sum") > 0
+    assert _value(trainer_text, "shardnet_rollout_batches_fetched_total") >= 2
     relay_doc, relay_text = scraped["relay"]
     (up,) = relay_doc["upstreams"]
     assert up["peer_id"] == trainer_id.peer_id
@@ -185,6 +189,10 @@ async def test_status_and_metrics_of_every_role(tmp_path: Path) -> None:
         assert doc["upstreams"][0]["role"] == "relay"
         assert doc["rollouts"]["submitted"] >= 1
         assert _value(text, "shardnet_rollout_batches_submitted_total") >= 1
+        assert _value(text, "shardnet_peer_weight_swap_seconds_count") >= 1
+        assert _value(text, "shardnet_peer_generation_seconds_count") >= 1
+        assert _value(text, "shardnet_peer_generated_tokens_total") >= 1
+        assert _value(text, "shardnet_peer_generation_tokens_per_second") > 0
         got = sum(
             _value(text, f'shardnet_shards_verified_total{{source_kind="{k}"}}')
             for k in ("relay", "peer")

@@ -50,3 +50,25 @@ def test_libp2p_warnings_as_json(capsys: pytest.CaptureFixture[str]) -> None:
     assert rec["event"] == "libp2p_message"
     assert rec["text"] == "dial failed: a b c"
     assert rec["level"] == "WARNING"
+
+
+@pytest.mark.usefixtures("_restore_logging")
+def test_times_are_wall_clock_iso_8601(capsys: pytest.CaptureFixture[str]) -> None:
+    import time
+    from datetime import datetime
+
+    from shardcast.nodestatus import iso
+
+    assert iso(0.0) == "1970-01-01T00:00:00.000Z"
+    assert iso(1_700_000_000.1234) == "2023-11-14T22:13:20.123Z"
+    before = time.time()
+    configure("INFO", as_json=True)
+    logging.getLogger("shardcast.node").info("node_ready role=relay")
+    configure("INFO", name="relay")
+    logging.getLogger("shardcast.node").info("node_ready role=relay")
+    json_line, text_line = capsys.readouterr().err.splitlines()
+    ts = datetime.fromisoformat(json.loads(json_line)["ts"]).timestamp()
+    assert before - 0.001 <= ts <= time.time()
+    stamp = text_line.split(" ", 1)[0]
+    assert stamp.endswith("Z")
+    assert abs(datetime.fromisoformat(stamp).timestamp() - ts) < 5
