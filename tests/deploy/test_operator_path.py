@@ -21,7 +21,8 @@ directory:
 
 Checks that need work not merged yet are named in ``UNMERGED``; while a name is there, its
 failure makes the test xfail (with the reason) instead of fail, and its success fails the test
-so that the name gets removed (like ``xfail_strict``). Everything else is a hard assertion.
+so that the name gets removed (like ``xfail_strict``; except for the names in ``NOT_STRICT``,
+which can pass by chance). Everything else is a hard assertion.
 """
 
 from __future__ import annotations
@@ -52,6 +53,7 @@ EXTRA = {  # test-only options, appended to the README's commands
         *("--report", "trainer-report.json"),
         *("--keep-last", "100"),  # every version stays on disk: the digest of each step
         *("--start-wait", "60"),
+        *("--step-timeout", "60"),  # > REJOIN_S: a trainer one batch short shows as a stall
         *("--final-wait", "60"),
     ],
     "relay": ["--report", "relay-report.json"],
@@ -68,7 +70,17 @@ UNMERGED: dict[str, str] = {
         "(today it waits for hellos that running peers never resend, then crashes with "
         "'step 0 is not newer than published step 0')"
     ),
+    "peer_resumes_generation": (
+        "branch lifecycle: a peer restarted with the newest version already on disk generates "
+        "rollouts for it (today it waits for the next version, so if it was killed before it "
+        "submitted, the trainer is one batch short and waits the step timeout)"
+    ),
 }
+# A check that can pass by chance while its work is missing (it depends on when the SIGKILL
+# lands): its passing does not fail the test.
+NOT_STRICT = {"peer_resumes_generation"}
+DOWNTIME_S = 5.0  # how long a restarted relay stays away (its peers retry every 1-2 s)
+REJOIN_S = 30.0  # a restarted relay or peer: the next version reaches it within this
 
 
 class Checks:
@@ -89,7 +101,8 @@ class Checks:
         except AssertionError as exc:
             self.failed[name] = str(exc).splitlines()[0][:300]
         else:
-            self.passed.append(name)
+            if name not in NOT_STRICT:
+                self.passed.append(name)
 
     def ok(self, name: str) -> bool:
         """False if the block ``name`` failed (so what depends on it is skipped)."""
@@ -157,8 +170,9 @@ class Deployment:
         v = metric(self.metrics(node, via), "shardnet_latest_committed_step")
         return -1 if v is None else int(v)
 
-    def wait_latest(self, nodes: list[Node], above: int, via: Host, what: str) -> None:
-        """Wait until every node in ``nodes`` has committed a step > ``above``.
+    def wait_latest(self, nodes: list[Node], above: int, via: Host, what: str) -> float:
+        """Wait until every node in ``nodes`` has committed a step > ``above``; the seconds
+        it took.
 
         Raises:
             AssertionError: a node exited, or ``PROGRESS_S`` passed.
@@ -169,8 +183,11 @@ class Deployment:
                 assert n.running(), f"{n.name} exited with {n.proc.poll()}\n{n.tail()}"
             return all(self.latest(n, via) > above for n in nodes)
 
+        t0 = time.monotonic()
         wait_until(what, done, PROGRESS_S, self.hosts)
+        elapsed = time.monotonic() - t0
         self.note(f"{what}: " + ", ".join(f"{n.name}={self.latest(n, via)}" for n in nodes))
+        return elapsed
 
 
 def check_advertised(ready: dict[str, Any], host: Host, name: str) -> None:
@@ -244,14 +261,16 @@ def test_operator_path_on_four_hosts(hosts: Hosts) -> None:
     assert relay.stop() == 0, relay.tail()
     dep.note("relay stopped (SIGTERM, exit 0)")
     shutil.copy(b.workdir / "relay-report.json", b.workdir / "relay-report.1.json")
+    time.sleep(DOWNTIME_S)  # not waiting for a state: the relay is away, as in a real restart
     relay = dep.start("relay", b, "relay.2")
     assert relay.info["peer_id"] == relay_id
     kept = metric(dep.metrics(relay, a), "shardnet_versions_committed")
     assert kept is not None, "restarted relay: no metrics"
     assert kept >= 1, f"restarted relay kept {kept} versions"
-    dep.wait_latest(
+    took = dep.wait_latest(
         [peer_c, peer_d], before, a, "both peers committed a version after the relay restart"
     )
+    assert took < REJOIN_S, f"peers took {took:.0f} s to rejoin the restarted relay"
 
     # 4. peer C: SIGKILL, start again on its data directory; it commits later versions
     before = dep.latest(peer_c, a)
@@ -261,7 +280,9 @@ def test_operator_path_on_four_hosts(hosts: Hosts) -> None:
     kept = metric(dep.metrics(peer_c, a), "shardnet_versions_committed")
     assert kept is not None, "restarted peer: no metrics"
     assert kept >= 1, f"restarted peer kept {kept} versions"
-    dep.wait_latest([peer_c], before, a, "peer-c committed a version after its restart")
+    took = dep.wait_latest([peer_c], before, a, "peer-c committed a version after its restart")
+    with checks.needs("peer_resumes_generation"):
+        assert took < REJOIN_S, f"the next version took {took:.0f} s after the peer restart"
 
     # 5. trainer: SIGKILL, start again on its data directory; it resumes at the next step
     trainer.kill()
