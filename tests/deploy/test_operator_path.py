@@ -30,6 +30,7 @@ from __future__ import annotations
 import json
 import shlex
 import shutil
+import subprocess
 import sys
 import time
 from collections.abc import Iterator
@@ -42,8 +43,6 @@ import pytest
 
 from tests.deploy import readme
 from tests.deploy.hosts import Host, Hosts, Node, metric, wait_until
-
-pytestmark = pytest.mark.slow
 
 RUN_ID = "operator-path"
 STEPS = 8  # versions 0..STEPS; enough that the trainer is still running at its restart
@@ -297,7 +296,10 @@ def test_operator_path_on_four_hosts(hosts: Hosts) -> None:
         dep.wait_latest(
             [peer_c, peer_d], last, a, "both peers committed a version of the restarted trainer"
         )
-        code = trainer.wait(PROGRESS_S)
+        try:
+            code = trainer.wait(PROGRESS_S)
+        except subprocess.TimeoutExpired as exc:
+            raise AssertionError(f"the restarted trainer did not finish\n{hosts.logs()}") from exc
         dep.note(f"restarted trainer finished, exit {code}")
         assert code == 0, trainer.tail()
         report = read_report(a.workdir / "trainer-report.json")
