@@ -129,6 +129,7 @@ class Deployment:
             assert not clash, f"test options {clash} would replace the README's"
         self.values: dict[str, str | list[str]] = {"RUN_ID": RUN_ID}
         self.events: list[str] = []
+        self.advertised: dict[str, set[str]] = {}  # PeerID -> multiaddrs in its ready line
         self.t0 = time.monotonic()
 
     def note(self, what: str) -> None:
@@ -158,7 +159,24 @@ class Deployment:
         ready = node.wait_ready(READY_S)
         self.note(f"{name} ready: {json.dumps(ready)}")
         check_advertised(ready, host, name)
+        other = next(h for h in self.hosts.hosts.values() if h != host)
+        assert self.metrics(node, other) is not None, (
+            f"{name}'s advertised HTTP lane {ready['http_url']} is not reachable from {other.name}"
+        )
+        self.advertised[ready["peer_id"]] = set(ready["multiaddrs"])
         return node
+
+    def check_readme_addresses(self) -> None:
+        """Every node address the README's commands dial (``--upstream``, ``--bootstrap``,
+        ``--trainer-addr``) is one its node advertises in its ready line."""
+        for role in EXTRA:
+            values = {**self.values, "PEER_IP": "-"}  # only in a peer's own --listen
+            for arg in readme.substitute(self.roles[role], values):
+                if "/p2p/" in arg:
+                    peer_id = arg.rsplit("/p2p/", 1)[1]
+                    assert arg in self.advertised.get(peer_id, set()), (
+                        f"README's {role} command dials {arg}, which no node advertises"
+                    )
 
     def metrics(self, node: Node, via: Host) -> str | None:
         """``node``'s /metrics, fetched from host ``via`` through its advertised URL."""
@@ -254,6 +272,8 @@ def test_operator_path_on_four_hosts(hosts: Hosts) -> None:
         *peer_ids,
     ]
     dep.wait_latest([peer_c, peer_d], 0, a, "both peers committed version 1")
+
+    dep.check_readme_addresses()
 
     # 3. relay: SIGTERM (exit 0), start again on its data directory; peers get later versions
     before = max(dep.latest(p, a) for p in (peer_c, peer_d))
