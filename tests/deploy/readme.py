@@ -121,5 +121,5 @@ def substitute(argv: Sequence[str], values: Mapping[str, str | Sequence[str]]) -
         assert argv[i - 1].startswith("--"), where
         opt = out.pop()
         for v in values[names[0]]:
-            out += [opt, PLACEHOLDER.sub(lambda _m, v=v: v, a)]
+            out += [opt, a.replace(f"<{names[0]}>", v)]
     return out
