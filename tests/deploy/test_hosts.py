@@ -1,0 +1,61 @@
+"""The hosts harness: own addresses, processes run inside, everything removed at the end."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from simulations import netns
+from tests.deploy.hosts import Hosts, Node, available
+
+OK, WHY = available()
+needs_netns = pytest.mark.skipif(not OK, reason=f"network namespaces unavailable: {WHY}")
+
+SERVE = (
+    "import http.server, sys\n"
+    "s = http.server.HTTPServer((sys.argv[1], 8080), http.server.SimpleHTTPRequestHandler)\n"
+    'print(\'shardnet-ready {"http_url": "http://%s:8080"}\' % sys.argv[1], flush=True)\n'
+    "s.serve_forever()\n"
+)
+
+
+def _pids(ns: str) -> list[str]:
+    out = subprocess.run(["ip", "netns", "pids", ns], capture_output=True, text=True, check=False)
+    return out.stdout.split()
+
+
+@needs_netns
+def test_hosts_reach_each_other_and_are_removed(tmp_path: Path) -> None:
+    with Hosts(tmp_path) as hosts:
+        a, b = hosts.add("a"), hosts.add("b")
+        assert a.ip != b.ip
+        assert f"inet {a.ip}/24" in hosts.run(a, ["ip", "-4", "addr", "show", "eth0"])
+        (b.workdir / "hello.txt").write_text("hi from b")
+        server = hosts.start(b, "server", [sys.executable, "-c", SERVE, b.ip])
+        url = server.wait_ready(30)["http_url"]
+        assert hosts.http_get(a, url + "/hello.txt") == "hi from b"
+        assert _pids(b.netns) == [str(server.pid)]
+        assert server.stop() != 0  # SIGTERM: HTTPServer has no handler, so it dies of it
+        names = [a.netns, b.netns, hosts.lab.bridge]
+    assert not set(names) & set(netns.namespaces())
+
+
+def _fail_inside(hosts: Hosts, seen: list[object]) -> None:
+    with hosts:
+        a = hosts.add("a")
+        seen += [hosts.start(a, "sleeper", ["sleep", "600"]), a.netns, hosts.lab.bridge]
+        raise RuntimeError("boom")
+
+
+@needs_netns
+def test_a_failing_test_leaves_nothing_behind(tmp_path: Path) -> None:
+    seen: list[object] = []
+    with pytest.raises(RuntimeError, match="boom"):
+        _fail_inside(Hosts(tmp_path), seen)
+    node, *names = seen
+    assert isinstance(node, Node)
+    assert node.proc.poll() is not None
+    assert not set(names) & set(netns.namespaces())
