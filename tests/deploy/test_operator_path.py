@@ -51,9 +51,9 @@ EXTRA = {  # test-only options, appended to the README's commands
         *("--steps", str(STEPS)),
         *("--report", "trainer-report.json"),
         *("--keep-last", "100"),  # every version stays on disk: the digest of each step
-        *("--start-wait", "60"),
-        *("--step-timeout", "60"),  # > REJOIN_S: a trainer one batch short shows as a stall
-        *("--final-wait", "60"),
+        *("--start-wait-s", "60"),
+        *("--step-timeout-s", "60"),  # > REJOIN_S: a trainer one batch short shows as a stall
+        *("--final-wait-s", "60"),
     ],
     "relay": ["--report", "relay-report.json"],
     "peer": ["--report", "peer-report.json"],
