@@ -141,6 +141,7 @@ class NodeInfo:
     http_url: str
     committed: tuple[int, ...]
     announcement: bytes | None
+    finished: bytes | None = None  # the trainer's signed RunFinished (shardcast.finish)
 
     def encode(self) -> bytes:
         """Canonical CBOR bytes."""
@@ -154,6 +155,8 @@ class NodeInfo:
         }
         if self.announcement is not None:
             obj["announcement"] = self.announcement
+        if self.finished is not None:
+            obj["finished"] = self.finished
         return wire.encode(obj)
 
     @classmethod
@@ -180,6 +183,15 @@ class NodeInfo:
         ann = obj.get("announcement")
         if ann is not None and (not isinstance(ann, bytes) or len(ann) > MAX_ANNOUNCEMENT_BYTES):
             raise RemoteProtocolError(sender, "announcement must be bytes")
+        fin = obj.get("finished")
+        if fin is not None and (not isinstance(fin, bytes) or len(fin) > MAX_ANNOUNCEMENT_BYTES):
+            raise RemoteProtocolError(sender, "finished must be bytes")
         return cls(
-            peer_id, role, wire.need_str(obj, "run_id", 128, sender), url, tuple(committed), ann
+            peer_id,
+            role,
+            wire.need_str(obj, "run_id", 128, sender),
+            url,
+            tuple(committed),
+            ann,
+            fin,
         )

@@ -8,7 +8,11 @@ It owns, for the duration of :meth:`ShardcastNode.open`:
 - the :class:`~shardcast.store.VersionStore` of the run under ``<data_dir>/versions``;
 - the ``/shardnet/info/1.0.0`` handler answering with :class:`~shardcast.messages.NodeInfo`;
 - the newest verified :class:`~shardcast.messages.VersionAnnouncement` this node knows, with
-  an event that fires when a newer one arrives (from gossip, an info poll, or the origin).
+  an event that fires when a newer one arrives (from gossip, an info poll, or the origin);
+  an announcement of the same step with another manifest digest replaces the known one (the
+  trainer's newest signed word is authoritative; followers then replace their copy);
+- the trainer's signed :class:`~shardcast.finish.RunFinished`, once the run has ended (lifted
+  again by an announcement of a newer step).
 """
 
 from __future__ import annotations
@@ -34,6 +38,7 @@ from p2p.http_server import (
 )
 from p2p.identity import Identity
 from p2p.trust import TrustList
+from shardcast.finish import RunFinished, decode_versions_message
 from shardcast.manifest import check_run_id
 from shardcast.messages import INFO_PROTOCOL, MAX_INFO_BYTES, NodeInfo, VersionAnnouncement
 from shardcast.metrics import CONTENT_TYPE, registry_for, render
@@ -106,6 +111,7 @@ class ShardcastNode:
         self.server = server
         self.announcement: VersionAnnouncement | None = None
         self._announced = trio.Event()
+        self.finished: RunFinished | None = None
 
     @classmethod
     @asynccontextmanager
@@ -168,6 +174,7 @@ class ShardcastNode:
             self.http.url,
             tuple(self.store.committed_steps()),
             self.announcement.encode() if self.announcement else None,
+            self.finished.encode() if self.finished else None,
         )
 
     async def _on_info(self, sender: str, request: bytes) -> bytes:
@@ -200,15 +207,74 @@ class ShardcastNode:
         except ShardnetError as exc:
             log.warning("announcement_rejected sender=%s error=%s", short_id(sender), exc)
             return None
+        return self._keep_announcement(ann)
+
+    def offer_versions_message(
+        self, data: bytes, sender: str
+    ) -> VersionAnnouncement | RunFinished | None:
+        """Verify a message of the versions topic (announcement or run end) and keep it if new.
+
+        Returns:
+            the message if it changed what this node knows, else None. Invalid ones are
+            logged and dropped.
+        """
+        try:
+            msg = decode_versions_message(data, trust=self.trust, sender=sender)
+        except ShardnetError as exc:
+            log.warning("announcement_rejected sender=%s error=%s", short_id(sender), exc)
+            return None
+        if isinstance(msg, RunFinished):
+            return self._keep_finished(msg)
+        return self._keep_announcement(msg)
+
+    def offer_finished(self, data: bytes, sender: str) -> RunFinished | None:
+        """Verify a run-finished message (e.g. from an info record) and keep it if new."""
+        try:
+            msg = RunFinished.decode(data, trust=self.trust, sender=sender)
+        except ShardnetError as exc:
+            log.warning("finished_rejected sender=%s error=%s", short_id(sender), exc)
+            return None
+        return self._keep_finished(msg)
+
+    def _keep_announcement(self, ann: VersionAnnouncement) -> VersionAnnouncement | None:
         if ann.run_id != self.config.run_id:
             return None
-        if self.announcement is not None and ann.step <= self.announcement.step:
+        known = self.announcement
+        if known is not None and (
+            ann.step < known.step
+            or (ann.step == known.step and ann.manifest_digest == known.manifest_digest)
+        ):
             return None
         self.set_announcement(ann)
         return ann
 
+    def _keep_finished(self, msg: RunFinished) -> RunFinished | None:
+        if msg.run_id != self.config.run_id:
+            return None
+        if self.finished is not None and msg.step <= self.finished.step:
+            return None
+        if self.announcement is not None and msg.step < self.announcement.step:
+            return None  # an old run end; the trainer has resumed since
+        self.set_finished(msg)
+        return msg
+
+    def set_finished(self, msg: RunFinished) -> None:
+        """Record that the run ended at ``msg.step`` (logged once) and wake waiters."""
+        self.finished = msg
+        log.info(
+            "run_finished run=%s step=%d digest=%s",
+            msg.run_id,
+            msg.step,
+            msg.manifest_digest[:16],
+        )
+        self._announced.set()
+        self._announced = trio.Event()
+
     def set_announcement(self, ann: VersionAnnouncement) -> None:
         """Record ``ann`` as the newest known version and wake waiters."""
+        if self.finished is not None and ann.step > self.finished.step:
+            log.info("run_resumed run=%s step=%d", ann.run_id, ann.step)
+            self.finished = None
         self.announcement = ann
         log.info(
             "version_announced run=%s step=%d digest=%s",
@@ -224,6 +290,10 @@ class ShardcastNode:
         while self.announcement is None or self.announcement.step <= newer_than:
             await self._announced.wait()
         return self.announcement
+
+    async def wait_change(self) -> None:
+        """Wait until the known announcement or run end changes."""
+        await self._announced.wait()
 
     def versions_dir(self) -> Path:
         """The run's directory of committed versions."""

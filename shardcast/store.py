@@ -255,6 +255,23 @@ class VersionStore:
                 if not self._pins[step]:
                     del self._pins[step]
 
+    def discard(self, step: int) -> bool:
+        """Remove committed ``step`` now, pinned or not (it is no longer served; readers
+        holding its files open keep reading them). Used when the trainer's signed version of
+        ``step`` has another manifest digest.
+
+        Returns:
+            True if a version was removed.
+        """
+        with self._lock:
+            if not self.has(step):
+                return False
+            victim = self.run_dir / f".removing-step-{step}"
+            os.rename(self.version_dir(step), victim)
+        shutil.rmtree(victim, ignore_errors=True)
+        log.warning("version_discarded run=%s step=%d", self.run_id, step)
+        return True
+
     def prune(self) -> list[int]:
         """Remove committed versions beyond the newest ``keep_last`` that are not pinned.
 
