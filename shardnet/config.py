@@ -113,6 +113,11 @@ class FollowerSettings(CommonSettings):
     allow_relays: list[str] = Field([], description="only download from these PeerIDs")
     poll_interval_s: float = Field(1.0, gt=0, description="upstream info poll period")
     stall_timeout_s: float = Field(30.0, gt=0, description="fail a transfer stalled this long")
+    exit_on_finish: bool = Field(
+        False,
+        description="exit (code 0) once the trainer announced the run's end and this node "
+        "holds its final version (default: keep serving it)",
+    )
 
     def trust(self) -> TrustList:
         """The trust list."""
@@ -188,8 +193,19 @@ class TrainerSettings(PublishSettings):
     group_size: int = Field(8, ge=1, description="samples per prompt")
     max_new_tokens: int = Field(16, ge=1, description="completion cap")
     temperature: float = Field(1.0, gt=0, description="sampling temperature")
-    min_batches: int = Field(2, ge=1, description="batches to wait for per step")
-    step_timeout_s: float = Field(300.0, gt=0, description="longest wait for min_batches")
+    min_batches: int | None = Field(
+        None,
+        ge=1,
+        description="verified batches to wait for per step (default: one per known peer, "
+        "at least 1; a step is also ready once every known peer delivered)",
+    )
+    step_timeout_s: float = Field(300.0, gt=0, description="longest wait for a step's rollouts")
+    peer_timeout_s: float = Field(
+        60.0, gt=0, description="a peer silent this long no longer counts as known, seconds"
+    )
+    wait_log_interval_s: float = Field(
+        5.0, gt=0, description="period of the waiting_for_* progress log lines, seconds"
+    )
     max_shard_bytes: int = Field(1 << 20, ge=4096, description="safetensors file size cap")
     allow_peers: list[str] = Field([], description="only accept rollouts from these PeerIDs")
     expect_peers: list[str] = Field([], description="peers whose commits end a broadcast")

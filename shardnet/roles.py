@@ -104,6 +104,8 @@ async def run_trainer(s: TrainerSettings) -> int:
         temperature=s.temperature,
         min_batches=s.min_batches,
         step_timeout_s=s.step_timeout_s,
+        peer_timeout_s=s.peer_timeout_s,
+        wait_log_interval_s=s.wait_log_interval_s,
         origin=s.origin_config(),
         max_shard_bytes=s.max_shard_bytes,
         expected_peers=tuple(s.expect_peers),
@@ -146,7 +148,14 @@ async def run_relay(s: RelaySettings) -> int:
                 node, s.follow_config(s.upstream), random.Random(f"relay:{identity.peer_id}")
             )
             emit_ready("relay", node, s.ready_file)
-            await follower.run()
+            if not s.exit_on_finish:
+                await follower.run()
+                return
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(follower.run)
+                await follower.wait_settled()
+                log.info("relay_exiting reason=run_finished")
+                nursery.cancel_scope.cancel()
 
     try:
         await until_signal(body)
@@ -195,6 +204,7 @@ async def run_peer(s: PeerSettings) -> int:
         ),
         max_versions=s.max_versions,
         trainer_addrs=tuple(s.trainer_addr),
+        exit_on_finish=s.exit_on_finish,
     )
     with DownloadProgress() as progress:
         peer = InferencePeer(identity, s.trust(), cfg, engine=engine, progress=progress)
@@ -270,6 +280,7 @@ async def run_origin(s: OriginSettings) -> int:
         async with ShardcastNode.open(identity, trust, node_cfg) as node:
             origin = Origin(node, s.origin_config())
             emit_ready("origin", node, s.ready_file)
+            await origin.reannounce()  # a restarted origin is followed at once
             latest = node.store.latest()
             while True:
                 ready = []

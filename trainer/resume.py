@@ -39,6 +39,7 @@ from __future__ import annotations
 import enum
 import json
 import os
+import pickle
 import shutil
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -222,7 +223,7 @@ def load_state(
         model.load_state_dict(blob["model"])
         optimizer.load_state_dict(blob["optimizer"])
         torch.set_rng_state(blob["torch_rng"])
-    except (OSError, ValueError, KeyError, RuntimeError) as exc:
+    except (OSError, ValueError, KeyError, RuntimeError, EOFError, pickle.UnpicklingError) as exc:
         raise ConfigError("data_dir", f"cannot load trainer state {d}: {exc}") from exc
 
 
