@@ -290,6 +290,18 @@ class VersionStore:
         return removed
 
 
+def latest_committed(root: Path, run_id: str) -> int | None:
+    """The newest committed step under a store root, read without opening the store (no
+    clean-up, no recovery), or None."""
+    run_dir = root / check_run_id(run_id)
+    steps = [
+        int(p.name[5:])
+        for p in (run_dir.glob("step-*") if run_dir.is_dir() else ())
+        if p.name[5:].isdigit() and (p / MANIFEST_FILE).is_file()
+    ]
+    return max(steps) if steps else None
+
+
 def _commit_dir(store: VersionStore, directory: Path, m: Manifest) -> Path:
     for f in m.header.files if store.durable else ():
         fd = os.open(directory / f.name, os.O_RDONLY)

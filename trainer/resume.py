@@ -54,6 +54,7 @@ __all__ = [
     "STATE_DIR",
     "ResumeKind",
     "ResumePlan",
+    "check_state",
     "load_state",
     "plan_resume",
     "prune_states",
@@ -196,6 +197,27 @@ def save_state(
     return final
 
 
+def check_state(data_dir: Path, step: int, meta: dict[str, Any]) -> None:
+    """Check that the saved state of ``step`` belongs to this run (cheap: no tensors read).
+
+    Raises:
+        ConfigError: another run, preset, seed or optimizer (field ``data_dir``), or
+            unreadable.
+    """
+    d = _root(data_dir) / f"step-{step}"
+    try:
+        saved = json.loads((d / _META_FILE).read_text())
+    except (OSError, ValueError) as exc:
+        raise ConfigError("data_dir", f"cannot read trainer state {d}: {exc}") from exc
+    for key, want in meta.items():
+        if saved.get(key) != want:
+            raise ConfigError(
+                "data_dir",
+                f"{d} holds trainer state with {key}={saved.get(key)!r}, this run has "
+                f"{want!r}; use another --data-dir or the same settings",
+            )
+
+
 def load_state(
     data_dir: Path,
     step: int,
@@ -206,19 +228,11 @@ def load_state(
     """Load the state of ``step`` into ``model`` and ``optimizer``.
 
     Raises:
-        ConfigError: the state belongs to another run, preset, seed or optimizer (field
-            ``data_dir``), or cannot be read.
+        ConfigError: see :func:`check_state`; or the tensors cannot be read or loaded.
     """
+    check_state(data_dir, step, meta)
     d = _root(data_dir) / f"step-{step}"
     try:
-        saved = json.loads((d / _META_FILE).read_text())
-        for key, want in meta.items():
-            if saved.get(key) != want:
-                raise ConfigError(
-                    "data_dir",
-                    f"{d} holds trainer state with {key}={saved.get(key)!r}, this run has "
-                    f"{want!r}; use another --data-dir or the same settings",
-                )
         blob = torch.load(d / _STATE_FILE, map_location="cpu", weights_only=True)
         model.load_state_dict(blob["model"])
         optimizer.load_state_dict(blob["optimizer"])

@@ -56,6 +56,7 @@ from rollout.task import DEFAULT_TASK
 from rollout.verify import Validator, ValidatorConfig
 from shardcast.node import NodeConfig, ShardcastNode
 from shardcast.origin import Origin, OriginConfig
+from shardcast.store import latest_committed
 from trainer.checkpoint import save_checkpoint
 from trainer.grpo import DEFAULT_LR, Rollout, collate, group_advantages, make_optimizer, train_step
 from trainer.oracle import TrainerOracle
@@ -70,6 +71,7 @@ from trainer.readiness import (
 from trainer.resume import (
     ResumeKind,
     ResumePlan,
+    check_state,
     load_state,
     plan_resume,
     prune_states,
@@ -185,6 +187,27 @@ class Trainer:
         self.trained_verified_samples = 0
         self._rejected_mark: dict[str, int] = {}
         self.session = os.urandom(8).hex()
+        self.plan = self._plan_start()
+
+    def _plan_start(self) -> ResumePlan:
+        """How this trainer starts from its data directory (see :mod:`trainer.resume`).
+
+        Raises:
+            ConfigError: the data directory cannot be resumed from (field ``data_dir``).
+        """
+        node = self.config.node
+        plan = plan_resume(
+            latest_committed(node.data_dir / "versions", node.run_id), saved_steps(node.data_dir)
+        )
+        if plan.kind is ResumeKind.INCONSISTENT:
+            raise ConfigError(
+                "data_dir",
+                f"{node.data_dir}: {plan.detail}; the trainer cannot resume from it "
+                "(use a fresh --data-dir, or restore its trainer-state/)",
+            )
+        if plan.kind is not ResumeKind.FRESH:
+            check_state(node.data_dir, plan.step, self._state_meta())
+        return plan
 
     def _state_meta(self) -> dict[str, Any]:
         cfg = self.config
@@ -240,15 +263,7 @@ class Trainer:
                 session=self.session,
             )
             await nursery.start(self.inbox.run)
-            plan = await trio.to_thread.run_sync(
-                lambda: plan_resume(node.store.latest(), saved_steps(cfg.node.data_dir))
-            )
-            if plan.kind is ResumeKind.INCONSISTENT:
-                raise ConfigError(
-                    "data_dir",
-                    f"{cfg.node.data_dir}: {plan.detail}; the trainer cannot resume from it "
-                    "(use a fresh --data-dir, or restore its trainer-state/)",
-                )
+            plan = self.plan
             if plan.kind is not ResumeKind.FRESH:
                 meta = self._state_meta()
                 await trio.to_thread.run_sync(
