@@ -279,6 +279,8 @@ class RolloutInbox:
         if not self.reputation.allow_announcement(ann.submitter, trio.current_time()):
             return Ack(ann.batch_id, "retry", "rate_limited")
         current = self.current_step()
+        if ann.step > current:  # announced, but not yet registered here: come back shortly
+            return Ack(ann.batch_id, "retry", "future_step")
         if not current - self.validator.config.async_level <= ann.step <= current:
             self.validator.reject_unchecked("stale_step", 0)
             self.reputation.record(ann.submitter, False, "stale_step")

@@ -229,7 +229,9 @@ class InferencePeer:
         if self.trust.trainer in self.node.p2p.connected_peers():
             return
         ann = self.node.announcement
-        for addr in (*self.config.trainer_addrs, *(ann.trainer_addrs if ann else ())):
+        for addr in dict.fromkeys(
+            (*self.config.trainer_addrs, *(ann.trainer_addrs if ann else ()))
+        ):
             try:
                 await self.node.p2p.connect(addr)
                 return
