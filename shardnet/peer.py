@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import functools
 import logging
+import math
 import random
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -126,7 +127,7 @@ class InferencePeer:
         self._latest: tuple[Manifest, Path] | None = None
         self._new_version = trio.Event()
         self._trainer_session: str | None = None
-        self._regenerate = 0
+        self._restart_seen_at = -math.inf  # when a restarted trainer was last noticed
         self.done = trio.Event()
 
     async def run(
@@ -216,7 +217,7 @@ class InferencePeer:
                 pending,
             )
             if not pending:  # what the old process accepted but never trained on is lost
-                self._regenerate += 1
+                self._restart_seen_at = trio.current_time()
                 self._wake_generation()
 
     def _wake_generation(self) -> None:
@@ -265,16 +266,16 @@ class InferencePeer:
         tokenizer = build_tokenizer()
         node = self.node
         done_step = -1
-        regenerated = 0
+        done_at = -math.inf  # when the batch of done_step was handed over
         generated = 0
         while self.config.max_versions is None or generated < self.config.max_versions:
             while (
                 self._latest is None
                 or node.finished is not None  # the trainer takes no more rollouts
-                or (self._latest[0].step <= done_step and self._regenerate == regenerated)
+                # again for the same version only if it went to a trainer since restarted
+                or (self._latest[0].step <= done_step and done_at >= self._restart_seen_at)
             ):
                 await self._new_version.wait()
-            regenerated = self._regenerate
             signed, path = self._latest
             step = signed.step
             store = self.node.store
@@ -298,7 +299,7 @@ class InferencePeer:
                 )
             except ShardnetError as exc:
                 log.error("generation_failed step=%d error=%s", step, exc)
-                done_step = step
+                done_step, done_at = step, trio.current_time()
                 continue
             if self.forgery is not None:
                 batch = self.forgery(batch)
@@ -318,6 +319,7 @@ class InferencePeer:
                 short_id(self.trust.trainer),
             )
             done_step = step
+            done_at = trio.current_time()
             generated += 1
 
     def report(self) -> dict[str, Any]:

@@ -139,7 +139,7 @@ def test_trainer_sigkill_resumes_at_next_step_and_peer_follows(
         "trainer",
         "--data-dir", str(tdir),
         "--run-id", RUN,
-        "--steps", "4",
+        "--steps", "5",
         "--preset", "tiny",
         *SAMPLING,
         "--no-check-model",
@@ -149,55 +149,58 @@ def test_trainer_sigkill_resumes_at_next_step_and_peer_follows(
         "--step-timeout", "120",
         "--shard-size", "262144",
     ]  # fmt: skip
+    peer_args = [
+        "peer",
+        "--data-dir", str(pdir),
+        "--run-id", RUN,
+        "--bootstrap", taddr,
+        "--trainer-id", trainer_id,
+        "--trainer-addr", taddr,
+        *SAMPLING,
+        "--report", str(tmp_path / "peer.json"),
+    ]  # fmt: skip
     t1 = Node("trainer1", [*trainer_args, "--report", str(tmp_path / "t1.json")], logs, {})
     nodes.append(t1)
     t1.wait_for(r"node_ready role=trainer")
-    peer = Node(
-        "peer",
-        [
-            "peer",
-            "--data-dir", str(pdir),
-            "--run-id", RUN,
-            "--bootstrap", taddr,
-            "--trainer-id", trainer_id,
-            "--trainer-addr", taddr,
-            *SAMPLING,
-            "--report", str(tmp_path / "peer.json"),
-        ],
-        logs,
-        {"SHARDNET_EXIT_ON_FINISH": "true"},
-    )  # fmt: skip
+    p1 = Node("peer1", peer_args, logs, {})
+    nodes.append(p1)
+    p1.wait_for(r"version_downloaded step=1 ", timeout_s=240)
+    # a peer stopped (SIGTERM) and restarted on its data directory keeps its versions
+    assert p1.stop(signal.SIGTERM) == 0
+    peer = Node("peer2", peer_args, logs, {"SHARDNET_EXIT_ON_FINISH": "true"})
     nodes.append(peer)
-    t1.wait_for(r"version_published step=2 ", timeout_s=240)
+    peer.wait_for(r"peer_resumed step=[12] ")
+    t1.wait_for(r"version_published step=3 ", timeout_s=180)
     assert t1.stop(signal.SIGKILL) == -signal.SIGKILL
-    d2 = digest_of(tdir, 2, trainer_id)
-    assert (tdir / "trainer-state" / "step-2" / "state.json").is_file()
+    d3 = digest_of(tdir, 3, trainer_id)
+    assert (tdir / "trainer-state" / "step-3" / "state.json").is_file()
 
     t2 = Node("trainer2", [*trainer_args, "--report", str(tmp_path / "t2.json")], logs, {})
     nodes.append(t2)
-    t2.wait_for(r"trainer_resumed plan=resume step=2 ")
-    t2.wait_for(r"version_reannounced step=2 ")
+    t2.wait_for(r"trainer_resumed plan=resume step=3 ")
+    t2.wait_for(r"version_reannounced step=3 ")
     peer.wait_for(r"trainer_restarted", timeout_s=60)
     assert t2.proc.wait(timeout=300) == 0
     assert peer.proc.wait(timeout=120) == 0  # exit_on_finish: it left by itself
 
     lines2 = t2.drain()
-    assert not any("version_published step=2 " in ln for ln in lines2)
-    assert any("version_published step=3 " in ln for ln in lines2)
+    assert not any("version_published step=3 " in ln for ln in lines2)
     assert any("version_published step=4 " in ln for ln in lines2)
-    assert any("step_ready step=3 " in ln for ln in lines2)
-    assert digest_of(tdir, 2, trainer_id) == d2  # step 2 was not published again
+    assert any("version_published step=5 " in ln for ln in lines2)
+    assert any("step_ready step=4 " in ln for ln in lines2)
+    assert digest_of(tdir, 3, trainer_id) == d3  # step 3 was not published again
     report = json.loads((tmp_path / "t2.json").read_text())
     assert report["finished"] is True
-    assert [s["step"] for s in report["steps"]] == [2, 3, 4]
+    assert [s["step"] for s in report["steps"]] == [3, 4, 5]
     assert report["trained_samples"] > 0
     published = {s["step"]: s["manifest_digest"] for s in report["steps"]}
     peer_report = json.loads((tmp_path / "peer.json").read_text())
     got = {v["step"]: v["manifest_digest"] for v in peer_report["versions"]}
-    assert got[3] == published[3]
     assert got[4] == published[4]
+    assert got[5] == published[5]
     assert peer.count(r"run_finished run=") == 1
     assert peer.count(r"peer_exiting reason=run_finished") == 1
+    assert peer.count(r"version_downloaded step=[01] ") == 0  # kept from before its restart
 
 
 def _origin_args(data: Path, watch: Path, port: int, http_port: int) -> list[str]:
