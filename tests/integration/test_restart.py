@@ -1,8 +1,9 @@
 """Restart and resume with real processes on 127.0.0.1 (SIGKILL and SIGTERM).
 
 * a trainer killed after version k resumes on its data directory at k+1 (never k again),
-  and the peer that follows it re-introduces itself and follows; at the end the peer learns
-  the signed run end and exits by itself (``exit_on_finish``);
+  and the peer that follows it (itself stopped and restarted before) re-introduces itself
+  and follows through its relay; at the end both log the signed run end once, the peer
+  exits by itself (``exit_on_finish``) and the relay keeps serving;
 * a restarted origin re-announces its newest version at once (a relay that connects later
   gets it without a new step); a relay killed and restarted keeps its verified versions;
 * a relay holding a step with another digest than the trainer's newest signed one replaces it.
@@ -22,6 +23,7 @@ import socket
 import subprocess
 import sys
 import threading
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -75,9 +77,10 @@ class Node:
         for line in self.lines:
             if rx.search(line):
                 return line
+        deadline = time.monotonic() + timeout_s
         try:
             while True:
-                line = self._q.get(timeout=timeout_s)
+                line = self._q.get(timeout=max(0.0, deadline - time.monotonic()))
                 if line is None:
                     pytest.fail(f"{self.name} exited before /{pattern}/; see {self.log_path}")
                 self.lines.append(line)
@@ -133,8 +136,10 @@ def test_trainer_sigkill_resumes_at_next_step_and_peer_follows(
 ) -> None:
     tdir, pdir, logs = tmp_path / "trainer", tmp_path / "peer", tmp_path / "logs"
     trainer_id = Identity.load_or_create(tdir / "node.key").peer_id
-    port, http_port = free_port(), free_port()
+    relay_id = Identity.load_or_create(tmp_path / "relay" / "node.key").peer_id
+    port, http_port, relay_port = free_port(), free_port(), free_port()
     taddr = f"/ip4/127.0.0.1/tcp/{port}/p2p/{trainer_id}"
+    raddr = f"/ip4/127.0.0.1/tcp/{relay_port}/p2p/{relay_id}"
     trainer_args = [
         "trainer",
         "--data-dir", str(tdir),
@@ -153,7 +158,7 @@ def test_trainer_sigkill_resumes_at_next_step_and_peer_follows(
         "peer",
         "--data-dir", str(pdir),
         "--run-id", RUN,
-        "--bootstrap", taddr,
+        "--bootstrap", raddr,
         "--trainer-id", trainer_id,
         "--trainer-addr", taddr,
         *SAMPLING,
@@ -162,6 +167,19 @@ def test_trainer_sigkill_resumes_at_next_step_and_peer_follows(
     t1 = Node("trainer1", [*trainer_args, "--report", str(tmp_path / "t1.json")], logs, {})
     nodes.append(t1)
     t1.wait_for(r"node_ready role=trainer")
+    relay_args = ["relay", "--data-dir", str(tmp_path / "relay"), "--run-id", RUN]
+    relay = Node(
+        "relay",
+        [
+            *relay_args,
+            *("--upstream", taddr, "--trainer-id", trainer_id),
+            *("--listen", f"/ip4/127.0.0.1/tcp/{relay_port}"),
+        ],
+        logs,
+        {},
+    )
+    nodes.append(relay)
+    relay.wait_for(r"node_ready role=relay")
     p1 = Node("peer1", peer_args, logs, {})
     nodes.append(p1)
     p1.wait_for(r"version_downloaded step=1 ", timeout_s=240)
@@ -182,6 +200,11 @@ def test_trainer_sigkill_resumes_at_next_step_and_peer_follows(
     peer.wait_for(r"trainer_restarted", timeout_s=60)
     assert t2.proc.wait(timeout=300) == 0
     assert peer.proc.wait(timeout=120) == 0  # exit_on_finish: it left by itself
+    # the relay followed the restarted trainer, logged the run's end once and keeps serving
+    assert relay.count(r"run_finished run=") == 1
+    assert relay.count(r"version_downloaded step=5 ") == 1
+    assert relay.proc.poll() is None
+    assert relay.stop(signal.SIGTERM) == 0
 
     lines2 = t2.drain()
     assert not any("version_published step=3 " in ln for ln in lines2)
