@@ -18,6 +18,7 @@ import json
 import os
 import queue
 import re
+import shutil
 import signal
 import socket
 import subprocess
@@ -224,6 +225,29 @@ def test_trainer_sigkill_resumes_at_next_step_and_peer_follows(
     assert peer.count(r"run_finished run=") == 1
     assert peer.count(r"peer_exiting reason=run_finished") == 1
     assert peer.count(r"version_downloaded step=[01] ") == 0  # kept from before its restart
+
+    # stopped after saving the state of a version but before committing it: that version
+    # is published from the saved weights; nothing earlier is touched
+    shutil.rmtree(tdir / "versions" / RUN / "step-5")
+    t3 = Node("trainer3", trainer_args, logs, {})
+    nodes.append(t3)
+    assert t3.proc.wait(timeout=120) == 0
+    assert t3.count(r"trainer_resumed plan=republish step=5 ") == 1
+    assert t3.count(r"version_published step=5 ") == 1
+    assert digest_of(tdir, 4, trainer_id) == published[4]
+
+    # a data directory whose trainer state is gone cannot be resumed: one line, exit 2
+    shutil.rmtree(tdir / "trainer-state")
+    bad = subprocess.run(
+        [sys.executable, "-m", "shardnet.cli", *trainer_args],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+    )
+    assert bad.returncode == 2, bad.stderr[-2000:]
+    assert "Traceback" not in bad.stderr
+    assert "cannot resume" in bad.stderr
 
 
 def _origin_args(data: Path, watch: Path, port: int, http_port: int) -> list[str]:
