@@ -169,7 +169,12 @@ class StepRecord:
 
 
 class Trainer:
-    """Runs the training loop (see module docstring)."""
+    """Runs the training loop (see module docstring).
+
+    Raises:
+        ConfigError: (at construction) not the pinned trainer key, or a data directory the
+            trainer cannot resume from (field ``data_dir``).
+    """
 
     def __init__(self, identity: Identity, trust: TrustList, config: TrainerConfig) -> None:
         if identity.peer_id != trust.trainer:
@@ -592,6 +597,8 @@ class Trainer:
         rs = self.reputation.statistics()
         return {
             "trainer": self.identity.peer_id,
+            "session": self.session,
+            "start": {"plan": self.plan.kind.value, "step": self.plan.step},
             "steps": steps,
             "validator": {
                 "accepted_samples": vs.accepted_samples,
