@@ -349,10 +349,12 @@ class P2PNode:
         pid = info.peer_id.to_base58()
         if pid == self.peer_id:
             raise ConfigError("multiaddr", f"{addr!r} is this node itself")
-        # An explicit dial is our callers' own retry (they back off themselves): py-libp2p
-        # would refuse it for 60 s after one dial to this peer failed (its negative cache),
-        # which keeps a node away from a restarted upstream for a minute.
-        self._host.get_network().unblock_peer(info.peer_id)  # type: ignore[attr-defined]
+        # Callers retry with their own backoff; libp2p's negative dial cache would otherwise
+        # refuse every dial to a peer for 60 s after one failed (a restarted trainer or relay
+        # would stay unreachable for a minute after it came back).
+        unblock = getattr(self._host.get_network(), "unblock_peer", None)  # type: ignore[attr-defined]
+        if unblock is not None:
+            unblock(info.peer_id)
         try:
             with trio.fail_after(self.config.dial_timeout_s):
                 await self._host.connect(info)  # type: ignore[attr-defined]

@@ -282,13 +282,15 @@ class RolloutSender:
 
 async def report_status(
     node: P2PNode, trainer: str, step: int | None, manifest_digest: str = "", attempts: int = 5
-) -> bool:
+) -> str | None:
     """Tell the trainer this node committed version ``step`` (best effort, bounded retries).
 
-    With ``step=None`` it is a hello: "this peer has joined the run".
+    With ``step=None`` it is a hello: "this peer has joined the run". Every status message
+    counts as a hello.
 
     Returns:
-        True if the trainer acknowledged.
+        the trainer's session id (``""`` if it sent none) if it acknowledged, else None. A
+        new session id means the trainer process was restarted.
     """
     msg = wire.encode(
         {"v": 1} if step is None else {"v": 1, "step": step, "manifest_digest": manifest_digest}
@@ -296,12 +298,14 @@ async def report_status(
     delay = 0.2
     for _ in range(attempts):
         try:
-            await node.request(
+            resp = await node.request(
                 trainer, STATUS_PROTOCOL, msg, max_response_bytes=256, timeout_s=10.0
             )
-            return True
+            reply = wire.decode(resp, max_bytes=256, sender=trainer)
+            session = reply.get("session", "")
+            return session if isinstance(session, str) else ""
         except (TransportError, RemoteProtocolError) as exc:
             log.info("status_report_failed step=%s error=%s", step, exc)
             await trio.sleep(delay)
             delay *= 2
-    return False
+    return None

@@ -21,7 +21,13 @@ through :meth:`RolloutInbox.ingest`:
 4. the verdict updates the submitter's reputation; an accepted batch enters the bounded
    training buffer, and the ack is remembered (bounded table of recent ids).
 
-:meth:`RolloutInbox.take` hands the trainer the accepted batches it may train on at a step.
+:meth:`RolloutInbox.take` hands the trainer the accepted batches it may train on at a step;
+:meth:`RolloutInbox.usable` says how many there are and from whom, without taking them.
+
+Peers say hello (and report each committed version) on the status protocol; the inbox keeps
+when each was first and last heard from (``joined``, ``last_seen``). Its answer carries the
+trainer's ``session`` (random per trainer process), so a peer notices a restarted trainer and
+re-introduces itself.
 """
 
 from __future__ import annotations
@@ -143,6 +149,7 @@ class RolloutInbox:
         reputation: submitter scores and rate limits.
         current_step: returns the trainer's current policy step.
         config: settings.
+        session: this trainer process's session id, sent in status answers.
     """
 
     def __init__(
@@ -153,8 +160,10 @@ class RolloutInbox:
         reputation: Reputation,
         current_step: Callable[[], int],
         config: InboxConfig | None = None,
+        session: str = "",
     ) -> None:
         self.node = node
+        self.session = session
         self.run_id = run_id
         self.validator = validator
         self.reputation = reputation
@@ -174,7 +183,9 @@ class RolloutInbox:
         self._answered = trio.Event()
         self.statuses: dict[str, dict[int, tuple[str, float]]] = {}
         self.joined: dict[str, float] = {}
+        self.last_seen: dict[str, float] = {}
         self._status_changed = trio.Event()
+        self._changed = trio.Event()
 
     async def run(self, *, task_status: TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
         """Serve the announce/status protocols and listen to gossip until cancelled."""
@@ -221,14 +232,35 @@ class RolloutInbox:
     async def _on_status(self, sender: str, request: bytes) -> bytes:
         msg = wire.decode(request, max_bytes=512, sender=sender)
         wire.need_version(msg, 1, "status", sender)
-        self.joined.setdefault(sender, trio.current_time())
+        now = trio.current_time()
+        if sender not in self.joined:
+            log.info("peer_joined peer=%s", short_id(sender))
+        self.joined.setdefault(sender, now)
+        self.last_seen[sender] = now
         if "step" in msg:
             step = wire.need_int(msg, "step", 0, 1 << 62, sender)
             digest = wire.need_str(msg, "manifest_digest", 64, sender)
-            self.statuses.setdefault(sender, {})[step] = (digest, trio.current_time())
+            known = self.statuses.setdefault(sender, {}).get(step)
+            if known is None or known[0] != digest:  # the first report times the commit
+                self.statuses[sender][step] = (digest, now)
         self._status_changed.set()
         self._status_changed = trio.Event()
-        return wire.encode({"v": 1})
+        self._notify()
+        return wire.encode({"v": 1, "session": self.session})
+
+    def _notify(self) -> None:
+        self._changed.set()
+        self._changed = trio.Event()
+
+    async def wait_change(self) -> None:
+        """Wait until a batch is buffered or a peer says hello or reports a version."""
+        await self._changed.wait()
+
+    def usable(self, step: int) -> tuple[int, frozenset[str]]:
+        """Buffered batches usable at ``step`` (count, submitters); takes nothing."""
+        lo = step - self.validator.config.async_level
+        ok = [b for b in self._buffer if lo <= b.batch.policy_step]
+        return len(ok), frozenset(b.announcement.submitter for b in ok)
 
     async def wait_status_change(self) -> None:
         """Wait until some peer says hello or reports a newly committed version."""
@@ -280,6 +312,8 @@ class RolloutInbox:
             return None
         if ann.run_id != self.run_id:
             return Ack(ann.batch_id, "rejected", "wrong_run")
+        if ann.submitter in self.joined:
+            self.last_seen[ann.submitter] = trio.current_time()
         key = _key(ann)
         done = self.ledger.decision(key)
         if isinstance(done, Ack):
@@ -365,6 +399,7 @@ class RolloutInbox:
             self._buffer.append(AcceptedBatch(batch, ann, trio.current_time()))
             self._buffer_changed.set()
             self._buffer_changed = trio.Event()
+            self._notify()
             return self._remember(
                 ann,
                 Ack(ann.batch_id, "accepted", "ok", accepted=verdict.samples),

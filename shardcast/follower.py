@@ -25,6 +25,15 @@ cannot be the base of (:func:`shardcast.catchup.worth_finishing`).
 
 Every loop here has a timeout or a bounded backoff; a failing upstream is logged with its
 short PeerID and retried, never allowed to stop the others.
+
+Restarts and the end of a run: a follower started on a data directory keeps the versions it
+committed (the store re-verifies them after an unclean stop) and fetches only what is newer.
+If the trainer's signed announcement names a step this node holds with *another* manifest
+digest, the trainer's is authoritative: the local copy is discarded (never served again) and
+the trainer's downloaded. Once the trainer's signed ``RunFinished`` is known and its final
+version committed, the follower is *settled* (:meth:`Follower.wait_settled`): it keeps
+serving, and polls and retries its upstreams minutes apart instead of seconds
+(:func:`shardcast.finish.poll_delay`).
 """
 
 from __future__ import annotations
@@ -55,12 +64,12 @@ from shardcast.downloader import (
     Source,
     manifest_url,
 )
+from shardcast.finish import PollPolicy, RunFinished, check_versions_gossip, poll_delay
 from shardcast.lane_auth import check_whoami, whoami_path
 from shardcast.manifest import Manifest
 from shardcast.messages import (
     NodeInfo,
     VersionAnnouncement,
-    check_announcement_gossip,
     versions_topic,
 )
 from shardcast.metrics import DownloadMetrics, source_kind
@@ -87,6 +96,9 @@ class FollowConfig:
         advert_interval_s: period of this node's advert, seconds.
         max_extra_sources: discovered sources added to one download.
         download: downloader settings.
+        finished_poll_interval_s: upstream poll period once settled (run finished, final
+            version held), seconds.
+        finished_max_backoff_s: retry backoff cap once settled, seconds.
     """
 
     upstreams: tuple[str, ...]
@@ -96,6 +108,17 @@ class FollowConfig:
     advert_interval_s: float = 2.0
     max_extra_sources: int = 16
     download: DownloadConfig = field(default_factory=DownloadConfig)
+    finished_poll_interval_s: float = 60.0
+    finished_max_backoff_s: float = 600.0
+
+    def poll_policy(self) -> PollPolicy:
+        """The poll/retry periods."""
+        return PollPolicy(
+            self.poll_interval_s,
+            self.max_backoff_s,
+            self.finished_poll_interval_s,
+            self.finished_max_backoff_s,
+        )
 
     def __post_init__(self) -> None:
         if not self.upstreams:
@@ -177,6 +200,7 @@ class Follower:
             known_nodes=self.known_nodes_status,
         )
         node.metrics.add_collector(self._families)
+        self._changed = trio.Event()
 
     async def run(self, *, task_status: TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
         """Run until cancelled; ``started()`` once the first upstream answered its info."""
@@ -197,14 +221,45 @@ class Follower:
         self._upstream_changed.set()
         self._upstream_changed = trio.Event()
 
+    def _note_change(self) -> None:
+        self._changed.set()
+        self._changed = trio.Event()
+
     def _offer(self, data: bytes, sender: str) -> None:
-        ann = self.node.offer_announcement(data, sender)
-        if ann is not None:
-            self._learned.setdefault(ann.step, trio.current_time())
+        msg = self.node.offer_versions_message(data, sender)
+        if isinstance(msg, VersionAnnouncement):
+            self._learned.setdefault(msg.step, trio.current_time())
+        if msg is not None:
+            self._note_change()
+
+    def _offer_finished(self, data: bytes, sender: str) -> None:
+        if self.node.offer_finished(data, sender) is not None:
+            self._note_change()
+
+    def held_digest(self, step: int) -> str | None:
+        """Manifest digest of committed ``step`` in this node's store, or None."""
+        store = self.node.store
+        if not store.has(step):
+            return None
+        try:
+            return store.load_manifest(step, self.node.trust).digest
+        except (OSError, ShardnetError):
+            return None
+
+    def settled(self) -> bool:
+        """True once the run finished and its final version is committed here."""
+        fin: RunFinished | None = self.node.finished
+        return fin is not None and self.held_digest(fin.step) == fin.manifest_digest
+
+    async def wait_settled(self) -> None:
+        """Wait until :meth:`settled`."""
+        while not self.settled():
+            await self._changed.wait()
 
     async def _poll_upstream(self, addr: str) -> None:
         pid = peer_id_of(addr)
-        backoff = self.config.poll_interval_s
+        policy = self.config.poll_policy()
+        failures = 0
         while True:
             try:
                 if pid not in self.node.p2p.connected_peers():
@@ -214,16 +269,20 @@ class Follower:
                 self._errors[pid] = str(exc)
                 if self.upstreams.pop(pid, None) is not None:
                     self._note_upstream()
-                log.info(
-                    "upstream_unreachable upstream=%s error=%s retry_s=%.1f",
-                    short_id(pid),
-                    exc,
-                    backoff,
-                )
-                await trio.sleep(backoff)
-                backoff = min(backoff * 2, self.config.max_backoff_s)
+                failures += 1
+                settled = self.settled()
+                delay = poll_delay(policy, failures, settled)
+                if not settled or failures == 1:  # once settled, say it once, not forever
+                    log.info(
+                        "upstream_unreachable upstream=%s error=%s retry_s=%.1f settled=%s",
+                        short_id(pid),
+                        exc,
+                        delay,
+                        settled,
+                    )
+                await trio.sleep(delay)
                 continue
-            backoff = self.config.poll_interval_s
+            failures = 0
             self._heard[pid] = time.time()
             self._errors.pop(pid, None)
             if info.run_id != self.node.config.run_id:
@@ -250,7 +309,9 @@ class Follower:
                     await self._fetch_card(pid)
                 if info.announcement is not None:
                     self._offer(info.announcement, pid)
-            await trio.sleep(self.config.poll_interval_s)
+                if info.finished is not None:
+                    self._offer_finished(info.finished, pid)
+            await trio.sleep(poll_delay(policy, 0, self.settled()))
 
     def _card_version(self) -> int:
         card = self.node.card
@@ -282,7 +343,7 @@ class Follower:
 
     async def _listen_versions(self) -> None:
         run_id = self.node.config.run_id
-        check = check_announcement_gossip(self.node.trust, run_id)
+        check = check_versions_gossip(self.node.trust, run_id)
         sub = await self.node.p2p.subscribe(versions_topic(run_id), check)
         async for msg in sub:
             self._offer(msg.data, msg.origin)
@@ -408,14 +469,36 @@ class Follower:
             await trio.sleep(delay)
             delay = min(delay * 2, 1.0)
 
+    def _wanted(self) -> VersionAnnouncement | None:
+        """The known announcement if it names a version to fetch (newer than what is held,
+        or a step held with another digest), else None."""
+        ann = self.node.announcement
+        if ann is None:
+            return None
+        latest = self.node.store.latest()
+        if latest is None or ann.step > latest:
+            return ann
+        held = self.held_digest(ann.step)
+        return ann if held is not None and held != ann.manifest_digest else None
+
     async def _download_loop(self) -> None:
-        have = self.node.store.latest()
-        current = -1 if have is None else have
         while True:
-            ann = await self.node.wait_announcement(newer_than=current)
+            while (ann := self._wanted()) is None:
+                await self.node.wait_change()
             while not self.upstreams:
                 await self._upstream_changed.wait()
             await self._ensure_card(ann)
+            held = self.held_digest(ann.step)
+            if held is not None and held != ann.manifest_digest:
+                log.warning(
+                    "version_replaced step=%d held_digest=%s trainer_digest=%s",
+                    ann.step,
+                    held[:16],
+                    ann.manifest_digest[:16],
+                )
+                await trio.to_thread.run_sync(self.node.store.discard, ann.step)
+                self.node.server.live_done(ann.step)  # forget its cached manifest
+                self._readvertise()
             newer = functools.partial(self._superseded, ann.step)
             target = await self.fetch_manifest(
                 ann.run_id,
@@ -437,7 +520,6 @@ class Follower:
                 )
                 if m is None or not await self._download(m):
                     break
-                current = step
             else:
                 continue
             await trio.sleep(self.config.poll_interval_s)  # failed: back off, then retry
@@ -568,6 +650,7 @@ class Follower:
         )
         if self.on_commit is not None:
             await self.on_commit(m, path, record)
+        self._note_change()
         return True
 
     # -- observability ----------------------------------------------------------------------

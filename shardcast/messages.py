@@ -18,7 +18,6 @@ message delays a version (or a card) by at most one poll interval.
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -42,21 +41,6 @@ _ROLES = ("origin", "relay", "peer", "trainer")
 def versions_topic(run_id: str) -> str:
     """Gossipsub topic of version announcements for ``run_id``."""
     return f"shardnet/{run_id}/versions/1"
-
-
-def check_announcement_gossip(trust: TrustList, run_id: str) -> Callable[[str, bytes], None]:
-    """Gossip check of the versions topic: a well-formed announcement of ``run_id`` signed by
-    the pinned trainer (run before the message is delivered or forwarded).
-
-    The returned function raises RemoteProtocolError, IntegrityError or UntrustedSigner.
-    """
-
-    def check(origin: str, data: bytes) -> None:
-        ann = VersionAnnouncement.decode(data, trust=trust, sender=origin)
-        if ann.run_id != run_id:
-            raise RemoteProtocolError(origin, f"announcement of run {ann.run_id!r}")
-
-    return check
 
 
 @dataclass(frozen=True)
@@ -193,6 +177,7 @@ class NodeInfo:
     announcement: bytes | None
     card_version: int = 0
     card_digest: str = ""
+    finished: bytes | None = None  # the trainer's signed RunFinished (shardcast.finish)
 
     def encode(self) -> bytes:
         """Canonical CBOR bytes."""
@@ -208,6 +193,8 @@ class NodeInfo:
             obj["announcement"] = self.announcement
         if self.card_version:
             obj["card"] = [self.card_version, self.card_digest]
+        if self.finished is not None:
+            obj["finished"] = self.finished
         return wire.encode(obj)
 
     @classmethod
@@ -234,6 +221,9 @@ class NodeInfo:
         ann = obj.get("announcement")
         if ann is not None and (not isinstance(ann, bytes) or len(ann) > MAX_ANNOUNCEMENT_BYTES):
             raise RemoteProtocolError(sender, "announcement must be bytes")
+        fin = obj.get("finished")
+        if fin is not None and (not isinstance(fin, bytes) or len(fin) > MAX_ANNOUNCEMENT_BYTES):
+            raise RemoteProtocolError(sender, "finished must be bytes")
         return cls(
             peer_id,
             role,
@@ -242,4 +232,5 @@ class NodeInfo:
             tuple(committed),
             ann,
             *_card_ref(obj.get("card"), sender),
+            fin,
         )

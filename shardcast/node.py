@@ -16,6 +16,10 @@ It owns, for the duration of :meth:`ShardcastNode.open`:
   served at ``GET /shardnet/v1/runcard`` and on ``/shardnet/runcard/1.0.0``. Opening the node
   checks that the data directory belongs to the configured run
   (:func:`shardcast.cardsync.check_data_dir`).
+  an announcement of the same step with another manifest digest replaces the known one (the
+  trainer's newest signed word is authoritative; followers then replace their copy);
+- the trainer's signed :class:`~shardcast.finish.RunFinished`, once the run has ended (lifted
+  again by an announcement of a newer step).
 """
 
 from __future__ import annotations
@@ -45,6 +49,7 @@ from p2p.http_server import (
 from p2p.identity import Identity
 from p2p.trust import TrustList
 from shardcast.cardsync import check_data_dir, save_card
+from shardcast.finish import RunFinished, decode_versions_message
 from shardcast.lane_auth import RequestSigner
 from shardcast.manifest import check_run_id
 from shardcast.messages import (
@@ -148,6 +153,7 @@ class ShardcastNode:
         )
         self.card: SignedRunCard | None = None
         self._card_changed = trio.Event()
+        self.finished: RunFinished | None = None
 
     @classmethod
     @asynccontextmanager
@@ -258,6 +264,7 @@ class ShardcastNode:
             self.announcement.encode() if self.announcement else None,
             self.card.version if self.card else 0,
             self.card.digest if self.card else "",
+            self.finished.encode() if self.finished else None,
         )
 
     async def _on_info(self, sender: str, request: bytes) -> bytes:
@@ -344,24 +351,62 @@ class ShardcastNode:
         """
         try:
             ann = VersionAnnouncement.decode(data, trust=self.trust, sender=sender)
-        except UntrustedSigner as exc:
-            signer = exc.source
-            if self.report_once(("trainer_id", signer)):
+        except ShardnetError as exc:
+            self._rejected(exc, sender)
+            return None
+        return self._keep_announcement(ann, sender)
+
+    def offer_versions_message(
+        self, data: bytes, sender: str
+    ) -> VersionAnnouncement | RunFinished | None:
+        """Verify a message of the versions topic (announcement or run end) and keep it if new.
+
+        Returns:
+            the message if it changed what this node knows, else None. Invalid ones are
+            logged and dropped.
+        """
+        try:
+            msg = decode_versions_message(data, trust=self.trust, sender=sender)
+        except ShardnetError as exc:
+            self._rejected(exc, sender)
+            return None
+        if isinstance(msg, RunFinished):
+            return self._keep_finished(msg)
+        return self._keep_announcement(msg, sender)
+
+    def offer_finished(self, data: bytes, sender: str) -> RunFinished | None:
+        """Verify a run-finished message (e.g. from an info record) and keep it if new."""
+        try:
+            msg = RunFinished.decode(data, trust=self.trust, sender=sender)
+        except ShardnetError as exc:
+            self._rejected(exc, sender)
+            return None
+        return self._keep_finished(msg)
+
+    def _rejected(self, exc: ShardnetError, sender: str) -> None:
+        """Log a refused versions-topic message once per cause (not on every poll)."""
+        if isinstance(exc, UntrustedSigner):
+            if self.report_once(("trainer_id", exc.source)):
                 log.error(
                     "trainer_id_mismatch sender=%s signed_by=%s expected=%s "
                     "hint=the upstream follows another trainer; check --trainer-id",
                     short_id(sender),
-                    signer,
+                    exc.source,
                     self.trust.trainer,
                 )
-            return None
-        except ShardnetError as exc:
-            if self.report_once(("announcement", sender, type(exc).__name__)):
-                log.warning("announcement_rejected sender=%s error=%s", short_id(sender), exc)
-            return None
+        elif self.report_once(("announcement", sender, type(exc).__name__)):
+            log.warning("announcement_rejected sender=%s error=%s", short_id(sender), exc)
+
+    def _keep_announcement(
+        self, ann: VersionAnnouncement, sender: str
+    ) -> VersionAnnouncement | None:
         if ann.run_id != self.config.run_id:
             return None
-        if self.announcement is not None and ann.step <= self.announcement.step:
+        known = self.announcement
+        if known is not None and (
+            ann.step < known.step
+            or (ann.step == known.step and ann.manifest_digest == known.manifest_digest)
+        ):
             return None
         self.set_announcement(ann, sender)
         return ann
@@ -379,12 +424,37 @@ class ShardcastNode:
         self._reported.add(key)
         return True
 
+    def _keep_finished(self, msg: RunFinished) -> RunFinished | None:
+        if msg.run_id != self.config.run_id:
+            return None
+        if self.finished is not None and msg.step <= self.finished.step:
+            return None
+        if self.announcement is not None and msg.step < self.announcement.step:
+            return None  # an old run end; the trainer has resumed since
+        self.set_finished(msg)
+        return msg
+
+    def set_finished(self, msg: RunFinished) -> None:
+        """Record that the run ended at ``msg.step`` (logged once) and wake waiters."""
+        self.finished = msg
+        log.info(
+            "run_finished run=%s step=%d digest=%s",
+            msg.run_id,
+            msg.step,
+            msg.manifest_digest[:16],
+        )
+        self._announced.set()
+        self._announced = trio.Event()
+
     def set_announcement(self, ann: VersionAnnouncement, sender: str | None = None) -> None:
         """Record ``ann`` as the newest known version and wake waiters.
 
         Args:
             sender: who passed it on (None: this node announces it, i.e. the origin).
         """
+        if self.finished is not None and ann.step > self.finished.step:
+            log.info("run_resumed run=%s step=%d", ann.run_id, ann.step)
+            self.finished = None
         self.announcement = ann
         if sender is None:
             log.info(
@@ -409,6 +479,10 @@ class ShardcastNode:
         while self.announcement is None or self.announcement.step <= newer_than:
             await self._announced.wait()
         return self.announcement
+
+    async def wait_change(self) -> None:
+        """Wait until the known announcement or run end changes."""
+        await self._announced.wait()
 
     def versions_dir(self) -> Path:
         """The run's directory of committed versions."""

@@ -24,6 +24,12 @@ deterministic), so followers that were fetching the first publication go on with
 directory that changed gets a fresh nonce (a new digest). The record goes when the version is
 committed.
 
+``Origin.reannounce()`` (at start, on a data directory that already holds versions) signs and
+sends the announcement of the newest committed version again, and keeps it in the node's info
+record, so a restarted origin is followed at once, not from its next step.
+``Origin.announce_finished()`` signs and sends the run's end
+(:class:`~shardcast.finish.RunFinished`).
+
 With ``serve_once_s`` set on the node's server, the origin sends each shard to one relay and
 lets relays exchange the rest (super-seeding), keeping its egress near one copy per version.
 """
@@ -43,6 +49,7 @@ import trio
 
 from p2p.errors import LocalProtocolError
 from shardcast import codecs
+from shardcast.finish import RunFinished
 from shardcast.manifest import Header, Manifest, Part, sign_header, sign_part
 from shardcast.messages import VersionAnnouncement, versions_topic
 from shardcast.node import ShardcastNode
@@ -247,6 +254,44 @@ class Origin:
 
     def _record_path(self, step: int) -> Path:
         return self.node.store.run_dir / f".publishing-step-{step}.json"
+
+    async def reannounce(self) -> VersionAnnouncement | None:
+        """Announce the newest committed version again (after a restart).
+
+        Returns:
+            the announcement, or None if the store holds no version.
+
+        Raises:
+            ManifestError / IntegrityError: the stored manifest does not verify.
+        """
+        node = self.node
+        step = node.store.latest()
+        if step is None:
+            return None
+        manifest = await trio.to_thread.run_sync(lambda: node.store.load_manifest(step, node.trust))
+        card = (node.card.version, node.card.digest) if node.card is not None else (0, "")
+        ann = VersionAnnouncement.create(
+            node.identity, node.config.run_id, step, manifest.digest, self.trainer_addrs, card
+        )
+        node.set_announcement(ann)
+        await node.p2p.publish(versions_topic(node.config.run_id), ann.encode())
+        log.info("version_reannounced step=%d digest=%s", step, manifest.digest[:16])
+        return ann
+
+    async def announce_finished(self) -> RunFinished | None:
+        """Sign and send "the run ended at the newest committed version".
+
+        Returns:
+            the message, or None if nothing was ever published.
+        """
+        node = self.node
+        ann = node.announcement
+        if ann is None:
+            return None
+        msg = RunFinished.create(node.identity, node.config.run_id, ann.step, ann.manifest_digest)
+        node.set_finished(msg)
+        await node.p2p.publish(versions_topic(node.config.run_id), msg.encode())
+        return msg
 
     def egress_bytes(self) -> int:
         """Body bytes the origin's HTTP lane has sent so far."""

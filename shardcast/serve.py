@@ -170,6 +170,7 @@ class VersionServer:
     def live_done(self, step: int) -> None:
         """The live version was committed or aborted: serve it from the store from now on."""
         live = self._live.pop(step, None)
+        self._manifests.pop(step, None)  # the committed one may differ from a cached older one
         if live is not None:
             live.wake()
 

@@ -288,6 +288,23 @@ class VersionStore:
                 if not self._pins[step]:
                     del self._pins[step]
 
+    def discard(self, step: int) -> bool:
+        """Remove committed ``step`` now, pinned or not (it is no longer served; readers
+        holding its files open keep reading them). Used when the trainer's signed version of
+        ``step`` has another manifest digest.
+
+        Returns:
+            True if a version was removed.
+        """
+        with self._lock:
+            if not self.has(step):
+                return False
+            victim = self.run_dir / f".removing-step-{step}"
+            os.rename(self.version_dir(step), victim)
+        shutil.rmtree(victim, ignore_errors=True)
+        log.warning("version_discarded run=%s step=%d", self.run_id, step)
+        return True
+
     def prune(self) -> list[int]:
         """Remove committed versions beyond the newest ``keep_last`` that are not pinned.
 
@@ -304,6 +321,18 @@ class VersionStore:
         if removed:
             log.info("versions_pruned run=%s steps=%s", self.run_id, removed)
         return removed
+
+
+def latest_committed(root: Path, run_id: str) -> int | None:
+    """The newest committed step under a store root, read without opening the store (no
+    clean-up, no recovery), or None."""
+    run_dir = root / check_run_id(run_id)
+    steps = [
+        int(p.name[5:])
+        for p in (run_dir.glob("step-*") if run_dir.is_dir() else ())
+        if p.name[5:].isdigit() and (p / MANIFEST_FILE).is_file()
+    ]
+    return max(steps) if steps else None
 
 
 def _commit_dir(store: VersionStore, directory: Path, m: Manifest) -> Path:

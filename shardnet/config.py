@@ -323,6 +323,18 @@ class FollowerSettings(CommonSettings):
         30.0, gt=0, description="fail a transfer stalled this long, seconds"
     )
 
+    source_ban_s: float = Field(
+        600.0,
+        ge=0,
+        description="seconds a shard source that sent corrupt bytes stays banned, across "
+        "versions (0: for the current version only)",
+    )
+    exit_on_finish: bool = Field(
+        False,
+        description="exit (code 0) once the trainer announced the run's end and this node "
+        "holds its final version (default: keep serving it)",
+    )
+
     @field_validator("trainer_id")
     @classmethod
     def _trainer_id(cls, v: str) -> str:
@@ -332,13 +344,6 @@ class FollowerSettings(CommonSettings):
     @classmethod
     def _allow_relay(cls, v: list[str]) -> list[str]:
         return _check_peer_ids(v, "allow_relay")
-
-    source_ban_s: float = Field(
-        600.0,
-        ge=0,
-        description="seconds a shard source that sent corrupt bytes stays banned, across "
-        "versions (0: for the current version only)",
-    )
 
     def trust(self) -> TrustList:
         """The trust list."""
@@ -499,8 +504,21 @@ class TrainerSettings(PublishSettings):
     seed: int = Field(0, description="model init seed")
     lr: float = Field(3e-3, gt=0, description="learning rate")
     optimizer: str = Field("adamw", description="adamw or sgd (sgd: no optimizer state)")
-    min_batches: int = Field(2, ge=1, description="batches to wait for per step")
-    step_timeout_s: float = Field(300.0, gt=0, description="longest wait for min_batches, seconds")
+    min_batches: int | None = Field(
+        None,
+        ge=1,
+        description="verified batches to wait for per step (default: one per known peer, "
+        "at least 1; a step is also ready once every known peer delivered)",
+    )
+    step_timeout_s: float = Field(
+        300.0, gt=0, description="longest wait for a step's rollouts, seconds"
+    )
+    peer_timeout_s: float = Field(
+        60.0, gt=0, description="a peer silent this long no longer counts as known, seconds"
+    )
+    wait_log_interval_s: float = Field(
+        5.0, gt=0, description="period of the waiting_for_* progress log lines, seconds"
+    )
     max_shard_bytes: int = Field(1 << 20, ge=4096, description="safetensors file size cap, bytes")
     allow_peer: list[str] = Field(
         [], description="only accept rollouts from these PeerIDs (default: anyone)"

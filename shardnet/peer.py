@@ -10,6 +10,15 @@ generation loop, which always works on the newest committed version: load it int
 :class:`~rollout.exchange.RolloutSender`, which announces it and retries until the trainer
 acknowledges. The network keeps running while the CPU generates.
 
+Restarts: a peer started on a data directory keeps its committed versions and generates for
+the newest at once. It says hello to the trainer every ``hello_interval_s`` (with its newest
+committed version); the trainer's answer carries its session id, so when the trainer comes
+back under a new session the peer re-introduces itself and, unless a batch is still on its
+way, generates again for its newest version (the batches the old trainer process held were
+lost with it). Once the trainer's signed run end is known the peer stops generating and
+saying hello, keeps serving, and with ``exit_on_finish`` returns once it holds the final
+version.
+
 A forged peer for tests and benchmarks is this class with a ``forgery`` hook that tampers
 with the batch before it is signed.
 """
@@ -20,6 +29,7 @@ import dataclasses
 import functools
 import json
 import logging
+import math
 import random
 import time
 from collections.abc import Callable
@@ -74,6 +84,9 @@ class PeerConfig:
         trainer_addrs: multiaddrs of the trainer, to say hello before any version exists
             (otherwise learnt from the first announcement).
         task, task_reward: the run's task spec and dataset reward (``rollout.task.load_task``).
+        hello_interval_s: period of the hello to the trainer, seconds.
+        exit_on_finish: return from :meth:`InferencePeer.run` once the run finished and its
+            final version is committed here.
     """
 
     node: NodeConfig
@@ -86,6 +99,8 @@ class PeerConfig:
     trainer_addrs: tuple[str, ...] = ()
     task: str = "digits"
     task_reward: str = "exact"
+    hello_interval_s: float = 10.0
+    exit_on_finish: bool = False
 
 
 @dataclass
@@ -136,7 +151,8 @@ class InferencePeer:
         self.sender: RolloutSender | None = None
         self._latest: tuple[Manifest, Path] | None = None
         self._new_version = trio.Event()
-        self._trainer_connected = False
+        self._trainer_session: str | None = None
+        self._restart_seen_at = -math.inf  # when a restarted trainer was last noticed
         self.done = trio.Event()
         self.fatal: ShardnetError | None = None
         """Why the peer stopped on its own (a run card it cannot follow), or None."""
@@ -166,8 +182,10 @@ class InferencePeer:
                 node, self.config.follow, rng, on_commit=self._on_commit, progress=self.progress
             )
             await nursery.start(follower.run)
-            if self.config.trainer_addrs:
-                nursery.start_soon(self._hello)
+            self._resume_latest(node)
+            nursery.start_soon(self._hello)
+            if self.config.exit_on_finish:
+                nursery.start_soon(self._exit_when_settled, follower, nursery.cancel_scope)
             task_status.started(node)
             try:
                 await self._generate_loop(nursery)
@@ -182,15 +200,68 @@ class InferencePeer:
             self.done.set()
             await trio.sleep_forever()
 
+    def _resume_latest(self, node: ShardcastNode) -> None:
+        """Start from the newest version committed before a restart, if any."""
+        step = node.store.latest()
+        if step is None:
+            return
+        try:
+            m = node.store.load_manifest(step, self.trust)
+        except (OSError, ShardnetError) as exc:
+            log.warning("resume_version_unreadable step=%d error=%s", step, exc)
+            return
+        self._latest = (m, node.store.version_dir(step))
+        log.info("peer_resumed step=%d digest=%s", step, m.digest[:16])
+
+    async def _exit_when_settled(self, follower: Follower, scope: trio.CancelScope) -> None:
+        await follower.wait_settled()
+        log.info("peer_exiting reason=run_finished")
+        scope.cancel()
+
     async def _hello(self) -> None:
+        """Say hello (with the newest committed version) every ``hello_interval_s``."""
         assert self.node is not None
-        delay = 0.5
+        node, interval = self.node, self.config.hello_interval_s
+        delay = min(0.5, interval)
         while True:
+            if node.finished is not None:
+                await node.wait_change()
+                continue
             await self._ensure_trainer()
-            if await report_status(self.node.p2p, self.trust.trainer, None, attempts=1):
-                return
+            latest = self._latest
+            session = await report_status(
+                node.p2p,
+                self.trust.trainer,
+                latest[0].step if latest else None,
+                latest[0].digest if latest else "",
+                attempts=1,
+            )
+            if session is None:
+                delay = min(2 * delay, interval)
+            else:
+                self._note_session(session)
+                delay = interval
             await trio.sleep(delay)
-            delay = min(2 * delay, 10.0)
+
+    def _note_session(self, session: str) -> None:
+        """Notice a restarted trainer (new session id): re-introduce, regenerate."""
+        old, self._trainer_session = self._trainer_session, session
+        if old is None:
+            log.info("trainer_hello trainer=%s", short_id(self.trust.trainer))
+        elif old != session:
+            pending = self.sender.statistics().pending if self.sender else 0
+            log.info(
+                "trainer_restarted trainer=%s pending_batches=%d",
+                short_id(self.trust.trainer),
+                pending,
+            )
+            if not pending:  # what the old process accepted but never trained on is lost
+                self._restart_seen_at = trio.current_time()
+                self._wake_generation()
+
+    def _wake_generation(self) -> None:
+        self._new_version.set()
+        self._new_version = trio.Event()
 
     async def _ensure_trainer(self) -> None:
         """Connect to the trainer (configured addresses, then the newest announcement's)."""
@@ -198,7 +269,9 @@ class InferencePeer:
         if self.trust.trainer in self.node.p2p.connected_peers():
             return
         ann = self.node.announcement
-        for addr in (*self.config.trainer_addrs, *(ann.trainer_addrs if ann else ())):
+        for addr in dict.fromkeys(
+            (*self.config.trainer_addrs, *(ann.trainer_addrs if ann else ()))
+        ):
             try:
                 await self.node.p2p.connect(addr)
                 return
@@ -218,18 +291,26 @@ class InferencePeer:
             )
         )
         self._latest = (m, path)
-        self._new_version.set()
-        self._new_version = trio.Event()
+        self._wake_generation()
         await self._ensure_trainer()
-        await report_status(self.node.p2p, self.trust.trainer, m.step, m.digest)
+        session = await report_status(self.node.p2p, self.trust.trainer, m.step, m.digest)
+        if session is not None:
+            self._note_session(session)
 
     async def _generate_loop(self, nursery: trio.Nursery) -> None:
         assert self.node is not None
         assert self.sender is not None
+        node = self.node
         done_step = -1
+        done_at = -math.inf  # when the batch of done_step was handed over
         generated = 0
         while self.config.max_versions is None or generated < self.config.max_versions:
-            while self._latest is None or self._latest[0].step <= done_step:
+            while (
+                self._latest is None
+                or node.finished is not None  # the trainer takes no more rollouts
+                # again for the same version only if it went to a trainer since restarted
+                or (self._latest[0].step <= done_step and done_at >= self._restart_seen_at)
+            ):
                 await self._new_version.wait()
             signed, path = self._latest
             step = signed.step
@@ -266,7 +347,7 @@ class InferencePeer:
                 )
             except ShardnetError as exc:
                 log.error("generation_failed step=%d error=%s", step, exc)
-                done_step = step
+                done_step, done_at = step, trio.current_time()
                 continue
             if self.on_generation is not None:
                 tokens = sum(len(x.completion_ids) for g in batch.groups for x in g.samples)
@@ -292,6 +373,7 @@ class InferencePeer:
                 card.version,
             )
             done_step = step
+            done_at = trio.current_time()
             generated += 1
 
     def _sampling(self, card: SignedRunCard) -> SamplingConfig:

@@ -133,6 +133,8 @@ async def run_trainer(s: TrainerSettings) -> int:
         engines=s.engine_specs(),
         min_batches=s.min_batches,
         step_timeout_s=s.step_timeout_s,
+        peer_timeout_s=s.peer_timeout_s,
+        wait_log_interval_s=s.wait_log_interval_s,
         origin=s.origin_config(),
         max_shard_bytes=s.max_shard_bytes,
         expected_peers=tuple(s.expect_peer),
@@ -191,7 +193,14 @@ async def run_relay(s: RelaySettings) -> int:
                     progress=progress,
                 )
                 emit_ready("relay", node, s.ready_file)
-                await follower.run()
+                if not s.exit_on_finish:
+                    await follower.run()
+                    return
+                async with trio.open_nursery() as nursery:
+                    nursery.start_soon(follower.run)
+                    await follower.wait_settled()
+                    log.info("relay_exiting reason=run_finished")
+                    nursery.cancel_scope.cancel()
 
     try:
         await until_signal(body)
@@ -240,6 +249,7 @@ async def run_peer(s: PeerSettings) -> int:
         trainer_addrs=tuple(s.trainer_addr),
         task=s.task,
         task_reward=s.task_reward,
+        exit_on_finish=s.exit_on_finish,
     )
     with DownloadProgress() as progress:
         peer = InferencePeer(identity, s.trust(), cfg, engine=engine, progress=progress)
@@ -356,6 +366,7 @@ async def run_origin(s: OriginSettings) -> int:
         async with ShardcastNode.open(identity, trust, node_cfg) as node:
             origin = Origin(node, s.origin_config())
             emit_ready("origin", node, s.ready_file)
+            await origin.reannounce()  # a restarted origin is followed at once
             latest = node.store.latest()
             while True:
                 ready = []

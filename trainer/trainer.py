@@ -9,12 +9,25 @@ only if the rules differ from the card stored in its data directory). It publish
 (the seeded initial weights), then for each optimizer step ``k = 1..steps``:
 
 1. take the verified batches usable at step ``k-1`` from the rollout inbox: policy step in
-   ``[k-1-async_level, k-1]``; wait until at least ``min_batches`` are there (or
-   ``step_timeout_s``), so peers that lag up to ``async_level`` versions still contribute
-   (asynchronous RL, INTELLECT-2 §2);
+   ``[k-1-async_level, k-1]``; wait until :mod:`trainer.readiness` says the step is ready
+   (``min_batches``, by default one per known peer; or every known peer delivered; or
+   ``step_timeout_s``), logging what it waits for every ``wait_log_interval_s``, so peers
+   that lag up to ``async_level`` versions still contribute (asynchronous RL, INTELLECT-2 §2);
 2. recompute every reward (the peer's own number is never used), compute GRPO group
    advantages and take one AdamW step on the fp32 master weights (:mod:`trainer.grpo`);
-3. write version ``k`` as bf16 safetensors into a staging directory and publish it.
+3. save the fp32 master weights and optimizer state for version ``k`` in the data directory
+   (:mod:`trainer.resume`), write version ``k`` as bf16 safetensors into a staging directory
+   and publish it.
+
+After the last step (and the wait for the last broadcast) it signs and sends the run's end
+(:class:`~shardcast.finish.RunFinished`) and lingers ``finish_linger_s`` so that followers
+polling it learn of it.
+
+Restart: started on a data directory that holds versions, the trainer resumes
+(:func:`trainer.resume.plan_resume`): it loads the saved state of its newest version ``L``,
+announces ``L`` again at once and trains ``L+1`` next; it never commits a step number twice.
+Each trainer process has a random session id, sent in its answers to peers' hellos, so
+running peers notice the restart and re-introduce themselves.
 
 The step counter seen by the inbox (``current_step``) is the newest *published* version, so
 rollouts are judged against the versions peers can actually hold. Every figure of the per-step
@@ -26,6 +39,7 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import random
 import shutil
 import time
@@ -36,7 +50,7 @@ from typing import TYPE_CHECKING, Any, cast
 import torch
 import trio
 
-from p2p.errors import ConfigError
+from p2p.errors import ConfigError, short_id
 from p2p.identity import Identity
 from p2p.trust import TrustList
 from rollout.inbox import AcceptedBatch, InboxConfig, RolloutInbox
@@ -56,9 +70,28 @@ from shardcast.runcard import (
     architecture_digest,
     next_card,
 )
+from shardcast.store import latest_committed
 from trainer.checkpoint import config_json, save_checkpoint, write_preset_dir
 from trainer.grpo import DEFAULT_LR, Rollout, collate, group_advantages, make_optimizer, train_step
 from trainer.oracle import TrainerOracle
+from trainer.readiness import (
+    Every,
+    StepReadiness,
+    StepSnapshot,
+    decide,
+    known_peers,
+    need_batches,
+)
+from trainer.resume import (
+    ResumeKind,
+    ResumePlan,
+    check_state,
+    load_state,
+    plan_resume,
+    prune_states,
+    save_state,
+    saved_steps,
+)
 
 if TYPE_CHECKING:
     from collections.abc import Callable
@@ -87,8 +120,13 @@ class TrainerConfig:
         async_level: how many versions a rollout may lag.
         n_prompts, group_size, max_new_tokens, temperature: the sampling rules for peers.
         engines: the inference engines whose rollouts the run accepts (the run card's).
-        min_batches: batches to wait for before each optimizer step.
-        step_timeout_s: longest wait for ``min_batches``, seconds.
+        min_batches: batches to wait for before each optimizer step (None: one per known
+            peer, at least 1; see :mod:`trainer.readiness`).
+        step_timeout_s: longest wait for the step's rollouts, seconds.
+        peer_timeout_s: a peer silent this long no longer counts as known, seconds.
+        wait_log_interval_s: period of the ``waiting_for_*`` progress lines, seconds.
+        finish_linger_s: after announcing the run's end, how long to keep serving it,
+            seconds.
         origin: how versions are published (shard size, parts, deltas, anchors).
         max_shard_bytes: safetensors file size cap of published checkpoints, bytes.
         expected_peers: PeerIDs whose commit reports define "broadcast finished".
@@ -113,8 +151,11 @@ class TrainerConfig:
     max_new_tokens: int = 16
     temperature: float = 1.0
     engines: tuple[EngineSpec, ...] = (DEFAULT_ENGINE,)
-    min_batches: int = 2
+    min_batches: int | None = None
     step_timeout_s: float = 300.0
+    peer_timeout_s: float = 60.0
+    wait_log_interval_s: float = 5.0
+    finish_linger_s: float = 3.0
     origin: OriginConfig = field(default_factory=lambda: OriginConfig(shard_size=1 << 20))
     max_shard_bytes: int = 1 << 20
     expected_peers: tuple[str, ...] = ()
@@ -126,8 +167,10 @@ class TrainerConfig:
     def __post_init__(self) -> None:
         if self.steps < 0:
             raise ConfigError("steps", "must be >= 0")
-        if self.min_batches < 1:
+        if self.min_batches is not None and self.min_batches < 1:
             raise ConfigError("min_batches", "must be >= 1")
+        if self.wait_log_interval_s <= 0:
+            raise ConfigError("wait_log_interval_s", "must be > 0")
         if self.async_level < 0:
             raise ConfigError("async_level", "must be >= 0")
         if self.optimizer not in ("adamw", "sgd"):
@@ -152,7 +195,12 @@ class StepRecord:
 
 
 class Trainer:
-    """Runs the training loop (see module docstring)."""
+    """Runs the training loop (see module docstring).
+
+    Raises:
+        ConfigError: (at construction) not the pinned trainer key, or a data directory the
+            trainer cannot resume from (field ``data_dir``).
+    """
 
     def __init__(self, identity: Identity, trust: TrustList, config: TrainerConfig) -> None:
         if identity.peer_id != trust.trainer:
@@ -171,6 +219,37 @@ class Trainer:
         self._rejected_mark: dict[str, int] = {}
         self.model_dir = config.model
         self.on_optimizer_step: Callable[[float], None] | None = None  # seconds (metrics)
+        self.session = os.urandom(8).hex()
+        self.plan = self._plan_start()
+
+    def _plan_start(self) -> ResumePlan:
+        """How this trainer starts from its data directory (see :mod:`trainer.resume`).
+
+        Raises:
+            ConfigError: the data directory cannot be resumed from (field ``data_dir``).
+        """
+        node = self.config.node
+        plan = plan_resume(
+            latest_committed(node.data_dir / "versions", node.run_id), saved_steps(node.data_dir)
+        )
+        if plan.kind is ResumeKind.INCONSISTENT:
+            raise ConfigError(
+                "data_dir",
+                f"{node.data_dir}: {plan.detail}; the trainer cannot resume from it "
+                "(use a fresh --data-dir, or restore its trainer-state/)",
+            )
+        if plan.kind is not ResumeKind.FRESH:
+            check_state(node.data_dir, plan.step, self._state_meta())
+        return plan
+
+    def _state_meta(self) -> dict[str, Any]:
+        cfg = self.config
+        return {
+            "run_id": cfg.node.run_id,
+            "preset": cfg.preset,
+            "seed": cfg.seed,
+            "optimizer": cfg.optimizer,
+        }
 
     async def run(
         self, *, task_status: TaskStatus[ShardcastNode] = trio.TASK_STATUS_IGNORED
@@ -219,19 +298,38 @@ class Trainer:
                 self.reputation,
                 current_step=lambda: self.published,
                 config=cfg.inbox,
+                session=self.session,
             )
             await nursery.start(self.inbox.run)
-            task_status.started(node)
-            await self._wait_joined()
-            await self._publish(origin, oracle, model, tokenizer, staging, 0)
-            for k in range(1, cfg.steps + 1):
-                batches = await self.inbox.take(
-                    min_batches=cfg.min_batches, step=k - 1, timeout_s=cfg.step_timeout_s
+            plan = self.plan
+            if plan.kind is not ResumeKind.FRESH:
+                meta = self._state_meta()
+                await trio.to_thread.run_sync(
+                    lambda: load_state(cfg.node.data_dir, plan.step, model, optimizer, meta)
                 )
+                log.info(
+                    "trainer_resumed plan=%s step=%d published=%s session=%s",
+                    plan.kind.value,
+                    plan.step,
+                    plan.published,
+                    self.session,
+                )
+            task_status.started(node)
+            start = await self._start(plan, origin, oracle, model, optimizer, tokenizer, staging)
+            for k in range(start, cfg.steps + 1):
+                batches = await self._collect(k)
                 stats = await self._train(model, optimizer, tokenizer, oracle, batches, k)
-                await self._publish(origin, oracle, model, tokenizer, staging, k)
+                await self._publish(origin, oracle, model, tokenizer, staging, k, optimizer)
                 self.records[-1].train_stats = stats
             await self._wait_final_broadcast()
+            finished = await origin.announce_finished()
+            if finished is not None:
+                log.info(
+                    "run_finished_announced step=%d linger_s=%.1f",
+                    finished.step,
+                    cfg.finish_linger_s,
+                )
+                await trio.sleep(cfg.finish_linger_s)
             self._close_rejections()
             nursery.cancel_scope.cancel()
 
@@ -253,6 +351,54 @@ class Trainer:
             issued_at_ms=int(time.time() * 1000),
         )
 
+    async def _start(
+        self,
+        plan: ResumePlan,
+        origin: Origin,
+        oracle: TrainerOracle,
+        model: Any,
+        optimizer: Any,
+        tokenizer: Any,
+        staging: Path,
+    ) -> int:
+        """Publish (or re-announce) the version training starts from; returns the next step."""
+        if plan.kind is ResumeKind.RESUME:
+            await self._resume(origin, oracle, plan.step)
+            await self._wait_joined()
+            return plan.step + 1
+        step = 0 if plan.kind is ResumeKind.FRESH else plan.step
+        if step > 0:  # REPUBLISH: rollouts may still be judged against the versions before
+            await self._register_versions(oracle, step - 1)
+        await self._wait_joined()
+        await self._publish(origin, oracle, model, tokenizer, staging, step, optimizer)
+        return step + 1
+
+    async def _register_versions(self, oracle: TrainerOracle, newest: int) -> None:
+        """Give the validator the committed versions of the async window ending at ``newest``."""
+        assert self.node is not None
+        store, trust, cfg = self.node.store, self.trust, self.config
+        for s in range(max(0, newest - cfg.async_level), newest + 1):
+            if store.has(s):
+                m = await trio.to_thread.run_sync(lambda s=s: store.load_manifest(s, trust))
+                await trio.to_thread.run_sync(
+                    lambda s=s, d=m.digest: oracle.add_version(
+                        s, d, store.version_dir(s), preload=cfg.check_model
+                    )
+                )
+
+    async def _resume(self, origin: Origin, oracle: TrainerOracle, step: int) -> None:
+        """Serve and re-announce committed version ``step`` as the current one."""
+        assert self.node is not None
+        await self._register_versions(oracle, step)
+        ann = await origin.reannounce()
+        assert ann is not None
+        store = self.node.store
+        m = await trio.to_thread.run_sync(lambda: store.load_manifest(step, self.trust))
+        self.published = step
+        self.records.append(
+            StepRecord(step, trio.current_time(), ann.manifest_digest, m.total_bytes)
+        )
+
     async def _publish(
         self,
         origin: Origin,
@@ -261,7 +407,15 @@ class Trainer:
         tokenizer: Any,
         staging: Path,
         step: int,
+        optimizer: Any,
     ) -> None:
+        """Save the trainer state of ``step`` (unless saved already), then publish it."""
+        data_dir = self.config.node.data_dir
+        if step not in await trio.to_thread.run_sync(saved_steps, data_dir):
+            meta = self._state_meta()
+            await trio.to_thread.run_sync(
+                lambda: save_state(data_dir, step, model, optimizer, meta)
+            )
         directory = staging / f"step-{step}"
         await trio.to_thread.run_sync(
             lambda: save_checkpoint(
@@ -273,6 +427,7 @@ class Trainer:
             )
         )
         result = await origin.publish(directory, step)
+        await trio.to_thread.run_sync(prune_states, data_dir, step)
         await trio.to_thread.run_sync(
             lambda: oracle.add_version(
                 step, result.manifest.digest, result.path, preload=self.config.check_model
@@ -370,12 +525,90 @@ class Trainer:
                 out[peer] = got[1] - rec.published_at
         return out
 
+    def known_peers(self) -> frozenset[str]:
+        """Peers the run can count on now (said hello, heard from within peer_timeout_s)."""
+        assert self.inbox is not None
+        return known_peers(
+            self.inbox.joined,
+            self.inbox.last_seen,
+            trio.current_time(),
+            self.config.peer_timeout_s,
+            allowed=self.trust.submitters or None,
+        )
+
+    async def _collect(self, k: int) -> list[AcceptedBatch]:
+        """Wait until step ``k`` is ready (:func:`trainer.readiness.decide`), logging what it
+        waits for every ``wait_log_interval_s``; then take the usable batches."""
+        assert self.inbox is not None
+        cfg, inbox = self.config, self.inbox
+        t0 = trio.current_time()
+        every = Every(cfg.wait_log_interval_s, t0)
+        while True:
+            now = trio.current_time()
+            known = self.known_peers()
+            have, delivered = inbox.usable(k - 1)
+            snap = StepSnapshot(
+                have,
+                need_batches(cfg.min_batches, len(known)),
+                known,
+                delivered,
+                now - t0,
+                cfg.step_timeout_s,
+            )
+            verdict = decide(snap)
+            if verdict is not StepReadiness.WAIT:
+                log.info(
+                    "step_ready step=%d reason=%s have_batches=%d need_batches=%d "
+                    "waited_s=%.1f peers_known=%d peers_delivered=%d",
+                    k,
+                    verdict.value,
+                    have,
+                    snap.need_batches,
+                    snap.waited_s,
+                    len(known),
+                    len(delivered & known),
+                )
+                return await inbox.take(min_batches=0, step=k - 1, timeout_s=0)
+            if every.due(now):
+                log.info(
+                    "waiting_for_rollouts step=%d have_batches=%d need_batches=%d waited_s=%.1f "
+                    "timeout_s=%.0f peers_known=%d peers_delivered=%d waiting_on=%s",
+                    k,
+                    have,
+                    snap.need_batches,
+                    snap.waited_s,
+                    cfg.step_timeout_s,
+                    len(known),
+                    len(delivered & known),
+                    ",".join(sorted(short_id(p) for p in known - delivered)) or "-",
+                )
+            left = t0 + cfg.step_timeout_s - now
+            with trio.move_on_after(max(0.0, min(every.wait_s(now), left))):
+                await inbox.wait_change()
+
     async def _wait_joined(self) -> None:
         assert self.inbox is not None
         expected = set(self.config.expected_peers)
+        if not expected:
+            return
+        t0 = trio.current_time()
+        every = Every(self.config.wait_log_interval_s, t0)
         with trio.move_on_after(self.config.start_wait_s):
             while not expected <= set(self.inbox.joined):
-                await self.inbox.wait_status_change()
+                now = trio.current_time()
+                if every.due(now):
+                    missing = expected - set(self.inbox.joined)
+                    log.info(
+                        "waiting_for_peers joined=%d missing=%d waited_s=%.1f timeout_s=%.0f "
+                        "missing_ids=%s",
+                        len(expected) - len(missing),
+                        len(missing),
+                        now - t0,
+                        self.config.start_wait_s,
+                        ",".join(sorted(short_id(p) for p in missing)),
+                    )
+                with trio.move_on_after(every.wait_s(now)):
+                    await self.inbox.wait_status_change()
         missing = expected - set(self.inbox.joined)
         if missing:
             log.warning("peers_missing_at_start count=%d", len(missing))
@@ -387,9 +620,23 @@ class Trainer:
         expected = set(self.config.expected_peers)
         if not expected:
             return
+        t0 = trio.current_time()
+        every = Every(self.config.wait_log_interval_s, t0)
         with trio.move_on_after(self.config.final_wait_s):
             while not expected <= set(self.committed(self.published)):
-                await self.inbox.wait_status_change()
+                now = trio.current_time()
+                if every.due(now):
+                    log.info(
+                        "waiting_for_final_broadcast step=%d committed=%d expected=%d "
+                        "waited_s=%.1f timeout_s=%.0f",
+                        self.published,
+                        len(expected & set(self.committed(self.published))),
+                        len(expected),
+                        now - t0,
+                        self.config.final_wait_s,
+                    )
+                with trio.move_on_after(every.wait_s(now)):
+                    await self.inbox.wait_status_change()
 
     def report(self) -> dict[str, Any]:
         """The per-step report (JSON-ready; times as wall-clock ISO 8601; call in trio)."""
@@ -424,6 +671,8 @@ class Trainer:
         rs = self.reputation.statistics()
         return {
             "trainer": self.identity.peer_id,
+            "session": self.session,
+            "start": {"plan": self.plan.kind.value, "step": self.plan.step},
             "steps": steps,
             "validator": {
                 "accepted_samples": vs.accepted_samples,

@@ -164,6 +164,21 @@ async def test_stale_and_forged_batches_rejected(tmp_path: Path) -> None:
         assert w.inbox.reputation.score(PEER.peer_id) < 1.0
 
 
+async def test_batch_for_a_version_not_yet_current_is_retried_then_accepted(
+    tmp_path: Path,
+) -> None:
+    # the peer can hold version 1 before the trainer has registered it (it announces first)
+    async with world(tmp_path) as w, trio.open_nursery() as n:
+        await w.sender.submit(make_batch(w.oracle, PEER.peer_id, 1).encode(), 1, n)
+        with trio.fail_after(20):
+            await w.inbox.wait_answers("retry:ahead", 1)
+        w.step[0] = 1
+        with trio.fail_after(20):
+            await w.sender.wait_idle()
+        assert [(a.status, a.reason) for a in w.sender.acks] == [("accepted", "ok")]
+        assert w.inbox.usable(1) == (1, frozenset({PEER.peer_id}))
+
+
 async def test_refused_submitter_is_ignored_without_fetch(tmp_path: Path) -> None:
     async with world(tmp_path) as w, trio.open_nursery() as n:
         for _ in range(3):

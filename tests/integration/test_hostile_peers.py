@@ -23,9 +23,10 @@ from p2p.host import HostConfig, P2PNode
 from p2p.hostile import MESHSUB, HostileClient, Malformed, frame
 from p2p.identity import Identity
 from p2p.limits import ANY_STREAM, LedgerConfig, ResourceLimits
+from shardcast.finish import check_versions_gossip
 from shardcast.follower import FollowConfig, Follower, VersionRecord
 from shardcast.manifest import Manifest
-from shardcast.messages import INFO_PROTOCOL, check_announcement_gossip, versions_topic
+from shardcast.messages import INFO_PROTOCOL, versions_topic
 from shardcast.node import NodeConfig, ShardcastNode
 from shardcast.origin import Origin, OriginConfig
 from tests.helpers import TRAINER, make_checkpoint, trust
@@ -166,8 +167,8 @@ async def test_untrusted_gossip_is_not_forwarded(tmp_path: Path) -> None:
         HostileClient.open() as evil,
     ):
         topic = versions_topic("run")
-        rsub = await r.p2p.subscribe(topic, check_announcement_gossip(tl, "run"))
-        psub = await p.p2p.subscribe(topic, check_announcement_gossip(tl, "run"))
+        rsub = await r.p2p.subscribe(topic, check_versions_gossip(tl, "run"))
+        psub = await p.p2p.subscribe(topic, check_versions_gossip(tl, "run"))
         await p.p2p.connect(r.p2p.multiaddrs()[0])
         await p.p2p.wait_for_subscriber(r.p2p.peer_id, topic, timeout_s=10)
         await evil.connect(r.p2p.multiaddrs()[0])

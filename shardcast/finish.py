@@ -1,0 +1,182 @@
+"""The end of a run: the trainer's signed "run finished" message, and how followers slow down.
+
+Theory of operation
+-------------------
+When the trainer has published its last version it signs :class:`RunFinished` ("run R ended
+at version N, manifest digest D") and sends it on the path version announcements take: the
+run's versions gossip topic, and the ``finished`` field of every node's info record, which
+downstream nodes poll. So a relay or peer learns it from gossip, or at its next info poll of
+any upstream that knows it, even after the trainer has exited.
+
+On the versions topic both message kinds arrive; :func:`decode_versions_message` tells them
+apart by the ``kind`` key of the signed body (absent in announcements) and verifies either.
+
+A follower that knows the run finished and holds its final version has nothing left to fetch:
+:func:`poll_delay` (pure) then stretches its upstream polls and retries from seconds to
+minutes, so a node left serving after the run does not retry a departed trainer every 10 s
+forever. A newer version announcement (the trainer resumed with more steps) lifts the
+finished state.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from p2p import wire
+from p2p.errors import RemoteProtocolError
+from p2p.identity import Identity, verify
+from p2p.trust import TrustList
+from shardcast.manifest import check_run_id
+from shardcast.messages import MAX_ANNOUNCEMENT_BYTES, VersionAnnouncement
+
+__all__ = ["FINISHED_DOMAIN", "PollPolicy", "RunFinished", "decode_versions_message", "poll_delay"]
+
+FINISHED_DOMAIN = "finished/v1"
+_KIND = "finished"
+
+
+@dataclass(frozen=True)
+class RunFinished:
+    """The trainer's signed "this run is over" statement.
+
+    Attributes:
+        run_id: the run.
+        step: the final version's step.
+        manifest_digest: the final version's manifest digest.
+        signer: the trainer's PeerID.
+        signature: Ed25519 signature over the body under ``finished/v1``.
+    """
+
+    run_id: str
+    step: int
+    manifest_digest: str
+    signer: str
+    signature: bytes
+
+    def _body(self) -> bytes:
+        return wire.encode(
+            {
+                "v": 1,
+                "kind": _KIND,
+                "run_id": self.run_id,
+                "step": self.step,
+                "manifest_digest": self.manifest_digest,
+            }
+        )
+
+    @classmethod
+    def create(
+        cls, identity: Identity, run_id: str, step: int, manifest_digest: str
+    ) -> RunFinished:
+        """Build and sign the message with the trainer's identity."""
+        unsigned = cls(run_id, step, manifest_digest, identity.peer_id, b"")
+        sig = identity.sign(FINISHED_DOMAIN, unsigned._body())
+        return cls(run_id, step, manifest_digest, identity.peer_id, sig)
+
+    def encode(self) -> bytes:
+        """Envelope bytes ``{"body", "signer", "sig"}`` (the announcement's envelope)."""
+        return wire.encode({"body": self._body(), "signer": self.signer, "sig": self.signature})
+
+    @classmethod
+    def decode(cls, data: bytes, *, trust: TrustList, sender: str = "") -> RunFinished:
+        """Parse and verify a message from an untrusted sender.
+
+        Raises:
+            RemoteProtocolError: malformed.
+            IntegrityError: bad signature.
+            UntrustedSigner: signed by someone other than the pinned trainer.
+        """
+        body_bytes, signer, sig = _envelope(data, sender)
+        verify(signer, FINISHED_DOMAIN, body_bytes, sig)
+        trust.require_trainer(signer, "run-finished message")
+        body = wire.decode(body_bytes, max_bytes=MAX_ANNOUNCEMENT_BYTES, sender=sender)
+        wire.need_version(body, 1, "run finished", sender)
+        if body.get("kind") != _KIND:
+            raise RemoteProtocolError(sender, "not a run-finished message")
+        run_id = wire.need_str(body, "run_id", 128, sender)
+        try:
+            check_run_id(run_id)
+        except RemoteProtocolError as exc:
+            raise RemoteProtocolError(sender, str(exc)) from exc
+        msg = cls(
+            run_id,
+            wire.need_int(body, "step", 0, 1 << 62, sender),
+            wire.need_str(body, "manifest_digest", 64, sender),
+            signer,
+            sig,
+        )
+        if msg._body() != body_bytes:
+            raise RemoteProtocolError(sender, "run-finished body is not canonical")
+        return msg
+
+
+def _envelope(data: bytes, sender: str) -> tuple[bytes, str, bytes]:
+    env = wire.decode(data, max_bytes=MAX_ANNOUNCEMENT_BYTES, sender=sender)
+    body = wire.need_bytes(env, "body", MAX_ANNOUNCEMENT_BYTES, sender)
+    signer = wire.need_str(env, "signer", 128, sender)
+    sig = wire.need_bytes(env, "sig", 64, sender, exact=64)
+    return body, signer, sig
+
+
+def decode_versions_message(
+    data: bytes, *, trust: TrustList, sender: str = ""
+) -> VersionAnnouncement | RunFinished:
+    """Parse and verify a message of the versions topic: an announcement or a run end.
+
+    Raises:
+        RemoteProtocolError, IntegrityError, UntrustedSigner: as the two decoders do.
+    """
+    body_bytes, _, _ = _envelope(data, sender)
+    body = wire.decode(body_bytes, max_bytes=MAX_ANNOUNCEMENT_BYTES, sender=sender)
+    if body.get("kind") == _KIND:
+        return RunFinished.decode(data, trust=trust, sender=sender)
+    return VersionAnnouncement.decode(data, trust=trust, sender=sender)
+
+
+def check_versions_gossip(trust: TrustList, run_id: str) -> Callable[[str, bytes], None]:
+    """Gossip check of the versions topic: a well-formed announcement or run end of
+    ``run_id`` signed by the pinned trainer (run before the message is delivered or forwarded).
+
+    The returned function raises RemoteProtocolError, IntegrityError or UntrustedSigner.
+    """
+
+    def check(origin: str, data: bytes) -> None:
+        msg = decode_versions_message(data, trust=trust, sender=origin)
+        if msg.run_id != run_id:
+            raise RemoteProtocolError(origin, f"versions message of run {msg.run_id!r}")
+
+    return check
+
+
+@dataclass(frozen=True)
+class PollPolicy:
+    """Upstream poll and retry periods, seconds.
+
+    Attributes:
+        poll_interval_s: period of the info poll while the run is live.
+        max_backoff_s: cap of the retry backoff while the run is live.
+        finished_poll_interval_s: poll period once the run finished and its final version
+            is held.
+        finished_max_backoff_s: retry backoff cap in that state.
+    """
+
+    poll_interval_s: float = 1.0
+    max_backoff_s: float = 10.0
+    finished_poll_interval_s: float = 60.0
+    finished_max_backoff_s: float = 600.0
+
+
+def poll_delay(policy: PollPolicy, failures: int, settled: bool) -> float:
+    """Seconds to wait before the next poll of one upstream (pure).
+
+    Args:
+        policy: the periods.
+        failures: consecutive failed polls of this upstream (0: the last one worked).
+        settled: the run finished and this node holds its final version.
+    """
+    base = policy.finished_poll_interval_s if settled else policy.poll_interval_s
+    cap = policy.finished_max_backoff_s if settled else policy.max_backoff_s
+    if failures <= 0:
+        return base
+    return float(min(base * 2 ** min(failures - 1, 32), max(cap, base)))
