@@ -355,6 +355,10 @@ class P2PNode:
         unblock = getattr(self._host.get_network(), "unblock_peer", None)  # type: ignore[attr-defined]
         if unblock is not None:
             unblock(info.peer_id)
+        # Dial the address we were given, nothing else: the peerstore also holds what the
+        # remote's identify reported (its *bound* addresses, e.g. 0.0.0.0), which other hosts
+        # cannot dial and which libp2p would otherwise try, or try only, after a reconnect.
+        self._host.get_peerstore().clear_addrs(info.peer_id)  # type: ignore[attr-defined]
         try:
             with trio.fail_after(self.config.dial_timeout_s):
                 await self._host.connect(info)  # type: ignore[attr-defined]

@@ -63,21 +63,10 @@ PROGRESS_S = 240.0  # longest wait for the next version to reach a node
 
 # Checks that depend on work not merged yet: name -> what must land. Remove a name once its
 # branch is merged; from then on that check is a hard assertion.
-UNMERGED: dict[str, str] = {
-    "trainer_resume": (
-        "branch lifecycle: a trainer restarted on its data directory resumes at the next step "
-        "(today it waits for hellos that running peers never resend, then crashes with "
-        "'step 0 is not newer than published step 0')"
-    ),
-    "peer_resumes_generation": (
-        "branch lifecycle: a peer restarted with the newest version already on disk generates "
-        "rollouts for it (today it waits for the next version, so if it was killed before it "
-        "submitted, the trainer is one batch short and waits the step timeout)"
-    ),
-}
+UNMERGED: dict[str, str] = {}
 # A check that can pass by chance while its work is missing (it depends on when the SIGKILL
 # lands): its passing does not fail the test.
-NOT_STRICT = {"peer_resumes_generation"}
+NOT_STRICT: set[str] = set()
 DOWNTIME_S = 5.0  # how long a restarted relay stays away (its peers retry every 1-2 s)
 REJOIN_S = 30.0  # a restarted relay or peer: the next version reaches it within this
 
@@ -184,7 +173,7 @@ class Deployment:
 
     def latest(self, node: Node, via: Host) -> int:
         """Newest step ``node`` has committed (-1: none, or not reachable now)."""
-        v = metric(self.metrics(node, via), "shardnet_latest_committed_step")
+        v = metric(self.metrics(node, via), "shardnet_latest_step")
         return -1 if v is None else int(v)
 
     def wait_latest(self, nodes: list[Node], above: int, via: Host, what: str) -> float:
@@ -283,7 +272,7 @@ def test_operator_path_on_four_hosts(hosts: Hosts) -> None:
     time.sleep(DOWNTIME_S)  # not waiting for a state: the relay is away, as in a real restart
     relay = dep.start("relay", b, "relay.2")
     assert relay.info["peer_id"] == relay_id
-    kept = metric(dep.metrics(relay, a), "shardnet_versions_committed")
+    kept = metric(dep.metrics(relay, a), "shardnet_versions_held")
     assert kept is not None, "restarted relay: no metrics"
     assert kept >= 1, f"restarted relay kept {kept} versions"
     took = dep.wait_latest(
@@ -296,7 +285,7 @@ def test_operator_path_on_four_hosts(hosts: Hosts) -> None:
     peer_c.kill()
     dep.note(f"peer-c killed (SIGKILL) at version {before}")
     peer_c = dep.start("peer", c, "peer-c.2")
-    kept = metric(dep.metrics(peer_c, a), "shardnet_versions_committed")
+    kept = metric(dep.metrics(peer_c, a), "shardnet_versions_held")
     assert kept is not None, "restarted peer: no metrics"
     assert kept >= 1, f"restarted peer kept {kept} versions"
     took = dep.wait_latest([peer_c], before, a, "peer-c committed a version after its restart")

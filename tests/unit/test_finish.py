@@ -43,7 +43,9 @@ def test_other_signer_and_tampering_are_refused() -> None:
 
 def test_node_info_carries_it() -> None:
     fin = RunFinished.create(TRAINER, "run-1", 7, DIGEST).encode()
-    info = NodeInfo(TRAINER.peer_id, "trainer", "run-1", "http://127.0.0.1:1", (7,), None, finished=fin)
+    info = NodeInfo(
+        TRAINER.peer_id, "trainer", "run-1", "http://127.0.0.1:1", (7,), None, finished=fin
+    )
     assert NodeInfo.decode(info.encode(), sender=TRAINER.peer_id).finished == fin
     old = NodeInfo(TRAINER.peer_id, "relay", "run-1", "http://127.0.0.1:1", (), None)
     assert NodeInfo.decode(old.encode()).finished is None
