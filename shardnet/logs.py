@@ -52,15 +52,32 @@ class JsonFormatter(logging.Formatter):
 
 
 LIBRARY_LOGGERS = ("libp2p", "multiaddr")
+# Library warnings that shardnet causes by design or already reports as its own event; shown
+# only at DEBUG: gossipsub refusing a GRAFT from a direct peer (shardnet peers its upstreams
+# directly, so every heartbeat logs it), and py-libp2p's per-address dial failure (the
+# follower logs ``upstream_unreachable`` with the error and its retry delay).
+EXPECTED_LIBRARY_NOISE = (
+    ("libp2p.pubsub.gossipsub", "GRAFT: ignoring request from direct peer"),
+    ("libp2p.transport.tcp", "Failed to open TCP stream"),
+)
 
 
 class LibraryFilter(logging.Filter):
-    """Rewrites a library's record as ``<library>_message text="…"`` (an event like ours)."""
+    """Rewrites a library's record as ``<library>_message text="…"`` (an event like ours).
+
+    Records listed in :data:`EXPECTED_LIBRARY_NOISE` are dropped unless the root logger is at
+    DEBUG.
+    """
 
     def filter(self, record: logging.LogRecord) -> bool:
         top = record.name.split(".", 1)[0]
         if top in LIBRARY_LOGGERS and not getattr(record, "_shardnet_rewritten", False):
             text = record.getMessage()
+            if logging.getLogger().level > logging.DEBUG and any(
+                record.name.startswith(name) and text.startswith(prefix)
+                for name, prefix in EXPECTED_LIBRARY_NOISE
+            ):
+                return False
             record.msg = f"{top}_message text={json.dumps(text)}"
             record.args = None
             record._shardnet_rewritten = True

@@ -72,3 +72,18 @@ def test_times_are_wall_clock_iso_8601(capsys: pytest.CaptureFixture[str]) -> No
     stamp = text_line.split(" ", 1)[0]
     assert stamp.endswith("Z")
     assert abs(datetime.fromisoformat(stamp).timestamp() - ts) < 5
+
+
+@pytest.mark.usefixtures("_restore_logging")
+def test_expected_library_noise_only_at_debug(capsys: pytest.CaptureFixture[str]) -> None:
+    graft = "GRAFT: ignoring request from direct peer %s"
+    configure("INFO", name="peer")
+    logging.getLogger("libp2p.pubsub.gossipsub").warning(graft, "12D3KooWX")
+    logging.getLogger("libp2p.transport.tcp.tcp").error("Failed to open TCP stream: x")
+    logging.getLogger("libp2p.pubsub.gossipsub").warning("something else")
+    err = capsys.readouterr().err.splitlines()
+    assert len(err) == 1
+    assert "something else" in err[0]
+    configure("DEBUG", name="peer")
+    logging.getLogger("libp2p.pubsub.gossipsub").warning(graft, "12D3KooWX")
+    assert "ignoring request from direct peer" in capsys.readouterr().err
