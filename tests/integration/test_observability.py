@@ -129,9 +129,15 @@ async def test_status_and_metrics_of_every_role(tmp_path: Path) -> None:
             ):
                 await trainer.inbox.wait_status_change()
             scraped = await _scrape(nodes)
-            code, out, err = await _cli("--json", rnode.http.url)
-            assert code == 0, err
-            assert json.loads(out)["role"] == "relay"
+            # `shardnet status --json` against every node, as an operator would
+            for name, node in nodes.items():
+                code, out, err = await _cli("--json", node.http.url)
+                assert code == 0, (name, err)
+                doc = json.loads(out)
+                assert doc["role"] == ("peer" if name.startswith("p") else name)
+                assert doc["peer_id"] == node.identity.peer_id
+                assert doc["run_id"] == "obs"
+                assert doc["versions"]["latest"] >= 1
             code, out, err = await _cli("--json", taddr)  # over libp2p, then the lane
             assert code == 0, err
             assert json.loads(out)["peer_id"] == trainer_id.peer_id
