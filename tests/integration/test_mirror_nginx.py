@@ -213,7 +213,8 @@ async def test_peer_commits_from_nginx_mirror_only(tmp_path: Path) -> None:
                 assert "GET /shardnet/v1/run/versions" in access
                 assert "GET /shardnet/v1/run/1/shard/" in access  # delta blobs, linked
                 lines = access.splitlines()
-                assert lines and all(line.endswith('auth="-"') for line in lines), lines[:3]
+                assert lines
+                assert all(line.endswith('auth="-"') for line in lines), lines[:3]
             nursery.cancel_scope.cancel()
 
 
