@@ -710,7 +710,7 @@ class Follower:
     def _kind_of(self, source: str) -> str:
         """``source_kind`` of a source id: its upstream info's role, else its advert's."""
         if source in self.mirrors:
-            return "mirror"
+            return source_kind("mirror")
         info = self.upstreams.get(source)
         return source_kind(info.role if info is not None else self.directory.role_of(source))
 

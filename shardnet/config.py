@@ -335,7 +335,6 @@ class FollowerSettings(CommonSettings):
         description="static mirror base URL (http://HOST[:PORT][/PATH], a tree written by "
         "`shardnet mirror export` behind any web server): an extra, untrusted shard source "
         "for announced versions it lists",
-        examples=[["http://192.0.2.20:8080"]],
     )
     exit_on_finish: bool = Field(
         False,
