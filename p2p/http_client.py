@@ -242,8 +242,9 @@ class HttpClient:
         extra: list[tuple[str, str]],
         source: str,
         timeout_s: float,
+        anonymous: bool = False,
     ) -> None:
-        signed = self._sign(target) if self._sign is not None else ()
+        signed = self._sign(target) if self._sign is not None and not anonymous else ()
         headers = [
             ("host", host),
             ("accept-encoding", "identity"),
@@ -285,14 +286,14 @@ class HttpClient:
             conn.h11.receive_data(data)
 
     async def _open(
-        self, url: str, timeout_s: float, extra: list[tuple[str, str]]
+        self, url: str, timeout_s: float, extra: list[tuple[str, str]], anonymous: bool = False
     ) -> tuple[_Conn, h11.Response, str]:
         """Send a GET and read the response head; a stale pooled connection is retried once."""
         source, key, target, host = _target(url)
         for attempt in (0, 1):
             conn = await self._acquire(key, source, timeout_s, fresh=attempt > 0)
             try:
-                await self._send(conn, target, host, extra, source, timeout_s)
+                await self._send(conn, target, host, extra, source, timeout_s, anonymous)
                 self._requests += 1
                 event = await self._next_event(conn, source, timeout_s)
                 if isinstance(event, h11.ConnectionClosed):
@@ -322,12 +323,16 @@ class HttpClient:
 
     # -- public API ---------------------------------------------------------------------------
 
-    async def get_bytes(self, url: str, *, max_bytes: int, timeout_s: float) -> bytes:
+    async def get_bytes(
+        self, url: str, *, max_bytes: int, timeout_s: float, anonymous: bool = False
+    ) -> bytes:
         """GET ``url`` and return its whole body (``200`` only).
 
         Args:
             max_bytes: largest body accepted (bytes), checked before and while reading.
             timeout_s: longest wait without progress (seconds).
+            anonymous: send the request unsigned (no ``sign`` headers), e.g. to a static
+                mirror, which has no use for the requester's identity.
 
         Raises:
             PeerUnreachable, StreamBroken, NotAvailable, RemoteProtocolError, TransportError:
@@ -338,7 +343,7 @@ class HttpClient:
         Safe to call concurrently. Cancellation closes the connection it was using.
         """
         try:
-            conn, response, source = await self._open(url, timeout_s, [])
+            conn, response, source = await self._open(url, timeout_s, [], anonymous)
             reusable = False
             try:
                 if response.status_code != 200:
@@ -368,6 +373,7 @@ class HttpClient:
         timeout_s: float,
         chunk_bytes: int = 1 << 20,
         headers: Sequence[tuple[str, str]] = (),
+        anonymous: bool = False,
     ) -> AsyncGenerator[bytes, None]:
         """Yield bytes ``[start, start + length)`` of ``url``: exactly ``length`` bytes in total.
 
@@ -378,6 +384,7 @@ class HttpClient:
             chunk_bytes: largest chunk yielded (bytes); chunks are yielded as they arrive,
                 split when larger, never coalesced.
             headers: extra request headers for this request only.
+            anonymous: send the request unsigned (see :meth:`get_bytes`).
 
         Raises:
             PeerUnreachable, StreamBroken, NotAvailable, RemoteProtocolError, TransportError:
@@ -395,7 +402,9 @@ class HttpClient:
             return
         try:
             spec = format_range(ByteRange(start, start + length - 1))
-            conn, response, source = await self._open(url, timeout_s, [("range", spec), *headers])
+            conn, response, source = await self._open(
+                url, timeout_s, [("range", spec), *headers], anonymous
+            )
             reusable = False
             try:
                 _check_range_response(response, source, url, start, length)

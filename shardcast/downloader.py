@@ -92,11 +92,14 @@ class Source:
         base_url: HTTP lane base URL, e.g. ``http://127.0.0.1:9000``.
         complete: True if it holds (or will hold) every shard of the version; False for a
             peer that re-serves only what it has (its have-set is polled).
+        anonymous: requests to it are unsigned (a static mirror, :mod:`shardcast.mirror`:
+            no PeerID, no super-seeding, nothing to prove to it).
     """
 
     id: str
     base_url: str
     complete: bool = True
+    anonymous: bool = False
 
 
 def version_url(base_url: str, run_id: str, step: int) -> str:
@@ -495,6 +498,7 @@ class Downloader:
                     f"{version_url(src.base_url, m.run_id, m.step)}/have",
                     max_bytes=(len(header.shards) + 7) // 8,
                     timeout_s=cfg.stall_timeout_s,
+                    anonymous=src.anonymous,
                 )
                 answer = Answer.PRESENT
             except NotAvailable as exc:
@@ -521,7 +525,10 @@ class Downloader:
                     url = f"{version_url(src.base_url, m.run_id, m.step)}/manifest/part/{k}"
                     try:
                         data = await self.client.get_bytes(
-                            url, max_bytes=8 << 20, timeout_s=self.config.stall_timeout_s
+                            url,
+                            max_bytes=8 << 20,
+                            timeout_s=self.config.stall_timeout_s,
+                            anonymous=src.anonymous,
                         )
                         signed = decode_part(data, header, trust=self.trust, source=src.id)
                     except NotAvailable as exc:
@@ -555,6 +562,7 @@ class Downloader:
                         url,
                         max_bytes=(len(header.shards) + 7) // 8,
                         timeout_s=self.config.stall_timeout_s,
+                        anonymous=src.anonymous,
                     )
                     held = [
                         i
@@ -611,6 +619,7 @@ class Downloader:
                                 req.length,
                                 timeout_s=self.config.stall_timeout_s,
                                 headers=failed_header(failed_by.get(req.shard, ())),
+                                anonymous=src.anonymous,
                             )
                         ) as chunks:
                             async for chunk in chunks:

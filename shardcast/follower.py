@@ -23,6 +23,15 @@ every source (pruned: the next plan falls back to the newest version in full), w
 arrives for too long, and it is abandoned as soon as a newer version is announced that it
 cannot be the base of (:func:`shardcast.catchup.worth_finishing`).
 
+Static mirrors (``mirrors``: base URLs of trees written by :func:`shardcast.mirror.export_mirror`
+and served by any web server) are HTTP-only sources: no PeerID, no libp2p, source id = the URL.
+Each is polled for its ``/versions`` list every ``poll_interval_s``; a mirror never tells this
+node that a version exists (only the trainer's signed announcements do), it is only added as a
+source — for the manifest document and for shards — to the download of an announced version it
+lists. It is never trusted: its manifest is checked like any other against the pinned trainer
+and the announced digest, every shard against its signed digest, and a mirror that serves wrong
+bytes is blamed and banned like any bad source. Requests to it are unsigned (anonymous).
+
 Every loop here has a timeout or a bounded backoff; a failing upstream is logged with its
 short PeerID and retried, never allowed to stop the others.
 
@@ -73,6 +82,7 @@ from shardcast.messages import (
     versions_topic,
 )
 from shardcast.metrics import DownloadMetrics, source_kind
+from shardcast.mirror import MirrorPoll, check_mirror_url
 from shardcast.node import ShardcastNode
 from shardcast.nodestatus import iso, wall_of
 
@@ -99,6 +109,8 @@ class FollowConfig:
         finished_poll_interval_s: upstream poll period once settled (run finished, final
             version held), seconds.
         finished_max_backoff_s: retry backoff cap once settled, seconds.
+        mirrors: base URLs of static mirrors (``http://HOST[:PORT][/PATH]``) used as extra,
+            untrusted HTTP-only sources (see the module docstring).
     """
 
     upstreams: tuple[str, ...]
@@ -110,6 +122,7 @@ class FollowConfig:
     download: DownloadConfig = field(default_factory=DownloadConfig)
     finished_poll_interval_s: float = 60.0
     finished_max_backoff_s: float = 600.0
+    mirrors: tuple[str, ...] = ()
 
     def poll_policy(self) -> PollPolicy:
         """The poll/retry periods."""
@@ -127,6 +140,9 @@ class FollowConfig:
             peer_id_of(a)
         if self.poll_interval_s <= 0 or self.advert_interval_s <= 0:
             raise ConfigError("poll_interval_s", "intervals must be > 0")
+        object.__setattr__(
+            self, "mirrors", tuple(check_mirror_url(u, "mirror") for u in self.mirrors)
+        )
 
 
 @dataclass
@@ -194,9 +210,11 @@ class Follower:
         self._heard: dict[str, float] = {}  # upstream -> Unix time of its last info answer
         self._errors: dict[str, str] = {}  # upstream -> its last error
         self._progress: dict[int, tuple[int, int, float]] = {}  # step -> done, total, start
+        self.mirrors = {url: MirrorPoll(url) for url in config.mirrors}
         node.status_sections.update(
             downloads=self.downloads_status,
             upstreams=self.upstreams_status,
+            mirrors=self.mirrors_status,
             known_nodes=self.known_nodes_status,
         )
         node.metrics.add_collector(self._families)
@@ -207,6 +225,8 @@ class Follower:
         async with trio.open_nursery() as nursery:
             for addr in self.config.upstreams:
                 nursery.start_soon(self._poll_upstream, addr)
+            for url in self.config.mirrors:
+                nursery.start_soon(self._poll_mirror, url)
             nursery.start_soon(self._listen_versions)
             if self.config.discovery:
                 nursery.start_soon(self._listen_adverts)
@@ -312,6 +332,34 @@ class Follower:
                 if info.finished is not None:
                     self._offer_finished(info.finished, pid)
             await trio.sleep(poll_delay(policy, 0, self.settled()))
+
+    async def _poll_mirror(self, url: str) -> None:
+        """Keep ``self.mirrors[url]`` up to date with the mirror's ``/versions`` list."""
+        poll = self.mirrors[url]
+        policy = self.config.poll_policy()
+        versions = f"{url}/shardnet/v1/{self.node.config.run_id}/versions"
+        while True:
+            try:
+                data = await self.node.client.get_bytes(
+                    versions, max_bytes=1 << 20, timeout_s=10.0, anonymous=True
+                )
+            except (TransportError, ShardnetError) as exc:
+                if poll.failed(str(exc)):
+                    log.info("mirror_unreachable mirror=%s error=%s", url, exc)
+            else:
+                if poll.answered(data, time.time()):
+                    log.info("mirror_versions mirror=%s committed=%s", url, sorted(poll.steps))
+                elif poll.error is not None and poll.failures == 1:
+                    log.warning("mirror_bad_versions mirror=%s error=%s", url, poll.error)
+            await trio.sleep(poll_delay(policy, poll.failures, self.settled()))
+
+    def _mirror_sources(self, step: int) -> list[Source]:
+        """The mirrors that list ``step`` (untrusted, anonymous, HTTP-only sources)."""
+        return [
+            Source(url, url, complete=False, anonymous=True)
+            for url, poll in sorted(self.mirrors.items())
+            if step in poll.steps
+        ]
 
     def _card_version(self) -> int:
         card = self.node.card
@@ -445,10 +493,12 @@ class Follower:
         delay = 0.05
         until = None if timeout_s is None else trio.current_time() + timeout_s
         while True:
-            for src in self._upstream_sources():
+            for src in self._upstream_sources() + self._mirror_sources(step):
                 url = manifest_url(src.base_url, run_id, step)
                 try:
-                    data = await self.node.client.get_bytes(url, max_bytes=64 << 20, timeout_s=10.0)
+                    data = await self.node.client.get_bytes(
+                        url, max_bytes=64 << 20, timeout_s=10.0, anonymous=src.anonymous
+                    )
                     m = Manifest.decode(data, trust=self.node.trust, source=src.id)
                 except NotAvailable:
                     continue
@@ -592,7 +642,9 @@ class Follower:
         server = self.node.server
         # discovered sources join through extra_sources (bounded there); they seed the list
         # only when no upstream is known
-        sources = self._upstream_sources() or self._extra_sources(step)
+        sources = (self._upstream_sources() or self._extra_sources(step)) + self._mirror_sources(
+            step
+        )
         self._filling.append(step)
         self._readvertise()
         started = trio.current_time()
@@ -617,7 +669,7 @@ class Follower:
                         progress=progress,
                         extra_sources=functools.partial(self._extra_sources, step),
                         max_extra_sources=self.config.max_extra_sources,
-                        upstreams=self._upstream_sources,
+                        upstreams=lambda: self._upstream_sources() + self._mirror_sources(step),
                     )
                 except ShardnetError as exc:  # caught here: a nursery would wrap it in a group
                     error = exc
@@ -627,7 +679,7 @@ class Follower:
             self._progress.pop(step, None)
             self._filling.remove(step)
             self._readvertise()
-            self._score_sources({peer_id_of(a) for a in self.config.upstreams})
+            self._score_sources({peer_id_of(a) for a in self.config.upstreams} | set(self.mirrors))
         if error is not None:
             log.warning("download_failed step=%d error=%s", step, error)
             return False
@@ -657,6 +709,8 @@ class Follower:
 
     def _kind_of(self, source: str) -> str:
         """``source_kind`` of a source id: its upstream info's role, else its advert's."""
+        if source in self.mirrors:
+            return source_kind("mirror")
         info = self.upstreams.get(source)
         return source_kind(info.role if info is not None else self.directory.role_of(source))
 
@@ -708,6 +762,19 @@ class Follower:
                 }
             )
         return out
+
+    def mirrors_status(self) -> list[dict[str, Any]]:
+        """The ``mirrors`` section of ``/status``: each configured static mirror's state."""
+        return [
+            {
+                "url": url,
+                "state": "unreachable" if poll.error is not None or poll.heard is None else "ready",
+                "committed": sorted(poll.steps),
+                "last_heard": iso(poll.heard) if poll.heard is not None else None,
+                "error": poll.error,
+            }
+            for url, poll in sorted(self.mirrors.items())
+        ]
 
     def known_nodes_status(self) -> list[dict[str, Any]]:
         """The ``known_nodes`` section of ``/status``: nodes heard through adverts."""

@@ -124,8 +124,9 @@ def check_whoami(answer: bytes, peer_id: str, nonce: str, url: str) -> bool:
 
 def failed_header(sources: Sequence[str]) -> list[tuple[str, str]]:
     """The ``X-Shardnet-Failed`` header naming sources that failed this shard for the
-    requester (at most 4), so the origin can release their reservation."""
-    ids = [s for s in sources if 0 < len(s) <= _MAX_PEER_ID and "," not in s][-4:]
+    requester (at most 4), so the origin can release their reservation. Sources that are
+    not nodes (a static mirror, named by its URL) hold no reservation and are left out."""
+    ids = [s for s in sources if 0 < len(s) <= _MAX_PEER_ID and not set(s) & set(",:/")][-4:]
     return [(FAILED_HEADER, ",".join(ids))] if ids else []
 
 

@@ -44,8 +44,8 @@ Followers (``relay``/``peer``): ``shardnet_received_bytes_total{source_kind,code
 ``shardnet_shard_verify_write_seconds``, ``shardnet_upstreams{state}``,
 ``shardnet_known_nodes{role}``.
 
-``source_kind`` is ``origin``, ``relay``, ``peer`` or ``unknown``; ``codec`` is ``raw``,
-``zstd`` or ``xor-zstd``; ``code`` is ``1xx``…``5xx``.
+``source_kind`` is ``origin``, ``relay``, ``peer``, ``mirror`` (a static mirror) or
+``unknown``; ``codec`` is ``raw``, ``zstd`` or ``xor-zstd``; ``code`` is ``1xx``…``5xx``.
 """
 
 from __future__ import annotations
@@ -71,7 +71,7 @@ if TYPE_CHECKING:
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 
-SOURCE_KINDS = ("origin", "relay", "peer", "unknown")
+SOURCE_KINDS = ("origin", "relay", "peer", "mirror", "unknown")
 CODECS = ("raw", "zstd", "xor-zstd")
 CODE_CLASSES = ("1xx", "2xx", "3xx", "4xx", "5xx")
 TOPIC_KINDS = ("versions", "nodes", "rollouts")
@@ -86,7 +86,7 @@ def source_kind(role: str | None) -> str:
     """The ``source_kind`` label value for a node of ``role`` (None: not known)."""
     if role in ORIGIN_ROLES:
         return "origin"
-    if role in ("relay", "peer"):
+    if role in ("relay", "peer", "mirror"):
         return role
     return "unknown"
 

@@ -16,6 +16,7 @@ import typer
 from p2p.errors import ConfigError, ShardnetError
 from shardnet.checkpoint_cli import checkpoint_app
 from shardnet.errors import fail
+from shardnet.mirror_cli import mirror_app
 from shardnet.options import add_role_command
 from shardnet.simulate_cli import simulate_app
 
@@ -188,6 +189,7 @@ def demo(
 
 app.add_typer(checkpoint_app, name="checkpoint")
 app.add_typer(simulate_app, name="simulate")
+app.add_typer(mirror_app, name="mirror")
 
 
 def _add_roles() -> None:

@@ -39,6 +39,7 @@ from p2p.limits import LedgerConfig, ResourceLimits
 from p2p.trust import TrustList
 from shardcast.downloader import DownloadConfig
 from shardcast.follower import FollowConfig
+from shardcast.mirror import check_mirror_url
 from shardcast.node import NodeConfig
 from shardcast.origin import OriginConfig
 from shardcast.runcard import EngineSpec
@@ -329,6 +330,12 @@ class FollowerSettings(CommonSettings):
         description="seconds a shard source that sent corrupt bytes stays banned, across "
         "versions (0: for the current version only)",
     )
+    mirror: list[str] = Field(
+        [],
+        description="static mirror base URL (http://HOST[:PORT][/PATH], a tree written by "
+        "`shardnet mirror export` behind any web server): an extra, untrusted shard source "
+        "for announced versions it lists",
+    )
     exit_on_finish: bool = Field(
         False,
         description="exit (code 0) once the trainer announced the run's end and this node "
@@ -339,6 +346,11 @@ class FollowerSettings(CommonSettings):
     @classmethod
     def _trainer_id(cls, v: str) -> str:
         return _check_peer_ids([v], "trainer_id")[0]
+
+    @field_validator("mirror")
+    @classmethod
+    def _mirror(cls, v: list[str]) -> list[str]:
+        return [check_mirror_url(u, "mirror") for u in v]
 
     @field_validator("allow_relay")
     @classmethod
@@ -354,6 +366,7 @@ class FollowerSettings(CommonSettings):
         return FollowConfig(
             upstreams=tuple(upstreams),
             poll_interval_s=self.poll_interval_s,
+            mirrors=tuple(self.mirror),
             download=DownloadConfig(
                 stall_timeout_s=self.stall_timeout_s,
                 source_ban_s=self.source_ban_s,

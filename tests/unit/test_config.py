@@ -89,6 +89,8 @@ def test_errors_name_the_field(tmp_path: Path) -> None:
         ({"http_host": "localhost"}, "http_host"),
         ({"listen": ["/ip4/1.2.3/tcp/1"]}, "listen"),
         ({"allow_relay": ["nope"]}, "allow_relay"),
+        ({"mirror": ["ftp://example.org/m"]}, "mirror"),
+        ({"mirror": ["http://0.0.0.0:80"]}, "mirror"),
     ],
 )
 def test_addresses_and_ids_are_checked_at_load(overrides: dict[str, object], field: str) -> None:

@@ -1,0 +1,377 @@
+"""Static mirrors: a node's committed versions as a tree any HTTP server serves unchanged.
+
+Layout (``OUT`` is the export directory, the web server's document root)::
+
+    OUT/shardnet/v1/<run>/versions                      {"committed": [...], "in_progress": []}
+    OUT/shardnet/v1/<run>/<step>/manifest               the complete manifest document
+    OUT/shardnet/v1/<run>/<step>/have                   the have-bitmap, every bit set
+    OUT/shardnet/v1/<run>/<step>/files/<name>           each file of the version
+    OUT/shardnet/v1/<run>/<step>/shard/<i>/<enc>        each encoded shard blob the node kept
+
+These are exactly the URL paths of the HTTP lane (:mod:`shardcast.serve`), so a downloader
+uses ``http://mirror`` as it uses a node's lane: ``Range`` requests on files and blobs, the
+manifest, ``/have`` and ``/versions``. ``.../manifest/part/<k>`` is not exported (a plain file
+system cannot hold both a file ``manifest`` and a directory ``manifest/``); it is never needed
+from a mirror, whose manifest document is always complete.
+
+Theory of operation
+-------------------
+:func:`export_mirror` reads a node's store (a relay's data directory, say) and, for each
+committed version, re-verifies its manifest against the pinned trainer and (by default) every
+file and blob against its signed digest, so a damaged store never reaches a mirror. A version
+is built in a hidden ``.tmp-`` directory beside its final place and renamed into place, so a
+web server never serves half a version; a step already exported with the same manifest digest
+is left as it is (versions are immutable), one exported with another digest is replaced.
+``versions`` is written last, by rename, and lists only what is in place; steps the store no
+longer holds are removed after it (``prune``). Files are hard links to the store's (no copy,
+no extra disk) when they are world-readable and on the same filesystem, else copies; files
+are ``0644`` and directories ``0755`` so a web server running as another user can read them.
+
+A mirror is never trusted: followers check every byte it serves against the trainer-signed
+manifest, exactly as for any other source (:mod:`shardcast.follower`).
+
+Blocking file I/O; no networking. Not safe to run two exports into one ``OUT`` at once.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import secrets
+import shutil
+import threading
+from dataclasses import dataclass, field
+from pathlib import Path
+from urllib.parse import urlsplit
+
+from p2p.addresses import is_unspecified
+from p2p.errors import ConfigError, IntegrityError, ShardnetError
+from p2p.trust import TrustList
+from shardcast.canonical import loads_untrusted
+from shardcast.codecs import ENCODINGS, RAW
+from shardcast.manifest import MANIFEST_FILE, Manifest, check_run_id
+from shardcast.store import VersionStore, hash_file
+
+log = logging.getLogger(__name__)
+
+PREFIX = Path("shardnet") / "v1"
+"""Where a run's tree lives under the export directory (the lane's URL prefix)."""
+_FILE_MODE = 0o644
+_DIR_MODE = 0o755
+
+
+@dataclass
+class MirrorExport:
+    """What one :func:`export_mirror` call did.
+
+    Attributes:
+        run_dir: ``OUT/shardnet/v1/<run>``.
+        exported: steps written now.
+        unchanged: steps already exported with the same manifest digest.
+        skipped: steps not exported, with the reason (a damaged or unverifiable version).
+        pruned: exported steps removed because the store no longer holds them.
+        linked: files and blobs hard-linked.
+        copied: files and blobs copied (not linkable: another filesystem, or not readable).
+    """
+
+    run_dir: Path
+    exported: list[int] = field(default_factory=list)
+    unchanged: list[int] = field(default_factory=list)
+    skipped: dict[int, str] = field(default_factory=dict)
+    pruned: list[int] = field(default_factory=list)
+    linked: int = 0
+    copied: int = 0
+
+    @property
+    def steps(self) -> list[int]:
+        """The steps the mirror serves now, ascending."""
+        return sorted(self.exported + self.unchanged)
+
+
+def check_mirror_url(text: str, option: str) -> str:
+    """Check a mirror's base URL: ``http://HOST[:PORT][/PATH]`` (port 80 by default).
+
+    Returns:
+        the URL without a trailing ``/``.
+
+    Raises:
+        ConfigError: naming ``option``.
+    """
+    try:
+        u = urlsplit(text)
+        u.port  # noqa: B018 - raises ValueError for a malformed port
+    except ValueError as exc:
+        raise ConfigError(option, f"{text!r} is not a URL: {exc}") from None
+    if u.scheme != "http" or not u.hostname:
+        raise ConfigError(option, f"{text!r} is not an http://HOST[:PORT][/PATH] URL")
+    if u.query or u.fragment or u.username or u.password:
+        raise ConfigError(option, f"{text!r}: a mirror URL takes no query, fragment or user")
+    if is_unspecified(u.hostname):
+        raise ConfigError(option, f"{text!r}: an unspecified address cannot be dialled")
+    return text.rstrip("/")
+
+
+@dataclass
+class MirrorPoll:
+    """What this node knows of one mirror from its ``/versions`` polls (sans-IO).
+
+    Attributes:
+        url: the mirror's base URL (its source id).
+        steps: the committed steps it listed in its latest valid answer.
+        heard: Unix time of its latest valid answer (None: never).
+        error: why the latest poll failed (None: it answered).
+        failures: polls failed in a row (drives the retry backoff).
+    """
+
+    url: str
+    steps: frozenset[int] = frozenset()
+    heard: float | None = None
+    error: str | None = None
+    failures: int = 0
+
+    def answered(self, body: bytes, now_unix_s: float) -> bool:
+        """Take a ``/versions`` body; returns True if the listed steps changed.
+
+        A body that is not ``{"committed": [int, ...], ...}`` counts as a failed poll (the
+        mirror keeps the steps it listed before: they are verified anyway when used).
+        """
+        try:
+            doc = loads_untrusted(body)
+            committed = doc["committed"]
+            if not isinstance(committed, list) or len(committed) > _MAX_LISTED:
+                raise ValueError("committed is not a list of at most 100000 steps")
+            steps = frozenset(committed)
+            if not all(type(s) is int and 0 <= s < 1 << 62 for s in steps):
+                raise ValueError("committed holds something other than step numbers")
+        except (ValueError, KeyError, TypeError) as exc:
+            return self.failed(f"bad versions document: {exc}")
+        changed = steps != self.steps or self.error is not None
+        self.steps, self.heard, self.error, self.failures = steps, now_unix_s, None, 0
+        return changed
+
+    def failed(self, error: str) -> bool:
+        """A poll failed; returns True if this is the first failure in a row."""
+        self.failures += 1
+        self.error = error
+        return self.failures == 1
+
+
+_MAX_LISTED = 100_000
+
+
+def open_store(data_dir: Path, run_id: str) -> VersionStore:
+    """The store of ``run_id`` in a node's data directory (read here; nothing is changed).
+
+    Raises:
+        ConfigError: no such run in ``data_dir``.
+    """
+    check_run_id(run_id)
+    root = data_dir / "versions"
+    if not (root / run_id).is_dir():
+        raise ConfigError("data_dir", f"{data_dir} holds no versions of run {run_id!r}")
+    return _ReadOnlyStore(root, run_id)
+
+
+class _ReadOnlyStore(VersionStore):
+    """A :class:`VersionStore` view that leaves the directory as it is (no recovery, no
+    leftover clean-up, no open marker): the node may be running."""
+
+    def __init__(self, root: Path, run_id: str) -> None:
+        self.run_dir = root / check_run_id(run_id)
+        self.run_id = run_id
+        self.keep_last = 1 << 30
+        self.durable = False
+        self._pins: dict[int, int] = {}
+        self._lock = threading.Lock()
+        self._open_partials: set[int] = set()
+
+
+def export_mirror(
+    source: Path | VersionStore,
+    out_dir: Path,
+    *,
+    run_id: str | None = None,
+    trainer_id: str | None = None,
+    verify: bool = True,
+    prune: bool = True,
+) -> MirrorExport:
+    """Export the committed versions of a store as a static mirror tree (module docstring).
+
+    Args:
+        source: a node's data directory (with ``run_id``) or an open :class:`VersionStore`.
+        out_dir: the web server's document root (created if missing).
+        run_id: the run, when ``source`` is a data directory.
+        trainer_id: the trainer's PeerID every manifest must be signed by (None: the signer
+            named in each stored manifest, i.e. only the store's own consistency is checked).
+        verify: re-hash every file and blob against its signed digest before exporting it.
+        prune: remove exported steps the store no longer holds.
+
+    Returns:
+        what was exported.
+
+    Raises:
+        ConfigError: ``run_id`` missing for a data directory, or no such run there.
+        OSError: ``out_dir`` cannot be written.
+
+    A version that does not verify is skipped (logged, listed in ``skipped``), never exported.
+    """
+    if isinstance(source, VersionStore):
+        store = source
+    else:
+        if run_id is None:
+            raise ConfigError("run_id", "required to export from a data directory")
+        store = open_store(source, run_id)
+    run_dir = out_dir / PREFIX / store.run_id
+    for d in (out_dir, out_dir / "shardnet", out_dir / PREFIX, run_dir):
+        _mkdir(d)
+    for leftover in run_dir.glob(".tmp-*"):
+        shutil.rmtree(leftover, ignore_errors=True)
+    result = MirrorExport(run_dir)
+    for step in store.committed_steps():
+        try:
+            with store.pinned(step):
+                _export_version(store, step, run_dir, trainer_id, verify, result)
+        except (OSError, ValueError, KeyError, ShardnetError) as exc:
+            result.skipped[step] = str(exc)
+            log.warning("mirror_version_skipped step=%d error=%s", step, exc)
+    held = set(result.steps)
+    _write_atomic(
+        run_dir / "versions",
+        json.dumps({"committed": result.steps, "in_progress": []}).encode(),
+    )
+    if prune:
+        for p in run_dir.iterdir():
+            if p.name.isdigit() and int(p.name) not in held:
+                _remove(p)
+                result.pruned.append(int(p.name))
+        result.pruned.sort()
+    log.info(
+        "mirror_exported run=%s out=%s exported=%s unchanged=%s skipped=%s pruned=%s "
+        "linked=%d copied=%d",
+        store.run_id,
+        out_dir,
+        result.exported,
+        result.unchanged,
+        sorted(result.skipped),
+        result.pruned,
+        result.linked,
+        result.copied,
+    )
+    return result
+
+
+def _export_version(
+    store: VersionStore,
+    step: int,
+    run_dir: Path,
+    trainer_id: str | None,
+    verify: bool,
+    result: MirrorExport,
+) -> None:
+    vdir = store.version_dir(step)
+    raw = (vdir / MANIFEST_FILE).read_bytes()
+    signer = trainer_id or loads_untrusted(raw)["header"]["signer"]
+    m = Manifest.decode(raw, trust=TrustList(trainer=signer), source=str(vdir))
+    if not m.complete:
+        raise IntegrityError(f"{vdir}: manifest parts are missing")
+    final = run_dir / str(step)
+    doc = m.encode()
+    if final.is_dir() and _same_manifest(final, doc):
+        result.unchanged.append(step)
+        return
+    tmp = run_dir / f".tmp-{step}-{secrets.token_hex(4)}"
+    try:
+        _mkdir(tmp)
+        _write(tmp / "manifest", doc)
+        n = len(m.header.shards)
+        bits = bytearray(b"\xff" * (n // 8))
+        if n % 8:
+            bits.append((0xFF << (8 - n % 8)) & 0xFF)
+        _write(tmp / "have", bytes(bits))
+        _mkdir(tmp / "files")
+        for f in m.header.files:
+            path = vdir / f.name
+            if verify and hash_file(path) != m.file_digest(f.name):
+                raise IntegrityError(f"{path} does not match its manifest digest")
+            _place(path, tmp / "files" / f.name, result)
+        blobs = tmp / "shard"
+        _mkdir(blobs)
+        for i in range(n):
+            entry = m.shard(i)
+            for enc in ENCODINGS:
+                offered = entry.offered(enc) if enc != RAW else None
+                path = store.blob_path(step, i, enc)
+                if offered is None or not path.is_file():
+                    continue
+                if verify and (
+                    path.stat().st_size != offered.size or hash_file(path) != offered.digest
+                ):
+                    log.warning("mirror_blob_skipped step=%d shard=%d encoding=%s", step, i, enc)
+                    continue
+                _mkdir(blobs / str(i))
+                _place(path, blobs / str(i) / enc, result)
+        if final.exists():
+            old = run_dir / f".tmp-old-{step}-{secrets.token_hex(4)}"
+            os.rename(final, old)
+            os.rename(tmp, final)
+            _remove(old)
+        else:
+            os.rename(tmp, final)
+    except BaseException:
+        _remove(tmp)
+        raise
+    result.exported.append(step)
+
+
+def _same_manifest(final: Path, doc: bytes) -> bool:
+    try:
+        return (final / "manifest").read_bytes() == doc
+    except OSError:
+        return False
+
+
+def _place(src: Path, dst: Path, result: MirrorExport) -> None:
+    """Hard-link ``src`` at ``dst`` if it is world-readable, else copy it (``0644``)."""
+    if src.stat().st_mode & 0o004:
+        try:
+            os.link(src, dst)
+            result.linked += 1
+            return
+        except OSError:
+            pass  # another filesystem, or links not allowed: copy
+    tmp = dst.with_name(dst.name + ".part")
+    shutil.copyfile(src, tmp)
+    os.chmod(tmp, _FILE_MODE)
+    os.rename(tmp, dst)
+    result.copied += 1
+
+
+def _write(path: Path, data: bytes) -> None:
+    path.write_bytes(data)
+    os.chmod(path, _FILE_MODE)
+
+
+def _write_atomic(path: Path, data: bytes) -> None:
+    tmp = path.with_name(f".tmp-{path.name}-{secrets.token_hex(4)}")
+    _write(tmp, data)
+    os.rename(tmp, path)
+
+
+def _mkdir(path: Path) -> None:
+    path.mkdir(exist_ok=True)
+    os.chmod(path, _DIR_MODE)
+
+
+def _remove(path: Path) -> None:
+    shutil.rmtree(path, ignore_errors=True)
+
+
+__all__ = [
+    "PREFIX",
+    "MirrorExport",
+    "MirrorPoll",
+    "check_mirror_url",
+    "export_mirror",
+    "open_store",
+]
