@@ -507,7 +507,8 @@ def print_table(summary: dict[str, Any]) -> None:
     console.print(
         f"kind: anchor = a full version (step 0 and every {summary.get('anchor_every')}th step), "
         "which a node that missed versions can load without the chain of deltas; delta = "
-        "xor-zstd differences against the previous version, so fewer origin bytes. "
+        "the changes against the previous version (sparse patches or xor-zstd, whichever is "
+        "smaller per shard), so fewer origin bytes. "
         "origin bytes: bytes the trainer's origin sent for that version. "
         "trained on: the policy steps that generated the samples trained at that step."
     )
