@@ -14,6 +14,7 @@ import os
 import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 from p2p.identity import Identity
@@ -23,7 +24,7 @@ from tests.integration.test_restart import LOOPBACK_ANY, Node, free_port, nodes
 __all__ = ["nodes"]
 
 RUN = "external"
-STEPS = 3
+STEPS = 5
 ROOT = Path(__file__).resolve().parents[2]
 
 
@@ -123,6 +124,18 @@ def test_external_trainer_loop(tmp_path: Path, nodes: list[Node]) -> None:
         assert all(0.0 <= r["reward"] <= 1.0 for r in rows)
         assert len({r["group_id"] for r in rows}) == 2 * 4
     assert not list(out.rglob(".*.tmp"))  # nothing half-written left behind
+    # the last version's rollouts (nobody trains on them) show where the reward got to
+    deadline = time.monotonic() + 240
+    while read_rollouts(out, step=STEPS).num_rows < 2 * 32 and time.monotonic() < deadline:
+        time.sleep(0.5)
+    mean = {
+        step: sum(r["reward"] for r in rows) / len(rows)
+        for step in range(STEPS + 1)
+        if (rows := read_rollouts(out, step=step).to_pylist())
+    }
+    print("mean reward by version:", mean)
+    # measured: 0.072, 0.100, 0.170, 0.214, 0.238, 0.338 (test_grpo.py's loop: +0.18 by 5)
+    assert mean[STEPS] > mean[0] + 0.1, mean
 
     assert origin.stop(signal.SIGTERM) == 0
     report = json.loads((tmp_path / "origin.json").read_text())["rollouts"]
