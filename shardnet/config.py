@@ -481,11 +481,32 @@ class PublishSettings(CommonSettings):
 
     task: str = _task_field()
     task_reward: str = _task_reward_field()
+    # how rollouts are received and verified (trainer; origin with --rollouts-out)
+    allow_peer: list[str] = Field(
+        [], description="only accept rollouts from these PeerIDs (default: anyone)"
+    )
+    torch_threads: int = Field(1, ge=1, description="CPU threads for training/validation")
+    check_model: bool = Field(True, description="run TOPLOC and sampling checks")
+    late_grace_steps: int = Field(
+        1,
+        ge=0,
+        description="policy steps beyond async_level a rollout that was already under way may "
+        "lag and still be accepted (arriving late is not a fault)",
+    )
 
     @field_validator("task_reward")
     @classmethod
     def _reward(cls, v: str) -> str:
         return _check_task_reward(v)
+
+    @field_validator("allow_peer")
+    @classmethod
+    def _allowed(cls, v: list[str], info: ValidationInfo) -> list[str]:
+        return _check_peer_ids(v, str(info.field_name))
+
+    def trust(self, identity: Identity) -> TrustList:
+        """The publisher trusts itself as trainer and the allowed peers as submitters."""
+        return TrustList(trainer=identity.peer_id, submitters=frozenset(self.allow_peer))
 
     def preflight(self) -> None:
         """Common checks, then the task loads (one line naming the file and row)."""
@@ -533,26 +554,11 @@ class TrainerSettings(PublishSettings):
         5.0, gt=0, description="period of the waiting_for_* progress log lines, seconds"
     )
     max_shard_bytes: int = Field(1 << 20, ge=4096, description="safetensors file size cap, bytes")
-    allow_peer: list[str] = Field(
-        [], description="only accept rollouts from these PeerIDs (default: anyone)"
-    )
     expect_peer: list[str] = Field([], description="peers whose commits end a broadcast")
     final_wait_s: float = Field(120.0, ge=0, description="wait for the last broadcast, seconds")
     start_wait_s: float = Field(300.0, ge=0, description="wait for expected peers' hello, seconds")
-    torch_threads: int = Field(1, ge=1, description="CPU threads for training/validation")
-    check_model: bool = Field(True, description="run TOPLOC and sampling checks")
-    late_grace_steps: int = Field(
-        1,
-        ge=0,
-        description="policy steps beyond async_level a rollout that was already under way may "
-        "lag and still be accepted (arriving late is not a fault)",
-    )
 
-    def trust(self, identity: Identity) -> TrustList:
-        """The trainer trusts itself as trainer and the allowed peers as submitters."""
-        return TrustList(trainer=identity.peer_id, submitters=frozenset(self.allow_peer))
-
-    @field_validator("allow_peer", "expect_peer")
+    @field_validator("expect_peer")
     @classmethod
     def _peer_ids(cls, v: list[str], info: ValidationInfo) -> list[str]:
         return _check_peer_ids(v, str(info.field_name))
@@ -605,3 +611,9 @@ class OriginSettings(PublishSettings):
     )
     ready_marker: str = Field("DONE", description="file that marks a step-<N>/ as complete")
     poll_interval_s: float = Field(0.5, gt=0, description="how often WATCH is scanned, seconds")
+    rollouts_out: Path | None = Field(
+        None,
+        description="receive and verify peers' rollouts (against the versions published from "
+        "WATCH) and write the accepted ones here as Parquet files, one per batch under "
+        "step-<N>/ (schema: rollout/parquet_out.py); unset: rollouts are not taken",
+    )

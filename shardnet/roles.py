@@ -44,7 +44,9 @@ from shardnet.observe import attach_peer, attach_trainer
 from shardnet.progress import DownloadProgress
 
 if TYPE_CHECKING:
+    from p2p.trust import TrustList
     from rollout.engine import Engine
+    from trainer.dataplane import OriginDataPlane
 
 log = logging.getLogger(__name__)
 
@@ -349,25 +351,35 @@ def _stage(src: Path, dst: Path) -> None:
 
 
 async def run_origin(s: OriginSettings) -> int:
-    """``shardnet origin``: publish each complete ``WATCH/step-<N>/`` in step order."""
+    """``shardnet origin``: publish each complete ``WATCH/step-<N>/`` in step order; with
+    ``--rollouts-out``, also receive, verify and write peers' rollouts
+    (:class:`trainer.dataplane.OriginDataPlane`)."""
     import re
 
-    from p2p.trust import TrustList
     from shardcast.node import ShardcastNode
     from shardcast.origin import Origin
 
     identity = s.identity()
-    trust = TrustList(trainer=identity.peer_id)
+    trust = s.trust(identity)
     published: list[dict[str, Any]] = []
     check_data_dir(s.data_dir, s.run(), identity.peer_id)  # before anything listens
+    plane = _origin_plane(s, trust) if s.rollouts_out is not None else None
 
     async def body() -> None:
         node_cfg = dataclasses.replace(s.node_config(), serve_once_s=s.serve_once_s)
-        async with ShardcastNode.open(identity, trust, node_cfg) as node:
+        async with (
+            ShardcastNode.open(identity, trust, node_cfg) as node,
+            trio.open_nursery() as nursery,
+        ):
             origin = Origin(node, s.origin_config())
             emit_ready("origin", node, s.ready_file)
-            await origin.reannounce()  # a restarted origin is followed at once
             latest = node.store.latest()
+            if plane is not None and latest is not None:  # restarted: judge against held ones
+                await plane.start(nursery, node.p2p, node.store.version_dir(latest))
+                assert plane.intake is not None
+                await plane.intake.add_committed(node.store, trust, latest)
+                plane.current = latest
+            await origin.reannounce()  # a restarted origin is followed at once
             while True:
                 ready = []
                 if s.watch.is_dir():
@@ -382,7 +394,11 @@ async def run_origin(s: OriginSettings) -> int:
                     await trio.to_thread.run_sync(_stage, s.watch / f"step-{step}", staging)
                     rules = origin_card_rules(s, identity.peer_id, staging)
                     node.set_card(next_card(rules, node.card, identity))
+                    if plane is not None and plane.intake is None:  # serve before announcing
+                        await plane.start(nursery, node.p2p, staging)
                     result = await origin.publish(staging, step)
+                    if plane is not None:
+                        await plane.published(step, result.manifest.digest, result.path)
                     latest = step
                     published.append(
                         {
@@ -400,10 +416,46 @@ async def run_origin(s: OriginSettings) -> int:
         await until_signal(body)
     finally:
         if s.report is not None:
-            write_json_atomic(
-                s.report, {"role": "origin", "peer_id": identity.peer_id, "published": published}
-            )
+            report: dict[str, Any] = {
+                "role": "origin",
+                "peer_id": identity.peer_id,
+                "published": published,
+            }
+            if plane is not None:
+                report["rollouts"] = plane.report()
+            write_json_atomic(s.report, report)
     return 0
+
+
+def _origin_plane(s: OriginSettings, trust: TrustList) -> OriginDataPlane:
+    """The origin's rollout data plane for ``--rollouts-out`` (torch is imported here)."""
+    import torch
+
+    from rollout.inbox import InboxConfig
+    from rollout.verify import ValidatorConfig
+    from trainer.dataplane import OriginDataPlane
+
+    assert s.rollouts_out is not None
+    torch.set_num_threads(s.torch_threads)
+    task = load_task(s.task, s.task_reward)
+    rules = ValidatorConfig(
+        run_id=s.run(),
+        task=task.name,
+        n_prompts=s.n_prompts,
+        group_size=s.group_size,
+        max_new_tokens=s.max_new_tokens,
+        temperature=s.temperature,
+        async_level=s.async_level,
+        check_model=s.check_model,
+    )
+    return OriginDataPlane(
+        rules,
+        task,
+        trust,
+        InboxConfig(late_grace_steps=s.late_grace_steps),
+        s.rollouts_out,
+        session=os.urandom(8).hex(),
+    )
 
 
 def origin_card_rules(s: OriginSettings, trainer: str, version_dir: Path) -> RunCard:

@@ -72,6 +72,7 @@ from shardcast.runcard import (
 )
 from shardcast.store import latest_committed
 from trainer.checkpoint import config_json, save_checkpoint, write_preset_dir
+from trainer.dataplane import RolloutIntake
 from trainer.grpo import DEFAULT_LR, Rollout, collate, group_advantages, make_optimizer, train_step
 from trainer.oracle import TrainerOracle
 from trainer.readiness import (
@@ -213,6 +214,7 @@ class Trainer:
         self.node: ShardcastNode | None = None
         self.inbox: RolloutInbox | None = None
         self.validator: Validator | None = None
+        self.intake: RolloutIntake | None = None
         self.reputation = Reputation()
         self.trained_samples = 0
         self.trained_verified_samples = 0
@@ -268,8 +270,6 @@ class Trainer:
             else torch.optim.SGD(model.parameters(), lr=cfg.lr)
         )
         rules = self.card_rules(model, task)
-        oracle = TrainerOracle(tokenizer, task, keep=cfg.async_level + 1)
-        oracle.set_vocab_size(int(cast(Any, model).config.vocab_size))
         vcfg = ValidatorConfig(
             run_id=cfg.node.run_id,
             task=task.name,
@@ -280,7 +280,18 @@ class Trainer:
             async_level=cfg.async_level,
             check_model=cfg.check_model,
         )
-        self.validator = Validator(vcfg, oracle, allowed=self.trust.submitter_allowed)
+        self.intake = intake = RolloutIntake(
+            vcfg,
+            tokenizer,
+            task,
+            int(cast(Any, model).config.vocab_size),
+            self.trust,
+            inbox=cfg.inbox,
+            session=self.session,
+        )
+        oracle = intake.oracle
+        self.validator = intake.validator
+        self.reputation = intake.reputation
         staging = cfg.node.data_dir / "staging"
         shutil.rmtree(staging, ignore_errors=True)
         staging.mkdir(parents=True)
@@ -291,15 +302,7 @@ class Trainer:
             self.node = node
             node.set_card(next_card(rules, node.card, self.identity))
             origin = Origin(node, cfg.origin)
-            self.inbox = RolloutInbox(
-                node.p2p,
-                cfg.node.run_id,
-                self.validator,
-                self.reputation,
-                current_step=lambda: self.published,
-                config=cfg.inbox,
-                session=self.session,
-            )
+            self.inbox = intake.open_inbox(node.p2p, lambda: self.published)
             await nursery.start(self.inbox.run)
             plan = self.plan
             if plan.kind is not ResumeKind.FRESH:
@@ -376,15 +379,8 @@ class Trainer:
     async def _register_versions(self, oracle: TrainerOracle, newest: int) -> None:
         """Give the validator the committed versions of the async window ending at ``newest``."""
         assert self.node is not None
-        store, trust, cfg = self.node.store, self.trust, self.config
-        for s in range(max(0, newest - cfg.async_level), newest + 1):
-            if store.has(s):
-                m = await trio.to_thread.run_sync(lambda s=s: store.load_manifest(s, trust))
-                await trio.to_thread.run_sync(
-                    lambda s=s, d=m.digest: oracle.add_version(
-                        s, d, store.version_dir(s), preload=cfg.check_model
-                    )
-                )
+        assert self.intake is not None
+        await self.intake.add_committed(self.node.store, self.trust, newest)
 
     async def _resume(self, origin: Origin, oracle: TrainerOracle, step: int) -> None:
         """Serve and re-announce committed version ``step`` as the current one."""
@@ -428,11 +424,8 @@ class Trainer:
         )
         result = await origin.publish(directory, step)
         await trio.to_thread.run_sync(prune_states, data_dir, step)
-        await trio.to_thread.run_sync(
-            lambda: oracle.add_version(
-                step, result.manifest.digest, result.path, preload=self.config.check_model
-            )
-        )
+        assert self.intake is not None
+        await self.intake.add_version(step, result.manifest.digest, result.path)
         self._close_rejections()
         self.published = step
         self.records.append(
@@ -453,20 +446,10 @@ class Trainer:
         assert self.validator is not None
         rollouts: list[Rollout] = []
         rewards: list[float] = []
+        assert self.intake is not None
         for ab in batches:
-            for g in ab.batch.groups:
-                r = torch.tensor(
-                    [
-                        oracle.reward(
-                            s.completion_ids,
-                            submitter=ab.batch.submitter,
-                            step=ab.batch.policy_step,
-                            prompt_index=g.prompt_index,
-                            n_prompts=ab.batch.n_prompts,
-                        )
-                        for s in g.samples
-                    ]
-                )
+            for g, group_rewards in zip(ab.batch.groups, self.intake.rewards(ab), strict=True):
+                r = torch.tensor(group_rewards)
                 rewards.extend(r.tolist())
                 for s, a in zip(g.samples, group_advantages(r), strict=True):
                     rollouts.append(Rollout(g.prompt_ids, s.completion_ids, s.logprobs, float(a)))

@@ -1,0 +1,119 @@
+"""A trainer outside shardnet, driven by ``shardnet origin --watch W --rollouts-out R``.
+
+The loop an external trainer (prime-rl, verl, TRL, your own) runs against the data plane:
+
+1. write version 0 (an ordinary Hugging Face model directory plus an empty ``DONE`` file) as
+   ``W/step-0/``; the origin publishes it, relays and peers fetch it, peers generate rollouts
+   and send them to the origin, which verifies them and writes the accepted ones as Parquet
+   files under ``R/step-0/`` (schema: ``rollout/parquet_out.py``);
+2. for ``k = 1..steps``: wait until ``R/step-<k-1>/`` holds ``--min-batches`` files (one per
+   peer, say) or ``--wait-s`` passes; read them, compute GRPO group advantages from the
+   validator's rewards, take one plain PyTorch optimizer step (the clipped GRPO loss of
+   ``trainer/grpo.py``), and write ``W/step-<k>/`` (renamed into place, then ``DONE``).
+
+Run beside an origin, e.g.::
+
+    python docs/external_trainer.py --watch ckpts --rollouts rollouts --steps 10 --preset tiny
+
+It prints one JSON line per step on stdout: ``{"step": k, "rows": n, "batches": b,
+"mean_reward": r, "loss": ...}`` (the reward is that of the rollouts trained on, i.e. of
+version ``k-1``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import sys
+import time
+from collections import defaultdict
+from pathlib import Path
+
+import torch
+
+from rollout.model_dir import load_trainable, pad_token_id
+from rollout.parquet_out import read_rollouts
+from trainer.checkpoint import save_checkpoint, write_preset_dir
+from trainer.grpo import Rollout, collate, group_advantages, make_optimizer, train_step
+
+
+def publish(model: torch.nn.Module, tokenizer: object, assets: Path, watch: Path, k: int) -> None:
+    """Write ``watch/step-<k>/`` (bf16, HF layout) atomically, then its ``DONE`` marker."""
+    final = watch / f"step-{k}"
+    tmp = watch / f".step-{k}.tmp"
+    shutil.rmtree(tmp, ignore_errors=True)
+    save_checkpoint(model, tokenizer, tmp, 1 << 30, assets_from=assets)  # type: ignore[arg-type]
+    os.replace(tmp, final)
+    (final / "DONE").write_text("")
+
+
+def wait_rollouts(rollouts: Path, step: int, min_batches: int, wait_s: float) -> None:
+    """Wait until ``rollouts/step-<step>/`` holds ``min_batches`` files, or ``wait_s``."""
+    directory = rollouts / f"step-{step}"
+    deadline = time.monotonic() + wait_s
+    while time.monotonic() < deadline:
+        if directory.is_dir():
+            files = [n for n in os.listdir(directory) if n.endswith(".parquet")]
+            if len(files) >= min_batches:
+                return
+        time.sleep(0.5)
+
+
+def to_rollouts(rows: list[dict[str, object]]) -> tuple[list[Rollout], list[float], float]:
+    """GRPO rollouts (advantages within each ``group_id``), rewards, temperature."""
+    groups: dict[str, list[dict[str, object]]] = defaultdict(list)
+    for row in rows:
+        groups[str(row["group_id"])].append(row)
+    out: list[Rollout] = []
+    for members in groups.values():
+        rewards = torch.tensor([float(m["reward"]) for m in members])  # type: ignore[arg-type]
+        for m, a in zip(members, group_advantages(rewards), strict=True):
+            out.append(
+                Rollout(m["prompt_ids"], m["completion_ids"], m["logprobs"], float(a))  # type: ignore[arg-type]
+            )
+    temperature = float(rows[0]["temperature"]) if rows else 1.0  # type: ignore[arg-type]
+    return out, [float(r["reward"]) for r in rows], temperature  # type: ignore[arg-type]
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--watch", type=Path, required=True, help="directory the origin watches")
+    ap.add_argument("--rollouts", type=Path, required=True, help="the origin's --rollouts-out")
+    ap.add_argument("--steps", type=int, default=5, help="optimizer steps")
+    ap.add_argument("--model", type=Path, help="HF model directory to start from")
+    ap.add_argument("--preset", default="tiny", help="demo model when --model is unset")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--lr", type=float, default=3e-3)
+    ap.add_argument("--min-batches", type=int, default=1, help="batch files to wait for")
+    ap.add_argument("--wait-s", type=float, default=300.0, help="longest wait per step, s")
+    args = ap.parse_args(argv)
+    torch.manual_seed(args.seed)
+    torch.set_num_threads(1)
+    args.watch.mkdir(parents=True, exist_ok=True)
+    model_dir = args.model or write_preset_dir(
+        args.preset, args.seed, args.watch.parent / f".{args.preset}-seed{args.seed}"
+    )
+    model, tokenizer = load_trainable(model_dir)
+    optimizer = make_optimizer(model, args.lr)
+    if not (args.watch / "step-0" / "DONE").exists():
+        publish(model, tokenizer, model_dir, args.watch, 0)
+    for k in range(1, args.steps + 1):
+        wait_rollouts(args.rollouts, k - 1, args.min_batches, args.wait_s)
+        rows = read_rollouts(args.rollouts, step=k - 1).to_pylist()
+        report: dict[str, object] = {"step": k, "rows": len(rows)}
+        report["batches"] = len({r["batch_id"] for r in rows})
+        if rows:
+            batch, rewards, temperature = to_rollouts(rows)
+            stats = train_step(
+                model, optimizer, collate(batch, pad_token_id(tokenizer), temperature)
+            )
+            report |= {"mean_reward": sum(rewards) / len(rewards), "loss": stats.loss}
+        publish(model, tokenizer, model_dir, args.watch, k)
+        print(json.dumps(report), flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
