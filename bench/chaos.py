@@ -646,13 +646,14 @@ async def sc_plain_client(ctx: Ctx) -> dict[str, float | None]:
 async def sc_origin_kill(ctx: Ctx) -> dict[str, float | None]:
     c = ctx.cluster
     o = c.origin
-    partial = o.run_dir() / ".partial-step-0"
+    # the origin stages the version (hard links) and hashes it from there while serving it live
+    staged = o.data_dir / "staging" / "step-0"
+    committed = o.run_dir() / "step-0"
     t0 = c.publish(0, ctx.ckpt)
-    hit = await wait_for(
-        lambda: partial.exists() or (o.run_dir() / "step-0").exists(), ctx.timeout(), 0.005
-    )
-    await trio.sleep(0.05)
-    ctx.extra["killed_while_hashing"] = hit and not (o.run_dir() / "step-0").exists()
+    hit = await wait_for(lambda: staged.exists() or committed.exists(), ctx.timeout(), 0.005)
+    await trio.sleep(0.1)
+    ctx.extra["killed_while_hashing"] = hit and not committed.exists()
+    ctx.extra["killed_at_s"] = round(time.perf_counter() - t0, 3)
     await o.kill()
     o.launch()
     await o.wait_ready()
