@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import logging
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import libp2p.pubsub.pubsub as _pubsub_mod
@@ -100,6 +101,8 @@ class DirectPeering(INotifee):
 
     def __init__(self, router: GossipSub) -> None:
         self.router = router
+        #: called with the base58 PeerID of a peer whose last connection closed
+        self.on_peer_gone: list[Callable[[str], None]] = []
 
     async def connected(self, network: INetwork, conn: INetConn) -> None:
         """Add the peer as a direct gossip peer."""
@@ -111,6 +114,8 @@ class DirectPeering(INotifee):
         pid = conn.muxed_conn.peer_id
         if not network.get_connections(pid):
             self.router.direct_peers.pop(pid, None)
+            for callback in self.on_peer_gone:
+                callback(pid.to_base58())
 
     async def opened_stream(self, network: INetwork, stream: INetStream) -> None:
         """Unused."""

@@ -212,6 +212,7 @@ class P2PNode:
         self._nursery = nursery
         self._guard = guard
         self._subscriptions: dict[str, Subscription] = {}
+        self._peering: DirectPeering | None = None
         self._interfaces = interface_addresses()
 
     @property
@@ -241,7 +242,8 @@ class P2PNode:
         guard = InboundGuard(host, resources, PeerLedger(config.ledger))
         guard.install()
         router = make_router(config.gossip)
-        host.get_network().register_notifee(DirectPeering(router))
+        peering = DirectPeering(router)
+        host.get_network().register_notifee(peering)
         pubsub = GuardedPubsub(host, router, guard, config.gossip.max_message_bytes)
         for proto in router.get_protocols():
             cap = ScopeLimit(limits.pubsub_streams_per_peer, limits.streams_total)
@@ -265,6 +267,7 @@ class P2PNode:
                                 with trio.fail_after(30):
                                     await pubsub.wait_until_ready()
                                 node = cls(identity, config, host, pubsub, rr, nursery, guard)
+                                node._peering = peering
                                 log.info(
                                     "host_started peer_id=%s addrs=%s",
                                     identity.peer_id,
@@ -323,6 +326,14 @@ class P2PNode:
             self._guard.resources.statistics(),
             self._guard.ledger.statistics(trio.current_time()),
         )
+
+    def on_peer_gone(self, callback: Callable[[str], None]) -> None:
+        """Call ``callback(peer_id)`` (base58) whenever a remote's last connection closes.
+
+        Runs in the libp2p notification task: the callback must not block.
+        """
+        assert self._peering is not None, "only valid inside P2PNode.open"
+        self._peering.on_peer_gone.append(callback)
 
     def connected_peers(self) -> list[str]:
         """PeerIDs with an open connection."""

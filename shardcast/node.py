@@ -206,6 +206,7 @@ class ShardcastNode:
                 node = cls(identity, trust, config, p2p, http, client, store, server, metrics)
                 node.card = stored_card
                 metrics.bind(node)
+                p2p.on_peer_gone(server.holder_gone)
 
                 async def runcard() -> HttpResponse:
                     if node.card is None:

@@ -54,6 +54,10 @@ class SuperSeeding:
     7. an anonymous requester (``requester=None``) never becomes a holder, so it never delays
        anyone; it is served while the step's anonymous serves stay within
        ``anonymous_share`` x its shard count.
+    8. a holder that left (:meth:`holder_gone`: its last libp2p connection to the origin
+       closed, e.g. a relay killed mid-broadcast) holds nothing it was served before it left:
+       those shards go to the next requester at once (rule 1), instead of after
+       ``window_s + persist_s``.
 
     Args:
         window_s: how long a shard is reserved for its last requester, seconds; None: off
@@ -88,6 +92,7 @@ class SuperSeeding:
         self._repeats: dict[int, int] = {}
         self._reports: dict[tuple[int, str], int] = {}
         self._anonymous: dict[int, int] = {}
+        self._gone: dict[str, float] = {}  # holder -> when it left
         self.refused = 0
         self.repeats = 0
         self.released = 0
@@ -125,7 +130,7 @@ class SuperSeeding:
         released: list[int] = []
         for i in shards:
             prev = self._served_to.get((step, i))
-            if prev is None or prev[0] == requester:
+            if prev is None or prev[0] == requester or self._left(prev):
                 continue
             if prev[0] in failing and reports + len(released) < report_limit:
                 released.append(i)  # its holder is failing: serve now (rule 6)
@@ -146,6 +151,7 @@ class SuperSeeding:
                     if (
                         prev is not None
                         and prev[0] != requester
+                        and not self._left(prev)
                         and (since is None or now - since < self.persist_s)
                     ):
                         return self._refuse(requester, step, i, now)
@@ -160,6 +166,17 @@ class SuperSeeding:
             self._refused_since.pop((step, i, requester), None)
         _trim(self._served_to, self.max_entries)
         return True
+
+    def holder_gone(self, holder: str, now: float) -> None:
+        """Rule 8: ``holder`` left at ``now``; what it was served before no longer binds."""
+        if self.window_s is None:
+            return
+        self._gone[holder] = now
+        _trim(self._gone, self.max_entries)
+
+    def _left(self, prev: tuple[str, float]) -> bool:
+        gone = self._gone.get(prev[0])
+        return gone is not None and prev[1] <= gone
 
     def _allow_anonymous(self, step: int, shards: list[int], total_shards: int | None) -> bool:
         """Rule 7: served within the step's anonymous share, never recorded as a holder."""

@@ -174,6 +174,11 @@ class VersionServer:
         if live is not None:
             live.wake()
 
+    def holder_gone(self, peer_id: str) -> None:
+        """``peer_id``'s last libp2p connection closed: it no longer holds super-seeded
+        shards (:class:`shardcast.policy.SuperSeeding` rule 8)."""
+        self._seeding.holder_gone(peer_id, trio.current_time())
+
     @property
     def refused_once(self) -> int:
         """Requests refused by super-seeding so far."""

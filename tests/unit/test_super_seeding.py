@@ -101,3 +101,15 @@ async def test_the_origin_lane_believes_signatures_not_claims(tmp_path: Path) ->
     assert await get({AUTH_HEADER: sign_request(A, path, now)}) == 429  # reserved for B: refused
     report = {AUTH_HEADER: sign_request(A, path, now), FAILED_HEADER: B.peer_id}
     assert await get(report) == 206  # B failed it for A: released
+
+
+def test_a_holder_that_left_holds_nothing() -> None:
+    s = SuperSeeding(window_s=5.0, repeat_budget=0.0)
+    assert s.allow("relay-a", 0, [0, 1], 0.0, total_shards=10)
+    assert not s.allow("relay-b", 0, [0], 1.0, total_shards=10)  # reserved for relay-a
+    s.holder_gone("relay-a", 2.0)  # its connection closed (killed mid-broadcast)
+    assert s.allow("relay-b", 0, [0], 2.1, total_shards=10)  # at once, no persistence wait
+    assert s.allow("relay-b", 0, [1], 2.1, total_shards=10)
+    # relay-a comes back: what it is served from now on is reserved for it again
+    assert s.allow("relay-a", 0, [2], 3.0, total_shards=10)
+    assert not s.allow("relay-b", 0, [2], 3.5, total_shards=10)
