@@ -113,7 +113,9 @@ def make_checkpoint(directory: Path, s: Settings, seed: int = 0) -> Path:
     per = s.size_bytes // s.files
     names = [f"model-{i + 1:05d}-of-{s.files:05d}.safetensors" for i in range(s.files)]
     for name in names:
-        (directory / name).write_bytes(rng.randbytes(per))
+        with open(directory / name, "wb") as fh:
+            for off in range(0, per, 1 << 24):  # randbytes takes at most 2**28 bytes at once
+                fh.write(rng.randbytes(min(1 << 24, per - off)))
     wm = {f"layer.{i}.weight": n for i, n in enumerate(names)}
     (directory / "model.safetensors.index.json").write_text(
         json.dumps({"metadata": {"total_size": per * s.files}, "weight_map": wm})
