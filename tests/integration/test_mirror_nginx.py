@@ -9,17 +9,12 @@ commits the right bytes and blames the mirror.
 
 from __future__ import annotations
 
-import os
 import random
-import shutil
 import socket
-import subprocess
-from collections.abc import Awaitable, Callable, Iterator
-from contextlib import contextmanager
+from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-import pytest
 import trio
 
 from p2p.http_server import HttpServerConfig
@@ -30,75 +25,15 @@ from shardcast.mirror import PREFIX, export_mirror
 from shardcast.node import NodeConfig, ShardcastNode
 from shardcast.origin import Origin, OriginConfig
 from tests.helpers import TRAINER, make_checkpoint, trust
+from tests.integration.procs import NEEDS_NGINX, nginx
 
 if TYPE_CHECKING:
     from trio_typing import TaskStatus
 
-NGINX = shutil.which("nginx") or next(
-    (p for p in ("/usr/sbin/nginx", "/usr/local/sbin/nginx") if os.access(p, os.X_OK)), None
-)
-pytestmark = pytest.mark.skipif(
-    NGINX is None, reason="the nginx binary is missing (apt-get install nginx)"
-)
+pytestmark = NEEDS_NGINX
 
 SIZES = {"model-00001-of-00002.safetensors": 300_000, "model-00002-of-00002.safetensors": 90_001}
 LOCAL = HttpServerConfig(host="127.0.0.1", port=0)
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
-@contextmanager
-def nginx(root: Path, work: Path) -> Iterator[str]:
-    """Serve ``root`` with nginx on 127.0.0.1 (foreground, one process); yields its URL."""
-    assert NGINX is not None
-    work.mkdir(parents=True, exist_ok=True)
-    port = _free_port()
-    conf = work / "nginx.conf"
-    temps = " ".join(
-        f"{k}_temp_path {work / k};" for k in ("client_body", "proxy", "fastcgi", "uwsgi", "scgi")
-    )
-    conf.write_text(
-        f"daemon off; master_process off; pid {work}/nginx.pid;\n"
-        f"error_log {work}/error.log;\n"
-        "events {}\n"
-        # the log shows whether a request was signed (requests to a mirror are anonymous)
-        "http { log_format lane '$request auth=\"$http_x_shardnet_auth\"';\n"
-        f"  access_log {work}/access.log lane; {temps}\n"
-        "  default_type application/octet-stream;\n"
-        f"  server {{ listen 127.0.0.1:{port}; root {root};\n"
-        "    location ~ /(manifest|versions)$ { default_type application/json; } } }\n"
-    )
-    proc = subprocess.Popen(
-        [NGINX, "-c", str(conf), "-p", str(work), "-e", str(work / "error.log")],
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.PIPE,
-    )
-    try:
-        for _ in range(200):  # a subprocess: wait for its socket (10 s at most)
-            try:
-                socket.create_connection(("127.0.0.1", port), timeout=0.5).close()
-                break
-            except OSError:
-                if proc.poll() is not None:
-                    err = proc.stderr.read().decode() if proc.stderr else ""
-                    pytest.fail(f"nginx exited: {err}")
-                subprocess.run(["sleep", "0.05"], check=True)
-        else:
-            pytest.fail("nginx did not listen within 10 s")
-        yield f"http://127.0.0.1:{port}"
-    finally:
-        proc.terminate()
-        try:
-            proc.wait(timeout=5)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
-        if proc.stderr is not None:
-            proc.stderr.close()
 
 
 async def _node(
