@@ -12,13 +12,15 @@ other: the mirror path carries a real run, deterministically.
 
 Reward: ``regex:^\\s*\\d`` (1 when the completion starts with a digit). A few GRPO steps move
 it on a tiny random Qwen2 (here, lr 1e-2 and 4-token answers: 0.16, 0.19, 0.30, 0.28, 0.47,
-0.63, 0.73, 0.86, 0.94 for versions 0..8; in-process, ``test_task_loop.py``, alike), whereas the task's natural
-``numeric`` reward (the right answer) stays at 0 for a model this small, so no learning could be
-seen. Checked: every version reaches both peers, which tokenize with the checkpoint's own
-tokenizer (the prompts in the Parquet rows are the chat template rendered by the trained BPE
-tokenizer; the tokenizer files in the peers' versions are the model directory's bytes); the
-trainer's own rewards (``--task``/``--task-reward``) equal the validator's; the mirror served
-bytes the peers committed; the mean reward rises.
+0.63, 0.73, 0.86, 0.94 for versions 0..8; in-process, ``test_task_loop.py``, alike), whereas
+the task's natural ``numeric`` reward (the right answer) stays flat near 0 for a model this
+small, so no learning could be seen.
+
+Checked: every version reaches both peers, which tokenize with the checkpoint's own tokenizer
+(the prompts in the Parquet rows are the chat template rendered by the trained BPE tokenizer;
+the tokenizer files in the peers' versions are the model directory's bytes); the trainer's own
+rewards (``--task``/``--task-reward``) equal the validator's; the mirror served bytes of every
+version the peers committed; the mean reward rises.
 """
 
 from __future__ import annotations
