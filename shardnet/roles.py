@@ -133,6 +133,7 @@ async def run_trainer(s: TrainerSettings) -> int:
         max_new_tokens=s.max_new_tokens,
         temperature=s.temperature,
         engines=s.engine_specs(),
+        card_mirrors=tuple(s.card_mirror),
         min_batches=s.min_batches,
         step_timeout_s=s.step_timeout_s,
         peer_timeout_s=s.peer_timeout_s,
@@ -541,4 +542,5 @@ def origin_card_rules(s: OriginSettings, trainer: str, version_dir: Path) -> Run
         async_level=s.async_level,
         architecture_digest=architecture_digest(config),
         issued_at_ms=int(time.time() * 1000),
+        mirrors=tuple(s.card_mirror),
     )

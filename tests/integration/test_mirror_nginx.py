@@ -24,6 +24,7 @@ from shardcast.manifest import Manifest
 from shardcast.mirror import PREFIX, export_mirror
 from shardcast.node import NodeConfig, ShardcastNode
 from shardcast.origin import Origin, OriginConfig
+from shardcast.runcard import DEFAULT_ENGINE, RunCard, SamplingRules, TaskSpec, next_card
 from tests.helpers import TRAINER, make_checkpoint, trust
 from tests.integration.procs import NEEDS_NGINX, nginx
 
@@ -93,7 +94,7 @@ async def _origin_and_relay(
 
 
 async def _peer(
-    tmp: Path, nursery: trio.Nursery, relay: ShardcastNode, mirror: str
+    tmp: Path, nursery: trio.Nursery, relay: ShardcastNode, mirror: str | None
 ) -> tuple[ShardcastNode, Follower, _Commits]:
     p = await nursery.start(
         _node, Identity.from_seed("peer"), NodeConfig("peer", "run", tmp / "p", http=LOCAL)
@@ -105,7 +106,7 @@ async def _peer(
             upstreams=(relay.p2p.multiaddrs()[0],),
             poll_interval_s=0.2,
             discovery=False,
-            mirrors=(mirror,),
+            mirrors=(mirror,) if mirror is not None else (),
         ),
         random.Random(2),
         on_commit=commits.hook,
@@ -176,3 +177,39 @@ async def test_corrupt_mirror_is_blamed_and_peer_commits_from_relay(tmp_path: Pa
             assert fp.downloader.bans.is_banned(url, trio.current_time())
             assert "/shardnet/v1/run/0/files/" in (tmp_path / "nginx" / "access.log").read_text()
         nursery.cancel_scope.cancel()
+
+
+async def test_peer_takes_the_mirror_named_in_the_run_card(tmp_path: Path) -> None:
+    """No --mirror on the peer: the trainer's signed card names the mirror; the relay's lane
+    is dead, so the peer can only commit through the mirror it learned from the card."""
+    www = tmp_path / "www"
+    with socket.socket() as dead, nginx(www, tmp_path / "nginx") as url:
+        dead.bind(("127.0.0.1", 0))
+        dead_url = f"http://127.0.0.1:{dead.getsockname()[1]}"
+        async with trio.open_nursery() as nursery:
+            o, r, publish = await _origin_and_relay(tmp_path, nursery, dead_url)
+            rules = RunCard(
+                card_version=1,
+                run_id="run",
+                trainer=TRAINER.peer_id,
+                task=TaskSpec("digits", 1, "ab" * 32),
+                sampling=SamplingRules(2, 4, 8, 1.0),
+                engines=(DEFAULT_ENGINE,),
+                async_level=1,
+                architecture_digest="cd" * 32,
+                issued_at_ms=1_767_225_600_000,
+                mirrors=(url,),
+            )
+            assert o.set_card(next_card(rules, o.card, TRAINER))
+            await publish(0)
+            export_mirror(r.store, www)
+            p, fp, commits = await _peer(tmp_path, nursery, r, None)
+            await commits.wait(0)
+            assert p.card is not None
+            assert p.card.card.mirrors == (url,)
+            assert list(fp.mirrors) == [url]
+            rec = fp.records[0]
+            assert rec.stats is not None
+            assert set(rec.stats.bytes_by_source) == {url}, rec.stats.bytes_by_source
+            _same_files(p.store.version_dir(0), o.store.version_dir(0))
+            nursery.cancel_scope.cancel()
