@@ -8,16 +8,26 @@ The loop an external trainer (prime-rl, verl, TRL, your own) runs against the da
    files under ``R/step-0/`` (schema: ``rollout/parquet_out.py``);
 2. for ``k = 1..steps``: wait until ``R/step-<k-1>/`` holds ``--min-batches`` files (one per
    peer, say) or ``--wait-s`` passes; read them, compute GRPO group advantages from the
-   validator's rewards, take one plain PyTorch optimizer step (the clipped GRPO loss of
+   rewards, take one plain PyTorch optimizer step (the clipped GRPO loss of
    ``trainer/grpo.py``), and write ``W/step-<k>/`` (renamed into place, then ``DONE``).
+
+The rewards are the trainer's own: every row is scored again with ``--task``/``--task-reward``
+(the same specs the origin and the peers were given; the prompt is recomputed from the row's
+submitter, step and prompt index, as the validator does), and rows where that differs from the
+validator's ``reward`` column are counted (``reward_mismatches``; 0 when both sides agree).
+
+``--model DIR`` starts from a Hugging Face model directory (any causal LM): its tokenizer, chat
+template and generation config are copied verbatim into every version, so peers load that
+tokenizer from the checkpoint. Without it, a demo preset is built (``--preset``).
 
 Run beside an origin, e.g.::
 
-    python docs/external_trainer.py --watch ckpts --rollouts rollouts --steps 10 --preset tiny
+    python docs/external_trainer.py --watch ckpts --rollouts rollouts --steps 10 \
+        --model my-model --task tasks/arithmetic.jsonl --task-reward 'numeric'
 
 It prints one JSON line per step on stdout: ``{"step": k, "rows": n, "batches": b,
-"mean_reward": r, "loss": ...}`` (the reward is that of the rollouts trained on, i.e. of
-version ``k-1``).
+"mean_reward": r, "reward_mismatches": m, "loss": ...}`` (the reward is that of the rollouts
+trained on, i.e. of version ``k-1``).
 """
 
 from __future__ import annotations
@@ -30,11 +40,13 @@ import sys
 import time
 from collections import defaultdict
 from pathlib import Path
+from typing import Any
 
 import torch
 
 from rollout.model_dir import load_trainable, pad_token_id
 from rollout.parquet_out import read_rollouts
+from rollout.task import Task, load_task, task_prompts
 from trainer.checkpoint import save_checkpoint, write_preset_dir
 from trainer.grpo import Rollout, collate, group_advantages, make_optimizer, train_step
 
@@ -61,20 +73,34 @@ def wait_rollouts(rollouts: Path, step: int, min_batches: int, wait_s: float) ->
         time.sleep(0.5)
 
 
-def to_rollouts(rows: list[dict[str, object]]) -> tuple[list[Rollout], list[float], float]:
+def rescore(rows: list[dict[str, Any]], task: Task, tokenizer: Any) -> int:
+    """Score every row with ``task`` (its prompt recomputed from submitter, step and index);
+    the row's ``reward`` becomes that score. Returns how many differed from the validator's."""
+    prompts: dict[tuple[str, int], list[Any]] = {}
+    for key in {(r["submitter"], r["policy_step"]) for r in rows}:
+        n = 1 + max(r["prompt_index"] for r in rows if (r["submitter"], r["policy_step"]) == key)
+        prompts[key] = task_prompts(task, key[0], key[1], n)
+    mismatches = 0
+    for r in rows:
+        prompt = prompts[(r["submitter"], r["policy_step"])][r["prompt_index"]]
+        mine = float(task.reward(r["completion_ids"], tokenizer, prompt))
+        mismatches += abs(mine - float(r["reward"])) > 1e-9
+        r["reward"] = mine
+    return mismatches
+
+
+def to_rollouts(rows: list[dict[str, Any]]) -> tuple[list[Rollout], list[float], float]:
     """GRPO rollouts (advantages within each ``group_id``), rewards, temperature."""
-    groups: dict[str, list[dict[str, object]]] = defaultdict(list)
+    groups: dict[str, list[dict[str, Any]]] = defaultdict(list)
     for row in rows:
         groups[str(row["group_id"])].append(row)
     out: list[Rollout] = []
     for members in groups.values():
-        rewards = torch.tensor([float(m["reward"]) for m in members])  # type: ignore[arg-type]
+        rewards = torch.tensor([float(m["reward"]) for m in members])
         for m, a in zip(members, group_advantages(rewards), strict=True):
-            out.append(
-                Rollout(m["prompt_ids"], m["completion_ids"], m["logprobs"], float(a))  # type: ignore[arg-type]
-            )
-    temperature = float(rows[0]["temperature"]) if rows else 1.0  # type: ignore[arg-type]
-    return out, [float(r["reward"]) for r in rows], temperature  # type: ignore[arg-type]
+            out.append(Rollout(m["prompt_ids"], m["completion_ids"], m["logprobs"], float(a)))
+    temperature = float(rows[0]["temperature"]) if rows else 1.0
+    return out, [float(r["reward"]) for r in rows], temperature
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -82,8 +108,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--watch", type=Path, required=True, help="directory the origin watches")
     ap.add_argument("--rollouts", type=Path, required=True, help="the origin's --rollouts-out")
     ap.add_argument("--steps", type=int, default=5, help="optimizer steps")
-    ap.add_argument("--model", type=Path, help="HF model directory to start from")
+    ap.add_argument(
+        "--model", type=Path, help="HF model directory to start from (its tokenizer is kept)"
+    )
     ap.add_argument("--preset", default="tiny", help="demo model when --model is unset")
+    ap.add_argument("--task", default="digits", help="task spec (as the origin's --task)")
+    ap.add_argument("--task-reward", default="exact", help="as the origin's --task-reward")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--lr", type=float, default=3e-3)
     ap.add_argument("--min-batches", type=int, default=1, help="batch files to wait for")
@@ -96,6 +126,7 @@ def main(argv: list[str] | None = None) -> int:
         args.preset, args.seed, args.watch.parent / f".{args.preset}-seed{args.seed}"
     )
     model, tokenizer = load_trainable(model_dir)
+    task = load_task(args.task, args.task_reward)
     optimizer = make_optimizer(model, args.lr)
     if not (args.watch / "step-0" / "DONE").exists():
         publish(model, tokenizer, model_dir, args.watch, 0)
@@ -105,6 +136,7 @@ def main(argv: list[str] | None = None) -> int:
         report: dict[str, object] = {"step": k, "rows": len(rows)}
         report["batches"] = len({r["batch_id"] for r in rows})
         if rows:
+            report["reward_mismatches"] = rescore(rows, task, tokenizer)
             batch, rewards, temperature = to_rollouts(rows)
             stats = train_step(
                 model, optimizer, collate(batch, pad_token_id(tokenizer), temperature)

@@ -31,6 +31,9 @@ source — for the manifest document and for shards — to the download of an an
 lists. It is never trusted: its manifest is checked like any other against the pinned trainer
 and the announced digest, every shard against its signed digest, and a mirror that serves wrong
 bytes is blamed and banned like any bad source. Requests to it are unsigned (anonymous).
+Mirrors named in the run card (``mirrors``, signed by the trainer) are added to the configured
+ones whenever this node adopts a card (:meth:`Follower.add_mirrors`); a mirror, once added, is
+kept for the life of the process (a later card without it does not remove it).
 
 Every loop here has a timeout or a bounded backoff; a failing upstream is logged with its
 short PeerID and retried, never allowed to stop the others.
@@ -52,7 +55,7 @@ import logging
 import random
 import secrets
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -211,6 +214,7 @@ class Follower:
         self._errors: dict[str, str] = {}  # upstream -> its last error
         self._progress: dict[int, tuple[int, int, float]] = {}  # step -> done, total, start
         self.mirrors = {url: MirrorPoll(url) for url in config.mirrors}
+        self._nursery: trio.Nursery | None = None
         node.status_sections.update(
             downloads=self.downloads_status,
             upstreams=self.upstreams_status,
@@ -225,8 +229,10 @@ class Follower:
         async with trio.open_nursery() as nursery:
             for addr in self.config.upstreams:
                 nursery.start_soon(self._poll_upstream, addr)
+            self._nursery = nursery
             for url in self.config.mirrors:
                 nursery.start_soon(self._poll_mirror, url)
+            nursery.start_soon(self._follow_card_mirrors)
             nursery.start_soon(self._listen_versions)
             if self.config.discovery:
                 nursery.start_soon(self._listen_adverts)
@@ -352,6 +358,28 @@ class Follower:
                 elif poll.error is not None and poll.failures == 1:
                     log.warning("mirror_bad_versions mirror=%s error=%s", url, poll.error)
             await trio.sleep(poll_delay(policy, poll.failures, self.settled()))
+
+    def add_mirrors(self, urls: Iterable[str]) -> list[str]:
+        """Add static mirrors (already validated URLs) not known yet and start polling them.
+
+        Returns:
+            the URLs added. Must be called while :meth:`run` runs (from the trio thread).
+        """
+        added = [u for u in dict.fromkeys(urls) if u not in self.mirrors]
+        for url in added:
+            self.mirrors[url] = MirrorPoll(url)
+            assert self._nursery is not None, "add_mirrors needs a running follower"
+            self._nursery.start_soon(self._poll_mirror, url)
+            log.info("mirror_added mirror=%s from=runcard", url)
+        return added
+
+    async def _follow_card_mirrors(self) -> None:
+        """Add the mirrors of every run card the node adopts (held at start, or later)."""
+        version = 0
+        while True:
+            signed = await self.node.wait_card(version + 1)
+            version = signed.version
+            self.add_mirrors(signed.card.mirrors)
 
     def _mirror_sources(self, step: int) -> list[Source]:
         """The mirrors that list ``step`` (untrusted, anonymous, HTTP-only sources)."""

@@ -22,11 +22,19 @@ whitespace, integers and strings only; :func:`shardcast.canonical.canonical_json
      "engines": [{"family": "transformers", "dtype": "bf16"}],
      "async_level": 2,
      "model": {"architecture_digest": "<64 hex>"},
-     "issued_at_ms": 1767225600000}
+     "issued_at_ms": 1767225600000,
+     "mirrors": ["http://mirror.example.org/run"]}
 
 ``temperature`` is the shortest decimal that round-trips the float (Python ``repr``), as a
 string, so the signed bytes hold no float. ``engines`` is a list so that a run can later accept
 several engine families, each with its own validator path; today's validator judges one.
+``mirrors`` is optional (absent when empty, so cards issued before it existed keep their bytes
+and digest): static mirrors (:mod:`shardcast.mirror`) the trainer names, 1 to
+:data:`MAX_CARD_MIRRORS` distinct ``http://HOST[:PORT][/PATH]`` URLs of at most
+:data:`MAX_MIRROR_URL` characters, in the form ``--mirror`` normalizes them to (no trailing
+``/``). Followers that adopt the card add them to their own mirrors; a mirror stays untrusted
+(every byte is checked against the signed manifest), the card only says where to look. A node
+that predates the field refuses a card that has it (an unknown field).
 The envelope, stored as ``<data_dir>/runcard.json``, served at ``GET /shardnet/v1/runcard``
 and on ``/shardnet/runcard/1.0.0``, is ``{"body": {...}, "signer": "<PeerID>", "signature":
 "<128 hex>"}``; the signature is Ed25519 over ``b"shardnet/runcard/v1\\0" + body`` (the
@@ -64,6 +72,8 @@ __all__ = [
     "CARD_SCHEMA",
     "DEFAULT_ENGINE",
     "MAX_CARD_BYTES",
+    "MAX_CARD_MIRRORS",
+    "MAX_MIRROR_URL",
     "BadRunCardSignature",
     "EngineSpec",
     "MalformedRunCard",
@@ -84,6 +94,8 @@ CARD_DOMAIN = "runcard/v1"
 MAX_CARD_BYTES = 16 * 1024
 CARD_FILE = "runcard.json"
 MAX_ENGINES = 8
+MAX_CARD_MIRRORS = 8
+MAX_MIRROR_URL = 256
 _TOKEN_RE = re.compile(r"^[a-z][a-z0-9_]{0,31}$")
 # task names: a built-in (``digits``), a dataset (``<stem>@<digest prefix>``) or an entry point
 _TASK_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.@:-]{0,95}$")
@@ -102,6 +114,7 @@ _BODY_KEYS = frozenset(
         "issued_at_ms",
     }
 )
+_OPTIONAL_KEYS = frozenset({"mirrors"})
 IGNORED_CONFIG_KEYS = frozenset(
     {"dtype", "torch_dtype", "transformers_version", "architectures", "_name_or_path"}
 )
@@ -225,6 +238,8 @@ class RunCard:
         async_level: how many versions a rollout may lag.
         architecture_digest: :func:`architecture_digest` of the model's ``config.json``.
         issued_at_ms: wall-clock time of issue, milliseconds since the Unix epoch.
+        mirrors: static mirror base URLs followers add to their own (0..8; see the module
+            docstring).
     """
 
     card_version: int
@@ -236,13 +251,14 @@ class RunCard:
     async_level: int
     architecture_digest: str
     issued_at_ms: int
+    mirrors: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
         _check_body(self.to_obj(), "")
 
     def to_obj(self) -> dict[str, Any]:
-        """The JSON body."""
-        return {
+        """The JSON body (``mirrors`` only when there are some)."""
+        body: dict[str, Any] = {
             "v": CARD_SCHEMA,
             "card_version": self.card_version,
             "run_id": self.run_id,
@@ -263,6 +279,9 @@ class RunCard:
             "model": {"architecture_digest": self.architecture_digest},
             "issued_at_ms": self.issued_at_ms,
         }
+        if self.mirrors:
+            body["mirrors"] = list(self.mirrors)
+        return body
 
     def canonical_bytes(self) -> bytes:
         """The signed bytes."""
@@ -299,6 +318,7 @@ class RunCard:
             obj["async_level"],
             m["architecture_digest"],
             obj["issued_at_ms"],
+            tuple(obj.get("mirrors", ())),
         )
 
 
@@ -329,8 +349,9 @@ def _check_body(obj: Any, source: str) -> None:
         raise _fail(source, "", "body is not an object")
     if obj.get("v") != CARD_SCHEMA:
         raise _fail(source, "v", f"schema {obj.get('v')!r}, this node reads {CARD_SCHEMA}")
-    if set(obj) != _BODY_KEYS:
-        missing, extra = sorted(_BODY_KEYS - set(obj)), sorted(set(obj) - _BODY_KEYS)
+    if not _BODY_KEYS <= set(obj) <= _BODY_KEYS | _OPTIONAL_KEYS:
+        missing = sorted(_BODY_KEYS - set(obj))
+        extra = sorted(set(obj) - _BODY_KEYS - _OPTIONAL_KEYS)
         raise _fail(source, "", f"missing fields {missing}, unknown fields {extra}")
     _int(obj, "card_version", 1, 1 << 62, source)
     run_id = obj["run_id"]
@@ -383,6 +404,28 @@ def _check_body(obj: Any, source: str) -> None:
     ):
         raise _fail(source, "model.architecture_digest", "is not 64 lowercase hex characters")
     _int(obj, "issued_at_ms", 0, 1 << 52, source)
+    if "mirrors" in obj:
+        _check_mirrors(obj["mirrors"], source)
+
+
+def _check_mirrors(mirrors: Any, source: str) -> None:
+    """``mirrors``: 1..MAX_CARD_MIRRORS distinct, normalized mirror URLs (an empty list is
+    written as no field at all, so it is refused: one card, one encoding)."""
+    from shardcast.mirror import check_mirror_url  # the one URL rule of --mirror
+
+    if not isinstance(mirrors, list) or not 1 <= len(mirrors) <= MAX_CARD_MIRRORS:
+        raise _fail(source, "mirrors", f"must be a list of 1 to {MAX_CARD_MIRRORS} URLs")
+    for url in mirrors:
+        if not isinstance(url, str) or not 0 < len(url) <= MAX_MIRROR_URL:
+            raise _fail(source, "mirrors", f"{url!r} is not a URL (<= {MAX_MIRROR_URL} chars)")
+        try:
+            normal = check_mirror_url(url, "mirrors")
+        except ConfigError as exc:
+            raise _fail(source, "mirrors", str(exc).removeprefix("mirrors: ")) from None
+        if normal != url:
+            raise _fail(source, "mirrors", f"{url!r} is not in normal form ({normal!r})")
+    if len(set(mirrors)) != len(mirrors):
+        raise _fail(source, "mirrors", "a mirror is listed twice")
 
 
 @dataclass(frozen=True)

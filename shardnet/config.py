@@ -42,7 +42,7 @@ from shardcast.follower import FollowConfig
 from shardcast.mirror import check_mirror_url
 from shardcast.node import NodeConfig
 from shardcast.origin import OriginConfig
-from shardcast.runcard import EngineSpec
+from shardcast.runcard import MAX_CARD_MIRRORS, MAX_MIRROR_URL, EngineSpec
 
 DEFAULT_RUN_ID = "shardnet-run"
 """The run id of a trainer or origin started without ``run_id``."""
@@ -463,6 +463,24 @@ class PublishSettings(CommonSettings):
         description="FAMILY-DTYPE of the inference engines whose rollouts the run accepts "
         "(run card; e.g. transformers-bf16, vllm-bf16)",
     )
+
+    card_mirror: list[str] = Field(
+        [],
+        max_length=MAX_CARD_MIRRORS,
+        description="static mirror base URL named in the signed run card "
+        "(http://HOST[:PORT][/PATH], a tree written by `shardnet mirror export`): relays and "
+        "peers that adopt the card add it to their --mirror list (untrusted, like any mirror)",
+    )
+
+    @field_validator("card_mirror")
+    @classmethod
+    def _card_mirror(cls, v: list[str]) -> list[str]:
+        urls = [check_mirror_url(u, "card_mirror") for u in v]
+        if any(len(u) > MAX_MIRROR_URL for u in urls):
+            raise ValueError(f"a URL is longer than {MAX_MIRROR_URL} characters")
+        if len(set(urls)) != len(urls):
+            raise ValueError("a mirror is listed twice")
+        return urls
 
     @field_validator("engines")
     @classmethod

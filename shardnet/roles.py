@@ -133,6 +133,7 @@ async def run_trainer(s: TrainerSettings) -> int:
         max_new_tokens=s.max_new_tokens,
         temperature=s.temperature,
         engines=s.engine_specs(),
+        card_mirrors=tuple(s.card_mirror),
         min_batches=s.min_batches,
         step_timeout_s=s.step_timeout_s,
         peer_timeout_s=s.peer_timeout_s,
@@ -336,18 +337,76 @@ def make_engine(name: str) -> Engine:
     raise ConfigError("engine", f"unknown engine {name!r} (available: transformers, vllm)")
 
 
-def _stage(src: Path, dst: Path) -> None:
-    """Hard-link (or copy, across file systems) the regular files of ``src`` into ``dst``."""
+STAGED_FILE_MODE = 0o644
+"""Mode of the files the origin stages from ``--watch`` (readable by a web server)."""
+STAGED_DIR_MODE = 0o755
+
+
+def stage_checkpoint(src: Path, dst: Path) -> list[Path]:
+    """Hard-link (or copy, across file systems) the regular files of ``src`` into ``dst``.
+
+    ``dst`` (replaced if present) becomes the version directory in the origin's store, which
+    relays, ``shardnet mirror export`` and web servers read, so it is made ``0755`` and every
+    file ``0644``. A hard link shares its inode with the trainer's file: setting the mode
+    there changes the trainer's file too (only to ``0644``; a published checkpoint is no
+    secret). A linked file whose mode cannot be set (owned by another user) is copied
+    instead, the copy made ``0644``. Hidden files (``.name``) and non-regular entries are
+    left out.
+
+    Returns:
+        the staged files whose mode could still not be set; one warning
+        (``staged_file_mode``) naming each was logged.
+
+    Raises:
+        OSError: ``src`` cannot be read or ``dst`` cannot be written.
+    """
     import shutil
+    import stat
 
     shutil.rmtree(dst, ignore_errors=True)
     dst.mkdir(parents=True)
+    unset: list[Path] = []
+    try:
+        os.chmod(dst, STAGED_DIR_MODE)
+    except OSError as exc:
+        log.warning("staged_dir_mode dir=%s error=%s", dst, exc)
     for entry in os.scandir(src):
-        if entry.is_file(follow_symlinks=False) and not entry.name.startswith("."):
+        if not entry.is_file(follow_symlinks=False) or entry.name.startswith("."):
+            continue
+        target = dst / entry.name
+        try:
+            os.link(entry.path, target)
+            linked = True
+        except OSError:
+            shutil.copy2(entry.path, target)
+            linked = False
+        if stat.S_IMODE(target.stat().st_mode) == STAGED_FILE_MODE:
+            continue
+        try:
+            os.chmod(target, STAGED_FILE_MODE)
+            continue
+        except OSError as exc:
+            error = exc
+        if linked:  # not ours to change: a copy is
+            target.unlink()
+            shutil.copyfile(entry.path, target)
+            if stat.S_IMODE(target.stat().st_mode) == STAGED_FILE_MODE:
+                continue
             try:
-                os.link(entry.path, dst / entry.name)
-            except OSError:
-                shutil.copy2(entry.path, dst / entry.name)
+                os.chmod(target, STAGED_FILE_MODE)
+                continue
+            except OSError as exc:
+                error = exc
+        mode = stat.S_IMODE(target.stat().st_mode)
+        log.warning(
+            "staged_file_mode file=%s mode=%04o error=%s: cannot make it 0644; a web server or "
+            "mirror running as another user may not read it",
+            target,
+            mode,
+            error,
+        )
+        unset.append(target)
+    return unset
 
 
 async def run_origin(s: OriginSettings) -> int:
@@ -391,7 +450,8 @@ async def run_origin(s: OriginSettings) -> int:
                                 ready.append(step)
                 for step in sorted(ready):
                     staging = s.data_dir / "staging" / f"step-{step}"
-                    await trio.to_thread.run_sync(_stage, s.watch / f"step-{step}", staging)
+                    src = s.watch / f"step-{step}"
+                    await trio.to_thread.run_sync(stage_checkpoint, src, staging)
                     rules = origin_card_rules(s, identity.peer_id, staging)
                     node.set_card(next_card(rules, node.card, identity))
                     if plane is not None and plane.intake is None:  # serve before announcing
@@ -482,4 +542,5 @@ def origin_card_rules(s: OriginSettings, trainer: str, version_dir: Path) -> Run
         async_level=s.async_level,
         architecture_digest=architecture_digest(config),
         issued_at_ms=int(time.time() * 1000),
+        mirrors=tuple(s.card_mirror),
     )

@@ -121,6 +121,7 @@ class TrainerConfig:
         async_level: how many versions a rollout may lag.
         n_prompts, group_size, max_new_tokens, temperature: the sampling rules for peers.
         engines: the inference engines whose rollouts the run accepts (the run card's).
+        card_mirrors: static mirror URLs named in the run card (followers add them).
         min_batches: batches to wait for before each optimizer step (None: one per known
             peer, at least 1; see :mod:`trainer.readiness`).
         step_timeout_s: longest wait for the step's rollouts, seconds.
@@ -152,6 +153,7 @@ class TrainerConfig:
     max_new_tokens: int = 16
     temperature: float = 1.0
     engines: tuple[EngineSpec, ...] = (DEFAULT_ENGINE,)
+    card_mirrors: tuple[str, ...] = ()
     min_batches: int | None = None
     step_timeout_s: float = 300.0
     peer_timeout_s: float = 60.0
@@ -352,6 +354,7 @@ class Trainer:
             async_level=cfg.async_level,
             architecture_digest=architecture_digest(json.loads(config_json(model))),
             issued_at_ms=int(time.time() * 1000),
+            mirrors=cfg.card_mirrors,
         )
 
     async def _start(

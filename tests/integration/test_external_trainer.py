@@ -19,7 +19,7 @@ from pathlib import Path
 
 from p2p.identity import Identity
 from rollout.parquet_out import SCHEMA, read_rollouts
-from tests.integration.test_restart import LOOPBACK_ANY, Node, free_port, nodes
+from tests.integration.procs import LOOPBACK_ANY, Node, free_port, nodes
 
 __all__ = ["nodes"]
 

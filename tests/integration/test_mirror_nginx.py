@@ -9,17 +9,12 @@ commits the right bytes and blames the mirror.
 
 from __future__ import annotations
 
-import os
 import random
-import shutil
 import socket
-import subprocess
-from collections.abc import Awaitable, Callable, Iterator
-from contextlib import contextmanager
+from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-import pytest
 import trio
 
 from p2p.http_server import HttpServerConfig
@@ -29,76 +24,17 @@ from shardcast.manifest import Manifest
 from shardcast.mirror import PREFIX, export_mirror
 from shardcast.node import NodeConfig, ShardcastNode
 from shardcast.origin import Origin, OriginConfig
+from shardcast.runcard import DEFAULT_ENGINE, RunCard, SamplingRules, TaskSpec, next_card
 from tests.helpers import TRAINER, make_checkpoint, trust
+from tests.integration.procs import NEEDS_NGINX, nginx
 
 if TYPE_CHECKING:
     from trio_typing import TaskStatus
 
-NGINX = shutil.which("nginx") or next(
-    (p for p in ("/usr/sbin/nginx", "/usr/local/sbin/nginx") if os.access(p, os.X_OK)), None
-)
-pytestmark = pytest.mark.skipif(
-    NGINX is None, reason="the nginx binary is missing (apt-get install nginx)"
-)
+pytestmark = NEEDS_NGINX
 
 SIZES = {"model-00001-of-00002.safetensors": 300_000, "model-00002-of-00002.safetensors": 90_001}
 LOCAL = HttpServerConfig(host="127.0.0.1", port=0)
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
-@contextmanager
-def nginx(root: Path, work: Path) -> Iterator[str]:
-    """Serve ``root`` with nginx on 127.0.0.1 (foreground, one process); yields its URL."""
-    assert NGINX is not None
-    work.mkdir(parents=True, exist_ok=True)
-    port = _free_port()
-    conf = work / "nginx.conf"
-    temps = " ".join(
-        f"{k}_temp_path {work / k};" for k in ("client_body", "proxy", "fastcgi", "uwsgi", "scgi")
-    )
-    conf.write_text(
-        f"daemon off; master_process off; pid {work}/nginx.pid;\n"
-        f"error_log {work}/error.log;\n"
-        "events {}\n"
-        # the log shows whether a request was signed (requests to a mirror are anonymous)
-        "http { log_format lane '$request auth=\"$http_x_shardnet_auth\"';\n"
-        f"  access_log {work}/access.log lane; {temps}\n"
-        "  default_type application/octet-stream;\n"
-        f"  server {{ listen 127.0.0.1:{port}; root {root};\n"
-        "    location ~ /(manifest|versions)$ { default_type application/json; } } }\n"
-    )
-    proc = subprocess.Popen(
-        [NGINX, "-c", str(conf), "-p", str(work), "-e", str(work / "error.log")],
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.PIPE,
-    )
-    try:
-        for _ in range(200):  # a subprocess: wait for its socket (10 s at most)
-            try:
-                socket.create_connection(("127.0.0.1", port), timeout=0.5).close()
-                break
-            except OSError:
-                if proc.poll() is not None:
-                    err = proc.stderr.read().decode() if proc.stderr else ""
-                    pytest.fail(f"nginx exited: {err}")
-                subprocess.run(["sleep", "0.05"], check=True)
-        else:
-            pytest.fail("nginx did not listen within 10 s")
-        yield f"http://127.0.0.1:{port}"
-    finally:
-        proc.terminate()
-        try:
-            proc.wait(timeout=5)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
-        if proc.stderr is not None:
-            proc.stderr.close()
 
 
 async def _node(
@@ -158,7 +94,7 @@ async def _origin_and_relay(
 
 
 async def _peer(
-    tmp: Path, nursery: trio.Nursery, relay: ShardcastNode, mirror: str
+    tmp: Path, nursery: trio.Nursery, relay: ShardcastNode, mirror: str | None
 ) -> tuple[ShardcastNode, Follower, _Commits]:
     p = await nursery.start(
         _node, Identity.from_seed("peer"), NodeConfig("peer", "run", tmp / "p", http=LOCAL)
@@ -170,7 +106,7 @@ async def _peer(
             upstreams=(relay.p2p.multiaddrs()[0],),
             poll_interval_s=0.2,
             discovery=False,
-            mirrors=(mirror,),
+            mirrors=(mirror,) if mirror is not None else (),
         ),
         random.Random(2),
         on_commit=commits.hook,
@@ -241,3 +177,39 @@ async def test_corrupt_mirror_is_blamed_and_peer_commits_from_relay(tmp_path: Pa
             assert fp.downloader.bans.is_banned(url, trio.current_time())
             assert "/shardnet/v1/run/0/files/" in (tmp_path / "nginx" / "access.log").read_text()
         nursery.cancel_scope.cancel()
+
+
+async def test_peer_takes_the_mirror_named_in_the_run_card(tmp_path: Path) -> None:
+    """No --mirror on the peer: the trainer's signed card names the mirror; the relay's lane
+    is dead, so the peer can only commit through the mirror it learned from the card."""
+    www = tmp_path / "www"
+    with socket.socket() as dead, nginx(www, tmp_path / "nginx") as url:
+        dead.bind(("127.0.0.1", 0))
+        dead_url = f"http://127.0.0.1:{dead.getsockname()[1]}"
+        async with trio.open_nursery() as nursery:
+            o, r, publish = await _origin_and_relay(tmp_path, nursery, dead_url)
+            rules = RunCard(
+                card_version=1,
+                run_id="run",
+                trainer=TRAINER.peer_id,
+                task=TaskSpec("digits", 1, "ab" * 32),
+                sampling=SamplingRules(2, 4, 8, 1.0),
+                engines=(DEFAULT_ENGINE,),
+                async_level=1,
+                architecture_digest="cd" * 32,
+                issued_at_ms=1_767_225_600_000,
+                mirrors=(url,),
+            )
+            assert o.set_card(next_card(rules, o.card, TRAINER))
+            await publish(0)
+            export_mirror(r.store, www)
+            p, fp, commits = await _peer(tmp_path, nursery, r, None)
+            await commits.wait(0)
+            assert p.card is not None
+            assert p.card.card.mirrors == (url,)
+            assert list(fp.mirrors) == [url]
+            rec = fp.records[0]
+            assert rec.stats is not None
+            assert set(rec.stats.bytes_by_source) == {url}, rec.stats.bytes_by_source
+            _same_files(p.store.version_dir(0), o.store.version_dir(0))
+            nursery.cancel_scope.cancel()

@@ -15,118 +15,22 @@ event, with a deadline; every process is stopped by the test.
 from __future__ import annotations
 
 import json
-import os
-import queue
-import re
 import shutil
 import signal
-import socket
 import subprocess
 import sys
-import threading
-import time
-from collections.abc import Iterator
 from pathlib import Path
-
-import pytest
 
 from p2p.identity import Identity
 from p2p.trust import TrustList
 from shardcast.manifest import MANIFEST_FILE, Manifest
 from tests.helpers import make_checkpoint
+from tests.integration.procs import LOOPBACK_ANY, Node, free_port, nodes
+
+__all__ = ["nodes"]  # the fixture
 
 RUN = "restart"
 SAMPLING = ["--n-prompts", "2", "--group-size", "4", "--max-new-tokens", "8"]
-# every node on 127.0.0.1: the roles' defaults (all interfaces, fixed ports) are for operators
-LOOPBACK_ANY = ["--listen", "/ip4/127.0.0.1/tcp/0", "--http-host", "127.0.0.1", "--http-port", "0"]
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
-class Node:
-    """One ``shardnet`` process; its stderr lines are kept and can be waited for."""
-
-    def __init__(self, name: str, args: list[str], log_dir: Path, env: dict[str, str]) -> None:
-        self.name = name
-        self.log_path = log_dir / f"{name}.log"
-        self.lines: list[str] = []
-        self._q: queue.Queue[str | None] = queue.Queue()
-        self.proc = subprocess.Popen(
-            [sys.executable, "-m", "shardnet.cli", *args],
-            stdin=subprocess.DEVNULL,
-            stdout=subprocess.DEVNULL,
-            stderr=subprocess.PIPE,
-            text=True,
-            env={**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1", **env},
-        )
-        self._reader = threading.Thread(target=self._read, daemon=True)
-        self._reader.start()
-
-    def _read(self) -> None:
-        assert self.proc.stderr is not None
-        with open(self.log_path, "a") as fh:
-            for line in self.proc.stderr:
-                fh.write(line)
-                self._q.put(line)
-        self._q.put(None)
-
-    def wait_for(self, pattern: str, timeout_s: float = 120.0) -> str:
-        """The first line (old or new) matching ``pattern``; fails after ``timeout_s``."""
-        rx = re.compile(pattern)
-        for line in self.lines:
-            if rx.search(line):
-                return line
-        deadline = time.monotonic() + timeout_s
-        try:
-            while True:
-                line = self._q.get(timeout=max(0.0, deadline - time.monotonic()))
-                if line is None:
-                    pytest.fail(f"{self.name} exited before /{pattern}/; see {self.log_path}")
-                self.lines.append(line)
-                if rx.search(line):
-                    return line
-        except queue.Empty:
-            pytest.fail(f"{self.name}: no /{pattern}/ within {timeout_s}s; see {self.log_path}")
-
-    def drain(self) -> list[str]:
-        """Every line read so far (after the process ended: all of them)."""
-        while True:
-            try:
-                line = self._q.get_nowait()
-            except queue.Empty:
-                return self.lines
-            if line is not None:
-                self.lines.append(line)
-
-    def count(self, pattern: str) -> int:
-        rx = re.compile(pattern)
-        return sum(1 for ln in self.drain() if rx.search(ln))
-
-    def stop(self, sig: int = signal.SIGTERM, timeout_s: float = 30.0) -> int:
-        if self.proc.poll() is None:
-            self.proc.send_signal(sig)
-        try:
-            code = self.proc.wait(timeout=timeout_s)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
-            code = self.proc.wait()
-        self._reader.join(timeout=10)
-        if self.proc.stderr is not None:
-            self.proc.stderr.close()
-        return code
-
-
-@pytest.fixture
-def nodes(tmp_path: Path) -> Iterator[list[Node]]:
-    started: list[Node] = []
-    (tmp_path / "logs").mkdir()
-    yield started
-    for n in started:
-        n.stop(signal.SIGKILL)
 
 
 def digest_of(data_dir: Path, step: int, trainer: str) -> str:

@@ -246,3 +246,25 @@ def test_relay_without_upstream_is_a_config_error(tmp_path: Path) -> None:
     result = CliRunner().invoke(app, ["relay", "--trainer-id", PID, "--data-dir", str(tmp_path)])
     assert result.exit_code == 2
     assert result.output.strip() == "shardnet: error: --upstream: Field required"
+
+
+def test_card_mirror_is_checked_and_goes_into_the_origin_card(tmp_path: Path) -> None:
+    from shardnet.roles import origin_card_rules
+
+    base = {"watch": tmp_path, "data_dir": tmp_path / "d"}
+    s = load_settings(OriginSettings, None, {**base, "card_mirror": ["http://127.0.0.1:8080/"]})
+    assert s.card_mirror == ["http://127.0.0.1:8080"]  # the normal form the card requires
+    (tmp_path / "config.json").write_text('{"model_type": "llama"}')
+    card = origin_card_rules(s, "12D3KooW" + "a" * 44, tmp_path)
+    assert card.mirrors == ("http://127.0.0.1:8080",)
+    plain = load_settings(OriginSettings, None, base)
+    assert origin_card_rules(plain, "12D3KooW" + "a" * 44, tmp_path).mirrors == ()
+    for bad, match in (
+        (["https://m.example.org"], "http://HOST"),
+        (["http://m.example.org", "http://m.example.org/"], "twice"),
+        ([f"http://m{i}.example.org" for i in range(9)], "at most 8"),
+        (["http://m.example.org/" + "a" * 300], "256"),
+    ):
+        with pytest.raises(ConfigError, match=match) as info:
+            load_settings(OriginSettings, None, {**base, "card_mirror": bad})
+        assert info.value.field == "card_mirror"

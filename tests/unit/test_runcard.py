@@ -194,3 +194,52 @@ def test_pure_import() -> None:
         "assert not bad, bad"
     )
     subprocess.run([sys.executable, "-c", code], check=True, cwd=ROOT)
+
+
+MIRRORS = ("http://127.0.0.1:8080", "http://mirror.example.org/runs/a")
+
+
+def test_mirrors_are_signed_and_optional() -> None:
+    plain = _card()
+    assert "mirrors" not in plain.to_obj()  # old cards keep their bytes and digest
+    old_body = dict(plain.to_obj())
+    assert RunCard.from_obj(old_body) == plain  # a card without the field reads as before
+    card = _card(mirrors=MIRRORS)
+    assert card.to_obj()["mirrors"] == list(MIRRORS)
+    assert card.digest() != plain.digest()
+    signed = sign_card(card, TRAINER)
+    back = SignedRunCard.decode(signed.encode(), trainer=TRAINER.peer_id)
+    assert back.card.mirrors == MIRRORS
+    env = json.loads(signed.encode())
+    env["body"]["mirrors"] = ["http://evil.example.org"]
+    with pytest.raises(BadRunCardSignature):
+        SignedRunCard.decode(json.dumps(env).encode(), trainer=TRAINER.peer_id)
+    # a change of mirrors is a change of rules: a new card version
+    first = sign_card(plain, TRAINER)
+    assert next_card(card, first, TRAINER).version == first.version + 1
+    assert next_card(card, next_card(card, first, TRAINER), TRAINER).version == 2
+
+
+@pytest.mark.parametrize(
+    ("mirrors", "match"),
+    [
+        ([], "list of 1 to 8"),
+        ([f"http://m{i}.example.org" for i in range(9)], "list of 1 to 8"),
+        ("http://m.example.org", "list of 1 to 8"),
+        (["http://m.example.org/" + "a" * 300], "257 chars|<= 256"),
+        ([7], "not a URL"),
+        (["https://m.example.org"], "http://HOST"),
+        (["http://0.0.0.0:80"], "unspecified"),
+        (["http://m.example.org/?x=1"], "no query"),
+        (["http://m.example.org/"], "normal form"),
+        (["http://m.example.org", "http://m.example.org"], "twice"),
+    ],
+)
+def test_bad_mirrors_are_named(mirrors: object, match: str) -> None:
+    body = _card().to_obj()
+    body["mirrors"] = mirrors
+    with pytest.raises(MalformedRunCard, match=match) as info:
+        RunCard.from_obj(body, "relay")
+    assert info.value.field == "mirrors"
+    with pytest.raises(MalformedRunCard):
+        _card(mirrors=tuple(mirrors) if isinstance(mirrors, list) and mirrors else ("x",))
