@@ -107,8 +107,15 @@ def check_multiaddr_text(text: str, option: str) -> str:
     return text
 
 
-def check_http_url(text: str, option: str) -> str:
-    """Check an advertised HTTP lane URL (``http://HOST:PORT``, no path).
+def check_http_url(text: str, option: str, *, base_path: bool = False) -> str:
+    """Check an HTTP URL other hosts dial.
+
+    Args:
+        text: the URL.
+        option: the setting named in errors.
+        base_path: False for an advertised HTTP lane URL (``http://HOST:PORT``, no path, port
+            required); True for a base URL such as a static mirror's
+            (``http://HOST[:PORT][/PATH]``, port 80 by default).
 
     Returns:
         the URL without a trailing ``/``.
@@ -116,18 +123,21 @@ def check_http_url(text: str, option: str) -> str:
     Raises:
         ConfigError: naming ``option``.
     """
+    shape = "http://HOST[:PORT][/PATH]" if base_path else "http://HOST:PORT"
     try:
         u = urlsplit(text)
         port = u.port
     except ValueError as exc:
         raise ConfigError(option, f"{text!r} is not a URL: {exc}") from None
     if u.scheme != "http" or not u.hostname:
-        raise ConfigError(option, f"{text!r} is not an http://HOST[:PORT] URL")
-    if u.path not in ("", "/") or u.query or u.fragment:
-        raise ConfigError(option, f"{text!r}: the HTTP lane URL takes no path or query")
+        raise ConfigError(option, f"{text!r} is not an {shape} URL")
+    if u.query or u.fragment or u.username or u.password:
+        raise ConfigError(option, f"{text!r}: an {shape} URL takes no query, fragment or user")
+    if not base_path and u.path not in ("", "/"):
+        raise ConfigError(option, f"{text!r}: the HTTP lane URL takes no path")
     if is_unspecified(u.hostname):
         raise ConfigError(option, f"{text!r}: an unspecified address cannot be dialled")
-    if port is None:
+    if port is None and not base_path:
         raise ConfigError(option, f"{text!r}: give the port (http://HOST:PORT)")
     return text.rstrip("/")
 

@@ -43,9 +43,8 @@ import shutil
 import threading
 from dataclasses import dataclass, field
 from pathlib import Path
-from urllib.parse import urlsplit
 
-from p2p.addresses import is_unspecified
+from p2p.addresses import check_http_url
 from p2p.errors import ConfigError, IntegrityError, ShardnetError
 from p2p.trust import TrustList
 from shardcast.canonical import loads_untrusted
@@ -96,20 +95,9 @@ def check_mirror_url(text: str, option: str) -> str:
         the URL without a trailing ``/``.
 
     Raises:
-        ConfigError: naming ``option``.
+        ConfigError: naming ``option`` (see :func:`p2p.addresses.check_http_url`).
     """
-    try:
-        u = urlsplit(text)
-        u.port  # noqa: B018 - raises ValueError for a malformed port
-    except ValueError as exc:
-        raise ConfigError(option, f"{text!r} is not a URL: {exc}") from None
-    if u.scheme != "http" or not u.hostname:
-        raise ConfigError(option, f"{text!r} is not an http://HOST[:PORT][/PATH] URL")
-    if u.query or u.fragment or u.username or u.password:
-        raise ConfigError(option, f"{text!r}: a mirror URL takes no query, fragment or user")
-    if is_unspecified(u.hostname):
-        raise ConfigError(option, f"{text!r}: an unspecified address cannot be dialled")
-    return text.rstrip("/")
+    return check_http_url(text, option, base_path=True)
 
 
 @dataclass
