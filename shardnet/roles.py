@@ -175,11 +175,12 @@ async def run_relay(s: RelaySettings) -> int:
     identity = s.identity()
     # with --run-id the relay starts at once and fetches the card from its upstreams' info;
     # without, it needs the card's run id first
-    card = (
-        await join_card(s, identity, tuple(s.upstream))
-        if s.run_id is None
-        else check_data_dir(s.data_dir, s.run_id, _trainer_id(s))
-    )
+    if s.run_id is None:
+        card = await join_card_or_signal(s, identity, tuple(s.upstream))
+        if card is None:
+            return 0  # stopped (SIGINT/SIGTERM) while waiting for the run card
+    else:
+        card = check_data_dir(s.data_dir, s.run_id, _trainer_id(s))
     run_id = card.card.run_id if card is not None else s.run_id
     follower: Follower | None = None
 
@@ -239,7 +240,9 @@ async def run_peer(s: PeerSettings) -> int:
 
     torch.set_num_threads(s.torch_threads)
     identity = s.identity()
-    card = await join_card(s, identity, tuple(s.bootstrap))
+    card = await join_card_or_signal(s, identity, tuple(s.bootstrap))
+    if card is None:
+        return 0  # stopped (SIGINT/SIGTERM) while waiting for the run card
     spec = choose_engine(card.card, local_engines(), s.engine)
     check_followable(card.card, load_task(s.task, s.task_reward), spec)
     engine = make_engine(spec.family)
@@ -289,6 +292,19 @@ def local_engines() -> dict[str, frozenset[str]]:
     if vllm_available():
         out["vllm"] = frozenset({"bf16"})
     return out
+
+
+async def join_card_or_signal(
+    s: RelaySettings | PeerSettings, identity: Identity, addrs: tuple[str, ...]
+) -> SignedRunCard | None:
+    """:func:`join_card`, or None if SIGINT/SIGTERM arrived first (a clean stop, exit 0)."""
+    got: list[SignedRunCard] = []
+
+    async def fetch() -> None:
+        got.append(await join_card(s, identity, addrs))
+
+    await until_signal(fetch)
+    return got[0] if got else None
 
 
 async def join_card(

@@ -58,3 +58,38 @@ def test_role_stops_cleanly_with_exit_0(tmp_path: Path, role: str, sig: signal.S
             proc.communicate()
     assert proc.returncode == 0, err
     assert "Traceback" not in err
+
+
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT])
+@pytest.mark.parametrize("role", ["relay", "peer"])
+def test_stop_while_waiting_for_the_run_card_is_clean(
+    tmp_path: Path, role: str, sig: signal.Signals
+) -> None:
+    # no --run-id and no reachable upstream: the node waits for the run card before it listens
+    up = f"/ip4/127.0.0.1/tcp/9/p2p/{TRAINER_ID}"
+    where = ["--upstream", up] if role == "relay" else ["--bootstrap", up]
+    argv = [role, *where, "--trainer-id", TRAINER_ID, "--data-dir", str(tmp_path), *LOOPBACK]
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "shardnet.cli", *argv],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        text=True,
+        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
+    )
+    seen = []
+    try:
+        assert proc.stderr is not None
+        while not any("runcard_unavailable" in line for line in seen):
+            ready_now, _, _ = select.select([proc.stderr], [], [], 60)
+            assert ready_now, f"no runcard_unavailable line within 60 s: {seen}"
+            line = proc.stderr.readline()
+            assert line, f"exited early: {seen}"
+            seen.append(line)
+        os.kill(proc.pid, sig)
+        _, err = proc.communicate(timeout=30)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.communicate()
+    assert proc.returncode == 0, err
+    assert "Traceback" not in err
