@@ -729,21 +729,32 @@ async def _advertise_to(evil: Any, victims: list[Node], advert: bytes) -> None:
             nursery.start_soon(one, v)
 
 
-async def _advert_rounds(
+async def _advert_round(
     victims: list[Node], lanes: list[tuple[Any, str]], sent: dict[str, int]
 ) -> None:
-    """Every 2 s until cancelled: each (identity, URL) in ``lanes`` advertises itself as a
-    relay holding step 0 at that URL, to every victim (a fresh host per round)."""
+    """Each (identity, URL) in ``lanes`` advertises itself, at once, as a relay holding step 0
+    at that URL to every victim (a fresh host per identity)."""
     from p2p.hostile import HostileClient
     from shardcast.discovery import NodeAdvert
 
-    while True:
-        for ident, url in lanes:
-            advert = NodeAdvert(ident.peer_id, "relay", url, (0,), (0,)).encode()
-            async with HostileClient.open(ident) as evil:
-                await _advertise_to(evil, victims, advert)
+    async def one(ident: Any, url: str) -> None:
+        advert = NodeAdvert(ident.peer_id, "relay", url, (0,), (0,)).encode()
+        async with HostileClient.open(ident) as evil:
             sent["adverts"] = sent.get("adverts", 0) + len(victims)
+            await _advertise_to(evil, victims, advert)
+
+    async with trio.open_nursery() as nursery:
+        for ident, url in lanes:
+            nursery.start_soon(one, ident, url)
+
+
+async def _advert_rounds(
+    victims: list[Node], lanes: list[tuple[Any, str]], sent: dict[str, int]
+) -> None:
+    """:func:`_advert_round` every 2 s until cancelled (the first one has been sent)."""
+    while True:
         await trio.sleep(2.0)
+        await _advert_round(victims, lanes, sent)
 
 
 async def sc_fake_adverts(ctx: Ctx) -> dict[str, float | None]:
@@ -764,9 +775,9 @@ async def sc_fake_adverts(ctx: Ctx) -> dict[str, float | None]:
     async with open_http_server(junk) as lane:
         idents = [Identity.generate() for _ in range(8)]
         lanes = [(ident, c.origin.url if k % 2 else lane.url) for k, ident in enumerate(idents)]
-        res = await _broadcast(
-            ctx, lambda ctx: _advert_rounds([*c.relays, *c.followers], lanes, sent)
-        )
+        victims = [*c.relays, *c.followers]
+        await _advert_round(victims, lanes, sent)  # held before the version appears
+        res = await _broadcast(ctx, lambda ctx: _advert_rounds(victims, lanes, sent))
     followers = [*c.relays, *c.followers]
     ctx.extra["adverts_sent"] = sent.get("adverts", 0)
     ctx.extra["junk_lane_requests"] = served["requests"]
@@ -826,6 +837,7 @@ async def sc_corrupting_relay(ctx: Ctx) -> dict[str, float | None]:
     async with httpx.AsyncClient(timeout=60) as http, open_http_server(relay) as lane:
         box["url"] = lane.url
         victims = [*c.relays, *c.followers]
+        await _advert_round(victims, [(ident, lane.url)], sent)
         res = await _broadcast(ctx, lambda ctx: _advert_rounds(victims, [(ident, lane.url)], sent))
     sid = short_id_of(ident.peer_id)
     ctx.extra["adverts_sent"] = sent.get("adverts", 0)
