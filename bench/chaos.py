@@ -42,7 +42,16 @@ Scenarios (``--scenarios``, comma-separated; default all, in this order):
                    published and relays keep only 2 versions; time from SIGCONT to its commit of
                    step 4 (compared with the clean time of one version)
 
-Not covered yet: fake adverts, a corrupting or stalling relay, the 30-minute soak.
+``fake_adverts``   8 fresh identities gossip correctly signed adverts (relay, holding step 0)
+                   for lanes they do not hold: half the origin's, half a junk lane in the
+                   bench; every 2 s during the broadcast, to relays and followers. Reports
+                   adverts sent, ``advert_unproven`` lines and how often a fake was used
+``corrupting_relay`` an attacker identity whose lane proves its PeerID (whoami) and proxies the
+                   origin's lane with one byte flipped in every shard or file body advertises
+                   itself as a relay holding step 0; reports how many nodes used it and how
+                   many banned it
+
+Not covered yet: a stalling relay, the 30-minute soak.
 
 Timings on a shared machine are noisy: run it on an idle one for numbers that mean anything.
 
@@ -689,6 +698,160 @@ async def sc_prune(ctx: Ctx) -> dict[str, float | None]:
     return res
 
 
+def _log_count(c: Cluster, nodes: list[Node], needle: str) -> int:
+    """Lines containing ``needle`` in the logs of ``nodes``."""
+    total = 0
+    for n in nodes:
+        try:
+            text = (c.logs / f"{n.name}.log").read_text(errors="replace")
+        except OSError:
+            continue
+        total += sum(needle in line for line in text.splitlines())
+    return total
+
+
+async def _advertise_to(evil: Any, victims: list[Node], advert: bytes) -> None:
+    """Gossip one correctly signed node advert from ``evil`` straight to each victim."""
+    from p2p.hostile import MESHSUB
+    from shardcast.discovery import nodes_topic
+
+    rpc = evil.signed_publish(nodes_topic(RUN_ID), advert)
+
+    async def one(v: Node) -> None:
+        try:
+            await evil.connect(v.addr)
+            await evil.send(v.addr.rsplit("/p2p/", 1)[1], MESHSUB, rpc, wait_s=1)
+        except Exception:  # refused or reset: the node decided
+            pass
+
+    async with trio.open_nursery() as nursery:
+        for v in victims:
+            nursery.start_soon(one, v)
+
+
+async def _advert_round(
+    victims: list[Node], lanes: list[tuple[Any, str]], sent: dict[str, int]
+) -> None:
+    """Each (identity, URL) in ``lanes`` advertises itself, at once, as a relay holding step 0
+    at that URL to every victim (a fresh host per identity)."""
+    from p2p.hostile import HostileClient
+    from shardcast.discovery import NodeAdvert
+
+    async def one(ident: Any, url: str) -> None:
+        advert = NodeAdvert(ident.peer_id, "relay", url, (0,), (0,)).encode()
+        async with HostileClient.open(ident) as evil:
+            sent["adverts"] = sent.get("adverts", 0) + len(victims)
+            await _advertise_to(evil, victims, advert)
+
+    async with trio.open_nursery() as nursery:
+        for ident, url in lanes:
+            nursery.start_soon(one, ident, url)
+
+
+async def _advert_rounds(
+    victims: list[Node], lanes: list[tuple[Any, str]], sent: dict[str, int]
+) -> None:
+    """:func:`_advert_round` every 2 s until cancelled (the first one has been sent)."""
+    while True:
+        await trio.sleep(2.0)
+        await _advert_round(victims, lanes, sent)
+
+
+async def sc_fake_adverts(ctx: Ctx) -> dict[str, float | None]:
+    """Fresh identities advertise lanes they do not hold: half the origin's (to steer the
+    swarm's requests onto it), half a junk lane that answers anything with 200 and random
+    bytes (its whoami answer proves nothing). No follower may use either."""
+    from p2p.http_server import HttpRequest, HttpResponse, open_http_server
+    from p2p.identity import Identity
+
+    c = ctx.cluster
+    served = {"requests": 0}
+
+    async def junk(req: HttpRequest) -> HttpResponse:
+        served["requests"] += 1
+        return HttpResponse(200, (), os.urandom(64))
+
+    sent: dict[str, int] = {}
+    async with open_http_server(junk) as lane:
+        idents = [Identity.generate() for _ in range(8)]
+        lanes = [(ident, c.origin.url if k % 2 else lane.url) for k, ident in enumerate(idents)]
+        victims = [*c.relays, *c.followers]
+        await _advert_round(victims, lanes, sent)  # held before the version appears
+        res = await _broadcast(ctx, lambda ctx: _advert_rounds(victims, lanes, sent))
+    followers = [*c.relays, *c.followers]
+    ctx.extra["adverts_sent"] = sent.get("adverts", 0)
+    ctx.extra["junk_lane_requests"] = served["requests"]
+    ctx.extra["adverts_unproven"] = _log_count(c, followers, "advert_unproven")
+    fakes = {short_id_of(i.peer_id) for i, _ in lanes}
+    ctx.extra["fake_sources_used"] = sum(
+        _log_count(c, followers, f"source_added step=0 source={f}") for f in fakes
+    )
+    return res
+
+
+def short_id_of(peer_id: str) -> str:
+    from p2p.errors import short_id
+
+    return short_id(peer_id)
+
+
+async def sc_corrupting_relay(ctx: Ctx) -> dict[str, float | None]:
+    """An attacker identity runs a lane that proves its PeerID (answers whoami) and serves the
+    origin's bytes with one byte flipped in every shard or file range; it advertises itself as
+    a relay holding step 0. Followers that use it must ban it at its first bad shard and still
+    commit in time."""
+    from p2p.http_server import HttpRequest, HttpResponse, open_http_server
+    from p2p.identity import Identity
+    from shardcast.lane_auth import sign_whoami
+    from shardcast.serve import HOLD_HEADER
+
+    c = ctx.cluster
+    ident = Identity.generate()
+    stats = {"requests": 0, "corrupted": 0}
+    box: dict[str, str] = {}
+
+    async def relay(req: HttpRequest) -> HttpResponse:
+        stats["requests"] += 1
+        if req.path.startswith("/shardnet/v1/whoami/"):
+            nonce = req.path.rsplit("/", 1)[1]
+            return HttpResponse(200, (), sign_whoami(ident, nonce, box["url"]))
+        fwd = {k: v for k, v in req.headers.items() if k in ("range", HOLD_HEADER)}
+        try:
+            r = await http.get(c.origin.url + req.path, headers=fwd)
+        except httpx.HTTPError:
+            return HttpResponse(503, [("retry-after", "1")])
+        body = bytearray(r.content)
+        if (
+            body
+            and r.status_code in (200, 206)
+            and ("/files/" in req.path or "/shard/" in req.path)
+        ):
+            body[len(body) // 2] ^= 0x5A
+            stats["corrupted"] += 1
+        keep = ("content-range", "retry-after", "content-type")
+        return HttpResponse(
+            r.status_code, [(k, v) for k, v in r.headers.items() if k in keep], bytes(body)
+        )
+
+    sent: dict[str, int] = {}
+    async with httpx.AsyncClient(timeout=60) as http, open_http_server(relay) as lane:
+        box["url"] = lane.url
+        victims = [*c.relays, *c.followers]
+        await _advert_round(victims, [(ident, lane.url)], sent)
+        res = await _broadcast(ctx, lambda ctx: _advert_rounds(victims, [(ident, lane.url)], sent))
+    sid = short_id_of(ident.peer_id)
+    ctx.extra["adverts_sent"] = sent.get("adverts", 0)
+    ctx.extra["relay_requests"] = stats["requests"]
+    ctx.extra["relay_corrupted_responses"] = stats["corrupted"]
+    ctx.extra["nodes_that_used_it"] = sum(
+        _log_count(c, [n], f"source_added step=0 source={sid}") > 0 for n in victims
+    )
+    ctx.extra["nodes_that_banned_it"] = sum(
+        _log_count(c, [n], f"source_banned step=0 source={sid}") > 0 for n in victims
+    )
+    return res
+
+
 SCENARIOS: dict[str, tuple[Scenario, dict[str, Any]]] = {
     "clean": (sc_clean, {}),
     "malformed": (sc_malformed, {}),
@@ -700,6 +863,8 @@ SCENARIOS: dict[str, tuple[Scenario, dict[str, Any]]] = {
     "plain_client": (sc_plain_client, {}),
     "origin_kill": (sc_origin_kill, {}),
     "prune": (sc_prune, {"keep_last": 2}),
+    "fake_adverts": (sc_fake_adverts, {}),
+    "corrupting_relay": (sc_corrupting_relay, {}),
 }
 
 

@@ -796,15 +796,28 @@ class Downloader:
             )
             poke()
 
+        reachable: set[str] = {s.id for s in sources}  # upstreams reachable at the last poll
+
         async def discover() -> None:
+            nonlocal reachable
             while self._extra is not None or self._upstreams is not None:
+                now_up: set[str] = set()
                 for s in self._upstreams() if self._upstreams is not None else ():
+                    now_up.add(s.id)
                     known_src = by_id.get(s.id)
                     if known_src is None:
                         join(s)  # an upstream that recovered (or appeared) since the start
                     elif known_src.base_url != s.base_url:
                         by_id[s.id] = s  # restarted elsewhere: new requests go to the new URL
+                        sched.source_back(s.id, trio.current_time())
                         log.info("source_moved step=%d source=%s", m.step, short_id(s.id))
+                        poke()
+                    elif s.id not in reachable:  # it answered again after an outage
+                        sched.source_back(s.id, trio.current_time())
+                        log.info("source_back step=%d source=%s", m.step, short_id(s.id))
+                        poke()
+                if self._upstreams is not None:
+                    reachable = now_up
                 if self._extra is None:
                     await trio.sleep(self.config.have_poll_s)
                     continue

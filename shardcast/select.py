@@ -28,7 +28,12 @@ work). With probability ``explore`` pick a random eligible source instead, so a 
 was slow once, or is new, gets measured again (epsilon-greedy).
 
 Failures: a timeout or broken transfer multiplies the source's rate by ``failure_decay``
-and blocks it for ``penalty_s`` (doubling per consecutive failure). Bytes that fail their
+and blocks it for ``penalty_s`` (doubling per consecutive failure). Requests that were already
+in flight when the source last failed share that failure's cause (its connection dropped, the
+process died): they do not double the block again, so one outage with ``per_source_inflight``
+requests in flight costs one ``penalty_s``, not ``2**per_source_inflight`` of them. A source
+that the driver learns is back (:meth:`Scheduler.source_back`: its upstream answered again,
+or it moved to a new URL) is unblocked at once. Bytes that fail their
 digest penalize only the source that sent them: if a shard was assembled from several
 sources, :func:`blame` compares it with the verified copy obtained later and names the
 sources whose byte ranges differ. A source with ``max_corrupt`` (default 1: the first proven)
@@ -109,6 +114,7 @@ class SourceState:
     consecutive_failures: int = 0
     corrupt: int = 0
     blocked_until: float = 0.0
+    outages: int = 0  # failures that blocked it, plus recoveries (requests record the count)
     banned: bool = False
     bytes_received: int = 0
     samples: int = 0  # throughput samples taken (0: rate_bps is still the prior)
@@ -131,6 +137,7 @@ class Request:
 class _Flight:
     req: Request
     started: float
+    outage: int = 0  # the source's ``outages`` when the request started
     first_byte: float | None = None
 
 
@@ -482,7 +489,7 @@ class Scheduler:
             self._resumed += 1
         req = Request(self._next_id, shard, st.source, start, s.length - start, duplicate)
         self._next_id += 1
-        self._flights[req.id] = _Flight(req, now)
+        self._flights[req.id] = _Flight(req, now, st.outages)
         s.flights.append(req.id)
         self._idle.discard(shard)
         st.inflight += 1
@@ -578,12 +585,27 @@ class Scheduler:
         if kind == "corrupt":
             return self.penalize_corrupt(st.source, now)
         st.failures += 1
+        if fl.outage < st.outages:
+            return []  # in flight when the source last failed: the same outage, counted once
         st.consecutive_failures += 1
+        st.outages += 1
         self._decay(st)
         st.blocked_until = now + self.config.penalty_s * min(
             32.0, 2.0 ** (st.consecutive_failures - 1)
         )
         return []
+
+    def source_back(self, source: str, now: float) -> None:
+        """The driver learned that ``source`` is reachable again (its upstream answered after
+        an outage, or it restarted at a new URL): lift its failure block and reset its
+        consecutive-failure count, so it is asked at once instead of after a backoff sized
+        for the outage. Bans (corrupt bytes) and per-shard ``unavailable`` delays stay."""
+        st = self._sources.get(source)
+        if st is None:
+            return
+        st.consecutive_failures = 0
+        st.outages += 1  # what is still in flight was sent before: its failures count no more
+        st.blocked_until = min(st.blocked_until, now)
 
     def _decay(self, st: SourceState) -> None:
         base = st.rate_bps if st.samples else min(st.rate_bps, self._prior_rate())

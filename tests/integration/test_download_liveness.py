@@ -9,18 +9,24 @@ from __future__ import annotations
 import random
 import shutil
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import pytest
 import trio
 import trio.testing
 
 from p2p.http_client import HttpClient
+from p2p.http_server import HttpRequest, HttpResponse, HttpServerConfig, open_http_server
 from shardcast.downloader import DownloadConfig, Downloader, DownloadFailed, Source
 from shardcast.liveness import Abandon
 from shardcast.select import SchedulerConfig
+from shardcast.serve import VersionServer
 from shardcast.store import VersionStore
 from tests.faults import RUN, Ask, Fault, Version, fault_source, honest_source, make_version
 from tests.helpers import trust
+
+if TYPE_CHECKING:
+    from trio_typing import TaskStatus
 
 SHARD = 16 * 1024
 FILE = "model.safetensors"
@@ -176,3 +182,105 @@ async def test_restarted_download_fetches_only_the_shards_it_had_not_verified(
     assert stats.restored == 2
     assert sorted(asked) == [2 * SHARD, 3 * SHARD]
     assert stats.bytes_fetched == 2 * SHARD
+
+
+STALL_S = 3.0
+
+
+class _Restartable:
+    """The real lane over the honest store on one fixed port, stopped and restarted at will
+    (a node SIGKILLed and restarted on the same ports); each answer is held ``hold_s`` so that
+    requests are in flight when it stops."""
+
+    def __init__(self, version: Version, hold_s: float) -> None:
+        self.server = VersionServer(version.store, trust())
+        self.hold_s = hold_s
+        self.port = 0
+        self.up = False
+        self._scope: trio.CancelScope | None = None
+
+    async def _handle(self, request: HttpRequest) -> HttpResponse:
+        await trio.sleep(self.hold_s)
+        return await self.server.handle(request)
+
+    async def run(self, *, task_status: TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
+        with trio.CancelScope() as self._scope:
+            async with open_http_server(self._handle, HttpServerConfig(port=self.port)) as http:
+                self.port, self.up = http.port, True
+                task_status.started()
+                await trio.sleep_forever()
+        self.up = False
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def stop(self) -> None:
+        assert self._scope is not None
+        self._scope.cancel()
+
+
+async def _outage(tmp_path: Path, down_s: float, with_upstreams: bool) -> tuple[float, float, int]:
+    """Download 16 shards from one source that is stopped once 2 shards verified (4 requests
+    in flight) and restarted on the same port ``down_s`` later. Returns (seconds from the
+    restart to the next verified shard, to the commit, failures)."""
+    version = make_version(tmp_path / "v", {FILE: 16 * SHARD}, SHARD)
+    lane = _Restartable(version, hold_s=0.2)
+    cfg = config(stall_timeout_s=STALL_S)
+    verified: list[int] = []
+    restarted: list[float] = []
+    resumed: list[float] = []
+    stopped = trio.Event()
+
+    def on_shard(index: int) -> None:
+        verified.append(index)
+        if len(verified) == 2:
+            lane.stop()
+            stopped.set()
+        if restarted and not resumed:
+            resumed.append(trio.current_time())
+
+    async with HttpClient() as client, trio.open_nursery() as nursery:
+        await nursery.start(lane.run)
+        dl = Downloader(client, store_at(tmp_path), cfg, random.Random(1), trust())
+
+        async def fault() -> None:
+            await stopped.wait()
+            await trio.sleep(down_s)
+            await nursery.start(lane.run)
+            restarted.append(trio.current_time())
+
+        nursery.start_soon(fault)
+        ups = (lambda: [Source("a", lane.url)] if lane.up else []) if with_upstreams else None
+        path, stats = await dl.download(
+            version.signed, [Source("a", lane.url)], on_shard=on_shard, upstreams=ups
+        )
+        done = trio.current_time()
+        lane.stop()
+    assert (path / FILE).read_bytes() == version.files[FILE]
+    return resumed[0] - restarted[0], done - restarted[0], stats.failures
+
+
+async def test_a_source_restarted_on_its_ports_is_resumed_well_within_the_stall_timeout(
+    tmp_path: Path, jump_clock: trio.testing.MockClock
+) -> None:
+    """The requests in flight when the source dies (usually 3 or 4) fail together: one outage, one
+    penalty_s (1 s), not a block doubled per request (4-8 s, beyond the stall timeout)."""
+    resume_s, commit_s, failures = await _outage(tmp_path, down_s=0.3, with_upstreams=False)
+    seen = (resume_s, commit_s, failures)
+    assert failures >= 2, seen
+    assert resume_s < STALL_S / 2, seen
+    assert commit_s < STALL_S, seen
+
+
+async def test_an_upstream_that_answers_again_is_asked_at_once(
+    tmp_path: Path, jump_clock: trio.testing.MockClock
+) -> None:
+    """A longer outage grows the source's block (1 s, then 2 s, ...); the upstream answering
+    again (``upstreams`` lists it again) lifts it at the next poll instead."""
+    resume_s, commit_s, failures = await _outage(tmp_path, down_s=1.5, with_upstreams=True)
+    seen = (resume_s, commit_s, failures)
+    # one have_poll_s and one held answer, with slack; the block alone would last until
+    # 3 s after the stop (1.5 s after the restart)
+    assert resume_s < 1.0, seen
+    assert commit_s < 2.5, seen

@@ -327,6 +327,48 @@ def test_penalty_is_capped_at_32_times() -> None:
     assert state(sched, "a").blocked_until == now + 32.0
 
 
+def test_requests_in_flight_when_a_source_failed_share_that_failure() -> None:
+    """A dropped connection fails every request in flight to the source at once: that is one
+    outage, blocked for one penalty_s, not doubled per request (4 in flight would block 8 s)."""
+    cfg = SchedulerConfig(penalty_s=1.0, per_source_inflight=4, max_inflight=8)
+    sched = Scheduler([100] * 10, random.Random(0), cfg)
+    sched.add_source("a")
+    reqs = drain(sched, 0.0)
+    assert len(reqs) == 4
+    for k, req in enumerate(reqs):
+        sched.on_failure(req.id, 0.5 + k * 0.01, kind="broken")
+    a = state(sched, "a")
+    assert a.consecutive_failures == 1
+    assert a.failures == 4
+    assert a.blocked_until == 1.5
+    assert sched.next_request(1.5 - 1e-6) is None
+    # a request started after that failure that fails again is a new failure: it doubles
+    again = sched.next_request(1.5)
+    assert again is not None
+    sched.on_failure(again.id, 2.0, kind="timeout")
+    assert state(sched, "a").blocked_until == 2.0 + 2.0
+
+
+def test_a_source_back_after_an_outage_is_asked_at_once() -> None:
+    sched = Scheduler([100] * 10, random.Random(0), SchedulerConfig(penalty_s=1.0))
+    sched.add_source("a")
+    now = 0.0
+    for _ in range(6):  # a long outage: the block grew to 32 s
+        now = max(now, state(sched, "a").blocked_until)
+        req = sched.next_request(now)
+        assert req is not None
+        sched.on_failure(req.id, now, kind="broken")
+    assert state(sched, "a").blocked_until == now + 32.0
+    assert sched.next_request(now + 1.0) is None
+    sched.source_back("a", now + 1.0)
+    req = sched.next_request(now + 1.0)
+    assert req is not None
+    assert req.source == "a"
+    sched.on_failure(req.id, now + 1.5, kind="broken")  # a new failure starts from penalty_s
+    assert state(sched, "a").blocked_until == now + 2.5
+    sched.source_back("unknown", now)  # a source the scheduler never heard of: ignored
+
+
 def test_unavailable_blocks_only_briefly_and_does_not_count_as_a_fault() -> None:
     cfg = SchedulerConfig(penalty_s=4.0)
     sched = Scheduler([100], random.Random(0), cfg)
