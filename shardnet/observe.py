@@ -32,6 +32,7 @@ set the role's ``on_*`` hooks to observe them as the durations happen.
 from __future__ import annotations
 
 import time
+from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
 import trio
@@ -56,6 +57,14 @@ def _counter(name: str, doc: str, value: float) -> CounterMetricFamily:
 
 def _gauge(name: str, doc: str, value: float) -> GaugeMetricFamily:
     return GaugeMetricFamily(name, doc, value=value)
+
+
+def _counter_by(name: str, doc: str, label: str, counts: Mapping[str, int]) -> CounterMetricFamily:
+    """A counter family with one ``label`` value per key of ``counts`` (sorted)."""
+    family = CounterMetricFamily(name, doc, labels=[label])
+    for key, n in sorted(counts.items()):
+        family.add_metric([key], n)
+    return family
 
 
 # -- trainer --------------------------------------------------------------------------------
@@ -188,11 +197,12 @@ def trainer_families(trainer: Trainer) -> list[Metric]:
         ]
     if trainer.validator is not None:
         vs = trainer.validator.statistics()
-        rejected = CounterMetricFamily(
-            "shardnet_rollout_samples_rejected", "samples rejected, by reason", labels=["reason"]
+        rejected = _counter_by(
+            "shardnet_rollout_samples_rejected",
+            "samples rejected, by reason",
+            "reason",
+            vs.rejected_samples,
         )
-        for reason, n in sorted(vs.rejected_samples.items()):
-            rejected.add_metric([reason], n)
         out += [
             _counter("shardnet_rollout_batches_accepted", "batches accepted", vs.accepted_batches),
             _counter("shardnet_rollout_batches_rejected", "batches rejected", vs.rejected_batches),
@@ -258,11 +268,9 @@ def peer_families(peer: InferencePeer) -> list[Metric]:
     ]
     if peer.sender is not None:
         st = peer.sender.statistics()
-        acked = CounterMetricFamily(
-            "shardnet_rollout_batches_acked", "batches acknowledged, by status", labels=["status"]
+        acked = _counter_by(
+            "shardnet_rollout_batches_acked", "batches acknowledged, by status", "status", st.acked
         )
-        for status, n in sorted(st.acked.items()):
-            acked.add_metric([status], n)
         out += [
             _counter(
                 "shardnet_rollout_batches_submitted", "batches handed to the sender", st.submitted

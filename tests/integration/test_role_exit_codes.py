@@ -28,17 +28,34 @@ def _argv(role: str, tmp: Path) -> list[str]:
     return ["origin", "--watch", str(tmp / "watch"), *common]
 
 
+def _start(argv: list[str], stdout: int) -> subprocess.Popen[str]:
+    """A CLI node; a user's Ctrl-C meets the default SIGINT disposition (background shells
+    start jobs with SIGINT ignored)."""
+    return subprocess.Popen(
+        [sys.executable, "-m", "shardnet.cli", *argv],
+        stdout=stdout,
+        stderr=subprocess.PIPE,
+        text=True,
+        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
+    )
+
+
+def _signal_and_reap(proc: subprocess.Popen[str], sig: signal.Signals) -> str:
+    """Send ``sig``, wait for the exit (kill after 30 s); returns stderr."""
+    try:
+        os.kill(proc.pid, sig)
+        _, err = proc.communicate(timeout=30)
+        return str(err)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.communicate()
+
+
 @pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT])
 @pytest.mark.parametrize("role", ["relay", "origin"])
 def test_role_stops_cleanly_with_exit_0(tmp_path: Path, role: str, sig: signal.Signals) -> None:
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "shardnet.cli", *_argv(role, tmp_path)],
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-        # a user's Ctrl-C meets the default SIGINT disposition (background shells ignore it)
-        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
-    )
+    proc = _start(_argv(role, tmp_path), subprocess.PIPE)
     try:
         assert proc.stdout is not None
         ready_now, _, _ = select.select([proc.stdout], [], [], 60)
@@ -50,12 +67,8 @@ def test_role_stops_cleanly_with_exit_0(tmp_path: Path, role: str, sig: signal.S
         assert ready["listen"][0].startswith("/ip4/127.0.0.1/tcp/")
         assert ready["multiaddrs"][0].startswith("/ip4/127.0.0.1/tcp/")
         assert ready["http_url"].startswith("http://127.0.0.1:")
-        os.kill(proc.pid, sig)
-        _, err = proc.communicate(timeout=30)
     finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.communicate()
+        err = _signal_and_reap(proc, sig)
     assert proc.returncode == 0, err
     assert "Traceback" not in err
 
@@ -69,13 +82,7 @@ def test_stop_while_waiting_for_the_run_card_is_clean(
     up = f"/ip4/127.0.0.1/tcp/9/p2p/{TRAINER_ID}"
     where = ["--upstream", up] if role == "relay" else ["--bootstrap", up]
     argv = [role, *where, "--trainer-id", TRAINER_ID, "--data-dir", str(tmp_path), *LOOPBACK]
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "shardnet.cli", *argv],
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.PIPE,
-        text=True,
-        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
-    )
+    proc = _start(argv, subprocess.DEVNULL)
     seen = []
     try:
         assert proc.stderr is not None
@@ -85,11 +92,7 @@ def test_stop_while_waiting_for_the_run_card_is_clean(
             line = proc.stderr.readline()
             assert line, f"exited early: {seen}"
             seen.append(line)
-        os.kill(proc.pid, sig)
-        _, err = proc.communicate(timeout=30)
     finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.communicate()
+        err = _signal_and_reap(proc, sig)
     assert proc.returncode == 0, err
     assert "Traceback" not in err
