@@ -620,14 +620,16 @@ async def sc_plain_client(ctx: Ctx) -> dict[str, float | None]:
     got = {"bytes": 0}
 
     async def client(ctx: Ctx) -> None:
-        base = f"{ctx.cluster.origin.url}/shardnet/v1/{RUN_ID}/0"
+        run = f"{ctx.cluster.origin.url}/shardnet/v1/{RUN_ID}"
         names = sorted(p.name for p in ctx.ckpt.iterdir())
         async with httpx.AsyncClient(timeout=60) as http:
-            while True:
+            while True:  # a version is (step, digest): learn step 0's digest, then its manifest
                 try:
-                    if (await http.get(base + "/manifest")).status_code == 200:
+                    digest = (await http.get(f"{run}/versions")).json()["digests"].get("0")
+                    base = f"{run}/0/{digest}"
+                    if digest and (await http.get(base + "/manifest")).status_code == 200:
                         break
-                except httpx.HTTPError:
+                except (httpx.HTTPError, ValueError, KeyError):
                     pass
                 await trio.sleep(0.01)
             pending = list(names)

@@ -14,10 +14,11 @@ __all__ = ["NotAvailable"]
 
 
 class NotAvailable(TransportError):
-    """The source answered, but does not have the bytes now (HTTP 404, 429 or 503).
+    """The source answered, but does not have the bytes now (HTTP 404, 409, 429 or 503).
 
     Not a fault of the source: a relay that has not verified a shard yet, or is at its
-    connection limit, says so. Callers should try another source or come back later.
+    connection limit, says so; ``409``: it holds what the URL names under another identity
+    (a version's step under another manifest digest). Callers should try another source or come back later.
 
     Args:
         peer: the source (``http://127.0.0.1:9000``).

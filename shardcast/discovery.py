@@ -2,7 +2,10 @@
 
 Every relay and peer publishes a small :class:`NodeAdvert` on ``shardnet/<run>/nodes/1``
 every ``interval_s`` seconds and whenever it starts or commits a version: its PeerID, role,
-HTTP lane URL, the steps it has committed and the ones it is filling. Gossip origin is
+HTTP lane URL, the versions it has committed and the ones it is filling, each as a step and
+its manifest digest (a version is ``(step, digest)``: a node holding a step under another
+digest is not offered as a source of it; adverts of older nodes, without digests, offer no
+source for a given digest). Gossip origin is
 authenticated by libp2p's message signatures, and an advert naming another PeerID than its
 origin is dropped. A follower keeps the adverts it heard in a :class:`SourceDirectory`
 (bounded, entries expire after ``ttl_s``) and adds, for a version it downloads, a few of the
@@ -25,13 +28,16 @@ from __future__ import annotations
 
 import logging
 import random
+from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any
 from urllib.parse import urlsplit
 
 import trio
 
 from p2p import wire
 from p2p.errors import RemoteProtocolError, short_id
+from shardcast.canonical import DIGEST_RE
 from shardcast.downloader import Source
 
 log = logging.getLogger(__name__)
@@ -40,6 +46,8 @@ MAX_ADVERT_BYTES = 4096
 ROLES = ("relay", "peer")
 MIN_SCORE = -3
 MAX_SCORE = 8
+MAX_LISTED = 16
+"""Versions listed per advert, of each kind (the newest)."""
 
 
 def nodes_topic(run_id: str) -> str:
@@ -49,26 +57,66 @@ def nodes_topic(run_id: str) -> str:
 
 @dataclass(frozen=True)
 class NodeAdvert:
-    """What a node says about itself (see module docstring)."""
+    """What a node says about itself (see module docstring).
+
+    Attributes:
+        committed, filling: steps committed and being filled (at most :data:`MAX_LISTED`).
+        committed_digests, filling_digests: the manifest digest of each of those steps, in
+            the same order (empty: an advert of an older node, which names steps only).
+    """
 
     peer_id: str
     role: str
     http_url: str
     committed: tuple[int, ...]
     filling: tuple[int, ...]
+    committed_digests: tuple[str, ...] = ()
+    filling_digests: tuple[str, ...] = ()
+
+    @classmethod
+    def of(
+        cls,
+        peer_id: str,
+        role: str,
+        http_url: str,
+        committed: Sequence[tuple[int, str]],
+        filling: Sequence[tuple[int, str]],
+    ) -> NodeAdvert:
+        """An advert listing the newest :data:`MAX_LISTED` versions ``(step, digest)`` of
+        each kind."""
+        c, f = list(committed)[-MAX_LISTED:], list(filling)[-MAX_LISTED:]
+        return cls(
+            peer_id,
+            role,
+            http_url,
+            tuple(s for s, _ in c),
+            tuple(s for s, _ in f),
+            tuple(d for _, d in c),
+            tuple(d for _, d in f),
+        )
+
+    def holds(self, step: int, digest: str | None = None) -> bool:
+        """True if it says it committed ``step`` (under ``digest``, unless None)."""
+        return _lists(self.committed, self.committed_digests, step, digest)
+
+    def fills(self, step: int, digest: str | None = None) -> bool:
+        """True if it says it is filling ``step`` (under ``digest``, unless None)."""
+        return _lists(self.filling, self.filling_digests, step, digest)
 
     def encode(self) -> bytes:
         """Canonical CBOR bytes."""
-        return wire.encode(
-            {
-                "v": 1,
-                "peer_id": self.peer_id,
-                "role": self.role,
-                "http_url": self.http_url,
-                "committed": list(self.committed[-16:]),
-                "filling": list(self.filling[-16:]),
-            }
-        )
+        obj: dict[str, Any] = {
+            "v": 1,
+            "peer_id": self.peer_id,
+            "role": self.role,
+            "http_url": self.http_url,
+            "committed": list(self.committed[-MAX_LISTED:]),
+            "filling": list(self.filling[-MAX_LISTED:]),
+        }
+        if self.committed_digests or self.filling_digests:
+            obj["committed_digests"] = list(self.committed_digests[-MAX_LISTED:])
+            obj["filling_digests"] = list(self.filling_digests[-MAX_LISTED:])
+        return wire.encode(obj)
 
     @classmethod
     def decode(cls, data: bytes, origin: str) -> NodeAdvert:
@@ -87,12 +135,24 @@ class NodeAdvert:
         if role not in ROLES or not url.startswith("http://") or "/" in url[7:]:
             raise RemoteProtocolError(origin, f"bad role {role!r} or url {url!r}")
         steps = []
+        digests: list[tuple[str, ...]] = []
         for key in ("committed", "filling"):
-            raw = wire.need_list(obj, key, 16, origin)
+            raw = wire.need_list(obj, key, MAX_LISTED, origin)
             if not all(isinstance(s, int) and not isinstance(s, bool) and s >= 0 for s in raw):
                 raise RemoteProtocolError(origin, f"{key} must be non-negative integers")
             steps.append(tuple(raw))
-        return cls(peer_id, role, url, steps[0], steps[1])
+            if "committed_digests" in obj or "filling_digests" in obj:
+                named = wire.need_list(obj, f"{key}_digests", MAX_LISTED, origin)
+                if len(named) != len(raw) or not all(
+                    isinstance(d, str) and DIGEST_RE.match(d) for d in named
+                ):
+                    raise RemoteProtocolError(
+                        origin, f"{key}_digests must be one 64-hex digest per {key} step"
+                    )
+                digests.append(tuple(named))
+            else:
+                digests.append(())
+        return cls(peer_id, role, url, steps[0], steps[1], digests[0], digests[1])
 
 
 def check_advert_gossip(origin: str, data: bytes) -> None:
@@ -204,8 +264,11 @@ class SourceDirectory:
         entry = self._adverts.get(peer_id)
         return entry[0].role if entry is not None else None
 
-    def sources_for(self, step: int, now: float, limit: int) -> list[Source]:
-        """Up to ``limit`` sources holding (or filling) ``step``, best first: complete ones,
+    def sources_for(
+        self, step: int, now: float, limit: int, *, digest: str | None = None
+    ) -> list[Source]:
+        """Up to ``limit`` sources holding (or filling) version ``(step, digest)`` (any digest
+        of ``step`` if None), best first: complete ones,
         then relays still filling it, then peers still filling it (a relay's uplink exists to
         serve; a peer's is smaller and shared with its own work), shuffled within each class
         so that downloaders spread over different sources."""
@@ -216,8 +279,8 @@ class SourceDirectory:
             and self.score(a.peer_id, now) > MIN_SCORE
             and (not self.require_verified or self._verified.get(a.peer_id) == a.http_url)
         ]
-        full = [a for a in fresh if step in a.committed]
-        partial = [a for a in fresh if step in a.filling and step not in a.committed]
+        full = [a for a in fresh if a.holds(step, digest)]
+        partial = [a for a in fresh if a.fills(step, digest) and not a.holds(step, digest)]
         self.rng.shuffle(full)
         self.rng.shuffle(partial)
         full.sort(key=lambda a: -self.score(a.peer_id, now))  # stable: shuffled among equals
@@ -234,6 +297,12 @@ class SourceDirectory:
                     kept.append(src)
             out = kept
         return out[:limit]
+
+
+def _lists(steps: tuple[int, ...], digests: tuple[str, ...], step: int, digest: str | None) -> bool:
+    if digest is None:
+        return step in steps
+    return any(s == step and d == digest for s, d in zip(steps, digests, strict=False))
 
 
 def _bound(d: dict, limit: int) -> None:  # type: ignore[type-arg]

@@ -22,6 +22,10 @@ drives three kinds of tasks with trio:
   penalized. A blob that matches its signed digest but does not decode, or decodes to wrong
   bytes, is not the source's doing (a delta against a base this node does not share with the
   origin, or a blob the origin encoded badly): the shard falls back to raw, nobody is blamed.
+- **versions by digest**: every request names the version as ``(step, manifest digest)``
+  (:mod:`shardcast.lane_urls`); a source holding the step under another digest answers
+  ``409``, which, like a ``404``, marks it as not holding the version and is never held
+  against it.
 - **have-sets**: sources that are not complete (peers re-serving what they hold) are polled
   for their have-bitmap every ``have_poll_s`` seconds.
 
@@ -63,6 +67,14 @@ from p2p.http_errors import NotAvailable
 from p2p.trust import TrustList
 from shardcast import codecs
 from shardcast.lane_auth import failed_header
+from shardcast.lane_urls import (
+    LaneAnswer,
+    blob_url,
+    file_url,
+    have_url,
+    lane_answer,
+    part_url,
+)
 from shardcast.liveness import Abandon, Answer, DownloadWatch
 from shardcast.manifest import Manifest, ManifestError, ShardEntry, decode_part
 from shardcast.select import Request, Scheduler, SchedulerConfig, SourceBans, blame
@@ -100,21 +112,6 @@ class Source:
     base_url: str
     complete: bool = True
     anonymous: bool = False
-
-
-def version_url(base_url: str, run_id: str, step: int) -> str:
-    """Base URL of one version on a node's HTTP lane."""
-    return f"{base_url}/shardnet/v1/{run_id}/{step}"
-
-
-def file_url(base_url: str, run_id: str, step: int, name: str) -> str:
-    """URL of one file of a version."""
-    return f"{version_url(base_url, run_id, step)}/files/{name}"
-
-
-def manifest_url(base_url: str, run_id: str, step: int) -> str:
-    """URL of a version's manifest document."""
-    return f"{version_url(base_url, run_id, step)}/manifest"
 
 
 @dataclass(frozen=True)
@@ -331,11 +328,12 @@ class Downloader:
         stats = self.current = DownloadStats(manifest.step)
         self.last_stats = stats
         base_step = manifest.header.base_step
+        base_digest = manifest.header.base_digest
         use_base = (
             self.config.use_deltas
             and base_step is not None
-            and self.store.has(base_step)
-            and self._base_matches(base_step, manifest)
+            and base_digest is not None
+            and self.store.holds(base_step, base_digest)
         )
         try:
             if on_partial is not None:
@@ -375,13 +373,6 @@ class Downloader:
         stats.elapsed_s = trio.current_time() - started
         return path, stats
 
-    def _base_matches(self, base_step: int, manifest: Manifest) -> bool:
-        try:
-            held = self.store.load_manifest(base_step, self.trust)
-        except Exception:
-            return False
-        return held.digest == manifest.header.base_digest
-
     def _choose(self, shard: ShardEntry, base: _Base | None, no_delta: set[int]) -> str:
         if shard.index in no_delta:  # an encoded form failed after its digest matched
             return codecs.RAW
@@ -403,6 +394,7 @@ class Downloader:
     ) -> None:
         m = part.manifest
         header = m.header
+        digest = m.digest  # the version is (m.step, digest) in every request
         known = [i for i in range(len(header.shards)) if m.known(i)]
         held = [i for i in known if part.has(i)]  # kept from a previous run (journal)
         sched = Scheduler(
@@ -484,8 +476,9 @@ class Downloader:
             reschedule(i)
 
         def answered(src_id: str, exc: NotAvailable) -> None:
-            """A 503/429 shows the source holds the version; a 404 is checked at /have."""
-            if exc.status != 404:
+            """A 503/429 shows the source holds the version; a 404 or a 409 (it holds the
+            step under another digest) is checked at /have; none is held against it."""
+            if lane_answer(exc.status) is LaneAnswer.BUSY:
                 watch.on_answer(src_id, Answer.PRESENT, trio.current_time())
             elif src_id not in probing and not watch.gone(src_id) and spawn:
                 probing.add(src_id)
@@ -495,14 +488,14 @@ class Downloader:
             src = by_id[src_id]
             try:
                 await self.client.get_bytes(
-                    f"{version_url(src.base_url, m.run_id, m.step)}/have",
+                    have_url(src.base_url, m.run_id, m.step, digest),
                     max_bytes=(len(header.shards) + 7) // 8,
                     timeout_s=cfg.stall_timeout_s,
                     anonymous=src.anonymous,
                 )
                 answer = Answer.PRESENT
             except NotAvailable as exc:
-                answer = Answer.GONE if exc.status == 404 else Answer.PRESENT
+                answer = _presence(exc)
             except (TransportError, RemoteProtocolError):
                 answer = Answer.UNREACHABLE
             finally:
@@ -522,7 +515,7 @@ class Downloader:
             delay = 0.05
             while k not in m.parts:
                 for src in list(by_id.values()):
-                    url = f"{version_url(src.base_url, m.run_id, m.step)}/manifest/part/{k}"
+                    url = part_url(src.base_url, m.run_id, m.step, digest, k)
                     try:
                         data = await self.client.get_bytes(
                             url,
@@ -555,7 +548,7 @@ class Downloader:
                 delay = min(delay * 2, 1.0)
 
         async def poll_have(src: Source) -> None:
-            url = f"{version_url(src.base_url, m.run_id, m.step)}/have"
+            url = have_url(src.base_url, m.run_id, m.step, digest)
             while True:
                 try:
                     bits = await self.client.get_bytes(
@@ -577,8 +570,7 @@ class Downloader:
                     sched.add_have(src.id, held)
                     poke()
                 except NotAvailable as exc:
-                    answer = Answer.GONE if exc.status == 404 else Answer.PRESENT
-                    watch.on_answer(src.id, answer, trio.current_time())
+                    watch.on_answer(src.id, _presence(exc), trio.current_time())
                 except (TransportError, RemoteProtocolError):
                     pass
                 await trio.sleep(self.config.have_poll_s)
@@ -602,11 +594,12 @@ class Downloader:
                 stats.resumed += 1
             stats.asked_by_source[src.id] = stats.asked_by_source.get(src.id, 0) + 1
             scope = scopes[req.id]
-            vurl = version_url(src.base_url, m.run_id, m.step)
             if enc == codecs.RAW:
-                url, offset = f"{vurl}/files/{entry.file}", entry.offset + req.start
+                url = file_url(src.base_url, m.run_id, m.step, digest, entry.file)
+                offset = entry.offset + req.start
             else:
-                url, offset = f"{vurl}/shard/{entry.index}/{enc}", req.start
+                url = blob_url(src.base_url, m.run_id, m.step, digest, entry.index, enc)
+                offset = req.start
             t0 = trio.current_time()
             try:
                 with scope:
@@ -936,6 +929,12 @@ class Downloader:
                 corrupt(culprit)
                 log.warning("source_blamed source=%s reason=corrupt_bytes", short_id(culprit))
                 banish(culprit, cancel)
+
+
+def _presence(exc: NotAvailable) -> Answer:
+    """What a source's ``404``/``409``/``429``/``503`` says about it holding the version: a
+    ``409`` (the step under another digest) is as good as gone, and not its fault."""
+    return Answer.PRESENT if lane_answer(exc.status) is LaneAnswer.BUSY else Answer.GONE
 
 
 class _BaseMismatch(IntegrityError):

@@ -38,11 +38,18 @@ kept for the life of the process (a later card without it does not remove it).
 Every loop here has a timeout or a bounded backoff; a failing upstream is logged with its
 short PeerID and retried, never allowed to stop the others.
 
+Versions are ``(step, manifest digest)`` everywhere: every lane request names both
+(:mod:`shardcast.lane_urls`), adverts carry the digest of each step they list, mirrors are
+used only for the digests they list, and the manifests of a delta chain are fetched by the
+digest each link names as its base.
+
 Restarts and the end of a run: a follower started on a data directory keeps the versions it
 committed (the store re-verifies them after an unclean stop) and fetches only what is newer.
-If the trainer's signed announcement names a step this node holds with *another* manifest
-digest, the trainer's is authoritative: the local copy is discarded (never served again) and
-the trainer's downloaded. Once the trainer's signed ``RunFinished`` is known and its final
+If the trainer's signed announcement names the newest step this node holds with *another*
+manifest digest, the trainer's is authoritative: the local copy is discarded (never served
+again) and the trainer's downloaded. A node never moves backwards: an announcement of a step
+older than the newest it holds is not fetched (logged once), whatever its digest.
+Once the trainer's signed ``RunFinished`` is known and its final
 version committed, the follower is *settled* (:meth:`Follower.wait_settled`): it keeps
 serving, and polls and retries its upstreams minutes apart instead of seconds
 (:func:`shardcast.finish.poll_delay`).
@@ -74,10 +81,10 @@ from shardcast.downloader import (
     Downloader,
     DownloadStats,
     Source,
-    manifest_url,
 )
 from shardcast.finish import PollPolicy, RunFinished, check_versions_gossip, poll_delay
 from shardcast.lane_auth import check_whoami, whoami_path
+from shardcast.lane_urls import manifest_url, versions_url
 from shardcast.manifest import Manifest
 from shardcast.messages import (
     NodeInfo,
@@ -208,7 +215,7 @@ class Follower:
         )
         self._upstream_changed = trio.Event()
         self._learned: dict[int, float] = {}
-        self._filling: list[int] = []
+        self._filling: list[tuple[int, str]] = []  # versions being downloaded
         self._advert_wake = trio.Event()
         self._heard: dict[str, float] = {}  # upstream -> Unix time of its last info answer
         self._errors: dict[str, str] = {}  # upstream -> its last error
@@ -264,13 +271,7 @@ class Follower:
 
     def held_digest(self, step: int) -> str | None:
         """Manifest digest of committed ``step`` in this node's store, or None."""
-        store = self.node.store
-        if not store.has(step):
-            return None
-        try:
-            return store.load_manifest(step, self.node.trust).digest
-        except (OSError, ShardnetError):
-            return None
+        return self.node.store.digest_of(step)
 
     def settled(self) -> bool:
         """True once the run finished and its final version is committed here."""
@@ -343,7 +344,7 @@ class Follower:
         """Keep ``self.mirrors[url]`` up to date with the mirror's ``/versions`` list."""
         poll = self.mirrors[url]
         policy = self.config.poll_policy()
-        versions = f"{url}/shardnet/v1/{self.node.config.run_id}/versions"
+        versions = versions_url(url, self.node.config.run_id)
         while True:
             try:
                 data = await self.node.client.get_bytes(
@@ -381,12 +382,13 @@ class Follower:
             version = signed.version
             self.add_mirrors(signed.card.mirrors)
 
-    def _mirror_sources(self, step: int) -> list[Source]:
-        """The mirrors that list ``step`` (untrusted, anonymous, HTTP-only sources)."""
+    def _mirror_sources(self, step: int, digest: str) -> list[Source]:
+        """The mirrors that list version ``(step, digest)`` (untrusted, anonymous, HTTP-only
+        sources)."""
         return [
             Source(url, url, complete=False, anonymous=True)
             for url, poll in sorted(self.mirrors.items())
-            if step in poll.steps
+            if poll.holds(step, digest)
         ]
 
     def _card_version(self) -> int:
@@ -477,12 +479,9 @@ class Follower:
         topic = nodes_topic(node.config.run_id)
         role = "relay" if node.config.role == "relay" else "peer"
         while True:
-            advert = NodeAdvert(
-                node.identity.peer_id,
-                role,
-                node.http_url,
-                tuple(node.store.committed_steps()),
-                tuple(self._filling),
+            committed = await trio.to_thread.run_sync(node.store.committed_versions)
+            advert = NodeAdvert.of(
+                node.identity.peer_id, role, node.http_url, committed, list(self._filling)
             )
             try:
                 await node.p2p.publish(topic, advert.encode())
@@ -498,31 +497,35 @@ class Follower:
     def _upstream_sources(self) -> list[Source]:
         return [Source(pid, info.http_url) for pid, info in sorted(self.upstreams.items())]
 
-    def _extra_sources(self, step: int) -> list[Source]:
+    def _extra_sources(self, step: int, digest: str) -> list[Source]:
         if not self.config.discovery:
             return []
-        return self.directory.sources_for(step, trio.current_time(), self.config.max_extra_sources)
+        return self.directory.sources_for(
+            step, trio.current_time(), self.config.max_extra_sources, digest=digest
+        )
 
     async def fetch_manifest(
         self,
         run_id: str,
         step: int,
-        digest: str | None,
+        digest: str,
         give_up: Callable[[], bool],
         timeout_s: float | None = None,
     ) -> Manifest | None:
-        """The manifest document of ``step`` from any upstream (parts may be missing).
+        """The manifest document of version ``(step, digest)`` from any upstream or mirror
+        that holds it (parts may be missing).
 
         Args:
-            digest: the expected header digest (from a signed announcement), if known.
+            digest: the header digest (from a signed announcement, or the base digest a
+                newer version names).
             give_up: polled between attempts; True abandons the fetch (returns None).
             timeout_s: give up after this long too, seconds (None: only ``give_up``).
         """
         delay = 0.05
         until = None if timeout_s is None else trio.current_time() + timeout_s
         while True:
-            for src in self._upstream_sources() + self._mirror_sources(step):
-                url = manifest_url(src.base_url, run_id, step)
+            for src in self._upstream_sources() + self._mirror_sources(step, digest):
+                url = manifest_url(src.base_url, run_id, step, digest)
                 try:
                     data = await self.node.client.get_bytes(
                         url, max_bytes=64 << 20, timeout_s=10.0, anonymous=src.anonymous
@@ -538,7 +541,7 @@ class Follower:
                         exc,
                     )
                     continue
-                if m.step != step or m.run_id != run_id or (digest and m.digest != digest):
+                if m.step != step or m.run_id != run_id or m.digest != digest:
                     log.warning("manifest_mismatch source=%s step=%d", short_id(src.id), step)
                     continue
                 return m
@@ -549,13 +552,23 @@ class Follower:
 
     def _wanted(self) -> VersionAnnouncement | None:
         """The known announcement if it names a version to fetch (newer than what is held,
-        or a step held with another digest), else None."""
+        or the newest step held, with another digest), else None. Never an older step than
+        the newest held: a node does not move backwards."""
         ann = self.node.announcement
         if ann is None:
             return None
         latest = self.node.store.latest()
         if latest is None or ann.step > latest:
             return ann
+        if ann.step < latest:
+            if self.node.report_once(("behind", str(ann.step), ann.manifest_digest)):
+                log.warning(
+                    "announcement_behind step=%d digest=%s held_step=%d: not fetched",
+                    ann.step,
+                    ann.manifest_digest[:16],
+                    latest,
+                )
+            return None
         held = self.held_digest(ann.step)
         return ann if held is not None and held != ann.manifest_digest else None
 
@@ -589,13 +602,9 @@ class Follower:
                 if not newer():
                     await trio.sleep(self.config.poll_interval_s)
                 continue
-            steps = await self._plan(target, newer)
+            steps, chain = await self._plan(target)
             for step in steps:
-                m = (
-                    target
-                    if step == target.step
-                    else await self.fetch_manifest(ann.run_id, step, None, newer)
-                )
+                m = target if step == target.step else chain.get(step)
                 if m is None or not await self._download(m):
                     break
             else:
@@ -618,12 +627,7 @@ class Follower:
             )
             if target is None:
                 continue
-            chain: dict[int, Manifest] = {}
-            for step in range(m.step + 1, min(target.step, m.step + _MAX_CHAIN)):
-                link = await self.fetch_manifest(ann.run_id, step, None, lambda: True)
-                if link is None:
-                    break
-                chain[step] = link
+            chain = await self._fetch_chain(target, m.step)
             if worth_finishing(m.step, m.digest, target, chain):
                 continue
             log.info(
@@ -637,21 +641,34 @@ class Follower:
         ann = self.node.announcement
         return ann is not None and ann.step > step
 
-    async def _plan(self, target: Manifest, give_up: Callable[[], bool]) -> tuple[int, ...]:
+    async def _fetch_chain(self, target: Manifest, down_to: int) -> dict[int, Manifest]:
+        """Manifests of the delta chain below ``target``, newest first, by the base digest
+        each link names, down to (not including) step ``down_to``; at most ``_MAX_CHAIN``
+        links. Stops at an anchor (no base), a gap, or a manifest no source has."""
+        chain: dict[int, Manifest] = {}
+        link = target
+        while len(chain) < _MAX_CHAIN:
+            h = link.header
+            if h.base_step is None or h.base_digest is None or h.base_step != link.step - 1:
+                break
+            if h.base_step <= down_to:
+                break
+            got = await self.fetch_manifest(target.run_id, h.base_step, h.base_digest, lambda: True)
+            if got is None:
+                break
+            chain[got.step] = link = got
+        return chain
+
+    async def _plan(self, target: Manifest) -> tuple[tuple[int, ...], dict[int, Manifest]]:
+        """The steps to download to reach ``target`` and the chain manifests they need."""
         store = self.node.store
         have = store.latest()
         if have is None or have >= target.step - 1:
-            return (target.step,)
-        try:
-            have_digest = store.load_manifest(have, self.node.trust).digest
-        except (OSError, ShardnetError):
-            return (target.step,)
-        chain = {}
-        for step in range(have + 1, target.step):
-            m = await self.fetch_manifest(target.run_id, step, None, lambda: True)
-            if m is None:
-                return (target.step,)
-            chain[step] = m
+            return (target.step,), {}
+        have_digest = await trio.to_thread.run_sync(store.digest_of, have)
+        if have_digest is None:
+            return (target.step,), {}
+        chain = await self._fetch_chain(target, have)
         p = plan(have, have_digest, target, chain)
         log.info(
             "catch_up have=%d target=%d steps=%s bytes=%d full_bytes=%d",
@@ -661,8 +678,7 @@ class Follower:
             p.bytes,
             p.full_bytes,
         )
-        del give_up
-        return p.steps
+        return p.steps, chain
 
     async def _download(self, m: Manifest) -> bool:
         step = m.step
@@ -670,10 +686,11 @@ class Follower:
         server = self.node.server
         # discovered sources join through extra_sources (bounded there); they seed the list
         # only when no upstream is known
-        sources = (self._upstream_sources() or self._extra_sources(step)) + self._mirror_sources(
-            step
-        )
-        self._filling.append(step)
+        digest = m.digest
+        sources = (
+            self._upstream_sources() or self._extra_sources(step, digest)
+        ) + self._mirror_sources(step, digest)
+        self._filling.append((step, digest))
         self._readvertise()
         started = trio.current_time()
         self._progress[step] = (0, m.total_bytes, started)
@@ -695,9 +712,10 @@ class Follower:
                         on_partial=server.add_live,
                         on_shard=lambda _i: server.progress(step),
                         progress=progress,
-                        extra_sources=functools.partial(self._extra_sources, step),
+                        extra_sources=functools.partial(self._extra_sources, step, digest),
                         max_extra_sources=self.config.max_extra_sources,
-                        upstreams=lambda: self._upstream_sources() + self._mirror_sources(step),
+                        upstreams=lambda: self._upstream_sources()
+                        + self._mirror_sources(step, digest),
                     )
                 except ShardnetError as exc:  # caught here: a nursery would wrap it in a group
                     error = exc
@@ -705,7 +723,7 @@ class Follower:
         finally:
             server.live_done(step)
             self._progress.pop(step, None)
-            self._filling.remove(step)
+            self._filling.remove((step, digest))
             self._readvertise()
             self._score_sources({peer_id_of(a) for a in self.config.upstreams} | set(self.mirrors))
         if error is not None:

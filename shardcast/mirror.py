@@ -2,11 +2,14 @@
 
 Layout (``OUT`` is the export directory, the web server's document root)::
 
-    OUT/shardnet/v1/<run>/versions                      {"committed": [...], "in_progress": []}
-    OUT/shardnet/v1/<run>/<step>/manifest               the complete manifest document
-    OUT/shardnet/v1/<run>/<step>/have                   the have-bitmap, every bit set
-    OUT/shardnet/v1/<run>/<step>/files/<name>           each file of the version
-    OUT/shardnet/v1/<run>/<step>/shard/<i>/<enc>        each encoded shard blob the node kept
+    OUT/shardnet/v1/<run>/versions                  {"committed": [...], "in_progress": [],
+                                                     "digests": {"<step>": "<digest>"}}
+    OUT/shardnet/v1/<run>/<step>/<digest>/manifest           the complete manifest document
+    OUT/shardnet/v1/<run>/<step>/<digest>/have               the have-bitmap, every bit set
+    OUT/shardnet/v1/<run>/<step>/<digest>/files/<name>       each file of the version
+    OUT/shardnet/v1/<run>/<step>/<digest>/shard/<i>/<enc>    each encoded shard blob kept
+
+(``<digest>``: the version's manifest digest, :mod:`shardcast.lane_urls`.)
 
 These are exactly the URL paths of the HTTP lane (:mod:`shardcast.serve`), so a downloader
 uses ``http://mirror`` as it uses a node's lane: ``Range`` requests on files and blobs, the
@@ -21,7 +24,8 @@ committed version, re-verifies its manifest against the pinned trainer and (by d
 file and blob against its signed digest, so a damaged store never reaches a mirror. A version
 is built in a hidden ``.tmp-`` directory beside its final place and renamed into place, so a
 web server never serves half a version; a step already exported with the same manifest digest
-is left as it is (versions are immutable), one exported with another digest is replaced.
+is left as it is (versions are immutable), one exported with another digest is replaced (the
+new digest's directory appears, then the old one is removed).
 ``versions`` is written last, by rename, and lists only what is in place; steps the store no
 longer holds are removed after it (``prune``). Files are hard links to the store's (no copy,
 no extra disk) when they are world-readable and on the same filesystem, else copies; files
@@ -41,13 +45,14 @@ import os
 import secrets
 import shutil
 import threading
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from p2p.addresses import check_http_url
 from p2p.errors import ConfigError, IntegrityError, ShardnetError
 from p2p.trust import TrustList
-from shardcast.canonical import loads_untrusted
+from shardcast.canonical import DIGEST_RE, loads_untrusted
 from shardcast.codecs import ENCODINGS, RAW
 from shardcast.manifest import MANIFEST_FILE, Manifest, check_run_id
 from shardcast.store import VersionStore, hash_file
@@ -67,6 +72,7 @@ class MirrorExport:
     Attributes:
         run_dir: ``OUT/shardnet/v1/<run>``.
         exported: steps written now.
+        digests: the manifest digest of each step the mirror serves.
         unchanged: steps already exported with the same manifest digest.
         skipped: steps not exported, with the reason (a damaged or unverifiable version).
         pruned: exported steps removed because the store no longer holds them.
@@ -76,6 +82,7 @@ class MirrorExport:
 
     run_dir: Path
     exported: list[int] = field(default_factory=list)
+    digests: dict[int, str] = field(default_factory=dict)
     unchanged: list[int] = field(default_factory=list)
     skipped: dict[int, str] = field(default_factory=dict)
     pruned: list[int] = field(default_factory=list)
@@ -107,6 +114,8 @@ class MirrorPoll:
     Attributes:
         url: the mirror's base URL (its source id).
         steps: the committed steps it listed in its latest valid answer.
+        digests: the manifest digest of each listed step (a mirror is a source only of the
+            versions ``(step, digest)`` it lists; an older export, without digests, of none).
         heard: Unix time of its latest valid answer (None: never).
         error: why the latest poll failed (None: it answered).
         failures: polls failed in a row (drives the retry backoff).
@@ -114,6 +123,7 @@ class MirrorPoll:
 
     url: str
     steps: frozenset[int] = frozenset()
+    digests: Mapping[int, str] = field(default_factory=dict)
     heard: float | None = None
     error: str | None = None
     failures: int = 0
@@ -132,11 +142,25 @@ class MirrorPoll:
             steps = frozenset(committed)
             if not all(type(s) is int and 0 <= s < 1 << 62 for s in steps):
                 raise ValueError("committed holds something other than step numbers")
-        except (ValueError, KeyError, TypeError) as exc:
+            named = doc.get("digests", {})
+            if not isinstance(named, dict) or len(named) > _MAX_LISTED:
+                raise ValueError("digests is not a map of at most 100000 steps")
+            digests = {}
+            for key, digest in named.items():
+                if not key.isdigit() or not isinstance(digest, str) or not DIGEST_RE.match(digest):
+                    raise ValueError("digests must map step numbers to 64-hex digests")
+                if int(key) in steps:
+                    digests[int(key)] = digest
+        except (ValueError, KeyError, TypeError, AttributeError) as exc:
             return self.failed(f"bad versions document: {exc}")
-        changed = steps != self.steps or self.error is not None
-        self.steps, self.heard, self.error, self.failures = steps, now_unix_s, None, 0
+        changed = steps != self.steps or digests != self.digests or self.error is not None
+        self.steps, self.digests = steps, digests
+        self.heard, self.error, self.failures = now_unix_s, None, 0
         return changed
+
+    def holds(self, step: int, digest: str) -> bool:
+        """True if the mirror listed version ``(step, digest)``."""
+        return self.digests.get(step) == digest
 
     def failed(self, error: str) -> bool:
         """A poll failed; returns True if this is the first failure in a row."""
@@ -226,7 +250,13 @@ def export_mirror(
     held = set(result.steps)
     _write_atomic(
         run_dir / "versions",
-        json.dumps({"committed": result.steps, "in_progress": []}).encode(),
+        json.dumps(
+            {
+                "committed": result.steps,
+                "in_progress": [],
+                "digests": {str(s): result.digests[s] for s in result.steps},
+            }
+        ).encode(),
     )
     if prune:
         for p in run_dir.iterdir():
@@ -263,9 +293,12 @@ def _export_version(
     m = Manifest.decode(raw, trust=TrustList(trainer=signer), source=str(vdir))
     if not m.complete:
         raise IntegrityError(f"{vdir}: manifest parts are missing")
-    final = run_dir / str(step)
+    step_dir = run_dir / str(step)
+    final = step_dir / m.digest
     doc = m.encode()
+    result.digests[step] = m.digest
     if final.is_dir() and _same_manifest(final, doc):
+        _remove_others(step_dir, m.digest)
         result.unchanged.append(step)
         return
     tmp = run_dir / f".tmp-{step}-{secrets.token_hex(4)}"
@@ -299,6 +332,8 @@ def _export_version(
                     continue
                 _mkdir(blobs / str(i))
                 _place(path, blobs / str(i) / enc, result)
+        if not step_dir.is_dir():
+            _mkdir(step_dir)
         if final.exists():
             old = run_dir / f".tmp-old-{step}-{secrets.token_hex(4)}"
             os.rename(final, old)
@@ -306,10 +341,22 @@ def _export_version(
             _remove(old)
         else:
             os.rename(tmp, final)
+        _remove_others(step_dir, m.digest)  # another digest of the step, or the old layout
     except BaseException:
         _remove(tmp)
         raise
     result.exported.append(step)
+
+
+def _remove_others(step_dir: Path, digest: str) -> None:
+    """Remove everything in ``step_dir`` but the ``digest`` directory."""
+    for p in step_dir.iterdir():
+        if p.name == digest:
+            continue
+        if p.is_dir() and not p.is_symlink():
+            _remove(p)
+        else:
+            p.unlink(missing_ok=True)
 
 
 def _same_manifest(final: Path, doc: bytes) -> bool:

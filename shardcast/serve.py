@@ -1,15 +1,22 @@
 """Serving versions over the HTTP lane: committed ones and ones still filling up.
 
-Routes (``GET``/``HEAD``)::
+Routes (``GET``/``HEAD``; paths built by :mod:`shardcast.lane_urls`)::
 
-    /shardnet/v1/<run>/versions                   committed steps and those in progress (JSON)
-    /shardnet/v1/<run>/<step>/manifest            the manifest document so far (header + parts)
-    /shardnet/v1/<run>/<step>/manifest/part/<k>   one signed part (waits until it exists)
-    /shardnet/v1/<run>/<step>/have                one bit per served shard, MSB of byte 0 first
-    /shardnet/v1/<run>/<step>/files/<name>        file bytes, Range requests (206)
-    /shardnet/v1/<run>/<step>/shard/<i>/<enc>     an encoded shard blob (zstd, xor-zstd, sparse)
-    /shardnet/v1/whoami/<nonce>                   the node's PeerID and its signature of the
-                                                  nonce and this URL (binds adverts' URLs)
+    /shardnet/v1/<run>/versions                          committed versions and those in
+                                                         progress (JSON, with their digests)
+    /shardnet/v1/<run>/<step>/<digest>/manifest          the manifest document so far
+    /shardnet/v1/<run>/<step>/<digest>/manifest/part/<k> one signed part (waits until it exists)
+    /shardnet/v1/<run>/<step>/<digest>/have              one bit per served shard, MSB first
+    /shardnet/v1/<run>/<step>/<digest>/files/<name>      file bytes, Range requests (206)
+    /shardnet/v1/<run>/<step>/<digest>/shard/<i>/<enc>   an encoded shard blob (zstd, xor-zstd,
+                                                         sparse)
+    /shardnet/v1/whoami/<nonce>                          the node's PeerID and its signature of
+                                                         the nonce and this URL
+
+A version is ``(step, manifest digest)``: a request for a step this node holds (or fills)
+under another digest is answered ``409`` with the digest it holds in
+``X-Shardnet-Held-Digest``, one for a step it does not hold ``404``, one in the older
+step-only form ``404`` with a one-line explanation (:mod:`shardcast.lane_urls`).
 
 Theory of operation
 -------------------
@@ -76,6 +83,7 @@ from shardcast.lane_auth import (
     sign_whoami,
     verify_request,
 )
+from shardcast.lane_urls import HELD_DIGEST_HEADER, ROUTE, STEP_ONLY_BODY, STEP_ONLY_ROUTE
 from shardcast.manifest import MANIFEST_FILE, Manifest
 from shardcast.policy import SuperSeeding
 from shardcast.store import VersionStore
@@ -86,11 +94,6 @@ HOLD_HEADER = "x-shardnet-hold-s"
 """Request header: how long (seconds) the client accepts to be held for unverified content."""
 IMMUTABLE = "public, max-age=31536000, immutable"
 _JSON = "application/json"
-_ROUTE = re.compile(
-    r"^/shardnet/v1/(?P<run>[^/]+)/(?P<step>\d{1,18})/(?:(?P<kind>manifest|have)"
-    r"|manifest/part/(?P<part>\d{1,9})|files/(?P<name>[^/]+)"
-    r"|shard/(?P<shard>\d{1,9})/(?P<enc>zstd|xor-zstd|sparse))$"
-)
 _VERSIONS = re.compile(r"^/shardnet/v1/(?P<run>[^/]+)/versions$")
 _WHOAMI = re.compile(r"^/shardnet/v1/whoami/(?P<nonce>[0-9a-f]{32})$")
 
@@ -113,6 +116,7 @@ class LiveVersion(Protocol):
 class _Live:
     def __init__(self, version: LiveVersion) -> None:
         self.version = version
+        self.digest = version.manifest.digest
         self.progress = trio.Event()
 
     def wake(self) -> None:
@@ -146,7 +150,7 @@ class VersionServer:
         self.wait_s = wait_s
         self.serve_once_s = serve_once_s
         self._live: dict[int, _Live] = {}
-        self._manifests: dict[int, Manifest] = {}
+        self._manifests: dict[int, tuple[Manifest, str]] = {}  # step -> (manifest, digest)
         self._seeding = SuperSeeding(serve_once_s)
         self._clock = clock
         self.identity = identity
@@ -190,20 +194,30 @@ class VersionServer:
 
     # -- lookups ----------------------------------------------------------------------------
 
-    def _manifest(self, step: int) -> Manifest | None:
+    def _manifest(self, step: int) -> tuple[Manifest, str] | None:
+        """The manifest of the version of ``step`` served now, and its digest."""
         live = self._live.get(step)
         if live is not None:
-            return live.version.manifest
-        if not self.store.has(step):
+            return live.version.manifest, live.digest
+        held = self.store.digest_of(step)
+        if held is None:
             self._manifests.pop(step, None)
             return None
-        if step not in self._manifests:
+        cached = self._manifests.get(step)
+        if cached is None or cached[1] != held:  # first use, or the step was replaced
             try:
-                self._manifests[step] = self.store.load_manifest(step, self.trust)
+                m = self.store.load_manifest(step, self.trust)
             except (OSError, ValueError) as exc:
                 log.warning("manifest_unreadable step=%d error=%s", step, exc)
                 return None
-        return self._manifests[step]
+            cached = self._manifests[step] = (m, m.digest)
+        return cached
+
+    def versions(self) -> list[tuple[int, str]]:
+        """``(step, digest)`` of the committed versions served and those being filled."""
+        out = dict(self.store.committed_versions())
+        out.update((step, live.digest) for step, live in self._live.items())
+        return sorted(out.items())
 
     def _has(self, step: int, index: int) -> bool:
         live = self._live.get(step)
@@ -240,17 +254,27 @@ class VersionServer:
         if mv:
             if mv["run"] != self.store.run_id:
                 return HttpResponse(404)
+            versions = self.versions()
             body = json.dumps(
-                {"committed": self.store.committed_steps(), "in_progress": self.in_progress()}
+                {
+                    "committed": [s for s, _ in versions if s not in self._live],
+                    "in_progress": self.in_progress(),
+                    "digests": {str(s): d for s, d in versions},
+                }
             ).encode()
             return HttpResponse(200, [("content-type", _JSON), _NO_STORE], body)
-        mr = _ROUTE.match(req.path)
+        mr = ROUTE.match(req.path)
         if not mr or mr["run"] != self.store.run_id:
+            if STEP_ONLY_ROUTE.match(req.path):  # an older node: clean "not held", no blame
+                return HttpResponse(404, [("content-type", "text/plain")], STEP_ONLY_BODY)
             return HttpResponse(404)
         step = int(mr["step"])
-        m = self._manifest(step)
-        if m is None:
+        held = self._manifest(step)
+        if held is None:
             return HttpResponse(404)
+        m, digest = held
+        if digest != mr["digest"]:
+            return HttpResponse(409, [(HELD_DIGEST_HEADER, digest), _NO_STORE])
         if mr["kind"] == "manifest":
             if step in self._live or not m.complete:
                 return HttpResponse(200, [("content-type", _JSON), _NO_CACHE], m.encode())

@@ -106,6 +106,7 @@ class VersionStore:
         self._pins: dict[int, int] = {}
         self._lock = threading.Lock()
         self._open_partials: set[int] = set()
+        self._digests: dict[int, tuple[int, int, str]] = {}  # step -> (inode, mtime_ns, digest)
         self.run_dir.mkdir(parents=True, exist_ok=True)
         latest = self.latest()
         for p in (*self.run_dir.glob(".partial-step-*"), *self.run_dir.glob(".removing-step-*")):
@@ -187,6 +188,48 @@ class VersionStore:
     def has(self, step: int) -> bool:
         """True if ``step`` is committed."""
         return (self.version_dir(step) / MANIFEST_FILE).is_file()
+
+    def digest_of(self, step: int) -> str | None:
+        """Manifest digest of committed ``step`` (None: not committed, or its manifest does
+        not parse). A version is ``(step, digest)``: callers compare the digest they were
+        asked for with this one before using the step's files.
+
+        Cached per ``manifest.json`` (inode and mtime): a step replaced under another digest
+        is seen at once. Blocking (reads the manifest on a cache miss); thread-safe.
+        """
+        path = self.version_dir(step) / MANIFEST_FILE
+        try:
+            st = path.stat()
+        except OSError:
+            return None
+        with self._lock:
+            cached = self._digests.get(step)
+        if cached is not None and cached[:2] == (st.st_ino, st.st_mtime_ns):
+            return cached[2]
+        try:
+            data = path.read_bytes()
+            signer = json.loads(data)["header"]["signer"]
+            digest = Manifest.decode(data, trust=TrustList(trainer=signer), source=str(path)).digest
+        except (OSError, ValueError, KeyError, TypeError, ShardnetError):
+            return None
+        with self._lock:
+            self._digests[step] = (st.st_ino, st.st_mtime_ns, digest)
+            while len(self._digests) > 4 * self.keep_last + 16:
+                self._digests.pop(next(iter(self._digests)))
+        return digest
+
+    def holds(self, step: int, digest: str) -> bool:
+        """True if version ``(step, digest)`` is committed (the step under that digest)."""
+        return self.digest_of(step) == digest
+
+    def committed_versions(self) -> list[tuple[int, str]]:
+        """``(step, manifest digest)`` of every committed version, ascending by step."""
+        out = []
+        for step in self.committed_steps():
+            digest = self.digest_of(step)
+            if digest is not None:
+                out.append((step, digest))
+        return out
 
     def load_manifest(self, step: int, trust: TrustList) -> Manifest:
         """Read and re-verify the manifest of a committed step.

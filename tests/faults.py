@@ -37,7 +37,7 @@ from shardcast.store import VersionStore
 from tests.helpers import TRAINER, trust
 
 RUN = "run"
-_FILES_ROUTE = re.compile(r"^/shardnet/v1/[^/]+/\d+/files/(?P<name>[^/]+)$")
+_FILES_ROUTE = re.compile(r"^/shardnet/v1/[^/]+/\d+/[0-9a-f]{64}/files/(?P<name>[^/]+)$")
 
 
 @dataclass(frozen=True)

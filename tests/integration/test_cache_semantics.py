@@ -25,7 +25,7 @@ async def test_committed_version_has_cache_validators(tmp_path: Path) -> None:
     async with ShardcastNode.open(TRAINER, trust(), cfg) as node, httpx.AsyncClient() as client:
         result = await Origin(node, OriginConfig(shard_size=64 * 1024)).publish(src, 0)
         m = result.manifest
-        base = f"{node.http.url}/shardnet/v1/run/0"
+        base = f"{node.http.url}/shardnet/v1/run/0/{m.digest}"
         url = f"{base}/files/model.safetensors"
         whole = await client.get(url)
         assert whole.status_code == 200
@@ -86,7 +86,8 @@ async def test_unverified_shard_is_503_at_once_unless_held(
     server.add_live(live)  # type: ignore[arg-type]
 
     def req(headers: dict[str, str]) -> HttpRequest:
-        return HttpRequest("GET", "/shardnet/v1/run/0/files/model.safetensors", {}, headers, None)
+        path = f"/shardnet/v1/run/0/{m.digest}/files/model.safetensors"
+        return HttpRequest("GET", path, {}, headers, None)
 
     start = trio.current_time()
     plain = await server.handle(req({}))

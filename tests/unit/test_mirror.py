@@ -47,10 +47,16 @@ def test_export_layout_is_the_lane_url_layout(tmp_path: Path) -> None:
     assert (r.exported, r.skipped, r.copied) == ([0, 1], {}, 0)
     run = out / PREFIX / "run"
     assert r.run_dir == run
-    assert json.loads((run / "versions").read_bytes()) == {"committed": [0, 1], "in_progress": []}
+    digests = {str(s): store.load_manifest(s, trust()).digest for s in (0, 1)}
+    assert json.loads((run / "versions").read_bytes()) == {
+        "committed": [0, 1],
+        "in_progress": [],
+        "digests": digests,
+    }
     for step in (0, 1):
         m = store.load_manifest(step, trust())
-        v = run / str(step)
+        v = run / str(step) / m.digest  # a version is (step, digest), as on the lane
+        assert [p.name for p in (run / str(step)).iterdir()] == [m.digest]
         assert Manifest.decode((v / "manifest").read_bytes(), trust=trust()).digest == m.digest
         n = len(m.header.shards)
         bits = (v / "have").read_bytes()
@@ -63,7 +69,8 @@ def test_export_layout_is_the_lane_url_layout(tmp_path: Path) -> None:
             assert served.read_bytes() == held.read_bytes()
             assert served.stat().st_ino == held.stat().st_ino  # a hard link, no copy
             assert _mode(served) == 0o644
-    for d in (out, out / "shardnet", out / PREFIX, run, run / "0", run / "0" / "files"):
+    v0 = run / "0" / digests["0"]
+    for d in (out, out / "shardnet", out / PREFIX, run, run / "0", v0, v0 / "files"):
         assert _mode(d) == 0o755, d
     assert not list(run.glob(".tmp-*"))
 
@@ -73,18 +80,36 @@ def test_export_is_incremental_replaces_and_prunes(tmp_path: Path) -> None:
     out = tmp_path / "www"
     export_mirror(store, out)
     run = out / PREFIX / "run"
-    before = (run / "1" / "manifest").stat().st_ino
+    d1 = store.load_manifest(1, trust()).digest
+    before = (run / "1" / d1 / "manifest").stat().st_ino
     # a step exported with another manifest is replaced, the same one left alone
-    (run / "0" / "manifest").unlink()
-    (run / "0" / "manifest").write_bytes(b"{}")
+    (run / "0" / store.load_manifest(0, trust()).digest / "manifest").write_bytes(b"{}")
     _publish(store, tmp_path, 2)  # keep_last=2: step 0 leaves the store
     r = export_mirror(store, out)
     assert (r.exported, r.unchanged, r.pruned) == ([2], [1], [0])
-    assert (run / "1" / "manifest").stat().st_ino == before
+    assert (run / "1" / d1 / "manifest").stat().st_ino == before
     assert not (run / "0").exists()
     assert json.loads((run / "versions").read_bytes())["committed"] == [1, 2]
     r = export_mirror(store, out, prune=False)
     assert (r.exported, r.unchanged) == ([], [1, 2])
+
+
+def test_a_step_republished_under_another_digest_replaces_the_old_one(tmp_path: Path) -> None:
+    store = _store(tmp_path, range(1))
+    out = tmp_path / "www"
+    old = store.load_manifest(0, trust()).digest
+    export_mirror(store, out)
+    store.discard(0)
+    ck = make_checkpoint(tmp_path / "other0", SIZES, seed=99)  # step 0 again, other content
+    new = store.adopt(ck, build_manifest(ck, "run", 0, TRAINER, shard_size=1000))
+    assert new == store.version_dir(0)
+    digest = store.load_manifest(0, trust()).digest
+    assert digest != old
+    r = export_mirror(store, out)
+    assert (r.exported, r.digests) == ([0], {0: digest})
+    run = out / PREFIX / "run"
+    assert [p.name for p in (run / "0").iterdir()] == [digest]  # the old digest is gone
+    assert json.loads((run / "versions").read_bytes())["digests"] == {"0": digest}
 
 
 def test_damaged_or_foreign_versions_are_never_exported(tmp_path: Path) -> None:
@@ -96,7 +121,7 @@ def test_damaged_or_foreign_versions_are_never_exported(tmp_path: Path) -> None:
     r = export_mirror(store, out)
     assert r.steps == [0]
     assert "does not match" in r.skipped[1]
-    assert not (out / PREFIX / "run" / "1").exists()
+    assert not (out / PREFIX / "run" / "1").exists()  # no directory of any digest
     assert json.loads((out / PREFIX / "run" / "versions").read_bytes())["committed"] == [0]
     other = Identity.from_seed("someone-else").peer_id
     r = export_mirror(store, tmp_path / "www2", trainer_id=other)
@@ -109,7 +134,8 @@ def test_unreadable_files_are_copied_readable(tmp_path: Path) -> None:
     held = store.version_dir(0) / name
     os.chmod(held, 0o600)
     r = export_mirror(store, tmp_path / "www")
-    served = tmp_path / "www" / PREFIX / "run" / "0" / "files" / name
+    digest = store.load_manifest(0, trust()).digest
+    served = tmp_path / "www" / PREFIX / "run" / "0" / digest / "files" / name
     assert r.copied == 1
     assert (_mode(served), _mode(held)) == (0o644, 0o600)  # the store is left as it was
     assert served.read_bytes() == held.read_bytes()
@@ -126,7 +152,7 @@ def test_cli_export(tmp_path: Path) -> None:
     )
     assert result.exit_code == 0, result.output
     assert "steps [0]" in result.output
-    assert (out / PREFIX / "run" / "0" / "manifest").is_file()
+    assert len(list((out / PREFIX / "run" / "0").glob("*/manifest"))) == 1
     for args, msg in [
         (["--data-dir", str(tmp_path / "nope")], "--data-dir"),
         (["--data-dir", str(tmp_path / "data"), "--run-id", "other"], "holds no versions"),
@@ -158,6 +184,23 @@ def test_mirror_poll() -> None:
         assert not poll.failed("again")
     assert poll.answered(b'{"committed": [1]}', 2.0)  # recovered
     assert poll.failures == 0
+    assert not poll.holds(1, "a" * 64)  # an older export names no digest: no source of it
+
+
+def test_mirror_poll_digests() -> None:
+    poll = MirrorPoll("http://m:80")
+    doc = {"committed": [1, 2], "in_progress": [], "digests": {"1": "a" * 64, "2": "b" * 64}}
+    assert poll.answered(json.dumps(doc).encode(), 1.0)
+    assert poll.holds(1, "a" * 64)
+    assert not poll.holds(1, "b" * 64)  # the step under another digest: not a source
+    assert not poll.holds(3, "a" * 64)
+    doc["digests"] = {"1": "c" * 64, "2": "b" * 64}
+    assert poll.answered(json.dumps(doc).encode(), 2.0)  # a republished step is a change
+    assert poll.holds(1, "c" * 64)
+    for bad in ({"1": "A" * 64}, {"x": "a" * 64}, {"1": 5}, ["a"]):
+        poll = MirrorPoll("http://m:80")
+        assert poll.answered(json.dumps({"committed": [1], "digests": bad}).encode(), 1.0)
+        assert poll.error is not None
 
 
 @pytest.mark.parametrize(

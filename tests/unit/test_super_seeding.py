@@ -86,7 +86,7 @@ async def test_the_origin_lane_believes_signatures_not_claims(tmp_path: Path) ->
     store.adopt(ck, m)
     now = 5000.0
     server = VersionServer(store, trust(), serve_once_s=5.0, clock=lambda: now)
-    path = f"/shardnet/v1/run/1/files/{m.header.files[0].name}"
+    path = f"/shardnet/v1/run/1/{m.digest}/files/{m.header.files[0].name}"
 
     async def get(headers: dict[str, str]) -> int:
         asked = {**headers, "range": "bytes=0-999"}
