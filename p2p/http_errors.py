@@ -18,7 +18,8 @@ class NotAvailable(TransportError):
 
     Not a fault of the source: a relay that has not verified a shard yet, or is at its
     connection limit, says so; ``409``: it holds what the URL names under another identity
-    (a version's step under another manifest digest). Callers should try another source or come back later.
+    (a version's step under another manifest digest). Callers should try another source or
+    come back later.
 
     Args:
         peer: the source (``http://127.0.0.1:9000``).

@@ -714,8 +714,9 @@ class Follower:
                         progress=progress,
                         extra_sources=functools.partial(self._extra_sources, step, digest),
                         max_extra_sources=self.config.max_extra_sources,
-                        upstreams=lambda: self._upstream_sources()
-                        + self._mirror_sources(step, digest),
+                        upstreams=lambda: (
+                            self._upstream_sources() + self._mirror_sources(step, digest)
+                        ),
                     )
                 except ShardnetError as exc:  # caught here: a nursery would wrap it in a group
                     error = exc

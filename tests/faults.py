@@ -58,11 +58,18 @@ class Version:
 
 
 def make_version(
-    root: Path, sizes: dict[str, int], shard_size: int, *, step: int = 1, seed: int = 0
+    root: Path,
+    sizes: dict[str, int],
+    shard_size: int,
+    *,
+    step: int = 1,
+    seed: int = 0,
+    nonce: int = 1000,
 ) -> Version:
     """Write files of seeded random bytes, sign their manifest and commit them under ``root``.
 
-    Any flat file names will do: sharding does not look at the content or the layout.
+    Any flat file names will do: sharding does not look at the content or the layout. Two
+    versions of one step differ in manifest digest only if their ``nonce`` (or sizes) differ.
     """
     rng = random.Random(seed)
     files = {name: rng.randbytes(size) for name, size in sorted(sizes.items())}
@@ -71,7 +78,7 @@ def make_version(
     for name, data in files.items():
         (directory / name).write_bytes(data)
     header = Header(
-        RUN, step, shard_size, tuple(FileEntry(n, len(d)) for n, d in files.items()), 1000
+        RUN, step, shard_size, tuple(FileEntry(n, len(d)) for n, d in files.items()), nonce
     )
     signed = Manifest(sign_header(header, TRAINER))
     hash_parts(

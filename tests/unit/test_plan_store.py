@@ -221,7 +221,8 @@ async def test_a_version_being_served_is_not_pruned(tmp_path: Path) -> None:
     store.adopt(ck, m1)
     server = VersionServer(store, trust())
     name = m1.header.files[0].name
-    req = HttpRequest("GET", f"/shardnet/v1/run/1/{m1.digest}/files/{name}", {}, {}, ByteRange(0, 99))
+    path = f"/shardnet/v1/run/1/{m1.digest}/files/{name}"
+    req = HttpRequest("GET", path, {}, {}, ByteRange(0, 99))
     resp = await server.handle(req)
     assert isinstance(resp.body, FileSlice)
     assert resp.body.on_done is not None
