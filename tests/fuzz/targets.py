@@ -270,6 +270,7 @@ NODE_INFO = Target(
 ADVERTS = (
     NodeAdvert(PEER.peer_id, "relay", "http://127.0.0.1:8002", (4, 5), (6,)),
     NodeAdvert(PEER.peer_id, "peer", "http://10.0.0.1:9", (), ()),
+    NodeAdvert.of(PEER.peer_id, "relay", "http://127.0.0.1:8002", [(4, "a" * 64)], [(5, "b" * 64)]),
 )
 NODE_ADVERT = Target(
     "node-advert",
