@@ -258,8 +258,8 @@ class Follower:
         self._changed.set()
         self._changed = trio.Event()
 
-    def _offer(self, data: bytes, sender: str) -> None:
-        msg = self.node.offer_versions_message(data, sender)
+    def _offer(self, data: bytes, sender: str, *, upstream: bool = True) -> None:
+        msg = self.node.offer_versions_message(data, sender, replace_same_step=upstream)
         if isinstance(msg, VersionAnnouncement):
             self._learned.setdefault(msg.step, trio.current_time())
         if msg is not None:
@@ -424,7 +424,7 @@ class Follower:
         check = check_versions_gossip(self.node.trust, run_id)
         sub = await self.node.p2p.subscribe(versions_topic(run_id), check)
         async for msg in sub:
-            self._offer(msg.data, msg.origin)
+            self._offer(msg.data, msg.origin, upstream=False)  # open gossip: no same-step swap
 
     async def _listen_adverts(self) -> None:
         sub = await self.node.p2p.subscribe(

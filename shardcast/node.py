@@ -358,9 +358,16 @@ class ShardcastNode:
         return self._keep_announcement(ann, sender)
 
     def offer_versions_message(
-        self, data: bytes, sender: str
+        self, data: bytes, sender: str, *, replace_same_step: bool = True
     ) -> VersionAnnouncement | RunFinished | None:
         """Verify a message of the versions topic (announcement or run end) and keep it if new.
+
+        Args:
+            replace_same_step: an announcement of the known step with another digest
+                replaces the known one. Pass False for messages from open gossip: a replayed
+                old announcement of the same step (trainer-signed, but superseded) must not
+                flip the node back; the replacement arrives from an upstream's info record
+                (allowlisted nodes, which converge on the origin's) within a poll interval.
 
         Returns:
             the message if it changed what this node knows, else None. Invalid ones are
@@ -373,7 +380,7 @@ class ShardcastNode:
             return None
         if isinstance(msg, RunFinished):
             return self._keep_finished(msg)
-        return self._keep_announcement(msg, sender)
+        return self._keep_announcement(msg, sender, replace_same_step=replace_same_step)
 
     def offer_finished(self, data: bytes, sender: str) -> RunFinished | None:
         """Verify a run-finished message (e.g. from an info record) and keep it if new."""
@@ -399,7 +406,7 @@ class ShardcastNode:
             log.warning("announcement_rejected sender=%s error=%s", short_id(sender), exc)
 
     def _keep_announcement(
-        self, ann: VersionAnnouncement, sender: str
+        self, ann: VersionAnnouncement, sender: str, *, replace_same_step: bool = True
     ) -> VersionAnnouncement | None:
         if ann.run_id != self.config.run_id:
             return None
@@ -408,6 +415,17 @@ class ShardcastNode:
             ann.step < known.step
             or (ann.step == known.step and ann.manifest_digest == known.manifest_digest)
         ):
+            return None
+        if known is not None and ann.step == known.step and not replace_same_step:
+            if self.report_once(("same_step", str(ann.step), ann.manifest_digest)):
+                log.info(
+                    "announcement_same_step_ignored step=%d digest=%s known=%s from=%s "
+                    "hint=a same-step replacement is taken from upstreams only",
+                    ann.step,
+                    ann.manifest_digest[:16],
+                    known.manifest_digest[:16],
+                    short_id(sender),
+                )
             return None
         self.set_announcement(ann, sender)
         return ann

@@ -27,6 +27,7 @@ from shardcast.lane_urls import (
 )
 from shardcast.manifest import Manifest
 from shardcast.messages import VersionAnnouncement
+from shardcast.node import ShardcastNode
 from shardcast.plan import build_manifest
 from shardcast.serve import VersionServer
 from shardcast.store import VersionStore
@@ -175,3 +176,25 @@ def test_a_follower_never_moves_backwards(tmp_path: Path) -> None:
     assert wanted(_announce(2, A)) is not None  # the newest held, other digest: replace
     assert wanted(_announce(1, A)) is None  # older than the newest held: never backwards
     assert wanted(_announce(0, A)) is None
+
+
+def test_a_replayed_same_step_announcement_on_gossip_does_not_flip_the_node() -> None:
+    """Two trainer-signed announcements of one step (a republication): the replacement is
+    taken from an upstream's info record, never from open gossip, where an old one can be
+    replayed by anybody."""
+    node = SimpleNamespace(announcement=None, config=SimpleNamespace(run_id="run"))
+    node.report_once = lambda _key: True
+    node.set_announcement = lambda ann, _sender: setattr(node, "announcement", ann)
+
+    def keep(ann: VersionAnnouncement, *, upstream: bool) -> VersionAnnouncement | None:
+        return ShardcastNode._keep_announcement(  # type: ignore[arg-type]
+            node, ann, "Qm-sender", replace_same_step=upstream
+        )
+
+    new, old = _announce(4, A), _announce(4, B)
+    assert keep(new, upstream=False) is new  # first news of step 4: from anywhere
+    assert keep(old, upstream=False) is None  # a replay on gossip: ignored
+    assert node.announcement is new
+    assert keep(old, upstream=True) is old  # an upstream says so: taken
+    assert keep(_announce(3, C), upstream=True) is None  # older: never
+    assert keep(_announce(5, C), upstream=False) is not None  # newer: from anywhere
