@@ -13,7 +13,12 @@ more than the async window behind), ``shardnet_rollouts_announced_total``,
 ``shardnet_rollout_samples_accepted_total``, ``shardnet_rollout_samples_rejected_total{reason}``,
 ``shardnet_submitters_refused``, ``shardnet_rollout_rate_limited_total``,
 ``shardnet_rollout_batches_fetched_total`` (payloads fetched from submitters),
-``shardnet_trainer_optimizer_step_seconds`` (histogram: one optimizer step, in its thread).
+``shardnet_trainer_optimizer_step_seconds`` (histogram: one optimizer step, in its thread),
+``shardnet_rollout_batches_decided_total{length}``, ``…_admitted_total{length}``,
+``…_trained_total{length}`` and ``…_late_total{length}`` (per rollout-length bucket, mean
+completion tokens per sample rounded up to a power of two: whether long rollouts are lost). The
+same counts per submitter PeerID, with the acceptance and trained-on rates, are in ``/status``
+(``rollouts.acceptance``), not in metrics (one label value per PeerID is unbounded).
 
 Peer families: ``shardnet_rollout_batches_submitted_total``,
 ``shardnet_rollout_batches_acked_total{status}``, ``shardnet_rollout_retries_total``,
@@ -42,6 +47,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 from shardcast.nodestatus import iso, wall_of
 
 if TYPE_CHECKING:
+    from rollout.intake import Acceptance
     from shardcast.node import ShardcastNode
     from shardnet.peer import InferencePeer
     from trainer.trainer import Trainer
@@ -107,6 +113,10 @@ def trainer_rollouts(trainer: Trainer) -> dict[str, Any]:
             pending_batches=st.buffered,
             expired_samples=st.expired_samples,
             acks=st.acks,
+            acceptance={
+                "by_submitter": {k: _acceptance(a) for k, a in sorted(st.by_submitter.items())},
+                "by_length": {k: _acceptance(a) for k, a in sorted(st.by_length.items())},
+            },
         )
     if trainer.validator is not None:
         vs = trainer.validator.statistics()
@@ -118,6 +128,18 @@ def trainer_rollouts(trainer: Trainer) -> dict[str, Any]:
         )
     out["trained_samples"] = trainer.trained_samples
     return out
+
+
+def _acceptance(a: Acceptance) -> dict[str, Any]:
+    """One submitter's or one length bucket's counts and rates (``/status``)."""
+    return {
+        "decided": a.decided,
+        "accepted": a.accepted,
+        "trained": a.trained,
+        "late": a.late,
+        "acceptance_rate": round(a.acceptance_rate, 4),
+        "trained_rate": round(a.trained_rate, 4),
+    }
 
 
 def trainer_section(trainer: Trainer) -> dict[str, Any]:
@@ -195,6 +217,22 @@ def trainer_families(trainer: Trainer) -> list[Metric]:
                 st.buffered,
             ),
         ]
+        by_length = st.by_length
+        for what, doc in (
+            ("decided", "batches with a final verdict"),
+            ("accepted", "batches admitted to the training buffer"),
+            ("trained", "admitted batches handed to the optimizer"),
+            ("late", "batches admitted in the late grace window"),
+        ):
+            name = "admitted" if what == "accepted" else what
+            out.append(
+                _counter_by(
+                    f"shardnet_rollout_batches_{name}",
+                    f"{doc}, by rollout length bucket (mean completion tokens per sample)",
+                    "length",
+                    {k: getattr(a, what) for k, a in by_length.items()},
+                )
+            )
     if trainer.validator is not None:
         vs = trainer.validator.statistics()
         rejected = _counter_by(

@@ -58,6 +58,10 @@ TRAINER = {
     "shardnet_rollout_samples_accepted": "counter",
     "shardnet_rollout_samples_rejected": "counter",
     "shardnet_rollout_batches_fetched": "counter",
+    "shardnet_rollout_batches_decided": "counter",
+    "shardnet_rollout_batches_admitted": "counter",
+    "shardnet_rollout_batches_trained": "counter",
+    "shardnet_rollout_batches_late": "counter",
     "shardnet_trainer_optimizer_step_seconds": "histogram",
 }
 PEER = {

@@ -179,6 +179,12 @@ async def test_status_and_metrics_of_every_role(tmp_path: Path) -> None:
     assert _value(trainer_text, "shardnet_trainer_optimizer_step_seconds_count") >= 1
     assert _value(trainer_text, "shardnet_trainer_optimizer_step_seconds_sum") > 0
     assert _value(trainer_text, "shardnet_rollout_batches_fetched_total") >= 2
+    # acceptance per submitter (status) and per rollout length (status and metrics)
+    acceptance = trainer_doc["rollouts"]["acceptance"]
+    assert set(acceptance["by_submitter"]) == {p.peer_id for p in peer_ids}
+    assert all(0 < a["acceptance_rate"] <= 1 for a in acceptance["by_submitter"].values())
+    assert sum(a["trained"] for a in acceptance["by_length"].values()) >= 2
+    assert "shardnet_rollout_batches_trained_total{length=" in trainer_text
     relay_doc, relay_text = scraped["relay"]
     (up,) = relay_doc["upstreams"]
     assert up["peer_id"] == trainer_id.peer_id
