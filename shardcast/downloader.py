@@ -166,6 +166,8 @@ class DownloadStats:
     restored: int = 0
     asked_by_source: dict[str, int] = field(default_factory=dict)
     unavailable_by_source: dict[str, int] = field(default_factory=dict)
+    other_digest_by_source: dict[str, int] = field(default_factory=dict)
+    """Requests answered ``409`` (the source holds the step under another digest)."""
     elapsed_s: float = 0.0
 
 
@@ -639,6 +641,9 @@ class Downloader:
                         stats.unavailable_by_source[src.id] = (
                             stats.unavailable_by_source.get(src.id, 0) + 1
                         )
+                        if lane_answer(exc.status) is LaneAnswer.OTHER_DIGEST:
+                            n = stats.other_digest_by_source.get(src.id, 0) + 1
+                            stats.other_digest_by_source[src.id] = n
                         if buf.pos and not req.duplicate:
                             resume[req.shard] = buf  # keep the prefix for the next source
                         elif not req.duplicate:

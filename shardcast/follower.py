@@ -471,6 +471,8 @@ class Follower:
         for source, asked in stats.asked_by_source.items():
             if source in upstream_ids or not asked:
                 continue
+            if stats.other_digest_by_source.get(source, 0) >= asked:
+                continue  # it holds the step under another digest: no fault, no score
             delivered = stats.bytes_by_source.get(source, 0) > 0
             self.directory.record(source, delivered=delivered, now=now)
 

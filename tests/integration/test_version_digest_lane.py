@@ -76,7 +76,7 @@ async def test_a_source_with_another_digest_is_skipped_and_never_blamed(
     assert (path / FILE).read_bytes() == new.files[FILE]
     assert store.holds(1, new.signed.digest)
     assert other_asks  # it was asked, and answered 409 ...
-    assert stats.unavailable_by_source.get("a-other", 0) >= 1
+    assert stats.other_digest_by_source.get("a-other", 0) >= 1
     assert stats.corrupt_by_source == {}  # ... which is nobody's fault
     assert dl.bans.banned(trio.current_time()) == []
     assert stats.bytes_by_source == {"b-honest": 4 * SHARD}
