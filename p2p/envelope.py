@@ -62,7 +62,9 @@ __all__ = [
     "open",
     "open_envelope",
     "peek_kind",
+    "peek_signer",
     "seal",
+    "sign",
     "signed_message",
 ]
 
@@ -137,10 +139,16 @@ def encode_sealed(kind: Kind, body: bytes, public_key: bytes, signature: bytes) 
     )
 
 
+def sign(kind: Kind, body: bytes, key: SigningKey) -> bytes:
+    """The 64-byte signature :func:`seal` puts in the envelope (for message types that keep
+    signer and signature as fields and rebuild the envelope with :func:`encode_sealed`)."""
+    return key.sign_raw(signed_message(kind, body))
+
+
 def seal(kind: Kind, body: bytes, key: SigningKey) -> bytes:
     """Sign ``body`` as a message of ``kind`` with ``key``; returns the envelope bytes
     (deterministic: Ed25519 signatures are)."""
-    return encode_sealed(kind, body, key.public_key, key.sign_raw(signed_message(kind, body)))
+    return encode_sealed(kind, body, key.public_key, sign(kind, body, key))
 
 
 def _parse(data: bytes, max_bytes: int, sender: str) -> dict[str, Any]:
@@ -180,6 +188,15 @@ def peek_kind(data: bytes, *, max_bytes: int, sender: str = "") -> Kind:
     return Kind(_parse(data, max_bytes, sender)["kind"])
 
 
+def peek_signer(data: bytes, *, max_bytes: int, sender: str = "") -> str:
+    """The PeerID named as signer of an envelope (the signature is NOT checked).
+
+    Raises:
+        MessageTooLarge, MalformedEnvelope: as :func:`open_envelope`.
+    """
+    return peer_id_of(_parse(data, max_bytes, sender)["signer"])
+
+
 def _trusted(signer: str, trust: Trust) -> bool:
     if isinstance(trust, AnySigner):
         return True
@@ -207,7 +224,8 @@ def open_envelope(
         MessageTooLarge: over ``max_bytes`` (checked before parsing).
         MalformedEnvelope: not a canonical envelope, another version or another kind.
         BadSignature: the signature does not verify.
-        UntrustedSigner: a valid signature by a PeerID that ``trust`` does not allow.
+        UntrustedSigner: a valid signature by a PeerID that ``trust`` does not allow (its
+            ``source`` is that PeerID).
     """
     obj = _parse(data, max_bytes, sender)
     if obj["kind"] != kind.value:
@@ -219,7 +237,8 @@ def open_envelope(
     except IntegrityError as exc:
         raise BadSignature(f"{kind.value} signature by {signer}", sender) from exc
     if not _trusted(signer, trust):
-        raise UntrustedSigner(f"{kind.value} signed by {signer}, which is not trusted", sender)
+        # source = the signer, as TrustList.require_trainer does (logs name the wrong key)
+        raise UntrustedSigner(f"{kind.value} signed by {signer}, which is not trusted", signer)
     return Opened(kind, signer, body, obj["sig"])
 
 

@@ -17,6 +17,8 @@ exact bytes given; domain separation is the caller's job (:mod:`p2p.envelope` an
 
 from __future__ import annotations
 
+from typing import Protocol
+
 import base58
 import nacl.exceptions
 import nacl.signing
@@ -146,13 +148,29 @@ class SigningKey:
         """The signature of ``body`` under ``domain`` (:func:`domain_message`)."""
         return self.sign_raw(domain_message(domain, body))
 
+    @property
+    def key(self) -> SigningKey:
+        """Itself, so that a bare key is a :class:`KeyHolder` like an ``Identity``."""
+        return self
+
     def __repr__(self) -> str:
         return f"SigningKey(peer_id={self.peer_id!r})"
+
+
+class KeyHolder(Protocol):
+    """Anything that holds a signing key: :class:`p2p.identity.Identity` or a
+    :class:`SigningKey` itself (what message constructors take, without importing libp2p)."""
+
+    @property
+    def key(self) -> SigningKey:
+        """The Ed25519 signing key."""
+        ...
 
 
 __all__ = [
     "PUBLIC_KEY_BYTES",
     "SIGNATURE_BYTES",
+    "KeyHolder",
     "SigningKey",
     "domain_message",
     "is_valid_peer_id",
