@@ -157,6 +157,20 @@ class SigningKey:
         return f"SigningKey(peer_id={self.peer_id!r})"
 
 
+class DomainSigner(Protocol):
+    """What signs with :func:`domain_message` (HTTP lane tokens): an ``Identity`` or a
+    :class:`SigningKey`."""
+
+    @property
+    def peer_id(self) -> str:
+        """The signer's PeerID."""
+        ...
+
+    def sign(self, domain: str, body: bytes) -> bytes:
+        """The signature of ``body`` under ``domain``."""
+        ...
+
+
 class KeyHolder(Protocol):
     """Anything that holds a signing key: :class:`p2p.identity.Identity` or a
     :class:`SigningKey` itself (what message constructors take, without importing libp2p)."""

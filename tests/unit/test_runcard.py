@@ -99,7 +99,7 @@ def test_round_trip_and_canonical_bytes() -> None:
 def test_tampered_body_or_signature_fails() -> None:
     signed = sign_card(_card(), TRAINER)
     body = _card().to_obj()
-    body["sampling"]["group_size"] = 9  # type: ignore[index]
+    body["sampling"]["group_size"] = 9
     with pytest.raises(BadRunCardSignature):
         SignedRunCard.decode(_sealed_with(body, signed), trainer=TRAINER.peer_id)
     doc = json.loads(signed.encode())
