@@ -8,6 +8,8 @@ import sys
 
 import cbor2
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from p2p import envelope, fields, keys
 from p2p.envelope import ANY_SIGNER, Kind
@@ -183,3 +185,21 @@ def test_imports_without_libp2p() -> None:
         "assert not bad, bad[:5]\n"
     )
     subprocess.run([sys.executable, "-c", code], check=True, timeout=60)
+
+
+@settings(max_examples=100)
+@given(
+    kind=st.sampled_from(list(Kind)),
+    body=st.binary(max_size=300),
+    seed=st.binary(min_size=32, max_size=32),
+)
+def test_round_trip_any_body(kind: Kind, body: bytes, seed: bytes) -> None:
+    key = keys.SigningKey(seed)
+    data = envelope.seal(kind, body, key)
+    opened = envelope.open(kind, data, key.peer_id, 300)
+    assert (opened.signer, opened.body) == (key.peer_id, body)
+    assert envelope.peek_signer(data, max_bytes=300) == key.peer_id
+    for other in Kind:
+        if other is not kind:
+            with pytest.raises(MalformedEnvelope):
+                envelope.open(other, data, key.peer_id, 300)
