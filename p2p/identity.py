@@ -39,6 +39,7 @@ from p2p.keys import (
 
 log = logging.getLogger(__name__)
 
+
 @dataclass(frozen=True)
 class Identity:
     """A node's Ed25519 key pair and PeerID.
