@@ -46,8 +46,8 @@ batch-level classes use whole ``g8`` batches and count their rollouts:
   same and at the next trainer step.
 * ``stale_step``: an honest step-0 batch submitted when the trainer is at step 3 or 4.
 * ``wrong_signer``: A's payload announced by B; A's batch relabelled with B's PeerID and signed
-  by B; an announcement naming A but signed by B (refused while decoding it, since the batch
-  id binds the submitter: ``schema``).
+  by B; an announcement naming A but signed by B (refused while decoding it: its envelope's
+  signature is not A's, ``integrity``).
 * ``truncated_proof``: last chunk's proof dropped, 1–257 trailing bytes cut, or no proof.
 * ``corrupted_proof``: one coefficient bit flipped, a decode chunk's proof taken from a sibling
   sample of the same prompt, random coefficients, or a null proof (TOPLOC.md §7).

@@ -10,7 +10,10 @@ class                       meaning
 ``LocalProtocolError``      we were asked to do something invalid: our bug or bad config
 ``ConfigError``             a configuration value is invalid (names the field)
 ``RemoteProtocolError``     a remote peer broke the protocol (lowers its score)
+``FieldError``              a field of a remote message is missing or out of bounds
+``MalformedEnvelope``       a signed envelope that does not parse, or of another kind
 ``IntegrityError``          bytes do not match a digest, a signature does not verify
+``BadSignature``            a signed envelope whose signature does not verify
 ``UntrustedSigner``         a valid signature from a PeerID that is not trusted
 ``VerificationError``       an item (rollout, proof) was rejected by a check
 ``PeerUnreachable``         could not dial / connect to a peer or an HTTP source
@@ -57,6 +60,31 @@ class RemoteProtocolError(ShardnetError):
         self.peer = peer
 
 
+class FieldError(RemoteProtocolError):
+    """A field of a remote message is missing, of the wrong type or out of bounds.
+
+    Args:
+        peer: who sent the message (PeerID, URL or path).
+        message: what is wrong.
+        field: the offending field (dotted for nested fields), ``""`` for the whole message.
+    """
+
+    def __init__(self, peer: str, message: str, field: str = "") -> None:
+        super().__init__(peer, message)
+        self.field = field
+
+    @classmethod
+    def for_field(cls, peer: str, field: str, message: str) -> FieldError:
+        """The error for ``field`` (what :mod:`p2p.fields` raises; subclasses with another
+        constructor override this)."""
+        return cls(peer, f"field {field!r} {message}", field)
+
+
+class MalformedEnvelope(RemoteProtocolError):
+    """Bytes that are not a well-formed signed envelope (:mod:`p2p.envelope`) of the expected
+    kind: too large, not canonical CBOR, wrong fields, version or kind."""
+
+
 class IntegrityError(ShardnetError):
     """Bytes that do not match their digest, or a signature that does not verify.
 
@@ -72,6 +100,10 @@ class IntegrityError(ShardnetError):
         super().__init__(msg)
         self.what = what
         self.source = source
+
+
+class BadSignature(IntegrityError):
+    """A signed envelope whose signature does not verify against its signer's key."""
 
 
 class UntrustedSigner(IntegrityError):

@@ -10,7 +10,9 @@ the libp2p protobuf encoding of the private key (the format go-libp2p and py-lib
 
 Signatures are domain-separated: ``sign(domain, body)`` signs
 ``b"shardnet/" + domain + b"\\0" + body``, so a signature over a manifest can never be replayed
-as a signature over a rollout batch.
+as a signature over a rollout batch. Signed messages are sealed with :mod:`p2p.envelope` using
+:attr:`Identity.key`. PeerID parsing and signature checks live in :mod:`p2p.keys` (no libp2p,
+re-exported here); this module imports libp2p only because the host needs its key pair.
 """
 
 from __future__ import annotations
@@ -18,25 +20,24 @@ from __future__ import annotations
 import hashlib
 import logging
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
-from libp2p.crypto.ed25519 import Ed25519PrivateKey, Ed25519PublicKey
+from libp2p.crypto.ed25519 import Ed25519PrivateKey
 from libp2p.crypto.keys import KeyPair, KeyType
 from libp2p.crypto.serialization import deserialize_private_key
 from libp2p.peer.id import ID
 
 from p2p.errors import ConfigError, IntegrityError, UntrustedSigner
+from p2p.keys import (
+    SIGNATURE_BYTES,
+    SigningKey,
+    is_valid_peer_id,
+    public_key_of,
+    verify,
+)
 
 log = logging.getLogger(__name__)
-
-SIGNATURE_BYTES = 64
-
-
-def _domain_bytes(domain: str, body: bytes) -> bytes:
-    if not domain or "\0" in domain:
-        raise ValueError(f"bad signature domain {domain!r}")
-    return b"shardnet/" + domain.encode() + b"\0" + body
 
 
 @dataclass(frozen=True)
@@ -46,10 +47,19 @@ class Identity:
     Attributes:
         key_pair: the libp2p key pair (given to the libp2p host).
         peer_id: the PeerID as a base58 string (``12D3KooW…``).
+        key: the same private key as a libp2p-free :class:`p2p.keys.SigningKey` (what
+            :func:`p2p.envelope.seal` takes).
     """
 
     key_pair: KeyPair
     peer_id: str
+    key: SigningKey = field(init=False, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        priv = self.key_pair.private_key
+        if not isinstance(priv, Ed25519PrivateKey):
+            raise ConfigError("key_file", "identity key is not Ed25519")
+        object.__setattr__(self, "key", SigningKey(bytes(priv.impl)))
 
     @classmethod
     def generate(cls) -> Identity:
@@ -134,43 +144,7 @@ class Identity:
 
     def sign(self, domain: str, body: bytes) -> bytes:
         """Sign ``body`` under ``domain``; returns the 64-byte Ed25519 signature."""
-        return self.key_pair.private_key.sign(_domain_bytes(domain, body))
-
-
-def public_key_of(peer_id: str) -> Ed25519PublicKey:
-    """Recover the Ed25519 public key embedded in a PeerID string.
-
-    Raises:
-        IntegrityError: the string is not a valid PeerID with an inline Ed25519 key.
-    """
-    try:
-        key = ID.from_base58(peer_id).extract_public_key()
-    except Exception as exc:  # base58/multihash raise ValueError and friends
-        raise IntegrityError(f"malformed PeerID {peer_id!r}") from exc
-    if not isinstance(key, Ed25519PublicKey):
-        raise IntegrityError(f"PeerID {peer_id!r} does not embed an Ed25519 key")
-    return key
-
-
-def verify(peer_id: str, domain: str, body: bytes, signature: bytes) -> None:
-    """Check that ``signature`` is ``peer_id``'s signature of ``body`` under ``domain``.
-
-    Raises:
-        IntegrityError: malformed PeerID or signature, or the signature does not verify.
-    """
-    if len(signature) != SIGNATURE_BYTES:
-        raise IntegrityError(f"signature of {len(signature)} bytes, expected {SIGNATURE_BYTES}")
-    if not public_key_of(peer_id).verify(_domain_bytes(domain, body), signature):
-        raise IntegrityError(f"bad {domain} signature", peer_id)
-
-
-def is_valid_peer_id(peer_id: str) -> bool:
-    """True if ``peer_id`` parses as a PeerID with an inline Ed25519 key."""
-    try:
-        public_key_of(peer_id)
-    except IntegrityError:
-        return False
-    return True
+        return self.key.sign(domain, body)
 
 
 __all__ = [

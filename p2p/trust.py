@@ -12,7 +12,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from p2p.errors import ConfigError, UntrustedSigner
-from p2p.identity import is_valid_peer_id
+from p2p.keys import is_valid_peer_id
 
 
 @dataclass(frozen=True)

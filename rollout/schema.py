@@ -5,8 +5,9 @@ Theory of operation
 An inference peer answers the prompts assigned to it at a policy step (see
 :mod:`rollout.task`) with ``group_size`` samples each, and packs them into one
 :class:`RolloutBatch`: canonical CBOR, at most ``MAX_BATCH_BYTES``. The batch is never signed
-by itself; instead the peer signs a small :class:`RolloutAnnouncement` carrying the batch's
-BLAKE3 digest and size, the policy step and the submitter's PeerID. The announcement travels
+by itself; instead the peer seals a small :class:`RolloutAnnouncement` (a :mod:`p2p.envelope`
+of kind ``rollout-announcement``) carrying the batch's BLAKE3 digest and size, the policy step
+and the submitter's PeerID, which must be the envelope's signer. The announcement travels
 over gossip and over a direct stream to the trainer; the payload is fetched once, checked
 against the announced digest and size, and only then decoded. So a payload is bound to its
 submitter's key without signing megabytes, and a trainer can refuse a batch (stale step, bad
@@ -25,11 +26,12 @@ from typing import Any
 
 import blake3
 
-from p2p import wire
-from p2p.errors import RemoteProtocolError
-from p2p.identity import Identity, verify
+from p2p import envelope, wire
+from p2p.envelope import ANY_SIGNER, Kind
+from p2p.errors import RemoteProtocolError, UntrustedSigner
+from p2p.keys import KeyHolder, public_key_of
 
-ANNOUNCE_DOMAIN = "rollout-announce/v1"
+ANNOUNCE_KIND = Kind.ROLLOUT_ANNOUNCEMENT
 MAX_BATCH_BYTES = 32 * 1024 * 1024
 MAX_ANNOUNCEMENT_BYTES = 4096
 MAX_GROUPS = 1024
@@ -259,7 +261,7 @@ class RolloutAnnouncement:
         size: payload size in bytes.
         step: the batch's policy step.
         submitter: PeerID of the peer that produced and signed it.
-        signature: Ed25519 signature by ``submitter`` under ``rollout-announce/v1``.
+        signature: Ed25519 signature by ``submitter`` (envelope kind ``rollout-announcement``).
     """
 
     run_id: str
@@ -285,37 +287,36 @@ class RolloutAnnouncement:
 
     @classmethod
     def for_payload(
-        cls, identity: Identity, run_id: str, step: int, payload: bytes
+        cls, identity: KeyHolder, run_id: str, step: int, payload: bytes
     ) -> RolloutAnnouncement:
-        """Announce ``payload`` (an encoded batch) signed by ``identity``."""
+        """Announce ``payload`` (an encoded batch) signed by ``identity`` (an Identity or a
+        signing key)."""
+        key = identity.key
         digest = blake3.blake3(payload).hexdigest()
-        batch_id = batch_id_for(identity.peer_id, digest)
-        unsigned = cls(run_id, batch_id, digest, len(payload), step, identity.peer_id, b"")
-        return cls(
-            run_id,
-            batch_id,
-            digest,
-            len(payload),
-            step,
-            identity.peer_id,
-            identity.sign(ANNOUNCE_DOMAIN, unsigned._body()),
-        )
+        batch_id = batch_id_for(key.peer_id, digest)
+        unsigned = cls(run_id, batch_id, digest, len(payload), step, key.peer_id, b"")
+        sig = envelope.sign(ANNOUNCE_KIND, unsigned._body(), key)
+        return cls(run_id, batch_id, digest, len(payload), step, key.peer_id, sig)
 
     def encode(self) -> bytes:
-        """Envelope bytes (canonical CBOR)."""
-        return wire.encode({"body": self._body(), "sig": self.signature})
+        """The sealed envelope bytes (:mod:`p2p.envelope`), signed by the submitter."""
+        return envelope.encode_sealed(
+            ANNOUNCE_KIND, self._body(), public_key_of(self.submitter), self.signature
+        )
 
     @classmethod
     def decode(cls, data: bytes, sender: str = "") -> RolloutAnnouncement:
         """Parse and verify the submitter's signature (trust decisions are the caller's).
 
         Raises:
-            RemoteProtocolError: malformed.
-            IntegrityError: the signature is not the submitter's.
+            MessageTooLarge, MalformedEnvelope, FieldError (RemoteProtocolError): malformed.
+            BadSignature (IntegrityError): the signature does not verify.
+            UntrustedSigner (IntegrityError): signed by a key other than the submitter's.
         """
-        env = wire.decode(data, max_bytes=MAX_ANNOUNCEMENT_BYTES, sender=sender)
-        body_bytes = wire.need_bytes(env, "body", MAX_ANNOUNCEMENT_BYTES, sender)
-        sig = wire.need_bytes(env, "sig", 64, sender, exact=64)
+        opened = envelope.open(
+            ANNOUNCE_KIND, data, ANY_SIGNER, MAX_ANNOUNCEMENT_BYTES, sender=sender
+        )
+        body_bytes, sig = opened.body, opened.signature
         body = wire.decode(body_bytes, max_bytes=MAX_ANNOUNCEMENT_BYTES, sender=sender)
         wire.need_version(body, 1, "rollout announcement", sender)
         ann = cls(
@@ -329,9 +330,13 @@ class RolloutAnnouncement:
         )
         if ann._body() != body_bytes:
             raise RemoteProtocolError(sender, "announcement body is not canonical")
+        if ann.submitter != opened.signer:
+            raise UntrustedSigner(
+                f"rollout announcement of {ann.submitter} signed by {opened.signer}",
+                opened.signer,
+            )
         if ann.batch_id != batch_id_for(ann.submitter, ann.digest):
             raise RemoteProtocolError(sender, "batch_id does not bind the submitter and digest")
-        verify(ann.submitter, ANNOUNCE_DOMAIN, body_bytes, sig)
         return ann
 
     def check_payload(self, payload: bytes, source: str = "") -> None:

@@ -9,7 +9,8 @@ downstream nodes poll. So a relay or peer learns it from gossip, or at its next 
 any upstream that knows it, even after the trainer has exited.
 
 On the versions topic both message kinds arrive; :func:`decode_versions_message` tells them
-apart by the ``kind`` key of the signed body (absent in announcements) and verifies either.
+apart by the kind of their :mod:`p2p.envelope` (``run-finished`` or ``version-announcement``)
+and verifies either.
 
 A follower that knows the run finished and holds its final version has nothing left to fetch:
 :func:`poll_delay` (pure) then stretches its upstream polls and retries from seconds to
@@ -23,17 +24,17 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from p2p import wire
+from p2p import envelope, wire
+from p2p.envelope import Kind
 from p2p.errors import RemoteProtocolError
-from p2p.identity import Identity, verify
+from p2p.keys import KeyHolder, public_key_of
 from p2p.trust import TrustList
-from shardcast.manifest import check_run_id
+from shardcast.canonical import RUN_ID_RE
 from shardcast.messages import MAX_ANNOUNCEMENT_BYTES, VersionAnnouncement
 
-__all__ = ["FINISHED_DOMAIN", "PollPolicy", "RunFinished", "decode_versions_message", "poll_delay"]
+__all__ = ["FINISHED_KIND", "PollPolicy", "RunFinished", "decode_versions_message", "poll_delay"]
 
-FINISHED_DOMAIN = "finished/v1"
-_KIND = "finished"
+FINISHED_KIND = Kind.RUN_FINISHED
 
 
 @dataclass(frozen=True)
@@ -45,7 +46,8 @@ class RunFinished:
         step: the final version's step.
         manifest_digest: the final version's manifest digest.
         signer: the trainer's PeerID.
-        signature: Ed25519 signature over the body under ``finished/v1``.
+        signature: the trainer's Ed25519 signature of the body (envelope kind
+            ``run-finished``).
     """
 
     run_id: str
@@ -58,7 +60,6 @@ class RunFinished:
         return wire.encode(
             {
                 "v": 1,
-                "kind": _KIND,
                 "run_id": self.run_id,
                 "step": self.step,
                 "manifest_digest": self.manifest_digest,
@@ -67,38 +68,36 @@ class RunFinished:
 
     @classmethod
     def create(
-        cls, identity: Identity, run_id: str, step: int, manifest_digest: str
+        cls, identity: KeyHolder, run_id: str, step: int, manifest_digest: str
     ) -> RunFinished:
-        """Build and sign the message with the trainer's identity."""
-        unsigned = cls(run_id, step, manifest_digest, identity.peer_id, b"")
-        sig = identity.sign(FINISHED_DOMAIN, unsigned._body())
-        return cls(run_id, step, manifest_digest, identity.peer_id, sig)
+        """Build and sign the message with the trainer's identity (or its signing key)."""
+        key = identity.key
+        unsigned = cls(run_id, step, manifest_digest, key.peer_id, b"")
+        sig = envelope.sign(FINISHED_KIND, unsigned._body(), key)
+        return cls(run_id, step, manifest_digest, key.peer_id, sig)
 
     def encode(self) -> bytes:
-        """Envelope bytes ``{"body", "signer", "sig"}`` (the announcement's envelope)."""
-        return wire.encode({"body": self._body(), "signer": self.signer, "sig": self.signature})
+        """The sealed envelope bytes (:mod:`p2p.envelope`)."""
+        return envelope.encode_sealed(
+            FINISHED_KIND, self._body(), public_key_of(self.signer), self.signature
+        )
 
     @classmethod
     def decode(cls, data: bytes, *, trust: TrustList, sender: str = "") -> RunFinished:
         """Parse and verify a message from an untrusted sender.
 
         Raises:
-            RemoteProtocolError: malformed.
-            IntegrityError: bad signature.
+            MessageTooLarge, MalformedEnvelope, FieldError (RemoteProtocolError): malformed.
+            BadSignature (IntegrityError): bad signature.
             UntrustedSigner: signed by someone other than the pinned trainer.
         """
-        body_bytes, signer, sig = _envelope(data, sender)
-        verify(signer, FINISHED_DOMAIN, body_bytes, sig)
-        trust.require_trainer(signer, "run-finished message")
+        opened = envelope.open(
+            FINISHED_KIND, data, trust.trainer, MAX_ANNOUNCEMENT_BYTES, sender=sender
+        )
+        body_bytes, signer, sig = opened.body, opened.signer, opened.signature
         body = wire.decode(body_bytes, max_bytes=MAX_ANNOUNCEMENT_BYTES, sender=sender)
         wire.need_version(body, 1, "run finished", sender)
-        if body.get("kind") != _KIND:
-            raise RemoteProtocolError(sender, "not a run-finished message")
-        run_id = wire.need_str(body, "run_id", 128, sender)
-        try:
-            check_run_id(run_id)
-        except RemoteProtocolError as exc:
-            raise RemoteProtocolError(sender, str(exc)) from exc
+        run_id = wire.need_str(body, "run_id", 128, sender, pattern=RUN_ID_RE)
         msg = cls(
             run_id,
             wire.need_int(body, "step", 0, 1 << 62, sender),
@@ -111,14 +110,6 @@ class RunFinished:
         return msg
 
 
-def _envelope(data: bytes, sender: str) -> tuple[bytes, str, bytes]:
-    env = wire.decode(data, max_bytes=MAX_ANNOUNCEMENT_BYTES, sender=sender)
-    body = wire.need_bytes(env, "body", MAX_ANNOUNCEMENT_BYTES, sender)
-    signer = wire.need_str(env, "signer", 128, sender)
-    sig = wire.need_bytes(env, "sig", 64, sender, exact=64)
-    return body, signer, sig
-
-
 def decode_versions_message(
     data: bytes, *, trust: TrustList, sender: str = ""
 ) -> VersionAnnouncement | RunFinished:
@@ -127,9 +118,8 @@ def decode_versions_message(
     Raises:
         RemoteProtocolError, IntegrityError, UntrustedSigner: as the two decoders do.
     """
-    body_bytes, _, _ = _envelope(data, sender)
-    body = wire.decode(body_bytes, max_bytes=MAX_ANNOUNCEMENT_BYTES, sender=sender)
-    if body.get("kind") == _KIND:
+    kind = envelope.peek_kind(data, max_bytes=MAX_ANNOUNCEMENT_BYTES, sender=sender)
+    if kind is FINISHED_KIND:
         return RunFinished.decode(data, trust=trust, sender=sender)
     return VersionAnnouncement.decode(data, trust=trust, sender=sender)
 

@@ -24,7 +24,7 @@ from collections import OrderedDict
 from collections.abc import Callable, Sequence
 
 from p2p.errors import IntegrityError
-from p2p.identity import Identity, verify
+from p2p.keys import DomainSigner, verify
 
 AUTH_HEADER = "x-shardnet-auth"
 FAILED_HEADER = "x-shardnet-failed"
@@ -37,7 +37,7 @@ def _body(window: int, path: str) -> bytes:
     return f"{window} {path}".encode()
 
 
-def sign_request(identity: Identity, path: str, now_unix: float) -> str:
+def sign_request(identity: DomainSigner, path: str, now_unix: float) -> str:
     """The ``X-Shardnet-Auth`` value for a request of ``path`` at ``now_unix`` (seconds)."""
     window = int(now_unix // WINDOW_S)
     sig = identity.sign(_DOMAIN, _body(window, path))
@@ -72,7 +72,9 @@ class RequestSigner:
         clock: wall-clock seconds (``time.time``).
     """
 
-    def __init__(self, identity: Identity, clock: Callable[[], float], cache: int = 4096) -> None:
+    def __init__(
+        self, identity: DomainSigner, clock: Callable[[], float], cache: int = 4096
+    ) -> None:
         self.identity = identity
         self.clock = clock
         self.cache = cache
@@ -104,7 +106,7 @@ def whoami_body(nonce: str, url: str) -> bytes:
     return f"whoami {nonce} {url}".encode()
 
 
-def sign_whoami(identity: Identity, nonce: str, url: str) -> bytes:
+def sign_whoami(identity: DomainSigner, nonce: str, url: str) -> bytes:
     """The lane's answer to a challenge: ``<PeerID> <signature, base64url>``."""
     sig = identity.sign(WHOAMI_DOMAIN, whoami_body(nonce, url))
     return f"{identity.peer_id} {base64.urlsafe_b64encode(sig).decode()}".encode()

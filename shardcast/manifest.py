@@ -16,11 +16,17 @@ finished hashing the checkpoint (pipelining, DESIGN.md decision 3):
   shard lies in this part (empty files: part 0). A part names the header digest it belongs to.
 
 Header and parts are canonical JSON (UTF-8, sorted keys, no whitespace, integers and strings
-only), each signed by the trainer's Ed25519 PeerID key under its own domain
-(``manifest-header/v2``, ``manifest-part/v2``) and wrapped as
-``{"body": {...}, "signer": "<PeerID>", "signature": "<hex>"}``. The document stored beside a
-committed version (``manifest.json``) and served at ``.../manifest`` is
-``{"header": <envelope>, "parts": [<envelope>, ...]}``.
+only), each sealed by the trainer's Ed25519 PeerID key in a :mod:`p2p.envelope` of its own kind
+(``manifest-header``, ``manifest-part``). One part is served (``.../manifest/part/<k>``) as its
+envelope bytes. The document stored beside a committed version (``manifest.json``) and served
+at ``.../manifest`` is canonical JSON ``{"v": 3, "header": "<base64 envelope>", "parts":
+["<base64 envelope>", ...]}``.
+
+Older format, still read (data at rest, and nodes serving it): document ``{"header": E,
+"parts": [E, ...]}`` and single parts as JSON ``E``, where ``E = {"body": {...}, "signer":
+"<PeerID>", "signature": "<hex>"}`` signed under the domains ``manifest-header/v2`` and
+``manifest-part/v2`` of :func:`p2p.keys.domain_message`. A version read in the old format is
+written and served in it (its signatures cannot be converted); its parts must be old too.
 
 Every decoder treats its input as hostile: size bounds, schema and value checks (safe flat
 file names, consistent counts), signature, and the pinned trainer, each failure a typed error.
@@ -28,6 +34,8 @@ file names, consistent counts), signature, and the pinned trainer, each failure 
 
 from __future__ import annotations
 
+import base64
+import binascii
 import json
 import re
 from collections.abc import Mapping, Sequence
@@ -36,8 +44,10 @@ from typing import Any
 
 import blake3
 
-from p2p.errors import IntegrityError, RemoteProtocolError
-from p2p.identity import Identity, verify
+from p2p import envelope, fields
+from p2p.envelope import Kind
+from p2p.errors import FieldError, IntegrityError, LocalProtocolError, RemoteProtocolError
+from p2p.keys import KeyHolder, public_key_of, verify
 from p2p.trust import TrustList
 from shardcast.canonical import (
     DIGEST_RE,
@@ -49,8 +59,13 @@ from shardcast.canonical import (
 from shardcast.codecs import DELTAS, SPARSE, XOR_ZSTD, ZSTD
 
 SCHEMA_VERSION = 2
+DOCUMENT_VERSION = 3
+HEADER_KIND = Kind.MANIFEST_HEADER
+PART_KIND = Kind.MANIFEST_PART
 HEADER_DOMAIN = "manifest-header/v2"
+"""Signature domain of headers in the old format (read only)."""
 PART_DOMAIN = "manifest-part/v2"
+"""Signature domain of parts in the old format (read only)."""
 MAX_MANIFEST_BYTES = 64 * 1024 * 1024
 MAX_HEADER_BYTES = 4 * 1024 * 1024
 MAX_PART_BYTES = 8 * 1024 * 1024
@@ -64,7 +79,7 @@ _DIGEST_RE = DIGEST_RE
 OFFERABLE = (ZSTD, XOR_ZSTD, SPARSE)
 
 
-class ManifestError(RemoteProtocolError):
+class ManifestError(FieldError):
     """A manifest header, part or document that is malformed or inconsistent."""
 
 
@@ -97,10 +112,7 @@ EMPTY_DIGEST = blake3.blake3(b"").hexdigest()
 
 
 def _int(obj: Mapping[str, Any], key: str, lo: int, hi: int, source: str) -> int:
-    val = obj.get(key)
-    if not isinstance(val, int) or isinstance(val, bool) or not lo <= val <= hi:
-        raise ManifestError(source, f"{key}={val!r} is not an integer in [{lo}, {hi}]")
-    return val
+    return fields.need_int(obj, key, lo, hi, source, error=ManifestError)
 
 
 def _digest(val: Any, source: str) -> str:
@@ -392,13 +404,14 @@ class Part:
         return cls(header.run_id, header.step, obj["header"], k, tuple(digests), tuple(encs), fd)
 
 
-def _envelope(body: bytes, signer: str, signature: bytes) -> dict[str, Any]:
+def _legacy_envelope(body: bytes, signer: str, signature: bytes) -> dict[str, Any]:
     return {"body": json.loads(body), "signer": signer, "signature": signature.hex()}
 
 
-def _open_envelope(
+def _open_legacy(
     env: Any, domain: str, trust: TrustList, what: str, source: str
 ) -> tuple[Any, str, bytes]:
+    """Verify an old-format JSON envelope; returns (body object, signer, signature)."""
     if not isinstance(env, dict) or set(env) != {"body", "signer", "signature"}:
         raise ManifestError(source, f"{what} envelope must have exactly body, signer, signature")
     signer, sig_hex = env["signer"], env["signature"]
@@ -420,65 +433,153 @@ def _open_envelope(
     return env["body"], signer, signature
 
 
+def _open_sealed(
+    kind: Kind, data: bytes, trust: TrustList, max_bytes: int, what: str, source: str
+) -> tuple[Any, str, bytes]:
+    """Verify an envelope holding canonical JSON; returns (body object, signer, signature).
+
+    Raises:
+        ManifestError: not an envelope of ``kind``, too large, or a body that is not
+            canonical JSON.
+        IntegrityError (BadSignature, UntrustedSigner): see :func:`p2p.envelope.open`.
+    """
+    try:
+        opened = envelope.open(kind, data, trust.trainer, max_bytes, sender=source)
+    except RemoteProtocolError as exc:  # MalformedEnvelope, MessageTooLarge
+        raise ManifestError(source, f"{what}: {exc}") from exc
+    try:
+        obj = loads_untrusted(opened.body)
+        canonical = canonical_json(obj) == opened.body
+    except (ValueError, UnicodeDecodeError, TypeError) as exc:
+        raise ManifestError(source, f"{what} body is not JSON: {exc}") from exc
+    if not canonical:
+        raise ManifestError(source, f"{what} body is not canonical JSON")
+    return obj, opened.signer, opened.signature
+
+
+def _b64(sealed: bytes) -> str:
+    return base64.b64encode(sealed).decode("ascii")
+
+
+def _unb64(text: Any, max_bytes: int, what: str, source: str) -> bytes:
+    if not isinstance(text, str) or len(text) > (max_bytes + 1024) * 4 // 3 + 4:
+        raise ManifestError(source, f"{what} must be a bounded base64 string")
+    try:
+        raw = base64.b64decode(text, validate=True)
+    except (binascii.Error, ValueError) as exc:
+        raise ManifestError(source, f"{what} is not base64") from exc
+    if _b64(raw) != text:
+        raise ManifestError(source, f"{what} is not canonical base64")
+    return raw
+
+
 @dataclass(frozen=True)
 class SignedHeader:
-    """A header with the signer's PeerID and signature."""
+    """A header with the signer's PeerID and signature.
+
+    ``legacy``: signed in the old format (see module docstring); re-encoded in it.
+    """
 
     header: Header
     signer: str
     signature: bytes
+    legacy: bool = False
 
     @property
     def digest(self) -> str:
         """The header digest (the version's identity)."""
         return self.header.digest()
 
+    def sealed(self) -> bytes:
+        """The envelope bytes (new format only).
+
+        Raises:
+            LocalProtocolError: the header was signed in the old format.
+        """
+        _require_sealed(self.legacy)
+        return envelope.encode_sealed(
+            HEADER_KIND, self.header.canonical_bytes(), public_key_of(self.signer), self.signature
+        )
+
     def envelope(self) -> dict[str, Any]:
-        """The JSON envelope."""
-        return _envelope(self.header.canonical_bytes(), self.signer, self.signature)
+        """The old-format JSON envelope (only for a header read in that format)."""
+        return _legacy_envelope(self.header.canonical_bytes(), self.signer, self.signature)
+
+    @classmethod
+    def from_sealed(cls, data: bytes, *, trust: TrustList, source: str = "") -> SignedHeader:
+        """Verify and parse envelope bytes (see module docstring for the errors)."""
+        body, signer, sig = _open_sealed(
+            HEADER_KIND, data, trust, MAX_HEADER_BYTES, "manifest header", source
+        )
+        return cls(Header.from_obj(body, source), signer, sig)
 
     @classmethod
     def from_envelope(cls, env: Any, *, trust: TrustList, source: str = "") -> SignedHeader:
-        """Verify and parse an envelope (see module docstring for the errors)."""
-        body, signer, sig = _open_envelope(env, HEADER_DOMAIN, trust, "manifest header", source)
-        return cls(Header.from_obj(body, source), signer, sig)
+        """Verify and parse an old-format JSON envelope."""
+        body, signer, sig = _open_legacy(env, HEADER_DOMAIN, trust, "manifest header", source)
+        return cls(Header.from_obj(body, source), signer, sig, legacy=True)
 
 
 @dataclass(frozen=True)
 class SignedPart:
-    """A part with the signer's PeerID and signature."""
+    """A part with the signer's PeerID and signature (``legacy``: as :class:`SignedHeader`)."""
 
     part: Part
     signer: str
     signature: bytes
+    legacy: bool = False
 
     def envelope(self) -> dict[str, Any]:
-        """The JSON envelope."""
-        return _envelope(self.part.canonical_bytes(), self.signer, self.signature)
+        """The old-format JSON envelope (only for a part read in that format)."""
+        return _legacy_envelope(self.part.canonical_bytes(), self.signer, self.signature)
+
+    def sealed(self) -> bytes:
+        """The envelope bytes (new format only; raises LocalProtocolError otherwise)."""
+        _require_sealed(self.legacy)
+        return envelope.encode_sealed(
+            PART_KIND, self.part.canonical_bytes(), public_key_of(self.signer), self.signature
+        )
 
     def encode(self) -> bytes:
-        """Canonical JSON bytes of the envelope."""
-        return canonical_json(self.envelope())
+        """What is served for one part: the envelope bytes (old format: its JSON)."""
+        return canonical_json(self.envelope()) if self.legacy else self.sealed()
+
+    @classmethod
+    def from_sealed(
+        cls, data: bytes, header: Header, *, trust: TrustList, source: str = ""
+    ) -> SignedPart:
+        """Verify and parse part envelope bytes belonging to ``header``."""
+        body, signer, sig = _open_sealed(
+            PART_KIND, data, trust, MAX_PART_BYTES, "manifest part", source
+        )
+        return cls(Part.from_obj(body, header, source), signer, sig)
 
     @classmethod
     def from_envelope(
         cls, env: Any, header: Header, *, trust: TrustList, source: str = ""
     ) -> SignedPart:
-        """Verify and parse a part envelope belonging to ``header``."""
-        body, signer, sig = _open_envelope(env, PART_DOMAIN, trust, "manifest part", source)
-        return cls(Part.from_obj(body, header, source), signer, sig)
+        """Verify and parse an old-format part envelope belonging to ``header``."""
+        body, signer, sig = _open_legacy(env, PART_DOMAIN, trust, "manifest part", source)
+        return cls(Part.from_obj(body, header, source), signer, sig, legacy=True)
 
 
-def sign_header(header: Header, identity: Identity) -> SignedHeader:
-    """Sign a header with the trainer's key."""
+def _require_sealed(legacy: bool) -> None:
+    if legacy:
+        raise LocalProtocolError("an old-format manifest has no envelope bytes")
+
+
+def sign_header(header: Header, identity: KeyHolder) -> SignedHeader:
+    """Sign a header with the trainer's key (an Identity or its signing key)."""
+    key = identity.key
     return SignedHeader(
-        header, identity.peer_id, identity.sign(HEADER_DOMAIN, header.canonical_bytes())
+        header, key.peer_id, envelope.sign(HEADER_KIND, header.canonical_bytes(), key)
     )
 
 
-def sign_part(part: Part, identity: Identity) -> SignedPart:
-    """Sign a part with the trainer's key."""
-    return SignedPart(part, identity.peer_id, identity.sign(PART_DOMAIN, part.canonical_bytes()))
+def sign_part(part: Part, identity: KeyHolder) -> SignedPart:
+    """Sign a part with the trainer's key (an Identity or its signing key)."""
+    key = identity.key
+    return SignedPart(part, key.peer_id, envelope.sign(PART_KIND, part.canonical_bytes(), key))
 
 
 @dataclass(frozen=True)
@@ -542,8 +643,11 @@ class Manifest:
         """Add a verified part; returns False if it was already present.
 
         Raises:
-            ManifestError: a different part with the same index (equivocation).
+            ManifestError: a different part with the same index (equivocation), or a part in
+                another format than the header.
         """
+        if signed.legacy != self.signed_header.legacy:
+            raise ManifestError(signed.signer, "part and header are in different formats")
         k = signed.part.index
         if k in self.parts:
             if self.parts[k].part != signed.part:
@@ -578,10 +682,18 @@ class Manifest:
         return None
 
     def document(self) -> dict[str, Any]:
-        """``{"header": envelope, "parts": [envelopes in index order]}``."""
+        """``{"v": 3, "header": base64 envelope, "parts": [base64 envelopes in index order]}``
+        (old format, for a manifest read in it: ``{"header": E, "parts": [E...]}``)."""
+        parts = [self.parts[k] for k in sorted(self.parts)]
+        if self.signed_header.legacy:
+            return {
+                "header": self.signed_header.envelope(),
+                "parts": [p.envelope() for p in parts],
+            }
         return {
-            "header": self.signed_header.envelope(),
-            "parts": [self.parts[k].envelope() for k in sorted(self.parts)],
+            "v": DOCUMENT_VERSION,
+            "header": _b64(self.signed_header.sealed()),
+            "parts": [_b64(p.sealed()) for p in parts],
         }
 
     def encode(self) -> bytes:
@@ -605,15 +717,22 @@ class Manifest:
             doc = loads_untrusted(data)
         except (ValueError, UnicodeDecodeError) as exc:
             raise ManifestError(source, f"manifest is not JSON: {exc}") from exc
-        if (
-            not isinstance(doc, dict)
-            or set(doc) != {"header", "parts"}
-            or not isinstance(doc["parts"], list)
-        ):
-            raise ManifestError(source, "manifest document must be {header, parts: [...]}")
-        m = cls(SignedHeader.from_envelope(doc["header"], trust=trust, source=source))
-        for env in doc["parts"]:
-            m.add_part(SignedPart.from_envelope(env, m.header, trust=trust, source=source))
+        if isinstance(doc, dict) and set(doc) == {"header", "parts"}:  # the old format
+            if not isinstance(doc["parts"], list):
+                raise ManifestError(source, "manifest document must be {header, parts: [...]}")
+            m = cls(SignedHeader.from_envelope(doc["header"], trust=trust, source=source))
+            for env in doc["parts"]:
+                m.add_part(SignedPart.from_envelope(env, m.header, trust=trust, source=source))
+            return m
+        if not isinstance(doc, dict) or set(doc) != {"v", "header", "parts"}:
+            raise ManifestError(source, "manifest document must be {v, header, parts: [...]}")
+        fields.need_version(doc, DOCUMENT_VERSION, "manifest document", source, error=ManifestError)
+        raw_parts = fields.need_list(doc, "parts", MAX_SHARDS, source, error=ManifestError)
+        header = _unb64(doc["header"], MAX_HEADER_BYTES, "header", source)
+        m = cls(SignedHeader.from_sealed(header, trust=trust, source=source))
+        for text in raw_parts:
+            part = _unb64(text, MAX_PART_BYTES, "part", source)
+            m.add_part(SignedPart.from_sealed(part, m.header, trust=trust, source=source))
         return m
 
     def parts_after(self, k: int) -> Sequence[SignedPart]:
@@ -621,14 +740,38 @@ class Manifest:
         return [self.parts[i] for i in sorted(self.parts) if i > k]
 
 
+def document_signer(data: bytes, source: str = "") -> str:
+    """The PeerID that signed a manifest document's header, WITHOUT verifying anything: for
+    tools re-checking their own stored versions, which then :meth:`Manifest.decode` with it.
+
+    Raises:
+        ManifestError: not a manifest document in either format.
+    """
+    try:
+        doc = loads_untrusted(data)
+        header = doc["header"]
+        if isinstance(header, dict):  # the old format
+            signer = header["signer"]
+            if isinstance(signer, str):
+                return signer
+        else:
+            raw = _unb64(header, MAX_HEADER_BYTES, "header", source)
+            return envelope.peek_signer(raw, max_bytes=MAX_HEADER_BYTES, sender=source)
+    except (ValueError, UnicodeDecodeError, KeyError, TypeError, RemoteProtocolError) as exc:
+        raise ManifestError(source, f"not a manifest document: {exc}") from exc
+    raise ManifestError(source, "manifest header has no signer")
+
+
 def decode_part(data: bytes, header: Header, *, trust: TrustList, source: str = "") -> SignedPart:
-    """Parse and verify one part's envelope bytes.
+    """Parse and verify one part's envelope bytes (or an old-format JSON part: ``{...``).
 
     Raises:
         ManifestError, IntegrityError, UntrustedSigner: see :meth:`Manifest.decode`.
     """
     if len(data) > MAX_PART_BYTES:
         raise ManifestError(source, f"part of {len(data)} bytes exceeds {MAX_PART_BYTES}")
+    if not data.startswith(b"{"):
+        return SignedPart.from_sealed(data, header, trust=trust, source=source)
     try:
         env = loads_untrusted(data)
     except (ValueError, UnicodeDecodeError) as exc:

@@ -1,6 +1,8 @@
 """Control messages of shardcast: version announcements and node info.
 
-Both are canonical CBOR maps (see :mod:`p2p.wire`) with a schema version field ``"v"``.
+Both are canonical CBOR maps (see :mod:`p2p.wire`) with a schema version field ``"v"``; an
+announcement is sealed by the trainer in a :mod:`p2p.envelope` of kind
+``version-announcement``.
 
 ``VersionAnnouncement`` (gossip topic :func:`versions_topic`, and inside ``NodeInfo``): the
 trainer's signed statement "run R has version N with manifest digest D; submit rollouts to
@@ -21,18 +23,18 @@ import dataclasses
 from dataclasses import dataclass
 from typing import Any
 
-from p2p import wire
+from p2p import envelope, wire
+from p2p.envelope import Kind
 from p2p.errors import RemoteProtocolError
-from p2p.identity import Identity, verify
+from p2p.keys import KeyHolder, public_key_of
 from p2p.trust import TrustList
-from shardcast.canonical import DIGEST_RE
-from shardcast.manifest import check_run_id
+from shardcast.canonical import DIGEST_RE, RUN_ID_RE
 
 INFO_PROTOCOL = "/shardnet/info/1.0.0"
 RUNCARD_PROTOCOL = "/shardnet/runcard/1.0.0"
 """Request ``{"v": 1}`` (CBOR); response: the run card envelope (:mod:`shardcast.runcard`),
 or empty when the node has no card yet."""
-ANNOUNCE_DOMAIN = "announce/v1"
+ANNOUNCE_KIND = Kind.VERSION_ANNOUNCEMENT
 MAX_ANNOUNCEMENT_BYTES = 8 * 1024
 MAX_INFO_BYTES = 64 * 1024
 _ROLES = ("origin", "relay", "peer", "trainer")
@@ -55,7 +57,8 @@ class VersionAnnouncement:
         signer: the trainer's PeerID.
         card_version, card_digest: the run card in force for this version (0 and ``""``: none),
             so followers fetch a newer card before they use the version.
-        signature: Ed25519 signature over the body under ``announce/v1``.
+        signature: the trainer's Ed25519 signature of the body (envelope kind
+            ``version-announcement``).
     """
 
     run_id: str
@@ -82,7 +85,7 @@ class VersionAnnouncement:
     @classmethod
     def create(
         cls,
-        identity: Identity,
+        identity: KeyHolder,
         run_id: str,
         step: int,
         manifest_digest: str,
@@ -92,39 +95,36 @@ class VersionAnnouncement:
         """Build and sign an announcement with the trainer's identity.
 
         Args:
+            identity: the trainer's :class:`~p2p.identity.Identity` (or its signing key).
             card: ``(version, digest)`` of the run card in force, or ``(0, "")``.
         """
-        unsigned = cls(run_id, step, manifest_digest, trainer_addrs, identity.peer_id, b"", *card)
-        return dataclasses.replace(
-            unsigned, signature=identity.sign(ANNOUNCE_DOMAIN, unsigned._body())
-        )
+        key = identity.key
+        unsigned = cls(run_id, step, manifest_digest, trainer_addrs, key.peer_id, b"", *card)
+        sig = envelope.sign(ANNOUNCE_KIND, unsigned._body(), key)
+        return dataclasses.replace(unsigned, signature=sig)
 
     def encode(self) -> bytes:
-        """Envelope bytes: ``{"body", "signer", "sig"}`` in canonical CBOR."""
-        return wire.encode({"body": self._body(), "signer": self.signer, "sig": self.signature})
+        """The sealed envelope bytes (:mod:`p2p.envelope`)."""
+        return envelope.encode_sealed(
+            ANNOUNCE_KIND, self._body(), public_key_of(self.signer), self.signature
+        )
 
     @classmethod
     def decode(cls, data: bytes, *, trust: TrustList, sender: str = "") -> VersionAnnouncement:
         """Parse and verify an announcement from an untrusted sender.
 
         Raises:
-            RemoteProtocolError: malformed.
-            IntegrityError: bad signature.
+            MessageTooLarge, MalformedEnvelope, FieldError (RemoteProtocolError): malformed.
+            BadSignature (IntegrityError): bad signature.
             UntrustedSigner: signed by someone other than the pinned trainer.
         """
-        env = wire.decode(data, max_bytes=MAX_ANNOUNCEMENT_BYTES, sender=sender)
-        body_bytes = wire.need_bytes(env, "body", MAX_ANNOUNCEMENT_BYTES, sender)
-        signer = wire.need_str(env, "signer", 128, sender)
-        sig = wire.need_bytes(env, "sig", 64, sender, exact=64)
-        verify(signer, ANNOUNCE_DOMAIN, body_bytes, sig)
-        trust.require_trainer(signer, "version announcement")
+        opened = envelope.open(
+            ANNOUNCE_KIND, data, trust.trainer, MAX_ANNOUNCEMENT_BYTES, sender=sender
+        )
+        body_bytes, signer, sig = opened.body, opened.signer, opened.signature
         body = wire.decode(body_bytes, max_bytes=MAX_ANNOUNCEMENT_BYTES, sender=sender)
         wire.need_version(body, 1, "announcement", sender)
-        run_id = wire.need_str(body, "run_id", 128, sender)
-        try:
-            check_run_id(run_id)
-        except RemoteProtocolError as exc:
-            raise RemoteProtocolError(sender, str(exc)) from exc
+        run_id = wire.need_str(body, "run_id", 128, sender, pattern=RUN_ID_RE)
         digest = wire.need_str(body, "manifest_digest", 64, sender)
         addrs = wire.need_list(body, "trainer_addrs", 16, sender)
         if not all(isinstance(a, str) and len(a) < 512 for a in addrs):

@@ -54,7 +54,7 @@ from p2p.errors import ConfigError, IntegrityError, ShardnetError
 from p2p.trust import TrustList
 from shardcast.canonical import DIGEST_RE, loads_untrusted
 from shardcast.codecs import ENCODINGS, RAW
-from shardcast.manifest import MANIFEST_FILE, Manifest, check_run_id
+from shardcast.manifest import MANIFEST_FILE, Manifest, check_run_id, document_signer
 from shardcast.store import VersionStore, hash_file
 
 log = logging.getLogger(__name__)
@@ -289,7 +289,7 @@ def _export_version(
 ) -> None:
     vdir = store.version_dir(step)
     raw = (vdir / MANIFEST_FILE).read_bytes()
-    signer = trainer_id or loads_untrusted(raw)["header"]["signer"]
+    signer = trainer_id or document_signer(raw, str(vdir))
     m = Manifest.decode(raw, trust=TrustList(trainer=signer), source=str(vdir))
     if not m.complete:
         raise IntegrityError(f"{vdir}: manifest parts are missing")

@@ -35,29 +35,47 @@ and digest): static mirrors (:mod:`shardcast.mirror`) the trainer names, 1 to
 ``/``). Followers that adopt the card add them to their own mirrors; a mirror stays untrusted
 (every byte is checked against the signed manifest), the card only says where to look. A node
 that predates the field refuses a card that has it (an unknown field).
-The envelope, stored as ``<data_dir>/runcard.json``, served at ``GET /shardnet/v1/runcard``
-and on ``/shardnet/runcard/1.0.0``, is ``{"body": {...}, "signer": "<PeerID>", "signature":
-"<128 hex>"}``; the signature is Ed25519 over ``b"shardnet/runcard/v1\\0" + body`` (the
-domain tagging of :mod:`p2p.identity`), and ``signer`` must equal ``body.trainer``. The card's
-digest is the BLAKE3 of the canonical body. A card is at most :data:`MAX_CARD_BYTES`.
+The body is sealed by the trainer in a :mod:`p2p.envelope` of kind ``run-card``; the signer
+must be the pinned trainer and equal ``body.trainer``. The document stored as
+``<data_dir>/runcard.json``, served at ``GET /shardnet/v1/runcard`` and on
+``/shardnet/runcard/1.0.0`` is canonical JSON ``{"v": 2, "sealed": "<base64 envelope>"}``.
+The card's digest is the BLAKE3 of the canonical body. A document is at most
+:data:`MAX_CARD_BYTES`.
+
+Older format, still read (cards stored before, nodes serving one): ``{"body": {...},
+"signer": "<PeerID>", "signature": "<128 hex>"}``, the signature over
+``b"shardnet/runcard/v1\\0" + body`` (:func:`p2p.keys.domain_message`). A card read in that
+format is stored and served in it.
 
 Every decoder treats its input as hostile; each failure is a typed error naming the field:
 :class:`MalformedRunCard`, :class:`BadRunCardSignature`, :class:`WrongRunCardKey`. This module
-is pure (stdlib, ``blake3``, :mod:`p2p.errors`); signature checks import :mod:`p2p.identity`
-(libp2p's Ed25519) only when called.
+imports no libp2p (signatures: :mod:`p2p.keys`, PyNaCl).
 """
 
 from __future__ import annotations
 
+import base64
+import binascii
 import json
 import math
 import re
 from collections.abc import Mapping
 from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Any
 
-from p2p.errors import ConfigError, IntegrityError, RemoteProtocolError, UntrustedSigner
+from p2p import envelope, fields
+from p2p.envelope import Kind
+from p2p.errors import (
+    BadSignature,
+    ConfigError,
+    FieldError,
+    IntegrityError,
+    LocalProtocolError,
+    RemoteProtocolError,
+    UntrustedSigner,
+)
+from p2p.keys import KeyHolder, public_key_of, verify
 from shardcast.canonical import (
     DIGEST_RE,
     RUN_ID_RE,
@@ -90,8 +108,12 @@ __all__ = [
 ]
 
 CARD_SCHEMA = 1
+CARD_DOCUMENT_VERSION = 2
+CARD_KIND = Kind.RUN_CARD
 CARD_DOMAIN = "runcard/v1"
+"""Signature domain of cards in the old format (read only)."""
 MAX_CARD_BYTES = 16 * 1024
+MAX_CARD_BODY_BYTES = 8 * 1024
 CARD_FILE = "runcard.json"
 MAX_ENGINES = 8
 MAX_CARD_MIRRORS = 8
@@ -121,7 +143,7 @@ IGNORED_CONFIG_KEYS = frozenset(
 """``config.json`` keys that do not describe the architecture (left out of its digest)."""
 
 
-class MalformedRunCard(RemoteProtocolError):
+class MalformedRunCard(FieldError):
     """A run card that is not valid: too large, not JSON, or a field with a bad value.
 
     Attributes:
@@ -129,8 +151,12 @@ class MalformedRunCard(RemoteProtocolError):
     """
 
     def __init__(self, source: str, field: str, message: str) -> None:
-        super().__init__(source, f"run card {field or 'document'}: {message}")
-        self.field = field
+        super().__init__(source, f"run card {field or 'document'}: {message}", field)
+
+    @classmethod
+    def for_field(cls, peer: str, field: str, message: str) -> MalformedRunCard:
+        """The error :mod:`p2p.fields` raises for ``field``."""
+        return cls(peer, field, message)
 
 
 class BadRunCardSignature(IntegrityError):
@@ -146,19 +172,6 @@ class UnsupportedEngine(ConfigError):
 
     def __init__(self, message: str) -> None:
         super().__init__("engine", message)
-
-
-class Signer(Protocol):
-    """What signs a card (:class:`p2p.identity.Identity`)."""
-
-    @property
-    def peer_id(self) -> str:
-        """The signer's PeerID."""
-        ...
-
-    def sign(self, domain: str, body: bytes) -> bytes:
-        """Ed25519 signature of ``body`` under ``domain``."""
-        ...
 
 
 @dataclass(frozen=True)
@@ -331,16 +344,11 @@ def _fail(source: str, field: str, message: str) -> MalformedRunCard:
 
 
 def _int(obj: Mapping[str, Any], key: str, lo: int, hi: int, source: str, prefix: str = "") -> None:
-    val = obj.get(key)
-    if not isinstance(val, int) or isinstance(val, bool) or not lo <= val <= hi:
-        raise _fail(source, prefix + key, f"{val!r} is not an integer in [{lo}, {hi}]")
+    fields.need_int(obj, key, lo, hi, source, error=MalformedRunCard, prefix=prefix)
 
 
 def _obj(obj: Mapping[str, Any], key: str, keys: set[str], source: str) -> Mapping[str, Any]:
-    val = obj.get(key)
-    if not isinstance(val, dict) or set(val) != keys:
-        raise _fail(source, key, f"must be an object with exactly {sorted(keys)}")
-    return val
+    return fields.need_map(obj, key, keys, source, error=MalformedRunCard)
 
 
 def _check_body(obj: Any, source: str) -> None:
@@ -430,11 +438,12 @@ def _check_mirrors(mirrors: Any, source: str) -> None:
 
 @dataclass(frozen=True)
 class SignedRunCard:
-    """A card with the trainer's signature."""
+    """A card with the trainer's signature (``legacy``: read in the old format, kept in it)."""
 
     card: RunCard
     signer: str
     signature: bytes
+    legacy: bool = False
 
     @property
     def digest(self) -> str:
@@ -447,23 +456,38 @@ class SignedRunCard:
         return self.card.card_version
 
     def envelope(self) -> dict[str, Any]:
-        """The JSON envelope ``{"body", "signer", "signature"}``."""
+        """The old-format JSON envelope ``{"body", "signer", "signature"}``."""
         return {
             "body": self.card.to_obj(),
             "signer": self.signer,
             "signature": self.signature.hex(),
         }
 
+    def sealed(self) -> bytes:
+        """The :mod:`p2p.envelope` bytes (new format only).
+
+        Raises:
+            LocalProtocolError: the card was signed in the old format.
+        """
+        if self.legacy:
+            raise LocalProtocolError("an old-format run card has no envelope bytes")
+        return envelope.encode_sealed(
+            CARD_KIND, self.card.canonical_bytes(), public_key_of(self.signer), self.signature
+        )
+
     def encode(self) -> bytes:
-        """Canonical JSON bytes of the envelope (what is stored and served)."""
-        return canonical_json(self.envelope())
+        """Canonical JSON bytes of the document (what is stored and served)."""
+        if self.legacy:
+            return canonical_json(self.envelope())
+        sealed = base64.b64encode(self.sealed()).decode("ascii")
+        return canonical_json({"v": CARD_DOCUMENT_VERSION, "sealed": sealed})
 
     @classmethod
     def decode(cls, data: bytes, *, trainer: str, source: str = "") -> SignedRunCard:
-        """Parse and verify an envelope against the pinned trainer PeerID.
+        """Parse and verify a document (either format) against the pinned trainer PeerID.
 
         Args:
-            data: the envelope bytes (untrusted).
+            data: the document bytes (untrusted).
             trainer: the pinned trainer PeerID.
             source: who sent it (PeerID, URL or path), for errors.
 
@@ -478,8 +502,39 @@ class SignedRunCard:
             env = loads_untrusted(data)
         except (ValueError, UnicodeDecodeError) as exc:
             raise _fail(source, "", f"not JSON: {exc}") from exc
-        if not isinstance(env, dict) or set(env) != {"body", "signer", "signature"}:
-            raise _fail(source, "", "envelope must have exactly body, signer, signature")
+        if isinstance(env, dict) and set(env) == {"body", "signer", "signature"}:
+            return cls._decode_legacy(env, trainer, source)
+        if not isinstance(env, dict) or set(env) != {"v", "sealed"}:
+            raise _fail(source, "", "document must have exactly v, sealed")
+        fields.need_version(env, CARD_DOCUMENT_VERSION, "run card", source, error=MalformedRunCard)
+        text = fields.need_str(env, "sealed", MAX_CARD_BYTES, source, error=MalformedRunCard)
+        try:
+            raw = base64.b64decode(text, validate=True)
+        except (binascii.Error, ValueError) as exc:
+            raise _fail(source, "sealed", "is not base64") from exc
+        if base64.b64encode(raw).decode("ascii") != text:
+            raise _fail(source, "sealed", "is not canonical base64")
+        try:
+            opened = envelope.open(CARD_KIND, raw, trainer, MAX_CARD_BODY_BYTES, sender=source)
+        except BadSignature as exc:
+            raise BadRunCardSignature(f"run card signature ({exc})", source) from exc
+        except UntrustedSigner as exc:
+            raise WrongRunCardKey(
+                f"run card signed by {exc.source}, the pinned trainer is {trainer}", source
+            ) from exc
+        except RemoteProtocolError as exc:  # MalformedEnvelope, MessageTooLarge
+            raise _fail(source, "sealed", str(exc)) from exc
+        try:
+            body = loads_untrusted(opened.body)
+            canonical = canonical_json(body) == opened.body
+        except (ValueError, UnicodeDecodeError, TypeError) as exc:
+            raise _fail(source, "", f"body is not JSON: {exc}") from exc
+        if not canonical:
+            raise _fail(source, "", "body is not canonical JSON")
+        return cls._checked(body, opened.signer, opened.signature, False, source)
+
+    @classmethod
+    def _decode_legacy(cls, env: dict[str, Any], trainer: str, source: str) -> SignedRunCard:
         signer, sig_hex = env["signer"], env["signature"]
         if not isinstance(signer, str) or not isinstance(sig_hex, str) or len(sig_hex) != 128:
             raise _fail(source, "signature", "signer and a 128-hex-digit signature are required")
@@ -491,8 +546,6 @@ class SignedRunCard:
             body = canonical_json(env["body"])
         except TypeError as exc:
             raise _fail(source, "", f"body is not canonical JSON: {exc}") from exc
-        from p2p.identity import verify  # libp2p's Ed25519, only when a card is checked
-
         try:
             verify(signer, CARD_DOMAIN, body, signature)
         except IntegrityError as exc:
@@ -501,10 +554,16 @@ class SignedRunCard:
             raise WrongRunCardKey(
                 f"run card signed by {signer}, the pinned trainer is {trainer}", source
             )
-        card = RunCard.from_obj(env["body"], source)
+        return cls._checked(env["body"], signer, signature, True, source)
+
+    @classmethod
+    def _checked(
+        cls, body: Any, signer: str, signature: bytes, legacy: bool, source: str
+    ) -> SignedRunCard:
+        card = RunCard.from_obj(body, source)
         if card.trainer != signer:
             raise _fail(source, "trainer", f"names {card.trainer} but is signed by {signer}")
-        return cls(card, signer, signature)
+        return cls(card, signer, signature, legacy)
 
     @classmethod
     def load(cls, path: Path, *, trainer: str) -> SignedRunCard | None:
@@ -520,18 +579,19 @@ class SignedRunCard:
         return cls.decode(data, trainer=trainer, source=str(path))
 
 
-def sign_card(card: RunCard, signer: Signer) -> SignedRunCard:
-    """Sign ``card`` with the trainer's key.
+def sign_card(card: RunCard, signer: KeyHolder) -> SignedRunCard:
+    """Sign ``card`` with the trainer's key (an Identity or its signing key).
 
     Raises:
         ConfigError: ``card.trainer`` is not the signer's PeerID (field ``trainer``).
     """
-    if card.trainer != signer.peer_id:
-        raise ConfigError("trainer", f"card names {card.trainer}, the key is {signer.peer_id}")
-    return SignedRunCard(card, signer.peer_id, signer.sign(CARD_DOMAIN, card.canonical_bytes()))
+    key = signer.key
+    if card.trainer != key.peer_id:
+        raise ConfigError("trainer", f"card names {card.trainer}, the key is {key.peer_id}")
+    return SignedRunCard(card, key.peer_id, envelope.sign(CARD_KIND, card.canonical_bytes(), key))
 
 
-def next_card(rules: RunCard, previous: SignedRunCard | None, signer: Signer) -> SignedRunCard:
+def next_card(rules: RunCard, previous: SignedRunCard | None, signer: KeyHolder) -> SignedRunCard:
     """The card to publish for ``rules``, given the card published before (if any).
 
     ``rules``' ``card_version`` and ``issued_at_ms`` are the proposal: if ``previous`` has the
@@ -553,7 +613,8 @@ def next_card(rules: RunCard, previous: SignedRunCard | None, signer: Signer) ->
         if old.trainer != rules.trainer:
             raise ConfigError("trainer", f"the stored card belongs to trainer {old.trainer}")
         if old.same_rules(rules):
-            return previous
+            # an old-format card is resealed as it is (same body, version and digest)
+            return sign_card(old, signer) if previous.legacy else previous
         rules = replace(rules, card_version=old.card_version + 1)
     return sign_card(rules, signer)
 

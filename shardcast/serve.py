@@ -291,7 +291,9 @@ class VersionServer:
                 return HttpResponse(404)
             if not await self._wait(req, step, lambda: k in m.parts):
                 return _retry()
-            return self._document(req, step, m.parts[k].encode(), f'"{m.digest}.p{k}"')
+            part = m.parts[k]
+            ctype = _JSON if part.legacy else "application/cbor"  # a p2p.envelope
+            return self._document(req, step, part.encode(), f'"{m.digest}.p{k}"', ctype)
         if mr["shard"] is not None:
             return await self._blob(req, step, m, int(mr["shard"]), mr["enc"])
         return await self._file(req, step, m, mr["name"] or "")
@@ -306,10 +308,12 @@ class VersionServer:
             return None, [_NO_CACHE]
         return email.utils.formatdate(mtime, usegmt=True), [("cache-control", IMMUTABLE)]
 
-    def _document(self, req: HttpRequest, step: int, body: bytes, etag: str) -> HttpResponse:
-        """A small immutable JSON document (a complete manifest or a part) with validators."""
+    def _document(
+        self, req: HttpRequest, step: int, body: bytes, etag: str, content_type: str = _JSON
+    ) -> HttpResponse:
+        """A small immutable document (a complete manifest or a part) with validators."""
         last_modified, cache = self._validators(step)
-        headers = [("content-type", _JSON), ("etag", etag), *cache]
+        headers = [("content-type", content_type), ("etag", etag), *cache]
         if last_modified is not None:
             headers.append(("last-modified", last_modified))
         inm = req.headers.get("if-none-match", "")

@@ -47,7 +47,6 @@ called from several threads for *different* shards at once.
 
 from __future__ import annotations
 
-import json
 import logging
 import os
 import shutil
@@ -60,7 +59,7 @@ import blake3
 
 from p2p.errors import IntegrityError, LocalProtocolError, ShardnetError
 from p2p.trust import TrustList
-from shardcast.manifest import MANIFEST_FILE, Manifest, check_run_id
+from shardcast.manifest import MANIFEST_FILE, Manifest, check_run_id, document_signer
 from shardcast.plan import BLOB_DIR
 from shardcast.policy import versions_to_prune
 
@@ -137,11 +136,9 @@ class VersionStore:
         for step in self.committed_steps():
             d = self.version_dir(step)
             try:
-                doc = json.loads((d / MANIFEST_FILE).read_bytes())
-                signer = doc["header"]["signer"]
-                m = Manifest.decode(
-                    (d / MANIFEST_FILE).read_bytes(), trust=TrustList(trainer=signer)
-                )
+                raw = (d / MANIFEST_FILE).read_bytes()
+                signer = document_signer(raw, str(d))
+                m = Manifest.decode(raw, trust=TrustList(trainer=signer))
                 ok = m.complete and all(
                     hash_file(d / f.name) == m.file_digest(f.name) for f in m.header.files
                 )

@@ -1,7 +1,8 @@
 """The untrusted decoders under fuzz, each with valid seed encodings (deterministic).
 
-Every decoder here reads bytes a remote node chose: manifests and parts (from the origin or a
-relay), version announcements, node info and adverts (gossip, info protocol), run cards,
+Every decoder here reads bytes a remote node chose: signed envelopes (p2p/envelope.py, under
+which every signed message travels), manifests and parts (new and old formats; from the origin
+or a relay), version announcements, node info and adverts (gossip, info protocol), run cards,
 rollout batches and their announcements (from peers), TOPLOC proofs, shard codecs (zstd,
 xor-zstd, sparse; the bytes are only checked against their digest *after* decoding), the HTTP
 request head and the Range, Content-Range and Retry-After headers, and the safetensors header
@@ -11,6 +12,7 @@ of a received checkpoint.
 from __future__ import annotations
 
 import atexit
+import base64
 import json
 import random
 import shutil
@@ -23,7 +25,8 @@ import cbor2
 import torch
 from safetensors.torch import save as save_safetensors
 
-from p2p import wire
+from p2p import envelope
+from p2p.envelope import ANY_SIGNER, Kind
 from p2p.errors import ShardnetError
 from p2p.http_range import (
     ByteRange,
@@ -37,7 +40,6 @@ from p2p.http_server import parse_request_head
 from p2p.identity import Identity
 from p2p.trust import TrustList
 from rollout.model import read_tensor_shapes
-from rollout.schema import ANNOUNCE_DOMAIN as ROLLOUT_DOMAIN
 from rollout.schema import Group, RolloutAnnouncement, RolloutBatch, Sample
 from rollout.toploc_codec import decode_proof_base64, encode_proof_base64, parse_proof
 from shardcast import codecs
@@ -55,7 +57,7 @@ from shardcast.manifest import (
     sign_header,
     sign_part,
 )
-from shardcast.messages import ANNOUNCE_DOMAIN, NodeInfo, VersionAnnouncement
+from shardcast.messages import NodeInfo, VersionAnnouncement
 from shardcast.runcard import (
     CARD_DOMAIN,
     EngineSpec,
@@ -97,9 +99,26 @@ def _json(tree: Any) -> bytes:
     return json.dumps(tree, allow_nan=True).encode()
 
 
+def _seal_json(kind: Kind, body: Any, identity: Identity) -> str:
+    """Seal a (mutated) JSON body so that the parser behind the signature check sees it,
+    base64 as documents carry it; a body without a canonical form is sealed as its repr."""
+    try:
+        raw = canonical_json(body)
+    except (TypeError, ValueError, RecursionError):
+        raw = repr(body).encode()[:4096]
+    return base64.b64encode(envelope.seal(kind, raw, identity.key)).decode()
+
+
+def _seal_cbor(kind: Kind, identity: Identity) -> Callable[[Any], bytes]:
+    def encode(tree: Any) -> bytes:
+        return envelope.seal(kind, _cbor(tree), identity.key)
+
+    return encode
+
+
 def _resign(env: Any, domain: str, identity: Identity) -> None:
-    """Re-sign a JSON envelope's (mutated) body in place so that the parser behind the
-    signature check sees it; bodies without a canonical form keep their old signature."""
+    """Re-sign an old-format JSON envelope's (mutated) body in place so that the parser behind
+    the signature check sees it; bodies without a canonical form keep their old signature."""
     if isinstance(env, dict) and "body" in env:
         try:
             env["signature"] = identity.sign(domain, canonical_json(env["body"])).hex()
@@ -151,6 +170,52 @@ def _manifest(base: bool) -> Manifest:
 MANIFESTS = (_manifest(False), _manifest(True))
 
 
+def _legacy_env(body: bytes, domain: str) -> dict[str, Any]:
+    sig = TRAINER.sign(domain, body)
+    return {"body": json.loads(body), "signer": TRAINER.peer_id, "signature": sig.hex()}
+
+
+LEGACY_DOCS = tuple(
+    canonical_json(
+        {
+            "header": _legacy_env(m.header.canonical_bytes(), HEADER_DOMAIN),
+            "parts": [
+                _legacy_env(m.parts[k].part.canonical_bytes(), PART_DOMAIN) for k in sorted(m.parts)
+            ],
+        }
+    )
+    for m in MANIFESTS
+)
+LEGACY_PARTS = tuple(
+    canonical_json(_legacy_env(p.part.canonical_bytes(), PART_DOMAIN))
+    for m in MANIFESTS
+    for p in m.parts.values()
+)
+
+
+def _bodies(m: Manifest) -> dict[str, Any]:
+    """The signed bodies of a manifest document, as a tree to mutate and re-seal."""
+    return {
+        "v": 3,
+        "header": m.header.to_obj(),
+        "parts": [m.parts[k].part.to_obj() for k in sorted(m.parts)],
+    }
+
+
+def _seal_document(tree: Any) -> bytes:
+    if isinstance(tree, dict):
+        tree = dict(tree)
+        if "header" in tree:
+            tree["header"] = _seal_json(Kind.MANIFEST_HEADER, tree["header"], TRAINER)
+        if isinstance(tree.get("parts"), list):
+            tree["parts"] = [_seal_json(Kind.MANIFEST_PART, p, TRAINER) for p in tree["parts"]]
+    return _json(tree)
+
+
+def _seal_part(tree: Any) -> bytes:
+    return base64.b64decode(_seal_json(Kind.MANIFEST_PART, tree, TRAINER))
+
+
 def _resign_document(tree: Any) -> bytes:
     if isinstance(tree, dict):
         _resign(tree.get("header"), HEADER_DOMAIN, TRAINER)
@@ -164,6 +229,24 @@ def _resign_document(tree: Any) -> bytes:
 def _resign_part(tree: Any) -> bytes:
     _resign(tree, PART_DOMAIN, TRAINER)
     return _json(tree)
+
+
+CBOR_TOKENS = (
+    b"\x9f",
+    b"\xbf",
+    b"\xff",
+    b"\x81" * 3000,
+    b"\xa1\x61a" * 2000,
+    b"\xc2\x58\x40",
+    b"\xd9\x01\x02",
+    b"\x5b\xff\xff\xff\xff\xff\xff\xff\xff",
+    b"\x9b\x00\x00\x00\xff\xff\xff\xff\xff",
+    b"\xfb\x7f\xf8\x00\x00\x00\x00\x00\x00",
+    b"\xf9\x7c\x00",
+    b"\xd8\x1c",
+    b"\xd8\x1d\x00",
+    b"\x61v\x01",
+)
 
 
 JSON_TOKENS = (
@@ -192,46 +275,28 @@ JSON_TOKENS = (
 MANIFEST_DOC = Target(
     "manifest",
     lambda data: Manifest.decode(data, trust=TRUST, source="fuzz"),
-    [m.encode() for m in MANIFESTS],
+    [*(m.encode() for m in MANIFESTS), *LEGACY_DOCS],
     JSON_TOKENS,
-    trees=[(json.loads(m.encode()), _resign_document) for m in MANIFESTS],
+    trees=[
+        *((_bodies(m), _seal_document) for m in MANIFESTS),
+        *((json.loads(d), _resign_document) for d in LEGACY_DOCS),
+    ],
 )
 MANIFEST_PART = Target(
     "manifest-part",
     lambda data: _all(
         *((lambda m=m: decode_part(data, m.header, trust=TRUST, source="fuzz")) for m in MANIFESTS)
     ),
-    [p.encode() for m in MANIFESTS for p in m.parts.values()],
-    JSON_TOKENS,
-    trees=[(json.loads(p.encode()), _resign_part) for m in MANIFESTS for p in m.parts.values()],
+    [*(p.encode() for m in MANIFESTS for p in m.parts.values()), *LEGACY_PARTS],
+    CBOR_TOKENS + JSON_TOKENS,
+    trees=[
+        *((p.part.to_obj(), _seal_part) for m in MANIFESTS for p in m.parts.values()),
+        *((json.loads(p), _resign_part) for p in LEGACY_PARTS),
+    ],
 )
 
 
 # --- node messages -------------------------------------------------------------------------
-
-CBOR_TOKENS = (
-    b"\x9f",
-    b"\xbf",
-    b"\xff",
-    b"\x81" * 3000,
-    b"\xa1\x61a" * 2000,
-    b"\xc2\x58\x40",
-    b"\xd9\x01\x02",
-    b"\x5b\xff\xff\xff\xff\xff\xff\xff\xff",
-    b"\x9b\x00\x00\x00\xff\xff\xff\xff\xff",
-    b"\xfb\x7f\xf8\x00\x00\x00\x00\x00\x00",
-    b"\xf9\x7c\x00",
-    b"\xd8\x1c",
-    b"\xd8\x1d\x00",
-    b"\x61v\x01",
-)
-
-
-def _announce_tree(tree: Any) -> bytes:
-    body = _cbor(tree)
-    return wire.encode(
-        {"body": body, "signer": TRAINER.peer_id, "sig": TRAINER.sign(ANNOUNCE_DOMAIN, body)}
-    )
 
 
 ANNOUNCEMENTS = (
@@ -243,7 +308,10 @@ VERSION_ANNOUNCEMENT = Target(
     lambda data: VersionAnnouncement.decode(data, trust=TRUST, sender="fuzz"),
     [a.encode() for a in ANNOUNCEMENTS],
     CBOR_TOKENS,
-    trees=[(cbor2.loads(a._body()), _announce_tree) for a in ANNOUNCEMENTS],
+    trees=[
+        (cbor2.loads(a._body()), _seal_cbor(Kind.VERSION_ANNOUNCEMENT, TRAINER))
+        for a in ANNOUNCEMENTS
+    ],
     json_only=False,
 )
 INFOS = (
@@ -299,12 +367,23 @@ def _resign_card(tree: Any) -> bytes:
     return _json(tree)
 
 
+def _seal_card(tree: Any) -> bytes:
+    return _json({"v": 2, "sealed": _seal_json(Kind.RUN_CARD, tree, TRAINER)})
+
+
+LEGACY_CARD = canonical_json(
+    {
+        "body": CARD.to_obj(),
+        "signer": TRAINER.peer_id,
+        "signature": TRAINER.sign(CARD_DOMAIN, CARD.canonical_bytes()).hex(),
+    }
+)
 RUN_CARD = Target(
     "run-card",
     lambda data: SignedRunCard.decode(data, trainer=TRAINER.peer_id, source="fuzz"),
-    [sign_card(CARD, TRAINER).encode()],
+    [sign_card(CARD, TRAINER).encode(), LEGACY_CARD],
     JSON_TOKENS,
-    trees=[(json.loads(sign_card(CARD, TRAINER).encode()), _resign_card)],
+    trees=[(CARD.to_obj(), _seal_card), (json.loads(LEGACY_CARD), _resign_card)],
 )
 
 
@@ -344,11 +423,6 @@ ROLLOUT_BATCH = Target(
 )
 
 
-def _rollout_announce_tree(tree: Any) -> bytes:
-    body = _cbor(tree)
-    return wire.encode({"body": body, "sig": PEER.sign(ROLLOUT_DOMAIN, body)})
-
-
 ROLLOUT_ANNOUNCEMENTS = tuple(
     RolloutAnnouncement.for_payload(PEER, RUN, 3, b.encode()) for b in BATCHES
 )
@@ -357,7 +431,39 @@ ROLLOUT_ANNOUNCEMENT = Target(
     lambda data: RolloutAnnouncement.decode(data, sender="fuzz"),
     [a.encode() for a in ROLLOUT_ANNOUNCEMENTS],
     CBOR_TOKENS,
-    trees=[(cbor2.loads(a._body()), _rollout_announce_tree) for a in ROLLOUT_ANNOUNCEMENTS],
+    trees=[
+        (cbor2.loads(a._body()), _seal_cbor(Kind.ROLLOUT_ANNOUNCEMENT, PEER))
+        for a in ROLLOUT_ANNOUNCEMENTS
+    ],
+    json_only=False,
+)
+
+
+def _open_every_kind(data: bytes) -> None:
+    """envelope.open under every kind and trust rule (the decoder all signed messages share)."""
+    _all(
+        *(
+            (lambda k=k, t=t: envelope.open(k, data, t, 4096, sender="fuzz"))
+            for k in Kind
+            for t in (ANY_SIGNER, TRAINER.peer_id, frozenset({PEER.peer_id}))
+        ),
+        lambda: envelope.peek_kind(data, max_bytes=4096),
+    )
+
+
+ENVELOPES = (
+    envelope.seal(Kind.RUN_FINISHED, b"", TRAINER.key),
+    envelope.seal(Kind.VERSION_ANNOUNCEMENT, ANNOUNCEMENTS[0]._body(), TRAINER.key),
+    envelope.seal(Kind.ROLLOUT_ANNOUNCEMENT, ROLLOUT_ANNOUNCEMENTS[0]._body(), PEER.key),
+    envelope.seal(Kind.MANIFEST_PART, b"x" * 4096, TRAINER.key),
+)
+ENVELOPE = Target(
+    "envelope",
+    _open_every_kind,
+    list(ENVELOPES),
+    (*CBOR_TOKENS, *(k.value.encode() for k in Kind), TRAINER.key.public_key),
+    max_random_bytes=4400,
+    trees=[(cbor2.loads(e), _cbor) for e in ENVELOPES],
     json_only=False,
 )
 
@@ -570,6 +676,7 @@ TARGETS = (
     RUN_CARD,
     ROLLOUT_BATCH,
     ROLLOUT_ANNOUNCEMENT,
+    ENVELOPE,
     TOPLOC_PROOF,
     TOPLOC_BASE64,
     ZSTD,

@@ -49,10 +49,14 @@ async def test_committed_version_has_cache_validators(tmp_path: Path) -> None:
         r = await client.get(url, headers={"range": "bytes=9-3"})
         assert (r.status_code, r.headers["content-range"]) == (416, f"bytes */{150_000}")
         assert (await client.get(url, headers={"range": "bytes="})).status_code == 200
-        # JSON documents
-        for path in ("manifest", "manifest/part/0", "files/config.json"):
+        # documents: JSON, and one part as its signed envelope (CBOR)
+        for path, ctype in (
+            ("manifest", "application/json"),
+            ("manifest/part/0", "application/cbor"),
+            ("files/config.json", "application/json"),
+        ):
             r = await client.get(f"{base}/{path}")
-            assert r.headers["content-type"] == "application/json", path
+            assert r.headers["content-type"] == ctype, path
             assert r.headers["cache-control"] == IMMUTABLE, path
             assert r.headers["etag"].startswith('"'), path
         r = await client.get(f"{node.http.url}/shardnet/v1/run/versions")

@@ -148,7 +148,7 @@ async def test_peer_joins_from_the_card_and_follows_a_new_version(tmp_path: Path
                 relay.http.url + "/shardnet/v1/runcard", max_bytes=1 << 16, timeout_s=5
             )
         assert body == card2.encode()
-        assert json.loads(body)["body"]["sampling"]["group_size"] == 8
+        assert json.loads(body)["v"] == 2  # {"v": 2, "sealed": <base64 p2p.envelope>}
         info = await peer.query_info(relay.identity.peer_id)
         assert (info.card_version, info.card_digest) == (2, card2.digest)
         nursery.cancel_scope.cancel()
@@ -167,8 +167,10 @@ async def test_bad_cards_and_data_dirs_are_refused(tmp_path: Path) -> None:
             await bootstrap_card(Identity.from_seed("p"), (addr,), other.peer_id)
         assert info.value.field == "trainer_id"
         assert "check --trainer-id" in str(info.value)
-    # a forged card (body changed after signing) in a data dir
-    forged = json.loads(sign_card(_rules(), TRAINER).encode())
+    # a forged card (body changed after signing) in a data dir, in the old format
+    rules = _rules()
+    sig = TRAINER.sign("runcard/v1", rules.canonical_bytes()).hex()
+    forged = {"body": rules.to_obj(), "signer": TRAINER.peer_id, "signature": sig}
     forged["body"]["sampling"]["group_size"] = 99
     bad = tmp_path / "bad"
     bad.mkdir()

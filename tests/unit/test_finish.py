@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from p2p import wire
-from p2p.errors import IntegrityError, RemoteProtocolError, UntrustedSigner
+from p2p.errors import IntegrityError, MalformedEnvelope, RemoteProtocolError, UntrustedSigner
 from p2p.identity import Identity
 from p2p.trust import TrustList
 from shardcast.finish import PollPolicy, RunFinished, decode_versions_message, poll_delay
@@ -33,9 +33,9 @@ def test_other_signer_and_tampering_are_refused() -> None:
     env["body"] = wire.encode({**body, "step": 8})
     with pytest.raises(IntegrityError):
         RunFinished.decode(wire.encode(env), trust=trust())
-    # an announcement is not a run end, even though its envelope looks the same
+    # an announcement is not a run end: the envelope's kind says so
     ann = VersionAnnouncement.create(TRAINER, "run-1", 7, DIGEST, ())
-    with pytest.raises(IntegrityError):
+    with pytest.raises(MalformedEnvelope, match="kind"):
         RunFinished.decode(ann.encode(), trust=trust())
     with pytest.raises(RemoteProtocolError):
         decode_versions_message(b"\xff garbage", trust=TrustList(trainer=TRAINER.peer_id))

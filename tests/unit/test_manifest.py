@@ -3,16 +3,25 @@ hostile input."""
 
 from __future__ import annotations
 
+import base64
 import json
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
+import cbor2
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from p2p.errors import IntegrityError, UntrustedSigner
+from p2p import envelope
+from p2p.envelope import Kind
+from p2p.errors import BadSignature, IntegrityError, UntrustedSigner
 from p2p.identity import Identity
+from shardcast.canonical import canonical_json
 from shardcast.manifest import (
+    HEADER_DOMAIN,
+    PART_DOMAIN,
     Header,
     Manifest,
     ManifestError,
@@ -64,13 +73,77 @@ def test_header_digest_is_the_identity(manifest: Manifest) -> None:
     assert Header.from_obj(permuted).digest() == manifest.digest
 
 
+def _resealed(kind: Kind, sealed: bytes, mutate: Callable[[dict[str, Any]], None]) -> str:
+    """``sealed`` with its JSON body mutated and the original signature kept, base64."""
+    env = cbor2.loads(sealed)
+    body = json.loads(env["body"])
+    mutate(body)
+    raw = envelope.encode_sealed(kind, canonical_json(body), env["signer"], env["sig"])
+    return base64.b64encode(raw).decode()
+
+
 def test_tampered_header_or_part_detected(manifest: Manifest) -> None:
     doc = json.loads(manifest.encode())
-    doc["header"]["body"]["step"] = 4
-    with pytest.raises(IntegrityError):
+    assert doc["v"] == 3
+    doc["header"] = _resealed(
+        Kind.MANIFEST_HEADER, manifest.signed_header.sealed(), lambda b: b.update(step=4)
+    )
+    with pytest.raises(BadSignature):
         Manifest.decode(json.dumps(doc).encode(), trust=trust())
     doc = json.loads(manifest.encode())
-    doc["parts"][1]["body"]["shards"][0][0] = "0" * 64
+    doc["parts"][1] = _resealed(
+        Kind.MANIFEST_PART,
+        manifest.parts[1].sealed(),
+        lambda b: b["shards"][0].__setitem__(0, "0" * 64),
+    )
+    with pytest.raises(IntegrityError):
+        Manifest.decode(json.dumps(doc).encode(), trust=trust())
+    # a part sealed as a header (or the reverse) is refused by its kind
+    doc = json.loads(manifest.encode())
+    doc["header"] = doc["parts"][0]
+    with pytest.raises(ManifestError, match="kind"):
+        Manifest.decode(json.dumps(doc).encode(), trust=trust())
+    doc = json.loads(manifest.encode())
+    doc["header"] = doc["header"].rstrip("=") + "A"  # not canonical base64
+    with pytest.raises(ManifestError):
+        Manifest.decode(json.dumps(doc).encode(), trust=trust())
+
+
+def _legacy_document(manifest: Manifest) -> bytes:
+    """``manifest`` in the old format (signed under the v2 domains), as stored before."""
+
+    def env(body: bytes, domain: str) -> dict[str, Any]:
+        sig = TRAINER.sign(domain, body)
+        return {"body": json.loads(body), "signer": TRAINER.peer_id, "signature": sig.hex()}
+
+    return canonical_json(
+        {
+            "header": env(manifest.header.canonical_bytes(), HEADER_DOMAIN),
+            "parts": [
+                env(manifest.parts[k].part.canonical_bytes(), PART_DOMAIN)
+                for k in sorted(manifest.parts)
+            ],
+        }
+    )
+
+
+def test_old_format_still_read_and_kept(manifest: Manifest) -> None:
+    data = _legacy_document(manifest)
+    back = Manifest.decode(data, trust=trust())
+    assert back.signed_header.legacy
+    assert back.digest == manifest.digest  # the version's identity does not change
+    assert back.encode() == data  # written and served in its own format
+    one = back.parts[1].encode()
+    assert one.startswith(b"{")
+    assert decode_part(one, back.header, trust=trust()) == back.parts[1]
+    # a new-format part cannot join an old-format header (nor the reverse)
+    with pytest.raises(ManifestError, match="format"):
+        Manifest(back.signed_header).add_part(manifest.parts[0])
+    with pytest.raises(ManifestError, match="format"):
+        Manifest(manifest.signed_header).add_part(back.parts[0])
+    # old-format signatures are checked too
+    doc = json.loads(data)
+    doc["header"]["body"]["step"] = 4
     with pytest.raises(IntegrityError):
         Manifest.decode(json.dumps(doc).encode(), trust=trust())
 

@@ -8,13 +8,14 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from p2p import wire
-from p2p.errors import IntegrityError, RemoteProtocolError
+from p2p import envelope, wire
+from p2p.envelope import Kind
+from p2p.errors import IntegrityError, MalformedEnvelope, RemoteProtocolError, UntrustedSigner
 from p2p.identity import Identity
 from rollout.exchange import Ack
 from rollout.reputation import Reputation, ReputationConfig
 from rollout.schema import (
-    ANNOUNCE_DOMAIN,
+    ANNOUNCE_KIND,
     Group,
     RolloutAnnouncement,
     RolloutBatch,
@@ -83,9 +84,17 @@ def test_announcement_signature_and_payload_binding() -> None:
         back.check_payload(payload[:-1] + bytes([payload[-1] ^ 1]))
     # a third party re-signing someone else's announcement under the submitter's name
     mallory = Identity.from_seed("mallory")
-    forged = dataclasses.replace(ann, signature=mallory.sign("rollout-announce/v1", ann._body()))
+    forged = dataclasses.replace(
+        ann, signature=envelope.sign(ANNOUNCE_KIND, ann._body(), mallory.key)
+    )
     with pytest.raises(IntegrityError):
         RolloutAnnouncement.decode(forged.encode())
+    # ... or sealing it with its own key: a valid envelope whose signer is not the submitter
+    with pytest.raises(UntrustedSigner):
+        RolloutAnnouncement.decode(envelope.seal(ANNOUNCE_KIND, ann._body(), mallory.key))
+    # the same body sealed as another kind of message is refused
+    with pytest.raises(MalformedEnvelope):
+        RolloutAnnouncement.decode(envelope.seal(Kind.RUN_CARD, ann._body(), PEER.key))
     # tampered step
     env = wire.decode(ann.encode(), max_bytes=4096)
     body = wire.decode(env["body"], max_bytes=4096)
@@ -143,7 +152,7 @@ def test_batch_id_binds_the_submitter() -> None:
     old = RolloutAnnouncement("run", ann_a.digest[:32], ann_a.digest, ann_a.size, 1, a.peer_id, b"")
     forged = RolloutAnnouncement(
         *[getattr(old, f) for f in ("run_id", "batch_id", "digest", "size", "step", "submitter")],
-        a.sign(ANNOUNCE_DOMAIN, old._body()),
+        envelope.sign(ANNOUNCE_KIND, old._body(), a.key),
     )
     with pytest.raises(RemoteProtocolError, match="batch_id"):
         RolloutAnnouncement.decode(forged.encode())

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import base64
 import json
 import subprocess
 import sys
@@ -10,8 +11,12 @@ from pathlib import Path
 
 import pytest
 
+from p2p import envelope
+from p2p.envelope import Kind
 from p2p.identity import Identity
+from shardcast.canonical import canonical_json
 from shardcast.runcard import (
+    CARD_DOMAIN,
     MAX_CARD_BYTES,
     BadRunCardSignature,
     EngineSpec,
@@ -48,6 +53,20 @@ def _card(**kw: object) -> RunCard:
     return replace(base, **kw)  # type: ignore[arg-type]
 
 
+def _legacy(card: RunCard, key: Identity = TRAINER) -> dict[str, object]:
+    """``card`` in the old JSON envelope format (as stored before the envelope layer)."""
+    sig = key.sign(CARD_DOMAIN, card.canonical_bytes())
+    return {"body": card.to_obj(), "signer": key.peer_id, "signature": sig.hex()}
+
+
+def _sealed_with(card_body: dict[str, object], signed: SignedRunCard) -> bytes:
+    """A new-format document holding ``card_body`` under ``signed``'s signature."""
+    raw = envelope.encode_sealed(
+        Kind.RUN_CARD, canonical_json(card_body), TRAINER.key.public_key, signed.signature
+    )
+    return canonical_json({"v": 2, "sealed": base64.b64encode(raw).decode()})
+
+
 def test_round_trip_and_canonical_bytes() -> None:
     signed = sign_card(_card(), TRAINER)
     data = signed.encode()
@@ -60,21 +79,39 @@ def test_round_trip_and_canonical_bytes() -> None:
     assert body == json.dumps(json.loads(body), sort_keys=True, separators=(",", ":")).encode()
     assert b'"temperature":"0.7"' in body
     assert b" " not in body
-    # a re-ordered but equal envelope still verifies (the body is re-canonicalized)
-    env = json.loads(data)
+    assert json.loads(data)["v"] == 2
+    # old format: a re-ordered but equal envelope still verifies (the body is re-canonicalized)
+    env = _legacy(_card())
     shuffled = json.dumps(
         {"signature": env["signature"], "signer": env["signer"], "body": env["body"]}
     )
-    assert SignedRunCard.decode(shuffled.encode(), trainer=TRAINER.peer_id) == signed
+    old = SignedRunCard.decode(shuffled.encode(), trainer=TRAINER.peer_id)
+    assert old.legacy
+    assert old.card == signed.card
+    assert old.digest == signed.digest
+    assert old.encode() == canonical_json(env)  # kept (stored, served) in its own format
+    # next_card reseals an old-format card as it is: same version and digest
+    resealed = next_card(_card(issued_at_ms=5), old, TRAINER)
+    assert not resealed.legacy
+    assert (resealed.version, resealed.digest) == (old.version, old.digest)
 
 
 def test_tampered_body_or_signature_fails() -> None:
-    env = json.loads(sign_card(_card(), TRAINER).encode())
-    env["body"]["sampling"]["group_size"] = 9
+    signed = sign_card(_card(), TRAINER)
+    body = _card().to_obj()
+    body["sampling"]["group_size"] = 9
+    with pytest.raises(BadRunCardSignature):
+        SignedRunCard.decode(_sealed_with(body, signed), trainer=TRAINER.peer_id)
+    doc = json.loads(signed.encode())
+    doc["sealed"] = doc["sealed"][:-2] + "A="  # not the canonical base64 (or another sig)
+    with pytest.raises((MalformedRunCard, BadRunCardSignature)):
+        SignedRunCard.decode(json.dumps(doc).encode(), trainer=TRAINER.peer_id)
+    env = _legacy(_card())
+    env["body"]["sampling"]["group_size"] = 9  # type: ignore[index]
     with pytest.raises(BadRunCardSignature):
         SignedRunCard.decode(json.dumps(env).encode(), trainer=TRAINER.peer_id)
-    env = json.loads(sign_card(_card(), TRAINER).encode())
-    sig = bytearray(bytes.fromhex(env["signature"]))
+    env = _legacy(_card())
+    sig = bytearray(bytes.fromhex(env["signature"]))  # type: ignore[arg-type]
     sig[0] ^= 1
     env["signature"] = sig.hex()
     with pytest.raises(BadRunCardSignature):
@@ -90,7 +127,7 @@ def test_wrong_key() -> None:
     with pytest.raises(Exception, match="trainer"):
         sign_card(_card(), OTHER)
     # signed by the pinned key's impostor: envelope claims TRAINER, signature by OTHER
-    env = json.loads(sign_card(_card(), TRAINER).encode())
+    env = _legacy(_card())
     env["signature"] = OTHER.sign("runcard/v1", _card().canonical_bytes()).hex()
     with pytest.raises(BadRunCardSignature):
         SignedRunCard.decode(json.dumps(env).encode(), trainer=TRAINER.peer_id)
@@ -210,10 +247,10 @@ def test_mirrors_are_signed_and_optional() -> None:
     signed = sign_card(card, TRAINER)
     back = SignedRunCard.decode(signed.encode(), trainer=TRAINER.peer_id)
     assert back.card.mirrors == MIRRORS
-    env = json.loads(signed.encode())
-    env["body"]["mirrors"] = ["http://evil.example.org"]
+    evil = card.to_obj()
+    evil["mirrors"] = ["http://evil.example.org"]
     with pytest.raises(BadRunCardSignature):
-        SignedRunCard.decode(json.dumps(env).encode(), trainer=TRAINER.peer_id)
+        SignedRunCard.decode(_sealed_with(evil, signed), trainer=TRAINER.peer_id)
     # a change of mirrors is a change of rules: a new card version
     first = sign_card(plain, TRAINER)
     assert next_card(card, first, TRAINER).version == first.version + 1

@@ -79,8 +79,9 @@ def test_strict_profile_meets_the_targets(reports: dict[str, dict[str, Any]]) ->
         assert report["attacks"][name]["missed"] == 0, name
     outcomes = report["details"]["attacks"]
     assert outcomes["precision"]["outcomes"] == {"toploc": 2}
-    # the batch id binds the submitter: a batch announced under another PeerID fails to decode
-    assert outcomes["wrong_signer"]["outcomes"].keys() == {"schema", "prompt", "untrusted"}
+    # the envelope's signer must be the named submitter: an announcement naming another PeerID
+    # fails its signature check while decoding
+    assert outcomes["wrong_signer"]["outcomes"].keys() == {"integrity", "prompt", "untrusted"}
     assert outcomes["replayed_batch"]["outcomes"].keys() == {"duplicate"}
 
 
