@@ -205,7 +205,7 @@ class VersionStore:
             return cached[2]
         try:
             data = path.read_bytes()
-            signer = json.loads(data)["header"]["signer"]
+            signer = document_signer(data, str(path))
             digest = Manifest.decode(data, trust=TrustList(trainer=signer), source=str(path)).digest
         except (OSError, ValueError, KeyError, TypeError, ShardnetError):
             return None
