@@ -863,7 +863,7 @@ def print_table(out: dict[str, Any]) -> None:
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--json", action="store_true", help="print one JSON object")
-    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--repeats", type=int, default=None, help="default 3 (1 with --quick)")
     ap.add_argument("--quick", action="store_true", help="1 repeat, real-1b checkpoint")
     ap.add_argument("--preset", default="real-2b")
     ap.add_argument("--lr", type=float, default=1e-6, help="Adam lr of the next version")
@@ -916,7 +916,8 @@ def main() -> int:
     if args.shaped:
         return shaped_main(args)
     if args.quick:
-        args.repeats, args.preset = 1, "real-1b"
+        args.repeats, args.preset = args.repeats or 1, "real-1b"
+    args.repeats = args.repeats or 3
     out = trio.run(amain, args)
     if args.out:
         Path(args.out).write_text(json.dumps(out, indent=1, default=str) + "\n")
@@ -941,9 +942,10 @@ def shaped_main(args: argparse.Namespace) -> int:
     if args.workdir is None:
         args.workdir = "/var/tmp"  # SHARDCAST's private /tmp per process needs a dir outside /tmp
     if args.quick:
-        args.repeats, args.preset, args.max_shard_bytes = 1, "real-1b", 128 << 20
+        args.repeats, args.preset, args.max_shard_bytes = args.repeats or 1, "real-1b", 128 << 20
         args.size_bytes = args.size_bytes or 240_000_000
         args.timeout = min(args.timeout, 300.0)
+    args.repeats = args.repeats or 3
     try:
         out = run_shaped(args)
     except KeyboardInterrupt:
