@@ -9,6 +9,7 @@ import random
 import shutil
 import time
 from pathlib import Path
+from typing import Any
 
 import pytest
 import trio
@@ -122,9 +123,12 @@ def test_pre_encoded_file_is_not_read_again(
 
     read: list[Path] = []
     real = plan.encode_file
-    monkeypatch.setattr(
-        plan, "encode_file", lambda path, *a: (read.append(path), real(path, *a))[1]
-    )
+
+    def spy(path: Path, *args: Any) -> Any:
+        read.append(path)
+        return real(path, *args)
+
+    monkeypatch.setattr(plan, "encode_file", spy)
     piped, _, _ = _publish(new, None, pre)
     assert piped == serial
     # only the files not encoded ahead
