@@ -583,35 +583,52 @@ async def _shaped_runs(
         for system in args.systems:
             wd = root / f"{label.replace(' ', '').replace('/', '')}-{system}-{rep}"
             print(f"# {label} run {rep + 1}/{args.repeats}: {system}", file=sys.stderr, flush=True)
-            if system == "shardcast":
-                venv = ensure_shardcast_venv(Path(args.shardcast_venv))
-                r = await run_shardcast(
-                    v0,
-                    v1,
-                    wd,
-                    args.timeout,
-                    venv,
-                    hosts={n: ports[i].ip for i, n in enumerate(SHARDCAST_NAMES)},
-                    exec_prefix={n: lab.exec_prefix(i) for i, n in enumerate(SHARDCAST_NAMES)},
-                    fixed_port=8000,
-                    isolate_scratch=True,  # as on separate machines: no shared /tmp scratch
-                )
-            else:
-                r = await run_shardnet(
-                    v0,
-                    v1,
-                    wd,
-                    deltas=system == "shardnet",
-                    shard_size=args.shard_size,
-                    timeout_s=args.timeout,
-                    log_level=args.log_level,
-                    place=places.__getitem__,
-                )
+            try:
+                r = await _shaped_run(lab, v0, v1, wd, args, system, places)
+            except (RuntimeError, OSError, trio.TooSlowError) as exc:  # this run only: go on
+                print(f"# {label} {system} failed: {exc!r}", file=sys.stderr, flush=True)
+                r = {"system": system, "versions": [], "error": repr(exc)}
             runs[system].append(r)
             print(json.dumps(r["versions"], default=str)[:1500], file=sys.stderr, flush=True)
             if not args.keep:
                 shutil.rmtree(wd, ignore_errors=True)
     return runs
+
+
+async def _shaped_run(
+    lab: Any,
+    v0: Path,
+    v1: Path,
+    wd: Path,
+    args: argparse.Namespace,
+    system: str,
+    places: dict[str, Place],
+) -> dict[str, Any]:
+    """One run of ``system`` on the lab (every process it started is stopped on return)."""
+    ports = [lab.ports[i] for i in range(len(SHAPED_NODES))]
+    if system == "shardcast":
+        venv = ensure_shardcast_venv(Path(args.shardcast_venv))
+        return await run_shardcast(
+            v0,
+            v1,
+            wd,
+            args.timeout,
+            venv,
+            hosts={n: ports[i].ip for i, n in enumerate(SHARDCAST_NAMES)},
+            exec_prefix={n: lab.exec_prefix(i) for i, n in enumerate(SHARDCAST_NAMES)},
+            fixed_port=8000,
+            isolate_scratch=True,  # as on separate machines: no shared /tmp scratch
+        )
+    return await run_shardnet(
+        v0,
+        v1,
+        wd,
+        deltas=system == "shardnet",
+        shard_size=args.shard_size,
+        timeout_s=args.timeout,
+        log_level=args.log_level,
+        place=places.__getitem__,
+    )
 
 
 def summarize_shaped(
@@ -639,7 +656,7 @@ def summarize_shaped(
             "bound_s": round(shaped_bound_s(s_bytes, s_bytes / n, rate, receivers), 3),
         }
     for system, rs in runs.items():
-        per = []
+        per: list[dict[str, Any]] = []
         for step in (0, 1):
             vs = [r["versions"][step] for r in rs if len(r["versions"]) > step]
             lasts = [v["last_s"] for v in vs if v.get("last_s") is not None]
@@ -652,7 +669,7 @@ def summarize_shaped(
             per.append(
                 {
                     "step": step,
-                    "first_s": round(_median([v["first_s"] for v in vs if v["first_s"]]), 3),
+                    "first_s": round(_median([v["first_s"] for v in vs if v["first_s"]] or [0]), 3),
                     "last_s": round(last, 3),
                     "last_s_all": lasts,
                     "origin_bytes": int(_median([v["origin_bytes"] or 0 for v in vs])),
@@ -798,6 +815,9 @@ async def amain(args: argparse.Namespace) -> dict[str, Any]:
     cache = Path(args.cache)
     v0, v1, info = prepare_checkpoints(cache, args.preset, args.lr, args.max_shard_bytes)
     size = info["size_bytes"]
+    if args.size_bytes:
+        v0, v1, size = subset_versions(v0, v1, v0.parent, args.size_bytes)
+        info = {**info, "subset_bytes": size}
     loopback = await loopback_throughput()
     runs: dict[str, list[dict[str, Any]]] = {s: [] for s in args.systems}
     root = Path(tempfile.mkdtemp(prefix="shardnet-bench-", dir=args.workdir))
@@ -860,8 +880,8 @@ def print_table(out: dict[str, Any]) -> None:
     )
 
 
-def main() -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=(__doc__ or "").split("\n\n")[0])
     ap.add_argument("--json", action="store_true", help="print one JSON object")
     ap.add_argument("--repeats", type=int, default=None, help="default 3 (1 with --quick)")
     ap.add_argument("--quick", action="store_true", help="1 repeat, real-1b checkpoint")
@@ -907,7 +927,7 @@ def main() -> int:
         help="use only about this many bytes of weight files of the checkpoints",
     )
     ap.add_argument("--out", default=None, help="also write the full JSON result here")
-    args = ap.parse_args()
+    args = ap.parse_args(argv)
     try:
         args.shaped = [parse_rate(r) for x in args.shaped for r in x.split(",") if r.strip()]
     except ValueError as exc:
