@@ -2,10 +2,13 @@
 
 Runs the PyPI package ``shardcast==0.3.2`` (the relay tree of INTELLECT-2) as external
 programs from its own virtual environment (default ``/work/shardcast-venv``, or
-``$SHARDCAST_VENV``), on 127.0.0.1 only: one origin, ``middles`` middle nodes (relays) and
-``clients`` clients, every port picked free. Nothing here imports SHARDCAST: this module
-needs only the standard library and trio, and SHARDCAST's own top-level package is also
-called ``shardcast`` (as is ours), so it is kept in the other interpreter.
+``$SHARDCAST_VENV``), on 127.0.0.1 by default: one origin, ``middles`` middle nodes (relays)
+and ``clients`` clients, every port picked free. ``TreeConfig.hosts``/``exec_prefix`` place
+processes elsewhere instead (``bench/broadcast.py --shaped``: each in a network namespace of
+its own, created by that benchmark, at its namespace address, on a fixed port). Nothing here
+imports SHARDCAST: this module needs only the standard library and trio, and SHARDCAST's own
+top-level package is also called ``shardcast`` (as is ours), so it is kept in the other
+interpreter.
 
 Usage::
 
@@ -24,8 +27,9 @@ How SHARDCAST is driven (see ``_LAUNCHER``, a 40-line shim run by the other venv
   serves a directory; publishing is a library call, as in prime-rl's trainer).
 - middle nodes and clients: the entry points of ``shardcast-middle`` and ``shardcast-client``
   (``middle_node.main`` / ``client_node.main``) with their normal arguments.
-- the only change made to SHARDCAST: its HTTP servers bind ``127.0.0.1`` instead of
-  ``0.0.0.0`` and ``get_local_ip`` answers ``127.0.0.1`` (``bind_loopback=True``).
+- the only change made to SHARDCAST: its HTTP servers bind ``127.0.0.1`` (or the process's
+  host from ``TreeConfig.hosts``) instead of ``0.0.0.0`` and ``get_local_ip`` answers that
+  address (``bind_loopback=True``).
 - SHARDCAST broadcasts one file per version, so a checkpoint directory is packed into one
   uncompressed tar first (``pack_s`` reports the cost; prime-rl broadcast one
   ``model.safetensors``). A single file is broadcast as is.
@@ -165,6 +169,7 @@ _GOT_RE = re.compile(r"^Downloaded (\S+) from (\S+) \(bandwidth: (\d+) MB/s\)$")
 _FAILED_RE = re.compile(r"^Failed to download (\S+) from (\S+): (.*)$")
 _RETRY_RE = re.compile(r"^(Fast|Slow) retrying download of (\S+) ")
 _SHARD_PATH_RE = re.compile(r"^/?(v\d+)/shard_\d+\.bin$")
+_CLIENT_ADDR_RE = re.compile(r"^\d{1,3}\.\d{1,3}\.\d{1,3}\.\d{1,3} ")  # http.server's log lines
 
 
 def _log_time(stamp: str) -> float:
@@ -353,6 +358,14 @@ class TreeConfig:
     keep_packed: bool = False
     start_timeout_s: float = 60.0
     extra_env: dict[str, str] = field(default_factory=dict)
+    # Placement, per process name ("origin", "middle0", "client3", ...): ``hosts`` is the address
+    # its server binds and the others reach it at (default 127.0.0.1), ``exec_prefix`` an argv
+    # prefix that runs it elsewhere (``ip netns exec NS``: a network namespace of its own, as in
+    # ``bench/broadcast.py --shaped``). ``fixed_port``: every server listens on this port
+    # (each host is its own namespace) instead of a free loopback port.
+    hosts: dict[str, str] = field(default_factory=dict)
+    exec_prefix: dict[str, list[str]] = field(default_factory=dict)
+    fixed_port: int | None = None
 
 
 @dataclass
@@ -433,6 +446,12 @@ class ShardcastTree:
 
     # ---- plumbing
 
+    def _host(self, name: str) -> str:
+        return self.cfg.hosts.get(name, LOOPBACK)
+
+    def _port(self) -> int:
+        return self.cfg.fixed_port if self.cfg.fixed_port is not None else _free_port()
+
     def _notify(self) -> None:
         self.changed.set()
         self.changed = trio.Event()
@@ -455,9 +474,9 @@ class ShardcastTree:
         return env
 
     async def _spawn(self, proc: _Proc, args: Sequence[str], *, stdin: bool = False) -> None:
-        bind = LOOPBACK if self.cfg.bind_loopback else ""
+        bind = self._host(proc.name) if self.cfg.bind_loopback else ""
         site = ""
-        prefix: list[str] = []
+        prefix: list[str] = list(self.cfg.exec_prefix.get(proc.name, []))
         if self.cfg.isolate_scratch:
             scratch = self.workdir / "scratch" / proc.name
             (scratch / "tmp").mkdir(parents=True, exist_ok=True)
@@ -466,7 +485,7 @@ class ShardcastTree:
             if not link.is_symlink():
                 link.symlink_to(self.site_packages / "shardcast", target_is_directory=True)
             site = str(scratch / "site")
-            prefix = [
+            prefix += [
                 "unshare",
                 "-m",
                 "--propagation",
@@ -546,7 +565,7 @@ class ShardcastTree:
             proc.errors.append(text)
         if proc.role in ("origin", "middle"):
             req = _REQ_RE.search(text)
-            if req and text.startswith(LOOPBACK):
+            if req and _CLIENT_ADDR_RE.match(text):
                 self._count_request(proc, req.group(1), req.group(2), req.group(3))
                 return
         if proc.role == "middle":
@@ -631,7 +650,7 @@ class ShardcastTree:
         origin_dir = self.workdir / "origin"
         origin_dir.mkdir(exist_ok=True)
         (origin_dir / "data1.bin").write_bytes(probe)
-        self.origin_port = _free_port()
+        self.origin_port = self._port()
         self.origin = _Proc("origin", "origin", self.workdir / "logs" / "origin.log", origin_dir)
         await self._spawn(
             self.origin,
@@ -648,7 +667,7 @@ class ShardcastTree:
             raise RuntimeError(
                 f"expected shardcast {EXPECTED_VERSION}, the venv has {self.shardcast_version!r}"
             )
-        self.middle_ports = [_free_port() for _ in range(cfg.middles)]
+        self.middle_ports = [self._port() for _ in range(cfg.middles)]
         self.middles = [
             _Proc(
                 f"middle{j}",
@@ -669,7 +688,7 @@ class ShardcastTree:
 
     async def _middle_job(self, j: int) -> None:
         """Run middle node j; restart it (same data dir) if it exits while the tree runs."""
-        upstream = f"http://{LOOPBACK}:{self.origin_port}"
+        upstream = f"http://{self._host('origin')}:{self.origin_port}"
         while not self.closing:
             old = self.middles[j]
             proc = _Proc(
@@ -713,12 +732,12 @@ class ShardcastTree:
             await trio.sleep(self.cfg.restart_delay_s)
 
     def _client_servers(self, i: int) -> str:
-        ports = (
-            self.middle_ports
+        js = (
+            range(len(self.middle_ports))
             if self.cfg.client_servers == "all"
-            else [self.middle_ports[i % len(self.middle_ports)]]
+            else [i % len(self.middle_ports)]
         )
-        return ",".join(f"http://{LOOPBACK}:{p}" for p in ports)
+        return ",".join(f"http://{self._host(f'middle{j}')}:{self.middle_ports[j]}" for j in js)
 
     async def _client_job(self, i: int, version: str, out: Path, record: dict[str, Any]) -> None:
         attempts: list[dict[str, Any]] = record["attempts"]
@@ -1043,7 +1062,7 @@ async def arun_shardcast(
     return {
         "system": "shardcast",
         "shardcast_version": tree.shardcast_version,
-        "host": LOOPBACK,
+        "host": cfg.hosts or LOOPBACK,
         "topology": {
             "origin": 1,
             "middles": cfg.middles,

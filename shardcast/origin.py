@@ -13,6 +13,9 @@
    a ``sparse`` or ``xor-zstd`` form, whichever is smaller (kept only if smaller than raw;
    see :func:`shardcast.plan.hash_parts`); ``zstd`` is offered too if
    configured (for slow links);
+   Files the :class:`~shardcast.preencode.PreEncoder` hashed and encoded while the trainer was
+   still writing the others (``publish(..., pre_encoded=...)``) are not read again: their
+   parts are signed at once, only the rest is hashed here;
 4. moves the directory into the store as ``step-N`` (the manifest was built from it a moment
    before, so it is not hashed twice) and serves it from there.
 
@@ -41,6 +44,7 @@ import functools
 import json
 import logging
 import os
+from collections.abc import Mapping
 from contextlib import nullcontext
 from dataclasses import dataclass
 from pathlib import Path
@@ -58,6 +62,8 @@ from shardcast.plan import (
     DEFAULT_SHARD_BYTES,
     DEFAULT_SHARDS_PER_PART,
     Base,
+    EncodeSettings,
+    PreEncoded,
     hash_parts,
     make_header,
 )
@@ -147,18 +153,58 @@ class Origin:
         self.node = node
         self.config = config or OriginConfig()
         self.trainer_addrs = trainer_addrs or tuple(node.p2p.multiaddrs())
+        self._base_digests: dict[int, str] = {}
 
     def _base(self, step: int) -> Base | None:
         prev = step - 1
         store = self.node.store
         if not self.config.deltas or step % self.config.anchor_every == 0 or not store.has(prev):
             return None
-        return Base(
-            prev, store.load_manifest(prev, self.node.trust).digest, store.version_dir(prev)
-        )
+        digest = self._base_digests.get(prev)
+        if digest is None:
+            digest = store.load_manifest(prev, self.node.trust).digest
+            self._base_digests = {prev: digest}  # one entry: the newest base asked for
+        return Base(prev, digest, store.version_dir(prev))
 
-    async def publish(self, directory: Path, step: int) -> PublishResult:
+    def _encodings(self, base: Base | None) -> tuple[str, ...]:
+        deltas = [codecs.SPARSE, codecs.XOR_ZSTD] if base is not None else []
+        return tuple(deltas + ([codecs.ZSTD] if self.config.zstd else []))
+
+    def encode_plan(
+        self, step: int, previous_pending: bool
+    ) -> tuple[EncodeSettings, Base | None] | None:
+        """The encode settings and delta base :meth:`publish` would use for ``step`` now, or
+        None while they are undecided: ``step`` wants a base and ``step - 1`` is not committed
+        but may still be (``previous_pending``: its directory is waiting to be published).
+        For :class:`~shardcast.preencode.PreEncoder`.
+
+        Raises:
+            ManifestError / IntegrityError: the stored base manifest does not verify.
+        """
+        cfg = self.config
+        wants_base = cfg.deltas and step % cfg.anchor_every != 0
+        if wants_base and previous_pending and not self.node.store.has(step - 1):
+            return None
+        base = self._base(step)
+        settings = EncodeSettings(
+            cfg.shard_size,
+            self._encodings(base),
+            None if base is None else (base.step, base.digest),
+            cfg.zstd_level,
+        )
+        return settings, base
+
+    async def publish(
+        self,
+        directory: Path,
+        step: int,
+        pre_encoded: Mapping[str, PreEncoded] | None = None,
+    ) -> PublishResult:
         """Announce, hash (pipelined), sign, commit and serve ``directory`` as ``step``.
+
+        ``pre_encoded``: files of ``directory`` hashed and encoded ahead, unchanged since
+        (:meth:`shardcast.preencode.PreEncoder.take`); their parts go out at once, nothing
+        of them is read again (:func:`shardcast.plan.hash_parts`).
 
         Raises:
             CheckpointLayoutError: not a valid checkpoint directory.
@@ -192,9 +238,7 @@ class Origin:
         node.set_announcement(ann)
         await node.p2p.publish(versions_topic(node.config.run_id), ann.encode())
         announced_at = trio.current_time()
-        encodings = ([codecs.SPARSE, codecs.XOR_ZSTD] if base is not None else []) + (
-            [codecs.ZSTD] if cfg.zstd else []
-        )
+        encodings = self._encodings(base)
         token = trio.lowlevel.current_trio_token()
 
         def on_part(part: Part) -> None:  # worker thread: sign, then hand to the trio thread
@@ -219,6 +263,7 @@ class Origin:
                         blob_dir=directory / BLOB_DIR,
                         zstd_level=cfg.zstd_level,
                         on_part=on_part,
+                        pre_encoded=pre_encoded,
                     )
                 )
             hashed_at = trio.current_time()
@@ -238,13 +283,14 @@ class Origin:
                     encoded[e.encoding] = encoded.get(e.encoding, 0) + e.size
         log.info(
             "version_published step=%d size_bytes=%d shards=%d parts=%d base=%s "
-            "hash_s=%.3f encoded=%s digest=%s",
+            "hash_s=%.3f pre_encoded_files=%d encoded=%s digest=%s",
             step,
             header.total_bytes,
             len(header.shards),
             header.n_parts,
             base.step if base else None,
             hashed_at - announced_at,
+            len(pre_encoded or {}),
             encoded,
             manifest.digest[:16],
         )

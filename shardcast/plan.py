@@ -14,8 +14,9 @@ as that part is done (pipelining: the origin serves the first shards while it ha
 from __future__ import annotations
 
 import json
+import logging
 import os
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -40,6 +41,8 @@ from shardcast.manifest import (
     sign_part,
 )
 from shardcast.sparse import sparse_count
+
+log = logging.getLogger(__name__)
 
 INDEX_FILE = "model.safetensors.index.json"
 DEFAULT_SHARD_BYTES = 32 * 1024 * 1024
@@ -159,6 +162,112 @@ def make_header(
     )
 
 
+@dataclass(frozen=True)
+class EncodeSettings:
+    """Everything a file's shard digests and encoded forms depend on, besides its bytes.
+
+    Attributes:
+        shard_size: bytes per shard.
+        encodings: encoded forms requested (see :func:`hash_parts`).
+        base: ``(step, header digest)`` of the delta base, or None.
+        zstd_level: compression level.
+    """
+
+    shard_size: int
+    encodings: tuple[str, ...]
+    base: tuple[int, str] | None
+    zstd_level: int
+
+
+@dataclass(frozen=True)
+class ShardResult:
+    """One shard of a file, hashed and encoded: ``length`` bytes at ``offset`` of the file,
+    its BLAKE3 ``digest`` and the encoded forms kept (blobs ``<offset>.<encoding>``)."""
+
+    offset: int
+    length: int
+    digest: str
+    encoded: tuple[Encoded, ...]
+
+
+@dataclass(frozen=True)
+class PreEncoded:
+    """A file hashed and encoded ahead of its version (:mod:`shardcast.preencode`).
+
+    Attributes:
+        name: the file's name in the checkpoint directory.
+        size: its size, bytes.
+        settings: what the results depend on; used only if the version's are equal.
+        shards: the file's shards in offset order (they tile the file).
+        digest: the whole-file BLAKE3 digest.
+        blob_dir: where the encoded blobs are, named ``<blob_prefix><offset>.<encoding>``.
+        blob_prefix: see ``blob_dir``.
+    """
+
+    name: str
+    size: int
+    settings: EncodeSettings
+    shards: tuple[ShardResult, ...]
+    digest: str
+    blob_dir: Path
+    blob_prefix: str = ""
+
+    def blob(self, offset: int, encoding: str) -> Path:
+        """Path of the encoded blob of the shard at ``offset``."""
+        return self.blob_dir / f"{self.blob_prefix}{offset}.{encoding}"
+
+
+def encode_file(
+    path: Path,
+    size: int,
+    settings: EncodeSettings,
+    base_path: Path | None,
+    blob_path: Callable[[int, str], Path] | None,
+) -> Iterator[tuple[ShardResult, str | None]]:
+    """Read ``path`` once and yield each shard (offset order) hashed and encoded, with the
+    whole-file digest after its last shard (else None).
+
+    Args:
+        path: the file; ``size`` its expected size, bytes (nonzero).
+        settings: shard size, encodings, zstd level (``settings.base`` is not read here).
+        base_path: the delta base's file of the same name (deltas only if its size is equal).
+        blob_path: where the blob of (shard offset, encoding) is written.
+
+    Raises:
+        CheckpointLayoutError: the file is shorter than ``size``.
+        OSError: it cannot be read, or a blob cannot be written.
+    """
+    encodings = settings.encodings
+    shard_size = settings.shard_size
+    buf = bytearray(min(shard_size, size))
+    scratch = bytearray(min(shard_size, size) if encodings else 0)
+    file_hash = blake3.blake3(max_threads=blake3.blake3.AUTO)
+    base_fh = None
+    if base_path is not None and any(e in codecs.DELTAS for e in encodings):
+        if base_path.is_file() and base_path.stat().st_size == size:
+            base_fh = open(base_path, "rb", buffering=0)
+    try:
+        with open(path, "rb", buffering=0) as fh:
+            for offset in range(0, size, shard_size):
+                length = min(shard_size, size - offset)
+                view = memoryview(buf)[:length]
+                if fh.readinto(view) != length:
+                    raise CheckpointLayoutError(f"{path} changed while hashing")
+                file_hash.update(view)
+                digest = blake3.blake3(view, max_threads=blake3.blake3.AUTO).hexdigest()
+                encoded = _encode_shard(
+                    view, offset, encodings, base_fh, blob_path, settings.zstd_level, scratch
+                )
+                last = offset + length == size
+                yield (
+                    ShardResult(offset, length, digest, encoded),
+                    file_hash.hexdigest() if last else None,
+                )
+    finally:
+        if base_fh is not None:
+            base_fh.close()
+
+
 def hash_parts(
     directory: Path,
     header: Header,
@@ -169,8 +278,9 @@ def hash_parts(
     blob_dir: Path | None = None,
     zstd_level: int = codecs.DEFAULT_LEVEL,
     on_part: Callable[[Part], None],
+    pre_encoded: Mapping[str, PreEncoded] | None = None,
 ) -> list[Part]:
-    """Read every file once and emit the version's parts in order.
+    """Read every file once and emit the version's parts as they complete.
 
     Args:
         directory: the checkpoint directory described by ``header``.
@@ -182,9 +292,15 @@ def hash_parts(
         blob_dir: where encoded blobs are written as ``<index>.<encoding>``.
         zstd_level: compression level.
         on_part: called with each part as soon as it is complete (in the calling thread).
+        pre_encoded: files already hashed and encoded (:mod:`shardcast.preencode`), by name;
+            the caller vouches that each still has the bytes it had then. One is used (its
+            blobs hard-linked into ``blob_dir``, nothing read) only if its size and
+            :class:`EncodeSettings` are this version's; any other file is read here. The
+            parts are the same either way. Files used this way go first: parts they complete
+            are emitted at once, so part indices may be emitted out of order.
 
     Returns:
-        all parts, in order.
+        all parts, in index order.
 
     Raises:
         CheckpointLayoutError: a file changed size while hashing.
@@ -197,59 +313,110 @@ def hash_parts(
         raise LocalProtocolError("a delta encoding needs a base version")
     if blob_dir is not None:
         blob_dir.mkdir(parents=True, exist_ok=True)
-    parts: list[Part] = []
-    digests: list[str] = []
-    encs: list[tuple[Encoded, ...]] = []
+    settings = EncodeSettings(
+        header.shard_size,
+        encodings,
+        None if base is None else (base.step, base.digest),
+        zstd_level,
+    )
+    n = len(header.shards)
+    digests: list[str | None] = [None] * n
+    encs: list[tuple[Encoded, ...]] = [()] * n
     file_digests = {f.name: EMPTY_DIGEST for f in header.files if f.size == 0}
-    buf = bytearray(header.shard_size)
-    scratch = bytearray(header.shard_size if encodings else 0)
+    sizes = {f.name: f.size for f in header.files}
+    first_shard: dict[str, int] = {}
+    ending: dict[int, list[str]] = {k: [] for k in range(header.n_parts)}
+    for ref in header.shards:
+        first_shard.setdefault(ref.file, ref.index)
+        if ref.offset + ref.length == sizes[ref.file]:
+            ending[ref.index // header.shards_per_part].append(ref.file)
+    ending[0] += [f.name for f in header.files if f.size == 0]
+    parts: dict[int, Part] = {}
+    next_check = 0  # parts below this one are emitted
 
     def emit_ready() -> None:
-        # part k goes out once all its shards are hashed (its files' digests are then final)
-        while len(parts) < header.n_parts and len(digests) >= header.part_range(len(parts)).stop:
-            k = len(parts)
+        # part k goes out once all its shards are hashed and its files' digests are final
+        nonlocal next_check
+        for k in range(next_check, header.n_parts):
+            if k in parts:
+                continue
             rng = header.part_range(k)
-            fds = tuple(sorted((n, file_digests[n]) for n in header.files_ending_in(k)))
+            if any(digests[i] is None for i in rng) or any(
+                f not in file_digests for f in ending[k]
+            ):
+                continue
+            fds = tuple(sorted((f, file_digests[f]) for f in ending[k]))
             part = Part(
                 header.run_id,
                 header.step,
                 header_digest,
                 k,
-                tuple(digests[i] for i in rng),
+                tuple(d for d in digests[rng.start : rng.stop] if d is not None),
                 tuple(encs[i] for i in rng),
                 fds,
             )
-            parts.append(part)
+            parts[k] = part
             on_part(part)
+        while next_check in parts:
+            next_check += 1
 
+    todo = []
     for f in header.files:
         if f.size == 0:
             continue
-        file_hash = blake3.blake3(max_threads=blake3.blake3.AUTO)
-        base_fh = None
-        if base is not None and any(e in codecs.DELTAS for e in encodings):
-            bp = base.directory / f.name
-            if bp.is_file() and bp.stat().st_size == f.size:
-                base_fh = open(bp, "rb", buffering=0)
-        try:
-            with open(directory / f.name, "rb", buffering=0) as fh:
-                for ref in (s for s in header.shards if s.file == f.name):
-                    view = memoryview(buf)[: ref.length]
-                    if fh.readinto(view) != ref.length:
-                        raise CheckpointLayoutError(f"{directory / f.name} changed while hashing")
-                    file_hash.update(view)
-                    digests.append(blake3.blake3(view, max_threads=blake3.blake3.AUTO).hexdigest())
-                    encs.append(
-                        _encode_shard(view, ref, encodings, base_fh, blob_dir, zstd_level, scratch)
-                    )
-                    if ref.offset + ref.length == f.size:
-                        file_digests[f.name] = file_hash.hexdigest()
-                    emit_ready()
-        finally:
-            if base_fh is not None:
-                base_fh.close()
+        pre = (pre_encoded or {}).get(f.name)
+        first = first_shard[f.name]
+        if pre is not None and _use_pre_encoded(pre, f.size, settings, first, blob_dir):
+            for j, shard in enumerate(pre.shards):
+                digests[first + j] = shard.digest
+                encs[first + j] = shard.encoded
+            file_digests[f.name] = pre.digest
+        else:
+            todo.append(f)
     emit_ready()
-    return parts
+
+    def blob_path_of(first: int) -> Callable[[int, str], Path]:
+        def path(offset: int, encoding: str) -> Path:
+            assert blob_dir is not None
+            return blob_dir / f"{first + offset // header.shard_size}.{encoding}"
+
+        return path
+
+    for f in todo:
+        first = first_shard[f.name]
+        base_path = None if base is None else base.directory / f.name
+        shards = encode_file(directory / f.name, f.size, settings, base_path, blob_path_of(first))
+        for j, (shard, file_digest) in enumerate(shards):
+            digests[first + j] = shard.digest
+            encs[first + j] = shard.encoded
+            if file_digest is not None:
+                file_digests[f.name] = file_digest
+            emit_ready()
+    emit_ready()
+    return [parts[k] for k in sorted(parts)]
+
+
+def _use_pre_encoded(
+    pre: PreEncoded, size: int, settings: EncodeSettings, first: int, blob_dir: Path | None
+) -> bool:
+    """True if ``pre`` fits this version and its blobs are now linked into ``blob_dir`` as
+    ``<index>.<encoding>``; False (nothing linked that matters) if the file must be read."""
+    if pre.size != size or pre.settings != settings:
+        return False
+    expect = list(range(0, size, settings.shard_size))
+    if [s.offset for s in pre.shards] != expect:
+        return False
+    try:
+        for j, shard in enumerate(pre.shards):
+            for e in shard.encoded:
+                assert blob_dir is not None  # encodings imply a blob dir (checked above)
+                target = blob_dir / f"{first + j}.{e.encoding}"
+                target.unlink(missing_ok=True)
+                os.link(pre.blob(shard.offset, e.encoding), target)
+    except OSError as exc:  # the cache was removed meanwhile: read the file instead
+        log.warning("pre_encoded_unusable file=%s error=%s", pre.name, exc)
+        return False
+    return True
 
 
 # Above this share of changed 16-bit words a sparse patch is no longer the smaller delta:
@@ -259,10 +426,10 @@ SPARSE_DENSE_FRACTION = 0.05
 
 def _encode_shard(
     view: memoryview,
-    ref: ShardRef,
+    offset: int,
     encodings: tuple[str, ...],
     base_fh: object,
-    blob_dir: Path | None,
+    blob_path: Callable[[int, str], Path] | None,
     level: int,
     scratch: bytearray,
 ) -> tuple[Encoded, ...]:
@@ -275,8 +442,8 @@ def _encode_shard(
     blobs: dict[str, bytes] = {}
     base_view = None
     if base_fh is not None and any(e in codecs.DELTAS for e in encodings):
-        base_view = memoryview(scratch)[: ref.length]
-        if os.preadv(base_fh.fileno(), [base_view], ref.offset) != ref.length:  # type: ignore[attr-defined]
+        base_view = memoryview(scratch)[: len(view)]
+        if os.preadv(base_fh.fileno(), [base_view], offset) != len(view):  # type: ignore[attr-defined]
             base_view = None  # the base file is shorter than announced: offer no delta
     for enc in encodings:
         if enc not in codecs.ENCODINGS or enc == codecs.RAW:
@@ -285,7 +452,7 @@ def _encode_shard(
         if codecs.SPARSE in encodings:
             blobs[codecs.SPARSE] = codecs.encode(codecs.SPARSE, view, base_view)
         dense = codecs.SPARSE not in blobs or (
-            sparse_count(blobs[codecs.SPARSE]) > SPARSE_DENSE_FRACTION * (ref.length // 2)
+            sparse_count(blobs[codecs.SPARSE]) > SPARSE_DENSE_FRACTION * (len(view) // 2)
         )
         if codecs.XOR_ZSTD in encodings and dense:
             # XORed in place into ``scratch`` (the base): the sparse patch is already made
@@ -299,11 +466,10 @@ def _encode_shard(
         blobs[codecs.ZSTD] = codecs.encode(codecs.ZSTD, view, level=level)
     out = []
     for enc, data in blobs.items():
-        if len(data) >= ref.length:  # not worth it
+        if len(data) >= len(view):  # not worth it
             continue
-        assert blob_dir is not None
-        path = blob_dir / f"{ref.index}.{enc}"
-        with open(path, "wb") as fh:
+        assert blob_path is not None
+        with open(blob_path(offset, enc), "wb") as fh:
             fh.write(data)
         out.append(Encoded(enc, len(data), blake3.blake3(data).hexdigest()))
     return tuple(out)

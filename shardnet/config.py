@@ -629,6 +629,18 @@ class OriginSettings(PublishSettings):
     )
     ready_marker: str = Field("DONE", description="file that marks a step-<N>/ as complete")
     poll_interval_s: float = Field(0.5, gt=0, description="how often WATCH is scanned, seconds")
+    pre_encode: bool = Field(
+        True,
+        description="hash and delta-encode each file of a WATCH/step-<N>/ as soon as it is "
+        "complete, while the trainer still writes the others (before the ready marker); "
+        "results whose file changed since are never used",
+    )
+    pre_encode_settle_s: float = Field(
+        1.0,
+        ge=0,
+        description="a file counts as complete for pre-encoding once its size, mtime and ctime "
+        "have not changed for this long, seconds (a wrong guess costs only work twice)",
+    )
     rollouts_out: Path | None = Field(
         None,
         description="receive and verify peers' rollouts (against the versions published from "

@@ -433,6 +433,8 @@ async def run_origin(s: OriginSettings) -> int:
 
     from shardcast.node import ShardcastNode
     from shardcast.origin import Origin
+    from shardcast.plan import Base, EncodeSettings
+    from shardcast.preencode import PreEncoder
 
     identity = s.identity()
     trust = s.trust(identity)
@@ -447,6 +449,24 @@ async def run_origin(s: OriginSettings) -> int:
             trio.open_nursery() as nursery,
         ):
             origin = Origin(node, s.origin_config())
+            pre: PreEncoder | None = None
+            if s.pre_encode:  # hash and encode files while the trainer writes the others
+
+                def plan(step: int) -> tuple[EncodeSettings, Base | None] | None:
+                    # step - 1 may still be published: it waits in WATCH, newer than the store
+                    held = node.store.latest()
+                    pending = (s.watch / f"step-{step - 1}").is_dir() and (
+                        held is None or step - 1 > held
+                    )
+                    return origin.encode_plan(step, pending)
+
+                pre = PreEncoder(
+                    plan,
+                    s.data_dir / "staging" / ".pre",
+                    s.pre_encode_settle_s,
+                    node.store.pinned,
+                )
+                nursery.start_soon(pre.run, s.watch, s.ready_marker, s.poll_interval_s)
             emit_ready("origin", node, s.ready_file)
             latest = node.store.latest()
             if plane is not None and latest is not None:  # restarted: judge against held ones
@@ -467,12 +487,18 @@ async def run_origin(s: OriginSettings) -> int:
                 for step in sorted(ready):
                     staging = s.data_dir / "staging" / f"step-{step}"
                     src = s.watch / f"step-{step}"
+                    # before staging (it may chmod the files): what was encoded ahead, unchanged
+                    ahead = await pre.take(step, src) if pre is not None else {}
                     await trio.to_thread.run_sync(stage_checkpoint, src, staging)
                     rules = origin_card_rules(s, identity.peer_id, staging)
                     node.set_card(next_card(rules, node.card, identity))
                     if plane is not None and plane.intake is None:  # serve before announcing
                         await plane.start(nursery, node.p2p, staging)
-                    result = await origin.publish(staging, step)
+                    try:
+                        result = await origin.publish(staging, step, pre_encoded=ahead)
+                    finally:
+                        if pre is not None:
+                            pre.published(step)
                     if plane is not None:
                         await plane.published(step, result.manifest.digest, result.path)
                     latest = step

@@ -1,0 +1,359 @@
+"""Pipelined origin encoding: hash and encode each file of a checkpoint while the trainer is
+still writing the others.
+
+Theory of operation
+-------------------
+A trainer writes ``WATCH/step-<N>/`` file by file and then its ready marker (``DONE``). Before
+this module the origin did all of its hashing and delta encoding after the marker, on the
+critical path (12.8 s of a 25 s run, issue 16). :class:`PreEncoder` instead scans the step
+directories that have no marker yet and hashes and encodes (:func:`shardcast.plan.encode_file`,
+the very code the publish uses) every file that looks complete, in a worker thread, one file
+at a time. When the marker appears, :meth:`PreEncoder.take` hands the publish the results whose
+files are provably unchanged; :func:`shardcast.plan.hash_parts` links their blobs into the
+version (nothing is read again) and signs their parts at once, and reads only the files that
+were not done ahead. The parts are byte-identical either way: same code, same settings.
+
+When is a file complete before the marker? Nothing in the file system says so, so the origin
+guesses and then *checks*:
+
+* guess (:func:`quiet`): a file whose size, mtime and ctime have not changed for
+  ``settle_s`` (hidden and temp-named files — ``.x``, ``*.tmp``, ``*.part``, ``*.partial``,
+  ``*.incomplete`` — are never taken: atomic writers rename them into place, and the final name
+  then appears complete);
+* check: each result carries the :class:`FileIdentity` (device, inode, size, mtime, ctime)
+  stat'ed before the file was read, which must equal the identity after reading and again the
+  identity when the marker is seen (:meth:`PreEncodeCache.take`). A write in place changes mtime
+  (and ctime), a rename over the name brings another inode, a ``copy2``/``utime`` that restores
+  an old mtime still moves ctime: a result of bytes that may have changed is never used, the
+  file is read at publish as before. The only cost of a wrong guess is work done twice.
+
+The delta encodings depend on the base (the previous step) and the settings
+(:class:`~shardcast.plan.EncodeSettings`); a step whose base is not decided yet (the previous
+step still exists in WATCH but is not committed) waits. A result is used only if its settings
+equal the version's at publish.
+
+Restarts: results live in memory, blobs in ``cache_dir/step-<N>/`` (``<file>.<offset>.<enc>``);
+the directory is emptied when the pre-encoder starts, so an origin restarted mid-step simply
+encodes again (at publish, or ahead if the marker is not there yet). After a step is
+published its cache directory is removed (the blobs live on as hard links in the version).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import re
+import shutil
+import time
+from collections.abc import Callable, Mapping
+from contextlib import AbstractContextManager, nullcontext
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import trio
+
+from shardcast.manifest import MANIFEST_FILE, ManifestError, check_file_name
+from shardcast.plan import (
+    Base,
+    CheckpointLayoutError,
+    EncodeSettings,
+    PreEncoded,
+    ShardResult,
+    encode_file,
+)
+
+log = logging.getLogger(__name__)
+
+TEMP_SUFFIXES = (".tmp", ".part", ".partial", ".incomplete", ".lock")
+STEP_DIR = re.compile(r"step-(\d+)")
+
+
+@dataclass(frozen=True)
+class FileIdentity:
+    """What must stay equal for a file's bytes to count as unchanged (times in ns)."""
+
+    dev: int
+    ino: int
+    size: int
+    mtime_ns: int
+    ctime_ns: int
+
+    @classmethod
+    def of(cls, st: os.stat_result) -> FileIdentity:
+        """The identity in a stat result."""
+        return cls(st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns)
+
+
+def candidate_name(name: str) -> bool:
+    """True for a name that can be a checkpoint file: not hidden, not ours, not temp-named,
+    and a valid manifest file name."""
+    if name.startswith(".") or name == MANIFEST_FILE or name.endswith(TEMP_SUFFIXES):
+        return False
+    try:
+        check_file_name(name)
+    except ManifestError:
+        return False
+    return True
+
+
+def quiet(identity: FileIdentity, now_ns: int, settle_s: float) -> bool:
+    """True if the file has not been modified (data or metadata) for ``settle_s`` seconds."""
+    return max(identity.mtime_ns, identity.ctime_ns) <= now_ns - int(settle_s * 1e9)
+
+
+@dataclass
+class _Step:
+    settings: EncodeSettings
+    results: dict[str, tuple[FileIdentity, PreEncoded]] = field(default_factory=dict)
+    failed: dict[str, FileIdentity] = field(default_factory=dict)  # not again until it changes
+
+
+class PreEncodeCache:
+    """Which files of which steps are encoded ahead, and which to encode next (no I/O)."""
+
+    def __init__(self) -> None:
+        self.steps: dict[int, _Step] = {}
+        self.closed_through = -1  # steps <= this one are published (or being published)
+
+    def wanted(
+        self,
+        step: int,
+        settings: EncodeSettings,
+        listing: Mapping[str, FileIdentity],
+        now_ns: int,
+        settle_s: float,
+    ) -> list[str]:
+        """Names of ``step``'s files to encode now (sorted): candidates, nonempty, quiet, and
+        not already encoded at this identity with these settings. Settings that differ from
+        the step's earlier ones drop its earlier results."""
+        if step <= self.closed_through:
+            return []
+        st = self.steps.get(step)
+        if st is None or st.settings != settings:
+            st = self.steps[step] = _Step(settings)
+        out = []
+        for name in sorted(listing):
+            ident = listing[name]
+            if not candidate_name(name) or ident.size == 0 or not quiet(ident, now_ns, settle_s):
+                continue
+            have = st.results.get(name)
+            if (have is not None and have[0] == ident) or st.failed.get(name) == ident:
+                continue
+            out.append(name)
+        return out
+
+    def add(
+        self, step: int, name: str, before: FileIdentity, after: FileIdentity, result: PreEncoded
+    ) -> bool:
+        """Record a file encoded from identity ``before`` (stat'ed again ``after`` reading);
+        returns False (nothing recorded) if it changed meanwhile, the settings moved on, or
+        the step is closed."""
+        st = self.steps.get(step)
+        if st is None or step <= self.closed_through or st.settings != result.settings:
+            return False
+        if before != after or after.size != result.size:
+            st.results.pop(name, None)
+            return False
+        st.results[name] = (before, result)
+        return True
+
+    def fail(self, step: int, name: str, identity: FileIdentity) -> None:
+        """A file that could not be encoded at ``identity`` (not retried until it changes)."""
+        st = self.steps.get(step)
+        if st is not None:
+            st.failed[name] = identity
+
+    def take(self, step: int, listing: Mapping[str, FileIdentity]) -> dict[str, PreEncoded]:
+        """The results of ``step`` whose file identity (stat'ed when the marker was seen) is
+        still the one read; closes every step up to ``step``."""
+        self.closed_through = max(self.closed_through, step)
+        st = self.steps.get(step)
+        if st is None:
+            return {}
+        return {
+            name: res for name, (ident, res) in st.results.items() if listing.get(name) == ident
+        }
+
+    def drop_through(self, step: int) -> list[int]:
+        """Forget steps up to ``step``; returns the steps forgotten."""
+        gone = [s for s in self.steps if s <= step]
+        for s in gone:
+            del self.steps[s]
+        return gone
+
+
+def list_identities(directory: Path) -> dict[str, FileIdentity]:
+    """Identities of the regular files directly in ``directory`` (symlinks left out)."""
+    out = {}
+    try:
+        entries = list(os.scandir(directory))
+    except OSError:
+        return {}
+    for entry in entries:
+        try:
+            if entry.is_file(follow_symlinks=False):
+                out[entry.name] = FileIdentity.of(entry.stat(follow_symlinks=False))
+        except OSError:
+            continue  # vanished (renamed) meanwhile
+    return out
+
+
+def unfinished_steps(watch: Path, ready_marker: str) -> list[int]:
+    """Steps N whose ``watch/step-N/`` exists without its ready marker (none if unreadable)."""
+    steps = []
+    try:
+        for entry in os.scandir(watch):
+            m = STEP_DIR.fullmatch(entry.name)
+            if m and entry.is_dir() and not (Path(entry.path) / ready_marker).exists():
+                steps.append(int(m.group(1)))
+    except OSError:
+        return []
+    return steps
+
+
+def pre_encode_file(
+    path: Path,
+    name: str,
+    size: int,
+    settings: EncodeSettings,
+    base: Base | None,
+    cache_dir: Path,
+) -> PreEncoded:
+    """Hash and encode one file into ``cache_dir`` (blocking; see :func:`encode_file`).
+
+    Raises:
+        CheckpointLayoutError: the file is shorter than ``size``.
+        OSError: it cannot be read, or a blob cannot be written.
+    """
+    cache_dir.mkdir(parents=True, exist_ok=True)
+    shards: list[ShardResult] = []
+    digest = ""
+    base_path = None if base is None else base.directory / name
+
+    def blob(offset: int, encoding: str) -> Path:
+        return cache_dir / f"{name}.{offset}.{encoding}"
+
+    for shard, file_digest in encode_file(path, size, settings, base_path, blob):
+        shards.append(shard)
+        if file_digest is not None:
+            digest = file_digest
+    return PreEncoded(name, size, settings, tuple(shards), digest, cache_dir, f"{name}.")
+
+
+class PreEncoder:
+    """Encodes the files of unfinished steps in WATCH ahead of their marker (module docstring).
+
+    Args:
+        settings_for: ``step -> (settings, base)`` as the origin would publish it now, or
+            None while the base is undecided (:meth:`shardcast.origin.Origin.encode_plan`).
+        cache_dir: where the blobs go (emptied now).
+        settle_s: see :func:`quiet`.
+        pinned: context manager factory that keeps a base step from being pruned while read.
+        clock_ns: wall clock in ns (``time.time_ns``; the file system's clock).
+    """
+
+    def __init__(
+        self,
+        settings_for: Callable[[int], tuple[EncodeSettings, Base | None] | None],
+        cache_dir: Path,
+        settle_s: float,
+        pinned: Callable[[int], AbstractContextManager[object]] | None = None,
+        clock_ns: Callable[[], int] = time.time_ns,
+    ) -> None:
+        self.settings_for = settings_for
+        self.cache_dir = cache_dir
+        self.settle_s = settle_s
+        self.pinned = pinned
+        self.clock_ns = clock_ns
+        self.cache = PreEncodeCache()
+        self.busy_step: int | None = None
+        self.idle = trio.Event()
+        self.idle.set()
+        self.encoded_files = 0
+        shutil.rmtree(cache_dir, ignore_errors=True)
+
+    def step_dir(self, step: int) -> Path:
+        """The cache directory of ``step``."""
+        return self.cache_dir / f"step-{step}"
+
+    async def scan_once(self, watch: Path, ready_marker: str) -> int:
+        """Encode every file that is due now in the unfinished steps of ``watch`` (oldest step
+        first); returns how many files were encoded."""
+        steps = await trio.to_thread.run_sync(unfinished_steps, watch, ready_marker)
+        done = 0
+        for step in sorted(steps):
+            if step <= self.cache.closed_through:
+                continue
+            plan = self.settings_for(step)
+            if plan is None:
+                continue  # base undecided: the previous step is not committed yet
+            settings, base = plan
+            directory = watch / f"step-{step}"
+            listing = await trio.to_thread.run_sync(list_identities, directory)
+            for name in self.cache.wanted(step, settings, listing, self.clock_ns(), self.settle_s):
+                if await self._encode(step, directory, name, listing[name], settings, base):
+                    done += 1
+        return done
+
+    async def _encode(
+        self,
+        step: int,
+        directory: Path,
+        name: str,
+        before: FileIdentity,
+        settings: EncodeSettings,
+        base: Base | None,
+    ) -> bool:
+        path = directory / name
+        self.busy_step, self.idle = step, trio.Event()
+        try:
+
+            def work() -> PreEncoded:
+                pin = self.pinned(base.step) if self.pinned and base else nullcontext()
+                with pin:
+                    return pre_encode_file(
+                        path, name, before.size, settings, base, self.step_dir(step)
+                    )
+
+            try:
+                result = await trio.to_thread.run_sync(work)
+            except (OSError, CheckpointLayoutError) as exc:
+                log.info("pre_encode_skipped step=%d file=%s error=%s", step, name, exc)
+                self.cache.fail(step, name, before)
+                return False
+            try:
+                after = FileIdentity.of(os.stat(path, follow_symlinks=False))
+            except OSError:
+                return False
+            ok = self.cache.add(step, name, before, after, result)
+            if ok:
+                self.encoded_files += 1
+                log.info("pre_encoded step=%d file=%s size_bytes=%d", step, name, before.size)
+            return ok
+        finally:
+            self.busy_step = None
+            self.idle.set()
+
+    async def run(self, watch: Path, ready_marker: str, poll_s: float) -> None:
+        """Scan ``watch`` every ``poll_s`` seconds, forever (cancel to stop)."""
+        while True:
+            await self.scan_once(watch, ready_marker)
+            await trio.sleep(poll_s)
+
+    async def take(self, step: int, directory: Path) -> dict[str, PreEncoded]:
+        """Results usable for publishing ``step`` from ``directory`` (its WATCH directory, whose
+        marker is there): waits for a file of ``step`` being encoded now, then stats every
+        file and keeps the results whose identity is unchanged. Call before anything (such
+        as staging) touches the files."""
+        while self.busy_step is not None and self.busy_step <= step:
+            await self.idle.wait()
+        listing = await trio.to_thread.run_sync(list_identities, directory)
+        out = self.cache.take(step, listing)
+        if out:
+            log.info("pre_encoded_used step=%d files=%d", step, len(out))
+        return out
+
+    def published(self, step: int) -> None:
+        """``step`` is committed (or failed): drop its cache and every older one."""
+        for s in self.cache.drop_through(step):
+            shutil.rmtree(self.step_dir(s), ignore_errors=True)

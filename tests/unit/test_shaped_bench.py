@@ -1,0 +1,121 @@
+"""The shaped-link mode of ``bench/broadcast.py``: rates, the bound, the summary, checkpoint
+subsets, operator errors, and that an interrupted run leaves no namespace behind (as root)."""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from bench import broadcast
+from shardcast.plan import check_layout
+from simulations import netns
+from tests.helpers import make_checkpoint
+
+OK, WHY = netns.available()
+needs_netns = pytest.mark.skipif(not OK, reason=f"network namespaces unavailable: {WHY}")
+
+
+def test_rates() -> None:
+    assert broadcast.parse_rate("200M") == 200e6
+    assert broadcast.parse_rate("1G") == 1e9
+    assert broadcast.parse_rate("200mbit") == 200e6
+    assert broadcast.parse_rate("5e8") == 5e8
+    assert broadcast.rate_label(1e9) == "1 Gb/s"
+    assert broadcast.rate_label(200e6) == "200 Mb/s"
+    for bad in ("0", "-1M", "fast"):
+        with pytest.raises(ValueError):  # noqa: PT011 - float() or ours
+            broadcast.parse_rate(bad)
+
+
+def test_bound_is_the_issues() -> None:
+    # issue 16: 1.32 GB at 200 Mb/s, 32 MiB shards, 6 receivers -> 55.5 s
+    assert broadcast.tree_depth(6) == 2
+    assert broadcast.tree_depth(1) == 0
+    bound = broadcast.shaped_bound_s(1_319_238_087, 32 << 20, 200e6 / 8, 6)
+    assert math.isclose(bound, 55.45, abs_tol=0.05)
+
+
+def _run(system: str, lasts: tuple[float, float], least: tuple[int, int] | None) -> dict[str, Any]:
+    versions = []
+    for step, last in enumerate(lasts):
+        v: dict[str, Any] = {
+            "step": step,
+            "first_s": last - 1,
+            "last_s": last,
+            "origin_bytes": 1000 * (step + 1),
+            "cpu_s": {"origin": 1.0 + step, "peer1": 2.0},
+        }
+        if least is not None:
+            v["least_bytes"], v["shards"] = least[step], 4
+        versions.append(v)
+    return {"system": system, "versions": versions}
+
+
+def test_summary_medians_bound_and_ratios() -> None:
+    rate = 8e6  # 1 MB/s
+    runs = {
+        "shardnet": [
+            _run("shardnet", (10.0, 2.0), (4_000_000, 40_000)),
+            _run("shardnet", (12.0, 4.0), (4_000_000, 40_000)),
+            _run("shardnet", (30.0, 3.0), (4_000_000, 40_000)),
+            {"system": "shardnet", "versions": [], "error": "TooSlowError()"},
+        ],
+        "shardcast": [_run("shardcast", (20.0, 20.0), None) for _ in range(3)],
+    }
+    out = broadcast.summarize_shaped(runs, 4_000_000, rate, 1_000_000)
+    full, nxt = out["systems"]["shardnet"]
+    assert (full["last_s"], nxt["last_s"]) == (12.0, 3.0)
+    # S/B + 2 * s/B with s = S / 4 shards
+    assert out["bounds"][0]["bound_s"] == pytest.approx(4.0 + 2 * 1.0)
+    assert out["bounds"][1]["bound_s"] == pytest.approx(0.04 + 2 * 0.01)
+    assert full["eta"] == pytest.approx(6.0 / 12.0, abs=1e-3)
+    assert out["systems"]["shardcast"][0]["eta"] == pytest.approx(6.0 / 20.0, abs=1e-3)
+    assert full["cpu_s"] == {"origin": 1.0, "peer1": 2.0}
+    assert out["full_ratio_vs_shardcast"] == pytest.approx(0.6)
+    assert out["delta_ratio_vs_shardcast"] == pytest.approx(0.15)
+
+
+def test_subset_is_a_valid_checkpoint_of_the_same_files(tmp_path: Path) -> None:
+    sizes = {f"model-0000{i}-of-00004.safetensors": 1000 * i for i in range(1, 5)}
+    v0 = make_checkpoint(tmp_path / "v0", sizes, seed=0)
+    v1 = make_checkpoint(tmp_path / "v1", sizes, seed=1)
+    s0, s1, size = broadcast.subset_versions(v0, v1, tmp_path / "cache", 4500)
+    names = sorted(p.name for p in s0.iterdir() if p.name.endswith(".safetensors"))
+    # layer files first (00001 last), until about 4500 bytes
+    assert names == ["model-00002-of-00004.safetensors", "model-00003-of-00004.safetensors"]
+    for d in (s0, s1):
+        assert "config.json" in check_layout(d)
+    assert size == sum(p.stat().st_size for p in s0.iterdir())
+    assert (s1 / names[0]).read_bytes() == (v1 / names[0]).read_bytes()
+
+
+def test_operator_errors_exit_2(capsys: pytest.CaptureFixture[str]) -> None:
+    assert broadcast.main(["--shaped", "fast"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1
+    assert "--shaped" in err
+
+
+@needs_netns
+def test_interrupted_shaped_run_removes_every_namespace(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    v0 = make_checkpoint(tmp_path / "v0", {"model.safetensors": 100}, seed=0)
+    v1 = make_checkpoint(tmp_path / "v1", {"model.safetensors": 100}, seed=1)
+    monkeypatch.setattr(broadcast, "prepare_checkpoints", lambda *a: (v0, v1, {"size_bytes": 1}))
+    seen: list[str] = []
+
+    async def interrupted(lab: netns.Lab, *args: Any) -> None:
+        seen.extend(n for n in netns.namespaces() if n.startswith(f"{netns.PREFIX}{lab.id}-"))
+        raise KeyboardInterrupt  # Ctrl-C while the nodes run
+
+    monkeypatch.setattr(broadcast, "_shaped_runs", interrupted)
+    before = set(netns.namespaces())
+    rc = broadcast.main(["--shaped", "1G", "--workdir", str(tmp_path / "work")])
+    assert rc == 130
+    assert len(seen) == 1 + len(broadcast.SHAPED_NODES)  # the bridge and one per node
+    assert set(netns.namespaces()) <= before
+    assert not any((tmp_path / "work").iterdir())  # run directories removed
