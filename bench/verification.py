@@ -136,7 +136,7 @@ ATTACKS = (
     "corrupted_proof",
 )
 PROBES = ("modulus_malleability", "last_token_swap", "last_token_swap_logprob")
-MODEL_CHECKED = ("accepted", "toploc", "sampling")
+MODEL_CHECKED = ("accepted", "toploc", "replay", "sampling")
 """Outcomes that the model-dependent checks decided (or would have): profiles can change them."""
 
 MODELS: dict[str, dict[str, int]] = {
