@@ -95,7 +95,14 @@ from transformers import AutoModelForCausalLM, DynamicCache, LlamaConfig
 from p2p.errors import IntegrityError, RemoteProtocolError, VerificationError
 from p2p.identity import Identity
 from rollout.batch import sample_seed
-from rollout.engine import Generation, TransformersEngine, bf16_bits, prefill_activations
+from rollout.engine import (
+    Generation,
+    TeacherForced,
+    TransformersEngine,
+    bf16_bits,
+    prefill_activations,
+)
+from rollout.gumbel import NoiseKey, group_seed, gumbel_argmax
 from rollout.model import build_model, build_tokenizer, preset_config
 from rollout.schema import Group, RolloutAnnouncement, RolloutBatch, Sample
 from rollout.task import DEFAULT_TASK
@@ -129,7 +136,7 @@ ATTACKS = (
     "corrupted_proof",
 )
 PROBES = ("modulus_malleability", "last_token_swap", "last_token_swap_logprob")
-MODEL_CHECKED = ("accepted", "toploc", "sampling")
+MODEL_CHECKED = ("accepted", "toploc", "replay", "sampling")
 """Outcomes that the model-dependent checks decided (or would have): profiles can change them."""
 
 MODELS: dict[str, dict[str, int]] = {
@@ -245,12 +252,13 @@ class RecordingOracle(TrainerOracle):
         prompt_ids: Sequence[int],
         completions: Sequence[Sequence[int]],
         temperature: float,
-    ) -> list[tuple[Bits, Bits, list[float]]]:
+        keys: Sequence[NoiseKey] | None = None,
+    ) -> list[TeacherForced]:
         start = time.perf_counter()
-        outs = super().prefill_group(step, prompt_ids, completions, temperature)
+        outs = super().prefill_group(step, prompt_ids, completions, temperature, keys)
         self.forward_s += time.perf_counter() - start
         for c, out in zip(completions, outs, strict=True):
-            self.recorded[(tuple(prompt_ids), tuple(c))] = out
+            self.recorded[(tuple(prompt_ids), tuple(c))] = (out[0], out[1], out[2])
         return outs
 
 
@@ -345,10 +353,11 @@ def sample_prompts(
 ) -> list[list[Generation]]:
     """Sample ``n`` completions of *every* prompt in one left-padded batch with a KV cache.
 
-    Bench-only sibling of :func:`rollout.engine.sample_group` (same sampling rule, one seeded
-    ``torch.Generator`` per prompt): rows are padded on the left with id 0 and masked, and
-    position ids count from each row's first real token, so every row is mathematically the
-    batch-1 computation while the float operations run on ``[len(prompts)·n, ·]`` tensors.
+    Bench-only sibling of :func:`rollout.engine.sample_group` (same sampling rule: seeded
+    Gumbel-max, sample ``k`` of prompt ``i`` with ``NoiseKey(seeds[i], k)``): rows are padded
+    on the left with id 0 and masked, and position ids count from each row's first real token,
+    so every row is mathematically the batch-1 computation while the float operations run on
+    ``[len(prompts)·n, ·]`` tensors.
 
     Returns:
         ``groups[i]``: the ``n`` generations of ``prompts[i]``.
@@ -366,18 +375,15 @@ def sample_prompts(
         input_ids=ids, attention_mask=mask, position_ids=positions, cache=cache, use_cache=True
     )
     hidden = out.last_hidden_state  # [B, width, H]
-    generators = [torch.Generator().manual_seed(s) for s in seeds]
+    keys = [NoiseKey(s, k) for s in seeds for k in range(n)]
     last, next_pos = hidden[:, -1], positions[:, -1:] + 1
     tokens, logprobs, decode = [], [], []
     done = torch.zeros(len(rows), dtype=torch.bool)
     for step in range(max_new_tokens):
-        logp = torch.log_softmax(model.lm_head(last).float() / temperature, dim=-1)
-        token = torch.cat(
-            [
-                torch.multinomial(logp[i * n : (i + 1) * n].exp(), 1, generator=g)
-                for i, g in enumerate(generators)
-            ]
-        )
+        logits = model.lm_head(last).float()
+        logp = torch.log_softmax(logits / temperature, dim=-1)
+        chosen = gumbel_argmax(logits.numpy(), keys, step, temperature)
+        token = torch.from_numpy(chosen).unsqueeze(1)
         tokens.append(token[:, 0])
         logprobs.append(logp.gather(1, token)[:, 0])
         done |= token[:, 0] == eos_token_id
@@ -422,7 +428,7 @@ def generate_batch(w: World, layout: Layout, r: int) -> tuple[RolloutBatch, floa
     peer = w.peers[r].peer_id
     n, cap, temp = layout.group_size, layout.max_new_tokens, w.cfg.temperature
     prompts = w.oracle.prompt_ids(peer, 0, layout.n_prompts)
-    seeds = [sample_seed(peer, 0, i) for i in range(layout.n_prompts)]
+    seeds = [group_seed(RUN_ID, peer, 0, i) for i in range(layout.n_prompts)]
     rng = random.Random(f"{w.cfg.seed}/{layout.name}/{r}")
     start = time.perf_counter()
     if layout.mode == "multi":
@@ -692,7 +698,7 @@ class Corpus:
         for r, (batch, accepted_by) in enumerate(self.base):
             peer = w.peers[r]
             g0, g1 = (next(g for g in batch.groups if g.prompt_index == i) for i in (0, 1))
-            prompt, seed = g0.prompt_ids, sample_seed(peer.peer_id, 0, 0)
+            prompt, seed = g0.prompt_ids, group_seed(RUN_ID, peer.peer_id, 0, 0)
             for cls, variants in engines.items():
                 for v, (variant, engine) in enumerate(variants):
                     count = len(range(v, k, len(variants)))

@@ -24,7 +24,8 @@ import numpy.typing as npt
 from transformers import PreTrainedTokenizerFast
 
 from p2p.errors import LocalProtocolError
-from rollout.engine import prefill_activations, prefill_activations_group
+from rollout.engine import TeacherForced, prefill_activations, prefill_activations_group
+from rollout.gumbel import NoiseKey
 from rollout.model import load_model
 from rollout.model_dir import TOKENIZER_NAME, load_tokenizer, stop_token_id
 from rollout.task import Prompt, Task, encode_prompt, task_prompts
@@ -149,6 +150,10 @@ class TrainerOracle:
         prompt_ids: Sequence[int],
         completions: Sequence[Sequence[int]],
         temperature: float,
-    ) -> list[tuple[Bits, Bits, list[float]]]:
-        """Teacher-forced passes of a whole GRPO group in one batched forward."""
-        return prefill_activations_group(self._model(step), prompt_ids, completions, temperature)
+        keys: Sequence[NoiseKey] | None = None,
+    ) -> list[TeacherForced]:
+        """Teacher-forced passes of a whole GRPO group in one batched forward (with the
+        replay gaps of ``keys``)."""
+        return prefill_activations_group(
+            self._model(step), prompt_ids, completions, temperature, keys
+        )
