@@ -27,6 +27,7 @@ from shardcast import codecs
 from shardcast.manifest import (
     EMPTY_DIGEST,
     MANIFEST_FILE,
+    SCHEMA_VERSION,
     Encoded,
     FileEntry,
     Header,
@@ -36,6 +37,7 @@ from shardcast.manifest import (
     ShardRef,
     check_file_name,
     check_run_id,
+    file_root,
     sign_header,
     sign_part,
 )
@@ -137,8 +139,12 @@ def make_header(
     shard_size: int = DEFAULT_SHARD_BYTES,
     shards_per_part: int = DEFAULT_SHARDS_PER_PART,
     base: Base | None = None,
+    schema: int = SCHEMA_VERSION,
 ) -> Header:
     """Describe a checkpoint directory as a version header (reads no file content).
+
+    ``schema`` 3 (the default) has hash-list root file digests; 2 (whole-file digests) is
+    for tests of old versions.
 
     Raises:
         CheckpointLayoutError: see :func:`check_layout`.
@@ -156,6 +162,7 @@ def make_header(
         None if base is None else base.step,
         None if base is None else base.digest,
         os.urandom(16).hex(),
+        schema,
     )
 
 
@@ -200,7 +207,9 @@ def hash_parts(
     parts: list[Part] = []
     digests: list[str] = []
     encs: list[tuple[Encoded, ...]] = []
-    file_digests = {f.name: EMPTY_DIGEST for f in header.files if f.size == 0}
+    rooted = header.schema >= 3  # file digests are hash-list roots: no whole-file hash
+    empty = file_root([]) if rooted else EMPTY_DIGEST
+    file_digests = {f.name: empty for f in header.files if f.size == 0}
     buf = bytearray(header.shard_size)
     scratch = bytearray(header.shard_size if encodings else 0)
 
@@ -218,6 +227,7 @@ def hash_parts(
                 tuple(digests[i] for i in rng),
                 tuple(encs[i] for i in rng),
                 fds,
+                header.schema,
             )
             parts.append(part)
             on_part(part)
@@ -225,7 +235,8 @@ def hash_parts(
     for f in header.files:
         if f.size == 0:
             continue
-        file_hash = blake3.blake3(max_threads=blake3.blake3.AUTO)
+        file_hash = None if rooted else blake3.blake3(max_threads=blake3.blake3.AUTO)
+        first = len(digests)
         base_fh = None
         if base is not None and any(e in codecs.DELTAS for e in encodings):
             bp = base.directory / f.name
@@ -237,13 +248,25 @@ def hash_parts(
                     view = memoryview(buf)[: ref.length]
                     if fh.readinto(view) != ref.length:
                         raise CheckpointLayoutError(f"{directory / f.name} changed while hashing")
-                    file_hash.update(view)
+                    if file_hash is not None:
+                        file_hash.update(view)
                     digests.append(blake3.blake3(view, max_threads=blake3.blake3.AUTO).hexdigest())
                     encs.append(
                         _encode_shard(view, ref, encodings, base_fh, blob_dir, zstd_level, scratch)
                     )
                     if ref.offset + ref.length == f.size:
-                        file_digests[f.name] = file_hash.hexdigest()
+                        file_digests[f.name] = (
+                            file_hash.hexdigest()
+                            if file_hash is not None
+                            else file_root(
+                                [
+                                    (s.length, d)
+                                    for s, d in zip(
+                                        header.shards[first:], digests[first:], strict=False
+                                    )
+                                ]
+                            )
+                        )
                     emit_ready()
         finally:
             if base_fh is not None:
@@ -320,9 +343,10 @@ def build_manifest(
     encodings: Sequence[str] = (),
     base: Base | None = None,
     blob_dir: Path | None = None,
+    schema: int = SCHEMA_VERSION,
 ) -> Manifest:
     """Header, parts and signatures in one call (tests, tools); returns a complete Manifest."""
-    header = make_header(directory, run_id, step, shard_size, shards_per_part, base)
+    header = make_header(directory, run_id, step, shard_size, shards_per_part, base, schema)
     signed = sign_header(header, identity)
     m = Manifest(signed)
 
