@@ -38,19 +38,16 @@ from __future__ import annotations
 import logging
 import math
 import random
-import threading
 from collections.abc import Callable
 from contextlib import aclosing
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Protocol
 
-import blake3
 import trio
 
 from p2p.errors import (
     IntegrityError,
-    LocalProtocolError,
     PeerUnreachable,
     RemoteProtocolError,
     ShardnetError,
@@ -65,6 +62,7 @@ from shardcast import codecs
 from shardcast.lane_auth import failed_header
 from shardcast.liveness import Abandon, Answer, DownloadWatch
 from shardcast.manifest import Manifest, ManifestError, ShardEntry, decode_part
+from shardcast.receive import BaseMismatch, BaseVersion, ShardSink, verify_and_write
 from shardcast.select import Request, Scheduler, SchedulerConfig, SourceBans, blame
 from shardcast.store import PartialVersion, VersionStore
 
@@ -200,48 +198,6 @@ class DownloadObserver(Protocol):
         ...
 
 
-@dataclass
-class _Buf:
-    data: bytearray
-    pos: int = 0
-    parts: list[tuple[str, int, int]] = field(default_factory=list)  # (source, start, end)
-
-
-@dataclass
-class _Base:
-    step: int
-    read: Callable[[str, int, int, bytearray], memoryview]
-
-
-class _BufferPool:
-    """Reusable shard-sized buffers for decoding in worker threads (bounded: at most
-    ``keep`` idle buffers are kept; a thread that finds none large enough allocates one as
-    large as the largest request seen, so that buffers stay reusable across shard lengths)."""
-
-    def __init__(self, keep: int = 8) -> None:
-        self.keep = keep
-        self._idle: list[bytearray] = []
-        self._largest = 0
-        self._lock = threading.Lock()
-
-    def get(self, length: int) -> bytearray:
-        with self._lock:
-            self._largest = max(self._largest, length)
-            for k, buf in enumerate(self._idle):
-                if len(buf) >= length:
-                    return self._idle.pop(k)
-            size = self._largest
-        return bytearray(size)
-
-    def put(self, buf: bytearray) -> None:
-        with self._lock:
-            if len(self._idle) < self.keep and len(buf) >= self._largest:
-                self._idle.append(buf)
-
-
-_POOL = _BufferPool()  # per process: at most 8 idle shard-sized buffers (128 MiB at 16 MiB)
-
-
 class Downloader:
     """Downloads versions into a :class:`VersionStore` (one download at a time per instance).
 
@@ -344,11 +300,11 @@ class Downloader:
                 if use_base:
                     assert base_step is not None
                     with self.store.pinned(base_step):
-                        base = _Base(
-                            base_step,
-                            lambda n, o, ln, out: self.store.read_range(base_step, n, o, ln, out),
-                        )
-                        await self._run(part, sources, stats, base, on_shard, progress)
+                        base = BaseVersion(self.store, base_step)
+                        try:
+                            await self._run(part, sources, stats, base, on_shard, progress)
+                        finally:
+                            base.close()
                 else:
                     await self._run(part, sources, stats, None, on_shard, progress)
             try:
@@ -382,7 +338,7 @@ class Downloader:
             return False
         return held.digest == manifest.header.base_digest
 
-    def _choose(self, shard: ShardEntry, base: _Base | None, no_delta: set[int]) -> str:
+    def _choose(self, shard: ShardEntry, base: BaseVersion | None, no_delta: set[int]) -> str:
         if shard.index in no_delta:  # an encoded form failed after its digest matched
             return codecs.RAW
         delta = shard.delta()
@@ -397,7 +353,7 @@ class Downloader:
         part: PartialVersion,
         sources: list[Source],
         stats: DownloadStats,
-        base: _Base | None,
+        base: BaseVersion | None,
         on_shard: Callable[[int], None] | None,
         progress: ProgressFn | None,
     ) -> None:
@@ -424,8 +380,8 @@ class Downloader:
             watch.add_source(s.id)
         chosen: dict[int, str] = {}
         no_delta: set[int] = set()
-        resume: dict[int, _Buf] = {}
-        suspects: dict[int, list[_Buf]] = {}
+        resume: dict[int, ShardSink] = {}
+        suspects: dict[int, list[ShardSink]] = {}
         scopes: dict[int, trio.CancelScope] = {}
         wake = trio.Event()
         verified = sum(header.shards[i].length for i in held)
@@ -591,12 +547,12 @@ class Downloader:
             offered = entry.offered(enc)
             size = offered.size if offered is not None else entry.length
             buf = resume.pop(req.shard, None) if req.start else None
-            if buf is None or buf.pos != req.start or len(buf.data) != size:
+            if buf is None or buf.pos != req.start or buf.size != size:
                 if buf is not None or req.start:
                     sched.discard_partial(req.shard)
                     sched.on_cancelled(req.id)
                     return
-                buf = _Buf(bytearray(size), 0)
+                buf = ShardSink.pooled(size)  # bytes land here once and are hashed on arrival
             begin = buf.pos
             if begin:
                 stats.resumed += 1
@@ -613,16 +569,16 @@ class Downloader:
                     try:
                         first = True
                         async with aclosing(
-                            self.client.stream_range(
+                            self.client.receive_range_into(
                                 url,
                                 offset,
-                                req.length,
+                                buf.window(req.length),
                                 timeout_s=self.config.stall_timeout_s,
                                 headers=failed_header(failed_by.get(req.shard, ())),
                                 anonymous=src.anonymous,
                             )
-                        ) as chunks:
-                            async for chunk in chunks:
+                        ) as pieces:
+                            async for n in pieces:
                                 watch.on_progress(trio.current_time())
                                 if first:
                                     watch.on_answer(src.id, Answer.DELIVERED, trio.current_time())
@@ -636,8 +592,7 @@ class Downloader:
                                             req.shard,
                                             short_id(src.id),
                                         )
-                                buf.data[buf.pos : buf.pos + len(chunk)] = chunk
-                                buf.pos += len(chunk)
+                                buf.advance(n)  # hashed while hot
                     except NotAvailable as exc:
                         if exc.status == 429 and observer is not None:
                             observer.refused(src.id)
@@ -705,13 +660,13 @@ class Downloader:
                         observer.shard_received(src.id, enc, got, v0 - t0)
                     try:
                         written = await trio.to_thread.run_sync(
-                            self._verify_and_write, part, entry, enc, buf.data, base, src.id
+                            verify_and_write, part, entry, enc, buf, base, src.id
                         )
                     except OSError as exc:  # the partial directory vanished: start over
                         store_lost.append(exc)
                         sched.on_cancelled(req.id)
                         return
-                    except _BaseMismatch:
+                    except BaseMismatch:
                         no_delta.add(req.shard)
                         stats.delta_fallbacks += 1
                         sched.on_failure(req.id, trio.current_time(), kind="suspect")
@@ -772,6 +727,7 @@ class Downloader:
                             on_shard(req.shard)
                         if progress is not None:
                             progress(verified, m.total_bytes)
+                    buf.release()  # written (or already present): the buffer is reusable
                 if scope.cancelled_caught:
                     sched.on_cancelled(req.id)
             finally:
@@ -880,49 +836,10 @@ class Downloader:
         )
 
     @staticmethod
-    def _verify_and_write(
-        part: PartialVersion,
-        entry: ShardEntry,
-        enc: str,
-        data: bytearray,
-        base: _Base | None,
-        source: str,
-    ) -> bool:
-        """Decode (if encoded), verify and write one shard; runs in a worker thread."""
-        if enc == codecs.RAW:
-            return part.write_shard(entry.index, data, source)
-        offered = entry.offered(enc)
-        if offered is None:
-            raise LocalProtocolError(f"shard {entry.index} does not offer {enc}")
-        if blake3.blake3(data).hexdigest() != offered.digest:
-            raise IntegrityError(f"shard {entry.index} {enc} blob digest mismatch", source)
-        # pooled buffers: the base range is read into one, the frame decompressed into the
-        # other, and xor-zstd XORs in place into the base buffer (no per-shard allocation)
-        held = [_POOL.get(entry.length), _POOL.get(entry.length)]
-        try:
-            base_bytes = None
-            if enc in codecs.DELTAS:
-                assert base is not None
-                base_bytes = base.read(entry.file, entry.offset, entry.length, held[0])
-            try:
-                raw = codecs.decode(
-                    enc, data, entry.length, base_bytes, source, out=base_bytes, scratch=held[1]
-                )
-            except codecs.CodecError as exc:  # digest matched: the origin wrote a bad blob
-                raise _BaseMismatch(f"{enc} blob does not decode: {exc}") from exc
-            try:
-                return part.write_shard(entry.index, raw, source, blobs={enc: bytes(data)})
-            except IntegrityError as exc:  # blob verified, result wrong: base or origin
-                raise _BaseMismatch(str(exc)) from exc
-        finally:
-            for buf in held:
-                _POOL.put(buf)
-
-    @staticmethod
     def _assign_blame(
         sched: Scheduler,
-        bad_copies: list[_Buf],
-        good: bytearray,
+        bad_copies: list[ShardSink],
+        good: memoryview,
         enc: str,
         corrupt: Callable[[str], None],
         banish: Callable[[str, list[int]], None],
@@ -936,9 +853,3 @@ class Downloader:
                 corrupt(culprit)
                 log.warning("source_blamed source=%s reason=corrupt_bytes", short_id(culprit))
                 banish(culprit, cancel)
-
-
-class _BaseMismatch(IntegrityError):
-    """A blob that matched its signed digest did not yield the shard: a delta against a base
-    this node does not share with the origin, or a blob the origin encoded badly. Not the
-    source's fault: the shard is fetched raw and nobody is blamed."""
