@@ -53,10 +53,11 @@ from __future__ import annotations
 import errno
 import json
 import logging
+import mmap
 import os
 import shutil
 import threading
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
@@ -479,6 +480,7 @@ class PartialVersion:
         self.dir = store.partial_dir(manifest.step)
         self._have = [False] * len(self.header.shards)
         self._lock = threading.Lock()
+        self._shard_locks: dict[int, threading.Lock] = {}
         self._closed = False
         self._fds: dict[str, int] = {}
         journal = self.dir / JOURNAL_FILE
@@ -610,16 +612,13 @@ class PartialVersion:
             hashed = blake3.blake3(data, max_threads=blake3.blake3.AUTO).hexdigest()
         if hashed != shard.digest:
             raise IntegrityError(f"shard {index} of {shard.file} digest mismatch", source)
-        with self._lock:
-            if self._closed:
-                raise LocalProtocolError(f"step {self.step} is no longer open")
-            if self._have[index]:
+        with self._claim(index) as fd:
+            if fd < 0:
                 return False
-        view = memoryview(data)
-        fd, pos = self._fds[shard.file], 0
-        while pos < len(view):
-            pos += os.pwrite(fd, view[pos:], shard.offset + pos)
-        return self._mark(index, blobs)
+            view, pos = memoryview(data), 0
+            while pos < len(view):
+                pos += os.pwrite(fd, view[pos:], shard.offset + pos)
+            return self._mark(index, blobs)
 
     def clone_shard(self, index: int, src_fd: int, blobs: dict[str, bytes] | None = None) -> bool:
         """Fill shard ``index`` with the same byte range of ``src_fd`` (:func:`copy_range`:
@@ -639,13 +638,89 @@ class PartialVersion:
         if not self.manifest.known(index):
             raise LocalProtocolError(f"shard {index}: its manifest part has not arrived")
         shard = self.manifest.shard(index)
+        with self._claim(index) as fd:
+            if fd < 0:
+                return False
+            copy_range(src_fd, fd, shard.offset, shard.length)
+            return self._mark(index, blobs)
+
+    def patch_shard(
+        self,
+        index: int,
+        src_fd: int,
+        patch: Callable[[memoryview], None],
+        source: str = "",
+        blobs: dict[str, bytes] | None = None,
+    ) -> bool:
+        """Build shard ``index`` in place: copy the same range of ``src_fd`` (the base
+        version's file) into it (:func:`copy_range`), let ``patch`` change that range through
+        a memory map, then hash it there against the signed digest.
+
+        The delta path of :mod:`shardcast.receive`: the base bytes are never copied through a
+        Python buffer, a ``sparse`` patch touches only the changed words, and the result is
+        hashed where it lies. Unlike :meth:`write_shard`, bytes that fail their digest have
+        touched the partial file's range; the shard stays absent (never served, never
+        journaled) and the next attempt rewrites the whole range (a re-copy before a patch,
+        or a raw write).
+
+        Args:
+            index: shard index.
+            src_fd: the base version's file holding the same range.
+            patch: changes the range in place (its argument: a writable view of exactly the
+                shard's bytes, valid only during the call); exceptions propagate.
+            source: who sent the delta (for the error).
+            blobs: encoded forms to keep for re-serving.
+
+        Returns:
+            True if written now, False if already present (nothing done).
+
+        Raises:
+            IntegrityError: the patched bytes do not match the shard digest.
+            LocalProtocolError: its part has not arrived, or the version is closed.
+            OSError: the copy or the map failed.
+        """
+        if not self.manifest.known(index):
+            raise LocalProtocolError(f"shard {index}: its manifest part has not arrived")
+        shard = self.manifest.shard(index)
+        with self._claim(index) as fd:
+            if fd < 0:
+                return False
+            copy_range(src_fd, fd, shard.offset, shard.length)
+            if shard.length == 0:
+                return self._mark(index, blobs)
+            start = shard.offset - shard.offset % mmap.ALLOCATIONGRANULARITY
+            skip = shard.offset - start
+            flags = mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0)  # no fault per page
+            with mmap.mmap(fd, skip + shard.length, flags=flags, offset=start) as mm:
+                view = memoryview(mm)[skip : skip + shard.length]
+                try:
+                    patch(view)
+                    digest = blake3.blake3(view).hexdigest()
+                finally:
+                    view.release()
+            if digest != shard.digest:
+                raise IntegrityError(f"shard {index} of {shard.file} digest mismatch", source)
+            return self._mark(index, blobs)
+
+    @contextmanager
+    def _claim(self, index: int) -> Iterator[int]:
+        """Hold shard ``index`` exclusively (writes of one shard never interleave, and a
+        patch is never applied twice); yields the file's descriptor, or -1 if the shard is
+        already present.
+
+        Raises:
+            LocalProtocolError: the version is closed.
+        """
         with self._lock:
             if self._closed:
                 raise LocalProtocolError(f"step {self.step} is no longer open")
-            if self._have[index]:
-                return False
-        copy_range(src_fd, self._fds[shard.file], shard.offset, shard.length)
-        return self._mark(index, blobs)
+            lock = self._shard_locks.setdefault(index, threading.Lock())
+        with lock:
+            with self._lock:
+                if self._closed:
+                    raise LocalProtocolError(f"step {self.step} is no longer open")
+                fd = -1 if self._have[index] else self._fds[self.header.shards[index].file]
+            yield fd
 
     def _mark(self, index: int, blobs: dict[str, bytes] | None) -> bool:
         """Keep the blobs, then mark shard ``index`` present and journal it."""
