@@ -29,8 +29,7 @@ its signed digest, then the shard is built one of two ways, by how many pages ch
   filesystem shares extents, a page-cache copy elsewhere), patched in place through a memory
   map and hashed there (:meth:`~shardcast.store.PartialVersion.patch_shard`): most pages are
   never touched by Python, and with reflinks never copied. A blob that lists no change is
-  only the copy, verified by construction (a signed blob saying "unchanged", a committed base
-  whose header digest the new header names).
+  only the copy (still hashed: a base damaged at rest must not pass into the new version).
 - **denser** (a typical RL step changes ~2 % of bf16 words, ~40 per page: every page
   changes): the base range is read once into a pooled buffer, patched there (``sparse``
   touches only the changed words; ``xor-zstd`` XORs its decompressed frame in), hashed and
@@ -261,9 +260,6 @@ def verify_and_write(
     blobs = {encoding: bytes(blob)}  # kept for re-serving (deltas are small)
     if encoding in codecs.DELTAS and base is None:
         raise LocalProtocolError(f"{encoding} of shard {entry.index} needs the base version")
-    if encoding == codecs.SPARSE and is_identity(blob, entry.length):
-        assert base is not None  # unchanged since the base: an in-kernel copy, no hashing
-        return part.clone_shard(entry.index, base.fd(entry.file), blobs=blobs)
     if encoding not in codecs.DELTAS:  # zstd: decompress into a pooled buffer, write
         plain = pool.get(entry.length)
         try:
@@ -279,8 +275,11 @@ def verify_and_write(
             pool.put(plain)
     assert base is not None
     if encoding == codecs.SPARSE and sparse_count(blob) * PAGE_BYTES < entry.length:
+        unchanged = is_identity(blob, entry.length)
 
         def patch(view: memoryview) -> None:  # the base range, in the new file: patch in place
+            if unchanged:  # only the copy (still hashed: the base at rest is not trusted)
+                return
             try:
                 codecs.decode(encoding, blob, entry.length, view, source, out=view)
             except codecs.CodecError as exc:  # digest matched: the origin wrote a bad blob

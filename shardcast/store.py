@@ -620,30 +620,6 @@ class PartialVersion:
                 pos += os.pwrite(fd, view[pos:], shard.offset + pos)
             return self._mark(index, blobs)
 
-    def clone_shard(self, index: int, src_fd: int, blobs: dict[str, bytes] | None = None) -> bool:
-        """Fill shard ``index`` with the same byte range of ``src_fd`` (:func:`copy_range`:
-        a reflink or an in-kernel copy, no pass through Python).
-
-        The caller vouches for the bytes: ``src_fd`` is the same file of a committed version
-        (verified at its commit) and a signed statement says the range did not change — a
-        verified delta blob that lists no change, or the same signed shard digest.
-
-        Returns:
-            True if written now, False if already present.
-
-        Raises:
-            LocalProtocolError: its part has not arrived, or the version is closed.
-            OSError: the copy failed.
-        """
-        if not self.manifest.known(index):
-            raise LocalProtocolError(f"shard {index}: its manifest part has not arrived")
-        shard = self.manifest.shard(index)
-        with self._claim(index) as fd:
-            if fd < 0:
-                return False
-            copy_range(src_fd, fd, shard.offset, shard.length)
-            return self._mark(index, blobs)
-
     def patch_shard(
         self,
         index: int,
