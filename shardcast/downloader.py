@@ -10,12 +10,14 @@ drives three kinds of tasks with trio:
   new part makes its shards eligible. The origin can therefore announce a version before it
   has hashed it, and every tier forwards parts and shards as soon as they are verified.
 - **shards**: whenever the sans-IO :class:`~shardcast.select.Scheduler` hands out a request, a
-  task streams the byte range from the chosen source over the HTTP lane: the raw file range,
-  or an encoded blob — the ``xor-zstd`` delta when this node holds the delta base, ``zstd``
-  when ``prefer_compressed``. Encoded bytes are checked against their offered digest, decoded
-  with bounds (:mod:`shardcast.codecs`), and the decoded bytes are checked against the shard
-  digest by :class:`~shardcast.store.PartialVersion` before they are written, in a worker
-  thread. Bytes that fail never reach the disk or another node. A transfer that breaks
+  task receives the byte range from the chosen source over the HTTP lane straight into a
+  pooled shard buffer, hashing it as it arrives (:mod:`shardcast.receive`): the raw file
+  range, or an encoded blob — the smallest delta when this node holds the delta base,
+  ``zstd`` when ``prefer_compressed``. Raw bytes are checked against the shard digest and
+  written once; encoded bytes are checked against their offered digest, decoded with bounds
+  (:mod:`shardcast.codecs`) and the result checked against the shard digest, in a worker
+  thread (:func:`~shardcast.receive.verify_and_write`). Bytes that fail are never served
+  and never committed. A transfer that breaks
   mid-shard keeps what arrived; the next request resumes at that byte, usually from another
   source. A copy assembled from several sources that fails its digest is kept until a
   verified copy exists, then :func:`~shardcast.select.blame` names the culprit; only it is
@@ -25,8 +27,9 @@ drives three kinds of tasks with trio:
 - **have-sets**: sources that are not complete (peers re-serving what they hold) are polled
   for their have-bitmap every ``have_poll_s`` seconds.
 
-When every shard verified and every part arrived, the version is committed atomically (every
-file re-hashed, then one rename). If the download fails or is cancelled, the partial
+When every shard verified and every part arrived, the version is committed atomically (file
+digests derived from the checked shard digests for a schema-3 manifest, every file re-hashed
+for schema 2; then one rename). If the download fails or is cancelled, the partial
 directory is removed: no ``step-N/`` ever appears for an incomplete or unverified version.
 
 Memory: at most ``max_inflight`` shard buffers in transfer plus ``max_resume_buffers`` kept

@@ -12,7 +12,9 @@ A download starts with :meth:`VersionStore.begin` as soon as the signed manifest
 known (its parts may still be arriving), which creates the partial directory and preallocates
 every file at its final size (sparse). :meth:`PartialVersion.write_shard` checks a shard's
 BLAKE3 digest (from its signed part) *before* writing it at its offset with ``pwrite``, so
-bytes that fail their digest never touch the disk; a caller that hashed the bytes while they
+bytes that fail their digest never touch the disk (a delta patched in place,
+:meth:`PartialVersion.patch_shard`, is hashed where it lies and never counts unless it
+matches); a caller that hashed the bytes while they
 arrived (:mod:`shardcast.receive`) passes that digest instead, and the bytes are not hashed
 twice. When every part and every shard is present, :meth:`PartialVersion.commit` checks the
 file digests — for a schema-3 manifest by deriving each file's hash-list root from the signed
