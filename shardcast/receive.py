@@ -12,9 +12,12 @@ Every byte of a shard (or of an encoded blob) crosses Python's memory once:
    it is still in the CPU cache. A transfer that breaks keeps its buffer and its hasher (the
    hasher covers exactly the bytes kept), so the next source resumes at that byte and nothing
    is hashed twice. Hashing runs on the event-loop thread: a piece is at most 1 MiB, about
-   0.13 ms of BLAKE3 on this machine (AVX-512), less than a worker-thread hop costs (see
-   ``bench/datapath.py``); what blocks for longer (``pwrite`` of a whole shard, decoding)
-   runs in a worker thread (:func:`verify_and_write`);
+   0.1 ms of BLAKE3 on this machine (AVX-512, 0.13 CPU-s/GB), and a worker-thread hop per
+   piece would add ~40 us of CPU to it (``trio.to_thread.run_sync``, measured here) while the
+   bytes would go cold; blocking the loop for 0.1 ms at a time holds no other transfer back.
+   BLAKE3's own threads (``max_threads``) only add CPU at these sizes. What blocks for longer
+   (one ``pwrite`` of a whole shard, decoding a delta) runs in a worker thread
+   (:func:`verify_and_write`);
 3. **write**: the shard's digest, known when its last byte arrived, is compared with the
    signed one and the buffer is written with one ``pwrite``
    (:meth:`~shardcast.store.PartialVersion.write_shard` with ``hashed=``); a schema-3
