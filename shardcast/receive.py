@@ -91,6 +91,7 @@ class BufferPool:
 
 
 PAGE_BYTES = 4096  #: a sparse delta with fewer changed words than pages is applied in place
+POOLED_MIN_BYTES = 4 << 20  #: smaller sinks get their own exact-size buffer
 POOL = BufferPool()  #: per process: at most 8 idle shard-sized buffers (256 MiB at 32 MiB)
 
 
@@ -114,7 +115,11 @@ class ShardSink:
 
     @classmethod
     def pooled(cls, size: int, pool: BufferPool = POOL) -> ShardSink:
-        """A sink whose buffer comes from ``pool`` (give it back with :meth:`release`)."""
+        """A sink whose buffer comes from ``pool`` (give it back with :meth:`release`); below
+        :data:`POOLED_MIN_BYTES` (a delta blob) a buffer of exactly ``size`` is made instead,
+        so a small blob never holds a shard-sized buffer."""
+        if size < POOLED_MIN_BYTES:
+            return cls(bytearray(size), size)
         return cls(pool.get(size), size, _pool=pool)
 
     @property

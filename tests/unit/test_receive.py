@@ -43,7 +43,11 @@ def test_sink_hashes_as_bytes_arrive_and_resumes_without_rehashing() -> None:
     buf = sink.buffer
     sink.release()
     sink.release()  # idempotent
-    assert pool.get(10) is buf  # back in the pool
+    assert pool.get(10) is not buf  # a small sink is not pooled: its buffer is its own
+    big = ShardSink.pooled(8 << 20, pool)
+    buf = big.buffer
+    big.release()
+    assert pool.get(8 << 20) is buf  # back in the pool
 
 
 def test_file_root_is_domain_tagged_ordered_and_length_bound() -> None:
