@@ -104,6 +104,10 @@ class _Conn:
         with trio.CancelScope(shield=True):
             await self.stream.aclose()
 
+    def reset(self) -> None:
+        """Start a fresh h11 state machine (after a body read past h11, exactly framed)."""
+        self.h11 = h11.Connection(h11.CLIENT, max_incomplete_event_size=_MAX_HEAD_BYTES)
+
 
 def _target(url: str) -> tuple[str, tuple[str, int], str, str]:
     """``(source label, (host, port), request target, Host header)`` of an ``http://`` URL."""
@@ -216,13 +220,10 @@ class HttpClient:
 
     async def _release(self, conn: _Conn, reusable: bool) -> None:
         try:
-            if (
-                reusable
-                and not self._closed
-                and conn.h11.our_state is h11.DONE
-                and conn.h11.their_state is h11.DONE
-            ):
-                conn.h11.start_next_cycle()
+            states = (conn.h11.our_state, conn.h11.their_state)
+            if reusable and not self._closed and states in ((h11.DONE,) * 2, (h11.IDLE,) * 2):
+                if states[0] is h11.DONE:  # IDLE: reset after a body read past h11
+                    conn.h11.start_next_cycle()
                 conn.idle_since = time.monotonic()
                 self._idle.append(conn)
                 while len(self._idle) > self._max_idle:
@@ -426,6 +427,103 @@ class HttpClient:
         except ShardnetError as exc:
             self._errors[type(exc).__name__] += 1
             raise
+
+    async def receive_range_into(
+        self,
+        url: str,
+        start: int,
+        view: memoryview,
+        *,
+        timeout_s: float,
+        headers: Sequence[tuple[str, str]] = (),
+        anonymous: bool = False,
+    ) -> AsyncGenerator[int, None]:
+        """Receive bytes ``[start, start + len(view))`` of ``url`` straight into ``view``.
+
+        The zero-copy form of :meth:`stream_range`: once the response head is parsed, the
+        body is read with ``recv_into`` into ``view`` itself (at most 1 MiB per read), past
+        h11, whose framing the ``Content-Length`` gives exactly; no bytes object is made
+        per read and nothing is copied again. A body without ``Content-Length`` (chunked)
+        goes through h11 and is copied into ``view``. Each yielded ``n`` says that the next
+        ``n`` bytes of ``view`` (after those already announced) are filled, so the caller can
+        hash them while they are hot.
+
+        Args:
+            view: a writable, contiguous byte buffer; its length is the range's length
+                (``0`` yields nothing and sends no request).
+            timeout_s, headers, anonymous: as in :meth:`stream_range`.
+
+        Raises:
+            as :meth:`stream_range` (the same errors, raised at the same points).
+
+        Cancellation or an early close closes the connection; the bytes announced so far
+        stay in ``view``. Safe to run several concurrently (with different views).
+        """
+        length = len(view)
+        if start < 0:
+            raise LocalProtocolError(f"bad range request {start}+{length}")
+        if length == 0:
+            return
+        try:
+            spec = format_range(ByteRange(start, start + length - 1))
+            conn, response, source = await self._open(
+                url, timeout_s, [("range", spec), *headers], anonymous
+            )
+            reusable = False
+            try:
+                _check_range_response(response, source, url, start, length)
+                got = 0
+                if _header(response, b"content-length") is None:  # chunked: through h11
+                    while (chunk := await self._next_data(conn, source, timeout_s)) is not None:
+                        if got + len(chunk) > length:
+                            raise RemoteProtocolError(source, f"more than the {length} bytes")
+                        view[got : got + len(chunk)] = chunk
+                        got += len(chunk)
+                        yield len(chunk)
+                    reusable = True
+                else:
+                    buffered, _ = conn.h11.trailing_data  # body bytes read with the head
+                    if len(buffered) > length:
+                        raise RemoteProtocolError(source, f"more than the {length} bytes")
+                    if buffered:
+                        view[: len(buffered)] = buffered
+                        got = len(buffered)
+                        self._bytes_received += got
+                        yield got
+                    sock = conn.stream.socket
+                    while got < length:
+                        try:
+                            with trio.fail_after(timeout_s):
+                                n = await sock.recv_into(view[got:], min(_RECV_BYTES, length - got))
+                        except trio.TooSlowError as exc:
+                            raise StreamBroken(source, f"no progress for {timeout_s}s") from exc
+                        except OSError as exc:
+                            raise StreamBroken(source, f"connection broken: {exc}") from exc
+                        if n == 0:
+                            raise StreamBroken(source, "connection closed mid-body")
+                        got += n
+                        self._bytes_received += n
+                        yield n
+                    conn.reset()  # h11 never saw the body: start its next cycle afresh
+                    reusable = _keeps_alive(response)
+                if got < length:
+                    raise StreamBroken(source, f"body ended after {got} of {length} bytes")
+            finally:
+                await self._release(conn, reusable)
+        except ShardnetError as exc:
+            self._errors[type(exc).__name__] += 1
+            raise
+
+
+def _keeps_alive(response: h11.Response) -> bool:
+    """True if the server keeps the connection open after this response (HTTP/1.1 without
+    ``Connection: close``)."""
+    if response.http_version != b"1.1":
+        return False
+    return not any(
+        k == b"connection" and b"close" in [t.strip() for t in v.lower().split(b",")]
+        for k, v in response.headers
+    )
 
 
 def _header(response: h11.Response, name: bytes) -> str | None:

@@ -10,12 +10,14 @@ drives three kinds of tasks with trio:
   new part makes its shards eligible. The origin can therefore announce a version before it
   has hashed it, and every tier forwards parts and shards as soon as they are verified.
 - **shards**: whenever the sans-IO :class:`~shardcast.select.Scheduler` hands out a request, a
-  task streams the byte range from the chosen source over the HTTP lane: the raw file range,
-  or an encoded blob — the ``xor-zstd`` delta when this node holds the delta base, ``zstd``
-  when ``prefer_compressed``. Encoded bytes are checked against their offered digest, decoded
-  with bounds (:mod:`shardcast.codecs`), and the decoded bytes are checked against the shard
-  digest by :class:`~shardcast.store.PartialVersion` before they are written, in a worker
-  thread. Bytes that fail never reach the disk or another node. A transfer that breaks
+  task receives the byte range from the chosen source over the HTTP lane straight into a
+  pooled shard buffer, hashing it as it arrives (:mod:`shardcast.receive`): the raw file
+  range, or an encoded blob — the smallest delta when this node holds the delta base,
+  ``zstd`` when ``prefer_compressed``. Raw bytes are checked against the shard digest and
+  written once; encoded bytes are checked against their offered digest, decoded with bounds
+  (:mod:`shardcast.codecs`) and the result checked against the shard digest, in a worker
+  thread (:func:`~shardcast.receive.verify_and_write`). Bytes that fail are never served
+  and never committed. A transfer that breaks
   mid-shard keeps what arrived; the next request resumes at that byte, usually from another
   source. A copy assembled from several sources that fails its digest is kept until a
   verified copy exists, then :func:`~shardcast.select.blame` names the culprit; only it is
@@ -29,8 +31,9 @@ drives three kinds of tasks with trio:
 - **have-sets**: sources that are not complete (peers re-serving what they hold) are polled
   for their have-bitmap every ``have_poll_s`` seconds.
 
-When every shard verified and every part arrived, the version is committed atomically (every
-file re-hashed, then one rename). If the download fails or is cancelled, the partial
+When every shard verified and every part arrived, the version is committed atomically (file
+digests derived from the checked shard digests for a schema-3 manifest, every file re-hashed
+for schema 2; then one rename). If the download fails or is cancelled, the partial
 directory is removed: no ``step-N/`` ever appears for an incomplete or unverified version.
 
 Memory: at most ``max_inflight`` shard buffers in transfer plus ``max_resume_buffers`` kept
@@ -42,19 +45,16 @@ from __future__ import annotations
 import logging
 import math
 import random
-import threading
 from collections.abc import Callable
 from contextlib import aclosing
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Protocol
 
-import blake3
 import trio
 
 from p2p.errors import (
     IntegrityError,
-    LocalProtocolError,
     PeerUnreachable,
     RemoteProtocolError,
     ShardnetError,
@@ -77,6 +77,7 @@ from shardcast.lane_urls import (
 )
 from shardcast.liveness import Abandon, Answer, DownloadWatch
 from shardcast.manifest import Manifest, ManifestError, ShardEntry, decode_part
+from shardcast.receive import BaseMismatch, BaseVersion, ShardSink, verify_and_write
 from shardcast.select import Request, Scheduler, SchedulerConfig, SourceBans, blame
 from shardcast.store import PartialVersion, VersionStore
 
@@ -199,48 +200,6 @@ class DownloadObserver(Protocol):
         ...
 
 
-@dataclass
-class _Buf:
-    data: bytearray
-    pos: int = 0
-    parts: list[tuple[str, int, int]] = field(default_factory=list)  # (source, start, end)
-
-
-@dataclass
-class _Base:
-    step: int
-    read: Callable[[str, int, int, bytearray], memoryview]
-
-
-class _BufferPool:
-    """Reusable shard-sized buffers for decoding in worker threads (bounded: at most
-    ``keep`` idle buffers are kept; a thread that finds none large enough allocates one as
-    large as the largest request seen, so that buffers stay reusable across shard lengths)."""
-
-    def __init__(self, keep: int = 8) -> None:
-        self.keep = keep
-        self._idle: list[bytearray] = []
-        self._largest = 0
-        self._lock = threading.Lock()
-
-    def get(self, length: int) -> bytearray:
-        with self._lock:
-            self._largest = max(self._largest, length)
-            for k, buf in enumerate(self._idle):
-                if len(buf) >= length:
-                    return self._idle.pop(k)
-            size = self._largest
-        return bytearray(size)
-
-    def put(self, buf: bytearray) -> None:
-        with self._lock:
-            if len(self._idle) < self.keep and len(buf) >= self._largest:
-                self._idle.append(buf)
-
-
-_POOL = _BufferPool()  # per process: at most 8 idle shard-sized buffers (128 MiB at 16 MiB)
-
-
 class Downloader:
     """Downloads versions into a :class:`VersionStore` (one download at a time per instance).
 
@@ -344,11 +303,11 @@ class Downloader:
                 if use_base:
                     assert base_step is not None
                     with self.store.pinned(base_step):
-                        base = _Base(
-                            base_step,
-                            lambda n, o, ln, out: self.store.read_range(base_step, n, o, ln, out),
-                        )
-                        await self._run(part, sources, stats, base, on_shard, progress)
+                        base = BaseVersion(self.store, base_step)
+                        try:
+                            await self._run(part, sources, stats, base, on_shard, progress)
+                        finally:
+                            base.close()
                 else:
                     await self._run(part, sources, stats, None, on_shard, progress)
             try:
@@ -375,7 +334,7 @@ class Downloader:
         stats.elapsed_s = trio.current_time() - started
         return path, stats
 
-    def _choose(self, shard: ShardEntry, base: _Base | None, no_delta: set[int]) -> str:
+    def _choose(self, shard: ShardEntry, base: BaseVersion | None, no_delta: set[int]) -> str:
         if shard.index in no_delta:  # an encoded form failed after its digest matched
             return codecs.RAW
         delta = shard.delta()
@@ -390,7 +349,7 @@ class Downloader:
         part: PartialVersion,
         sources: list[Source],
         stats: DownloadStats,
-        base: _Base | None,
+        base: BaseVersion | None,
         on_shard: Callable[[int], None] | None,
         progress: ProgressFn | None,
     ) -> None:
@@ -418,8 +377,8 @@ class Downloader:
             watch.add_source(s.id)
         chosen: dict[int, str] = {}
         no_delta: set[int] = set()
-        resume: dict[int, _Buf] = {}
-        suspects: dict[int, list[_Buf]] = {}
+        resume: dict[int, ShardSink] = {}
+        suspects: dict[int, list[ShardSink]] = {}
         scopes: dict[int, trio.CancelScope] = {}
         wake = trio.Event()
         verified = sum(header.shards[i].length for i in held)
@@ -585,12 +544,12 @@ class Downloader:
             offered = entry.offered(enc)
             size = offered.size if offered is not None else entry.length
             buf = resume.pop(req.shard, None) if req.start else None
-            if buf is None or buf.pos != req.start or len(buf.data) != size:
+            if buf is None or buf.pos != req.start or buf.size != size:
                 if buf is not None or req.start:
                     sched.discard_partial(req.shard)
                     sched.on_cancelled(req.id)
                     return
-                buf = _Buf(bytearray(size), 0)
+                buf = ShardSink.pooled(size)  # bytes land here once and are hashed on arrival
             begin = buf.pos
             if begin:
                 stats.resumed += 1
@@ -608,16 +567,16 @@ class Downloader:
                     try:
                         first = True
                         async with aclosing(
-                            self.client.stream_range(
+                            self.client.receive_range_into(
                                 url,
                                 offset,
-                                req.length,
+                                buf.window(req.length),
                                 timeout_s=self.config.stall_timeout_s,
                                 headers=failed_header(failed_by.get(req.shard, ())),
                                 anonymous=src.anonymous,
                             )
-                        ) as chunks:
-                            async for chunk in chunks:
+                        ) as pieces:
+                            async for n in pieces:
                                 watch.on_progress(trio.current_time())
                                 if first:
                                     watch.on_answer(src.id, Answer.DELIVERED, trio.current_time())
@@ -631,8 +590,7 @@ class Downloader:
                                             req.shard,
                                             short_id(src.id),
                                         )
-                                buf.data[buf.pos : buf.pos + len(chunk)] = chunk
-                                buf.pos += len(chunk)
+                                buf.advance(n)  # hashed while hot
                     except NotAvailable as exc:
                         if exc.status == 429 and observer is not None:
                             observer.refused(src.id)
@@ -703,13 +661,13 @@ class Downloader:
                         observer.shard_received(src.id, enc, got, v0 - t0)
                     try:
                         written = await trio.to_thread.run_sync(
-                            self._verify_and_write, part, entry, enc, buf.data, base, src.id
+                            verify_and_write, part, entry, enc, buf, base, src.id
                         )
                     except OSError as exc:  # the partial directory vanished: start over
                         store_lost.append(exc)
                         sched.on_cancelled(req.id)
                         return
-                    except _BaseMismatch:
+                    except BaseMismatch:
                         no_delta.add(req.shard)
                         stats.delta_fallbacks += 1
                         sched.on_failure(req.id, trio.current_time(), kind="suspect")
@@ -770,6 +728,7 @@ class Downloader:
                             on_shard(req.shard)
                         if progress is not None:
                             progress(verified, m.total_bytes)
+                    buf.release()  # written (or already present): the buffer is reusable
                 if scope.cancelled_caught:
                     sched.on_cancelled(req.id)
             finally:
@@ -878,49 +837,10 @@ class Downloader:
         )
 
     @staticmethod
-    def _verify_and_write(
-        part: PartialVersion,
-        entry: ShardEntry,
-        enc: str,
-        data: bytearray,
-        base: _Base | None,
-        source: str,
-    ) -> bool:
-        """Decode (if encoded), verify and write one shard; runs in a worker thread."""
-        if enc == codecs.RAW:
-            return part.write_shard(entry.index, data, source)
-        offered = entry.offered(enc)
-        if offered is None:
-            raise LocalProtocolError(f"shard {entry.index} does not offer {enc}")
-        if blake3.blake3(data).hexdigest() != offered.digest:
-            raise IntegrityError(f"shard {entry.index} {enc} blob digest mismatch", source)
-        # pooled buffers: the base range is read into one, the frame decompressed into the
-        # other, and xor-zstd XORs in place into the base buffer (no per-shard allocation)
-        held = [_POOL.get(entry.length), _POOL.get(entry.length)]
-        try:
-            base_bytes = None
-            if enc in codecs.DELTAS:
-                assert base is not None
-                base_bytes = base.read(entry.file, entry.offset, entry.length, held[0])
-            try:
-                raw = codecs.decode(
-                    enc, data, entry.length, base_bytes, source, out=base_bytes, scratch=held[1]
-                )
-            except codecs.CodecError as exc:  # digest matched: the origin wrote a bad blob
-                raise _BaseMismatch(f"{enc} blob does not decode: {exc}") from exc
-            try:
-                return part.write_shard(entry.index, raw, source, blobs={enc: bytes(data)})
-            except IntegrityError as exc:  # blob verified, result wrong: base or origin
-                raise _BaseMismatch(str(exc)) from exc
-        finally:
-            for buf in held:
-                _POOL.put(buf)
-
-    @staticmethod
     def _assign_blame(
         sched: Scheduler,
-        bad_copies: list[_Buf],
-        good: bytearray,
+        bad_copies: list[ShardSink],
+        good: memoryview,
         enc: str,
         corrupt: Callable[[str], None],
         banish: Callable[[str, list[int]], None],
@@ -940,9 +860,3 @@ def _presence(exc: NotAvailable) -> Answer:
     """What a source's ``404``/``409``/``429``/``503`` says about it holding the version: a
     ``409`` (the step under another digest) is as good as gone, and not its fault."""
     return Answer.PRESENT if lane_answer(exc.status) is LaneAnswer.BUSY else Answer.GONE
-
-
-class _BaseMismatch(IntegrityError):
-    """A blob that matched its signed digest did not yield the shard: a delta against a base
-    this node does not share with the origin, or a blob the origin encoded badly. Not the
-    source's fault: the shard is fetched raw and nobody is blamed."""

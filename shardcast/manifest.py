@@ -12,8 +12,32 @@ finished hashing the checkpoint (pipelining, DESIGN.md decision 3):
   BLAKE3 digest is the version's identity on the wire (announcements carry it).
 - each **part** ``k`` covers shards ``[k·S, (k+1)·S)``: the BLAKE3 digest of every shard's
   decoded bytes, the encodings offered for it (``[encoding, size, digest]`` of the encoded
-  bytes, see :mod:`shardcast.codecs`), and the whole-file digests of the files whose last
+  bytes, see :mod:`shardcast.codecs`), and the file digests of the files whose last
   shard lies in this part (empty files: part 0). A part names the header digest it belongs to.
+
+File digests: schema 3 and schema 2
+-----------------------------------
+In schema 3 (written by the origin since issue 16) a file's digest is the **hash-list root**
+of its shards, :func:`file_root`: BLAKE3 in key-derivation mode under the context
+:data:`FILE_ROOT_CONTEXT` (a domain tag no other hash in shardnet uses) over the shard count
+and then, per shard in file order, its length (u64, little-endian) and its 32-byte digest. In
+schema 2 (still read) it is the BLAKE3 of the whole file's bytes. Both schemas share the
+header and part layout; the body's ``v`` says which one applies, and parts carry their
+header's ``v``.
+
+Why the root is as strong as a whole-file hash: a receiver writes a shard only after its
+bytes hashed to the shard digest listed in a signed part, so the committed file is the
+concatenation of byte strings each bound to a signed digest. Producing a file that passes
+with other bytes requires a BLAKE3 collision, either of one shard (other bytes, same shard
+digest) or of the root (another list, same root; the fixed-width encoding with the count and
+the lengths makes the list decode uniquely, and the context separates roots from every other
+BLAKE3 use). BLAKE3's collision resistance (128-bit) is the same assumption the whole-file
+digest rested on, and the signature over the parts binds the list to the trainer exactly as
+it bound the whole-file digest. What the root saves is a second pass: the receiver derives
+it from the signed shard digests it already checked, so committing a schema-3 version reads
+no file again (schema-2 commits still re-hash every file). A node that must check files at
+rest (after an unclean stop) hashes each shard range and recomputes the root: the same work
+as hashing the whole file.
 
 Header and parts are canonical JSON (UTF-8, sorted keys, no whitespace, integers and strings
 only), each sealed by the trainer's Ed25519 PeerID key in a :mod:`p2p.envelope` of its own kind
@@ -38,6 +62,7 @@ import base64
 import binascii
 import json
 import re
+import struct
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -58,7 +83,9 @@ from shardcast.canonical import (
 )
 from shardcast.codecs import DELTAS, SPARSE, XOR_ZSTD, ZSTD
 
-SCHEMA_VERSION = 2
+SCHEMA_VERSION = 3  #: written: file digests are hash-list roots (:func:`file_root`)
+READ_SCHEMAS = (2, 3)  #: read: 2 has whole-file digests
+FILE_ROOT_CONTEXT = "shardnet 2026-12-01 manifest v3 file hash-list root"
 DOCUMENT_VERSION = 3
 HEADER_KIND = Kind.MANIFEST_HEADER
 PART_KIND = Kind.MANIFEST_PART
@@ -109,6 +136,30 @@ def check_run_id(run_id: object, source: str = "") -> str:
 
 
 EMPTY_DIGEST = blake3.blake3(b"").hexdigest()
+
+
+def file_root(shards: Sequence[tuple[int, str]]) -> str:
+    """The schema-3 file digest: the hash-list root over a file's shards (module docstring).
+
+    Args:
+        shards: ``(length in bytes, hex digest)`` of each shard of the file, in file order
+            (empty for an empty file).
+
+    Returns:
+        64 lowercase hex characters.
+
+    Raises:
+        ValueError: a digest that is not 64 hex characters.
+    """
+    h = blake3.blake3(derive_key_context=FILE_ROOT_CONTEXT)
+    h.update(struct.pack("<Q", len(shards)))
+    for length, digest in shards:
+        raw = bytes.fromhex(digest)
+        if len(raw) != 32:
+            raise ValueError(f"shard digest {digest!r} is not 32 bytes")
+        h.update(struct.pack("<Q", length))
+        h.update(raw)
+    return h.hexdigest()
 
 
 def _int(obj: Mapping[str, Any], key: str, lo: int, hi: int, source: str) -> int:
@@ -164,6 +215,8 @@ class Header:
             step (e.g. after a trainer restart) never share a header digest even when their
             files have the same sizes; parts name the header digest, so parts of one
             publication can never be mixed with another's.
+        schema: manifest schema, one of :data:`READ_SCHEMAS` (3: hash-list root file
+            digests; 2: whole-file digests, still read).
     """
 
     run_id: str
@@ -174,6 +227,7 @@ class Header:
     base_step: int | None = None
     base_digest: str | None = None
     nonce: str = "0" * 32
+    schema: int = SCHEMA_VERSION
     shards: tuple[ShardRef, ...] = field(default=(), compare=False, repr=False)
 
     def __post_init__(self) -> None:
@@ -230,7 +284,7 @@ class Header:
     def to_obj(self) -> dict[str, Any]:
         """The JSON body."""
         obj: dict[str, Any] = {
-            "v": SCHEMA_VERSION,
+            "v": self.schema,
             "run_id": self.run_id,
             "step": self.step,
             "shard_size": self.shard_size,
@@ -260,10 +314,11 @@ class Header:
         """
         if not isinstance(obj, dict):
             raise ManifestError(source, "header is not an object")
-        if obj.get("v") != SCHEMA_VERSION:
+        schema = obj.get("v")
+        if not isinstance(schema, int) or isinstance(schema, bool) or schema not in READ_SCHEMAS:
             raise ManifestError(
                 source,
-                f"manifest schema version {obj.get('v')!r}, this node reads {SCHEMA_VERSION}",
+                f"manifest schema version {schema!r}, this node reads {list(READ_SCHEMAS)}",
             )
         allowed = {
             "v",
@@ -306,7 +361,9 @@ class Header:
         nonce = obj.get("nonce")
         if not isinstance(nonce, str) or not re.fullmatch(r"[0-9a-f]{32}", nonce):
             raise ManifestError(source, f"nonce {nonce!r} is not 32 lowercase hex characters")
-        return cls(run_id, step, shard_size, tuple(files), spp, base_step, base_digest, nonce)
+        return cls(
+            run_id, step, shard_size, tuple(files), spp, base_step, base_digest, nonce, schema
+        )
 
 
 @dataclass(frozen=True)
@@ -319,7 +376,9 @@ class Part:
         index: the part number ``k``.
         digests: BLAKE3 of each covered shard's decoded bytes, in shard order.
         encodings: per covered shard, the encoded forms offered.
-        file_digests: whole-file BLAKE3 of the files ending in this part.
+        file_digests: file digests (schema 3: hash-list roots; 2: whole-file BLAKE3) of the
+            files ending in this part.
+        schema: its header's schema.
     """
 
     run_id: str
@@ -329,11 +388,12 @@ class Part:
     digests: tuple[str, ...]
     encodings: tuple[tuple[Encoded, ...], ...]
     file_digests: tuple[tuple[str, str], ...]
+    schema: int = SCHEMA_VERSION
 
     def to_obj(self) -> dict[str, Any]:
         """The JSON body."""
         return {
-            "v": SCHEMA_VERSION,
+            "v": self.schema,
             "run_id": self.run_id,
             "step": self.step,
             "header": self.header_digest,
@@ -357,8 +417,8 @@ class Part:
             ManifestError: malformed, for another header, wrong shard count or files, or an
                 encoding that the header does not allow.
         """
-        if not isinstance(obj, dict) or obj.get("v") != SCHEMA_VERSION:
-            raise ManifestError(source, "part is not a version-2 object")
+        if not isinstance(obj, dict) or obj.get("v") != header.schema:
+            raise ManifestError(source, f"part is not a version-{header.schema} object")
         if set(obj) != {"v", "run_id", "step", "header", "part", "shards", "files"}:
             raise ManifestError(
                 source, "part fields must be v, run_id, step, header, part, shards, files"
@@ -401,7 +461,16 @@ class Part:
                 source, f"part {k} must carry the digests of {header.files_ending_in(k)}"
             )
         fd = tuple(sorted((n, _digest(d, source)) for n, d in files.items()))
-        return cls(header.run_id, header.step, obj["header"], k, tuple(digests), tuple(encs), fd)
+        return cls(
+            header.run_id,
+            header.step,
+            obj["header"],
+            k,
+            tuple(digests),
+            tuple(encs),
+            fd,
+            header.schema,
+        )
 
 
 def _legacy_envelope(body: bytes, signer: str, signature: bytes) -> dict[str, Any]:
@@ -680,6 +749,22 @@ class Manifest:
                 if n == name:
                     return d
         return None
+
+    @property
+    def rooted(self) -> bool:
+        """True if file digests are hash-list roots (schema 3), False for whole-file BLAKE3."""
+        return self.header.schema >= 3
+
+    def shard_root(self, name: str) -> str:
+        """:func:`file_root` of file ``name`` from the signed shard digests.
+
+        Raises:
+            KeyError: no such file, or a part covering one of its shards has not arrived.
+        """
+        self.header.file(name)
+        return file_root(
+            [(s.length, self.shard(s.index).digest) for s in self.header.shards if s.file == name]
+        )
 
     def document(self) -> dict[str, Any]:
         """``{"v": 3, "header": base64 envelope, "parts": [base64 envelopes in index order]}``

@@ -55,7 +55,7 @@ from p2p.trust import TrustList
 from shardcast.canonical import DIGEST_RE, loads_untrusted
 from shardcast.codecs import ENCODINGS, RAW
 from shardcast.manifest import MANIFEST_FILE, Manifest, check_run_id, document_signer
-from shardcast.store import VersionStore, hash_file
+from shardcast.store import VersionStore, file_matches, hash_file
 
 log = logging.getLogger(__name__)
 
@@ -313,7 +313,7 @@ def _export_version(
         _mkdir(tmp / "files")
         for f in m.header.files:
             path = vdir / f.name
-            if verify and hash_file(path) != m.file_digest(f.name):
+            if verify and not file_matches(path, m, f.name):
                 raise IntegrityError(f"{path} does not match its manifest digest")
             _place(path, tmp / "files" / f.name, result)
         blobs = tmp / "shard"

@@ -28,6 +28,7 @@ from shardcast import codecs
 from shardcast.manifest import (
     EMPTY_DIGEST,
     MANIFEST_FILE,
+    SCHEMA_VERSION,
     Encoded,
     FileEntry,
     Header,
@@ -37,6 +38,7 @@ from shardcast.manifest import (
     ShardRef,
     check_file_name,
     check_run_id,
+    file_root,
     sign_header,
     sign_part,
 )
@@ -140,8 +142,12 @@ def make_header(
     shard_size: int = DEFAULT_SHARD_BYTES,
     shards_per_part: int = DEFAULT_SHARDS_PER_PART,
     base: Base | None = None,
+    schema: int = SCHEMA_VERSION,
 ) -> Header:
     """Describe a checkpoint directory as a version header (reads no file content).
+
+    ``schema`` 3 (the default) has hash-list root file digests; 2 (whole-file digests) is
+    for tests of old versions.
 
     Raises:
         CheckpointLayoutError: see :func:`check_layout`.
@@ -159,6 +165,7 @@ def make_header(
         None if base is None else base.step,
         None if base is None else base.digest,
         os.urandom(16).hex(),
+        schema,
     )
 
 
@@ -171,12 +178,15 @@ class EncodeSettings:
         encodings: encoded forms requested (see :func:`hash_parts`).
         base: ``(step, header digest)`` of the delta base, or None.
         zstd_level: compression level.
+        rooted: file digests are hash-list roots (manifest schema 3,
+            :func:`shardcast.manifest.file_root`), else whole-file BLAKE3 (schema 2).
     """
 
     shard_size: int
     encodings: tuple[str, ...]
     base: tuple[int, str] | None
     zstd_level: int
+    rooted: bool = True
 
 
 @dataclass(frozen=True)
@@ -225,7 +235,8 @@ def encode_file(
     blob_path: Callable[[int, str], Path] | None,
 ) -> Iterator[tuple[ShardResult, str | None]]:
     """Read ``path`` once and yield each shard (offset order) hashed and encoded, with the
-    whole-file digest after its last shard (else None).
+    file digest after its last shard (else None): the hash-list root if ``settings.rooted``,
+    else the whole-file BLAKE3.
 
     Args:
         path: the file; ``size`` its expected size, bytes (nonzero).
@@ -241,7 +252,8 @@ def encode_file(
     shard_size = settings.shard_size
     buf = bytearray(min(shard_size, size))
     scratch = bytearray(min(shard_size, size) if encodings else 0)
-    file_hash = blake3.blake3(max_threads=blake3.blake3.AUTO)
+    file_hash = None if settings.rooted else blake3.blake3(max_threads=blake3.blake3.AUTO)
+    shard_list: list[tuple[int, str]] = []
     base_fh = None
     if base_path is not None and any(e in codecs.DELTAS for e in encodings):
         if base_path.is_file() and base_path.stat().st_size == size:
@@ -253,16 +265,20 @@ def encode_file(
                 view = memoryview(buf)[:length]
                 if fh.readinto(view) != length:
                     raise CheckpointLayoutError(f"{path} changed while hashing")
-                file_hash.update(view)
+                if file_hash is not None:
+                    file_hash.update(view)
                 digest = blake3.blake3(view, max_threads=blake3.blake3.AUTO).hexdigest()
+                shard_list.append((length, digest))
                 encoded = _encode_shard(
                     view, offset, encodings, base_fh, blob_path, settings.zstd_level, scratch
                 )
                 last = offset + length == size
-                yield (
-                    ShardResult(offset, length, digest, encoded),
-                    file_hash.hexdigest() if last else None,
-                )
+                file_digest = None
+                if last:
+                    file_digest = (
+                        file_root(shard_list) if file_hash is None else file_hash.hexdigest()
+                    )
+                yield ShardResult(offset, length, digest, encoded), file_digest
     finally:
         if base_fh is not None:
             base_fh.close()
@@ -318,11 +334,13 @@ def hash_parts(
         encodings,
         None if base is None else (base.step, base.digest),
         zstd_level,
+        header.schema >= 3,
     )
     n = len(header.shards)
     digests: list[str | None] = [None] * n
     encs: list[tuple[Encoded, ...]] = [()] * n
-    file_digests = {f.name: EMPTY_DIGEST for f in header.files if f.size == 0}
+    empty = file_root([]) if settings.rooted else EMPTY_DIGEST
+    file_digests = {f.name: empty for f in header.files if f.size == 0}
     sizes = {f.name: f.size for f in header.files}
     first_shard: dict[str, int] = {}
     ending: dict[int, list[str]] = {k: [] for k in range(header.n_parts)}
@@ -354,6 +372,7 @@ def hash_parts(
                 tuple(d for d in digests[rng.start : rng.stop] if d is not None),
                 tuple(encs[i] for i in rng),
                 fds,
+                header.schema,
             )
             parts[k] = part
             on_part(part)
@@ -486,9 +505,10 @@ def build_manifest(
     encodings: Sequence[str] = (),
     base: Base | None = None,
     blob_dir: Path | None = None,
+    schema: int = SCHEMA_VERSION,
 ) -> Manifest:
     """Header, parts and signatures in one call (tests, tools); returns a complete Manifest."""
-    header = make_header(directory, run_id, step, shard_size, shards_per_part, base)
+    header = make_header(directory, run_id, step, shard_size, shards_per_part, base, schema)
     signed = sign_header(header, identity)
     m = Manifest(signed)
 

@@ -95,6 +95,17 @@ def sparse_count(blob: Buffer) -> int:
     return int(_HEADER.unpack_from(blob)[2])
 
 
+def is_identity(blob: Buffer, length: int) -> bool:
+    """True if ``blob`` is a well-formed sparse header for ``length`` bytes that lists no
+    change and carries no tail byte: applying it leaves the base as it is, so a receiver can
+    copy the base range (an in-kernel copy or a reflink) without decoding or hashing it.
+    Only the fixed-size header is read; the caller has checked the blob's signed digest."""
+    if len(blob) < HEADER_BYTES:
+        return False
+    magic, n, count, has_tail, tail = _HEADER.unpack_from(blob)
+    return bool(magic == MAGIC and n == length and count == 0 and has_tail == 0 and tail == 0)
+
+
 def decode_sparse(
     blob: Buffer,
     length: int,

@@ -12,12 +12,17 @@ A download starts with :meth:`VersionStore.begin` as soon as the signed manifest
 known (its parts may still be arriving), which creates the partial directory and preallocates
 every file at its final size (sparse). :meth:`PartialVersion.write_shard` checks a shard's
 BLAKE3 digest (from its signed part) *before* writing it at its offset with ``pwrite``, so
-bytes that fail their digest never touch the disk. When every part and every shard is present,
-:meth:`PartialVersion.commit` re-hashes every whole file against the manifest, fsyncs the files
-and ``manifest.json``, and
-renames the partial directory to ``step-<N>`` (atomic on POSIX), then fsyncs the parent. A
-``step-<N>/`` directory therefore exists only if every digest matched, and a crash at any
-point leaves either no version or a complete one.
+bytes that fail their digest never touch the disk (a delta patched in place,
+:meth:`PartialVersion.patch_shard`, is hashed where it lies and never counts unless it
+matches); a caller that hashed the bytes while they
+arrived (:mod:`shardcast.receive`) passes that digest instead, and the bytes are not hashed
+twice. When every part and every shard is present, :meth:`PartialVersion.commit` checks the
+file digests — for a schema-3 manifest by deriving each file's hash-list root from the signed
+shard digests (every shard was checked before it was written, so no file is read again; see
+:mod:`shardcast.manifest`), for a schema-2 manifest by re-hashing every whole file — fsyncs
+the files and ``manifest.json``, and renames the partial directory to ``step-<N>`` (atomic on
+POSIX), then fsyncs the parent. A ``step-<N>/`` directory therefore exists only if every
+digest matched, and a crash at any point leaves either no version or a complete one.
 
 Restarts keep verified work: every verified shard write is followed by one line appended to
 ``.partial-step-<N>/.journal`` (shard index and digest; the first line names the manifest
@@ -47,11 +52,13 @@ called from several threads for *different* shards at once.
 
 from __future__ import annotations
 
+import errno
 import logging
+import mmap
 import os
 import shutil
 import threading
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
@@ -59,13 +66,14 @@ import blake3
 
 from p2p.errors import IntegrityError, LocalProtocolError, ShardnetError
 from p2p.trust import TrustList
-from shardcast.manifest import MANIFEST_FILE, Manifest, check_run_id, document_signer
+from shardcast.manifest import MANIFEST_FILE, Manifest, check_run_id, document_signer, file_root
 from shardcast.plan import BLOB_DIR
 from shardcast.policy import versions_to_prune
 
 log = logging.getLogger(__name__)
 
 _HASH_BLOCK = 8 * 1024 * 1024
+_NO_COPY_RANGE = {errno.EXDEV, errno.ENOSYS, errno.EINVAL, errno.EOPNOTSUPP, errno.EBADF}
 
 
 def _fsync_dir(path: Path) -> None:
@@ -84,6 +92,78 @@ def hash_file(path: Path) -> str:
         while n := fh.readinto(buf):
             h.update(memoryview(buf)[:n])
     return h.hexdigest()
+
+
+def file_digest_on_disk(path: Path, manifest: Manifest, name: str) -> str:
+    """The digest of file ``name`` at ``path`` as ``manifest``'s schema defines it: the
+    hash-list root of its shard ranges (schema 3) or the BLAKE3 of the whole file (schema 2).
+    Reads the whole file once, in 8 MiB blocks at most.
+
+    Raises:
+        OSError: unreadable, or (schema 3) of another size than the manifest says.
+        KeyError: ``name`` is not in the manifest.
+    """
+    if not manifest.rooted:
+        return hash_file(path)
+    shards = [s for s in manifest.header.shards if s.file == name]
+    buf = bytearray(min(_HASH_BLOCK, max((s.length for s in shards), default=0)))
+    listed: list[tuple[int, str]] = []
+    with open(path, "rb", buffering=0) as fh:
+        size = os.fstat(fh.fileno()).st_size
+        if size != manifest.header.file(name).size:
+            raise OSError(
+                f"{path}: {size} bytes, the manifest says {manifest.header.file(name).size}"
+            )
+        for s in shards:
+            h = blake3.blake3()
+            pos = 0
+            while pos < s.length:
+                view = memoryview(buf)[: min(len(buf), s.length - pos)]
+                if os.preadv(fh.fileno(), [view], s.offset + pos) != len(view):
+                    raise OSError(f"{path}: short read at {s.offset + pos}")
+                h.update(view)
+                pos += len(view)
+            listed.append((s.length, h.hexdigest()))
+    return file_root(listed)
+
+
+def file_matches(path: Path, manifest: Manifest, name: str) -> bool:
+    """True if the file at ``path`` has ``name``'s signed digest (see
+    :func:`file_digest_on_disk`); False if it differs or cannot be read."""
+    try:
+        return file_digest_on_disk(path, manifest, name) == manifest.file_digest(name)
+    except (OSError, KeyError):
+        return False
+
+
+def copy_range(src_fd: int, dst_fd: int, offset: int, length: int) -> None:
+    """Copy bytes ``[offset, offset + length)`` of ``src_fd`` to the same range of ``dst_fd``
+    inside the kernel (``copy_file_range``: a reflink on filesystems that share extents,
+    a page-cache copy elsewhere), falling back to ``pread``/``pwrite`` where the call is not
+    supported (other filesystems, old kernels).
+
+    Raises:
+        OSError: the source is shorter, or a read or write failed.
+    """
+    pos = 0
+    try:
+        while pos < length:
+            n = os.copy_file_range(src_fd, dst_fd, length - pos, offset + pos, offset + pos)
+            if n == 0:
+                raise OSError(f"copy_file_range: source ends before {offset + length}")
+            pos += n
+        return
+    except OSError as exc:
+        if exc.errno not in _NO_COPY_RANGE:
+            raise
+    while pos < length:
+        data = os.pread(src_fd, min(_HASH_BLOCK, length - pos), offset + pos)
+        if not data:
+            raise OSError(f"source ends before {offset + length}")
+        done = 0
+        while done < len(data):
+            done += os.pwrite(dst_fd, memoryview(data)[done:], offset + pos + done)
+        pos += len(data)
 
 
 class VersionStore:
@@ -139,9 +219,7 @@ class VersionStore:
                 raw = (d / MANIFEST_FILE).read_bytes()
                 signer = document_signer(raw, str(d))
                 m = Manifest.decode(raw, trust=TrustList(trainer=signer))
-                ok = m.complete and all(
-                    hash_file(d / f.name) == m.file_digest(f.name) for f in m.header.files
-                )
+                ok = m.complete and all(file_matches(d / f.name, m, f.name) for f in m.header.files)
             except (OSError, ValueError, KeyError, TypeError, ShardnetError):
                 ok = False
             if not ok:
@@ -311,7 +389,7 @@ class VersionStore:
         if not manifest.complete:
             raise LocalProtocolError(f"step {manifest.step}: manifest parts are missing")
         for f in manifest.header.files if rehash else ():
-            if hash_file(directory / f.name) != manifest.file_digest(f.name):
+            if not file_matches(directory / f.name, manifest, f.name):
                 raise IntegrityError(f"{directory / f.name} does not match its manifest digest")
         return _commit_dir(self, directory, manifest)
 
@@ -444,6 +522,7 @@ class PartialVersion:
         self.dir = store.partial_dir(manifest.step)
         self._have = [False] * len(self.header.shards)
         self._lock = threading.Lock()
+        self._shard_locks: dict[int, threading.Lock] = {}
         self._closed = False
         self._fds: dict[str, int] = {}
         journal = self.dir / JOURNAL_FILE
@@ -543,6 +622,7 @@ class PartialVersion:
         data: bytes | bytearray | memoryview,
         source: str = "",
         blobs: dict[str, bytes] | None = None,
+        hashed: str | None = None,
     ) -> bool:
         """Verify shard ``index`` against its digest, then write it at its offset.
 
@@ -552,6 +632,9 @@ class PartialVersion:
             source: who sent the bytes (for the error).
             blobs: encoded forms received for it (already checked against their offered
                 digests by the caller), kept for re-serving.
+            hashed: the BLAKE3 hex digest the caller computed over exactly ``data`` (while
+                it arrived); it is compared with the signed digest instead of hashing
+                ``data`` again. The caller vouches that ``data`` did not change since.
 
         Returns:
             True if written now, False if the shard was already present (nothing written).
@@ -567,17 +650,99 @@ class PartialVersion:
             raise IntegrityError(
                 f"shard {index} has {len(data)} bytes, expected {shard.length}", source
             )
-        if blake3.blake3(data, max_threads=blake3.blake3.AUTO).hexdigest() != shard.digest:
+        if hashed is None:
+            hashed = blake3.blake3(data, max_threads=blake3.blake3.AUTO).hexdigest()
+        if hashed != shard.digest:
             raise IntegrityError(f"shard {index} of {shard.file} digest mismatch", source)
+        with self._claim(index) as fd:
+            if fd < 0:
+                return False
+            view, pos = memoryview(data), 0
+            while pos < len(view):
+                pos += os.pwrite(fd, view[pos:], shard.offset + pos)
+            return self._mark(index, blobs)
+
+    def patch_shard(
+        self,
+        index: int,
+        src_fd: int,
+        patch: Callable[[memoryview], None],
+        source: str = "",
+        blobs: dict[str, bytes] | None = None,
+    ) -> bool:
+        """Build shard ``index`` in place: copy the same range of ``src_fd`` (the base
+        version's file) into it (:func:`copy_range`), let ``patch`` change that range through
+        a memory map, then hash it there against the signed digest.
+
+        The delta path of :mod:`shardcast.receive`: the base bytes are never copied through a
+        Python buffer, a ``sparse`` patch touches only the changed words, and the result is
+        hashed where it lies. Unlike :meth:`write_shard`, bytes that fail their digest have
+        touched the partial file's range; the shard stays absent (never served, never
+        journaled) and the next attempt rewrites the whole range (a re-copy before a patch,
+        or a raw write).
+
+        Args:
+            index: shard index.
+            src_fd: the base version's file holding the same range.
+            patch: changes the range in place (its argument: a writable view of exactly the
+                shard's bytes, valid only during the call); exceptions propagate.
+            source: who sent the delta (for the error).
+            blobs: encoded forms to keep for re-serving.
+
+        Returns:
+            True if written now, False if already present (nothing done).
+
+        Raises:
+            IntegrityError: the patched bytes do not match the shard digest.
+            LocalProtocolError: its part has not arrived, or the version is closed.
+            OSError: the copy or the map failed.
+        """
+        if not self.manifest.known(index):
+            raise LocalProtocolError(f"shard {index}: its manifest part has not arrived")
+        shard = self.manifest.shard(index)
+        with self._claim(index) as fd:
+            if fd < 0:
+                return False
+            copy_range(src_fd, fd, shard.offset, shard.length)
+            if shard.length == 0:
+                return self._mark(index, blobs)
+            start = shard.offset - shard.offset % mmap.ALLOCATIONGRANULARITY
+            skip = shard.offset - start
+            flags = mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0)  # no fault per page
+            with mmap.mmap(fd, skip + shard.length, flags=flags, offset=start) as mm:
+                view = memoryview(mm)[skip : skip + shard.length]
+                try:
+                    patch(view)
+                    digest = blake3.blake3(view).hexdigest()
+                finally:
+                    view.release()
+            if digest != shard.digest:
+                raise IntegrityError(f"shard {index} of {shard.file} digest mismatch", source)
+            return self._mark(index, blobs)
+
+    @contextmanager
+    def _claim(self, index: int) -> Iterator[int]:
+        """Hold shard ``index`` exclusively (writes of one shard never interleave, and a
+        patch is never applied twice); yields the file's descriptor, or -1 if the shard is
+        already present.
+
+        Raises:
+            LocalProtocolError: the version is closed.
+        """
         with self._lock:
             if self._closed:
                 raise LocalProtocolError(f"step {self.step} is no longer open")
-            if self._have[index]:
-                return False
-        view = memoryview(data)
-        fd, pos = self._fds[shard.file], 0
-        while pos < len(view):
-            pos += os.pwrite(fd, view[pos:], shard.offset + pos)
+            lock = self._shard_locks.setdefault(index, threading.Lock())
+        with lock:
+            with self._lock:
+                if self._closed:
+                    raise LocalProtocolError(f"step {self.step} is no longer open")
+                fd = -1 if self._have[index] else self._fds[self.header.shards[index].file]
+            yield fd
+
+    def _mark(self, index: int, blobs: dict[str, bytes] | None) -> bool:
+        """Keep the blobs, then mark shard ``index`` present and journal it."""
+        shard = self.manifest.shard(index)
         for enc, blob in (blobs or {}).items():
             path = self.blob_path(index, enc)
             path.parent.mkdir(exist_ok=True)
@@ -606,6 +771,9 @@ class PartialVersion:
     def commit(self) -> Path:
         """Check every file digest and commit atomically; returns the ``step-N`` directory.
 
+        Schema 3 reads no file: the roots are derived from the signed shard digests that
+        every written shard matched. Schema 2 re-hashes every file.
+
         Raises:
             LocalProtocolError: shards or manifest parts are missing.
             IntegrityError: a whole-file digest does not match; the partial is removed and
@@ -618,7 +786,11 @@ class PartialVersion:
             )
         self._close_fds()
         for f in self.header.files:
-            if hash_file(self.dir / f.name) != self.manifest.file_digest(f.name):
+            if self.manifest.rooted:  # every shard was checked before it was written
+                ok = self.manifest.shard_root(f.name) == self.manifest.file_digest(f.name)
+            else:
+                ok = hash_file(self.dir / f.name) == self.manifest.file_digest(f.name)
+            if not ok:
                 self.abort()
                 raise IntegrityError(f"file {f.name} of step {self.step} digest mismatch")
         (self.dir / JOURNAL_FILE).unlink()

@@ -357,7 +357,7 @@ def summarize(
     """
     from p2p.trust import TrustList
     from shardcast.manifest import MANIFEST_FILE, Manifest
-    from shardcast.store import hash_file
+    from shardcast.store import file_matches
 
     tr = trainer.report() or {}
     rows = tr.get("steps", [])
@@ -392,7 +392,7 @@ def summarize(
                 if m.digest != digests.get(step):
                     problems.append(f"{c.name} step {step}: manifest differs from the trainer's")
                 for f in m.header.files:
-                    if hash_file(step_dir / f.name) != m.file_digest(f.name):
+                    if not file_matches(step_dir / f.name, m, f.name):
                         problems.append(f"{c.name} step {step}: {f.name} digest mismatch")
     trained = tr.get("trained_samples", 0)
     if not trained or trained != tr.get("trained_verified_samples"):

@@ -16,7 +16,7 @@ from shardcast.follower import FollowConfig, Follower, VersionRecord
 from shardcast.manifest import Manifest
 from shardcast.node import NodeConfig, ShardcastNode
 from shardcast.origin import Origin, OriginConfig
-from shardcast.store import hash_file
+from shardcast.store import file_matches
 from tests.helpers import TRAINER, make_checkpoint, trust
 
 SIZES = {"model-00001-of-00002.safetensors": 400_000, "model-00002-of-00002.safetensors": 300_000}
@@ -45,7 +45,7 @@ class Watch:
     def hook(self, name: str):  # type: ignore[no-untyped-def]
         async def on_commit(m: Manifest, path: Path, rec: VersionRecord) -> None:
             for f in m.header.files:
-                assert hash_file(path / f.name) == m.file_digest(f.name)
+                assert file_matches(path / f.name, m, f.name)
             self.commits.setdefault(name, []).append(rec)
             self.changed.set()
             self.changed = trio.Event()
@@ -156,7 +156,7 @@ async def test_corrupted_base_falls_back_to_raw_without_blame(tmp_path: Path) ->
         assert rec.stats.corrupt_by_source == {}  # and the honest origin was not blamed
         assert rec.stats.bytes_by_encoding.get("raw", 0) > 0
         for f in r1.manifest.header.files:
-            assert hash_file(rec.path / f.name) == r1.manifest.file_digest(f.name)  # type: ignore[operator]
+            assert file_matches(rec.path / f.name, r1.manifest, f.name)  # type: ignore[arg-type]
         nursery.cancel_scope.cancel()
 
 
@@ -205,5 +205,5 @@ async def test_blob_the_origin_encoded_badly_falls_back_without_blame(
         assert rec.stats.corrupt_by_source == {}
         assert rec.stats.bytes_by_encoding.get("raw", 0) > 0
         for f in r1.manifest.header.files:
-            assert hash_file(rec.path / f.name) == r1.manifest.file_digest(f.name)  # type: ignore[operator]
+            assert file_matches(rec.path / f.name, r1.manifest, f.name)  # type: ignore[arg-type]
         nursery.cancel_scope.cancel()

@@ -615,3 +615,87 @@ async def test_unsplittable_target_is_a_400_and_the_server_keeps_serving() -> No
         assert answer.startswith(b"HTTP/1.1 400 ")
         assert await client.get_bytes(server.url + "/x", max_bytes=10, timeout_s=5) == b"ok"
         assert server.statistics().errors["bad_request"] == 1
+
+
+# --- receive_range_into: the body straight into the caller's buffer ---------------------------
+
+
+async def into(client: HttpClient, url: str, start: int, length: int) -> tuple[bytes, list[int]]:
+    buf = bytearray(length)
+    pieces = [n async for n in client.receive_range_into(url, start, memoryview(buf), timeout_s=5)]
+    return bytes(buf), pieces
+
+
+@pytest.mark.parametrize("use_sendfile", [True, False])
+async def test_receive_into_is_byte_exact_and_keeps_the_connection(
+    blob: tuple[Path, bytes], use_sendfile: bool
+) -> None:
+    path, data = blob
+    config = HttpServerConfig(use_sendfile=use_sendfile, send_chunk_bytes=256 * 1024)
+    async with open_http_server(serve_file(path), config) as server, HttpClient() as client:
+        url = server.url + "/blob"
+        for start, length in [(0, SIZE), (0, 1), (SIZE - 1, 1), (12345, 1 << 20), (7, 100)]:
+            got, pieces = await into(client, url, start, length)
+            assert got == data[start : start + length]
+            assert sum(pieces) == length
+            assert max(pieces) <= 1 << 20  # at most one 1 MiB read per piece
+        assert await into(client, url, 5, 0) == (b"", [])
+        # the connection read past h11 is reused, and h11 starts the next exchange cleanly
+        assert await client.get_bytes(server.url + "/small", max_bytes=100, timeout_s=5) == (
+            b"hello shardnet"
+        )
+        assert await collect(client, url, 3, 10) == data[3:13]
+        stats, client_stats = server.statistics(), client.statistics()
+    assert (stats.requests, stats.connections_total) == (7, 1)
+    assert client_stats.bytes_received == SIZE + 1 + 1 + (1 << 20) + 100 + 14 + 10
+
+
+async def test_receive_into_a_body_cut_short_keeps_what_arrived() -> None:
+    async def script(stream: trio.SocketStream) -> None:
+        head = b"HTTP/1.1 206 Partial Content\r\ncontent-range: bytes 0-99/100\r\n"
+        await stream.send_all(head + b"content-length: 100\r\n\r\n" + b"x" * 60)
+
+    async with scripted_server(script) as url, HttpClient() as client:
+        buf = bytearray(100)
+        pieces: list[int] = []
+
+        async def receive() -> None:
+            async for n in client.receive_range_into(url + "/b", 0, memoryview(buf), timeout_s=5):
+                pieces.append(n)
+
+        with pytest.raises(StreamBroken, match="closed mid-body"):
+            await receive()
+        assert sum(pieces) == 60
+        assert bytes(buf[:60]) == b"x" * 60
+        assert client.statistics().errors == {"StreamBroken": 1}
+
+
+async def test_receive_into_refuses_a_wrong_range_and_connection_close() -> None:
+    async def wrong(stream: trio.SocketStream) -> None:
+        head = b"HTTP/1.1 206 Partial Content\r\ncontent-range: bytes 1-100/200\r\n"
+        await stream.send_all(head + b"content-length: 100\r\n\r\n" + b"y" * 100)
+
+    async with scripted_server(wrong) as url, HttpClient() as client:
+        with pytest.raises(RemoteProtocolError, match="Content-Range"):
+            await into(client, url + "/b", 0, 100)
+
+    async def closing(stream: trio.SocketStream) -> None:
+        head = b"HTTP/1.1 206 Partial Content\r\ncontent-range: bytes 0-9/10\r\n"
+        await stream.send_all(head + b"connection: close\r\ncontent-length: 10\r\n\r\n0123456789")
+
+    async with scripted_server(closing) as url, HttpClient() as client:
+        assert (await into(client, url + "/b", 0, 10))[0] == b"0123456789"
+        assert client._idle == []  # the server said close: not pooled
+
+
+async def test_receive_into_stall_is_stream_broken(
+    big: Path, jump_clock: trio.testing.MockClock
+) -> None:
+    async def script(stream: trio.SocketStream) -> None:
+        head = b"HTTP/1.1 206 Partial Content\r\ncontent-range: bytes 0-999/1000\r\n"
+        await stream.send_all(head + b"content-length: 1000\r\n\r\n" + b"z" * 10)
+        await trio.sleep_forever()
+
+    async with scripted_server(script) as url, HttpClient() as client:
+        with pytest.raises(StreamBroken, match="no progress"):
+            await into(client, url + "/b", 0, 1000)

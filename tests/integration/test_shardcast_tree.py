@@ -13,7 +13,7 @@ from shardcast.follower import FollowConfig, Follower, VersionRecord
 from shardcast.manifest import Manifest
 from shardcast.node import NodeConfig, ShardcastNode
 from shardcast.origin import Origin, OriginConfig
-from shardcast.store import hash_file
+from shardcast.store import file_matches
 from tests.helpers import TRAINER, make_checkpoint, trust
 
 if TYPE_CHECKING:
@@ -35,7 +35,7 @@ async def test_version_flows_through_relay_to_peers(tmp_path: Path) -> None:
         async def on_commit(m: Manifest, path: Path, rec: VersionRecord) -> None:
             # every file on disk matches the manifest
             for f in m.header.files:
-                assert hash_file(path / f.name) == m.file_digest(f.name)
+                assert file_matches(path / f.name, m, f.name)
             commits.setdefault(name, []).append((m.step, m.digest))
             if all(len(commits.get(p, [])) == 2 for p in ("p1", "p2")):
                 done.set()

@@ -115,9 +115,9 @@ def test_misuse_is_a_local_error() -> None:
 
 
 def test_decode_buffer_pool_is_bounded_and_reuses_buffers() -> None:
-    from shardcast.downloader import _BufferPool
+    from shardcast.receive import BufferPool
 
-    pool = _BufferPool(keep=2)
+    pool = BufferPool(keep=2)
     a, b, c = pool.get(100), pool.get(80), pool.get(100)
     assert len(b) == 100  # as large as the largest request: reusable for any shard
     for buf in (a, b, c):

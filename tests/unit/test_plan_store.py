@@ -17,7 +17,7 @@ from shardcast.plan import (
     make_header,
     plan_shards,
 )
-from shardcast.store import VersionStore
+from shardcast.store import VersionStore, file_matches
 from tests.helpers import TRAINER, make_checkpoint, trust
 
 SIZES = {"model-00001-of-00002.safetensors": 4096, "model-00002-of-00002.safetensors": 2500}
@@ -62,9 +62,9 @@ def test_parts_come_out_in_order_as_hashed(tmp_path: Path) -> None:
     assert "empty.safetensors" in dict(parts[0].file_digests)
 
 
-def _partial(tmp_path: Path, step: int = 1, keep: int = 2):  # type: ignore[no-untyped-def]
+def _partial(tmp_path: Path, step: int = 1, keep: int = 2, schema: int = 3):  # type: ignore[no-untyped-def]
     ck = make_checkpoint(tmp_path / f"src{step}", SIZES, seed=step)
-    m = build_manifest(ck, "run", step, TRAINER, shard_size=1000, shards_per_part=3)
+    m = build_manifest(ck, "run", step, TRAINER, shard_size=1000, shards_per_part=3, schema=schema)
     store = VersionStore(tmp_path / "store", "run", keep_last=keep)
     return ck, m, store
 
@@ -107,7 +107,8 @@ def test_write_verify_commit(tmp_path: Path) -> None:
 
 
 def test_commit_refuses_corrupted_file(tmp_path: Path) -> None:
-    ck, m, store = _partial(tmp_path)
+    # schema 2 (whole-file digests): commit re-hashes every file and catches it
+    ck, m, store = _partial(tmp_path, schema=2)
     part = store.begin(m)
     for i in range(len(m.header.shards)):
         part.write_shard(i, _bytes(ck, m, i))
@@ -120,6 +121,26 @@ def test_commit_refuses_corrupted_file(tmp_path: Path) -> None:
     assert store.committed_steps() == []
     assert not part.dir.exists()
     assert not store.version_dir(1).exists()
+
+
+def test_rooted_commit_reads_no_file_and_recovery_catches_rot(tmp_path: Path) -> None:
+    # schema 3 (hash-list roots): commit derives the roots from the checked shard digests
+    # and reads no file; bytes damaged at rest are caught where files are checked at rest
+    ck, m, store = _partial(tmp_path, schema=3)
+    assert m.rooted
+    part = store.begin(m)
+    for i in range(len(m.header.shards)):
+        part.write_shard(i, _bytes(ck, m, i))
+    for f in m.header.files:
+        assert m.shard_root(f.name) == m.file_digest(f.name)
+    final = part.commit()
+    name = m.header.files[-1].name
+    assert file_matches(final / name, m, name)
+    with open(final / name, "r+b") as fh:
+        fh.seek(3)
+        fh.write(b"\xff")
+    assert not file_matches(final / name, m, name)
+    assert store.recover() == [1]
 
 
 def test_crash_leaves_no_version(tmp_path: Path) -> None:
