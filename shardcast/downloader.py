@@ -63,9 +63,31 @@ from p2p.http_errors import NotAvailable
 from p2p.trust import TrustList
 from shardcast import codecs
 from shardcast.lane_auth import failed_header
-from shardcast.liveness import Abandon, Answer, DownloadWatch
+from shardcast.liveness import Abandon, Answer
 from shardcast.manifest import Manifest, ManifestError, ShardEntry, decode_part
-from shardcast.select import Request, Scheduler, SchedulerConfig, SourceBans, blame
+from shardcast.select import SchedulerConfig, SourceBans, blame
+from shardcast.session import (
+    Action,
+    Ban,
+    Blame,
+    Cancel,
+    Check,
+    Commit,
+    Compare,
+    DownloadStats,
+    Drop,
+    Fail,
+    Fetch,
+    Keep,
+    KeepSuspect,
+    Offer,
+    Outcome,
+    PollHave,
+    Probe,
+    Session,
+    SessionConfig,
+    Verdict,
+)
 from shardcast.store import PartialVersion, VersionStore
 
 log = logging.getLogger(__name__)
@@ -154,24 +176,6 @@ class DownloadConfig:
     source_ban_s: float = 600.0
 
 
-@dataclass
-class DownloadStats:
-    """Result counters of one download."""
-
-    step: int
-    bytes_fetched: int = 0
-    bytes_by_source: dict[str, int] = field(default_factory=dict)
-    bytes_by_encoding: dict[str, int] = field(default_factory=dict)
-    corrupt_by_source: dict[str, int] = field(default_factory=dict)
-    failures: int = 0
-    delta_fallbacks: int = 0
-    resumed: int = 0
-    restored: int = 0
-    asked_by_source: dict[str, int] = field(default_factory=dict)
-    unavailable_by_source: dict[str, int] = field(default_factory=dict)
-    elapsed_s: float = 0.0
-
-
 ProgressFn = Callable[[int, int], None]
 """``progress(verified_bytes, total_bytes)``, called after every verified shard."""
 
@@ -204,7 +208,6 @@ class DownloadObserver(Protocol):
 class _Buf:
     data: bytearray
     pos: int = 0
-    parts: list[tuple[str, int, int]] = field(default_factory=list)  # (source, start, end)
 
 
 @dataclass
@@ -328,8 +331,6 @@ class Downloader:
         self._max_extra = max_extra_sources
         self._upstreams = upstreams
         part = await trio.to_thread.run_sync(self.store.begin, manifest)
-        stats = self.current = DownloadStats(manifest.step)
-        self.last_stats = stats
         base_step = manifest.header.base_step
         use_base = (
             self.config.use_deltas
@@ -337,6 +338,8 @@ class Downloader:
             and self.store.has(base_step)
             and self._base_matches(base_step, manifest)
         )
+        session = self._session(part, use_base)
+        stats = self.current = self.last_stats = session.stats
         try:
             if on_partial is not None:
                 on_partial(part)
@@ -348,9 +351,9 @@ class Downloader:
                             base_step,
                             lambda n, o, ln, out: self.store.read_range(base_step, n, o, ln, out),
                         )
-                        await self._run(part, sources, stats, base, on_shard, progress)
+                        await _Driver(self, part, session, base, on_shard, progress).run(sources)
                 else:
-                    await self._run(part, sources, stats, None, on_shard, progress)
+                    await _Driver(self, part, session, None, on_shard, progress).run(sources)
             try:
                 path = await trio.to_thread.run_sync(part.commit)
             except OSError as exc:  # the data directory vanished under us
@@ -382,501 +385,31 @@ class Downloader:
             return False
         return held.digest == manifest.header.base_digest
 
-    def _choose(self, shard: ShardEntry, base: _Base | None, no_delta: set[int]) -> str:
-        if shard.index in no_delta:  # an encoded form failed after its digest matched
-            return codecs.RAW
-        delta = shard.delta()
-        if base is not None and delta is not None:
-            return delta.encoding
-        if self.config.prefer_compressed and shard.offered(codecs.ZSTD):
-            return codecs.ZSTD
-        return codecs.RAW
-
-    async def _run(
-        self,
-        part: PartialVersion,
-        sources: list[Source],
-        stats: DownloadStats,
-        base: _Base | None,
-        on_shard: Callable[[int], None] | None,
-        progress: ProgressFn | None,
-    ) -> None:
+    def _session(self, part: PartialVersion, use_base: bool) -> Session:
         m = part.manifest
-        header = m.header
-        known = [i for i in range(len(header.shards)) if m.known(i)]
-        held = [i for i in known if part.has(i)]  # kept from a previous run (journal)
-        sched = Scheduler(
-            [s.length for s in header.shards],
+        shards = m.header.shards
+        known = [i for i in range(len(shards)) if m.known(i)]
+        cfg = self.config
+        scfg = SessionConfig(
+            cfg.scheduler,
+            cfg.max_resume_buffers,
+            use_base,
+            cfg.prefer_compressed,
+            self._max_extra,
+            cfg.no_source_grace_s,
+            cfg.gone_grace_s,
+            cfg.no_progress_s,
+        )
+        return Session(
+            m.step,
+            [s.length for s in shards],
+            m.header.n_parts,
+            m.parts,
+            [_offer(m.shard(i)) for i in known],
+            [i for i in known if part.has(i)],  # kept from a previous run (journal)
             self.rng,
-            self.config.scheduler,
-            have=held,
-            known=known,
-        )
-        by_id = {s.id: s for s in sources}
-        cfg = self.config
-        watch = DownloadWatch(
-            trio.current_time(), cfg.no_source_grace_s, cfg.gone_grace_s, cfg.no_progress_s
-        )
-        for s in sources:
-            sched.add_source(s.id, None if s.complete else ())
-            if self.bans.is_banned(s.id, trio.current_time()):
-                sched.ban(s.id)
-            watch.add_source(s.id)
-        chosen: dict[int, str] = {}
-        no_delta: set[int] = set()
-        resume: dict[int, _Buf] = {}
-        suspects: dict[int, list[_Buf]] = {}
-        scopes: dict[int, trio.CancelScope] = {}
-        wake = trio.Event()
-        verified = sum(header.shards[i].length for i in held)
-        stats.restored = len(held)
-        observer = self.observer
-
-        def corrupt(source: str) -> None:
-            stats.corrupt_by_source[source] = stats.corrupt_by_source.get(source, 0) + 1
-            if observer is not None:
-                observer.shard_corrupt(source)
-
-        first_seen = False  # debug hook: one first_byte line per download (simulations/)
-        probing: set[str] = set()
-        failed_by: dict[int, list[str]] = {}  # shard -> sources that failed it (told to origin)
-
-        def failed(shard: int, source: str) -> None:
-            names = failed_by.setdefault(shard, [])
-            if source not in names:
-                names.append(source)
-                del names[:-4]
-
-        store_lost: list[OSError] = []
-        spawn: list[trio.Nursery] = []  # the download's nursery, once open
-
-        def poke() -> None:
-            nonlocal wake
-            wake.set()
-            wake = trio.Event()
-
-        def banish(source: str, cancel: list[int]) -> None:
-            # if the scheduler has banned ``source``: remember it across versions and stop
-            # the transfers it still has in flight (``cancel``)
-            if not sched.is_banned(source):
-                return
-            if not self.bans.is_banned(source, trio.current_time()):
-                self.bans.ban(source, trio.current_time())
-                log.warning(
-                    "source_banned step=%d source=%s inflight_cancelled=%d ban_s=%.0f",
-                    m.step,
-                    short_id(source),
-                    len(cancel),
-                    self.bans.ban_s,
-                )
-            for rid in cancel:
-                if rid in scopes:
-                    scopes[rid].cancel()
-
-        def reschedule(index: int) -> None:
-            entry = m.shard(index)
-            enc = self._choose(entry, base, no_delta)
-            chosen[index] = enc
-            offered = entry.offered(enc)
-            sched.mark_known(index, offered.size if offered is not None else entry.length)
-
-        for i in known:
-            reschedule(i)
-
-        def answered(src_id: str, exc: NotAvailable) -> None:
-            """A 503/429 shows the source holds the version; a 404 is checked at /have."""
-            if exc.status != 404:
-                watch.on_answer(src_id, Answer.PRESENT, trio.current_time())
-            elif src_id not in probing and not watch.gone(src_id) and spawn:
-                probing.add(src_id)
-                spawn[0].start_soon(probe, src_id)
-
-        async def probe(src_id: str) -> None:
-            src = by_id[src_id]
-            try:
-                await self.client.get_bytes(
-                    f"{version_url(src.base_url, m.run_id, m.step)}/have",
-                    max_bytes=(len(header.shards) + 7) // 8,
-                    timeout_s=cfg.stall_timeout_s,
-                    anonymous=src.anonymous,
-                )
-                answer = Answer.PRESENT
-            except NotAvailable as exc:
-                answer = Answer.GONE if exc.status == 404 else Answer.PRESENT
-            except (TransportError, RemoteProtocolError):
-                answer = Answer.UNREACHABLE
-            finally:
-                probing.discard(src_id)
-            watch.on_answer(src_id, answer, trio.current_time())
-            if answer is Answer.GONE:
-                log.info("source_gone step=%d source=%s", m.step, short_id(src_id))
-            poke()
-
-        async def fetch_parts() -> None:
-            missing = [k for k in range(header.n_parts) if k not in m.parts]
-            async with trio.open_nursery() as n:
-                for k in missing:
-                    n.start_soon(fetch_part, k)
-
-        async def fetch_part(k: int) -> None:
-            delay = 0.05
-            while k not in m.parts:
-                for src in list(by_id.values()):
-                    url = f"{version_url(src.base_url, m.run_id, m.step)}/manifest/part/{k}"
-                    try:
-                        data = await self.client.get_bytes(
-                            url,
-                            max_bytes=8 << 20,
-                            timeout_s=self.config.stall_timeout_s,
-                            anonymous=src.anonymous,
-                        )
-                        signed = decode_part(data, header, trust=self.trust, source=src.id)
-                    except NotAvailable as exc:
-                        answered(src.id, exc)
-                        continue
-                    except (TransportError, ManifestError, IntegrityError) as exc:
-                        log.info(
-                            "part_fetch_failed step=%d part=%d source=%s error=%s",
-                            m.step,
-                            k,
-                            short_id(src.id),
-                            exc,
-                        )
-                        continue
-                    watch.on_answer(src.id, Answer.DELIVERED, trio.current_time())
-                    if m.add_part(signed):
-                        for i in header.part_range(k):
-                            reschedule(i)
-                        if on_shard is not None:
-                            on_shard(-1)
-                        poke()
-                    return
-                await trio.sleep(delay)
-                delay = min(delay * 2, 1.0)
-
-        async def poll_have(src: Source) -> None:
-            url = f"{version_url(src.base_url, m.run_id, m.step)}/have"
-            while True:
-                try:
-                    bits = await self.client.get_bytes(
-                        url,
-                        max_bytes=(len(header.shards) + 7) // 8,
-                        timeout_s=self.config.stall_timeout_s,
-                        anonymous=src.anonymous,
-                    )
-                    held = [
-                        i
-                        for i in range(len(header.shards))
-                        if i // 8 < len(bits) and bits[i // 8] & (0x80 >> i % 8)
-                    ]
-                    watch.on_answer(src.id, Answer.PRESENT, trio.current_time())
-                    if len(held) == len(header.shards):  # it holds everything: stop polling
-                        sched.add_source(src.id, None)
-                        poke()
-                        return
-                    sched.add_have(src.id, held)
-                    poke()
-                except NotAvailable as exc:
-                    answer = Answer.GONE if exc.status == 404 else Answer.PRESENT
-                    watch.on_answer(src.id, answer, trio.current_time())
-                except (TransportError, RemoteProtocolError):
-                    pass
-                await trio.sleep(self.config.have_poll_s)
-
-        async def fetch(req: Request) -> None:
-            nonlocal verified, first_seen
-            entry = m.shard(req.shard)
-            src = by_id[req.source]
-            enc = chosen[req.shard]
-            offered = entry.offered(enc)
-            size = offered.size if offered is not None else entry.length
-            buf = resume.pop(req.shard, None) if req.start else None
-            if buf is None or buf.pos != req.start or len(buf.data) != size:
-                if buf is not None or req.start:
-                    sched.discard_partial(req.shard)
-                    sched.on_cancelled(req.id)
-                    return
-                buf = _Buf(bytearray(size), 0)
-            begin = buf.pos
-            if begin:
-                stats.resumed += 1
-            stats.asked_by_source[src.id] = stats.asked_by_source.get(src.id, 0) + 1
-            scope = scopes[req.id]
-            vurl = version_url(src.base_url, m.run_id, m.step)
-            if enc == codecs.RAW:
-                url, offset = f"{vurl}/files/{entry.file}", entry.offset + req.start
-            else:
-                url, offset = f"{vurl}/shard/{entry.index}/{enc}", req.start
-            t0 = trio.current_time()
-            try:
-                with scope:
-                    try:
-                        first = True
-                        async with aclosing(
-                            self.client.stream_range(
-                                url,
-                                offset,
-                                req.length,
-                                timeout_s=self.config.stall_timeout_s,
-                                headers=failed_header(failed_by.get(req.shard, ())),
-                                anonymous=src.anonymous,
-                            )
-                        ) as chunks:
-                            async for chunk in chunks:
-                                watch.on_progress(trio.current_time())
-                                if first:
-                                    watch.on_answer(src.id, Answer.DELIVERED, trio.current_time())
-                                    sched.on_first_byte(req.id, trio.current_time())
-                                    first = False
-                                    if not first_seen:
-                                        first_seen = True
-                                        log.debug(
-                                            "first_byte step=%d shard=%d source=%s",
-                                            m.step,
-                                            req.shard,
-                                            short_id(src.id),
-                                        )
-                                buf.data[buf.pos : buf.pos + len(chunk)] = chunk
-                                buf.pos += len(chunk)
-                    except NotAvailable as exc:
-                        if exc.status == 429 and observer is not None:
-                            observer.refused(src.id)
-                        answered(src.id, exc)
-                        failed(req.shard, src.id)
-                        stats.unavailable_by_source[src.id] = (
-                            stats.unavailable_by_source.get(src.id, 0) + 1
-                        )
-                        if buf.pos and not req.duplicate:
-                            resume[req.shard] = buf  # keep the prefix for the next source
-                        elif not req.duplicate:
-                            sched.discard_partial(req.shard)
-                        sched.on_failure(req.id, trio.current_time(), kind="unavailable")
-                        return
-                    except (StreamBroken, PeerUnreachable) as exc:
-                        failed(req.shard, src.id)
-                        if isinstance(exc, PeerUnreachable):
-                            watch.on_answer(src.id, Answer.UNREACHABLE, trio.current_time())
-                        got = buf.pos - begin
-                        keep = (
-                            not req.duplicate
-                            and buf.pos > 0
-                            and len(resume) < self.config.max_resume_buffers
-                        )
-                        if keep:
-                            if got:
-                                buf.parts.append((src.id, begin, buf.pos))
-                            resume[req.shard] = buf
-                        elif not req.duplicate:
-                            sched.discard_partial(req.shard)
-                        sched.on_failure(
-                            req.id, trio.current_time(), kind="broken", received=got if keep else 0
-                        )
-                        stats.failures += 1
-                        log.info(
-                            "shard_fetch_failed step=%d shard=%d source=%s error=%s",
-                            m.step,
-                            req.shard,
-                            short_id(src.id),
-                            exc,
-                        )
-                        return
-                    except RemoteProtocolError as exc:
-                        failed(req.shard, src.id)
-                        banish(
-                            src.id, sched.on_failure(req.id, trio.current_time(), kind="corrupt")
-                        )
-                        stats.failures += 1
-                        corrupt(src.id)
-                        log.warning(
-                            "source_protocol_error step=%d shard=%d source=%s error=%s",
-                            m.step,
-                            req.shard,
-                            short_id(src.id),
-                            exc,
-                        )
-                        return
-                    buf.parts.append((src.id, begin, buf.pos))
-                    got = buf.pos - begin
-                    stats.bytes_fetched += got
-                    stats.bytes_by_source[src.id] = stats.bytes_by_source.get(src.id, 0) + got
-                    stats.bytes_by_encoding[enc] = stats.bytes_by_encoding.get(enc, 0) + got
-                    v0 = trio.current_time()
-                    if observer is not None:
-                        observer.shard_received(src.id, enc, got, v0 - t0)
-                    try:
-                        written = await trio.to_thread.run_sync(
-                            self._verify_and_write, part, entry, enc, buf.data, base, src.id
-                        )
-                    except OSError as exc:  # the partial directory vanished: start over
-                        store_lost.append(exc)
-                        sched.on_cancelled(req.id)
-                        return
-                    except _BaseMismatch:
-                        no_delta.add(req.shard)
-                        stats.delta_fallbacks += 1
-                        sched.on_failure(req.id, trio.current_time(), kind="suspect")
-                        reschedule(req.shard)
-                        log.warning(
-                            "encoded_blob_unusable step=%d shard=%d encoding=%s: fetching raw",
-                            m.step,
-                            req.shard,
-                            enc,
-                        )
-                        return
-                    except IntegrityError:
-                        contributors = {p[0] for p in buf.parts}
-                        for c in contributors:
-                            failed(req.shard, c)
-                        if len(contributors) == 1:
-                            banish(
-                                src.id,
-                                sched.on_failure(req.id, trio.current_time(), kind="corrupt"),
-                            )
-                            corrupt(src.id)
-                        else:
-                            sched.on_failure(req.id, trio.current_time(), kind="suspect")
-                            suspects.setdefault(req.shard, []).append(buf)
-                        log.warning(
-                            "shard_corrupt step=%d shard=%d sources=%s",
-                            m.step,
-                            req.shard,
-                            ",".join(short_id(c) for c in sorted(contributors)),
-                        )
-                        return
-                    losers = sched.on_success(req.id, trio.current_time())
-                    for lid in losers:
-                        if lid in scopes:
-                            scopes[lid].cancel()
-                    resume.pop(req.shard, None)
-                    if written:
-                        verified += entry.length
-                        if observer is not None:
-                            observer.shard_verified(src.id, trio.current_time() - v0)
-                        if req.shard in suspects:
-                            self._assign_blame(
-                                sched,
-                                suspects.pop(req.shard),
-                                buf.data,
-                                chosen[req.shard],
-                                corrupt,
-                                banish,
-                            )
-                        log.debug(
-                            "shard_verified step=%d shard=%d source=%s size_bytes=%d",
-                            m.step,
-                            req.shard,
-                            short_id(src.id),
-                            entry.length,
-                        )
-                        if on_shard is not None:
-                            on_shard(req.shard)
-                        if progress is not None:
-                            progress(verified, m.total_bytes)
-                if scope.cancelled_caught:
-                    sched.on_cancelled(req.id)
-            finally:
-                scopes.pop(req.id, None)
-                poke()
-
-        failure: str | None = None
-        reason: Abandon | None = None
-
-        extra_ids: set[str] = set()
-
-        def join(s: Source) -> None:
-            by_id[s.id] = s
-            sched.add_source(s.id, None if s.complete else ())
-            if self.bans.is_banned(s.id, trio.current_time()):
-                sched.ban(s.id)
-            watch.add_source(s.id)
-            if not s.complete and spawn:
-                spawn[0].start_soon(poll_have, s)
-            log.info(
-                "source_added step=%d source=%s complete=%s", m.step, short_id(s.id), s.complete
-            )
-            poke()
-
-        reachable: set[str] = {s.id for s in sources}  # upstreams reachable at the last poll
-
-        async def discover() -> None:
-            nonlocal reachable
-            while self._extra is not None or self._upstreams is not None:
-                now_up: set[str] = set()
-                for s in self._upstreams() if self._upstreams is not None else ():
-                    now_up.add(s.id)
-                    known_src = by_id.get(s.id)
-                    if known_src is None:
-                        join(s)  # an upstream that recovered (or appeared) since the start
-                    elif known_src.base_url != s.base_url:
-                        by_id[s.id] = s  # restarted elsewhere: new requests go to the new URL
-                        sched.source_back(s.id, trio.current_time())
-                        log.info("source_moved step=%d source=%s", m.step, short_id(s.id))
-                        poke()
-                    elif s.id not in reachable:  # it answered again after an outage
-                        sched.source_back(s.id, trio.current_time())
-                        log.info("source_back step=%d source=%s", m.step, short_id(s.id))
-                        poke()
-                if self._upstreams is not None:
-                    reachable = now_up
-                if self._extra is None:
-                    await trio.sleep(self.config.have_poll_s)
-                    continue
-                banned = set(sched.statistics().banned)
-                room = self._max_extra - len(extra_ids - banned)
-                for s in self._extra() if room > 0 else ():
-                    if s.id not in by_id and room > 0:
-                        room -= 1
-                        extra_ids.add(s.id)
-                        join(s)
-                await trio.sleep(self.config.have_poll_s)
-
-        async with trio.open_nursery() as nursery:
-            spawn.append(nursery)
-            if not m.complete:
-                nursery.start_soon(fetch_parts)
-            for s in sources:
-                if not s.complete:
-                    nursery.start_soon(poll_have, s)
-            nursery.start_soon(discover)
-            while not sched.done() or not m.complete:
-                now = trio.current_time()
-                started_any = False
-                while (req := sched.next_request(now)) is not None:
-                    scopes[req.id] = trio.CancelScope()
-                    nursery.start_soon(fetch, req)
-                    started_any = True
-                watch.tick(now, started_any or bool(sched.inflight()) or not m.complete)
-                reason = Abandon.STORE_LOST if store_lost else watch.verdict(now)
-                if reason is not None:
-                    failure = self._failure_text(reason, m.step, sched, store_lost)
-                    break
-                if sched.done() and m.complete:
-                    break
-                # wake on any completion, new part or have-set; or when a block expires, or
-                # when the watch's verdict can change
-                wait = min(self.config.scheduler.penalty_s / 4, watch.next_change(now) + 1e-3)
-                with trio.move_on_after(wait):
-                    await wake.wait()
-            nursery.cancel_scope.cancel()
-        if failure is not None:  # raised here, outside the nursery: a plain exception type
-            assert reason is not None
-            log.warning("download_abandoned step=%d reason=%s", m.step, reason.value)
-            raise DownloadFailed(failure, reason)
-
-    def _failure_text(
-        self, reason: Abandon, step: int, sched: Scheduler, store_lost: list[OSError]
-    ) -> str:
-        banned = ", ".join(short_id(b) for b in sched.statistics().banned) or "none"
-        cfg = self.config
-        if reason is Abandon.GONE:
-            return f"step {step}: gone from every source for {cfg.gone_grace_s}s"
-        if reason is Abandon.NO_PROGRESS:
-            return f"step {step}: no byte received for {cfg.no_progress_s}s"
-        if reason is Abandon.STORE_LOST:
-            return f"step {step}: store lost ({store_lost[0]}); start over"
-        return (
-            f"step {step}: no usable source for {cfg.no_source_grace_s}s "
-            f"({sched.missing} shards missing; banned: {banned})"
+            scfg,
+            trio.current_time(),
         )
 
     @staticmethod
@@ -918,27 +451,367 @@ class Downloader:
             for buf in held:
                 _POOL.put(buf)
 
-    @staticmethod
-    def _assign_blame(
-        sched: Scheduler,
-        bad_copies: list[_Buf],
-        good: bytearray,
-        enc: str,
-        corrupt: Callable[[str], None],
-        banish: Callable[[str, list[int]], None],
-    ) -> None:
-        now = trio.current_time()
-        for buf in bad_copies:
-            if len(buf.data) != len(good):
-                continue  # a copy of another encoding cannot be compared byte for byte
-            for culprit in blame(buf.parts, buf.data, good):
-                cancel = sched.penalize_corrupt(culprit, now)
-                corrupt(culprit)
-                log.warning("source_blamed source=%s reason=corrupt_bytes", short_id(culprit))
-                banish(culprit, cancel)
-
 
 class _BaseMismatch(IntegrityError):
     """A blob that matched its signed digest did not yield the shard: a delta against a base
     this node does not share with the origin, or a blob the origin encoded badly. Not the
     source's fault: the shard is fetched raw and nobody is blamed."""
+
+
+def _offer(entry: ShardEntry) -> Offer:
+    return Offer(entry.index, entry.length, {e.encoding: e.size for e in entry.encodings})
+
+
+_UNAVAILABLE = {404: Outcome.GONE, 409: Outcome.WRONG_VERSION, 429: Outcome.REFUSED}
+
+
+def _unavailable(exc: NotAvailable) -> Outcome:
+    return _UNAVAILABLE.get(exc.status, Outcome.NOT_AVAILABLE)
+
+
+async def _stream(
+    client: HttpClient,
+    src: Source,
+    m: Manifest,
+    f: Fetch,
+    buf: _Buf,
+    timeout_s: float,
+    on_chunk: Callable[[], None],
+) -> None:
+    """Move the bytes of ``f`` from ``src`` into ``buf`` (appending at ``buf.pos``).
+
+    Raises:
+        NotAvailable, PeerUnreachable, StreamBroken, RemoteProtocolError: as
+        :meth:`p2p.http_client.HttpClient.stream_range`; bytes that arrived stay in ``buf``.
+    """
+    entry = m.shard(f.shard)
+    vurl = version_url(src.base_url, m.run_id, m.step)
+    if f.encoding == codecs.RAW:
+        url, offset = f"{vurl}/files/{entry.file}", entry.offset + f.start
+    else:
+        url, offset = f"{vurl}/shard/{entry.index}/{f.encoding}", f.start
+    async with aclosing(
+        client.stream_range(
+            url,
+            offset,
+            f.length,
+            timeout_s=timeout_s,
+            headers=failed_header(f.failed),
+            anonymous=src.anonymous,
+        )
+    ) as chunks:
+        async for chunk in chunks:
+            on_chunk()
+            buf.data[buf.pos : buf.pos + len(chunk)] = chunk
+            buf.pos += len(chunk)
+
+
+class _Driver:
+    """Does what one download's :class:`~shardcast.session.Session` decides, with trio: one
+    task per transfer, manifest part, have-poll and probe, plus discovery; buffers live here
+    (per request, kept prefixes per shard, suspect copies per copy id)."""
+
+    def __init__(
+        self,
+        dl: Downloader,
+        part: PartialVersion,
+        session: Session,
+        base: _Base | None,
+        on_shard: Callable[[int], None] | None,
+        progress: ProgressFn | None,
+    ) -> None:
+        self.dl = dl
+        self.part = part
+        self.m = part.manifest
+        self.session = session
+        self.base = base
+        self.on_shard = on_shard
+        self.progress = progress
+        self.by_id: dict[str, Source] = {}
+        self.bufs: dict[int, _Buf] = {}  # request -> its buffer
+        self.kept: dict[int, _Buf] = {}  # shard -> prefix kept for resuming
+        self.suspects: dict[int, bytearray] = {}  # copy -> a failed assembled copy
+        self.scopes: dict[int, trio.CancelScope] = {}
+        self.wake = trio.Event()
+        self.nursery: trio.Nursery | None = None
+        self.first_seen = False
+
+    def poke(self) -> None:
+        self.wake.set()
+        self.wake = trio.Event()
+
+    def join(self, s: Source, extra: bool = False) -> None:
+        self.by_id[s.id] = s
+        now = trio.current_time()
+        banned = self.dl.bans.is_banned(s.id, now)
+        self.apply(self.session.add_source(s.id, s.complete, now, banned=banned, extra=extra))
+        log.info(
+            "source_added step=%d source=%s complete=%s", self.m.step, short_id(s.id), s.complete
+        )
+
+    async def run(self, sources: list[Source]) -> None:
+        """Until the session commits (return) or fails (:class:`DownloadFailed`)."""
+        end: Commit | Fail | None = None
+        async with trio.open_nursery() as nursery:
+            self.nursery = nursery
+            for s in sources:
+                self.join(s)
+            for k in self.session.missing_parts:
+                nursery.start_soon(self.fetch_part, k)
+            nursery.start_soon(self.discover)
+            while end is None:
+                now = trio.current_time()
+                for a in self.session.poll(now):
+                    if isinstance(a, Commit | Fail):
+                        end = a
+                    else:
+                        self.apply(a)
+                if end is None:
+                    with trio.move_on_after(self.session.next_wake(now)):
+                        await self.wake.wait()
+            nursery.cancel_scope.cancel()
+        if isinstance(end, Fail):  # raised here, outside the nursery: a plain exception type
+            raise DownloadFailed(end.text, end.reason)
+
+    def apply(self, actions: Action | list[Action]) -> None:
+        for a in actions if isinstance(actions, list) else [actions]:
+            self._apply(a)
+        self.poke()
+
+    def _apply(self, a: Action) -> None:
+        assert self.nursery is not None
+        if isinstance(a, Fetch):
+            buf = self.kept.pop(a.shard) if a.start else _Buf(bytearray(a.size))
+            self.scopes[a.req] = trio.CancelScope()
+            self.nursery.start_soon(self.fetch, a, buf)
+        elif isinstance(a, Cancel):
+            if a.req in self.scopes:
+                self.scopes[a.req].cancel()
+        elif isinstance(a, Keep):
+            self.kept[a.shard] = self.bufs[a.req]
+        elif isinstance(a, Drop):
+            self.kept.pop(a.shard, None)
+        elif isinstance(a, KeepSuspect):
+            self.suspects[a.copy] = self.bufs[a.req].data
+        elif isinstance(a, Compare):
+            bad, good = self.suspects.pop(a.copy), self.bufs[a.good].data
+            culprits = blame(a.contributions, bad, good) if len(bad) == len(good) else set()
+            self.apply(self.session.compared(a.copy, a.shard, culprits, trio.current_time()))
+        elif isinstance(a, Blame):
+            if self.dl.observer is not None:
+                self.dl.observer.shard_corrupt(a.source)
+        elif isinstance(a, Ban):
+            bans, now = self.dl.bans, trio.current_time()
+            if not bans.is_banned(a.source, now):
+                bans.ban(a.source, now)
+                log.warning(
+                    "source_banned step=%d source=%s ban_s=%.0f",
+                    self.m.step,
+                    short_id(a.source),
+                    bans.ban_s,
+                )
+        elif isinstance(a, PollHave):
+            self.nursery.start_soon(self.poll_have, self.by_id[a.source])
+        elif isinstance(a, Probe):
+            self.nursery.start_soon(self.probe, self.by_id[a.source])
+        # Check is handled by the transfer that asked for it (see fetch)
+
+    async def fetch(self, f: Fetch, buf: _Buf) -> None:
+        src, dl, session = self.by_id[f.source], self.dl, self.session
+        self.bufs[f.req] = buf
+        begin = buf.pos
+        outcome = Outcome.CANCELLED
+        t0 = trio.current_time()
+
+        def on_chunk() -> None:
+            now = trio.current_time()
+            if buf.pos == begin:
+                session.first_byte(f.req, now)
+                if not self.first_seen:  # debug hook: one line per download (simulations/)
+                    self.first_seen = True
+                    log.debug(
+                        "first_byte step=%d shard=%d source=%s",
+                        self.m.step,
+                        f.shard,
+                        short_id(src.id),
+                    )
+            else:
+                session.progress(now)
+
+        try:
+            with self.scopes[f.req]:
+                try:
+                    timeout = dl.config.stall_timeout_s
+                    await _stream(dl.client, src, self.m, f, buf, timeout, on_chunk)
+                    outcome = Outcome.OK
+                except NotAvailable as exc:
+                    outcome = _unavailable(exc)
+                    if outcome is Outcome.REFUSED and dl.observer is not None:
+                        dl.observer.refused(src.id)
+                except (StreamBroken, PeerUnreachable) as exc:
+                    broken = isinstance(exc, StreamBroken)
+                    outcome = Outcome.BROKEN if broken else Outcome.UNREACHABLE
+                    self._log_failure("shard_fetch_failed", f, exc)
+                except RemoteProtocolError as exc:
+                    outcome = Outcome.PROTOCOL_ERROR
+                    self._log_failure("source_protocol_error", f, exc)
+            got = buf.pos - begin
+            now = trio.current_time()
+            actions = session.transfer_ended(f.req, outcome, got, now)
+            if outcome is Outcome.OK and dl.observer is not None:
+                dl.observer.shard_received(src.id, f.encoding, got, now - t0)
+            self.apply(actions)
+            if any(isinstance(a, Check) for a in actions):
+                await self.check(f, buf, src)
+        finally:
+            self.scopes.pop(f.req, None)
+            self.bufs.pop(f.req, None)
+            self.poke()
+
+    def _log_failure(self, event: str, f: Fetch, exc: Exception) -> None:
+        log.info(
+            "%s step=%d shard=%d source=%s error=%s",
+            event,
+            self.m.step,
+            f.shard,
+            short_id(f.source),
+            exc,
+        )
+
+    async def check(self, f: Fetch, buf: _Buf, src: Source) -> None:
+        """Decode, verify and write the complete bytes of ``f`` in a worker thread."""
+        entry, v0 = self.m.shard(f.shard), trio.current_time()
+        try:
+            written = await trio.to_thread.run_sync(
+                self.dl._verify_and_write, self.part, entry, f.encoding, buf.data, self.base, src.id
+            )
+            verdict = Verdict.VERIFIED if written else Verdict.ALREADY_HELD
+        except OSError as exc:  # the partial directory vanished: start over
+            self.session.store_lost(f.req, str(exc))
+            return
+        except _BaseMismatch:
+            verdict = Verdict.BASE_MISMATCH
+        except IntegrityError:
+            verdict = Verdict.CORRUPT
+        now = trio.current_time()
+        self.apply(self.session.shard_checked(f.req, verdict, now))
+        if verdict is Verdict.VERIFIED:
+            if self.dl.observer is not None:
+                self.dl.observer.shard_verified(src.id, now - v0)
+            log.debug(
+                "shard_verified step=%d shard=%d source=%s size_bytes=%d",
+                self.m.step,
+                f.shard,
+                short_id(src.id),
+                entry.length,
+            )
+            if self.on_shard is not None:
+                self.on_shard(f.shard)
+            if self.progress is not None:
+                self.progress(self.session.verified_bytes, self.m.total_bytes)
+
+    async def get_have(self, src: Source) -> bytes:
+        return await self.dl.client.get_bytes(
+            f"{version_url(src.base_url, self.m.run_id, self.m.step)}/have",
+            max_bytes=(len(self.m.header.shards) + 7) // 8,
+            timeout_s=self.dl.config.stall_timeout_s,
+            anonymous=src.anonymous,
+        )
+
+    async def probe(self, src: Source) -> None:
+        try:
+            await self.get_have(src)
+            answer = Answer.PRESENT
+        except NotAvailable as exc:
+            answer = Answer.GONE if exc.status == 404 else Answer.PRESENT
+        except (TransportError, RemoteProtocolError):
+            answer = Answer.UNREACHABLE
+        self.session.probed(src.id, answer, trio.current_time())
+        self.poke()
+
+    async def poll_have(self, src: Source) -> None:
+        n = len(self.m.header.shards)
+        while True:
+            try:
+                bits = await self.get_have(src)
+                held = [
+                    i for i in range(n) if i // 8 < len(bits) and bits[i // 8] & (0x80 >> i % 8)
+                ]
+                full = len(held) == n  # it holds everything: stop polling
+                self.session.have_changed(src.id, None if full else held, trio.current_time())
+                self.poke()
+                if full:
+                    return
+            except NotAvailable as exc:
+                answer = Answer.GONE if exc.status == 404 else Answer.PRESENT
+                self.session.probed(src.id, answer, trio.current_time())
+            except (TransportError, RemoteProtocolError):
+                pass
+            await trio.sleep(self.dl.config.have_poll_s)
+
+    async def fetch_part(self, k: int) -> None:
+        m, delay = self.m, 0.05
+        while k not in m.parts:
+            for src in list(self.by_id.values()):
+                url = f"{version_url(src.base_url, m.run_id, m.step)}/manifest/part/{k}"
+                try:
+                    data = await self.dl.client.get_bytes(
+                        url,
+                        max_bytes=8 << 20,
+                        timeout_s=self.dl.config.stall_timeout_s,
+                        anonymous=src.anonymous,
+                    )
+                    signed = decode_part(data, m.header, trust=self.dl.trust, source=src.id)
+                except NotAvailable as exc:
+                    self.apply(
+                        self.session.answered(src.id, _unavailable(exc), trio.current_time())
+                    )
+                    continue
+                except (TransportError, ManifestError, IntegrityError) as exc:
+                    log.info(
+                        "part_fetch_failed step=%d part=%d source=%s error=%s",
+                        m.step,
+                        k,
+                        short_id(src.id),
+                        exc,
+                    )
+                    continue
+                self.session.answered(src.id, Outcome.OK, trio.current_time())
+                if m.add_part(signed):
+                    offers = [_offer(m.shard(i)) for i in m.header.part_range(k)]
+                    self.session.part_arrived(k, offers, trio.current_time())
+                    if self.on_shard is not None:
+                        self.on_shard(-1)
+                    self.poke()
+                return
+            await trio.sleep(delay)
+            delay = min(delay * 2, 1.0)
+
+    async def discover(self) -> None:
+        dl, session = self.dl, self.session
+        reachable = set(self.by_id)  # upstreams reachable at the last poll
+        while dl._extra is not None or dl._upstreams is not None:
+            now_up: set[str] = set()
+            for s in dl._upstreams() if dl._upstreams is not None else ():
+                now_up.add(s.id)
+                known_src = self.by_id.get(s.id)
+                event = None
+                if known_src is None:
+                    self.join(s)  # an upstream that recovered (or appeared) since the start
+                elif known_src.base_url != s.base_url:
+                    self.by_id[s.id] = s  # restarted elsewhere: new requests go there
+                    event = "source_moved"
+                elif s.id not in reachable:  # it answered again after an outage
+                    event = "source_back"
+                if event is not None:
+                    session.source_back(s.id, trio.current_time())
+                    log.info("%s step=%d source=%s", event, self.m.step, short_id(s.id))
+                    self.poke()
+            if dl._upstreams is not None:
+                reachable = now_up
+            room = session.extra_room() if dl._extra is not None else 0
+            for s in dl._extra() if dl._extra is not None and room > 0 else ():
+                if not session.known(s.id) and room > 0:
+                    room -= 1
+                    self.join(s, extra=True)
+            await trio.sleep(dl.config.have_poll_s)
