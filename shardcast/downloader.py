@@ -540,11 +540,14 @@ class _Driver:
         self.wake.set()
         self.wake = trio.Event()
 
-    def join(self, s: Source, extra: bool = False) -> None:
+    def join(self, s: Source, extra: bool = False, quiet: bool = False) -> None:
+        """Add ``s`` to the download (logged unless ``quiet``: a source it started with)."""
         self.by_id[s.id] = s
         now = trio.current_time()
         banned = self.dl.bans.is_banned(s.id, now)
         self.apply(self.session.add_source(s.id, s.complete, now, banned=banned, extra=extra))
+        if quiet:
+            return
         log.info(
             "source_added step=%d source=%s complete=%s", self.m.step, short_id(s.id), s.complete
         )
@@ -555,7 +558,7 @@ class _Driver:
         async with trio.open_nursery() as nursery:
             self.nursery = nursery
             for s in sources:
-                self.join(s)
+                self.join(s, quiet=True)
             for k in self.session.missing_parts:
                 nursery.start_soon(self.fetch_part, k)
             nursery.start_soon(self.discover)
