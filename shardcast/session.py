@@ -252,6 +252,7 @@ class _Prefix:
     """Bytes of a shard kept from broken transfers: where they end, who sent which."""
 
     pos: int
+    encoding: str
     size: int
     parts: list[tuple[str, int, int]]
 
@@ -451,7 +452,11 @@ class Session:
         parts: list[tuple[str, int, int]] = []
         if req.start:  # resume: the prefix must be there, as long as the request assumes
             prefix = self._kept.pop(req.shard, None)
-            if prefix is None or prefix.pos != req.start or prefix.size != size:
+            if prefix is None or (prefix.pos, prefix.encoding, prefix.size) != (
+                req.start,
+                enc,
+                size,
+            ):
                 self.sched.discard_partial(req.shard)
                 self.sched.on_cancelled(req.id)
                 if prefix is not None:
@@ -527,7 +532,7 @@ class Session:
         if outcome in (Outcome.NOT_AVAILABLE, Outcome.REFUSED, Outcome.GONE, Outcome.WRONG_VERSION):
             _bump(self.stats.unavailable_by_source, f.source)
             if f.start and not f.duplicate:  # the prefix stays for the next source
-                self._kept[f.shard] = _Prefix(f.start, f.size, r.parts)
+                self._kept[f.shard] = _Prefix(f.start, f.encoding, f.size, r.parts)
                 out.append(Keep(req, f.shard))
             elif not f.duplicate:
                 self.sched.discard_partial(f.shard)
@@ -543,7 +548,7 @@ class Session:
         if keep:
             if received:
                 r.parts.append((f.source, f.start, pos))
-            self._kept[f.shard] = _Prefix(pos, f.size, r.parts)
+            self._kept[f.shard] = _Prefix(pos, f.encoding, f.size, r.parts)
             out.append(Keep(req, f.shard))
         kind = "timeout" if outcome is Outcome.TIMEOUT else "broken"
         self.sched.on_failure(req, now, kind=kind, received=received if keep else 0)
