@@ -2,35 +2,34 @@
 
 Theory of operation
 -------------------
-:meth:`Downloader.download` starts from a verified manifest header (parts may be missing) and
-drives three kinds of tasks with trio:
+What a download *decides* lives in the sans-IO :class:`~shardcast.session.Session` (source
+and shard choice through the :class:`~shardcast.select.Scheduler`, resumption, blame and bans,
+delta fallback, the endgame, the discovery bound, abandonment); the simulator drives the same
+object. This module is its trio driver, :meth:`Downloader.download`: it starts from a verified
+manifest header (parts may be missing) and does what the session's actions say:
 
 - **parts**: missing manifest parts are fetched from the sources (each request waits at the
-  source until the part exists), verified (trainer signature, header digest) and added; each
-  new part makes its shards eligible. The origin can therefore announce a version before it
-  has hashed it, and every tier forwards parts and shards as soon as they are verified.
-- **shards**: whenever the sans-IO :class:`~shardcast.select.Scheduler` hands out a request, a
-  task streams the byte range from the chosen source over the HTTP lane: the raw file range,
-  or an encoded blob — the ``xor-zstd`` delta when this node holds the delta base, ``zstd``
-  when ``prefer_compressed``. Encoded bytes are checked against their offered digest, decoded
-  with bounds (:mod:`shardcast.codecs`), and the decoded bytes are checked against the shard
-  digest by :class:`~shardcast.store.PartialVersion` before they are written, in a worker
-  thread. Bytes that fail never reach the disk or another node. A transfer that breaks
-  mid-shard keeps what arrived; the next request resumes at that byte, usually from another
-  source. A copy assembled from several sources that fails its digest is kept until a
-  verified copy exists, then :func:`~shardcast.select.blame` names the culprit; only it is
-  penalized. A blob that matches its signed digest but does not decode, or decodes to wrong
-  bytes, is not the source's doing (a delta against a base this node does not share with the
-  origin, or a blob the origin encoded badly): the shard falls back to raw, nobody is blamed.
-- **have-sets**: sources that are not complete (peers re-serving what they hold) are polled
-  for their have-bitmap every ``have_poll_s`` seconds.
+  source until the part exists), verified (trainer signature, header digest) and reported;
+  the origin can therefore announce a version before it has hashed it.
+- **transfers** (:class:`~shardcast.session.Fetch`): one task streams the byte range from the
+  chosen source over the HTTP lane (:func:`_stream`): the raw file range or an encoded blob
+  (``xor-zstd``/``sparse`` against a held base, ``zstd``). Complete bytes are decoded with
+  bounds and checked (:meth:`Downloader._verify_and_write`, in a worker thread) before they
+  are written; bytes that fail never reach the disk or another node. The outcome goes back to
+  the session as a typed :class:`~shardcast.session.Outcome` or
+  :class:`~shardcast.session.Verdict`. Buffers live here: one per transfer, the prefixes the
+  session keeps for resuming, and suspect copies it compares once a verified copy exists
+  (:func:`~shardcast.select.blame` names who sent the differing ranges).
+- **have-sets**: partial sources (peers re-serving what they hold) are polled every
+  ``have_poll_s``; **discovery** adds sources from ``extra_sources``/``upstreams``.
 
-When every shard verified and every part arrived, the version is committed atomically (every
-file re-hashed, then one rename). If the download fails or is cancelled, the partial
-directory is removed: no ``step-N/`` ever appears for an incomplete or unverified version.
+When the session commits, the version is committed atomically
+(:meth:`~shardcast.store.PartialVersion.commit`). If the download fails or is cancelled, the
+partial directory is removed: no ``step-N/`` ever appears for an incomplete or unverified
+version.
 
 Memory: at most ``max_inflight`` shard buffers in transfer plus ``max_resume_buffers`` kept
-for resumption (shard size each), plus the manifest.
+for resumption (shard size each), suspect copies until blame, plus the manifest.
 """
 
 from __future__ import annotations
@@ -91,6 +90,19 @@ from shardcast.session import (
 from shardcast.store import PartialVersion, VersionStore
 
 log = logging.getLogger(__name__)
+
+# DownloadStats lives with the session that fills it; it stays importable from here
+__all__ = [
+    "DownloadConfig",
+    "DownloadFailed",
+    "DownloadObserver",
+    "DownloadStats",
+    "Downloader",
+    "Source",
+    "file_url",
+    "manifest_url",
+    "version_url",
+]
 
 
 class DownloadFailed(ShardnetError):
