@@ -27,7 +27,7 @@ connect refused, DNS, connect timeout  :class:`~p2p.errors.PeerUnreachable`
 reset, no progress for ``timeout_s``,  :class:`~p2p.errors.StreamBroken`
 body shorter than promised, 5xx other
 than 503 (the server failed)
-404, 429, 503 (with or without         :class:`~p2p.http_errors.NotAvailable` (``retry_after_s``)
+404, 409, 429, 503 (with or without    :class:`~p2p.http_errors.NotAvailable` (``retry_after_s``)
 ``Retry-After``)
 other status, bad ``Content-Range``,   :class:`~p2p.errors.RemoteProtocolError`
 more bytes than asked, malformed head
@@ -75,7 +75,7 @@ from p2p.http_range import (
 
 __all__ = ["HttpClient", "HttpClientStatistics"]
 
-_NOT_AVAILABLE = frozenset({404, 429, 503})
+_NOT_AVAILABLE = frozenset({404, 409, 429, 503})  # 409: another version under this step
 _RECV_BYTES = 1 << 20
 _MAX_HEAD_BYTES = 64 * 1024
 

@@ -704,8 +704,9 @@ class _Driver:
         except OSError as exc:  # the partial directory vanished: start over
             self.session.store_lost(f.req, str(exc))
             return
-        except _BaseMismatch:
-            verdict = Verdict.BASE_MISMATCH
+        except _BaseMismatch as exc:
+            undecodable = isinstance(exc.__cause__, codecs.CodecError)
+            verdict = Verdict.UNDECODABLE if undecodable else Verdict.BASE_MISMATCH
         except IntegrityError:
             verdict = Verdict.CORRUPT
         now = trio.current_time()
@@ -738,7 +739,7 @@ class _Driver:
             await self.get_have(src)
             answer = Answer.PRESENT
         except NotAvailable as exc:
-            answer = Answer.GONE if exc.status == 404 else Answer.PRESENT
+            answer = Answer.GONE if exc.status in (404, 409) else Answer.PRESENT
         except (TransportError, RemoteProtocolError):
             answer = Answer.UNREACHABLE
         self.session.probed(src.id, answer, trio.current_time())
@@ -757,8 +758,8 @@ class _Driver:
                 self.poke()
                 if full:
                     return
-            except NotAvailable as exc:
-                answer = Answer.GONE if exc.status == 404 else Answer.PRESENT
+            except NotAvailable as exc:  # 404, 409: it does not hold this version
+                answer = Answer.GONE if exc.status in (404, 409) else Answer.PRESENT
                 self.session.probed(src.id, answer, trio.current_time())
             except (TransportError, RemoteProtocolError):
                 pass

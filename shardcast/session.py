@@ -26,8 +26,8 @@ Events (methods) and what they return (lists of actions):
   duplicates are cancelled); ``CORRUPT`` bytes from one source ban it; a copy assembled from
   several sources is kept (:class:`KeepSuspect`) until a verified copy exists, then compared
   (:class:`Compare` → :meth:`compared`) and only the sources whose ranges differ are blamed;
-  ``BASE_MISMATCH`` (a blob that matched its signed digest but does not decode, or decodes to
-  wrong bytes) is nobody's fault: the shard falls back to raw.
+  ``BASE_MISMATCH``/``UNDECODABLE`` (a blob that matched its signed digest but decodes to
+  wrong bytes, or does not decode) is no source's fault: the shard falls back to raw.
 
 Nobody is blamed for anything but bytes proven wrong: a source that sent only correct bytes
 is never named by :class:`Blame`. A ``409`` (the source holds another version under this
@@ -74,7 +74,8 @@ class Verdict(enum.Enum):
     VERIFIED = "verified"  # decoded, matched the shard digest, written
     ALREADY_HELD = "already_held"  # correct, but another copy was written first
     CORRUPT = "corrupt"  # the bytes (or the encoded blob) fail their signed digest
-    BASE_MISMATCH = "base_mismatch"  # blob matched its digest but did not decode/verify
+    BASE_MISMATCH = "base_mismatch"  # blob matched its digest, decoded to wrong bytes
+    UNDECODABLE = "undecodable"  # blob matched its digest but does not decode (origin's fault)
 
 
 @dataclass(frozen=True)
@@ -563,7 +564,7 @@ class Session:
             return []
         f = r.fetch
         out: list[Action] = []
-        if verdict is Verdict.BASE_MISMATCH:
+        if verdict in (Verdict.BASE_MISMATCH, Verdict.UNDECODABLE):
             self._no_delta.add(f.shard)
             self.stats.delta_fallbacks += 1
             self.sched.on_failure(req, now, kind="suspect")

@@ -234,7 +234,7 @@ class World:
         if bytes(r.buf) != self.truth(f.shard, f.encoding, f.size):
             verdict = Verdict.CORRUPT
         elif f.encoding in DELTAS and f.shard in self.base_broken:
-            verdict = Verdict.BASE_MISMATCH
+            verdict = Verdict.BASE_MISMATCH if f.shard % 2 else Verdict.UNDECODABLE
         elif f.shard in self.written:
             verdict = Verdict.ALREADY_HELD
         else:
