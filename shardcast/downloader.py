@@ -58,8 +58,8 @@ from p2p.errors import (
     TransportError,
     short_id,
 )
-from p2p.http_client import HttpClient
 from p2p.http_errors import NotAvailable
+from p2p.lanes import HttpLaneClient
 from p2p.trust import TrustList
 from shardcast import codecs
 from shardcast.lane_auth import failed_header
@@ -259,7 +259,7 @@ class Downloader:
 
     def __init__(
         self,
-        client: HttpClient,
+        client: HttpLaneClient,
         store: VersionStore,
         config: DownloadConfig,
         rng: random.Random,
