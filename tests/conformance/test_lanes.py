@@ -15,6 +15,7 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import AbstractAsyncContextManager, asynccontextmanager
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import pytest
 import trio
@@ -31,6 +32,9 @@ from p2p.http_server import HttpRequest, HttpResponse, HttpServerConfig, file_re
 from p2p.identity import Identity
 from p2p.lanes import REAL_NETWORK, Host, HttpHandler, HttpLaneClient, HttpLaneServer, Network
 from p2p.memnet import MemNetwork
+
+if TYPE_CHECKING:
+    from trio_typing import TaskStatus
 
 TOPIC = "/conformance/1"
 FILE_BYTES = bytes(range(256)) * 40  # 10,240 bytes
@@ -127,7 +131,7 @@ async def _hold_host(
     ident: Identity,
     cfg: HostConfig,
     *,
-    task_status: trio.TaskStatus[tuple[Host, trio.Event]] = trio.TASK_STATUS_IGNORED,
+    task_status: TaskStatus[tuple[Host, trio.Event]] = trio.TASK_STATUS_IGNORED,
 ) -> None:
     stop = trio.Event()
     async with net.open_host(ident, cfg) as host:
