@@ -48,7 +48,9 @@ from simulations.world import TRAINER, NodeHandle, World, inline_threads
 __all__ = ["SCENARIOS", "Scenario", "ScenarioResult", "main", "run_scenario"]
 
 INVARIANTS = ("converged", "no_honest_banned", "rollouts_once", "memory_bounded")
-HONEST_REJECT_REASONS = frozenset({"stale_step", "stale", "too_old", "step_too_old"})
+# stale: outside the async window; unknown_weights: the trainer replaced the version the
+# batch was generated on (a republished step), which the peer could not know
+HONEST_REJECT_REASONS = frozenset({"stale_step", "unknown_weights"})
 SIZES = (96 * 1024, 64 * 1024, 20_001)
 
 
@@ -311,6 +313,15 @@ def check_invariants(w: World, byzantine: set[str]) -> tuple[dict[str, bool], li
         notes.append(f"honest batch {bid[:8]} of {p.name} trained {times}x, {what}")
     bounded, why = w.memory_report()
     notes.extend(why)
+    byz_banned = set()
+    for h in honest_followers(w):
+        byz_banned |= h.banned() & byzantine
+    honest_trained = sum(1 for (sub, _), t in w.trained.items() if sub in honest and t)
+    notes.append(
+        f"stats: honest batches trained {honest_trained}/{len(submitted)}, "
+        f"byzantine sources banned {len(byz_banned)}/{len(byzantine)}, "
+        f"net messages {w.net.statistics().messages} dropped {w.net.statistics().dropped}"
+    )
     return {
         "converged": converged(w, byzantine),
         "no_honest_banned": not banned_honest,
@@ -364,9 +375,8 @@ def run_scenario(
                 await w.run_node(p)
             ctx = Ctx(w, rng)
             await spec.script(ctx)
-            t0 = trio.current_time()
             done = await converge(w, deadline_s, ctx.byzantine)
-            converge_s = trio.current_time() - t0 if done else None
+            converge_s = trio.current_time() - w.published_at if done else None
             await settle_rollouts(w, 120.0)
             invariants, notes = check_invariants(w, ctx.byzantine)
             nodes = 1 + len(w.relays) + len(w.peers) + len(w.sybils)

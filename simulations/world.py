@@ -192,14 +192,11 @@ class NodeHandle:
         return self.ident.peer_id
 
     def held(self) -> dict[int, str]:
-        """Committed versions on disk now: step -> manifest digest."""
+        """Committed versions on disk now: step -> manifest digest (of its latest commit)."""
         if self.node is None:
             return {}
-        out = {}
-        for step in self.node.store.committed_steps():
-            with contextlib.suppress(ShardnetError, OSError):
-                out[step] = self.node.store.load_manifest(step, self.node.trust).digest
-        return out
+        digests = dict(self.commits)
+        return {s: digests[s] for s in self.node.store.committed_steps() if s in digests}
 
     def banned(self) -> set[str]:
         """Sources this node's downloader banned at some point (sampled by the world)."""
@@ -244,6 +241,7 @@ class World:
         self.trained: Counter[tuple[str, str]] = Counter()  # (submitter, batch id) -> times
         self.current_step = 0
         self.max_held_versions = 0
+        self.published_at = 0.0
         self._nursery: trio.Nursery | None = None
         self._changed = trio.Event()
 
@@ -351,6 +349,7 @@ class World:
         self.published[step] = digest
         self.oracle.digests[step] = digest
         self.latest = (step, digest)
+        self.published_at = trio.current_time()
         self.current_step = max(self.current_step, step)
         return digest
 
