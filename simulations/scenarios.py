@@ -43,6 +43,7 @@ import trio
 import trio.testing
 
 from p2p.memnet import LinkProfile, MemNetwork
+from rollout.exchange import Ack
 from simulations.world import TRAINER, NodeHandle, World, inline_threads
 
 __all__ = ["SCENARIOS", "Scenario", "ScenarioResult", "main", "run_scenario"]
@@ -50,7 +51,7 @@ __all__ = ["SCENARIOS", "Scenario", "ScenarioResult", "main", "run_scenario"]
 INVARIANTS = ("converged", "no_honest_banned", "rollouts_once", "memory_bounded")
 # stale: outside the async window; unknown_weights: the trainer replaced the version the
 # batch was generated on (a republished step), which the peer could not know
-HONEST_REJECT_REASONS = frozenset({"stale_step", "unknown_weights"})
+HONEST_REJECTIONS = frozenset({("rejected", "stale_step"), ("rejected", "unknown_weights")})
 SIZES = (96 * 1024, 64 * 1024, 20_001)
 
 
@@ -287,7 +288,7 @@ def check_invariants(w: World, byzantine: set[str]) -> tuple[dict[str, bool], li
         notes.append(f"honest banned: {sorted(b[-6:] for b in banned_honest)}")
     # rollouts
     ok_rollouts = True
-    acks = {}
+    acks: dict[str, Ack] = {}
     for p in w.peers:
         for ack in p.all_acks():
             acks[ack.batch_id] = ack
@@ -303,13 +304,17 @@ def check_invariants(w: World, byzantine: set[str]) -> tuple[dict[str, bool], li
         times = w.trained.get((p.peer_id, bid), 0)
         if times == 1:
             continue
-        ack = acks.get(bid)
-        if ack is not None and ack.status == "rejected" and ack.reason in HONEST_REJECT_REASONS:
+        final = acks.get(bid)
+        if (
+            final is not None
+            and final.status == "rejected"
+            and final.reason in HONEST_REJECT_REASONS
+        ):
             continue
-        if ack is None and p.crashes:
+        if final is None and p.crashes:
             continue  # the submitter crashed before the trainer decided
         ok_rollouts = False
-        what = f"{ack.status}/{ack.reason}" if ack else "no ack"
+        what = f"{final.status}/{final.reason}" if final else "no ack"
         notes.append(f"honest batch {bid[:8]} of {p.name} trained {times}x, {what}")
     bounded, why = w.memory_report()
     notes.extend(why)

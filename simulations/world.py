@@ -36,7 +36,7 @@ from typing import TYPE_CHECKING, Any
 
 import trio
 
-from p2p.errors import ShardnetError
+from p2p.errors import LocalProtocolError, ShardnetError
 from p2p.host import HostConfig
 from p2p.http_server import HttpRequest, HttpResponse, HttpServerConfig
 from p2p.identity import Identity
@@ -85,7 +85,7 @@ def inline_threads() -> Iterator[None]:
         return fn(*args)  # called from an inlined "thread": already on the trio thread
 
     trio.to_thread.run_sync = inline  # type: ignore[assignment]
-    trio.from_thread.run_sync = back  # type: ignore[assignment]
+    trio.from_thread.run_sync = back
     try:
         yield
     finally:
@@ -123,6 +123,20 @@ class SimOracle:
     ) -> float:
         """A cheap deterministic reward in [0, 1]."""
         return (sum(completion_ids) % 5) / 4
+
+    def prefill_group(
+        self,
+        step: int,
+        prompt_ids: Sequence[int],
+        completions: Sequence[Sequence[int]],
+        temperature: float,
+    ) -> list[tuple[Any, Any, list[float]]]:
+        """Never called: the simulated validator runs without model checks.
+
+        Raises:
+            LocalProtocolError: always.
+        """
+        raise LocalProtocolError("the simulation has no model")
 
 
 def fake_batch(oracle: SimOracle, submitter: str, step: int, *, honest: bool = True) -> bytes:
@@ -521,7 +535,7 @@ class World:
                     advert = NodeAdvert(s.ident.peer_id, "relay", s.url, steps, ())
                     await host.publish(nodes_topic(RUN), advert.encode())
                     fake = VersionAnnouncement.create(
-                        s.ident, RUN, max(steps) + 1, "ee" * 32, host.multiaddrs()
+                        s.ident, RUN, max(steps) + 1, "ee" * 32, tuple(host.multiaddrs())
                     )
                     await host.publish(versions_topic(RUN), fake.encode())
                     payload = fake_batch(self.oracle, s.ident.peer_id, max(steps), honest=False)
