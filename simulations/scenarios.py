@@ -305,11 +305,7 @@ def check_invariants(w: World, byzantine: set[str]) -> tuple[dict[str, bool], li
         if times == 1:
             continue
         final = acks.get(bid)
-        if (
-            final is not None
-            and final.status == "rejected"
-            and final.reason in HONEST_REJECT_REASONS
-        ):
+        if final is not None and (final.status, final.reason) in HONEST_REJECTIONS:
             continue
         if final is None and p.crashes:
             continue  # the submitter crashed before the trainer decided
