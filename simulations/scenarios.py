@@ -29,6 +29,7 @@ convergence, real seconds, and the invariants held.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import logging
 import random
 import shutil
@@ -209,6 +210,16 @@ async def sybils(c: Ctx) -> None:
     await w.publish(1, seed=c.rng.randrange(1 << 30))
 
 
+async def lossy_links(c: Ctx) -> None:
+    """Every link loses 3 % of gossip hops and resets 3 % of streams and HTTP exchanges."""
+    w = c.world
+    w.net.default_profile = dataclasses.replace(w.net.default_profile, loss=0.03)
+    c.faults.append("3% loss")
+    await w.publish(0, seed=c.rng.randrange(1 << 30))
+    await converge(w, 300)
+    await w.publish(1, seed=c.rng.randrange(1 << 30))
+
+
 async def republish(c: Ctx) -> None:
     """The trainer crashes, its data directory is wiped, and step 1 is published again with
     new content: every honest node must end with the new digest."""
@@ -232,6 +243,7 @@ SCENARIOS: dict[str, Scenario] = {
         Scenario("partition_heals", 4, 16, partition_heals),
         Scenario("churn", 4, 18, churn),
         Scenario("sybils", 3, 8, sybils, sybils_per_peer=4),
+        Scenario("lossy_links", 4, 16, lossy_links),
         Scenario("republish", 4, 16, republish),
     )
 }

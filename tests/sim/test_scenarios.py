@@ -28,6 +28,7 @@ SMALL = {
     "partition_heals": (2, 4),
     "churn": (2, 6),
     "sybils": (2, 3),
+    "lossy_links": (2, 4),
 }
 
 
