@@ -12,7 +12,7 @@ import os
 
 import pytest
 
-from simulations.scenarios import SCENARIOS, format_table, run_scenario
+from simulations.scenarios import SCENARIOS, format_table, run_scenario, sweep_case
 
 REPUBLISH_BUG = pytest.mark.xfail(
     reason="issue 15 item 1: versions are keyed by step alone, so after a step is republished "
@@ -59,12 +59,10 @@ def test_scenario_full_size(name: str) -> None:
 
 
 SWEEP = int(os.environ.get("SHARDNET_SIM_SWEEP", "1000"))
-SWEPT = sorted(n for n in SCENARIOS if n != "republish")
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("seed", range(SWEEP))
 def test_sweep(seed: int) -> None:
-    name = SWEPT[seed % len(SWEPT)]
-    relays, peers = (5, 5) if name == "corrupt_relays" else (2, 3)
+    name, relays, peers = sweep_case(seed)
     _check(name, seed=seed, relays=relays, peers=peers)
