@@ -47,7 +47,7 @@ import random
 import re
 from collections import Counter, OrderedDict
 from collections.abc import AsyncGenerator, AsyncIterator, Callable, Mapping, Sequence
-from contextlib import asynccontextmanager
+from contextlib import aclosing, asynccontextmanager
 from dataclasses import dataclass, field
 from types import MappingProxyType
 from typing import Any
@@ -87,14 +87,14 @@ from p2p.http_server import (
 from p2p.identity import Identity
 from p2p.lanes import GossipCheck, HttpHandler, RequestHandler, RequestSigner
 
-__all__ = ["CHUNK_BYTES", "Endpoint", "LinkProfile", "MemHost", "MemNetwork", "Tamper"]
+__all__ = ["CHUNK_BYTES", "SEEN_CAP", "Endpoint", "LinkProfile", "MemHost", "MemNetwork", "Tamper"]
 
 log = logging.getLogger(__name__)
 
 CHUNK_BYTES = 256 * 1024
 """Largest piece one transfer occupies the uplink with before others get a turn (bytes)."""
 _FRAME_OVERHEAD = 64
-_SEEN_CAP = 4096
+SEEN_CAP = 4096
 _MULTIADDR = re.compile(r"^/ip4/([0-9.]+)/tcp/(\d+)/p2p/(\w+)$")
 
 Tamper = Callable[[str, bytes], bytes]
@@ -605,7 +605,7 @@ class MemHost:
         if msg_id in self._seen:
             return False
         self._seen[msg_id] = None
-        if len(self._seen) > _SEEN_CAP:
+        if len(self._seen) > SEEN_CAP:
             self._seen.popitem(last=False)
         return True
 
@@ -763,8 +763,15 @@ class MemHttpServer:
             raise _Cut
         return result[0]
 
-    def _body(self, response: HttpResponse, path: str) -> bytes:
-        """The body bytes (a file slice is read now; its callbacks run as the real server's)."""
+    def _body(
+        self, response: HttpResponse, path: str
+    ) -> tuple[bytes, int, Callable[[int], None] | None]:
+        """The body bytes, the length the head declares, and the slice's ``on_sent``.
+
+        A file slice is read now (and released: ``on_done``); a file shorter than the slice
+        promised yields fewer bytes than declared, so the client sees the body cut short, as
+        from the real server.
+        """
         body = response.body
         if isinstance(body, FileSlice):
             data = b""
@@ -777,10 +784,13 @@ class MemHttpServer:
             finally:
                 if body.on_done is not None:
                     body.on_done()
+            declared, on_sent = body.length, body.on_sent
+            if len(data) < declared:
+                self._errors["short_file"] += 1
         else:
-            data = body
+            data, declared, on_sent = body, len(body), None
         fn = self.net._tamper.get(self.ip)
-        return fn(path, data) if fn is not None else data
+        return (fn(path, data) if fn is not None else data), declared, on_sent
 
 
 def _read_slice(part: FileSlice) -> bytes:
@@ -792,6 +802,16 @@ def _read_slice(part: FileSlice) -> bytes:
         except FileNotFoundError:
             continue
     raise FileNotFoundError(part.path)
+
+
+@dataclass
+class _Answer:
+    server: MemHttpServer
+    event: h11.Response
+    body: bytes
+    declared: int
+    on_sent: Callable[[int], None] | None
+    source: str
 
 
 class MemHttpClient:
@@ -829,7 +849,7 @@ class MemHttpClient:
         extra: Sequence[tuple[str, str]],
         timeout_s: float,
         anonymous: bool,
-    ) -> tuple[MemHttpServer, h11.Response, bytes, str]:
+    ) -> _Answer:
         source, (host, port), target, netloc = _target(url)
         net = self.net
         server = net._http.get((host, port))
@@ -855,11 +875,12 @@ class MemHttpClient:
             with trio.fail_after(timeout_s):
                 await net._carry(self.ip, host, len(head), server._live)
                 response = await server._respond(head, f"{self.ip}:0")
+                on_sent: Callable[[int], None] | None = None
                 try:
-                    body = server._body(response, urlsplit_path(target))
+                    body, declared, on_sent = server._body(response, urlsplit_path(target))
                 except OSError:
-                    response, body = HttpResponse(500), b""
-                event = _to_h11_response(response, len(body), close=False)
+                    response, body, declared = HttpResponse(500), b"", 0
+                event = _to_h11_response(response, declared, close=False)
                 server._requests += 1
                 await net._carry(host, self.ip, 256, self._live)
         except trio.TooSlowError as exc:
@@ -868,40 +889,52 @@ class MemHttpClient:
             raise StreamBroken(source, "connection closed before any answer") from exc
         finally:
             server._open -= 1
-        return server, event, body, source
+        return _Answer(server, event, body, declared, on_sent, source)
 
-    async def _body_chunks(
-        self, server: MemHttpServer, body: bytes, source: str, timeout_s: float
-    ) -> AsyncGenerator[bytes, None]:
-        for i in range(0, len(body), CHUNK_BYTES):
-            piece = body[i : i + CHUNK_BYTES]
-            try:
-                with trio.fail_after(timeout_s):
-                    await self.net._carry(
-                        server.ip, self.ip, len(piece), lambda: server.alive and self.alive
-                    )
-            except trio.TooSlowError as exc:
-                raise StreamBroken(source, f"no progress for {timeout_s}s") from exc
-            except _Cut as exc:
-                raise StreamBroken(source, "connection broken mid-body") from exc
-            server._bytes_sent += len(piece)
-            self._bytes_received += len(piece)
-            yield piece
+    async def _body_chunks(self, a: _Answer, timeout_s: float) -> AsyncGenerator[bytes, None]:
+        """The body as it arrives; StreamBroken if the server dies, the link is cut, or the
+        body ends short of what the head declared."""
+        server, delivered = a.server, 0
+        try:
+            for i in range(0, len(a.body), CHUNK_BYTES):
+                piece = a.body[i : i + CHUNK_BYTES]
+                try:
+                    with trio.fail_after(timeout_s):
+                        await self.net._carry(
+                            server.ip, self.ip, len(piece), lambda: server.alive and self.alive
+                        )
+                except trio.TooSlowError as exc:
+                    raise StreamBroken(a.source, f"no progress for {timeout_s}s") from exc
+                except _Cut as exc:
+                    raise StreamBroken(a.source, "connection broken mid-body") from exc
+                delivered += len(piece)
+                server._bytes_sent += len(piece)
+                self._bytes_received += len(piece)
+                yield piece
+            if delivered < a.declared:
+                raise StreamBroken(a.source, "connection closed mid-body")
+        finally:
+            if a.on_sent is not None:
+                a.on_sent(delivered)
 
     async def get_bytes(
         self, url: str, *, max_bytes: int, timeout_s: float, anonymous: bool = False
     ) -> bytes:
         """GET a whole body (``200`` only); see :meth:`p2p.http_client.HttpClient.get_bytes`."""
         try:
-            server, response, body, source = await self._exchange(url, (), timeout_s, anonymous)
+            a = await self._exchange(url, (), timeout_s, anonymous)
+            response, source = a.event, a.source
             if response.status_code != 200:
                 raise _status_error(response, source, url)
             declared = _header(response, b"content-length")
             if declared is not None and declared.isdigit() and int(declared) > max_bytes:
                 raise MessageTooLarge(source, f"body of {declared} bytes exceeds {max_bytes}")
             out = bytearray()
-            async for piece in self._body_chunks(server, body, source, timeout_s):
-                out += piece
+            async with aclosing(self._body_chunks(a, timeout_s)) as chunks:
+                async for piece in chunks:
+                    out += piece
+                    if len(out) > max_bytes:
+                        raise MessageTooLarge(source, f"body exceeds {max_bytes} bytes")
             return bytes(out)
         except ShardnetError as exc:
             self._errors[type(exc).__name__] += 1
@@ -926,17 +959,17 @@ class MemHttpClient:
             return
         try:
             spec = format_range(ByteRange(start, start + length - 1))
-            server, response, body, source = await self._exchange(
-                url, [("range", spec), *headers], timeout_s, anonymous
-            )
-            _check_range_response(response, source, url, start, length)
+            a = await self._exchange(url, [("range", spec), *headers], timeout_s, anonymous)
+            source = a.source
+            _check_range_response(a.event, source, url, start, length)
             received = 0
-            async for piece in self._body_chunks(server, body, source, timeout_s):
-                received += len(piece)
-                if received > length:
-                    raise RemoteProtocolError(source, f"more than the {length} bytes")
-                for i in range(0, len(piece), chunk_bytes):
-                    yield piece[i : i + chunk_bytes]
+            async with aclosing(self._body_chunks(a, timeout_s)) as chunks:
+                async for piece in chunks:
+                    received += len(piece)
+                    if received > length:
+                        raise RemoteProtocolError(source, f"more than the {length} bytes")
+                    for i in range(0, len(piece), chunk_bytes):
+                        yield piece[i : i + chunk_bytes]
             if received < length:
                 raise StreamBroken(source, f"body ended after {received} of {length} bytes")
         except ShardnetError as exc:

@@ -40,7 +40,7 @@ from p2p.errors import LocalProtocolError, ShardnetError
 from p2p.host import HostConfig
 from p2p.http_server import HttpRequest, HttpResponse, HttpServerConfig
 from p2p.identity import Identity
-from p2p.memnet import _SEEN_CAP, Endpoint, MemHost, MemNetwork
+from p2p.memnet import SEEN_CAP, Endpoint, MemHost, MemNetwork
 from p2p.trust import TrustList
 from rollout.exchange import Ack, RolloutSender, SenderConfig
 from rollout.inbox import InboxConfig, RolloutInbox
@@ -577,8 +577,8 @@ class World:
                 worst_queue = max(worst_queue, len(topic.sub._pending))
                 if len(topic.sub._pending) > host.config.gossip.queue_size:
                     notes.append(f"queue over bound on {host.peer_id[-6:]}")
-        if worst_seen > _SEEN_CAP:
-            notes.append(f"gossip seen-cache {worst_seen} > {_SEEN_CAP}")
+        if worst_seen > SEEN_CAP:
+            notes.append(f"gossip seen-cache {worst_seen} > {SEEN_CAP}")
         if self.inbox is not None:
             buffered = len(self.inbox._buffer)
             if buffered > self.inbox.config.max_buffer_batches:

@@ -28,7 +28,13 @@ from p2p.errors import (
 )
 from p2p.host import HostConfig
 from p2p.http_errors import NotAvailable
-from p2p.http_server import HttpRequest, HttpResponse, HttpServerConfig, file_response
+from p2p.http_server import (
+    FileSlice,
+    HttpRequest,
+    HttpResponse,
+    HttpServerConfig,
+    file_response,
+)
 from p2p.identity import Identity
 from p2p.lanes import REAL_NETWORK, Host, HttpHandler, HttpLaneClient, HttpLaneServer, Network
 from p2p.memnet import MemNetwork
@@ -65,6 +71,8 @@ def _lane_handler(tmp: Path) -> HttpHandler:
             return HttpResponse(418)
         if req.path == "/boom":
             raise RuntimeError("application bug")
+        if req.path == "/short":  # the file is shorter than the slice promises
+            return HttpResponse(200, [], FileSlice(path, 0, len(FILE_BYTES) + 100, 1 << 20))
         if req.path == "/headers":
             return HttpResponse(200, [], repr(sorted(req.headers.items())).encode())
         return HttpResponse(404)
@@ -305,6 +313,8 @@ async def test_http_errors(pair_factory: Factory, tmp_path: Path) -> None:
             await p.client.get_bytes(url + "/boom", max_bytes=10, timeout_s=5)
         with pytest.raises(MessageTooLarge):
             await p.client.get_bytes(url + "/blob", max_bytes=100, timeout_s=5)
+        with pytest.raises(StreamBroken):  # the body ends short of its Content-Length
+            await p.client.get_bytes(url + "/short", max_bytes=1 << 20, timeout_s=5)
         dead = url.rsplit(":", 1)[0] + ":1"
         with pytest.raises(PeerUnreachable):
             await p.client.get_bytes(dead + "/small", max_bytes=10, timeout_s=5)
