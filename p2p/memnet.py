@@ -976,6 +976,32 @@ class MemHttpClient:
             self._errors[type(exc).__name__] += 1
             raise
 
+    async def receive_range_into(
+        self,
+        url: str,
+        start: int,
+        view: memoryview,
+        *,
+        timeout_s: float,
+        headers: Sequence[tuple[str, str]] = (),
+        anonymous: bool = False,
+    ) -> AsyncGenerator[int, None]:
+        """Receive ``[start, start + len(view))`` into ``view``, yielding each count filled
+        (the zero-copy form of :meth:`stream_range`, same errors at the same points)."""
+        length = len(view)
+        if start < 0:
+            raise LocalProtocolError(f"bad range request {start}+{length}")
+        got = 0
+        async with aclosing(
+            self.stream_range(
+                url, start, length, timeout_s=timeout_s, headers=headers, anonymous=anonymous
+            )
+        ) as chunks:
+            async for chunk in chunks:
+                view[got : got + len(chunk)] = chunk
+                got += len(chunk)
+                yield len(chunk)
+
 
 def urlsplit_path(target: str) -> str:
     """The path part of a request target (``/a/b?x=1`` -> ``/a/b``)."""

@@ -13,6 +13,7 @@ import trio.testing
 
 from p2p.errors import PeerUnreachable, StreamBroken
 from p2p.host import HostConfig
+from p2p.http_range import format_content_range, resolve_range
 from p2p.http_server import HttpRequest, HttpResponse, HttpServerConfig
 from p2p.identity import Identity
 from p2p.memnet import LinkProfile, MemNetwork
@@ -128,3 +129,31 @@ def test_loss_is_seeded() -> None:
     first = run(3)
     assert 20 < first < 80
     assert run(3) == first
+
+
+async def test_receive_range_into_fills_the_view(autojump_clock: trio.testing.MockClock) -> None:
+    async with MemNetwork(random.Random(1)) as net:
+        ea, eb = net.endpoint(), net.endpoint()
+        async with (
+            eb.open_http_server(_ranged, HttpServerConfig(host=eb.ip)) as server,
+            ea.open_http_client() as client,
+        ):
+            buf = bytearray(300_000)
+            filled = [
+                n
+                async for n in client.receive_range_into(
+                    server.url + "/x", 5, memoryview(buf), timeout_s=5
+                )
+            ]
+    assert sum(filled) == len(buf)
+    assert bytes(buf) == BODY[5 : 5 + len(buf)]
+
+
+async def _ranged(req: HttpRequest) -> HttpResponse:
+    assert req.range is not None
+    first, length = resolve_range(req.range, len(BODY))
+    return HttpResponse(
+        206,
+        [("content-range", format_content_range(first, length, len(BODY)))],
+        BODY[first : first + length],
+    )
