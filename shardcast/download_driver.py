@@ -47,8 +47,8 @@ from p2p.errors import (
     TransportError,
     short_id,
 )
-from p2p.http_client import HttpClient
 from p2p.http_errors import NotAvailable
+from p2p.lanes import HttpLaneClient
 from p2p.trust import TrustList
 from shardcast import codecs
 from shardcast.lane_auth import failed_header
@@ -117,7 +117,7 @@ def _presence(exc: NotAvailable) -> Answer:
 
 
 async def _stream(
-    client: HttpClient,
+    client: HttpLaneClient,
     src: Source,
     m: Manifest,
     f: Fetch,
@@ -177,7 +177,7 @@ class DownloadDriver:
 
     def __init__(
         self,
-        client: HttpClient,
+        client: HttpLaneClient,
         part: PartialVersion,
         session: Session,
         base: BaseVersion | None,

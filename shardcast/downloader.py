@@ -61,7 +61,7 @@ from typing import Protocol
 import trio
 
 from p2p.errors import ShardnetError
-from p2p.http_client import HttpClient
+from p2p.lanes import HttpLaneClient
 from p2p.trust import TrustList
 from shardcast.download_driver import DownloadDriver, offer
 from shardcast.lane_urls import file_url, manifest_url, version_url
@@ -202,7 +202,7 @@ class Downloader:
 
     def __init__(
         self,
-        client: HttpClient,
+        client: HttpLaneClient,
         store: VersionStore,
         config: DownloadConfig,
         rng: random.Random,
