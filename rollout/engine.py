@@ -52,6 +52,7 @@ __all__ = [
     "TransformersEngine",
     "bf16_bits",
     "prefill_activations",
+    "prefill_activations_batch",
     "prefill_activations_group",
     "sample_group",
 ]
@@ -266,45 +267,76 @@ def prefill_activations_group(
     completions: Sequence[Sequence[int]],
     temperature: float = 1.0,
 ) -> list[tuple[npt.NDArray[np.uint16], npt.NDArray[np.uint16], list[float]]]:
-    """:func:`prefill_activations` for a GRPO group (one prompt, several completions) in one
-    forward pass.
-
-    The sequences ``prompt + completion[:-1]`` are right-padded into one ``[B, T]`` batch with
-    an attention mask; causal attention means a real position never sees the padding after it,
-    so each row is the same computation as alone, up to the float rounding that a different
-    batch shape can change (measured: identical verdicts on 160 of 160 rollouts,
-    ``bench/verification.py``). On a small model one batched pass is several times cheaper than
-    one pass per sample, which is most of the verification cost.
-
-    Returns:
-        one ``(prefill_bits, decode_bits, logprobs)`` per completion, in order.
+    """:func:`prefill_activations_batch` for a GRPO group (one prompt, several completions).
 
     Raises:
         LocalProtocolError: as :func:`prefill_activations`.
     """
-    if len(completions) == 1:
-        return [prefill_activations(model, prompt_ids, completions[0], temperature)]
-    length = len(prompt_ids)
+    return prefill_activations_batch(model, [(prompt_ids, c) for c in completions], temperature)
+
+
+DEFAULT_BATCH_TOKENS = 8192
+"""Padded tokens per forward of :func:`prefill_activations_batch` (rows x width)."""
+
+
+@torch.inference_mode()
+def prefill_activations_batch(
+    model: Any,
+    items: Sequence[tuple[Sequence[int], Sequence[int]]],
+    temperature: float = 1.0,
+    max_batch_tokens: int = DEFAULT_BATCH_TOKENS,
+) -> list[tuple[npt.NDArray[np.uint16], npt.NDArray[np.uint16], list[float]]]:
+    """:func:`prefill_activations` for many ``(prompt_ids, completion_ids)`` pairs (a whole
+    rollout batch: every group, every sample) in as few forward passes as fit the budget.
+
+    The sequences ``prompt + completion[:-1]`` are sorted by length (longest first), cut into
+    sub-batches of at most ``max_batch_tokens`` padded tokens (at least one row each) and each
+    sub-batch is right-padded with id 0 into one ``[B, T]`` forward *without* an attention
+    mask: causal attention means a real position never sees the padding after it and position
+    ids count from 0 in every row, so each row is the same computation as alone, up to the
+    float rounding that a different batch shape can change (kernels block ``[B·T, H]`` matmuls
+    and attention differently). ``bench/verification.py`` measures that difference
+    (``details.timing.batching``) and calibrates the thresholds on this path. On CPU one
+    batched pass costs a fraction of one pass per sample on small models (per-call overhead)
+    and runs the matmuls near peak on large ones; sorting keeps padding small.
+
+    Args:
+        model: the causal LM of the claimed policy version (bf16 for TOPLOC).
+        items: ``(prompt_ids, completion_ids)`` pairs, ``L >= 1`` and ``N >= 1`` ids each.
+        temperature: the claimed sampling temperature ``T > 0``.
+        max_batch_tokens: padded-token budget per forward pass (rows x width), >= 1.
+
+    Returns:
+        one ``(prefill_bits [L, H], decode_bits [N-1, H], logprobs [N])`` per item, in order.
+
+    Raises:
+        LocalProtocolError: an empty prompt or completion, a bad id, ``temperature <= 0``.
+    """
     seqs = []
-    for c in completions:
-        if not c:
-            raise LocalProtocolError("empty completion")
-        ids = [*prompt_ids, *c]
+    for prompt_ids, completion_ids in items:
+        if not prompt_ids or not completion_ids:
+            raise LocalProtocolError("empty prompt or completion")
+        ids = [*prompt_ids, *completion_ids]
         _check_args(ids, temperature, int(model.config.vocab_size))
         seqs.append(ids[:-1])
-    width = max(len(s) for s in seqs)
-    inputs = torch.zeros(len(seqs), width, dtype=torch.long)
-    mask = torch.zeros(len(seqs), width, dtype=torch.long)
-    for i, s in enumerate(seqs):
-        inputs[i, : len(s)] = torch.tensor(s)
-        mask[i, : len(s)] = 1
-    hidden = _base(model)(input_ids=inputs, attention_mask=mask, use_cache=False).last_hidden_state
-    out = []
-    for i, (s, c) in enumerate(zip(seqs, completions, strict=True)):
-        h = hidden[i, : len(s)]
-        logp = _logprobs(model, h[length - 1 :], temperature)
-        logprobs = logp.gather(1, torch.tensor(list(c)).unsqueeze(1))[:, 0].tolist()
-        out.append((bf16_bits(h[:length]), bf16_bits(h[length:]), logprobs))
+    order = sorted(range(len(seqs)), key=lambda i: -len(seqs[i]))
+    out: list[Any] = [None] * len(seqs)
+    start = 0
+    while start < len(order):
+        width = len(seqs[order[start]])
+        rows = order[start : start + max(1, max_batch_tokens // width)]
+        start += len(rows)
+        inputs = torch.zeros(len(rows), width, dtype=torch.long)
+        for r, i in enumerate(rows):
+            inputs[r, : len(seqs[i])] = torch.tensor(seqs[i])
+        hidden = _base(model)(input_ids=inputs, use_cache=False).last_hidden_state
+        for r, i in enumerate(rows):
+            prompt_ids, completion_ids = items[i]
+            length, h = len(prompt_ids), hidden[r, : len(seqs[i])]
+            logp = _logprobs(model, h[length - 1 :], temperature)  # [N, V]
+            targets = torch.tensor(list(completion_ids)).unsqueeze(1)
+            logprobs = logp.gather(1, targets)[:, 0].tolist()
+            out[i] = (bf16_bits(h[:length]), bf16_bits(h[length:]), logprobs)
     return out
 
 

@@ -27,8 +27,9 @@ check_error      a check raised
 ===============  ==========================================================================
 
 The model-dependent checks (``toploc``, ``sampling``) share one teacher-forced forward pass
-per sample through the :class:`PolicyOracle`, the only place where a model is touched; this
-module itself imports neither torch nor libp2p, so it runs in tests and in the simulator.
+per sample, batched across the batch's groups and samples, through the :class:`PolicyOracle`,
+the only place where a model is touched; this module itself imports neither torch nor libp2p,
+so it runs in tests and in the simulator.
 """
 
 from __future__ import annotations
@@ -81,16 +82,15 @@ class PolicyOracle(Protocol):
         the task assigns to ``submitter`` at ``step``."""
         ...
 
-    def prefill_group(
+    def prefill_batch(
         self,
         step: int,
-        prompt_ids: Sequence[int],
-        completions: Sequence[Sequence[int]],
+        items: Sequence[tuple[Sequence[int], Sequence[int]]],
         temperature: float,
     ) -> list[tuple[Bits, Bits, list[float]]]:
-        """Teacher-forced pass with version ``step`` for every completion of one group (one
-        batched forward): per completion ``(prefill_bits [L,H], decode_bits [N-1,H], logprobs
-        [N])`` (see :func:`rollout.engine.prefill_activations_group`)."""
+        """Teacher-forced passes with version ``step`` for ``(prompt_ids, completion_ids)``
+        pairs (a whole batch, batched forwards): per pair ``(prefill_bits [L,H], decode_bits
+        [N-1,H], logprobs [N])`` (see :func:`rollout.engine.prefill_activations_batch`)."""
         ...
 
 
@@ -383,13 +383,12 @@ def _check_rewards(v: Validator, b: RolloutBatch, _step: int) -> None:
 def _check_model(v: Validator, b: RolloutBatch, _step: int) -> None:
     c = v.config
     psize = proof_size_bytes(c.toploc.topk)
-    for g in b.groups:
-        acts = v.oracle.prefill_group(
-            b.policy_step, g.prompt_ids, [s.completion_ids for s in g.samples], b.temperature
-        )
-        for s, (prefill, decode, logprobs) in zip(g.samples, acts, strict=True):
-            _check_proof(c, s, prefill, decode, psize)
-            _check_sampling(c, s, logprobs)
+    samples = [s for g in b.groups for s in g.samples]
+    items = [(g.prompt_ids, s.completion_ids) for g in b.groups for s in g.samples]
+    acts = v.oracle.prefill_batch(b.policy_step, items, b.temperature)  # one batched pass
+    for s, (prefill, decode, logprobs) in zip(samples, acts, strict=True):
+        _check_proof(c, s, prefill, decode, psize)
+        _check_sampling(c, s, logprobs)
 
 
 def _check_proof(c: ValidatorConfig, s: Sample, prefill: Bits, decode: Bits, psize: int) -> None:

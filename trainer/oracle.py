@@ -24,7 +24,11 @@ import numpy.typing as npt
 from transformers import PreTrainedTokenizerFast
 
 from p2p.errors import LocalProtocolError
-from rollout.engine import prefill_activations, prefill_activations_group
+from rollout.engine import (
+    prefill_activations,
+    prefill_activations_batch,
+    prefill_activations_group,
+)
 from rollout.model import load_model
 from rollout.model_dir import TOKENIZER_NAME, load_tokenizer, stop_token_id
 from rollout.task import Prompt, Task, encode_prompt, task_prompts
@@ -152,3 +156,13 @@ class TrainerOracle:
     ) -> list[tuple[Bits, Bits, list[float]]]:
         """Teacher-forced passes of a whole GRPO group in one batched forward."""
         return prefill_activations_group(self._model(step), prompt_ids, completions, temperature)
+
+    def prefill_batch(
+        self,
+        step: int,
+        items: Sequence[tuple[Sequence[int], Sequence[int]]],
+        temperature: float,
+    ) -> list[tuple[Bits, Bits, list[float]]]:
+        """Teacher-forced passes of a whole rollout batch (every group, every sample):
+        :func:`rollout.engine.prefill_activations_batch` with version ``step``'s weights."""
+        return prefill_activations_batch(self._model(step), items, temperature)

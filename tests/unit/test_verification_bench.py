@@ -99,8 +99,8 @@ def test_report_shape_and_table(reports: dict[str, dict[str, Any]]) -> None:
     honest = report["details"]["honest"]
     assert honest["toploc"]["prefill"]["chunks"] == 16
     assert honest["accepted_under_profile"] == {"default": 16, "paper": 16, "strict_hf": 16}
-    prototype = report["details"]["timing"]["batched_prefill_prototype"]
-    assert prototype["verdicts_agree"] == prototype["rollouts"] == 8
+    batching = report["details"]["timing"]["batching"]
+    assert batching["verdicts_agree"] == batching["rollouts"] == 8
     table = io.StringIO()
     print_table(report, table)
     assert all(name in table.getvalue() for name in ATTACKS)
