@@ -42,8 +42,10 @@ import torch
 from transformers import AutoConfig, DynamicCache
 
 from p2p.errors import LocalProtocolError
+from rollout.gumbel import NoiseKey, gumbel_scores
 from rollout.model import check_weights, copy_weights, load_model
 from rollout.model_dir import load_tokenizer, stop_token_id
+from rollout.philox import gumbel_noise_positions
 
 __all__ = [
     "Engine",
@@ -54,6 +56,7 @@ __all__ = [
     "prefill_activations",
     "prefill_activations_batch",
     "prefill_activations_group",
+    "replay_gaps_all",
     "sample_group",
 ]
 
@@ -272,7 +275,8 @@ def prefill_activations_group(
     Raises:
         LocalProtocolError: as :func:`prefill_activations`.
     """
-    return prefill_activations_batch(model, [(prompt_ids, c) for c in completions], temperature)
+    items = [(prompt_ids, c) for c in completions]
+    return [out[:3] for out in prefill_activations_batch(model, items, temperature)]
 
 
 DEFAULT_BATCH_TOKENS = 8192
@@ -284,8 +288,13 @@ def prefill_activations_batch(
     model: Any,
     items: Sequence[tuple[Sequence[int], Sequence[int]]],
     temperature: float = 1.0,
+    keys: Sequence[NoiseKey] | None = None,
     max_batch_tokens: int = DEFAULT_BATCH_TOKENS,
-) -> list[tuple[npt.NDArray[np.uint16], npt.NDArray[np.uint16], list[float]]]:
+) -> list[
+    tuple[
+        npt.NDArray[np.uint16], npt.NDArray[np.uint16], list[float], npt.NDArray[np.float32] | None
+    ]
+]:
     """:func:`prefill_activations` for many ``(prompt_ids, completion_ids)`` pairs (a whole
     rollout batch: every group, every sample) in as few forward passes as fit the budget.
 
@@ -304,14 +313,21 @@ def prefill_activations_batch(
         model: the causal LM of the claimed policy version (bf16 for TOPLOC).
         items: ``(prompt_ids, completion_ids)`` pairs, ``L >= 1`` and ``N >= 1`` ids each.
         temperature: the claimed sampling temperature ``T > 0``.
+        keys: each item's Gumbel noise key (:func:`rollout.gumbel.sample_key`), to compute its
+            replay gaps while the logits are in memory; ``None``: no gaps.
         max_batch_tokens: padded-token budget per forward pass (rows x width), >= 1.
 
     Returns:
-        one ``(prefill_bits [L, H], decode_bits [N-1, H], logprobs [N])`` per item, in order.
+        one ``(prefill_bits [L, H], decode_bits [N-1, H], logprobs [N], replay_gaps [N] or
+        None)`` per item, in order; the gaps equal :func:`rollout.gumbel.replay_gaps` of the
+        float32 logits (the noise of all positions at once, :mod:`rollout.philox`).
 
     Raises:
-        LocalProtocolError: an empty prompt or completion, a bad id, ``temperature <= 0``.
+        LocalProtocolError: an empty prompt or completion, a bad id, ``temperature <= 0``,
+            or ``keys`` of the wrong length.
     """
+    if keys is not None and len(keys) != len(items):
+        raise LocalProtocolError(f"{len(keys)} noise keys for {len(items)} completions")
     seqs = []
     for prompt_ids, completion_ids in items:
         if not prompt_ids or not completion_ids:
@@ -333,11 +349,47 @@ def prefill_activations_batch(
         for r, i in enumerate(rows):
             prompt_ids, completion_ids = items[i]
             length, h = len(prompt_ids), hidden[r, : len(seqs[i])]
-            logp = _logprobs(model, h[length - 1 :], temperature)  # [N, V]
+            logits = model.get_output_embeddings()(h[length - 1 :]).float()  # [N, V]
+            logp = torch.log_softmax(logits / temperature, dim=-1)
             targets = torch.tensor(list(completion_ids)).unsqueeze(1)
             logprobs = logp.gather(1, targets)[:, 0].tolist()
-            out[i] = (bf16_bits(h[:length]), bf16_bits(h[length:]), logprobs)
+            gaps = None
+            if keys is not None:
+                gaps = replay_gaps_all(logits.numpy(), completion_ids, keys[i], temperature)
+            out[i] = (bf16_bits(h[:length]), bf16_bits(h[length:]), logprobs, gaps)
     return out
+
+
+def replay_gaps_all(
+    logits: npt.NDArray[np.float32],
+    completion_ids: Sequence[int],
+    key: NoiseKey,
+    temperature: float,
+) -> npt.NDArray[np.float32]:
+    """:func:`rollout.gumbel.replay_gaps` with the noise of every position generated at once
+    (:func:`rollout.philox.gumbel_noise_positions`): the same float32 operations, row by row.
+
+    Args:
+        logits: ``[N, V]`` float32, row ``j`` producing ``completion_ids[j]``.
+        completion_ids: ``N`` ids in ``[0, V)``.
+        key: the sample's noise key.
+        temperature: the run's ``T > 0``.
+
+    Returns:
+        ``[N]`` float32 gaps ``max(S_j) - S_j[o_j]``.
+
+    Raises:
+        LocalProtocolError: shapes disagree, an id is out of range, or a bad temperature.
+    """
+    z = np.asarray(logits, dtype=np.float32)
+    ids = np.asarray(list(completion_ids), dtype=np.int64)
+    if z.ndim != 2 or z.shape[0] != ids.shape[0]:
+        raise LocalProtocolError(f"logits of shape {z.shape} for {ids.shape[0]} tokens")
+    if ids.size and not (0 <= int(ids.min()) and int(ids.max()) < z.shape[1]):
+        raise LocalProtocolError(f"token id outside [0, {z.shape[1]})")
+    scores = gumbel_scores(z, gumbel_noise_positions(key, range(ids.size), z.shape[1]), temperature)
+    gaps: npt.NDArray[np.float32] = scores.max(axis=1) - scores[np.arange(ids.size), ids]
+    return gaps
 
 
 class TransformersEngine:

@@ -45,6 +45,7 @@ import numpy as np
 import numpy.typing as npt
 
 from p2p.errors import ShardnetError
+from rollout.gumbel import NoiseKey
 from rollout.schema import RolloutBatch, Sample
 from rollout.toploc import ToplocConfig, verify_proofs
 from rollout.toploc_codec import proof_size_bytes
@@ -87,10 +88,12 @@ class PolicyOracle(Protocol):
         step: int,
         items: Sequence[tuple[Sequence[int], Sequence[int]]],
         temperature: float,
-    ) -> list[tuple[Bits, Bits, list[float]]]:
+        keys: Sequence[NoiseKey] | None = None,
+    ) -> Sequence[tuple[Bits, Bits, list[float], npt.NDArray[np.float32] | None]]:
         """Teacher-forced passes with version ``step`` for ``(prompt_ids, completion_ids)``
         pairs (a whole batch, batched forwards): per pair ``(prefill_bits [L,H], decode_bits
-        [N-1,H], logprobs [N])`` (see :func:`rollout.engine.prefill_activations_batch`)."""
+        [N-1,H], logprobs [N], replay_gaps [N] or None)``, the gaps computed with ``keys[i]``
+        (see :func:`rollout.engine.prefill_activations_batch`)."""
         ...
 
 
@@ -386,7 +389,7 @@ def _check_model(v: Validator, b: RolloutBatch, _step: int) -> None:
     samples = [s for g in b.groups for s in g.samples]
     items = [(g.prompt_ids, s.completion_ids) for g in b.groups for s in g.samples]
     acts = v.oracle.prefill_batch(b.policy_step, items, b.temperature)  # one batched pass
-    for s, (prefill, decode, logprobs) in zip(samples, acts, strict=True):
+    for s, (prefill, decode, logprobs, _gaps) in zip(samples, acts, strict=True):
         _check_proof(c, s, prefill, decode, psize)
         _check_sampling(c, s, logprobs)
 

@@ -29,6 +29,7 @@ from rollout.engine import (
     prefill_activations_batch,
     prefill_activations_group,
 )
+from rollout.gumbel import NoiseKey
 from rollout.model import load_model
 from rollout.model_dir import TOKENIZER_NAME, load_tokenizer, stop_token_id
 from rollout.task import Prompt, Task, encode_prompt, task_prompts
@@ -162,7 +163,9 @@ class TrainerOracle:
         step: int,
         items: Sequence[tuple[Sequence[int], Sequence[int]]],
         temperature: float,
-    ) -> list[tuple[Bits, Bits, list[float]]]:
-        """Teacher-forced passes of a whole rollout batch (every group, every sample):
+        keys: Sequence[NoiseKey] | None = None,
+    ) -> list[tuple[Bits, Bits, list[float], npt.NDArray[np.float32] | None]]:
+        """Teacher-forced passes of a whole rollout batch (every group, every sample), and
+        each one's replay gaps when ``keys`` are given:
         :func:`rollout.engine.prefill_activations_batch` with version ``step``'s weights."""
-        return prefill_activations_batch(self._model(step), items, temperature)
+        return prefill_activations_batch(self._model(step), items, temperature, keys)
