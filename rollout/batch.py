@@ -2,8 +2,9 @@
 
 :func:`build_batch` is what an inference peer does for one policy step with the weights its
 engine holds: take the prompts the task assigns to (this PeerID, step) — the validator
-recomputes them —, sample ``group_size`` completions per prompt with a seed derived from
-(PeerID, step, prompt index), build the TOPLOC proofs from the hidden states the engine
+recomputes them —, sample ``group_size`` completions per prompt with seeded Gumbel-max noise
+keyed by (run id, PeerID, step, prompt index, sample index) (:mod:`rollout.gumbel`: the
+validator replays every draw), build the TOPLOC proofs from the hidden states the engine
 captured (:mod:`rollout.toploc`), and pack one :class:`~rollout.schema.RolloutBatch`.
 Blocking and CPU-heavy: async callers run it in a worker thread.
 """
@@ -17,7 +18,8 @@ from typing import Any
 
 from p2p.errors import ConfigError
 from rollout.engine import Engine, Generation
-from rollout.schema import Group, RolloutBatch, Sample
+from rollout.gumbel import group_seed
+from rollout.schema import DEFAULT_ENGINE_ID, Group, RolloutBatch, Sample
 from rollout.task import Task, encode_prompt, task_prompts
 from rollout.toploc import ToplocConfig, build_proofs
 
@@ -51,7 +53,9 @@ class SamplingConfig:
 
 
 def sample_seed(peer_id: str, step: int, prompt_index: int) -> int:
-    """The sampling seed of one prompt: a 63-bit hash of (PeerID, step, prompt index)."""
+    """A 63-bit hash of (PeerID, step, prompt index): the batch's informational ``seed``
+    field (``prompt_index = -1``). The draws themselves use :func:`rollout.gumbel.group_seed`,
+    which also binds the run id."""
     h = hashlib.sha256(f"{peer_id}\x1f{step}\x1f{prompt_index}".encode()).digest()
     return int.from_bytes(h[:8], "big") >> 1
 
@@ -66,10 +70,13 @@ def build_batch(
     step: int,
     manifest_digest: str,
     cfg: SamplingConfig,
+    engine_id: str = DEFAULT_ENGINE_ID,
 ) -> RolloutBatch:
     """Generate one batch for ``step`` with the engine's loaded weights.
 
-    ``tokenizer`` must be the loaded checkpoint's own (``rollout.model_dir.load_tokenizer``).
+    ``tokenizer`` must be the loaded checkpoint's own (``rollout.model_dir.load_tokenizer``);
+    ``engine_id`` names ``engine``'s family and dtype as the run card does
+    (``transformers-bf16``, ``vllm-bf16``), and goes into the batch.
 
     Returns:
         the batch, with a TOPLOC proof per sample and the peer-computed rewards.
@@ -85,7 +92,7 @@ def build_batch(
             cfg.group_size,
             cfg.max_new_tokens,
             cfg.temperature,
-            sample_seed(peer_id, step, i),
+            group_seed(run_id, peer_id, step, i),
         )
         samples = []
         for g in gens:
@@ -113,4 +120,5 @@ def build_batch(
         cfg.temperature,
         cfg.max_new_tokens,
         tuple(groups),
+        engine_id,
     )

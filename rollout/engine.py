@@ -12,16 +12,21 @@ prompt as one batch (same prompt, so no padding):
    ``o_0``. The KV cache is then repeated ``n`` times.
 2. **Decode**: pass ``j = 1..N-1`` feeds ``o_{j-1}`` and yields row ``d_j``, which gives
    ``o_j``: ``decode_bits [N-1, H]``. The last token's hidden state is never computed.
-3. **Sampling**: ``logits = lm_head(h)`` in the model dtype (bf16), then in float32
-   ``logp = log_softmax(logits / T)``; the token is ``multinomial(exp(logp))`` drawn with a
-   ``torch.Generator`` seeded with ``seed``. The reported ``logprobs`` are ``logp`` at the
-   sampled token: log-probabilities under the *sampling* distribution at temperature ``T``
-   (the policy's own at ``T = 1``). A sequence stops after sampling ``eos`` (kept in the
-   completion, ``finish_reason="stop"``) or at ``max_new_tokens`` (``"length"``); finished
-   rows keep running in the batch until all are done, and their extra tokens are dropped.
+3. **Sampling**: ``logits = lm_head(h)`` in the model dtype (bf16), widened to float32;
+   the token of sample ``i`` at completion position ``j`` is the seeded Gumbel-max choice
+   ``argmax(logits / T + g(NoiseKey(seed, i), j))`` (:func:`rollout.gumbel.gumbel_argmax`,
+   TOPLOC2 / Token-DiFR), so the validator can replay every draw and the draws do not
+   depend on the batch. ``seed`` is the group seed (:func:`rollout.gumbel.group_seed` of run,
+   PeerID, step and prompt index in a rollout). The reported ``logprobs`` are
+   ``logp = log_softmax(logits / T)`` at the sampled token: log-probabilities under the
+   *sampling* distribution at temperature ``T`` (the policy's own at ``T = 1``). A sequence
+   stops after sampling ``eos`` (kept in the completion, ``finish_reason="stop"``) or at
+   ``max_new_tokens`` (``"length"``); finished rows keep running in the batch until all are
+   done, and their extra tokens are dropped.
 
 :func:`prefill_activations` is the validator's side: one teacher-forced pass over
-``prompt + completion[:-1]`` returning the same layout and the recomputed logprobs. It
+``prompt + completion[:-1]`` returning the same layout and the recomputed logprobs (and,
+given the noise keys, each token's replay gap, :func:`rollout.gumbel.replay_gaps`). It
 matches generation closely but not bit for bit (batch size and the KV cache change the
 order of float operations); ``tests/unit/test_engine.py`` measures the difference.
 
@@ -34,7 +39,7 @@ import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Literal, Protocol
+from typing import Any, Literal, NamedTuple, Protocol
 
 import numpy as np
 import numpy.typing as npt
@@ -42,7 +47,7 @@ import torch
 from transformers import AutoConfig, DynamicCache
 
 from p2p.errors import LocalProtocolError
-from rollout.gumbel import NoiseKey, gumbel_scores
+from rollout.gumbel import NoiseKey, gumbel_argmax, gumbel_scores
 from rollout.model import check_weights, copy_weights, load_model
 from rollout.model_dir import load_tokenizer, stop_token_id
 from rollout.philox import gumbel_noise_positions
@@ -51,6 +56,7 @@ __all__ = [
     "Engine",
     "EngineStats",
     "Generation",
+    "TeacherForced",
     "TransformersEngine",
     "bf16_bits",
     "prefill_activations",
@@ -113,8 +119,26 @@ class Engine(Protocol):
         temperature: float,
         seed: int,
     ) -> list[Generation]:
-        """Sample ``n`` completions of one prompt."""
+        """Sample ``n`` completions of one prompt; sample ``i`` with the Gumbel-max noise of
+        ``NoiseKey(seed, i)`` (:mod:`rollout.gumbel`; ``seed`` is the group seed)."""
         ...
+
+
+class TeacherForced(NamedTuple):
+    """The validator's recomputation for one completion (:func:`prefill_activations_group`).
+
+    Attributes:
+        prefill_bits: ``[L, H]`` ``uint16`` bf16 bits of the last hidden state at the prompt.
+        decode_bits: ``[N-1, H]`` ``uint16``, the rows that produced ``o_1..o_{N-1}``.
+        logprobs: ``N`` floats, ``log_softmax(float32(logits) / T)`` of each ``o_j``.
+        replay_gaps: ``[N]`` float32 Gumbel-max gaps (:func:`rollout.gumbel.replay_gaps`)
+            when a noise key was given, else ``None``.
+    """
+
+    prefill_bits: npt.NDArray[np.uint16]
+    decode_bits: npt.NDArray[np.uint16]
+    logprobs: list[float]
+    replay_gaps: npt.NDArray[np.float32] | None
 
 
 def bf16_bits(t: torch.Tensor) -> npt.NDArray[np.uint16]:
@@ -133,10 +157,15 @@ def _check_args(prompt_ids: Sequence[int], temperature: float, vocab_size: int) 
         raise LocalProtocolError(f"prompt token id outside [0, {vocab_size})")
 
 
+def _logits(model: Any, hidden: torch.Tensor) -> torch.Tensor:
+    """``float32(lm_head(hidden))``: ``[..., H]`` → ``[..., V]`` float32."""
+    logits: torch.Tensor = model.get_output_embeddings()(hidden).float()
+    return logits
+
+
 def _logprobs(model: Any, hidden: torch.Tensor, temperature: float) -> torch.Tensor:
     """``log_softmax(float32(lm_head(hidden)) / T)``: ``[..., H]`` → ``[..., V]`` float32."""
-    head = model.get_output_embeddings()
-    return torch.log_softmax(head(hidden).float() / temperature, dim=-1)
+    return torch.log_softmax(_logits(model, hidden) / temperature, dim=-1)
 
 
 def _base(model: Any) -> Any:
@@ -163,7 +192,8 @@ def sample_group(
         n: group size (>= 1), one batch.
         max_new_tokens: length cap ``N_max >= 1``.
         temperature: ``T > 0``.
-        seed: seeds the ``torch.Generator`` used for every draw of this call.
+        seed: the group seed; sample ``i`` draws with ``NoiseKey(seed, i)`` (any int in
+            ``[0, 2**128)``).
         eos_token_id: the stop token.
 
     Returns:
@@ -176,7 +206,7 @@ def sample_group(
     _check_args(prompt_ids, temperature, int(model.config.vocab_size))
     if n < 1 or max_new_tokens < 1:
         raise LocalProtocolError(f"need n >= 1 and max_new_tokens >= 1, got {n}, {max_new_tokens}")
-    generator = torch.Generator().manual_seed(seed)
+    keys = [NoiseKey(seed, i) for i in range(n)]
     cache = DynamicCache(config=model.config)
     out = _base(model)(input_ids=torch.tensor([list(prompt_ids)]), cache=cache, use_cache=True)
     hidden = out.last_hidden_state  # [1, L, H]
@@ -188,8 +218,10 @@ def sample_group(
     decode_rows: list[torch.Tensor] = []  # row j-1 = decode pass j, each [n, H]
     done = torch.zeros(n, dtype=torch.bool)
     for step in range(max_new_tokens):
-        logp = _logprobs(model, last, temperature)  # [n, V]
-        token = torch.multinomial(logp.exp(), 1, generator=generator)  # [n, 1]
+        logits = _logits(model, last)  # [n, V]
+        logp = torch.log_softmax(logits / temperature, dim=-1)
+        chosen = gumbel_argmax(logits.numpy(), keys, step, temperature)
+        token = torch.from_numpy(chosen).unsqueeze(1)  # [n, 1]
         tokens.append(token[:, 0])
         token_logprobs.append(logp.gather(1, token)[:, 0])
         done |= token[:, 0] == eos_token_id
@@ -269,14 +301,25 @@ def prefill_activations_group(
     prompt_ids: Sequence[int],
     completions: Sequence[Sequence[int]],
     temperature: float = 1.0,
-) -> list[tuple[npt.NDArray[np.uint16], npt.NDArray[np.uint16], list[float]]]:
+    keys: Sequence[NoiseKey] | None = None,
+) -> list[TeacherForced]:
     """:func:`prefill_activations_batch` for a GRPO group (one prompt, several completions).
 
+    Args:
+        model, prompt_ids, temperature: as :func:`prefill_activations`.
+        completions: the group's completions, each ``N >= 1`` ids.
+        keys: the noise key of each completion (:func:`rollout.gumbel.sample_key`), to
+            compute its replay gaps from the logits while they are in memory; ``None``: no
+            gaps.
+
+    Returns:
+        one :class:`TeacherForced` per completion, in order.
+
     Raises:
-        LocalProtocolError: as :func:`prefill_activations`.
+        LocalProtocolError: as :func:`prefill_activations`, or ``keys`` of the wrong length.
     """
     items = [(prompt_ids, c) for c in completions]
-    return [out[:3] for out in prefill_activations_batch(model, items, temperature)]
+    return prefill_activations_batch(model, items, temperature, keys)
 
 
 DEFAULT_BATCH_TOKENS = 8192
@@ -290,11 +333,7 @@ def prefill_activations_batch(
     temperature: float = 1.0,
     keys: Sequence[NoiseKey] | None = None,
     max_batch_tokens: int = DEFAULT_BATCH_TOKENS,
-) -> list[
-    tuple[
-        npt.NDArray[np.uint16], npt.NDArray[np.uint16], list[float], npt.NDArray[np.float32] | None
-    ]
-]:
+) -> list[TeacherForced]:
     """:func:`prefill_activations` for many ``(prompt_ids, completion_ids)`` pairs (a whole
     rollout batch: every group, every sample) in as few forward passes as fit the budget.
 
@@ -318,9 +357,9 @@ def prefill_activations_batch(
         max_batch_tokens: padded-token budget per forward pass (rows x width), >= 1.
 
     Returns:
-        one ``(prefill_bits [L, H], decode_bits [N-1, H], logprobs [N], replay_gaps [N] or
-        None)`` per item, in order; the gaps equal :func:`rollout.gumbel.replay_gaps` of the
-        float32 logits (the noise of all positions at once, :mod:`rollout.philox`).
+        one :class:`TeacherForced` per item, in order; its gaps equal
+        :func:`rollout.gumbel.replay_gaps` of the float32 logits (computed with the noise of
+        all positions at once, :func:`replay_gaps_all`).
 
     Raises:
         LocalProtocolError: an empty prompt or completion, a bad id, ``temperature <= 0``,
@@ -348,16 +387,29 @@ def prefill_activations_batch(
         hidden = _base(model)(input_ids=inputs, use_cache=False).last_hidden_state
         for r, i in enumerate(rows):
             prompt_ids, completion_ids = items[i]
-            length, h = len(prompt_ids), hidden[r, : len(seqs[i])]
-            logits = model.get_output_embeddings()(h[length - 1 :]).float()  # [N, V]
-            logp = torch.log_softmax(logits / temperature, dim=-1)
-            targets = torch.tensor(list(completion_ids)).unsqueeze(1)
-            logprobs = logp.gather(1, targets)[:, 0].tolist()
-            gaps = None
-            if keys is not None:
-                gaps = replay_gaps_all(logits.numpy(), completion_ids, keys[i], temperature)
-            out[i] = (bf16_bits(h[:length]), bf16_bits(h[length:]), logprobs, gaps)
+            key = None if keys is None else keys[i]
+            h = hidden[r, : len(seqs[i])]
+            out[i] = _teacher_forced(model, h, prompt_ids, completion_ids, temperature, key)
     return out
+
+
+def _teacher_forced(
+    model: Any,
+    hidden: torch.Tensor,
+    prompt_ids: Sequence[int],
+    completion_ids: Sequence[int],
+    temperature: float,
+    key: NoiseKey | None,
+) -> TeacherForced:
+    """One completion's :class:`TeacherForced` from its rows ``hidden [L+N-1, H]``."""
+    length = len(prompt_ids)
+    logits = _logits(model, hidden[length - 1 :])  # [N, V]
+    logp = torch.log_softmax(logits / temperature, dim=-1)
+    logprobs = logp.gather(1, torch.tensor(list(completion_ids)).unsqueeze(1))[:, 0].tolist()
+    gaps = None
+    if key is not None:
+        gaps = replay_gaps_all(logits.numpy(), completion_ids, key, temperature)
+    return TeacherForced(bf16_bits(hidden[:length]), bf16_bits(hidden[length:]), logprobs, gaps)
 
 
 def replay_gaps_all(

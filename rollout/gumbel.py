@@ -59,7 +59,8 @@ completion token, the last one included, whose hidden state TOPLOC never commits
 **The termination check** (:func:`check_termination`): a ``"stop"`` completion must end on
 EOS, have no EOS before, and the validator's probability of EOS at the last position under the
 sampling distribution ``softmax(logits / T)`` must be at least ``eos_min_prob`` (GRAIL uses
-0.02); a ``"length"`` completion must have exactly ``max_new_tokens`` tokens and no EOS.
+0.02; this project's provisional default is lower, see :data:`DEFAULT_EOS_MIN_PROB`); a
+``"length"`` completion must have exactly ``max_new_tokens`` tokens and no EOS.
 
 Pure numpy and the standard library (plus ``blake3``); thread-safe; no engine imports.
 """
@@ -80,6 +81,8 @@ from p2p.errors import LocalProtocolError
 __all__ = [
     "CHUNK",
     "DEFAULT_EOS_MIN_PROB",
+    "DEFAULT_REPLAY_MARGIN",
+    "GRAIL_EOS_MIN_PROB",
     "NOISE_DOMAIN",
     "NoiseKey",
     "ReplayResult",
@@ -100,8 +103,21 @@ NOISE_DOMAIN = b"shardnet/gumbel-noise/v1\x00"
 """Domain tag of every hash in this module (changing the scheme means a new tag)."""
 CHUNK = 4096
 """Noise values per Philox counter (one chunk of the vocabulary)."""
-DEFAULT_EOS_MIN_PROB = 0.02
+GRAIL_EOS_MIN_PROB = 0.02
 """GRAIL's floor on the validator's EOS probability at a ``"stop"`` completion's last token."""
+DEFAULT_EOS_MIN_PROB = 1e-3
+"""This project's provisional floor. GRAIL's 0.02 rejects every honest ``"stop"`` completion
+of an untrained model whose EOS probability is near ``1 / V`` everywhere (the ``tiny`` preset,
+``V = 128``: measured 0.0039–0.0067 at every position). An honest sample fails a floor ``f``
+only by drawing EOS where its probability is below ``f``, which happens with probability
+below ``f`` per position; calibrate ``f`` against the honest minimum (``bench/verification.py``).
+"""
+DEFAULT_REPLAY_MARGIN = 0.5
+"""Provisional replay margin, score units. Honest gaps come from the two passes' logit
+differences (at most the winner's plus the chosen token's change, divided by ``T``); LM-head
+outputs are bf16, whose ulp is 0.0625 for logits in [8, 16) and 0.125 in [16, 32), so two
+ulps at ``T = 0.5`` reach 0.5. Measured on ``tiny`` (192 rollouts, transformers against its
+own teacher-forced pass): 191 gaps of 0, one of 0.0027."""
 
 _F32 = npt.NDArray[np.float32]
 _MAX_POSITION = 1 << 62

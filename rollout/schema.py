@@ -1,4 +1,4 @@
-"""Rollout batches and their signed announcements (wire schema version 1).
+"""Rollout batches (wire schema version 2) and their signed announcements (version 1).
 
 Theory of operation
 -------------------
@@ -11,6 +11,12 @@ over gossip and over a direct stream to the trainer; the payload is fetched once
 against the announced digest and size, and only then decoded. So a payload is bound to its
 submitter's key without signing megabytes, and a trainer can refuse a batch (stale step, bad
 reputation, rate limit) before spending bandwidth on it.
+
+Batch schema 2 adds ``engine``, the id of the inference engine that sampled the batch
+(``transformers-bf16``, ``vllm-bf16``: :attr:`shardcast.runcard.EngineSpec.id`), which must be
+one of the run card's engines. Schema-1 batches (from peers before it) still decode, with
+``engine == ""``, so that the validator rejects them as ``wrong_run`` with a clear reason
+rather than as malformed.
 
 Field bounds are enforced while decoding (lengths, token-id and float ranges); semantic checks
 (prompt correctness, rewards, TOPLOC proofs) belong to :mod:`rollout.verify`.
@@ -36,7 +42,11 @@ MAX_GROUPS = 1024
 MAX_SAMPLES = 256
 MAX_TOKENS = 32768
 MAX_PROOF_BYTES = 1 << 20
+MAX_ENGINE_ID = 40
 FINISH_REASONS = ("stop", "length")
+BATCH_SCHEMA = 2
+DEFAULT_ENGINE_ID = "transformers-bf16"
+"""The engine id a batch names when none is given (``shardcast.runcard.DEFAULT_ENGINE``)."""
 
 
 BATCH_ID_DOMAIN = b"rollout-batch-id/v1\x00"
@@ -123,6 +133,8 @@ class RolloutBatch:
         temperature: sampling temperature (> 0).
         max_new_tokens: the length cap.
         groups: the groups, one per prompt.
+        engine: id of the engine family and dtype that sampled it (``transformers-bf16``);
+            ``""`` for a decoded schema-1 batch.
     """
 
     run_id: str
@@ -135,12 +147,14 @@ class RolloutBatch:
     temperature: float
     max_new_tokens: int
     groups: tuple[Group, ...]
+    engine: str = DEFAULT_ENGINE_ID
 
     def encode(self) -> bytes:
-        """Canonical CBOR bytes."""
+        """Canonical CBOR bytes (schema 2)."""
         return wire.encode(
             {
-                "v": 1,
+                "v": BATCH_SCHEMA,
+                "engine": self.engine,
                 "run_id": self.run_id,
                 "submitter": self.submitter,
                 "policy_step": self.policy_step,
@@ -183,7 +197,10 @@ class RolloutBatch:
             MessageTooLarge / RemoteProtocolError: malformed or out of bounds.
         """
         obj = wire.decode(data, max_bytes=MAX_BATCH_BYTES, sender=sender)
-        wire.need_version(obj, 1, "rollout batch", sender)
+        version = wire.need(obj, "v", int, sender)
+        if version not in (1, BATCH_SCHEMA):
+            wire.need_version(obj, BATCH_SCHEMA, "rollout batch", sender)  # raises
+        engine = "" if version == 1 else wire.need_str(obj, "engine", MAX_ENGINE_ID, sender)
         max_new = wire.need_int(obj, "max_new_tokens", 1, MAX_TOKENS, sender)
         groups = []
         for raw in wire.need_list(obj, "groups", MAX_GROUPS, sender):
@@ -238,6 +255,7 @@ class RolloutBatch:
             wire.need_float(obj, "temperature", 1e-3, 100.0, sender),
             max_new,
             tuple(groups),
+            engine,
         )
 
 

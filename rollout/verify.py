@@ -12,24 +12,36 @@ reason, and its counter goes up. An exception raised *inside* a check is itself 
 reason           what failed
 ===============  ==========================================================================
 untrusted        the submitter is not allowed (allowlist), or signer and payload disagree
-wrong_run        run id, task, or sampling parameters differ from the run's
+wrong_run        run id, task, sampling parameters or engine differ from the run's (the
+                 batch's ``engine`` must be one of ``ValidatorConfig.engines``, i.e. the
+                 run card's; schema-1 batches name none)
 stale_step       policy step outside ``[current - async_level, current]``
 unknown_weights  the manifest digest is not the one of the claimed policy step
 duplicate        a batch for the same (submitter, step) was already accepted (replay)
 prompt           prompt ids are not the ones the (PeerID, step) seed yields, or the group
                  layout is wrong
-termination      a "stop" sample that does not end on EOS (or has EOS inside), a "length"
-                 sample that is not exactly at the cap
+termination      a "stop" sample that does not end on EOS (or has EOS inside) or whose EOS
+                 has a validator probability below ``eos_min_prob`` (GRAIL's rule), a
+                 "length" sample that is not exactly at the cap
+                 (:func:`rollout.gumbel.check_termination`)
 reward           the reported reward differs from the recomputed one (inflated rewards)
 toploc           a TOPLOC proof does not match the validator's prefill (arXiv 2501.16007)
+replay           a token is not the seeded Gumbel-max choice of the validator's logits
+                 within ``replay_margin`` (:mod:`rollout.gumbel`; TOPLOC2, Token-DiFR):
+                 tampered tokens, the last one included, and greedy, other-temperature or
+                 otherwise unseeded sampling
 sampling         reported logprobs differ from the validator's recomputation
 check_error      a check raised
 ===============  ==========================================================================
 
-The model-dependent checks (``toploc``, ``sampling``) share one teacher-forced forward pass
-per sample, batched across the batch's groups and samples, through the :class:`PolicyOracle`,
-the only place where a model is touched; this module itself imports neither torch nor libp2p,
-so it runs in tests and in the simulator.
+The model-dependent checks (``toploc``, ``replay``, ``sampling`` and the EOS probability of
+``termination``) share one teacher-forced forward pass per sample, batched across the batch's
+groups and samples, through the :class:`PolicyOracle`, the only place where a model is
+touched; this module itself imports neither torch nor libp2p, so it runs in tests and in the
+simulator. Their thresholds form an :class:`EngineProfile`, chosen by the batch's engine id
+(:meth:`ValidatorConfig.profile`): different engines differ numerically from the validator by
+different amounts, and one threshold across engines cannot separate precision attacks
+(issue 13).
 """
 
 from __future__ import annotations
@@ -37,19 +49,30 @@ from __future__ import annotations
 import logging
 import math
 from collections import Counter
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Protocol
+from types import MappingProxyType
+from typing import TYPE_CHECKING, Protocol
 
 import numpy as np
 import numpy.typing as npt
 
-from p2p.errors import ShardnetError
-from rollout.gumbel import NoiseKey
-from rollout.schema import RolloutBatch, Sample
+from p2p.errors import ConfigError, ShardnetError
+from rollout.gumbel import (
+    DEFAULT_EOS_MIN_PROB,
+    DEFAULT_REPLAY_MARGIN,
+    NoiseKey,
+    check_termination,
+    group_seed,
+    judge_replay,
+)
+from rollout.schema import DEFAULT_ENGINE_ID, RolloutBatch, Sample
 from rollout.toploc import ToplocConfig, verify_proofs
 from rollout.toploc_codec import proof_size_bytes
 from rollout.toploc_judge import ToplocThresholds, judge
+
+if TYPE_CHECKING:
+    from rollout.engine import TeacherForced
 
 log = logging.getLogger(__name__)
 
@@ -89,12 +112,45 @@ class PolicyOracle(Protocol):
         items: Sequence[tuple[Sequence[int], Sequence[int]]],
         temperature: float,
         keys: Sequence[NoiseKey] | None = None,
-    ) -> Sequence[tuple[Bits, Bits, list[float], npt.NDArray[np.float32] | None]]:
+    ) -> Sequence[TeacherForced]:
         """Teacher-forced passes with version ``step`` for ``(prompt_ids, completion_ids)``
         pairs (a whole batch, batched forwards): per pair ``(prefill_bits [L,H], decode_bits
         [N-1,H], logprobs [N], replay_gaps [N] or None)``, the gaps computed with ``keys[i]``
         (see :func:`rollout.engine.prefill_activations_batch`)."""
         ...
+
+
+@dataclass(frozen=True)
+class EngineProfile:
+    """The model-dependent thresholds calibrated for one engine family's rollouts.
+
+    Attributes:
+        toploc_thresholds: TOPLOC limits of the decode chunks (and of every chunk when
+            ``toploc.skip_prefill``).
+        toploc_prefill_thresholds: TOPLOC limits of the prefill chunk (chunk 0).
+        logprob_tolerance: tolerance on the mean absolute logprob difference (nats).
+        logprob_max_tolerance: tolerance on the largest single logprob difference (nats).
+        replay_margin: the largest Gumbel-max gap accepted for any token, in score units
+            (nats at temperature ``T``; :func:`rollout.gumbel.judge_replay`), ``>= 0``.
+        eos_min_prob: the floor on the validator's EOS probability at a ``"stop"``
+            completion's last token (GRAIL: 0.02), in ``[0, 1]``.
+
+    Raises:
+        ConfigError: ``replay_margin`` or ``eos_min_prob`` out of range.
+    """
+
+    toploc_thresholds: ToplocThresholds
+    toploc_prefill_thresholds: ToplocThresholds
+    logprob_tolerance: float
+    logprob_max_tolerance: float
+    replay_margin: float
+    eos_min_prob: float
+
+    def __post_init__(self) -> None:
+        if not self.replay_margin >= 0 or not math.isfinite(self.replay_margin):
+            raise ConfigError("replay_margin", f"must be finite and >= 0, got {self.replay_margin}")
+        if not 0 <= self.eos_min_prob <= 1:
+            raise ConfigError("eos_min_prob", f"must be in [0, 1], got {self.eos_min_prob}")
 
 
 @dataclass(frozen=True)
@@ -113,7 +169,24 @@ class ValidatorConfig:
         toploc_thresholds: acceptance thresholds of the decode chunks (and of every chunk
             when ``toploc.skip_prefill``).
         toploc_prefill_thresholds: acceptance thresholds of the prefill chunk (chunk 0).
-        check_model: run the model-dependent checks (toploc, sampling).
+        replay_margin: the largest Gumbel-max gap accepted for any completion token (score
+            units, nats at temperature ``T``): see :class:`EngineProfile`.
+        eos_min_prob: floor on the validator's EOS probability of a ``"stop"`` completion.
+        check_model: run the model-dependent checks (toploc, replay, sampling, EOS floor).
+        engines: engine ids (``family-dtype``, the run card's ``engines``) whose batches are
+            accepted; a batch naming another is rejected as ``wrong_run``.
+        profiles: per-engine overrides of the thresholds above: the batch's engine is judged
+            with ``profiles[engine]`` when present, else with the fields above (the default
+            profile, calibrated on ``transformers-bf16``).
+
+    Provisional replay and termination thresholds, to be calibrated by
+    ``bench/verification.py`` per engine and model: ``replay_margin = 0.5``
+    (:data:`rollout.gumbel.DEFAULT_REPLAY_MARGIN`: two bf16 ulps of a logit in [16, 32) at
+    ``T = 0.5``; honest gaps on ``tiny`` are 0 except where the two passes' logits swap the
+    top two scores, max 0.0027 of 192) and ``eos_min_prob = 0.001``
+    (:data:`rollout.gumbel.DEFAULT_EOS_MIN_PROB`: GRAIL's 0.02 rejects every honest
+    ``"stop"`` completion of the untrained ``tiny`` model, whose EOS probability is about
+    ``1/128``).
 
     Calibration of the defaults (``python bench/verification.py``, seed 0, 128- and 16-token
     completions from ``TransformersEngine`` in group sizes 1/4/8, shuffled prompt order, and
@@ -163,7 +236,34 @@ class ValidatorConfig:
     toploc_prefill_thresholds: ToplocThresholds = field(
         default_factory=lambda: ToplocThresholds(8, 1.25, 2.0)
     )
+    replay_margin: float = DEFAULT_REPLAY_MARGIN
+    eos_min_prob: float = DEFAULT_EOS_MIN_PROB
     check_model: bool = True
+    engines: tuple[str, ...] = (DEFAULT_ENGINE_ID,)
+    profiles: Mapping[str, EngineProfile] = field(default_factory=lambda: MappingProxyType({}))
+
+    def __post_init__(self) -> None:
+        self.default_profile()  # validates the default profile's fields
+        if not self.engines:
+            raise ConfigError("engines", "at least one engine")
+        unknown = set(self.profiles) - set(self.engines)
+        if unknown:
+            raise ConfigError("profiles", f"profiles for engines not accepted: {sorted(unknown)}")
+
+    def default_profile(self) -> EngineProfile:
+        """The thresholds of the top-level fields."""
+        return EngineProfile(
+            self.toploc_thresholds,
+            self.toploc_prefill_thresholds,
+            self.logprob_tolerance,
+            self.logprob_max_tolerance,
+            self.replay_margin,
+            self.eos_min_prob,
+        )
+
+    def profile(self, engine: str) -> EngineProfile:
+        """The thresholds that judge batches of ``engine``."""
+        return self.profiles.get(engine) or self.default_profile()
 
 
 @dataclass(frozen=True)
@@ -312,6 +412,9 @@ def _check_run(v: Validator, b: RolloutBatch, _step: int) -> None:
         )
     if b.n_prompts != c.n_prompts:
         raise Reject("wrong_run", f"n_prompts={b.n_prompts}, run uses {c.n_prompts}")
+    if b.engine not in c.engines:
+        named = repr(b.engine) if b.engine else "no engine (batch schema 1)"
+        raise Reject("wrong_run", f"batch names {named}; the run accepts {', '.join(c.engines)}")
 
 
 def _check_step(v: Validator, b: RolloutBatch, current: int) -> None:
@@ -357,16 +460,18 @@ def _check_prompts(v: Validator, b: RolloutBatch, _step: int) -> None:
 
 
 def _check_termination(v: Validator, b: RolloutBatch, _step: int) -> None:
+    """The structure of each ending (the EOS probability floor needs the model:
+    :func:`_check_model`)."""
     eos, cap = v.oracle.eos_id, v.config.max_new_tokens
     for g in b.groups:
         for s in g.samples:
-            ids = s.completion_ids
-            if eos in ids[:-1]:
-                raise Reject("termination", "EOS inside a completion")
-            if s.finish_reason == "stop" and ids[-1] != eos:
-                raise Reject("termination", "'stop' completion does not end on EOS")
-            if s.finish_reason == "length" and (len(ids) != cap or ids[-1] == eos):
-                raise Reject("termination", f"'length' completion of {len(ids)} tokens, cap {cap}")
+            r = check_termination(s.completion_ids, s.finish_reason, eos_id=eos, max_new_tokens=cap)
+            if r.failure is not None:
+                raise Reject(
+                    "termination",
+                    f"{r.failure.value}: {s.finish_reason!r} completion of "
+                    f"{len(s.completion_ids)} tokens, cap {cap}",
+                )
 
 
 def _check_rewards(v: Validator, b: RolloutBatch, _step: int) -> None:
@@ -385,16 +490,65 @@ def _check_rewards(v: Validator, b: RolloutBatch, _step: int) -> None:
 
 def _check_model(v: Validator, b: RolloutBatch, _step: int) -> None:
     c = v.config
+    profile = c.profile(b.engine)
     psize = proof_size_bytes(c.toploc.topk)
-    samples = [s for g in b.groups for s in g.samples]
-    items = [(g.prompt_ids, s.completion_ids) for g in b.groups for s in g.samples]
-    acts = v.oracle.prefill_batch(b.policy_step, items, b.temperature)  # one batched pass
-    for s, (prefill, decode, logprobs, _gaps) in zip(samples, acts, strict=True):
-        _check_proof(c, s, prefill, decode, psize)
-        _check_sampling(c, s, logprobs)
+    samples, items, keys, where = [], [], [], []
+    for g in b.groups:
+        seed = group_seed(b.run_id, b.submitter, b.policy_step, g.prompt_index)
+        for i, s in enumerate(g.samples):
+            samples.append(s)
+            items.append((g.prompt_ids, s.completion_ids))
+            keys.append(NoiseKey(seed, i))
+            where.append(f"group {g.prompt_index} sample {i}")
+    acts = v.oracle.prefill_batch(b.policy_step, items, b.temperature, keys)  # batched
+    for s, tf, at in zip(samples, acts, where, strict=True):
+        _check_proof(c, profile, s, tf.prefill_bits, tf.decode_bits, psize)
+        _check_replay(profile, tf.replay_gaps, at)
+        _check_sampling(profile, s, tf.logprobs)
+        _check_eos_prob(v, profile, s, tf.logprobs, at)
 
 
-def _check_proof(c: ValidatorConfig, s: Sample, prefill: Bits, decode: Bits, psize: int) -> None:
+def _check_replay(profile: EngineProfile, gaps: npt.ArrayLike | None, where: str) -> None:
+    if gaps is None:  # fail closed: an oracle that computed no gaps proves nothing
+        raise Reject("replay", f"{where}: the validator computed no replay gaps")
+    r = judge_replay(gaps, profile.replay_margin)
+    if not r.passed:
+        raise Reject(
+            "replay",
+            f"{where}: token at position {r.worst_position} is {r.worst_gap:.4f} below the "
+            f"seeded Gumbel-max choice (margin {r.margin})",
+        )
+
+
+def _check_eos_prob(
+    v: Validator, profile: EngineProfile, s: Sample, logprobs: list[float], where: str
+) -> None:
+    if s.finish_reason != "stop":
+        return
+    r = check_termination(
+        s.completion_ids,
+        s.finish_reason,
+        eos_id=v.oracle.eos_id,
+        max_new_tokens=v.config.max_new_tokens,
+        eos_logprob=logprobs[-1],
+        eos_min_prob=profile.eos_min_prob,
+    )
+    if r.failure is not None:
+        raise Reject(
+            "termination",
+            f"{where}: {r.failure.value}: EOS probability {r.eos_prob} "
+            f"(floor {profile.eos_min_prob})",
+        )
+
+
+def _check_proof(
+    c: ValidatorConfig,
+    profile: EngineProfile,
+    s: Sample,
+    prefill: Bits,
+    decode: Bits,
+    psize: int,
+) -> None:
     if len(s.proof) % psize:
         raise Reject("toploc", f"proof bytes {len(s.proof)} not a multiple of {psize}")
     proofs = [s.proof[i : i + psize] for i in range(0, len(s.proof), psize)]
@@ -406,9 +560,9 @@ def _check_proof(c: ValidatorConfig, s: Sample, prefill: Bits, decode: Bits, psi
         raise Reject("toploc", str(exc)) from exc
     # Chunk 0 is the prefill (unless skipped), judged with its own thresholds.
     first = 0 if c.toploc.skip_prefill else 1
-    parts = [(0, results[:first], c.toploc_prefill_thresholds)] if first else []
+    parts = [(0, results[:first], profile.toploc_prefill_thresholds)] if first else []
     if results[first:] or not first:  # no decode chunk at all is fine after a prefill chunk
-        parts.append((first, results[first:], c.toploc_thresholds))
+        parts.append((first, results[first:], profile.toploc_thresholds))
     for offset, part, thresholds in parts:
         verdict = judge(part, thresholds)
         if not verdict.passed:
@@ -417,7 +571,7 @@ def _check_proof(c: ValidatorConfig, s: Sample, prefill: Bits, decode: Bits, psi
             raise Reject("toploc", f"{verdict.reason} in chunk {n}: {worst}")
 
 
-def _check_sampling(c: ValidatorConfig, s: Sample, logprobs: list[float]) -> None:
+def _check_sampling(c: EngineProfile, s: Sample, logprobs: list[float]) -> None:
     diffs = [abs(a - b) for a, b in zip(s.logprobs, logprobs, strict=True)]
     mean = sum(diffs) / len(diffs)
     if mean > c.logprob_tolerance or max(diffs) > c.logprob_max_tolerance:

@@ -343,6 +343,7 @@ class InferencePeer:
                         step=step,
                         manifest_digest=signed.digest,
                         cfg=sampling,
+                        engine_id=self.config.engine_spec.id,
                     )
                 )
             except ShardnetError as exc:

@@ -523,6 +523,7 @@ def _origin_plane(s: OriginSettings, trust: TrustList) -> OriginDataPlane:
         temperature=s.temperature,
         async_level=s.async_level,
         check_model=s.check_model,
+        engines=tuple(e.id for e in s.engine_specs()),
     )
     return OriginDataPlane(
         rules,

@@ -25,6 +25,7 @@ from transformers import PreTrainedTokenizerFast
 
 from p2p.errors import LocalProtocolError
 from rollout.engine import (
+    TeacherForced,
     prefill_activations,
     prefill_activations_batch,
     prefill_activations_group,
@@ -154,9 +155,12 @@ class TrainerOracle:
         prompt_ids: Sequence[int],
         completions: Sequence[Sequence[int]],
         temperature: float,
-    ) -> list[tuple[Bits, Bits, list[float]]]:
-        """Teacher-forced passes of a whole GRPO group in one batched forward."""
-        return prefill_activations_group(self._model(step), prompt_ids, completions, temperature)
+        keys: Sequence[NoiseKey] | None = None,
+    ) -> list[TeacherForced]:
+        """Teacher-forced passes of a whole GRPO group (with the replay gaps of ``keys``)."""
+        return prefill_activations_group(
+            self._model(step), prompt_ids, completions, temperature, keys
+        )
 
     def prefill_batch(
         self,
@@ -164,7 +168,7 @@ class TrainerOracle:
         items: Sequence[tuple[Sequence[int], Sequence[int]]],
         temperature: float,
         keys: Sequence[NoiseKey] | None = None,
-    ) -> list[tuple[Bits, Bits, list[float], npt.NDArray[np.float32] | None]]:
+    ) -> list[TeacherForced]:
         """Teacher-forced passes of a whole rollout batch (every group, every sample), and
         each one's replay gaps when ``keys`` are given:
         :func:`rollout.engine.prefill_activations_batch` with version ``step``'s weights."""

@@ -281,6 +281,7 @@ class Trainer:
             temperature=cfg.temperature,
             async_level=cfg.async_level,
             check_model=cfg.check_model,
+            engines=tuple(e.id for e in cfg.engines),
         )
         self.intake = intake = RolloutIntake(
             vcfg,

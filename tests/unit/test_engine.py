@@ -11,7 +11,15 @@ import pytest
 import torch
 
 from p2p.errors import LocalProtocolError
-from rollout.engine import Engine, Generation, TransformersEngine, prefill_activations, sample_group
+from rollout.engine import (
+    Engine,
+    Generation,
+    TransformersEngine,
+    prefill_activations,
+    prefill_activations_group,
+    sample_group,
+)
+from rollout.gumbel import NoiseKey, gumbel_argmax
 from rollout.model import CheckpointMismatch, build_model, build_tokenizer
 from rollout.task import prompts_for
 from trainer.checkpoint import save_checkpoint
@@ -66,6 +74,50 @@ def test_generation_is_deterministic(engine: TransformersEngine) -> None:
         assert np.array_equal(x.decode_bits, y.decode_bits)
     assert [g.completion_ids for g in a] != [g.completion_ids for g in c]
     assert len({tuple(g.completion_ids) for g in a}) > 1  # samples of a group differ
+
+
+def test_sample_depends_on_its_key_not_on_the_batch(engine: TransformersEngine) -> None:
+    """Sample ``i`` is drawn with ``NoiseKey(seed, i)``: the same tokens whether the group
+    has 2 or 8 samples (different batch shapes in every forward pass)."""
+    eight = engine.generate(_prompt(), n=8, max_new_tokens=24, temperature=1.0, seed=11)
+    two = engine.generate(_prompt(), n=2, max_new_tokens=24, temperature=1.0, seed=11)
+    assert [g.completion_ids for g in two] == [g.completion_ids for g in eight[:2]]
+
+
+def test_engine_tokens_are_the_pure_sampler_s_choice(engine: TransformersEngine) -> None:
+    """Each sampled token is :func:`gumbel_argmax` of the model's logits (the sampler every
+    engine must use), replayed here one sample and one position at a time."""
+    prompt = _prompt(1)
+    gens = engine.generate(prompt, n=3, max_new_tokens=10, temperature=0.7, seed=5)
+    model = engine.model
+    for i, g in enumerate(gens):
+        with torch.inference_mode():
+            ids = torch.tensor([prompt + g.completion_ids[:-1]])
+            hidden = model.get_decoder()(input_ids=ids).last_hidden_state[0, len(prompt) - 1 :]
+            logits = model.get_output_embeddings()(hidden).float().numpy()
+        replay = [
+            int(gumbel_argmax(logits[j : j + 1], [NoiseKey(5, i)], j, 0.7)[0])
+            for j in range(len(g.completion_ids))
+        ]
+        assert replay == g.completion_ids
+
+
+def test_honest_replay_gaps_are_small(engine: TransformersEngine) -> None:
+    """Teacher-forced replay of honest generations: gaps 0 except at rare near-ties."""
+    worst = 0.0
+    for i in range(4):
+        prompt = _prompt(i)
+        gens = engine.generate(prompt, n=8, max_new_tokens=32, temperature=1.0, seed=i)
+        keys = [NoiseKey(i, k) for k in range(8)]
+        outs = prefill_activations_group(
+            engine.model, prompt, [g.completion_ids for g in gens], 1.0, keys
+        )
+        for g, tf in zip(gens, outs, strict=True):
+            assert tf.replay_gaps is not None
+            assert tf.replay_gaps.shape == (len(g.completion_ids),)
+            assert tf.logprobs == pytest.approx(g.logprobs, abs=0.05)
+            worst = max(worst, float(tf.replay_gaps.max()))
+    assert worst < 0.05
 
 
 def test_activation_shapes_and_length_cap(engine: TransformersEngine) -> None:

@@ -206,6 +206,8 @@ EOS = 2
 def test_termination(
     ids: list[int], finish: str, lp: float | None, failure: TerminationFailure | None
 ) -> None:
-    r = check_termination(ids, finish, eos_id=EOS, max_new_tokens=4, eos_logprob=lp)
+    r = check_termination(
+        ids, finish, eos_id=EOS, max_new_tokens=4, eos_logprob=lp, eos_min_prob=0.02
+    )
     assert r.passed == (failure is None)
     assert r.failure is failure

@@ -39,10 +39,29 @@ def test_round_trip_is_canonical() -> None:
     assert back.encode() == data
 
 
+def test_engine_id_round_trip_and_schema_1() -> None:
+    b = dataclasses.replace(_batch(), engine="vllm-bf16")
+    assert RolloutBatch.decode(b.encode(), vocab_size=128).engine == "vllm-bf16"
+    old = wire.decode(b.encode(), max_bytes=1 << 20)
+    old["v"] = 1
+    del old["engine"]
+    # a batch of a peer from before engine ids decodes, naming no engine (wrong_run later)
+    assert RolloutBatch.decode(wire.encode(old), vocab_size=128).engine == ""
+    for bad in ({"engine": None}, {"engine": "x" * 41}):
+        obj = wire.decode(b.encode(), max_bytes=1 << 20)
+        obj.update(bad)
+        with pytest.raises(RemoteProtocolError):
+            RolloutBatch.decode(wire.encode(obj), vocab_size=128)
+    obj = wire.decode(b.encode(), max_bytes=1 << 20)
+    del obj["engine"]
+    with pytest.raises(RemoteProtocolError):
+        RolloutBatch.decode(wire.encode(obj), vocab_size=128)
+
+
 @pytest.mark.parametrize(
     "mutate",
     [
-        lambda o: o.update(v=2),
+        lambda o: o.update(v=3),
         lambda o: o["groups"][0]["samples"][0].update(ids=[500]),  # token id out of vocab
         lambda o: o["groups"][0]["samples"][0].update(ids=[-1]),
         lambda o: o["groups"][0]["samples"][0].update(lp=[0.5, 0.1, 0.2]),  # logprob > 0

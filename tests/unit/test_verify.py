@@ -11,10 +11,12 @@ import torch
 
 from p2p.identity import Identity
 from rollout.batch import SamplingConfig, build_batch
-from rollout.engine import TransformersEngine
+from rollout.engine import TransformersEngine, sample_group
+from rollout.gumbel import group_seed
 from rollout.model import build_model, build_tokenizer
 from rollout.schema import RolloutBatch, Sample
 from rollout.task import DEFAULT_TASK
+from rollout.toploc import build_proofs
 from rollout.verify import Validator, ValidatorConfig
 from trainer.checkpoint import save_checkpoint
 from trainer.oracle import TrainerOracle
@@ -204,3 +206,107 @@ def test_crashing_check_is_a_rejection(world: tuple[TrainerOracle, RolloutBatch,
     v.checks.insert(0, ("boom", boom))  # type: ignore[arg-type]
     verdict = v.check(batch, sender=PEER.peer_id, current_step=0)
     assert (verdict.accepted, verdict.reason) == (False, "check_error")
+
+
+def _rebuilt(
+    oracle: TrainerOracle, batch: RolloutBatch, ids: dict[tuple[int, int], tuple[int, ...]]
+) -> RolloutBatch:
+    """The strongest forger: replace some completions (``(group, sample) -> ids``) and
+    recompute everything else with the right model: TOPLOC proofs, logprobs, rewards."""
+    groups = []
+    for gi, g in enumerate(batch.groups):
+        comps = [ids.get((gi, si), s.completion_ids) for si, s in enumerate(g.samples)]
+        tfs = oracle.prefill_group(0, g.prompt_ids, comps, batch.temperature)
+        samples = []
+        for _s, c, tf in zip(g.samples, comps, tfs, strict=True):
+            proof = b"".join(build_proofs(tf.prefill_bits, tf.decode_bits, SAMPLING.toploc))
+            reward = oracle.reward(
+                c, submitter=batch.submitter, step=0, prompt_index=g.prompt_index, n_prompts=2
+            )
+            fin = "stop" if c[-1] == oracle.eos_id else "length"
+            samples.append(Sample(tuple(c), tuple(tf.logprobs), reward, fin, proof))
+        groups.append(dataclasses.replace(g, samples=tuple(samples)))
+    return dataclasses.replace(batch, groups=tuple(groups))
+
+
+def test_engine_id_must_be_the_runs(world: tuple[TrainerOracle, RolloutBatch, Path]) -> None:
+    oracle, batch, _ = world
+    assert batch.engine == "transformers-bf16"
+    assert _reason(oracle, dataclasses.replace(batch, engine="vllm-bf16")) == "wrong_run"
+    assert _reason(oracle, dataclasses.replace(batch, engine="")) == "wrong_run"  # schema 1
+    both = ("transformers-bf16", "vllm-bf16")
+    relabelled = dataclasses.replace(batch, engine="vllm-bf16")
+    v = _validator(oracle, engines=both)
+    assert v.check(relabelled, sender=PEER.peer_id, current_step=0).accepted
+    # each engine is judged with its own profile
+    base = v.config.default_profile()
+    strict = dataclasses.replace(base, eos_min_prob=0.5)
+    assert (
+        _reason(oracle, relabelled, engines=both, profiles={"vllm-bf16": strict}) == "termination"
+    )
+    assert (
+        _validator(oracle, engines=both, profiles={"vllm-bf16": strict})
+        .check(batch, sender=PEER.peer_id, current_step=0)
+        .accepted
+    )
+
+
+def test_eos_probability_floor(world: tuple[TrainerOracle, RolloutBatch, Path]) -> None:
+    oracle, batch, _ = world
+    assert any(s.finish_reason == "stop" for g in batch.groups for s in g.samples)
+    assert _reason(oracle, batch, eos_min_prob=0.5) == "termination"
+
+
+def _tampered(batch: RolloutBatch, where: str) -> tuple[tuple[int, int], tuple[int, ...]]:
+    for gi, g in enumerate(batch.groups):
+        for si, s in enumerate(g.samples):
+            ids = list(s.completion_ids)
+            if len(ids) < 5 or (where == "last" and s.finish_reason != "length"):
+                continue
+            j = {"first": 0, "middle": len(ids) // 2, "last": len(ids) - 1}[where]
+            if where != "last" and ids[j] == 2:
+                continue
+            ids[j] = 40 + (ids[j] + 7) % 60  # a printable character, never EOS
+            return (gi, si), tuple(ids)
+    raise AssertionError(f"no sample to tamper at the {where} position")
+
+
+@pytest.mark.parametrize("where", ["first", "middle", "last"])
+def test_replay_rejects_a_tampered_token(
+    world: tuple[TrainerOracle, RolloutBatch, Path], where: str
+) -> None:
+    oracle, batch, _ = world
+    key, ids = _tampered(batch, where)
+    forged = _rebuilt(oracle, batch, {key: ids})
+    assert _reason(oracle, forged) == "replay"
+    # the rest of the forgery is perfect: without the replay check it would pass
+    assert (
+        _validator(oracle, replay_margin=1e9)
+        .check(forged, sender=PEER.peer_id, current_step=0)
+        .accepted
+    )
+
+
+@pytest.mark.parametrize(
+    ("temperature", "margin"), [(1e-4, None), (0.5, None), (2.0, 0.05), (0.8, 0.02)]
+)
+def test_replay_rejects_greedy_and_other_temperatures(
+    world: tuple[TrainerOracle, RolloutBatch, Path], temperature: float, margin: float | None
+) -> None:
+    """Right noise keys, wrong temperature (1e-4 is greedy decoding); every proof, logprob
+    and reward recomputed at the run's temperature. The untrained test model's logits are
+    nearly flat, so a hotter (or slightly colder) sampler with the right noise stays within
+    the provisional margin of 0.5 (worst gap 0.40 at T = 2, 0.11 at T = 0.8); a margin
+    fitted to this model's honest gaps (max 0.0027) catches it."""
+    oracle, batch, _ = world
+    model = oracle._model(0)
+    ids = {}
+    for gi, g in enumerate(batch.groups):
+        seed = group_seed("r", PEER.peer_id, 0, g.prompt_index)
+        gens = sample_group(
+            model, g.prompt_ids, len(g.samples), 40, temperature, seed, oracle.eos_id
+        )
+        for si, gen in enumerate(gens):
+            ids[(gi, si)] = tuple(gen.completion_ids)
+    kw = {} if margin is None else {"replay_margin": margin}
+    assert _reason(oracle, _rebuilt(oracle, batch, ids), **kw) == "replay"
