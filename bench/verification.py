@@ -88,7 +88,8 @@ is re-judged under them (``missed_under_calibrated``). ``details.profiles`` re-j
 statistics under every profile of :data:`PROFILES` (rollouts refused by a check that does not
 depend on the model stay refused).
 
-**Timing** (wall clock, ``torch.set_num_threads(1)``): ``generate_s_per_rollout`` is the honest
+**Timing** (CPU seconds of the calling thread, :func:`cpu_clock`, ``torch.set_num_threads(1)``:
+robust to other load on a shared machine): ``generate_s_per_rollout`` is the honest
 corpus's engine time (sampling, proof building, reward) per rollout; ``verify_s_per_rollout``
 is ``Validator.check`` time per honest rollout, the batched teacher-forced pass included.
 ``details.timing.batching`` compares the batched pass with one pass per rollout (bits,
@@ -146,6 +147,13 @@ from trainer.checkpoint import save_checkpoint
 from trainer.grpo import make_optimizer
 from trainer.oracle import TrainerOracle
 
+
+def cpu_clock() -> float:
+    """The calling thread's CPU seconds (``time.thread_time``): torch runs on one thread here
+    (``main`` sets it), so this is the work done, whatever else loads the shared machine."""
+    return time.thread_time()
+
+
 RUN_ID = "verification-bench"
 DIGEST = "ab" * 32
 ENGINE = "transformers-bf16"
@@ -172,13 +180,14 @@ PROBES = ("modulus_malleability",)
 MODEL_CHECKED = ("accepted", "toploc", "sampling", "replay", "termination")
 """Outcomes that the model-dependent checks decided (or would have): profiles can change them."""
 
-MODELS: dict[str, dict[str, int]] = {
-    "tiny": {},  # the preset: hidden 128, 4 layers, 0.8 M parameters
+MODELS: dict[str, dict[str, float]] = {
+    "tiny": {},  # the preset: hidden 128, 4 layers, 0.8 M parameters, near-uniform outputs
     "h512": {
         "hidden_size": 512,
         "intermediate_size": 1536,
         "num_attention_heads": 8,
         "num_key_value_heads": 4,
+        "logit_std": 3.0,
     },
     "m100": {  # 96.7 M parameters, 194 MB in bf16
         "hidden_size": 1024,
@@ -186,9 +195,17 @@ MODELS: dict[str, dict[str, int]] = {
         "num_hidden_layers": 8,
         "num_attention_heads": 16,
         "num_key_value_heads": 4,
+        "logit_std": 3.0,
     },
 }
-"""Model configurations: ``LlamaConfig`` fields changed from the ``tiny`` preset."""
+"""Model configurations: ``LlamaConfig`` fields changed from the ``tiny`` preset, and
+``logit_std``: the LM head's initial weights are scaled so that the logits' standard deviation
+is about this (from ``initializer_range · sqrt(hidden)``). A randomly initialized model's
+next-token distribution is nearly uniform (``tiny``: entropy 4.83 nats of ln 128 = 4.85, top
+probability 0.013), where sampling at another temperature or from a slightly fine-tuned copy
+draws the same tokens as the honest sampler: those attacks are then harmless and no check can
+see them. A logit scale of 3 gives entropy about 2 nats and a top probability about 0.45 on
+``h512``, the range of a trained model on text, so they become meaningful."""
 
 DEFAULT_ROUNDS = {"tiny": 1.0, "h512": 0.5, "m100": 0.25}
 """Rounds of each model relative to the first model's (``--honest``), at least one."""
@@ -198,10 +215,10 @@ HEADROOM = 1.5
 (GRAIL: worst honest 3,979 against a tolerance of 6,000, 1.5×)."""
 MIN_STEP: dict[str, float] = {
     "prefill_exp_mismatches": 2,
-    "prefill_mant_err_mean": 0.25,
+    "prefill_mant_err_mean": 0.05,
     "prefill_mant_err_median": 1,
     "decode_exp_mismatches": 2,
-    "decode_mant_err_mean": 0.25,
+    "decode_mant_err_mean": 0.1,
     "decode_mant_err_median": 1,
     "logprob_mean_abs_diff": 0.005,
     "logprob_max_abs_diff": 0.02,
@@ -313,9 +330,9 @@ class RecordingOracle(TrainerOracle):
         temperature: float,
         keys: Sequence[NoiseKey] | None = None,
     ) -> Any:
-        start = time.perf_counter()
+        start = cpu_clock()
         outs = super().prefill_batch(step, items, temperature, keys)
-        self.forward_s += time.perf_counter() - start
+        self.forward_s += cpu_clock() - start
         for (prompt, c), out in zip(items, outs, strict=True):
             self.recorded[(tuple(prompt), tuple(c))] = out
         return outs
@@ -366,13 +383,18 @@ def master_model(model: str, seed: int) -> torch.nn.Module:
     """The float32 master of a :data:`MODELS` configuration, initialized from ``seed``."""
     if not MODELS[model]:
         return build_model("tiny", seed, torch.float32)
-    params = preset_config("tiny").to_dict()
+    params: dict[str, Any] = preset_config("tiny").to_dict()
     params.update(MODELS[model])
     params.pop("head_dim", None)  # recomputed from hidden_size / num_attention_heads
+    logit_std = params.pop("logit_std", None)
     factory: Any = AutoModelForCausalLM  # untyped
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
         built = factory.from_config(LlamaConfig(**params), dtype=torch.float32)
+    if logit_std is not None:
+        scale = logit_std / (params["initializer_range"] * math.sqrt(params["hidden_size"]))
+        with torch.no_grad():
+            built.lm_head.weight.mul_(scale)
     return built.eval()  # type: ignore[no-any-return]
 
 
@@ -529,7 +551,7 @@ def generate_batch(w: World, layout: Layout, r: int) -> tuple[RolloutBatch, floa
     prompts = w.oracle.prompt_ids(peer, 0, layout.n_prompts)
     seeds = [group_seed(RUN_ID, peer, 0, i) for i in range(layout.n_prompts)]
     rng = random.Random(f"{w.cfg.seed}/{layout.name}/{r}")
-    start = time.perf_counter()
+    start = cpu_clock()
     if layout.mode == "multi":
         rows = [
             (prompts[i], NoiseKey(seeds[i], j)) for i in range(layout.n_prompts) for j in range(n)
@@ -547,7 +569,7 @@ def generate_batch(w: World, layout: Layout, r: int) -> tuple[RolloutBatch, floa
     ]
     if layout.mode == "shuffled":
         rng.shuffle(groups)
-    elapsed = time.perf_counter() - start
+    elapsed = cpu_clock() - start
     seed = sample_seed(peer, 0, -1)
     batch = RolloutBatch(
         RUN_ID, peer, 0, DIGEST, DEFAULT_TASK.name, layout.n_prompts, seed, temp, cap, tuple(groups)
@@ -602,9 +624,9 @@ def submit(
         return Outcome(False, "integrity", 0.0)
     except RemoteProtocolError:
         return Outcome(False, "schema", 0.0)
-    start = time.perf_counter()
+    start = cpu_clock()
     verdict = validator.check(decoded, sender=got.submitter, current_step=current_step)
-    return Outcome(verdict.accepted, verdict.reason, time.perf_counter() - start)
+    return Outcome(verdict.accepted, verdict.reason, cpu_clock() - start)
 
 
 def replay_margin(cfg: ValidatorConfig) -> float:
@@ -860,15 +882,19 @@ class Corpus:
             "finetuned_reproved": finetuned,
         }
 
+    FINETUNE_TEXTS = 8
+    """Sequences of the fine-tuning batch (the first base batch's first rollouts)."""
+
     def _finetune(self, lr: float) -> torch.nn.Module:
-        """The fp32 master after ``finetune_steps`` AdamW steps of next-token loss on the first
-        base batch's prompts + completions; records the share of bf16 weights that moved."""
+        """The fp32 master after ``finetune_steps`` AdamW steps of next-token loss on
+        :attr:`FINETUNE_TEXTS` prompts + completions of the first base batch; records the share
+        of bf16 weights that moved."""
         w = self.w
         master = master_model(w.cfg.model, w.cfg.seed)
         before = {k: t.to(torch.bfloat16) for k, t in master.state_dict().items()}
         texts = [
             [*g.prompt_ids, *s.completion_ids] for g in self.base[0][0].groups for s in g.samples
-        ]
+        ][: self.FINETUNE_TEXTS]
         ids = torch.zeros((len(texts), max(len(t) for t in texts)), dtype=torch.int64)
         mask = torch.zeros_like(ids)
         for i, t in enumerate(texts):
@@ -904,14 +930,14 @@ class Corpus:
             ]
             prompts = [w.oracle.prompt_ids(p.peer_id, 0, 1)[0] for p in peers]
             keys = [unit_key(p.peer_id) for p in peers]
-            start = time.perf_counter()
+            start = cpu_clock()
             bases = [
                 to_sample(w, g)
                 for g in sample_rows(
                     w.engine.model, list(zip(prompts, keys, strict=True)), cap, temp, w.eos
                 )
             ]
-            self.honest["unit"].generate_s += time.perf_counter() - start
+            self.honest["unit"].generate_s += cpu_clock() - start
             for peer, prompt, s in zip(peers, prompts, bases, strict=True):
                 self._unit(self.honest["unit"], "unit", peer, prompt, s)
 
@@ -1118,12 +1144,12 @@ def batching_effect(w: World, batches: Sequence[RolloutBatch]) -> dict[str, Any]
         for b, g in groups
         for i in range(len(g.samples))
     ]
-    start = time.perf_counter()
+    start = cpu_clock()
     batched = prefill_activations_batch(model, items, w.cfg.temperature)
-    batched_s = time.perf_counter() - start
-    start = time.perf_counter()
+    batched_s = cpu_clock() - start
+    start = cpu_clock()
     alone = [prefill_activations(model, p, c, w.cfg.temperature) for p, c in items]
-    alone_s = time.perf_counter() - start
+    alone_s = cpu_clock() - start
     gapped = prefill_activations_batch(model, items, w.cfg.temperature, keys)
     rows = same = agree = 0
     lp_diff = 0.0
@@ -1289,6 +1315,73 @@ def calibrated_overrides(chosen: dict[str, float]) -> dict[str, Any]:
     return out
 
 
+def effective_thresholds(cfg: ValidatorConfig) -> dict[str, float]:
+    """The limit ``cfg`` puts on each statistic of :data:`STATISTICS` (``eos_prob``: a floor)."""
+    out: dict[str, float] = {}
+    for part, th in (("prefill", cfg.toploc_prefill_thresholds), ("decode", cfg.toploc_thresholds)):
+        out[f"{part}_exp_mismatches"] = th.max_exp_mismatches
+        out[f"{part}_mant_err_mean"] = th.max_mant_err_mean
+        out[f"{part}_mant_err_median"] = th.max_mant_err_median
+    out["logprob_mean_abs_diff"] = cfg.logprob_tolerance
+    out["logprob_max_abs_diff"] = cfg.logprob_max_tolerance
+    out["replay_max_gap"] = replay_margin(cfg)
+    out["eos_prob"] = eos_floor(cfg)
+    return out
+
+
+def detection_ratio(s: RolloutStats, limits: dict[str, float]) -> tuple[float, str]:
+    """How far past its limit the rollout's worst statistic is: ``(ratio, statistic)`` with
+    ratio ``value / limit`` (``limit / value`` for ``eos_prob``); the model checks reject the
+    rollout exactly when the ratio is above 1 (``inf`` for unusable proofs or a bad ending)."""
+    if not s.proofs_ok:
+        return math.inf, "proofs"
+    if not s.ends_ok:
+        return math.inf, "ending"
+    worst, which = 0.0, "none"
+    for name, v in s.values().items():
+        limit = limits.get(name)
+        if limit is None or math.isinf(limit):
+            continue
+        if name == "eos_prob":
+            ratio = limit / v if v > 0 else math.inf
+        else:
+            ratio = v / limit if limit > 0 else (math.inf if v > 0 else 0.0)
+        if ratio > worst:
+            worst, which = ratio, name
+    return worst, which
+
+
+def margins(
+    stats: dict[str, list[tuple[str, RolloutStats]]], cfg: ValidatorConfig
+) -> dict[str, dict[str, Any]]:
+    """Per class under ``cfg``'s model checks: rollouts judged, accepted, the closest call
+    (honest: the largest :func:`detection_ratio`, below 1 when none is rejected; attacks: the
+    smallest, above 1 when all are caught) and which statistic caught each attack rollout.
+    Attack rollouts refused before the model checks (schema, reward, ...) are left out."""
+    limits = effective_thresholds(cfg)
+    out: dict[str, dict[str, Any]] = {}
+    for cls, pairs in stats.items():
+        honest = cls == "honest"
+        judged = [s for key, s in pairs if honest or key in MODEL_CHECKED]
+        if not judged:
+            continue
+        ratios = [detection_ratio(s, limits) for s in judged]
+        values = [r for r, _ in ratios]
+        closest = max(values) if honest else min(values)
+        out[cls] = {
+            "judged": len(judged),
+            "accepted": sum(r <= 1.0 for r in values),
+            "closest_ratio": closest if math.isfinite(closest) else "inf",
+            "caught_by": dict(Counter(w for r, w in ratios if r > 1.0)),
+        }
+    return out
+
+
+def vcfg_unit(cfg: BenchConfig) -> ValidatorConfig:
+    """The run's validator configuration (profile ``cfg.profile``) of a 1 × 1 batch."""
+    return validator_config(Layout("unit", 1, 1, 1), cfg.profile, cfg.temperature)
+
+
 def run(cfg: BenchConfig, keep: dict[str, Any] | None = None) -> dict[str, Any]:
     """Build a world, run the corpus and return the report (see the module docstring).
 
@@ -1316,6 +1409,10 @@ def run(cfg: BenchConfig, keep: dict[str, Any] | None = None) -> dict[str, Any]:
     stats = {"honest": pooled.stats, **{n: t.stats for n, t in corpus.attacks.items()}}
     calibration = calibrate(stats)
     extra = {"calibrated": calibrated_overrides(calibration["chosen"])}
+    calibration["margins_under_default"] = margins(stats, vcfg_unit(cfg))
+    calibration["margins_under_calibrated"] = margins(
+        stats, config_with(vcfg_unit(cfg), extra["calibrated"])
+    )
     if keep is not None:
         keep["stats"] = stats
 
@@ -1403,20 +1500,14 @@ def engine_calibration(kept: dict[str, dict[str, Any]], temperature: float) -> d
     overrides = calibrated_overrides(chosen)
     unit = Layout("unit", 1, 1, 1)
     cfg = config_with(validator_config(unit, "default", temperature), overrides)
-    missed = {
-        m: {
-            cls: sum(key in MODEL_CHECKED and s.passes(cfg) for key, s in pairs)
-            for cls, pairs in k["stats"].items()
-        }
-        for m, k in kept.items()
-    }
+    missed = {m: margins(k["stats"], cfg) for m, k in kept.items()}
     return {
         "engine": ENGINE,
         "headroom": HEADROOM,
         "min_step": MIN_STEP,
         "chosen": chosen,
         "profile": validator_summary(cfg),
-        "accepted_under_profile": missed,
+        "margins": missed,
     }
 
 
@@ -1482,20 +1573,26 @@ def print_table(report: dict[str, Any], out: TextIO = sys.stdout) -> None:
             f"{h['verify_s_per_rollout'] * 1e3:6.1f} ms  ({ratio:.1f}x)"
         )
     cal = d["calibration"]
-    say(f"calibration ({d['engine']}): statistic: honest max / p99.9 -> chosen; attack minima")
+    say(f"calibration ({d['engine']}, this model): honest worst / tail -> chosen limit")
     for name in STATISTICS:
         h = cal["honest"].get(name)
         if h is None:
             continue
-        lo = name == "eos_prob"
-        worst, tail = (h["min"], h["p0.1"]) if lo else (h["max"], h["p99.9"])
-        mins = {c: v[name] for c, v in cal["attacks_min"].items() if name in v}
-        shown = ", ".join(f"{c} {v:.3g}" for c, v in sorted(mins.items(), key=lambda x: x[1])[:4])
+        worst, tail = (h["min"], h["p0.1"]) if name == "eos_prob" else (h["max"], h["p99.9"])
         chosen = cal["chosen"].get(name)
-        say(
-            f"  {name:<24} {worst:.3g} / {tail:.3g} -> "
-            f"{'-' if chosen is None else f'{chosen:.3g}'}   {'max' if lo else 'min'}: {shown}"
-        )
+        shown = "-" if chosen is None else f"{chosen:.3g}"
+        say(f"  {name:<24} {worst:.3g} / {tail:.3g} -> {shown}")
+    say("margins (accepted/judged, closest ratio to a limit; caught by) default | calibrated:")
+    for c, x in cal["margins_under_calibrated"].items():
+        y = cal["margins_under_default"].get(c, {})
+
+        def fmt(m: dict[str, Any]) -> str:
+            if not m:
+                return "-"
+            r = m["closest_ratio"]
+            return f"{m['accepted']}/{m['judged']} {r if isinstance(r, str) else f'{r:.3g}'}"
+
+        say(f"  {c:<22} {fmt(y):<18} | {fmt(x):<18} {x['caught_by']}")
 
 
 def parse_rounds(text: str) -> dict[str, int]:
@@ -1507,6 +1604,21 @@ def parse_rounds(text: str) -> dict[str, int]:
     return out
 
 
+def combine(
+    reports: dict[str, dict[str, Any]], kept: dict[str, dict[str, Any]], args: argparse.Namespace
+) -> dict[str, Any]:
+    """The JSON report: the first model's report at the top level (the earlier shape), the
+    others under ``details.models``, the engine-wide ``calibration``, and the command line."""
+    models = list(reports)
+    report = dict(reports[models[0]])
+    report["details"] = dict(report["details"])
+    if len(models) > 1:
+        report["details"]["models"] = {m: reports[m] for m in models[1:]}
+    report["calibration"] = engine_calibration(kept, BenchConfig().temperature)
+    report["details"]["command"] = {k: str(v) for k, v in vars(args).items()}
+    return report
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """Command line entry point; returns the exit status (2 on a usage error)."""
     parser = argparse.ArgumentParser(description=(__doc__ or "").split("\n", 1)[0])
@@ -1515,8 +1627,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument(
         "--honest", type=int, default=500, help="at least this many honest rollouts, first model"
     )
-    parser.add_argument("--quick", action="store_true", help="one round, tiny model (~20 s)")
-    parser.add_argument("--models", default="tiny,h512", help=f"comma-separated, of {list(MODELS)}")
+    parser.add_argument(
+        "--quick", action="store_true", help="one round per model, tiny by default (~1 min)"
+    )
+    parser.add_argument(
+        "--models",
+        help=f"comma-separated, of {list(MODELS)} (default tiny,h512; tiny with --quick)",
+    )
     parser.add_argument(
         "--rounds", default="", help="rounds per model, e.g. tiny=9,m100=1 (overrides --honest)"
     )
@@ -1525,7 +1642,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--max-new-tokens", type=int, default=128, help="completion cap")
     parser.add_argument("--out", type=Path, help="also write the JSON report to this file")
     args = parser.parse_args(argv)
-    models = ["tiny"] if args.quick else args.models.split(",")
+    models = (args.models or ("tiny" if args.quick else "tiny,h512")).split(",")
     try:
         fixed = parse_rounds(args.rounds)
     except ValueError:
@@ -1542,7 +1659,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     kept: dict[str, dict[str, Any]] = {}
     reports = {}
     for m in models:
-        rounds = fixed.get(m, max(1, round(first * DEFAULT_ROUNDS.get(m, 0.25))))
+        rounds = 1 if args.quick else max(1, round(first * DEFAULT_ROUNDS.get(m, 0.25)))
+        rounds = fixed.get(m, rounds)
         kept[m] = {}
         cfg = BenchConfig(
             seed=args.seed,
@@ -1553,14 +1671,12 @@ def main(argv: Sequence[str] | None = None) -> int:
             attacks_per_round=args.attacks,
         )
         reports[m] = run(cfg, kept[m])
-    report = reports[models[0]]
-    if len(models) > 1:
-        report["details"]["models"] = {m: reports[m] for m in models[1:]}
-    report["calibration"] = engine_calibration(kept, BenchConfig().temperature)
+        report = combine(reports, kept, args)
+        if args.out:  # after every model: a long run leaves its finished models behind
+            args.out.parent.mkdir(parents=True, exist_ok=True)
+            args.out.write_text(json.dumps(report, indent=1) + "\n")
+    report = combine(reports, kept, args)
     text = json.dumps(report, indent=1)
-    if args.out:
-        args.out.parent.mkdir(parents=True, exist_ok=True)
-        args.out.write_text(text + "\n")
     if args.json:
         print(text)
     else:
@@ -1571,12 +1687,25 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 def print_engine_calibration(cal: dict[str, Any], out: TextIO = sys.stdout) -> None:
-    """The engine-wide calibrated profile and what each model's classes do under it."""
+    """The engine-wide calibrated profile and each model's classes under it: accepted of
+    judged, and the closest call (honest: largest ratio to a limit, must be <= 1; attacks:
+    smallest, must be > 1)."""
     print(f"\n== calibrated profile for {cal['engine']} (headroom {cal['headroom']}x) ==", file=out)
     print(f"  {cal['profile']}", file=out)
-    for m, classes in cal["accepted_under_profile"].items():
-        shown = {c: n for c, n in classes.items() if n}
-        print(f"  {m}: accepted under it (honest should be all, attacks 0): {shown}", file=out)
+    models = list(cal["margins"])
+    classes = list(dict.fromkeys(c for m in models for c in cal["margins"][m]))
+    print(f"  {'class':<22}" + "".join(f"{m + ' acc/n closest':>26}" for m in models), file=out)
+    for c in classes:
+        cells = []
+        for m in models:
+            x = cal["margins"][m].get(c)
+            if x is None:
+                cells.append(f"{'-':>26}")
+                continue
+            ratio = x["closest_ratio"]
+            shown = ratio if isinstance(ratio, str) else f"{ratio:.3g}"
+            cells.append(f"{x['accepted']:>12}/{x['judged']:<5} {shown:>7}")
+        print(f"  {c:<22}" + "".join(cells), file=out)
 
 
 if __name__ == "__main__":
