@@ -42,12 +42,15 @@ Every checkpoint tensor must be covered exactly once. An architecture whose vLLM
 do not mirror the Hugging Face names (Llama, Mistral and Qwen2 do) fails verification closed.
 
 **Generation and captured activations.** ``generate(prompt, n, ...)`` submits ``n`` requests
-of the same prompt in one ``llm.generate`` call, request ``i`` with ``seed_i`` (a hash of
-``(seed, i)``), ``temperature=T``, ``top_p=1``, ``top_k=0`` (off), ``max_tokens=N_max``,
-``stop_token_ids=[eos]``, ``logprobs=0`` and ``extra_args={"shardnet_sample": i}``. vLLM runs
-with ``logprobs_mode="processed_logprobs"`` (log-probabilities after temperature scaling:
-``log_softmax(float32(bf16 logits) / T)``, what the validator recomputes), its generation
-defaults off (``generation_config="vllm"``), and **prefix caching off**: every request prefills
+of the same prompt in one ``llm.generate`` call, request ``i`` with ``temperature=T``,
+``top_p=1``, ``top_k=0`` (off), ``max_tokens=N_max``, ``stop_token_ids=[eos]`` and
+``extra_args={"shardnet_sample": i}``. Tokens are drawn by seeded Gumbel-max with
+``NoiseKey(seed, i)`` (:mod:`rollout.gumbel`, the same sampler as ``TransformersEngine``):
+a forward hook on the model's ``logits_processor`` replaces each step's logits by a row that
+forces the drawn token, and records the reported logprob
+``log_softmax(float32(bf16 logits) / T)`` of it, what the validator recomputes
+(:mod:`rollout.vllm_capture`); vLLM's own random draw and logprobs are not used. Its generation
+defaults are off (``generation_config="vllm"``), and **prefix caching off**: every request prefills
 its own prompt, so every sample has its own prefill rows and results never depend on what an
 earlier call left in the cache (cost: ``n`` prefills of the prompt instead of one).
 
@@ -101,7 +104,6 @@ hard requirements; PyPI has no CPU builds of them). So, in a venv of its own::
 from __future__ import annotations
 
 import gc
-import hashlib
 import importlib
 import importlib.util
 import logging
@@ -222,12 +224,6 @@ def _process_state_preserved() -> Iterator[None]:
         gc.unfreeze()
 
 
-def _sample_seed(seed: int, index: int) -> int:
-    """Sample ``index``'s sampling seed: 63 bits of a hash of ``(seed, index)``."""
-    digest = hashlib.sha256(f"{seed}\x1f{index}".encode()).digest()
-    return int.from_bytes(digest[:8], "big") >> 1
-
-
 def _read_config(directory: Path) -> dict[str, Any]:
     """``config.json`` as a dict without the keys that do not change the model."""
     try:
@@ -340,7 +336,8 @@ class VllmEngine:
             n: samples (>= 1, <= ``max_num_seqs``).
             max_new_tokens: length cap ``N_max >= 1``.
             temperature: ``T >= 1e-5`` (vLLM is greedy below).
-            seed: sample ``i`` is drawn with a seed derived from ``(seed, i)``.
+            seed: the group seed: sample ``i`` draws with ``NoiseKey(seed, i)``
+                (:mod:`rollout.gumbel`), exactly as ``TransformersEngine`` does.
 
         Returns:
             ``n`` generations in sample order, as :class:`~rollout.engine.Generation` describes:
@@ -424,6 +421,7 @@ class VllmEngine:
             self._hooks = [
                 model.register_forward_hook(self._on_forward, with_kwargs=True),
                 model.logits_processor.register_forward_pre_hook(self._on_logits),
+                model.logits_processor.register_forward_hook(self._on_logits_out),
             ]
             self._checkpoint, self._config, self._shapes = directory, config, expected
             self._hidden_size = int(config["hidden_size"])
@@ -533,15 +531,15 @@ class VllmEngine:
                 top_p=1.0,
                 top_k=0,
                 max_tokens=max_new_tokens,
-                seed=_sample_seed(seed, i),
                 stop_token_ids=[self._eos],
-                logprobs=0,
                 detokenize=False,
                 extra_args={SAMPLE_KEY: i},
             )
             for i in range(n)
         ]
-        capture = Capture(n, self._runner)
+        capture = Capture(
+            n, self._runner, seed=seed, temperature=temperature, prompt_len=len(prompt)
+        )
         self._capture = capture
         try:
             outputs = self._llm.generate([{"prompt_token_ids": prompt}] * n, params, use_tqdm=False)
@@ -574,7 +572,7 @@ class VllmEngine:
             raise VllmEngineError(
                 f"sample {index}: finish_reason {completion.finish_reason!r} with {len(ids)} tokens"
             )
-        logprobs = [float(completion.logprobs[j][tok].logprob) for j, tok in enumerate(ids)]
+        logprobs = capture.draws(index, ids)
         rows = capture.rows(index, prompt + ids, self._hidden_size)
         return Generation(
             prompt_ids=list(prompt),
@@ -596,6 +594,11 @@ class VllmEngine:
     def _on_logits(self, _module: Any, args: tuple[Any, ...]) -> None:
         if self._capture is not None:
             self._capture.on_logits(args)
+
+    def _on_logits_out(self, _module: Any, _args: tuple[Any, ...], out: Any) -> Any:
+        if self._capture is not None and isinstance(out, torch.Tensor):
+            return self._capture.on_logits_out(out)
+        return None
 
 
 def _model_runner(worker: Any) -> Any:

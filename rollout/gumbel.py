@@ -62,13 +62,15 @@ sampling distribution ``softmax(logits / T)`` must be at least ``eos_min_prob`` 
 0.02; this project's provisional default is lower, see :data:`DEFAULT_EOS_MIN_PROB`); a
 ``"length"`` completion must have exactly ``max_new_tokens`` tokens and no EOS.
 
-Pure numpy and the standard library (plus ``blake3``); thread-safe; no engine imports.
+Pure numpy and the standard library (plus ``blake3``); thread-safe (one bit generator per
+thread); no engine imports.
 """
 
 from __future__ import annotations
 
 import enum
 import math
+import threading
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -93,6 +95,7 @@ __all__ = [
     "group_seed",
     "gumbel_argmax",
     "gumbel_noise",
+    "gumbel_noise_rows",
     "gumbel_scores",
     "judge_replay",
     "replay_gaps",
@@ -105,13 +108,16 @@ CHUNK = 4096
 """Noise values per Philox counter (one chunk of the vocabulary)."""
 GRAIL_EOS_MIN_PROB = 0.02
 """GRAIL's floor on the validator's EOS probability at a ``"stop"`` completion's last token."""
-DEFAULT_EOS_MIN_PROB = 1e-3
-"""This project's provisional floor. GRAIL's 0.02 rejects every honest ``"stop"`` completion
-of an untrained model whose EOS probability is near ``1 / V`` everywhere (the ``tiny`` preset,
-``V = 128``: measured 0.0039–0.0067 at every position). An honest sample fails a floor ``f``
-only by drawing EOS where its probability is below ``f``, which happens with probability
-below ``f`` per position; calibrate ``f`` against the honest minimum (``bench/verification.py``).
-"""
+DEFAULT_EOS_MIN_PROB = 1e-6
+"""This project's provisional floor. An honest sample fails a floor ``f`` only by drawing EOS
+where its probability is below ``f``, which happens with probability below ``f`` per
+position: at most ``N * f`` per completion of ``N`` tokens, whatever the model. GRAIL's 0.02
+rejects every honest ``"stop"`` completion of an untrained model whose EOS probability is near
+``1 / V`` everywhere (the ``tiny`` preset, ``V = 128``: measured 0.0039–0.0067 at every
+position; the small Qwen2 test model: 0.0008), and a trained model's EOS probability away from
+an ending is often below 0.02 yet drawn now and then. With the replay check in place the floor
+is a second line (an EOS forced where it is improbable also has a large replay gap); calibrate
+it with ``bench/verification.py`` before raising it."""
 DEFAULT_REPLAY_MARGIN = 0.5
 """Provisional replay margin, score units. Honest gaps come from the two passes' logit
 differences (at most the winner's plus the chosen token's change, divided by ``T``); LM-head
@@ -189,11 +195,58 @@ def sample_key(
     return NoiseKey(group_seed(run_id, submitter, policy_step, prompt_index), sample_index)
 
 
-def _chunk(key: npt.NDArray[np.uint64], position: int, chunk: int) -> _F32:
-    counter = np.array([0, chunk, position, 0], dtype=np.uint64)
-    raw = np.random.Philox(key=key, counter=counter).random_raw(CHUNK)
+_LOCAL = threading.local()
+
+
+def _philox() -> np.random.Philox:
+    """This thread's reusable bit generator (its state is always set before use; building
+    one per call would also read OS entropy for a seed that the key then overrides)."""
+    gen: np.random.Philox | None = getattr(_LOCAL, "philox", None)
+    if gen is None:
+        gen = _LOCAL.philox = np.random.Philox(0)
+    return gen
+
+
+class _Stream:
+    """Raw Philox output of one key at any (position, chunk) counter: the thread's bit
+    generator with its state set per counter (the same values as
+    ``Philox(key=k, counter=c).random_raw``, without building a generator each time)."""
+
+    def __init__(self, key: NoiseKey) -> None:
+        self.key = key.philox_key()
+        self.gen = _philox()
+        self.empty = np.zeros(4, dtype=np.uint64)
+
+    def raw(self, position: int, start: int, stop: int, out: npt.NDArray[np.uint64]) -> None:
+        """Write the raw values of vocabulary entries ``start .. stop-1`` at ``position``
+        into ``out`` (``stop - start`` values)."""
+        done = 0
+        for chunk in range(start // CHUNK, (stop - 1) // CHUNK + 1):
+            lo = max(start, chunk * CHUNK) - chunk * CHUNK
+            hi = min(stop, (chunk + 1) * CHUNK) - chunk * CHUNK
+            self.gen.state = {
+                "bit_generator": "Philox",
+                "state": {
+                    "counter": np.array([0, chunk, position, 0], dtype=np.uint64),
+                    "key": self.key,
+                },
+                "buffer": self.empty,
+                "buffer_pos": 4,
+                "has_uint32": 0,
+                "uinteger": 0,
+            }
+            values = self.gen.random_raw(hi)  # a chunk's prefix: only what is needed
+            out[done : done + hi - lo] = values[lo:]
+            done += hi - lo
+
+
+def _gumbel(raw: npt.NDArray[np.uint64]) -> _F32:
+    """``-log(-log(u))`` with ``u = ((x >> 11) + 0.5) / 2**53``, float64 then float32."""
     u = ((raw >> np.uint64(11)).astype(np.float64) + 0.5) * (2.0**-53)
     return (-np.log(-np.log(u))).astype(np.float32)
+
+
+_BLOCK_VALUES = 1 << 20  # values generated at once (bounds the float64 temporaries)
 
 
 def gumbel_noise(key: NoiseKey, position: int, vocab_size: int, start: int = 0) -> _F32:
@@ -213,13 +266,45 @@ def gumbel_noise(key: NoiseKey, position: int, vocab_size: int, start: int = 0) 
     Raises:
         LocalProtocolError: a negative position or an empty range.
     """
-    if not 0 <= position < _MAX_POSITION or not 0 <= start < vocab_size:
-        raise LocalProtocolError(f"bad noise range: position {position}, [{start}, {vocab_size})")
-    pk = key.philox_key()
-    first, last = start // CHUNK, (vocab_size - 1) // CHUNK
-    noise = np.concatenate([_chunk(pk, position, c) for c in range(first, last + 1)])
-    offset = first * CHUNK
-    return noise[start - offset : vocab_size - offset]
+    row: _F32 = gumbel_noise_rows([key], [position], vocab_size, start)[0]
+    return row
+
+
+def gumbel_noise_rows(
+    keys: Sequence[NoiseKey], positions: Sequence[int], vocab_size: int, start: int = 0
+) -> _F32:
+    """:func:`gumbel_noise` of several (key, position) pairs at once: row ``r`` is
+    ``gumbel_noise(keys[r], positions[r], vocab_size, start)``.
+
+    Args:
+        keys: one key per row (repeat a key for several positions of one sample).
+        positions: one completion position per row, ``>= 0``.
+        vocab_size, start: the vocabulary range, as :func:`gumbel_noise`.
+
+    Returns:
+        ``[rows, vocab_size - start]`` float32.
+
+    Raises:
+        LocalProtocolError: lengths differ, a negative position or an empty range.
+    """
+    if len(keys) != len(positions):
+        raise LocalProtocolError(f"{len(keys)} keys for {len(positions)} positions")
+    if not 0 <= start < vocab_size or any(not 0 <= p < _MAX_POSITION for p in positions):
+        raise LocalProtocolError(f"bad noise range: positions {positions}, [{start}, {vocab_size})")
+    width = vocab_size - start
+    out = np.empty((len(keys), width), dtype=np.float32)
+    streams: dict[NoiseKey, _Stream] = {}
+    block = max(1, _BLOCK_VALUES // width)
+    for first in range(0, len(keys), block):
+        rows = range(first, min(first + block, len(keys)))
+        raw = np.empty((len(rows), width), dtype=np.uint64)
+        for i, r in enumerate(rows):
+            stream = streams.get(keys[r])
+            if stream is None:
+                stream = streams[keys[r]] = _Stream(keys[r])
+            stream.raw(positions[r], start, vocab_size, raw[i])
+        out[first : first + len(rows)] = _gumbel(raw)
+    return out
 
 
 def gumbel_scores(logits: npt.ArrayLike, noise: npt.ArrayLike, temperature: float) -> _F32:
@@ -263,8 +348,7 @@ def gumbel_argmax(
     z = np.asarray(logits, dtype=np.float32)
     if z.ndim != 2 or z.shape[0] != len(keys):
         raise LocalProtocolError(f"logits of shape {z.shape} for {len(keys)} keys")
-    vocab = z.shape[1]
-    noise = np.stack([gumbel_noise(k, position, vocab) for k in keys]) if keys else z
+    noise = gumbel_noise_rows(keys, [position] * len(keys), z.shape[1]) if keys else z
     winners: npt.NDArray[np.int64] = np.argmax(gumbel_scores(z, noise, temperature), axis=1)
     return winners.astype(np.int64, copy=False)
 
@@ -300,10 +384,15 @@ def replay_gaps(
     vocab = z.shape[1]
     if ids.size and not (0 <= int(ids.min()) and int(ids.max()) < vocab):
         raise LocalProtocolError(f"token id outside [0, {vocab})")
-    gaps = np.empty(ids.shape[0], dtype=np.float32)
-    for j in range(ids.shape[0]):
-        s = gumbel_scores(z[j], gumbel_noise(key, first_position + j, vocab), temperature)
-        gaps[j] = s.max() - s[ids[j]]
+    n = ids.shape[0]
+    gaps = np.empty(n, dtype=np.float32)
+    block = max(1, _BLOCK_VALUES // max(vocab, 1))
+    for lo in range(0, n, block):
+        hi = min(n, lo + block)
+        rows = range(first_position + lo, first_position + hi)
+        noise = gumbel_noise_rows([key] * len(rows), list(rows), vocab)
+        scores = gumbel_scores(z[lo:hi], noise, temperature)
+        gaps[lo:hi] = scores.max(axis=1) - scores[np.arange(hi - lo), ids[lo:hi]]
     return gaps
 
 

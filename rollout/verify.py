@@ -183,10 +183,10 @@ class ValidatorConfig:
     ``bench/verification.py`` per engine and model: ``replay_margin = 0.5``
     (:data:`rollout.gumbel.DEFAULT_REPLAY_MARGIN`: two bf16 ulps of a logit in [16, 32) at
     ``T = 0.5``; honest gaps on ``tiny`` are 0 except where the two passes' logits swap the
-    top two scores, max 0.0027 of 192) and ``eos_min_prob = 0.001``
-    (:data:`rollout.gumbel.DEFAULT_EOS_MIN_PROB`: GRAIL's 0.02 rejects every honest
-    ``"stop"`` completion of the untrained ``tiny`` model, whose EOS probability is about
-    ``1/128``).
+    top two scores, max 0.0027 of 192) and ``eos_min_prob = 1e-6``
+    (:data:`rollout.gumbel.DEFAULT_EOS_MIN_PROB`: at most ``N * 1e-6`` honest rejections per
+    completion; GRAIL's 0.02 rejects every honest ``"stop"`` completion of the untrained
+    ``tiny`` model, whose EOS probability is about ``1/128``).
 
     Calibration of the defaults (``python bench/verification.py``, seed 0, 128- and 16-token
     completions from ``TransformersEngine`` in group sizes 1/4/8, shuffled prompt order, and

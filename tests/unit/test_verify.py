@@ -308,5 +308,8 @@ def test_replay_rejects_greedy_and_other_temperatures(
         )
         for si, gen in enumerate(gens):
             ids[(gi, si)] = tuple(gen.completion_ids)
-    kw = {} if margin is None else {"replay_margin": margin}
-    assert _reason(oracle, _rebuilt(oracle, batch, ids), **kw) == "replay"
+    forged = _rebuilt(oracle, batch, ids)
+    if margin is None:
+        assert _reason(oracle, forged) == "replay"
+    else:
+        assert _reason(oracle, forged, replay_margin=margin) == "replay"
