@@ -128,9 +128,14 @@ from rollout.engine import (
     prefill_activations,
     prefill_activations_batch,
 )
-from rollout.gumbel import NoiseKey, check_termination, group_seed, gumbel_scores
+from rollout.gumbel import (
+    NoiseKey,
+    check_termination,
+    group_seed,
+    gumbel_noise_rows,
+    gumbel_scores,
+)
 from rollout.model import build_model, build_tokenizer, preset_config
-from rollout.philox import gumbel_noise_positions
 from rollout.schema import Group, RolloutAnnouncement, RolloutBatch, Sample
 from rollout.task import DEFAULT_TASK
 from rollout.toploc import (
@@ -463,10 +468,10 @@ def sample_rows(
     id 0 and masked, and position ids count from each row's first real token, so every row is
     mathematically the batch-1 computation while the float operations run on ``[B, ·]``
     tensors. The token of row ``b`` at completion position ``j`` is ``pick(logits, noise)``
-    with the row's Gumbel noise at ``j`` (:func:`rollout.philox.gumbel_noise_positions`, the
-    noise of :mod:`rollout.gumbel`); the default pick is the honest seeded Gumbel-max at
-    ``temperature``. Reported logprobs are always ``log_softmax(float32(logits) / temperature)``
-    of the chosen token (what a peer claiming ``temperature`` reports).
+    with the row's Gumbel noise at ``j`` (:func:`rollout.gumbel.gumbel_noise_rows`); the
+    default pick is the honest seeded Gumbel-max at ``temperature``. Reported logprobs are
+    always ``log_softmax(float32(logits) / temperature)`` of the chosen token (what a peer
+    claiming ``temperature`` reports).
 
     Returns:
         one generation per row, in order.
@@ -474,7 +479,8 @@ def sample_rows(
     pick = pick or gumbel_pick(temperature)
     prompts = [list(p) for p, _ in rows]
     vocab = int(model.config.vocab_size)
-    noise = np.stack([gumbel_noise_positions(k, range(max_new_tokens), vocab) for _, k in rows])
+    steps = range(max_new_tokens)
+    noise = np.stack([gumbel_noise_rows([k] * max_new_tokens, steps, vocab) for _, k in rows])
     width = max(len(p) for p in prompts)
     ids = torch.zeros((len(rows), width), dtype=torch.int64)
     mask = torch.zeros((len(rows), width), dtype=torch.int64)

@@ -47,10 +47,9 @@ import torch
 from transformers import AutoConfig, DynamicCache
 
 from p2p.errors import LocalProtocolError
-from rollout.gumbel import NoiseKey, gumbel_argmax, gumbel_scores
+from rollout.gumbel import NoiseKey, gumbel_argmax, replay_gaps
 from rollout.model import check_weights, copy_weights, load_model
 from rollout.model_dir import load_tokenizer, stop_token_id
-from rollout.philox import gumbel_noise_positions
 
 __all__ = [
     "Engine",
@@ -62,7 +61,6 @@ __all__ = [
     "prefill_activations",
     "prefill_activations_batch",
     "prefill_activations_group",
-    "replay_gaps_all",
     "sample_group",
 ]
 
@@ -357,9 +355,8 @@ def prefill_activations_batch(
         max_batch_tokens: padded-token budget per forward pass (rows x width), >= 1.
 
     Returns:
-        one :class:`TeacherForced` per item, in order; its gaps equal
-        :func:`rollout.gumbel.replay_gaps` of the float32 logits (computed with the noise of
-        all positions at once, :func:`replay_gaps_all`).
+        one :class:`TeacherForced` per item, in order (gaps:
+        :func:`rollout.gumbel.replay_gaps` of the float32 logits).
 
     Raises:
         LocalProtocolError: an empty prompt or completion, a bad id, ``temperature <= 0``,
@@ -408,40 +405,8 @@ def _teacher_forced(
     logprobs = logp.gather(1, torch.tensor(list(completion_ids)).unsqueeze(1))[:, 0].tolist()
     gaps = None
     if key is not None:
-        gaps = replay_gaps_all(logits.numpy(), completion_ids, key, temperature)
+        gaps = replay_gaps(logits.numpy(), completion_ids, key, temperature)
     return TeacherForced(bf16_bits(hidden[:length]), bf16_bits(hidden[length:]), logprobs, gaps)
-
-
-def replay_gaps_all(
-    logits: npt.NDArray[np.float32],
-    completion_ids: Sequence[int],
-    key: NoiseKey,
-    temperature: float,
-) -> npt.NDArray[np.float32]:
-    """:func:`rollout.gumbel.replay_gaps` with the noise of every position generated at once
-    (:func:`rollout.philox.gumbel_noise_positions`): the same float32 operations, row by row.
-
-    Args:
-        logits: ``[N, V]`` float32, row ``j`` producing ``completion_ids[j]``.
-        completion_ids: ``N`` ids in ``[0, V)``.
-        key: the sample's noise key.
-        temperature: the run's ``T > 0``.
-
-    Returns:
-        ``[N]`` float32 gaps ``max(S_j) - S_j[o_j]``.
-
-    Raises:
-        LocalProtocolError: shapes disagree, an id is out of range, or a bad temperature.
-    """
-    z = np.asarray(logits, dtype=np.float32)
-    ids = np.asarray(list(completion_ids), dtype=np.int64)
-    if z.ndim != 2 or z.shape[0] != ids.shape[0]:
-        raise LocalProtocolError(f"logits of shape {z.shape} for {ids.shape[0]} tokens")
-    if ids.size and not (0 <= int(ids.min()) and int(ids.max()) < z.shape[1]):
-        raise LocalProtocolError(f"token id outside [0, {z.shape[1]})")
-    scores = gumbel_scores(z, gumbel_noise_positions(key, range(ids.size), z.shape[1]), temperature)
-    gaps: npt.NDArray[np.float32] = scores.max(axis=1) - scores[np.arange(ids.size), ids]
-    return gaps
 
 
 class TransformersEngine:
