@@ -185,13 +185,13 @@ class ValidatorConfig:
     teacher-forced pass). Honest worst rollout per statistic (TOPLOC: worst chunk, exponent
     mismatches / mantissa-error mean / median, k = 128), n rollouts:
 
-    ==================  ================  ================  ===============  =============
-    model (n)           prefill chunk     decode chunks     |dlogp| mean/max  replay gap
-    ==================  ================  ================  ===============  =============
-    tiny (124)          1 / 0.102 / 0     4 / 1.69 / 1      0.0011 / 0.0049  0.0003
-    h512 (120)          2 / 0.188 / 0     7 / 0.89 / 0      0.024 / 0.098    0.108
-    m100 (118)          2 / 0.219 / 0     8 / 1.21 / 1      0.033 / 0.127    0.089
-    ==================  ================  ================  ===============  =============
+    ============  ================  ================  ==================  ==========
+    model (n)     prefill chunk     decode chunks     |dlogp| mean / max  replay gap
+    ============  ================  ================  ==================  ==========
+    tiny (124)    1 / 0.102 / 0     4 / 1.69 / 1      0.0011 / 0.0049     0.0003
+    h512 (120)    2 / 0.188 / 0     7 / 0.89 / 0      0.024 / 0.098       0.108
+    m100 (118)    2 / 0.219 / 0     8 / 1.21 / 1      0.033 / 0.127       0.089
+    ============  ================  ================  ==================  ==========
 
     Limits: 1.5x the worst honest value across the models (GRAIL's headroom: worst honest
     3,979 against 6,000), at least +2 mismatches / +1 median ulp: prefill 4 / 0.33 / 1, decode
