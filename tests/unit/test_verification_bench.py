@@ -26,6 +26,7 @@ from bench.verification import (
     Layout,
     engine_calibration,
     generate_batch,
+    main,
     make_world,
     print_engine_calibration,
     print_table,
@@ -166,3 +167,13 @@ def test_prefill_and_decode_chunks_have_their_own_thresholds(tmp_path: Path) -> 
         assert verdict.reason == "toploc", verdict
         assert ("in chunk 0:" in verdict.detail) == (where == "prefill"), verdict.detail
     assert submit(world, world.validator(LAYOUTS[1]), batch, world.peers[0]).accepted
+
+
+@pytest.mark.parametrize(
+    "argv",
+    [["--models", "nope"], ["--rounds", "tiny=x"], ["--rounds", "huge=1"], ["--attacks", "1"]],
+)
+def test_usage_errors_exit_2(argv: list[str]) -> None:
+    with pytest.raises(SystemExit) as exc:
+        main(argv)
+    assert exc.value.code == 2
