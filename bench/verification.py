@@ -812,6 +812,7 @@ class Corpus:
         self.probes = {name: Tally() for name in PROBES}
         self.base: list[tuple[RolloutBatch, Validator]] = []
         self.weights_changed: dict[str, float] = {}
+        self.identical: dict[str, Counter[str]] = {}
         self.digits = [int(w.tokenizer.convert_tokens_to_ids(c)) for c in "0123456789"]
         self.psize = proof_size_bytes(w.toploc.topk)
 
@@ -838,7 +839,9 @@ class Corpus:
         current_step: int = 0,
         claim: str | None = None,
         stats: bool = True,
-    ) -> None:
+    ) -> str:
+        """Submit ``batch`` and tally it; returns the outcome key (``"accepted"`` or the
+        reason)."""
         w = self.w
         w.oracle.recorded.clear()
         forward_before = w.oracle.forward_s
@@ -854,6 +857,7 @@ class Corpus:
                     for i, s in enumerate(g.samples)
                 )
         w.oracle.recorded.clear()
+        return key
 
     def _unit(
         self,
@@ -863,9 +867,9 @@ class Corpus:
         prompt: Sequence[int],
         sample: Sample,
         stats: bool = True,
-    ) -> None:
+    ) -> str:
         batch = unit_batch(self.w, peer, prompt, sample)
-        self._judge(tally, variant, self.w.validator(self.w.unit), batch, peer, stats=stats)
+        return self._judge(tally, variant, self.w.validator(self.w.unit), batch, peer, stats=stats)
 
     def attacker_models(self) -> dict[str, list[tuple[str, Any]]]:
         """Models of the model-level attacks, by class: ``(variant, model)`` pairs, each the
@@ -956,9 +960,9 @@ class Corpus:
                     for i, g in zip(
                         idx, sample_rows(model, rows, cap, temp, w.eos) if rows else [], strict=True
                     ):
-                        self._unit(
-                            self.attacks[cls], variant, peers[i], prompts[i], to_sample(w, g)
-                        )
+                        s = to_sample(w, g)
+                        key = self._unit(self.attacks[cls], variant, peers[i], prompts[i], s)
+                        self._note_identical(cls, key, s, bases[i])
             forged: list[tuple[str, str, Any, float | None]] = [
                 ("other_temperature", f"T={t:g}", w.engine.model, t)
                 for t in w.cfg.other_temperatures
@@ -973,7 +977,8 @@ class Corpus:
                     gens = sample_rows(model, rows, cap, temp, w.eos, pick) if rows else []
                     for i, g in zip(idx, gens, strict=True):
                         s = reprove(w, prompts[i], g.completion_ids)
-                        self._unit(self.attacks[cls], variant, peers[i], prompts[i], s)
+                        key = self._unit(self.attacks[cls], variant, peers[i], prompts[i], s)
+                        self._note_identical(cls, key, s, bases[i])
             tampered = self.attacks["tampered_prompt"]
             edits = list(range(0, k, 2))
             rows = [(self._edit_prompt(prompts[i]), keys[i]) for i in edits]
@@ -991,6 +996,13 @@ class Corpus:
             self._last_token_attacks(peers, prompts, bases)
             self._probes(peers, prompts, bases)
             self._batch_attacks(r, batch, accepted_by)
+
+    def _note_identical(self, cls: str, key: str, forged: Sample, honest: Sample) -> None:
+        """Count a sampled forgery whose tokens equal the honest rollout of the same noise key:
+        the wrong model, temperature or precision happened to draw exactly what the right
+        one draws, so nothing can (or needs to) tell them apart."""
+        if forged.completion_ids == honest.completion_ids:
+            self.identical.setdefault(cls, Counter())[key] += 1
 
     def _edit_prompt(self, prompt: Sequence[int]) -> list[int]:
         """``prompt`` with one digit token replaced by another digit (same length)."""
@@ -1429,7 +1441,14 @@ def run(cfg: BenchConfig, keep: dict[str, Any] | None = None) -> dict[str, Any]:
     report: dict[str, Any] = {
         "honest_total": total,
         "false_rejects": total - pooled.accepted,
-        "attacks": {n: {"total": t.total, "missed": t.accepted} for n, t in corpus.attacks.items()},
+        "attacks": {
+            n: {
+                "total": t.total,
+                "missed": t.accepted,
+                "missed_identical_to_honest": corpus.identical.get(n, Counter())["accepted"],
+            }
+            for n, t in corpus.attacks.items()
+        },
         "verify_s_per_rollout": verify_s,
         "generate_s_per_rollout": generate_s,
         "details": {
@@ -1542,18 +1561,22 @@ def print_table(report: dict[str, Any], out: TextIO = sys.stdout) -> None:
     say(f"{'class':<24}{'total':>7}{'missed':>7}  missed under profile")
     say(f"{'':<38}{head}  outcomes")
 
-    def row(name: str, total: int, missed: int, t: dict[str, Any], honest: bool = False) -> None:
+    def row(
+        name: str, total: int, missed: int, t: dict[str, Any], honest: bool = False, same: int = 0
+    ) -> None:
         under = t.get("accepted_under_profile")
         cells = "".join(
             f"{(total - under[p] if honest else under[p]) if under else '-':>11}" for p in profiles
         )
-        say(f"{name:<24}{total:>7}{missed:>7}{cells}  {t['outcomes']}")
+        note = f" ({same} missed identical to the honest rollout)" if same else ""
+        say(f"{name:<24}{total:>7}{missed:>7}{cells}  {t['outcomes']}{note}")
 
     row(
         "honest (false rejects)", report["honest_total"], report["false_rejects"], d["honest"], True
     )
     for name, a in report["attacks"].items():
-        row(name, a["total"], a["missed"], d["attacks"][name])
+        same = a.get("missed_identical_to_honest", 0)
+        row(name, a["total"], a["missed"], d["attacks"][name], same=same)
     for name, p in d["probes"].items():
         row(f"probe {name}", p["total"], p["accepted"], p)
     t = d["timing"]

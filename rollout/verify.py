@@ -179,38 +179,44 @@ class ValidatorConfig:
             profile, calibrated on ``transformers-bf16``).
 
     The defaults are the ``transformers-bf16`` profile, calibrated with
-    ``python bench/verification.py`` (seed 0: one round per model, honest rollouts from
-    ``TransformersEngine`` in group sizes 1/4/8, shuffled prompt order, prompts batched with
-    left padding, 16- and 128-token caps, the attackers' 1 x 1 batches; judged on the batched
-    teacher-forced pass). Honest worst rollout per statistic (TOPLOC: worst chunk, exponent
-    mismatches / mantissa-error mean / median, k = 128), n rollouts:
+    ``python bench/verification.py`` (``bench/results/verification-seed1.json``): honest
+    rollouts from ``TransformersEngine`` in group sizes 1/4/8, shuffled prompt order, prompts
+    batched with left padding, 16- and 128-token caps and the attackers' 1 x 1 batches, judged
+    on the batched teacher-forced pass; seed 0 (one round per model) to choose, seed 1 (1,116
+    rollouts) to confirm. Honest worst rollout per statistic over both seeds (TOPLOC: worst
+    chunk, exponent mismatches / mantissa-error mean / median, k = 128), n rollouts:
 
     ============  ================  ================  ==================  ==========
     model (n)     prefill chunk     decode chunks     |dlogp| mean / max  replay gap
     ============  ================  ================  ==================  ==========
-    tiny (124)    1 / 0.102 / 0     4 / 1.69 / 1      0.0011 / 0.0049     0.0003
-    h512 (120)    2 / 0.188 / 0     7 / 0.89 / 0      0.024 / 0.098       0.108
-    m100 (118)    2 / 0.219 / 0     8 / 1.21 / 1      0.033 / 0.127       0.089
+    tiny (868)    3 / 0.141 / 0     5 / 2.24 / 1      0.0016 / 0.0060     0.0032
+    h512 (368)    3 / 0.188 / 0     7 / 0.94 / 0      0.027 / 0.103       0.113
+    m100 (242)    3 / 0.323 / 0     8 / 1.21 / 1      0.033 / 0.136       0.115
     ============  ================  ================  ==================  ==========
 
     Limits: 1.5x the worst honest value across the models (GRAIL's headroom: worst honest
-    3,979 against 6,000), at least +2 mismatches / +1 median ulp: prefill 4 / 0.33 / 1, decode
-    12 / 2.5 / 2, logprob mean 0.05 and max 0.2 nats, replay margin 0.16. ``h512`` and
-    ``m100`` have logits scaled to a trained model's spread (std 3): their bf16 logits have
-    larger ulps, hence larger honest gaps and logprob differences than ``tiny``'s. On them
-    every attack class of the bench is caught under these limits; the closest ones are
-    fp32 compute of the right weights (prefill mantissa mean >= 0.44 on ``h512``) and a copy
-    fine-tuned at lr 1e-6 whose tokens are re-proved on the published model (replay gap
-    >= 0.2 on ``h512``). The earlier, looser limits (prefill 8 / 1.25 / 2, decode 16 / 5 / 3,
-    logprob max 0.1, replay 0.5) were set to admit vLLM-CPU rollouts too (prefill mantissa
-    mean up to 0.66 measured); a run accepting ``vllm-bf16`` must give it its own profile
-    (``profiles``), calibrated with vLLM, since one limit across engines cannot separate
-    precision attacks. ``eos_min_prob = 1e-6`` (:data:`rollout.gumbel.DEFAULT_EOS_MIN_PROB`:
-    at most ``N * 1e-6`` honest rejections per completion; honest minima 0.0043 / 6.7e-5 /
-    0.0025; the replay check already rejects an EOS the sampler did not choose). The replay
-    margin is in score units and scales with the bf16 ulp of the largest logits and with
-    ``1 / T``: re-run the bench to calibrate for another model, engine, temperature or
-    hardware.
+    3,979 against 6,000), at least +2 mismatches / +1 median ulp: prefill 5 / 0.49 / 1, decode
+    12 / 3.4 / 2, logprob mean 0.05 and max 0.21 nats, replay margin 0.18 (score units).
+    ``h512`` and ``m100`` have logits scaled to a trained model's spread (std 3): their bf16
+    logits have larger ulps, hence larger honest gaps and logprob differences than ``tiny``'s.
+    Under these limits every attack class of the bench is caught on ``h512`` and ``m100``
+    except two. A copy fine-tuned 3 steps at lr 1e-6 whose tokens are re-proved on the
+    published model passes when it draws (nearly) the honest tokens: replay gap 0 or within
+    numeric noise (6 of 16 on ``h512``, 2 of 8 on ``m100``); a rollout token-identical to the
+    honest one cannot be told apart and does no harm. fp32 compute of the right weights
+    (prefill mantissa mean >= 0.42 on ``h512``, >= 0.65 on ``m100``) is caught only by a
+    limit fitted to the run's model: ``m100``'s honest prefill chunk reaches 0.32, so no one
+    limit across models separates ``h512``'s precision attack with headroom. The bench
+    prints each model's own profile (``details.calibration.calibrated_profile``: prefill
+    mean 0.21 on ``tiny``, 0.25 on ``h512``, 0.48 on ``m100``); use it in ``profiles`` for a
+    run of that model. The earlier, looser limits (prefill 8 / 1.25 / 2, decode 16 / 5 / 3)
+    also admitted vLLM-CPU rollouts (prefill mantissa mean up to 0.66 measured); a run
+    accepting ``vllm-bf16`` must give it its own profile, calibrated with vLLM.
+    ``eos_min_prob = 1e-6`` (:data:`rollout.gumbel.DEFAULT_EOS_MIN_PROB`: at most
+    ``N * 1e-6`` honest rejections per completion; honest minima 0.0043 / 6.7e-5 / 0.0018;
+    the replay check already rejects an EOS the sampler did not choose). The replay margin
+    scales with the bf16 ulp of the largest logits and with ``1 / T``: re-run the bench to
+    calibrate for another model, engine, temperature or hardware.
     """
 
     run_id: str
@@ -222,15 +228,15 @@ class ValidatorConfig:
     async_level: int = 2
     reward_tolerance: float = 1e-6
     logprob_tolerance: float = 0.05
-    logprob_max_tolerance: float = 0.2
+    logprob_max_tolerance: float = 0.21
     toploc: ToplocConfig = field(default_factory=ToplocConfig)
     toploc_thresholds: ToplocThresholds = field(
-        default_factory=lambda: ToplocThresholds(12, 2.5, 2.0)
+        default_factory=lambda: ToplocThresholds(12, 3.4, 2.0)
     )
     toploc_prefill_thresholds: ToplocThresholds = field(
-        default_factory=lambda: ToplocThresholds(4, 0.33, 1.0)
+        default_factory=lambda: ToplocThresholds(5, 0.49, 1.0)
     )
-    replay_margin: float = 0.16
+    replay_margin: float = 0.18
     eos_min_prob: float = DEFAULT_EOS_MIN_PROB
     check_model: bool = True
     engines: tuple[str, ...] = (DEFAULT_ENGINE_ID,)
