@@ -104,6 +104,22 @@ log = logging.getLogger(__name__)
 _MAX_CHAIN = 32  # longest delta chain looked at when deciding to finish a superseded version
 
 
+MANIFEST_RETRY_FIRST_S = 0.02
+"""First wait before asking the sources for a manifest document again, seconds."""
+MANIFEST_RETRY_MAX_S = 0.25
+"""Cap of that wait, seconds. A downstream node usually learns of a version (gossip) a few
+hundred milliseconds before its upstream relay has fetched the manifest and serves it; every
+millisecond the retry overshoots that moment is added to the version's arrival at every node
+below, so the cap is small (a manifest request is one small GET per upstream)."""
+
+
+def manifest_retry_s(attempt: int) -> float:
+    """Wait after the ``attempt``-th round (0-based) of manifest requests that found no
+    source holding it yet, seconds: doubling from :data:`MANIFEST_RETRY_FIRST_S`, capped at
+    :data:`MANIFEST_RETRY_MAX_S`."""
+    return min(MANIFEST_RETRY_FIRST_S * 2 ** min(attempt, 16), MANIFEST_RETRY_MAX_S)
+
+
 @dataclass(frozen=True)
 class FollowConfig:
     """Follower settings.
@@ -523,7 +539,7 @@ class Follower:
             give_up: polled between attempts; True abandons the fetch (returns None).
             timeout_s: give up after this long too, seconds (None: only ``give_up``).
         """
-        delay = 0.05
+        attempt = 0
         until = None if timeout_s is None else trio.current_time() + timeout_s
         while True:
             for src in self._upstream_sources() + self._mirror_sources(step, digest):
@@ -549,8 +565,8 @@ class Follower:
                 return m
             if give_up() or (until is not None and trio.current_time() >= until):
                 return None
-            await trio.sleep(delay)
-            delay = min(delay * 2, 1.0)
+            await trio.sleep(manifest_retry_s(attempt))
+            attempt += 1
 
     def _wanted(self) -> VersionAnnouncement | None:
         """The known announcement if it names a version to fetch (newer than what is held,
@@ -695,6 +711,15 @@ class Follower:
         self._filling.append((step, digest))
         self._readvertise()
         started = trio.current_time()
+        log.info(
+            "download_started step=%d digest=%s sources=%d parts=%d/%d heard_s=%.3f",
+            step,
+            digest[:16],
+            len(sources),
+            len(m.parts),
+            m.header.n_parts,
+            started - record.learned_at,
+        )
         self._progress[step] = (0, m.total_bytes, started)
 
         def progress(done: int, total: int) -> None:

@@ -1,0 +1,101 @@
+"""Waits on a version's path from the trainer's ready marker to the last peer (issue 16):
+the origin's WATCH scan period, the part size that gates the first bytes, the follower's
+manifest retry, and the per-stage timeline tool (``bench/timeline.py``) that measures them."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from bench import timeline
+from shardcast.follower import MANIFEST_RETRY_MAX_S, manifest_retry_s
+from shardcast.plan import make_header
+from shardnet.config import OriginSettings, TrainerSettings
+from tests.helpers import make_checkpoint
+
+
+def test_manifest_retry_doubles_from_20_ms_and_is_capped_at_250_ms() -> None:
+    waits = [manifest_retry_s(k) for k in range(8)]
+    assert waits[:4] == [0.02, 0.04, 0.08, 0.16]
+    assert waits[4:] == [MANIFEST_RETRY_MAX_S] * 4 == [0.25] * 4
+    assert manifest_retry_s(10_000) == 0.25  # no overflow however long it waits
+    # the old schedule (50 ms doubling to 1 s) overshot a relay going live at 0.7 s by up
+    # to 0.75 s; this one by at most 0.25 s
+    waited, k = 0.0, 0
+    while waited < 0.7:
+        waited += manifest_retry_s(k)
+        k += 1
+    assert waited - 0.7 <= 0.25
+
+
+def test_origin_defaults_scan_often_and_sign_small_parts(tmp_path: Path) -> None:
+    fields = OriginSettings.model_fields
+    assert fields["poll_interval_s"].default == 0.1
+    for settings in (OriginSettings, TrainerSettings):
+        assert settings.model_fields["shards_per_part"].default == 4
+    # a 10-shard version: its first part (the first bytes' gate) covers 4 shards, not 10
+    ck = make_checkpoint(tmp_path / "ck", {"model.safetensors": 10 * 4096})
+    header = make_header(ck, "run", 0, 4096, fields["shards_per_part"].default)
+    assert len(header.shards) >= 10
+    assert list(header.part_range(0)) == [0, 1, 2, 3]
+
+
+LOG = """\
+2026-12-01T18:54:18.600Z INFO origin shardcast.node version_announced run=bench step=1 digest=ab
+2026-12-01T18:54:18.655Z INFO relay shardcast.node announcement_received run=bench step=1 from=x
+2026-12-01T18:54:18.700Z INFO relay shardcast.node announcement_received run=bench step=1 from=y
+2026-12-01T18:54:18.900Z INFO relay shardcast.follower download_started step=1 digest=ab sources=2
+2026-12-01T18:54:19.000Z DEBUG relay shardcast.downloader first_byte step=1 shard=3 source=*a
+2026-12-01T18:54:19.100Z DEBUG relay shardcast.metrics shard_fetched source=*a codec=sparse \
+size_bytes=10 fetch_s=0.100
+2026-12-01T18:54:19.300Z DEBUG relay shardcast.metrics shard_checked source=*a verify_s=0.200
+2026-12-01T18:54:19.300Z DEBUG relay shardcast.downloader shard_verified step=1 shard=3 source=*a
+2026-12-01T18:54:19.500Z DEBUG relay shardcast.downloader shard_verified step=1 shard=0 source=*a
+2026-12-01T18:54:19.700Z INFO relay shardcast.store version_committed run=bench step=1 files=1
+2026-12-01T18:54:19.800Z INFO relay shardcast.store version_committed run=bench step=12 files=1
+not a log line step=1
+"""
+
+
+def test_timeline_reads_each_stage_of_one_step() -> None:
+    t = timeline.parse_log(LOG.replace("\\\n", ""), 1)
+    base = t["announced"]
+    rel = {k: round(v - base, 3) for k, v in t.items()}
+    assert rel == {
+        "announced": 0.0,
+        "learned": 0.055,  # the first announcement heard, not the second
+        "started": 0.3,
+        "first_byte": 0.4,
+        "first_shard": 0.7,
+        "last_shard": 0.9,
+        "committed": 1.1,  # step=12 is another step
+    }
+    assert timeline.parse_log(LOG, 2) == {}
+
+
+def test_timeline_sums_shard_costs_in_the_window() -> None:
+    text = LOG.replace("\\\n", "")
+    start = timeline._ts("2026-12-01T18:54:19.000Z")
+    got = timeline.shard_costs(text, start, start + 1.0)
+    assert got == {
+        "fetches": 1,
+        "fetch_s": 0.1,
+        "checks": 1,
+        "verify_s": 0.2,
+        "max_verify_s": 0.2,
+    }
+    assert timeline.shard_costs(text, start + 0.5, start + 1.0)["checks"] == 0
+
+
+def test_cpu_window_and_medians() -> None:
+    s = int(1e9)
+    samples: timeline.Samples = [
+        (10.0, {"relay1": (1 * s, 2 * s, s)}),
+        (11.0, {"relay1": (2 * s, 5 * s, 2 * s)}),
+        (12.0, {"relay1": (4 * s, 9 * s, 4 * s)}),
+    ]
+    assert timeline.cpu_window(samples, 10.5, 11.5) == {
+        "relay1": {"on_cpu_s": 3.0, "runq_wait_s": 7.0, "loop_runq_s": 3.0}
+    }
+    assert timeline.cpu_window(samples, 9.0, 11.0) == {}  # no sample before the start
+    runs = [{"t": {1: {"peer1": {"committed": x}}}} for x in (3.0, 1.0, 2.0)]
+    assert timeline.median_of(runs, "t", 1) == {"peer1": {"committed": 2.0}}
