@@ -172,7 +172,7 @@ def schedstat(pid: int) -> tuple[int, int, int]:
     try:
         tasks = list(Path(f"/proc/{pid}/task").iterdir())
     except OSError:
-        return 0, 0
+        return 0, 0, 0
     for t in tasks:
         try:
             fields = (t / "schedstat").read_text().split()

@@ -117,7 +117,7 @@ def manifest_retry_s(attempt: int) -> float:
     """Wait after the ``attempt``-th round (0-based) of manifest requests that found no
     source holding it yet, seconds: doubling from :data:`MANIFEST_RETRY_FIRST_S`, capped at
     :data:`MANIFEST_RETRY_MAX_S`."""
-    return min(MANIFEST_RETRY_FIRST_S * 2 ** min(attempt, 16), MANIFEST_RETRY_MAX_S)
+    return min(MANIFEST_RETRY_FIRST_S * float(2 ** min(attempt, 16)), MANIFEST_RETRY_MAX_S)
 
 
 @dataclass(frozen=True)
