@@ -6,11 +6,16 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import pytest
+
 from bench import timeline
+from p2p.errors import LocalProtocolError
 from shardcast.follower import MANIFEST_RETRY_MAX_S, manifest_retry_s
+from shardcast.node import NodeConfig, ShardcastNode
+from shardcast.origin import Origin, OriginConfig, parts_of
 from shardcast.plan import make_header
 from shardnet.config import OriginSettings, TrainerSettings
-from tests.helpers import make_checkpoint
+from tests.helpers import TRAINER, make_checkpoint, trust
 
 
 def test_manifest_retry_doubles_from_20_ms_and_is_capped_at_250_ms() -> None:
@@ -37,6 +42,32 @@ def test_origin_defaults_scan_often_and_sign_small_parts(tmp_path: Path) -> None
     header = make_header(ck, "run", 0, 4096, fields["shards_per_part"].default)
     assert len(header.shards) >= 10
     assert list(header.part_range(0)) == [0, 1, 2, 3]
+
+
+def test_parts_grow_only_when_a_version_would_have_too_many() -> None:
+    assert parts_of(10, 4, 32) == 4  # 3 parts
+    assert parts_of(128, 4, 32) == 4  # exactly 32 parts
+    assert parts_of(129, 4, 32) == 5  # 26 parts, not 33
+    assert parts_of(4200, 4, 32) == 132  # a 140 GB version at 32 MiB shards: 32 parts
+    assert parts_of(1, 4, 32) == 4
+    for n in range(1, 300):
+        k = parts_of(n, 4, 32)
+        assert -(-n // k) <= 32  # at most 32 parts
+        assert k == 4 or -(-n // (k - 1)) > 32  # and the smallest parts that allow it
+    with pytest.raises(LocalProtocolError):
+        OriginConfig(max_parts=0)
+
+
+async def test_origin_caps_the_part_count_of_a_large_version(tmp_path: Path) -> None:
+    ck = make_checkpoint(tmp_path / "ck", {"model.safetensors": 40 * 4096})
+    cfg = NodeConfig("trainer", "run", tmp_path / "o")
+    async with ShardcastNode.open(TRAINER, trust(), cfg) as node:
+        origin = Origin(node, OriginConfig(shard_size=4096, shards_per_part=2, max_parts=8))
+        header = (await origin.publish(ck, 0)).manifest.header
+    n = len(header.shards)
+    assert n >= 40
+    assert header.shards_per_part == -(-n // 8) > 2
+    assert header.n_parts <= 8
 
 
 LOG = """\
