@@ -421,11 +421,16 @@ class Follower:
         return card is not None and self.node.set_card(card)
 
     async def _ensure_card(self, ann: VersionAnnouncement) -> None:
-        """Hold the version back until the node has the card its announcement names."""
+        """Hold the version back until the node has the card its announcement names.
+
+        Every upstream is asked at once, and the wait ends the moment the card is held,
+        whichever path brought it (an answer here, or the info poll's own fetch): one
+        upstream that is slow to answer (seconds, on a loaded machine) does not hold the
+        version back while another already gave the card."""
         while self._card_version() < ann.card_version and not self._superseded(ann.step):
-            for pid in sorted(self.upstreams):
-                if await self._fetch_card(pid) and self._card_version() >= ann.card_version:
-                    return
+            await self._fetch_card_any(ann.card_version)
+            if self._card_version() >= ann.card_version:
+                return
             log.info(
                 "runcard_waiting step=%d card_version=%d have=%d",
                 ann.step,
@@ -434,6 +439,29 @@ class Follower:
             )
             with trio.move_on_after(self.config.poll_interval_s):
                 await self.node.wait_card(ann.card_version)
+
+    async def _fetch_card_any(self, version: int) -> None:
+        """Ask every upstream for its run card at once; return when the node holds a card of
+        ``version`` or newer (from any of them, or from another path) or when every answer
+        is in."""
+        async with trio.open_nursery() as nursery:
+            pending = sorted(self.upstreams)
+
+            async def ask(pid: str) -> None:
+                await self._fetch_card(pid)
+                pending.remove(pid)
+                if not pending or self._card_version() >= version:
+                    nursery.cancel_scope.cancel()
+
+            async def held() -> None:
+                await self.node.wait_card(version)
+                nursery.cancel_scope.cancel()
+
+            if not pending:
+                return
+            nursery.start_soon(held)
+            for pid in list(pending):
+                nursery.start_soon(ask, pid)
 
     async def _listen_versions(self) -> None:
         run_id = self.node.config.run_id

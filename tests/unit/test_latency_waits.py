@@ -1,16 +1,19 @@
 """Waits on a version's path from the trainer's ready marker to the last peer (issue 16):
 the origin's WATCH scan period, the part size that gates the first bytes, the follower's
-manifest retry, and the per-stage timeline tool (``bench/timeline.py``) that measures them."""
+manifest retry and run-card fetch, and the per-stage timeline tool (``bench/timeline.py``)
+that measures them."""
 
 from __future__ import annotations
 
 from pathlib import Path
+from typing import cast
 
 import pytest
+import trio
 
 from bench import timeline
 from p2p.errors import LocalProtocolError
-from shardcast.follower import MANIFEST_RETRY_MAX_S, manifest_retry_s
+from shardcast.follower import MANIFEST_RETRY_MAX_S, Follower, manifest_retry_s
 from shardcast.node import NodeConfig, ShardcastNode
 from shardcast.origin import Origin, OriginConfig, parts_of
 from shardcast.plan import make_header
@@ -130,3 +133,79 @@ def test_cpu_window_and_medians() -> None:
     assert timeline.cpu_window(samples, 9.0, 11.0) == {}  # no sample before the start
     runs = [{"t": {1: {"peer1": {"committed": x}}}} for x in (3.0, 1.0, 2.0)]
     assert timeline.median_of(runs, "t", 1) == {"peer1": {"committed": 2.0}}
+
+
+class _CardNode:
+    """The part of a node that :meth:`Follower._fetch_card_any` uses: its card version."""
+
+    def __init__(self) -> None:
+        self.version = 0
+        self.changed = trio.Event()
+
+    def set(self, version: int) -> None:
+        self.version = version
+        self.changed.set()
+        self.changed = trio.Event()
+
+    async def wait_card(self, at_least: int = 1) -> None:
+        while self.version < at_least:
+            await self.changed.wait()
+
+
+class _CardFollower:
+    """A follower stand-in: upstream ``pid`` answers after ``delays[pid]`` seconds, with the
+    card if ``gives[pid]`` (else the fetch fails)."""
+
+    def __init__(self, delays: dict[str, float], gives: dict[str, bool]) -> None:
+        self.node = _CardNode()
+        self.upstreams = dict.fromkeys(delays)
+        self.delays, self.gives = delays, gives
+        self.asked: list[str] = []
+
+    def _card_version(self) -> int:
+        return self.node.version
+
+    async def _fetch_card(self, pid: str) -> bool:
+        self.asked.append(pid)
+        await trio.sleep(self.delays[pid])
+        if self.gives[pid]:
+            self.node.set(1)
+        return self.gives[pid]
+
+    async def fetch_any(self, version: int) -> None:
+        await Follower._fetch_card_any(cast(Follower, self), version)
+
+
+async def test_run_card_is_taken_from_the_first_upstream_that_answers(
+    autojump_clock: trio.abc.Clock,
+) -> None:
+    # "a" stalls for 30 s (a loaded relay), "b" answers in 0.1 s: the wait is 0.1 s, not 30
+    f = _CardFollower({"a": 30.0, "b": 0.1}, {"a": False, "b": True})
+    t0 = trio.current_time()
+    await f.fetch_any(1)
+    assert trio.current_time() - t0 == pytest.approx(0.1)
+    assert sorted(f.asked) == ["a", "b"]
+    assert f.node.version == 1
+
+
+async def test_run_card_wait_ends_when_another_path_brought_it(
+    autojump_clock: trio.abc.Clock,
+) -> None:
+    # both upstreams stall; the info poll adopts the card at 0.4 s: the wait ends then
+    f = _CardFollower({"a": 30.0, "b": 30.0}, {"a": False, "b": False})
+    t0 = trio.current_time()
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(f.fetch_any, 1)
+        await trio.sleep(0.4)
+        f.node.set(1)
+    assert trio.current_time() - t0 == pytest.approx(0.4)
+
+
+async def test_run_card_fetch_returns_once_every_upstream_failed(
+    autojump_clock: trio.abc.Clock,
+) -> None:
+    f = _CardFollower({"a": 0.2, "b": 0.5}, {"a": False, "b": False})
+    t0 = trio.current_time()
+    await f.fetch_any(1)
+    assert trio.current_time() - t0 == pytest.approx(0.5)
+    assert f.node.version == 0
