@@ -114,8 +114,8 @@ below, so the cap is small (a manifest request is one small GET per upstream).""
 
 
 def manifest_retry_s(attempt: int) -> float:
-    """Wait after the ``attempt``-th round (0-based) of manifest requests that found no
-    source holding it yet, seconds: doubling from :data:`MANIFEST_RETRY_FIRST_S`, capped at
+    """Wait after the ``attempt``-th round (0-based) of manifest (or run card) requests that
+    found no source holding it yet, seconds: doubling from :data:`MANIFEST_RETRY_FIRST_S`, capped at
     :data:`MANIFEST_RETRY_MAX_S`."""
     return min(MANIFEST_RETRY_FIRST_S * float(2 ** min(attempt, 16)), MANIFEST_RETRY_MAX_S)
 
@@ -427,6 +427,7 @@ class Follower:
         whichever path brought it (an answer here, or the info poll's own fetch): one
         upstream that is slow to answer (seconds, on a loaded machine) does not hold the
         version back while another already gave the card."""
+        attempt = 0
         while self._card_version() < ann.card_version and not self._superseded(ann.step):
             await self._fetch_card_any(ann.card_version)
             if self._card_version() >= ann.card_version:
@@ -437,8 +438,11 @@ class Follower:
                 ann.card_version,
                 self._card_version(),
             )
-            with trio.move_on_after(self.config.poll_interval_s):
+            # the upstreams may not hold it yet either (they fetch it from theirs): ask again
+            # soon, as for a manifest
+            with trio.move_on_after(manifest_retry_s(attempt)):
                 await self.node.wait_card(ann.card_version)
+            attempt += 1
 
     async def _fetch_card_any(self, version: int) -> None:
         """Ask every upstream for its run card at once; return when the node holds a card of

@@ -6,6 +6,7 @@ that measures them."""
 from __future__ import annotations
 
 from pathlib import Path
+from types import SimpleNamespace
 from typing import cast
 
 import pytest
@@ -13,7 +14,12 @@ import trio
 
 from bench import timeline
 from p2p.errors import LocalProtocolError
-from shardcast.follower import MANIFEST_RETRY_MAX_S, Follower, manifest_retry_s
+from shardcast.follower import (
+    MANIFEST_RETRY_MAX_S,
+    Follower,
+    VersionAnnouncement,
+    manifest_retry_s,
+)
 from shardcast.node import NodeConfig, ShardcastNode
 from shardcast.origin import Origin, OriginConfig, parts_of
 from shardcast.plan import make_header
@@ -156,11 +162,17 @@ class _CardFollower:
     """A follower stand-in: upstream ``pid`` answers after ``delays[pid]`` seconds, with the
     card if ``gives[pid]`` (else the fetch fails)."""
 
-    def __init__(self, delays: dict[str, float], gives: dict[str, bool]) -> None:
+    def __init__(
+        self, delays: dict[str, float], gives: dict[str, bool], from_s: float = 0.0
+    ) -> None:
         self.node = _CardNode()
         self.upstreams = dict.fromkeys(delays)
         self.delays, self.gives = delays, gives
+        self.from_s = from_s  # upstreams hold the card only from this time on
         self.asked: list[str] = []
+
+    def _superseded(self, step: int) -> bool:
+        return False
 
     def _card_version(self) -> int:
         return self.node.version
@@ -168,12 +180,20 @@ class _CardFollower:
     async def _fetch_card(self, pid: str) -> bool:
         self.asked.append(pid)
         await trio.sleep(self.delays[pid])
-        if self.gives[pid]:
+        gives = self.gives[pid] and trio.current_time() >= self.from_s
+        if gives:
             self.node.set(1)
-        return self.gives[pid]
+        return gives
+
+    async def _fetch_card_any(self, version: int) -> None:  # what _ensure_card calls
+        await self.fetch_any(version)
 
     async def fetch_any(self, version: int) -> None:
         await Follower._fetch_card_any(cast(Follower, self), version)
+
+    async def ensure(self, card_version: int) -> None:
+        ann = cast(VersionAnnouncement, SimpleNamespace(step=1, card_version=card_version))
+        await Follower._ensure_card(cast(Follower, self), ann)
 
 
 async def test_run_card_is_taken_from_the_first_upstream_that_answers(
@@ -209,3 +229,16 @@ async def test_run_card_fetch_returns_once_every_upstream_failed(
     await f.fetch_any(1)
     assert trio.current_time() - t0 == pytest.approx(0.5)
     assert f.node.version == 0
+
+
+async def test_version_waits_for_its_run_card_at_most_a_short_retry_longer(
+    autojump_clock: trio.abc.Clock,
+) -> None:
+    # the upstream relays hold the new card only from 0.6 s on (they fetch it from the
+    # origin): the version goes on within one capped retry of that, not a poll second later
+    f = _CardFollower({"a": 0.01, "b": 0.01}, {"a": True, "b": True}, from_s=0.6)
+    t0 = trio.current_time()
+    await f.ensure(1)
+    waited = trio.current_time() - t0
+    assert 0.6 <= waited <= 0.6 + MANIFEST_RETRY_MAX_S + 0.02
+    assert f.node.version == 1
