@@ -21,9 +21,14 @@ detected            the benchmark saw the peer's ``step-N/manifest.json`` (its o
 ==================  ========================================================================
 
 Every time is seconds after the ``DONE`` marker was written (its mtime). Prints one row per
-node and stage, and the medians over the peers; ``--json`` prints the raw table.
+node and stage, and the medians over the peers; then per node, over the same window (DONE to
+the last peer's commit): CPU-seconds, thread-seconds spent runnable but waiting for a CPU and
+of those the event loop thread's (``/proc/PID/task/*/schedstat``: on a shared machine these
+say whether a node waited for timers and peers or for a CPU), and the sums of its
+``shard_fetched``/``shard_checked`` debug events. ``--repeats N`` shows medians over N runs,
+``--out FILE`` keeps every run, ``--json`` prints the medians.
 
-    .venv/bin/python bench/timeline.py --v0 DIR --v1 DIR [--json] [--keep]
+    .venv/bin/python bench/timeline.py --v0 DIR --v1 DIR [--repeats 3] [--json] [--keep]
 
 (or ``--preset real-1b --size-bytes 60000000`` to cut the benchmark's cached checkpoints).
 """
