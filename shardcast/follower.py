@@ -104,6 +104,22 @@ log = logging.getLogger(__name__)
 _MAX_CHAIN = 32  # longest delta chain looked at when deciding to finish a superseded version
 
 
+MANIFEST_RETRY_FIRST_S = 0.02
+"""First wait before asking the sources for a manifest document again, seconds."""
+MANIFEST_RETRY_MAX_S = 0.25
+"""Cap of that wait, seconds. A downstream node usually learns of a version (gossip) a few
+hundred milliseconds before its upstream relay has fetched the manifest and serves it; every
+millisecond the retry overshoots that moment is added to the version's arrival at every node
+below, so the cap is small (a manifest request is one small GET per upstream)."""
+
+
+def manifest_retry_s(attempt: int) -> float:
+    """Wait after the ``attempt``-th round (0-based) of manifest (or run card) requests that
+    found no source holding it yet, seconds: doubling from :data:`MANIFEST_RETRY_FIRST_S`, capped at
+    :data:`MANIFEST_RETRY_MAX_S`."""
+    return min(MANIFEST_RETRY_FIRST_S * float(2 ** min(attempt, 16)), MANIFEST_RETRY_MAX_S)
+
+
 @dataclass(frozen=True)
 class FollowConfig:
     """Follower settings.
@@ -405,19 +421,51 @@ class Follower:
         return card is not None and self.node.set_card(card)
 
     async def _ensure_card(self, ann: VersionAnnouncement) -> None:
-        """Hold the version back until the node has the card its announcement names."""
+        """Hold the version back until the node has the card its announcement names.
+
+        Every upstream is asked at once, and the wait ends the moment the card is held,
+        whichever path brought it (an answer here, or the info poll's own fetch): one
+        upstream that is slow to answer (seconds, on a loaded machine) does not hold the
+        version back while another already gave the card."""
+        attempt = 0
         while self._card_version() < ann.card_version and not self._superseded(ann.step):
-            for pid in sorted(self.upstreams):
-                if await self._fetch_card(pid) and self._card_version() >= ann.card_version:
-                    return
+            await self._fetch_card_any(ann.card_version)
+            if self._card_version() >= ann.card_version:
+                return
             log.info(
                 "runcard_waiting step=%d card_version=%d have=%d",
                 ann.step,
                 ann.card_version,
                 self._card_version(),
             )
-            with trio.move_on_after(self.config.poll_interval_s):
+            # the upstreams may not hold it yet either (they fetch it from theirs): ask again
+            # soon, as for a manifest
+            with trio.move_on_after(manifest_retry_s(attempt)):
                 await self.node.wait_card(ann.card_version)
+            attempt += 1
+
+    async def _fetch_card_any(self, version: int) -> None:
+        """Ask every upstream for its run card at once; return when the node holds a card of
+        ``version`` or newer (from any of them, or from another path) or when every answer
+        is in."""
+        async with trio.open_nursery() as nursery:
+            pending = sorted(self.upstreams)
+
+            async def ask(pid: str) -> None:
+                await self._fetch_card(pid)
+                pending.remove(pid)
+                if not pending or self._card_version() >= version:
+                    nursery.cancel_scope.cancel()
+
+            async def held() -> None:
+                await self.node.wait_card(version)
+                nursery.cancel_scope.cancel()
+
+            if not pending:
+                return
+            nursery.start_soon(held)
+            for pid in list(pending):
+                nursery.start_soon(ask, pid)
 
     async def _listen_versions(self) -> None:
         run_id = self.node.config.run_id
@@ -523,7 +571,7 @@ class Follower:
             give_up: polled between attempts; True abandons the fetch (returns None).
             timeout_s: give up after this long too, seconds (None: only ``give_up``).
         """
-        delay = 0.05
+        attempt = 0
         until = None if timeout_s is None else trio.current_time() + timeout_s
         while True:
             for src in self._upstream_sources() + self._mirror_sources(step, digest):
@@ -549,8 +597,8 @@ class Follower:
                 return m
             if give_up() or (until is not None and trio.current_time() >= until):
                 return None
-            await trio.sleep(delay)
-            delay = min(delay * 2, 1.0)
+            await trio.sleep(manifest_retry_s(attempt))
+            attempt += 1
 
     def _wanted(self) -> VersionAnnouncement | None:
         """The known announcement if it names a version to fetch (newer than what is held,
@@ -695,6 +743,15 @@ class Follower:
         self._filling.append((step, digest))
         self._readvertise()
         started = trio.current_time()
+        log.info(
+            "download_started step=%d digest=%s sources=%d parts=%d/%d heard_s=%.3f",
+            step,
+            digest[:16],
+            len(sources),
+            len(m.parts),
+            m.header.n_parts,
+            started - record.learned_at,
+        )
         self._progress[step] = (0, m.total_bytes, started)
 
         def progress(done: int, total: int) -> None:

@@ -50,6 +50,7 @@ Followers (``relay``/``peer``): ``shardnet_received_bytes_total{source_kind,code
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable, Iterable, Iterator
 from importlib import metadata
 from typing import TYPE_CHECKING
@@ -66,8 +67,12 @@ from prometheus_client import (
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
+from p2p.errors import short_id
+
 if TYPE_CHECKING:
     from shardcast.node import ShardcastNode
+
+log = logging.getLogger(__name__)
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 
@@ -332,11 +337,19 @@ class DownloadMetrics:
         codec = codec if codec in CODECS else "raw"
         self.m.received_bytes.labels(self.kind_of(source), codec).inc(size_bytes)
         self.m.shard_fetch.observe(fetch_s)
+        log.debug(
+            "shard_fetched source=%s codec=%s size_bytes=%d fetch_s=%.3f",
+            short_id(source),
+            codec,
+            size_bytes,
+            fetch_s,
+        )
 
     def shard_verified(self, source: str, verify_s: float) -> None:
         """Count the shard and the verification's duration."""
         self.m.shards_verified.labels(self.kind_of(source)).inc()
         self.m.shard_verify.observe(verify_s)
+        log.debug("shard_checked source=%s verify_s=%.3f", short_id(source), verify_s)
 
     def shard_corrupt(self, source: str) -> None:
         """Count a corrupt shard against its source's kind."""

@@ -78,6 +78,10 @@ class OriginConfig:
     Attributes:
         shard_size: bytes per shard.
         shards_per_part: shards per signed manifest part (smaller: earlier first bytes).
+        max_parts: at most this many parts per version: a larger version gets larger parts
+            (:func:`parts_of`). Downloaders fetch every missing part at once, each request
+            held open at its source until the part exists, on a connection pool of 64: a
+            bounded part count keeps those from crowding out the shard requests.
         anchor_every: a full version (no delta base) every this many steps.
         deltas: offer a delta against the previous version (``sparse`` or ``xor-zstd``,
             whichever is smaller per shard).
@@ -87,14 +91,24 @@ class OriginConfig:
 
     shard_size: int = DEFAULT_SHARD_BYTES
     shards_per_part: int = DEFAULT_SHARDS_PER_PART
+    max_parts: int = 32
     anchor_every: int = 10
     deltas: bool = True
     zstd: bool = False
     zstd_level: int = codecs.DEFAULT_LEVEL
 
     def __post_init__(self) -> None:
-        if self.shard_size < 1 or self.shards_per_part < 1 or self.anchor_every < 1:
-            raise LocalProtocolError("shard_size, shards_per_part and anchor_every must be >= 1")
+        if min(self.shard_size, self.shards_per_part, self.max_parts, self.anchor_every) < 1:
+            raise LocalProtocolError(
+                "shard_size, shards_per_part, max_parts and anchor_every must be >= 1"
+            )
+
+
+def parts_of(n_shards: int, shards_per_part: int, max_parts: int) -> int:
+    """Shards per part for a version of ``n_shards``: ``shards_per_part``, or more if that
+    would make more than ``max_parts`` parts (the smallest size that makes at most
+    ``max_parts``)."""
+    return max(shards_per_part, -(-n_shards // max_parts))
 
 
 @dataclass(frozen=True)
@@ -215,17 +229,13 @@ class Origin:
         if latest is not None and step <= latest:
             raise LocalProtocolError(f"step {step} is not newer than published step {latest}")
         base = self._base(step)
-        header = await trio.to_thread.run_sync(
-            functools.partial(
-                make_header,
-                directory,
-                node.config.run_id,
-                step,
-                cfg.shard_size,
-                cfg.shards_per_part,
-                base,
-            )
+        describe = functools.partial(
+            make_header, directory, node.config.run_id, step, cfg.shard_size
         )
+        header = await trio.to_thread.run_sync(describe, cfg.shards_per_part, base)
+        per_part = parts_of(len(header.shards), cfg.shards_per_part, cfg.max_parts)
+        if per_part != header.shards_per_part:  # a large version: fewer, larger parts
+            header = await trio.to_thread.run_sync(describe, per_part, base)
         header = await trio.to_thread.run_sync(
             stable_header, self._record_path(step), directory, header
         )

@@ -438,7 +438,13 @@ class PublishSettings(CommonSettings):
     default_http_port: ClassVar[int] = 8001
 
     shard_size_bytes: int = Field(32 << 20, ge=4096, description="shard size of versions")
-    shards_per_part: int = Field(16, ge=1, description="shards per signed manifest part")
+    shards_per_part: int = Field(
+        4,
+        ge=1,
+        description="shards per signed manifest part: no byte of a shard moves before its part "
+        "is hashed and signed, so smaller parts mean earlier first bytes (and more part "
+        "requests)",
+    )
     anchor_every: int = Field(10, ge=1, description="a full version every N steps")
     deltas: bool = Field(
         True, description="offer deltas against the previous version (sparse or xor-zstd)"
@@ -628,7 +634,12 @@ class OriginSettings(PublishSettings):
         examples=["checkpoints"],
     )
     ready_marker: str = Field("DONE", description="file that marks a step-<N>/ as complete")
-    poll_interval_s: float = Field(0.5, gt=0, description="how often WATCH is scanned, seconds")
+    poll_interval_s: float = Field(
+        0.1,
+        gt=0,
+        description="how often WATCH is scanned, seconds (a version waits up to this long "
+        "after its ready marker appears)",
+    )
     pre_encode: bool = Field(
         True,
         description="hash and delta-encode each file of a WATCH/step-<N>/ as soon as it is "
