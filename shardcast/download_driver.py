@@ -92,6 +92,10 @@ if TYPE_CHECKING:
 # the download's events keep the logger they had before the driver got its own module
 log = logging.getLogger("shardcast.downloader")
 
+PART_RETRY_MAX_S = 0.25
+"""Longest wait between asks for a missing manifest part, seconds (the first is 0.05 s,
+doubling): a part that appears is fetched within this."""
+
 __all__ = ["DownloadDriver", "offer"]
 
 
@@ -489,7 +493,7 @@ class DownloadDriver:
                     self.poke()
                 return
             await trio.sleep(delay)
-            delay = min(delay * 2, 1.0)
+            delay = min(delay * 2, PART_RETRY_MAX_S)
 
     async def discover(self) -> None:
         session = self.session

@@ -68,6 +68,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 from prometheus_client.registry import Collector
 
 from p2p.errors import short_id
+from shardcast import codecs
 
 if TYPE_CHECKING:
     from shardcast.node import ShardcastNode
@@ -77,7 +78,7 @@ log = logging.getLogger(__name__)
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 
 SOURCE_KINDS = ("origin", "relay", "peer", "mirror", "unknown")
-CODECS = ("raw", "zstd", "xor-zstd")
+CODECS = codecs.ENCODINGS
 CODE_CLASSES = ("1xx", "2xx", "3xx", "4xx", "5xx")
 TOPIC_KINDS = ("versions", "nodes", "rollouts")
 ORIGIN_ROLES = ("origin", "trainer")
