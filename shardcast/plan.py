@@ -274,9 +274,7 @@ def encode_file(
                 if file_hash is not None:
                     file_hash.update(view)
                 digest = blake3.blake3(view, max_threads=blake3.blake3.AUTO).hexdigest()
-                chunks = (
-                    chunk_digests(view, settings.chunk_bytes) if settings.chunk_bytes else ()
-                )
+                chunks = chunk_digests(view, settings.chunk_bytes) if settings.chunk_bytes else ()
                 shard_list.append((length, digest))
                 encoded = _encode_shard(
                     view, offset, encodings, base_fh, blob_path, settings.zstd_level, scratch
