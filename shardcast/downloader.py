@@ -42,6 +42,7 @@ for resumption (shard size each), plus the manifest.
 
 from __future__ import annotations
 
+import functools
 import logging
 import math
 import random
@@ -77,8 +78,15 @@ from shardcast.lane_urls import (
 )
 from shardcast.liveness import Abandon, Answer, DownloadWatch
 from shardcast.manifest import Manifest, ManifestError, ShardEntry, decode_part
-from shardcast.receive import BaseMismatch, BaseVersion, ShardSink, verify_and_write
+from shardcast.receive import (
+    BaseMismatch,
+    BaseVersion,
+    ChunkCorrupt,
+    ShardSink,
+    verify_and_write,
+)
 from shardcast.select import Request, Scheduler, SchedulerConfig, SourceBans, blame
+from shardcast.serve import decode_have, have_max_bytes
 from shardcast.store import PartialVersion, VersionStore
 
 log = logging.getLogger(__name__)
@@ -255,7 +263,8 @@ class Downloader:
             manifest: the verified manifest (header at least); parts are added to it.
             sources: where to fetch from (at least one).
             on_partial: called once with the partial version (to serve it while it fills).
-            on_shard: called after each verified shard or part (to wake downstream waiters).
+            on_shard: called after each verified shard, chunk or part (to wake downstream
+                waiters).
             progress: called with (verified bytes, total bytes).
             extra_sources: polled every ``have_poll_s``; sources it returns that are new are
                 added to the download (nodes discovered while it runs), while fewer than
@@ -426,6 +435,11 @@ class Downloader:
                 if rid in scopes:
                     scopes[rid].cancel()
 
+        def write_chunk(index: int, start: int, data: memoryview) -> None:
+            # a chunk verified: write it now and let this node's lane serve it
+            if part.write_prefix(index, start, data) and on_shard is not None:
+                on_shard(index)
+
         def reschedule(index: int) -> None:
             entry = m.shard(index)
             enc = self._choose(entry, base, no_delta)
@@ -509,20 +523,20 @@ class Downloader:
                 delay = min(delay * 2, 1.0)
 
         async def poll_have(src: Source) -> None:
-            url = have_url(src.base_url, m.run_id, m.step, digest)
+            url = have_url(src.base_url, m.run_id, m.step, digest) + "?prefix=1"
             while True:
                 try:
                     bits = await self.client.get_bytes(
                         url,
-                        max_bytes=(len(header.shards) + 7) // 8,
+                        max_bytes=have_max_bytes(len(header.shards)),
                         timeout_s=self.config.stall_timeout_s,
                         anonymous=src.anonymous,
                     )
-                    held = [
-                        i
-                        for i in range(len(header.shards))
-                        if i // 8 < len(bits) and bits[i // 8] & (0x80 >> i % 8)
-                    ]
+                    try:
+                        held, prefixes = decode_have(bits, len(header.shards))
+                    except ValueError as exc:
+                        raise RemoteProtocolError(src.id, f"have: {exc}") from exc
+                    sched.set_prefixes(src.id, prefixes)
                     watch.on_answer(src.id, Answer.PRESENT, trio.current_time())
                     if len(held) == len(header.shards):  # it holds everything: stop polling
                         sched.add_source(src.id, None)
@@ -550,6 +564,8 @@ class Downloader:
                     sched.on_cancelled(req.id)
                     return
                 buf = ShardSink.pooled(size)  # bytes land here once and are hashed on arrival
+                if enc == codecs.RAW:  # checked per chunk; each verified chunk served at once
+                    buf.expect_chunks(entry, functools.partial(write_chunk, req.shard))
             begin = buf.pos
             if begin:
                 stats.resumed += 1
@@ -592,6 +608,7 @@ class Downloader:
                                         )
                                 buf.advance(n)  # hashed while hot
                     except NotAvailable as exc:
+                        buf.rewind()
                         if exc.status == 429 and observer is not None:
                             observer.refused(src.id)
                         answered(src.id, exc)
@@ -608,7 +625,34 @@ class Downloader:
                             sched.discard_partial(req.shard)
                         sched.on_failure(req.id, trio.current_time(), kind="unavailable")
                         return
+                    except ChunkCorrupt as exc:  # one chunk, one sender: exact blame
+                        failed(req.shard, src.id)
+                        got = buf.pos - begin  # the sink kept only verified chunks
+                        keep = not req.duplicate and buf.pos > 0
+                        if keep:
+                            if got:
+                                buf.parts.append((src.id, begin, buf.pos))
+                            resume[req.shard] = buf
+                        elif not req.duplicate:
+                            sched.discard_partial(req.shard)
+                        banish(
+                            src.id,
+                            sched.on_failure(
+                                req.id, trio.current_time(), kind="corrupt", received=got
+                            ),
+                        )
+                        stats.failures += 1
+                        corrupt(src.id)
+                        log.warning(
+                            "chunk_corrupt step=%d shard=%d chunk=%d source=%s",
+                            m.step,
+                            req.shard,
+                            exc.chunk,
+                            short_id(src.id),
+                        )
+                        return
                     except (StreamBroken, PeerUnreachable) as exc:
+                        buf.rewind()  # keep whole verified chunks only
                         failed(req.shard, src.id)
                         if isinstance(exc, PeerUnreachable):
                             watch.on_answer(src.id, Answer.UNREACHABLE, trio.current_time())

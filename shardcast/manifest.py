@@ -124,7 +124,7 @@ _RUN_RE = RUN_ID_RE
 _DIGEST_RE = DIGEST_RE
 OFFERABLE = (ZSTD, XOR_ZSTD, SPARSE)
 CHUNK_BYTES = 1 << 20  #: chunk size written in chunk lists (a power of two)
-MIN_CHUNK_BYTES = 16 << 10  #: smallest chunk size read (bounds a part's chunk lists)
+MIN_CHUNK_BYTES = 1 << 10  #: smallest chunk size read (a part is bounded by MAX_PART_BYTES)
 
 
 class ManifestError(FieldError):

@@ -302,6 +302,7 @@ def hash_parts(
     zstd_level: int = codecs.DEFAULT_LEVEL,
     on_part: Callable[[Part], None],
     pre_encoded: Mapping[str, PreEncoded] | None = None,
+    chunk_bytes: int = CHUNK_BYTES,
 ) -> list[Part]:
     """Read every file once and emit the version's parts as they complete.
 
@@ -321,6 +322,7 @@ def hash_parts(
             :class:`EncodeSettings` are this version's; any other file is read here. The
             parts are the same either way. Files used this way go first: parts they complete
             are emitted at once, so part indices may be emitted out of order.
+        chunk_bytes: chunk size of the parts' chunk lists (schema 3 only; 0: none).
 
     Returns:
         all parts, in index order.
@@ -342,6 +344,7 @@ def hash_parts(
         None if base is None else (base.step, base.digest),
         zstd_level,
         header.schema >= 3,
+        chunk_bytes,
     )
     n = len(header.shards)
     digests: list[str | None] = [None] * n
