@@ -130,7 +130,9 @@ def test_a_shard_that_came_chunk_by_chunk_is_written_once(tmp_path: Path) -> Non
     sink = ShardSink(bytearray(chunk), len(chunk), pos=len(chunk))
     sink._hasher.update(chunk)
     assert verify_and_write(part, entry, "raw", sink, None, "peer")
-    assert part.has(1) and part.prefix(1) == 8192 and part.prefixes() == {}
+    assert part.has(1)
+    assert part.prefix(1) == 8192
+    assert part.prefixes() == {}
     fd = os.open(part.dir / entry.file, os.O_RDONLY)
     assert os.pread(fd, 8192, entry.offset) == chunk
     os.close(fd)
@@ -154,16 +156,6 @@ def test_have_answers_carry_verified_prefixes() -> None:
 # --- the scheduler ----------------------------------------------------------------------
 
 
-def _measure(sched: Scheduler, source: str, rate_bps: float, now: float) -> float:
-    """Complete one request to ``source`` at ``rate_bps``; returns the new time."""
-    req = sched.next_request(now)
-    assert req is not None and req.source == source, req
-    sched.on_first_byte(req.id, now)
-    now += req.length / rate_bps
-    sched.on_success(req.id, now)
-    return now
-
-
 def test_a_peer_still_receiving_a_shard_serves_it_past_our_offset() -> None:
     cfg = SchedulerConfig(explore=0.0)
     sched = Scheduler([4 * MB] * 2, random.Random(0), cfg)
@@ -171,14 +163,16 @@ def test_a_peer_still_receiving_a_shard_serves_it_past_our_offset() -> None:
     assert sched.next_request(0.0) is None  # it holds nothing yet
     sched.set_prefixes("peer", {1: MB})
     req = sched.next_request(0.0)
-    assert req is not None and (req.shard, req.source, req.start) == (1, "peer", 0)
+    assert req is not None
+    assert (req.shard, req.source, req.start) == (1, "peer", 0)
     sched.on_failure(req.id, 1.0, kind="broken", received=MB)  # got its prefix, then cut
     assert sched.resume_offset(1) == MB
     sched.source_back("peer", 1.0)
     assert sched.next_request(1.0) is None  # its prefix does not reach past our offset
     sched.set_prefixes("peer", {1: 2 * MB})
     req = sched.next_request(1.0)
-    assert req is not None and (req.shard, req.start) == (1, MB)
+    assert req is not None
+    assert (req.shard, req.start) == (1, MB)
 
 
 def test_a_corrupt_chunk_keeps_the_verified_chunks_before_it() -> None:
@@ -206,7 +200,8 @@ def test_measured_peers_take_ranges_as_readily_as_relays(peer_rate: float, expec
     _rated(sched, "relay", 10 * MB)
     _rated(sched, "peer", peer_rate)
     req = sched.next_request(0.0)
-    assert req is not None and req.source == expect
+    assert req is not None
+    assert req.source == expect
 
 
 def test_unmeasured_peer_does_not_get_the_bonus() -> None:
@@ -215,7 +210,8 @@ def test_unmeasured_peer_does_not_get_the_bonus() -> None:
     sched.add_source("a-peer", {0, 1})
     _rated(sched, "relay", 10 * MB)
     req = sched.next_request(0.0)
-    assert req is not None and req.source == "relay"
+    assert req is not None
+    assert req.source == "relay"
 
 
 @pytest.mark.parametrize("seed", range(6))
@@ -228,4 +224,5 @@ def test_shards_peers_are_receiving_count_as_held_so_relays_serve_the_rare_ones(
     sched.set_prefixes("peer-b", {1: 4096, 2: 4096})
     _rated(sched, "relay", 10 * MB)
     req = sched.next_request(0.0)
-    assert req is not None and (req.source, req.shard) == ("relay", 3)  # nobody else has it
+    assert req is not None
+    assert (req.source, req.shard) == ("relay", 3)
