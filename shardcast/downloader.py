@@ -638,7 +638,11 @@ class Downloader:
                         banish(
                             src.id,
                             sched.on_failure(
-                                req.id, trio.current_time(), kind="corrupt", received=got
+                                req.id,
+                                trio.current_time(),
+                                kind="corrupt",
+                                received=got,
+                                kept=keep,
                             ),
                         )
                         stats.failures += 1

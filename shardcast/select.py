@@ -597,7 +597,9 @@ class Scheduler:
         if req_id in self._flights:
             self._finish(req_id)
 
-    def on_failure(self, req_id: int, now: float, *, kind: str, received: int = 0) -> list[int]:
+    def on_failure(
+        self, req_id: int, now: float, *, kind: str, received: int = 0, kept: bool = False
+    ) -> list[int]:
         """A request failed.
 
         Args:
@@ -608,8 +610,11 @@ class Scheduler:
                 ``"suspect"`` (a copy assembled from several sources failed: nobody is
                 penalized until :func:`blame` names the culprit).
             received: bytes of this request received and kept by the driver for resuming
-                (``timeout``/``broken``, and ``corrupt`` when only whole verified chunks
-                before the bad one are kept); the shard's resume offset advances by it.
+                (``timeout``/``broken``, and ``corrupt`` with ``kept``); the shard's resume
+                offset advances by it.
+            kept: for ``corrupt``: the driver kept the bytes before the bad chunk (each
+                verified against the signed chunk list), so the shard resumes at
+                ``start + received`` instead of from 0.
 
         Returns:
             requests to cancel: those still in flight to a source this failure just banned.
@@ -618,7 +623,7 @@ class Scheduler:
         s = self._shards[fl.req.shard]
         if not fl.req.duplicate and not s.done and kind in ("timeout", "broken"):
             self._set_received(fl.req.shard, fl.req.start + received)
-        elif kind == "corrupt" and received and not fl.req.duplicate and not s.done:
+        elif kind == "corrupt" and kept and not fl.req.duplicate and not s.done:
             self._set_received(fl.req.shard, fl.req.start + received)  # verified chunks kept
         elif kind in ("corrupt", "suspect"):
             self._set_received(fl.req.shard, 0)

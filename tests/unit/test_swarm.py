@@ -180,7 +180,7 @@ def test_a_corrupt_chunk_keeps_the_verified_chunks_before_it() -> None:
     sched.add_source("a")
     req = sched.next_request(0.0)
     assert req is not None
-    sched.on_failure(req.id, 1.0, kind="corrupt", received=2 * MB)
+    sched.on_failure(req.id, 1.0, kind="corrupt", received=2 * MB, kept=True)
     assert sched.resume_offset(0) == 2 * MB
     assert sched.statistics().corrupt == 1
 
