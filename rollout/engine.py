@@ -59,6 +59,7 @@ __all__ = [
     "TransformersEngine",
     "bf16_bits",
     "prefill_activations",
+    "prefill_activations_batch",
     "prefill_activations_group",
     "sample_group",
 ]
@@ -300,15 +301,7 @@ def prefill_activations_group(
     temperature: float = 1.0,
     keys: Sequence[NoiseKey] | None = None,
 ) -> list[TeacherForced]:
-    """:func:`prefill_activations` for a GRPO group (one prompt, several completions) in one
-    forward pass.
-
-    The sequences ``prompt + completion[:-1]`` are right-padded into one ``[B, T]`` batch with
-    an attention mask; causal attention means a real position never sees the padding after it,
-    so each row is the same computation as alone, up to the float rounding that a different
-    batch shape can change (measured: identical verdicts on 160 of 160 rollouts,
-    ``bench/verification.py``). On a small model one batched pass is several times cheaper than
-    one pass per sample, which is most of the verification cost.
+    """:func:`prefill_activations_batch` for a GRPO group (one prompt, several completions).
 
     Args:
         model, prompt_ids, temperature: as :func:`prefill_activations`.
@@ -323,44 +316,81 @@ def prefill_activations_group(
     Raises:
         LocalProtocolError: as :func:`prefill_activations`, or ``keys`` of the wrong length.
     """
-    if keys is not None and len(keys) != len(completions):
-        raise LocalProtocolError(f"{len(keys)} noise keys for {len(completions)} completions")
-    if len(completions) == 1:
-        c = completions[0]
-        if not c:
-            raise LocalProtocolError("empty completion")
-        ids = [*prompt_ids, *c]
-        _check_args(ids, temperature, int(model.config.vocab_size))
-        single = _base(model)(input_ids=torch.tensor([ids[:-1]]), use_cache=False)
-        key = None if keys is None else keys[0]
-        return [
-            _teacher_forced(model, single.last_hidden_state[0], prompt_ids, c, temperature, key)
-        ]
+    items = [(prompt_ids, c) for c in completions]
+    return prefill_activations_batch(model, items, temperature, keys)
+
+
+DEFAULT_BATCH_TOKENS = 512
+"""Padded tokens per forward of :func:`prefill_activations_batch` (rows x width). On this
+project's CPU (one thread, bf16) 512 was the fastest of 256..8192 for every bench model
+(CPU ms per rollout of ~100 tokens, 512 vs 8192: ``tiny`` 1.8 vs 3.0, ``h512`` 10.6 vs 16.5,
+``m100`` 76 vs 96): a few rows per pass already fill the matrix units, and larger activations
+fall out of cache. A GPU wants far larger batches."""
+
+
+@torch.inference_mode()
+def prefill_activations_batch(
+    model: Any,
+    items: Sequence[tuple[Sequence[int], Sequence[int]]],
+    temperature: float = 1.0,
+    keys: Sequence[NoiseKey] | None = None,
+    max_batch_tokens: int = DEFAULT_BATCH_TOKENS,
+) -> list[TeacherForced]:
+    """:func:`prefill_activations` for many ``(prompt_ids, completion_ids)`` pairs (a whole
+    rollout batch: every group, every sample) in as few forward passes as fit the budget.
+
+    The sequences ``prompt + completion[:-1]`` are sorted by length (longest first), cut into
+    sub-batches of at most ``max_batch_tokens`` padded tokens (at least one row each) and each
+    sub-batch is right-padded with id 0 into one ``[B, T]`` forward *without* an attention
+    mask: causal attention means a real position never sees the padding after it and position
+    ids count from 0 in every row, so each row is the same computation as alone, up to the
+    float rounding that a different batch shape can change (kernels block ``[B·T, H]`` matmuls
+    and attention differently). ``bench/verification.py`` measures that difference
+    (``details.timing.batching``) and calibrates the thresholds on this path. On CPU a
+    batched pass saves the per-call overhead of small models; sorting keeps padding small.
+
+    Args:
+        model: the causal LM of the claimed policy version (bf16 for TOPLOC).
+        items: ``(prompt_ids, completion_ids)`` pairs, ``L >= 1`` and ``N >= 1`` ids each.
+        temperature: the claimed sampling temperature ``T > 0``.
+        keys: each item's Gumbel noise key (:func:`rollout.gumbel.sample_key`), to compute its
+            replay gaps while the logits are in memory; ``None``: no gaps.
+        max_batch_tokens: padded-token budget per forward pass (rows x width), >= 1.
+
+    Returns:
+        one :class:`TeacherForced` per item, in order (gaps:
+        :func:`rollout.gumbel.replay_gaps` of the float32 logits).
+
+    Raises:
+        LocalProtocolError: an empty prompt or completion, a bad id, ``temperature <= 0``,
+            or ``keys`` of the wrong length.
+    """
+    if keys is not None and len(keys) != len(items):
+        raise LocalProtocolError(f"{len(keys)} noise keys for {len(items)} completions")
     seqs = []
-    for c in completions:
-        if not c:
-            raise LocalProtocolError("empty completion")
-        ids = [*prompt_ids, *c]
+    for prompt_ids, completion_ids in items:
+        if not prompt_ids or not completion_ids:
+            raise LocalProtocolError("empty prompt or completion")
+        ids = [*prompt_ids, *completion_ids]
         _check_args(ids, temperature, int(model.config.vocab_size))
         seqs.append(ids[:-1])
-    width = max(len(s) for s in seqs)
-    inputs = torch.zeros(len(seqs), width, dtype=torch.long)
-    mask = torch.zeros(len(seqs), width, dtype=torch.long)
-    for i, s in enumerate(seqs):
-        inputs[i, : len(s)] = torch.tensor(s)
-        mask[i, : len(s)] = 1
-    hidden = _base(model)(input_ids=inputs, attention_mask=mask, use_cache=False).last_hidden_state
-    return [
-        _teacher_forced(
-            model,
-            hidden[i, : len(s)],
-            prompt_ids,
-            c,
-            temperature,
-            None if keys is None else keys[i],
-        )
-        for i, (s, c) in enumerate(zip(seqs, completions, strict=True))
-    ]
+    order = sorted(range(len(seqs)), key=lambda i: -len(seqs[i]))
+    out: list[Any] = [None] * len(seqs)
+    start = 0
+    while start < len(order):
+        width = len(seqs[order[start]])
+        rows = order[start : start + max(1, max_batch_tokens // width)]
+        start += len(rows)
+        inputs = torch.zeros(len(rows), width, dtype=torch.long)
+        for r, i in enumerate(rows):
+            inputs[r, : len(seqs[i])] = torch.tensor(seqs[i])
+        hidden = _base(model)(input_ids=inputs, use_cache=False).last_hidden_state
+        for r, i in enumerate(rows):
+            prompt_ids, completion_ids = items[i]
+            key = None if keys is None else keys[i]
+            h = hidden[r, : len(seqs[i])]
+            out[i] = _teacher_forced(model, h, prompt_ids, completion_ids, temperature, key)
+    return out
 
 
 def _teacher_forced(

@@ -35,8 +35,8 @@ import trio
 
 from p2p import wire
 from p2p.errors import ConfigError, RemoteProtocolError, ShardnetError, TransportError, short_id
-from p2p.host import P2PNode
 from p2p.identity import Identity
+from p2p.lanes import Host
 from rollout.schema import MAX_BATCH_BYTES, RolloutAnnouncement, rollouts_topic
 
 log = logging.getLogger(__name__)
@@ -148,7 +148,7 @@ class RolloutSender:
 
     def __init__(
         self,
-        node: P2PNode,
+        node: Host,
         identity: Identity,
         run_id: str,
         trainer: str,
@@ -281,7 +281,7 @@ class RolloutSender:
 
 
 async def report_status(
-    node: P2PNode, trainer: str, step: int | None, manifest_digest: str = "", attempts: int = 5
+    node: Host, trainer: str, step: int | None, manifest_digest: str = "", attempts: int = 5
 ) -> str | None:
     """Tell the trainer this node committed version ``step`` (best effort, bounded retries).
 

@@ -48,7 +48,7 @@ from p2p.errors import (
     TransportError,
     short_id,
 )
-from p2p.host import P2PNode
+from p2p.lanes import Host
 from rollout.exchange import ANNOUNCE_PROTOCOL, FETCH_PROTOCOL, MAX_ACK_BYTES, STATUS_PROTOCOL, Ack
 from rollout.intake import (
     UNFETCHED,
@@ -154,7 +154,7 @@ class RolloutInbox:
 
     def __init__(
         self,
-        node: P2PNode,
+        node: Host,
         run_id: str,
         validator: Validator,
         reputation: Reputation,

@@ -29,6 +29,7 @@ from p2p import wire
 from p2p.errors import ConfigError, IntegrityError, ShardnetError, short_id
 from p2p.host import HostConfig, P2PNode, peer_id_of
 from p2p.identity import Identity
+from p2p.lanes import Host
 from shardcast.messages import RUNCARD_PROTOCOL
 from shardcast.runcard import (
     CARD_FILE,
@@ -106,7 +107,7 @@ def save_card(data_dir: Path, card: SignedRunCard, durable: bool) -> None:
 
 
 async def fetch_card(
-    p2p: P2PNode, peer_id: str, trainer: str, timeout_s: float = 10.0
+    p2p: Host, peer_id: str, trainer: str, timeout_s: float = 10.0
 ) -> SignedRunCard | None:
     """Ask ``peer_id`` for its run card and verify it against ``trainer``.
 

@@ -74,6 +74,7 @@ class DownloadWatch:
     _sources: dict[str, _SourceView] = field(default_factory=dict)
     _last_usable: float = 0.0
     _last_progress: float = 0.0
+    _n_gone: int = 0  # sources whose gone_since is set (all_gone_since is O(1) until all are)
 
     def __post_init__(self) -> None:
         self._last_usable = self._last_progress = self.now
@@ -88,9 +89,11 @@ class DownloadWatch:
         if answer in (Answer.GONE, Answer.UNREACHABLE):
             if view.gone_since is None:
                 view.gone_since = now
+                self._n_gone += 1
             view.said_gone = view.said_gone or answer is Answer.GONE
-        else:
+        elif view.gone_since is not None:
             view.gone_since, view.said_gone = None, False
+            self._n_gone -= 1
         if answer is Answer.DELIVERED:
             self._last_progress = now
 
@@ -105,9 +108,9 @@ class DownloadWatch:
 
     def all_gone_since(self) -> float | None:
         """When the last source went gone, if every source is gone and one said so."""
-        views = list(self._sources.values())
-        if not views or any(v.gone_since is None for v in views):
+        if not self._sources or self._n_gone < len(self._sources):
             return None
+        views = list(self._sources.values())
         if not any(v.said_gone for v in views):
             return None
         return max(v.gone_since for v in views if v.gone_since is not None)

@@ -37,16 +37,10 @@ import trio
 from p2p import wire
 from p2p.addresses import advertised_url, check_http_url, ensure_bindable, interface_addresses
 from p2p.errors import ConfigError, ShardnetError, UntrustedSigner, short_id
-from p2p.host import HostConfig, P2PNode
-from p2p.http_client import HttpClient
-from p2p.http_server import (
-    HttpRequest,
-    HttpResponse,
-    HttpServer,
-    HttpServerConfig,
-    open_http_server,
-)
+from p2p.host import HostConfig
+from p2p.http_server import HttpRequest, HttpResponse, HttpServerConfig
 from p2p.identity import Identity
+from p2p.lanes import REAL_NETWORK, Host, HttpLaneClient, HttpLaneServer, Network
 from p2p.trust import TrustList
 from shardcast.cardsync import check_data_dir, save_card
 from shardcast.finish import RunFinished, decode_versions_message
@@ -120,9 +114,9 @@ class ShardcastNode:
         identity: Identity,
         trust: TrustList,
         config: NodeConfig,
-        p2p: P2PNode,
-        http: HttpServer,
-        client: HttpClient,
+        p2p: Host,
+        http: HttpLaneServer,
+        client: HttpLaneClient,
         store: VersionStore,
         server: VersionServer,
         metrics: NodeMetrics,
@@ -158,16 +152,27 @@ class ShardcastNode:
     @classmethod
     @asynccontextmanager
     async def open(
-        cls, identity: Identity, trust: TrustList, config: NodeConfig
+        cls,
+        identity: Identity,
+        trust: TrustList,
+        config: NodeConfig,
+        *,
+        network: Network | None = None,
     ) -> AsyncIterator[ShardcastNode]:
         """Start host, HTTP lane and store; stop everything on exit.
+
+        Args:
+            network: opens the host and the HTTP lane (default: :data:`p2p.lanes.REAL_NETWORK`;
+                tests pass an in-memory one, :mod:`p2p.memnet`).
 
         Raises:
             ConfigError: a port in use or an address not of this host (``listen`` or
                 ``http_port``); the data directory holds another run's card or versions, or a
                 card not signed by the pinned trainer (all before anything listens).
         """
-        ensure_bindable(config.http.host, config.http.port, "http_port", "HTTP lane")
+        if network is None:
+            network = REAL_NETWORK
+            ensure_bindable(config.http.host, config.http.port, "http_port", "HTTP lane")
         stored_card = check_data_dir(config.data_dir, config.run_id, trust.trainer)
         store = VersionStore(
             config.data_dir / "versions", config.run_id, config.keep_last, durable=config.durable
@@ -195,9 +200,9 @@ class ShardcastNode:
 
         try:
             async with (
-                P2PNode.open(identity, config.host) as p2p,
-                open_http_server(handle, config.http) as http,
-                HttpClient(
+                network.open_host(identity, config.host) as p2p,
+                network.open_http_server(handle, config.http) as http,
+                network.open_http_client(
                     sign=RequestSigner(identity, time.time),
                     # ask upstream nodes to hold requests for shards they are still verifying
                     headers={HOLD_HEADER: f"{config.serve_wait_s:g}"},

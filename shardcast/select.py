@@ -287,8 +287,8 @@ class Scheduler:
         s.known = True
         if not s.done and not s.flights:
             self._make_idle(index)
-        if length is not None and not s.flights:
-            s.length = length
+        if length is not None and length != s.length:  # another encoding: its prefix is void
+            s.length = length  # (requests in flight keep their own length)
             self._set_received(index, 0)
 
     def remove_source(self, source: str) -> None:

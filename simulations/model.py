@@ -10,13 +10,16 @@ sharing of uplinks, downlinks and declared links) in steps of ``time_step_s``.
 Every decision a real node makes with a sans-IO policy is made here by that same code, with the
 model's clock as ``now`` and a per-node seeded ``random.Random``:
 
-- each download is a :class:`shardcast.select.Scheduler` (shard and source choice, exploration,
-  penalties, resumption, endgame duplicates and their cancellation), fed like
-  :class:`shardcast.downloader.Downloader` feeds it: parts become known as the origin hashes
-  them (``mark_known`` with the encoded size — the delta when the base is held),
-  first bytes, successes, ``unavailable`` (503 after ``serve_wait_s``, super-seeding refusals,
-  404 from a node without the version), ``broken`` (a source left; bytes kept for resuming),
-  ``corrupt``/``suspect`` (digest failures) with blame on the verified copy;
+- each download is a :class:`shardcast.session.Session`, the object the trio
+  :class:`shardcast.downloader.Downloader` drives (its scheduler chooses shards and sources,
+  explores, penalizes, resumes and runs the endgame; the session keeps resumable prefixes,
+  falls back from deltas, blames and bans): parts arrive as the origin hashes them (the delta
+  is offered when the base is held), and transfers end ``ok`` (then checked: corrupt when an
+  adversary flips its coin), ``not_available`` (503 after ``serve_wait_s``, 404 from a node
+  without the version), ``refused`` (super-seeding), ``broken`` (a source left; the bytes that
+  arrived are kept for resuming) or ``cancelled`` (endgame losers, banned sources); the
+  model answers the session's byte comparisons from its knowledge of who corrupted what.
+  Abandonment is not modelled (the session's grace periods are infinite);
 - extra sources come from a real :class:`shardcast.discovery.SourceDirectory` fed with
   :class:`~shardcast.discovery.NodeAdvert`\\ s (a node hears ``gossip_sample`` random adverts per
   ``advert_interval_s`` instead of all N: that keeps a round O(1) per node);
@@ -42,10 +45,28 @@ from typing import Any, cast
 import simpy
 
 from shardcast import catchup
+from shardcast.codecs import XOR_ZSTD
 from shardcast.discovery import NodeAdvert, SourceDirectory
 from shardcast.manifest import Manifest
 from shardcast.policy import SuperSeeding, versions_to_prune
-from shardcast.select import Request, Scheduler, SchedulerConfig
+from shardcast.select import SchedulerConfig
+from shardcast.session import (
+    Action,
+    Cancel,
+    Check,
+    Commit,
+    Compare,
+    End,
+    Fail,
+    Fetch,
+    KeepSuspect,
+    Offer,
+    Outcome,
+    PollHave,
+    Session,
+    SessionConfig,
+    Verdict,
+)
 from simulations.flows import FlowNetwork
 from simulations.progress import SimProgress, Snapshot
 from simulations.topology import Node, Topology
@@ -59,7 +80,7 @@ HAVE_POLL_S = 0.25  # watchers learn a partial source's new shards this often (t
 
 @dataclass
 class _Flight:
-    req: Request
+    req: Fetch
     src: int
     fid: int | None = None
     waiting: bool = False
@@ -67,24 +88,16 @@ class _Flight:
 
 
 @dataclass
-class _Partial:
-    pos: int
-    sources: set[int]
-    bad: set[int]
-
-
-@dataclass
 class _Download:
     node: int
     ver: SimVersion
-    sched: Scheduler
+    session: Session
     use_base: bool
     started: float
     flights: dict[int, _Flight] = field(default_factory=dict)
     sources: set[int] = field(default_factory=set)
-    extra: set[str] = field(default_factory=set)  # discovered sources added (names)
-    partial: dict[int, _Partial] = field(default_factory=dict)
-    suspects: dict[int, set[int]] = field(default_factory=dict)
+    corrupt: dict[int, str] = field(default_factory=dict)  # req -> the adversary that sent it
+    bad_copies: dict[int, set[str]] = field(default_factory=dict)  # kept copy -> who corrupted
     known_parts: int = 0
     pump_due: bool = False
     alive: bool = True
@@ -309,9 +322,17 @@ class Model:
         n = self.nodes[node]
         ver = self.versions[step]
         use_base = ver.base is not None and ver.base in n.committed
-        dl = _Download(
-            node, ver, Scheduler(ver.lengths, n.rng, self.sched_cfg, known=[]), use_base, at
+        ms = self.spec.model
+        cfg = SessionConfig(
+            self.sched_cfg,
+            use_base=use_base,
+            max_extra_sources=ms.max_extra_sources,
+            no_source_grace_s=math.inf,
+            gone_grace_s=math.inf,
+            no_progress_s=math.inf,
         )
+        session = Session(step, ver.lengths, ver.n_parts, (), (), (), n.rng, cfg, self.env.now)
+        dl = _Download(node, ver, session, use_base, at)
         n.download = dl
         n.have[step] = set()
         self.board[step].append(node)
@@ -319,7 +340,7 @@ class Model:
         for u in n.spec.upstreams:
             ui = self.by_name[u]
             if self.nodes[ui].alive:
-                dl.sched.add_source(u, None)
+                dl.session.add_source(u, True, self.env.now)
                 dl.sources.add(ui)
         if n.directory is None and self.spec.model.discovery:
             ms = self.spec.model
@@ -340,9 +361,14 @@ class Model:
     def _part_known(self, dl: _Download, k: int) -> None:
         if not dl.alive or k < dl.known_parts:
             return
+        ver = dl.ver
+        delta = ver.base is not None and ver.delta_ratio < 1
         for kk in range(dl.known_parts, k + 1):
-            for i in dl.ver.part_range(kk):
-                dl.sched.mark_known(i, dl.ver.enc_len(i, dl.use_base))
+            offers = [
+                Offer(i, ver.lengths[i], {XOR_ZSTD: ver.enc_len(i, True)} if delta else {})
+                for i in ver.part_range(kk)
+            ]
+            dl.session.part_arrived(kk, offers, self.env.now)
         dl.known_parts = k + 1
         self._pump(dl)
 
@@ -366,32 +392,58 @@ class Model:
                 (step,) if step in cn.have else (),
             )
             n.directory.offer(adv, now)
-        banned = set(dl.sched.statistics().banned)
-        room = ms.max_extra_sources - len(dl.extra - banned)  # the downloader's bound
+        room = dl.session.extra_room()  # the session's bound on discovered sources
         for src in n.directory.sources_for(step, now, ms.max_extra_sources) if room > 0 else ():
             si = self.by_name[src.id]
             if si in dl.sources or room <= 0:
                 continue
             room -= 1
-            dl.extra.add(src.id)
             dl.sources.add(si)
-            sn = self.nodes[si]
-            if src.complete:
-                dl.sched.add_source(src.id, None)
-            else:
-                dl.sched.add_source(src.id, ())
-                dl.sched.add_have(src.id, sn.have.get(step, ()))
-                sn.watchers.setdefault(step, []).append(dl)
+            self._apply(dl, dl.session.add_source(src.id, src.complete, now, extra=True))
         self._pump(dl)
         self._at(now + ms.advert_interval_s, self._discover, dl)
 
-    def _pump(self, dl: _Download) -> None:
+    def _apply(
+        self, dl: _Download, actions: list[Action] | list[Action | End], t: float | None = None
+    ) -> None:
+        """Do what the session decided (the model's stand-in for the trio driver); ``t``: the
+        time of the event that led to it (a flow's exact end), if not now."""
+        now = self.env.now
+        for a in actions:
+            if isinstance(a, Fetch):
+                self._request(dl, a, now)
+            elif isinstance(a, Cancel):
+                loser = dl.flights.pop(a.req, None)
+                if loser is not None:
+                    loser.done = True
+                    if loser.fid is not None:
+                        self._account(dl, loser, self.net.cancel(loser.fid))
+                self._apply(dl, dl.session.transfer_ended(a.req, Outcome.CANCELLED, 0, now))
+            elif isinstance(a, KeepSuspect):
+                bad = dl.corrupt.get(a.req)
+                dl.bad_copies[a.copy] = {bad} if bad is not None else set()
+            elif isinstance(a, Compare):
+                culprits = dl.bad_copies.pop(a.copy, set())
+                self._apply(dl, dl.session.compared(a.copy, a.shard, culprits, now))
+            elif isinstance(a, PollHave):  # a partial source: its have-set, then its polls
+                sn = self.nodes[self.by_name[a.source]]
+                dl.session.have_changed(a.source, sn.have.get(dl.ver.step, ()), now)
+                sn.watchers.setdefault(dl.ver.step, []).append(dl)
+            elif isinstance(a, Commit):
+                self._commit(dl, now if t is None else t)
+            elif isinstance(a, Fail):  # not with infinite grace periods; start over if so
+                self._drop_download(dl)
+                self._at(now + 1.0, self._maybe_start, dl.node)
+            # Keep, Drop, Check, Blame, Ban, Probe: no bytes or bans to keep in the model
+
+    def _pump(self, dl: _Download, t: float | None = None) -> None:
         if not dl.alive or self.env.now < dl.started:
             return
         now = self.env.now
-        while (req := dl.sched.next_request(now)) is not None:
-            self._request(dl, req, now)
-        if not dl.flights and not dl.sched.done():  # blocked sources: retry like the driver
+        self._apply(dl, dl.session.poll(now), t)
+        if not dl.alive:
+            return
+        if not dl.flights and not dl.session.finished:  # blocked sources: retry like the driver
             if not dl.pump_due:
                 dl.pump_due = True
                 self._at(now + self.sched_cfg.penalty_s / 4, self._repump, dl)
@@ -400,15 +452,15 @@ class Model:
         dl.pump_due = False
         self._pump(dl)
 
-    def _request(self, dl: _Download, req: Request, now: float) -> None:
+    def _request(self, dl: _Download, req: Fetch, now: float) -> None:
         si = self.by_name[req.source]
         src = self.nodes[si]
         fl = _Flight(req, si)
-        dl.flights[req.id] = fl
+        dl.flights[req.req] = fl
         delay, _, _ = self._path(si, dl.node)
         step, i = dl.ver.step, req.shard
         if not src.alive:
-            self._at(now + UNREACHABLE_S, self._fail, dl, fl, "broken")
+            self._at(now + UNREACHABLE_S, self._fail, dl, fl, Outcome.BROKEN)
         elif step in src.committed or i in src.have.get(step, ()):
             self._serve(dl, fl, now + 2 * delay)
         elif step in src.have:  # filling: the request waits there (pipelining)
@@ -416,7 +468,7 @@ class Model:
             src.waiters.setdefault((step, i), []).append((dl, fl))
             self._at(now + self.spec.model.serve_wait_s, self._wait_expired, dl, fl)
         else:
-            self._at(now + 2 * delay, self._fail, dl, fl, "unavailable")
+            self._at(now + 2 * delay, self._fail, dl, fl, Outcome.NOT_AVAILABLE)
 
     def _serve(self, dl: _Download, fl: _Flight, start: float) -> None:
         if fl.done or not dl.alive:
@@ -430,7 +482,7 @@ class Model:
             self.env.now,
             self._n_shards,
         ):
-            self._at(start, self._fail, dl, fl, "unavailable")
+            self._at(start, self._fail, dl, fl, Outcome.REFUSED)
             return
         src = self.nodes[fl.src]
         src.serving[step] += 1
@@ -442,68 +494,60 @@ class Model:
             lambda fid, t: self._complete(dl, fl, t),
             lambda fid, t: self._first_byte(dl, fl, t),
         )
-        src.out[fl.fid] = (dl, fl.req.id)
+        src.out[fl.fid] = (dl, fl.req.req)
 
     def _wait_expired(self, dl: _Download, fl: _Flight) -> None:
         if fl.waiting and not fl.done:
-            self._fail(dl, fl, "unavailable")
+            self._fail(dl, fl, Outcome.NOT_AVAILABLE)
 
     def _first_byte(self, dl: _Download, fl: _Flight, t: float) -> None:
-        dl.sched.on_first_byte(fl.req.id, t)
+        if dl.alive:
+            dl.session.first_byte(fl.req.req, t)
         rec = self._record(dl.node, dl.ver.step)
         if rec["first_byte_s"] is None:
             rec["first_byte_s"] = t
 
-    def _fail(self, dl: _Download, fl: _Flight, kind: str, received: int = 0) -> None:
+    def _fail(self, dl: _Download, fl: _Flight, outcome: Outcome, received: int = 0) -> None:
         if fl.done:
             return
         fl.done = True
-        dl.flights.pop(fl.req.id, None)
+        dl.flights.pop(fl.req.req, None)
         if dl.alive:
-            dl.sched.on_failure(fl.req.id, self.env.now, kind=kind, received=received)
+            self._apply(dl, dl.session.transfer_ended(fl.req.req, outcome, received, self.env.now))
             self._pump(dl)
 
     def _complete(self, dl: _Download, fl: _Flight, t: float) -> None:
         if fl.done:
             return
         fl.done = True
-        dl.flights.pop(fl.req.id, None)
+        dl.flights.pop(fl.req.req, None)
         self._account(dl, fl, float(fl.req.length))
         if not dl.alive:
             return
         req, i = fl.req, fl.req.shard
         src = self.nodes[fl.src]
         corrupt = src.spec.behavior == "corrupt" and src.rng.random() < src.spec.corrupt_fraction
-        part = dl.partial.pop(i, None) if req.start and not req.duplicate else None
-        contributors = {fl.src} | (part.sources if part else set())
-        bad = ({fl.src} if corrupt else set()) | (part.bad if part else set())
-        if bad:
-            if len(contributors) == 1:
-                dl.sched.on_failure(req.id, t, kind="corrupt")
-            else:
-                dl.sched.on_failure(req.id, t, kind="suspect")
-                dl.suspects.setdefault(i, set()).update(bad)
-            self._pump(dl)
-            return
-        for lid in dl.sched.on_success(req.id, t):
-            loser = dl.flights.pop(lid, None)
-            if loser is not None:
-                loser.done = True
-                if loser.fid is not None:
-                    self._account(dl, loser, self.net.cancel(loser.fid))
-            dl.sched.on_cancelled(lid)
-        for culprit in dl.suspects.pop(i, set()):
-            dl.sched.penalize_corrupt(self.topo.nodes[culprit].name, t)
+        if corrupt:
+            dl.corrupt[req.req] = src.spec.name
+        session = dl.session
+        actions = session.transfer_ended(req.req, Outcome.OK, req.length, t)
+        self._apply(dl, actions)
+        checked = any(isinstance(a, Check) for a in actions)
+        if checked:  # checked at once: verification is free
+            verdict = Verdict.CORRUPT if corrupt else Verdict.VERIFIED
+            self._apply(dl, session.shard_checked(req.req, verdict, t))
+        dl.corrupt.pop(req.req, None)
+        if checked and not corrupt and i not in self.nodes[dl.node].have[dl.ver.step]:
+            self._shard_verified(dl, i, t)
+        self._pump(dl, t)
+
+    def _shard_verified(self, dl: _Download, i: int, t: float) -> None:
         n = self.nodes[dl.node]
         n.have[dl.ver.step].add(i)
         rec = self._record(dl.node, dl.ver.step)
         rec["shards_s"].append(t)
         rec["acc"] ^= dl.ver.tokens[i]
         self._shard_ready(dl.node, dl.ver.step, i)
-        if dl.sched.done() and dl.known_parts == dl.ver.n_parts:
-            self._commit(dl, t)
-        else:
-            self._pump(dl)
 
     def _account(self, dl: _Download, fl: _Flight, moved: float) -> None:
         if fl.fid is None:
@@ -532,7 +576,7 @@ class Model:
         for step, shards in unpolled.items():
             for w in n.watchers.get(step, ()):
                 if w.alive:
-                    w.sched.add_have(n.spec.name, shards)
+                    w.session.have_changed(n.spec.name, shards, self.env.now)
                     self._pump(w)
 
     def _commit(self, dl: _Download, t: float) -> None:
@@ -546,7 +590,7 @@ class Model:
         del n.have[step]
         for w in n.watchers.pop(step, ()):
             if w.alive:
-                w.sched.add_source(n.spec.name, None)
+                w.session.have_changed(n.spec.name, None, self.env.now)
                 self._pump(w)
         rec = self._record(dl.node, step)
         rec["commit_s"] = t
@@ -557,6 +601,18 @@ class Model:
         if n.spec.role == "peer":
             self._generate(dl.node)
         self._maybe_start(dl.node)
+
+    def _drop_download(self, dl: _Download) -> None:
+        """End ``dl`` without a commit (its node left, or the session failed)."""
+        n = self.nodes[dl.node]
+        dl.alive = False
+        dl.ver.listeners.remove(dl)
+        for fl in list(dl.flights.values()):
+            fl.done = True
+            if fl.fid is not None:
+                self._account(dl, fl, self.net.cancel(fl.fid))
+        n.have.pop(dl.ver.step, None)
+        n.download = None
 
     def _prune(self, node: int) -> None:
         n = self.nodes[node]
@@ -611,28 +667,13 @@ class Model:
                 moved = self.net.cancel(fid)
                 if fl is not None:
                     self._account(dl, fl, moved)
-                    got = int(moved)
-                    if got and not fl.req.duplicate:
-                        p = dl.partial.get(fl.req.shard) or _Partial(fl.req.start, set(), set())
-                        p.pos = fl.req.start + got
-                        p.sources.add(node)
-                        dl.partial[fl.req.shard] = p
-                    self._fail(dl, fl, "broken", got if not fl.req.duplicate else 0)
+                    self._fail(dl, fl, Outcome.BROKEN, int(moved))  # the session keeps them
             for waits in n.waiters.values():
                 for dl, fl in waits:
-                    self._at(self.env.now + UNREACHABLE_S, self._fail, dl, fl, "broken")
+                    self._at(self.env.now + UNREACHABLE_S, self._fail, dl, fl, Outcome.BROKEN)
             n.waiters.clear()
-            own = n.download
-            if own is not None:
-                dl = own
-                dl.alive = False
-                dl.ver.listeners.remove(dl)
-                for fl in list(dl.flights.values()):
-                    fl.done = True
-                    if fl.fid is not None:
-                        self._account(dl, fl, self.net.cancel(fl.fid))
-                n.have.pop(dl.ver.step, None)
-                n.download = None
+            if n.download is not None:
+                self._drop_download(n.download)
                 n.plan = []
         elif action == "join" and not n.alive:
             n.alive = True

@@ -124,6 +124,7 @@ class Fault(enum.Enum):
     STALL_AFTER_HEADERS = "stall_after_headers"  # sends the headers, then nothing, forever
     STALL_BEFORE_ANSWER = "stall_before_answer"  # reads the request, never answers
     UNAVAILABLE = "unavailable"  # 503 with Retry-After: 1
+    WRONG_VERSION = "wrong_version"  # 409: it holds another version under this step
     SHORT_FILE = "short_file"  # serves every file as if it were shorter (a stale copy)
 
 
@@ -221,6 +222,9 @@ async def _answer_one(
         await trio.sleep_forever()
     if fault is Fault.UNAVAILABLE:
         await _send(stream, conn, 503, [("retry-after", "1")], b"")
+        return True
+    if fault is Fault.WRONG_VERSION:
+        await _send(stream, conn, 409, [], b"")
         return True
     try:
         offset, length = resolve_range(spec, len(data))

@@ -31,7 +31,7 @@ from typing import TYPE_CHECKING, Any
 import trio
 
 from p2p.errors import short_id
-from p2p.host import P2PNode
+from p2p.lanes import Host
 from p2p.trust import TrustList
 from rollout.inbox import AcceptedBatch, InboxConfig, RolloutInbox
 from rollout.parquet_out import batch_table, write_batch
@@ -82,7 +82,7 @@ class RolloutIntake:
         self.reputation = Reputation()
         self.inbox: RolloutInbox | None = None
 
-    def open_inbox(self, p2p: P2PNode, current_step: Callable[[], int]) -> RolloutInbox:
+    def open_inbox(self, p2p: Host, current_step: Callable[[], int]) -> RolloutInbox:
         """The inbox on ``p2p``; start it with ``nursery.start(inbox.run)``."""
         self.inbox = RolloutInbox(
             p2p,
@@ -245,7 +245,7 @@ class OriginDataPlane:
         self.intake: RolloutIntake | None = None
         self.sink: ParquetSink | None = None
 
-    async def start(self, nursery: trio.Nursery, p2p: P2PNode, model_dir: Path) -> None:
+    async def start(self, nursery: trio.Nursery, p2p: Host, model_dir: Path) -> None:
         """Build the intake from ``model_dir``'s tokenizer and config, serve the exchange
         protocols on ``p2p`` and drain accepted batches into Parquet files (in ``nursery``).
 

@@ -24,7 +24,12 @@ import numpy.typing as npt
 from transformers import PreTrainedTokenizerFast
 
 from p2p.errors import LocalProtocolError
-from rollout.engine import TeacherForced, prefill_activations, prefill_activations_group
+from rollout.engine import (
+    TeacherForced,
+    prefill_activations,
+    prefill_activations_batch,
+    prefill_activations_group,
+)
 from rollout.gumbel import NoiseKey
 from rollout.model import load_model
 from rollout.model_dir import TOKENIZER_NAME, load_tokenizer, stop_token_id
@@ -152,8 +157,19 @@ class TrainerOracle:
         temperature: float,
         keys: Sequence[NoiseKey] | None = None,
     ) -> list[TeacherForced]:
-        """Teacher-forced passes of a whole GRPO group in one batched forward (with the
-        replay gaps of ``keys``)."""
+        """Teacher-forced passes of a whole GRPO group (with the replay gaps of ``keys``)."""
         return prefill_activations_group(
             self._model(step), prompt_ids, completions, temperature, keys
         )
+
+    def prefill_batch(
+        self,
+        step: int,
+        items: Sequence[tuple[Sequence[int], Sequence[int]]],
+        temperature: float,
+        keys: Sequence[NoiseKey] | None = None,
+    ) -> list[TeacherForced]:
+        """Teacher-forced passes of a whole rollout batch (every group, every sample), and
+        each one's replay gaps when ``keys`` are given:
+        :func:`rollout.engine.prefill_activations_batch` with version ``step``'s weights."""
+        return prefill_activations_batch(self._model(step), items, temperature, keys)

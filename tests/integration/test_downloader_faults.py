@@ -393,3 +393,25 @@ async def test_ban_for_corrupt_bytes_carries_to_the_next_version(tmp_path: Path)
             _, stats2 = await dl.download(v2.signed, sources)
         assert bad2.asks == []  # still banned: not asked at all for the next version
         assert set(stats2.bytes_by_source) == {"b-honest"}
+
+
+async def test_a_source_holding_another_version_is_not_blamed(
+    tmp_path: Path, version: Version
+) -> None:
+    """A ``409`` (the source holds another version under this step) is nobody's fault: the
+    source is neither counted corrupt nor banned, and the version comes from the honest one."""
+    store = target_store(tmp_path)
+    async with (
+        fault_source(version, Fault.WRONG_VERSION) as other,
+        honest_source(version) as (honest, _),
+        HttpClient() as client,
+    ):
+        sources = [Source("a-other", other.url), Source("b-honest", honest.url)]
+        dl = Downloader(client, store, config(), random.Random(1), trust())
+        path, stats = await dl.download(version.signed, sources)
+    assert_committed(store, version, path)
+    assert len(other.asks) >= 1
+    assert stats.corrupt_by_source == {}
+    assert stats.unavailable_by_source.get("a-other", 0) == len(other.asks)
+    assert stats.other_digest_by_source == {"a-other": len(other.asks)}
+    assert not dl.bans.banned(trio.current_time())

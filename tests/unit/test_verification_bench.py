@@ -1,12 +1,12 @@
 """The adversarial verification bench (``bench/verification.py``) on a tiny corpus.
 
-16 honest rollouts (2 prompts × 4 samples, one batch by the engine and one left-padded
-multi-prompt batch) and 2 of each attack, through the real ``Validator``. With the shipped
-defaults nothing honest is rejected and every attack class is caught except two that the tiny
-random model cannot separate from honest vLLM-CPU numerics (see ``rollout.verify.
-ValidatorConfig``): ``precision`` (fp32 compute of the right weights) and some one-digit
-``tampered_prompt`` edits near the end of the prompt. The ``strict_hf`` profile, for runs whose
-provers all use ``TransformersEngine``, catches those too: it meets the issue's targets.
+18 honest rollouts (2 prompts × 4 samples, one batch by the engine and one left-padded
+multi-prompt batch, and the two attacker peers' honest 1 × 1 rollouts) and 2 of each attack,
+through the real ``Validator`` with seeded Gumbel-max sampling. With the shipped defaults
+nothing honest is rejected and every class is caught except the ones the near-uniform
+``tiny`` model cannot separate from honest numerics (``precision``, some ``finetuned_*``,
+``other_temperature``, some one-digit ``tampered_prompt`` edits): the bench reports those per
+class with their margins, and the ``strict_hf`` profile catches ``precision``.
 """
 
 from __future__ import annotations
@@ -24,8 +24,11 @@ from bench.verification import (
     ATTACKS,
     BenchConfig,
     Layout,
+    engine_calibration,
     generate_batch,
+    main,
     make_world,
+    print_engine_calibration,
     print_table,
     run,
     submit,
@@ -33,16 +36,21 @@ from bench.verification import (
 from rollout.toploc import ToplocThresholds
 
 LAYOUTS = (Layout("g4", 2, 4, 32), Layout("multi", 2, 4, 32, "multi"))
-TINY = BenchConfig(rounds=1, layouts=LAYOUTS, attacks_per_round=2, probes_per_round=1)
-TARGETS = (  # the issue's: model, precision, prompt and completion tampering, replay, stale, signer
+TINY = BenchConfig(
+    rounds=1, layouts=LAYOUTS, attacks_per_round=2, probes_per_round=1, finetune_lrs=(1e-4,)
+)
+CAUGHT_ON_TINY = (  # with the shipped defaults, whatever the model's numerics
     "other_model_seed",
-    "finetuned_copy",
-    "precision",
-    "tampered_prompt",
+    "greedy",
     "tampered_completion",
+    "tampered_last_token",
+    "forced_stop",
+    "inflated_reward",
     "replayed_batch",
     "stale_step",
     "wrong_signer",
+    "truncated_proof",
+    "corrupted_proof",
 )
 
 
@@ -55,34 +63,41 @@ def _one_thread() -> Iterator[None]:
 
 
 @pytest.fixture(scope="module")
-def reports() -> dict[str, dict[str, Any]]:
+def kept() -> dict[str, dict[str, Any]]:
+    return {"default": {}, "strict_hf": {}}
+
+
+@pytest.fixture(scope="module")
+def reports(kept: dict[str, dict[str, Any]]) -> dict[str, dict[str, Any]]:
     return {
-        "default": run(dataclasses.replace(TINY, finetune_lrs=(1e-5, 1e-4))),
-        "strict_hf": run(dataclasses.replace(TINY, profile="strict_hf", finetune_lrs=(1e-6, 1e-5))),
+        "default": run(TINY, kept["default"]),
+        "strict_hf": run(dataclasses.replace(TINY, profile="strict_hf"), kept["strict_hf"]),
     }
 
 
 def test_default_profile(reports: dict[str, dict[str, Any]]) -> None:
     report = reports["default"]
-    assert (report["honest_total"], report["false_rejects"]) == (16, 0)
+    assert (report["honest_total"], report["false_rejects"]) == (18, 0)
     for name in ATTACKS:
         attack = report["attacks"][name]
         assert attack["total"] > 0, name
-        if name not in ("precision", "tampered_prompt"):
+        if name in CAUGHT_ON_TINY:
             assert attack["missed"] == 0, (name, report["details"]["attacks"][name]["outcomes"])
-
-
-def test_strict_profile_meets_the_targets(reports: dict[str, dict[str, Any]]) -> None:
-    report = reports["strict_hf"]
-    assert (report["honest_total"], report["false_rejects"]) == (16, 0)
-    for name in (*TARGETS, "inflated_reward", "truncated_proof", "corrupted_proof"):
-        assert report["attacks"][name]["missed"] == 0, name
     outcomes = report["details"]["attacks"]
-    assert outcomes["precision"]["outcomes"] == {"toploc": 2}
+    # only the seeded replay sees these: proofs and logprobs are the published model's
+    for name in ("greedy", "forced_stop"):
+        assert outcomes[name]["outcomes"] == {"replay": 2}, name
     # the envelope's signer must be the named submitter: an announcement naming another PeerID
     # fails its signature check while decoding
     assert outcomes["wrong_signer"]["outcomes"].keys() == {"integrity", "prompt", "untrusted"}
     assert outcomes["replayed_batch"]["outcomes"].keys() == {"duplicate"}
+
+
+def test_strict_profile_catches_precision(reports: dict[str, dict[str, Any]]) -> None:
+    report = reports["strict_hf"]
+    assert (report["honest_total"], report["false_rejects"]) == (18, 0)
+    assert report["attacks"]["precision"]["missed"] == 0
+    assert report["details"]["attacks"]["precision"]["outcomes"] == {"toploc": 2}
 
 
 def test_report_shape_and_table(reports: dict[str, dict[str, Any]]) -> None:
@@ -97,26 +112,45 @@ def test_report_shape_and_table(reports: dict[str, dict[str, Any]]) -> None:
     }
     assert set(report["attacks"]) == set(ATTACKS)
     assert report["verify_s_per_rollout"] > 0 < report["generate_s_per_rollout"]
-    honest = report["details"]["honest"]
-    assert honest["toploc"]["prefill"]["chunks"] == 16
-    assert honest["accepted_under_profile"] == {"default": 16, "paper": 16, "strict_hf": 16}
-    prototype = report["details"]["timing"]["batched_prefill_prototype"]
-    assert prototype["verdicts_agree"] == prototype["rollouts"] == 8
+    d = report["details"]
+    assert d["honest"]["toploc"]["prefill"]["chunks"] == 18
+    assert d["honest"]["accepted_under_profile"] == {
+        "default": 18,
+        "paper": 18,
+        "strict_hf": 18,
+        "calibrated": 18,
+    }
+    batching = d["timing"]["batching"]
+    assert batching["verdicts_agree"] == batching["rollouts"] == 8
+    cal = d["calibration"]
+    assert cal["honest"]["replay_max_gap"]["n"] == 18
+    assert cal["margins_under_calibrated"]["honest"]["accepted"] == 18
+    assert cal["margins_under_calibrated"]["greedy"]["caught_by"] == {"replay_max_gap": 2}
     table = io.StringIO()
     print_table(report, table)
     assert all(name in table.getvalue() for name in ATTACKS)
+
+
+def test_engine_calibration(kept: dict[str, dict[str, Any]]) -> None:
+    """Thresholds chosen from the honest maxima with headroom pass every honest rollout."""
+    cal = engine_calibration({"tiny": kept["default"]}, TINY.temperature)
+    margins = cal["margins"]["tiny"]
+    assert margins["honest"]["accepted"] == margins["honest"]["judged"] == 18
+    assert margins["honest"]["closest_ratio"] <= 1 / 1.5 + 1e-9
+    assert margins["greedy"]["accepted"] == 0
+    out = io.StringIO()
+    print_engine_calibration(cal, out)
+    assert "transformers-bf16" in out.getvalue()
 
 
 def test_corpus_is_deterministic(reports: dict[str, dict[str, Any]]) -> None:
     """The two runs differ only in the validator profile: same rollouts, same statistics."""
     default, strict = (reports[p]["details"] for p in ("default", "strict_hf"))
     assert default["honest"]["toploc"] == strict["honest"]["toploc"]
-    for name in ("other_model_seed", "precision", "tampered_prompt", "tampered_completion"):
+    assert default["honest"]["replay"] == strict["honest"]["replay"]
+    for name in ("other_model_seed", "precision", "tampered_prompt", "greedy"):
         assert default["attacks"][name]["toploc"] == strict["attacks"][name]["toploc"], name
-        assert (
-            default["attacks"][name]["accepted_under_profile"]
-            == (strict["attacks"][name]["accepted_under_profile"])
-        )
+        assert default["attacks"][name]["replay"] == strict["attacks"][name]["replay"], name
 
 
 def test_prefill_and_decode_chunks_have_their_own_thresholds(tmp_path: Path) -> None:
@@ -134,3 +168,13 @@ def test_prefill_and_decode_chunks_have_their_own_thresholds(tmp_path: Path) -> 
         assert verdict.reason == "toploc", verdict
         assert ("in chunk 0:" in verdict.detail) == (where == "prefill"), verdict.detail
     assert submit(world, world.validator(LAYOUTS[1]), batch, world.peers[0]).accepted
+
+
+@pytest.mark.parametrize(
+    "argv",
+    [["--models", "nope"], ["--rounds", "tiny=x"], ["--rounds", "huge=1"], ["--attacks", "1"]],
+)
+def test_usage_errors_exit_2(argv: list[str]) -> None:
+    with pytest.raises(SystemExit) as exc:
+        main(argv)
+    assert exc.value.code == 2

@@ -1,0 +1,553 @@
+"""The trio driver of one download: does what its :class:`~shardcast.session.Session` decides.
+
+Theory of operation
+-------------------
+:class:`DownloadDriver` owns everything a download *does* (HTTP, worker threads, buffers);
+the session owns everything it *decides*. One driver serves one call of
+:meth:`shardcast.downloader.Downloader.download`; it runs, in one nursery:
+
+- **transfers** (:class:`~shardcast.session.Fetch`): one task per request receives the byte
+  range from the chosen source over the HTTP lane straight into the shard's
+  :class:`~shardcast.receive.ShardSink` (:func:`_stream`:
+  :meth:`~p2p.http_client.HttpClient.receive_range_into`, hashed as it arrives): the raw file
+  range or an encoded blob. Complete bytes are checked, decoded if encoded and written by
+  :func:`~shardcast.receive.verify_and_write` in a worker thread; the outcome goes back to
+  the session as a typed :class:`~shardcast.session.Outcome`, then a
+  :class:`~shardcast.session.Verdict` (a blob that matched its signed digest but does not
+  decode is ``UNDECODABLE``; one that decodes to other bytes ``BASE_MISMATCH``).
+- **chunks**: a raw shard whose part lists chunk digests is checked chunk by chunk as it
+  arrives; each verified chunk is written at once (:meth:`DownloadDriver.write_chunk`) and
+  this node's lane serves it while the rest streams in; a bad chunk ends the transfer
+  (``CORRUPT_CHUNK``) with the chunks before it kept. Have-polls ask for ``?prefix=1``: the
+  sources' verified prefixes go to the scheduler.
+- **sinks**: one per request; a broken transfer's sink (bytes *and* running hash) is kept
+  per shard when the session says :class:`~shardcast.session.Keep` and the next request
+  appends to it; a failed copy assembled from several sources is kept until the session
+  asks to :class:`~shardcast.session.Compare` it with a verified copy
+  (:func:`~shardcast.select.blame`). Pooled buffers go back to their pool once nothing
+  refers to them.
+- **parts**, **have-polls**, **probes** and **discovery** (``extra_sources``,
+  ``upstreams``).
+
+Every request names the version as ``(step, manifest digest)`` (:mod:`shardcast.lane_urls`);
+a ``409`` (the source holds the step under another digest) goes to the session as
+:attr:`~shardcast.session.Outcome.WRONG_VERSION` and, at ``/have``, counts as gone, like a
+``404``: never held against the source.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+from collections.abc import Callable
+from contextlib import aclosing
+from typing import TYPE_CHECKING
+
+import trio
+
+from p2p.errors import (
+    IntegrityError,
+    PeerUnreachable,
+    RemoteProtocolError,
+    StreamBroken,
+    TransportError,
+    short_id,
+)
+from p2p.http_errors import NotAvailable
+from p2p.lanes import HttpLaneClient
+from p2p.trust import TrustList
+from shardcast import codecs
+from shardcast.lane_auth import failed_header
+from shardcast.lane_urls import (
+    LaneAnswer,
+    blob_url,
+    file_url,
+    have_url,
+    lane_answer,
+    part_url,
+)
+from shardcast.liveness import Answer
+from shardcast.manifest import Manifest, ManifestError, ShardEntry, decode_part
+from shardcast.receive import (
+    BaseMismatch,
+    BaseVersion,
+    ChunkCorrupt,
+    ShardSink,
+    verify_and_write,
+)
+from shardcast.select import SourceBans, blame
+from shardcast.serve import decode_have, have_max_bytes
+from shardcast.session import (
+    Action,
+    Ban,
+    Blame,
+    Cancel,
+    Check,
+    Commit,
+    Compare,
+    Drop,
+    Fail,
+    Fetch,
+    Keep,
+    KeepSuspect,
+    Offer,
+    Outcome,
+    PollHave,
+    Probe,
+    Session,
+    Verdict,
+)
+from shardcast.store import PartialVersion
+
+if TYPE_CHECKING:
+    from shardcast.downloader import DownloadObserver, ProgressFn, Source
+
+# the download's events keep the logger they had before the driver got its own module
+log = logging.getLogger("shardcast.downloader")
+
+__all__ = ["DownloadDriver", "offer"]
+
+
+def offer(entry: ShardEntry) -> Offer:
+    """What a manifest shard entry offers, for the session."""
+    return Offer(entry.index, entry.length, {e.encoding: e.size for e in entry.encodings})
+
+
+def _unavailable(exc: NotAvailable) -> Outcome:
+    """The session's outcome for a ``404``/``409``/``429``/``503`` answer."""
+    answer = lane_answer(exc.status)
+    if answer is LaneAnswer.NOT_HELD:
+        return Outcome.GONE
+    if answer is LaneAnswer.OTHER_DIGEST:
+        return Outcome.WRONG_VERSION
+    return Outcome.REFUSED if exc.status == 429 else Outcome.NOT_AVAILABLE
+
+
+def _presence(exc: NotAvailable) -> Answer:
+    """What a source's ``404``/``409``/``429``/``503`` at ``/have`` says about it holding the
+    version: a ``409`` (the step under another digest) is as good as gone, and not its fault."""
+    return Answer.PRESENT if lane_answer(exc.status) is LaneAnswer.BUSY else Answer.GONE
+
+
+async def _stream(
+    client: HttpLaneClient,
+    src: Source,
+    m: Manifest,
+    f: Fetch,
+    sink: ShardSink,
+    timeout_s: float,
+    on_piece: Callable[[], None],
+) -> None:
+    """Receive the bytes of ``f`` from ``src`` into ``sink`` (appending at ``sink.pos``,
+    hashing each piece as it lands).
+
+    Raises:
+        NotAvailable, PeerUnreachable, StreamBroken, RemoteProtocolError: as
+        :meth:`p2p.http_client.HttpClient.receive_range_into`; bytes that arrived stay in
+        ``sink`` (and in its hash).
+    """
+    entry = m.shard(f.shard)
+    if f.encoding == codecs.RAW:
+        url = file_url(src.base_url, m.run_id, m.step, m.digest, entry.file)
+        offset = entry.offset + f.start
+    else:
+        url = blob_url(src.base_url, m.run_id, m.step, m.digest, entry.index, f.encoding)
+        offset = f.start
+    async with aclosing(
+        client.receive_range_into(
+            url,
+            offset,
+            sink.window(f.length),
+            timeout_s=timeout_s,
+            headers=failed_header(f.failed),
+            anonymous=src.anonymous,
+        )
+    ) as pieces:
+        async for n in pieces:
+            on_piece()
+            sink.advance(n)  # hashed while hot
+
+
+class DownloadDriver:
+    """Does what one download's :class:`~shardcast.session.Session` decides, with trio: one
+    task per transfer, manifest part, have-poll and probe, plus discovery; sinks live here
+    (per request, kept prefixes per shard, suspect copies per copy id).
+
+    Args:
+        client: the HTTP lane client.
+        part: the version being written.
+        session: its decisions.
+        base: the committed delta base (pinned by the caller), or None.
+        trust: what manifest parts are verified against.
+        bans: source bans carried across versions.
+        observer: told of shard-level events, or None.
+        stall_timeout_s: a request that makes no progress for this long fails, seconds.
+        have_poll_s: period of have-polls and discovery, seconds.
+        extra_sources, upstreams: discovery callbacks (see
+            :meth:`~shardcast.downloader.Downloader.download`), or None.
+        on_shard, progress: as in :meth:`~shardcast.downloader.Downloader.download`.
+    """
+
+    def __init__(
+        self,
+        client: HttpLaneClient,
+        part: PartialVersion,
+        session: Session,
+        base: BaseVersion | None,
+        *,
+        trust: TrustList,
+        bans: SourceBans,
+        observer: DownloadObserver | None,
+        stall_timeout_s: float,
+        have_poll_s: float,
+        extra_sources: Callable[[], list[Source]] | None,
+        upstreams: Callable[[], list[Source]] | None,
+        on_shard: Callable[[int], None] | None,
+        progress: ProgressFn | None,
+    ) -> None:
+        self.client = client
+        self.part = part
+        self.m = part.manifest
+        self.digest = self.m.digest  # the version is (m.step, digest) in every request
+        self.session = session
+        self.base = base
+        self.trust = trust
+        self.bans = bans
+        self.observer = observer
+        self.stall_timeout_s = stall_timeout_s
+        self.have_poll_s = have_poll_s
+        self.extra_sources = extra_sources
+        self.upstreams = upstreams
+        self.on_shard = on_shard
+        self.progress = progress
+        self.by_id: dict[str, Source] = {}
+        self.sinks: dict[int, ShardSink] = {}  # request -> its sink
+        self.kept: dict[int, ShardSink] = {}  # shard -> prefix kept for resuming
+        self.suspects: dict[int, ShardSink] = {}  # copy -> a failed assembled copy
+        self.scopes: dict[int, trio.CancelScope] = {}
+        self.wake = trio.Event()
+        self.nursery: trio.Nursery | None = None
+        self.first_seen = False
+
+    def poke(self) -> None:
+        self.wake.set()
+        self.wake = trio.Event()
+
+    def join(self, s: Source, extra: bool = False, quiet: bool = False) -> None:
+        """Add ``s`` to the download (logged unless ``quiet``: a source it started with)."""
+        self.by_id[s.id] = s
+        now = trio.current_time()
+        banned = self.bans.is_banned(s.id, now)
+        self.apply(self.session.add_source(s.id, s.complete, now, banned=banned, extra=extra))
+        if quiet:
+            return
+        log.info(
+            "source_added step=%d source=%s complete=%s", self.m.step, short_id(s.id), s.complete
+        )
+
+    async def run(self, sources: list[Source]) -> Commit | Fail:
+        """Until the session commits or fails; returns which."""
+        end: Commit | Fail | None = None
+        try:
+            async with trio.open_nursery() as nursery:
+                self.nursery = nursery
+                for s in sources:
+                    self.join(s, quiet=True)
+                for k in self.session.missing_parts:
+                    nursery.start_soon(self.fetch_part, k)
+                nursery.start_soon(self.discover)
+                while end is None:
+                    now = trio.current_time()
+                    for a in self.session.poll(now):
+                        if isinstance(a, Commit | Fail):
+                            end = a
+                        else:
+                            self.apply(a)
+                    if end is None:
+                        with trio.move_on_after(self.session.next_wake(now)):
+                            await self.wake.wait()
+                nursery.cancel_scope.cancel()
+        finally:  # every task has ended: no sink is in use any more
+            for sink in [*self.kept.values(), *self.suspects.values()]:
+                sink.release()
+            self.kept.clear()
+            self.suspects.clear()
+        assert end is not None  # the loop above ends only with one
+        return end
+
+    def apply(self, actions: Action | list[Action]) -> None:
+        for a in actions if isinstance(actions, list) else [actions]:
+            self._apply(a)
+        self.poke()
+
+    def _apply(self, a: Action) -> None:
+        assert self.nursery is not None
+        if isinstance(a, Fetch):
+            if a.start:
+                sink = self.kept.pop(a.shard)
+            else:
+                sink = ShardSink.pooled(a.size)
+                if a.encoding == codecs.RAW:  # checked per chunk, each served once verified
+                    entry = self.m.shard(a.shard)
+                    sink.expect_chunks(entry, functools.partial(self.write_chunk, a.shard))
+            self.scopes[a.req] = trio.CancelScope()
+            self.nursery.start_soon(self.fetch, a, sink)
+        elif isinstance(a, Cancel):
+            if a.req in self.scopes:
+                self.scopes[a.req].cancel()
+        elif isinstance(a, Keep):
+            sink = self.sinks[a.req]
+            old = self.kept.get(a.shard)
+            if old is not None and old is not sink:
+                old.release()  # idle: a kept sink is used only once popped by a Fetch
+            self.kept[a.shard] = sink
+        elif isinstance(a, Drop):
+            dropped = self.kept.pop(a.shard, None)
+            if dropped is not None:
+                dropped.release()
+        elif isinstance(a, KeepSuspect):
+            self.suspects[a.copy] = self.sinks[a.req]
+        elif isinstance(a, Compare):
+            bad, good = self.suspects.pop(a.copy), self.sinks[a.good]
+            same = bad.size == good.size
+            culprits = blame(a.contributions, bad.data, good.data) if same else set()
+            bad.release()
+            self.apply(self.session.compared(a.copy, a.shard, culprits, trio.current_time()))
+        elif isinstance(a, Blame):
+            if self.observer is not None:
+                self.observer.shard_corrupt(a.source)
+        elif isinstance(a, Ban):
+            now = trio.current_time()
+            if not self.bans.is_banned(a.source, now):
+                self.bans.ban(a.source, now)
+                log.warning(
+                    "source_banned step=%d source=%s ban_s=%.0f",
+                    self.m.step,
+                    short_id(a.source),
+                    self.bans.ban_s,
+                )
+        elif isinstance(a, PollHave):
+            self.nursery.start_soon(self.poll_have, self.by_id[a.source])
+        elif isinstance(a, Probe):
+            self.nursery.start_soon(self.probe, self.by_id[a.source])
+        # Check is handled by the transfer that asked for it (see fetch)
+
+    def write_chunk(self, index: int, start: int, data: memoryview) -> None:
+        """A chunk of shard ``index`` verified: write it now, and let this node's lane
+        serve it (``on_shard`` wakes the requests held for it)."""
+        if self.part.write_prefix(index, start, data) and self.on_shard is not None:
+            self.on_shard(index)
+
+    def _held(self, sink: ShardSink) -> bool:
+        """True if ``sink`` is kept (a resumable prefix or a suspect copy)."""
+        return any(s is sink for s in self.kept.values()) or any(
+            s is sink for s in self.suspects.values()
+        )
+
+    async def fetch(self, f: Fetch, sink: ShardSink) -> None:
+        src, session = self.by_id[f.source], self.session
+        self.sinks[f.req] = sink
+        begin = sink.pos
+        outcome = Outcome.CANCELLED
+        t0 = trio.current_time()
+
+        def on_piece() -> None:
+            now = trio.current_time()
+            if sink.pos == begin:
+                session.first_byte(f.req, now)
+                if not self.first_seen:  # debug hook: one line per download (simulations/)
+                    self.first_seen = True
+                    log.debug(
+                        "first_byte step=%d shard=%d source=%s",
+                        self.m.step,
+                        f.shard,
+                        short_id(src.id),
+                    )
+            else:
+                session.progress(now)
+
+        try:
+            with self.scopes[f.req]:
+                try:
+                    await _stream(self.client, src, self.m, f, sink, self.stall_timeout_s, on_piece)
+                    outcome = Outcome.OK
+                except ChunkCorrupt:  # the sink kept the verified chunks before it
+                    outcome = Outcome.CORRUPT_CHUNK
+                except NotAvailable as exc:
+                    outcome = _unavailable(exc)
+                    if outcome is Outcome.REFUSED and self.observer is not None:
+                        self.observer.refused(src.id)
+                except (StreamBroken, PeerUnreachable) as exc:
+                    broken = isinstance(exc, StreamBroken)
+                    outcome = Outcome.BROKEN if broken else Outcome.UNREACHABLE
+                    self._log_failure("shard_fetch_failed", f, exc)
+                except RemoteProtocolError as exc:
+                    outcome = Outcome.PROTOCOL_ERROR
+                    self._log_failure("source_protocol_error", f, exc)
+            if outcome is not Outcome.OK:
+                sink.rewind()  # a chunked sink keeps whole verified chunks only
+            got = sink.pos - begin
+            now = trio.current_time()
+            actions = session.transfer_ended(f.req, outcome, got, now)
+            if outcome is Outcome.OK and self.observer is not None:
+                self.observer.shard_received(src.id, f.encoding, got, now - t0)
+            self.apply(actions)
+            if any(isinstance(a, Check) for a in actions):
+                await self.check(f, sink, src)
+        finally:
+            self.scopes.pop(f.req, None)
+            self.sinks.pop(f.req, None)
+            if not self._held(sink):
+                sink.release()  # written, failed or dropped: the buffer is reusable
+            self.poke()
+
+    def _log_failure(self, event: str, f: Fetch, exc: Exception) -> None:
+        log.info(
+            "%s step=%d shard=%d source=%s error=%s",
+            event,
+            self.m.step,
+            f.shard,
+            short_id(f.source),
+            exc,
+        )
+
+    async def check(self, f: Fetch, sink: ShardSink, src: Source) -> None:
+        """Verify, decode and write the complete bytes of ``f`` in a worker thread."""
+        entry, v0 = self.m.shard(f.shard), trio.current_time()
+        try:
+            written = await trio.to_thread.run_sync(
+                verify_and_write, self.part, entry, f.encoding, sink, self.base, src.id
+            )
+            verdict = Verdict.VERIFIED if written else Verdict.ALREADY_HELD
+        except OSError as exc:  # the partial directory vanished: start over
+            self.session.store_lost(f.req, str(exc))
+            return
+        except BaseMismatch as exc:  # the blob matched its digest: nobody's fault
+            undecodable = isinstance(exc.__cause__, codecs.CodecError)
+            verdict = Verdict.UNDECODABLE if undecodable else Verdict.BASE_MISMATCH
+        except IntegrityError:
+            verdict = Verdict.CORRUPT
+        now = trio.current_time()
+        self.apply(self.session.shard_checked(f.req, verdict, now))
+        if verdict is Verdict.VERIFIED:
+            if self.observer is not None:
+                self.observer.shard_verified(src.id, now - v0)
+            log.debug(
+                "shard_verified step=%d shard=%d source=%s size_bytes=%d",
+                self.m.step,
+                f.shard,
+                short_id(src.id),
+                entry.length,
+            )
+            if self.on_shard is not None:
+                self.on_shard(f.shard)
+            if self.progress is not None:
+                self.progress(self.session.verified_bytes, self.m.total_bytes)
+
+    async def get_have(self, src: Source) -> bytes:
+        """``/have?prefix=1``: the bitmap, then the verified prefixes of shards being
+        received (:func:`shardcast.serve.decode_have`; an older node sends the bitmap)."""
+        return await self.client.get_bytes(
+            have_url(src.base_url, self.m.run_id, self.m.step, self.digest) + "?prefix=1",
+            max_bytes=have_max_bytes(len(self.m.header.shards)),
+            timeout_s=self.stall_timeout_s,
+            anonymous=src.anonymous,
+        )
+
+    async def probe(self, src: Source) -> None:
+        try:
+            await self.get_have(src)
+            answer = Answer.PRESENT
+        except NotAvailable as exc:
+            answer = _presence(exc)
+        except (TransportError, RemoteProtocolError):
+            answer = Answer.UNREACHABLE
+        self.session.probed(src.id, answer, trio.current_time())
+        self.poke()
+
+    async def poll_have(self, src: Source) -> None:
+        n = len(self.m.header.shards)
+        while True:
+            try:
+                try:
+                    held, prefixes = decode_have(await self.get_have(src), n)
+                except ValueError as exc:
+                    raise RemoteProtocolError(src.id, f"have: {exc}") from exc
+                full = len(held) == n  # it holds everything: stop polling
+                now = trio.current_time()
+                self.session.have_changed(src.id, None if full else held, now, prefixes)
+                self.poke()
+                if full:
+                    return
+            except NotAvailable as exc:  # 404, 409: it does not hold this version
+                self.session.probed(src.id, _presence(exc), trio.current_time())
+            except (TransportError, RemoteProtocolError):
+                pass
+            await trio.sleep(self.have_poll_s)
+
+    async def fetch_part(self, k: int) -> None:
+        m, delay = self.m, 0.05
+        while k not in m.parts:
+            for src in list(self.by_id.values()):
+                url = part_url(src.base_url, m.run_id, m.step, self.digest, k)
+                try:
+                    data = await self.client.get_bytes(
+                        url,
+                        max_bytes=8 << 20,
+                        timeout_s=self.stall_timeout_s,
+                        anonymous=src.anonymous,
+                    )
+                    signed = decode_part(data, m.header, trust=self.trust, source=src.id)
+                except NotAvailable as exc:
+                    self.apply(
+                        self.session.answered(src.id, _unavailable(exc), trio.current_time())
+                    )
+                    continue
+                except (TransportError, ManifestError, IntegrityError) as exc:
+                    log.info(
+                        "part_fetch_failed step=%d part=%d source=%s error=%s",
+                        m.step,
+                        k,
+                        short_id(src.id),
+                        exc,
+                    )
+                    continue
+                self.session.answered(src.id, Outcome.OK, trio.current_time())
+                if m.add_part(signed):
+                    offers = [offer(m.shard(i)) for i in m.header.part_range(k)]
+                    self.session.part_arrived(k, offers, trio.current_time())
+                    if self.on_shard is not None:
+                        self.on_shard(-1)
+                    self.poke()
+                return
+            await trio.sleep(delay)
+            delay = min(delay * 2, 1.0)
+
+    async def discover(self) -> None:
+        session = self.session
+        reachable = set(self.by_id)  # upstreams reachable at the last poll
+        while self.extra_sources is not None or self.upstreams is not None:
+            now_up: set[str] = set()
+            for s in self.upstreams() if self.upstreams is not None else ():
+                now_up.add(s.id)
+                known_src = self.by_id.get(s.id)
+                event = None
+                if known_src is None:
+                    self.join(s)  # an upstream that recovered (or appeared) since the start
+                elif known_src.base_url != s.base_url:
+                    self.by_id[s.id] = s  # restarted elsewhere: new requests go there
+                    event = "source_moved"
+                elif s.id not in reachable:  # it answered again after an outage
+                    event = "source_back"
+                if event is not None:
+                    session.source_back(s.id, trio.current_time())
+                    log.info("%s step=%d source=%s", event, self.m.step, short_id(s.id))
+                    self.poke()
+            if self.upstreams is not None:
+                reachable = now_up
+            room = session.extra_room() if self.extra_sources is not None else 0
+            for s in self.extra_sources() if self.extra_sources is not None and room > 0 else ():
+                if not session.known(s.id) and room > 0:
+                    room -= 1
+                    self.join(s, extra=True)
+            await trio.sleep(self.have_poll_s)

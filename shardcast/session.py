@@ -1,0 +1,684 @@
+"""One download's decisions, sans-IO: events in, actions out.
+
+Theory of operation
+-------------------
+A :class:`Session` owns everything a download *decides*; its driver owns everything it *does*
+(HTTP, threads, buffers, the disk). The trio driver (:class:`shardcast.downloader.Downloader`)
+and the simulator (:mod:`simulations.model`) drive the same object, so the model runs the real
+resume, blame, fallback, endgame and abandonment code. It reads no clock (``now`` is an
+argument) and draws chance only from the seeded ``random.Random`` it is given.
+
+Events (methods) and what they return (lists of actions):
+
+- :meth:`poll` — call after every event and at least every :meth:`next_wake` seconds: it
+  hands out new transfers (:class:`Fetch`, from the :class:`~shardcast.select.Scheduler`,
+  which stays inside), and ends the session with :class:`Commit` (every shard verified, every
+  manifest part arrived) or :class:`Fail` (a :class:`~shardcast.liveness.Abandon` reason from
+  the :class:`~shardcast.liveness.DownloadWatch`, which also stays inside).
+- :meth:`part_arrived` (a verified manifest part: its shards become fetchable, each in the
+  encoding :meth:`_choose` picks), :meth:`have_changed` (a partial source's have-bitmap),
+  :meth:`add_source` / :meth:`source_back` (sources discovered, recovered, moved),
+  :meth:`answered` (what a source said about the version), :meth:`probed`.
+- :meth:`transfer_ended` with a typed :class:`Outcome` and the bytes received: a broken
+  transfer keeps its prefix (:class:`Keep`) and the next request resumes at that byte, usually
+  from another source; complete bytes go to :class:`Check`. A raw shard whose manifest part
+  lists chunk digests is checked chunk by chunk as it streams (:mod:`shardcast.receive`): a
+  chunk that fails ends the transfer with ``CORRUPT_CHUNK``, its one sender is blamed at once
+  and the verified chunks before it are kept (a broken transfer keeps whole chunks only).
+- :meth:`shard_checked` with a :class:`Verdict`: ``VERIFIED`` completes the shard (endgame
+  duplicates are cancelled); ``CORRUPT`` bytes from one source ban it; a copy assembled from
+  several sources is kept (:class:`KeepSuspect`) until a verified copy exists, then compared
+  (:class:`Compare` → :meth:`compared`) and only the sources whose ranges differ are blamed;
+  ``BASE_MISMATCH``/``UNDECODABLE`` (a blob that matched its signed digest but decodes to
+  wrong bytes, or does not decode) is no source's fault: the shard falls back to raw.
+
+Nobody is blamed for anything but bytes proven wrong: a source that sent only correct bytes
+is never named by :class:`Blame`. A ``409`` (the source holds another version under this
+step, :attr:`Outcome.WRONG_VERSION`) blames nobody either.
+
+Bounds: at most ``max_resume_buffers`` kept prefixes, ``endgame_max_total`` duplicate
+requests in flight, ``max_extra_sources`` usable discovered sources; the watch bounds time.
+"""
+
+from __future__ import annotations
+
+import enum
+import logging
+import random
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, field
+
+from p2p.errors import short_id
+from shardcast import codecs
+from shardcast.liveness import Abandon, Answer, DownloadWatch
+from shardcast.select import Request, Scheduler, SchedulerConfig
+
+log = logging.getLogger(__name__)
+
+
+class Outcome(enum.Enum):
+    """How one transfer ended (the value is the log/metric string)."""
+
+    OK = "ok"  # every requested byte arrived
+    BROKEN = "broken"  # the stream broke mid-way; the bytes received are kept
+    TIMEOUT = "timeout"  # no progress for the stall timeout; the bytes received are kept
+    UNREACHABLE = "unreachable"  # no connection to the source
+    NOT_AVAILABLE = "not_available"  # 503: the source holds the version, not this shard yet
+    REFUSED = "refused"  # 429: super-seeding, ask others first
+    GONE = "gone"  # 404: the source may not hold the version (checked at /have)
+    WRONG_VERSION = "wrong_version"  # 409: another version under this step; nobody's fault
+    PROTOCOL_ERROR = "protocol_error"  # the source broke the protocol (too many bytes, ...)
+    CORRUPT_CHUNK = "corrupt_chunk"  # a chunk failed its signed digest; the whole verified
+    # chunks before it (``received`` bytes of this request) are kept, the sender is blamed
+    CANCELLED = "cancelled"  # the driver cancelled it (after a Cancel action, or shutdown)
+
+
+class Verdict(enum.Enum):
+    """What checking a transfer's complete bytes found."""
+
+    VERIFIED = "verified"  # decoded, matched the shard digest, written
+    ALREADY_HELD = "already_held"  # correct, but another copy was written first
+    CORRUPT = "corrupt"  # the bytes (or the encoded blob) fail their signed digest
+    BASE_MISMATCH = "base_mismatch"  # blob matched its digest, decoded to wrong bytes
+    UNDECODABLE = "undecodable"  # blob matched its digest but does not decode (origin's fault)
+
+
+@dataclass(frozen=True)
+class Offer:
+    """What a shard's manifest part offers: raw ``length`` bytes, and encoded ``sizes``."""
+
+    index: int
+    length: int
+    sizes: Mapping[str, int] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class Fetch:
+    """Transfer bytes ``[start, start + length)`` of shard ``shard`` in ``encoding``
+    (whose whole size is ``size`` bytes) from ``source``. ``start > 0``: append to the prefix
+    kept for the shard (:class:`Keep`); otherwise into a fresh buffer. ``failed``: sources
+    that failed this shard lately (told to the source, so an origin can serve it again)."""
+
+    req: int
+    shard: int
+    source: str
+    encoding: str
+    start: int
+    length: int
+    size: int
+    duplicate: bool
+    failed: tuple[str, ...] = ()
+
+
+@dataclass(frozen=True)
+class Cancel:
+    """Cancel request ``req``; report it with ``transfer_ended(CANCELLED)``."""
+
+    req: int
+
+
+@dataclass(frozen=True)
+class Keep:
+    """Keep request ``req``'s buffer as the resumable prefix of ``shard``."""
+
+    req: int
+    shard: int
+
+
+@dataclass(frozen=True)
+class Drop:
+    """Forget the prefix kept for ``shard``."""
+
+    shard: int
+
+
+@dataclass(frozen=True)
+class Check:
+    """Decode and verify request ``req``'s complete bytes; report with ``shard_checked``."""
+
+    req: int
+    shard: int
+    encoding: str
+
+
+@dataclass(frozen=True)
+class KeepSuspect:
+    """Keep request ``req``'s failed copy as ``copy`` until a verified copy exists."""
+
+    req: int
+    copy: int
+
+
+@dataclass(frozen=True)
+class Compare:
+    """Compare kept ``copy`` with request ``good``'s verified bytes over each contributor's
+    ``(source, start, end)`` range; report the sources that differ with ``compared``."""
+
+    copy: int
+    shard: int
+    good: int
+    contributions: tuple[tuple[str, int, int], ...]
+
+
+@dataclass(frozen=True)
+class Blame:
+    """``source`` sent bytes of ``shard`` proven wrong (metrics, logs)."""
+
+    source: str
+    shard: int
+
+
+@dataclass(frozen=True)
+class Ban:
+    """``source`` is banned: remember it across versions."""
+
+    source: str
+
+
+@dataclass(frozen=True)
+class PollHave:
+    """Poll ``source``'s have-bitmap until it holds everything (report ``have_changed``)."""
+
+    source: str
+
+
+@dataclass(frozen=True)
+class Probe:
+    """Ask ``source``'s ``/have`` whether it holds the version (report ``probed``)."""
+
+    source: str
+
+
+@dataclass(frozen=True)
+class Commit:
+    """Every shard verified and every part arrived: commit the version."""
+
+
+@dataclass(frozen=True)
+class Fail:
+    """Abandon the download."""
+
+    reason: Abandon
+    text: str
+
+
+Action = (
+    Fetch | Cancel | Keep | Drop | Check | KeepSuspect | Compare | Blame | Ban | PollHave | Probe
+)
+End = Commit | Fail
+
+
+@dataclass(frozen=True)
+class SessionConfig:
+    """Settings of one session (units in names).
+
+    Attributes:
+        scheduler: source-selection tuning.
+        max_resume_buffers: prefixes of broken transfers kept for resuming.
+        use_base: the delta base is held and matches: fetch deltas where offered.
+        prefer_compressed: fetch ``zstd`` where offered.
+        max_extra_sources: bound on usable discovered sources.
+        no_source_grace_s, gone_grace_s, no_progress_s: the watch's bounds, seconds.
+    """
+
+    scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
+    max_resume_buffers: int = 8
+    use_base: bool = False
+    prefer_compressed: bool = False
+    max_extra_sources: int = 16
+    no_source_grace_s: float = 120.0
+    gone_grace_s: float = 5.0
+    no_progress_s: float = 600.0
+
+
+@dataclass
+class DownloadStats:
+    """Result counters of one download."""
+
+    step: int
+    bytes_fetched: int = 0
+    bytes_by_source: dict[str, int] = field(default_factory=dict)
+    bytes_by_encoding: dict[str, int] = field(default_factory=dict)
+    corrupt_by_source: dict[str, int] = field(default_factory=dict)
+    failures: int = 0
+    delta_fallbacks: int = 0
+    resumed: int = 0
+    restored: int = 0
+    asked_by_source: dict[str, int] = field(default_factory=dict)
+    unavailable_by_source: dict[str, int] = field(default_factory=dict)
+    other_digest_by_source: dict[str, int] = field(default_factory=dict)
+    """Requests answered ``409`` (the source holds the step under another digest)."""
+    elapsed_s: float = 0.0
+
+
+def _bump(d: dict[str, int], key: str, n: int = 1) -> None:
+    d[key] = d.get(key, 0) + n
+
+
+@dataclass
+class _Prefix:
+    """Bytes of a shard kept from broken transfers: where they end, who sent which."""
+
+    pos: int
+    encoding: str
+    size: int
+    parts: list[tuple[str, int, int]]
+
+
+@dataclass
+class _Req:
+    fetch: Fetch
+    parts: list[tuple[str, int, int]]  # contributions of the copy this request fills
+    checking: bool = False
+
+
+class Session:
+    """The decisions of one download (see module docstring). Pure: no I/O, no clock.
+
+    Args:
+        step: the version's step (for messages).
+        lengths: raw length of every shard, bytes.
+        n_parts: manifest parts of the version.
+        parts: parts already held; ``offers``: their shards' offers.
+        held: shards already verified (resumed from a journal).
+        rng: seeded randomness for the scheduler.
+        config: settings.
+        now: start time, seconds.
+    """
+
+    def __init__(
+        self,
+        step: int,
+        lengths: list[int],
+        n_parts: int,
+        parts: Iterable[int],
+        offers: Iterable[Offer],
+        held: Iterable[int],
+        rng: random.Random,
+        config: SessionConfig,
+        now: float,
+    ) -> None:
+        self.step = step
+        self.config = config
+        offers = list(offers)
+        held = list(held)
+        self.sched = Scheduler(
+            lengths, rng, config.scheduler, have=held, known=[o.index for o in offers]
+        )
+        self.watch = DownloadWatch(
+            now, config.no_source_grace_s, config.gone_grace_s, config.no_progress_s
+        )
+        self.stats = DownloadStats(step, restored=len(held))
+        self.missing_parts = set(range(n_parts)) - set(parts)
+        self.finished = False
+        self.verified_bytes = sum(lengths[i] for i in held)
+        self._lengths = lengths
+        self._offers: dict[int, Offer] = {}
+        self._chosen: dict[int, str] = {}
+        self._no_delta: set[int] = set()
+        self._reqs: dict[int, _Req] = {}
+        self._kept: dict[int, _Prefix] = {}
+        self._suspects: dict[int, list[tuple[int, int, tuple[tuple[str, int, int], ...]]]] = {}
+        self._next_copy = 0
+        self._comparing: dict[int, set[str]] = {}  # copy -> its contributors
+        self._failed_by: dict[int, list[str]] = {}
+        self._complete: dict[str, bool] = {}
+        self._extra: set[str] = set()
+        self._probing: set[str] = set()
+        self._store_lost: str | None = None
+        for o in offers:
+            self._offer(o)
+
+    # -- sources -----------------------------------------------------------------------------
+
+    def add_source(
+        self, source: str, complete: bool, now: float, *, banned: bool = False, extra: bool = False
+    ) -> list[Action]:
+        """A source joined (``banned``: under a ban carried from an earlier version;
+        ``extra``: discovered, counted against ``max_extra_sources``). Returns a
+        :class:`PollHave` for a partial source."""
+        self._complete[source] = complete
+        self.sched.add_source(source, None if complete else ())
+        if banned:
+            self.sched.ban(source)
+        if extra:
+            self._extra.add(source)
+        self.watch.add_source(source)
+        return [] if complete else [PollHave(source)]
+
+    def known(self, source: str) -> bool:
+        """True if ``source`` is part of the download."""
+        return source in self._complete
+
+    def extra_room(self) -> int:
+        """How many more discovered sources may join (usable ones count against the bound)."""
+        banned = set(self.sched.statistics().banned)
+        return self.config.max_extra_sources - len(self._extra - banned)
+
+    def source_back(self, source: str, now: float) -> None:
+        """``source`` answers again after an outage, or moved: ask it at once."""
+        self.sched.source_back(source, now)
+
+    def have_changed(
+        self,
+        source: str,
+        have: Iterable[int] | None,
+        now: float,
+        prefixes: Mapping[int, int] | None = None,
+    ) -> None:
+        """A partial source's have-set (None: it holds everything now) and the verified
+        prefixes (bytes) of the shards it is still receiving (which it serves already)."""
+        self.watch.on_answer(source, Answer.PRESENT, now)
+        if have is None:
+            self.sched.add_source(source, None)
+        else:
+            self.sched.add_have(source, have)
+            self.sched.set_prefixes(source, dict(prefixes or {}))
+
+    def answered(self, source: str, outcome: Outcome, now: float) -> list[Action]:
+        """What a request to ``source`` (a shard or a part) said about the version."""
+        if outcome is Outcome.OK:
+            self.watch.on_answer(source, Answer.DELIVERED, now)
+        elif outcome in (Outcome.NOT_AVAILABLE, Outcome.REFUSED):
+            self.watch.on_answer(source, Answer.PRESENT, now)
+        elif outcome is Outcome.WRONG_VERSION:
+            self.watch.on_answer(source, Answer.GONE, now)
+        elif outcome is Outcome.UNREACHABLE:
+            self.watch.on_answer(source, Answer.UNREACHABLE, now)
+        elif outcome is Outcome.GONE:  # a 404 alone proves little: confirm at /have
+            if source not in self._probing and not self.watch.gone(source):
+                self._probing.add(source)
+                return [Probe(source)]
+        return []
+
+    def probed(self, source: str, answer: Answer, now: float) -> None:
+        """The answer of a :class:`Probe` (or of a have-poll)."""
+        self._probing.discard(source)
+        self.watch.on_answer(source, answer, now)
+        if answer is Answer.GONE:
+            log.info("source_gone step=%d source=%s", self.step, short_id(source))
+
+    # -- manifest ----------------------------------------------------------------------------
+
+    def part_arrived(self, part: int, offers: Iterable[Offer], now: float) -> None:
+        """Manifest part ``part`` was verified; ``offers`` are its shards."""
+        self.missing_parts.discard(part)
+        self.watch.on_progress(now)
+        for o in offers:
+            self._offer(o)
+
+    def _offer(self, o: Offer) -> None:
+        self._offers[o.index] = o
+        self._reschedule(o.index)
+
+    def _choose(self, index: int) -> str:
+        o = self._offers[index]
+        if index in self._no_delta:  # an encoded form failed after its digest matched
+            return codecs.RAW
+        deltas = [(size, enc) for enc, size in o.sizes.items() if enc in codecs.DELTAS]
+        if self.config.use_base and deltas:
+            return min(deltas)[1]
+        if self.config.prefer_compressed and codecs.ZSTD in o.sizes:
+            return codecs.ZSTD
+        return codecs.RAW
+
+    def _size(self, index: int, enc: str) -> int:
+        o = self._offers[index]
+        return o.length if enc == codecs.RAW else o.sizes[enc]
+
+    def _reschedule(self, index: int) -> None:
+        enc = self._chosen[index] = self._choose(index)
+        self.sched.mark_known(index, self._size(index, enc))
+
+    # -- the loop ----------------------------------------------------------------------------
+
+    def poll(self, now: float) -> list[Action | End]:
+        """New transfers to start, or the end of the session (then nothing more)."""
+        if self.finished:
+            return []
+        out: list[Action | End] = []
+        while (req := self.sched.next_request(now)) is not None:
+            fetch = self._begin(req, out)
+            if fetch is not None:
+                out.append(fetch)
+        active = (
+            any(isinstance(a, Fetch) for a in out)
+            or bool(self.sched.inflight())
+            or bool(self.missing_parts)
+        )
+        self.watch.tick(now, active)
+        reason = Abandon.STORE_LOST if self._store_lost else self.watch.verdict(now)
+        if reason is not None:
+            self.finished = True
+            log.warning("download_abandoned step=%d reason=%s", self.step, reason.value)
+            out.append(Fail(reason, self._failure_text(reason)))
+        elif self.sched.done() and not self.missing_parts:
+            self.finished = True
+            out.append(Commit())
+        return out
+
+    def next_wake(self, now: float) -> float:
+        """Seconds until :meth:`poll` must be called again if nothing happens (penalties
+        expire, the watch's verdict can change)."""
+        return min(self.config.scheduler.penalty_s / 4, self.watch.next_change(now) + 1e-3)
+
+    def _begin(self, req: Request, out: list[Action | End]) -> Fetch | None:
+        enc = self._chosen[req.shard]
+        size = self._size(req.shard, enc)
+        parts: list[tuple[str, int, int]] = []
+        if req.start:  # resume: the prefix must be there, as long as the request assumes
+            prefix = self._kept.pop(req.shard, None)
+            if prefix is None or (prefix.pos, prefix.encoding, prefix.size) != (
+                req.start,
+                enc,
+                size,
+            ):
+                self.sched.discard_partial(req.shard)
+                self.sched.on_cancelled(req.id)
+                if prefix is not None:
+                    out.append(Drop(req.shard))
+                return None
+            parts = prefix.parts
+            self.stats.resumed += 1
+        elif not req.duplicate and self._kept.pop(req.shard, None) is not None:
+            out.append(Drop(req.shard))
+        _bump(self.stats.asked_by_source, req.source)
+        fetch = Fetch(
+            req.id,
+            req.shard,
+            req.source,
+            enc,
+            req.start,
+            req.length,
+            size,
+            req.duplicate,
+            tuple(self._failed_by.get(req.shard, ())),
+        )
+        self._reqs[req.id] = _Req(fetch, list(parts))
+        return fetch
+
+    # -- transfers ---------------------------------------------------------------------------
+
+    def first_byte(self, req: int, now: float) -> None:
+        """The first byte of ``req`` arrived."""
+        r = self._reqs.get(req)
+        if r is not None:
+            self.watch.on_answer(r.fetch.source, Answer.DELIVERED, now)
+            self.sched.on_first_byte(req, now)
+        self.watch.on_progress(now)
+
+    def progress(self, now: float) -> None:
+        """More bytes of the version arrived."""
+        self.watch.on_progress(now)
+
+    def store_lost(self, req: int | None, error: str) -> None:
+        """The partial directory vanished (checking ``req`` hit it): the next poll fails."""
+        self._store_lost = error
+        if req is not None and self._reqs.pop(req, None) is not None:
+            self.sched.on_cancelled(req)
+
+    def _failed(self, shard: int, source: str) -> None:
+        names = self._failed_by.setdefault(shard, [])
+        if source not in names:
+            names.append(source)
+            del names[:-4]
+
+    def transfer_ended(self, req: int, outcome: Outcome, received: int, now: float) -> list[Action]:
+        """Request ``req`` ended with ``outcome`` after ``received`` bytes of it arrived."""
+        r = self._reqs.get(req)
+        if r is None:
+            return []
+        f = r.fetch
+        out: list[Action] = []
+        if outcome is Outcome.OK:
+            r.parts.append((f.source, f.start, f.start + received))
+            r.checking = True
+            self.stats.bytes_fetched += received
+            _bump(self.stats.bytes_by_source, f.source, received)
+            _bump(self.stats.bytes_by_encoding, f.encoding, received)
+            return [Check(req, f.shard, f.encoding)]
+        del self._reqs[req]
+        if outcome is Outcome.CANCELLED:
+            self.sched.on_cancelled(req)
+            if not f.duplicate and not self.sched.is_done(f.shard):
+                self.sched.discard_partial(f.shard)
+            return out
+        out += self.answered(f.source, outcome, now)
+        self._failed(f.shard, f.source)
+        if outcome in (Outcome.NOT_AVAILABLE, Outcome.REFUSED, Outcome.GONE, Outcome.WRONG_VERSION):
+            _bump(self.stats.unavailable_by_source, f.source)
+            if outcome is Outcome.WRONG_VERSION:
+                _bump(self.stats.other_digest_by_source, f.source)
+            if f.start and not f.duplicate:  # the prefix stays for the next source
+                self._kept[f.shard] = _Prefix(f.start, f.encoding, f.size, r.parts)
+                out.append(Keep(req, f.shard))
+            elif not f.duplicate:
+                self.sched.discard_partial(f.shard)
+            self.sched.on_failure(req, now, kind="unavailable")
+            return out
+        self.stats.failures += 1
+        if outcome is Outcome.PROTOCOL_ERROR:
+            cancel = self.sched.on_failure(req, now, kind="corrupt")
+            return out + self._corrupt(f.source, f.shard, cancel)
+        if outcome is Outcome.CORRUPT_CHUNK:  # one chunk, one sender: blamed at once
+            pos = f.start + received
+            keep = not f.duplicate and pos > 0
+            if keep:
+                if received:
+                    r.parts.append((f.source, f.start, pos))
+                self._kept[f.shard] = _Prefix(pos, f.encoding, f.size, r.parts)
+                out.append(Keep(req, f.shard))
+            elif not f.duplicate:
+                self.sched.discard_partial(f.shard)
+            log.warning(
+                "chunk_corrupt step=%d shard=%d at_byte=%d source=%s",
+                self.step,
+                f.shard,
+                pos,
+                short_id(f.source),
+            )
+            cancel = self.sched.on_failure(req, now, kind="corrupt", received=received, kept=keep)
+            return out + self._corrupt(f.source, f.shard, cancel)
+        # broken, timeout, unreachable: keep what arrived (bounded), resume elsewhere
+        pos = f.start + received
+        keep = not f.duplicate and pos > 0 and len(self._kept) < self.config.max_resume_buffers
+        if keep:
+            if received:
+                r.parts.append((f.source, f.start, pos))
+            self._kept[f.shard] = _Prefix(pos, f.encoding, f.size, r.parts)
+            out.append(Keep(req, f.shard))
+        kind = "timeout" if outcome is Outcome.TIMEOUT else "broken"
+        self.sched.on_failure(req, now, kind=kind, received=received if keep else 0)
+        if not keep and not f.duplicate:
+            self.sched.discard_partial(f.shard)
+        return out
+
+    def shard_checked(self, req: int, verdict: Verdict, now: float) -> list[Action]:
+        """The bytes of ``req`` (after :class:`Check`) were found ``verdict``."""
+        r = self._reqs.pop(req, None)
+        if r is None:
+            return []
+        f = r.fetch
+        out: list[Action] = []
+        if verdict in (Verdict.BASE_MISMATCH, Verdict.UNDECODABLE):
+            self._no_delta.add(f.shard)
+            self.stats.delta_fallbacks += 1
+            self.sched.on_failure(req, now, kind="suspect")
+            self._reschedule(f.shard)
+            log.warning(
+                "encoded_blob_unusable step=%d shard=%d encoding=%s: fetching raw",
+                self.step,
+                f.shard,
+                f.encoding,
+            )
+            return out
+        if verdict is Verdict.CORRUPT:
+            contributors = sorted({p[0] for p in r.parts})
+            for c in contributors:
+                self._failed(f.shard, c)
+            log.warning(
+                "shard_corrupt step=%d shard=%d sources=%s",
+                self.step,
+                f.shard,
+                ",".join(short_id(c) for c in contributors),
+            )
+            if len(contributors) == 1:
+                cancel = self.sched.on_failure(req, now, kind="corrupt")
+                return self._corrupt(contributors[0], f.shard, cancel)
+            self.sched.on_failure(req, now, kind="suspect")
+            copy = self._next_copy
+            self._next_copy += 1
+            self._suspects.setdefault(f.shard, []).append((copy, f.size, tuple(r.parts)))
+            return [KeepSuspect(req, copy)]
+        losers = self.sched.on_success(req, now)
+        self.watch.on_progress(now)
+        for lid in losers:
+            out.append(Cancel(lid))
+        if self._kept.pop(f.shard, None) is not None:
+            out.append(Drop(f.shard))
+        if verdict is Verdict.VERIFIED:
+            self.verified_bytes += self._lengths[f.shard]
+            for copy, size, parts in self._suspects.pop(f.shard, ()):
+                if size == f.size:  # another encoding cannot be compared byte for byte
+                    self._comparing[copy] = {p[0] for p in parts}
+                    out.append(Compare(copy, f.shard, req, parts))
+        return out
+
+    def compared(self, copy: int, shard: int, culprits: Iterable[str], now: float) -> list[Action]:
+        """The sources whose ranges of a kept ``copy`` of ``shard`` differ from the verified
+        bytes (from the driver's comparison)."""
+        out: list[Action] = []
+        contributors = self._comparing.pop(copy, set())
+        for culprit in sorted(set(culprits) & contributors):
+            log.warning("source_blamed source=%s reason=corrupt_bytes", short_id(culprit))
+            out += self._corrupt(culprit, shard, self.sched.penalize_corrupt(culprit, now))
+        return out
+
+    def _corrupt(self, source: str, shard: int, cancel: list[int]) -> list[Action]:
+        _bump(self.stats.corrupt_by_source, source)
+        out: list[Action] = [Blame(source, shard)]
+        if self.sched.is_banned(source):
+            out.append(Ban(source))
+            out += [Cancel(rid) for rid in cancel if rid in self._reqs]
+        return out
+
+    # -- views -------------------------------------------------------------------------------
+
+    def inflight(self) -> int:
+        """Requests started and not yet ended."""
+        return len(self._reqs)
+
+    def _failure_text(self, reason: Abandon) -> str:
+        cfg = self.config
+        step = self.step
+        if reason is Abandon.GONE:
+            return f"step {step}: gone from every source for {cfg.gone_grace_s}s"
+        if reason is Abandon.NO_PROGRESS:
+            return f"step {step}: no byte received for {cfg.no_progress_s}s"
+        if reason is Abandon.STORE_LOST:
+            return f"step {step}: store lost ({self._store_lost}); start over"
+        banned = ", ".join(short_id(b) for b in self.sched.statistics().banned) or "none"
+        return (
+            f"step {step}: no usable source for {cfg.no_source_grace_s}s "
+            f"({self.sched.missing} shards missing; banned: {banned})"
+        )

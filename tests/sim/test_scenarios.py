@@ -1,0 +1,60 @@
+"""Scenarios of the real node code on the in-memory network, in virtual time
+(:mod:`simulations.scenarios`): every invariant must hold.
+
+Default suite: each fault at a small size (7-20 nodes, a few real seconds each). ``slow``: the
+scenarios at full size (21-45 nodes) and the seeded sweep (``SHARDNET_SIM_SWEEP`` runs,
+default 1,000, cycling through the scenarios on tiny worlds).
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+
+from simulations.scenarios import SCENARIOS, format_table, run_scenario, sweep_case
+
+SMALL = {
+    "baseline": (2, 4),
+    "relay_dies": (3, 5),
+    "corrupt_relays": (5, 6),
+    "partition_heals": (2, 4),
+    "churn": (2, 6),
+    "sybils": (2, 3),
+    "lossy_links": (2, 4),
+}
+
+
+def _check(name: str, seed: int, relays: int | None = None, peers: int | None = None) -> None:
+    result = run_scenario(SCENARIOS[name], seed, relays=relays, peers=peers)
+    assert result.ok, format_table([result])
+    assert result.converge_s is not None
+
+
+@pytest.mark.parametrize("name", sorted(SMALL))
+def test_scenario_small(name: str) -> None:
+    relays, peers = SMALL[name]
+    _check(name, seed=1, relays=relays, peers=peers)
+
+
+def test_republished_step_small() -> None:
+    _check("republish", seed=1, relays=2, peers=4)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    "name",
+    sorted(SCENARIOS),
+)
+def test_scenario_full_size(name: str) -> None:
+    _check(name, seed=1)
+
+
+SWEEP = int(os.environ.get("SHARDNET_SIM_SWEEP", "1000"))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("seed", range(SWEEP))
+def test_sweep(seed: int) -> None:
+    name, relays, peers = sweep_case(seed)
+    _check(name, seed=seed, relays=relays, peers=peers)
