@@ -562,7 +562,7 @@ class Session:
             return out + self._corrupt(f.source, f.shard, cancel)
         if outcome is Outcome.CORRUPT_CHUNK:  # one chunk, one sender: blamed at once
             pos = f.start + received
-            keep = not f.duplicate and pos > 0
+            keep = not f.duplicate and pos > 0 and len(self._kept) < self.config.max_resume_buffers
             if keep:
                 if received:
                     r.parts.append((f.source, f.start, pos))
