@@ -4,6 +4,7 @@ they arrive and blames exactly the source of a bad one."""
 
 from __future__ import annotations
 
+import dataclasses
 import random
 from pathlib import Path
 
@@ -13,7 +14,8 @@ import trio
 from p2p.errors import StreamBroken
 from p2p.http_client import HttpClient
 from p2p.http_errors import NotAvailable
-from p2p.http_server import open_http_server
+from p2p.http_range import ByteRange
+from p2p.http_server import HttpRequest, HttpResponse, open_http_server
 from shardcast.downloader import Downloader, Source
 from shardcast.lane_urls import file_url, have_url
 from shardcast.serve import HOLD_HEADER, VersionServer, decode_have
@@ -128,3 +130,49 @@ async def test_a_corrupt_chunk_blames_its_one_sender_and_keeps_the_chunks_before
     assert honest_asks == [SHARD // 2]
     assert stats.corrupt_by_source == {"b-corrupt": 1}
     assert stats.bytes_by_source == {"c-honest": SHARD // 2}  # (broken transfers: uncounted)
+
+
+async def test_a_downloader_takes_a_shard_from_a_peer_that_is_still_receiving_it(
+    tmp_path: Path,
+) -> None:
+    """The only source is a peer whose shards are still arriving chunk by chunk: the
+    downloader learns its verified prefixes from ``/have?prefix=1``, asks it for the shards,
+    is streamed each chunk as it verifies there, and commits."""
+    version = _version(tmp_path)
+    m = version.signed
+    data = version.files[FILE]
+    filling = VersionStore(tmp_path / "filling", RUN, keep_last=2)
+    part = filling.begin(m)
+    server = VersionServer(filling, trust(), wait_s=5.0)
+    server.add_live(part)
+    store = VersionStore(tmp_path / "downloader", RUN, keep_last=2)
+    cfg = dataclasses.replace(config(), have_poll_s=0.05)
+
+    async def fill() -> None:  # the peer's own download, one chunk at a time
+        for shard in range(2):
+            for start in range(0, SHARD, CHUNK):
+                off = shard * SHARD + start
+                part.write_prefix(shard, start, data[off : off + CHUNK])
+                server.progress(m.step)
+                await trio.sleep(0.02)
+
+    asked_at: list[int] = []  # verified bytes of the asked shard there when it was asked
+
+    async def handler(req: HttpRequest) -> HttpResponse:
+        if isinstance(req.range, ByteRange):
+            asked_at.append(part.prefix(req.range.first // SHARD))
+        return await server.handle(req)
+
+    async with (
+        open_http_server(handler) as http,
+        HttpClient(headers={HOLD_HEADER: "5"}) as client,
+        trio.open_nursery() as nursery,
+    ):
+        nursery.start_soon(fill)
+        dl = Downloader(client, store, cfg, random.Random(1), trust())
+        path, stats = await dl.download(m, [Source("a-peer", http.url, complete=False)])
+    assert_committed(store, version, path)
+    assert stats.bytes_by_source == {"a-peer": 2 * SHARD}
+    assert stats.asked_by_source == {"a-peer": 2}  # one streamed request per shard
+    assert min(asked_at) < SHARD  # asked while the peer was still receiving that shard
+    part.abort()
