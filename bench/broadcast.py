@@ -326,11 +326,13 @@ async def run_shardnet(
     timeout_s: float,
     log_level: str = "WARNING",
     place: Callable[[str], Place] | None = None,
+    relay_serve_once_s: float | None = None,
 ) -> dict[str, Any]:
     """One shardnet run: publish v0 then v1; returns per-version measurements.
 
     ``place(node_name)`` (``origin``, ``relay1``, ``peer3``...) runs that node in a network
     namespace at its address (``--shaped``); without it every node is on 127.0.0.1.
+    ``relay_serve_once_s``: the two relays super-seed to the peers with this window.
     """
     from p2p.http_client import HttpClient
     from p2p.identity import Identity
@@ -388,6 +390,11 @@ async def run_shardnet(
                         trainer_id,
                         "--data-dir",
                         str(workdir / f"relay{i}"),
+                        *(
+                            ["--serve-once-s", f"{relay_serve_once_s:g}"]
+                            if relay_serve_once_s
+                            else []
+                        ),
                         *common,
                         *net(f"relay{i}"),
                     ],
@@ -628,6 +635,7 @@ async def _shaped_run(
         timeout_s=args.timeout,
         log_level=args.log_level,
         place=places.__getitem__,
+        relay_serve_once_s=args.relay_serve_once_s,
     )
 
 
@@ -838,6 +846,7 @@ async def amain(args: argparse.Namespace) -> dict[str, Any]:
                         shard_size=args.shard_size,
                         timeout_s=args.timeout,
                         log_level=args.log_level,
+                        relay_serve_once_s=args.relay_serve_once_s,
                     )
                 runs[system].append(r)
                 print(json.dumps(r["versions"], default=str)[:2000], file=sys.stderr, flush=True)
@@ -927,6 +936,12 @@ def main(argv: list[str] | None = None) -> int:
         help="use only about this many bytes of weight files of the checkpoints",
     )
     ap.add_argument("--out", default=None, help="also write the full JSON result here")
+    ap.add_argument(
+        "--relay-serve-once-s",
+        type=float,
+        default=None,
+        help="shardnet relays super-seed to the peers with this window, seconds (off)",
+    )
     args = ap.parse_args(argv)
     try:
         args.shaped = [parse_rate(r) for x in args.shaped for r in x.split(",") if r.strip()]

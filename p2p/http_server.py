@@ -203,6 +203,11 @@ class FileSlice:
     on_sent: Callable[[int], None] | None = field(default=None, compare=False)
     """Called once with the body bytes of this slice actually sent (a broken or abandoned
     response reports what left before it ended), e.g. to count traffic by kind."""
+    ready: Callable[[int], Awaitable[int]] | None = field(default=None, compare=False)
+    """For a file still being filled: ``await ready(offset)`` waits until bytes from
+    ``offset`` (in the file) may be sent and returns where that run ends (exclusive); a
+    return of ``offset`` or less means none came in time, and the response is cut there (the
+    client sees a short body and resumes elsewhere). None: every byte may be sent now."""
 
     def __post_init__(self) -> None:
         if self.offset < 0 or self.length < 0 or self.offset + self.length > self.total_size:
@@ -577,8 +582,14 @@ class HttpServer:
         """Send ``part``; ``done[0]`` follows the bytes sent so far (also when this raises)."""
         offset, end = part.offset, part.offset + part.length
         use_sendfile = self._config.use_sendfile and hasattr(os, "sendfile")
+        avail = end if part.ready is None else offset
         while offset < end:
-            want = await self._grant(min(end - offset, self._config.send_chunk_bytes))
+            if offset >= avail:
+                assert part.ready is not None
+                avail = min(end, await part.ready(offset))
+                if avail <= offset:
+                    raise _Abort("not_ready")
+            want = await self._grant(min(avail - offset, self._config.send_chunk_bytes))
             try:
                 if use_sendfile:
                     sent = os.sendfile(sock.fileno(), fd, offset, want)

@@ -764,20 +764,21 @@ class MemHttpServer:
         return result[0]
 
     def _body(
-        self, response: HttpResponse, path: str
+        self, response: HttpResponse, path: str, limit: int | None = None
     ) -> tuple[bytes, int, Callable[[int], None] | None]:
         """The body bytes, the length the head declares, and the slice's ``on_sent``.
 
         A file slice is read now (and released: ``on_done``); a file shorter than the slice
         promised yields fewer bytes than declared, so the client sees the body cut short, as
-        from the real server.
+        from the real server. ``limit``: read at most this many bytes of the slice (those
+        its ``ready`` callback vouched for; the body is then cut short there).
         """
         body = response.body
         if isinstance(body, FileSlice):
             data = b""
             try:
                 if body.length:
-                    data = _read_slice(body)
+                    data = _read_slice(body, limit)
             except OSError:
                 self._errors["file_error"] += 1
                 raise
@@ -793,12 +794,29 @@ class MemHttpServer:
         return (fn(path, data) if fn is not None else data), declared, on_sent
 
 
-def _read_slice(part: FileSlice) -> bytes:
+async def _ready_limit(response: HttpResponse) -> int | None:
+    """For a slice of a file still being filled (``FileSlice.ready``): how many of its bytes
+    are verified once the producer stops making progress (the real server sends each run as
+    it appears; here the body goes out once, then cut short if incomplete). None: no limit."""
+    body = response.body
+    if not isinstance(body, FileSlice) or body.ready is None or not body.length:
+        return None
+    pos, end = body.offset, body.offset + body.length
+    while pos < end:
+        got = await body.ready(pos)
+        if got <= pos:
+            break
+        pos = min(end, got)
+    return pos - body.offset
+
+
+def _read_slice(part: FileSlice, limit: int | None = None) -> bytes:
+    length = part.length if limit is None else min(limit, part.length)
     for candidate in (part.path, *part.fallbacks):
         try:
             with open(candidate, "rb") as f:
                 f.seek(part.offset)
-                return f.read(part.length)
+                return f.read(length)
         except FileNotFoundError:
             continue
     raise FileNotFoundError(part.path)
@@ -875,9 +893,11 @@ class MemHttpClient:
             with trio.fail_after(timeout_s):
                 await net._carry(self.ip, host, len(head), server._live)
                 response = await server._respond(head, f"{self.ip}:0")
+            limit = await _ready_limit(response)  # a slice still filling: its verified bytes
+            with trio.fail_after(timeout_s):
                 on_sent: Callable[[int], None] | None = None
                 try:
-                    body, declared, on_sent = server._body(response, urlsplit_path(target))
+                    body, declared, on_sent = server._body(response, urlsplit_path(target), limit)
                 except OSError:
                     response, body, declared = HttpResponse(500), b"", 0
                 event = _to_h11_response(response, declared, close=False)

@@ -15,6 +15,11 @@ the session owns everything it *decides*. One driver serves one call of
   the session as a typed :class:`~shardcast.session.Outcome`, then a
   :class:`~shardcast.session.Verdict` (a blob that matched its signed digest but does not
   decode is ``UNDECODABLE``; one that decodes to other bytes ``BASE_MISMATCH``).
+- **chunks**: a raw shard whose part lists chunk digests is checked chunk by chunk as it
+  arrives; each verified chunk is written at once (:meth:`DownloadDriver.write_chunk`) and
+  this node's lane serves it while the rest streams in; a bad chunk ends the transfer
+  (``CORRUPT_CHUNK``) with the chunks before it kept. Have-polls ask for ``?prefix=1``: the
+  sources' verified prefixes go to the scheduler.
 - **sinks**: one per request; a broken transfer's sink (bytes *and* running hash) is kept
   per shard when the session says :class:`~shardcast.session.Keep` and the next request
   appends to it; a failed copy assembled from several sources is kept until the session
@@ -32,6 +37,7 @@ a ``409`` (the source holds the step under another digest) goes to the session a
 
 from __future__ import annotations
 
+import functools
 import logging
 from collections.abc import Callable
 from contextlib import aclosing
@@ -62,8 +68,15 @@ from shardcast.lane_urls import (
 )
 from shardcast.liveness import Answer
 from shardcast.manifest import Manifest, ManifestError, ShardEntry, decode_part
-from shardcast.receive import BaseMismatch, BaseVersion, ShardSink, verify_and_write
+from shardcast.receive import (
+    BaseMismatch,
+    BaseVersion,
+    ChunkCorrupt,
+    ShardSink,
+    verify_and_write,
+)
 from shardcast.select import SourceBans, blame
+from shardcast.serve import decode_have, have_max_bytes
 from shardcast.session import (
     Action,
     Ban,
@@ -274,7 +287,13 @@ class DownloadDriver:
     def _apply(self, a: Action) -> None:
         assert self.nursery is not None
         if isinstance(a, Fetch):
-            sink = self.kept.pop(a.shard) if a.start else ShardSink.pooled(a.size)
+            if a.start:
+                sink = self.kept.pop(a.shard)
+            else:
+                sink = ShardSink.pooled(a.size)
+                if a.encoding == codecs.RAW:  # checked per chunk, each served once verified
+                    entry = self.m.shard(a.shard)
+                    sink.expect_chunks(entry, functools.partial(self.write_chunk, a.shard))
             self.scopes[a.req] = trio.CancelScope()
             self.nursery.start_soon(self.fetch, a, sink)
         elif isinstance(a, Cancel):
@@ -317,6 +336,12 @@ class DownloadDriver:
             self.nursery.start_soon(self.probe, self.by_id[a.source])
         # Check is handled by the transfer that asked for it (see fetch)
 
+    def write_chunk(self, index: int, start: int, data: memoryview) -> None:
+        """A chunk of shard ``index`` verified: write it now, and let this node's lane
+        serve it (``on_shard`` wakes the requests held for it)."""
+        if self.part.write_prefix(index, start, data) and self.on_shard is not None:
+            self.on_shard(index)
+
     def _held(self, sink: ShardSink) -> bool:
         """True if ``sink`` is kept (a resumable prefix or a suspect copy)."""
         return any(s is sink for s in self.kept.values()) or any(
@@ -350,6 +375,8 @@ class DownloadDriver:
                 try:
                     await _stream(self.client, src, self.m, f, sink, self.stall_timeout_s, on_piece)
                     outcome = Outcome.OK
+                except ChunkCorrupt:  # the sink kept the verified chunks before it
+                    outcome = Outcome.CORRUPT_CHUNK
                 except NotAvailable as exc:
                     outcome = _unavailable(exc)
                     if outcome is Outcome.REFUSED and self.observer is not None:
@@ -361,6 +388,8 @@ class DownloadDriver:
                 except RemoteProtocolError as exc:
                     outcome = Outcome.PROTOCOL_ERROR
                     self._log_failure("source_protocol_error", f, exc)
+            if outcome is not Outcome.OK:
+                sink.rewind()  # a chunked sink keeps whole verified chunks only
             got = sink.pos - begin
             now = trio.current_time()
             actions = session.transfer_ended(f.req, outcome, got, now)
@@ -420,9 +449,11 @@ class DownloadDriver:
                 self.progress(self.session.verified_bytes, self.m.total_bytes)
 
     async def get_have(self, src: Source) -> bytes:
+        """``/have?prefix=1``: the bitmap, then the verified prefixes of shards being
+        received (:func:`shardcast.serve.decode_have`; an older node sends the bitmap)."""
         return await self.client.get_bytes(
-            have_url(src.base_url, self.m.run_id, self.m.step, self.digest),
-            max_bytes=(len(self.m.header.shards) + 7) // 8,
+            have_url(src.base_url, self.m.run_id, self.m.step, self.digest) + "?prefix=1",
+            max_bytes=have_max_bytes(len(self.m.header.shards)),
             timeout_s=self.stall_timeout_s,
             anonymous=src.anonymous,
         )
@@ -442,12 +473,13 @@ class DownloadDriver:
         n = len(self.m.header.shards)
         while True:
             try:
-                bits = await self.get_have(src)
-                held = [
-                    i for i in range(n) if i // 8 < len(bits) and bits[i // 8] & (0x80 >> i % 8)
-                ]
+                try:
+                    held, prefixes = decode_have(await self.get_have(src), n)
+                except ValueError as exc:
+                    raise RemoteProtocolError(src.id, f"have: {exc}") from exc
                 full = len(held) == n  # it holds everything: stop polling
-                self.session.have_changed(src.id, None if full else held, trio.current_time())
+                now = trio.current_time()
+                self.session.have_changed(src.id, None if full else held, now, prefixes)
                 self.poke()
                 if full:
                     return

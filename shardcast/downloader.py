@@ -18,7 +18,9 @@ which does what the session's actions say:
   the chosen source over the HTTP lane straight into a pooled shard buffer, hashing it as it
   arrives (:mod:`shardcast.receive`): the raw file range, or an encoded blob — the smallest
   delta when this node holds the delta base, ``zstd`` when ``prefer_compressed``. Raw bytes
-  are checked against the shard digest and written once; encoded bytes are checked against
+  are checked against the shard digest and written once (or, when the manifest part lists
+  chunk digests, chunk by chunk as they arrive, each verified chunk written and served to
+  other nodes at once, :mod:`shardcast.receive`); encoded bytes are checked against
   their offered digest, decoded with bounds (:mod:`shardcast.codecs`) and the result checked
   against the shard digest, in a worker thread (:func:`~shardcast.receive.verify_and_write`).
   Bytes that fail are never served and never committed. The outcome goes back to the session

@@ -26,6 +26,7 @@ from p2p.errors import LocalProtocolError
 from p2p.identity import Identity
 from shardcast import codecs
 from shardcast.manifest import (
+    CHUNK_BYTES,
     EMPTY_DIGEST,
     MANIFEST_FILE,
     SCHEMA_VERSION,
@@ -38,6 +39,7 @@ from shardcast.manifest import (
     ShardRef,
     check_file_name,
     check_run_id,
+    chunk_digests,
     file_root,
     sign_header,
     sign_part,
@@ -180,6 +182,8 @@ class EncodeSettings:
         zstd_level: compression level.
         rooted: file digests are hash-list roots (manifest schema 3,
             :func:`shardcast.manifest.file_root`), else whole-file BLAKE3 (schema 2).
+        chunk_bytes: chunk size of the per-shard chunk lists written into the parts
+            (:func:`shardcast.manifest.chunk_digests`); 0: no chunk lists.
     """
 
     shard_size: int
@@ -187,6 +191,7 @@ class EncodeSettings:
     base: tuple[int, str] | None
     zstd_level: int
     rooted: bool = True
+    chunk_bytes: int = CHUNK_BYTES
 
 
 @dataclass(frozen=True)
@@ -198,6 +203,7 @@ class ShardResult:
     length: int
     digest: str
     encoded: tuple[Encoded, ...]
+    chunks: tuple[str, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -268,6 +274,7 @@ def encode_file(
                 if file_hash is not None:
                     file_hash.update(view)
                 digest = blake3.blake3(view, max_threads=blake3.blake3.AUTO).hexdigest()
+                chunks = chunk_digests(view, settings.chunk_bytes) if settings.chunk_bytes else ()
                 shard_list.append((length, digest))
                 encoded = _encode_shard(
                     view, offset, encodings, base_fh, blob_path, settings.zstd_level, scratch
@@ -278,7 +285,7 @@ def encode_file(
                     file_digest = (
                         file_root(shard_list) if file_hash is None else file_hash.hexdigest()
                     )
-                yield ShardResult(offset, length, digest, encoded), file_digest
+                yield ShardResult(offset, length, digest, encoded, chunks), file_digest
     finally:
         if base_fh is not None:
             base_fh.close()
@@ -295,6 +302,7 @@ def hash_parts(
     zstd_level: int = codecs.DEFAULT_LEVEL,
     on_part: Callable[[Part], None],
     pre_encoded: Mapping[str, PreEncoded] | None = None,
+    chunk_bytes: int = CHUNK_BYTES,
 ) -> list[Part]:
     """Read every file once and emit the version's parts as they complete.
 
@@ -314,6 +322,7 @@ def hash_parts(
             :class:`EncodeSettings` are this version's; any other file is read here. The
             parts are the same either way. Files used this way go first: parts they complete
             are emitted at once, so part indices may be emitted out of order.
+        chunk_bytes: chunk size of the parts' chunk lists (schema 3 only; 0: none).
 
     Returns:
         all parts, in index order.
@@ -335,10 +344,12 @@ def hash_parts(
         None if base is None else (base.step, base.digest),
         zstd_level,
         header.schema >= 3,
+        chunk_bytes,
     )
     n = len(header.shards)
     digests: list[str | None] = [None] * n
     encs: list[tuple[Encoded, ...]] = [()] * n
+    chunk_lists: list[tuple[str, ...]] = [()] * n
     empty = file_root([]) if settings.rooted else EMPTY_DIGEST
     file_digests = {f.name: empty for f in header.files if f.size == 0}
     sizes = {f.name: f.size for f in header.files}
@@ -364,6 +375,7 @@ def hash_parts(
             ):
                 continue
             fds = tuple(sorted((f, file_digests[f]) for f in ending[k]))
+            listed = settings.rooted and all(chunk_lists[i] for i in rng)
             part = Part(
                 header.run_id,
                 header.step,
@@ -373,6 +385,8 @@ def hash_parts(
                 tuple(encs[i] for i in rng),
                 fds,
                 header.schema,
+                settings.chunk_bytes if listed else 0,
+                tuple(chunk_lists[i] for i in rng) if listed else (),
             )
             parts[k] = part
             on_part(part)
@@ -389,6 +403,7 @@ def hash_parts(
             for j, shard in enumerate(pre.shards):
                 digests[first + j] = shard.digest
                 encs[first + j] = shard.encoded
+                chunk_lists[first + j] = shard.chunks
             file_digests[f.name] = pre.digest
         else:
             todo.append(f)
@@ -408,6 +423,7 @@ def hash_parts(
         for j, (shard, file_digest) in enumerate(shards):
             digests[first + j] = shard.digest
             encs[first + j] = shard.encoded
+            chunk_lists[first + j] = shard.chunks
             if file_digest is not None:
                 file_digests[f.name] = file_digest
             emit_ready()

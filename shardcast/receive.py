@@ -23,6 +23,17 @@ Every byte of a shard (or of an encoded blob) crosses Python's memory once:
    (:meth:`~shardcast.store.PartialVersion.write_shard` with ``hashed=``); a schema-3
    manifest then commits without reading any file again (:mod:`shardcast.manifest`).
 
+Chunks (issue 16, "a swarm that swarms"): when the shard's manifest part lists a chunk list
+(:mod:`shardcast.manifest`), a raw shard's sink checks each 1 MiB chunk the moment its last
+byte arrives (:meth:`ShardSink.expect_chunks`) instead of hashing the whole shard: a chunk
+that matches is written at once (:meth:`~shardcast.store.PartialVersion.write_prefix`) and
+this node's HTTP lane serves it to others while the rest of the shard still streams in; a
+chunk that does not match raises :class:`ChunkCorrupt` before any of its bytes are written or
+served, and since a transfer that breaks keeps only whole verified chunks
+(:meth:`ShardSink.rewind`), every chunk came from one source: the blame is exact. The bytes
+are hashed once either way (chunk digests replace the shard digest, see the manifest docs);
+a complete shard is then only marked present, never written twice.
+
 Deltas (:func:`verify_and_write` with a base): the blob's running digest is checked against
 its signed digest, then the shard is built one of two ways, by how many pages change:
 
@@ -51,6 +62,7 @@ from __future__ import annotations
 
 import os
 import threading
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import blake3
@@ -60,6 +72,26 @@ from shardcast import codecs
 from shardcast.manifest import ShardEntry
 from shardcast.sparse import is_identity, sparse_count
 from shardcast.store import PartialVersion, VersionStore
+
+
+class ChunkCorrupt(IntegrityError):
+    """A chunk of a shard did not match its signed chunk digest (:meth:`ShardSink.advance`).
+
+    Attributes:
+        chunk: the chunk's index within the shard.
+        start, end: its byte range within the shard (all sent by one source).
+    """
+
+    def __init__(self, shard: int, chunk: int, start: int, end: int, source: str = "") -> None:
+        super().__init__(f"shard {shard} chunk {chunk} (bytes {start}..{end})", source)
+        self.shard = shard
+        self.chunk = chunk
+        self.start = start
+        self.end = end
+
+
+ChunkWriter = Callable[[int, memoryview], object]
+"""``write(start, data)``: verified bytes of the shard at ``start`` (within the shard)."""
 
 
 class BufferPool:
@@ -104,14 +136,40 @@ class ShardSink:
         size: the expected length in bytes.
         pos: bytes received so far (the prefix ``[0, pos)`` is filled and hashed).
         parts: ``(source, start, end)`` of who sent which bytes (for blame).
+        verified: with a chunk list (:meth:`expect_chunks`): the prefix ``[0, verified)``
+            whose chunks matched (a multiple of the chunk size, or ``size``); else 0.
     """
 
     buffer: bytearray
     size: int
     pos: int = 0
     parts: list[tuple[str, int, int]] = field(default_factory=list)
+    verified: int = 0
     _hasher: blake3.blake3 = field(default_factory=blake3.blake3, repr=False)
     _pool: BufferPool | None = field(default=None, repr=False)
+    _chunks: tuple[str, ...] = field(default=(), repr=False)
+    _chunk_bytes: int = field(default=0, repr=False)
+    _shard: ShardEntry | None = field(default=None, repr=False)
+    _write: ChunkWriter | None = field(default=None, repr=False)
+
+    def expect_chunks(self, entry: ShardEntry, write: ChunkWriter | None = None) -> bool:
+        """Check this (raw, still empty) shard chunk by chunk against ``entry``'s signed
+        chunk list, handing each verified chunk to ``write`` (see the module docstring).
+
+        Returns:
+            False (and nothing changes) if the entry lists no chunks, the sink is not for
+            its raw bytes, or bytes already arrived.
+        """
+        if not entry.chunks or self.size != entry.length or self.pos:
+            return False
+        self._chunks, self._chunk_bytes, self._shard = entry.chunks, entry.chunk_bytes, entry
+        self._write = write
+        return True
+
+    @property
+    def chunked(self) -> bool:
+        """True if bytes are checked chunk by chunk (:meth:`expect_chunks`)."""
+        return bool(self._chunks)
 
     @classmethod
     def pooled(cls, size: int, pool: BufferPool = POOL) -> ShardSink:
@@ -143,12 +201,52 @@ class ShardSink:
         return memoryview(self.buffer)[self.pos : self.pos + length]
 
     def advance(self, n: int) -> None:
-        """The next ``n`` bytes (at ``pos``) are filled: hash them and move on."""
+        """The next ``n`` bytes (at ``pos``) are filled: hash them and move on; with a chunk
+        list, check and hand over each chunk they complete.
+
+        Raises:
+            ChunkCorrupt: a completed chunk does not match its signed digest; the sink is
+                rewound to the end of the last verified chunk (nothing of the bad chunk is
+                kept, written or served).
+            LocalProtocolError: past the end.
+        """
         end = self.pos + n
         if n < 0 or end > self.size:
             raise LocalProtocolError(f"advance by {n} at {self.pos} of {self.size}")
-        self._hasher.update(memoryview(self.buffer)[self.pos : end])
-        self.pos = end
+        if not self._chunks:
+            self._hasher.update(memoryview(self.buffer)[self.pos : end])
+            self.pos = end
+            return
+        cb = self._chunk_bytes
+        while self.pos < end:
+            boundary = min(self.size, self.verified + cb)
+            stop = min(end, boundary)
+            self._hasher.update(memoryview(self.buffer)[self.pos : stop])
+            self.pos = stop
+            if stop < boundary:
+                break
+            k = self.verified // cb
+            if self._hasher.hexdigest() != self._chunks[k]:
+                start = self.verified
+                self.rewind()
+                assert self._shard is not None
+                raise ChunkCorrupt(self._shard.index, k, start, boundary)
+            self._hasher = blake3.blake3()
+            if self._write is not None:
+                self._write(self.verified, memoryview(self.buffer)[self.verified : boundary])
+            self.verified = boundary
+
+    def rewind(self) -> int:
+        """Drop the bytes past the last verified chunk (a chunked sink whose transfer broke:
+        the next source resends whole chunks, so each chunk has one sender). Returns the
+        bytes dropped (0 for a sink without a chunk list)."""
+        if not self._chunks:
+            return 0
+        dropped = self.pos - self.verified
+        self.pos = self.verified
+        self._hasher = blake3.blake3()
+        self.parts = [(s, a, min(b, self.pos)) for s, a, b in self.parts if a < self.pos]
+        return dropped
 
     def digest(self) -> str:
         """BLAKE3 hex digest of the ``size`` bytes.
@@ -158,6 +256,11 @@ class ShardSink:
         """
         if not self.full:
             raise LocalProtocolError(f"digest of a sink at {self.pos} of {self.size} bytes")
+        if self._chunks:  # every chunk matched its signed digest: the shard is the signed one
+            assert self._shard is not None
+            if self.verified != self.size and self.size:
+                raise LocalProtocolError(f"digest of a sink verified to {self.verified}")
+            return self._shard.digest
         return self._hasher.hexdigest()
 
     def release(self) -> None:

@@ -27,6 +27,18 @@ sources (relays, origin) before partial ones (peers, whose uplinks also carry th
 work). With probability ``explore`` pick a random eligible source instead, so a source that
 was slow once, or is new, gets measured again (epsilon-greedy).
 
+Sources still receiving (the swarm): a partial source advertises, besides the shards it holds
+whole, how many bytes of each shard it is receiving it has verified (chunk by chunk,
+:mod:`shardcast.receive`), :meth:`Scheduler.set_prefixes`. Such a shard is eligible from that
+source as soon as the source's verified prefix reaches past this node's own resume offset:
+the source's HTTP lane streams the range as its chunks verify. A shard counts as held by every
+source holding any of it, so rarest-first sends distinct shards to distinct peers from the
+relays and leaves the common ones to the peers. Complete sources (relays, the origin) cost
+``complete_cost_factor`` times their expected time, so a peer whose *measured* rate is within
+that factor of a relay's takes the range and the relays' uplinks stay free for the bytes
+only they have yet (an unmeasured peer gets no such bonus: it is not assumed faster than the
+best measured source, and loses ties to complete ones).
+
 Failures: a timeout or broken transfer multiplies the source's rate by ``failure_decay``
 and blocks it for ``penalty_s`` (doubling per consecutive failure). Requests that were already
 in flight when the source last failed share that failure's cause (its connection dropped, the
@@ -78,6 +90,8 @@ class SchedulerConfig:
         rarity_slack: a rarer shard is skipped for a more common one when its best source is
             expected to take more than this factor longer (per byte) than the best source
             holding some idle shard; inf: strict rarest first.
+        complete_cost_factor: expected time of a complete source (relay, origin) is
+            multiplied by this when ranking sources (>= 1; 1: no preference for peers).
     """
 
     max_inflight: int = 8
@@ -91,8 +105,11 @@ class SchedulerConfig:
     endgame_duplicates: int = 1
     endgame_max_total: int = 4
     rarity_slack: float = 1.5
+    complete_cost_factor: float = 1.25
 
     def __post_init__(self) -> None:
+        if not self.complete_cost_factor >= 1:
+            raise LocalProtocolError("complete_cost_factor must be >= 1")
         if self.max_inflight < 1 or self.per_source_inflight < 1:
             raise LocalProtocolError("in-flight limits must be >= 1")
         if not self.rarity_slack >= 1:
@@ -119,6 +136,12 @@ class SourceState:
     bytes_received: int = 0
     samples: int = 0  # throughput samples taken (0: rate_bps is still the prior)
     not_before: dict[int, float] = field(default_factory=dict)  # shard -> when to ask again
+    prefix: dict[int, int] = field(default_factory=dict)  # shard -> verified bytes (not in have)
+
+    def holds(self, shard: int, offset: int) -> bool:
+        """True if this source can serve ``shard`` from byte ``offset`` on (it holds it whole,
+        or its verified prefix of it reaches past ``offset``)."""
+        return self.have is None or shard in self.have or self.prefix.get(shard, 0) > offset
 
 
 @dataclass(frozen=True)
@@ -222,6 +245,8 @@ class Scheduler:
         else:
             if st.have is not None and not st.banned:
                 self._held.subtract(st.have)
+                self._held.subtract(st.prefix)
+            st.prefix = {}
             st.have = hv
         if hv is not None and not st.banned:
             self._held.update(hv)
@@ -234,8 +259,26 @@ class Scheduler:
             for i in indices:
                 if i not in have:
                     have.add(i)
+                    if st.prefix.pop(i, 0):
+                        continue  # already counted as held through its prefix
                     if count:
                         held[i] += 1
+
+    def set_prefixes(self, source: str, prefixes: dict[int, int]) -> None:
+        """Record the verified prefixes (bytes) of the shards ``source`` is still receiving
+        (replacing the previous ones; shards it holds whole are ignored)."""
+        st = self._sources.get(source)
+        if st is None or st.have is None:
+            return
+        new = {
+            i: n
+            for i, n in prefixes.items()
+            if n > 0 and i not in st.have and 0 <= i < len(self._shards)
+        }
+        if not st.banned:
+            self._held.subtract(i for i in st.prefix if i not in new)
+            self._held.update(i for i in new if i not in st.prefix)
+        st.prefix = new
 
     def mark_known(self, index: int, length: int | None = None) -> None:
         """Shard ``index`` may now be requested (its manifest part arrived); ``length`` is the
@@ -253,6 +296,7 @@ class Scheduler:
         st = self._sources.pop(source, None)
         if st is not None and st.have is not None and not st.banned:
             self._held.subtract(st.have)
+            self._held.subtract(st.prefix)
 
     def sources(self) -> list[SourceState]:
         """Snapshot of the source states (for progress display)."""
@@ -310,8 +354,9 @@ class Scheduler:
         self, shard: int, now: float, exclude: set[str], ready: list[SourceState] | None = None
     ) -> list[SourceState]:
         out = []
+        offset = self._shards[shard].received
         for st in self._ready(now, exclude) if ready is None else ready:
-            if st.have is not None and shard not in st.have:
+            if not st.holds(shard, offset):
                 continue
             if st.not_before.get(shard, 0.0) > now:
                 continue
@@ -344,8 +389,9 @@ class Scheduler:
         """The first source of ``ranked`` (ready sources in ascending :meth:`_cost` for this
         shard's length) that is eligible for ``shard``: :meth:`_pick_source` without the
         per-shard sort, for scanning many shards against one snapshot of the sources."""
+        offset = self._shards[shard].received
         for st in ranked:
-            if st.have is not None and shard not in st.have:
+            if not st.holds(shard, offset):
                 continue
             if st.not_before.get(shard, 0.0) > now:
                 continue
@@ -355,7 +401,12 @@ class Scheduler:
     def _cost(self, st: SourceState, length: int, prior: float) -> tuple[float, bool, str]:
         """(expected seconds until ``length`` more bytes arrive from ``st``, partial, id)."""
         rate = st.rate_bps if st.samples else min(st.rate_bps, prior)
-        return ((st.queued_bytes + length) / max(rate, 1.0), st.have is not None, st.source)
+        factor = self.config.complete_cost_factor if st.have is None or not st.samples else 1.0
+        return (
+            (st.queued_bytes + length) / max(rate, 1.0) * factor,
+            st.have is not None,
+            st.source,
+        )
 
     def _prior_rate(self) -> float:
         """Assumed throughput of an unmeasured source, bytes/s: the best measured rate."""
@@ -452,18 +503,17 @@ class Scheduler:
         an idle shard (a bar in s/byte; inf if none)."""
         best = math.inf
         for st in ready:
-            if st.have is not None and st.have.isdisjoint(self._idle):
+            if st.have is not None and st.have.isdisjoint(self._idle) and not st.prefix:
                 continue
             rate = st.rate_bps if st.samples else min(st.rate_bps, prior)
-            best = min(best, (st.queued_bytes + self._typical) / max(rate, 1.0) / self._typical)
+            factor = self.config.complete_cost_factor if st.have is None or not st.samples else 1.0
+            best = min(
+                best, (st.queued_bytes + self._typical) / max(rate, 1.0) / self._typical * factor
+            )
         return best * self.config.rarity_slack
 
     def _availability(self, shard: int) -> int:
-        return sum(
-            1
-            for s in self._sources.values()
-            if not s.banned and (s.have is None or shard in s.have)
-        )
+        return sum(1 for s in self._sources.values() if not s.banned and s.holds(shard, 0))
 
     def _endgame(self, now: float) -> Request | None:
         dup_total = sum(1 for f in self._flights.values() if f.req.duplicate)
@@ -547,7 +597,9 @@ class Scheduler:
         if req_id in self._flights:
             self._finish(req_id)
 
-    def on_failure(self, req_id: int, now: float, *, kind: str, received: int = 0) -> list[int]:
+    def on_failure(
+        self, req_id: int, now: float, *, kind: str, received: int = 0, kept: bool = False
+    ) -> list[int]:
         """A request failed.
 
         Args:
@@ -558,7 +610,11 @@ class Scheduler:
                 ``"suspect"`` (a copy assembled from several sources failed: nobody is
                 penalized until :func:`blame` names the culprit).
             received: bytes of this request received and kept by the driver for resuming
-                (only for ``timeout``/``broken``); the shard's resume offset advances by it.
+                (``timeout``/``broken``, and ``corrupt`` with ``kept``); the shard's resume
+                offset advances by it.
+            kept: for ``corrupt``: the driver kept the bytes before the bad chunk (each
+                verified against the signed chunk list), so the shard resumes at
+                ``start + received`` instead of from 0.
 
         Returns:
             requests to cancel: those still in flight to a source this failure just banned.
@@ -567,6 +623,8 @@ class Scheduler:
         s = self._shards[fl.req.shard]
         if not fl.req.duplicate and not s.done and kind in ("timeout", "broken"):
             self._set_received(fl.req.shard, fl.req.start + received)
+        elif kind == "corrupt" and kept and not fl.req.duplicate and not s.done:
+            self._set_received(fl.req.shard, fl.req.start + received)  # verified chunks kept
         elif kind in ("corrupt", "suspect"):
             self._set_received(fl.req.shard, 0)
         if st is None:
@@ -576,8 +634,9 @@ class Scheduler:
             return []
         if kind == "unavailable":  # this source lacks this shard for now: ask others first
             if st.have is not None:
-                if fl.req.shard in st.have:
+                if fl.req.shard in st.have or fl.req.shard in st.prefix:
                     st.have.discard(fl.req.shard)
+                    st.prefix.pop(fl.req.shard, None)
                     if not st.banned:
                         self._held[fl.req.shard] -= 1
             st.not_before[fl.req.shard] = now + self.config.penalty_s / 10
@@ -651,6 +710,7 @@ class Scheduler:
             return []
         if st.have is not None:
             self._held.subtract(st.have)
+            self._held.subtract(st.prefix)
         st.banned = True
         return [rid for rid, fl in self._flights.items() if fl.req.source == source]
 

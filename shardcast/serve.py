@@ -33,6 +33,16 @@ tied to an authenticated identity because it grants nothing but a delayed answer
 bounded and a held request costs one parked connection, which the server bounds anyway).
 Unverified bytes are never served, so the lane needs no trust.
 
+Partial shards (the swarm): a download verifies each 1 MiB chunk of a raw shard as it arrives
+and writes it at once (:mod:`shardcast.receive`); its live version reports the verified prefix
+of every shard (``prefix``). A held file-range request starts as soon as its first byte is
+verified and its body then follows the verified prefix: each run of verified bytes is sent
+as it appears, and the response waits (up to the hold) for the next chunk, or is cut short
+if none comes (the client keeps what arrived and resumes elsewhere). A request that is not
+held still waits for whole shards, as before. ``/have?prefix=1`` appends to the bitmap the
+verified prefix of each shard being received (:func:`encode_prefixes`), so downloaders know
+whom to ask.
+
 Cache semantics. A version is immutable and content-addressed, so every answer with content
 has a strong ``ETag`` taken from the signed manifest: a file's signed whole-file digest, an
 encoded blob's signed digest, the manifest digest for the manifest document and its parts.
@@ -64,8 +74,9 @@ import email.utils
 import json
 import logging
 import re
+import struct
 import time
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Protocol
 
@@ -111,6 +122,42 @@ class LiveVersion(Protocol):
     def blob_path(self, index: int, encoding: str) -> Path:
         """Where shard ``index``'s ``encoding`` blob is (it may not exist)."""
         ...
+
+
+PREFIX_ENTRY = struct.Struct(">IQ")  #: (shard index, verified bytes) after the have-bitmap
+MAX_PREFIX_ENTRIES = 256  #: at most this many partial shards are advertised
+
+
+def encode_prefixes(prefixes: dict[int, int]) -> bytes:
+    """The suffix of a ``/have?prefix=1`` answer: ``(u32 shard, u64 verified bytes)``
+    big-endian per partial shard, in shard order, at most :data:`MAX_PREFIX_ENTRIES`."""
+    items = sorted(prefixes.items())[:MAX_PREFIX_ENTRIES]
+    return b"".join(PREFIX_ENTRY.pack(i, n) for i, n in items)
+
+
+def decode_have(data: bytes, n_shards: int) -> tuple[list[int], dict[int, int]]:
+    """Parse a ``/have`` (or ``/have?prefix=1``) answer: the shards held whole, and the
+    verified prefixes of shards being received.
+
+    Raises:
+        ValueError: a suffix that is not whole entries, or names a shard out of range.
+    """
+    nbytes = (n_shards + 7) // 8
+    bits, rest = data[:nbytes], data[nbytes:]
+    held = [i for i in range(n_shards) if i // 8 < len(bits) and bits[i // 8] & (0x80 >> i % 8)]
+    if len(rest) % PREFIX_ENTRY.size or len(rest) > MAX_PREFIX_ENTRIES * PREFIX_ENTRY.size:
+        raise ValueError(f"have suffix of {len(rest)} bytes")
+    prefixes: dict[int, int] = {}
+    for i, n in PREFIX_ENTRY.iter_unpack(rest):
+        if i >= n_shards:
+            raise ValueError(f"prefix of shard {i} of {n_shards}")
+        prefixes[i] = n
+    return held, prefixes
+
+
+def have_max_bytes(n_shards: int) -> int:
+    """Largest ``/have?prefix=1`` answer for a version of ``n_shards`` shards, bytes."""
+    return (n_shards + 7) // 8 + MAX_PREFIX_ENTRIES * PREFIX_ENTRY.size
 
 
 class _Live:
@@ -280,10 +327,14 @@ class VersionServer:
                 return HttpResponse(200, [("content-type", _JSON), _NO_CACHE], m.encode())
             return self._document(req, step, m.encode(), f'"{m.digest}"')
         if mr["kind"] == "have":
+            body = self._have_bits(step, m)
+            live = self._live.get(step)
+            if req.query.get("prefix") == "1" and live is not None:
+                prefixes = getattr(live.version, "prefixes", None)
+                if prefixes is not None:
+                    body += encode_prefixes(prefixes())
             return HttpResponse(
-                200,
-                [("content-type", "application/octet-stream"), _NO_STORE],
-                self._have_bits(step, m),
+                200, [("content-type", "application/octet-stream"), _NO_STORE], body
             )
         if mr["part"] is not None:
             k = int(mr["part"])
@@ -370,11 +421,29 @@ class VersionServer:
             )
         else:
             shards = range(0)
-        if not await self._wait(req, step, lambda: all(self._has(step, i) for i in shards)):
+        live = self._live.get(step)
+        ready = None
+        if live is not None and shards and _hold_s(req, self.wait_s) > 0:
+            # stream the verified prefix as it grows (module docstring): start at the first byte
+            start, stop = first, last + 1
+
+            def servable() -> bool:
+                return self._servable_end(step, m, name, start, stop) > start
+
+            if not await self._wait(req, step, servable):
+                return _retry()
+
+            async def ready_fn(pos: int) -> int:
+                ok = await self._wait(
+                    req, step, lambda: self._servable_end(step, m, name, pos, stop) > pos
+                )
+                return self._servable_end(step, m, name, pos, stop) if ok else pos
+
+            ready = ready_fn
+        elif not await self._wait(req, step, lambda: all(self._has(step, i) for i in shards)):
             return _retry()
         if self._refuse_repeat(req, step, m, shards):
             return _refused()
-        live = self._live.get(step)
         committed = self.store.version_dir(step) / name
         return self._slice(
             req,
@@ -387,7 +456,29 @@ class VersionServer:
             last_modified=last_modified,
             headers=cache,
             content_type=_JSON if name.endswith(".json") else "application/octet-stream",
+            ready=ready,
         )
+
+    def _servable_end(self, step: int, m: Manifest, name: str, pos: int, stop: int) -> int:
+        """Where the run of verified bytes of file ``name`` from ``pos`` ends (at most
+        ``stop``): whole shards held, then the verified prefix of the next one."""
+        live = self._live.get(step)
+        if live is None:  # committed meanwhile (every byte verified) or dropped (none)
+            return stop if self.store.digest_of(step) == m.digest else pos
+        prefix = getattr(live.version, "prefix", None)
+        base, size = m.header.first_shard(name), m.header.shard_size
+        end = pos
+        while end < stop:
+            i = base + end // size
+            shard_start = end - end % size
+            length = m.header.shards[i].length
+            n = length if live.version.has(i) else (prefix(i) if prefix is not None else 0)
+            if shard_start + n <= end:
+                break
+            end = min(stop, shard_start + n)
+            if n < length:
+                break
+        return end
 
     async def _blob(
         self, req: HttpRequest, step: int, m: Manifest, index: int, encoding: str
@@ -432,6 +523,7 @@ class VersionServer:
         last_modified: str | None,
         headers: list[tuple[str, str]],
         content_type: str = "application/octet-stream",
+        ready: Callable[[int], Awaitable[int]] | None = None,
     ) -> HttpResponse:
         """A (ranged) file response for ``primary``, falling back to the committed path if the
         live directory was renamed meanwhile, with the step pinned until it is sent."""
@@ -455,7 +547,9 @@ class VersionServer:
         def sent(n: int) -> None:
             self.sent_by_codec[codec] = self.sent_by_codec.get(codec, 0) + n
 
-        body = dataclasses.replace(resp.body, fallbacks=(committed,), on_done=release, on_sent=sent)
+        body = dataclasses.replace(
+            resp.body, fallbacks=(committed,), on_done=release, on_sent=sent, ready=ready
+        )
         if req.method == "GET" and resp.status < 300:
             self.bytes_by_step[step] = self.bytes_by_step.get(step, 0) + body.length
         return dataclasses.replace(resp, body=body)

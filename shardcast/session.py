@@ -21,7 +21,10 @@ Events (methods) and what they return (lists of actions):
   :meth:`answered` (what a source said about the version), :meth:`probed`.
 - :meth:`transfer_ended` with a typed :class:`Outcome` and the bytes received: a broken
   transfer keeps its prefix (:class:`Keep`) and the next request resumes at that byte, usually
-  from another source; complete bytes go to :class:`Check`.
+  from another source; complete bytes go to :class:`Check`. A raw shard whose manifest part
+  lists chunk digests is checked chunk by chunk as it streams (:mod:`shardcast.receive`): a
+  chunk that fails ends the transfer with ``CORRUPT_CHUNK``, its one sender is blamed at once
+  and the verified chunks before it are kept (a broken transfer keeps whole chunks only).
 - :meth:`shard_checked` with a :class:`Verdict`: ``VERIFIED`` completes the shard (endgame
   duplicates are cancelled); ``CORRUPT`` bytes from one source ban it; a copy assembled from
   several sources is kept (:class:`KeepSuspect`) until a verified copy exists, then compared
@@ -65,6 +68,8 @@ class Outcome(enum.Enum):
     GONE = "gone"  # 404: the source may not hold the version (checked at /have)
     WRONG_VERSION = "wrong_version"  # 409: another version under this step; nobody's fault
     PROTOCOL_ERROR = "protocol_error"  # the source broke the protocol (too many bytes, ...)
+    CORRUPT_CHUNK = "corrupt_chunk"  # a chunk failed its signed digest; the whole verified
+    # chunks before it (``received`` bytes of this request) are kept, the sender is blamed
     CANCELLED = "cancelled"  # the driver cancelled it (after a Cancel action, or shutdown)
 
 
@@ -354,13 +359,21 @@ class Session:
         """``source`` answers again after an outage, or moved: ask it at once."""
         self.sched.source_back(source, now)
 
-    def have_changed(self, source: str, have: Iterable[int] | None, now: float) -> None:
-        """A partial source's have-set (None: it holds everything now)."""
+    def have_changed(
+        self,
+        source: str,
+        have: Iterable[int] | None,
+        now: float,
+        prefixes: Mapping[int, int] | None = None,
+    ) -> None:
+        """A partial source's have-set (None: it holds everything now) and the verified
+        prefixes (bytes) of the shards it is still receiving (which it serves already)."""
         self.watch.on_answer(source, Answer.PRESENT, now)
         if have is None:
             self.sched.add_source(source, None)
         else:
             self.sched.add_have(source, have)
+            self.sched.set_prefixes(source, dict(prefixes or {}))
 
     def answered(self, source: str, outcome: Outcome, now: float) -> list[Action]:
         """What a request to ``source`` (a shard or a part) said about the version."""
@@ -546,6 +559,25 @@ class Session:
         self.stats.failures += 1
         if outcome is Outcome.PROTOCOL_ERROR:
             cancel = self.sched.on_failure(req, now, kind="corrupt")
+            return out + self._corrupt(f.source, f.shard, cancel)
+        if outcome is Outcome.CORRUPT_CHUNK:  # one chunk, one sender: blamed at once
+            pos = f.start + received
+            keep = not f.duplicate and pos > 0 and len(self._kept) < self.config.max_resume_buffers
+            if keep:
+                if received:
+                    r.parts.append((f.source, f.start, pos))
+                self._kept[f.shard] = _Prefix(pos, f.encoding, f.size, r.parts)
+                out.append(Keep(req, f.shard))
+            elif not f.duplicate:
+                self.sched.discard_partial(f.shard)
+            log.warning(
+                "chunk_corrupt step=%d shard=%d at_byte=%d source=%s",
+                self.step,
+                f.shard,
+                pos,
+                short_id(f.source),
+            )
+            cancel = self.sched.on_failure(req, now, kind="corrupt", received=received, kept=keep)
             return out + self._corrupt(f.source, f.shard, cancel)
         # broken, timeout, unreachable: keep what arrived (bounded), resume elsewhere
         pos = f.start + received

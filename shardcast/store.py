@@ -521,6 +521,7 @@ class PartialVersion:
         self.header = manifest.header
         self.dir = store.partial_dir(manifest.step)
         self._have = [False] * len(self.header.shards)
+        self._prefix: dict[int, int] = {}  # shard -> bytes from its start verified and written
         self._lock = threading.Lock()
         self._shard_locks: dict[int, threading.Lock] = {}
         self._closed = False
@@ -603,6 +604,53 @@ class PartialVersion:
         """True if shard ``index`` is written and verified."""
         return self._have[index]
 
+    def prefix(self, index: int) -> int:
+        """Bytes of shard ``index``, from its start, that are verified and written: its
+        length once the shard is present, else what :meth:`write_prefix` wrote (verified
+        chunks of a shard still arriving, servable at once)."""
+        if self._have[index]:
+            return self.header.shards[index].length
+        return self._prefix.get(index, 0)
+
+    def prefixes(self) -> dict[int, int]:
+        """``{shard: verified bytes}`` of the shards partly written (not yet present)."""
+        with self._lock:
+            return {i: n for i, n in self._prefix.items() if not self._have[i]}
+
+    def write_prefix(self, index: int, start: int, data: bytes | bytearray | memoryview) -> bool:
+        """Write bytes of shard ``index`` at ``start`` (within the shard) that the caller
+        verified against the shard's signed chunk list, extending its verified prefix to
+        ``start + len(data)`` if that is further (the bytes must follow on from it).
+
+        Called on the event-loop thread as each chunk verifies (one ``pwrite`` of about
+        1 MiB into the page cache). When the whole shard came this way, :meth:`write_shard`
+        writes nothing again.
+
+        Returns:
+            False if the version is closed or the shard already present (nothing written).
+
+        Raises:
+            LocalProtocolError: the bytes would leave a gap after the verified prefix, or
+                run past the shard.
+        """
+        ref = self.header.shards[index]
+        end = start + len(data)
+        if end > ref.length:
+            raise LocalProtocolError(f"shard {index}: bytes {start}..{end} past {ref.length}")
+        with self._lock:
+            if self._closed or self._have[index]:
+                return False
+            if start > self._prefix.get(index, 0):
+                raise LocalProtocolError(f"shard {index}: a gap before byte {start}")
+            fd = self._fds[ref.file]
+        view, pos = memoryview(data), 0
+        while pos < len(view):
+            pos += os.pwrite(fd, view[pos:], ref.offset + start + pos)
+        with self._lock:
+            if end > self._prefix.get(index, 0):
+                self._prefix[index] = end
+        return True
+
     def have_bitmap(self) -> list[bool]:
         """Copy of the per-shard availability."""
         return list(self._have)
@@ -658,6 +706,8 @@ class PartialVersion:
             if fd < 0:
                 return False
             view, pos = memoryview(data), 0
+            if self._prefix.get(index, 0) >= shard.length:
+                pos = len(view)  # every chunk was verified and written as it arrived
             while pos < len(view):
                 pos += os.pwrite(fd, view[pos:], shard.offset + pos)
             return self._mark(index, blobs)
@@ -752,6 +802,7 @@ class PartialVersion:
             if self._have[index]:
                 return False
             self._have[index] = True
+            self._prefix.pop(index, None)
             self._missing -= 1
             if not self._closed:  # one append per verified shard (atomic with O_APPEND)
                 os.write(self._journal, f"{index} {shard.digest}\n".encode())

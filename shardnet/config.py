@@ -388,6 +388,14 @@ class RelaySettings(FollowerSettings):
         examples=[[f"/ip4/192.0.2.10/tcp/4001/p2p/{_EXAMPLE_ID}"]],
     )
 
+    serve_once_s: float | None = Field(
+        None,
+        gt=0,
+        description="relay super-seeding window, seconds: a shard goes to one downloader "
+        "first and others fetch it from that one (peers re-serve verified chunks at once); "
+        "unset: off",
+    )
+
     @field_validator("upstream")
     @classmethod
     def _upstream(cls, v: list[str]) -> list[str]:

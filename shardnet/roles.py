@@ -186,7 +186,8 @@ async def run_relay(s: RelaySettings) -> int:
 
     async def body() -> None:
         nonlocal follower
-        async with ShardcastNode.open(identity, s.trust(), s.node_config(run_id)) as node:
+        node_cfg = dataclasses.replace(s.node_config(run_id), serve_once_s=s.serve_once_s)
+        async with ShardcastNode.open(identity, s.trust(), node_cfg) as node:
             if card is not None:
                 node.set_card(card)
             with DownloadProgress() as progress:

@@ -65,8 +65,12 @@ def make_version(
     step: int = 1,
     seed: int = 0,
     nonce: int = 1000,
+    chunk_bytes: int = 0,
 ) -> Version:
     """Write files of seeded random bytes, sign their manifest and commit them under ``root``.
+
+    ``chunk_bytes``: the parts list per-shard chunk digests of that size (0: none, so a
+    receiver verifies whole shards, byte-granular resumption and assembled-copy blame).
 
     Any flat file names will do: sharding does not look at the content or the layout. Two
     versions of one step differ in manifest digest only if their ``nonce`` (or sizes) differ.
@@ -86,6 +90,7 @@ def make_version(
         header,
         signed.digest,
         on_part=lambda p: signed.add_part(sign_part(p, TRAINER)),  # type: ignore[func-returns-value]
+        chunk_bytes=chunk_bytes,
     )
     store = VersionStore(root / "honest", RUN, keep_last=4)
     store.adopt(directory, signed)

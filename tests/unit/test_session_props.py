@@ -222,6 +222,9 @@ class World:
             self.send(r, f.start + int(frac * f.length), lie)
         elif outcome is Outcome.PROTOCOL_ERROR:
             self.sent_wrong.add(f.source)
+        elif outcome is Outcome.CORRUPT_CHUNK:  # verified chunks kept, then one bad chunk
+            self.send(r, f.start + int(frac * f.length), False)
+            self.sent_wrong.add(f.source)
         self.do(self.s.transfer_ended(rid, outcome, r.pos - begin, self.now))
         if not r.checking and rid not in self.checks:
             del self.reqs[rid]
@@ -273,7 +276,7 @@ class World:
             src = self.reqs[rid].f.source
             choices = [Outcome.OK, *FAILURES]
             if src in self.liars:
-                choices.append(Outcome.PROTOCOL_ERROR)
+                choices += [Outcome.PROTOCOL_ERROR, Outcome.CORRUPT_CHUNK]
             if self.reqs[rid].cancel:
                 choices = [Outcome.CANCELLED, Outcome.OK]
             outcome = draw(st.sampled_from(choices))
@@ -289,7 +292,12 @@ class World:
             have = self.partial_have[peer]
             have |= draw(st.sets(st.integers(0, len(self.lengths) - 1)))
             full = len(have) == len(self.lengths)
-            self.s.have_changed(peer, None if full else sorted(have), self.now)
+            prefixes = draw(  # verified prefixes of shards it is still receiving
+                st.dictionaries(
+                    st.integers(0, len(self.lengths) - 1), st.integers(1, 64), max_size=3
+                )
+            )
+            self.s.have_changed(peer, None if full else sorted(have), self.now, prefixes)
             self.poll()
 
     def settle(self, rounds: int) -> None:
