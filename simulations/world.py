@@ -124,7 +124,7 @@ class SimOracle:
         """A cheap deterministic reward in [0, 1]."""
         return (sum(completion_ids) % 5) / 4
 
-    def prefill_group(self, *args: Any, **kwargs: Any) -> list[Any]:
+    def prefill_batch(self, *args: Any, **kwargs: Any) -> list[Any]:
         """Never called: the simulated validator runs without model checks.
 
         Raises:
