@@ -118,15 +118,14 @@ def pack_batch(
     engine_id: str = DEFAULT_ENGINE_ID,
 ) -> RolloutBatch:
     """The batch of ``groups``: all ``cfg.n_prompts`` of them, or a partial batch of the first
-    ``k`` (``1 <= k <= n_prompts``, prompt indices ``0..k-1`` in order; the validator accepts
+    ``k`` (``1 <= k <= n_prompts``, prompt indices ``0..k-1``, each once; the validator accepts
     nothing else, see :func:`rollout.verify._check_prompts`).
 
     Raises:
         LocalProtocolError: ``groups`` is not such a prefix.
     """
-    if not 1 <= len(groups) <= cfg.n_prompts or any(
-        g.prompt_index != i for i, g in enumerate(groups)
-    ):
+    indices = sorted(g.prompt_index for g in groups)
+    if not 1 <= len(groups) <= cfg.n_prompts or indices != list(range(len(groups))):
         raise LocalProtocolError(
             f"a batch holds the first 1..{cfg.n_prompts} prompts in order, got indices "
             f"{[g.prompt_index for g in groups]}"

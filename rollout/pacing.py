@@ -15,8 +15,9 @@ time. Before each group it asks :func:`next_group`, which answers with a :class:
 * ``GENERATE`` — generate the next group.
 
 At least one group is generated per version (a partial batch holds ``1 <= k <= n_prompts``
-groups, the first ``k`` assigned prompts in order: :func:`rollout.verify` accepts exactly
-that), so a peer always makes progress however fast versions come.
+groups, those of the first ``k`` assigned prompts: :mod:`rollout.verify` accepts exactly that,
+one batch per (submitter, step)), so a peer always makes progress however fast versions come.
+The rest of a cut batch is dropped, never sent later: that is what keeps exactly-once simple.
 
 The time budget of a batch is ``(async_level + 1 - margin_steps) * step_interval_s``,
 counted from when the peer committed the version: a batch for ``s`` is fresh until the trainer

@@ -441,30 +441,32 @@ def _check_duplicate(v: Validator, b: RolloutBatch, _step: int) -> None:
 
 
 def _check_prompts(v: Validator, b: RolloutBatch, _step: int) -> None:
-    """The batch holds the first ``k`` of the submitter's ``n_prompts`` assigned prompts, in
-    order (group ``i`` is prompt ``i``), ``1 <= k <= n_prompts``, each with ``group_size``
-    samples. ``k < n_prompts`` is a partial batch: a peer that cut its batch short to stay
-    fresh (:mod:`rollout.pacing`). Exactly once: one batch per (submitter, step) is accepted
-    (``duplicate``), whatever its ``k``, so a prompt of a step is never trained on twice; the
-    rest of a cut batch is never submitted. Only a prefix is allowed, so a peer cannot pick
-    which of its prompts to hand over."""
+    """The batch holds the first ``k`` of the submitter's ``n_prompts`` assigned prompts (prompt
+    indices exactly ``0..k-1``, each once, in any order), ``1 <= k <= n_prompts``, each group
+    with ``group_size`` samples. ``k < n_prompts`` is a partial batch: a peer that cut its batch
+    short to stay fresh (:mod:`rollout.pacing`). Exactly once: one batch per (submitter, step)
+    is accepted (``duplicate``), whatever its ``k``, so no prompt of a step is trained on
+    twice; the rest of a cut batch is never submitted. Only a prefix is allowed, so a peer
+    cannot choose which of its prompts to hand over, only how many."""
     c = v.config
     k = len(b.groups)
     if not 1 <= k <= c.n_prompts:
         raise Reject("prompt", f"{k} groups, expected 1 to {c.n_prompts}")
     expected = v.oracle.prompt_ids(b.submitter, b.policy_step, c.n_prompts)
-    for i, g in enumerate(b.groups):
-        if g.prompt_index != i:
+    seen = set()
+    for g in b.groups:
+        if g.prompt_index in seen or not 0 <= g.prompt_index < k:
             raise Reject(
                 "prompt",
-                f"group {i} holds prompt index {g.prompt_index}: a batch holds the first {k} "
-                "assigned prompts in order",
+                f"prompt index {g.prompt_index} repeated or not among the first {k} prompts",
             )
-        if list(g.prompt_ids) != expected[i]:
-            raise Reject("prompt", f"prompt {i} is not the assigned prompt")
+        seen.add(g.prompt_index)
+        if list(g.prompt_ids) != expected[g.prompt_index]:
+            raise Reject("prompt", f"prompt {g.prompt_index} is not the assigned prompt")
         if len(g.samples) != c.group_size:
             raise Reject(
-                "prompt", f"group {i} has {len(g.samples)} samples, expected {c.group_size}"
+                "prompt",
+                f"group {g.prompt_index} has {len(g.samples)} samples, expected {c.group_size}",
             )
 
 
