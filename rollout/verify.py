@@ -441,14 +441,25 @@ def _check_duplicate(v: Validator, b: RolloutBatch, _step: int) -> None:
 
 
 def _check_prompts(v: Validator, b: RolloutBatch, _step: int) -> None:
+    """The batch holds the first ``k`` of the submitter's ``n_prompts`` assigned prompts (prompt
+    indices exactly ``0..k-1``, each once, in any order), ``1 <= k <= n_prompts``, each group
+    with ``group_size`` samples. ``k < n_prompts`` is a partial batch: a peer that cut its batch
+    short to stay fresh (:mod:`rollout.pacing`). Exactly once: one batch per (submitter, step)
+    is accepted (``duplicate``), whatever its ``k``, so no prompt of a step is trained on
+    twice; the rest of a cut batch is never submitted. Only a prefix is allowed, so a peer
+    cannot choose which of its prompts to hand over, only how many."""
     c = v.config
+    k = len(b.groups)
+    if not 1 <= k <= c.n_prompts:
+        raise Reject("prompt", f"{k} groups, expected 1 to {c.n_prompts}")
     expected = v.oracle.prompt_ids(b.submitter, b.policy_step, c.n_prompts)
     seen = set()
-    if len(b.groups) != c.n_prompts:
-        raise Reject("prompt", f"{len(b.groups)} groups, expected {c.n_prompts}")
     for g in b.groups:
-        if g.prompt_index in seen or not 0 <= g.prompt_index < len(expected):
-            raise Reject("prompt", f"prompt index {g.prompt_index} repeated or out of range")
+        if g.prompt_index in seen or not 0 <= g.prompt_index < k:
+            raise Reject(
+                "prompt",
+                f"prompt index {g.prompt_index} repeated or not among the first {k} prompts",
+            )
         seen.add(g.prompt_index)
         if list(g.prompt_ids) != expected[g.prompt_index]:
             raise Reject("prompt", f"prompt {g.prompt_index} is not the assigned prompt")

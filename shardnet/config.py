@@ -422,6 +422,20 @@ class PeerSettings(FollowerSettings):
     trainer_addr: list[str] = Field([], description="trainer multiaddrs (say hello at start)")
     task: str = _task_field()
     task_reward: str = _task_reward_field()
+    pacing: bool = Field(
+        True,
+        description="cut a batch short (the first k prompts' groups, at least one) when a "
+        "newer version arrives or the next group would likely end outside the async window; "
+        "false: always whole batches",
+    )
+    pacing_margin_steps: float = Field(
+        0.5,
+        ge=0,
+        allow_inf_nan=False,
+        description="trainer steps of the async window kept in reserve when pacing: a batch "
+        "gets (async_level + 1 - margin) step intervals, as this peer sees them, from when "
+        "it committed the version",
+    )
 
     @field_validator("bootstrap", "trainer_addr")
     @classmethod

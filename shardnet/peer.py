@@ -5,10 +5,17 @@ Theory of operation
 A peer runs a shardcast node and a :class:`~shardcast.follower.Follower` on its relays. Each
 committed version is reported to the trainer (``/shardnet/status/1.0.0``) and wakes the
 generation loop, which always works on the newest committed version: load it into the engine
-(the version directory is pinned against retention meanwhile), build one batch with
-:func:`rollout.batch.build_batch` in a worker thread, and hand it to the
+(the version directory is pinned against retention meanwhile), build one batch, one group
+at a time (:func:`rollout.batch.build_group`) in a worker thread, and hand it to the
 :class:`~rollout.exchange.RolloutSender`, which announces it and retries until the trainer
 acknowledges. The network keeps running while the CPU generates.
+
+Pacing (:mod:`rollout.pacing`): before each group after the first the peer asks its
+:class:`~rollout.pacing.PaceMeter`; when a newer verified version is committed, or the next
+group would likely end after the batch's time budget (from the trainer's cadence seen here and
+the run card's async level), it hands over the groups done so far as a partial batch (the first
+``k`` prompts) and moves on. A slow peer thus sends smaller batches that still arrive fresh
+instead of whole batches the trainer refuses as stale.
 
 Restarts: a peer started on a data directory keeps its committed versions and generates for
 the newest at once. It says hello to the trainer every ``hello_interval_s`` (with its newest
@@ -32,6 +39,7 @@ import logging
 import math
 import random
 import time
+from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -42,11 +50,13 @@ import trio
 from p2p.errors import ConfigError, IntegrityError, ShardnetError, TransportError, short_id
 from p2p.identity import Identity
 from p2p.trust import TrustList
-from rollout.batch import Forgery, SamplingConfig, build_batch
+from rollout.batch import Forgery, SamplingConfig, build_group, pack_batch
 from rollout.engine import Engine, TransformersEngine
 from rollout.exchange import RolloutSender, SenderConfig, report_status
 from rollout.model_dir import load_tokenizer
-from rollout.task import Task, load_task, task_spec
+from rollout.pacing import Pace, PaceMeter, PacingConfig
+from rollout.schema import Group, RolloutBatch
+from rollout.task import Task, load_task, task_prompts, task_spec
 from shardcast.follower import FollowConfig, Follower, VersionRecord
 from shardcast.manifest import Manifest
 from shardcast.node import NodeConfig, ShardcastNode
@@ -87,6 +97,7 @@ class PeerConfig:
         hello_interval_s: period of the hello to the trainer, seconds.
         exit_on_finish: return from :meth:`InferencePeer.run` once the run finished and its
             final version is committed here.
+        pacing: when to cut a batch short (:mod:`rollout.pacing`).
     """
 
     node: NodeConfig
@@ -101,6 +112,7 @@ class PeerConfig:
     task_reward: str = "exact"
     hello_interval_s: float = 10.0
     exit_on_finish: bool = False
+    pacing: PacingConfig = field(default_factory=PacingConfig)
 
 
 @dataclass
@@ -115,6 +127,8 @@ class PeerRecord:
     generated: bool = False
     batch_id: str = ""
     mean_reward: float | None = None
+    groups: int = 0
+    pace: str = ""
 
 
 class InferencePeer:
@@ -157,6 +171,9 @@ class InferencePeer:
         self.fatal: ShardnetError | None = None
         """Why the peer stopped on its own (a run card it cannot follow), or None."""
         self.card_versions_used: list[int] = []
+        self.pace = PaceMeter(config.pacing)
+        self.batches_by_pace: Counter[str] = Counter()
+        """Handed-over batches by how they ended (:class:`~rollout.pacing.Pace` value)."""
 
     async def run(
         self, *, task_status: TaskStatus[ShardcastNode] = trio.TASK_STATUS_IGNORED
@@ -211,6 +228,7 @@ class InferencePeer:
             log.warning("resume_version_unreadable step=%d error=%s", step, exc)
             return
         self._latest = (m, node.store.version_dir(step))
+        self.pace.version_seen(step, time.monotonic())
         log.info("peer_resumed step=%d digest=%s", step, m.digest[:16])
 
     async def _exit_when_settled(self, follower: Follower, scope: trio.CancelScope) -> None:
@@ -291,6 +309,7 @@ class InferencePeer:
             )
         )
         self._latest = (m, path)
+        self.pace.version_seen(m.step, time.monotonic())
         self._wake_generation()
         await self._ensure_trainer()
         session = await report_status(self.node.p2p, self.trust.trainer, m.step, m.digest)
@@ -332,19 +351,8 @@ class InferencePeer:
                         self.on_weight_swap(time.perf_counter() - t0)
                     tokenizer = await trio.to_thread.run_sync(load_tokenizer, path)
                 t0 = time.perf_counter()
-                batch = await trio.to_thread.run_sync(
-                    functools.partial(
-                        build_batch,
-                        self.engine,
-                        tokenizer,
-                        self.task,
-                        peer_id=self.identity.peer_id,
-                        run_id=self.config.node.run_id,
-                        step=step,
-                        manifest_digest=signed.digest,
-                        cfg=sampling,
-                        engine_id=self.config.engine_spec.id,
-                    )
+                batch, pace = await self._generate(
+                    step, signed.digest, tokenizer, sampling, card.card.async_level
                 )
             except ShardnetError as exc:
                 log.error("generation_failed step=%d error=%s", step, exc)
@@ -362,12 +370,16 @@ class InferencePeer:
                 if r.step == step:
                     r.generated, r.batch_id = True, ann.batch_id
                     r.mean_reward = sum(rewards) / len(rewards)
+                    r.groups, r.pace = len(batch.groups), pace.value
+            self.batches_by_pace[pace.value] += 1
             self.card_versions_used.append(card.version)
             log.info(
-                "rollouts_submitted step=%d batch=%s samples=%d mean_reward=%.4f trainer=%s "
-                "card_version=%d",
+                "rollouts_submitted step=%d batch=%s groups=%d pace=%s samples=%d "
+                "mean_reward=%.4f trainer=%s card_version=%d",
                 step,
                 ann.batch_id[:8],
+                len(batch.groups),
+                pace.value,
                 batch.n_samples,
                 sum(rewards) / len(rewards),
                 short_id(self.trust.trainer),
@@ -376,6 +388,81 @@ class InferencePeer:
             done_step = step
             done_at = trio.current_time()
             generated += 1
+
+    async def _generate(
+        self,
+        step: int,
+        digest: str,
+        tokenizer: Any,
+        cfg: SamplingConfig,
+        async_level: int,
+    ) -> tuple[RolloutBatch, Pace]:
+        """Generate the batch of ``step`` group by group, in worker threads, until the pace
+        meter cuts it or it is complete (:mod:`rollout.pacing`).
+
+        Returns:
+            the batch (the first ``k >= 1`` prompts' groups) and why it ended.
+
+        Raises:
+            LocalProtocolError: the engine has nothing loaded, or the task's prompts are bad.
+        """
+        peer_id, run_id = self.identity.peer_id, self.config.node.run_id
+        prompts = await trio.to_thread.run_sync(
+            task_prompts, self.task, peer_id, step, cfg.n_prompts
+        )
+        groups: list[Group] = []
+        while True:
+            newest = self._latest[0].step if self._latest is not None else step
+            pace = self.pace.decide(
+                len(groups),
+                cfg.n_prompts,
+                step=step,
+                newest=newest,
+                now_s=time.monotonic(),
+                async_level=async_level,
+            )
+            if pace is not Pace.GENERATE:
+                break
+            i = len(groups)
+            t0 = time.monotonic()
+            groups.append(
+                await trio.to_thread.run_sync(
+                    functools.partial(
+                        build_group,
+                        self.engine,
+                        tokenizer,
+                        self.task,
+                        prompts[i],
+                        i,
+                        peer_id=peer_id,
+                        run_id=run_id,
+                        step=step,
+                        cfg=cfg,
+                    )
+                )
+            )
+            self.pace.group_done(time.monotonic() - t0)
+        if pace is not Pace.COMPLETE:
+            log.info(
+                "batch_cut step=%d groups=%d of=%d pace=%s newest=%d group_s=%.2f",
+                step,
+                len(groups),
+                cfg.n_prompts,
+                pace.value,
+                newest,
+                self.pace.group_estimate_s or 0.0,
+            )
+        batch = pack_batch(
+            groups,
+            self.task,
+            peer_id=peer_id,
+            run_id=run_id,
+            step=step,
+            manifest_digest=digest,
+            cfg=cfg,
+            engine_id=self.config.engine_spec.id,
+        )
+        return batch, pace
 
     def _sampling(self, card: SignedRunCard) -> SamplingConfig:
         """The sampling rules of ``card``, after checking this peer can follow it.
@@ -405,6 +492,7 @@ class InferencePeer:
                 vars(r) | {"committed_at": _wall_iso(r.committed_at)} for r in self.records
             ],
             "exchange": vars(sender) if sender else None,
+            "batches_by_pace": dict(self.batches_by_pace),
         }
 
 

@@ -237,6 +237,7 @@ async def run_peer(s: PeerSettings) -> int:
     """``shardnet peer``: runs until a signal; returns the exit code."""
     import torch
 
+    from rollout.pacing import PacingConfig
     from shardnet.peer import InferencePeer, PeerConfig, check_followable
 
     torch.set_num_threads(s.torch_threads)
@@ -257,6 +258,7 @@ async def run_peer(s: PeerSettings) -> int:
         task=s.task,
         task_reward=s.task_reward,
         exit_on_finish=s.exit_on_finish,
+        pacing=PacingConfig(enabled=s.pacing, margin_steps=s.pacing_margin_steps),
     )
     with DownloadProgress() as progress:
         peer = InferencePeer(identity, s.trust(), cfg, engine=engine, progress=progress)

@@ -89,6 +89,9 @@ def test_honest_batch_passes_every_check(world: tuple[TrainerOracle, RolloutBatc
     assert (
         _validator(oracle).check(batch, sender=PEER.peer_id, current_step=3).reason == "stale_step"
     )
+    # a partial batch (the first k prompts, rollout.pacing) passes every check too
+    partial = dataclasses.replace(batch, groups=batch.groups[:1])
+    assert _validator(oracle).check(partial, sender=PEER.peer_id, current_step=0).accepted
 
 
 def _reason(
@@ -123,7 +126,7 @@ def test_each_check_rejects(world: tuple[TrainerOracle, RolloutBatch, Path]) -> 
         batch, groups=(dataclasses.replace(g0, prompt_ids=g1.prompt_ids), g1)
     )
     assert _reason(oracle, swapped) == "prompt"
-    assert _reason(oracle, dataclasses.replace(batch, groups=(g0,))) == "prompt"
+    assert _reason(oracle, dataclasses.replace(batch, groups=(g1,))) == "prompt"  # not a prefix
 
     # termination: drop the EOS of a "stop" sample, or claim "stop" for a capped one
     def cut(s: Sample) -> Sample:
