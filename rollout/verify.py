@@ -111,11 +111,13 @@ class PolicyOracle(Protocol):
         items: Sequence[tuple[Sequence[int], Sequence[int]]],
         temperature: float,
         keys: Sequence[NoiseKey] | None = None,
+        engine: str = DEFAULT_ENGINE_ID,
     ) -> Sequence[TeacherForced]:
         """Teacher-forced passes with version ``step`` for ``(prompt_ids, completion_ids)``
-        pairs (a whole batch, batched forwards): per pair ``(prefill_bits [L,H], decode_bits
-        [N-1,H], logprobs [N], replay_gaps [N] or None)``, the gaps computed with ``keys[i]``
-        (see :func:`rollout.engine.prefill_activations_batch`)."""
+        pairs (a whole batch, batched forwards) on the engine family of ``engine`` (the
+        batch's engine id: :mod:`rollout.validator_engines`): per pair ``(prefill_bits [L,H],
+        decode_bits [N-1,H], logprobs [N], replay_gaps [N] or None)``, the gaps computed with
+        ``keys[i]`` (see :func:`rollout.engine.prefill_activations_batch`)."""
         ...
 
 
@@ -152,6 +154,22 @@ class EngineProfile:
             raise ConfigError("eos_min_prob", f"must be in [0, 1], got {self.eos_min_prob}")
 
 
+VLLM_BF16_PROFILE = EngineProfile(
+    toploc_thresholds=ToplocThresholds(12, 3.4, 2.0),
+    toploc_prefill_thresholds=ToplocThresholds(5, 0.49, 1.0),
+    logprob_tolerance=0.05,
+    logprob_max_tolerance=0.21,
+    replay_margin=0.18,
+    eos_min_prob=DEFAULT_EOS_MIN_PROB,
+)
+"""The ``vllm-bf16`` profile: vLLM rollouts judged by the vLLM validator path
+(:mod:`rollout.validator_engines`). Provisional (the transformers limits) until calibrated."""
+
+DEFAULT_PROFILES: Mapping[str, EngineProfile] = MappingProxyType({"vllm-bf16": VLLM_BF16_PROFILE})
+"""Calibrated profiles of the engines other than ``transformers-bf16`` (whose profile is
+:class:`ValidatorConfig`'s top-level fields)."""
+
+
 @dataclass(frozen=True)
 class ValidatorConfig:
     """The run's rules for rollouts.
@@ -174,9 +192,9 @@ class ValidatorConfig:
         check_model: run the model-dependent checks (toploc, replay, sampling, EOS floor).
         engines: engine ids (``family-dtype``, the run card's ``engines``) whose batches are
             accepted; a batch naming another is rejected as ``wrong_run``.
-        profiles: per-engine overrides of the thresholds above: the batch's engine is judged
-            with ``profiles[engine]`` when present, else with the fields above (the default
-            profile, calibrated on ``transformers-bf16``).
+        profiles: per-engine profiles: the batch's engine is judged with ``profiles[engine]``
+            when present, else with its :data:`DEFAULT_PROFILES` entry (``vllm-bf16``), else
+            with the fields above (the default profile, calibrated on ``transformers-bf16``).
 
     The defaults are the ``transformers-bf16`` profile, calibrated with
     ``python bench/verification.py`` (``bench/results/verification-seed1.json``): honest
@@ -240,13 +258,13 @@ class ValidatorConfig:
     eos_min_prob: float = DEFAULT_EOS_MIN_PROB
     check_model: bool = True
     engines: tuple[str, ...] = (DEFAULT_ENGINE_ID,)
-    profiles: Mapping[str, EngineProfile] = field(default_factory=lambda: MappingProxyType({}))
+    profiles: Mapping[str, EngineProfile] = field(default_factory=lambda: DEFAULT_PROFILES)
 
     def __post_init__(self) -> None:
         self.default_profile()  # validates the default profile's fields
         if not self.engines:
             raise ConfigError("engines", "at least one engine")
-        unknown = set(self.profiles) - set(self.engines)
+        unknown = set(self.profiles) - set(self.engines) - set(DEFAULT_PROFILES)
         if unknown:
             raise ConfigError("profiles", f"profiles for engines not accepted: {sorted(unknown)}")
 
@@ -262,8 +280,9 @@ class ValidatorConfig:
         )
 
     def profile(self, engine: str) -> EngineProfile:
-        """The thresholds that judge batches of ``engine``."""
-        return self.profiles.get(engine) or self.default_profile()
+        """The thresholds that judge batches of ``engine``: ``profiles[engine]``, else the
+        engine's entry in :data:`DEFAULT_PROFILES`, else the top-level fields."""
+        return self.profiles.get(engine) or DEFAULT_PROFILES.get(engine) or self.default_profile()
 
 
 @dataclass(frozen=True)
@@ -500,7 +519,7 @@ def _check_model(v: Validator, b: RolloutBatch, _step: int) -> None:
             items.append((g.prompt_ids, s.completion_ids))
             keys.append(NoiseKey(seed, i))
             where.append(f"group {g.prompt_index} sample {i}")
-    acts = v.oracle.prefill_batch(b.policy_step, items, b.temperature, keys)  # batched
+    acts = v.oracle.prefill_batch(b.policy_step, items, b.temperature, keys, b.engine)  # batched
     for s, tf, at in zip(samples, acts, where, strict=True):
         _check_proof(c, profile, s, tf.prefill_bits, tf.decode_bits, psize)
         _check_replay(profile, tf.replay_gaps, at)
