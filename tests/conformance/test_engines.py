@@ -317,7 +317,7 @@ def test_honest_rollouts_pass_the_validator(kind: str, engine: Engine, ckpts: Ck
 def _oracle(kind: str, engine: Engine, version: Path) -> TrainerOracle:
     """The validator's oracle for ``kind``'s batches: transformers, or the vLLM validator path
     sharing the test's engine (one vLLM engine per process; the path loads ``version``)."""
-    engines = ("transformers-bf16", "vllm-bf16")
+    engines = (f"{kind}-bf16",)  # the transformers venv has no vLLM: no vllm-bf16 path there
     teacher = VllmTeacher(engine) if kind == "vllm" else None
     oracle = TrainerOracle(build_tokenizer(), DEFAULT_TASK, 3, engines, vllm_teacher=teacher)
     oracle.add_version(0, DIGEST, version)
