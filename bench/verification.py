@@ -6,6 +6,9 @@ Usage::
                                  [--models tiny,h512,m100] [--rounds tiny=5,m100=1]
                                  [--attacks 8] [--profile default] [--max-new-tokens 128]
                                  [--out bench/results/verification-....json]
+                                 [--engines transformers,vllm]
+
+``--engines vllm`` needs vLLM: run it with the vLLM venv (``.venv-vllm/bin/python``).
 
 Theory of operation
 -------------------
@@ -19,6 +22,17 @@ it and decoded, then :meth:`rollout.verify.Validator.check` with the shipped
 :data:`PROFILES`. Sampling is seeded Gumbel-max (:mod:`rollout.gumbel`): sample ``j`` of prompt
 ``i`` of peer ``P`` draws with ``NoiseKey(group_seed(run, P, 0, i), j)``, so the validator
 replays every token.
+
+**Engines** (``--engines``, :data:`ENGINES`): each engine gets its own worlds, corpora and
+calibration. The honest peers sample with that engine (``transformers``:
+:class:`~rollout.engine.TransformersEngine`; ``vllm``: :class:`~rollout.engine_vllm.VllmEngine`),
+their batches name its engine id, and the validator reproduces them on the same family
+(:mod:`rollout.validator_engines`; vLLM: ``VllmEngine.teacher_forced`` on the same in-process
+engine, one per process) and judges them with that engine's profile. Attackers still sample
+their forgeries with transformers models (an attacker may use any engine) and, where an attack
+re-proves, use the claimed engine's teacher-forced pass (the strongest case). vLLM has no
+``multi`` layout (its scheduler batches requests itself). vLLM timings are the calling thread's
+CPU time like the others, which leaves out vLLM's OpenMP worker threads: compare them with care.
 
 **Models** (:data:`MODELS`; seeded random weights, the project's 128-token character
 tokenizer): ``tiny`` (hidden 128, 4 layers, 0.8 M parameters), ``h512`` (hidden 512, 4 layers,
