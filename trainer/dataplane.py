@@ -95,6 +95,11 @@ class RolloutIntake:
         )
         return self.inbox
 
+    def close(self) -> None:
+        """Free the validator paths' engines (the vLLM engine of a run accepting
+        ``vllm-bf16``, if one was started); idempotent."""
+        self.oracle.close()
+
     async def add_version(self, step: int, digest: str, path: Path) -> None:
         """Register published version ``step`` (loads its model in a worker thread when the
         model checks are on).
