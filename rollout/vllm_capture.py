@@ -19,6 +19,12 @@ which every vLLM sampler (random at temperature ``T``, top-p 1, top-k off) turns
 token with probability 1; the hook records ``(token, log_softmax(logits / T)[token])`` per
 sample and position, and the engine reports these logprobs and checks that vLLM emitted exactly
 the recorded tokens. Rows of a prompt still in chunked prefill (``j < 0``) are left alone.
+
+**Teacher-forced passes** (``sample=False``, :meth:`rollout.engine_vllm.VllmEngine.teacher_forced`):
+the validator submits ``prompt + completion[:-1]`` as the prompt with ``max_tokens=1``; the
+same hooks capture every prefill row (the LM-head inputs that TOPLOC commits and that produce
+the completion's tokens) and the logits are left alone (the single token vLLM then draws is
+discarded).
 """
 
 from __future__ import annotations
@@ -58,8 +64,10 @@ class Capture:
         seed: int = 0,
         temperature: float = 1.0,
         prompt_len: int = 0,
+        sample: bool = True,
     ) -> None:
         self.runner = runner
+        self.sample = sample
         self.seed = seed
         self.temperature = temperature
         self.prompt_len = prompt_len
@@ -116,8 +124,10 @@ class Capture:
 
     def on_logits_out(self, logits: torch.Tensor) -> torch.Tensor | None:
         """The step's logits ``[rows, V]`` replaced by the seeded Gumbel-max draws (see the
-        module docstring); ``None`` (leave them) after an error, which fails the call."""
-        if self.error is not None:
+        module docstring); ``None`` (leave them) after an error, which fails the call, or when
+        this capture does not sample (a teacher-forced pass: vLLM's own draw is discarded)."""
+        if self.error is not None or not self.sample:
+            self.last_owners = []
             return None
         try:
             owners, self.last_owners = self.last_owners, []

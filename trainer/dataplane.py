@@ -76,7 +76,7 @@ class RolloutIntake:
         self.session = session
         # a LATE batch is judged against its own version: keep the grace steps' models too
         keep = rules.async_level + 1 + self.inbox_config.late_grace_steps
-        self.oracle = TrainerOracle(tokenizer, task, keep=keep)
+        self.oracle = TrainerOracle(tokenizer, task, keep=keep, engines=rules.engines)
         self.oracle.set_vocab_size(vocab_size)
         self.validator = Validator(rules, self.oracle, allowed=trust.submitter_allowed)
         self.reputation = Reputation()
@@ -94,6 +94,11 @@ class RolloutIntake:
             session=self.session,
         )
         return self.inbox
+
+    def close(self) -> None:
+        """Free the validator paths' engines (the vLLM engine of a run accepting
+        ``vllm-bf16``, if one was started); idempotent."""
+        self.oracle.close()
 
     async def add_version(self, step: int, digest: str, path: Path) -> None:
         """Register published version ``step`` (loads its model in a worker thread when the

@@ -9,6 +9,12 @@ trainer's fp32 master weights).
 
 Only the versions inside the async window are kept in memory (``keep`` models). Methods may
 be called from a worker thread while the trio thread adds versions; a lock guards the tables.
+
+The teacher-forced pass runs on the engine family the batch names
+(:mod:`rollout.validator_engines`): transformers here, vLLM through a
+:class:`~rollout.validator_engines.VllmTeacher` for ``vllm-bf16`` batches (started on the first
+such batch). Constructing the oracle for a run that accepts an engine this machine cannot
+reproduce raises :class:`~rollout.validator_engines.ValidatorEngineUnavailable`.
 """
 
 from __future__ import annotations
@@ -33,7 +39,16 @@ from rollout.engine import (
 from rollout.gumbel import NoiseKey
 from rollout.model import load_model
 from rollout.model_dir import TOKENIZER_NAME, load_tokenizer, stop_token_id
+from rollout.schema import DEFAULT_ENGINE_ID
 from rollout.task import Prompt, Task, encode_prompt, task_prompts
+from rollout.validator_engines import (
+    TRANSFORMERS_BF16,
+    VLLM_BF16,
+    Teacher,
+    VllmTeacher,
+    no_teacher,
+    require_validator_engines,
+)
 
 Bits = npt.NDArray[np.uint16]
 
@@ -46,9 +61,31 @@ class TrainerOracle:
             (each registered version's own tokenizer is used for its step).
         task: the run's task.
         keep: how many versions (models) to keep; async_level + 1 suffices.
+        engines: the engine ids the run accepts (the run card's); each needs a validator path
+            on this machine.
+        vllm_teacher: the ``vllm-bf16`` path to use (e.g. one sharing a sampler's engine);
+            default: a :class:`VllmTeacher` that starts its own engine when first needed. Any
+            :class:`~rollout.validator_engines.Teacher` works (tests inject stand-ins).
+
+    Raises:
+        ValidatorEngineUnavailable: an engine of ``engines`` cannot be reproduced here (vLLM
+            not installed for ``vllm-bf16``).
     """
 
-    def __init__(self, tokenizer: PreTrainedTokenizerFast, task: Task, keep: int) -> None:
+    def __init__(
+        self,
+        tokenizer: PreTrainedTokenizerFast,
+        task: Task,
+        keep: int,
+        engines: Sequence[str] = (DEFAULT_ENGINE_ID,),
+        vllm_teacher: Teacher | None = None,
+    ) -> None:
+        if vllm_teacher is None:  # an injected path needs no local vLLM install
+            require_validator_engines(engines)
+        else:
+            require_validator_engines(engines, vllm_installed=lambda: True)
+        self.engines = tuple(engines)
+        self.vllm_teacher = vllm_teacher or (VllmTeacher() if VLLM_BF16 in engines else None)
         self.tokenizer = tokenizer
         self.task = task
         self.keep = keep
@@ -73,6 +110,8 @@ class TrainerOracle:
         Raises:
             CheckpointMismatch: the model or the tokenizer cannot be loaded.
         """
+        # a vLLM-only run never needs the transformers model (loaded on demand otherwise)
+        preload = preload and TRANSFORMERS_BF16 in self.engines
         model = load_model(checkpoint_dir) if preload else None
         has_tokenizer = (Path(checkpoint_dir) / TOKENIZER_NAME).is_file()
         tokenizer = load_tokenizer(checkpoint_dir) if has_tokenizer else self.tokenizer
@@ -168,8 +207,31 @@ class TrainerOracle:
         items: Sequence[tuple[Sequence[int], Sequence[int]]],
         temperature: float,
         keys: Sequence[NoiseKey] | None = None,
+        engine: str = DEFAULT_ENGINE_ID,
     ) -> list[TeacherForced]:
         """Teacher-forced passes of a whole rollout batch (every group, every sample), and
-        each one's replay gaps when ``keys`` are given:
-        :func:`rollout.engine.prefill_activations_batch` with version ``step``'s weights."""
-        return prefill_activations_batch(self._model(step), items, temperature, keys)
+        each one's replay gaps when ``keys`` are given, with version ``step``'s weights on
+        ``engine``'s family: :func:`rollout.engine.prefill_activations_batch` for
+        ``transformers-bf16``, :meth:`VllmTeacher.prefill_batch` for ``vllm-bf16``.
+
+        Raises:
+            LocalProtocolError: the version is not kept, or ``engine`` is not one of the run's.
+            VllmEngineError: the vLLM pass failed.
+        """
+        if engine == TRANSFORMERS_BF16 and engine in self.engines:
+            return prefill_activations_batch(self._model(step), items, temperature, keys)
+        if engine == VLLM_BF16 and self.vllm_teacher is not None:
+            return self.vllm_teacher.prefill_batch(self._dir(step), items, temperature, keys)
+        raise no_teacher(engine)
+
+    def _dir(self, step: int) -> Path:
+        with self._lock:
+            path = self._dirs.get(step)
+        if path is None:
+            raise LocalProtocolError(f"version {step} is not kept for validation")
+        return path
+
+    def close(self) -> None:
+        """Shut down the vLLM engine the oracle started, if any (idempotent)."""
+        if self.vllm_teacher is not None:
+            self.vllm_teacher.close()

@@ -21,6 +21,7 @@ Only one vLLM engine may be live per process, so tests close engines they start 
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import shutil
@@ -53,6 +54,7 @@ from rollout.schema import RolloutBatch
 from rollout.task import DEFAULT_TASK, prompts_for
 from rollout.toploc import verify_proofs
 from rollout.toploc_codec import proof_size_bytes
+from rollout.validator_engines import VllmTeacher
 from rollout.verify import Validator, ValidatorConfig
 from trainer.checkpoint import save_checkpoint
 from trainer.oracle import TrainerOracle
@@ -295,18 +297,82 @@ def _statistics(oracle: TrainerOracle, batch: RolloutBatch) -> dict[str, float]:
 def test_honest_rollouts_pass_the_validator(kind: str, engine: Engine, ckpts: Ckpts) -> None:
     """Default thresholds (TOPLOC paper: 38 exponent mismatches, mantissa mean 10, median 8;
     logprobs mean 0.05, max 1.0). The same rollouts fail against another model's weights."""
-    tok = build_tokenizer()
-    oracle = TrainerOracle(tok, DEFAULT_TASK, keep=3)
-    oracle.add_version(0, DIGEST, ckpts.a)
     batch = _batch(engine, kind=kind)
     assert batch.engine == f"{kind}-bf16"
+    oracle = _oracle(kind, engine, ckpts.a)
     verdict = _validator(oracle).check(batch, sender=PEER.peer_id, current_step=0)
     stats = _statistics(oracle, batch)
     print(f"engine={kind} worst chunk and logprob differences vs the validator: {stats}")
     assert verdict.accepted, (verdict, stats)
-    wrong = TrainerOracle(tok, DEFAULT_TASK, keep=3)
-    wrong.add_version(0, DIGEST, ckpts.b)
-    assert _validator(wrong).check(batch, sender=PEER.peer_id, current_step=0).reason == "toploc"
+    wrong = _oracle(kind, engine, ckpts.b)
+    try:
+        assert _validator(wrong).check(batch, sender=PEER.peer_id, current_step=0).reason in (
+            "toploc",
+            "replay",
+        )
+    finally:
+        engine.load(ckpts.a)  # the vLLM validator path shares (and swapped) the engine
+
+
+def _oracle(kind: str, engine: Engine, version: Path) -> TrainerOracle:
+    """The validator's oracle for ``kind``'s batches: transformers, or the vLLM validator path
+    sharing the test's engine (one vLLM engine per process; the path loads ``version``)."""
+    engines = (f"{kind}-bf16",)  # the transformers venv has no vLLM: no vllm-bf16 path there
+    teacher = VllmTeacher(engine) if kind == "vllm" else None
+    oracle = TrainerOracle(build_tokenizer(), DEFAULT_TASK, 3, engines, vllm_teacher=teacher)
+    oracle.add_version(0, DIGEST, version)
+    return oracle
+
+
+def test_vllm_validator_path(kind: str, engine: Engine, ckpts: Ckpts) -> None:
+    """vllm-bf16 batches are judged by vLLM's own teacher-forced pass (a second engine, as a
+    trainer would run it) with the vllm-bf16 profile: honest rollouts pass with logprob
+    differences near 0; a tampered token fails (the last one of a length-capped completion,
+    which TOPLOC never commits, by ``replay``)."""
+    if kind != "vllm":
+        pytest.skip("vLLM only: the transformers path is covered by tests/unit/test_verify.py")
+    batch = _batch(engine, kind="vllm")
+    _close(engine)  # one vLLM engine per process: the validator starts its own
+    oracle = TrainerOracle(
+        build_tokenizer(), DEFAULT_TASK, 3, ("vllm-bf16",), vllm_teacher=VllmTeacher()
+    )
+    try:
+        oracle.add_version(0, DIGEST, ckpts.a)
+        verdict = _validator(oracle).check(batch, sender=PEER.peer_id, current_step=0)
+        assert verdict.accepted, verdict
+        g, i, s = next(
+            (g, i, s)
+            for g in batch.groups
+            for i, s in enumerate(g.samples)
+            if s.finish_reason == "length"
+        )
+        (tf,) = oracle.prefill_batch(0, [(g.prompt_ids, s.completion_ids)], 1.0, None, "vllm-bf16")
+        assert np.abs(np.subtract(tf.logprobs, s.logprobs)).max() < 1e-3
+        last = len(s.completion_ids) - 1
+        for j, expected in ((last, {"replay"}), (last // 2, {"toploc", "replay"})):
+            ids = list(s.completion_ids)
+            ids[j] = next(t for t in range(3, 128) if t != ids[j])  # never EOS (2)
+            reward = oracle.reward(
+                ids,
+                submitter=batch.submitter,
+                step=0,
+                prompt_index=g.prompt_index,
+                n_prompts=SAMPLING.n_prompts,
+            )
+            forged = dataclasses.replace(s, completion_ids=tuple(ids), reward=reward)
+            samples = list(g.samples)
+            samples[i] = forged
+            groups = [
+                dataclasses.replace(x, samples=tuple(samples)) if x is g else x
+                for x in batch.groups
+            ]
+            tampered = dataclasses.replace(batch, groups=tuple(groups))
+            got = _validator(oracle).check(tampered, sender=PEER.peer_id, current_step=0)
+            assert not got.accepted, (j, got)
+            assert got.reason in expected, (j, got)
+    finally:
+        oracle.close()
+        engine.load(ckpts.a)
 
 
 def test_same_key_same_tokens_across_engines(kind: str, engine: Engine, ckpts: Ckpts) -> None:

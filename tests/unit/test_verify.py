@@ -3,21 +3,28 @@
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 
 import pytest
 import torch
 
+from p2p.errors import ConfigError
 from p2p.identity import Identity
 from rollout.batch import SamplingConfig, build_batch
-from rollout.engine import TransformersEngine, sample_group
-from rollout.gumbel import group_seed
-from rollout.model import build_model, build_tokenizer
+from rollout.engine import (
+    TeacherForced,
+    TransformersEngine,
+    prefill_activations_batch,
+    sample_group,
+)
+from rollout.gumbel import NoiseKey, group_seed
+from rollout.model import build_model, build_tokenizer, load_model
 from rollout.schema import RolloutBatch, Sample
 from rollout.task import DEFAULT_TASK
 from rollout.toploc import build_proofs
-from rollout.verify import Validator, ValidatorConfig
+from rollout.validator_engines import ValidatorEngineUnavailable, require_validator_engines
+from rollout.verify import VLLM_BF16_PROFILE, Validator, ValidatorConfig
 from trainer.checkpoint import save_checkpoint
 from trainer.oracle import TrainerOracle
 
@@ -232,13 +239,56 @@ def _rebuilt(
     return dataclasses.replace(batch, groups=tuple(groups))
 
 
+class _StandInTeacher:
+    """A ``vllm-bf16`` validator path that runs the transformers pass (no vLLM here)."""
+
+    def __init__(self) -> None:
+        self.calls = 0
+
+    def prefill_batch(
+        self,
+        checkpoint_dir: str | Path,
+        items: Sequence[tuple[Sequence[int], Sequence[int]]],
+        temperature: float,
+        keys: Sequence[NoiseKey] | None = None,
+    ) -> list[TeacherForced]:
+        self.calls += 1
+        model = load_model(Path(checkpoint_dir))
+        return prefill_activations_batch(model, items, temperature, keys)
+
+    def close(self) -> None:
+        pass
+
+
+def _with_teacher(oracle: TrainerOracle, root: Path) -> TrainerOracle:
+    both = ("transformers-bf16", "vllm-bf16")
+    out = TrainerOracle(oracle.tokenizer, DEFAULT_TASK, 3, both, vllm_teacher=_StandInTeacher())
+    out.add_version(0, DIGEST, root / "v0")
+    return out
+
+
+def test_vllm_path_required(world: tuple[TrainerOracle, RolloutBatch, Path]) -> None:
+    """A run accepting vllm-bf16 on a node without vLLM is a configuration error (field
+    ``engines``), never a silent fallback to the transformers numerics."""
+    require_validator_engines(["transformers-bf16"], vllm_installed=lambda: False)
+    with pytest.raises(ValidatorEngineUnavailable, match="vLLM is not installed"):
+        require_validator_engines(["vllm-bf16"], vllm_installed=lambda: False)
+    with pytest.raises(ValidatorEngineUnavailable, match="no validator path"):
+        require_validator_engines(["sglang-bf16"], vllm_installed=lambda: True)
+    assert issubclass(ValidatorEngineUnavailable, ConfigError)
+
+
 def test_engine_id_must_be_the_runs(world: tuple[TrainerOracle, RolloutBatch, Path]) -> None:
-    oracle, batch, _ = world
+    oracle, batch, root = world
     assert batch.engine == "transformers-bf16"
     assert _reason(oracle, dataclasses.replace(batch, engine="vllm-bf16")) == "wrong_run"
     assert _reason(oracle, dataclasses.replace(batch, engine="")) == "wrong_run"  # schema 1
     both = ("transformers-bf16", "vllm-bf16")
     relabelled = dataclasses.replace(batch, engine="vllm-bf16")
+    # the oracle reproduces a vllm-bf16 batch on its vLLM path only: without one it refuses
+    assert _reason(oracle, relabelled, engines=both) == "check_error"
+    # a stand-in vLLM path (the transformers pass) shows each engine's routing and profile
+    oracle = _with_teacher(oracle, root)
     v = _validator(oracle, engines=both)
     assert v.check(relabelled, sender=PEER.peer_id, current_step=0).accepted
     # each engine is judged with its own profile
@@ -252,6 +302,10 @@ def test_engine_id_must_be_the_runs(world: tuple[TrainerOracle, RolloutBatch, Pa
         .check(batch, sender=PEER.peer_id, current_step=0)
         .accepted
     )
+    teacher = oracle.vllm_teacher
+    assert isinstance(teacher, _StandInTeacher)
+    assert teacher.calls == 2
+    assert v.config.profile("vllm-bf16") == VLLM_BF16_PROFILE  # the calibrated default
 
 
 def test_eos_probability_floor(world: tuple[TrainerOracle, RolloutBatch, Path]) -> None:
