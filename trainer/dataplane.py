@@ -100,6 +100,11 @@ class RolloutIntake:
         ``vllm-bf16``, if one was started); idempotent."""
         self.oracle.close()
 
+    async def aclose(self) -> None:
+        """:meth:`close`, for ``contextlib.aclosing`` (the trainer closes its intake when its
+        node stops)."""
+        self.close()
+
     async def add_version(self, step: int, digest: str, path: Path) -> None:
         """Register published version ``step`` (loads its model in a worker thread when the
         model checks are on).

@@ -37,6 +37,7 @@ bytes from the HTTP lane, accepted/rejected samples from the validator.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
@@ -299,6 +300,7 @@ class Trainer:
         shutil.rmtree(staging, ignore_errors=True)
         staging.mkdir(parents=True)
         async with (
+            contextlib.aclosing(intake),
             ShardcastNode.open(self.identity, self.trust, cfg.node) as node,
             trio.open_nursery() as nursery,
         ):

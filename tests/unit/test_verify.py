@@ -353,7 +353,7 @@ def test_replay_rejects_greedy_and_other_temperatures(
     """Right noise keys, wrong temperature (1e-4 is greedy decoding); every proof, logprob
     and reward recomputed at the run's temperature. The untrained test model's logits are
     nearly flat, so a hotter (or slightly colder) sampler with the right noise stays within
-    the provisional margin of 0.5 (worst gap 0.40 at T = 2, 0.11 at T = 0.8); a margin
+    the transformers profile's replay margin (worst gap 0.40 at T = 2, 0.11 at T = 0.8); a margin
     fitted to this model's honest gaps (max 0.0027) catches it."""
     oracle, batch, _ = world
     model = oracle._model(0)
