@@ -35,6 +35,12 @@ and digest): static mirrors (:mod:`shardcast.mirror`) the trainer names, 1 to
 ``/``). Followers that adopt the card add them to their own mirrors; a mirror stays untrusted
 (every byte is checked against the signed manifest), the card only says where to look. A node
 that predates the field refuses a card that has it (an unknown field).
+``validator_profile`` is optional in the same way (absent unless the trainer was given
+``--validator-profile``): ``{"digest": "<64 hex>", "engines": {"transformers-bf16":
+{"prefill_max_mant_err_mean": "0.25", ...}}}``, the BLAKE3 of the calibrated profile file
+(:mod:`rollout.calibrate`) and, for each of the card's engines it covers, the thresholds the
+validator judges that engine's rollouts with (every name of :data:`PROFILE_THRESHOLD_KEYS`, as
+canonical decimal strings), so peers and auditors see which thresholds the run uses.
 The body is sealed by the trainer in a :mod:`p2p.envelope` of kind ``run-card``; the signer
 must be the pinned trainer and equal ``body.trainer``. The document stored as
 ``<data_dir>/runcard.json``, served at ``GET /shardnet/v1/runcard`` and on
@@ -93,6 +99,7 @@ __all__ = [
     "MAX_CARD_MIRRORS",
     "MAX_MIRROR_URL",
     "BadRunCardSignature",
+    "CardProfile",
     "EngineSpec",
     "MalformedRunCard",
     "RunCard",
@@ -136,7 +143,21 @@ _BODY_KEYS = frozenset(
         "issued_at_ms",
     }
 )
-_OPTIONAL_KEYS = frozenset({"mirrors"})
+_OPTIONAL_KEYS = frozenset({"mirrors", "validator_profile"})
+PROFILE_THRESHOLD_KEYS = frozenset(
+    {
+        *(
+            f"{part}_{k}"
+            for part in ("prefill", "decode")
+            for k in ("max_exp_mismatches", "max_mant_err_mean", "max_mant_err_median")
+        ),
+        "logprob_tolerance",
+        "logprob_max_tolerance",
+        "replay_margin",
+        "eos_min_prob",
+    }
+)
+"""The threshold names of a card's ``validator_profile`` (``rollout.calibrate.THRESHOLD_NAMES``)."""
 IGNORED_CONFIG_KEYS = frozenset(
     {"dtype", "torch_dtype", "transformers_version", "architectures", "_name_or_path"}
 )
@@ -237,6 +258,41 @@ DEFAULT_ENGINE = EngineSpec("transformers", "bf16")
 
 
 @dataclass(frozen=True)
+class CardProfile:
+    """The validator profile a run judges rollouts with (``--validator-profile``): the
+    profile file's digest (:meth:`rollout.calibrate.ValidatorProfile.digest`) and, per engine
+    id, its thresholds as canonical decimal strings (the card holds no floats).
+
+    Attributes:
+        digest: BLAKE3 hex of the profile file.
+        engines: ``((engine_id, ((threshold name, decimal text), ...)), ...)``, sorted.
+    """
+
+    digest: str
+    engines: tuple[tuple[str, tuple[tuple[str, str], ...]], ...]
+
+    @classmethod
+    def of(cls, digest: str, thresholds: Mapping[str, Mapping[str, float]]) -> CardProfile:
+        """From a digest and ``{engine_id: {name: value}}`` (values written as
+        :func:`repr` of the float)."""
+        return cls(
+            digest,
+            tuple(
+                (e, tuple((k, _float_text(v)) for k, v in sorted(t.items())))
+                for e, t in sorted(thresholds.items())
+            ),
+        )
+
+    def thresholds(self) -> dict[str, dict[str, float]]:
+        """``{engine_id: {name: value}}``."""
+        return {e: {k: float(v) for k, v in t} for e, t in self.engines}
+
+    def to_obj(self) -> dict[str, Any]:
+        """The card's ``validator_profile`` object."""
+        return {"digest": self.digest, "engines": {e: dict(t) for e, t in self.engines}}
+
+
+@dataclass(frozen=True)
 class RunCard:
     """The run's rules (see module docstring for the wire format).
 
@@ -253,6 +309,9 @@ class RunCard:
         issued_at_ms: wall-clock time of issue, milliseconds since the Unix epoch.
         mirrors: static mirror base URLs followers add to their own (0..8; see the module
             docstring).
+        validator_profile: the calibrated thresholds the run's validator uses, when the
+            trainer was given a profile file (``--validator-profile``); None: the built-in
+            defaults of the code (``rollout.verify``).
     """
 
     card_version: int
@@ -265,6 +324,7 @@ class RunCard:
     architecture_digest: str
     issued_at_ms: int
     mirrors: tuple[str, ...] = ()
+    validator_profile: CardProfile | None = None
 
     def __post_init__(self) -> None:
         _check_body(self.to_obj(), "")
@@ -294,6 +354,8 @@ class RunCard:
         }
         if self.mirrors:
             body["mirrors"] = list(self.mirrors)
+        if self.validator_profile is not None:
+            body["validator_profile"] = self.validator_profile.to_obj()
         return body
 
     def canonical_bytes(self) -> bytes:
@@ -332,6 +394,7 @@ class RunCard:
             m["architecture_digest"],
             obj["issued_at_ms"],
             tuple(obj.get("mirrors", ())),
+            _card_profile(obj.get("validator_profile")),
         )
 
 
@@ -414,6 +477,50 @@ def _check_body(obj: Any, source: str) -> None:
     _int(obj, "issued_at_ms", 0, 1 << 52, source)
     if "mirrors" in obj:
         _check_mirrors(obj["mirrors"], source)
+    if "validator_profile" in obj:
+        _check_profile(obj["validator_profile"], seen, source)
+
+
+def _card_profile(obj: Any) -> CardProfile | None:
+    if obj is None:
+        return None
+    return CardProfile(
+        obj["digest"],
+        tuple((e, tuple(sorted(t.items()))) for e, t in sorted(obj["engines"].items())),
+    )
+
+
+def _check_profile(obj: Any, engines: set[tuple[str, str]], source: str) -> None:
+    """``validator_profile``: a digest and, for 1..MAX_ENGINES of the card's engines, every
+    threshold of :data:`PROFILE_THRESHOLD_KEYS` as a canonical decimal >= 0."""
+    field = "validator_profile"
+    prof = _obj({field: obj}, field, {"digest", "engines"}, source)
+    if not isinstance(prof["digest"], str) or not DIGEST_RE.match(prof["digest"]):
+        raise _fail(source, f"{field}.digest", "is not 64 lowercase hex characters")
+    by_engine = prof["engines"]
+    if not isinstance(by_engine, dict) or not 1 <= len(by_engine) <= MAX_ENGINES:
+        raise _fail(source, f"{field}.engines", f"must map 1 to {MAX_ENGINES} engines")
+    ids = {f"{f}-{d}" for f, d in engines}
+    for eid, th in by_engine.items():
+        if eid not in ids:
+            raise _fail(source, f"{field}.engines", f"{eid!r} is not one of the card's engines")
+        if not isinstance(th, dict) or set(th) != PROFILE_THRESHOLD_KEYS:
+            raise _fail(
+                source,
+                f"{field}.engines.{eid}",
+                f"must have exactly {sorted(PROFILE_THRESHOLD_KEYS)}",
+            )
+        for k, text in th.items():
+            try:
+                value = float(text) if isinstance(text, str) and len(text) <= 32 else math.nan
+            except ValueError:
+                value = math.nan
+            if not (math.isfinite(value) and value >= 0) or _float_text(value) != text:
+                raise _fail(
+                    source,
+                    f"{field}.engines.{eid}.{k}",
+                    f"{text!r} is not a canonical decimal >= 0",
+                )
 
 
 def _check_mirrors(mirrors: Any, source: str) -> None:

@@ -14,7 +14,7 @@ from __future__ import annotations
 import ipaddress
 import tempfile
 from pathlib import Path
-from typing import Any, ClassVar, Literal, TypeVar
+from typing import TYPE_CHECKING, Any, ClassVar, Literal, TypeVar
 
 from pydantic import Field, ValidationError, ValidationInfo, field_validator
 from pydantic_settings import (
@@ -43,6 +43,9 @@ from shardcast.mirror import check_mirror_url
 from shardcast.node import NodeConfig
 from shardcast.origin import OriginConfig
 from shardcast.runcard import MAX_CARD_MIRRORS, MAX_MIRROR_URL, EngineSpec
+
+if TYPE_CHECKING:
+    from rollout.calibrate import ValidatorProfile
 
 DEFAULT_RUN_ID = "shardnet-run"
 """The run id of a trainer or origin started without ``run_id``."""
@@ -539,6 +542,13 @@ class PublishSettings(CommonSettings):
         description="policy steps beyond async_level a rollout that was already under way may "
         "lag and still be accepted (arriving late is not a fault)",
     )
+    validator_profile: Path | None = Field(
+        None,
+        description="validator profile file (JSON, written by bench/verification.py "
+        "--write-profile): per-engine thresholds calibrated for this run's model, used instead "
+        "of the built-in ones for the engines it names and published on the run card; refused "
+        "if calibrated on another model architecture; unset: the built-in thresholds",
+    )
 
     @field_validator("task_reward")
     @classmethod
@@ -555,9 +565,27 @@ class PublishSettings(CommonSettings):
         return TrustList(trainer=identity.peer_id, submitters=frozenset(self.allow_peer))
 
     def preflight(self) -> None:
-        """Common checks, then the task loads (one line naming the file and row)."""
+        """Common checks, then the task loads (one line naming the file and row) and the
+        validator profile reads."""
         super().preflight()
         _preflight_task(self.task, self.task_reward)
+        self.load_validator_profile()
+
+    def load_validator_profile(self) -> ValidatorProfile | None:
+        """The ``validator_profile`` file, read and checked for the run's engines (its
+        architecture is checked against the model once it is loaded), or None.
+
+        Raises:
+            ConfigError: on ``validator_profile``: unreadable, malformed (naming the field),
+                or without thresholds for any of the run's engines.
+        """
+        if self.validator_profile is None:
+            return None
+        from rollout.calibrate import load_profile
+
+        profile = load_profile(self.validator_profile)
+        profile.for_engines(tuple(self.engines))
+        return profile
 
     def origin_config(self) -> OriginConfig:
         """How versions are published."""

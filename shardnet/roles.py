@@ -46,6 +46,7 @@ from shardnet.progress import DownloadProgress
 if TYPE_CHECKING:
     from p2p.trust import TrustList
     from rollout.engine import Engine
+    from rollout.verify import EngineProfile
     from trainer.dataplane import OriginDataPlane
 
 log = logging.getLogger(__name__)
@@ -145,6 +146,7 @@ async def run_trainer(s: TrainerSettings) -> int:
         start_wait_s=s.start_wait_s,
         check_model=s.check_model,
         inbox=InboxConfig(late_grace_steps=s.late_grace_steps),
+        validator_profile=s.load_validator_profile(),
     )
     trainer = Trainer(identity, s.trust(identity), cfg)
     finished = False
@@ -537,7 +539,7 @@ def _origin_plane(s: OriginSettings, trust: TrustList) -> OriginDataPlane:
     import torch
 
     from rollout.inbox import InboxConfig
-    from rollout.verify import ValidatorConfig
+    from rollout.verify import DEFAULT_PROFILES, ValidatorConfig
     from trainer.dataplane import OriginDataPlane
 
     assert s.rollouts_out is not None
@@ -553,6 +555,7 @@ def _origin_plane(s: OriginSettings, trust: TrustList) -> OriginDataPlane:
         async_level=s.async_level,
         check_model=s.check_model,
         engines=tuple(e.id for e in s.engine_specs()),
+        profiles={**DEFAULT_PROFILES, **origin_profiles(s)},
     )
     return OriginDataPlane(
         rules,
@@ -562,6 +565,16 @@ def _origin_plane(s: OriginSettings, trust: TrustList) -> OriginDataPlane:
         s.rollouts_out,
         session=os.urandom(8).hex(),
     )
+
+
+def origin_profiles(s: OriginSettings) -> dict[str, EngineProfile]:
+    """The ``validator_profile`` thresholds of the origin's engines (empty without one).
+
+    Raises:
+        ConfigError: on ``validator_profile`` (see :meth:`PublishSettings.load_validator_profile`).
+    """
+    profile = s.load_validator_profile()
+    return {} if profile is None else profile.for_engines(tuple(s.engines))
 
 
 def origin_card_rules(s: OriginSettings, trainer: str, version_dir: Path) -> RunCard:
@@ -578,6 +591,14 @@ def origin_card_rules(s: OriginSettings, trainer: str, version_dir: Path) -> Run
         raise ConfigError("watch", f"{path}: {exc}") from exc
     if not isinstance(config, dict):
         raise ConfigError("watch", f"{path} is not a JSON object")
+    arch = architecture_digest(config)
+    card = None
+    profile = s.load_validator_profile()
+    if profile is not None:
+        from rollout.calibrate import card_profile
+
+        profile.check_architecture(arch)
+        card = card_profile(profile, profile.for_engines(tuple(s.engines)))
     return RunCard(
         card_version=1,
         run_id=s.run(),
@@ -586,7 +607,8 @@ def origin_card_rules(s: OriginSettings, trainer: str, version_dir: Path) -> Run
         sampling=SamplingRules(s.n_prompts, s.group_size, s.max_new_tokens, s.temperature),
         engines=s.engine_specs(),
         async_level=s.async_level,
-        architecture_digest=architecture_digest(config),
+        architecture_digest=arch,
         issued_at_ms=int(time.time() * 1000),
         mirrors=tuple(s.card_mirror),
+        validator_profile=card,
     )

@@ -44,7 +44,7 @@ import os
 import random
 import shutil
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, cast
 
@@ -54,11 +54,12 @@ import trio
 from p2p.errors import ConfigError, short_id
 from p2p.identity import Identity
 from p2p.trust import TrustList
+from rollout.calibrate import ValidatorProfile, card_profile
 from rollout.inbox import AcceptedBatch, InboxConfig, RolloutInbox
 from rollout.model_dir import load_trainable, pad_token_id
 from rollout.reputation import Reputation
 from rollout.task import Task, load_task, task_spec
-from rollout.verify import Validator, ValidatorConfig
+from rollout.verify import DEFAULT_PROFILES, EngineProfile, Validator, ValidatorConfig
 from shardcast.node import NodeConfig, ShardcastNode
 from shardcast.nodestatus import iso, wall_of
 from shardcast.origin import Origin, OriginConfig
@@ -137,6 +138,11 @@ class TrainerConfig:
         start_wait_s: before version 0, how long to wait for every expected peer to say
             hello, seconds (so that no expected peer misses a version).
         check_model: run TOPLOC and sampling checks (needs the model per version).
+        validator_profile: calibrated thresholds for this run's model
+            (:mod:`rollout.calibrate`, ``--validator-profile``): judge the engines it names
+            with them and publish them on the run card; refused (ConfigError on
+            ``validator_profile``) if calibrated on another model architecture. None: the
+            built-in thresholds.
     """
 
     node: NodeConfig
@@ -167,6 +173,7 @@ class TrainerConfig:
     start_wait_s: float = 300.0
     check_model: bool = True
     inbox: InboxConfig = field(default_factory=InboxConfig)
+    validator_profile: ValidatorProfile | None = None
 
     def __post_init__(self) -> None:
         if self.steps < 0:
@@ -273,6 +280,10 @@ class Trainer:
             else torch.optim.SGD(model.parameters(), lr=cfg.lr)
         )
         rules = self.card_rules(model, task)
+        profiles = self.validator_profiles(rules.architecture_digest)
+        if profiles and cfg.validator_profile is not None:
+            card = card_profile(cfg.validator_profile, profiles)
+            rules = replace(rules, validator_profile=card)
         vcfg = ValidatorConfig(
             run_id=cfg.node.run_id,
             task=task.name,
@@ -283,6 +294,7 @@ class Trainer:
             async_level=cfg.async_level,
             check_model=cfg.check_model,
             engines=tuple(e.id for e in cfg.engines),
+            profiles={**DEFAULT_PROFILES, **profiles},
         )
         self.intake = intake = RolloutIntake(
             vcfg,
@@ -340,6 +352,28 @@ class Trainer:
                 await trio.sleep(cfg.finish_linger_s)
             self._close_rejections()
             nursery.cancel_scope.cancel()
+
+    def validator_profiles(self, arch_digest: str) -> dict[str, EngineProfile]:
+        """The engine profiles of ``validator_profile`` for the run's engines (empty without
+        one), after checking it was calibrated on the model of ``arch_digest``.
+
+        Raises:
+            ConfigError: on ``validator_profile``: another architecture, or none of the run's
+                engines.
+        """
+        cfg = self.config
+        if cfg.validator_profile is None:
+            return {}
+        cfg.validator_profile.check_architecture(arch_digest)
+        profiles = cfg.validator_profile.for_engines(tuple(e.id for e in cfg.engines))
+        log.info(
+            "validator_profile digest=%s engines=%s model=%s honest_rollouts=%d",
+            cfg.validator_profile.digest(),
+            ",".join(sorted(profiles)),
+            cfg.validator_profile.provenance.model,
+            cfg.validator_profile.provenance.honest_rollouts,
+        )
+        return profiles
 
     def card_rules(self, model: Any, task: Task) -> RunCard:
         """The run card this trainer publishes for ``model`` and ``task`` (version 1, issued
