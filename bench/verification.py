@@ -135,6 +135,13 @@ from transformers import AutoModelForCausalLM, DynamicCache, LlamaConfig
 from p2p.errors import IntegrityError, RemoteProtocolError, VerificationError
 from p2p.identity import Identity
 from rollout.batch import sample_seed
+from rollout.calibrate import (
+    Provenance,
+    ValidatorProfile,
+    engine_profile_from_chosen,
+    now_utc,
+    write_profile,
+)
 from rollout.engine import (
     Generation,
     TransformersEngine,
@@ -162,7 +169,8 @@ from rollout.toploc import (
 )
 from rollout.toploc_codec import proof_size_bytes
 from rollout.verify import Validator, ValidatorConfig
-from trainer.checkpoint import save_checkpoint
+from shardcast.runcard import architecture_digest
+from trainer.checkpoint import config_json, save_checkpoint
 from trainer.grpo import make_optimizer
 from trainer.oracle import TrainerOracle
 
@@ -1564,6 +1572,7 @@ def run(cfg: BenchConfig, keep: dict[str, Any] | None = None) -> dict[str, Any]:
             "engine": cfg.engine,
             "model": {
                 "name": cfg.model,
+                "architecture_digest": architecture_digest(json.loads(config_json(w.engine.model))),
                 "hidden_size": mcfg.hidden_size,
                 "layers": mcfg.num_hidden_layers,
                 "parameters": sum(p.numel() for p in w.engine.model.parameters()),
@@ -1798,6 +1807,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--max-new-tokens", type=int, default=128, help="completion cap")
     parser.add_argument("--out", type=Path, help="also write the JSON report to this file")
     parser.add_argument(
+        "--write-profile",
+        type=Path,
+        metavar="FILE",
+        help="write the validator profile calibrated here (one model; every engine run) to "
+        "FILE, for the trainer's --validator-profile (rollout/calibrate.py)",
+    )
+    parser.add_argument(
         "--engines",
         default="transformers",
         help=f"comma-separated, of {list(ENGINES)}: each engine's honest corpus, judged by its "
@@ -1821,6 +1837,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         parser.error(f"unknown model in {args.models!r} / {args.rounds!r}; known: {list(MODELS)}")
     if args.attacks < 2:
         parser.error("--attacks must be >= 2")
+    if args.write_profile is not None and len(models) != 1:
+        parser.error("--write-profile: calibrate one model per profile (--models NAME)")
     logging.basicConfig(level=logging.ERROR)  # rejections are counted, not logged
     torch.set_num_threads(1)
     per_engine: dict[str, dict[str, Any]] = {}
@@ -1851,6 +1869,15 @@ def main(argv: Sequence[str] | None = None) -> int:
                 args.out.parent.mkdir(parents=True, exist_ok=True)
                 args.out.write_text(json.dumps(combine_engines(per_engine), indent=1) + "\n")
     report = combine_engines(per_engine)
+    if args.write_profile is not None:
+        profile = profile_of(
+            {e: r[models[0]] for e, r in all_reports.items()}, models[0], args.seed
+        )
+        write_profile(args.write_profile, profile)
+        print(
+            f"validator profile {profile.digest()} written to {args.write_profile}",
+            file=sys.stderr,
+        )
     text = json.dumps(report, indent=1)
     if args.json:
         print(text)
@@ -1860,6 +1887,26 @@ def main(argv: Sequence[str] | None = None) -> int:
                 print_table(reports[m])
             print_engine_calibration(per_engine[engine]["calibration"])
     return 0
+
+
+def profile_of(reports: dict[str, dict[str, Any]], model: str, seed: int) -> ValidatorProfile:
+    """The validator profile of one model from each engine's report of it (engine id ->
+    :func:`run`'s report): that model's own calibrated limits
+    (``details.calibration.chosen``), its architecture digest and the honest count."""
+    first = next(iter(reports.values()))["details"]["model"]
+    return ValidatorProfile(
+        architecture_digest=first["architecture_digest"],
+        engines={
+            e: engine_profile_from_chosen(r["details"]["calibration"]["chosen"])
+            for e, r in reports.items()
+        },
+        provenance=Provenance(
+            model=model,
+            honest_rollouts=min(r["honest_total"] for r in reports.values()),
+            seed=seed,
+            created=now_utc(),
+        ),
+    )
 
 
 def engine_layouts(engine: str, max_new_tokens: int) -> tuple[Layout, ...]:
