@@ -115,7 +115,7 @@ def test_bad_engine_id_missing_file_and_not_json(tmp_path: Path) -> None:
     doc["engines"] = {"nope": doc["engines"]["transformers-bf16"]}
     path = tmp_path / "p.json"
     path.write_text(json.dumps(doc))
-    with pytest.raises(ConfigError, match="field engines.nope"):
+    with pytest.raises(ConfigError, match=r"field engines\.nope"):
         load_profile(path)
     with pytest.raises(ConfigError, match="No such file") as info:
         load_profile(tmp_path / "missing.json")

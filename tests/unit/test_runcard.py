@@ -8,6 +8,7 @@ import subprocess
 import sys
 from dataclasses import replace
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -18,7 +19,10 @@ from shardcast.canonical import canonical_json
 from shardcast.runcard import (
     CARD_DOMAIN,
     MAX_CARD_BYTES,
+    MAX_ENGINES,
+    PROFILE_THRESHOLD_KEYS,
     BadRunCardSignature,
+    CardProfile,
     EngineSpec,
     MalformedRunCard,
     RunCard,
@@ -280,3 +284,90 @@ def test_bad_mirrors_are_named(mirrors: object, match: str) -> None:
     assert info.value.field == "mirrors"
     with pytest.raises(MalformedRunCard):
         _card(mirrors=tuple(mirrors) if isinstance(mirrors, list) and mirrors else ("x",))
+
+
+def _thresholds(scale: float = 1.0) -> dict[str, float]:
+    return {
+        k: round(0.123 * (i + 1) * scale, 4) for i, k in enumerate(sorted(PROFILE_THRESHOLD_KEYS))
+    }
+
+
+def test_validator_profile_is_signed_and_optional() -> None:
+    """The thresholds a run judges with ride on the signed card; cards without them keep
+    their bytes, and a node reads both."""
+    plain = _card()
+    assert "validator_profile" not in plain.to_obj()
+    assert RunCard.from_obj(dict(plain.to_obj())) == plain
+    prof = CardProfile.of("ef" * 32, {"transformers-bf16": _thresholds()})
+    card = _card(validator_profile=prof)
+    body = card.to_obj()["validator_profile"]
+    assert body["digest"] == "ef" * 32
+    assert body["engines"]["transformers-bf16"]["replay_margin"] == repr(
+        _thresholds()["replay_margin"]
+    )
+    signed = sign_card(card, TRAINER)
+    back = SignedRunCard.decode(signed.encode(), trainer=TRAINER.peer_id)
+    assert back.card == card
+    assert back.card.validator_profile is not None
+    assert back.card.validator_profile.thresholds() == {"transformers-bf16": _thresholds()}
+    evil = card.to_obj()
+    evil["validator_profile"]["engines"]["transformers-bf16"]["replay_margin"] = "9.0"
+    with pytest.raises(BadRunCardSignature):
+        SignedRunCard.decode(_sealed_with(evil, signed), trainer=TRAINER.peer_id)
+    # new thresholds are new rules: a new card version
+    first = sign_card(plain, TRAINER)
+    assert next_card(card, first, TRAINER).version == first.version + 1
+    # the legacy format carries it too
+    legacy = SignedRunCard.decode(canonical_json(_legacy(card)), trainer=TRAINER.peer_id)
+    assert legacy.card == card
+
+
+def test_validator_profile_of_every_engine_fits_the_bounds() -> None:
+    engines = tuple(EngineSpec(f"engine{i}", "bf16") for i in range(MAX_ENGINES))
+    prof = CardProfile.of("ef" * 32, {e.id: _thresholds(1e6 / 7) for e in engines})
+    card = _card(engines=engines, validator_profile=prof, mirrors=MIRRORS)
+    data = sign_card(card, TRAINER).encode()
+    assert len(data) <= MAX_CARD_BYTES
+    assert SignedRunCard.decode(data, trainer=TRAINER.peer_id).card == card
+
+
+@pytest.mark.parametrize(
+    ("edit", "field"),
+    [
+        (lambda p: p.update(digest="xyz"), "validator_profile.digest"),
+        (lambda p: p.update(engines={}), "validator_profile.engines"),
+        (lambda p: p.update(extra=1), "validator_profile"),
+        (
+            lambda p: p["engines"].update({"vllm-bf16": p["engines"]["transformers-bf16"]}),
+            "validator_profile.engines",
+        ),
+        (
+            lambda p: p["engines"]["transformers-bf16"].pop("replay_margin"),
+            "validator_profile.engines.transformers-bf16",
+        ),
+        (
+            lambda p: p["engines"]["transformers-bf16"].update(replay_margin="0.10"),
+            "validator_profile.engines.transformers-bf16.replay_margin",
+        ),
+        (
+            lambda p: p["engines"]["transformers-bf16"].update(replay_margin=0.1),
+            "validator_profile.engines.transformers-bf16.replay_margin",
+        ),
+        (
+            lambda p: p["engines"]["transformers-bf16"].update(replay_margin="-1.0"),
+            "validator_profile.engines.transformers-bf16.replay_margin",
+        ),
+        (
+            lambda p: p["engines"]["transformers-bf16"].update(replay_margin="nan"),
+            "validator_profile.engines.transformers-bf16.replay_margin",
+        ),
+    ],
+)
+def test_bad_validator_profiles_are_named(edit: Any, field: str) -> None:
+    body = _card(
+        validator_profile=CardProfile.of("ef" * 32, {"transformers-bf16": _thresholds()})
+    ).to_obj()
+    edit(body["validator_profile"])
+    with pytest.raises(MalformedRunCard) as info:
+        RunCard.from_obj(body, "relay")
+    assert info.value.field == field, info.value
