@@ -268,3 +268,81 @@ def test_card_mirror_is_checked_and_goes_into_the_origin_card(tmp_path: Path) ->
         with pytest.raises(ConfigError, match=match) as info:
             load_settings(OriginSettings, None, {**base, "card_mirror": bad})
         assert info.value.field == "card_mirror"
+
+
+def _profile_file(path: Path, arch: str, engine: str = "transformers-bf16") -> Path:
+    from rollout.calibrate import Provenance, ValidatorProfile, write_profile
+    from rollout.verify import VLLM_BF16_PROFILE
+
+    write_profile(
+        path,
+        ValidatorProfile(
+            arch, {engine: VLLM_BF16_PROFILE}, Provenance("m", 10, 0, "2026-12-01T20:00:00Z")
+        ),
+    )
+    return path
+
+
+@pytest.mark.parametrize(
+    ("content", "needle"),
+    [
+        (None, "--validator-profile: "),
+        ("{", "not JSON"),
+        ('{"v": 1}', "field document: missing"),
+        ("vllm", "none of the run's engines"),
+    ],
+)
+def test_bad_validator_profile_is_one_line_and_exit_2(
+    tmp_path: Path, content: str | None, needle: str
+) -> None:
+    path = tmp_path / "profile.json"
+    if content == "vllm":
+        _profile_file(path, "cd" * 32, "vllm-bf16")
+    elif content is not None:
+        path.write_text(content)
+    result = CliRunner().invoke(
+        app,
+        [
+            "trainer",
+            "--validator-profile",
+            str(path),
+            "--data-dir",
+            str(tmp_path / "d"),
+            "--listen",
+            "/ip4/127.0.0.1/tcp/0",
+            "--http-host",
+            "127.0.0.1",
+            "--http-port",
+            "0",
+        ],
+    )
+    assert result.exit_code == 2, result.output
+    lines = result.output.strip().splitlines()
+    assert len(lines) == 1, result.output
+    assert lines[0].startswith("shardnet: error: --validator-profile: "), lines[0]
+    assert needle in lines[0], lines[0]
+    assert "Traceback" not in result.output
+
+
+def test_validator_profile_goes_into_the_origin_card(tmp_path: Path) -> None:
+    from rollout.calibrate import load_profile
+    from shardcast.runcard import architecture_digest
+    from shardnet.roles import origin_card_rules, origin_profiles
+
+    config = {"model_type": "llama"}
+    (tmp_path / "config.json").write_text('{"model_type": "llama"}')
+    path = _profile_file(tmp_path / "p.json", architecture_digest(config))
+    base = {"watch": tmp_path, "data_dir": tmp_path / "d"}
+    s = load_settings(OriginSettings, None, {**base, "validator_profile": path})
+    card = origin_card_rules(s, "12D3KooW" + "a" * 44, tmp_path)
+    assert card.validator_profile is not None
+    assert card.validator_profile.digest == load_profile(path).digest()
+    assert set(card.validator_profile.thresholds()) == {"transformers-bf16"}
+    assert set(origin_profiles(s)) == {"transformers-bf16"}
+    plain = load_settings(OriginSettings, None, base)
+    assert origin_card_rules(plain, "12D3KooW" + "a" * 44, tmp_path).validator_profile is None
+    assert origin_profiles(plain) == {}
+    (tmp_path / "config.json").write_text('{"model_type": "llama", "hidden_size": 8}')
+    with pytest.raises(ConfigError, match="calibrated on model architecture") as info:
+        origin_card_rules(s, "12D3KooW" + "a" * 44, tmp_path)
+    assert info.value.field == "validator_profile"

@@ -370,3 +370,38 @@ def test_replay_rejects_greedy_and_other_temperatures(
         assert _reason(oracle, forged) == "replay"
     else:
         assert _reason(oracle, forged, replay_margin=margin) == "replay"
+
+
+def test_a_loaded_profile_judges_its_engine(
+    world: tuple[TrainerOracle, RolloutBatch, Path], tmp_path: Path
+) -> None:
+    """A calibrated profile file (``--validator-profile``) overrides the built-in thresholds
+    of its engine: an honest statistic between the two limits (here the EOS probability of a
+    ``stop`` ending, above the default floor 1e-6 and below the profile's) flips the verdict."""
+    from rollout.calibrate import Provenance, ValidatorProfile, load_profile, write_profile
+
+    oracle, batch, _ = world
+    assert any(s.finish_reason == "stop" for g in batch.groups for s in g.samples)
+    default = _validator(oracle)
+    assert default.config.profile("transformers-bf16").eos_min_prob == 1e-6
+    assert default.check(batch, sender=PEER.peer_id, current_step=0).accepted
+    calibrated = dataclasses.replace(default.config.default_profile(), eos_min_prob=0.5)
+    path = tmp_path / "profile.json"
+    write_profile(
+        path,
+        ValidatorProfile(
+            "cd" * 32,
+            {"transformers-bf16": calibrated, "vllm-bf16": VLLM_BF16_PROFILE},
+            Provenance("tiny", 18, 0, "2026-12-01T20:00:00Z"),
+        ),
+    )
+    profiles = load_profile(path).for_engines(("transformers-bf16",))
+    assert _reason(oracle, batch, profiles=profiles) == "termination"
+    # the other way: a profile looser than the defaults accepts what they reject
+    strict = dataclasses.replace(calibrated, eos_min_prob=0.0)
+    assert _reason(oracle, batch, eos_min_prob=0.5) == "termination"
+    assert (
+        _validator(oracle, eos_min_prob=0.5, profiles={"transformers-bf16": strict})
+        .check(batch, sender=PEER.peer_id, current_step=0)
+        .accepted
+    )
