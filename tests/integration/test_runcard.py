@@ -27,6 +27,8 @@ from shardcast.manifest import Manifest
 from shardcast.node import NodeConfig, ShardcastNode
 from shardcast.origin import Origin, OriginConfig
 from shardcast.runcard import (
+    PROFILE_THRESHOLD_KEYS,
+    CardProfile,
     EngineSpec,
     RunCard,
     SamplingRules,
@@ -129,8 +131,12 @@ async def test_peer_joins_from_the_card_and_follows_a_new_version(tmp_path: Path
             on_commit,
         )
         await origin.publish(make_checkpoint(tmp_path / "ck0", SIZES, seed=0), 0)
-        # the rules change: card version 2 (group size 8), then version 1 under it
-        card2 = next_card(_rules(group_size=8), o.card, TRAINER)
+        # the rules change: card version 2 (group size 8, calibrated validator thresholds),
+        # then version 1 under it
+        profile = CardProfile.of(
+            "ef" * 32, {"transformers-bf16": dict.fromkeys(PROFILE_THRESHOLD_KEYS, 0.25)}
+        )
+        card2 = next_card(replace(_rules(group_size=8), validator_profile=profile), o.card, TRAINER)
         assert card2.version == 2
         assert o.set_card(card2)
         await origin.publish(make_checkpoint(tmp_path / "ck1", SIZES, seed=0), 1)
@@ -139,6 +145,7 @@ async def test_peer_joins_from_the_card_and_follows_a_new_version(tmp_path: Path
         assert seen[-1] == (1, 2)  # the new card was held before version 1 was used
         assert peer.card == card2
         assert relay.card == card2
+        assert peer.card.card.validator_profile == profile  # peers see the run's thresholds
         # stored in every data dir, served over HTTP and in the info record
         for d in ("o", "r", "p"):
             stored = SignedRunCard.load(tmp_path / d / "runcard.json", trainer=TRAINER.peer_id)
