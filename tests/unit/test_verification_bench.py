@@ -172,9 +172,34 @@ def test_prefill_and_decode_chunks_have_their_own_thresholds(tmp_path: Path) -> 
 
 @pytest.mark.parametrize(
     "argv",
-    [["--models", "nope"], ["--rounds", "tiny=x"], ["--rounds", "huge=1"], ["--attacks", "1"]],
+    [
+        ["--models", "nope"],
+        ["--rounds", "tiny=x"],
+        ["--rounds", "huge=1"],
+        ["--attacks", "1"],
+        ["--models", "tiny,h512", "--write-profile", "p.json"],
+    ],
 )
 def test_usage_errors_exit_2(argv: list[str]) -> None:
     with pytest.raises(SystemExit) as exc:
         main(argv)
     assert exc.value.code == 2
+
+
+def test_profile_of_a_model(reports: dict[str, dict[str, Any]], tmp_path: Path) -> None:
+    """``--write-profile``: the model's own calibrated limits, its architecture digest and
+    the honest count, readable by the trainer's ``--validator-profile``."""
+    from bench.verification import profile_of
+    from rollout.calibrate import load_profile, write_profile
+
+    report = reports["default"]
+    profile = profile_of({"transformers-bf16": report}, "tiny", 0)
+    assert profile.architecture_digest == report["details"]["model"]["architecture_digest"]
+    assert profile.provenance.honest_rollouts == 18
+    own = report["details"]["calibration"]["calibrated_profile"]
+    p = profile.engines["transformers-bf16"]
+    assert p.replay_margin == own["replay_margin"]
+    assert dataclasses.asdict(p.toploc_prefill_thresholds) == own["toploc_prefill_thresholds"]
+    assert p.eos_min_prob <= 1e-6
+    write_profile(tmp_path / "tiny.json", profile)
+    assert load_profile(tmp_path / "tiny.json") == profile
