@@ -253,7 +253,9 @@ class ValidatorConfig:
     limit across models separates ``h512``'s precision attack with headroom. The bench
     prints each model's own profile (``details.calibration.calibrated_profile``: prefill
     mean 0.21 on ``tiny``, 0.25 on ``h512``, 0.48 on ``m100``); use it in ``profiles`` for a
-    run of that model. The earlier, looser limits (prefill 8 / 1.25 / 2, decode 16 / 5 / 3)
+    run of that model: ``bench/verification.py --write-profile FILE`` writes it as a
+    validator profile file, which the trainer loads with ``--validator-profile``
+    (:mod:`rollout.calibrate`). The earlier, looser limits (prefill 8 / 1.25 / 2, decode 16 / 5 / 3)
     also admitted vLLM-CPU rollouts judged by the transformers pass (prefill mantissa mean up
     to 0.66 measured); ``vllm-bf16`` batches are now judged by the vLLM validator path with
     their own profile, :data:`VLLM_BF16_PROFILE` (in :data:`DEFAULT_PROFILES`).
