@@ -236,10 +236,12 @@ def test_keygen_creates_private_key_once(tmp_path: Path) -> None:
     os.chmod(key, 0o644)
     bad = CliRunner().invoke(app, ["keygen", "--key", str(key)])
     assert bad.exit_code == 2
+    assert bad.output.startswith("shardnet: error: --key: ")  # the option's name, as typed
     key.write_bytes(b"garbage")
     os.chmod(key, 0o600)
     bad = CliRunner().invoke(app, ["keygen", "--key", str(key)])
     assert bad.exit_code == 2
+    assert bad.output.startswith("shardnet: error: --key: ")
 
 
 def test_relay_without_upstream_is_a_config_error(tmp_path: Path) -> None:
