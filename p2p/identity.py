@@ -137,9 +137,7 @@ class Identity:
         except Exception as exc:  # protobuf/nacl raise assorted types on garbage
             raise ConfigError("key", f"{path} is not a libp2p private key: {exc}") from exc
         if priv.get_type() != KeyType.Ed25519 or not isinstance(priv, Ed25519PrivateKey):
-            raise ConfigError(
-                "key", f"{path} holds a {priv.get_type().name} key, need Ed25519"
-            )
+            raise ConfigError("key", f"{path} holds a {priv.get_type().name} key, need Ed25519")
         return cls._from_private(priv)
 
     def sign(self, domain: str, body: bytes) -> bytes:
