@@ -250,6 +250,22 @@ def test_relay_without_upstream_is_a_config_error(tmp_path: Path) -> None:
     assert result.output.strip() == "shardnet: error: --upstream: Field required"
 
 
+@pytest.mark.parametrize(("role", "option"), [("relay", "--upstream"), ("peer", "--bootstrap")])
+def test_an_upstream_naming_the_node_itself_is_a_config_error(
+    tmp_path: Path, role: str, option: str
+) -> None:
+    from p2p.identity import Identity
+
+    key = tmp_path / "node.key"
+    me = Identity.load_or_create(key).peer_id
+    args = [role, "--key", str(key), "--data-dir", str(tmp_path / "d"), "--trainer-id", PID]
+    args += ["--listen", "/ip4/127.0.0.1/tcp/0", "--http-host", "127.0.0.1", "--http-port", "0"]
+    result = CliRunner().invoke(app, [*args, option, f"/ip4/127.0.0.1/tcp/9/p2p/{me}"])
+    assert result.exit_code == 2
+    assert result.output.strip().splitlines()[-1].startswith(f"shardnet: error: {option}: ")
+    assert "is this node itself" in result.output
+
+
 def test_card_mirror_is_checked_and_goes_into_the_origin_card(tmp_path: Path) -> None:
     from shardnet.roles import origin_card_rules
 
