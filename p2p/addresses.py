@@ -245,19 +245,21 @@ def advertised_url(
     return host_url(bind_host, port)
 
 
-def ensure_bindable(host: str, port: int, option: str, lane: str) -> None:
+def ensure_bindable(
+    host: str, port: int, option: str, lane: str, host_option: str | None = None
+) -> None:
     """Fail early if ``host:port`` cannot be bound by this process.
 
     The probe binds without ``SO_REUSEPORT``, so a port that another process holds (even one
     that set ``SO_REUSEPORT``, as py-libp2p's TCP listener does) is reported instead of being
-    silently shared. Port 0 is always bindable.
+    silently shared. Port 0 (any free port) is probed too: it still fails when ``host`` is not
+    one of this host's addresses.
 
     Raises:
-        ConfigError: naming ``option`` and ``lane``: the port is in use, the address is not
-            one of this host's, or binding is not permitted.
+        ConfigError: naming ``option`` and ``lane`` (``host_option``, where given, when the
+            address is not one of this host's): the port is in use, the address is not one of
+            this host's, or binding is not permitted.
     """
-    if port == 0:
-        return
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
     with socket.socket(family, socket.SOCK_STREAM) as sock:
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
@@ -272,6 +274,8 @@ def ensure_bindable(host: str, port: int, option: str, lane: str) -> None:
                 "--announce/--public-url/--public-host",
                 errno.EACCES: f"binding port {port} ({lane}) is not permitted: use a port >= 1024",
             }.get(exc.errno or 0, f"cannot bind {host}:{port} ({lane}): {exc.strerror}")
+            if exc.errno == errno.EADDRNOTAVAIL and host_option is not None:
+                option = host_option
             raise ConfigError(option, what) from None
 
 

@@ -58,7 +58,7 @@ class Identity:
     def __post_init__(self) -> None:
         priv = self.key_pair.private_key
         if not isinstance(priv, Ed25519PrivateKey):
-            raise ConfigError("key_file", "identity key is not Ed25519")
+            raise ConfigError("key", "identity key is not Ed25519")
         object.__setattr__(self, "key", SigningKey(bytes(priv.impl)))
 
     @classmethod
@@ -125,21 +125,19 @@ class Identity:
             st = path.stat()
             data = path.read_bytes()
         except OSError as exc:
-            raise ConfigError("key_file", f"cannot read {path}: {exc}") from exc
+            raise ConfigError("key", f"cannot read {path}: {exc}") from exc
         if st.st_mode & 0o077:
             raise ConfigError(
-                "key_file",
+                "key",
                 f"{path} is accessible by group/others (mode {st.st_mode & 0o777:o}); "
                 "run: chmod 600 " + str(path),
             )
         try:
             priv = deserialize_private_key(data)
         except Exception as exc:  # protobuf/nacl raise assorted types on garbage
-            raise ConfigError("key_file", f"{path} is not a libp2p private key: {exc}") from exc
+            raise ConfigError("key", f"{path} is not a libp2p private key: {exc}") from exc
         if priv.get_type() != KeyType.Ed25519 or not isinstance(priv, Ed25519PrivateKey):
-            raise ConfigError(
-                "key_file", f"{path} holds a {priv.get_type().name} key, need Ed25519"
-            )
+            raise ConfigError("key", f"{path} holds a {priv.get_type().name} key, need Ed25519")
         return cls._from_private(priv)
 
     def sign(self, domain: str, body: bytes) -> bytes:

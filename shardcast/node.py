@@ -172,7 +172,9 @@ class ShardcastNode:
         """
         if network is None:
             network = REAL_NETWORK
-            ensure_bindable(config.http.host, config.http.port, "http_port", "HTTP lane")
+            ensure_bindable(
+                config.http.host, config.http.port, "http_port", "HTTP lane", "http_host"
+            )
         stored_card = check_data_dir(config.data_dir, config.run_id, trust.trainer)
         store = VersionStore(
             config.data_dir / "versions", config.run_id, config.keep_last, durable=config.durable

@@ -39,6 +39,7 @@ from shardcast.metrics import package_version
 
 if TYPE_CHECKING:
     from shardcast.node import ShardcastNode
+    from shardcast.runcard import SignedRunCard
 
 SCHEMA = 1
 
@@ -67,7 +68,7 @@ def node_status(node: ShardcastNode) -> dict[str, Any]:
         "peer_id": node.identity.peer_id,
         "run_id": node.config.run_id,
         "version": package_version(),
-        "http_url": node.http.url,
+        "http_url": node.http_url,  # advertised (the bound one can be 0.0.0.0)
         "multiaddrs": node.p2p.multiaddrs(),
         "started_at": iso(node.started_at),
         "uptime_s": round(now - node.started_at, 3),
@@ -94,6 +95,31 @@ def node_status(node: ShardcastNode) -> dict[str, Any]:
     }
     for name, section in node.status_sections.items():
         out[name] = section()
+    if node.card is not None:
+        out["run_card"] = run_card_summary(node.card)
+    return out
+
+
+def run_card_summary(card: SignedRunCard) -> dict[str, Any]:
+    """The ``run_card`` section: what a node follows (version, digest, signer, the rules)."""
+    c = card.card
+    out: dict[str, Any] = {
+        "version": card.version,
+        "digest": card.digest,
+        "signer": card.signer,
+        "run_id": c.run_id,
+        "task": f"{c.task.name} v{c.task.version}",
+        "sampling": {
+            "prompts_per_step": c.sampling.prompts_per_step,
+            "group_size": c.sampling.group_size,
+            "max_new_tokens": c.sampling.max_new_tokens,
+            "temperature": c.sampling.temperature,
+        },
+        "engines": ", ".join(e.id for e in c.engines),
+        "async_level": c.async_level,
+    }
+    if c.mirrors:
+        out["mirrors"] = ", ".join(c.mirrors)
     return out
 
 

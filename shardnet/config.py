@@ -207,7 +207,7 @@ class CommonSettings(BaseSettings):
                 _check_writable_dir(path.parent, name)
         cfg = self.node_config()
         ensure_listen_bindable(cfg.host.listen_multiaddrs)
-        ensure_bindable(cfg.http.host, cfg.http.port, "http_port", "HTTP lane")
+        ensure_bindable(cfg.http.host, cfg.http.port, "http_port", "HTTP lane", "http_host")
 
     def identity(self) -> Identity:
         """Load or create the node key (mode 0600)."""

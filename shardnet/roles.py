@@ -175,6 +175,7 @@ async def run_relay(s: RelaySettings) -> int:
     from shardcast.node import ShardcastNode
 
     identity = s.identity()
+    check_not_self(identity, s.upstream, "upstream")
     # with --run-id the relay starts at once and fetches the card from its upstreams' info;
     # without, it needs the card's run id first
     if s.run_id is None:
@@ -244,6 +245,8 @@ async def run_peer(s: PeerSettings) -> int:
 
     torch.set_num_threads(s.torch_threads)
     identity = s.identity()
+    check_not_self(identity, s.bootstrap, "bootstrap")
+    check_not_self(identity, s.trainer_addr, "trainer_addr")
     card = await join_card_or_signal(s, identity, tuple(s.bootstrap))
     if card is None:
         return 0  # stopped (SIGINT/SIGTERM) while waiting for the run card
@@ -282,6 +285,20 @@ async def run_peer(s: PeerSettings) -> int:
     if peer.fatal is not None:  # a newer run card this peer cannot follow
         raise peer.fatal
     return 0
+
+
+def check_not_self(identity: Identity, addrs: list[str], option: str) -> None:
+    """Refuse an upstream, bootstrap or trainer address naming this node's own PeerID (a swapped
+    ``--key``): dialing itself would fail and be retried forever.
+
+    Raises:
+        ConfigError: naming ``option``.
+    """
+    for addr in addrs:
+        if addr.rsplit("/p2p/", 1)[-1] == identity.peer_id:
+            raise ConfigError(
+                option, f"{addr} is this node itself (the PeerID of its --key): name another node"
+            )
 
 
 def _trainer_id(s: RelaySettings | PeerSettings) -> str:

@@ -341,7 +341,8 @@ class Trainer:
                 stats = await self._train(model, optimizer, tokenizer, oracle, batches, k)
                 await self._publish(origin, oracle, model, tokenizer, staging, k, optimizer)
                 self.records[-1].train_stats = stats
-            await self._wait_final_broadcast()
+            if start <= cfg.steps:
+                await self._wait_final_broadcast()
             finished = await origin.announce_finished()
             if finished is not None:
                 log.info(
@@ -407,7 +408,13 @@ class Trainer:
         """Publish (or re-announce) the version training starts from; returns the next step."""
         if plan.kind is ResumeKind.RESUME:
             await self._resume(origin, oracle, plan.step)
-            await self._wait_joined()
+            if plan.step >= self.config.steps:
+                # Restarted after the last step: announce the end again at once. Waiting for
+                # the expected peers would take start_wait_s + final_wait_s for nothing, since
+                # peers that saw the signed run end no longer say hello.
+                log.info("run_already_complete step=%d steps=%d", plan.step, self.config.steps)
+            else:
+                await self._wait_joined()
             return plan.step + 1
         step = 0 if plan.kind is ResumeKind.FRESH else plan.step
         if step > 0:  # REPUBLISH: rollouts may still be judged against the versions before

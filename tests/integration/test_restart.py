@@ -261,3 +261,35 @@ def test_relay_replaces_a_step_held_with_another_digest(tmp_path: Path, nodes: l
     assert digest_of(rdir, 0, origin_id) == second != first
     assert relay.stop(signal.SIGTERM) == 0
     assert o2.stop(signal.SIGTERM) == 0
+
+
+def test_trainer_restarted_after_its_last_step_finishes_at_once(
+    tmp_path: Path, nodes: list[Node]
+) -> None:
+    """A trainer started again on a finished run re-announces the end and exits 0 without
+    waiting ``--start-wait-s`` for expected peers (peers that saw the run end stay silent)."""
+    tdir, logs = tmp_path / "trainer", tmp_path / "logs"
+    absent = Identity.from_seed("restart-absent-peer").peer_id
+    args = [
+        "trainer",
+        "--data-dir", str(tdir),
+        "--run-id", RUN,
+        "--steps", "0",
+        "--preset", "tiny",
+        *SAMPLING,
+        "--no-check-model",
+        *LOOPBACK_ANY,
+        "--expect-peer", absent,
+        "--final-wait-s", "0",
+    ]  # fmt: skip
+    t1 = Node("trainer1", [*args, "--start-wait-s", "0"], logs, {})
+    nodes.append(t1)
+    assert t1.proc.wait(timeout=240) == 0
+    t1.wait_for(r"run_finished_announced step=0 ")
+    # the same command with a long start wait: the run is complete, nothing to wait for
+    t2 = Node("trainer2", [*args, "--start-wait-s", "600"], logs, {})
+    nodes.append(t2)
+    t2.wait_for(r"run_already_complete step=0 steps=0", timeout_s=240)
+    assert t2.proc.wait(timeout=60) == 0
+    t2.wait_for(r"run_finished_announced step=0 ")
+    assert t2.count(r"waiting_for_peers") == 0

@@ -14,6 +14,7 @@ from p2p.addresses import (
     check_multiaddr_text,
     check_public_host,
     ensure_bindable,
+    ensure_listen_bindable,
     interface_addresses,
 )
 from p2p.errors import ConfigError
@@ -120,6 +121,15 @@ def test_bind_probe_sees_a_reuseport_holder() -> None:
 def test_bind_probe_names_foreign_addresses() -> None:
     with pytest.raises(ConfigError, match="not an address of this host"):
         ensure_bindable("192.0.2.200", 4001, "listen", "libp2p")  # TEST-NET-1, never local
+
+
+def test_bind_probe_names_foreign_addresses_on_port_0() -> None:
+    # port 0 (a peer's default) must not skip the check: the lane would die with a traceback
+    with pytest.raises(ConfigError, match="not an address of this host") as err:
+        ensure_bindable("192.0.2.200", 0, "http_port", "HTTP lane", "http_host")
+    assert err.value.field == "http_host"
+    with pytest.raises(ConfigError, match="not an address of this host"):
+        ensure_listen_bindable(["/ip4/192.0.2.200/tcp/0"])
 
 
 def test_interface_addresses_have_loopback_last() -> None:

@@ -236,16 +236,34 @@ def test_keygen_creates_private_key_once(tmp_path: Path) -> None:
     os.chmod(key, 0o644)
     bad = CliRunner().invoke(app, ["keygen", "--key", str(key)])
     assert bad.exit_code == 2
+    assert bad.output.startswith("shardnet: error: --key: ")  # the option's name, as typed
     key.write_bytes(b"garbage")
     os.chmod(key, 0o600)
     bad = CliRunner().invoke(app, ["keygen", "--key", str(key)])
     assert bad.exit_code == 2
+    assert bad.output.startswith("shardnet: error: --key: ")
 
 
 def test_relay_without_upstream_is_a_config_error(tmp_path: Path) -> None:
     result = CliRunner().invoke(app, ["relay", "--trainer-id", PID, "--data-dir", str(tmp_path)])
     assert result.exit_code == 2
     assert result.output.strip() == "shardnet: error: --upstream: Field required"
+
+
+@pytest.mark.parametrize(("role", "option"), [("relay", "--upstream"), ("peer", "--bootstrap")])
+def test_an_upstream_naming_the_node_itself_is_a_config_error(
+    tmp_path: Path, role: str, option: str
+) -> None:
+    from p2p.identity import Identity
+
+    key = tmp_path / "node.key"
+    me = Identity.load_or_create(key).peer_id
+    args = [role, "--key", str(key), "--data-dir", str(tmp_path / "d"), "--trainer-id", PID]
+    args += ["--listen", "/ip4/127.0.0.1/tcp/0", "--http-host", "127.0.0.1", "--http-port", "0"]
+    result = CliRunner().invoke(app, [*args, option, f"/ip4/127.0.0.1/tcp/9/p2p/{me}"])
+    assert result.exit_code == 2
+    assert result.output.strip().splitlines()[-1].startswith(f"shardnet: error: {option}: ")
+    assert "is this node itself" in result.output
 
 
 def test_card_mirror_is_checked_and_goes_into_the_origin_card(tmp_path: Path) -> None:

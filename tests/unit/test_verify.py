@@ -156,6 +156,24 @@ def test_duplicate_batch_rejected(world: tuple[TrainerOracle, RolloutBatch, Path
     assert v.check(batch, sender=PEER.peer_id, current_step=0).reason == "duplicate"
 
 
+def test_partial_batch_twice_for_one_step_is_a_duplicate(
+    world: tuple[TrainerOracle, RolloutBatch, Path],
+) -> None:
+    """Exactly once per (submitter, step), whatever k: a partial batch sent twice, or followed
+    by the rest of its prompts or by the whole batch, is never trained on twice."""
+    oracle, batch, _ = world
+    partial = dataclasses.replace(batch, groups=batch.groups[:1])
+    v = _validator(oracle)
+    assert v.check(partial, sender=PEER.peer_id, current_step=0).accepted
+    assert v.check(partial, sender=PEER.peer_id, current_step=0).reason == "duplicate"
+    assert v.check(batch, sender=PEER.peer_id, current_step=0).reason == "duplicate"
+    rest = dataclasses.replace(batch, groups=batch.groups[1:])  # prompt 1 without prompt 0
+    assert v.check(rest, sender=PEER.peer_id, current_step=0).reason in ("duplicate", "prompt")
+    stats = v.statistics()
+    assert stats.accepted_samples == partial.n_samples
+    assert sum(stats.rejected_samples.values()) == 2 * batch.n_samples
+
+
 def test_toploc_rejects_other_model_and_bad_proofs(
     world: tuple[TrainerOracle, RolloutBatch, Path],
 ) -> None:

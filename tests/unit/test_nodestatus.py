@@ -1,0 +1,75 @@
+"""The ``/status`` document: advertised lane URL and the run card section (no network)."""
+
+from __future__ import annotations
+
+import time
+from types import SimpleNamespace
+from typing import Any, cast
+
+from rich.console import Console
+
+from p2p.identity import Identity
+from shardcast.nodestatus import node_status
+from shardcast.runcard import EngineSpec, RunCard, SamplingRules, TaskSpec, sign_card
+from shardnet.status import render
+
+TRAINER = Identity.from_seed("status-trainer")
+
+
+def _node(card: object) -> Any:
+    """The attributes :func:`node_status` reads, bound to 0.0.0.0 and advertised elsewhere."""
+    stats = SimpleNamespace(bytes_sent=10, open_connections=1)
+    return SimpleNamespace(
+        config=SimpleNamespace(role="relay", run_id="run-1"),
+        identity=TRAINER,
+        http=SimpleNamespace(url="http://0.0.0.0:8002", statistics=lambda: stats),
+        http_url="http://10.1.2.3:8002",
+        p2p=SimpleNamespace(
+            multiaddrs=lambda: ["/ip4/10.1.2.3/tcp/4002"],
+            connected_peers=lambda: [],
+            mesh_sizes=lambda: {},
+        ),
+        store=SimpleNamespace(committed_steps=lambda: [3]),
+        server=SimpleNamespace(in_progress=lambda: []),
+        announcement=None,
+        metrics=SimpleNamespace(requests_by_class={"2xx": 1}, observability_bytes=0),
+        client=SimpleNamespace(statistics=lambda: SimpleNamespace(bytes_received=5)),
+        started_at=time.time() - 5,
+        status_sections={},
+        card=card,
+    )
+
+
+def test_status_names_the_advertised_url_and_the_run_card() -> None:
+    card = sign_card(
+        RunCard(
+            card_version=2,
+            run_id="run-1",
+            trainer=TRAINER.peer_id,
+            task=TaskSpec("digits", 1, "ab" * 32),
+            sampling=SamplingRules(4, 8, 16, 0.7),
+            engines=(EngineSpec("transformers", "bf16"),),
+            async_level=2,
+            architecture_digest="cd" * 32,
+            issued_at_ms=1_767_225_600_000,
+        ),
+        TRAINER,
+    )
+    doc = node_status(_node(card))
+    assert doc["http_url"] == "http://10.1.2.3:8002"  # what others dial, not the bind address
+    rc = doc["run_card"]
+    assert rc["version"] == 2
+    assert rc["digest"] == card.digest
+    assert rc["signer"] == TRAINER.peer_id
+    assert rc["engines"] == "transformers-bf16"
+    assert rc["sampling"]["group_size"] == 8
+    console = Console(width=200, record=True)
+    console.print(render(doc))
+    text = console.export_text()
+    assert "run card" in text
+    assert "http://10.1.2.3:8002" in text
+    assert "0.0.0.0" not in text
+
+
+def test_status_without_a_card_has_no_card_section() -> None:
+    assert "run_card" not in node_status(cast(Any, _node(None)))
