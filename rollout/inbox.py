@@ -33,7 +33,7 @@ re-introduces itself.
 from __future__ import annotations
 
 import logging
-from collections import deque
+from collections import OrderedDict, deque
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
@@ -74,6 +74,9 @@ if TYPE_CHECKING:
     from trio_typing import TaskStatus
 
 log = logging.getLogger(__name__)
+
+MAX_REJECTED_SUBMITTERS = 4096
+"""Submitters remembered as having a rejected batch (readiness), oldest forgotten first."""
 
 
 @dataclass(frozen=True)
@@ -170,6 +173,9 @@ class RolloutInbox:
         self.current_step = current_step
         self.config = config or InboxConfig()
         self._buffer: deque[AcceptedBatch] = deque()
+        # submitter -> newest policy step of a batch the validator rejected (readiness: that
+        # peer has answered for the step and will not send another batch for it); bounded
+        self._rejected: OrderedDict[str, int] = OrderedDict()
         self._buffer_changed = trio.Event()
         self.ledger = IntakeLedger(remember=self.config.remember_batches)
         self._inflight: dict[BatchKey, trio.Event] = {}
@@ -261,6 +267,19 @@ class RolloutInbox:
         lo = step - self.validator.config.async_level
         ok = [b for b in self._buffer if lo <= b.batch.policy_step]
         return len(ok), frozenset(b.announcement.submitter for b in ok)
+
+    def rejected_within(self, step: int) -> frozenset[str]:
+        """Submitters whose batch of a policy step usable at ``step`` (inside the async
+        window) was verified and rejected: they answered for this step and, being told
+        ``rejected``, send no other batch for it (:mod:`trainer.readiness`)."""
+        lo = step - self.validator.config.async_level
+        return frozenset(p for p, st in self._rejected.items() if st >= lo)
+
+    def _note_rejected(self, submitter: str, policy_step: int) -> None:
+        self._rejected[submitter] = max(policy_step, self._rejected.get(submitter, policy_step))
+        self._rejected.move_to_end(submitter)
+        while len(self._rejected) > MAX_REJECTED_SUBMITTERS:
+            self._rejected.popitem(last=False)
 
     async def wait_status_change(self) -> None:
         """Wait until some peer says hello or reports a newly committed version."""
@@ -406,6 +425,8 @@ class RolloutInbox:
                 bucket,
                 late=late,
             )
+        self._note_rejected(ann.submitter, batch.policy_step)
+        self._notify()  # readiness: this submitter has answered for the step
         return self._remember(
             ann, Ack(ann.batch_id, "rejected", verdict.reason, rejected=verdict.samples), bucket
         )

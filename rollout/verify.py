@@ -239,8 +239,9 @@ class ValidatorConfig:
     ============  ================  ================  ==================  ==========
 
     Limits: 1.5x the worst honest value across the models (GRAIL's headroom: worst honest
-    3,979 against 6,000), at least +2 mismatches / +1 median ulp: prefill 5 / 0.49 / 1, decode
-    12 / 3.4 / 2, logprob mean 0.05 and max 0.21 nats, replay margin 0.18 (score units).
+    3,979 against 6,000), at least +2 mismatches / +1 median ulp: prefill 5 / 0.49 / 1 (but see
+    below: the default is 8 / 1.25 / 2), decode 12 / 3.4 / 2, logprob mean 0.05 and max 0.21
+    nats, replay margin 0.18 (score units).
     ``h512`` and ``m100`` have logits scaled to a trained model's spread (std 3): their bf16
     logits have larger ulps, hence larger honest gaps and logprob differences than ``tiny``'s.
     Under these limits every attack class of the bench is caught on ``h512`` and ``m100``
@@ -264,6 +265,14 @@ class ValidatorConfig:
     the replay check already rejects an EOS the sampler did not choose). The replay margin
     scales with the bf16 ulp of the largest logits and with ``1 / T``: re-run the bench to
     calibrate for another model, engine, temperature or hardware.
+
+    Trained models: the corpus above is of untrained (step-0) models. In a 158-step run of
+    ``tiny`` trained to reward 1.0, one honest batch at step 42 had a prefill chunk at
+    mantissa-error mean 0.64 (above 0.49; every decode chunk within limits), and was rejected.
+    The default prefill limit is therefore the earlier 8 / 1.25 / 2, which holds for trained
+    checkpoints as far as measured; the tighter, per-model limits (and catching ``precision``
+    on ``h512``) belong in a validator profile calibrated on the run's model, including
+    trained versions of it.
     """
 
     run_id: str
@@ -281,7 +290,7 @@ class ValidatorConfig:
         default_factory=lambda: ToplocThresholds(12, 3.4, 2.0)
     )
     toploc_prefill_thresholds: ToplocThresholds = field(
-        default_factory=lambda: ToplocThresholds(5, 0.49, 1.0)
+        default_factory=lambda: ToplocThresholds(8, 1.25, 2.0)
     )
     replay_margin: float = 0.18
     eos_min_prob: float = DEFAULT_EOS_MIN_PROB

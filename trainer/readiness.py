@@ -12,8 +12,10 @@ Before optimizer step ``k`` the trainer waits for verified batches usable at pol
 :func:`decide` turns a snapshot (batches held, peers known, peers that delivered, seconds
 waited) into a :class:`StepReadiness`. The step is ready when ``need`` batches are there, or
 as soon as *every* known peer has delivered a usable batch (so a run whose explicit
-``min_batches`` exceeds what its peers can send never idles the whole timeout), or when the
-timeout has passed (the trainer then trains on what it has, possibly nothing).
+``min_batches`` exceeds what its peers can send never idles the whole timeout), or as soon as
+every known peer has *answered*: delivered a usable batch or had one rejected by the validator
+(told ``rejected``, a peer sends no other batch for that policy step, so waiting gains nothing),
+or when the timeout has passed (the trainer then trains on what it has, possibly nothing).
 
 :class:`Every` spaces progress log lines (``waiting_for_rollouts …``) ``interval_s`` apart.
 Everything here takes times as arguments and does no I/O.
@@ -34,6 +36,7 @@ class StepReadiness(enum.Enum):
     WAIT = "wait"
     ENOUGH_BATCHES = "enough_batches"
     ALL_PEERS_DELIVERED = "all_peers_delivered"
+    ALL_PEERS_ANSWERED = "all_peers_answered"
     TIMEOUT = "timeout"
 
 
@@ -46,6 +49,8 @@ class StepSnapshot:
         need_batches: batches wanted (see :func:`need_batches`).
         known: PeerIDs of the peers the run can count on now.
         delivered: PeerIDs with at least one usable batch buffered.
+        rejected: PeerIDs whose batch of a usable policy step was verified and rejected (told
+            so, they send no other batch for it): they have answered too.
         waited_s: seconds since the wait began.
         timeout_s: the longest wait, seconds.
     """
@@ -56,6 +61,7 @@ class StepSnapshot:
     delivered: frozenset[str]
     waited_s: float
     timeout_s: float
+    rejected: frozenset[str] = frozenset()
 
 
 def need_batches(explicit: int | None, known: int) -> int:
@@ -94,6 +100,10 @@ def decide(s: StepSnapshot) -> StepReadiness:
         return StepReadiness.ENOUGH_BATCHES
     if s.have_batches > 0 and s.known and s.known <= s.delivered:
         return StepReadiness.ALL_PEERS_DELIVERED
+    if s.known and s.known <= s.delivered | s.rejected:
+        # every known peer answered, some with a rejected batch: waiting longer gains nothing
+        # (a run whose only peer's batch was rejected must not sit out the step timeout)
+        return StepReadiness.ALL_PEERS_ANSWERED
     if s.waited_s >= s.timeout_s:
         return StepReadiness.TIMEOUT
     return StepReadiness.WAIT

@@ -584,6 +584,7 @@ class Trainer:
                 delivered,
                 now - t0,
                 cfg.step_timeout_s,
+                inbox.rejected_within(k - 1),
             )
             verdict = decide(snap)
             if verdict is not StepReadiness.WAIT:

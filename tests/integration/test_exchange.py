@@ -162,6 +162,11 @@ async def test_stale_and_forged_batches_rejected(tmp_path: Path) -> None:
         # the stale one was refused without fetching its payload
         assert w.sender.statistics().fetches_served == 1
         assert w.inbox.reputation.score(PEER.peer_id) < 1.0
+        # the verified-and-rejected batch (policy step 2) counts as this peer's answer for the
+        # steps whose window holds it (readiness); the unfetched stale one does not
+        assert w.inbox.rejected_within(4) == frozenset({PEER.peer_id})
+        assert w.inbox.rejected_within(5) == frozenset()
+        assert w.inbox.usable(4) == (0, frozenset())
 
 
 async def test_batch_for_a_version_not_yet_current_is_retried_then_accepted(

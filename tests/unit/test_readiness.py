@@ -43,6 +43,23 @@ def test_no_known_peer_and_no_batch_waits_until_timeout() -> None:
     assert decide(snap(0, 1, set(), set(), 300.0)) is StepReadiness.TIMEOUT
 
 
+def test_a_peer_whose_batch_was_rejected_has_answered() -> None:
+    # the run's only peer had its batch rejected: no batch will come for this step, so the
+    # trainer goes on at once instead of sitting out the step timeout
+    only = StepSnapshot(0, 1, frozenset({"a"}), frozenset(), 1.0, 300.0, frozenset({"a"}))
+    assert decide(only) is StepReadiness.ALL_PEERS_ANSWERED
+    # two peers: one delivered, one rejected -> ready; one still silent -> wait
+    both = StepSnapshot(1, 2, frozenset({"a", "b"}), frozenset({"a"}), 1.0, 300.0, frozenset({"b"}))
+    assert decide(both) is StepReadiness.ALL_PEERS_ANSWERED
+    some = StepSnapshot(
+        1, 3, frozenset({"a", "b", "c"}), frozenset({"a"}), 1.0, 300.0, frozenset({"b"})
+    )
+    assert decide(some) is StepReadiness.WAIT
+    # a rejection from a peer the run does not count on changes nothing
+    other = StepSnapshot(0, 1, frozenset({"a"}), frozenset(), 1.0, 300.0, frozenset({"x"}))
+    assert decide(other) is StepReadiness.WAIT
+
+
 def test_delivery_from_unknown_peer_counts_as_batches_only() -> None:
     assert decide(snap(1, 2, {"a"}, {"x"}, 1.0)) is StepReadiness.WAIT
     assert decide(snap(2, 2, {"a"}, {"x"}, 1.0)) is StepReadiness.ENOUGH_BATCHES
