@@ -179,6 +179,9 @@ class VersionServer:
         trust: used to re-verify manifests read back from disk.
         wait_s: longest wait for a part or shard that is not verified yet, seconds.
         serve_once_s: origin super-seeding window, seconds (None: off).
+        serve_once_min_bytes: versions offering at most this many bytes in all (a delta,
+            usually) are served to every requester, not super-seeded (rule 9 of
+            :class:`~shardcast.policy.SuperSeeding`).
         clock: wall-clock seconds, for the time window of signed requests.
         identity: the node's key, to answer identity challenges (None: no ``whoami``).
     """
@@ -191,6 +194,7 @@ class VersionServer:
         serve_once_s: float | None = None,
         clock: Callable[[], float] = time.time,
         identity: Identity | None = None,
+        serve_once_min_bytes: int = 0,
     ) -> None:
         self.store = store
         self.trust = trust
@@ -198,7 +202,8 @@ class VersionServer:
         self.serve_once_s = serve_once_s
         self._live: dict[int, _Live] = {}
         self._manifests: dict[int, tuple[Manifest, str]] = {}  # step -> (manifest, digest)
-        self._seeding = SuperSeeding(serve_once_s)
+        self._seeding = SuperSeeding(serve_once_s, small_version_bytes=serve_once_min_bytes)
+        self._offered: dict[str, int] = {}  # manifest digest -> offered bytes (complete ones)
         self._clock = clock
         self.identity = identity
         self.bytes_by_step: dict[int, int] = {}
@@ -393,7 +398,21 @@ class VersionServer:
             trio.current_time(),
             len(m.header.shards),
             failed=parse_failed(req.headers.get(FAILED_HEADER)) if requester else (),
+            version_bytes=self._offered_bytes(m),
         )
+
+    def _offered_bytes(self, m: Manifest) -> int:
+        """What version ``m`` offers in all, bytes: per shard its smallest encoding (raw
+        length where its part has not arrived yet)."""
+        cached = self._offered.get(m.digest)
+        if cached is not None:
+            return cached
+        total = offered_bytes(m)
+        if m.complete:
+            self._offered[m.digest] = total
+            while len(self._offered) > 64:
+                self._offered.pop(next(iter(self._offered)))
+        return total
 
     async def _file(self, req: HttpRequest, step: int, m: Manifest, name: str) -> HttpResponse:
         try:
@@ -557,6 +576,18 @@ class VersionServer:
 
 _NO_STORE = ("cache-control", "no-store")
 _NO_CACHE = ("cache-control", "no-cache")
+
+
+def offered_bytes(m: Manifest) -> int:
+    """Bytes a downloader of ``m`` fetches: each shard's smallest offered form (its raw
+    length while its manifest part is missing)."""
+    total = 0
+    for i, ref in enumerate(m.header.shards):
+        n = ref.length
+        if m.known(i):
+            n = min([n, *(e.size for e in m.shard(i).encodings)])
+        total += n
+    return total
 
 
 def _retry() -> HttpResponse:

@@ -396,6 +396,14 @@ class RelaySettings(FollowerSettings):
         "unset: off",
     )
 
+    serve_once_min_bytes: int = Field(
+        32 << 20,
+        ge=0,
+        description="versions offering at most this many bytes in all (deltas, usually) are "
+        "served to every requester, not super-seeded: a refusal costs a round trip and an "
+        "extra hop (0: super-seed every version)",
+    )
+
     @field_validator("upstream")
     @classmethod
     def _upstream(cls, v: list[str]) -> list[str]:
@@ -477,6 +485,13 @@ class PublishSettings(CommonSettings):
         gt=0,
         description="origin super-seeding window, seconds: a shard goes to one relay, the "
         "others get it from that relay",
+    )
+    serve_once_min_bytes: int = Field(
+        32 << 20,
+        ge=0,
+        description="versions offering at most this many bytes in all (deltas, usually) are "
+        "served to every requester, not super-seeded: a refusal costs a round trip and an "
+        "extra hop (0: super-seed every version)",
     )
     # the run's rules, published in the signed run card (peers adopt them from there)
     async_level: int = Field(2, ge=0, description="versions a rollout may lag (run card)")
