@@ -612,7 +612,8 @@ class Scheduler:
             now: current time, seconds.
             kind: ``"timeout"``, ``"broken"``, ``"unavailable"`` (source does not have it
                 yet), ``"refused"`` (source holds it but serves it to others first:
-                super-seeding), ``"corrupt"`` (this source alone sent bytes that failed the digest) or
+                super-seeding), ``"corrupt"`` (this source alone sent bytes that failed the
+                digest) or
                 ``"suspect"`` (a copy assembled from several sources failed: nobody is
                 penalized until :func:`blame` names the culprit).
             received: bytes of this request received and kept by the driver for resuming
