@@ -71,6 +71,7 @@ from __future__ import annotations
 
 import dataclasses
 import email.utils
+import hashlib
 import json
 import logging
 import re
@@ -153,6 +154,26 @@ def decode_have(data: bytes, n_shards: int) -> tuple[list[int], dict[int, int]]:
             raise ValueError(f"prefix of shard {i} of {n_shards}")
         prefixes[i] = n
     return held, prefixes
+
+
+HAVE_TOKEN_HEADER = "x-shardnet-have-token"
+"""Response header of ``/have``: the answer's :func:`have_token`. Sent back as
+``?known=TOKEN`` (with :data:`HOLD_HEADER`), it makes the next request a long-poll."""
+
+HAVE_HOLD_S = 2.0
+"""Longest hold of a ``/have`` long-poll, seconds: the answer then reports how far the
+verified prefixes grew even if no shard completed or started."""
+
+
+def have_token(bits: bytes, prefixes: dict[int, int]) -> str:
+    """The token of a ``/have`` answer (:data:`HAVE_TOKEN_HEADER`; a client computes the same
+    from the answer it decoded): a digest of its bitmap and of the set of shards with a
+    verified prefix, as :func:`encode_prefixes` lists them. Their growth alone does not change
+    it: a held file-range request follows a prefix as it grows."""
+    listed = sorted(prefixes.items())[:MAX_PREFIX_ENTRIES]
+    h = hashlib.blake2s(bits, digest_size=8)
+    h.update(b"".join(struct.pack(">I", i) for i, n in listed if n))
+    return h.hexdigest()
 
 
 def have_max_bytes(n_shards: int) -> int:
@@ -332,15 +353,7 @@ class VersionServer:
                 return HttpResponse(200, [("content-type", _JSON), _NO_CACHE], m.encode())
             return self._document(req, step, m.encode(), f'"{m.digest}"')
         if mr["kind"] == "have":
-            body = self._have_bits(step, m)
-            live = self._live.get(step)
-            if req.query.get("prefix") == "1" and live is not None:
-                prefixes = getattr(live.version, "prefixes", None)
-                if prefixes is not None:
-                    body += encode_prefixes(prefixes())
-            return HttpResponse(
-                200, [("content-type", "application/octet-stream"), _NO_STORE], body
-            )
+            return await self._have(req, step, m)
         if mr["part"] is not None:
             k = int(mr["part"])
             if k >= m.header.n_parts:
@@ -353,6 +366,37 @@ class VersionServer:
         if mr["shard"] is not None:
             return await self._blob(req, step, m, int(mr["shard"]), mr["enc"])
         return await self._file(req, step, m, mr["name"] or "")
+
+    def _have_now(self, req: HttpRequest, step: int, m: Manifest) -> tuple[bytes, str]:
+        """The ``/have`` body now (with the verified prefixes if asked) and its token."""
+        bits = self._have_bits(step, m)
+        live = self._live.get(step)
+        prefixes: dict[int, int] = {}
+        if live is not None:
+            get = getattr(live.version, "prefixes", None)
+            prefixes = get() if get is not None else {}
+        body = bits + encode_prefixes(prefixes) if req.query.get("prefix") == "1" else bits
+        return body, have_token(bits, prefixes)
+
+    async def _have(self, req: HttpRequest, step: int, m: Manifest) -> HttpResponse:
+        """``/have``; with ``?known=TOKEN`` and :data:`HOLD_HEADER`, a long-poll: held (at
+        most :data:`HAVE_HOLD_S`) until the answer's token differs from ``TOKEN``."""
+        body, token = self._have_now(req, step, m)
+        known = req.query.get("known")
+        if known is not None and token == known and step in self._live:
+            deadline = trio.current_time() + min(_hold_s(req, self.wait_s), HAVE_HOLD_S)
+            while token == known and step in self._live:
+                remaining = deadline - trio.current_time()
+                if remaining <= 0:
+                    break
+                with trio.move_on_after(remaining):
+                    await self._live[step].progress.wait()
+                held = self._manifest(step)
+                if held is None or held[1] != m.digest:
+                    break
+                body, token = self._have_now(req, step, m)
+        headers = [("content-type", "application/octet-stream"), _NO_STORE]
+        return HttpResponse(200, [*headers, (HAVE_TOKEN_HEADER, token)], body)
 
     def _validators(self, step: int) -> tuple[str | None, list[tuple[str, str]]]:
         """``(Last-Modified, cache headers)`` of version ``step`` as served now."""
