@@ -19,7 +19,8 @@ the session owns everything it *decides*. One driver serves one call of
   arrives; each verified chunk is written at once (:meth:`DownloadDriver.write_chunk`) and
   this node's lane serves it while the rest streams in; a bad chunk ends the transfer
   (``CORRUPT_CHUNK``) with the chunks before it kept. Have-polls ask for ``?prefix=1``: the
-  sources' verified prefixes go to the scheduler.
+  sources' verified prefixes go to the scheduler; each names the last answer's token, so the
+  source holds it until something changes (a long-poll, :meth:`DownloadDriver.poll_have`).
 - **sinks**: one per request; a broken transfer's sink (bytes *and* running hash) is kept
   per shard when the session says :class:`~shardcast.session.Keep` and the next request
   appends to it; a failed copy assembled from several sources is kept until the session

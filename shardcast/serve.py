@@ -41,7 +41,10 @@ as it appears, and the response waits (up to the hold) for the next chunk, or is
 if none comes (the client keeps what arrived and resumes elsewhere). A request that is not
 held still waits for whole shards, as before. ``/have?prefix=1`` appends to the bitmap the
 verified prefix of each shard being received (:func:`encode_prefixes`), so downloaders know
-whom to ask.
+whom to ask. ``/have`` is a long-poll for a held request that names the last answer's token
+(``?known=``, :func:`have_token`): it is answered when the bitmap or the set of shards with a
+verified prefix changes (at most :data:`HAVE_HOLD_S` later), so downloaders learn of a shard
+the moment a source holds or starts it, without polling.
 
 Cache semantics. A version is immutable and content-addressed, so every answer with content
 has a strong ``ETag`` taken from the signed manifest: a file's signed whole-file digest, an
