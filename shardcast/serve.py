@@ -454,7 +454,7 @@ class VersionServer:
         cached = self._offered.get(m.digest)
         if cached is not None:
             return cached
-        total = offered_bytes(m)
+        total = offered_bytes(m)  # O(shards): cached once complete, else per refusable request
         if m.complete:
             self._offered[m.digest] = total
             while len(self._offered) > 64:
@@ -626,15 +626,20 @@ _NO_CACHE = ("cache-control", "no-cache")
 
 
 def offered_bytes(m: Manifest) -> int:
-    """Bytes a downloader of ``m`` fetches: each shard's smallest offered form (its raw
-    length while its manifest part is missing)."""
-    total = 0
+    """Bytes a downloader of ``m`` fetches: each shard's smallest offered form. While parts
+    are missing (a version still being published), the shards not known yet are counted at
+    the ratio of the known ones (a delta's first part already tells it is small); with no
+    part at all, at their raw length."""
+    known = smallest = unknown = 0
     for i, ref in enumerate(m.header.shards):
-        n = ref.length
         if m.known(i):
-            n = min([n, *(e.size for e in m.shard(i).encodings)])
-        total += n
-    return total
+            known += ref.length
+            smallest += min([ref.length, *(e.size for e in m.shard(i).encodings)])
+        else:
+            unknown += ref.length
+    if not known:
+        return unknown
+    return smallest + -(-unknown * smallest // known)
 
 
 def _retry() -> HttpResponse:

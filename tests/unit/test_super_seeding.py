@@ -15,6 +15,7 @@ from shardcast.lane_auth import (
     sign_request,
     verify_request,
 )
+from shardcast.manifest import Manifest
 from shardcast.plan import build_manifest
 from shardcast.policy import SuperSeeding
 from shardcast.serve import VersionServer, offered_bytes
@@ -154,3 +155,27 @@ async def test_the_lane_does_not_super_seed_a_version_smaller_than_its_bound(
     assert total == m.total_bytes
     assert await statuses(total) == [206, 206]  # small: both served
     assert await statuses(total - 1) == [206, 429]  # larger than the bound: super-seeded
+
+
+def test_offered_bytes_of_a_version_still_published_follows_its_known_parts(
+    tmp_path: Path,
+) -> None:
+    ck = make_checkpoint(tmp_path / "c1", {"model-00001-of-00001.safetensors": 8000}, seed=1)
+    full = build_manifest(
+        ck, "run", 1, TRAINER, 1000, 2, encodings=["zstd"], blob_dir=tmp_path / "blobs"
+    )
+    live = Manifest(full.signed_header)  # a node that has the header only
+    lengths = [ref.length for ref in full.header.shards]
+    assert offered_bytes(live) == sum(lengths)  # nothing known: raw lengths
+    live.add_part(full.parts[0])
+    known = sum(lengths[i] for i in full.header.part_range(0))
+    smallest = sum(
+        min([full.shard(i).length, *(e.size for e in full.shard(i).encodings)])
+        for i in full.header.part_range(0)
+    )
+    rest = sum(lengths) - known
+    assert offered_bytes(live) == smallest + -(-rest * smallest // known)  # extrapolated
+    assert offered_bytes(full) == sum(
+        min([e.length, *(x.size for x in e.encodings)])
+        for e in (full.shard(i) for i in range(len(lengths)))
+    )
