@@ -192,7 +192,7 @@ async def run_relay(s: RelaySettings) -> int:
         nonlocal follower
         node_cfg = dataclasses.replace(
             s.node_config(run_id),
-            serve_once_s=s.serve_once_s,
+            serve_once_s=s.serve_once_s or None,  # 0: off
             serve_once_min_bytes=s.serve_once_min_bytes,
         )
         async with ShardcastNode.open(identity, s.trust(), node_cfg) as node:
