@@ -524,7 +524,7 @@ def test_blame_names_only_the_sources_whose_bytes_differ() -> None:
 
 # --- invariants under random events ---------------------------------------------------------
 
-KINDS = ("timeout", "broken", "unavailable", "corrupt", "suspect")
+KINDS = ("timeout", "broken", "unavailable", "refused", "corrupt", "suspect")
 
 
 @dataclass(frozen=True)
