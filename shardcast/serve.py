@@ -64,7 +64,10 @@ whatever the number of relays. The requester is the PeerID proven by the request
 anonymous (curl, a mirror) and is served from a bounded share without ever reserving a shard,
 so it cannot delay the nodes. A requester that names the holder of a shard in
 ``X-Shardnet-Failed`` (it failed that shard for it) is served at once
-(:class:`~shardcast.policy.SuperSeeding` rule 6).
+(:class:`~shardcast.policy.SuperSeeding` rule 6). A version offering at most
+``serve_once_min_bytes`` in all (:func:`offered_bytes`: a delta, usually) is served to every
+requester (rule 9): a refusal would cost each requester a round trip and the bytes a hop.
+Relays super-seed to their downloaders the same way (``shardnet relay``'s default).
 
 A version being served is pinned in the store until the response is sent, so retention never
 deletes a file under a reader.
