@@ -332,7 +332,8 @@ async def run_shardnet(
 
     ``place(node_name)`` (``origin``, ``relay1``, ``peer3``...) runs that node in a network
     namespace at its address (``--shaped``); without it every node is on 127.0.0.1.
-    ``relay_serve_once_s``: the two relays super-seed to the peers with this window.
+    ``relay_serve_once_s``: the two relays' super-seeding window (0: off; None: the relay
+    default, on). The peers never super-seed.
     """
     from p2p.http_client import HttpClient
     from p2p.identity import Identity
@@ -392,7 +393,7 @@ async def run_shardnet(
                         str(workdir / f"relay{i}"),
                         *(
                             ["--serve-once-s", f"{relay_serve_once_s:g}"]
-                            if relay_serve_once_s
+                            if relay_serve_once_s is not None
                             else []
                         ),
                         *common,
@@ -414,6 +415,10 @@ async def run_shardnet(
                         trainer_id,
                         "--data-dir",
                         str(workdir / f"peer{i}"),
+                        # download-only followers standing in for inference peers, which
+                        # never super-seed
+                        "--serve-once-s",
+                        "0",
                         *common,
                         *net(f"peer{i}"),
                     ],
@@ -940,7 +945,8 @@ def main(argv: list[str] | None = None) -> int:
         "--relay-serve-once-s",
         type=float,
         default=None,
-        help="shardnet relays super-seed to the peers with this window, seconds (off)",
+        help="shardnet relays' super-seeding window, seconds (0: off; default: the relay "
+        "role's default, 5 s)",
     )
     args = ap.parse_args(argv)
     try:

@@ -19,7 +19,8 @@ the session owns everything it *decides*. One driver serves one call of
   arrives; each verified chunk is written at once (:meth:`DownloadDriver.write_chunk`) and
   this node's lane serves it while the rest streams in; a bad chunk ends the transfer
   (``CORRUPT_CHUNK``) with the chunks before it kept. Have-polls ask for ``?prefix=1``: the
-  sources' verified prefixes go to the scheduler.
+  sources' verified prefixes go to the scheduler; each names the last answer's token, so the
+  source holds it until something changes (a long-poll, :meth:`DownloadDriver.poll_have`).
 - **sinks**: one per request; a broken transfer's sink (bytes *and* running hash) is kept
   per shard when the session says :class:`~shardcast.session.Keep` and the next request
   appends to it; a failed copy assembled from several sources is kept until the session
@@ -76,7 +77,7 @@ from shardcast.receive import (
     verify_and_write,
 )
 from shardcast.select import SourceBans, blame
-from shardcast.serve import decode_have, have_max_bytes
+from shardcast.serve import decode_have, have_max_bytes, have_token
 from shardcast.session import (
     Action,
     Ban,
@@ -448,11 +449,15 @@ class DownloadDriver:
             if self.progress is not None:
                 self.progress(self.session.verified_bytes, self.m.total_bytes)
 
-    async def get_have(self, src: Source) -> bytes:
+    async def get_have(self, src: Source, known: str | None = None) -> bytes:
         """``/have?prefix=1``: the bitmap, then the verified prefixes of shards being
-        received (:func:`shardcast.serve.decode_have`; an older node sends the bitmap)."""
+        received (:func:`shardcast.serve.decode_have`; an older node sends the bitmap).
+        ``known``: the :func:`~shardcast.serve.have_token` of the last answer: the source
+        holds the request until its answer differs (a long-poll; an older node answers at
+        once)."""
+        query = "?prefix=1" if known is None else f"?prefix=1&known={known}"
         return await self.client.get_bytes(
-            have_url(src.base_url, self.m.run_id, self.m.step, self.digest) + "?prefix=1",
+            have_url(src.base_url, self.m.run_id, self.m.step, self.digest) + query,
             max_bytes=have_max_bytes(len(self.m.header.shards)),
             timeout_s=self.stall_timeout_s,
             anonymous=src.anonymous,
@@ -470,11 +475,16 @@ class DownloadDriver:
         self.poke()
 
     async def poll_have(self, src: Source) -> None:
-        n = len(self.m.header.shards)
+        """Follow ``src``'s have-bitmap until it holds everything: each request a long-poll
+        that names the last answer's token (the source answers when its bitmap, or the set
+        of shards it serves a prefix of, changes); after an unchanged answer (the hold ran
+        out, or an older node that does not hold) or a failure, wait ``have_poll_s``."""
+        n, nbytes, known = len(self.m.header.shards), (len(self.m.header.shards) + 7) // 8, None
         while True:
             try:
                 try:
-                    held, prefixes = decode_have(await self.get_have(src), n)
+                    data = await self.get_have(src, known)
+                    held, prefixes = decode_have(data, n)
                 except ValueError as exc:
                     raise RemoteProtocolError(src.id, f"have: {exc}") from exc
                 full = len(held) == n  # it holds everything: stop polling
@@ -483,6 +493,10 @@ class DownloadDriver:
                 self.poke()
                 if full:
                     return
+                token = have_token(data[:nbytes], prefixes)
+                changed, known = token != known, token
+                if changed:
+                    continue  # ask again at once: held until the next change
             except NotAvailable as exc:  # 404, 409: it does not hold this version
                 self.session.probed(src.id, _presence(exc), trio.current_time())
             except (TransportError, RemoteProtocolError):

@@ -76,6 +76,8 @@ class NodeConfig:
         serve_wait_s: how long a request for a not-yet-verified shard waits, seconds.
         info_timeout_s: bound on one info request, seconds.
         serve_once_s: origin super-seeding window (see :mod:`shardcast.serve`), or None.
+        serve_once_min_bytes: versions offering at most this many bytes (deltas, usually)
+            are not super-seeded (0: every version is).
         durable: fsync every committed version (see :mod:`shardcast.store`).
         public_url: the HTTP lane URL to advertise (None: derived from the bound address, see
             :func:`p2p.addresses.advertised_url`).
@@ -90,6 +92,7 @@ class NodeConfig:
     serve_wait_s: float = 10.0
     info_timeout_s: float = 10.0
     serve_once_s: float | None = None
+    serve_once_min_bytes: int = 0
     durable: bool = True
     public_url: str | None = None
 
@@ -185,6 +188,7 @@ class ShardcastNode:
             wait_s=config.serve_wait_s,
             serve_once_s=config.serve_once_s,
             identity=identity,
+            serve_once_min_bytes=config.serve_once_min_bytes,
         )
         routes: dict[str, Callable[[], Awaitable[HttpResponse]]] = {}
         metrics = NodeMetrics(config.role, config.run_id, identity.peer_id)

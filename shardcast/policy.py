@@ -9,6 +9,10 @@
   "super-seeding"; the budget is ours). Requesters are authenticated PeerIDs
   (:mod:`shardcast.lane_auth`); anonymous clients never hold a reservation and get their own
   bounded share; a reservation whose holder a requester reports failing is released at once.
+  A version whose offered bytes are few (``small_version_bytes``, e.g. a sparse delta) is not
+  super-seeded at all: a refusal costs every requester a round trip and the version an extra
+  hop, which buys nothing when serving every requester a copy costs the origin less than a
+  second of its uplink.
 
 Both take ``now`` as an argument and do no I/O, so :mod:`shardcast.store`,
 :mod:`shardcast.serve` and ``simulations/`` run the very same decisions.
@@ -58,6 +62,8 @@ class SuperSeeding:
        closed, e.g. a relay killed mid-broadcast) holds nothing it was served before it left:
        those shards go to the next requester at once (rule 1), instead of after
        ``window_s + persist_s``.
+    9. a small version (``version_bytes`` given and at most ``small_version_bytes``) is served
+       to every requester, without recording a holder or spending a budget.
 
     Args:
         window_s: how long a shard is reserved for its last requester, seconds; None: off
@@ -70,6 +76,7 @@ class SuperSeeding:
             30x, which let one withholding relay stall a broadcast by 150 s per shard).
         report_share: rule 6's bound per requester and step, as a share of its shards.
         anonymous_share: rule 7's bound per step, as a share of its shards.
+        small_version_bytes: rule 9's bound, bytes (0: every version is super-seeded).
     """
 
     def __init__(
@@ -80,6 +87,7 @@ class SuperSeeding:
         persist_s: float | None = None,
         report_share: float = 0.1,
         anonymous_share: float = 1.0,
+        small_version_bytes: int = 0,
     ) -> None:
         self.window_s = window_s
         self.max_entries = max_entries
@@ -87,6 +95,7 @@ class SuperSeeding:
         self.persist_s = persist_s if persist_s is not None else 3 * (window_s or 0.0)
         self.report_share = report_share
         self.anonymous_share = anonymous_share
+        self.small_version_bytes = small_version_bytes
         self._served_to: dict[tuple[int, int], tuple[str, float]] = {}
         self._refused_since: dict[tuple[int, int, str], float] = {}
         self._repeats: dict[int, int] = {}
@@ -97,6 +106,7 @@ class SuperSeeding:
         self.repeats = 0
         self.released = 0
         self.anonymous_served = 0
+        self.small_served = 0
 
     def allow(
         self,
@@ -106,6 +116,7 @@ class SuperSeeding:
         now: float,
         total_shards: int | None = None,
         failed: Iterable[str] = (),
+        version_bytes: int | None = None,
     ) -> bool:
         """True if ``requester`` may get these shards now (and records the serve).
 
@@ -117,8 +128,13 @@ class SuperSeeding:
             now: current time, seconds.
             total_shards: the version's shard count (for the budgets; None: no budget).
             failed: ids the requester reports as having failed these shards (rule 6).
+            version_bytes: what the version offers in all, bytes (the smallest encoding of
+                each shard: what a requester fetches), for rule 9; None: unknown.
         """
         if self.window_s is None:
+            return True
+        if version_bytes is not None and version_bytes <= self.small_version_bytes:
+            self.small_served += 1
             return True
         shards = list(shards)
         if requester is None:

@@ -92,6 +92,10 @@ class SchedulerConfig:
             holding some idle shard; inf: strict rarest first.
         complete_cost_factor: expected time of a complete source (relay, origin) is
             multiplied by this when ranking sources (>= 1; 1: no preference for peers).
+        refused_s: a source that refused a shard (``429``, super-seeding: it served that
+            shard to another downloader moments ago) is not asked for that shard again for
+            this long, seconds; other sources are (``503``, "not verified yet", waits
+            ``penalty_s / 10``). Asking again at once only collects more refusals.
     """
 
     max_inflight: int = 8
@@ -106,6 +110,7 @@ class SchedulerConfig:
     endgame_max_total: int = 4
     rarity_slack: float = 1.5
     complete_cost_factor: float = 1.25
+    refused_s: float = 1.0
 
     def __post_init__(self) -> None:
         if not self.complete_cost_factor >= 1:
@@ -606,7 +611,9 @@ class Scheduler:
             req_id: the request.
             now: current time, seconds.
             kind: ``"timeout"``, ``"broken"``, ``"unavailable"`` (source does not have it
-                yet), ``"corrupt"`` (this source alone sent bytes that failed the digest) or
+                yet), ``"refused"`` (source holds it but serves it to others first:
+                super-seeding), ``"corrupt"`` (this source alone sent bytes that failed the
+                digest) or
                 ``"suspect"`` (a copy assembled from several sources failed: nobody is
                 penalized until :func:`blame` names the culprit).
             received: bytes of this request received and kept by the driver for resuming
@@ -631,6 +638,9 @@ class Scheduler:
             return []
         self._failures += 1
         if kind == "suspect":
+            return []
+        if kind == "refused":  # it holds the shard but serves others first: ask elsewhere
+            st.not_before[fl.req.shard] = now + self.config.refused_s
             return []
         if kind == "unavailable":  # this source lacks this shard for now: ask others first
             if st.have is not None:

@@ -41,7 +41,10 @@ as it appears, and the response waits (up to the hold) for the next chunk, or is
 if none comes (the client keeps what arrived and resumes elsewhere). A request that is not
 held still waits for whole shards, as before. ``/have?prefix=1`` appends to the bitmap the
 verified prefix of each shard being received (:func:`encode_prefixes`), so downloaders know
-whom to ask.
+whom to ask. ``/have`` is a long-poll for a held request that names the last answer's token
+(``?known=``, :func:`have_token`): it is answered when the bitmap or the set of shards with a
+verified prefix changes (at most :data:`HAVE_HOLD_S` later), so downloaders learn of a shard
+the moment a source holds or starts it, without polling.
 
 Cache semantics. A version is immutable and content-addressed, so every answer with content
 has a strong ``ETag`` taken from the signed manifest: a file's signed whole-file digest, an
@@ -61,7 +64,10 @@ whatever the number of relays. The requester is the PeerID proven by the request
 anonymous (curl, a mirror) and is served from a bounded share without ever reserving a shard,
 so it cannot delay the nodes. A requester that names the holder of a shard in
 ``X-Shardnet-Failed`` (it failed that shard for it) is served at once
-(:class:`~shardcast.policy.SuperSeeding` rule 6).
+(:class:`~shardcast.policy.SuperSeeding` rule 6). A version offering at most
+``serve_once_min_bytes`` in all (:func:`offered_bytes`: a delta, usually) is served to every
+requester (rule 9): a refusal would cost each requester a round trip and the bytes a hop.
+Relays super-seed to their downloaders the same way (``shardnet relay``'s default).
 
 A version being served is pinned in the store until the response is sent, so retention never
 deletes a file under a reader.
@@ -71,6 +77,7 @@ from __future__ import annotations
 
 import dataclasses
 import email.utils
+import hashlib
 import json
 import logging
 import re
@@ -155,6 +162,26 @@ def decode_have(data: bytes, n_shards: int) -> tuple[list[int], dict[int, int]]:
     return held, prefixes
 
 
+HAVE_TOKEN_HEADER = "x-shardnet-have-token"
+"""Response header of ``/have``: the answer's :func:`have_token`. Sent back as
+``?known=TOKEN`` (with :data:`HOLD_HEADER`), it makes the next request a long-poll."""
+
+HAVE_HOLD_S = 2.0
+"""Longest hold of a ``/have`` long-poll, seconds: the answer then reports how far the
+verified prefixes grew even if no shard completed or started."""
+
+
+def have_token(bits: bytes, prefixes: dict[int, int]) -> str:
+    """The token of a ``/have`` answer (:data:`HAVE_TOKEN_HEADER`; a client computes the same
+    from the answer it decoded): a digest of its bitmap and of the set of shards with a
+    verified prefix, as :func:`encode_prefixes` lists them. Their growth alone does not change
+    it: a held file-range request follows a prefix as it grows."""
+    listed = sorted(prefixes.items())[:MAX_PREFIX_ENTRIES]
+    h = hashlib.blake2s(bits, digest_size=8)
+    h.update(b"".join(struct.pack(">I", i) for i, n in listed if n))
+    return h.hexdigest()
+
+
 def have_max_bytes(n_shards: int) -> int:
     """Largest ``/have?prefix=1`` answer for a version of ``n_shards`` shards, bytes."""
     return (n_shards + 7) // 8 + MAX_PREFIX_ENTRIES * PREFIX_ENTRY.size
@@ -179,6 +206,9 @@ class VersionServer:
         trust: used to re-verify manifests read back from disk.
         wait_s: longest wait for a part or shard that is not verified yet, seconds.
         serve_once_s: origin super-seeding window, seconds (None: off).
+        serve_once_min_bytes: versions offering at most this many bytes in all (a delta,
+            usually) are served to every requester, not super-seeded (rule 9 of
+            :class:`~shardcast.policy.SuperSeeding`).
         clock: wall-clock seconds, for the time window of signed requests.
         identity: the node's key, to answer identity challenges (None: no ``whoami``).
     """
@@ -191,6 +221,7 @@ class VersionServer:
         serve_once_s: float | None = None,
         clock: Callable[[], float] = time.time,
         identity: Identity | None = None,
+        serve_once_min_bytes: int = 0,
     ) -> None:
         self.store = store
         self.trust = trust
@@ -198,7 +229,8 @@ class VersionServer:
         self.serve_once_s = serve_once_s
         self._live: dict[int, _Live] = {}
         self._manifests: dict[int, tuple[Manifest, str]] = {}  # step -> (manifest, digest)
-        self._seeding = SuperSeeding(serve_once_s)
+        self._seeding = SuperSeeding(serve_once_s, small_version_bytes=serve_once_min_bytes)
+        self._offered: dict[str, int] = {}  # manifest digest -> offered bytes (complete ones)
         self._clock = clock
         self.identity = identity
         self.bytes_by_step: dict[int, int] = {}
@@ -327,15 +359,7 @@ class VersionServer:
                 return HttpResponse(200, [("content-type", _JSON), _NO_CACHE], m.encode())
             return self._document(req, step, m.encode(), f'"{m.digest}"')
         if mr["kind"] == "have":
-            body = self._have_bits(step, m)
-            live = self._live.get(step)
-            if req.query.get("prefix") == "1" and live is not None:
-                prefixes = getattr(live.version, "prefixes", None)
-                if prefixes is not None:
-                    body += encode_prefixes(prefixes())
-            return HttpResponse(
-                200, [("content-type", "application/octet-stream"), _NO_STORE], body
-            )
+            return await self._have(req, step, m)
         if mr["part"] is not None:
             k = int(mr["part"])
             if k >= m.header.n_parts:
@@ -348,6 +372,37 @@ class VersionServer:
         if mr["shard"] is not None:
             return await self._blob(req, step, m, int(mr["shard"]), mr["enc"])
         return await self._file(req, step, m, mr["name"] or "")
+
+    def _have_now(self, req: HttpRequest, step: int, m: Manifest) -> tuple[bytes, str]:
+        """The ``/have`` body now (with the verified prefixes if asked) and its token."""
+        bits = self._have_bits(step, m)
+        live = self._live.get(step)
+        prefixes: dict[int, int] = {}
+        if live is not None:
+            get = getattr(live.version, "prefixes", None)
+            prefixes = get() if get is not None else {}
+        body = bits + encode_prefixes(prefixes) if req.query.get("prefix") == "1" else bits
+        return body, have_token(bits, prefixes)
+
+    async def _have(self, req: HttpRequest, step: int, m: Manifest) -> HttpResponse:
+        """``/have``; with ``?known=TOKEN`` and :data:`HOLD_HEADER`, a long-poll: held (at
+        most :data:`HAVE_HOLD_S`) until the answer's token differs from ``TOKEN``."""
+        body, token = self._have_now(req, step, m)
+        known = req.query.get("known")
+        if known is not None and token == known and step in self._live:
+            deadline = trio.current_time() + min(_hold_s(req, self.wait_s), HAVE_HOLD_S)
+            while token == known and step in self._live:
+                remaining = deadline - trio.current_time()
+                if remaining <= 0:
+                    break
+                with trio.move_on_after(remaining):
+                    await self._live[step].progress.wait()
+                held = self._manifest(step)
+                if held is None or held[1] != m.digest:
+                    break
+                body, token = self._have_now(req, step, m)
+        headers = [("content-type", "application/octet-stream"), _NO_STORE]
+        return HttpResponse(200, [*headers, (HAVE_TOKEN_HEADER, token)], body)
 
     def _validators(self, step: int) -> tuple[str | None, list[tuple[str, str]]]:
         """``(Last-Modified, cache headers)`` of version ``step`` as served now."""
@@ -393,7 +448,21 @@ class VersionServer:
             trio.current_time(),
             len(m.header.shards),
             failed=parse_failed(req.headers.get(FAILED_HEADER)) if requester else (),
+            version_bytes=self._offered_bytes(m),
         )
+
+    def _offered_bytes(self, m: Manifest) -> int:
+        """What version ``m`` offers in all, bytes: per shard its smallest encoding (raw
+        length where its part has not arrived yet)."""
+        cached = self._offered.get(m.digest)
+        if cached is not None:
+            return cached
+        total = offered_bytes(m)  # O(shards): cached once complete, else per refusable request
+        if m.complete:
+            self._offered[m.digest] = total
+            while len(self._offered) > 64:
+                self._offered.pop(next(iter(self._offered)))
+        return total
 
     async def _file(self, req: HttpRequest, step: int, m: Manifest, name: str) -> HttpResponse:
         try:
@@ -557,6 +626,23 @@ class VersionServer:
 
 _NO_STORE = ("cache-control", "no-store")
 _NO_CACHE = ("cache-control", "no-cache")
+
+
+def offered_bytes(m: Manifest) -> int:
+    """Bytes a downloader of ``m`` fetches: each shard's smallest offered form. While parts
+    are missing (a version still being published), the shards not known yet are counted at
+    the ratio of the known ones (a delta's first part already tells it is small); with no
+    part at all, at their raw length."""
+    known = smallest = unknown = 0
+    for i, ref in enumerate(m.header.shards):
+        if m.known(i):
+            known += ref.length
+            smallest += min([ref.length, *(e.size for e in m.shard(i).encodings)])
+        else:
+            unknown += ref.length
+    if not known:
+        return unknown
+    return smallest + -(-unknown * smallest // known)
 
 
 def _retry() -> HttpResponse:

@@ -554,7 +554,8 @@ class Session:
                 out.append(Keep(req, f.shard))
             elif not f.duplicate:
                 self.sched.discard_partial(f.shard)
-            self.sched.on_failure(req, now, kind="unavailable")
+            kind = "refused" if outcome is Outcome.REFUSED else "unavailable"
+            self.sched.on_failure(req, now, kind=kind)
             return out
         self.stats.failures += 1
         if outcome is Outcome.PROTOCOL_ERROR:

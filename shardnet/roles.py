@@ -119,7 +119,11 @@ async def run_trainer(s: TrainerSettings) -> int:
     identity = s.identity()
     check_data_dir(s.data_dir, s.run(), identity.peer_id)  # before anything listens
     cfg = TrainerConfig(
-        node=dataclasses.replace(s.node_config(), serve_once_s=s.serve_once_s),
+        node=dataclasses.replace(
+            s.node_config(),
+            serve_once_s=s.serve_once_s,
+            serve_once_min_bytes=s.serve_once_min_bytes,
+        ),
         steps=s.steps,
         model=s.model,
         preset=s.preset,
@@ -189,7 +193,11 @@ async def run_relay(s: RelaySettings) -> int:
 
     async def body() -> None:
         nonlocal follower
-        node_cfg = dataclasses.replace(s.node_config(run_id), serve_once_s=s.serve_once_s)
+        node_cfg = dataclasses.replace(
+            s.node_config(run_id),
+            serve_once_s=s.serve_once_s or None,  # 0: off
+            serve_once_min_bytes=s.serve_once_min_bytes,
+        )
         async with ShardcastNode.open(identity, s.trust(), node_cfg) as node:
             if card is not None:
                 node.set_card(card)
@@ -465,7 +473,11 @@ async def run_origin(s: OriginSettings) -> int:
     plane = _origin_plane(s, trust) if s.rollouts_out is not None else None
 
     async def body() -> None:
-        node_cfg = dataclasses.replace(s.node_config(), serve_once_s=s.serve_once_s)
+        node_cfg = dataclasses.replace(
+            s.node_config(),
+            serve_once_s=s.serve_once_s,
+            serve_once_min_bytes=s.serve_once_min_bytes,
+        )
         async with (
             ShardcastNode.open(identity, trust, node_cfg) as node,
             trio.open_nursery() as nursery,

@@ -524,7 +524,7 @@ def test_blame_names_only_the_sources_whose_bytes_differ() -> None:
 
 # --- invariants under random events ---------------------------------------------------------
 
-KINDS = ("timeout", "broken", "unavailable", "corrupt", "suspect")
+KINDS = ("timeout", "broken", "unavailable", "refused", "corrupt", "suspect")
 
 
 @dataclass(frozen=True)
@@ -699,3 +699,24 @@ def test_source_bans_last_their_time_and_are_bounded() -> None:
     off = SourceBans(ban_s=0)
     off.ban("a", now=0.0)
     assert off.banned(now=0.0) == []
+
+
+def test_refused_keeps_the_shard_off_that_source_for_refused_s_and_keeps_its_have() -> None:
+    cfg = SchedulerConfig(penalty_s=4.0, refused_s=1.0, explore=0.0, endgame_duplicates=0)
+    sched = Scheduler([100], random.Random(0), cfg)
+    sched.add_source("a")
+    sched.add_source("p", have={0})
+    req = sched.next_request(0.0)
+    assert req is not None
+    assert req.source == "a"  # complete and unmeasured peers lose ties
+    sched.on_failure(req.id, 0.0, kind="refused")  # a 429: a's super-seeding served others
+    a = state(sched, "a")
+    assert (a.consecutive_failures, a.corrupt, a.blocked_until) == (0, 0, 0.0)
+    again = sched.next_request(0.0)  # at once, from the source that has it for us
+    assert again is not None
+    assert again.source == "p"
+    sched.on_failure(again.id, 0.0, kind="refused")
+    assert state(sched, "p").have == {0}  # it holds the shard: still counted as a holder
+    assert sched.next_request(0.999) is None  # not 0.4 s (503's penalty_s / 10) ...
+    last = sched.next_request(1.0)  # ... but refused_s
+    assert last is not None

@@ -15,9 +15,10 @@ from shardcast.lane_auth import (
     sign_request,
     verify_request,
 )
+from shardcast.manifest import Manifest
 from shardcast.plan import build_manifest
 from shardcast.policy import SuperSeeding
-from shardcast.serve import VersionServer
+from shardcast.serve import VersionServer, offered_bytes
 from shardcast.store import VersionStore
 from tests.helpers import TRAINER, make_checkpoint, trust
 
@@ -113,3 +114,68 @@ def test_a_holder_that_left_holds_nothing() -> None:
     # relay-a comes back: what it is served from now on is reserved for it again
     assert s.allow("relay-a", 0, [2], 3.0, total_shards=10)
     assert not s.allow("relay-b", 0, [2], 3.5, total_shards=10)
+
+
+def test_a_small_version_is_served_to_everyone_without_holders() -> None:
+    s = SuperSeeding(window_s=5.0, repeat_budget=0.0, small_version_bytes=1000)
+    for who in ("relay-a", "relay-b", "relay-a", "relay-c"):  # a 900-byte delta: no refusal
+        assert s.allow(who, 1, [0, 1], 0.0, total_shards=2, version_bytes=900)
+    assert (s.refused, s.repeats, s.small_served) == (0, 0, 4)
+    # it recorded no holder: a full version of the same size rules is super-seeded as before
+    assert s.allow("relay-a", 2, [0], 0.0, total_shards=2, version_bytes=1001)
+    assert not s.allow("relay-b", 2, [0], 0.1, total_shards=2, version_bytes=1001)
+    assert not s.allow("relay-b", 2, [0], 0.2, total_shards=2)  # size unknown: rules apply
+    assert SuperSeeding(window_s=5.0).small_version_bytes == 0  # off unless asked
+
+
+async def test_the_lane_does_not_super_seed_a_version_smaller_than_its_bound(
+    tmp_path: Path,
+) -> None:
+    store = VersionStore(tmp_path / "store", "run", keep_last=2)
+    ck = make_checkpoint(tmp_path / "c1", {"model-00001-of-00001.safetensors": 4000}, seed=1)
+    m = build_manifest(ck, "run", 1, TRAINER, shard_size=1000)
+    store.adopt(ck, m)
+    now = 5000.0
+    path = f"/shardnet/v1/run/1/{m.digest}/files/{m.header.files[0].name}"
+
+    async def statuses(min_bytes: int) -> list[int]:
+        server = VersionServer(
+            store, trust(), serve_once_s=5.0, clock=lambda: now, serve_once_min_bytes=min_bytes
+        )
+        out = []
+        for who in (A, B):
+            asked = {AUTH_HEADER: sign_request(who, path, now), "range": "bytes=0-999"}
+            resp = await server.handle(HttpRequest("GET", path, {}, asked, ByteRange(0, 999)))
+            if resp.body is not None and hasattr(resp.body, "on_done") and resp.body.on_done:
+                resp.body.on_done()
+            out.append(resp.status)
+        return out
+
+    total = offered_bytes(m)  # raw only: every shard's smallest form is its bytes
+    assert total == m.total_bytes
+    assert await statuses(total) == [206, 206]  # small: both served
+    assert await statuses(total - 1) == [206, 429]  # larger than the bound: super-seeded
+
+
+def test_offered_bytes_of_a_version_still_published_follows_its_known_parts(
+    tmp_path: Path,
+) -> None:
+    ck = make_checkpoint(tmp_path / "c1", {"model-00001-of-00001.safetensors": 8000}, seed=1)
+    full = build_manifest(
+        ck, "run", 1, TRAINER, 1000, 2, encodings=["zstd"], blob_dir=tmp_path / "blobs"
+    )
+    live = Manifest(full.signed_header)  # a node that has the header only
+    lengths = [ref.length for ref in full.header.shards]
+    assert offered_bytes(live) == sum(lengths)  # nothing known: raw lengths
+    live.add_part(full.parts[0])
+    known = sum(lengths[i] for i in full.header.part_range(0))
+    smallest = sum(
+        min([full.shard(i).length, *(e.size for e in full.shard(i).encodings)])
+        for i in full.header.part_range(0)
+    )
+    rest = sum(lengths) - known
+    assert offered_bytes(live) == smallest + -(-rest * smallest // known)  # extrapolated
+    assert offered_bytes(full) == sum(
+        min([e.length, *(x.size for x in e.encodings)])
+        for e in (full.shard(i) for i in range(len(lengths)))
+    )

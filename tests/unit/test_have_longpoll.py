@@ -1,0 +1,90 @@
+"""``/have`` as a long-poll (issue 16): a request naming the last answer's token is held until
+the source's bitmap or the set of shards it serves a prefix of changes, at most
+``HAVE_HOLD_S``; a request without it (or a committed version) is answered at once."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import trio
+import trio.testing
+
+from p2p.http_server import HttpRequest, HttpResponse
+from shardcast.lane_urls import have_url
+from shardcast.serve import (
+    HAVE_HOLD_S,
+    HAVE_TOKEN_HEADER,
+    HOLD_HEADER,
+    VersionServer,
+    decode_have,
+    have_token,
+)
+from shardcast.store import VersionStore
+from tests.faults import RUN, make_version
+from tests.helpers import trust
+
+SHARD = 16 * 1024
+CHUNK = 4096
+FILE = "model.safetensors"
+
+
+def _get(path: str, known: str | None, hold: bool = True) -> HttpRequest:
+    query = {"prefix": "1", **({"known": known} if known is not None else {})}
+    headers = {HOLD_HEADER: "10"} if hold else {}
+    return HttpRequest("GET", path, query, headers, None)
+
+
+def _token(resp: HttpResponse, n: int) -> str:
+    assert isinstance(resp.body, bytes)
+    _, prefixes = decode_have(resp.body, n)
+    token = have_token(resp.body[: (n + 7) // 8], prefixes)
+    assert dict(resp.headers)[HAVE_TOKEN_HEADER] == token  # the client computes the same
+    return token
+
+
+async def test_have_is_held_until_a_shard_starts_or_completes(
+    tmp_path: Path, autojump_clock: trio.testing.MockClock
+) -> None:
+    version = make_version(tmp_path, {FILE: 2 * SHARD}, SHARD, chunk_bytes=CHUNK)
+    m, data = version.signed, version.files[FILE]
+    store = VersionStore(tmp_path / "filling", RUN, keep_last=2)
+    part = store.begin(m)
+    server = VersionServer(store, trust(), wait_s=10.0)
+    server.add_live(part)
+    path = have_url("http://x", RUN, m.step, m.digest).removeprefix("http://x")
+    first = await server.handle(_get(path, None))
+    token = _token(first, 2)
+    got: list[HttpResponse] = []
+
+    async def poll(known: str, hold: bool = True) -> None:
+        got.append(await server.handle(_get(path, known, hold)))
+
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(poll, token)
+        await trio.testing.wait_all_tasks_blocked()
+        assert not got  # nothing changed: held
+        part.write_prefix(1, 0, data[SHARD : SHARD + CHUNK])  # shard 1 starts: a change
+        server.progress(m.step)
+    assert decode_have(got[0].body, 2) == ([], {1: CHUNK})  # type: ignore[arg-type]
+    token = _token(got.pop(), 2)
+
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(poll, token)
+        part.write_prefix(1, CHUNK, data[SHARD + CHUNK : SHARD + 2 * CHUNK])  # grows: no change
+        server.progress(m.step)
+        await trio.testing.wait_all_tasks_blocked()
+        assert not got
+        part.write_shard(0, data[:SHARD])  # shard 0 whole: the bitmap changed
+        server.progress(m.step)
+    assert decode_have(got[0].body, 2) == ([0], {1: 2 * CHUNK})  # type: ignore[arg-type]
+    token = _token(got.pop(), 2)
+
+    await poll("stale")  # a token of another state: answered at once
+    await poll(token, hold=False)  # not asking to be held: answered at once
+    assert [_token(r, 2) for r in got] == [token, token]
+    got.clear()
+    t0 = trio.current_time()
+    await poll(token)  # nothing changes: answered, unchanged, after HAVE_HOLD_S
+    assert trio.current_time() - t0 >= HAVE_HOLD_S
+    assert _token(got.pop(), 2) == token
+    part.abort()
