@@ -7,6 +7,7 @@ the subcommands that need it.
 
 from __future__ import annotations
 
+import sys
 from pathlib import Path
 from typing import TYPE_CHECKING, Annotated, Any
 
@@ -204,8 +205,28 @@ _add_roles()
 
 
 def main() -> None:
-    """Console-script entry point."""
-    app(prog_name="shardnet")
+    """Console-script entry point.
+
+    A usage mistake (unknown option, a value of the wrong type, a missing argument) is one line
+    on stderr and exit 2, like every other operator error (:mod:`shardnet.errors`); click's
+    multi-line usage block is not printed.
+    """
+    try:
+        rv = app(prog_name="shardnet", standalone_mode=False)
+    except typer.Abort:
+        typer.echo("shardnet: aborted", err=True)
+        sys.exit(1)
+    except typer.TyperException as exc:  # typer's usage and parameter errors (its own click)
+        fmt = getattr(exc, "format_message", None)
+        msg = fmt() if callable(fmt) else str(exc)
+        if type(exc).__name__ == "NoArgsIsHelpError":  # bare `shardnet`: the help, exit 2
+            typer.echo(msg, err=True)
+            sys.exit(2)
+        ctx = getattr(exc, "ctx", None)
+        hint = f" (see '{ctx.command_path} --help')" if ctx is not None else ""
+        typer.echo(f"shardnet: error: {msg}{hint}", err=True)
+        sys.exit(int(getattr(exc, "exit_code", 2)))
+    sys.exit(rv if isinstance(rv, int) else 0)
 
 
 if __name__ == "__main__":
