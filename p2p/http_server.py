@@ -5,7 +5,10 @@ Theory of operation
 :meth:`HttpServer.serve` binds a listening socket, reports readiness through
 ``task_status.started()`` and accepts connections in a nursery it owns. A semaphore of
 ``max_connections`` slots is taken *before* each ``accept``, so excess clients wait in the
-kernel's listen backlog and the server's memory stays bounded.
+kernel's listen backlog and the server's memory stays bounded. One client IP address holds at
+most ``max_connections_per_ip`` of those slots: a connection above that share is closed right
+after ``accept`` (counted as ``per_ip_limit``), so one host that opens many idle connections
+(slowloris) cannot fill the slots and the backlog and starve everyone else.
 
 Each connection is one task driving an ``h11.Connection`` (the sans-IO HTTP state machine):
 read until h11 yields a request (at most ``max_header_bytes`` buffered; ``header_timeout_s`` for
@@ -103,6 +106,7 @@ class HttpServerConfig:
     port: int = 0  #: TCP port; 0 picks an ephemeral port
     backlog: int = 128  #: kernel listen backlog (where clients wait above the limit)
     max_connections: int = 256  #: connections served at once
+    max_connections_per_ip: int = 32  #: connections of one client IP at once; more are closed
     max_header_bytes: int = 16 * 1024  #: request line + headers; more → 431
     header_timeout_s: float = 10.0  #: to receive a whole request head
     idle_timeout_s: float = 30.0  #: keep-alive wait for the next request
@@ -117,7 +121,13 @@ class HttpServerConfig:
         for name in ("header_timeout_s", "idle_timeout_s", "send_timeout_s", "handler_timeout_s"):
             if not getattr(self, name) > 0:
                 raise ConfigError(name, "must be > 0")
-        for name in ("backlog", "max_connections", "max_header_bytes", "send_chunk_bytes"):
+        for name in (
+            "backlog",
+            "max_connections",
+            "max_connections_per_ip",
+            "max_header_bytes",
+            "send_chunk_bytes",
+        ):
             if getattr(self, name) < 1:
                 raise ConfigError(name, "must be >= 1")
         if not 0 <= self.port <= 65535:
@@ -289,7 +299,8 @@ class HttpServerStatistics:
     ``bytes_sent`` counts body bytes only; ``requests`` counts responses started; ``errors``
     counts abnormal connection ends and refused requests by kind (``bad_request``,
     ``header_timeout``, ``send_timeout``, ``client_disconnected``, ``handler``,
-    ``handler_timeout``, ``short_file``, ``file_error``, ``os_error``, ``accept_error``...).
+    ``handler_timeout``, ``short_file``, ``file_error``, ``os_error``, ``accept_error``,
+    ``per_ip_limit``: a connection closed at accept because its IP had too many open)...
     """
 
     bytes_sent: int
@@ -297,6 +308,11 @@ class HttpServerStatistics:
     open_connections: int
     connections_total: int
     errors: Mapping[str, int] = field(default_factory=dict)
+
+
+def _client_ip(addr: object) -> str:
+    """The client's IP address from ``accept``'s address (whole ``addr`` if not a tuple)."""
+    return str(addr[0]) if isinstance(addr, tuple) and addr else str(addr)
 
 
 class _Abort(Exception):
@@ -327,6 +343,7 @@ class HttpServer:
         self._open = 0
         self._connections_total = 0
         self._errors: Counter[str] = Counter()
+        self._per_ip: Counter[str] = Counter()  # open connections by client IP
 
     @property
     def port(self) -> int:
@@ -396,10 +413,19 @@ class HttpServer:
             finally:
                 if sock is None:
                     self._slots.release()
-            if sock is not None:
-                nursery.start_soon(self._run_connection, sock, addr)
+            if sock is None:
+                continue
+            ip = _client_ip(addr)
+            if self._per_ip[ip] >= self._config.max_connections_per_ip:
+                self._errors["per_ip_limit"] += 1
+                logger.debug("http_connection_refused reason=per_ip_limit ip=%s", ip)
+                sock.close()
+                self._slots.release()
+                continue
+            self._per_ip[ip] += 1
+            nursery.start_soon(self._run_connection, sock, addr, ip)
 
-    async def _run_connection(self, sock: trio.socket.SocketType, addr: object) -> None:
+    async def _run_connection(self, sock: trio.socket.SocketType, addr: object, ip: str) -> None:
         peer = ":".join(str(part) for part in addr[:2]) if isinstance(addr, tuple) else str(addr)
         self._open += 1
         self._connections_total += 1
@@ -423,6 +449,9 @@ class HttpServer:
             logger.warning("http_connection_error errno=%s peer=%s", errname, peer)
         finally:
             self._open -= 1
+            self._per_ip[ip] -= 1
+            if self._per_ip[ip] <= 0:
+                del self._per_ip[ip]
             self._slots.release()
 
     async def _serve_connection(

@@ -466,6 +466,44 @@ async def test_header_and_idle_timeouts(jump_clock: trio.testing.MockClock) -> N
         assert server.statistics().errors == {"header_timeout": 2}
 
 
+async def test_one_ip_cannot_hold_every_connection_slot(
+    jump_clock: trio.testing.MockClock,
+) -> None:
+    """Slowloris from 127.0.0.2 (idle heads) is capped per IP; 127.0.0.3 is served at once."""
+    config = HttpServerConfig(
+        max_connections=8, max_connections_per_ip=4, backlog=4, header_timeout_s=1000.0
+    )
+    async with open_http_server(serve_file(Path("/nonexistent")), config) as server:
+        flood: list[trio.socket.SocketType] = []
+        try:
+            for _ in range(12):
+                sock = trio.socket.socket()
+                flood.append(sock)
+                await sock.bind(("127.0.0.2", 0))
+                await sock.connect(("127.0.0.1", server.port))
+                await sock.send(b"GET / HTTP/1.1\r\n")  # a head that never ends
+            legit = trio.socket.socket()
+            with legit:
+                await legit.bind(("127.0.0.3", 0))
+                await legit.connect(("127.0.0.1", server.port))
+                stream = trio.SocketStream(legit)
+                start = trio.current_time()
+                response, body = await h11_exchange(stream, h11.Connection(h11.CLIENT), "/small")
+                assert (response.status_code, body) == (200, b"hello shardnet")
+                assert trio.current_time() - start < 1.0
+            stats = server.statistics()
+            assert stats.errors.get("per_ip_limit") == 8
+            assert stats.connections_total == 5  # 4 of the flood + the GET
+        finally:
+            for sock in flood:
+                sock.close()
+        await trio.testing.wait_all_tasks_blocked()
+        # the flooder's slots are free again once its connections are gone
+        async with await trio.open_tcp_stream("127.0.0.1", server.port) as stream:
+            response, _ = await h11_exchange(stream, h11.Connection(h11.CLIENT), "/small")
+            assert response.status_code == 200
+
+
 async def test_bandwidth_cap_paces_bodies(
     blob: tuple[Path, bytes], jump_clock: trio.testing.MockClock
 ) -> None:
