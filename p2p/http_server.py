@@ -26,7 +26,10 @@ read with ``os.pread`` in a worker thread, one chunk at a time. h11 is told abou
 with ``send_with_data_passthrough`` (its documented sendfile hook) so its framing checks still
 hold. An optional :class:`~p2p.http_range.TokenBucket`, shared by all connections, caps the
 server's upload rate (body bytes only). Every abnormal end of a connection is counted by kind
-in :meth:`HttpServer.statistics`; none of them stops the server.
+in :meth:`HttpServer.statistics`; none of them stops the server. Aborted connections are
+logged one by one at DEBUG only; at INFO one summary line
+(``http_connections_aborted count=N since_s=S kinds=...``) covers every abort of an interval of
+``abort_log_interval_s``, so a flood of bad clients cannot flood the log.
 
 Cancelling the scope around :meth:`serve` closes every connection, open file and the listener.
 A file is read while it is sent: if it is shorter than the slice promised, the connection is
@@ -116,9 +119,16 @@ class HttpServerConfig:
     send_chunk_bytes: int = 8 << 20  #: most bytes per sendfile/send call
     bandwidth_bytes_per_s: float | None = None  #: upload cap over all connections
     burst_bytes: int = 256 * 1024  #: token bucket depth when capped
+    abort_log_interval_s: float = 10.0  #: at most one INFO summary of aborts per this many s
 
     def __post_init__(self) -> None:
-        for name in ("header_timeout_s", "idle_timeout_s", "send_timeout_s", "handler_timeout_s"):
+        for name in (
+            "header_timeout_s",
+            "idle_timeout_s",
+            "send_timeout_s",
+            "handler_timeout_s",
+            "abort_log_interval_s",
+        ):
             if not getattr(self, name) > 0:
                 raise ConfigError(name, "must be > 0")
         for name in (
@@ -344,6 +354,9 @@ class HttpServer:
         self._connections_total = 0
         self._errors: Counter[str] = Counter()
         self._per_ip: Counter[str] = Counter()  # open connections by client IP
+        self._aborts: Counter[str] = Counter()  # aborts by kind not yet in a summary line
+        self._aborts_since: float | None = None  # when the first of them happened
+        self._aborts_pending = trio.Event()
 
     @property
     def port(self) -> int:
@@ -394,9 +407,43 @@ class HttpServer:
             listener.listen(cfg.backlog)
             self._port = listener.getsockname()[1]
             logger.info("http_server_listening url=%s sendfile=%s", self.url, cfg.use_sendfile)
-            async with trio.open_nursery() as nursery:
-                task_status.started()
-                await self._accept_loop(listener, nursery)
+            try:
+                async with trio.open_nursery() as nursery:
+                    nursery.start_soon(self._summarize_aborts)
+                    task_status.started()
+                    await self._accept_loop(listener, nursery)
+            finally:
+                self._log_aborts()
+
+    def _note_abort(self, kind: str, peer: str) -> None:
+        logger.debug("http_connection_aborted kind=%s peer=%s", kind, peer)
+        self._aborts[kind] += 1
+        if self._aborts_since is None:
+            self._aborts_since = trio.current_time()
+            self._aborts_pending.set()
+
+    def _log_aborts(self) -> None:
+        """Log the summary line of the aborts noted since the last one, if any."""
+        if self._aborts_since is None:
+            return
+        since_s = trio.current_time() - self._aborts_since
+        kinds = ",".join(f"{k}:{n}" for k, n in sorted(self._aborts.items()))
+        logger.info(
+            "http_connections_aborted count=%d since_s=%.1f kinds=%s",
+            sum(self._aborts.values()),
+            since_s,
+            kinds,
+        )
+        self._aborts.clear()
+        self._aborts_since = None
+        self._aborts_pending = trio.Event()
+
+    async def _summarize_aborts(self) -> None:
+        """One summary line ``abort_log_interval_s`` after the first abort of each burst."""
+        while True:
+            await self._aborts_pending.wait()
+            await trio.sleep(self._config.abort_log_interval_s)
+            self._log_aborts()
 
     async def _accept_loop(self, listener: trio.socket.SocketType, nursery: trio.Nursery) -> None:
         while True:
@@ -418,7 +465,7 @@ class HttpServer:
             ip = _client_ip(addr)
             if self._per_ip[ip] >= self._config.max_connections_per_ip:
                 self._errors["per_ip_limit"] += 1
-                logger.debug("http_connection_refused reason=per_ip_limit ip=%s", ip)
+                self._note_abort("per_ip_limit", ip)
                 sock.close()
                 self._slots.release()
                 continue
@@ -439,7 +486,7 @@ class HttpServer:
         except _Abort as exc:
             if exc.kind:
                 self._errors[exc.kind] += 1
-                logger.info("http_connection_aborted kind=%s peer=%s", exc.kind, peer)
+                self._note_abort(exc.kind, peer)
         except ConnectionError:
             self._errors["client_disconnected"] += 1
             logger.debug("http_client_disconnected peer=%s", peer)

@@ -7,6 +7,7 @@ only jumps once every task, including the kernel's side of the sockets, has gone
 
 from __future__ import annotations
 
+import logging
 import os
 import random
 import socket
@@ -502,6 +503,28 @@ async def test_one_ip_cannot_hold_every_connection_slot(
         async with await trio.open_tcp_stream("127.0.0.1", server.port) as stream:
             response, _ = await h11_exchange(stream, h11.Connection(h11.CLIENT), "/small")
             assert response.status_code == 200
+
+
+async def test_aborted_connections_are_summarized_not_logged_one_by_one(
+    jump_clock: trio.testing.MockClock, caplog: pytest.LogCaptureFixture
+) -> None:
+    caplog.set_level(logging.INFO, logger="p2p.http_server")
+    config = HttpServerConfig(header_timeout_s=1.0, abort_log_interval_s=10.0)
+    async with open_http_server(serve_file(Path("/nonexistent")), config) as server:
+        for _ in range(2):  # two bursts, 20 s apart
+            async with trio.open_nursery() as nursery:
+                for _ in range(5):
+                    nursery.start_soon(idle_client, server.port)
+            await trio.sleep(20.0)
+        assert server.statistics().errors == {"header_timeout": 10}
+    lines = [r.getMessage() for r in caplog.records if "aborted" in r.getMessage()]
+    assert lines == ["http_connections_aborted count=5 since_s=10.0 kinds=header_timeout:5"] * 2
+
+
+async def idle_client(port: int) -> None:
+    """Connect, send nothing, wait for the server to hang up."""
+    async with await trio.open_tcp_stream("127.0.0.1", port) as stream:
+        assert await stream.receive_some(100) == b""
 
 
 async def test_bandwidth_cap_paces_bodies(
