@@ -136,6 +136,14 @@ class PeerUnreachable(TransportError):
     """Could not connect to a peer or source at all."""
 
 
+class PeerIdMismatch(PeerUnreachable):
+    """The node at a dialed address did not prove the PeerID of the address's ``/p2p/`` part.
+
+    Either the address names the wrong PeerID (a typo, or the node there has a new key), or
+    its secure handshake failed. Retrying does not help until the address is corrected.
+    """
+
+
 class StreamBroken(TransportError):
     """A stream or transfer started but ended early, was reset or timed out."""
 

@@ -25,7 +25,8 @@ Only this package imports libp2p.
 from __future__ import annotations
 
 import logging
-from collections.abc import AsyncIterator, Awaitable, Callable
+import time
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
@@ -49,6 +50,7 @@ from libp2p.request_response import (
     RequestTimeoutError,
 )
 from libp2p.tools.anyio_service import background_trio_service
+from libp2p.transport.exceptions import SecurityUpgradeFailure
 
 from p2p.addresses import (
     advertised_multiaddrs,
@@ -70,6 +72,7 @@ from p2p.errors import (
     ConfigError,
     LocalProtocolError,
     MessageTooLarge,
+    PeerIdMismatch,
     PeerUnreachable,
     RemoteProtocolError,
     ShardnetError,
@@ -96,6 +99,81 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 Handler = Callable[[str, bytes], Awaitable[bytes]]
+
+#: a dial failure that names the wrong PeerID is logged at ERROR once per address per this long
+MISMATCH_LOG_INTERVAL_S = 600.0
+_SWARM_LOGGER = "libp2p.network.swarm"
+_SWARM_HANDSHAKE_PREFIX = "failed to upgrade security for peer"
+
+
+class RepeatFilter(logging.Filter):
+    """Drops a record whose message starts with ``prefix`` if the same message passed less than
+    ``interval_s`` ago (``clock`` in seconds, monotonic).
+
+    Installed on py-libp2p's swarm logger, whose dial loop logs the same ERROR ``failed to
+    upgrade security for peer …: handshake failed`` for every attempt (4 per dial, each retry):
+    :meth:`P2PNode.connect` reports that failure itself, once, naming the address.
+    """
+
+    def __init__(
+        self,
+        prefix: str,
+        interval_s: float = MISMATCH_LOG_INTERVAL_S,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        super().__init__()
+        self.prefix = prefix
+        self.interval_s = interval_s
+        self.clock = clock
+        self._last: dict[str, float] = {}
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        text = record.getMessage()
+        if not text.startswith(self.prefix):
+            return True
+        now = self.clock()
+        last = self._last.get(text)
+        if last is not None and now - last < self.interval_s:
+            return False
+        if len(self._last) > 1024:  # bounded: forget the oldest half
+            for key in sorted(self._last, key=self._last.__getitem__)[:512]:
+                del self._last[key]
+        self._last[text] = now
+        return True
+
+
+def _install_swarm_filter() -> None:
+    swarm = logging.getLogger(_SWARM_LOGGER)
+    if not any(isinstance(f, RepeatFilter) for f in swarm.filters):
+        swarm.addFilter(RepeatFilter(_SWARM_HANDSHAKE_PREFIX))
+
+
+_install_swarm_filter()
+
+
+def _exception_tree(exc: BaseException) -> Iterator[BaseException]:
+    """``exc``, its causes/contexts and the members of exception groups, each once."""
+    seen: set[int] = set()
+    todo: list[BaseException] = [exc]
+    while todo:
+        e = todo.pop()
+        if id(e) in seen:
+            continue
+        seen.add(id(e))
+        yield e
+        todo.extend(x for x in (e.__cause__, e.__context__) if x is not None)
+        for attr in ("exceptions", "errors"):  # ExceptionGroup; libp2p's MultiError
+            members = getattr(e, attr, None)
+            if isinstance(members, (list, tuple)):
+                todo.extend(m for m in members if isinstance(m, BaseException))
+
+
+def is_handshake_failure(exc: BaseException) -> bool:
+    """True if a dial failed because the remote did not prove the expected PeerID."""
+    return any(
+        isinstance(e, SecurityUpgradeFailure) or str(e).startswith(_SWARM_HANDSHAKE_PREFIX)
+        for e in _exception_tree(exc)
+    )
 
 
 @dataclass(frozen=True)
@@ -214,6 +292,7 @@ class P2PNode:
         self._subscriptions: dict[str, Subscription] = {}
         self._peering: DirectPeering | None = None
         self._interfaces = interface_addresses()
+        self._mismatch_logged: dict[str, float] = {}  # addr -> trio time of its ERROR line
 
     @property
     def peer_id(self) -> str:
@@ -350,6 +429,9 @@ class P2PNode:
 
         Raises:
             ConfigError: ``addr`` is malformed.
+            PeerIdMismatch: the node at ``addr`` did not prove its ``/p2p/`` PeerID (wrong
+                PeerID or failed handshake); logged at ERROR once per address per
+                :data:`MISMATCH_LOG_INTERVAL_S`.
             PeerUnreachable: the dial failed or took longer than ``dial_timeout_s``.
         """
         maddr = parse_multiaddr(addr)
@@ -380,9 +462,29 @@ class P2PNode:
         except (OSError, ShardnetError) as exc:
             raise PeerUnreachable(pid, f"dial failed: {exc}") from exc
         except Exception as exc:  # libp2p raises SwarmException and friends
+            if is_handshake_failure(exc):
+                self._report_mismatch(addr, pid)
+                raise PeerIdMismatch(
+                    pid,
+                    f"dial failed: peer id mismatch or handshake failure (the node at {addr} "
+                    f"did not prove it is {pid})",
+                ) from exc
             raise PeerUnreachable(pid, f"dial failed: {type(exc).__name__}: {exc}") from exc
         log.debug("peer_connected peer=%s", short_id(pid))
         return pid
+
+    def _report_mismatch(self, addr: str, pid: str) -> None:
+        now = trio.current_time()
+        last = self._mismatch_logged.get(addr)
+        if last is not None and now - last < MISMATCH_LOG_INTERVAL_S:
+            log.debug("dial_failed addr=%s expected=%s reason=peer_id_mismatch", addr, pid)
+            return
+        self._mismatch_logged[addr] = now
+        log.error(
+            "dial_failed addr=%s expected=%s reason=peer_id_mismatch_or_handshake_failure",
+            addr,
+            pid,
+        )
 
     def serve(
         self,

@@ -5,7 +5,10 @@ Theory of operation
 :meth:`HttpServer.serve` binds a listening socket, reports readiness through
 ``task_status.started()`` and accepts connections in a nursery it owns. A semaphore of
 ``max_connections`` slots is taken *before* each ``accept``, so excess clients wait in the
-kernel's listen backlog and the server's memory stays bounded.
+kernel's listen backlog and the server's memory stays bounded. One client IP address holds at
+most ``max_connections_per_ip`` of those slots: a connection above that share is closed right
+after ``accept`` (counted as ``per_ip_limit``), so one host that opens many idle connections
+(slowloris) cannot fill the slots and the backlog and starve everyone else.
 
 Each connection is one task driving an ``h11.Connection`` (the sans-IO HTTP state machine):
 read until h11 yields a request (at most ``max_header_bytes`` buffered; ``header_timeout_s`` for
@@ -23,7 +26,10 @@ read with ``os.pread`` in a worker thread, one chunk at a time. h11 is told abou
 with ``send_with_data_passthrough`` (its documented sendfile hook) so its framing checks still
 hold. An optional :class:`~p2p.http_range.TokenBucket`, shared by all connections, caps the
 server's upload rate (body bytes only). Every abnormal end of a connection is counted by kind
-in :meth:`HttpServer.statistics`; none of them stops the server.
+in :meth:`HttpServer.statistics`; none of them stops the server. Aborted connections are
+logged one by one at DEBUG only; at INFO one summary line
+(``http_connections_aborted count=N since_s=S kinds=...``) covers every abort of an interval of
+``abort_log_interval_s``, so a flood of bad clients cannot flood the log.
 
 Cancelling the scope around :meth:`serve` closes every connection, open file and the listener.
 A file is read while it is sent: if it is shorter than the slice promised, the connection is
@@ -103,6 +109,7 @@ class HttpServerConfig:
     port: int = 0  #: TCP port; 0 picks an ephemeral port
     backlog: int = 128  #: kernel listen backlog (where clients wait above the limit)
     max_connections: int = 256  #: connections served at once
+    max_connections_per_ip: int = 32  #: connections of one client IP at once; more are closed
     max_header_bytes: int = 16 * 1024  #: request line + headers; more → 431
     header_timeout_s: float = 10.0  #: to receive a whole request head
     idle_timeout_s: float = 30.0  #: keep-alive wait for the next request
@@ -112,12 +119,25 @@ class HttpServerConfig:
     send_chunk_bytes: int = 8 << 20  #: most bytes per sendfile/send call
     bandwidth_bytes_per_s: float | None = None  #: upload cap over all connections
     burst_bytes: int = 256 * 1024  #: token bucket depth when capped
+    abort_log_interval_s: float = 10.0  #: at most one INFO summary of aborts per this many s
 
     def __post_init__(self) -> None:
-        for name in ("header_timeout_s", "idle_timeout_s", "send_timeout_s", "handler_timeout_s"):
+        for name in (
+            "header_timeout_s",
+            "idle_timeout_s",
+            "send_timeout_s",
+            "handler_timeout_s",
+            "abort_log_interval_s",
+        ):
             if not getattr(self, name) > 0:
                 raise ConfigError(name, "must be > 0")
-        for name in ("backlog", "max_connections", "max_header_bytes", "send_chunk_bytes"):
+        for name in (
+            "backlog",
+            "max_connections",
+            "max_connections_per_ip",
+            "max_header_bytes",
+            "send_chunk_bytes",
+        ):
             if getattr(self, name) < 1:
                 raise ConfigError(name, "must be >= 1")
         if not 0 <= self.port <= 65535:
@@ -289,7 +309,8 @@ class HttpServerStatistics:
     ``bytes_sent`` counts body bytes only; ``requests`` counts responses started; ``errors``
     counts abnormal connection ends and refused requests by kind (``bad_request``,
     ``header_timeout``, ``send_timeout``, ``client_disconnected``, ``handler``,
-    ``handler_timeout``, ``short_file``, ``file_error``, ``os_error``, ``accept_error``...).
+    ``handler_timeout``, ``short_file``, ``file_error``, ``os_error``, ``accept_error``,
+    ``per_ip_limit``: a connection closed at accept because its IP had too many open)...
     """
 
     bytes_sent: int
@@ -297,6 +318,11 @@ class HttpServerStatistics:
     open_connections: int
     connections_total: int
     errors: Mapping[str, int] = field(default_factory=dict)
+
+
+def _client_ip(addr: object) -> str:
+    """The client's IP address from ``accept``'s address (whole ``addr`` if not a tuple)."""
+    return str(addr[0]) if isinstance(addr, tuple) and addr else str(addr)
 
 
 class _Abort(Exception):
@@ -327,6 +353,10 @@ class HttpServer:
         self._open = 0
         self._connections_total = 0
         self._errors: Counter[str] = Counter()
+        self._per_ip: Counter[str] = Counter()  # open connections by client IP
+        self._aborts: Counter[str] = Counter()  # aborts by kind not yet in a summary line
+        self._aborts_since: float | None = None  # when the first of them happened
+        self._aborts_pending = trio.Event()
 
     @property
     def port(self) -> int:
@@ -377,9 +407,43 @@ class HttpServer:
             listener.listen(cfg.backlog)
             self._port = listener.getsockname()[1]
             logger.info("http_server_listening url=%s sendfile=%s", self.url, cfg.use_sendfile)
-            async with trio.open_nursery() as nursery:
-                task_status.started()
-                await self._accept_loop(listener, nursery)
+            try:
+                async with trio.open_nursery() as nursery:
+                    nursery.start_soon(self._summarize_aborts)
+                    task_status.started()
+                    await self._accept_loop(listener, nursery)
+            finally:
+                self._log_aborts()
+
+    def _note_abort(self, kind: str, peer: str) -> None:
+        logger.debug("http_connection_aborted kind=%s peer=%s", kind, peer)
+        self._aborts[kind] += 1
+        if self._aborts_since is None:
+            self._aborts_since = trio.current_time()
+            self._aborts_pending.set()
+
+    def _log_aborts(self) -> None:
+        """Log the summary line of the aborts noted since the last one, if any."""
+        if self._aborts_since is None:
+            return
+        since_s = trio.current_time() - self._aborts_since
+        kinds = ",".join(f"{k}:{n}" for k, n in sorted(self._aborts.items()))
+        logger.info(
+            "http_connections_aborted count=%d since_s=%.1f kinds=%s",
+            sum(self._aborts.values()),
+            since_s,
+            kinds,
+        )
+        self._aborts.clear()
+        self._aborts_since = None
+        self._aborts_pending = trio.Event()
+
+    async def _summarize_aborts(self) -> None:
+        """One summary line ``abort_log_interval_s`` after the first abort of each burst."""
+        while True:
+            await self._aborts_pending.wait()
+            await trio.sleep(self._config.abort_log_interval_s)
+            self._log_aborts()
 
     async def _accept_loop(self, listener: trio.socket.SocketType, nursery: trio.Nursery) -> None:
         while True:
@@ -396,10 +460,19 @@ class HttpServer:
             finally:
                 if sock is None:
                     self._slots.release()
-            if sock is not None:
-                nursery.start_soon(self._run_connection, sock, addr)
+            if sock is None:
+                continue
+            ip = _client_ip(addr)
+            if self._per_ip[ip] >= self._config.max_connections_per_ip:
+                self._errors["per_ip_limit"] += 1
+                self._note_abort("per_ip_limit", ip)
+                sock.close()
+                self._slots.release()
+                continue
+            self._per_ip[ip] += 1
+            nursery.start_soon(self._run_connection, sock, addr, ip)
 
-    async def _run_connection(self, sock: trio.socket.SocketType, addr: object) -> None:
+    async def _run_connection(self, sock: trio.socket.SocketType, addr: object, ip: str) -> None:
         peer = ":".join(str(part) for part in addr[:2]) if isinstance(addr, tuple) else str(addr)
         self._open += 1
         self._connections_total += 1
@@ -413,7 +486,7 @@ class HttpServer:
         except _Abort as exc:
             if exc.kind:
                 self._errors[exc.kind] += 1
-                logger.info("http_connection_aborted kind=%s peer=%s", exc.kind, peer)
+                self._note_abort(exc.kind, peer)
         except ConnectionError:
             self._errors["client_disconnected"] += 1
             logger.debug("http_client_disconnected peer=%s", peer)
@@ -423,6 +496,9 @@ class HttpServer:
             logger.warning("http_connection_error errno=%s peer=%s", errname, peer)
         finally:
             self._open -= 1
+            self._per_ip[ip] -= 1
+            if self._per_ip[ip] <= 0:
+                del self._per_ip[ip]
             self._slots.release()
 
     async def _serve_connection(

@@ -14,7 +14,10 @@ through :meth:`RolloutInbox.ingest`:
 2. exactly-once *per submitter*: decisions are keyed by ``(submitter, payload digest)``
    (:data:`rollout.intake.BatchKey`); a batch already decided returns the stored ack; a batch
    being fetched is awaited, not fetched again (two routes or a repeated announcement collapse
-   into one). Another submitter announcing the same bytes names another batch;
+   into one). Another submitter announcing the same bytes names another batch. Such a
+   repeat is counted as ``redelivered`` when it comes by a route that had not yet carried
+   this batch (an honest peer's gossip copy after its direct announce, or the reverse), and as
+   a ``duplicate`` when the same route brings it again (a replay or a lost ack's retry);
 3. the payload is fetched once from the submitter, checked against the announced size and
    digest, decoded with bounds, and run through the :class:`~rollout.verify.Validator` in a
    worker thread (model forward passes), one batch at a time;
@@ -140,6 +143,7 @@ class InboxStats:
     by_submitter: dict[str, Acceptance]
     by_length: dict[str, Acceptance]
     fetched_batches: int = 0
+    redelivered: int = 0  #: repeats of a batch by a route that had not carried it before
 
 
 class RolloutInbox:
@@ -183,6 +187,9 @@ class RolloutInbox:
         self._verify_lock = trio.Lock()
         self._announcements = self._duplicates = self._fetched = self._expired = 0
         self._fetched_batches = 0
+        self._redelivered = 0
+        # batch -> the routes that brought it; bounded like the ledger (remember_batches)
+        self._routes: OrderedDict[BatchKey, frozenset[str]] = OrderedDict()
         self._by_route: dict[str, int] = {}
         self._acks: dict[str, int] = {}
         self._answers: dict[str, int] = {}
@@ -334,13 +341,14 @@ class RolloutInbox:
         if ann.submitter in self.joined:
             self.last_seen[ann.submitter] = trio.current_time()
         key = _key(ann)
+        new_route = self._note_route(key, route)
         done = self.ledger.decision(key)
         if isinstance(done, Ack):
-            self._duplicates += 1
+            self._count_repeat(new_route)
             return done
         event = self._inflight.get(key)
         if event is not None:
-            self._duplicates += 1
+            self._count_repeat(new_route)
             await event.wait()
             done = self.ledger.decision(key)
             return done if isinstance(done, Ack) else Ack(ann.batch_id, "retry", "fetch_failed")
@@ -361,6 +369,20 @@ class RolloutInbox:
             return await self._fetch_and_check(ann)
         finally:
             self._inflight.pop(key).set()
+
+    def _note_route(self, key: BatchKey, route: str) -> bool:
+        """Remember that ``route`` brought ``key``; True if it had not brought it before."""
+        seen = self._routes.pop(key, frozenset())
+        self._routes[key] = seen | {route}
+        while len(self._routes) > self.config.remember_batches:
+            self._routes.popitem(last=False)
+        return route not in seen
+
+    def _count_repeat(self, new_route: bool) -> None:
+        if new_route:
+            self._redelivered += 1
+        else:
+            self._duplicates += 1
 
     def _staleness(self, step: int) -> Staleness:
         return judge_staleness(
@@ -487,4 +509,5 @@ class RolloutInbox:
             self.ledger.by_submitter(),
             self.ledger.by_length(),
             self._fetched_batches,
+            self._redelivered,
         )

@@ -107,6 +107,12 @@ class CommonSettings(BaseSettings):
     upload_limit_bytes_per_s: float | None = Field(
         None, gt=0, description="cap on HTTP lane upload, bytes/s (unset: none)"
     )
+    http_max_connections_per_ip: int = Field(
+        32,
+        ge=1,
+        description="HTTP lane connections one client IP address may hold open at once; more "
+        "are closed at accept (of 256 in all)",
+    )
     keep_last: int = Field(3, ge=1, description="committed versions kept on disk")
     durable_commits: bool | None = Field(
         None,
@@ -251,6 +257,7 @@ class CommonSettings(BaseSettings):
                 host=self.http_host,
                 port=self.default_http_port if self.http_port is None else self.http_port,
                 bandwidth_bytes_per_s=self.upload_limit_bytes_per_s,
+                max_connections_per_ip=self.http_max_connections_per_ip,
             ),
         )
 

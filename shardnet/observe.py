@@ -109,6 +109,7 @@ def trainer_rollouts(trainer: Trainer) -> dict[str, Any]:
         out.update(
             announced=st.announcements,
             duplicates=st.duplicates,
+            redelivered=st.redelivered,
             fetched_bytes=st.fetched_bytes,
             pending_batches=st.buffered,
             expired_samples=st.expired_samples,

@@ -252,6 +252,10 @@ def render(doc: dict[str, Any]) -> RenderableType:
         t.add_column(style="bold")
         t.add_column()
         for k, val in ro.items():
+            if k == "acceptance" and isinstance(val, dict):
+                for label, rows in _acceptance_rows(val):
+                    t.add_row(label, rows)
+                continue
             t.add_row(k.replace("_", " "), _fmt(val))
         if tr and tr.get("reputation", {}).get("scores"):
             rep = tr["reputation"]
@@ -271,6 +275,40 @@ def render(doc: dict[str, Any]) -> RenderableType:
             t.add_row(str(k), _fmt(val))
         parts.append(t)
     return Group(*parts)
+
+
+def _acceptance_rows(acc: dict[str, Any]) -> list[tuple[str, str]]:
+    """``rollouts.acceptance`` as (label, text) rows: one line per length bucket / submitter.
+
+    Each line reads ``<bucket>: <decided> decided, <accepted> admitted, <trained> trained
+    (<rate> admitted)``, with ``, <late> late`` when some were.
+    """
+    out = []
+    for section, label, key in (
+        ("by_length", "acceptance by length", str),
+        ("by_submitter", "acceptance by submitter", short_id),
+    ):
+        entries = acc.get(section) or {}
+        if not isinstance(entries, dict):
+            continue
+        lines = [_acceptance_line(key(name), a) for name, a in entries.items()]
+        out.append((label, "\n".join(lines) if lines else "none"))
+    return out
+
+
+def _acceptance_line(name: str, a: object) -> str:
+    if not isinstance(a, dict):
+        return f"{name}: {_opt(a)}"
+    line = (
+        f"{name}: {a.get('decided', 0)} decided, {a.get('accepted', 0)} admitted, "
+        f"{a.get('trained', 0)} trained"
+    )
+    if a.get("late"):
+        line += f", {a['late']} late"
+    rate = a.get("acceptance_rate")
+    if isinstance(rate, (int, float)) and a.get("decided"):
+        line += f" ({rate:.0%} admitted)"
+    return line
 
 
 def _opt(x: object) -> str:

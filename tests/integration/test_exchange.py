@@ -271,3 +271,22 @@ async def test_batch_in_the_grace_window_is_admitted_and_trained(tmp_path: Path)
         assert len(await w.inbox.take(min_batches=1, step=3, timeout_s=1)) == 1
         (acc,) = w.inbox.statistics().by_submitter.values()
         assert (acc.accepted, acc.late, acc.trained) == (1, 1, 1)
+
+
+async def test_second_route_is_redelivery_not_duplicate(tmp_path: Path) -> None:
+    """An honest peer announces by gossip and directly: the second copy is ``redelivered``;
+    only a repeat on a route that already brought the batch is a ``duplicate``."""
+    async with world(tmp_path) as w:
+        w.step[0] = 4
+        payload = make_batch(w.oracle, PEER.peer_id, 0).encode()
+        ann = RolloutAnnouncement.for_payload(PEER, RUN, 0, payload)  # too old: decided unfetched
+        acks = [
+            await w.inbox.ingest(ann.encode(), PEER.peer_id, route=route)
+            for route in ("gossip", "direct", "direct", "gossip")
+        ]
+        assert [(a.status, a.reason) for a in acks if a is not None] == [
+            ("rejected", "stale_step")
+        ] * 4
+        stats = w.inbox.statistics()
+        assert (stats.redelivered, stats.duplicates) == (1, 2)
+        assert stats.by_submitter[PEER.peer_id].decided == 1  # still decided exactly once

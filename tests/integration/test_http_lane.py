@@ -7,6 +7,7 @@ only jumps once every task, including the kernel's side of the sockets, has gone
 
 from __future__ import annotations
 
+import logging
 import os
 import random
 import socket
@@ -464,6 +465,66 @@ async def test_header_and_idle_timeouts(jump_clock: trio.testing.MockClock) -> N
             assert 7.0 <= trio.current_time() - start < 7.5
         await trio.testing.wait_all_tasks_blocked()
         assert server.statistics().errors == {"header_timeout": 2}
+
+
+async def test_one_ip_cannot_hold_every_connection_slot(
+    jump_clock: trio.testing.MockClock,
+) -> None:
+    """Slowloris from 127.0.0.2 (idle heads) is capped per IP; 127.0.0.3 is served at once."""
+    config = HttpServerConfig(
+        max_connections=8, max_connections_per_ip=4, backlog=4, header_timeout_s=1000.0
+    )
+    async with open_http_server(serve_file(Path("/nonexistent")), config) as server:
+        flood: list[trio.socket.SocketType] = []
+        try:
+            for _ in range(12):
+                sock = trio.socket.socket()
+                flood.append(sock)
+                await sock.bind(("127.0.0.2", 0))
+                await sock.connect(("127.0.0.1", server.port))
+                await sock.send(b"GET / HTTP/1.1\r\n")  # a head that never ends
+            legit = trio.socket.socket()
+            with legit:
+                await legit.bind(("127.0.0.3", 0))
+                await legit.connect(("127.0.0.1", server.port))
+                stream = trio.SocketStream(legit)
+                start = trio.current_time()
+                response, body = await h11_exchange(stream, h11.Connection(h11.CLIENT), "/small")
+                assert (response.status_code, body) == (200, b"hello shardnet")
+                assert trio.current_time() - start < 1.0
+            stats = server.statistics()
+            assert stats.errors.get("per_ip_limit") == 8
+            assert stats.connections_total == 5  # 4 of the flood + the GET
+        finally:
+            for sock in flood:
+                sock.close()
+        await trio.testing.wait_all_tasks_blocked()
+        # the flooder's slots are free again once its connections are gone
+        async with await trio.open_tcp_stream("127.0.0.1", server.port) as stream:
+            response, _ = await h11_exchange(stream, h11.Connection(h11.CLIENT), "/small")
+            assert response.status_code == 200
+
+
+async def test_aborted_connections_are_summarized_not_logged_one_by_one(
+    jump_clock: trio.testing.MockClock, caplog: pytest.LogCaptureFixture
+) -> None:
+    caplog.set_level(logging.INFO, logger="p2p.http_server")
+    config = HttpServerConfig(header_timeout_s=1.0, abort_log_interval_s=10.0)
+    async with open_http_server(serve_file(Path("/nonexistent")), config) as server:
+        for _ in range(2):  # two bursts, 20 s apart
+            async with trio.open_nursery() as nursery:
+                for _ in range(5):
+                    nursery.start_soon(idle_client, server.port)
+            await trio.sleep(20.0)
+        assert server.statistics().errors == {"header_timeout": 10}
+    lines = [r.getMessage() for r in caplog.records if "aborted" in r.getMessage()]
+    assert lines == ["http_connections_aborted count=5 since_s=10.0 kinds=header_timeout:5"] * 2
+
+
+async def idle_client(port: int) -> None:
+    """Connect, send nothing, wait for the server to hang up."""
+    async with await trio.open_tcp_stream("127.0.0.1", port) as stream:
+        assert await stream.receive_some(100) == b""
 
 
 async def test_bandwidth_cap_paces_bodies(

@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import logging
+
 import pytest
 import trio
 
-from p2p.errors import MessageTooLarge, RemoteProtocolError, StreamBroken
-from p2p.host import HostConfig, P2PNode, peer_id_of
+from p2p.errors import MessageTooLarge, PeerIdMismatch, RemoteProtocolError, StreamBroken
+from p2p.host import HostConfig, P2PNode, RepeatFilter, peer_id_of
 from p2p.identity import Identity
 
 PROTO = "/shardnet/test-echo/1.0.0"
@@ -67,3 +69,61 @@ async def test_gossip_delivers_burst_without_drops() -> None:
                 got.append(msg.data)
         assert got == [b"m%d" % i for i in range(n)]
         assert sub.statistics().dropped == 0
+
+
+class _Collect(logging.Handler):
+    def __init__(self) -> None:
+        super().__init__(logging.DEBUG)
+        self.messages: list[str] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.messages.append(record.getMessage())
+
+
+async def test_dial_with_wrong_peer_id_says_so_once(caplog: pytest.LogCaptureFixture) -> None:
+    caplog.set_level(logging.DEBUG, logger="p2p.host")
+    swarm, seen = logging.getLogger("libp2p.network.swarm"), _Collect()
+    swarm.addHandler(seen)
+    try:
+        async with (
+            P2PNode.open(Identity.from_seed("mm-a"), HostConfig()) as a,
+            P2PNode.open(Identity.from_seed("mm-b"), HostConfig()) as b,
+        ):
+            wrong = Identity.from_seed("mm-wrong").peer_id
+            addr = a.multiaddrs()[0].rsplit("/p2p/", 1)[0] + "/p2p/" + wrong
+            for _ in range(3):  # an upstream loop retrying
+                with pytest.raises(PeerIdMismatch, match="peer id mismatch"):
+                    await b.connect(addr)
+    finally:
+        swarm.removeHandler(seen)
+    errors = [
+        r.getMessage()
+        for r in caplog.records
+        if r.levelno >= logging.ERROR and r.name == "p2p.host"
+    ]
+    assert errors == [
+        f"dial_failed addr={addr} expected={wrong} reason=peer_id_mismatch_or_handshake_failure"
+    ]
+    handshake = [m for m in seen.messages if m.startswith("failed to upgrade security")]
+    assert len(handshake) == 1  # py-libp2p logs one per attempt; the filter keeps the first
+
+
+def test_repeat_filter_passes_a_message_once_per_interval() -> None:
+    now = [0.0]
+    f = RepeatFilter("failed to upgrade", interval_s=600.0, clock=lambda: now[0])
+
+    def rec(msg: str) -> logging.LogRecord:
+        return logging.LogRecord("libp2p.network.swarm", logging.ERROR, "", 0, msg, None, None)
+
+    seen = []
+    for t, msg in [
+        (0, "failed to upgrade X"),
+        (1, "failed to upgrade X"),
+        (2, "other"),
+        (3, "other"),
+        (4, "failed to upgrade Y"),
+        (601, "failed to upgrade X"),
+    ]:
+        now[0] = float(t)
+        seen.append(f.filter(rec(msg)))
+    assert seen == [True, False, True, True, True, True]

@@ -73,3 +73,34 @@ def test_status_names_the_advertised_url_and_the_run_card() -> None:
 
 def test_status_without_a_card_has_no_card_section() -> None:
     assert "run_card" not in node_status(cast(Any, _node(None)))
+
+
+def test_status_renders_rollout_acceptance_as_text() -> None:
+    acc = {
+        "decided": 10,
+        "accepted": 8,
+        "trained": 6,
+        "late": 0,
+        "acceptance_rate": 0.8,
+        "trained_rate": 0.6,
+    }
+    doc = node_status(_node(None))
+    doc["rollouts"] = {
+        "announced": 52,
+        "duplicates": 0,
+        "redelivered": 26,
+        "acceptance": {
+            "by_submitter": {TRAINER.peer_id: acc},
+            "by_length": {"<=256": acc, "257-1024": {**acc, "late": 2, "decided": 0}},
+        },
+    }
+    console = Console(width=200, record=True)
+    console.print(render(doc))
+    text = console.export_text()
+    assert "<=256: 10 decided, 8 admitted, 6 trained (80% admitted)" in text
+    assert "257-1024: 0 decided, 8 admitted, 6 trained, 2 late" in text
+    assert "acceptance by submitter" in text
+    assert TRAINER.peer_id[-8:] in text
+    assert "redelivered" in text
+    assert "{" not in text
+    assert "acceptance_rate" not in text
