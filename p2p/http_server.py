@@ -109,7 +109,7 @@ class HttpServerConfig:
     port: int = 0  #: TCP port; 0 picks an ephemeral port
     backlog: int = 128  #: kernel listen backlog (where clients wait above the limit)
     max_connections: int = 256  #: connections served at once
-    max_connections_per_ip: int = 32  #: connections of one client IP at once; more are closed
+    max_connections_per_ip: int = 128  #: connections of one client IP at once; more are closed
     max_header_bytes: int = 16 * 1024  #: request line + headers; more → 431
     header_timeout_s: float = 10.0  #: to receive a whole request head
     idle_timeout_s: float = 30.0  #: keep-alive wait for the next request

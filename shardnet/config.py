@@ -108,10 +108,10 @@ class CommonSettings(BaseSettings):
         None, gt=0, description="cap on HTTP lane upload, bytes/s (unset: none)"
     )
     http_max_connections_per_ip: int = Field(
-        32,
+        128,
         ge=1,
         description="HTTP lane connections one client IP address may hold open at once; more "
-        "are closed at accept (of 256 in all)",
+        "are closed at accept (of 256 in all; nodes behind one NAT or on one host share it)",
     )
     keep_last: int = Field(3, ge=1, description="committed versions kept on disk")
     durable_commits: bool | None = Field(
