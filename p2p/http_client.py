@@ -286,6 +286,28 @@ class HttpClient:
                 raise StreamBroken(source, f"connection closed {where}")
             conn.h11.receive_data(data)
 
+    async def _open_range(
+        self,
+        url: str,
+        start: int,
+        length: int,
+        timeout_s: float,
+        headers: Sequence[tuple[str, str]],
+        anonymous: bool,
+    ) -> tuple[_Conn, h11.Response, str]:
+        """GET ``Range: bytes=start-(start+length-1)`` and check the answer is exactly that
+        range (:func:`_check_range_response`); the connection is released if it is not."""
+        spec = format_range(ByteRange(start, start + length - 1))
+        conn, response, source = await self._open(
+            url, timeout_s, [("range", spec), *headers], anonymous
+        )
+        try:
+            _check_range_response(response, source, url, start, length)
+        except BaseException:
+            await self._release(conn, False)
+            raise
+        return conn, response, source
+
     async def _open(
         self, url: str, timeout_s: float, extra: list[tuple[str, str]], anonymous: bool = False
     ) -> tuple[_Conn, h11.Response, str]:
@@ -402,13 +424,11 @@ class HttpClient:
         if length == 0:
             return
         try:
-            spec = format_range(ByteRange(start, start + length - 1))
-            conn, response, source = await self._open(
-                url, timeout_s, [("range", spec), *headers], anonymous
+            conn, _response, source = await self._open_range(
+                url, start, length, timeout_s, headers, anonymous
             )
             reusable = False
             try:
-                _check_range_response(response, source, url, start, length)
                 received = 0
                 while (chunk := await self._next_data(conn, source, timeout_s)) is not None:
                     received += len(chunk)
@@ -465,13 +485,11 @@ class HttpClient:
         if length == 0:
             return
         try:
-            spec = format_range(ByteRange(start, start + length - 1))
-            conn, response, source = await self._open(
-                url, timeout_s, [("range", spec), *headers], anonymous
+            conn, response, source = await self._open_range(
+                url, start, length, timeout_s, headers, anonymous
             )
             reusable = False
             try:
-                _check_range_response(response, source, url, start, length)
                 got = 0
                 if _header(response, b"content-length") is None:  # chunked: through h11
                     while (chunk := await self._next_data(conn, source, timeout_s)) is not None:
