@@ -362,27 +362,21 @@ class World:
         return digest
 
     def add_relay(self, upstreams: Sequence[str]) -> NodeHandle:
-        n = len(self.relays)
-        h = NodeHandle(
-            f"relay{n}",
-            "relay",
-            Identity.from_seed(f"sim-relay-{n}"),
-            self.net.endpoint(),
-            tuple(upstreams),
-        )
-        self.relays.append(h)
-        return h
+        return self._add("relay", self.relays, upstreams)
 
     def add_peer(self, upstreams: Sequence[str]) -> NodeHandle:
-        n = len(self.peers)
+        return self._add("peer", self.peers, upstreams)
+
+    def _add(self, role: str, handles: list[NodeHandle], upstreams: Sequence[str]) -> NodeHandle:
+        n = len(handles)
         h = NodeHandle(
-            f"peer{n}",
-            "peer",
-            Identity.from_seed(f"sim-peer-{n}"),
+            f"{role}{n}",
+            role,
+            Identity.from_seed(f"sim-{role}-{n}"),
             self.net.endpoint(),
             tuple(upstreams),
         )
-        self.peers.append(h)
+        handles.append(h)
         return h
 
     async def run_node(self, h: NodeHandle) -> None:
