@@ -84,6 +84,7 @@ import re
 import struct
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
+from functools import cached_property
 from typing import Any
 
 import blake3
@@ -313,11 +314,18 @@ class Header:
         raise KeyError(name)
 
     def first_shard(self, name: str) -> int:
-        """Index of the first shard of file ``name`` (raises KeyError if it has none)."""
+        """Index of the first shard of file ``name`` (raises KeyError if it has none).
+
+        A dictionary lookup (built once per header): servers call it on every wake of a held
+        range request."""
+        return self._first_shards[name]
+
+    @cached_property
+    def _first_shards(self) -> dict[str, int]:
+        first: dict[str, int] = {}
         for s in self.shards:
-            if s.file == name:
-                return s.index
-        raise KeyError(name)
+            first.setdefault(s.file, s.index)
+        return first
 
     def to_obj(self) -> dict[str, Any]:
         """The JSON body."""
