@@ -84,13 +84,21 @@ class Port:
     ip: str
 
 
+def _burst_bytes(rate_bps: float) -> int:
+    """tbf bucket size, bytes: 2 ms at ``rate_bps`` (bytes per second), and never below one
+    whole GSO super-packet (64 KiB of payload plus headers). A smaller bucket makes tbf cut
+    every GSO packet back into MTU-sized segments in software (``tbf_segment``), which cost
+    the shaped nodes more kernel CPU than the transfer itself."""
+    return max(96 * 1024, int(rate_bps * 0.002))
+
+
 def _tc_shape(
     netns: str, dev: str, rate_bps: float, delay_s: float, loss: float, netem: bool
 ) -> bool:
     """netem (delay/loss) at the root with a tbf (rate) child, on ``dev`` inside ``netns``;
     tbf alone when ``netem`` is False (kernel without sch_netem). Returns True if nested."""
     rate_bit = max(8_000, int(rate_bps * 8))
-    burst = max(32 * 1024, int(rate_bps * 0.002))  # >= 2 ms at rate, >= a GSO super-packet
+    burst = _burst_bytes(rate_bps)
     tc = ["ip", "netns", "exec", netns, "tc", "qdisc", "add", "dev", dev]
     tbf = ["tbf", "rate", f"{rate_bit}bit", "burst", str(burst), "latency", "100ms"]
     if netem and (delay_s > 0 or loss > 0):
@@ -108,7 +116,7 @@ def _tc_shape(
 
 def _tc_rate(netns: str, dev: str, rate_bps: float, nested: bool) -> None:
     rate_bit = max(8_000, int(rate_bps * 8))
-    burst = max(32 * 1024, int(rate_bps * 0.002))
+    burst = _burst_bytes(rate_bps)
     where = ["parent", "1:1", "handle", "10:"] if nested else ["root", "handle", "1:"]
     _run(
         [
