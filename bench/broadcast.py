@@ -285,14 +285,17 @@ class Proc:
             await self.proc.wait()
 
 
-def _cpu_s(proc: Proc) -> float:
-    """User + system CPU seconds of a node process so far (0 if it is gone)."""
+def _cpu_s(proc: Proc, which: str = "all") -> float:
+    """CPU seconds of a node process so far (0 if it is gone): user + system (``all``), or
+    only the kernel's share (``sys``: syscalls, and the network stack work done on the
+    process's behalf, shaping included)."""
     try:
         assert proc.proc is not None
         fields = Path(f"/proc/{proc.proc.pid}/stat").read_text().rsplit(")", 1)[1].split()
     except (OSError, AssertionError):
         return 0.0
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+    ticks = int(fields[12]) if which == "sys" else int(fields[11]) + int(fields[12])
+    return ticks / os.sysconf("SC_CLK_TCK")
 
 
 _SCRAPE = (
@@ -437,6 +440,7 @@ async def run_shardnet(
                     p.name: await _sent_bytes(client, p.ready["http_url"], p.prefix) for p in procs
                 }
                 cpu0 = {p.name: _cpu_s(p) for p in procs}
+                sys0 = {p.name: _cpu_s(p, "sys") for p in procs}
                 t0 = time.perf_counter()
                 (staged / "DONE").touch()
                 done: dict[str, float] = {}
@@ -455,6 +459,7 @@ async def run_shardnet(
                                 done[p.name] = time.perf_counter() - t0
                         await trio.sleep(0.02)
                 cpu = {p.name: round(_cpu_s(p) - cpu0[p.name], 2) for p in procs}
+                cpu_sys = {p.name: round(_cpu_s(p, "sys") - sys0[p.name], 2) for p in procs}
                 sent = {
                     p.name: await _sent_bytes(client, p.ready["http_url"], p.prefix) - sent0[p.name]
                     for p in procs
@@ -478,6 +483,7 @@ async def run_shardnet(
                         "least_bytes": min_bytes,
                         "shards": n_shards,
                         "cpu_s": cpu,
+                        "cpu_sys_s": cpu_sys,
                     }
                 )
         finally:
