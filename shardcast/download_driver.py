@@ -393,6 +393,19 @@ class DownloadDriver:
                 sink.rewind()  # a chunked sink keeps whole verified chunks only
             got = sink.pos - begin
             now = trio.current_time()
+            log.debug(
+                "transfer_ended step=%d shard=%d encoding=%s source=%s start=%d length=%d "
+                "outcome=%s bytes=%d s=%.3f",
+                self.m.step,
+                f.shard,
+                f.encoding,
+                short_id(src.id),
+                f.start,
+                f.length,
+                outcome.name,
+                got,
+                now - t0,
+            )
             actions = session.transfer_ended(f.req, outcome, got, now)
             if outcome is Outcome.OK and self.observer is not None:
                 self.observer.shard_received(src.id, f.encoding, got, now - t0)
