@@ -545,7 +545,15 @@ class Follower:
         self._advert_wake = trio.Event()
 
     def _upstream_sources(self) -> list[Source]:
-        return [Source(pid, info.http_url) for pid, info in sorted(self.upstreams.items())]
+        """The upstreams as partial sources: asked only for what their have-set and verified
+        prefixes show (long-polled), until they hold everything. As complete sources they
+        were asked for every shard at once and held each request until that shard arrived
+        there: on shaped 200 Mb/s links a peer's request slots all waited on its relays for
+        4-12 s while other peers already had the bytes (last peer 16.2 -> 14.3 s)."""
+        return [
+            Source(pid, info.http_url, complete=False)
+            for pid, info in sorted(self.upstreams.items())
+        ]
 
     def _extra_sources(self, step: int, digest: str) -> list[Source]:
         if not self.config.discovery:
