@@ -76,7 +76,12 @@ class SchedulerConfig:
     """Tuning of the scheduler (units in names).
 
     Attributes:
-        max_inflight: concurrent requests over all sources.
+        max_inflight: concurrent requests over all sources. Requests stream a shard as it
+            arrives at its source (verified chunk prefixes), so every request in flight
+            shares this node's downlink and its source's uplink: on shaped 200 Mb/s links
+            (``bench/broadcast.py --shaped``) 8 in flight, 4 per source, made each 16 MiB shard
+            take 4-14 s and the last ones finish late everywhere (last peer 14.3-15.5 s);
+            4 and 2 gave 13.3-13.7 s.
         per_source_inflight: concurrent requests to one source.
         initial_rate_bps: assumed throughput of an unmeasured source, bytes/s.
         ewma_alpha: weight of the newest throughput sample.
@@ -98,8 +103,8 @@ class SchedulerConfig:
             ``penalty_s / 10``). Asking again at once only collects more refusals.
     """
 
-    max_inflight: int = 8
-    per_source_inflight: int = 4
+    max_inflight: int = 4
+    per_source_inflight: int = 2
     initial_rate_bps: float = 100e6
     ewma_alpha: float = 0.3
     explore: float = 0.1
@@ -626,6 +631,11 @@ class Scheduler:
         Returns:
             requests to cancel: those still in flight to a source this failure just banned.
         """
+        failed = self._flights[req_id].req
+        if kind in ("timeout", "broken") and not failed.duplicate:
+            # behind the shards nobody tried yet (same rarity): a source that stalls on some
+            # shards must not get the same ones first again and hold every request slot
+            self._tiebreak[failed.shard] += 1.0
         fl, st = self._finish(req_id)
         s = self._shards[fl.req.shard]
         if not fl.req.duplicate and not s.done and kind in ("timeout", "broken"):

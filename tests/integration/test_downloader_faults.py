@@ -57,8 +57,15 @@ def config(
     endgame_duplicates: int = 0,
 ) -> DownloadConfig:
     """Explore off; endgame off unless asked; penalties long enough that a failed source is
-    not retried while a test runs (on either clock) unless the test shortens them."""
-    sched = SchedulerConfig(explore=0.0, penalty_s=penalty_s, endgame_duplicates=endgame_duplicates)
+    not retried while a test runs (on either clock) unless the test shortens them; every shard
+    of the 4-shard version in flight at once from one source (the tests count asks)."""
+    sched = SchedulerConfig(
+        explore=0.0,
+        penalty_s=penalty_s,
+        endgame_duplicates=endgame_duplicates,
+        max_inflight=8,
+        per_source_inflight=4,
+    )
     return DownloadConfig(
         stall_timeout_s=stall_timeout_s,
         deadline_s=deadline_s,

@@ -101,7 +101,9 @@ def test_first_sample_replaces_the_prior_and_later_ones_are_averaged() -> None:
 def test_unmeasured_peer_is_assumed_as_fast_as_the_best_measured_and_loses_ties() -> None:
     """A newly discovered peer is not assumed faster than the fastest measured source (a
     fixed 100 MB/s prior used to pull traffic off idle relays onto congested peer uplinks)."""
-    cfg = SchedulerConfig(initial_rate_bps=100 * MB, explore=0.0, per_source_inflight=8)
+    cfg = SchedulerConfig(
+        initial_rate_bps=100 * MB, explore=0.0, per_source_inflight=8, max_inflight=8
+    )
     sched = Scheduler([MB] * 20, random.Random(0), cfg)
     sched.add_source("relay")
     req = sched.next_request(0.0)
@@ -720,3 +722,21 @@ def test_refused_keeps_the_shard_off_that_source_for_refused_s_and_keeps_its_hav
     assert sched.next_request(0.999) is None  # not 0.4 s (503's penalty_s / 10) ...
     last = sched.next_request(1.0)  # ... but refused_s
     assert last is not None
+
+
+def test_shards_that_failed_go_behind_the_untried_ones() -> None:
+    """A source that stalls on some shards only (two request slots, both stalled) is asked
+    for the shards nobody tried yet once its block ends, not for the same two again: with
+    the failed shards first each time, a download with one such source never progressed."""
+    cfg = SchedulerConfig(explore=0.0, max_inflight=2, per_source_inflight=2, penalty_s=1.0)
+    sched = Scheduler([MB] * 4, random.Random(3), cfg)
+    sched.add_source("a")
+    first = [sched.next_request(0.0), sched.next_request(0.0)]
+    assert all(r is not None for r in first)
+    tried = {r.shard for r in first if r is not None}
+    for r in first:
+        assert r is not None
+        sched.on_failure(r.id, 5.0, kind="timeout")
+    assert sched.next_request(5.5) is None  # blocked for penalty_s
+    again = [sched.next_request(6.0), sched.next_request(6.0)]
+    assert {r.shard for r in again if r is not None} == set(range(4)) - tried
