@@ -63,6 +63,9 @@ class NodeAdvert:
         committed, filling: steps committed and being filled (at most :data:`MAX_LISTED`).
         committed_digests, filling_digests: the manifest digest of each of those steps, in
             the same order (empty: an advert of an older node, which names steps only).
+        tier: hops from the origin (1: a relay fed by the origin; 2: a node fed by relays),
+            or None (unknown: an older node). Relays of one tier do not super-seed to each
+            other (:attr:`shardcast.serve.VersionServer.exempt`).
     """
 
     peer_id: str
@@ -72,6 +75,7 @@ class NodeAdvert:
     filling: tuple[int, ...]
     committed_digests: tuple[str, ...] = ()
     filling_digests: tuple[str, ...] = ()
+    tier: int | None = None
 
     @classmethod
     def of(
@@ -81,6 +85,7 @@ class NodeAdvert:
         http_url: str,
         committed: Sequence[tuple[int, str]],
         filling: Sequence[tuple[int, str]],
+        tier: int | None = None,
     ) -> NodeAdvert:
         """An advert listing the newest :data:`MAX_LISTED` versions ``(step, digest)`` of
         each kind."""
@@ -93,6 +98,7 @@ class NodeAdvert:
             tuple(s for s, _ in f),
             tuple(d for _, d in c),
             tuple(d for _, d in f),
+            tier,
         )
 
     def holds(self, step: int, digest: str | None = None) -> bool:
@@ -116,6 +122,8 @@ class NodeAdvert:
         if self.committed_digests or self.filling_digests:
             obj["committed_digests"] = list(self.committed_digests[-MAX_LISTED:])
             obj["filling_digests"] = list(self.filling_digests[-MAX_LISTED:])
+        if self.tier is not None:
+            obj["tier"] = self.tier
         return wire.encode(obj)
 
     @classmethod
@@ -152,7 +160,16 @@ class NodeAdvert:
                 digests.append(tuple(named))
             else:
                 digests.append(())
-        return cls(peer_id, role, url, steps[0], steps[1], digests[0], digests[1])
+        tier = obj.get("tier")
+        if tier is not None and not (
+            isinstance(tier, int) and not isinstance(tier, bool) and 0 <= tier <= MAX_TIER
+        ):
+            raise RemoteProtocolError(origin, f"tier must be an integer 0..{MAX_TIER}")
+        return cls(peer_id, role, url, steps[0], steps[1], digests[0], digests[1], tier)
+
+
+MAX_TIER = 64
+"""Largest tier an advert may name."""
 
 
 def check_advert_gossip(origin: str, data: bytes) -> None:
@@ -263,6 +280,11 @@ class SourceDirectory:
         """The role ``peer_id`` advertised (None: never heard or forgotten)."""
         entry = self._adverts.get(peer_id)
         return entry[0].role if entry is not None else None
+
+    def tier_of(self, peer_id: str) -> int | None:
+        """The tier ``peer_id`` advertised (None: never heard, forgotten, or not said)."""
+        entry = self._adverts.get(peer_id)
+        return entry[0].tier if entry is not None else None
 
     def sources_for(
         self, step: int, now: float, limit: int, *, digest: str | None = None

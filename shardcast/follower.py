@@ -229,6 +229,8 @@ class Follower:
             require_verified=True,
             one_per_url=True,
         )
+        if node.config.role == "relay":
+            node.server.exempt = self._same_tier_relay
         self._upstream_changed = trio.Event()
         self._learned: dict[int, float] = {}
         self._filling: list[tuple[int, str]] = []  # versions being downloaded
@@ -531,7 +533,12 @@ class Follower:
         while True:
             committed = await trio.to_thread.run_sync(node.store.committed_versions)
             advert = NodeAdvert.of(
-                node.identity.peer_id, role, node.http_url, committed, list(self._filling)
+                node.identity.peer_id,
+                role,
+                node.http_url,
+                committed,
+                list(self._filling),
+                tier=self.tier(),
             )
             try:
                 await node.p2p.publish(topic, advert.encode())
@@ -539,6 +546,29 @@ class Follower:
                 log.info("advert_failed error=%s", exc)
             with trio.move_on_after(self.config.advert_interval_s):
                 await self._advert_wake.wait()
+
+    def tier(self) -> int | None:
+        """Hops from the origin (see :class:`~shardcast.discovery.NodeAdvert`): 1 if an
+        upstream is the origin (a trainer), else one more than the upstreams' own lowest
+        advertised tier; None while no upstream has answered."""
+        if not self.upstreams:
+            return None
+        if any(info.role in ("origin", "trainer") for info in self.upstreams.values()):
+            return 1
+        tiers = [self.directory.tier_of(pid) for pid in self.upstreams]
+        known = [t for t in tiers if t is not None]
+        return min(known) + 1 if known else None
+
+    def _same_tier_relay(self, peer_id: str) -> bool:
+        """True if ``peer_id`` advertised the relay role at this node's tier: this relay does
+        not super-seed to it (siblings fetch from each other at once; each shard still
+        enters the tier below once per relay)."""
+        mine = self.tier()
+        return (
+            mine is not None
+            and self.directory.role_of(peer_id) == "relay"
+            and self.directory.tier_of(peer_id) == mine
+        )
 
     def _readvertise(self) -> None:
         self._advert_wake.set()

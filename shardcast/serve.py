@@ -233,6 +233,12 @@ class VersionServer:
         self._offered: dict[str, int] = {}  # manifest digest -> offered bytes (complete ones)
         self._clock = clock
         self.identity = identity
+        self.exempt: Callable[[str], bool] | None = None
+        """Requesters (PeerIDs) this node never super-seeds to; set by a relay's follower to
+        "advertised the relay role": relays fetch a shard from each other at once instead of
+        from the origin again (rule 4 repeats) or from a peer's uplink. The role is the
+        requester's own claim (a signed advert): a peer that lies about it is served as if
+        this node did not super-seed, which costs efficiency, never integrity."""
         self.bytes_by_step: dict[int, int] = {}
         """Body bytes of GET responses started, per step (what was promised, for reports)."""
         self.sent_by_codec: dict[str, int] = {}
@@ -441,6 +447,8 @@ class VersionServer:
         if self.serve_once_s is None:
             return False
         requester = verify_request(req.headers.get(AUTH_HEADER), req.path, self._clock())
+        if requester is not None and self.exempt is not None and self.exempt(requester):
+            return False
         return not self._seeding.allow(
             requester,
             step,

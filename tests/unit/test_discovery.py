@@ -3,12 +3,16 @@
 from __future__ import annotations
 
 import random
+from types import SimpleNamespace
+from typing import cast
 
 import pytest
 
 from p2p import wire
 from p2p.errors import RemoteProtocolError
 from shardcast.discovery import NodeAdvert, SourceDirectory
+from shardcast.follower import Follower
+from shardcast.messages import NodeInfo
 
 
 def advert(
@@ -89,3 +93,60 @@ def test_equivalent_sources_are_spread_by_the_seed() -> None:
             d.offer(advert(f"p{k}", committed=(1,)), 0.0)
         orders.add(tuple(s.id for s in d.sources_for(1, now=1.0, limit=6)))
     assert len(orders) > 1
+
+
+def test_advert_tier_round_trips_and_is_optional() -> None:
+    tiered = NodeAdvert("Qm-a", "relay", "http://127.0.0.1:1", (1,), (), tier=1)
+    assert NodeAdvert.decode(tiered.encode(), "Qm-a").tier == 1
+    assert NodeAdvert.decode(advert("Qm-a").encode(), "Qm-a").tier is None  # an older node
+
+
+@pytest.mark.parametrize("tier", [-1, True, "1", 10**6])
+def test_advert_with_a_bad_tier_is_refused(tier: object) -> None:
+    obj = {
+        "v": 1,
+        "peer_id": "Qm-a",
+        "role": "relay",
+        "http_url": "http://127.0.0.1:1",
+        "committed": [],
+        "filling": [],
+        "tier": tier,
+    }
+    with pytest.raises(RemoteProtocolError, match="tier"):
+        NodeAdvert.decode(wire.encode(obj), "Qm-a")
+
+
+def test_directory_reports_advertised_tiers() -> None:
+    d = SourceDirectory("me", set(), ttl_s=100.0, max_entries=8, rng=random.Random(0))
+    d.offer(NodeAdvert("Qm-r", "relay", "http://127.0.0.1:2", (), (), tier=1), now=0.0)
+    d.offer(advert("Qm-p"), now=0.0)
+    assert d.tier_of("Qm-r") == 1
+    assert d.tier_of("Qm-p") is None
+    assert d.tier_of("Qm-unknown") is None
+
+
+def _info(pid: str, role: str) -> NodeInfo:
+    return NodeInfo(pid, role, "run", "http://127.0.0.1:1", (), None)
+
+
+def _follower(upstreams: dict[str, NodeInfo], d: SourceDirectory) -> Follower:
+    """The two attributes the tier logic reads (it does no I/O)."""
+    f = SimpleNamespace(upstreams=upstreams, directory=d)
+    f.tier = lambda: Follower.tier(cast(Follower, f))
+    return cast(Follower, f)
+
+
+def test_a_follower_tier_counts_hops_from_the_origin() -> None:
+    """Relays fed by the origin are tier 1 and exempt each other from super-seeding; nodes
+    fed by relays are tier 2 and are super-seeded to (``Follower._same_tier_relay``)."""
+    d = SourceDirectory("me", set(), ttl_s=100.0, max_entries=8, rng=random.Random(0))
+    d.offer(NodeAdvert("Qm-r2", "relay", "http://127.0.0.1:2", (), (), tier=1), now=0.0)
+    d.offer(NodeAdvert("Qm-p", "relay", "http://127.0.0.1:3", (), (), tier=2), now=0.0)
+    d.offer(advert("Qm-old", "relay"), now=0.0)  # an older relay: no tier
+    relay = _follower({"Qm-o": _info("Qm-o", "origin")}, d)
+    assert relay.tier() == 1
+    exempt = [Follower._same_tier_relay(relay, p) for p in ("Qm-r2", "Qm-p", "Qm-old", "Qm-x")]
+    assert exempt == [True, False, False, False]
+    assert _follower({"Qm-r2": _info("Qm-r2", "relay")}, d).tier() == 2
+    assert _follower({"Qm-old": _info("Qm-old", "relay")}, d).tier() is None
+    assert _follower({}, d).tier() is None

@@ -24,6 +24,7 @@ from tests.helpers import TRAINER, make_checkpoint, trust
 
 A = Identity.from_seed("relay-a")
 B = Identity.from_seed("relay-b")
+C = Identity.from_seed("peer-c")
 PATH = "/shardnet/v1/run/1/files/model.safetensors"
 
 
@@ -179,3 +180,28 @@ def test_offered_bytes_of_a_version_still_published_follows_its_known_parts(
         min([e.length, *(x.size for x in e.encodings)])
         for e in (full.shard(i) for i in range(len(lengths)))
     )
+
+
+async def test_an_exempt_requester_is_never_super_seeded(tmp_path: Path) -> None:
+    """A relay does not super-seed to its sibling relays (``VersionServer.exempt``, set by
+    the follower from adverts): the sibling gets a shard already served to a peer at once,
+    instead of asking the origin again or a peer's uplink; the peers are still refused."""
+    store = VersionStore(tmp_path / "store", "run", keep_last=2)
+    ck = make_checkpoint(tmp_path / "c1", {"model-00001-of-00001.safetensors": 4000}, seed=1)
+    m = build_manifest(ck, "run", 1, TRAINER, shard_size=1000)
+    store.adopt(ck, m)
+    now = 5000.0
+    server = VersionServer(store, trust(), serve_once_s=5.0, clock=lambda: now)
+    server.exempt = lambda peer_id: peer_id == A.peer_id
+    path = f"/shardnet/v1/run/1/{m.digest}/files/{m.header.files[0].name}"
+
+    async def get(who: Identity) -> int:
+        asked = {AUTH_HEADER: sign_request(who, path, now), "range": "bytes=0-999"}
+        resp = await server.handle(HttpRequest("GET", path, {}, asked, ByteRange(0, 999)))
+        if resp.body is not None and hasattr(resp.body, "on_done") and resp.body.on_done:
+            resp.body.on_done()
+        return resp.status
+
+    assert await get(B) == 206  # the first peer holds the shard now
+    assert await get(A) == 206  # the sibling relay: served anyway
+    assert await get(C) == 429  # another peer: refused, as before
