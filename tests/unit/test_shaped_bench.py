@@ -119,3 +119,10 @@ def test_interrupted_shaped_run_removes_every_namespace(
     assert len(seen) == 1 + len(broadcast.SHAPED_NODES)  # the bridge and one per node
     assert set(netns.namespaces()) <= before
     assert not any((tmp_path / "work").iterdir())  # run directories removed
+
+
+def test_each_system_goes_first_in_turn() -> None:
+    systems = ["shardnet", "shardnet-nodelta", "shardcast"]
+    orders = [broadcast.rotated(systems, rep) for rep in range(3)]
+    assert [o[0] for o in orders] == systems
+    assert all(sorted(o) == sorted(systems) for o in orders)
