@@ -82,7 +82,13 @@ from shardcast.downloader import (
     DownloadStats,
     Source,
 )
-from shardcast.finish import PollPolicy, RunFinished, check_versions_gossip, poll_delay
+from shardcast.finish import (
+    PollPolicy,
+    RunFinished,
+    check_versions_gossip,
+    decode_versions_message,
+    poll_delay,
+)
 from shardcast.lane_auth import check_whoami, whoami_path
 from shardcast.lane_urls import manifest_url, versions_url
 from shardcast.manifest import Manifest
@@ -219,6 +225,7 @@ class Follower:
         self.on_commit = on_commit
         self.progress = progress
         self.upstreams: dict[str, NodeInfo] = {}
+        self._upstream_said: dict[str, tuple[int, str]] = {}  # upstream -> (step, digest)
         self.records: list[VersionRecord] = []
         self.directory = SourceDirectory(
             node.identity.peer_id,
@@ -277,11 +284,47 @@ class Follower:
         self._changed = trio.Event()
 
     def _offer(self, data: bytes, sender: str, *, upstream: bool = True) -> None:
-        msg = self.node.offer_versions_message(data, sender, replace_same_step=upstream)
+        replace = upstream and not self._confirmed_elsewhere(sender)
+        msg = self.node.offer_versions_message(data, sender, replace_same_step=replace)
         if isinstance(msg, VersionAnnouncement):
             self._learned.setdefault(msg.step, trio.current_time())
         if msg is not None:
             self._note_change()
+
+    def _confirmed_elsewhere(self, sender: str) -> bool:
+        """True if an upstream other than ``sender`` announced, in its last info record, the
+        very version this node knows (same step and digest). A same-step replacement from
+        ``sender`` then waits: after a trainer republishes a step, an upstream that has not
+        caught up yet must not flip this node back to the old digest while another already
+        says the new one (it flipped back and forth on every poll, and could end a run on the
+        old one). Once every upstream says the new digest it is taken. (Two trainer-signed
+        announcements of one step cannot be ordered; an upstream that keeps announcing an
+        old one holds its downstreams where they are, it cannot move them back.)"""
+        known = self.node.announcement
+        if known is None:
+            return False
+        for pid, said in self._upstream_said.items():
+            if (
+                pid != sender
+                and pid in self.upstreams
+                and said
+                == (
+                    known.step,
+                    known.manifest_digest,
+                )
+            ):
+                return True
+        return False
+
+    def _note_upstream_said(self, pid: str, data: bytes) -> None:
+        """Remember which (step, digest) upstream ``pid``'s last info record announced."""
+        try:
+            msg = decode_versions_message(data, trust=self.node.trust, sender=pid)
+        except ShardnetError:
+            self._upstream_said.pop(pid, None)
+            return
+        if isinstance(msg, VersionAnnouncement):
+            self._upstream_said[pid] = (msg.step, msg.manifest_digest)
 
     def _offer_finished(self, data: bytes, sender: str) -> None:
         if self.node.offer_finished(data, sender) is not None:
@@ -354,6 +397,7 @@ class Follower:
                     await self._fetch_card(pid)
                 if info.announcement is not None:
                     self._offer(info.announcement, pid)
+                    self._note_upstream_said(pid, info.announcement)
                 if info.finished is not None:
                     self._offer_finished(info.finished, pid)
             await trio.sleep(poll_delay(policy, 0, self.settled()))
@@ -807,7 +851,7 @@ class Follower:
                         m,
                         sources,
                         on_partial=server.add_live,
-                        on_shard=lambda _i: server.progress(step),
+                        on_shard=lambda i: server.progress(step, i),
                         progress=progress,
                         extra_sources=functools.partial(self._extra_sources, step, digest),
                         max_extra_sources=self.config.max_extra_sources,

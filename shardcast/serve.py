@@ -188,14 +188,31 @@ def have_max_bytes(n_shards: int) -> int:
 
 
 class _Live:
+    """A version being received or published, and what its held requests wait for:
+    ``progress`` (any new byte: held file ranges follow a growing prefix) and ``changed``
+    (its ``/have`` answer may differ: a shard started or completed; long-polls wait on this
+    one, so a chunk in the middle of a shard does not make every held ``/have`` rebuild its
+    answer)."""
+
     def __init__(self, version: LiveVersion) -> None:
         self.version = version
         self.digest = version.manifest.digest
         self.progress = trio.Event()
+        self.changed = trio.Event()
+        self.started: set[int] = set()  # shards seen with a verified prefix or whole
+        self.whole: set[int] = set()  # shards seen whole
 
-    def wake(self) -> None:
+    def wake(self, shard: int | None = None, whole: bool = False) -> None:
+        """Bytes arrived (of ``shard``, whole now if ``whole``; None: unknown, e.g. parts)."""
         self.progress.set()
         self.progress = trio.Event()
+        if shard is None or shard not in self.started or (whole and shard not in self.whole):
+            if shard is not None:
+                self.started.add(shard)
+                if whole:
+                    self.whole.add(shard)
+            self.changed.set()
+            self.changed = trio.Event()
 
 
 class VersionServer:
@@ -250,11 +267,12 @@ class VersionServer:
         """Start serving a version whose bytes are still arriving."""
         self._live[version.manifest.step] = _Live(version)
 
-    def progress(self, step: int) -> None:
-        """New shards or parts of ``step`` are available: wake waiting requests."""
+    def progress(self, step: int, shard: int | None = None) -> None:
+        """New bytes of ``step`` are available (of ``shard``, if given: a verified chunk, or
+        the shard whole; None: parts or shards, unspecified): wake waiting requests."""
         live = self._live.get(step)
         if live is not None:
-            live.wake()
+            live.wake(shard, shard is not None and self._has(step, shard))
 
     def live_done(self, step: int) -> None:
         """The live version was committed or aborted: serve it from the store from now on."""
@@ -402,7 +420,7 @@ class VersionServer:
                 if remaining <= 0:
                     break
                 with trio.move_on_after(remaining):
-                    await self._live[step].progress.wait()
+                    await self._live[step].changed.wait()
                 held = self._manifest(step)
                 if held is None or held[1] != m.digest:
                     break

@@ -150,3 +150,24 @@ def test_a_follower_tier_counts_hops_from_the_origin() -> None:
     assert _follower({"Qm-r2": _info("Qm-r2", "relay")}, d).tier() == 2
     assert _follower({"Qm-old": _info("Qm-old", "relay")}, d).tier() is None
     assert _follower({}, d).tier() is None
+
+
+def test_a_same_step_replacement_waits_while_another_upstream_confirms_the_known_one() -> None:
+    """After a trainer republishes a step, an upstream that has not caught up must not flip
+    this node back while another upstream says what this node knows (it flip-flopped on
+    every poll; the republish scenario ended on the old digest in 2 of 375 seeds)."""
+    known = SimpleNamespace(step=1, manifest_digest="new")
+    f = cast(
+        Follower,
+        SimpleNamespace(
+            node=SimpleNamespace(announcement=known),
+            upstreams={"r1": None, "r2": None},
+            _upstream_said={"r1": (1, "new"), "r2": (1, "old")},
+        ),
+    )
+    assert Follower._confirmed_elsewhere(f, "r2")  # r1 says "new": r2's "old" waits
+    assert not Follower._confirmed_elsewhere(f, "r1")  # nobody else says "new"
+    f.upstreams.pop("r1")  # r1 gone: its last word counts no more
+    assert not Follower._confirmed_elsewhere(f, "r2")
+    f.node.announcement = None
+    assert not Follower._confirmed_elsewhere(f, "r2")
