@@ -81,11 +81,17 @@ def test_a_withholding_holder_costs_at_most_window_plus_three_windows() -> None:
     assert s.allow("relay-b", 0, [0], 20.0, total_shards=10)  # 5 s + 3 x 5 s, not 150 s
 
 
-async def test_the_origin_lane_believes_signatures_not_claims(tmp_path: Path) -> None:
+def _one_version(tmp_path: Path) -> tuple[VersionStore, Manifest]:
+    """A store holding step 1 of run ``run``: one 4,000-byte file in 1,000-byte shards."""
     store = VersionStore(tmp_path / "store", "run", keep_last=2)
     ck = make_checkpoint(tmp_path / "c1", {"model-00001-of-00001.safetensors": 4000}, seed=1)
     m = build_manifest(ck, "run", 1, TRAINER, shard_size=1000)
     store.adopt(ck, m)
+    return store, m
+
+
+async def test_the_origin_lane_believes_signatures_not_claims(tmp_path: Path) -> None:
+    store, m = _one_version(tmp_path)
     now = 5000.0
     server = VersionServer(store, trust(), serve_once_s=5.0, clock=lambda: now)
     path = f"/shardnet/v1/run/1/{m.digest}/files/{m.header.files[0].name}"
@@ -132,10 +138,7 @@ def test_a_small_version_is_served_to_everyone_without_holders() -> None:
 async def test_the_lane_does_not_super_seed_a_version_smaller_than_its_bound(
     tmp_path: Path,
 ) -> None:
-    store = VersionStore(tmp_path / "store", "run", keep_last=2)
-    ck = make_checkpoint(tmp_path / "c1", {"model-00001-of-00001.safetensors": 4000}, seed=1)
-    m = build_manifest(ck, "run", 1, TRAINER, shard_size=1000)
-    store.adopt(ck, m)
+    store, m = _one_version(tmp_path)
     now = 5000.0
     path = f"/shardnet/v1/run/1/{m.digest}/files/{m.header.files[0].name}"
 
@@ -186,10 +189,7 @@ async def test_an_exempt_requester_is_never_super_seeded(tmp_path: Path) -> None
     """A relay does not super-seed to its sibling relays (``VersionServer.exempt``, set by
     the follower from adverts): the sibling gets a shard already served to a peer at once,
     instead of asking the origin again or a peer's uplink; the peers are still refused."""
-    store = VersionStore(tmp_path / "store", "run", keep_last=2)
-    ck = make_checkpoint(tmp_path / "c1", {"model-00001-of-00001.safetensors": 4000}, seed=1)
-    m = build_manifest(ck, "run", 1, TRAINER, shard_size=1000)
-    store.adopt(ck, m)
+    store, m = _one_version(tmp_path)
     now = 5000.0
     server = VersionServer(store, trust(), serve_once_s=5.0, clock=lambda: now)
     server.exempt = lambda peer_id: peer_id == A.peer_id
