@@ -53,6 +53,7 @@ log = logging.getLogger(__name__)
 
 RUN_ID = "sim"
 LAB_READY = "emulate_lab_ready"
+LOG_SETTLE_S = 10.0  # longest wait, seconds, for a committed node's version_downloaded line
 
 
 class EmulationFailed(RuntimeError):
@@ -85,10 +86,42 @@ class _Proc:
     dir: Path
     popen: subprocess.Popen[bytes] | None = None
     ready: dict[str, Any] = field(default_factory=dict)
+    log_pos: int = 0  # bytes of log.jsonl already read for commit lines
+    logged_step: int = -1  # highest step the node's log says it committed
 
 
 def _raise_interrupt(signum: int, frame: FrameType | None) -> None:
     raise KeyboardInterrupt(f"signal {signum}")
+
+
+def logged_commit(p: _Proc, step: int) -> bool:
+    """True once ``p``'s log holds its ``version_downloaded`` line for ``step`` or later.
+
+    The version directory appears (atomic rename) a moment before the node logs the
+    commit; the summary takes its times from the log, so the run waits for the line.
+    Reads only the complete lines appended since the last call.
+    """
+    if p.logged_step >= step:
+        return True
+    path = p.dir / "log.jsonl"
+    try:
+        with path.open("rb") as f:
+            f.seek(p.log_pos)
+            data = f.read()
+    except OSError:
+        return False
+    end = data.rfind(b"\n") + 1
+    p.log_pos += end
+    for line in data[:end].splitlines():
+        if b"version_downloaded" not in line:
+            continue
+        try:
+            rec = json.loads(line)
+            if rec.get("event") == "version_downloaded":
+                p.logged_step = max(p.logged_step, int(rec["step"]))
+        except (ValueError, TypeError, KeyError):
+            continue
+    return p.logged_step >= step
 
 
 def write_checkpoints(root: Path, size: int, versions: int, delta_ratio: float, seed: int) -> None:
@@ -350,6 +383,7 @@ class Emulation:
             + [(e.at_s, 1, e.node, e.action, e.factor) for e in self.topo.events]
         )
         last = ck.versions - 1
+        settle_until: float | None = None  # bounded wait for the peers' commit log lines
         while True:
             now = time.time() - self.t0
             while todo and todo[0][0] <= now:
@@ -365,7 +399,11 @@ class Emulation:
                     if p.node.role == "peer" and p.popen is not None and p.popen.poll() is None
                 ]
                 if all(self._committed(p.node, last) for p in peers):
-                    return
+                    settle_until = settle_until or time.monotonic() + LOG_SETTLE_S
+                    if all(logged_commit(p, last) for p in peers):
+                        return
+                    if time.monotonic() > settle_until:
+                        return  # a node killed between commit and log line: summary shows None
             if progress is not None and progress.due():
                 progress.update(self.snapshot())
             if now > self.timeout_s:

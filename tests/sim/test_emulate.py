@@ -209,3 +209,25 @@ def test_emulation_transport_fallback(tmp_path: Path) -> None:
     proc = _start(tmp_path, "--shaping", "transport")
     summary = _check_success(tmp_path, proc)
     assert any("--upload-limit-bytes-per-s" in n for n in summary["notes"])
+
+
+def test_logged_commit_reads_only_whole_new_lines(tmp_path: Path) -> None:
+    """The run waits for a peer's version_downloaded line, not only its version directory
+    (the directory appears first; a node stopped in between left the summary without a
+    commit time)."""
+    from simulations.emulate import _Proc, logged_commit
+
+    p = _Proc(node=None, argv=[], dir=tmp_path)  # type: ignore[arg-type]
+    log = tmp_path / "log.jsonl"
+    assert not logged_commit(p, 0)  # no log yet
+    rec = {"event": "version_downloaded", "step": 1}
+    other = {"event": "download_started", "step": 2, "msg": "version_downloaded"}
+    line = json.dumps(rec).encode()
+    log.write_bytes(json.dumps(other).encode() + b"\nnot json version_downloaded\n" + line[:10])
+    assert not logged_commit(p, 0)  # half a line is not read
+    with log.open("ab") as f:
+        f.write(line[10:] + b"\n")
+    assert logged_commit(p, 1)
+    assert logged_commit(p, 0)
+    assert not logged_commit(p, 2)
+    assert p.log_pos == log.stat().st_size
