@@ -932,8 +932,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--cache", default="/tmp/shardnet-bench-cache")
     ap.add_argument(
         "--shardcast-venv",
-        default=os.environ.get("SHARDCAST_VENV", "/tmp/shardnet-bench-cache/shardcast-venv"),
-        help="venv with SHARDCAST 0.3.2 (created if missing)",
+        default=None,
+        help="venv with SHARDCAST 0.3.2, created if missing (default: $SHARDCAST_VENV, else "
+        "/var/tmp/shardnet-bench-cache/shardcast-venv)",
     )
     ap.add_argument("--workdir", default=None, help="parent of the run directories")
     ap.add_argument("--timeout", type=float, default=900.0, help="per version, seconds")
@@ -964,6 +965,11 @@ def main(argv: list[str] | None = None) -> int:
         "role's default, 5 s)",
     )
     args = ap.parse_args(argv)
+    if args.shardcast_venv is None:
+        sys.path.insert(0, str(REPO / "bench"))
+        import shardcast_baseline  # type: ignore[import-not-found]
+
+        args.shardcast_venv = shardcast_baseline.DEFAULT_VENV
     try:
         args.shaped = [parse_rate(r) for x in args.shaped for r in x.split(",") if r.strip()]
     except ValueError as exc:
@@ -997,6 +1003,13 @@ def shaped_main(args: argparse.Namespace) -> int:
         args.systems = ["shardnet", "shardcast"]
     if args.workdir is None:
         args.workdir = "/var/tmp"  # SHARDCAST's private /tmp per process needs a dir outside /tmp
+    if "shardcast" in args.systems and Path(args.shardcast_venv).resolve().is_relative_to("/tmp"):
+        print(
+            f"broadcast: --shardcast-venv {args.shardcast_venv}: --shaped gives each SHARDCAST "
+            "process a private /tmp, where this venv does not exist; choose a path outside /tmp",
+            file=sys.stderr,
+        )
+        return 2
     if args.quick:
         args.repeats, args.preset, args.max_shard_bytes = args.repeats or 1, "real-1b", 128 << 20
         args.size_bytes = args.size_bytes or 240_000_000

@@ -1,14 +1,13 @@
 """SHARDCAST 0.3.2 baseline: broadcast a checkpoint through PrimeIntellect's HTTP relay tree.
 
-Runs the PyPI package ``shardcast==0.3.2`` (the relay tree of INTELLECT-2) as external
-programs from its own virtual environment (default ``/work/shardcast-venv``, or
-``$SHARDCAST_VENV``), on 127.0.0.1 by default: one origin, ``middles`` middle nodes (relays)
-and ``clients`` clients, every port picked free. ``TreeConfig.hosts``/``exec_prefix`` place
-processes elsewhere instead (``bench/broadcast.py --shaped``: each in a network namespace of
-its own, created by that benchmark, at its namespace address, on a fixed port). Nothing here
-imports SHARDCAST: this module needs only the standard library and trio, and SHARDCAST's own
-top-level package is also called ``shardcast`` (as is ours), so it is kept in the other
-interpreter.
+Runs the PyPI package ``shardcast==0.3.2`` (the relay tree of INTELLECT-2) as external programs
+from its own virtual environment (default ``/var/tmp/shardnet-bench-cache/shardcast-venv``, or
+``$SHARDCAST_VENV``), on 127.0.0.1 by default: one origin, ``middles`` middle nodes (relays) and
+``clients`` clients, every port picked free. ``TreeConfig.hosts``/``exec_prefix`` place
+processes elsewhere instead (``bench/broadcast.py --shaped``: each in a network namespace of its
+own, created by that benchmark, at its namespace address, on a fixed port). Nothing here imports
+SHARDCAST: this module needs only the standard library and trio, and SHARDCAST's own top-level
+package is also called ``shardcast`` (as is ours), so it is kept in the other interpreter.
 
 Usage::
 
@@ -107,7 +106,9 @@ from typing import Any
 
 import trio
 
-DEFAULT_VENV = os.environ.get("SHARDCAST_VENV", "/work/shardcast-venv")
+# outside /tmp: with isolate_scratch every SHARDCAST process sees a private, empty /tmp
+FALLBACK_VENV = "/var/tmp/shardnet-bench-cache/shardcast-venv"
+DEFAULT_VENV = os.environ.get("SHARDCAST_VENV", FALLBACK_VENV)
 EXPECTED_VERSION = "0.3.2"
 LOOPBACK = "127.0.0.1"
 

@@ -100,6 +100,21 @@ def test_operator_errors_exit_2(capsys: pytest.CaptureFixture[str]) -> None:
 
 
 @needs_netns
+def test_shardcast_venv_under_tmp_is_refused(capsys: pytest.CaptureFixture[str]) -> None:
+    # each SHARDCAST process gets a private /tmp in --shaped mode: a venv there is not found
+    assert broadcast.main(["--shaped", "1G", "--shardcast-venv", "/tmp/sc-venv"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1
+    assert "--shardcast-venv /tmp/sc-venv" in err
+
+
+def test_default_shardcast_venv_is_outside_tmp() -> None:
+    from bench import shardcast_baseline
+
+    assert not Path(shardcast_baseline.FALLBACK_VENV).resolve().is_relative_to("/tmp")
+
+
+@needs_netns
 def test_interrupted_shaped_run_removes_every_namespace(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
