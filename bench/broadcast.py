@@ -515,16 +515,24 @@ def ensure_shardcast_venv(path: Path) -> Path:
     return path
 
 
+def _baseline() -> Any:
+    """The module ``bench/shardcast_baseline.py``, whether this file runs as a script or is
+    imported as ``bench.broadcast``; ``bench/`` joins ``sys.path`` once."""
+    bench = str(REPO / "bench")
+    if bench not in sys.path:
+        sys.path.insert(0, bench)
+    import shardcast_baseline  # type: ignore[import-not-found]
+
+    return shardcast_baseline
+
+
 async def run_shardcast(
     v0: Path, v1: Path, workdir: Path, timeout_s: float, venv: Path, **config: Any
 ) -> dict[str, Any]:
     """One SHARDCAST run through bench/shardcast_baseline.py (1 origin, 2 middles with
     ``--check-interval 1``, 4 clients on 127.0.0.1, or placed by ``config``'s ``hosts`` and
     ``exec_prefix``; crashed clients restarted and counted)."""
-    sys.path.insert(0, str(REPO / "bench"))
-    import shardcast_baseline  # type: ignore[import-not-found]
-
-    res = await shardcast_baseline.arun_shardcast(
+    res = await _baseline().arun_shardcast(
         v0, workdir, next_checkpoints=[v1], timeout_s=timeout_s, venv=str(venv), **config
     )
     versions = []
@@ -966,10 +974,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     args = ap.parse_args(argv)
     if args.shardcast_venv is None:
-        sys.path.insert(0, str(REPO / "bench"))
-        import shardcast_baseline  # type: ignore[import-not-found]
-
-        args.shardcast_venv = shardcast_baseline.DEFAULT_VENV
+        args.shardcast_venv = _baseline().DEFAULT_VENV
     try:
         args.shaped = [parse_rate(r) for x in args.shaped for r in x.split(",") if r.strip()]
     except ValueError as exc:
