@@ -5,7 +5,7 @@ Topology, on 127.0.0.1 (or on shaped links, see below): 1 origin, 2 relays, 4 pe
 a generated real-architecture bf16 checkpoint (``real-2b`` preset: 2.05 GiB,
 Llama/TinyLlama-1.1B shape, several safetensors files with an index), then the next version
 made from it by one real Adam step at an RL learning rate (``trainer/evolve.py``).
-Three systems in one run:
+Four systems in one run:
 
 - ``shardnet``: ``shardnet origin`` (deltas on), 2 ``shardnet relay``, 4 leaf followers (the
   download half of ``shardnet peer``, run as ``shardnet relay`` processes whose upstreams are
@@ -13,7 +13,14 @@ Three systems in one run:
 - ``shardnet-nodelta``: the same with ``--no-deltas``;
 - ``shardcast``: SHARDCAST 0.3.2 from PyPI in its own virtual environment
   (``bench/shardcast_baseline.py`` drives it; see its docstring for how completion and bytes
-  are measured and how client crashes are restarted and counted).
+  are measured and how client crashes are restarted and counted);
+- ``floor`` (loopback only): the work no system can skip, as plain processes
+  (``bench/floor.py``): 6 receivers each receive, BLAKE3-hash and write every byte of the full
+  version, sent with ``sendfile`` from one sender; for the next version each receiver only
+  copies its previous version into new files (``copy_file_range``). Its time divided by
+  SHARDCAST's (``floor_full_ratio_vs_shardcast``, ``floor_delta_ratio_vs_shardcast``) is the
+  lowest ratio any system could reach on this machine in this run: a ratio target below it
+  is out of reach here.
 
 For each system and version it measures the time from handing the version to the origin until
 the last peer holds a verified copy (shardnet: the peer's ``step-N/`` directory exists, which
@@ -79,7 +86,7 @@ RUN_ID = "bench"
 # every node of the benchmark runs on this machine: loopback only, any free port
 LOOPBACK = ["--listen", "/ip4/127.0.0.1/tcp/0", "--http-host", "127.0.0.1", "--http-port", "0"]
 N_RELAYS, N_PEERS = 2, 4
-DEFAULT_SYSTEMS = ["shardnet", "shardnet-nodelta", "shardcast"]
+DEFAULT_SYSTEMS = ["shardnet", "shardnet-nodelta", "shardcast", "floor"]
 
 
 # ----------------------------------------------------------------------------- checkpoints
@@ -515,12 +522,25 @@ def ensure_shardcast_venv(path: Path) -> Path:
     return path
 
 
-def _baseline() -> Any:
-    """The module ``bench/shardcast_baseline.py``, whether this file runs as a script or is
-    imported as ``bench.broadcast``; ``bench/`` joins ``sys.path`` once."""
+def _bench_path() -> None:
+    """``bench/`` joins ``sys.path`` once, whether this file runs as a script or is imported as
+    ``bench.broadcast``, so its sibling scripts import as modules."""
     bench = str(REPO / "bench")
     if bench not in sys.path:
         sys.path.insert(0, bench)
+
+
+def _floor() -> Any:
+    """The module ``bench/floor.py``."""
+    _bench_path()
+    import floor  # type: ignore[import-not-found]
+
+    return floor
+
+
+def _baseline() -> Any:
+    """The module ``bench/shardcast_baseline.py``."""
+    _bench_path()
     import shardcast_baseline  # type: ignore[import-not-found]
 
     return shardcast_baseline
@@ -837,8 +857,11 @@ def summarize(
         return vs[step]["last_s"] if len(vs) > step else None
 
     sc0, sc1, sn0, sn1 = t("shardcast", 0), t("shardcast", 1), t("shardnet", 0), t("shardnet", 1)
+    fl0, fl1 = t("floor", 0), t("floor", 1)
     out["full_ratio_vs_shardcast"] = round(sn0 / sc0, 4) if sn0 and sc0 else None
     out["delta_ratio_vs_shardcast"] = round(sn1 / sc1, 4) if sn1 and sc1 else None
+    out["floor_full_ratio_vs_shardcast"] = round(fl0 / sc0, 4) if fl0 and sc0 else None
+    out["floor_delta_ratio_vs_shardcast"] = round(fl1 / sc1, 4) if fl1 and sc1 else None
     sn = out["systems"].get("shardnet", [])
     if len(sn) > 1 and sn[0]["origin_bytes"]:
         out["delta_bytes_ratio"] = round(sn[1]["origin_bytes"] / sn[0]["origin_bytes"], 4)
@@ -865,6 +888,8 @@ async def amain(args: argparse.Namespace) -> dict[str, Any]:
                 if system == "shardcast":
                     venv = ensure_shardcast_venv(Path(args.shardcast_venv))
                     r = await run_shardcast(v0, v1, wd, args.timeout, venv)
+                elif system == "floor":
+                    r = await trio.to_thread.run_sync(_floor().run_floor, v0, v1, wd, args.timeout)
                 else:
                     r = await run_shardnet(
                         v0,
@@ -915,6 +940,12 @@ def print_table(out: dict[str, Any]) -> None:
         f"delta_ratio_vs_shardcast={out['delta_ratio_vs_shardcast']} "
         f"delta_bytes_ratio={out['delta_bytes_ratio']}"
     )
+    if out.get("floor_full_ratio_vs_shardcast") is not None:
+        print(
+            f"floor_full_ratio_vs_shardcast={out['floor_full_ratio_vs_shardcast']} "
+            f"floor_delta_ratio_vs_shardcast={out['floor_delta_ratio_vs_shardcast']} "
+            "(no system can go below these ratios on this machine in this run)"
+        )
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -935,7 +966,7 @@ def main(argv: list[str] | None = None) -> int:
         "--systems",
         nargs="+",
         default=DEFAULT_SYSTEMS,
-        help="default: all three; with --shaped: shardnet shardcast",
+        help="default: all four; with --shaped: shardnet shardcast (floor is loopback only)",
     )
     ap.add_argument("--cache", default="/tmp/shardnet-bench-cache")
     ap.add_argument(
@@ -973,6 +1004,14 @@ def main(argv: list[str] | None = None) -> int:
         "role's default, 5 s)",
     )
     args = ap.parse_args(argv)
+    unknown = sorted(set(args.systems) - set(DEFAULT_SYSTEMS))
+    if unknown:
+        print(
+            f"broadcast: --systems {' '.join(unknown)}: unknown (choose from "
+            f"{', '.join(DEFAULT_SYSTEMS)})",
+            file=sys.stderr,
+        )
+        return 2
     if args.shardcast_venv is None:
         args.shardcast_venv = _baseline().DEFAULT_VENV
     try:
@@ -997,6 +1036,13 @@ def main(argv: list[str] | None = None) -> int:
 
 def shaped_main(args: argparse.Namespace) -> int:
     """``--shaped``: check root and iproute2, apply the quick/shaped defaults, run, report."""
+    if args.systems == DEFAULT_SYSTEMS:
+        args.systems = ["shardnet", "shardcast"]
+    if "floor" in args.systems:
+        print(
+            "broadcast: --systems floor runs on loopback only, not with --shaped", file=sys.stderr
+        )
+        return 2
     sys.path.insert(0, str(REPO))
     from simulations import netns
 
@@ -1004,8 +1050,6 @@ def shaped_main(args: argparse.Namespace) -> int:
     if not ok:
         print(f"broadcast: --shaped needs network namespaces: {why}", file=sys.stderr)
         return 2
-    if args.systems == DEFAULT_SYSTEMS:
-        args.systems = ["shardnet", "shardcast"]
     if args.workdir is None:
         args.workdir = "/var/tmp"  # SHARDCAST's private /tmp per process needs a dir outside /tmp
     if "shardcast" in args.systems and Path(args.shardcast_venv).resolve().is_relative_to("/tmp"):
