@@ -73,6 +73,11 @@ from shardcast.policy import versions_to_prune
 log = logging.getLogger(__name__)
 
 _HASH_BLOCK = 8 * 1024 * 1024
+# Bytes per pwrite into the page cache. Measured on a 2-core Firecracker VM (kernel 6.18,
+# ext4, 2026-12-02): writing 2 GB into a new file costs 0.46-1.0 CPU-s in 1 MiB pwrites and
+# 3.5-7.5 CPU-s in 16 MiB pwrites of the same buffer (allocating large page-cache folios per
+# call is dear there); elsewhere 1 MiB calls cost only the syscalls (2 048 per 2 GB).
+WRITE_BYTES = 1 << 20
 _NO_COPY_RANGE = {errno.EXDEV, errno.ENOSYS, errno.EINVAL, errno.EOPNOTSUPP, errno.EBADF}
 
 
@@ -160,10 +165,19 @@ def copy_range(src_fd: int, dst_fd: int, offset: int, length: int) -> None:
         data = os.pread(src_fd, min(_HASH_BLOCK, length - pos), offset + pos)
         if not data:
             raise OSError(f"source ends before {offset + length}")
-        done = 0
-        while done < len(data):
-            done += os.pwrite(dst_fd, memoryview(data)[done:], offset + pos + done)
+        pwrite_all(dst_fd, data, offset + pos)
         pos += len(data)
+
+
+def pwrite_all(fd: int, data: bytes | bytearray | memoryview, offset: int) -> None:
+    """Write all of ``data`` at byte ``offset`` of ``fd``, at most :data:`WRITE_BYTES` per call.
+
+    Raises:
+        OSError: a write failed (disk full, I/O error); part of ``data`` may be written.
+    """
+    view, pos = memoryview(data), 0
+    while pos < len(view):
+        pos += os.pwrite(fd, view[pos : pos + WRITE_BYTES], offset + pos)
 
 
 class VersionStore:
@@ -643,9 +657,7 @@ class PartialVersion:
             if start > self._prefix.get(index, 0):
                 raise LocalProtocolError(f"shard {index}: a gap before byte {start}")
             fd = self._fds[ref.file]
-        view, pos = memoryview(data), 0
-        while pos < len(view):
-            pos += os.pwrite(fd, view[pos:], ref.offset + start + pos)
+        pwrite_all(fd, data, ref.offset + start)
         with self._lock:
             if end > self._prefix.get(index, 0):
                 self._prefix[index] = end
@@ -705,11 +717,8 @@ class PartialVersion:
         with self._claim(index) as fd:
             if fd < 0:
                 return False
-            view, pos = memoryview(data), 0
-            if self._prefix.get(index, 0) >= shard.length:
-                pos = len(view)  # every chunk was verified and written as it arrived
-            while pos < len(view):
-                pos += os.pwrite(fd, view[pos:], shard.offset + pos)
+            if self._prefix.get(index, 0) < shard.length:  # else every chunk was written
+                pwrite_all(fd, data, shard.offset)  # as it verified
             return self._mark(index, blobs)
 
     def patch_shard(

@@ -268,3 +268,26 @@ def test_unclean_stop_of_a_non_durable_store_is_recovered(tmp_path: Path) -> Non
     again.close()
     assert VersionStore(tmp_path / "fast", "run", keep_last=3).committed_steps() == [1]
     del ck, store
+def test_pwrite_all_writes_in_bounded_calls_and_survives_short_writes(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from shardcast import store as store_mod
+
+    data = bytes(range(256)) * 40  # 10 240 bytes
+    calls: list[int] = []
+    real = os.pwrite
+
+    def short(fd: int, buf: memoryview, off: int) -> int:
+        calls.append(len(buf))
+        return real(fd, buf[: max(1, len(buf) // 2)], off)  # the kernel may write less
+
+    monkeypatch.setattr(store_mod, "WRITE_BYTES", 4096)
+    monkeypatch.setattr(store_mod.os, "pwrite", short)
+    path = tmp_path / "f"
+    fd = os.open(path, os.O_RDWR | os.O_CREAT)
+    try:
+        store_mod.pwrite_all(fd, data, 7)
+    finally:
+        os.close(fd)
+    assert path.read_bytes() == b"\0" * 7 + data
+    assert max(calls) == 4096
