@@ -3,12 +3,14 @@
 Usage::
 
     python bench/datapath.py [--size-mib 512] [--repeats 1] [--changed 0.02] [--json out.json]
+                             [--dir /dev/shm]
 
 Writes a synthetic checkpoint of ``--size-mib`` MiB (two files of random 16-bit words) and
 its next version (``--changed`` of the words moved by one unit, as after a small Adam step)
-to /dev/shm, serves both from :class:`p2p.http_server.HttpServer` in a child process over
-loopback, and receives them shard by shard (32 MiB) in this process, measuring the CPU
-seconds per GB (10^9 bytes) of checkpoint of each stage of the receiver only (the server's
+to /dev/shm (or ``--dir``: the costs differ by filesystem), serves both from
+:class:`p2p.http_server.HttpServer` in a child process over loopback, and receives them
+shard by shard (32 MiB) in this process, measuring the CPU seconds per GB (10^9 bytes) of
+checkpoint of each stage of the receiver only (the server's
 CPU is not counted):
 
 - ``old`` (the path before issue 16, reproduced here): ``HttpClient.stream_range`` chunks
@@ -276,14 +278,21 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=1)
     parser.add_argument("--changed", type=float, default=0.02, help="share of changed words")
     parser.add_argument("--json", type=Path, help="write the breakdown here")
+    parser.add_argument(
+        "--dir", type=Path, default=Path("/dev/shm"), help="where the files go (default /dev/shm)"
+    )
     parser.add_argument("--serve", type=Path, help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.serve:
         trio.run(serve, args.serve)
         return
     if not 1 <= args.size_mib <= 1024:
-        raise SystemExit("--size-mib must be in [1, 1024]")
-    root = Path("/dev/shm") / f"shardnet-datapath-{os.getpid()}"
+        print("datapath: --size-mib must be in [1, 1024]", file=sys.stderr)
+        raise SystemExit(2)
+    if not args.dir.is_dir() or not os.access(args.dir, os.W_OK):
+        print(f"datapath: --dir {args.dir}: not a writable directory", file=sys.stderr)
+        raise SystemExit(2)
+    root = args.dir / f"shardnet-datapath-{os.getpid()}"
     size = args.size_mib << 20
     results: dict[str, Any] = {"size_bytes": size, "changed": args.changed, "runs": []}
     try:
