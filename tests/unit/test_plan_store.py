@@ -268,6 +268,8 @@ def test_unclean_stop_of_a_non_durable_store_is_recovered(tmp_path: Path) -> Non
     again.close()
     assert VersionStore(tmp_path / "fast", "run", keep_last=3).committed_steps() == [1]
     del ck, store
+
+
 def test_pwrite_all_writes_in_bounded_calls_and_survives_short_writes(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
