@@ -74,9 +74,9 @@ log = logging.getLogger(__name__)
 
 _HASH_BLOCK = 8 * 1024 * 1024
 # Bytes per pwrite into the page cache. Measured on a 2-core Firecracker VM (kernel 6.18,
-# ext4, 2026-12-02): writing 2 GB into a new file costs 0.46-1.0 CPU-s in 1 MiB pwrites and
-# 3.5-7.5 CPU-s in 16 MiB pwrites of the same buffer (allocating large page-cache folios per
-# call is dear there); elsewhere 1 MiB calls cost only the syscalls (2 048 per 2 GB).
+# ext4, 2026-12-02): writing 2 GB into a new file cost 0.46-1.0 CPU-s in 1 MiB pwrites and
+# 3.5-7.5 CPU-s in 16 MiB pwrites of the same buffer (cause not isolated; no end-to-end gain
+# shown in one loopback run); elsewhere 1 MiB calls cost only the syscalls (2 048 per 2 GB).
 WRITE_BYTES = 1 << 20
 _NO_COPY_RANGE = {errno.EXDEV, errno.ENOSYS, errno.EINVAL, errno.EOPNOTSUPP, errno.EBADF}
 
