@@ -291,6 +291,14 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     import shutil
 
+    for name, d in (("v0", args.v0), ("v1", args.v1)):
+        if not d.is_dir():
+            print(f"floor: {name} {d}: not a directory", file=sys.stderr)
+            return 2
+    if args.workdir.exists():
+        print(f"floor: workdir {args.workdir} exists (it is removed afterwards)", file=sys.stderr)
+        return 2
+
     try:
         print(json.dumps(run_floor(args.v0, args.v1, args.workdir)))
     finally:

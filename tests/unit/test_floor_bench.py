@@ -103,3 +103,16 @@ def test_unknown_or_shaped_floor_is_one_line_exit_2(capsys: pytest.CaptureFixtur
     err = capsys.readouterr().err
     assert "floor runs on loopback only" in err
     assert err.count("\n") == 1
+
+
+def test_floor_cli_refuses_bad_dirs_without_touching_them(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    keep = tmp_path / "keep"
+    keep.mkdir()
+    (keep / "data").write_text("mine")
+    assert floor.main([str(tmp_path / "missing"), str(keep), str(tmp_path / "w")]) == 2
+    assert capsys.readouterr().err.count("\n") == 1
+    assert floor.main([str(keep), str(keep), str(keep)]) == 2  # an existing workdir is refused
+    assert "exists" in capsys.readouterr().err
+    assert (keep / "data").read_text() == "mine"
