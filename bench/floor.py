@@ -42,6 +42,8 @@ from typing import Any
 
 import blake3
 
+from shardcast.store import copy_range
+
 BUF_BYTES = 16 << 20
 N_RECEIVERS = 6
 IO_TIMEOUT_S = 120.0  # a socket read or write that stalls this long fails the floor run
@@ -130,23 +132,18 @@ def receive(port: int, sizes: list[tuple[str, int]], dst: Path) -> None:
 
 
 def rebuild(base: Path, names: list[str], dst: Path) -> None:
-    """Next version: copy each base file into ``dst`` with ``copy_file_range``; waits for ``go``."""
+    """Next version: copy each base file into ``dst`` (:func:`shardcast.store.copy_range`, the
+    store's own in-kernel copy); waits for ``go``."""
     dst.mkdir(parents=True, exist_ok=True)
     print("ready", flush=True)
     sys.stdin.readline()
     c0 = _cpu()
     t0 = time.perf_counter()
     for name in names:
-        size = (base / name).stat().st_size
         src_fd = os.open(base / name, os.O_RDONLY)
         dst_fd = os.open(dst / name, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
         try:
-            off = 0
-            while off < size:
-                k = os.copy_file_range(src_fd, dst_fd, size - off, off, off)
-                if not k:
-                    raise OSError(f"copy_file_range returned 0 at {off} of {name}")
-                off += k
+            copy_range(src_fd, dst_fd, 0, os.fstat(src_fd).st_size)
         finally:
             os.close(src_fd)
             os.close(dst_fd)
