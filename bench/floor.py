@@ -10,9 +10,10 @@ machine, and whether a target ratio against SHARDCAST is reachable at all.
 
 - **full version**: one sender process serves the version's files from the page cache with
   ``sendfile`` over 127.0.0.1; 6 receiver processes (2 relays + 4 peers) at once each
-  ``recv_into`` a reused 16 MiB buffer, BLAKE3-hash every byte and ``pwrite`` it into a new file
-  in its own directory. No tree (every receiver pulls from the one sender, so nothing waits on a
-  hop), no shards, manifest, signatures, control messages or fsync.
+  ``recv_into`` a reused 16 MiB buffer, BLAKE3-hash every byte and write it into a new file in
+  its own directory with the store's own write (:func:`shardcast.store.pwrite_all`), so the
+  floor writes no dearer than the nodes do. No tree (every receiver pulls from the one sender,
+  so nothing waits on a hop), no shards, manifest, signatures, control messages or fsync.
 - **next version**: each receiver builds the new version's files from its copy of the previous
   version with ``copy_file_range`` (an in-kernel copy; a reflink where the filesystem shares
   extents, free of copying there) and nothing else: no delta received, decoded, applied or
@@ -42,7 +43,7 @@ from typing import Any
 
 import blake3
 
-from shardcast.store import copy_range
+from shardcast.store import copy_range, pwrite_all
 
 BUF_BYTES = 16 << 20
 N_RECEIVERS = 6
@@ -115,9 +116,7 @@ def receive(port: int, sizes: list[tuple[str, int]], dst: Path) -> None:
                             raise ConnectionError(f"sender closed at {off + got} of {name}")
                         h.update(view[got : got + k])  # while the bytes are in the CPU cache
                         got += k
-                    done = 0
-                    while done < got:
-                        done += os.pwrite(fd, view[done:got], off + done)
+                    pwrite_all(fd, view[:got], off)  # the store's own write (1 MiB calls)
                     off += got
             finally:
                 os.close(fd)
