@@ -1014,6 +1014,12 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     if args.shardcast_venv is None:
         args.shardcast_venv = _baseline().DEFAULT_VENV
+    if args.workdir is not None:
+        try:
+            Path(args.workdir).mkdir(parents=True, exist_ok=True)
+        except OSError as exc:
+            print(f"broadcast: --workdir {args.workdir}: {exc.strerror}", file=sys.stderr)
+            return 2
     try:
         args.shaped = [parse_rate(r) for x in args.shaped for r in x.split(",") if r.strip()]
     except ValueError as exc:

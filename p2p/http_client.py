@@ -246,10 +246,11 @@ class HttpClient:
         anonymous: bool = False,
     ) -> None:
         signed = self._sign(target) if self._sign is not None and not anonymous else ()
+        named = {k.lower() for k, _ in extra}  # a per-request header replaces a default one
         headers = [
             ("host", host),
             ("accept-encoding", "identity"),
-            *self._headers,
+            *(h for h in self._headers if h[0] not in named),
             *signed,
             *extra,
         ]
@@ -347,13 +348,20 @@ class HttpClient:
     # -- public API ---------------------------------------------------------------------------
 
     async def get_bytes(
-        self, url: str, *, max_bytes: int, timeout_s: float, anonymous: bool = False
+        self,
+        url: str,
+        *,
+        max_bytes: int,
+        timeout_s: float,
+        headers: Sequence[tuple[str, str]] = (),
+        anonymous: bool = False,
     ) -> bytes:
         """GET ``url`` and return its whole body (``200`` only).
 
         Args:
             max_bytes: largest body accepted (bytes), checked before and while reading.
             timeout_s: longest wait without progress (seconds).
+            headers: extra request headers; one named like a client default replaces it.
             anonymous: send the request unsigned (no ``sign`` headers), e.g. to a static
                 mirror, which has no use for the requester's identity.
 
@@ -366,7 +374,7 @@ class HttpClient:
         Safe to call concurrently. Cancellation closes the connection it was using.
         """
         try:
-            conn, response, source = await self._open(url, timeout_s, [], anonymous)
+            conn, response, source = await self._open(url, timeout_s, [*headers], anonymous)
             reusable = False
             try:
                 if response.status_code != 200:

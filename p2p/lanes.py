@@ -167,9 +167,15 @@ class HttpLaneClient(Protocol):
         ...
 
     async def get_bytes(
-        self, url: str, *, max_bytes: int, timeout_s: float, anonymous: bool = False
+        self,
+        url: str,
+        *,
+        max_bytes: int,
+        timeout_s: float,
+        headers: Sequence[tuple[str, str]] = (),
+        anonymous: bool = False,
     ) -> bytes:
-        """GET a whole small body (``200`` only)."""
+        """GET a whole small body (``200`` only); ``headers`` replace defaults of that name."""
         ...
 
     def stream_range(

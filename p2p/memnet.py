@@ -878,7 +878,12 @@ class MemHttpClient:
         if server is None or not server.alive:
             raise PeerUnreachable(source, "connect failed: connection refused")
         signed = self._sign(target) if self._sign is not None and not anonymous else ()
-        headers = [("host", netloc), ("accept-encoding", "identity"), *self._headers]
+        named = {k.lower() for k, _ in extra}  # a per-request header replaces a default one
+        headers = [
+            ("host", netloc),
+            ("accept-encoding", "identity"),
+            *(h for h in self._headers if h[0] not in named),
+        ]
         conn = h11.Connection(h11.CLIENT)
         head = conn.send(
             h11.Request(method="GET", target=target, headers=[*headers, *signed, *extra])
@@ -938,11 +943,17 @@ class MemHttpClient:
                 a.on_sent(delivered)
 
     async def get_bytes(
-        self, url: str, *, max_bytes: int, timeout_s: float, anonymous: bool = False
+        self,
+        url: str,
+        *,
+        max_bytes: int,
+        timeout_s: float,
+        headers: Sequence[tuple[str, str]] = (),
+        anonymous: bool = False,
     ) -> bytes:
         """GET a whole body (``200`` only); see :meth:`p2p.http_client.HttpClient.get_bytes`."""
         try:
-            a = await self._exchange(url, (), timeout_s, anonymous)
+            a = await self._exchange(url, headers, timeout_s, anonymous)
             response, source = a.event, a.source
             if response.status_code != 200:
                 raise _status_error(response, source, url)

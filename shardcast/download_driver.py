@@ -77,7 +77,7 @@ from shardcast.receive import (
     verify_and_write,
 )
 from shardcast.select import SourceBans, blame
-from shardcast.serve import decode_have, have_max_bytes, have_token
+from shardcast.serve import HOLD_HEADER, decode_have, have_max_bytes, have_token
 from shardcast.session import (
     Action,
     Ban,
@@ -109,6 +109,14 @@ log = logging.getLogger("shardcast.downloader")
 PART_RETRY_MAX_S = 0.25
 """Longest wait between asks for a missing manifest part, seconds (the first is 0.05 s,
 doubling): a part that appears is fetched within this."""
+
+NO_HOLD = ((HOLD_HEADER, "0"),)
+"""Request headers that ask a source to answer at once, not hold the request for content it
+does not have yet (replacing the node's default hold)."""
+
+IDLE_REPORT_S = 10.0
+"""A download that receives nothing for this long logs why (``download_idle``: what is in
+flight, what each source waits for), and again as often while the spell lasts, seconds."""
 
 __all__ = ["DownloadDriver", "offer"]
 
@@ -226,6 +234,7 @@ class DownloadDriver:
         self.on_shard = on_shard
         self.progress = progress
         self.by_id: dict[str, Source] = {}
+        self.discovered: set[str] = set()  # sources found by discovery (not upstreams)
         self.sinks: dict[int, ShardSink] = {}  # request -> its sink
         self.kept: dict[int, ShardSink] = {}  # shard -> prefix kept for resuming
         self.suspects: dict[int, ShardSink] = {}  # copy -> a failed assembled copy
@@ -241,6 +250,8 @@ class DownloadDriver:
     def join(self, s: Source, extra: bool = False, quiet: bool = False) -> None:
         """Add ``s`` to the download (logged unless ``quiet``: a source it started with)."""
         self.by_id[s.id] = s
+        if extra:
+            self.discovered.add(s.id)
         now = trio.current_time()
         banned = self.bans.is_banned(s.id, now)
         self.apply(self.session.add_source(s.id, s.complete, now, banned=banned, extra=extra))
@@ -261,15 +272,28 @@ class DownloadDriver:
                 for k in self.session.missing_parts:
                     nursery.start_soon(self.fetch_part, k)
                 nursery.start_soon(self.discover)
+                report_at = IDLE_REPORT_S
                 while end is None:
                     now = trio.current_time()
+                    quiet = self.session.quiet_for(now)
+                    if quiet < IDLE_REPORT_S:
+                        report_at = IDLE_REPORT_S
+                    elif quiet >= report_at:  # then every IDLE_REPORT_S while it lasts
+                        report_at = quiet + IDLE_REPORT_S
+                        log.info(
+                            "download_idle step=%d quiet_s=%.1f %s",
+                            self.m.step,
+                            quiet,
+                            self.session.explain(now),
+                        )
                     for a in self.session.poll(now):
                         if isinstance(a, Commit | Fail):
                             end = a
                         else:
                             self.apply(a)
                     if end is None:
-                        with trio.move_on_after(self.session.next_wake(now)):
+                        wait = min(self.session.next_wake(now), report_at - quiet)
+                        with trio.move_on_after(max(wait, 0.0)):
                             await self.wake.wait()
                 nursery.cancel_scope.cancel()
         finally:  # every task has ended: no sink is in use any more
@@ -517,42 +541,63 @@ class DownloadDriver:
             await trio.sleep(self.have_poll_s)
 
     async def fetch_part(self, k: int) -> None:
-        m, delay = self.m, 0.05
-        while k not in m.parts:
-            for src in list(self.by_id.values()):
-                url = part_url(src.base_url, m.run_id, m.step, self.digest, k)
-                try:
-                    data = await self.client.get_bytes(
-                        url,
-                        max_bytes=8 << 20,
-                        timeout_s=self.stall_timeout_s,
-                        anonymous=src.anonymous,
-                    )
-                    signed = decode_part(data, m.header, trust=self.trust, source=src.id)
-                except NotAvailable as exc:
-                    self.apply(
-                        self.session.answered(src.id, _unavailable(exc), trio.current_time())
-                    )
-                    continue
-                except (TransportError, ManifestError, IntegrityError) as exc:
-                    log.info(
-                        "part_fetch_failed step=%d part=%d source=%s error=%s",
-                        m.step,
-                        k,
-                        short_id(src.id),
-                        exc,
-                    )
-                    continue
-                self.session.answered(src.id, Outcome.OK, trio.current_time())
-                if m.add_part(signed):
-                    offers = [offer(m.shard(i)) for i in m.header.part_range(k)]
-                    self.session.part_arrived(k, offers, trio.current_time())
-                    if self.on_shard is not None:
-                        self.on_shard(-1)
-                    self.poke()
+        """Get manifest part ``k``: ask every source at once (:meth:`ask_part`), the first
+        verified answer wins and ends the others; while none has it, ask again after a
+        backoff (0.05 s doubling to :data:`PART_RETRY_MAX_S`).
+
+        Asking one source after another let each hold the request for its ``wait_s`` (10 s)
+        while it lacked the part itself: a relay whose origin was still hashing the last file
+        asked the origin (held, then 503), then each peer in turn (held 10 s each, none had
+        it), and every node waited 40-50 s on one part of a version the origin had published
+        long before."""
+        delay = 0.05
+        while k not in self.m.parts:
+            async with trio.open_nursery() as race:
+                for src in list(self.by_id.values()):
+                    race.start_soon(self.ask_part, k, src, race.cancel_scope)
+            if k in self.m.parts:
                 return
             await trio.sleep(delay)
             delay = min(delay * 2, PART_RETRY_MAX_S)
+
+    async def ask_part(self, k: int, src: Source, race: trio.CancelScope) -> None:
+        """Ask ``src`` for manifest part ``k``; if it verifies, add it and end ``race``.
+
+        Only an upstream (a source the download was given, not one found by discovery) is
+        asked to hold the request until it has the part: the part reaches this node through
+        it. A discovered peer answers at once, so a part that no peer has yet costs no held
+        request per peer (they are asked again each round)."""
+        m = self.m
+        url = part_url(src.base_url, m.run_id, m.step, self.digest, k)
+        try:
+            data = await self.client.get_bytes(
+                url,
+                max_bytes=8 << 20,
+                timeout_s=self.stall_timeout_s,
+                headers=NO_HOLD if src.id in self.discovered else (),
+                anonymous=src.anonymous,
+            )
+            signed = decode_part(data, m.header, trust=self.trust, source=src.id)
+        except NotAvailable as exc:
+            self.apply(self.session.answered(src.id, _unavailable(exc), trio.current_time()))
+            return
+        except (TransportError, ManifestError, IntegrityError) as exc:
+            log.info(
+                "part_fetch_failed step=%d part=%d source=%s error=%s",
+                m.step,
+                k,
+                short_id(src.id),
+                exc,
+            )
+            return
+        self.session.answered(src.id, Outcome.OK, trio.current_time())
+        race.cancel()
+        if m.add_part(signed):
+            offers = [offer(m.shard(i)) for i in m.header.part_range(k)]
+            self.session.part_arrived(k, offers, trio.current_time())
+            if self.on_shard is not None:
+                self.on_shard(-1)
+            self.poke()
 
     async def discover(self) -> None:
         session = self.session

@@ -101,6 +101,10 @@ class DownloadWatch:
         """Bytes of the version arrived (or a part, or a shard verified)."""
         self._last_progress = now
 
+    def quiet_for(self, now: float) -> float:
+        """Seconds since the last byte, part or delivery of the version (or the start)."""
+        return now - self._last_progress
+
     def gone(self, source: str) -> bool:
         """True if ``source``'s latest answers say it does not hold the version."""
         view = self._sources.get(source)

@@ -66,7 +66,7 @@ from collections import Counter
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 
-from p2p.errors import LocalProtocolError
+from p2p.errors import LocalProtocolError, short_id
 
 _SCAN_LIMIT = 64  # idle shards looked at in heap order before a full scan
 
@@ -345,6 +345,48 @@ class Scheduler:
             self._resumed,
             tuple(s.source for s in self._sources.values() if s.banned),
         )
+
+    def explain(self, now: float, limit: int = 8) -> str:
+        """Why nothing more is being fetched, in one log-friendly line (for a download that
+        makes no progress): counts of missing, idle and unknown shards; the requests in flight
+        (shard, source, seconds since sent, whether a byte arrived); and per source what keeps
+        it from taking an idle shard (``banned``, ``full``, ``blocked=<s>``, shards it lacks,
+        per-shard delays). At most ``limit`` requests are listed. Pure: reads no clock."""
+        idle = sorted(self._idle)
+        unknown = sum(1 for s in self._shards if not s.known and not s.done)
+        flights = sorted(self._flights.values(), key=lambda f: f.started)
+        parts = [
+            f"missing={self._missing} idle={len(idle)} unknown={unknown} "
+            f"inflight={len(flights)}/{self.config.max_inflight}"
+        ]
+        for fl in flights[:limit]:
+            r = fl.req
+            parts.append(
+                f"req={r.shard}@{short_id(r.source)}+{r.start}"
+                f"{'dup' if r.duplicate else ''}:{now - fl.started:.1f}s"
+                f"{'' if fl.first_byte is None else ':bytes'}"
+            )
+        cap = self.config.per_source_inflight
+        for st in self._sources.values():
+            why = []
+            if st.banned:
+                why.append("banned")
+            if st.inflight >= cap:
+                why.append("full")
+            if st.blocked_until > now:
+                why.append(f"blocked={st.blocked_until - now:.1f}s")
+            lacks = sum(1 for i in idle if not st.holds(i, self._shards[i].received))
+            if lacks:
+                why.append(f"lacks={lacks}")
+            delayed = [st.not_before[i] - now for i in idle if st.not_before.get(i, 0.0) > now]
+            if delayed:
+                why.append(f"delayed={len(delayed)}<={max(delayed):.1f}s")
+            held = "all" if st.have is None else f"{len(st.have)}+{len(st.prefix)}p"
+            parts.append(
+                f"src={short_id(st.source)}:have={held}:inflight={st.inflight}"
+                f":{','.join(why) or 'ready'}"
+            )
+        return " ".join(parts)
 
     # -- decisions ---------------------------------------------------------------------------
 

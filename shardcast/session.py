@@ -457,6 +457,18 @@ class Session:
             out.append(Commit())
         return out
 
+    def quiet_for(self, now: float) -> float:
+        """Seconds since the last byte, part or delivery of the version arrived."""
+        return self.watch.quiet_for(now)
+
+    def explain(self, now: float) -> str:
+        """Why the download waits, one line (for a log when it makes no progress): the parts
+        still awaited, kept resume prefixes, and :meth:`~shardcast.select.Scheduler.explain`."""
+        return (
+            f"parts_missing={len(self.missing_parts)} kept={len(self._kept)} "
+            f"{self.sched.explain(now)}"
+        )
+
     def next_wake(self, now: float) -> float:
         """Seconds until :meth:`poll` must be called again if nothing happens (penalties
         expire, the watch's verdict can change)."""

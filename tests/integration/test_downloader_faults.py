@@ -13,6 +13,7 @@ has gone quiet. Tests that must finish *before* a timeout could fire use the rea
 
 from __future__ import annotations
 
+import logging
 import random
 from pathlib import Path
 
@@ -199,6 +200,33 @@ async def test_stalled_source_costs_one_stall_timeout(
     assert stats.failures == 2
     assert stats.corrupt_by_source == {}
     assert stats.bytes_by_source == {"b-honest": 4 * SHARD}
+
+
+async def test_a_download_that_waits_logs_what_it_waits_for(
+    tmp_path: Path,
+    version: Version,
+    jump_clock: trio.testing.MockClock,
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """Nothing arrives for 10 s (two shards held by a source that stalls, the honest source
+    blocked): the download logs ``download_idle`` with the requests it waits on, once per 10 s."""
+    caplog.set_level(logging.INFO, logger="shardcast.downloader")
+    store = target_store(tmp_path)
+    async with (
+        fault_source(version, Fault.STALL_AFTER_HEADERS) as stall,
+        honest_source(version) as (honest, _),
+        HttpClient() as client,
+    ):
+        sources = [Source("a-stall", stall.url), Source("b-honest", honest.url)]
+        dl = Downloader(client, store, config(stall_timeout_s=25.0), random.Random(1), trust())
+        path, _stats = await dl.download(version.signed, sources)
+    assert_committed(store, version, path)
+    idle = [r.getMessage() for r in caplog.records if r.getMessage().startswith("download_idle")]
+    assert len(idle) == 2  # at 10 s and 20 s of the 25 s stall
+    for line in idle:
+        assert "inflight=2/8" in line
+        assert line.count("@a-stall+0:") == 2  # both stalled requests, no byte yet
+        assert ":bytes" not in line
 
 
 async def test_endgame_duplicates_beat_a_stalled_source(tmp_path: Path, version: Version) -> None:

@@ -116,3 +116,17 @@ def test_floor_cli_refuses_bad_dirs_without_touching_them(
     assert floor.main([str(keep), str(keep), str(keep)]) == 2  # an existing workdir is refused
     assert "exists" in capsys.readouterr().err
     assert (keep / "data").read_text() == "mine"
+
+
+def test_an_unusable_workdir_is_one_line_exit_2(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    blocker = tmp_path / "file"
+    blocker.write_text("not a directory")
+    assert broadcast.main(["--workdir", str(blocker / "runs")]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"broadcast: --workdir {blocker / 'runs'}: ")
+    assert err.count("\n") == 1
+    made = tmp_path / "new" / "runs"
+    assert broadcast.main(["--workdir", str(made), "--systems", "nope"]) == 2
+    assert not made.exists()  # argument errors come first: nothing created

@@ -740,3 +740,24 @@ def test_shards_that_failed_go_behind_the_untried_ones() -> None:
     assert sched.next_request(5.5) is None  # blocked for penalty_s
     again = [sched.next_request(6.0), sched.next_request(6.0)]
     assert {r.shard for r in again if r is not None} == set(range(4)) - tried
+
+
+def test_explain_names_what_each_source_waits_for() -> None:
+    cfg = SchedulerConfig(max_inflight=4, per_source_inflight=1, penalty_s=2.0)
+    sched = Scheduler([100] * 6, random.Random(0), cfg)
+    sched.add_source("relay-a")
+    sched.add_source("relay-b")
+    sched.add_source("peer-c", have=[0])
+    first = drain(sched, 0.0)
+    assert len(first) == 3  # one per source: relay-a, relay-b, peer-c (shard 0)
+    failed = next(r for r in first if r.source == "relay-b")
+    sched.on_failure(failed.id, 1.0, kind="timeout")  # blocked for 2 s
+    peer = next(r for r in first if r.source == "peer-c")
+    sched.on_first_byte(peer.id, 1.0)
+    line = sched.explain(2.5)
+    assert line.startswith("missing=6 idle=4 unknown=0 inflight=2/4 ")
+    assert f"req={peer.shard}@peer-c+0:2.5s:bytes" in line
+    assert "src=relay-a:have=all:inflight=1:full" in line
+    assert "src=relay-b:have=all:inflight=0:blocked=0.5s" in line
+    assert "src=peer-c:have=1+0p:inflight=1:full,lacks=4" in line
+    assert "blocked" not in sched.explain(3.5).split("src=relay-b")[1].split(" ")[0]

@@ -1,0 +1,137 @@
+"""A manifest part that its origin signs late (pipelined publish: the trainer was still writing
+the last file) on 127.0.0.1, in virtual time: the downloader gets it the moment a source has
+it, however many other sources lack it and hold the request meanwhile.
+
+The bug this pins (issue 16, the next-version stall): parts were asked of one source after
+another, each holding the request up to its ``wait_s`` (10 s) while it lacked the part itself;
+a relay waited on the origin, then on each peer in turn, and every node of the benchmark sat
+idle for 40-50 s on one part of a version the origin had published long before.
+"""
+
+from __future__ import annotations
+
+import random
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from pathlib import Path
+
+import pytest
+import trio
+import trio.testing
+
+from p2p.http_client import HttpClient
+from p2p.http_server import HttpRequest, HttpResponse, open_http_server
+from shardcast.downloader import Downloader, Source
+from shardcast.manifest import Manifest
+from shardcast.serve import HOLD_HEADER, VersionServer
+from shardcast.store import VersionStore
+from tests.faults import RUN, Version, make_version
+from tests.helpers import trust
+from tests.integration.test_downloader_faults import assert_committed, config
+
+SHARD = 16 * 1024
+FILE = "model.safetensors"
+PART_AT_S = 15.0  # when the origin signs the version's parts (after its sources' 10 s holds)
+WAIT_S = 10.0  # every server's longest hold, as a node's default
+
+
+@pytest.fixture
+def jump_clock() -> trio.testing.MockClock:
+    return trio.testing.MockClock(autojump_threshold=0)
+
+
+class _Live:
+    """A version still being published (origin) or received (peer): shards servable once the
+    part that lists them is signed."""
+
+    def __init__(self, manifest: Manifest, directory: Path) -> None:
+        self.manifest = manifest
+        self.dir = directory
+
+    def has(self, index: int) -> bool:
+        return any(index in self.manifest.header.part_range(k) for k in self.manifest.parts)
+
+    def blob_path(self, index: int, encoding: str) -> Path:
+        return self.dir / "none"
+
+
+@asynccontextmanager
+async def _server(
+    store: VersionStore, live: _Live, holds: list[str], asked: trio.Event
+) -> AsyncIterator[tuple[str, VersionServer]]:
+    """A lane serving ``live``; ``holds`` gets the hold header of every part request, and
+    ``asked`` is set at the first."""
+    server = VersionServer(store, trust(), wait_s=WAIT_S)
+    server.add_live(live)
+
+    async def handle(req: HttpRequest) -> HttpResponse:
+        if "/manifest/part/" in req.path:
+            holds.append(req.headers.get(HOLD_HEADER, "none"))
+            asked.set()
+        return await server.handle(req)
+
+    async with open_http_server(handle) as http:
+        yield http.url, server
+
+
+def _header_only(version: Version) -> Manifest:
+    return Manifest(version.signed.signed_header)
+
+
+@pytest.mark.parametrize("discovered", [False, True])
+async def test_a_late_part_arrives_the_moment_its_origin_signs_it(
+    tmp_path: Path, jump_clock: trio.testing.MockClock, discovered: bool
+) -> None:
+    """An origin still hashing (the part comes at 15 s) and a peer that lacks the part too
+    (it would hold a request 10 s): the download has the part at 15 s, not after a hold at
+    the origin (10 s) plus one at the peer (10 s). A peer found by discovery is asked not to
+    hold at all: a part no peer has costs no held request per peer."""
+    version = make_version(tmp_path, {FILE: 4 * SHARD}, SHARD)
+    step = version.step
+    origin_m, peer_m = _header_only(version), _header_only(version)
+    asked, first_ask = trio.Event(), list[float]()
+    origin_holds: list[str] = []
+    peer_holds: list[str] = []
+    empty = VersionStore(tmp_path / "peer-store", RUN, keep_last=2)
+    target = VersionStore(tmp_path / "downloader", RUN, keep_last=2)
+    async with (
+        _server(
+            version.store, _Live(origin_m, version.store.version_dir(step)), origin_holds, asked
+        ) as (origin_url, origin),
+        _server(empty, _Live(peer_m, tmp_path), peer_holds, trio.Event()) as (peer_url, _),
+        HttpClient(headers={HOLD_HEADER: f"{WAIT_S:g}"}) as client,
+        trio.open_nursery() as nursery,
+    ):
+
+        async def publish() -> None:  # the origin signs its parts, then commits
+            await asked.wait()  # (the clock jumps while the downloader sets up in a thread)
+            first_ask.append(trio.current_time())
+            await trio.sleep(PART_AT_S)
+            for part in version.signed.parts.values():
+                origin_m.add_part(part)
+            origin.progress(step)
+            origin.live_done(step)
+
+        nursery.start_soon(publish)
+        peer = Source("b-peer", peer_url, complete=False)
+        sources = [Source("a-origin", origin_url, complete=False)]
+        dl = Downloader(client, target, config(), random.Random(1), trust())
+        part_at: list[float] = []
+
+        def on_shard(index: int) -> None:  # -1: a manifest part arrived
+            if index < 0:
+                part_at.append(trio.current_time() - first_ask[0])
+
+        extra = (lambda: [peer]) if discovered else None
+        path, _ = await dl.download(
+            _header_only(version),
+            sources if discovered else [*sources, peer],
+            extra_sources=extra,
+            on_shard=on_shard,
+        )
+    assert_committed(target, version, path)
+    # (the time of the part, not of the commit: the mock clock jumps while worker threads
+    # verify shards, to the next deadline of the servers' held requests)
+    assert part_at == [pytest.approx(PART_AT_S)]
+    assert set(origin_holds) == {f"{WAIT_S:g}"}  # held where the part comes from
+    assert set(peer_holds) == ({"0"} if discovered else {f"{WAIT_S:g}"})
