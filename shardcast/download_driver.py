@@ -121,6 +121,10 @@ flight, what each source waits for), and again as often while the spell lasts, s
 __all__ = ["DownloadDriver", "offer"]
 
 
+class _StoreLost(Exception):
+    """Writing a verified chunk failed (:meth:`DownloadDriver.write_chunk`)."""
+
+
 def offer(entry: ShardEntry) -> Offer:
     """What a manifest shard entry offers, for the session."""
     return Offer(entry.index, entry.length, {e.encoding: e.size for e in entry.encodings})
@@ -363,8 +367,18 @@ class DownloadDriver:
 
     def write_chunk(self, index: int, start: int, data: memoryview) -> None:
         """A chunk of shard ``index`` verified: write it now, and let this node's lane
-        serve it (``on_shard`` wakes the requests held for it)."""
-        if self.part.write_prefix(index, start, data) and self.on_shard is not None:
+        serve it (``on_shard`` wakes the requests held for it).
+
+        Raises:
+            _StoreLost: the write failed (disk full, the partial directory removed): the
+                session fails the download with ``store_lost`` (its partial is then
+                removed), instead of the error ending the node."""
+        try:
+            written = self.part.write_prefix(index, start, data)
+        except OSError as exc:
+            self.session.store_lost(None, str(exc))
+            raise _StoreLost(str(exc)) from exc
+        if written and self.on_shard is not None:
             self.on_shard(index)
 
     def _held(self, sink: ShardSink) -> bool:
@@ -402,6 +416,8 @@ class DownloadDriver:
                     outcome = Outcome.OK
                 except ChunkCorrupt:  # the sink kept the verified chunks before it
                     outcome = Outcome.CORRUPT_CHUNK
+                except _StoreLost:  # the session fails the download at its next poll
+                    outcome = Outcome.CANCELLED
                 except NotAvailable as exc:
                     outcome = _unavailable(exc)
                     if outcome is Outcome.REFUSED and self.observer is not None:

@@ -13,6 +13,7 @@ has gone quiet. Tests that must finish *before* a timeout could fire use the rea
 
 from __future__ import annotations
 
+import errno
 import logging
 import random
 from pathlib import Path
@@ -23,6 +24,7 @@ import trio.testing
 
 from p2p.http_client import HttpClient
 from shardcast.downloader import DownloadConfig, Downloader, DownloadFailed, Source
+from shardcast.liveness import Abandon
 from shardcast.select import SchedulerConfig
 from shardcast.store import PartialVersion, VersionStore
 from tests.faults import RUN, Ask, Fault, Version, fault_source, honest_source, make_version
@@ -450,3 +452,26 @@ async def test_a_source_holding_another_version_is_not_blamed(
     assert stats.unavailable_by_source.get("a-other", 0) == len(other.asks)
     assert stats.other_digest_by_source == {"a-other": len(other.asks)}
     assert not dl.bans.banned(trio.current_time())
+
+
+async def test_a_full_disk_fails_the_download_and_removes_its_partial(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Writing a verified chunk fails (ENOSPC): the download fails with ``store_lost`` (the
+    node logs it and retries later) and its partial directory is removed, freeing the space;
+    the error does not escape the driver as a crash."""
+    version = make_version(tmp_path, {FILE: 4 * SHARD}, SHARD, chunk_bytes=SHARD // 4)
+    store = target_store(tmp_path)
+
+    def full(self: PartialVersion, index: int, start: int, data: memoryview) -> bool:
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(PartialVersion, "write_prefix", full)
+    async with honest_source(version) as (honest, _), HttpClient() as client:
+        dl = Downloader(client, store, config(), random.Random(1), trust())
+        with pytest.raises(DownloadFailed) as failed:
+            await dl.download(version.signed, [Source("a-honest", honest.url)])
+    assert failed.value.reason is Abandon.STORE_LOST
+    assert "No space left on device" in str(failed.value)
+    assert store.committed_steps() == []
+    assert not store.partial_dir(version.step).exists()
