@@ -239,6 +239,7 @@ class DownloadDriver:
         self.progress = progress
         self.by_id: dict[str, Source] = {}
         self.discovered: set[str] = set()  # sources found by discovery (not upstreams)
+        self.part_failed: set[str] = set()  # sources whose part_fetch_failed was logged
         self.sinks: dict[int, ShardSink] = {}  # request -> its sink
         self.kept: dict[int, ShardSink] = {}  # shard -> prefix kept for resuming
         self.suspects: dict[int, ShardSink] = {}  # copy -> a failed assembled copy
@@ -598,7 +599,11 @@ class DownloadDriver:
             self.apply(self.session.answered(src.id, _unavailable(exc), trio.current_time()))
             return
         except (TransportError, ManifestError, IntegrityError) as exc:
-            log.info(
+            # every round asks every source: say it once per source, not 4 times a second
+            first = src.id not in self.part_failed
+            self.part_failed.add(src.id)
+            log.log(
+                logging.INFO if first else logging.DEBUG,
                 "part_fetch_failed step=%d part=%d source=%s error=%s",
                 m.step,
                 k,

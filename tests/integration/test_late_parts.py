@@ -10,6 +10,7 @@ idle for 40-50 s on one part of a version the origin had published long before.
 
 from __future__ import annotations
 
+import logging
 import random
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
@@ -27,6 +28,7 @@ from shardcast.serve import HOLD_HEADER, VersionServer
 from shardcast.store import VersionStore
 from tests.faults import RUN, Version, make_version
 from tests.helpers import trust
+from tests.integration.procs import free_port
 from tests.integration.test_downloader_faults import assert_committed, config
 
 SHARD = 16 * 1024
@@ -80,12 +82,17 @@ def _header_only(version: Version) -> Manifest:
 
 @pytest.mark.parametrize("discovered", [False, True])
 async def test_a_late_part_arrives_the_moment_its_origin_signs_it(
-    tmp_path: Path, jump_clock: trio.testing.MockClock, discovered: bool
+    tmp_path: Path,
+    jump_clock: trio.testing.MockClock,
+    discovered: bool,
+    caplog: pytest.LogCaptureFixture,
 ) -> None:
     """An origin still hashing (the part comes at 15 s) and a peer that lacks the part too
     (it would hold a request 10 s): the download has the part at 15 s, not after a hold at
     the origin (10 s) plus one at the peer (10 s). A peer found by discovery is asked not to
-    hold at all: a part no peer has costs no held request per peer."""
+    hold at all: a part no peer has costs no held request per peer. A source that cannot be
+    reached is asked every round but logged once."""
+    caplog.set_level(logging.DEBUG, logger="shardcast.downloader")
     version = make_version(tmp_path, {FILE: 4 * SHARD}, SHARD)
     step = version.step
     origin_m, peer_m = _header_only(version), _header_only(version)
@@ -114,7 +121,8 @@ async def test_a_late_part_arrives_the_moment_its_origin_signs_it(
 
         nursery.start_soon(publish)
         peer = Source("b-peer", peer_url, complete=False)
-        sources = [Source("a-origin", origin_url, complete=False)]
+        dead = Source("c-dead", f"http://127.0.0.1:{free_port()}", complete=False)
+        sources = [Source("a-origin", origin_url, complete=False), dead]
         dl = Downloader(client, target, config(), random.Random(1), trust())
         part_at: list[float] = []
 
@@ -133,5 +141,8 @@ async def test_a_late_part_arrives_the_moment_its_origin_signs_it(
     # (the time of the part, not of the commit: the mock clock jumps while worker threads
     # verify shards, to the next deadline of the servers' held requests)
     assert part_at == [pytest.approx(PART_AT_S)]
+    failed = [r for r in caplog.records if r.getMessage().startswith("part_fetch_failed")]
+    assert len(failed) >= 2  # the unreachable source was asked in each round
+    assert [r.levelno for r in failed].count(logging.INFO) == 1  # and said so once
     assert set(origin_holds) == {f"{WAIT_S:g}"}  # held where the part comes from
     assert set(peer_holds) == ({"0"} if discovered else {f"{WAIT_S:g}"})
