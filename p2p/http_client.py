@@ -246,11 +246,10 @@ class HttpClient:
         anonymous: bool = False,
     ) -> None:
         signed = self._sign(target) if self._sign is not None and not anonymous else ()
-        named = {k.lower() for k, _ in extra}  # a per-request header replaces a default one
         headers = [
             ("host", host),
             ("accept-encoding", "identity"),
-            *(h for h in self._headers if h[0] not in named),
+            *_unless_given(self._headers, extra),
             *signed,
             *extra,
         ]
@@ -550,6 +549,15 @@ def _keeps_alive(response: h11.Response) -> bool:
         k == b"connection" and b"close" in [t.strip() for t in v.lower().split(b",")]
         for k, v in response.headers
     )
+
+
+def _unless_given(
+    defaults: Sequence[tuple[str, str]], extra: Sequence[tuple[str, str]]
+) -> list[tuple[str, str]]:
+    """The client's default headers (lower-case names) that ``extra`` does not name: a
+    per-request header replaces the default of the same name instead of being sent twice."""
+    named = {k.lower() for k, _ in extra}
+    return [h for h in defaults if h[0] not in named]
 
 
 def _header(response: h11.Response, name: bytes) -> str | None:

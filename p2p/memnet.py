@@ -73,6 +73,7 @@ from p2p.http_client import (
     _header,
     _status_error,
     _target,
+    _unless_given,
 )
 from p2p.http_range import ByteRange, format_range
 from p2p.http_server import (
@@ -878,11 +879,10 @@ class MemHttpClient:
         if server is None or not server.alive:
             raise PeerUnreachable(source, "connect failed: connection refused")
         signed = self._sign(target) if self._sign is not None and not anonymous else ()
-        named = {k.lower() for k, _ in extra}  # a per-request header replaces a default one
         headers = [
             ("host", netloc),
             ("accept-encoding", "identity"),
-            *(h for h in self._headers if h[0] not in named),
+            *_unless_given(self._headers, extra),
         ]
         conn = h11.Connection(h11.CLIENT)
         head = conn.send(

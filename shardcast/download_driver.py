@@ -238,7 +238,6 @@ class DownloadDriver:
         self.on_shard = on_shard
         self.progress = progress
         self.by_id: dict[str, Source] = {}
-        self.discovered: set[str] = set()  # sources found by discovery (not upstreams)
         self.part_failed: set[str] = set()  # sources whose part_fetch_failed was logged
         self.sinks: dict[int, ShardSink] = {}  # request -> its sink
         self.kept: dict[int, ShardSink] = {}  # shard -> prefix kept for resuming
@@ -255,8 +254,6 @@ class DownloadDriver:
     def join(self, s: Source, extra: bool = False, quiet: bool = False) -> None:
         """Add ``s`` to the download (logged unless ``quiet``: a source it started with)."""
         self.by_id[s.id] = s
-        if extra:
-            self.discovered.add(s.id)
         now = trio.current_time()
         banned = self.bans.is_banned(s.id, now)
         self.apply(self.session.add_source(s.id, s.complete, now, banned=banned, extra=extra))
@@ -591,7 +588,7 @@ class DownloadDriver:
                 url,
                 max_bytes=8 << 20,
                 timeout_s=self.stall_timeout_s,
-                headers=NO_HOLD if src.id in self.discovered else (),
+                headers=NO_HOLD if self.session.discovered(src.id) else (),
                 anonymous=src.anonymous,
             )
             signed = decode_part(data, m.header, trust=self.trust, source=src.id)

@@ -352,7 +352,7 @@ class Scheduler:
         (shard, source, seconds since sent, whether a byte arrived); and per source what keeps
         it from taking an idle shard (``banned``, ``full``, ``blocked=<s>``, shards it lacks,
         per-shard delays). At most ``limit`` requests are listed. Pure: reads no clock."""
-        idle = sorted(self._idle)
+        idle = self._idle
         unknown = sum(1 for s in self._shards if not s.known and not s.done)
         flights = sorted(self._flights.values(), key=lambda f: f.started)
         parts = [

@@ -350,6 +350,10 @@ class Session:
         """True if ``source`` is part of the download."""
         return source in self._complete
 
+    def discovered(self, source: str) -> bool:
+        """True if ``source`` joined through discovery (``extra``), not as an upstream."""
+        return source in self._extra
+
     def extra_room(self) -> int:
         """How many more discovered sources may join (usable ones count against the bound)."""
         banned = set(self.sched.statistics().banned)
