@@ -30,6 +30,14 @@ own overhead). Stages run one at a time (one shard after another, the event loop
 a worker thread writes), so the process CPU (``time.process_time``, every thread, including
 BLAKE3's own worker threads in the old path) read around each stage is that stage's.
 
+A ``floor`` receiver (full version only) is the least any receiver of this design can
+spend: a blocking socket per shard with a hand-written request, ``recv_into`` one reused
+shard buffer, BLAKE3 of it (one thread), one ``pwrite`` into a new file, ``fsync`` of each
+file at the end (the ``commit`` stage: a commit must be durable): no HTTP parser, no event
+loop, no journal, no manifest. Its ``total`` against ``new`` is what the
+project's own code costs on top of the kernel and the hash; if the floor alone exceeds a
+target on this machine, the target is out of reach here whatever the code does.
+
 A third receiver, ``clone``, applies every ``sparse`` shard by clone-and-patch
 (:meth:`PartialVersion.patch_shard`: ``copy_file_range`` of the base range, patch through a
 memory map, hash there), which the new path keeps for shards with fewer changed words than
@@ -46,6 +54,7 @@ import json
 import os
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -265,6 +274,61 @@ async def receive_clone(
     return st
 
 
+def receive_floor(base_url: str, m: Manifest, dest: Path, origin: str) -> Stages:
+    """The floor (see module docstring): raw HTTP/1.1 range requests on blocking sockets."""
+    st = Stages()
+    host, port = base_url.removeprefix("http://").split(":")
+    dest.mkdir(parents=True, exist_ok=True)
+    fds: dict[str, int] = {}
+    buf = bytearray(max(m.shard(i).length for i in range(len(m.header.shards))))
+    view = memoryview(buf)
+    t_all, w0 = time.process_time(), time.perf_counter()
+    try:
+        for index in range(len(m.header.shards)):
+            entry = m.shard(index)
+            url, offset, length = url_of(base_url, m, index, codecs.RAW, origin)
+            t = time.process_time()
+            with socket.create_connection((host, int(port))) as sock:
+                path = url.removeprefix(base_url)
+                sock.sendall(
+                    f"GET {path} HTTP/1.1\r\nHost: {host}\r\n"
+                    f"Range: bytes={offset}-{offset + length - 1}\r\n\r\n".encode()
+                )
+                head = b""
+                while b"\r\n\r\n" not in head:
+                    more = sock.recv(4096)
+                    if not more:
+                        raise ConnectionError(f"{url}: closed in the response head")
+                    head += more
+                body = head.split(b"\r\n\r\n", 1)[1]
+                view[: len(body)] = body
+                pos = len(body)
+                while pos < length:
+                    n = sock.recv_into(view[pos:length])
+                    if n == 0:
+                        raise ConnectionError(f"{url}: closed after {pos} of {length} bytes")
+                    pos += n
+            st.add("receive", time.process_time() - t)
+            digest = timed(st, "hash", blake3.blake3, view[:length]).hexdigest()
+            if digest != entry.digest:
+                raise ValueError(f"floor: shard {index} digest mismatch")
+            if entry.file not in fds:
+                fds[entry.file] = os.open(
+                    dest / entry.file.replace("/", "_"), os.O_RDWR | os.O_CREAT
+                )
+            fd = fds[entry.file]
+            if timed(st, "write", os.pwrite, fd, view[:length], entry.offset) != length:
+                raise OSError(f"floor: short write of shard {index}")
+        for fd in fds.values():  # durable, as a commit is
+            timed(st, "commit", os.fsync, fd)
+    finally:
+        for fd in fds.values():
+            os.close(fd)
+    st.add("total", time.process_time() - t_all)
+    st.wall_s = time.perf_counter() - w0
+    return st
+
+
 # -- driver ---------------------------------------------------------------------------------
 
 
@@ -378,6 +442,12 @@ async def run_once(
                 }
             store.close()
             shutil.rmtree(recv, ignore_errors=True)
+    full = manifests["full-3"]
+    st_floor = receive_floor(base_url, full, root / "recv-floor", f"step-{full.step}")
+    out["floor"] = {
+        "full": {"cpu_s_per_gb": per_gb(st_floor, size), "wall_s": round(st_floor.wall_s, 2)}
+    }
+    shutil.rmtree(root / "recv-floor", ignore_errors=True)
     return out
 
 
@@ -391,7 +461,7 @@ def report(results: dict[str, Any], size_mib: int) -> None:
     print(f"{'version':<6} {'path':<4} " + " ".join(f"{s:>8}" for s in stages) + "   wall s")
     for version in ("full", "next"):
         med: dict[str, dict[str, float]] = {}
-        for path in ("old", "new", "clone"):
+        for path in ("old", "new", "clone", "floor"):
             if version not in runs[0].get(path, {}):
                 continue
             med[path] = {
