@@ -45,6 +45,7 @@ detected on reuse and the request is retried once on a fresh connection.
 
 from __future__ import annotations
 
+import socket
 import time
 from collections import Counter
 from collections.abc import AsyncGenerator, Callable, Mapping, Sequence
@@ -78,6 +79,44 @@ __all__ = ["HttpClient", "HttpClientStatistics"]
 _NOT_AVAILABLE = frozenset({404, 409, 429, 503})
 _RECV_BYTES = 1 << 20
 _MAX_HEAD_BYTES = 64 * 1024
+#: a body read into the caller's buffer wakes when this many bytes wait in the socket
+#: (``SO_RCVLOWAT``), not for every segment: on a link of 1,500-byte packets a read returned
+#: ~15 KB and each cost a trip through the event loop (16,000 per 241 MB on a relay)
+RECV_LOWAT_BYTES = 256 * 1024
+#: how long a read waits for that many bytes before taking what has come: a source slower
+#: than ``RECV_LOWAT_BYTES`` per this is read as it arrives for the rest of the body
+RECV_LOWAT_WAIT_S = 0.25
+
+
+class _LowWater:
+    """The ``SO_RCVLOWAT`` of one socket while a body is read (restored to 1 by :meth:`reset`,
+    so that the next response head on a kept-alive connection is read at once)."""
+
+    def __init__(self, sock: trio.socket.SocketType) -> None:
+        self.sock = sock
+        self.bytes = 1
+        self.enabled = True
+
+    def want(self, remaining: int) -> None:
+        """Wake for ``min(RECV_LOWAT_BYTES, remaining)`` bytes (or 1 once disabled)."""
+        self._set(min(RECV_LOWAT_BYTES, remaining) if self.enabled else 1)
+
+    def disable(self) -> None:
+        """The source is slow: read what arrives from now on."""
+        self.enabled = False
+        self._set(1)
+
+    def reset(self) -> None:
+        """Back to the kernel's default of 1 (errors ignored: the socket may be gone)."""
+        try:
+            self._set(1)
+        except OSError:
+            pass
+
+    def _set(self, n: int) -> None:
+        if n != self.bytes:
+            self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVLOWAT, n)
+            self.bytes = n
 
 
 @dataclass(frozen=True)
@@ -470,7 +509,9 @@ class HttpClient:
         The zero-copy form of :meth:`stream_range`: once the response head is parsed, the
         body is read with ``recv_into`` into ``view`` itself (at most 1 MiB per read), past
         h11, whose framing the ``Content-Length`` gives exactly; no bytes object is made
-        per read and nothing is copied again. A body without ``Content-Length`` (chunked)
+        per read and nothing is copied again. A read waits until ``RECV_LOWAT_BYTES`` (or
+        what remains) have arrived (``SO_RCVLOWAT``), at most ``RECV_LOWAT_WAIT_S``, after
+        which a slow source is read as its bytes come. A body without ``Content-Length`` (chunked)
         goes through h11 and is copied into ``view``. Each yielded ``n`` says that the next
         ``n`` bytes of ``view`` (after those already announced) are filled, so the caller can
         hash them while they are hot.
@@ -516,19 +557,23 @@ class HttpClient:
                         self._bytes_received += got
                         yield got
                     sock = conn.stream.socket
-                    while got < length:
-                        try:
-                            with trio.fail_after(timeout_s):
-                                n = await sock.recv_into(view[got:], min(_RECV_BYTES, length - got))
-                        except trio.TooSlowError as exc:
-                            raise StreamBroken(source, f"no progress for {timeout_s}s") from exc
-                        except OSError as exc:
-                            raise StreamBroken(source, f"connection broken: {exc}") from exc
-                        if n == 0:
-                            raise StreamBroken(source, "connection closed mid-body")
-                        got += n
-                        self._bytes_received += n
-                        yield n
+                    lowat = _LowWater(sock)
+                    try:
+                        while got < length:
+                            try:
+                                with trio.fail_after(timeout_s):
+                                    n = await _recv_body(sock, view[got:length], lowat)
+                            except trio.TooSlowError as exc:
+                                raise StreamBroken(source, f"no progress for {timeout_s}s") from exc
+                            except OSError as exc:
+                                raise StreamBroken(source, f"connection broken: {exc}") from exc
+                            if n == 0:
+                                raise StreamBroken(source, "connection closed mid-body")
+                            got += n
+                            self._bytes_received += n
+                            yield n
+                    finally:
+                        lowat.reset()
                     conn.reset()  # h11 never saw the body: start its next cycle afresh
                     reusable = _keeps_alive(response)
                 if got < length:
@@ -599,3 +644,25 @@ def _check_range_response(
         raise RemoteProtocolError(source, str(exc)) from None
     if got.first != start or got.length != length:
         raise RemoteProtocolError(source, f"Content-Range {value!r} for {start}+{length} asked")
+
+
+async def _recv_body(sock: trio.socket.SocketType, view: memoryview, lowat: _LowWater) -> int:
+    """One read of body bytes into ``view`` (at most ``_RECV_BYTES``): woken only once
+    ``RECV_LOWAT_BYTES`` (or all that remains) wait in the socket; if they do not within
+    ``RECV_LOWAT_WAIT_S``, the low-water mark is dropped for the rest of the body.
+
+    Returns:
+        bytes read (0: the peer closed).
+
+    Raises:
+        OSError: from the socket.
+    """
+    if lowat.enabled:
+        lowat.want(len(view))
+        # Wait first: trio's recv_into tries the read before waiting, and a read returns
+        # whatever has arrived, however little.
+        with trio.move_on_after(RECV_LOWAT_WAIT_S) as waiting:
+            await trio.lowlevel.wait_readable(sock.fileno())
+        if waiting.cancelled_caught:
+            lowat.disable()
+    return await sock.recv_into(view, min(_RECV_BYTES, len(view)))

@@ -20,8 +20,10 @@ import h11
 import httpx
 import pytest
 import trio
+import trio.lowlevel
 import trio.testing
 
+from p2p import http_client
 from p2p.errors import (
     LocalProtocolError,
     MessageTooLarge,
@@ -760,3 +762,58 @@ async def test_receive_into_stall_is_stream_broken(
     async with scripted_server(script) as url, HttpClient() as client:
         with pytest.raises(StreamBroken, match="no progress"):
             await into(client, url + "/b", 0, 1000)
+
+
+async def test_receive_into_wakes_for_large_pieces_and_restores_the_socket(
+    blob: tuple[Path, bytes],
+) -> None:
+    """A body sent in 16 KiB pieces is read in pieces of ``RECV_LOWAT_BYTES`` (the socket's
+    low-water mark), and the mark is back at 1 before the kept-alive connection is reused."""
+    body = random.Random(5).randbytes(2 << 20)
+
+    async def script(stream: trio.SocketStream) -> None:
+        head = f"HTTP/1.1 206 Partial Content\r\ncontent-range: bytes 0-{len(body) - 1}/{len(body)}"
+        await stream.send_all(f"{head}\r\ncontent-length: {len(body)}\r\n\r\n".encode())
+        for i in range(0, len(body), 16 * 1024):
+            await stream.send_all(body[i : i + 16 * 1024])
+            await trio.lowlevel.checkpoint()
+
+    async with scripted_server(script) as url, HttpClient() as client:
+        got, pieces = await into(client, url + "/b", 0, len(body))
+        assert got == body
+        assert len(pieces) <= len(body) // http_client.RECV_LOWAT_BYTES + 2, pieces
+
+    path, data = blob
+    async with open_http_server(serve_file(path)) as server, HttpClient() as client:
+        got, _ = await into(client, server.url + "/blob", 0, SIZE)
+        assert got == data
+        (conn,) = client._idle
+        assert conn.stream.socket.getsockopt(socket.SOL_SOCKET, socket.SO_RCVLOWAT) == 1
+        with trio.fail_after(2):  # a mark left at 256 KiB would hold this 14-byte answer
+            assert await client.get_bytes(server.url + "/small", max_bytes=100, timeout_s=5) == (
+                b"hello shardnet"
+            )
+        assert server.statistics().connections_total == 1
+
+
+async def test_receive_into_a_slow_source_is_read_as_it_arrives(
+    jump_clock: trio.testing.MockClock,
+) -> None:
+    """A source at 160 KB/s would take 1.6 s to fill the low-water mark, longer than the 1 s
+    no-progress timeout: after ``RECV_LOWAT_WAIT_S`` the rest is read as it comes."""
+    body = random.Random(6).randbytes(400 * 1024)
+
+    async def script(stream: trio.SocketStream) -> None:
+        head = f"HTTP/1.1 206 Partial Content\r\ncontent-range: bytes 0-{len(body) - 1}/{len(body)}"
+        await stream.send_all(f"{head}\r\ncontent-length: {len(body)}\r\n\r\n".encode())
+        for i in range(0, len(body), 8 * 1024):
+            await stream.send_all(body[i : i + 8 * 1024])
+            await trio.sleep(0.05)
+
+    async with scripted_server(script) as url, HttpClient() as client:
+        buf = bytearray(len(body))
+        start = trio.current_time()
+        async for _ in client.receive_range_into(url + "/b", 0, memoryview(buf), timeout_s=1):
+            pass
+        assert bytes(buf) == body
+        assert trio.current_time() - start < 3.0
