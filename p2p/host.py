@@ -83,15 +83,15 @@ from p2p.gossip import DirectPeering, GossipConfig, Subscription, make_router, p
 from p2p.identity import Identity
 from p2p.limits import (
     ANY_STREAM,
+    BoundaryStats,
     LedgerConfig,
-    LedgerStats,
     Offence,
     PeerLedger,
     ResourceLimits,
     ResourceManager,
     ScopeLimit,
-    ScopeStats,
 )
+from p2p.loop_lag import BodyDeadlines, LoopLag
 
 if TYPE_CHECKING:
     from trio_typing import TaskStatus
@@ -99,6 +99,12 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 Handler = Callable[[str, bytes], Awaitable[bytes]]
+
+#: how often the node's event loop is sampled for lateness (:class:`p2p.loop_lag.LoopLag`), s
+LAG_TICK_S = 0.1
+#: a request body may take this many times ``request_read_timeout_s`` of wall time when the
+#: node's own loop was late (:class:`p2p.loop_lag.BodyDeadlines`)
+BODY_WALL_FACTOR = 5.0
 
 #: a dial failure that names the wrong PeerID is logged at ERROR once per address per this long
 MISMATCH_LOG_INTERVAL_S = 600.0
@@ -257,14 +263,6 @@ def _disable_auto_connect(host: object) -> None:
         connector.maybe_connect = _no_auto_connect
 
 
-@dataclass(frozen=True)
-class BoundaryStats:
-    """Inbound streams per scope (``"*"`` or a protocol id) and misbehaviour of peers."""
-
-    streams: dict[str, ScopeStats]
-    peers: LedgerStats
-
-
 class P2PNode:
     """A running libp2p host with request/response and gossip.
 
@@ -293,11 +291,30 @@ class P2PNode:
         self._peering: DirectPeering | None = None
         self._interfaces = interface_addresses()
         self._mismatch_logged: dict[str, float] = {}  # addr -> trio time of its ERROR line
+        self._loop_lag = LoopLag()
+        self._bodies = BodyDeadlines(config.limits.request_read_timeout_s, BODY_WALL_FACTOR)
+
+    async def _watch_loop(self) -> None:
+        """Sample the loop's lateness forever; cancel request-body reads that are overdue in
+        this node's own time (see :mod:`p2p.loop_lag`)."""
+        while True:
+            due = trio.current_time() + LAG_TICK_S
+            await trio.sleep_until(due)
+            now = trio.current_time()
+            self._loop_lag.tick(due, now)
+            for scope in self._bodies.tick(due, now):
+                assert isinstance(scope, trio.CancelScope)
+                scope.cancel()
 
     @property
     def peer_id(self) -> str:
         """This node's PeerID (base58)."""
         return self.identity.peer_id
+
+    @property
+    def loop_lag(self) -> LoopLag:
+        """How late this node's event loop ran (sampled every :data:`LAG_TICK_S`)."""
+        return self._loop_lag
 
     @classmethod
     @asynccontextmanager
@@ -347,6 +364,7 @@ class P2PNode:
                                     await pubsub.wait_until_ready()
                                 node = cls(identity, config, host, pubsub, rr, nursery, guard)
                                 node._peering = peering
+                                nursery.start_soon(node._watch_loop)
                                 log.info(
                                     "host_started peer_id=%s addrs=%s",
                                     identity.peer_id,
@@ -501,8 +519,11 @@ class P2PNode:
         Admission: at most ``max_concurrent`` requests run at once on ``protocol``, and at most
         ``config.limits.requests_per_peer`` of them from one peer; a stream over either cap is
         reset at once (the caller sees ``StreamBroken``). The request body must arrive within
-        ``config.limits.request_read_timeout_s`` (a peer that sends nothing or half a frame
-        loses the slot and is charged); the handler and the response then get ``timeout_s``.
+        ``config.limits.request_read_timeout_s`` of this node's own time: the wall time minus
+        the lateness of this node's event loop meanwhile, at most ``BODY_WALL_FACTOR`` times
+        the timeout of wall time (:mod:`p2p.loop_lag`; a peer that sends nothing or half a
+        frame loses the slot and is charged, but not for this node's overload); the handler
+        and the response then get ``timeout_s``.
         A request over ``max_request_bytes`` is refused before the handler runs. A handler that
         raises a :class:`ShardnetError` resets the stream (the caller sees ``StreamBroken``);
         the error is logged with the caller's short PeerID, and a
@@ -514,9 +535,17 @@ class P2PNode:
         )
         guard = self._guard
 
+        bodies = self._bodies
+
         async def inbound(stream: Any) -> None:
             sender = stream_peer(stream)
-            with trio.move_on_after(limits.request_read_timeout_s) as reading:
+            started = trio.current_time()
+            # Cancelled by _watch_loop once overdue in this node's own time; the deadline is
+            # the backstop should that task not run.
+            with trio.CancelScope(
+                deadline=started + bodies.max_factor * bodies.timeout_s
+            ) as reading:
+                bodies.begin(reading, started)
                 try:
                     request = await VarIntLengthMsgReadWriter(stream, max_request_bytes).read_msg()
                 except LibMessageTooLarge:
@@ -527,9 +556,16 @@ class P2PNode:
                 except IOException:
                     await reset_quietly(stream)  # closed or reset by the caller: its loss
                     return
+                finally:
+                    own_s = bodies.own_time(reading, trio.current_time())
+                    bodies.end(reading)
             if reading.cancelled_caught:
+                wall_s = trio.current_time() - started
                 await guard.offend(
-                    sender, Offence.SLOW_REQUEST, f"{protocol} body not sent", stream
+                    sender,
+                    Offence.SLOW_REQUEST,
+                    f"{protocol} body not sent in {own_s:.1f}s of own time ({wall_s:.1f}s wall)",
+                    stream,
                 )
                 return
             with trio.move_on_after(timeout_s) as handling:

@@ -33,6 +33,8 @@ if TYPE_CHECKING:
     from p2p.http_client import HttpClientStatistics
     from p2p.http_server import HttpRequest, HttpResponse, HttpServerConfig, HttpServerStatistics
     from p2p.identity import Identity
+    from p2p.limits import BoundaryStats
+    from p2p.loop_lag import LoopLag
 
 __all__ = [
     "REAL_NETWORK",
@@ -99,6 +101,15 @@ class Host(Protocol):
 
     def mesh_sizes(self) -> dict[str, int]:
         """Gossip mesh size per joined topic."""
+        ...
+
+    @property
+    def loop_lag(self) -> LoopLag:
+        """How late this node's event loop has run (:mod:`p2p.loop_lag`)."""
+        ...
+
+    def boundary_statistics(self) -> BoundaryStats:
+        """Inbound stream admission counters, offences charged to peers, bans now."""
         ...
 
     def on_peer_gone(self, callback: Callable[[str], None]) -> None:

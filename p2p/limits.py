@@ -227,6 +227,14 @@ class LedgerStats:
     banned: tuple[str, ...]
 
 
+@dataclass(frozen=True)
+class BoundaryStats:
+    """Inbound streams per scope (``"*"`` or a protocol id) and misbehaviour of peers."""
+
+    streams: dict[str, ScopeStats]
+    peers: LedgerStats
+
+
 class PeerLedger:
     """Misbehaviour scores and bans of remote peers (see module docstring)."""
 

@@ -87,6 +87,8 @@ from p2p.http_server import (
 )
 from p2p.identity import Identity
 from p2p.lanes import GossipCheck, HttpHandler, RequestHandler, RequestSigner
+from p2p.limits import BoundaryStats, LedgerStats
+from p2p.loop_lag import LoopLag
 
 __all__ = ["CHUNK_BYTES", "SEEN_CAP", "Endpoint", "LinkProfile", "MemHost", "MemNetwork", "Tamper"]
 
@@ -409,6 +411,7 @@ class MemHost:
         self._seen: OrderedDict[tuple[str, int], None] = OrderedDict()
         self._seq = 0
         self._gone: list[Callable[[str], None]] = []
+        self._loop_lag = LoopLag()
 
     # -- identity and addresses
 
@@ -428,6 +431,16 @@ class MemHost:
     def connected_peers(self) -> list[str]:
         """PeerIDs with an open connection (sorted: deterministic)."""
         return sorted(self._conns)
+
+    @property
+    def loop_lag(self) -> LoopLag:
+        """Always zero: the in-memory network has no libp2p stack whose reads could be late
+        (its requests have no body deadline)."""
+        return self._loop_lag
+
+    def boundary_statistics(self) -> BoundaryStats:
+        """Nothing is admitted or charged on the in-memory network: empty counters."""
+        return BoundaryStats({}, LedgerStats({}, ()))
 
     def mesh_sizes(self) -> dict[str, int]:
         """Connected subscribers per joined topic (every connection is a direct peer)."""

@@ -31,6 +31,12 @@ Families every node exports (besides ``process_*`` and ``python_info``):
 ``shardnet_announced_step``                     newest announced step known (-1: none)
 ``shardnet_libp2p_connected_peers``             peers with an open libp2p connection
 ``shardnet_gossip_mesh_peers{topic}``           gossipsub mesh size per topic kind
+``shardnet_event_loop_lag_seconds_total``       summed lateness of the event loop (0.1 s
+                                                samples; rate() > 0.2: overloaded host)
+``shardnet_event_loop_lag_max_seconds``         worst lateness over the last 10 s
+``shardnet_peer_offences_total{offence}``       offences charged to remote peers
+                                                (:class:`p2p.limits.Offence` values)
+``shardnet_banned_peers``                       remote peers banned now
 ==============================================  ==========================================
 
 Origin (roles ``origin``/``trainer``): ``shardnet_superseeding_refusals_total`` (requests the
@@ -55,6 +61,7 @@ from collections.abc import Callable, Iterable, Iterator
 from importlib import metadata
 from typing import TYPE_CHECKING
 
+import trio
 from prometheus_client import (
     GC_COLLECTOR,
     CollectorRegistry,
@@ -68,6 +75,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 from prometheus_client.registry import Collector
 
 from p2p.errors import short_id
+from p2p.limits import Offence
 from shardcast import codecs
 
 if TYPE_CHECKING:
@@ -83,6 +91,9 @@ CODE_CLASSES = ("1xx", "2xx", "3xx", "4xx", "5xx")
 TOPIC_KINDS = ("versions", "nodes", "rollouts")
 ORIGIN_ROLES = ("origin", "trainer")
 FOLLOWER_ROLES = ("relay", "peer")
+
+LAG_WINDOW_S = 10.0
+"""Window of ``shardnet_event_loop_lag_max_seconds``, seconds."""
 
 _SHARD_BUCKETS_S = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60)
 _VERSION_BUCKETS_S = (0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300, 600, 1200, 3600)
@@ -301,6 +312,30 @@ def _node_families(node: ShardcastNode, m: NodeMetrics) -> Iterator[Metric]:
         "shardnet_libp2p_connected_peers",
         "peers with an open libp2p connection",
         value=len(node.p2p.connected_peers()),
+    )
+    lag = node.p2p.loop_lag
+    yield CounterMetricFamily(
+        "shardnet_event_loop_lag_seconds",
+        "how late the node's event loop ran, summed over its 0.1 s samples "
+        "(rate() is the share of time it was late: an overloaded host)",
+        value=lag.total_s,
+    )
+    yield GaugeMetricFamily(
+        "shardnet_event_loop_lag_max_seconds",
+        "the event loop's worst lateness over the last 10 s",
+        value=lag.worst(trio.current_time(), LAG_WINDOW_S),
+    )
+    boundary = node.p2p.boundary_statistics()
+    offences = CounterMetricFamily(
+        "shardnet_peer_offences",
+        "misbehaviour charged to remote peers at the libp2p boundary, by offence",
+        labels=["offence"],
+    )
+    for offence in Offence:
+        offences.add_metric([offence.value], boundary.peers.offences.get(offence.value, 0))
+    yield offences
+    yield GaugeMetricFamily(
+        "shardnet_banned_peers", "remote peers banned now", value=len(boundary.peers.banned)
     )
     mesh = GaugeMetricFamily(
         "shardnet_gossip_mesh_peers", "gossipsub mesh peers, by topic kind", labels=["topic"]

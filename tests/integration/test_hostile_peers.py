@@ -16,6 +16,7 @@ from pathlib import Path
 import pytest
 import trio
 import trio.testing
+from libp2p.utils.varint import encode_uvarint
 
 from p2p import wire
 from p2p.errors import RemoteProtocolError
@@ -214,3 +215,44 @@ async def test_repeat_offender_is_banned_and_disconnected() -> None:
         with pytest.raises(RemoteProtocolError):  # a live node refusing an unknown protocol
             await honest.request(victim.peer_id, "/nope/1", b"x", max_response_bytes=8, timeout_s=5)
         assert honest.peer_id in victim.connected_peers()
+
+
+@pytest.fixture
+def stall_clock() -> trio.testing.MockClock:
+    """Real-time pace, plus :meth:`~trio.testing.MockClock.jump` to stand for the event loop
+    having had no CPU for a while (every deadline and timer passes at once)."""
+    return trio.testing.MockClock(rate=1.0)
+
+
+async def test_a_body_late_because_this_node_stalled_is_not_charged(
+    stall_clock: trio.testing.MockClock,
+) -> None:
+    """An honest peer's request body reaches a node whose own loop stood still for longer
+    than the read timeout (an overloaded host): the request is answered and nobody is
+    charged; the node's loop lag says how long it stood still."""
+    cfg = HostConfig(limits=ResourceLimits(request_read_timeout_s=1.0))
+    proto = "/shardnet/test-info/1.0.0"
+
+    async def answer(peer: str, req: bytes) -> bytes:
+        return b"ok:" + req
+
+    async with (
+        P2PNode.open(Identity.from_seed("stall-v"), cfg) as victim,
+        HostileClient.open() as client,
+    ):
+        victim.serve(proto, answer, max_request_bytes=64, max_response_bytes=64, timeout_s=10)
+        await client.connect(victim.multiaddrs()[0])
+        stream = await client.open_stream(victim.peer_id, proto)
+        await trio.testing.wait_all_tasks_blocked(0.05)  # the victim is reading the body
+        stall_clock.jump(2.5)  # the process got no CPU for 2.5 s
+        await stream.write(encode_uvarint(2) + b"hi")
+        with trio.fail_after(5):
+            reply = await stream.read(64)
+        assert reply == encode_uvarint(5) + b"ok:hi"
+        assert victim.boundary_statistics().peers.offences == {}
+        assert victim.loop_lag.worst(trio.current_time(), 10.0) >= 2.0
+
+        # a peer that sends nothing is still charged after 1 s of the node's own time
+        silent = await client.open_stream(victim.peer_id, proto)
+        assert await client.wait_ended(silent, wait_s=5) == "reset"
+        assert victim.boundary_statistics().peers.offences == {"slow_request": 1}
