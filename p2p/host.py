@@ -102,6 +102,10 @@ Handler = Callable[[str, bytes], Awaitable[bytes]]
 
 #: how often the node's event loop is sampled for lateness (:class:`p2p.loop_lag.LoopLag`), s
 LAG_TICK_S = 0.1
+#: a wake-up at least this late (s) is logged as ``event_loop_late`` (INFO), at most once per
+#: ``LAG_LOG_INTERVAL_S``
+LAG_LOG_S = 1.0
+LAG_LOG_INTERVAL_S = 10.0
 #: a request body may take this many times ``request_read_timeout_s`` of wall time when the
 #: node's own loop was late (:class:`p2p.loop_lag.BodyDeadlines`)
 BODY_WALL_FACTOR = 5.0
@@ -296,12 +300,21 @@ class P2PNode:
 
     async def _watch_loop(self) -> None:
         """Sample the loop's lateness forever; cancel request-body reads that are overdue in
-        this node's own time (see :mod:`p2p.loop_lag`)."""
+        this node's own time (see :mod:`p2p.loop_lag`); log a stall of at least
+        :data:`LAG_LOG_S` (at most once per :data:`LAG_LOG_INTERVAL_S`, with the worst since)."""
+        logged_at = -LAG_LOG_INTERVAL_S
         while True:
             due = trio.current_time() + LAG_TICK_S
             await trio.sleep_until(due)
             now = trio.current_time()
-            self._loop_lag.tick(due, now)
+            lag = self._loop_lag.tick(due, now)
+            if lag >= LAG_LOG_S and now - logged_at >= LAG_LOG_INTERVAL_S:
+                log.info(
+                    "event_loop_late lag_s=%.2f worst_10s=%.2f",
+                    lag,
+                    self._loop_lag.worst(now, LAG_LOG_INTERVAL_S),
+                )
+                logged_at = now
             for scope in self._bodies.tick(due, now):
                 assert isinstance(scope, trio.CancelScope)
                 scope.cancel()

@@ -9,6 +9,7 @@ attacks still reaches the peer.
 
 from __future__ import annotations
 
+import logging
 import random
 from dataclasses import replace
 from pathlib import Path
@@ -225,11 +226,12 @@ def stall_clock() -> trio.testing.MockClock:
 
 
 async def test_a_body_late_because_this_node_stalled_is_not_charged(
-    stall_clock: trio.testing.MockClock,
+    stall_clock: trio.testing.MockClock, caplog: pytest.LogCaptureFixture
 ) -> None:
     """An honest peer's request body reaches a node whose own loop stood still for longer
     than the read timeout (an overloaded host): the request is answered and nobody is
     charged; the node's loop lag says how long it stood still."""
+    caplog.set_level(logging.INFO, logger="p2p.host")
     cfg = HostConfig(limits=ResourceLimits(request_read_timeout_s=1.0))
     proto = "/shardnet/test-info/1.0.0"
 
@@ -251,6 +253,9 @@ async def test_a_body_late_because_this_node_stalled_is_not_charged(
         assert reply == encode_uvarint(5) + b"ok:hi"
         assert victim.boundary_statistics().peers.offences == {}
         assert victim.loop_lag.worst(trio.current_time(), 10.0) >= 2.0
+        late = [r.getMessage() for r in caplog.records if "event_loop_late" in r.getMessage()]
+        assert len(late) == 1, late
+        assert float(late[0].split("lag_s=")[1].split()[0]) >= 2.0, late
 
         # a peer that sends nothing is still charged after 1 s of the node's own time
         silent = await client.open_stream(victim.peer_id, proto)
