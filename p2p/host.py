@@ -108,7 +108,7 @@ LAG_LOG_S = 1.0
 LAG_LOG_INTERVAL_S = 10.0
 #: a request body may take this many times ``request_read_timeout_s`` of wall time when the
 #: node's own loop was late (:class:`p2p.loop_lag.BodyDeadlines`)
-BODY_WALL_FACTOR = 5.0
+BODY_WALL_FACTOR = 3.0
 
 #: a dial failure that names the wrong PeerID is logged at ERROR once per address per this long
 MISMATCH_LOG_INTERVAL_S = 600.0

@@ -120,7 +120,7 @@ class CommonSettings(BaseSettings):
         "and peers re-verify their versions after an unclean stop instead)",
     )
     request_read_timeout_s: float = Field(
-        2.0,
+        5.0,
         gt=0,
         description="seconds a remote peer has to send a whole request body on a libp2p "
         "request protocol before its stream is reset (separate from the handler's time)",
