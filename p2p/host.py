@@ -547,7 +547,6 @@ class P2PNode:
             protocol, ScopeLimit(min(limits.requests_per_peer, max_concurrent), max_concurrent)
         )
         guard = self._guard
-
         bodies = self._bodies
 
         async def inbound(stream: Any) -> None:

@@ -98,8 +98,8 @@ class _LowWater:
         self.enabled = True
 
     def want(self, remaining: int) -> None:
-        """Wake for ``min(RECV_LOWAT_BYTES, remaining)`` bytes (or 1 once disabled)."""
-        self._set(min(RECV_LOWAT_BYTES, remaining) if self.enabled else 1)
+        """Wake for ``min(RECV_LOWAT_BYTES, remaining)`` bytes (call only while enabled)."""
+        self._set(min(RECV_LOWAT_BYTES, remaining))
 
     def disable(self) -> None:
         """The source is slow: read what arrives from now on."""
