@@ -24,6 +24,7 @@ from rollout.gumbel import group_seed
 from rollout.schema import DEFAULT_ENGINE_ID, Group, RolloutBatch, Sample
 from rollout.task import Prompt, Task, encode_prompt, task_prompts
 from rollout.toploc import ToplocConfig, build_proofs
+from shardcast.runcard import DEFAULT_SAMPLING
 
 Forgery = Callable[[RolloutBatch], RolloutBatch]
 """A hook that rewrites a batch before it is signed (adversarial tests only)."""
@@ -41,10 +42,10 @@ class SamplingConfig:
         toploc: proof parameters.
     """
 
-    n_prompts: int = 4
-    group_size: int = 8
-    max_new_tokens: int = 16
-    temperature: float = 1.0
+    n_prompts: int = DEFAULT_SAMPLING.prompts_per_step
+    group_size: int = DEFAULT_SAMPLING.group_size
+    max_new_tokens: int = DEFAULT_SAMPLING.max_new_tokens
+    temperature: float = DEFAULT_SAMPLING.temperature
     toploc: ToplocConfig = field(default_factory=ToplocConfig)
 
     def __post_init__(self) -> None:

@@ -56,7 +56,9 @@ if TYPE_CHECKING:  # annotations only: this module stays importable without torc
     from transformers import PreTrainedTokenizerFast
 
 __all__ = [
+    "DEFAULT_REWARD_SPEC",
     "DEFAULT_TASK",
+    "DEFAULT_TASK_SPEC",
     "DigitTask",
     "Prompt",
     "Task",
@@ -217,6 +219,12 @@ def task_data_digest() -> str:
 
 DEFAULT_TASK = DigitTask()
 
+DEFAULT_TASK_SPEC = "digits"
+"""The task a run uses unless told otherwise (the spec of :data:`DEFAULT_TASK`)."""
+
+DEFAULT_REWARD_SPEC = "exact"
+"""The reward of a dataset task unless told otherwise (:mod:`rollout.rewards`)."""
+
 
 def prompts_for(peer_id: str, step: int, n: int) -> list[str]:
     """:meth:`DigitTask.prompts_for` of the default task."""
@@ -295,7 +303,7 @@ def task_identity(task: Task) -> tuple[str, str, str]:
     return task.name, version, hashlib.sha256(source).hexdigest()
 
 
-def load_task(spec: str, reward_spec: str = "exact", field: str = "task") -> Task:
+def load_task(spec: str, reward_spec: str = DEFAULT_REWARD_SPEC, field: str = "task") -> Task:
     """The task a spec names: ``digits``, a ``.jsonl``/``.parquet`` file, or ``pkg.mod:Name``.
 
     The task is tried once (``prompts_for("check", 0, 2)``) so that a broken entry point fails

@@ -69,6 +69,7 @@ from rollout.schema import DEFAULT_ENGINE_ID, RolloutBatch, Sample
 from rollout.toploc import ToplocConfig, verify_proofs
 from rollout.toploc_codec import proof_size_bytes
 from rollout.toploc_judge import ToplocThresholds, judge
+from shardcast.runcard import DEFAULT_ASYNC_LEVEL
 
 if TYPE_CHECKING:
     from rollout.engine import TeacherForced
@@ -281,7 +282,7 @@ class ValidatorConfig:
     group_size: int
     max_new_tokens: int
     temperature: float
-    async_level: int = 2
+    async_level: int = DEFAULT_ASYNC_LEVEL
     reward_tolerance: float = 1e-6
     logprob_tolerance: float = 0.05
     logprob_max_tolerance: float = 0.21

@@ -94,7 +94,9 @@ __all__ = [
     "CARD_DOMAIN",
     "CARD_FILE",
     "CARD_SCHEMA",
+    "DEFAULT_ASYNC_LEVEL",
     "DEFAULT_ENGINE",
+    "DEFAULT_SAMPLING",
     "MAX_CARD_BYTES",
     "MAX_CARD_MIRRORS",
     "MAX_ENGINES",
@@ -257,6 +259,17 @@ class EngineSpec:
 
 DEFAULT_ENGINE = EngineSpec("transformers", "bf16")
 """The engine a run accepts unless told otherwise."""
+
+DEFAULT_SAMPLING = SamplingRules(
+    prompts_per_step=4, group_size=8, max_new_tokens=16, temperature=1.0
+)
+"""The run's sampling rules unless told otherwise: the one declaration of these defaults
+(the CLI settings, :class:`rollout.batch.SamplingConfig` and the trainer's config take them
+from here)."""
+
+DEFAULT_ASYNC_LEVEL = 2
+"""Policy steps a rollout may lag unless told otherwise (INTELLECT-2 used 2, arXiv
+2505.07291 section 3)."""
 
 
 @dataclass(frozen=True)

@@ -37,12 +37,24 @@ from p2p.http_server import HttpServerConfig
 from p2p.identity import Identity, is_valid_peer_id
 from p2p.limits import LedgerConfig, ResourceLimits
 from p2p.trust import TrustList
+from rollout.inbox import InboxConfig
+from rollout.pacing import PacingConfig
+from rollout.task import DEFAULT_REWARD_SPEC, DEFAULT_TASK_SPEC
 from shardcast.downloader import DownloadConfig
 from shardcast.follower import FollowConfig
 from shardcast.mirror import check_mirror_url
-from shardcast.node import NodeConfig
+from shardcast.node import SUPER_SEED_MIN_BYTES, SUPER_SEED_S, NodeConfig
 from shardcast.origin import OriginConfig
-from shardcast.runcard import MAX_CARD_MIRRORS, MAX_MIRROR_URL, EngineSpec
+from shardcast.plan import DEFAULT_SHARD_BYTES
+from shardcast.runcard import (
+    DEFAULT_ASYNC_LEVEL,
+    DEFAULT_ENGINE,
+    DEFAULT_SAMPLING,
+    MAX_CARD_MIRRORS,
+    MAX_MIRROR_URL,
+    EngineSpec,
+)
+from trainer.config import TrainerConfig
 
 if TYPE_CHECKING:
     from rollout.calibrate import ValidatorProfile
@@ -108,31 +120,37 @@ class CommonSettings(BaseSettings):
         None, gt=0, description="cap on HTTP lane upload, bytes/s (unset: none)"
     )
     http_max_connections_per_ip: int = Field(
-        128,
+        HttpServerConfig.max_connections_per_ip,
         ge=1,
         description="HTTP lane connections one client IP address may hold open at once; more "
         "are closed at accept (of 256 in all; nodes behind one NAT or on one host share it)",
     )
-    keep_last: int = Field(3, ge=1, description="committed versions kept on disk")
+    keep_last: int = Field(
+        NodeConfig.keep_last, ge=1, description="committed versions kept on disk"
+    )
     durable_commits: bool | None = Field(
         None,
         description="fsync every committed version (default: yes for trainer/origin; relays "
         "and peers re-verify their versions after an unclean stop instead)",
     )
     request_read_timeout_s: float = Field(
-        5.0,
+        ResourceLimits.request_read_timeout_s,
         gt=0,
         description="seconds a remote peer has to send a whole request body on a libp2p "
         "request protocol before its stream is reset (separate from the handler's time)",
     )
     max_streams_per_peer: int = Field(
-        64, ge=1, description="concurrent inbound libp2p streams of one remote peer"
+        ResourceLimits.streams_per_peer,
+        ge=1,
+        description="concurrent inbound libp2p streams of one remote peer",
     )
     max_requests_per_peer: int = Field(
-        8, ge=1, description="concurrent inbound requests of one remote peer per protocol"
+        ResourceLimits.requests_per_peer,
+        ge=1,
+        description="concurrent inbound requests of one remote peer per protocol",
     )
     peer_ban_s: float = Field(
-        600.0,
+        LedgerConfig.ban_s,
         ge=0,
         description="seconds a remote peer that sent malformed frames or invalid gossip "
         "is banned (its connections closed, its streams refused)",
@@ -247,7 +265,7 @@ class CommonSettings(BaseSettings):
                 public_host=self.public_host,
                 limits=ResourceLimits(
                     streams_per_peer=self.max_streams_per_peer,
-                    streams_total=max(4096, self.max_streams_per_peer),
+                    streams_total=max(ResourceLimits.streams_total, self.max_streams_per_peer),
                     requests_per_peer=self.max_requests_per_peer,
                     request_read_timeout_s=self.request_read_timeout_s,
                 ),
@@ -292,16 +310,16 @@ def _check_peer_ids(ids: list[str], option: str) -> list[str]:
 
 def _task_field() -> Any:
     return Field(
-        "digits",
+        DEFAULT_TASK_SPEC,
         description="the task: digits (built-in demo), a dataset file (.jsonl or .parquet: "
         "prompt or messages, answer), or an entry point package.module:Task",
-        examples=["digits", "shardnet/tasks/arithmetic.jsonl"],
+        examples=[DEFAULT_TASK_SPEC, "shardnet/tasks/arithmetic.jsonl"],
     )
 
 
 def _task_reward_field() -> Any:
     return Field(
-        "exact",
+        DEFAULT_REWARD_SPEC,
         description="reward of a dataset task: exact, numeric[:TOLERANCE], regex:PATTERN or boxed",
     )
 
@@ -329,13 +347,17 @@ class FollowerSettings(CommonSettings):
         ..., description="the trainer's PeerID (pinned)", examples=[_EXAMPLE_ID]
     )
     allow_relay: list[str] = Field([], description="only download from these PeerIDs")
-    poll_interval_s: float = Field(1.0, gt=0, description="upstream info poll period, seconds")
+    poll_interval_s: float = Field(
+        FollowConfig.poll_interval_s, gt=0, description="upstream info poll period, seconds"
+    )
     stall_timeout_s: float = Field(
-        30.0, gt=0, description="fail a transfer stalled this long, seconds"
+        DownloadConfig.stall_timeout_s,
+        gt=0,
+        description="fail a transfer stalled this long, seconds",
     )
 
     source_ban_s: float = Field(
-        600.0,
+        DownloadConfig.source_ban_s,
         ge=0,
         description="seconds a shard source that sent corrupt bytes stays banned, across "
         "versions (0: for the current version only)",
@@ -399,17 +421,16 @@ class RelaySettings(FollowerSettings):
     )
 
     serve_once_s: float = Field(
-        5.0,
+        SUPER_SEED_S,
         ge=0,
         allow_inf_nan=False,
         description="relay super-seeding window, seconds: a shard goes to one downloader "
         "first and others fetch it from that one (peers re-serve verified chunks at once); "
-        "0: off (shaped 200 Mb/s bench: last peer 17.7 s on, 20.0 s off; relays' egress "
-        "-30 %)",
+        "0: off",
     )
 
     serve_once_min_bytes: int = Field(
-        32 << 20,
+        SUPER_SEED_MIN_BYTES,
         ge=0,
         description="versions offering at most this many bytes in all (deltas, usually) are "
         "served to every requester, not super-seeded: a refusal costs a round trip and an "
@@ -443,13 +464,13 @@ class PeerSettings(FollowerSettings):
     task: str = _task_field()
     task_reward: str = _task_reward_field()
     pacing: bool = Field(
-        True,
+        PacingConfig.enabled,
         description="cut a batch short (the first k prompts' groups, at least one) when a "
         "newer version arrives or the next group would likely end outside the async window; "
         "false: always whole batches",
     )
     pacing_margin_steps: float = Field(
-        0.5,
+        PacingConfig.margin_steps,
         ge=0,
         allow_inf_nan=False,
         description="trainer steps of the async window kept in reserve when pacing: a batch "
@@ -479,7 +500,9 @@ class PublishSettings(CommonSettings):
     default_p2p_port: ClassVar[int] = 4001
     default_http_port: ClassVar[int] = 8001
 
-    shard_size_bytes: int = Field(32 << 20, ge=4096, description="shard size of versions")
+    shard_size_bytes: int = Field(
+        DEFAULT_SHARD_BYTES, ge=4096, description="shard size of versions"
+    )
     shards_per_part: int = Field(
         4,
         ge=1,
@@ -487,32 +510,45 @@ class PublishSettings(CommonSettings):
         "is hashed and signed, so smaller parts mean earlier first bytes (and more part "
         "requests)",
     )
-    anchor_every: int = Field(10, ge=1, description="a full version every N steps")
-    deltas: bool = Field(
-        True, description="offer deltas against the previous version (sparse or xor-zstd)"
+    anchor_every: int = Field(
+        OriginConfig.anchor_every, ge=1, description="a full version every N steps"
     )
-    zstd: bool = Field(False, description="also offer zstd of every shard (slow links)")
+    deltas: bool = Field(
+        OriginConfig.deltas,
+        description="offer deltas against the previous version (sparse or xor-zstd)",
+    )
+    zstd: bool = Field(OriginConfig.zstd, description="also offer zstd of every shard (slow links)")
     serve_once_s: float | None = Field(
-        5.0,
+        SUPER_SEED_S,
         gt=0,
         description="origin super-seeding window, seconds: a shard goes to one relay, the "
         "others get it from that relay",
     )
     serve_once_min_bytes: int = Field(
-        32 << 20,
+        SUPER_SEED_MIN_BYTES,
         ge=0,
         description="versions offering at most this many bytes in all (deltas, usually) are "
         "served to every requester, not super-seeded: a refusal costs a round trip and an "
         "extra hop (0: super-seed every version)",
     )
     # the run's rules, published in the signed run card (peers adopt them from there)
-    async_level: int = Field(2, ge=0, description="versions a rollout may lag (run card)")
-    n_prompts: int = Field(4, ge=1, description="prompts per peer per step (run card)")
-    group_size: int = Field(8, ge=1, description="samples per prompt (run card)")
-    max_new_tokens: int = Field(16, ge=1, description="completion cap, tokens (run card)")
-    temperature: float = Field(1.0, gt=0, le=100, description="sampling temperature (run card)")
+    async_level: int = Field(
+        DEFAULT_ASYNC_LEVEL, ge=0, description="versions a rollout may lag (run card)"
+    )
+    n_prompts: int = Field(
+        DEFAULT_SAMPLING.prompts_per_step, ge=1, description="prompts per peer per step (run card)"
+    )
+    group_size: int = Field(
+        DEFAULT_SAMPLING.group_size, ge=1, description="samples per prompt (run card)"
+    )
+    max_new_tokens: int = Field(
+        DEFAULT_SAMPLING.max_new_tokens, ge=1, description="completion cap, tokens (run card)"
+    )
+    temperature: float = Field(
+        DEFAULT_SAMPLING.temperature, gt=0, le=100, description="sampling temperature (run card)"
+    )
     engines: list[str] = Field(
-        ["transformers-bf16"],
+        [DEFAULT_ENGINE.id],
         min_length=1,
         max_length=8,
         description="FAMILY-DTYPE of the inference engines whose rollouts the run accepts "
@@ -559,9 +595,11 @@ class PublishSettings(CommonSettings):
         [], description="only accept rollouts from these PeerIDs (default: anyone)"
     )
     torch_threads: int = Field(1, ge=1, description="CPU threads for training/validation")
-    check_model: bool = Field(True, description="run TOPLOC and sampling checks")
+    check_model: bool = Field(
+        TrainerConfig.check_model, description="run TOPLOC and sampling checks"
+    )
     late_grace_steps: int = Field(
-        1,
+        InboxConfig.late_grace_steps,
         ge=0,
         description="policy steps beyond async_level a rollout that was already under way may "
         "lag and still be accepted (arriving late is not a fault)",
@@ -626,16 +664,20 @@ class TrainerSettings(PublishSettings):
     """``shardnet trainer``."""
 
     role: ClassVar[str] = "trainer"
-    steps: int = Field(10, ge=0, description="optimizer steps (versions 1..steps)")
+    steps: int = Field(TrainerConfig.steps, ge=0, description="optimizer steps (versions 1..steps)")
     model: Path | None = Field(
         None,
         description="Hugging Face model directory to train (config.json, safetensors, "
         "tokenizer.json; any causal-LM architecture); unset: the preset",
     )
-    preset: str = Field("tiny", description="model preset when --model is unset: tiny or real-1b")
-    seed: int = Field(0, description="model init seed")
-    lr: float = Field(3e-3, gt=0, description="learning rate")
-    optimizer: str = Field("adamw", description="adamw or sgd (sgd: no optimizer state)")
+    preset: str = Field(
+        TrainerConfig.preset, description="model preset when --model is unset: tiny or real-1b"
+    )
+    seed: int = Field(TrainerConfig.seed, description="model init seed")
+    lr: float = Field(TrainerConfig.lr, gt=0, description="learning rate")
+    optimizer: str = Field(
+        TrainerConfig.optimizer, description="adamw or sgd (sgd: no optimizer state)"
+    )
     min_batches: int | None = Field(
         None,
         ge=1,
@@ -643,18 +685,30 @@ class TrainerSettings(PublishSettings):
         "at least 1; a step is also ready once every known peer delivered)",
     )
     step_timeout_s: float = Field(
-        300.0, gt=0, description="longest wait for a step's rollouts, seconds"
+        TrainerConfig.step_timeout_s,
+        gt=0,
+        description="longest wait for a step's rollouts, seconds",
     )
     peer_timeout_s: float = Field(
-        60.0, gt=0, description="a peer silent this long no longer counts as known, seconds"
+        TrainerConfig.peer_timeout_s,
+        gt=0,
+        description="a peer silent this long no longer counts as known, seconds",
     )
     wait_log_interval_s: float = Field(
-        5.0, gt=0, description="period of the waiting_for_* progress log lines, seconds"
+        TrainerConfig.wait_log_interval_s,
+        gt=0,
+        description="period of the waiting_for_* progress log lines, seconds",
     )
-    max_shard_bytes: int = Field(1 << 20, ge=4096, description="safetensors file size cap, bytes")
+    max_shard_bytes: int = Field(
+        TrainerConfig.max_shard_bytes, ge=4096, description="safetensors file size cap, bytes"
+    )
     expect_peer: list[str] = Field([], description="peers whose commits end a broadcast")
-    final_wait_s: float = Field(120.0, ge=0, description="wait for the last broadcast, seconds")
-    start_wait_s: float = Field(300.0, ge=0, description="wait for expected peers' hello, seconds")
+    final_wait_s: float = Field(
+        TrainerConfig.final_wait_s, ge=0, description="wait for the last broadcast, seconds"
+    )
+    start_wait_s: float = Field(
+        TrainerConfig.start_wait_s, ge=0, description="wait for expected peers' hello, seconds"
+    )
 
     @field_validator("expect_peer")
     @classmethod

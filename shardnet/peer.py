@@ -56,7 +56,14 @@ from rollout.exchange import RolloutSender, SenderConfig, report_status
 from rollout.model_dir import load_tokenizer
 from rollout.pacing import Pace, PaceMeter, PacingConfig
 from rollout.schema import Group, RolloutBatch
-from rollout.task import Task, load_task, task_prompts, task_spec
+from rollout.task import (
+    DEFAULT_REWARD_SPEC,
+    DEFAULT_TASK_SPEC,
+    Task,
+    load_task,
+    task_prompts,
+    task_spec,
+)
 from shardcast.follower import FollowConfig, Follower, VersionRecord
 from shardcast.manifest import Manifest
 from shardcast.node import NodeConfig, ShardcastNode
@@ -108,8 +115,8 @@ class PeerConfig:
     exchange: SenderConfig = field(default_factory=SenderConfig)
     max_versions: int | None = None
     trainer_addrs: tuple[str, ...] = ()
-    task: str = "digits"
-    task_reward: str = "exact"
+    task: str = DEFAULT_TASK_SPEC
+    task_reward: str = DEFAULT_REWARD_SPEC
     hello_interval_s: float = 10.0
     exit_on_finish: bool = False
     pacing: PacingConfig = field(default_factory=PacingConfig)

@@ -113,7 +113,8 @@ async def run_trainer(s: TrainerSettings) -> int:
     import torch
 
     from rollout.inbox import InboxConfig
-    from trainer.trainer import Trainer, TrainerConfig
+    from trainer.config import TrainerConfig
+    from trainer.trainer import Trainer
 
     torch.set_num_threads(s.torch_threads)
     identity = s.identity()

@@ -34,6 +34,7 @@ from typing import Any
 import torch
 
 from p2p.errors import LocalProtocolError
+from trainer.config import DEFAULT_LR
 
 __all__ = [
     "DEFAULT_LR",
@@ -46,9 +47,6 @@ __all__ = [
     "make_optimizer",
     "train_step",
 ]
-
-DEFAULT_LR = 3e-3
-"""AdamW learning rate for the ``tiny`` preset (measured; see module docstring)."""
 
 
 @dataclass(frozen=True)

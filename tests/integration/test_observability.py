@@ -25,7 +25,8 @@ from shardnet.observe import attach_peer, attach_trainer
 from shardnet.peer import InferencePeer, PeerConfig
 from shardnet.status import fetch_status
 from tests.observability import BY_ROLE, families, promtool, promtool_check_metrics
-from trainer.trainer import Trainer, TrainerConfig
+from trainer.config import TrainerConfig
+from trainer.trainer import Trainer
 
 if TYPE_CHECKING:
     from trio_typing import TaskStatus

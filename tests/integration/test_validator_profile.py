@@ -21,7 +21,8 @@ from rollout.verify import VLLM_BF16_PROFILE
 from shardcast.node import NodeConfig
 from shardcast.runcard import architecture_digest
 from trainer.checkpoint import config_json, write_preset_dir
-from trainer.trainer import Trainer, TrainerConfig
+from trainer.config import TrainerConfig
+from trainer.trainer import Trainer
 
 TRAINER = Identity.from_seed("profile-trainer")
 OWN = dataclasses.replace(VLLM_BF16_PROFILE, replay_margin=0.0123)

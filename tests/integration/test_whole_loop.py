@@ -21,7 +21,8 @@ from shardcast.follower import FollowConfig, Follower
 from shardcast.node import NodeConfig, ShardcastNode
 from shardcast.origin import OriginConfig
 from shardnet.peer import InferencePeer, PeerConfig
-from trainer.trainer import Trainer, TrainerConfig
+from trainer.config import TrainerConfig
+from trainer.trainer import Trainer
 
 if TYPE_CHECKING:
     from trio_typing import TaskStatus

@@ -149,6 +149,73 @@ def test_role_defaults_listen_on_all_interfaces_on_fixed_ports() -> None:
     assert s.host.public_host == "relay.example.org"
 
 
+def test_defaults_are_the_libraries_own() -> None:
+    """Each setting's default is declared once, in the library that uses it: the command
+    line's defaults build the same library objects as the libraries' own defaults."""
+    from p2p.http_server import HttpServerConfig
+    from p2p.limits import LedgerConfig, ResourceLimits
+    from rollout.pacing import PacingConfig
+    from rollout.verify import ValidatorConfig
+    from shardcast.downloader import DownloadConfig
+    from shardcast.follower import FollowConfig
+    from shardcast.node import NodeConfig
+    from shardcast.origin import OriginConfig
+    from shardcast.runcard import DEFAULT_SAMPLING, SamplingRules
+    from trainer.config import TrainerConfig
+
+    relay = load_settings(
+        RelaySettings, None, {"upstream": [f"/ip4/127.0.0.1/tcp/1/p2p/{PID}"], "trainer_id": PID}
+    )
+    node = relay.node_config()
+    assert node.host.limits == ResourceLimits()
+    assert node.host.ledger == LedgerConfig()
+    assert node.http.max_connections_per_ip == HttpServerConfig().max_connections_per_ip
+    assert node.keep_last == NodeConfig.keep_last
+    follow = relay.follow_config(relay.upstream)
+    assert follow.poll_interval_s == FollowConfig.poll_interval_s
+    lib = DownloadConfig()
+    assert (follow.download.stall_timeout_s, follow.download.source_ban_s) == (
+        lib.stall_timeout_s,
+        lib.source_ban_s,
+    )
+    trainer = load_settings(TrainerSettings, None, {})
+    origin = trainer.origin_config()
+    lib_origin = OriginConfig()
+    assert (origin.shard_size, origin.anchor_every, origin.deltas, origin.zstd) == (
+        lib_origin.shard_size,
+        lib_origin.anchor_every,
+        lib_origin.deltas,
+        lib_origin.zstd,
+    )
+    rules = SamplingRules(
+        trainer.n_prompts, trainer.group_size, trainer.max_new_tokens, trainer.temperature
+    )
+    assert rules == DEFAULT_SAMPLING
+    assert trainer.async_level == ValidatorConfig.async_level == TrainerConfig.async_level
+    for name in (
+        "steps",
+        "preset",
+        "seed",
+        "lr",
+        "optimizer",
+        "task",
+        "task_reward",
+        "step_timeout_s",
+        "peer_timeout_s",
+        "wait_log_interval_s",
+        "max_shard_bytes",
+        "final_wait_s",
+        "start_wait_s",
+        "check_model",
+    ):
+        assert getattr(trainer, name) == getattr(TrainerConfig, name), name
+    peer = load_settings(PeerSettings, CONFIGS / "peer.toml", {})
+    assert (peer.pacing, peer.pacing_margin_steps) == (
+        PacingConfig.enabled,
+        PacingConfig.margin_steps,
+    )
+
+
 @pytest.mark.parametrize(
     ("argv", "needle"),
     [
