@@ -30,6 +30,12 @@ the session owns everything it *decides*. One driver serves one call of
 - **parts**, **have-polls**, **probes** and **discovery** (``extra_sources``,
   ``upstreams``).
 
+Checks (verify, decode, write) of complete shards run in worker threads, at most one per
+core at once in the whole process (:func:`check_limiter`): the blobs of a next version tend
+to arrive together, and decoding 15 of them at once on 2 cores only made each slower and
+held two pooled shard-sized buffers apiece, more than the pool keeps, so every version
+allocated (and the kernel zeroed) hundreds of MiB of new buffers.
+
 Every request names the version as ``(step, manifest digest)`` (:mod:`shardcast.lane_urls`);
 a ``409`` (the source holds the step under another digest) goes to the session as
 :attr:`~shardcast.session.Outcome.WRONG_VERSION` and, at ``/have``, counts as gone, like a
@@ -40,6 +46,7 @@ from __future__ import annotations
 
 import functools
 import logging
+import os
 from collections.abc import Callable
 from contextlib import aclosing
 from typing import TYPE_CHECKING
@@ -118,7 +125,29 @@ IDLE_REPORT_S = 10.0
 """A download that receives nothing for this long logs why (``download_idle``: what is in
 flight, what each source waits for), and again as often while the spell lasts, seconds."""
 
-__all__ = ["DownloadDriver", "offer"]
+__all__ = ["DownloadDriver", "check_limiter", "offer"]
+
+_CHECKS: trio.lowlevel.RunVar[trio.CapacityLimiter] = trio.lowlevel.RunVar("shardcast_checks")
+
+
+def check_limiter() -> trio.CapacityLimiter:
+    """The worker-thread limiter of shard checks (:func:`~shardcast.receive.verify_and_write`)
+    of every download in this trio run: as many tokens as this process may use cores
+    (``os.sched_getaffinity``), since a check is CPU work (hashing, decoding, copying into the
+    page cache) and more threads than cores only share them.
+
+    Must be called from inside a trio run (one limiter per run).
+    """
+    try:
+        return _CHECKS.get()
+    except LookupError:
+        try:
+            cores = len(os.sched_getaffinity(0))
+        except AttributeError:  # not on Linux
+            cores = os.cpu_count() or 1
+        limiter = trio.CapacityLimiter(max(1, cores))
+        _CHECKS.set(limiter)
+        return limiter
 
 
 class _StoreLost(Exception):
@@ -472,7 +501,14 @@ class DownloadDriver:
         entry, v0 = self.m.shard(f.shard), trio.current_time()
         try:
             written = await trio.to_thread.run_sync(
-                verify_and_write, self.part, entry, f.encoding, sink, self.base, src.id
+                verify_and_write,
+                self.part,
+                entry,
+                f.encoding,
+                sink,
+                self.base,
+                src.id,
+                limiter=check_limiter(),
             )
             verdict = Verdict.VERIFIED if written else Verdict.ALREADY_HELD
         except OSError as exc:  # the partial directory vanished: start over

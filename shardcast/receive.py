@@ -97,10 +97,17 @@ ChunkWriter = Callable[[int, memoryview], object]
 class BufferPool:
     """Reusable shard-sized buffers (bounded: at most ``keep`` idle ones are kept; a request
     that finds none large enough allocates one as large as the largest request seen, so that
-    buffers stay reusable across shard lengths). Thread-safe."""
+    buffers stay reusable across shard lengths). Thread-safe.
+
+    Attributes:
+        allocated: buffers this pool had to allocate (each a fresh, zeroed allocation of
+            ``_largest`` bytes: page faults and zeroing, which reuse avoids); a count that
+            grows in steady state means more buffers are in use at once than ``keep``.
+    """
 
     def __init__(self, keep: int = 8) -> None:
         self.keep = keep
+        self.allocated = 0
         self._idle: list[bytearray] = []
         self._largest = 0
         self._lock = threading.Lock()
@@ -113,6 +120,7 @@ class BufferPool:
                 if len(buf) >= length:
                     return self._idle.pop(k)
             size = self._largest
+            self.allocated += 1
         return bytearray(size)
 
     def put(self, buf: bytearray) -> None:
@@ -402,12 +410,22 @@ def verify_and_write(
             raise
         except IntegrityError as exc:  # blob verified, result wrong: base or origin
             raise BaseMismatch(str(exc)) from exc
-    held = [pool.get(entry.length), pool.get(entry.length)]
-    try:  # dense: every page changes; read the base once, patch it in the buffer, write once
+    # dense: every page changes; read the base once, patch it in the buffer, write once
+    # (xor-zstd also needs a buffer to decompress its frame into; sparse patches in place)
+    held = [pool.get(entry.length)]
+    if encoding == codecs.XOR_ZSTD:
+        held.append(pool.get(entry.length))
+    try:
         base_bytes = base.read_into(entry.file, entry.offset, entry.length, held[0])
         try:
             raw = codecs.decode(
-                encoding, blob, entry.length, base_bytes, source, out=base_bytes, scratch=held[1]
+                encoding,
+                blob,
+                entry.length,
+                base_bytes,
+                source,
+                out=base_bytes,
+                scratch=held[-1] if len(held) > 1 else None,
             )
         except codecs.CodecError as exc:  # digest matched: the origin wrote a bad blob
             raise BaseMismatch(f"{encoding} blob does not decode: {exc}") from exc

@@ -475,3 +475,42 @@ async def test_a_full_disk_fails_the_download_and_removes_its_partial(
     assert "No space left on device" in str(failed.value)
     assert store.committed_steps() == []
     assert not store.partial_dir(version.step).exists()
+
+
+async def test_shard_checks_run_at_most_one_per_core(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Verify/decode/write of complete shards is CPU work: with one core, one at a time,
+    however many shards arrive together (each held pooled buffers; more checks than cores
+    at once only made the pool allocate)."""
+    import threading
+    import time
+
+    from shardcast import download_driver
+
+    version = make_version(tmp_path, {FILE: 8 * SHARD}, SHARD)
+    monkeypatch.setattr(download_driver.os, "sched_getaffinity", lambda pid: {0})
+    real = download_driver.verify_and_write
+    lock = threading.Lock()
+    running, most = 0, 0
+
+    def counted(*args: object) -> bool:
+        nonlocal running, most
+        with lock:
+            running += 1
+            most = max(most, running)
+        try:
+            time.sleep(0.02)  # widen the window in which another check could overlap
+            return real(*args)  # type: ignore[arg-type]
+        finally:
+            with lock:
+                running -= 1
+
+    monkeypatch.setattr(download_driver, "verify_and_write", counted)
+    store = target_store(tmp_path)
+    async with honest_source(version) as (honest, _), HttpClient() as client:
+        dl = Downloader(client, store, config(), random.Random(1), trust())
+        path, _stats = await dl.download(version.signed, [Source("b-honest", honest.url)])
+        assert download_driver.check_limiter().total_tokens == 1
+    assert_committed(store, version, path)
+    assert most == 1

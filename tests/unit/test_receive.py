@@ -139,6 +139,29 @@ def test_deltas_apply_verify_and_commit_without_reading_files(
     assert file_matches(final / NAME, m2, NAME)
 
 
+def test_a_dense_sparse_delta_takes_one_pooled_buffer_and_gives_it_back(tmp_path: Path) -> None:
+    """Sparse deltas patch the base in place: no decompression buffer besides the base's
+    (a second one per shard was taken for nothing, and with many checks at once the pool
+    ran dry and allocated fresh shard-sized buffers every version)."""
+    v2, _, m2, store = _versions(tmp_path, 0.02)
+    part = store.begin(m2)
+    base = BaseVersion(store, 1)
+    pool = BufferPool(keep=4)
+    dense = 0
+    try:
+        for i in range(len(m2.header.shards)):
+            blob = (v2 / BLOB_DIR / f"{i}.{codecs.SPARSE}").read_bytes()
+            dense += not is_identity(blob, m2.shard(i).length)
+            assert verify_and_write(
+                part, m2.shard(i), codecs.SPARSE, _sink(blob), base, "src", pool
+            )
+    finally:
+        base.close()
+    assert dense >= 2
+    assert pool.allocated == 1  # one buffer, reused for every shard
+    assert (part.commit() / NAME).read_bytes() == (v2 / NAME).read_bytes()
+
+
 def test_wrong_base_is_a_base_mismatch_and_a_raw_write_repairs_it(tmp_path: Path) -> None:
     v2, _, m2, store = _versions(tmp_path, 0.0002)
     first = m2.header.first_shard(NAME)  # unchanged since step 1: its blob lists no change
