@@ -32,9 +32,11 @@ the session owns everything it *decides*. One driver serves one call of
 
 Checks (verify, decode, write) of complete shards run in worker threads, at most one per
 core at once in the whole process (:func:`check_limiter`): the blobs of a next version tend
-to arrive together, and decoding 15 of them at once on 2 cores only made each slower and
-held two pooled shard-sized buffers apiece, more than the pool keeps, so every version
-allocated (and the kernel zeroed) hundreds of MiB of new buffers.
+to arrive together, and checking them all at once on 2 cores only made each slower while
+each held pooled shard-sized buffers (two apiece before a sparse delta needed only one):
+more than the pool keeps, so in the shaped benchmark every follower allocated (and the
+kernel zeroed) 32-64 MiB of new buffers for each next version, 352 MiB over the six of
+them; with the limiter and one buffer per sparse check, none.
 
 Every request names the version as ``(step, manifest digest)`` (:mod:`shardcast.lane_urls`);
 a ``409`` (the source holds the step under another digest) goes to the session as
