@@ -412,20 +412,13 @@ def verify_and_write(
             raise BaseMismatch(str(exc)) from exc
     # dense: every page changes; read the base once, patch it in the buffer, write once
     # (xor-zstd also needs a buffer to decompress its frame into; sparse patches in place)
-    held = [pool.get(entry.length)]
-    if encoding == codecs.XOR_ZSTD:
-        held.append(pool.get(entry.length))
+    held = pool.get(entry.length)
+    scratch = pool.get(entry.length) if encoding == codecs.XOR_ZSTD else None
     try:
-        base_bytes = base.read_into(entry.file, entry.offset, entry.length, held[0])
+        base_bytes = base.read_into(entry.file, entry.offset, entry.length, held)
         try:
             raw = codecs.decode(
-                encoding,
-                blob,
-                entry.length,
-                base_bytes,
-                source,
-                out=base_bytes,
-                scratch=held[-1] if len(held) > 1 else None,
+                encoding, blob, entry.length, base_bytes, source, out=base_bytes, scratch=scratch
             )
         except codecs.CodecError as exc:  # digest matched: the origin wrote a bad blob
             raise BaseMismatch(f"{encoding} blob does not decode: {exc}") from exc
@@ -434,5 +427,6 @@ def verify_and_write(
         except IntegrityError as exc:  # blob verified, result wrong: base or origin
             raise BaseMismatch(str(exc)) from exc
     finally:
-        for buf in held:
-            pool.put(buf)
+        pool.put(held)
+        if scratch is not None:
+            pool.put(scratch)
