@@ -153,7 +153,7 @@ def least_bytes(manifest_path: Path, trainer_id: str) -> tuple[int, int]:
     """(bytes of the smallest offered form of every shard, shards) of a committed version:
     what must cross the origin's uplink at least once (the bound's ``S``)."""
     from p2p.trust import TrustList
-    from shardcast.manifest import Manifest
+    from shardcast.wire import Manifest
 
     m = Manifest.decode(manifest_path.read_bytes(), trust=TrustList(trainer_id))
     total = 0

@@ -90,7 +90,7 @@ if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 
 RUN_ID = "chaos"
-MAX_INFLIGHT = 8  # shardcast.select.SelectConfig.max_inflight: requests in flight per download
+MAX_INFLIGHT = 8  # shardcast.core.select.SelectConfig.max_inflight: requests in flight per download
 RSS_BOUND_MB = 50.0
 FLOOD_FLAT_MB = 10.0
 MB = 1e6
@@ -452,7 +452,7 @@ async def sc_clean(ctx: Ctx) -> dict[str, float | None]:
 
 async def sc_malformed(ctx: Ctx) -> dict[str, float | None]:
     from p2p.hostile import MESHSUB, HostileClient, Malformed, frame
-    from shardcast.messages import INFO_PROTOCOL, versions_topic
+    from shardcast.wire import INFO_PROTOCOL, versions_topic
 
     ends: dict[str, int] = {}
 
@@ -484,7 +484,7 @@ async def sc_malformed(ctx: Ctx) -> dict[str, float | None]:
 async def sc_flood(ctx: Ctx) -> dict[str, float | None]:
     from p2p import wire
     from p2p.hostile import MESHSUB, HostileClient, Malformed, frame
-    from shardcast.messages import versions_topic
+    from shardcast.wire import versions_topic
 
     c = ctx.cluster
     victim = c.relays[0]
@@ -526,7 +526,7 @@ def _growth_mb(before: int | None, after: int | None) -> float | None:
 
 async def sc_slots(ctx: Ctx) -> dict[str, float | None]:
     from p2p.hostile import HostileClient
-    from shardcast.messages import INFO_PROTOCOL
+    from shardcast.wire import INFO_PROTOCOL
 
     held = {"streams": 0}
 
@@ -715,7 +715,7 @@ def _log_count(c: Cluster, nodes: list[Node], needle: str) -> int:
 async def _advertise_to(evil: Any, victims: list[Node], advert: bytes) -> None:
     """Gossip one correctly signed node advert from ``evil`` straight to each victim."""
     from p2p.hostile import MESHSUB
-    from shardcast.discovery import nodes_topic
+    from shardcast.download import nodes_topic
 
     rpc = evil.signed_publish(nodes_topic(RUN_ID), advert)
 
@@ -737,7 +737,7 @@ async def _advert_round(
     """Each (identity, URL) in ``lanes`` advertises itself, at once, as a relay holding step 0
     at that URL to every victim (a fresh host per identity)."""
     from p2p.hostile import HostileClient
-    from shardcast.discovery import NodeAdvert
+    from shardcast.download import NodeAdvert
 
     async def one(ident: Any, url: str) -> None:
         advert = NodeAdvert(ident.peer_id, "relay", url, (0,), (0,)).encode()
@@ -804,8 +804,7 @@ async def sc_corrupting_relay(ctx: Ctx) -> dict[str, float | None]:
     commit in time."""
     from p2p.http_server import HttpRequest, HttpResponse, open_http_server
     from p2p.identity import Identity
-    from shardcast.lane_auth import sign_whoami
-    from shardcast.serve import HOLD_HEADER
+    from shardcast.wire import HOLD_HEADER, sign_whoami
 
     c = ctx.cluster
     ident = Identity.generate()

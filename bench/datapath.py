@@ -18,9 +18,9 @@ CPU is not counted):
   ``pwrite``; commit re-hashes every file (schema-2 manifest). Deltas: ``xor-zstd``
   (decompress a full-size XOR buffer, XOR into the base, hash, write).
 - ``new``: ``HttpClient.receive_range_into`` straight into a pooled :class:`ShardSink`,
-  hashed per piece while hot (:mod:`shardcast.receive`), one ``pwrite`` with the running
+  hashed per piece while hot (:mod:`shardcast.download.receive`), one ``pwrite`` with the running
   digest, commit derives hash-list roots (schema 3). Deltas: ``sparse`` applied as
-  :func:`shardcast.receive.verify_and_write` chooses (dense shards: base read once into a
+  :func:`shardcast.download.receive.verify_and_write` chooses (dense shards: base read once into a
   pooled buffer, patched, hashed, written; sparse ones: clone-and-patch).
 
 Stages: ``receive`` (socket to buffer, event loop), ``hash`` (BLAKE3 of received bytes),
@@ -70,11 +70,11 @@ import trio
 from p2p.http_client import HttpClient
 from p2p.http_server import HttpRequest, HttpResponse, HttpServer, file_response
 from p2p.identity import Identity
-from shardcast import codecs
-from shardcast.manifest import Manifest
-from shardcast.plan import BLOB_DIR, Base, build_manifest
-from shardcast.receive import BaseVersion, ShardSink, verify_and_write
-from shardcast.store import VersionStore
+from shardcast.download import BaseVersion, ShardSink, verify_and_write
+from shardcast.publish import Base, build_manifest
+from shardcast.store import BLOB_DIR
+from shardcast.store.store import VersionStore
+from shardcast.wire import Manifest, codecs
 
 SHARD = 32 << 20
 RUN = "bench"
@@ -202,7 +202,7 @@ async def receive_old(
 async def receive_new(
     client: HttpClient, base_url: str, m: Manifest, store: VersionStore, origin: str, enc: str
 ) -> Stages:
-    """The path of :mod:`shardcast.receive` (what the downloader runs)."""
+    """The path of :mod:`shardcast.download.receive` (what the downloader runs)."""
     st = Stages()
     part = store.begin(m)
     base = BaseVersion(store, m.header.base_step) if m.header.base_step is not None else None

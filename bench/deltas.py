@@ -26,7 +26,7 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench.broadcast import prepare_checkpoints
-from shardcast import codecs
+from shardcast.wire import codecs
 
 TARGETS = {"percent_of_full": 1.5, "bytes_per_change": 1.7, "apply_cpu_s_per_gb": 0.3}
 

@@ -169,7 +169,7 @@ from rollout.toploc import (
 )
 from rollout.toploc_codec import proof_size_bytes
 from rollout.verify import Validator, ValidatorConfig
-from shardcast.runcard import architecture_digest
+from shardcast.wire import architecture_digest
 from trainer.checkpoint import config_json, save_checkpoint
 from trainer.grpo import make_optimizer
 from trainer.oracle import TrainerOracle

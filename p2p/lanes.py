@@ -3,7 +3,7 @@ HTTP lane (client and server), and the factory that opens them.
 
 Theory of operation
 -------------------
-Node code (:mod:`shardcast.node`, the follower, origin, downloader, the rollout exchange and
+Node code (:mod:`shardcast.node.node`, the follower, origin, downloader, the rollout exchange and
 the trainer's inbox) never needs more from the network than these protocols say. Two
 implementations satisfy them:
 

@@ -24,7 +24,7 @@ from rollout.gumbel import group_seed
 from rollout.schema import DEFAULT_ENGINE_ID, Group, RolloutBatch, Sample
 from rollout.task import Prompt, Task, encode_prompt, task_prompts
 from rollout.toploc import ToplocConfig, build_proofs
-from shardcast.runcard import DEFAULT_SAMPLING
+from shardcast.wire import DEFAULT_SAMPLING
 
 Forgery = Callable[[RolloutBatch], RolloutBatch]
 """A hook that rewrites a batch before it is signed (adversarial tests only)."""

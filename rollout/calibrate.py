@@ -17,13 +17,13 @@ trainer (or an origin with ``--rollouts-out``) loads it with ``--validator-profi
 refuses it when its architecture digest is not the run's model's, judges every engine the
 file names with the file's thresholds (they override :data:`rollout.verify.DEFAULT_PROFILES`
 and the built-in defaults for those engines), and puts the file's digest and thresholds on the
-signed run card (:class:`shardcast.runcard.CardProfile`) so peers and auditors see which
+signed run card (:class:`shardcast.wire.runcard.CardProfile`) so peers and auditors see which
 thresholds the run uses.
 
 File format (JSON, schema ``v`` = 1)::
 
     {"v": 1,
-     "architecture_digest": "<64 hex>",      # shardcast.runcard.architecture_digest
+     "architecture_digest": "<64 hex>",      # shardcast.wire.runcard.architecture_digest
      "engines": {"transformers-bf16": {
          "toploc_thresholds": {"max_exp_mismatches": 12, "max_mant_err_mean": 3.4,
                                "max_mant_err_median": 2.0},
@@ -56,8 +56,7 @@ from p2p.errors import ConfigError
 from rollout.gumbel import DEFAULT_EOS_MIN_PROB
 from rollout.toploc_judge import ToplocThresholds
 from rollout.verify import EngineProfile
-from shardcast.canonical import DIGEST_RE, blake3_hex
-from shardcast.runcard import CardProfile, EngineSpec
+from shardcast.wire import DIGEST_RE, CardProfile, EngineSpec, blake3_hex
 
 __all__ = [
     "MAX_PROFILE_BYTES",
@@ -109,7 +108,7 @@ class ValidatorProfile:
     """A validator profile file (see the module docstring).
 
     Attributes:
-        architecture_digest: :func:`shardcast.runcard.architecture_digest` of the model the
+        architecture_digest: :func:`shardcast.wire.runcard.architecture_digest` of the model the
             thresholds were calibrated on.
         engines: engine id (``transformers-bf16``) -> its thresholds, at least one.
         provenance: how they were calibrated.

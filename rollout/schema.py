@@ -14,7 +14,7 @@ submitter's key without signing megabytes, and a trainer can refuse a batch (sta
 reputation, rate limit) before spending bandwidth on it.
 
 Batch schema 2 adds ``engine``, the id of the inference engine that sampled the batch
-(``transformers-bf16``, ``vllm-bf16``: :attr:`shardcast.runcard.EngineSpec.id`), which must be
+(``transformers-bf16``, ``vllm-bf16``: :attr:`shardcast.wire.runcard.EngineSpec.id`), which must be
 one of the run card's engines. Schema-1 batches (from peers before it) still decode, with
 ``engine == ""``, so that the validator rejects them as ``wrong_run`` with a clear reason
 rather than as malformed.
@@ -48,7 +48,7 @@ MAX_ENGINE_ID = 40
 FINISH_REASONS = ("stop", "length")
 BATCH_SCHEMA = 2
 DEFAULT_ENGINE_ID = "transformers-bf16"
-"""The engine id a batch names when none is given (``shardcast.runcard.DEFAULT_ENGINE``)."""
+"""The engine id a batch names when none is given (``shardcast.wire.runcard.DEFAULT_ENGINE``)."""
 
 
 BATCH_ID_DOMAIN = b"rollout-batch-id/v1\x00"

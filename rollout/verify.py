@@ -69,7 +69,7 @@ from rollout.schema import DEFAULT_ENGINE_ID, RolloutBatch, Sample
 from rollout.toploc import ToplocConfig, verify_proofs
 from rollout.toploc_codec import proof_size_bytes
 from rollout.toploc_judge import ToplocThresholds, judge
-from shardcast.runcard import DEFAULT_ASYNC_LEVEL
+from shardcast.wire import DEFAULT_ASYNC_LEVEL
 
 if TYPE_CHECKING:
     from rollout.engine import TeacherForced

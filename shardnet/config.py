@@ -40,19 +40,17 @@ from p2p.trust import TrustList
 from rollout.inbox import InboxConfig
 from rollout.pacing import PacingConfig
 from rollout.task import DEFAULT_REWARD_SPEC, DEFAULT_TASK_SPEC
-from shardcast.downloader import DownloadConfig
-from shardcast.follower import FollowConfig
-from shardcast.mirror import check_mirror_url
+from shardcast.download import DownloadConfig, FollowConfig
 from shardcast.node import SUPER_SEED_MIN_BYTES, SUPER_SEED_S, NodeConfig
-from shardcast.origin import OriginConfig
-from shardcast.plan import DEFAULT_SHARD_BYTES
-from shardcast.runcard import (
+from shardcast.publish import DEFAULT_SHARD_BYTES, OriginConfig
+from shardcast.wire import (
     DEFAULT_ASYNC_LEVEL,
     DEFAULT_ENGINE,
     DEFAULT_SAMPLING,
     MAX_CARD_MIRRORS,
     MAX_MIRROR_URL,
     EngineSpec,
+    check_mirror_url,
 )
 from trainer.config import TrainerConfig
 

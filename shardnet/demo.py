@@ -356,8 +356,8 @@ def summarize(
     run's sums and the validator's own counts, which the table's last line prints.
     """
     from p2p.trust import TrustList
-    from shardcast.manifest import MANIFEST_FILE, Manifest
     from shardcast.store import file_matches
+    from shardcast.wire import MANIFEST_FILE, Manifest
 
     tr = trainer.report() or {}
     rows = tr.get("steps", [])

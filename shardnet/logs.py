@@ -8,7 +8,7 @@ captured at WARNING and above and pass through the same handler as ours, rewritt
 ``--log-json`` turns each record into one JSON object per line with ``ts``, ``level``,
 ``logger``, ``event`` and the ``key=value`` pairs split out, so log shippers can index them.
 Times, in both formats, are wall-clock UTC in ISO 8601 with milliseconds
-(``2026-05-01T12:00:00.123Z``; :func:`shardcast.nodestatus.iso`).
+(``2026-05-01T12:00:00.123Z``; :func:`shardcast.node.nodestatus.iso`).
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ import json
 import logging
 import sys
 
-from shardcast.nodestatus import iso
+from shardcast.node import iso
 
 
 class TextFormatter(logging.Formatter):

@@ -54,7 +54,7 @@ def mirror_export(
     """Write the node's committed, verified versions under OUT/shardnet/v1/<run>/ in the
     HTTP lane's URL layout; serve OUT with any web server and give peers --mirror URL."""
     from p2p.keys import is_valid_peer_id
-    from shardcast.mirror import export_mirror
+    from shardcast.serve import export_mirror
 
     try:
         if not data_dir.is_dir():

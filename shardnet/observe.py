@@ -1,7 +1,7 @@
 """The trainer's and the inference peer's own ``/status`` sections and metric families.
 
 :func:`attach_trainer` and :func:`attach_peer` register them on the role's running
-:class:`~shardcast.node.ShardcastNode` (the role runners call them once the node is up; tests
+:class:`~shardcast.node.node.ShardcastNode` (the role runners call them once the node is up; tests
 that run a role in-process call them too). Everything is read at scrape or request time from
 the statistics objects the role already keeps, so nothing here can drift from the reports.
 
@@ -44,7 +44,7 @@ import trio
 from prometheus_client import Counter, Gauge, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 
-from shardcast.nodestatus import iso, wall_of
+from shardcast.node import iso, wall_of
 
 if TYPE_CHECKING:
     from rollout.intake import Acceptance

@@ -64,13 +64,12 @@ from rollout.task import (
     task_prompts,
     task_spec,
 )
-from shardcast.follower import FollowConfig, Follower, VersionRecord
-from shardcast.manifest import Manifest
-from shardcast.node import NodeConfig, ShardcastNode
-from shardcast.nodestatus import iso, wall_of
-from shardcast.runcard import (
+from shardcast.download import FollowConfig, Follower, VersionRecord
+from shardcast.node import NodeConfig, ShardcastNode, iso, wall_of
+from shardcast.wire import (
     DEFAULT_ENGINE,
     EngineSpec,
+    Manifest,
     RunCard,
     SignedRunCard,
     UnsupportedEngine,

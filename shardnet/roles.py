@@ -28,9 +28,8 @@ import trio
 from p2p.errors import ConfigError
 from p2p.identity import Identity
 from rollout.task import load_task, task_spec
-from shardcast.cardsync import bootstrap_card, check_data_dir
-from shardcast.nodestatus import iso
-from shardcast.runcard import (
+from shardcast.node import bootstrap_card, check_data_dir, iso
+from shardcast.wire import (
     RunCard,
     SamplingRules,
     SignedRunCard,
@@ -176,7 +175,7 @@ async def run_trainer(s: TrainerSettings) -> int:
 
 async def run_relay(s: RelaySettings) -> int:
     """``shardnet relay``: runs until a signal; returns the exit code."""
-    from shardcast.follower import Follower
+    from shardcast.download import Follower
     from shardcast.node import ShardcastNode
 
     identity = s.identity()
@@ -463,9 +462,7 @@ async def run_origin(s: OriginSettings) -> int:
     import re
 
     from shardcast.node import ShardcastNode
-    from shardcast.origin import Origin
-    from shardcast.plan import Base, EncodeSettings
-    from shardcast.preencode import PreEncoder
+    from shardcast.publish import Base, EncodeSettings, Origin, PreEncoder
 
     identity = s.identity()
     trust = s.trust(identity)

@@ -92,7 +92,7 @@ async def _url_over_libp2p(addr: str) -> str:
     from p2p import wire
     from p2p.host import HostConfig, P2PNode, peer_id_of
     from p2p.identity import Identity
-    from shardcast.messages import INFO_PROTOCOL, MAX_INFO_BYTES, NodeInfo
+    from shardcast.wire import INFO_PROTOCOL, MAX_INFO_BYTES, NodeInfo
 
     pid = peer_id_of(addr)
     async with P2PNode.open(Identity.generate(), HostConfig()) as p2p:

@@ -5,7 +5,7 @@ Theory of operation
 :func:`run` starts one real process per node with the CLI an operator uses: ``shardnet origin
 --watch`` for the origin, ``shardnet relay`` for relays, and for peers ``shardnet relay``
 processes whose upstreams are their relays — the download-and-re-serve half of ``shardnet
-peer`` (the same :class:`~shardcast.follower.Follower`), without an inference engine, since
+peer`` (the same :class:`~shardcast.download.follower.Follower`), without an inference engine, since
 the checkpoint is synthetic bytes (rollouts are therefore not emulated; the model covers
 them). As root, each node runs in its own network namespace (:mod:`simulations.netns`) with its
 uplink and downlink shaped by ``tc``; otherwise every node listens on 127.0.0.1 and only its

@@ -10,8 +10,9 @@ sharing of uplinks, downlinks and declared links) in steps of ``time_step_s``.
 Every decision a real node makes with a sans-IO policy is made here by that same code, with the
 model's clock as ``now`` and a per-node seeded ``random.Random``:
 
-- each download is a :class:`shardcast.session.Session`, the object the trio
-  :class:`shardcast.downloader.Downloader` drives (its scheduler chooses shards and sources,
+- each download is a :class:`shardcast.core.session.Session`, the object the trio
+  :class:`shardcast.download.downloader.Downloader` drives (its scheduler chooses shards and
+  sources,
   explores, penalizes, resumes and runs the endgame; the session keeps resumable prefixes,
   falls back from deltas, blames and bans): parts arrive as the origin hashes them (the delta
   is offered when the base is held), and transfers end ``ok`` (then checked: corrupt when an
@@ -20,14 +21,15 @@ model's clock as ``now`` and a per-node seeded ``random.Random``:
   arrived are kept for resuming) or ``cancelled`` (endgame losers, banned sources); the
   model answers the session's byte comparisons from its knowledge of who corrupted what.
   Abandonment is not modelled (the session's grace periods are infinite);
-- extra sources come from a real :class:`shardcast.discovery.SourceDirectory` fed with
-  :class:`~shardcast.discovery.NodeAdvert`\\ s (a node hears ``gossip_sample`` random adverts per
+- extra sources come from a real :class:`shardcast.download.discovery.SourceDirectory` fed with
+  :class:`~shardcast.download.discovery.NodeAdvert`\\ s (a node hears ``gossip_sample`` random
+  adverts per
   ``advert_interval_s`` instead of all N: that keeps a round O(1) per node);
-- the origin refuses repeats with :class:`shardcast.policy.SuperSeeding`;
+- the origin refuses repeats with :class:`shardcast.serve.superseeding.SuperSeeding`;
 - relays and peers serve a shard as soon as they verified it (a request for a shard a source
-  is still filling waits there, as in :mod:`shardcast.serve`), keep versions by
-  :func:`shardcast.policy.versions_to_prune` with served versions and delta bases pinned,
-  and catch up with :func:`shardcast.catchup.plan`.
+  is still filling waits there, as in :mod:`shardcast.serve.server`), keep versions by
+  :func:`shardcast.core.retention.versions_to_prune` with served versions and delta bases pinned,
+  and catch up with :func:`shardcast.core.catchup.plan`.
 
 Not modelled: CPU (hashing is a rate at the origin only; verification is free), TCP slow
 start, HTTP/libp2p control traffic, gossip delays other than one RTT.
@@ -44,13 +46,7 @@ from typing import Any, cast
 
 import simpy
 
-from shardcast import catchup
-from shardcast.codecs import XOR_ZSTD
-from shardcast.discovery import NodeAdvert, SourceDirectory
-from shardcast.manifest import Manifest
-from shardcast.policy import SuperSeeding, versions_to_prune
-from shardcast.select import SchedulerConfig
-from shardcast.session import (
+from shardcast.core import (
     Action,
     Cancel,
     Check,
@@ -63,10 +59,16 @@ from shardcast.session import (
     Offer,
     Outcome,
     PollHave,
+    SchedulerConfig,
     Session,
     SessionConfig,
     Verdict,
+    catchup,
+    versions_to_prune,
 )
+from shardcast.download import NodeAdvert, SourceDirectory
+from shardcast.serve import SuperSeeding
+from shardcast.wire import XOR_ZSTD, Manifest
 from simulations.flows import FlowNetwork
 from simulations.progress import SimProgress, Snapshot
 from simulations.topology import Node, Topology

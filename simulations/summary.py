@@ -180,7 +180,7 @@ def model_summary(m: Model) -> dict[str, Any]:
         "seed": m.seed,
         "notes": [
             f"flow model: weighted max-min, time step {m.dt:.4g} s; simulator: SimPy",
-            "policies: shardcast.select.Scheduler, SourceDirectory, SuperSeeding, "
+            "policies: shardcast.core.select.Scheduler, SourceDirectory, SuperSeeding, "
             "versions_to_prune, catchup.plan (the real code)",
         ],
         "checkpoint": {

@@ -1,12 +1,13 @@
 """Published versions as the model sees them, and stand-ins for the catch-up planner.
 
 A :class:`SimVersion` is one published step: shard lengths (one file cut into
-``shard_size_bytes`` pieces, as :mod:`shardcast.plan` cuts each file), the delta base, when the
+``shard_size_bytes`` pieces, as :mod:`shardcast.publish.plan` cuts each file), the delta base, when
+the
 origin published it and hashed each manifest part, and a digest. A delta version (base set)
 moves ``ceil(delta_ratio * length)`` bytes per shard to a node that holds the base, the raw
-length otherwise — what :class:`~shardcast.downloader.Downloader` fetches as a delta.
+length otherwise — what :class:`~shardcast.download.downloader.Downloader` fetches as a delta.
 
-:func:`manifest_stub` gives :func:`shardcast.catchup.plan` the few manifest attributes it reads
+:func:`manifest_stub` gives :func:`shardcast.core.catchup.plan` the few manifest attributes it reads
 (``step``, ``digest``, ``complete``, ``total_bytes``, ``header.base_step``,
 ``header.base_digest``, ``header.shards``, ``shard(i).length``, ``shard(i).offered(enc)``), so
 the model plans catch-ups with the real planner without signing real manifests.
@@ -20,7 +21,7 @@ from typing import Any
 
 import blake3
 
-from shardcast.codecs import SPARSE
+from shardcast.wire import SPARSE
 from simulations.topology import CheckpointSpec
 
 
@@ -119,7 +120,7 @@ class _Header:
 
 @dataclass(frozen=True)
 class ManifestStub:
-    """The manifest attributes :func:`shardcast.catchup.plan` reads."""
+    """The manifest attributes :func:`shardcast.core.catchup.plan` reads."""
 
     step: int
     digest: str

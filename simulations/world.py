@@ -3,10 +3,12 @@
 Theory of operation
 -------------------
 :class:`World` runs the production code of every role on one :class:`p2p.memnet.MemNetwork`:
-the trainer's node (a :class:`~shardcast.node.ShardcastNode` with an
-:class:`~shardcast.origin.Origin` and the rollout :class:`~rollout.inbox.RolloutInbox` with the
+the trainer's node (a :class:`~shardcast.node.node.ShardcastNode` with an
+:class:`~shardcast.publish.origin.Origin` and the rollout :class:`~rollout.inbox.RolloutInbox` with
+the
 real :class:`~rollout.verify.Validator`, model checks off), relays and inference peers (a node
-and a :class:`~shardcast.follower.Follower` each; peers also submit a fake rollout batch per
+and a :class:`~shardcast.download.follower.Follower` each; peers also submit a fake rollout batch
+per
 committed version through the real :class:`~rollout.exchange.RolloutSender`), and sybils
 (a bare host and lane that flood adverts, announcements and rollout batches and serve random
 bytes). Nothing of the nodes is patched: faults come from the network's policy (partitions,
@@ -48,14 +50,17 @@ from rollout.reputation import Reputation
 from rollout.schema import Group, RolloutAnnouncement, RolloutBatch, Sample, rollouts_topic
 from rollout.task import DEFAULT_TASK
 from rollout.verify import Validator, ValidatorConfig
-from shardcast.discovery import NodeAdvert, nodes_topic
-from shardcast.downloader import DownloadConfig
-from shardcast.follower import FollowConfig, Follower, VersionRecord
-from shardcast.lane_auth import sign_whoami
-from shardcast.manifest import Manifest
-from shardcast.messages import VersionAnnouncement, versions_topic
+from shardcast.download import (
+    DownloadConfig,
+    FollowConfig,
+    Follower,
+    NodeAdvert,
+    VersionRecord,
+    nodes_topic,
+)
 from shardcast.node import NodeConfig, ShardcastNode
-from shardcast.origin import Origin, OriginConfig
+from shardcast.publish import Origin, OriginConfig
+from shardcast.wire import Manifest, VersionAnnouncement, sign_whoami, versions_topic
 
 if TYPE_CHECKING:
     from trio_typing import TaskStatus

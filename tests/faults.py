@@ -1,7 +1,7 @@
 """Fake shard sources for downloader tests: real HTTP on 127.0.0.1, scripted misbehaviour.
 
 :func:`make_version` builds a small signed version committed in an "honest" store;
-:func:`honest_source` serves it with the real :class:`~shardcast.serve.VersionServer`;
+:func:`honest_source` serves it with the real :class:`~shardcast.serve.server.VersionServer`;
 :func:`fault_source` serves the same bytes from a scripted HTTP/1.1 server (h11 over a trio
 TCP listener) that misbehaves as its :class:`Fault` policy says, request by request, and
 records every range it was asked for.
@@ -30,10 +30,10 @@ from p2p.http_range import (
     resolve_range,
 )
 from p2p.http_server import HttpRequest, HttpResponse, HttpServer, open_http_server
-from shardcast.manifest import FileEntry, Header, Manifest, sign_header, sign_part
-from shardcast.plan import hash_parts
-from shardcast.serve import VersionServer
-from shardcast.store import VersionStore
+from shardcast.publish.plan import hash_parts
+from shardcast.serve.server import VersionServer
+from shardcast.store.store import VersionStore
+from shardcast.wire.manifest import FileEntry, Header, Manifest, sign_header, sign_part
 from tests.helpers import TRAINER, trust
 
 RUN = "run"

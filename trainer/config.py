@@ -14,8 +14,8 @@ from p2p.errors import ConfigError
 from rollout.inbox import InboxConfig
 from rollout.task import DEFAULT_REWARD_SPEC, DEFAULT_TASK_SPEC
 from shardcast.node import NodeConfig
-from shardcast.origin import OriginConfig
-from shardcast.runcard import DEFAULT_ASYNC_LEVEL, DEFAULT_ENGINE, DEFAULT_SAMPLING, EngineSpec
+from shardcast.publish import OriginConfig
+from shardcast.wire import DEFAULT_ASYNC_LEVEL, DEFAULT_ENGINE, DEFAULT_SAMPLING, EngineSpec
 
 if TYPE_CHECKING:
     from rollout.calibrate import ValidatorProfile

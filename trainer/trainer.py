@@ -20,7 +20,7 @@ only if the rules differ from the card stored in its data directory). It publish
    and publish it.
 
 After the last step (and the wait for the last broadcast) it signs and sends the run's end
-(:class:`~shardcast.finish.RunFinished`) and lingers ``finish_linger_s`` so that followers
+(:class:`~shardcast.wire.finish.RunFinished`) and lingers ``finish_linger_s`` so that followers
 polling it learn of it.
 
 Restart: started on a data directory that holds versions, the trainer resumes
@@ -60,17 +60,10 @@ from rollout.model_dir import load_trainable, pad_token_id
 from rollout.reputation import Reputation
 from rollout.task import Task, load_task, task_spec
 from rollout.verify import DEFAULT_PROFILES, EngineProfile, Validator, ValidatorConfig
-from shardcast.node import ShardcastNode
-from shardcast.nodestatus import iso, wall_of
-from shardcast.origin import Origin
-from shardcast.runcard import (
-    RunCard,
-    SamplingRules,
-    TaskSpec,
-    architecture_digest,
-    next_card,
-)
+from shardcast.node import ShardcastNode, iso, wall_of
+from shardcast.publish import Origin
 from shardcast.store import latest_committed
+from shardcast.wire import RunCard, SamplingRules, TaskSpec, architecture_digest, next_card
 from trainer.checkpoint import config_json, save_checkpoint, write_preset_dir
 from trainer.config import TrainerConfig
 from trainer.dataplane import RolloutIntake
@@ -293,7 +286,7 @@ class Trainer:
 
     def card_rules(self, model: Any, task: Task) -> RunCard:
         """The run card this trainer publishes for ``model`` and ``task`` (version 1, issued
-        now; see :func:`shardcast.runcard.next_card` for versions after a change of rules)."""
+        now; see :func:`shardcast.wire.runcard.next_card` for versions after a change of rules)."""
         cfg = self.config
         return RunCard(
             card_version=1,

@@ -12,7 +12,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from dataclasses import dataclass
 
-from shardcast.manifest import Manifest
+from shardcast.wire import Manifest
 
 
 @dataclass(frozen=True)

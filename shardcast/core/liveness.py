@@ -17,7 +17,7 @@ least every few hundred milliseconds. The watch says to abandon when
   answer (a source answering ``503`` forever keeps requests "in flight" but delivers nothing).
 
 A fourth reason, **superseded**, is decided by the follower with
-:func:`shardcast.catchup.worth_finishing` (a newer version was announced and this one cannot be
+:func:`shardcast.core.catchup.worth_finishing` (a newer version was announced and this one cannot be
 the base of its delta chain); the reason enum is shared so that reports name one set.
 
 The overall ``deadline_s`` remains the last bound, enforced by the caller with

@@ -3,7 +3,7 @@
 Theory of operation
 -------------------
 A downloader holds a set of *sources* (its relays, the origin, other peers that hold all or
-part of the version) and a set of missing shards. The driver (``shardcast.downloader``, or
+part of the version) and a set of missing shards. The driver (``shardcast.download.downloader``, or
 the simulator in virtual time) asks :meth:`Scheduler.next_request` for work whenever it has a
 free slot, performs the transfer, and reports back with ``on_first_byte`` / ``on_success`` /
 ``on_failure``. The scheduler does no I/O and reads no clock: ``now`` is an argument and all
@@ -29,7 +29,8 @@ was slow once, or is new, gets measured again (epsilon-greedy).
 
 Sources still receiving (the swarm): a partial source advertises, besides the shards it holds
 whole, how many bytes of each shard it is receiving it has verified (chunk by chunk,
-:mod:`shardcast.receive`), :meth:`Scheduler.set_prefixes`. Such a shard is eligible from that
+:mod:`shardcast.download.receive`), :meth:`Scheduler.set_prefixes`. Such a shard is eligible from
+that
 source as soon as the source's verified prefix reaches past this node's own resume offset:
 the source's HTTP lane streams the range as its chunks verify. A shard counts as held by every
 source holding any of it, so rarest-first sends distinct shards to distinct peers from the

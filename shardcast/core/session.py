@@ -3,7 +3,8 @@
 Theory of operation
 -------------------
 A :class:`Session` owns everything a download *decides*; its driver owns everything it *does*
-(HTTP, threads, buffers, the disk). The trio driver (:class:`shardcast.downloader.Downloader`)
+(HTTP, threads, buffers, the disk). The trio driver
+(:class:`shardcast.download.downloader.Downloader`)
 and the simulator (:mod:`simulations.model`) drive the same object, so the model runs the real
 resume, blame, fallback, endgame and abandonment code. It reads no clock (``now`` is an
 argument) and draws chance only from the seeded ``random.Random`` it is given.
@@ -11,10 +12,10 @@ argument) and draws chance only from the seeded ``random.Random`` it is given.
 Events (methods) and what they return (lists of actions):
 
 - :meth:`poll` — call after every event and at least every :meth:`next_wake` seconds: it
-  hands out new transfers (:class:`Fetch`, from the :class:`~shardcast.select.Scheduler`,
+  hands out new transfers (:class:`Fetch`, from the :class:`~shardcast.core.select.Scheduler`,
   which stays inside), and ends the session with :class:`Commit` (every shard verified, every
-  manifest part arrived) or :class:`Fail` (a :class:`~shardcast.liveness.Abandon` reason from
-  the :class:`~shardcast.liveness.DownloadWatch`, which also stays inside).
+  manifest part arrived) or :class:`Fail` (a :class:`~shardcast.core.liveness.Abandon` reason from
+  the :class:`~shardcast.core.liveness.DownloadWatch`, which also stays inside).
 - :meth:`part_arrived` (a verified manifest part: its shards become fetchable, each in the
   encoding :meth:`_choose` picks), :meth:`have_changed` (a partial source's have-bitmap),
   :meth:`add_source` / :meth:`source_back` (sources discovered, recovered, moved),
@@ -22,7 +23,7 @@ Events (methods) and what they return (lists of actions):
 - :meth:`transfer_ended` with a typed :class:`Outcome` and the bytes received: a broken
   transfer keeps its prefix (:class:`Keep`) and the next request resumes at that byte, usually
   from another source; complete bytes go to :class:`Check`. A raw shard whose manifest part
-  lists chunk digests is checked chunk by chunk as it streams (:mod:`shardcast.receive`): a
+  lists chunk digests is checked chunk by chunk as it streams (:mod:`shardcast.download.receive`): a
   chunk that fails ends the transfer with ``CORRUPT_CHUNK``, its one sender is blamed at once
   and the verified chunks before it are kept (a broken transfer keeps whole chunks only).
 - :meth:`shard_checked` with a :class:`Verdict`: ``VERIFIED`` completes the shard (endgame
@@ -49,9 +50,9 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 
 from p2p.errors import short_id
-from shardcast import codecs
-from shardcast.liveness import Abandon, Answer, DownloadWatch
-from shardcast.select import Request, Scheduler, SchedulerConfig
+from shardcast.core.liveness import Abandon, Answer, DownloadWatch
+from shardcast.core.select import Request, Scheduler, SchedulerConfig
+from shardcast.wire import codecs
 
 log = logging.getLogger(__name__)
 
@@ -467,7 +468,8 @@ class Session:
 
     def explain(self, now: float) -> str:
         """Why the download waits, one line (for a log when it makes no progress): the parts
-        still awaited, kept resume prefixes, and :meth:`~shardcast.select.Scheduler.explain`."""
+        still awaited, kept resume prefixes, and
+        :meth:`~shardcast.core.select.Scheduler.explain`."""
         return (
             f"parts_missing={len(self.missing_parts)} kept={len(self._kept)} "
             f"{self.sched.explain(now)}"

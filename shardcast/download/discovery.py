@@ -37,8 +37,8 @@ import trio
 
 from p2p import wire
 from p2p.errors import RemoteProtocolError, short_id
-from shardcast.canonical import DIGEST_RE
-from shardcast.downloader import Source
+from shardcast.download.types import Source
+from shardcast.wire import DIGEST_RE
 
 log = logging.getLogger(__name__)
 

@@ -2,11 +2,11 @@
 
 Theory of operation
 -------------------
-What a download *decides* lives in the sans-IO :class:`~shardcast.session.Session` (source
-and shard choice through the :class:`~shardcast.select.Scheduler`, resumption, blame and bans,
+What a download *decides* lives in the sans-IO :class:`~shardcast.core.session.Session` (source
+and shard choice through the :class:`~shardcast.core.select.Scheduler`, resumption, blame and bans,
 delta fallback, the endgame, the discovery bound, abandonment); the simulator drives the same
 object. :meth:`Downloader.download` starts from a verified manifest header (parts may be
-missing) and runs the session's trio driver (:class:`~shardcast.download_driver.DownloadDriver`),
+missing) and runs the session's trio driver (:class:`~shardcast.download.driver.DownloadDriver`),
 which does what the session's actions say:
 
 - **parts**: missing manifest parts are fetched from the sources (each request waits at the
@@ -14,29 +14,30 @@ which does what the session's actions say:
   each new part makes its shards eligible. The origin can therefore announce a version
   before it has hashed it, and every tier forwards parts and shards as soon as they are
   verified.
-- **transfers** (:class:`~shardcast.session.Fetch`): one task receives the byte range from
+- **transfers** (:class:`~shardcast.core.session.Fetch`): one task receives the byte range from
   the chosen source over the HTTP lane straight into a pooled shard buffer, hashing it as it
-  arrives (:mod:`shardcast.receive`): the raw file range, or an encoded blob — the smallest
+  arrives (:mod:`shardcast.download.receive`): the raw file range, or an encoded blob — the smallest
   delta when this node holds the delta base, ``zstd`` when ``prefer_compressed``. Raw bytes
   are checked against the shard digest and written once (or, when the manifest part lists
   chunk digests, chunk by chunk as they arrive, each verified chunk written and served to
-  other nodes at once, :mod:`shardcast.receive`); encoded bytes are checked against
-  their offered digest, decoded with bounds (:mod:`shardcast.codecs`) and the result checked
-  against the shard digest, in a worker thread (:func:`~shardcast.receive.verify_and_write`).
+  other nodes at once, :mod:`shardcast.download.receive`); encoded bytes are checked against
+  their offered digest, decoded with bounds (:mod:`shardcast.wire.codecs`) and the result checked
+  against the shard digest, in a worker thread
+  (:func:`~shardcast.download.receive.verify_and_write`).
   Bytes that fail are never served and never committed. The outcome goes back to the session
-  as a typed :class:`~shardcast.session.Outcome` or :class:`~shardcast.session.Verdict`. A
+  as a typed :class:`~shardcast.core.session.Outcome` or :class:`~shardcast.core.session.Verdict`. A
   transfer that breaks mid-shard keeps what arrived (and its running hash); the next request
   resumes at that byte, usually from another source. A copy assembled from several sources
   that fails its digest is kept until a verified copy exists, then
-  :func:`~shardcast.select.blame` names the culprit; only it is penalized. A blob that matches
+  :func:`~shardcast.core.select.blame` names the culprit; only it is penalized. A blob that matches
   its signed digest but does not decode, or decodes to wrong bytes, is not the source's doing
   (a delta against a base this node does not share with the origin, or a blob the origin
   encoded badly): the shard falls back to raw, nobody is blamed.
 - **versions by digest**: every request names the version as ``(step, manifest digest)``
-  (:mod:`shardcast.lane_urls`); a source holding the step under another digest answers
+  (:mod:`shardcast.wire.lane_urls`); a source holding the step under another digest answers
   ``409``, which, like a ``404``, marks it as not holding the version and is never held
-  against it (:attr:`~shardcast.session.Outcome.WRONG_VERSION`, counted in
-  :attr:`~shardcast.session.DownloadStats.other_digest_by_source`).
+  against it (:attr:`~shardcast.core.session.Outcome.WRONG_VERSION`, counted in
+  :attr:`~shardcast.core.session.DownloadStats.other_digest_by_source`).
 - **have-sets**: partial sources (peers re-serving what they hold) are polled for their
   have-bitmap every ``have_poll_s`` seconds; **discovery** adds sources from
   ``extra_sources``/``upstreams``.
@@ -56,135 +57,35 @@ import logging
 import math
 import random
 from collections.abc import Callable
-from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Protocol
 
 import trio
 
-from p2p.errors import ShardnetError
 from p2p.lanes import HttpLaneClient
 from p2p.trust import TrustList
-from shardcast.download_driver import DownloadDriver, offer
-from shardcast.lane_urls import file_url, manifest_url, version_url
-from shardcast.liveness import Abandon
-from shardcast.manifest import Manifest
-from shardcast.receive import BaseVersion
-from shardcast.select import SchedulerConfig, SourceBans
-from shardcast.session import DownloadStats, Fail, Session, SessionConfig
+from shardcast.core import (
+    Abandon,
+    DownloadStats,
+    Fail,
+    Session,
+    SessionConfig,
+    SourceBans,
+)
+from shardcast.download.driver import DownloadDriver, offer
+from shardcast.download.receive import BaseVersion
+from shardcast.download.types import (
+    DownloadConfig,
+    DownloadFailed,
+    DownloadObserver,
+    ProgressFn,
+    Source,
+)
 from shardcast.store import PartialVersion, VersionStore
+from shardcast.wire import Manifest
 
 log = logging.getLogger(__name__)
 
-# DownloadStats lives with the session that fills it and the URL helpers with the lane's
-# other paths (shardcast.lane_urls); both stay importable from here
-__all__ = [
-    "DownloadConfig",
-    "DownloadFailed",
-    "DownloadObserver",
-    "DownloadStats",
-    "Downloader",
-    "Source",
-    "file_url",
-    "manifest_url",
-    "version_url",
-]
-
-
-class DownloadFailed(ShardnetError):
-    """A version could not be downloaded (see :class:`~shardcast.liveness.Abandon`).
-
-    Attributes:
-        reason: why it was abandoned.
-    """
-
-    def __init__(self, message: str, reason: Abandon = Abandon.NO_SOURCE) -> None:
-        super().__init__(message)
-        self.reason = reason
-
-
-@dataclass(frozen=True)
-class Source:
-    """A place to fetch from.
-
-    Attributes:
-        id: a stable label (the source's PeerID, or its URL).
-        base_url: HTTP lane base URL, e.g. ``http://127.0.0.1:9000``.
-        complete: True if it holds (or will hold) every shard of the version; False for a
-            peer that re-serves only what it has (its have-set is polled).
-        anonymous: requests to it are unsigned (a static mirror, :mod:`shardcast.mirror`:
-            no PeerID, no super-seeding, nothing to prove to it).
-    """
-
-    id: str
-    base_url: str
-    complete: bool = True
-    anonymous: bool = False
-
-
-@dataclass(frozen=True)
-class DownloadConfig:
-    """Downloader settings.
-
-    Attributes:
-        stall_timeout_s: a transfer that makes no progress for this long fails, seconds.
-        deadline_s: give up on a version after this long, seconds.
-        no_source_grace_s: fail if no source is usable for this long, seconds (a source
-            that answered ``404`` for the version is not usable).
-        gone_grace_s: fail once every source has said for this long that it does not hold
-            the version (``404``, confirmed by its ``/have``) or is unreachable, seconds.
-        no_progress_s: fail if no byte of the version arrives for this long, seconds.
-        keep_partial: on cancellation, keep the partial version and its journal of verified
-            shards (a restarted node resumes it); failures always remove it.
-        max_resume_buffers: shard buffers kept for resuming broken transfers.
-        have_poll_s: period of have-bitmap polls of partial sources, seconds.
-        use_deltas: fetch ``xor-zstd`` when the base version is held.
-        prefer_compressed: fetch ``zstd`` where offered (slow links).
-        scheduler: source-selection tuning.
-        source_ban_s: a source banned for corrupt bytes stays banned this long, across the
-            versions this downloader fetches, seconds (0: only for the version).
-    """
-
-    stall_timeout_s: float = 30.0
-    deadline_s: float = 3600.0
-    no_source_grace_s: float = 120.0
-    gone_grace_s: float = 5.0
-    no_progress_s: float = 600.0
-    keep_partial: bool = False
-    max_resume_buffers: int = 8
-    have_poll_s: float = 0.25
-    use_deltas: bool = True
-    prefer_compressed: bool = False
-    scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
-    source_ban_s: float = 600.0
-
-
-ProgressFn = Callable[[int, int], None]
-"""``progress(verified_bytes, total_bytes)``, called after every verified shard."""
-
-
-class DownloadObserver(Protocol):
-    """Told of each shard-level event of a download as it happens (for metrics).
-
-    ``source`` is the source's id (a PeerID); calls come from the downloading trio task and
-    must not block.
-    """
-
-    def shard_received(self, source: str, codec: str, size_bytes: int, fetch_s: float) -> None:
-        """``size_bytes`` of one request arrived from ``source`` in ``fetch_s`` seconds."""
-        ...
-
-    def shard_verified(self, source: str, verify_s: float) -> None:
-        """A shard from ``source`` was decoded, hash-checked and written in ``verify_s``."""
-        ...
-
-    def shard_corrupt(self, source: str) -> None:
-        """``source`` was blamed for bytes that failed verification."""
-        ...
-
-    def refused(self, source: str) -> None:
-        """``source`` refused a request under super-seeding (HTTP 429)."""
-        ...
+__all__ = ["Downloader"]
 
 
 class Downloader:
@@ -258,7 +159,7 @@ class Downloader:
             the committed ``step-N`` directory and the stats.
 
         Raises:
-            DownloadFailed: with its :class:`~shardcast.liveness.Abandon` reason: the version
+            DownloadFailed: with its :class:`~shardcast.core.liveness.Abandon` reason: the version
                 is gone from every source (``gone_grace_s``), no usable source for
                 ``no_source_grace_s``, no byte for ``no_progress_s``, past ``deadline_s``,
                 or the data directory vanished (``store_lost``: a later call starts over).

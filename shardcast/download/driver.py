@@ -1,19 +1,19 @@
-"""The trio driver of one download: does what its :class:`~shardcast.session.Session` decides.
+"""The trio driver of one download: does what its :class:`~shardcast.core.session.Session` decides.
 
 Theory of operation
 -------------------
 :class:`DownloadDriver` owns everything a download *does* (HTTP, worker threads, buffers);
 the session owns everything it *decides*. One driver serves one call of
-:meth:`shardcast.downloader.Downloader.download`; it runs, in one nursery:
+:meth:`shardcast.download.downloader.Downloader.download`; it runs, in one nursery:
 
-- **transfers** (:class:`~shardcast.session.Fetch`): one task per request receives the byte
+- **transfers** (:class:`~shardcast.core.session.Fetch`): one task per request receives the byte
   range from the chosen source over the HTTP lane straight into the shard's
-  :class:`~shardcast.receive.ShardSink` (:func:`_stream`:
+  :class:`~shardcast.download.receive.ShardSink` (:func:`_stream`:
   :meth:`~p2p.http_client.HttpClient.receive_range_into`, hashed as it arrives): the raw file
   range or an encoded blob. Complete bytes are checked, decoded if encoded and written by
-  :func:`~shardcast.receive.verify_and_write` in a worker thread; the outcome goes back to
-  the session as a typed :class:`~shardcast.session.Outcome`, then a
-  :class:`~shardcast.session.Verdict` (a blob that matched its signed digest but does not
+  :func:`~shardcast.download.receive.verify_and_write` in a worker thread; the outcome goes back to
+  the session as a typed :class:`~shardcast.core.session.Outcome`, then a
+  :class:`~shardcast.core.session.Verdict` (a blob that matched its signed digest but does not
   decode is ``UNDECODABLE``; one that decodes to other bytes ``BASE_MISMATCH``).
 - **chunks**: a raw shard whose part lists chunk digests is checked chunk by chunk as it
   arrives; each verified chunk is written at once (:meth:`DownloadDriver.write_chunk`) and
@@ -22,10 +22,10 @@ the session owns everything it *decides*. One driver serves one call of
   sources' verified prefixes go to the scheduler; each names the last answer's token, so the
   source holds it until something changes (a long-poll, :meth:`DownloadDriver.poll_have`).
 - **sinks**: one per request; a broken transfer's sink (bytes *and* running hash) is kept
-  per shard when the session says :class:`~shardcast.session.Keep` and the next request
+  per shard when the session says :class:`~shardcast.core.session.Keep` and the next request
   appends to it; a failed copy assembled from several sources is kept until the session
-  asks to :class:`~shardcast.session.Compare` it with a verified copy
-  (:func:`~shardcast.select.blame`). Pooled buffers go back to their pool once nothing
+  asks to :class:`~shardcast.core.session.Compare` it with a verified copy
+  (:func:`~shardcast.core.select.blame`). Pooled buffers go back to their pool once nothing
   refers to them.
 - **parts**, **have-polls**, **probes** and **discovery** (``extra_sources``,
   ``upstreams``).
@@ -38,9 +38,9 @@ more than the pool keeps, so in the shaped benchmark every follower allocated (a
 kernel zeroed) 32-64 MiB of new buffers for each next version, 352 MiB over the six of
 them; with the limiter and one buffer per sparse check, none.
 
-Every request names the version as ``(step, manifest digest)`` (:mod:`shardcast.lane_urls`);
+Every request names the version as ``(step, manifest digest)`` (:mod:`shardcast.wire.lane_urls`);
 a ``409`` (the source holds the step under another digest) goes to the session as
-:attr:`~shardcast.session.Outcome.WRONG_VERSION` and, at ``/have``, counts as gone, like a
+:attr:`~shardcast.core.session.Outcome.WRONG_VERSION` and, at ``/have``, counts as gone, like a
 ``404``: never held against the source.
 """
 
@@ -66,29 +66,9 @@ from p2p.errors import (
 from p2p.http_errors import NotAvailable
 from p2p.lanes import HttpLaneClient
 from p2p.trust import TrustList
-from shardcast import codecs
-from shardcast.lane_auth import failed_header
-from shardcast.lane_urls import (
-    LaneAnswer,
-    blob_url,
-    file_url,
-    have_url,
-    lane_answer,
-    part_url,
-)
-from shardcast.liveness import Answer
-from shardcast.manifest import Manifest, ManifestError, ShardEntry, decode_part
-from shardcast.receive import (
-    BaseMismatch,
-    BaseVersion,
-    ChunkCorrupt,
-    ShardSink,
-    verify_and_write,
-)
-from shardcast.select import SourceBans, blame
-from shardcast.serve import HOLD_HEADER, decode_have, have_max_bytes, have_token
-from shardcast.session import (
+from shardcast.core import (
     Action,
+    Answer,
     Ban,
     Blame,
     Cancel,
@@ -105,15 +85,42 @@ from shardcast.session import (
     PollHave,
     Probe,
     Session,
+    SourceBans,
     Verdict,
+    blame,
+)
+from shardcast.download.receive import (
+    BaseMismatch,
+    BaseVersion,
+    ChunkCorrupt,
+    ShardSink,
+    verify_and_write,
 )
 from shardcast.store import PartialVersion
+from shardcast.wire import (
+    HOLD_HEADER,
+    LaneAnswer,
+    Manifest,
+    ManifestError,
+    ShardEntry,
+    blob_url,
+    codecs,
+    decode_have,
+    decode_part,
+    failed_header,
+    file_url,
+    have_max_bytes,
+    have_token,
+    have_url,
+    lane_answer,
+    part_url,
+)
 
 if TYPE_CHECKING:
-    from shardcast.downloader import DownloadObserver, ProgressFn, Source
+    from shardcast.download.types import DownloadObserver, ProgressFn, Source
 
 # the download's events keep the logger they had before the driver got its own module
-log = logging.getLogger("shardcast.downloader")
+log = logging.getLogger("shardcast.download.downloader")
 
 PART_RETRY_MAX_S = 0.25
 """Longest wait between asks for a missing manifest part, seconds (the first is 0.05 s,
@@ -133,7 +140,8 @@ _CHECKS: trio.lowlevel.RunVar[trio.CapacityLimiter] = trio.lowlevel.RunVar("shar
 
 
 def check_limiter() -> trio.CapacityLimiter:
-    """The worker-thread limiter of shard checks (:func:`~shardcast.receive.verify_and_write`)
+    """The worker-thread limiter of shard checks
+    (:func:`~shardcast.download.receive.verify_and_write`)
     of every download in this trio run: as many tokens as this process may use cores
     (``os.sched_getaffinity``), since a check is CPU work (hashing, decoding, copying into the
     page cache) and more threads than cores only share them.
@@ -217,7 +225,7 @@ async def _stream(
 
 
 class DownloadDriver:
-    """Does what one download's :class:`~shardcast.session.Session` decides, with trio: one
+    """Does what one download's :class:`~shardcast.core.session.Session` decides, with trio: one
     task per transfer, manifest part, have-poll and probe, plus discovery; sinks live here
     (per request, kept prefixes per shard, suspect copies per copy id).
 
@@ -232,8 +240,8 @@ class DownloadDriver:
         stall_timeout_s: a request that makes no progress for this long fails, seconds.
         have_poll_s: period of have-polls and discovery, seconds.
         extra_sources, upstreams: discovery callbacks (see
-            :meth:`~shardcast.downloader.Downloader.download`), or None.
-        on_shard, progress: as in :meth:`~shardcast.downloader.Downloader.download`.
+            :meth:`~shardcast.download.downloader.Downloader.download`), or None.
+        on_shard, progress: as in :meth:`~shardcast.download.downloader.Downloader.download`.
     """
 
     def __init__(
@@ -540,8 +548,8 @@ class DownloadDriver:
 
     async def get_have(self, src: Source, known: str | None = None) -> bytes:
         """``/have?prefix=1``: the bitmap, then the verified prefixes of shards being
-        received (:func:`shardcast.serve.decode_have`; an older node sends the bitmap).
-        ``known``: the :func:`~shardcast.serve.have_token` of the last answer: the source
+        received (:func:`shardcast.wire.have.decode_have`; an older node sends the bitmap).
+        ``known``: the :func:`~shardcast.wire.have.have_token` of the last answer: the source
         holds the request until its answer differs (a long-poll; an older node answers at
         once)."""
         query = "?prefix=1" if known is None else f"?prefix=1&known={known}"

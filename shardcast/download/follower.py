@@ -73,34 +73,30 @@ from prometheus_client.core import GaugeMetricFamily, Metric
 from p2p.errors import ConfigError, ShardnetError, TransportError, short_id
 from p2p.host import peer_id_of
 from p2p.http_errors import NotAvailable
-from shardcast.cardsync import fetch_card
-from shardcast.catchup import plan, worth_finishing
-from shardcast.discovery import NodeAdvert, SourceDirectory, check_advert_gossip, nodes_topic
-from shardcast.downloader import (
-    DownloadConfig,
-    Downloader,
-    DownloadStats,
-    Source,
+from shardcast.core import DownloadStats, MirrorPoll, PollPolicy, plan, poll_delay, worth_finishing
+from shardcast.download.discovery import (
+    NodeAdvert,
+    SourceDirectory,
+    check_advert_gossip,
+    nodes_topic,
 )
-from shardcast.finish import (
-    PollPolicy,
-    RunFinished,
-    check_versions_gossip,
-    decode_versions_message,
-    poll_delay,
-)
-from shardcast.lane_auth import check_whoami, whoami_path
-from shardcast.lane_urls import manifest_url, versions_url
-from shardcast.manifest import Manifest
-from shardcast.messages import (
+from shardcast.download.downloader import Downloader
+from shardcast.download.types import DownloadConfig, Source
+from shardcast.node import DownloadMetrics, ShardcastNode, fetch_card, iso, source_kind, wall_of
+from shardcast.wire import (
+    Manifest,
     NodeInfo,
+    RunFinished,
     VersionAnnouncement,
+    check_mirror_url,
+    check_versions_gossip,
+    check_whoami,
+    decode_versions_message,
+    manifest_url,
     versions_topic,
+    versions_url,
+    whoami_path,
 )
-from shardcast.metrics import DownloadMetrics, source_kind
-from shardcast.mirror import MirrorPoll, check_mirror_url
-from shardcast.node import ShardcastNode
-from shardcast.nodestatus import iso, wall_of
 
 if TYPE_CHECKING:
     from trio_typing import TaskStatus

@@ -20,13 +20,13 @@ Every byte of a shard (or of an encoded blob) crosses Python's memory once:
    (:func:`verify_and_write`);
 3. **write**: the shard's digest, known when its last byte arrived, is compared with the
    signed one and the buffer is written with one ``pwrite``
-   (:meth:`~shardcast.store.PartialVersion.write_shard` with ``hashed=``); a schema-3
-   manifest then commits without reading any file again (:mod:`shardcast.manifest`).
+   (:meth:`~shardcast.store.store.PartialVersion.write_shard` with ``hashed=``); a schema-3
+   manifest then commits without reading any file again (:mod:`shardcast.wire.manifest`).
 
 Chunks (issue 16, "a swarm that swarms"): when the shard's manifest part lists a chunk list
-(:mod:`shardcast.manifest`), a raw shard's sink checks each 1 MiB chunk the moment its last
+(:mod:`shardcast.wire.manifest`), a raw shard's sink checks each 1 MiB chunk the moment its last
 byte arrives (:meth:`ShardSink.expect_chunks`) instead of hashing the whole shard: a chunk
-that matches is written at once (:meth:`~shardcast.store.PartialVersion.write_prefix`) and
+that matches is written at once (:meth:`~shardcast.store.store.PartialVersion.write_prefix`) and
 this node's HTTP lane serves it to others while the rest of the shard still streams in; a
 chunk that does not match raises :class:`ChunkCorrupt` before any of its bytes are written or
 served, and since a transfer that breaks keeps only whole verified chunks
@@ -39,9 +39,9 @@ its signed digest, then the shard is built one of two ways, by how many pages ch
 
 - **sparse, fewer changed words than 4 KiB pages** (a shard that barely moved, e.g. a
   frozen tensor): the shard's range of the base file is cloned into the new file inside the
-  kernel (:func:`~shardcast.store.copy_range`: ``copy_file_range``, a reflink where the
+  kernel (:func:`~shardcast.store.store.copy_range`: ``copy_file_range``, a reflink where the
   filesystem shares extents, a page-cache copy elsewhere), patched in place through a memory
-  map and hashed there (:meth:`~shardcast.store.PartialVersion.patch_shard`): most pages are
+  map and hashed there (:meth:`~shardcast.store.store.PartialVersion.patch_shard`): most pages are
   never touched by Python, and with reflinks never copied. A blob that lists no change is
   only the copy (still hashed: a base damaged at rest must not pass into the new version).
 - **denser** (a typical RL step changes ~2 % of bf16 words, ~40 per page: every page
@@ -68,10 +68,8 @@ from dataclasses import dataclass, field
 import blake3
 
 from p2p.errors import IntegrityError, LocalProtocolError
-from shardcast import codecs
-from shardcast.manifest import ShardEntry
-from shardcast.sparse import is_identity, sparse_count
 from shardcast.store import PartialVersion, VersionStore
+from shardcast.wire import ShardEntry, codecs, is_identity, sparse_count
 
 
 class ChunkCorrupt(IntegrityError):

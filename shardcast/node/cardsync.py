@@ -1,9 +1,9 @@
-"""Keeping and fetching the run card (:mod:`shardcast.runcard`): disk, libp2p, bootstrap.
+"""Keeping and fetching the run card (:mod:`shardcast.wire.runcard`): disk, libp2p, bootstrap.
 
 Theory of operation
 -------------------
 Every node keeps the newest run card it verified in ``<data_dir>/runcard.json`` and serves it
-(the node does, see :mod:`shardcast.node`). A node started on a data directory checks that
+(the node does, see :mod:`shardcast.node.node`). A node started on a data directory checks that
 directory first (:func:`check_data_dir`): a stored card or stored versions of another run are
 an operator error, reported before anything is served. Followers learn of a newer card from
 the info records of their upstreams and from version announcements (both carry the card's
@@ -30,10 +30,10 @@ from p2p.errors import ConfigError, IntegrityError, ShardnetError, short_id
 from p2p.host import HostConfig, P2PNode, peer_id_of
 from p2p.identity import Identity
 from p2p.lanes import Host
-from shardcast.messages import RUNCARD_PROTOCOL
-from shardcast.runcard import (
+from shardcast.wire import (
     CARD_FILE,
     MAX_CARD_BYTES,
+    RUNCARD_PROTOCOL,
     BadRunCardSignature,
     MalformedRunCard,
     SignedRunCard,

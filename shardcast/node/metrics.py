@@ -76,10 +76,10 @@ from prometheus_client.registry import Collector
 
 from p2p.errors import short_id
 from p2p.limits import Offence
-from shardcast import codecs
+from shardcast.wire import codecs
 
 if TYPE_CHECKING:
-    from shardcast.node import ShardcastNode
+    from shardcast.node.node import ShardcastNode
 
 log = logging.getLogger(__name__)
 
@@ -355,7 +355,7 @@ def _node_families(node: ShardcastNode, m: NodeMetrics) -> Iterator[Metric]:
 
 
 class DownloadMetrics:
-    """A :class:`~shardcast.downloader.DownloadObserver` feeding a follower's event families.
+    """A :class:`~shardcast.download.types.DownloadObserver` feeding a follower's event families.
 
     Args:
         metrics: the node's metrics (role ``relay`` or ``peer``).

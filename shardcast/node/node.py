@@ -42,22 +42,25 @@ from p2p.http_server import HttpRequest, HttpResponse, HttpServerConfig
 from p2p.identity import Identity
 from p2p.lanes import REAL_NETWORK, Host, HttpLaneClient, HttpLaneServer, Network
 from p2p.trust import TrustList
-from shardcast.cardsync import check_data_dir, save_card
-from shardcast.finish import RunFinished, decode_versions_message
-from shardcast.lane_auth import RequestSigner
-from shardcast.manifest import check_run_id
-from shardcast.messages import (
+from shardcast.node.cardsync import check_data_dir, save_card
+from shardcast.node.metrics import CONTENT_TYPE, NodeMetrics
+from shardcast.node.nodestatus import node_status_json
+from shardcast.serve import VersionServer
+from shardcast.store import VersionStore
+from shardcast.wire import (
+    HOLD_HEADER,
     INFO_PROTOCOL,
+    MAX_CARD_BYTES,
     MAX_INFO_BYTES,
     RUNCARD_PROTOCOL,
     NodeInfo,
+    RequestSigner,
+    RunFinished,
+    SignedRunCard,
     VersionAnnouncement,
+    check_run_id,
+    decode_versions_message,
 )
-from shardcast.metrics import CONTENT_TYPE, NodeMetrics
-from shardcast.nodestatus import node_status_json
-from shardcast.runcard import MAX_CARD_BYTES, SignedRunCard
-from shardcast.serve import HOLD_HEADER, VersionServer
-from shardcast.store import VersionStore
 
 log = logging.getLogger(__name__)
 

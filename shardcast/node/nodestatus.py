@@ -35,11 +35,11 @@ import time
 from datetime import UTC, datetime
 from typing import TYPE_CHECKING, Any
 
-from shardcast.metrics import package_version
+from shardcast.node.metrics import package_version
 
 if TYPE_CHECKING:
-    from shardcast.node import ShardcastNode
-    from shardcast.runcard import SignedRunCard
+    from shardcast.node.node import ShardcastNode
+    from shardcast.wire import SignedRunCard
 
 SCHEMA = 1
 

@@ -5,15 +5,17 @@
 1. describes the directory as a manifest header (file sizes only, no data read), signs it,
    registers the version with the HTTP lane as *live*, and announces it on the run's gossip
    topic (naming the run card the node holds) — relays can start at once;
-2. hashes the files in one sequential pass in a worker thread (:func:`shardcast.plan.hash_parts`);
+2. hashes the files in one sequential pass in a worker thread
+(:func:`shardcast.publish.plan.hash_parts`);
    each part (shard digests, encoded forms, file digests) is signed and served the moment it
    is done, so the first shards flow while the rest is still being hashed;
 3. offers deltas: unless ``step`` is an anchor (``step % anchor_every == 0``), the previous
    committed version is the delta base and every shard whose file has the same size there gets
    a ``sparse`` or ``xor-zstd`` form, whichever is smaller (kept only if smaller than raw;
-   see :func:`shardcast.plan.hash_parts`); ``zstd`` is offered too if
+   see :func:`shardcast.publish.plan.hash_parts`); ``zstd`` is offered too if
    configured (for slow links);
-   Files the :class:`~shardcast.preencode.PreEncoder` hashed and encoded while the trainer was
+   Files the :class:`~shardcast.publish.preencode.PreEncoder` hashed and encoded while the trainer
+   was
    still writing the others (``publish(..., pre_encoded=...)``) are not read again: their
    parts are signed at once, only the rest is hashed here;
 4. moves the directory into the store as ``step-N`` (the manifest was built from it a moment
@@ -31,7 +33,7 @@ committed.
 sends the announcement of the newest committed version again, and keeps it in the node's info
 record, so a restarted origin is followed at once, not from its next step.
 ``Origin.announce_finished()`` signs and sends the run's end
-(:class:`~shardcast.finish.RunFinished`).
+(:class:`~shardcast.wire.finish.RunFinished`).
 
 With ``serve_once_s`` set on the node's server, the origin sends each shard to one relay and
 lets relays exchange the rest (super-seeding), keeping its egress near one copy per version.
@@ -52,13 +54,8 @@ from pathlib import Path
 import trio
 
 from p2p.errors import LocalProtocolError
-from shardcast import codecs
-from shardcast.finish import RunFinished
-from shardcast.manifest import Header, Manifest, Part, sign_header, sign_part
-from shardcast.messages import VersionAnnouncement, versions_topic
 from shardcast.node import ShardcastNode
-from shardcast.plan import (
-    BLOB_DIR,
+from shardcast.publish.plan import (
     DEFAULT_SHARD_BYTES,
     DEFAULT_SHARDS_PER_PART,
     Base,
@@ -66,6 +63,18 @@ from shardcast.plan import (
     PreEncoded,
     hash_parts,
     make_header,
+)
+from shardcast.store import BLOB_DIR
+from shardcast.wire import (
+    Header,
+    Manifest,
+    Part,
+    RunFinished,
+    VersionAnnouncement,
+    codecs,
+    sign_header,
+    sign_part,
+    versions_topic,
 )
 
 log = logging.getLogger(__name__)
@@ -190,7 +199,7 @@ class Origin:
         """The encode settings and delta base :meth:`publish` would use for ``step`` now, or
         None while they are undecided: ``step`` wants a base and ``step - 1`` is not committed
         but may still be (``previous_pending``: its directory is waiting to be published).
-        For :class:`~shardcast.preencode.PreEncoder`.
+        For :class:`~shardcast.publish.preencode.PreEncoder`.
 
         Raises:
             ManifestError / IntegrityError: the stored base manifest does not verify.
@@ -217,8 +226,8 @@ class Origin:
         """Announce, hash (pipelined), sign, commit and serve ``directory`` as ``step``.
 
         ``pre_encoded``: files of ``directory`` hashed and encoded ahead, unchanged since
-        (:meth:`shardcast.preencode.PreEncoder.take`); their parts go out at once, nothing
-        of them is read again (:func:`shardcast.plan.hash_parts`).
+        (:meth:`shardcast.publish.preencode.PreEncoder.take`); their parts go out at once, nothing
+        of them is read again (:func:`shardcast.publish.plan.hash_parts`).
 
         Raises:
             CheckpointLayoutError: not a valid checkpoint directory.

@@ -5,7 +5,7 @@ A checkpoint directory holds ``config.json``, one or more ``*.safetensors`` file
 generation-config files. :func:`check_layout` validates that layout; :func:`make_header`
 describes the version (files, sizes, shard layout, delta base) without reading any data, so the
 origin can sign and announce it at once; :func:`hash_parts` then reads every file once,
-sequentially, and emits one :class:`~shardcast.manifest.Part` per ``shards_per_part`` shards —
+sequentially, and emits one :class:`~shardcast.wire.manifest.Part` per ``shards_per_part`` shards —
 with each shard's digest, its encoded forms (``zstd``, and ``xor-zstd`` against the base
 version when the base has the same file at the same size) and the whole-file digests — as soon
 as that part is done (pipelining: the origin serves the first shards while it hashes the rest).
@@ -24,8 +24,7 @@ import blake3
 
 from p2p.errors import LocalProtocolError
 from p2p.identity import Identity
-from shardcast import codecs
-from shardcast.manifest import (
+from shardcast.wire import (
     CHUNK_BYTES,
     EMPTY_DIGEST,
     MANIFEST_FILE,
@@ -40,18 +39,18 @@ from shardcast.manifest import (
     check_file_name,
     check_run_id,
     chunk_digests,
+    codecs,
     file_root,
     sign_header,
     sign_part,
+    sparse_count,
 )
-from shardcast.sparse import sparse_count
 
 log = logging.getLogger(__name__)
 
 INDEX_FILE = "model.safetensors.index.json"
 DEFAULT_SHARD_BYTES = 32 * 1024 * 1024
 DEFAULT_SHARDS_PER_PART = 16
-BLOB_DIR = ".enc"
 
 
 class CheckpointLayoutError(LocalProtocolError):
@@ -181,9 +180,9 @@ class EncodeSettings:
         base: ``(step, header digest)`` of the delta base, or None.
         zstd_level: compression level.
         rooted: file digests are hash-list roots (manifest schema 3,
-            :func:`shardcast.manifest.file_root`), else whole-file BLAKE3 (schema 2).
+            :func:`shardcast.wire.manifest.file_root`), else whole-file BLAKE3 (schema 2).
         chunk_bytes: chunk size of the per-shard chunk lists written into the parts
-            (:func:`shardcast.manifest.chunk_digests`); 0: no chunk lists.
+            (:func:`shardcast.wire.manifest.chunk_digests`); 0: no chunk lists.
     """
 
     shard_size: int
@@ -208,7 +207,7 @@ class ShardResult:
 
 @dataclass(frozen=True)
 class PreEncoded:
-    """A file hashed and encoded ahead of its version (:mod:`shardcast.preencode`).
+    """A file hashed and encoded ahead of its version (:mod:`shardcast.publish.preencode`).
 
     Attributes:
         name: the file's name in the checkpoint directory.
@@ -316,7 +315,7 @@ def hash_parts(
         blob_dir: where encoded blobs are written as ``<index>.<encoding>``.
         zstd_level: compression level.
         on_part: called with each part as soon as it is complete (in the calling thread).
-        pre_encoded: files already hashed and encoded (:mod:`shardcast.preencode`), by name;
+        pre_encoded: files already hashed and encoded (:mod:`shardcast.publish.preencode`), by name;
             the caller vouches that each still has the bytes it had then. One is used (its
             blobs hard-linked into ``blob_dir``, nothing read) only if its size and
             :class:`EncodeSettings` are this version's; any other file is read here. The

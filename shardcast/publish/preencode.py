@@ -6,10 +6,11 @@ Theory of operation
 A trainer writes ``WATCH/step-<N>/`` file by file and then its ready marker (``DONE``). Before
 this module the origin did all of its hashing and delta encoding after the marker, on the
 critical path (12.8 s of a 25 s run, issue 16). :class:`PreEncoder` instead scans the step
-directories that have no marker yet and hashes and encodes (:func:`shardcast.plan.encode_file`,
+directories that have no marker yet and hashes and encodes
+(:func:`shardcast.publish.plan.encode_file`,
 the very code the publish uses) every file that looks complete, in a worker thread, one file
 at a time. When the marker appears, :meth:`PreEncoder.take` hands the publish the results whose
-files are provably unchanged; :func:`shardcast.plan.hash_parts` links their blobs into the
+files are provably unchanged; :func:`shardcast.publish.plan.hash_parts` links their blobs into the
 version (nothing is read again) and signs their parts at once, and reads only the files that
 were not done ahead. The parts are byte-identical either way: same code, same settings.
 
@@ -28,7 +29,8 @@ guesses and then *checks*:
   file is read at publish as before. The only cost of a wrong guess is work done twice.
 
 The delta encodings depend on the base (the previous step) and the settings
-(:class:`~shardcast.plan.EncodeSettings`); a step whose base is not decided yet (the previous
+(:class:`~shardcast.publish.plan.EncodeSettings`); a step whose base is not decided yet (the
+previous
 step still exists in WATCH but is not committed) waits. A result is used only if its settings
 equal the version's at publish.
 
@@ -52,8 +54,7 @@ from pathlib import Path
 
 import trio
 
-from shardcast.manifest import MANIFEST_FILE, ManifestError, check_file_name
-from shardcast.plan import (
+from shardcast.publish.plan import (
     Base,
     CheckpointLayoutError,
     EncodeSettings,
@@ -61,6 +62,7 @@ from shardcast.plan import (
     ShardResult,
     encode_file,
 )
+from shardcast.wire import MANIFEST_FILE, ManifestError, check_file_name
 
 log = logging.getLogger(__name__)
 
@@ -245,7 +247,7 @@ class PreEncoder:
 
     Args:
         settings_for: ``step -> (settings, base)`` as the origin would publish it now, or
-            None while the base is undecided (:meth:`shardcast.origin.Origin.encode_plan`).
+            None while the base is undecided (:meth:`shardcast.publish.origin.Origin.encode_plan`).
         cache_dir: where the blobs go (emptied now).
         settle_s: see :func:`quiet`.
         pinned: context manager factory that keeps a base step from being pruned while read.

@@ -9,9 +9,9 @@ Layout (``OUT`` is the export directory, the web server's document root)::
     OUT/shardnet/v1/<run>/<step>/<digest>/files/<name>       each file of the version
     OUT/shardnet/v1/<run>/<step>/<digest>/shard/<i>/<enc>    each encoded shard blob kept
 
-(``<digest>``: the version's manifest digest, :mod:`shardcast.lane_urls`.)
+(``<digest>``: the version's manifest digest, :mod:`shardcast.wire.lane_urls`.)
 
-These are exactly the URL paths of the HTTP lane (:mod:`shardcast.serve`), so a downloader
+These are exactly the URL paths of the HTTP lane (:mod:`shardcast.serve.server`), so a downloader
 uses ``http://mirror`` as it uses a node's lane: ``Range`` requests on files and blobs, the
 manifest, ``/have`` and ``/versions``. ``.../manifest/part/<k>`` is not exported (a plain file
 system cannot hold both a file ``manifest`` and a directory ``manifest/``); it is never needed
@@ -32,7 +32,7 @@ no extra disk) when they are world-readable and on the same filesystem, else cop
 are ``0644`` and directories ``0755`` so a web server running as another user can read them.
 
 A mirror is never trusted: followers check every byte it serves against the trainer-signed
-manifest, exactly as for any other source (:mod:`shardcast.follower`).
+manifest, exactly as for any other source (:mod:`shardcast.download.follower`).
 
 Blocking file I/O; no networking. Not safe to run two exports into one ``OUT`` at once.
 """
@@ -45,17 +45,20 @@ import os
 import secrets
 import shutil
 import threading
-from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from p2p.addresses import check_http_url
 from p2p.errors import ConfigError, IntegrityError, ShardnetError
 from p2p.trust import TrustList
-from shardcast.canonical import DIGEST_RE, loads_untrusted
-from shardcast.codecs import ENCODINGS, RAW
-from shardcast.manifest import MANIFEST_FILE, Manifest, check_run_id, document_signer
 from shardcast.store import VersionStore, file_matches, hash_file
+from shardcast.wire import (
+    ENCODINGS,
+    MANIFEST_FILE,
+    RAW,
+    Manifest,
+    check_run_id,
+    document_signer,
+)
 
 log = logging.getLogger(__name__)
 
@@ -93,83 +96,6 @@ class MirrorExport:
     def steps(self) -> list[int]:
         """The steps the mirror serves now, ascending."""
         return sorted(self.exported + self.unchanged)
-
-
-def check_mirror_url(text: str, option: str) -> str:
-    """Check a mirror's base URL: ``http://HOST[:PORT][/PATH]`` (port 80 by default).
-
-    Returns:
-        the URL without a trailing ``/``.
-
-    Raises:
-        ConfigError: naming ``option`` (see :func:`p2p.addresses.check_http_url`).
-    """
-    return check_http_url(text, option, base_path=True)
-
-
-@dataclass
-class MirrorPoll:
-    """What this node knows of one mirror from its ``/versions`` polls (sans-IO).
-
-    Attributes:
-        url: the mirror's base URL (its source id).
-        steps: the committed steps it listed in its latest valid answer.
-        digests: the manifest digest of each listed step (a mirror is a source only of the
-            versions ``(step, digest)`` it lists; an older export, without digests, of none).
-        heard: Unix time of its latest valid answer (None: never).
-        error: why the latest poll failed (None: it answered).
-        failures: polls failed in a row (drives the retry backoff).
-    """
-
-    url: str
-    steps: frozenset[int] = frozenset()
-    digests: Mapping[int, str] = field(default_factory=dict)
-    heard: float | None = None
-    error: str | None = None
-    failures: int = 0
-
-    def answered(self, body: bytes, now_unix_s: float) -> bool:
-        """Take a ``/versions`` body; returns True if the listed steps changed.
-
-        A body that is not ``{"committed": [int, ...], ...}`` counts as a failed poll (the
-        mirror keeps the steps it listed before: they are verified anyway when used).
-        """
-        try:
-            doc = loads_untrusted(body)
-            committed = doc["committed"]
-            if not isinstance(committed, list) or len(committed) > _MAX_LISTED:
-                raise ValueError("committed is not a list of at most 100000 steps")
-            steps = frozenset(committed)
-            if not all(type(s) is int and 0 <= s < 1 << 62 for s in steps):
-                raise ValueError("committed holds something other than step numbers")
-            named = doc.get("digests", {})
-            if not isinstance(named, dict) or len(named) > _MAX_LISTED:
-                raise ValueError("digests is not a map of at most 100000 steps")
-            digests = {}
-            for key, digest in named.items():
-                if not key.isdigit() or not isinstance(digest, str) or not DIGEST_RE.match(digest):
-                    raise ValueError("digests must map step numbers to 64-hex digests")
-                if int(key) in steps:
-                    digests[int(key)] = digest
-        except (ValueError, KeyError, TypeError, AttributeError) as exc:
-            return self.failed(f"bad versions document: {exc}")
-        changed = steps != self.steps or digests != self.digests or self.error is not None
-        self.steps, self.digests = steps, digests
-        self.heard, self.error, self.failures = now_unix_s, None, 0
-        return changed
-
-    def holds(self, step: int, digest: str) -> bool:
-        """True if the mirror listed version ``(step, digest)``."""
-        return self.digests.get(step) == digest
-
-    def failed(self, error: str) -> bool:
-        """A poll failed; returns True if this is the first failure in a row."""
-        self.failures += 1
-        self.error = error
-        return self.failures == 1
-
-
-_MAX_LISTED = 100_000
 
 
 def open_store(data_dir: Path, run_id: str) -> VersionStore:
@@ -405,8 +331,6 @@ def _remove(path: Path) -> None:
 __all__ = [
     "PREFIX",
     "MirrorExport",
-    "MirrorPoll",
-    "check_mirror_url",
     "export_mirror",
     "open_store",
 ]

@@ -1,6 +1,6 @@
 """Serving versions over the HTTP lane: committed ones and ones still filling up.
 
-Routes (``GET``/``HEAD``; paths built by :mod:`shardcast.lane_urls`)::
+Routes (``GET``/``HEAD``; paths built by :mod:`shardcast.wire.lane_urls`)::
 
     /shardnet/v1/<run>/versions                          committed versions and those in
                                                          progress (JSON, with their digests)
@@ -16,12 +16,12 @@ Routes (``GET``/``HEAD``; paths built by :mod:`shardcast.lane_urls`)::
 A version is ``(step, manifest digest)``: a request for a step this node holds (or fills)
 under another digest is answered ``409`` with the digest it holds in
 ``X-Shardnet-Held-Digest``, one for a step it does not hold ``404``, one in the older
-step-only form ``404`` with a one-line explanation (:mod:`shardcast.lane_urls`).
+step-only form ``404`` with a one-line explanation (:mod:`shardcast.wire.lane_urls`).
 
 Theory of operation
 -------------------
 A *live* version is one whose bytes are still arriving: a download (a relay or peer
-registers its :class:`~shardcast.store.PartialVersion` as soon as the manifest header is
+registers its :class:`~shardcast.store.store.PartialVersion` as soon as the manifest header is
 verified) or the origin's own version while it is still being hashed. A request for a part,
 a range or a blob that is not verified yet is answered at once with ``503``, ``Retry-After``
 and ``Cache-Control: no-store`` — what an HTTP cache or a plain client understands. A shardnet
@@ -34,7 +34,8 @@ bounded and a held request costs one parked connection, which the server bounds 
 Unverified bytes are never served, so the lane needs no trust.
 
 Partial shards (the swarm): a download verifies each 1 MiB chunk of a raw shard as it arrives
-and writes it at once (:mod:`shardcast.receive`); its live version reports the verified prefix
+and writes it at once (:mod:`shardcast.download.receive`); its live version reports the verified
+prefix
 of every shard (``prefix``). A held file-range request starts as soon as its first byte is
 verified and its body then follows the verified prefix: each run of verified bytes is sent
 as it appears, and the response waits (up to the hold) for the next chunk, or is cut short
@@ -60,11 +61,11 @@ requester only; another requester within ``serve_once_s`` gets ``429`` (with ``R
 distinct from the ``503`` of "not verified yet", so requesters can count refusals) and fetches
 it from a relay that already has it. This keeps the origin's egress near one copy of each version
 whatever the number of relays. The requester is the PeerID proven by the request's signed
-``X-Shardnet-Auth`` header (:mod:`shardcast.lane_auth`); a request without a valid one is
+``X-Shardnet-Auth`` header (:mod:`shardcast.wire.lane_auth`); a request without a valid one is
 anonymous (curl, a mirror) and is served from a bounded share without ever reserving a shard,
 so it cannot delay the nodes. A requester that names the holder of a shard in
 ``X-Shardnet-Failed`` (it failed that shard for it) is served at once
-(:class:`~shardcast.policy.SuperSeeding` rule 6). A version offering at most
+(:class:`~shardcast.serve.superseeding.SuperSeeding` rule 6). A version offering at most
 ``serve_once_min_bytes`` in all (:func:`offered_bytes`: a delta, usually) is served to every
 requester (rule 9): a refusal would cost each requester a round trip and the bytes a hop.
 Relays super-seed to their downloaders the same way (``shardnet relay``'s default).
@@ -77,11 +78,9 @@ from __future__ import annotations
 
 import dataclasses
 import email.utils
-import hashlib
 import json
 import logging
 import re
-import struct
 import time
 from collections.abc import Awaitable, Callable
 from pathlib import Path
@@ -93,23 +92,31 @@ from p2p.http_range import UnsatisfiableRange, choose_range, if_range_holds
 from p2p.http_server import FileSlice, HttpRequest, HttpResponse, file_response
 from p2p.identity import Identity
 from p2p.trust import TrustList
-from shardcast.codecs import ENCODINGS, RAW
-from shardcast.lane_auth import (
+from shardcast.serve.superseeding import SuperSeeding
+from shardcast.store import VersionStore
+from shardcast.wire import (
     AUTH_HEADER,
+    ENCODINGS,
     FAILED_HEADER,
+    HAVE_HOLD_S,
+    HAVE_TOKEN_HEADER,
+    HELD_DIGEST_HEADER,
+    HOLD_HEADER,
+    MANIFEST_FILE,
+    RAW,
+    ROUTE,
+    STEP_ONLY_BODY,
+    STEP_ONLY_ROUTE,
+    Manifest,
+    encode_prefixes,
+    have_token,
     parse_failed,
     sign_whoami,
     verify_request,
 )
-from shardcast.lane_urls import HELD_DIGEST_HEADER, ROUTE, STEP_ONLY_BODY, STEP_ONLY_ROUTE
-from shardcast.manifest import MANIFEST_FILE, Manifest
-from shardcast.policy import SuperSeeding
-from shardcast.store import VersionStore
 
 log = logging.getLogger(__name__)
 
-HOLD_HEADER = "x-shardnet-hold-s"
-"""Request header: how long (seconds) the client accepts to be held for unverified content."""
 IMMUTABLE = "public, max-age=31536000, immutable"
 _JSON = "application/json"
 _VERSIONS = re.compile(r"^/shardnet/v1/(?P<run>[^/]+)/versions$")
@@ -129,62 +136,6 @@ class LiveVersion(Protocol):
     def blob_path(self, index: int, encoding: str) -> Path:
         """Where shard ``index``'s ``encoding`` blob is (it may not exist)."""
         ...
-
-
-PREFIX_ENTRY = struct.Struct(">IQ")  #: (shard index, verified bytes) after the have-bitmap
-MAX_PREFIX_ENTRIES = 256  #: at most this many partial shards are advertised
-
-
-def encode_prefixes(prefixes: dict[int, int]) -> bytes:
-    """The suffix of a ``/have?prefix=1`` answer: ``(u32 shard, u64 verified bytes)``
-    big-endian per partial shard, in shard order, at most :data:`MAX_PREFIX_ENTRIES`."""
-    items = sorted(prefixes.items())[:MAX_PREFIX_ENTRIES]
-    return b"".join(PREFIX_ENTRY.pack(i, n) for i, n in items)
-
-
-def decode_have(data: bytes, n_shards: int) -> tuple[list[int], dict[int, int]]:
-    """Parse a ``/have`` (or ``/have?prefix=1``) answer: the shards held whole, and the
-    verified prefixes of shards being received.
-
-    Raises:
-        ValueError: a suffix that is not whole entries, or names a shard out of range.
-    """
-    nbytes = (n_shards + 7) // 8
-    bits, rest = data[:nbytes], data[nbytes:]
-    held = [i for i in range(n_shards) if i // 8 < len(bits) and bits[i // 8] & (0x80 >> i % 8)]
-    if len(rest) % PREFIX_ENTRY.size or len(rest) > MAX_PREFIX_ENTRIES * PREFIX_ENTRY.size:
-        raise ValueError(f"have suffix of {len(rest)} bytes")
-    prefixes: dict[int, int] = {}
-    for i, n in PREFIX_ENTRY.iter_unpack(rest):
-        if i >= n_shards:
-            raise ValueError(f"prefix of shard {i} of {n_shards}")
-        prefixes[i] = n
-    return held, prefixes
-
-
-HAVE_TOKEN_HEADER = "x-shardnet-have-token"
-"""Response header of ``/have``: the answer's :func:`have_token`. Sent back as
-``?known=TOKEN`` (with :data:`HOLD_HEADER`), it makes the next request a long-poll."""
-
-HAVE_HOLD_S = 2.0
-"""Longest hold of a ``/have`` long-poll, seconds: the answer then reports how far the
-verified prefixes grew even if no shard completed or started."""
-
-
-def have_token(bits: bytes, prefixes: dict[int, int]) -> str:
-    """The token of a ``/have`` answer (:data:`HAVE_TOKEN_HEADER`; a client computes the same
-    from the answer it decoded): a digest of its bitmap and of the set of shards with a
-    verified prefix, as :func:`encode_prefixes` lists them. Their growth alone does not change
-    it: a held file-range request follows a prefix as it grows."""
-    listed = sorted(prefixes.items())[:MAX_PREFIX_ENTRIES]
-    h = hashlib.blake2s(bits, digest_size=8)
-    h.update(b"".join(struct.pack(">I", i) for i, n in listed if n))
-    return h.hexdigest()
-
-
-def have_max_bytes(n_shards: int) -> int:
-    """Largest ``/have?prefix=1`` answer for a version of ``n_shards`` shards, bytes."""
-    return (n_shards + 7) // 8 + MAX_PREFIX_ENTRIES * PREFIX_ENTRY.size
 
 
 class _Live:
@@ -225,7 +176,7 @@ class VersionServer:
         serve_once_s: origin super-seeding window, seconds (None: off).
         serve_once_min_bytes: versions offering at most this many bytes in all (a delta,
             usually) are served to every requester, not super-seeded (rule 9 of
-            :class:`~shardcast.policy.SuperSeeding`).
+            :class:`~shardcast.serve.superseeding.SuperSeeding`).
         clock: wall-clock seconds, for the time window of signed requests.
         identity: the node's key, to answer identity challenges (None: no ``whoami``).
     """
@@ -283,7 +234,7 @@ class VersionServer:
 
     def holder_gone(self, peer_id: str) -> None:
         """``peer_id``'s last libp2p connection closed: it no longer holds super-seeded
-        shards (:class:`shardcast.policy.SuperSeeding` rule 8)."""
+        shards (:class:`shardcast.serve.superseeding.SuperSeeding` rule 8)."""
         self._seeding.holder_gone(peer_id, trio.current_time())
 
     @property
@@ -460,7 +411,7 @@ class VersionServer:
         return bytes(out)
 
     def _refuse_repeat(self, req: HttpRequest, step: int, m: Manifest, shards: range) -> bool:
-        """Origin super-seeding (:class:`shardcast.policy.SuperSeeding`): True if these
+        """Origin super-seeding (:class:`shardcast.serve.superseeding.SuperSeeding`): True if these
         shards must be fetched from another node."""
         if self.serve_once_s is None:
             return False

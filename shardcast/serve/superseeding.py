@@ -7,32 +7,20 @@
   it), and repeats after the window come out of a budget (10 % of the shards by default), so
   the origin's egress stays near one copy of each version however many nodes ask (BitTorrent
   "super-seeding"; the budget is ours). Requesters are authenticated PeerIDs
-  (:mod:`shardcast.lane_auth`); anonymous clients never hold a reservation and get their own
+  (:mod:`shardcast.wire.lane_auth`); anonymous clients never hold a reservation and get their own
   bounded share; a reservation whose holder a requester reports failing is released at once.
   A version whose offered bytes are few (``small_version_bytes``, e.g. a sparse delta) is not
   super-seeded at all: a refusal costs every requester a round trip and the version an extra
   hop, which buys nothing when serving every requester a copy costs the origin less than a
   second of its uplink.
 
-Both take ``now`` as an argument and do no I/O, so :mod:`shardcast.store`,
-:mod:`shardcast.serve` and ``simulations/`` run the very same decisions.
+Both take ``now`` as an argument and do no I/O, so :mod:`shardcast.store.store`,
+:mod:`shardcast.serve.server` and ``simulations/`` run the very same decisions.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
-
-
-def versions_to_prune(committed: Sequence[int], keep_last: int, pinned: Iterable[int]) -> list[int]:
-    """Steps to remove: all but the newest ``keep_last`` committed ones, skipping pinned ones.
-
-    Args:
-        committed: committed steps, ascending.
-        keep_last: how many of the newest to keep (>= 1).
-        pinned: steps that must not be removed now.
-    """
-    pins = set(pinned)
-    return [s for s in committed[: max(0, len(committed) - keep_last)] if s not in pins]
+from collections.abc import Iterable
 
 
 class SuperSeeding:

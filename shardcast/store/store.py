@@ -15,11 +15,11 @@ BLAKE3 digest (from its signed part) *before* writing it at its offset with ``pw
 bytes that fail their digest never touch the disk (a delta patched in place,
 :meth:`PartialVersion.patch_shard`, is hashed where it lies and never counts unless it
 matches); a caller that hashed the bytes while they
-arrived (:mod:`shardcast.receive`) passes that digest instead, and the bytes are not hashed
+arrived (:mod:`shardcast.download.receive`) passes that digest instead, and the bytes are not hashed
 twice. When every part and every shard is present, :meth:`PartialVersion.commit` checks the
 file digests — for a schema-3 manifest by deriving each file's hash-list root from the signed
 shard digests (every shard was checked before it was written, so no file is read again; see
-:mod:`shardcast.manifest`), for a schema-2 manifest by re-hashing every whole file — fsyncs
+:mod:`shardcast.wire.manifest`), for a schema-2 manifest by re-hashing every whole file — fsyncs
 the files and ``manifest.json``, and renames the partial directory to ``step-<N>`` (atomic on
 POSIX), then fsyncs the parent. A ``step-<N>/`` directory therefore exists only if every
 digest matched, and a crash at any point leaves either no version or a complete one.
@@ -66,9 +66,11 @@ import blake3
 
 from p2p.errors import IntegrityError, LocalProtocolError, ShardnetError
 from p2p.trust import TrustList
-from shardcast.manifest import MANIFEST_FILE, Manifest, check_run_id, document_signer, file_root
-from shardcast.plan import BLOB_DIR
-from shardcast.policy import versions_to_prune
+from shardcast.core import versions_to_prune
+from shardcast.wire import MANIFEST_FILE, Manifest, check_run_id, document_signer, file_root
+
+BLOB_DIR = ".enc"
+"""Directory of a version holding its pre-encoded shard blobs (``<version>/.enc/``)."""
 
 log = logging.getLogger(__name__)
 
@@ -733,7 +735,8 @@ class PartialVersion:
         version's file) into it (:func:`copy_range`), let ``patch`` change that range through
         a memory map, then hash it there against the signed digest.
 
-        The delta path of :mod:`shardcast.receive`: the base bytes are never copied through a
+        The delta path of :mod:`shardcast.download.receive`: the base bytes are never copied
+        through a
         Python buffer, a ``sparse`` patch touches only the changed words, and the result is
         hashed where it lies. Unlike :meth:`write_shard`, bytes that fail their digest have
         touched the partial file's range; the shard stays absent (never served, never

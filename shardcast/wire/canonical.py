@@ -1,7 +1,7 @@
 """Canonical JSON and BLAKE3 digests: the signed-bytes helpers of manifests and run cards.
 
 Pure (stdlib and ``blake3`` only): importable without libp2p or torch, so that
-:mod:`shardcast.runcard` and any tool reading signed documents can use it.
+:mod:`shardcast.wire.runcard` and any tool reading signed documents can use it.
 """
 
 from __future__ import annotations

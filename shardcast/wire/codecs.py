@@ -13,7 +13,7 @@ changes what travels. The origin may offer, per shard:
               version's same file. Lossless. Consecutive RL checkpoints differ in a few percent
               of bf16 elements (0.6-3 % published; an update below half an ulp rounds away),
               so the XOR is mostly zero bytes and compresses 30-100x.
-``sparse``    the changed 16-bit words' positions and differences (:mod:`shardcast.sparse`,
+``sparse``    the changed 16-bit words' positions and differences (:mod:`shardcast.wire.sparse`,
               as PULSE does): ~1.3 bytes per changed bf16 element where ``xor-zstd`` needs
               ~2.5, and decoding costs work proportional to the changes. The origin offers
               whichever delta is smaller per shard.
@@ -34,7 +34,8 @@ from __future__ import annotations
 import numpy as np
 import zstandard
 
-from p2p.errors import IntegrityError, LocalProtocolError
+from p2p.errors import LocalProtocolError
+from shardcast.wire.codec_errors import CodecError as CodecError  # codecs.CodecError, as before
 
 RAW = "raw"
 ZSTD = "zstd"
@@ -44,10 +45,6 @@ ENCODINGS = (RAW, ZSTD, XOR_ZSTD, SPARSE)
 DELTAS = (XOR_ZSTD, SPARSE)  #: encodings decoded against the base version
 MAX_WINDOW_BYTES = 1 << 27  # 128 MiB: larger frames are refused
 DEFAULT_LEVEL = 1
-
-
-class CodecError(IntegrityError):
-    """Encoded bytes that cannot be decoded within bounds (the sender's fault)."""
 
 
 Buffer = bytes | bytearray | memoryview
@@ -105,7 +102,7 @@ def encode(
     if encoding in DELTAS and base is None:
         raise LocalProtocolError(f"{encoding} needs the base shard")
     if encoding == SPARSE:
-        from shardcast.sparse import encode_sparse
+        from shardcast.wire.sparse import encode_sparse
 
         assert base is not None
         return encode_sparse(raw, base)
@@ -160,7 +157,7 @@ def decode(
     if encoding in DELTAS and (base is None or len(base) != length):
         raise LocalProtocolError(f"{encoding} needs a base shard of the same length")
     if encoding == SPARSE:
-        from shardcast.sparse import decode_sparse
+        from shardcast.wire.sparse import decode_sparse
 
         assert base is not None
         return decode_sparse(encoded, length, base, source, out)

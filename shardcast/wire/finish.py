@@ -13,7 +13,8 @@ apart by the kind of their :mod:`p2p.envelope` (``run-finished`` or ``version-an
 and verifies either.
 
 A follower that knows the run finished and holds its final version has nothing left to fetch:
-:func:`poll_delay` (pure) then stretches its upstream polls and retries from seconds to
+:func:`shardcast.core.pollpolicy.poll_delay` (pure) then stretches its upstream polls and retries
+from seconds to
 minutes, so a node left serving after the run does not retry a departed trainer every 10 s
 forever. A newer version announcement (the trainer resumed with more steps) lifts the
 finished state.
@@ -29,10 +30,10 @@ from p2p.envelope import Kind
 from p2p.errors import RemoteProtocolError
 from p2p.keys import KeyHolder, public_key_of
 from p2p.trust import TrustList
-from shardcast.canonical import RUN_ID_RE
-from shardcast.messages import MAX_ANNOUNCEMENT_BYTES, VersionAnnouncement
+from shardcast.wire.canonical import RUN_ID_RE
+from shardcast.wire.messages import MAX_ANNOUNCEMENT_BYTES, VersionAnnouncement
 
-__all__ = ["FINISHED_KIND", "PollPolicy", "RunFinished", "decode_versions_message", "poll_delay"]
+__all__ = ["FINISHED_KIND", "RunFinished", "check_versions_gossip", "decode_versions_message"]
 
 FINISHED_KIND = Kind.RUN_FINISHED
 
@@ -137,36 +138,3 @@ def check_versions_gossip(trust: TrustList, run_id: str) -> Callable[[str, bytes
             raise RemoteProtocolError(origin, f"versions message of run {msg.run_id!r}")
 
     return check
-
-
-@dataclass(frozen=True)
-class PollPolicy:
-    """Upstream poll and retry periods, seconds.
-
-    Attributes:
-        poll_interval_s: period of the info poll while the run is live.
-        max_backoff_s: cap of the retry backoff while the run is live.
-        finished_poll_interval_s: poll period once the run finished and its final version
-            is held.
-        finished_max_backoff_s: retry backoff cap in that state.
-    """
-
-    poll_interval_s: float = 1.0
-    max_backoff_s: float = 10.0
-    finished_poll_interval_s: float = 60.0
-    finished_max_backoff_s: float = 600.0
-
-
-def poll_delay(policy: PollPolicy, failures: int, settled: bool) -> float:
-    """Seconds to wait before the next poll of one upstream (pure).
-
-    Args:
-        policy: the periods.
-        failures: consecutive failed polls of this upstream (0: the last one worked).
-        settled: the run finished and this node holds its final version.
-    """
-    base = policy.finished_poll_interval_s if settled else policy.poll_interval_s
-    cap = policy.finished_max_backoff_s if settled else policy.max_backoff_s
-    if failures <= 0:
-        return base
-    return float(min(base * 2 ** min(failures - 1, 32), max(cap, base)))

@@ -1,7 +1,8 @@
 """Authenticated requests on the HTTP lane: a signed header binding PeerID, path and time.
 
 The lane needs no trust for integrity (every byte is checked against the signed manifest),
-but the origin's super-seeding (:class:`shardcast.policy.SuperSeeding`) decides *who* gets a
+but the origin's super-seeding (:class:`shardcast.serve.superseeding.SuperSeeding`) decides *who*
+gets a
 shard first, so it must know who asks. Each request of a node carries::
 
     X-Shardnet-Auth: <PeerID> <window> <signature, base64url>

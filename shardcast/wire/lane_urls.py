@@ -1,7 +1,7 @@
 """URLs of the HTTP lane: every version is named by its step *and* its manifest digest.
 
 One place builds the lane's paths (downloaders, followers, mirrors) and one regular
-expression parses them (:mod:`shardcast.serve`)::
+expression parses them (:mod:`shardcast.serve.server`)::
 
     /shardnet/v1/<run>/versions                               committed and filling versions
     /shardnet/v1/<run>/<step>/<digest>/manifest               the manifest document
@@ -32,7 +32,8 @@ from __future__ import annotations
 import enum
 import re
 
-from shardcast.canonical import DIGEST_RE
+from p2p.addresses import check_http_url
+from shardcast.wire.canonical import DIGEST_RE
 
 PREFIX = "/shardnet/v1"
 HELD_DIGEST_HEADER = "x-shardnet-held-digest"
@@ -121,3 +122,15 @@ def lane_answer(status: int) -> LaneAnswer:
     if status == 409:
         return LaneAnswer.OTHER_DIGEST
     return LaneAnswer.BUSY
+
+
+def check_mirror_url(text: str, option: str) -> str:
+    """Check a mirror's base URL: ``http://HOST[:PORT][/PATH]`` (port 80 by default).
+
+    Returns:
+        the URL without a trailing ``/``.
+
+    Raises:
+        ConfigError: naming ``option`` (see :func:`p2p.addresses.check_http_url`).
+    """
+    return check_http_url(text, option, base_path=True)

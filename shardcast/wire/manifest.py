@@ -12,7 +12,7 @@ finished hashing the checkpoint (pipelining, DESIGN.md decision 3):
   BLAKE3 digest is the version's identity on the wire (announcements carry it).
 - each **part** ``k`` covers shards ``[k·S, (k+1)·S)``: the BLAKE3 digest of every shard's
   decoded bytes, the encodings offered for it (``[encoding, size, digest]`` of the encoded
-  bytes, see :mod:`shardcast.codecs`), and the file digests of the files whose last
+  bytes, see :mod:`shardcast.wire.codecs`), and the file digests of the files whose last
   shard lies in this part (empty files: part 0). A part names the header digest it belongs to.
 
 File digests: schema 3 and schema 2
@@ -45,7 +45,8 @@ A part may list, per shard, a **chunk list**: ``[chunk_bytes, [d0, d1, ...]]``, 
 digest of each ``chunk_bytes``-sized piece of the shard's decoded bytes in order (the last one
 shorter), signed with the part. Parts without it (written before issue 16's swarm work) still
 read; a part lists it for every shard or for none. A receiver checks each chunk the moment its
-last byte arrives (:class:`shardcast.receive.ShardSink`) and may re-serve a verified chunk at
+last byte arrives (:class:`shardcast.download.receive.ShardSink`) and may re-serve a verified chunk
+at
 once, long before the 32 MiB shard is complete: the swarm swarms at chunk granularity.
 
 Why a signed list and not BLAKE3's verified streaming (``bao``): the ``blake3`` package we use
@@ -94,14 +95,14 @@ from p2p.envelope import Kind
 from p2p.errors import FieldError, IntegrityError, LocalProtocolError, RemoteProtocolError
 from p2p.keys import KeyHolder, public_key_of, verify
 from p2p.trust import TrustList
-from shardcast.canonical import (
+from shardcast.wire.canonical import (
     DIGEST_RE,
     RUN_ID_RE,
     blake3_hex,
     canonical_json,
     loads_untrusted,
 )
-from shardcast.codecs import DELTAS, SPARSE, XOR_ZSTD, ZSTD
+from shardcast.wire.codecs import DELTAS, SPARSE, XOR_ZSTD, ZSTD
 
 SCHEMA_VERSION = 3  #: written: file digests are hash-list roots (:func:`file_root`)
 READ_SCHEMAS = (2, 3)  #: read: 2 has whole-file digests

@@ -28,11 +28,11 @@ from p2p.envelope import Kind
 from p2p.errors import RemoteProtocolError
 from p2p.keys import KeyHolder, public_key_of
 from p2p.trust import TrustList
-from shardcast.canonical import DIGEST_RE, RUN_ID_RE
+from shardcast.wire.canonical import DIGEST_RE, RUN_ID_RE
 
 INFO_PROTOCOL = "/shardnet/info/1.0.0"
 RUNCARD_PROTOCOL = "/shardnet/runcard/1.0.0"
-"""Request ``{"v": 1}`` (CBOR); response: the run card envelope (:mod:`shardcast.runcard`),
+"""Request ``{"v": 1}`` (CBOR); response: the run card envelope (:mod:`shardcast.wire.runcard`),
 or empty when the node has no card yet."""
 ANNOUNCE_KIND = Kind.VERSION_ANNOUNCEMENT
 MAX_ANNOUNCEMENT_BYTES = 8 * 1024
@@ -177,7 +177,7 @@ class NodeInfo:
     announcement: bytes | None
     card_version: int = 0
     card_digest: str = ""
-    finished: bytes | None = None  # the trainer's signed RunFinished (shardcast.finish)
+    finished: bytes | None = None  # the trainer's signed RunFinished (shardcast.wire.finish)
 
     def encode(self) -> bytes:
         """Canonical CBOR bytes."""

@@ -13,7 +13,7 @@ the pinned PeerID, and adopts it. Changing a rule means issuing a new card with 
 and digest, so followers notice it and fetch it before they use that version.
 
 Wire format (schema ``v`` = 1): the signed body is canonical JSON (UTF-8, sorted keys, no
-whitespace, integers and strings only; :func:`shardcast.canonical.canonical_json`)::
+whitespace, integers and strings only; :func:`shardcast.wire.canonical.canonical_json`)::
 
     {"v": 1, "card_version": 3, "run_id": "my-run", "trainer": "12D3KooW…",
      "task": {"name": "digits", "version": 1, "digest": "<64 hex>"},
@@ -29,7 +29,7 @@ whitespace, integers and strings only; :func:`shardcast.canonical.canonical_json
 string, so the signed bytes hold no float. ``engines`` is a list so that a run can later accept
 several engine families, each with its own validator path; today's validator judges one.
 ``mirrors`` is optional (absent when empty, so cards issued before it existed keep their bytes
-and digest): static mirrors (:mod:`shardcast.mirror`) the trainer names, 1 to
+and digest): static mirrors (:mod:`shardcast.serve.mirror`) the trainer names, 1 to
 :data:`MAX_CARD_MIRRORS` distinct ``http://HOST[:PORT][/PATH]`` URLs of at most
 :data:`MAX_MIRROR_URL` characters, in the form ``--mirror`` normalizes them to (no trailing
 ``/``). Followers that adopt the card add them to their own mirrors; a mirror stays untrusted
@@ -82,13 +82,14 @@ from p2p.errors import (
     UntrustedSigner,
 )
 from p2p.keys import KeyHolder, public_key_of, verify
-from shardcast.canonical import (
+from shardcast.wire.canonical import (
     DIGEST_RE,
     RUN_ID_RE,
     blake3_hex,
     canonical_json,
     loads_untrusted,
 )
+from shardcast.wire.lane_urls import check_mirror_url  # the one URL rule of --mirror
 
 __all__ = [
     "CARD_DOMAIN",
@@ -541,8 +542,6 @@ def _check_profile(obj: Any, engines: set[tuple[str, str]], source: str) -> None
 def _check_mirrors(mirrors: Any, source: str) -> None:
     """``mirrors``: 1..MAX_CARD_MIRRORS distinct, normalized mirror URLs (an empty list is
     written as no field at all, so it is refused: one card, one encoding)."""
-    from shardcast.mirror import check_mirror_url  # the one URL rule of --mirror
-
     if not isinstance(mirrors, list) or not 1 <= len(mirrors) <= MAX_CARD_MIRRORS:
         raise _fail(source, "mirrors", f"must be a list of 1 to {MAX_CARD_MIRRORS} URLs")
     for url in mirrors:

@@ -35,7 +35,7 @@ import numpy as np
 import zstandard
 
 from p2p.errors import LocalProtocolError
-from shardcast.codecs import CodecError
+from shardcast.wire.codec_errors import CodecError
 
 MAGIC = b"SPD1"
 _HEADER = struct.Struct("<4sQIBB")

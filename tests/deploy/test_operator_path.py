@@ -213,7 +213,7 @@ def trainer_digests(host: Host, trainer_id: str) -> dict[int, str]:
     """step -> manifest digest of the versions in the trainer's data directory (the manifests
     must verify against the trainer's key)."""
     from p2p.trust import TrustList
-    from shardcast.manifest import MANIFEST_FILE, Manifest
+    from shardcast.wire.manifest import MANIFEST_FILE, Manifest
 
     trust = TrustList(trainer=trainer_id)
     out = {}

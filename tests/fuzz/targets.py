@@ -42,10 +42,10 @@ from p2p.trust import TrustList
 from rollout.model import read_tensor_shapes
 from rollout.schema import Group, RolloutAnnouncement, RolloutBatch, Sample
 from rollout.toploc_codec import decode_proof_base64, encode_proof_base64, parse_proof
-from shardcast import codecs
-from shardcast.canonical import canonical_json
-from shardcast.discovery import NodeAdvert
-from shardcast.manifest import (
+from shardcast.download.discovery import NodeAdvert
+from shardcast.wire import codecs
+from shardcast.wire.canonical import canonical_json
+from shardcast.wire.manifest import (
     HEADER_DOMAIN,
     PART_DOMAIN,
     Encoded,
@@ -57,8 +57,8 @@ from shardcast.manifest import (
     sign_header,
     sign_part,
 )
-from shardcast.messages import NodeInfo, VersionAnnouncement
-from shardcast.runcard import (
+from shardcast.wire.messages import NodeInfo, VersionAnnouncement
+from shardcast.wire.runcard import (
     CARD_DOMAIN,
     EngineSpec,
     RunCard,
@@ -67,7 +67,7 @@ from shardcast.runcard import (
     TaskSpec,
     sign_card,
 )
-from shardcast.sparse import decode_sparse, encode_sparse
+from shardcast.wire.sparse import decode_sparse, encode_sparse
 from tests.fuzz.harness import Target
 
 TRAINER = Identity.from_seed("fuzz-trainer")

@@ -12,9 +12,10 @@ import pytest
 import trio
 
 from p2p.http_server import HttpRequest
-from shardcast.node import NodeConfig, ShardcastNode
-from shardcast.origin import Origin, OriginConfig
-from shardcast.serve import HOLD_HEADER, IMMUTABLE, VersionServer
+from shardcast.node.node import NodeConfig, ShardcastNode
+from shardcast.publish.origin import Origin, OriginConfig
+from shardcast.serve.server import IMMUTABLE, VersionServer
+from shardcast.wire.have import HOLD_HEADER
 from tests.helpers import TRAINER, make_checkpoint, trust
 
 SIZES = {"model.safetensors": 150_000}

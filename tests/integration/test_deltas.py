@@ -10,13 +10,13 @@ import pytest
 import trio
 
 from p2p.identity import Identity
-from shardcast import codecs
-from shardcast.codecs import DELTAS
-from shardcast.follower import FollowConfig, Follower, VersionRecord
-from shardcast.manifest import Manifest
-from shardcast.node import NodeConfig, ShardcastNode
-from shardcast.origin import Origin, OriginConfig
-from shardcast.store import file_matches
+from shardcast.download.follower import FollowConfig, Follower, VersionRecord
+from shardcast.node.node import NodeConfig, ShardcastNode
+from shardcast.publish.origin import Origin, OriginConfig
+from shardcast.store.store import file_matches
+from shardcast.wire import codecs
+from shardcast.wire.codecs import DELTAS
+from shardcast.wire.manifest import Manifest
 from tests.helpers import TRAINER, make_checkpoint, trust
 
 SIZES = {"model-00001-of-00002.safetensors": 400_000, "model-00002-of-00002.safetensors": 300_000}

@@ -17,11 +17,12 @@ import trio.testing
 
 from p2p.http_client import HttpClient
 from p2p.http_server import HttpRequest, HttpResponse, HttpServerConfig, open_http_server
-from shardcast.downloader import DownloadConfig, Downloader, DownloadFailed, Source
-from shardcast.liveness import Abandon
-from shardcast.select import SchedulerConfig
-from shardcast.serve import VersionServer
-from shardcast.store import VersionStore
+from shardcast.core.liveness import Abandon
+from shardcast.core.select import SchedulerConfig
+from shardcast.download.downloader import Downloader
+from shardcast.download.types import DownloadConfig, DownloadFailed, Source
+from shardcast.serve.server import VersionServer
+from shardcast.store.store import VersionStore
 from tests.faults import RUN, Ask, Fault, Version, fault_source, honest_source, make_version
 from tests.helpers import trust
 

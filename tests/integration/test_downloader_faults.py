@@ -1,6 +1,6 @@
 """The downloader against faulty sources, over real sockets on 127.0.0.1.
 
-The honest source is the real :class:`~shardcast.serve.VersionServer`; the faulty ones are
+The honest source is the real :class:`~shardcast.serve.server.VersionServer`; the faulty ones are
 scripted HTTP/1.1 servers from :mod:`tests.faults` (corrupt bytes, a connection closed
 mid-shard, stalls, 503s, a file of another length). Source ids sort in the order the tests
 expect the scheduler to break ties in (``a-…`` before ``b-…``), and exploration is off, so
@@ -23,10 +23,11 @@ import trio
 import trio.testing
 
 from p2p.http_client import HttpClient
-from shardcast.downloader import DownloadConfig, Downloader, DownloadFailed, Source
-from shardcast.liveness import Abandon
-from shardcast.select import SchedulerConfig
-from shardcast.store import PartialVersion, VersionStore
+from shardcast.core.liveness import Abandon
+from shardcast.core.select import SchedulerConfig
+from shardcast.download.downloader import Downloader
+from shardcast.download.types import DownloadConfig, DownloadFailed, Source
+from shardcast.store.store import PartialVersion, VersionStore
 from tests.faults import RUN, Ask, Fault, Version, fault_source, honest_source, make_version
 from tests.helpers import trust
 
@@ -212,7 +213,7 @@ async def test_a_download_that_waits_logs_what_it_waits_for(
 ) -> None:
     """Nothing arrives for 10 s (two shards held by a source that stalls, the honest source
     blocked): the download logs ``download_idle`` with the requests it waits on, once per 10 s."""
-    caplog.set_level(logging.INFO, logger="shardcast.downloader")
+    caplog.set_level(logging.INFO, logger="shardcast.download.downloader")
     store = target_store(tmp_path)
     async with (
         fault_source(version, Fault.STALL_AFTER_HEADERS) as stall,
@@ -396,7 +397,7 @@ async def test_discovered_sources_are_bounded(
     async with honest_source(version) as (honest, _), HttpClient() as client:
         many = [Source(f"x-{k:02d}", honest.url) for k in range(12)]
         dl = Downloader(client, store, config(), random.Random(1), trust())
-        with caplog.at_level("INFO", logger="shardcast.downloader"):
+        with caplog.at_level("INFO", logger="shardcast.download.downloader"):
             path, _stats = await dl.download(
                 version.signed,
                 [Source("a-upstream", honest.url)],
@@ -486,7 +487,7 @@ async def test_shard_checks_run_at_most_one_per_core(
     import threading
     import time
 
-    from shardcast import download_driver
+    from shardcast.download import driver as download_driver
 
     version = make_version(tmp_path, {FILE: 8 * SHARD}, SHARD)
     monkeypatch.setattr(download_driver.os, "sched_getaffinity", lambda pid: {0})

@@ -10,12 +10,12 @@ from pathlib import Path
 import pytest
 import trio
 
-from shardcast.follower import FollowConfig, Follower, VersionRecord
-from shardcast.manifest import Manifest
-from shardcast.messages import VersionAnnouncement, versions_topic
-from shardcast.node import NodeConfig, ShardcastNode
-from shardcast.origin import Origin, OriginConfig
-from shardcast.plan import build_manifest
+from shardcast.download.follower import FollowConfig, Follower, VersionRecord
+from shardcast.node.node import NodeConfig, ShardcastNode
+from shardcast.publish.origin import Origin, OriginConfig
+from shardcast.publish.plan import build_manifest
+from shardcast.wire.manifest import Manifest
+from shardcast.wire.messages import VersionAnnouncement, versions_topic
 from tests.helpers import TRAINER, make_checkpoint, trust
 from tests.integration.test_deltas import _node
 
@@ -83,7 +83,7 @@ async def test_adverts_are_used_only_once_their_lane_proves_the_peer_id(tmp_path
     """A follower challenges the lane behind each advert: a node advertising its own lane is
     used; an identity advertising someone else's lane (here the origin's) never is."""
     from p2p.identity import Identity
-    from shardcast.discovery import NodeAdvert
+    from shardcast.download.discovery import NodeAdvert
 
     cfg = NodeConfig("trainer", "run", tmp_path / "o")
     async with ShardcastNode.open(TRAINER, trust(), cfg) as o, trio.open_nursery() as nursery:

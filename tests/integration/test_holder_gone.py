@@ -8,7 +8,7 @@ from pathlib import Path
 import trio
 
 from p2p.identity import Identity
-from shardcast.node import NodeConfig, ShardcastNode
+from shardcast.node.node import NodeConfig, ShardcastNode
 from tests.helpers import TRAINER, trust
 
 

@@ -25,12 +25,12 @@ from p2p.host import HostConfig, P2PNode
 from p2p.hostile import MESHSUB, HostileClient, Malformed, frame
 from p2p.identity import Identity
 from p2p.limits import ANY_STREAM, LedgerConfig, ResourceLimits
-from shardcast.finish import check_versions_gossip
-from shardcast.follower import FollowConfig, Follower, VersionRecord
-from shardcast.manifest import Manifest
-from shardcast.messages import INFO_PROTOCOL, versions_topic
-from shardcast.node import NodeConfig, ShardcastNode
-from shardcast.origin import Origin, OriginConfig
+from shardcast.download.follower import FollowConfig, Follower, VersionRecord
+from shardcast.node.node import NodeConfig, ShardcastNode
+from shardcast.publish.origin import Origin, OriginConfig
+from shardcast.wire.finish import check_versions_gossip
+from shardcast.wire.manifest import Manifest
+from shardcast.wire.messages import INFO_PROTOCOL, versions_topic
 from tests.helpers import TRAINER, make_checkpoint, trust
 
 SIZES = {"model-00001-of-00001.safetensors": 100_000}

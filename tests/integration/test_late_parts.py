@@ -22,10 +22,12 @@ import trio.testing
 
 from p2p.http_client import HttpClient
 from p2p.http_server import HttpRequest, HttpResponse, open_http_server
-from shardcast.downloader import Downloader, Source
-from shardcast.manifest import Manifest
-from shardcast.serve import HOLD_HEADER, VersionServer
-from shardcast.store import VersionStore
+from shardcast.download.downloader import Downloader
+from shardcast.download.types import Source
+from shardcast.serve.server import VersionServer
+from shardcast.store.store import VersionStore
+from shardcast.wire.have import HOLD_HEADER
+from shardcast.wire.manifest import Manifest
 from tests.faults import RUN, Version, make_version
 from tests.helpers import trust
 from tests.integration.procs import free_port
@@ -92,7 +94,7 @@ async def test_a_late_part_arrives_the_moment_its_origin_signs_it(
     the origin (10 s) plus one at the peer (10 s). A peer found by discovery is asked not to
     hold at all: a part no peer has costs no held request per peer. A source that cannot be
     reached is asked every round but logged once."""
-    caplog.set_level(logging.DEBUG, logger="shardcast.downloader")
+    caplog.set_level(logging.DEBUG, logger="shardcast.download.downloader")
     version = make_version(tmp_path, {FILE: 4 * SHARD}, SHARD)
     step = version.step
     origin_m, peer_m = _header_only(version), _header_only(version)

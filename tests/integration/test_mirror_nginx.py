@@ -20,12 +20,12 @@ import trio
 
 from p2p.http_server import HttpServerConfig
 from p2p.identity import Identity
-from shardcast.follower import FollowConfig, Follower, VersionRecord
-from shardcast.manifest import Manifest
-from shardcast.mirror import PREFIX, export_mirror
-from shardcast.node import NodeConfig, ShardcastNode
-from shardcast.origin import Origin, OriginConfig
-from shardcast.runcard import DEFAULT_ENGINE, RunCard, SamplingRules, TaskSpec, next_card
+from shardcast.download.follower import FollowConfig, Follower, VersionRecord
+from shardcast.node.node import NodeConfig, ShardcastNode
+from shardcast.publish.origin import Origin, OriginConfig
+from shardcast.serve.mirror import PREFIX, export_mirror
+from shardcast.wire.manifest import Manifest
+from shardcast.wire.runcard import DEFAULT_ENGINE, RunCard, SamplingRules, TaskSpec, next_card
 from tests.helpers import TRAINER, make_checkpoint, trust
 from tests.integration.procs import NEEDS_NGINX, nginx
 

@@ -18,9 +18,9 @@ from p2p.http_client import HttpClient
 from p2p.identity import Identity
 from p2p.trust import TrustList
 from rollout.batch import SamplingConfig
-from shardcast.follower import FollowConfig, Follower
-from shardcast.node import NodeConfig, ShardcastNode
-from shardcast.origin import OriginConfig
+from shardcast.download.follower import FollowConfig, Follower
+from shardcast.node.node import NodeConfig, ShardcastNode
+from shardcast.publish.origin import OriginConfig
 from shardnet.observe import attach_peer, attach_trainer
 from shardnet.peer import InferencePeer, PeerConfig
 from shardnet.status import fetch_status

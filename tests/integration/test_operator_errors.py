@@ -11,9 +11,9 @@ import trio
 
 from p2p.identity import Identity
 from p2p.trust import TrustList
-from shardcast.follower import FollowConfig, Follower
-from shardcast.node import NodeConfig, ShardcastNode
-from shardcast.origin import Origin, OriginConfig
+from shardcast.download.follower import FollowConfig, Follower
+from shardcast.node.node import NodeConfig, ShardcastNode
+from shardcast.publish.origin import Origin, OriginConfig
 from tests.helpers import TRAINER, make_checkpoint, trust
 
 

@@ -23,7 +23,7 @@ from pathlib import Path
 
 from p2p.identity import Identity
 from p2p.trust import TrustList
-from shardcast.manifest import MANIFEST_FILE, Manifest
+from shardcast.wire.manifest import MANIFEST_FILE, Manifest
 from tests.helpers import make_checkpoint
 from tests.integration.procs import LOOPBACK_ANY, Node, free_port, nodes
 

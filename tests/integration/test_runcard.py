@@ -21,12 +21,12 @@ from p2p.http_client import HttpClient
 from p2p.identity import Identity
 from p2p.trust import TrustList
 from rollout.task import DigitTask, task_data_digest
-from shardcast.cardsync import bootstrap_card, check_data_dir, save_card
-from shardcast.follower import FollowConfig, Follower, VersionRecord
-from shardcast.manifest import Manifest
-from shardcast.node import NodeConfig, ShardcastNode
-from shardcast.origin import Origin, OriginConfig
-from shardcast.runcard import (
+from shardcast.download.follower import FollowConfig, Follower, VersionRecord
+from shardcast.node.cardsync import bootstrap_card, check_data_dir, save_card
+from shardcast.node.node import NodeConfig, ShardcastNode
+from shardcast.publish.origin import Origin, OriginConfig
+from shardcast.wire.manifest import Manifest
+from shardcast.wire.runcard import (
     PROFILE_THRESHOLD_KEYS,
     CardProfile,
     EngineSpec,

@@ -9,11 +9,11 @@ from typing import TYPE_CHECKING
 import trio
 
 from p2p.identity import Identity
-from shardcast.follower import FollowConfig, Follower, VersionRecord
-from shardcast.manifest import Manifest
-from shardcast.node import NodeConfig, ShardcastNode
-from shardcast.origin import Origin, OriginConfig
-from shardcast.store import file_matches
+from shardcast.download.follower import FollowConfig, Follower, VersionRecord
+from shardcast.node.node import NodeConfig, ShardcastNode
+from shardcast.publish.origin import Origin, OriginConfig
+from shardcast.store.store import file_matches
+from shardcast.wire.manifest import Manifest
 from tests.helpers import TRAINER, make_checkpoint, trust
 
 if TYPE_CHECKING:

@@ -16,10 +16,12 @@ from p2p.http_client import HttpClient
 from p2p.http_errors import NotAvailable
 from p2p.http_range import ByteRange
 from p2p.http_server import HttpRequest, HttpResponse, open_http_server
-from shardcast.downloader import Downloader, Source
-from shardcast.lane_urls import file_url, have_url
-from shardcast.serve import HOLD_HEADER, VersionServer, decode_have
-from shardcast.store import VersionStore
+from shardcast.download.downloader import Downloader
+from shardcast.download.types import Source
+from shardcast.serve.server import VersionServer
+from shardcast.store.store import VersionStore
+from shardcast.wire.have import HOLD_HEADER, decode_have
+from shardcast.wire.lane_urls import file_url, have_url
 from tests.faults import RUN, Fault, Version, fault_source, honest_source, make_version
 from tests.helpers import trust
 from tests.integration.test_downloader_faults import assert_committed, config

@@ -18,8 +18,8 @@ from p2p.trust import TrustList
 from rollout.calibrate import Provenance, ValidatorProfile, profile_thresholds
 from rollout.model_dir import load_trainable
 from rollout.verify import VLLM_BF16_PROFILE
-from shardcast.node import NodeConfig
-from shardcast.runcard import architecture_digest
+from shardcast.node.node import NodeConfig
+from shardcast.wire.runcard import architecture_digest
 from trainer.checkpoint import config_json, write_preset_dir
 from trainer.config import TrainerConfig
 from trainer.trainer import Trainer

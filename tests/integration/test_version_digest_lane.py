@@ -18,11 +18,12 @@ import trio.testing
 
 from p2p.http_client import HttpClient
 from p2p.http_errors import NotAvailable
-from shardcast.downloader import DownloadConfig, Downloader, DownloadFailed, Source
-from shardcast.lane_urls import LaneAnswer, lane_answer, manifest_url
-from shardcast.liveness import Abandon
-from shardcast.select import SchedulerConfig
-from shardcast.store import VersionStore
+from shardcast.core.liveness import Abandon
+from shardcast.core.select import SchedulerConfig
+from shardcast.download.downloader import Downloader
+from shardcast.download.types import DownloadConfig, DownloadFailed, Source
+from shardcast.store.store import VersionStore
+from shardcast.wire.lane_urls import LaneAnswer, lane_answer, manifest_url
 from tests.faults import RUN, Version, honest_source, make_version
 from tests.helpers import trust
 

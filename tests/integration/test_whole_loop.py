@@ -16,10 +16,10 @@ from p2p.identity import Identity
 from p2p.trust import TrustList
 from rollout.batch import SamplingConfig
 from rollout.schema import RolloutBatch
-from shardcast.cardsync import bootstrap_card
-from shardcast.follower import FollowConfig, Follower
-from shardcast.node import NodeConfig, ShardcastNode
-from shardcast.origin import OriginConfig
+from shardcast.download.follower import FollowConfig, Follower
+from shardcast.node.cardsync import bootstrap_card
+from shardcast.node.node import NodeConfig, ShardcastNode
+from shardcast.publish.origin import OriginConfig
 from shardnet.peer import InferencePeer, PeerConfig
 from trainer.config import TrainerConfig
 from trainer.trainer import Trainer

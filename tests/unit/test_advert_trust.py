@@ -9,10 +9,10 @@ from pathlib import Path
 from p2p.http_client import HttpClient
 from p2p.http_server import open_http_server
 from p2p.identity import Identity
-from shardcast.discovery import NodeAdvert, SourceDirectory
-from shardcast.lane_auth import check_whoami, sign_whoami, whoami_path
-from shardcast.serve import VersionServer
-from shardcast.store import VersionStore
+from shardcast.download.discovery import NodeAdvert, SourceDirectory
+from shardcast.serve.server import VersionServer
+from shardcast.store.store import VersionStore
+from shardcast.wire.lane_auth import check_whoami, sign_whoami, whoami_path
 from tests.helpers import trust
 
 A = Identity.from_seed("node-a")

@@ -22,8 +22,8 @@ from rollout.calibrate import (
 )
 from rollout.toploc_judge import ToplocThresholds
 from rollout.verify import VLLM_BF16_PROFILE, EngineProfile
-from shardcast.canonical import blake3_hex
-from shardcast.runcard import PROFILE_THRESHOLD_KEYS
+from shardcast.wire.canonical import blake3_hex
+from shardcast.wire.runcard import PROFILE_THRESHOLD_KEYS
 
 ARCH = "cd" * 32
 H512_LIKE = EngineProfile(  # tighter than the defaults on the prefill chunk, as h512's own

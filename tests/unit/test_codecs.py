@@ -9,8 +9,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from p2p.errors import LocalProtocolError
-from shardcast import codecs
-from shardcast.codecs import RAW, XOR_ZSTD, ZSTD, CodecError
+from shardcast.wire import codecs
+from shardcast.wire.codec_errors import CodecError
+from shardcast.wire.codecs import RAW, XOR_ZSTD, ZSTD
 
 
 def bf16_like(n: int, seed: int) -> bytes:
@@ -115,7 +116,7 @@ def test_misuse_is_a_local_error() -> None:
 
 
 def test_decode_buffer_pool_is_bounded_and_reuses_buffers() -> None:
-    from shardcast.receive import BufferPool
+    from shardcast.download.receive import BufferPool
 
     pool = BufferPool(keep=2)
     a, b, c = pool.get(100), pool.get(80), pool.get(100)

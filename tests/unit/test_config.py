@@ -156,11 +156,11 @@ def test_defaults_are_the_libraries_own() -> None:
     from p2p.limits import LedgerConfig, ResourceLimits
     from rollout.pacing import PacingConfig
     from rollout.verify import ValidatorConfig
-    from shardcast.downloader import DownloadConfig
-    from shardcast.follower import FollowConfig
-    from shardcast.node import NodeConfig
-    from shardcast.origin import OriginConfig
-    from shardcast.runcard import DEFAULT_SAMPLING, SamplingRules
+    from shardcast.download.follower import FollowConfig
+    from shardcast.download.types import DownloadConfig
+    from shardcast.node.node import NodeConfig
+    from shardcast.publish.origin import OriginConfig
+    from shardcast.wire.runcard import DEFAULT_SAMPLING, SamplingRules
     from trainer.config import TrainerConfig
 
     relay = load_settings(
@@ -411,7 +411,7 @@ def test_bad_validator_profile_is_one_line_and_exit_2(
 
 def test_validator_profile_goes_into_the_origin_card(tmp_path: Path) -> None:
     from rollout.calibrate import load_profile
-    from shardcast.runcard import architecture_digest
+    from shardcast.wire.runcard import architecture_digest
     from shardnet.roles import origin_card_rules, origin_profiles
 
     config = {"model_type": "llama"}

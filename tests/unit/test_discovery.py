@@ -1,4 +1,4 @@
-"""Source discovery (``shardcast.discovery``): node adverts and the bounded directory."""
+"""Source discovery (``shardcast.download.discovery``): node adverts and the bounded directory."""
 
 from __future__ import annotations
 
@@ -10,9 +10,9 @@ import pytest
 
 from p2p import wire
 from p2p.errors import RemoteProtocolError
-from shardcast.discovery import NodeAdvert, SourceDirectory
-from shardcast.follower import Follower
-from shardcast.messages import NodeInfo
+from shardcast.download.discovery import NodeAdvert, SourceDirectory
+from shardcast.download.follower import Follower
+from shardcast.wire.messages import NodeInfo
 
 
 def advert(

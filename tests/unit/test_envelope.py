@@ -171,11 +171,11 @@ def test_imports_without_libp2p() -> None:
     modules = [
         "p2p.envelope",
         "p2p.trust",
-        "shardcast.codecs",
-        "shardcast.manifest",
-        "shardcast.messages",
-        "shardcast.runcard",
-        "shardcast.finish",
+        "shardcast.wire.codecs",
+        "shardcast.wire.manifest",
+        "shardcast.wire.messages",
+        "shardcast.wire.runcard",
+        "shardcast.wire.finish",
         "rollout.schema",
     ]
     code = (

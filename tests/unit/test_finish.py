@@ -8,8 +8,9 @@ from p2p import wire
 from p2p.errors import IntegrityError, MalformedEnvelope, RemoteProtocolError, UntrustedSigner
 from p2p.identity import Identity
 from p2p.trust import TrustList
-from shardcast.finish import PollPolicy, RunFinished, decode_versions_message, poll_delay
-from shardcast.messages import NodeInfo, VersionAnnouncement
+from shardcast.core.pollpolicy import PollPolicy, poll_delay
+from shardcast.wire.finish import RunFinished, decode_versions_message
+from shardcast.wire.messages import NodeInfo, VersionAnnouncement
 from tests.helpers import TRAINER, trust
 
 DIGEST = "ab" * 32

@@ -10,16 +10,10 @@ import trio
 import trio.testing
 
 from p2p.http_server import HttpRequest, HttpResponse
-from shardcast.lane_urls import have_url
-from shardcast.serve import (
-    HAVE_HOLD_S,
-    HAVE_TOKEN_HEADER,
-    HOLD_HEADER,
-    VersionServer,
-    decode_have,
-    have_token,
-)
-from shardcast.store import VersionStore
+from shardcast.serve.server import VersionServer
+from shardcast.store.store import VersionStore
+from shardcast.wire.have import HAVE_HOLD_S, HAVE_TOKEN_HEADER, HOLD_HEADER, decode_have, have_token
+from shardcast.wire.lane_urls import have_url
 from tests.faults import RUN, make_version
 from tests.helpers import trust
 

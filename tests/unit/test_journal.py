@@ -5,9 +5,9 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-from shardcast.manifest import Manifest
-from shardcast.plan import build_manifest
-from shardcast.store import JOURNAL_FILE, VersionStore
+from shardcast.publish.plan import build_manifest
+from shardcast.store.store import JOURNAL_FILE, VersionStore
+from shardcast.wire.manifest import Manifest
 from tests.helpers import TRAINER, make_checkpoint
 
 SIZES = {"model-00001-of-00002.safetensors": 4096, "model-00002-of-00002.safetensors": 2500}
@@ -112,9 +112,9 @@ def test_vanished_data_directory_starts_over(tmp_path: Path) -> None:
 def test_origin_republishing_unchanged_files_keeps_the_digest(tmp_path: Path) -> None:
     """An origin restarted mid-publish signs the same header (same digest) for the same,
     unchanged directory; a changed directory gets a new digest."""
-    from shardcast.manifest import sign_header
-    from shardcast.origin import stable_header
-    from shardcast.plan import make_header
+    from shardcast.publish.origin import stable_header
+    from shardcast.publish.plan import make_header
+    from shardcast.wire.manifest import sign_header
 
     ck = make_checkpoint(tmp_path / "ck", SIZES, seed=1)
     record = tmp_path / ".publishing-step-1.json"

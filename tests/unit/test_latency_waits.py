@@ -14,15 +14,11 @@ import trio
 
 from bench import timeline
 from p2p.errors import LocalProtocolError
-from shardcast.follower import (
-    MANIFEST_RETRY_MAX_S,
-    Follower,
-    VersionAnnouncement,
-    manifest_retry_s,
-)
-from shardcast.node import NodeConfig, ShardcastNode
-from shardcast.origin import Origin, OriginConfig, parts_of
-from shardcast.plan import make_header
+from shardcast.download.follower import MANIFEST_RETRY_MAX_S, Follower, manifest_retry_s
+from shardcast.node.node import NodeConfig, ShardcastNode
+from shardcast.publish.origin import Origin, OriginConfig, parts_of
+from shardcast.publish.plan import make_header
+from shardcast.wire import VersionAnnouncement
 from shardnet.config import OriginSettings, TrainerSettings
 from tests.helpers import TRAINER, make_checkpoint, trust
 
@@ -80,20 +76,20 @@ async def test_origin_caps_the_part_count_of_a_large_version(tmp_path: Path) -> 
 
 
 LOG = """\
-2026-12-01T18:54:18.600Z INFO origin shardcast.node version_announced run=bench step=1 digest=ab
-2026-12-01T18:54:18.655Z INFO relay shardcast.node announcement_received run=bench step=1 from=x
-2026-12-01T18:54:18.700Z INFO relay shardcast.node announcement_received run=bench step=1 from=y
-2026-12-01T18:54:18.900Z INFO relay shardcast.follower download_started step=1 digest=ab sources=2
-2026-12-01T18:54:19.000Z DEBUG relay shardcast.downloader first_byte step=1 shard=3 source=*a
-2026-12-01T18:54:19.100Z DEBUG relay shardcast.metrics shard_fetched source=*a codec=sparse \
+2026-12-01T18:54:18.600Z INFO origin shardcast.node.node version_announced run=bench step=1 digest=ab
+2026-12-01T18:54:18.655Z INFO relay shardcast.node.node announcement_received run=bench step=1 from=x
+2026-12-01T18:54:18.700Z INFO relay shardcast.node.node announcement_received run=bench step=1 from=y
+2026-12-01T18:54:18.900Z INFO relay shardcast.download.follower download_started step=1 digest=ab sources=2
+2026-12-01T18:54:19.000Z DEBUG relay shardcast.download.downloader first_byte step=1 shard=3 source=*a
+2026-12-01T18:54:19.100Z DEBUG relay shardcast.node.metrics shard_fetched source=*a codec=sparse \
 size_bytes=10 fetch_s=0.100
-2026-12-01T18:54:19.300Z DEBUG relay shardcast.metrics shard_checked source=*a verify_s=0.200
-2026-12-01T18:54:19.300Z DEBUG relay shardcast.downloader shard_verified step=1 shard=3 source=*a
-2026-12-01T18:54:19.500Z DEBUG relay shardcast.downloader shard_verified step=1 shard=0 source=*a
-2026-12-01T18:54:19.700Z INFO relay shardcast.store version_committed run=bench step=1 files=1
-2026-12-01T18:54:19.800Z INFO relay shardcast.store version_committed run=bench step=12 files=1
+2026-12-01T18:54:19.300Z DEBUG relay shardcast.node.metrics shard_checked source=*a verify_s=0.200
+2026-12-01T18:54:19.300Z DEBUG relay shardcast.download.downloader shard_verified step=1 shard=3 source=*a
+2026-12-01T18:54:19.500Z DEBUG relay shardcast.download.downloader shard_verified step=1 shard=0 source=*a
+2026-12-01T18:54:19.700Z INFO relay shardcast.store.store version_committed run=bench step=1 files=1
+2026-12-01T18:54:19.800Z INFO relay shardcast.store.store version_committed run=bench step=12 files=1
 not a log line step=1
-"""
+"""  # noqa: E501 (log lines as the nodes write them)
 
 
 def test_timeline_reads_each_stage_of_one_step() -> None:

@@ -5,11 +5,11 @@ from __future__ import annotations
 import random
 from pathlib import Path
 
-from shardcast.catchup import worth_finishing
-from shardcast.codecs import XOR_ZSTD
-from shardcast.liveness import Abandon, Answer, DownloadWatch
-from shardcast.manifest import Manifest
-from shardcast.plan import Base, build_manifest
+from shardcast.core.catchup import worth_finishing
+from shardcast.core.liveness import Abandon, Answer, DownloadWatch
+from shardcast.publish.plan import Base, build_manifest
+from shardcast.wire.codecs import XOR_ZSTD
+from shardcast.wire.manifest import Manifest
 from tests.helpers import TRAINER, make_checkpoint
 
 SIZES = {"model-00001-of-00001.safetensors": 8000}

@@ -33,7 +33,7 @@ def test_libp2p_warnings_formatted_like_ours(capsys: pytest.CaptureFixture[str])
     configure("INFO", name="relay")
     logging.getLogger("libp2p.pubsub.gossipsub").warning("GRAFT: ignoring request from %s", "X")
     logging.getLogger("libp2p.pubsub.gossipsub").info("chatty detail")  # below WARNING
-    logging.getLogger("shardcast.node").info("node_ready role=relay")
+    logging.getLogger("shardcast.node.node").info("node_ready role=relay")
     err = capsys.readouterr().err.splitlines()
     assert len(err) == 2
     assert err[0].endswith('libp2p_message text="GRAFT: ignoring request from X"')
@@ -57,15 +57,15 @@ def test_times_are_wall_clock_iso_8601(capsys: pytest.CaptureFixture[str]) -> No
     import time
     from datetime import datetime
 
-    from shardcast.nodestatus import iso
+    from shardcast.node.nodestatus import iso
 
     assert iso(0.0) == "1970-01-01T00:00:00.000Z"
     assert iso(1_700_000_000.1234) == "2023-11-14T22:13:20.123Z"
     before = time.time()
     configure("INFO", as_json=True)
-    logging.getLogger("shardcast.node").info("node_ready role=relay")
+    logging.getLogger("shardcast.node.node").info("node_ready role=relay")
     configure("INFO", name="relay")
-    logging.getLogger("shardcast.node").info("node_ready role=relay")
+    logging.getLogger("shardcast.node.node").info("node_ready role=relay")
     json_line, text_line = capsys.readouterr().err.splitlines()
     ts = datetime.fromisoformat(json.loads(json_line)["ts"]).timestamp()
     assert before - 0.001 <= ts <= time.time()

@@ -18,8 +18,9 @@ from p2p import envelope
 from p2p.envelope import Kind
 from p2p.errors import BadSignature, IntegrityError, UntrustedSigner
 from p2p.identity import Identity
-from shardcast.canonical import canonical_json
-from shardcast.manifest import (
+from shardcast.publish.plan import build_manifest
+from shardcast.wire.canonical import canonical_json
+from shardcast.wire.manifest import (
     HEADER_DOMAIN,
     PART_DOMAIN,
     Header,
@@ -32,7 +33,6 @@ from shardcast.manifest import (
     sign_header,
     sign_part,
 )
-from shardcast.plan import build_manifest
 from tests.helpers import TRAINER, make_checkpoint, trust
 
 SIZES = {"model-00001-of-00002.safetensors": 5000, "model-00002-of-00002.safetensors": 3001}

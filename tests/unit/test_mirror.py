@@ -12,11 +12,13 @@ from typer.testing import CliRunner
 
 from p2p.errors import ConfigError
 from p2p.identity import Identity
-from shardcast.lane_auth import FAILED_HEADER, failed_header
-from shardcast.manifest import Manifest
-from shardcast.mirror import PREFIX, MirrorPoll, check_mirror_url, export_mirror
-from shardcast.plan import build_manifest
-from shardcast.store import VersionStore
+from shardcast.core.mirrorpoll import MirrorPoll
+from shardcast.publish.plan import build_manifest
+from shardcast.serve.mirror import PREFIX, export_mirror
+from shardcast.store.store import VersionStore
+from shardcast.wire.lane_auth import FAILED_HEADER, failed_header
+from shardcast.wire.lane_urls import check_mirror_url
+from shardcast.wire.manifest import Manifest
 from tests.helpers import TRAINER, make_checkpoint, trust
 
 SIZES = {"model-00001-of-00002.safetensors": 4096, "model-00002-of-00002.safetensors": 2500}

@@ -9,8 +9,8 @@ from typing import Any, cast
 from rich.console import Console
 
 from p2p.identity import Identity
-from shardcast.nodestatus import node_status
-from shardcast.runcard import EngineSpec, RunCard, SamplingRules, TaskSpec, sign_card
+from shardcast.node.nodestatus import node_status
+from shardcast.wire.runcard import EngineSpec, RunCard, SamplingRules, TaskSpec, sign_card
 from shardnet.status import render
 
 TRAINER = Identity.from_seed("status-trainer")

@@ -20,8 +20,8 @@ from rollout.model import build_model, build_tokenizer
 from rollout.pacing import Pace, PacingConfig
 from rollout.task import DEFAULT_TASK
 from rollout.verify import Validator, ValidatorConfig
-from shardcast.follower import FollowConfig
-from shardcast.node import NodeConfig
+from shardcast.download.follower import FollowConfig
+from shardcast.node.node import NodeConfig
 from shardnet.peer import InferencePeer, PeerConfig
 from trainer.checkpoint import save_checkpoint
 from trainer.oracle import TrainerOracle

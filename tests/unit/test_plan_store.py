@@ -8,8 +8,7 @@ from pathlib import Path
 import pytest
 
 from p2p.errors import IntegrityError, LocalProtocolError
-from shardcast.manifest import Manifest
-from shardcast.plan import (
+from shardcast.publish.plan import (
     CheckpointLayoutError,
     build_manifest,
     check_layout,
@@ -17,7 +16,8 @@ from shardcast.plan import (
     make_header,
     plan_shards,
 )
-from shardcast.store import VersionStore, file_matches
+from shardcast.store.store import VersionStore, file_matches
+from shardcast.wire.manifest import Manifest
 from tests.helpers import TRAINER, make_checkpoint, trust
 
 SIZES = {"model-00001-of-00002.safetensors": 4096, "model-00002-of-00002.safetensors": 2500}
@@ -188,7 +188,7 @@ def test_adopt_checks_digests(tmp_path: Path) -> None:
 
 
 def test_retention_policy_is_pure() -> None:
-    from shardcast.policy import versions_to_prune
+    from shardcast.core.retention import versions_to_prune
 
     assert versions_to_prune([1, 2, 3, 4, 5], 2, []) == [1, 2, 3]
     assert versions_to_prune([1, 2, 3, 4, 5], 2, [2]) == [1, 3]
@@ -196,7 +196,7 @@ def test_retention_policy_is_pure() -> None:
 
 
 def test_super_seeding_policy() -> None:
-    from shardcast.policy import SuperSeeding
+    from shardcast.serve.superseeding import SuperSeeding
 
     s = SuperSeeding(window_s=5.0)
     assert s.allow("relay1", 0, [1, 2], now=0.0)
@@ -209,7 +209,7 @@ def test_super_seeding_policy() -> None:
 
 
 def test_super_seeding_repeat_budget_and_persistence() -> None:
-    from shardcast.policy import SuperSeeding
+    from shardcast.serve.superseeding import SuperSeeding
 
     s = SuperSeeding(window_s=5.0, repeat_budget=0.1, persist_s=60.0)
     for i in range(20):  # first serves are free
@@ -234,7 +234,7 @@ def test_super_seeding_repeat_budget_and_persistence() -> None:
 async def test_a_version_being_served_is_not_pruned(tmp_path: Path) -> None:
     from p2p.http_range import ByteRange
     from p2p.http_server import FileSlice, HttpRequest
-    from shardcast.serve import VersionServer
+    from shardcast.serve.server import VersionServer
 
     store = VersionStore(tmp_path / "store", "run", keep_last=1)
     ck = make_checkpoint(tmp_path / "c1", SIZES, seed=1)
@@ -273,7 +273,7 @@ def test_unclean_stop_of_a_non_durable_store_is_recovered(tmp_path: Path) -> Non
 def test_pwrite_all_writes_in_bounded_calls_and_survives_short_writes(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    from shardcast import store as store_mod
+    from shardcast.store import store as store_mod
 
     data = bytes(range(256)) * 40  # 10 240 bytes
     calls: list[int] = []

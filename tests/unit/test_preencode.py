@@ -14,17 +14,8 @@ from typing import Any
 import pytest
 import trio
 
-from shardcast import codecs
-from shardcast.manifest import Part
-from shardcast.plan import (
-    BLOB_DIR,
-    Base,
-    EncodeSettings,
-    PreEncoded,
-    hash_parts,
-    make_header,
-)
-from shardcast.preencode import (
+from shardcast.publish.plan import Base, EncodeSettings, PreEncoded, hash_parts, make_header
+from shardcast.publish.preencode import (
     FileIdentity,
     PreEncodeCache,
     PreEncoder,
@@ -33,6 +24,9 @@ from shardcast.preencode import (
     pre_encode_file,
     quiet,
 )
+from shardcast.store.store import BLOB_DIR
+from shardcast.wire import codecs
+from shardcast.wire.manifest import Part
 from tests.helpers import make_checkpoint
 
 SIZES = {
@@ -119,7 +113,7 @@ def test_pre_encoded_file_is_not_read_again(
         for n in names
     }
     serial, _, _ = _publish(new, None, None)
-    import shardcast.plan as plan
+    import shardcast.publish.plan as plan
 
     read: list[Path] = []
     real = plan.encode_file

@@ -1,4 +1,5 @@
-"""The receiving data path (shardcast.receive) and the schema-3 hash-list roots it commits."""
+"""The receiving data path (shardcast.download.receive) and the schema-3 hash-list roots it
+commits."""
 
 from __future__ import annotations
 
@@ -12,12 +13,18 @@ import numpy as np
 import pytest
 
 from p2p.errors import IntegrityError, LocalProtocolError
-from shardcast import codecs
-from shardcast.manifest import FILE_ROOT_CONTEXT, Header, Manifest, ManifestError, file_root
-from shardcast.plan import BLOB_DIR, Base, build_manifest
-from shardcast.receive import BaseMismatch, BaseVersion, BufferPool, ShardSink, verify_and_write
-from shardcast.sparse import is_identity
-from shardcast.store import VersionStore, copy_range, file_matches
+from shardcast.download.receive import (
+    BaseMismatch,
+    BaseVersion,
+    BufferPool,
+    ShardSink,
+    verify_and_write,
+)
+from shardcast.publish.plan import Base, build_manifest
+from shardcast.store.store import BLOB_DIR, VersionStore, copy_range, file_matches
+from shardcast.wire import codecs
+from shardcast.wire.manifest import FILE_ROOT_CONTEXT, Header, Manifest, ManifestError, file_root
+from shardcast.wire.sparse import is_identity
 from tests.helpers import TRAINER, make_checkpoint
 
 SHARD = 8192

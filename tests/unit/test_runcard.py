@@ -15,8 +15,8 @@ import pytest
 from p2p import envelope
 from p2p.envelope import Kind
 from p2p.identity import Identity
-from shardcast.canonical import canonical_json
-from shardcast.runcard import (
+from shardcast.wire.canonical import canonical_json
+from shardcast.wire.runcard import (
     CARD_DOMAIN,
     MAX_CARD_BYTES,
     MAX_ENGINES,
@@ -230,7 +230,7 @@ def test_digits_task_digest_is_pinned() -> None:
 
 def test_pure_import() -> None:
     code = (
-        "import sys, shardcast.runcard, rollout.task; "
+        "import sys, shardcast.wire.runcard, rollout.task; "
         "bad = [m for m in ('torch', 'libp2p', 'transformers') if m in sys.modules]; "
         "assert not bad, bad"
     )

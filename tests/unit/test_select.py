@@ -1,4 +1,4 @@
-"""The sans-IO source scheduler (``shardcast.select``): pure, seeded, no clock.
+"""The sans-IO source scheduler (``shardcast.core.select``): pure, seeded, no clock.
 
 Each test plays the driver by hand: it asks :meth:`Scheduler.next_request` for work, decides
 the outcome, and reports it with an explicit ``now``. A Hypothesis test then drives random
@@ -16,7 +16,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from p2p.errors import LocalProtocolError
-from shardcast.select import Request, Scheduler, SchedulerConfig, SourceState, blame
+from shardcast.core.select import Request, Scheduler, SchedulerConfig, SourceState, blame
 
 MB = 1_000_000
 
@@ -688,7 +688,7 @@ def test_first_proven_corrupt_bans_and_returns_its_other_flights() -> None:
 
 
 def test_source_bans_last_their_time_and_are_bounded() -> None:
-    from shardcast.select import SourceBans
+    from shardcast.core.select import SourceBans
 
     bans = SourceBans(ban_s=60, max_sources=2)
     bans.ban("a", now=0.0)

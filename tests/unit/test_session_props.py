@@ -2,7 +2,7 @@
 
 A stand-in driver plays the network, the checker and the byte buffers exactly as the trio
 driver does (real bytes: honest sources send the true bytes, liars flip them; kept prefixes,
-suspect copies and byte comparisons with :func:`shardcast.select.blame`), and Hypothesis
+suspect copies and byte comparisons with :func:`shardcast.core.select.blame`), and Hypothesis
 chooses what happens next: which transfer ends and how, which check finishes, which manifest
 part or have-set arrives, how far the clock moves. Then every source turns well behaved and the
 session must end. Properties, checked at every action:
@@ -23,10 +23,9 @@ from dataclasses import dataclass
 from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 
-from shardcast.codecs import DELTAS, RAW, XOR_ZSTD, ZSTD
-from shardcast.liveness import Answer
-from shardcast.select import SchedulerConfig, blame
-from shardcast.session import (
+from shardcast.core.liveness import Answer
+from shardcast.core.select import SchedulerConfig, blame
+from shardcast.core.session import (
     Action,
     Ban,
     Blame,
@@ -48,6 +47,7 @@ from shardcast.session import (
     SessionConfig,
     Verdict,
 )
+from shardcast.wire.codecs import DELTAS, RAW, XOR_ZSTD, ZSTD
 
 PER_PART = 2
 SCHED = SchedulerConfig(

@@ -10,7 +10,7 @@ from typing import Any
 import pytest
 
 from bench import broadcast
-from shardcast.plan import check_layout
+from shardcast.publish.plan import check_layout
 from simulations import netns
 from tests.helpers import make_checkpoint
 

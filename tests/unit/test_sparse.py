@@ -1,4 +1,5 @@
-"""The sparse delta encoding (shardcast.sparse): exact round trips and bounded hostile input."""
+"""The sparse delta encoding (shardcast.wire.sparse): exact round trips and bounded hostile
+input."""
 
 from __future__ import annotations
 
@@ -12,9 +13,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from p2p.identity import Identity
-from shardcast import codecs
-from shardcast.plan import Base, build_manifest
-from shardcast.sparse import HEADER_BYTES, MAGIC, SparseError, decode_sparse, encode_sparse
+from shardcast.publish.plan import Base, build_manifest
+from shardcast.wire import codecs
+from shardcast.wire.sparse import HEADER_BYTES, MAGIC, SparseError, decode_sparse, encode_sparse
 
 
 def _rl_update(n_bytes: int, fraction: float, seed: int) -> tuple[bytes, bytes]:

@@ -8,18 +8,18 @@ from pathlib import Path
 from p2p.http_range import ByteRange
 from p2p.http_server import HttpRequest
 from p2p.identity import Identity
-from shardcast.lane_auth import (
+from shardcast.publish.plan import build_manifest
+from shardcast.serve.server import VersionServer, offered_bytes
+from shardcast.serve.superseeding import SuperSeeding
+from shardcast.store.store import VersionStore
+from shardcast.wire.lane_auth import (
     AUTH_HEADER,
     FAILED_HEADER,
     RequestSigner,
     sign_request,
     verify_request,
 )
-from shardcast.manifest import Manifest
-from shardcast.plan import build_manifest
-from shardcast.policy import SuperSeeding
-from shardcast.serve import VersionServer, offered_bytes
-from shardcast.store import VersionStore
+from shardcast.wire.manifest import Manifest
 from tests.helpers import TRAINER, make_checkpoint, trust
 
 A = Identity.from_seed("relay-a")

@@ -11,7 +11,12 @@ from pathlib import Path
 import blake3
 import pytest
 
-from shardcast.manifest import (
+from shardcast.core.select import Scheduler, SchedulerConfig
+from shardcast.download.receive import ChunkCorrupt, ShardSink, verify_and_write
+from shardcast.publish.plan import build_manifest
+from shardcast.store.store import VersionStore
+from shardcast.wire.have import decode_have, encode_prefixes
+from shardcast.wire.manifest import (
     CHUNK_BYTES,
     Manifest,
     ManifestError,
@@ -20,11 +25,6 @@ from shardcast.manifest import (
     chunk_digests,
     sign_part,
 )
-from shardcast.plan import build_manifest
-from shardcast.receive import ChunkCorrupt, ShardSink, verify_and_write
-from shardcast.select import Scheduler, SchedulerConfig
-from shardcast.serve import decode_have, encode_prefixes
-from shardcast.store import VersionStore
 from tests.helpers import TRAINER, make_checkpoint, trust
 
 CHUNK = 4096

@@ -13,9 +13,13 @@ import pytest
 from p2p import wire
 from p2p.errors import RemoteProtocolError
 from p2p.http_server import HttpRequest
-from shardcast.discovery import MAX_ADVERT_BYTES, NodeAdvert, SourceDirectory
-from shardcast.follower import Follower
-from shardcast.lane_urls import (
+from shardcast.download.discovery import MAX_ADVERT_BYTES, NodeAdvert, SourceDirectory
+from shardcast.download.follower import Follower
+from shardcast.node.node import ShardcastNode
+from shardcast.publish.plan import build_manifest
+from shardcast.serve.server import VersionServer
+from shardcast.store.store import VersionStore
+from shardcast.wire.lane_urls import (
     HELD_DIGEST_HEADER,
     LaneAnswer,
     file_url,
@@ -25,12 +29,8 @@ from shardcast.lane_urls import (
     part_url,
     version_url,
 )
-from shardcast.manifest import Manifest
-from shardcast.messages import VersionAnnouncement
-from shardcast.node import ShardcastNode
-from shardcast.plan import build_manifest
-from shardcast.serve import VersionServer
-from shardcast.store import VersionStore
+from shardcast.wire.manifest import Manifest
+from shardcast.wire.messages import VersionAnnouncement
 from tests.helpers import TRAINER, make_checkpoint, trust
 
 SIZES = {"model.safetensors": 3000}

@@ -1,0 +1,51 @@
+"""download: the follower side: following upstreams and learning of versions
+(:mod:`.follower`), finding extra sources (:mod:`.discovery`), downloading one version
+(:mod:`.downloader`, the trio driver :mod:`.driver` of a :class:`shardcast.core.Session`), the
+receiving data path (:mod:`.receive`) and the types they share (:mod:`.types`).
+"""
+
+from __future__ import annotations
+
+from shardcast.download import driver
+from shardcast.download.discovery import NodeAdvert, SourceDirectory, nodes_topic
+from shardcast.download.downloader import Downloader
+from shardcast.download.driver import DownloadDriver, check_limiter, offer
+from shardcast.download.follower import (
+    CommitHook,
+    FollowConfig,
+    Follower,
+    VersionAnnouncement,
+    VersionRecord,
+)
+from shardcast.download.receive import BaseVersion, ShardSink, verify_and_write
+from shardcast.download.types import (
+    DownloadConfig,
+    DownloadFailed,
+    DownloadObserver,
+    ProgressFn,
+    Source,
+)
+
+__all__ = [
+    "BaseVersion",
+    "CommitHook",
+    "DownloadConfig",
+    "DownloadDriver",
+    "DownloadFailed",
+    "DownloadObserver",
+    "Downloader",
+    "FollowConfig",
+    "Follower",
+    "NodeAdvert",
+    "ProgressFn",
+    "ShardSink",
+    "Source",
+    "SourceDirectory",
+    "VersionAnnouncement",
+    "VersionRecord",
+    "check_limiter",
+    "driver",
+    "nodes_topic",
+    "offer",
+    "verify_and_write",
+]

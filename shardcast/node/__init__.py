@@ -1,0 +1,26 @@
+"""node: one running shardcast node: libp2p host, HTTP lane, store and info protocol
+(:mod:`.node`), run-card keeping (:mod:`.cardsync`), Prometheus metrics (:mod:`.metrics`) and the
+``/status`` document (:mod:`.nodestatus`).
+"""
+
+from __future__ import annotations
+
+from shardcast.node.cardsync import bootstrap_card, check_data_dir, fetch_card, save_card
+from shardcast.node.metrics import DownloadMetrics, source_kind
+from shardcast.node.node import SUPER_SEED_MIN_BYTES, SUPER_SEED_S, NodeConfig, ShardcastNode
+from shardcast.node.nodestatus import iso, wall_of
+
+__all__ = [
+    "SUPER_SEED_MIN_BYTES",
+    "SUPER_SEED_S",
+    "DownloadMetrics",
+    "NodeConfig",
+    "ShardcastNode",
+    "bootstrap_card",
+    "check_data_dir",
+    "fetch_card",
+    "iso",
+    "save_card",
+    "source_kind",
+    "wall_of",
+]

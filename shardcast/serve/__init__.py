@@ -1,0 +1,19 @@
+"""serve: what a node gives: versions over the HTTP lane (:mod:`.server`), the
+origin's super-seeding rule (:mod:`.superseeding`, sans-IO) and the static-mirror export
+(:mod:`.mirror`).
+"""
+
+from __future__ import annotations
+
+from shardcast.serve.mirror import PREFIX, MirrorExport, export_mirror, open_store
+from shardcast.serve.server import VersionServer
+from shardcast.serve.superseeding import SuperSeeding
+
+__all__ = [
+    "PREFIX",
+    "MirrorExport",
+    "SuperSeeding",
+    "VersionServer",
+    "export_mirror",
+    "open_store",
+]

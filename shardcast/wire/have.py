@@ -1,0 +1,83 @@
+"""wire: the have-bitmap of the HTTP lane, which shards of a filling version a node serves.
+
+A ``GET .../have`` answer is a bitmap of the shards held whole (bit ``i`` of byte ``i // 8``,
+most significant bit first), followed with ``?prefix=1`` by the verified prefix of each shard
+being received (:func:`encode_prefixes`). The server (:mod:`shardcast.serve.server`) writes
+it; a downloader (:mod:`shardcast.download.driver`) reads it with :func:`decode_have`, bounded
+by :func:`have_max_bytes`, and long-polls it with :data:`HAVE_TOKEN_HEADER` and
+:data:`HOLD_HEADER`.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import struct
+
+__all__ = [
+    "HAVE_HOLD_S",
+    "HAVE_TOKEN_HEADER",
+    "HOLD_HEADER",
+    "MAX_PREFIX_ENTRIES",
+    "PREFIX_ENTRY",
+    "decode_have",
+    "encode_prefixes",
+    "have_max_bytes",
+    "have_token",
+]
+
+HOLD_HEADER = "x-shardnet-hold-s"
+"""Request header: how long (seconds) the client accepts to be held for unverified content."""
+PREFIX_ENTRY = struct.Struct(">IQ")  #: (shard index, verified bytes) after the have-bitmap
+MAX_PREFIX_ENTRIES = 256  #: at most this many partial shards are advertised
+
+
+def encode_prefixes(prefixes: dict[int, int]) -> bytes:
+    """The suffix of a ``/have?prefix=1`` answer: ``(u32 shard, u64 verified bytes)``
+    big-endian per partial shard, in shard order, at most :data:`MAX_PREFIX_ENTRIES`."""
+    items = sorted(prefixes.items())[:MAX_PREFIX_ENTRIES]
+    return b"".join(PREFIX_ENTRY.pack(i, n) for i, n in items)
+
+
+def decode_have(data: bytes, n_shards: int) -> tuple[list[int], dict[int, int]]:
+    """Parse a ``/have`` (or ``/have?prefix=1``) answer: the shards held whole, and the
+    verified prefixes of shards being received.
+
+    Raises:
+        ValueError: a suffix that is not whole entries, or names a shard out of range.
+    """
+    nbytes = (n_shards + 7) // 8
+    bits, rest = data[:nbytes], data[nbytes:]
+    held = [i for i in range(n_shards) if i // 8 < len(bits) and bits[i // 8] & (0x80 >> i % 8)]
+    if len(rest) % PREFIX_ENTRY.size or len(rest) > MAX_PREFIX_ENTRIES * PREFIX_ENTRY.size:
+        raise ValueError(f"have suffix of {len(rest)} bytes")
+    prefixes: dict[int, int] = {}
+    for i, n in PREFIX_ENTRY.iter_unpack(rest):
+        if i >= n_shards:
+            raise ValueError(f"prefix of shard {i} of {n_shards}")
+        prefixes[i] = n
+    return held, prefixes
+
+
+HAVE_TOKEN_HEADER = "x-shardnet-have-token"
+"""Response header of ``/have``: the answer's :func:`have_token`. Sent back as
+``?known=TOKEN`` (with :data:`HOLD_HEADER`), it makes the next request a long-poll."""
+
+HAVE_HOLD_S = 2.0
+"""Longest hold of a ``/have`` long-poll, seconds: the answer then reports how far the
+verified prefixes grew even if no shard completed or started."""
+
+
+def have_token(bits: bytes, prefixes: dict[int, int]) -> str:
+    """The token of a ``/have`` answer (:data:`HAVE_TOKEN_HEADER`; a client computes the same
+    from the answer it decoded): a digest of its bitmap and of the set of shards with a
+    verified prefix, as :func:`encode_prefixes` lists them. Their growth alone does not change
+    it: a held file-range request follows a prefix as it grows."""
+    listed = sorted(prefixes.items())[:MAX_PREFIX_ENTRIES]
+    h = hashlib.blake2s(bits, digest_size=8)
+    h.update(b"".join(struct.pack(">I", i) for i, n in listed if n))
+    return h.hexdigest()
+
+
+def have_max_bytes(n_shards: int) -> int:
+    """Largest ``/have?prefix=1`` answer for a version of ``n_shards`` shards, bytes."""
+    return (n_shards + 7) // 8 + MAX_PREFIX_ENTRIES * PREFIX_ENTRY.size

@@ -1,0 +1,205 @@
+"""The shape of the code, walked with ``ast``: shardcast's packages and their facades, the rule
+that ``core`` decides without I/O, and no import cycle between files anywhere.
+
+- ``shardcast/`` is packages by job (``docs/architecture.md``); each ``__init__.py`` is a facade
+  that exports, in ``__all__``, what other packages may use (trio's style). Code outside a
+  package imports only its facade; tests may import its modules.
+- ``shardcast.wire`` imports no other shardcast package; ``shardcast.core`` imports only
+  ``wire``, the standard library and ``p2p.errors`` (no trio, no I/O library).
+- The packages depend on each other one way (no cycle between packages), and no two files
+  import each other, directly or around a loop, however the import is written (module level,
+  in a function or under ``TYPE_CHECKING``).
+"""
+
+from __future__ import annotations
+
+import ast
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+
+ROOT = Path(__file__).parents[2]
+CODE = ("p2p", "shardcast", "rollout", "trainer", "simulations", "shardnet", "bench")
+SHARDCAST = ("wire", "core", "store", "serve", "node", "publish", "download")
+# bench/shardcast_baseline.py drives the reference SHARDCAST, another package named shardcast
+FOREIGN = {ROOT / "bench" / "shardcast_baseline.py"}
+CORE_MAY_IMPORT = {"p2p.errors"}
+CYCLES_ALLOWED: set[frozenset[str]] = set()  # none, and it should stay so
+
+
+def module_name(path: Path) -> str:
+    parts = list(path.relative_to(ROOT).with_suffix("").parts)
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+MODULES = {
+    module_name(p): p for pkg in CODE for p in (ROOT / pkg).rglob("*.py") if p not in FOREIGN
+}
+
+
+def imports(path: Path) -> Iterator[tuple[int, str]]:
+    """(line, module imported) for every import in ``path``, resolved to project modules where
+    possible: ``from a.b import c`` names ``a.b.c`` when that is a module."""
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            for alias in node.names:
+                yield node.lineno, alias.name
+        elif isinstance(node, ast.ImportFrom):
+            assert node.level == 0, f"{path}:{node.lineno}: relative import"
+            base = node.module or ""
+            for alias in node.names:
+                full = f"{base}.{alias.name}"
+                yield node.lineno, full if full in MODULES else base
+
+
+def project_module(name: str) -> str | None:
+    while name and name not in MODULES:
+        name = name.rpartition(".")[0]
+    return name or None
+
+
+def package_of(module: str) -> str | None:
+    """``wire`` for ``shardcast.wire.codecs`` and ``shardcast.wire``; None elsewhere."""
+    parts = module.split(".")
+    if parts[0] == "shardcast" and len(parts) > 1 and parts[1] in SHARDCAST:
+        return parts[1]
+    return None
+
+
+def facade_all(package: str) -> set[str]:
+    tree = ast.parse((ROOT / "shardcast" / package / "__init__.py").read_text())
+    for node in tree.body:
+        if isinstance(node, ast.Assign) and any(
+            isinstance(t, ast.Name) and t.id == "__all__" for t in node.targets
+        ):
+            return {ast.literal_eval(e) for e in node.value.elts}  # type: ignore[attr-defined]
+    raise AssertionError(f"shardcast/{package}/__init__.py has no __all__")
+
+
+def test_shardcast_is_packages_with_facades() -> None:
+    flat = sorted(p.name for p in (ROOT / "shardcast").glob("*.py") if p.name != "__init__.py")
+    assert flat == [], f"modules outside shardcast's packages: {flat}"
+    for package in SHARDCAST:
+        exported = facade_all(package)
+        assert exported, package
+        facade = ROOT / "shardcast" / package / "__init__.py"
+        for line, name in imports(facade):
+            assert name == "__future__" or package_of(name) == package, (
+                f"{facade.relative_to(ROOT)}:{line}: a facade re-exports its own modules only"
+            )
+
+
+def test_outside_code_imports_only_facades() -> None:
+    bad = []
+    for module, path in MODULES.items():
+        own = package_of(module)
+        for line, name in imports(path):
+            target = project_module(name)
+            package = package_of(target) if target else None
+            if package is None or package == own:
+                continue
+            facade = f"shardcast.{package}"
+            if target == facade:
+                continue
+            # ``from shardcast.wire import codecs``: a module the facade exports as a namespace
+            if target.rpartition(".")[0] == facade and target.rpartition(".")[2] in facade_all(
+                package
+            ):
+                continue
+            bad.append(f"{path.relative_to(ROOT)}:{line}: imports {name}; use {facade}")
+    assert bad == [], "\n".join(bad)
+
+
+def test_wire_and_core_import_down_only() -> None:
+    stdlib = sys.stdlib_module_names
+    bad = []
+    for module, path in MODULES.items():
+        own = package_of(module)
+        if own not in ("wire", "core"):
+            continue
+        for line, name in imports(path):
+            top = name.split(".")[0]
+            package = package_of(name)
+            if own == "wire":
+                ok = package in (None, "wire") and top != "trio"
+            else:
+                ok = (
+                    package in ("wire", "core")
+                    or top in stdlib
+                    or any(name == m or name.startswith(m + ".") for m in CORE_MAY_IMPORT)
+                )
+            if not ok:
+                bad.append(f"{path.relative_to(ROOT)}:{line}: {own} imports {name}")
+    assert bad == [], "\n".join(bad)
+
+
+def strongly_connected(edges: dict[str, set[str]]) -> list[frozenset[str]]:
+    """Tarjan's algorithm, iterative: the components of more than one node."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on_stack: set[str] = set()
+    found: list[frozenset[str]] = []
+    for start in sorted(edges):
+        if start in index:
+            continue
+        work = [(start, iter(sorted(edges[start])))]
+        index[start] = low[start] = len(index)
+        stack.append(start)
+        on_stack.add(start)
+        while work:
+            node, successors = work[-1]
+            for nxt in successors:
+                if nxt not in index:
+                    index[nxt] = low[nxt] = len(index)
+                    stack.append(nxt)
+                    on_stack.add(nxt)
+                    work.append((nxt, iter(sorted(edges.get(nxt, ())))))
+                    break
+                if nxt in on_stack:
+                    low[node] = min(low[node], index[nxt])
+            else:
+                work.pop()
+                if work:
+                    low[work[-1][0]] = min(low[work[-1][0]], low[node])
+                if low[node] == index[node]:
+                    component = set()
+                    while True:
+                        member = stack.pop()
+                        on_stack.discard(member)
+                        component.add(member)
+                        if member == node:
+                            break
+                    if len(component) > 1:
+                        found.append(frozenset(component))
+    return found
+
+
+def file_graph() -> dict[str, set[str]]:
+    edges: dict[str, set[str]] = {m: set() for m in MODULES}
+    for module, path in MODULES.items():
+        for _, name in imports(path):
+            target = project_module(name)
+            if target and target != module:
+                edges[module].add(target)
+    return edges
+
+
+def test_no_import_cycle_between_files() -> None:
+    cycles = [c for c in strongly_connected(file_graph()) if c not in CYCLES_ALLOWED]
+    assert cycles == [], [sorted(c) for c in cycles]
+
+
+def test_shardcast_packages_depend_one_way() -> None:
+    edges: dict[str, set[str]] = {p: set() for p in SHARDCAST}
+    for module, targets in file_graph().items():
+        own = package_of(module)
+        if own is None:
+            continue
+        edges[own] |= {p for t in targets if (p := package_of(t)) not in (None, own)}
+    assert strongly_connected(edges) == [], edges
+
+
+def test_the_cycle_finder_finds_cycles() -> None:
+    edges = {"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}
+    assert strongly_connected(edges) == [frozenset("abc")]
