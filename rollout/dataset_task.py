@@ -33,8 +33,8 @@ from pathlib import Path
 from typing import Any
 
 from p2p.errors import ConfigError, LocalProtocolError
+from rollout.prompt import Prompt
 from rollout.rewards import Reward, completion_text, parse_reward
-from rollout.task import Prompt
 
 __all__ = ["MAX_ROWS", "DatasetTask", "read_rows"]
 

@@ -44,13 +44,14 @@ import inspect
 import json
 import random
 from collections.abc import Sequence
-from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol, cast, runtime_checkable
 
 import blake3
 
 from p2p.errors import ConfigError, LocalProtocolError
+from rollout.dataset_task import DatasetTask
+from rollout.prompt import Prompt
 
 if TYPE_CHECKING:  # annotations only: this module stays importable without torch
     from transformers import PreTrainedTokenizerFast
@@ -72,24 +73,6 @@ __all__ = [
     "task_prompts",
     "task_spec",
 ]
-
-
-@dataclass(frozen=True)
-class Prompt:
-    """One prompt of a task.
-
-    Attributes:
-        text: a plain-text prompt (used when ``messages`` is empty).
-        messages: chat messages ``((role, content), ...)``, rendered with the tokenizer's
-            chat template.
-        answer: the reference answer a reward compares with (None for tasks without one).
-        row: where it came from (a dataset row number, 1-based; 0 if none).
-    """
-
-    text: str = ""
-    messages: tuple[tuple[str, str], ...] = ()
-    answer: str | int | float | None = None
-    row: int = 0
 
 
 @runtime_checkable
@@ -324,8 +307,6 @@ def load_task(spec: str, reward_spec: str = DEFAULT_REWARD_SPEC, field: str = "t
         return DEFAULT_TASK
     suffix = Path(spec).suffix.lower()
     if suffix in (".jsonl", ".parquet"):
-        from rollout.dataset_task import DatasetTask
-
         return DatasetTask.load(Path(spec), reward_spec, field=field)
     if ":" in spec and "/" not in spec:
         return _entry_point(spec, field)

@@ -34,7 +34,6 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 if TYPE_CHECKING:
-    from simulations.model import Model
     from simulations.topology import Topology
 
 PROGRESS_POINTS = 100
@@ -132,76 +131,3 @@ def finish(summary: dict[str, Any], topo: Topology) -> dict[str, Any]:
         }
     )
     return summary
-
-
-def model_summary(m: Model) -> dict[str, Any]:
-    """The summary of a finished :class:`~simulations.model.Model` run."""
-    topo = m.topo
-    ck = topo.spec.checkpoint
-    nodes: dict[str, Any] = {}
-    shard_times: list[list[float]] = []
-    for n in m.nodes:
-        versions = {}
-        for step, rec in sorted(n.records.items()):
-            ver = m.versions.get(step)
-            pub = ver.t_pub if ver else None
-            commit = rec["commit_s"]
-            entry = {
-                "published_s": pub,
-                "learned_s": rec["learned_s"],
-                "first_byte_s": rec["first_byte_s"],
-                "commit_s": commit,
-                "duration_s": None if commit is None or pub is None else round(commit - pub, 4),
-                "shards": len(rec["shards_s"]),
-            }
-            if "digest" in rec and ver is not None:
-                entry["digest_ok"] = rec["digest"] == ver.digest
-            if "rollouts_sent_s" in rec:
-                entry["rollouts_sent_s"] = rec["rollouts_sent_s"]
-            versions[str(step)] = entry
-            if step == 0 and n.spec.role == "peer" and n.spec.behavior == "honest":
-                shard_times.append(rec["shards_s"])
-        nodes[n.spec.name] = {
-            "role": n.spec.role,
-            "group": n.spec.group,
-            "behavior": n.spec.behavior,
-            "up_bps": n.spec.up_bps,
-            "down_bps": n.spec.down_bps,
-            "bytes_up": round(n.bytes_up),
-            "bytes_down": round(n.bytes_down),
-            "alive_at_end": n.alive,
-            "committed_at_end": list(n.committed),
-            "versions": versions,
-        }
-    summary: dict[str, Any] = {
-        "mode": "model",
-        "topology": topo.name,
-        "source": str(topo.source) if topo.source else None,
-        "seed": m.seed,
-        "notes": [
-            f"flow model: weighted max-min, time step {m.dt:.4g} s; simulator: SimPy",
-            "policies: shardcast.core.select.Scheduler, SourceDirectory, SuperSeeding, "
-            "versions_to_prune, catchup.plan (the real code)",
-        ],
-        "checkpoint": {
-            "size_bytes": ck.size_bytes,
-            "shard_size_bytes": ck.shard_size_bytes,
-            "n_shards": math.ceil(ck.size_bytes / ck.shard_size_bytes),
-            "versions": ck.versions,
-            "scale": 1.0,
-        },
-        "run": {
-            "rollouts": dict(m.rollouts),
-            "wall_s": round(m.wall_s, 3),
-            "virtual_s": round(m.env.now, 3),
-            "time_step_s": m.dt,
-            "seeding_refused": m.seeding.refused,
-        },
-        "nodes": nodes,
-        "progress": progress_bands(
-            shard_times,
-            m.versions[0].t_pub if 0 in m.versions else 0.0,
-            len(m.versions[0].lengths) if 0 in m.versions else 0,
-        ),
-    }
-    return finish(summary, topo)

@@ -9,12 +9,15 @@ from shardcast.node.cardsync import bootstrap_card, check_data_dir, fetch_card, 
 from shardcast.node.metrics import DownloadMetrics, source_kind
 from shardcast.node.node import SUPER_SEED_MIN_BYTES, SUPER_SEED_S, NodeConfig, ShardcastNode
 from shardcast.node.nodestatus import iso, wall_of
+from shardcast.node.view import NodeView, RoleView
 
 __all__ = [
     "SUPER_SEED_MIN_BYTES",
     "SUPER_SEED_S",
     "DownloadMetrics",
     "NodeConfig",
+    "NodeView",
+    "RoleView",
     "ShardcastNode",
     "bootstrap_card",
     "check_data_dir",

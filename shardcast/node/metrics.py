@@ -59,7 +59,6 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable, Iterable, Iterator
 from importlib import metadata
-from typing import TYPE_CHECKING
 
 import trio
 from prometheus_client import (
@@ -76,10 +75,8 @@ from prometheus_client.registry import Collector
 
 from p2p.errors import short_id
 from p2p.limits import Offence
+from shardcast.node.view import NodeView
 from shardcast.wire import codecs
-
-if TYPE_CHECKING:
-    from shardcast.node.node import ShardcastNode
 
 log = logging.getLogger(__name__)
 
@@ -233,7 +230,7 @@ class NodeMetrics:
         """One lane response with ``status`` was produced."""
         self.requests_by_class[code_class(status)] += 1
 
-    def bind(self, node: ShardcastNode) -> None:
+    def bind(self, node: NodeView) -> None:
         """Add the families read from ``node`` at scrape time."""
         self.registry.register(_FnCollector(lambda: _node_families(node, self)))
 
@@ -246,7 +243,7 @@ class NodeMetrics:
         return generate_latest(self.registry)
 
 
-def _node_families(node: ShardcastNode, m: NodeMetrics) -> Iterator[Metric]:
+def _node_families(node: NodeView, m: NodeMetrics) -> Iterator[Metric]:
     http = node.http.statistics()
     client = node.client.statistics()
     info = GaugeMetricFamily(

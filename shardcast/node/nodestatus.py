@@ -33,13 +33,21 @@ from __future__ import annotations
 import json
 import time
 from datetime import UTC, datetime
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
-from shardcast.node.metrics import package_version
+from shardcast.node.metrics import NodeMetrics, package_version
+from shardcast.node.view import NodeView
+from shardcast.wire import SignedRunCard
 
-if TYPE_CHECKING:
-    from shardcast.node.node import ShardcastNode
-    from shardcast.wire import SignedRunCard
+
+class StatusView(NodeView, Protocol):
+    """A running node as the status document reads it: a :class:`NodeView` and its metrics."""
+
+    @property
+    def metrics(self) -> NodeMetrics:
+        """Its metrics (request counts by class, bytes spent on observability)."""
+        ...
+
 
 SCHEMA = 1
 
@@ -55,7 +63,7 @@ def wall_of(clock_s: float, now_clock_s: float, now_unix_s: float) -> float:
     return now_unix_s - (now_clock_s - clock_s)
 
 
-def node_status(node: ShardcastNode) -> dict[str, Any]:
+def node_status(node: StatusView) -> dict[str, Any]:
     """The status document of ``node`` (see module docstring)."""
     now = time.time()
     http = node.http.statistics()
@@ -123,6 +131,6 @@ def run_card_summary(card: SignedRunCard) -> dict[str, Any]:
     return out
 
 
-def node_status_json(node: ShardcastNode) -> bytes:
+def node_status_json(node: StatusView) -> bytes:
     """:func:`node_status` encoded as UTF-8 JSON."""
     return json.dumps(node_status(node), sort_keys=False).encode()
