@@ -23,6 +23,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -199,6 +200,36 @@ def _sampling(p: dict[str, Any]) -> list[str]:
     ]
 
 
+def _trainer_args(
+    p: dict[str, Any], workdir: Path, run_id: str, steps: int, peer_ids: list[str]
+) -> list[str]:
+    """The trainer's command line: the preset's training settings, every peer allowed."""
+    return [
+        "trainer",
+        *_common("trainer", workdir, run_id, p["keep_last"]),
+        "--steps",
+        str(steps),
+        "--preset",
+        p["preset"],
+        "--lr",
+        str(p["lr"]),
+        "--optimizer",
+        p.get("optimizer", "adamw"),
+        "--async-level",
+        str(p.get("async_level", 2)),
+        *_sampling(p),
+        "--min-batches",
+        str(p["min_batches"]),
+        "--shard-size-bytes",
+        str(p["shard_size"]),
+        "--max-shard-bytes",
+        str(p["max_shard_bytes"]),
+        "--anchor-every",
+        str(p["anchor_every"]),
+        *[a for i in peer_ids for a in ("--allow-peer", i, "--expect-peer", i)],
+    ]
+
+
 async def run_demo(opts: DemoOptions) -> int:
     """Run the demo; returns the exit code (0 if ``ok``)."""
     if opts.model not in PRESETS:
@@ -210,102 +241,28 @@ async def run_demo(opts: DemoOptions) -> int:
     workdir.mkdir(parents=True, exist_ok=True)
     run_id = f"demo-{opts.model}"
     t0 = time.monotonic()
-    ids = {}
-    for name in [
-        "trainer",
-        *[f"relay{i}" for i in range(1, N_RELAYS + 1)],
-        *[f"peer{i}" for i in range(1, N_PEERS + 1)],
-    ]:
-        ids[name] = Identity.load_or_create(workdir / name / "node.key").peer_id
     peers = [f"peer{i}" for i in range(1, N_PEERS + 1)]
     relays = [f"relay{i}" for i in range(1, N_RELAYS + 1)]
+    ids = {
+        name: Identity.load_or_create(workdir / name / "node.key").peer_id
+        for name in ["trainer", *relays, *peers]
+    }
     print(f"shardnet demo: model={opts.model} steps={steps} workdir={workdir}", flush=True)
     trainer = Child(
-        "trainer",
-        [
-            "trainer",
-            *_common("trainer", workdir, run_id, p["keep_last"]),
-            "--steps",
-            str(steps),
-            "--preset",
-            p["preset"],
-            "--lr",
-            str(p["lr"]),
-            "--optimizer",
-            p.get("optimizer", "adamw"),
-            "--async-level",
-            str(p.get("async_level", 2)),
-            *_sampling(p),
-            "--min-batches",
-            str(p["min_batches"]),
-            "--shard-size-bytes",
-            str(p["shard_size"]),
-            "--max-shard-bytes",
-            str(p["max_shard_bytes"]),
-            "--anchor-every",
-            str(p["anchor_every"]),
-            *[a for n in peers for a in ("--allow-peer", ids[n], "--expect-peer", ids[n])],
-        ],
-        workdir,
+        "trainer", _trainer_args(p, workdir, run_id, steps, [ids[n] for n in peers]), workdir
     )
     children = [trainer]
     code = 1
-    interrupted = False
 
-    async def on_signal(scope: trio.CancelScope) -> None:
-        nonlocal interrupted
-        with trio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as signals:
-            async for _ in signals:
-                interrupted = True
-                scope.cancel()
-                return
+    def common(name: str) -> list[str]:
+        return _common(name, workdir, run_id, p["keep_last"])
 
     try:
         with trio.fail_after(timeout_s):
-            async with trio.open_nursery() as nursery:
-                nursery.start_soon(on_signal, nursery.cancel_scope)
-                ready = await trainer.start(nursery, 300)
-                origin = ready["multiaddrs"][0]
-                relay_addrs = []
-                for name in relays:
-                    c = Child(
-                        name,
-                        [
-                            "relay",
-                            *_common(name, workdir, run_id, p["keep_last"]),
-                            "--upstream",
-                            origin,
-                            "--trainer-id",
-                            ids["trainer"],
-                        ],
-                        workdir,
-                    )
-                    children.append(c)
-                    relay_addrs.append((await c.start(nursery, 120))["multiaddrs"][0])
-                for name in peers:
-                    c = Child(
-                        name,
-                        [
-                            "peer",
-                            *_common(name, workdir, run_id, p["keep_last"]),
-                            *[a for r in relay_addrs for a in ("--bootstrap", r)],
-                            "--trainer-id",
-                            ids["trainer"],
-                            "--trainer-addr",
-                            origin,
-                        ],
-                        workdir,
-                    )
-                    children.append(c)
-                async with trio.open_nursery() as starting:  # peers start in parallel
-                    for c in children[1 + N_RELAYS :]:
-                        starting.start_soon(c.start, nursery, 300)
-                assert trainer.proc is not None
-                trainer_code = await trainer.proc.wait()
-                for c in reversed(children[1:]):
-                    await c.stop()
-                nursery.cancel_scope.cancel()
-        if interrupted:
+            trainer_code = await _run_nodes(
+                children, relays, peers, ids["trainer"], common, workdir
+            )
+        if trainer_code is None:
             print("shardnet demo: interrupted; stopping every node", flush=True)
             return 130
         summary = summarize(
@@ -317,9 +274,11 @@ async def run_demo(opts: DemoOptions) -> int:
             trainer_code,
             p["anchor_every"],
         )
-        summary["duration_s"] = round(time.monotonic() - t0, 1)
-        summary["model"] = opts.model
-        summary["workdir"] = str(workdir)
+        summary |= {
+            "duration_s": round(time.monotonic() - t0, 1),
+            "model": opts.model,
+            "workdir": str(workdir),
+        }
         print_table(summary)
         if opts.report is not None:
             write_json_atomic(opts.report, summary)
@@ -339,6 +298,58 @@ async def run_demo(opts: DemoOptions) -> int:
     return code
 
 
+async def _run_nodes(
+    children: list[Child],
+    relays: list[str],
+    peers: list[str],
+    trainer_id: str,
+    common: Callable[[str], list[str]],
+    workdir: Path,
+) -> int | None:
+    """Start the trainer (``children[0]``), then the relays one by one, then the peers in
+    parallel (each appended to ``children``); wait for the trainer to exit and stop the rest.
+
+    Returns:
+        the trainer's exit code; None if SIGINT or SIGTERM interrupted the run.
+    """
+    trainer = children[0]
+    interrupted = False
+    trainer_code = None
+
+    async def on_signal(scope: trio.CancelScope) -> None:
+        nonlocal interrupted
+        with trio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as signals:
+            async for _ in signals:
+                interrupted = True
+                scope.cancel()
+                return
+
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(on_signal, nursery.cancel_scope)
+        ready = await trainer.start(nursery, 300)
+        origin = ready["multiaddrs"][0]
+        relay_addrs = []
+        for name in relays:
+            args = ["relay", *common(name), "--upstream", origin, "--trainer-id", trainer_id]
+            c = Child(name, args, workdir)
+            children.append(c)
+            relay_addrs.append((await c.start(nursery, 120))["multiaddrs"][0])
+        for name in peers:
+            args = ["peer", *common(name)]
+            args += [a for r in relay_addrs for a in ("--bootstrap", r)]
+            args += ["--trainer-id", trainer_id, "--trainer-addr", origin]
+            children.append(Child(name, args, workdir))
+        async with trio.open_nursery() as starting:  # peers start in parallel
+            for c in children[1 + len(relays) :]:
+                starting.start_soon(c.start, nursery, 300)
+        assert trainer.proc is not None
+        trainer_code = await trainer.proc.wait()
+        for c in reversed(children[1:]):
+            await c.stop()
+        nursery.cancel_scope.cancel()
+    return None if interrupted else trainer_code
+
+
 def summarize(
     workdir: Path,
     trainer: Child,
@@ -355,10 +366,6 @@ def summarize(
     ``samples_trained`` and ``samples_rejected`` are the table's columns; ``totals`` holds the
     run's sums and the validator's own counts, which the table's last line prints.
     """
-    from p2p.trust import TrustList
-    from shardcast.store import file_matches
-    from shardcast.wire import MANIFEST_FILE, Manifest
-
     tr = trainer.report() or {}
     rows = tr.get("steps", [])
     digests = {r["step"]: r["manifest_digest"] for r in rows}
@@ -367,33 +374,10 @@ def summarize(
         problems.append(f"trainer exited with {trainer_code}")
     if sorted(digests) != list(range(steps + 1)):
         problems.append(f"trainer published {sorted(digests)}, expected 0..{steps}")
-    peer_versions: dict[str, dict[int, str]] = {}
+    peer_versions = _peer_versions(peers, digests, problems)
+    trust_id = str(trainer.ready.get("peer_id"))
     for c in peers:
-        rep = c.report()
-        if rep is None:
-            problems.append(f"{c.name} wrote no report")
-            continue
-        got = {v["step"]: v["manifest_digest"] for v in rep.get("versions", [])}
-        peer_versions[c.name] = got
-        for step, digest in digests.items():
-            if got.get(step) != digest:
-                problems.append(f"{c.name} did not commit version {step} with the trainer's digest")
-    # independent check of what is on disk now: kept versions hash to the trainer's manifest
-    trust = TrustList(trainer=str(trainer.ready.get("peer_id")))
-    for c in peers:
-        for run_dir in (workdir / c.name / "versions").iterdir():
-            for step_dir in sorted(run_dir.glob("step-*")):
-                step = int(step_dir.name[5:])
-                try:
-                    m = Manifest.decode((step_dir / MANIFEST_FILE).read_bytes(), trust=trust)
-                except (OSError, ShardnetError) as exc:
-                    problems.append(f"{c.name} step {step}: manifest does not verify: {exc}")
-                    continue
-                if m.digest != digests.get(step):
-                    problems.append(f"{c.name} step {step}: manifest differs from the trainer's")
-                for f in m.header.files:
-                    if not file_matches(step_dir / f.name, m, f.name):
-                        problems.append(f"{c.name} step {step}: {f.name} digest mismatch")
+        problems += _check_on_disk(workdir / c.name / "versions", c.name, trust_id, digests)
     trained = tr.get("trained_samples", 0)
     if not trained or trained != tr.get("trained_verified_samples"):
         problems.append(f"trained {trained} samples, verified {tr.get('trained_verified_samples')}")
@@ -403,28 +387,7 @@ def summarize(
     rewards = [r["mean_reward"] for r in rows if r.get("mean_reward") is not None]
     names = {str(c.ready.get("peer_id")): c.name for c in [trainer, *relays, *peers]}
     validator = tr.get("validator") or {}
-    reputation = dict(tr.get("reputation") or {})
-    if reputation:
-        reputation["scores"] = {
-            names.get(k, k): v for k, v in (reputation.get("scores") or {}).items()
-        }
-        reputation["refused"] = [names.get(k, k) for k in reputation.get("refused") or []]
-    step_rows = [
-        {
-            "step": r.get("step"),
-            "kind": "anchor" if r.get("step", 0) % anchor_every == 0 else "delta",
-            "broadcast_s": r.get("broadcast_s"),
-            "origin_bytes": r.get("origin_bytes"),
-            "size_bytes": r.get("size_bytes"),
-            "peers_committed": sorted(names.get(p, p) for p in r.get("peers_committed") or []),
-            "samples_trained": r.get("rollouts_accepted") or 0,
-            "samples_rejected": r.get("rollouts_rejected") or 0,
-            "rejected_by_reason": r.get("rejected_by_reason") or {},
-            "mean_reward": r.get("mean_reward"),
-            "policy_steps_used": r.get("policy_steps_used"),
-        }
-        for r in rows
-    ]
+    step_rows = [_step_row(r, names, anchor_every) for r in rows]
     return {
         "ok": not problems,
         "problems": problems,
@@ -454,7 +417,81 @@ def summarize(
                 "origin_bytes_total",
             )
         }
-        | {"reputation": reputation},
+        | {"reputation": _reputation(tr, names)},
+    }
+
+
+def _peer_versions(
+    peers: list[Child], digests: dict[int, str], problems: list[str]
+) -> dict[str, dict[int, str]]:
+    """The versions each peer reports committed (step -> manifest digest); a peer without a
+    report, or without a version the trainer published, adds to ``problems``."""
+    peer_versions: dict[str, dict[int, str]] = {}
+    for c in peers:
+        rep = c.report()
+        if rep is None:
+            problems.append(f"{c.name} wrote no report")
+            continue
+        got = {v["step"]: v["manifest_digest"] for v in rep.get("versions", [])}
+        peer_versions[c.name] = got
+        for step, digest in digests.items():
+            if got.get(step) != digest:
+                problems.append(f"{c.name} did not commit version {step} with the trainer's digest")
+    return peer_versions
+
+
+def _check_on_disk(
+    versions: Path, name: str, trainer_id: str, digests: dict[int, str]
+) -> list[str]:
+    """An independent check of what node ``name`` keeps on disk now: every kept version's
+    manifest verifies, is the trainer's, and its files hash to it. Returns the problems."""
+    from p2p.trust import TrustList
+    from shardcast.store import file_matches
+    from shardcast.wire import MANIFEST_FILE, Manifest
+
+    trust = TrustList(trainer=trainer_id)
+    problems = []
+    for run_dir in versions.iterdir():
+        for step_dir in sorted(run_dir.glob("step-*")):
+            step = int(step_dir.name[5:])
+            try:
+                m = Manifest.decode((step_dir / MANIFEST_FILE).read_bytes(), trust=trust)
+            except (OSError, ShardnetError) as exc:
+                problems.append(f"{name} step {step}: manifest does not verify: {exc}")
+                continue
+            if m.digest != digests.get(step):
+                problems.append(f"{name} step {step}: manifest differs from the trainer's")
+            for f in m.header.files:
+                if not file_matches(step_dir / f.name, m, f.name):
+                    problems.append(f"{name} step {step}: {f.name} digest mismatch")
+    return problems
+
+
+def _reputation(tr: dict[str, Any], names: dict[str, str]) -> dict[str, Any]:
+    """The trainer's reputation report with PeerIDs replaced by node names."""
+    reputation = dict(tr.get("reputation") or {})
+    if reputation:
+        reputation["scores"] = {
+            names.get(k, k): v for k, v in (reputation.get("scores") or {}).items()
+        }
+        reputation["refused"] = [names.get(k, k) for k in reputation.get("refused") or []]
+    return reputation
+
+
+def _step_row(r: dict[str, Any], names: dict[str, str], anchor_every: int) -> dict[str, Any]:
+    """One row of the demo's table, from the trainer's report of one step."""
+    return {
+        "step": r.get("step"),
+        "kind": "anchor" if r.get("step", 0) % anchor_every == 0 else "delta",
+        "broadcast_s": r.get("broadcast_s"),
+        "origin_bytes": r.get("origin_bytes"),
+        "size_bytes": r.get("size_bytes"),
+        "peers_committed": sorted(names.get(p, p) for p in r.get("peers_committed") or []),
+        "samples_trained": r.get("rollouts_accepted") or 0,
+        "samples_rejected": r.get("rollouts_rejected") or 0,
+        "rejected_by_reason": r.get("rejected_by_reason") or {},
+        "mean_reward": r.get("mean_reward"),
+        "policy_steps_used": r.get("policy_steps_used"),
     }
 
 

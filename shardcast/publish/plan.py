@@ -345,89 +345,139 @@ def hash_parts(
         header.schema >= 3,
         chunk_bytes,
     )
-    n = len(header.shards)
-    digests: list[str | None] = [None] * n
-    encs: list[tuple[Encoded, ...]] = [()] * n
-    chunk_lists: list[tuple[str, ...]] = [()] * n
-    empty = file_root([]) if settings.rooted else EMPTY_DIGEST
-    file_digests = {f.name: empty for f in header.files if f.size == 0}
-    sizes = {f.name: f.size for f in header.files}
+    parts = _PartAssembler(header, header_digest, settings, on_part)
     first_shard: dict[str, int] = {}
-    ending: dict[int, list[str]] = {k: [] for k in range(header.n_parts)}
     for ref in header.shards:
         first_shard.setdefault(ref.file, ref.index)
-        if ref.offset + ref.length == sizes[ref.file]:
-            ending[ref.index // header.shards_per_part].append(ref.file)
-    ending[0] += [f.name for f in header.files if f.size == 0]
-    parts: dict[int, Part] = {}
-    next_check = 0  # parts below this one are emitted
-
-    def emit_ready() -> None:
-        # part k goes out once all its shards are hashed and its files' digests are final
-        nonlocal next_check
-        for k in range(next_check, header.n_parts):
-            if k in parts:
-                continue
-            rng = header.part_range(k)
-            if any(digests[i] is None for i in rng) or any(
-                f not in file_digests for f in ending[k]
-            ):
-                continue
-            fds = tuple(sorted((f, file_digests[f]) for f in ending[k]))
-            listed = settings.rooted and all(chunk_lists[i] for i in rng)
-            part = Part(
-                header.run_id,
-                header.step,
-                header_digest,
-                k,
-                tuple(d for d in digests[rng.start : rng.stop] if d is not None),
-                tuple(encs[i] for i in rng),
-                fds,
-                header.schema,
-                settings.chunk_bytes if listed else 0,
-                tuple(chunk_lists[i] for i in rng) if listed else (),
-            )
-            parts[k] = part
-            on_part(part)
-        while next_check in parts:
-            next_check += 1
-
-    todo = []
-    for f in header.files:
-        if f.size == 0:
-            continue
-        pre = (pre_encoded or {}).get(f.name)
-        first = first_shard[f.name]
-        if pre is not None and _use_pre_encoded(pre, f.size, settings, first, blob_dir):
-            for j, shard in enumerate(pre.shards):
-                digests[first + j] = shard.digest
-                encs[first + j] = shard.encoded
-                chunk_lists[first + j] = shard.chunks
-            file_digests[f.name] = pre.digest
-        else:
-            todo.append(f)
-    emit_ready()
-
-    def blob_path_of(first: int) -> Callable[[int, str], Path]:
-        def path(offset: int, encoding: str) -> Path:
-            assert blob_dir is not None
-            return blob_dir / f"{first + offset // header.shard_size}.{encoding}"
-
-        return path
+    todo = [
+        f
+        for f in header.files
+        if f.size and not parts.take_pre_encoded(f, first_shard[f.name], pre_encoded, blob_dir)
+    ]
+    parts.emit_ready()
 
     for f in todo:
         first = first_shard[f.name]
         base_path = None if base is None else base.directory / f.name
-        shards = encode_file(directory / f.name, f.size, settings, base_path, blob_path_of(first))
+        blob_path = _blob_path_of(blob_dir, first, header.shard_size)
+        shards = encode_file(directory / f.name, f.size, settings, base_path, blob_path)
         for j, (shard, file_digest) in enumerate(shards):
-            digests[first + j] = shard.digest
-            encs[first + j] = shard.encoded
-            chunk_lists[first + j] = shard.chunks
+            parts.shard_done(first + j, shard)
             if file_digest is not None:
-                file_digests[f.name] = file_digest
-            emit_ready()
-    emit_ready()
-    return [parts[k] for k in sorted(parts)]
+                parts.file_done(f.name, file_digest)
+            parts.emit_ready()
+    parts.emit_ready()
+    return parts.in_order()
+
+
+def _blob_path_of(blob_dir: Path | None, first: int, shard_size: int) -> Callable[[int, str], Path]:
+    """Where a file whose first shard is ``first`` puts the blob of the shard at ``offset``."""
+
+    def path(offset: int, encoding: str) -> Path:
+        assert blob_dir is not None
+        return blob_dir / f"{first + offset // shard_size}.{encoding}"
+
+    return path
+
+
+class _PartAssembler:
+    """The parts of one version as its shards and files are hashed, in any order.
+
+    Part ``k`` goes out (``on_part``) once all its shards are hashed and the digests of the
+    files ending in it are final; parts are emitted as soon as they are complete, so indices
+    may be emitted out of order (see :func:`hash_parts`).
+    """
+
+    def __init__(
+        self,
+        header: Header,
+        header_digest: str,
+        settings: EncodeSettings,
+        on_part: Callable[[Part], None],
+    ) -> None:
+        self.header = header
+        self.header_digest = header_digest
+        self.settings = settings
+        self.on_part = on_part
+        n = len(header.shards)
+        self.digests: list[str | None] = [None] * n
+        self.encs: list[tuple[Encoded, ...]] = [()] * n
+        self.chunk_lists: list[tuple[str, ...]] = [()] * n
+        empty = file_root([]) if settings.rooted else EMPTY_DIGEST
+        self.file_digests = {f.name: empty for f in header.files if f.size == 0}
+        sizes = {f.name: f.size for f in header.files}
+        self.ending: dict[int, list[str]] = {k: [] for k in range(header.n_parts)}
+        for ref in header.shards:
+            if ref.offset + ref.length == sizes[ref.file]:
+                self.ending[ref.index // header.shards_per_part].append(ref.file)
+        self.ending[0] += [f.name for f in header.files if f.size == 0]
+        self.parts: dict[int, Part] = {}
+        self.next_check = 0  # parts below this one are emitted
+
+    def shard_done(self, index: int, shard: ShardResult) -> None:
+        """Shard ``index`` is hashed (and encoded)."""
+        self.digests[index] = shard.digest
+        self.encs[index] = shard.encoded
+        self.chunk_lists[index] = shard.chunks
+
+    def take_pre_encoded(
+        self,
+        f: FileEntry,
+        first: int,
+        pre_encoded: Mapping[str, PreEncoded] | None,
+        blob_dir: Path | None,
+    ) -> bool:
+        """Take file ``f`` (first shard ``first``) from ``pre_encoded`` if it can be used
+        (:func:`_use_pre_encoded`); returns False if it must be read."""
+        pre = (pre_encoded or {}).get(f.name)
+        if pre is None or not _use_pre_encoded(pre, f.size, self.settings, first, blob_dir):
+            return False
+        for j, shard in enumerate(pre.shards):
+            self.shard_done(first + j, shard)
+        self.file_done(f.name, pre.digest)
+        return True
+
+    def file_done(self, name: str, digest: str) -> None:
+        """File ``name``'s digest is final."""
+        self.file_digests[name] = digest
+
+    def emit_ready(self) -> None:
+        """Emit every part not emitted yet whose shards and ending files are all done."""
+        header = self.header
+        for k in range(self.next_check, header.n_parts):
+            if k not in self.parts and self._ready(k):
+                part = self._part(k)
+                self.parts[k] = part
+                self.on_part(part)
+        while self.next_check in self.parts:
+            self.next_check += 1
+
+    def in_order(self) -> list[Part]:
+        """Every emitted part, in index order."""
+        return [self.parts[k] for k in sorted(self.parts)]
+
+    def _ready(self, k: int) -> bool:
+        rng = self.header.part_range(k)
+        return all(self.digests[i] is not None for i in rng) and all(
+            f in self.file_digests for f in self.ending[k]
+        )
+
+    def _part(self, k: int) -> Part:
+        header, rng = self.header, self.header.part_range(k)
+        fds = tuple(sorted((f, self.file_digests[f]) for f in self.ending[k]))
+        listed = self.settings.rooted and all(self.chunk_lists[i] for i in rng)
+        return Part(
+            header.run_id,
+            header.step,
+            self.header_digest,
+            k,
+            tuple(d for d in self.digests[rng.start : rng.stop] if d is not None),
+            tuple(self.encs[i] for i in rng),
+            fds,
+            header.schema,
+            self.settings.chunk_bytes if listed else 0,
+            tuple(self.chunk_lists[i] for i in rng) if listed else (),
+        )
 
 
 def _use_pre_encoded(
