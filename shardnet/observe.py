@@ -47,7 +47,9 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 from shardcast.node import iso, wall_of
 
 if TYPE_CHECKING:
+    from rollout.inbox import InboxStats
     from rollout.intake import Acceptance
+    from rollout.verify import ValidatorStats
     from shardcast.node import ShardcastNode
     from shardnet.peer import InferencePeer
     from trainer.trainer import Trainer
@@ -197,58 +199,67 @@ def trainer_families(trainer: Trainer) -> list[Metric]:
         ),
     ]
     if trainer.inbox is not None:
-        st = trainer.inbox.statistics()
-        out += [
-            _counter(
-                "shardnet_rollouts_announced",
-                "rollout batch announcements received",
-                st.announcements,
-            ),
-            _counter(
-                "shardnet_rollouts_fetched_bytes", "rollout payload bytes fetched", st.fetched_bytes
-            ),
-            _counter(
-                "shardnet_rollout_batches_fetched",
-                "rollout batch payloads fetched from submitters",
-                st.fetched_batches,
-            ),
-            _gauge(
-                "shardnet_rollout_batches_buffered",
-                "verified batches waiting for a step",
-                st.buffered,
-            ),
-        ]
-        by_length = st.by_length
-        for what, doc in (
-            ("decided", "batches with a final verdict"),
-            ("accepted", "batches admitted to the training buffer"),
-            ("trained", "admitted batches handed to the optimizer"),
-            ("late", "batches admitted in the late grace window"),
-        ):
-            name = "admitted" if what == "accepted" else what
-            out.append(
-                _counter_by(
-                    f"shardnet_rollout_batches_{name}",
-                    f"{doc}, by rollout length bucket (mean completion tokens per sample)",
-                    "length",
-                    {k: getattr(a, what) for k, a in by_length.items()},
-                )
-            )
+        out += _inbox_families(trainer.inbox.statistics())
     if trainer.validator is not None:
-        vs = trainer.validator.statistics()
-        rejected = _counter_by(
-            "shardnet_rollout_samples_rejected",
-            "samples rejected, by reason",
-            "reason",
-            vs.rejected_samples,
-        )
-        out += [
-            _counter("shardnet_rollout_batches_accepted", "batches accepted", vs.accepted_batches),
-            _counter("shardnet_rollout_batches_rejected", "batches rejected", vs.rejected_batches),
-            _counter("shardnet_rollout_samples_accepted", "samples accepted", vs.accepted_samples),
-            rejected,
-        ]
+        out += _validator_families(trainer.validator.statistics())
     return out
+
+
+def _inbox_families(st: InboxStats) -> list[Metric]:
+    """The rollout inbox's families: announcements, fetches, buffered and batches by length."""
+    out: list[Metric] = [
+        _counter(
+            "shardnet_rollouts_announced",
+            "rollout batch announcements received",
+            st.announcements,
+        ),
+        _counter(
+            "shardnet_rollouts_fetched_bytes", "rollout payload bytes fetched", st.fetched_bytes
+        ),
+        _counter(
+            "shardnet_rollout_batches_fetched",
+            "rollout batch payloads fetched from submitters",
+            st.fetched_batches,
+        ),
+        _gauge(
+            "shardnet_rollout_batches_buffered",
+            "verified batches waiting for a step",
+            st.buffered,
+        ),
+    ]
+    by_length = st.by_length
+    for what, doc in (
+        ("decided", "batches with a final verdict"),
+        ("accepted", "batches admitted to the training buffer"),
+        ("trained", "admitted batches handed to the optimizer"),
+        ("late", "batches admitted in the late grace window"),
+    ):
+        name = "admitted" if what == "accepted" else what
+        out.append(
+            _counter_by(
+                f"shardnet_rollout_batches_{name}",
+                f"{doc}, by rollout length bucket (mean completion tokens per sample)",
+                "length",
+                {k: getattr(a, what) for k, a in by_length.items()},
+            )
+        )
+    return out
+
+
+def _validator_families(vs: ValidatorStats) -> list[Metric]:
+    """The validator's families: batches and samples accepted and rejected (by reason)."""
+    rejected = _counter_by(
+        "shardnet_rollout_samples_rejected",
+        "samples rejected, by reason",
+        "reason",
+        vs.rejected_samples,
+    )
+    return [
+        _counter("shardnet_rollout_batches_accepted", "batches accepted", vs.accepted_batches),
+        _counter("shardnet_rollout_batches_rejected", "batches rejected", vs.rejected_batches),
+        _counter("shardnet_rollout_samples_accepted", "samples accepted", vs.accepted_samples),
+        rejected,
+    ]
 
 
 def attach_trainer(trainer: Trainer, node: ShardcastNode) -> None:

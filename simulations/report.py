@@ -69,6 +69,28 @@ def _slowest(summary: dict[str, Any], k: int) -> list[tuple[str, str, dict[str, 
     return rows[:k]
 
 
+def _peers_left_out(
+    nodes: dict[str, Any], peers: dict[str, Any], honest: dict[str, Any], last_step: str
+) -> list[str]:
+    """Report lines on the peers not in the tables: dishonest ones by count per behaviour,
+    and the honest ones without the last version (the first ``SLOWEST`` by name)."""
+    lines: list[str] = []
+    others: dict[str, int] = {}
+    for n in peers.values():
+        if n["behavior"] != "honest":
+            others[n["behavior"]] = others.get(n["behavior"], 0) + 1
+    if others:
+        lines += ["", "Other peers: " + ", ".join(f"{c} {b}" for b, c in sorted(others.items()))]
+    missing = sorted(
+        k for k, n in honest.items() if n["versions"].get(last_step, {}).get("commit_s") is None
+    )
+    if missing:
+        names = [m + (" (left)" if nodes[m].get("alive_at_end") is False else "") for m in missing]
+        shown = ", ".join(names[:SLOWEST]) + (", …" if len(missing) > SLOWEST else "")
+        lines += ["", f"Honest peers without version {last_step}: {len(missing)} ({shown})"]
+    return lines
+
+
 def markdown(summary: dict[str, Any]) -> str:
     """The Markdown report of one run: per-version percentiles, tiers, the slowest peers.
 
@@ -119,20 +141,7 @@ def markdown(summary: dict[str, Any]) -> str:
             f"| {role} | {t.get('nodes', 0)} | {t['bytes_up'] / GB:.3f} | "
             f"{t['bytes_down'] / GB:.3f} |"
         )
-    others: dict[str, int] = {}
-    for n in peers.values():
-        if n["behavior"] != "honest":
-            others[n["behavior"]] = others.get(n["behavior"], 0) + 1
-    if others:
-        lines += ["", "Other peers: " + ", ".join(f"{c} {b}" for b, c in sorted(others.items()))]
-    last_step = str(ck["versions"] - 1)
-    missing = sorted(
-        k for k, n in honest.items() if n["versions"].get(last_step, {}).get("commit_s") is None
-    )
-    if missing:
-        names = [m + (" (left)" if nodes[m].get("alive_at_end") is False else "") for m in missing]
-        shown = ", ".join(names[:SLOWEST]) + (", …" if len(missing) > SLOWEST else "")
-        lines += ["", f"Honest peers without version {last_step}: {len(missing)} ({shown})"]
+    lines += _peers_left_out(nodes, peers, honest, str(ck["versions"] - 1))
     slow = _slowest(summary, SLOWEST)
     if slow:
         lines += [

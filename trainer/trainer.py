@@ -192,27 +192,7 @@ class Trainer:
         if profiles and cfg.validator_profile is not None:
             card = card_profile(cfg.validator_profile, profiles)
             rules = replace(rules, validator_profile=card)
-        vcfg = ValidatorConfig(
-            run_id=cfg.node.run_id,
-            task=task.name,
-            n_prompts=cfg.n_prompts,
-            group_size=cfg.group_size,
-            max_new_tokens=cfg.max_new_tokens,
-            temperature=cfg.temperature,
-            async_level=cfg.async_level,
-            check_model=cfg.check_model,
-            engines=tuple(e.id for e in cfg.engines),
-            profiles={**DEFAULT_PROFILES, **profiles},
-        )
-        self.intake = intake = RolloutIntake(
-            vcfg,
-            tokenizer,
-            task,
-            int(cast(Any, model).config.vocab_size),
-            self.trust,
-            inbox=cfg.inbox,
-            session=self.session,
-        )
+        self.intake = intake = self._intake(model, tokenizer, task, profiles)
         oracle = intake.oracle
         self.validator = intake.validator
         self.reputation = intake.reputation
@@ -231,17 +211,7 @@ class Trainer:
             await nursery.start(self.inbox.run)
             plan = self.plan
             if plan.kind is not ResumeKind.FRESH:
-                meta = self._state_meta()
-                await trio.to_thread.run_sync(
-                    lambda: load_state(cfg.node.data_dir, plan.step, model, optimizer, meta)
-                )
-                log.info(
-                    "trainer_resumed plan=%s step=%d published=%s session=%s",
-                    plan.kind.value,
-                    plan.step,
-                    plan.published,
-                    self.session,
-                )
+                await self._load_resumed_state(plan, model, optimizer)
             task_status.started(node)
             start = await self._start(plan, origin, oracle, model, optimizer, tokenizer, staging)
             for k in range(start, cfg.steps + 1):
@@ -261,6 +231,48 @@ class Trainer:
                 await trio.sleep(cfg.finish_linger_s)
             self._close_rejections()
             nursery.cancel_scope.cancel()
+
+    def _intake(
+        self, model: Any, tokenizer: Any, task: Task, profiles: dict[str, EngineProfile]
+    ) -> RolloutIntake:
+        """The rollout intake (validator, reputation, oracle) of this run's settings."""
+        cfg = self.config
+        vcfg = ValidatorConfig(
+            run_id=cfg.node.run_id,
+            task=task.name,
+            n_prompts=cfg.n_prompts,
+            group_size=cfg.group_size,
+            max_new_tokens=cfg.max_new_tokens,
+            temperature=cfg.temperature,
+            async_level=cfg.async_level,
+            check_model=cfg.check_model,
+            engines=tuple(e.id for e in cfg.engines),
+            profiles={**DEFAULT_PROFILES, **profiles},
+        )
+        return RolloutIntake(
+            vcfg,
+            tokenizer,
+            task,
+            int(cast(Any, model).config.vocab_size),
+            self.trust,
+            inbox=cfg.inbox,
+            session=self.session,
+        )
+
+    async def _load_resumed_state(self, plan: ResumePlan, model: Any, optimizer: Any) -> None:
+        """Load the model and optimizer state saved at ``plan.step`` (a resumed run)."""
+        meta = self._state_meta()
+        data_dir = self.config.node.data_dir
+        await trio.to_thread.run_sync(
+            lambda: load_state(data_dir, plan.step, model, optimizer, meta)
+        )
+        log.info(
+            "trainer_resumed plan=%s step=%d published=%s session=%s",
+            plan.kind.value,
+            plan.step,
+            plan.published,
+            self.session,
+        )
 
     def validator_profiles(self, arch_digest: str) -> dict[str, EngineProfile]:
         """The engine profiles of ``validator_profile`` for the run's engines (empty without

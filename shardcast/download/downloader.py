@@ -174,22 +174,14 @@ class Downloader:
         self._max_extra = max_extra_sources
         self._upstreams = upstreams
         part = await trio.to_thread.run_sync(self.store.begin, manifest)
-        base_step = manifest.header.base_step
-        base_digest = manifest.header.base_digest
-        use_base = (
-            self.config.use_deltas
-            and base_step is not None
-            and base_digest is not None
-            and self.store.holds(base_step, base_digest)
-        )
-        session = self._session(part, use_base)
+        base_step = self._usable_base(manifest)
+        session = self._session(part, base_step is not None)
         stats = self.current = self.last_stats = session.stats
         try:
             if on_partial is not None:
                 on_partial(part)
             with trio.fail_after(self.config.deadline_s):
-                if use_base:
-                    assert base_step is not None
+                if base_step is not None:
                     with self.store.pinned(base_step):
                         base = BaseVersion(self.store, base_step)
                         try:
@@ -198,12 +190,7 @@ class Downloader:
                             base.close()
                 else:
                     await self._drive(part, session, None, sources, on_shard, progress)
-            try:
-                path = await trio.to_thread.run_sync(part.commit)
-            except OSError as exc:  # the data directory vanished under us
-                raise DownloadFailed(
-                    f"step {manifest.step}: store lost at commit ({exc})", Abandon.STORE_LOST
-                ) from exc
+            path = await self._commit(part, manifest.step)
         except trio.TooSlowError as exc:
             raise DownloadFailed(
                 f"step {manifest.step} not complete after {self.config.deadline_s}s",
@@ -211,16 +198,50 @@ class Downloader:
             ) from exc
         finally:
             self.current = None
-            # cancelled from outside: the effective deadline of a cancelled scope is -inf
-            cancelled = trio.current_effective_deadline() == -math.inf
-            if not self.store.has(manifest.step):
-                with trio.CancelScope(shield=True):
-                    if cancelled and self.config.keep_partial:
-                        await trio.to_thread.run_sync(part.close)
-                    else:
-                        await trio.to_thread.run_sync(part.abort)
+            await self._leave_partial(part, manifest.step)
         stats.elapsed_s = trio.current_time() - started
         return path, stats
+
+    @staticmethod
+    async def _commit(part: PartialVersion, step: int) -> Path:
+        """Commit the complete version ``step``; returns its directory.
+
+        Raises:
+            DownloadFailed: ``store_lost``, the data directory vanished under us.
+        """
+        try:
+            return await trio.to_thread.run_sync(part.commit)
+        except OSError as exc:
+            raise DownloadFailed(
+                f"step {step}: store lost at commit ({exc})", Abandon.STORE_LOST
+            ) from exc
+
+    def _usable_base(self, manifest: Manifest) -> int | None:
+        """The step of ``manifest``'s delta base if deltas are on and the store holds that
+        base (its step and digest); None: download the raw shards."""
+        base_step = manifest.header.base_step
+        base_digest = manifest.header.base_digest
+        if (
+            self.config.use_deltas
+            and base_step is not None
+            and base_digest is not None
+            and self.store.holds(base_step, base_digest)
+        ):
+            return base_step
+        return None
+
+    async def _leave_partial(self, part: PartialVersion, step: int) -> None:
+        """After a download that did not commit ``step``: remove the partial version, or,
+        cancelled from outside with ``keep_partial``, close it for the next download to
+        resume (shielded: it runs while cancelled)."""
+        # cancelled from outside: the effective deadline of a cancelled scope is -inf
+        cancelled = trio.current_effective_deadline() == -math.inf
+        if not self.store.has(step):
+            with trio.CancelScope(shield=True):
+                if cancelled and self.config.keep_partial:
+                    await trio.to_thread.run_sync(part.close)
+                else:
+                    await trio.to_thread.run_sync(part.abort)
 
     async def _drive(
         self,

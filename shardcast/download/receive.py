@@ -377,39 +377,79 @@ def verify_and_write(
     blobs = {encoding: bytes(blob)}  # kept for re-serving (deltas are small)
     if encoding in codecs.DELTAS and base is None:
         raise LocalProtocolError(f"{encoding} of shard {entry.index} needs the base version")
-    if encoding not in codecs.DELTAS:  # zstd: decompress into a pooled buffer, write
-        plain = pool.get(entry.length)
-        try:
-            try:
-                raw = codecs.decode(encoding, blob, entry.length, None, source, scratch=plain)
-            except codecs.CodecError as exc:  # digest matched: the origin wrote a bad blob
-                raise BaseMismatch(f"{encoding} blob does not decode: {exc}") from exc
-            try:
-                return part.write_shard(entry.index, raw, source, blobs=blobs)
-            except IntegrityError as exc:
-                raise BaseMismatch(str(exc)) from exc
-        finally:
-            pool.put(plain)
+    if encoding not in codecs.DELTAS:
+        return _write_decompressed(part, entry, encoding, blob, blobs, source, pool)
     assert base is not None
     if encoding == codecs.SPARSE and sparse_count(blob) * PAGE_BYTES < entry.length:
-        unchanged = is_identity(blob, entry.length)
+        return _patch_in_place(part, entry, encoding, blob, blobs, base, source)
+    return _write_dense_delta(part, entry, encoding, blob, blobs, base, source, pool)
 
-        def patch(view: memoryview) -> None:  # the base range, in the new file: patch in place
-            if unchanged:  # only the copy (still hashed: the base at rest is not trusted)
-                return
-            try:
-                codecs.decode(encoding, blob, entry.length, view, source, out=view)
-            except codecs.CodecError as exc:  # digest matched: the origin wrote a bad blob
-                raise BaseMismatch(f"{encoding} blob does not decode: {exc}") from exc
 
-        try:  # fewer changes than pages: most pages stay as copied (or shared, with reflinks)
-            return part.patch_shard(entry.index, base.fd(entry.file), patch, source, blobs)
-        except BaseMismatch:
-            raise
-        except IntegrityError as exc:  # blob verified, result wrong: base or origin
+def _write_decompressed(
+    part: PartialVersion,
+    entry: ShardEntry,
+    encoding: str,
+    blob: memoryview,
+    blobs: dict[str, bytes],
+    source: str,
+    pool: BufferPool,
+) -> bool:
+    """zstd: decompress into a pooled buffer, write (see :func:`verify_and_write`)."""
+    plain = pool.get(entry.length)
+    try:
+        try:
+            raw = codecs.decode(encoding, blob, entry.length, None, source, scratch=plain)
+        except codecs.CodecError as exc:  # digest matched: the origin wrote a bad blob
+            raise BaseMismatch(f"{encoding} blob does not decode: {exc}") from exc
+        try:
+            return part.write_shard(entry.index, raw, source, blobs=blobs)
+        except IntegrityError as exc:
             raise BaseMismatch(str(exc)) from exc
-    # dense: every page changes; read the base once, patch it in the buffer, write once
-    # (xor-zstd also needs a buffer to decompress its frame into; sparse patches in place)
+    finally:
+        pool.put(plain)
+
+
+def _patch_in_place(
+    part: PartialVersion,
+    entry: ShardEntry,
+    encoding: str,
+    blob: memoryview,
+    blobs: dict[str, bytes],
+    base: BaseVersion,
+    source: str,
+) -> bool:
+    """A sparse delta with fewer changes than pages: copy the base range into the new file
+    and patch it there; most pages stay as copied (or shared, with reflinks)."""
+    unchanged = is_identity(blob, entry.length)
+
+    def patch(view: memoryview) -> None:  # the base range, in the new file: patch in place
+        if unchanged:  # only the copy (still hashed: the base at rest is not trusted)
+            return
+        try:
+            codecs.decode(encoding, blob, entry.length, view, source, out=view)
+        except codecs.CodecError as exc:  # digest matched: the origin wrote a bad blob
+            raise BaseMismatch(f"{encoding} blob does not decode: {exc}") from exc
+
+    try:
+        return part.patch_shard(entry.index, base.fd(entry.file), patch, source, blobs)
+    except BaseMismatch:
+        raise
+    except IntegrityError as exc:  # blob verified, result wrong: base or origin
+        raise BaseMismatch(str(exc)) from exc
+
+
+def _write_dense_delta(
+    part: PartialVersion,
+    entry: ShardEntry,
+    encoding: str,
+    blob: memoryview,
+    blobs: dict[str, bytes],
+    base: BaseVersion,
+    source: str,
+    pool: BufferPool,
+) -> bool:
+    """A dense delta, where every page changes: read the base once, patch it in the buffer,
+    write once (xor-zstd also needs a buffer to decompress its frame into)."""
     held = pool.get(entry.length)
     scratch = pool.get(entry.length) if encoding == codecs.XOR_ZSTD else None
     try:

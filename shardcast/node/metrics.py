@@ -244,8 +244,7 @@ class NodeMetrics:
 
 
 def _node_families(node: NodeView, m: NodeMetrics) -> Iterator[Metric]:
-    http = node.http.statistics()
-    client = node.client.statistics()
+    """Every family read from the node at scrape time: build, HTTP lane, versions, libp2p."""
     info = GaugeMetricFamily(
         "shardnet_build_info",
         "always 1; labels say which build, role, run and node this is",
@@ -253,6 +252,21 @@ def _node_families(node: NodeView, m: NodeMetrics) -> Iterator[Metric]:
     )
     info.add_metric([package_version(), m.role, m.run_id, m.peer_id], 1)
     yield info
+    yield from _http_families(node, m)
+    yield from _version_families(node)
+    yield from _p2p_families(node)
+    if m.origin:
+        yield CounterMetricFamily(
+            "shardnet_superseeding_refusals",
+            "requests refused under origin super-seeding (HTTP 429)",
+            value=node.server.refused_once,
+        )
+
+
+def _http_families(node: NodeView, m: NodeMetrics) -> Iterator[Metric]:
+    """The HTTP lane: responses, bytes by direction and codec, connections, errors."""
+    http = node.http.statistics()
+    client = node.client.statistics()
     requests = CounterMetricFamily(
         "shardnet_http_requests",
         "HTTP lane responses by status class, excluding /metrics and /status",
@@ -287,6 +301,10 @@ def _node_families(node: NodeView, m: NodeMetrics) -> Iterator[Metric]:
         "HTTP body bytes this node's client received",
         value=client.bytes_received,
     )
+
+
+def _version_families(node: NodeView) -> Iterator[Metric]:
+    """Versions held, the newest committed and announced, those in progress."""
     steps = node.store.committed_steps()
     yield GaugeMetricFamily(
         "shardnet_versions_held", "committed versions kept on disk", value=len(steps)
@@ -305,6 +323,10 @@ def _node_families(node: NodeView, m: NodeMetrics) -> Iterator[Metric]:
         "versions being downloaded or hashed now",
         value=len(node.server.in_progress()),
     )
+
+
+def _p2p_families(node: NodeView) -> Iterator[Metric]:
+    """libp2p: connected peers, event-loop lag, offences and bans, gossip mesh sizes."""
     yield GaugeMetricFamily(
         "shardnet_libp2p_connected_peers",
         "peers with an open libp2p connection",
@@ -343,12 +365,6 @@ def _node_families(node: NodeView, m: NodeMetrics) -> Iterator[Metric]:
             [kind], sum(n for t, n in sizes.items() if t.rsplit("/", 2)[-2:-1] == [kind])
         )
     yield mesh
-    if m.origin:
-        yield CounterMetricFamily(
-            "shardnet_superseeding_refusals",
-            "requests refused under origin super-seeding (HTTP 429)",
-            value=node.server.refused_once,
-        )
 
 
 class DownloadMetrics:

@@ -46,7 +46,7 @@ import functools
 import json
 import logging
 import os
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from contextlib import nullcontext
 from dataclasses import dataclass
 from pathlib import Path
@@ -238,37 +238,13 @@ class Origin:
         if latest is not None and step <= latest:
             raise LocalProtocolError(f"step {step} is not newer than published step {latest}")
         base = self._base(step)
-        describe = functools.partial(
-            make_header, directory, node.config.run_id, step, cfg.shard_size
-        )
-        header = await trio.to_thread.run_sync(describe, cfg.shards_per_part, base)
-        per_part = parts_of(len(header.shards), cfg.shards_per_part, cfg.max_parts)
-        if per_part != header.shards_per_part:  # a large version: fewer, larger parts
-            header = await trio.to_thread.run_sync(describe, per_part, base)
-        header = await trio.to_thread.run_sync(
-            stable_header, self._record_path(step), directory, header
-        )
+        header = await self._describe(directory, step, base)
         manifest = Manifest(sign_header(header, node.identity))
         node.server.add_live(_Publishing(manifest, directory))
-        card = (node.card.version, node.card.digest) if node.card is not None else (0, "")
-        ann = VersionAnnouncement.create(
-            node.identity, node.config.run_id, step, manifest.digest, self.trainer_addrs, card
-        )
-        node.set_announcement(ann)
-        await node.p2p.publish(versions_topic(node.config.run_id), ann.encode())
+        await self._announce(step, manifest)
         announced_at = trio.current_time()
         encodings = self._encodings(base)
-        token = trio.lowlevel.current_trio_token()
-
-        def on_part(part: Part) -> None:  # worker thread: sign, then hand to the trio thread
-            signed = sign_part(part, node.identity)
-
-            def publish_part() -> None:
-                manifest.add_part(signed)
-                node.server.progress(step)
-
-            trio.from_thread.run_sync(publish_part, trio_token=token)
-
+        on_part = self._part_publisher(manifest, step)
         try:
             with node.store.pinned(base.step) if base is not None else nullcontext():
                 parts = await trio.to_thread.run_sync(
@@ -295,11 +271,7 @@ class Origin:
         node.metrics.versions_committed.inc()
         if node.metrics.origin:
             node.metrics.publish_hash.observe(hashed_at - announced_at)
-        encoded: dict[str, int] = {}
-        for p in parts:
-            for encs in p.encodings:
-                for e in encs:
-                    encoded[e.encoding] = encoded.get(e.encoding, 0) + e.size
+        encoded = _encoded_bytes(parts)
         log.info(
             "version_published step=%d size_bytes=%d shards=%d parts=%d base=%s "
             "hash_s=%.3f pre_encoded_files=%d encoded=%s digest=%s",
@@ -316,6 +288,48 @@ class Origin:
         return PublishResult(
             manifest, path, announced_at, hashed_at, hashed_at - announced_at, encoded
         )
+
+    def _part_publisher(self, manifest: Manifest, step: int) -> Callable[[Part], None]:
+        """``on_part`` of :func:`hash_parts`, called in its worker thread: sign the part, then
+        hand it to the trio thread, which adds it to ``manifest`` and serves it."""
+        node, token = self.node, trio.lowlevel.current_trio_token()
+
+        def on_part(part: Part) -> None:  # worker thread: sign, then hand to the trio thread
+            signed = sign_part(part, node.identity)
+
+            def publish_part() -> None:
+                manifest.add_part(signed)
+                node.server.progress(step)
+
+            trio.from_thread.run_sync(publish_part, trio_token=token)
+
+        return on_part
+
+    async def _describe(self, directory: Path, step: int, base: Base | None) -> Header:
+        """The header of ``directory`` as ``step`` (sizes only, no data read): fewer, larger
+        parts for a large version, and the nonce of an interrupted publication of the same,
+        unchanged files (:func:`stable_header`)."""
+        cfg = self.config
+        describe = functools.partial(
+            make_header, directory, self.node.config.run_id, step, cfg.shard_size
+        )
+        header = await trio.to_thread.run_sync(describe, cfg.shards_per_part, base)
+        per_part = parts_of(len(header.shards), cfg.shards_per_part, cfg.max_parts)
+        if per_part != header.shards_per_part:  # a large version: fewer, larger parts
+            header = await trio.to_thread.run_sync(describe, per_part, base)
+        return await trio.to_thread.run_sync(
+            stable_header, self._record_path(step), directory, header
+        )
+
+    async def _announce(self, step: int, manifest: Manifest) -> None:
+        """Announce ``step`` on the run's versions topic, naming the run card the node holds."""
+        node = self.node
+        card = (node.card.version, node.card.digest) if node.card is not None else (0, "")
+        ann = VersionAnnouncement.create(
+            node.identity, node.config.run_id, step, manifest.digest, self.trainer_addrs, card
+        )
+        node.set_announcement(ann)
+        await node.p2p.publish(versions_topic(node.config.run_id), ann.encode())
 
     def _record_path(self, step: int) -> Path:
         return self.node.store.run_dir / f".publishing-step-{step}.json"
@@ -396,3 +410,13 @@ def stable_header(path: Path, directory: Path, header: Header) -> Header:
         os.fsync(fh.fileno())
     os.rename(tmp, path)
     return header
+
+
+def _encoded_bytes(parts: list[Part]) -> dict[str, int]:
+    """Bytes of the encoded forms the parts offer, by encoding."""
+    encoded: dict[str, int] = {}
+    for p in parts:
+        for encs in p.encodings:
+            for e in encs:
+                encoded[e.encoding] = encoded.get(e.encoding, 0) + e.size
+    return encoded
