@@ -1,4 +1,4 @@
-"""Catch-up planning: which versions to download to reach the newest one with fewest bytes.
+"""core: catch-up planning: which versions to download to reach the newest one with fewest bytes.
 
 A node that holds version ``have`` and wants ``target`` can download ``target`` in full, or,
 if every version ``have+1 .. target`` offers a delta against its predecessor, download that

@@ -1,4 +1,4 @@
-"""When to abandon a download: a pure policy taking events and ``now``.
+"""core: when to abandon a download: a pure policy taking events and ``now``.
 
 Theory of operation
 -------------------

@@ -1,4 +1,4 @@
-"""Source selection for shard downloads: a sans-IO scheduler.
+"""core: source selection for shard downloads: a sans-IO scheduler.
 
 Theory of operation
 -------------------

@@ -1,4 +1,4 @@
-"""One download's decisions, sans-IO: events in, actions out.
+"""core: one download's decisions, sans-IO: events in, actions out.
 
 Theory of operation
 -------------------

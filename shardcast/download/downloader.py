@@ -1,4 +1,4 @@
-"""The downloader: fetch a version from several sources in parallel, verify, commit.
+"""download: the downloader: fetch a version from several sources in parallel, verify, commit.
 
 Theory of operation
 -------------------

@@ -1,4 +1,5 @@
-"""The trio driver of one download: does what its :class:`~shardcast.core.session.Session` decides.
+"""download: the trio driver of one download, doing what its session decides
+(a :class:`~shardcast.core.session.Session`).
 
 Theory of operation
 -------------------

@@ -1,4 +1,5 @@
-"""The receiving data path: shard bytes into a pooled buffer, hashed while hot, written once.
+"""download: the receiving data path: shard bytes into a pooled buffer, hashed while hot,
+written once.
 
 Theory of operation
 -------------------

@@ -1,4 +1,4 @@
-"""Keeping and fetching the run card (:mod:`shardcast.wire.runcard`): disk, libp2p, bootstrap.
+"""node: keeping and fetching the run card (:mod:`shardcast.wire.runcard`): disk, libp2p, bootstrap.
 
 Theory of operation
 -------------------

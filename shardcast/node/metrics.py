@@ -1,4 +1,4 @@
-"""Prometheus metrics of a shardcast node, served at ``/metrics`` on its HTTP lane.
+"""node: Prometheus metrics of a shardcast node, served at ``/metrics`` on its HTTP lane.
 
 Conventions: ``shardnet_`` prefix, base units (bytes, seconds), ``_total`` for counters,
 bounded label sets only (never a step, a PeerID or a path as a label value). Each node has its

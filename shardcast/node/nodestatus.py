@@ -1,4 +1,4 @@
-"""The ``/status`` document of a node: what an operator asks first, as JSON.
+"""node: the ``/status`` document of a node: what an operator asks first, as JSON.
 
 Served on every node's HTTP lane (``GET /status``) and read by ``shardnet status``. Times are
 wall-clock ISO-8601 (UTC); durations and sizes carry their unit in the key. Schema 1::

@@ -1,4 +1,4 @@
-"""The origin: publishes the trainer's checkpoint directories as signed, pipelined versions.
+"""publish: the origin, publishing the trainer's checkpoints as signed, pipelined versions.
 
 ``Origin.publish(directory, step)``:
 

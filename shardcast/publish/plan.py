@@ -1,4 +1,4 @@
-"""Shard plans over Hugging Face-style checkpoint directories, and the hashing pipeline.
+"""publish: shard plans over Hugging Face-style checkpoint directories, and the hashing pipeline.
 
 A checkpoint directory holds ``config.json``, one or more ``*.safetensors`` files (with
 ``model.safetensors.index.json`` when there are several) and optionally tokenizer and

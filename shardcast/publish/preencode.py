@@ -1,5 +1,5 @@
-"""Pipelined origin encoding: hash and encode each file of a checkpoint while the trainer is
-still writing the others.
+"""publish: pipelined origin encoding: hash and encode each file of a checkpoint while the
+trainer is still writing the others.
 
 Theory of operation
 -------------------

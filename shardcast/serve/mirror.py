@@ -1,4 +1,4 @@
-"""Static mirrors: a node's committed versions as a tree any HTTP server serves unchanged.
+"""serve: static mirrors: a node's committed versions as a tree any HTTP server serves unchanged.
 
 Layout (``OUT`` is the export directory, the web server's document root)::
 

@@ -1,4 +1,4 @@
-"""Serving versions over the HTTP lane: committed ones and ones still filling up.
+"""serve: serving versions over the HTTP lane: committed ones and ones still filling up.
 
 Routes (``GET``/``HEAD``; paths built by :mod:`shardcast.wire.lane_urls`)::
 

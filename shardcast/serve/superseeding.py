@@ -1,21 +1,19 @@
-"""Small sans-IO policies shared by the real nodes and the simulator.
+"""serve: super-seeding, the origin's fan-out rule, sans-IO (shared with the simulator).
 
-- :func:`versions_to_prune`: retention — keep the newest ``keep_last`` committed versions, and
-  never remove a pinned one (being read, served, or used as a delta base).
-- :class:`SuperSeeding`: the origin's fan-out rule — a shard's bytes go to the first requester;
-  another requester within ``window_s`` is refused (it fetches the shard from a relay that has
-  it), and repeats after the window come out of a budget (10 % of the shards by default), so
-  the origin's egress stays near one copy of each version however many nodes ask (BitTorrent
-  "super-seeding"; the budget is ours). Requesters are authenticated PeerIDs
-  (:mod:`shardcast.wire.lane_auth`); anonymous clients never hold a reservation and get their own
-  bounded share; a reservation whose holder a requester reports failing is released at once.
-  A version whose offered bytes are few (``small_version_bytes``, e.g. a sparse delta) is not
-  super-seeded at all: a refusal costs every requester a round trip and the version an extra
-  hop, which buys nothing when serving every requester a copy costs the origin less than a
-  second of its uplink.
+:class:`SuperSeeding`: a shard's bytes go to the first requester; another requester within
+``window_s`` is refused (it fetches the shard from a relay that has it), and repeats after the
+window come out of a budget (10 % of the shards by default), so the origin's egress stays near
+one copy of each version however many nodes ask (BitTorrent "super-seeding"; the budget is
+ours). Requesters are authenticated PeerIDs (:mod:`shardcast.wire.lane_auth`); anonymous
+clients never hold a reservation and get their own bounded share; a reservation whose holder a
+requester reports failing is released at once. A version whose offered bytes are few
+(``small_version_bytes``, e.g. a sparse delta) is not super-seeded at all: a refusal costs
+every requester a round trip and the version an extra hop, which buys nothing when serving
+every requester a copy costs the origin less than a second of its uplink.
 
-Both take ``now`` as an argument and do no I/O, so :mod:`shardcast.store.store`,
-:mod:`shardcast.serve.server` and ``simulations/`` run the very same decisions.
+It takes ``now`` as an argument and does no I/O, so :mod:`shardcast.serve.server` and
+``simulations/`` run the very same decisions. (Retention, once in the same module, is
+:mod:`shardcast.core.retention`.)
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""On-disk store of checkpoint versions: verified shard writes, atomic commit, retention.
+"""store: on-disk store of checkpoint versions: verified shard writes, atomic commit, retention.
 
 Layout under a node's data directory::
 

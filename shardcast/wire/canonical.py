@@ -1,4 +1,4 @@
-"""Canonical JSON and BLAKE3 digests: the signed-bytes helpers of manifests and run cards.
+"""wire: canonical JSON and BLAKE3 digests: the signed-bytes helpers of manifests and run cards.
 
 Pure (stdlib and ``blake3`` only): importable without libp2p or torch, so that
 :mod:`shardcast.wire.runcard` and any tool reading signed documents can use it.

@@ -1,4 +1,4 @@
-"""Shard encodings: raw, zstd, and deltas against the previous version (xor-zstd, sparse).
+"""wire: shard encodings: raw, zstd, and deltas against the previous version (xor-zstd, sparse).
 
 Theory of operation
 -------------------

@@ -1,4 +1,4 @@
-"""The end of a run: the trainer's signed "run finished" message, and how followers slow down.
+"""wire: the end of a run: the trainer's signed "run finished" message.
 
 Theory of operation
 -------------------
@@ -13,11 +13,10 @@ apart by the kind of their :mod:`p2p.envelope` (``run-finished`` or ``version-an
 and verifies either.
 
 A follower that knows the run finished and holds its final version has nothing left to fetch:
-:func:`shardcast.core.pollpolicy.poll_delay` (pure) then stretches its upstream polls and retries
-from seconds to
-minutes, so a node left serving after the run does not retry a departed trainer every 10 s
-forever. A newer version announcement (the trainer resumed with more steps) lifts the
-finished state.
+:func:`shardcast.core.pollpolicy.poll_delay` (pure) then stretches its upstream polls and
+retries from seconds to minutes, so a node left serving after the run does not retry a
+departed trainer every 10 s forever. A newer version announcement (the trainer resumed with
+more steps) lifts the finished state.
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""Authenticated requests on the HTTP lane: a signed header binding PeerID, path and time.
+"""wire: authenticated requests on the HTTP lane: a signed header binding PeerID, path and time.
 
 The lane needs no trust for integrity (every byte is checked against the signed manifest),
 but the origin's super-seeding (:class:`shardcast.serve.superseeding.SuperSeeding`) decides *who*

@@ -1,4 +1,4 @@
-"""URLs of the HTTP lane: every version is named by its step *and* its manifest digest.
+"""wire: URLs of the HTTP lane: every version is named by its step *and* its manifest digest.
 
 One place builds the lane's paths (downloaders, followers, mirrors) and one regular
 expression parses them (:mod:`shardcast.serve.server`)::

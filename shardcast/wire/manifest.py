@@ -1,4 +1,4 @@
-"""The signed manifest of one checkpoint version: a header, then parts.
+"""wire: the signed manifest of one checkpoint version: a header, then parts.
 
 Theory of operation
 -------------------

@@ -1,4 +1,4 @@
-"""Control messages of shardcast: version announcements and node info.
+"""wire: control messages of shardcast: version announcements and node info.
 
 Both are canonical CBOR maps (see :mod:`p2p.wire`) with a schema version field ``"v"``; an
 announcement is sealed by the trainer in a :mod:`p2p.envelope` of kind

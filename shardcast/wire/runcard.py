@@ -1,4 +1,4 @@
-"""The run card: the run's rules, signed by the trainer, that every node fetches and follows.
+"""wire: the run card: the run's rules, signed by the trainer, that every node fetches and follows.
 
 Theory of operation
 -------------------

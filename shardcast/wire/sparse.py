@@ -1,4 +1,4 @@
-"""The ``sparse`` delta encoding: positions and differences of the changed 16-bit words.
+"""wire: the ``sparse`` delta encoding: positions and differences of the changed 16-bit words.
 
 Theory of operation
 -------------------
