@@ -24,7 +24,9 @@ from p2p.errors import (
     MessageTooLarge,
     PeerUnreachable,
     RemoteProtocolError,
+    ShardnetError,
     StreamBroken,
+    short_id,
 )
 from p2p.host import HostConfig
 from p2p.http_errors import NotAvailable
@@ -75,6 +77,20 @@ def _lane_handler(tmp: Path) -> HttpHandler:
             return HttpResponse(200, [], FileSlice(path, 0, len(FILE_BYTES) + 100, 1 << 20))
         if req.path == "/headers":
             return HttpResponse(200, [], repr(sorted(req.headers.items())).encode())
+        if req.path == "/other-range":  # 206 for bytes other than those asked
+            return HttpResponse(206, [("content-range", "bytes 5-9/100")], b"56789")
+        if req.path == "/bad-range":  # 206 with a Content-Range that does not parse
+            return HttpResponse(206, [("content-range", "bytes five/100")], b"56789")
+        if req.path == "/unsatisfiable":
+            return HttpResponse(416, [("content-range", "bytes */100")])
+        if req.path == "/gone":
+            return HttpResponse(404)
+        if req.path == "/conflict":
+            return HttpResponse(409)
+        if req.path == "/slow-down":
+            return HttpResponse(429, [("retry-after", "7")])
+        if req.path == "/bad-gateway":
+            return HttpResponse(502)
         return HttpResponse(404)
 
     return handle
@@ -321,3 +337,79 @@ async def test_http_errors(pair_factory: Factory, tmp_path: Path) -> None:
         counts = p.client.statistics().errors
         assert counts["NotAvailable"] == 2
         assert counts["PeerUnreachable"] == 1
+
+
+async def _failure(call: Awaitable[object]) -> tuple[str, str, float | None]:
+    """How ``call`` failed: error class, message without its source label, Retry-After."""
+    try:
+        await call
+    except ShardnetError as exc:
+        source = getattr(exc, "peer", None)  # the transport errors name it first
+        message = str(exc).removeprefix(f"{short_id(source)}: " if source else "")
+        return type(exc).__name__, message, getattr(exc, "retry_after_s", None)
+    raise AssertionError("no error")
+
+
+async def _ask(client: HttpLaneClient, url: str, how: str, start: int, size: int) -> None:
+    """``get``: GET a whole body of at most ``size`` bytes; ``range``/``into``: bytes
+    ``[start, start + size)`` with ``stream_range``/``receive_range_into``."""
+    if how == "get":
+        await client.get_bytes(url, max_bytes=size, timeout_s=5)
+    elif how == "range":
+        async for _ in client.stream_range(url, start, size, timeout_s=5):
+            pass
+    else:
+        async for _ in client.receive_range_into(
+            url, start, memoryview(bytearray(size)), timeout_s=5
+        ):
+            pass
+
+
+def _url(server: str, path: str) -> str:
+    return path if "://" in path else server + path
+
+
+# (expected error, path asked, how, start, size): each answer is a bad one
+HEAD_FAILURES = [
+    ("RemoteProtocolError", "/other-range", "range", 0, 5),  # 206 for other bytes
+    ("RemoteProtocolError", "/other-range", "into", 0, 5),
+    ("RemoteProtocolError", "/bad-range", "range", 0, 5),  # a Content-Range that does not parse
+    ("RemoteProtocolError", "/small", "range", 1, 2),  # 200 for a range not at 0
+    ("RemoteProtocolError", "/small", "range", 0, 3),  # 200 whose Content-Length is not the range
+    ("RemoteProtocolError", "/unsatisfiable", "range", 0, 5),  # 416
+    ("RemoteProtocolError", "/teapot", "get", 0, 10),  # 418
+    ("RemoteProtocolError", "/other-range", "get", 0, 10),  # 206 to a whole GET
+    ("NotAvailable", "/gone", "get", 0, 10),  # 404
+    ("NotAvailable", "/conflict", "range", 0, 5),  # 409
+    ("NotAvailable", "/slow-down", "range", 0, 5),  # 429 with Retry-After: 7
+    ("NotAvailable", "/busy", "get", 0, 10),  # 503 with Retry-After: 3
+    ("StreamBroken", "/boom", "get", 0, 10),  # 500
+    ("StreamBroken", "/bad-gateway", "range", 0, 5),  # 502
+    ("StreamBroken", "/short", "range", 0, len(FILE_BYTES) + 100),  # body short of its length
+    ("StreamBroken", "/short", "into", 0, len(FILE_BYTES) + 100),
+    ("MessageTooLarge", "/blob", "get", 0, 100),  # declared body over the bound
+    ("LocalProtocolError", "ftp://x", "get", 0, 10),  # not an http:// URL
+    ("LocalProtocolError", "/blob", "range", -1, 5),  # a negative start
+    ("LocalProtocolError", "/blob", "into", -1, 5),
+]
+
+
+async def test_http_clients_fail_alike(tmp_path: Path) -> None:
+    """The real and the in-memory client judge answers with the same checks
+    (:mod:`p2p.http_checks`): for each bad answer, the same error class, message and
+    Retry-After, and the same error counters. A client that checked on its own would drift."""
+    got: dict[str, list[tuple[str, str, float | None]]] = {}
+    counted: dict[str, dict[str, int]] = {}
+    for name, factory in (("real", real_pair), ("mem", mem_pair)):
+        (tmp_path / name).mkdir()
+        async with factory(tmp_path / name) as p:
+            got[name] = [
+                await _failure(_ask(p.client, _url(p.server.url, path), how, start, size))
+                for _, path, how, start, size in HEAD_FAILURES
+            ]
+            counted[name] = dict(p.client.statistics().errors)
+    for case, real, mem in zip(HEAD_FAILURES, got["real"], got["mem"], strict=True):
+        assert real[0] == case[0], (case, real)
+        assert mem == real, case
+    assert [r[2] for r in got["real"] if r[2] is not None] == [7, 3]  # Retry-After, seconds
+    assert counted["mem"] == counted["real"]
