@@ -174,6 +174,8 @@ class MemNetwork:
         self._stats = _NetStats()
         self._nursery: trio.Nursery | None = None
         self._endpoints = 0
+        self._in_flight = 0  # spawned deliveries not finished
+        self._quiet = trio.Event()
 
     async def __aenter__(self) -> MemNetwork:
         self._cm = trio.open_nursery()
@@ -286,7 +288,26 @@ class MemNetwork:
 
     def _spawn(self, fn: Callable[..., Any], *args: Any) -> None:
         assert self._nursery is not None, "use MemNetwork inside `async with`"
-        self._nursery.start_soon(fn, *args)
+        self._in_flight += 1
+
+        async def deliver() -> None:
+            try:
+                await fn(*args)
+            finally:
+                self._in_flight -= 1
+                if not self._in_flight:
+                    self._quiet.set()
+                    self._quiet = trio.Event()
+
+        self._nursery.start_soon(deliver)
+
+    async def wait_quiet(self) -> None:
+        """Wait until no gossip message is in flight: every hop sent has arrived (and been
+        checked, delivered or suppressed as a duplicate) or was lost, and so have the hops its
+        forwarding sent. Returns at once if none is. A test's way to see that something did
+        *not* happen (a duplicate delivered) without sleeping."""
+        while self._in_flight:
+            await self._quiet.wait()
 
 
 class Endpoint:

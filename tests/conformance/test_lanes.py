@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING
 
 import pytest
 import trio
+import trio.testing
 
 from p2p.errors import (
     MessageTooLarge,
@@ -55,7 +56,8 @@ class Pair:
     c: Host
     server: HttpLaneServer  # on b
     client: HttpLaneClient  # on a
-    kill_b: Callable[[], Awaitable[None]]
+    kill_b: Callable[[], Awaitable[None]]  # returns once b's host is closed
+    settle: Callable[[], Awaitable[None]]  # returns once no gossip is in flight
 
 
 def _lane_handler(tmp: Path) -> HttpHandler:
@@ -113,14 +115,16 @@ async def real_pair(tmp: Path) -> AsyncIterator[Pair]:
         REAL_NETWORK.open_http_client(headers={"x-test": "1"}, sign=None) as client,
         trio.open_nursery() as nursery,
     ):
-        b = await nursery.start(_hold_host, REAL_NETWORK, ids[1], cfg)
-        host_b, stop_b = b
+        host_b, stop_b, closed_b = await nursery.start(_hold_host, REAL_NETWORK, ids[1], cfg)
 
         async def kill_b() -> None:
             stop_b.set()
-            await trio.sleep(0.5)  # the real host closes its connections on its own schedule
+            await closed_b.wait()
 
-        yield Pair(a, host_b, c, server, client, kill_b)
+        # Every host runs in this trio run over loopback, where a sent frame is readable at
+        # once: when no task can run, nothing is in flight.
+        settle = trio.testing.wait_all_tasks_blocked
+        yield Pair(a, host_b, c, server, client, kill_b, settle)
         stop_b.set()
 
 
@@ -140,13 +144,13 @@ async def mem_pair(tmp: Path) -> AsyncIterator[Pair]:
             ea.open_http_client(headers={"x-test": "1"}, sign=None) as client,
             trio.open_nursery() as nursery,
         ):
-            host_b, stop_b = await nursery.start(_hold_host, eb, ids[1], cfg)
+            host_b, stop_b, closed_b = await nursery.start(_hold_host, eb, ids[1], cfg)
 
             async def kill_b() -> None:
                 stop_b.set()
-                await trio.sleep(0.1)
+                await closed_b.wait()
 
-            yield Pair(a, host_b, c, server, client, kill_b)
+            yield Pair(a, host_b, c, server, client, kill_b, net.wait_quiet)
             stop_b.set()
 
 
@@ -155,12 +159,17 @@ async def _hold_host(
     ident: Identity,
     cfg: HostConfig,
     *,
-    task_status: TaskStatus[tuple[Host, trio.Event]] = trio.TASK_STATUS_IGNORED,
+    task_status: TaskStatus[tuple[Host, trio.Event, trio.Event]] = trio.TASK_STATUS_IGNORED,
 ) -> None:
-    stop = trio.Event()
-    async with net.open_host(ident, cfg) as host:
-        task_status.started((host, stop))
-        await stop.wait()
+    """Open a host; started with (host, stop: set it to close the host, closed: set once the
+    host is closed)."""
+    stop, closed = trio.Event(), trio.Event()
+    try:
+        async with net.open_host(ident, cfg) as host:
+            task_status.started((host, stop, closed))
+            await stop.wait()
+    finally:
+        closed.set()
 
 
 @pytest.fixture(params=["real", "mem"])
@@ -277,7 +286,7 @@ async def test_gossip_delivery_check_and_forwarding(pair_factory: Factory, tmp_p
         await p.a.publish(TOPIC, b"second")
         with trio.fail_after(10):
             assert (await subs["c"].receive()).data == b"second"
-        await trio.sleep(0.5)
+        await p.settle()  # the copy through b has arrived too, and was suppressed
         assert subs["c"].statistics().delivered == 2
         assert subs["c"].statistics().received == 2
 
