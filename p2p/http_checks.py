@@ -15,8 +15,8 @@ here, so the fake cannot drift from the real client:
   within the bound) and :func:`check_range_head` (``stream_range``: ``206`` naming exactly the
   range asked, or ``200`` of exactly that length from 0), both mapping a status to its typed
   error with :func:`status_error`;
-- the body as it arrives: :class:`WholeBody` (the size bound) and :class:`RangeBody`
-  (no more, and in the end no fewer, bytes than asked);
+- the body as it arrives: :class:`BodyCount` (a whole body within its bound; a range's no
+  more, and in the end no fewer, bytes than asked);
 - the counters: :class:`ClientCounters` (requests, body bytes, failures by error class).
 
 The error table (which failure raises which typed error) is in :mod:`p2p.http_client`'s
@@ -48,11 +48,10 @@ from p2p.http_range import RangeError, parse_content_range, parse_retry_after
 
 __all__ = [
     "NOT_AVAILABLE_STATUSES",
+    "BodyCount",
     "ClientCounters",
     "HttpClientStatistics",
-    "RangeBody",
     "Target",
-    "WholeBody",
     "check_range_args",
     "check_range_head",
     "check_whole_head",
@@ -197,40 +196,37 @@ def check_range_head(
         raise RemoteProtocolError(source, f"Content-Range {value!r} for {start}+{length} asked")
 
 
-class WholeBody:
-    """The size bound of a whole body as it arrives (``max_bytes``, bytes)."""
+class BodyCount:
+    """The bytes of a body counted as they arrive, against ``limit`` (bytes).
 
-    def __init__(self, source: str, max_bytes: int) -> None:
+    A whole body (``exact=False``, ``get_bytes``) may be any size up to ``limit``; a range's
+    (``exact=True``) must be exactly ``limit`` bytes.
+    """
+
+    def __init__(self, source: str, limit: int, *, exact: bool) -> None:
         self.source = source
-        self.max_bytes = max_bytes
+        self.limit = limit
+        self.exact = exact
         self.received = 0
 
     def add(self, n: int) -> None:
-        """``n`` more bytes arrived. Raises MessageTooLarge past ``max_bytes``."""
+        """``n`` more bytes arrived.
+
+        Raises:
+            MessageTooLarge: a whole body went past ``limit``.
+            RemoteProtocolError: a range's body went past ``limit``.
+        """
         self.received += n
-        if self.received > self.max_bytes:
-            raise MessageTooLarge(self.source, f"body exceeds {self.max_bytes} bytes")
-
-
-class RangeBody:
-    """The byte count of a range's body as it arrives: exactly ``length`` bytes."""
-
-    def __init__(self, source: str, length: int) -> None:
-        self.source = source
-        self.length = length
-        self.received = 0
-
-    def add(self, n: int) -> None:
-        """``n`` more bytes arrived. Raises RemoteProtocolError past ``length``."""
-        self.received += n
-        if self.received > self.length:
-            raise RemoteProtocolError(self.source, f"more than the {self.length} bytes")
+        if self.received > self.limit:
+            if self.exact:
+                raise RemoteProtocolError(self.source, f"more than the {self.limit} bytes")
+            raise MessageTooLarge(self.source, f"body exceeds {self.limit} bytes")
 
     def end(self) -> None:
-        """The body ended. Raises StreamBroken if it is short of ``length``."""
-        if self.received < self.length:
+        """The body ended. Raises StreamBroken if a range's body is short of ``limit``."""
+        if self.exact and self.received < self.limit:
             raise StreamBroken(
-                self.source, f"body ended after {self.received} of {self.length} bytes"
+                self.source, f"body ended after {self.received} of {self.limit} bytes"
             )
 
 

@@ -63,10 +63,9 @@ from p2p.errors import (
     TransportError,
 )
 from p2p.http_checks import (
+    BodyCount,
     ClientCounters,
     HttpClientStatistics,
-    RangeBody,
-    WholeBody,
     check_range_args,
     check_range_head,
     check_whole_head,
@@ -382,7 +381,7 @@ class HttpClient:
             reusable = False
             try:
                 check_whole_head(response, source, url, max_bytes)
-                body, bound = bytearray(), WholeBody(source, max_bytes)
+                body, bound = bytearray(), BodyCount(source, max_bytes, exact=False)
                 while (chunk := await self._next_data(conn, source, timeout_s)) is not None:
                     bound.add(len(chunk))
                     body += chunk
@@ -432,7 +431,7 @@ class HttpClient:
             )
             reusable = False
             try:
-                body = RangeBody(source, length)
+                body = BodyCount(source, length, exact=True)
                 while (chunk := await self._next_data(conn, source, timeout_s)) is not None:
                     body.add(len(chunk))
                     if len(chunk) > chunk_bytes:
@@ -488,7 +487,7 @@ class HttpClient:
             )
             reusable = False
             try:
-                body = RangeBody(source, length)
+                body = BodyCount(source, length, exact=True)
                 if header(response, b"content-length") is None:  # chunked: through h11
                     while (chunk := await self._next_data(conn, source, timeout_s)) is not None:
                         got = body.received

@@ -55,6 +55,7 @@ from typing import Any
 import h11
 import trio
 
+from p2p import http_checks
 from p2p.errors import (
     ConfigError,
     LocalProtocolError,
@@ -67,17 +68,6 @@ from p2p.errors import (
 )
 from p2p.gossip import GossipMessage, Subscription
 from p2p.host import HostConfig
-from p2p.http_checks import (
-    ClientCounters,
-    HttpClientStatistics,
-    RangeBody,
-    WholeBody,
-    check_range_args,
-    check_range_head,
-    check_whole_head,
-    parse_target,
-    request_headers,
-)
 from p2p.http_range import ByteRange, format_range
 from p2p.http_server import (
     BadRequest,
@@ -886,9 +876,9 @@ class MemHttpClient:
         self.alive = True
         self._headers = [(k.lower(), v) for k, v in headers.items()]
         self._sign = sign
-        self._counters = ClientCounters()
+        self._counters = http_checks.ClientCounters()
 
-    def statistics(self) -> HttpClientStatistics:
+    def statistics(self) -> http_checks.HttpClientStatistics:
         """Counters, as :meth:`p2p.http_client.HttpClient.statistics`."""
         return self._counters.statistics()
 
@@ -902,7 +892,7 @@ class MemHttpClient:
         timeout_s: float,
         anonymous: bool,
     ) -> _Answer:
-        source, (host, port), target, netloc = parse_target(url)
+        source, (host, port), target, netloc = http_checks.parse_target(url)
         net = self.net
         server = net._http.get((host, port))
         if not net.reachable(self.ip, host):
@@ -912,7 +902,7 @@ class MemHttpClient:
         if server is None or not server.alive:
             raise PeerUnreachable(source, "connect failed: connection refused")
         signed = self._sign(target) if self._sign is not None and not anonymous else ()
-        headers = request_headers(netloc, self._headers, signed, extra)
+        headers = http_checks.request_headers(netloc, self._headers, signed, extra)
         conn = h11.Connection(h11.CLIENT)
         head = conn.send(h11.Request(method="GET", target=target, headers=headers))
         head += conn.send(h11.EndOfMessage())
@@ -981,8 +971,8 @@ class MemHttpClient:
         """GET a whole body (``200`` only); see :meth:`p2p.http_client.HttpClient.get_bytes`."""
         with self._counters.counting_errors():
             a = await self._exchange(url, headers, timeout_s, anonymous)
-            check_whole_head(a.event, a.source, url, max_bytes)
-            out, bound = bytearray(), WholeBody(a.source, max_bytes)
+            http_checks.check_whole_head(a.event, a.source, url, max_bytes)
+            out, bound = bytearray(), http_checks.BodyCount(a.source, max_bytes, exact=False)
             async with aclosing(self._body_chunks(a, timeout_s)) as chunks:
                 async for piece in chunks:
                     bound.add(len(piece))
@@ -1002,14 +992,14 @@ class MemHttpClient:
     ) -> AsyncGenerator[bytes, None]:
         """Yield exactly ``[start, start + length)``; see
         :meth:`p2p.http_client.HttpClient.stream_range`."""
-        check_range_args(start, length, chunk_bytes)
+        http_checks.check_range_args(start, length, chunk_bytes)
         if length == 0:
             return
         with self._counters.counting_errors():
             spec = format_range(ByteRange(start, start + length - 1))
             a = await self._exchange(url, [("range", spec), *headers], timeout_s, anonymous)
-            check_range_head(a.event, a.source, url, start, length)
-            body = RangeBody(a.source, length)
+            http_checks.check_range_head(a.event, a.source, url, start, length)
+            body = http_checks.BodyCount(a.source, length, exact=True)
             async with aclosing(self._body_chunks(a, timeout_s)) as chunks:
                 async for piece in chunks:
                     body.add(len(piece))
@@ -1030,7 +1020,7 @@ class MemHttpClient:
         """Receive ``[start, start + len(view))`` into ``view``, yielding each count filled
         (the zero-copy form of :meth:`stream_range`, same errors at the same points)."""
         length = len(view)
-        check_range_args(start, length)
+        http_checks.check_range_args(start, length)
         got = 0
         async with aclosing(
             self.stream_range(
