@@ -115,17 +115,12 @@ async def real_pair(tmp: Path) -> AsyncIterator[Pair]:
         REAL_NETWORK.open_http_client(headers={"x-test": "1"}, sign=None) as client,
         trio.open_nursery() as nursery,
     ):
-        host_b, stop_b, closed_b = await nursery.start(_hold_host, REAL_NETWORK, ids[1], cfg)
-
-        async def kill_b() -> None:
-            stop_b.set()
-            await closed_b.wait()
-
+        host_b, held_b = await nursery.start(_hold_host, REAL_NETWORK, ids[1], cfg)
         # Every host runs in this trio run over loopback, where a sent frame is readable at
         # once: when no task can run, nothing is in flight.
         settle = trio.testing.wait_all_tasks_blocked
-        yield Pair(a, host_b, c, server, client, kill_b, settle)
-        stop_b.set()
+        yield Pair(a, host_b, c, server, client, held_b.kill, settle)
+        held_b.stop.set()
 
 
 @asynccontextmanager
@@ -144,14 +139,22 @@ async def mem_pair(tmp: Path) -> AsyncIterator[Pair]:
             ea.open_http_client(headers={"x-test": "1"}, sign=None) as client,
             trio.open_nursery() as nursery,
         ):
-            host_b, stop_b, closed_b = await nursery.start(_hold_host, eb, ids[1], cfg)
+            host_b, held_b = await nursery.start(_hold_host, eb, ids[1], cfg)
+            yield Pair(a, host_b, c, server, client, held_b.kill, net.wait_quiet)
+            held_b.stop.set()
 
-            async def kill_b() -> None:
-                stop_b.set()
-                await closed_b.wait()
 
-            yield Pair(a, host_b, c, server, client, kill_b, net.wait_quiet)
-            stop_b.set()
+class _Held:
+    """A host held open by :func:`_hold_host` until ``stop`` is set."""
+
+    def __init__(self) -> None:
+        self.stop = trio.Event()
+        self.closed = trio.Event()
+
+    async def kill(self) -> None:
+        """Close the host; returns once it is closed (its ``async with`` has exited)."""
+        self.stop.set()
+        await self.closed.wait()
 
 
 async def _hold_host(
@@ -159,17 +162,15 @@ async def _hold_host(
     ident: Identity,
     cfg: HostConfig,
     *,
-    task_status: TaskStatus[tuple[Host, trio.Event, trio.Event]] = trio.TASK_STATUS_IGNORED,
+    task_status: TaskStatus[tuple[Host, _Held]] = trio.TASK_STATUS_IGNORED,
 ) -> None:
-    """Open a host; started with (host, stop: set it to close the host, closed: set once the
-    host is closed)."""
-    stop, closed = trio.Event(), trio.Event()
+    held = _Held()
     try:
         async with net.open_host(ident, cfg) as host:
-            task_status.started((host, stop, closed))
-            await stop.wait()
+            task_status.started((host, held))
+            await held.stop.wait()
     finally:
-        closed.set()
+        held.closed.set()
 
 
 @pytest.fixture(params=["real", "mem"])
