@@ -18,7 +18,9 @@ on loopback the same transfer cost 4.3x the client CPU (1.34 vs 0.31 CPU-s per G
 
 The lane is untrusted: the caller checks every byte against the signed manifest. This module
 only guarantees the *amount* and *position* of the bytes, and that every failure is one of
-the typed errors below:
+the typed errors below. The checks themselves (request headers, response heads, body counts,
+error mapping) live in :mod:`p2p.http_checks`, shared with the in-memory client
+(:class:`p2p.memnet.MemHttpClient`), so the two cannot drift:
 
 =====================================  ==============================================
 what happened                          raised
@@ -47,36 +49,34 @@ from __future__ import annotations
 
 import socket
 import time
-from collections import Counter
 from collections.abc import AsyncGenerator, Callable, Mapping, Sequence
-from dataclasses import dataclass
-from types import MappingProxyType, TracebackType
-from urllib.parse import urlsplit
+from types import TracebackType
 
 import h11
 import trio
 
 from p2p.errors import (
     LocalProtocolError,
-    MessageTooLarge,
     PeerUnreachable,
     RemoteProtocolError,
-    ShardnetError,
     StreamBroken,
     TransportError,
 )
-from p2p.http_errors import NotAvailable
-from p2p.http_range import (
-    ByteRange,
-    RangeError,
-    format_range,
-    parse_content_range,
-    parse_retry_after,
+from p2p.http_checks import (
+    BodyCount,
+    ClientCounters,
+    HttpClientStatistics,
+    check_range_args,
+    check_range_head,
+    check_whole_head,
+    header,
+    parse_target,
+    request_headers,
 )
+from p2p.http_range import ByteRange, format_range
 
 __all__ = ["HttpClient", "HttpClientStatistics"]
 
-_NOT_AVAILABLE = frozenset({404, 409, 429, 503})
 _RECV_BYTES = 1 << 20
 _MAX_HEAD_BYTES = 64 * 1024
 #: a body read into the caller's buffer wakes when this many bytes wait in the socket
@@ -119,16 +119,6 @@ class _LowWater:
             self.bytes = n
 
 
-@dataclass(frozen=True)
-class HttpClientStatistics:
-    """Counters of one client: requests sent, body bytes received, failures by error class name
-    (``StreamBroken``, ``NotAvailable``...)."""
-
-    requests: int
-    bytes_received: int
-    errors: Mapping[str, int]
-
-
 class _Conn:
     """One keep-alive connection: a trio socket stream and its h11 state machine."""
 
@@ -146,21 +136,6 @@ class _Conn:
     def reset(self) -> None:
         """Start a fresh h11 state machine (after a body read past h11, exactly framed)."""
         self.h11 = h11.Connection(h11.CLIENT, max_incomplete_event_size=_MAX_HEAD_BYTES)
-
-
-def _target(url: str) -> tuple[str, tuple[str, int], str, str]:
-    """``(source label, (host, port), request target, Host header)`` of an ``http://`` URL."""
-    try:
-        parts = urlsplit(url)
-        port = parts.port or 80
-    except ValueError as exc:
-        raise LocalProtocolError(f"invalid URL {url!r}: {exc}") from exc
-    if parts.scheme != "http" or not parts.hostname:
-        raise LocalProtocolError(f"invalid URL {url!r}: only http://host[:port]/path")
-    host = parts.hostname
-    netloc = f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
-    target = (parts.path or "/") + (f"?{parts.query}" if parts.query else "")
-    return f"http://{netloc}", (host, port), target, netloc
 
 
 class HttpClient:
@@ -199,15 +174,11 @@ class HttpClient:
         self._sign = sign
         self._idle: list[_Conn] = []
         self._closed = False
-        self._requests = 0
-        self._bytes_received = 0
-        self._errors: Counter[str] = Counter()
+        self._counters = ClientCounters()
 
     def statistics(self) -> HttpClientStatistics:
         """A snapshot of the counters (cheap; safe to call at any time)."""
-        return HttpClientStatistics(
-            self._requests, self._bytes_received, MappingProxyType(dict(self._errors))
-        )
+        return self._counters.statistics()
 
     async def __aenter__(self) -> HttpClient:
         return self
@@ -285,13 +256,7 @@ class HttpClient:
         anonymous: bool = False,
     ) -> None:
         signed = self._sign(target) if self._sign is not None and not anonymous else ()
-        headers = [
-            ("host", host),
-            ("accept-encoding", "identity"),
-            *_unless_given(self._headers, extra),
-            *signed,
-            *extra,
-        ]
+        headers = request_headers(host, self._headers, signed, extra)
         data = conn.h11.send(h11.Request(method="GET", target=target, headers=headers))
         data += conn.h11.send(h11.EndOfMessage())
         try:
@@ -335,13 +300,13 @@ class HttpClient:
         anonymous: bool,
     ) -> tuple[_Conn, h11.Response, str]:
         """GET ``Range: bytes=start-(start+length-1)`` and check the answer is exactly that
-        range (:func:`_check_range_response`); the connection is released if it is not."""
+        range (:func:`p2p.http_checks.check_range_head`); the connection is released if not."""
         spec = format_range(ByteRange(start, start + length - 1))
         conn, response, source = await self._open(
             url, timeout_s, [("range", spec), *headers], anonymous
         )
         try:
-            _check_range_response(response, source, url, start, length)
+            check_range_head(response, source, url, start, length)
         except BaseException:
             await self._release(conn, False)
             raise
@@ -351,12 +316,12 @@ class HttpClient:
         self, url: str, timeout_s: float, extra: list[tuple[str, str]], anonymous: bool = False
     ) -> tuple[_Conn, h11.Response, str]:
         """Send a GET and read the response head; a stale pooled connection is retried once."""
-        source, key, target, host = _target(url)
+        source, key, target, host = parse_target(url)
         for attempt in (0, 1):
             conn = await self._acquire(key, source, timeout_s, fresh=attempt > 0)
             try:
                 await self._send(conn, target, host, extra, source, timeout_s, anonymous)
-                self._requests += 1
+                self._counters.requests += 1
                 event = await self._next_event(conn, source, timeout_s)
                 if isinstance(event, h11.ConnectionClosed):
                     raise StreamBroken(source, "connection closed before any answer")
@@ -377,7 +342,7 @@ class HttpClient:
         that stopping early leaves no half-run generator behind)."""
         event = await self._next_event(conn, source, timeout_s)
         if isinstance(event, h11.Data):
-            self._bytes_received += len(event.data)
+            self._counters.bytes_received += len(event.data)
             return event.data if isinstance(event.data, bytes) else bytes(event.data)
         if isinstance(event, h11.EndOfMessage):
             return None
@@ -411,27 +376,19 @@ class HttpClient:
 
         Safe to call concurrently. Cancellation closes the connection it was using.
         """
-        try:
+        with self._counters.counting_errors():
             conn, response, source = await self._open(url, timeout_s, [*headers], anonymous)
             reusable = False
             try:
-                if response.status_code != 200:
-                    raise _status_error(response, source, url)
-                declared = _header(response, b"content-length")
-                if declared is not None and declared.isdigit() and int(declared) > max_bytes:
-                    raise MessageTooLarge(source, f"body of {declared} bytes exceeds {max_bytes}")
-                body = bytearray()
+                check_whole_head(response, source, url, max_bytes)
+                body, bound = bytearray(), BodyCount(source, max_bytes, exact=False)
                 while (chunk := await self._next_data(conn, source, timeout_s)) is not None:
+                    bound.add(len(chunk))
                     body += chunk
-                    if len(body) > max_bytes:
-                        raise MessageTooLarge(source, f"body exceeds {max_bytes} bytes")
                 reusable = True
                 return bytes(body)
             finally:
                 await self._release(conn, reusable)
-        except ShardnetError as exc:
-            self._errors[type(exc).__name__] += 1
-            raise
 
     async def stream_range(
         self,
@@ -465,34 +422,27 @@ class HttpClient:
         close it (``async with contextlib.aclosing(...)``), which closes its connection at once.
         Cancellation closes the connection; the caller keeps whatever chunks it already took.
         """
-        if start < 0 or length < 0 or chunk_bytes < 1:
-            raise LocalProtocolError(f"bad range request {start}+{length} by {chunk_bytes}")
+        check_range_args(start, length, chunk_bytes)
         if length == 0:
             return
-        try:
+        with self._counters.counting_errors():
             conn, _response, source = await self._open_range(
                 url, start, length, timeout_s, headers, anonymous
             )
             reusable = False
             try:
-                received = 0
+                body = BodyCount(source, length, exact=True)
                 while (chunk := await self._next_data(conn, source, timeout_s)) is not None:
-                    received += len(chunk)
-                    if received > length:
-                        raise RemoteProtocolError(source, f"more than the {length} bytes")
+                    body.add(len(chunk))
                     if len(chunk) > chunk_bytes:
                         for i in range(0, len(chunk), chunk_bytes):
                             yield chunk[i : i + chunk_bytes]
                     else:
                         yield chunk
-                if received < length:
-                    raise StreamBroken(source, f"body ended after {received} of {length} bytes")
+                body.end()
                 reusable = True
             finally:
                 await self._release(conn, reusable)
-        except ShardnetError as exc:
-            self._errors[type(exc).__name__] += 1
-            raise
 
     async def receive_range_into(
         self,
@@ -528,38 +478,34 @@ class HttpClient:
         stay in ``view``. Safe to run several concurrently (with different views).
         """
         length = len(view)
-        if start < 0:
-            raise LocalProtocolError(f"bad range request {start}+{length}")
+        check_range_args(start, length)
         if length == 0:
             return
-        try:
+        with self._counters.counting_errors():
             conn, response, source = await self._open_range(
                 url, start, length, timeout_s, headers, anonymous
             )
             reusable = False
             try:
-                got = 0
-                if _header(response, b"content-length") is None:  # chunked: through h11
+                body = BodyCount(source, length, exact=True)
+                if header(response, b"content-length") is None:  # chunked: through h11
                     while (chunk := await self._next_data(conn, source, timeout_s)) is not None:
-                        if got + len(chunk) > length:
-                            raise RemoteProtocolError(source, f"more than the {length} bytes")
+                        got = body.received
+                        body.add(len(chunk))
                         view[got : got + len(chunk)] = chunk
-                        got += len(chunk)
                         yield len(chunk)
                     reusable = True
                 else:
                     buffered, _ = conn.h11.trailing_data  # body bytes read with the head
-                    if len(buffered) > length:
-                        raise RemoteProtocolError(source, f"more than the {length} bytes")
+                    body.add(len(buffered))
                     if buffered:
                         view[: len(buffered)] = buffered
-                        got = len(buffered)
-                        self._bytes_received += got
-                        yield got
+                        self._counters.bytes_received += len(buffered)
+                        yield len(buffered)
                     sock = conn.stream.socket
                     lowat = _LowWater(sock)
                     try:
-                        while got < length:
+                        while (got := body.received) < length:
                             try:
                                 with trio.fail_after(timeout_s):
                                     n = await _recv_body(sock, view[got:length], lowat)
@@ -569,20 +515,16 @@ class HttpClient:
                                 raise StreamBroken(source, f"connection broken: {exc}") from exc
                             if n == 0:
                                 raise StreamBroken(source, "connection closed mid-body")
-                            got += n
-                            self._bytes_received += n
+                            body.add(n)
+                            self._counters.bytes_received += n
                             yield n
                     finally:
                         lowat.reset()
                     conn.reset()  # h11 never saw the body: start its next cycle afresh
                     reusable = _keeps_alive(response)
-                if got < length:
-                    raise StreamBroken(source, f"body ended after {got} of {length} bytes")
+                body.end()
             finally:
                 await self._release(conn, reusable)
-        except ShardnetError as exc:
-            self._errors[type(exc).__name__] += 1
-            raise
 
 
 def _keeps_alive(response: h11.Response) -> bool:
@@ -594,56 +536,6 @@ def _keeps_alive(response: h11.Response) -> bool:
         k == b"connection" and b"close" in [t.strip() for t in v.lower().split(b",")]
         for k, v in response.headers
     )
-
-
-def _unless_given(
-    defaults: Sequence[tuple[str, str]], extra: Sequence[tuple[str, str]]
-) -> list[tuple[str, str]]:
-    """The client's default headers (lower-case names) that ``extra`` does not name: a
-    per-request header replaces the default of the same name instead of being sent twice."""
-    named = {k.lower() for k, _ in extra}
-    return [h for h in defaults if h[0] not in named]
-
-
-def _header(response: h11.Response, name: bytes) -> str | None:
-    for k, v in response.headers:
-        if k == name:
-            return v.decode("latin-1")
-    return None
-
-
-def _status_error(response: h11.Response, source: str, url: str) -> Exception:
-    status = response.status_code
-    what = f"HTTP {status} for {urlsplit(url).path}"
-    if status in _NOT_AVAILABLE:
-        retry = _header(response, b"retry-after")
-        delay = None if retry is None else parse_retry_after(retry, now_unix_s=time.time())
-        return NotAvailable(source, what, retry_after_s=delay, status=status)
-    if 500 <= status <= 599:  # the server failed; the bytes were not wrong
-        return StreamBroken(source, f"server error {what}")
-    return RemoteProtocolError(source, f"unexpected {what}")
-
-
-def _check_range_response(
-    response: h11.Response, source: str, url: str, start: int, length: int
-) -> None:
-    status = response.status_code
-    if status not in (200, 206):
-        raise _status_error(response, source, url)
-    declared = _header(response, b"content-length")
-    if declared is not None and declared.strip() != str(length):
-        raise RemoteProtocolError(source, f"Content-Length {declared} for {length} bytes asked")
-    if status == 200:
-        if start == 0 and declared is not None:
-            return  # the whole representation is exactly the range asked for
-        raise RemoteProtocolError(source, "range ignored (200 instead of 206)")
-    value = _header(response, b"content-range") or ""
-    try:
-        got = parse_content_range(value)
-    except RangeError as exc:
-        raise RemoteProtocolError(source, str(exc)) from None
-    if got.first != start or got.length != length:
-        raise RemoteProtocolError(source, f"Content-Range {value!r} for {start}+{length} asked")
 
 
 async def _recv_body(sock: trio.socket.SocketType, view: memoryview, lowat: _LowWater) -> int:

@@ -10,8 +10,9 @@ the node opens a :class:`MemHost` (the :class:`p2p.lanes.Host` protocol), a
 cannot tell them from the real ones: the same method contracts and the same typed errors,
 checked by one conformance suite (``tests/conformance/test_lanes.py``). The HTTP lane even
 uses the real parsing: requests go through h11 and :func:`p2p.http_server.parse_request_head`,
-responses through the real server's head builder and the real client's status and
-``Content-Range`` checks.
+responses through the real server's head builder and the checks the real client makes
+(:mod:`p2p.http_checks`: request headers, status and ``Content-Range`` checks, body counts and
+bounds, error counters), so the fake cannot drift from the real client.
 
 Time is trio's clock, so under ``trio.testing.MockClock(autojump_threshold=0)`` a broadcast
 to fifty nodes takes virtual seconds and no real ones. What a byte costs is set by a
@@ -49,12 +50,12 @@ from collections import Counter, OrderedDict
 from collections.abc import AsyncGenerator, AsyncIterator, Callable, Mapping, Sequence
 from contextlib import aclosing, asynccontextmanager
 from dataclasses import dataclass, field
-from types import MappingProxyType
 from typing import Any
 
 import h11
 import trio
 
+from p2p import http_checks
 from p2p.errors import (
     ConfigError,
     LocalProtocolError,
@@ -67,14 +68,6 @@ from p2p.errors import (
 )
 from p2p.gossip import GossipMessage, Subscription
 from p2p.host import HostConfig
-from p2p.http_client import (
-    HttpClientStatistics,
-    _check_range_response,
-    _header,
-    _status_error,
-    _target,
-    _unless_given,
-)
 from p2p.http_range import ByteRange, format_range
 from p2p.http_server import (
     BadRequest,
@@ -171,6 +164,8 @@ class MemNetwork:
         self._stats = _NetStats()
         self._nursery: trio.Nursery | None = None
         self._endpoints = 0
+        self._in_flight = 0  # spawned deliveries not finished
+        self._quiet = trio.Event()
 
     async def __aenter__(self) -> MemNetwork:
         self._cm = trio.open_nursery()
@@ -283,7 +278,26 @@ class MemNetwork:
 
     def _spawn(self, fn: Callable[..., Any], *args: Any) -> None:
         assert self._nursery is not None, "use MemNetwork inside `async with`"
-        self._nursery.start_soon(fn, *args)
+        self._in_flight += 1
+
+        async def deliver() -> None:
+            try:
+                await fn(*args)
+            finally:
+                self._in_flight -= 1
+                if not self._in_flight:
+                    self._quiet.set()
+                    self._quiet = trio.Event()
+
+        self._nursery.start_soon(deliver)
+
+    async def wait_quiet(self) -> None:
+        """Wait until no gossip message is in flight: every hop sent has arrived (and been
+        checked, delivered or suppressed as a duplicate) or was lost, and so have the hops its
+        forwarding sent. Returns at once if none is. A test's way to see that something did
+        *not* happen (a duplicate delivered) without sleeping."""
+        while self._in_flight:
+            await self._quiet.wait()
 
 
 class Endpoint:
@@ -862,15 +876,11 @@ class MemHttpClient:
         self.alive = True
         self._headers = [(k.lower(), v) for k, v in headers.items()]
         self._sign = sign
-        self._requests = 0
-        self._bytes_received = 0
-        self._errors: Counter[str] = Counter()
+        self._counters = http_checks.ClientCounters()
 
-    def statistics(self) -> HttpClientStatistics:
+    def statistics(self) -> http_checks.HttpClientStatistics:
         """Counters, as :meth:`p2p.http_client.HttpClient.statistics`."""
-        return HttpClientStatistics(
-            self._requests, self._bytes_received, MappingProxyType(dict(self._errors))
-        )
+        return self._counters.statistics()
 
     def _live(self) -> bool:
         return self.alive
@@ -882,7 +892,7 @@ class MemHttpClient:
         timeout_s: float,
         anonymous: bool,
     ) -> _Answer:
-        source, (host, port), target, netloc = _target(url)
+        source, (host, port), target, netloc = http_checks.parse_target(url)
         net = self.net
         server = net._http.get((host, port))
         if not net.reachable(self.ip, host):
@@ -892,17 +902,11 @@ class MemHttpClient:
         if server is None or not server.alive:
             raise PeerUnreachable(source, "connect failed: connection refused")
         signed = self._sign(target) if self._sign is not None and not anonymous else ()
-        headers = [
-            ("host", netloc),
-            ("accept-encoding", "identity"),
-            *_unless_given(self._headers, extra),
-        ]
+        headers = http_checks.request_headers(netloc, self._headers, signed, extra)
         conn = h11.Connection(h11.CLIENT)
-        head = conn.send(
-            h11.Request(method="GET", target=target, headers=[*headers, *signed, *extra])
-        )
+        head = conn.send(h11.Request(method="GET", target=target, headers=headers))
         head += conn.send(h11.EndOfMessage())
-        self._requests += 1
+        self._counters.requests += 1
         if net._lost(self.ip):
             raise StreamBroken(source, "connection reset (loss)")
         server._open += 1
@@ -947,7 +951,7 @@ class MemHttpClient:
                     raise StreamBroken(a.source, "connection broken mid-body") from exc
                 delivered += len(piece)
                 server._bytes_sent += len(piece)
-                self._bytes_received += len(piece)
+                self._counters.bytes_received += len(piece)
                 yield piece
             if delivered < a.declared:
                 raise StreamBroken(a.source, "connection closed mid-body")
@@ -965,24 +969,15 @@ class MemHttpClient:
         anonymous: bool = False,
     ) -> bytes:
         """GET a whole body (``200`` only); see :meth:`p2p.http_client.HttpClient.get_bytes`."""
-        try:
+        with self._counters.counting_errors():
             a = await self._exchange(url, headers, timeout_s, anonymous)
-            response, source = a.event, a.source
-            if response.status_code != 200:
-                raise _status_error(response, source, url)
-            declared = _header(response, b"content-length")
-            if declared is not None and declared.isdigit() and int(declared) > max_bytes:
-                raise MessageTooLarge(source, f"body of {declared} bytes exceeds {max_bytes}")
-            out = bytearray()
+            http_checks.check_whole_head(a.event, a.source, url, max_bytes)
+            out, bound = bytearray(), http_checks.BodyCount(a.source, max_bytes, exact=False)
             async with aclosing(self._body_chunks(a, timeout_s)) as chunks:
                 async for piece in chunks:
+                    bound.add(len(piece))
                     out += piece
-                    if len(out) > max_bytes:
-                        raise MessageTooLarge(source, f"body exceeds {max_bytes} bytes")
             return bytes(out)
-        except ShardnetError as exc:
-            self._errors[type(exc).__name__] += 1
-            raise
 
     async def stream_range(
         self,
@@ -997,28 +992,20 @@ class MemHttpClient:
     ) -> AsyncGenerator[bytes, None]:
         """Yield exactly ``[start, start + length)``; see
         :meth:`p2p.http_client.HttpClient.stream_range`."""
-        if start < 0 or length < 0 or chunk_bytes < 1:
-            raise LocalProtocolError(f"bad range request {start}+{length} by {chunk_bytes}")
+        http_checks.check_range_args(start, length, chunk_bytes)
         if length == 0:
             return
-        try:
+        with self._counters.counting_errors():
             spec = format_range(ByteRange(start, start + length - 1))
             a = await self._exchange(url, [("range", spec), *headers], timeout_s, anonymous)
-            source = a.source
-            _check_range_response(a.event, source, url, start, length)
-            received = 0
+            http_checks.check_range_head(a.event, a.source, url, start, length)
+            body = http_checks.BodyCount(a.source, length, exact=True)
             async with aclosing(self._body_chunks(a, timeout_s)) as chunks:
                 async for piece in chunks:
-                    received += len(piece)
-                    if received > length:
-                        raise RemoteProtocolError(source, f"more than the {length} bytes")
+                    body.add(len(piece))
                     for i in range(0, len(piece), chunk_bytes):
                         yield piece[i : i + chunk_bytes]
-            if received < length:
-                raise StreamBroken(source, f"body ended after {received} of {length} bytes")
-        except ShardnetError as exc:
-            self._errors[type(exc).__name__] += 1
-            raise
+            body.end()
 
     async def receive_range_into(
         self,
@@ -1033,8 +1020,7 @@ class MemHttpClient:
         """Receive ``[start, start + len(view))`` into ``view``, yielding each count filled
         (the zero-copy form of :meth:`stream_range`, same errors at the same points)."""
         length = len(view)
-        if start < 0:
-            raise LocalProtocolError(f"bad range request {start}+{length}")
+        http_checks.check_range_args(start, length)
         got = 0
         async with aclosing(
             self.stream_range(

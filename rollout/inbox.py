@@ -63,6 +63,7 @@ from rollout.intake import (
     length_bucket,
     oldest_trainable_step,
 )
+from rollout.reasons import RejectReason
 from rollout.reputation import Reputation
 from rollout.schema import (
     MAX_ANNOUNCEMENT_BYTES,
@@ -337,7 +338,7 @@ class RolloutInbox:
             )
             return None
         if ann.run_id != self.run_id:
-            return Ack(ann.batch_id, "rejected", "wrong_run")
+            return Ack(ann.batch_id, "rejected", RejectReason.WRONG_RUN)
         if ann.submitter in self.joined:
             self.last_seen[ann.submitter] = trio.current_time()
         key = _key(ann)
@@ -360,8 +361,8 @@ class RolloutInbox:
         if staleness is Staleness.AHEAD:  # the trainer's clock has not caught up: not final
             return Ack(ann.batch_id, "retry", "ahead")
         if staleness is Staleness.TOO_OLD:  # no fault: costs the submitter no reputation
-            self.validator.reject_unchecked("stale_step", 0)
-            return self._remember(ann, Ack(ann.batch_id, "rejected", "stale_step"))
+            self.validator.reject_unchecked(RejectReason.STALE_STEP, 0)
+            return self._remember(ann, Ack(ann.batch_id, "rejected", RejectReason.STALE_STEP))
         if len(self._buffer) >= self.config.max_buffer_batches:
             return Ack(ann.batch_id, "retry", "busy")
         self._inflight[key] = trio.Event()
@@ -411,7 +412,7 @@ class RolloutInbox:
             )
             return Ack(ann.batch_id, "retry", "fetch_failed")
         except RemoteProtocolError as exc:
-            return self._refuse(ann, "integrity", f"fetch: {exc}")
+            return self._refuse(ann, RejectReason.INTEGRITY, f"fetch: {exc}")
         self._fetched += len(payload)
         self._fetched_batches += 1
         try:
@@ -420,11 +421,13 @@ class RolloutInbox:
                 payload, vocab_size=self.validator.oracle.vocab_size, sender=ann.submitter
             )
         except IntegrityError as exc:
-            return self._refuse(ann, "integrity", str(exc))
+            return self._refuse(ann, RejectReason.INTEGRITY, str(exc))
         except RemoteProtocolError as exc:
-            return self._refuse(ann, "schema", str(exc))
+            return self._refuse(ann, RejectReason.SCHEMA, str(exc))
         if batch.policy_step != ann.step:
-            return self._refuse(ann, "schema", "payload step differs from the announcement")
+            return self._refuse(
+                ann, RejectReason.SCHEMA, "payload step differs from the announcement"
+            )
         bucket = _bucket(batch)
         async with self._verify_lock:
             # The validator judges the step against the window it knows; a batch in the grace
@@ -453,7 +456,7 @@ class RolloutInbox:
             ann, Ack(ann.batch_id, "rejected", verdict.reason, rejected=verdict.samples), bucket
         )
 
-    def _refuse(self, ann: RolloutAnnouncement, reason: str, detail: str) -> Ack:
+    def _refuse(self, ann: RolloutAnnouncement, reason: RejectReason, detail: str) -> Ack:
         log.warning(
             "rollout_refused batch=%s submitter=%s reason=%s detail=%s",
             ann.batch_id[:8],

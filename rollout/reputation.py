@@ -27,22 +27,25 @@ from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import Any
 
+from rollout.reasons import RejectReason
+
 log = logging.getLogger(__name__)
 
-_SEVERE = {
-    "toploc": 0.5,
-    "prompt": 0.5,
-    "reward": 0.5,
-    "untrusted": 0.5,
-    "integrity": 0.5,
-    "schema": 0.5,
-    "sampling": 0.5,
-    "termination": 0.5,
-    "unknown_weights": 0.34,
-    "wrong_run": 0.34,
-    "check_error": 0.0,
-    "stale_step": 0.0,
-    "duplicate": 0.1,
+_SEVERE: dict[str, float] = {  # a penalty for every reason (a test checks it)
+    RejectReason.TOPLOC: 0.5,
+    RejectReason.REPLAY: 0.5,
+    RejectReason.PROMPT: 0.5,
+    RejectReason.REWARD: 0.5,
+    RejectReason.UNTRUSTED: 0.5,
+    RejectReason.INTEGRITY: 0.5,
+    RejectReason.SCHEMA: 0.5,
+    RejectReason.SAMPLING: 0.5,
+    RejectReason.TERMINATION: 0.5,
+    RejectReason.UNKNOWN_WEIGHTS: 0.34,
+    RejectReason.WRONG_RUN: 0.34,
+    RejectReason.CHECK_ERROR: 0.0,
+    RejectReason.STALE_STEP: 0.0,
+    RejectReason.DUPLICATE: 0.1,
 }
 
 

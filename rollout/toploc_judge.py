@@ -12,12 +12,20 @@ Pure functions over frozen dataclasses; thread-safe.
 
 from __future__ import annotations
 
+import enum
 from collections.abc import Sequence
 from dataclasses import dataclass
 
 from p2p.errors import ConfigError
 
-__all__ = ["NO_MATCH_ERROR", "ChunkResult", "ToplocThresholds", "ToplocVerdict", "judge"]
+__all__ = [
+    "NO_MATCH_ERROR",
+    "ChunkResult",
+    "ToplocReason",
+    "ToplocThresholds",
+    "ToplocVerdict",
+    "judge",
+]
 
 #: Mantissa error reported when no selected position has a matching exponent (TOPLOC.md §6.6).
 NO_MATCH_ERROR = float(2**64)
@@ -73,32 +81,42 @@ class ToplocThresholds:
                 raise ConfigError(f"toploc.{name}", f"must be a number >= 0, got {value!r}")
 
 
+class ToplocReason(enum.StrEnum):
+    """How :func:`judge` decided (the value is the log string)."""
+
+    OK = "ok"  # every chunk within every limit
+    NO_CHUNKS = "no_chunks"  # nothing was proven
+    EXP_MISMATCHES = "exp_mismatches"  # too many exponent mismatches in the worst chunk
+    MANT_ERR_MEAN = "mant_err_mean"  # mean mantissa error over its limit
+    MANT_ERR_MEDIAN = "mant_err_median"  # median mantissa error over its limit
+
+
 @dataclass(frozen=True)
 class ToplocVerdict:
     """Outcome of :func:`judge` for one rollout.
 
     Attributes:
         passed: every chunk met every threshold (and there was at least one chunk).
-        reason: ``"ok"``, ``"no_chunks"``, or the first limit the worst chunk broke:
-            ``"exp_mismatches"``, ``"mant_err_mean"`` or ``"mant_err_median"``.
+        reason: :attr:`ToplocReason.OK`, :attr:`ToplocReason.NO_CHUNKS`, or the first limit
+            the worst chunk broke.
         worst_chunk: index of the worst failing chunk (most exponent mismatches, then highest
             mean, then highest median, then lowest index); ``None`` when passed or no chunks.
         results: the per-chunk results that were judged.
     """
 
     passed: bool
-    reason: str
+    reason: ToplocReason
     worst_chunk: int | None
     results: tuple[ChunkResult, ...]
 
 
-def _violation(result: ChunkResult, limits: ToplocThresholds) -> str | None:
+def _violation(result: ChunkResult, limits: ToplocThresholds) -> ToplocReason | None:
     if result.exp_mismatches > limits.max_exp_mismatches:
-        return "exp_mismatches"
+        return ToplocReason.EXP_MISMATCHES
     if not result.mant_err_mean <= limits.max_mant_err_mean:
-        return "mant_err_mean"
+        return ToplocReason.MANT_ERR_MEAN
     if not result.mant_err_median <= limits.max_mant_err_median:
-        return "mant_err_median"
+        return ToplocReason.MANT_ERR_MEDIAN
     return None
 
 
@@ -112,20 +130,20 @@ def judge(
         thresholds: limits; the paper's defaults if ``None``.
 
     Returns:
-        A :class:`ToplocVerdict`. An empty ``results`` is rejected with ``"no_chunks"``: nothing
-        was proven.
+        A :class:`ToplocVerdict`. An empty ``results`` is rejected with
+        :attr:`ToplocReason.NO_CHUNKS`: nothing was proven.
     """
     limits = thresholds if thresholds is not None else ToplocThresholds()
     frozen = tuple(results)
     if not frozen:
-        return ToplocVerdict(False, "no_chunks", None, frozen)
+        return ToplocVerdict(False, ToplocReason.NO_CHUNKS, None, frozen)
     failing = [
         (n, r, reason)
         for n, r in enumerate(frozen)
         if (reason := _violation(r, limits)) is not None
     ]
     if not failing:
-        return ToplocVerdict(True, "ok", None, frozen)
+        return ToplocVerdict(True, ToplocReason.OK, None, frozen)
     n, _, reason = max(
         failing,
         key=lambda f: (f[1].exp_mismatches, f[1].mant_err_mean, f[1].mant_err_median, -f[0]),

@@ -52,7 +52,7 @@ from collections import Counter
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from types import MappingProxyType
-from typing import TYPE_CHECKING, Protocol
+from typing import TYPE_CHECKING, Literal, Protocol
 
 import numpy as np
 import numpy.typing as npt
@@ -65,6 +65,7 @@ from rollout.gumbel import (
     group_seed,
     judge_replay,
 )
+from rollout.reasons import RejectReason
 from rollout.schema import DEFAULT_ENGINE_ID, RolloutBatch, Sample
 from rollout.toploc import ToplocConfig, verify_proofs
 from rollout.toploc_codec import proof_size_bytes
@@ -330,13 +331,13 @@ class Verdict:
 
     Attributes:
         accepted: True only if every check passed.
-        reason: ``"ok"`` or the rejection reason (see the module table).
+        reason: ``"ok"``, or why it was rejected (see the module table).
         detail: human-readable detail.
         samples: number of samples the verdict covers.
     """
 
     accepted: bool
-    reason: str
+    reason: RejectReason | Literal["ok"]
     detail: str
     samples: int
 
@@ -348,13 +349,13 @@ class ValidatorStats:
     accepted_batches: int
     accepted_samples: int
     rejected_batches: int
-    rejected_samples: dict[str, int]
+    rejected_samples: dict[str, int]  # by RejectReason value
 
 
 class Reject(ShardnetError):
     """Raised by a check to reject (internal to this module)."""
 
-    def __init__(self, reason: str, detail: str) -> None:
+    def __init__(self, reason: RejectReason, detail: str) -> None:
         super().__init__(f"{reason}: {detail}")
         self.reason = reason
         self.detail = detail
@@ -387,19 +388,19 @@ class Validator:
         self._accepted_batches = 0
         self._accepted_samples = 0
         self._rejected_batches = 0
-        self._rejected: Counter[str] = Counter()
-        self.checks: list[tuple[str, Check]] = [
-            ("untrusted", _check_submitter),
-            ("wrong_run", _check_run),
-            ("stale_step", _check_step),
-            ("unknown_weights", _check_weights),
-            ("duplicate", _check_duplicate),
-            ("prompt", _check_prompts),
-            ("termination", _check_termination),
-            ("reward", _check_rewards),
+        self._rejected: Counter[RejectReason] = Counter()
+        self.checks: list[tuple[RejectReason, Check]] = [
+            (RejectReason.UNTRUSTED, _check_submitter),
+            (RejectReason.WRONG_RUN, _check_run),
+            (RejectReason.STALE_STEP, _check_step),
+            (RejectReason.UNKNOWN_WEIGHTS, _check_weights),
+            (RejectReason.DUPLICATE, _check_duplicate),
+            (RejectReason.PROMPT, _check_prompts),
+            (RejectReason.TERMINATION, _check_termination),
+            (RejectReason.REWARD, _check_rewards),
         ]
         if config.check_model:
-            self.checks.append(("toploc", _check_model))
+            self.checks.append((RejectReason.TOPLOC, _check_model))
 
     def check(self, batch: RolloutBatch, *, sender: str, current_step: int) -> Verdict:
         """Validate ``batch`` fetched from ``sender`` while the trainer is at ``current_step``.
@@ -417,18 +418,20 @@ class Validator:
                 return self._reject(rej.reason, rej.detail, n, batch)
             except Exception as exc:  # fail closed: a crashing check is a rejection
                 log.exception("check_crashed check=%s submitter=%s", name, batch.submitter[-8:])
-                return self._reject("check_error", f"{name}: {type(exc).__name__}: {exc}", n, batch)
+                return self._reject(
+                    RejectReason.CHECK_ERROR, f"{name}: {type(exc).__name__}: {exc}", n, batch
+                )
         self._accepted_keys.add((batch.submitter, batch.policy_step))
         self._accepted_batches += 1
         self._accepted_samples += n
         return Verdict(True, "ok", "", n)
 
-    def reject_unchecked(self, reason: str, samples: int) -> None:
+    def reject_unchecked(self, reason: RejectReason, samples: int) -> None:
         """Count a rejection decided before the batch could be checked (e.g. bad payload)."""
         self._rejected_batches += 1
         self._rejected[reason] += samples
 
-    def _reject(self, reason: str, detail: str, n: int, batch: RolloutBatch) -> Verdict:
+    def _reject(self, reason: RejectReason, detail: str, n: int, batch: RolloutBatch) -> Verdict:
         self._rejected_batches += 1
         self._rejected[reason] += n
         log.warning(
@@ -446,46 +449,51 @@ class Validator:
             self._accepted_batches,
             self._accepted_samples,
             self._rejected_batches,
-            dict(self._rejected),
+            {reason.value: n for reason, n in self._rejected.items()},
         )
 
 
 def _check_submitter(v: Validator, b: RolloutBatch, _step: int) -> None:
     if b.submitter != v._sender:
         raise Reject(
-            "untrusted",
+            RejectReason.UNTRUSTED,
             f"payload names submitter {b.submitter[-8:]} but came from {v._sender[-8:]}",
         )
     if not v.allowed(b.submitter):
-        raise Reject("untrusted", f"{b.submitter[-8:]} is not an allowed submitter")
+        raise Reject(RejectReason.UNTRUSTED, f"{b.submitter[-8:]} is not an allowed submitter")
 
 
 def _check_run(v: Validator, b: RolloutBatch, _step: int) -> None:
     c = v.config
     if b.run_id != c.run_id or b.task != c.task:
-        raise Reject("wrong_run", f"run {b.run_id!r} task {b.task!r}")
+        raise Reject(RejectReason.WRONG_RUN, f"run {b.run_id!r} task {b.task!r}")
     if b.max_new_tokens != c.max_new_tokens or not math.isclose(b.temperature, c.temperature):
         raise Reject(
-            "wrong_run", f"sampling max_new_tokens={b.max_new_tokens} temperature={b.temperature}"
+            RejectReason.WRONG_RUN,
+            f"sampling max_new_tokens={b.max_new_tokens} temperature={b.temperature}",
         )
     if b.n_prompts != c.n_prompts:
-        raise Reject("wrong_run", f"n_prompts={b.n_prompts}, run uses {c.n_prompts}")
+        raise Reject(RejectReason.WRONG_RUN, f"n_prompts={b.n_prompts}, run uses {c.n_prompts}")
     if b.engine not in c.engines:
         named = repr(b.engine) if b.engine else "no engine (batch schema 1)"
-        raise Reject("wrong_run", f"batch names {named}; the run accepts {', '.join(c.engines)}")
+        raise Reject(
+            RejectReason.WRONG_RUN, f"batch names {named}; the run accepts {', '.join(c.engines)}"
+        )
 
 
 def _check_step(v: Validator, b: RolloutBatch, current: int) -> None:
     lo = current - v.config.async_level
     if not lo <= b.policy_step <= current:
-        raise Reject("stale_step", f"policy step {b.policy_step} outside [{lo}, {current}]")
+        raise Reject(
+            RejectReason.STALE_STEP, f"policy step {b.policy_step} outside [{lo}, {current}]"
+        )
 
 
 def _check_weights(v: Validator, b: RolloutBatch, _step: int) -> None:
     expected = v.oracle.manifest_digest(b.policy_step)
     if expected is None or expected != b.manifest_digest:
         raise Reject(
-            "unknown_weights",
+            RejectReason.UNKNOWN_WEIGHTS,
             f"manifest digest {b.manifest_digest[:16]} is not version {b.policy_step}'s",
         )
 
@@ -493,7 +501,7 @@ def _check_weights(v: Validator, b: RolloutBatch, _step: int) -> None:
 def _check_duplicate(v: Validator, b: RolloutBatch, _step: int) -> None:
     if (b.submitter, b.policy_step) in v._accepted_keys:
         raise Reject(
-            "duplicate",
+            RejectReason.DUPLICATE,
             f"a batch of {b.submitter[-8:]} for step {b.policy_step} was already accepted",
         )
 
@@ -509,21 +517,21 @@ def _check_prompts(v: Validator, b: RolloutBatch, _step: int) -> None:
     c = v.config
     k = len(b.groups)
     if not 1 <= k <= c.n_prompts:
-        raise Reject("prompt", f"{k} groups, expected 1 to {c.n_prompts}")
+        raise Reject(RejectReason.PROMPT, f"{k} groups, expected 1 to {c.n_prompts}")
     expected = v.oracle.prompt_ids(b.submitter, b.policy_step, c.n_prompts)
     seen = set()
     for g in b.groups:
         if g.prompt_index in seen or not 0 <= g.prompt_index < k:
             raise Reject(
-                "prompt",
+                RejectReason.PROMPT,
                 f"prompt index {g.prompt_index} repeated or not among the first {k} prompts",
             )
         seen.add(g.prompt_index)
         if list(g.prompt_ids) != expected[g.prompt_index]:
-            raise Reject("prompt", f"prompt {g.prompt_index} is not the assigned prompt")
+            raise Reject(RejectReason.PROMPT, f"prompt {g.prompt_index} is not the assigned prompt")
         if len(g.samples) != c.group_size:
             raise Reject(
-                "prompt",
+                RejectReason.PROMPT,
                 f"group {g.prompt_index} has {len(g.samples)} samples, expected {c.group_size}",
             )
 
@@ -537,7 +545,7 @@ def _check_termination(v: Validator, b: RolloutBatch, _step: int) -> None:
             r = check_termination(s.completion_ids, s.finish_reason, eos_id=eos, max_new_tokens=cap)
             if r.failure is not None:
                 raise Reject(
-                    "termination",
+                    RejectReason.TERMINATION,
                     f"{r.failure.value}: {s.finish_reason!r} completion of "
                     f"{len(s.completion_ids)} tokens, cap {cap}",
                 )
@@ -554,7 +562,9 @@ def _check_rewards(v: Validator, b: RolloutBatch, _step: int) -> None:
                 n_prompts=v.config.n_prompts,
             )
             if abs(r - s.reward) > v.config.reward_tolerance:
-                raise Reject("reward", f"reported reward {s.reward:.4f}, recomputed {r:.4f}")
+                raise Reject(
+                    RejectReason.REWARD, f"reported reward {s.reward:.4f}, recomputed {r:.4f}"
+                )
 
 
 def _check_model(v: Validator, b: RolloutBatch, _step: int) -> None:
@@ -579,11 +589,11 @@ def _check_model(v: Validator, b: RolloutBatch, _step: int) -> None:
 
 def _check_replay(profile: EngineProfile, gaps: npt.ArrayLike | None, where: str) -> None:
     if gaps is None:  # fail closed: an oracle that computed no gaps proves nothing
-        raise Reject("replay", f"{where}: the validator computed no replay gaps")
+        raise Reject(RejectReason.REPLAY, f"{where}: the validator computed no replay gaps")
     r = judge_replay(gaps, profile.replay_margin)
     if not r.passed:
         raise Reject(
-            "replay",
+            RejectReason.REPLAY,
             f"{where}: token at position {r.worst_position} is {r.worst_gap:.4f} below the "
             f"seeded Gumbel-max choice (margin {r.margin})",
         )
@@ -604,7 +614,7 @@ def _check_eos_prob(
     )
     if r.failure is not None:
         raise Reject(
-            "termination",
+            RejectReason.TERMINATION,
             f"{where}: {r.failure.value}: EOS probability {r.eos_prob} "
             f"(floor {profile.eos_min_prob})",
         )
@@ -619,14 +629,14 @@ def _check_proof(
     psize: int,
 ) -> None:
     if len(s.proof) % psize:
-        raise Reject("toploc", f"proof bytes {len(s.proof)} not a multiple of {psize}")
+        raise Reject(RejectReason.TOPLOC, f"proof bytes {len(s.proof)} not a multiple of {psize}")
     proofs = [s.proof[i : i + psize] for i in range(0, len(s.proof), psize)]
     try:
         results = verify_proofs(
             None if c.toploc.skip_prefill else prefill, decode, proofs, c.toploc
         )
     except ShardnetError as exc:
-        raise Reject("toploc", str(exc)) from exc
+        raise Reject(RejectReason.TOPLOC, str(exc)) from exc
     # Chunk 0 is the prefill (unless skipped), judged with its own thresholds.
     first = 0 if c.toploc.skip_prefill else 1
     parts = [(0, results[:first], profile.toploc_prefill_thresholds)] if first else []
@@ -637,11 +647,13 @@ def _check_proof(
         if not verdict.passed:
             n = None if verdict.worst_chunk is None else offset + verdict.worst_chunk
             worst = None if n is None else results[n]
-            raise Reject("toploc", f"{verdict.reason} in chunk {n}: {worst}")
+            raise Reject(RejectReason.TOPLOC, f"{verdict.reason} in chunk {n}: {worst}")
 
 
 def _check_sampling(c: EngineProfile, s: Sample, logprobs: list[float]) -> None:
     diffs = [abs(a - b) for a, b in zip(s.logprobs, logprobs, strict=True)]
     mean = sum(diffs) / len(diffs)
     if mean > c.logprob_tolerance or max(diffs) > c.logprob_max_tolerance:
-        raise Reject("sampling", f"logprob difference mean {mean:.4f} max {max(diffs):.4f}")
+        raise Reject(
+            RejectReason.SAMPLING, f"logprob difference mean {mean:.4f} max {max(diffs):.4f}"
+        )

@@ -45,6 +45,7 @@ import trio.testing
 
 from p2p.memnet import LinkProfile, MemNetwork
 from rollout.exchange import Ack
+from rollout.reasons import RejectReason
 from simulations.world import TRAINER, NodeHandle, World, inline_threads
 
 __all__ = ["SCENARIOS", "Scenario", "ScenarioResult", "main", "run_scenario"]
@@ -52,7 +53,9 @@ __all__ = ["SCENARIOS", "Scenario", "ScenarioResult", "main", "run_scenario"]
 INVARIANTS = ("converged", "no_honest_banned", "rollouts_once", "memory_bounded")
 # stale: outside the async window; unknown_weights: the trainer replaced the version the
 # batch was generated on (a republished step), which the peer could not know
-HONEST_REJECTIONS = frozenset({("rejected", "stale_step"), ("rejected", "unknown_weights")})
+HONEST_REJECTIONS = frozenset(
+    {("rejected", RejectReason.STALE_STEP), ("rejected", RejectReason.UNKNOWN_WEIGHTS)}
+)
 SIZES = (96 * 1024, 64 * 1024, 20_001)
 
 

@@ -19,12 +19,15 @@ from typing import TYPE_CHECKING
 
 import pytest
 import trio
+import trio.testing
 
 from p2p.errors import (
     MessageTooLarge,
     PeerUnreachable,
     RemoteProtocolError,
+    ShardnetError,
     StreamBroken,
+    short_id,
 )
 from p2p.host import HostConfig
 from p2p.http_errors import NotAvailable
@@ -53,7 +56,8 @@ class Pair:
     c: Host
     server: HttpLaneServer  # on b
     client: HttpLaneClient  # on a
-    kill_b: Callable[[], Awaitable[None]]
+    kill_b: Callable[[], Awaitable[None]]  # returns once b's host is closed
+    settle: Callable[[], Awaitable[None]]  # returns once no gossip is in flight
 
 
 def _lane_handler(tmp: Path) -> HttpHandler:
@@ -75,6 +79,20 @@ def _lane_handler(tmp: Path) -> HttpHandler:
             return HttpResponse(200, [], FileSlice(path, 0, len(FILE_BYTES) + 100, 1 << 20))
         if req.path == "/headers":
             return HttpResponse(200, [], repr(sorted(req.headers.items())).encode())
+        if req.path == "/other-range":  # 206 for bytes other than those asked
+            return HttpResponse(206, [("content-range", "bytes 5-9/100")], b"56789")
+        if req.path == "/bad-range":  # 206 with a Content-Range that does not parse
+            return HttpResponse(206, [("content-range", "bytes five/100")], b"56789")
+        if req.path == "/unsatisfiable":
+            return HttpResponse(416, [("content-range", "bytes */100")])
+        if req.path == "/gone":
+            return HttpResponse(404)
+        if req.path == "/conflict":
+            return HttpResponse(409)
+        if req.path == "/slow-down":
+            return HttpResponse(429, [("retry-after", "7")])
+        if req.path == "/bad-gateway":
+            return HttpResponse(502)
         return HttpResponse(404)
 
     return handle
@@ -97,15 +115,12 @@ async def real_pair(tmp: Path) -> AsyncIterator[Pair]:
         REAL_NETWORK.open_http_client(headers={"x-test": "1"}, sign=None) as client,
         trio.open_nursery() as nursery,
     ):
-        b = await nursery.start(_hold_host, REAL_NETWORK, ids[1], cfg)
-        host_b, stop_b = b
-
-        async def kill_b() -> None:
-            stop_b.set()
-            await trio.sleep(0.5)  # the real host closes its connections on its own schedule
-
-        yield Pair(a, host_b, c, server, client, kill_b)
-        stop_b.set()
+        host_b, held_b = await nursery.start(_hold_host, REAL_NETWORK, ids[1], cfg)
+        # Every host runs in this trio run over loopback, where a sent frame is readable at
+        # once: when no task can run, nothing is in flight.
+        settle = trio.testing.wait_all_tasks_blocked
+        yield Pair(a, host_b, c, server, client, held_b.kill, settle)
+        held_b.stop.set()
 
 
 @asynccontextmanager
@@ -124,14 +139,22 @@ async def mem_pair(tmp: Path) -> AsyncIterator[Pair]:
             ea.open_http_client(headers={"x-test": "1"}, sign=None) as client,
             trio.open_nursery() as nursery,
         ):
-            host_b, stop_b = await nursery.start(_hold_host, eb, ids[1], cfg)
+            host_b, held_b = await nursery.start(_hold_host, eb, ids[1], cfg)
+            yield Pair(a, host_b, c, server, client, held_b.kill, net.wait_quiet)
+            held_b.stop.set()
 
-            async def kill_b() -> None:
-                stop_b.set()
-                await trio.sleep(0.1)
 
-            yield Pair(a, host_b, c, server, client, kill_b)
-            stop_b.set()
+class _Held:
+    """A host held open by :func:`_hold_host` until ``stop`` is set."""
+
+    def __init__(self) -> None:
+        self.stop = trio.Event()
+        self.closed = trio.Event()
+
+    async def kill(self) -> None:
+        """Close the host; returns once it is closed (its ``async with`` has exited)."""
+        self.stop.set()
+        await self.closed.wait()
 
 
 async def _hold_host(
@@ -139,12 +162,15 @@ async def _hold_host(
     ident: Identity,
     cfg: HostConfig,
     *,
-    task_status: TaskStatus[tuple[Host, trio.Event]] = trio.TASK_STATUS_IGNORED,
+    task_status: TaskStatus[tuple[Host, _Held]] = trio.TASK_STATUS_IGNORED,
 ) -> None:
-    stop = trio.Event()
-    async with net.open_host(ident, cfg) as host:
-        task_status.started((host, stop))
-        await stop.wait()
+    held = _Held()
+    try:
+        async with net.open_host(ident, cfg) as host:
+            task_status.started((host, held))
+            await held.stop.wait()
+    finally:
+        held.closed.set()
 
 
 @pytest.fixture(params=["real", "mem"])
@@ -261,7 +287,7 @@ async def test_gossip_delivery_check_and_forwarding(pair_factory: Factory, tmp_p
         await p.a.publish(TOPIC, b"second")
         with trio.fail_after(10):
             assert (await subs["c"].receive()).data == b"second"
-        await trio.sleep(0.5)
+        await p.settle()  # the copy through b has arrived too, and was suppressed
         assert subs["c"].statistics().delivered == 2
         assert subs["c"].statistics().received == 2
 
@@ -321,3 +347,79 @@ async def test_http_errors(pair_factory: Factory, tmp_path: Path) -> None:
         counts = p.client.statistics().errors
         assert counts["NotAvailable"] == 2
         assert counts["PeerUnreachable"] == 1
+
+
+async def _failure(call: Awaitable[object]) -> tuple[str, str, float | None]:
+    """How ``call`` failed: error class, message without its source label, Retry-After."""
+    try:
+        await call
+    except ShardnetError as exc:
+        source = getattr(exc, "peer", None)  # the transport errors name it first
+        message = str(exc).removeprefix(f"{short_id(source)}: " if source else "")
+        return type(exc).__name__, message, getattr(exc, "retry_after_s", None)
+    raise AssertionError("no error")
+
+
+async def _ask(client: HttpLaneClient, url: str, how: str, start: int, size: int) -> None:
+    """``get``: GET a whole body of at most ``size`` bytes; ``range``/``into``: bytes
+    ``[start, start + size)`` with ``stream_range``/``receive_range_into``."""
+    if how == "get":
+        await client.get_bytes(url, max_bytes=size, timeout_s=5)
+    elif how == "range":
+        async for _ in client.stream_range(url, start, size, timeout_s=5):
+            pass
+    else:
+        async for _ in client.receive_range_into(
+            url, start, memoryview(bytearray(size)), timeout_s=5
+        ):
+            pass
+
+
+def _url(server: str, path: str) -> str:
+    return path if "://" in path else server + path
+
+
+# (expected error, path asked, how, start, size): each answer is a bad one
+HEAD_FAILURES = [
+    ("RemoteProtocolError", "/other-range", "range", 0, 5),  # 206 for other bytes
+    ("RemoteProtocolError", "/other-range", "into", 0, 5),
+    ("RemoteProtocolError", "/bad-range", "range", 0, 5),  # a Content-Range that does not parse
+    ("RemoteProtocolError", "/small", "range", 1, 2),  # 200 for a range not at 0
+    ("RemoteProtocolError", "/small", "range", 0, 3),  # 200 whose Content-Length is not the range
+    ("RemoteProtocolError", "/unsatisfiable", "range", 0, 5),  # 416
+    ("RemoteProtocolError", "/teapot", "get", 0, 10),  # 418
+    ("RemoteProtocolError", "/other-range", "get", 0, 10),  # 206 to a whole GET
+    ("NotAvailable", "/gone", "get", 0, 10),  # 404
+    ("NotAvailable", "/conflict", "range", 0, 5),  # 409
+    ("NotAvailable", "/slow-down", "range", 0, 5),  # 429 with Retry-After: 7
+    ("NotAvailable", "/busy", "get", 0, 10),  # 503 with Retry-After: 3
+    ("StreamBroken", "/boom", "get", 0, 10),  # 500
+    ("StreamBroken", "/bad-gateway", "range", 0, 5),  # 502
+    ("StreamBroken", "/short", "range", 0, len(FILE_BYTES) + 100),  # body short of its length
+    ("StreamBroken", "/short", "into", 0, len(FILE_BYTES) + 100),
+    ("MessageTooLarge", "/blob", "get", 0, 100),  # declared body over the bound
+    ("LocalProtocolError", "ftp://x", "get", 0, 10),  # not an http:// URL
+    ("LocalProtocolError", "/blob", "range", -1, 5),  # a negative start
+    ("LocalProtocolError", "/blob", "into", -1, 5),
+]
+
+
+async def test_http_clients_fail_alike(tmp_path: Path) -> None:
+    """The real and the in-memory client judge answers with the same checks
+    (:mod:`p2p.http_checks`): for each bad answer, the same error class, message and
+    Retry-After, and the same error counters. A client that checked on its own would drift."""
+    got: dict[str, list[tuple[str, str, float | None]]] = {}
+    counted: dict[str, dict[str, int]] = {}
+    for name, factory in (("real", real_pair), ("mem", mem_pair)):
+        (tmp_path / name).mkdir()
+        async with factory(tmp_path / name) as p:
+            got[name] = [
+                await _failure(_ask(p.client, _url(p.server.url, path), how, start, size))
+                for _, path, how, start, size in HEAD_FAILURES
+            ]
+            counted[name] = dict(p.client.statistics().errors)
+    for case, real, mem in zip(HEAD_FAILURES, got["real"], got["mem"], strict=True):
+        assert real[0] == case[0], (case, real)
+        assert mem == real, case
+    assert [r[2] for r in got["real"] if r[2] is not None] == [7, 3]  # Retry-After, seconds
+    assert counted["mem"] == counted["real"]

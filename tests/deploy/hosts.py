@@ -14,15 +14,17 @@ a machine of its own.
 
 :meth:`Hosts.start` runs a long-lived command inside a host (``ip netns exec``, which execs the
 command: the child's pid is the node's pid) in a session of its own; a reader thread copies its
-stdout into ``<name>.out`` and picks out the ``shardnet-ready {json}`` line; stderr goes to
-``<name>.err``. :meth:`Node.stop` sends SIGTERM to the process group and SIGKILL after a grace
-period; :meth:`Node.kill` sends SIGKILL. :meth:`Hosts.close` (also on failure, via the
-fixture) stops every node it started and tears the lab down, which kills whatever is left in
-the namespaces and deletes them. A lab whose owner died is removed by
-:func:`simulations.netns.cleanup_stale` at the next start.
+stdout into ``<name>.out`` and picks out the ``shardnet-ready {json}`` line; another copies its
+stderr (the node's ``event key=value`` log) into ``<name>.err`` and keeps its lines, so a test
+waits for a log line as an event (:meth:`Node.wait_line`). :meth:`Node.stop` sends SIGTERM
+to the process group and SIGKILL after a grace period; :meth:`Node.kill` sends SIGKILL.
+:meth:`Hosts.close` (also on failure, via the fixture) stops every node it started and tears
+the lab down, which kills whatever is left in the namespaces and deletes them. A lab whose
+owner died is removed by :func:`simulations.netns.cleanup_stale` at the next start.
 
-Waiting is unavoidable here (real processes, real time): every wait polls with a deadline and
-fails with the tails of the node logs.
+Waiting is unavoidable here (real processes, real time), but nothing polls: every wait blocks
+until the awaited line is read (or the process exits), bounded by a deadline, and fails with the
+tails of the node logs.
 """
 
 from __future__ import annotations
@@ -37,10 +39,11 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 from simulations import netns
 
+T = TypeVar("T")
 READY_PREFIX = "shardnet-ready "
 REPO = Path(__file__).parents[2]
 LINK_BYTES_PER_S = 125e6  # 1 Gb/s: the lab shapes every link; this never limits a test
@@ -65,6 +68,41 @@ class Host:
         return ["ip", "netns", "exec", self.netns]
 
 
+class _Lines:
+    """The lines of one output stream as they are read, kept; each line wakes the waiters."""
+
+    def __init__(self) -> None:
+        self.lines: list[str] = []
+        self.ended = False
+        self._cond = threading.Condition()
+
+    def add(self, line: str) -> None:
+        with self._cond:
+            self.lines.append(line)
+            self._cond.notify_all()
+
+    def end(self) -> None:
+        with self._cond:
+            self.ended = True
+            self._cond.notify_all()
+
+    def wait(self, match: Callable[[str], T | None], timeout_s: float) -> T | None:
+        """The first non-None ``match(line)`` over the lines read so far and to come; None if
+        the stream ends or ``timeout_s`` passes first."""
+        deadline = time.monotonic() + timeout_s
+        seen = 0
+        with self._cond:
+            while True:
+                for line in self.lines[seen:]:
+                    if (found := match(line)) is not None:
+                        return found
+                seen = len(self.lines)
+                left = deadline - time.monotonic()
+                if self.ended or left <= 0:
+                    return None
+                self._cond.wait(left)
+
+
 class Node:
     """A long-lived process on a host (see the module docstring)."""
 
@@ -76,6 +114,7 @@ class Node:
         self.err_path = logdir / f"{name}.err"
         self.ready: dict[str, Any] | None = None
         self._ready_event = threading.Event()
+        self.log = _Lines()  # stderr
         env = {
             **os.environ,
             "PYTHONUNBUFFERED": "1",
@@ -85,13 +124,12 @@ class Node:
                 p for p in (str(REPO), os.environ.get("PYTHONPATH")) if p
             ),
         }
-        self._err = open(self.err_path, "ab")  # closed in wait()
         self.proc = subprocess.Popen(
             [*host.exec_prefix(), *argv],
             cwd=host.workdir,
             stdin=subprocess.DEVNULL,
             stdout=subprocess.PIPE,
-            stderr=self._err,
+            stderr=subprocess.PIPE,
             env=env,
             start_new_session=True,
             # background shells start jobs with SIGINT ignored; give the node the default
@@ -99,6 +137,10 @@ class Node:
         )
         self._reader = threading.Thread(target=self._read, name=f"stdout-{name}", daemon=True)
         self._reader.start()
+        self._err_reader = threading.Thread(
+            target=self._read_err, name=f"stderr-{name}", daemon=True
+        )
+        self._err_reader.start()
 
     def _read(self) -> None:
         assert self.proc.stdout is not None
@@ -111,6 +153,22 @@ class Node:
                     self.ready = json.loads(text[len(READY_PREFIX) :])
                     self._ready_event.set()
         self._ready_event.set()  # stdout closed: the process is gone (or closing)
+
+    def _read_err(self) -> None:
+        assert self.proc.stderr is not None
+        try:
+            with open(self.err_path, "ab") as err:
+                for line in iter(self.proc.stderr.readline, b""):
+                    err.write(line)
+                    err.flush()
+                    self.log.add(line.decode(errors="replace"))
+        finally:
+            self.log.end()  # stderr closed: the process is gone (or closing)
+
+    def wait_line(self, match: Callable[[str], T | None], timeout_s: float) -> T | None:
+        """The first non-None ``match(line)`` over the node's log lines (stderr), those read
+        already and those to come; None if the node exits or ``timeout_s`` passes first."""
+        return self.log.wait(match, timeout_s)
 
     @property
     def info(self) -> dict[str, Any]:
@@ -167,10 +225,13 @@ class Node:
             subprocess.TimeoutExpired: still running after ``timeout_s``.
         """
         code = self.proc.wait(timeout_s)
-        self._reader.join(5)
-        if self.proc.stdout is not None and not self._reader.is_alive():
-            self.proc.stdout.close()
-        self._err.close()
+        for reader, stream in (
+            (self._reader, self.proc.stdout),
+            (self._err_reader, self.proc.stderr),
+        ):
+            reader.join(5)
+            if stream is not None and not reader.is_alive():
+                stream.close()
         return code
 
     def tail(self, n_chars: int = 3000) -> str:
@@ -268,23 +329,6 @@ class Hosts:
     def logs(self) -> str:
         """The tails of every node's logs (for a failure message)."""
         return "\n".join(f"===== {n.name} =====\n{n.tail(1500)}" for n in self.nodes)
-
-
-def wait_until(
-    what: str, check: Callable[[], bool], timeout_s: float, hosts: Hosts, period_s: float = 0.5
-) -> None:
-    """Poll ``check`` every ``period_s`` until it is true.
-
-    Raises:
-        AssertionError: still false after ``timeout_s``, with every node's log tail.
-    """
-    deadline = time.monotonic() + timeout_s
-    while not check():
-        if time.monotonic() > deadline:
-            raise AssertionError(
-                f"timed out after {timeout_s} s waiting for {what}\n{hosts.logs()}"
-            )
-        time.sleep(period_s)
 
 
 def metric(text: str | None, name: str) -> float | None:

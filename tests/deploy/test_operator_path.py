@@ -28,6 +28,7 @@ which can pass by chance). Everything else is a hard assertion.
 from __future__ import annotations
 
 import json
+import re
 import shlex
 import shutil
 import subprocess
@@ -42,7 +43,7 @@ from urllib.parse import urlsplit
 import pytest
 
 from tests.deploy import readme
-from tests.deploy.hosts import Host, Hosts, Node, metric, wait_until
+from tests.deploy.hosts import Host, Hosts, Node, metric
 
 RUN_ID = "operator-path"
 STEPS = 8  # versions 0..STEPS; enough that the trainer is still running at its restart
@@ -58,6 +59,7 @@ EXTRA = {  # test-only options, appended to the README's commands
     "relay": ["--report", "relay-report.json"],
     "peer": ["--report", "peer-report.json"],
 }
+COMMITTED = re.compile(rf"version_committed run={RUN_ID} step=(\d+) ")
 READY_S = 120.0  # start of a node until its ready line (torch import on a busy machine)
 PROGRESS_S = 240.0  # longest wait for the next version to reach a node
 
@@ -177,20 +179,26 @@ class Deployment:
         return -1 if v is None else int(v)
 
     def wait_latest(self, nodes: list[Node], above: int, via: Host, what: str) -> float:
-        """Wait until every node in ``nodes`` has committed a step > ``above``; the seconds
+        """Wait until every node in ``nodes`` has committed a step > ``above`` (its log's
+        ``version_committed`` line, the event behind ``shardnet_latest_step``); the seconds
         it took.
 
         Raises:
             AssertionError: a node exited, or ``PROGRESS_S`` passed.
         """
 
-        def done() -> bool:
-            for n in nodes:
-                assert n.running(), f"{n.name} exited with {n.proc.poll()}\n{n.tail()}"
-            return all(self.latest(n, via) > above for n in nodes)
+        def above_line(line: str) -> int | None:
+            m = COMMITTED.search(line)
+            return int(m[1]) if m and int(m[1]) > above else None
 
         t0 = time.monotonic()
-        wait_until(what, done, PROGRESS_S, self.hosts)
+        for n in nodes:
+            left = PROGRESS_S - (time.monotonic() - t0)
+            if n.wait_line(above_line, left) is None:
+                state = f"exited with {n.proc.poll()}" if not n.running() else "no commit"
+                raise AssertionError(
+                    f"{what}: {n.name} {state} after {PROGRESS_S} s\n{self.hosts.logs()}"
+                )
         elapsed = time.monotonic() - t0
         self.note(f"{what}: " + ", ".join(f"{n.name}={self.latest(n, via)}" for n in nodes))
         return elapsed

@@ -5,7 +5,11 @@
 * :func:`nodes` (a fixture: import it into a test module) stops every node a test started.
 * :func:`nginx` serves a directory with Debian's nginx (foreground, one process) on a free
   127.0.0.1 port; :data:`NGINX` is its binary (None when missing: tests skip on
-  :data:`NEEDS_NGINX`).
+  :data:`NEEDS_NGINX`). Its error log is read through a pipe too: nginx logs its version
+  (``[notice] ... nginx/1.22.1``) once its configuration is loaded and its sockets listen,
+  and that line is the readiness event.
+
+Nothing here polls: every wait is for a line (or an exit), bounded by a deadline.
 """
 
 from __future__ import annotations
@@ -73,23 +77,30 @@ class Node:
                 self._q.put(line)
         self._q.put(None)
 
-    def wait_for(self, pattern: str, timeout_s: float = 120.0) -> str:
-        """The first line (old or new) matching ``pattern``; fails after ``timeout_s``."""
+    def wait_for(self, pattern: str, timeout_s: float = 120.0, count: int = 1) -> str:
+        """The ``count``-th line (old or new) matching ``pattern``; fails after ``timeout_s``
+        (the lines are events: this blocks on the reader's queue, it never polls)."""
         rx = re.compile(pattern)
+        seen = 0
         for line in self.lines:
             if rx.search(line):
-                return line
+                seen += 1
+                if seen == count:
+                    return line
         deadline = time.monotonic() + timeout_s
+        what = f"/{pattern}/" + (f" {count} times" if count > 1 else "")
         try:
             while True:
                 line = self._q.get(timeout=max(0.0, deadline - time.monotonic()))
                 if line is None:
-                    pytest.fail(f"{self.name} exited before /{pattern}/; see {self.log_path}")
+                    pytest.fail(f"{self.name} exited before {what}; see {self.log_path}")
                 self.lines.append(line)
                 if rx.search(line):
-                    return line
+                    seen += 1
+                    if seen == count:
+                        return line
         except queue.Empty:
-            pytest.fail(f"{self.name}: no /{pattern}/ within {timeout_s}s; see {self.log_path}")
+            pytest.fail(f"{self.name}: no {what} within {timeout_s}s; see {self.log_path}")
 
     def drain(self) -> list[str]:
         """Every line read so far (after the process ended: all of them)."""
@@ -152,7 +163,7 @@ def nginx(root: Path, work: Path) -> Iterator[str]:
     )
     conf.write_text(
         f"daemon off; master_process off; pid {work}/nginx.pid;\n"
-        f"error_log {work}/error.log;\n"
+        "error_log stderr notice;\n"  # read through a pipe: its first lines say it is ready
         "events {}\n"
         # the log shows whether a request was signed (requests to a mirror are anonymous)
         "http { log_format lane '$request status=$status bytes=$body_bytes_sent "
@@ -163,22 +174,18 @@ def nginx(root: Path, work: Path) -> Iterator[str]:
         "    location ~ /(manifest|versions)$ { default_type application/json; } } }\n"
     )
     proc = subprocess.Popen(
-        [NGINX, "-c", str(conf), "-p", str(work), "-e", str(work / "error.log")],
+        [NGINX, "-c", str(conf), "-p", str(work), "-e", "stderr"],
         stdout=subprocess.DEVNULL,
         stderr=subprocess.PIPE,
+        text=True,
     )
+    errors = _NginxLog(proc, work / "error.log")
     try:
-        for _ in range(200):  # a subprocess: wait for its socket (10 s at most)
-            try:
-                socket.create_connection(("127.0.0.1", port), timeout=0.5).close()
-                break
-            except OSError:
-                if proc.poll() is not None:
-                    err = proc.stderr.read().decode() if proc.stderr else ""
-                    pytest.fail(f"nginx exited: {err}")
-                time.sleep(0.05)
-        else:
-            pytest.fail("nginx did not listen within 10 s")
+        if not errors.listening.wait(10):
+            pytest.fail(f"nginx did not listen within 10 s: {errors.path.read_text()[-2000:]}")
+        if not errors.ready:
+            proc.wait(5)
+            pytest.fail(f"nginx exited {proc.returncode}: {errors.path.read_text()[-2000:]}")
         yield f"http://127.0.0.1:{port}"
     finally:
         proc.terminate()
@@ -187,5 +194,34 @@ def nginx(root: Path, work: Path) -> Iterator[str]:
         except subprocess.TimeoutExpired:
             proc.kill()
             proc.wait()
+        errors.thread.join(timeout=5)
         if proc.stderr is not None:
             proc.stderr.close()
+
+
+# logged by nginx after its configuration is loaded, i.e. after its sockets listen
+_NGINX_STARTED = re.compile(r"\[notice\] \d+#\d+: nginx/\d")
+
+
+class _NginxLog:
+    """Copies nginx's error log (its stderr) to ``path`` in a thread; ``listening`` is set at
+    the readiness line (``ready`` True) or when the log ends (nginx exited; ``ready`` False)."""
+
+    def __init__(self, proc: subprocess.Popen[str], path: Path) -> None:
+        self.proc = proc
+        self.path = path
+        self.ready = False
+        self.listening = threading.Event()
+        self.thread = threading.Thread(target=self._read, name="nginx-log", daemon=True)
+        self.thread.start()
+
+    def _read(self) -> None:
+        assert self.proc.stderr is not None
+        with self.path.open("a") as fh:
+            for line in self.proc.stderr:
+                fh.write(line)
+                fh.flush()
+                if not self.ready and _NGINX_STARTED.search(line):
+                    self.ready = True
+                    self.listening.set()
+        self.listening.set()

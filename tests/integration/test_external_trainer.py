@@ -14,7 +14,6 @@ import os
 import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 from p2p.identity import Identity
@@ -124,10 +123,10 @@ def test_external_trainer_loop(tmp_path: Path, nodes: list[Node]) -> None:
         assert all(0.0 <= r["reward"] <= 1.0 for r in rows)
         assert len({r["group_id"] for r in rows}) == 2 * 4
     assert not list(out.rglob(".*.tmp"))  # nothing half-written left behind
-    # the last version's rollouts (nobody trains on them) show where the reward got to
-    deadline = time.monotonic() + 240
-    while read_rollouts(out, step=STEPS).num_rows < 2 * 32 and time.monotonic() < deadline:
-        time.sleep(0.5)
+    # the last version's rollouts (nobody trains on them) show where the reward got to: the
+    # origin logs each file it writes, one batch per peer
+    origin.wait_for(rf"rollouts_written step={STEPS} ", timeout_s=240, count=2)
+    assert read_rollouts(out, step=STEPS).num_rows >= 2 * 32
     mean = {
         step: sum(r["reward"] for r in rows) / len(rows)
         for step in range(STEPS + 1)

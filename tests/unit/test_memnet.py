@@ -118,7 +118,7 @@ async def _gossip_run(seed: int) -> int:
             await a.connect(b.multiaddrs()[0])
             for i in range(100):
                 await a.publish("t", str(i).encode())
-            await trio.sleep(1)
+            await net.wait_quiet()  # every hop has landed or was lost
             return sub.statistics().received
 
 
@@ -157,3 +157,30 @@ async def _ranged(req: HttpRequest) -> HttpResponse:
         [("content-range", format_content_range(first, length, len(BODY)))],
         BODY[first : first + length],
     )
+
+
+async def test_wait_quiet_returns_when_every_hop_has_landed(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    """A line a - b - c: c's copies travel two hops (the second spawned by b's forwarding);
+    wait_quiet returns only once they have all landed, and at once when nothing is in flight."""
+    c_id = Identity.from_seed("memnet-c")
+    async with MemNetwork(random.Random(1), LinkProfile(latency_s=2.0)) as net:
+        ea, eb, ec = net.endpoint(), net.endpoint(), net.endpoint()
+        async with (
+            ea.open_host(A, HostConfig()) as a,
+            eb.open_host(B, HostConfig()) as b,
+            ec.open_host(c_id, HostConfig()) as c,
+        ):
+            subs = [await h.subscribe("t", lambda origin, data: None) for h in (a, b, c)]
+            await a.connect(b.multiaddrs()[0])
+            await c.connect(b.multiaddrs()[0])
+            t0 = trio.current_time()
+            for i in range(3):
+                await a.publish("t", str(i).encode())
+            await net.wait_quiet()
+            assert trio.current_time() - t0 >= 4.0  # two hops of 2 s each
+            assert [s.statistics().received for s in subs] == [0, 3, 3]
+            t1 = trio.current_time()
+            await net.wait_quiet()
+            assert trio.current_time() == t1
