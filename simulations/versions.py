@@ -9,7 +9,9 @@ length otherwise — what :class:`~shardcast.downloader.Downloader` fetches as a
 :func:`manifest_stub` gives :func:`shardcast.catchup.plan` the few manifest attributes it reads
 (``step``, ``digest``, ``complete``, ``total_bytes``, ``header.base_step``,
 ``header.base_digest``, ``header.shards``, ``shard(i).length``, ``shard(i).offered(enc)``), so
-the model plans catch-ups with the real planner without signing real manifests.
+the model plans catch-ups with the real planner without signing real manifests;
+:func:`announcement_stub` gives a :class:`~shardcast.tracker.VersionTracker` the announcement
+of a version (unsigned: the tracker takes announcements already verified).
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ from typing import Any
 import blake3
 
 from shardcast.codecs import SPARSE
+from shardcast.messages import VersionAnnouncement
 from simulations.topology import CheckpointSpec
 
 
@@ -146,3 +149,8 @@ def manifest_stub(v: SimVersion, base_digest: str | None = None) -> ManifestStub
         _Header(v.base, base_digest, tuple(range(len(shards)))),
         shards,
     )
+
+
+def announcement_stub(v: SimVersion) -> VersionAnnouncement:
+    """The trainer's announcement of ``v``, unsigned (what a tracker reads: run, step, digest)."""
+    return VersionAnnouncement(v.run, v.step, v.digest, (), "sim-trainer", b"")
