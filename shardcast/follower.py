@@ -102,7 +102,16 @@ from shardcast.metrics import DownloadMetrics, source_kind
 from shardcast.mirror import MirrorPoll, check_mirror_url
 from shardcast.node import ShardcastNode
 from shardcast.nodestatus import iso, wall_of
-from shardcast.tracker import PollOutcome, Version, Want, abandons, confirmed_elsewhere, want
+from shardcast.tracker import (
+    MANIFEST_RETRY_MAX_S,
+    PollOutcome,
+    Version,
+    Want,
+    abandons,
+    confirmed_elsewhere,
+    manifest_retry_s,
+    want,
+)
 
 if TYPE_CHECKING:
     from trio_typing import TaskStatus
@@ -110,22 +119,6 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 _MAX_CHAIN = 32  # longest delta chain looked at when deciding to finish a superseded version
-
-
-MANIFEST_RETRY_FIRST_S = 0.02
-"""First wait before asking the sources for a manifest document again, seconds."""
-MANIFEST_RETRY_MAX_S = 0.25
-"""Cap of that wait, seconds. A downstream node usually learns of a version (gossip) a few
-hundred milliseconds before its upstream relay has fetched the manifest and serves it; every
-millisecond the retry overshoots that moment is added to the version's arrival at every node
-below, so the cap is small (a manifest request is one small GET per upstream)."""
-
-
-def manifest_retry_s(attempt: int) -> float:
-    """Wait after the ``attempt``-th round (0-based) of manifest (or run card) requests that
-    found no source holding it yet, seconds: doubling from :data:`MANIFEST_RETRY_FIRST_S`, capped at
-    :data:`MANIFEST_RETRY_MAX_S`."""
-    return min(MANIFEST_RETRY_FIRST_S * float(2 ** min(attempt, 16)), MANIFEST_RETRY_MAX_S)
 
 
 @dataclass(frozen=True)
@@ -986,4 +979,12 @@ class Follower:
         return [ready, known]
 
 
-__all__ = ["CommitHook", "FollowConfig", "Follower", "VersionAnnouncement", "VersionRecord"]
+__all__ = [
+    "MANIFEST_RETRY_MAX_S",
+    "CommitHook",
+    "FollowConfig",
+    "Follower",
+    "VersionAnnouncement",
+    "VersionRecord",
+    "manifest_retry_s",
+]

@@ -32,6 +32,8 @@ The rules, each a pure function the tracker and its drivers share:
 - :func:`judge_finished` — a run end is taken if it is newer than the one known and not older
   than the known announcement (an old run end after the trainer resumed is stale); an
   announcement of a newer step than the run end lifts it (the trainer resumed).
+- :func:`manifest_retry_s` — a manifest document (or run card) that no source serves yet is
+  asked for again after a short doubling wait, capped at :data:`MANIFEST_RETRY_MAX_S`.
 - :meth:`VersionTracker.polled` — an upstream's polls are spaced by
   :func:`shardcast.finish.poll_delay`: every ``poll_interval_s`` while it answers, doubling up
   to ``max_backoff_s`` while it fails, minutes apart once the node is settled (run finished,
@@ -54,6 +56,8 @@ from shardcast.manifest import Manifest
 from shardcast.messages import VersionAnnouncement
 
 __all__ = [
+    "MANIFEST_RETRY_FIRST_S",
+    "MANIFEST_RETRY_MAX_S",
     "FinishedTake",
     "Held",
     "PollNext",
@@ -67,12 +71,28 @@ __all__ = [
     "confirmed_elsewhere",
     "judge",
     "judge_finished",
+    "manifest_retry_s",
     "superseded",
     "want",
 ]
 
 Version = tuple[int, str]
 """``(step, manifest digest)``."""
+
+MANIFEST_RETRY_FIRST_S = 0.02
+"""First wait before asking the sources for a manifest document again, seconds."""
+MANIFEST_RETRY_MAX_S = 0.25
+"""Cap of that wait, seconds. A downstream node usually learns of a version (gossip) a few
+hundred milliseconds before its upstream relay has fetched the manifest and serves it; every
+millisecond the retry overshoots that moment is added to the version's arrival at every node
+below, so the cap is small (a manifest request is one small GET per upstream)."""
+
+
+def manifest_retry_s(attempt: int) -> float:
+    """Wait after the ``attempt``-th round (0-based) of manifest (or run card) requests that
+    found no source holding it yet, seconds: doubling from :data:`MANIFEST_RETRY_FIRST_S`,
+    capped at :data:`MANIFEST_RETRY_MAX_S`."""
+    return min(MANIFEST_RETRY_FIRST_S * float(2 ** min(attempt, 16)), MANIFEST_RETRY_MAX_S)
 
 
 class Via(enum.Enum):

@@ -75,7 +75,7 @@ from shardcast.session import (
     SessionConfig,
     Verdict,
 )
-from shardcast.tracker import Held, VersionTracker, Via, abandons
+from shardcast.tracker import MANIFEST_RETRY_MAX_S, Held, VersionTracker, Via, abandons
 from simulations.flows import FlowNetwork
 from simulations.progress import SimProgress, Snapshot
 from simulations.topology import Node, Topology
@@ -337,8 +337,8 @@ class Model:
             n.plan = list(self._plan(latest, ann.step))
         step = n.plan[0]
         ups = [u for u in (self.by_name[x] for x in n.spec.upstreams) if self._knows(u, step)]
-        if not ups:  # the manifest is not upstream yet: retry (fetch_manifest backs off)
-            self._at(self.env.now + 0.25, self._maybe_start, node)
+        if not ups:  # the manifest is not upstream yet: retry at fetch_manifest's capped wait
+            self._at(self.env.now + MANIFEST_RETRY_MAX_S, self._maybe_start, node)
             return
         delay, _, _ = self._path(node, ups[0])
         self._start_download(node, step, self.env.now + 2 * delay)
