@@ -233,7 +233,6 @@ class Follower:
         if node.config.role == "relay":
             node.server.exempt = self._same_tier_relay
         self._upstream_changed = trio.Event()
-        self._learned: dict[int, float] = {}
         self._filling: list[tuple[int, str]] = []  # versions being downloaded
         self._advert_wake = trio.Event()
         self._heard: dict[str, float] = {}  # upstream -> Unix time of its last info answer
@@ -279,10 +278,7 @@ class Follower:
 
     def _offer(self, data: bytes, sender: str, *, upstream: bool = True) -> None:
         replace = upstream and not self._confirmed_elsewhere(sender)
-        msg = self.node.offer_versions_message(data, sender, replace_same_step=replace)
-        if isinstance(msg, VersionAnnouncement):
-            self._learned.setdefault(msg.step, trio.current_time())
-        if msg is not None:
+        if self.node.offer_versions_message(data, sender, replace_same_step=replace) is not None:
             self._note_change()
 
     @property
@@ -798,7 +794,10 @@ class Follower:
 
     async def _download(self, m: Manifest) -> bool:
         step = m.step
-        record = VersionRecord(step, m.digest, self._learned.get(step, trio.current_time()))
+        learned = self.node.tracker.learned_at(step)
+        record = VersionRecord(
+            step, m.digest, learned if learned is not None else trio.current_time()
+        )
         server = self.node.server
         # discovered sources join through extra_sources (bounded there); they seed the list
         # only when no upstream is known

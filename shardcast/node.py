@@ -497,7 +497,7 @@ class ShardcastNode:
         Args:
             sender: who passed it on (None: this node announces it, i.e. the origin).
         """
-        if self.tracker.take(ann):
+        if self.tracker.take(ann, trio.current_time()):
             log.info("run_resumed run=%s step=%d", ann.run_id, ann.step)
         if sender is None:
             log.info(

@@ -2,16 +2,18 @@
 
 Theory of operation
 -------------------
-A node learns of versions from trainer-signed :class:`~shardcast.messages.VersionAnnouncement`\\ s
-arriving three ways (:class:`Via`): its upstreams' info records (allowlisted nodes, polled),
-the run's open gossip topic (anybody may replay an old signed message there), and itself (the
-origin announces what it publishes). A :class:`VersionTracker` holds what the node concluded
-from them: the newest announcement it knows, the trainer's :class:`~shardcast.finish.RunFinished`
-if the run ended, what each upstream's last info record said, and each upstream's run of failed
-polls. Its drivers are :class:`shardcast.node.ShardcastNode` (which verifies the bytes, logs and
-wakes waiters), :class:`shardcast.follower.Follower` (which polls and downloads) and the
-simulator (:mod:`simulations.model`), which offers the announcements its nodes hear to the same
-object. It does no I/O and reads no clock; nothing in it is random.
+A node learns of versions from trainer-signed
+:class:`~shardcast.messages.VersionAnnouncement`\\ s arriving three ways (:class:`Via`): its
+upstreams' info records (allowlisted nodes, polled), the run's open gossip topic (anybody may
+replay an old signed message there), and itself (the origin announces what it publishes). A
+:class:`VersionTracker` holds what the node concluded from them: the newest announcement it
+knows, the trainer's :class:`~shardcast.finish.RunFinished` if the run ended, when it first
+heard of each recent step, what each upstream's last info record said, and each upstream's run
+of failed polls. Its drivers are :class:`shardcast.node.ShardcastNode` (which verifies the
+bytes, logs and wakes waiters), :class:`shardcast.follower.Follower` (which polls and
+downloads) and the simulator (:mod:`simulations.model`), which offers the announcements its
+nodes hear to the same object. It does no I/O and reads no clock (``now`` is an argument);
+nothing in it is random.
 
 The rules, each a pure function the tracker and its drivers share:
 
@@ -39,7 +41,8 @@ The rules, each a pure function the tracker and its drivers share:
   to ``max_backoff_s`` while it fails, minutes apart once the node is settled (run finished,
   final version held), when a failure is reported once only (not every retry).
 
-Bounds: one entry per upstream that ever answered (the configured upstreams: a fixed set).
+Bounds: one entry per upstream that ever answered (the configured upstreams: a fixed set);
+the learning times of the newest :data:`LEARNED_KEPT` steps.
 """
 
 from __future__ import annotations
@@ -56,6 +59,7 @@ from shardcast.manifest import Manifest
 from shardcast.messages import VersionAnnouncement
 
 __all__ = [
+    "LEARNED_KEPT",
     "MANIFEST_RETRY_FIRST_S",
     "MANIFEST_RETRY_MAX_S",
     "FinishedTake",
@@ -78,6 +82,10 @@ __all__ = [
 
 Version = tuple[int, str]
 """``(step, manifest digest)``."""
+
+LEARNED_KEPT = 64
+"""Steps whose learning time a tracker remembers (the newest ones; a catch-up chain is at most
+32 links)."""
 
 MANIFEST_RETRY_FIRST_S = 0.02
 """First wait before asking the sources for a manifest document again, seconds."""
@@ -287,6 +295,7 @@ class VersionTracker:
         self.finished: RunFinished | None = None
         """The trainer's run end, while no newer step is announced."""
         self._said: dict[str, Version] = {}  # upstream -> its last info record's version
+        self._learned: dict[int, float] = {}  # step -> when first taken (newest LEARNED_KEPT)
         self._failures: dict[str, int] = {}  # upstream -> consecutive failed polls
 
     # -- announcements ------------------------------------------------------------------------
@@ -300,12 +309,14 @@ class VersionTracker:
         self,
         ann: VersionAnnouncement,
         via: Via,
+        now: float,
         sender: str = "",
         ready: Collection[str] = (),
     ) -> Take:
         """Take ``ann`` (already verified) if it is news (see :func:`judge`).
 
         Args:
+            now: the time, seconds (any monotonic clock; see :meth:`learned_at`).
             via: where it came from: a same-step replacement is taken from an upstream that
                 no other reachable upstream contradicts (:func:`confirmed_elsewhere`), or from
                 this node itself; never from open gossip.
@@ -318,17 +329,26 @@ class VersionTracker:
         )
         take = judge(self.announcement, ann, self.run_id, replace_same_step=replace)
         if take.taken:
-            self.take(ann)
+            self.take(ann, now)
         return take
 
-    def take(self, ann: VersionAnnouncement) -> bool:
-        """Make ``ann`` the known announcement, unconditionally (the origin's own, or one
-        :func:`judge` took). Returns True if it lifted a known run end (the trainer resumed)."""
+    def take(self, ann: VersionAnnouncement, now: float) -> bool:
+        """Make ``ann`` the known announcement at time ``now`` (seconds), unconditionally (the
+        origin's own, or one :func:`judge` took). Returns True if it lifted a known run end
+        (the trainer resumed)."""
         resumed = self.finished is not None and ann.step > self.finished.step
         if resumed:
             self.finished = None
         self.announcement = ann
+        self._learned.setdefault(ann.step, now)
+        if len(self._learned) > LEARNED_KEPT:
+            del self._learned[min(self._learned)]
         return resumed
+
+    def learned_at(self, step: int) -> float | None:
+        """When an announcement of ``step`` was first taken (the ``now`` it was taken with),
+        or None (never, or not among the newest :data:`LEARNED_KEPT` steps)."""
+        return self._learned.get(step)
 
     def heard_from(self, upstream: str, ann: VersionAnnouncement | None) -> None:
         """Remember what ``upstream``'s last info record announced (None: nothing usable)."""

@@ -302,7 +302,7 @@ class Model:
         if not n.alive:
             return
         ann = announcement_stub(self.versions[step])
-        if not n.tracker.offer(ann, Via.GOSSIP, self.topo.origin.name).taken:
+        if not n.tracker.offer(ann, Via.GOSSIP, self.env.now, self.topo.origin.name).taken:
             return
         rec = self._record(node, step)
         if rec["learned_s"] is None:

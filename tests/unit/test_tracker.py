@@ -14,6 +14,7 @@ from shardcast.liveness import Abandon
 from shardcast.manifest import Manifest
 from shardcast.messages import VersionAnnouncement
 from shardcast.tracker import (
+    LEARNED_KEPT,
     FinishedTake,
     PollOutcome,
     Take,
@@ -64,21 +65,21 @@ def test_judge_takes_newer_steps_and_same_step_replacements_only_where_allowed()
 
 def test_open_gossip_never_replaces_a_step_and_an_upstream_does_unless_contradicted() -> None:
     t = VersionTracker(RUN)
-    assert t.offer(ann(4, "new"), Via.GOSSIP, "Qm-g") is Take.NEWER
-    assert t.offer(ann(4, "old"), Via.GOSSIP, "Qm-g") is Take.SAME_STEP_HELD  # a replay
+    assert t.offer(ann(4, "new"), Via.GOSSIP, 0.0, "Qm-g") is Take.NEWER
+    assert t.offer(ann(4, "old"), Via.GOSSIP, 0.0, "Qm-g") is Take.SAME_STEP_HELD  # a replay
     assert t.announcement == ann(4, "new")
     t.heard_from("r1", ann(4, "new"))
     ready = {"r1", "r2"}
     # r1 says what this node knows: r2, not caught up, must not flip it back
-    assert t.offer(ann(4, "old"), Via.UPSTREAM, "r2", ready) is Take.SAME_STEP_HELD
+    assert t.offer(ann(4, "old"), Via.UPSTREAM, 0.0, "r2", ready) is Take.SAME_STEP_HELD
     # r1's own word does not confirm against itself; an unreachable r1's word counts no more
-    assert t.offer(ann(4, "old"), Via.UPSTREAM, "r2", {"r2"}) is Take.REPLACED
+    assert t.offer(ann(4, "old"), Via.UPSTREAM, 0.0, "r2", {"r2"}) is Take.REPLACED
     assert t.announcement == ann(4, "old")
     t.heard_from("r1", None)  # r1's record became unusable: its word is forgotten
     assert t.said == {}
-    assert t.offer(ann(4, "newest"), Via.UPSTREAM, "r2", ready) is Take.REPLACED
-    assert t.offer(ann(4, "self"), Via.SELF) is Take.REPLACED  # the origin's own word
-    assert t.offer(ann(3, "x"), Via.UPSTREAM, "r2", ready) is Take.OLDER
+    assert t.offer(ann(4, "newest"), Via.UPSTREAM, 0.0, "r2", ready) is Take.REPLACED
+    assert t.offer(ann(4, "self"), Via.SELF, 0.0) is Take.REPLACED  # the origin's own word
+    assert t.offer(ann(3, "x"), Via.UPSTREAM, 0.0, "r2", ready) is Take.OLDER
 
 
 def test_want_never_moves_backwards() -> None:
@@ -91,13 +92,13 @@ def test_want_never_moves_backwards() -> None:
     assert want(ann(1, "x"), 2, held) is Want.BEHIND
     assert [w for w in Want if w.fetch] == [Want.NEWER, Want.REPLACE]
     t = VersionTracker(RUN)
-    t.offer(ann(2, "x"), Via.UPSTREAM, "r")
+    t.offer(ann(2, "x"), Via.UPSTREAM, 0.0, "r")
     assert t.wanted(Store({1: "h1", 2: "h2"})) is Want.REPLACE
 
 
 def test_run_end_is_lifted_by_a_newer_step_and_a_stale_one_is_refused() -> None:
     t = VersionTracker(RUN)
-    t.offer(ann(5), Via.UPSTREAM, "r")
+    t.offer(ann(5), Via.UPSTREAM, 0.0, "r")
     assert t.offer_finished(fin(4)) is FinishedTake.STALE  # the trainer resumed since
     assert t.offer_finished(fin(5, run="other")) is FinishedTake.OTHER_RUN
     assert t.offer_finished(fin(5)) is FinishedTake.TAKEN
@@ -105,9 +106,9 @@ def test_run_end_is_lifted_by_a_newer_step_and_a_stale_one_is_refused() -> None:
     assert not t.settled(Store({4: "a"}).digest_of)
     assert t.settled(Store({5: "a"}).digest_of)
     assert not t.settled(Store({5: "other"}).digest_of)
-    assert not t.take(ann(5, "b"))  # the same step: still finished
+    assert not t.take(ann(5, "b"), 1.0)  # the same step: still finished
     assert t.finished == fin(5)
-    assert t.take(ann(6))  # a newer step: the run resumed
+    assert t.take(ann(6), 2.0)  # a newer step: the run resumed
     assert t.finished is None
     assert not t.settled(Store({5: "a"}).digest_of)
     t.finish(fin(6))  # the origin's own
@@ -121,14 +122,28 @@ def _manifest(step: int, base_step: int | None, base_digest: str | None) -> Mani
 
 def test_a_download_is_abandoned_when_it_cannot_be_the_newer_versions_base() -> None:
     t = VersionTracker(RUN)
-    t.offer(ann(1), Via.GOSSIP, "g")
+    t.offer(ann(1), Via.GOSSIP, 0.0, "g")
     assert not t.superseded(1)
-    t.offer(ann(2), Via.GOSSIP, "g")
+    t.offer(ann(2), Via.GOSSIP, 0.0, "g")
     assert t.superseded(1)
     assert not t.superseded(2)
     assert abandons(1, "d1", _manifest(2, 1, "d1"), {}) is None  # a delta on it: finish it
     assert abandons(1, "d1", _manifest(2, None, None), {}) is Abandon.SUPERSEDED  # an anchor
     assert abandons(1, "d1", _manifest(2, 1, "other"), {}) is Abandon.SUPERSEDED
+
+
+def test_learning_time_is_the_first_take_of_a_step_and_bounded() -> None:
+    t = VersionTracker(RUN)
+    assert t.offer(ann(1, "a"), Via.GOSSIP, 5.0) is Take.NEWER
+    assert t.offer(ann(1, "b"), Via.UPSTREAM, 7.0, "r") is Take.REPLACED
+    assert t.learned_at(1) == 5.0  # a replacement of the step keeps when it was first heard
+    assert t.offer(ann(0), Via.UPSTREAM, 8.0, "r") is Take.OLDER
+    assert t.learned_at(0) is None  # refused: not learned
+    for step in range(2, 2 + LEARNED_KEPT):
+        t.offer(ann(step), Via.GOSSIP, float(step))
+    assert t.learned_at(1) is None  # forgotten: only the newest LEARNED_KEPT are kept
+    assert t.learned_at(2) == 2.0
+    assert t.learned_at(1 + LEARNED_KEPT) == float(1 + LEARNED_KEPT)
 
 
 def test_poll_schedule_backs_off_and_goes_quiet_once_settled() -> None:
@@ -170,9 +185,9 @@ def test_known_step_is_the_newest_offered_and_nothing_older_than_committed_is_fe
     t = VersionTracker(RUN)
     store = Store(held)
     newest = -1
-    for step, digest, via, sender, ready, said in seq:
+    for now, (step, digest, via, sender, ready, said) in enumerate(seq):
         before = t.announcement
-        take = t.offer(ann(step, digest), via, sender, ready)
+        take = t.offer(ann(step, digest), via, float(now), sender, ready)
         if via is Via.UPSTREAM and said:
             t.heard_from(sender, ann(step, digest))
         newest = max(newest, step)
@@ -180,6 +195,7 @@ def test_known_step_is_the_newest_offered_and_nothing_older_than_committed_is_fe
         assert got is not None
         assert got.step == newest  # the step never goes back
         assert take.taken == (got is not before)
+        assert t.learned_at(newest) is not None  # the step followed has a learning time
         if via is Via.GOSSIP and before is not None and step == before.step:
             assert got is before  # open gossip never replaces a step
         wanted = t.wanted(store)
