@@ -336,7 +336,7 @@ class Follower:
                 if self.upstreams.pop(pid, None) is not None:
                     self._note_upstream()
                 settled = self.settled()
-                after = tracker.polled(pid, PollOutcome.UNREACHABLE, policy, settled)
+                after = tracker.polled(addr, PollOutcome.UNREACHABLE, policy, settled)
                 if after.report:
                     log.info(
                         "upstream_unreachable upstream=%s error=%s retry_s=%.1f settled=%s",
@@ -350,7 +350,7 @@ class Follower:
             self._heard[pid] = time.time()
             self._errors.pop(pid, None)
             outcome = await self._take_info(pid, info)
-            await trio.sleep(tracker.polled(pid, outcome, policy, self.settled()).delay_s)
+            await trio.sleep(tracker.polled(addr, outcome, policy, self.settled()).delay_s)
 
     async def _take_info(self, pid: str, info: NodeInfo) -> PollOutcome:
         """Use upstream ``pid``'s info record: it is ready; its card, announcement and run
@@ -665,9 +665,9 @@ class Follower:
             attempt += 1
 
     def _wanted(self) -> VersionAnnouncement | None:
-        """The known announcement if it names a version to fetch (:func:`~shardcast.tracker.
-        want`: newer than what is held, or the newest step held with another digest), else
-        None. Never an older step than the newest held: a node does not move backwards."""
+        """The known announcement if it names a version to fetch, else None (see
+        :func:`shardcast.tracker.want`: newer than what is held, or the newest step held with
+        another digest; never an older step than the newest held)."""
         ann = self.node.announcement
         latest = self.node.store.latest()
         wanted = want(ann, latest, self.held_digest)

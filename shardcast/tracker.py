@@ -390,6 +390,8 @@ class VersionTracker:
         """Record how a poll of ``upstream`` ended; when to poll it next.
 
         Args:
+            upstream: the key of one poll schedule (the follower uses the configured
+                multiaddr: one schedule per poll loop).
             policy: the poll periods (see :func:`shardcast.finish.poll_delay`).
             settled: :meth:`settled` now (polls and retries are then minutes apart).
         """
