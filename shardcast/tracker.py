@@ -316,10 +316,10 @@ class VersionTracker:
         """Take ``ann`` (already verified) if it is news (see :func:`judge`).
 
         Args:
-            now: the time, seconds (any monotonic clock; see :meth:`learned_at`).
             via: where it came from: a same-step replacement is taken from an upstream that
                 no other reachable upstream contradicts (:func:`confirmed_elsewhere`), or from
                 this node itself; never from open gossip.
+            now: the time, seconds (any monotonic clock; see :meth:`learned_at`).
             sender: the upstream or gossip origin that passed it on.
             ready: the upstreams reachable now.
         """
