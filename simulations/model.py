@@ -20,16 +20,23 @@ model's clock as ``now`` and a per-node seeded ``random.Random``:
   without the version), ``refused`` (super-seeding), ``broken`` (a source left; the bytes that
   arrived are kept for resuming) or ``cancelled`` (endgame losers, banned sources); the
   model answers the session's byte comparisons from its knowledge of who corrupted what.
-  Abandonment is not modelled (the session's grace periods are infinite);
+  The session's own abandonment is not modelled (its grace periods are infinite);
 - extra sources come from a real :class:`shardcast.download.discovery.SourceDirectory` fed with
-  :class:`~shardcast.download.discovery.NodeAdvert`\\ s (a node hears ``gossip_sample`` random
-  adverts per
+  :class:`~shardcast.download.discovery.NodeAdvert`\\ s (a node hears ``gossip_sample`` random adverts per
   ``advert_interval_s`` instead of all N: that keeps a round O(1) per node);
 - the origin refuses repeats with :class:`shardcast.serve.superseeding.SuperSeeding`;
 - relays and peers serve a shard as soon as they verified it (a request for a shard a source
   is still filling waits there, as in :mod:`shardcast.serve.server`), keep versions by
   :func:`shardcast.core.retention.versions_to_prune` with served versions and delta bases pinned,
-  and catch up with :func:`shardcast.core.catchup.plan`.
+  and catch up with :func:`shardcast.core.catchup.plan`;
+- what a node follows is decided by its :class:`shardcast.core.tracker.VersionTracker`, the object
+  a real node's :class:`~shardcast.download.follower.Follower` drives: an announcement heard is offered
+  to it (taken if newer), a download starts when it says the announced version is wanted, and
+  a newer announcement abandons the version being downloaded when the tracker says it is
+  superseded (it cannot be the base of the newer version's delta chain; the model decides
+  when it hears the announcement, with complete stand-in manifests, where a real follower
+  first fetches the newer manifest from an upstream). A node retries
+  :data:`RETRY_S` after an abandoned or failed download, as the follower does.
 
 Not modelled: CPU (hashing is a rate at the origin only; verification is free), TCP slow
 start, HTTP/libp2p control traffic, gossip delays other than one RTT.
@@ -47,6 +54,7 @@ from typing import Any, cast
 import simpy
 
 from shardcast.core import (
+    MANIFEST_RETRY_MAX_S,
     Action,
     Cancel,
     Check,
@@ -55,6 +63,7 @@ from shardcast.core import (
     End,
     Fail,
     Fetch,
+    Held,
     KeepSuspect,
     Offer,
     Outcome,
@@ -63,6 +72,9 @@ from shardcast.core import (
     Session,
     SessionConfig,
     Verdict,
+    VersionTracker,
+    Via,
+    abandons,
     catchup,
     versions_to_prune,
 )
@@ -73,10 +85,11 @@ from simulations.flows import FlowNetwork
 from simulations.progress import SimProgress, Snapshot
 from simulations.summary import finish, progress_bands
 from simulations.topology import Node, Topology
-from simulations.versions import SimVersion, manifest_stub
+from simulations.versions import SimVersion, announcement_stub, manifest_stub
 
 UNREACHABLE_S = 1.0  # time to notice a departed source (connect failure), seconds
 MSS = 1448.0  # TCP payload bytes per segment, for the Mathis loss bound
+RETRY_S = 1.0  # wait after an abandoned or failed download (the follower's poll_interval_s), s
 HAVE_POLL_S = 0.25  # watchers learn a partial source's new shards this often (the downloader's
 # ``have_poll_s``): new shards are batched per source and delivered at the next poll
 
@@ -110,12 +123,12 @@ class _Download:
 class _NodeState:
     spec: Node
     rng: random.Random
+    tracker: VersionTracker
     alive: bool = True
     committed: list[int] = field(default_factory=list)
     have: dict[int, set[int]] = field(default_factory=dict)  # step -> verified shards (filling)
     download: _Download | None = None
     plan: list[int] = field(default_factory=list)
-    announced: int = -1
     waiters: dict[tuple[int, int], list[Any]] = field(default_factory=dict)
     watchers: dict[int, list[_Download]] = field(default_factory=dict)
     unpolled: dict[int, list[int]] = field(default_factory=dict)  # step -> shards since poll
@@ -128,6 +141,21 @@ class _NodeState:
     records: dict[int, dict[str, Any]] = field(default_factory=dict)
     generating: bool = False
     done_step: int = -1
+
+
+@dataclass(frozen=True)
+class _Held:
+    """A node's committed steps (ascending) as a tracker reads them
+    (:class:`shardcast.core.tracker.Held`)."""
+
+    committed: list[int]
+    versions: dict[int, SimVersion]
+
+    def latest(self) -> int | None:
+        return self.committed[-1] if self.committed else None
+
+    def digest_of(self, step: int) -> str | None:
+        return self.versions[step].digest if step in self.committed else None
 
 
 class Model:
@@ -161,7 +189,8 @@ class Model:
             max_inflight=ms.max_inflight, per_source_inflight=ms.per_source_inflight
         )
         self.nodes = [
-            _NodeState(n, random.Random(f"{self.seed}:{n.name}"), alive=True) for n in topo.nodes
+            _NodeState(n, random.Random(f"{self.seed}:{n.name}"), VersionTracker(self.spec.name))
+            for n in topo.nodes
         ]
         for ev in topo.events:  # a node whose first event is a join starts offline
             first = next(e for e in topo.events if e.node == ev.node)
@@ -274,14 +303,33 @@ class Model:
     # -- learning and planning ----------------------------------------------------------------
 
     def _learn(self, node: int, step: int) -> None:
+        """``node`` hears the trainer's announcement of ``step`` (through gossip)."""
         n = self.nodes[node]
-        if not n.alive or step <= n.announced:
+        if not n.alive:
             return
-        n.announced = step
+        ann = announcement_stub(self.versions[step])
+        if not n.tracker.offer(ann, Via.GOSSIP, self.env.now, self.topo.origin.name).taken:
+            return
         rec = self._record(node, step)
         if rec["learned_s"] is None:
             rec["learned_s"] = self.env.now
+        self._abandon_superseded(node)
         self._maybe_start(node)
+
+    def _abandon_superseded(self, node: int) -> None:
+        """Abandon ``node``'s download if the newest announcement superseded it and it cannot
+        be the base of that version's delta chain (the follower's ``_watch_superseded``)."""
+        n = self.nodes[node]
+        dl, ann = n.download, n.tracker.announcement
+        if dl is None or ann is None or not n.tracker.superseded(dl.ver.step):
+            return
+        step = dl.ver.step
+        chain = {s: self._stub(s) for s in range(max(step + 1, ann.step - 32), ann.step)}
+        if abandons(step, dl.ver.digest, self._stub(ann.step), chain) is None:
+            return
+        self._drop_download(dl)
+        n.plan = []
+        self._at(self.env.now + RETRY_S, self._maybe_start, node)
 
     def _maybe_start(self, node: int) -> None:
         n = self.nodes[node]
@@ -289,14 +337,14 @@ class Model:
             return
         latest = n.committed[-1] if n.committed else None
         if not n.plan:
-            target = n.announced
-            if target < 0 or (latest is not None and target <= latest):
+            ann = n.tracker.announcement
+            if ann is None or not n.tracker.wanted(self._held(node)).fetch:
                 return
-            n.plan = list(self._plan(latest, target))
+            n.plan = list(self._plan(latest, ann.step))
         step = n.plan[0]
         ups = [u for u in (self.by_name[x] for x in n.spec.upstreams) if self._knows(u, step)]
-        if not ups:  # the manifest is not upstream yet: retry (fetch_manifest backs off)
-            self._at(self.env.now + 0.25, self._maybe_start, node)
+        if not ups:  # the manifest is not upstream yet: retry at fetch_manifest's capped wait
+            self._at(self.env.now + MANIFEST_RETRY_MAX_S, self._maybe_start, node)
             return
         delay, _, _ = self._path(node, ups[0])
         self._start_download(node, step, self.env.now + 2 * delay)
@@ -305,15 +353,19 @@ class Model:
         """The real catch-up planner over stand-in manifests of the published versions."""
         if have is None or have >= target - 1:
             return (target,)
-
-        def stub(s: int) -> Manifest:
-            v = self.versions[s]
-            base = None if v.base is None else self.versions[v.base].digest
-            return cast(Manifest, manifest_stub(v, base))
-
-        chain = {s: stub(s) for s in range(have + 1, target)}
-        p = catchup.plan(have, self.versions[have].digest, stub(target), chain)
+        chain = {s: self._stub(s) for s in range(have + 1, target)}
+        p = catchup.plan(have, self.versions[have].digest, self._stub(target), chain)
         return p.steps
+
+    def _stub(self, step: int) -> Manifest:
+        """A stand-in manifest of published version ``step`` (complete)."""
+        v = self.versions[step]
+        base = None if v.base is None else self.versions[v.base].digest
+        return cast(Manifest, manifest_stub(v, base))
+
+    def _held(self, node: int) -> Held:
+        """``node``'s committed versions as its tracker asks about them."""
+        return _Held(self.nodes[node].committed, self.versions)
 
     def _knows(self, node: int, step: int) -> bool:
         n = self.nodes[node]
@@ -436,7 +488,7 @@ class Model:
                 self._commit(dl, now if t is None else t)
             elif isinstance(a, Fail):  # not with infinite grace periods; start over if so
                 self._drop_download(dl)
-                self._at(now + 1.0, self._maybe_start, dl.node)
+                self._at(now + RETRY_S, self._maybe_start, dl.node)
             # Keep, Drop, Check, Blame, Ban, Probe: no bytes or bans to keep in the model
 
     def _pump(self, dl: _Download, t: float | None = None) -> None:

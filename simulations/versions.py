@@ -10,7 +10,9 @@ length otherwise — what :class:`~shardcast.download.downloader.Downloader` fet
 :func:`manifest_stub` gives :func:`shardcast.core.catchup.plan` the few manifest attributes it reads
 (``step``, ``digest``, ``complete``, ``total_bytes``, ``header.base_step``,
 ``header.base_digest``, ``header.shards``, ``shard(i).length``, ``shard(i).offered(enc)``), so
-the model plans catch-ups with the real planner without signing real manifests.
+the model plans catch-ups with the real planner without signing real manifests;
+:func:`announcement_stub` gives a :class:`~shardcast.core.tracker.VersionTracker` the announcement
+of a version (unsigned: the tracker takes announcements already verified).
 """
 
 from __future__ import annotations
@@ -21,7 +23,7 @@ from typing import Any
 
 import blake3
 
-from shardcast.wire import SPARSE
+from shardcast.wire import SPARSE, VersionAnnouncement
 from simulations.topology import CheckpointSpec
 
 
@@ -147,3 +149,8 @@ def manifest_stub(v: SimVersion, base_digest: str | None = None) -> ManifestStub
         _Header(v.base, base_digest, tuple(range(len(shards)))),
         shards,
     )
+
+
+def announcement_stub(v: SimVersion) -> VersionAnnouncement:
+    """The trainer's announcement of ``v``, unsigned (what a tracker reads: run, step, digest)."""
+    return VersionAnnouncement(v.run, v.step, v.digest, (), "sim-trainer", b"")

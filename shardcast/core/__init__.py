@@ -12,7 +12,7 @@ Imports only :mod:`shardcast.wire` (and ``p2p.errors``).
 from __future__ import annotations
 
 from shardcast.core import catchup
-from shardcast.core.catchup import plan, worth_finishing
+from shardcast.core.catchup import plan
 from shardcast.core.liveness import Abandon, Answer
 from shardcast.core.mirrorpoll import MirrorPoll
 from shardcast.core.pollpolicy import PollPolicy, poll_delay
@@ -41,8 +41,32 @@ from shardcast.core.session import (
     SessionConfig,
     Verdict,
 )
+from shardcast.core.tracker import (
+    LEARNED_KEPT,
+    MANIFEST_RETRY_FIRST_S,
+    MANIFEST_RETRY_MAX_S,
+    FinishedTake,
+    Held,
+    PollNext,
+    PollOutcome,
+    Take,
+    Version,
+    VersionTracker,
+    Via,
+    Want,
+    abandons,
+    confirmed_elsewhere,
+    judge,
+    judge_finished,
+    manifest_retry_s,
+    superseded,
+    want,
+)
 
 __all__ = [
+    "LEARNED_KEPT",
+    "MANIFEST_RETRY_FIRST_S",
+    "MANIFEST_RETRY_MAX_S",
     "Abandon",
     "Action",
     "Answer",
@@ -57,23 +81,38 @@ __all__ = [
     "End",
     "Fail",
     "Fetch",
+    "FinishedTake",
+    "Held",
     "Keep",
     "KeepSuspect",
     "MirrorPoll",
     "Offer",
     "Outcome",
     "PollHave",
+    "PollNext",
+    "PollOutcome",
     "PollPolicy",
     "Probe",
     "SchedulerConfig",
     "Session",
     "SessionConfig",
     "SourceBans",
+    "Take",
     "Verdict",
+    "Version",
+    "VersionTracker",
+    "Via",
+    "Want",
+    "abandons",
     "blame",
     "catchup",
+    "confirmed_elsewhere",
+    "judge",
+    "judge_finished",
+    "manifest_retry_s",
     "plan",
     "poll_delay",
+    "superseded",
     "versions_to_prune",
-    "worth_finishing",
+    "want",
 ]

@@ -11,11 +11,13 @@ from shardcast.download.discovery import NodeAdvert, SourceDirectory, nodes_topi
 from shardcast.download.downloader import Downloader
 from shardcast.download.driver import DownloadDriver, check_limiter, offer
 from shardcast.download.follower import (
+    MANIFEST_RETRY_MAX_S,
     CommitHook,
     FollowConfig,
     Follower,
     VersionAnnouncement,
     VersionRecord,
+    manifest_retry_s,
 )
 from shardcast.download.receive import BaseVersion, ShardSink, verify_and_write
 from shardcast.download.types import (
@@ -27,6 +29,7 @@ from shardcast.download.types import (
 )
 
 __all__ = [
+    "MANIFEST_RETRY_MAX_S",
     "BaseVersion",
     "CommitHook",
     "DownloadConfig",
@@ -45,6 +48,7 @@ __all__ = [
     "VersionRecord",
     "check_limiter",
     "driver",
+    "manifest_retry_s",
     "nodes_topic",
     "offer",
     "verify_and_write",

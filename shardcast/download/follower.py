@@ -7,8 +7,10 @@ carries the newest announcement the upstream knows); it also listens to the run'
 topics: version announcements (each names the run card it was made under; a newer card is
 fetched from an upstream and adopted before the version is used), and node adverts
 (:mod:`shardcast.discovery`) that tell which other nodes hold or are filling a version.
-Whichever path delivers a newer, trainer-signed announcement first wakes the download loop,
-which
+Whichever path delivers a newer, trainer-signed announcement first wakes the download loop.
+What is taken, what is fetched, when a download is superseded and how far apart upstream polls
+are is decided by the node's :class:`~shardcast.tracker.VersionTracker` (sans-IO, shared with
+the simulator); this module does the I/O. The download loop
 
 1. fetches the manifest document from an upstream (header digest checked against the
    announcement, every signature against the pinned trainer) — parts may still be missing;
@@ -62,7 +64,7 @@ import logging
 import random
 import secrets
 import time
-from collections.abc import Awaitable, Callable, Iterable
+from collections.abc import Awaitable, Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -73,7 +75,21 @@ from prometheus_client.core import GaugeMetricFamily, Metric
 from p2p.errors import ConfigError, ShardnetError, TransportError, short_id
 from p2p.host import peer_id_of
 from p2p.http_errors import NotAvailable
-from shardcast.core import DownloadStats, MirrorPoll, PollPolicy, plan, poll_delay, worth_finishing
+from shardcast.core import (
+    MANIFEST_RETRY_MAX_S,
+    DownloadStats,
+    MirrorPoll,
+    PollOutcome,
+    PollPolicy,
+    Version,
+    Want,
+    abandons,
+    confirmed_elsewhere,
+    manifest_retry_s,
+    plan,
+    poll_delay,
+    want,
+)
 from shardcast.download.discovery import (
     NodeAdvert,
     SourceDirectory,
@@ -86,7 +102,6 @@ from shardcast.node import DownloadMetrics, ShardcastNode, fetch_card, iso, sour
 from shardcast.wire import (
     Manifest,
     NodeInfo,
-    RunFinished,
     VersionAnnouncement,
     check_mirror_url,
     check_versions_gossip,
@@ -104,22 +119,6 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 _MAX_CHAIN = 32  # longest delta chain looked at when deciding to finish a superseded version
-
-
-MANIFEST_RETRY_FIRST_S = 0.02
-"""First wait before asking the sources for a manifest document again, seconds."""
-MANIFEST_RETRY_MAX_S = 0.25
-"""Cap of that wait, seconds. A downstream node usually learns of a version (gossip) a few
-hundred milliseconds before its upstream relay has fetched the manifest and serves it; every
-millisecond the retry overshoots that moment is added to the version's arrival at every node
-below, so the cap is small (a manifest request is one small GET per upstream)."""
-
-
-def manifest_retry_s(attempt: int) -> float:
-    """Wait after the ``attempt``-th round (0-based) of manifest (or run card) requests that
-    found no source holding it yet, seconds: doubling from :data:`MANIFEST_RETRY_FIRST_S`, capped at
-    :data:`MANIFEST_RETRY_MAX_S`."""
-    return min(MANIFEST_RETRY_FIRST_S * float(2 ** min(attempt, 16)), MANIFEST_RETRY_MAX_S)
 
 
 @dataclass(frozen=True)
@@ -221,7 +220,6 @@ class Follower:
         self.on_commit = on_commit
         self.progress = progress
         self.upstreams: dict[str, NodeInfo] = {}
-        self._upstream_said: dict[str, tuple[int, str]] = {}  # upstream -> (step, digest)
         self.records: list[VersionRecord] = []
         self.directory = SourceDirectory(
             node.identity.peer_id,
@@ -235,7 +233,6 @@ class Follower:
         if node.config.role == "relay":
             node.server.exempt = self._same_tier_relay
         self._upstream_changed = trio.Event()
-        self._learned: dict[int, float] = {}
         self._filling: list[tuple[int, str]] = []  # versions being downloaded
         self._advert_wake = trio.Event()
         self._heard: dict[str, float] = {}  # upstream -> Unix time of its last info answer
@@ -281,46 +278,31 @@ class Follower:
 
     def _offer(self, data: bytes, sender: str, *, upstream: bool = True) -> None:
         replace = upstream and not self._confirmed_elsewhere(sender)
-        msg = self.node.offer_versions_message(data, sender, replace_same_step=replace)
-        if isinstance(msg, VersionAnnouncement):
-            self._learned.setdefault(msg.step, trio.current_time())
-        if msg is not None:
+        if self.node.offer_versions_message(data, sender, replace_same_step=replace) is not None:
             self._note_change()
 
+    @property
+    def _upstream_said(self) -> Mapping[str, Version]:
+        """Upstream -> the version its last info record announced (held by the tracker)."""
+        return self.node.tracker.said
+
     def _confirmed_elsewhere(self, sender: str) -> bool:
-        """True if an upstream other than ``sender`` announced, in its last info record, the
-        very version this node knows (same step and digest). A same-step replacement from
-        ``sender`` then waits: after a trainer republishes a step, an upstream that has not
-        caught up yet must not flip this node back to the old digest while another already
-        says the new one (it flipped back and forth on every poll, and could end a run on the
-        old one). Once every upstream says the new digest it is taken. (Two trainer-signed
-        announcements of one step cannot be ordered; an upstream that keeps announcing an
-        old one holds its downstreams where they are, it cannot move them back.)"""
-        known = self.node.announcement
-        if known is None:
-            return False
-        for pid, said in self._upstream_said.items():
-            if (
-                pid != sender
-                and pid in self.upstreams
-                and said
-                == (
-                    known.step,
-                    known.manifest_digest,
-                )
-            ):
-                return True
-        return False
+        """True if another reachable upstream's last info record names the version this node
+        knows: a same-step replacement from ``sender`` then waits
+        (:func:`~shardcast.tracker.confirmed_elsewhere`)."""
+        return confirmed_elsewhere(
+            self.node.announcement, sender, self._upstream_said, self.upstreams
+        )
 
     def _note_upstream_said(self, pid: str, data: bytes) -> None:
-        """Remember which (step, digest) upstream ``pid``'s last info record announced."""
+        """Tell the tracker which version upstream ``pid``'s last info record announced."""
         try:
             msg = decode_versions_message(data, trust=self.node.trust, sender=pid)
         except ShardnetError:
-            self._upstream_said.pop(pid, None)
+            self.node.tracker.heard_from(pid, None)
             return
         if isinstance(msg, VersionAnnouncement):
-            self._upstream_said[pid] = (msg.step, msg.manifest_digest)
+            self.node.tracker.heard_from(pid, msg)
 
     def _offer_finished(self, data: bytes, sender: str) -> None:
         if self.node.offer_finished(data, sender) is not None:
@@ -332,8 +314,7 @@ class Follower:
 
     def settled(self) -> bool:
         """True once the run finished and its final version is committed here."""
-        fin: RunFinished | None = self.node.finished
-        return fin is not None and self.held_digest(fin.step) == fin.manifest_digest
+        return self.node.tracker.settled(self.held_digest)
 
     async def wait_settled(self) -> None:
         """Wait until :meth:`settled`."""
@@ -341,9 +322,10 @@ class Follower:
             await self._changed.wait()
 
     async def _poll_upstream(self, addr: str) -> None:
+        """Poll upstream ``addr``'s info record for ever, spaced as the tracker says."""
         pid = peer_id_of(addr)
         policy = self.config.poll_policy()
-        failures = 0
+        tracker = self.node.tracker
         while True:
             try:
                 if pid not in self.node.p2p.connected_peers():
@@ -353,50 +335,54 @@ class Follower:
                 self._errors[pid] = str(exc)
                 if self.upstreams.pop(pid, None) is not None:
                     self._note_upstream()
-                failures += 1
                 settled = self.settled()
-                delay = poll_delay(policy, failures, settled)
-                if not settled or failures == 1:  # once settled, say it once, not forever
+                after = tracker.polled(addr, PollOutcome.UNREACHABLE, policy, settled)
+                if after.report:
                     log.info(
                         "upstream_unreachable upstream=%s error=%s retry_s=%.1f settled=%s",
                         short_id(pid),
                         exc,
-                        delay,
+                        after.delay_s,
                         settled,
                     )
-                await trio.sleep(delay)
+                await trio.sleep(after.delay_s)
                 continue
-            failures = 0
             self._heard[pid] = time.time()
             self._errors.pop(pid, None)
-            if info.run_id != self.node.config.run_id:
-                if self.node.report_once(("run_id", pid, info.run_id)):
-                    log.error(
-                        "upstream_wrong_run upstream=%s upstream_run_id=%s run_id=%s "
-                        "hint=check --run-id on both nodes",
-                        short_id(pid),
-                        info.run_id,
-                        self.node.config.run_id,
-                    )
-            else:
-                new = pid not in self.upstreams or self.upstreams[pid].http_url != info.http_url
-                self.upstreams[pid] = info
-                if new:
-                    log.info(
-                        "upstream_ready upstream=%s role=%s http_url=%s",
-                        short_id(pid),
-                        info.role,
-                        info.http_url,
-                    )
-                    self._note_upstream()
-                if info.card_version > self._card_version():
-                    await self._fetch_card(pid)
-                if info.announcement is not None:
-                    self._offer(info.announcement, pid)
-                    self._note_upstream_said(pid, info.announcement)
-                if info.finished is not None:
-                    self._offer_finished(info.finished, pid)
-            await trio.sleep(poll_delay(policy, 0, self.settled()))
+            outcome = await self._take_info(pid, info)
+            await trio.sleep(tracker.polled(addr, outcome, policy, self.settled()).delay_s)
+
+    async def _take_info(self, pid: str, info: NodeInfo) -> PollOutcome:
+        """Use upstream ``pid``'s info record: it is ready; its card, announcement and run
+        end are offered to the node."""
+        if info.run_id != self.node.config.run_id:
+            if self.node.report_once(("run_id", pid, info.run_id)):
+                log.error(
+                    "upstream_wrong_run upstream=%s upstream_run_id=%s run_id=%s "
+                    "hint=check --run-id on both nodes",
+                    short_id(pid),
+                    info.run_id,
+                    self.node.config.run_id,
+                )
+            return PollOutcome.WRONG_RUN
+        new = pid not in self.upstreams or self.upstreams[pid].http_url != info.http_url
+        self.upstreams[pid] = info
+        if new:
+            log.info(
+                "upstream_ready upstream=%s role=%s http_url=%s",
+                short_id(pid),
+                info.role,
+                info.http_url,
+            )
+            self._note_upstream()
+        if info.card_version > self._card_version():
+            await self._fetch_card(pid)
+        if info.announcement is not None:
+            self._offer(info.announcement, pid)
+            self._note_upstream_said(pid, info.announcement)
+        if info.finished is not None:
+            self._offer_finished(info.finished, pid)
+        return PollOutcome.ANSWERED
 
     async def _poll_mirror(self, url: str) -> None:
         """Keep ``self.mirrors[url]`` up to date with the mirror's ``/versions`` list."""
@@ -679,16 +665,13 @@ class Follower:
             attempt += 1
 
     def _wanted(self) -> VersionAnnouncement | None:
-        """The known announcement if it names a version to fetch (newer than what is held,
-        or the newest step held, with another digest), else None. Never an older step than
-        the newest held: a node does not move backwards."""
+        """The known announcement if it names a version to fetch, else None (see
+        :func:`shardcast.tracker.want`: newer than what is held, or the newest step held with
+        another digest; never an older step than the newest held)."""
         ann = self.node.announcement
-        if ann is None:
-            return None
         latest = self.node.store.latest()
-        if latest is None or ann.step > latest:
-            return ann
-        if ann.step < latest:
+        wanted = want(ann, latest, self.held_digest)
+        if wanted is Want.BEHIND and ann is not None and latest is not None:
             if self.node.report_once(("behind", str(ann.step), ann.manifest_digest)):
                 log.warning(
                     "announcement_behind step=%d digest=%s held_step=%d: not fetched",
@@ -696,9 +679,7 @@ class Follower:
                     ann.manifest_digest[:16],
                     latest,
                 )
-            return None
-        held = self.held_digest(ann.step)
-        return ann if held is not None and held != ann.manifest_digest else None
+        return ann if wanted.fetch else None
 
     async def _download_loop(self) -> None:
         while True:
@@ -741,7 +722,7 @@ class Follower:
 
     async def _watch_superseded(self, m: Manifest, scope: trio.CancelScope) -> None:
         """Cancel ``scope`` (the download of ``m``) once a newer version is announced that
-        ``m`` cannot be the base of (:func:`~shardcast.catchup.worth_finishing`)."""
+        ``m`` cannot be the base of (:func:`~shardcast.tracker.abandons`)."""
         seen = m.step
         while True:
             ann = await self.node.wait_announcement(newer_than=seen)
@@ -756,18 +737,21 @@ class Follower:
             if target is None:
                 continue
             chain = await self._fetch_chain(target, m.step)
-            if worth_finishing(m.step, m.digest, target, chain):
+            reason = abandons(m.step, m.digest, target, chain)
+            if reason is None:
                 continue
             log.info(
-                "download_abandoned step=%d reason=superseded newer_step=%d", m.step, target.step
+                "download_abandoned step=%d reason=%s newer_step=%d",
+                m.step,
+                reason.value,
+                target.step,
             )
             scope.cancel()
             return
 
     def _superseded(self, step: int) -> bool:
         """True if a newer version than ``step`` has been announced."""
-        ann = self.node.announcement
-        return ann is not None and ann.step > step
+        return self.node.tracker.superseded(step)
 
     async def _fetch_chain(self, target: Manifest, down_to: int) -> dict[int, Manifest]:
         """Manifests of the delta chain below ``target``, newest first, by the base digest
@@ -810,7 +794,10 @@ class Follower:
 
     async def _download(self, m: Manifest) -> bool:
         step = m.step
-        record = VersionRecord(step, m.digest, self._learned.get(step, trio.current_time()))
+        learned = self.node.tracker.learned_at(step)
+        record = VersionRecord(
+            step, m.digest, learned if learned is not None else trio.current_time()
+        )
         server = self.node.server
         # discovered sources join through extra_sources (bounded there); they seed the list
         # only when no upstream is known
@@ -991,4 +978,12 @@ class Follower:
         return [ready, known]
 
 
-__all__ = ["CommitHook", "FollowConfig", "Follower", "VersionAnnouncement", "VersionRecord"]
+__all__ = [
+    "MANIFEST_RETRY_MAX_S",
+    "CommitHook",
+    "FollowConfig",
+    "Follower",
+    "VersionAnnouncement",
+    "VersionRecord",
+    "manifest_retry_s",
+]

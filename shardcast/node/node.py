@@ -11,13 +11,13 @@ It owns, for the duration of :meth:`ShardcastNode.open`:
   the HTTP lane; components add status sections to :attr:`ShardcastNode.status_sections`
   and metric families through :attr:`ShardcastNode.metrics`;
 - the newest verified :class:`~shardcast.messages.VersionAnnouncement` this node knows, with
-  an event that fires when a newer one arrives (from gossip, an info poll, or the origin);
+  an event that fires when a newer one arrives (from gossip, an info poll, or the origin):
+  what is taken is decided by its :class:`~shardcast.tracker.VersionTracker`
+  (:attr:`ShardcastNode.tracker`), which holds that state; the node verifies, logs and wakes;
 - the run card (:mod:`shardcast.runcard`) it holds, kept in ``<data_dir>/runcard.json`` and
   served at ``GET /shardnet/v1/runcard`` and on ``/shardnet/runcard/1.0.0``. Opening the node
   checks that the data directory belongs to the configured run
-  (:func:`shardcast.cardsync.check_data_dir`).
-  an announcement of the same step with another manifest digest replaces the known one (the
-  trainer's newest signed word is authoritative; followers then replace their copy);
+  (:func:`shardcast.cardsync.check_data_dir`);
 - the trainer's signed :class:`~shardcast.finish.RunFinished`, once the run has ended (lifted
   again by an announcement of a newer step).
 """
@@ -42,6 +42,7 @@ from p2p.http_server import HttpRequest, HttpResponse, HttpServerConfig
 from p2p.identity import Identity
 from p2p.lanes import REAL_NETWORK, Host, HttpLaneClient, HttpLaneServer, Network
 from p2p.trust import TrustList
+from shardcast.core import FinishedTake, Take, VersionTracker, judge
 from shardcast.node.cardsync import check_data_dir, save_card
 from shardcast.node.metrics import CONTENT_TYPE, NodeMetrics
 from shardcast.node.nodestatus import node_status_json
@@ -150,7 +151,9 @@ class ShardcastNode:
         self.status_sections: dict[str, Callable[[], Any]] = {}
         """Extra ``/status`` sections (name -> JSON-ready value), added by the role running
         on this node (follower, trainer, peer)."""
-        self.announcement: VersionAnnouncement | None = None
+        self.tracker = VersionTracker(config.run_id)
+        """What this node knows of the run's versions and decides from it (announcement,
+        run end, upstreams' last words, upstream poll backoff)."""
         self._announced = trio.Event()
         self._reported: set[tuple[str, ...]] = set()
         self.http_url = advertised_url(
@@ -162,7 +165,16 @@ class ShardcastNode:
         )
         self.card: SignedRunCard | None = None
         self._card_changed = trio.Event()
-        self.finished: RunFinished | None = None
+
+    @property
+    def announcement(self) -> VersionAnnouncement | None:
+        """The newest verified announcement this node knows (held by :attr:`tracker`)."""
+        return self.tracker.announcement
+
+    @property
+    def finished(self) -> RunFinished | None:
+        """The trainer's run end, while no newer step is announced (held by :attr:`tracker`)."""
+        return self.tracker.finished
 
     @classmethod
     @asynccontextmanager
@@ -431,15 +443,9 @@ class ShardcastNode:
     def _keep_announcement(
         self, ann: VersionAnnouncement, sender: str, *, replace_same_step: bool = True
     ) -> VersionAnnouncement | None:
-        if ann.run_id != self.config.run_id:
-            return None
         known = self.announcement
-        if known is not None and (
-            ann.step < known.step
-            or (ann.step == known.step and ann.manifest_digest == known.manifest_digest)
-        ):
-            return None
-        if known is not None and ann.step == known.step and not replace_same_step:
+        take = judge(known, ann, self.config.run_id, replace_same_step=replace_same_step)
+        if take is Take.SAME_STEP_HELD and known is not None:
             if self.report_once(("same_step", str(ann.step), ann.manifest_digest)):
                 log.info(
                     "announcement_same_step_ignored step=%d digest=%s known=%s from=%s "
@@ -449,6 +455,7 @@ class ShardcastNode:
                     known.manifest_digest[:16],
                     short_id(sender),
                 )
+        if not take.taken:
             return None
         self.set_announcement(ann, sender)
         return ann
@@ -467,18 +474,17 @@ class ShardcastNode:
         return True
 
     def _keep_finished(self, msg: RunFinished) -> RunFinished | None:
-        if msg.run_id != self.config.run_id:
+        if self.tracker.offer_finished(msg) is not FinishedTake.TAKEN:
             return None
-        if self.finished is not None and msg.step <= self.finished.step:
-            return None
-        if self.announcement is not None and msg.step < self.announcement.step:
-            return None  # an old run end; the trainer has resumed since
-        self.set_finished(msg)
+        self._finished_news(msg)
         return msg
 
     def set_finished(self, msg: RunFinished) -> None:
         """Record that the run ended at ``msg.step`` (logged once) and wake waiters."""
-        self.finished = msg
+        self.tracker.finish(msg)
+        self._finished_news(msg)
+
+    def _finished_news(self, msg: RunFinished) -> None:
         log.info(
             "run_finished run=%s step=%d digest=%s",
             msg.run_id,
@@ -494,10 +500,8 @@ class ShardcastNode:
         Args:
             sender: who passed it on (None: this node announces it, i.e. the origin).
         """
-        if self.finished is not None and ann.step > self.finished.step:
+        if self.tracker.take(ann, trio.current_time()):
             log.info("run_resumed run=%s step=%d", ann.run_id, ann.step)
-            self.finished = None
-        self.announcement = ann
         if sender is None:
             log.info(
                 "version_announced run=%s step=%d digest=%s",

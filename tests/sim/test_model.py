@@ -145,3 +145,27 @@ def test_sample_topologies_complete(name: str) -> None:
     last = topo.spec.checkpoint.versions - 1
     for p in _honest_peers(s):
         assert p["versions"][str(last)]["digest_ok"] is True
+
+
+def test_a_download_superseded_by_an_anchor_is_abandoned() -> None:
+    """Versions every second, an anchor every third: a peer at 100 Mb/s needs 21 s for one
+    256 MiB version, so step 0 is superseded by the anchor 3 long before it completes. The
+    model asks each node's VersionTracker, as the follower does: it abandons step 0 and
+    fetches the newest version, instead of finishing step 0 and then fetching it (which
+    cannot end before two full downloads, 43 s)."""
+    topo = _small(
+        checkpoint={
+            "size_bytes": 256 << 20,
+            "shard_size_bytes": 8 << 20,
+            "versions": 8,
+            "interval_s": 1.0,
+            "delta_ratio": 0.1,
+            "anchor_every": 3,
+        }
+    )
+    s = Model(parse(topo)).run()
+    two_full = 2 * (256 << 20) / (100e6 / 8)
+    for p in _honest_peers(s):
+        assert p["versions"]["0"]["commit_s"] is None  # abandoned
+        assert p["versions"]["7"]["digest_ok"] is True
+        assert p["versions"]["7"]["commit_s"] < two_full
