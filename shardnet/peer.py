@@ -76,6 +76,7 @@ from shardcast.runcard import (
     UnsupportedEngine,
     architecture_digest,
 )
+from shardnet.engine_update import HeldVersion, swap_weights
 
 if TYPE_CHECKING:
     from trio_typing import TaskStatus
@@ -171,6 +172,7 @@ class InferencePeer:
         self.node: ShardcastNode | None = None
         self.sender: RolloutSender | None = None
         self._latest: tuple[Manifest, Path] | None = None
+        self._held: HeldVersion | None = None  # what the engine holds (in-place updates)
         self._new_version = trio.Event()
         self._trainer_session: str | None = None
         self._restart_seen_at = -math.inf  # when a restarted trainer was last noticed
@@ -352,10 +354,22 @@ class InferencePeer:
                             f"config.json of version {step} is not the architecture of run "
                             f"card v{card.version}"
                         )
-                    t0 = time.perf_counter()
-                    await trio.to_thread.run_sync(self.engine.load, path)
+                    held, self._held = self._held, None  # unknown until the swap returns
+                    swap = await trio.to_thread.run_sync(
+                        swap_weights, self.engine, store, signed, path, held
+                    )
+                    self._held = swap.held
+                    log.info(
+                        "engine_weights_swapped step=%d path=%s duration_s=%.3f fallback=%s "
+                        "changed_words=%d",
+                        step,
+                        swap.path.value,
+                        swap.duration_s,
+                        swap.fallback.value if swap.fallback else "none",
+                        swap.changed_words,
+                    )
                     if self.on_weight_swap is not None:
-                        self.on_weight_swap(time.perf_counter() - t0)
+                        self.on_weight_swap(swap.duration_s)
                     tokenizer = await trio.to_thread.run_sync(load_tokenizer, path)
                 t0 = time.perf_counter()
                 batch, pace = await self._generate(
