@@ -43,6 +43,7 @@ import struct
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import numpy.typing as npt
@@ -330,10 +331,10 @@ def plan_update(
             raise DeltaMismatch(
                 MismatchReason.DTYPE, f"{span.name}: checkpoint {span.dtype}, engine {spec.dtype}"
             )
-        w = np.concatenate(words.get(key, [np.zeros(0, np.int64)]))
-        if len(w) > 1 and not bool((np.diff(w) > 0).all()):
+        segments = words.get(key, [])  # each strictly increasing (sparse_changes)
+        if any(b[0] <= a[-1] for a, b in itertools.pairwise(segments)):
             raise DeltaMismatch(MismatchReason.LAYOUT, f"{span.name}: overlapping shards")
-        d = np.concatenate(diffs.get(key, [np.zeros(0, np.uint16)]))
+        w, d = _joined(segments, np.int64), _joined(diffs.get(key, []), np.uint16)
         tb = tails.get(key, [])
         patches.append(
             TensorPatch(
@@ -349,27 +350,52 @@ def plan_update(
     return UpdatePlan(tuple(patches))
 
 
+def _joined(parts: list[npt.NDArray[Any]], dtype: type[np.generic]) -> npt.NDArray[Any]:
+    """``parts`` as one array (no copy for a single part)."""
+    if len(parts) == 1:
+        return parts[0]
+    return np.concatenate(parts) if parts else np.zeros(0, dtype)
+
+
 def _map_words(
     ch: ShardChanges,
     layout: FileLayout,
     words: dict[tuple[str, int], list[npt.NDArray[np.int64]]],
     diffs: dict[tuple[str, int], list[npt.NDArray[np.uint16]]],
 ) -> None:
-    """Add the words of one shard to the per-tensor lists (ascending within the shard)."""
-    at = ch.offset + 2 * ch.index  # absolute byte offset of each changed word
-    t = np.searchsorted(layout.starts, at, side="right") - 1
-    if int(at[0]) < layout.data_start or int(t[0]) < 0:
-        raise DeltaMismatch(MismatchReason.LAYOUT, f"{ch.file}: a header byte changed")
-    rel = at - layout.starts[t]
-    bad = (at + 2 > layout.ends[t]) | (rel % 2 != 0)
-    if bool(bad.any()):
-        k = int(np.flatnonzero(bad)[0])
+    """Add the words of one shard to the per-tensor lists.
+
+    The words are sorted, so each tensor's are one slice, found by binary search of the
+    tensor's bounds in shard word units (``O(tensors · log words)``, then one subtraction per
+    word). Tensor ``t`` (starting at an even byte) holds the shard's words ``i`` with
+    ``start_t <= offset + 2i`` and ``offset + 2i + 2 <= end_t``; a tensor starting at an odd
+    byte holds none. Any word left over (header, gap, straddling, odd tensor) is refused.
+    """
+    index, off = ch.index, ch.offset
+    if not layout.tensors:
+        raise DeltaMismatch(MismatchReason.LAYOUT, f"{ch.file}: changed, but holds no tensor")
+    first = int(np.searchsorted(layout.ends, off, side="right"))
+    last = int(np.searchsorted(layout.starts, off + ch.length, side="left"))
+    placed = 0
+    for t in range(first, last):
+        start, end = int(layout.starts[t]), int(layout.ends[t])
+        if start % 2:
+            continue
+        w0 = (start - off) // 2  # word index of the tensor's first byte (may be negative)
+        lo = int(np.searchsorted(index, max(w0, 0), side="left"))
+        hi = int(np.searchsorted(index, (end - off) // 2, side="left"))
+        if hi > lo:
+            key = (ch.file, t)
+            words.setdefault(key, []).append(index[lo:hi] - w0)
+            diffs.setdefault(key, []).append(ch.diff[lo:hi])
+            placed += hi - lo
+    if placed != len(index):
+        at = off + 2 * index
+        t_of = np.searchsorted(layout.starts, at, side="right") - 1
+        inside = (t_of >= 0) & (at + 2 <= layout.ends[t_of]) & (layout.starts[t_of] % 2 == 0)
+        k = int(np.flatnonzero(~inside)[0])
+        where = "a header byte" if int(at[k]) < layout.data_start else "a word outside tensors"
         raise DeltaMismatch(
             MismatchReason.LAYOUT,
-            f"{ch.file}: changed word at byte {int(at[k])} is not inside one tensor, aligned",
+            f"{ch.file}: {where} changed (byte {int(at[k])}; or a tensor not word-aligned)",
         )
-    cuts = np.flatnonzero(np.diff(t)) + 1
-    for lo, hi in zip(np.r_[0, cuts], np.r_[cuts, len(t)], strict=True):
-        key = (ch.file, int(t[lo]))
-        words.setdefault(key, []).append(rel[lo:hi] // 2)
-        diffs.setdefault(key, []).append(ch.diff[lo:hi])
