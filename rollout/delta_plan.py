@@ -53,6 +53,7 @@ from shardcast.sparse import SparseError, sparse_changes
 
 __all__ = [
     "DTYPE_BYTES",
+    "UPDATE_THREADS",
     "DeltaMismatch",
     "FileLayout",
     "MismatchReason",
@@ -84,6 +85,11 @@ DTYPE_BYTES: dict[str, int] = {
     "U64": 8,
 }
 """Bytes per element of each safetensors dtype name."""
+
+UPDATE_THREADS = 4
+"""Worker threads that decode shards and patch tensors in an in-place update: on ``real-1b``
+(40 shards, ~110 tensors, 10.5 M changed words) each thread takes ~5 ms of CPU per 32 MiB
+shard for each step (zstd and numpy release the GIL), so the update scales with cores."""
 
 MAX_HEADER_BYTES = 100 << 20  #: a larger safetensors header is refused (as safetensors does)
 

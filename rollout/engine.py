@@ -45,6 +45,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal, NamedTuple, Protocol, runtime_checkable
@@ -56,6 +57,7 @@ from transformers import AutoConfig, DynamicCache
 
 from p2p.errors import LocalProtocolError
 from rollout.delta_plan import (
+    UPDATE_THREADS,
     DeltaMismatch,
     MismatchReason,
     TensorPatch,
@@ -210,18 +212,29 @@ def check_patch_targets(
     return pairs
 
 
-def apply_patches(pairs: list[tuple[torch.Tensor, TensorPatch]]) -> None:
+def apply_patches(
+    pairs: list[tuple[torch.Tensor, TensorPatch]], threads: int = UPDATE_THREADS
+) -> None:
     """Apply checked patches (:func:`check_patch_targets`) to the tensors' storage in place:
     each changed little-endian 16-bit word moves by its difference modulo 2**16, each tail byte
-    is set. Touches only the changed words."""
-    with torch.no_grad():
-        for t, p in pairs:
-            raw = t.detach().view(-1).view(torch.uint8).numpy()
-            if len(p.words):
-                words = raw.view("<u2")
-                words[p.words] += p.diffs
-            if len(p.byte_index):
-                raw[p.byte_index] = p.byte_value
+    is set. Touches only the changed words; ``threads`` tensors at a time (numpy releases the
+    GIL; tensors do not overlap)."""
+
+    def patch(pair: tuple[torch.Tensor, TensorPatch]) -> None:
+        t, p = pair
+        raw = t.detach().view(-1).view(torch.uint8).numpy()
+        if len(p.words):
+            words = raw.view("<u2")
+            words[p.words] += p.diffs
+        if len(p.byte_index):
+            raw[p.byte_index] = p.byte_value
+
+    if threads <= 1 or len(pairs) <= 1:
+        for pair in pairs:
+            patch(pair)
+        return
+    with ThreadPoolExecutor(min(threads, len(pairs))) as pool:
+        list(pool.map(patch, pairs))
 
 
 class TeacherForced(NamedTuple):

@@ -36,11 +36,13 @@ from __future__ import annotations
 import enum
 import logging
 import time
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
 from p2p.errors import IntegrityError
 from rollout.delta_plan import (
+    UPDATE_THREADS,
     DeltaMismatch,
     FileLayout,
     MismatchReason,
@@ -52,7 +54,7 @@ from rollout.engine import Engine, InPlaceEngine
 from rollout.model import tensor_files
 from shardcast import codecs
 from shardcast.canonical import blake3_hex
-from shardcast.manifest import Manifest
+from shardcast.manifest import Manifest, ShardRef
 from shardcast.store import VersionStore
 
 __all__ = ["HeldVersion", "SwapPath", "SwapResult", "gather_changes", "swap_weights"]
@@ -95,7 +97,7 @@ class SwapResult:
 
 
 def gather_changes(
-    store: VersionStore, manifest: Manifest, held: HeldVersion
+    store: VersionStore, manifest: Manifest, held: HeldVersion, threads: int = UPDATE_THREADS
 ) -> list[ShardChanges]:
     """The changes of ``manifest``'s version against the held one, from the kept blobs.
 
@@ -103,9 +105,10 @@ def gather_changes(
         store: the store holding ``manifest``'s committed version.
         manifest: the new version (complete).
         held: what the engine holds.
+        threads: shards decoded at once (worker threads; 1: in the calling thread).
 
     Returns:
-        the changes of every shard of the weight files.
+        the changes of every shard of the weight files, in shard order.
 
     Raises:
         DeltaMismatch: (``BASE``, ``FILES``, ``OTHER_FILE``, ``ENCODING``, ``BLOB``) see the
@@ -123,12 +126,10 @@ def gather_changes(
     for f in header.files:
         if f.name not in held.layouts and manifest.file_digest(f.name) != base.file_digest(f.name):
             raise DeltaMismatch(MismatchReason.OTHER_FILE, f"{f.name} changed")
-    changes = []
-    for ref in header.shards:
-        if ref.file not in held.layouts:
-            continue
-        entry = manifest.shard(ref.index)
-        offered = entry.offered(codecs.SPARSE)
+    refs = [ref for ref in header.shards if ref.file in held.layouts]
+
+    def decode(ref: ShardRef) -> ShardChanges:
+        offered = manifest.shard(ref.index).offered(codecs.SPARSE)
         path = store.blob_path(manifest.step, ref.index, codecs.SPARSE)
         try:
             blob = path.read_bytes()
@@ -138,8 +139,12 @@ def gather_changes(
             raise DeltaMismatch(MismatchReason.ENCODING, f"shard {ref.index} has no sparse blob")
         if len(blob) != offered.size or blake3_hex(blob) != offered.digest:
             raise DeltaMismatch(MismatchReason.BLOB, f"{path} does not match its signed digest")
-        changes.append(ShardChanges.from_sparse(ref.file, ref.offset, ref.length, blob, str(path)))
-    return changes
+        return ShardChanges.from_sparse(ref.file, ref.offset, ref.length, blob, str(path))
+
+    if threads <= 1 or len(refs) <= 1:
+        return [decode(ref) for ref in refs]
+    with ThreadPoolExecutor(min(threads, len(refs))) as pool:  # zstd and numpy release the GIL
+        return list(pool.map(decode, refs))  # the first failure in shard order is raised
 
 
 def read_layouts(directory: Path) -> dict[str, FileLayout]:
