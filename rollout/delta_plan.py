@@ -106,6 +106,7 @@ class MismatchReason(enum.Enum):
     MISSING_TENSOR = "missing_tensor"  #: a checkpoint tensor the engine does not hold
     SHAPE = "shape"  #: a tensor the engine holds with another shape
     DTYPE = "dtype"  #: a changed tensor the engine holds in another dtype
+    UNSUPPORTED = "unsupported"  #: the engine cannot update in place (as configured)
 
 
 class DeltaMismatch(IntegrityError):
