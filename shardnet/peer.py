@@ -183,6 +183,8 @@ class InferencePeer:
         self.pace = PaceMeter(config.pacing)
         self.batches_by_pace: Counter[str] = Counter()
         """Handed-over batches by how they ended (:class:`~rollout.pacing.Pace` value)."""
+        self.swaps_by_path: Counter[str] = Counter()
+        """Weight swaps by path (:class:`~shardnet.engine_update.SwapPath` value)."""
 
     async def run(
         self, *, task_status: TaskStatus[ShardcastNode] = trio.TASK_STATUS_IGNORED
@@ -359,6 +361,7 @@ class InferencePeer:
                         swap_weights, self.engine, store, signed, path, held
                     )
                     self._held = swap.held
+                    self.swaps_by_path[swap.path.value] += 1
                     log.info(
                         "engine_weights_swapped step=%d path=%s duration_s=%.3f fallback=%s "
                         "changed_words=%d",
@@ -514,6 +517,7 @@ class InferencePeer:
             ],
             "exchange": vars(sender) if sender else None,
             "batches_by_pace": dict(self.batches_by_pace),
+            "weight_swaps": dict(self.swaps_by_path),
         }
 
 
