@@ -16,7 +16,7 @@ from rollout.delta_plan import DeltaMismatch, MismatchReason, TensorPatch, Updat
 from rollout.engine import TransformersEngine
 from rollout.model import build_model, build_tokenizer, load_model, stored_state, tensor_files
 from shardcast.plan import BLOB_DIR
-from shardnet.engine_update import HeldVersion, SwapPath
+from shardnet.engine_update import HeldVersion, SwapPath, gather_changes
 from tests.delta_chain import Chain, evolve, publish
 from trainer.checkpoint import save_checkpoint
 
@@ -66,7 +66,13 @@ def test_a_skipped_version_falls_back_to_a_full_load(tmp_path: Path) -> None:
     chain = Chain(tmp_path, torch.bfloat16, steps=2)
     engine = TransformersEngine()
     held = chain.swap(engine, 0, None).held
-    result = chain.swap(engine, 2, held)  # a delta of 1; the engine holds 0
+    assert held is not None
+    before = bits(engine.model)
+    with pytest.raises(DeltaMismatch) as err:  # a delta of 1; the engine holds 0
+        gather_changes(chain.store, chain.manifests[2], held)
+    assert err.value.reason is MismatchReason.BASE
+    assert bits(engine.model) == before
+    result = chain.swap(engine, 2, held)
     assert (result.path, result.fallback) == (SwapPath.FULL, MismatchReason.BASE)
     assert_holds(engine, chain.store.version_dir(2), torch.bfloat16)
 
