@@ -87,9 +87,10 @@ DTYPE_BYTES: dict[str, int] = {
 """Bytes per element of each safetensors dtype name."""
 
 UPDATE_THREADS = 4
-"""Worker threads that decode shards and patch tensors in an in-place update: on ``real-1b``
-(40 shards, ~110 tensors, 10.5 M changed words) each thread takes ~5 ms of CPU per 32 MiB
-shard for each step (zstd and numpy release the GIL), so the update scales with cores."""
+"""Worker threads that decode shards and patch tensors in an in-place update. Decoding (zstd,
+numpy) releases the GIL and scales with cores; patching is one scattered read-modify-write
+per changed word, bound by memory latency (on ``real-1b``, 10.5 M words, ~0.14 s on this
+project's 2-vCPU machine, with one thread as with four; ``bench/engine_update.py``)."""
 
 MAX_HEADER_BYTES = 100 << 20  #: a larger safetensors header is refused (as safetensors does)
 

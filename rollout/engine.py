@@ -217,8 +217,8 @@ def apply_patches(
 ) -> None:
     """Apply checked patches (:func:`check_patch_targets`) to the tensors' storage in place:
     each changed little-endian 16-bit word moves by its difference modulo 2**16, each tail byte
-    is set. Touches only the changed words; ``threads`` tensors at a time (numpy releases the
-    GIL; tensors do not overlap)."""
+    is set. Touches only the changed words; ``threads`` tensors at a time (tensors do not
+    overlap)."""
 
     def patch(pair: tuple[torch.Tensor, TensorPatch]) -> None:
         t, p = pair
