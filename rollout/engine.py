@@ -31,15 +31,24 @@ matches generation closely but not bit for bit (batch size and the KV cache chan
 order of float operations); ``tests/unit/test_engine.py`` measures the difference.
 
 Same weights, prompt, arguments, seed and thread count → identical generations.
+
+**In-place updates** (:class:`InPlaceEngine`): ``apply_update(plan, dir)`` applies a next
+version's changed 16-bit words (:func:`rollout.delta_plan.plan_update`) to the parameter storage
+directly: the engine must hold the plan's base version byte for byte; afterwards it holds
+exactly what ``load(dir)`` would have loaded, having read nothing from disk. Every patched
+tensor is checked (present, dtype, shape, contiguous on the CPU, indices in range) before the
+first one is touched, so an update that does not fit raises
+:class:`~rollout.delta_plan.DeltaMismatch` and keeps the old weights.
 """
 
 from __future__ import annotations
 
 import time
 from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Literal, NamedTuple, Protocol
+from typing import Any, Literal, NamedTuple, Protocol, runtime_checkable
 
 import numpy as np
 import numpy.typing as npt
@@ -47,14 +56,23 @@ import torch
 from transformers import AutoConfig, DynamicCache
 
 from p2p.errors import LocalProtocolError
+from rollout.delta_plan import (
+    UPDATE_THREADS,
+    DeltaMismatch,
+    MismatchReason,
+    TensorPatch,
+    TensorSpec,
+    UpdatePlan,
+)
 from rollout.gumbel import NoiseKey, gumbel_argmax, replay_gaps
-from rollout.model import check_weights, copy_weights, load_model
+from rollout.model import check_weights, copy_weights, load_model, stored_state
 from rollout.model_dir import load_tokenizer, stop_token_id
 
 __all__ = [
     "Engine",
     "EngineStats",
     "Generation",
+    "InPlaceEngine",
     "TeacherForced",
     "TransformersEngine",
     "bf16_bits",
@@ -120,6 +138,102 @@ class Engine(Protocol):
         """Sample ``n`` completions of one prompt; sample ``i`` with the Gumbel-max noise of
         ``NoiseKey(seed, i)`` (:mod:`rollout.gumbel`; ``seed`` is the group seed)."""
         ...
+
+
+@runtime_checkable
+class InPlaceEngine(Protocol):
+    """An engine that can apply a next version to the weights it holds (module docstring)."""
+
+    def weight_specs(self) -> dict[str, TensorSpec]:
+        """Checkpoint tensor name → dtype and shape as held now (empty when unloaded)."""
+        ...
+
+    def apply_update(self, plan: UpdatePlan, checkpoint_dir: str | Path) -> None:
+        """Apply ``plan`` (made against the version held now); the engine then serves the
+        version in ``checkpoint_dir`` (read for nothing). Raises ``DeltaMismatch`` and keeps
+        the old weights if the plan does not fit."""
+        ...
+
+
+TORCH_TO_SAFETENSORS: dict[torch.dtype, str] = {
+    torch.bfloat16: "BF16",
+    torch.float16: "F16",
+    torch.float32: "F32",
+    torch.float64: "F64",
+    torch.int64: "I64",
+    torch.int32: "I32",
+    torch.int16: "I16",
+    torch.int8: "I8",
+    torch.uint8: "U8",
+    torch.bool: "BOOL",
+}
+"""torch dtype → safetensors dtype name (those a checkpoint of ours can hold)."""
+
+
+def tensor_spec(t: torch.Tensor) -> TensorSpec:
+    """How ``t`` is held, in safetensors terms (dtype ``"?"`` for one without a name)."""
+    return TensorSpec(TORCH_TO_SAFETENSORS.get(t.dtype, "?"), tuple(t.shape))
+
+
+def check_patch_targets(
+    plan: UpdatePlan, held: dict[str, torch.Tensor]
+) -> list[tuple[torch.Tensor, TensorPatch]]:
+    """Pair each patch of ``plan`` with the tensor it changes, checking all first.
+
+    Args:
+        plan: the update.
+        held: checkpoint tensor name → the tensor holding it (CPU, contiguous).
+
+    Returns:
+        ``(tensor, patch)`` pairs, for :func:`apply_patches`.
+
+    Raises:
+        DeltaMismatch: a tensor missing, of another dtype or shape, not a contiguous CPU
+            tensor, or an index past its end.
+    """
+    pairs = []
+    for p in plan.patches:
+        t = held.get(p.name)
+        if t is None:
+            raise DeltaMismatch(MismatchReason.MISSING_TENSOR, f"{p.name} is not held")
+        spec = tensor_spec(t)
+        if spec.shape != p.shape:
+            raise DeltaMismatch(MismatchReason.SHAPE, f"{p.name}: {p.shape}, held {spec.shape}")
+        if spec.dtype != p.dtype:
+            raise DeltaMismatch(MismatchReason.DTYPE, f"{p.name}: {p.dtype}, held {spec.dtype}")
+        if t.device.type != "cpu" or not t.is_contiguous():
+            raise DeltaMismatch(MismatchReason.LAYOUT, f"{p.name} is not a contiguous CPU tensor")
+        nbytes = t.numel() * t.element_size()
+        if (len(p.words) and (nbytes % 2 or int(p.words[-1]) >= nbytes // 2)) or (
+            len(p.byte_index) and int(p.byte_index.max()) >= nbytes
+        ):
+            raise DeltaMismatch(MismatchReason.LAYOUT, f"{p.name}: patch past its {nbytes} bytes")
+        pairs.append((t, p))
+    return pairs
+
+
+def apply_patches(
+    pairs: list[tuple[torch.Tensor, TensorPatch]], threads: int = UPDATE_THREADS
+) -> None:
+    """Apply checked patches (:func:`check_patch_targets`) to the tensors' storage in place:
+    each changed little-endian 16-bit word moves by its difference modulo 2**16, each tail byte
+    is set. Touches only the changed words; ``threads`` tensors at a time (tensors do not
+    overlap)."""
+
+    def patch(pair: tuple[torch.Tensor, TensorPatch]) -> None:
+        t, p = pair
+        raw = t.detach().view(-1).view(torch.uint8).numpy()
+        if len(p.words):  # np.add.at: ~2x faster than words[idx] += d here (numpy 2.4)
+            np.add.at(raw.view("<u2"), p.words, p.diffs)  # uint16: wraps modulo 2**16
+        if len(p.byte_index):
+            raw[p.byte_index] = p.byte_value
+
+    if threads <= 1 or len(pairs) <= 1:
+        for pair in pairs:
+            patch(pair)
+        return
+    with ThreadPoolExecutor(min(threads, len(pairs))) as pool:
+        list(pool.map(patch, pairs))
 
 
 class TeacherForced(NamedTuple):
@@ -466,6 +580,29 @@ class TransformersEngine:
         self._model = model
         self._checkpoint = checkpoint_dir
         self._eos = eos
+        self._loads += 1
+
+    def weight_specs(self) -> dict[str, TensorSpec]:
+        """Checkpoint tensor name → dtype and shape as held (empty when unloaded)."""
+        if self._model is None:
+            return {}
+        return {name: tensor_spec(t) for name, t in stored_state(self._model).items()}
+
+    def apply_update(self, plan: UpdatePlan, checkpoint_dir: str | Path) -> None:
+        """Apply ``plan`` to the weights held (see module docstring); then serve
+        ``checkpoint_dir``'s version. Nothing is read from ``checkpoint_dir``: its config and
+        tokenizer must be the held version's (the caller checks). No cache outlives a
+        ``generate`` call here, so there is none to reset.
+
+        Raises:
+            LocalProtocolError: nothing loaded.
+            DeltaMismatch: the plan does not fit the model (checked before any write: the old
+                weights keep serving).
+        """
+        if self._model is None:
+            raise LocalProtocolError("apply_update() before a successful load()")
+        apply_patches(check_patch_targets(plan, stored_state(self._model)))
+        self._checkpoint = Path(checkpoint_dir)
         self._loads += 1
 
     def generate(

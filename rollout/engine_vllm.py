@@ -22,6 +22,20 @@ a *hot swap*:
    ``llm.reset_prefix_cache()`` (required: cached KV blocks were computed by the old weights);
 3. verify that every tensor of the checkpoint was applied (below).
 
+**In-place update** (``apply_update``, :class:`~rollout.engine.InPlaceEngine`; only with
+``keep_host_copy``). vLLM's CPU backend repacks linear weights into kernel formats that
+cannot be read back or patched, so the engine keeps a host copy of the serving version's
+checkpoint tensors (read once at each start or full swap; memory: one more checkpoint). A next
+version's changed words (:func:`rollout.delta_plan.plan_update`) are applied to that copy in
+place (every target checked first: a plan that does not fit raises
+:class:`~rollout.delta_plan.DeltaMismatch` and nothing changes), then only the changed tensors
+go through vLLM's weight-loading path (``reload_weights`` with a ``weights_iterator``), each
+with every tensor of the vLLM module it is fused into (``qkv_proj``, ``gate_up_proj``: vLLM
+processes a module once all of its tensors arrived); modules that receive nothing keep their
+kernel tensors. Then ``reset_prefix_cache()`` and the verification below, against the host copy
+(nothing is read from disk). A failure there is handled as a failed swap (below): the engine
+and its host copy are rebuilt from the last good version.
+
 If step 2 raises or step 3 finds a difference, the engine may be half reset (vLLM restores a
 layer's old tensors when it received none): it is closed and rebuilt from the last good
 version, and the error is raised (``CheckpointMismatch`` for a verification difference,
@@ -123,7 +137,17 @@ import torch
 from transformers import AutoConfig, AutoModelForCausalLM
 
 from p2p.errors import LocalProtocolError, ShardnetError
-from rollout.engine import EngineStats, FinishReason, Generation, TeacherForced, bf16_bits
+from rollout.delta_plan import DeltaMismatch, MismatchReason, TensorSpec, UpdatePlan
+from rollout.engine import (
+    EngineStats,
+    FinishReason,
+    Generation,
+    TeacherForced,
+    apply_patches,
+    bf16_bits,
+    check_patch_targets,
+    tensor_spec,
+)
 from rollout.gumbel import NoiseKey, replay_gaps
 
 # The strict checkpoint checks of rollout.model (index/shard consistency, header shapes, the
@@ -135,7 +159,13 @@ from rollout.model import (
     compare_shapes,
 )
 from rollout.vllm_capture import SAMPLE_KEY, Capture, VllmEngineError
-from rollout.vllm_weights import checkpoint_shapes, expected_shapes, verify_applied
+from rollout.vllm_weights import (
+    checkpoint_shapes,
+    expected_shapes,
+    fused_groups,
+    read_checkpoint,
+    verify_applied,
+)
 
 __all__ = ["VllmEngine", "VllmEngineError", "VllmEngineStats", "verify_applied", "vllm_available"]
 
@@ -243,6 +273,8 @@ class VllmEngine:
         kv_cache_bytes: memory reserved for vLLM's KV cache (CPU RAM), bytes.
         verify_columns: columns per repacked linear checked after each load (``>= 1``).
         max_num_seqs: most requests vLLM runs in one step (caps ``n``), ``>= 1``.
+        keep_host_copy: keep the serving version's checkpoint tensors in host memory, which
+            in-place updates (``apply_update``) need (one more checkpoint of memory).
 
     ``load`` and ``generate`` may be called from any one thread at a time (a trio worker
     thread, say); see the module docstring for what overlapping calls do. Call :meth:`close`
@@ -255,12 +287,15 @@ class VllmEngine:
         kv_cache_bytes: int = 256 << 20,
         verify_columns: int = 64,
         max_num_seqs: int = 256,
+        keep_host_copy: bool = False,
     ) -> None:
         if kv_cache_bytes < 1 or verify_columns < 1 or max_num_seqs < 1:
             raise LocalProtocolError("kv_cache_bytes, verify_columns and max_num_seqs must be >= 1")
         self._kv_cache_bytes = kv_cache_bytes
         self._verify_columns = verify_columns
         self._max_num_seqs = max_num_seqs
+        self._keep_host_copy = keep_host_copy
+        self._host: dict[str, torch.Tensor] | None = None  # the serving version's tensors
         self._llm: Any = None
         self._runner: Any = None
         self._hooks: list[Any] = []
@@ -323,6 +358,58 @@ class VllmEngine:
                 self._loads += 1
         finally:
             self._swapping.release()
+
+    def weight_specs(self) -> dict[str, TensorSpec]:
+        """Checkpoint tensor name → dtype and shape of the host copy.
+
+        Raises:
+            DeltaMismatch: (``UNSUPPORTED``) no host copy (``keep_host_copy`` off, or
+                unloaded).
+        """
+        host = self._host
+        if host is None:
+            raise DeltaMismatch(MismatchReason.UNSUPPORTED, "vLLM engine keeps no host copy")
+        return {name: tensor_spec(t) for name, t in host.items()}
+
+    def apply_update(self, plan: UpdatePlan, checkpoint_dir: str | Path) -> None:
+        """Apply ``plan`` in place (module docstring, "In-place update"); the engine then serves
+        ``checkpoint_dir``'s version, of which nothing is read. Waits for a running
+        ``generate``.
+
+        Raises:
+            DeltaMismatch: the plan does not fit, or no host copy (nothing changed).
+            CheckpointMismatch: after the reload the engine does not hold the host copy's
+                values (the engine was rebuilt from the last good version).
+            VllmEngineError: vLLM failed to reload (rebuilt likewise).
+            LocalProtocolError: nothing loaded, or another swap is running (nothing changed).
+        """
+        if not self._swapping.acquire(blocking=False):
+            raise LocalProtocolError("a weight swap is already running on this engine")
+        try:
+            with self._busy:
+                if self._llm is None:
+                    raise LocalProtocolError("apply_update() before a successful load()")
+                self._update(plan, Path(checkpoint_dir))
+                self._loads += 1
+        finally:
+            self._swapping.release()
+
+    def verify(self, directory: str | Path, columns: int | None = None) -> int:
+        """Check that the engine holds ``directory``'s checkpoint (its files are read), with
+        ``columns`` per repacked linear (default: the engine's ``verify_columns``).
+
+        Returns:
+            the number of checkpoint tensors verified.
+
+        Raises:
+            CheckpointMismatch: a value differs (the engine is left as it is).
+            LocalProtocolError: nothing loaded.
+        """
+        with self._busy:
+            if self._llm is None:
+                raise LocalProtocolError("verify() before a successful load()")
+            model = self._runner.get_model()
+            return verify_applied(model, Path(directory), columns or self._verify_columns)
 
     def generate(
         self,
@@ -544,6 +631,8 @@ class VllmEngine:
             self._vocab_size = int(config["vocab_size"])
             self._eos = int(config["eos_token_id"])
             self._verify(directory)
+            if self._keep_host_copy:
+                self._host = read_checkpoint(directory)
             self._generate([int(config.get("bos_token_id") or 0)], 1, 2, 1.0, 0)  # warm-up
         except CheckpointMismatch:
             self._close_llm()
@@ -575,6 +664,8 @@ class VllmEngine:
                 if not self._llm.reset_prefix_cache():
                     raise VllmEngineError("vLLM refused to reset its prefix cache")
             self._verify(directory)
+            if self._keep_host_copy:
+                self._host = read_checkpoint(directory)
         except CheckpointMismatch as exc:
             self._rebuild(exc)
             raise
@@ -586,6 +677,45 @@ class VllmEngine:
         self._swaps += 1
         self._swap_s = time.perf_counter() - started
         log.info("vllm_weights_swapped checkpoint=%s duration_s=%.3f", directory, self._swap_s)
+
+    def _update(self, plan: UpdatePlan, directory: Path) -> None:
+        """The in-place update (module docstring); the caller holds both locks."""
+        started = time.perf_counter()
+        host = self._host
+        if host is None:
+            raise DeltaMismatch(MismatchReason.UNSUPPORTED, "vLLM engine keeps no host copy")
+        pairs = check_patch_targets(plan, host)  # DeltaMismatch here: nothing changed
+        model = self._runner.get_model()
+        groups = fused_groups(model, set(host))
+        changed = {groups[p.name] for p in plan.patches}
+        names = [n for n in host if groups[n] in changed]
+        try:
+            apply_patches(pairs)  # the host copy is now the new version
+            with _vllm_warnings():
+                self._llm.collective_rpc(
+                    "reload_weights", kwargs={"weights_iterator": [(n, host[n]) for n in names]}
+                )
+                if not self._llm.reset_prefix_cache():
+                    raise VllmEngineError("vLLM refused to reset its prefix cache")
+            verify_started = time.perf_counter()
+            verify_applied(model, directory, self._verify_columns, host)
+            self._verify_s = time.perf_counter() - verify_started
+        except CheckpointMismatch as exc:
+            self._rebuild(exc)  # from the last good version's files: host copy included
+            raise
+        except Exception as exc:  # a failure mid-reload leaves the engine half reset
+            error = VllmEngineError(f"in-place update to {directory} failed: {exc!r}")
+            self._rebuild(error)
+            raise error from exc
+        self._checkpoint = directory
+        self._swaps += 1
+        self._swap_s = time.perf_counter() - started
+        log.info(
+            "vllm_weights_updated_in_place checkpoint=%s tensors=%d duration_s=%.3f",
+            directory,
+            len(names),
+            self._swap_s,
+        )
 
     def _rebuild(self, cause: BaseException, good: Path | None = None) -> None:
         """Treat the engine as dead: close it and start again on the last good version."""
@@ -612,6 +742,7 @@ class VllmEngine:
         for hook in self._hooks:
             hook.remove()
         llm, self._llm, self._runner, self._hooks = self._llm, None, None, []
+        self._host = None
         try:
             llm.llm_engine.engine_core.shutdown()
         finally:

@@ -12,6 +12,7 @@ on one-hot probes), every tensor covered exactly once.
 from __future__ import annotations
 
 import random
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
@@ -28,7 +29,13 @@ from rollout.model import (
     tensor_files,
 )
 
-__all__ = ["checkpoint_shapes", "expected_shapes", "verify_applied"]
+__all__ = [
+    "checkpoint_shapes",
+    "expected_shapes",
+    "fused_groups",
+    "read_checkpoint",
+    "verify_applied",
+]
 
 _AUTO_MODEL: Any = AutoModelForCausalLM  # transformers' factory methods are untyped
 
@@ -84,8 +91,52 @@ class _Reader:
         return tensor
 
 
+class _Held:
+    """Tensors already in memory, read like a checkpoint (:class:`_Reader`'s interface)."""
+
+    def __init__(self, tensors: Mapping[str, torch.Tensor]) -> None:
+        self._tensors = tensors
+
+    @property
+    def names(self) -> set[str]:
+        return set(self._tensors)
+
+    def get(self, name: str) -> torch.Tensor:
+        return self._tensors[name]
+
+
+def read_checkpoint(directory: Path) -> dict[str, torch.Tensor]:
+    """Every tensor of a checkpoint (after :func:`checkpoint_shapes`), by name.
+
+    Raises:
+        CheckpointMismatch: a file cannot be read.
+    """
+    reader = _Reader(directory)
+    return {name: reader.get(name).contiguous() for name in sorted(reader.names)}
+
+
+def fused_groups(model: Any, names: set[str]) -> dict[str, str]:
+    """Checkpoint tensor name → the vLLM module it is loaded into (``packed_modules_mapping``:
+    ``q_proj``/``k_proj``/``v_proj`` → ``qkv_proj``, ``gate_proj``/``up_proj`` →
+    ``gate_up_proj``). vLLM processes a module once all of its tensors arrived, so a reload
+    of some tensors must give every tensor of the modules they belong to."""
+    packed: dict[str, list[str]] = dict(getattr(model, "packed_modules_mapping", {}) or {})
+    inverse = {part: fused for fused, parts in packed.items() for part in parts}
+    out = {}
+    for name in names:
+        module, _, _kind = name.rpartition(".")
+        prefix, _, leaf = module.rpartition(".")
+        out[name] = f"{prefix}.{inverse.get(leaf, leaf)}".lstrip(".")
+    return out
+
+
 @torch.inference_mode()
-def verify_applied(model: Any, directory: Path, columns: int) -> int:
+def verify_applied(
+    model: Any,
+    directory: Path,
+    columns: int,
+    tensors: Mapping[str, torch.Tensor] | None = None,
+) -> int:
     """Check that the engine's weights equal the checkpoint's (see module docstring).
 
     Args:
@@ -93,6 +144,8 @@ def verify_applied(model: Any, directory: Path, columns: int) -> int:
         directory: the checkpoint it should hold.
         columns: repacked linears with more input columns than this are checked on that many
             pseudo-random columns (all rows); ``>= 1``.
+        tensors: the checkpoint's tensors, already in memory (then no file is read;
+            ``directory`` still names the version in errors and seeds the column choice).
 
     Returns:
         the number of checkpoint tensors verified (all of them).
@@ -101,7 +154,7 @@ def verify_applied(model: Any, directory: Path, columns: int) -> int:
         CheckpointMismatch: a value differs, a checkpoint tensor has no engine parameter, or
             an engine parameter cannot be checked.
     """
-    reader = _Reader(directory)
+    reader: _Reader | _Held = _Reader(directory) if tensors is None else _Held(tensors)
     names = reader.names
     packed: dict[str, list[str]] = dict(getattr(model, "packed_modules_mapping", {}) or {})
     covered: set[str] = set()

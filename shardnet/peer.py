@@ -75,6 +75,7 @@ from shardcast.wire import (
     UnsupportedEngine,
     architecture_digest,
 )
+from shardnet.engine_update import HeldVersion, swap_weights
 
 if TYPE_CHECKING:
     from trio_typing import TaskStatus
@@ -170,6 +171,7 @@ class InferencePeer:
         self.node: ShardcastNode | None = None
         self.sender: RolloutSender | None = None
         self._latest: tuple[Manifest, Path] | None = None
+        self._held: HeldVersion | None = None  # what the engine holds (in-place updates)
         self._new_version = trio.Event()
         self._trainer_session: str | None = None
         self._restart_seen_at = -math.inf  # when a restarted trainer was last noticed
@@ -180,6 +182,8 @@ class InferencePeer:
         self.pace = PaceMeter(config.pacing)
         self.batches_by_pace: Counter[str] = Counter()
         """Handed-over batches by how they ended (:class:`~rollout.pacing.Pace` value)."""
+        self.swaps_by_path: Counter[str] = Counter()
+        """Weight swaps by path (:class:`~shardnet.engine_update.SwapPath` value)."""
 
     async def run(
         self, *, task_status: TaskStatus[ShardcastNode] = trio.TASK_STATUS_IGNORED
@@ -351,10 +355,23 @@ class InferencePeer:
                             f"config.json of version {step} is not the architecture of run "
                             f"card v{card.version}"
                         )
-                    t0 = time.perf_counter()
-                    await trio.to_thread.run_sync(self.engine.load, path)
+                    held, self._held = self._held, None  # unknown until the swap returns
+                    swap = await trio.to_thread.run_sync(
+                        swap_weights, self.engine, store, signed, path, held
+                    )
+                    self._held = swap.held
+                    self.swaps_by_path[swap.path.value] += 1
+                    log.info(
+                        "engine_weights_swapped step=%d path=%s duration_s=%.3f fallback=%s "
+                        "changed_words=%d",
+                        step,
+                        swap.path.value,
+                        swap.duration_s,
+                        swap.fallback.value if swap.fallback else "none",
+                        swap.changed_words,
+                    )
                     if self.on_weight_swap is not None:
-                        self.on_weight_swap(time.perf_counter() - t0)
+                        self.on_weight_swap(swap.duration_s)
                     tokenizer = await trio.to_thread.run_sync(load_tokenizer, path)
                 t0 = time.perf_counter()
                 batch, pace = await self._generate(
@@ -499,6 +516,7 @@ class InferencePeer:
             ],
             "exchange": vars(sender) if sender else None,
             "batches_by_pace": dict(self.batches_by_pace),
+            "weight_swaps": dict(self.swaps_by_path),
         }
 
 

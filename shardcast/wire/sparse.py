@@ -106,33 +106,27 @@ def is_identity(blob: Buffer, length: int) -> bool:
     return bool(magic == MAGIC and n == length and count == 0 and has_tail == 0 and tail == 0)
 
 
-def decode_sparse(
-    blob: Buffer,
-    length: int,
-    base: Buffer,
-    source: str = "",
-    out: bytearray | memoryview | None = None,
-) -> memoryview:
-    """Apply a sparse blob to ``base``.
+def sparse_changes(
+    blob: Buffer, length: int, source: str = ""
+) -> tuple[np.ndarray, np.ndarray, int | None]:
+    """The changes a sparse blob lists, without applying them (for a caller that patches
+    another copy of the same bytes, e.g. the weights an inference engine holds).
 
     Args:
         blob: the received bytes.
-        length: the shard's decoded length (from the manifest).
-        base: the base version's bytes of the same range.
+        length: the shard's decoded length (from the manifest), bytes.
         source: who sent the blob (for errors).
-        out: where the result goes (a writable buffer of at least ``length`` bytes). It may be
-            ``base`` itself: the patch is then applied in place, touching only changed words.
 
     Returns:
-        a view of the decoded shard in ``out`` (the caller checks its digest).
+        ``(index, diff, tail)``: ``index`` int64 ``[count]``, strictly increasing word indices
+        (word ``i`` is bytes ``2i, 2i+1`` of the shard, little-endian) below ``length // 2``;
+        ``diff`` uint16 ``[count]``, each ``new - base`` modulo 2**16; ``tail`` the new value
+        of the last byte of an odd-length shard (always carried, changed or not), else None.
 
     Raises:
         SparseError: bad magic, a header that disagrees with ``length``, a count over the
             number of words, a frame of the wrong declared size, or an index out of range.
-        LocalProtocolError: ``base`` or ``out`` of the wrong length.
     """
-    if len(base) != length:
-        raise LocalProtocolError("sparse decoding needs a base of the shard's length")
     if len(blob) < HEADER_BYTES:
         raise SparseError(f"sparse blob of {len(blob)} bytes is shorter than its header", source)
     magic, n, count, has_tail, tail = _HEADER.unpack_from(blob)
@@ -167,6 +161,36 @@ def decode_sparse(
     idx = np.cumsum(gaps, dtype=np.int64) - 1
     if count and idx[-1] >= n_words:
         raise SparseError(f"sparse index {int(idx[-1])} outside {n_words} words", source)
+    return idx, diffs, (int(tail) if has_tail else None)
+
+
+def decode_sparse(
+    blob: Buffer,
+    length: int,
+    base: Buffer,
+    source: str = "",
+    out: bytearray | memoryview | None = None,
+) -> memoryview:
+    """Apply a sparse blob to ``base``.
+
+    Args:
+        blob: the received bytes.
+        length: the shard's decoded length (from the manifest).
+        base: the base version's bytes of the same range.
+        source: who sent the blob (for errors).
+        out: where the result goes (a writable buffer of at least ``length`` bytes). It may be
+            ``base`` itself: the patch is then applied in place, touching only changed words.
+
+    Returns:
+        a view of the decoded shard in ``out`` (the caller checks its digest).
+
+    Raises:
+        SparseError: as :func:`sparse_changes`.
+        LocalProtocolError: ``base`` or ``out`` of the wrong length.
+    """
+    if len(base) != length:
+        raise LocalProtocolError("sparse decoding needs a base of the shard's length")
+    idx, diffs, tail = sparse_changes(blob, length, source)
     if out is None:
         out = bytearray(length)
     if len(out) < length:
@@ -174,8 +198,8 @@ def decode_sparse(
     view = memoryview(out)[:length]
     if out is not base:
         view[:] = base
-    words = np.frombuffer(view, dtype="<u2", count=n_words)
+    words = np.frombuffer(view, dtype="<u2", count=length // 2)
     words[idx] = words[idx] + diffs
-    if has_tail:
+    if tail is not None:
         view[length - 1] = tail
     return view

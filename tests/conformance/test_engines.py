@@ -40,7 +40,8 @@ from transformers import AutoModelForCausalLM
 from p2p.errors import LocalProtocolError
 from p2p.identity import Identity
 from rollout.batch import SamplingConfig, build_batch
-from rollout.engine import Engine, Generation, TransformersEngine
+from rollout.delta_plan import DeltaMismatch, MismatchReason, TensorPatch, UpdatePlan
+from rollout.engine import Engine, Generation, InPlaceEngine, TransformersEngine
 from rollout.engine_vllm import VllmEngine, vllm_available
 from rollout.model import (
     INDEX_NAME,
@@ -48,7 +49,9 @@ from rollout.model import (
     CheckpointMismatch,
     build_model,
     build_tokenizer,
+    load_model,
     preset_config,
+    stored_state,
 )
 from rollout.schema import RolloutBatch
 from rollout.task import DEFAULT_TASK, prompts_for
@@ -56,6 +59,8 @@ from rollout.toploc import verify_proofs
 from rollout.toploc_codec import proof_size_bytes
 from rollout.validator_engines import VllmTeacher
 from rollout.verify import Validator, ValidatorConfig
+from shardnet.engine_update import SwapPath
+from tests.delta_chain import Chain
 from trainer.checkpoint import save_checkpoint
 from trainer.oracle import TrainerOracle
 
@@ -120,9 +125,9 @@ def ckpts(tmp_path_factory: pytest.TempPathFactory) -> Ckpts:
     )
 
 
-def _new_engine(kind: str) -> Engine:
-    if kind == "vllm":
-        return VllmEngine(verify_columns=4096)  # tiny preset: read every column back
+def _new_engine(kind: str, in_place: bool = False) -> Engine:
+    if kind == "vllm":  # tiny preset: read every column back
+        return VllmEngine(verify_columns=4096, keep_host_copy=in_place)
     return TransformersEngine()
 
 
@@ -211,6 +216,58 @@ def test_swap_equals_fresh_engine(kind: str, engine: Engine, ckpts: Ckpts) -> No
     try:
         fresh.load(ckpts.b)
         assert _same(_sample(fresh), on_b)
+    finally:
+        _close(fresh)
+        engine.load(ckpts.a)
+
+
+def _assert_holds(kind: str, engine: Engine, directory: Path) -> None:
+    """The engine's weights are bit for bit those of loading ``directory``."""
+    if isinstance(engine, VllmEngine):  # every value, repacked linears through their kernel
+        assert engine.verify(directory, columns=4096) > 0
+        return
+    assert isinstance(engine, TransformersEngine)
+    want = stored_state(load_model(directory))
+    got = stored_state(engine.model)
+    assert got.keys() == want.keys()
+    assert all(torch.equal(got[n].view(torch.int16), want[n].view(torch.int16)) for n in want)
+
+
+def test_in_place_update_is_bit_identical_to_loading(
+    kind: str, engine: Engine, ckpts: Ckpts, tmp_path: Path
+) -> None:
+    """Next versions applied in place from their sparse deltas (shardnet.engine_update) leave
+    the engine holding exactly the materialized version's weights and generating as a fresh
+    engine started on it; a plan that does not fit raises and keeps the old weights."""
+    chain = Chain(tmp_path, torch.bfloat16, steps=2, small=True)
+    dirs = [chain.store.version_dir(s) for s in range(3)]
+    _close(engine)  # one vLLM engine per process
+    updating = _new_engine(kind, in_place=True)
+    try:
+        assert isinstance(updating, InPlaceEngine)
+        held = chain.swap(updating, 0, None).held
+        for step in (1, 2):
+            result = chain.swap(updating, step, held)
+            assert result.path is SwapPath.IN_PLACE, result.fallback
+            _assert_holds(kind, updating, dirs[step])
+            held = result.held
+        on_2 = _sample(updating)
+        one = (np.zeros(1, np.int64), np.ones(1, np.uint16), np.zeros(0, np.int64))
+        good = TensorPatch(
+            "model.embed_tokens.weight", "BF16", (128, 128), *one, np.zeros(0, np.uint8)
+        )
+        bad = TensorPatch("model.norm.weight", "BF16", (64,), *one, np.zeros(0, np.uint8))
+        with pytest.raises(DeltaMismatch) as err:
+            updating.apply_update(UpdatePlan((good, bad)), dirs[1])
+        assert err.value.reason is MismatchReason.SHAPE
+        _assert_holds(kind, updating, dirs[2])
+        assert _same(_sample(updating), on_2)
+    finally:
+        _close(updating)
+    fresh = _new_engine(kind)
+    try:
+        fresh.load(dirs[2])
+        assert _same(_sample(fresh), on_2)
     finally:
         _close(fresh)
         engine.load(ckpts.a)

@@ -1,0 +1,170 @@
+"""In-place engine updates on TransformersEngine: bit-exact against loading the materialized
+version over several delta steps, and every refusal keeps the old weights (a full load then
+gives the right version)."""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Iterator
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from rollout.delta_plan import DeltaMismatch, MismatchReason, TensorPatch, UpdatePlan
+from rollout.engine import TransformersEngine
+from rollout.model import build_model, build_tokenizer, load_model, stored_state, tensor_files
+from shardcast.plan import BLOB_DIR
+from shardnet.engine_update import HeldVersion, SwapPath, gather_changes
+from tests.delta_chain import Chain, evolve, publish
+from trainer.checkpoint import save_checkpoint
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _one_thread() -> Iterator[None]:
+    previous = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(previous)
+
+
+def bits(model: torch.nn.Module) -> dict[str, bytes]:
+    return {
+        n: t.detach().contiguous().view(-1).view(torch.uint8).numpy().tobytes()
+        for n, t in stored_state(model).items()
+    }
+
+
+def assert_holds(engine: TransformersEngine, directory: Path, dtype: torch.dtype) -> None:
+    want = bits(load_model(directory, dtype))
+    got = bits(engine.model)
+    assert got.keys() == want.keys()
+    assert [n for n in want if got[n] != want[n]] == []
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_in_place_updates_are_bit_identical_to_loading_each_version(
+    tmp_path: Path, dtype: torch.dtype
+) -> None:
+    chain = Chain(tmp_path, dtype, steps=3)
+    assert len(tensor_files(chain.store.version_dir(0))) > 1  # several weight files
+    engine = TransformersEngine(dtype)
+    first = chain.swap(engine, 0, None)
+    assert (first.path, first.fallback) == (SwapPath.FULL, None)
+    held = first.held
+    for step in (1, 2, 3):
+        result = chain.swap(engine, step, held)
+        assert result.path is SwapPath.IN_PLACE, result.fallback
+        assert result.changed_words > 0
+        assert engine.checkpoint_dir == chain.store.version_dir(step)
+        assert_holds(engine, chain.store.version_dir(step), dtype)
+        held = result.held
+
+
+def test_a_skipped_version_falls_back_to_a_full_load(tmp_path: Path) -> None:
+    chain = Chain(tmp_path, torch.bfloat16, steps=2)
+    engine = TransformersEngine()
+    held = chain.swap(engine, 0, None).held
+    assert held is not None
+    before = bits(engine.model)
+    with pytest.raises(DeltaMismatch) as err:  # a delta of 1; the engine holds 0
+        gather_changes(chain.store, chain.manifests[2], held)
+    assert err.value.reason is MismatchReason.BASE
+    assert bits(engine.model) == before
+    result = chain.swap(engine, 2, held)
+    assert (result.path, result.fallback) == (SwapPath.FULL, MismatchReason.BASE)
+    assert_holds(engine, chain.store.version_dir(2), torch.bfloat16)
+
+
+@pytest.mark.parametrize(
+    ("damage", "reason"),
+    [("remove", MismatchReason.ENCODING), ("flip", MismatchReason.BLOB)],
+)
+def test_a_missing_or_damaged_blob_falls_back_to_a_full_load(
+    tmp_path: Path, damage: str, reason: MismatchReason
+) -> None:
+    chain = Chain(tmp_path, torch.bfloat16, steps=1)
+    engine = TransformersEngine()
+    held = chain.swap(engine, 0, None).held
+    blobs = sorted((chain.store.version_dir(1) / BLOB_DIR).glob("*.sparse"))
+    victim = blobs[len(blobs) // 2]
+    if damage == "remove":
+        victim.unlink()  # as if that shard had been received raw
+    else:
+        data = bytearray(victim.read_bytes())
+        data[-1] ^= 1
+        victim.write_bytes(data)
+    result = chain.swap(engine, 1, held)
+    assert (result.path, result.fallback) == (SwapPath.FULL, reason)
+    assert_holds(engine, chain.store.version_dir(1), torch.bfloat16)
+
+
+def test_a_checkpoint_dtype_the_engine_casts_falls_back_to_a_full_load(tmp_path: Path) -> None:
+    chain = Chain(tmp_path, torch.float32, steps=1)  # fp32 checkpoint, bf16 engine
+    engine = TransformersEngine(torch.bfloat16)
+    held = chain.swap(engine, 0, None).held
+    result = chain.swap(engine, 1, held)
+    assert (result.path, result.fallback) == (SwapPath.FULL, MismatchReason.DTYPE)
+    assert_holds(engine, chain.store.version_dir(1), torch.bfloat16)
+
+
+def test_a_changed_tokenizer_falls_back_to_a_full_load(tmp_path: Path) -> None:
+    chain = Chain(tmp_path, torch.bfloat16, steps=0)
+    engine = TransformersEngine()
+    held = chain.swap(engine, 0, None).held
+    nxt = tmp_path / "src-1"
+    evolve(chain.store.version_dir(0), nxt, random.Random(1), 0.01)
+    config = nxt / "tokenizer_config.json"
+    config.write_text(config.read_text().replace('"backend"', '"Backend"'))  # same size
+    chain.manifests.append(publish(chain.store, nxt, 1, chain.manifests[0]))
+    result = chain.swap(engine, 1, held)
+    assert (result.path, result.fallback) == (SwapPath.FULL, MismatchReason.OTHER_FILE)
+    assert_holds(engine, chain.store.version_dir(1), torch.bfloat16)
+
+
+def _patch(name: str, shape: tuple[int, ...], dtype: str = "BF16") -> TensorPatch:
+    empty = np.zeros(0, np.int64)
+    return TensorPatch(
+        name, dtype, shape, np.array([0], np.int64), np.array([1], np.uint16), empty,
+        np.zeros(0, np.uint8),
+    )  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    ("bad", "reason"),
+    [
+        (_patch("model.layers.9.mlp.up_proj.weight", (384, 128)), MismatchReason.MISSING_TENSOR),
+        (_patch("model.norm.weight", (64,)), MismatchReason.SHAPE),
+        (_patch("model.norm.weight", (128,), "F32"), MismatchReason.DTYPE),
+    ],
+)
+def test_a_plan_that_does_not_fit_keeps_the_old_weights(
+    tmp_path: Path, bad: TensorPatch, reason: MismatchReason
+) -> None:
+    directory = tmp_path / "v0"
+    save_checkpoint(build_model("tiny", 0, torch.float32), build_tokenizer(), directory, 1 << 30)
+    engine = TransformersEngine()
+    engine.load(directory)
+    before = bits(engine.model)
+    good = _patch("model.embed_tokens.weight", (128, 128))  # valid, listed first
+    with pytest.raises(DeltaMismatch) as err:
+        engine.apply_update(UpdatePlan((good, bad)), tmp_path / "v1")
+    assert err.value.reason is reason
+    assert bits(engine.model) == before
+    assert engine.checkpoint_dir == directory
+
+
+def test_a_layout_the_engine_does_not_hold_is_refused_before_any_write(tmp_path: Path) -> None:
+    chain = Chain(tmp_path, torch.bfloat16, steps=1)
+    engine = TransformersEngine()
+    held = chain.swap(engine, 0, None).held
+    assert held is not None
+    name, layout = next(iter(held.layouts.items()))
+    t = layout.tensors[0]
+    other = type(t)(f"{t.name}.extra", t.dtype, t.shape, t.start, t.end)
+    forged = HeldVersion(held.manifest, {**held.layouts, name: type(layout)(
+        layout.size, layout.data_start, (other, *layout.tensors[1:]))})  # fmt: skip
+    result = chain.swap(engine, 1, forged)
+    assert (result.path, result.fallback) == (SwapPath.FULL, MismatchReason.MISSING_TENSOR)
+    assert_holds(engine, chain.store.version_dir(1), torch.bfloat16)
