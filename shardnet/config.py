@@ -25,9 +25,9 @@ from pydantic_settings import (
 )
 
 from p2p.addresses import (
+    check_advertised_families,
     check_http_url,
     check_multiaddr_text,
-    check_advertised_families,
     check_public_host,
     default_http_host,
     default_listen,

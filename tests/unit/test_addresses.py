@@ -10,9 +10,9 @@ from p2p.addresses import (
     Interfaces,
     advertised_multiaddrs,
     advertised_url,
+    check_advertised_families,
     check_http_url,
     check_multiaddr_text,
-    check_advertised_families,
     check_public_host,
     default_http_host,
     default_listen,
@@ -170,9 +170,7 @@ def test_default_http_host_follows_the_advertised_family() -> None:
 def test_public_host_advertises_the_listener_of_its_own_family() -> None:
     bound = ["/ip4/0.0.0.0/tcp/4001", "/ip6/::/tcp/4009"]
     assert advertised_multiaddrs(bound, [], IFACES, "fd77::2") == ["/ip6/fd77::2/tcp/4009"]
-    assert advertised_multiaddrs(bound, [], IFACES, "203.0.113.5") == [
-        "/ip4/203.0.113.5/tcp/4001"
-    ]
+    assert advertised_multiaddrs(bound, [], IFACES, "203.0.113.5") == ["/ip4/203.0.113.5/tcp/4001"]
     assert advertised_multiaddrs(bound, [], IFACES, "relay.example.org") == [
         "/dns/relay.example.org/tcp/4001",
         "/dns/relay.example.org/tcp/4009",
