@@ -56,6 +56,7 @@ from urllib.parse import urlsplit
 import h11
 import trio
 
+from p2p import sockopts
 from p2p.errors import (
     LocalProtocolError,
     MessageTooLarge,
@@ -73,6 +74,7 @@ from p2p.http_range import (
     parse_content_range,
     parse_retry_after,
 )
+from p2p.keepalive import KeepaliveConfig
 
 __all__ = ["HttpClient", "HttpClientStatistics"]
 
@@ -252,6 +254,7 @@ class HttpClient:
                 raise PeerUnreachable(source, f"connect timed out after {timeout_s}s") from exc
             except OSError as exc:
                 raise PeerUnreachable(source, f"connect failed: {exc}") from exc
+            sockopts.tune(stream.socket, KeepaliveConfig.tcp_user_timeout_s)  # dead paths end
             return _Conn(key, stream)
         except BaseException:
             self._slots.release()

@@ -12,8 +12,11 @@ nothing ever re-dials it). :class:`Keepalive` decides, per remote peer:
    ``/ipfs/ping/1.0.0``), one ping in flight at a time;
 2. **when a connection is dead**: after ``dead_after_failures`` consecutive failures, a failure
    being a ping that timed out or broke, or a request on the connection that timed out
-   (:class:`Outcome`). Any answer (a pong, a request answered) resets the count. A dead
-   connection is closed by the driver, which makes the peer disconnected;
+   (:class:`Outcome`), the last of them a ping: a timed-out request makes the connection
+   suspect and pings it at once, so a slow handler on a live peer (whose ping is answered)
+   never gets it closed, while a dead one is found within a ping timeout. Any answer (a pong,
+   a request answered) resets the count. A dead connection is closed by the driver, which
+   makes the peer disconnected;
 3. **when to re-dial**: a *kept* peer (one this node dialled and must stay connected to: the
    trainer, its upstreams, bootstrap relays) is dialled again after it disconnects, on an
    exponential schedule with jitter, capped (:meth:`Keepalive.backoff_s`, the schedule of
@@ -75,9 +78,11 @@ class KeepaliveConfig:
         tcp_user_timeout_s: the kernel aborts a TCP connection whose sent data stays
             unacknowledged this long (``TCP_USER_TIMEOUT``; Linux; 0: the kernel's default of
             ~15 min of retransmissions); TCP keepalive probes idle connections too.
-        close_timeout_s: shutdown and dead connections: a graceful close of a connection
-            (yamux GO_AWAY, Noise, TCP FIN) gets this long before its socket is aborted
-            (seconds; a close that waits on a full send buffer would otherwise wait for ever).
+        close_timeout_s: closing the host: a graceful close of its connections (yamux
+            GO_AWAY, Noise, TCP FIN) gets this long before their sockets are aborted, the
+            close then as long again, and the whole teardown at most three times this long
+            (seconds; the default keeps a stop under 5 s; a close that waits behind a full
+            send buffer would otherwise wait for ever).
     """
 
     ping_interval_s: float = 5.0
@@ -87,7 +92,7 @@ class KeepaliveConfig:
     redial_max_s: float = 30.0
     redial_jitter: float = 0.2
     tcp_user_timeout_s: float = 30.0
-    close_timeout_s: float = 2.0
+    close_timeout_s: float = 1.5
 
     def __post_init__(self) -> None:
         for name in ("ping_interval_s", "ping_timeout_s", "redial_initial_s"):
@@ -222,7 +227,8 @@ class Keepalive:
         """Record what a ping or a request to ``peer`` gave.
 
         Returns:
-            :attr:`Verdict.DEAD` exactly once per dead connection (the driver closes it;
+            :attr:`Verdict.DEAD` (only for a failed ping: see the module docstring) exactly
+            once per dead connection (the driver closes it;
             the count restarts on the next :meth:`connected`), else ALIVE or SUSPECT. An
             outcome for a peer not connected is ALIVE and ignored.
         """
@@ -240,6 +246,10 @@ class Keepalive:
             return Verdict.ALIVE
         self._failures[outcome.value] = self._failures.get(outcome.value, 0) + 1
         p.failures += 1
+        if outcome is Outcome.REQUEST_TIMEOUT:
+            if not p.pinging:
+                p.next_ping = now  # ask the connection itself, now
+            return Verdict.SUSPECT
         if p.failures < self.config.dead_after_failures:
             return Verdict.SUSPECT
         self._closed[outcome.value] = self._closed.get(outcome.value, 0) + 1

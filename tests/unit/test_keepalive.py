@@ -45,6 +45,19 @@ def test_consecutive_failures_make_a_connection_dead_once() -> None:
     assert stats.pings == 2
 
 
+def test_request_timeouts_alone_only_ask_for_a_ping_now() -> None:
+    ka = Keepalive(CFG)
+    ka.connected("a", 0.0)
+    for _ in range(10):  # a burst of timeouts on a slow but live peer
+        assert ka.observe("a", Outcome.REQUEST_TIMEOUT, 1.0) is Verdict.SUSPECT
+    assert ka.pings_due(1.0) == ["a"]  # not waiting for the interval
+    assert ka.observe("a", Outcome.PONG, 1.1) is Verdict.ALIVE
+    assert ka.observe("a", Outcome.REQUEST_TIMEOUT, 2.0) is Verdict.SUSPECT
+    assert ka.pings_due(2.0) == ["a"]
+    assert ka.observe("a", Outcome.REQUEST_TIMEOUT, 2.5) is Verdict.SUSPECT
+    assert ka.observe("a", Outcome.PING_TIMEOUT, 7.0) is Verdict.DEAD
+
+
 def test_an_answer_resets_the_failure_count() -> None:
     ka = Keepalive(CFG)
     ka.connected("a", 0.0)
@@ -137,7 +150,7 @@ def test_backoff_is_jittered_around_the_exponential_and_capped(
 
 
 @given(st.lists(st.sampled_from(list(Outcome)), max_size=60))
-def test_dead_exactly_after_n_consecutive_failures(outcomes: list[Outcome]) -> None:
+def test_dead_after_n_consecutive_failures_the_last_a_ping(outcomes: list[Outcome]) -> None:
     ka = Keepalive(CFG)
     ka.connected("a", 0.0)
     run, dead = 0, False
@@ -147,7 +160,11 @@ def test_dead_exactly_after_n_consecutive_failures(outcomes: list[Outcome]) -> N
             assert verdict is Verdict.ALIVE
             continue
         run = run + 1 if o.failed else 0
-        expected = Verdict.DEAD if run >= 3 else Verdict.SUSPECT if o.failed else Verdict.ALIVE
+        ping_failed = o in (Outcome.PING_TIMEOUT, Outcome.PING_FAILED)
+        if run >= 3 and ping_failed:
+            expected = Verdict.DEAD
+        else:
+            expected = Verdict.SUSPECT if o.failed else Verdict.ALIVE
         assert verdict is expected
         dead = verdict is Verdict.DEAD
     assert sum(ka.statistics().closed_dead.values()) == int(dead)
