@@ -119,6 +119,7 @@ class KeepaliveStats:
         failures: failed pings and timed-out requests, by :class:`Outcome` value.
         closed_dead: connections declared dead, by the :class:`Outcome` that decided it.
         redials: re-dials of kept peers started.
+        redials_ok: of those, the ones that connected.
         redials_failed: of those, the ones that failed.
         kept: kept peers now; kept_connected: of those, connected now.
     """
@@ -127,6 +128,7 @@ class KeepaliveStats:
     failures: dict[str, int]
     closed_dead: dict[str, int]
     redials: int
+    redials_ok: int
     redials_failed: int
     kept: int
     kept_connected: int
@@ -157,6 +159,7 @@ class Keepalive:
     _failures: dict[str, int] = field(default_factory=dict)
     _closed: dict[str, int] = field(default_factory=dict)
     _redials: int = 0
+    _redials_ok: int = 0
     _redials_failed: int = 0
     _lost_all_said: bool = False
 
@@ -280,6 +283,7 @@ class Keepalive:
             return
         p.dialling = False
         if ok:
+            self._redials_ok += 1
             p.attempt = 0
             return
         self._redials_failed += 1
@@ -321,6 +325,7 @@ class Keepalive:
             dict(self._failures),
             dict(self._closed),
             self._redials,
+            self._redials_ok,
             self._redials_failed,
             len(kept),
             sum(p.connected for p in kept),

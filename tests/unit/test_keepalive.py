@@ -97,8 +97,12 @@ def test_only_kept_peers_are_redialled_with_growing_capped_delays() -> None:
         assert ka.dials_due(now) == []  # being dialled
         ka.dial_done("up", False, now, rng)
     assert delays == [1, 2, 4, 8, 8, 8]
+    assert ka.dials_due(now + 8) == [("up", ADDR)]
+    ka.dial_done("up", True, now + 8, rng)
+    now += 8
     ka.connected("up", now)
-    assert ka.statistics().redials_failed == 6
+    stats = ka.statistics()
+    assert (stats.redials, stats.redials_ok, stats.redials_failed) == (7, 1, 6)
     ka.disconnected("up", now + 1, rng)
     assert ka.next_wakeup() == now + 2  # a connection resets the schedule
 
