@@ -39,6 +39,7 @@ from p2p.errors import ConfigError
 from p2p.host import HostConfig, parse_multiaddr
 from p2p.http_server import HttpServerConfig
 from p2p.identity import Identity, is_valid_peer_id
+from p2p.keepalive import KeepaliveConfig
 from p2p.limits import LedgerConfig, ResourceLimits
 from p2p.trust import TrustList
 from rollout.inbox import InboxConfig
@@ -163,6 +164,27 @@ class CommonSettings(BaseSettings):
         ge=0,
         description="seconds a remote peer that sent malformed frames or invalid gossip "
         "is banned (its connections closed, its streams refused)",
+    )
+    ping_interval_s: float = Field(
+        KeepaliveConfig.ping_interval_s,
+        gt=0,
+        description="seconds between libp2p pings on each connection (finds connections that "
+        "died silently, e.g. behind a NAT that lost its state)",
+    )
+    ping_timeout_s: float = Field(
+        KeepaliveConfig.ping_timeout_s, gt=0, description="a ping unanswered this long failed"
+    )
+    dead_after_failures: int = Field(
+        KeepaliveConfig.dead_after_failures,
+        ge=1,
+        description="consecutive failed pings or timed-out requests (the last a ping) that "
+        "make a libp2p connection dead: it is closed and a peer this node dialled re-dialled",
+    )
+    redial_max_s: float = Field(
+        KeepaliveConfig.redial_max_s,
+        gt=0,
+        description="cap on the delay between re-dials of a lost trainer, upstream or "
+        "bootstrap peer, seconds (exponential from 1 s, jittered)",
     )
     report: Path | None = Field(None, description="write a JSON report here on exit")
     ready_file: Path | None = Field(None, description="write the node's addresses here")
@@ -300,6 +322,13 @@ class CommonSettings(BaseSettings):
                     request_read_timeout_s=self.request_read_timeout_s,
                 ),
                 ledger=LedgerConfig(ban_s=self.peer_ban_s),
+                keepalive=KeepaliveConfig(
+                    ping_interval_s=self.ping_interval_s,
+                    ping_timeout_s=self.ping_timeout_s,
+                    dead_after_failures=self.dead_after_failures,
+                    redial_initial_s=min(KeepaliveConfig.redial_initial_s, self.redial_max_s),
+                    redial_max_s=self.redial_max_s,
+                ),
             ),
             http=HttpServerConfig(
                 host=self.http_bind_host(),

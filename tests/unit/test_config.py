@@ -160,6 +160,7 @@ def test_defaults_are_the_libraries_own() -> None:
     """Each setting's default is declared once, in the library that uses it: the command
     line's defaults build the same library objects as the libraries' own defaults."""
     from p2p.http_server import HttpServerConfig
+    from p2p.keepalive import KeepaliveConfig
     from p2p.limits import LedgerConfig, ResourceLimits
     from rollout.pacing import PacingConfig
     from rollout.verify import ValidatorConfig
@@ -176,6 +177,7 @@ def test_defaults_are_the_libraries_own() -> None:
     node = relay.node_config()
     assert node.host.limits == ResourceLimits()
     assert node.host.ledger == LedgerConfig()
+    assert node.host.keepalive == KeepaliveConfig()
     assert node.http.max_connections_per_ip == HttpServerConfig().max_connections_per_ip
     assert node.keep_last == NodeConfig.keep_last
     follow = relay.follow_config(relay.upstream)
