@@ -450,6 +450,8 @@ class P2PNode:
         """One libp2p ping of ``peer_id`` on its open connection; the outcome goes to the
         policy, and a dead verdict closes the connection."""
         timeout_s = self.config.keepalive.ping_timeout_s
+        if peer_id not in self.connected_peers():
+            return  # gone meanwhile (its disconnect event ends the ping); never dial here
         try:
             with trio.fail_after(timeout_s):
                 stream = await self._host.new_stream(  # type: ignore[attr-defined]
@@ -462,7 +464,13 @@ class P2PNode:
             outcome = Outcome.PONG
         except trio.TooSlowError:
             outcome = Outcome.PING_TIMEOUT
-        except (BaseLibp2pError, OSError, ValueError, trio.BrokenResourceError) as exc:
+        except (
+            BaseLibp2pError,  # stream and muxer errors, a failed negotiation
+            OSError,
+            ValueError,  # the pong did not echo the ping
+            trio.BrokenResourceError,
+            trio.ClosedResourceError,  # the socket was aborted meanwhile
+        ) as exc:
             log.debug("ping_failed peer=%s error=%s", short_id(peer_id), exc)
             outcome = Outcome.PING_FAILED
         self._observe(peer_id, outcome)
