@@ -9,7 +9,7 @@ request on the connection times out while the node still counts the peer as conn
 nothing ever re-dials it). :class:`Keepalive` decides, per remote peer:
 
 1. **when to ping**: every ``ping_interval_s`` on each connected peer (libp2p ping,
-   ``/ipfs/ping/1.0.0``), one ping in flight at a time;
+   ``/ipfs/ping/1.0.0``), one ping in flight at a time, and again at once after a failure;
 2. **when a connection is dead**: after ``dead_after_failures`` consecutive failures, a failure
    being a ping that timed out or broke, or a request on the connection that timed out
    (:class:`Outcome`), the last of them a ping: a timed-out request makes the connection
@@ -240,8 +240,8 @@ class Keepalive:
             self._pings += 1
             if p is not None and p.pinging:
                 p.pinging = False
-                if p.connected:
-                    p.next_ping = now + self.config.ping_interval_s
+                if p.connected:  # a suspect connection is pinged again at once
+                    p.next_ping = now + (0.0 if outcome.failed else self.config.ping_interval_s)
         if p is None or not p.connected or p.next_ping is None:
             return Verdict.ALIVE
         if not outcome.failed:

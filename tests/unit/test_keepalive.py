@@ -35,6 +35,8 @@ def test_consecutive_failures_make_a_connection_dead_once() -> None:
     assert ka.observe("a", Outcome.REQUEST_TIMEOUT, 1.0) is Verdict.SUSPECT
     assert ka.pings_due(5.0) == ["a"]
     assert ka.observe("a", Outcome.PING_TIMEOUT, 10.0) is Verdict.SUSPECT
+    assert ka.next_wakeup() == 10.0  # a suspect connection is pinged again at once
+    assert ka.pings_due(10.0) == ["a"]
     assert ka.observe("a", Outcome.PING_FAILED, 11.0) is Verdict.DEAD
     # no second verdict, no more pings on the dead connection
     assert ka.observe("a", Outcome.REQUEST_TIMEOUT, 12.0) is Verdict.ALIVE
@@ -188,3 +190,29 @@ def test_bad_settings_name_the_field(kwargs: dict[str, float], field: str) -> No
     with pytest.raises(ConfigError) as err:
         KeepaliveConfig(**kwargs)  # type: ignore[arg-type]
     assert err.value.field == field
+
+
+@given(silent_at=st.floats(min_value=0, max_value=100))
+def test_with_the_defaults_a_silent_connection_is_dead_within_20_s(silent_at: float) -> None:
+    """Driven as the host drives it: pings answered until ``silent_at``, then each times out
+    after ``ping_timeout_s``. Dead by ``ping_interval_s + dead_after_failures *
+    ping_timeout_s`` = 20 s later (the issue's target: the next version within 30 s)."""
+    cfg = KeepaliveConfig()
+    ka = Keepalive(cfg)
+    ka.connected("a", 0.0)
+    now = 0.0
+    while True:
+        due = ka.next_wakeup()
+        assert due is not None
+        now = max(now, due)
+        assert ka.pings_due(now) == ["a"]
+        if now < silent_at:
+            now += 0.01
+            assert ka.observe("a", Outcome.PONG, now) is Verdict.ALIVE
+            continue
+        now += cfg.ping_timeout_s
+        if ka.observe("a", Outcome.PING_TIMEOUT, now) is Verdict.DEAD:
+            break
+    limit = cfg.ping_interval_s + 0.01 + cfg.dead_after_failures * cfg.ping_timeout_s
+    assert now - silent_at <= limit
+    assert limit <= 20.01
