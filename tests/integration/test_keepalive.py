@@ -9,7 +9,9 @@ pass. The fault lives in the path, not in the hosts.
 from __future__ import annotations
 
 import logging
+import random
 import socket
+from pathlib import Path
 from typing import TYPE_CHECKING
 
 import pytest
@@ -20,6 +22,11 @@ from p2p.errors import PeerUnreachable, StreamBroken
 from p2p.host import HostConfig, P2PNode
 from p2p.identity import Identity
 from p2p.keepalive import KeepaliveConfig
+from shardcast.follower import FollowConfig, Follower
+from shardcast.manifest import Manifest
+from shardcast.node import NodeConfig, ShardcastNode
+from shardcast.origin import Origin, OriginConfig
+from tests.helpers import TRAINER, make_checkpoint, trust
 
 if TYPE_CHECKING:
     from trio_typing import TaskStatus
@@ -75,17 +82,20 @@ class SilentPath:
         async with client, await trio.open_tcp_stream("127.0.0.1", self.target_port) as server:
 
             async def pump(src: trio.SocketStream, dst: trio.SocketStream) -> None:
-                try:
-                    while True:
+                while True:
+                    try:
                         data = await src.receive_some(65536)
-                        if self._cut_at >= gen:
-                            await trio.sleep_forever()
+                    except (trio.BrokenResourceError, trio.ClosedResourceError):
+                        data = b""  # a reset: passed on as a close, unless silent
+                    if self._cut_at >= gen:  # silent: not even a close gets through
+                        await trio.sleep_forever()
+                    try:
                         if not data:
                             await dst.send_eof()
                             return
                         await dst.send_all(data)
-                except (trio.BrokenResourceError, trio.ClosedResourceError):
-                    return
+                    except (trio.BrokenResourceError, trio.ClosedResourceError):
+                        return
 
             async with trio.open_nursery() as n:
                 n.start_soon(pump, client, server)
@@ -169,3 +179,43 @@ async def test_close_is_prompt_when_a_send_queue_is_stuck() -> None:
 
 def _accept(origin: str, data: bytes) -> None:
     """Gossip check that accepts every message."""
+
+
+async def test_a_relay_follows_its_upstream_again_after_the_path_went_silent(
+    tmp_path: Path,
+) -> None:
+    """The issue's conntrack flush, in one process: a relay follows the origin over a libp2p
+    path that goes silent (the HTTP lane is untouched), and the origin then publishes the next
+    version. Before, the relay counted the origin as connected until the kernel gave up on
+    the connection (never, for an idle one), its info polls timed out and it did not hear of
+    the version; now the dead connection is closed, the origin re-dialled, and the version
+    arrives. (With pings off, ``TCP_USER_TIMEOUT`` alone ends the connection after 30 s.)"""
+    cfg = NodeConfig("trainer", "run", tmp_path / "o")
+    async with ShardcastNode.open(TRAINER, trust(), cfg) as o, trio.open_nursery() as nursery:
+        origin = Origin(o, OriginConfig(shard_size=64 * 1024))
+        sizes = {"model.safetensors": 200_000}
+        await origin.publish(make_checkpoint(tmp_path / "ck0", sizes, seed=0), 0)
+        path = SilentPath(int(o.p2p.listen_multiaddrs()[0].split("/")[4]))
+        await nursery.start(path.serve)
+        relay_cfg = NodeConfig("relay", "run", tmp_path / "r", host=HostConfig(keepalive=FAST))
+        async with ShardcastNode.open(Identity.from_seed("ka-relay"), trust(), relay_cfg) as r:
+            up = f"/ip4/127.0.0.1/tcp/{path.port}/p2p/{TRAINER.peer_id}"
+            committed = {0: trio.Event(), 1: trio.Event()}
+
+            async def on_commit(m: Manifest, _path: Path, _rec: object) -> None:
+                if m.step in committed:
+                    committed[m.step].set()
+
+            follower = Follower(
+                r, FollowConfig(upstreams=(up,)), random.Random(3), on_commit=on_commit
+            )
+            nursery.start_soon(follower.run)
+            with trio.fail_after(60):
+                await committed[0].wait()
+                path.cut()
+                await origin.publish(make_checkpoint(tmp_path / "ck1", sizes, seed=1), 1)
+                await committed[1].wait()
+            assert r.store.committed_steps()[-1] == 1
+            assert sum(r.p2p.keepalive_statistics().closed_dead.values()) >= 1
+            assert path.accepted >= 2
+            nursery.cancel_scope.cancel()
