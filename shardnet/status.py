@@ -97,7 +97,7 @@ async def _url_over_libp2p(addr: str) -> str:
     pid = peer_id_of(addr)
     async with P2PNode.open(Identity.generate(), HostConfig()) as p2p:
         with trio.fail_after(TIMEOUT_S):
-            await p2p.connect(addr)
+            await p2p.connect(addr, keep=False)  # one question, then gone
         data = await p2p.request(
             pid,
             INFO_PROTOCOL,
