@@ -6,7 +6,7 @@ checkpoint, version 0 with seeded random weights, and version 1: version 0 with
 random positions (one RL step at lr 1e-6 changes ~1.6 %, issue 24; what an in-place update
 costs depends on how many words change and where, not on their values, so no Adam step is
 run: it needs ~10 GB of memory). Both are committed into a
-:class:`~shardcast.store.VersionStore` with ``sparse`` deltas offered against version 0 and
+:class:`~shardcast.store.store.VersionStore` with ``sparse`` deltas offered against version 0 and
 their blobs kept as a follower keeps them. Then, on one ``TransformersEngine`` (bf16):
 
 1. full load of version 0 (the first load);
@@ -42,9 +42,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from p2p.identity import Identity
 from rollout.delta_plan import UPDATE_THREADS, plan_update, read_layout
 from rollout.model import tensor_files
-from shardcast import codecs
-from shardcast.manifest import Manifest
-from shardcast.plan import BLOB_DIR, Base, build_manifest
+from shardcast.wire import codecs
+from shardcast.wire import Manifest
+from shardcast.publish import Base, build_manifest
+from shardcast.store import BLOB_DIR
 from shardcast.store import VersionStore
 
 TARGET_S = 0.5

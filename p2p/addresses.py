@@ -15,6 +15,13 @@ balancer. The rules here follow go-libp2p's ``AddrsFactory``/kubo's ``Addresses.
    (so a node reachable from other hosts never advertises only ``127.0.0.1``);
 3. an unspecified address is never advertised.
 
+Which families a node binds by default (:func:`default_listen`, :func:`default_http_host`):
+IPv4 always; IPv6 too where this host has a routable IPv6 address (global or ULA) or where
+the node advertises an IPv6 address (an IPv6 ``--public-host`` or an ``/ip6/`` announce).
+An IPv6 listener binds ``::`` without ``IPV6_V6ONLY`` (py-libp2p and the HTTP lane leave the
+Linux default), so it accepts IPv4 too. Advertising a family that no listener binds is an
+operator error (:func:`check_advertised_families`), never a silent "connection refused".
+
 Everything but :func:`interface_addresses` is pure.
 """
 
@@ -176,6 +183,135 @@ def host_url(host: str, port: int) -> str:
     return f"http://{f'[{host}]' if ':' in host else host}:{port}"
 
 
+def ip_family(host: str) -> int | None:
+    """4 or 6 for a numeric address (brackets allowed), None for a DNS name."""
+    try:
+        return ipaddress.ip_address(host.strip("[]")).version
+    except ValueError:
+        return None
+
+
+def has_routable_ipv6(interfaces: Interfaces) -> bool:
+    """True if this host has an IPv6 address other hosts could reach (not loopback,
+    link-local or unspecified): a global or a unique local (ULA, ``fc00::/7``) one."""
+    for a in interfaces.ipv6:
+        ip = ipaddress.IPv6Address(a)
+        if not (ip.is_loopback or ip.is_link_local or ip.is_unspecified):
+            return True
+    return False
+
+
+def _advertised_families(announce: Iterable[str], public_host: str | None) -> set[int]:
+    """Families named by numeric announce multiaddrs and a numeric public host."""
+    fams: set[int] = set()
+    for a in announce:
+        proto = a.split("/")[1] if a.count("/") > 1 else ""
+        if proto in ("ip4", "ip6"):
+            fams.add(int(proto[2]))
+    if public_host is not None and (f := ip_family(public_host)) is not None:
+        fams.add(f)
+    return fams
+
+
+def default_listen(
+    port: int,
+    interfaces: Interfaces,
+    public_host: str | None = None,
+    announce: Iterable[str] = (),
+) -> tuple[str, ...]:
+    """The libp2p listen multiaddrs of a node given no ``--listen``.
+
+    Args:
+        port: the role's port (0: any free port, chosen per listener).
+        interfaces: this host's addresses (:func:`interface_addresses`).
+        public_host: the advertised host, if any.
+        announce: the explicit announce multiaddrs, if any.
+
+    Returns:
+        ``/ip4/0.0.0.0/tcp/PORT`` unless only IPv6 is advertised, then
+        ``/ip6/::/tcp/PORT`` where IPv6 is advertised or this host has a routable IPv6
+        address (:func:`has_routable_ipv6`).
+    """
+    fams = _advertised_families(announce, public_host)
+    out: list[str] = []
+    if fams != {6}:
+        out.append(f"/ip4/0.0.0.0/tcp/{port}")
+    if 6 in fams or has_routable_ipv6(interfaces):
+        out.append(f"/ip6/::/tcp/{port}")
+    return tuple(out)
+
+
+def default_http_host(public_host: str | None, public_url: str | None) -> str:
+    """The HTTP lane's bind address given no ``--http-host``: ``::`` (both families) when
+    the advertised lane host is an IPv6 address, else ``0.0.0.0``."""
+    host = public_host
+    if public_url:
+        host = urlsplit(public_url).hostname
+    return "::" if host is not None and ip_family(host) == 6 else "0.0.0.0"
+
+
+def _bound_families(hosts: Iterable[str]) -> set[int]:
+    fams: set[int] = set()
+    for h in hosts:
+        f = ip_family(h)
+        if f == 6 and is_unspecified(h.strip("[]")):
+            fams |= {4, 6}  # "::" without IPV6_V6ONLY accepts IPv4 too
+        elif f is not None:
+            fams.add(f)
+    return fams
+
+
+def check_advertised_families(
+    listen: Iterable[str],
+    announce: Iterable[str],
+    public_host: str | None,
+    http_host: str,
+    public_url: str | None,
+) -> None:
+    """Refuse to advertise an address family that nothing binds.
+
+    Args:
+        listen: the libp2p listen multiaddrs (``/ip4|ip6/HOST/tcp/PORT``).
+        announce: explicit announce multiaddrs (win over ``public_host`` for libp2p).
+        public_host: the advertised host of both lanes, if any.
+        http_host: the HTTP lane's bind address.
+        public_url: the advertised HTTP lane URL (wins over ``public_host`` for HTTP).
+
+    Raises:
+        ConfigError: naming ``announce``, ``public_host`` or ``public_url``: e.g. an IPv6
+            public host while libp2p listens only on IPv4 (other hosts would get "connection
+            refused"). DNS names are not checked.
+    """
+    listen_hosts = [a.split("/")[2] for a in listen if a.split("/")[1:2] in (["ip4"], ["ip6"])]
+    p2p_fams = _bound_families(listen_hosts)
+    http_fams = _bound_families([http_host])
+    announce = list(announce)
+    if announce:
+        for a in announce:
+            fam = _advertised_families([a], None)
+            if fam and not fam <= p2p_fams:
+                raise ConfigError(
+                    "announce",
+                    f"{a} is IPv{min(fam)} but libp2p listens only on "
+                    f"{', '.join(listen)}: add --listen /ip{min(fam)}/...",
+                )
+    elif public_host is not None and (f := ip_family(public_host)) is not None:
+        if f not in p2p_fams:
+            raise ConfigError(
+                "public_host",
+                f"{public_host} is IPv{f} but libp2p listens only on "
+                f"{', '.join(listen)}: add --listen {'/ip6/::' if f == 6 else '/ip4/0.0.0.0'}"
+                "/tcp/PORT",
+            )
+    url_host = urlsplit(public_url).hostname if public_url else public_host
+    if url_host is not None and (f := ip_family(url_host)) is not None and f not in http_fams:
+        raise ConfigError(
+            "public_url" if public_url else "public_host",
+            f"{url_host} is IPv{f} but the HTTP lane binds {http_host}: "
+            f"set --http-host {'::' if f == 6 else '0.0.0.0'}",
+        )
+
+
 def advertised_multiaddrs(
     bound: Iterable[str],
     announce: Iterable[str],
@@ -188,8 +324,9 @@ def advertised_multiaddrs(
         bound: the listener's actual addresses (ports resolved), e.g. ``/ip4/0.0.0.0/tcp/4001``.
         announce: explicit announce multiaddrs; when non-empty they are the answer.
         interfaces: this host's addresses, used to expand unspecified bound addresses.
-        public_host: if given (and no ``announce``), every bound TCP port is advertised on
-            this host name or address instead.
+        public_host: if given (and no ``announce``), the bound TCP ports are advertised on
+            this host name or address instead: those of listeners of the public host's family
+            where there are any, else all.
 
     Returns:
         Addresses in order: each bound address, unspecified ones expanded (loopback last
@@ -200,7 +337,12 @@ def advertised_multiaddrs(
         return list(dict.fromkeys(explicit))
     out: list[str] = []
     if public_host is not None:
-        for addr in bound:
+        want = ip_family(public_host)
+        bound = list(bound)
+        # a listener of the public host's own family where there is one (a node listening on
+        # both families has two ports); "::" accepts IPv4 too, so any listener otherwise
+        same = [a for a in bound if ip_family(a.split("/")[2] if a.count("/") > 2 else "") == want]
+        for addr in same or bound:
             parts = addr.split("/")
             if len(parts) >= 5 and parts[3] == "tcp":
                 out.append(host_multiaddr(public_host, int(parts[4])))

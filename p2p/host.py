@@ -19,12 +19,24 @@ Every inbound stream passes :mod:`p2p.boundary` first: per-peer and global strea
 frame resets its stream and charges the sender, never ends the node. Gossip topics are
 subscribed with an application check that runs before a message is delivered or forwarded.
 
+Liveness (:mod:`p2p.keepalive` decides, this module acts): every connected peer is pinged
+(libp2p ping) every ``keepalive.ping_interval_s``; consecutive failed pings or timed-out
+requests make a connection dead, and it is aborted (RST, the send queue dropped: see
+:mod:`p2p.sockopts`) so the peer counts as disconnected. A peer dialled with
+``connect(addr, keep=True)`` (the trainer, upstreams, bootstrap relays) is re-dialled with
+backoff whenever it is lost; losing every such peer is logged once at WARNING. Every
+connection's socket gets TCP keepalive and ``TCP_USER_TIMEOUT``. Closing the node closes
+connections gracefully for ``keepalive.close_timeout_s``, then aborts the sockets still open,
+so shutdown is prompt even when a connection's send buffer is full.
+
 Only this package imports libp2p.
 """
 
 from __future__ import annotations
 
 import logging
+import math
+import random
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from contextlib import asynccontextmanager
@@ -34,7 +46,11 @@ from typing import TYPE_CHECKING, Any
 import multiaddr
 import trio
 from libp2p import new_host
+from libp2p.abc import INetConn, INetStream, INetwork, INotifee
 from libp2p.custom_types import TProtocol
+from libp2p.exceptions import BaseLibp2pError
+from libp2p.host.ping import ID as PING_PROTOCOL
+from libp2p.host.ping import perform_ping_roundtrip
 from libp2p.io.exceptions import IOException
 from libp2p.io.exceptions import MessageTooLarge as LibMessageTooLarge
 from libp2p.io.msgio import VarIntLengthMsgReadWriter
@@ -52,6 +68,7 @@ from libp2p.request_response import (
 from libp2p.tools.anyio_service import background_trio_service
 from libp2p.transport.exceptions import SecurityUpgradeFailure
 
+from p2p import sockopts
 from p2p.addresses import (
     advertised_multiaddrs,
     check_multiaddr_text,
@@ -81,6 +98,7 @@ from p2p.errors import (
 )
 from p2p.gossip import DirectPeering, GossipConfig, Subscription, make_router, prepare_subscription
 from p2p.identity import Identity
+from p2p.keepalive import Keepalive, KeepaliveConfig, KeepaliveStats, Outcome, Verdict
 from p2p.limits import (
     ANY_STREAM,
     BoundaryStats,
@@ -199,6 +217,7 @@ class HostConfig:
         gossip: gossipsub settings.
         limits: per-peer and global inbound stream caps, request read deadline.
         ledger: misbehaviour scores and bans of remote peers.
+        keepalive: pings, dead connections, re-dials, close timeout (:mod:`p2p.keepalive`).
     """
 
     listen_multiaddrs: tuple[str, ...] = ("/ip4/127.0.0.1/tcp/0",)
@@ -208,6 +227,7 @@ class HostConfig:
     gossip: GossipConfig = field(default_factory=GossipConfig)
     limits: ResourceLimits = field(default_factory=ResourceLimits)
     ledger: LedgerConfig = field(default_factory=LedgerConfig)
+    keepalive: KeepaliveConfig = field(default_factory=KeepaliveConfig)
 
     def __post_init__(self) -> None:
         if not self.listen_multiaddrs:
@@ -220,6 +240,25 @@ class HostConfig:
             check_public_host(self.public_host, "public_host")
         if self.dial_timeout_s <= 0:
             raise ConfigError("dial_timeout_s", "must be > 0")
+
+
+async def _close_host(host: Any, close_timeout_s: float) -> None:
+    """Close ``host``: gracefully for ``close_timeout_s``; then every socket still open is
+    aborted, which wakes a close stuck behind a full send buffer (yamux's GO_AWAY waits for
+    the connection's write lock, held by a write the dead peer never acknowledges), and the
+    close gets as long again to finish."""
+    async with trio.open_nursery() as nursery:
+
+        async def abort_late() -> None:
+            await trio.sleep(close_timeout_s)
+            n = abort_connections(host.get_network())
+            if n:
+                log.info("connections_aborted count=%d reason=close_timeout", n)
+
+        nursery.start_soon(abort_late)
+        with trio.move_on_after(2 * close_timeout_s):
+            await host.close()
+        nursery.cancel_scope.cancel()
 
 
 def parse_multiaddr(text: str, field_name: str = "multiaddr") -> multiaddr.Multiaddr:
@@ -267,6 +306,78 @@ def _disable_auto_connect(host: object) -> None:
         connector.maybe_connect = _no_auto_connect
 
 
+def socket_of(conn: object) -> Any | None:
+    """The trio socket under a py-libp2p connection (SwarmConn → Yamux → SecureSession →
+    Noise → RawConnection → TrioTCPStream → trio.SocketStream), or None if the layering is
+    not the expected one (another transport, another library version)."""
+    obj: object = conn
+    for _ in range(10):
+        if isinstance(obj, trio.SocketStream):
+            return obj.socket
+        nxt = next(
+            (
+                getattr(obj, a)
+                for a in ("muxed_conn", "secured_conn", "conn", "stream")
+                if getattr(obj, a, None) is not None
+            ),
+            None,
+        )
+        if nxt is None or nxt is obj:
+            return None
+        obj = nxt
+    return None
+
+
+def abort_connections(network: Any, peer: ID | None = None) -> int:
+    """Abort (RST) the sockets of every connection, or of ``peer``'s; returns how many."""
+    conns = (
+        network.get_connections(peer)
+        if peer is not None
+        else [c for cs in network.get_connections_map().values() for c in cs]
+    )
+    n = 0
+    for c in conns:
+        sock = socket_of(c)
+        if sock is not None:
+            sockopts.abort(sock)
+            n += 1
+    return n
+
+
+class _ConnectionWatch(INotifee):
+    """Forwards connection events of the swarm to :class:`P2PNode`'s keepalive driver."""
+
+    def __init__(self, tcp_user_timeout_s: float) -> None:
+        self.tcp_user_timeout_s = tcp_user_timeout_s
+        self.node: P2PNode | None = None
+
+    async def connected(self, network: INetwork, conn: INetConn) -> None:
+        """Tune the socket; a peer's first connection starts its pings."""
+        sock = socket_of(conn)
+        if sock is not None:
+            sockopts.tune(sock, self.tcp_user_timeout_s)
+        if self.node is not None:
+            self.node._on_connected(conn.muxed_conn.peer_id.to_base58())
+
+    async def disconnected(self, network: INetwork, conn: INetConn) -> None:
+        """A peer's last connection closed: stop its pings, re-dial it if it is kept."""
+        pid = conn.muxed_conn.peer_id
+        if self.node is not None and not network.get_connections(pid):
+            self.node._on_disconnected(pid.to_base58())
+
+    async def opened_stream(self, network: INetwork, stream: INetStream) -> None:
+        """Unused."""
+
+    async def closed_stream(self, network: INetwork, stream: INetStream) -> None:
+        """Unused."""
+
+    async def listen(self, network: INetwork, multiaddr: multiaddr.Multiaddr) -> None:
+        """Unused."""
+
+    async def listen_close(self, network: INetwork, multiaddr: multiaddr.Multiaddr) -> None:
+        """Unused."""
+
+
 class P2PNode:
     """A running libp2p host with request/response and gossip.
 
@@ -297,6 +408,124 @@ class P2PNode:
         self._mismatch_logged: dict[str, float] = {}  # addr -> trio time of its ERROR line
         self._loop_lag = LoopLag()
         self._bodies = BodyDeadlines(config.limits.request_read_timeout_s, BODY_WALL_FACTOR)
+        self._keepalive = Keepalive(config.keepalive)
+        self._rng = random.Random(identity.peer_id)  # re-dial jitter: reproducible per node
+        self._keepalive_changed = trio.Event()
+        self._closing = False
+
+    def _wake_keepalive(self) -> None:
+        self._keepalive_changed.set()
+        self._keepalive_changed = trio.Event()
+
+    def _on_connected(self, peer_id: str) -> None:
+        if not self._keepalive.is_connected(peer_id):
+            self._keepalive.connected(peer_id, trio.current_time())
+            self._wake_keepalive()
+
+    def _on_disconnected(self, peer_id: str) -> None:
+        self._keepalive.disconnected(peer_id, trio.current_time(), self._rng)
+        if not self._closing and self._keepalive.lost_all():
+            log.warning(
+                "all_kept_peers_lost kept=%d retrying=yes", self._keepalive.statistics().kept
+            )
+        self._wake_keepalive()
+
+    async def _keepalive_loop(self) -> None:
+        """Ping peers and re-dial kept ones when :class:`p2p.keepalive.Keepalive` says so."""
+        ka = self._keepalive
+        for pid in self.connected_peers():  # connected before this loop started
+            self._on_connected(pid)
+        while True:
+            now = trio.current_time()
+            for pid in ka.pings_due(now):
+                self._nursery.start_soon(self._ping, pid)
+            for pid, addr in ka.dials_due(now):
+                self._nursery.start_soon(self._redial, pid, addr)
+            wake = ka.next_wakeup()
+            changed = self._keepalive_changed
+            with trio.move_on_at(math.inf if wake is None else wake):
+                await changed.wait()
+
+    async def _ping(self, peer_id: str) -> None:
+        """One libp2p ping of ``peer_id`` on its open connection; the outcome goes to the
+        policy, and a dead verdict closes the connection."""
+        timeout_s = self.config.keepalive.ping_timeout_s
+        if peer_id not in self.connected_peers():
+            return  # gone meanwhile (its disconnect event ends the ping); never dial here
+        try:
+            with trio.fail_after(timeout_s):
+                stream = await self._host.new_stream(  # type: ignore[attr-defined]
+                    ID.from_base58(peer_id), [PING_PROTOCOL]
+                )
+                try:
+                    await perform_ping_roundtrip(stream)
+                finally:
+                    await reset_quietly(stream)
+            outcome = Outcome.PONG
+        except trio.TooSlowError:
+            outcome = Outcome.PING_TIMEOUT
+        except (
+            BaseLibp2pError,  # stream and muxer errors, a failed negotiation
+            OSError,
+            ValueError,  # the pong did not echo the ping
+            trio.BrokenResourceError,
+            trio.ClosedResourceError,  # the socket was aborted meanwhile
+        ) as exc:
+            log.debug("ping_failed peer=%s error=%s", short_id(peer_id), exc)
+            outcome = Outcome.PING_FAILED
+        self._observe(peer_id, outcome)
+
+    def _observe(self, peer_id: str, outcome: Outcome) -> None:
+        verdict = self._keepalive.observe(peer_id, outcome, trio.current_time())
+        if verdict is Verdict.DEAD and not self._closing:
+            log.warning(
+                "connection_dead peer=%s reason=%s failures=%d",
+                short_id(peer_id),
+                outcome.value,
+                self.config.keepalive.dead_after_failures,
+            )
+            self._nursery.start_soon(self._close_dead, peer_id)
+        self._wake_keepalive()
+
+    async def _close_dead(self, peer_id: str) -> None:
+        """Abort ``peer_id``'s connections (nothing graceful gets through a dead path), then
+        let the swarm clean up; the disconnect event schedules the re-dial of a kept peer."""
+        network = self._host.get_network()  # type: ignore[attr-defined]
+        pid = ID.from_base58(peer_id)
+        abort_connections(network, pid)
+        with trio.move_on_after(self.config.keepalive.close_timeout_s):
+            await network.close_peer(pid)
+
+    async def _redial(self, peer_id: str, addr: str) -> None:
+        ok = False
+        try:
+            await self.connect(addr)
+            ok = True
+            log.info("peer_redialled peer=%s addr=%s", short_id(peer_id), addr)
+        except ShardnetError as exc:
+            log.debug("redial_failed peer=%s error=%s", short_id(peer_id), exc)
+        self._keepalive.dial_done(peer_id, ok, trio.current_time(), self._rng)
+        self._wake_keepalive()
+
+    def unsent_bytes(self, peer_id: str) -> int:
+        """Bytes written to ``peer_id``'s connections that the kernel has not sent or that
+        the peer has not acknowledged (``TIOCOUTQ``, summed; Linux); 0 where unknown. A
+        value that only grows is the mark of a dead path."""
+        total = 0
+        network = self._host.get_network()  # type: ignore[attr-defined]
+        for conn in network.get_connections(ID.from_base58(peer_id)):
+            sock = socket_of(conn)
+            if sock is not None:
+                total += sockopts.unsent_bytes(sock)
+        return total
+
+    def keepalive_statistics(self) -> KeepaliveStats:
+        """Pings, dead connections closed and re-dials (see :mod:`p2p.keepalive`)."""
+        return self._keepalive.statistics()
+
+    def release(self, peer_id: str) -> None:
+        """Stop re-dialling ``peer_id`` (kept by :meth:`connect`); its connection stays."""
+        self._keepalive.release(peer_id)
 
     async def _watch_loop(self) -> None:
         """Sample the loop's lateness forever; cancel request-body reads that are overdue in
@@ -353,6 +582,8 @@ class P2PNode:
         router = make_router(config.gossip)
         peering = DirectPeering(router)
         host.get_network().register_notifee(peering)
+        watch = _ConnectionWatch(config.keepalive.tcp_user_timeout_s)
+        host.get_network().register_notifee(watch)
         pubsub = GuardedPubsub(host, router, guard, config.gossip.max_message_bytes)
         for proto in router.get_protocols():
             cap = ScopeLimit(limits.pubsub_streams_per_peer, limits.streams_total)
@@ -360,12 +591,13 @@ class P2PNode:
             guard.wrap_protocol(proto)
         rr = RequestResponse(host)
         stop = trio.Event()
+        close_s = config.keepalive.close_timeout_s
 
         async def service(task_status: TaskStatus[P2PNode]) -> None:
             # The host runs shielded from the caller's cancellation and is stopped explicitly:
             # py-libp2p 0.8.1 leaks connection sockets when its tasks are cancelled before
             # host.close() has run, so close() must come first, then the tasks stop.
-            with trio.CancelScope(shield=True):
+            with trio.CancelScope(shield=True) as teardown:
                 async with host.run(listen_addrs=listen):
                     try:
                         async with trio.open_nursery() as nursery:
@@ -377,7 +609,9 @@ class P2PNode:
                                     await pubsub.wait_until_ready()
                                 node = cls(identity, config, host, pubsub, rr, nursery, guard)
                                 node._peering = peering
+                                watch.node = node
                                 nursery.start_soon(node._watch_loop)
+                                nursery.start_soon(node._keepalive_loop)
                                 log.info(
                                     "host_started peer_id=%s addrs=%s",
                                     identity.peer_id,
@@ -385,14 +619,16 @@ class P2PNode:
                                 )
                                 task_status.started(node)
                                 await stop.wait()
+                                node._closing = True
+                                # The whole teardown is bounded: the host's services, whose
+                                # exits py-libp2p does not bound, are cancelled after it.
+                                teardown.deadline = trio.current_time() + 3 * close_s
                                 # Connections first, while pubsub still runs: a message that
                                 # arrives during shutdown must find a live pubsub manager.
-                                with trio.move_on_after(5):
-                                    await host.close()
+                                await _close_host(host, close_s)
                                 nursery.cancel_scope.cancel()
                     finally:
-                        with trio.move_on_after(5):
-                            await host.close()
+                        await _close_host(host, close_s)  # when the start failed
 
         try:
             async with trio.open_nursery() as outer:
@@ -455,8 +691,12 @@ class P2PNode:
         mesh = getattr(router, "mesh", None) or {}
         return {str(topic): len(peers) for topic, peers in mesh.items()}
 
-    async def connect(self, addr: str) -> str:
+    async def connect(self, addr: str, *, keep: bool = True) -> str:
         """Dial ``addr`` (a multiaddr with ``/p2p/<PeerID>``) and return the remote PeerID.
+
+        With ``keep`` (the default: a node dials only peers it must stay connected to), the
+        peer is re-dialled at ``addr`` with backoff whenever its connection is lost or found
+        dead, until :meth:`release`.
 
         Raises:
             ConfigError: ``addr`` is malformed.
@@ -502,6 +742,9 @@ class P2PNode:
                 ) from exc
             raise PeerUnreachable(pid, f"dial failed: {type(exc).__name__}: {exc}") from exc
         log.debug("peer_connected peer=%s", short_id(pid))
+        if keep:
+            self._keepalive.keep(pid, addr, trio.current_time(), self._rng)
+        self._on_connected(pid)
         return pid
 
     def _report_mismatch(self, addr: str, pid: str) -> None:
@@ -646,12 +889,15 @@ class P2PNode:
         )
         try:
             codec: Any = BytesCodec()
-            return bytes(
+            response = bytes(
                 await self._rr.send_request(
                     ID.from_base58(peer_id), [TProtocol(protocol)], payload, codec, cfg
                 )
             )
+            self._observe(peer_id, Outcome.REQUEST_ANSWERED)
+            return response
         except RequestTimeoutError as exc:
+            self._observe(peer_id, Outcome.REQUEST_TIMEOUT)
             raise StreamBroken(peer_id, f"{protocol} timed out after {timeout_s}s") from exc
         except MessageTooLargeError as exc:
             raise MessageTooLarge(

@@ -55,6 +55,7 @@ from types import TracebackType
 import h11
 import trio
 
+from p2p import sockopts
 from p2p.errors import (
     LocalProtocolError,
     PeerUnreachable,
@@ -74,6 +75,7 @@ from p2p.http_checks import (
     request_headers,
 )
 from p2p.http_range import ByteRange, format_range
+from p2p.keepalive import KeepaliveConfig
 
 __all__ = ["HttpClient", "HttpClientStatistics"]
 
@@ -223,6 +225,7 @@ class HttpClient:
                 raise PeerUnreachable(source, f"connect timed out after {timeout_s}s") from exc
             except OSError as exc:
                 raise PeerUnreachable(source, f"connect failed: {exc}") from exc
+            sockopts.tune(stream.socket, KeepaliveConfig.tcp_user_timeout_s)  # dead paths end
             return _Conn(key, stream)
         except BaseException:
             self._slots.release()

@@ -57,6 +57,7 @@ from urllib.parse import parse_qsl, unquote, urlsplit
 import h11
 import trio
 
+from p2p import sockopts
 from p2p.errors import ConfigError, LocalProtocolError, RemoteProtocolError
 from p2p.http_range import (
     RangeError,
@@ -69,6 +70,7 @@ from p2p.http_range import (
     if_range_holds,
     parse_range,
 )
+from p2p.keepalive import KeepaliveConfig
 
 if TYPE_CHECKING:
     # trio-typing's stubs (a libp2p dependency) shadow trio's inline types for mypy.
@@ -479,6 +481,7 @@ class HttpServer:
         try:
             with sock:
                 sock.setsockopt(trio.socket.IPPROTO_TCP, trio.socket.TCP_NODELAY, 1)
+                sockopts.tune(sock, KeepaliveConfig.tcp_user_timeout_s)  # dead clients end
                 conn = h11.Connection(
                     h11.SERVER, max_incomplete_event_size=self._config.max_header_bytes
                 )

@@ -33,6 +33,7 @@ if TYPE_CHECKING:
     from p2p.http_client import HttpClientStatistics
     from p2p.http_server import HttpRequest, HttpResponse, HttpServerConfig, HttpServerStatistics
     from p2p.identity import Identity
+    from p2p.keepalive import KeepaliveStats
     from p2p.limits import BoundaryStats
     from p2p.loop_lag import LoopLag
 
@@ -110,6 +111,10 @@ class Host(Protocol):
 
     def boundary_statistics(self) -> BoundaryStats:
         """Inbound stream admission counters, offences charged to peers, bans now."""
+        ...
+
+    def keepalive_statistics(self) -> KeepaliveStats:
+        """Pings, connections closed as dead and re-dials (:mod:`p2p.keepalive`)."""
         ...
 
     def on_peer_gone(self, callback: Callable[[str], None]) -> None:

@@ -79,6 +79,7 @@ from p2p.http_server import (
     parse_request_head,
 )
 from p2p.identity import Identity
+from p2p.keepalive import KeepaliveStats
 from p2p.lanes import GossipCheck, HttpHandler, RequestHandler, RequestSigner
 from p2p.limits import BoundaryStats, LedgerStats
 from p2p.loop_lag import LoopLag
@@ -455,6 +456,10 @@ class MemHost:
     def boundary_statistics(self) -> BoundaryStats:
         """Nothing is admitted or charged on the in-memory network: empty counters."""
         return BoundaryStats({}, LedgerStats({}, ()))
+
+    def keepalive_statistics(self) -> KeepaliveStats:
+        """The in-memory network's connections never die silently: zero counters."""
+        return KeepaliveStats(0, {}, {}, 0, 0, 0, 0, 0)
 
     def mesh_sizes(self) -> dict[str, int]:
         """Connected subscribers per joined topic (every connection is a direct peer)."""

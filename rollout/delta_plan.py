@@ -2,7 +2,7 @@
 
 Theory of operation
 -------------------
-A next version that arrived as ``sparse`` deltas (:mod:`shardcast.sparse`) says, per shard (a
+A next version that arrived as ``sparse`` deltas (:mod:`shardcast.wire.sparse`) says, per shard (a
 byte range ``[offset, offset + length)`` of one checkpoint file), which 16-bit words changed
 and by how much (``new - base`` modulo 2**16). An engine that holds the base version's tensors
 byte for byte (same dtype as the checkpoint) can apply those words to its own parameter storage
@@ -49,7 +49,7 @@ import numpy as np
 import numpy.typing as npt
 
 from p2p.errors import IntegrityError
-from shardcast.sparse import SparseError, sparse_changes
+from shardcast.wire import SparseError, sparse_changes
 
 __all__ = [
     "DTYPE_BYTES",

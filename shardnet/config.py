@@ -25,16 +25,21 @@ from pydantic_settings import (
 )
 
 from p2p.addresses import (
+    check_advertised_families,
     check_http_url,
     check_multiaddr_text,
     check_public_host,
+    default_http_host,
+    default_listen,
     ensure_bindable,
     ensure_listen_bindable,
+    interface_addresses,
 )
 from p2p.errors import ConfigError
 from p2p.host import HostConfig, parse_multiaddr
 from p2p.http_server import HttpServerConfig
 from p2p.identity import Identity, is_valid_peer_id
+from p2p.keepalive import KeepaliveConfig
 from p2p.limits import LedgerConfig, ResourceLimits
 from p2p.trust import TrustList
 from rollout.inbox import InboxConfig
@@ -91,9 +96,14 @@ class CommonSettings(BaseSettings):
     listen: list[str] = Field(
         [],
         description="libp2p listen multiaddrs (default /ip4/0.0.0.0/tcp/PORT with the role's "
-        "port: trainer/origin 4001, relay 4002, peer any free port)",
+        "port: trainer/origin 4001, relay 4002, peer any free port; and /ip6/::/tcp/PORT "
+        "where this host has a routable IPv6 address or advertises an IPv6 one)",
     )
-    http_host: str = Field("0.0.0.0", description="address the HTTP bulk lane binds")
+    http_host: str | None = Field(
+        None,
+        description="address the HTTP bulk lane binds (default 0.0.0.0, or :: for both "
+        "families when the advertised lane host is IPv6)",
+    )
     http_port: int | None = Field(
         None,
         ge=0,
@@ -153,6 +163,27 @@ class CommonSettings(BaseSettings):
         description="seconds a remote peer that sent malformed frames or invalid gossip "
         "is banned (its connections closed, its streams refused)",
     )
+    ping_interval_s: float = Field(
+        KeepaliveConfig.ping_interval_s,
+        gt=0,
+        description="seconds between libp2p pings on each connection (finds connections that "
+        "died silently, e.g. behind a NAT that lost its state)",
+    )
+    ping_timeout_s: float = Field(
+        KeepaliveConfig.ping_timeout_s, gt=0, description="a ping unanswered this long failed"
+    )
+    dead_after_failures: int = Field(
+        KeepaliveConfig.dead_after_failures,
+        ge=1,
+        description="consecutive failed pings or timed-out requests (the last a ping) that "
+        "make a libp2p connection dead: it is closed and a peer this node dialled re-dialled",
+    )
+    redial_max_s: float = Field(
+        KeepaliveConfig.redial_max_s,
+        gt=0,
+        description="cap on the delay between re-dials of a lost trainer, upstream or "
+        "bootstrap peer, seconds (exponential from 1 s, jittered)",
+    )
     report: Path | None = Field(None, description="write a JSON report here on exit")
     ready_file: Path | None = Field(None, description="write the node's addresses here")
     log_level: str = Field("INFO", description="DEBUG, INFO, WARNING, ERROR")
@@ -189,7 +220,9 @@ class CommonSettings(BaseSettings):
 
     @field_validator("http_host")
     @classmethod
-    def _http_host(cls, v: str) -> str:
+    def _http_host(cls, v: str | None) -> str | None:
+        if v is None:
+            return None
         try:
             ipaddress.ip_address(v.strip("[]"))
         except ValueError:
@@ -217,8 +250,9 @@ class CommonSettings(BaseSettings):
 
         Raises:
             ConfigError: naming ``data_dir``, ``key``, ``report`` or ``ready_file`` when it
-                cannot be created or written, or ``listen``/``http_port`` when a port is in
-                use or an address is not this host's.
+                cannot be created or written, ``listen``/``http_port`` when a port is in
+                use or an address is not this host's, or ``announce``/``public_host``/
+                ``public_url`` when it names an address family nothing binds.
         """
         _check_writable_dir(self.data_dir, "data_dir")
         if self.key is not None and not self.key.exists():
@@ -228,6 +262,13 @@ class CommonSettings(BaseSettings):
             if path is not None:
                 _check_writable_dir(path.parent, name)
         cfg = self.node_config()
+        check_advertised_families(
+            cfg.host.listen_multiaddrs,
+            cfg.host.announce_multiaddrs,
+            self.public_host,
+            cfg.http.host,
+            self.public_url,
+        )
         ensure_listen_bindable(cfg.host.listen_multiaddrs)
         ensure_bindable(cfg.http.host, cfg.http.port, "http_port", "HTTP lane", "http_host")
 
@@ -236,8 +277,19 @@ class CommonSettings(BaseSettings):
         return Identity.load_or_create(self.key or self.data_dir / "node.key")
 
     def listen_multiaddrs(self) -> tuple[str, ...]:
-        """``listen``, or all interfaces on the role's port."""
-        return tuple(self.listen) or (f"/ip4/0.0.0.0/tcp/{self.default_p2p_port}",)
+        """``listen``, or all interfaces on the role's port, IPv6 too where this host has
+        it or advertises it (:func:`p2p.addresses.default_listen`)."""
+        if self.listen:
+            return tuple(self.listen)
+        return default_listen(
+            self.default_p2p_port, interface_addresses(), self.public_host, self.announce
+        )
+
+    def http_bind_host(self) -> str:
+        """``http_host``, or :func:`p2p.addresses.default_http_host`."""
+        if self.http_host is not None:
+            return self.http_host
+        return default_http_host(self.public_host, self.public_url)
 
     def run(self) -> str:
         """The run id: ``run_id``, or :data:`DEFAULT_RUN_ID` when unset."""
@@ -268,9 +320,16 @@ class CommonSettings(BaseSettings):
                     request_read_timeout_s=self.request_read_timeout_s,
                 ),
                 ledger=LedgerConfig(ban_s=self.peer_ban_s),
+                keepalive=KeepaliveConfig(
+                    ping_interval_s=self.ping_interval_s,
+                    ping_timeout_s=self.ping_timeout_s,
+                    dead_after_failures=self.dead_after_failures,
+                    redial_initial_s=min(KeepaliveConfig.redial_initial_s, self.redial_max_s),
+                    redial_max_s=self.redial_max_s,
+                ),
             ),
             http=HttpServerConfig(
-                host=self.http_host,
+                host=self.http_bind_host(),
                 port=self.default_http_port if self.http_port is None else self.http_port,
                 bandwidth_bytes_per_s=self.upload_limit_bytes_per_s,
                 max_connections_per_ip=self.http_max_connections_per_ip,

@@ -4,7 +4,7 @@ Theory of operation
 -------------------
 A peer whose engine holds version ``N`` and commits ``N+1`` as a delta against ``N`` already
 has what changed: the follower keeps every verified encoded blob of a committed version
-(``step-<N+1>/.enc/<shard>.sparse``, :mod:`shardcast.store`). :func:`swap_weights` then
+(``step-<N+1>/.enc/<shard>.sparse``, :mod:`shardcast.store.store`). :func:`swap_weights` then
 
 1. checks that the delta fits what the engine holds (:func:`gather_changes`): the new
    manifest's delta base is the held version (step and header digest), the file list and
@@ -52,9 +52,9 @@ from rollout.delta_plan import (
 )
 from rollout.engine import Engine, InPlaceEngine
 from rollout.model import tensor_files
-from shardcast import codecs
-from shardcast.canonical import blake3_hex
-from shardcast.manifest import Manifest, ShardRef
+from shardcast.wire import codecs
+from shardcast.wire import blake3_hex
+from shardcast.wire import Manifest, ShardRef
 from shardcast.store import VersionStore
 
 __all__ = ["HeldVersion", "SwapPath", "SwapResult", "gather_changes", "swap_weights"]

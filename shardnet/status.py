@@ -97,7 +97,7 @@ async def _url_over_libp2p(addr: str) -> str:
     pid = peer_id_of(addr)
     async with P2PNode.open(Identity.generate(), HostConfig()) as p2p:
         with trio.fail_after(TIMEOUT_S):
-            await p2p.connect(addr)
+            await p2p.connect(addr, keep=False)  # one question, then gone
         data = await p2p.request(
             pid,
             INFO_PROTOCOL,
@@ -161,7 +161,8 @@ def render(doc: dict[str, Any]) -> RenderableType:
     head.add_column()
     head.add_row("node", f"{doc['role']}  {doc.get('peer_id', '?')}")
     head.add_row("run", f"{doc.get('run_id')}  (shardnet {doc.get('version')})")
-    head.add_row("lane", f"{doc.get('http_url')}  up {_secs(doc.get('uptime_s'))}")
+    # Text, not markup: an IPv6 lane URL's ``[host]`` would be read as a style tag and dropped
+    head.add_row("lane", Text(f"{doc.get('http_url')}  up {_secs(doc.get('uptime_s'))}"))
     head.add_row(
         "versions",
         f"held {_step_list(v.get('committed', []))}; announced "
@@ -214,7 +215,7 @@ def render(doc: dict[str, Any]) -> RenderableType:
                 u.get("role") or "-",
                 _opt(u.get("latest_step")),
                 _time(u.get("last_heard")),
-                (u.get("error") or "")[:60],
+                Text((u.get("error") or "")[:60]),
             )
         parts.append(t)
     if doc.get("network"):

@@ -27,6 +27,8 @@ COMMON = {
     "shardnet_event_loop_lag_max_seconds": "gauge",
     "shardnet_peer_offences": "counter",
     "shardnet_banned_peers": "gauge",
+    "shardnet_dead_connections": "counter",
+    "shardnet_redials": "counter",
     "process_cpu_seconds": "counter",
     "process_resident_memory_bytes": "gauge",
     "python_info": "gauge",

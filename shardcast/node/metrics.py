@@ -37,6 +37,10 @@ Families every node exports (besides ``process_*`` and ``python_info``):
 ``shardnet_peer_offences_total{offence}``       offences charged to remote peers
                                                 (:class:`p2p.limits.Offence` values)
 ``shardnet_banned_peers``                       remote peers banned now
+``shardnet_dead_connections_total{reason}``     libp2p connections closed as dead, by the
+                                                :class:`p2p.keepalive.Outcome` that decided
+``shardnet_redials_total{result}``              re-dials of kept libp2p peers (``ok``,
+                                                ``failed``)
 ==============================================  ==========================================
 
 Origin (roles ``origin``/``trainer``): ``shardnet_superseeding_refusals_total`` (requests the
@@ -74,6 +78,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 from prometheus_client.registry import Collector
 
 from p2p.errors import short_id
+from p2p.keepalive import Outcome
 from p2p.limits import Offence
 from shardcast.node.view import NodeView
 from shardcast.wire import codecs
@@ -356,6 +361,24 @@ def _p2p_families(node: NodeView) -> Iterator[Metric]:
     yield GaugeMetricFamily(
         "shardnet_banned_peers", "remote peers banned now", value=len(boundary.peers.banned)
     )
+    ka = node.p2p.keepalive_statistics()
+    dead = CounterMetricFamily(
+        "shardnet_dead_connections",
+        "libp2p connections closed as dead (pings and requests unanswered), by what decided",
+        labels=["reason"],
+    )
+    for outcome in Outcome:
+        if outcome.failed:
+            dead.add_metric([outcome.value], ka.closed_dead.get(outcome.value, 0))
+    yield dead
+    redials = CounterMetricFamily(
+        "shardnet_redials",
+        "re-dials of lost peers this node stays connected to (trainer, upstreams, bootstrap)",
+        labels=["result"],
+    )
+    redials.add_metric(["ok"], ka.redials_ok)
+    redials.add_metric(["failed"], ka.redials_failed)
+    yield redials
     mesh = GaugeMetricFamily(
         "shardnet_gossip_mesh_peers", "gossipsub mesh peers, by topic kind", labels=["topic"]
     )

@@ -10,9 +10,12 @@ from p2p.addresses import (
     Interfaces,
     advertised_multiaddrs,
     advertised_url,
+    check_advertised_families,
     check_http_url,
     check_multiaddr_text,
     check_public_host,
+    default_http_host,
+    default_listen,
     ensure_bindable,
     ensure_listen_bindable,
     interface_addresses,
@@ -136,3 +139,89 @@ def test_interface_addresses_have_loopback_last() -> None:
     ifs = interface_addresses()
     assert "127.0.0.1" in ifs.ipv4
     assert ifs.ipv4[-1] == "127.0.0.1"
+
+
+V4_ONLY = Interfaces(ipv4=("10.1.0.2", "127.0.0.1"), ipv6=("fe80::1", "::1"))
+
+
+def test_default_listen_adds_ipv6_where_the_host_has_it_or_advertises_it() -> None:
+    assert default_listen(4001, V4_ONLY) == ("/ip4/0.0.0.0/tcp/4001",)  # link-local, loopback
+    both = ("/ip4/0.0.0.0/tcp/4001", "/ip6/::/tcp/4001")
+    assert default_listen(4001, IFACES) == both  # 2001:db8::5 is routable
+    assert default_listen(4001, Interfaces(("127.0.0.1",), ("fd77::2",))) == both  # ULA
+    assert default_listen(4001, V4_ONLY, "fd77::2") == ("/ip6/::/tcp/4001",)
+    assert default_listen(4001, V4_ONLY, "203.0.113.5") == ("/ip4/0.0.0.0/tcp/4001",)
+    assert default_listen(4001, V4_ONLY, "relay.example.org") == ("/ip4/0.0.0.0/tcp/4001",)
+    assert default_listen(0, V4_ONLY, None, ["/ip6/fd77::2/tcp/4001"]) == ("/ip6/::/tcp/0",)
+    mixed = ["/ip6/fd77::2/tcp/4001", "/ip4/203.0.113.5/tcp/4001"]
+    assert default_listen(4001, V4_ONLY, None, mixed) == both
+
+
+def test_default_http_host_follows_the_advertised_family() -> None:
+    assert default_http_host(None, None) == "0.0.0.0"
+    assert default_http_host("fd77::2", None) == "::"
+    assert default_http_host("[fd77::2]", None) == "::"
+    assert default_http_host("203.0.113.5", None) == "0.0.0.0"
+    assert default_http_host("fd77::2", "http://203.0.113.5:8002") == "0.0.0.0"  # URL wins
+    assert default_http_host(None, "http://[fd77::2]:8002") == "::"
+    assert default_http_host("relay.example.org", None) == "0.0.0.0"
+
+
+def test_public_host_advertises_the_listener_of_its_own_family() -> None:
+    bound = ["/ip4/0.0.0.0/tcp/4001", "/ip6/::/tcp/4009"]
+    assert advertised_multiaddrs(bound, [], IFACES, "fd77::2") == ["/ip6/fd77::2/tcp/4009"]
+    assert advertised_multiaddrs(bound, [], IFACES, "203.0.113.5") == ["/ip4/203.0.113.5/tcp/4001"]
+    assert advertised_multiaddrs(bound, [], IFACES, "relay.example.org") == [
+        "/dns/relay.example.org/tcp/4001",
+        "/dns/relay.example.org/tcp/4009",
+    ]
+    # "::" accepts IPv4 too: an IPv4 public host on an IPv6-only listener keeps its port
+    assert advertised_multiaddrs(["/ip6/::/tcp/4009"], [], IFACES, "203.0.113.5") == [
+        "/ip4/203.0.113.5/tcp/4009"
+    ]
+
+
+@pytest.mark.parametrize(
+    ("listen", "announce", "public_host", "http_host", "public_url", "field"),
+    [
+        (["/ip4/0.0.0.0/tcp/4001"], [], "fd77::2", "::", None, "public_host"),
+        (["/ip6/::/tcp/4001"], [], "fd77::2", "0.0.0.0", None, "public_host"),
+        (["/ip4/0.0.0.0/tcp/4001"], ["/ip6/fd77::2/tcp/4001"], None, "::", None, "announce"),
+        (["/ip6/::1/tcp/4001"], ["/ip4/203.0.113.5/tcp/4001"], None, "::", None, "announce"),
+        (["/ip6/::/tcp/4001"], [], None, "0.0.0.0", "http://[fd77::2]:8001", "public_url"),
+        (["/ip4/0.0.0.0/tcp/4001"], [], None, "::1", "http://203.0.113.5:8001", "public_url"),
+    ],
+)
+def test_advertising_a_family_nothing_binds_is_refused(
+    listen: list[str],
+    announce: list[str],
+    public_host: str | None,
+    http_host: str,
+    public_url: str | None,
+    field: str,
+) -> None:
+    with pytest.raises(ConfigError) as err:
+        check_advertised_families(listen, announce, public_host, http_host, public_url)
+    assert err.value.field == field
+    assert "\n" not in str(err.value)
+
+
+@pytest.mark.parametrize(
+    ("listen", "announce", "public_host", "http_host", "public_url"),
+    [
+        (["/ip6/::/tcp/4001"], [], "fd77::2", "::", None),
+        (["/ip6/::/tcp/4001"], [], "203.0.113.5", "::", None),  # "::" takes IPv4 too
+        (["/ip4/0.0.0.0/tcp/4001", "/ip6/::/tcp/4001"], [], "fd77::2", "::", None),
+        (["/ip4/0.0.0.0/tcp/4001"], [], "relay.example.org", "0.0.0.0", None),  # DNS: unchecked
+        (["/ip4/0.0.0.0/tcp/4001"], [], "203.0.113.5", "0.0.0.0", None),
+        (["/ip6/::/tcp/4001"], ["/ip6/fd77::2/tcp/4001"], "fd77::2", "0.0.0.0", "http://h:1"),
+    ],
+)
+def test_advertising_a_bound_family_is_accepted(
+    listen: list[str],
+    announce: list[str],
+    public_host: str | None,
+    http_host: str,
+    public_url: str | None,
+) -> None:
+    check_advertised_families(listen, announce, public_host, http_host, public_url)

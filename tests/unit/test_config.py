@@ -134,25 +134,33 @@ def test_environment_uses_the_field_name(monkeypatch: pytest.MonkeyPatch) -> Non
 
 
 def test_role_defaults_listen_on_all_interfaces_on_fixed_ports() -> None:
+    from p2p.addresses import default_listen, interface_addresses
+
+    here = interface_addresses()  # IPv6 too where this host has a routable IPv6 address
     t = load_settings(TrainerSettings, None, {}).node_config()
-    assert t.host.listen_multiaddrs == ("/ip4/0.0.0.0/tcp/4001",)
+    assert t.host.listen_multiaddrs == default_listen(4001, here)
+    assert t.host.listen_multiaddrs[0] == "/ip4/0.0.0.0/tcp/4001"
     assert (t.http.host, t.http.port) == ("0.0.0.0", 8001)
     r = load_settings(RelaySettings, CONFIGS / "relay.toml", {}).node_config()
-    assert r.host.listen_multiaddrs == ("/ip4/0.0.0.0/tcp/4002",)
+    assert r.host.listen_multiaddrs == default_listen(4002, here)
     assert r.http.port == 8002
     p = load_settings(PeerSettings, CONFIGS / "peer.toml", {}).node_config()
-    assert p.host.listen_multiaddrs == ("/ip4/0.0.0.0/tcp/0",)
+    assert p.host.listen_multiaddrs == default_listen(0, here)
     assert p.http.port == 0
     s = load_settings(
         RelaySettings, CONFIGS / "relay.toml", {"public_host": "relay.example.org"}
     ).node_config()
     assert s.host.public_host == "relay.example.org"
+    v6 = load_settings(RelaySettings, CONFIGS / "relay.toml", {"public_host": "fd77::2"})
+    assert v6.node_config().host.listen_multiaddrs == ("/ip6/::/tcp/4002",)
+    assert v6.node_config().http.host == "::"
 
 
 def test_defaults_are_the_libraries_own() -> None:
     """Each setting's default is declared once, in the library that uses it: the command
     line's defaults build the same library objects as the libraries' own defaults."""
     from p2p.http_server import HttpServerConfig
+    from p2p.keepalive import KeepaliveConfig
     from p2p.limits import LedgerConfig, ResourceLimits
     from rollout.pacing import PacingConfig
     from rollout.verify import ValidatorConfig
@@ -169,6 +177,7 @@ def test_defaults_are_the_libraries_own() -> None:
     node = relay.node_config()
     assert node.host.limits == ResourceLimits()
     assert node.host.ledger == LedgerConfig()
+    assert node.host.keepalive == KeepaliveConfig()
     assert node.http.max_connections_per_ip == HttpServerConfig().max_connections_per_ip
     assert node.keep_last == NodeConfig.keep_last
     follow = relay.follow_config(relay.upstream)
@@ -224,6 +233,12 @@ def test_defaults_are_the_libraries_own() -> None:
         (["--data-dir", "/proc/no/such"], "--data-dir: /proc/no/such is not a writable"),
         (["--announce", "nonsense"], "--announce:"),
         (["--keep-last", "0"], "--keep-last:"),
+        (["--public-host", "fd77::2"], "--public-host: fd77::2 is IPv6 but libp2p listens only"),
+        (["--announce", "/ip6/fd77::2/tcp/4002"], "--announce: /ip6/fd77::2/tcp/4002 is IPv6"),
+        (
+            ["--public-host", "fd77::2", "--listen", "/ip6/::1/tcp/0"],
+            "--public-host: fd77::2 is IPv6 but the HTTP lane binds 127.0.0.1",
+        ),
     ],
 )
 def test_operator_mistakes_are_one_line_and_exit_2(

@@ -19,7 +19,7 @@ from rollout.delta_plan import (
     parse_layout,
     plan_update,
 )
-from shardcast import codecs
+from shardcast.wire import codecs
 
 
 def safetensors_bytes(tensors: list[tuple[str, str, tuple[int, ...], int]], seed: int = 0) -> bytes:

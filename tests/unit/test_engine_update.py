@@ -15,7 +15,7 @@ import torch
 from rollout.delta_plan import DeltaMismatch, MismatchReason, TensorPatch, UpdatePlan
 from rollout.engine import TransformersEngine
 from rollout.model import build_model, build_tokenizer, load_model, stored_state, tensor_files
-from shardcast.plan import BLOB_DIR
+from shardcast.store.store import BLOB_DIR
 from shardnet.engine_update import HeldVersion, SwapPath, gather_changes
 from tests.delta_chain import Chain, evolve, publish
 from trainer.checkpoint import save_checkpoint

@@ -104,3 +104,16 @@ def test_status_renders_rollout_acceptance_as_text() -> None:
     assert "redelivered" in text
     assert "{" not in text
     assert "acceptance_rate" not in text
+
+
+def test_status_brackets_an_ipv6_lane() -> None:
+    doc = node_status(_node(None))
+    doc["http_url"] = "http://[fd77::2]:8002"
+    doc["upstreams"] = [
+        {"peer_id": TRAINER.peer_id, "state": "down", "error": "GET http://[fd77::3]:8001 failed"}
+    ]
+    console = Console(width=200, record=True)
+    console.print(render(doc))
+    text = console.export_text()
+    assert "http://[fd77::2]:8002" in text  # the brackets are not read as a style tag
+    assert "http://[fd77::3]:8001" in text
