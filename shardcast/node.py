@@ -7,6 +7,8 @@ It owns, for the duration of :meth:`ShardcastNode.open`:
 - the HTTP lane server (:mod:`p2p.http_server`) serving :class:`~shardcast.serve.VersionServer`;
 - the :class:`~shardcast.store.VersionStore` of the run under ``<data_dir>/versions``;
 - the ``/shardnet/info/1.0.0`` handler answering with :class:`~shardcast.messages.NodeInfo`;
+- the ``/shardnet/dialback/1`` handler (:mod:`shardcast.dialback`): it tells a connected node
+  whether its lane is reachable from here;
 - ``/metrics`` (:mod:`shardcast.metrics`) and ``/status`` (:mod:`shardcast.nodestatus`) on
   the HTTP lane; components add status sections to :attr:`ShardcastNode.status_sections`
   and metric families through :attr:`ShardcastNode.metrics`;
@@ -43,6 +45,7 @@ from p2p.identity import Identity
 from p2p.lanes import REAL_NETWORK, Host, HttpLaneClient, HttpLaneServer, Network
 from p2p.trust import TrustList
 from shardcast.cardsync import check_data_dir, save_card
+from shardcast.dialback import serve_dialback
 from shardcast.finish import RunFinished, decode_versions_message
 from shardcast.lane_auth import RequestSigner
 from shardcast.manifest import check_run_id
@@ -55,6 +58,7 @@ from shardcast.messages import (
 )
 from shardcast.metrics import CONTENT_TYPE, NodeMetrics
 from shardcast.nodestatus import node_status_json
+from shardcast.reachability import DialbackLimits
 from shardcast.runcard import MAX_CARD_BYTES, SignedRunCard
 from shardcast.serve import HOLD_HEADER, VersionServer
 from shardcast.store import VersionStore
@@ -260,6 +264,7 @@ class ShardcastNode:
                     max_response_bytes=MAX_CARD_BYTES,
                     timeout_s=config.info_timeout_s,
                 )
+                serve_dialback(p2p, client, DialbackLimits())
                 log.info(
                     "node_ready role=%s peer_id=%s http_url=%s run=%s",
                     config.role,
