@@ -28,7 +28,9 @@ R = DialbackResult
 
 
 def directory() -> SourceDirectory:
-    return SourceDirectory("me", set(), ttl_s=10.0, max_entries=100, rng=random.Random(0))
+    return SourceDirectory(
+        "me", set(), ttl_s=10.0, max_entries=100, rng=random.Random(0), require_verified=True
+    )
 
 
 def challenges(d: SourceDirectory, until_s: float, result: LaneCheck) -> list[float]:
