@@ -10,8 +10,9 @@ asks the nodes it is connected to (its upstream relay or trainer) to dial it bac
 2. the asked node compares the URL's host with the address it sees the asker's connection
    come from (:func:`judge_request`). Only a URL on that very address is dialled, so the asked
    node can be made to connect to nothing but the asker's own host (it is not an amplifier);
-   it also dials each asking PeerID and each asking address at most once per
-   :attr:`DialbackLimits.per_peer_interval_s` and runs at most
+   it also dials each asking PeerID at most once per
+   :attr:`DialbackLimits.per_peer_interval_s` (each address once per
+   :attr:`DialbackLimits.per_address_interval_s`) and runs at most
    :attr:`DialbackLimits.max_concurrent` dials (:class:`DialbackLimiter`). Otherwise it
    answers ``mismatch`` (with the address it saw) or ``refused``;
 3. it fetches ``<url>/shardnet/v1/whoami/<nonce>`` with a short timeout and answers
@@ -19,7 +20,8 @@ asks the nodes it is connected to (its upstream relay or trainer) to dial it bac
    (:func:`shardcast.lane_auth.check_whoami`), ``not_reached`` otherwise.
 
 The asker keeps a :class:`Reachability` per own URL: ``unknown`` until a round of answers
-gives a verdict (:func:`verdict`): any ``reached`` makes it ``reachable``; else a
+with answers gives a verdict (:func:`verdict`; a round of only ``refused`` answers does not
+count): any ``reached`` makes it ``reachable``; else a
 ``not_reached``, or a ``mismatch`` for a URL on a non-global address (private, loopback,
 link-local: a host behind a NAT names its LAN address, which no one outside can open), makes
 it ``unreachable``. A round of ``refused``/failed asks, or a ``mismatch`` for a global
@@ -185,14 +187,18 @@ class DialbackLimits:
     """Bounds of the asked node.
 
     Attributes:
-        per_peer_interval_s: one dial per asking PeerID and per asking address per this many
-            seconds (later asks are refused).
+        per_peer_interval_s: one dial per asking PeerID per this many seconds (later asks
+            are refused).
+        per_address_interval_s: one dial per asking address per this many seconds (many
+            PeerIDs of one host get no more; a short interval: peers behind one carrier NAT
+            share an address).
         max_concurrent: dials running at once (more are refused).
         dial_timeout_s: the whoami fetch's timeout, seconds.
         max_tracked: bound on remembered askers.
     """
 
     per_peer_interval_s: float = 30.0
+    per_address_interval_s: float = 1.0
     max_concurrent: int = 4
     dial_timeout_s: float = 5.0
     max_tracked: int = 4096
@@ -211,9 +217,13 @@ class DialbackLimiter:
         ``address`` may start at ``now``."""
         if self.running >= self.limits.max_concurrent:
             return False
-        for key in (peer_id, address):
+        lim = self.limits
+        for key, interval in (
+            (peer_id, lim.per_peer_interval_s),
+            (address, lim.per_address_interval_s),
+        ):
             last = self._last.get(key)
-            if last is not None and now - last < self.limits.per_peer_interval_s:
+            if last is not None and now - last < interval:
                 return False
         for key in (peer_id, address):
             self._last.pop(key, None)
@@ -293,14 +303,15 @@ class Reachability:
         return max(0.0, self.checked_at + self._wait_s() - now)
 
     def observe(self, answers: list[DialbackResult], now: float) -> bool:
-        """Record a round's answers (empty: there was no one to ask, which only schedules the
-        next round); True if the URL to advertise (:meth:`advertised`) changed.
+        """Record a round's answers; True if the URL to advertise (:meth:`advertised`)
+        changed. A round with no answers or only ``refused`` ones (no one could check now)
+        only schedules the next one, soon.
 
         A round that tells nothing (``unknown``) does not undo an earlier verdict."""
         before = self.advertised()
         self.checked_at = now
-        if not answers:
-            return False
+        if all(a is DialbackResult.REFUSED for a in answers):
+            return False  # no one could check now (rate limits): ask again soon
         self.rounds += 1
         self.last_answers = tuple(answers)
         new = verdict(self.url, answers)

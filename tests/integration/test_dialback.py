@@ -43,7 +43,7 @@ async def test_dialback_reaches_an_open_lane_and_not_a_closed_one(tmp_path: Path
         with trio.fail_after(30):
             assert await ask(p.p2p, o_id, p.http_url, 10.0) is DialbackResult.REACHED
             assert await ask(p.p2p, r_id, closed, 10.0) is DialbackResult.NOT_REACHED
-            # one dial per asker (and per address) per 30 s: not an amplifier
+            # one dial per asker per 30 s: not an amplifier
             assert await ask(p.p2p, r_id, p.http_url, 10.0) is DialbackResult.REFUSED
             # a URL on another address than the asker's is never dialled
             other = "http://127.0.0.2:1"

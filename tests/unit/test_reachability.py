@@ -119,11 +119,13 @@ def test_the_asked_node_dials_only_the_address_the_asker_comes_from() -> None:
 
 
 def test_the_dialback_limiter_bounds_dials_per_asker_per_address_and_at_once() -> None:
-    lim = DialbackLimiter(DialbackLimits(per_peer_interval_s=30.0, max_concurrent=2))
+    lim = DialbackLimiter(
+        DialbackLimits(per_peer_interval_s=30.0, per_address_interval_s=1.0, max_concurrent=2)
+    )
     assert lim.admit("a", "1.1.1.1", 0.0)
+    assert not lim.admit("b", "1.1.1.1", 0.5)  # another PeerID from the same address, too soon
     assert not lim.admit("a", "1.1.1.1", 10.0)  # same peer too soon
-    assert not lim.admit("b", "1.1.1.1", 10.0)  # another PeerID from the same address
-    assert lim.admit("c", "2.2.2.2", 10.0)
+    assert lim.admit("b", "1.1.1.1", 10.0)  # peers behind one NAT take turns
     assert not lim.admit("d", "3.3.3.3", 10.0)  # two running
     lim.done()
     assert lim.admit("d", "3.3.3.3", 11.0)
@@ -172,6 +174,8 @@ def test_a_node_advertises_only_once_reached_and_stops_when_unreachable() -> Non
     assert not r.observe([], 0.0)  # no one to ask: nothing learned, ask again soon
     assert r.advertised() == ""
     assert r.next_due(0.0) == 3.0
+    assert not r.observe([R.REFUSED, R.REFUSED], 3.0)  # rate limited: no verdict either
+    assert (r.rounds, r.advertised()) == (0, "")
     assert r.observe([R.REACHED], 3.0)
     assert (r.state, r.since, r.advertised()) == (Reach.REACHABLE, 3.0, URL)
     assert not r.due(500.0)
