@@ -17,8 +17,8 @@ manifest. But adverts must not steer the swarm's requests, so:
   there answered a fresh challenge (``/shardnet/v1/whoami/<nonce>``, see
   :func:`shardcast.lane_auth.whoami_body`) with the advertiser's signature
   (``require_verified``); a URL that fails is asked again after an exponential backoff
-  (:class:`LaneBackoff`: 60 s, then 4x longer each time, capped at an hour, so at most three
-  attempts in the hour after the first failure) and dropped after
+  (:class:`LaneBackoff`: 60 s, then 4x longer each time, so at most three attempts in the
+  hour after the first failure) and dropped after
   :attr:`LaneBackoff.max_failures` failures in a row (not asked again for
   :attr:`LaneBackoff.drop_s`); the last result of each is a :class:`LaneCheck`. An advert
   with an empty URL is a download-only node (one that learned its lane is not reachable from
@@ -202,10 +202,11 @@ class LaneCheck(enum.Enum):
 class LaneBackoff:
     """When a failed URL is challenged again.
 
-    The n-th retry after ``n`` failures in a row waits ``min(first_s * factor**(n-1), max_s)``
-    seconds: 60, 240, 960, 3600... so the hour after the first failure holds at most three
-    attempts. After ``max_failures`` failures in a row the URL is dropped: not challenged
-    again for ``drop_s`` seconds (then it starts over).
+    The retry after ``n`` failures in a row waits ``min(first_s * factor**(n-1), max_s)``
+    seconds: 60, 240, 960 (retries 1, 5 and 21 minutes after the first failure), so the hour
+    after the first failure holds at most three attempts whatever ``max_s`` (which only
+    matters with a larger ``max_failures``). After ``max_failures`` failures in a row the URL
+    is dropped: not challenged again for ``drop_s`` seconds (then it starts over).
     """
 
     first_s: float = 60.0
