@@ -40,6 +40,7 @@ from __future__ import annotations
 import enum
 import ipaddress
 from collections import OrderedDict
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 from urllib.parse import urlsplit
@@ -328,7 +329,7 @@ class Reachability:
             return ""
         return self.url
 
-    def status(self, wall_of: Any) -> dict[str, Any]:
+    def status(self, wall_of: Callable[[float], str]) -> dict[str, Any]:
         """The ``reachability`` section of ``/status``; ``wall_of(t)`` turns a trio time into
         an ISO wall-clock string."""
         return {
