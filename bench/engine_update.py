@@ -42,11 +42,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from p2p.identity import Identity
 from rollout.delta_plan import UPDATE_THREADS, plan_update, read_layout
 from rollout.model import tensor_files
-from shardcast.wire import codecs
-from shardcast.wire import Manifest
 from shardcast.publish import Base, build_manifest
-from shardcast.store import BLOB_DIR
-from shardcast.store import VersionStore
+from shardcast.store import BLOB_DIR, VersionStore
+from shardcast.wire import Manifest, codecs
 
 TARGET_S = 0.5
 RUN = "bench-engine-update"

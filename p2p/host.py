@@ -685,6 +685,20 @@ class P2PNode:
         """PeerIDs with an open connection."""
         return [p.to_base58() for p in self._host.get_connected_peers()]  # type: ignore[attr-defined]
 
+    def remote_hosts(self, peer_id: str) -> list[str]:
+        """The IP addresses that ``peer_id``'s open connections come from, as this node sees
+        them (empty: not connected, or the transport does not say)."""
+        try:
+            pid = ID.from_base58(peer_id)
+        except ValueError:
+            return []
+        out = []
+        for conn in self._host.get_network().get_connections(pid):  # type: ignore[attr-defined]
+            remote = conn.muxed_conn.get_remote_address()
+            if remote is not None and remote[0] not in out:
+                out.append(str(remote[0]))
+        return out
+
     def mesh_sizes(self) -> dict[str, int]:
         """Gossipsub mesh size (peers) per joined topic, for metrics and status."""
         router = self._pubsub.router

@@ -100,6 +100,10 @@ class Host(Protocol):
         """PeerIDs with an open connection."""
         ...
 
+    def remote_hosts(self, peer_id: str) -> list[str]:
+        """IP addresses ``peer_id``'s open connections come from, as seen here (may be empty)."""
+        ...
+
     def mesh_sizes(self) -> dict[str, int]:
         """Gossip mesh size per joined topic."""
         ...

@@ -447,6 +447,11 @@ class MemHost:
         """PeerIDs with an open connection (sorted: deterministic)."""
         return sorted(self._conns)
 
+    def remote_hosts(self, peer_id: str) -> list[str]:
+        """The in-memory address of ``peer_id`` if connected (empty otherwise)."""
+        other = self.net.host(peer_id) if peer_id in self._conns else None
+        return [other.ip] if other is not None else []
+
     @property
     def loop_lag(self) -> LoopLag:
         """Always zero: the in-memory network has no libp2p stack whose reads could be late

@@ -52,10 +52,8 @@ from rollout.delta_plan import (
 )
 from rollout.engine import Engine, InPlaceEngine
 from rollout.model import tensor_files
-from shardcast.wire import codecs
-from shardcast.wire import blake3_hex
-from shardcast.wire import Manifest, ShardRef
 from shardcast.store import VersionStore
+from shardcast.wire import Manifest, ShardRef, blake3_hex, codecs
 
 __all__ = ["HeldVersion", "SwapPath", "SwapResult", "gather_changes", "swap_weights"]
 

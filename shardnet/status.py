@@ -151,6 +151,26 @@ def _step_list(steps: list[int]) -> str:
     return f"step {steps[0]}" if len(steps) == 1 else f"steps {_steps(steps)}"
 
 
+def _reach_line(reach: dict[str, Any]) -> str:
+    """This node's own lane: its dial-back verdict and whether it is advertised."""
+    answers = ",".join(reach.get("last_answers", [])) or "none yet"
+    said = "advertised" if reach.get("advertised") else "not advertised (download-only)"
+    return (
+        f"{reach.get('state')} since {_time(reach.get('since'))}; {said}; "
+        f"last check {_time(reach.get('checked_at'))} ({answers})"
+    )
+
+
+def _lane(node: dict[str, Any]) -> str:
+    """A known node's lane as this node found it: ``verified``, ``unreachable x2``,
+    ``dropped``, ``untried``, or ``none`` (a download-only node)."""
+    lane = str(node.get("lane", "-"))
+    if node.get("lane_dropped"):
+        return f"dropped ({lane})"
+    failures = node.get("lane_failures", 0)
+    return f"{lane} x{failures}" if failures > 1 else lane
+
+
 def render(doc: dict[str, Any]) -> RenderableType:
     """Tables for one status document."""
     parts: list[RenderableType] = []
@@ -177,6 +197,9 @@ def render(doc: dict[str, Any]) -> RenderableType:
         f"; requests {' '.join(f'{k}={n}' for k, n in req.items() if n)}"
         f"; libp2p peers {p2p.get('connected_peers', 0)}",
     )
+    reach = doc.get("reachability")
+    if reach:
+        head.add_row("reachable", _reach_line(reach))
     tr = doc.get("trainer")
     if tr:
         head.add_row(
@@ -236,7 +259,7 @@ def render(doc: dict[str, Any]) -> RenderableType:
         parts.append(t)
     if doc.get("known_nodes"):
         t = Table(title="known nodes (adverts)", title_justify="left")
-        for col in ("peer", "role", "latest", "filling", "last heard"):
+        for col in ("peer", "role", "latest", "filling", "last heard", "lane", "last check"):
             t.add_column(col)
         for n in doc["known_nodes"][:20]:
             t.add_row(
@@ -245,6 +268,8 @@ def render(doc: dict[str, Any]) -> RenderableType:
                 _opt(n.get("latest_step")),
                 _steps(n.get("filling", [])),
                 _time(n.get("last_heard")),
+                _lane(n),
+                _time(n.get("lane_checked")),
             )
         parts.append(t)
     ro = doc.get("rollouts")

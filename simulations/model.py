@@ -22,7 +22,8 @@ model's clock as ``now`` and a per-node seeded ``random.Random``:
   model answers the session's byte comparisons from its knowledge of who corrupted what.
   The session's own abandonment is not modelled (its grace periods are infinite);
 - extra sources come from a real :class:`shardcast.download.discovery.SourceDirectory` fed with
-  :class:`~shardcast.download.discovery.NodeAdvert`\\ s (a node hears ``gossip_sample`` random adverts per
+  :class:`~shardcast.download.discovery.NodeAdvert`\\ s (a node hears ``gossip_sample`` random
+  adverts per
   ``advert_interval_s`` instead of all N: that keeps a round O(1) per node);
 - the origin refuses repeats with :class:`shardcast.serve.superseeding.SuperSeeding`;
 - relays and peers serve a shard as soon as they verified it (a request for a shard a source
@@ -30,7 +31,8 @@ model's clock as ``now`` and a per-node seeded ``random.Random``:
   :func:`shardcast.core.retention.versions_to_prune` with served versions and delta bases pinned,
   and catch up with :func:`shardcast.core.catchup.plan`;
 - what a node follows is decided by its :class:`shardcast.core.tracker.VersionTracker`, the object
-  a real node's :class:`~shardcast.download.follower.Follower` drives: an announcement heard is offered
+  a real node's :class:`~shardcast.download.follower.Follower` drives: an announcement heard is
+  offered
   to it (taken if newer), a download starts when it says the announced version is wanted, and
   a newer announcement abandons the version being downloaded when the tracker says it is
   superseded (it cannot be the base of the newer version's delta chain; the model decides

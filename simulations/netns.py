@@ -8,6 +8,9 @@ A :class:`Lab` creates, for a run id ``ID`` (6 hex digits):
 - per node ``i`` a namespace ``sns-ID-i`` whose ``eth0`` (``10.211.K.(i+2)/24``) is one end of
   a veth pair created directly inside the two namespaces (nothing is ever created in the
   caller's namespace, and only these private addresses are used);
+- optionally, home routers (:meth:`Lab.add_nat_router`): a node on the bridge that is also the
+  gateway of a LAN of its own (``10.(212+L).K.0/24``, hosts added by :meth:`Lab.add_lan_node`)
+  and does source NAT for it, dropping unsolicited inbound packets (nftables);
 - shaping with ``tc``: on the node's ``eth0`` (its uplink) and on the bridge-side end (its
   downlink), ``netem`` (delay = the node's one-way ``latency_ms``, loss) as root with a ``tbf``
   child at the node's rate. A packet a → b thus sees a's uplink and b's downlink rate, and
@@ -62,8 +65,8 @@ def available() -> tuple[bool, str]:
     return True, ""
 
 
-def _run(argv: list[str], check: bool = True) -> str:
-    res = subprocess.run(argv, capture_output=True, text=True, check=False)
+def _run(argv: list[str], check: bool = True, stdin: str | None = None) -> str:
+    res = subprocess.run(argv, capture_output=True, text=True, check=False, input=stdin)
     if check and res.returncode != 0:
         raise NetnsError(f"{' '.join(argv)}: {res.stderr.strip() or res.returncode}")
     return res.stdout
@@ -150,6 +153,38 @@ def _netem_works(netns: str) -> bool:
     return True
 
 
+_NAT_RULES = """
+table ip nat {
+    chain postrouting {
+        type nat hook postrouting priority srcnat; policy accept;
+        oifname "eth0" masquerade
+    }
+}
+table inet filter {
+    chain input {
+        type filter hook input priority filter; policy accept;
+        iifname "eth0" ct state established,related accept
+        iifname "eth0" drop
+    }
+    chain forward {
+        type filter hook forward priority filter; policy drop;
+        ct state established,related accept
+        iifname "lan0" accept
+    }
+}
+"""
+
+
+@dataclass(frozen=True)
+class NatRouter:
+    """A home router made by :meth:`Lab.add_nat_router`: its public ``port`` on the bridge and
+    its LAN ``subnet`` (the first three octets)."""
+
+    port: Port
+    lan: int
+    subnet: str
+
+
 class Lab:
     """Namespaces + bridge + shaping for one emulation run (see module docstring).
 
@@ -227,6 +262,68 @@ class Lab:
         port = Port(index, ns, ip)
         self.ports[index] = port
         return port
+
+    def add_nat_router(
+        self, index: int, lan: int, shape: tuple[float, float, float, float]
+    ) -> NatRouter:
+        """A home router: node ``index`` on the bridge (its public side, shaped as ``shape``:
+        the ``up_bps, down_bps, latency_s, loss`` of :meth:`add_node`)
+        that also holds a LAN bridge ``lan0`` (``10.(212+lan).K.1/24``) and does source NAT
+        for it (nftables ``masquerade`` out of ``eth0``, no port forwarding), drops every
+        inbound packet that is not part of a connection a LAN host opened, and tracks TCP
+        strictly (``nf_conntrack_tcp_loose=0``: a flushed connection is not picked up again
+        mid-stream). Needs ``nft`` (Debian package ``nftables``).
+
+        Raises:
+            NetnsError: ``nft`` is missing or a command failed.
+        """
+        if shutil.which("nft") is None:
+            raise NetnsError("nft (Debian package nftables) is not installed")
+        if not 0 <= lan < 40:
+            raise NetnsError("at most 40 LANs per lab")
+        port = self.add_node(index, *shape)
+        ns = port.netns
+        subnet = f"10.{212 + lan}.{self.octet}"
+        _run(["ip", "-n", ns, "link", "add", "lan0", "type", "bridge"])
+        _run(["ip", "-n", ns, "addr", "add", f"{subnet}.1/24", "dev", "lan0"])
+        _run(["ip", "-n", ns, "link", "set", "lan0", "up"])
+        exec_ns = ["ip", "netns", "exec", ns]
+        _run([*exec_ns, "sysctl", "-qw", "net.ipv4.ip_forward=1"])
+        _run([*exec_ns, "nft", "-f", "-"], stdin=_NAT_RULES)
+        _run([*exec_ns, "sysctl", "-qw", "net.netfilter.nf_conntrack_tcp_loose=0"])
+        return NatRouter(port, lan, subnet)
+
+    def add_lan_node(self, router: NatRouter, host: int) -> Port:
+        """A namespace behind ``router`` (LAN address ``10.(212+lan).K.(host+2)``, default
+        route through the router); not shaped. Returns its port (``index`` is -1)."""
+        if not 0 <= host < 250:
+            raise NetnsError("a LAN holds at most 250 hosts")
+        ns = f"{PREFIX}{self.id}-l{router.lan}-{host}"
+        self._add_ns(ns)
+        inner, outer = f"s{self.id}l{router.lan}h{host}", f"s{self.id}m{router.lan}h{host}"
+        _run(
+            [
+                *("ip", "link", "add", "name", inner, "netns", ns, "type", "veth"),
+                *("peer", "name", outer, "netns", router.port.netns),
+            ]
+        )
+        ip = f"{router.subnet}.{host + 2}"
+        _run(["ip", "-n", ns, "link", "set", inner, "name", "eth0"])
+        _run(["ip", "-n", ns, "addr", "add", f"{ip}/24", "dev", "eth0"])
+        _run(["ip", "-n", ns, "link", "set", "eth0", "up"])
+        _run(["ip", "-n", ns, "route", "add", "default", "via", f"{router.subnet}.1"])
+        _run(["ip", "-n", router.port.netns, "link", "set", outer, "master", "lan0", "up"])
+        return Port(-1, ns, ip)
+
+    def flush_conntrack(self, router: NatRouter) -> None:
+        """Forget every connection the router tracks (a NAT reboot): needs ``conntrack``.
+
+        Raises:
+            NetnsError: ``conntrack`` is missing.
+        """
+        if shutil.which("conntrack") is None:
+            raise NetnsError("conntrack (Debian package conntrack) is not installed")
+        _run(["ip", "netns", "exec", router.port.netns, "conntrack", "-F"], check=False)
 
     def set_rate(self, index: int, factor: float) -> None:
         """Multiply a node's up and down rate by ``factor`` (``slow`` events)."""

@@ -14,11 +14,10 @@ from p2p.identity import Identity
 from rollout.delta_plan import read_layout
 from rollout.engine import Engine
 from rollout.model import build_model, build_tokenizer, tensor_files
+from shardcast.publish.plan import Base, build_manifest
+from shardcast.store.store import BLOB_DIR, VersionStore
 from shardcast.wire import codecs
 from shardcast.wire.manifest import MANIFEST_FILE, Manifest
-from shardcast.publish.plan import Base, build_manifest
-from shardcast.store.store import BLOB_DIR
-from shardcast.store.store import VersionStore
 from shardnet.engine_update import HeldVersion, SwapResult, swap_weights
 from trainer.checkpoint import save_checkpoint
 

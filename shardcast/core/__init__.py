@@ -12,10 +12,21 @@ Imports only :mod:`shardcast.wire` (and ``p2p.errors``).
 from __future__ import annotations
 
 from shardcast.core import catchup
-from shardcast.core.catchup import plan
+from shardcast.core.catchup import plan, worth_finishing
 from shardcast.core.liveness import Abandon, Answer
 from shardcast.core.mirrorpoll import MirrorPoll
 from shardcast.core.pollpolicy import PollPolicy, poll_delay
+from shardcast.core.reachability import (
+    DIALBACK_PROTOCOL,
+    MAX_DIALBACK_BYTES,
+    DialbackAnswer,
+    DialbackLimiter,
+    DialbackLimits,
+    DialbackRequest,
+    DialbackResult,
+    Reachability,
+    judge_request,
+)
 from shardcast.core.retention import versions_to_prune
 from shardcast.core.select import SchedulerConfig, SourceBans, blame
 from shardcast.core.session import (
@@ -64,9 +75,11 @@ from shardcast.core.tracker import (
 )
 
 __all__ = [
+    "DIALBACK_PROTOCOL",
     "LEARNED_KEPT",
     "MANIFEST_RETRY_FIRST_S",
     "MANIFEST_RETRY_MAX_S",
+    "MAX_DIALBACK_BYTES",
     "Abandon",
     "Action",
     "Answer",
@@ -76,6 +89,11 @@ __all__ = [
     "Check",
     "Commit",
     "Compare",
+    "DialbackAnswer",
+    "DialbackLimiter",
+    "DialbackLimits",
+    "DialbackRequest",
+    "DialbackResult",
     "DownloadStats",
     "Drop",
     "End",
@@ -93,6 +111,7 @@ __all__ = [
     "PollOutcome",
     "PollPolicy",
     "Probe",
+    "Reachability",
     "SchedulerConfig",
     "Session",
     "SessionConfig",
@@ -109,10 +128,12 @@ __all__ = [
     "confirmed_elsewhere",
     "judge",
     "judge_finished",
+    "judge_request",
     "manifest_retry_s",
     "plan",
     "poll_delay",
     "superseded",
     "versions_to_prune",
     "want",
+    "worth_finishing",
 ]

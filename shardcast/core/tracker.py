@@ -37,7 +37,8 @@ The rules, each a pure function the tracker and its drivers share:
 - :func:`manifest_retry_s` — a manifest document (or run card) that no source serves yet is
   asked for again after a short doubling wait, capped at :data:`MANIFEST_RETRY_MAX_S`.
 - :meth:`VersionTracker.polled` — an upstream's polls are spaced by
-  :func:`shardcast.core.pollpolicy.poll_delay`: every ``poll_interval_s`` while it answers, doubling up
+  :func:`shardcast.core.pollpolicy.poll_delay`: every ``poll_interval_s`` while it answers,
+  doubling up
   to ``max_backoff_s`` while it fails, minutes apart once the node is settled (run finished,
   final version held), when a failure is reported once only (not every retry).
 

@@ -16,7 +16,13 @@ manifest. But adverts must not steer the swarm's requests, so:
 - **the URL is bound to the PeerID**: a follower uses an advertised URL only after the lane
   there answered a fresh challenge (``/shardnet/v1/whoami/<nonce>``, see
   :func:`shardcast.lane_auth.whoami_body`) with the advertiser's signature
-  (``require_verified``); a URL that fails is not asked again for ``ttl_s``;
+  (``require_verified``); a URL that fails is asked again after an exponential backoff
+  (:class:`LaneBackoff`: 60 s, then 4x longer each time, so at most three attempts in the
+  hour after the first failure) and dropped after
+  :attr:`LaneBackoff.max_failures` failures in a row (not asked again for
+  :attr:`LaneBackoff.drop_s`); the last result of each is a :class:`LaneCheck`. An advert
+  with an empty URL is a download-only node (one that learned its lane is not reachable from
+  outside, :mod:`shardcast.reachability`): it offers no source and is never challenged;
 - **advertisers are scored**, across versions: a source that delivered bytes gains, one that
   was used and delivered nothing (or kept answering 503) loses; those at or below
   ``MIN_SCORE`` are not offered (their score recovers by one point per ``ttl_s``);
@@ -26,6 +32,7 @@ manifest. But adverts must not steer the swarm's requests, so:
 
 from __future__ import annotations
 
+import enum
 import logging
 import random
 from collections.abc import Sequence
@@ -140,7 +147,7 @@ class NodeAdvert:
             raise RemoteProtocolError(origin, f"advert claims to be {short_id(peer_id)}")
         role = wire.need_str(obj, "role", 16, origin)
         url = wire.need_str(obj, "http_url", 256, origin)
-        if role not in ROLES or not url.startswith("http://") or "/" in url[7:]:
+        if role not in ROLES or (url and (not url.startswith("http://") or "/" in url[7:])):
             raise RemoteProtocolError(origin, f"bad role {role!r} or url {url!r}")
         steps = []
         digests: list[tuple[str, ...]] = []
@@ -181,6 +188,61 @@ def check_advert_gossip(origin: str, data: bytes) -> None:
     NodeAdvert.decode(data, origin)
 
 
+class LaneCheck(enum.Enum):
+    """The outcome of a whoami challenge of an advertised URL (value: the status string)."""
+
+    VERIFIED = "verified"
+    UNREACHABLE = "unreachable"
+    """No answer: refused, timed out, or not HTTP."""
+    BAD_ANSWER = "bad_answer"
+    """An answer that does not prove the advertiser's key (another node is there)."""
+
+
+@dataclass(frozen=True)
+class LaneBackoff:
+    """When a failed URL is challenged again.
+
+    The retry after ``n`` failures in a row waits ``min(first_s * factor**(n-1), max_s)``
+    seconds: 60, 240, 960 (retries 1, 5 and 21 minutes after the first failure), so the hour
+    after the first failure holds at most three attempts whatever ``max_s`` (which only
+    matters with a larger ``max_failures``). After ``max_failures`` failures in a row the URL
+    is dropped: not challenged again for ``drop_s`` seconds (then it starts over).
+    """
+
+    first_s: float = 60.0
+    factor: float = 4.0
+    max_s: float = 3600.0
+    max_failures: int = 4
+    drop_s: float = 6 * 3600.0
+
+    def delay_s(self, failures: int) -> float:
+        """Seconds to wait after ``failures`` (>= 1) failures in a row."""
+        if failures >= self.max_failures:
+            return self.drop_s
+        return min(self.first_s * self.factor ** (failures - 1), self.max_s)
+
+
+@dataclass(frozen=True)
+class LaneStatus:
+    """What this node knows of one advertised URL.
+
+    Attributes:
+        result: the last challenge's outcome.
+        failures: failures in a row (0 once verified).
+        at: when the last challenge ended (trio seconds).
+        next_at: when it may be challenged again (trio seconds).
+    """
+
+    result: LaneCheck
+    failures: int
+    at: float
+    next_at: float
+
+    def dropped(self, backoff: LaneBackoff) -> bool:
+        """True if the URL failed too often in a row and is no longer challenged."""
+        return self.failures >= backoff.max_failures
+
+
 class SourceDirectory:
     """Adverts heard recently, and the extra sources they offer for a version.
 
@@ -190,6 +252,7 @@ class SourceDirectory:
         ttl_s: an advert older than this is forgotten, seconds.
         max_entries: bound on remembered nodes.
         rng: seeded randomness to spread load over equivalent sources.
+        backoff: when failed URLs are challenged again.
     """
 
     def __init__(
@@ -202,6 +265,7 @@ class SourceDirectory:
         *,
         require_verified: bool = False,
         one_per_url: bool = False,
+        backoff: LaneBackoff | None = None,
     ) -> None:
         self.self_id = self_id
         self.exclude = exclude
@@ -212,35 +276,50 @@ class SourceDirectory:
         self.one_per_url = one_per_url
         self._adverts: dict[str, tuple[NodeAdvert, float]] = {}
         self._verified: dict[str, str] = {}  # PeerID -> URL its lane proved
-        self._failed: dict[str, float] = {}  # PeerID -> when its URL failed the challenge
+        self.backoff = backoff or LaneBackoff()
+        self._lanes: dict[tuple[str, str], LaneStatus] = {}  # (PeerID, URL) -> last challenge
         self._scores: dict[str, tuple[float, float]] = {}  # PeerID -> (score, when set)
         self.changed = trio.Event()
 
     # -- verification and scores ----------------------------------------------------------
 
     def to_verify(self, now: float) -> list[NodeAdvert]:
-        """Fresh adverts whose URL is not proven yet (and did not fail in the last ``ttl_s``)."""
+        """Fresh adverts whose URL is not proven yet and is due for a challenge (never
+        challenged, or its backoff has passed); adverts with no URL are left out."""
         out = []
         for a, t in self._adverts.values():
-            if now - t > self.ttl_s or self._verified.get(a.peer_id) == a.http_url:
+            if not a.http_url or now - t > self.ttl_s:
                 continue
-            failed = self._failed.get(a.peer_id)
-            if failed is None or now - failed > self.ttl_s:
+            if self._verified.get(a.peer_id) == a.http_url:
+                continue
+            lane = self._lanes.get((a.peer_id, a.http_url))
+            if lane is None or now >= lane.next_at:
                 out.append(a)
         return out
 
-    def verified(self, peer_id: str, url: str, ok: bool, now: float) -> None:
-        """Record the outcome of a whoami challenge of ``peer_id``'s lane at ``url``."""
-        if ok:
+    def verified(self, peer_id: str, url: str, result: LaneCheck, now: float) -> LaneStatus:
+        """Record the outcome of a whoami challenge of ``peer_id``'s lane at ``url``; the
+        URL's state after it (see :class:`LaneBackoff`)."""
+        old = self._lanes.pop((peer_id, url), None)
+        if result is LaneCheck.VERIFIED:
             self._verified[peer_id] = url
-            self._failed.pop(peer_id, None)
+            lane = LaneStatus(result, 0, now, now)
         else:
-            self._failed[peer_id] = now
+            if self._verified.get(peer_id) == url:
+                del self._verified[peer_id]
+            failures = (old.failures if old is not None else 0) % self.backoff.max_failures + 1
+            lane = LaneStatus(result, failures, now, now + self.backoff.delay_s(failures))
             self.record(peer_id, delivered=False, now=now)
+        self._lanes[(peer_id, url)] = lane
         self.changed.set()
         self.changed = trio.Event()
         _bound(self._verified, self.max_entries)
-        _bound(self._failed, self.max_entries)
+        _bound(self._lanes, self.max_entries)
+        return lane
+
+    def lane_status(self, peer_id: str, url: str) -> LaneStatus | None:
+        """The last challenge of ``peer_id``'s ``url`` (None: never challenged, or forgotten)."""
+        return self._lanes.get((peer_id, url))
 
     def score(self, peer_id: str, now: float) -> float:
         """An advertiser's score now (0: unknown; recovers one point per ``ttl_s``)."""
@@ -298,6 +377,7 @@ class SourceDirectory:
             a
             for a, t in self._adverts.values()
             if now - t <= self.ttl_s
+            and a.http_url
             and self.score(a.peer_id, now) > MIN_SCORE
             and (not self.require_verified or self._verified.get(a.peer_id) == a.http_url)
         ]

@@ -81,6 +81,7 @@ from shardcast.core import (
     MirrorPoll,
     PollOutcome,
     PollPolicy,
+    Reachability,
     Version,
     Want,
     abandons,
@@ -91,6 +92,7 @@ from shardcast.core import (
     want,
 )
 from shardcast.download.discovery import (
+    LaneCheck,
     NodeAdvert,
     SourceDirectory,
     check_advert_gossip,
@@ -98,7 +100,15 @@ from shardcast.download.discovery import (
 )
 from shardcast.download.downloader import Downloader
 from shardcast.download.types import DownloadConfig, Source
-from shardcast.node import DownloadMetrics, ShardcastNode, fetch_card, iso, source_kind, wall_of
+from shardcast.node import (
+    DownloadMetrics,
+    ShardcastNode,
+    fetch_card,
+    iso,
+    keep_reachability,
+    source_kind,
+    wall_of,
+)
 from shardcast.wire import (
     Manifest,
     NodeInfo,
@@ -239,6 +249,7 @@ class Follower:
         self._errors: dict[str, str] = {}  # upstream -> its last error
         self._progress: dict[int, tuple[int, int, float]] = {}  # step -> done, total, start
         self.mirrors = {url: MirrorPoll(url) for url in config.mirrors}
+        self.reachability = Reachability(node.http_url)
         self._nursery: trio.Nursery | None = None
         node.status_sections.update(
             downloads=self.downloads_status,
@@ -246,6 +257,8 @@ class Follower:
             mirrors=self.mirrors_status,
             known_nodes=self.known_nodes_status,
         )
+        if config.discovery:
+            node.status_sections["reachability"] = self.reachability_status
         node.metrics.add_collector(self._families)
         self._changed = trio.Event()
 
@@ -263,6 +276,13 @@ class Follower:
                 nursery.start_soon(self._listen_adverts)
                 nursery.start_soon(self._verify_adverts)
                 nursery.start_soon(self._advertise)
+                nursery.start_soon(
+                    keep_reachability,
+                    self.node.p2p,
+                    self.reachability,
+                    self._dialback_askers,
+                    self._readvertise,
+                )
             while not self.upstreams:
                 await self._upstream_changed.wait()
             task_status.started()
@@ -516,7 +536,8 @@ class Follower:
 
     async def _verify_adverts(self) -> None:
         """Challenge the lane behind each new advert: its URL is used only once it proved
-        that it holds the advertiser's key (see :mod:`shardcast.discovery`)."""
+        that it holds the advertiser's key; failed URLs back off and are dropped (see
+        :mod:`shardcast.discovery`)."""
         while True:
             now = trio.current_time()
             for advert in self.directory.to_verify(now)[:8]:
@@ -526,15 +547,21 @@ class Follower:
                         advert.http_url + whoami_path(nonce), max_bytes=512, timeout_s=5.0
                     )
                     ok = check_whoami(answer, advert.peer_id, nonce, advert.http_url)
+                    result = LaneCheck.VERIFIED if ok else LaneCheck.BAD_ANSWER
                 except (TransportError, ShardnetError):
-                    ok = False
-                if not ok:
+                    result = LaneCheck.UNREACHABLE
+                lane = self.directory.verified(
+                    advert.peer_id, advert.http_url, result, trio.current_time()
+                )
+                if result is not LaneCheck.VERIFIED:
                     log.info(
-                        "advert_unproven advertiser=%s http_url=%s",
+                        "advert_unproven advertiser=%s http_url=%s result=%s failures=%d%s",
                         short_id(advert.peer_id),
                         advert.http_url,
+                        result.value,
+                        lane.failures,
+                        " dropped" if lane.dropped(self.directory.backoff) else "",
                     )
-                self.directory.verified(advert.peer_id, advert.http_url, ok, trio.current_time())
             with trio.move_on_after(self.config.advert_interval_s):
                 await self.directory.changed.wait()
 
@@ -561,7 +588,7 @@ class Follower:
             advert = NodeAdvert.of(
                 node.identity.peer_id,
                 role,
-                node.http_url,
+                self.reachability.advertised(),
                 committed,
                 list(self._filling),
                 tier=self.tier(),
@@ -947,20 +974,44 @@ class Follower:
             for url, poll in sorted(self.mirrors.items())
         ]
 
-    def known_nodes_status(self) -> list[dict[str, Any]]:
-        """The ``known_nodes`` section of ``/status``: nodes heard through adverts."""
+    def _dialback_askers(self) -> list[str]:
+        """Connected nodes to ask for a dial-back: upstreams first, then the others."""
+        connected = self.node.p2p.connected_peers()
+        ups = [peer_id_of(a) for a in self.config.upstreams]
+        return [p for p in ups if p in connected] + [p for p in connected if p not in ups]
+
+    def reachability_status(self) -> dict[str, Any]:
+        """The ``reachability`` section of ``/status``: this node's own lane."""
         now, wall = trio.current_time(), time.time()
-        return [
-            {
-                "peer_id": a.peer_id,
-                "role": a.role,
-                "http_url": a.http_url,
-                "latest_step": max(a.committed) if a.committed else None,
-                "filling": list(a.filling),
-                "last_heard": iso(wall_of(t, now, wall)),
-            }
-            for a, t in reversed(self.directory.entries(now))
-        ]
+        return self.reachability.status(lambda t: iso(wall_of(t, now, wall)))
+
+    def known_nodes_status(self) -> list[dict[str, Any]]:
+        """The ``known_nodes`` section of ``/status``: nodes heard through adverts, with what
+        this node's challenges of their lanes gave (``lane``: ``verified``, ``unreachable``,
+        ``bad_answer``, ``untried``, or ``none`` for a download-only node)."""
+        now, wall = trio.current_time(), time.time()
+        out = []
+        for a, t in reversed(self.directory.entries(now)):
+            lane = self.directory.lane_status(a.peer_id, a.http_url) if a.http_url else None
+            out.append(
+                {
+                    "peer_id": a.peer_id,
+                    "role": a.role,
+                    "http_url": a.http_url,
+                    "latest_step": max(a.committed) if a.committed else None,
+                    "filling": list(a.filling),
+                    "last_heard": iso(wall_of(t, now, wall)),
+                    "lane": (
+                        lane.result.value
+                        if lane is not None
+                        else ("untried" if a.http_url else "none")
+                    ),
+                    "lane_failures": lane.failures if lane is not None else 0,
+                    "lane_dropped": lane.dropped(self.directory.backoff) if lane else False,
+                    "lane_checked": iso(wall_of(lane.at, now, wall)) if lane else None,
+                }
+            )
+        return out
 
     def _families(self) -> list[Metric]:
         ready = GaugeMetricFamily(

@@ -6,6 +6,7 @@
 from __future__ import annotations
 
 from shardcast.node.cardsync import bootstrap_card, check_data_dir, fetch_card, save_card
+from shardcast.node.dialback import keep_reachability
 from shardcast.node.metrics import DownloadMetrics, source_kind
 from shardcast.node.node import SUPER_SEED_MIN_BYTES, SUPER_SEED_S, NodeConfig, ShardcastNode
 from shardcast.node.nodestatus import iso, wall_of
@@ -23,6 +24,7 @@ __all__ = [
     "check_data_dir",
     "fetch_card",
     "iso",
+    "keep_reachability",
     "save_card",
     "source_kind",
     "wall_of",

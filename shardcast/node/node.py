@@ -7,6 +7,8 @@ It owns, for the duration of :meth:`ShardcastNode.open`:
 - the HTTP lane server (:mod:`p2p.http_server`) serving :class:`~shardcast.serve.VersionServer`;
 - the :class:`~shardcast.store.VersionStore` of the run under ``<data_dir>/versions``;
 - the ``/shardnet/info/1.0.0`` handler answering with :class:`~shardcast.messages.NodeInfo`;
+- the ``/shardnet/dialback/1`` handler (:mod:`shardcast.dialback`): it tells a connected node
+  whether its lane is reachable from here;
 - ``/metrics`` (:mod:`shardcast.metrics`) and ``/status`` (:mod:`shardcast.nodestatus`) on
   the HTTP lane; components add status sections to :attr:`ShardcastNode.status_sections`
   and metric families through :attr:`ShardcastNode.metrics`;
@@ -42,8 +44,9 @@ from p2p.http_server import HttpRequest, HttpResponse, HttpServerConfig
 from p2p.identity import Identity
 from p2p.lanes import REAL_NETWORK, Host, HttpLaneClient, HttpLaneServer, Network
 from p2p.trust import TrustList
-from shardcast.core import FinishedTake, Take, VersionTracker, judge
+from shardcast.core import DialbackLimits, FinishedTake, Take, VersionTracker, judge
 from shardcast.node.cardsync import check_data_dir, save_card
+from shardcast.node.dialback import serve_dialback
 from shardcast.node.metrics import CONTENT_TYPE, NodeMetrics
 from shardcast.node.nodestatus import node_status_json
 from shardcast.serve import VersionServer
@@ -275,6 +278,7 @@ class ShardcastNode:
                     max_response_bytes=MAX_CARD_BYTES,
                     timeout_s=config.info_timeout_s,
                 )
+                serve_dialback(p2p, client, DialbackLimits())
                 log.info(
                     "node_ready role=%s peer_id=%s http_url=%s run=%s",
                     config.role,

@@ -114,7 +114,7 @@ from shardcast.wire.runcard import (
     next_card,
     sign_card,
 )
-from shardcast.wire.sparse import is_identity, sparse_count
+from shardcast.wire.sparse import SparseError, is_identity, sparse_changes, sparse_count
 
 __all__ = [
     "AUTH_HEADER",
@@ -172,6 +172,7 @@ __all__ = [
     "ShardEntry",
     "ShardRef",
     "SignedRunCard",
+    "SparseError",
     "TaskSpec",
     "UnsupportedEngine",
     "VersionAnnouncement",
@@ -209,6 +210,7 @@ __all__ = [
     "sign_header",
     "sign_part",
     "sign_whoami",
+    "sparse_changes",
     "sparse_count",
     "verify_request",
     "versions_topic",

@@ -8,6 +8,10 @@ Nothing is created in the caller's namespace, and the only addresses in use are 
 namespaces created here, so no traffic can leave them. The links are shaped at 1 Gb/s (the
 lab always shapes; at that rate it never limits these tests).
 
+:meth:`Hosts.add_router` adds a home router (source NAT, unsolicited inbound dropped) with a LAN
+of its own, and :meth:`Hosts.add_behind` a host on that LAN: it can open connections to the
+hosts on the bridge, and none of them can open one to it.
+
 Every host also gets its own working directory (its "disk"), the cwd of its commands, so the
 README's relative paths (``--key trainer.key``, ``--data-dir trainer-data``) mean the same as on
 a machine of its own.
@@ -252,6 +256,8 @@ class Hosts:
         self.root = root
         self.lab = netns.Lab()
         self.hosts: dict[str, Host] = {}
+        self.routers: dict[str, netns.NatRouter] = {}
+        self.behind: dict[int, list[str]] = {}  # LAN -> names of the hosts behind its router
         self.nodes: list[Node] = []
         self.logdir = root / "logs"
 
@@ -268,6 +274,35 @@ class Hosts:
         """A new host called ``name`` with its own address and working directory."""
         index = len(self.hosts)
         port = self.lab.add_node(index, LINK_BYTES_PER_S, LINK_BYTES_PER_S, 0.0, 0.0)
+        workdir = self.root / name
+        workdir.mkdir(parents=True, exist_ok=True)
+        host = Host(name, port.ip, port.netns, workdir)
+        self.hosts[name] = host
+        return host
+
+    def add_router(self, name: str) -> netns.NatRouter:
+        """A home router called ``name`` on the bridge with a LAN of its own behind source NAT
+        (see :meth:`simulations.netns.Lab.add_nat_router`); add hosts behind it with
+        :meth:`add_behind`.
+
+        Raises:
+            simulations.netns.NetnsError: ``nft`` is not installed.
+        """
+        index = len(self.hosts)
+        lan = len(self.routers)
+        shape = (LINK_BYTES_PER_S, LINK_BYTES_PER_S, 0.0, 0.0)
+        router = self.lab.add_nat_router(index, lan, shape)
+        self.routers[name] = router
+        workdir = self.root / name
+        workdir.mkdir(parents=True, exist_ok=True)
+        self.hosts[name] = Host(name, router.port.ip, router.port.netns, workdir)
+        return router
+
+    def add_behind(self, router: netns.NatRouter, name: str) -> Host:
+        """A new host called ``name`` on ``router``'s LAN (reaches the bridge through the
+        router's NAT; nothing on the bridge can open a connection to it)."""
+        port = self.lab.add_lan_node(router, len(self.behind.get(router.lan, [])))
+        self.behind.setdefault(router.lan, []).append(name)
         workdir = self.root / name
         workdir.mkdir(parents=True, exist_ok=True)
         host = Host(name, port.ip, port.netns, workdir)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -58,4 +59,38 @@ def test_a_failing_test_leaves_nothing_behind(tmp_path: Path) -> None:
     node, *names = seen
     assert isinstance(node, Node)
     assert node.proc.poll() is not None
+    assert not set(names) & set(netns.namespaces())
+
+
+WHOAMI = (
+    "import http.server, sys\n"
+    "class H(http.server.BaseHTTPRequestHandler):\n"
+    "    def do_GET(self):\n"
+    "        body = self.client_address[0].encode()\n"
+    "        self.send_response(200); self.end_headers(); self.wfile.write(body)\n"
+    "s = http.server.HTTPServer((sys.argv[1], 8080), H)\n"
+    'print(\'shardnet-ready {"http_url": "http://%s:8080"}\' % sys.argv[1], flush=True)\n'
+    "s.serve_forever()\n"
+)
+
+
+@needs_netns
+@pytest.mark.skipif(shutil.which("nft") is None, reason="nft (Debian nftables) not installed")
+def test_hosts_behind_a_router_go_out_through_its_nat_and_cannot_be_dialled(
+    tmp_path: Path,
+) -> None:
+    with Hosts(tmp_path) as hosts:
+        public = hosts.add("public")
+        router = hosts.add_router("router")
+        lan_a, lan_b = hosts.add_behind(router, "lan-a"), hosts.add_behind(router, "lan-b")
+        url = hosts.start(public, "echo", [sys.executable, "-c", WHOAMI, public.ip])
+        seen = hosts.http_get(lan_a, url.wait_ready(30)["http_url"] + "/")
+        assert seen == router.port.ip  # masqueraded: the public host sees the router
+        inside = hosts.start(lan_b, "lan-echo", [sys.executable, "-c", WHOAMI, lan_b.ip])
+        lan_url = inside.wait_ready(30)["http_url"] + "/"
+        assert hosts.http_get(lan_a, lan_url) == lan_a.ip  # the LAN is one network
+        assert hosts.http_get(public, lan_url, timeout_s=2.0) is None  # no route in
+        # the router's own public address: unsolicited inbound is dropped
+        assert hosts.http_get(public, f"http://{router.port.ip}:8080/", timeout_s=2.0) is None
+        names = [public.netns, router.port.netns, lan_a.netns, lan_b.netns]
     assert not set(names) & set(netns.namespaces())

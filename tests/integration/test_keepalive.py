@@ -23,9 +23,9 @@ from p2p.host import HostConfig, P2PNode
 from p2p.identity import Identity
 from p2p.keepalive import KeepaliveConfig
 from shardcast.download.follower import FollowConfig, Follower
-from shardcast.wire.manifest import Manifest
 from shardcast.node.node import NodeConfig, ShardcastNode
 from shardcast.publish.origin import Origin, OriginConfig
+from shardcast.wire.manifest import Manifest
 from tests.helpers import TRAINER, make_checkpoint, trust
 
 if TYPE_CHECKING:

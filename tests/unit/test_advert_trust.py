@@ -9,7 +9,7 @@ from pathlib import Path
 from p2p.http_client import HttpClient
 from p2p.http_server import open_http_server
 from p2p.identity import Identity
-from shardcast.download.discovery import NodeAdvert, SourceDirectory
+from shardcast.download.discovery import LaneCheck, NodeAdvert, SourceDirectory
 from shardcast.serve.server import VersionServer
 from shardcast.store.store import VersionStore
 from shardcast.wire.lane_auth import check_whoami, sign_whoami, whoami_path
@@ -33,10 +33,10 @@ def test_only_proven_urls_are_offered() -> None:
     d.offer(advert("b", "http://127.0.0.1:2"), 0.0)
     assert d.sources_for(1, 1.0, 10) == []
     assert {a.peer_id for a in d.to_verify(1.0)} == {"a", "b"}
-    d.verified("a", "http://127.0.0.1:1", True, 1.0)
-    d.verified("b", "http://127.0.0.1:2", False, 1.0)
+    d.verified("a", "http://127.0.0.1:1", LaneCheck.VERIFIED, 1.0)
+    d.verified("b", "http://127.0.0.1:2", LaneCheck.UNREACHABLE, 1.0)
     assert [s.id for s in d.sources_for(1, 1.0, 10)] == ["a"]
-    assert d.to_verify(2.0) == []  # b is not challenged again for ttl_s
+    assert d.to_verify(2.0) == []  # b is not challenged again before its backoff
     d.offer(advert("a", "http://127.0.0.1:9"), 3.0)  # a moved: prove the new URL first
     assert d.sources_for(1, 3.0, 10) == []
     assert [a.peer_id for a in d.to_verify(3.0)] == ["a"]

@@ -117,3 +117,40 @@ def test_status_brackets_an_ipv6_lane() -> None:
     text = console.export_text()
     assert "http://[fd77::2]:8002" in text  # the brackets are not read as a style tag
     assert "http://[fd77::3]:8001" in text
+
+
+def test_status_shows_own_reachability_and_each_known_lane() -> None:
+    doc = node_status(_node(None))
+    doc["reachability"] = {
+        "http_url": "http://10.78.0.2:8003",
+        "state": "unreachable",
+        "advertised": False,
+        "since": "2026-01-01T00:00:05Z",
+        "checked_at": "2026-01-01T00:00:05Z",
+        "last_answers": ["mismatch"],
+    }
+    node = {"role": "peer", "latest_step": 3, "filling": [], "last_heard": None}
+    doc["known_nodes"] = [
+        {**node, "peer_id": "12D3KooWAAAAAAAAAAAAAAAAAAAAA", "lane": "verified"},
+        {
+            **node,
+            "peer_id": "12D3KooWBBBBBBBBBBBBBBBBBBBBB",
+            "lane": "unreachable",
+            "lane_failures": 2,
+        },
+        {
+            **node,
+            "peer_id": "12D3KooWCCCCCCCCCCCCCCCCCCCCC",
+            "lane": "unreachable",
+            "lane_failures": 4,
+            "lane_dropped": True,
+        },
+        {**node, "peer_id": "12D3KooWDDDDDDDDDDDDDDDDDDDDD", "lane": "none"},
+    ]
+    console = Console(width=200, record=True)
+    console.print(render(doc))
+    text = console.export_text()
+    assert "unreachable since 00:00:05; not advertised (download-only)" in text
+    assert "(mismatch)" in text
+    for want in ("verified", "unreachable x2", "dropped (unreachable)", "none"):
+        assert want in text

@@ -1,0 +1,342 @@
+"""Is this node's lane reachable from outside? A dial-back check, AutoNAT in spirit (pure part).
+
+A node behind a NAT knows its lane URL (``http://192.168.77.2:8003``) but not whether anyone
+outside can open it. Followers that hear an unreachable URL in an advert try it, fail, and try
+again; the URL steers nothing but costs them a connection attempt each time. So a node first
+asks the nodes it is connected to (its upstream relay or trainer) to dial it back
+(:mod:`shardcast.node.dialback`, protocol :data:`DIALBACK_PROTOCOL`):
+
+1. the asker sends ``{v: 1, url, nonce}``: its lane URL and a fresh 32-hex nonce;
+2. the asked node compares the URL's host with the address it sees the asker's connection
+   come from (:func:`judge_request`). Only a URL on that very address is dialled, so the asked
+   node can be made to connect to nothing but the asker's own host (it is not an amplifier);
+   it also dials each asking PeerID at most once per
+   :attr:`DialbackLimits.per_peer_interval_s` (each address once per
+   :attr:`DialbackLimits.per_address_interval_s`) and runs at most
+   :attr:`DialbackLimits.max_concurrent` dials (:class:`DialbackLimiter`). Otherwise it
+   answers ``mismatch`` (with the address it saw) or ``refused``;
+3. it fetches ``<url>/shardnet/v1/whoami/<nonce>`` with a short timeout and answers
+   ``reached`` if the lane there signed the nonce with the asker's key
+   (:func:`shardcast.wire.lane_auth.check_whoami`), ``not_reached`` otherwise.
+
+The asker keeps a :class:`Reachability` per own URL: ``unknown`` until a round of answers
+with answers gives a verdict (:func:`verdict`; a round of only ``refused`` answers does not
+count): any ``reached`` makes it ``reachable``; else a
+``not_reached``, or a ``mismatch`` for a URL on a non-global address (private, loopback,
+link-local: a host behind a NAT names its LAN address, which no one outside can open), makes
+it ``unreachable``. A round of ``refused``/failed asks, or a ``mismatch`` for a global
+address (a multi-homed host, a cloud VM whose upstream is on its private network), tells
+nothing: the state stays ``unknown``. The node advertises its URL when ``reachable`` and,
+failing open as before this check existed, when ``unknown`` after a round; never when
+``unreachable`` (it is then download-only) and not before the first round has finished.
+Verdicts are re-checked every :attr:`ReachabilityConfig.recheck_s` (an unknown one after
+:attr:`ReachabilityConfig.retry_s`).
+
+Everything here is a pure function of its arguments (``now`` in trio seconds); no I/O.
+"""
+
+from __future__ import annotations
+
+import enum
+import ipaddress
+from collections import OrderedDict
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+from urllib.parse import urlsplit
+
+from p2p import wire
+from p2p.errors import RemoteProtocolError
+
+DIALBACK_PROTOCOL = "/shardnet/dialback/1"
+MAX_DIALBACK_BYTES = 512
+_NONCE_LEN = 32
+
+
+class Reach(enum.Enum):
+    """What this node knows of one of its URLs (value: the status/metric string)."""
+
+    UNKNOWN = "unknown"
+    REACHABLE = "reachable"
+    UNREACHABLE = "unreachable"
+
+
+class DialbackResult(enum.Enum):
+    """One asked node's answer (value: the wire string); ``FAILED`` is the asker's own
+    outcome when the ask itself failed (no answer, or the node does not speak the protocol)."""
+
+    REACHED = "reached"
+    NOT_REACHED = "not_reached"
+    MISMATCH = "mismatch"
+    REFUSED = "refused"
+    FAILED = "failed"
+
+
+_WIRE_RESULTS = {r.value: r for r in DialbackResult if r is not DialbackResult.FAILED}
+
+
+@dataclass(frozen=True)
+class DialbackRequest:
+    """The asker's request: its lane ``url`` (``http://host:port``) and a fresh ``nonce``."""
+
+    url: str
+    nonce: str
+
+    def encode(self) -> bytes:
+        """Canonical CBOR bytes."""
+        return wire.encode({"v": 1, "url": self.url, "nonce": self.nonce})
+
+    @classmethod
+    def decode(cls, data: bytes, sender: str) -> DialbackRequest:
+        """Parse a request from ``sender``.
+
+        Raises:
+            RemoteProtocolError: malformed, a URL that is not ``http://host:port``, or a
+                nonce that is not 32 lowercase hex characters.
+        """
+        obj = wire.decode(data, max_bytes=MAX_DIALBACK_BYTES, sender=sender)
+        wire.need_version(obj, 1, "dialback request", sender)
+        url = wire.need_str(obj, "url", 256, sender)
+        nonce = wire.need_str(obj, "nonce", _NONCE_LEN, sender)
+        if url_host(url) is None:
+            raise RemoteProtocolError(sender, f"dialback url {url!r} is not http://host:port")
+        if len(nonce) != _NONCE_LEN or not all(c in "0123456789abcdef" for c in nonce):
+            raise RemoteProtocolError(sender, "dialback nonce must be 32 lowercase hex")
+        return cls(url, nonce)
+
+
+@dataclass(frozen=True)
+class DialbackAnswer:
+    """The asked node's answer: a result and the address it saw the asker come from."""
+
+    result: DialbackResult
+    observed: str
+
+    def encode(self) -> bytes:
+        """Canonical CBOR bytes."""
+        return wire.encode({"v": 1, "result": self.result.value, "observed": self.observed})
+
+    @classmethod
+    def decode(cls, data: bytes, sender: str) -> DialbackAnswer:
+        """Parse an answer from ``sender``.
+
+        Raises:
+            RemoteProtocolError: malformed or an unknown result.
+        """
+        obj = wire.decode(data, max_bytes=MAX_DIALBACK_BYTES, sender=sender)
+        wire.need_version(obj, 1, "dialback answer", sender)
+        result = _WIRE_RESULTS.get(wire.need_str(obj, "result", 32, sender))
+        if result is None:
+            raise RemoteProtocolError(sender, "unknown dialback result")
+        return cls(result, wire.need_str(obj, "observed", 64, sender))
+
+
+def url_host(url: str) -> str | None:
+    """The host of an ``http://host:port`` URL (brackets of IPv6 removed), or None if the URL
+    is not of that form."""
+    try:
+        parts = urlsplit(url)
+        port = parts.port
+    except ValueError:
+        return None
+    if parts.scheme != "http" or not parts.hostname or port is None or parts.path:
+        return None
+    return parts.hostname
+
+
+def _ip(text: str) -> ipaddress.IPv4Address | ipaddress.IPv6Address | None:
+    try:
+        return ipaddress.ip_address(text)
+    except ValueError:
+        return None
+
+
+def same_address(a: str, b: str) -> bool:
+    """True if ``a`` and ``b`` name the same IP address (``::ffff:10.0.0.1`` is
+    ``10.0.0.1``); names that are not IP literals never match."""
+    x, y = _ip(a), _ip(b)
+    if x is None or y is None:
+        return False
+    if isinstance(x, ipaddress.IPv6Address) and x.ipv4_mapped is not None:
+        x = x.ipv4_mapped
+    if isinstance(y, ipaddress.IPv6Address) and y.ipv4_mapped is not None:
+        y = y.ipv4_mapped
+    return x == y
+
+
+def is_global(host: str) -> bool:
+    """True if ``host`` is a global IP address (reachable across the internet if routed); a
+    DNS name counts as global (it is meant to be resolved from anywhere)."""
+    ip = _ip(host)
+    return True if ip is None else ip.is_global
+
+
+def judge_request(url: str, observed: list[str]) -> DialbackResult | None:
+    """The asked node's rule (see the module docstring): None if the URL may be dialled (its
+    host is one of the addresses the asker's connections come from), else ``MISMATCH``.
+    ``observed`` empty (the address is not known) gives ``REFUSED``."""
+    host = url_host(url)
+    if not observed:
+        return DialbackResult.REFUSED
+    if host is not None and any(same_address(host, o) for o in observed):
+        return None
+    return DialbackResult.MISMATCH
+
+
+@dataclass(frozen=True)
+class DialbackLimits:
+    """Bounds of the asked node.
+
+    Attributes:
+        per_peer_interval_s: one dial per asking PeerID per this many seconds (later asks
+            are refused).
+        per_address_interval_s: one dial per asking address per this many seconds (many
+            PeerIDs of one host get no more; a short interval: peers behind one carrier NAT
+            share an address).
+        max_concurrent: dials running at once (more are refused).
+        dial_timeout_s: the whoami fetch's timeout, seconds.
+        max_tracked: bound on remembered askers.
+    """
+
+    per_peer_interval_s: float = 30.0
+    per_address_interval_s: float = 1.0
+    max_concurrent: int = 4
+    dial_timeout_s: float = 5.0
+    max_tracked: int = 4096
+
+
+class DialbackLimiter:
+    """Admission of dial-back requests (see :class:`DialbackLimits`); bounded memory."""
+
+    def __init__(self, limits: DialbackLimits) -> None:
+        self.limits = limits
+        self._last: OrderedDict[str, float] = OrderedDict()  # PeerID or address -> last dial
+        self.running = 0
+
+    def admit(self, peer_id: str, address: str, now: float) -> bool:
+        """True (and counted as running until :meth:`done`) if a dial for ``peer_id`` seen at
+        ``address`` may start at ``now``."""
+        if self.running >= self.limits.max_concurrent:
+            return False
+        lim = self.limits
+        for key, interval in (
+            (peer_id, lim.per_peer_interval_s),
+            (address, lim.per_address_interval_s),
+        ):
+            last = self._last.get(key)
+            if last is not None and now - last < interval:
+                return False
+        for key in (peer_id, address):
+            self._last.pop(key, None)
+            self._last[key] = now
+        while len(self._last) > self.limits.max_tracked:
+            self._last.popitem(last=False)
+        self.running += 1
+        return True
+
+    def done(self) -> None:
+        """A dial admitted by :meth:`admit` has ended."""
+        self.running -= 1
+
+
+def verdict(url: str, answers: list[DialbackResult]) -> Reach:
+    """What one round of answers about ``url`` says (see the module docstring)."""
+    if DialbackResult.REACHED in answers:
+        return Reach.REACHABLE
+    if DialbackResult.NOT_REACHED in answers:
+        return Reach.UNREACHABLE
+    host = url_host(url)
+    if DialbackResult.MISMATCH in answers and host is not None and not is_global(host):
+        return Reach.UNREACHABLE
+    return Reach.UNKNOWN
+
+
+@dataclass(frozen=True)
+class ReachabilityConfig:
+    """When the asker checks.
+
+    Attributes:
+        askers: connected nodes asked per round (upstreams first).
+        recheck_s: a reachable or unreachable verdict is checked again after this, seconds.
+        retry_s: an unknown one (or a round with no one to ask) after this, seconds.
+        ask_timeout_s: one ask's timeout (the asked node's dial included), seconds.
+    """
+
+    askers: int = 3
+    recheck_s: float = 600.0
+    retry_s: float = 30.0
+    ask_timeout_s: float = 10.0
+
+
+@dataclass
+class Reachability:
+    """What this node knows of its own lane ``url`` (pure; ``now`` in trio seconds).
+
+    Attributes:
+        state: the latest verdict.
+        since: when ``state`` was first reached (None: never checked).
+        checked_at: when the latest round ended (None: never).
+        last_answers: the latest round's answers (of a round with any).
+        rounds: rounds that had answers.
+    """
+
+    url: str
+    config: ReachabilityConfig = field(default_factory=ReachabilityConfig)
+    state: Reach = Reach.UNKNOWN
+    since: float | None = None
+    checked_at: float | None = None
+    last_answers: tuple[DialbackResult, ...] = ()
+    rounds: int = 0
+
+    def _wait_s(self) -> float:
+        if self.rounds == 0:
+            return self.config.retry_s / 10  # no one answered yet: ask again soon
+        return self.config.retry_s if self.state is Reach.UNKNOWN else self.config.recheck_s
+
+    def due(self, now: float) -> bool:
+        """True if a round should run at ``now``."""
+        return self.checked_at is None or now - self.checked_at >= self._wait_s()
+
+    def next_due(self, now: float) -> float:
+        """Seconds from ``now`` until :meth:`due` (0 if due)."""
+        if self.checked_at is None:
+            return 0.0
+        return max(0.0, self.checked_at + self._wait_s() - now)
+
+    def observe(self, answers: list[DialbackResult], now: float) -> bool:
+        """Record a round's answers; True if the URL to advertise (:meth:`advertised`)
+        changed. A round with no answers or only ``refused`` ones (no one could check now)
+        only schedules the next one, soon.
+
+        A round that tells nothing (``unknown``) does not undo an earlier verdict."""
+        before = self.advertised()
+        self.checked_at = now
+        if all(a is DialbackResult.REFUSED for a in answers):
+            return False  # no one could check now (rate limits): ask again soon
+        self.rounds += 1
+        self.last_answers = tuple(answers)
+        new = verdict(self.url, answers)
+        if new is Reach.UNKNOWN and self.state is not Reach.UNKNOWN:
+            return False
+        if new is not self.state or self.since is None:
+            self.state, self.since = new, now
+        return self.advertised() != before
+
+    def advertised(self) -> str:
+        """The URL to put in adverts: empty before the first round with answers and while
+        unreachable."""
+        if self.rounds == 0 or self.state is Reach.UNREACHABLE:
+            return ""
+        return self.url
+
+    def status(self, wall_of: Callable[[float], str]) -> dict[str, Any]:
+        """The ``reachability`` section of ``/status``; ``wall_of(t)`` turns a trio time into
+        an ISO wall-clock string."""
+        return {
+            "http_url": self.url,
+            "state": self.state.value,
+            "advertised": bool(self.advertised()),
+            "since": wall_of(self.since) if self.since is not None else None,
+            "checked_at": wall_of(self.checked_at) if self.checked_at is not None else None,
+            "last_answers": [a.value for a in self.last_answers],
+        }

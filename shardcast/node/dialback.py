@@ -1,0 +1,142 @@
+"""The trio side of the dial-back reachability check (the rules are in
+:mod:`shardcast.core.reachability`).
+
+:func:`serve_dialback` registers :data:`~shardcast.core.reachability.DIALBACK_PROTOCOL` on a node:
+it dials a requester's lane only at the address the requester's connection comes from, rate
+limited by :class:`~shardcast.core.reachability.DialbackLimiter`. :func:`keep_reachability` runs
+on a node that advertises: it asks a few connected nodes per round, feeds their answers to a
+:class:`~shardcast.core.reachability.Reachability` and calls back when the URL to advertise
+changes.
+"""
+
+from __future__ import annotations
+
+import logging
+import secrets
+from collections.abc import Callable
+
+import trio
+
+from p2p.errors import ShardnetError, TransportError, short_id
+from p2p.lanes import Host, HttpLaneClient
+from shardcast.core import (
+    DIALBACK_PROTOCOL,
+    MAX_DIALBACK_BYTES,
+    DialbackAnswer,
+    DialbackLimiter,
+    DialbackLimits,
+    DialbackRequest,
+    DialbackResult,
+    Reachability,
+    judge_request,
+)
+from shardcast.wire import check_whoami, whoami_path
+
+log = logging.getLogger(__name__)
+
+
+def serve_dialback(host: Host, client: HttpLaneClient, limits: DialbackLimits) -> DialbackLimiter:
+    """Answer dial-back requests on ``host``, dialling with ``client``; the limiter (for
+    statistics). Safe to call once per host."""
+    limiter = DialbackLimiter(limits)
+
+    async def handle(sender: str, request: bytes) -> bytes:
+        req = DialbackRequest.decode(request, sender)
+        observed = host.remote_hosts(sender)
+        result = judge_request(req.url, observed)
+        seen = observed[0] if observed else ""
+        if result is None:
+            if limiter.admit(sender, seen, trio.current_time()):
+                try:
+                    result = await _dial(client, sender, req, limits.dial_timeout_s)
+                finally:
+                    limiter.done()
+            else:
+                result = DialbackResult.REFUSED
+        log.info(
+            "dialback_answered asker=%s http_url=%s result=%s",
+            short_id(sender),
+            req.url,
+            result.value,
+        )
+        return DialbackAnswer(result, seen).encode()
+
+    host.serve(
+        DIALBACK_PROTOCOL,
+        handle,
+        max_request_bytes=MAX_DIALBACK_BYTES,
+        max_response_bytes=MAX_DIALBACK_BYTES,
+        timeout_s=limits.dial_timeout_s + 5.0,
+        max_concurrent=2 * limits.max_concurrent,
+    )
+    return limiter
+
+
+async def _dial(
+    client: HttpLaneClient, asker: str, req: DialbackRequest, timeout_s: float
+) -> DialbackResult:
+    try:
+        answer = await client.get_bytes(
+            req.url + whoami_path(req.nonce), max_bytes=512, timeout_s=timeout_s
+        )
+    except (TransportError, ShardnetError):
+        return DialbackResult.NOT_REACHED
+    if check_whoami(answer, asker, req.nonce, req.url):
+        return DialbackResult.REACHED
+    return DialbackResult.NOT_REACHED
+
+
+async def ask(host: Host, peer_id: str, url: str, timeout_s: float) -> DialbackResult:
+    """Ask ``peer_id`` to dial ``url`` back; its answer, or ``FAILED`` if there was none (no
+    connection, a timeout, a node that does not speak the protocol, a bad answer)."""
+    req = DialbackRequest(url, secrets.token_hex(16))
+    try:
+        data = await host.request(
+            peer_id,
+            DIALBACK_PROTOCOL,
+            req.encode(),
+            max_response_bytes=MAX_DIALBACK_BYTES,
+            timeout_s=timeout_s,
+        )
+        return DialbackAnswer.decode(data, peer_id).result
+    except ShardnetError as exc:
+        log.info("dialback_ask_failed peer=%s error=%s", short_id(peer_id), exc)
+        return DialbackResult.FAILED
+
+
+async def _round(host: Host, reach: Reachability, peers: list[str]) -> list[DialbackResult]:
+    answers: list[DialbackResult] = []
+
+    async def one(pid: str) -> None:
+        answers.append(await ask(host, pid, reach.url, reach.config.ask_timeout_s))
+
+    async with trio.open_nursery() as nursery:
+        for pid in peers:
+            nursery.start_soon(one, pid)
+    return answers
+
+
+async def keep_reachability(
+    host: Host,
+    reach: Reachability,
+    askers: Callable[[], list[str]],
+    on_change: Callable[[], None],
+) -> None:
+    """Check ``reach.url`` whenever due, forever: ask up to ``reach.config.askers`` of
+    ``askers()`` (connected PeerIDs, best first) at once, record the round, and call
+    ``on_change()`` when the URL to advertise changed. Logs each new state once."""
+    while True:
+        await trio.sleep(reach.next_due(trio.current_time()))
+        answers = await _round(host, reach, askers()[: reach.config.askers])
+        before = reach.state
+        changed = reach.observe(answers, trio.current_time())
+        if answers and (reach.state is not before or reach.rounds == 1):
+            log.info(
+                "reachability http_url=%s state=%s advertised=%s answers=%s",
+                reach.url,
+                reach.state.value,
+                bool(reach.advertised()),
+                ",".join(a.value for a in answers),
+            )
+        if changed:
+            on_change()

@@ -1,0 +1,195 @@
+"""Advert backoff and drop (SourceDirectory), the dial-back rules and a node's own
+reachability state: pure, with the time passed in."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from p2p.errors import RemoteProtocolError
+from shardcast.core.reachability import (
+    DialbackAnswer,
+    DialbackLimiter,
+    DialbackLimits,
+    DialbackRequest,
+    DialbackResult,
+    Reach,
+    Reachability,
+    ReachabilityConfig,
+    judge_request,
+    verdict,
+)
+from shardcast.download.discovery import LaneBackoff, LaneCheck, NodeAdvert, SourceDirectory
+
+URL = "http://10.78.0.2:8003"
+NONCE = "0123456789abcdef" * 2
+R = DialbackResult
+
+
+def directory() -> SourceDirectory:
+    return SourceDirectory(
+        "me", set(), ttl_s=10.0, max_entries=100, rng=random.Random(0), require_verified=True
+    )
+
+
+def challenges(d: SourceDirectory, until_s: float, result: LaneCheck) -> list[float]:
+    """Drive the directory second by second as the follower does (the advert is re-heard
+    every 2 s); the times of the challenges it asked for."""
+    out = []
+    t = 0.0
+    while t <= until_s:
+        if t % 2 == 0:
+            d.offer(NodeAdvert("nat", "peer", URL, (1,), ()), t)
+        for a in d.to_verify(t):
+            out.append(t)
+            d.verified(a.peer_id, a.http_url, result, t)
+        t += 1.0
+    return out
+
+
+def test_an_unreachable_advert_is_tried_at_most_three_times_an_hour_then_dropped() -> None:
+    d = directory()
+    times = challenges(d, 6 * 3600.0, LaneCheck.UNREACHABLE)
+    first = times[0]
+    assert first == 0.0
+    for start in times:  # any hour from a failure on holds at most three more attempts
+        assert len([t for t in times if start < t <= start + 3600]) <= 3
+    assert times == [0.0, 60.0, 300.0, 1260.0]  # 60 s, then 4x longer; dropped after four
+    lane = d.lane_status("nat", URL)
+    assert lane is not None
+    assert lane.result is LaneCheck.UNREACHABLE
+    assert lane.dropped(d.backoff)
+    assert lane.next_at == 1260.0 + LaneBackoff().drop_s
+
+
+def test_a_dropped_url_starts_over_after_drop_s_and_success_resets() -> None:
+    d = directory()
+    b = d.backoff
+    for t in (0.0, 60.0, 300.0, 1260.0):
+        d.offer(NodeAdvert("x", "peer", URL, (1,), ()), t)
+        assert [a.peer_id for a in d.to_verify(t)] == ["x"]
+        lane = d.verified("x", URL, LaneCheck.BAD_ANSWER, t)
+    assert lane.failures == b.max_failures
+    later = 1260.0 + b.drop_s
+    d.offer(NodeAdvert("x", "peer", URL, (1,), ()), later - 1)
+    assert d.to_verify(later - 1) == []
+    assert [a.peer_id for a in d.to_verify(later)] == ["x"]
+    lane = d.verified("x", URL, LaneCheck.UNREACHABLE, later)
+    assert (lane.failures, lane.next_at) == (1, later + b.first_s)
+    lane = d.verified("x", URL, LaneCheck.VERIFIED, later + 60)
+    assert (lane.failures, lane.result) == (0, LaneCheck.VERIFIED)
+    d.offer(NodeAdvert("x", "peer", URL, (1,), ()), later + 60)
+    assert [s.id for s in d.sources_for(1, later + 60, 4)] == ["x"]
+    d.verified("x", URL, LaneCheck.UNREACHABLE, later + 61)  # it stopped answering
+    assert d.sources_for(1, later + 61, 4) == []
+
+
+def test_a_new_url_is_challenged_at_once() -> None:
+    d = directory()
+    d.offer(NodeAdvert("x", "peer", URL, (1,), ()), 0.0)
+    d.verified("x", URL, LaneCheck.UNREACHABLE, 0.0)
+    d.offer(NodeAdvert("x", "peer", "http://10.77.0.9:8003", (1,), ()), 1.0)
+    assert [a.http_url for a in d.to_verify(1.0)] == ["http://10.77.0.9:8003"]
+
+
+def test_a_download_only_advert_offers_nothing_and_is_never_challenged() -> None:
+    adv = NodeAdvert("pid", "peer", "", (1,), ())
+    assert NodeAdvert.decode(adv.encode(), "pid") == adv
+    d = directory()
+    d.offer(adv, 0.0)
+    assert d.to_verify(0.0) == []
+    assert d.sources_for(1, 0.0, 4) == []
+    assert [a.peer_id for a, _ in d.entries(0.0)] == ["pid"]
+    bad = NodeAdvert("pid", "peer", "ftp://x", (1,), ())
+    with pytest.raises(RemoteProtocolError):
+        NodeAdvert.decode(bad.encode(), "pid")
+
+
+# -- dial-back rules --------------------------------------------------------------------------
+
+
+def test_the_asked_node_dials_only_the_address_the_asker_comes_from() -> None:
+    assert judge_request("http://127.0.0.1:9", ["127.0.0.1"]) is None
+    assert judge_request("http://127.0.0.1:9", ["::ffff:127.0.0.1"]) is None
+    assert judge_request("http://[fd77::2]:9", ["fd77::2"]) is None
+    assert judge_request("http://192.168.77.2:8003", ["10.77.0.254"]) is R.MISMATCH
+    assert judge_request("http://example.org:80", ["10.77.0.254"]) is R.MISMATCH
+    assert judge_request("http://127.0.0.1:9", []) is R.REFUSED
+
+
+def test_the_dialback_limiter_bounds_dials_per_asker_per_address_and_at_once() -> None:
+    lim = DialbackLimiter(
+        DialbackLimits(per_peer_interval_s=30.0, per_address_interval_s=1.0, max_concurrent=2)
+    )
+    assert lim.admit("a", "1.1.1.1", 0.0)
+    assert not lim.admit("b", "1.1.1.1", 0.5)  # another PeerID from the same address, too soon
+    assert not lim.admit("a", "1.1.1.1", 10.0)  # same peer too soon
+    assert lim.admit("b", "1.1.1.1", 10.0)  # peers behind one NAT take turns
+    assert not lim.admit("d", "3.3.3.3", 10.0)  # two running
+    lim.done()
+    assert lim.admit("d", "3.3.3.3", 11.0)
+    lim.done()
+    lim.done()
+    assert lim.admit("a", "1.1.1.1", 30.0)
+
+
+def test_dialback_messages_round_trip_and_reject_garbage() -> None:
+    req = DialbackRequest(URL, NONCE)
+    assert DialbackRequest.decode(req.encode(), "p") == req
+    ans = DialbackAnswer(R.NOT_REACHED, "10.77.0.254")
+    assert DialbackAnswer.decode(ans.encode(), "p") == ans
+    for bad in (
+        DialbackRequest("http://x:1/path", NONCE).encode(),
+        DialbackRequest("http://x", NONCE).encode(),
+        DialbackRequest(URL, "XYZ").encode(),
+        DialbackAnswer(R.FAILED, "").encode(),  # not a wire result
+        b"\xff\x00",
+        b"x" * 600,
+    ):
+        decode = DialbackAnswer.decode if b"result" in bad else DialbackRequest.decode
+        with pytest.raises(RemoteProtocolError):
+            decode(bad, "p")
+
+
+@pytest.mark.parametrize(
+    ("url", "answers", "want"),
+    [
+        (URL, [R.REACHED, R.NOT_REACHED], Reach.REACHABLE),
+        (URL, [R.NOT_REACHED, R.FAILED], Reach.UNREACHABLE),
+        (URL, [R.MISMATCH], Reach.UNREACHABLE),  # a private URL seen from elsewhere: NAT
+        ("http://8.8.8.8:8003", [R.MISMATCH], Reach.UNKNOWN),  # global: multi-homed, no verdict
+        (URL, [R.REFUSED, R.FAILED], Reach.UNKNOWN),
+    ],
+)
+def test_a_round_gives_a_verdict(url: str, answers: list[DialbackResult], want: Reach) -> None:
+    assert verdict(url, answers) is want
+
+
+def test_a_node_advertises_only_once_reached_and_stops_when_unreachable() -> None:
+    cfg = ReachabilityConfig(recheck_s=600.0, retry_s=30.0)
+    r = Reachability(URL, cfg)
+    assert r.advertised() == ""
+    assert r.due(0.0)
+    assert not r.observe([], 0.0)  # no one to ask: nothing learned, ask again soon
+    assert r.advertised() == ""
+    assert r.next_due(0.0) == 3.0
+    assert not r.observe([R.REFUSED, R.REFUSED], 3.0)  # rate limited: no verdict either
+    assert (r.rounds, r.advertised()) == (0, "")
+    assert r.observe([R.REACHED], 3.0)
+    assert (r.state, r.since, r.advertised()) == (Reach.REACHABLE, 3.0, URL)
+    assert not r.due(500.0)
+    assert r.due(603.0)
+    assert not r.observe([R.REFUSED], 603.0)  # a round that tells nothing keeps the verdict
+    assert r.state is Reach.REACHABLE
+    assert r.observe([R.NOT_REACHED], 1203.0)
+    assert (r.state, r.since, r.advertised()) == (Reach.UNREACHABLE, 1203.0, "")
+    assert r.status(str)["state"] == "unreachable"
+    assert r.status(str)["last_answers"] == ["not_reached"]
+
+
+def test_an_undecided_node_fails_open_after_a_round() -> None:
+    r = Reachability("http://8.8.8.8:8003", ReachabilityConfig(retry_s=30.0))
+    assert r.observe([R.FAILED], 0.0)  # peers that do not speak the protocol: as before
+    assert (r.state, r.advertised()) == (Reach.UNKNOWN, "http://8.8.8.8:8003")
+    assert r.next_due(10.0) == 20.0
