@@ -245,7 +245,7 @@ class CommonSettings(BaseSettings):
         """Check, before anything starts or logs, what an operator can get wrong on this host.
 
         Creates ``data_dir`` (and parents) if missing. The node checks its ports again when it
-        binds (:meth:`shardcast.node.ShardcastNode.open`); this early check makes a port in use
+        binds (:meth:`shardcast.node.node.ShardcastNode.open`); this early check makes a port in use
         the only output of a failed start.
 
         Raises:

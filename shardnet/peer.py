@@ -2,7 +2,8 @@
 
 Theory of operation
 -------------------
-A peer runs a shardcast node and a :class:`~shardcast.follower.Follower` on its relays. Each
+A peer runs a shardcast node and a :class:`~shardcast.download.follower.Follower` on its relays.
+Each
 committed version is reported to the trainer (``/shardnet/status/1.0.0``) and wakes the
 generation loop, which always works on the newest committed version: load it into the engine
 (the version directory is pinned against retention meanwhile), build one batch, one group

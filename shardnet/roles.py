@@ -346,7 +346,7 @@ async def join_card(
     Raises:
         ConfigError: the data directory holds another run or a bad card, the fetched card is
             for another run than ``run_id``, or every address offers a card that does not
-            verify against ``trainer_id`` (see :func:`shardcast.cardsync.bootstrap_card`).
+            verify against ``trainer_id`` (see :func:`shardcast.node.cardsync.bootstrap_card`).
     """
     card = check_data_dir(s.data_dir, s.run_id, _trainer_id(s))
     if card is None:

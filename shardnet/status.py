@@ -3,7 +3,7 @@
 A target is an HTTP lane URL (``http://host:8002``, ``host:8002``; ``/status`` is appended) or
 a libp2p multiaddr with ``/p2p/<PeerID>``: then a throwaway identity asks the node's info
 record over ``/shardnet/info/1.0.0`` for its HTTP lane URL, and reads ``/status`` there. The
-document is :mod:`shardcast.nodestatus`'s.
+document is :mod:`shardcast.node.nodestatus`'s.
 
 Output: a set of tables (role, versions with progress, upstreams, known nodes; for the
 trainer the network's versions at a glance and the rollouts), ``--json`` the document itself

@@ -15,14 +15,14 @@ manifest. But adverts must not steer the swarm's requests, so:
 
 - **the URL is bound to the PeerID**: a follower uses an advertised URL only after the lane
   there answered a fresh challenge (``/shardnet/v1/whoami/<nonce>``, see
-  :func:`shardcast.lane_auth.whoami_body`) with the advertiser's signature
+  :func:`shardcast.wire.lane_auth.whoami_body`) with the advertiser's signature
   (``require_verified``); a URL that fails is asked again after an exponential backoff
   (:class:`LaneBackoff`: 60 s, then 4x longer each time, so at most three attempts in the
   hour after the first failure) and dropped after
   :attr:`LaneBackoff.max_failures` failures in a row (not asked again for
   :attr:`LaneBackoff.drop_s`); the last result of each is a :class:`LaneCheck`. An advert
   with an empty URL is a download-only node (one that learned its lane is not reachable from
-  outside, :mod:`shardcast.reachability`): it offers no source and is never challenged;
+  outside, :mod:`shardcast.core.reachability`): it offers no source and is never challenged;
 - **advertisers are scored**, across versions: a source that delivered bytes gains, one that
   was used and delivered nothing (or kept answering 503) loses; those at or below
   ``MIN_SCORE`` are not offered (their score recovers by one point per ``ttl_s``);
@@ -72,7 +72,7 @@ class NodeAdvert:
             the same order (empty: an advert of an older node, which names steps only).
         tier: hops from the origin (1: a relay fed by the origin; 2: a node fed by relays),
             or None (unknown: an older node). Relays of one tier do not super-seed to each
-            other (:attr:`shardcast.serve.VersionServer.exempt`).
+            other (:attr:`shardcast.serve.server.VersionServer.exempt`).
     """
 
     peer_id: str

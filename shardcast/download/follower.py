@@ -6,26 +6,27 @@ keeps a connection and polls the upstream's info record every ``poll_interval_s`
 carries the newest announcement the upstream knows); it also listens to the run's gossip
 topics: version announcements (each names the run card it was made under; a newer card is
 fetched from an upstream and adopted before the version is used), and node adverts
-(:mod:`shardcast.discovery`) that tell which other nodes hold or are filling a version.
+(:mod:`shardcast.download.discovery`) that tell which other nodes hold or are filling a version.
 Whichever path delivers a newer, trainer-signed announcement first wakes the download loop.
 What is taken, what is fetched, when a download is superseded and how far apart upstream polls
-are is decided by the node's :class:`~shardcast.tracker.VersionTracker` (sans-IO, shared with
+are is decided by the node's :class:`~shardcast.core.tracker.VersionTracker` (sans-IO, shared with
 the simulator); this module does the I/O. The download loop
 
 1. fetches the manifest document from an upstream (header digest checked against the
    announcement, every signature against the pinned trainer) — parts may still be missing;
-2. plans the catch-up (:mod:`shardcast.catchup`): the newest version in full, or the chain of
+2. plans the catch-up (:mod:`shardcast.core.catchup`): the newest version in full, or the chain of
    delta versions from the one it holds, whichever moves fewer bytes;
 3. downloads each planned version from its upstreams plus up to ``max_extra_sources``
    discovered nodes, serving every verified part and shard onward while it fills
    (pipelining), and commits it. Upstreams that become reachable during a download join it.
 
-A download always ends (:mod:`shardcast.liveness`): it fails when the version is gone from
+A download always ends (:mod:`shardcast.core.liveness`): it fails when the version is gone from
 every source (pruned: the next plan falls back to the newest version in full), when nothing
 arrives for too long, and it is abandoned as soon as a newer version is announced that it
-cannot be the base of (:func:`shardcast.catchup.worth_finishing`).
+cannot be the base of (:func:`shardcast.core.catchup.worth_finishing`).
 
-Static mirrors (``mirrors``: base URLs of trees written by :func:`shardcast.mirror.export_mirror`
+Static mirrors (``mirrors``: base URLs of trees written by
+:func:`shardcast.serve.mirror.export_mirror`
 and served by any web server) are HTTP-only sources: no PeerID, no libp2p, source id = the URL.
 Each is polled for its ``/versions`` list every ``poll_interval_s``; a mirror never tells this
 node that a version exists (only the trainer's signed announcements do), it is only added as a
@@ -41,7 +42,7 @@ Every loop here has a timeout or a bounded backoff; a failing upstream is logged
 short PeerID and retried, never allowed to stop the others.
 
 Versions are ``(step, manifest digest)`` everywhere: every lane request names both
-(:mod:`shardcast.lane_urls`), adverts carry the digest of each step they list, mirrors are
+(:mod:`shardcast.wire.lane_urls`), adverts carry the digest of each step they list, mirrors are
 used only for the digests they list, and the manifests of a delta chain are fetched by the
 digest each link names as its base.
 
@@ -54,7 +55,7 @@ older than the newest it holds is not fetched (logged once), whatever its digest
 Once the trainer's signed ``RunFinished`` is known and its final
 version committed, the follower is *settled* (:meth:`Follower.wait_settled`): it keeps
 serving, and polls and retries its upstreams minutes apart instead of seconds
-(:func:`shardcast.finish.poll_delay`).
+(:func:`shardcast.core.pollpolicy.poll_delay`).
 """
 
 from __future__ import annotations
@@ -309,7 +310,7 @@ class Follower:
     def _confirmed_elsewhere(self, sender: str) -> bool:
         """True if another reachable upstream's last info record names the version this node
         knows: a same-step replacement from ``sender`` then waits
-        (:func:`~shardcast.tracker.confirmed_elsewhere`)."""
+        (:func:`~shardcast.core.tracker.confirmed_elsewhere`)."""
         return confirmed_elsewhere(
             self.node.announcement, sender, self._upstream_said, self.upstreams
         )
@@ -537,7 +538,7 @@ class Follower:
     async def _verify_adverts(self) -> None:
         """Challenge the lane behind each new advert: its URL is used only once it proved
         that it holds the advertiser's key; failed URLs back off and are dropped (see
-        :mod:`shardcast.discovery`)."""
+        :mod:`shardcast.download.discovery`)."""
         while True:
             now = trio.current_time()
             for advert in self.directory.to_verify(now)[:8]:
@@ -601,7 +602,7 @@ class Follower:
                 await self._advert_wake.wait()
 
     def tier(self) -> int | None:
-        """Hops from the origin (see :class:`~shardcast.discovery.NodeAdvert`): 1 if an
+        """Hops from the origin (see :class:`~shardcast.download.discovery.NodeAdvert`): 1 if an
         upstream is the origin (a trainer), else one more than the upstreams' own lowest
         advertised tier; None while no upstream has answered."""
         if not self.upstreams:
@@ -693,7 +694,7 @@ class Follower:
 
     def _wanted(self) -> VersionAnnouncement | None:
         """The known announcement if it names a version to fetch, else None (see
-        :func:`shardcast.tracker.want`: newer than what is held, or the newest step held with
+        :func:`shardcast.core.tracker.want`: newer than what is held, or the newest step held with
         another digest; never an older step than the newest held)."""
         ann = self.node.announcement
         latest = self.node.store.latest()
@@ -749,7 +750,7 @@ class Follower:
 
     async def _watch_superseded(self, m: Manifest, scope: trio.CancelScope) -> None:
         """Cancel ``scope`` (the download of ``m``) once a newer version is announced that
-        ``m`` cannot be the base of (:func:`~shardcast.tracker.abandons`)."""
+        ``m`` cannot be the base of (:func:`~shardcast.core.tracker.abandons`)."""
         seen = m.step
         while True:
             ann = await self.node.wait_announcement(newer_than=seen)

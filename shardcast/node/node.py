@@ -4,23 +4,24 @@ Every role (origin inside the trainer, relay, inference peer) runs one :class:`S
 It owns, for the duration of :meth:`ShardcastNode.open`:
 
 - the libp2p host (identity, gossip, request/response) from :mod:`p2p.host`;
-- the HTTP lane server (:mod:`p2p.http_server`) serving :class:`~shardcast.serve.VersionServer`;
-- the :class:`~shardcast.store.VersionStore` of the run under ``<data_dir>/versions``;
-- the ``/shardnet/info/1.0.0`` handler answering with :class:`~shardcast.messages.NodeInfo`;
-- the ``/shardnet/dialback/1`` handler (:mod:`shardcast.dialback`): it tells a connected node
+- the HTTP lane server (:mod:`p2p.http_server`) serving
+  :class:`~shardcast.serve.server.VersionServer`;
+- the :class:`~shardcast.store.store.VersionStore` of the run under ``<data_dir>/versions``;
+- the ``/shardnet/info/1.0.0`` handler answering with :class:`~shardcast.wire.messages.NodeInfo`;
+- the ``/shardnet/dialback/1`` handler (:mod:`shardcast.node.dialback`): it tells a connected node
   whether its lane is reachable from here;
-- ``/metrics`` (:mod:`shardcast.metrics`) and ``/status`` (:mod:`shardcast.nodestatus`) on
+- ``/metrics`` (:mod:`shardcast.node.metrics`) and ``/status`` (:mod:`shardcast.node.nodestatus`) on
   the HTTP lane; components add status sections to :attr:`ShardcastNode.status_sections`
   and metric families through :attr:`ShardcastNode.metrics`;
-- the newest verified :class:`~shardcast.messages.VersionAnnouncement` this node knows, with
+- the newest verified :class:`~shardcast.wire.messages.VersionAnnouncement` this node knows, with
   an event that fires when a newer one arrives (from gossip, an info poll, or the origin):
-  what is taken is decided by its :class:`~shardcast.tracker.VersionTracker`
+  what is taken is decided by its :class:`~shardcast.core.tracker.VersionTracker`
   (:attr:`ShardcastNode.tracker`), which holds that state; the node verifies, logs and wakes;
-- the run card (:mod:`shardcast.runcard`) it holds, kept in ``<data_dir>/runcard.json`` and
+- the run card (:mod:`shardcast.wire.runcard`) it holds, kept in ``<data_dir>/runcard.json`` and
   served at ``GET /shardnet/v1/runcard`` and on ``/shardnet/runcard/1.0.0``. Opening the node
   checks that the data directory belongs to the configured run
-  (:func:`shardcast.cardsync.check_data_dir`);
-- the trainer's signed :class:`~shardcast.finish.RunFinished`, once the run has ended (lifted
+  (:func:`shardcast.node.cardsync.check_data_dir`);
+- the trainer's signed :class:`~shardcast.wire.finish.RunFinished`, once the run has ended (lifted
   again by an announcement of a newer step).
 """
 
@@ -91,10 +92,10 @@ class NodeConfig:
         http: HTTP lane server settings.
         serve_wait_s: how long a request for a not-yet-verified shard waits, seconds.
         info_timeout_s: bound on one info request, seconds.
-        serve_once_s: origin super-seeding window (see :mod:`shardcast.serve`), or None.
+        serve_once_s: origin super-seeding window (see :mod:`shardcast.serve.server`), or None.
         serve_once_min_bytes: versions offering at most this many bytes (deltas, usually)
             are not super-seeded (0: every version is).
-        durable: fsync every committed version (see :mod:`shardcast.store`).
+        durable: fsync every committed version (see :mod:`shardcast.store.store`).
         public_url: the HTTP lane URL to advertise (None: derived from the bound address, see
             :func:`p2p.addresses.advertised_url`).
     """
