@@ -2,12 +2,11 @@
 
 Theory of operation
 -------------------
-A peer runs a shardcast node and a :class:`~shardcast.download.follower.Follower` on its relays.
-Each
-committed version is reported to the trainer (``/shardnet/status/1.0.0``) and wakes the
-generation loop, which always works on the newest committed version: load it into the engine
-(the version directory is pinned against retention meanwhile), build one batch, one group
-at a time (:func:`rollout.batch.build_group`) in a worker thread, and hand it to the
+A peer runs a shardcast node and a :class:`~shardcast.download.follower.Follower` on its
+relays. Each committed version is reported to the trainer (``/shardnet/status/1.0.0``) and
+wakes the generation loop, which always works on the newest committed version: load it into
+the engine (the version directory is pinned against retention meanwhile), build one batch, one
+group at a time (:func:`rollout.batch.build_group`) in a worker thread, and hand it to the
 :class:`~rollout.exchange.RolloutSender`, which announces it and retries until the trainer
 acknowledges. The network keeps running while the CPU generates.
 
