@@ -112,6 +112,7 @@ from p2p.limits import (
 from p2p.loop_lag import BodyDeadlines, LoopLag
 
 if TYPE_CHECKING:
+    from libp2p.pubsub.gossipsub import GossipSub
     from trio_typing import TaskStatus
 
 log = logging.getLogger(__name__)
@@ -378,6 +379,52 @@ class _ConnectionWatch(INotifee):
         """Unused."""
 
 
+@dataclass(frozen=True)
+class _HostParts:
+    """The pieces of a libp2p host, built and wired but not started (see :meth:`build`)."""
+
+    host: Any
+    listen: list[multiaddr.Multiaddr]
+    guard: InboundGuard
+    router: GossipSub
+    peering: DirectPeering
+    watch: _ConnectionWatch
+    pubsub: GuardedPubsub
+    rr: RequestResponse
+
+    @classmethod
+    def build(cls, identity: Identity, config: HostConfig) -> _HostParts:
+        """Check the library and the listen addresses, make the host, and install the
+        inbound guard, its stream limits, gossip and the connection notifees.
+
+        Raises:
+            ConfigError: a listen port is in use or its address is not this host's.
+            LocalProtocolError: the installed libp2p is not the one :mod:`p2p.boundary` guards.
+        """
+        check_library()
+        listen = [parse_multiaddr(a) for a in config.listen_multiaddrs]
+        ensure_listen_bindable(config.listen_multiaddrs)
+        host = new_host(key_pair=identity.key_pair, muxer_preference="YAMUX", listen_addrs=listen)
+        _disable_auto_connect(host)
+        limits = config.limits
+        resources = ResourceManager()
+        resources.set_limit(ANY_STREAM, ScopeLimit(limits.streams_per_peer, limits.streams_total))
+        guard = InboundGuard(host, resources, PeerLedger(config.ledger))
+        guard.install()
+        router = make_router(config.gossip)
+        peering = DirectPeering(router)
+        host.get_network().register_notifee(peering)
+        watch = _ConnectionWatch(config.keepalive.tcp_user_timeout_s)
+        host.get_network().register_notifee(watch)
+        pubsub = GuardedPubsub(host, router, guard, config.gossip.max_message_bytes)
+        for proto in router.get_protocols():
+            cap = ScopeLimit(limits.pubsub_streams_per_peer, limits.streams_total)
+            resources.set_limit(str(proto), cap)
+            guard.wrap_protocol(proto)
+        rr = RequestResponse(host)
+        return cls(host, listen, guard, router, peering, watch, pubsub, rr)
+
+
 class P2PNode:
     """A running libp2p host with request/response and gossip.
 
@@ -569,27 +616,8 @@ class P2PNode:
             PeerUnreachable: cannot listen on the configured addresses.
             LocalProtocolError: the installed libp2p is not the one :mod:`p2p.boundary` guards.
         """
-        check_library()
-        listen = [parse_multiaddr(a) for a in config.listen_multiaddrs]
-        ensure_listen_bindable(config.listen_multiaddrs)
-        host = new_host(key_pair=identity.key_pair, muxer_preference="YAMUX", listen_addrs=listen)
-        _disable_auto_connect(host)
-        limits = config.limits
-        resources = ResourceManager()
-        resources.set_limit(ANY_STREAM, ScopeLimit(limits.streams_per_peer, limits.streams_total))
-        guard = InboundGuard(host, resources, PeerLedger(config.ledger))
-        guard.install()
-        router = make_router(config.gossip)
-        peering = DirectPeering(router)
-        host.get_network().register_notifee(peering)
-        watch = _ConnectionWatch(config.keepalive.tcp_user_timeout_s)
-        host.get_network().register_notifee(watch)
-        pubsub = GuardedPubsub(host, router, guard, config.gossip.max_message_bytes)
-        for proto in router.get_protocols():
-            cap = ScopeLimit(limits.pubsub_streams_per_peer, limits.streams_total)
-            resources.set_limit(str(proto), cap)
-            guard.wrap_protocol(proto)
-        rr = RequestResponse(host)
+        parts = _HostParts.build(identity, config)
+        host, listen, pubsub, router = parts.host, parts.listen, parts.pubsub, parts.router
         stop = trio.Event()
         close_s = config.keepalive.close_timeout_s
 
@@ -607,9 +635,11 @@ class P2PNode:
                             ):
                                 with trio.fail_after(30):
                                     await pubsub.wait_until_ready()
-                                node = cls(identity, config, host, pubsub, rr, nursery, guard)
-                                node._peering = peering
-                                watch.node = node
+                                node = cls(
+                                    identity, config, host, pubsub, parts.rr, nursery, parts.guard
+                                )
+                                node._peering = parts.peering
+                                parts.watch.node = node
                                 nursery.start_soon(node._watch_loop)
                                 nursery.start_soon(node._keepalive_loop)
                                 log.info(
@@ -803,81 +833,103 @@ class P2PNode:
         self._guard.resources.set_limit(
             protocol, ScopeLimit(min(limits.requests_per_peer, max_concurrent), max_concurrent)
         )
-        guard = self._guard
-        bodies = self._bodies
 
         async def inbound(stream: Any) -> None:
             sender = stream_peer(stream)
-            started = trio.current_time()
-            # Cancelled by _watch_loop once overdue in this node's own time; the deadline is
-            # the backstop should that task not run.
-            with trio.CancelScope(
-                deadline=started + bodies.max_factor * bodies.timeout_s
-            ) as reading:
-                bodies.begin(reading, started)
-                try:
-                    request = await VarIntLengthMsgReadWriter(stream, max_request_bytes).read_msg()
-                except LibMessageTooLarge:
-                    await guard.offend(
-                        sender, Offence.MALFORMED_FRAME, f"{protocol} oversize", stream
-                    )
-                    return
-                except IOException:
-                    await reset_quietly(stream)  # closed or reset by the caller: its loss
-                    return
-                finally:
-                    own_s = bodies.own_time(reading, trio.current_time())
-                    bodies.end(reading)
-            if reading.cancelled_caught:
-                wall_s = trio.current_time() - started
-                await guard.offend(
-                    sender,
-                    Offence.SLOW_REQUEST,
-                    f"{protocol} body not sent in {own_s:.1f}s of own time ({wall_s:.1f}s wall)",
-                    stream,
+            request = await self._read_request(stream, sender, protocol, max_request_bytes)
+            if request is not None:
+                await self._answer(
+                    stream, sender, protocol, handler, request, max_response_bytes, timeout_s
                 )
-                return
-            with trio.move_on_after(timeout_s) as handling:
-                try:
-                    response = await handler(sender, request)
-                    if len(response) > max_response_bytes:
-                        raise LocalProtocolError(
-                            f"{protocol} response of {len(response)} bytes over "
-                            f"{max_response_bytes}"
-                        )
-                    await VarIntLengthMsgReadWriter(stream, max_response_bytes).write_msg(response)
-                except ShardnetError as exc:
-                    log.warning(
-                        "request_refused protocol=%s peer=%s error=%s",
-                        protocol,
-                        short_id(sender),
-                        exc,
-                    )
-                    if isinstance(exc, RemoteProtocolError):
-                        await guard.offend(sender, Offence.BAD_REQUEST, f"{protocol}: {exc}")
-                    await reset_quietly(stream)
-                    return
-                except IOException:
-                    await reset_quietly(stream)
-                    return
-            if handling.cancelled_caught:
-                log.warning(
-                    "request_timed_out protocol=%s peer=%s timeout_s=%s",
-                    protocol,
-                    short_id(sender),
-                    timeout_s,
-                )
-                await reset_quietly(stream)
-                return
-            with trio.move_on_after(1):
-                try:
-                    await stream.close()
-                except IOException:
-                    pass
 
         self._host.set_stream_handler(  # type: ignore[attr-defined]
-            TProtocol(protocol), guard.wrap(protocol, inbound)
+            TProtocol(protocol), self._guard.wrap(protocol, inbound)
         )
+
+    async def _read_request(
+        self, stream: Any, sender: str, protocol: str, max_request_bytes: int
+    ) -> bytes | None:
+        """The request body of an inbound ``stream``, or None when it was refused: oversize,
+        lost, or not sent in time (the stream is then reset and the sender charged where it
+        is at fault; see :meth:`serve`)."""
+        guard = self._guard
+        bodies = self._bodies
+        started = trio.current_time()
+        # Cancelled by _watch_loop once overdue in this node's own time; the deadline is
+        # the backstop should that task not run.
+        with trio.CancelScope(deadline=started + bodies.max_factor * bodies.timeout_s) as reading:
+            bodies.begin(reading, started)
+            try:
+                request = await VarIntLengthMsgReadWriter(stream, max_request_bytes).read_msg()
+            except LibMessageTooLarge:
+                await guard.offend(sender, Offence.MALFORMED_FRAME, f"{protocol} oversize", stream)
+                return None
+            except IOException:
+                await reset_quietly(stream)  # closed or reset by the caller: its loss
+                return None
+            finally:
+                own_s = bodies.own_time(reading, trio.current_time())
+                bodies.end(reading)
+        if reading.cancelled_caught:
+            wall_s = trio.current_time() - started
+            await guard.offend(
+                sender,
+                Offence.SLOW_REQUEST,
+                f"{protocol} body not sent in {own_s:.1f}s of own time ({wall_s:.1f}s wall)",
+                stream,
+            )
+            return None
+        return request
+
+    async def _answer(
+        self,
+        stream: Any,
+        sender: str,
+        protocol: str,
+        handler: Handler,
+        request: bytes,
+        max_response_bytes: int,
+        timeout_s: float,
+    ) -> None:
+        """Run ``handler`` on ``request`` and write its response on ``stream`` within
+        ``timeout_s`` seconds, then close the stream; reset it on a refusal or a timeout
+        (see :meth:`serve`)."""
+        with trio.move_on_after(timeout_s) as handling:
+            try:
+                response = await handler(sender, request)
+                if len(response) > max_response_bytes:
+                    raise LocalProtocolError(
+                        f"{protocol} response of {len(response)} bytes over {max_response_bytes}"
+                    )
+                await VarIntLengthMsgReadWriter(stream, max_response_bytes).write_msg(response)
+            except ShardnetError as exc:
+                log.warning(
+                    "request_refused protocol=%s peer=%s error=%s",
+                    protocol,
+                    short_id(sender),
+                    exc,
+                )
+                if isinstance(exc, RemoteProtocolError):
+                    await self._guard.offend(sender, Offence.BAD_REQUEST, f"{protocol}: {exc}")
+                await reset_quietly(stream)
+                return
+            except IOException:
+                await reset_quietly(stream)
+                return
+        if handling.cancelled_caught:
+            log.warning(
+                "request_timed_out protocol=%s peer=%s timeout_s=%s",
+                protocol,
+                short_id(sender),
+                timeout_s,
+            )
+            await reset_quietly(stream)
+            return
+        with trio.move_on_after(1):
+            try:
+                await stream.close()
+            except IOException:
+                pass
 
     async def request(
         self,

@@ -505,19 +505,10 @@ class HttpClient:
                         view[: len(buffered)] = buffered
                         self._counters.bytes_received += len(buffered)
                         yield len(buffered)
-                    sock = conn.stream.socket
-                    lowat = _LowWater(sock)
+                    lowat = _LowWater(conn.stream.socket)
                     try:
                         while (got := body.received) < length:
-                            try:
-                                with trio.fail_after(timeout_s):
-                                    n = await _recv_body(sock, view[got:length], lowat)
-                            except trio.TooSlowError as exc:
-                                raise StreamBroken(source, f"no progress for {timeout_s}s") from exc
-                            except OSError as exc:
-                                raise StreamBroken(source, f"connection broken: {exc}") from exc
-                            if n == 0:
-                                raise StreamBroken(source, "connection closed mid-body")
+                            n = await _read_body(lowat, view[got:length], source, timeout_s)
                             body.add(n)
                             self._counters.bytes_received += n
                             yield n
@@ -539,6 +530,28 @@ def _keeps_alive(response: h11.Response) -> bool:
         k == b"connection" and b"close" in [t.strip() for t in v.lower().split(b",")]
         for k, v in response.headers
     )
+
+
+async def _read_body(lowat: _LowWater, view: memoryview, source: str, timeout_s: float) -> int:
+    """One read of body bytes into ``view`` from ``lowat``'s socket (:func:`_recv_body`),
+    its failures mapped to the module's errors.
+
+    Returns:
+        bytes read (at least 1).
+
+    Raises:
+        StreamBroken: no byte for ``timeout_s`` seconds, a socket error, or the peer closed.
+    """
+    try:
+        with trio.fail_after(timeout_s):
+            n = await _recv_body(lowat.sock, view, lowat)
+    except trio.TooSlowError as exc:
+        raise StreamBroken(source, f"no progress for {timeout_s}s") from exc
+    except OSError as exc:
+        raise StreamBroken(source, f"connection broken: {exc}") from exc
+    if n == 0:
+        raise StreamBroken(source, "connection closed mid-body")
+    return n
 
 
 async def _recv_body(sock: trio.socket.SocketType, view: memoryview, lowat: _LowWater) -> int:

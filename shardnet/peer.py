@@ -78,6 +78,7 @@ from shardcast.wire import (
 from shardnet.engine_update import HeldVersion, swap_weights
 
 if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerFast
     from trio_typing import TaskStatus
 
 log = logging.getLogger(__name__)
@@ -343,36 +344,12 @@ class InferencePeer:
                 await self._new_version.wait()
             signed, path = self._latest
             step = signed.step
-            store = self.node.store
             card = await self.node.wait_card()
             sampling = self._sampling(card)
             try:
-                with store.pinned(step):
-                    if not store.has(step):
-                        continue  # pruned before we got to it; a newer one exists
-                    if not await trio.to_thread.run_sync(_architecture_matches, card, path):
-                        raise IntegrityError(
-                            f"config.json of version {step} is not the architecture of run "
-                            f"card v{card.version}"
-                        )
-                    held, self._held = self._held, None  # unknown until the swap returns
-                    swap = await trio.to_thread.run_sync(
-                        swap_weights, self.engine, store, signed, path, held
-                    )
-                    self._held = swap.held
-                    self.swaps_by_path[swap.path.value] += 1
-                    log.info(
-                        "engine_weights_swapped step=%d path=%s duration_s=%.3f fallback=%s "
-                        "changed_words=%d",
-                        step,
-                        swap.path.value,
-                        swap.duration_s,
-                        swap.fallback.value if swap.fallback else "none",
-                        swap.changed_words,
-                    )
-                    if self.on_weight_swap is not None:
-                        self.on_weight_swap(swap.duration_s)
-                    tokenizer = await trio.to_thread.run_sync(load_tokenizer, path)
+                tokenizer = await self._swap_in(signed, path, card)
+                if tokenizer is None:
+                    continue  # pruned before we got to it; a newer one exists
                 t0 = time.perf_counter()
                 batch, pace = await self._generate(
                     step, signed.digest, tokenizer, sampling, card.card.async_level
@@ -386,31 +363,79 @@ class InferencePeer:
                 self.on_generation(tokens, time.perf_counter() - t0)
             if self.forgery is not None:
                 batch = self.forgery(batch)
-            await self._ensure_trainer()
-            ann = await self.sender.submit(batch.encode(), batch.policy_step, nursery)
-            rewards = [s.reward for g in batch.groups for s in g.samples]
-            for r in self.records:
-                if r.step == step:
-                    r.generated, r.batch_id = True, ann.batch_id
-                    r.mean_reward = sum(rewards) / len(rewards)
-                    r.groups, r.pace = len(batch.groups), pace.value
-            self.batches_by_pace[pace.value] += 1
-            self.card_versions_used.append(card.version)
-            log.info(
-                "rollouts_submitted step=%d batch=%s groups=%d pace=%s samples=%d "
-                "mean_reward=%.4f trainer=%s card_version=%d",
-                step,
-                ann.batch_id[:8],
-                len(batch.groups),
-                pace.value,
-                batch.n_samples,
-                sum(rewards) / len(rewards),
-                short_id(self.trust.trainer),
-                card.version,
-            )
+            await self._submit(step, batch, pace, card.version, nursery)
             done_step = step
             done_at = trio.current_time()
             generated += 1
+
+    async def _swap_in(
+        self, signed: Manifest, path: Path, card: SignedRunCard
+    ) -> PreTrainedTokenizerFast | None:
+        """Swap the engine's weights to the held version ``signed`` (at ``path``) and load its
+        tokenizer; None if the version was pruned meanwhile (a newer one exists).
+
+        Raises:
+            IntegrityError: its ``config.json`` is not the architecture of ``card``.
+            ShardnetError: the swap failed (see :func:`swap_weights`).
+        """
+        assert self.node is not None
+        store = self.node.store
+        step = signed.step
+        with store.pinned(step):
+            if not store.has(step):
+                return None
+            if not await trio.to_thread.run_sync(_architecture_matches, card, path):
+                raise IntegrityError(
+                    f"config.json of version {step} is not the architecture of run "
+                    f"card v{card.version}"
+                )
+            held, self._held = self._held, None  # unknown until the swap returns
+            swap = await trio.to_thread.run_sync(
+                swap_weights, self.engine, store, signed, path, held
+            )
+            self._held = swap.held
+            self.swaps_by_path[swap.path.value] += 1
+            log.info(
+                "engine_weights_swapped step=%d path=%s duration_s=%.3f fallback=%s "
+                "changed_words=%d",
+                step,
+                swap.path.value,
+                swap.duration_s,
+                swap.fallback.value if swap.fallback else "none",
+                swap.changed_words,
+            )
+            if self.on_weight_swap is not None:
+                self.on_weight_swap(swap.duration_s)
+            return await trio.to_thread.run_sync(load_tokenizer, path)
+
+    async def _submit(
+        self, step: int, batch: RolloutBatch, pace: Pace, card_version: int, nursery: trio.Nursery
+    ) -> None:
+        """Send ``batch`` (the rollouts of ``step``, generated under run card ``card_version``)
+        to the trainer and record it."""
+        assert self.sender is not None
+        await self._ensure_trainer()
+        ann = await self.sender.submit(batch.encode(), batch.policy_step, nursery)
+        rewards = [s.reward for g in batch.groups for s in g.samples]
+        for r in self.records:
+            if r.step == step:
+                r.generated, r.batch_id = True, ann.batch_id
+                r.mean_reward = sum(rewards) / len(rewards)
+                r.groups, r.pace = len(batch.groups), pace.value
+        self.batches_by_pace[pace.value] += 1
+        self.card_versions_used.append(card_version)
+        log.info(
+            "rollouts_submitted step=%d batch=%s groups=%d pace=%s samples=%d "
+            "mean_reward=%.4f trainer=%s card_version=%d",
+            step,
+            ann.batch_id[:8],
+            len(batch.groups),
+            pace.value,
+            batch.n_samples,
+            sum(rewards) / len(rewards),
+            short_id(self.trust.trainer),
+            card_version,
+        )
 
     async def _generate(
         self,

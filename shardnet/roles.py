@@ -46,6 +46,8 @@ if TYPE_CHECKING:
     from p2p.trust import TrustList
     from rollout.engine import Engine
     from rollout.verify import EngineProfile
+    from shardcast.node import ShardcastNode
+    from shardcast.publish import Origin, PreEncoder
     from trainer.dataplane import OriginDataPlane
 
 log = logging.getLogger(__name__)
@@ -459,10 +461,8 @@ async def run_origin(s: OriginSettings) -> int:
     """``shardnet origin``: publish each complete ``WATCH/step-<N>/`` in step order; with
     ``--rollouts-out``, also receive, verify and write peers' rollouts
     (:class:`trainer.dataplane.OriginDataPlane`)."""
-    import re
-
     from shardcast.node import ShardcastNode
-    from shardcast.publish import Base, EncodeSettings, Origin, PreEncoder
+    from shardcast.publish import Origin
 
     identity = s.identity()
     trust = s.trust(identity)
@@ -481,24 +481,8 @@ async def run_origin(s: OriginSettings) -> int:
             trio.open_nursery() as nursery,
         ):
             origin = Origin(node, s.origin_config())
-            pre: PreEncoder | None = None
-            if s.pre_encode:  # hash and encode files while the trainer writes the others
-
-                def plan(step: int) -> tuple[EncodeSettings, Base | None] | None:
-                    # step - 1 may still be published: it waits in WATCH, newer than the store
-                    held = node.store.latest()
-                    pending = (s.watch / f"step-{step - 1}").is_dir() and (
-                        held is None or step - 1 > held
-                    )
-                    return origin.encode_plan(step, pending)
-
-                pre = PreEncoder(
-                    plan,
-                    s.data_dir / "staging" / ".pre",
-                    s.pre_encode_settle_s,
-                    node.store.pinned,
-                )
-                nursery.start_soon(pre.run, s.watch, s.ready_marker, s.poll_interval_s)
+            # hash and encode files while the trainer writes the others
+            pre = _start_pre_encoder(s, node, origin, nursery) if s.pre_encode else None
             emit_ready("origin", node, s.ready_file)
             latest = node.store.latest()
             if plane is not None and latest is not None:  # restarted: judge against held ones
@@ -508,42 +492,11 @@ async def run_origin(s: OriginSettings) -> int:
                 plane.current = latest
             await origin.reannounce()  # a restarted origin is followed at once
             while True:
-                ready = []
-                if s.watch.is_dir():
-                    for entry in os.scandir(s.watch):
-                        m = re.fullmatch(r"step-(\d+)", entry.name)
-                        if m and entry.is_dir() and (Path(entry.path) / s.ready_marker).exists():
-                            step = int(m.group(1))
-                            if latest is None or step > latest:
-                                ready.append(step)
-                for step in sorted(ready):
-                    staging = s.data_dir / "staging" / f"step-{step}"
-                    src = s.watch / f"step-{step}"
-                    # before staging (it may chmod the files): what was encoded ahead, unchanged
-                    ahead = await pre.take(step, src) if pre is not None else {}
-                    await trio.to_thread.run_sync(stage_checkpoint, src, staging)
-                    rules = origin_card_rules(s, identity.peer_id, staging)
-                    node.set_card(next_card(rules, node.card, identity))
-                    if plane is not None and plane.intake is None:  # serve before announcing
-                        await plane.start(nursery, node.p2p, staging)
-                    try:
-                        result = await origin.publish(staging, step, pre_encoded=ahead)
-                    finally:
-                        if pre is not None:
-                            pre.published(step)
-                    if plane is not None:
-                        await plane.published(step, result.manifest.digest, result.path)
-                    latest = step
+                for step in _ready_steps(s, latest):
                     published.append(
-                        {
-                            "step": step,
-                            "published_at": iso(time.time()),
-                            "manifest_digest": result.manifest.digest,
-                            "size_bytes": result.manifest.total_bytes,
-                            "hash_s": result.hash_s,
-                            "encoded_bytes": result.encoded_bytes,
-                        }
+                        await _publish_step(s, identity, node, origin, plane, pre, nursery, step)
                     )
+                    latest = step
                 await trio.sleep(s.poll_interval_s)
 
     try:
@@ -559,6 +512,83 @@ async def run_origin(s: OriginSettings) -> int:
                 report["rollouts"] = plane.report()
             write_json_atomic(s.report, report)
     return 0
+
+
+def _ready_steps(s: OriginSettings, latest: int | None) -> list[int]:
+    """The steps newer than ``latest`` whose ``WATCH/step-<N>/`` holds the ready marker, in
+    step order (none while ``WATCH`` does not exist)."""
+    import re
+
+    ready = []
+    if s.watch.is_dir():
+        for entry in os.scandir(s.watch):
+            m = re.fullmatch(r"step-(\d+)", entry.name)
+            if m and entry.is_dir() and (Path(entry.path) / s.ready_marker).exists():
+                step = int(m.group(1))
+                if latest is None or step > latest:
+                    ready.append(step)
+    return sorted(ready)
+
+
+def _start_pre_encoder(
+    s: OriginSettings, node: ShardcastNode, origin: Origin, nursery: trio.Nursery
+) -> PreEncoder:
+    """Start hashing and encoding the files of ``WATCH`` versions ahead of their publication
+    (:class:`shardcast.publish.PreEncoder`, run in ``nursery``)."""
+    from shardcast.publish import Base, EncodeSettings, PreEncoder
+
+    def plan(step: int) -> tuple[EncodeSettings, Base | None] | None:
+        # step - 1 may still be published: it waits in WATCH, newer than the store
+        held = node.store.latest()
+        pending = (s.watch / f"step-{step - 1}").is_dir() and (held is None or step - 1 > held)
+        return origin.encode_plan(step, pending)
+
+    pre = PreEncoder(
+        plan,
+        s.data_dir / "staging" / ".pre",
+        s.pre_encode_settle_s,
+        node.store.pinned,
+    )
+    nursery.start_soon(pre.run, s.watch, s.ready_marker, s.poll_interval_s)
+    return pre
+
+
+async def _publish_step(
+    s: OriginSettings,
+    identity: Identity,
+    node: ShardcastNode,
+    origin: Origin,
+    plane: OriginDataPlane | None,
+    pre: PreEncoder | None,
+    nursery: trio.Nursery,
+    step: int,
+) -> dict[str, Any]:
+    """Stage ``WATCH/step-<step>/``, sign the run card for it, and publish it (the rollout
+    plane, if any, serving first); returns its entry of the origin's report."""
+    staging = s.data_dir / "staging" / f"step-{step}"
+    src = s.watch / f"step-{step}"
+    # before staging (it may chmod the files): what was encoded ahead, unchanged
+    ahead = await pre.take(step, src) if pre is not None else {}
+    await trio.to_thread.run_sync(stage_checkpoint, src, staging)
+    rules = origin_card_rules(s, identity.peer_id, staging)
+    node.set_card(next_card(rules, node.card, identity))
+    if plane is not None and plane.intake is None:  # serve before announcing
+        await plane.start(nursery, node.p2p, staging)
+    try:
+        result = await origin.publish(staging, step, pre_encoded=ahead)
+    finally:
+        if pre is not None:
+            pre.published(step)
+    if plane is not None:
+        await plane.published(step, result.manifest.digest, result.path)
+    return {
+        "step": step,
+        "published_at": iso(time.time()),
+        "manifest_digest": result.manifest.digest,
+        "size_bytes": result.manifest.total_bytes,
+        "hash_s": result.hash_s,
+        "encoded_bytes": result.encoded_bytes,
+    }
 
 
 def _origin_plane(s: OriginSettings, trust: TrustList) -> OriginDataPlane:

@@ -886,6 +886,14 @@ class Follower:
             await trio.to_thread.run_sync(self.node.store.discard_partial, step)
             return False
         path, stats = result
+        await self._committed(m, record, path, stats)
+        return True
+
+    async def _committed(
+        self, m: Manifest, record: VersionRecord, path: Path, stats: DownloadStats
+    ) -> None:
+        """Record, count and log the download of ``m`` (committed at ``path``), then tell
+        :attr:`on_commit` and the waiters on a change."""
         record.committed_at = trio.current_time()
         record.stats, record.path = stats, path
         self.records.append(record)
@@ -893,7 +901,7 @@ class Follower:
             self._metrics.committed(record.committed_at - record.learned_at, stats.elapsed_s)
         log.info(
             "version_downloaded step=%d size_bytes=%d download_s=%.3f encodings=%s sources=%s",
-            step,
+            m.step,
             m.total_bytes,
             stats.elapsed_s,
             stats.bytes_by_encoding,
@@ -902,7 +910,6 @@ class Follower:
         if self.on_commit is not None:
             await self.on_commit(m, path, record)
         self._note_change()
-        return True
 
     # -- observability ----------------------------------------------------------------------
 

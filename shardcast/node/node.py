@@ -29,7 +29,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -126,6 +126,30 @@ class NodeConfig:
             check_http_url(self.public_url, "public_url")
 
 
+_Route = Callable[[], Awaitable[HttpResponse]]
+
+
+def _http_handler(
+    routes: Mapping[str, _Route], server: VersionServer, metrics: NodeMetrics
+) -> Callable[[HttpRequest], Awaitable[HttpResponse]]:
+    """The HTTP lane's handler: a path in ``routes`` (observability, looked up per request,
+    so routes may be added later) is answered by its route and counted as observability
+    bytes; any other request goes to ``server`` and is counted by status."""
+
+    async def handle(req: HttpRequest) -> HttpResponse:
+        route = routes.get(req.path)
+        if route is not None:  # observability: neither lane traffic nor lane requests
+            resp = await route()
+            if req.method == "GET" and isinstance(resp.body, bytes):
+                metrics.observability_bytes += len(resp.body)
+            return resp
+        resp = await server.handle(req)
+        metrics.count_request(resp.status)
+        return resp
+
+    return handle
+
+
 class ShardcastNode:
     """A running node; only valid inside :meth:`open`."""
 
@@ -218,20 +242,9 @@ class ShardcastNode:
             identity=identity,
             serve_once_min_bytes=config.serve_once_min_bytes,
         )
-        routes: dict[str, Callable[[], Awaitable[HttpResponse]]] = {}
+        routes: dict[str, _Route] = {}
         metrics = NodeMetrics(config.role, config.run_id, identity.peer_id)
-
-        async def handle(req: HttpRequest) -> HttpResponse:
-            route = routes.get(req.path)
-            if route is not None:  # observability: neither lane traffic nor lane requests
-                resp = await route()
-                if req.method == "GET" and isinstance(resp.body, bytes):
-                    metrics.observability_bytes += len(resp.body)
-                return resp
-            resp = await server.handle(req)
-            metrics.count_request(resp.status)
-            return resp
-
+        handle = _http_handler(routes, server, metrics)
         try:
             async with (
                 network.open_host(identity, config.host) as p2p,
@@ -246,40 +259,10 @@ class ShardcastNode:
                 node.card = stored_card
                 metrics.bind(node)
                 p2p.on_peer_gone(server.holder_gone)
-
-                async def runcard() -> HttpResponse:
-                    if node.card is None:
-                        return HttpResponse(404)
-                    return HttpResponse(
-                        200, [("content-type", "application/json")], node.card.encode()
-                    )
-
-                routes["/shardnet/v1/runcard"] = runcard
-
-                async def metrics_route() -> HttpResponse:
-                    return HttpResponse(200, [("content-type", CONTENT_TYPE)], metrics.render())
-
-                async def status_route() -> HttpResponse:
-                    body = node_status_json(node)
-                    return HttpResponse(200, [("content-type", "application/json")], body)
-
-                routes["/metrics"] = metrics_route
-                routes["/status"] = status_route
-                p2p.serve(
-                    INFO_PROTOCOL,
-                    node._on_info,
-                    max_request_bytes=1024,
-                    max_response_bytes=MAX_INFO_BYTES,
-                    timeout_s=config.info_timeout_s,
-                )
-                p2p.serve(
-                    RUNCARD_PROTOCOL,
-                    node._on_runcard,
-                    max_request_bytes=1024,
-                    max_response_bytes=MAX_CARD_BYTES,
-                    timeout_s=config.info_timeout_s,
-                )
-                serve_dialback(p2p, client, DialbackLimits())
+                routes["/shardnet/v1/runcard"] = node._runcard_route
+                routes["/metrics"] = node._metrics_route
+                routes["/status"] = node._status_route
+                node._serve_protocols()
                 log.info(
                     "node_ready role=%s peer_id=%s http_url=%s run=%s",
                     config.role,
@@ -293,6 +276,39 @@ class ShardcastNode:
             # only an OS crash or power loss skips this, and then the marker stays behind
             with trio.CancelScope(shield=True):
                 await trio.to_thread.run_sync(store.close)
+
+    async def _runcard_route(self) -> HttpResponse:
+        """``GET /shardnet/v1/runcard``: the signed run card this node holds (404 if none)."""
+        if self.card is None:
+            return HttpResponse(404)
+        return HttpResponse(200, [("content-type", "application/json")], self.card.encode())
+
+    async def _metrics_route(self) -> HttpResponse:
+        """``GET /metrics``: the Prometheus text exposition of :attr:`metrics`."""
+        return HttpResponse(200, [("content-type", CONTENT_TYPE)], self.metrics.render())
+
+    async def _status_route(self) -> HttpResponse:
+        """``GET /status``: the node's status as JSON (:func:`node_status_json`)."""
+        body = node_status_json(self)
+        return HttpResponse(200, [("content-type", "application/json")], body)
+
+    def _serve_protocols(self) -> None:
+        """Answer info and run-card requests, and dial-back checks, over libp2p."""
+        self.p2p.serve(
+            INFO_PROTOCOL,
+            self._on_info,
+            max_request_bytes=1024,
+            max_response_bytes=MAX_INFO_BYTES,
+            timeout_s=self.config.info_timeout_s,
+        )
+        self.p2p.serve(
+            RUNCARD_PROTOCOL,
+            self._on_runcard,
+            max_request_bytes=1024,
+            max_response_bytes=MAX_CARD_BYTES,
+            timeout_s=self.config.info_timeout_s,
+        )
+        serve_dialback(self.p2p, self.client, DialbackLimits())
 
     def info(self) -> NodeInfo:
         """This node's info record."""

@@ -210,10 +210,6 @@ MAX_LINES = 80
 # function when it is next changed rather than add it here.
 LONG_ALLOWED = {
     ("shardnet/status.py", "render"): "the CLI's table rendering: one screen read top down",
-    ("shardcast/node/node.py", "open"): "node start-up in one nursery; the tracker lane edits it",
-    ("shardnet/roles.py", "run_origin"): "the origin role's start-up; the keepalive lane edits it",
-    ("p2p/host.py", "serve"): "the libp2p host's nursery; the keepalive lane edits it",
-    ("p2p/http_client.py", "receive_range_into"): "the hot receive loop; the vtime lane edits it",
     ("bench/broadcast.py", "run_shardnet"): "benchmark driver, measured as it is",
     ("bench/broadcast.py", "main"): "benchmark entry point, measured as it is",
     ("bench/verification.py", "main"): "benchmark entry point, measured as it is",
