@@ -1,4 +1,4 @@
-"""Is this node's lane reachable from outside? A dial-back check, AutoNAT in spirit (pure part).
+"""core: is this node's lane reachable from outside? A dial-back check (pure part).
 
 A node behind a NAT knows its lane URL (``http://192.168.77.2:8003``) but not whether anyone
 outside can open it. Followers that hear an unreachable URL in an advert try it, fail, and try

@@ -1,4 +1,4 @@
-"""Which version to follow, sans-IO: announcements in, decisions out.
+"""core: which version to follow, sans-IO: announcements in, decisions out.
 
 Theory of operation
 -------------------

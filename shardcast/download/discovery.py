@@ -1,4 +1,4 @@
-"""Discovering extra sources: nodes advertise which versions they hold on a gossip topic.
+"""download: discovering extra sources: nodes advertise which versions they hold on a gossip topic.
 
 Every relay and peer publishes a small :class:`NodeAdvert` on ``shardnet/<run>/nodes/1``
 every ``interval_s`` seconds and whenever it starts or commits a version: its PeerID, role,

@@ -1,4 +1,4 @@
-"""Following a run: learn of new versions, find sources, download each version.
+"""download: following a run: learn of new versions, find sources, download each version.
 
 Relays and inference peers are followers. A follower is given the multiaddrs of its upstreams
 (a relay's upstream is the origin or another relay; a peer's are relays). For each upstream it

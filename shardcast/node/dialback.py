@@ -1,4 +1,4 @@
-"""The trio side of the dial-back reachability check (the rules are in
+"""node: the trio side of the dial-back reachability check (the rules are in
 :mod:`shardcast.core.reachability`).
 
 :func:`serve_dialback` registers :data:`~shardcast.core.reachability.DIALBACK_PROTOCOL` on a node:

@@ -1,4 +1,4 @@
-"""A shardcast node: libp2p host + HTTP lane + version store + info protocol.
+"""node: a shardcast node: libp2p host + HTTP lane + version store + info protocol.
 
 Every role (origin inside the trainer, relay, inference peer) runs one :class:`ShardcastNode`.
 It owns, for the duration of :meth:`ShardcastNode.open`:

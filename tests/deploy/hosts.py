@@ -356,8 +356,7 @@ class Hosts:
         """Stop every node (SIGTERM, then SIGKILL) and remove the hosts."""
         try:
             for node in reversed(self.nodes):
-                if node.running():
-                    node.stop(grace_s=10)
+                node.stop(grace_s=10)  # signals a running node only; waits and closes pipes
         finally:
             self.lab.teardown()
 
