@@ -712,34 +712,14 @@ def summarize_shaped(
             "bound_s": round(shaped_bound_s(s_bytes, s_bytes / n, rate, receivers), 3),
         }
     for system, rs in runs.items():
-        per: list[dict[str, Any]] = []
-        for step in (0, 1):
-            vs = [r["versions"][step] for r in rs if len(r["versions"]) > step]
-            lasts = [v["last_s"] for v in vs if v.get("last_s") is not None]
-            if not lasts:
-                per.append({"step": step, "last_s": None, "repeats": len(vs)})
-                continue
-            last = _median(lasts)
-            bound = out["bounds"][step]["bound_s"]
-            nodes = sorted({k for v in vs for k in (v.get("cpu_s") or {})})
-            per.append(
-                {
-                    "step": step,
-                    "first_s": round(_median([v["first_s"] for v in vs if v["first_s"]] or [0]), 3),
-                    "last_s": round(last, 3),
-                    "last_s_all": lasts,
-                    "origin_bytes": int(_median([v["origin_bytes"] or 0 for v in vs])),
-                    "bound_s": bound,
-                    "eta": round(bound / last, 3),
-                    "cpu_s": {
-                        k: round(_median([(v.get("cpu_s") or {}).get(k, 0.0) for v in vs]), 2)
-                        for k in nodes
-                    },
-                    "repeats": len(vs),
-                    "failed": len(vs) - len(lasts),
-                }
+        out["systems"][system] = [
+            _shaped_version(
+                step,
+                [r["versions"][step] for r in rs if len(r["versions"]) > step],
+                out["bounds"][step]["bound_s"],
             )
-        out["systems"][system] = per
+            for step in (0, 1)
+        ]
 
     def t(system: str, step: int) -> float | None:
         vs = out["systems"].get(system, [])
@@ -749,6 +729,31 @@ def summarize_shaped(
         a, b = t("shardnet", step), t("shardcast", step)
         out[key] = round(a / b, 4) if a and b else None
     return out
+
+
+def _shaped_version(step: int, vs: list[dict[str, Any]], bound: float) -> dict[str, Any]:
+    """One system's summary of version ``step`` over its repeats ``vs``: medians of the
+    first and last peer's times (s), origin bytes and CPU seconds per node, and η against
+    ``bound`` (s); only the repeat count when no repeat finished."""
+    lasts = [v["last_s"] for v in vs if v.get("last_s") is not None]
+    if not lasts:
+        return {"step": step, "last_s": None, "repeats": len(vs)}
+    last = _median(lasts)
+    nodes = sorted({k for v in vs for k in (v.get("cpu_s") or {})})
+    return {
+        "step": step,
+        "first_s": round(_median([v["first_s"] for v in vs if v["first_s"]] or [0]), 3),
+        "last_s": round(last, 3),
+        "last_s_all": lasts,
+        "origin_bytes": int(_median([v["origin_bytes"] or 0 for v in vs])),
+        "bound_s": bound,
+        "eta": round(bound / last, 3),
+        "cpu_s": {
+            k: round(_median([(v.get("cpu_s") or {}).get(k, 0.0) for v in vs]), 2) for k in nodes
+        },
+        "repeats": len(vs),
+        "failed": len(vs) - len(lasts),
+    }
 
 
 def run_shaped(args: argparse.Namespace) -> dict[str, Any]:

@@ -99,23 +99,9 @@ async def soak(root: Path, s: Settings, duration_s: float, interval_s: float) ->
     nodes: dict[str, Any] = {}
     ok = not missed and all(alive.values())
     for name, rows in samples.items():
-        late = [r for r in rows if r[0] >= warm]
-        ts = [r[0] for r in late]
-        rss_trend = trend(ts, [r[1] for r in late])
-        fd_trend = trend(ts, [r[2] for r in late])
-        nodes[name] = {
-            "alive_at_end": alive.get(name),
-            "exit_code": next(n.exit_code for n in cluster.nodes if n.name == name),
-            "rss_mb_first": round(rows[0][1] / MB, 1),
-            "rss_mb_last": round(rows[-1][1] / MB, 1),
-            "rss_mb_max": round(max(r[1] for r in rows) / MB, 1),
-            "fds_first": rows[0][2],
-            "fds_last": rows[-1][2],
-            "rss_trend": None if rss_trend is None else round(rss_trend, 4),
-            "fd_trend": None if fd_trend is None else round(fd_trend, 4),
-        }
-        for t in (rss_trend, fd_trend):
-            ok = ok and t is not None and abs(t) <= TARGET_TREND
+        exit_code = next(n.exit_code for n in cluster.nodes if n.name == name)
+        nodes[name], steady = _node_report(rows, warm, alive.get(name), exit_code)
+        ok = ok and steady
     return {
         "settings": {
             "size_bytes": s.size_bytes,
@@ -136,6 +122,31 @@ async def soak(root: Path, s: Settings, duration_s: float, interval_s: float) ->
         "meets_targets": ok,
         "note": "trends over the last two thirds; single shared machine",
     }
+
+
+def _node_report(
+    rows: list[tuple[float, int, int]], warm: float, alive: bool | None, exit_code: int | None
+) -> tuple[dict[str, Any], bool]:
+    """One node's report from its ``rows`` of (seconds since start, RSS bytes, open fds), with
+    trends over the rows from ``warm`` seconds on; and whether both trends were measured and
+    lie within :data:`TARGET_TREND`."""
+    late = [r for r in rows if r[0] >= warm]
+    ts = [r[0] for r in late]
+    rss_trend = trend(ts, [r[1] for r in late])
+    fd_trend = trend(ts, [r[2] for r in late])
+    report = {
+        "alive_at_end": alive,
+        "exit_code": exit_code,
+        "rss_mb_first": round(rows[0][1] / MB, 1),
+        "rss_mb_last": round(rows[-1][1] / MB, 1),
+        "rss_mb_max": round(max(r[1] for r in rows) / MB, 1),
+        "fds_first": rows[0][2],
+        "fds_last": rows[-1][2],
+        "rss_trend": None if rss_trend is None else round(rss_trend, 4),
+        "fd_trend": None if fd_trend is None else round(fd_trend, 4),
+    }
+    steady = all(t is not None and abs(t) <= TARGET_TREND for t in (rss_trend, fd_trend))
+    return report, steady
 
 
 def main() -> int:

@@ -1033,74 +1033,125 @@ class Corpus:
         """
         w, k = self.w, self.w.cfg.attacks_per_round
         models = self.attacker_models()
-        cap, temp = w.unit.max_new_tokens, w.cfg.temperature
         for r, (batch, accepted_by) in enumerate(self.base):
             peers = [
                 Identity.from_seed(f"{RUN_ID}/{w.cfg.seed}/attacker-{r}-{i}") for i in range(k)
             ]
             prompts = [w.oracle.prompt_ids(p.peer_id, 0, 1)[0] for p in peers]
             keys = [unit_key(p.peer_id) for p in peers]
-            start = cpu_clock()
-            if w.cfg.vllm:  # the honest unit rollouts come from the run's engine
-                unit_seeds = [group_seed(RUN_ID, p.peer_id, 0, 0) for p in peers]
-                gens = [
-                    w.generate(prompt, 1, cap, temp, seed)[0]
-                    for prompt, seed in zip(prompts, unit_seeds, strict=True)
-                ]
-            else:
-                gens = sample_rows(
-                    w.engine.model, list(zip(prompts, keys, strict=True)), cap, temp, w.eos
-                )
-            bases = [to_sample(w, g) for g in gens]
-            self.honest["unit"].generate_s += cpu_clock() - start
-            for peer, prompt, s in zip(peers, prompts, bases, strict=True):
-                self._unit(self.honest["unit"], "unit", peer, prompt, s)
-
-            def spread(variants: Sequence[Any]) -> list[tuple[Any, list[int]]]:
-                return [(v, list(range(j, k, len(variants)))) for j, v in enumerate(variants)]
-
-            for cls in ("other_model_seed", "finetuned_copy", "precision"):
-                for (variant, model), idx in spread(models[cls]):
-                    rows = [(prompts[i], keys[i]) for i in idx]
-                    for i, g in zip(
-                        idx, sample_rows(model, rows, cap, temp, w.eos) if rows else [], strict=True
-                    ):
-                        s = to_sample(w, g)
-                        key = self._unit(self.attacks[cls], variant, peers[i], prompts[i], s)
-                        self._note_identical(cls, key, s, bases[i])
-            forged: list[tuple[str, str, Any, float | None]] = [
-                ("other_temperature", f"T={t:g}", w.engine.model, t)
-                for t in w.cfg.other_temperatures
-            ]
-            forged.append(("greedy", "argmax", w.engine.model, None))
-            forged += [("finetuned_reproved", v, m, temp) for v, m in models["finetuned_reproved"]]
-            for cls in dict.fromkeys(f[0] for f in forged):
-                variants = [f for f in forged if f[0] == cls]
-                for (_, variant, model, t), idx in spread(variants):
-                    rows = [(prompts[i], keys[i]) for i in idx]
-                    pick = greedy_pick if t is None else gumbel_pick(t)
-                    gens = sample_rows(model, rows, cap, temp, w.eos, pick) if rows else []
-                    for i, g in zip(idx, gens, strict=True):
-                        s = reprove(w, prompts[i], g.completion_ids)
-                        key = self._unit(self.attacks[cls], variant, peers[i], prompts[i], s)
-                        self._note_identical(cls, key, s, bases[i])
-            tampered = self.attacks["tampered_prompt"]
-            edits = list(range(0, k, 2))
-            rows = [(self._edit_prompt(prompts[i]), keys[i]) for i in edits]
-            for i, g in zip(
-                edits,
-                sample_rows(w.engine.model, rows, cap, temp, w.eos) if rows else [],
-                strict=True,
-            ):
-                self._unit(tampered, "one_digit_changed", peers[i], prompts[i], to_sample(w, g))
-            for i in range(1, k, 2):
-                other = bases[(i + 1) % k]
-                self._unit(tampered, "other_peers_prompt", peers[i], prompts[i], other)
+            bases = self._unit_bases(peers, prompts, keys)
+            self._model_attacks(models, peers, prompts, keys, bases)
+            self._forged_attacks(models, peers, prompts, keys, bases)
+            self._tampered_prompt_attacks(peers, prompts, keys, bases)
             for i in range(k):
                 self._per_sample_attacks(i, peers[i], prompts[i], bases[i], bases)
             self._last_token_attacks(peers, prompts, bases)
             self._probes(peers, prompts, bases)
             self._batch_attacks(r, batch, accepted_by)
+
+    def _unit_bases(
+        self, peers: Sequence[Identity], prompts: Sequence[Sequence[int]], keys: Sequence[NoiseKey]
+    ) -> list[Sample]:
+        """The attacker peers' honest rollouts of their prompts (one each, the ``unit``
+        layout), scored as honest ``unit`` rollouts; their generation CPU time is counted."""
+        w = self.w
+        cap, temp = w.unit.max_new_tokens, w.cfg.temperature
+        start = cpu_clock()
+        if w.cfg.vllm:  # the honest unit rollouts come from the run's engine
+            unit_seeds = [group_seed(RUN_ID, p.peer_id, 0, 0) for p in peers]
+            gens = [
+                w.generate(prompt, 1, cap, temp, seed)[0]
+                for prompt, seed in zip(prompts, unit_seeds, strict=True)
+            ]
+        else:
+            gens = sample_rows(
+                w.engine.model, list(zip(prompts, keys, strict=True)), cap, temp, w.eos
+            )
+        bases = [to_sample(w, g) for g in gens]
+        self.honest["unit"].generate_s += cpu_clock() - start
+        for peer, prompt, s in zip(peers, prompts, bases, strict=True):
+            self._unit(self.honest["unit"], "unit", peer, prompt, s)
+        return bases
+
+    def _spread(self, variants: Sequence[Any]) -> list[tuple[Any, list[int]]]:
+        """Each variant with the attacker indices that use it (round robin over the round's
+        ``attacks_per_round`` attackers)."""
+        k = self.w.cfg.attacks_per_round
+        return [(v, list(range(j, k, len(variants)))) for j, v in enumerate(variants)]
+
+    def _model_attacks(
+        self,
+        models: dict[str, list[tuple[str, Any]]],
+        peers: Sequence[Identity],
+        prompts: Sequence[Sequence[int]],
+        keys: Sequence[NoiseKey],
+        bases: Sequence[Sample],
+    ) -> None:
+        """Rollouts sampled, with the right noise keys, from another model: another seed, a
+        fine-tuned copy, another precision (each proved honestly by the wrong model)."""
+        w = self.w
+        cap, temp = w.unit.max_new_tokens, w.cfg.temperature
+        for cls in ("other_model_seed", "finetuned_copy", "precision"):
+            for (variant, model), idx in self._spread(models[cls]):
+                rows = [(prompts[i], keys[i]) for i in idx]
+                for i, g in zip(
+                    idx, sample_rows(model, rows, cap, temp, w.eos) if rows else [], strict=True
+                ):
+                    s = to_sample(w, g)
+                    key = self._unit(self.attacks[cls], variant, peers[i], prompts[i], s)
+                    self._note_identical(cls, key, s, bases[i])
+
+    def _forged_attacks(
+        self,
+        models: dict[str, list[tuple[str, Any]]],
+        peers: Sequence[Identity],
+        prompts: Sequence[Sequence[int]],
+        keys: Sequence[NoiseKey],
+        bases: Sequence[Sample],
+    ) -> None:
+        """Rollouts sampled another way (another temperature, greedy, a fine-tuned model) and
+        re-proved by the run's model, so that only the sampling can give them away."""
+        w = self.w
+        cap, temp = w.unit.max_new_tokens, w.cfg.temperature
+        forged: list[tuple[str, str, Any, float | None]] = [
+            ("other_temperature", f"T={t:g}", w.engine.model, t) for t in w.cfg.other_temperatures
+        ]
+        forged.append(("greedy", "argmax", w.engine.model, None))
+        forged += [("finetuned_reproved", v, m, temp) for v, m in models["finetuned_reproved"]]
+        for cls in dict.fromkeys(f[0] for f in forged):
+            variants = [f for f in forged if f[0] == cls]
+            for (_, variant, model, t), idx in self._spread(variants):
+                rows = [(prompts[i], keys[i]) for i in idx]
+                pick = greedy_pick if t is None else gumbel_pick(t)
+                gens = sample_rows(model, rows, cap, temp, w.eos, pick) if rows else []
+                for i, g in zip(idx, gens, strict=True):
+                    s = reprove(w, prompts[i], g.completion_ids)
+                    key = self._unit(self.attacks[cls], variant, peers[i], prompts[i], s)
+                    self._note_identical(cls, key, s, bases[i])
+
+    def _tampered_prompt_attacks(
+        self,
+        peers: Sequence[Identity],
+        prompts: Sequence[Sequence[int]],
+        keys: Sequence[NoiseKey],
+        bases: Sequence[Sample],
+    ) -> None:
+        """Even attackers answer their prompt with one digit changed; odd ones submit the
+        next attacker's honest rollout (another peer's prompt) as their own."""
+        w, k = self.w, self.w.cfg.attacks_per_round
+        cap, temp = w.unit.max_new_tokens, w.cfg.temperature
+        tampered = self.attacks["tampered_prompt"]
+        edits = list(range(0, k, 2))
+        rows = [(self._edit_prompt(prompts[i]), keys[i]) for i in edits]
+        for i, g in zip(
+            edits,
+            sample_rows(w.engine.model, rows, cap, temp, w.eos) if rows else [],
+            strict=True,
+        ):
+            self._unit(tampered, "one_digit_changed", peers[i], prompts[i], to_sample(w, g))
+        for i in range(1, k, 2):
+            other = bases[(i + 1) % k]
+            self._unit(tampered, "other_peers_prompt", peers[i], prompts[i], other)
 
     def _note_identical(self, cls: str, key: str, forged: Sample, honest: Sample) -> None:
         """Count a sampled forgery whose tokens equal the honest rollout of the same noise key:
@@ -1784,8 +1835,8 @@ def combine_engines(per_engine: dict[str, dict[str, Any]]) -> dict[str, Any]:
     return report
 
 
-def main(argv: Sequence[str] | None = None) -> int:
-    """Command line entry point; returns the exit status (2 on a usage error)."""
+def _parser() -> argparse.ArgumentParser:
+    """The command line's options (module docstring)."""
     parser = argparse.ArgumentParser(description=(__doc__ or "").split("\n", 1)[0])
     parser.add_argument("--json", action="store_true", help="print the JSON report only")
     parser.add_argument("--seed", type=int, default=0, help="policy init and attack seed")
@@ -1819,7 +1870,15 @@ def main(argv: Sequence[str] | None = None) -> int:
         help=f"comma-separated, of {list(ENGINES)}: each engine's honest corpus, judged by its "
         "own validator path (vllm needs the vLLM venv)",
     )
-    args = parser.parse_args(argv)
+    return parser
+
+
+def _checked_args(
+    parser: argparse.ArgumentParser, args: argparse.Namespace
+) -> tuple[list[str], list[str], dict[str, int]]:
+    """(engine names, model names, fixed rounds per model) of ``args``; a usage error
+    (``parser.error``: exit 2) on an unknown engine or model, vLLM missing, malformed
+    ``--rounds``, fewer than 2 attacks, or ``--write-profile`` with several models."""
     engines = args.engines.split(",")
     if any(e not in ENGINES for e in engines) or len(set(engines)) != len(engines):
         parser.error(f"--engines: expected names of {list(ENGINES)}, got {args.engines!r}")
@@ -1839,6 +1898,14 @@ def main(argv: Sequence[str] | None = None) -> int:
         parser.error("--attacks must be >= 2")
     if args.write_profile is not None and len(models) != 1:
         parser.error("--write-profile: calibrate one model per profile (--models NAME)")
+    return engines, models, fixed
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Command line entry point; returns the exit status (2 on a usage error)."""
+    parser = _parser()
+    args = parser.parse_args(argv)
+    engines, models, fixed = _checked_args(parser, args)
     logging.basicConfig(level=logging.ERROR)  # rejections are counted, not logged
     torch.set_num_threads(1)
     per_engine: dict[str, dict[str, Any]] = {}

@@ -271,26 +271,7 @@ class Emulation:
 
     def start(self) -> None:
         """Create the lab (or choose transport shaping), the checkpoints and the processes."""
-        ok, why = netns.available() if self.opts.shaping != "transport" else (False, "asked")
-        if self.opts.shaping == "netns" and not ok:
-            raise EmulationFailed(f"network namespaces unavailable: {why}")
-        if ok:
-            self.lab = netns.Lab()
-            self.lab.__enter__()
-            for n in self.topo.nodes:
-                self.lab.add_node(n.index, n.up_bps, n.down_bps, n.latency_s, n.loss)
-            self.notes.append(f"links: network namespaces + tc (lab {self.lab.id})")
-            if not self.lab.netem:
-                self.notes.append(
-                    "kernel has no sch_netem: rates shaped (tbf); latency and loss NOT emulated"
-                )
-            print(f"{LAB_READY} id={self.lab.id}", flush=True)
-        else:
-            self.notes.append(
-                f"no namespaces ({why}): uploads shaped in the transport "
-                "(--upload-limit-bytes-per-s); downlinks, latency and loss NOT emulated"
-            )
-            print(f"{LAB_READY} id=none", flush=True)
+        self._shape_links()
         if self.topo.links:
             self.notes.append("[[links]] overrides are not emulated (model only)")
         if any(n.behavior != "honest" for n in self.topo.nodes):
@@ -311,6 +292,43 @@ class Emulation:
         origin = self.topo.origin
         (self.wd / origin.name).mkdir(parents=True)
         self.trainer_id = Identity.load_or_create(self.wd / origin.name / "node.key").peer_id
+        self._start_tiers()
+
+    def _shape_links(self) -> None:
+        """Build the network-namespace lab with each node's rates, latency and loss, or (no
+        namespaces, or ``shaping="transport"``) note that uploads are shaped in the transport.
+
+        Raises:
+            EmulationFailed: ``shaping="netns"`` and namespaces are unavailable.
+        """
+        ok, why = netns.available() if self.opts.shaping != "transport" else (False, "asked")
+        if self.opts.shaping == "netns" and not ok:
+            raise EmulationFailed(f"network namespaces unavailable: {why}")
+        if ok:
+            self.lab = netns.Lab()
+            self.lab.__enter__()
+            for n in self.topo.nodes:
+                self.lab.add_node(n.index, n.up_bps, n.down_bps, n.latency_s, n.loss)
+            self.notes.append(f"links: network namespaces + tc (lab {self.lab.id})")
+            if not self.lab.netem:
+                self.notes.append(
+                    "kernel has no sch_netem: rates shaped (tbf); latency and loss NOT emulated"
+                )
+            print(f"{LAB_READY} id={self.lab.id}", flush=True)
+        else:
+            self.notes.append(
+                f"no namespaces ({why}): uploads shaped in the transport "
+                "(--upload-limit-bytes-per-s); downlinks, latency and loss NOT emulated"
+            )
+            print(f"{LAB_READY} id=none", flush=True)
+
+    def _start_tiers(self) -> None:
+        """Start every node not waiting for a join event, tier by tier: a node starts once
+        all its upstreams are ready.
+
+        Raises:
+            EmulationFailed: some nodes' upstreams never start.
+        """
         offline = {
             e.node
             for e in self.topo.events

@@ -62,6 +62,7 @@ from __future__ import annotations
 
 import re
 import tomllib
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
@@ -299,6 +300,42 @@ def parse(data: dict[str, object], path: Path | None = None) -> Topology:
     except ValidationError as exc:
         raise _err(exc, path) from exc
     where = f"{path}: " if path else ""
+    nodes, groups = _expand_groups(spec, where)
+    all_names = {n.name for n in nodes}
+    if len(all_names) != len(nodes) or any(g in all_names and groups[g] != [g] for g in groups):
+        raise TopologyError("nodes", f"{where}a node name collides with a group member name")
+    if sum(n.role == "origin" for n in nodes) != 1:
+        raise TopologyError("nodes", f"{where}exactly one node must have role origin (or trainer)")
+
+    def resolve(ref: str, field: str) -> list[str]:
+        if ref in groups:
+            return groups[ref]
+        if ref in all_names:
+            return [ref]
+        raise TopologyError(field, f"{where}unknown node or group {ref!r}")
+
+    expanded = _with_upstreams(spec, nodes, resolve, where)
+    idx = {n.name: n.index for n in expanded}
+    _check_reachable(expanded, where)
+    links = _links(spec, resolve, idx, where)
+    events = []
+    for k, es in enumerate(spec.events):
+        for x in resolve(es.node, f"events[{k}].node"):
+            if expanded[idx[x]].role == "origin" and es.action != "slow":
+                raise TopologyError(f"events[{k}].action", f"{where}the origin can only slow down")
+            events.append(Event(es.at_s, idx[x], es.action, es.factor))
+    events.sort(key=lambda e: e.at_s)
+    return Topology(spec, tuple(expanded), tuple(links), tuple(events), path)
+
+
+def _expand_groups(spec: TopologyFile, where: str) -> tuple[list[Node], dict[str, list[str]]]:
+    """Every node of ``spec``, a group of ``count`` expanded to ``name-0`` .. ``name-(count-1)``
+    with rates spread over its range (bytes/s, seconds), upstreams as written; and each
+    entry's name -> its node names.
+
+    Raises:
+        TopologyError: two entries with the same name.
+    """
     nodes: list[Node] = []
     groups: dict[str, list[str]] = {}
     for k, ns in enumerate(spec.nodes):
@@ -324,19 +361,20 @@ def parse(data: dict[str, object], path: Path | None = None) -> Topology:
                     ns.corrupt_fraction,
                 )
             )
-    all_names = {n.name for n in nodes}
-    if len(all_names) != len(nodes) or any(g in all_names and groups[g] != [g] for g in groups):
-        raise TopologyError("nodes", f"{where}a node name collides with a group member name")
-    if sum(n.role == "origin" for n in nodes) != 1:
-        raise TopologyError("nodes", f"{where}exactly one node must have role origin (or trainer)")
+    return nodes, groups
 
-    def resolve(ref: str, field: str) -> list[str]:
-        if ref in groups:
-            return groups[ref]
-        if ref in all_names:
-            return [ref]
-        raise TopologyError(field, f"{where}unknown node or group {ref!r}")
 
+def _with_upstreams(
+    spec: TopologyFile,
+    nodes: list[Node],
+    resolve: Callable[[str, str], list[str]],
+    where: str,
+) -> list[Node]:
+    """``nodes`` with their upstream references (node or group names) resolved to node names.
+
+    Raises:
+        TopologyError: an unknown reference, or a node that is its own upstream.
+    """
     expanded: list[Node] = []
     for k, ns in enumerate(spec.nodes):
         ups: list[str] = []
@@ -346,8 +384,20 @@ def parse(data: dict[str, object], path: Path | None = None) -> Topology:
             if n.name in ups:
                 raise TopologyError(f"nodes[{k}].upstreams", f"{where}{n.name} is its own upstream")
             expanded.append(Node(**{**vars(n), "upstreams": tuple(ups)}))
-    idx = {n.name: n.index for n in expanded}
-    _check_reachable(expanded, where)
+    return expanded
+
+
+def _links(
+    spec: TopologyFile,
+    resolve: Callable[[str, str], list[str]],
+    idx: dict[str, int],
+    where: str,
+) -> list[Link]:
+    """The links of ``spec``, one per pair of nodes its two ends (node or group names) name.
+
+    Raises:
+        TopologyError: an unknown end, or a link from a node to itself.
+    """
     links = []
     for k, ls in enumerate(spec.links):
         a = resolve(ls.a, f"links[{k}].a")
@@ -359,14 +409,7 @@ def parse(data: dict[str, object], path: Path | None = None) -> Topology:
                 links.append(
                     Link(idx[x], idx[y], _bps(ls.bandwidth_mbps), ls.latency_ms / 1e3, ls.loss)
                 )
-    events = []
-    for k, es in enumerate(spec.events):
-        for x in resolve(es.node, f"events[{k}].node"):
-            if expanded[idx[x]].role == "origin" and es.action != "slow":
-                raise TopologyError(f"events[{k}].action", f"{where}the origin can only slow down")
-            events.append(Event(es.at_s, idx[x], es.action, es.factor))
-    events.sort(key=lambda e: e.at_s)
-    return Topology(spec, tuple(expanded), tuple(links), tuple(events), path)
+    return links
 
 
 def _bps(mbps: float | None) -> float | None:

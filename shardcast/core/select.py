@@ -488,7 +488,14 @@ class Scheduler:
         if not ready:  # every source full or blocked: no shard can start
             return None
         base = sum(1 for s in self._sources.values() if not s.banned and s.have is None)
-        # resumable shards first (a transfer broke mid-shard and its prefix is kept)
+        req = self._next_resumable(now, ready)
+        if req is not None:
+            return req
+        return self._next_rarest(now, ready, base)
+
+    def _next_resumable(self, now: float, ready: list[SourceState]) -> Request | None:
+        """A request for an idle shard whose transfer broke mid-shard and whose prefix is kept
+        (most received first), or None if no ready source can serve one."""
         resumable = [i for i in self._partial if i in self._idle]
         for i in sorted(
             resumable,
@@ -497,10 +504,14 @@ class Scheduler:
             st = self._pick_source(i, now, set(), ready)
             if st is not None:
                 return self._start(i, st, now, duplicate=False)
-        # then rarest first (fewest partial holders; complete sources hold every shard), unless
-        # the rarer shard's best source is much slower than what another idle shard can get
-        # (rarity_slack): a congested relay must not hold every slot while idle peers hold
-        # shards this node lacks
+        return None
+
+    def _next_rarest(self, now: float, ready: list[SourceState], base: int) -> Request | None:
+        """A request for the rarest idle shard (fewest partial holders; ``base`` complete
+        sources hold every shard), unless the rarer shard's best source is much slower than
+        what another idle shard can get (rarity_slack): a congested relay must not hold every
+        slot while idle peers hold shards this node lacks. Scans at most ``_SCAN_LIMIT`` heap
+        entries, then every idle shard; the entries popped go back on the heap."""
         explore = len(ready) > 1 and self._rng.random() < self.config.explore
         prior = self._prior_rate()
         bar = None if explore else self._best_ready_cost(ready, prior)
@@ -509,25 +520,14 @@ class Scheduler:
         rankings: dict[int, list[SourceState]] = {}  # shard length -> ready sources by cost
         try:
             while self._heap and len(aside) < _SCAN_LIMIT:
-                held, tb, i = heapq.heappop(self._heap)
-                if i not in self._idle or self._shards[i].received:
-                    continue  # stale entry (in flight, done) or handled above
-                cur = self._held.get(i, 0)
-                if cur > held:  # more holders since it was queued: requeue at its place
-                    heapq.heappush(self._heap, (cur, tb, i))
+                popped = self._pop_idle(aside)
+                if popped is None:
                     continue
-                aside.append((cur, tb, i))
-                if base + cur == 0:
-                    continue
+                i, held = popped
+                if base + held == 0:
+                    continue  # no source holds it
                 length = self._shards[i].length
-                if explore:
-                    st = self._pick_source(i, now, set(), ready, explore, prior)
-                else:
-                    ranked = rankings.get(length)
-                    if ranked is None:
-                        ranked = sorted(ready, key=lambda s: self._cost(s, length, prior))
-                        rankings[length] = ranked
-                    st = self._pick_ranked(i, now, ranked)
+                st = self._pick_cheapest(i, now, ready, explore, prior, rankings)
                 if st is None:
                     continue
                 if bar is None or self._cost(st, length, prior)[0] <= bar * length:
@@ -537,19 +537,60 @@ class Scheduler:
             if fallback is not None:
                 return self._start(fallback[0], fallback[1], now, duplicate=False)
             if self._heap:  # many unschedulable shards in front: look at every idle one
-                for i in sorted(
-                    self._idle, key=lambda i: (self._held.get(i, 0), self._tiebreak[i])
-                ):
-                    if base + self._held.get(i, 0) == 0 or self._shards[i].received:
-                        continue
-                    st = self._pick_source(i, now, set(), ready, explore)
-                    if st is not None:
-                        return self._start(i, st, now, duplicate=False)
+                return self._next_any_idle(now, ready, base, explore)
             return None
         finally:
             for entry in aside:
                 if entry[2] in self._idle:
                     heapq.heappush(self._heap, entry)
+
+    def _pop_idle(self, aside: list[tuple[int, float, int]]) -> tuple[int, int] | None:
+        """Pop the heap's top entry: (shard, partial holders) if the shard is idle and
+        unstarted (its up-to-date entry appended to ``aside``), else None (a stale entry
+        dropped, or one with more holders since it was queued pushed back at its place)."""
+        held, tb, i = heapq.heappop(self._heap)
+        if i not in self._idle or self._shards[i].received:
+            return None  # stale entry (in flight, done) or handled by _next_resumable
+        cur = self._held.get(i, 0)
+        if cur > held:  # more holders since it was queued: requeue at its place
+            heapq.heappush(self._heap, (cur, tb, i))
+            return None
+        aside.append((cur, tb, i))
+        return i, cur
+
+    def _pick_cheapest(
+        self,
+        shard: int,
+        now: float,
+        ready: list[SourceState],
+        explore: bool,
+        prior: float,
+        rankings: dict[int, list[SourceState]],
+    ) -> SourceState | None:
+        """The source for ``shard`` in the rarest-first scan: a random eligible one when
+        exploring, else the cheapest by :meth:`_cost`, ranking ``ready`` once per shard length
+        (cached in ``rankings``)."""
+        if explore:
+            return self._pick_source(shard, now, set(), ready, explore, prior)
+        length = self._shards[shard].length
+        ranked = rankings.get(length)
+        if ranked is None:
+            ranked = sorted(ready, key=lambda s: self._cost(s, length, prior))
+            rankings[length] = ranked
+        return self._pick_ranked(shard, now, ranked)
+
+    def _next_any_idle(
+        self, now: float, ready: list[SourceState], base: int, explore: bool
+    ) -> Request | None:
+        """A request for the first idle, unstarted shard with a holder, in rarity order, that a
+        ready source can serve: the full scan behind the heap's bounded one."""
+        for i in sorted(self._idle, key=lambda i: (self._held.get(i, 0), self._tiebreak[i])):
+            if base + self._held.get(i, 0) == 0 or self._shards[i].received:
+                continue
+            st = self._pick_source(i, now, set(), ready, explore)
+            if st is not None:
+                return self._start(i, st, now, duplicate=False)
+        return None
 
     def _best_ready_cost(self, ready: list[SourceState], prior: float) -> float:
         """``rarity_slack`` x the best expected seconds per byte over ready sources that hold

@@ -564,53 +564,82 @@ class Session:
         out += self.answered(f.source, outcome, now)
         self._failed(f.shard, f.source)
         if outcome in (Outcome.NOT_AVAILABLE, Outcome.REFUSED, Outcome.GONE, Outcome.WRONG_VERSION):
-            _bump(self.stats.unavailable_by_source, f.source)
-            if outcome is Outcome.WRONG_VERSION:
-                _bump(self.stats.other_digest_by_source, f.source)
-            if f.start and not f.duplicate:  # the prefix stays for the next source
-                self._kept[f.shard] = _Prefix(f.start, f.encoding, f.size, r.parts)
-                out.append(Keep(req, f.shard))
-            elif not f.duplicate:
-                self.sched.discard_partial(f.shard)
-            kind = "refused" if outcome is Outcome.REFUSED else "unavailable"
-            self.sched.on_failure(req, now, kind=kind)
-            return out
+            return out + self._unavailable(req, r, outcome, now)
         self.stats.failures += 1
         if outcome is Outcome.PROTOCOL_ERROR:
             cancel = self.sched.on_failure(req, now, kind="corrupt")
             return out + self._corrupt(f.source, f.shard, cancel)
-        if outcome is Outcome.CORRUPT_CHUNK:  # one chunk, one sender: blamed at once
-            pos = f.start + received
-            keep = not f.duplicate and pos > 0 and len(self._kept) < self.config.max_resume_buffers
-            if keep:
-                if received:
-                    r.parts.append((f.source, f.start, pos))
-                self._kept[f.shard] = _Prefix(pos, f.encoding, f.size, r.parts)
-                out.append(Keep(req, f.shard))
-            elif not f.duplicate:
-                self.sched.discard_partial(f.shard)
-            log.warning(
-                "chunk_corrupt step=%d shard=%d at_byte=%d source=%s",
-                self.step,
-                f.shard,
-                pos,
-                short_id(f.source),
-            )
-            cancel = self.sched.on_failure(req, now, kind="corrupt", received=received, kept=keep)
-            return out + self._corrupt(f.source, f.shard, cancel)
-        # broken, timeout, unreachable: keep what arrived (bounded), resume elsewhere
-        pos = f.start + received
-        keep = not f.duplicate and pos > 0 and len(self._kept) < self.config.max_resume_buffers
-        if keep:
-            if received:
-                r.parts.append((f.source, f.start, pos))
-            self._kept[f.shard] = _Prefix(pos, f.encoding, f.size, r.parts)
+        if outcome is Outcome.CORRUPT_CHUNK:
+            return out + self._corrupt_chunk(req, r, received, now)
+        return out + self._broken(req, r, outcome, received, now)
+
+    def _unavailable(self, req: int, r: _Req, outcome: Outcome, now: float) -> list[Action]:
+        """``req`` was answered that its source does not serve the shard (not available,
+        refused, gone, another version): no blame for bytes; a prefix it resumed from stays."""
+        f = r.fetch
+        out: list[Action] = []
+        _bump(self.stats.unavailable_by_source, f.source)
+        if outcome is Outcome.WRONG_VERSION:
+            _bump(self.stats.other_digest_by_source, f.source)
+        if f.start and not f.duplicate:  # the prefix stays for the next source
+            self._kept[f.shard] = _Prefix(f.start, f.encoding, f.size, r.parts)
             out.append(Keep(req, f.shard))
+        elif not f.duplicate:
+            self.sched.discard_partial(f.shard)
+        kind = "refused" if outcome is Outcome.REFUSED else "unavailable"
+        self.sched.on_failure(req, now, kind=kind)
+        return out
+
+    def _corrupt_chunk(self, req: int, r: _Req, received: int, now: float) -> list[Action]:
+        """A chunk of ``req`` failed its digest after ``received`` good bytes: one chunk, one
+        sender, blamed at once; the verified bytes before it are kept (bounded)."""
+        f = r.fetch
+        out: list[Action] = []
+        keep = self._keep_prefix(req, r, received)
+        if keep is not None:
+            out.append(keep)
+        elif not f.duplicate:
+            self.sched.discard_partial(f.shard)
+        log.warning(
+            "chunk_corrupt step=%d shard=%d at_byte=%d source=%s",
+            self.step,
+            f.shard,
+            f.start + received,
+            short_id(f.source),
+        )
+        cancel = self.sched.on_failure(
+            req, now, kind="corrupt", received=received, kept=keep is not None
+        )
+        return out + self._corrupt(f.source, f.shard, cancel)
+
+    def _broken(
+        self, req: int, r: _Req, outcome: Outcome, received: int, now: float
+    ) -> list[Action]:
+        """``req`` broke, timed out or found its source unreachable after ``received`` bytes:
+        keep what arrived (bounded) and resume elsewhere."""
+        f = r.fetch
+        out: list[Action] = []
+        keep = self._keep_prefix(req, r, received)
+        if keep is not None:
+            out.append(keep)
         kind = "timeout" if outcome is Outcome.TIMEOUT else "broken"
-        self.sched.on_failure(req, now, kind=kind, received=received if keep else 0)
-        if not keep and not f.duplicate:
+        self.sched.on_failure(req, now, kind=kind, received=received if keep is not None else 0)
+        if keep is None and not f.duplicate:
             self.sched.discard_partial(f.shard)
         return out
+
+    def _keep_prefix(self, req: int, r: _Req, received: int) -> Keep | None:
+        """Keep the prefix of ``r``'s shard that arrived (its first ``f.start + received``
+        bytes) for the next source to resume from: the :class:`Keep` action, or None when
+        ``r`` is a duplicate, nothing arrived or all ``max_resume_buffers`` are in use."""
+        f = r.fetch
+        pos = f.start + received
+        if f.duplicate or pos <= 0 or len(self._kept) >= self.config.max_resume_buffers:
+            return None
+        if received:
+            r.parts.append((f.source, f.start, pos))
+        self._kept[f.shard] = _Prefix(pos, f.encoding, f.size, r.parts)
+        return Keep(req, f.shard)
 
     def shard_checked(self, req: int, verdict: Verdict, now: float) -> list[Action]:
         """The bytes of ``req`` (after :class:`Check`) were found ``verdict``."""

@@ -147,27 +147,42 @@ class SuperSeeding:
                 else self.repeat_budget * total_shards
             )
             if budget is not None and self._repeats.get(step, 0) + repeats > budget:
-                for i in shards:
-                    since = self._refused_since.get((step, i, requester))
-                    prev = self._served_to.get((step, i))
-                    if (
-                        prev is not None
-                        and prev[0] != requester
-                        and not self._left(prev)
-                        and (since is None or now - since < self.persist_s)
-                    ):
-                        return self._refuse(requester, step, i, now)
+                held = self._still_refused(requester, step, shards, now)
+                if held is not None:
+                    return self._refuse(requester, step, held, now)
             self._repeats[step] = self._repeats.get(step, 0) + repeats
             self.repeats += repeats
         if released:
             self._reports[(step, requester)] = reports + len(released)
             _trim(self._reports, self.max_entries)
             self.released += len(released)
+        self._record(requester, step, shards, now)
+        return True
+
+    def _still_refused(
+        self, requester: str, step: int, shards: list[int], now: float
+    ) -> int | None:
+        """Rule 5, once the step's repeat budget is spent: the first of ``shards`` that
+        another live holder was served and that ``requester`` was first refused less than
+        ``persist_s`` ago (or never), or None if the request may go on."""
+        for i in shards:
+            since = self._refused_since.get((step, i, requester))
+            prev = self._served_to.get((step, i))
+            if (
+                prev is not None
+                and prev[0] != requester
+                and not self._left(prev)
+                and (since is None or now - since < self.persist_s)
+            ):
+                return i
+        return None
+
+    def _record(self, requester: str, step: int, shards: list[int], now: float) -> None:
+        """``requester`` now holds ``shards`` of ``step`` (served at ``now``)."""
         for i in shards:
             self._served_to[(step, i)] = (requester, now)
             self._refused_since.pop((step, i, requester), None)
         _trim(self._served_to, self.max_entries)
-        return True
 
     def holder_gone(self, holder: str, now: float) -> None:
         """Rule 8: ``holder`` left at ``now``; what it was served before no longer binds."""

@@ -472,18 +472,7 @@ class Part:
             ManifestError: malformed, for another header, wrong shard count or files, or an
                 encoding that the header does not allow.
         """
-        if not isinstance(obj, dict) or obj.get("v") != header.schema:
-            raise ManifestError(source, f"part is not a version-{header.schema} object")
-        if set(obj) != {"v", "run_id", "step", "header", "part", "shards", "files"}:
-            raise ManifestError(
-                source, "part fields must be v, run_id, step, header, part, shards, files"
-            )
-        if (
-            obj["run_id"] != header.run_id
-            or obj["step"] != header.step
-            or obj["header"] != header.digest()
-        ):
-            raise ManifestError(source, "part belongs to another version")
+        _check_part_fields(obj, header, source)
         k = _int(obj, "part", 0, header.n_parts - 1, source)
         rng = header.part_range(k)
         raw = obj["shards"]
@@ -509,22 +498,7 @@ class Part:
                     raise ManifestError(source, f"shard {i}: chunk size differs within a part")
                 chunk_bytes = size
                 chunk_lists.append(chunks)
-            offered = []
-            for e in entry[1]:
-                if not isinstance(e, list) or len(e) != 3 or e[0] not in OFFERABLE:
-                    raise ManifestError(source, f"shard {i} has an invalid encoding {e!r}")
-                if e[0] in DELTAS and header.base_step is None:
-                    raise ManifestError(source, f"shard {i} offers a delta without a base")
-                if (
-                    not isinstance(e[1], int)
-                    or isinstance(e[1], bool)
-                    or not 1 <= e[1] <= 2 * header.shard_size + 1024
-                ):
-                    raise ManifestError(source, f"shard {i} encoded size {e[1]!r} out of range")
-                offered.append(Encoded(e[0], e[1], _digest(e[2], source)))
-            if len({o.encoding for o in offered}) != len(offered):
-                raise ManifestError(source, f"shard {i} lists an encoding twice")
-            encs.append(tuple(offered))
+            encs.append(_encodings(entry[1], header, i, source))
         files = obj["files"]
         if not isinstance(files, dict) or sorted(files) != sorted(header.files_ending_in(k)):
             raise ManifestError(
@@ -543,6 +517,52 @@ class Part:
             chunk_bytes,
             tuple(chunk_lists),
         )
+
+
+def _check_part_fields(obj: Any, header: Header, source: str) -> None:
+    """Check that a part body is an object of ``header``'s schema with exactly the part's
+    fields, naming ``header``'s run, step and digest.
+
+    Raises:
+        ManifestError: another schema, missing or extra fields, or another version.
+    """
+    if not isinstance(obj, dict) or obj.get("v") != header.schema:
+        raise ManifestError(source, f"part is not a version-{header.schema} object")
+    if set(obj) != {"v", "run_id", "step", "header", "part", "shards", "files"}:
+        raise ManifestError(
+            source, "part fields must be v, run_id, step, header, part, shards, files"
+        )
+    if (
+        obj["run_id"] != header.run_id
+        or obj["step"] != header.step
+        or obj["header"] != header.digest()
+    ):
+        raise ManifestError(source, "part belongs to another version")
+
+
+def _encodings(raw: list[Any], header: Header, i: int, source: str) -> tuple[Encoded, ...]:
+    """Parse shard ``i``'s offered encodings, ``[[encoding, size, digest], ...]``.
+
+    Raises:
+        ManifestError: an encoding not offerable, a delta when ``header`` has no base, an
+            encoded size outside 1 .. 2 x shard size + 1024 bytes, or an encoding listed twice.
+    """
+    offered = []
+    for e in raw:
+        if not isinstance(e, list) or len(e) != 3 or e[0] not in OFFERABLE:
+            raise ManifestError(source, f"shard {i} has an invalid encoding {e!r}")
+        if e[0] in DELTAS and header.base_step is None:
+            raise ManifestError(source, f"shard {i} offers a delta without a base")
+        if (
+            not isinstance(e[1], int)
+            or isinstance(e[1], bool)
+            or not 1 <= e[1] <= 2 * header.shard_size + 1024
+        ):
+            raise ManifestError(source, f"shard {i} encoded size {e[1]!r} out of range")
+        offered.append(Encoded(e[0], e[1], _digest(e[2], source)))
+    if len({o.encoding for o in offered}) != len(offered):
+        raise ManifestError(source, f"shard {i} lists an encoding twice")
+    return tuple(offered)
 
 
 def _chunk_list(obj: Any, length: int, source: str, i: int) -> tuple[int, tuple[str, ...]]:

@@ -447,12 +447,35 @@ def _check_body(obj: Any, source: str) -> None:
     trainer = obj["trainer"]
     if not isinstance(trainer, str) or not 8 <= len(trainer) <= 128 or not trainer.isalnum():
         raise _fail(source, "trainer", f"{trainer!r} is not a PeerID")
+    _check_task(obj, source)
+    _check_sampling(obj, source)
+    seen = _check_engines(obj["engines"], source)
+    _int(obj, "async_level", 0, 1 << 16, source)
+    model = _obj(obj, "model", {"architecture_digest"}, source)
+    if not isinstance(model["architecture_digest"], str) or not DIGEST_RE.match(
+        model["architecture_digest"]
+    ):
+        raise _fail(source, "model.architecture_digest", "is not 64 lowercase hex characters")
+    _int(obj, "issued_at_ms", 0, 1 << 52, source)
+    if "mirrors" in obj:
+        _check_mirrors(obj["mirrors"], source)
+    if "validator_profile" in obj:
+        _check_profile(obj["validator_profile"], seen, source)
+
+
+def _check_task(obj: Mapping[str, Any], source: str) -> None:
+    """``task``: a task name, a version in 1 .. 2**31 and a 64-hex digest."""
     task = _obj(obj, "task", {"name", "version", "digest"}, source)
     if not isinstance(task["name"], str) or not _TASK_RE.match(task["name"]):
         raise _fail(source, "task.name", f"{task['name']!r} is not a task name")
     _int(task, "version", 1, 1 << 31, source, "task.")
     if not isinstance(task["digest"], str) or not DIGEST_RE.match(task["digest"]):
         raise _fail(source, "task.digest", "is not 64 lowercase hex characters")
+
+
+def _check_sampling(obj: Mapping[str, Any], source: str) -> None:
+    """``sampling``: prompts per step and group size in 1 .. 2**16, max new tokens in
+    1 .. 2**20, and the temperature as a canonical decimal in (0, 100]."""
     s = _obj(
         obj, "sampling", {"prompts_per_step", "group_size", "max_new_tokens", "temperature"}, source
     )
@@ -468,10 +491,14 @@ def _check_body(obj: Any, source: str) -> None:
         raise _fail(
             source, "sampling.temperature", f"{temp!r} is not a canonical decimal in (0, 100]"
         )
-    engines = obj["engines"]
+
+
+def _check_engines(engines: Any, source: str) -> set[tuple[str, str]]:
+    """``engines``: 1 to MAX_ENGINES distinct ``{family, dtype}``; returns the
+    (family, dtype) pairs."""
     if not isinstance(engines, list) or not 1 <= len(engines) <= MAX_ENGINES:
         raise _fail(source, "engines", f"must be a list of 1 to {MAX_ENGINES} engines")
-    seen = set()
+    seen: set[tuple[str, str]] = set()
     for e in engines:
         if (
             not isinstance(e, dict)
@@ -484,17 +511,7 @@ def _check_body(obj: Any, source: str) -> None:
         if (e["family"], e["dtype"]) in seen:
             raise _fail(source, "engines", f"{e['family']}-{e['dtype']} is listed twice")
         seen.add((e["family"], e["dtype"]))
-    _int(obj, "async_level", 0, 1 << 16, source)
-    model = _obj(obj, "model", {"architecture_digest"}, source)
-    if not isinstance(model["architecture_digest"], str) or not DIGEST_RE.match(
-        model["architecture_digest"]
-    ):
-        raise _fail(source, "model.architecture_digest", "is not 64 lowercase hex characters")
-    _int(obj, "issued_at_ms", 0, 1 << 52, source)
-    if "mirrors" in obj:
-        _check_mirrors(obj["mirrors"], source)
-    if "validator_profile" in obj:
-        _check_profile(obj["validator_profile"], seen, source)
+    return seen
 
 
 def _card_profile(obj: Any) -> CardProfile | None:
