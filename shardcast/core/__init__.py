@@ -6,13 +6,13 @@ One download's decisions (:mod:`.session`, events in, actions out), source selec
 catch up (:mod:`.catchup`), retention (:mod:`.retention`), upstream poll pacing
 (:mod:`.pollpolicy`) and what a mirror listed (:mod:`.mirrorpoll`). The trio drivers
 (:mod:`shardcast.download`) and the simulator (``simulations/``) run the same objects.
-Imports only :mod:`shardcast.wire` (and ``p2p.errors``).
+Imports only :mod:`shardcast.wire` (and ``p2p.errors``, ``p2p.wire``).
 """
 
 from __future__ import annotations
 
 from shardcast.core import catchup
-from shardcast.core.catchup import plan, worth_finishing
+from shardcast.core.catchup import plan
 from shardcast.core.liveness import Abandon, Answer
 from shardcast.core.mirrorpoll import MirrorPoll
 from shardcast.core.pollpolicy import PollPolicy, poll_delay
@@ -135,5 +135,4 @@ __all__ = [
     "superseded",
     "versions_to_prune",
     "want",
-    "worth_finishing",
 ]

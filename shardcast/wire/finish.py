@@ -21,16 +21,18 @@ more steps) lifts the finished state.
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any, ClassVar
 
 from p2p import envelope, wire
 from p2p.envelope import Kind
 from p2p.errors import RemoteProtocolError
-from p2p.keys import KeyHolder, public_key_of
+from p2p.keys import KeyHolder
 from p2p.trust import TrustList
 from shardcast.wire.canonical import RUN_ID_RE
-from shardcast.wire.messages import MAX_ANNOUNCEMENT_BYTES, VersionAnnouncement
+from shardcast.wire.messages import MAX_ANNOUNCEMENT_BYTES, TrainerSigned, VersionAnnouncement
 
 __all__ = ["FINISHED_KIND", "RunFinished", "check_versions_gossip", "decode_versions_message"]
 
@@ -38,7 +40,7 @@ FINISHED_KIND = Kind.RUN_FINISHED
 
 
 @dataclass(frozen=True)
-class RunFinished:
+class RunFinished(TrainerSigned):
     """The trainer's signed "this run is over" statement.
 
     Attributes:
@@ -56,6 +58,9 @@ class RunFinished:
     signer: str
     signature: bytes
 
+    KIND: ClassVar[Kind] = FINISHED_KIND
+    NAME: ClassVar[str] = "run-finished"
+
     def _body(self) -> bytes:
         return wire.encode(
             {
@@ -71,43 +76,20 @@ class RunFinished:
         cls, identity: KeyHolder, run_id: str, step: int, manifest_digest: str
     ) -> RunFinished:
         """Build and sign the message with the trainer's identity (or its signing key)."""
-        key = identity.key
-        unsigned = cls(run_id, step, manifest_digest, key.peer_id, b"")
-        sig = envelope.sign(FINISHED_KIND, unsigned._body(), key)
-        return cls(run_id, step, manifest_digest, key.peer_id, sig)
-
-    def encode(self) -> bytes:
-        """The sealed envelope bytes (:mod:`p2p.envelope`)."""
-        return envelope.encode_sealed(
-            FINISHED_KIND, self._body(), public_key_of(self.signer), self.signature
-        )
+        unsigned = cls(run_id, step, manifest_digest, identity.key.peer_id, b"")
+        return dataclasses.replace(unsigned, signature=unsigned._signature_by(identity))
 
     @classmethod
-    def decode(cls, data: bytes, *, trust: TrustList, sender: str = "") -> RunFinished:
-        """Parse and verify a message from an untrusted sender.
-
-        Raises:
-            MessageTooLarge, MalformedEnvelope, FieldError (RemoteProtocolError): malformed.
-            BadSignature (IntegrityError): bad signature.
-            UntrustedSigner: signed by someone other than the pinned trainer.
-        """
-        opened = envelope.open(
-            FINISHED_KIND, data, trust.trainer, MAX_ANNOUNCEMENT_BYTES, sender=sender
-        )
-        body_bytes, signer, sig = opened.body, opened.signer, opened.signature
-        body = wire.decode(body_bytes, max_bytes=MAX_ANNOUNCEMENT_BYTES, sender=sender)
-        wire.need_version(body, 1, "run finished", sender)
-        run_id = wire.need_str(body, "run_id", 128, sender, pattern=RUN_ID_RE)
-        msg = cls(
-            run_id,
+    def _from_body(
+        cls, body: dict[str, Any], signer: str, signature: bytes, sender: str
+    ) -> RunFinished:
+        return cls(
+            wire.need_str(body, "run_id", 128, sender, pattern=RUN_ID_RE),
             wire.need_int(body, "step", 0, 1 << 62, sender),
             wire.need_str(body, "manifest_digest", 64, sender),
             signer,
-            sig,
+            signature,
         )
-        if msg._body() != body_bytes:
-            raise RemoteProtocolError(sender, "run-finished body is not canonical")
-        return msg
 
 
 def decode_versions_message(

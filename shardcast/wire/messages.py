@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, ClassVar, Self
 
 from p2p import envelope, wire
 from p2p.envelope import Kind
@@ -45,8 +45,60 @@ def versions_topic(run_id: str) -> str:
     return f"shardnet/{run_id}/versions/1"
 
 
+class TrainerSigned:
+    """Base of the small messages the trainer signs (a version announcement, the run's end):
+    a canonical CBOR body with ``"v": 1``, sealed in a :mod:`p2p.envelope` of the class's
+    ``KIND``, at most :data:`MAX_ANNOUNCEMENT_BYTES`, accepted only from the pinned trainer.
+
+    A subclass is a frozen dataclass with ``signer`` and ``signature`` fields; it writes its
+    body (:meth:`_body`) and reads its fields back from a decoded body (:meth:`_from_body`).
+    Encoding, opening the envelope, the schema version and the canonical-body check are here,
+    once for every trainer-signed message.
+    """
+
+    KIND: ClassVar[Kind]
+    NAME: ClassVar[str]  # in error messages: "announcement", "run-finished"
+    signer: str
+    signature: bytes
+
+    def _body(self) -> bytes:
+        raise NotImplementedError
+
+    @classmethod
+    def _from_body(cls, body: dict[str, Any], signer: str, signature: bytes, sender: str) -> Self:
+        raise NotImplementedError
+
+    def _signature_by(self, holder: KeyHolder) -> bytes:
+        """The signature of this message's body by ``holder`` (the trainer's identity or key)."""
+        return envelope.sign(self.KIND, self._body(), holder.key)
+
+    def encode(self) -> bytes:
+        """The sealed envelope bytes (:mod:`p2p.envelope`)."""
+        return envelope.encode_sealed(
+            self.KIND, self._body(), public_key_of(self.signer), self.signature
+        )
+
+    @classmethod
+    def decode(cls, data: bytes, *, trust: TrustList, sender: str = "") -> Self:
+        """Parse and verify a message from an untrusted sender.
+
+        Raises:
+            MessageTooLarge, MalformedEnvelope, FieldError (RemoteProtocolError): malformed,
+                or a body that is not in canonical form.
+            BadSignature (IntegrityError): bad signature.
+            UntrustedSigner: signed by someone other than the pinned trainer.
+        """
+        opened = envelope.open(cls.KIND, data, trust.trainer, MAX_ANNOUNCEMENT_BYTES, sender=sender)
+        body = wire.decode(opened.body, max_bytes=MAX_ANNOUNCEMENT_BYTES, sender=sender)
+        wire.need_version(body, 1, cls.NAME, sender)
+        msg = cls._from_body(body, opened.signer, opened.signature, sender)
+        if msg._body() != opened.body:
+            raise RemoteProtocolError(sender, f"{cls.NAME} body is not canonical")
+        return msg
+
+
 @dataclass(frozen=True)
-class VersionAnnouncement:
+class VersionAnnouncement(TrainerSigned):
     """A signed "version N is out" statement by the trainer.
 
     Attributes:
@@ -69,6 +121,9 @@ class VersionAnnouncement:
     signature: bytes
     card_version: int = 0
     card_digest: str = ""
+
+    KIND: ClassVar[Kind] = ANNOUNCE_KIND
+    NAME: ClassVar[str] = "announcement"
 
     def _body(self) -> bytes:
         body: dict[str, Any] = {
@@ -98,51 +153,31 @@ class VersionAnnouncement:
             identity: the trainer's :class:`~p2p.identity.Identity` (or its signing key).
             card: ``(version, digest)`` of the run card in force, or ``(0, "")``.
         """
-        key = identity.key
-        unsigned = cls(run_id, step, manifest_digest, trainer_addrs, key.peer_id, b"", *card)
-        sig = envelope.sign(ANNOUNCE_KIND, unsigned._body(), key)
-        return dataclasses.replace(unsigned, signature=sig)
-
-    def encode(self) -> bytes:
-        """The sealed envelope bytes (:mod:`p2p.envelope`)."""
-        return envelope.encode_sealed(
-            ANNOUNCE_KIND, self._body(), public_key_of(self.signer), self.signature
+        unsigned = cls(
+            run_id, step, manifest_digest, trainer_addrs, identity.key.peer_id, b"", *card
         )
+        return dataclasses.replace(unsigned, signature=unsigned._signature_by(identity))
 
     @classmethod
-    def decode(cls, data: bytes, *, trust: TrustList, sender: str = "") -> VersionAnnouncement:
-        """Parse and verify an announcement from an untrusted sender.
-
-        Raises:
-            MessageTooLarge, MalformedEnvelope, FieldError (RemoteProtocolError): malformed.
-            BadSignature (IntegrityError): bad signature.
-            UntrustedSigner: signed by someone other than the pinned trainer.
-        """
-        opened = envelope.open(
-            ANNOUNCE_KIND, data, trust.trainer, MAX_ANNOUNCEMENT_BYTES, sender=sender
-        )
-        body_bytes, signer, sig = opened.body, opened.signer, opened.signature
-        body = wire.decode(body_bytes, max_bytes=MAX_ANNOUNCEMENT_BYTES, sender=sender)
-        wire.need_version(body, 1, "announcement", sender)
+    def _from_body(
+        cls, body: dict[str, Any], signer: str, signature: bytes, sender: str
+    ) -> VersionAnnouncement:
         run_id = wire.need_str(body, "run_id", 128, sender, pattern=RUN_ID_RE)
         digest = wire.need_str(body, "manifest_digest", 64, sender)
         addrs = wire.need_list(body, "trainer_addrs", 16, sender)
         if not all(isinstance(a, str) and len(a) < 512 for a in addrs):
             raise RemoteProtocolError(sender, "trainer_addrs must be short strings")
         card_version, card_digest = _card_ref(body.get("card"), sender)
-        ann = cls(
+        return cls(
             run_id,
             wire.need_int(body, "step", 0, 1 << 62, sender),
             digest,
             tuple(addrs),
             signer,
-            sig,
+            signature,
             card_version,
             card_digest,
         )
-        if ann._body() != body_bytes:
-            raise RemoteProtocolError(sender, "announcement body is not canonical")
-        return ann
 
 
 def _card_ref(ref: Any, sender: str) -> tuple[int, str]:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 
 from p2p import wire
@@ -10,7 +12,7 @@ from p2p.identity import Identity
 from p2p.trust import TrustList
 from shardcast.core.pollpolicy import PollPolicy, poll_delay
 from shardcast.wire.finish import RunFinished, decode_versions_message
-from shardcast.wire.messages import NodeInfo, VersionAnnouncement
+from shardcast.wire.messages import NodeInfo, TrainerSigned, VersionAnnouncement
 from tests.helpers import TRAINER, trust
 
 DIGEST = "ab" * 32
@@ -58,3 +60,23 @@ def test_poll_delay_live_and_settled() -> None:
     assert poll_delay(p, 1000, False) == 10.0
     assert poll_delay(p, 0, True) == 60.0
     assert [poll_delay(p, n, True) for n in (1, 2, 4, 5, 50)] == [60, 120, 480, 600, 600]
+
+
+@pytest.mark.parametrize(
+    "msg",
+    [
+        RunFinished.create(TRAINER, "run-1", 7, "ab" * 32),
+        VersionAnnouncement.create(TRAINER, "run-1", 7, "ab" * 32, ("/ip4/127.0.0.1/tcp/1",)),
+    ],
+    ids=["run-finished", "announcement"],
+)
+def test_trainer_signed_messages_share_one_decoder(msg: TrainerSigned) -> None:
+    """Both trainer-signed messages round-trip through :class:`TrainerSigned` and refuse a
+    body whose fields were changed after signing (the signature no longer matches)."""
+    assert type(msg).decode(msg.encode(), trust=trust()) == msg
+    forged = dataclasses.replace(msg, step=8)  # same signature, other body
+    with pytest.raises(IntegrityError):
+        type(msg).decode(forged.encode(), trust=trust())
+    other = RunFinished if isinstance(msg, VersionAnnouncement) else VersionAnnouncement
+    with pytest.raises(RemoteProtocolError):  # another kind of envelope
+        other.decode(msg.encode(), trust=trust())
