@@ -12,7 +12,7 @@ from p2p.identity import Identity
 from p2p.trust import TrustList
 from shardcast.core.pollpolicy import PollPolicy, poll_delay
 from shardcast.wire.finish import RunFinished, decode_versions_message
-from shardcast.wire.messages import NodeInfo, TrainerSigned, VersionAnnouncement
+from shardcast.wire.messages import NodeInfo, VersionAnnouncement
 from tests.helpers import TRAINER, trust
 
 DIGEST = "ab" * 32
@@ -70,7 +70,7 @@ def test_poll_delay_live_and_settled() -> None:
     ],
     ids=["run-finished", "announcement"],
 )
-def test_trainer_signed_messages_share_one_decoder(msg: TrainerSigned) -> None:
+def test_trainer_signed_messages_share_one_decoder(msg: RunFinished | VersionAnnouncement) -> None:
     """Both trainer-signed messages round-trip through :class:`TrainerSigned` and refuse a
     body whose fields were changed after signing (the signature no longer matches)."""
     assert type(msg).decode(msg.encode(), trust=trust()) == msg
