@@ -6,7 +6,7 @@ One download's decisions (:mod:`.session`, events in, actions out), source selec
 catch up (:mod:`.catchup`), retention (:mod:`.retention`), upstream poll pacing
 (:mod:`.pollpolicy`) and what a mirror listed (:mod:`.mirrorpoll`). The trio drivers
 (:mod:`shardcast.download`) and the simulator (``simulations/``) run the same objects.
-Imports only :mod:`shardcast.wire` (and ``p2p.errors``, ``p2p.wire``).
+Imports only :mod:`shardcast.wire` (and ``p2p.errors``).
 """
 
 from __future__ import annotations
@@ -24,6 +24,7 @@ from shardcast.core.reachability import (
     DialbackLimits,
     DialbackRequest,
     DialbackResult,
+    LaneCheck,
     Reachability,
     judge_request,
 )
@@ -103,6 +104,7 @@ __all__ = [
     "Held",
     "Keep",
     "KeepSuspect",
+    "LaneCheck",
     "MirrorPoll",
     "Offer",
     "Outcome",

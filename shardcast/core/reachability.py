@@ -61,6 +61,16 @@ class Reach(enum.Enum):
     UNREACHABLE = "unreachable"
 
 
+class LaneCheck(enum.Enum):
+    """The outcome of a whoami challenge of an advertised URL (value: the status string)."""
+
+    VERIFIED = "verified"
+    UNREACHABLE = "unreachable"
+    """No answer: refused, timed out, or not HTTP."""
+    BAD_ANSWER = "bad_answer"
+    """An answer that does not prove the advertiser's key (another node is there)."""
+
+
 class DialbackResult(enum.Enum):
     """One asked node's answer (value: the wire string); ``FAILED`` is the asker's own
     outcome when the ask itself failed (no answer, or the node does not speak the protocol)."""

@@ -20,7 +20,8 @@ manifest. But adverts must not steer the swarm's requests, so:
   (:class:`LaneBackoff`: 60 s, then 4x longer each time, so at most three attempts in the
   hour after the first failure) and dropped after
   :attr:`LaneBackoff.max_failures` failures in a row (not asked again for
-  :attr:`LaneBackoff.drop_s`); the last result of each is a :class:`LaneCheck`. An advert
+  :attr:`LaneBackoff.drop_s`); the last result of each is a
+  :class:`~shardcast.core.reachability.LaneCheck`. An advert
   with an empty URL is a download-only node (one that learned its lane is not reachable from
   outside, :mod:`shardcast.core.reachability`): it offers no source and is never challenged;
 - **advertisers are scored**, across versions: a source that delivered bytes gains, one that
@@ -32,7 +33,6 @@ manifest. But adverts must not steer the swarm's requests, so:
 
 from __future__ import annotations
 
-import enum
 import logging
 import random
 from collections.abc import Sequence
@@ -44,6 +44,7 @@ import trio
 
 from p2p import wire
 from p2p.errors import RemoteProtocolError, short_id
+from shardcast.core import LaneCheck
 from shardcast.download.types import Source
 from shardcast.wire import DIGEST_RE
 
@@ -186,16 +187,6 @@ def check_advert_gossip(origin: str, data: bytes) -> None:
         RemoteProtocolError: see :meth:`NodeAdvert.decode`.
     """
     NodeAdvert.decode(data, origin)
-
-
-class LaneCheck(enum.Enum):
-    """The outcome of a whoami challenge of an advertised URL (value: the status string)."""
-
-    VERIFIED = "verified"
-    UNREACHABLE = "unreachable"
-    """No answer: refused, timed out, or not HTTP."""
-    BAD_ANSWER = "bad_answer"
-    """An answer that does not prove the advertiser's key (another node is there)."""
 
 
 @dataclass(frozen=True)

@@ -79,6 +79,7 @@ from p2p.http_errors import NotAvailable
 from shardcast.core import (
     MANIFEST_RETRY_MAX_S,
     DownloadStats,
+    LaneCheck,
     MirrorPoll,
     PollOutcome,
     PollPolicy,
@@ -93,7 +94,6 @@ from shardcast.core import (
     want,
 )
 from shardcast.download.discovery import (
-    LaneCheck,
     NodeAdvert,
     SourceDirectory,
     check_advert_gossip,
@@ -104,6 +104,7 @@ from shardcast.download.types import DownloadConfig, Source
 from shardcast.node import (
     DownloadMetrics,
     ShardcastNode,
+    challenge_lane,
     fetch_card,
     iso,
     keep_reachability,
@@ -116,12 +117,10 @@ from shardcast.wire import (
     VersionAnnouncement,
     check_mirror_url,
     check_versions_gossip,
-    check_whoami,
     decode_versions_message,
     manifest_url,
     versions_topic,
     versions_url,
-    whoami_path,
 )
 
 if TYPE_CHECKING:
@@ -542,15 +541,13 @@ class Follower:
         while True:
             now = trio.current_time()
             for advert in self.directory.to_verify(now)[:8]:
-                nonce = secrets.token_hex(16)
-                try:
-                    answer = await self.node.client.get_bytes(
-                        advert.http_url + whoami_path(nonce), max_bytes=512, timeout_s=5.0
-                    )
-                    ok = check_whoami(answer, advert.peer_id, nonce, advert.http_url)
-                    result = LaneCheck.VERIFIED if ok else LaneCheck.BAD_ANSWER
-                except (TransportError, ShardnetError):
-                    result = LaneCheck.UNREACHABLE
+                result = await challenge_lane(
+                    self.node.client,
+                    advert.http_url,
+                    advert.peer_id,
+                    secrets.token_hex(16),
+                    timeout_s=5.0,
+                )
                 lane = self.directory.verified(
                     advert.peer_id, advert.http_url, result, trio.current_time()
                 )

@@ -6,7 +6,7 @@
 from __future__ import annotations
 
 from shardcast.node.cardsync import bootstrap_card, check_data_dir, fetch_card, save_card
-from shardcast.node.dialback import keep_reachability
+from shardcast.node.dialback import challenge_lane, keep_reachability
 from shardcast.node.metrics import DownloadMetrics, source_kind
 from shardcast.node.node import SUPER_SEED_MIN_BYTES, SUPER_SEED_S, NodeConfig, ShardcastNode
 from shardcast.node.nodestatus import iso, wall_of
@@ -21,6 +21,7 @@ __all__ = [
     "RoleView",
     "ShardcastNode",
     "bootstrap_card",
+    "challenge_lane",
     "check_data_dir",
     "fetch_card",
     "iso",

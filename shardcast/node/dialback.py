@@ -27,6 +27,7 @@ from shardcast.core import (
     DialbackLimits,
     DialbackRequest,
     DialbackResult,
+    LaneCheck,
     Reachability,
     judge_request,
 )
@@ -72,18 +73,37 @@ def serve_dialback(host: Host, client: HttpLaneClient, limits: DialbackLimits) -
     return limiter
 
 
+async def challenge_lane(
+    client: HttpLaneClient, url: str, peer_id: str, nonce: str, timeout_s: float
+) -> LaneCheck:
+    """Ask the lane at ``url`` to sign ``nonce`` (``/shardnet/v1/whoami/<nonce>``) and check
+    that ``peer_id``'s key did (:func:`shardcast.wire.check_whoami`). Used both to verify an
+    advertised URL and to dial a node back.
+
+    Args:
+        nonce: a fresh random hex string (the challenger's, or the dial-back asker's).
+        timeout_s: bound of the whole fetch, seconds.
+
+    Returns:
+        ``VERIFIED``; ``BAD_ANSWER`` (an answer that does not prove ``peer_id``'s key); or
+        ``UNREACHABLE`` (refused, timed out, not HTTP). Raises nothing on a bad lane.
+    """
+    try:
+        answer = await client.get_bytes(
+            url + whoami_path(nonce), max_bytes=512, timeout_s=timeout_s
+        )
+    except (TransportError, ShardnetError):
+        return LaneCheck.UNREACHABLE
+    if check_whoami(answer, peer_id, nonce, url):
+        return LaneCheck.VERIFIED
+    return LaneCheck.BAD_ANSWER
+
+
 async def _dial(
     client: HttpLaneClient, asker: str, req: DialbackRequest, timeout_s: float
 ) -> DialbackResult:
-    try:
-        answer = await client.get_bytes(
-            req.url + whoami_path(req.nonce), max_bytes=512, timeout_s=timeout_s
-        )
-    except (TransportError, ShardnetError):
-        return DialbackResult.NOT_REACHED
-    if check_whoami(answer, asker, req.nonce, req.url):
-        return DialbackResult.REACHED
-    return DialbackResult.NOT_REACHED
+    checked = await challenge_lane(client, req.url, asker, req.nonce, timeout_s)
+    return DialbackResult.REACHED if checked is LaneCheck.VERIFIED else DialbackResult.NOT_REACHED
 
 
 async def ask(host: Host, peer_id: str, url: str, timeout_s: float) -> DialbackResult:

@@ -9,7 +9,8 @@ from pathlib import Path
 from p2p.http_client import HttpClient
 from p2p.http_server import open_http_server
 from p2p.identity import Identity
-from shardcast.download.discovery import LaneCheck, NodeAdvert, SourceDirectory
+from shardcast.core.reachability import LaneCheck
+from shardcast.download.discovery import NodeAdvert, SourceDirectory
 from shardcast.serve.server import VersionServer
 from shardcast.store.store import VersionStore
 from shardcast.wire.lane_auth import check_whoami, sign_whoami, whoami_path

@@ -14,13 +14,14 @@ from shardcast.core.reachability import (
     DialbackLimits,
     DialbackRequest,
     DialbackResult,
+    LaneCheck,
     Reach,
     Reachability,
     ReachabilityConfig,
     judge_request,
     verdict,
 )
-from shardcast.download.discovery import LaneBackoff, LaneCheck, NodeAdvert, SourceDirectory
+from shardcast.download.discovery import LaneBackoff, NodeAdvert, SourceDirectory
 
 URL = "http://10.78.0.2:8003"
 NONCE = "0123456789abcdef" * 2
