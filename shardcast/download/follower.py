@@ -65,7 +65,7 @@ import logging
 import random
 import secrets
 import time
-from collections.abc import Awaitable, Callable, Iterable, Mapping
+from collections.abc import Awaitable, Callable, Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -84,7 +84,6 @@ from shardcast.core import (
     PollOutcome,
     PollPolicy,
     Reachability,
-    Version,
     Want,
     abandons,
     confirmed_elsewhere,
@@ -301,17 +300,12 @@ class Follower:
         if self.node.offer_versions_message(data, sender, replace_same_step=replace) is not None:
             self._note_change()
 
-    @property
-    def _upstream_said(self) -> Mapping[str, Version]:
-        """Upstream -> the version its last info record announced (held by the tracker)."""
-        return self.node.tracker.said
-
     def _confirmed_elsewhere(self, sender: str) -> bool:
         """True if another reachable upstream's last info record names the version this node
         knows: a same-step replacement from ``sender`` then waits
         (:func:`~shardcast.core.tracker.confirmed_elsewhere`)."""
         return confirmed_elsewhere(
-            self.node.announcement, sender, self._upstream_said, self.upstreams
+            self.node.announcement, sender, self.node.tracker.said, self.upstreams
         )
 
     def _note_upstream_said(self, pid: str, data: bytes) -> None:

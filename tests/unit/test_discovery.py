@@ -10,9 +10,10 @@ import pytest
 
 from p2p import wire
 from p2p.errors import RemoteProtocolError
+from shardcast.core.tracker import confirmed_elsewhere
 from shardcast.download.discovery import NodeAdvert, SourceDirectory
 from shardcast.download.follower import Follower
-from shardcast.wire.messages import NodeInfo
+from shardcast.wire.messages import NodeInfo, VersionAnnouncement
 
 
 def advert(
@@ -156,18 +157,11 @@ def test_a_same_step_replacement_waits_while_another_upstream_confirms_the_known
     """After a trainer republishes a step, an upstream that has not caught up must not flip
     this node back while another upstream says what this node knows (it flip-flopped on
     every poll; the republish scenario ended on the old digest in 2 of 375 seeds)."""
-    known = SimpleNamespace(step=1, manifest_digest="new")
-    f = cast(
-        Follower,
-        SimpleNamespace(
-            node=SimpleNamespace(announcement=known),
-            upstreams={"r1": None, "r2": None},
-            _upstream_said={"r1": (1, "new"), "r2": (1, "old")},
-        ),
-    )
-    assert Follower._confirmed_elsewhere(f, "r2")  # r1 says "new": r2's "old" waits
-    assert not Follower._confirmed_elsewhere(f, "r1")  # nobody else says "new"
-    f.upstreams.pop("r1")  # r1 gone: its last word counts no more
-    assert not Follower._confirmed_elsewhere(f, "r2")
-    f.node.announcement = None
-    assert not Follower._confirmed_elsewhere(f, "r2")
+    known = cast(VersionAnnouncement, SimpleNamespace(step=1, manifest_digest="new"))
+    said = {"r1": (1, "new"), "r2": (1, "old")}
+    ready = {"r1", "r2"}
+    assert confirmed_elsewhere(known, "r2", said, ready)  # r1 says "new": r2's "old" waits
+    assert not confirmed_elsewhere(known, "r1", said, ready)  # nobody else says "new"
+    ready.discard("r1")  # r1 gone: its last word counts no more
+    assert not confirmed_elsewhere(known, "r2", said, ready)
+    assert not confirmed_elsewhere(None, "r2", said, ready)  # nothing known: nothing waits
