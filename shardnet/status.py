@@ -171,6 +171,13 @@ def _lane(node: dict[str, Any]) -> str:
     return f"{lane} x{failures}" if failures > 1 else lane
 
 
+def _row(table: Table, *cells: RenderableType) -> None:
+    """Add a row whose text cells are plain text, never rich markup: the document is the
+    node's (its URLs, errors, names), and an IPv6 lane URL's ``[host]`` or a hostile node's
+    ``[link=...]`` must print as written, not be read as a style tag."""
+    table.add_row(*(Text(c) if isinstance(c, str) else c for c in cells))
+
+
 def render(doc: dict[str, Any]) -> RenderableType:
     """Tables for one status document."""
     parts: list[RenderableType] = []
@@ -179,11 +186,11 @@ def render(doc: dict[str, Any]) -> RenderableType:
     head = Table.grid(padding=(0, 2))
     head.add_column(style="bold")
     head.add_column()
-    head.add_row("node", f"{doc['role']}  {doc.get('peer_id', '?')}")
-    head.add_row("run", f"{doc.get('run_id')}  (shardnet {doc.get('version')})")
-    # Text, not markup: an IPv6 lane URL's ``[host]`` would be read as a style tag and dropped
-    head.add_row("lane", Text(f"{doc.get('http_url')}  up {_secs(doc.get('uptime_s'))}"))
-    head.add_row(
+    _row(head, "node", f"{doc['role']}  {doc.get('peer_id', '?')}")
+    _row(head, "run", f"{doc.get('run_id')}  (shardnet {doc.get('version')})")
+    _row(head, "lane", f"{doc.get('http_url')}  up {_secs(doc.get('uptime_s'))}")
+    _row(
+        head,
         "versions",
         f"held {_step_list(v.get('committed', []))}; announced "
         f"{_step_list([ann['step']] if ann else [])}; in progress "
@@ -191,7 +198,8 @@ def render(doc: dict[str, Any]) -> RenderableType:
     )
     http, p2p = doc.get("http", {}), doc.get("libp2p", {})
     req = http.get("requests", {})
-    head.add_row(
+    _row(
+        head,
         "traffic",
         f"sent {_bytes(http.get('sent_bytes'))}, received {_bytes(http.get('received_bytes'))}"
         f"; requests {' '.join(f'{k}={n}' for k, n in req.items() if n)}"
@@ -199,10 +207,11 @@ def render(doc: dict[str, Any]) -> RenderableType:
     )
     reach = doc.get("reachability")
     if reach:
-        head.add_row("reachable", _reach_line(reach))
+        _row(head, "reachable", _reach_line(reach))
     tr = doc.get("trainer")
     if tr:
-        head.add_row(
+        _row(
+            head,
             "trainer",
             f"published step {tr.get('published_step')} of {tr.get('steps')}; async window "
             f"{tr.get('async_window_versions')}; mean reward {_num(tr.get('mean_reward'))}",
@@ -213,7 +222,8 @@ def render(doc: dict[str, Any]) -> RenderableType:
         for col in ("step", "done", "size", "rate", "ETA", "corrupt", "sources"):
             t.add_column(col, justify="right" if col not in ("sources",) else "left")
         for d in doc["downloads"]:
-            t.add_row(
+            _row(
+                t,
                 str(d["step"]),
                 f"{d['percent']:.1f}%",
                 _bytes(d["total_bytes"]),
@@ -232,13 +242,14 @@ def render(doc: dict[str, Any]) -> RenderableType:
             t.add_column(col)
         for u in doc["upstreams"]:
             style = "green" if u["state"] == "ready" else "red"
-            t.add_row(
+            _row(
+                t,
                 short_id(u["peer_id"]),
                 Text(u["state"], style=style),
                 u.get("role") or "-",
                 _opt(u.get("latest_step")),
                 _time(u.get("last_heard")),
-                Text((u.get("error") or "")[:60]),
+                (u.get("error") or "")[:60],
             )
         parts.append(t)
     if doc.get("network"):
@@ -250,7 +261,8 @@ def render(doc: dict[str, Any]) -> RenderableType:
         for p in doc["network"]:
             lag = p.get("lag_versions")
             bad = lag is None or (window is not None and lag > window)
-            t.add_row(
+            _row(
+                t,
                 short_id(p["peer_id"]),
                 _opt(p.get("latest_step")),
                 Text(_opt(lag), style="red" if bad and latest is not None else ""),
@@ -262,7 +274,8 @@ def render(doc: dict[str, Any]) -> RenderableType:
         for col in ("peer", "role", "latest", "filling", "last heard", "lane", "last check"):
             t.add_column(col)
         for n in doc["known_nodes"][:20]:
-            t.add_row(
+            _row(
+                t,
                 short_id(n["peer_id"]),
                 n["role"],
                 _opt(n.get("latest_step")),
@@ -280,17 +293,18 @@ def render(doc: dict[str, Any]) -> RenderableType:
         for k, val in ro.items():
             if k == "acceptance" and isinstance(val, dict):
                 for label, rows in _acceptance_rows(val):
-                    t.add_row(label, rows)
+                    _row(t, label, rows)
                 continue
-            t.add_row(k.replace("_", " "), _fmt(val))
+            _row(t, k.replace("_", " "), _fmt(val))
         if tr and tr.get("reputation", {}).get("scores"):
             rep = tr["reputation"]
-            t.add_row(
+            _row(
+                t,
                 "reputation",
                 ", ".join(f"{short_id(p)}={s:.2f}" for p, s in rep["scores"].items()),
             )
             if rep.get("refused"):
-                t.add_row("refused", ", ".join(short_id(p) for p in rep["refused"]))
+                _row(t, "refused", ", ".join(short_id(p) for p in rep["refused"]))
         parts.append(t)
     card = doc.get("run_card")
     if card:
@@ -298,7 +312,7 @@ def render(doc: dict[str, Any]) -> RenderableType:
         t.add_column(style="bold")
         t.add_column()
         for k, val in card.items() if isinstance(card, dict) else []:
-            t.add_row(str(k), _fmt(val))
+            _row(t, str(k), _fmt(val))
         parts.append(t)
     return Group(*parts)
 
