@@ -14,6 +14,11 @@ payload)`` sends one length-prefixed request and reads one length-prefixed respo
 directions enforce a byte bound and a timeout. Library exceptions are translated here, once,
 into :mod:`p2p.errors` types.
 
+Byte streams: ``serve_stream(protocol, handler)`` hands each inbound stream on ``protocol``, as
+a :class:`p2p.bytestream.ByteStream`, to ``handler(peer_id, stream)``, and ``open_stream``
+opens one to a peer over a connection already held (:mod:`p2p.libp2p_stream`); the HTTP lane
+runs over them for nodes that cannot accept TCP (behind a NAT).
+
 Every inbound stream passes :mod:`p2p.boundary` first: per-peer and global stream caps
 (:mod:`p2p.limits`), a short deadline for a request body, and fault isolation — a malformed
 frame resets its stream and charges the sender, never ends the node. Gossip topics are
@@ -85,6 +90,7 @@ from p2p.boundary import (
     stream_peer,
     topic_validator,
 )
+from p2p.bytestream import ByteStream, StreamHandler
 from p2p.errors import (
     ConfigError,
     LocalProtocolError,
@@ -99,6 +105,7 @@ from p2p.errors import (
 from p2p.gossip import DirectPeering, GossipConfig, Subscription, make_router, prepare_subscription
 from p2p.identity import Identity
 from p2p.keepalive import Keepalive, KeepaliveConfig, KeepaliveStats, Outcome, Verdict
+from p2p.libp2p_stream import Libp2pByteStream, open_lane_stream
 from p2p.limits import (
     ANY_STREAM,
     BoundaryStats,
@@ -845,6 +852,42 @@ class P2PNode:
         self._host.set_stream_handler(  # type: ignore[attr-defined]
             TProtocol(protocol), self._guard.wrap(protocol, inbound)
         )
+
+    def serve_stream(
+        self,
+        protocol: str,
+        handler: StreamHandler,
+        *,
+        max_per_peer: int = 64,
+        max_concurrent: int = 256,
+    ) -> None:
+        """Register ``handler(peer_id, stream)`` for inbound byte streams on ``protocol``.
+
+        Admission: at most ``max_concurrent`` streams on ``protocol`` at once, at most
+        ``max_per_peer`` (and ``config.limits.streams_per_peer`` over all protocols) of one
+        peer; a stream over a cap is reset at once. ``handler`` owns the stream (it reads,
+        writes and closes it, and bounds its own time); an exception escaping it resets the
+        stream (:mod:`p2p.boundary`).
+        """
+        cap = ScopeLimit(min(max_per_peer, max_concurrent), max_concurrent)
+        self._guard.resources.set_limit(protocol, cap)
+
+        async def inbound(stream: Any) -> None:
+            await handler(stream_peer(stream), Libp2pByteStream(stream))
+
+        self._host.set_stream_handler(  # type: ignore[attr-defined]
+            TProtocol(protocol), self._guard.wrap(protocol, inbound)
+        )
+
+    async def open_stream(self, peer_id: str, protocol: str, timeout_s: float) -> ByteStream:
+        """A new byte stream to ``peer_id`` on ``protocol``, over a connection this node
+        already holds (never a new dial).
+
+        Raises:
+            PeerUnreachable: no connection to ``peer_id``, or not opened within ``timeout_s``.
+            RemoteProtocolError: ``peer_id`` does not speak ``protocol``.
+        """
+        return await open_lane_stream(self._host, peer_id, protocol, timeout_s)
 
     async def _read_request(
         self, stream: Any, sender: str, protocol: str, max_request_bytes: int

@@ -36,6 +36,7 @@ from urllib.parse import urlsplit
 
 import h11
 
+from p2p.bytestream import stream_lane_peer, stream_lane_url
 from p2p.errors import (
     LocalProtocolError,
     MessageTooLarge,
@@ -69,31 +70,44 @@ class Target(NamedTuple):
     """Where an ``http://`` URL points.
 
     Attributes:
-        source: ``http://host:port``, the label errors and statistics name.
-        key: ``(host, port)`` to connect to.
+        source: ``http://host:port`` (``p2p://<PeerID>``), the label errors and statistics
+            name.
+        key: ``(host, port)`` to connect to (``(PeerID, 0)`` for a stream lane).
         target: the request target (path and query).
-        netloc: the ``Host`` header (IPv6 addresses in brackets).
+        netloc: the ``Host`` header (IPv6 addresses in brackets; the PeerID for a stream lane).
+        stream_peer: the PeerID of a stream-lane URL (:mod:`p2p.bytestream`), else ``""``.
     """
 
     source: str
     key: tuple[str, int]
     target: str
     netloc: str
+    stream_peer: str = ""
 
 
 def parse_target(url: str) -> Target:
-    """Split an ``http://host[:port]/path`` URL (port 80 by default).
+    """Split an ``http://host[:port]/path`` URL (port 80 by default) or a stream-lane
+    ``p2p://<PeerID>/path`` URL (:mod:`p2p.bytestream`).
 
     Raises:
-        LocalProtocolError: not a valid ``http://`` URL with a host.
+        LocalProtocolError: not a valid ``http://`` URL with a host, nor a ``p2p://`` URL
+            with a base58 PeerID.
     """
+    peer = stream_lane_peer(url)
+    if peer is not None:
+        rest = url[len(stream_lane_url(peer)) :]
+        if rest and rest[0] not in "/?":
+            raise LocalProtocolError(f"invalid URL {url!r}: p2p://<PeerID>/path only")
+        parts = urlsplit(rest)
+        target = (parts.path or "/") + (f"?{parts.query}" if parts.query else "")
+        return Target(stream_lane_url(peer), (peer, 0), target, peer, peer)
     try:
         parts = urlsplit(url)
         port = parts.port or 80
     except ValueError as exc:
         raise LocalProtocolError(f"invalid URL {url!r}: {exc}") from exc
     if parts.scheme != "http" or not parts.hostname:
-        raise LocalProtocolError(f"invalid URL {url!r}: only http://host[:port]/path")
+        raise LocalProtocolError(f"invalid URL {url!r}: only http://host[:port]/path or p2p://")
     host = parts.hostname
     netloc = f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
     target = (parts.path or "/") + (f"?{parts.query}" if parts.query else "")

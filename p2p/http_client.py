@@ -11,7 +11,12 @@ any, equal to the length. Small bodies (manifests, parts, have-maps) come from
 :meth:`HttpClient.get_bytes` with a size bound checked before and while reading.
 
 The protocol is the ``h11`` library's (the HTTP/1.1 state machine httpx itself uses); this
-module only moves bytes between it and trio sockets, reading 1 MiB at a time. It replaced an
+module only moves bytes between it and a :class:`~p2p.bytestream.ByteStream`, reading 1 MiB
+at a time: a TCP connection for an ``http://host:port`` URL, or, for a stream-lane URL
+``p2p://<PeerID>``, a libp2p stream opened by the ``open_stream`` callable the client was
+given (over a connection the host already holds; see :mod:`p2p.bytestream`). Both transports
+go through the same pool, checks, timeouts and error table; only TCP has the zero-copy body
+read of :meth:`HttpClient.receive_range_into`. It replaced an
 ``httpx.AsyncClient``, which reads 64 KiB per call through several layers of async generators:
 on loopback the same transfer cost 4.3x the client CPU (1.34 vs 0.31 CPU-s per GiB;
 ``bench/http_lane.py``), and the client is the hottest code of a broadcast.
@@ -56,6 +61,7 @@ import h11
 import trio
 
 from p2p import sockopts
+from p2p.bytestream import ByteStream, StreamOpener
 from p2p.errors import (
     LocalProtocolError,
     PeerUnreachable,
@@ -67,6 +73,7 @@ from p2p.http_checks import (
     BodyCount,
     ClientCounters,
     HttpClientStatistics,
+    Target,
     check_range_args,
     check_range_head,
     check_whole_head,
@@ -122,11 +129,13 @@ class _LowWater:
 
 
 class _Conn:
-    """One keep-alive connection: a trio socket stream and its h11 state machine."""
+    """One keep-alive connection: a byte stream (TCP or a libp2p stream) and its h11 state
+    machine; ``socket`` is the TCP socket (None on a libp2p stream)."""
 
-    def __init__(self, key: tuple[str, int], stream: trio.SocketStream) -> None:
+    def __init__(self, key: tuple[str, int], stream: ByteStream) -> None:
         self.key = key
         self.stream = stream
+        self.socket = stream.socket if isinstance(stream, trio.SocketStream) else None
         self.h11 = h11.Connection(h11.CLIENT, max_incomplete_event_size=_MAX_HEAD_BYTES)
         self.idle_since = 0.0
         self.reused = False
@@ -152,6 +161,8 @@ class HttpClient:
         sign: called with each request's target (path and query) and returning headers to
             add to it (e.g. a signature binding the requester to the path); must be cheap
             and must not block.
+        open_stream: opens a stream-lane stream to a PeerID (``p2p://`` URLs,
+            :data:`p2p.bytestream.StreamOpener`); None: such URLs raise ``PeerUnreachable``.
 
     Methods may be called concurrently from several tasks (the pool is shared). Leaving the
     ``async with`` block closes every idle connection; connections in use are closed by the
@@ -166,6 +177,7 @@ class HttpClient:
         keepalive_expiry_s: float = 5.0,
         headers: Mapping[str, str] | None = None,
         sign: Callable[[str], Sequence[tuple[str, str]]] | None = None,
+        open_stream: StreamOpener | None = None,
     ) -> None:
         if max_connections < 1 or max_keepalive_connections < 0:
             raise LocalProtocolError("connection limits must be positive")
@@ -174,6 +186,7 @@ class HttpClient:
         self._expiry_s = keepalive_expiry_s
         self._headers = [(k.lower(), v) for k, v in (headers or {}).items()]
         self._sign = sign
+        self._open_stream = open_stream
         self._idle: list[_Conn] = []
         self._closed = False
         self._counters = ClientCounters()
@@ -198,15 +211,14 @@ class HttpClient:
 
     # -- connections --------------------------------------------------------------------------
 
-    async def _acquire(
-        self, key: tuple[str, int], source: str, timeout_s: float, fresh: bool
-    ) -> _Conn:
+    async def _acquire(self, where: Target, timeout_s: float, fresh: bool) -> _Conn:
         if self._closed:
             raise LocalProtocolError("HttpClient is closed")
         with trio.move_on_after(timeout_s) as waited:
             await self._slots.acquire()
         if waited.cancelled_caught:  # our own pool is full: not the source's fault
-            raise TransportError(source, "no free connection in the local pool")
+            raise TransportError(where.source, "no free connection in the local pool")
+        key = where.key
         try:
             now = time.monotonic()
             while not fresh:
@@ -218,18 +230,28 @@ class HttpClient:
                     conn.reused = True
                     return conn
                 await conn.aclose()
+            if where.stream_peer:
+                return _Conn(key, await self._stream_to(where, timeout_s))
             try:
                 with trio.fail_after(timeout_s):
                     stream = await trio.open_tcp_stream(*key)
             except trio.TooSlowError as exc:
-                raise PeerUnreachable(source, f"connect timed out after {timeout_s}s") from exc
+                raise PeerUnreachable(
+                    where.source, f"connect timed out after {timeout_s}s"
+                ) from exc
             except OSError as exc:
-                raise PeerUnreachable(source, f"connect failed: {exc}") from exc
+                raise PeerUnreachable(where.source, f"connect failed: {exc}") from exc
             sockopts.tune(stream.socket, KeepaliveConfig.tcp_user_timeout_s)  # dead paths end
             return _Conn(key, stream)
         except BaseException:
             self._slots.release()
             raise
+
+    async def _stream_to(self, where: Target, timeout_s: float) -> ByteStream:
+        """A new stream-lane stream to ``where.stream_peer`` (see ``open_stream``)."""
+        if self._open_stream is None:
+            raise PeerUnreachable(where.source, "this client has no libp2p host for p2p:// URLs")
+        return await self._open_stream(where.stream_peer, timeout_s)
 
     async def _release(self, conn: _Conn, reusable: bool) -> None:
         try:
@@ -319,9 +341,10 @@ class HttpClient:
         self, url: str, timeout_s: float, extra: list[tuple[str, str]], anonymous: bool = False
     ) -> tuple[_Conn, h11.Response, str]:
         """Send a GET and read the response head; a stale pooled connection is retried once."""
-        source, key, target, host = parse_target(url)
+        where = parse_target(url)
+        source, target, host = where.source, where.target, where.netloc
         for attempt in (0, 1):
-            conn = await self._acquire(key, source, timeout_s, fresh=attempt > 0)
+            conn = await self._acquire(where, timeout_s, fresh=attempt > 0)
             try:
                 await self._send(conn, target, host, extra, source, timeout_s, anonymous)
                 self._counters.requests += 1
@@ -465,7 +488,8 @@ class HttpClient:
         per read and nothing is copied again. A read waits until ``RECV_LOWAT_BYTES`` (or
         what remains) have arrived (``SO_RCVLOWAT``), at most ``RECV_LOWAT_WAIT_S``, after
         which a slow source is read as its bytes come. A body without ``Content-Length`` (chunked)
-        goes through h11 and is copied into ``view``. Each yielded ``n`` says that the next
+        and any body on a stream lane (no socket under it) go through h11 and are copied into
+        ``view``. Each yielded ``n`` says that the next
         ``n`` bytes of ``view`` (after those already announced) are filled, so the caller can
         hash them while they are hot.
 
@@ -491,7 +515,7 @@ class HttpClient:
             reusable = False
             try:
                 body = BodyCount(source, length, exact=True)
-                if header(response, b"content-length") is None:  # chunked: through h11
+                if conn.socket is None or header(response, b"content-length") is None:
                     while (chunk := await self._next_data(conn, source, timeout_s)) is not None:
                         got = body.received
                         body.add(len(chunk))
@@ -505,7 +529,7 @@ class HttpClient:
                         view[: len(buffered)] = buffered
                         self._counters.bytes_received += len(buffered)
                         yield len(buffered)
-                    lowat = _LowWater(conn.stream.socket)
+                    lowat = _LowWater(conn.socket)
                     try:
                         while (got := body.received) < length:
                             n = await _read_body(lowat, view[got:length], source, timeout_s)

@@ -31,6 +31,16 @@ logged one by one at DEBUG only; at INFO one summary line
 (``http_connections_aborted count=N since_s=S kinds=...``) covers every abort of an interval of
 ``abort_log_interval_s``, so a flood of bad clients cannot flood the log.
 
+The same connections can arrive over libp2p streams (:mod:`p2p.bytestream`): the host hands
+each inbound stream-lane stream to :meth:`HttpServer.serve_stream`, which serves it with the
+same code, handler, slots, timeouts and counters as a TCP connection. Under the HTTP code a
+connection is a small ``_Wire``: a TCP socket (``send`` may send part of a buffer; file bodies
+by ``sendfile``) or a :class:`~p2p.bytestream.ByteStream` (at most ``_STREAM_SEND_BYTES`` per
+send, so ``send_timeout_s`` still bounds the time without progress; file bodies read with
+``pread`` and written). A stream finds a slot free or is closed at once (counted as
+``stream_limit``: libp2p has no listen backlog to wait in); one PeerID holds at most
+``max_connections_per_ip`` slots.
+
 Cancelling the scope around :meth:`serve` closes every connection, open file and the listener.
 A file is read while it is sent: if it is shorter than the slice promised, the connection is
 cut (the client sees a short body), never padded. ``sendfile`` itself may block the event loop
@@ -58,6 +68,7 @@ import h11
 import trio
 
 from p2p import sockopts
+from p2p.bytestream import ByteStream
 from p2p.errors import ConfigError, LocalProtocolError, RemoteProtocolError
 from p2p.http_range import (
     RangeError,
@@ -93,6 +104,9 @@ __all__ = [
 logger = logging.getLogger(__name__)
 
 _RECV_BYTES = 64 * 1024
+#: most bytes handed to a libp2p stream per send (a send returns only once all are written,
+#: so this bounds what one ``send_timeout_s`` covers)
+_STREAM_SEND_BYTES = 256 * 1024
 _COPY_CHUNK_BYTES = 1 << 20
 _HOP_HEADERS = frozenset({"content-length", "transfer-encoding", "connection", "keep-alive"})
 _NO_SENDFILE_ERRNOS = frozenset({errno.EINVAL, errno.ENOSYS, errno.EOPNOTSUPP, errno.ENOTSOCK})
@@ -312,7 +326,9 @@ class HttpServerStatistics:
     counts abnormal connection ends and refused requests by kind (``bad_request``,
     ``header_timeout``, ``send_timeout``, ``client_disconnected``, ``handler``,
     ``handler_timeout``, ``short_file``, ``file_error``, ``os_error``, ``accept_error``,
-    ``per_ip_limit``: a connection closed at accept because its IP had too many open)...
+    ``per_ip_limit``: a connection closed at accept because its IP had too many open;
+    ``stream_limit``: a stream-lane stream closed because no slot was free or its PeerID held
+    too many)...
     """
 
     bytes_sent: int
@@ -325,6 +341,55 @@ class HttpServerStatistics:
 def _client_ip(addr: object) -> str:
     """The client's IP address from ``accept``'s address (whole ``addr`` if not a tuple)."""
     return str(addr[0]) if isinstance(addr, tuple) and addr else str(addr)
+
+
+class _SocketWire:
+    """A TCP connection under the HTTP code: partial sends, ``sendfile`` by ``fileno``."""
+
+    def __init__(self, sock: trio.socket.SocketType) -> None:
+        self.sock = sock
+        self.fileno: int | None = sock.fileno()
+
+    async def recv(self, max_bytes: int) -> bytes:
+        """Up to ``max_bytes``; ``b""`` at the client's end. Raises OSError."""
+        return await self.sock.recv(max_bytes)
+
+    async def send(self, data: memoryview) -> int:
+        """Send some of ``data``; the number sent. Raises OSError."""
+        return await self.sock.send(data)
+
+
+class _StreamWire:
+    """A stream-lane stream under the HTTP code; its failures become ``ConnectionResetError``
+    (a client that went away, as on TCP)."""
+
+    fileno: int | None = None
+
+    def __init__(self, stream: ByteStream) -> None:
+        self.stream = stream
+
+    async def recv(self, max_bytes: int) -> bytes:
+        """Up to ``max_bytes``; ``b""`` at the client's end. Raises ConnectionResetError."""
+        try:
+            return await self.stream.receive_some(max_bytes)
+        except (trio.BrokenResourceError, trio.ClosedResourceError) as exc:
+            raise ConnectionResetError(f"stream broken: {exc}") from exc
+
+    async def send(self, data: memoryview) -> int:
+        """Send the first ``_STREAM_SEND_BYTES`` of ``data``; the number sent.
+
+        Raises:
+            ConnectionResetError: the stream broke.
+        """
+        n = min(len(data), _STREAM_SEND_BYTES)
+        try:
+            await self.stream.send_all(data[:n])
+        except (trio.BrokenResourceError, trio.ClosedResourceError) as exc:
+            raise ConnectionResetError(f"stream broken: {exc}") from exc
+        return n
+
+
+_Wire = _SocketWire | _StreamWire
 
 
 class _Abort(Exception):
@@ -474,18 +539,67 @@ class HttpServer:
             self._per_ip[ip] += 1
             nursery.start_soon(self._run_connection, sock, addr, ip)
 
+    async def serve_stream(self, peer_id: str, stream: ByteStream) -> None:
+        """Serve one inbound stream-lane connection from ``peer_id`` (a libp2p stream the host
+        accepted on :data:`p2p.bytestream.STREAM_LANE_PROTOCOL`) until it ends, exactly as a
+        TCP connection: same handler, limits, timeouts and counters. Without a free slot, or
+        with ``max_connections_per_ip`` streams of ``peer_id`` already open, the stream is
+        closed at once (``stream_limit``). Closes ``stream`` in every case.
+
+        Raises nothing for the client's faults or a broken stream (they are counted);
+        cancellation closes the stream.
+        """
+        key = f"p2p/{peer_id}"
+        try:
+            self._slots.acquire_nowait()
+        except trio.WouldBlock:
+            self._refuse_stream(peer_id)
+            with trio.CancelScope(shield=True):
+                await stream.aclose()
+            return
+        if self._per_ip[key] >= self._config.max_connections_per_ip:
+            self._slots.release()
+            self._refuse_stream(peer_id)
+            with trio.CancelScope(shield=True):
+                await stream.aclose()
+            return
+        self._per_ip[key] += 1
+
+        async def serve() -> None:
+            try:
+                await self._serve_wire(_StreamWire(stream), key)
+            finally:
+                with trio.CancelScope(shield=True):
+                    await stream.aclose()
+
+        await self._run_tracked(serve, key, key)
+
+    def _refuse_stream(self, peer_id: str) -> None:
+        self._errors["stream_limit"] += 1
+        self._note_abort("stream_limit", f"p2p/{peer_id}")
+
     async def _run_connection(self, sock: trio.socket.SocketType, addr: object, ip: str) -> None:
         peer = ":".join(str(part) for part in addr[:2]) if isinstance(addr, tuple) else str(addr)
-        self._open += 1
-        self._connections_total += 1
-        try:
+
+        async def serve() -> None:
             with sock:
                 sock.setsockopt(trio.socket.IPPROTO_TCP, trio.socket.TCP_NODELAY, 1)
                 sockopts.tune(sock, KeepaliveConfig.tcp_user_timeout_s)  # dead clients end
-                conn = h11.Connection(
-                    h11.SERVER, max_incomplete_event_size=self._config.max_header_bytes
-                )
-                await self._serve_connection(sock, conn, peer)
+                await self._serve_wire(_SocketWire(sock), peer)
+
+        await self._run_tracked(serve, peer, ip)
+
+    async def _serve_wire(self, wire: _Wire, peer: str) -> None:
+        conn = h11.Connection(h11.SERVER, max_incomplete_event_size=self._config.max_header_bytes)
+        await self._serve_connection(wire, conn, peer)
+
+    async def _run_tracked(self, serve: Callable[[], Awaitable[None]], peer: str, ip: str) -> None:
+        """Run one connection's ``serve``, counting it and how it ended; releases its slot
+        and its share of ``ip``'s (a PeerID's, for a stream) when done."""
+        self._open += 1
+        self._connections_total += 1
+        try:
+            await serve()
         except _Abort as exc:
             if exc.kind:
                 self._errors[exc.kind] += 1
@@ -504,30 +618,28 @@ class HttpServer:
                 del self._per_ip[ip]
             self._slots.release()
 
-    async def _serve_connection(
-        self, sock: trio.socket.SocketType, conn: h11.Connection, peer: str
-    ) -> None:
+    async def _serve_connection(self, wire: _Wire, conn: h11.Connection, peer: str) -> None:
         first = True
         while True:
             try:
-                event = await self._receive(sock, conn, first=first)
+                event = await self._receive(wire, conn, first=first)
                 if isinstance(event, h11.ConnectionClosed):
                     return
                 assert isinstance(event, h11.Request)
                 request = _to_request(event, peer)
                 if not _has_no_body(event):
-                    await self._send(sock, conn, HttpResponse(413), head=False, close=True)
+                    await self._send(wire, conn, HttpResponse(413), head=False, close=True)
                     raise _Abort("request_body")
-                end = await self._receive(sock, conn, first=False, started=True)
+                end = await self._receive(wire, conn, first=False, started=True)
                 assert isinstance(end, h11.EndOfMessage)
             except (h11.RemoteProtocolError, BadRequest) as exc:
                 if conn.our_state in (h11.IDLE, h11.SEND_RESPONSE):
                     status = exc.status if isinstance(exc, BadRequest) else exc.error_status_hint
-                    await self._send(sock, conn, HttpResponse(status), head=False, close=True)
+                    await self._send(wire, conn, HttpResponse(status), head=False, close=True)
                 raise _Abort("bad_request") from None
             first = False
             response, close = await self._call_handler(request)
-            await self._send(sock, conn, response, head=request.method == "HEAD", close=close)
+            await self._send(wire, conn, response, head=request.method == "HEAD", close=close)
             logger.debug(
                 "http_request method=%s path=%s status=%d",
                 request.method,
@@ -540,7 +652,7 @@ class HttpServer:
 
     async def _receive(
         self,
-        sock: trio.socket.SocketType,
+        wire: _Wire,
         conn: h11.Connection,
         *,
         first: bool,
@@ -555,7 +667,7 @@ class HttpServer:
                     return event
                 # Small reads keep h11's buffer near max_header_bytes (it rejects incomplete
                 # heads above that, so a head is refused by 2× the limit at the latest).
-                data = await sock.recv(min(_RECV_BYTES, cfg.max_header_bytes))
+                data = await wire.recv(min(_RECV_BYTES, cfg.max_header_bytes))
                 if not started:
                     started = True
                     scope.deadline = trio.current_time() + cfg.header_timeout_s
@@ -578,7 +690,7 @@ class HttpServer:
 
     async def _send(
         self,
-        sock: trio.socket.SocketType,
+        wire: _Wire,
         conn: h11.Connection,
         response: HttpResponse,
         *,
@@ -587,14 +699,14 @@ class HttpServer:
     ) -> None:
         body = response.body
         try:
-            await self._send_response(sock, conn, response, head=head, close=close)
+            await self._send_response(wire, conn, response, head=head, close=close)
         finally:
             if isinstance(body, FileSlice) and body.on_done is not None:
                 body.on_done()
 
     async def _send_response(
         self,
-        sock: trio.socket.SocketType,
+        wire: _Wire,
         conn: h11.Connection,
         response: HttpResponse,
         *,
@@ -619,7 +731,7 @@ class HttpServer:
                 logger.error("http_bad_response status=%s error=%s", response.status, exc)
                 event, body, length = _to_h11_response(HttpResponse(500), 0, close=True), b"", 0
             self._requests += 1
-            await self._send_bytes(sock, conn.send(event), throttle=False)
+            await self._send_bytes(wire, conn.send(event), throttle=False)
             if length and not head:
                 # h11 only needs len(); the bytes go out below, by sendfile or in chunks.
                 placeholder = body if isinstance(body, bytes) else cast(bytes, _Sized(length))
@@ -627,27 +739,25 @@ class HttpServer:
                 if isinstance(body, FileSlice):
                     done = [0]
                     try:
-                        await self._send_file(sock, fd, body, done)
+                        await self._send_file(wire, fd, body, done)
                     finally:
                         if body.on_sent is not None:
                             body.on_sent(done[0])
                 else:
-                    await self._send_bytes(sock, body, throttle=True)
-            await self._send_bytes(sock, conn.send(h11.EndOfMessage()), throttle=False)
+                    await self._send_bytes(wire, body, throttle=True)
+            await self._send_bytes(wire, conn.send(h11.EndOfMessage()), throttle=False)
         finally:
             if fd >= 0:
                 os.close(fd)
 
-    async def _send_bytes(
-        self, sock: trio.socket.SocketType, data: bytes, *, throttle: bool
-    ) -> None:
+    async def _send_bytes(self, wire: _Wire, data: bytes, *, throttle: bool) -> None:
         view = memoryview(data)
         while view:
             want = min(len(view), self._config.send_chunk_bytes)
             if throttle:
                 want = await self._grant(want)
             with trio.move_on_after(self._config.send_timeout_s):
-                sent = await sock.send(view[:want])
+                sent = await wire.send(view[:want])
                 view = view[sent:]
                 if throttle:
                     self._bytes_sent += sent
@@ -655,12 +765,12 @@ class HttpServer:
                 continue
             raise _Abort("send_timeout")
 
-    async def _send_file(
-        self, sock: trio.socket.SocketType, fd: int, part: FileSlice, done: list[int]
-    ) -> None:
+    async def _send_file(self, wire: _Wire, fd: int, part: FileSlice, done: list[int]) -> None:
         """Send ``part``; ``done[0]`` follows the bytes sent so far (also when this raises)."""
         offset, end = part.offset, part.offset + part.length
-        use_sendfile = self._config.use_sendfile and hasattr(os, "sendfile")
+        use_sendfile = (
+            self._config.use_sendfile and hasattr(os, "sendfile") and wire.fileno is not None
+        )
         avail = end if part.ready is None else offset
         while offset < end:
             if offset >= avail:
@@ -671,18 +781,20 @@ class HttpServer:
             want = await self._grant(min(avail - offset, self._config.send_chunk_bytes))
             try:
                 if use_sendfile:
-                    sent = os.sendfile(sock.fileno(), fd, offset, want)
+                    assert wire.fileno is not None
+                    sent = os.sendfile(wire.fileno, fd, offset, want)
                 else:
                     chunk = await trio.to_thread.run_sync(
                         os.pread, fd, min(want, _COPY_CHUNK_BYTES), offset
                     )
                     sent = len(chunk)
                     if chunk:
-                        await self._send_bytes(sock, chunk, throttle=False)
+                        await self._send_bytes(wire, chunk, throttle=False)
             except BlockingIOError:
                 self._refund(want)
                 with trio.move_on_after(self._config.send_timeout_s):
-                    await trio.lowlevel.wait_writable(sock.fileno())
+                    assert wire.fileno is not None  # only sendfile raises BlockingIOError
+                    await trio.lowlevel.wait_writable(wire.fileno)
                     continue
                 raise _Abort("send_timeout") from None
             except OSError as exc:

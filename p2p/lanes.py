@@ -28,6 +28,7 @@ from contextlib import AbstractAsyncContextManager, asynccontextmanager
 from typing import TYPE_CHECKING, Protocol
 
 if TYPE_CHECKING:
+    from p2p.bytestream import ByteStream, StreamHandler, StreamOpener
     from p2p.gossip import GossipMessage, SubscriptionStats
     from p2p.host import HostConfig
     from p2p.http_client import HttpClientStatistics
@@ -166,6 +167,26 @@ class Host(Protocol):
         """
         ...
 
+    def serve_stream(
+        self,
+        protocol: str,
+        handler: StreamHandler,
+        *,
+        max_per_peer: int = 64,
+        max_concurrent: int = 256,
+    ) -> None:
+        """Register ``handler(peer_id, stream)`` for inbound byte streams on ``protocol``."""
+        ...
+
+    async def open_stream(self, peer_id: str, protocol: str, timeout_s: float) -> ByteStream:
+        """A byte stream to ``peer_id`` over a connection already held.
+
+        Raises:
+            PeerUnreachable: no connection, or not opened within ``timeout_s``.
+            RemoteProtocolError: the peer does not speak ``protocol``.
+        """
+        ...
+
     async def publish(self, topic: str, data: bytes) -> None:
         """Best-effort gossip. Raises MessageTooLarge over the gossip bound."""
         ...
@@ -245,6 +266,11 @@ class HttpLaneServer(Protocol):
         """Body bytes sent, requests, connections, errors by kind."""
         ...
 
+    async def serve_stream(self, peer_id: str, stream: ByteStream) -> None:
+        """Serve one stream-lane connection from ``peer_id`` (see
+        :meth:`p2p.http_server.HttpServer.serve_stream`); closes ``stream``."""
+        ...
+
 
 class Network(Protocol):
     """Opens one node's host and HTTP lane. A node takes one of these (default: the real
@@ -271,9 +297,14 @@ class Network(Protocol):
         ...
 
     def open_http_client(
-        self, *, headers: Mapping[str, str], sign: RequestSigner | None
+        self,
+        *,
+        headers: Mapping[str, str],
+        sign: RequestSigner | None,
+        open_stream: StreamOpener | None = None,
     ) -> AbstractAsyncContextManager[HttpLaneClient]:
-        """The node's HTTP lane client (a connection pool)."""
+        """The node's HTTP lane client (a connection pool); ``open_stream`` opens the
+        streams of ``p2p://`` (stream lane) URLs."""
         ...
 
 
@@ -298,11 +329,15 @@ class _RealNetwork:
 
     @asynccontextmanager
     async def open_http_client(
-        self, *, headers: Mapping[str, str], sign: RequestSigner | None
+        self,
+        *,
+        headers: Mapping[str, str],
+        sign: RequestSigner | None,
+        open_stream: StreamOpener | None = None,
     ) -> AsyncIterator[HttpLaneClient]:
         from p2p.http_client import HttpClient
 
-        async with HttpClient(headers=headers, sign=sign) as client:
+        async with HttpClient(headers=headers, sign=sign, open_stream=open_stream) as client:
             yield client
 
 

@@ -34,6 +34,12 @@ Faults are policy of the network, never patches of node code:
 - :meth:`MemNetwork.tamper` rewrites the body bytes a node's HTTP server sends (a byzantine
   relay).
 
+The in-memory network models the HTTP lane over TCP only: it has no stream lane
+(:mod:`p2p.bytestream`). ``MemHost.serve_stream`` registers nothing that a stream could reach,
+``MemHost.open_stream`` and a ``p2p://`` URL raise ``PeerUnreachable``, and
+``MemHttpServer.serve_stream`` closes the stream; a simulated node that would need one serves
+nothing through its NAT, as before the stream lane existed.
+
 Gossip floods every connected subscriber (as :class:`p2p.gossip.DirectPeering` makes the real
 router do), runs the subscriber's check before delivery and forwarding, and suppresses
 duplicates with a bounded seen-cache per node. Everything a node holds is bounded: the
@@ -56,6 +62,7 @@ import h11
 import trio
 
 from p2p import http_checks
+from p2p.bytestream import ByteStream, StreamHandler, StreamOpener
 from p2p.errors import (
     ConfigError,
     LocalProtocolError,
@@ -364,9 +371,14 @@ class Endpoint:
 
     @asynccontextmanager
     async def open_http_client(
-        self, *, headers: Mapping[str, str] | None = None, sign: RequestSigner | None = None
+        self,
+        *,
+        headers: Mapping[str, str] | None = None,
+        sign: RequestSigner | None = None,
+        open_stream: StreamOpener | None = None,
     ) -> AsyncIterator[MemHttpClient]:
-        """A :class:`MemHttpClient` sending from this endpoint's address."""
+        """A :class:`MemHttpClient` sending from this endpoint's address (``open_stream`` is
+        ignored: no stream lane here)."""
         client = MemHttpClient(self.net, self.ip, headers or {}, sign)
         try:
             yield client
@@ -556,6 +568,20 @@ class MemHost:
             timeout_s,
             trio.Semaphore(max_concurrent),
         )
+
+    def serve_stream(
+        self,
+        protocol: str,
+        handler: StreamHandler,
+        *,
+        max_per_peer: int = 64,
+        max_concurrent: int = 256,
+    ) -> None:
+        """Accepted and unused: the in-memory network carries no byte streams."""
+
+    async def open_stream(self, peer_id: str, protocol: str, timeout_s: float) -> ByteStream:
+        """Raises PeerUnreachable: the in-memory network carries no byte streams."""
+        raise PeerUnreachable(peer_id, "no byte streams on the in-memory network")
 
     async def request(
         self,
@@ -764,6 +790,10 @@ class MemHttpServer:
     def _live(self) -> bool:
         return self.alive
 
+    async def serve_stream(self, peer_id: str, stream: ByteStream) -> None:
+        """No stream lane in memory: ``stream`` is closed at once."""
+        await stream.aclose()
+
     async def _respond(self, head: bytes, client: str) -> HttpResponse:
         """Parse the request head as the real server does and run the handler."""
         try:
@@ -902,7 +932,9 @@ class MemHttpClient:
         timeout_s: float,
         anonymous: bool,
     ) -> _Answer:
-        source, (host, port), target, netloc = http_checks.parse_target(url)
+        source, (host, port), target, netloc, stream_peer = http_checks.parse_target(url)
+        if stream_peer:  # the in-memory network models the TCP lane only
+            raise PeerUnreachable(source, "no stream lane on the in-memory network")
         net = self.net
         server = net._http.get((host, port))
         if not net.reachable(self.ip, host):

@@ -21,6 +21,7 @@ import pytest
 import trio
 import trio.testing
 
+from p2p.bytestream import STREAM_LANE_PROTOCOL, stream_lane_url
 from p2p.errors import (
     MessageTooLarge,
     PeerUnreachable,
@@ -29,12 +30,14 @@ from p2p.errors import (
     StreamBroken,
     short_id,
 )
-from p2p.host import HostConfig
+from p2p.host import HostConfig, P2PNode
+from p2p.http_client import HttpClient
 from p2p.http_errors import NotAvailable
 from p2p.http_server import (
     FileSlice,
     HttpRequest,
     HttpResponse,
+    HttpServer,
     HttpServerConfig,
     file_response,
 )
@@ -44,6 +47,8 @@ from p2p.memnet import MemNetwork
 
 if TYPE_CHECKING:
     from trio_typing import TaskStatus
+
+    from p2p.bytestream import ByteStream
 
 TOPIC = "/conformance/1"
 FILE_BYTES = bytes(range(256)) * 40  # 10,240 bytes
@@ -404,10 +409,31 @@ HEAD_FAILURES = [
 ]
 
 
+@asynccontextmanager
+async def stream_lane(tmp: Path) -> AsyncIterator[tuple[HttpLaneClient, str]]:
+    """The lane over a libp2p stream (:mod:`p2p.bytestream`): host b serves the same handler
+    on :data:`STREAM_LANE_PROTOCOL` with no TCP listener, and *b dials a* (as a node behind a
+    NAT dials out); a's client asks ``p2p://<b>`` over that connection. Yields the client and
+    the base URL."""
+    ids = [Identity.from_seed(f"conf-{n}") for n in "ab"]
+    cfg = HostConfig(("/ip4/127.0.0.1/tcp/0",), dial_timeout_s=3.0)
+    server = HttpServer(_lane_handler(tmp), HttpServerConfig(handler_timeout_s=1.0))
+    async with P2PNode.open(ids[0], cfg) as a, P2PNode.open(ids[1], cfg) as b:
+        b.serve_stream(STREAM_LANE_PROTOCOL, server.serve_stream)
+        await b.connect(a.multiaddrs()[0], keep=False)
+
+        async def opener(peer: str, timeout_s: float) -> ByteStream:
+            return await a.open_stream(peer, STREAM_LANE_PROTOCOL, timeout_s)
+
+        async with HttpClient(headers={"x-test": "1"}, open_stream=opener) as client:
+            yield client, stream_lane_url(b.peer_id)
+
+
 async def test_http_clients_fail_alike(tmp_path: Path) -> None:
-    """The real and the in-memory client judge answers with the same checks
-    (:mod:`p2p.http_checks`): for each bad answer, the same error class, message and
-    Retry-After, and the same error counters. A client that checked on its own would drift."""
+    """The real client (over TCP and over a libp2p stream) and the in-memory client judge
+    answers with the same checks (:mod:`p2p.http_checks`): for each bad answer, the same error
+    class, message and Retry-After, and the same error counters. A client that checked on its
+    own would drift."""
     got: dict[str, list[tuple[str, str, float | None]]] = {}
     counted: dict[str, dict[str, int]] = {}
     for name, factory in (("real", real_pair), ("mem", mem_pair)):
@@ -418,8 +444,19 @@ async def test_http_clients_fail_alike(tmp_path: Path) -> None:
                 for _, path, how, start, size in HEAD_FAILURES
             ]
             counted[name] = dict(p.client.statistics().errors)
-    for case, real, mem in zip(HEAD_FAILURES, got["real"], got["mem"], strict=True):
+    (tmp_path / "stream").mkdir()
+    async with stream_lane(tmp_path / "stream") as (client, base):
+        got["stream"] = [
+            await _failure(_ask(client, _url(base, path), how, start, size))
+            for _, path, how, start, size in HEAD_FAILURES
+        ]
+        counted["stream"] = dict(client.statistics().errors)
+    for case, real, mem, stream in zip(
+        HEAD_FAILURES, got["real"], got["mem"], got["stream"], strict=True
+    ):
         assert real[0] == case[0], (case, real)
         assert mem == real, case
+        assert stream == real, case
     assert [r[2] for r in got["real"] if r[2] is not None] == [7, 3]  # Retry-After, seconds
     assert counted["mem"] == counted["real"]
+    assert counted["stream"] == counted["real"]
