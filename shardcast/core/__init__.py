@@ -24,8 +24,10 @@ from shardcast.core.reachability import (
     DialbackLimits,
     DialbackRequest,
     DialbackResult,
+    Lane,
     LaneCheck,
     Reachability,
+    choose_lane,
     judge_request,
 )
 from shardcast.core.retention import versions_to_prune
@@ -104,6 +106,7 @@ __all__ = [
     "Held",
     "Keep",
     "KeepSuspect",
+    "Lane",
     "LaneCheck",
     "MirrorPoll",
     "Offer",
@@ -127,6 +130,7 @@ __all__ = [
     "abandons",
     "blame",
     "catchup",
+    "choose_lane",
     "confirmed_elsewhere",
     "judge",
     "judge_finished",

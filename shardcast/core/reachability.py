@@ -32,6 +32,14 @@ failing open as before this check existed, when ``unknown`` after a round; never
 Verdicts are re-checked every :attr:`ReachabilityConfig.recheck_s` (an unknown one after
 :attr:`ReachabilityConfig.retry_s`).
 
+An unreachable lane is not the end of serving: a node behind a NAT holds the libp2p
+connections it dialled (relay, trainer, public peers), and the lane also runs over libp2p
+streams on those connections (:mod:`p2p.bytestream`). So an ``unreachable`` node advertises a
+*stream lane* instead (:meth:`Reachability.advertises_stream`): its PeerID, proven by the
+connection's handshake, no URL to challenge. A downloader picks how to reach an advertiser
+with :func:`choose_lane`: its HTTP URL once proven (TCP, zero-copy), else its stream lane
+when it holds a connection to it, else nothing.
+
 Everything here is a pure function of its arguments (``now`` in trio seconds); no I/O.
 """
 
@@ -59,6 +67,34 @@ class Reach(enum.Enum):
     UNKNOWN = "unknown"
     REACHABLE = "reachable"
     UNREACHABLE = "unreachable"
+
+
+class Lane(enum.Enum):
+    """How a downloader reaches an advertiser's lane (value: the metric string)."""
+
+    HTTP = "http"
+    """Its advertised ``http://`` URL, over TCP."""
+    STREAM = "stream"
+    """Its stream lane, over a libp2p connection this node holds (``p2p://<PeerID>``)."""
+    NONE = "none"
+    """Not now: no proven URL, and no stream lane on a connection this node holds."""
+
+
+def choose_lane(*, http_url: str, http_proven: bool, stream_lane: bool, connected: bool) -> Lane:
+    """How to reach an advertiser (see the module docstring).
+
+    Args:
+        http_url: the URL it advertised (empty: none).
+        http_proven: that URL answered a whoami challenge with its key (or proof is not
+            required here).
+        stream_lane: it advertised a stream lane.
+        connected: this node holds a libp2p connection to it now.
+    """
+    if http_url and http_proven:
+        return Lane.HTTP
+    if stream_lane and connected:
+        return Lane.STREAM
+    return Lane.NONE
 
 
 class LaneCheck(enum.Enum):
@@ -339,6 +375,11 @@ class Reachability:
             return ""
         return self.url
 
+    def advertises_stream(self) -> bool:
+        """True if adverts should offer the stream lane: the URL is known unreachable (the
+        node serves only over connections it holds)."""
+        return self.rounds > 0 and self.state is Reach.UNREACHABLE
+
     def status(self, wall_of: Callable[[float], str]) -> dict[str, Any]:
         """The ``reachability`` section of ``/status``; ``wall_of(t)`` turns a trio time into
         an ISO wall-clock string."""
@@ -346,6 +387,7 @@ class Reachability:
             "http_url": self.url,
             "state": self.state.value,
             "advertised": bool(self.advertised()),
+            "stream_lane": self.advertises_stream(),
             "since": wall_of(self.since) if self.since is not None else None,
             "checked_at": wall_of(self.checked_at) if self.checked_at is not None else None,
             "last_answers": [a.value for a in self.last_answers],

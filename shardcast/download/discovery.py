@@ -23,7 +23,11 @@ manifest. But adverts must not steer the swarm's requests, so:
   :attr:`LaneBackoff.drop_s`); the last result of each is a
   :class:`~shardcast.core.reachability.LaneCheck`. An advert
   with an empty URL is a download-only node (one that learned its lane is not reachable from
-  outside, :mod:`shardcast.core.reachability`): it offers no source and is never challenged;
+  outside, :mod:`shardcast.core.reachability`): it is never challenged, and offers a source
+  only if it advertises a *stream lane* (``stream_lane``: its lane served over libp2p streams,
+  :mod:`p2p.bytestream`), and then only to followers holding a libp2p connection to it (the
+  PeerID is proven by that connection; :func:`shardcast.core.choose_lane` decides, and
+  :meth:`SourceDirectory.sources_for` offers it as ``p2p://<PeerID>``);
 - **advertisers are scored**, across versions: a source that delivered bytes gains, one that
   was used and delivered nothing (or kept answering 503) loses; those at or below
   ``MIN_SCORE`` are not offered (their score recovers by one point per ``ttl_s``);
@@ -43,8 +47,9 @@ from urllib.parse import urlsplit
 import trio
 
 from p2p import wire
+from p2p.bytestream import stream_lane_url
 from p2p.errors import RemoteProtocolError, short_id
-from shardcast.core import LaneCheck
+from shardcast.core import Lane, LaneCheck, choose_lane
 from shardcast.download.types import Source
 from shardcast.wire import DIGEST_RE
 
@@ -74,6 +79,8 @@ class NodeAdvert:
         tier: hops from the origin (1: a relay fed by the origin; 2: a node fed by relays),
             or None (unknown: an older node). Relays of one tier do not super-seed to each
             other (:attr:`shardcast.serve.server.VersionServer.exempt`).
+        stream_lane: its lane is served over libp2p streams on connections it holds (a node
+            behind a NAT; wire key ``stream_lane``, absent when False).
     """
 
     peer_id: str
@@ -84,6 +91,7 @@ class NodeAdvert:
     committed_digests: tuple[str, ...] = ()
     filling_digests: tuple[str, ...] = ()
     tier: int | None = None
+    stream_lane: bool = False
 
     @classmethod
     def of(
@@ -94,6 +102,8 @@ class NodeAdvert:
         committed: Sequence[tuple[int, str]],
         filling: Sequence[tuple[int, str]],
         tier: int | None = None,
+        *,
+        stream_lane: bool = False,
     ) -> NodeAdvert:
         """An advert listing the newest :data:`MAX_LISTED` versions ``(step, digest)`` of
         each kind."""
@@ -107,6 +117,7 @@ class NodeAdvert:
             tuple(d for _, d in c),
             tuple(d for _, d in f),
             tier,
+            stream_lane,
         )
 
     def holds(self, step: int, digest: str | None = None) -> bool:
@@ -132,6 +143,8 @@ class NodeAdvert:
             obj["filling_digests"] = list(self.filling_digests[-MAX_LISTED:])
         if self.tier is not None:
             obj["tier"] = self.tier
+        if self.stream_lane:
+            obj["stream_lane"] = True
         return wire.encode(obj)
 
     @classmethod
@@ -173,7 +186,12 @@ class NodeAdvert:
             isinstance(tier, int) and not isinstance(tier, bool) and 0 <= tier <= MAX_TIER
         ):
             raise RemoteProtocolError(origin, f"tier must be an integer 0..{MAX_TIER}")
-        return cls(peer_id, role, url, steps[0], steps[1], digests[0], digests[1], tier)
+        stream_lane = obj.get("stream_lane", False)
+        if not isinstance(stream_lane, bool):
+            raise RemoteProtocolError(origin, "stream_lane must be a boolean")
+        return cls(
+            peer_id, role, url, steps[0], steps[1], digests[0], digests[1], tier, stream_lane
+        )
 
 
 MAX_TIER = 64
@@ -356,30 +374,54 @@ class SourceDirectory:
         entry = self._adverts.get(peer_id)
         return entry[0].tier if entry is not None else None
 
+    def base_url(self, advert: NodeAdvert, connected: bool) -> str | None:
+        """Where to fetch from ``advert``'s node (:func:`shardcast.core.choose_lane`): its
+        proven URL, its stream lane (``p2p://<PeerID>``) if ``connected``, or None."""
+        lane = choose_lane(
+            http_url=advert.http_url,
+            http_proven=not self.require_verified
+            or self._verified.get(advert.peer_id) == advert.http_url,
+            stream_lane=advert.stream_lane,
+            connected=connected,
+        )
+        if lane is Lane.HTTP:
+            return advert.http_url
+        if lane is Lane.STREAM:
+            return stream_lane_url(advert.peer_id)
+        return None
+
     def sources_for(
-        self, step: int, now: float, limit: int, *, digest: str | None = None
+        self,
+        step: int,
+        now: float,
+        limit: int,
+        *,
+        digest: str | None = None,
+        connected: frozenset[str] = frozenset(),
     ) -> list[Source]:
         """Up to ``limit`` sources holding (or filling) version ``(step, digest)`` (any digest
-        of ``step`` if None), best first: complete ones,
+        of ``step`` if None), each at :meth:`base_url` (``connected``: the PeerIDs this node
+        holds a libp2p connection to, which makes a stream lane usable), best first: complete
+        ones,
         then relays still filling it, then peers still filling it (a relay's uplink exists to
         serve; a peer's is smaller and shared with its own work), shuffled within each class
         so that downloaders spread over different sources."""
-        fresh = [
-            a
+        base = {
+            a.peer_id: url
             for a, t in self._adverts.values()
             if now - t <= self.ttl_s
-            and a.http_url
             and self.score(a.peer_id, now) > MIN_SCORE
-            and (not self.require_verified or self._verified.get(a.peer_id) == a.http_url)
-        ]
+            and (url := self.base_url(a, a.peer_id in connected)) is not None
+        }
+        fresh = [a for a, _ in self._adverts.values() if a.peer_id in base]
         full = [a for a in fresh if a.holds(step, digest)]
         partial = [a for a in fresh if a.fills(step, digest) and not a.holds(step, digest)]
         self.rng.shuffle(full)
         self.rng.shuffle(partial)
         full.sort(key=lambda a: -self.score(a.peer_id, now))  # stable: shuffled among equals
         partial.sort(key=lambda a: (a.role != "relay", -self.score(a.peer_id, now)))
-        out = [Source(a.peer_id, a.http_url, complete=True) for a in full]
-        out += [Source(a.peer_id, a.http_url, complete=False) for a in partial]
+        out = [Source(a.peer_id, base[a.peer_id], complete=True) for a in full]
+        out += [Source(a.peer_id, base[a.peer_id], complete=False) for a in partial]
         if self.one_per_url:
             seen: set[str] = set()
             kept = []

@@ -584,6 +584,7 @@ class Follower:
                 committed,
                 list(self._filling),
                 tier=self.tier(),
+                stream_lane=self.reachability.advertises_stream(),
             )
             try:
                 await node.p2p.publish(topic, advert.encode())
@@ -634,7 +635,11 @@ class Follower:
         if not self.config.discovery:
             return []
         return self.directory.sources_for(
-            step, trio.current_time(), self.config.max_extra_sources, digest=digest
+            step,
+            trio.current_time(),
+            self.config.max_extra_sources,
+            digest=digest,
+            connected=frozenset(self.node.p2p.connected_peers()),
         )
 
     async def fetch_manifest(

@@ -27,6 +27,7 @@ It owns, for the duration of :meth:`ShardcastNode.open`:
 
 from __future__ import annotations
 
+import functools
 import logging
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
@@ -39,6 +40,7 @@ import trio
 
 from p2p import wire
 from p2p.addresses import advertised_url, check_http_url, ensure_bindable, interface_addresses
+from p2p.bytestream import STREAM_LANE_PROTOCOL, ByteStream
 from p2p.errors import ConfigError, ShardnetError, UntrustedSigner, short_id
 from p2p.host import HostConfig
 from p2p.http_server import HttpRequest, HttpResponse, HttpServerConfig
@@ -150,6 +152,12 @@ def _http_handler(
     return handle
 
 
+async def _open_lane_stream(host: Host, peer_id: str, timeout_s: float) -> ByteStream:
+    """A stream-lane stream to ``peer_id`` over ``host``'s connection (the HTTP client's
+    :data:`p2p.bytestream.StreamOpener`)."""
+    return await host.open_stream(peer_id, STREAM_LANE_PROTOCOL, timeout_s)
+
+
 class ShardcastNode:
     """A running node; only valid inside :meth:`open`."""
 
@@ -251,6 +259,7 @@ class ShardcastNode:
                 network.open_http_server(handle, config.http) as http,
                 network.open_http_client(
                     sign=RequestSigner(identity, time.time),
+                    open_stream=functools.partial(_open_lane_stream, p2p),
                     # ask upstream nodes to hold requests for shards they are still verifying
                     headers={HOLD_HEADER: f"{config.serve_wait_s:g}"},
                 ) as client,
@@ -309,6 +318,13 @@ class ShardcastNode:
             timeout_s=self.config.info_timeout_s,
         )
         serve_dialback(self.p2p, self.client, DialbackLimits())
+        # the lane over libp2p streams: how a node behind a NAT serves (see p2p.bytestream)
+        self.p2p.serve_stream(
+            STREAM_LANE_PROTOCOL,
+            self.http.serve_stream,
+            max_per_peer=self.config.http.max_connections_per_ip,
+            max_concurrent=self.config.http.max_connections,
+        )
 
     def info(self) -> NodeInfo:
         """This node's info record."""
