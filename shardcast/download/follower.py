@@ -992,7 +992,8 @@ class Follower:
     def known_nodes_status(self) -> list[dict[str, Any]]:
         """The ``known_nodes`` section of ``/status``: nodes heard through adverts, with what
         this node's challenges of their lanes gave (``lane``: ``verified``, ``unreachable``,
-        ``bad_answer``, ``untried``, or ``none`` for a download-only node)."""
+        ``bad_answer``, ``untried``, or ``none`` for a node with no URL; ``stream_lane``: it
+        serves over libp2p streams on connections it holds)."""
         now, wall = trio.current_time(), time.time()
         out = []
         for a, t in reversed(self.directory.entries(now)):
@@ -1013,6 +1014,7 @@ class Follower:
                     "lane_failures": lane.failures if lane is not None else 0,
                     "lane_dropped": lane.dropped(self.directory.backoff) if lane else False,
                     "lane_checked": iso(wall_of(lane.at, now, wall)) if lane else None,
+                    "stream_lane": a.stream_lane,
                 }
             )
         return out
