@@ -19,6 +19,9 @@ a :class:`p2p.bytestream.ByteStream`, to ``handler(peer_id, stream)``, and ``ope
 opens one to a peer over a connection already held (:mod:`p2p.libp2p_stream`); the HTTP lane
 runs over them for nodes that cannot accept TCP (behind a NAT).
 
+With ``HostConfig.circuits`` set, the host also speaks circuit relay v2 and DCUtR
+(:mod:`p2p.circuits`, ``P2PNode.circuits``): reservations, relayed dials, hole punching.
+
 Every inbound stream passes :mod:`p2p.boundary` first: per-peer and global stream caps
 (:mod:`p2p.limits`), a short deadline for a request body, and fault isolation — a malformed
 frame resets its stream and charges the sender, never ends the node. Gossip topics are
@@ -44,7 +47,7 @@ import math
 import random
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
-from contextlib import asynccontextmanager
+from contextlib import AbstractAsyncContextManager, asynccontextmanager, nullcontext
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -91,6 +94,7 @@ from p2p.boundary import (
     topic_validator,
 )
 from p2p.bytestream import ByteStream, StreamHandler
+from p2p.circuits import CircuitConfig, Circuits
 from p2p.errors import (
     ConfigError,
     LocalProtocolError,
@@ -226,6 +230,7 @@ class HostConfig:
         limits: per-peer and global inbound stream caps, request read deadline.
         ledger: misbehaviour scores and bans of remote peers.
         keepalive: pings, dead connections, re-dials, close timeout (:mod:`p2p.keepalive`).
+        circuits: circuit relay v2 and DCUtR (:mod:`p2p.circuits`); None: neither.
     """
 
     listen_multiaddrs: tuple[str, ...] = ("/ip4/127.0.0.1/tcp/0",)
@@ -236,6 +241,7 @@ class HostConfig:
     limits: ResourceLimits = field(default_factory=ResourceLimits)
     ledger: LedgerConfig = field(default_factory=LedgerConfig)
     keepalive: KeepaliveConfig = field(default_factory=KeepaliveConfig)
+    circuits: CircuitConfig | None = None
 
     def __post_init__(self) -> None:
         if not self.listen_multiaddrs:
@@ -398,6 +404,7 @@ class _HostParts:
     watch: _ConnectionWatch
     pubsub: GuardedPubsub
     rr: RequestResponse
+    circuits: Circuits | None
 
     @classmethod
     def build(cls, identity: Identity, config: HostConfig) -> _HostParts:
@@ -429,7 +436,14 @@ class _HostParts:
             resources.set_limit(str(proto), cap)
             guard.wrap_protocol(proto)
         rr = RequestResponse(host)
-        return cls(host, listen, guard, router, peering, watch, pubsub, rr)
+        circuits = Circuits(host, config.circuits) if config.circuits is not None else None
+        return cls(host, listen, guard, router, peering, watch, pubsub, rr, circuits)
+
+    def run_circuits(self, config: HostConfig) -> AbstractAsyncContextManager[Circuits | None]:
+        """The circuit services while the host runs (a no-op without ``config.circuits``)."""
+        if self.circuits is None:
+            return nullcontext(None)
+        return self.circuits.running(self.guard, config.limits.requests_per_peer)
 
 
 class P2PNode:
@@ -466,6 +480,8 @@ class P2PNode:
         self._rng = random.Random(identity.peer_id)  # re-dial jitter: reproducible per node
         self._keepalive_changed = trio.Event()
         self._closing = False
+        self.circuits: Circuits | None = None
+        """Circuit relay v2 and DCUtR (:mod:`p2p.circuits`), when configured."""
 
     def _wake_keepalive(self) -> None:
         self._keepalive_changed.set()
@@ -639,6 +655,7 @@ class P2PNode:
                             async with (
                                 background_trio_service(pubsub),
                                 background_trio_service(router),
+                                parts.run_circuits(config) as circuits,
                             ):
                                 with trio.fail_after(30):
                                     await pubsub.wait_until_ready()
@@ -646,6 +663,7 @@ class P2PNode:
                                     identity, config, host, pubsub, parts.rr, nursery, parts.guard
                                 )
                                 node._peering = parts.peering
+                                node.circuits = circuits
                                 parts.watch.node = node
                                 nursery.start_soon(node._watch_loop)
                                 nursery.start_soon(node._keepalive_loop)

@@ -1,0 +1,207 @@
+"""Circuit relay v2 and hole punching (DCUtR) for a host: reaching a peer behind a NAT.
+
+Theory of operation
+-------------------
+A node behind a NAT accepts no connection, but it can hold a *reservation* on a public relay
+(libp2p circuit relay v2): another node then dials ``<relay>/p2p-circuit/p2p/<peer>`` and the
+relay splices the two connections. Over that relayed connection the two run DCUtR (direct
+connection upgrade through relay): they exchange their observed addresses and dial each
+other at once from their listen ports, which opens a direct TCP connection through NATs
+that map a source port the same way for every destination (endpoint-independent mapping;
+Linux ``masquerade`` keeps the source port when it is free). Then the relayed connection is
+closed: circuits are for coordination only. Their relay-side limits are small
+(:class:`CircuitConfig`: bytes and seconds per circuit), so shard bytes never cross a relay;
+they go over the direct connection, on the stream lane (:mod:`p2p.bytestream`).
+
+:class:`Circuits` wraps py-libp2p 0.8.1's ``relay.circuit_v2`` (protocol, transport, DCUtR):
+built on a host, run as services while the host runs (:meth:`Circuits.running`), their
+inbound protocols behind :mod:`p2p.boundary`'s guard like every other protocol (admission
+caps, fault isolation). It is opt-in (``HostConfig.circuits``); a host without it neither
+relays nor dials through relays. Measured in network namespaces (two hosts behind two
+``masquerade`` routers, a relay on the public side): reservation, relayed dial, a stream over
+the circuit and DCUtR all worked, and the direct connection carried a stream after the
+circuit was closed.
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from dataclasses import dataclass
+from typing import Any
+
+import multiaddr
+import trio
+from libp2p.exceptions import BaseLibp2pError
+from libp2p.peer.id import ID
+from libp2p.peer.peerinfo import info_from_p2p_addr
+from libp2p.relay.circuit_v2 import CircuitV2Protocol, CircuitV2Transport, DCUtRProtocol
+from libp2p.relay.circuit_v2.config import RelayConfig, RelayRole
+from libp2p.relay.circuit_v2.dcutr import PROTOCOL_ID as DCUTR_PROTOCOL
+from libp2p.relay.circuit_v2.protocol import PROTOCOL_ID as HOP_PROTOCOL
+from libp2p.relay.circuit_v2.protocol import STOP_PROTOCOL_ID as STOP_PROTOCOL
+from libp2p.relay.circuit_v2.resources import RelayLimits
+from libp2p.tools.anyio_service import background_trio_service
+
+from p2p.boundary import InboundGuard
+from p2p.errors import ConfigError, PeerUnreachable
+from p2p.limits import ScopeLimit
+
+__all__ = ["CircuitConfig", "Circuits", "is_relayed"]
+
+
+@dataclass(frozen=True)
+class CircuitConfig:
+    """Circuit relay v2 and DCUtR settings of one host.
+
+    Attributes:
+        hop: serve reservations and relay circuits for others (a public relay).
+        max_reservations: reservations held for others at once (``hop`` only).
+        max_circuits: circuits relayed at once (``hop`` only).
+        circuit_duration_s: a relayed circuit is cut after this many seconds.
+        circuit_bytes: ... or after this many bytes each way: enough for identify and DCUtR,
+            never for shards (coordination only).
+        timeout_s: bound on a reservation, a relayed dial or a hole punch, seconds.
+
+    Raises:
+        ConfigError: a field is out of range (names the field).
+    """
+
+    hop: bool = False
+    max_reservations: int = 64
+    max_circuits: int = 16
+    circuit_duration_s: int = 120
+    circuit_bytes: int = 1 << 20
+    timeout_s: float = 30.0
+
+    def __post_init__(self) -> None:
+        for name in ("max_reservations", "max_circuits", "circuit_duration_s", "circuit_bytes"):
+            if getattr(self, name) < 1:
+                raise ConfigError(name, "must be >= 1")
+        if not self.timeout_s > 0:
+            raise ConfigError("timeout_s", "must be > 0")
+
+
+def is_relayed(conn: Any) -> bool:
+    """True if a libp2p connection runs through a relay (a ``/p2p-circuit`` address)."""
+    try:
+        addrs = conn.get_transport_addresses()
+    except (AttributeError, BaseLibp2pError, OSError):
+        return False
+    return any("/p2p-circuit" in str(a) for a in addrs)
+
+
+class Circuits:
+    """The circuit relay and DCUtR of one py-libp2p host (see the module docstring).
+
+    Methods are valid only inside :meth:`running`; safe to call from any task of the host's
+    trio run.
+    """
+
+    def __init__(self, host: Any, config: CircuitConfig) -> None:
+        self.host = host
+        self.config = config
+        limits = RelayLimits(
+            duration=config.circuit_duration_s,
+            data=config.circuit_bytes,
+            max_circuit_conns=config.max_circuits,
+            max_reservations=config.max_reservations,
+        )
+        self.protocol = CircuitV2Protocol(host, limits, allow_hop=config.hop)
+        roles = RelayRole.STOP | RelayRole.CLIENT | (RelayRole.HOP if config.hop else RelayRole(0))
+        self.transport = CircuitV2Transport(
+            host, self.protocol, RelayConfig(roles=roles, limits=limits)
+        )
+        self.dcutr = DCUtRProtocol(host, dial_timeout=int(config.timeout_s))
+        self._nursery: trio.Nursery | None = None
+
+    @asynccontextmanager
+    async def running(self, guard: InboundGuard, per_peer: int) -> AsyncIterator[Circuits]:
+        """Run the relay protocol and DCUtR as services; their inbound protocols pass
+        ``guard`` (at most ``per_peer`` streams of one peer on each, ``max_circuits`` in all
+        on the relay's)."""
+        async with (
+            trio.open_nursery() as nursery,
+            background_trio_service(self.protocol),
+            background_trio_service(self.dcutr),
+        ):
+            await self.protocol.event_started.wait()
+            await self.dcutr.event_started.wait()
+            protocols = [STOP_PROTOCOL, DCUTR_PROTOCOL] + (
+                [HOP_PROTOCOL] if self.config.hop else []
+            )
+            for proto in protocols:
+                total = self.config.max_circuits if proto == HOP_PROTOCOL else 4 * per_peer
+                guard.resources.set_limit(str(proto), ScopeLimit(per_peer, total))
+                inner = self.host.get_mux().handlers[proto]
+                # not closed after the handler: a stop or hop stream lives on as the circuit
+                self.host.set_stream_handler(proto, guard.wrap(str(proto), inner))
+            self._nursery = nursery
+            try:
+                yield self
+            finally:
+                self._nursery = None
+                nursery.cancel_scope.cancel()
+
+    async def reserve(self, relay_peer_id: str) -> None:
+        """Hold a reservation on ``relay_peer_id`` (connected already), so that others can
+        reach this host through it; it is refreshed until the host closes.
+
+        Raises:
+            PeerUnreachable: not connected to the relay, or it refused or did not answer.
+        """
+        assert self._nursery is not None, "only valid inside Circuits.running"
+        pid = ID.from_base58(relay_peer_id)
+        if not self.host.get_network().get_connections(pid):
+            raise PeerUnreachable(relay_peer_id, "no connection to the relay")
+        try:
+            with trio.fail_after(self.config.timeout_s):
+                stream = await self.host.new_stream(pid, [HOP_PROTOCOL])
+                ok = await self.transport.reserve(stream, pid, self._nursery)
+        except trio.TooSlowError as exc:
+            raise PeerUnreachable(relay_peer_id, "reservation timed out") from exc
+        except (BaseLibp2pError, OSError) as exc:
+            raise PeerUnreachable(relay_peer_id, f"reservation failed: {exc!r}") from exc
+        if not ok:
+            raise PeerUnreachable(relay_peer_id, "reservation refused")
+
+    async def connect_via(self, relay_addr: str, peer_id: str) -> None:
+        """Open a relayed connection to ``peer_id`` through the relay at ``relay_addr`` (a
+        ``/p2p/``-suffixed multiaddr), where ``peer_id`` holds a reservation.
+
+        Raises:
+            PeerUnreachable: the relay or the peer refused, or it took over ``timeout_s``.
+        """
+        circuit = multiaddr.Multiaddr(f"{relay_addr}/p2p-circuit/p2p/{peer_id}")
+        try:
+            info_from_p2p_addr(multiaddr.Multiaddr(relay_addr))
+            with trio.fail_after(self.config.timeout_s):
+                await self.transport.dial(circuit)
+        except trio.TooSlowError as exc:
+            raise PeerUnreachable(peer_id, "relayed dial timed out") from exc
+        except (BaseLibp2pError, OSError, ValueError) as exc:  # ConnectionError is an OSError
+            raise PeerUnreachable(peer_id, f"relayed dial failed: {exc!r}") from exc
+
+    async def hole_punch(self, peer_id: str) -> bool:
+        """Upgrade the relayed connection to ``peer_id`` to a direct one (DCUtR); on success
+        the relayed connections to it are closed. False if no direct connection came of it
+        (a NAT that maps each destination to another port: the circuit stays until its
+        limits end it, and carries no shards)."""
+        pid = ID.from_base58(peer_id)
+        try:
+            with trio.fail_after(self.config.timeout_s):
+                ok = await self.dcutr.initiate_hole_punch(pid)
+        except trio.TooSlowError:
+            ok = False
+        if not ok or not self.direct(peer_id):
+            return False
+        for conn in list(self.host.get_network().get_connections(pid)):
+            if is_relayed(conn):
+                with trio.move_on_after(self.config.timeout_s):
+                    await conn.close()
+        return True
+
+    def direct(self, peer_id: str) -> bool:
+        """True if this host holds a direct (not relayed) connection to ``peer_id``."""
+        conns = self.host.get_network().get_connections(ID.from_base58(peer_id))
+        return any(not is_relayed(c) for c in conns)
