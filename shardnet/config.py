@@ -42,6 +42,7 @@ from p2p.identity import Identity, is_valid_peer_id
 from p2p.keepalive import KeepaliveConfig
 from p2p.limits import LedgerConfig, ResourceLimits
 from p2p.trust import TrustList
+from rollout.engine_options import VllmOptions
 from rollout.inbox import InboxConfig
 from rollout.pacing import PacingConfig
 from rollout.task import DEFAULT_REWARD_SPEC, DEFAULT_TASK_SPEC
@@ -517,6 +518,13 @@ class PeerSettings(FollowerSettings):
         description="inference engine family: transformers, or vllm (needs the extra); default "
         "the run card's first engine this machine can run",
     )
+    vllm_keep_host_copy: bool = Field(
+        VllmOptions.keep_host_copy,
+        description="vLLM only: keep a host copy of the serving version's weights in RAM (the "
+        "checkpoint's size, e.g. 1.32 GB for real-1b, for as long as the peer runs) so a next "
+        "version's sparse delta is applied in place instead of reloading the checkpoint from "
+        "disk; false: every version is a full reload (transformers updates in place without it)",
+    )
     trainer_addr: list[str] = Field([], description="trainer multiaddrs (say hello at start)")
     task: str = _task_field()
     task_reward: str = _task_reward_field()
@@ -549,6 +557,10 @@ class PeerSettings(FollowerSettings):
         """Common checks, then the task loads (see :meth:`CommonSettings.preflight`)."""
         super().preflight()
         _preflight_task(self.task, self.task_reward)
+
+    def vllm_options(self) -> VllmOptions:
+        """The vLLM engine's options (used when the peer runs vLLM)."""
+        return VllmOptions(keep_host_copy=self.vllm_keep_host_copy)
 
 
 class PublishSettings(CommonSettings):

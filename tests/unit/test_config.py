@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import inspect
 import os
 import stat
 from pathlib import Path
@@ -223,6 +224,29 @@ def test_defaults_are_the_libraries_own() -> None:
         PacingConfig.enabled,
         PacingConfig.margin_steps,
     )
+
+
+def test_vllm_keep_host_copy_is_a_peer_setting_that_reaches_the_engine(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    from rollout import engine_vllm
+    from rollout.engine_options import VllmOptions
+    from shardnet.roles import make_engine
+
+    engine_default = inspect.signature(engine_vllm.VllmEngine).parameters["keep_host_copy"]
+    assert engine_default.default is VllmOptions.keep_host_copy is False  # declared once
+    default = load_settings(PeerSettings, CONFIGS / "peer.toml", {})
+    assert default.vllm_options() == VllmOptions()
+    on = load_settings(PeerSettings, CONFIGS / "peer.toml", {"vllm_keep_host_copy": True})
+    assert on.vllm_options() == VllmOptions(keep_host_copy=True)
+    monkeypatch.setattr(engine_vllm, "vllm_available", lambda: True)  # nothing starts vLLM
+    for settings, want in ((default, False), (on, True)):
+        engine = make_engine("vllm", settings.vllm_options())
+        assert isinstance(engine, engine_vllm.VllmEngine)
+        assert engine.keep_host_copy is want
+    runner = CliRunner()
+    result = runner.invoke(app, ["peer", "--help"])
+    assert "--vllm-keep-host-copy" in result.output
 
 
 @pytest.mark.parametrize(
