@@ -27,6 +27,8 @@ from shardcast.core.reachability import (
     LaneCheck,
     Reachability,
     judge_request,
+    lane_in_scope,
+    scoped_lane,
 )
 from shardcast.core.retention import versions_to_prune
 from shardcast.core.select import SchedulerConfig, SourceBans, blame
@@ -131,9 +133,11 @@ __all__ = [
     "judge",
     "judge_finished",
     "judge_request",
+    "lane_in_scope",
     "manifest_retry_s",
     "plan",
     "poll_delay",
+    "scoped_lane",
     "superseded",
     "versions_to_prune",
     "want",

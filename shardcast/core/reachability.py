@@ -32,6 +32,19 @@ failing open as before this check existed, when ``unknown`` after a round; never
 Verdicts are re-checked every :attr:`ReachabilityConfig.recheck_s` (an unknown one after
 :attr:`ReachabilityConfig.retry_s`).
 
+**LAN scope.** Private, loopback, link-local and unique-local addresses (``192.168.0.0/16``,
+``127.0.0.0/8``, ``fe80::/10``, ``fd00::/8``, ...) mean something only on their own network,
+so such a URL is offered only to, and tried only by, nodes on that network (issue 25): a node
+whose lane is not advertised (unreachable from outside, or not checked yet) but whose URL is on
+such an address offers it under a separate advert key, ``lan_url``
+(:meth:`Reachability.lan_advertised`; nodes of older code ignore the key, so they never try
+it), and a node that hears an advert tries a URL on such an address only if
+:func:`lane_in_scope` says the advertiser is on its network: the address is one the
+advertiser's connection to it comes from, or, with no connection seen from a global
+address, it lies on one of this host's own networks (a loopback URL only from this host).
+:func:`scoped_lane` picks the URL of an advert a node may try. NATed peers of one home network
+thus use each other's lanes, and nodes elsewhere never try them.
+
 Everything here is a pure function of its arguments (``now`` in trio seconds); no I/O.
 """
 
@@ -40,7 +53,7 @@ from __future__ import annotations
 import enum
 import ipaddress
 from collections import OrderedDict
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 from urllib.parse import urlsplit
@@ -179,6 +192,66 @@ def is_global(host: str) -> bool:
     DNS name counts as global (it is meant to be resolved from anywhere)."""
     ip = _ip(host)
     return True if ip is None else ip.is_global
+
+
+Network = ipaddress.IPv4Network | ipaddress.IPv6Network
+"""One of this host's networks (an interface's address with its prefix length)."""
+
+
+def _unmapped(
+    ip: ipaddress.IPv4Address | ipaddress.IPv6Address,
+) -> ipaddress.IPv4Address | ipaddress.IPv6Address:
+    if isinstance(ip, ipaddress.IPv6Address) and ip.ipv4_mapped is not None:
+        return ip.ipv4_mapped
+    return ip
+
+
+def lane_in_scope(url: str, observed: Sequence[str], networks: Sequence[Network]) -> bool:
+    """Whether this node may try ``url``, a lane URL another node advertised (module
+    docstring, "LAN scope").
+
+    Args:
+        url: ``http://host:port``.
+        observed: the addresses the advertiser's connections to this node come from, as seen
+            here (empty: not connected, or not known).
+        networks: this host's own networks (its interfaces' addresses with prefix lengths).
+
+    Returns:
+        True for a DNS name or a global address; for any other address (private, loopback,
+        link-local, unique local, shared): True if it is one of ``observed``; else False if
+        an ``observed`` address is global (the advertiser reaches this node across the
+        internet, so its LAN is not this node's); else for a loopback address True only if
+        every ``observed`` address is loopback (the advertiser runs on this host), and for
+        the others True if it lies on one of ``networks``. False for a URL that is not
+        ``http://host:port``.
+    """
+    host = url_host(url)
+    if host is None:
+        return False
+    ip = _ip(host)
+    if ip is None or ip.is_global:
+        return True
+    ip = _unmapped(ip)
+    seen = [_unmapped(o) for o in (_ip(text) for text in observed) if o is not None]
+    if ip in seen:
+        return True
+    if any(o.is_global for o in seen):
+        return False
+    if ip.is_loopback:
+        return all(o.is_loopback for o in seen)
+    return any(ip in net for net in networks)
+
+
+def scoped_lane(
+    http_url: str, lan_url: str, observed: Sequence[str], networks: Sequence[Network]
+) -> str:
+    """The URL of an advert (its ``http_url`` and ``lan_url``) that this node may try: the
+    first of the two that is non-empty and :func:`lane_in_scope`, else ``""`` (nothing to try:
+    the advert then offers no HTTP source here)."""
+    for url in (http_url, lan_url):
+        if url and lane_in_scope(url, observed, networks):
+            return url
+    return ""
 
 
 def judge_request(url: str, observed: list[str]) -> DialbackResult | None:
@@ -336,6 +409,15 @@ class Reachability:
         """The URL to put in adverts: empty before the first round with answers and while
         unreachable."""
         if self.rounds == 0 or self.state is Reach.UNREACHABLE:
+            return ""
+        return self.url
+
+    def lan_advertised(self) -> str:
+        """The URL to offer to nodes on this node's own network only (advert key
+        ``lan_url``): the lane URL when its host is not a global address (nor a DNS name)
+        and :meth:`advertised` does not offer it; else empty."""
+        host = url_host(self.url)
+        if host is None or is_global(host) or self.advertised():
             return ""
         return self.url
 

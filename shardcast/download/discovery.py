@@ -74,6 +74,9 @@ class NodeAdvert:
         tier: hops from the origin (1: a relay fed by the origin; 2: a node fed by relays),
             or None (unknown: an older node). Relays of one tier do not super-seed to each
             other (:attr:`shardcast.serve.server.VersionServer.exempt`).
+        lan_url: a lane URL on a private, loopback or link-local address, for nodes on the
+            advertiser's own network only (wire key ``lan_url``, absent when empty; see
+            "LAN scope" in :mod:`shardcast.core.reachability`).
     """
 
     peer_id: str
@@ -84,6 +87,7 @@ class NodeAdvert:
     committed_digests: tuple[str, ...] = ()
     filling_digests: tuple[str, ...] = ()
     tier: int | None = None
+    lan_url: str = ""
 
     @classmethod
     def of(
@@ -94,6 +98,8 @@ class NodeAdvert:
         committed: Sequence[tuple[int, str]],
         filling: Sequence[tuple[int, str]],
         tier: int | None = None,
+        *,
+        lan_url: str = "",
     ) -> NodeAdvert:
         """An advert listing the newest :data:`MAX_LISTED` versions ``(step, digest)`` of
         each kind."""
@@ -107,6 +113,7 @@ class NodeAdvert:
             tuple(d for _, d in c),
             tuple(d for _, d in f),
             tier,
+            lan_url,
         )
 
     def holds(self, step: int, digest: str | None = None) -> bool:
@@ -132,6 +139,8 @@ class NodeAdvert:
             obj["filling_digests"] = list(self.filling_digests[-MAX_LISTED:])
         if self.tier is not None:
             obj["tier"] = self.tier
+        if self.lan_url:
+            obj["lan_url"] = self.lan_url
         return wire.encode(obj)
 
     @classmethod
@@ -148,8 +157,9 @@ class NodeAdvert:
             raise RemoteProtocolError(origin, f"advert claims to be {short_id(peer_id)}")
         role = wire.need_str(obj, "role", 16, origin)
         url = wire.need_str(obj, "http_url", 256, origin)
-        if role not in ROLES or (url and (not url.startswith("http://") or "/" in url[7:])):
-            raise RemoteProtocolError(origin, f"bad role {role!r} or url {url!r}")
+        lan_url = wire.need_str(obj, "lan_url", 256, origin) if "lan_url" in obj else ""
+        if role not in ROLES or not all(_lane_url(u) for u in (url, lan_url)):
+            raise RemoteProtocolError(origin, f"bad role {role!r} or url {url!r} {lan_url!r}")
         steps = []
         digests: list[tuple[str, ...]] = []
         for key in ("committed", "filling"):
@@ -173,7 +183,12 @@ class NodeAdvert:
             isinstance(tier, int) and not isinstance(tier, bool) and 0 <= tier <= MAX_TIER
         ):
             raise RemoteProtocolError(origin, f"tier must be an integer 0..{MAX_TIER}")
-        return cls(peer_id, role, url, steps[0], steps[1], digests[0], digests[1], tier)
+        return cls(peer_id, role, url, steps[0], steps[1], digests[0], digests[1], tier, lan_url)
+
+
+def _lane_url(url: str) -> bool:
+    """True for an empty URL or one like ``http://host:port`` (no path)."""
+    return not url or (url.startswith("http://") and "/" not in url[7:])
 
 
 MAX_TIER = 64

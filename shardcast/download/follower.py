@@ -60,6 +60,7 @@ serving, and polls and retries its upstreams minutes apart instead of seconds
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import logging
 import random
@@ -73,6 +74,7 @@ from typing import TYPE_CHECKING, Any
 import trio
 from prometheus_client.core import GaugeMetricFamily, Metric
 
+from p2p.addresses import interface_networks
 from p2p.errors import ConfigError, ShardnetError, TransportError, short_id
 from p2p.host import peer_id_of
 from p2p.http_errors import NotAvailable
@@ -90,6 +92,7 @@ from shardcast.core import (
     manifest_retry_s,
     plan,
     poll_delay,
+    scoped_lane,
     want,
 )
 from shardcast.download.discovery import (
@@ -249,6 +252,10 @@ class Follower:
         self._progress: dict[int, tuple[int, int, float]] = {}  # step -> done, total, start
         self.mirrors = {url: MirrorPoll(url) for url in config.mirrors}
         self.reachability = Reachability(node.http_url)
+        self._networks = interface_networks()  # which private URLs are on this host's LANs
+        self.adverts_out_of_scope = 0
+        """Adverts heard whose URL was not this node's to try (a private address of another
+        network; "LAN scope" in :mod:`shardcast.core.reachability`)."""
         self._nursery: trio.Nursery | None = None
         node.status_sections.update(
             downloads=self.downloads_status,
@@ -526,7 +533,20 @@ class Follower:
             except ShardnetError as exc:
                 log.info("advert_rejected origin=%s error=%s", short_id(msg.origin), exc)
                 continue
-            self.directory.offer(advert, trio.current_time())
+            self.directory.offer(self._in_scope(advert), trio.current_time())
+
+    def _in_scope(self, advert: NodeAdvert) -> NodeAdvert:
+        """``advert`` with the URL this node may try as its ``http_url`` (empty: none), by
+        :func:`shardcast.core.scoped_lane`."""
+        if not advert.http_url and not advert.lan_url:
+            return advert
+        observed = self.node.p2p.remote_hosts(advert.peer_id)
+        url = scoped_lane(advert.http_url, advert.lan_url, observed, self._networks)
+        if not url:
+            self.adverts_out_of_scope += 1
+        if url == advert.http_url:
+            return advert
+        return dataclasses.replace(advert, http_url=url)
 
     async def _verify_adverts(self) -> None:
         """Challenge the lane behind each new advert: its URL is used only once it proved
@@ -584,6 +604,7 @@ class Follower:
                 committed,
                 list(self._filling),
                 tier=self.tier(),
+                lan_url=self.reachability.lan_advertised(),
             )
             try:
                 await node.p2p.publish(topic, advert.encode())
