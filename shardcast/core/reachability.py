@@ -52,7 +52,7 @@ from __future__ import annotations
 
 import enum
 import ipaddress
-from collections import OrderedDict
+from collections import Counter, OrderedDict
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -361,6 +361,7 @@ class Reachability:
         checked_at: when the latest round ended (None: never).
         last_answers: the latest round's answers (of a round with any).
         rounds: rounds that had answers.
+        answers_total: every answer recorded, by result (metrics).
     """
 
     url: str
@@ -370,6 +371,7 @@ class Reachability:
     checked_at: float | None = None
     last_answers: tuple[DialbackResult, ...] = ()
     rounds: int = 0
+    answers_total: Counter[DialbackResult] = field(default_factory=Counter)
 
     def _wait_s(self) -> float:
         if self.rounds == 0:
@@ -394,6 +396,7 @@ class Reachability:
         A round that tells nothing (``unknown``) does not undo an earlier verdict."""
         before = self.advertised()
         self.checked_at = now
+        self.answers_total.update(answers)
         if all(a is DialbackResult.REFUSED for a in answers):
             return False  # no one could check now (rate limits): ask again soon
         self.rounds += 1

@@ -66,13 +66,14 @@ import logging
 import random
 import secrets
 import time
+from collections import Counter
 from collections.abc import Awaitable, Callable, Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import trio
-from prometheus_client.core import GaugeMetricFamily, Metric
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 
 from p2p.addresses import interface_networks
 from p2p.errors import ConfigError, ShardnetError, TransportError, short_id
@@ -80,11 +81,13 @@ from p2p.host import peer_id_of
 from p2p.http_errors import NotAvailable
 from shardcast.core import (
     MANIFEST_RETRY_MAX_S,
+    DialbackResult,
     DownloadStats,
     LaneCheck,
     MirrorPoll,
     PollOutcome,
     PollPolicy,
+    Reach,
     Reachability,
     Want,
     abandons,
@@ -253,6 +256,8 @@ class Follower:
         self.mirrors = {url: MirrorPoll(url) for url in config.mirrors}
         self.reachability = Reachability(node.http_url)
         self._networks = interface_networks()  # which private URLs are on this host's LANs
+        self.advert_checks: Counter[LaneCheck] = Counter()
+        """Challenges of advertised URLs by outcome (metrics)."""
         self.adverts_out_of_scope = 0
         """Adverts heard whose URL was not this node's to try (a private address of another
         network; "LAN scope" in :mod:`shardcast.core.reachability`)."""
@@ -562,6 +567,7 @@ class Follower:
                     secrets.token_hex(16),
                     timeout_s=5.0,
                 )
+                self.advert_checks[result] += 1
                 lane = self.directory.verified(
                     advert.peer_id, advert.http_url, result, trio.current_time()
                 )
@@ -1046,7 +1052,37 @@ class Follower:
         entries = self.directory.entries(trio.current_time())
         for role in ("relay", "peer"):
             known.add_metric([role], sum(1 for a, _ in entries if a.role == role))
-        return [ready, known]
+        return [ready, known, *self._reachability_families()]
+
+    def _reachability_families(self) -> list[Metric]:
+        reach = self.reachability
+        state = GaugeMetricFamily(
+            "shardnet_lane_reachability",
+            "this node's lane as its dial-back checks found it: 1 for the current state",
+            labels=["state"],
+        )
+        for r in Reach:
+            state.add_metric([r.value], 1.0 if reach.state is r else 0.0)
+        answers = CounterMetricFamily(
+            "shardnet_dialback_answers",
+            "answers to this node's dial-back asks, by result",
+            labels=["result"],
+        )
+        for d in DialbackResult:
+            answers.add_metric([d.value], reach.answers_total[d])
+        checks = CounterMetricFamily(
+            "shardnet_advert_checks",
+            "whoami challenges of other nodes' advertised lane URLs, by result",
+            labels=["result"],
+        )
+        for c in LaneCheck:
+            checks.add_metric([c.value], self.advert_checks[c])
+        scope = CounterMetricFamily(
+            "shardnet_adverts_out_of_scope",
+            "adverts heard whose URL is a private address of another network (not tried)",
+        )
+        scope.add_metric([], self.adverts_out_of_scope)
+        return [state, answers, checks, scope]
 
 
 __all__ = [

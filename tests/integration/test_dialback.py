@@ -1,7 +1,7 @@
 """The dial-back reachability check on real hosts on 127.0.0.1: a lane that answers is
 reached, one on a closed port is not, a URL on another address is not dialled, and a follower
 whose lane cannot be reached advertises no URL (its URL only to its own network, where a
-neighbour verifies and uses it)."""
+neighbour verifies and uses it), with the metrics that show it."""
 
 from __future__ import annotations
 
@@ -84,6 +84,11 @@ async def test_a_follower_on_a_closed_port_learns_it_and_advertises_no_url(
         status = f.reachability_status()
         assert status["state"] == "unreachable"
         assert status["advertised"] is False
+        text = node.metrics.render().decode()
+        assert 'shardnet_lane_reachability{state="unreachable"} 1.0' in text
+        assert 'shardnet_lane_reachability{state="reachable"} 0.0' in text
+        assert 'shardnet_dialback_answers_total{result="not_reached"}' in text
+        assert 'shardnet_dialback_answers_total{result="not_reached"} 0.0' not in text
         nursery.cancel_scope.cancel()
 
 
@@ -147,6 +152,8 @@ async def test_a_lan_url_is_verified_and_used_by_a_neighbour_not_offered_to_othe
         lane = b.directory.lane_status(a_id, a_node.http_url)
         assert lane is not None
         assert lane.result is LaneCheck.VERIFIED
+        assert b.advert_checks[LaneCheck.VERIFIED] >= 1
+        assert 'shardnet_advert_checks_total{result="verified"}' in b_node.metrics.render().decode()
         # the same advert with a private address of another network: not B's to try
         foreign = NodeAdvert("x", "peer", "", (1,), (), lan_url="http://198.18.231.7:8003")
         before = b.adverts_out_of_scope

@@ -260,6 +260,7 @@ def test_a_private_lane_is_offered_for_its_lan_until_advertised() -> None:
     assert (r.state, r.advertised(), r.lan_advertised()) == (Reach.UNREACHABLE, "", URL)
     r.observe([R.REACHED], 700.0)  # reachable after all (a port forward): offered to all
     assert (r.advertised(), r.lan_advertised()) == (URL, "")
+    assert r.answers_total == {R.MISMATCH: 1, R.FAILED: 1, R.REACHED: 1}
     public = Reachability("http://8.8.8.8:8003")
     public.observe([R.NOT_REACHED], 0.0)
     assert (public.advertised(), public.lan_advertised()) == ("", "")  # never a LAN URL
