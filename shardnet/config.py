@@ -46,7 +46,8 @@ from rollout.engine_options import VllmOptions
 from rollout.inbox import InboxConfig
 from rollout.pacing import PacingConfig
 from rollout.task import DEFAULT_REWARD_SPEC, DEFAULT_TASK_SPEC
-from shardcast.download import DownloadConfig, FollowConfig
+from shardcast.core import ReachabilityConfig
+from shardcast.download import DownloadConfig, FollowConfig, LaneBackoff
 from shardcast.node import SUPER_SEED_MIN_BYTES, SUPER_SEED_S, NodeConfig
 from shardcast.publish import DEFAULT_SHARD_BYTES, OriginConfig
 from shardcast.wire import (
@@ -431,6 +432,39 @@ class FollowerSettings(CommonSettings):
         description="exit (code 0) once the trainer announced the run's end and this node "
         "holds its final version (default: keep serving it)",
     )
+    advert_retry_s: float = Field(
+        LaneBackoff.first_s,
+        gt=0,
+        allow_inf_nan=False,
+        description="an advertised lane URL that failed its check is tried again after this "
+        "many seconds, each further failure waiting advert_retry_factor times longer (each "
+        "try is one connection attempt of up to 5 s to that node)",
+    )
+    advert_retry_factor: float = Field(
+        LaneBackoff.factor,
+        ge=1,
+        allow_inf_nan=False,
+        description="growth of the wait between tries of a failing advertised URL",
+    )
+    advert_max_failures: int = Field(
+        LaneBackoff.max_failures,
+        ge=1,
+        description="failures in a row after which an advertised URL is dropped (not tried "
+        "for advert_drop_s)",
+    )
+    advert_drop_s: float = Field(
+        LaneBackoff.drop_s,
+        ge=0,
+        allow_inf_nan=False,
+        description="seconds a dropped advertised URL is not tried (then it starts over)",
+    )
+    reachability_recheck_s: float = Field(
+        ReachabilityConfig.recheck_s,
+        gt=0,
+        allow_inf_nan=False,
+        description="seconds between dial-back checks of this node's own lane once one gave "
+        "a verdict (each asks up to 3 connected nodes to open it)",
+    )
 
     @field_validator("trainer_id")
     @classmethod
@@ -462,6 +496,13 @@ class FollowerSettings(CommonSettings):
                 source_ban_s=self.source_ban_s,
                 keep_partial=True,
             ),
+            lane_backoff=LaneBackoff(
+                first_s=self.advert_retry_s,
+                factor=self.advert_retry_factor,
+                max_failures=self.advert_max_failures,
+                drop_s=self.advert_drop_s,
+            ),
+            reachability=ReachabilityConfig(recheck_s=self.reachability_recheck_s),
         )
 
 

@@ -89,6 +89,7 @@ from shardcast.core import (
     PollPolicy,
     Reach,
     Reachability,
+    ReachabilityConfig,
     Want,
     abandons,
     confirmed_elsewhere,
@@ -99,6 +100,7 @@ from shardcast.core import (
     want,
 )
 from shardcast.download.discovery import (
+    LaneBackoff,
     NodeAdvert,
     SourceDirectory,
     check_advert_gossip,
@@ -153,6 +155,9 @@ class FollowConfig:
         finished_max_backoff_s: retry backoff cap once settled, seconds.
         mirrors: base URLs of static mirrors (``http://HOST[:PORT][/PATH]``) used as extra,
             untrusted HTTP-only sources (see the module docstring).
+        lane_backoff: when an advertised URL that failed its whoami challenge is tried again,
+            and when it is dropped.
+        reachability: when this node checks its own lane by dial-back.
     """
 
     upstreams: tuple[str, ...]
@@ -165,6 +170,8 @@ class FollowConfig:
     finished_poll_interval_s: float = 60.0
     finished_max_backoff_s: float = 600.0
     mirrors: tuple[str, ...] = ()
+    lane_backoff: LaneBackoff = field(default_factory=LaneBackoff)
+    reachability: ReachabilityConfig = field(default_factory=ReachabilityConfig)
 
     def poll_policy(self) -> PollPolicy:
         """The poll/retry periods."""
@@ -244,6 +251,7 @@ class Follower:
             rng=rng,
             require_verified=True,
             one_per_url=True,
+            backoff=config.lane_backoff,
         )
         if node.config.role == "relay":
             node.server.exempt = self._same_tier_relay
@@ -254,7 +262,7 @@ class Follower:
         self._errors: dict[str, str] = {}  # upstream -> its last error
         self._progress: dict[int, tuple[int, int, float]] = {}  # step -> done, total, start
         self.mirrors = {url: MirrorPoll(url) for url in config.mirrors}
-        self.reachability = Reachability(node.http_url)
+        self.reachability = Reachability(node.http_url, config.reachability)
         self._networks = interface_networks()  # which private URLs are on this host's LANs
         self.advert_checks: Counter[LaneCheck] = Counter()
         """Challenges of advertised URLs by outcome (metrics)."""

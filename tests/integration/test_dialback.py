@@ -140,6 +140,7 @@ async def test_a_lan_url_is_verified_and_used_by_a_neighbour_not_offered_to_othe
         await b_node.p2p.connect(a_node.p2p.multiaddrs()[0])  # neighbours (gossip mesh)
         a = Follower(a_node, up, random.Random(1))
         b = Follower(b_node, up, random.Random(2))
+        assert (b.directory.backoff, b.reachability.config) == (up.lane_backoff, up.reachability)
         await nursery.start(a.run)
         await nursery.start(b.run)
         a_id = a_node.identity.peer_id

@@ -165,6 +165,8 @@ def test_defaults_are_the_libraries_own() -> None:
     from p2p.limits import LedgerConfig, ResourceLimits
     from rollout.pacing import PacingConfig
     from rollout.verify import ValidatorConfig
+    from shardcast.core.reachability import ReachabilityConfig
+    from shardcast.download.discovery import LaneBackoff
     from shardcast.download.follower import FollowConfig
     from shardcast.download.types import DownloadConfig
     from shardcast.node.node import NodeConfig
@@ -183,6 +185,8 @@ def test_defaults_are_the_libraries_own() -> None:
     assert node.keep_last == NodeConfig.keep_last
     follow = relay.follow_config(relay.upstream)
     assert follow.poll_interval_s == FollowConfig.poll_interval_s
+    assert follow.lane_backoff == LaneBackoff()
+    assert follow.reachability == ReachabilityConfig()
     lib = DownloadConfig()
     assert (follow.download.stall_timeout_s, follow.download.source_ban_s) == (
         lib.stall_timeout_s,
@@ -224,6 +228,27 @@ def test_defaults_are_the_libraries_own() -> None:
         PacingConfig.enabled,
         PacingConfig.margin_steps,
     )
+
+
+def test_advert_backoff_and_reachability_recheck_are_settings() -> None:
+    from shardcast.core.reachability import ReachabilityConfig
+    from shardcast.download.discovery import LaneBackoff
+
+    overrides: dict[str, object] = {
+        "advert_retry_s": 30.0,
+        "advert_retry_factor": 2.0,
+        "advert_max_failures": 2,
+        "advert_drop_s": 600.0,
+        "reachability_recheck_s": 120.0,
+    }
+    s = load_settings(RelaySettings, CONFIGS / "relay.toml", overrides)
+    follow = s.follow_config(s.upstream)
+    assert follow.lane_backoff == LaneBackoff(30.0, 2.0, LaneBackoff.max_s, 2, 600.0)
+    assert follow.reachability == ReachabilityConfig(recheck_s=120.0)
+    for bad in ({"advert_max_failures": 0}, {"advert_retry_s": 0}, {"advert_retry_factor": 0.5}):
+        with pytest.raises(ConfigError) as info:
+            load_settings(RelaySettings, CONFIGS / "relay.toml", bad)
+        assert info.value.field == next(iter(bad))
 
 
 def test_vllm_keep_host_copy_is_a_peer_setting_that_reaches_the_engine(
