@@ -4,14 +4,16 @@ An operator sent SIGTERM to a peer whose connections had died; it took 72 s to e
 inference peer on 127.0.0.1 follows the origin through a :class:`SilentPath` (the NAT that
 lost its state), commits version 0 and starts generating with an engine that is in the middle
 of a long generation (it runs until it is told to stop, or for 60 s). Its connections then go
-silent, and the peer is cancelled, which is what the role runner does on SIGTERM
-(:func:`shardnet.roles.until_signal`). The peer must be gone within the 5 s promised to
-operators, and the engine's thread told to stop.
+silent (not yet found dead), and the process receives SIGTERM, which the peer runs under as
+the role runner does (:func:`shardnet.roles.until_signal`). The peer must be gone within the 5 s
+promised to operators, and the engine's thread told to stop.
 """
 
 from __future__ import annotations
 
 import json
+import os
+import signal
 import threading
 import time
 from collections.abc import Sequence
@@ -19,7 +21,6 @@ from pathlib import Path
 
 import trio
 
-from p2p.host import HostConfig
 from p2p.identity import Identity
 from rollout.engine import Generation
 from rollout.model import build_model, build_tokenizer
@@ -30,8 +31,9 @@ from shardcast.publish.origin import Origin, OriginConfig
 from shardcast.wire import EngineSpec, RunCard, SamplingRules, TaskSpec, architecture_digest
 from shardcast.wire.runcard import sign_card
 from shardnet.peer import InferencePeer, PeerConfig
+from shardnet.roles import until_signal
 from tests.helpers import TRAINER, trust
-from tests.integration.test_keepalive import FAST, SilentPath
+from tests.integration.test_keepalive import SilentPath
 from trainer.checkpoint import save_checkpoint
 
 STUCK_S = 60.0  # how long the engine's generation would run if nobody stopped it
@@ -96,21 +98,18 @@ async def test_a_generating_peer_with_dead_connections_stops_within_5_s(tmp_path
             Identity.from_seed("stop-peer"),
             trust(),
             PeerConfig(
-                node=NodeConfig(
-                    "peer", "stop-run", tmp_path / "p", host=HostConfig(keepalive=FAST)
-                ),
+                node=NodeConfig("peer", "stop-run", tmp_path / "p"),
                 follow=FollowConfig(upstreams=(up,), discovery=False),
                 card=card,
                 trainer_addrs=(up,),
             ),
             engine=engine,  # type: ignore[arg-type]
         )
-        scope, exited = trio.CancelScope(), trio.Event()
+        exited, signalled = trio.Event(), []
 
         async def run_peer() -> None:
             try:
-                with scope:
-                    await peer.run()
+                signalled.append(await until_signal(peer.run))
             finally:
                 exited.set()
 
@@ -120,12 +119,13 @@ async def test_a_generating_peer_with_dead_connections_stops_within_5_s(tmp_path
                 await trio.to_thread.run_sync(engine.started.wait, abandon_on_cancel=True)
             path.cut()  # the NAT forgets: every connection of the peer is now dead
             stopping_at = trio.current_time()
-            scope.cancel()
+            os.kill(os.getpid(), signal.SIGTERM)  # caught by until_signal's receiver
             with trio.fail_after(30):
                 await exited.wait()
             # the bound the operator was promised, not a speed target: before, the stop waited
             # for the generation (here up to 60 s)
             assert trio.current_time() - stopping_at <= 5.0
+            assert signalled == [True]
             assert engine.stop.is_set()  # the engine's thread was told to stop
         finally:
             engine.interrupt()
