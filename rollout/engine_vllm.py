@@ -572,10 +572,26 @@ class VllmEngine:
             )
         return result
 
-    def close(self) -> None:
-        """Shut vLLM down and free its memory (idempotent). The engine is then unloaded."""
-        with self._busy:
+    def close(self, wait_s: float | None = None) -> bool:
+        """Shut vLLM down and free its memory (idempotent). The engine is then unloaded.
+
+        Args:
+            wait_s: how long to wait for a running ``load``/``generate`` (in another thread)
+                to finish, seconds; None: as long as it takes. A peer that is stopping
+                abandons its generating thread and waits only briefly: the process exit ends
+                an engine it could not close.
+
+        Returns:
+            True if closed; False if the running call did not finish within ``wait_s``
+            (nothing was done).
+        """
+        if not self._busy.acquire(timeout=-1 if wait_s is None else wait_s):
+            return False
+        try:
             self._close_llm()
+        finally:
+            self._busy.release()
+        return True
 
     def __enter__(self) -> VllmEngine:
         return self

@@ -30,7 +30,10 @@ Stopping (SIGTERM, issue 25: a peer with dead connections took 72 s to exit): th
 threads that generate, load weights or read the task are abandoned when the peer is cancelled
 (``abandon_on_cancel``), so a stop does not wait for the group under way; the engine is then
 interrupted (:class:`~rollout.engine.Interruptible`), so the abandoned thread ends at its next
-token instead of running on while the process shuts down.
+token instead of running on while the process shuts down. vLLM's ``generate`` is one call that
+cannot be stopped midway: the role runner then waits at most
+:data:`shardnet.roles.ENGINE_CLOSE_WAIT_S` to close that engine and leaves the rest to the
+process exit.
 
 A forged peer for tests and benchmarks is this class with a ``forgery`` hook that tampers
 with the batch before it is signed.

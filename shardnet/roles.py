@@ -290,12 +290,27 @@ async def run_peer(s: PeerSettings) -> int:
         finally:
             if s.report is not None:
                 write_json_atomic(s.report, peer.report())
-            close = getattr(engine, "close", None)
-            if close is not None:  # vLLM: shut the in-process engine down
-                close()
+            close_engine(engine)
     if peer.fatal is not None:  # a newer run card this peer cannot follow
         raise peer.fatal
     return 0
+
+
+ENGINE_CLOSE_WAIT_S = 1.0
+"""How long a stopping peer waits for its engine's running call before it closes the engine,
+seconds: the stop abandoned the generating thread, and vLLM cannot be interrupted mid-call
+(see :class:`rollout.engine.Interruptible`)."""
+
+
+def close_engine(engine: Engine) -> None:
+    """Shut an engine that has a ``close`` (vLLM's in-process engine) down, waiting at most
+    :data:`ENGINE_CLOSE_WAIT_S` for a call still running in an abandoned thread; if it does
+    not finish, log ``engine_close_skipped`` and leave the engine to the process exit."""
+    close = getattr(engine, "close", None)
+    if close is None:
+        return
+    if close(wait_s=ENGINE_CLOSE_WAIT_S) is False:
+        log.warning("engine_close_skipped reason=busy wait_s=%.1f", ENGINE_CLOSE_WAIT_S)
 
 
 def check_not_self(identity: Identity, addrs: list[str], option: str) -> None:

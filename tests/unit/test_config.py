@@ -251,6 +251,24 @@ def test_advert_backoff_and_reachability_recheck_are_settings() -> None:
         assert info.value.field == next(iter(bad))
 
 
+def test_a_stopping_peer_waits_only_briefly_for_a_busy_vllm_engine(
+    caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A generation abandoned by the stop still holds vLLM (it cannot be interrupted mid-call):
+    the close gives up after ENGINE_CLOSE_WAIT_S and leaves the engine to the process exit."""
+    from rollout.engine_vllm import VllmEngine
+    from shardnet import roles
+
+    engine = VllmEngine()  # nothing loaded, vLLM never imported
+    assert engine.close(wait_s=0.0) is True
+    monkeypatch.setattr(roles, "ENGINE_CLOSE_WAIT_S", 0.0)
+    with engine._busy:  # what a running generate holds
+        assert engine.close(wait_s=0.0) is False
+        roles.close_engine(engine)
+    assert "engine_close_skipped reason=busy" in caplog.text
+    roles.close_engine(object())  # type: ignore[arg-type]  # an engine without close: nothing
+
+
 def test_vllm_keep_host_copy_is_a_peer_setting_that_reaches_the_engine(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
