@@ -69,13 +69,13 @@ def interface_addresses() -> Interfaces:
     return Interfaces(_loopback_last(v4), _loopback_last(v6))
 
 
-def interface_networks() -> tuple[ipaddress.IPv4Network | ipaddress.IPv6Network, ...]:
-    """Read this host's networks (psutil): each interface address's network, from its
-    netmask (``192.168.77.2`` with ``255.255.255.0`` gives ``192.168.77.0/24``); IPv6
+def interface_subnets() -> tuple[ipaddress.IPv4Interface | ipaddress.IPv6Interface, ...]:
+    """Read this host's interface addresses with their prefix lengths (psutil), from each
+    netmask (``192.168.77.2`` with ``255.255.255.0`` gives ``192.168.77.2/24``); IPv6
     link-local ones (with a scope) left out, as in :func:`interface_addresses`."""
     import psutil
 
-    out: list[ipaddress.IPv4Network | ipaddress.IPv6Network] = []
+    out: list[ipaddress.IPv4Interface | ipaddress.IPv6Interface] = []
     for addrs in psutil.net_if_addrs().values():
         for a in addrs:
             if a.family not in (socket.AF_INET, socket.AF_INET6) or "%" in a.address:
@@ -84,7 +84,7 @@ def interface_networks() -> tuple[ipaddress.IPv4Network | ipaddress.IPv6Network,
             bits: int = ip.max_prefixlen
             if a.netmask:
                 bits = bin(int(ipaddress.ip_address(a.netmask))).count("1")
-            out.append(ipaddress.ip_network(f"{ip}/{bits}", strict=False))
+            out.append(ipaddress.ip_interface(f"{ip}/{bits}"))
     return tuple(dict.fromkeys(out))
 
 

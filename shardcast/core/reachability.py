@@ -36,7 +36,8 @@ Verdicts are re-checked every :attr:`ReachabilityConfig.recheck_s` (an unknown o
 ``127.0.0.0/8``, ``fe80::/10``, ``fd00::/8``, ...) mean something only on their own network,
 so such a URL is offered only to, and tried only by, nodes on that network (issue 25): a node
 whose lane is not advertised (unreachable from outside, or not checked yet) but whose URL is on
-such an address offers it under a separate advert key, ``lan_url``
+such an address, one of its own interfaces' (not a ``--public-host`` it names, such as its NAT
+router's), offers it under a separate advert key, ``lan_url``
 (:meth:`Reachability.lan_advertised`; nodes of older code ignore the key, so they never try
 it), and a node that hears an advert tries a URL on such an address only if
 :func:`lane_in_scope` says the advertiser is on its network: the address is one the
@@ -194,8 +195,8 @@ def is_global(host: str) -> bool:
     return True if ip is None else ip.is_global
 
 
-Network = ipaddress.IPv4Network | ipaddress.IPv6Network
-"""One of this host's networks (an interface's address with its prefix length)."""
+Interface = ipaddress.IPv4Interface | ipaddress.IPv6Interface
+"""One of this host's interface addresses with its prefix length (``192.168.77.2/24``)."""
 
 
 def _unmapped(
@@ -206,7 +207,7 @@ def _unmapped(
     return ip
 
 
-def lane_in_scope(url: str, observed: Sequence[str], networks: Sequence[Network]) -> bool:
+def lane_in_scope(url: str, observed: Sequence[str], interfaces: Sequence[Interface]) -> bool:
     """Whether this node may try ``url``, a lane URL another node advertised (module
     docstring, "LAN scope").
 
@@ -214,7 +215,7 @@ def lane_in_scope(url: str, observed: Sequence[str], networks: Sequence[Network]
         url: ``http://host:port``.
         observed: the addresses the advertiser's connections to this node come from, as seen
             here (empty: not connected, or not known).
-        networks: this host's own networks (its interfaces' addresses with prefix lengths).
+        interfaces: this host's interface addresses with their prefix lengths.
 
     Returns:
         True for a DNS name or a global address; for any other address (private, loopback,
@@ -222,7 +223,8 @@ def lane_in_scope(url: str, observed: Sequence[str], networks: Sequence[Network]
         an ``observed`` address is global (the advertiser reaches this node across the
         internet, so its LAN is not this node's); else for a loopback address True only if
         every ``observed`` address is loopback (the advertiser runs on this host), and for
-        the others True if it lies on one of ``networks``. False for a URL that is not
+        the others True if it lies on the network of one of ``interfaces``. False for a URL
+        that is not
         ``http://host:port``.
     """
     host = url_host(url)
@@ -239,17 +241,17 @@ def lane_in_scope(url: str, observed: Sequence[str], networks: Sequence[Network]
         return False
     if ip.is_loopback:
         return all(o.is_loopback for o in seen)
-    return any(ip in net for net in networks)
+    return any(ip in i.network for i in interfaces)
 
 
 def scoped_lane(
-    http_url: str, lan_url: str, observed: Sequence[str], networks: Sequence[Network]
+    http_url: str, lan_url: str, observed: Sequence[str], interfaces: Sequence[Interface]
 ) -> str:
     """The URL of an advert (its ``http_url`` and ``lan_url``) that this node may try: the
     first of the two that is non-empty and :func:`lane_in_scope`, else ``""`` (nothing to try:
     the advert then offers no HTTP source here)."""
     for url in (http_url, lan_url):
-        if url and lane_in_scope(url, observed, networks):
+        if url and lane_in_scope(url, observed, interfaces):
             return url
     return ""
 
@@ -415,14 +417,20 @@ class Reachability:
             return ""
         return self.url
 
-    def lan_advertised(self) -> str:
+    def lan_advertised(self, interfaces: Sequence[Interface]) -> str:
         """The URL to offer to nodes on this node's own network only (advert key
-        ``lan_url``): the lane URL when its host is not a global address (nor a DNS name)
-        and :meth:`advertised` does not offer it; else empty."""
+        ``lan_url``): the lane URL when :meth:`advertised` does not offer it and its host is a
+        non-global address of this host (one of ``interfaces``, or loopback); else empty. A
+        URL on another address (a NAT router's, named with ``--public-host``) is not offered:
+        neighbours reach this host at its own address, not at the router's."""
         host = url_host(self.url)
-        if host is None or is_global(host) or self.advertised():
+        ip = _ip(host) if host is not None else None
+        if ip is None or ip.is_global or self.advertised():
             return ""
-        return self.url
+        ip = _unmapped(ip)
+        if ip.is_loopback or any(ip == i.ip for i in interfaces):
+            return self.url
+        return ""
 
     def status(self, wall_of: Callable[[float], str]) -> dict[str, Any]:
         """The ``reachability`` section of ``/status``; ``wall_of(t)`` turns a trio time into

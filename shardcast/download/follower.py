@@ -75,7 +75,7 @@ from typing import TYPE_CHECKING, Any
 import trio
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 
-from p2p.addresses import interface_networks
+from p2p.addresses import interface_subnets
 from p2p.errors import ConfigError, ShardnetError, TransportError, short_id
 from p2p.host import peer_id_of
 from p2p.http_errors import NotAvailable
@@ -263,7 +263,7 @@ class Follower:
         self._progress: dict[int, tuple[int, int, float]] = {}  # step -> done, total, start
         self.mirrors = {url: MirrorPoll(url) for url in config.mirrors}
         self.reachability = Reachability(node.http_url, config.reachability)
-        self._networks = interface_networks()  # which private URLs are on this host's LANs
+        self._interfaces = interface_subnets()  # which private URLs are on this host's LANs
         self.advert_checks: Counter[LaneCheck] = Counter()
         """Challenges of advertised URLs by outcome (metrics)."""
         self.adverts_out_of_scope = 0
@@ -554,7 +554,7 @@ class Follower:
         if not advert.http_url and not advert.lan_url:
             return advert
         observed = self.node.p2p.remote_hosts(advert.peer_id)
-        url = scoped_lane(advert.http_url, advert.lan_url, observed, self._networks)
+        url = scoped_lane(advert.http_url, advert.lan_url, observed, self._interfaces)
         if not url:
             self.adverts_out_of_scope += 1
         if url == advert.http_url:
@@ -618,7 +618,7 @@ class Follower:
                 committed,
                 list(self._filling),
                 tier=self.tier(),
-                lan_url=self.reachability.lan_advertised(),
+                lan_url=self.reachability.lan_advertised(self._interfaces),
             )
             try:
                 await node.p2p.publish(topic, advert.encode())

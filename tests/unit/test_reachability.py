@@ -16,8 +16,8 @@ from shardcast.core.reachability import (
     DialbackLimits,
     DialbackRequest,
     DialbackResult,
+    Interface,
     LaneCheck,
-    Network,
     Reach,
     Reachability,
     ReachabilityConfig,
@@ -201,12 +201,12 @@ def test_an_undecided_node_fails_open_after_a_round() -> None:
     assert r.next_due(10.0) == 20.0
 
 
-LAN = (ipaddress.ip_network("192.168.77.0/24"), ipaddress.ip_network("fd77::/64"))
-LOOPBACK = (ipaddress.ip_network("127.0.0.0/8"), ipaddress.ip_network("::1/128"))
+LAN = (ipaddress.ip_interface("192.168.77.2/24"), ipaddress.ip_interface("fd77::2/64"))
+LOOPBACK = (ipaddress.ip_interface("127.0.0.1/8"), ipaddress.ip_interface("::1/128"))
 
 
 @pytest.mark.parametrize(
-    ("url", "observed", "networks", "want"),
+    ("url", "observed", "interfaces", "want"),
     [
         # global addresses and DNS names: anyone may try them
         ("http://8.8.8.8:8003", ["203.0.113.9"], LAN, True),
@@ -236,9 +236,9 @@ LOOPBACK = (ipaddress.ip_network("127.0.0.0/8"), ipaddress.ip_network("::1/128")
     ],
 )
 def test_a_non_global_lane_url_is_tried_only_on_its_own_network(
-    url: str, observed: list[str], networks: tuple[Network, ...], want: bool
+    url: str, observed: list[str], interfaces: tuple[Interface, ...], want: bool
 ) -> None:
-    assert lane_in_scope(url, observed, networks) is want
+    assert lane_in_scope(url, observed, interfaces) is want
 
 
 def test_an_advert_offers_the_first_url_in_scope() -> None:
@@ -254,18 +254,23 @@ def test_an_advert_offers_the_first_url_in_scope() -> None:
 
 
 def test_a_private_lane_is_offered_for_its_lan_until_advertised() -> None:
-    r = Reachability(URL)  # 10.78.0.2: a private address
-    assert (r.advertised(), r.lan_advertised()) == ("", URL)  # not checked yet
+    mine = (ipaddress.ip_interface("10.78.0.2/24"),)
+    r = Reachability(URL)  # 10.78.0.2: a private address of this host
+    assert (r.advertised(), r.lan_advertised(mine)) == ("", URL)  # not checked yet
     r.observe([R.MISMATCH, R.FAILED], 0.0)  # seen from elsewhere: behind a NAT
-    assert (r.state, r.advertised(), r.lan_advertised()) == (Reach.UNREACHABLE, "", URL)
+    assert (r.state, r.advertised(), r.lan_advertised(mine)) == (Reach.UNREACHABLE, "", URL)
+    # a private URL that is not this host's (--public-host naming its NAT router's address):
+    # neighbours would not find this host there
+    assert r.lan_advertised(LAN) == ""
+    assert Reachability("http://127.0.0.2:8003").lan_advertised(()) == "http://127.0.0.2:8003"
     r.observe([R.REACHED], 700.0)  # reachable after all (a port forward): offered to all
-    assert (r.advertised(), r.lan_advertised()) == (URL, "")
+    assert (r.advertised(), r.lan_advertised(mine)) == (URL, "")
     assert r.answers_total == {R.MISMATCH: 1, R.FAILED: 1, R.REACHED: 1}
     public = Reachability("http://8.8.8.8:8003")
     public.observe([R.NOT_REACHED], 0.0)
-    assert (public.advertised(), public.lan_advertised()) == ("", "")  # never a LAN URL
+    assert (public.advertised(), public.lan_advertised(mine)) == ("", "")  # never a LAN URL
     named = Reachability("http://peer.example.org:8003")
-    assert named.lan_advertised() == ""
+    assert named.lan_advertised(mine) == ""
 
 
 def test_the_lan_url_travels_under_its_own_key() -> None:
