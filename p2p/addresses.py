@@ -69,6 +69,25 @@ def interface_addresses() -> Interfaces:
     return Interfaces(_loopback_last(v4), _loopback_last(v6))
 
 
+def interface_subnets() -> tuple[ipaddress.IPv4Interface | ipaddress.IPv6Interface, ...]:
+    """Read this host's interface addresses with their prefix lengths (psutil), from each
+    netmask (``192.168.77.2`` with ``255.255.255.0`` gives ``192.168.77.2/24``); IPv6
+    link-local ones (with a scope) left out, as in :func:`interface_addresses`."""
+    import psutil
+
+    out: list[ipaddress.IPv4Interface | ipaddress.IPv6Interface] = []
+    for addrs in psutil.net_if_addrs().values():
+        for a in addrs:
+            if a.family not in (socket.AF_INET, socket.AF_INET6) or "%" in a.address:
+                continue
+            ip = ipaddress.ip_address(a.address)
+            bits: int = ip.max_prefixlen
+            if a.netmask:
+                bits = bin(int(ipaddress.ip_address(a.netmask))).count("1")
+            out.append(ipaddress.ip_interface(f"{ip}/{bits}"))
+    return tuple(dict.fromkeys(out))
+
+
 def _loopback_last(addrs: Iterable[str]) -> tuple[str, ...]:
     uniq = list(dict.fromkeys(addrs))
     return tuple(sorted(uniq, key=lambda a: ipaddress.ip_address(a).is_loopback))

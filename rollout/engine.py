@@ -39,10 +39,17 @@ exactly what ``load(dir)`` would have loaded, having read nothing from disk. Eve
 tensor is checked (present, dtype, shape, contiguous on the CPU, indices in range) before the
 first one is touched, so an update that does not fit raises
 :class:`~rollout.delta_plan.DeltaMismatch` and keeps the old weights.
+
+Stopping: :meth:`TransformersEngine.interrupt` (the :class:`Interruptible` protocol) makes a
+``generate`` running in another thread raise :class:`GenerationInterrupted` before its next
+token, and every later one at once. A peer that is shutting down abandons the generating
+thread and interrupts the engine, so the thread ends within one decode pass instead of
+finishing the group.
 """
 
 from __future__ import annotations
 
+import threading
 import time
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
@@ -137,6 +144,22 @@ class Engine(Protocol):
     ) -> list[Generation]:
         """Sample ``n`` completions of one prompt; sample ``i`` with the Gumbel-max noise of
         ``NoiseKey(seed, i)`` (:mod:`rollout.gumbel`; ``seed`` is the group seed)."""
+        ...
+
+
+class GenerationInterrupted(LocalProtocolError):
+    """``generate`` was stopped by :meth:`Interruptible.interrupt` (the engine is shutting
+    down); nothing was generated."""
+
+
+@runtime_checkable
+class Interruptible(Protocol):
+    """An engine whose running ``generate`` can be stopped from another thread."""
+
+    def interrupt(self) -> None:
+        """Make a running ``generate`` raise :class:`GenerationInterrupted` before its next
+        token, and every later call at once (for a shutdown; there is no undo). Safe from any
+        thread; returns at once."""
         ...
 
 
@@ -295,6 +318,7 @@ def sample_group(
     temperature: float,
     seed: int,
     eos_token_id: int,
+    interrupted: threading.Event | None = None,
 ) -> list[Generation]:
     """Sample ``n`` completions of one prompt with a KV cache (see module docstring).
 
@@ -307,6 +331,8 @@ def sample_group(
         seed: the group seed; sample ``i`` draws with ``NoiseKey(seed, i)`` (any int in
             ``[0, 2**128)``).
         eos_token_id: the stop token.
+        interrupted: checked before the prefill and before each decode pass; once set, the call
+            raises :class:`GenerationInterrupted`.
 
     Returns:
         ``n`` generations, in sample order.
@@ -314,11 +340,13 @@ def sample_group(
     Raises:
         LocalProtocolError: empty prompt, bad id, ``n < 1``, ``max_new_tokens < 1`` or
             ``temperature <= 0``.
+        GenerationInterrupted: ``interrupted`` was set.
     """
     _check_args(prompt_ids, temperature, int(model.config.vocab_size))
     if n < 1 or max_new_tokens < 1:
         raise LocalProtocolError(f"need n >= 1 and max_new_tokens >= 1, got {n}, {max_new_tokens}")
     keys = [NoiseKey(seed, i) for i in range(n)]
+    _check_stop(interrupted)
     cache = DynamicCache(config=model.config)
     out = _base(model)(input_ids=torch.tensor([list(prompt_ids)]), cache=cache, use_cache=True)
     hidden = out.last_hidden_state  # [1, L, H]
@@ -339,6 +367,7 @@ def sample_group(
         done |= token[:, 0] == eos_token_id
         if bool(done.all()) or step == max_new_tokens - 1:
             break
+        _check_stop(interrupted)
         last = _base(model)(input_ids=token, cache=cache, use_cache=True).last_hidden_state[:, -1]
         decode_rows.append(last)
     all_tokens = torch.stack(tokens, dim=1)  # [n, steps]
@@ -359,6 +388,11 @@ def sample_group(
             )
         )
     return generations
+
+
+def _check_stop(interrupted: threading.Event | None) -> None:
+    if interrupted is not None and interrupted.is_set():
+        raise GenerationInterrupted("the engine was interrupted (shutting down)")
 
 
 def _decode_bits(
@@ -533,6 +567,7 @@ class TransformersEngine:
         dtype: parameter dtype of the loaded model; bf16 (the TOPLOC precision).
 
     Not safe for concurrent calls; ``load`` and ``generate`` must not overlap.
+    :meth:`interrupt` is safe from any thread.
     """
 
     def __init__(self, dtype: torch.dtype = torch.bfloat16) -> None:
@@ -543,6 +578,7 @@ class TransformersEngine:
         self._loads = 0
         self._tokens = 0
         self._generate_s = 0.0
+        self._stop = threading.Event()
 
     @property
     def model(self) -> Any:
@@ -617,16 +653,22 @@ class TransformersEngine:
 
         Raises:
             LocalProtocolError: nothing loaded, or bad arguments.
+            GenerationInterrupted: :meth:`interrupt` was called (before or during the call).
         """
         if self._model is None or self._eos is None:
             raise LocalProtocolError("generate() before a successful load()")
         start = time.perf_counter()
         gens = sample_group(
-            self._model, prompt_ids, n, max_new_tokens, temperature, seed, self._eos
+            self._model, prompt_ids, n, max_new_tokens, temperature, seed, self._eos, self._stop
         )
         self._generate_s += time.perf_counter() - start
         self._tokens += sum(len(g.completion_ids) for g in gens)
         return gens
+
+    def interrupt(self) -> None:
+        """See :meth:`Interruptible.interrupt`: a running ``generate`` stops before its next
+        decode pass (one forward pass of the group at most)."""
+        self._stop.set()
 
     def statistics(self) -> EngineStats:
         """Counters since construction."""

@@ -148,6 +148,7 @@ from rollout.engine import (
     check_patch_targets,
     tensor_spec,
 )
+from rollout.engine_options import VllmOptions
 from rollout.gumbel import NoiseKey, replay_gaps
 
 # The strict checkpoint checks of rollout.model (index/shard consistency, header shapes, the
@@ -274,7 +275,8 @@ class VllmEngine:
         verify_columns: columns per repacked linear checked after each load (``>= 1``).
         max_num_seqs: most requests vLLM runs in one step (caps ``n``), ``>= 1``.
         keep_host_copy: keep the serving version's checkpoint tensors in host memory, which
-            in-place updates (``apply_update``) need (one more checkpoint of memory).
+            in-place updates (``apply_update``) need (one more checkpoint of memory; see
+            :class:`rollout.engine_options.VllmOptions`, the peer's ``--vllm-keep-host-copy``).
 
     ``load`` and ``generate`` may be called from any one thread at a time (a trio worker
     thread, say); see the module docstring for what overlapping calls do. Call :meth:`close`
@@ -287,7 +289,7 @@ class VllmEngine:
         kv_cache_bytes: int = 256 << 20,
         verify_columns: int = 64,
         max_num_seqs: int = 256,
-        keep_host_copy: bool = False,
+        keep_host_copy: bool = VllmOptions.keep_host_copy,
     ) -> None:
         if kv_cache_bytes < 1 or verify_columns < 1 or max_num_seqs < 1:
             raise LocalProtocolError("kv_cache_bytes, verify_columns and max_num_seqs must be >= 1")
@@ -317,6 +319,11 @@ class VllmEngine:
     def checkpoint_dir(self) -> Path | None:
         """The version serving now (``None`` when unloaded)."""
         return self._checkpoint if self._llm is not None else None
+
+    @property
+    def keep_host_copy(self) -> bool:
+        """Whether the engine keeps a host copy of the weights (in-place updates)."""
+        return self._keep_host_copy
 
     @property
     def llm(self) -> Any:
@@ -565,10 +572,26 @@ class VllmEngine:
             )
         return result
 
-    def close(self) -> None:
-        """Shut vLLM down and free its memory (idempotent). The engine is then unloaded."""
-        with self._busy:
+    def close(self, wait_s: float | None = None) -> bool:
+        """Shut vLLM down and free its memory (idempotent). The engine is then unloaded.
+
+        Args:
+            wait_s: how long to wait for a running ``load``/``generate`` (in another thread)
+                to finish, seconds; None: as long as it takes. A peer that is stopping
+                abandons its generating thread and waits only briefly: the process exit ends
+                an engine it could not close.
+
+        Returns:
+            True if closed; False if the running call did not finish within ``wait_s``
+            (nothing was done).
+        """
+        if not self._busy.acquire(timeout=-1 if wait_s is None else wait_s):
+            return False
+        try:
             self._close_llm()
+        finally:
+            self._busy.release()
+        return True
 
     def __enter__(self) -> VllmEngine:
         return self

@@ -42,10 +42,12 @@ from p2p.identity import Identity, is_valid_peer_id
 from p2p.keepalive import KeepaliveConfig
 from p2p.limits import LedgerConfig, ResourceLimits
 from p2p.trust import TrustList
+from rollout.engine_options import VllmOptions
 from rollout.inbox import InboxConfig
 from rollout.pacing import PacingConfig
 from rollout.task import DEFAULT_REWARD_SPEC, DEFAULT_TASK_SPEC
-from shardcast.download import DownloadConfig, FollowConfig
+from shardcast.core import ReachabilityConfig
+from shardcast.download import DownloadConfig, FollowConfig, LaneBackoff
 from shardcast.node import SUPER_SEED_MIN_BYTES, SUPER_SEED_S, NodeConfig
 from shardcast.publish import DEFAULT_SHARD_BYTES, OriginConfig
 from shardcast.wire import (
@@ -430,6 +432,39 @@ class FollowerSettings(CommonSettings):
         description="exit (code 0) once the trainer announced the run's end and this node "
         "holds its final version (default: keep serving it)",
     )
+    advert_retry_s: float = Field(
+        LaneBackoff.first_s,
+        gt=0,
+        allow_inf_nan=False,
+        description="an advertised lane URL that failed its check is tried again after this "
+        "many seconds, each further failure waiting advert_retry_factor times longer (each "
+        "try is one connection attempt of up to 5 s to that node)",
+    )
+    advert_retry_factor: float = Field(
+        LaneBackoff.factor,
+        ge=1,
+        allow_inf_nan=False,
+        description="growth of the wait between tries of a failing advertised URL",
+    )
+    advert_max_failures: int = Field(
+        LaneBackoff.max_failures,
+        ge=1,
+        description="failures in a row after which an advertised URL is dropped (not tried "
+        "for advert_drop_s)",
+    )
+    advert_drop_s: float = Field(
+        LaneBackoff.drop_s,
+        ge=0,
+        allow_inf_nan=False,
+        description="seconds a dropped advertised URL is not tried (then it starts over)",
+    )
+    reachability_recheck_s: float = Field(
+        ReachabilityConfig.recheck_s,
+        gt=0,
+        allow_inf_nan=False,
+        description="seconds between dial-back checks of this node's own lane once one gave "
+        "a verdict (each asks up to 3 connected nodes to open it)",
+    )
 
     @field_validator("trainer_id")
     @classmethod
@@ -461,6 +496,13 @@ class FollowerSettings(CommonSettings):
                 source_ban_s=self.source_ban_s,
                 keep_partial=True,
             ),
+            lane_backoff=LaneBackoff(
+                first_s=self.advert_retry_s,
+                factor=self.advert_retry_factor,
+                max_failures=self.advert_max_failures,
+                drop_s=self.advert_drop_s,
+            ),
+            reachability=ReachabilityConfig(recheck_s=self.reachability_recheck_s),
         )
 
 
@@ -517,6 +559,13 @@ class PeerSettings(FollowerSettings):
         description="inference engine family: transformers, or vllm (needs the extra); default "
         "the run card's first engine this machine can run",
     )
+    vllm_keep_host_copy: bool = Field(
+        VllmOptions.keep_host_copy,
+        description="vLLM only: keep a host copy of the serving version's weights in RAM (the "
+        "checkpoint's size, e.g. 1.32 GB for real-1b, for as long as the peer runs) so a next "
+        "version's sparse delta is applied in place instead of reloading the checkpoint from "
+        "disk; false: every version is a full reload (transformers updates in place without it)",
+    )
     trainer_addr: list[str] = Field([], description="trainer multiaddrs (say hello at start)")
     task: str = _task_field()
     task_reward: str = _task_reward_field()
@@ -549,6 +598,10 @@ class PeerSettings(FollowerSettings):
         """Common checks, then the task loads (see :meth:`CommonSettings.preflight`)."""
         super().preflight()
         _preflight_task(self.task, self.task_reward)
+
+    def vllm_options(self) -> VllmOptions:
+        """The vLLM engine's options (used when the peer runs vLLM)."""
+        return VllmOptions(keep_host_copy=self.vllm_keep_host_copy)
 
 
 class PublishSettings(CommonSettings):

@@ -26,6 +26,15 @@ lost with it). Once the trainer's signed run end is known the peer stops generat
 saying hello, keeps serving, and with ``exit_on_finish`` returns once it holds the final
 version.
 
+Stopping (SIGTERM, issue 25: a peer with dead connections took 72 s to exit): the worker
+threads that generate, load weights or read the task are abandoned when the peer is cancelled
+(``abandon_on_cancel``), so a stop does not wait for the group under way; the engine is then
+interrupted (:class:`~rollout.engine.Interruptible`), so the abandoned thread ends at its next
+token instead of running on while the process shuts down. vLLM's ``generate`` is one call that
+cannot be stopped midway: the role runner then waits at most
+:data:`shardnet.roles.ENGINE_CLOSE_WAIT_S` to close that engine and leaves the rest to the
+process exit.
+
 A forged peer for tests and benchmarks is this class with a ``forgery`` hook that tampers
 with the batch before it is signed.
 """
@@ -43,7 +52,7 @@ from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import trio
 
@@ -51,7 +60,7 @@ from p2p.errors import ConfigError, IntegrityError, ShardnetError, TransportErro
 from p2p.identity import Identity
 from p2p.trust import TrustList
 from rollout.batch import Forgery, SamplingConfig, build_group, pack_batch
-from rollout.engine import Engine, TransformersEngine
+from rollout.engine import Engine, Interruptible, TransformersEngine
 from rollout.exchange import RolloutSender, SenderConfig, report_status
 from rollout.model_dir import load_tokenizer
 from rollout.pacing import Pace, PaceMeter, PacingConfig
@@ -82,6 +91,8 @@ if TYPE_CHECKING:
     from trio_typing import TaskStatus
 
 log = logging.getLogger(__name__)
+
+T = TypeVar("T")
 
 
 @dataclass(frozen=True)
@@ -217,6 +228,10 @@ class InferencePeer:
             task_status.started(node)
             try:
                 await self._generate_loop(nursery)
+            except trio.Cancelled:
+                if isinstance(self.engine, Interruptible):  # its abandoned thread stops too
+                    self.engine.interrupt()
+                raise
             except ShardnetError as exc:  # a card this peer cannot follow: stop, say why
                 if not isinstance(exc, ConfigError):
                     raise
@@ -384,15 +399,15 @@ class InferencePeer:
         with store.pinned(step):
             if not store.has(step):
                 return None
-            if not await trio.to_thread.run_sync(_architecture_matches, card, path):
+            # threads abandoned on cancel (module docstring, "Stopping"): a stop leaves the
+            # engine holding an unknown version, and the process is on its way out
+            if not await _abandoned_on_cancel(_architecture_matches, card, path):
                 raise IntegrityError(
                     f"config.json of version {step} is not the architecture of run "
                     f"card v{card.version}"
                 )
             held, self._held = self._held, None  # unknown until the swap returns
-            swap = await trio.to_thread.run_sync(
-                swap_weights, self.engine, store, signed, path, held
-            )
+            swap = await _abandoned_on_cancel(swap_weights, self.engine, store, signed, path, held)
             self._held = swap.held
             self.swaps_by_path[swap.path.value] += 1
             log.info(
@@ -406,7 +421,7 @@ class InferencePeer:
             )
             if self.on_weight_swap is not None:
                 self.on_weight_swap(swap.duration_s)
-            return await trio.to_thread.run_sync(load_tokenizer, path)
+            return await _abandoned_on_cancel(load_tokenizer, path)
 
     async def _submit(
         self, step: int, batch: RolloutBatch, pace: Pace, card_version: int, nursery: trio.Nursery
@@ -446,7 +461,8 @@ class InferencePeer:
         async_level: int,
     ) -> tuple[RolloutBatch, Pace]:
         """Generate the batch of ``step`` group by group, in worker threads, until the pace
-        meter cuts it or it is complete (:mod:`rollout.pacing`).
+        meter cuts it or it is complete (:mod:`rollout.pacing`). Cancelled, it returns at once
+        and abandons the thread of the group under way.
 
         Returns:
             the batch (the first ``k >= 1`` prompts' groups) and why it ended.
@@ -455,9 +471,7 @@ class InferencePeer:
             LocalProtocolError: the engine has nothing loaded, or the task's prompts are bad.
         """
         peer_id, run_id = self.identity.peer_id, self.config.node.run_id
-        prompts = await trio.to_thread.run_sync(
-            task_prompts, self.task, peer_id, step, cfg.n_prompts
-        )
+        prompts = await _abandoned_on_cancel(task_prompts, self.task, peer_id, step, cfg.n_prompts)
         groups: list[Group] = []
         while True:
             newest = self._latest[0].step if self._latest is not None else step
@@ -474,7 +488,7 @@ class InferencePeer:
             i = len(groups)
             t0 = time.monotonic()
             groups.append(
-                await trio.to_thread.run_sync(
+                await _abandoned_on_cancel(
                     functools.partial(
                         build_group,
                         self.engine,
@@ -543,6 +557,13 @@ class InferencePeer:
             "batches_by_pace": dict(self.batches_by_pace),
             "weight_swaps": dict(self.swaps_by_path),
         }
+
+
+async def _abandoned_on_cancel(fn: Callable[..., T], *args: object) -> T:
+    """``fn(*args)`` in a worker thread that a cancellation abandons (module docstring,
+    "Stopping"): cancelled, this returns at once and the thread runs on, its result dropped."""
+    # trio-stubs (trio-typing 0.10) predate the keyword that trio 0.35 has
+    return await trio.to_thread.run_sync(fn, *args, abandon_on_cancel=True)  # type: ignore[call-arg]
 
 
 def _wall_iso(clock_s: float) -> str:

@@ -27,6 +27,7 @@ import trio
 
 from p2p.errors import ConfigError
 from p2p.identity import Identity
+from rollout.engine_options import VllmOptions
 from rollout.task import load_task, task_spec
 from shardcast.node import bootstrap_card, check_data_dir, iso
 from shardcast.wire import (
@@ -262,7 +263,7 @@ async def run_peer(s: PeerSettings) -> int:
         return 0  # stopped (SIGINT/SIGTERM) while waiting for the run card
     spec = choose_engine(card.card, local_engines(), s.engine)
     check_followable(card.card, load_task(s.task, s.task_reward), spec)
-    engine = make_engine(spec.family)
+    engine = make_engine(spec.family, s.vllm_options())
     cfg = PeerConfig(
         node=s.node_config(card.card.run_id),
         follow=s.follow_config(s.bootstrap),
@@ -289,12 +290,27 @@ async def run_peer(s: PeerSettings) -> int:
         finally:
             if s.report is not None:
                 write_json_atomic(s.report, peer.report())
-            close = getattr(engine, "close", None)
-            if close is not None:  # vLLM: shut the in-process engine down
-                close()
+            close_engine(engine)
     if peer.fatal is not None:  # a newer run card this peer cannot follow
         raise peer.fatal
     return 0
+
+
+ENGINE_CLOSE_WAIT_S = 1.0
+"""How long a stopping peer waits for its engine's running call before it closes the engine,
+seconds: the stop abandoned the generating thread, and vLLM cannot be interrupted mid-call
+(see :class:`rollout.engine.Interruptible`)."""
+
+
+def close_engine(engine: Engine) -> None:
+    """Shut an engine that has a ``close`` (vLLM's in-process engine) down, waiting at most
+    :data:`ENGINE_CLOSE_WAIT_S` for a call still running in an abandoned thread; if it does
+    not finish, log ``engine_close_skipped`` and leave the engine to the process exit."""
+    close = getattr(engine, "close", None)
+    if close is None:
+        return
+    if close(wait_s=ENGINE_CLOSE_WAIT_S) is False:
+        log.warning("engine_close_skipped reason=busy wait_s=%.1f", ENGINE_CLOSE_WAIT_S)
 
 
 def check_not_self(identity: Identity, addrs: list[str], option: str) -> None:
@@ -363,8 +379,9 @@ async def join_card(
     return card
 
 
-def make_engine(name: str) -> Engine:
-    """The inference engine called ``name``: ``transformers`` or ``vllm``.
+def make_engine(name: str, vllm: VllmOptions | None = None) -> Engine:
+    """The inference engine called ``name``: ``transformers`` or ``vllm`` (built with
+    ``vllm``, default :class:`~rollout.engine_options.VllmOptions`'s defaults).
 
     Raises:
         ConfigError: unknown name, or ``vllm`` without the vllm extra installed (field
@@ -381,7 +398,7 @@ def make_engine(name: str) -> Engine:
             raise ConfigError(
                 "engine", "vllm is not installed (extra shardnet[vllm]; see rollout/engine_vllm.py)"
             )
-        return VllmEngine()
+        return VllmEngine(keep_host_copy=(vllm or VllmOptions()).keep_host_copy)
     raise ConfigError("engine", f"unknown engine {name!r} (available: transformers, vllm)")
 
 

@@ -48,6 +48,10 @@ FOLLOWER = {
     "shardnet_shard_verify_write_seconds": "histogram",
     "shardnet_upstreams": "gauge",
     "shardnet_known_nodes": "gauge",
+    "shardnet_lane_reachability": "gauge",
+    "shardnet_dialback_answers": "counter",
+    "shardnet_advert_checks": "counter",
+    "shardnet_adverts_out_of_scope": "counter",
 }
 TRAINER = {
     "shardnet_trainer_step": "gauge",

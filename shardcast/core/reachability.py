@@ -39,6 +39,19 @@ streams on those connections (:mod:`p2p.bytestream`). So an ``unreachable`` node
 connection's handshake, no URL to challenge. A downloader picks how to reach an advertiser
 with :func:`choose_lane`: its HTTP URL once proven (TCP, zero-copy), else its stream lane
 when it holds a connection to it, else nothing.
+**LAN scope.** Private, loopback, link-local and unique-local addresses (``192.168.0.0/16``,
+``127.0.0.0/8``, ``fe80::/10``, ``fd00::/8``, ...) mean something only on their own network,
+so such a URL is offered only to, and tried only by, nodes on that network (issue 25): a node
+whose lane is not advertised (unreachable from outside, or not checked yet) but whose URL is on
+such an address, one of its own interfaces' (not a ``--public-host`` it names, such as its NAT
+router's), offers it under a separate advert key, ``lan_url``
+(:meth:`Reachability.lan_advertised`; nodes of older code ignore the key, so they never try
+it), and a node that hears an advert tries a URL on such an address only if
+:func:`lane_in_scope` says the advertiser is on its network: the address is one the
+advertiser's connection to it comes from, or, with no connection seen from a global
+address, it lies on one of this host's own networks (a loopback URL only from this host).
+:func:`scoped_lane` picks the URL of an advert a node may try. NATed peers of one home network
+thus use each other's lanes, and nodes elsewhere never try them.
 
 Everything here is a pure function of its arguments (``now`` in trio seconds); no I/O.
 """
@@ -47,8 +60,8 @@ from __future__ import annotations
 
 import enum
 import ipaddress
-from collections import OrderedDict
-from collections.abc import Callable
+from collections import Counter, OrderedDict
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 from urllib.parse import urlsplit
@@ -217,6 +230,67 @@ def is_global(host: str) -> bool:
     return True if ip is None else ip.is_global
 
 
+Interface = ipaddress.IPv4Interface | ipaddress.IPv6Interface
+"""One of this host's interface addresses with its prefix length (``192.168.77.2/24``)."""
+
+
+def _unmapped(
+    ip: ipaddress.IPv4Address | ipaddress.IPv6Address,
+) -> ipaddress.IPv4Address | ipaddress.IPv6Address:
+    if isinstance(ip, ipaddress.IPv6Address) and ip.ipv4_mapped is not None:
+        return ip.ipv4_mapped
+    return ip
+
+
+def lane_in_scope(url: str, observed: Sequence[str], interfaces: Sequence[Interface]) -> bool:
+    """Whether this node may try ``url``, a lane URL another node advertised (module
+    docstring, "LAN scope").
+
+    Args:
+        url: ``http://host:port``.
+        observed: the addresses the advertiser's connections to this node come from, as seen
+            here (empty: not connected, or not known).
+        interfaces: this host's interface addresses with their prefix lengths.
+
+    Returns:
+        True for a DNS name or a global address; for any other address (private, loopback,
+        link-local, unique local, shared): True if it is one of ``observed``; else False if
+        an ``observed`` address is global (the advertiser reaches this node across the
+        internet, so its LAN is not this node's); else for a loopback address True only if
+        every ``observed`` address is loopback (the advertiser runs on this host), and for
+        the others True if it lies on the network of one of ``interfaces``. False for a URL
+        that is not
+        ``http://host:port``.
+    """
+    host = url_host(url)
+    if host is None:
+        return False
+    ip = _ip(host)
+    if ip is None or ip.is_global:
+        return True
+    ip = _unmapped(ip)
+    seen = [_unmapped(o) for o in (_ip(text) for text in observed) if o is not None]
+    if ip in seen:
+        return True
+    if any(o.is_global for o in seen):
+        return False
+    if ip.is_loopback:
+        return all(o.is_loopback for o in seen)
+    return any(ip in i.network for i in interfaces)
+
+
+def scoped_lane(
+    http_url: str, lan_url: str, observed: Sequence[str], interfaces: Sequence[Interface]
+) -> str:
+    """The URL of an advert (its ``http_url`` and ``lan_url``) that this node may try: the
+    first of the two that is non-empty and :func:`lane_in_scope`, else ``""`` (nothing to try:
+    the advert then offers no HTTP source here)."""
+    for url in (http_url, lan_url):
+        if url and lane_in_scope(url, observed, interfaces):
+            return url
+    return ""
+
+
 def judge_request(url: str, observed: list[str]) -> DialbackResult | None:
     """The asked node's rule (see the module docstring): None if the URL may be dialled (its
     host is one of the addresses the asker's connections come from), else ``MISMATCH``.
@@ -324,6 +398,7 @@ class Reachability:
         checked_at: when the latest round ended (None: never).
         last_answers: the latest round's answers (of a round with any).
         rounds: rounds that had answers.
+        answers_total: every answer recorded, by result (metrics).
     """
 
     url: str
@@ -333,6 +408,7 @@ class Reachability:
     checked_at: float | None = None
     last_answers: tuple[DialbackResult, ...] = ()
     rounds: int = 0
+    answers_total: Counter[DialbackResult] = field(default_factory=Counter)
 
     def _wait_s(self) -> float:
         if self.rounds == 0:
@@ -357,6 +433,7 @@ class Reachability:
         A round that tells nothing (``unknown``) does not undo an earlier verdict."""
         before = self.advertised()
         self.checked_at = now
+        self.answers_total.update(answers)
         if all(a is DialbackResult.REFUSED for a in answers):
             return False  # no one could check now (rate limits): ask again soon
         self.rounds += 1
@@ -379,6 +456,21 @@ class Reachability:
         """True if adverts should offer the stream lane: the URL is known unreachable (the
         node serves only over connections it holds)."""
         return self.rounds > 0 and self.state is Reach.UNREACHABLE
+
+    def lan_advertised(self, interfaces: Sequence[Interface]) -> str:
+        """The URL to offer to nodes on this node's own network only (advert key
+        ``lan_url``): the lane URL when :meth:`advertised` does not offer it and its host is a
+        non-global address of this host (one of ``interfaces``, or loopback); else empty. A
+        URL on another address (a NAT router's, named with ``--public-host``) is not offered:
+        neighbours reach this host at its own address, not at the router's."""
+        host = url_host(self.url)
+        ip = _ip(host) if host is not None else None
+        if ip is None or ip.is_global or self.advertised():
+            return ""
+        ip = _unmapped(ip)
+        if ip.is_loopback or any(ip == i.ip for i in interfaces):
+            return self.url
+        return ""
 
     def status(self, wall_of: Callable[[float], str]) -> dict[str, Any]:
         """The ``reachability`` section of ``/status``; ``wall_of(t)`` turns a trio time into

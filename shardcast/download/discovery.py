@@ -81,6 +81,9 @@ class NodeAdvert:
             other (:attr:`shardcast.serve.server.VersionServer.exempt`).
         stream_lane: its lane is served over libp2p streams on connections it holds (a node
             behind a NAT; wire key ``stream_lane``, absent when False).
+        lan_url: a lane URL on a private, loopback or link-local address, for nodes on the
+            advertiser's own network only (wire key ``lan_url``, absent when empty; see
+            "LAN scope" in :mod:`shardcast.core.reachability`).
     """
 
     peer_id: str
@@ -92,6 +95,7 @@ class NodeAdvert:
     filling_digests: tuple[str, ...] = ()
     tier: int | None = None
     stream_lane: bool = False
+    lan_url: str = ""
 
     @classmethod
     def of(
@@ -104,6 +108,7 @@ class NodeAdvert:
         tier: int | None = None,
         *,
         stream_lane: bool = False,
+        lan_url: str = "",
     ) -> NodeAdvert:
         """An advert listing the newest :data:`MAX_LISTED` versions ``(step, digest)`` of
         each kind."""
@@ -118,6 +123,7 @@ class NodeAdvert:
             tuple(d for _, d in f),
             tier,
             stream_lane,
+            lan_url,
         )
 
     def holds(self, step: int, digest: str | None = None) -> bool:
@@ -145,6 +151,8 @@ class NodeAdvert:
             obj["tier"] = self.tier
         if self.stream_lane:
             obj["stream_lane"] = True
+        if self.lan_url:
+            obj["lan_url"] = self.lan_url
         return wire.encode(obj)
 
     @classmethod
@@ -161,8 +169,9 @@ class NodeAdvert:
             raise RemoteProtocolError(origin, f"advert claims to be {short_id(peer_id)}")
         role = wire.need_str(obj, "role", 16, origin)
         url = wire.need_str(obj, "http_url", 256, origin)
-        if role not in ROLES or (url and (not url.startswith("http://") or "/" in url[7:])):
-            raise RemoteProtocolError(origin, f"bad role {role!r} or url {url!r}")
+        lan_url = wire.need_str(obj, "lan_url", 256, origin) if "lan_url" in obj else ""
+        if role not in ROLES or not all(_lane_url(u) for u in (url, lan_url)):
+            raise RemoteProtocolError(origin, f"bad role {role!r} or url {url!r} {lan_url!r}")
         steps = []
         digests: list[tuple[str, ...]] = []
         for key in ("committed", "filling"):
@@ -190,8 +199,22 @@ class NodeAdvert:
         if not isinstance(stream_lane, bool):
             raise RemoteProtocolError(origin, "stream_lane must be a boolean")
         return cls(
-            peer_id, role, url, steps[0], steps[1], digests[0], digests[1], tier, stream_lane
+            peer_id,
+            role,
+            url,
+            steps[0],
+            steps[1],
+            digests[0],
+            digests[1],
+            tier,
+            stream_lane,
+            lan_url,
         )
+
+
+def _lane_url(url: str) -> bool:
+    """True for an empty URL or one like ``http://host:port`` (no path)."""
+    return not url or (url.startswith("http://") and "/" not in url[7:])
 
 
 MAX_TIER = 64

@@ -60,39 +60,47 @@ serving, and polls and retries its upstreams minutes apart instead of seconds
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import logging
 import random
 import secrets
 import time
+from collections import Counter
 from collections.abc import Awaitable, Callable, Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import trio
-from prometheus_client.core import GaugeMetricFamily, Metric
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 
+from p2p.addresses import interface_subnets
 from p2p.errors import ConfigError, ShardnetError, TransportError, short_id
 from p2p.host import peer_id_of
 from p2p.http_errors import NotAvailable
 from shardcast.core import (
     MANIFEST_RETRY_MAX_S,
+    DialbackResult,
     DownloadStats,
     LaneCheck,
     MirrorPoll,
     PollOutcome,
     PollPolicy,
+    Reach,
     Reachability,
+    ReachabilityConfig,
     Want,
     abandons,
     confirmed_elsewhere,
     manifest_retry_s,
     plan,
     poll_delay,
+    scoped_lane,
     want,
 )
 from shardcast.download.discovery import (
+    LaneBackoff,
     NodeAdvert,
     SourceDirectory,
     check_advert_gossip,
@@ -147,6 +155,9 @@ class FollowConfig:
         finished_max_backoff_s: retry backoff cap once settled, seconds.
         mirrors: base URLs of static mirrors (``http://HOST[:PORT][/PATH]``) used as extra,
             untrusted HTTP-only sources (see the module docstring).
+        lane_backoff: when an advertised URL that failed its whoami challenge is tried again,
+            and when it is dropped.
+        reachability: when this node checks its own lane by dial-back.
     """
 
     upstreams: tuple[str, ...]
@@ -159,6 +170,8 @@ class FollowConfig:
     finished_poll_interval_s: float = 60.0
     finished_max_backoff_s: float = 600.0
     mirrors: tuple[str, ...] = ()
+    lane_backoff: LaneBackoff = field(default_factory=LaneBackoff)
+    reachability: ReachabilityConfig = field(default_factory=ReachabilityConfig)
 
     def poll_policy(self) -> PollPolicy:
         """The poll/retry periods."""
@@ -238,6 +251,7 @@ class Follower:
             rng=rng,
             require_verified=True,
             one_per_url=True,
+            backoff=config.lane_backoff,
         )
         if node.config.role == "relay":
             node.server.exempt = self._same_tier_relay
@@ -248,7 +262,13 @@ class Follower:
         self._errors: dict[str, str] = {}  # upstream -> its last error
         self._progress: dict[int, tuple[int, int, float]] = {}  # step -> done, total, start
         self.mirrors = {url: MirrorPoll(url) for url in config.mirrors}
-        self.reachability = Reachability(node.http_url)
+        self.reachability = Reachability(node.http_url, config.reachability)
+        self._interfaces = interface_subnets()  # which private URLs are on this host's LANs
+        self.advert_checks: Counter[LaneCheck] = Counter()
+        """Challenges of advertised URLs by outcome (metrics)."""
+        self.adverts_out_of_scope = 0
+        """Adverts heard whose URL was not this node's to try (a private address of another
+        network; "LAN scope" in :mod:`shardcast.core.reachability`)."""
         self._nursery: trio.Nursery | None = None
         node.status_sections.update(
             downloads=self.downloads_status,
@@ -526,7 +546,20 @@ class Follower:
             except ShardnetError as exc:
                 log.info("advert_rejected origin=%s error=%s", short_id(msg.origin), exc)
                 continue
-            self.directory.offer(advert, trio.current_time())
+            self.directory.offer(self._in_scope(advert), trio.current_time())
+
+    def _in_scope(self, advert: NodeAdvert) -> NodeAdvert:
+        """``advert`` with the URL this node may try as its ``http_url`` (empty: none), by
+        :func:`shardcast.core.scoped_lane`."""
+        if not advert.http_url and not advert.lan_url:
+            return advert
+        observed = self.node.p2p.remote_hosts(advert.peer_id)
+        url = scoped_lane(advert.http_url, advert.lan_url, observed, self._interfaces)
+        if not url:
+            self.adverts_out_of_scope += 1
+        if url == advert.http_url:
+            return advert
+        return dataclasses.replace(advert, http_url=url)
 
     async def _verify_adverts(self) -> None:
         """Challenge the lane behind each new advert: its URL is used only once it proved
@@ -542,6 +575,7 @@ class Follower:
                     secrets.token_hex(16),
                     timeout_s=5.0,
                 )
+                self.advert_checks[result] += 1
                 lane = self.directory.verified(
                     advert.peer_id, advert.http_url, result, trio.current_time()
                 )
@@ -585,6 +619,7 @@ class Follower:
                 list(self._filling),
                 tier=self.tier(),
                 stream_lane=self.reachability.advertises_stream(),
+                lan_url=self.reachability.lan_advertised(self._interfaces),
             )
             try:
                 await node.p2p.publish(topic, advert.encode())
@@ -1032,7 +1067,37 @@ class Follower:
         entries = self.directory.entries(trio.current_time())
         for role in ("relay", "peer"):
             known.add_metric([role], sum(1 for a, _ in entries if a.role == role))
-        return [ready, known]
+        return [ready, known, *self._reachability_families()]
+
+    def _reachability_families(self) -> list[Metric]:
+        reach = self.reachability
+        state = GaugeMetricFamily(
+            "shardnet_lane_reachability",
+            "this node's lane as its dial-back checks found it: 1 for the current state",
+            labels=["state"],
+        )
+        for r in Reach:
+            state.add_metric([r.value], 1.0 if reach.state is r else 0.0)
+        answers = CounterMetricFamily(
+            "shardnet_dialback_answers",
+            "answers to this node's dial-back asks, by result",
+            labels=["result"],
+        )
+        for d in DialbackResult:
+            answers.add_metric([d.value], reach.answers_total[d])
+        checks = CounterMetricFamily(
+            "shardnet_advert_checks",
+            "whoami challenges of other nodes' advertised lane URLs, by result",
+            labels=["result"],
+        )
+        for c in LaneCheck:
+            checks.add_metric([c.value], self.advert_checks[c])
+        scope = CounterMetricFamily(
+            "shardnet_adverts_out_of_scope",
+            "adverts heard whose URL is a private address of another network (not tried)",
+        )
+        scope.add_metric([], self.adverts_out_of_scope)
+        return [state, answers, checks, scope]
 
 
 __all__ = [

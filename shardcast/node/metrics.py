@@ -52,7 +52,14 @@ Followers (``relay``/``peer``): ``shardnet_received_bytes_total{source_kind,code
 ``shardnet_version_commit_latency_seconds`` (from hearing the announcement to commit),
 ``shardnet_version_download_seconds``, ``shardnet_shard_fetch_seconds``,
 ``shardnet_shard_verify_write_seconds``, ``shardnet_upstreams{state}``,
-``shardnet_known_nodes{role}``.
+``shardnet_known_nodes{role}``, and reachability (:mod:`shardcast.core.reachability`):
+``shardnet_lane_reachability{state}`` (1 for this node's lane's current dial-back verdict:
+``unknown``, ``reachable``, ``unreachable``), ``shardnet_dialback_answers_total{result}``
+(answers to its dial-back asks: ``reached``, ``not_reached``, ``mismatch``, ``refused``,
+``failed``), ``shardnet_advert_checks_total{result}`` (its whoami challenges of other nodes'
+advertised URLs: ``verified``, ``unreachable``, ``bad_answer``) and
+``shardnet_adverts_out_of_scope_total`` (adverts whose URL is a private address of another
+network, not tried).
 
 ``source_kind`` is ``origin``, ``relay``, ``peer``, ``mirror`` (a static mirror) or
 ``unknown``; ``codec`` is ``raw``, ``zstd`` or ``xor-zstd``; ``code`` is ``1xx``…``5xx``.

@@ -1,6 +1,7 @@
 """The dial-back reachability check on real hosts on 127.0.0.1: a lane that answers is
 reached, one on a closed port is not, a URL on another address is not dialled, and a follower
-whose lane cannot be reached advertises no URL."""
+whose lane cannot be reached advertises no URL (its URL only to its own network, where a
+neighbour verifies and uses it), with the metrics that show it."""
 
 from __future__ import annotations
 
@@ -10,8 +11,9 @@ from pathlib import Path
 
 import trio
 
+from p2p.http_server import HttpServerConfig
 from p2p.identity import Identity
-from shardcast.core.reachability import DialbackResult, Reach
+from shardcast.core.reachability import DialbackResult, LaneCheck, Reach
 from shardcast.download.discovery import NodeAdvert, check_advert_gossip, nodes_topic
 from shardcast.download.follower import FollowConfig, Follower
 from shardcast.node.dialback import ask
@@ -78,9 +80,15 @@ async def test_a_follower_on_a_closed_port_learns_it_and_advertises_no_url(
                     if after == 3:
                         break
         assert f.reachability.state is Reach.UNREACHABLE
+        assert advert.lan_url == public  # a loopback URL: offered to this host's nodes only
         status = f.reachability_status()
         assert status["state"] == "unreachable"
         assert status["advertised"] is False
+        text = node.metrics.render().decode()
+        assert 'shardnet_lane_reachability{state="unreachable"} 1.0' in text
+        assert 'shardnet_lane_reachability{state="reachable"} 0.0' in text
+        assert 'shardnet_dialback_answers_total{result="not_reached"}' in text
+        assert 'shardnet_dialback_answers_total{result="not_reached"} 0.0' not in text
         nursery.cancel_scope.cancel()
 
 
@@ -107,6 +115,51 @@ async def test_a_reachable_follower_advertises_its_url(tmp_path: Path) -> None:
                     break
         assert advert.http_url == node.http_url
         assert f.reachability.state is Reach.REACHABLE
+        nursery.cancel_scope.cancel()
+
+
+async def test_a_lan_url_is_verified_and_used_by_a_neighbour_not_offered_to_others(
+    tmp_path: Path,
+) -> None:
+    """Peer A's lane listens on 127.0.0.2 while its libp2p connections come from 127.0.0.1:
+    the trainer, asked to dial it back, answers ``mismatch`` (a non-global address seen from
+    elsewhere, as behind a NAT), so A advertises no URL, only a LAN URL. Peer B, on the same
+    host, tries that URL, verifies it and may fetch from A; an advert naming a private
+    address of a network this host is not on is not tried."""
+    tl = trust()
+    async with (
+        ShardcastNode.open(TRAINER, tl, NodeConfig("trainer", "run", tmp_path / "o")) as o,
+        trio.open_nursery() as nursery,
+    ):
+        up = FollowConfig(upstreams=(o.p2p.multiaddrs()[0],), advert_interval_s=0.5)
+        a_cfg = NodeConfig("peer", "run", tmp_path / "a", http=HttpServerConfig(host="127.0.0.2"))
+        a_node = await nursery.start(_open, Identity.from_seed("lan-a"), a_cfg)
+        b_node = await nursery.start(
+            _open, Identity.from_seed("lan-b"), NodeConfig("peer", "run", tmp_path / "b")
+        )
+        await b_node.p2p.connect(a_node.p2p.multiaddrs()[0])  # neighbours (gossip mesh)
+        a = Follower(a_node, up, random.Random(1))
+        b = Follower(b_node, up, random.Random(2))
+        assert (b.directory.backoff, b.reachability.config) == (up.lane_backoff, up.reachability)
+        await nursery.start(a.run)
+        await nursery.start(b.run)
+        a_id = a_node.identity.peer_id
+        with trio.fail_after(30):
+            while b.directory.lane_status(a_id, a_node.http_url) is None:
+                await b.directory.changed.wait()
+        assert a_node.http_url.startswith("http://127.0.0.2:")
+        assert a.reachability.state is Reach.UNREACHABLE
+        assert a.reachability.last_answers == (DialbackResult.MISMATCH,)
+        lane = b.directory.lane_status(a_id, a_node.http_url)
+        assert lane is not None
+        assert lane.result is LaneCheck.VERIFIED
+        assert b.advert_checks[LaneCheck.VERIFIED] >= 1
+        assert 'shardnet_advert_checks_total{result="verified"}' in b_node.metrics.render().decode()
+        # the same advert with a private address of another network: not B's to try
+        foreign = NodeAdvert("x", "peer", "", (1,), (), lan_url="http://198.18.231.7:8003")
+        before = b.adverts_out_of_scope
+        assert b._in_scope(foreign).http_url == ""
+        assert b.adverts_out_of_scope == before + 1
         nursery.cancel_scope.cancel()
 
 

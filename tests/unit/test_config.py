@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import inspect
 import os
 import stat
 from pathlib import Path
@@ -164,6 +165,8 @@ def test_defaults_are_the_libraries_own() -> None:
     from p2p.limits import LedgerConfig, ResourceLimits
     from rollout.pacing import PacingConfig
     from rollout.verify import ValidatorConfig
+    from shardcast.core.reachability import ReachabilityConfig
+    from shardcast.download.discovery import LaneBackoff
     from shardcast.download.follower import FollowConfig
     from shardcast.download.types import DownloadConfig
     from shardcast.node.node import NodeConfig
@@ -182,6 +185,8 @@ def test_defaults_are_the_libraries_own() -> None:
     assert node.keep_last == NodeConfig.keep_last
     follow = relay.follow_config(relay.upstream)
     assert follow.poll_interval_s == FollowConfig.poll_interval_s
+    assert follow.lane_backoff == LaneBackoff()
+    assert follow.reachability == ReachabilityConfig()
     lib = DownloadConfig()
     assert (follow.download.stall_timeout_s, follow.download.source_ban_s) == (
         lib.stall_timeout_s,
@@ -223,6 +228,68 @@ def test_defaults_are_the_libraries_own() -> None:
         PacingConfig.enabled,
         PacingConfig.margin_steps,
     )
+
+
+def test_advert_backoff_and_reachability_recheck_are_settings() -> None:
+    from shardcast.core.reachability import ReachabilityConfig
+    from shardcast.download.discovery import LaneBackoff
+
+    overrides: dict[str, object] = {
+        "advert_retry_s": 30.0,
+        "advert_retry_factor": 2.0,
+        "advert_max_failures": 2,
+        "advert_drop_s": 600.0,
+        "reachability_recheck_s": 120.0,
+    }
+    s = load_settings(RelaySettings, CONFIGS / "relay.toml", overrides)
+    follow = s.follow_config(s.upstream)
+    assert follow.lane_backoff == LaneBackoff(30.0, 2.0, LaneBackoff.max_s, 2, 600.0)
+    assert follow.reachability == ReachabilityConfig(recheck_s=120.0)
+    for bad in ({"advert_max_failures": 0}, {"advert_retry_s": 0}, {"advert_retry_factor": 0.5}):
+        with pytest.raises(ConfigError) as info:
+            load_settings(RelaySettings, CONFIGS / "relay.toml", bad)
+        assert info.value.field == next(iter(bad))
+
+
+def test_a_stopping_peer_waits_only_briefly_for_a_busy_vllm_engine(
+    caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A generation abandoned by the stop still holds vLLM (it cannot be interrupted mid-call):
+    the close gives up after ENGINE_CLOSE_WAIT_S and leaves the engine to the process exit."""
+    from rollout.engine_vllm import VllmEngine
+    from shardnet import roles
+
+    engine = VllmEngine()  # nothing loaded, vLLM never imported
+    assert engine.close(wait_s=0.0) is True
+    monkeypatch.setattr(roles, "ENGINE_CLOSE_WAIT_S", 0.0)
+    with engine._busy:  # what a running generate holds
+        assert engine.close(wait_s=0.0) is False
+        roles.close_engine(engine)
+    assert "engine_close_skipped reason=busy" in caplog.text
+    roles.close_engine(object())  # type: ignore[arg-type]  # an engine without close: nothing
+
+
+def test_vllm_keep_host_copy_is_a_peer_setting_that_reaches_the_engine(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    from rollout import engine_vllm
+    from rollout.engine_options import VllmOptions
+    from shardnet.roles import make_engine
+
+    engine_default = inspect.signature(engine_vllm.VllmEngine).parameters["keep_host_copy"]
+    assert engine_default.default is VllmOptions.keep_host_copy is False  # declared once
+    default = load_settings(PeerSettings, CONFIGS / "peer.toml", {})
+    assert default.vllm_options() == VllmOptions()
+    on = load_settings(PeerSettings, CONFIGS / "peer.toml", {"vllm_keep_host_copy": True})
+    assert on.vllm_options() == VllmOptions(keep_host_copy=True)
+    monkeypatch.setattr(engine_vllm, "vllm_available", lambda: True)  # nothing starts vLLM
+    for settings, want in ((default, False), (on, True)):
+        engine = make_engine("vllm", settings.vllm_options())
+        assert isinstance(engine, engine_vllm.VllmEngine)
+        assert engine.keep_host_copy is want
+    runner = CliRunner()
+    result = runner.invoke(app, ["peer", "--help"])
+    assert "--vllm-keep-host-copy" in result.output
 
 
 @pytest.mark.parametrize(

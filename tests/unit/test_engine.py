@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -14,6 +15,8 @@ from p2p.errors import LocalProtocolError
 from rollout.engine import (
     Engine,
     Generation,
+    GenerationInterrupted,
+    Interruptible,
     TransformersEngine,
     prefill_activations,
     prefill_activations_group,
@@ -150,6 +153,40 @@ def test_stop_at_eos_and_single_token() -> None:
     for g in gens:
         assert stop_id not in g.completion_ids[:-1]
         assert (g.finish_reason == "stop") == (g.completion_ids[-1] == stop_id)
+
+
+class SetOnCheck(threading.Event):
+    """A stop flag that reads as set from its ``n``-th check on (counts the checks)."""
+
+    def __init__(self, n: int) -> None:
+        super().__init__()
+        self.n, self.checks = n, 0
+
+    def is_set(self) -> bool:
+        self.checks += 1
+        return self.checks >= self.n
+
+
+def test_a_set_stop_flag_ends_generation_before_the_next_token() -> None:
+    model, prompt = build_model("tiny", 0), _prompt()
+    stop = SetOnCheck(3)  # prefill check, first decode check pass, then set
+    with pytest.raises(GenerationInterrupted):
+        sample_group(model, prompt, 2, 32, 1.0, seed=3, eos_token_id=-1, interrupted=stop)
+    assert stop.checks == 3  # checked between tokens, stopped at the first check that was set
+    unset = SetOnCheck(10**9)
+    gens = sample_group(model, prompt, 2, 8, 1.0, seed=3, eos_token_id=-1, interrupted=unset)
+    assert unset.checks == 8  # the prefill and each of the 7 decode passes
+    assert [len(g.completion_ids) for g in gens] == [8, 8]
+
+
+def test_an_interrupted_engine_refuses_to_generate(ckpts: tuple[Path, Path]) -> None:
+    eng = TransformersEngine()
+    eng.load(ckpts[0])
+    assert isinstance(eng, Interruptible)
+    assert eng.generate(_prompt(), 1, 2, 1.0, 0)
+    eng.interrupt()
+    with pytest.raises(GenerationInterrupted):
+        eng.generate(_prompt(), 1, 2, 1.0, 0)
 
 
 def _topk(bits: npt.NDArray[np.uint16], k: int = 128) -> npt.NDArray[np.int64]:

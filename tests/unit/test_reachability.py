@@ -3,8 +3,10 @@ reachability state: pure, with the time passed in."""
 
 from __future__ import annotations
 
+import ipaddress
 import random
 
+import cbor2
 import pytest
 
 from p2p.errors import RemoteProtocolError
@@ -14,11 +16,14 @@ from shardcast.core.reachability import (
     DialbackLimits,
     DialbackRequest,
     DialbackResult,
+    Interface,
     LaneCheck,
     Reach,
     Reachability,
     ReachabilityConfig,
     judge_request,
+    lane_in_scope,
+    scoped_lane,
     verdict,
 )
 from shardcast.download.discovery import LaneBackoff, NodeAdvert, SourceDirectory
@@ -194,3 +199,87 @@ def test_an_undecided_node_fails_open_after_a_round() -> None:
     assert r.observe([R.FAILED], 0.0)  # peers that do not speak the protocol: as before
     assert (r.state, r.advertised()) == (Reach.UNKNOWN, "http://8.8.8.8:8003")
     assert r.next_due(10.0) == 20.0
+
+
+LAN = (ipaddress.ip_interface("192.168.77.2/24"), ipaddress.ip_interface("fd77::2/64"))
+LOOPBACK = (ipaddress.ip_interface("127.0.0.1/8"), ipaddress.ip_interface("::1/128"))
+
+
+@pytest.mark.parametrize(
+    ("url", "observed", "interfaces", "want"),
+    [
+        # global addresses and DNS names: anyone may try them
+        ("http://8.8.8.8:8003", ["203.0.113.9"], LAN, True),
+        ("http://relay.example.org:8002", [], (), True),
+        # a private address on one of this host's networks: same LAN
+        ("http://192.168.77.3:8003", [], LAN, True),
+        ("http://192.168.77.3:8003", ["192.168.77.3"], (), True),  # we talk to it there
+        ("http://[fd77::3]:8003", [], LAN, True),  # unique local (fd00::/8)
+        # ... on no network of this host: another home's LAN
+        ("http://192.168.78.3:8003", [], LAN, False),
+        ("http://10.0.0.5:8003", [], LAN, False),
+        ("http://[fe80::1]:8003", [], LAN, False),  # link-local elsewhere
+        ("http://100.64.0.7:8003", [], LAN, False),  # carrier-grade NAT space is not global
+        # its connection comes from a global address: it sits behind a NAT, its LAN is not
+        # ours even if the private range collides with one of ours
+        ("http://192.168.77.3:8003", ["198.51.100.0", "8.8.4.4"], LAN, False),
+        ("http://192.168.77.3:8003", ["8.8.4.4"], LAN, False),
+        # loopback: only from a node on this very host
+        ("http://127.0.0.1:8003", ["127.0.0.1"], LOOPBACK, True),
+        ("http://127.0.0.1:8003", [], LOOPBACK, True),
+        ("http://127.0.0.1:8003", ["192.168.77.3"], LAN + LOOPBACK, False),
+        ("http://[::1]:8003", ["::ffff:127.0.0.1"], LOOPBACK, True),  # IPv4-mapped is IPv4
+        ("http://127.0.0.1:8003", ["::ffff:8.8.8.8"], LOOPBACK, False),
+        # not a lane URL
+        ("ftp://192.168.77.3:21", [], LAN, False),
+        ("http://192.168.77.3", [], LAN, False),
+    ],
+)
+def test_a_non_global_lane_url_is_tried_only_on_its_own_network(
+    url: str, observed: list[str], interfaces: tuple[Interface, ...], want: bool
+) -> None:
+    assert lane_in_scope(url, observed, interfaces) is want
+
+
+def test_an_advert_offers_the_first_url_in_scope() -> None:
+    nat_lan = "http://192.168.77.3:8003"
+    public = "http://8.8.8.8:8003"
+    assert scoped_lane(public, "", [], LAN) == public
+    assert scoped_lane("", nat_lan, [], LAN) == nat_lan  # a NATed neighbour: its LAN URL
+    assert scoped_lane("", nat_lan, ["8.8.4.4"], LAN) == ""  # seen across the internet
+    assert scoped_lane("", nat_lan, [], LOOPBACK) == ""  # another network
+    # an older node that failed open names its private URL as http_url: scoped the same way
+    assert scoped_lane(nat_lan, "", [], LOOPBACK) == ""
+    assert scoped_lane("", "", [], LAN) == ""
+
+
+def test_a_private_lane_is_offered_for_its_lan_until_advertised() -> None:
+    mine = (ipaddress.ip_interface("10.78.0.2/24"),)
+    r = Reachability(URL)  # 10.78.0.2: a private address of this host
+    assert (r.advertised(), r.lan_advertised(mine)) == ("", URL)  # not checked yet
+    r.observe([R.MISMATCH, R.FAILED], 0.0)  # seen from elsewhere: behind a NAT
+    assert (r.state, r.advertised(), r.lan_advertised(mine)) == (Reach.UNREACHABLE, "", URL)
+    # a private URL that is not this host's (--public-host naming its NAT router's address):
+    # neighbours would not find this host there
+    assert r.lan_advertised(LAN) == ""
+    assert Reachability("http://127.0.0.2:8003").lan_advertised(()) == "http://127.0.0.2:8003"
+    r.observe([R.REACHED], 700.0)  # reachable after all (a port forward): offered to all
+    assert (r.advertised(), r.lan_advertised(mine)) == (URL, "")
+    assert r.answers_total == {R.MISMATCH: 1, R.FAILED: 1, R.REACHED: 1}
+    public = Reachability("http://8.8.8.8:8003")
+    public.observe([R.NOT_REACHED], 0.0)
+    assert (public.advertised(), public.lan_advertised(mine)) == ("", "")  # never a LAN URL
+    named = Reachability("http://peer.example.org:8003")
+    assert named.lan_advertised(mine) == ""
+
+
+def test_the_lan_url_travels_under_its_own_key() -> None:
+    plain = NodeAdvert("p", "peer", "", (1,), ())
+    assert b"lan_url" not in plain.encode()  # absent when empty: older adverts unchanged
+    lan = NodeAdvert.of("p", "peer", "", [(1, "ab" * 32)], [], lan_url="http://10.0.0.2:8003")
+    back = NodeAdvert.decode(lan.encode(), "p")
+    assert back == lan
+    assert back.http_url == ""  # an older node reads no URL to try
+    bad = cbor2.loads(lan.encode()) | {"lan_url": "http://10.0.0.2:8003/x"}
+    with pytest.raises(RemoteProtocolError, match="url"):
+        NodeAdvert.decode(cbor2.dumps(bad), "p")
