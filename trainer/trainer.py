@@ -38,6 +38,7 @@ bytes from the HTTP lane, accepted/rejected samples from the validator.
 from __future__ import annotations
 
 import contextlib
+import functools
 import json
 import logging
 import os
@@ -61,12 +62,19 @@ from rollout.reputation import Reputation
 from rollout.task import Task, load_task, task_spec
 from rollout.verify import DEFAULT_PROFILES, EngineProfile, Validator, ValidatorConfig
 from shardcast.node import ShardcastNode, iso, wall_of
-from shardcast.publish import Origin
+from shardcast.publish import Origin, PreEncoded
 from shardcast.store import latest_committed
 from shardcast.wire import RunCard, SamplingRules, TaskSpec, architecture_digest, next_card
-from trainer.checkpoint import config_json, save_checkpoint, write_preset_dir
+from trainer.checkpoint import (
+    config_json,
+    file_bytes,
+    save_checkpoint,
+    weight_files,
+    write_preset_dir,
+)
 from trainer.config import TrainerConfig
 from trainer.dataplane import RolloutIntake
+from trainer.encode import Layouts, TensorEncoder, usable
 from trainer.grpo import Rollout, collate, group_advantages, make_optimizer, train_step
 from trainer.oracle import TrainerOracle
 from trainer.readiness import (
@@ -140,6 +148,7 @@ class Trainer:
         self.model_dir = config.model
         self.on_optimizer_step: Callable[[float], None] | None = None  # seconds (metrics)
         self.session = os.urandom(8).hex()
+        self.encoder = TensorEncoder()
         self.plan = self._plan_start()
 
     def _plan_start(self) -> ResumePlan:
@@ -380,16 +389,17 @@ class Trainer:
                 lambda: save_state(data_dir, step, model, optimizer, meta)
             )
         directory = staging / f"step-{step}"
-        await trio.to_thread.run_sync(
-            lambda: save_checkpoint(
-                model,
-                tokenizer,
-                directory,
-                self.config.max_shard_bytes,
-                assets_from=self.model_dir,
-            )
+        pre_encoded, layouts = await self._write_and_encode(
+            origin, model, tokenizer, directory, step
         )
-        result = await origin.publish(directory, step)
+        try:
+            result = await origin.publish(directory, step, pre_encoded=pre_encoded)
+        finally:
+            await trio.to_thread.run_sync(
+                functools.partial(shutil.rmtree, _cache_dir(directory), ignore_errors=True)
+            )
+        if layouts is not None:
+            self.encoder.published(layouts)
         await trio.to_thread.run_sync(prune_states, data_dir, step)
         assert self.intake is not None
         await self.intake.add_version(step, result.manifest.digest, result.path)
@@ -400,6 +410,49 @@ class Trainer:
                 step, result.announced_at, result.manifest.digest, result.manifest.total_bytes
             )
         )
+
+    async def _write_and_encode(
+        self, origin: Origin, model: Any, tokenizer: Any, directory: Path, step: int
+    ) -> tuple[dict[str, PreEncoded], Layouts | None]:
+        """Write version ``step`` into ``directory`` while another thread hashes and
+        delta-encodes its weight files from the tensors (:mod:`trainer.encode`); returns the
+        results whose files are as predicted, and the version's layouts (the next base)."""
+        cfg = self.config
+        weights = await trio.to_thread.run_sync(
+            lambda: weight_files(model, cfg.max_shard_bytes, copy=True)
+        )
+        predicted = {w.name: file_bytes(w) for w in weights}
+        layouts = Layouts(
+            step,
+            {n: fb[0] for n, fb in predicted.items() if fb is not None},
+            {n: fb[1] for n, fb in predicted.items() if fb is not None},
+        )
+        plan = origin.encode_plan(step, previous_pending=False)
+        assert plan is not None  # decided: nothing of ours is pending
+        settings, base = plan
+        results: dict[str, PreEncoded] = {}
+
+        async def encode() -> None:
+            results.update(
+                await trio.to_thread.run_sync(
+                    self.encoder.encode, layouts, settings, base, _cache_dir(directory)
+                )
+            )
+
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(encode)
+            await trio.to_thread.run_sync(
+                lambda: save_checkpoint(
+                    model,
+                    tokenizer,
+                    directory,
+                    cfg.max_shard_bytes,
+                    assets_from=self.model_dir,
+                    weights=weights,
+                )
+            )
+        ok = await trio.to_thread.run_sync(usable, directory, layouts, results)
+        return ok, layouts
 
     async def _train(
         self,
@@ -640,6 +693,11 @@ class Trainer:
             "trained_verified_samples": self.trained_verified_samples,
             "origin_bytes_total": self.node.http.statistics().bytes_sent,
         }
+
+
+def _cache_dir(directory: Path) -> Path:
+    """Where the in-memory encoder puts the blobs of the version written to ``directory``."""
+    return directory.with_name(f"{directory.name}.encoded")
 
 
 def seeded_rng(seed: int, label: str) -> random.Random:
