@@ -119,6 +119,7 @@ class StepRecord:
     policy_steps_used: list[int] = field(default_factory=list)
     origin_bytes: int = 0
     train_stats: dict[str, float] = field(default_factory=dict)
+    encoded_from_memory: int = 0  #: weight files hashed and encoded from the tensors held
 
 
 class Trainer:
@@ -381,16 +382,11 @@ class Trainer:
         step: int,
         optimizer: Any,
     ) -> None:
-        """Save the trainer state of ``step`` (unless saved already), then publish it."""
-        data_dir = self.config.node.data_dir
-        if step not in await trio.to_thread.run_sync(saved_steps, data_dir):
-            meta = self._state_meta()
-            await trio.to_thread.run_sync(
-                lambda: save_state(data_dir, step, model, optimizer, meta)
-            )
+        """Save the trainer state of ``step`` (unless saved already) and write its checkpoint
+        while another thread hashes and encodes it from the tensors, then publish it."""
         directory = staging / f"step-{step}"
         pre_encoded, layouts = await self._write_and_encode(
-            origin, model, tokenizer, directory, step
+            origin, model, tokenizer, optimizer, directory, step
         )
         try:
             result = await origin.publish(directory, step, pre_encoded=pre_encoded)
@@ -398,26 +394,37 @@ class Trainer:
             await trio.to_thread.run_sync(
                 functools.partial(shutil.rmtree, _cache_dir(directory), ignore_errors=True)
             )
-        if layouts is not None:
-            self.encoder.published(layouts)
-        await trio.to_thread.run_sync(prune_states, data_dir, step)
+        self.encoder.published(layouts)
+        await trio.to_thread.run_sync(prune_states, self.config.node.data_dir, step)
         assert self.intake is not None
         await self.intake.add_version(step, result.manifest.digest, result.path)
         self._close_rejections()
         self.published = step
         self.records.append(
             StepRecord(
-                step, result.announced_at, result.manifest.digest, result.manifest.total_bytes
+                step,
+                result.announced_at,
+                result.manifest.digest,
+                result.manifest.total_bytes,
+                encoded_from_memory=len(pre_encoded),
             )
         )
 
     async def _write_and_encode(
-        self, origin: Origin, model: Any, tokenizer: Any, directory: Path, step: int
-    ) -> tuple[dict[str, PreEncoded], Layouts | None]:
-        """Write version ``step`` into ``directory`` while another thread hashes and
-        delta-encodes its weight files from the tensors (:mod:`trainer.encode`); returns the
-        results whose files are as predicted, and the version's layouts (the next base)."""
+        self,
+        origin: Origin,
+        model: Any,
+        tokenizer: Any,
+        optimizer: Any,
+        directory: Path,
+        step: int,
+    ) -> tuple[dict[str, PreEncoded], Layouts]:
+        """Save the trainer state of ``step`` (unless saved already) and write the version into
+        ``directory`` while another thread hashes and delta-encodes its weight files from the
+        tensors (:mod:`trainer.encode`); returns the results whose files are as predicted, and
+        the version's layouts (the next version's base)."""
         cfg = self.config
+        data_dir = cfg.node.data_dir
         weights = await trio.to_thread.run_sync(
             lambda: weight_files(model, cfg.max_shard_bytes, copy=True)
         )
@@ -441,6 +448,11 @@ class Trainer:
 
         async with trio.open_nursery() as nursery:
             nursery.start_soon(encode)
+            if step not in await trio.to_thread.run_sync(saved_steps, data_dir):
+                meta = self._state_meta()
+                await trio.to_thread.run_sync(
+                    lambda: save_state(data_dir, step, model, optimizer, meta)
+                )
             await trio.to_thread.run_sync(
                 lambda: save_checkpoint(
                     model,
@@ -669,6 +681,7 @@ class Trainer:
                     "mean_reward": rec.mean_reward,
                     "policy_steps_used": rec.policy_steps_used,
                     "train": rec.train_stats,
+                    "encoded_from_memory": rec.encoded_from_memory,
                 }
             )
         vs = self.validator.statistics()

@@ -145,6 +145,9 @@ async def test_whole_loop_two_steps(tmp_path: Path) -> None:
         assert peer.card_versions_used
         assert set(peer.card_versions_used) == {1}
         assert all(r["broadcast_s"] is not None for r in report["steps"])
+    # every version's weight files were hashed and encoded from the tensors the trainer held
+    # (versions 1 and 2 as deltas against the one before), and every peer verified them
+    assert all(r["encoded_from_memory"] >= 1 for r in report["steps"])
     # every trained sample came from a verified batch; nothing was rejected
     assert report["trained_samples"] > 0
     assert report["trained_samples"] == report["trained_verified_samples"]
