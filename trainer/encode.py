@@ -23,6 +23,7 @@ the fp32 master weights), held until the next publish.
 from __future__ import annotations
 
 import logging
+import os
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -38,7 +39,7 @@ from shardcast.publish import (
 
 log = logging.getLogger(__name__)
 
-__all__ = ["Layouts", "TensorEncoder", "usable"]
+__all__ = ["ENCODE_WORKERS", "Layouts", "TensorEncoder", "usable"]
 
 
 @dataclass(frozen=True)
@@ -56,12 +57,19 @@ class Layouts:
     headers: Mapping[str, bytes]
 
 
+#: threads that encode a version's shards side by side (the trainer's cores are otherwise
+#: idle while it writes the version); the results do not depend on it
+ENCODE_WORKERS = min(8, os.cpu_count() or 1)
+
+
 class TensorEncoder:
     """Encodes each version's weight files from memory against the previous one (module
-    docstring). Not safe to call concurrently; :meth:`encode` blocks (run it in a thread)."""
+    docstring), shards on ``workers`` threads. Not safe to call concurrently; :meth:`encode`
+    blocks (run it in a thread)."""
 
-    def __init__(self) -> None:
+    def __init__(self, workers: int = ENCODE_WORKERS) -> None:
         self.previous: Layouts | None = None
+        self.workers = workers
 
     def base_for(self, base: Base | None) -> Mapping[str, FileBytes] | None:
         """The previous version's files if they are ``base`` (None: no delta wanted, or the
@@ -85,7 +93,9 @@ class TensorEncoder:
             log.info("tensor_encode_skipped step=%d reason=base_not_held", layouts.step)
             return {}
         return {
-            name: pre_encode_bytes(f, None if old is None else old.get(name), settings, cache_dir)
+            name: pre_encode_bytes(
+                f, None if old is None else old.get(name), settings, cache_dir, self.workers
+            )
             for name, f in sorted(layouts.files.items())
         }
 

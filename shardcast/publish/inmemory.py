@@ -16,6 +16,8 @@ from the previous version's :class:`FileBytes`. Both go to
 :func:`shardcast.publish.plan.encode_views`, the code that hashes and encodes files read from
 disk, so every shard digest, chunk list, file digest and blob (``sparse``; ``xor-zstd`` where
 denser; ``zstd``) is byte-identical to the file path's: the wire format does not change.
+Shards are independent, so several threads may encode them side by side
+(:func:`encode_bytes` ``workers``); the results come back in offset order, the same.
 
 The layout of a safetensors file (`format <https://github.com/huggingface/safetensors>`_):
 ``u64 little-endian header length N | N bytes of JSON | data``; the JSON maps each tensor to
@@ -30,11 +32,17 @@ through its offsets. The writer checks the header on disk against it afterwards
 from __future__ import annotations
 
 import bisect
+import itertools
 import json
 import struct
+import threading
+from collections import deque
 from collections.abc import Iterator, Mapping, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
+
+import blake3
 
 from shardcast.publish.plan import (
     CheckpointLayoutError,
@@ -42,9 +50,10 @@ from shardcast.publish.plan import (
     PreEncoded,
     ShardResult,
     ShardViews,
+    encode_shard,
     encode_views,
 )
-from shardcast.wire import codecs
+from shardcast.wire import codecs, file_root
 
 __all__ = [
     "DTYPE_BYTES",
@@ -249,15 +258,23 @@ def _range(
 
 
 def encode_bytes(
-    new: FileBytes, old: FileBytes | None, settings: EncodeSettings
+    new: FileBytes, old: FileBytes | None, settings: EncodeSettings, workers: int = 1
 ) -> Iterator[tuple[ShardResult, dict[str, bytes], str | None]]:
     """Hash and encode every shard of ``new`` against ``old`` (the base version's file of the
     same name; deltas only if its size is equal) without touching the disk. Pure.
 
+    Args:
+        new: the file to encode.
+        old: the base version's file of the same name, or None.
+        settings: shard size, encodings, zstd level, digest kind.
+        workers: threads that encode shards side by side (hashing, comparing and zstd release
+            the GIL); at most ``2 * workers`` shards' results are held ahead of the consumer.
+            The results do not depend on it.
+
     Yields:
         ``(shard, {encoding: blob}, file digest after the last shard else None)`` in offset
         order, exactly as :func:`shardcast.publish.plan.encode_views` gives for the same
-        bytes read from disk (the same code).
+        bytes read from disk (the same code, shard by shard).
 
     Raises:
         CheckpointLayoutError: an empty file.
@@ -268,18 +285,63 @@ def encode_bytes(
         raise CheckpointLayoutError(f"{new.name}: an empty file has no shards")
     n = min(settings.shard_size, size)
     deltas = old is not None and any(e in codecs.DELTAS for e in settings.encodings)
-    views = shard_views(
-        new,
-        old if deltas else None,
-        settings.shard_size,
-        bytearray(n),
-        bytearray(n if deltas else 0),
-    )
-    yield from encode_views(views, size, settings, bytearray(n if settings.encodings else 0))
+    if workers <= 1:
+        views = shard_views(
+            new,
+            old if deltas else None,
+            settings.shard_size,
+            bytearray(n),
+            bytearray(n if deltas else 0),
+        )
+        yield from encode_views(views, size, settings, bytearray(n if settings.encodings else 0))
+        return
+    base = old if deltas and old is not None and old.size == size else None
+    new_starts = new.starts
+    base_starts = base.starts if base is not None else []
+    local = threading.local()
+
+    def one(offset: int) -> tuple[ShardResult, dict[str, bytes]]:
+        bufs = getattr(local, "bufs", None)
+        if bufs is None:
+            x = n if settings.encodings else 0
+            bufs = local.bufs = (bytearray(n), bytearray(n if base else 0), bytearray(x))
+        length = min(settings.shard_size, size - offset)
+        view = _range(new, new_starts, offset, length, bufs[0])
+        base_view = None if base is None else _range(base, base_starts, offset, length, bufs[1])
+        return encode_shard(offset, view, base_view, settings, bufs[2])
+
+    shard_list: list[tuple[int, str]] = []
+    offsets = iter(range(0, size, settings.shard_size))
+    with ThreadPoolExecutor(workers, thread_name_prefix="encode") as pool:
+        ahead = deque(pool.submit(one, o) for o in itertools.islice(offsets, 2 * workers))
+        while ahead:
+            shard, blobs = ahead.popleft().result()
+            for o in itertools.islice(offsets, 1):
+                ahead.append(pool.submit(one, o))
+            shard_list.append((shard.length, shard.digest))
+            file_digest = None
+            if shard.offset + shard.length == size:
+                file_digest = _file_digest(new, shard_list, settings.rooted)
+            yield shard, blobs, file_digest
+
+
+def _file_digest(f: FileBytes, shard_list: list[tuple[int, str]], rooted: bool) -> str:
+    """As :func:`shardcast.publish.plan.encode_views` computes it: the hash-list root, or the
+    whole-file BLAKE3 (over the pieces, which tile the file)."""
+    if rooted:
+        return file_root(shard_list)
+    whole = blake3.blake3(max_threads=blake3.blake3.AUTO)
+    for piece in f.pieces:
+        whole.update(piece)
+    return whole.hexdigest()
 
 
 def pre_encode_bytes(
-    new: FileBytes, old: FileBytes | None, settings: EncodeSettings, cache_dir: Path
+    new: FileBytes,
+    old: FileBytes | None,
+    settings: EncodeSettings,
+    cache_dir: Path,
+    workers: int = 1,
 ) -> PreEncoded:
     """:func:`encode_bytes`, with the blobs written to ``cache_dir`` as
     ``<name>.<offset>.<encoding>``: the :class:`~shardcast.publish.plan.PreEncoded` that
@@ -292,7 +354,7 @@ def pre_encode_bytes(
     cache_dir.mkdir(parents=True, exist_ok=True)
     shards = []
     digest = ""
-    for shard, blobs, file_digest in encode_bytes(new, old, settings):
+    for shard, blobs, file_digest in encode_bytes(new, old, settings, workers):
         for enc, data in blobs.items():
             (cache_dir / f"{new.name}.{shard.offset}.{enc}").write_bytes(data)
         shards.append(shard)

@@ -323,20 +323,36 @@ def encode_views(
     file_hash = None if settings.rooted else blake3.blake3(max_threads=blake3.blake3.AUTO)
     shard_list: list[tuple[int, str]] = []
     for offset, view, base_view in views:
-        length = len(view)
         if file_hash is not None:
             file_hash.update(view)
-        digest = blake3.blake3(view, max_threads=blake3.blake3.AUTO).hexdigest()
-        chunks = chunk_digests(view, settings.chunk_bytes) if settings.chunk_bytes else ()
-        shard_list.append((length, digest))
-        blobs = shard_blobs(view, base_view, settings.encodings, settings.zstd_level, scratch)
-        encoded = tuple(
-            Encoded(enc, len(data), blake3.blake3(data).hexdigest()) for enc, data in blobs.items()
-        )
+        shard, blobs = encode_shard(offset, view, base_view, settings, scratch)
+        shard_list.append((shard.length, shard.digest))
         file_digest = None
-        if offset + length == size:
+        if offset + shard.length == size:
             file_digest = file_root(shard_list) if file_hash is None else file_hash.hexdigest()
-        yield ShardResult(offset, length, digest, encoded, chunks), blobs, file_digest
+        yield shard, blobs, file_digest
+
+
+def encode_shard(
+    offset: int,
+    view: memoryview,
+    base_view: memoryview | None,
+    settings: EncodeSettings,
+    scratch: bytearray,
+) -> tuple[ShardResult, dict[str, bytes]]:
+    """Hash and encode the shard at ``offset`` (see :func:`encode_views`; pure but for
+    ``scratch``, safe to call from several threads with a scratch each).
+
+    Raises:
+        LocalProtocolError: an encoding that cannot be offered.
+    """
+    digest = blake3.blake3(view, max_threads=blake3.blake3.AUTO).hexdigest()
+    chunks = chunk_digests(view, settings.chunk_bytes) if settings.chunk_bytes else ()
+    blobs = shard_blobs(view, base_view, settings.encodings, settings.zstd_level, scratch)
+    encoded = tuple(
+        Encoded(enc, len(data), blake3.blake3(data).hexdigest()) for enc, data in blobs.items()
+    )
+    return ShardResult(offset, len(view), digest, encoded, chunks), blobs
 
 
 def hash_parts(

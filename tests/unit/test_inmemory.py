@@ -105,10 +105,16 @@ def test_header_is_the_librarys_for_every_dtype() -> None:
 
 @pytest.mark.parametrize("shard", [1001, 4096, 65536, 1 << 24])
 @pytest.mark.parametrize("rooted", [True, False])
+@pytest.mark.parametrize("workers", [1, 3])
 def test_same_digests_and_blobs_as_the_file_diff(
-    versions: tuple[Path, Path, Layouts, Layouts], tmp_path: Path, shard: int, rooted: bool
+    versions: tuple[Path, Path, Layouts, Layouts],
+    tmp_path: Path,
+    shard: int,
+    rooted: bool,
+    workers: int,
 ) -> None:
-    """Every shard size (odd, straddling tensors and the header, one shard per file)."""
+    """Every shard size (odd, straddling tensors and the header, one shard per file), on one
+    thread or several."""
     v0, v1, old, new = versions
     settings = _settings(shard, rooted)
     for name, f in new.files.items():
@@ -121,7 +127,7 @@ def test_same_digests_and_blobs_as_the_file_diff(
         for p in tmp_path.iterdir():
             disk[p.name] = p.read_bytes()
             p.unlink()
-        from_memory = list(encode_bytes(f, old.files[name], settings))
+        from_memory = list(encode_bytes(f, old.files[name], settings, workers))
         assert [s for s, _ in from_file] == [s for s, _, _ in from_memory]
         assert [d for _, d in from_file] == [d for _, _, d in from_memory]
         memory = {f"{s.offset}.{e}": b for s, blobs, _ in from_memory for e, b in blobs.items()}
@@ -157,7 +163,7 @@ def test_dense_update_keeps_xor_zstd(tmp_path: Path) -> None:
     path = tmp_path / "v1" / SINGLE_WEIGHTS_NAME
     base = tmp_path / "v0" / SINGLE_WEIGHTS_NAME
     from_file = list(encode_file(path, f.size, settings, base, blob))
-    from_memory = list(encode_bytes(f, old.files[SINGLE_WEIGHTS_NAME], settings))
+    from_memory = list(encode_bytes(f, old.files[SINGLE_WEIGHTS_NAME], settings, 2))
     assert [s for s, _ in from_file] == [s for s, _, _ in from_memory]
     memory = {f"{s.offset}.{e}": b for s, blobs, _ in from_memory for e, b in blobs.items()}
     assert memory == {k: (tmp_path / "blobs" / k).read_bytes() for k in kept}
