@@ -11,10 +11,13 @@ after its step) and prepares version 1 for publishing twice, in one run, alterna
   the tensors (:mod:`trainer.encode`, shards on ``--workers`` threads), then ``hash_parts``
   links those results and reads only the small files.
 
-Reports per mode the wall time and the process CPU-seconds (every thread, blake3's and zstd's
-included) of the whole preparation and of its encode part, the medians over ``--repeat`` runs,
-and the ratios; both modes must give identical parts. The machine is shared, so absolute
-figures move with load; the modes alternate so both see the same.
+Two scenarios: ``origin_only`` (the files are on disk already: what the origin itself spends
+to hash and encode) and ``with_write`` (writing the bf16 files included; the trainer also
+writes its fp32 state and optimizer state first, which the encoding overlaps too and which
+this leaves out). Reports per mode the wall time and the process CPU-seconds (every thread,
+blake3's and zstd's included), the medians over ``--repeat`` runs, and the ratios; both modes
+must give identical parts. The machine is shared, so absolute figures move with load; the
+modes alternate so both see the same.
 
     .venv/bin/python bench/origin_encode.py --json
 """
@@ -41,7 +44,6 @@ from safetensors.torch import save_file
 from bench.broadcast import prepare_checkpoints
 from shardcast.publish.inmemory import header_matches
 from shardcast.publish.plan import Base, EncodeSettings, hash_parts, make_header
-from shardcast.store.store import BLOB_DIR
 from shardcast.wire import codecs
 from shardcast.wire.manifest import Part
 from trainer.checkpoint import METADATA, WeightFile, file_bytes
@@ -78,6 +80,7 @@ def _write(weights: list[WeightFile], src: Path, out: Path) -> None:
 
 def prepare(
     mode: str,
+    write: bool,
     v0: Path,
     v1: Path,
     weights: list[WeightFile],
@@ -86,34 +89,32 @@ def prepare(
     work: Path,
     workers: int,
 ) -> tuple[dict[str, float], list[Part]]:
-    """Write version 1 into ``work`` and hash/encode it in ``mode``; returns timings."""
-    out, cache = work / "step-1", work / "step-1.encoded"
+    """Hash and encode version 1 in ``mode`` (``file_diff`` or ``from_tensors``), either
+    writing it into ``work`` first (``write``: encoding from tensors side by side) or with
+    its files already on disk (``v1``: what the origin itself spends); returns the timings
+    (seconds) and the parts."""
+    out = work / "step-1" if write else v1
+    cache, blob_dir = work / "step-1.encoded", work / "blobs"
     base = Base(0, "ab" * 32, v0)
     settings = EncodeSettings(shard_size, ENCODINGS, (0, base.digest), codecs.DEFAULT_LEVEL)
     t_wall, t_cpu = time.perf_counter(), time.process_time()
     pre = None
-    encode_wall = 0.0
     if mode == "from_tensors":
         new = layouts(weights, 1)
         enc = TensorEncoder(workers)
         enc.published(old)
         found: dict[str, Any] = {}
-
-        def run() -> None:
-            t = time.perf_counter()
-            found.update(enc.encode(new, settings, base, cache))
-            found["_wall"] = time.perf_counter() - t
-
-        worker = threading.Thread(target=run)
+        worker = threading.Thread(
+            target=lambda: found.update(enc.encode(new, settings, base, cache))
+        )
         worker.start()
-        _write(weights, v1, out)
+        if write:
+            _write(weights, v1, out)
         worker.join()
-        encode_wall = found.pop("_wall")
         pre = usable(out, new, found)
         assert set(pre) == set(new.files), "predicted headers differ from the written files"
-    else:
+    elif write:
         _write(weights, v1, out)
-    written_wall = time.perf_counter() - t_wall
     t_hash, c_hash = time.perf_counter(), time.process_time()
     header = dataclasses.replace(
         make_header(out, "bench", 1, shard_size, 16, base), nonce="00" * 16
@@ -124,7 +125,7 @@ def prepare(
         header.digest(),
         encodings=ENCODINGS,
         base=base,
-        blob_dir=out / BLOB_DIR,
+        blob_dir=blob_dir,
         on_part=lambda p: None,
         pre_encoded=pre,
     )
@@ -132,14 +133,49 @@ def prepare(
     row = {
         "wall_s": end_wall - t_wall,
         "cpu_s": end_cpu - t_cpu,
-        "write_wall_s": written_wall,  # from_tensors: writing and encoding, side by side
-        "hash_parts_wall_s": end_wall - t_hash,
+        "before_hash_parts_wall_s": t_hash - t_wall,  # write and/or encode from tensors
+        "hash_parts_wall_s": end_wall - t_hash,  # what is left once the files are written
         "hash_parts_cpu_s": end_cpu - c_hash,
-        "encode_thread_wall_s": encode_wall,
     }
-    shutil.rmtree(out)
+    if write:
+        shutil.rmtree(out)
     shutil.rmtree(cache, ignore_errors=True)
+    shutil.rmtree(blob_dir, ignore_errors=True)
     return row, parts
+
+
+def _scenario(
+    write: bool, a: argparse.Namespace, v0: Path, v1: Path, w1: list[WeightFile], old: Layouts
+) -> dict[str, Any]:
+    """Both modes ``--repeat`` times, alternating; medians and ratios."""
+    rows: dict[str, list[dict[str, float]]] = {"file_diff": [], "from_tensors": []}
+    parts: dict[str, list[Part]] = {}
+    with tempfile.TemporaryDirectory(prefix="origin-encode-", dir=a.cache) as tmp:
+        for k in range(a.repeat):
+            order = ("file_diff", "from_tensors") if k % 2 == 0 else ("from_tensors", "file_diff")
+            for mode in order:
+                work = Path(tmp) / mode
+                work.mkdir(exist_ok=True)
+                row, parts[mode] = prepare(
+                    mode, write, v0, v1, w1, old, a.shard_size, work, a.workers
+                )
+                rows[mode].append({k: round(v, 3) for k, v in row.items()})
+    if parts["file_diff"] != parts["from_tensors"]:
+        raise SystemExit("the two modes gave different parts")
+    med = {
+        m: {k: round(statistics.median(r[k] for r in rs), 3) for k in rs[0]}
+        for m, rs in rows.items()
+    }
+    before, after = med["file_diff"], med["from_tensors"]
+    return {
+        "runs": rows,
+        "median": med,
+        "after_over_before": {
+            "wall": round(after["wall_s"] / before["wall_s"], 3),
+            "cpu": round(after["cpu_s"] / before["cpu_s"], 3),
+        },
+        "identical_parts": True,
+    }
 
 
 def main() -> None:
@@ -158,46 +194,24 @@ def main() -> None:
     old = layouts(w0, 0)
     for name, head in old.headers.items():  # the layout held is the base's on disk
         assert header_matches(v0 / name, head), name
-    for p in v0.iterdir():  # warm the page cache: the store's base was written recently
+    for p in [*v0.iterdir(), *v1.iterdir()]:  # warm: the base and new files were just written
         p.read_bytes()
-    rows: dict[str, list[dict[str, float]]] = {"file_diff": [], "from_tensors": []}
-    parts: dict[str, list[Part]] = {}
-    with tempfile.TemporaryDirectory(prefix="origin-encode-", dir=a.cache) as tmp:
-        for k in range(a.repeat):
-            for mode in (
-                ("file_diff", "from_tensors") if k % 2 == 0 else ("from_tensors", "file_diff")
-            ):
-                row, parts[mode] = prepare(
-                    mode, v0, v1, w1, old, a.shard_size, Path(tmp) / mode, a.workers
-                )
-                rows[mode].append(row)
-    if parts["file_diff"] != parts["from_tensors"]:
-        raise SystemExit("the two modes gave different parts")
-    med = {
-        m: {k: round(statistics.median(r[k] for r in rs), 3) for k in rs[0]}
-        for m, rs in rows.items()
-    }
-    before, after = med["file_diff"], med["from_tensors"]
     report = {
         "checkpoint": info,
         "shard_size": a.shard_size,
-        "workers": a.workers,
         "repeat": a.repeat,
-        "runs": rows,
-        "median": med,
-        "after_over_before": {
-            "wall": round(after["wall_s"] / before["wall_s"], 3),
-            "cpu": round(after["cpu_s"] / before["cpu_s"], 3),
-            "after_write_wall": round(after["hash_parts_wall_s"] / before["hash_parts_wall_s"], 3),
-        },
-        "identical_parts": True,
+        "workers": a.workers,
+        "origin_only": _scenario(False, a, v0, v1, w1, old),
+        "with_write": _scenario(True, a, v0, v1, w1, old),
     }
     if a.json:
         print(json.dumps(report, indent=2))
         return
-    for mode, r in med.items():
-        print(f"{mode:12} {r}")
-    print(f"after / before: {report['after_over_before']}")
+    for name in ("origin_only", "with_write"):
+        sc: Any = report[name]
+        for mode, r in sc["median"].items():
+            print(f"{name:12} {mode:12} {r}")
+        print(f"{name:12} after / before: {sc['after_over_before']}")
 
 
 if __name__ == "__main__":
