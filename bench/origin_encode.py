@@ -42,10 +42,8 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 
 from bench.broadcast import prepare_checkpoints
-from shardcast.publish.inmemory import header_matches
-from shardcast.publish.plan import Base, EncodeSettings, hash_parts, make_header
-from shardcast.wire import codecs
-from shardcast.wire.manifest import Part
+from shardcast.publish import Base, EncodeSettings, hash_parts, header_matches, make_header
+from shardcast.wire import Part, codecs
 from trainer.checkpoint import METADATA, WeightFile, file_bytes
 from trainer.encode import ENCODE_WORKERS, Layouts, TensorEncoder, usable
 

@@ -22,6 +22,8 @@ from shardcast.publish.plan import (
     EncodeSettings,
     PreEncoded,
     build_manifest,
+    hash_parts,
+    make_header,
 )
 from shardcast.publish.preencode import PreEncoder
 
@@ -37,7 +39,9 @@ __all__ = [
     "TensorBytes",
     "build_manifest",
     "encode_bytes",
+    "hash_parts",
     "header_matches",
+    "make_header",
     "pre_encode_bytes",
     "safetensors_file",
     "safetensors_header",

@@ -67,8 +67,6 @@ __all__ = [
     "shard_views",
 ]
 
-Buffer = bytes | bytearray | memoryview
-
 #: safetensors dtype codes this module lays out, with their element size in bytes, in the
 #: order of the library's ``Dtype`` enum (files sort tensors by descending dtype, then name).
 DTYPE_BYTES: dict[str, int] = {
@@ -132,7 +130,7 @@ def safetensors_header(
 ) -> bytes:
     """The first bytes of the safetensors file of ``tensors`` (length prefix and JSON header,
     padded with spaces to a multiple of 8), as ``safetensors`` 0.8 writes them (module
-    docstring). Pure.
+    docstring); ``metadata`` is left out when empty. Pure.
 
     Raises:
         CheckpointLayoutError: a dtype outside :data:`DTYPE_BYTES`, a tensor whose byte count
@@ -147,8 +145,8 @@ def safetensors_header(
         n = DTYPE_BYTES[t.dtype]
         for d in t.shape:
             n *= d
-        if n != len(t.data):
-            raise CheckpointLayoutError(f"tensor {name}: {len(t.data)} bytes for {t.shape}")
+        if n != t.data.nbytes:
+            raise CheckpointLayoutError(f"tensor {name}: {t.data.nbytes} bytes for {t.shape}")
     order = sorted(tensors, key=lambda nt: (-_DTYPE_RANK[nt[1].dtype], nt[0]))
     head: dict[str, object] = {}
     if metadata:
@@ -158,9 +156,9 @@ def safetensors_header(
         head[name] = {
             "dtype": t.dtype,
             "shape": list(t.shape),
-            "data_offsets": [at, at + len(t.data)],
+            "data_offsets": [at, at + t.data.nbytes],
         }
-        at += len(t.data)
+        at += t.data.nbytes
     text = json.dumps(head, separators=(",", ":"), ensure_ascii=False).encode()
     text += b" " * (-len(text) % 8)
     return _LEN.pack(len(text)) + text
@@ -193,11 +191,11 @@ def safetensors_file(name: str, header: bytes, tensors: Mapping[str, memoryview]
     at = 0
     for start, end, k in spans:
         data = tensors[k]
-        if start != at or end - start != len(data):
+        if start != at or end - start != data.nbytes:
             raise CheckpointLayoutError(f"{name}: tensor {k} at [{start}, {end}) breaks the tiling")
         at = end
-        if len(data):
-            pieces.append(data.cast("B") if data.format != "B" else data)
+        if data.nbytes:
+            pieces.append(data if data.format == "B" and data.ndim == 1 else data.cast("B"))
     return FileBytes(name, tuple(pieces))
 
 
