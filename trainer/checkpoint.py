@@ -16,6 +16,11 @@ order; a new shard starts when the next tensor would overflow the current one; a
 larger than the cap gets a shard of its own), but written here with ``safetensors`` directly:
 no progress bars, no renaming, and bytes that depend only on the tensors and the
 transformers/tokenizers versions (JSON keys sorted; the safetensors header is canonical).
+
+:func:`weight_files` is the plan with the tensors cast, before anything is written; the
+trainer hands the same :class:`WeightFile` objects to :func:`save_checkpoint` and, through
+:func:`file_bytes`, to the origin's in-memory encoder, which hashes and delta-encodes the
+version from them while the files are written (:mod:`shardcast.publish.inmemory`).
 """
 
 from __future__ import annotations
@@ -26,6 +31,7 @@ import os
 import shutil
 import tempfile
 from collections.abc import Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -45,10 +51,101 @@ from rollout.model import (
     stored_state,
 )
 from rollout.model_dir import ASSET_NAMES
+from shardcast.publish import FileBytes, TensorBytes, safetensors_file, safetensors_header
 
-__all__ = ["config_json", "plan_shards", "save_checkpoint", "write_preset_dir"]
+__all__ = [
+    "WeightFile",
+    "config_json",
+    "file_bytes",
+    "plan_shards",
+    "save_checkpoint",
+    "weight_files",
+    "write_preset_dir",
+]
 
 _COMPLETE = ".complete"
+METADATA = {"format": "pt"}  #: the safetensors metadata of every weight file written here
+
+#: torch dtype -> safetensors dtype code, for the dtypes :mod:`shardcast.publish.inmemory` lays out
+_DTYPE_CODES = {
+    torch.bool: "BOOL",
+    torch.uint8: "U8",
+    torch.int8: "I8",
+    torch.int16: "I16",
+    torch.uint16: "U16",
+    torch.float16: "F16",
+    torch.bfloat16: "BF16",
+    torch.int32: "I32",
+    torch.uint32: "U32",
+    torch.float32: "F32",
+    torch.float64: "F64",
+    torch.int64: "I64",
+    torch.uint64: "U64",
+}
+
+
+@dataclass(frozen=True)
+class WeightFile:
+    """One safetensors file of a checkpoint before it is written.
+
+    Attributes:
+        name: its file name (``model.safetensors`` or ``model-0000k-of-0000N.safetensors``).
+        tensors: name -> CPU, contiguous tensor in the published dtype, in write order.
+    """
+
+    name: str
+    tensors: dict[str, torch.Tensor]
+
+
+def weight_files(
+    model: torch.nn.Module,
+    max_shard_bytes: int,
+    dtype: torch.dtype = torch.bfloat16,
+    copy: bool = False,
+) -> list[WeightFile]:
+    """The weight files :func:`save_checkpoint` writes for ``model`` cast to ``dtype``.
+
+    Args:
+        model: a transformers causal LM.
+        max_shard_bytes: cap on one file's tensor bytes (see :func:`plan_shards`).
+        dtype: published dtype.
+        copy: give every tensor storage of its own even where the cast is a no-op (a caller
+            that keeps them while the model trains on must not hold views of its parameters).
+
+    Raises:
+        LocalProtocolError: ``max_shard_bytes < 1``.
+    """
+    state = {
+        name: tensor.detach().to(device="cpu", dtype=dtype, copy=copy).contiguous()
+        for name, tensor in stored_state(model).items()
+    }
+    sizes = [(name, t.numel() * t.element_size()) for name, t in state.items()]
+    plan = plan_shards(sizes, max_shard_bytes)
+    if len(plan) == 1:
+        return [WeightFile(SINGLE_WEIGHTS_NAME, state)]
+    return [
+        WeightFile(shard_name(k, len(plan)), {n: state[n] for n in names})
+        for k, names in enumerate(plan, start=1)
+    ]
+
+
+def file_bytes(weights: WeightFile) -> tuple[FileBytes, bytes] | None:
+    """The bytes :func:`save_checkpoint` writes for ``weights``, as the tensors' own memory
+    laid out by the safetensors header (:mod:`shardcast.publish.inmemory`), with that header;
+    None if a tensor has a dtype the layout does not cover (the file is then hashed from
+    disk). The caller checks the written file's header against it
+    (:func:`shardcast.publish.header_matches`) before trusting the layout.
+    """
+    tensors: dict[str, TensorBytes] = {}
+    for name, t in weights.tensors.items():
+        code = _DTYPE_CODES.get(t.dtype)
+        if code is None:
+            return None
+        raw = t.reshape(-1).view(torch.uint8).numpy().data
+        tensors[name] = TensorBytes(code, tuple(t.shape), raw)
+    header = safetensors_header(list(tensors.items()), METADATA)
+    layout = safetensors_file(weights.name, header, {n: t.data for n, t in tensors.items()})
+    return layout, header
 
 
 def plan_shards(sizes: Sequence[tuple[str, int]], max_shard_bytes: int) -> list[list[str]]:
@@ -87,6 +184,7 @@ def save_checkpoint(
     max_shard_bytes: int,
     dtype: torch.dtype = torch.bfloat16,
     assets_from: Path | None = None,
+    weights: Sequence[WeightFile] | None = None,
 ) -> list[Path]:
     """Write ``model`` (cast to ``dtype``) and ``tokenizer`` as a checkpoint directory.
 
@@ -100,6 +198,8 @@ def save_checkpoint(
         assets_from: a model directory whose tokenizer, chat template and generation config
             (``rollout.model_dir.ASSET_NAMES``) are copied verbatim instead of being written
             from ``tokenizer`` and the model: every version then carries the same bytes.
+        weights: the weight files already planned and cast (:func:`weight_files` of the same
+            model, ``max_shard_bytes`` and ``dtype``); planned here when None.
 
     Returns:
         Every file written, sorted by name.
@@ -115,22 +215,13 @@ def save_checkpoint(
     if directory.exists() and (not directory.is_dir() or any(directory.iterdir())):
         raise LocalProtocolError(f"checkpoint directory {directory} exists and is not empty")
     directory.mkdir(parents=True, exist_ok=True)
-    state = {
-        name: tensor.detach().to(device="cpu", dtype=dtype).contiguous()
-        for name, tensor in stored_state(model).items()
-    }
-    sizes = [(name, t.numel() * t.element_size()) for name, t in state.items()]
-    plan = plan_shards(sizes, max_shard_bytes)
-    if len(plan) == 1:
-        path = directory / SINGLE_WEIGHTS_NAME
-        save_file(state, str(path), metadata={"format": "pt"})
-    else:
-        weight_map: dict[str, str] = {}
-        for k, names in enumerate(plan, start=1):
-            path = directory / shard_name(k, len(plan))
-            save_file({n: state[n] for n in names}, str(path), metadata={"format": "pt"})
-            weight_map.update(dict.fromkeys(names, path.name))
-        index = {"metadata": {"total_size": sum(s for _, s in sizes)}, "weight_map": weight_map}
+    files = weight_files(model, max_shard_bytes, dtype) if weights is None else list(weights)
+    for wf in files:
+        save_file(wf.tensors, str(directory / wf.name), metadata=METADATA)
+    if len(files) > 1:
+        weight_map = {n: wf.name for wf in files for n in wf.tensors}
+        total = sum(t.numel() * t.element_size() for wf in files for t in wf.tensors.values())
+        index = {"metadata": {"total_size": total}, "weight_map": weight_map}
         index_path = directory / INDEX_NAME
         index_path.write_text(json.dumps(index, indent=2, sort_keys=True) + "\n")
     _write_configs(model, directory, dtype)

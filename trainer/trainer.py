@@ -38,6 +38,7 @@ bytes from the HTTP lane, accepted/rejected samples from the validator.
 from __future__ import annotations
 
 import contextlib
+import functools
 import json
 import logging
 import os
@@ -61,12 +62,19 @@ from rollout.reputation import Reputation
 from rollout.task import Task, load_task, task_spec
 from rollout.verify import DEFAULT_PROFILES, EngineProfile, Validator, ValidatorConfig
 from shardcast.node import ShardcastNode, iso, wall_of
-from shardcast.publish import Origin
+from shardcast.publish import Origin, PreEncoded
 from shardcast.store import latest_committed
 from shardcast.wire import RunCard, SamplingRules, TaskSpec, architecture_digest, next_card
-from trainer.checkpoint import config_json, save_checkpoint, write_preset_dir
+from trainer.checkpoint import (
+    config_json,
+    file_bytes,
+    save_checkpoint,
+    weight_files,
+    write_preset_dir,
+)
 from trainer.config import TrainerConfig
 from trainer.dataplane import RolloutIntake
+from trainer.encode import Layouts, TensorEncoder, usable
 from trainer.grpo import Rollout, collate, group_advantages, make_optimizer, train_step
 from trainer.oracle import TrainerOracle
 from trainer.readiness import (
@@ -111,6 +119,7 @@ class StepRecord:
     policy_steps_used: list[int] = field(default_factory=list)
     origin_bytes: int = 0
     train_stats: dict[str, float] = field(default_factory=dict)
+    encoded_from_memory: int = 0  #: weight files hashed and encoded from the tensors held
 
 
 class Trainer:
@@ -140,6 +149,7 @@ class Trainer:
         self.model_dir = config.model
         self.on_optimizer_step: Callable[[float], None] | None = None  # seconds (metrics)
         self.session = os.urandom(8).hex()
+        self.encoder = TensorEncoder()
         self.plan = self._plan_start()
 
     def _plan_start(self) -> ResumePlan:
@@ -372,34 +382,89 @@ class Trainer:
         step: int,
         optimizer: Any,
     ) -> None:
-        """Save the trainer state of ``step`` (unless saved already), then publish it."""
-        data_dir = self.config.node.data_dir
-        if step not in await trio.to_thread.run_sync(saved_steps, data_dir):
-            meta = self._state_meta()
-            await trio.to_thread.run_sync(
-                lambda: save_state(data_dir, step, model, optimizer, meta)
-            )
+        """Save the trainer state of ``step`` (unless saved already) and write its checkpoint
+        while another thread hashes and encodes it from the tensors, then publish it."""
         directory = staging / f"step-{step}"
-        await trio.to_thread.run_sync(
-            lambda: save_checkpoint(
-                model,
-                tokenizer,
-                directory,
-                self.config.max_shard_bytes,
-                assets_from=self.model_dir,
-            )
+        pre_encoded, layouts = await self._write_and_encode(
+            origin, model, tokenizer, optimizer, directory, step
         )
-        result = await origin.publish(directory, step)
-        await trio.to_thread.run_sync(prune_states, data_dir, step)
+        try:
+            result = await origin.publish(directory, step, pre_encoded=pre_encoded)
+        finally:
+            await trio.to_thread.run_sync(
+                functools.partial(shutil.rmtree, _cache_dir(directory), ignore_errors=True)
+            )
+        self.encoder.published(layouts)
+        await trio.to_thread.run_sync(prune_states, self.config.node.data_dir, step)
         assert self.intake is not None
         await self.intake.add_version(step, result.manifest.digest, result.path)
         self._close_rejections()
         self.published = step
         self.records.append(
             StepRecord(
-                step, result.announced_at, result.manifest.digest, result.manifest.total_bytes
+                step,
+                result.announced_at,
+                result.manifest.digest,
+                result.manifest.total_bytes,
+                encoded_from_memory=len(pre_encoded),
             )
         )
+
+    async def _write_and_encode(
+        self,
+        origin: Origin,
+        model: Any,
+        tokenizer: Any,
+        optimizer: Any,
+        directory: Path,
+        step: int,
+    ) -> tuple[dict[str, PreEncoded], Layouts]:
+        """Save the trainer state of ``step`` (unless saved already) and write the version into
+        ``directory`` while another thread hashes and delta-encodes its weight files from the
+        tensors (:mod:`trainer.encode`); returns the results whose files are as predicted, and
+        the version's layouts (the next version's base)."""
+        cfg = self.config
+        data_dir = cfg.node.data_dir
+        weights = await trio.to_thread.run_sync(
+            lambda: weight_files(model, cfg.max_shard_bytes, copy=True)
+        )
+        predicted = {w.name: file_bytes(w) for w in weights}
+        layouts = Layouts(
+            step,
+            {n: fb[0] for n, fb in predicted.items() if fb is not None},
+            {n: fb[1] for n, fb in predicted.items() if fb is not None},
+        )
+        plan = origin.encode_plan(step, previous_pending=False)
+        assert plan is not None  # decided: nothing of ours is pending
+        settings, base = plan
+        results: dict[str, PreEncoded] = {}
+
+        async def encode() -> None:
+            results.update(
+                await trio.to_thread.run_sync(
+                    self.encoder.encode, layouts, settings, base, _cache_dir(directory)
+                )
+            )
+
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(encode)
+            if step not in await trio.to_thread.run_sync(saved_steps, data_dir):
+                meta = self._state_meta()
+                await trio.to_thread.run_sync(
+                    lambda: save_state(data_dir, step, model, optimizer, meta)
+                )
+            await trio.to_thread.run_sync(
+                lambda: save_checkpoint(
+                    model,
+                    tokenizer,
+                    directory,
+                    cfg.max_shard_bytes,
+                    assets_from=self.model_dir,
+                    weights=weights,
+                )
+            )
+        ok = await trio.to_thread.run_sync(usable, directory, layouts, results)
+        return ok, layouts
 
     async def _train(
         self,
@@ -616,6 +681,7 @@ class Trainer:
                     "mean_reward": rec.mean_reward,
                     "policy_steps_used": rec.policy_steps_used,
                     "train": rec.train_stats,
+                    "encoded_from_memory": rec.encoded_from_memory,
                 }
             )
         vs = self.validator.statistics()
@@ -640,6 +706,11 @@ class Trainer:
             "trained_verified_samples": self.trained_verified_samples,
             "origin_bytes_total": self.node.http.statistics().bytes_sent,
         }
+
+
+def _cache_dir(directory: Path) -> Path:
+    """Where the in-memory encoder puts the blobs of the version written to ``directory``."""
+    return directory.with_name(f"{directory.name}.encoded")
 
 
 def seeded_rng(seed: int, label: str) -> random.Random:

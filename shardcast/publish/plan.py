@@ -13,6 +13,7 @@ as that part is done (pipelining: the origin serves the first shards while it ha
 
 from __future__ import annotations
 
+import io
 import json
 import logging
 import os
@@ -232,6 +233,10 @@ class PreEncoded:
         return self.blob_dir / f"{self.blob_prefix}{offset}.{encoding}"
 
 
+ShardViews = Iterator[tuple[int, memoryview, memoryview | None]]
+"""``(offset, new bytes, base bytes or None)`` of each shard of a file, in offset order."""
+
+
 def encode_file(
     path: Path,
     size: int,
@@ -241,7 +246,7 @@ def encode_file(
 ) -> Iterator[tuple[ShardResult, str | None]]:
     """Read ``path`` once and yield each shard (offset order) hashed and encoded, with the
     file digest after its last shard (else None): the hash-list root if ``settings.rooted``,
-    else the whole-file BLAKE3.
+    else the whole-file BLAKE3 (:func:`encode_views` over the file's bytes).
 
     Args:
         path: the file; ``size`` its expected size, bytes (nonzero).
@@ -253,41 +258,101 @@ def encode_file(
         CheckpointLayoutError: the file is shorter than ``size``.
         OSError: it cannot be read, or a blob cannot be written.
     """
-    encodings = settings.encodings
     shard_size = settings.shard_size
     buf = bytearray(min(shard_size, size))
-    scratch = bytearray(min(shard_size, size) if encodings else 0)
-    file_hash = None if settings.rooted else blake3.blake3(max_threads=blake3.blake3.AUTO)
-    shard_list: list[tuple[int, str]] = []
+    scratch = bytearray(min(shard_size, size) if settings.encodings else 0)
     base_fh = None
-    if base_path is not None and any(e in codecs.DELTAS for e in encodings):
+    if base_path is not None and any(e in codecs.DELTAS for e in settings.encodings):
         if base_path.is_file() and base_path.stat().st_size == size:
             base_fh = open(base_path, "rb", buffering=0)
+
+    def views(fh: io.FileIO) -> ShardViews:
+        for offset in range(0, size, shard_size):
+            length = min(shard_size, size - offset)
+            view = memoryview(buf)[:length]
+            if fh.readinto(view) != length:
+                raise CheckpointLayoutError(f"{path} changed while hashing")
+            base_view = None
+            if base_fh is not None:
+                base_view = memoryview(scratch)[:length]
+                if os.preadv(base_fh.fileno(), [base_view], offset) != length:
+                    base_view = None  # the base file is shorter than announced: offer no delta
+            yield offset, view, base_view
+
     try:
         with open(path, "rb", buffering=0) as fh:
-            for offset in range(0, size, shard_size):
-                length = min(shard_size, size - offset)
-                view = memoryview(buf)[:length]
-                if fh.readinto(view) != length:
-                    raise CheckpointLayoutError(f"{path} changed while hashing")
-                if file_hash is not None:
-                    file_hash.update(view)
-                digest = blake3.blake3(view, max_threads=blake3.blake3.AUTO).hexdigest()
-                chunks = chunk_digests(view, settings.chunk_bytes) if settings.chunk_bytes else ()
-                shard_list.append((length, digest))
-                encoded = _encode_shard(
-                    view, offset, encodings, base_fh, blob_path, settings.zstd_level, scratch
-                )
-                last = offset + length == size
-                file_digest = None
-                if last:
-                    file_digest = (
-                        file_root(shard_list) if file_hash is None else file_hash.hexdigest()
-                    )
-                yield ShardResult(offset, length, digest, encoded, chunks), file_digest
+            for shard, blobs, file_digest in encode_views(views(fh), size, settings, scratch):
+                for enc, data in blobs.items():
+                    assert blob_path is not None  # encodings imply a blob path
+                    with open(blob_path(shard.offset, enc), "wb") as out:
+                        out.write(data)
+                yield shard, file_digest
     finally:
         if base_fh is not None:
             base_fh.close()
+
+
+def encode_views(
+    views: ShardViews,
+    size: int,
+    settings: EncodeSettings,
+    scratch: bytearray,
+) -> Iterator[tuple[ShardResult, dict[str, bytes], str | None]]:
+    """Hash and encode a file of ``size`` bytes given shard by shard, as :func:`encode_file`
+    (which reads them from disk) and :mod:`shardcast.publish.inmemory` (which takes them from
+    bytes held in memory) do: the same code, so the same digests and blobs. Pure but for
+    ``scratch`` (and whatever ``views`` does).
+
+    Args:
+        views: the shards (they must tile ``[0, size)`` in order; ``settings.shard_size``
+            bytes each, the last shorter). A base view may be a view of ``scratch`` (then it
+            is XORed in place); any other base view is only read.
+        size: the file's size, bytes.
+        settings: shard size, encodings, zstd level (``settings.base`` is not read here).
+        scratch: at least one shard of bytes for the XOR (overwritten).
+
+    Yields:
+        ``(shard, {encoding: blob}, file digest or None)``: the shard's result (its
+        ``encoded`` entries are the blobs' sizes and BLAKE3 digests; the blobs are to be
+        stored as the blob of (offset, encoding)), and after the last shard the file digest:
+        the hash-list root if ``settings.rooted``, else the whole-file BLAKE3.
+
+    Raises:
+        LocalProtocolError: an encoding that cannot be offered.
+    """
+    file_hash = None if settings.rooted else blake3.blake3(max_threads=blake3.blake3.AUTO)
+    shard_list: list[tuple[int, str]] = []
+    for offset, view, base_view in views:
+        if file_hash is not None:
+            file_hash.update(view)
+        shard, blobs = encode_shard(offset, view, base_view, settings, scratch)
+        shard_list.append((shard.length, shard.digest))
+        file_digest = None
+        if offset + shard.length == size:
+            file_digest = file_root(shard_list) if file_hash is None else file_hash.hexdigest()
+        yield shard, blobs, file_digest
+
+
+def encode_shard(
+    offset: int,
+    view: memoryview,
+    base_view: memoryview | None,
+    settings: EncodeSettings,
+    scratch: bytearray,
+) -> tuple[ShardResult, dict[str, bytes]]:
+    """Hash and encode the shard at ``offset`` (see :func:`encode_views`; pure but for
+    ``scratch``, safe to call from several threads with a scratch each).
+
+    Raises:
+        LocalProtocolError: an encoding that cannot be offered.
+    """
+    digest = blake3.blake3(view, max_threads=blake3.blake3.AUTO).hexdigest()
+    chunks = chunk_digests(view, settings.chunk_bytes) if settings.chunk_bytes else ()
+    blobs = shard_blobs(view, base_view, settings.encodings, settings.zstd_level, scratch)
+    encoded = tuple(
+        Encoded(enc, len(data), blake3.blake3(data).hexdigest()) for enc, data in blobs.items()
+    )
+    return ShardResult(offset, len(view), digest, encoded, chunks), blobs
 
 
 def hash_parts(
@@ -508,38 +573,46 @@ def _use_pre_encoded(
 SPARSE_DENSE_FRACTION = 0.05
 
 
-def _encode_shard(
+def shard_blobs(
     view: memoryview,
-    offset: int,
+    base_view: memoryview | None,
     encodings: tuple[str, ...],
-    base_fh: object,
-    blob_path: Callable[[int, str], Path] | None,
     level: int,
     scratch: bytearray,
-) -> tuple[Encoded, ...]:
-    """Encode one shard in each requested form; keep those smaller than raw.
+) -> dict[str, bytes]:
+    """The encoded forms of one shard worth offering (pure but for ``scratch``).
 
-    Of the deltas only the smallest is kept: ``sparse`` first (cheap: ~25 ms per 32 MiB
-    here), then ``xor-zstd`` only if more than :data:`SPARSE_DENSE_FRACTION` of the words
-    changed, where it can win.
+    Of the deltas (only with ``base_view``, the same byte range of the base version) only the
+    smallest is kept: ``sparse`` first (cheap: ~25 ms per 32 MiB here), then ``xor-zstd`` only
+    if more than :data:`SPARSE_DENSE_FRACTION` of the words changed, where it can win. Forms
+    not smaller than the raw shard are dropped.
+
+    Args:
+        view: the shard's bytes.
+        base_view: the base's bytes of the same range, or None (no delta). It may be a view of
+            ``scratch`` (then XORed in place); any other buffer is only read.
+        encodings: the forms requested (not ``raw``).
+        level: zstd level.
+        scratch: at least ``len(view)`` bytes for the XOR (overwritten).
+
+    Returns:
+        encoding -> blob.
+
+    Raises:
+        LocalProtocolError: an encoding that cannot be offered.
     """
-    blobs: dict[str, bytes] = {}
-    base_view = None
-    if base_fh is not None and any(e in codecs.DELTAS for e in encodings):
-        base_view = memoryview(scratch)[: len(view)]
-        if os.preadv(base_fh.fileno(), [base_view], offset) != len(view):  # type: ignore[attr-defined]
-            base_view = None  # the base file is shorter than announced: offer no delta
     for enc in encodings:
         if enc not in codecs.ENCODINGS or enc == codecs.RAW:
             raise LocalProtocolError(f"cannot offer encoding {enc!r}")
-    if base_view is not None:
+    blobs: dict[str, bytes] = {}
+    if base_view is not None and any(e in codecs.DELTAS for e in encodings):
         if codecs.SPARSE in encodings:
             blobs[codecs.SPARSE] = codecs.encode(codecs.SPARSE, view, base_view)
         dense = codecs.SPARSE not in blobs or (
             sparse_count(blobs[codecs.SPARSE]) > SPARSE_DENSE_FRACTION * (len(view) // 2)
         )
         if codecs.XOR_ZSTD in encodings and dense:
-            # XORed in place into ``scratch`` (the base): the sparse patch is already made
+            # into ``scratch`` (in place when the base is read there): sparse is already made
             blobs[codecs.XOR_ZSTD] = codecs.encode(
                 codecs.XOR_ZSTD, view, base_view, level, scratch=scratch
             )
@@ -548,15 +621,7 @@ def _encode_shard(
             del blobs[loser]
     if codecs.ZSTD in encodings:
         blobs[codecs.ZSTD] = codecs.encode(codecs.ZSTD, view, level=level)
-    out = []
-    for enc, data in blobs.items():
-        if len(data) >= len(view):  # not worth it
-            continue
-        assert blob_path is not None
-        with open(blob_path(offset, enc), "wb") as fh:
-            fh.write(data)
-        out.append(Encoded(enc, len(data), blake3.blake3(data).hexdigest()))
-    return tuple(out)
+    return {enc: data for enc, data in blobs.items() if len(data) < len(view)}
 
 
 def build_manifest(

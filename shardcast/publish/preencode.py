@@ -9,7 +9,9 @@ critical path (12.8 s of a 25 s run, issue 16). :class:`PreEncoder` instead scan
 directories that have no marker yet and hashes and encodes
 (:func:`shardcast.publish.plan.encode_file`,
 the very code the publish uses) every file that looks complete, in a worker thread, one file
-at a time. When the marker appears, :meth:`PreEncoder.take` hands the publish the results whose
+at a time, as soon as it looks complete (a file that completes while another is being
+encoded is taken right after it, not a poll later). When the marker appears,
+:meth:`PreEncoder.take` hands the publish the results whose
 files are provably unchanged; :func:`shardcast.publish.plan.hash_parts` links their blobs into the
 version (nothing is read again) and signs their parts at once, and reads only the files that
 were not done ahead. The parts are byte-identical either way: same code, same settings.
@@ -336,10 +338,21 @@ class PreEncoder:
             self.busy_step = None
             self.idle.set()
 
+    async def scan_until_idle(self, watch: Path, ready_marker: str) -> int:
+        """:meth:`scan_once` again as long as it encodes something: a file that became
+        complete while another was being encoded starts at once, not a poll later (each
+        file's delta is pipelined behind the writer, file by file). Returns the files
+        encoded."""
+        total = 0
+        while done := await self.scan_once(watch, ready_marker):
+            total += done
+        return total
+
     async def run(self, watch: Path, ready_marker: str, poll_s: float) -> None:
-        """Scan ``watch`` every ``poll_s`` seconds, forever (cancel to stop)."""
+        """Scan ``watch`` until idle (:meth:`scan_until_idle`), then every ``poll_s``
+        seconds, forever (cancel to stop)."""
         while True:
-            await self.scan_once(watch, ready_marker)
+            await self.scan_until_idle(watch, ready_marker)
             await trio.sleep(poll_s)
 
     async def take(self, step: int, directory: Path) -> dict[str, PreEncoded]:

@@ -6,7 +6,7 @@ from __future__ import annotations
 import random
 from collections.abc import Iterator
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import pytest
 import torch
@@ -19,6 +19,7 @@ from rollout.schema import RolloutBatch
 from shardcast.download.follower import FollowConfig, Follower
 from shardcast.node.cardsync import bootstrap_card
 from shardcast.node.node import NodeConfig, ShardcastNode
+from shardcast.publish import plan
 from shardcast.publish.origin import OriginConfig
 from shardnet.peer import InferencePeer, PeerConfig
 from trainer.config import TrainerConfig
@@ -133,7 +134,15 @@ async def _relay(
             task_status.started(node.p2p.multiaddrs()[0])
 
 
-async def test_whole_loop_two_steps(tmp_path: Path) -> None:
+async def test_whole_loop_two_steps(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    read: list[str] = []  # files the origin hashed from disk
+    from_disk = plan.encode_file
+
+    def spy(path: Path, *args: Any, **kwargs: Any) -> Any:
+        read.append(path.name)
+        return from_disk(path, *args, **kwargs)
+
+    monkeypatch.setattr(plan, "encode_file", spy)
     trainer, peers = await _run_loop(tmp_path, steps=2)
     report = trainer.report()
     assert [r["step"] for r in report["steps"]] == [0, 1, 2]
@@ -145,6 +154,12 @@ async def test_whole_loop_two_steps(tmp_path: Path) -> None:
         assert peer.card_versions_used
         assert set(peer.card_versions_used) == {1}
         assert all(r["broadcast_s"] is not None for r in report["steps"])
+    # every version's weight files were hashed and encoded from the tensors the trainer held
+    # (versions 1 and 2 as deltas against the one before), none read back from disk, and
+    # every peer verified them
+    assert all(r["encoded_from_memory"] >= 1 for r in report["steps"])
+    assert read
+    assert not [n for n in read if n.endswith(".safetensors")]
     # every trained sample came from a verified batch; nothing was rejected
     assert report["trained_samples"] > 0
     assert report["trained_samples"] == report["trained_verified_samples"]

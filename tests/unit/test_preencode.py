@@ -264,6 +264,24 @@ def test_files_not_yet_quiet_wait(tmp_path: Path) -> None:
     assert plans == [4, 4]
 
 
+def test_a_file_completed_meanwhile_is_encoded_without_waiting_a_poll(tmp_path: Path) -> None:
+    """b settles while a is being encoded: the same call encodes it too (file by file)."""
+    watch = tmp_path / "watch"
+    (watch / "step-4").mkdir(parents=True)
+    now_s = time.time()
+    _write(watch / "step-4" / "a.safetensors", b"a" * 100, 1_000)
+    _write(watch / "step-4" / "b.safetensors", b"b" * 100, now_s + 50)  # modified "later"
+    times = iter([now_s + 15, now_s + 70, now_s + 70])  # each scan's clock: b quiet at the 2nd
+    pre = PreEncoder(
+        lambda step: (_settings(None), None),
+        tmp_path / "pre",
+        10.0,
+        clock_ns=lambda: int(next(times) * 1e9),
+    )
+    assert trio.run(pre.scan_until_idle, watch, "DONE") == 2
+    assert pre.encoded_files == 2
+
+
 def test_undecided_base_waits(tmp_path: Path) -> None:
     watch = tmp_path / "watch"
     (watch / "step-5").mkdir(parents=True)
