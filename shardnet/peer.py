@@ -391,7 +391,7 @@ class InferencePeer:
                 )
             held, self._held = self._held, None  # unknown until the swap returns
             swap = await trio.to_thread.run_sync(
-                swap_weights, self.engine, store, signed, path, held
+                swap_weights, self.engine, store, signed, path, held, self.node.metrics.stage_cpu
             )
             self._held = swap.held
             self.swaps_by_path[swap.path.value] += 1
