@@ -8,6 +8,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import torch
 
 from bench import broadcast
 from shardcast.publish.plan import check_layout
@@ -141,3 +142,36 @@ def test_each_system_goes_first_in_turn() -> None:
     orders = [broadcast.rotated(systems, rep) for rep in range(3)]
     assert [o[0] for o in orders] == systems
     assert all(sorted(o) == sorted(systems) for o in orders)
+
+
+def test_scaled_preset_is_at_least_four_real_1b_and_5_3_gb() -> None:
+    from bench import scaled
+
+    big, small = scaled.preset_bytes("real-6b"), scaled.preset_bytes("real-1b")
+    assert small == 1_319_211_008  # 659.6 M bf16 parameters
+    assert big >= 4 * small
+    assert big >= 5.3e9
+
+
+def test_scaled_next_version_changes_exactly_the_count_asked(tmp_path: Path) -> None:
+    from bench import scaled
+    from rollout.model import load_model
+
+    v0, v1 = tmp_path / "v0", tmp_path / "v1"
+    size = scaled.write_checkpoint("tiny", v0, max_shard_bytes=400_000, seed=0)
+    assert size == sum(p.stat().st_size for p in v0.iterdir())
+    assert len(list(v0.glob("*.safetensors"))) > 1  # several weight files, with an index
+    assert scaled.write_next(v0, v1, 5000, seed=1) == 5000
+    assert scaled.changed_elements(v0, v1) == 5000
+    assert sorted(p.name for p in v0.iterdir()) == sorted(p.name for p in v1.iterdir())
+    for p in v0.iterdir():
+        assert p.stat().st_size == (v1 / p.name).stat().st_size
+    a, b = load_model(v0), load_model(v1)  # both load as checkpoints of the preset
+    moved = {
+        n: int((x.view(torch.int16) != b.state_dict()[n].view(torch.int16)).sum())
+        for n, x in a.state_dict().items()
+    }
+    assert sum(moved.values()) == 5000
+    assert sum(1 for k in moved.values() if k) > len(moved) // 2  # spread over the tensors
+    with pytest.raises(ValueError, match="changed"):
+        scaled.write_next(v0, tmp_path / "v1c", 10**12)
