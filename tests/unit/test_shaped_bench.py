@@ -262,3 +262,26 @@ def test_seed_store_places_hard_links_of_the_verified_copy(tmp_path: Path) -> No
     dst = tmp_path / "peer1" / "versions" / broadcast.RUN_ID / "step-0"
     for rel in ("manifest.json", "model.safetensors", ".enc/3.sparse"):
         assert (dst / rel).stat().st_ino == (src / rel).stat().st_ino
+
+
+async def test_shardcast_only_next_publishes_the_next_version_alone(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    seen: dict[str, Any] = {}
+
+    class FakeBaseline:
+        @staticmethod
+        async def arun_shardcast(first: Path, workdir: Path, **kw: Any) -> dict[str, Any]:
+            seen["first"], seen["next"] = first, kw["next_checkpoints"]
+            one = {"last_client_s": 9.0, "first_client_s": 8.0, "cpu_s": {"origin": 1.0}}
+            return {"versions": [one] * (1 + len(kw["next_checkpoints"]))}
+
+    monkeypatch.setattr(broadcast, "_baseline", lambda: FakeBaseline)
+    v0, v1 = tmp_path / "v0", tmp_path / "v1"
+    r = await broadcast.run_shardcast(v0, v1, tmp_path / "w", 10.0, tmp_path, only_next=True)
+    assert (seen["first"], seen["next"]) == (v1, [])
+    assert [v["step"] for v in r["versions"]] == [1]
+    assert r["seeded"]
+    r = await broadcast.run_shardcast(v0, v1, tmp_path / "w", 10.0, tmp_path)
+    assert (seen["first"], seen["next"]) == (v0, [v1])
+    assert [v["step"] for v in r["versions"]] == [0, 1]
