@@ -102,43 +102,15 @@ def timed(fn: Any, *args: Any) -> tuple[Any, float, float]:
     return out, time.perf_counter() - w, time.process_time() - c
 
 
-def run(
-    cache: Path, preset: str, percent: float, seed: int, threads: int, repeat: int
-) -> dict[str, Any]:
-    """The measurement (see module docstring)."""
-    import torch
-
-    from rollout.engine import TransformersEngine
-    from rollout.model import load_model, stored_state
+def _rounds(
+    engine: Any, store: VersionStore, m1: Any, d0: Path, d1: Path, held: Any, repeat: int
+) -> tuple[dict[str, list[float]], Any]:
+    """``repeat`` rounds, each from version 0 again: the in-place update whole (wall, process
+    CPU, the ``engine_update`` stage CPU), stage by stage, then the full reload; returns the
+    times by key and the last plan."""
     from shardcast.core import Stage, StageCpu
-    from shardnet.engine_update import SwapPath, gather_changes, swap_weights
+    from shardnet.engine_update import gather_changes, swap_weights
 
-    torch.set_num_threads(threads)
-    src0, src1 = prepare(cache, preset, percent, seed)
-    root = cache / "store"
-    shutil.rmtree(root, ignore_errors=True)
-    store = VersionStore(root, RUN, keep_last=4, durable=False)
-    m0 = publish(store, src0, 0, None)
-    m1 = publish(store, src1, 1, m0)
-    d0, d1 = store.version_dir(0), store.version_dir(1)
-    blobs = sum(p.stat().st_size for p in (d1 / BLOB_DIR).glob("*.sparse"))
-    size = sum(f.size for f in m1.header.files)
-
-    engine = TransformersEngine()
-    first, first_s, _ = timed(swap_weights, engine, store, m0, d0, None)
-    held = first.held
-    inplace, inplace_s, _ = timed(swap_weights, engine, store, m1, d1, held)
-    if inplace.path is not SwapPath.IN_PLACE:
-        raise SystemExit(f"in-place update refused: {inplace.fallback}")
-    want = load_model(d1)
-    got_state, want_state = stored_state(engine.model), stored_state(want)
-    exact = all(
-        torch.equal(got_state[n].view(torch.int16), want_state[n].view(torch.int16))
-        for n in want_state
-    )
-    del want, got_state, want_state
-
-    assert held is not None
     keys = (
         "in_place",
         "in_place_cpu",
@@ -168,6 +140,46 @@ def run(
         _, wall, cpu = timed(engine.load, d1)  # today's path: reload N+1 holding N
         rounds["full"].append(wall)
         rounds["full_cpu"].append(cpu)
+    return rounds, plan
+
+
+def run(
+    cache: Path, preset: str, percent: float, seed: int, threads: int, repeat: int
+) -> dict[str, Any]:
+    """The measurement (see module docstring)."""
+    import torch
+
+    from rollout.engine import TransformersEngine
+    from rollout.model import load_model, stored_state
+    from shardnet.engine_update import SwapPath, swap_weights
+
+    torch.set_num_threads(threads)
+    src0, src1 = prepare(cache, preset, percent, seed)
+    root = cache / "store"
+    shutil.rmtree(root, ignore_errors=True)
+    store = VersionStore(root, RUN, keep_last=4, durable=False)
+    m0 = publish(store, src0, 0, None)
+    m1 = publish(store, src1, 1, m0)
+    d0, d1 = store.version_dir(0), store.version_dir(1)
+    blobs = sum(p.stat().st_size for p in (d1 / BLOB_DIR).glob("*.sparse"))
+    size = sum(f.size for f in m1.header.files)
+
+    engine = TransformersEngine()
+    first, first_s, _ = timed(swap_weights, engine, store, m0, d0, None)
+    held = first.held
+    inplace, inplace_s, _ = timed(swap_weights, engine, store, m1, d1, held)
+    if inplace.path is not SwapPath.IN_PLACE:
+        raise SystemExit(f"in-place update refused: {inplace.fallback}")
+    want = load_model(d1)
+    got_state, want_state = stored_state(engine.model), stored_state(want)
+    exact = all(
+        torch.equal(got_state[n].view(torch.int16), want_state[n].view(torch.int16))
+        for n in want_state
+    )
+    del want, got_state, want_state
+
+    assert held is not None
+    rounds, plan = _rounds(engine, store, m1, d0, d1, held, repeat)
     med = {k: round(statistics.median(v), 3) for k, v in rounds.items()}
     return {
         "preset": preset,
