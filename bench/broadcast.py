@@ -47,16 +47,37 @@ peer times, the origin's bytes, the bound ``S/B + (ceil(log2(N+1)) - 1) * s/B`` 
 of the smallest offered form of every shard, from shardnet's manifest — the full size, or the
 delta's for the next version; ``s`` their mean per shard; ``B`` the rate; ``N`` = 6 receivers)
 and η = bound / last-peer time, and CPU-seconds per node (SHARDCAST's clients exit after each
-version: each peer is shown a quarter of their sum). Every namespace (and every process in
-one) is removed on any exit, Ctrl-C and SIGTERM included; labs left by a killed run are
-removed at the next start. ``--size-bytes`` cuts both versions to the same subset of weight
-files (still a valid checkpoint); ``--quick`` here means 1 repeat of ``real-1b`` cut to
-~240 MB (about 5 minutes for 200 Mb/s and 1 Gb/s).
+version: each peer is shown a quarter of their sum). Per shardnet node it also reports the
+next version's CPU-seconds by stage (``receive``, ``verify``, ``apply``, ``write``,
+``materialize``, ``engine_update``: the change of ``shardnet_stage_cpu_seconds_total`` on
+the node's ``/metrics`` over the version; the followers here are ``shardnet relay``
+processes, so ``engine_update`` stays 0). Every namespace (and every process in one) is
+removed on any exit, Ctrl-C and SIGTERM included; labs left by a killed run are removed at
+the next start.
+
+Checkpoints in shaped mode: the whole ``real-1b`` (1.32 GB) by default; ``--preset`` takes a
+comma-separated list, run one after the other on the same lab, e.g. ``real-1b,real-6b``:
+``real-6b`` (6.03 GB, 4.6x, ``bench/scaled.py``) gets a next version with exactly as many
+changed bf16 elements as ``real-1b``'s (about 11.5 M, 1.75 %: the same change, not the same
+fraction), and the table adds, per system, the ratio of the next versions' last-peer times
+(last preset over first). ``--seed-base`` runs only the next version: the origin publishes
+version 0 alone, and each follower's store gets it hard-linked from the origin's verified
+copy before the follower starts (SHARDCAST, which has no deltas, publishes the next version
+alone); the output says so. ``--size-bytes`` cuts both versions of each preset to the same
+subset of weight files (still a valid checkpoint); ``--quick`` here means 1 repeat of
+``real-1b`` cut to ~240 MB (about 5 minutes for 200 Mb/s and 1 Gb/s).
+
+Disk: checkpoints are cached under ``--cache`` (``/tmp/shardnet-bench-cache``: ``real-6b``
+takes 12 GB there; remove it when done); each node writes its own copy of every version it
+downloads under ``--workdir`` (``/var/tmp``), removed after each run: a ``real-6b`` run
+needs about 6 x 6 GB per version there.
 
 Run (about 30-40 minutes with 3 repeats; ``--quick`` for a 1-repeat smoke run):
 
     .venv/bin/python bench/broadcast.py --json
-    sudo .venv/bin/python bench/broadcast.py --shaped 200M,1G --repeats 3 --preset real-1b
+    sudo .venv/bin/python bench/broadcast.py --shaped 200M --repeats 3
+    sudo .venv/bin/python bench/broadcast.py --shaped 200M --repeats 1 --preset real-6b \\
+        --seed-base --timeout 2400
     sudo .venv/bin/python bench/broadcast.py --shaped 200M,1G --quick --out shaped.json
 """
 
@@ -92,14 +113,28 @@ DEFAULT_SYSTEMS = ["shardnet", "shardnet-nodelta", "shardcast", "floor"]
 # ----------------------------------------------------------------------------- checkpoints
 
 
+REFERENCE_PRESET = "real-1b"
+"""The preset whose next version's changed-element count the scaled presets copy."""
+
+
 def prepare_checkpoints(
     cache: Path, preset: str, lr: float, max_shard_bytes: int
 ) -> tuple[Path, Path, dict[str, Any]]:
-    """Version 0 (seeded random weights) and version 1 (one Adam step), cached on disk."""
+    """Version 0 (seeded random weights) and version 1, cached on disk: one Adam step
+    (``trainer/evolve.py``), or for a scaled preset (``bench/scaled.py``, e.g. ``real-6b``)
+    exactly as many changed bf16 elements as :data:`REFERENCE_PRESET`'s next version has
+    (which is prepared first). ``info["changed_elements"]``: elements changed."""
+    if preset in _scaled().SCALED_PRESETS:
+        ref = prepare_checkpoints(cache, REFERENCE_PRESET, lr, max_shard_bytes)[2]
+        return _prepare_scaled(cache, preset, max_shard_bytes, ref["changed_elements"])
     d = cache / f"{preset}-lr{lr:g}-shard{max_shard_bytes}"
     v0, v1, info_path = d / "v0", d / "v1", d / "info.json"
     if info_path.exists():
-        return v0, v1, json.loads(info_path.read_text())
+        info = json.loads(info_path.read_text())
+        if "changed_elements" not in info:  # cached by an older version of this script
+            info["changed_elements"] = _scaled().changed_elements(v0, v1)
+            info_path.write_text(json.dumps(info))
+        return v0, v1, info
     shutil.rmtree(d, ignore_errors=True)
     d.mkdir(parents=True)
     t = time.monotonic()
@@ -126,12 +161,44 @@ def prepare_checkpoints(
         str(max_shard_bytes),
     )
     m = re.search(r"\((\d+\.\d+) %\)", out)
+    count = re.search(r"(\d+)/\d+ bf16 elements changed", out)
     info = {
         "preset": preset,
         "lr": lr,
         "generate_s": round(gen_s, 1),
         "evolve_s": round(time.monotonic() - t, 1),
         "changed_percent": float(m.group(1)) if m else None,
+        "changed_elements": (int(count.group(1)) if count else _scaled().changed_elements(v0, v1)),
+        "size_bytes": sum(p.stat().st_size for p in v0.iterdir()),
+    }
+    info_path.write_text(json.dumps(info))
+    return v0, v1, info
+
+
+def _prepare_scaled(
+    cache: Path, preset: str, max_shard_bytes: int, changed: int
+) -> tuple[Path, Path, dict[str, Any]]:
+    """A scaled preset's version 0 and its next version with ``changed`` elements, cached."""
+    scaled = _scaled()
+    d = cache / f"{preset}-same{changed}-shard{max_shard_bytes}"
+    v0, v1, info_path = d / "v0", d / "v1", d / "info.json"
+    if info_path.exists():
+        return v0, v1, json.loads(info_path.read_text())
+    shutil.rmtree(d, ignore_errors=True)
+    print(f"# writing {preset} into {d} (once; remove it when done)", file=sys.stderr, flush=True)
+    t = time.monotonic()
+    scaled.write_checkpoint(preset, v0, max_shard_bytes, seed=0)
+    gen_s = time.monotonic() - t
+    t = time.monotonic()
+    scaled.write_next(v0, v1, changed, seed=1)
+    elements = scaled.preset_bytes(preset) // 2
+    info = {
+        "preset": preset,
+        "generate_s": round(gen_s, 1),
+        "next_s": round(time.monotonic() - t, 1),
+        "next_version": f"the same number of changed bf16 elements as {REFERENCE_PRESET}'s",
+        "changed_elements": changed,
+        "changed_percent": round(100 * changed / elements, 3),
         "size_bytes": sum(p.stat().st_size for p in v0.iterdir()),
     }
     info_path.write_text(json.dumps(info))
@@ -320,10 +387,33 @@ _SCRAPE = (
 )
 
 
-async def _sent_bytes(client: Any, url: str, prefix: list[str] | None = None) -> int:
-    """``shardnet_http_sent_bytes_total`` (lane body bytes sent so far) from a node's
-    ``/metrics`` (with ``prefix``: fetched from inside the node's network namespace, where its
-    address is reachable)."""
+@dataclass(frozen=True)
+class Scrape:
+    """What the benchmark reads off a node's ``/metrics`` at one moment."""
+
+    sent_bytes: int
+    """``shardnet_http_sent_bytes_total``: lane body bytes sent so far."""
+    stage_cpu_s: dict[str, float]
+    """``shardnet_stage_cpu_seconds_total`` by stage: CPU-seconds of the data path so far."""
+
+    @classmethod
+    def parse(cls, text: str) -> Scrape:
+        m = re.search(r"^shardnet_http_sent_bytes_total (\S+)", text, re.MULTILINE)
+        stages = re.findall(
+            r'^shardnet_stage_cpu_seconds_total\{stage="(\w+)"\} (\S+)', text, re.MULTILINE
+        )
+        return cls(int(float(m.group(1))) if m else 0, {k: float(v) for k, v in stages})
+
+    def stage_delta(self, before: Scrape) -> dict[str, float]:
+        """CPU-seconds by stage since ``before``."""
+        return {
+            k: round(v - before.stage_cpu_s.get(k, 0.0), 3) for k, v in self.stage_cpu_s.items()
+        }
+
+
+async def _scrape(client: Any, url: str, prefix: list[str] | None = None) -> Scrape:
+    """A node's ``/metrics`` (with ``prefix``: fetched from inside the node's network
+    namespace, where its address is reachable)."""
     if prefix:
         res = await trio.run_process(
             [*prefix, sys.executable, "-c", _SCRAPE, url + "/metrics"], capture_stdout=True
@@ -331,8 +421,19 @@ async def _sent_bytes(client: Any, url: str, prefix: list[str] | None = None) ->
         text = res.stdout.decode()
     else:
         text = (await client.get_bytes(url + "/metrics", max_bytes=1 << 20, timeout_s=10)).decode()
-    m = re.search(r"^shardnet_http_sent_bytes_total (\S+)", text, re.MULTILINE)
-    return int(float(m.group(1))) if m else 0
+    return Scrape.parse(text)
+
+
+def seed_store(origin_version: Path, data_dir: Path, step: int) -> None:
+    """Place ``origin_version`` (the origin's committed, verified ``step-N`` directory) into
+    the store of the node with ``data_dir`` as its committed version ``step``, as hard links
+    (no byte copied: a 6 GB base costs nothing per node), before that node starts."""
+    dst = data_dir / "versions" / RUN_ID / f"step-{step}"
+    for dirpath, _dirs, files in os.walk(origin_version):
+        rel = Path(dirpath).relative_to(origin_version)
+        (dst / rel).mkdir(parents=True, exist_ok=True)
+        for f in files:
+            os.link(Path(dirpath) / f, dst / rel / f)
 
 
 async def run_shardnet(
@@ -346,13 +447,16 @@ async def run_shardnet(
     log_level: str = "WARNING",
     place: Callable[[str], Place] | None = None,
     relay_serve_once_s: float | None = None,
+    seed_base: bool = False,
 ) -> dict[str, Any]:
     """One shardnet run: publish v0 then v1; returns per-version measurements.
 
     ``place(node_name)`` (``origin``, ``relay1``, ``peer3``...) runs that node in a network
     namespace at its address (``--shaped``); without it every node is on 127.0.0.1.
     ``relay_serve_once_s``: the two relays' super-seeding window (0: off; None: the relay
-    default, on). The peers never super-seed.
+    default, on). The peers never super-seed. ``seed_base``: the origin alone publishes v0,
+    which is then placed into every follower's store before the followers start
+    (:func:`seed_store`); only v1 is measured (the run's ``seeded`` is True).
     """
     from p2p.http_client import HttpClient
     from p2p.identity import Identity
@@ -360,154 +464,166 @@ async def run_shardnet(
     workdir.mkdir(parents=True)  # noqa: ASYNC240 - setup, before anything is timed
     trainer_key = workdir / "origin" / "node.key"
     trainer_id = Identity.load_or_create(trainer_key).peer_id
-    publish = workdir / "publish"
-    publish.mkdir()
+    (workdir / "publish").mkdir()
     common = ["--run-id", RUN_ID, "--keep-last", "2", "--log-level", log_level]
-
-    def net(name: str) -> list[str]:
-        if place is None:
-            return LOOPBACK
-        ip = place(name).ip
-        return ["--listen", f"/ip4/{ip}/tcp/4001", "--http-host", ip, "--http-port", "8001"]
-
-    def prefix(name: str) -> list[str]:
-        return [] if place is None else place(name).prefix
-
-    procs: list[Proc] = []
+    run = _ShardnetRun(workdir, trainer_id, common, place)
+    origin_args = [
+        "origin",
+        "--key",
+        str(trainer_key),
+        "--data-dir",
+        str(workdir / "origin"),
+        "--watch",
+        str(workdir / "publish"),
+        "--shard-size-bytes",
+        str(shard_size),
+        "--deltas" if deltas else "--no-deltas",
+    ]
     versions = []
     async with trio.open_nursery() as nursery, HttpClient() as client:
         try:
-            origin = Proc(
-                "origin",
-                [
-                    "origin",
-                    "--key",
-                    str(trainer_key),
-                    "--data-dir",
-                    str(workdir / "origin"),
-                    "--watch",
-                    str(publish),
-                    "--shard-size-bytes",
-                    str(shard_size),
-                    "--deltas" if deltas else "--no-deltas",
-                    *common,
-                    *net("origin"),
-                ],
-                workdir,
-                prefix("origin"),
-            )
-            procs.append(origin)
-            oaddr = (await origin.start(nursery))["multiaddrs"][0]
-            relay_addrs = []
-            for i in range(1, N_RELAYS + 1):
-                p = Proc(
-                    f"relay{i}",
-                    [
-                        "relay",
-                        "--upstream",
-                        oaddr,
-                        "--trainer-id",
-                        trainer_id,
-                        "--data-dir",
-                        str(workdir / f"relay{i}"),
-                        *(
-                            ["--serve-once-s", f"{relay_serve_once_s:g}"]
-                            if relay_serve_once_s is not None
-                            else []
-                        ),
-                        *common,
-                        *net(f"relay{i}"),
-                    ],
-                    workdir,
-                    prefix(f"relay{i}"),
-                )
-                procs.append(p)
-                relay_addrs.append((await p.start(nursery))["multiaddrs"][0])
-            peers = []
+            oaddr = await run.start(nursery, "origin", origin_args)
+            todo = [(0, v0), (1, v1)]
+            if seed_base:
+                await run.publish_alone(0, v0, timeout_s)
+                for name in run.followers():
+                    seed_store(run.committed(0), workdir / name, 0)
+                todo = todo[1:]
+            window = [] if relay_serve_once_s is None else [f"{relay_serve_once_s:g}"]
+            extra = ["--serve-once-s", *window] if window else []
+            relay_addrs = [
+                await run.follower(nursery, f"relay{i}", [oaddr], extra)
+                for i in range(1, N_RELAYS + 1)
+            ]
             for i in range(1, N_PEERS + 1):
-                p = Proc(
-                    f"peer{i}",
-                    [
-                        "relay",
-                        *[a for r in relay_addrs for a in ("--upstream", r)],
-                        "--trainer-id",
-                        trainer_id,
-                        "--data-dir",
-                        str(workdir / f"peer{i}"),
-                        # download-only followers standing in for inference peers, which
-                        # never super-seed
-                        "--serve-once-s",
-                        "0",
-                        *common,
-                        *net(f"peer{i}"),
-                    ],
-                    workdir,
-                    prefix(f"peer{i}"),
-                )
-                procs.append(p)
-                peers.append(p)
-                await p.start(nursery)
-            for step, src in enumerate((v0, v1)):
-                staged = publish / f"step-{step}"
-                staged.mkdir()
-                for f in src.iterdir():
-                    os.link(f, staged / f.name)
-                sent0 = {
-                    p.name: await _sent_bytes(client, p.ready["http_url"], p.prefix) for p in procs
-                }
-                cpu0 = {p.name: _cpu_s(p) for p in procs}
-                sys0 = {p.name: _cpu_s(p, "sys") for p in procs}
-                t0 = time.perf_counter()
-                (staged / "DONE").touch()
-                done: dict[str, float] = {}
-                with trio.fail_after(timeout_s):
-                    while len(done) < N_PEERS:
-                        for p in peers:
-                            mark = (
-                                workdir
-                                / p.name
-                                / "versions"
-                                / RUN_ID
-                                / f"step-{step}"
-                                / "manifest.json"
-                            )
-                            if p.name not in done and mark.exists():
-                                done[p.name] = time.perf_counter() - t0
-                        await trio.sleep(0.02)
-                cpu = {p.name: round(_cpu_s(p) - cpu0[p.name], 2) for p in procs}
-                cpu_sys = {p.name: round(_cpu_s(p, "sys") - sys0[p.name], 2) for p in procs}
-                sent = {
-                    p.name: await _sent_bytes(client, p.ready["http_url"], p.prefix) - sent0[p.name]
-                    for p in procs
-                }
-                store = workdir / "origin" / "versions" / RUN_ID / f"step-{step}"
-                min_bytes, n_shards = await trio.to_thread.run_sync(
-                    least_bytes, store / "manifest.json", trainer_id
-                )
-                versions.append(
-                    {
-                        "step": step,
-                        "first_s": round(min(done.values()), 3),
-                        "last_s": round(max(done.values()), 3),
-                        "peers_s": done,
-                        "origin_bytes": sent["origin"],
-                        "relay_bytes": {
-                            f"relay{i}": sent[f"relay{i}"] for i in range(1, N_RELAYS + 1)
-                        },
-                        "peer_bytes": {p.name: sent[p.name] for p in peers},
-                        "received_bytes": sum(sent.values()),
-                        "least_bytes": min_bytes,
-                        "shards": n_shards,
-                        "cpu_s": cpu,
-                        "cpu_sys_s": cpu_sys,
-                    }
-                )
+                # download-only followers standing in for inference peers, which never
+                # super-seed
+                await run.follower(nursery, f"peer{i}", relay_addrs, ["--serve-once-s", "0"])
+            for step, src in todo:
+                versions.append(await run.measure(client, step, src, timeout_s))
         finally:
             with trio.CancelScope(shield=True):
-                for p in reversed(procs):
+                for p in reversed(run.procs):
                     await p.stop()
             nursery.cancel_scope.cancel()
-    return {"system": "shardnet" if deltas else "shardnet-nodelta", "versions": versions}
+    system = "shardnet" if deltas else "shardnet-nodelta"
+    return {"system": system, "versions": versions, "seeded": seed_base}
+
+
+class _ShardnetRun:
+    """The nodes of one :func:`run_shardnet` and the measurement of one version."""
+
+    def __init__(
+        self,
+        workdir: Path,
+        trainer_id: str,
+        common: list[str],
+        place: Callable[[str], Place] | None,
+    ) -> None:
+        self.workdir = workdir
+        self.trainer_id = trainer_id
+        self.common = common
+        self.place = place
+        self.procs: list[Proc] = []
+
+    def net(self, name: str) -> list[str]:
+        if self.place is None:
+            return LOOPBACK
+        ip = self.place(name).ip
+        return ["--listen", f"/ip4/{ip}/tcp/4001", "--http-host", ip, "--http-port", "8001"]
+
+    def prefix(self, name: str) -> list[str]:
+        return [] if self.place is None else self.place(name).prefix
+
+    @staticmethod
+    def followers() -> list[str]:
+        return [f"relay{i}" for i in range(1, N_RELAYS + 1)] + [
+            f"peer{i}" for i in range(1, N_PEERS + 1)
+        ]
+
+    def committed(self, step: int, name: str = "origin") -> Path:
+        return self.workdir / name / "versions" / RUN_ID / f"step-{step}"
+
+    async def start(self, nursery: trio.Nursery, name: str, args: list[str]) -> str:
+        """Start node ``name``; returns its first multiaddr."""
+        p = Proc(name, [*args, *self.common, *self.net(name)], self.workdir, self.prefix(name))
+        self.procs.append(p)
+        return str((await p.start(nursery))["multiaddrs"][0])
+
+    async def follower(
+        self, nursery: trio.Nursery, name: str, upstreams: list[str], extra: list[str]
+    ) -> str:
+        """Start a ``shardnet relay`` process following ``upstreams``."""
+        return await self.start(
+            nursery,
+            name,
+            [
+                "relay",
+                *[a for u in upstreams for a in ("--upstream", u)],
+                "--trainer-id",
+                self.trainer_id,
+                "--data-dir",
+                str(self.workdir / name),
+                *extra,
+            ],
+        )
+
+    def stage(self, step: int, src: Path) -> Path:
+        """Hard-link ``src`` into the origin's watched directory as ``step-N`` (not yet
+        ``DONE``)."""
+        staged = self.workdir / "publish" / f"step-{step}"
+        staged.mkdir()
+        for f in src.iterdir():
+            os.link(f, staged / f.name)
+        return staged
+
+    async def publish_alone(self, step: int, src: Path, timeout_s: float) -> None:
+        """Publish ``src`` before any follower runs; wait for the origin's commit."""
+        (self.stage(step, src) / "DONE").touch()
+        with trio.fail_after(timeout_s):
+            while not (self.committed(step) / "manifest.json").exists():  # noqa: ASYNC110
+                await trio.sleep(0.1)
+
+    async def measure(self, client: Any, step: int, src: Path, timeout_s: float) -> dict[str, Any]:
+        """Publish ``src`` as version ``step`` and measure it until every peer holds it."""
+        procs = self.procs
+        peers = [p for p in procs if p.name.startswith("peer")]
+        staged = self.stage(step, src)
+        before = {p.name: await _scrape(client, p.ready["http_url"], p.prefix) for p in procs}
+        cpu0 = {p.name: _cpu_s(p) for p in procs}
+        sys0 = {p.name: _cpu_s(p, "sys") for p in procs}
+        t0 = time.perf_counter()
+        (staged / "DONE").touch()
+        done: dict[str, float] = {}
+        with trio.fail_after(timeout_s):
+            while len(done) < len(peers):
+                for p in peers:
+                    mark = self.committed(step, p.name) / "manifest.json"
+                    if p.name not in done and mark.exists():
+                        done[p.name] = time.perf_counter() - t0
+                await trio.sleep(0.02)
+        cpu = {p.name: round(_cpu_s(p) - cpu0[p.name], 2) for p in procs}
+        cpu_sys = {p.name: round(_cpu_s(p, "sys") - sys0[p.name], 2) for p in procs}
+        after = {p.name: await _scrape(client, p.ready["http_url"], p.prefix) for p in procs}
+        sent = {p.name: after[p.name].sent_bytes - before[p.name].sent_bytes for p in procs}
+        min_bytes, n_shards = await trio.to_thread.run_sync(
+            least_bytes, self.committed(step) / "manifest.json", self.trainer_id
+        )
+        return {
+            "step": step,
+            "first_s": round(min(done.values()), 3),
+            "last_s": round(max(done.values()), 3),
+            "peers_s": done,
+            "origin_bytes": sent["origin"],
+            "relay_bytes": {f"relay{i}": sent[f"relay{i}"] for i in range(1, N_RELAYS + 1)},
+            "peer_bytes": {p.name: sent[p.name] for p in peers},
+            "received_bytes": sum(sent.values()),
+            "least_bytes": min_bytes,
+            "shards": n_shards,
+            "cpu_s": cpu,
+            "cpu_sys_s": cpu_sys,
+            "stage_cpu_s": {p.name: after[p.name].stage_delta(before[p.name]) for p in procs},
+        }
 
 
 # ----------------------------------------------------------------------------- SHARDCAST
@@ -538,6 +654,14 @@ def _floor() -> Any:
     return floor
 
 
+def _scaled() -> Any:
+    """The module ``bench/scaled.py``."""
+    _bench_path()
+    import scaled  # type: ignore[import-not-found]
+
+    return scaled
+
+
 def _baseline() -> Any:
     """The module ``bench/shardcast_baseline.py``."""
     _bench_path()
@@ -547,16 +671,25 @@ def _baseline() -> Any:
 
 
 async def run_shardcast(
-    v0: Path, v1: Path, workdir: Path, timeout_s: float, venv: Path, **config: Any
+    v0: Path,
+    v1: Path,
+    workdir: Path,
+    timeout_s: float,
+    venv: Path,
+    only_next: bool = False,
+    **config: Any,
 ) -> dict[str, Any]:
     """One SHARDCAST run through bench/shardcast_baseline.py (1 origin, 2 middles with
     ``--check-interval 1``, 4 clients on 127.0.0.1, or placed by ``config``'s ``hosts`` and
-    ``exec_prefix``; crashed clients restarted and counted)."""
+    ``exec_prefix``; crashed clients restarted and counted). ``only_next``: publish v1 alone
+    (SHARDCAST moves whole files for every version, so its next version is a full transfer
+    whatever its nodes held before), reported as version 1."""
+    first, nexts = (v1, []) if only_next else (v0, [v1])
     res = await _baseline().arun_shardcast(
-        v0, workdir, next_checkpoints=[v1], timeout_s=timeout_s, venv=str(venv), **config
+        first, workdir, next_checkpoints=nexts, timeout_s=timeout_s, venv=str(venv), **config
     )
     versions = []
-    for step, v in enumerate(res["versions"]):
+    for step, v in enumerate(res["versions"], start=1 if only_next else 0):
         versions.append(
             {
                 "step": step,
@@ -569,7 +702,7 @@ async def run_shardcast(
                 "raw": v,
             }
         )
-    return {"system": "shardcast", "versions": versions}
+    return {"system": "shardcast", "versions": versions, "seeded": only_next}
 
 
 def _shardcast_cpu(cpu: dict[str, float]) -> dict[str, float]:
@@ -673,6 +806,7 @@ async def _shaped_run(
             exec_prefix={n: lab.exec_prefix(i) for i, n in enumerate(SHARDCAST_NAMES)},
             fixed_port=8000,
             isolate_scratch=True,  # as on separate machines: no shared /tmp scratch
+            only_next=args.seed_base,
         )
     return await run_shardnet(
         v0,
@@ -684,6 +818,7 @@ async def _shaped_run(
         log_level=args.log_level,
         place=places.__getitem__,
         relay_serve_once_s=args.relay_serve_once_s,
+        seed_base=args.seed_base,
     )
 
 
@@ -715,11 +850,12 @@ def summarize_shaped(
         out["systems"][system] = [
             _shaped_version(
                 step,
-                [r["versions"][step] for r in rs if len(r["versions"]) > step],
+                [v for r in rs for v in r["versions"] if v["step"] == step],
                 out["bounds"][step]["bound_s"],
             )
             for step in (0, 1)
         ]
+    out["seeded"] = any(r.get("seeded") for rs in runs.values() for r in rs)
 
     def t(system: str, step: int) -> float | None:
         vs = out["systems"].get(system, [])
@@ -740,6 +876,8 @@ def _shaped_version(step: int, vs: list[dict[str, Any]], bound: float) -> dict[s
         return {"step": step, "last_s": None, "repeats": len(vs)}
     last = _median(lasts)
     nodes = sorted({k for v in vs for k in (v.get("cpu_s") or {})})
+    stage_nodes = sorted({k for v in vs for k in (v.get("stage_cpu_s") or {})})
+    stages = sorted({st for v in vs for per in (v.get("stage_cpu_s") or {}).values() for st in per})
     return {
         "step": step,
         "first_s": round(_median([v["first_s"] for v in vs if v["first_s"]] or [0]), 3),
@@ -751,39 +889,69 @@ def _shaped_version(step: int, vs: list[dict[str, Any]], bound: float) -> dict[s
         "cpu_s": {
             k: round(_median([(v.get("cpu_s") or {}).get(k, 0.0) for v in vs]), 2) for k in nodes
         },
+        "stage_cpu_s": {
+            k: {
+                st: round(_median([v["stage_cpu_s"].get(k, {}).get(st, 0.0) for v in vs]), 3)
+                for st in stages
+            }
+            for k in stage_nodes
+        },
         "repeats": len(vs),
         "failed": len(vs) - len(lasts),
     }
 
 
+def shaped_checkpoints(args: argparse.Namespace) -> dict[str, tuple[Path, Path, dict[str, Any]]]:
+    """Each ``--preset``'s (v0, v1, info), prepared (and cut to ``--size-bytes``) once."""
+    cache = Path(args.cache)
+    out = {}
+    for preset in args.presets:
+        v0, v1, info = prepare_checkpoints(cache, preset, args.lr, args.max_shard_bytes)
+        if args.size_bytes:
+            v0, v1, size = subset_versions(v0, v1, v0.parent, args.size_bytes)
+            info = {**info, "subset_bytes": size, "subset_dir": str(v0.parent)}
+        out[preset] = (v0, v1, info)
+    return out
+
+
+def _size(info: dict[str, Any]) -> int:
+    return int(info.get("subset_bytes") or info["size_bytes"])
+
+
 def run_shaped(args: argparse.Namespace) -> dict[str, Any]:
-    """The shaped-link benchmark (``--shaped``): one lab of 7 network namespaces per rate."""
+    """The shaped-link benchmark (``--shaped``): one lab of 7 network namespaces per rate,
+    every ``--preset`` on it in turn."""
     sys.path.insert(0, str(REPO))
     from simulations import netns
 
-    cache = Path(args.cache)
-    v0, v1, info = prepare_checkpoints(cache, args.preset, args.lr, args.max_shard_bytes)
-    size = info["size_bytes"]
-    if args.size_bytes:
-        v0, v1, size = subset_versions(v0, v1, v0.parent, args.size_bytes)
-        info = {**info, "subset_bytes": size, "subset_dir": str(v0.parent)}
+    checkpoints = shaped_checkpoints(args)
     removed = netns.cleanup_stale()
     if removed:
         print(f"# removed stale labs {removed}", file=sys.stderr, flush=True)
     Path(args.workdir).mkdir(parents=True, exist_ok=True)
     root = Path(tempfile.mkdtemp(prefix="shardnet-shaped-", dir=args.workdir))
-    out: dict[str, Any] = {"checkpoint": info, "rates": {}, "runs": {}}
+    out: dict[str, Any] = {
+        "checkpoints": {p: info for p, (_, _, info) in checkpoints.items()},
+        "seed_base": args.seed_base,
+        "rates": {},
+        "runs": {},
+        "scaling": {},
+    }
     previous = signal.signal(signal.SIGTERM, _interrupt)
     try:
         for rate in args.shaped:
             label = rate_label(rate)
+            out["rates"][label], out["runs"][label] = {}, {}
             with netns.Lab() as lab:  # teardown (every process, every namespace) on any exit
                 for i in range(len(SHAPED_NODES)):
                     lab.add_node(i, rate / 8, rate / 8, 0.0, 0.0)
-                runs = trio.run(_shaped_runs, lab, v0, v1, root, args, label)
-            out["rates"][label] = summarize_shaped(runs, size, rate, args.shard_size)
-            out["runs"][label] = runs
+                for preset, (v0, v1, info) in checkpoints.items():
+                    runs = trio.run(_shaped_runs, lab, v0, v1, root, args, f"{label} {preset}")
+                    summary = summarize_shaped(runs, _size(info), rate, args.shard_size)
+                    out["rates"][label][preset] = summary
+                    out["runs"][label][preset] = runs
             out["netem"] = lab.netem
+            out["scaling"][label] = scaling(out["rates"][label], out["checkpoints"])
     finally:
         signal.signal(signal.SIGTERM, previous)
         if args.keep:
@@ -793,31 +961,106 @@ def run_shaped(args: argparse.Namespace) -> dict[str, Any]:
     return out
 
 
+def scaling(
+    by_preset: dict[str, dict[str, Any]], infos: dict[str, dict[str, Any]]
+) -> dict[str, Any]:
+    """Per system, the next version's last-peer time of each preset and the ratio of the
+    last preset's to the first's (``next(4x)/next(1x)`` when run with ``real-1b,real-6b``);
+    None where either did not finish or only one preset ran."""
+    presets = list(by_preset)
+    systems = sorted({sy for summary in by_preset.values() for sy in summary["systems"]})
+    out: dict[str, Any] = {}
+    for system in systems:
+        nxt = {}
+        for p in presets:
+            vs = by_preset[p]["systems"].get(system, [])
+            nxt[p] = vs[1]["last_s"] if len(vs) > 1 else None
+        a, b = nxt[presets[0]], nxt[presets[-1]]
+        ratio = round(b / a, 3) if len(presets) > 1 and a and b else None
+        out[system] = {"next_s": nxt, "ratio_last_over_first": ratio}
+    if len(presets) > 1:
+        out["size_ratio"] = round(_size(infos[presets[-1]]) / _size(infos[presets[0]]), 3)
+        out["changed_elements"] = {p: infos[p].get("changed_elements") for p in presets}
+    return out
+
+
 def _interrupt(signum: int, frame: Any) -> None:
     raise KeyboardInterrupt(f"signal {signum}")
 
 
+STAGE_COLUMNS = ("receive", "verify", "apply", "write", "materialize", "engine_update")
+
+
 def print_shaped_table(out: dict[str, Any]) -> None:
-    print(f"checkpoint: {out['checkpoint']}")
-    print(
-        f"{'link':<11}{'system':<18}{'version':>8}{'first s':>9}{'last s':>9}{'bound s':>9}"
-        f"{'eta':>7}{'origin MB':>11}  CPU-s per node"
-    )
-    for label, res in out["rates"].items():
-        for system, per in res["systems"].items():
-            for e in per:
-                version = "full" if e["step"] == 0 else "next"
-                if e.get("last_s") is None:
-                    print(f"{label:<11}{system:<18}{version:>8}  (did not finish)")
-                    continue
-                cpu = " ".join(f"{k}={v:g}" for k, v in e["cpu_s"].items())
-                print(
-                    f"{label:<11}{system:<18}{version:>8}{e['first_s']:>9.2f}{e['last_s']:>9.2f}"
-                    f"{e['bound_s']:>9.2f}{e['eta']:>7.3f}{e['origin_bytes'] / 1e6:>11.1f}  {cpu}"
-                )
+    """The shaped run's tables: per rate and checkpoint, each system's full and next version;
+    per node, the next version's CPU-seconds by stage; the next versions' scaling."""
+    for preset, info in out["checkpoints"].items():
+        print(f"checkpoint {preset}: {info}")
+    if out.get("seed_base"):
         print(
-            f"{label}: full_ratio_vs_shardcast={res['full_ratio_vs_shardcast']} "
-            f"delta_ratio_vs_shardcast={res['delta_ratio_vs_shardcast']}"
+            "base seeded (--seed-base): the full version was not run; before the followers "
+            "started, each one's store got version 0 hard-linked from the origin's verified "
+            "copy; SHARDCAST (no deltas) published the next version alone"
+        )
+    print(
+        f"{'link':<11}{'checkpoint':<11}{'system':<18}{'version':>8}{'first s':>9}"
+        f"{'last s':>9}{'bound s':>9}{'eta':>7}{'origin MB':>11}  CPU-s per node"
+    )
+    for label, by_preset in out["rates"].items():
+        for preset, res in by_preset.items():
+            for system, per in res["systems"].items():
+                for e in per:
+                    print(_version_row(label, preset, system, e, res.get("seeded", False)))
+            print(
+                f"{label} {preset}: full_ratio_vs_shardcast={res['full_ratio_vs_shardcast']} "
+                f"delta_ratio_vs_shardcast={res['delta_ratio_vs_shardcast']}"
+            )
+        _print_stage_table(label, by_preset)
+        _print_scaling(label, out["scaling"].get(label, {}))
+
+
+def _version_row(label: str, preset: str, system: str, e: dict[str, Any], seeded: bool) -> str:
+    version = "full" if e["step"] == 0 else "next"
+    head = f"{label:<11}{preset:<11}{system:<18}{version:>8}"
+    if e.get("last_s") is None:
+        why = "not run: base seeded" if seeded and e["step"] == 0 else "did not finish"
+        return f"{head}  ({why})"
+    cpu = " ".join(f"{k}={v:g}" for k, v in e["cpu_s"].items())
+    return (
+        f"{head}{e['first_s']:>9.2f}{e['last_s']:>9.2f}{e['bound_s']:>9.2f}{e['eta']:>7.3f}"
+        f"{e['origin_bytes'] / 1e6:>11.1f}  {cpu}"
+    )
+
+
+def _print_stage_table(label: str, by_preset: dict[str, Any]) -> None:
+    """Per node, the next version's CPU-seconds by stage (``shardnet_stage_cpu_seconds_total``
+    before and after the version; SHARDCAST exports none)."""
+    head = "".join(f"{c:>14}" for c in (*STAGE_COLUMNS, "stages", "process"))
+    for preset, res in by_preset.items():
+        for system, per in res["systems"].items():
+            e = per[1] if len(per) > 1 else {}
+            if not e.get("stage_cpu_s"):
+                continue
+            print(f"{label} {preset} {system}: next version, CPU-s by stage (medians)")
+            print(f"  {'node':<8}{head}")
+            for node, stages in e["stage_cpu_s"].items():
+                cells = [stages.get(c, 0.0) for c in STAGE_COLUMNS]
+                cells += [sum(stages.values()), e["cpu_s"].get(node, float("nan"))]
+                print(f"  {node:<8}" + "".join(f"{x:>14.3f}" for x in cells))
+
+
+def _print_scaling(label: str, sc: dict[str, Any]) -> None:
+    if "size_ratio" not in sc:
+        return
+    for system, row in sc.items():
+        if not isinstance(row, dict) or "next_s" not in row:
+            continue
+        times = " ".join(f"{p}={t}" for p, t in row["next_s"].items())
+        print(
+            f"{label} {system}: next version last peer s {times}; "
+            f"next(last)/next(first)={row['ratio_last_over_first']} "
+            f"(checkpoint size ratio {sc['size_ratio']}, changed elements "
+            f"{sc['changed_elements']})"
         )
 
 
@@ -958,7 +1201,19 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--json", action="store_true", help="print one JSON object")
     ap.add_argument("--repeats", type=int, default=None, help="default 3 (1 with --quick)")
     ap.add_argument("--quick", action="store_true", help="1 repeat, real-1b checkpoint")
-    ap.add_argument("--preset", default="real-2b")
+    ap.add_argument(
+        "--preset",
+        default=None,
+        help="checkpoint preset (default real-2b; with --shaped real-1b, whole; --shaped "
+        "takes a comma-separated list, e.g. real-1b,real-6b: each on the same lab, and the "
+        "next versions' time ratio)",
+    )
+    ap.add_argument(
+        "--seed-base",
+        action="store_true",
+        help="--shaped: run only the next version; every follower's store gets version 0 "
+        "hard-linked from the origin's verified copy before it starts",
+    )
     ap.add_argument("--lr", type=float, default=1e-6, help="Adam lr of the next version")
     ap.add_argument(
         "--max-shard-bytes",
@@ -1032,6 +1287,10 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     if args.shaped:
         return shaped_main(args)
+    if args.seed_base:
+        print("broadcast: --seed-base needs --shaped", file=sys.stderr)
+        return 2
+    args.preset = args.preset or "real-2b"
     if args.quick:
         args.repeats, args.preset = args.repeats or 1, "real-1b"
     args.repeats = args.repeats or 3
@@ -1070,11 +1329,22 @@ def shaped_main(args: argparse.Namespace) -> int:
             file=sys.stderr,
         )
         return 2
+    args.presets = [p.strip() for p in (args.preset or "real-1b").split(",") if p.strip()]
     if args.quick:
-        args.repeats, args.preset, args.max_shard_bytes = args.repeats or 1, "real-1b", 128 << 20
+        args.repeats, args.presets, args.max_shard_bytes = args.repeats or 1, ["real-1b"], 128 << 20
         args.size_bytes = args.size_bytes or 240_000_000
         args.timeout = min(args.timeout, 300.0)
     args.repeats = args.repeats or 3
+    from rollout.model import PRESETS
+
+    unknown = [p for p in args.presets if p not in PRESETS]
+    if unknown or not args.presets:
+        print(
+            f"broadcast: --preset {args.preset}: unknown preset {unknown} (known: "
+            f"{', '.join(PRESETS)})",
+            file=sys.stderr,
+        )
+        return 2
     try:
         out = run_shaped(args)
     except KeyboardInterrupt:

@@ -9,7 +9,8 @@ with seeded random weights, and the tokenizer is built locally:
   four specials (``<pad>`` = 0, ``<bos>`` = 1, ``<eos>`` = 2, ``<unk>`` = 3) and reserved
   filler tokens up to :data:`TOKENIZER_VOCAB_SIZE` (128). Encoding prepends ``<bos>``. It saves with
   ``save_pretrained`` and reloads offline with ``AutoTokenizer.from_pretrained(dir)``.
-* :func:`build_model` makes a preset (``"tiny"`` or ``"real-1b"``, both Llama architecture)
+* :func:`build_model` makes a preset (``"tiny"``, ``"real-1b"``, ``"real-2b"`` or
+  ``"real-6b"``, all Llama architecture)
   with weights initialized in float32 from ``seed`` (global RNG state forked and restored),
   then cast to the requested dtype. Floating buffers (RoPE ``inv_freq``) stay float32, as
   ``from_pretrained`` leaves them.
@@ -117,6 +118,19 @@ PRESETS: dict[str, dict[str, Any]] = {
         "num_hidden_layers": 22,
         "num_attention_heads": 32,
         "num_key_value_heads": 4,
+        "max_position_embeddings": 2048,
+    },
+    # Llama-3.2-3B's layer shape (hidden 3072, 24 heads of 128, 8 KV heads, MLP 8192, 28
+    # layers) with the 32k vocabulary: 3.01 G parameters, 6.03 GB (5.62 GiB) in bf16, 4.6x
+    # ``real-1b``: the larger checkpoint of the broadcast benchmark's scaling run. Built by
+    # ``bench/scaled.py`` tensor by tensor (an fp32 build would need ~12 GB of memory).
+    "real-6b": {
+        "vocab_size": 32000,
+        "hidden_size": 3072,
+        "intermediate_size": 8192,
+        "num_hidden_layers": 28,
+        "num_attention_heads": 24,
+        "num_key_value_heads": 8,
         "max_position_embeddings": 2048,
     },
 }

@@ -18,7 +18,13 @@ checkpoint_app = typer.Typer(help="Generate real-architecture checkpoints for te
 @checkpoint_app.command("generate")
 def checkpoint_generate(
     out: Annotated[Path, Opt("--out", help="Checkpoint directory to create.")],
-    preset: Annotated[str, Opt(help="Model preset: tiny, real-1b, real-2b (>= 2 GiB).")] = "tiny",
+    preset: Annotated[
+        str,
+        Opt(
+            help="Model preset: tiny, real-1b, real-2b (>= 2 GiB), real-6b (6 GB; builds in "
+            "fp32 here, ~12 GB of memory: bench/scaled.py writes it tensor by tensor)."
+        ),
+    ] = "tiny",
     seed: Annotated[int, Opt(help="Weight initialisation seed.")] = 0,
     max_shard_bytes: Annotated[int, Opt(help="Safetensors file size cap, bytes.")] = 1 << 30,
 ) -> None:

@@ -26,6 +26,10 @@ already checked that applying it to ``N`` gives ``N+1``'s signed shard digest. A
 in another dtype than the checkpoint's (an engine that casts on load) is refused by the
 planner, so the bytes patched are always the checkpoint's.
 
+CPU: with a :class:`~shardcast.core.StageCpu`, the swap's CPU is charged to
+``engine_update``: the calling thread's, and that of the threads decoding the blobs; not that
+of the engine's own worker threads (the patch pool, torch's intra-op threads).
+
 The result says which path was taken, why a fallback happened (a
 :class:`~rollout.delta_plan.MismatchReason`) and how long it took; the peer logs it.
 Blocking (run it in a worker thread); not safe concurrently with other engine calls.
@@ -52,6 +56,7 @@ from rollout.delta_plan import (
 )
 from rollout.engine import Engine, InPlaceEngine
 from rollout.model import tensor_files
+from shardcast.core import Stage, StageCpu
 from shardcast.store import VersionStore
 from shardcast.wire import Manifest, ShardRef, blake3_hex, codecs
 
@@ -95,7 +100,11 @@ class SwapResult:
 
 
 def gather_changes(
-    store: VersionStore, manifest: Manifest, held: HeldVersion, threads: int = UPDATE_THREADS
+    store: VersionStore,
+    manifest: Manifest,
+    held: HeldVersion,
+    threads: int = UPDATE_THREADS,
+    cpu: StageCpu | None = None,
 ) -> list[ShardChanges]:
     """The changes of ``manifest``'s version against the held one, from the kept blobs.
 
@@ -104,6 +113,7 @@ def gather_changes(
         manifest: the new version (complete).
         held: what the engine holds.
         threads: shards decoded at once (worker threads; 1: in the calling thread).
+        cpu: charged with the decoding threads' CPU (``engine_update``), or None.
 
     Returns:
         the changes of every shard of the weight files, in shard order.
@@ -141,8 +151,9 @@ def gather_changes(
 
     if threads <= 1 or len(refs) <= 1:
         return [decode(ref) for ref in refs]
+    work = decode if cpu is None else cpu.wrap(Stage.ENGINE_UPDATE, decode)
     with ThreadPoolExecutor(min(threads, len(refs))) as pool:  # zstd and numpy release the GIL
-        return list(pool.map(decode, refs))  # the first failure in shard order is raised
+        return list(pool.map(work, refs))  # the first failure in shard order is raised
 
 
 def read_layouts(directory: Path) -> dict[str, FileLayout]:
@@ -162,9 +173,11 @@ def swap_weights(
     manifest: Manifest,
     directory: Path,
     held: HeldVersion | None,
+    cpu: StageCpu | None = None,
 ) -> SwapResult:
     """Bring ``engine`` to ``manifest``'s version (committed at ``directory``): in place when
-    it can (module docstring), else ``engine.load(directory)``.
+    it can (module docstring), else ``engine.load(directory)``; with ``cpu``, its CPU is
+    charged to ``engine_update`` (module docstring).
 
     Returns:
         what was done.
@@ -173,11 +186,26 @@ def swap_weights(
         whatever ``engine.load`` raises (``CheckpointMismatch``, ...) on the full path; the
         engine then holds an unknown version (pass ``held=None`` next time).
     """
+    if cpu is None:
+        return _swap(engine, store, manifest, directory, held, None)
+    with cpu.measure(Stage.ENGINE_UPDATE):
+        return _swap(engine, store, manifest, directory, held, cpu)
+
+
+def _swap(
+    engine: Engine,
+    store: VersionStore,
+    manifest: Manifest,
+    directory: Path,
+    held: HeldVersion | None,
+    cpu: StageCpu | None,
+) -> SwapResult:
+    """:func:`swap_weights`."""
     started = time.perf_counter()
     fallback: MismatchReason | None = None
     if isinstance(engine, InPlaceEngine) and held is not None:
         try:
-            changes = gather_changes(store, manifest, held)
+            changes = gather_changes(store, manifest, held, cpu=cpu)
             plan = plan_update(held.layouts, changes, engine.weight_specs())
             engine.apply_update(plan, directory)
         except DeltaMismatch as exc:

@@ -407,7 +407,9 @@ class InferencePeer:
                     f"card v{card.version}"
                 )
             held, self._held = self._held, None  # unknown until the swap returns
-            swap = await _abandoned_on_cancel(swap_weights, self.engine, store, signed, path, held)
+            swap = await _abandoned_on_cancel(
+                swap_weights, self.engine, store, signed, path, held, self.node.metrics.stage_cpu
+            )
             self._held = swap.held
             self.swaps_by_path[swap.path.value] += 1
             log.info(

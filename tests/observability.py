@@ -29,6 +29,7 @@ COMMON = {
     "shardnet_banned_peers": "gauge",
     "shardnet_dead_connections": "counter",
     "shardnet_redials": "counter",
+    "shardnet_stage_cpu_seconds": "counter",
     "process_cpu_seconds": "counter",
     "process_resident_memory_bytes": "gauge",
     "python_info": "gauge",

@@ -4,7 +4,8 @@
 One download's decisions (:mod:`.session`, events in, actions out), source selection
 (:mod:`.select`), when to abandon a download (:mod:`.liveness`), which versions to fetch to
 catch up (:mod:`.catchup`), retention (:mod:`.retention`), upstream poll pacing
-(:mod:`.pollpolicy`) and what a mirror listed (:mod:`.mirrorpoll`). The trio drivers
+(:mod:`.pollpolicy`), what a mirror listed (:mod:`.mirrorpoll`), and a node's CPU-seconds by
+stage of its data path (:mod:`.stagecpu`, an account with an injected clock). The trio drivers
 (:mod:`shardcast.download`) and the simulator (``simulations/``) run the same objects.
 Imports only :mod:`shardcast.wire` (and ``p2p.errors``).
 """
@@ -60,6 +61,7 @@ from shardcast.core.session import (
     SessionConfig,
     Verdict,
 )
+from shardcast.core.stagecpu import Stage, StageCpu, StageCpuStatistics
 from shardcast.core.tracker import (
     LEARNED_KEPT,
     MANIFEST_RETRY_FIRST_S,
@@ -129,6 +131,9 @@ __all__ = [
     "Session",
     "SessionConfig",
     "SourceBans",
+    "Stage",
+    "StageCpu",
+    "StageCpuStatistics",
     "Take",
     "Verdict",
     "Version",

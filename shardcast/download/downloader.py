@@ -70,6 +70,8 @@ from shardcast.core import (
     Session,
     SessionConfig,
     SourceBans,
+    Stage,
+    StageCpu,
 )
 from shardcast.download.driver import DownloadDriver, offer
 from shardcast.download.receive import BaseVersion
@@ -98,6 +100,8 @@ class Downloader:
         rng: seeded randomness for the scheduler.
         trust: the trust list parts and stored manifests are verified against.
         observer: told of each shard-level event (metrics), or None.
+        cpu: the node's CPU account by stage (:class:`~shardcast.core.StageCpu`; the
+            driver, the shard checks and the commit charge it), or None.
 
     ``current`` is the stats of the download running now (None between downloads), for a
     status view.
@@ -111,8 +115,10 @@ class Downloader:
         rng: random.Random,
         trust: TrustList,
         observer: DownloadObserver | None = None,
+        cpu: StageCpu | None = None,
     ) -> None:
         self.client = client
+        self.cpu = cpu if cpu is not None else StageCpu()
         self.store = store
         self.config = config
         self.rng = rng
@@ -190,7 +196,7 @@ class Downloader:
                             base.close()
                 else:
                     await self._drive(part, session, None, sources, on_shard, progress)
-            path = await self._commit(part, manifest.step)
+            path = await self._commit(part, manifest.step, self.cpu)
         except trio.TooSlowError as exc:
             raise DownloadFailed(
                 f"step {manifest.step} not complete after {self.config.deadline_s}s",
@@ -203,14 +209,15 @@ class Downloader:
         return path, stats
 
     @staticmethod
-    async def _commit(part: PartialVersion, step: int) -> Path:
-        """Commit the complete version ``step``; returns its directory.
+    async def _commit(part: PartialVersion, step: int, cpu: StageCpu) -> Path:
+        """Commit the complete version ``step`` (CPU charged to ``write``); returns its
+        directory.
 
         Raises:
             DownloadFailed: ``store_lost``, the data directory vanished under us.
         """
         try:
-            return await trio.to_thread.run_sync(part.commit)
+            return await trio.to_thread.run_sync(cpu.wrap(Stage.WRITE, part.commit))
         except OSError as exc:
             raise DownloadFailed(
                 f"step {step}: store lost at commit ({exc})", Abandon.STORE_LOST
@@ -271,6 +278,7 @@ class Downloader:
             upstreams=self._upstreams,
             on_shard=on_shard,
             progress=progress,
+            cpu=self.cpu,
         )
         end = await driver.run(sources)
         if isinstance(end, Fail):  # raised here, outside the nursery: a plain exception type

@@ -39,6 +39,12 @@ more than the pool keeps, so in the shaped benchmark every follower allocated (a
 kernel zeroed) 32-64 MiB of new buffers for each next version, 352 MiB over the six of
 them; with the limiter and one buffer per sparse check, none.
 
+CPU: the node's :class:`~shardcast.core.StageCpu` (``cpu``) is charged with each synchronous
+step of a transfer's body reads (``receive``: :meth:`~shardcast.core.StageCpu.steps` around
+each piece, so the other tasks of the loop are never charged), the hashing of each piece as
+it lands (``verify``), chunk writes (``write``) and, in the worker thread, what
+:func:`~shardcast.download.receive.verify_and_write` does.
+
 Every request names the version as ``(step, manifest digest)`` (:mod:`shardcast.wire.lane_urls`);
 a ``409`` (the source holds the step under another digest) goes to the session as
 :attr:`~shardcast.core.session.Outcome.WRONG_VERSION` and, at ``/have``, counts as gone, like a
@@ -87,6 +93,8 @@ from shardcast.core import (
     Probe,
     Session,
     SourceBans,
+    Stage,
+    StageCpu,
     Verdict,
     blame,
 )
@@ -194,9 +202,10 @@ async def _stream(
     sink: ShardSink,
     timeout_s: float,
     on_piece: Callable[[], None],
+    cpu: StageCpu,
 ) -> None:
     """Receive the bytes of ``f`` from ``src`` into ``sink`` (appending at ``sink.pos``,
-    hashing each piece as it lands).
+    hashing each piece as it lands); CPU charged to ``receive`` and ``verify``.
 
     Raises:
         NotAvailable, PeerUnreachable, StreamBroken, RemoteProtocolError: as
@@ -220,9 +229,14 @@ async def _stream(
             anonymous=src.anonymous,
         )
     ) as pieces:
-        async for n in pieces:
+        while True:
+            try:  # only the generator's own steps: the socket reads and the HTTP framing
+                n = await cpu.steps(Stage.RECEIVE, anext(pieces))
+            except StopAsyncIteration:
+                break
             on_piece()
-            sink.advance(n)  # hashed while hot
+            with cpu.measure(Stage.VERIFY):
+                sink.advance(n)  # hashed while hot
 
 
 class DownloadDriver:
@@ -243,6 +257,7 @@ class DownloadDriver:
         extra_sources, upstreams: discovery callbacks (see
             :meth:`~shardcast.download.downloader.Downloader.download`), or None.
         on_shard, progress: as in :meth:`~shardcast.download.downloader.Downloader.download`.
+        cpu: the node's CPU account by stage (module docstring), or None.
     """
 
     def __init__(
@@ -261,8 +276,10 @@ class DownloadDriver:
         upstreams: Callable[[], list[Source]] | None,
         on_shard: Callable[[int], None] | None,
         progress: ProgressFn | None,
+        cpu: StageCpu | None = None,
     ) -> None:
         self.client = client
+        self.cpu = cpu if cpu is not None else StageCpu()
         self.part = part
         self.m = part.manifest
         self.digest = self.m.digest  # the version is (m.step, digest) in every request
@@ -412,7 +429,8 @@ class DownloadDriver:
                 session fails the download with ``store_lost`` (its partial is then
                 removed), instead of the error ending the node."""
         try:
-            written = self.part.write_prefix(index, start, data)
+            with self.cpu.measure(Stage.WRITE):  # inside the hashing (verify): counted once
+                written = self.part.write_prefix(index, start, data)
         except OSError as exc:
             self.session.store_lost(None, str(exc))
             raise _StoreLost(str(exc)) from exc
@@ -450,7 +468,16 @@ class DownloadDriver:
         try:
             with self.scopes[f.req]:
                 try:
-                    await _stream(self.client, src, self.m, f, sink, self.stall_timeout_s, on_piece)
+                    await _stream(
+                        self.client,
+                        src,
+                        self.m,
+                        f,
+                        sink,
+                        self.stall_timeout_s,
+                        on_piece,
+                        self.cpu,
+                    )
                     outcome = Outcome.OK
                 except ChunkCorrupt:  # the sink kept the verified chunks before it
                     outcome = Outcome.CORRUPT_CHUNK
@@ -512,7 +539,7 @@ class DownloadDriver:
         entry, v0 = self.m.shard(f.shard), trio.current_time()
         try:
             written = await trio.to_thread.run_sync(
-                verify_and_write,
+                functools.partial(verify_and_write, cpu=self.cpu),
                 self.part,
                 entry,
                 f.encoding,

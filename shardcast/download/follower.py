@@ -237,7 +237,13 @@ class Follower:
             DownloadMetrics(node.metrics, self._kind_of) if node.metrics.follower else None
         )
         self.downloader = Downloader(
-            node.client, node.store, config.download, rng, node.trust, observer=self._metrics
+            node.client,
+            node.store,
+            config.download,
+            rng,
+            node.trust,
+            observer=self._metrics,
+            cpu=node.metrics.stage_cpu,
         )
         self.on_commit = on_commit
         self.progress = progress

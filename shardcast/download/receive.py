@@ -56,6 +56,13 @@ Either way the result is hashed against the shard digest before the shard counts
 base (a node whose base differs from the origin's) fails there and the caller fetches the
 shard raw.
 
+CPU accounting: :func:`verify_and_write` charges what it does to the node's
+:class:`~shardcast.core.StageCpu` by stage (decoding and reading the base: ``apply``; hashing
+a decoded shard: ``verify``; ``pwrite``, range copies and blobs: ``write``). The in-place
+patch hashes the patched range inside the store's call, which is charged to ``write``. Bytes
+hashed as they arrive are charged by the driver (``verify``), and so are the socket reads
+(``receive``).
+
 This module does no networking itself; its blocking functions run in worker threads.
 """
 
@@ -69,6 +76,7 @@ from dataclasses import dataclass, field
 import blake3
 
 from p2p.errors import IntegrityError, LocalProtocolError
+from shardcast.core import Stage, StageCpu
 from shardcast.store import PartialVersion, VersionStore
 from shardcast.wire import ShardEntry, codecs, is_identity, sparse_count
 
@@ -339,6 +347,7 @@ def verify_and_write(
     base: BaseVersion | None,
     source: str,
     pool: BufferPool = POOL,
+    cpu: StageCpu | None = None,
 ) -> bool:
     """Check a fully received shard or blob, decode it if encoded, and write the shard.
 
@@ -352,6 +361,7 @@ def verify_and_write(
         base: the committed delta base (needed for a delta encoding).
         source: who sent the bytes (for errors).
         pool: where scratch buffers for decoding come from.
+        cpu: the node's CPU account, charged by stage (module docstring), or None.
 
     Returns:
         True if the shard was written now, False if it was already present.
@@ -365,10 +375,12 @@ def verify_and_write(
             version is closed.
         OSError: the partial directory or the base vanished.
     """
+    cpu = cpu if cpu is not None else StageCpu()
     if encoding == codecs.RAW:
         if sink.size != entry.length:
             raise IntegrityError(f"shard {entry.index}: {sink.size} bytes for {entry.length}")
-        return part.write_shard(entry.index, sink.data, source, hashed=sink.digest())
+        with cpu.measure(Stage.WRITE):
+            return part.write_shard(entry.index, sink.data, source, hashed=sink.digest())
     offered = entry.offered(encoding)
     if offered is None:
         raise LocalProtocolError(f"shard {entry.index} does not offer {encoding}")
@@ -379,11 +391,27 @@ def verify_and_write(
     if encoding in codecs.DELTAS and base is None:
         raise LocalProtocolError(f"{encoding} of shard {entry.index} needs the base version")
     if encoding not in codecs.DELTAS:
-        return _write_decompressed(part, entry, encoding, blob, blobs, source, pool)
+        return _write_decompressed(part, entry, encoding, blob, blobs, source, pool, cpu)
     assert base is not None
     if encoding == codecs.SPARSE and sparse_count(blob) * PAGE_BYTES < entry.length:
-        return _patch_in_place(part, entry, encoding, blob, blobs, base, source)
-    return _write_dense_delta(part, entry, encoding, blob, blobs, base, source, pool)
+        return _patch_in_place(part, entry, encoding, blob, blobs, base, source, cpu)
+    return _write_dense_delta(part, entry, encoding, blob, blobs, base, source, pool, cpu)
+
+
+def _hash_and_write(
+    part: PartialVersion,
+    entry: ShardEntry,
+    raw: memoryview | bytearray | bytes,
+    blobs: dict[str, bytes],
+    source: str,
+    cpu: StageCpu,
+) -> bool:
+    """Hash a decoded shard (``verify``), then let the store check the digest and write it
+    (``write``)."""
+    with cpu.measure(Stage.VERIFY):
+        hashed = blake3.blake3(raw).hexdigest()
+    with cpu.measure(Stage.WRITE):
+        return part.write_shard(entry.index, raw, source, blobs=blobs, hashed=hashed)
 
 
 def _write_decompressed(
@@ -394,16 +422,18 @@ def _write_decompressed(
     blobs: dict[str, bytes],
     source: str,
     pool: BufferPool,
+    cpu: StageCpu,
 ) -> bool:
     """zstd: decompress into a pooled buffer, write (see :func:`verify_and_write`)."""
     plain = pool.get(entry.length)
     try:
         try:
-            raw = codecs.decode(encoding, blob, entry.length, None, source, scratch=plain)
+            with cpu.measure(Stage.APPLY):
+                raw = codecs.decode(encoding, blob, entry.length, None, source, scratch=plain)
         except codecs.CodecError as exc:  # digest matched: the origin wrote a bad blob
             raise BaseMismatch(f"{encoding} blob does not decode: {exc}") from exc
         try:
-            return part.write_shard(entry.index, raw, source, blobs=blobs)
+            return _hash_and_write(part, entry, raw, blobs, source, cpu)
         except IntegrityError as exc:
             raise BaseMismatch(str(exc)) from exc
     finally:
@@ -418,6 +448,7 @@ def _patch_in_place(
     blobs: dict[str, bytes],
     base: BaseVersion,
     source: str,
+    cpu: StageCpu,
 ) -> bool:
     """A sparse delta with fewer changes than pages: copy the base range into the new file
     and patch it there; most pages stay as copied (or shared, with reflinks)."""
@@ -427,12 +458,14 @@ def _patch_in_place(
         if unchanged:  # only the copy (still hashed: the base at rest is not trusted)
             return
         try:
-            codecs.decode(encoding, blob, entry.length, view, source, out=view)
+            with cpu.measure(Stage.APPLY):
+                codecs.decode(encoding, blob, entry.length, view, source, out=view)
         except codecs.CodecError as exc:  # digest matched: the origin wrote a bad blob
             raise BaseMismatch(f"{encoding} blob does not decode: {exc}") from exc
 
     try:
-        return part.patch_shard(entry.index, base.fd(entry.file), patch, source, blobs)
+        with cpu.measure(Stage.WRITE):  # the copy and the hash in place; the patch is apply
+            return part.patch_shard(entry.index, base.fd(entry.file), patch, source, blobs)
     except BaseMismatch:
         raise
     except IntegrityError as exc:  # blob verified, result wrong: base or origin
@@ -448,21 +481,29 @@ def _write_dense_delta(
     base: BaseVersion,
     source: str,
     pool: BufferPool,
+    cpu: StageCpu,
 ) -> bool:
     """A dense delta, where every page changes: read the base once, patch it in the buffer,
     write once (xor-zstd also needs a buffer to decompress its frame into)."""
     held = pool.get(entry.length)
     scratch = pool.get(entry.length) if encoding == codecs.XOR_ZSTD else None
     try:
-        base_bytes = base.read_into(entry.file, entry.offset, entry.length, held)
         try:
-            raw = codecs.decode(
-                encoding, blob, entry.length, base_bytes, source, out=base_bytes, scratch=scratch
-            )
+            with cpu.measure(Stage.APPLY):
+                base_bytes = base.read_into(entry.file, entry.offset, entry.length, held)
+                raw = codecs.decode(
+                    encoding,
+                    blob,
+                    entry.length,
+                    base_bytes,
+                    source,
+                    out=base_bytes,
+                    scratch=scratch,
+                )
         except codecs.CodecError as exc:  # digest matched: the origin wrote a bad blob
             raise BaseMismatch(f"{encoding} blob does not decode: {exc}") from exc
         try:
-            return part.write_shard(entry.index, raw, source, blobs=blobs)
+            return _hash_and_write(part, entry, raw, blobs, source, cpu)
         except IntegrityError as exc:  # blob verified, result wrong: base or origin
             raise BaseMismatch(str(exc)) from exc
     finally:

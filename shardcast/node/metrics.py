@@ -41,7 +41,18 @@ Families every node exports (besides ``process_*`` and ``python_info``):
                                                 :class:`p2p.keepalive.Outcome` that decided
 ``shardnet_redials_total{result}``              re-dials of kept libp2p peers (``ok``,
                                                 ``failed``)
+``shardnet_stage_cpu_seconds_total{stage}``     CPU-seconds of the node's data path by
+                                                stage (:class:`~shardcast.core.Stage`
+                                                values: ``receive``, ``verify``,
+                                                ``apply``, ``write``, ``materialize``,
+                                                ``engine_update``), from
+                                                :attr:`NodeMetrics.stage_cpu`
 ==============================================  ==========================================
+
+``shardnet_stage_cpu_seconds_total`` is the thread CPU time (user + system) of the sections
+each stage names (:mod:`shardcast.core.stagecpu` says what is and is not counted); its
+difference over a version, node by node, is what that version cost each node by stage
+(``bench/broadcast.py`` reports it). Every stage is exported from the start, at 0.
 
 Origin (roles ``origin``/``trainer``): ``shardnet_superseeding_refusals_total`` (requests the
 origin answered with 429 under super-seeding) and ``shardnet_publish_hash_seconds``.
@@ -87,6 +98,7 @@ from prometheus_client.registry import Collector
 from p2p.errors import short_id
 from p2p.keepalive import Outcome
 from p2p.limits import Offence
+from shardcast.core import Stage, StageCpu
 from shardcast.node.view import NodeView
 from shardcast.wire import codecs
 
@@ -147,12 +159,25 @@ class NodeMetrics:
         peer_id: the node's PeerID (``shardnet_build_info``).
         process: add the process and platform collectors (off for several nodes in one
             process, where they would describe the same process several times).
+        stage_cpu: the node's CPU account by stage (a fresh one by default); exported as
+            ``shardnet_stage_cpu_seconds_total``.
+
+    Attributes:
+        stage_cpu: the account the node's data path charges (handed down to the downloader
+            and, on a peer, the engine swap).
 
     Methods are cheap and safe to call from any task of the node's trio run; the registry
     is read by the HTTP handler (same thread).
     """
 
-    def __init__(self, role: str, run_id: str, peer_id: str, process: bool = True) -> None:
+    def __init__(
+        self,
+        role: str,
+        run_id: str,
+        peer_id: str,
+        process: bool = True,
+        stage_cpu: StageCpu | None = None,
+    ) -> None:
         self.role = role
         self.run_id = run_id
         self.peer_id = peer_id
@@ -161,6 +186,8 @@ class NodeMetrics:
             ProcessCollector(registry=reg)
             PlatformCollector(registry=reg)
             reg.register(GC_COLLECTOR)
+        self.stage_cpu = stage_cpu if stage_cpu is not None else StageCpu()
+        self.add_collector(lambda: [stage_cpu_family(self.stage_cpu)])
         self.versions_committed = Counter(
             "shardnet_versions_committed",
             "versions committed on this node (downloaded and verified, or published)",
@@ -253,6 +280,19 @@ class NodeMetrics:
     def render(self) -> bytes:
         """The text exposition of every family."""
         return generate_latest(self.registry)
+
+
+def stage_cpu_family(cpu: StageCpu) -> Metric:
+    """``shardnet_stage_cpu_seconds_total{stage}``: every :class:`~shardcast.core.Stage`."""
+    family = CounterMetricFamily(
+        "shardnet_stage_cpu_seconds",
+        "CPU-seconds (thread user + system time) of the node's data path, by stage",
+        labels=["stage"],
+    )
+    seconds = cpu.statistics().seconds
+    for stage in Stage:
+        family.add_metric([stage.value], seconds[stage])
+    return family
 
 
 def _node_families(node: NodeView, m: NodeMetrics) -> Iterator[Metric]:

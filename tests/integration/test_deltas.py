@@ -10,6 +10,7 @@ import pytest
 import trio
 
 from p2p.identity import Identity
+from shardcast.core import Stage
 from shardcast.download.follower import FollowConfig, Follower, VersionRecord
 from shardcast.node.node import NodeConfig, ShardcastNode
 from shardcast.publish.origin import Origin, OriginConfig
@@ -97,6 +98,16 @@ async def test_delta_versions_move_few_bytes_and_late_joiners_catch_up(tmp_path:
         assert delta_bytes > 0
         # the origin sent each delta blob once (to the relay)
         assert o.server.bytes_by_step.get(1, 0) <= 1.1 * rec1.stats.bytes_fetched + 4096
+        # each follower's CPU account charged the stages of a delta version, on /metrics too
+        for node in (relay, p1):
+            cpu = node.metrics.stage_cpu.statistics().seconds
+            assert cpu[Stage.RECEIVE] > 0
+            assert cpu[Stage.APPLY] > 0
+            assert cpu[Stage.VERIFY] > 0
+            assert cpu[Stage.ENGINE_UPDATE] == 0  # no engine here
+            text = node.metrics.render().decode()
+            assert 'shardnet_stage_cpu_seconds_total{stage="apply"} 0.0\n' not in text
+        assert o.metrics.stage_cpu is not relay.metrics.stage_cpu
 
         # a late joiner holding version 0 when version 2 is out: chain of deltas 1, 2
         late = await nursery.start(_node, "late", tmp_path / "late")

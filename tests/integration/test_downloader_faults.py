@@ -495,14 +495,14 @@ async def test_shard_checks_run_at_most_one_per_core(
     lock = threading.Lock()
     running, most = 0, 0
 
-    def counted(*args: object) -> bool:
+    def counted(*args: object, **kwargs: object) -> bool:
         nonlocal running, most
         with lock:
             running += 1
             most = max(most, running)
         try:
             time.sleep(0.02)  # widen the window in which another check could overlap
-            return real(*args)  # type: ignore[arg-type]
+            return real(*args, **kwargs)  # type: ignore[arg-type]
         finally:
             with lock:
                 running -= 1

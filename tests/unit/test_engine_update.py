@@ -4,6 +4,7 @@ gives the right version)."""
 
 from __future__ import annotations
 
+import itertools
 import random
 from collections.abc import Iterator
 from pathlib import Path
@@ -15,8 +16,9 @@ import torch
 from rollout.delta_plan import DeltaMismatch, MismatchReason, TensorPatch, UpdatePlan
 from rollout.engine import TransformersEngine
 from rollout.model import build_model, build_tokenizer, load_model, stored_state, tensor_files
+from shardcast.core import Stage, StageCpu
 from shardcast.store.store import BLOB_DIR
-from shardnet.engine_update import HeldVersion, SwapPath, gather_changes
+from shardnet.engine_update import HeldVersion, SwapPath, gather_changes, swap_weights
 from tests.delta_chain import Chain, evolve, publish
 from trainer.checkpoint import save_checkpoint
 
@@ -60,6 +62,22 @@ def test_in_place_updates_are_bit_identical_to_loading_each_version(
         assert engine.checkpoint_dir == chain.store.version_dir(step)
         assert_holds(engine, chain.store.version_dir(step), dtype)
         held = result.held
+
+
+def test_a_swap_charges_engine_update_on_the_nodes_account(tmp_path: Path) -> None:
+    chain = Chain(tmp_path, torch.bfloat16, steps=1)
+    engine = TransformersEngine(torch.bfloat16)
+    readings = itertools.count()  # a fake CPU clock, 1 s per reading (safe across threads)
+    cpu = StageCpu(lambda: float(next(readings)))
+    held = None
+    for step in (0, 1):  # a full load, then in place (decoding threads wrapped as well)
+        m = chain.manifests[step]
+        result = swap_weights(engine, chain.store, m, chain.store.version_dir(step), held, cpu)
+        held = result.held
+        charged = cpu.statistics().seconds
+        assert charged[Stage.ENGINE_UPDATE] > 0
+        assert sum(charged.values()) == charged[Stage.ENGINE_UPDATE]
+    assert result.path is SwapPath.IN_PLACE
 
 
 def test_a_skipped_version_falls_back_to_a_full_load(tmp_path: Path) -> None:

@@ -13,6 +13,7 @@ import numpy as np
 import pytest
 
 from p2p.errors import IntegrityError, LocalProtocolError
+from shardcast.core import Stage, StageCpu
 from shardcast.download.receive import (
     BaseMismatch,
     BaseVersion,
@@ -144,6 +145,48 @@ def test_deltas_apply_verify_and_commit_without_reading_files(
     final = part.commit()
     assert (final / NAME).read_bytes() == (v2 / NAME).read_bytes()
     assert file_matches(final / NAME, m2, NAME)
+
+
+class _TickClock:
+    """A fake CPU clock: each reading is one second after the last."""
+
+    def __init__(self) -> None:
+        self.now = 0.0
+
+    def __call__(self) -> float:
+        self.now += 1.0
+        return self.now
+
+
+@pytest.mark.parametrize("changed", [0.02, 0.0002])  # dense: buffer pass; sparse: clone+patch
+def test_the_delta_path_charges_apply_verify_and_write(tmp_path: Path, changed: float) -> None:
+    v2, _, m2, store = _versions(tmp_path, changed)
+    part = store.begin(m2)
+    base = BaseVersion(store, 1)
+    cpu = StageCpu(_TickClock())
+    try:
+        for i in range(len(m2.header.shards)):
+            blob = (v2 / BLOB_DIR / f"{i}.{codecs.SPARSE}").read_bytes()
+            verify_and_write(part, m2.shard(i), codecs.SPARSE, _sink(blob), base, "src", cpu=cpu)
+    finally:
+        base.close()
+    s = cpu.statistics().seconds
+    assert s[Stage.APPLY] > 0
+    assert s[Stage.WRITE] > 0
+    if changed > 0.01:  # decoded in a buffer, hashed there (in place: hashed inside the write)
+        assert s[Stage.VERIFY] > 0
+    assert s[Stage.RECEIVE] == s[Stage.ENGINE_UPDATE] == s[Stage.MATERIALIZE] == 0
+    raw_cpu = StageCpu(_TickClock())
+    part.abort()
+    part = store.begin(m2)
+    for i in range(len(m2.header.shards)):
+        e = m2.shard(i)
+        chunk = (v2 / e.file).read_bytes()[e.offset : e.offset + e.length]
+        verify_and_write(part, e, codecs.RAW, _sink(chunk), None, "src", cpu=raw_cpu)
+    raw = raw_cpu.statistics().seconds
+    assert raw[Stage.WRITE] > 0  # raw bytes were hashed as they arrived: only the write here
+    assert raw[Stage.APPLY] == raw[Stage.VERIFY] == 0
+    part.abort()
 
 
 def test_a_dense_sparse_delta_takes_one_pooled_buffer_and_gives_it_back(tmp_path: Path) -> None:

@@ -8,6 +8,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import torch
 
 from bench import broadcast
 from shardcast.publish.plan import check_layout
@@ -141,3 +142,146 @@ def test_each_system_goes_first_in_turn() -> None:
     orders = [broadcast.rotated(systems, rep) for rep in range(3)]
     assert [o[0] for o in orders] == systems
     assert all(sorted(o) == sorted(systems) for o in orders)
+
+
+def test_scaled_preset_is_at_least_four_real_1b_and_5_3_gb() -> None:
+    from bench import scaled
+
+    big, small = scaled.preset_bytes("real-6b"), scaled.preset_bytes("real-1b")
+    assert small == 1_319_211_008  # 659.6 M bf16 parameters
+    assert big >= 4 * small
+    assert big >= 5.3e9
+
+
+def test_scaled_next_version_changes_exactly_the_count_asked(tmp_path: Path) -> None:
+    from bench import scaled
+    from rollout.model import load_model
+
+    v0, v1 = tmp_path / "v0", tmp_path / "v1"
+    size = scaled.write_checkpoint("tiny", v0, max_shard_bytes=400_000, seed=0)
+    assert size == sum(p.stat().st_size for p in v0.iterdir())
+    assert len(list(v0.glob("*.safetensors"))) > 1  # several weight files, with an index
+    assert scaled.write_next(v0, v1, 5000, seed=1) == 5000
+    assert scaled.changed_elements(v0, v1) == 5000
+    assert sorted(p.name for p in v0.iterdir()) == sorted(p.name for p in v1.iterdir())
+    for p in v0.iterdir():
+        assert p.stat().st_size == (v1 / p.name).stat().st_size
+    a, b = load_model(v0), load_model(v1)  # both load as checkpoints of the preset
+    moved = {
+        n: int((x.view(torch.int16) != b.state_dict()[n].view(torch.int16)).sum())
+        for n, x in a.state_dict().items()
+    }
+    assert sum(moved.values()) == 5000
+    assert sum(1 for k in moved.values() if k) > len(moved) // 2  # spread over the tensors
+    with pytest.raises(ValueError, match="changed"):
+        scaled.write_next(v0, tmp_path / "v1c", 10**12)
+
+
+METRICS = """# HELP shardnet_http_sent_bytes_total lane body bytes
+shardnet_http_sent_bytes_total 1.5e+06
+shardnet_stage_cpu_seconds_total{stage="receive"} 0.5
+shardnet_stage_cpu_seconds_total{stage="apply"} 1.25
+"""
+
+
+def test_scrape_reads_sent_bytes_and_stage_cpu() -> None:
+    before = broadcast.Scrape.parse(METRICS)
+    assert before.sent_bytes == 1_500_000
+    assert before.stage_cpu_s == {"receive": 0.5, "apply": 1.25}
+    after = broadcast.Scrape.parse(METRICS.replace("1.25", "2.0"))
+    assert after.stage_delta(before) == {"receive": 0.0, "apply": 0.75}
+    assert broadcast.Scrape.parse("") == broadcast.Scrape(0, {})
+
+
+def _seeded(system: str, last: float, stages: dict[str, float] | None) -> dict[str, Any]:
+    v: dict[str, Any] = {
+        "step": 1,
+        "first_s": last - 1,
+        "last_s": last,
+        "origin_bytes": 100,
+        "cpu_s": {"origin": 1.0, "peer1": 2.0},
+    }
+    if stages is not None:
+        v["stage_cpu_s"] = {"peer1": stages, "origin": {"apply": 0.0}}
+        v["least_bytes"], v["shards"] = 1_000_000, 10
+    return {"system": system, "versions": [v], "seeded": True}
+
+
+def test_seeded_runs_summarize_the_next_version_only_with_its_stages(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    runs = {
+        "shardnet": [
+            _seeded("shardnet", 3.0, {"apply": 0.2, "write": 0.4}),
+            _seeded("shardnet", 5.0, {"apply": 0.4, "write": 0.6}),
+        ],
+        "shardcast": [_seeded("shardcast", 30.0, None)],
+    }
+    out = broadcast.summarize_shaped(runs, 10_000_000, 8e6, 1_000_000)
+    full, nxt = out["systems"]["shardnet"]
+    assert out["seeded"]
+    assert full["last_s"] is None
+    assert nxt["last_s"] == 4.0
+    assert nxt["stage_cpu_s"]["peer1"] == {"apply": pytest.approx(0.3), "write": 0.5}
+    assert out["delta_ratio_vs_shardcast"] == pytest.approx(4.0 / 30.0, abs=1e-4)
+    small = broadcast.summarize_shaped(
+        {"shardnet": [_seeded("shardnet", 2.0, {"apply": 0.1})]}, 1, 8e6, 1
+    )
+    infos = {
+        "real-1b": {"size_bytes": 1000, "changed_elements": 7},
+        "real-6b": {"size_bytes": 4600, "changed_elements": 7},
+    }
+    sc = broadcast.scaling({"real-1b": small, "real-6b": out}, infos)
+    assert sc["shardnet"] == {
+        "next_s": {"real-1b": 2.0, "real-6b": 4.0},
+        "ratio_last_over_first": 2.0,
+    }
+    assert sc["size_ratio"] == 4.6
+    broadcast.print_shaped_table(
+        {
+            "checkpoints": infos,
+            "seed_base": True,
+            "rates": {"200 Mb/s": {"real-1b": small, "real-6b": out}},
+            "scaling": {"200 Mb/s": sc},
+        }
+    )
+    text = capsys.readouterr().out
+    assert "base seeded" in text
+    assert "(not run: base seeded)" in text
+    assert "next(last)/next(first)=2.0" in text
+    assert "CPU-s by stage" in text
+
+
+def test_seed_store_places_hard_links_of_the_verified_copy(tmp_path: Path) -> None:
+    src = tmp_path / "origin" / "versions" / "bench" / "step-0"
+    (src / ".enc").mkdir(parents=True)
+    (src / "manifest.json").write_text("{}")
+    (src / "model.safetensors").write_bytes(b"w" * 10)
+    (src / ".enc" / "3.sparse").write_bytes(b"b")
+    broadcast.seed_store(src, tmp_path / "peer1", 0)
+    dst = tmp_path / "peer1" / "versions" / broadcast.RUN_ID / "step-0"
+    for rel in ("manifest.json", "model.safetensors", ".enc/3.sparse"):
+        assert (dst / rel).stat().st_ino == (src / rel).stat().st_ino
+
+
+async def test_shardcast_only_next_publishes_the_next_version_alone(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    seen: dict[str, Any] = {}
+
+    class FakeBaseline:
+        @staticmethod
+        async def arun_shardcast(first: Path, workdir: Path, **kw: Any) -> dict[str, Any]:
+            seen["first"], seen["next"] = first, kw["next_checkpoints"]
+            one = {"last_client_s": 9.0, "first_client_s": 8.0, "cpu_s": {"origin": 1.0}}
+            return {"versions": [one] * (1 + len(kw["next_checkpoints"]))}
+
+    monkeypatch.setattr(broadcast, "_baseline", lambda: FakeBaseline)
+    v0, v1 = tmp_path / "v0", tmp_path / "v1"
+    r = await broadcast.run_shardcast(v0, v1, tmp_path / "w", 10.0, tmp_path, only_next=True)
+    assert (seen["first"], seen["next"]) == (v1, [])
+    assert [v["step"] for v in r["versions"]] == [1]
+    assert r["seeded"]
+    r = await broadcast.run_shardcast(v0, v1, tmp_path / "w", 10.0, tmp_path)
+    assert (seen["first"], seen["next"]) == (v0, [v1])
+    assert [v["step"] for v in r["versions"]] == [0, 1]
