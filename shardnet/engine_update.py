@@ -18,7 +18,8 @@ has what changed: the follower keeps every verified encoded blob of a committed 
    the checkpoint is not read;
 3. otherwise (an engine without in-place updates, nothing held yet, a skipped version, a shard
    received raw or as ``xor-zstd``, a layout change, a tensor that does not fit) loads the
-   version in full, as before, and reads the new layouts (headers only).
+   version in full, as before, and reads the new layouts (headers only); a version kept as a
+   chain is materialized first (every shard verified, :mod:`shardcast.store.chains`).
 
 Why the result is the trainer's bytes: the engine held ``N``'s bytes (a verified full load, or
 an in-place update from one), each blob is the one the trainer signed, and the follower
@@ -166,10 +167,15 @@ def swap_weights(
     """Bring ``engine`` to ``manifest``'s version (committed at ``directory``): in place when
     it can (module docstring), else ``engine.load(directory)``.
 
+    A version kept as a chain (:mod:`shardcast.store.chains`) is materialized before a full
+    load, every shard verified on the way; the in-place path reads only its blobs.
+
     Returns:
         what was done.
 
     Raises:
+        ChainBroken: a chain version's shard did not verify (nothing was loaded; the store
+            removed the version).
         whatever ``engine.load`` raises (``CheckpointMismatch``, ...) on the full path; the
         engine then holds an unknown version (pass ``held=None`` next time).
     """
@@ -191,6 +197,7 @@ def swap_weights(
                 None,
                 plan.changed_words,
             )
+    store.materialize(manifest.step)  # a chain: full files first, every shard verified
     engine.load(directory)
     now_held = None
     if isinstance(engine, InPlaceEngine):

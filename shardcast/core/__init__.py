@@ -28,7 +28,7 @@ from shardcast.core.reachability import (
     Reachability,
     judge_request,
 )
-from shardcast.core.retention import versions_to_prune
+from shardcast.core.retention import should_materialize, versions_to_prune
 from shardcast.core.select import SchedulerConfig, SourceBans, blame
 from shardcast.core.session import (
     Action,
@@ -134,6 +134,7 @@ __all__ = [
     "manifest_retry_s",
     "plan",
     "poll_delay",
+    "should_materialize",
     "superseded",
     "versions_to_prune",
     "want",

@@ -80,7 +80,7 @@ from shardcast.download.types import (
     ProgressFn,
     Source,
 )
-from shardcast.store import PartialVersion, VersionStore
+from shardcast.store import ChainBroken, PartialVersion, VersionStore
 from shardcast.wire import Manifest
 
 log = logging.getLogger(__name__)
@@ -173,8 +173,17 @@ class Downloader:
         self._extra = extra_sources
         self._max_extra = max_extra_sources
         self._upstreams = upstreams
-        part = await trio.to_thread.run_sync(self.store.begin, manifest)
         base_step = self._usable_base(manifest)
+        chain = base_step is not None and self.config.keep_chains and manifest.rooted
+        if base_step is not None and not chain:  # eager: the base's files are read
+            try:
+                await trio.to_thread.run_sync(self.store.materialize, base_step)
+            except ChainBroken as exc:  # removed: fetch the shards raw
+                log.warning("delta_base_broken step=%d error=%s", base_step, exc)
+            base_step = self._usable_base(manifest)
+        part = await trio.to_thread.run_sync(
+            self.store.begin, manifest, base_step if chain else None
+        )
         session = self._session(part, base_step is not None)
         stats = self.current = self.last_stats = session.stats
         try:

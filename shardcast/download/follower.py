@@ -90,6 +90,7 @@ from shardcast.core import (
     manifest_retry_s,
     plan,
     poll_delay,
+    should_materialize,
     want,
 )
 from shardcast.download.discovery import (
@@ -110,6 +111,7 @@ from shardcast.node import (
     source_kind,
     wall_of,
 )
+from shardcast.store import ChainBroken
 from shardcast.wire import (
     Manifest,
     NodeInfo,
@@ -901,6 +903,25 @@ class Follower:
         if self.on_commit is not None:
             await self.on_commit(m, path, record)
         self._note_change()
+        if self._nursery is not None and self.config.download.materialize_every:
+            self._nursery.start_soon(self._anchor, m.step)
+
+    async def _anchor(self, step: int) -> None:
+        """Materialize committed ``step`` in the background, at low priority, if it is an
+        anchor (:func:`~shardcast.core.retention.should_materialize`): chains stay short and
+        retention can drop the bases under it. A chain that does not verify is removed
+        (:class:`~shardcast.store.ChainBroken`) and fetched again later."""
+        store = self.node.store
+        try:
+            depth = await trio.to_thread.run_sync(store.chain_depth, step)
+            if should_materialize(depth, self.config.download.materialize_every):
+                await trio.to_thread.run_sync(store.materialize_low_priority, step)
+                await trio.to_thread.run_sync(store.prune)
+        except ChainBroken as exc:
+            log.error("anchor_broken step=%d error=%s", step, exc)
+            self._note_change()
+        except (OSError, ValueError) as exc:  # gone meanwhile (pruned, replaced)
+            log.info("anchor_skipped step=%d error=%s", step, exc)
 
     # -- observability ----------------------------------------------------------------------
 

@@ -56,6 +56,13 @@ Either way the result is hashed against the shard digest before the shard counts
 base (a node whose base differs from the origin's) fails there and the caller fetches the
 shard raw.
 
+Chains (the default, ``DownloadConfig.keep_chains``): when the download keeps the version as a
+chain (:attr:`~shardcast.store.store.PartialVersion.chain_base`), a delta blob that matches
+its signed digest is only kept (:func:`keep_delta`): the base is not read and the shard is not
+written; its bytes are built and verified whenever something reads them
+(:mod:`shardcast.store.chains`, which argues why they are the trainer's). The paths above are
+then the eager mode, and the one for ``zstd`` and raw shards.
+
 This module does no networking itself; its blocking functions run in worker threads.
 """
 
@@ -375,6 +382,8 @@ def verify_and_write(
     if sink.size != offered.size or sink.digest() != offered.digest:
         raise IntegrityError(f"shard {entry.index} {encoding} blob digest mismatch", source)
     blob = sink.data
+    if encoding in codecs.DELTAS and part.chain_base is not None:
+        return keep_delta(part, entry, encoding, blob, source)
     blobs = {encoding: bytes(blob)}  # kept for re-serving (deltas are small)
     if encoding in codecs.DELTAS and base is None:
         raise LocalProtocolError(f"{encoding} of shard {entry.index} needs the base version")
@@ -384,6 +393,15 @@ def verify_and_write(
     if encoding == codecs.SPARSE and sparse_count(blob) * PAGE_BYTES < entry.length:
         return _patch_in_place(part, entry, encoding, blob, blobs, base, source)
     return _write_dense_delta(part, entry, encoding, blob, blobs, base, source, pool)
+
+
+def keep_delta(
+    part: PartialVersion, entry: ShardEntry, encoding: str, blob: memoryview, source: str
+) -> bool:
+    """The chain commit of one shard: keep its verified delta blob, read no base, write no
+    shard (:meth:`~shardcast.store.store.PartialVersion.keep_delta`; the bytes are verified
+    whenever they are read, :mod:`shardcast.store.chains`)."""
+    return part.keep_delta(entry.index, encoding, bytes(blob), source)
 
 
 def _write_decompressed(
