@@ -190,6 +190,11 @@ class ChainReader:
         self._materializing = threading.Lock()
         self.reads = 0
         """Base and blob reads so far (for tests: a chain commit makes none)."""
+        self.bad_deltas: set[str] = set()
+        """Manifest digests of versions whose kept blob did not give the signed shard over a
+        verified base (a blob damaged at rest, a decoder bug, or a trainer that signed a blob
+        and a shard that disagree): downloaded again, they are built eagerly, where a blob
+        that does not give its shard falls back to raw (this process)."""
 
     def level(self, step: int, index: int) -> Level:
         """How committed ``step`` holds shard ``index``.
@@ -311,6 +316,8 @@ class ChainReader:
             if blake3.blake3(data, max_threads=blake3.blake3.AUTO).hexdigest() == digest:
                 return
         what = f"shard {index} of {want.file} does not match its signed digest"
+        if lv.encoding is not None:  # the level below verified: this blob or its decoding
+            self.bad_deltas.add(lv.manifest.digest)
         if lv.committed:
             removed = self.v.quarantine(lv.step, what)
             log.error("chain_broken step=%d shard=%d removed_steps=%s", lv.step, index, removed)

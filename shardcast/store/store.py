@@ -240,6 +240,9 @@ class VersionStore:
         self.chains = ChainReader(self)
         self.damaged: dict[int, str] = {}
         """Steps removed because a verified read found them damaged -> why (this process)."""
+        self.on_quarantine: Callable[[list[int]], None] | None = None
+        """Told the steps :meth:`quarantine` removed (from the thread that found them; the
+        node wakes its follower with it, which fetches them again). Must not block."""
         self.run_dir.mkdir(parents=True, exist_ok=True)
         latest = self.latest()
         for p in (*self.run_dir.glob(".partial-step-*"), *self.run_dir.glob(".removing-step-*")):
@@ -377,6 +380,8 @@ class VersionStore:
         for s in removed:
             self.damaged[s] = reason
         log.error("versions_quarantined run=%s steps=%s reason=%s", self.run_id, removed, reason)
+        if removed and self.on_quarantine is not None:
+            self.on_quarantine(removed)
         return removed
 
     def read_shard(self, step: int, index: int) -> bytearray:
