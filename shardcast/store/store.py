@@ -1187,11 +1187,18 @@ class PartialVersion:
         rename then makes the whole chain appear at once."""
         assert self.chain_base is not None
         assert self.header.base_digest is not None
-        files = frozenset(self.header.shards[i].file for i in self._delta)
+        files = {self.header.shards[i].file for i in self._delta}
+        deltas = dict(self._delta)
+        for name in sorted(files):
+            if self._link_unchanged(name):
+                files.discard(name)
+                deltas = {i: e for i, e in deltas.items() if self.header.shards[i].file != name}
+        if not files:
+            return
         (self.dir / CHAIN_DIR).mkdir(exist_ok=True)
         for name in sorted(files):
             os.rename(self.dir / name, self.dir / CHAIN_DIR / name)
-        rec = ChainRecord(self.chain_base, self.header.base_digest, files, dict(self._delta))
+        rec = ChainRecord(self.chain_base, self.header.base_digest, frozenset(files), deltas)
         tmp = self.dir / f".{CHAIN_FILE}.tmp"
         with open(tmp, "wb") as fh:
             fh.write(rec.encode())
@@ -1199,6 +1206,40 @@ class PartialVersion:
                 fh.flush()
                 os.fsync(fh.fileno())
         os.rename(tmp, self.dir / CHAIN_FILE)
+
+    def _link_unchanged(self, name: str) -> bool:
+        """Put the base's file ``name`` in place of this partial's if both versions sign the
+        same file digest and the base holds it in full: a hard link (no byte read or
+        written), or an in-kernel copy where links are refused. Unchanged files (config,
+        tokenizer, frozen weights) so stay whole in every chain version. False: keep it
+        chained."""
+        assert self.chain_base is not None
+        base = self.store.manifest_of(self.chain_base)
+        base_dir = self.store.version_dir(self.chain_base)
+        if (
+            base is None
+            or name not in {f.name for f in base.header.files}
+            or name in self.store.chained_files(self.chain_base)
+            or base.file_digest(name) != self.manifest.file_digest(name)
+        ):
+            return False
+        tmp = self.dir / f".{name}.link"
+        try:
+            os.link(base_dir / name, tmp)
+        except OSError:
+            size = self.header.file(name).size
+            src = os.open(base_dir / name, os.O_RDONLY)
+            try:
+                dst = os.open(tmp, os.O_CREAT | os.O_TRUNC | os.O_WRONLY, 0o644)
+                try:
+                    os.ftruncate(dst, size)
+                    copy_range(src, dst, 0, size)
+                finally:
+                    os.close(dst)
+            finally:
+                os.close(src)
+        os.rename(tmp, self.dir / name)
+        return True
 
     def abort(self) -> None:
         """Drop the partial version (idempotent); a later ``begin`` starts afresh."""

@@ -120,11 +120,12 @@ def test_chain_commit_writes_no_full_file_and_reads_no_base(tmp_path: Path) -> N
     assert store.chains.reads == 0
     assert (final / CHAIN_FILE).is_file()
     assert not (final / NAME).exists()  # the model was not written
-    assert not (final / "config.json").exists()  # nor any file with a delta shard
+    unchanged = (final / "config.json").stat()  # an unchanged file: the base's, linked
+    assert unchanged.st_ino == (store.version_dir(1) / "config.json").stat().st_ino
     rec = store.chain_of(2)
     assert rec is not None
     assert (rec.base_step, rec.base_digest) == (1, t.manifests[1].digest)
-    assert rec.files == {NAME, "config.json"}
+    assert rec.files == {NAME}
     assert set(rec.deltas.values()) == {codecs.SPARSE}
     assert store.chained_files(2) == rec.files
     assert store.holds(2, t.manifests[2].digest)
