@@ -22,8 +22,12 @@ has what changed: the follower keeps every verified encoded blob of a committed 
    chain is materialized first (every shard verified, :mod:`shardcast.store.chains`).
 
 Why the result is the trainer's bytes: the engine held ``N``'s bytes (a verified full load, or
-an in-place update from one), each blob is the one the trainer signed, and the follower
-already checked that applying it to ``N`` gives ``N+1``'s signed shard digest. A held tensor
+an in-place update from one), each blob is the one the trainer signed, and the decoding is
+deterministic. A follower that wrote ``N+1`` eagerly also checked that applying the blob to
+``N`` gives ``N+1``'s signed shard digest; one that kept ``N+1`` as a chain (the default,
+:mod:`shardcast.store.chains`) checks that whenever the shard is read (an anchor's
+materialization, a full range served, a full load), so a trainer whose signed blob and
+signed shard disagree, or a decoder bug, is found there, not before this update. A held tensor
 in another dtype than the checkpoint's (an engine that casts on load) is refused by the
 planner, so the bytes patched are always the checkpoint's.
 

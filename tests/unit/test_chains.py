@@ -15,6 +15,7 @@ import trio
 
 from p2p.http_range import ByteRange
 from p2p.http_server import FileSlice, HttpRequest, HttpResponse
+from shardcast.core import should_materialize
 from shardcast.download.receive import BaseVersion, ShardSink, verify_and_write
 from shardcast.publish.plan import Base, build_manifest
 from shardcast.serve.server import VersionServer
@@ -369,3 +370,19 @@ def test_a_partial_chain_serves_full_ranges_built_and_verified(tmp_path: Path) -
     blob_resp = trio.run(server.handle, HttpRequest("GET", path, {}, {}, None))
     assert isinstance(blob_resp.body, FileSlice)  # the blob as received, from its file
     part.abort()
+
+
+def test_anchors_materialize_in_a_low_priority_thread_and_keep_chains_short(
+    tmp_path: Path,
+) -> None:
+    assert [should_materialize(d, 8) for d in (0, 7, 8, 9)] == [False, False, True, True]
+    assert not should_materialize(100, 0)  # 0: only on demand
+    t = Trainer(tmp_path, 3)
+    store = _store(tmp_path, t, keep_last=1)
+    _receive(store, t, 2)
+    _receive(store, t, 3)
+    assert store.materialize_low_priority(3)  # same result as materialize, own thread
+    assert not store.materialize_low_priority(3)
+    assert store.chain_depth(3) == 0
+    assert store.prune() == [1, 2]  # the bases under the anchor can go now
+    assert (store.version_dir(3) / NAME).read_bytes() == t.bytes_of(3)
