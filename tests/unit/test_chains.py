@@ -386,3 +386,25 @@ def test_anchors_materialize_in_a_low_priority_thread_and_keep_chains_short(
     assert store.chain_depth(3) == 0
     assert store.prune() == [1, 2]  # the bases under the anchor can go now
     assert (store.version_dir(3) / NAME).read_bytes() == t.bytes_of(3)
+
+
+def test_a_large_range_of_a_chain_is_served_after_materializing_it(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import shardcast.serve.server as server_module
+
+    t = Trainer(tmp_path, 2)
+    store = _store(tmp_path, t)
+    _receive(store, t, 2)
+    monkeypatch.setattr(server_module, "MAX_BUILT_BYTES", SHARD)  # larger: not in memory
+    server = VersionServer(store, trust())
+    small = _serve(server, t.manifests[2], 0, SHARD - 1)
+    assert (small.status, small.body) == (206, t.bytes_of(2)[:SHARD])
+    assert store.chained_files(2) == {NAME}
+    big = _serve(server, t.manifests[2], 0, 4 * SHARD - 1)
+    assert big.status == 206
+    assert isinstance(big.body, FileSlice)  # sent from the file, once it was built
+    assert store.chained_files(2) == frozenset()
+    assert (store.version_dir(2) / NAME).read_bytes() == t.bytes_of(2)
+    assert big.body.on_done is not None
+    big.body.on_done()  # the pin is released
