@@ -124,8 +124,8 @@ class ChainRecord:
         obj = json.loads(data)
         if not isinstance(obj, dict) or obj.get("v") != 1:
             raise ValueError("not a version-1 chain record")
-        step, digest, files, deltas = (obj.get(k) for k in ("base_step", "base_digest", "files",
-                                                              "deltas"))  # fmt: skip
+        step, digest = obj.get("base_step"), obj.get("base_digest")
+        files, deltas = obj.get("files"), obj.get("deltas")
         if not isinstance(step, int) or not isinstance(digest, str) or len(digest) != 64:
             raise ValueError("chain record: bad base")
         if not isinstance(files, list) or not all(isinstance(f, str) for f in files):
@@ -229,11 +229,12 @@ class ChainReader:
         Raises:
             ChainBroken: a level's bytes do not match its signed shard digest, or a base is
                 missing; the damaged committed version and the chains on it are removed
-                (a partial ``top`` is not: the caller drops its shard).
+                (a partial ``top`` is not; a blob that failed is noted in
+                :attr:`bad_deltas`, so the version is fetched eagerly next time).
         """
         for attempt in range(2):  # once more if a materialization flipped it meanwhile
             levels = [top] if top is not None else []
-            s = step
+            s = self._base_of(top, index) if top is not None else step
             while True:
                 lv = self.level(s, index)
                 levels.append(lv)
@@ -248,6 +249,12 @@ class ChainReader:
         raise AssertionError("unreachable")
 
     def _base_of(self, lv: Level, index: int) -> int:
+        """The base step of delta level ``lv``, checked: held under the digest ``lv``
+        names, with shard ``index`` laid out alike.
+
+        Raises:
+            ChainBroken: not so (a committed ``lv`` is removed).
+        """
         rec = read_record(self.v.version_dir(lv.step)) if lv.committed else None
         base_step = rec.base_step if rec else lv.manifest.header.base_step
         base_digest = rec.base_digest if rec else lv.manifest.header.base_digest
