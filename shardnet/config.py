@@ -421,6 +421,17 @@ class FollowerSettings(CommonSettings):
         description="seconds a shard source that sent corrupt bytes stays banned, across "
         "versions (0: for the current version only)",
     )
+    keep_chains: bool = Field(
+        DownloadConfig.keep_chains,
+        description="keep a version received as deltas as its base plus the verified blobs "
+        "(no full files written; built and verified on read); off: write every file at once",
+    )
+    materialize_every: int = Field(
+        DownloadConfig.materialize_every,
+        ge=0,
+        description="materialize a kept chain in the background once it is this many "
+        "versions above a full one (0: only when something needs the files)",
+    )
     mirror: list[str] = Field(
         [],
         description="static mirror base URL (http://HOST[:PORT][/PATH], a tree written by "
@@ -495,6 +506,8 @@ class FollowerSettings(CommonSettings):
                 stall_timeout_s=self.stall_timeout_s,
                 source_ban_s=self.source_ban_s,
                 keep_partial=True,
+                keep_chains=self.keep_chains,
+                materialize_every=self.materialize_every,
             ),
             lane_backoff=LaneBackoff(
                 first_s=self.advert_retry_s,

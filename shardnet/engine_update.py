@@ -18,11 +18,16 @@ has what changed: the follower keeps every verified encoded blob of a committed 
    the checkpoint is not read;
 3. otherwise (an engine without in-place updates, nothing held yet, a skipped version, a shard
    received raw or as ``xor-zstd``, a layout change, a tensor that does not fit) loads the
-   version in full, as before, and reads the new layouts (headers only).
+   version in full, as before, and reads the new layouts (headers only); a version kept as a
+   chain is materialized first (every shard verified, :mod:`shardcast.store.chains`).
 
 Why the result is the trainer's bytes: the engine held ``N``'s bytes (a verified full load, or
-an in-place update from one), each blob is the one the trainer signed, and the follower
-already checked that applying it to ``N`` gives ``N+1``'s signed shard digest. A held tensor
+an in-place update from one), each blob is the one the trainer signed, and the decoding is
+deterministic. A follower that wrote ``N+1`` eagerly also checked that applying the blob to
+``N`` gives ``N+1``'s signed shard digest; one that kept ``N+1`` as a chain (the default,
+:mod:`shardcast.store.chains`) checks that whenever the shard is read (an anchor's
+materialization, a full range served, a full load), so a trainer whose signed blob and
+signed shard disagree, or a decoder bug, is found there, not before this update. A held tensor
 in another dtype than the checkpoint's (an engine that casts on load) is refused by the
 planner, so the bytes patched are always the checkpoint's.
 
@@ -179,10 +184,15 @@ def swap_weights(
     it can (module docstring), else ``engine.load(directory)``; with ``cpu``, its CPU is
     charged to ``engine_update`` (module docstring).
 
+    A version kept as a chain (:mod:`shardcast.store.chains`) is materialized before a full
+    load, every shard verified on the way; the in-place path reads only its blobs.
+
     Returns:
         what was done.
 
     Raises:
+        ChainBroken: a chain version's shard did not verify (nothing was loaded; the store
+            removed the version).
         whatever ``engine.load`` raises (``CheckpointMismatch``, ...) on the full path; the
         engine then holds an unknown version (pass ``held=None`` next time).
     """
@@ -219,6 +229,8 @@ def _swap(
                 None,
                 plan.changed_words,
             )
+    with (cpu or StageCpu()).measure(Stage.MATERIALIZE):  # nested: not engine_update too
+        store.materialize(manifest.step)  # a chain: full files first, every shard verified
     engine.load(directory)
     now_held = None
     if isinstance(engine, InPlaceEngine):

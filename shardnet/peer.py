@@ -389,8 +389,13 @@ class InferencePeer:
         """Swap the engine's weights to the held version ``signed`` (at ``path``) and load its
         tokenizer; None if the version was pruned meanwhile (a newer one exists).
 
+        A version kept as a chain whose config or tokenizer files are chained is
+        materialized first; its weights are too if the engine cannot update in place
+        (:func:`swap_weights`).
+
         Raises:
-            IntegrityError: its ``config.json`` is not the architecture of ``card``.
+            IntegrityError: its ``config.json`` is not the architecture of ``card``; or
+                (``ChainBroken``) a chain version's shard did not verify: nothing is loaded.
             ShardnetError: the swap failed (see :func:`swap_weights`).
         """
         assert self.node is not None
@@ -399,8 +404,12 @@ class InferencePeer:
         with store.pinned(step):
             if not store.has(step):
                 return None
+            chained = await trio.to_thread.run_sync(store.chained_files, step)
             # threads abandoned on cancel (module docstring, "Stopping"): a stop leaves the
-            # engine holding an unknown version, and the process is on its way out
+            # engine holding an unknown version, and the process is on its way out; an
+            # abandoned materialize is crash-safe (store/chains.py)
+            if any(not name.endswith(".safetensors") for name in chained):  # config, tokenizer
+                await _abandoned_on_cancel(store.materialize, step)  # raises ChainBroken
             if not await _abandoned_on_cancel(_architecture_matches, card, path):
                 raise IntegrityError(
                     f"config.json of version {step} is not the architecture of run "

@@ -84,3 +84,21 @@ class Chain:
         return swap_weights(
             engine, self.store, self.manifests[step], self.store.version_dir(step), held
         )
+
+
+def receive_as_chain(src: VersionStore, m: Manifest, dst: VersionStore) -> None:
+    """Commit ``m`` (held in full by ``src``) in ``dst`` as a follower keeps it by default: a
+    chain over its base (every offered sparse blob kept, unread), raw shards elsewhere."""
+    from shardcast.download.receive import ShardSink, verify_and_write
+
+    part = dst.begin(m, m.header.base_step)
+    for ref in m.header.shards:
+        entry = m.shard(ref.index)
+        if entry.offered(codecs.SPARSE) is not None:
+            enc, data = codecs.SPARSE, src.blob_path(m.step, ref.index, codecs.SPARSE).read_bytes()
+        else:
+            enc, data = codecs.RAW, bytes(src.read_shard(m.step, ref.index))
+        sink = ShardSink(bytearray(data), len(data))
+        sink.advance(len(data))
+        verify_and_write(part, entry, enc, sink, None, "test")
+    part.commit()

@@ -8,6 +8,10 @@ from pathlib import Path
 
 from p2p.identity import Identity
 from p2p.trust import TrustList
+from shardcast.serve.mirror import open_store
+from shardcast.store.chains import read_record
+from shardcast.store.store import file_matches
+from shardcast.wire.manifest import Manifest
 
 TRAINER = Identity.from_seed("test-trainer")
 
@@ -34,3 +38,33 @@ def make_checkpoint(directory: Path, sizes: dict[str, int], seed: int = 0) -> Pa
             json.dumps({"metadata": {"total_size": sum(sizes.values())}, "weight_map": wm})
         )
     return directory
+
+
+def check_committed(path: Path, m: Manifest) -> None:
+    """Assert that the committed version at ``path`` (``<data_dir>/versions/<run>/step-N``)
+    is ``m``'s bytes: each full file against its signed digest; a version kept as a chain
+    (:mod:`shardcast.store.chains`) by building every chained shard verified, through a
+    read-only view of the store (the node may be running; nothing is changed)."""
+    chain = read_record(path)
+    chained = chain.files if chain is not None else frozenset()
+    for f in m.header.files:
+        if f.name not in chained:
+            assert file_matches(path / f.name, m, f.name), f.name
+    if chained:
+        view = open_store(path.parents[2], m.run_id)
+        for ref in m.header.shards:
+            if ref.file in chained:
+                view.chains.read_shard(m.step, ref.index)  # raises ChainBroken if not
+
+
+def committed_bytes(path: Path, run_id: str, name: str) -> bytes:
+    """File ``name`` of the committed version at ``path`` (``<data_dir>/versions/<run>/
+    step-N``): read, or, kept as a chain, built shard by shard and verified (read-only)."""
+    chain = read_record(path)
+    if chain is None or name not in chain.files:
+        return (path / name).read_bytes()
+    view = open_store(path.parents[2], run_id)
+    step = int(path.name.removeprefix("step-"))
+    m = view.manifest_of(step)
+    assert m is not None, path
+    return view.read_file_range(step, name, 0, m.header.file(name).size)

@@ -36,7 +36,7 @@ from shardcast.core.reachability import (
     lane_in_scope,
     scoped_lane,
 )
-from shardcast.core.retention import versions_to_prune
+from shardcast.core.retention import should_materialize, versions_to_prune
 from shardcast.core.select import SchedulerConfig, SourceBans, blame
 from shardcast.core.session import (
     Action,
@@ -153,6 +153,7 @@ __all__ = [
     "plan",
     "poll_delay",
     "scoped_lane",
+    "should_materialize",
     "superseded",
     "versions_to_prune",
     "want",

@@ -82,7 +82,7 @@ from shardcast.download.types import (
     ProgressFn,
     Source,
 )
-from shardcast.store import PartialVersion, VersionStore
+from shardcast.store import ChainBroken, PartialVersion, VersionStore
 from shardcast.wire import Manifest
 
 log = logging.getLogger(__name__)
@@ -179,8 +179,7 @@ class Downloader:
         self._extra = extra_sources
         self._max_extra = max_extra_sources
         self._upstreams = upstreams
-        part = await trio.to_thread.run_sync(self.store.begin, manifest)
-        base_step = self._usable_base(manifest)
+        part, base_step = await self._begin(manifest)
         session = self._session(part, base_step is not None)
         stats = self.current = self.last_stats = session.stats
         try:
@@ -207,6 +206,31 @@ class Downloader:
             await self._leave_partial(part, manifest.step)
         stats.elapsed_s = trio.current_time() - started
         return path, stats
+
+    async def _begin(self, manifest: Manifest) -> tuple[PartialVersion, int | None]:
+        """Open the partial version and say which base deltas are taken against (None:
+        none). With ``keep_chains`` the version is kept as a chain on that base (its blobs
+        kept, the base not read), unless a chain of this very version was found broken at
+        its blobs before (:attr:`~shardcast.store.chains.ChainReader.bad_deltas`); eager
+        otherwise: a base kept as a chain is materialized first (its files are read), and
+        dropped for raw shards if it does not verify."""
+        base_step = self._usable_base(manifest)
+        chain = (
+            base_step is not None
+            and self.config.keep_chains
+            and manifest.rooted
+            and manifest.digest not in self.store.chains.bad_deltas
+        )
+        if base_step is not None and not chain:
+            try:
+                await trio.to_thread.run_sync(self.store.materialize, base_step)
+            except ChainBroken as exc:  # removed: fetch the shards raw
+                log.warning("delta_base_broken step=%d error=%s", base_step, exc)
+            base_step = self._usable_base(manifest)
+        part = await trio.to_thread.run_sync(
+            self.store.begin, manifest, base_step if chain else None
+        )
+        return part, base_step
 
     @staticmethod
     async def _commit(part: PartialVersion, step: int, cpu: StageCpu) -> Path:

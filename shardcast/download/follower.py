@@ -90,6 +90,7 @@ from shardcast.core import (
     Reach,
     Reachability,
     ReachabilityConfig,
+    Stage,
     Want,
     abandons,
     confirmed_elsewhere,
@@ -97,6 +98,7 @@ from shardcast.core import (
     plan,
     poll_delay,
     scoped_lane,
+    should_materialize,
     want,
 )
 from shardcast.download.discovery import (
@@ -118,6 +120,7 @@ from shardcast.node import (
     source_kind,
     wall_of,
 )
+from shardcast.store import ChainBroken
 from shardcast.wire import (
     Manifest,
     NodeInfo,
@@ -947,6 +950,27 @@ class Follower:
         if self.on_commit is not None:
             await self.on_commit(m, path, record)
         self._note_change()
+        if self._nursery is not None and self.config.download.materialize_every:
+            self._nursery.start_soon(self._anchor, m.step)
+
+    async def _anchor(self, step: int) -> None:
+        """Materialize committed ``step`` in the background, at low priority, if it is an
+        anchor (:func:`~shardcast.core.retention.should_materialize`): chains stay short and
+        retention can drop the bases under it. A chain that does not verify is removed
+        (:class:`~shardcast.store.ChainBroken`) and fetched again later."""
+        store = self.node.store
+        try:
+            depth = await trio.to_thread.run_sync(store.chain_depth, step)
+            if should_materialize(depth, self.config.download.materialize_every):
+                cpu = self.node.metrics.stage_cpu
+                materialize = cpu.wrap(Stage.MATERIALIZE, store.materialize_low_priority)
+                await trio.to_thread.run_sync(materialize, step)
+                await trio.to_thread.run_sync(store.prune)
+        except ChainBroken as exc:
+            log.error("anchor_broken step=%d error=%s", step, exc)
+            self._note_change()
+        except (OSError, ValueError) as exc:  # gone meanwhile (pruned, replaced)
+            log.info("anchor_skipped step=%d error=%s", step, exc)
 
     # -- observability ----------------------------------------------------------------------
 

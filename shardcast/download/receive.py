@@ -63,6 +63,13 @@ patch hashes the patched range inside the store's call, which is charged to ``wr
 hashed as they arrive are charged by the driver (``verify``), and so are the socket reads
 (``receive``).
 
+Chains (the default, ``DownloadConfig.keep_chains``): when the download keeps the version as a
+chain (:attr:`~shardcast.store.store.PartialVersion.chain_base`), a delta blob that matches
+its signed digest is only kept (:func:`keep_delta`): the base is not read and the shard is not
+written; its bytes are built and verified whenever something reads them
+(:mod:`shardcast.store.chains`, which argues why they are the trainer's). The paths above are
+then the eager mode, and the one for ``zstd`` and raw shards.
+
 This module does no networking itself; its blocking functions run in worker threads.
 """
 
@@ -387,6 +394,9 @@ def verify_and_write(
     if sink.size != offered.size or sink.digest() != offered.digest:
         raise IntegrityError(f"shard {entry.index} {encoding} blob digest mismatch", source)
     blob = sink.data
+    if encoding in codecs.DELTAS and part.chain_base is not None:
+        with cpu.measure(Stage.WRITE):  # keeping the blob is this path's only write
+            return keep_delta(part, entry, encoding, blob, source)
     blobs = {encoding: bytes(blob)}  # kept for re-serving (deltas are small)
     if encoding in codecs.DELTAS and base is None:
         raise LocalProtocolError(f"{encoding} of shard {entry.index} needs the base version")
@@ -412,6 +422,15 @@ def _hash_and_write(
         hashed = blake3.blake3(raw).hexdigest()
     with cpu.measure(Stage.WRITE):
         return part.write_shard(entry.index, raw, source, blobs=blobs, hashed=hashed)
+
+
+def keep_delta(
+    part: PartialVersion, entry: ShardEntry, encoding: str, blob: memoryview, source: str
+) -> bool:
+    """The chain commit of one shard: keep its verified delta blob, read no base, write no
+    shard (:meth:`~shardcast.store.store.PartialVersion.keep_delta`; the bytes are verified
+    whenever they are read, :mod:`shardcast.store.chains`)."""
+    return part.keep_delta(entry.index, encoding, bytes(blob), source)
 
 
 def _write_decompressed(

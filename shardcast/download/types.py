@@ -69,6 +69,13 @@ class DownloadConfig:
         scheduler: source-selection tuning.
         source_ban_s: a source banned for corrupt bytes stays banned this long, across the
             versions this downloader fetches, seconds (0: only for the version).
+        keep_chains: commit a version received as deltas against a base held here as a
+            chain (its verified blobs; no base read, no full file written,
+            :mod:`shardcast.store.chains`); False: build every file at once (eager, as before
+            chains; for comparison).
+        materialize_every: a chain this many links above a full version is materialized in
+            the background after its commit (an anchor: chains stay short, old bases can be
+            pruned); 0: only on demand.
     """
 
     stall_timeout_s: float = 30.0
@@ -83,6 +90,8 @@ class DownloadConfig:
     prefer_compressed: bool = False
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     source_ban_s: float = 600.0
+    keep_chains: bool = True
+    materialize_every: int = 8
 
 
 ProgressFn = Callable[[int, int], None]

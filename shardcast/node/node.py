@@ -266,6 +266,8 @@ class ShardcastNode:
             ):
                 node = cls(identity, trust, config, p2p, http, client, store, server, metrics)
                 node.card = stored_card
+                token = trio.lowlevel.current_trio_token()
+                store.on_quarantine = lambda steps: token.run_sync_soon(node.versions_lost, steps)
                 metrics.bind(node)
                 p2p.on_peer_gone(server.holder_gone)
                 routes["/shardnet/v1/runcard"] = node._runcard_route
@@ -564,8 +566,16 @@ class ShardcastNode:
         return self.announcement
 
     async def wait_change(self) -> None:
-        """Wait until the known announcement or run end changes."""
+        """Wait until the known announcement or run end changes, or versions were lost."""
         await self._announced.wait()
+
+    def versions_lost(self, steps: list[int]) -> None:
+        """The store removed damaged ``steps`` (a chain that did not verify,
+        :mod:`shardcast.store.chains`): wake what waits for a change, so a follower fetches
+        the version again. Runs on the event loop (scheduled from the thread that found it)."""
+        log.warning("versions_lost steps=%s", steps)
+        self._announced.set()
+        self._announced = trio.Event()
 
     def versions_dir(self) -> Path:
         """The run's directory of committed versions."""

@@ -50,7 +50,7 @@ from pathlib import Path
 
 from p2p.errors import ConfigError, IntegrityError, ShardnetError
 from p2p.trust import TrustList
-from shardcast.store import VersionStore, file_matches, hash_file
+from shardcast.store import ChainReader, VersionStore, build_file, file_matches, hash_file
 from shardcast.wire import (
     ENCODINGS,
     MANIFEST_FILE,
@@ -123,6 +123,16 @@ class _ReadOnlyStore(VersionStore):
         self._pins: dict[int, int] = {}
         self._lock = threading.Lock()
         self._open_partials: set[int] = set()
+        self._digests: dict[int, tuple[int, int, str]] = {}
+        self._manifests: dict[int, Manifest] = {}
+        self.chains = ChainReader(self)
+        self.damaged: dict[int, str] = {}
+
+    def quarantine(self, step: int, reason: str) -> list[int]:
+        """Record a damaged version without removing it (the node owns the directory)."""
+        self.damaged[step] = reason
+        log.error("mirror_version_damaged step=%d reason=%s", step, reason)
+        return []
 
 
 def export_mirror(
@@ -237,8 +247,14 @@ def _export_version(
             bits.append((0xFF << (8 - n % 8)) & 0xFF)
         _write(tmp / "have", bytes(bits))
         _mkdir(tmp / "files")
+        chained = store.chained_files(step)
         for f in m.header.files:
             path = vdir / f.name
+            if f.name in chained:  # a chain version: built shard by shard, every one verified
+                build_file(store.chains, step, m, f.name, tmp / "files" / f.name, False)
+                os.chmod(tmp / "files" / f.name, _FILE_MODE)
+                result.copied += 1
+                continue
             if verify and not file_matches(path, m, f.name):
                 raise IntegrityError(f"{path} does not match its manifest digest")
             _place(path, tmp / "files" / f.name, result)

@@ -93,7 +93,7 @@ from p2p.http_server import FileSlice, HttpRequest, HttpResponse, file_response
 from p2p.identity import Identity
 from p2p.trust import TrustList
 from shardcast.serve.superseeding import SuperSeeding
-from shardcast.store import VersionStore
+from shardcast.store import ChainBroken, VersionStore
 from shardcast.wire import (
     AUTH_HEADER,
     ENCODINGS,
@@ -118,6 +118,9 @@ from shardcast.wire import (
 log = logging.getLogger(__name__)
 
 IMMUTABLE = "public, max-age=31536000, immutable"
+MAX_BUILT_BYTES = 64 << 20
+"""Largest range of a chain version built in memory per request (larger ones of a committed
+chain materialize it first), bytes."""
 _JSON = "application/json"
 _VERSIONS = re.compile(r"^/shardnet/v1/(?P<run>[^/]+)/versions$")
 _WHOAMI = re.compile(r"^/shardnet/v1/whoami/(?P<nonce>[0-9a-f]{32})$")
@@ -469,6 +472,12 @@ class VersionServer:
             shards = range(0)
         live = self._live.get(step)
         ready = None
+        if self._chained(step, live, name, shards):  # bytes built from blobs, verified
+            if not await self._wait(req, step, lambda: all(self._has(step, i) for i in shards)):
+                return _retry()
+            if self._refuse_repeat(req, step, m, shards):
+                return _refused()
+            return await self._built(req, step, name, entry.size, etag, last_modified, cache)
         if live is not None and shards and _hold_s(req, self.wait_s) > 0:
             # stream the verified prefix as it grows (module docstring): start at the first byte
             start, stop = first, last + 1
@@ -504,6 +513,63 @@ class VersionServer:
             content_type=_JSON if name.endswith(".json") else "application/octet-stream",
             ready=ready,
         )
+
+    def _chained(self, step: int, live: _Live | None, name: str, shards: range) -> bool:
+        """True if some bytes of ``shards`` (of file ``name``) are kept as delta blobs, not
+        in a file: a version kept as a chain (:mod:`shardcast.store.chains`)."""
+        if live is None:
+            return name in self.store.chained_files(step)
+        in_file = getattr(live.version, "in_file", None)
+        return in_file is not None and not all(in_file(i) for i in shards)
+
+    async def _built(
+        self,
+        req: HttpRequest,
+        step: int,
+        name: str,
+        size: int,
+        etag: str,
+        last_modified: str | None,
+        cache: list[tuple[str, str]],
+    ) -> HttpResponse:
+        """A range of a chain version's file, built shard by shard and verified before any
+        byte is sent (:meth:`~shardcast.store.store.VersionStore.read_file_range`); a range
+        over :data:`MAX_BUILT_BYTES` of a committed chain materializes it first and is sent
+        from the file. A shard that does not verify is never sent (the store removes the
+        version; ``404``)."""
+        ctype = _JSON if name.endswith(".json") else "application/octet-stream"
+        resp = file_response(
+            req, Path(name), size, content_type=ctype, headers=cache, etag=etag,
+            last_modified=last_modified,
+        )  # fmt: skip
+        if not isinstance(resp.body, FileSlice):
+            return resp
+        sl, live = resp.body, self._live.get(step)
+        try:
+            if sl.length > MAX_BUILT_BYTES and live is None:
+                await trio.to_thread.run_sync(self.store.materialize, step)
+                path = self.store.version_dir(step) / name
+                return self._slice(
+                    req, step, RAW, size, path, path, etag=etag, last_modified=last_modified,
+                    headers=cache, content_type=ctype,
+                )  # fmt: skip
+            if sl.length > MAX_BUILT_BYTES:
+                return _retry()
+            read = live.version.read_file_range if live is not None else None  # type: ignore[attr-defined]
+            with self.store.pinned(step):
+                if read is None:
+                    data = await trio.to_thread.run_sync(
+                        self.store.read_file_range, step, name, sl.offset, sl.length
+                    )
+                else:
+                    data = await trio.to_thread.run_sync(read, name, sl.offset, sl.length)
+        except ChainBroken as exc:
+            log.error("chain_read_refused step=%d file=%s error=%s", step, name, exc)
+            return HttpResponse(404 if live is None else 503, [_NO_STORE])
+        if req.method == "GET" and resp.status < 300:
+            self.bytes_by_step[step] = self.bytes_by_step.get(step, 0) + len(data)
+            self.sent_by_codec[RAW] = self.sent_by_codec.get(RAW, 0) + len(data)
+        return dataclasses.replace(resp, body=data)
 
     def _servable_end(self, step: int, m: Manifest, name: str, pos: int, stop: int) -> int:
         """Where the run of verified bytes of file ``name`` from ``pos`` ends (at most

@@ -4,7 +4,23 @@ Layout under a node's data directory::
 
     <root>/<run_id>/step-<N>/               a committed version: every file + manifest.json
     <root>/<run_id>/step-<N>/.enc/          encoded shard blobs kept for re-serving
+    <root>/<run_id>/step-<N>/chain.json     a version kept as a chain (base + delta blobs;
+    <root>/<run_id>/step-<N>/.chain/        its chained files' raw shards; see chains.py)
     <root>/<run_id>/.partial-step-<N>/      a version being downloaded (never served as complete)
+
+Versions kept as chains (:mod:`shardcast.store.chains`, which holds the argument why their
+bytes are the trainer's): a download started with ``chain_base`` keeps each verified delta
+blob (:meth:`PartialVersion.keep_delta`) instead of reading the base and writing the shard,
+and its commit writes ``chain.json`` in the partial directory before the same atomic rename.
+:meth:`VersionStore.read_shard` produces any committed version's shard (full: ``pread``;
+chain: the base's shard, recursively, with the blob applied) and hashes it against the
+signed shard digest before returning it; a mismatch raises
+:class:`~shardcast.store.chains.ChainBroken` and removes the damaged version and every chain
+on it (:meth:`VersionStore.quarantine`). :meth:`VersionStore.materialize` builds the full
+files through that read and flips the version to full. Retention keeps every base a kept
+chain needs (:func:`shardcast.core.retention.versions_to_prune`); every open drops chains whose
+base is gone (:meth:`VersionStore.check_chains`), and recovery after an unclean stop reads
+every chained shard verified.
 
 Theory of operation
 -------------------
@@ -42,8 +58,9 @@ open while they run: a store opened after an unclean stop (the marker is still t
 every committed version and removes those that do not match their manifest, so a version
 damaged by a crash is never used or served.
 
-Retention keeps the newest ``keep_last`` committed versions. A version that is pinned (being
-read, served, or used as a delta base) is never removed while pinned.
+Retention keeps the newest ``keep_last`` committed versions and the bases their chains need.
+A version that is pinned (being read, served, or used as a delta base) is never removed while
+pinned.
 
 This module does blocking file I/O and no networking; async callers run its methods in a
 worker thread (``trio.to_thread.run_sync``). Methods of one :class:`PartialVersion` may be
@@ -67,10 +84,27 @@ import blake3
 from p2p.errors import IntegrityError, LocalProtocolError, ShardnetError
 from p2p.trust import TrustList
 from shardcast.core import versions_to_prune
-from shardcast.wire import MANIFEST_FILE, Manifest, check_run_id, document_signer, file_root
+from shardcast.store.chains import BLOB_DIR as BLOB_DIR  # where it always was, too
+from shardcast.store.chains import (
+    CHAIN_DIR,
+    CHAIN_FILE,
+    MATERIALIZE_DIR,
+    ChainBroken,
+    ChainReader,
+    ChainRecord,
+    Level,
+    read_record,
+)
+from shardcast.wire import (
+    MANIFEST_FILE,
+    Manifest,
+    check_run_id,
+    codecs,
+    document_signer,
+    file_root,
+)
 
-BLOB_DIR = ".enc"
-"""Directory of a version holding its pre-encoded shard blobs (``<version>/.enc/``)."""
+_DELTAS = codecs.DELTAS
 
 log = logging.getLogger(__name__)
 
@@ -202,6 +236,13 @@ class VersionStore:
         self._lock = threading.Lock()
         self._open_partials: set[int] = set()
         self._digests: dict[int, tuple[int, int, str]] = {}  # step -> (inode, mtime_ns, digest)
+        self._manifests: dict[int, Manifest] = {}  # step -> committed manifest (by digest)
+        self.chains = ChainReader(self)
+        self.damaged: dict[int, str] = {}
+        """Steps removed because a verified read found them damaged -> why (this process)."""
+        self.on_quarantine: Callable[[list[int]], None] | None = None
+        """Told the steps :meth:`quarantine` removed (from the thread that found them; the
+        node wakes its follower with it, which fetches them again). Must not block."""
         self.run_dir.mkdir(parents=True, exist_ok=True)
         latest = self.latest()
         for p in (*self.run_dir.glob(".partial-step-*"), *self.run_dir.glob(".removing-step-*")):
@@ -218,6 +259,7 @@ class VersionStore:
         self._marker = self.run_dir / ".open"
         if self._marker.exists():
             self.recover()
+        self.check_chains()
         if not durable:
             self._marker.write_bytes(b"")
             _fsync_dir(self.run_dir)
@@ -231,11 +273,24 @@ class VersionStore:
         removed = []
         for step in self.committed_steps():
             d = self.version_dir(step)
+            if not self.has(step):  # removed with a damaged base below it
+                continue
             try:
                 raw = (d / MANIFEST_FILE).read_bytes()
                 signer = document_signer(raw, str(d))
                 m = Manifest.decode(raw, trust=TrustList(trainer=signer))
-                ok = m.complete and all(file_matches(d / f.name, m, f.name) for f in m.header.files)
+                rec = read_record(d)
+                chained = rec.files if rec is not None else frozenset()
+                ok = m.complete and all(
+                    file_matches(d / f.name, m, f.name)
+                    for f in m.header.files
+                    if f.name not in chained
+                )
+                for ref in m.header.shards if ok and rec is not None else ():
+                    if ref.file in chained:
+                        self.chains.read_shard(step, ref.index)  # verified, down to a full one
+            except ChainBroken:
+                continue  # removed already, with the chains on it
             except (OSError, ValueError, KeyError, TypeError, ShardnetError):
                 ok = False
             if not ok:
@@ -245,6 +300,156 @@ class VersionStore:
                 removed.append(step)
         log.warning("store_recovered run=%s removed_steps=%s", self.run_id, removed)
         return removed
+
+    def check_chains(self) -> list[int]:
+        """Remove every chain version whose record does not parse or whose base (step and
+        digest) is not committed, and leftovers of an interrupted materialization. Cheap (no
+        shard is read); run at every open, so a chain that cannot be built is never served.
+
+        Returns:
+            the removed steps.
+        """
+        removed: list[int] = []
+        for step in self.committed_steps():
+            d = self.version_dir(step)
+            shutil.rmtree(d / MATERIALIZE_DIR, ignore_errors=True)
+            try:
+                rec = read_record(d)
+            except (OSError, ValueError) as exc:
+                removed += self.quarantine(step, f"unreadable chain record: {exc}")
+                continue
+            if rec is not None and not self.holds(rec.base_step, rec.base_digest):
+                removed += self.quarantine(step, f"base step {rec.base_step} is not held")
+        return removed
+
+    def manifest_of(self, step: int) -> Manifest | None:
+        """The manifest of committed ``step`` (None: not committed, or unreadable), cached
+        by its digest. Blocking; thread-safe."""
+        digest = self.digest_of(step)
+        if digest is None:
+            return None
+        with self._lock:
+            m = self._manifests.get(step)
+        if m is not None and m.digest == digest:
+            return m
+        path = self.version_dir(step) / MANIFEST_FILE
+        try:
+            data = path.read_bytes()
+            m = Manifest.decode(data, trust=TrustList(trainer=document_signer(data, str(path))))
+        except (OSError, ValueError, KeyError, TypeError, ShardnetError):
+            return None
+        with self._lock:
+            self._manifests[step] = m
+            while len(self._manifests) > 2 * self.keep_last + 16:
+                self._manifests.pop(next(iter(self._manifests)))
+        return m
+
+    def chain_of(self, step: int) -> ChainRecord | None:
+        """The chain record of committed ``step`` (None: full, or not committed).
+
+        Raises:
+            ValueError: the record does not parse.
+        """
+        try:
+            return read_record(self.version_dir(step))
+        except FileNotFoundError:
+            return None
+
+    def chained_files(self, step: int) -> frozenset[str]:
+        """Files of committed ``step`` not present in full (empty: a full version)."""
+        rec = self.chain_of(step)
+        return rec.files if rec is not None else frozenset()
+
+    def quarantine(self, step: int, reason: str) -> list[int]:
+        """Remove ``step`` (pinned or not) and every chain version built on it, directly or
+        through other chains: none of them can be built from verified bytes any more. They
+        are no longer served, offered or loaded; a follower fetches them again.
+
+        Returns:
+            the removed steps.
+        """
+        bad = {step}
+        for s in self.committed_steps():
+            try:
+                rec = read_record(self.version_dir(s))
+            except (OSError, ValueError):
+                continue
+            if rec is not None and rec.base_step in bad:
+                bad.add(s)
+        removed = [s for s in sorted(bad) if self.discard(s)]
+        for s in removed:
+            self.damaged[s] = reason
+        log.error("versions_quarantined run=%s steps=%s reason=%s", self.run_id, removed, reason)
+        if removed and self.on_quarantine is not None:
+            self.on_quarantine(removed)
+        return removed
+
+    def read_shard(self, step: int, index: int) -> bytearray:
+        """The bytes of shard ``index`` of committed ``step``, full or chain, hashed against
+        the signed shard digest (and, for a chain, every level under it against its own)
+        before they are returned (:mod:`shardcast.store.chains`). Pins ``step`` meanwhile.
+
+        Raises:
+            ChainBroken: the bytes do not verify or a base is gone; the damaged version and
+                the chains on it are removed, nothing is returned.
+        """
+        with self.pinned(step):
+            return self.chains.read_shard(step, index)
+
+    def read_file_range(self, step: int, name: str, offset: int, length: int) -> bytes:
+        """Bytes ``[offset, offset + length)`` of file ``name`` of committed ``step``, built
+        from verified shards (:meth:`read_shard`): for serving a chain version's ranges.
+
+        Raises:
+            ChainBroken: as :meth:`read_shard`.
+            KeyError: no such file.
+        """
+        m = self.manifest_of(step)
+        if m is None:
+            raise ChainBroken(step, -1, "the version is not held")
+        return _range_of(m, name, offset, length, lambda i: self.read_shard(step, i))
+
+    def materialize(self, step: int) -> bool:
+        """Build committed ``step``'s full files from its chain, verifying every shard, and
+        flip it to full (:meth:`~shardcast.store.chains.ChainReader.materialize`). Pins the
+        step meanwhile; one materialization runs at a time.
+
+        Returns:
+            True if it was a chain (full now), False if it was full already or is not held.
+
+        Raises:
+            ChainBroken: a shard did not verify (the version and its chains are removed).
+        """
+        with self.pinned(step):
+            return self.chains.materialize(step)
+
+    def materialize_low_priority(self, step: int) -> bool:
+        """:meth:`materialize` in a thread of its own at the lowest CPU priority (``nice``
+        19, per thread on Linux), so building an anchor yields to the data path. Blocks
+        until done; same result and errors."""
+        out: list[bool] = []
+        err: list[BaseException] = []
+
+        def body() -> None:
+            try:
+                os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 19)
+            except OSError as exc:  # not Linux, or not permitted: run at normal priority
+                log.debug("materialize_nice_refused error=%s", exc)
+            try:
+                out.append(self.materialize(step))
+            except BaseException as exc:  # handed to the caller's thread
+                err.append(exc)
+
+        t = threading.Thread(target=body, name=f"materialize-{step}", daemon=True)
+        t.start()
+        t.join()
+        if err:
+            raise err[0]
+        return out[0]
+
+    def chain_depth(self, step: int) -> int:
+        """Chain links from committed ``step`` down to a full version (0: full)."""
+        return self.chains.depth(step)
 
     def close(self) -> None:
         """Flush what was committed and mark a clean stop (no re-verification at the next
@@ -358,12 +563,15 @@ class VersionStore:
         """Where a committed version keeps shard ``index``'s ``encoding`` blob."""
         return self.version_dir(step) / BLOB_DIR / f"{index}.{encoding}"
 
-    def begin(self, manifest: Manifest) -> PartialVersion:
+    def begin(self, manifest: Manifest, chain_base: int | None = None) -> PartialVersion:
         """Start (or restart) downloading a version; returns its partial handle.
 
         Args:
             manifest: the verified manifest; parts may still be missing and may be added to
                 it while the download runs.
+            chain_base: the committed base step of ``manifest`` (its header's base, held
+                here) to keep delta shards against as blobs (:meth:`PartialVersion.keep_delta`)
+                and commit the version as a chain; None: every shard is written in full.
 
         Raises:
             LocalProtocolError: the manifest is for another run, or the step is committed.
@@ -382,7 +590,14 @@ class VersionStore:
             suffix = p.name.rsplit("-", 1)[-1]
             if suffix.isdigit() and int(suffix) < m.step and int(suffix) not in self._open_partials:
                 shutil.rmtree(p, ignore_errors=True)
-        part = PartialVersion(self, manifest)
+        if chain_base is not None and (
+            chain_base != m.header.base_step
+            or m.header.base_digest is None
+            or not self.holds(chain_base, m.header.base_digest)
+            or not m.rooted
+        ):
+            raise LocalProtocolError(f"step {m.step} cannot be kept as a chain on {chain_base}")
+        part = PartialVersion(self, manifest, chain_base)
         self._open_partials.add(m.step)
         return part
 
@@ -446,8 +661,17 @@ class VersionStore:
             the removed steps.
         """
         removed = []
+        bases = {}
+        for step in self.committed_steps():
+            try:
+                rec = read_record(self.version_dir(step))
+            except (OSError, ValueError):
+                continue
+            if rec is not None:
+                bases[step] = rec.base_step
         with self._lock:
-            for step in versions_to_prune(self.committed_steps(), self.keep_last, self._pins):
+            pruned = versions_to_prune(self.committed_steps(), self.keep_last, self._pins, bases)
+            for step in pruned:
                 victim = self.run_dir / f".removing-step-{step}"
                 os.rename(self.version_dir(step), victim)  # disappears atomically
                 shutil.rmtree(victim, ignore_errors=True)
@@ -469,8 +693,29 @@ def latest_committed(root: Path, run_id: str) -> int | None:
     return max(steps) if steps else None
 
 
+def _range_of(
+    m: Manifest, name: str, offset: int, length: int, shard: Callable[[int], bytearray]
+) -> bytes:
+    """Bytes ``[offset, offset + length)`` of file ``name`` assembled from ``shard(i)``."""
+    size, first = m.header.shard_size, m.header.first_shard(name)
+    if offset < 0 or length < 0 or offset + length > m.header.file(name).size:
+        raise ValueError(f"{name}: range {offset}+{length} outside the file")
+    out = bytearray()
+    pos = offset
+    while pos < offset + length:
+        i = first + pos // size
+        start = pos - pos % size
+        data = shard(i)
+        take = min(offset + length, start + len(data)) - pos
+        out += memoryview(data)[pos - start : pos - start + take]
+        pos += take
+    return bytes(out)
+
+
 def _commit_dir(store: VersionStore, directory: Path, m: Manifest) -> Path:
     for f in m.header.files if store.durable else ():
+        if not (directory / f.name).exists():  # a chained file: see .chain/
+            continue
         fd = os.open(directory / f.name, os.O_RDONLY)
         try:
             os.fsync(fd)
@@ -505,20 +750,21 @@ JOURNAL_FILE = ".journal"
 _JOURNAL_MAGIC = "shardnet-journal 1"
 
 
-def _read_journal(path: Path, digest: str) -> dict[int, str]:
-    """Entries (shard index -> digest) of a journal written for manifest ``digest``; empty if
-    it is missing, of another version, or unreadable. A torn last line is ignored."""
+def _read_journal(path: Path, digest: str) -> dict[int, tuple[str, str]]:
+    """Entries (shard index -> (digest, kept blob encoding or ``""`` for a shard written in
+    the file)) of a journal written for manifest ``digest``; empty if it is missing, of
+    another version, or unreadable. A torn last line is ignored."""
     try:
         lines = path.read_text(encoding="ascii", errors="replace").split("\n")
     except OSError:
         return {}
     if not lines or lines[0] != f"{_JOURNAL_MAGIC} {digest}":
         return {}
-    out: dict[int, str] = {}
+    out: dict[int, tuple[str, str]] = {}
     for line in lines[1:]:
         fields = line.split(" ")
-        if len(fields) == 2 and fields[0].isdigit() and len(fields[1]) == 64:
-            out[int(fields[0])] = fields[1]
+        if len(fields) in (2, 3) and fields[0].isdigit() and len(fields[1]) == 64:
+            out[int(fields[0])] = (fields[1], fields[2] if len(fields) == 3 else "")
     return out
 
 
@@ -531,9 +777,14 @@ class PartialVersion:
         restored: shards kept from a previous run of this download (journaled, re-hashed).
     """
 
-    def __init__(self, store: VersionStore, manifest: Manifest) -> None:
+    def __init__(
+        self, store: VersionStore, manifest: Manifest, chain_base: int | None = None
+    ) -> None:
         self.store = store
         self.manifest = manifest
+        self.chain_base = chain_base
+        """The base step delta shards are kept against (:meth:`keep_delta`), or None."""
+        self._delta: dict[int, str] = {}  # shard -> encoding of its kept blob (chain mode)
         self.header = manifest.header
         self.dir = store.partial_dir(manifest.step)
         self._have = [False] * len(self.header.shards)
@@ -558,7 +809,8 @@ class PartialVersion:
             fh.write(f"{_JOURNAL_MAGIC} {manifest.digest}\n")
             for i, ok in enumerate(self._have):
                 if ok:
-                    fh.write(f"{i} {self.manifest.shard(i).digest}\n")
+                    enc = f" {self._delta[i]}" if i in self._delta else ""
+                    fh.write(f"{i} {self.manifest.shard(i).digest}{enc}\n")
         os.rename(tmp, journal)
         self._journal = os.open(journal, os.O_WRONLY | os.O_APPEND)
         if self.restored:
@@ -588,15 +840,29 @@ class PartialVersion:
             self._fds[f.name] = fd
         return True
 
-    def _restore(self, entries: dict[int, str]) -> int:
+    def _restore(self, entries: dict[int, tuple[str, str]]) -> int:
         """Keep the journaled shards whose part is known and whose bytes hash to the journaled
-        digest; drop every blob of a shard not kept (or not matching its offered digest)."""
+        digest (a kept delta: whose blob hashes to its offered digest, in chain mode only);
+        drop every blob of a shard not kept (or not matching its offered digest)."""
         kept = 0
-        for index, digest in sorted(entries.items()):
+        for index, (digest, enc) in sorted(entries.items()):
             if index >= len(self._have) or not self.manifest.known(index):
                 continue
             shard = self.manifest.shard(index)
             if shard.digest != digest:
+                continue
+            if enc:
+                offered = shard.offered(enc)
+                path = self.blob_path(index, enc)
+                if (
+                    self.chain_base is not None
+                    and offered is not None
+                    and path.is_file()
+                    and blake3.blake3(path.read_bytes()).hexdigest() == offered.digest
+                ):
+                    self._have[index] = True
+                    self._delta[index] = enc
+                    kept += 1
                 continue
             data = os.pread(self._fds[shard.file], shard.length, shard.offset)
             if blake3.blake3(data, max_threads=blake3.blake3.AUTO).hexdigest() == digest:
@@ -802,8 +1068,38 @@ class PartialVersion:
                 fd = -1 if self._have[index] else self._fds[self.header.shards[index].file]
             yield fd
 
-    def _mark(self, index: int, blobs: dict[str, bytes] | None) -> bool:
-        """Keep the blobs, then mark shard ``index`` present and journal it."""
+    def keep_delta(self, index: int, encoding: str, blob: bytes, source: str = "") -> bool:
+        """Keep shard ``index`` as its delta blob against :attr:`chain_base`, without reading
+        the base or writing the shard (the chain commit of one shard,
+        :mod:`shardcast.store.chains`). The caller checked ``blob`` against its signed
+        digest; the shard's bytes are verified whenever they are read.
+
+        Returns:
+            True if kept now, False if the shard was already present.
+
+        Raises:
+            LocalProtocolError: not in chain mode, the part has not arrived, ``encoding`` is
+                not an offered delta of the shard, or the version is closed.
+        """
+        if self.chain_base is None:
+            raise LocalProtocolError(f"step {self.step} is not kept as a chain")
+        if not self.manifest.known(index):
+            raise LocalProtocolError(f"shard {index}: its manifest part has not arrived")
+        if encoding not in _DELTAS or self.manifest.shard(index).offered(encoding) is None:
+            raise LocalProtocolError(f"shard {index}: {encoding} is not an offered delta")
+        with self._claim(index) as fd:
+            if fd < 0:
+                return False
+            return self._mark(index, {encoding: blob}, delta=encoding)
+
+    def in_file(self, index: int) -> bool:
+        """True if shard ``index``'s bytes are (or will be) in this partial's file; False if
+        it is kept as a delta blob (its bytes are built on read)."""
+        return index not in self._delta
+
+    def _mark(self, index: int, blobs: dict[str, bytes] | None, delta: str | None = None) -> bool:
+        """Keep the blobs, then mark shard ``index`` present and journal it (``delta``: kept
+        as that blob, not written)."""
         shard = self.manifest.shard(index)
         for enc, blob in (blobs or {}).items():
             path = self.blob_path(index, enc)
@@ -814,22 +1110,45 @@ class PartialVersion:
             if self._have[index]:
                 return False
             self._have[index] = True
+            if delta is not None:
+                self._delta[index] = delta
             self._prefix.pop(index, None)
             self._missing -= 1
             if not self._closed:  # one append per verified shard (atomic with O_APPEND)
-                os.write(self._journal, f"{index} {shard.digest}\n".encode())
+                enc = f" {delta}" if delta is not None else ""
+                os.write(self._journal, f"{index} {shard.digest}{enc}\n".encode())
         return True
 
     def read_shard(self, index: int) -> bytes:
-        """The bytes of a verified shard.
+        """The bytes of a verified shard (a kept delta: built from the base and verified,
+        :meth:`~shardcast.store.chains.ChainReader.read_shard`).
 
         Raises:
             LocalProtocolError: the shard is not present.
+            ChainBroken: a kept delta's bytes did not verify (the base's damage removes it).
         """
         if not self._have[index]:
             raise LocalProtocolError(f"shard {index} is not present")
+        enc = self._delta.get(index)
+        if enc is not None:
+            assert self.chain_base is not None
+            top = Level(self.step, self.manifest, self.blob_path(index, enc), enc, False)
+            with self.store.pinned(self.chain_base):
+                return bytes(self.store.chains.read_shard(self.chain_base, index, top))
         s = self.header.shards[index]
         return os.pread(self._fds[s.file], s.length, s.offset)
+
+    def read_file_range(self, name: str, offset: int, length: int) -> bytes:
+        """Bytes ``[offset, offset + length)`` of file ``name``, from present shards
+        (:meth:`read_shard`): for serving ranges that cover kept deltas.
+
+        Raises:
+            LocalProtocolError: a shard of the range is not present.
+            ChainBroken: as :meth:`read_shard`.
+        """
+        return _range_of(
+            self.manifest, name, offset, length, lambda i: bytearray(self.read_shard(i))
+        )
 
     def commit(self) -> Path:
         """Check every file digest and commit atomically; returns the ``step-N`` directory.
@@ -848,6 +1167,8 @@ class PartialVersion:
                 f"{self.manifest.complete}), cannot commit"
             )
         self._close_fds()
+        if self._delta:
+            self._write_chain()
         for f in self.header.files:
             if self.manifest.rooted:  # every shard was checked before it was written
                 ok = self.manifest.shard_root(f.name) == self.manifest.file_digest(f.name)
@@ -859,6 +1180,66 @@ class PartialVersion:
         (self.dir / JOURNAL_FILE).unlink()
         self.store._open_partials.discard(self.step)
         return _commit_dir(self.store, self.dir, self.manifest)
+
+    def _write_chain(self) -> None:
+        """Move the files holding kept deltas aside (``.chain/``: only their raw shards are
+        in them) and write ``chain.json``, both inside the partial directory: the commit's
+        rename then makes the whole chain appear at once."""
+        assert self.chain_base is not None
+        assert self.header.base_digest is not None
+        files = {self.header.shards[i].file for i in self._delta}
+        deltas = dict(self._delta)
+        for name in sorted(files):
+            if self._link_unchanged(name):
+                files.discard(name)
+                deltas = {i: e for i, e in deltas.items() if self.header.shards[i].file != name}
+        if not files:
+            return
+        (self.dir / CHAIN_DIR).mkdir(exist_ok=True)
+        for name in sorted(files):
+            os.rename(self.dir / name, self.dir / CHAIN_DIR / name)
+        rec = ChainRecord(self.chain_base, self.header.base_digest, frozenset(files), deltas)
+        tmp = self.dir / f".{CHAIN_FILE}.tmp"
+        with open(tmp, "wb") as fh:
+            fh.write(rec.encode())
+            if self.store.durable:
+                fh.flush()
+                os.fsync(fh.fileno())
+        os.rename(tmp, self.dir / CHAIN_FILE)
+
+    def _link_unchanged(self, name: str) -> bool:
+        """Put the base's file ``name`` in place of this partial's if both versions sign the
+        same file digest and the base holds it in full: a hard link (no byte read or
+        written), or an in-kernel copy where links are refused. Unchanged files (config,
+        tokenizer, frozen weights) so stay whole in every chain version. False: keep it
+        chained."""
+        assert self.chain_base is not None
+        base = self.store.manifest_of(self.chain_base)
+        base_dir = self.store.version_dir(self.chain_base)
+        if (
+            base is None
+            or name not in {f.name for f in base.header.files}
+            or name in self.store.chained_files(self.chain_base)
+            or base.file_digest(name) != self.manifest.file_digest(name)
+        ):
+            return False
+        tmp = self.dir / f".{name}.link"
+        try:
+            os.link(base_dir / name, tmp)
+        except OSError:
+            size = self.header.file(name).size
+            src = os.open(base_dir / name, os.O_RDONLY)
+            try:
+                dst = os.open(tmp, os.O_CREAT | os.O_TRUNC | os.O_WRONLY, 0o644)
+                try:
+                    os.ftruncate(dst, size)
+                    copy_range(src, dst, 0, size)
+                finally:
+                    os.close(dst)
+            finally:
+                os.close(src)
+        os.rename(tmp, self.dir / name)
+        return True
 
     def abort(self) -> None:
         """Drop the partial version (idempotent); a later ``begin`` starts afresh."""

@@ -39,6 +39,18 @@ no file again (schema-2 commits still re-hash every file). A node that must chec
 rest (after an unclean stop) hashes each shard range and recomputes the root: the same work
 as hashing the whole file.
 
+Deltas: what the signatures bind
+--------------------------------
+A part signs, per shard, the digest of the shard's decoded bytes *and* the digest of every
+encoded blob it offers (for a delta, ``decode(blob, base shard)``), and the header signs the
+base (``base_step``, ``base_digest``), whose own parts sign the base's shard digests. A
+follower may therefore keep a delta version as a *chain* (its verified blobs over the base it
+holds) and build the shard only when something reads it, hashing the result against the
+signed shard digest then: the base bytes, the blob and the result are each bound to a signed
+digest, and the decoding in between is deterministic. :mod:`shardcast.store.chains` states
+the argument, what could break it (a base damaged at rest, a decoder bug, a blob that does not
+give its signed shard) and where each is caught.
+
 Chunk lists: verifying a shard while it streams
 -----------------------------------------------
 A part may list, per shard, a **chunk list**: ``[chunk_bytes, [d0, d1, ...]]``, the BLAKE3

@@ -11,10 +11,12 @@ import trio
 
 from p2p.identity import Identity
 from shardcast.core import Stage
+from shardcast.download import DownloadConfig
 from shardcast.download.follower import FollowConfig, Follower, VersionRecord
 from shardcast.node.node import NodeConfig, ShardcastNode
 from shardcast.publish.origin import Origin, OriginConfig
-from shardcast.store.store import file_matches
+from shardcast.store.chains import ChainBroken, read_record
+from shardcast.store.store import VersionStore, file_matches
 from shardcast.wire import codecs
 from shardcast.wire.codecs import DELTAS
 from shardcast.wire.manifest import Manifest
@@ -43,23 +45,34 @@ class Watch:
         self.commits: dict[str, list[VersionRecord]] = {}
         self.changed = trio.Event()
 
-    def hook(self, name: str):  # type: ignore[no-untyped-def]
+    def hook(self, name: str, store: VersionStore | None = None):  # type: ignore[no-untyped-def]
         async def on_commit(m: Manifest, path: Path, rec: VersionRecord) -> None:
+            chain = read_record(path)
+            chained = chain.files if chain is not None else frozenset()
             for f in m.header.files:
-                assert file_matches(path / f.name, m, f.name)
+                if f.name not in chained:
+                    assert file_matches(path / f.name, m, f.name)
+            for ref in m.header.shards:
+                if store is not None and ref.file in chained:  # built and verified
+                    store.read_shard(m.step, ref.index)
             self.commits.setdefault(name, []).append(rec)
             self.changed.set()
             self.changed = trio.Event()
 
         return on_commit
 
-    async def until(self, name: str, step: int) -> VersionRecord:
+    async def until(self, name: str, step: int, nth: int = 1) -> VersionRecord:
         with trio.fail_after(60):
             while True:
-                for r in self.commits.get(name, []):
-                    if r.step == step:
-                        return r
+                seen = [r for r in self.commits.get(name, []) if r.step == step]
+                if len(seen) >= nth:
+                    return seen[nth - 1]
                 await self.changed.wait()
+
+
+def _read_all(store: VersionStore, m: Manifest) -> None:
+    for ref in m.header.shards:
+        store.read_shard(m.step, ref.index)
 
 
 async def _node(
@@ -72,8 +85,12 @@ async def _node(
         await trio.sleep_forever()
 
 
-async def test_delta_versions_move_few_bytes_and_late_joiners_catch_up(tmp_path: Path) -> None:
+@pytest.mark.parametrize("keep_chains", [True, False])
+async def test_delta_versions_move_few_bytes_and_late_joiners_catch_up(
+    tmp_path: Path, keep_chains: bool
+) -> None:
     w = Watch()
+    download = DownloadConfig(keep_chains=keep_chains)
     ck0 = make_checkpoint(tmp_path / "ck0", SIZES, seed=0)
     ck1 = evolve_bytes(ck0, tmp_path / "ck1", 0.01, 1)
     ck2 = evolve_bytes(ck1, tmp_path / "ck2", 0.01, 2)
@@ -81,11 +98,17 @@ async def test_delta_versions_move_few_bytes_and_late_joiners_catch_up(tmp_path:
     async with ShardcastNode.open(TRAINER, trust(), cfg) as o, trio.open_nursery() as nursery:
         origin = Origin(o, OriginConfig(shard_size=64 * 1024, shards_per_part=3, anchor_every=100))
         relay = await nursery.start(_node, "relay", tmp_path / "relay")
-        follow = FollowConfig(upstreams=(o.p2p.multiaddrs()[0],), poll_interval_s=0.1)
-        await nursery.start(Follower(relay, follow, random.Random(1), w.hook("relay")).run)
+        follow = FollowConfig(
+            upstreams=(o.p2p.multiaddrs()[0],), poll_interval_s=0.1, download=download
+        )
+        await nursery.start(
+            Follower(relay, follow, random.Random(1), w.hook("relay", relay.store)).run
+        )
         p1 = await nursery.start(_node, "p1", tmp_path / "p1")
-        pfollow = FollowConfig(upstreams=(relay.p2p.multiaddrs()[0],), poll_interval_s=0.1)
-        await nursery.start(Follower(p1, pfollow, random.Random(2), w.hook("p1")).run)
+        pfollow = FollowConfig(
+            upstreams=(relay.p2p.multiaddrs()[0],), poll_interval_s=0.1, download=download
+        )
+        await nursery.start(Follower(p1, pfollow, random.Random(2), w.hook("p1", p1.store)).run)
 
         r0 = await origin.publish(ck0, 0)
         await w.until("p1", 0)
@@ -102,12 +125,15 @@ async def test_delta_versions_move_few_bytes_and_late_joiners_catch_up(tmp_path:
         for node in (relay, p1):
             cpu = node.metrics.stage_cpu.statistics().seconds
             assert cpu[Stage.RECEIVE] > 0
-            assert cpu[Stage.APPLY] > 0
+            assert (cpu[Stage.APPLY] > 0) is not keep_chains  # a chain decodes nothing
             assert cpu[Stage.VERIFY] > 0
             assert cpu[Stage.ENGINE_UPDATE] == 0  # no engine here
             text = node.metrics.render().decode()
             assert 'shardnet_stage_cpu_seconds_total{stage="apply"} 0.0\n' not in text
         assert o.metrics.stage_cpu is not relay.metrics.stage_cpu
+        # kept as chains (no full file written) or, eager, as full files
+        assert (relay.store.chain_of(1) is not None) is keep_chains
+        assert (p1.store.chain_of(1) is not None) is keep_chains
 
         # a late joiner holding version 0 when version 2 is out: chain of deltas 1, 2
         late = await nursery.start(_node, "late", tmp_path / "late")
@@ -120,7 +146,9 @@ async def test_delta_versions_move_few_bytes_and_late_joiners_catch_up(tmp_path:
                 s.index, (r0.path / s.file).read_bytes()[s.offset : s.offset + s.length]
             )
         part.commit()
-        await nursery.start(Follower(late, pfollow, random.Random(3), w.hook("late")).run)
+        await nursery.start(
+            Follower(late, pfollow, random.Random(3), w.hook("late", late.store)).run
+        )
         got1 = await w.until("late", 1)
         got2 = await w.until("late", 2)
         assert got1.stats is not None
@@ -131,9 +159,14 @@ async def test_delta_versions_move_few_bytes_and_late_joiners_catch_up(tmp_path:
         )
         assert got1.stats.bytes_fetched + got2.stats.bytes_fetched < r2.manifest.total_bytes / 2
 
-        # a fresh node with nothing gets version 2 in full (no base)
+        if keep_chains:  # a chain on a chain: 2 is built from 1's blobs over 0
+            assert late.store.chain_depth(2) == 2
+        # a fresh node with nothing gets version 2 in full (no base): from a relay that
+        # keeps it as a chain, each range is built and verified before it is sent
         fresh = await nursery.start(_node, "fresh", tmp_path / "fresh")
-        await nursery.start(Follower(fresh, pfollow, random.Random(4), w.hook("fresh")).run)
+        await nursery.start(
+            Follower(fresh, pfollow, random.Random(4), w.hook("fresh", fresh.store)).run
+        )
         got = await w.until("fresh", 2)
         assert got.stats is not None
         assert not set(DELTAS) & set(got.stats.bytes_by_encoding)
@@ -151,7 +184,11 @@ async def test_corrupted_base_falls_back_to_raw_without_blame(tmp_path: Path) ->
     ):
         origin = Origin(o, OriginConfig(shard_size=64 * 1024, anchor_every=100))
         p = await nursery.start(_node, "p", tmp_path / "p")
-        follow = FollowConfig(upstreams=(o.p2p.multiaddrs()[0],), poll_interval_s=0.1)
+        follow = FollowConfig(
+            upstreams=(o.p2p.multiaddrs()[0],),
+            poll_interval_s=0.1,
+            download=DownloadConfig(keep_chains=False),  # the eager receive path
+        )
         await nursery.start(Follower(p, follow, random.Random(1), w.hook("p")).run)
         await origin.publish(ck0, 0)
         await w.until("p", 0)
@@ -189,11 +226,14 @@ async def test_anchor_versions_carry_no_delta(tmp_path: Path) -> None:
         assert r2.encoded_bytes == {}
 
 
+@pytest.mark.parametrize("keep_chains", [False, True])
 async def test_blob_the_origin_encoded_badly_falls_back_without_blame(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, keep_chains: bool
 ) -> None:
     """A delta blob that matches its signed digest but does not decode (the origin's encoder
-    wrote a truncated frame) is fetched raw instead, and the origin is not blamed."""
+    wrote a truncated frame) is fetched raw instead, and the origin is not blamed. Kept as a
+    chain, it is committed unread; the first verified read finds it (no byte leaves), the
+    version is dropped and fetched again, eagerly: then raw."""
     w = Watch()
     ck0 = make_checkpoint(tmp_path / "ck0", SIZES, seed=0)
     ck1 = evolve_bytes(ck0, tmp_path / "ck1", 0.01, 1)
@@ -203,7 +243,11 @@ async def test_blob_the_origin_encoded_badly_falls_back_without_blame(
     ):
         origin = Origin(o, OriginConfig(shard_size=64 * 1024, anchor_every=100))
         p = await nursery.start(_node, "p", tmp_path / "p")
-        follow = FollowConfig(upstreams=(o.p2p.multiaddrs()[0],), poll_interval_s=0.1)
+        follow = FollowConfig(
+            upstreams=(o.p2p.multiaddrs()[0],),
+            poll_interval_s=0.1,
+            download=DownloadConfig(keep_chains=keep_chains),
+        )
         await nursery.start(Follower(p, follow, random.Random(1), w.hook("p")).run)
         await origin.publish(ck0, 0)
         await w.until("p", 0)
@@ -211,6 +255,13 @@ async def test_blob_the_origin_encoded_badly_falls_back_without_blame(
         monkeypatch.setattr(codecs, "encode", lambda *a, **kw: real(*a, **kw)[:-3])
         r1 = await origin.publish(ck1, 1)
         rec = await w.until("p", 1)
+        if keep_chains:
+            assert p.store.chain_of(1) is not None
+            with pytest.raises(ChainBroken):  # every delta shard is broken: any will do
+                _read_all(p.store, r1.manifest)
+            assert p.store.committed_steps() == [0]  # 1 dropped; its sound base stays
+            rec = await w.until("p", 1, nth=2)  # fetched again, eagerly
+            assert p.store.chain_of(1) is None
         assert rec.stats is not None
         assert rec.stats.delta_fallbacks >= 1
         assert rec.stats.corrupt_by_source == {}

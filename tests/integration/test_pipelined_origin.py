@@ -14,6 +14,7 @@ import signal
 from pathlib import Path
 
 from p2p.identity import Identity
+from tests.helpers import committed_bytes
 from tests.integration.procs import LOOPBACK_ANY, Node, free_port, nodes
 
 __all__ = ["nodes"]  # the fixture
@@ -113,7 +114,7 @@ def test_origin_encodes_files_while_the_trainer_writes(tmp_path: Path, nodes: li
     assert int(used.split("files=")[1].split()[0]) >= 1
     relay.wait_for(r"version_downloaded step=1 ")
     for name, data in content.items():
-        assert (_held(rdir, 1) / name).read_bytes() == data
+        assert committed_bytes(_held(rdir, 1), RUN, name) == data
         assert (_held(odir, 1) / name).read_bytes() == data
 
     # step 2: W1 written and encoded ahead, then the origin is SIGKILLed and restarted
@@ -132,7 +133,7 @@ def test_origin_encodes_files_while_the_trainer_writes(tmp_path: Path, nodes: li
     o2.wait_for(r"version_published step=2 ")
     relay.wait_for(r"version_downloaded step=2 ")
     for name, data in content.items():
-        assert (_held(rdir, 2) / name).read_bytes() == data
+        assert committed_bytes(_held(rdir, 2), RUN, name) == data  # a chain
     assert not any((odir / "staging" / ".pre").glob("step-*"))  # published: cache removed
     assert relay.stop(signal.SIGTERM) == 0
     assert o2.stop(signal.SIGTERM) == 0

@@ -12,9 +12,8 @@ from p2p.identity import Identity
 from shardcast.download.follower import FollowConfig, Follower, VersionRecord
 from shardcast.node.node import NodeConfig, ShardcastNode
 from shardcast.publish.origin import Origin, OriginConfig
-from shardcast.store.store import file_matches
 from shardcast.wire.manifest import Manifest
-from tests.helpers import TRAINER, make_checkpoint, trust
+from tests.helpers import TRAINER, check_committed, make_checkpoint, trust
 
 if TYPE_CHECKING:
     from trio_typing import TaskStatus
@@ -33,9 +32,7 @@ async def test_version_flows_through_relay_to_peers(tmp_path: Path) -> None:
 
     def hook(name: str):  # type: ignore[no-untyped-def]
         async def on_commit(m: Manifest, path: Path, rec: VersionRecord) -> None:
-            # every file on disk matches the manifest
-            for f in m.header.files:
-                assert file_matches(path / f.name, m, f.name)
+            check_committed(path, m)  # every file (or chained shard) matches the manifest
             commits.setdefault(name, []).append((m.step, m.digest))
             if all(len(commits.get(p, [])) == 2 for p in ("p1", "p2")):
                 done.set()

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import itertools
 import random
+import shutil
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -17,9 +18,9 @@ from rollout.delta_plan import DeltaMismatch, MismatchReason, TensorPatch, Updat
 from rollout.engine import TransformersEngine
 from rollout.model import build_model, build_tokenizer, load_model, stored_state, tensor_files
 from shardcast.core import Stage, StageCpu
-from shardcast.store.store import BLOB_DIR
+from shardcast.store.store import BLOB_DIR, VersionStore
 from shardnet.engine_update import HeldVersion, SwapPath, gather_changes, swap_weights
-from tests.delta_chain import Chain, evolve, publish
+from tests.delta_chain import RUN, Chain, evolve, publish, receive_as_chain
 from trainer.checkpoint import save_checkpoint
 
 
@@ -186,3 +187,30 @@ def test_a_layout_the_engine_does_not_hold_is_refused_before_any_write(tmp_path:
     result = chain.swap(engine, 1, forged)
     assert (result.path, result.fallback) == (SwapPath.FULL, MismatchReason.MISSING_TENSOR)
     assert_holds(engine, chain.store.version_dir(1), torch.bfloat16)
+
+
+def test_versions_kept_as_chains_update_in_place_from_blobs_and_load_materialized(
+    tmp_path: Path,
+) -> None:
+    """A peer's store keeps each next version as a chain (no full file written): the in-place
+    update reads only its blobs (the chain stays a chain); a version the engine cannot take in
+    place (a skipped one) is materialized, every shard verified, then loaded in full."""
+    chain = Chain(tmp_path, torch.bfloat16, steps=3)
+    peer = VersionStore(tmp_path / "peer", RUN, keep_last=8, durable=False)
+    shutil.copytree(
+        chain.store.version_dir(0), tmp_path / "v0", ignore=shutil.ignore_patterns(BLOB_DIR)
+    )
+    peer.adopt(tmp_path / "v0", chain.manifests[0])
+    for step in (1, 2, 3):
+        receive_as_chain(chain.store, chain.manifests[step], peer)
+        assert peer.chained_files(step)  # the weights: blobs only
+    engine = TransformersEngine(torch.bfloat16)
+    held = swap_weights(engine, peer, chain.manifests[0], peer.version_dir(0), None).held
+    one = swap_weights(engine, peer, chain.manifests[1], peer.version_dir(1), held)
+    assert one.path is SwapPath.IN_PLACE, one.fallback
+    assert peer.chained_files(1)  # not materialized: no base byte read, no file written
+    assert_holds(engine, chain.store.version_dir(1), torch.bfloat16)
+    three = swap_weights(engine, peer, chain.manifests[3], peer.version_dir(3), one.held)
+    assert (three.path, three.fallback) == (SwapPath.FULL, MismatchReason.BASE)
+    assert peer.chained_files(3) == frozenset()  # materialized for the full load
+    assert_holds(engine, chain.store.version_dir(3), torch.bfloat16)
