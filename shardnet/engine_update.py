@@ -229,8 +229,9 @@ def _swap(
                 None,
                 plan.changed_words,
             )
-    with (cpu or StageCpu()).measure(Stage.MATERIALIZE):  # nested: not engine_update too
-        store.materialize(manifest.step)  # a chain: full files first, every shard verified
+    if store.chain_of(manifest.step) is not None:  # a chain: full files first, all verified
+        with (cpu or StageCpu()).measure(Stage.MATERIALIZE):  # nested: not engine_update too
+            store.materialize(manifest.step)
     engine.load(directory)
     now_held = None
     if isinstance(engine, InPlaceEngine):

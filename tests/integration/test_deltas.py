@@ -129,7 +129,7 @@ async def test_delta_versions_move_few_bytes_and_late_joiners_catch_up(
             assert cpu[Stage.VERIFY] > 0
             assert cpu[Stage.ENGINE_UPDATE] == 0  # no engine here
             text = node.metrics.render().decode()
-            assert 'shardnet_stage_cpu_seconds_total{stage="apply"} 0.0\n' not in text
+            assert 'shardnet_stage_cpu_seconds_total{stage="verify"} 0.0\n' not in text
         assert o.metrics.stage_cpu is not relay.metrics.stage_cpu
         # kept as chains (no full file written) or, eager, as full files
         assert (relay.store.chain_of(1) is not None) is keep_chains
