@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any
 
 import pytest
+from typer.testing import CliRunner
 
+from shardnet.cli import app
 from simulations.costs import GB, CommitMode, CostModel, OriginDigest
 from simulations.model import Model
 from simulations.topology import TopologyError, parse
@@ -124,3 +127,11 @@ def test_changed_fraction_and_delta_ratio_are_one_setting() -> None:
     del data["checkpoint"]["delta_ratio"]
     with pytest.raises(TopologyError, match=r"costs\.commit"):
         parse(data)
+
+
+def test_cli_commit_mode_is_checked(tmp_path: Path) -> None:
+    topo = Path(__file__).parents[2] / "simulations" / "topologies" / "bound.toml"
+    args = ["simulate", "model", str(topo), "--commit", "copy", "--out", str(tmp_path)]
+    result = CliRunner().invoke(app, args)
+    assert result.exit_code == 2
+    assert "--commit must be chain or materialize, not 'copy'" in result.output
