@@ -934,7 +934,9 @@ def model_summary(m: Model) -> dict[str, Any]:
         "source": str(topo.source) if topo.source else None,
         "seed": m.seed,
         "notes": [
-            f"flow model: weighted max-min, time step {m.dt:.4g} s; simulator: SimPy",
+            f"flow model: weighted max-min, time step {m.dt:.4g} s"
+            + ("" if m.spec.model.time_step_s else " (down to 2 ms while smaller flows run)")
+            + "; simulator: SimPy",
             "policies: shardcast.core.select.Scheduler, SourceDirectory, SuperSeeding, "
             "versions_to_prune, catchup.plan (the real code)",
             _costs_note(m),
