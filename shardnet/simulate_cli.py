@@ -44,18 +44,30 @@ def simulate_model(
     ] = None,
     time_step: Annotated[float | None, Opt(help="Flow-model time step, seconds.")] = None,
     shard_size: Annotated[int | None, Opt(help="Override the shard size, bytes.")] = None,
+    commit: Annotated[
+        str | None,
+        Opt(help="How followers commit a delta version: chain or materialize (costs.commit)."),
+    ] = None,
     compare: CompareOpt = None,
 ) -> None:
     """Model a topology in virtual time (thousands of nodes; the real sans-IO policies)."""
     from shardnet import logs
+    from simulations.costs import CommitMode
     from simulations.model import Model
     from simulations.progress import SimProgress
     from simulations.topology import TopologyError, load, with_overrides
 
     logs.configure("INFO", False, "simulate")
+    modes = [m.value for m in CommitMode]
+    if commit is not None and commit not in modes:
+        fail(ShardnetError(f"--commit must be {' or '.join(modes)}, not {commit!r}"))
     try:
         topo = with_overrides(
-            load(topology), peers=peers, time_step_s=time_step, shard_size_bytes=shard_size
+            load(topology),
+            peers=peers,
+            time_step_s=time_step,
+            shard_size_bytes=shard_size,
+            commit=None if commit is None else CommitMode(commit),
         )
         with SimProgress("model") as progress:
             summary = Model(topo, seed=seed).run(progress)

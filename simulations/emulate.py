@@ -208,7 +208,7 @@ class Emulation:
                 str(ck.shards_per_part),
                 "--anchor-every",
                 str(ck.anchor_every),
-                "--deltas" if ck.delta_ratio < 1 else "--no-deltas",
+                "--deltas" if self.topo.spec.delta_ratio < 1 else "--no-deltas",
             ]
             if ms.serve_once_s is not None:
                 role += ["--serve-once-s", str(ms.serve_once_s)]
@@ -284,7 +284,11 @@ class Emulation:
         )
         ck = self.topo.spec.checkpoint
         write_checkpoints(
-            self.wd / "src", ck.size_bytes, ck.versions, ck.delta_ratio, self.topo.spec.seed
+            self.wd / "src",
+            ck.size_bytes,
+            ck.versions,
+            self.topo.spec.delta_ratio,
+            self.topo.spec.seed,
         )
         (self.wd / "publish").mkdir()
         from p2p.identity import Identity

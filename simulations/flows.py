@@ -130,6 +130,8 @@ class FlowNetwork:
         self._cap = np.full(n, INF)
         self._rate = np.zeros(n)
         self._active = np.zeros(n, dtype=bool)
+        self._live = np.zeros(n, dtype=bool)  # added, neither done nor cancelled
+        self._size = np.zeros(n)
         self._moved = np.zeros(n)
         self._lag = np.zeros(n)
         self._free = list(range(n - 1, -1, -1))
@@ -146,10 +148,11 @@ class FlowNetwork:
     def _grow(self) -> None:
         n = self._left.shape[0]
         self._res = np.vstack([self._res, np.full((n, self.k), -1, dtype=np.int64)])
-        for name in ("_left", "_rate", "_moved", "_lag"):
+        for name in ("_left", "_rate", "_moved", "_lag", "_size"):
             setattr(self, name, np.concatenate([getattr(self, name), np.zeros(n)]))
         self._cap = np.concatenate([self._cap, np.full(n, INF)])
         self._active = np.concatenate([self._active, np.zeros(n, dtype=bool)])
+        self._live = np.concatenate([self._live, np.zeros(n, dtype=bool)])
         self._free.extend(range(2 * n - 1, n - 1, -1))
 
     def add(
@@ -170,6 +173,8 @@ class FlowNetwork:
         self._res[slot] = -1
         self._res[slot, : len(resources)] = resources
         self._left[slot] = max(float(size_bytes), 0.0)
+        self._size[slot] = self._left[slot]
+        self._live[slot] = True
         self._cap[slot] = cap_bps
         self._rate[slot] = 0.0
         self._moved[slot] = 0.0
@@ -186,6 +191,7 @@ class FlowNetwork:
             return 0.0
         moved = float(self._moved[slot])
         self._active[slot] = False
+        self._live[slot] = False
         del self._flow_of_slot[slot]
         self._cb.pop(fid, None)
         self._free.append(slot)
@@ -205,6 +211,11 @@ class FlowNetwork:
     def idle(self) -> bool:
         """True when no flow exists."""
         return not self._slot
+
+    def smallest_size(self) -> float:
+        """Bytes of the smallest flow added and not yet done or cancelled (inf: none)."""
+        sizes = self._size[self._live]
+        return float(sizes.min()) if sizes.size else INF
 
     def next_start(self) -> float:
         """Earliest start time of a flow not yet moving (inf: none)."""
@@ -257,6 +268,7 @@ class FlowNetwork:
         for fid, _ in finished:
             slot = self._slot[fid]
             self._active[slot] = False
+            self._live[slot] = False
         self.dirty = True
         for fid, t in finished:
             cbs = self._cb.pop(fid, None)

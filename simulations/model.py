@@ -40,8 +40,20 @@ model's clock as ``now`` and a per-node seeded ``random.Random``:
   first fetches the newer manifest from an upstream). A node retries
   :data:`RETRY_S` after an abandoned or failed download, as the follower does.
 
-Not modelled: CPU (hashing is a rate at the origin only; verification is free), TCP slow
-start, HTTP/libp2p control traffic, gossip delays other than one RTT.
+What a node spends besides the network comes from one
+:class:`~simulations.costs.CostModel` (the topology's ``[costs]``; defaults measured, see
+:mod:`simulations.costs`): a shard whose bytes arrived is checked on one of the node's
+``check_workers`` (first free, first come) and counts as verified (served onward, told to the
+session) when its check ends; a version commits ``commit_s`` after the session says
+:class:`~shardcast.core.session.Commit` (still serving its shards meanwhile); a peer's engine
+holds it ``engine_s`` after that (``ready_s``). The origin hashes the parts of a version at the
+topology's ``hash_bytes_per_s``: the whole version, or only the change
+(``costs.origin_digest``). A delta version is committed as a chain or materialized
+(``costs.commit``), which is what a next version costs a follower.
+
+Not modelled: CPU shared between nodes, disk bandwidth, TCP slow start, HTTP/libp2p control
+traffic, gossip delays other than one RTT; rollouts start ``rollouts.load_s`` after a commit
+(not at ``ready_s``).
 """
 
 from __future__ import annotations
@@ -82,7 +94,8 @@ from shardcast.core import (
 )
 from shardcast.download import NodeAdvert, SourceDirectory
 from shardcast.serve import SuperSeeding
-from shardcast.wire import XOR_ZSTD, Manifest
+from shardcast.wire import RAW, XOR_ZSTD, Manifest
+from simulations.costs import GB, CostModel
 from simulations.flows import FlowNetwork
 from simulations.progress import SimProgress, Snapshot
 from simulations.summary import finish, progress_bands
@@ -119,6 +132,12 @@ class _Download:
     known_parts: int = 0
     pump_due: bool = False
     alive: bool = True
+    committing: bool = False  # the session said Commit; the commit takes costs.commit_s
+
+    @property
+    def delta(self) -> bool:
+        """The version arrives as delta blobs applied to the held base."""
+        return self.use_base and self.ver.base is not None and self.ver.delta_ratio < 1
 
 
 @dataclass
@@ -143,6 +162,7 @@ class _NodeState:
     records: dict[int, dict[str, Any]] = field(default_factory=dict)
     generating: bool = False
     done_step: int = -1
+    cpu_free: list[float] = field(default_factory=list)  # per check worker: free from, s
 
 
 @dataclass(frozen=True)
@@ -190,8 +210,15 @@ class Model:
         self.sched_cfg = SchedulerConfig(
             max_inflight=ms.max_inflight, per_source_inflight=ms.per_source_inflight
         )
+        self.costs: CostModel = self.spec.costs.cost_model()
+        self.delta_ratio = self.spec.delta_ratio
         self.nodes = [
-            _NodeState(n, random.Random(f"{self.seed}:{n.name}"), VersionTracker(self.spec.name))
+            _NodeState(
+                n,
+                random.Random(f"{self.seed}:{n.name}"),
+                VersionTracker(self.spec.name),
+                cpu_free=[0.0] * self.costs.check_workers,
+            )
             for n in topo.nodes
         ]
         for ev in topo.events:  # a node whose first event is a join starts offline
@@ -205,8 +232,8 @@ class Model:
         self.rollouts = {"sent": 0, "accepted": 0, "rejected": 0}
         followers = [n for n in topo.nodes if n.role != "origin"]
         slowest = min(n.down_bps for n in followers) if followers else 1e9
-        auto = ck.shard_size_bytes / (slowest / ms.max_inflight) / 100
-        self.dt = ms.time_step_s or min(0.25, max(0.002, auto))
+        self._share_bps = slowest / ms.max_inflight  # one transfer's share of the slowest link
+        self.dt = ms.time_step_s or self._auto_step(ck.shard_size_bytes)
         total = ck.size_bytes * max(1, n_nodes) / max(1.0, sum(n.up_bps for n in topo.nodes))
         self.until_s = until_s or (
             ck.versions * ck.interval_s + 50 * total + 20 * ck.size_bytes / slowest + 600
@@ -257,30 +284,44 @@ class Model:
 
     # -- network process ---------------------------------------------------------------------
 
+    def _auto_step(self, size_bytes: float) -> float:
+        """A flow-model step about 1/100 of a ``size_bytes`` transfer's time at its share of
+        the slowest downlink, within [2 ms, 250 ms]."""
+        return min(0.25, max(0.002, size_bytes / self._share_bps / 100))
+
     def _network(self) -> Any:
+        """Advance the flows; without a topology's ``time_step_s`` the step follows the
+        smallest flow in the network (a delta's blobs are ~100x smaller than shards: at the
+        shards' step each of its transfers would last at least a step)."""
+        fixed = self.spec.model.time_step_s is not None
         while True:
             if self.net.idle():
                 self._wake = self.env.event()
                 yield self._wake
                 self._wake = None
                 continue
-            yield self.env.timeout(self.dt)
-            self.net.advance(self.env.now - self.dt, self.dt)
+            dt = self.dt if fixed else min(self.dt, self._auto_step(self.net.smallest_size()))
+            yield self.env.timeout(dt)
+            self.net.advance(self.env.now - dt, dt)
 
     # -- publication --------------------------------------------------------------------------
 
     def _publish(self, step: int) -> None:
         ck = self.spec.checkpoint
         now = self.env.now
-        base = None if step % ck.anchor_every == 0 or ck.delta_ratio >= 1 else step - 1
-        ver = SimVersion.make(self.spec.name, step, ck, base, now)
+        base = None if step % ck.anchor_every == 0 or self.delta_ratio >= 1 else step - 1
+        ver = SimVersion.make(self.spec.name, step, ck, base, now, self.delta_ratio)
         self.versions[step] = ver
         o = self.nodes[self.origin]
         o.have[step] = set()
         self._record(self.origin, step)["learned_s"] = now
         part_bytes = ck.shards_per_part * ck.shard_size_bytes
+        hashed = self.costs.origin_hash_bytes(
+            ck.size_bytes, ck.size_bytes * ver.delta_ratio, base is not None
+        )
         for k in range(ver.n_parts):
-            t = now + min((k + 1) * part_bytes, ck.size_bytes) / ck.hash_bytes_per_s
+            done = min((k + 1) * part_bytes, ck.size_bytes) / ck.size_bytes
+            t = now + done * hashed / ck.hash_bytes_per_s
             ver.part_time.append(t)
             self._at(t, self._part_hashed, step, k)
         for n in self.nodes:
@@ -323,7 +364,7 @@ class Model:
         be the base of that version's delta chain (the follower's ``_watch_superseded``)."""
         n = self.nodes[node]
         dl, ann = n.download, n.tracker.announcement
-        if dl is None or ann is None or not n.tracker.superseded(dl.ver.step):
+        if dl is None or dl.committing or ann is None or not n.tracker.superseded(dl.ver.step):
             return
         step = dl.ver.step
         chain = {s: self._stub(s) for s in range(max(step + 1, ann.step - 32), ann.step)}
@@ -487,7 +528,14 @@ class Model:
                 dl.session.have_changed(a.source, sn.have.get(dl.ver.step, ()), now)
                 sn.watchers.setdefault(dl.ver.step, []).append(dl)
             elif isinstance(a, Commit):
-                self._commit(dl, now if t is None else t)
+                at = now if t is None else t
+                commit_s = self.costs.commit_s(dl.ver.total_bytes, dl.delta)
+                if commit_s <= 0:
+                    self._commit(dl, at)
+                else:  # the session is done: no more pumps; its shards are still served
+                    dl.alive = False
+                    dl.committing = True
+                    self._at(at + commit_s, self._commit, dl, at + commit_s)
             elif isinstance(a, Fail):  # not with infinite grace periods; start over if so
                 self._drop_download(dl)
                 self._at(now + RETRY_S, self._maybe_start, dl.node)
@@ -586,15 +634,38 @@ class Model:
         corrupt = src.spec.behavior == "corrupt" and src.rng.random() < src.spec.corrupt_fraction
         if corrupt:
             dl.corrupt[req.req] = src.spec.name
-        session = dl.session
-        actions = session.transfer_ended(req.req, Outcome.OK, req.length, t)
+        actions = dl.session.transfer_ended(req.req, Outcome.OK, req.length, t)
         self._apply(dl, actions)
-        checked = any(isinstance(a, Check) for a in actions)
-        if checked:  # checked at once: verification is free
-            verdict = Verdict.CORRUPT if corrupt else Verdict.VERIFIED
-            self._apply(dl, session.shard_checked(req.req, verdict, t))
+        if not any(isinstance(a, Check) for a in actions):
+            dl.corrupt.pop(req.req, None)
+            self._pump(dl, t)
+            return
+        check_s = self.costs.check_s(req.size, dl.ver.lengths[i], req.encoding != RAW)
+        if check_s <= 0:
+            self._checked(dl, req, corrupt, t)
+            return
+        end = self._cpu(dl.node, t, check_s)
+        self._at(end, self._checked, dl, req, corrupt, end)
+        self._pump(dl, t)
+
+    def _cpu(self, node: int, ready: float, work_s: float) -> float:
+        """Run ``work_s`` seconds of work on ``node``'s first free check worker from ``ready``
+        on; returns when it ends, seconds."""
+        free = self.nodes[node].cpu_free
+        k = min(range(len(free)), key=free.__getitem__)
+        free[k] = max(ready, free[k]) + work_s
+        return free[k]
+
+    def _checked(self, dl: _Download, req: Fetch, corrupt: bool, t: float) -> None:
+        """The check of ``req``'s bytes ended at ``t``: tell the session its verdict."""
+        if not dl.alive:
+            dl.corrupt.pop(req.req, None)
+            return
+        verdict = Verdict.CORRUPT if corrupt else Verdict.VERIFIED
+        self._apply(dl, dl.session.shard_checked(req.req, verdict, t), t)
         dl.corrupt.pop(req.req, None)
-        if checked and not corrupt and i not in self.nodes[dl.node].have[dl.ver.step]:
+        i = req.shard
+        if not corrupt and dl.alive and i not in self.nodes[dl.node].have[dl.ver.step]:
             self._shard_verified(dl, i, t)
         self._pump(dl, t)
 
@@ -638,6 +709,8 @@ class Model:
 
     def _commit(self, dl: _Download, t: float) -> None:
         n = self.nodes[dl.node]
+        if n.download is not dl:  # dropped while committing (its node left)
+            return
         step = dl.ver.step
         dl.alive = False
         dl.ver.listeners.remove(dl)
@@ -652,6 +725,10 @@ class Model:
         rec = self._record(dl.node, step)
         rec["commit_s"] = t
         rec["digest"] = f"{rec['acc']:016x}"
+        if n.spec.role == "peer":
+            size = dl.ver.total_bytes
+            changed = self.costs.changed_elements(size, dl.ver.delta_ratio)
+            rec["ready_s"] = t + self.costs.engine_s(size, changed, dl.delta)
         self._prune(dl.node)
         if n.plan and n.plan[0] == step:
             n.plan.pop(0)
@@ -792,6 +869,23 @@ class Model:
         return True
 
 
+def _costs_note(m: Model) -> str:
+    c = m.costs
+    ck = m.spec.checkpoint
+    ratio = m.delta_ratio
+    note = (
+        f"costs: deltas {c.commit.value}, origin digest {c.origin_digest.value}, "
+        f"{c.check_workers} check worker(s) per node"
+    )
+    if ratio < 1:
+        changed = c.changed_elements(ck.size_bytes, ratio)
+        note += (
+            f"; a delta moves {ratio:.4%} of the checkpoint "
+            f"({ck.size_bytes * ratio / GB:.3f} GB, {changed / 1e6:,.0f} M elements changed)"
+        )
+    return note
+
+
 def model_summary(m: Model) -> dict[str, Any]:
     """The summary of a finished :class:`~simulations.model.Model` run."""
     topo = m.topo
@@ -816,6 +910,9 @@ def model_summary(m: Model) -> dict[str, Any]:
                 entry["digest_ok"] = rec["digest"] == ver.digest
             if "rollouts_sent_s" in rec:
                 entry["rollouts_sent_s"] = rec["rollouts_sent_s"]
+            if "ready_s" in rec and pub is not None:
+                entry["ready_s"] = rec["ready_s"]
+                entry["ready_duration_s"] = round(rec["ready_s"] - pub, 4)
             versions[str(step)] = entry
             if step == 0 and n.spec.role == "peer" and n.spec.behavior == "honest":
                 shard_times.append(rec["shards_s"])
@@ -837,9 +934,12 @@ def model_summary(m: Model) -> dict[str, Any]:
         "source": str(topo.source) if topo.source else None,
         "seed": m.seed,
         "notes": [
-            f"flow model: weighted max-min, time step {m.dt:.4g} s; simulator: SimPy",
+            f"flow model: weighted max-min, time step {m.dt:.4g} s"
+            + ("" if m.spec.model.time_step_s else " (down to 2 ms while smaller flows run)")
+            + "; simulator: SimPy",
             "policies: shardcast.core.select.Scheduler, SourceDirectory, SuperSeeding, "
             "versions_to_prune, catchup.plan (the real code)",
+            _costs_note(m),
         ],
         "checkpoint": {
             "size_bytes": ck.size_bytes,

@@ -122,6 +122,13 @@ def markdown(summary: dict[str, Any]) -> str:
             f"{_fmt_s(run['mean_peer_s'].get(step))} |"
         )
     ro = run.get("rollouts", {})
+    ready = run.get("time_to_last_ready_s") or {}
+    if ready:
+        lines += [
+            "",
+            "Seconds to the last honest peer's engine holding each version: "
+            + ", ".join(f"{step}: {_fmt_s(s)}" for step, s in ready.items()),
+        ]
     lines += [
         "",
         f"- bound S/B + (⌈log2(N+1)⌉−1)·s/B: {_fmt_s(run.get('bound_s'))} s",

@@ -5,19 +5,22 @@ Schema (times in seconds from the start of the run unless named ``duration``)::
     {"mode": "model" | "emulate", "topology": str, "seed": int, "notes": [str],
      "checkpoint": {"size_bytes", "shard_size_bytes", "n_shards", "versions", "scale"},
      "run": {"time_to_last_peer_s": {step: s}, "mean_peer_s": {step: s},
+             "time_to_last_ready_s": {step: s},
              "time_to_last_peer_max_s", "origin_egress_bytes", "bound_s",
              "peer_percentiles_s": {step: {"p50", "p90", "p99", "max"}},
              "rollouts": {"sent", "accepted", "rejected"}, "wall_s", "virtual_s"},
      "nodes": {name: {"role", "group", "behavior", "up_bps", "down_bps", "bytes_up",
                       "bytes_down", "versions": {step: {"published_s", "learned_s",
                       "first_byte_s", "commit_s", "duration_s", "digest_ok",
-                      "rollouts_sent_s"}}}},
+                      "rollouts_sent_s", "ready_s", "ready_duration_s"}}}},
      "tiers": {role: {"bytes_up", "bytes_down", "nodes"}},
      "progress": {"step": "0", "peers": int, "t_s": [t, ...],
                   "quantiles": {"0" | "10" | "50" | "90" | "100": [fraction, ...]}}}
 
 ``time_to_last_peer_s[step]``: from the version's publication until the last honest peer that
-committed it did so. ``bound_s``: S/B + (ceil(log2(N+1)) - 1) s/B (DESIGN.md), with B the
+committed it did so. ``time_to_last_ready_s[step]``: the same until the last honest peer's
+engine held it (model only: ``ready_s``, after the engine update or reload of
+:mod:`simulations.costs`). ``bound_s``: S/B + (ceil(log2(N+1)) - 1) s/B (DESIGN.md), with B the
 slowest honest peer's downlink, N the relays and peers, s the shard size.
 ``peer_percentiles_s[step]``: percentiles of honest peers' durations (publication to commit).
 ``progress``: across honest peers, percentiles of the fraction of version 0's shards verified
@@ -89,6 +92,7 @@ def finish(summary: dict[str, Any], topo: Topology) -> dict[str, Any]:
     mean: dict[str, float] = {}
     committed: dict[str, int] = {}
     pct: dict[str, dict[str, float]] = {}
+    ready: dict[str, float] = {}
     steps = sorted({s for n in nodes.values() for s in n["versions"]}, key=int)
     for step in steps:
         ds = [
@@ -99,6 +103,15 @@ def finish(summary: dict[str, Any], topo: Topology) -> dict[str, Any]:
             and step in n["versions"]
             and n["versions"][step].get("duration_s") is not None
         ]
+        rs = [
+            n["versions"][step]["ready_duration_s"]
+            for n in nodes.values()
+            if n["role"] == "peer"
+            and n["behavior"] == "honest"
+            and "ready_duration_s" in n["versions"].get(step, {})
+        ]
+        if rs:
+            ready[step] = round(max(rs), 3)
         if ds:
             last[step] = round(max(ds), 3)
             mean[step] = round(sum(ds) / len(ds), 3)
@@ -122,6 +135,7 @@ def finish(summary: dict[str, Any], topo: Topology) -> dict[str, Any]:
     run.update(
         {
             "time_to_last_peer_s": last,
+            "time_to_last_ready_s": ready,
             "mean_peer_s": mean,
             "peers_committed": committed,
             "peer_percentiles_s": pct,

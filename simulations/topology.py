@@ -13,6 +13,11 @@ packets (0.01 = 1 %). Example (``simulations/topologies/*.toml`` hold complete o
     versions = 1                     # versions 0 .. versions-1
     interval_s = 0                   # time between two publications
     shard_size_bytes = 33_554_432
+    changed_fraction = 0.01          # optional: versions after an anchor are deltas changing
+                                     # 1 % of the elements (or delta_ratio: blob/raw bytes)
+
+    [costs]                          # optional: CPU, disk and engine costs (simulations/costs.py)
+    commit = "chain"                 # chain or materialize: how a follower commits a delta
 
     [[nodes]]
     name = "origin"
@@ -70,6 +75,7 @@ from typing import Literal
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 from p2p.errors import ConfigError
+from simulations.costs import CommitMode, CostModel, OriginDigest
 
 Role = Literal["origin", "trainer", "relay", "peer"]
 Behavior = Literal["honest", "corrupt", "forge"]
@@ -94,6 +100,13 @@ class CheckpointSpec(_Model):
     shards_per_part: int = Field(16, ge=1, description="shards per signed manifest part")
     delta_ratio: float = Field(
         1.0, gt=0, le=1, description="encoded/raw bytes of a delta version (1: no deltas)"
+    )
+    changed_fraction: float | None = Field(
+        None,
+        gt=0,
+        le=1,
+        description="fraction of elements a delta version changes (sets the delta's bytes "
+        "through costs.blob_bytes_per_change; instead of delta_ratio)",
     )
     anchor_every: int = Field(10, ge=1, description="a full version every N steps")
     hash_bytes_per_s: float = Field(2e9, gt=0, description="origin hashing speed (pipelining)")
@@ -179,6 +192,33 @@ class ModelSpec(_Model):
     )
 
 
+_COSTS = CostModel()
+
+
+class CostsSpec(_Model):
+    """CPU, disk and engine costs of the model (:class:`simulations.costs.CostModel`, whose
+    docstring cites the measurement behind each default)."""
+
+    commit: CommitMode = Field(_COSTS.commit, description="how a follower commits a delta")
+    origin_digest: OriginDigest = Field(
+        _COSTS.origin_digest, description="what the origin hashes for a delta version"
+    )
+    check_workers: int = Field(_COSTS.check_workers, ge=1, description="shard checks at once")
+    element_bytes: int = Field(_COSTS.element_bytes, ge=1, description="bytes per element")
+    blob_bytes_per_change: float = Field(_COSTS.blob_bytes_per_change, gt=0)
+    hash_cpu_s_per_gb: float = Field(_COSTS.hash_cpu_s_per_gb, ge=0)
+    write_cpu_s_per_gb: float = Field(_COSTS.write_cpu_s_per_gb, ge=0)
+    materialize_cpu_s_per_gb: float = Field(_COSTS.materialize_cpu_s_per_gb, ge=0)
+    commit_cpu_s_per_gb: float = Field(_COSTS.commit_cpu_s_per_gb, ge=0)
+    chain_commit_s: float = Field(_COSTS.chain_commit_s, ge=0)
+    engine_update_s_per_mchange: float = Field(_COSTS.engine_update_s_per_mchange, ge=0)
+    engine_reload_s_per_gb: float = Field(_COSTS.engine_reload_s_per_gb, ge=0)
+
+    def cost_model(self) -> CostModel:
+        """The :class:`~simulations.costs.CostModel` these fields describe."""
+        return CostModel(**self.model_dump())
+
+
 class EmulationSpec(_Model):
     """Defaults of ``simulate emulate`` (the command line wins)."""
 
@@ -198,7 +238,23 @@ class TopologyFile(_Model):
     events: tuple[EventSpec, ...] = ()
     rollouts: RolloutSpec = Field(default_factory=lambda: RolloutSpec.model_validate({}))
     model: ModelSpec = Field(default_factory=lambda: ModelSpec.model_validate({}))
+    costs: CostsSpec = Field(default_factory=lambda: CostsSpec.model_validate({}))
     emulation: EmulationSpec = Field(default_factory=lambda: EmulationSpec.model_validate({}))
+
+    @model_validator(mode="after")
+    def _one_delta_size(self) -> TopologyFile:
+        ck = self.checkpoint
+        if ck.changed_fraction is not None and ck.delta_ratio < 1:
+            raise ValueError("checkpoint: set changed_fraction or delta_ratio, not both")
+        return self
+
+    @property
+    def delta_ratio(self) -> float:
+        """Blob bytes per raw byte of a delta version (1: versions are not deltas)."""
+        ck = self.checkpoint
+        if ck.changed_fraction is None:
+            return ck.delta_ratio
+        return self.costs.cost_model().delta_ratio(ck.changed_fraction)
 
 
 @dataclass(frozen=True)
@@ -481,14 +537,16 @@ def with_overrides(
     peers: int | None = None,
     time_step_s: float | None = None,
     shard_size_bytes: int | None = None,
+    commit: CommitMode | None = None,
 ) -> Topology:
     """The topology with the largest peer group resized to ``peers`` members, the model's time
-    step and/or the shard size set (``simulate model --peers/--time-step/--shard-size``).
+    step, the shard size and/or how followers commit a delta set (``simulate model
+    --peers/--time-step/--shard-size/--commit``).
 
     Raises:
         TopologyError: no peer group, or the result is invalid.
     """
-    if peers is None and time_step_s is None and shard_size_bytes is None:
+    if peers is None and time_step_s is None and shard_size_bytes is None and commit is None:
         return topo
     data = topo.spec.model_dump(mode="python", exclude_none=False)
     if peers is not None:
@@ -501,4 +559,6 @@ def with_overrides(
         data["model"]["time_step_s"] = time_step_s
     if shard_size_bytes is not None:
         data["checkpoint"]["shard_size_bytes"] = shard_size_bytes
+    if commit is not None:
+        data["costs"]["commit"] = commit
     return parse(data, topo.source)

@@ -1,11 +1,12 @@
 """Published versions as the model sees them, and stand-ins for the catch-up planner.
 
 A :class:`SimVersion` is one published step: shard lengths (one file cut into
-``shard_size_bytes`` pieces, as :mod:`shardcast.publish.plan` cuts each file), the delta base, when
-the
-origin published it and hashed each manifest part, and a digest. A delta version (base set)
-moves ``ceil(delta_ratio * length)`` bytes per shard to a node that holds the base, the raw
-length otherwise — what :class:`~shardcast.download.downloader.Downloader` fetches as a delta.
+``shard_size_bytes`` pieces, as :mod:`shardcast.publish.plan` cuts each file), the delta base,
+when the origin published it and hashed each manifest part, and a digest. A delta version
+(base set) moves ``ceil(delta_ratio * length)`` bytes per shard (``delta_ratio`` from the
+topology: given, or from ``changed_fraction`` and the cost model's bytes per change) to a node
+that holds the base, the raw length otherwise — what
+:class:`~shardcast.download.downloader.Downloader` fetches as a delta.
 
 :func:`manifest_stub` gives :func:`shardcast.core.catchup.plan` the few manifest attributes it reads
 (``step``, ``digest``, ``complete``, ``total_bytes``, ``header.base_step``,
@@ -50,9 +51,17 @@ class SimVersion:
 
     @classmethod
     def make(
-        cls, run: str, step: int, ck: CheckpointSpec, base: int | None, t_pub: float
+        cls,
+        run: str,
+        step: int,
+        ck: CheckpointSpec,
+        base: int | None,
+        t_pub: float,
+        delta_ratio: float,
     ) -> SimVersion:
-        """Cut ``ck.size_bytes`` into shards; the digest is the XOR of the shard tokens."""
+        """Cut ``ck.size_bytes`` into shards; the digest is the XOR of the shard tokens.
+        ``delta_ratio``: blob bytes per raw byte of a delta (the topology's
+        :attr:`~simulations.topology.TopologyFile.delta_ratio`)."""
         n = math.ceil(ck.size_bytes / ck.shard_size_bytes)
         lengths = [ck.shard_size_bytes] * (n - 1)
         lengths.append(ck.size_bytes - ck.shard_size_bytes * (n - 1))
@@ -66,7 +75,7 @@ class SimVersion:
             lengths,
             base,
             t_pub,
-            ck.delta_ratio,
+            delta_ratio,
             ck.shards_per_part,
             f"{acc:016x}",
             tokens,

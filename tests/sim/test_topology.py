@@ -8,6 +8,7 @@ from typing import Any
 
 import pytest
 
+from simulations.costs import CommitMode
 from simulations.topology import TopologyError, load, parse, scaled, with_overrides
 
 SAMPLES = sorted((Path(__file__).parents[2] / "simulations" / "topologies").glob("*.toml"))
@@ -33,7 +34,15 @@ def _base() -> dict[str, Any]:
 
 def test_samples_exist() -> None:
     names = {p.stem for p in SAMPLES}
-    assert {"intellect2", "home", "slow_relay", "churn", "calibration", "bound"} <= names
+    assert {
+        "intellect2",
+        "intellect2_next",
+        "home",
+        "slow_relay",
+        "churn",
+        "calibration",
+        "bound",
+    } <= names
 
 
 @pytest.mark.parametrize("path", SAMPLES, ids=lambda p: p.stem)
@@ -121,4 +130,7 @@ def test_scaled_and_overrides() -> None:
     big = with_overrides(topo, peers=7, time_step_s=0.01)
     assert len(big.by_role("peer")) == 7
     assert big.spec.model.time_step_s == 0.01
+    assert topo.spec.costs.commit is CommitMode.MATERIALIZE  # the follower today
+    chained = with_overrides(topo, commit=CommitMode.CHAIN)
+    assert chained.spec.costs.commit is CommitMode.CHAIN
     assert tomllib.loads("a = 1")  # tomllib is the reader (stdlib)
