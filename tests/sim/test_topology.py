@@ -130,7 +130,7 @@ def test_scaled_and_overrides() -> None:
     big = with_overrides(topo, peers=7, time_step_s=0.01)
     assert len(big.by_role("peer")) == 7
     assert big.spec.model.time_step_s == 0.01
-    assert topo.spec.costs.commit is CommitMode.MATERIALIZE  # the follower today
-    chained = with_overrides(topo, commit=CommitMode.CHAIN)
-    assert chained.spec.costs.commit is CommitMode.CHAIN
+    assert topo.spec.costs.commit is CommitMode.CHAIN  # the follower's default (keep_chains)
+    eager = with_overrides(topo, commit=CommitMode.MATERIALIZE)
+    assert eager.spec.costs.commit is CommitMode.MATERIALIZE
     assert tomllib.loads("a = 1")  # tomllib is the reader (stdlib)
