@@ -94,7 +94,7 @@ from p2p.boundary import (
     topic_validator,
 )
 from p2p.bytestream import ByteStream, StreamHandler
-from p2p.circuits import CircuitConfig, Circuits
+from p2p.circuits import CircuitConfig, Circuits, is_relayed
 from p2p.errors import (
     ConfigError,
     LocalProtocolError,
@@ -906,6 +906,65 @@ class P2PNode:
             RemoteProtocolError: ``peer_id`` does not speak ``protocol``.
         """
         return await open_lane_stream(self._host, peer_id, protocol, timeout_s)
+
+    def direct_peers(self) -> list[str]:
+        """PeerIDs with an open direct (not relayed) connection: the only ones the stream
+        lane may carry bulk bytes to (a relay's circuit is for coordination)."""
+        if self.circuits is None:
+            return self.connected_peers()
+        return [p for p in self.connected_peers() if self.circuits.direct(p)]
+
+    async def reserve(self, relay_peer_id: str) -> None:
+        """Hold a circuit relay reservation on ``relay_peer_id`` (a connected relay), so that
+        others can reach this node through it (:meth:`p2p.circuits.Circuits.reserve`).
+
+        Raises:
+            PeerUnreachable: no circuits on this host, not connected to the relay, or it
+                refused or did not answer in time.
+        """
+        if self.circuits is None:
+            raise PeerUnreachable(relay_peer_id, "circuits are off on this host")
+        await self.circuits.reserve(relay_peer_id)
+
+    async def punch(self, peer_id: str, relay_peer_id: str) -> bool:
+        """Reach ``peer_id`` through the relay ``relay_peer_id`` (this node holds a direct
+        connection to it; ``peer_id`` a reservation there) and upgrade to a direct connection
+        by hole punching (DCUtR). True once a direct connection to ``peer_id`` is held; on
+        failure the relayed connection is closed too (its relay slot is freed). Bounded by
+        ``CircuitConfig.timeout_s`` for the dial and again for the punch.
+
+        Raises:
+            PeerUnreachable: no circuits on this host, no connection to the relay, or the
+                relayed dial failed.
+        """
+        circuits = self.circuits
+        if circuits is None:
+            raise PeerUnreachable(peer_id, "circuits are off on this host")
+        if circuits.direct(peer_id):
+            return True
+        relay_addr = self._direct_multiaddr(relay_peer_id)
+        if relay_addr is None:
+            raise PeerUnreachable(relay_peer_id, "no direct connection to the relay")
+        await circuits.connect_via(relay_addr, peer_id)
+        if await circuits.hole_punch(peer_id):
+            return True
+        await circuits.close_relayed(peer_id)
+        return False
+
+    def _direct_multiaddr(self, peer_id: str) -> str | None:
+        """``/ip4|ip6/<host>/tcp/<port>/p2p/<peer_id>`` of a direct connection held to
+        ``peer_id`` (its remote address as seen here), or None."""
+        pid = ID.from_base58(peer_id)
+        for conn in self._host.get_network().get_connections(pid):  # type: ignore[attr-defined]
+            if is_relayed(conn):
+                continue
+            remote = conn.muxed_conn.get_remote_address()
+            if remote is None:
+                continue
+            host, port = str(remote[0]), int(remote[1])
+            family = "ip6" if ":" in host else "ip4"
+            return f"/{family}/{host}/tcp/{port}/p2p/{peer_id}"
+        return None
 
     async def _read_request(
         self, stream: Any, sender: str, protocol: str, max_request_bytes: int
