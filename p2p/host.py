@@ -366,12 +366,16 @@ class _ConnectionWatch(INotifee):
         self.node: P2PNode | None = None
 
     async def connected(self, network: INetwork, conn: INetConn) -> None:
-        """Tune the socket; a peer's first connection starts its pings."""
+        """Tune the socket; a peer's first direct connection starts its pings (a relayed one
+        does not: a circuit is for coordination, bounded by the relay and closed after the
+        hole punch; pings over it failed while DCUtR ran and closed it as dead)."""
         sock = socket_of(conn)
         if sock is not None:
             sockopts.tune(sock, self.tcp_user_timeout_s)
-        if self.node is not None:
+        if self.node is not None and not is_relayed(conn):
             self.node._on_connected(conn.muxed_conn.peer_id.to_base58())
+            self.node._direct_changed.set()
+            self.node._direct_changed = trio.Event()
 
     async def disconnected(self, network: INetwork, conn: INetConn) -> None:
         """A peer's last connection closed: stop its pings, re-dial it if it is kept."""
@@ -480,6 +484,7 @@ class P2PNode:
         self._rng = random.Random(identity.peer_id)  # re-dial jitter: reproducible per node
         self._keepalive_changed = trio.Event()
         self._closing = False
+        self._direct_changed = trio.Event()  # set at each new direct connection
         self.circuits: Circuits | None = None
         """Circuit relay v2 and DCUtR (:mod:`p2p.circuits`), when configured."""
 
@@ -931,7 +936,8 @@ class P2PNode:
         connection to it; ``peer_id`` a reservation there) and upgrade to a direct connection
         by hole punching (DCUtR). True once a direct connection to ``peer_id`` is held; on
         failure the relayed connection is closed too (its relay slot is freed). Bounded by
-        ``CircuitConfig.timeout_s`` for the dial and again for the punch.
+        ``CircuitConfig.timeout_s`` for the dial, again for the punch, and again for the
+        library's own second round after a failed one.
 
         Raises:
             PeerUnreachable: no circuits on this host, no connection to the relay, or the
@@ -946,10 +952,14 @@ class P2PNode:
         if relay_addr is None:
             raise PeerUnreachable(relay_peer_id, "no direct connection to the relay")
         await circuits.connect_via(relay_addr, peer_id)
-        if await circuits.hole_punch(peer_id):
-            return True
+        if not await circuits.hole_punch(peer_id):
+            # py-libp2p retries a failed round by itself ("auto-driving"); on loopback the
+            # second round often gets through: wait for it, bounded
+            with trio.move_on_after(circuits.config.timeout_s):
+                while not circuits.direct(peer_id):
+                    await self._direct_changed.wait()
         await circuits.close_relayed(peer_id)
-        return False
+        return circuits.direct(peer_id)
 
     def _direct_multiaddr(self, peer_id: str) -> str | None:
         """``/ip4|ip6/<host>/tcp/<port>/p2p/<peer_id>`` of a direct connection held to

@@ -51,7 +51,8 @@ decides when: at most :attr:`PunchConfig.max_concurrent` punches at once, one pe
 after a failed punch that PeerID waits :attr:`PunchConfig.backoff_initial_s`, doubling to
 :attr:`PunchConfig.backoff_max_s` (a NAT that maps each destination to its own port never
 lets a punch through: the downloader stops trying it, and source selection goes on without
-it).
+it). Of two NATed nodes that could punch each other, the one with the greater PeerID yields
+for :attr:`PunchConfig.yield_s` first, so that one punch session runs per pair.
 
 Everything here is a pure function of its arguments (``now`` in trio seconds); no I/O.
 """
@@ -142,6 +143,10 @@ class PunchConfig:
         max_tracked: bound on remembered PeerIDs (the oldest failure is forgotten first).
         reserve_interval_s: an unreachable node looks for relays to reserve on at least this
             often, seconds.
+        yield_s: when both ends could punch each other (both behind NATs, both naming
+            relays), the one with the greater PeerID waits this long, seconds, from when it
+            first wanted to, for the other's punch: two punch sessions of one pair at once
+            dial the same address pairs and both fail (measured on loopback).
     """
 
     max_relays: int = 2
@@ -150,6 +155,7 @@ class PunchConfig:
     backoff_max_s: float = 1800.0
     max_tracked: int = 1024
     reserve_interval_s: float = 30.0
+    yield_s: float = 10.0
 
     def __post_init__(self) -> None:
         for name in ("max_relays", "max_concurrent", "max_tracked"):
@@ -159,6 +165,8 @@ class PunchConfig:
             raise ConfigError("backoff_initial_s", "must be > 0 and <= backoff_max_s")
         if not self.reserve_interval_s > 0:
             raise ConfigError("reserve_interval_s", "must be > 0")
+        if self.yield_s < 0:
+            raise ConfigError("yield_s", "must be >= 0")
 
 
 class Reservations:
@@ -218,6 +226,7 @@ class PunchPlanner:
         self.config = config
         self.running: set[str] = set()
         self._failures: OrderedDict[str, tuple[int, float]] = OrderedDict()  # n, retry at
+        self._first_wanted: OrderedDict[str, float] = OrderedDict()  # while yielding
 
     def retry_at(self, peer_id: str) -> float | None:
         """When ``peer_id`` may be punched again after failures (None: no failure now)."""
@@ -231,14 +240,24 @@ class PunchPlanner:
         relays_connected: frozenset[str],
         now: float,
         rng: random.Random,
+        *,
+        yield_to_peer: bool = False,
     ) -> str | None:
         """The relay to punch ``peer_id`` through now (counted as running until
         :meth:`done`), or None: no advertised relay is connected here, a punch to it runs,
-        :attr:`PunchConfig.max_concurrent` run, or it is backing off. The relay is drawn
-        with ``rng`` among the shared ones (spreads the relays' circuit slots)."""
+        :attr:`PunchConfig.max_concurrent` run, it is backing off, or ``yield_to_peer``
+        (the peer may be punching this node: see :attr:`PunchConfig.yield_s`) and less than
+        ``yield_s`` passed since this node first asked. The relay is drawn with ``rng``
+        among the shared ones (spreads the relays' circuit slots)."""
         shared = [r for r in relays if r in relays_connected]
         if not shared or peer_id in self.running:
             return None
+        if yield_to_peer:
+            first = self._first_wanted.setdefault(peer_id, now)
+            while len(self._first_wanted) > self.config.max_tracked:
+                self._first_wanted.popitem(last=False)
+            if now - first < self.config.yield_s:
+                return None
         if len(self.running) >= self.config.max_concurrent:
             return None
         retry = self.retry_at(peer_id)
@@ -251,6 +270,7 @@ class PunchPlanner:
         """A punch admitted by :meth:`start` ended: ``direct`` if a direct connection
         came of it (forgets the failures), else backs off."""
         self.running.discard(peer_id)
+        self._first_wanted.pop(peer_id, None)
         if direct:
             self._failures.pop(peer_id, None)
             return
@@ -514,12 +534,14 @@ class Reachability:
         return max(0.0, self.checked_at + self._wait_s() - now)
 
     def observe(self, answers: list[DialbackResult], now: float) -> bool:
-        """Record a round's answers; True if the URL to advertise (:meth:`advertised`)
-        changed. A round with no answers or only ``refused`` ones (no one could check now)
-        only schedules the next one, soon.
+        """Record a round's answers; True if what to advertise changed (the URL,
+        :meth:`advertised`, or the stream lane, :meth:`advertises_stream`: a node whose
+        unreachable URL was never advertised still starts to offer its stream lane). A round
+        with no answers or only ``refused`` ones (no one could check now) only schedules the
+        next one, soon.
 
         A round that tells nothing (``unknown``) does not undo an earlier verdict."""
-        before = self.advertised()
+        before = (self.advertised(), self.advertises_stream())
         self.checked_at = now
         if all(a is DialbackResult.REFUSED for a in answers):
             return False  # no one could check now (rate limits): ask again soon
@@ -530,7 +552,7 @@ class Reachability:
             return False
         if new is not self.state or self.since is None:
             self.state, self.since = new, now
-        return self.advertised() != before
+        return (self.advertised(), self.advertises_stream()) != before
 
     def advertised(self) -> str:
         """The URL to put in adverts: empty before the first round with answers and while

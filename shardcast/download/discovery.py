@@ -200,12 +200,7 @@ class NodeAdvert:
             isinstance(tier, int) and not isinstance(tier, bool) and 0 <= tier <= MAX_TIER
         ):
             raise RemoteProtocolError(origin, f"tier must be an integer 0..{MAX_TIER}")
-        stream_lane = obj.get("stream_lane", False)
-        if not isinstance(stream_lane, bool):
-            raise RemoteProtocolError(origin, "stream_lane must be a boolean")
-        relays = wire.need_list(obj, "relays", MAX_RELAYS, origin) if "relays" in obj else []
-        if not all(isinstance(r, str) and len(r) <= 128 and is_valid_peer_id(r) for r in relays):
-            raise RemoteProtocolError(origin, "relays must be base58 PeerIDs")
+        stream_lane, relays = _stream_lane_fields(obj, origin)
         return cls(
             peer_id,
             role,
@@ -216,8 +211,24 @@ class NodeAdvert:
             digests[1],
             tier,
             stream_lane,
-            tuple(relays),
+            relays,
         )
+
+
+def _stream_lane_fields(obj: dict[str, Any], origin: str) -> tuple[bool, tuple[str, ...]]:
+    """An advert's ``stream_lane`` (False when absent) and ``relays`` (empty when absent).
+
+    Raises:
+        RemoteProtocolError: ``stream_lane`` is not a boolean, or ``relays`` is not a list of
+            at most :data:`MAX_RELAYS` PeerIDs.
+    """
+    stream_lane = obj.get("stream_lane", False)
+    if not isinstance(stream_lane, bool):
+        raise RemoteProtocolError(origin, "stream_lane must be a boolean")
+    relays = wire.need_list(obj, "relays", MAX_RELAYS, origin) if "relays" in obj else []
+    if not all(isinstance(r, str) and len(r) <= 128 and is_valid_peer_id(r) for r in relays):
+        raise RemoteProtocolError(origin, "relays must be base58 PeerIDs")
+    return stream_lane, tuple(relays)
 
 
 MAX_TIER = 64

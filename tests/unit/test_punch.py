@@ -17,7 +17,7 @@ from p2p.circuits import is_unspecified, quiet_library_noise
 from p2p.errors import ConfigError, RemoteProtocolError
 from p2p.identity import Identity
 from shardcast.core import Lane, PunchConfig, PunchPlanner, Reservations, choose_lane
-from shardcast.core.reachability import Reach
+from shardcast.core.reachability import DialbackResult, Reach, Reachability
 from shardcast.download.discovery import MAX_RELAYS, NodeAdvert, SourceDirectory
 
 NAT, NAT2, R1, R2, R3 = (
@@ -230,3 +230,23 @@ def test_routine_circuit_errors_are_logged_at_debug(caplog: pytest.LogCaptureFix
     with caplog.at_level(logging.DEBUG, logger="libp2p.relay.circuit_v2.protocol"):
         relay_log.error("Error relaying data: stream is reset")
     assert caplog.records[-1].levelname == "DEBUG"
+
+
+def test_learning_unreachable_changes_the_advert_though_no_url_was_sent() -> None:
+    """The stream lane (and the relays with it) must be advertised at once: the first round
+    that finds the URL unreachable reports a change."""
+    r = Reachability("http://192.168.77.2:8003")
+    assert r.observe([DialbackResult.NOT_REACHED], 0.0)
+    assert (r.advertised(), r.advertises_stream()) == ("", True)
+    assert not r.observe([DialbackResult.NOT_REACHED], 700.0)
+
+
+def test_of_two_nated_peers_the_greater_peer_id_yields_first() -> None:
+    p = PunchPlanner(PunchConfig(yield_s=10.0))
+    rng = random.Random(0)
+    conn = frozenset({R1})
+    assert p.start(NAT, (R1,), conn, 0.0, rng, yield_to_peer=True) is None
+    assert p.start(NAT, (R1,), conn, 9.0, rng, yield_to_peer=True) is None
+    assert p.start(NAT, (R1,), conn, 10.0, rng, yield_to_peer=True) == R1  # the other did not
+    p.done(NAT, direct=False, now=10.0)
+    assert p.start(NAT2, (R1,), conn, 0.0, rng) == R1  # no yield: at once
