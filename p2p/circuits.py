@@ -19,7 +19,8 @@ they go over the direct connection, on the stream lane (:mod:`p2p.bytestream`).
 :class:`Circuits` wraps py-libp2p 0.8.1's ``relay.circuit_v2`` (protocol, transport, DCUtR):
 built on a host, run as services while the host runs (:meth:`Circuits.running`), their
 inbound protocols behind :mod:`p2p.boundary`'s guard like every other protocol (admission
-caps, fault isolation). It is opt-in (``HostConfig.circuits``); a host without it neither
+caps, fault isolation). It is opt-in (``HostConfig.circuits``; the command line turns it on
+for relays, which relay, and peers, which reserve and punch); a host without it neither
 relays nor dials through relays. Measured in network namespaces (two hosts behind two
 ``masquerade`` routers, a relay on the public side): reservation, relayed dial, a stream over
 the circuit and DCUtR all worked, and the direct connection carried a stream after the

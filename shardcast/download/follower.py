@@ -20,6 +20,13 @@ the simulator); this module does the I/O. The download loop
    discovered nodes, serving every verified part and shard onward while it fills
    (pipelining), and commits it. Upstreams that become reachable during a download join it.
 
+Behind a NAT (its lane found unreachable by dial-back), a follower holds circuit relay
+reservations on up to two relays it is connected to and names them in its advert
+(:class:`shardcast.core.Reservations`). Each time a download polls for extra sources, the
+follower also starts the hole punches :class:`shardcast.core.PunchPlanner` admits to nodes that
+hold or fill the version and are reachable only through such a relay; a punched node joins the
+download at the next poll, over the direct connection (never the circuit).
+
 A download always ends (:mod:`shardcast.core.liveness`): it fails when the version is gone from
 every source (pruned: the next plan falls back to the newest version in full), when nothing
 arrives for too long, and it is abandoned as soon as a newer version is announced that it
