@@ -53,6 +53,8 @@ from p2p.boundary import InboundGuard
 from p2p.errors import ConfigError, PeerUnreachable
 from p2p.limits import ScopeLimit
 
+log = logging.getLogger(__name__)
+
 __all__ = ["CircuitConfig", "Circuits", "is_relayed", "is_unspecified", "quiet_library_noise"]
 
 
@@ -272,12 +274,17 @@ class Circuits:
         return True
 
     async def close_relayed(self, peer_id: str) -> None:
-        """Close the relayed connections to ``peer_id`` (each bounded by ``timeout_s``)."""
+        """Close the relayed connections to ``peer_id`` (each bounded by ``timeout_s``; one
+        that fails to close is already going)."""
         pid = ID.from_base58(peer_id)
         for conn in list(self.host.get_network().get_connections(pid)):
             if is_relayed(conn):
                 with trio.move_on_after(self.config.timeout_s):
-                    await conn.close()
+                    try:
+                        await conn.close()
+                    except (BaseLibp2pError, OSError, trio.BrokenResourceError) as exc:
+                        # closed meanwhile (the relay cut it, or the peer went)
+                        log.debug("circuit_close_failed peer=%s error=%r", peer_id, exc)
 
     def direct(self, peer_id: str) -> bool:
         """True if this host holds a direct (not relayed) connection to ``peer_id``."""

@@ -13,7 +13,7 @@ import multiaddr
 import pytest
 
 from p2p import wire
-from p2p.circuits import is_unspecified, quiet_library_noise
+from p2p.circuits import _DCUtR, is_unspecified, quiet_library_noise
 from p2p.errors import ConfigError, RemoteProtocolError
 from p2p.identity import Identity
 from shardcast.core import Lane, PunchConfig, PunchPlanner, Reservations, choose_lane
@@ -250,3 +250,24 @@ def test_of_two_nated_peers_the_greater_peer_id_yields_first() -> None:
     assert p.start(NAT, (R1,), conn, 10.0, rng, yield_to_peer=True) == R1  # the other did not
     p.done(NAT, direct=False, now=10.0)
     assert p.start(NAT2, (R1,), conn, 0.0, rng) == R1  # no yield: at once
+
+
+async def test_dcutr_neither_sends_nor_dials_unspecified_addresses() -> None:
+    """A host listening on 0.0.0.0 offers its listen addresses when it has no observed one;
+    the other side dialled 0.0.0.0 (itself). Both directions drop them."""
+    dcutr = _DCUtR.__new__(_DCUtR)  # only the address handling, no host services
+
+    class Host:
+        def get_addrs(self) -> list[multiaddr.Multiaddr]:
+            return [
+                multiaddr.Multiaddr(a) for a in ("/ip4/0.0.0.0/tcp/4003", "/ip4/10.0.0.2/tcp/4003")
+            ]
+
+    dcutr.host = Host()  # type: ignore[assignment]  # a stand-in: get_addrs only
+    sent = [str(multiaddr.Multiaddr(a)) for a in await dcutr._get_observed_addrs()]
+    assert sent == ["/ip4/10.0.0.2/tcp/4003"]
+    raw = [
+        multiaddr.Multiaddr(a).to_bytes()
+        for a in ("/ip4/0.0.0.0/tcp/1", "/ip6/::/tcp/1", "/ip4/8.8.8.8/tcp/1")
+    ]
+    assert [str(a) for a in dcutr._decode_observed_addrs(raw)] == ["/ip4/8.8.8.8/tcp/1"]
