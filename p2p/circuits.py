@@ -9,14 +9,18 @@ connection upgrade through relay): they exchange their observed addresses and di
 other at once from their listen ports, which opens a direct TCP connection through NATs
 that map a source port the same way for every destination (endpoint-independent mapping;
 Linux ``masquerade`` keeps the source port when it is free). Then the relayed connection is
-closed: circuits are for coordination only. Their relay-side limits are small
+closed: circuits are for coordination only. Unspecified addresses (``0.0.0.0``, ``::``) are
+never offered to nor dialled from the other side, and the library's routine circuit errors
+(reset streams, the punch's failed simultaneous dial) are logged at DEBUG
+(:func:`quiet_library_noise`). Their relay-side limits are small
 (:class:`CircuitConfig`: bytes and seconds per circuit), so shard bytes never cross a relay;
 they go over the direct connection, on the stream lane (:mod:`p2p.bytestream`).
 
 :class:`Circuits` wraps py-libp2p 0.8.1's ``relay.circuit_v2`` (protocol, transport, DCUtR):
 built on a host, run as services while the host runs (:meth:`Circuits.running`), their
 inbound protocols behind :mod:`p2p.boundary`'s guard like every other protocol (admission
-caps, fault isolation). It is opt-in (``HostConfig.circuits``); a host without it neither
+caps, fault isolation). It is opt-in (``HostConfig.circuits``; the command line turns it on
+for relays, which relay, and peers, which reserve and punch); a host without it neither
 relays nor dials through relays. Measured in network namespaces (two hosts behind two
 ``masquerade`` routers, a relay on the public side): reservation, relayed dial, a stream over
 the circuit and DCUtR all worked, and the direct connection carried a stream after the
@@ -25,6 +29,8 @@ circuit was closed.
 
 from __future__ import annotations
 
+import ipaddress
+import logging
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
@@ -47,7 +53,9 @@ from p2p.boundary import InboundGuard
 from p2p.errors import ConfigError, PeerUnreachable
 from p2p.limits import ScopeLimit
 
-__all__ = ["CircuitConfig", "Circuits", "is_relayed"]
+log = logging.getLogger(__name__)
+
+__all__ = ["CircuitConfig", "Circuits", "is_relayed", "is_unspecified", "quiet_library_noise"]
 
 
 @dataclass(frozen=True)
@@ -82,6 +90,72 @@ class CircuitConfig:
             raise ConfigError("timeout_s", "must be > 0")
 
 
+def is_unspecified(addr: multiaddr.Multiaddr) -> bool:
+    """True if ``addr``'s IP is unspecified (``0.0.0.0``, ``::``): a listen address, never
+    one to dial (on Linux a dial to it reaches this host itself)."""
+    for proto in ("ip4", "ip6"):
+        try:
+            value = addr.value_for_protocol(proto)
+        except (ValueError, KeyError, TypeError, multiaddr.exceptions.Error):
+            continue
+        if value is not None:
+            try:
+                return ipaddress.ip_address(str(value)).is_unspecified
+            except ValueError:
+                return False
+    return False
+
+
+class _DCUtR(DCUtRProtocol):
+    """py-libp2p 0.8.1's DCUtR, but unspecified addresses are neither sent nor dialled: a
+    host listening on ``0.0.0.0`` offers it as its own address when it has no observed
+    one, and the other side dialled it (itself)."""
+
+    async def _get_observed_addrs(self) -> list[bytes]:
+        addrs = await super()._get_observed_addrs()
+        return [a for a in addrs if not is_unspecified(multiaddr.Multiaddr(a))]
+
+    def _decode_observed_addrs(self, addr_bytes: list[bytes]) -> list[multiaddr.Multiaddr]:
+        decoded: list[multiaddr.Multiaddr] = super()._decode_observed_addrs(addr_bytes)
+        return [a for a in decoded if not is_unspecified(a)]
+
+
+class _Demote(logging.Filter):
+    """Turns a library logger's records that are routine on circuits (streams reset when a
+    relay cuts a circuit or a peer goes, the hole punch's simultaneous dials failing) into
+    DEBUG records: emitted only where that logger is enabled for DEBUG. The outcomes this
+    project acts on are raised or returned and logged by its own code."""
+
+    def __init__(self, needle: str = "") -> None:
+        super().__init__()
+        self.needle = needle
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if record.levelno <= logging.DEBUG or self.needle not in record.getMessage():
+            return True
+        record.levelno, record.levelname = logging.DEBUG, "DEBUG"
+        return logging.getLogger(record.name).isEnabledFor(logging.DEBUG)
+
+
+_NOISY = {
+    # every ERROR and WARNING there is about one circuit's streams (reset, limits reached)
+    "libp2p.relay.circuit_v2.protocol": "",
+    "libp2p.relay.circuit_v2.transport": "",
+    "libp2p.relay.circuit_v2.dcutr": "",
+    # a hole punch's dials bind the listen port ("Failed to connect A from B"); one of the
+    # two simultaneous dials fails by design
+    "libp2p.transport.tcp.tcp": "Failed to connect",
+}
+
+
+def quiet_library_noise() -> None:
+    """Install the :class:`_Demote` filters on py-libp2p's circuit loggers (idempotent)."""
+    for name, needle in _NOISY.items():
+        logger = logging.getLogger(name)
+        if not any(isinstance(f, _Demote) for f in logger.filters):
+            logger.addFilter(_Demote(needle))
+
+
 def is_relayed(conn: Any) -> bool:
     """True if a libp2p connection runs through a relay (a ``/p2p-circuit`` address)."""
     try:
@@ -112,7 +186,8 @@ class Circuits:
         self.transport = CircuitV2Transport(
             host, self.protocol, RelayConfig(roles=roles, limits=limits)
         )
-        self.dcutr = DCUtRProtocol(host, dial_timeout=int(config.timeout_s))
+        self.dcutr = _DCUtR(host, dial_timeout=int(config.timeout_s))
+        quiet_library_noise()
         self._nursery: trio.Nursery | None = None
 
     @asynccontextmanager
@@ -191,15 +266,25 @@ class Circuits:
         try:
             with trio.fail_after(self.config.timeout_s):
                 ok = await self.dcutr.initiate_hole_punch(pid)
-        except trio.TooSlowError:
+        except (trio.TooSlowError, BaseLibp2pError, OSError):  # the punch failed: say so
             ok = False
         if not ok or not self.direct(peer_id):
             return False
+        await self.close_relayed(peer_id)
+        return True
+
+    async def close_relayed(self, peer_id: str) -> None:
+        """Close the relayed connections to ``peer_id`` (each bounded by ``timeout_s``; one
+        that fails to close is already going)."""
+        pid = ID.from_base58(peer_id)
         for conn in list(self.host.get_network().get_connections(pid)):
             if is_relayed(conn):
                 with trio.move_on_after(self.config.timeout_s):
-                    await conn.close()
-        return True
+                    try:
+                        await conn.close()
+                    except (BaseLibp2pError, OSError, trio.BrokenResourceError) as exc:
+                        # closed meanwhile (the relay cut it, or the peer went)
+                        log.debug("circuit_close_failed peer=%s error=%r", peer_id, exc)
 
     def direct(self, peer_id: str) -> bool:
         """True if this host holds a direct (not relayed) connection to ``peer_id``."""

@@ -94,7 +94,7 @@ from p2p.boundary import (
     topic_validator,
 )
 from p2p.bytestream import ByteStream, StreamHandler
-from p2p.circuits import CircuitConfig, Circuits
+from p2p.circuits import CircuitConfig, Circuits, is_relayed
 from p2p.errors import (
     ConfigError,
     LocalProtocolError,
@@ -366,12 +366,16 @@ class _ConnectionWatch(INotifee):
         self.node: P2PNode | None = None
 
     async def connected(self, network: INetwork, conn: INetConn) -> None:
-        """Tune the socket; a peer's first connection starts its pings."""
+        """Tune the socket; a peer's first direct connection starts its pings (a relayed one
+        does not: a circuit is for coordination, bounded by the relay and closed after the
+        hole punch; pings over it failed while DCUtR ran and closed it as dead)."""
         sock = socket_of(conn)
         if sock is not None:
             sockopts.tune(sock, self.tcp_user_timeout_s)
-        if self.node is not None:
+        if self.node is not None and not is_relayed(conn):
             self.node._on_connected(conn.muxed_conn.peer_id.to_base58())
+            self.node._direct_changed.set()
+            self.node._direct_changed = trio.Event()
 
     async def disconnected(self, network: INetwork, conn: INetConn) -> None:
         """A peer's last connection closed: stop its pings, re-dial it if it is kept."""
@@ -480,6 +484,7 @@ class P2PNode:
         self._rng = random.Random(identity.peer_id)  # re-dial jitter: reproducible per node
         self._keepalive_changed = trio.Event()
         self._closing = False
+        self._direct_changed = trio.Event()  # set at each new direct connection
         self.circuits: Circuits | None = None
         """Circuit relay v2 and DCUtR (:mod:`p2p.circuits`), when configured."""
 
@@ -906,6 +911,70 @@ class P2PNode:
             RemoteProtocolError: ``peer_id`` does not speak ``protocol``.
         """
         return await open_lane_stream(self._host, peer_id, protocol, timeout_s)
+
+    def direct_peers(self) -> list[str]:
+        """PeerIDs with an open direct (not relayed) connection: the only ones the stream
+        lane may carry bulk bytes to (a relay's circuit is for coordination)."""
+        if self.circuits is None:
+            return self.connected_peers()
+        return [p for p in self.connected_peers() if self.circuits.direct(p)]
+
+    async def reserve(self, relay_peer_id: str) -> None:
+        """Hold a circuit relay reservation on ``relay_peer_id`` (a connected relay), so that
+        others can reach this node through it (:meth:`p2p.circuits.Circuits.reserve`).
+
+        Raises:
+            PeerUnreachable: no circuits on this host, not connected to the relay, or it
+                refused or did not answer in time.
+        """
+        if self.circuits is None:
+            raise PeerUnreachable(relay_peer_id, "circuits are off on this host")
+        await self.circuits.reserve(relay_peer_id)
+
+    async def punch(self, peer_id: str, relay_peer_id: str) -> bool:
+        """Reach ``peer_id`` through the relay ``relay_peer_id`` (this node holds a direct
+        connection to it; ``peer_id`` a reservation there) and upgrade to a direct connection
+        by hole punching (DCUtR). True once a direct connection to ``peer_id`` is held; on
+        failure the relayed connection is closed too (its relay slot is freed). Bounded by
+        ``CircuitConfig.timeout_s`` for the dial, again for the punch, and again for the
+        library's own second round after a failed one.
+
+        Raises:
+            PeerUnreachable: no circuits on this host, no connection to the relay, or the
+                relayed dial failed.
+        """
+        circuits = self.circuits
+        if circuits is None:
+            raise PeerUnreachable(peer_id, "circuits are off on this host")
+        if circuits.direct(peer_id):
+            return True
+        relay_addr = self._direct_multiaddr(relay_peer_id)
+        if relay_addr is None:
+            raise PeerUnreachable(relay_peer_id, "no direct connection to the relay")
+        await circuits.connect_via(relay_addr, peer_id)
+        if not await circuits.hole_punch(peer_id):
+            # py-libp2p retries a failed round by itself ("auto-driving"); on loopback the
+            # second round often gets through: wait for it, bounded
+            with trio.move_on_after(circuits.config.timeout_s):
+                while not circuits.direct(peer_id):
+                    await self._direct_changed.wait()
+        await circuits.close_relayed(peer_id)
+        return circuits.direct(peer_id)
+
+    def _direct_multiaddr(self, peer_id: str) -> str | None:
+        """``/ip4|ip6/<host>/tcp/<port>/p2p/<peer_id>`` of a direct connection held to
+        ``peer_id`` (its remote address as seen here), or None."""
+        pid = ID.from_base58(peer_id)
+        for conn in self._host.get_network().get_connections(pid):  # type: ignore[attr-defined]
+            if is_relayed(conn):
+                continue
+            remote = conn.muxed_conn.get_remote_address()
+            if remote is None:
+                continue
+            host, port = str(remote[0]), int(remote[1])
+            family = "ip6" if ":" in host else "ip4"
+            return f"/{family}/{host}/tcp/{port}/p2p/{peer_id}"
+        return None
 
     async def _read_request(
         self, stream: Any, sender: str, protocol: str, max_request_bytes: int

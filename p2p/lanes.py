@@ -187,6 +187,28 @@ class Host(Protocol):
         """
         ...
 
+    def direct_peers(self) -> list[str]:
+        """PeerIDs with an open direct (not relayed) connection."""
+        ...
+
+    async def reserve(self, relay_peer_id: str) -> None:
+        """Hold a circuit relay reservation on a connected relay.
+
+        Raises:
+            PeerUnreachable: circuits off, not connected, refused, or timed out.
+        """
+        ...
+
+    async def punch(self, peer_id: str, relay_peer_id: str) -> bool:
+        """Dial ``peer_id`` through ``relay_peer_id`` and hole-punch; True once a direct
+        connection is held.
+
+        Raises:
+            PeerUnreachable: circuits off, no connection to the relay, or the relayed dial
+                failed.
+        """
+        ...
+
     async def publish(self, topic: str, data: bytes) -> None:
         """Best-effort gossip. Raises MessageTooLarge over the gossip bound."""
         ...

@@ -583,6 +583,18 @@ class MemHost:
         """Raises PeerUnreachable: the in-memory network carries no byte streams."""
         raise PeerUnreachable(peer_id, "no byte streams on the in-memory network")
 
+    def direct_peers(self) -> list[str]:
+        """Every connection is direct here: :meth:`connected_peers`."""
+        return self.connected_peers()
+
+    async def reserve(self, relay_peer_id: str) -> None:
+        """Raises PeerUnreachable: the in-memory network has no circuits."""
+        raise PeerUnreachable(relay_peer_id, "no circuits on the in-memory network")
+
+    async def punch(self, peer_id: str, relay_peer_id: str) -> bool:
+        """Raises PeerUnreachable: the in-memory network has no circuits."""
+        raise PeerUnreachable(peer_id, "no circuits on the in-memory network")
+
     async def request(
         self,
         peer_id: str,

@@ -35,6 +35,7 @@ from p2p.addresses import (
     ensure_listen_bindable,
     interface_addresses,
 )
+from p2p.circuits import CircuitConfig
 from p2p.errors import ConfigError
 from p2p.host import HostConfig, parse_multiaddr
 from p2p.http_server import HttpServerConfig
@@ -315,6 +316,14 @@ class CommonSettings(BaseSettings):
                 listen_multiaddrs=self.listen_multiaddrs(),
                 announce_multiaddrs=tuple(self.announce),
                 public_host=self.public_host,
+                # relays (public, long-lived) relay circuits for peers behind NATs; peers
+                # reserve on them and hole-punch to each other (p2p.circuits); publishers
+                # neither
+                circuits=(
+                    CircuitConfig(hop=self.role == "relay")
+                    if self.role in ("relay", "peer")
+                    else None
+                ),
                 limits=ResourceLimits(
                     streams_per_peer=self.max_streams_per_peer,
                     streams_total=max(ResourceLimits.streams_total, self.max_streams_per_peer),

@@ -152,13 +152,23 @@ def _step_list(steps: list[int]) -> str:
 
 
 def _reach_line(reach: dict[str, Any]) -> str:
-    """This node's own lane: its dial-back verdict and whether it is advertised."""
+    """This node's own lane: its dial-back verdict and whether it is advertised; the relays
+    it holds a reservation on and its hole punches, when there are any."""
     answers = ",".join(reach.get("last_answers", [])) or "none yet"
     said = "advertised" if reach.get("advertised") else "not advertised (download-only)"
-    return (
+    line = (
         f"{reach.get('state')} since {_time(reach.get('since'))}; {said}; "
         f"last check {_time(reach.get('checked_at'))} ({answers})"
     )
+    if reach.get("relays"):
+        line += f"; reserved on {len(reach['relays'])} relay(s)"
+    punches = reach.get("punches") or {}
+    if punches.get("started"):
+        line += (
+            f"; punches {punches.get('started')} started, {punches.get('direct', 0)} direct, "
+            f"{punches.get('failed', 0)} failed"
+        )
+    return line
 
 
 def _lane(node: dict[str, Any]) -> str:

@@ -38,7 +38,9 @@ streams on those connections (:mod:`p2p.bytestream`). So an ``unreachable`` node
 *stream lane* instead (:meth:`Reachability.advertises_stream`): its PeerID, proven by the
 connection's handshake, no URL to challenge. A downloader picks how to reach an advertiser
 with :func:`choose_lane`: its HTTP URL once proven (TCP, zero-copy), else its stream lane
-when it holds a connection to it, else nothing.
+when it holds a direct connection to it, else a hole punch when both hold a connection to
+one of the relays the advertiser names, else nothing.
+
 **LAN scope.** Private, loopback, link-local and unique-local addresses (``192.168.0.0/16``,
 ``127.0.0.0/8``, ``fe80::/10``, ``fd00::/8``, ...) mean something only on their own network,
 so such a URL is offered only to, and tried only by, nodes on that network (issue 25): a node
@@ -53,6 +55,19 @@ address, it lies on one of this host's own networks (a loopback URL only from th
 :func:`scoped_lane` picks the URL of an advert a node may try. NATed peers of one home network
 thus use each other's lanes, and nodes elsewhere never try them.
 
+Hole punching (circuit relay v2 and DCUtR, :mod:`p2p.circuits`): an unreachable node holds
+reservations on up to :attr:`PunchConfig.max_relays` of the public relays it is connected to
+(:class:`Reservations`) and advertises their PeerIDs. A downloader that wants bytes from
+it dials it through one of those relays and lets DCUtR open a direct connection; the circuit
+is closed then, and the stream lane runs over the direct connection only (a relay's circuit
+is bounded to coordination-sized exchanges: bulk bytes never cross it). :class:`PunchPlanner`
+decides when: at most :attr:`PunchConfig.max_concurrent` punches at once, one per PeerID, and
+after a failed punch that PeerID waits :attr:`PunchConfig.backoff_initial_s`, doubling to
+:attr:`PunchConfig.backoff_max_s` (a NAT that maps each destination to its own port never
+lets a punch through: the downloader stops trying it, and source selection goes on without
+it). Of two NATed nodes that could punch each other, the one with the greater PeerID yields
+for :attr:`PunchConfig.yield_s` first, so that one punch session runs per pair.
+
 Everything here is a pure function of its arguments (``now`` in trio seconds); no I/O.
 """
 
@@ -60,6 +75,7 @@ from __future__ import annotations
 
 import enum
 import ipaddress
+import random
 from collections import Counter, OrderedDict
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -67,7 +83,7 @@ from typing import Any
 from urllib.parse import urlsplit
 
 from p2p import wire
-from p2p.errors import RemoteProtocolError
+from p2p.errors import ConfigError, RemoteProtocolError
 
 DIALBACK_PROTOCOL = "/shardnet/dialback/1"
 MAX_DIALBACK_BYTES = 512
@@ -89,11 +105,22 @@ class Lane(enum.Enum):
     """Its advertised ``http://`` URL, over TCP."""
     STREAM = "stream"
     """Its stream lane, over a libp2p connection this node holds (``p2p://<PeerID>``)."""
+    PUNCH = "punch"
+    """Not yet: a direct connection may be made through one of the relays it advertised
+    (circuit relay v2, then DCUtR); its stream lane is usable once that succeeded."""
     NONE = "none"
-    """Not now: no proven URL, and no stream lane on a connection this node holds."""
+    """Not now: no proven URL, no stream lane on a direct connection, no shared relay."""
 
 
-def choose_lane(*, http_url: str, http_proven: bool, stream_lane: bool, connected: bool) -> Lane:
+def choose_lane(
+    *,
+    http_url: str,
+    http_proven: bool,
+    stream_lane: bool,
+    connected: bool,
+    relays: tuple[str, ...] = (),
+    relays_connected: frozenset[str] = frozenset(),
+) -> Lane:
     """How to reach an advertiser (see the module docstring).
 
     Args:
@@ -101,13 +128,171 @@ def choose_lane(*, http_url: str, http_proven: bool, stream_lane: bool, connecte
         http_proven: that URL answered a whoami challenge with its key (or proof is not
             required here).
         stream_lane: it advertised a stream lane.
-        connected: this node holds a libp2p connection to it now.
+        connected: this node holds a direct (not relayed) libp2p connection to it now.
+        relays: the relays' PeerIDs it advertised (it holds a reservation on each).
+        relays_connected: PeerIDs this node holds a direct connection to.
     """
     if http_url and http_proven:
         return Lane.HTTP
     if stream_lane and connected:
         return Lane.STREAM
+    if stream_lane and any(r in relays_connected for r in relays):
+        return Lane.PUNCH
     return Lane.NONE
+
+
+@dataclass(frozen=True)
+class PunchConfig:
+    """Reservations and hole punches of one node (see the module docstring).
+
+    Raises:
+        ConfigError: a field is out of range (names the field).
+
+    Attributes:
+        max_relays: reservations an unreachable node holds (and relays it advertises).
+        max_concurrent: hole punches a downloader runs at once.
+        backoff_initial_s: a PeerID whose punch failed is not tried again for this long,
+            seconds; doubled after each further failure in a row ...
+        backoff_max_s: ... up to this, seconds.
+        max_tracked: bound on remembered PeerIDs (the oldest failure is forgotten first).
+        reserve_interval_s: an unreachable node looks for relays to reserve on at least this
+            often, seconds.
+        yield_s: when both ends could punch each other (both behind NATs, both naming
+            relays), the one with the greater PeerID waits this long, seconds, from when it
+            first wanted to, for the other's punch: two punch sessions of one pair at once
+            dial the same address pairs and both fail (measured on loopback).
+    """
+
+    max_relays: int = 2
+    max_concurrent: int = 2
+    backoff_initial_s: float = 60.0
+    backoff_max_s: float = 1800.0
+    max_tracked: int = 1024
+    reserve_interval_s: float = 30.0
+    yield_s: float = 10.0
+
+    def __post_init__(self) -> None:
+        for name in ("max_relays", "max_concurrent", "max_tracked"):
+            if getattr(self, name) < 1:
+                raise ConfigError(name, "must be >= 1")
+        if not 0 < self.backoff_initial_s <= self.backoff_max_s:
+            raise ConfigError("backoff_initial_s", "must be > 0 and <= backoff_max_s")
+        if not self.reserve_interval_s > 0:
+            raise ConfigError("reserve_interval_s", "must be > 0")
+        if self.yield_s < 0:
+            raise ConfigError("yield_s", "must be >= 0")
+
+
+class Reservations:
+    """Which relays an unreachable node holds a reservation on (see the module docstring);
+    pure, bounded by the candidates it is given. A relay that refused is not asked again for
+    :attr:`PunchConfig.backoff_initial_s`, doubling to :attr:`PunchConfig.backoff_max_s`."""
+
+    def __init__(self, config: PunchConfig) -> None:
+        self.config = config
+        self.held: list[str] = []
+        self._failures: dict[str, tuple[int, float]] = {}  # relay -> failures, retry at
+
+    def wanted(self, reach: Reach, candidates: list[str], now: float) -> list[str]:
+        """The relays to ask now: none unless ``reach`` is ``unreachable``; else
+        ``candidates`` (relays this node holds a direct connection to, best first) neither
+        held nor backing off, until :attr:`PunchConfig.max_relays` are held."""
+        if reach is not Reach.UNREACHABLE:
+            return []
+        room = max(0, self.config.max_relays - len(self.held))
+        free = [
+            c
+            for c in candidates
+            if c not in self.held and now >= self._failures.get(c, (0, now))[1]
+        ]
+        return free[:room]
+
+    def reserved(self, relay: str) -> None:
+        """``relay`` granted a reservation."""
+        self._failures.pop(relay, None)
+        if relay not in self.held:
+            self.held.append(relay)
+
+    def failed(self, relay: str, now: float) -> None:
+        """``relay`` refused or did not answer at ``now``."""
+        n = self._failures.get(relay, (0, now))[0] + 1
+        wait = min(self.config.backoff_max_s, self.config.backoff_initial_s * 2 ** (n - 1))
+        self._failures[relay] = (n, now + wait)
+
+    def keep_connected(self, connected: frozenset[str]) -> bool:
+        """Forget reservations on relays no longer in ``connected`` (a reservation lives on
+        its connection) and failures of relays gone; True if :attr:`held` changed."""
+        before = list(self.held)
+        self.held = [r for r in self.held if r in connected]
+        self._failures = {r: v for r, v in self._failures.items() if r in connected}
+        return self.held != before
+
+    def advertised(self, reach: Reach) -> tuple[str, ...]:
+        """The relays to put in adverts: those held, while ``reach`` is ``unreachable``."""
+        return tuple(self.held) if reach is Reach.UNREACHABLE else ()
+
+
+class PunchPlanner:
+    """When a downloader hole-punches to an advertiser (see the module docstring); pure,
+    bounded memory. :meth:`start` admits a punch, :meth:`done` records how it ended."""
+
+    def __init__(self, config: PunchConfig) -> None:
+        self.config = config
+        self.running: set[str] = set()
+        self._failures: OrderedDict[str, tuple[int, float]] = OrderedDict()  # n, retry at
+        self._first_wanted: OrderedDict[str, float] = OrderedDict()  # while yielding
+
+    def retry_at(self, peer_id: str) -> float | None:
+        """When ``peer_id`` may be punched again after failures (None: no failure now)."""
+        entry = self._failures.get(peer_id)
+        return entry[1] if entry is not None else None
+
+    def start(
+        self,
+        peer_id: str,
+        relays: tuple[str, ...],
+        relays_connected: frozenset[str],
+        now: float,
+        rng: random.Random,
+        *,
+        yield_to_peer: bool = False,
+    ) -> str | None:
+        """The relay to punch ``peer_id`` through now (counted as running until
+        :meth:`done`), or None: no advertised relay is connected here, a punch to it runs,
+        :attr:`PunchConfig.max_concurrent` run, it is backing off, or ``yield_to_peer``
+        (the peer may be punching this node: see :attr:`PunchConfig.yield_s`) and less than
+        ``yield_s`` passed since this node first asked. The relay is drawn with ``rng``
+        among the shared ones (spreads the relays' circuit slots)."""
+        shared = [r for r in relays if r in relays_connected]
+        if not shared or peer_id in self.running:
+            return None
+        if yield_to_peer:
+            first = self._first_wanted.setdefault(peer_id, now)
+            while len(self._first_wanted) > self.config.max_tracked:
+                self._first_wanted.popitem(last=False)
+            if now - first < self.config.yield_s:
+                return None
+        if len(self.running) >= self.config.max_concurrent:
+            return None
+        retry = self.retry_at(peer_id)
+        if retry is not None and now < retry:
+            return None
+        self.running.add(peer_id)
+        return rng.choice(shared)
+
+    def done(self, peer_id: str, *, direct: bool, now: float) -> None:
+        """A punch admitted by :meth:`start` ended: ``direct`` if a direct connection
+        came of it (forgets the failures), else backs off."""
+        self.running.discard(peer_id)
+        self._first_wanted.pop(peer_id, None)
+        if direct:
+            self._failures.pop(peer_id, None)
+            return
+        n = self._failures.pop(peer_id, (0, 0.0))[0] + 1
+        wait = min(self.config.backoff_max_s, self.config.backoff_initial_s * 2 ** (n - 1))
+        self._failures[peer_id] = (n, now + wait)
+        while len(self._failures) > self.config.max_tracked:
+            self._failures.popitem(last=False)
 
 
 class LaneCheck(enum.Enum):
@@ -426,12 +611,14 @@ class Reachability:
         return max(0.0, self.checked_at + self._wait_s() - now)
 
     def observe(self, answers: list[DialbackResult], now: float) -> bool:
-        """Record a round's answers; True if the URL to advertise (:meth:`advertised`)
-        changed. A round with no answers or only ``refused`` ones (no one could check now)
-        only schedules the next one, soon.
+        """Record a round's answers; True if what to advertise changed (the URL,
+        :meth:`advertised`, or the stream lane, :meth:`advertises_stream`: a node whose
+        unreachable URL was never advertised still starts to offer its stream lane). A round
+        with no answers or only ``refused`` ones (no one could check now) only schedules the
+        next one, soon.
 
         A round that tells nothing (``unknown``) does not undo an earlier verdict."""
-        before = self.advertised()
+        before = (self.advertised(), self.advertises_stream())
         self.checked_at = now
         self.answers_total.update(answers)
         if all(a is DialbackResult.REFUSED for a in answers):
@@ -443,7 +630,7 @@ class Reachability:
             return False
         if new is not self.state or self.since is None:
             self.state, self.since = new, now
-        return self.advertised() != before
+        return (self.advertised(), self.advertises_stream()) != before
 
     def advertised(self) -> str:
         """The URL to put in adverts: empty before the first round with answers and while

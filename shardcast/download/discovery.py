@@ -27,7 +27,11 @@ manifest. But adverts must not steer the swarm's requests, so:
   only if it advertises a *stream lane* (``stream_lane``: its lane served over libp2p streams,
   :mod:`p2p.bytestream`), and then only to followers holding a libp2p connection to it (the
   PeerID is proven by that connection; :func:`shardcast.core.choose_lane` decides, and
-  :meth:`SourceDirectory.sources_for` offers it as ``p2p://<PeerID>``);
+  :meth:`SourceDirectory.sources_for` offers it as ``p2p://<PeerID>``). A node behind a NAT
+  also names the relays it holds a circuit reservation on (``relays``); a follower connected
+  to one of them may hole-punch to it (:meth:`SourceDirectory.punch_candidates`,
+  :class:`shardcast.core.PunchPlanner`), after which the direct connection carries its
+  stream lane;
 - **advertisers are scored**, across versions: a source that delivered bytes gains, one that
   was used and delivered nothing (or kept answering 503) loses; those at or below
   ``MIN_SCORE`` are not offered (their score recovers by one point per ``ttl_s``);
@@ -49,6 +53,7 @@ import trio
 from p2p import wire
 from p2p.bytestream import stream_lane_url
 from p2p.errors import RemoteProtocolError, short_id
+from p2p.keys import is_valid_peer_id
 from shardcast.core import Lane, LaneCheck, choose_lane
 from shardcast.download.types import Source
 from shardcast.wire import DIGEST_RE
@@ -84,6 +89,10 @@ class NodeAdvert:
         lan_url: a lane URL on a private, loopback or link-local address, for nodes on the
             advertiser's own network only (wire key ``lan_url``, absent when empty; see
             "LAN scope" in :mod:`shardcast.core.reachability`).
+        relays: PeerIDs of relays it holds a circuit relay reservation on (at most
+            :data:`MAX_RELAYS`; wire key ``relays``, absent when empty): a follower connected
+            to one of them may reach it through that relay and hole-punch
+            (:class:`shardcast.core.PunchPlanner`).
     """
 
     peer_id: str
@@ -96,6 +105,7 @@ class NodeAdvert:
     tier: int | None = None
     stream_lane: bool = False
     lan_url: str = ""
+    relays: tuple[str, ...] = ()
 
     @classmethod
     def of(
@@ -109,6 +119,7 @@ class NodeAdvert:
         *,
         stream_lane: bool = False,
         lan_url: str = "",
+        relays: Sequence[str] = (),
     ) -> NodeAdvert:
         """An advert listing the newest :data:`MAX_LISTED` versions ``(step, digest)`` of
         each kind."""
@@ -124,6 +135,7 @@ class NodeAdvert:
             tier,
             stream_lane,
             lan_url,
+            tuple(relays)[:MAX_RELAYS],
         )
 
     def holds(self, step: int, digest: str | None = None) -> bool:
@@ -153,6 +165,8 @@ class NodeAdvert:
             obj["stream_lane"] = True
         if self.lan_url:
             obj["lan_url"] = self.lan_url
+        if self.relays:
+            obj["relays"] = list(self.relays[:MAX_RELAYS])
         return wire.encode(obj)
 
     @classmethod
@@ -195,9 +209,7 @@ class NodeAdvert:
             isinstance(tier, int) and not isinstance(tier, bool) and 0 <= tier <= MAX_TIER
         ):
             raise RemoteProtocolError(origin, f"tier must be an integer 0..{MAX_TIER}")
-        stream_lane = obj.get("stream_lane", False)
-        if not isinstance(stream_lane, bool):
-            raise RemoteProtocolError(origin, "stream_lane must be a boolean")
+        stream_lane, relays = _stream_lane_fields(obj, origin)
         return cls(
             peer_id,
             role,
@@ -209,6 +221,7 @@ class NodeAdvert:
             tier,
             stream_lane,
             lan_url,
+            relays,
         )
 
 
@@ -217,8 +230,27 @@ def _lane_url(url: str) -> bool:
     return not url or (url.startswith("http://") and "/" not in url[7:])
 
 
+def _stream_lane_fields(obj: dict[str, Any], origin: str) -> tuple[bool, tuple[str, ...]]:
+    """An advert's ``stream_lane`` (False when absent) and ``relays`` (empty when absent).
+
+    Raises:
+        RemoteProtocolError: ``stream_lane`` is not a boolean, or ``relays`` is not a list of
+            at most :data:`MAX_RELAYS` PeerIDs.
+    """
+    stream_lane = obj.get("stream_lane", False)
+    if not isinstance(stream_lane, bool):
+        raise RemoteProtocolError(origin, "stream_lane must be a boolean")
+    relays = wire.need_list(obj, "relays", MAX_RELAYS, origin) if "relays" in obj else []
+    if not all(isinstance(r, str) and len(r) <= 128 and is_valid_peer_id(r) for r in relays):
+        raise RemoteProtocolError(origin, "relays must be base58 PeerIDs")
+    return stream_lane, tuple(relays)
+
+
 MAX_TIER = 64
 """Largest tier an advert may name."""
+
+MAX_RELAYS = 4
+"""Relays an advert may name."""
 
 
 def check_advert_gossip(origin: str, data: bytes) -> None:
@@ -397,16 +429,24 @@ class SourceDirectory:
         entry = self._adverts.get(peer_id)
         return entry[0].tier if entry is not None else None
 
-    def base_url(self, advert: NodeAdvert, connected: bool) -> str | None:
-        """Where to fetch from ``advert``'s node (:func:`shardcast.core.choose_lane`): its
-        proven URL, its stream lane (``p2p://<PeerID>``) if ``connected``, or None."""
-        lane = choose_lane(
+    def lane(self, advert: NodeAdvert, connected: frozenset[str]) -> Lane:
+        """How to reach ``advert``'s node (:func:`shardcast.core.choose_lane`), this node
+        holding direct connections to the PeerIDs in ``connected``."""
+        return choose_lane(
             http_url=advert.http_url,
             http_proven=not self.require_verified
             or self._verified.get(advert.peer_id) == advert.http_url,
             stream_lane=advert.stream_lane,
-            connected=connected,
+            connected=advert.peer_id in connected,
+            relays=advert.relays,
+            relays_connected=connected,
         )
+
+    def base_url(self, advert: NodeAdvert, connected: frozenset[str]) -> str | None:
+        """Where to fetch from ``advert``'s node (:meth:`lane`): its proven URL, its stream
+        lane (``p2p://<PeerID>``) over a direct connection, or None (also while a hole punch
+        is still to be made: :meth:`punch_candidates`)."""
+        lane = self.lane(advert, connected)
         if lane is Lane.HTTP:
             return advert.http_url
         if lane is Lane.STREAM:
@@ -424,17 +464,16 @@ class SourceDirectory:
     ) -> list[Source]:
         """Up to ``limit`` sources holding (or filling) version ``(step, digest)`` (any digest
         of ``step`` if None), each at :meth:`base_url` (``connected``: the PeerIDs this node
-        holds a libp2p connection to, which makes a stream lane usable), best first: complete
-        ones,
-        then relays still filling it, then peers still filling it (a relay's uplink exists to
-        serve; a peer's is smaller and shared with its own work), shuffled within each class
-        so that downloaders spread over different sources."""
+        holds a direct libp2p connection to, which makes a stream lane usable), best first:
+        complete ones, then relays still filling it, then peers still filling it (a relay's
+        uplink exists to serve; a peer's is smaller and shared with its own work), shuffled
+        within each class so that downloaders spread over different sources."""
         base = {
             a.peer_id: url
             for a, t in self._adverts.values()
             if now - t <= self.ttl_s
             and self.score(a.peer_id, now) > MIN_SCORE
-            and (url := self.base_url(a, a.peer_id in connected)) is not None
+            and (url := self.base_url(a, connected)) is not None
         }
         fresh = [a for a, _ in self._adverts.values() if a.peer_id in base]
         full = [a for a in fresh if a.holds(step, digest)]
@@ -455,6 +494,29 @@ class SourceDirectory:
                     kept.append(src)
             out = kept
         return out[:limit]
+
+    def punch_candidates(
+        self,
+        step: int,
+        now: float,
+        *,
+        digest: str | None = None,
+        connected: frozenset[str] = frozenset(),
+    ) -> list[NodeAdvert]:
+        """Fresh, not down-scored adverts holding or filling ``(step, digest)`` that this node
+        can reach only by a hole punch through a relay both are connected to
+        (:attr:`shardcast.core.Lane.PUNCH`), complete ones first, best scored first; which of
+        them to punch now is :class:`shardcast.core.PunchPlanner`'s decision."""
+        fresh = [
+            a
+            for a, t in self._adverts.values()
+            if now - t <= self.ttl_s
+            and self.score(a.peer_id, now) > MIN_SCORE
+            and (a.holds(step, digest) or a.fills(step, digest))
+            and self.lane(a, connected) is Lane.PUNCH
+        ]
+        fresh.sort(key=lambda a: (not a.holds(step, digest), -self.score(a.peer_id, now)))
+        return fresh
 
 
 def _lists(steps: tuple[int, ...], digests: tuple[str, ...], step: int, digest: str | None) -> bool:

@@ -20,6 +20,13 @@ the simulator); this module does the I/O. The download loop
    discovered nodes, serving every verified part and shard onward while it fills
    (pipelining), and commits it. Upstreams that become reachable during a download join it.
 
+Behind a NAT (its lane found unreachable by dial-back), a follower holds circuit relay
+reservations on up to two relays it is connected to and names them in its advert
+(:class:`shardcast.core.Reservations`). Each time a download polls for extra sources, the
+follower also starts the hole punches :class:`shardcast.core.PunchPlanner` admits to nodes that
+hold or fill the version and are reachable only through such a relay; a punched node joins the
+download at the next poll, over the direct connection (never the circuit).
+
 A download always ends (:mod:`shardcast.core.liveness`): it fails when the version is gone from
 every source (pruned: the next plan falls back to the newest version in full), when nothing
 arrives for too long, and it is abandoned as soon as a newer version is announced that it
@@ -87,9 +94,12 @@ from shardcast.core import (
     MirrorPoll,
     PollOutcome,
     PollPolicy,
+    PunchConfig,
+    PunchPlanner,
     Reach,
     Reachability,
     ReachabilityConfig,
+    Reservations,
     Stage,
     Want,
     abandons,
@@ -161,6 +171,9 @@ class FollowConfig:
         lane_backoff: when an advertised URL that failed its whoami challenge is tried again,
             and when it is dropped.
         reachability: when this node checks its own lane by dial-back.
+        punch: reservations on relays (when this node is unreachable) and hole punches to
+            unreachable sources (:class:`shardcast.core.PunchPlanner`); used only on a host
+            with circuits (:class:`p2p.circuits.CircuitConfig`).
     """
 
     upstreams: tuple[str, ...]
@@ -175,6 +188,7 @@ class FollowConfig:
     mirrors: tuple[str, ...] = ()
     lane_backoff: LaneBackoff = field(default_factory=LaneBackoff)
     reachability: ReachabilityConfig = field(default_factory=ReachabilityConfig)
+    punch: PunchConfig = field(default_factory=PunchConfig)
 
     def poll_policy(self) -> PollPolicy:
         """The poll/retry periods."""
@@ -278,6 +292,11 @@ class Follower:
         self.adverts_out_of_scope = 0
         """Adverts heard whose URL was not this node's to try (a private address of another
         network; "LAN scope" in :mod:`shardcast.core.reachability`)."""
+        self.reservations = Reservations(config.punch)
+        self.punches = PunchPlanner(config.punch)
+        self._punch_rng = rng
+        self._punched = {"started": 0, "direct": 0, "failed": 0}  # hole punches
+        self._reach_changed = trio.Event()
         self._nursery: trio.Nursery | None = None
         node.status_sections.update(
             downloads=self.downloads_status,
@@ -309,8 +328,9 @@ class Follower:
                     self.node.p2p,
                     self.reachability,
                     self._dialback_askers,
-                    self._readvertise,
+                    self._on_reach_change,
                 )
+                nursery.start_soon(self._keep_reservations)
             while not self.upstreams:
                 await self._upstream_changed.wait()
             task_status.started()
@@ -629,6 +649,7 @@ class Follower:
                 tier=self.tier(),
                 stream_lane=self.reachability.advertises_stream(),
                 lan_url=self.reachability.lan_advertised(self._interfaces),
+                relays=self.reservations.advertised(self.reachability.state),
             )
             try:
                 await node.p2p.publish(topic, advert.encode())
@@ -664,6 +685,76 @@ class Follower:
         self._advert_wake.set()
         self._advert_wake = trio.Event()
 
+    def _on_reach_change(self) -> None:
+        self._readvertise()
+        self._reach_changed.set()
+        self._reach_changed = trio.Event()
+
+    def _relay_candidates(self, direct: frozenset[str]) -> list[str]:
+        """Relays this node holds a direct connection to: its relay upstreams first, then
+        other nodes that advertised the relay role."""
+        ups = [p for p, info in sorted(self.upstreams.items()) if info.role == "relay"]
+        known = [a.peer_id for a, _ in self.directory.entries(trio.current_time())]
+        others = [p for p in known if self.directory.role_of(p) == "relay" and p not in ups]
+        return [p for p in ups + others if p in direct]
+
+    async def _keep_reservations(self) -> None:
+        """While this node's lane is unreachable, hold reservations on relays
+        (:class:`shardcast.core.Reservations`) and advertise them."""
+        while True:
+            direct = frozenset(self.node.p2p.direct_peers())
+            if self.reservations.keep_connected(direct):
+                self._readvertise()
+            now = trio.current_time()
+            for relay in self.reservations.wanted(
+                self.reachability.state, self._relay_candidates(direct), now
+            ):
+                try:
+                    await self.node.p2p.reserve(relay)
+                except ShardnetError as exc:
+                    self.reservations.failed(relay, trio.current_time())
+                    log.info("reservation_failed relay=%s error=%s", short_id(relay), exc)
+                    continue
+                self.reservations.reserved(relay)
+                log.info("reservation relay=%s", short_id(relay))
+                self._readvertise()
+            with trio.move_on_after(self.config.punch.reserve_interval_s):
+                await self._reach_changed.wait()
+
+    def _start_punches(self, step: int, digest: str, direct: frozenset[str]) -> None:
+        """Start the hole punches :class:`shardcast.core.PunchPlanner` admits to sources of
+        ``(step, digest)`` reachable only that way; each joins the download once direct."""
+        if self._nursery is None:
+            return
+        now = trio.current_time()
+        me = self.node.identity.peer_id
+        punchable = bool(self.reservations.advertised(self.reachability.state))
+        for advert in self.directory.punch_candidates(step, now, digest=digest, connected=direct):
+            relay = self.punches.start(
+                advert.peer_id,
+                advert.relays,
+                direct,
+                now,
+                self._punch_rng,
+                yield_to_peer=punchable and me > advert.peer_id,
+            )
+            if relay is not None:
+                self._punched["started"] += 1
+                self._nursery.start_soon(self._punch, advert.peer_id, relay)
+
+    async def _punch(self, peer_id: str, relay: str) -> None:
+        direct = False
+        try:
+            direct = await self.node.p2p.punch(peer_id, relay)
+        except ShardnetError as exc:
+            log.info(
+                "punch_failed peer=%s relay=%s error=%s", short_id(peer_id), short_id(relay), exc
+            )
+        finally:
+            self.punches.done(peer_id, direct=direct, now=trio.current_time())
+        self._punched["direct" if direct else "failed"] += 1
+        log.info("punch peer=%s relay=%s direct=%s", short_id(peer_id), short_id(relay), direct)
+
     def _upstream_sources(self) -> list[Source]:
         """The upstreams as partial sources: asked only for what their have-set and verified
         prefixes show (long-polled), until they hold everything. As complete sources they
@@ -678,12 +769,14 @@ class Follower:
     def _extra_sources(self, step: int, digest: str) -> list[Source]:
         if not self.config.discovery:
             return []
+        direct = frozenset(self.node.p2p.direct_peers())
+        self._start_punches(step, digest, direct)
         return self.directory.sources_for(
             step,
             trio.current_time(),
             self.config.max_extra_sources,
             digest=digest,
-            connected=frozenset(self.node.p2p.connected_peers()),
+            connected=direct,
         )
 
     async def fetch_manifest(
@@ -1052,7 +1145,10 @@ class Follower:
     def reachability_status(self) -> dict[str, Any]:
         """The ``reachability`` section of ``/status``: this node's own lane."""
         now, wall = trio.current_time(), time.time()
-        return self.reachability.status(lambda t: iso(wall_of(t, now, wall)))
+        out = self.reachability.status(lambda t: iso(wall_of(t, now, wall)))
+        out["relays"] = list(self.reservations.held)
+        out["punches"] = dict(self._punched)
+        return out
 
     def known_nodes_status(self) -> list[dict[str, Any]]:
         """The ``known_nodes`` section of ``/status``: nodes heard through adverts, with what
@@ -1080,6 +1176,7 @@ class Follower:
                     "lane_dropped": lane.dropped(self.directory.backoff) if lane else False,
                     "lane_checked": iso(wall_of(lane.at, now, wall)) if lane else None,
                     "stream_lane": a.stream_lane,
+                    "relays": list(a.relays),
                 }
             )
         return out

@@ -33,8 +33,18 @@ advertise their stream lane (:mod:`p2p.bytestream`) and the public nodes fetch f
 streams opened back on those connections. It checks that the public nodes know the NATed
 peers' stream lanes and that every peer has every version, and prints the bytes the peers and
 the relay received by path: from a
-public node's TCP lane (direct), or over a NATed peer's outbound connection (stream); no path
-is relayed (circuit relay v2 is not used).
+public node's TCP lane (direct), or over a NATed peer's outbound connection (stream).
+
+A fourth variant adds a second home router S with a peer F behind it (both routers do
+masquerade, which keeps a connection's source port where it is free: endpoint-independent
+mapping). The NATed peers reserve a slot on the relay (circuit relay v2) and advertise it; a
+NATed peer that sees another one fill or hold a version dials it through the relay and hole
+punches (DCUtR). It checks that every NATed peer holds a reservation and advertises it, that
+punches were made and at least one gave a direct connection, and that every peer has every
+version; it prints the bytes received by path (public lane,
+stream over an outbound connection, hole-punched, relayed: none, the relay's circuit limits
+cut bulk bytes), with the relay's and the public peer's links shaped to 20 Mb/s (the NATed
+peers' stay at 1 Gb/s) so that the NATed peers' uplinks matter.
 
 Each run takes two to three minutes here (torch imports, five versions): marked ``slow``.
 """
@@ -54,7 +64,7 @@ from urllib.parse import urlsplit
 import pytest
 
 from simulations import netns
-from tests.deploy.hosts import Host, Hosts, Node
+from tests.deploy.hosts import LINK_BYTES_PER_S, Host, Hosts, Node
 from tests.deploy.test_operator_path import (
     COMMITTED,
     PROGRESS_S,
@@ -128,20 +138,36 @@ class NatRun:
     peer_c: Node
     peer_d: Node
     peer_e: Node
+    peer_f: Node | None = None  # behind the second router, when there is one
 
 
-def deploy(hosts: Hosts, *, nated_dial_c: bool = False) -> NatRun:
+def deploy(
+    hosts: Hosts,
+    *,
+    nated_dial_c: bool = False,
+    second_nat: bool = False,
+    public_rate: float | None = None,
+) -> NatRun:
     """Keys, then trainer, relay, the public peer and the two NATed peers, as the README says
-    (``nated_dial_c``: the NATed peers also bootstrap from the public peer C)."""
+    (``nated_dial_c``: the NATed peers also bootstrap from the public peer C; ``second_nat``:
+    a peer F behind a second router too; ``public_rate``: the relay's and C's links shaped
+    to this many bytes per second each way, tc tbf, so that the NATed peers' uplinks matter)."""
     dep = ShortRun(hosts)
     a, b, c = (hosts.add(n) for n in ("a-trainer", "b-relay", "c-peer"))
+    if public_rate is not None:
+        for host in (b, c):
+            index = next(i for i, port in hosts.lab.ports.items() if port.ip == host.ip)
+            hosts.lab.set_rate(index, public_rate / LINK_BYTES_PER_S)
+            dep.note(f"{host.name}'s link shaped to {public_rate * 8 / 1e6:.0f} Mb/s each way")
     router = hosts.add_router("r-router")
     d, e = hosts.add_behind(router, "d-peer"), hosts.add_behind(router, "e-peer")
+    second = hosts.add_router("s-router") if second_nat else None
+    f = hosts.add_behind(second, "f-peer") if second is not None else None
     dep.values.update(TRAINER_IP=a.ip, RELAY_IP=b.ip)
 
     trainer_id = dep.keygen(a, "trainer")
     relay_id = dep.keygen(b, "relay")
-    peer_ids = [dep.keygen(h, "peer") for h in (c, d, e)]
+    peer_ids = [dep.keygen(h, "peer") for h in (c, d, e, *([f] if f else []))]
     dep.values.update(TRAINER_ID=trainer_id, RELAY_ID=relay_id, PEER_ID=peer_ids)
 
     trainer = dep.start("trainer", a, "trainer")
@@ -156,6 +182,7 @@ def deploy(hosts: Hosts, *, nated_dial_c: bool = False) -> NatRun:
         peer_c,
         start_behind(dep, d, "peer-d", d.ip, extra),  # its LAN address
         start_behind(dep, e, "peer-e", router.port.ip, extra),  # the router's, not forwarded
+        start_behind(dep, f, "peer-f", f.ip, extra) if f is not None else None,
     )
 
 
@@ -302,5 +329,75 @@ def test_nated_peers_serve_over_the_connections_they_dialled(hosts: Hosts) -> No
         f"NATed uplinks carried {to_public} bytes to public nodes; stream share of all "
         f"peer-to-peer bytes {sum(p['stream'] for p in by_path.values()) / from_peers:.1%}; "
         "relayed 0"
+    )
+    print("\n".join(dep.events))
+
+
+PATHS = ("origin", "public", "stream", "punched")
+PUBLIC_RATE = 2.5e6  # 20 Mb/s: the relay and the public peer, so that NATed uplinks matter
+
+
+def test_nated_peers_behind_two_routers_punch_through_to_each_other(hosts: Hosts) -> None:
+    run = deploy(hosts, second_nat=True, public_rate=PUBLIC_RATE)
+    dep, trainer = run.dep, run.trainer
+    assert run.peer_f is not None
+    nated = {p.info["peer_id"]: p for p in (run.peer_d, run.peer_e, run.peer_f)}
+    relay_id = run.relay.info["peer_id"]
+    try:
+        code = trainer.wait(PROGRESS_S)
+    except subprocess.TimeoutExpired as exc:
+        raise AssertionError(f"the trainer did not finish\n{hosts.logs()}") from exc
+    assert code == 0, trainer.tail()
+    published = trainer_digests(trainer.host, trainer.info["peer_id"])
+
+    punches = {"started": 0, "direct": 0, "failed": 0}
+    for node in nated.values():
+        reach = status(dep, node)["reachability"]
+        assert reach["state"] == "unreachable", f"{node.name}: {reach}"
+        assert reach["relays"] == [relay_id], f"{node.name} holds no reservation: {reach}"
+        for k, v in reach["punches"].items():
+            punches[k] += int(v)
+        dep.note(f"{node.name} punches {reach['punches']}")
+    known = {n["peer_id"]: n for n in status(dep, run.relay)["known_nodes"]}
+    for pid, node in nated.items():
+        assert known.get(pid, {}).get("relays") == [relay_id], f"{node.name}: {known.get(pid)}"
+    assert punches["started"] > 0, f"no NATed peer punched: {punches}"
+    assert punches["direct"] > 0, f"no punch gave a direct connection: {punches}"
+    for node in (run.peer_c, *nated.values(), run.relay):
+        assert node.stop() == 0, node.tail()
+
+    # bytes received, by receiver and path: from a public node's lane (public), over a NATed
+    # peer's outbound connection to a public node (stream), between NATed peers (punched: a
+    # NATed peer accepts no connection, so theirs came of a hole punch), from the trainer
+    trainer_id = trainer.info["peer_id"]
+    by_path: dict[str, dict[str, int]] = {}
+    receivers = [(run.relay, "relay-report.json")]
+    receivers += [(p, "peer-report.json") for p in (run.peer_c, *nated.values())]
+    for node, name in receivers:
+        rep = read_report(node.host.workdir / name)
+        if node is not run.relay:
+            assert committed(rep) == published, f"{node.name}: {sorted(committed(rep))}"
+        paths = by_path.setdefault(node.name, dict.fromkeys(PATHS, 0))
+        receiver_nated = node.info["peer_id"] in nated
+        for version in rep["versions"]:
+            for source, n in version["bytes_by_source"].items():
+                if source == trainer_id:
+                    path = "origin"
+                elif source not in nated:
+                    path = "public"
+                else:
+                    path = "punched" if receiver_nated else "stream"
+                paths[path] += int(n)
+    for who, paths in sorted(by_path.items()):
+        dep.note(f"{who} received " + " ".join(f"{k}={v}" for k, v in sorted(paths.items())))
+    from_peers = sum(p["public"] + p["stream"] + p["punched"] for p in by_path.values())
+    shares = {
+        k: sum(p[k] for p in by_path.values()) / max(1, from_peers)
+        for k in ("public", "stream", "punched")
+    }
+    dep.note(
+        "share of peer-to-peer bytes by path: "
+        + " ".join(f"{k}={v:.1%}" for k, v in shares.items())
+        + f" relayed=0 (circuit limits); punches {punches}"
     )
     print("\n".join(dep.events))

@@ -112,3 +112,27 @@ def test_circuit_config_is_checked() -> None:
         CircuitConfig(circuit_bytes=0)
     with pytest.raises(ConfigError, match="timeout_s"):
         CircuitConfig(timeout_s=0)
+
+
+@pytest.mark.filterwarnings("ignore::pytest.PytestUnraisableExceptionWarning")  # as above
+async def test_the_host_punches_through_a_relay_it_holds_a_connection_to(tmp_path: Path) -> None:
+    """:meth:`P2PNode.punch`: the relay's address is the connection's; the peer becomes a
+    direct peer, and only then carries the lane."""
+    async with relay_and_two(tmp_path, CircuitConfig(hop=True)) as t:
+        assert t.a.peer_id not in t.b.direct_peers()
+        assert await t.b.punch(t.a.peer_id, t.r.peer_id)
+        assert t.a.peer_id in t.b.direct_peers()
+        assert await t.b.punch(t.a.peer_id, t.r.peer_id)  # already direct: nothing to do
+        got = await t.client.get_bytes(t.url, max_bytes=len(BLOB), timeout_s=10)
+        assert got == BLOB
+
+
+async def test_a_host_without_circuits_neither_reserves_nor_punches() -> None:
+    ids = [Identity.from_seed(f"circuit-off-{n}").peer_id for n in "ab"]
+    cfg = HostConfig(("/ip4/127.0.0.1/tcp/0",))
+    async with P2PNode.open(Identity.from_seed("circuit-off"), cfg) as node:
+        with pytest.raises(PeerUnreachable, match="circuits are off"):
+            await node.reserve(ids[0])
+        with pytest.raises(PeerUnreachable, match="circuits are off"):
+            await node.punch(ids[0], ids[1])
+        assert node.direct_peers() == []
