@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 from pathlib import Path
 from typing import Any
 
@@ -132,6 +133,12 @@ def test_changed_fraction_and_delta_ratio_are_one_setting() -> None:
 def test_cli_commit_mode_is_checked(tmp_path: Path) -> None:
     topo = Path(__file__).parents[2] / "simulations" / "topologies" / "bound.toml"
     args = ["simulate", "model", str(topo), "--commit", "copy", "--out", str(tmp_path)]
-    result = CliRunner().invoke(app, args)
+    root = logging.getLogger()
+    handlers, level = root.handlers[:], root.level
+    try:  # the command points the root logger at the runner's stream, closed afterwards
+        result = CliRunner().invoke(app, args)
+    finally:
+        root.handlers[:] = handlers
+        root.setLevel(level)
     assert result.exit_code == 2
     assert "--commit must be chain or materialize, not 'copy'" in result.output
