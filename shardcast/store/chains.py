@@ -368,7 +368,7 @@ class ChainReader:
                 os.rename(work / name, vdir / name)
             os.unlink(vdir / CHAIN_FILE)  # the flip: the version is full from here on
             if self.v.durable:
-                _fsync_dir(vdir)
+                fsync_dir(vdir)
             shutil.rmtree(vdir / CHAIN_DIR, ignore_errors=True)
             shutil.rmtree(work, ignore_errors=True)
             log.info("version_materialized step=%d files=%d", step, len(rec.files))
@@ -400,7 +400,12 @@ def build_file(
         os.close(fd)
 
 
-def _fsync_dir(path: Path) -> None:
+def fsync_dir(path: Path) -> None:
+    """Make ``path``'s entries (renames, new files) durable: ``fsync`` of the directory.
+
+    Raises:
+        OSError: it cannot be opened or synced.
+    """
     fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
     try:
         os.fsync(fd)

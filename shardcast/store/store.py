@@ -93,6 +93,7 @@ from shardcast.store.chains import (
     ChainReader,
     ChainRecord,
     Level,
+    fsync_dir,
     read_record,
 )
 from shardcast.wire import (
@@ -115,14 +116,6 @@ _HASH_BLOCK = 8 * 1024 * 1024
 # shown in one loopback run); elsewhere 1 MiB calls cost only the syscalls (2 048 per 2 GB).
 WRITE_BYTES = 1 << 20
 _NO_COPY_RANGE = {errno.EXDEV, errno.ENOSYS, errno.EINVAL, errno.EOPNOTSUPP, errno.EBADF}
-
-
-def _fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 def hash_file(path: Path) -> str:
@@ -262,7 +255,7 @@ class VersionStore:
         self.check_chains()
         if not durable:
             self._marker.write_bytes(b"")
-            _fsync_dir(self.run_dir)
+            fsync_dir(self.run_dir)
 
     def recover(self) -> list[int]:
         """Re-hash every committed version after an unclean stop; remove damaged ones.
@@ -457,7 +450,7 @@ class VersionStore:
         if self._marker.exists():
             os.sync()  # every commit made without fsync reaches the disk before the marker goes
             self._marker.unlink()
-            _fsync_dir(self.run_dir)
+            fsync_dir(self.run_dir)
 
     def committed_steps(self) -> list[int]:
         """Steps with a committed ``step-N`` directory, ascending."""
@@ -729,11 +722,11 @@ def _commit_dir(store: VersionStore, directory: Path, m: Manifest) -> Path:
             os.fsync(fh.fileno())
     os.rename(tmp, directory / MANIFEST_FILE)
     if store.durable:
-        _fsync_dir(directory)
+        fsync_dir(directory)
     final = store.version_dir(m.step)
     os.rename(directory, final)
     if store.durable:
-        _fsync_dir(store.run_dir)
+        fsync_dir(store.run_dir)
     log.info(
         "version_committed run=%s step=%d files=%d size_bytes=%d digest=%s",
         m.run_id,
