@@ -26,16 +26,13 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import trio
 
 from p2p.errors import LocalProtocolError, ShardnetError
 from p2p.identity import Identity
 from shardnet.roles import READY_PREFIX, write_json_atomic
-
-if TYPE_CHECKING:
-    from shardcast.wire import Manifest
 
 log = logging.getLogger(__name__)
 
@@ -451,6 +448,7 @@ def _check_on_disk(
     :mod:`shardcast.store.chains`: its chained files built shard by shard and each shard
     verified, through a read-only view of the store). Returns the problems."""
     from p2p.trust import TrustList
+    from shardcast.serve import version_problems
     from shardcast.wire import MANIFEST_FILE, Manifest
 
     trust = TrustList(trainer=trainer_id)
@@ -465,35 +463,7 @@ def _check_on_disk(
                 continue
             if m.digest != digests.get(step):
                 problems.append(f"{name} step {step}: manifest differs from the trainer's")
-            problems += [f"{name} step {step}: {p}" for p in _version_problems(step_dir, m)]
-    return problems
-
-
-def _version_problems(step_dir: Path, m: Manifest) -> list[str]:
-    """What does not match manifest ``m`` in committed version directory ``step_dir``: each
-    full file against its signed digest, each chained file's shards built and verified."""
-    from shardcast.serve import open_store
-    from shardcast.store import ChainBroken, chains, file_matches
-
-    try:
-        record = chains.read_record(step_dir)
-    except (OSError, ValueError) as exc:
-        return [f"chain record unreadable: {exc}"]
-    chained = record.files if record is not None else frozenset()
-    problems = [
-        f"{f.name} digest mismatch"
-        for f in m.header.files
-        if f.name not in chained and not file_matches(step_dir / f.name, m, f.name)
-    ]
-    if chained:
-        view = open_store(step_dir.parents[2], m.run_id)
-        for ref in m.header.shards:
-            if ref.file not in chained:
-                continue
-            try:
-                view.chains.read_shard(m.step, ref.index)
-            except (ChainBroken, OSError) as exc:
-                problems.append(f"{ref.file} shard {ref.index} does not verify: {exc}")
+            problems += [f"{name} step {step}: {p}" for p in version_problems(step_dir, m)]
     return problems
 
 

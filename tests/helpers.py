@@ -8,9 +8,8 @@ from pathlib import Path
 
 from p2p.identity import Identity
 from p2p.trust import TrustList
-from shardcast.serve.mirror import open_store
+from shardcast.serve.mirror import open_store, version_problems
 from shardcast.store.chains import read_record
-from shardcast.store.store import file_matches
 from shardcast.wire.manifest import Manifest
 
 TRAINER = Identity.from_seed("test-trainer")
@@ -45,16 +44,8 @@ def check_committed(path: Path, m: Manifest) -> None:
     is ``m``'s bytes: each full file against its signed digest; a version kept as a chain
     (:mod:`shardcast.store.chains`) by building every chained shard verified, through a
     read-only view of the store (the node may be running; nothing is changed)."""
-    chain = read_record(path)
-    chained = chain.files if chain is not None else frozenset()
-    for f in m.header.files:
-        if f.name not in chained:
-            assert file_matches(path / f.name, m, f.name), f.name
-    if chained:
-        view = open_store(path.parents[2], m.run_id)
-        for ref in m.header.shards:
-            if ref.file in chained:
-                view.chains.read_shard(m.step, ref.index)  # raises ChainBroken if not
+    problems = version_problems(path, m)
+    assert not problems, problems
 
 
 def committed_bytes(path: Path, run_id: str, name: str) -> bytes:

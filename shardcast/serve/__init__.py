@@ -5,7 +5,13 @@ origin's super-seeding rule (:mod:`.superseeding`, sans-IO) and the static-mirro
 
 from __future__ import annotations
 
-from shardcast.serve.mirror import PREFIX, MirrorExport, export_mirror, open_store
+from shardcast.serve.mirror import (
+    PREFIX,
+    MirrorExport,
+    export_mirror,
+    open_store,
+    version_problems,
+)
 from shardcast.serve.server import VersionServer
 from shardcast.serve.superseeding import SuperSeeding
 
@@ -16,4 +22,5 @@ __all__ = [
     "VersionServer",
     "export_mirror",
     "open_store",
+    "version_problems",
 ]

@@ -50,7 +50,15 @@ from pathlib import Path
 
 from p2p.errors import ConfigError, IntegrityError, ShardnetError
 from p2p.trust import TrustList
-from shardcast.store import ChainReader, VersionStore, build_file, file_matches, hash_file
+from shardcast.store import (
+    ChainBroken,
+    ChainReader,
+    VersionStore,
+    build_file,
+    chains,
+    file_matches,
+    hash_file,
+)
 from shardcast.wire import (
     ENCODINGS,
     MANIFEST_FILE,
@@ -109,6 +117,34 @@ def open_store(data_dir: Path, run_id: str) -> VersionStore:
     if not (root / run_id).is_dir():
         raise ConfigError("data_dir", f"{data_dir} holds no versions of run {run_id!r}")
     return _ReadOnlyStore(root, run_id)
+
+
+def version_problems(step_dir: Path, m: Manifest) -> list[str]:
+    """What in committed version directory ``step_dir`` (``<data_dir>/versions/<run>/step-N``)
+    does not match manifest ``m``: each full file against its signed digest, each file of a
+    version kept as a chain built shard by shard and verified (:mod:`shardcast.store.chains`),
+    through a read-only view of the store (the node may be running; nothing is changed).
+    Empty: every byte is the trainer's."""
+    try:
+        record = chains.read_record(step_dir)
+    except (OSError, ValueError) as exc:
+        return [f"chain record unreadable: {exc}"]
+    chained = record.files if record is not None else frozenset()
+    problems = [
+        f"{f.name} digest mismatch"
+        for f in m.header.files
+        if f.name not in chained and not file_matches(step_dir / f.name, m, f.name)
+    ]
+    if chained:
+        view = open_store(step_dir.parents[2], m.run_id)
+        for ref in m.header.shards:
+            if ref.file not in chained:
+                continue
+            try:
+                view.chains.read_shard(m.step, ref.index)
+            except (ChainBroken, OSError) as exc:
+                problems.append(f"{ref.file} shard {ref.index} does not verify: {exc}")
+    return problems
 
 
 class _ReadOnlyStore(VersionStore):
