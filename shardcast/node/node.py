@@ -80,6 +80,11 @@ SUPER_SEED_MIN_BYTES = 32 << 20
 """With :data:`SUPER_SEED_S`: versions offering at most this many bytes in all (deltas,
 usually) are served to every requester (``serve_once_min_bytes``), bytes."""
 
+SHUTDOWN_FLUSH_S = 2.0
+"""How long a stopping node waits for its store's ``sync`` (seconds) before it leaves the
+unclean-stop marker in place instead (the next start re-verifies): part of the issue's
+"shutdown is prompt with stuck sockets (<= 5 s)"."""
+
 
 @dataclass(frozen=True)
 class NodeConfig:
@@ -286,7 +291,16 @@ class ShardcastNode:
             # any stop (normal exit, cancellation, an exception) leaves the page cache intact;
             # only an OS crash or power loss skips this, and then the marker stays behind
             with trio.CancelScope(shield=True):
-                await trio.to_thread.run_sync(store.close)
+                with trio.move_on_after(SHUTDOWN_FLUSH_S) as flushing:
+                    await trio.to_thread.run_sync(store.flush, abandon_on_cancel=True)
+                if flushing.cancelled_caught:
+                    # a slow disk must not hold a SIGTERM: the marker stays, the next start
+                    # re-verifies what was committed (correct, only slower)
+                    log.warning(
+                        "store_flush_slow seconds=%.0f next_start=reverify", SHUTDOWN_FLUSH_S
+                    )
+                else:
+                    store.mark_clean()
 
     async def _runcard_route(self) -> HttpResponse:
         """``GET /shardnet/v1/runcard``: the signed run card this node holds (404 if none)."""

@@ -446,9 +446,23 @@ class VersionStore:
 
     def close(self) -> None:
         """Flush what was committed and mark a clean stop (no re-verification at the next
-        open). Idempotent; blocking (``sync``)."""
+        open): :meth:`flush` then :meth:`mark_clean`. Idempotent; blocking (``sync``)."""
+        self.flush()
+        self.mark_clean()
+
+    def flush(self) -> None:
+        """Write every commit made without fsync to the disk (``sync(2)``; blocking, for as
+        long as the kernel's dirty pages take, which a slow disk makes seconds). Does nothing
+        if the store is durable or already marked clean. A caller that cannot wait (a node
+        stopping on SIGTERM) runs it in a thread with a deadline and skips :meth:`mark_clean`
+        if the deadline passed: the next open then re-verifies, which is slow but correct."""
         if self._marker.exists():
-            os.sync()  # every commit made without fsync reaches the disk before the marker goes
+            os.sync()
+
+    def mark_clean(self) -> None:
+        """Remove the unclean-stop marker (call only after :meth:`flush` returned): the next
+        open trusts the committed versions without re-hashing them. Idempotent."""
+        if self._marker.exists():
             self._marker.unlink()
             fsync_dir(self.run_dir)
 

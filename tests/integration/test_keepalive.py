@@ -219,3 +219,33 @@ async def test_a_relay_follows_its_upstream_again_after_the_path_went_silent(
             assert sum(r.p2p.keepalive_statistics().closed_dead.values()) >= 1
             assert path.accepted >= 2
             nursery.cancel_scope.cancel()
+
+
+async def test_a_slow_disk_does_not_hold_a_stop(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A stopping node whose store's ``sync`` hangs (a slow or wedged disk) stops after
+    :data:`SHUTDOWN_FLUSH_S` and leaves the unclean-stop marker, so the next start re-verifies
+    instead of trusting pages that may not have reached the disk; a prompt ``sync`` removes
+    it (the clean stop every other test makes)."""
+    import threading
+
+    from shardcast.node.node import SHUTDOWN_FLUSH_S
+    from shardcast.store import VersionStore
+
+    release = threading.Event()
+    monkeypatch.setattr(VersionStore, "flush", lambda self: release.wait(60))
+    cfg = NodeConfig("relay", "run", tmp_path / "r", durable=False)  # the command line's default
+    try:
+        async with ShardcastNode.open(Identity.from_seed("slow-disk"), trust(), cfg) as node:
+            marker = node.store.run_dir / ".open"
+            assert marker.exists()
+            stopping_at = trio.current_time()
+        assert trio.current_time() - stopping_at <= SHUTDOWN_FLUSH_S + 3.0
+        assert marker.exists()  # not marked clean: the sync did not finish
+    finally:
+        release.set()
+    monkeypatch.undo()
+    async with ShardcastNode.open(Identity.from_seed("slow-disk"), trust(), cfg) as node:
+        assert marker.exists()  # this start recovered; the marker is its own again
+    assert not marker.exists()
