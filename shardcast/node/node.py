@@ -292,7 +292,7 @@ class ShardcastNode:
             # only an OS crash or power loss skips this, and then the marker stays behind
             with trio.CancelScope(shield=True):
                 with trio.move_on_after(SHUTDOWN_FLUSH_S) as flushing:
-                    await trio.to_thread.run_sync(store.flush, abandon_on_cancel=True)
+                    await trio.to_thread.run_sync(store.flush, abandon_on_cancel=True)  # type: ignore[call-arg]
                 if flushing.cancelled_caught:
                     # a slow disk must not hold a SIGTERM: the marker stays, the next start
                     # re-verifies what was committed (correct, only slower)
