@@ -206,6 +206,15 @@ def render(doc: dict[str, Any]) -> RenderableType:
         f"{_step_list([ann['step']] if ann else [])}; in progress "
         f"{_step_list(v.get('in_progress', []))}",
     )
+    chained = v.get("chained") or {}
+    if chained:
+        _row(
+            head,
+            "chains",
+            ", ".join(
+                f"{s} (depth {d})" for s, d in sorted(chained.items(), key=lambda i: int(i[0]))
+            ),
+        )
     http, p2p = doc.get("http", {}), doc.get("libp2p", {})
     req = http.get("requests", {})
     _row(

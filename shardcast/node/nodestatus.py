@@ -8,12 +8,17 @@ wall-clock ISO-8601 (UTC); durations and sizes carry their unit in the key. Sche
       "run_id": "…", "version": "0.1.0", "http_url": "http://…", "multiaddrs": [...],
       "started_at": "…Z", "uptime_s": 12.3,
       "versions": {"committed": [3, 4], "latest": 4, "in_progress": [5],
+                   "chained": {"4": 1},
                    "announced": {"step": 5, "manifest_digest": "…"} | null},
       "http": {"requests": {"2xx": n, …}, "sent_bytes": n, "received_bytes": n,
                "open_connections": n},
       "libp2p": {"connected_peers": n, "mesh_peers": {"<topic>": n}},
       …sections added by the role (see below)
     }
+
+``chained`` maps each committed version kept as a chain (:mod:`shardcast.store.chains`: its
+base plus verified delta blobs, no full files) to its depth, the links down to a full version;
+full versions are not listed.
 
 Role sections (added through :attr:`ShardcastNode.status_sections`):
 
@@ -63,6 +68,20 @@ def wall_of(clock_s: float, now_clock_s: float, now_unix_s: float) -> float:
     return now_unix_s - (now_clock_s - clock_s)
 
 
+def _chained(node: StatusView, steps: list[int]) -> dict[str, int]:
+    """``{str(step): depth}`` of the committed versions kept as chains; a version pruned or
+    quarantined while this reads is left out."""
+    out: dict[str, int] = {}
+    for step in steps:
+        try:
+            depth = node.store.chain_depth(step)
+        except (OSError, ValueError):
+            continue
+        if depth:
+            out[str(step)] = depth
+    return out
+
+
 def node_status(node: StatusView) -> dict[str, Any]:
     """The status document of ``node`` (see module docstring)."""
     now = time.time()
@@ -84,6 +103,7 @@ def node_status(node: StatusView) -> dict[str, Any]:
             "committed": steps,
             "latest": steps[-1] if steps else None,
             "in_progress": node.server.in_progress(),
+            "chained": _chained(node, steps),
             "announced": (
                 {"step": ann.step, "manifest_digest": ann.manifest_digest}
                 if ann is not None

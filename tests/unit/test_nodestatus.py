@@ -29,7 +29,7 @@ def _node(card: object) -> Any:
             connected_peers=lambda: [],
             mesh_sizes=lambda: {},
         ),
-        store=SimpleNamespace(committed_steps=lambda: [3]),
+        store=SimpleNamespace(committed_steps=lambda: [3], chain_depth=lambda step: 0),
         server=SimpleNamespace(in_progress=lambda: []),
         announcement=None,
         metrics=SimpleNamespace(requests_by_class={"2xx": 1}, observability_bytes=0),
@@ -157,3 +157,20 @@ def test_status_shows_own_reachability_and_each_known_lane() -> None:
     assert "(mismatch)" in text
     for want in ("verified", "unreachable x2", "dropped (unreachable)", "none"):
         assert want in text
+
+
+def test_status_lists_versions_kept_as_chains_with_their_depth() -> None:
+    node = _node(None)
+    depths = {3: 0, 4: 1, 5: 2}
+
+    def depth(step: int) -> int:
+        if step == 6:
+            raise FileNotFoundError(step)  # pruned while the document was built
+        return depths[step]
+
+    node.store = SimpleNamespace(committed_steps=lambda: [3, 4, 5, 6], chain_depth=depth)
+    doc = node_status(node)
+    assert doc["versions"]["chained"] == {"4": 1, "5": 2}  # full versions are not listed
+    console = Console(width=200, record=True)
+    console.print(render(doc))
+    assert "4 (depth 1), 5 (depth 2)" in console.export_text()
