@@ -650,6 +650,12 @@ class PublishSettings(CommonSettings):
         description="offer deltas against the previous version (sparse or xor-zstd)",
     )
     zstd: bool = Field(OriginConfig.zstd, description="also offer zstd of every shard (slow links)")
+    encode_workers: int = Field(
+        OriginConfig.encode_workers,
+        ge=0,
+        description="threads that hash and delta-encode a file's shards side by side "
+        "(0: one per CPU core, at most 8)",
+    )
     serve_once_s: float | None = Field(
         SUPER_SEED_S,
         gt=0,
@@ -789,6 +795,7 @@ class PublishSettings(CommonSettings):
             anchor_every=self.anchor_every,
             deltas=self.deltas,
             zstd=self.zstd,
+            encode_workers=self.encode_workers,
         )
 
 

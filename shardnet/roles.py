@@ -565,6 +565,7 @@ def _start_pre_encoder(
         s.data_dir / "staging" / ".pre",
         s.pre_encode_settle_s,
         node.store.pinned,
+        workers=origin.config.workers,
     )
     nursery.start_soon(pre.run, s.watch, s.ready_marker, s.poll_interval_s)
     return pre

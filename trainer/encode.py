@@ -23,12 +23,12 @@ the fp32 master weights), held until the next publish.
 from __future__ import annotations
 
 import logging
-import os
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
 from shardcast.publish import (
+    ENCODE_WORKERS,
     Base,
     EncodeSettings,
     FileBytes,
@@ -55,11 +55,6 @@ class Layouts:
     step: int
     files: Mapping[str, FileBytes]
     headers: Mapping[str, bytes]
-
-
-#: threads that encode a version's shards side by side (the trainer's cores are otherwise
-#: idle while it writes the version); the results do not depend on it
-ENCODE_WORKERS = min(8, os.cpu_count() or 1)
 
 
 class TensorEncoder:

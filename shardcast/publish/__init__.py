@@ -18,6 +18,7 @@ from shardcast.publish.inmemory import (
 from shardcast.publish.origin import Origin, OriginConfig
 from shardcast.publish.plan import (
     DEFAULT_SHARD_BYTES,
+    ENCODE_WORKERS,
     Base,
     EncodeSettings,
     PreEncoded,
@@ -29,6 +30,7 @@ from shardcast.publish.preencode import PreEncoder
 
 __all__ = [
     "DEFAULT_SHARD_BYTES",
+    "ENCODE_WORKERS",
     "Base",
     "EncodeSettings",
     "FileBytes",

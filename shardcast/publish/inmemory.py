@@ -32,13 +32,10 @@ through its offsets. The writer checks the header on disk against it afterwards
 from __future__ import annotations
 
 import bisect
-import itertools
 import json
 import struct
 import threading
-from collections import deque
 from collections.abc import Iterator, Mapping, Sequence
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -52,6 +49,7 @@ from shardcast.publish.plan import (
     ShardViews,
     encode_shard,
     encode_views,
+    in_order,
 )
 from shardcast.wire import codecs, file_root
 
@@ -309,18 +307,12 @@ def encode_bytes(
         return encode_shard(offset, view, base_view, settings, bufs[2])
 
     shard_list: list[tuple[int, str]] = []
-    offsets = iter(range(0, size, settings.shard_size))
-    with ThreadPoolExecutor(workers, thread_name_prefix="encode") as pool:
-        ahead = deque(pool.submit(one, o) for o in itertools.islice(offsets, 2 * workers))
-        while ahead:
-            shard, blobs = ahead.popleft().result()
-            for o in itertools.islice(offsets, 1):
-                ahead.append(pool.submit(one, o))
-            shard_list.append((shard.length, shard.digest))
-            file_digest = None
-            if shard.offset + shard.length == size:
-                file_digest = _file_digest(new, shard_list, settings.rooted)
-            yield shard, blobs, file_digest
+    for shard, blobs in in_order(one, range(0, size, settings.shard_size), workers):
+        shard_list.append((shard.length, shard.digest))
+        file_digest = None
+        if shard.offset + shard.length == size:
+            file_digest = _file_digest(new, shard_list, settings.rooted)
+        yield shard, blobs, file_digest
 
 
 def _file_digest(f: FileBytes, shard_list: list[tuple[int, str]], rooted: bool) -> str:

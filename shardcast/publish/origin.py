@@ -58,6 +58,7 @@ from shardcast.node import ShardcastNode
 from shardcast.publish.plan import (
     DEFAULT_SHARD_BYTES,
     DEFAULT_SHARDS_PER_PART,
+    ENCODE_WORKERS,
     Base,
     EncodeSettings,
     PreEncoded,
@@ -96,6 +97,10 @@ class OriginConfig:
             whichever is smaller per shard).
         zstd: also offer ``zstd`` of every shard (worth it on slow links only).
         zstd_level: compression level.
+        encode_workers: threads that hash and encode a file's shards side by side
+            (:func:`shardcast.publish.plan.encode_file`; 0: one per CPU core, at most 8,
+            :data:`~shardcast.publish.plan.ENCODE_WORKERS`); the version does not depend on
+            it.
     """
 
     shard_size: int = DEFAULT_SHARD_BYTES
@@ -105,12 +110,20 @@ class OriginConfig:
     deltas: bool = True
     zstd: bool = False
     zstd_level: int = codecs.DEFAULT_LEVEL
+    encode_workers: int = 0
 
     def __post_init__(self) -> None:
         if min(self.shard_size, self.shards_per_part, self.max_parts, self.anchor_every) < 1:
             raise LocalProtocolError(
                 "shard_size, shards_per_part, max_parts and anchor_every must be >= 1"
             )
+        if self.encode_workers < 0:
+            raise LocalProtocolError(f"encode_workers must be >= 0, got {self.encode_workers}")
+
+    @property
+    def workers(self) -> int:
+        """Encoder threads to run (``encode_workers``, 0 resolved to this machine's)."""
+        return self.encode_workers or ENCODE_WORKERS
 
 
 def parts_of(n_shards: int, shards_per_part: int, max_parts: int) -> int:
@@ -259,6 +272,7 @@ class Origin:
                         zstd_level=cfg.zstd_level,
                         on_part=on_part,
                         pre_encoded=pre_encoded,
+                        workers=cfg.workers,
                     )
                 )
             hashed_at = trio.current_time()

@@ -4,8 +4,9 @@ A checkpoint directory holds ``config.json``, one or more ``*.safetensors`` file
 ``model.safetensors.index.json`` when there are several) and optionally tokenizer and
 generation-config files. :func:`check_layout` validates that layout; :func:`make_header`
 describes the version (files, sizes, shard layout, delta base) without reading any data, so the
-origin can sign and announce it at once; :func:`hash_parts` then reads every file once,
-sequentially, and emits one :class:`~shardcast.wire.manifest.Part` per ``shards_per_part`` shards —
+origin can sign and announce it at once; :func:`hash_parts` then reads every file once, file
+after file (a file's shards on ``workers`` threads, results in order), and emits one
+:class:`~shardcast.wire.manifest.Part` per ``shards_per_part`` shards —
 with each shard's digest, its encoded forms (``zstd``, and ``xor-zstd`` against the base
 version when the base has the same file at the same size) and the whole-file digests — as soon
 as that part is done (pipelining: the origin serves the first shards while it hashes the rest).
@@ -13,13 +14,17 @@ as that part is done (pipelining: the origin serves the first shards while it ha
 
 from __future__ import annotations
 
-import io
+import itertools
 import json
 import logging
 import os
-from collections.abc import Callable, Iterator, Mapping, Sequence
+import threading
+from collections import deque
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TypeVar
 
 import blake3
 
@@ -48,10 +53,14 @@ from shardcast.wire import (
 )
 
 log = logging.getLogger(__name__)
+_T = TypeVar("_T")
 
 INDEX_FILE = "model.safetensors.index.json"
 DEFAULT_SHARD_BYTES = 32 * 1024 * 1024
 DEFAULT_SHARDS_PER_PART = 16
+#: threads that hash and encode a file's shards side by side (BLAKE3, numpy's comparisons,
+#: zstd and file reads release the GIL); the results do not depend on it
+ENCODE_WORKERS = min(8, os.cpu_count() or 1)
 
 
 class CheckpointLayoutError(LocalProtocolError):
@@ -243,6 +252,7 @@ def encode_file(
     settings: EncodeSettings,
     base_path: Path | None,
     blob_path: Callable[[int, str], Path] | None,
+    workers: int = 1,
 ) -> Iterator[tuple[ShardResult, str | None]]:
     """Read ``path`` once and yield each shard (offset order) hashed and encoded, with the
     file digest after its last shard (else None): the hash-list root if ``settings.rooted``,
@@ -253,43 +263,92 @@ def encode_file(
         settings: shard size, encodings, zstd level (``settings.base`` is not read here).
         base_path: the delta base's file of the same name (deltas only if its size is equal).
         blob_path: where the blob of (shard offset, encoding) is written.
+        workers: threads that read, hash, encode and write shards side by side (hash-list
+            roots only; a whole-file digest is taken in one sequential pass); at most
+            ``2 * workers`` shards are in flight, each worker holding two shard buffers.
+            The results do not depend on it.
 
     Raises:
         CheckpointLayoutError: the file is shorter than ``size``.
         OSError: it cannot be read, or a blob cannot be written.
     """
     shard_size = settings.shard_size
-    buf = bytearray(min(shard_size, size))
-    scratch = bytearray(min(shard_size, size) if settings.encodings else 0)
+    n = min(shard_size, size)
     base_fh = None
     if base_path is not None and any(e in codecs.DELTAS for e in settings.encodings):
         if base_path.is_file() and base_path.stat().st_size == size:
             base_fh = open(base_path, "rb", buffering=0)
 
-    def views(fh: io.FileIO) -> ShardViews:
-        for offset in range(0, size, shard_size):
-            length = min(shard_size, size - offset)
-            view = memoryview(buf)[:length]
-            if fh.readinto(view) != length:
-                raise CheckpointLayoutError(f"{path} changed while hashing")
-            base_view = None
-            if base_fh is not None:
-                base_view = memoryview(scratch)[:length]
-                if os.preadv(base_fh.fileno(), [base_view], offset) != length:
-                    base_view = None  # the base file is shorter than announced: offer no delta
-            yield offset, view, base_view
+    def write_blobs(shard: ShardResult, blobs: dict[str, bytes]) -> None:
+        for enc, data in blobs.items():
+            assert blob_path is not None  # encodings imply a blob path
+            with open(blob_path(shard.offset, enc), "wb") as out:
+                out.write(data)
+
+    def read_base(offset: int, into: memoryview) -> memoryview | None:
+        if base_fh is None:
+            return None
+        if os.preadv(base_fh.fileno(), [into], offset) != len(into):
+            return None  # the base file is shorter than announced: offer no delta
+        return into
 
     try:
         with open(path, "rb", buffering=0) as fh:
-            for shard, blobs, file_digest in encode_views(views(fh), size, settings, scratch):
-                for enc, data in blobs.items():
-                    assert blob_path is not None  # encodings imply a blob path
-                    with open(blob_path(shard.offset, enc), "wb") as out:
-                        out.write(data)
+            if workers > 1 and settings.rooted:
+                local = threading.local()
+
+                def one(offset: int) -> ShardResult:
+                    bufs = getattr(local, "bufs", None)
+                    if bufs is None:  # new bytes; base bytes, XORed in place (scratch)
+                        scratch_bytes = n if settings.encodings else 0
+                        bufs = local.bufs = (bytearray(n), bytearray(scratch_bytes))
+                    length = min(shard_size, size - offset)
+                    view = memoryview(bufs[0])[:length]
+                    if os.preadv(fh.fileno(), [view], offset) != length:
+                        raise CheckpointLayoutError(f"{path} changed while hashing")
+                    base_view = read_base(offset, memoryview(bufs[1])[:length])
+                    shard, blobs = encode_shard(offset, view, base_view, settings, bufs[1])
+                    write_blobs(shard, blobs)
+                    return shard
+
+                shard_list: list[tuple[int, str]] = []
+                for shard in in_order(one, range(0, size, shard_size), workers):
+                    shard_list.append((shard.length, shard.digest))
+                    done = shard.offset + shard.length == size
+                    yield shard, file_root(shard_list) if done else None
+                return
+            buf = bytearray(n)
+            scratch = bytearray(n if settings.encodings else 0)
+
+            def views() -> ShardViews:
+                for offset in range(0, size, shard_size):
+                    length = min(shard_size, size - offset)
+                    view = memoryview(buf)[:length]
+                    if fh.readinto(view) != length:
+                        raise CheckpointLayoutError(f"{path} changed while hashing")
+                    yield offset, view, read_base(offset, memoryview(scratch)[:length])
+
+            for shard, blobs, file_digest in encode_views(views(), size, settings, scratch):
+                write_blobs(shard, blobs)
                 yield shard, file_digest
     finally:
         if base_fh is not None:
             base_fh.close()
+
+
+def in_order(work: Callable[[int], _T], offsets: Iterable[int], workers: int) -> Iterator[_T]:
+    """``work(offset)`` for each offset on ``workers`` threads, yielded in ``offsets`` order,
+    with at most ``2 * workers`` calls started ahead of the consumer (bounded memory). An
+    exception of a call is raised when its result's turn comes; the pool then waits for the
+    calls already started and runs no more."""
+    it = iter(offsets)
+    with ThreadPoolExecutor(workers, thread_name_prefix="encode") as pool:
+        ahead = deque(pool.submit(work, o) for o in itertools.islice(it, 2 * workers))
+        while ahead:
+            result = ahead.popleft().result()
+            for o in itertools.islice(it, 1):
+                ahead.append(pool.submit(work, o))
+            yield result
 
 
 def encode_views(
@@ -367,6 +426,7 @@ def hash_parts(
     on_part: Callable[[Part], None],
     pre_encoded: Mapping[str, PreEncoded] | None = None,
     chunk_bytes: int = CHUNK_BYTES,
+    workers: int = 1,
 ) -> list[Part]:
     """Read every file once and emit the version's parts as they complete.
 
@@ -387,6 +447,8 @@ def hash_parts(
             parts are the same either way. Files used this way go first: parts they complete
             are emitted at once, so part indices may be emitted out of order.
         chunk_bytes: chunk size of the parts' chunk lists (schema 3 only; 0: none).
+        workers: threads that encode a file's shards side by side (:func:`encode_file`);
+            the parts do not depend on it.
 
     Returns:
         all parts, in index order.
@@ -425,7 +487,7 @@ def hash_parts(
         first = first_shard[f.name]
         base_path = None if base is None else base.directory / f.name
         blob_path = _blob_path_of(blob_dir, first, header.shard_size)
-        shards = encode_file(directory / f.name, f.size, settings, base_path, blob_path)
+        shards = encode_file(directory / f.name, f.size, settings, base_path, blob_path, workers)
         for j, (shard, file_digest) in enumerate(shards):
             parts.shard_done(first + j, shard)
             if file_digest is not None:

@@ -222,8 +222,10 @@ def pre_encode_file(
     settings: EncodeSettings,
     base: Base | None,
     cache_dir: Path,
+    workers: int = 1,
 ) -> PreEncoded:
-    """Hash and encode one file into ``cache_dir`` (blocking; see :func:`encode_file`).
+    """Hash and encode one file into ``cache_dir`` (blocking; see :func:`encode_file`, which
+    runs ``workers`` threads).
 
     Raises:
         CheckpointLayoutError: the file is shorter than ``size``.
@@ -237,7 +239,7 @@ def pre_encode_file(
     def blob(offset: int, encoding: str) -> Path:
         return cache_dir / f"{name}.{offset}.{encoding}"
 
-    for shard, file_digest in encode_file(path, size, settings, base_path, blob):
+    for shard, file_digest in encode_file(path, size, settings, base_path, blob, workers):
         shards.append(shard)
         if file_digest is not None:
             digest = file_digest
@@ -254,6 +256,8 @@ class PreEncoder:
         settle_s: see :func:`quiet`.
         pinned: context manager factory that keeps a base step from being pruned while read.
         clock_ns: wall clock in ns (``time.time_ns``; the file system's clock).
+        workers: threads that encode a file's shards side by side (results do not depend
+            on it).
     """
 
     def __init__(
@@ -263,12 +267,14 @@ class PreEncoder:
         settle_s: float,
         pinned: Callable[[int], AbstractContextManager[object]] | None = None,
         clock_ns: Callable[[], int] = time.time_ns,
+        workers: int = 1,
     ) -> None:
         self.settings_for = settings_for
         self.cache_dir = cache_dir
         self.settle_s = settle_s
         self.pinned = pinned
         self.clock_ns = clock_ns
+        self.workers = workers
         self.cache = PreEncodeCache()
         self.busy_step: int | None = None
         self.idle = trio.Event()
@@ -316,7 +322,7 @@ class PreEncoder:
                 pin = self.pinned(base.step) if self.pinned and base else nullcontext()
                 with pin:
                     return pre_encode_file(
-                        path, name, before.size, settings, base, self.step_dir(step)
+                        path, name, before.size, settings, base, self.step_dir(step), self.workers
                     )
 
             try:

@@ -54,6 +54,46 @@ def _words(buf: Buffer, n_words: int) -> np.ndarray:
     return np.frombuffer(buf, dtype="<u2", count=n_words)
 
 
+_SCAN_BLOCKS = 1 << 16  # 8-byte blocks compared per slice: 512 KiB of each buffer, cache-sized
+
+
+def changed_words(raw: Buffer, base: Buffer) -> tuple[np.ndarray, np.ndarray]:
+    """The 16-bit words in which ``raw`` and ``base`` (same length) differ.
+
+    The buffers are compared as 64-bit words first (a quarter of the comparisons and of the
+    mask to scan), and only the 8-byte blocks that differ are compared word by word, slice by
+    slice while the slice is still in cache; the last ``len % 8`` bytes are compared as 16-bit
+    words (a trailing odd byte is not a word). Costs one pass over both buffers.
+
+    Returns:
+        ``(index, diff)``: ``index`` int64, the strictly increasing indices of the changed
+        words (word ``i`` is bytes ``2i, 2i+1``, little-endian); ``diff`` uint16, each
+        ``new - base`` modulo 2**16.
+    """
+    n_words = len(raw) // 2
+    n_blocks = n_words // 4
+    new8 = np.frombuffer(raw, dtype="<u8", count=n_blocks)
+    old8 = np.frombuffer(base, dtype="<u8", count=n_blocks)
+    idxs, diffss = [], []
+    for start in range(0, n_blocks, _SCAN_BLOCKS):  # a slice at a time, gathered while cached
+        a, b = new8[start : start + _SCAN_BLOCKS], old8[start : start + _SCAN_BLOCKS]
+        blocks = np.flatnonzero(a != b)
+        new4 = a[blocks].view("<u2")  # the changed blocks' words, 4 per block, in order
+        old4 = b[blocks].view("<u2")
+        j = np.flatnonzero(new4 != old4)
+        idxs.append(((blocks[j >> 2] + start) << 2) | (j & 3))
+        diffss.append(new4[j] - old4[j])  # uint16: wraps modulo 2**16
+    idx = np.concatenate(idxs) if idxs else np.zeros(0, dtype=np.int64)
+    diffs = np.concatenate(diffss) if diffss else np.zeros(0, dtype="<u2")
+    done = 4 * n_blocks
+    if done < n_words:  # the last 1-3 words
+        tail_new, tail_old = _words(raw, n_words)[done:], _words(base, n_words)[done:]
+        tail = np.flatnonzero(tail_new != tail_old)
+        idx = np.concatenate([idx, tail + done])
+        diffs = np.concatenate([diffs, tail_new[tail] - tail_old[tail]])
+    return idx, diffs
+
+
 def encode_sparse(raw: Buffer, base: Buffer, level: int = 3) -> bytes:
     """Encode ``raw`` as a patch of ``base`` (same length).
 
@@ -71,23 +111,19 @@ def encode_sparse(raw: Buffer, base: Buffer, level: int = 3) -> bytes:
     if len(raw) != len(base):
         raise LocalProtocolError(f"sparse delta of {len(raw)} and {len(base)} bytes")
     n = len(raw)
-    n_words = n // 2
-    new = _words(raw, n_words)
-    old = _words(base, n_words)
-    idx = np.flatnonzero(new != old)
+    idx, diffs = changed_words(raw, base)
+    count = len(idx)
+    planes = np.empty(6 * count, dtype=np.uint8)
     gaps = np.diff(idx, prepend=-1).astype("<u4")
-    diffs = (new[idx] - old[idx]).astype("<u2")  # wraps modulo 2**16
-    planes = np.concatenate(
-        [
-            gaps.view(np.uint8).reshape(-1, 4).T.reshape(-1),
-            diffs.view(np.uint8).reshape(-1, 2).T.reshape(-1),
-        ]
+    planes[: 4 * count].reshape(4, count)[...] = gaps.view(np.uint8).reshape(count, 4).T
+    planes[4 * count :].reshape(2, count)[...] = (
+        diffs.astype("<u2", copy=False).view(np.uint8).reshape(count, 2).T
     )
     has_tail = n % 2
     tail = raw[n - 1] if has_tail else 0
-    header = _HEADER.pack(MAGIC, n, len(idx), has_tail, tail)
+    header = _HEADER.pack(MAGIC, n, count, has_tail, tail)
     cctx = zstandard.ZstdCompressor(level=level, write_content_size=True)
-    return header + cctx.compress(planes.tobytes())
+    return header + cctx.compress(planes.data)  # no copy of the planes
 
 
 def sparse_count(blob: Buffer) -> int:

@@ -14,7 +14,15 @@ from typing import Any
 import pytest
 import trio
 
-from shardcast.publish.plan import Base, EncodeSettings, PreEncoded, hash_parts, make_header
+from shardcast.publish.plan import (
+    Base,
+    CheckpointLayoutError,
+    EncodeSettings,
+    PreEncoded,
+    encode_file,
+    hash_parts,
+    make_header,
+)
 from shardcast.publish.preencode import (
     FileIdentity,
     PreEncodeCache,
@@ -63,7 +71,7 @@ def _settings(base: Base | None) -> EncodeSettings:
 
 
 def _publish(
-    directory: Path, base: Base | None, pre: dict[str, PreEncoded] | None
+    directory: Path, base: Base | None, pre: dict[str, PreEncoded] | None, workers: int = 1
 ) -> tuple[list[Part], list[int], dict[str, bytes]]:
     """hash_parts as the origin runs it; returns parts, emission order and the blobs."""
     header = make_header(directory, "run", 1, shard_size=SHARD, shards_per_part=2, base=base)
@@ -79,6 +87,7 @@ def _publish(
         blob_dir=blob_dir,
         on_part=lambda p: seen.append(p.index),
         pre_encoded=pre,
+        workers=workers,
     )
     blobs = {p.name: p.read_bytes() for p in sorted(blob_dir.iterdir())}
     shutil.rmtree(blob_dir)
@@ -101,6 +110,62 @@ def test_pre_encoded_files_give_identical_parts_and_blobs(tmp_path: Path) -> Non
     assert piped_blobs == serial_blobs
     assert order != sorted(order)
     assert sorted(order) == list(range(len(serial)))
+
+
+@pytest.mark.parametrize("workers", [2, 3])
+@pytest.mark.parametrize("with_base", [True, False])
+def test_shards_encoded_on_threads_give_identical_parts_and_blobs(
+    tmp_path: Path, workers: int, with_base: bool
+) -> None:
+    base_dir, new = _versions(tmp_path)
+    base = Base(0, BASE_DIGEST, base_dir) if with_base else None
+    serial, order, serial_blobs = _publish(new, base, None)
+    threaded, t_order, threaded_blobs = _publish(new, base, None, workers)
+    assert threaded == serial
+    assert threaded_blobs == serial_blobs
+    assert t_order == order
+    name = "model-00002-of-00002.safetensors"
+    one = pre_encode_file(new / name, name, SIZES[name], _settings(base), base, tmp_path / "a")
+    many = pre_encode_file(
+        new / name, name, SIZES[name], _settings(base), base, tmp_path / "b", workers
+    )
+    assert many.shards == one.shards
+    assert many.digest == one.digest
+
+
+def test_a_base_of_another_size_gets_no_delta_on_threads_either(tmp_path: Path) -> None:
+    base_dir, new = _versions(tmp_path)
+    base = Base(0, BASE_DIGEST, base_dir)
+
+    def deltas(blobs: dict[str, bytes]) -> int:
+        return sum(n.endswith((codecs.SPARSE, codecs.XOR_ZSTD)) for n in blobs)
+
+    whole = deltas(_publish(new, base, None, 2)[2])
+    name = "model-00001-of-00002.safetensors"
+    with open(base_dir / name, "r+b") as fh:
+        fh.truncate(SIZES[name] - 1)
+    serial, _, serial_blobs = _publish(new, base, None)
+    threaded, _, threaded_blobs = _publish(new, base, None, 2)
+    assert threaded == serial
+    assert threaded_blobs == serial_blobs
+    assert deltas(threaded_blobs) == whole - -(-SIZES[name] // SHARD)  # none for that file
+
+
+def test_a_file_shorter_than_announced_fails_on_threads(tmp_path: Path) -> None:
+    _, new = _versions(tmp_path)
+    name = "model-00001-of-00002.safetensors"
+    settings = _settings(None)
+    with pytest.raises(CheckpointLayoutError, match="changed while hashing"):
+        list(
+            encode_file(
+                new / name,
+                SIZES[name] + SHARD,
+                settings,
+                None,
+                lambda o, e: tmp_path / f"{o}.{e}",
+                2,
+            )
+        )
 
 
 def test_pre_encoded_file_is_not_read_again(
