@@ -963,8 +963,7 @@ class P2PNode:
             # py-libp2p retries a failed round by itself ("auto-driving"); on loopback the
             # second round often gets through: wait for it, bounded
             with trio.move_on_after(circuits.config.timeout_s):
-                while not circuits.direct(peer_id):
-                    await self._direct_changed.wait()
+                await self.wait_direct(peer_id)
         await circuits.close_relayed(peer_id)
         return circuits.direct(peer_id)
 

@@ -162,15 +162,15 @@ def deploy(
     second_nat: bool = False,
     public_rate: float | None = None,
     symmetric: bool = False,
-    extra: dict[str, tuple[str, ...]] | None = None,
+    role_extra: dict[str, tuple[str, ...]] | None = None,
 ) -> NatRun:
     """Keys, then trainer, relay, the public peer and the two NATed peers, as the README says
     (``nated_dial_c``: the NATed peers also bootstrap from the public peer C; ``second_nat``:
     a peer F behind a second router too; ``public_rate``: the relay's and C's links shaped
     to this many bytes per second each way, tc tbf, so that the NATed peers' uplinks matter;
-    ``symmetric``: both routers map each connection to a random port; ``extra``: options
-    appended to a role's command)."""
-    dep = ShortRun(hosts, extra)
+    ``symmetric``: both routers map each connection to a random port; ``role_extra``:
+    options appended to a role's command)."""
+    dep = ShortRun(hosts, role_extra)
     a, b, c = (hosts.add(n) for n in ("a-trainer", "b-relay", "c-peer"))
     if public_rate is not None:
         for host in (b, c):
@@ -411,7 +411,7 @@ def run_two_routers(hosts: Hosts, *, symmetric: bool) -> tuple[dict[str, float],
         second_nat=True,
         public_rate=PUBLIC_RATE,
         symmetric=symmetric,
-        extra=SWARM,
+        role_extra=SWARM,
     )
     dep, trainer = run.dep, run.trainer
     assert run.peer_f is not None

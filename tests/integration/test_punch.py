@@ -17,7 +17,7 @@ import pytest
 import trio
 
 from p2p.circuits import CircuitConfig
-from p2p.host import HostConfig
+from p2p.host import HostConfig, P2PNode
 from p2p.identity import Identity
 from shardcast.core import PunchConfig
 from shardcast.download.discovery import NodeAdvert, check_advert_gossip, nodes_topic
@@ -124,6 +124,8 @@ async def test_two_unreachable_peers_exchange_shards_over_a_punched_connection(
                         break
         (a, fa), (b, fb) = peers["a"], peers["b"]
         if ahead:  # a direct connection before any version exists
+            assert isinstance(a.p2p, P2PNode)
+            assert isinstance(b.p2p, P2PNode)
             with trio.fail_after(120):
                 await a.p2p.wait_direct(ids["b"])
                 await b.p2p.wait_direct(ids["a"])
