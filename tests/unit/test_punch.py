@@ -357,3 +357,20 @@ def test_discovery_offers_every_nated_advertiser_to_punch_ahead() -> None:
     assert ([a.peer_id for a in adverts], held) == ([NAT2], 1)
     assert d.punch_ahead(1.0, connected=frozenset()) == ([], 0)  # no shared relay
     assert d.punch_ahead(11.0, connected=frozenset({R1})) == ([], 0)  # expired
+
+
+def test_discovery_does_not_put_public_lanes_before_punched_stream_lanes() -> None:
+    """A holder behind a NAT, held directly (punched), is offered like a public one: complete
+    holders are drawn in a seeded random order whatever their lane (the scheduler then ranks
+    sources by measured rate only, :mod:`shardcast.core.select`)."""
+    firsts = set()
+    for seed in range(16):
+        d = SourceDirectory(
+            "me", set(), ttl_s=10.0, max_entries=10, rng=random.Random(seed), require_verified=False
+        )
+        d.offer(NodeAdvert(R2, "peer", "http://8.8.8.8:1", (1,), ()), 0.0)
+        d.offer(NodeAdvert(NAT, "peer", "", (1,), (), stream_lane=True, relays=(R1,)), 0.0)
+        got = d.sources_for(1, 1.0, 10, connected=frozenset({R1, NAT}))
+        assert sorted(s.base_url for s in got) == sorted(["http://8.8.8.8:1", f"p2p://{NAT}"])
+        firsts.add(got[0].id)
+    assert firsts == {R2, NAT}
