@@ -402,6 +402,18 @@ def bytes_by_path(run: NatRun, nated: dict[str, Node]) -> dict[str, dict[str, in
     return by_path
 
 
+def note_version_times(run: NatRun, peers: list[Node]) -> None:
+    """Note, per version, how long after the trainer published it the last peer committed it
+    (from the nodes' own log lines; printed, not asserted: speed targets live in bench/)."""
+    for step in range(STEPS + 1):
+        published = run.trainer.wait_line(step_at(PUBLISHED, step), 1.0)
+        got = [p.wait_line(step_at(COMMITTED, step), 1.0) for p in peers]
+        if published is None or None in got:
+            continue  # a step a peer skipped: the report check names it
+        last_s = max((t - published).total_seconds() for t in got if t is not None)
+        run.dep.note(f"step {step}: last peer committed it {last_s:.2f} s after publication")
+
+
 def run_two_routers(hosts: Hosts, *, symmetric: bool) -> tuple[dict[str, float], dict[str, int]]:
     """The two-router deployment of the module docstring run to the trainer's end; checks
     reservations, adverts, every version on every peer and rollouts accepted from each.
@@ -422,6 +434,7 @@ def run_two_routers(hosts: Hosts, *, symmetric: bool) -> tuple[dict[str, float],
     except subprocess.TimeoutExpired as exc:
         raise AssertionError(f"the trainer did not finish\n{hosts.logs()}") from exc
     assert code == 0, trainer.tail()
+    note_version_times(run, [run.peer_c, *nated.values()])
 
     punches = {"started": 0, "ahead": 0, "direct": 0, "failed": 0}
     for node in (run.peer_c, *nated.values()):
