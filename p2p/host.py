@@ -919,6 +919,13 @@ class P2PNode:
             return self.connected_peers()
         return [p for p in self.connected_peers() if self.circuits.direct(p)]
 
+    async def wait_direct(self, peer_id: str) -> None:
+        """Return once a direct (not relayed) connection to ``peer_id`` is held (at once if one
+        is). Unbounded: the caller bounds it (``trio.fail_after``); cancelling leaves nothing
+        behind."""
+        while peer_id not in self.direct_peers():
+            await self._direct_changed.wait()
+
     async def reserve(self, relay_peer_id: str) -> None:
         """Hold a circuit relay reservation on ``relay_peer_id`` (a connected relay), so that
         others can reach this node through it (:meth:`p2p.circuits.Circuits.reserve`).
@@ -956,8 +963,7 @@ class P2PNode:
             # py-libp2p retries a failed round by itself ("auto-driving"); on loopback the
             # second round often gets through: wait for it, bounded
             with trio.move_on_after(circuits.config.timeout_s):
-                while not circuits.direct(peer_id):
-                    await self._direct_changed.wait()
+                await self.wait_direct(peer_id)
         await circuits.close_relayed(peer_id)
         return circuits.direct(peer_id)
 

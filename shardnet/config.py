@@ -47,7 +47,7 @@ from rollout.engine_options import VllmOptions
 from rollout.inbox import InboxConfig
 from rollout.pacing import PacingConfig
 from rollout.task import DEFAULT_REWARD_SPEC, DEFAULT_TASK_SPEC
-from shardcast.core import ReachabilityConfig
+from shardcast.core import PunchConfig, ReachabilityConfig
 from shardcast.download import DownloadConfig, FollowConfig, LaneBackoff
 from shardcast.node import SUPER_SEED_MIN_BYTES, SUPER_SEED_S, NodeConfig
 from shardcast.publish import DEFAULT_SHARD_BYTES, OriginConfig
@@ -485,6 +485,12 @@ class FollowerSettings(CommonSettings):
         description="seconds between dial-back checks of this node's own lane once one gave "
         "a verdict (each asks up to 3 connected nodes to open it)",
     )
+    punch_ahead: int = Field(
+        PunchConfig.ahead_max_direct,
+        ge=0,
+        description="nodes behind NATs this node hole-punches to as soon as it hears of them, "
+        "before a download needs their bytes (0: punch only when a download does)",
+    )
 
     @field_validator("trainer_id")
     @classmethod
@@ -525,6 +531,7 @@ class FollowerSettings(CommonSettings):
                 drop_s=self.advert_drop_s,
             ),
             reachability=ReachabilityConfig(recheck_s=self.reachability_recheck_s),
+            punch=PunchConfig(ahead_max_direct=self.punch_ahead),
         )
 
 

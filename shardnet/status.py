@@ -165,8 +165,9 @@ def _reach_line(reach: dict[str, Any]) -> str:
     punches = reach.get("punches") or {}
     if punches.get("started"):
         line += (
-            f"; punches {punches.get('started')} started, {punches.get('direct', 0)} direct, "
-            f"{punches.get('failed', 0)} failed"
+            f"; punches {punches.get('started')} started"
+            + (f" ({punches['ahead']} ahead of need)" if punches.get("ahead") else "")
+            + f", {punches.get('direct', 0)} direct, {punches.get('failed', 0)} failed"
         )
     return line
 

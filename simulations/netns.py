@@ -10,7 +10,11 @@ A :class:`Lab` creates, for a run id ``ID`` (6 hex digits):
   caller's namespace, and only these private addresses are used);
 - optionally, home routers (:meth:`Lab.add_nat_router`): a node on the bridge that is also the
   gateway of a LAN of its own (``10.(212+L).K.0/24``, hosts added by :meth:`Lab.add_lan_node`)
-  and does source NAT for it, dropping unsolicited inbound packets (nftables);
+  and does source NAT for it, dropping unsolicited inbound packets (nftables). Plain
+  ``masquerade`` keeps a connection's source port where it is free, so one LAN socket maps to
+  one public port whatever the destination (endpoint-independent mapping, where hole punching
+  works); ``symmetric`` routers use ``masquerade fully-random``, a fresh random port per
+  connection (endpoint-dependent, "symmetric" NAT: a punch's dials never meet);
 - shaping with ``tc``: on the node's ``eth0`` (its uplink) and on the bridge-side end (its
   downlink), ``netem`` (delay = the node's one-way ``latency_ms``, loss) as root with a ``tbf``
   child at the node's rate. A packet a → b thus sees a's uplink and b's downlink rate, and
@@ -157,7 +161,7 @@ _NAT_RULES = """
 table ip nat {
     chain postrouting {
         type nat hook postrouting priority srcnat; policy accept;
-        oifname "eth0" masquerade
+        oifname "eth0" masquerade{masquerade_flags}
     }
 }
 table inet filter {
@@ -264,7 +268,12 @@ class Lab:
         return port
 
     def add_nat_router(
-        self, index: int, lan: int, shape: tuple[float, float, float, float]
+        self,
+        index: int,
+        lan: int,
+        shape: tuple[float, float, float, float],
+        *,
+        symmetric: bool = False,
     ) -> NatRouter:
         """A home router: node ``index`` on the bridge (its public side, shaped as ``shape``:
         the ``up_bps, down_bps, latency_s, loss`` of :meth:`add_node`)
@@ -272,7 +281,9 @@ class Lab:
         for it (nftables ``masquerade`` out of ``eth0``, no port forwarding), drops every
         inbound packet that is not part of a connection a LAN host opened, and tracks TCP
         strictly (``nf_conntrack_tcp_loose=0``: a flushed connection is not picked up again
-        mid-stream). Needs ``nft`` (Debian package ``nftables``).
+        mid-stream). ``symmetric``: each connection gets a random public port (``masquerade
+        fully-random``; see the module docstring). Needs ``nft`` (Debian package
+        ``nftables``).
 
         Raises:
             NetnsError: ``nft`` is missing or a command failed.
@@ -289,7 +300,8 @@ class Lab:
         _run(["ip", "-n", ns, "link", "set", "lan0", "up"])
         exec_ns = ["ip", "netns", "exec", ns]
         _run([*exec_ns, "sysctl", "-qw", "net.ipv4.ip_forward=1"])
-        _run([*exec_ns, "nft", "-f", "-"], stdin=_NAT_RULES)
+        flags = " fully-random" if symmetric else ""
+        _run([*exec_ns, "nft", "-f", "-"], stdin=_NAT_RULES.replace("{masquerade_flags}", flags))
         _run([*exec_ns, "sysctl", "-qw", "net.netfilter.nf_conntrack_tcp_loose=0"])
         return NatRouter(port, lan, subnet)
 

@@ -68,6 +68,18 @@ lets a punch through: the downloader stops trying it, and source selection goes 
 it). Of two NATed nodes that could punch each other, the one with the greater PeerID yields
 for :attr:`PunchConfig.yield_s` first, so that one punch session runs per pair.
 
+Punching ahead: a punch takes seconds (a relayed dial, DCUtR's round trips, up to three rounds
+of :attr:`p2p.circuits.CircuitConfig.timeout_s`), longer than a small version's download, so a
+punch started when a download wants the bytes finishes after it. A follower therefore punches
+*ahead*, as soon as it hears the advert of a node it can reach only by a punch, whatever that
+node holds yet (every follower will hold the next version): :meth:`PunchPlanner.ahead` picks,
+among such advertisers, those holding or filling the newest versions first and draws among
+equals with the seeded random generator (no advertiser is always last), through the same
+admission (:meth:`PunchPlanner.start`: the concurrency cap, one per PeerID, the backoff and the
+yield), until :attr:`PunchConfig.ahead_max_direct` nodes behind NATs are held directly. When
+the next version is announced, the direct connections exist and source selection can use
+those nodes' stream lanes from its first request.
+
 Everything here is a pure function of its arguments (``now`` in trio seconds); no I/O.
 """
 
@@ -161,6 +173,11 @@ class PunchConfig:
             relays), the one with the greater PeerID waits this long, seconds, from when it
             first wanted to, for the other's punch: two punch sessions of one pair at once
             dial the same address pairs and both fail (measured on loopback).
+        ahead_max_direct: nodes behind NATs (advertising a stream lane) this node punches to
+            ahead of need, until it holds direct connections to this many of them (punches
+            running count too; 0: punch only when a download wants the bytes).
+        ahead_interval_s: how often a follower looks for nodes to punch ahead when no advert
+            arrives meanwhile (each advert heard also wakes it), seconds.
     """
 
     max_relays: int = 2
@@ -170,11 +187,17 @@ class PunchConfig:
     max_tracked: int = 1024
     reserve_interval_s: float = 30.0
     yield_s: float = 10.0
+    ahead_max_direct: int = 8
+    ahead_interval_s: float = 5.0
 
     def __post_init__(self) -> None:
         for name in ("max_relays", "max_concurrent", "max_tracked"):
             if getattr(self, name) < 1:
                 raise ConfigError(name, "must be >= 1")
+        if self.ahead_max_direct < 0:
+            raise ConfigError("ahead_max_direct", "must be >= 0")
+        if not self.ahead_interval_s > 0:
+            raise ConfigError("ahead_interval_s", "must be > 0")
         if not 0 < self.backoff_initial_s <= self.backoff_max_s:
             raise ConfigError("backoff_initial_s", "must be > 0 and <= backoff_max_s")
         if not self.reserve_interval_s > 0:
@@ -232,6 +255,24 @@ class Reservations:
         return tuple(self.held) if reach is Reach.UNREACHABLE else ()
 
 
+@dataclass(frozen=True)
+class PunchTarget:
+    """An advertiser this node can reach only by a hole punch (:attr:`Lane.PUNCH`), as
+    :meth:`PunchPlanner.ahead` weighs it.
+
+    Attributes:
+        peer_id: its PeerID.
+        relays: the relays it advertised a reservation on.
+        newest: the newest step it holds or fills (-1: none yet).
+        yield_to_peer: it may be punching this node (see :attr:`PunchConfig.yield_s`).
+    """
+
+    peer_id: str
+    relays: tuple[str, ...]
+    newest: int = -1
+    yield_to_peer: bool = False
+
+
 class PunchPlanner:
     """When a downloader hole-punches to an advertiser (see the module docstring); pure,
     bounded memory. :meth:`start` admits a punch, :meth:`done` records how it ended."""
@@ -279,6 +320,46 @@ class PunchPlanner:
             return None
         self.running.add(peer_id)
         return rng.choice(shared)
+
+    def ahead(
+        self,
+        targets: Sequence[PunchTarget],
+        relays_connected: frozenset[str],
+        held: int,
+        now: float,
+        rng: random.Random,
+    ) -> list[tuple[str, str]]:
+        """Punches to start now ahead of need (module docstring, "Punching ahead"): pairs
+        ``(peer_id, relay)``, each admitted by :meth:`start` (so counted as running until
+        :meth:`done`).
+
+        Args:
+            targets: advertisers reachable only by a punch (none held directly).
+            relays_connected: PeerIDs this node holds a direct connection to.
+            held: nodes behind NATs (stream-lane advertisers) held directly now.
+            now: trio seconds.
+            rng: the seeded generator that orders targets of equal ``newest``.
+
+        Returns:
+            at most ``ahead_max_direct - held - running`` pairs (none when that is <= 0),
+            targets of the newest ``newest`` first, drawn with ``rng`` among equals.
+        """
+        room = self.config.ahead_max_direct - held - len(self.running)
+        if room <= 0:
+            return []
+        order = list(targets)
+        rng.shuffle(order)
+        order.sort(key=lambda t: -t.newest)  # stable: drawn among equals
+        out: list[tuple[str, str]] = []
+        for t in order:
+            if len(out) >= room:
+                break
+            relay = self.start(
+                t.peer_id, t.relays, relays_connected, now, rng, yield_to_peer=t.yield_to_peer
+            )
+            if relay is not None:
+                out.append((t.peer_id, relay))
+        return out
 
     def done(self, peer_id: str, *, direct: bool, now: float) -> None:
         """A punch admitted by :meth:`start` ended: ``direct`` if a direct connection

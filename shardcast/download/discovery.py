@@ -146,6 +146,10 @@ class NodeAdvert:
         """True if it says it is filling ``step`` (under ``digest``, unless None)."""
         return _lists(self.filling, self.filling_digests, step, digest)
 
+    def newest(self) -> int:
+        """The newest step it says it holds or fills (-1: none)."""
+        return max((*self.committed, *self.filling), default=-1)
+
     def encode(self) -> bytes:
         """Canonical CBOR bytes."""
         obj: dict[str, Any] = {
@@ -517,6 +521,22 @@ class SourceDirectory:
         ]
         fresh.sort(key=lambda a: (not a.holds(step, digest), -self.score(a.peer_id, now)))
         return fresh
+
+    def punch_ahead(
+        self, now: float, *, connected: frozenset[str] = frozenset()
+    ) -> tuple[list[NodeAdvert], int]:
+        """Fresh, not down-scored adverts this node can reach only by a hole punch
+        (:attr:`shardcast.core.Lane.PUNCH`), whatever they hold (every follower holds the
+        next version soon), and how many stream-lane advertisers (nodes behind NATs) this
+        node holds a direct connection to (``connected``): what
+        :meth:`shardcast.core.PunchPlanner.ahead` weighs."""
+        fresh = [
+            a
+            for a, t in self._adverts.values()
+            if now - t <= self.ttl_s and self.score(a.peer_id, now) > MIN_SCORE
+        ]
+        held = sum(1 for a in fresh if a.stream_lane and a.peer_id in connected)
+        return [a for a in fresh if self.lane(a, connected) is Lane.PUNCH], held
 
 
 def _lists(steps: tuple[int, ...], digests: tuple[str, ...], step: int, digest: str | None) -> bool:

@@ -25,7 +25,10 @@ reservations on up to two relays it is connected to and names them in its advert
 (:class:`shardcast.core.Reservations`). Each time a download polls for extra sources, the
 follower also starts the hole punches :class:`shardcast.core.PunchPlanner` admits to nodes that
 hold or fill the version and are reachable only through such a relay; a punched node joins the
-download at the next poll, over the direct connection (never the circuit).
+download at the next poll, over the direct connection (never the circuit). A punch takes
+longer than a small version's download, so the follower also punches ahead: each advert heard
+of such a node starts the punches :meth:`shardcast.core.PunchPlanner.ahead` admits, so that the
+direct connections exist when the next version is announced.
 
 A download always ends (:mod:`shardcast.core.liveness`): it fails when the version is gone from
 every source (pruned: the next plan falls back to the newest version in full), when nothing
@@ -96,6 +99,7 @@ from shardcast.core import (
     PollPolicy,
     PunchConfig,
     PunchPlanner,
+    PunchTarget,
     Reach,
     Reachability,
     ReachabilityConfig,
@@ -295,7 +299,7 @@ class Follower:
         self.reservations = Reservations(config.punch)
         self.punches = PunchPlanner(config.punch)
         self._punch_rng = rng
-        self._punched = {"started": 0, "direct": 0, "failed": 0}  # hole punches
+        self._punched = {"started": 0, "ahead": 0, "direct": 0, "failed": 0}  # hole punches
         self._reach_changed = trio.Event()
         self._nursery: trio.Nursery | None = None
         node.status_sections.update(
@@ -331,6 +335,8 @@ class Follower:
                     self._on_reach_change,
                 )
                 nursery.start_soon(self._keep_reservations)
+                if self.config.punch.ahead_max_direct > 0:
+                    nursery.start_soon(self._punch_ahead, nursery)
             while not self.upstreams:
                 await self._upstream_changed.wait()
             task_status.started()
@@ -721,14 +727,18 @@ class Follower:
             with trio.move_on_after(self.config.punch.reserve_interval_s):
                 await self._reach_changed.wait()
 
+    def _yields_to(self, peer_id: str) -> bool:
+        """True if ``peer_id`` may be punching this node (this node names relays too) and
+        this node is the one that waits (:attr:`shardcast.core.PunchConfig.yield_s`)."""
+        punchable = bool(self.reservations.advertised(self.reachability.state))
+        return punchable and self.node.identity.peer_id > peer_id
+
     def _start_punches(self, step: int, digest: str, direct: frozenset[str]) -> None:
         """Start the hole punches :class:`shardcast.core.PunchPlanner` admits to sources of
         ``(step, digest)`` reachable only that way; each joins the download once direct."""
         if self._nursery is None:
             return
         now = trio.current_time()
-        me = self.node.identity.peer_id
-        punchable = bool(self.reservations.advertised(self.reachability.state))
         for advert in self.directory.punch_candidates(step, now, digest=digest, connected=direct):
             relay = self.punches.start(
                 advert.peer_id,
@@ -736,11 +746,30 @@ class Follower:
                 direct,
                 now,
                 self._punch_rng,
-                yield_to_peer=punchable and me > advert.peer_id,
+                yield_to_peer=self._yields_to(advert.peer_id),
             )
             if relay is not None:
                 self._punched["started"] += 1
                 self._nursery.start_soon(self._punch, advert.peer_id, relay)
+
+    async def _punch_ahead(self, nursery: trio.Nursery) -> None:
+        """Punch to nodes behind NATs before a download needs them (module docstring of
+        :mod:`shardcast.core.reachability`, "Punching ahead"): on each advert heard, and every
+        :attr:`shardcast.core.PunchConfig.ahead_interval_s`; the punches run in ``nursery``."""
+        while True:
+            direct = frozenset(self.node.p2p.direct_peers())
+            now = trio.current_time()
+            adverts, held = self.directory.punch_ahead(now, connected=direct)
+            targets = [
+                PunchTarget(a.peer_id, a.relays, a.newest(), self._yields_to(a.peer_id))
+                for a in adverts
+            ]
+            for peer_id, relay in self.punches.ahead(targets, direct, held, now, self._punch_rng):
+                self._punched["started"] += 1
+                self._punched["ahead"] += 1
+                nursery.start_soon(self._punch, peer_id, relay)
+            with trio.move_on_after(self.config.punch.ahead_interval_s):
+                await self.directory.changed.wait()
 
     async def _punch(self, peer_id: str, relay: str) -> None:
         direct = False

@@ -280,10 +280,10 @@ class Hosts:
         self.hosts[name] = host
         return host
 
-    def add_router(self, name: str) -> netns.NatRouter:
+    def add_router(self, name: str, *, symmetric: bool = False) -> netns.NatRouter:
         """A home router called ``name`` on the bridge with a LAN of its own behind source NAT
-        (see :meth:`simulations.netns.Lab.add_nat_router`); add hosts behind it with
-        :meth:`add_behind`.
+        (see :meth:`simulations.netns.Lab.add_nat_router`; ``symmetric``: a random public port
+        per connection); add hosts behind it with :meth:`add_behind`.
 
         Raises:
             simulations.netns.NetnsError: ``nft`` is not installed.
@@ -291,7 +291,7 @@ class Hosts:
         index = len(self.hosts)
         lan = len(self.routers)
         shape = (LINK_BYTES_PER_S, LINK_BYTES_PER_S, 0.0, 0.0)
-        router = self.lab.add_nat_router(index, lan, shape)
+        router = self.lab.add_nat_router(index, lan, shape, symmetric=symmetric)
         self.routers[name] = router
         workdir = self.root / name
         workdir.mkdir(parents=True, exist_ok=True)

@@ -17,8 +17,9 @@ import pytest
 import trio
 
 from p2p.circuits import CircuitConfig
-from p2p.host import HostConfig
+from p2p.host import HostConfig, P2PNode
 from p2p.identity import Identity
+from shardcast.core import PunchConfig
 from shardcast.download.discovery import NodeAdvert, check_advert_gossip, nodes_topic
 from shardcast.download.follower import FollowConfig, Follower, VersionRecord
 from shardcast.node.node import NodeConfig, ShardcastNode
@@ -46,9 +47,13 @@ async def _open(identity: Identity, cfg: NodeConfig, *, task_status) -> None:  #
 # py-libp2p 0.8.1's DCUtR leaves the socket of a failed simultaneous dial to the garbage
 # collector (ResourceWarning from dcutr._perform_hole_punch): a library defect, tolerated here.
 @pytest.mark.filterwarnings("ignore::pytest.PytestUnraisableExceptionWarning")
+@pytest.mark.parametrize("ahead", [False, True], ids=["on-demand", "ahead"])
 async def test_two_unreachable_peers_exchange_shards_over_a_punched_connection(
-    tmp_path: Path,
+    tmp_path: Path, ahead: bool
 ) -> None:
+    """``ahead``: the peers punch to each other as soon as they hear each other's advert,
+    before any version exists (:meth:`shardcast.core.PunchPlanner.ahead`); else only when a
+    download wants the other's bytes."""
     tl = trust()
     ck = make_checkpoint(tmp_path / "ck", SIZES, seed=7)
     want = {name: (ck / name).read_bytes() for name in SIZES}  # publish moves the checkpoint
@@ -96,7 +101,10 @@ async def test_two_unreachable_peers_exchange_shards_over_a_punched_connection(
             f = Follower(
                 node,
                 FollowConfig(
-                    upstreams=(r.p2p.multiaddrs()[0],), poll_interval_s=0.2, advert_interval_s=0.5
+                    upstreams=(r.p2p.multiaddrs()[0],),
+                    poll_interval_s=0.2,
+                    advert_interval_s=0.5,
+                    punch=PunchConfig(ahead_max_direct=8 if ahead else 0),
                 ),
                 random.Random(2),
                 on_commit=hook(name),
@@ -114,8 +122,18 @@ async def test_two_unreachable_peers_exchange_shards_over_a_punched_connection(
                     told.add(advert.peer_id)
                     if told == set(ids.values()):
                         break
-        for node, _ in peers.values():  # only the relay: no connection to each other yet
-            assert node.p2p.direct_peers() == [r_id]
+        (a, fa), (b, fb) = peers["a"], peers["b"]
+        if ahead:  # a direct connection before any version exists
+            assert isinstance(a.p2p, P2PNode)
+            assert isinstance(b.p2p, P2PNode)
+            with trio.fail_after(120):
+                await a.p2p.wait_direct(ids["b"])
+                await b.p2p.wait_direct(ids["a"])
+            made = [f.reachability_status()["punches"]["ahead"] for f in (fa, fb)]
+            assert sum(made) >= 1, made
+        else:
+            for node, _ in peers.values():  # only the relay: no connection to each other yet
+                assert node.p2p.direct_peers() == [r_id]
 
         await Origin(o, OriginConfig(shard_size=64 * 1024, shards_per_part=2)).publish(ck, 0)
         with trio.fail_after(90):
@@ -124,7 +142,6 @@ async def test_two_unreachable_peers_exchange_shards_over_a_punched_connection(
         for name, path in committed.items():  # byte-exact
             for f_name, data in want.items():
                 assert (path / f_name).read_bytes() == data, name
-        (a, fa), (b, fb) = peers["a"], peers["b"]
         from_other = {
             name: f.records[-1].stats.bytes_by_source.get(ids[other], 0)  # type: ignore[union-attr]
             for name, other, f in (("a", "b", fa), ("b", "a", fb))

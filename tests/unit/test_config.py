@@ -231,7 +231,7 @@ def test_defaults_are_the_libraries_own() -> None:
 
 
 def test_advert_backoff_and_reachability_recheck_are_settings() -> None:
-    from shardcast.core.reachability import ReachabilityConfig
+    from shardcast.core.reachability import PunchConfig, ReachabilityConfig
     from shardcast.download.discovery import LaneBackoff
 
     overrides: dict[str, object] = {
@@ -240,12 +240,23 @@ def test_advert_backoff_and_reachability_recheck_are_settings() -> None:
         "advert_max_failures": 2,
         "advert_drop_s": 600.0,
         "reachability_recheck_s": 120.0,
+        "punch_ahead": 0,
     }
     s = load_settings(RelaySettings, CONFIGS / "relay.toml", overrides)
     follow = s.follow_config(s.upstream)
     assert follow.lane_backoff == LaneBackoff(30.0, 2.0, LaneBackoff.max_s, 2, 600.0)
     assert follow.reachability == ReachabilityConfig(recheck_s=120.0)
-    for bad in ({"advert_max_failures": 0}, {"advert_retry_s": 0}, {"advert_retry_factor": 0.5}):
+    assert follow.punch == PunchConfig(ahead_max_direct=0)
+    assert (
+        load_settings(RelaySettings, CONFIGS / "relay.toml", {}).follow_config(s.upstream).punch
+        == PunchConfig()
+    )  # the library's default
+    for bad in (
+        {"advert_max_failures": 0},
+        {"advert_retry_s": 0},
+        {"advert_retry_factor": 0.5},
+        {"punch_ahead": -1},
+    ):
         with pytest.raises(ConfigError) as info:
             load_settings(RelaySettings, CONFIGS / "relay.toml", bad)
         assert info.value.field == next(iter(bad))

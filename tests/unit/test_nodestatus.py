@@ -129,7 +129,7 @@ def test_status_shows_own_reachability_and_each_known_lane() -> None:
         "checked_at": "2026-01-01T00:00:05Z",
         "last_answers": ["mismatch"],
         "relays": ["12D3KooWRRRRRRRRRRRRRRRRRRRRR"],
-        "punches": {"started": 3, "direct": 2, "failed": 1},
+        "punches": {"started": 3, "ahead": 2, "direct": 2, "failed": 1},
     }
     node = {"role": "peer", "latest_step": 3, "filling": [], "last_heard": None}
     doc["known_nodes"] = [
@@ -153,7 +153,7 @@ def test_status_shows_own_reachability_and_each_known_lane() -> None:
     console.print(render(doc))
     text = console.export_text()
     assert "unreachable since 00:00:05; not advertised (download-only)" in text
-    assert "reserved on 1 relay(s); punches 3 started, 2 direct, 1 failed" in text
+    assert "reserved on 1 relay(s); punches 3 started (2 ahead of need), 2 direct, 1 failed" in text
     assert "(mismatch)" in text
     for want in ("verified", "unreachable x2", "dropped (unreachable)", "none"):
         assert want in text

@@ -16,7 +16,14 @@ from p2p import wire
 from p2p.circuits import _DCUtR, is_unspecified, quiet_library_noise
 from p2p.errors import ConfigError, RemoteProtocolError
 from p2p.identity import Identity
-from shardcast.core import Lane, PunchConfig, PunchPlanner, Reservations, choose_lane
+from shardcast.core import (
+    Lane,
+    PunchConfig,
+    PunchPlanner,
+    PunchTarget,
+    Reservations,
+    choose_lane,
+)
 from shardcast.core.reachability import DialbackResult, Reach, Reachability
 from shardcast.download.discovery import MAX_RELAYS, NodeAdvert, SourceDirectory
 
@@ -271,3 +278,99 @@ async def test_dcutr_neither_sends_nor_dials_unspecified_addresses() -> None:
         for a in ("/ip4/0.0.0.0/tcp/1", "/ip6/::/tcp/1", "/ip4/8.8.8.8/tcp/1")
     ]
     assert [str(a) for a in dcutr._decode_observed_addrs(raw)] == ["/ip4/8.8.8.8/tcp/1"]
+
+
+def _targets(n: int, newest: int = -1) -> list[PunchTarget]:
+    return [
+        PunchTarget(Identity.from_seed(f"punch-ahead-{newest}-{i}").peer_id, (R1,), newest)
+        for i in range(n)
+    ]
+
+
+def test_punching_ahead_prefers_holders_of_the_newest_version_up_to_the_cap() -> None:
+    p = PunchPlanner(PunchConfig(max_concurrent=2, ahead_max_direct=3))
+    old, new = _targets(3, newest=1), _targets(2, newest=4)
+    got = p.ahead([*old, *new], frozenset({R1}), 0, 0.0, random.Random(0))
+    assert {peer for peer, _ in got} == {t.peer_id for t in new}  # the concurrency cap: two
+    assert all(relay == R1 for _, relay in got)
+    assert p.ahead(old, frozenset({R1}), 0, 0.0, random.Random(0)) == []  # two running
+    for peer, _ in got:
+        p.done(peer, direct=True, now=1.0)
+    # two now held directly: room for one more of the cap of three
+    again = p.ahead(old, frozenset({R1}), 2, 1.0, random.Random(0))
+    assert len(again) == 1
+    p.done(again[0][0], direct=True, now=2.0)
+    assert p.ahead(old, frozenset({R1}), 3, 2.0, random.Random(0)) == []  # the cap
+
+
+def test_punching_ahead_draws_fairly_among_equals_with_the_seeded_rng() -> None:
+    targets = _targets(4, newest=2)
+    firsts = set()
+    for seed in range(20):
+        p = PunchPlanner(PunchConfig(max_concurrent=1))
+        got = p.ahead(targets, frozenset({R1}), 0, 0.0, random.Random(seed))
+        firsts.add(got[0][0])
+    assert firsts == {t.peer_id for t in targets}  # no advertiser is always last
+    one = PunchPlanner(PunchConfig(max_concurrent=1))
+    two = PunchPlanner(PunchConfig(max_concurrent=1))
+    assert one.ahead(targets, frozenset({R1}), 0, 0.0, random.Random(7)) == two.ahead(
+        targets, frozenset({R1}), 0, 0.0, random.Random(7)
+    )  # deterministic
+
+
+def test_punching_ahead_backs_off_a_failed_peer_and_yields_like_start() -> None:
+    cfg = PunchConfig(max_concurrent=4, backoff_initial_s=60.0, yield_s=10.0)
+    p = PunchPlanner(cfg)
+    (t,) = _targets(1, newest=0)
+    conn = frozenset({R1})
+    assert p.ahead([t], conn, 0, 0.0, random.Random(0)) == [(t.peer_id, R1)]
+    p.done(t.peer_id, direct=False, now=5.0)
+    assert p.ahead([t], conn, 0, 64.0, random.Random(0)) == []  # backing off until 65 s
+    assert p.ahead([t], conn, 0, 65.0, random.Random(0)) == [(t.peer_id, R1)]
+    p.done(t.peer_id, direct=True, now=66.0)
+    polite = PunchTarget(NAT, (R1,), 0, yield_to_peer=True)
+    assert p.ahead([polite], conn, 0, 100.0, random.Random(0)) == []  # yields first
+    assert p.ahead([polite], conn, 0, 110.0, random.Random(0)) == [(NAT, R1)]
+    assert p.ahead([PunchTarget(NAT2, (R2,))], conn, 0, 110.0, random.Random(0)) == []
+
+
+def test_punching_ahead_can_be_turned_off() -> None:
+    p = PunchPlanner(PunchConfig(ahead_max_direct=0))
+    assert p.ahead(_targets(2), frozenset({R1}), 0, 0.0, random.Random(0)) == []
+    with pytest.raises(ConfigError, match="ahead_max_direct"):
+        PunchConfig(ahead_max_direct=-1)
+    with pytest.raises(ConfigError, match="ahead_interval_s"):
+        PunchConfig(ahead_interval_s=0.0)
+
+
+def test_discovery_offers_every_nated_advertiser_to_punch_ahead() -> None:
+    d = SourceDirectory(
+        "me", set(), ttl_s=10.0, max_entries=10, rng=random.Random(0), require_verified=True
+    )
+    d.offer(NodeAdvert(NAT, "peer", "", (1,), (), stream_lane=True, relays=(R1,)), 0.0)
+    d.offer(NodeAdvert(NAT2, "peer", "", (), (), stream_lane=True, relays=(R1,)), 0.0)
+    d.offer(NodeAdvert(R2, "relay", "http://8.8.8.8:1", (1,), ()), 0.0)
+    adverts, held = d.punch_ahead(1.0, connected=frozenset({R1}))
+    assert ([a.peer_id for a in adverts], held) == ([NAT, NAT2], 0)  # holding nothing yet too
+    assert [a.newest() for a in adverts] == [1, -1]
+    adverts, held = d.punch_ahead(1.0, connected=frozenset({R1, NAT}))
+    assert ([a.peer_id for a in adverts], held) == ([NAT2], 1)
+    assert d.punch_ahead(1.0, connected=frozenset()) == ([], 0)  # no shared relay
+    assert d.punch_ahead(11.0, connected=frozenset({R1})) == ([], 0)  # expired
+
+
+def test_discovery_does_not_put_public_lanes_before_punched_stream_lanes() -> None:
+    """A holder behind a NAT, held directly (punched), is offered like a public one: complete
+    holders are drawn in a seeded random order whatever their lane (the scheduler then ranks
+    sources by measured rate only, :mod:`shardcast.core.select`)."""
+    firsts = set()
+    for seed in range(16):
+        d = SourceDirectory(
+            "me", set(), ttl_s=10.0, max_entries=10, rng=random.Random(seed), require_verified=False
+        )
+        d.offer(NodeAdvert(R2, "peer", "http://8.8.8.8:1", (1,), ()), 0.0)
+        d.offer(NodeAdvert(NAT, "peer", "", (1,), (), stream_lane=True, relays=(R1,)), 0.0)
+        got = d.sources_for(1, 1.0, 10, connected=frozenset({R1, NAT}))
+        assert sorted(s.base_url for s in got) == sorted(["http://8.8.8.8:1", f"p2p://{NAT}"])
+        firsts.add(got[0].id)
+    assert firsts == {R2, NAT}
