@@ -551,77 +551,18 @@ class DownloadDriver:
 
     async def fetch_batch(self, batch: tuple[Fetch, ...]) -> None:
         """Receive the whole blobs of ``batch`` (one source, one encoding) with one request
-        on the batch route, then hand each to the session as its own transfer: split by
-        the signed sizes, hashed into its own sink, checked on its own (a bad blob blames
-        this one source: the whole body came from it). A ``404`` means the source lacks the
-        route (an older node) or the version: its blobs go back to the scheduler
-        (``CANCELLED``: no penalty) and are asked one at a time from then on. Any other
-        failure ends every blob of the batch with the same outcome; a body of the wrong
-        length is the source's protocol error."""
-        src, session, first = self.by_id[batch[0].source], self.session, batch[0]
+        on the batch route (:meth:`_get_batch`), then hand each to the session as its own
+        transfer (:meth:`_hand_out`): split by the signed sizes, hashed into its own sink,
+        checked on its own (a bad blob blames this one source: the whole body came from
+        it); the checks share one worker-thread hop."""
+        src, t0 = self.by_id[batch[0].source], trio.current_time()
         sinks = [ShardSink.pooled(f.size) for f in batch]
         for f, sink in zip(batch, sinks, strict=True):
             self.sinks[f.req] = sink
-        total = sum(f.size for f in batch)
-        failed = sorted({s for f in batch for s in f.failed})
-        url = blobs_url(
-            src.base_url,
-            self.m.run_id,
-            self.m.step,
-            self.digest,
-            [f.shard for f in batch],
-            first.encoding,
-        )
-        outcome, data, t0 = Outcome.CANCELLED, b"", trio.current_time()
         try:
-            try:
-                data = await self.cpu.steps(
-                    Stage.RECEIVE,
-                    self.client.get_bytes(
-                        url,
-                        max_bytes=total,
-                        timeout_s=self.stall_timeout_s,
-                        headers=failed_header(failed),
-                    ),
-                )
-                if len(data) != total:
-                    raise RemoteProtocolError(src.id, f"batch of {len(data)} bytes for {total}")
-                outcome = Outcome.OK
-            except NotAvailable as exc:
-                if exc.status == 404:  # no batch route there (or no version): one at a time
-                    self.batcher.unsupported(src.id)
-                else:
-                    outcome = _unavailable(exc)
-                    if outcome is Outcome.REFUSED and self.observer is not None:
-                        self.observer.refused(src.id)
-            except (StreamBroken, PeerUnreachable) as exc:
-                outcome = Outcome.BROKEN if isinstance(exc, StreamBroken) else Outcome.UNREACHABLE
-                self._log_failure("shard_fetch_failed", first, exc)
-            except RemoteProtocolError as exc:
-                outcome = Outcome.PROTOCOL_ERROR
-                self._log_failure("source_protocol_error", first, exc)
-            now = trio.current_time()
-            checks: list[tuple[Fetch, ShardSink]] = []
-            pos = 0
-            for f, sink in zip(batch, sinks, strict=True):
-                mine = outcome
-                if mine is Outcome.OK and self.scopes[f.req].cancel_called:
-                    mine = Outcome.CANCELLED  # cancelled (endgame) while the batch was out
-                got = 0
-                if mine is Outcome.OK:
-                    session.first_byte(f.req, now)
-                    with self.cpu.measure(Stage.VERIFY):
-                        sink.window(f.size)[:] = data[pos : pos + f.size]
-                        sink.advance(f.size)  # hashed
-                    got = f.size
-                pos += f.size
-                actions = session.transfer_ended(f.req, mine, got, now)
-                if mine is Outcome.OK and self.observer is not None:
-                    self.observer.shard_received(src.id, f.encoding, got, now - t0)
-                self.apply(actions)
-                if any(isinstance(a, Check) for a in actions):
-                    checks.append((f, sink))
-            data = b""
+            outcome, data = await self._get_batch(batch, src)
+            checks = self._hand_out(batch, sinks, outcome, memoryview(data), src, t0)
+            del data
             if checks:
                 await self.check_many(checks, src)
         finally:
@@ -631,6 +572,82 @@ class DownloadDriver:
                 if not self._held(sink):
                     sink.release()
             self.poke()
+
+    async def _get_batch(self, batch: tuple[Fetch, ...], src: Source) -> tuple[Outcome, bytes]:
+        """The body of ``batch`` from ``src`` and how the request ended. A ``404`` means the
+        source lacks the route (an older node) or the version: ``CANCELLED`` (its blobs go
+        back to the scheduler without a penalty) and the :class:`BlobBatcher` asks it one
+        blob at a time from then on. A body of the wrong length is the source's protocol
+        error; any other failure ends every blob of the batch the same way."""
+        total = sum(f.size for f in batch)
+        url = blobs_url(
+            src.base_url,
+            self.m.run_id,
+            self.m.step,
+            self.digest,
+            [f.shard for f in batch],
+            batch[0].encoding,
+        )
+        failed = failed_header(sorted({s for f in batch for s in f.failed}))
+        try:
+            data = await self.cpu.steps(
+                Stage.RECEIVE,
+                self.client.get_bytes(
+                    url, max_bytes=total, timeout_s=self.stall_timeout_s, headers=failed
+                ),
+            )
+            if len(data) != total:
+                raise RemoteProtocolError(src.id, f"batch of {len(data)} bytes for {total}")
+            return Outcome.OK, data
+        except NotAvailable as exc:
+            if exc.status == 404:  # no batch route there (or no version): one at a time
+                self.batcher.unsupported(src.id)
+                return Outcome.CANCELLED, b""
+            outcome = _unavailable(exc)
+            if outcome is Outcome.REFUSED and self.observer is not None:
+                self.observer.refused(src.id)
+            return outcome, b""
+        except (StreamBroken, PeerUnreachable) as exc:
+            self._log_failure("shard_fetch_failed", batch[0], exc)
+            broken = isinstance(exc, StreamBroken)
+            return (Outcome.BROKEN if broken else Outcome.UNREACHABLE), b""
+        except RemoteProtocolError as exc:
+            self._log_failure("source_protocol_error", batch[0], exc)
+            return Outcome.PROTOCOL_ERROR, b""
+
+    def _hand_out(
+        self,
+        batch: tuple[Fetch, ...],
+        sinks: list[ShardSink],
+        outcome: Outcome,
+        data: memoryview,
+        src: Source,
+        t0: float,
+    ) -> list[tuple[Fetch, ShardSink]]:
+        """End each transfer of ``batch`` with the session (its blob, at its signed size,
+        hashed into its sink when the batch arrived); returns those to check."""
+        now, session = trio.current_time(), self.session
+        checks: list[tuple[Fetch, ShardSink]] = []
+        pos = 0
+        for f, sink in zip(batch, sinks, strict=True):
+            mine = outcome
+            if mine is Outcome.OK and self.scopes[f.req].cancel_called:
+                mine = Outcome.CANCELLED  # cancelled (endgame) while the batch was out
+            got = 0
+            if mine is Outcome.OK:
+                session.first_byte(f.req, now)
+                with self.cpu.measure(Stage.VERIFY):
+                    sink.window(f.size)[:] = data[pos : pos + f.size]
+                    sink.advance(f.size)  # hashed
+                got = f.size
+            pos += f.size
+            actions = session.transfer_ended(f.req, mine, got, now)
+            if mine is Outcome.OK and self.observer is not None:
+                self.observer.shard_received(src.id, f.encoding, got, now - t0)
+            self.apply(actions)
+            if any(isinstance(a, Check) for a in actions):
+                checks.append((f, sink))
+        return checks
 
     def _log_failure(self, event: str, f: Fetch, exc: Exception) -> None:
         log.info(

@@ -94,7 +94,7 @@ from p2p.http_range import UnsatisfiableRange, choose_range, if_range_holds
 from p2p.http_server import FileSlice, HttpRequest, HttpResponse, file_response
 from p2p.identity import Identity
 from p2p.trust import TrustList
-from shardcast.core.batch import MAX_BATCH_BYTES
+from shardcast.core import MAX_BATCH_BYTES
 from shardcast.serve.superseeding import SuperSeeding
 from shardcast.store import ChainBroken, VersionStore
 from shardcast.wire import (
@@ -354,11 +354,7 @@ class VersionServer:
         if mr["shard"] is not None:
             return await self._blob(req, step, m, int(mr["shard"]), mr["enc"])
         if mr["benc"] is not None:
-            try:
-                shards = parse_shards(mr["shards"])
-            except ValueError:
-                return HttpResponse(400)
-            return await self._blobs(req, step, m, shards, mr["benc"])
+            return await self._blobs(req, step, m, mr["shards"], mr["benc"])
         return await self._file(req, step, m, mr["name"] or "")
 
     def _have_now(self, req: HttpRequest, step: int, m: Manifest) -> tuple[bytes, str]:
@@ -635,7 +631,7 @@ class VersionServer:
         )
 
     async def _blobs(
-        self, req: HttpRequest, step: int, m: Manifest, shards: list[int], encoding: str
+        self, req: HttpRequest, step: int, m: Manifest, listed: str, encoding: str
     ) -> HttpResponse:
         """A batch (:func:`~shardcast.wire.lane_urls.blobs_url`): the ``encoding`` blobs of
         ``shards``, one after the other, each exactly its signed size (the requester splits
@@ -643,7 +639,12 @@ class VersionServer:
         digest). Held like one blob until every shard of the batch is verified here;
         ``404`` if one is not offered in ``encoding`` or not kept here (the requester then
         asks one blob at a time); ``413`` above :data:`~shardcast.core.batch.MAX_BATCH_BYTES`
-        (read into memory: bounded); super-seeding decides for the batch as a whole."""
+        (read into memory: bounded); super-seeding decides for the batch as a whole;
+        ``400`` for a shard named twice in ``listed`` (the route's ``i,j,..``)."""
+        try:
+            shards = parse_shards(listed)
+        except ValueError:
+            return HttpResponse(400)
         n = len(m.header.shards)
         if any(i >= n for i in shards):
             return HttpResponse(404)
