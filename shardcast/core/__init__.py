@@ -2,17 +2,19 @@
 ``random.Random`` come in as arguments).
 
 One download's decisions (:mod:`.session`, events in, actions out), source selection
-(:mod:`.select`), when to abandon a download (:mod:`.liveness`), which versions to fetch to
-catch up (:mod:`.catchup`), retention (:mod:`.retention`), upstream poll pacing
-(:mod:`.pollpolicy`), what a mirror listed (:mod:`.mirrorpoll`), and a node's CPU-seconds by
-stage of its data path (:mod:`.stagecpu`, an account with an injected clock). The trio drivers
-(:mod:`shardcast.download`) and the simulator (``simulations/``) run the same objects.
+(:mod:`.select`), which delta blobs share a request (:mod:`.batch`), when to abandon a
+download (:mod:`.liveness`), which versions to fetch to catch up (:mod:`.catchup`), retention
+(:mod:`.retention`), upstream poll pacing (:mod:`.pollpolicy`), what a mirror listed
+(:mod:`.mirrorpoll`), and a node's CPU-seconds by stage of its data path (:mod:`.stagecpu`,
+an account with an injected clock). The trio drivers (:mod:`shardcast.download`) and the
+simulator (``simulations/``) run the same objects.
 Imports only :mod:`shardcast.wire` (and ``p2p.errors``).
 """
 
 from __future__ import annotations
 
 from shardcast.core import catchup
+from shardcast.core.batch import MAX_BATCH_BLOBS, MAX_BATCH_BYTES, BlobBatcher
 from shardcast.core.catchup import plan
 from shardcast.core.liveness import Abandon, Answer
 from shardcast.core.mirrorpoll import MirrorPoll
@@ -93,12 +95,15 @@ __all__ = [
     "LEARNED_KEPT",
     "MANIFEST_RETRY_FIRST_S",
     "MANIFEST_RETRY_MAX_S",
+    "MAX_BATCH_BLOBS",
+    "MAX_BATCH_BYTES",
     "MAX_DIALBACK_BYTES",
     "Abandon",
     "Action",
     "Answer",
     "Ban",
     "Blame",
+    "BlobBatcher",
     "Cancel",
     "Check",
     "Commit",

@@ -102,6 +102,12 @@ class SchedulerConfig:
             shard to another downloader moments ago) is not asked for that shard again for
             this long, seconds; other sources are (``503``, "not verified yet", waits
             ``penalty_s / 10``). Asking again at once only collects more refusals.
+        light_slot_bytes: a request for a *light* shard (:meth:`Scheduler.mark_known`: a
+            delta blob, which the driver asks a source for several at a time in one HTTP
+            request, :mod:`shardcast.core.batch`) takes ``length / light_slot_bytes`` of a
+            request slot (at most one), here and in ``per_source_inflight``: with 4 MiB,
+            two slots of a source hold ~32 blobs of 250 KB (a next version's typical blob)
+            instead of 2, so they go out in one or two batches, not one request each.
     """
 
     max_inflight: int = 4
@@ -117,12 +123,15 @@ class SchedulerConfig:
     rarity_slack: float = 1.5
     complete_cost_factor: float = 1.25
     refused_s: float = 1.0
+    light_slot_bytes: int = 4 << 20
 
     def __post_init__(self) -> None:
         if not self.complete_cost_factor >= 1:
             raise LocalProtocolError("complete_cost_factor must be >= 1")
         if self.max_inflight < 1 or self.per_source_inflight < 1:
             raise LocalProtocolError("in-flight limits must be >= 1")
+        if self.light_slot_bytes < 1:
+            raise LocalProtocolError("light_slot_bytes must be >= 1")
         if not self.rarity_slack >= 1:
             raise LocalProtocolError("rarity_slack must be >= 1")
         if not 0 <= self.explore <= 1 or not 0 < self.ewma_alpha <= 1:
@@ -137,6 +146,7 @@ class SourceState:
     rate_bps: float
     have: set[int] | None  # None: holds (or will hold) every shard
     inflight: int = 0
+    load: int = 0  # request slots in flight, in units of 1 / light_slot_bytes of a slot
     queued_bytes: int = 0
     failures: int = 0
     consecutive_failures: int = 0
@@ -173,6 +183,7 @@ class _Flight:
     started: float
     outage: int = 0  # the source's ``outages`` when the request started
     first_byte: float | None = None
+    units: int = 0  # the request's share of a slot (``light_slot_bytes`` = one slot)
 
 
 @dataclass(frozen=True)
@@ -194,6 +205,7 @@ class _ShardState:
     done: bool = False
     received: int = 0  # bytes of a partial transfer kept for resumption
     flights: list[int] = field(default_factory=list)
+    light: bool = False  # a delta blob: its requests take a share of a slot (see config)
 
 
 class Scheduler:
@@ -238,6 +250,7 @@ class Scheduler:
         heapq.heapify(self._heap)
         self._sources: dict[str, SourceState] = {}
         self._flights: dict[int, _Flight] = {}
+        self._load = 0  # request slots in flight, in units (see SourceState.load)
         self._next_id = 0
         self._requests = self._duplicates = self._failures = self._corrupt = self._resumed = 0
 
@@ -291,11 +304,14 @@ class Scheduler:
             self._held.update(i for i in new if i not in st.prefix)
         st.prefix = new
 
-    def mark_known(self, index: int, length: int | None = None) -> None:
+    def mark_known(self, index: int, length: int | None = None, light: bool = False) -> None:
         """Shard ``index`` may now be requested (its manifest part arrived); ``length`` is the
-        number of bytes a transfer of it moves (e.g. its encoded size), if not the default."""
+        number of bytes a transfer of it moves (e.g. its encoded size), if not the default;
+        ``light``: it is fetched as a delta blob, batched by the driver, so a request for it
+        takes ``length / light_slot_bytes`` of a request slot (:class:`SchedulerConfig`)."""
         s = self._shards[index]
         s.known = True
+        s.light = light
         if not s.done and not s.flights:
             self._make_idle(index)
         if length is not None and length != s.length:  # another encoding: its prefix is void
@@ -331,6 +347,10 @@ class Scheduler:
     def inflight(self) -> int:
         """Requests in flight."""
         return len(self._flights)
+
+    def _full(self, units: int, slots: int) -> bool:
+        """True if ``units`` in flight fill ``slots`` request slots."""
+        return units >= slots * self.config.light_slot_bytes
 
     def resume_offset(self, shard: int) -> int:
         """Bytes of ``shard`` already received and kept by the driver."""
@@ -372,7 +392,7 @@ class Scheduler:
             why = []
             if st.banned:
                 why.append("banned")
-            if st.inflight >= cap:
+            if self._full(st.load, cap):
                 why.append("full")
             if st.blocked_until > now:
                 why.append(f"blocked={st.blocked_until - now:.1f}s")
@@ -399,7 +419,10 @@ class Scheduler:
             st
             for st in self._sources.values()
             if not (
-                st.banned or st.source in exclude or st.inflight >= cap or st.blocked_until > now
+                st.banned
+                or st.source in exclude
+                or self._full(st.load, cap)
+                or st.blocked_until > now
             )
         ]
 
@@ -478,7 +501,7 @@ class Scheduler:
 
         Call repeatedly while it returns requests and the driver has free slots.
         """
-        if len(self._flights) >= self.config.max_inflight or not self._missing:
+        if self._full(self._load, self.config.max_inflight) or not self._missing:
             return None
         if not self._idle:
             if any(not s.known and not s.done for s in self._shards):
@@ -633,10 +656,14 @@ class Scheduler:
             self._resumed += 1
         req = Request(self._next_id, shard, st.source, start, s.length - start, duplicate)
         self._next_id += 1
-        self._flights[req.id] = _Flight(req, now, st.outages)
+        slot = self.config.light_slot_bytes
+        units = min(slot, max(1, req.length)) if s.light else slot
+        self._flights[req.id] = _Flight(req, now, st.outages, units=units)
         s.flights.append(req.id)
         self._idle.discard(shard)
         st.inflight += 1
+        st.load += units
+        self._load += units
         st.queued_bytes += req.length
         self._requests += 1
         self._duplicates += duplicate
@@ -651,8 +678,10 @@ class Scheduler:
         if not s.flights and s.known and not s.done:
             self._make_idle(fl.req.shard)
         st = self._sources.get(fl.req.source)
+        self._load -= fl.units
         if st is not None:
             st.inflight -= 1
+            st.load -= fl.units
             st.queued_bytes -= fl.req.length
         return fl, st
 

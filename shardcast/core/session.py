@@ -433,7 +433,7 @@ class Session:
 
     def _reschedule(self, index: int) -> None:
         enc = self._chosen[index] = self._choose(index)
-        self.sched.mark_known(index, self._size(index, enc))
+        self.sched.mark_known(index, self._size(index, enc), light=enc in codecs.DELTAS)
 
     # -- the loop ----------------------------------------------------------------------------
 

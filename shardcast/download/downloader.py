@@ -65,6 +65,7 @@ from p2p.lanes import HttpLaneClient
 from p2p.trust import TrustList
 from shardcast.core import (
     Abandon,
+    BlobBatcher,
     DownloadStats,
     Fail,
     Session,
@@ -128,6 +129,7 @@ class Downloader:
         self._extra: Callable[[], list[Source]] | None = None
         self._max_extra = 16
         self.bans = SourceBans(config.source_ban_s)
+        self.batcher = BlobBatcher()  # which sources lack the batch route: kept across versions
         self._upstreams: Callable[[], list[Source]] | None = None
         self.last_stats: DownloadStats | None = None  # of the latest download, even failed
 
@@ -303,6 +305,7 @@ class Downloader:
             on_shard=on_shard,
             progress=progress,
             cpu=self.cpu,
+            batcher=self.batcher,
         )
         end = await driver.run(sources)
         if isinstance(end, Fail):  # raised here, outside the nursery: a plain exception type

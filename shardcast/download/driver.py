@@ -78,6 +78,7 @@ from shardcast.core import (
     Answer,
     Ban,
     Blame,
+    BlobBatcher,
     Cancel,
     Check,
     Commit,
@@ -113,6 +114,7 @@ from shardcast.wire import (
     ManifestError,
     ShardEntry,
     blob_url,
+    blobs_url,
     codecs,
     decode_have,
     decode_part,
@@ -258,6 +260,8 @@ class DownloadDriver:
             :meth:`~shardcast.download.downloader.Downloader.download`), or None.
         on_shard, progress: as in :meth:`~shardcast.download.downloader.Downloader.download`.
         cpu: the node's CPU account by stage (module docstring), or None.
+        batcher: which blob fetches share a request (kept across versions by the
+            downloader: a source found without the batch route stays so), or None.
     """
 
     def __init__(
@@ -277,8 +281,10 @@ class DownloadDriver:
         on_shard: Callable[[int], None] | None,
         progress: ProgressFn | None,
         cpu: StageCpu | None = None,
+        batcher: BlobBatcher | None = None,
     ) -> None:
         self.client = client
+        self.batcher = batcher if batcher is not None else BlobBatcher()
         self.cpu = cpu if cpu is not None else StageCpu()
         self.part = part
         self.m = part.manifest
@@ -345,11 +351,14 @@ class DownloadDriver:
                             quiet,
                             self.session.explain(now),
                         )
+                    todo: list[Action] = []
                     for a in self.session.poll(now):
                         if isinstance(a, Commit | Fail):
                             end = a
                         else:
-                            self.apply(a)
+                            todo.append(a)
+                    if todo:  # together: the blob fetches of one poll may share requests
+                        self.apply(todo)
                     if end is None:
                         wait = min(self.session.next_wake(now), report_at - quiet)
                         with trio.move_on_after(max(wait, 0.0)):
@@ -364,8 +373,24 @@ class DownloadDriver:
         return end
 
     def apply(self, actions: Action | list[Action]) -> None:
-        for a in actions if isinstance(actions, list) else [actions]:
-            self._apply(a)
+        """Do ``actions`` in order; the whole delta blobs among their fetches are grouped by
+        the :class:`~shardcast.core.batch.BlobBatcher` and started last, each group as one
+        request (their cancel scopes exist at once, so a later ``Cancel`` still applies)."""
+        acts = actions if isinstance(actions, list) else [actions]
+        deferred: list[Fetch] = []
+        for a in acts:
+            if isinstance(a, Fetch) and self.batcher.batchable(a, self.by_id[a.source].anonymous):
+                self.scopes[a.req] = trio.CancelScope()
+                deferred.append(a)
+            else:
+                self._apply(a)
+        assert self.nursery is not None or not deferred
+        for group in self.batcher.plan(deferred):
+            assert self.nursery is not None
+            if len(group) == 1:
+                self.nursery.start_soon(self.fetch, group[0], ShardSink.pooled(group[0].size))
+            else:
+                self.nursery.start_soon(self.fetch_batch, group)
         self.poke()
 
     def _apply(self, a: Action) -> None:
@@ -524,6 +549,106 @@ class DownloadDriver:
                 sink.release()  # written, failed or dropped: the buffer is reusable
             self.poke()
 
+    async def fetch_batch(self, batch: tuple[Fetch, ...]) -> None:
+        """Receive the whole blobs of ``batch`` (one source, one encoding) with one request
+        on the batch route (:meth:`_get_batch`), then hand each to the session as its own
+        transfer (:meth:`_hand_out`): split by the signed sizes, hashed into its own sink,
+        checked on its own (a bad blob blames this one source: the whole body came from
+        it); the checks share one worker-thread hop."""
+        src, t0 = self.by_id[batch[0].source], trio.current_time()
+        sinks = [ShardSink.pooled(f.size) for f in batch]
+        for f, sink in zip(batch, sinks, strict=True):
+            self.sinks[f.req] = sink
+        try:
+            outcome, data = await self._get_batch(batch, src)
+            checks = self._hand_out(batch, sinks, outcome, memoryview(data), src, t0)
+            del data
+            if checks:
+                await self.check_many(checks, src)
+        finally:
+            for f, sink in zip(batch, sinks, strict=True):
+                self.scopes.pop(f.req, None)
+                self.sinks.pop(f.req, None)
+                if not self._held(sink):
+                    sink.release()
+            self.poke()
+
+    async def _get_batch(self, batch: tuple[Fetch, ...], src: Source) -> tuple[Outcome, bytes]:
+        """The body of ``batch`` from ``src`` and how the request ended. A ``404`` means the
+        source lacks the route (an older node) or the version: ``CANCELLED`` (its blobs go
+        back to the scheduler without a penalty) and the :class:`BlobBatcher` asks it one
+        blob at a time from then on. A body of the wrong length is the source's protocol
+        error; any other failure ends every blob of the batch the same way."""
+        total = sum(f.size for f in batch)
+        url = blobs_url(
+            src.base_url,
+            self.m.run_id,
+            self.m.step,
+            self.digest,
+            [f.shard for f in batch],
+            batch[0].encoding,
+        )
+        failed = failed_header(sorted({s for f in batch for s in f.failed}))
+        try:
+            data = await self.cpu.steps(
+                Stage.RECEIVE,
+                self.client.get_bytes(
+                    url, max_bytes=total, timeout_s=self.stall_timeout_s, headers=failed
+                ),
+            )
+            if len(data) != total:
+                raise RemoteProtocolError(src.id, f"batch of {len(data)} bytes for {total}")
+            return Outcome.OK, data
+        except NotAvailable as exc:
+            if exc.status == 404:  # no batch route there (or no version): one at a time
+                self.batcher.unsupported(src.id)
+                return Outcome.CANCELLED, b""
+            outcome = _unavailable(exc)
+            if outcome is Outcome.REFUSED and self.observer is not None:
+                self.observer.refused(src.id)
+            return outcome, b""
+        except (StreamBroken, PeerUnreachable) as exc:
+            self._log_failure("shard_fetch_failed", batch[0], exc)
+            broken = isinstance(exc, StreamBroken)
+            return (Outcome.BROKEN if broken else Outcome.UNREACHABLE), b""
+        except RemoteProtocolError as exc:
+            self._log_failure("source_protocol_error", batch[0], exc)
+            return Outcome.PROTOCOL_ERROR, b""
+
+    def _hand_out(
+        self,
+        batch: tuple[Fetch, ...],
+        sinks: list[ShardSink],
+        outcome: Outcome,
+        data: memoryview,
+        src: Source,
+        t0: float,
+    ) -> list[tuple[Fetch, ShardSink]]:
+        """End each transfer of ``batch`` with the session (its blob, at its signed size,
+        hashed into its sink when the batch arrived); returns those to check."""
+        now, session = trio.current_time(), self.session
+        checks: list[tuple[Fetch, ShardSink]] = []
+        pos = 0
+        for f, sink in zip(batch, sinks, strict=True):
+            mine = outcome
+            if mine is Outcome.OK and self.scopes[f.req].cancel_called:
+                mine = Outcome.CANCELLED  # cancelled (endgame) while the batch was out
+            got = 0
+            if mine is Outcome.OK:
+                session.first_byte(f.req, now)
+                with self.cpu.measure(Stage.VERIFY):
+                    sink.window(f.size)[:] = data[pos : pos + f.size]
+                    sink.advance(f.size)  # hashed
+                got = f.size
+            pos += f.size
+            actions = session.transfer_ended(f.req, mine, got, now)
+            if mine is Outcome.OK and self.observer is not None:
+                self.observer.shard_received(src.id, f.encoding, got, now - t0)
+            self.apply(actions)
+            if any(isinstance(a, Check) for a in actions):
+                checks.append((f, sink))
+        return checks
+
     def _log_failure(self, event: str, f: Fetch, exc: Exception) -> None:
         log.info(
             "%s step=%d shard=%d source=%s error=%s",
@@ -534,29 +659,45 @@ class DownloadDriver:
             exc,
         )
 
-    async def check(self, f: Fetch, sink: ShardSink, src: Source) -> None:
-        """Verify, decode and write the complete bytes of ``f`` in a worker thread."""
-        entry, v0 = self.m.shard(f.shard), trio.current_time()
+    def _verdict(self, f: Fetch, sink: ShardSink, src: Source) -> Verdict | OSError:
+        """Verify, decode and write the complete bytes of ``f`` (blocking: in a worker
+        thread); an ``OSError`` (the partial directory vanished) is returned, not raised."""
         try:
-            written = await trio.to_thread.run_sync(
-                functools.partial(verify_and_write, cpu=self.cpu),
-                self.part,
-                entry,
-                f.encoding,
-                sink,
-                self.base,
-                src.id,
-                limiter=check_limiter(),
+            written = verify_and_write(
+                self.part, self.m.shard(f.shard), f.encoding, sink, self.base, src.id, cpu=self.cpu
             )
-            verdict = Verdict.VERIFIED if written else Verdict.ALREADY_HELD
-        except OSError as exc:  # the partial directory vanished: start over
-            self.session.store_lost(f.req, str(exc))
-            return
+            return Verdict.VERIFIED if written else Verdict.ALREADY_HELD
+        except OSError as exc:
+            return exc
         except BaseMismatch as exc:  # the blob matched its digest: nobody's fault
             undecodable = isinstance(exc.__cause__, codecs.CodecError)
-            verdict = Verdict.UNDECODABLE if undecodable else Verdict.BASE_MISMATCH
+            return Verdict.UNDECODABLE if undecodable else Verdict.BASE_MISMATCH
         except IntegrityError:
-            verdict = Verdict.CORRUPT
+            return Verdict.CORRUPT
+
+    async def check(self, f: Fetch, sink: ShardSink, src: Source) -> None:
+        """Verify, decode and write the complete bytes of ``f`` in a worker thread."""
+        v0 = trio.current_time()
+        result = await trio.to_thread.run_sync(self._verdict, f, sink, src, limiter=check_limiter())
+        self._checked(f, src, result, v0)
+
+    async def check_many(self, items: list[tuple[Fetch, ShardSink]], src: Source) -> None:
+        """:meth:`check` of several blobs of one batch, in one worker-thread hop."""
+        v0 = trio.current_time()
+
+        def work() -> list[Verdict | OSError]:
+            return [self._verdict(f, sink, src) for f, sink in items]
+
+        results = await trio.to_thread.run_sync(work, limiter=check_limiter())
+        for (f, _), result in zip(items, results, strict=True):
+            self._checked(f, src, result, v0)
+
+    def _checked(self, f: Fetch, src: Source, result: Verdict | OSError, v0: float) -> None:
+        """Tell the session what checking ``f`` found, and the observers."""
+        if isinstance(result, OSError):  # the partial directory vanished: start over
+            self.session.store_lost(f.req, str(result))
+            return
+        verdict, entry = result, self.m.shard(f.shard)
         now = trio.current_time()
         self.apply(self.session.shard_checked(f.req, verdict, now))
         if verdict is Verdict.VERIFIED:

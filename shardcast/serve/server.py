@@ -10,6 +10,8 @@ Routes (``GET``/``HEAD``; paths built by :mod:`shardcast.wire.lane_urls`)::
     /shardnet/v1/<run>/<step>/<digest>/files/<name>      file bytes, Range requests (206)
     /shardnet/v1/<run>/<step>/<digest>/shard/<i>/<enc>   an encoded shard blob (zstd, xor-zstd,
                                                          sparse)
+    /shardnet/v1/<run>/<step>/<digest>/blobs/<enc>/<i>,.. a batch: several shards' blobs, one
+                                                         after the other (at most 64, 8 MiB)
     /shardnet/v1/whoami/<nonce>                          the node's PeerID and its signature of
                                                          the nonce and this URL
 
@@ -82,7 +84,7 @@ import json
 import logging
 import re
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Iterable
 from pathlib import Path
 from typing import Protocol
 
@@ -92,6 +94,7 @@ from p2p.http_range import UnsatisfiableRange, choose_range, if_range_holds
 from p2p.http_server import FileSlice, HttpRequest, HttpResponse, file_response
 from p2p.identity import Identity
 from p2p.trust import TrustList
+from shardcast.core import MAX_BATCH_BYTES
 from shardcast.serve.superseeding import SuperSeeding
 from shardcast.store import ChainBroken, VersionStore
 from shardcast.wire import (
@@ -111,6 +114,7 @@ from shardcast.wire import (
     encode_prefixes,
     have_token,
     parse_failed,
+    parse_shards,
     sign_whoami,
     verify_request,
 )
@@ -349,6 +353,8 @@ class VersionServer:
             return self._document(req, step, part.encode(), f'"{m.digest}.p{k}"', ctype)
         if mr["shard"] is not None:
             return await self._blob(req, step, m, int(mr["shard"]), mr["enc"])
+        if mr["benc"] is not None:
+            return await self._blobs(req, step, m, mr["shards"], mr["benc"])
         return await self._file(req, step, m, mr["name"] or "")
 
     def _have_now(self, req: HttpRequest, step: int, m: Manifest) -> tuple[bytes, str]:
@@ -413,7 +419,9 @@ class VersionServer:
                 out[i // 8] |= 0x80 >> (i % 8)
         return bytes(out)
 
-    def _refuse_repeat(self, req: HttpRequest, step: int, m: Manifest, shards: range) -> bool:
+    def _refuse_repeat(
+        self, req: HttpRequest, step: int, m: Manifest, shards: Iterable[int]
+    ) -> bool:
         """Origin super-seeding (:class:`shardcast.serve.superseeding.SuperSeeding`): True if these
         shards must be fetched from another node."""
         if self.serve_once_s is None:
@@ -622,6 +630,61 @@ class VersionServer:
             headers=cache,
         )
 
+    async def _blobs(
+        self, req: HttpRequest, step: int, m: Manifest, listed: str, encoding: str
+    ) -> HttpResponse:
+        """A batch (:func:`~shardcast.wire.lane_urls.blobs_url`): the ``encoding`` blobs of
+        ``shards``, one after the other, each exactly its signed size (the requester splits
+        the body by the sizes its manifest lists and checks each blob against its signed
+        digest). Held like one blob until every shard of the batch is verified here;
+        ``404`` if one is not offered in ``encoding`` or not kept here (the requester then
+        asks one blob at a time); ``413`` above :data:`~shardcast.core.batch.MAX_BATCH_BYTES`
+        (read into memory: bounded); super-seeding decides for the batch as a whole;
+        ``400`` for a shard named twice in ``listed`` (the route's ``i,j,..``)."""
+        try:
+            shards = parse_shards(listed)
+        except ValueError:
+            return HttpResponse(400)
+        n = len(m.header.shards)
+        if any(i >= n for i in shards):
+            return HttpResponse(404)
+        if not await self._wait(
+            req, step, lambda: all(m.known(i) and self._has(step, i) for i in shards)
+        ):
+            return _retry()
+        sizes = []
+        for i in shards:
+            offered = m.shard(i).offered(encoding)
+            if offered is None:
+                return HttpResponse(404)
+            sizes.append(offered.size)
+        if sum(sizes) > MAX_BATCH_BYTES:
+            return HttpResponse(413)
+        if self._refuse_repeat(req, step, m, shards):
+            return _refused()
+        live = self._live.get(step)
+        paths = [
+            (
+                self.store.blob_path(step, i, encoding)
+                if live is None
+                else live.version.blob_path(i, encoding),
+                self.store.blob_path(step, i, encoding),
+            )
+            for i in shards
+        ]
+        with self.store.pinned(step):
+            body = await trio.to_thread.run_sync(_read_blobs, paths, sizes)
+        if body is None:
+            return HttpResponse(404)  # this node did not keep that encoding of a shard
+        last_modified, cache = self._validators(step)
+        headers = [("content-type", "application/octet-stream"), *cache]
+        if last_modified is not None:
+            headers.append(("last-modified", last_modified))
+        if req.method == "GET":
+            self.sent_by_codec[encoding] = self.sent_by_codec.get(encoding, 0) + len(body)
+            self.bytes_by_step[step] = self.bytes_by_step.get(step, 0) + len(body)
+        return HttpResponse(200, headers, body)
+
     def _slice(
         self,
         req: HttpRequest,
@@ -686,6 +749,26 @@ def offered_bytes(m: Manifest) -> int:
     if not known:
         return unknown
     return smallest + -(-unknown * smallest // known)
+
+
+def _read_blobs(paths: list[tuple[Path, Path]], sizes: list[int]) -> bytes | None:
+    """The blobs at ``paths`` (each the live path, then the committed one if the live
+    directory was renamed meanwhile) concatenated, or None if one is missing or not its
+    size. Blocking: run it in a worker thread."""
+    out = bytearray()
+    for (primary, committed), size in zip(paths, sizes, strict=True):
+        for path in (primary, committed):
+            try:
+                data = path.read_bytes()
+            except FileNotFoundError:
+                continue
+            break
+        else:
+            return None
+        if len(data) != size:
+            return None
+        out += data
+    return bytes(out)
 
 
 def _retry() -> HttpResponse:

@@ -521,6 +521,23 @@ class VersionStore:
                 self._digests.pop(next(iter(self._digests)))
         return digest
 
+    def _remember(self, m: Manifest) -> None:
+        """Seed the digest and manifest caches with ``m``, just committed here: without it
+        the next :meth:`digest_of` and :meth:`manifest_of` decoded (and checked the
+        signatures of) the whole manifest just written, twice, for every version (a cost
+        that grows with the checkpoint, not with the change)."""
+        try:
+            st = (self.version_dir(m.step) / MANIFEST_FILE).stat()
+        except OSError:
+            return
+        with self._lock:
+            self._digests[m.step] = (st.st_ino, st.st_mtime_ns, m.digest)
+            self._manifests[m.step] = m
+            while len(self._digests) > 4 * self.keep_last + 16:
+                self._digests.pop(next(iter(self._digests)))
+            while len(self._manifests) > 2 * self.keep_last + 16:
+                self._manifests.pop(next(iter(self._manifests)))
+
     def holds(self, step: int, digest: str) -> bool:
         """True if version ``(step, digest)`` is committed (the step under that digest)."""
         return self.digest_of(step) == digest
@@ -741,6 +758,7 @@ def _commit_dir(store: VersionStore, directory: Path, m: Manifest) -> Path:
     os.rename(directory, final)
     if store.durable:
         fsync_dir(store.run_dir)
+    store._remember(m)
     log.info(
         "version_committed run=%s step=%d files=%d size_bytes=%d digest=%s",
         m.run_id,

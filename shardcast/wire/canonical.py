@@ -33,12 +33,15 @@ def canonical_json(obj: Any) -> bytes:
             nested too deeply to encode (a parsed untrusted document can be).
     """
     try:
-        _reject_floats(obj)
-        return json.dumps(
+        text = json.dumps(
             obj, sort_keys=True, separators=(",", ":"), ensure_ascii=True, allow_nan=False
-        ).encode()
+        )
     except RecursionError:
         raise TypeError("document nested too deeply") from None
+    except ValueError as exc:  # a circular document, or a NaN/infinity (a float)
+        raise TypeError(f"not a canonical document: {exc}") from None
+    _reject_floats(obj)  # after the encoding: no cycle, depth bounded
+    return text.encode()
 
 
 def loads_untrusted(data: bytes) -> Any:
@@ -55,11 +58,22 @@ def loads_untrusted(data: bytes) -> Any:
 
 
 def _reject_floats(obj: Any) -> None:
-    if isinstance(obj, float):
-        raise TypeError("floats are not allowed in canonical documents")
-    if isinstance(obj, Mapping):
-        for v in obj.values():
-            _reject_floats(v)
-    elif isinstance(obj, list | tuple):
-        for v in obj:
-            _reject_floats(v)
+    """Raise ``TypeError`` if ``obj`` holds a float anywhere; iterative, with the common
+    JSON types tested by exact type first (a manifest part is thousands of strings: the
+    recursive ``isinstance`` walk cost more than encoding it)."""
+    stack = [obj]
+    while stack:
+        o = stack.pop()
+        t = type(o)
+        if t is str or t is int or t is bool or o is None:
+            continue
+        if t is dict:
+            stack.extend(o.values())
+        elif t is list or t is tuple:
+            stack.extend(o)
+        elif isinstance(o, float):
+            raise TypeError("floats are not allowed in canonical documents")
+        elif isinstance(o, Mapping):
+            stack.extend(o.values())
+        elif isinstance(o, list | tuple):
+            stack.extend(o)

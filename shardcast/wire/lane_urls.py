@@ -9,6 +9,8 @@ expression parses them (:mod:`shardcast.serve.server`)::
     /shardnet/v1/<run>/<step>/<digest>/have                   the have-bitmap
     /shardnet/v1/<run>/<step>/<digest>/files/<name>           file bytes (Range)
     /shardnet/v1/<run>/<step>/<digest>/shard/<i>/<enc>        an encoded shard blob
+    /shardnet/v1/<run>/<step>/<digest>/blobs/<enc>/<i>,<j>,.. several shards' blobs,
+                                                              one after the other
 
 ``<digest>`` is the manifest header's BLAKE3 hex digest (64 lowercase hex characters), the
 version's identity in the trainer's signed announcement. A step can be published twice with
@@ -31,6 +33,7 @@ from __future__ import annotations
 
 import enum
 import re
+from collections.abc import Sequence
 
 from p2p.addresses import check_http_url
 from shardcast.wire.canonical import DIGEST_RE
@@ -43,10 +46,11 @@ ROUTE = re.compile(
     r"^/shardnet/v1/(?P<run>[^/]+)/(?P<step>\d{1,18})/(?P<digest>[0-9a-f]{64})/"
     r"(?:(?P<kind>manifest|have)"
     r"|manifest/part/(?P<part>\d{1,9})|files/(?P<name>[^/]+)"
-    r"|shard/(?P<shard>\d{1,9})/(?P<enc>zstd|xor-zstd|sparse))$"
+    r"|shard/(?P<shard>\d{1,9})/(?P<enc>zstd|xor-zstd|sparse)"
+    r"|blobs/(?P<benc>zstd|xor-zstd|sparse)/(?P<shards>\d{1,9}(?:,\d{1,9}){0,63}))$"
 )
 """A version route; groups ``run``, ``step``, ``digest`` and one of ``kind``, ``part``,
-``name``, ``shard``+``enc``."""
+``name``, ``shard``+``enc``, ``benc``+``shards`` (a batch: at most 64 shard indices)."""
 
 STEP_ONLY_ROUTE = re.compile(
     r"^/shardnet/v1/[^/]+/\d{1,18}/(?:manifest|have|manifest/part/\d+|files/[^/]+|shard/.+)$"
@@ -102,6 +106,34 @@ def file_url(base_url: str, run_id: str, step: int, digest: str, name: str) -> s
 def blob_url(base_url: str, run_id: str, step: int, digest: str, shard: int, enc: str) -> str:
     """URL of shard ``shard``'s ``enc`` blob."""
     return f"{version_url(base_url, run_id, step, digest)}/shard/{shard}/{enc}"
+
+
+def blobs_url(
+    base_url: str, run_id: str, step: int, digest: str, shards: Sequence[int], enc: str
+) -> str:
+    """URL of a batch: the ``enc`` blobs of ``shards`` (1 to 64 distinct indices, in the
+    order given), answered as one body, each blob after the other at its signed size
+    (:mod:`shardcast.core.batch`). A node of an older release answers it ``404``.
+
+    Raises:
+        ValueError: no shard, more than 64, or a shard named twice (a caller bug).
+    """
+    if not 1 <= len(shards) <= 64 or len(set(shards)) != len(shards):
+        raise ValueError(f"a batch names 1-64 distinct shards, not {list(shards)}")
+    listed = ",".join(str(i) for i in shards)
+    return f"{version_url(base_url, run_id, step, digest)}/blobs/{enc}/{listed}"
+
+
+def parse_shards(text: str) -> list[int]:
+    """The shard indices of a batch route's ``shards`` group (``"3,4,9"``).
+
+    Raises:
+        ValueError: a shard named twice.
+    """
+    shards = [int(x) for x in text.split(",")]
+    if len(set(shards)) != len(shards):
+        raise ValueError(f"shards named twice in {text!r}")
+    return shards
 
 
 class LaneAnswer(enum.Enum):

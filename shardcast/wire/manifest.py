@@ -361,8 +361,15 @@ class Header:
         return canonical_json(self.to_obj())
 
     def digest(self) -> str:
-        """BLAKE3 hex digest of the canonical bytes: the version's identity."""
-        return blake3_hex(self.canonical_bytes())
+        """BLAKE3 hex digest of the canonical bytes: the version's identity.
+
+        Computed once per header (it is frozen) and kept: every lane request of a download
+        names the version by it, so recomputing it cost a canonical encoding per shard."""
+        cached: str | None = self.__dict__.get("_digest")
+        if cached is None:
+            cached = blake3_hex(self.canonical_bytes())
+            object.__setattr__(self, "_digest", cached)
+        return cached
 
     @classmethod
     def from_obj(cls, obj: Any, source: str = "") -> Header:

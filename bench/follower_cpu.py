@@ -1,0 +1,226 @@
+"""Where one follower's CPU goes for a next version, on loopback: an origin process publishes
+version 0 alone, version 0 is placed into the follower's store (hard links), then the origin
+publishes version 1 (a delta) and the follower, run in this process exactly as ``shardnet
+relay`` runs it, downloads and commits it.
+
+Theory of operation
+-------------------
+The follower's process CPU (``getrusage``: every thread) is read over the next version,
+from the moment version 1 is marked ``DONE`` at the origin until the follower's commit,
+and, as a baseline, over an idle spell of the same follower before it (polls, adverts,
+keep-alives: what it costs to wait). ``--profile PATH`` also runs :mod:`cProfile` over the
+next version (the event-loop thread only; worker threads' checks are in the stage CPU)
+and prints its top functions. Checkpoints come from :mod:`bench.scaled` (any preset, with
+``changed`` elements flipped), written once under ``--cache`` (use ``/dev/shm`` and delete
+it after).
+
+Measured here (2 shared cores, load 1.8-3.4; ~11.6 M changed bf16 elements, 16 MiB shards;
+CPU-s of the follower process for the next version, base = one blob per request, then one
+batch per part; medians of 3 runs, alternated):
+
+=========  ============  ======================  =====================  ===========
+preset     requests      base CPU-s              batched CPU-s          per GB
+=========  ============  ======================  =====================  ===========
+real-1b    131 -> 68     0.394 (0.38-0.44)       0.299 (0.25-0.33)      0.23
+real-6b    441 -> 98     1.161 (1.11-1.27)       0.557 (0.45-0.62)      0.09
+=========  ============  ======================  =====================  ===========
+
+A waiting follower costs ~0.017 CPU-s per second (polls, adverts): over a window that the
+origin's encode sets (2.6-10 s here), that is 0.05-0.19 CPU-s of the figures above.
+
+Usage::
+
+    python bench/follower_cpu.py --cache /dev/shm/b24 --preset real-1b --profile out.prof
+"""
+
+from __future__ import annotations
+
+import argparse
+import cProfile
+import json
+import pstats
+import random
+import resource
+import shutil
+import sys
+import time
+from collections import Counter
+from pathlib import Path
+from typing import Any
+
+import trio
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+import broadcast
+import scaled
+
+CHANGED = 11_575_479
+"""bf16 elements changed by one Adam step of ``real-1b`` at lr 1e-6 (1.75 %, measured by
+``bench/broadcast.py``); every preset's next version changes as many."""
+
+
+def checkpoints(cache: Path, preset: str, changed: int) -> tuple[Path, Path]:
+    """Version 0 and its next version of ``preset`` under ``cache`` (written once)."""
+    d = cache / f"{preset}-{changed}"
+    v0, v1 = d / "v0", d / "v1"
+    if not (d / "done").exists():
+        shutil.rmtree(d, ignore_errors=True)
+        scaled.write_checkpoint(preset, v0, 512 << 20, seed=0)
+        scaled.write_next(v0, v1, changed, seed=1)
+        (d / "done").touch()
+    return v0, v1
+
+
+def _cpu_s() -> float:
+    r = resource.getrusage(resource.RUSAGE_SELF)
+    return r.ru_utime + r.ru_stime
+
+
+ROUTES = ("part", "have", "shard", "blobs", "files", "manifest")
+
+
+class RequestCount:
+    """Counts this process's lane requests by route while ``on`` (wraps the HTTP client's
+    request sender; a bench's patch, undone by :meth:`close`)."""
+
+    def __init__(self) -> None:
+        from p2p.http_client import HttpClient
+
+        self.by_route: Counter[str] = Counter()
+        self.on = False
+        self._cls = HttpClient
+        self._real = HttpClient._send
+        real, me = self._real, self
+
+        async def send(client: Any, conn: Any, target: str, *a: Any, **k: Any) -> Any:
+            if me.on:
+                words = target.split("?")[0].split("/")
+                me.by_route[next((w for w in ROUTES if w in words), "other")] += 1
+            return await real(client, conn, target, *a, **k)
+
+        HttpClient._send = send  # type: ignore[method-assign]
+
+    def close(self) -> None:
+        self._cls._send = self._real  # type: ignore[method-assign]
+
+
+def _origin_args(workdir: Path, trainer_key: Path, shard_size: int) -> list[str]:
+    return [
+        "origin",
+        "--key",
+        str(trainer_key),
+        "--data-dir",
+        str(workdir / "origin"),
+        "--watch",
+        str(workdir / "publish"),
+        "--shard-size-bytes",
+        str(shard_size),
+        "--deltas",
+    ]
+
+
+async def run(args: argparse.Namespace) -> dict[str, Any]:
+    """Publish version 0 alone, seed the follower with it, measure the next version."""
+    from p2p.identity import Identity
+
+    v0, v1 = checkpoints(Path(args.cache), args.preset, args.changed)
+    workdir = Path(args.cache) / "run"
+    shutil.rmtree(workdir, ignore_errors=True)
+    workdir.mkdir(parents=True)
+    trainer_key = workdir / "origin" / "node.key"
+    trainer_id = Identity.load_or_create(trainer_key).peer_id
+    (workdir / "publish").mkdir()
+    common = ["--run-id", broadcast.RUN_ID, "--keep-last", "2", "--log-level", "WARNING"]
+    nodes = broadcast._ShardnetRun(workdir, trainer_id, common, None)
+    async with trio.open_nursery() as nursery:
+        try:
+            oaddr = await nodes.start(
+                nursery, "origin", _origin_args(workdir, trainer_key, args.shard_size)
+            )
+            await nodes.publish_alone(0, v0, args.timeout)
+            fdir = workdir / "follower"
+            broadcast.seed_store(nodes.committed(0), fdir, 0)
+            out = await _follow(args, nodes, v1, fdir, oaddr, trainer_id)
+            nursery.cancel_scope.cancel()
+        finally:
+            with trio.CancelScope(shield=True):
+                for p in reversed(nodes.procs):
+                    await p.stop()
+    return {"preset": args.preset, "changed": args.changed, **out}
+
+
+async def _follow(
+    args: argparse.Namespace, nodes: Any, v1: Path, fdir: Path, oaddr: str, trainer_id: str
+) -> dict[str, Any]:
+    """Run the follower (as ``shardnet relay`` does) and measure the next version."""
+    from shardcast.download import Follower
+    from shardcast.node import ShardcastNode
+    from shardnet.config import RelaySettings
+
+    s = RelaySettings(
+        upstream=[oaddr],
+        trainer_id=trainer_id,
+        data_dir=fdir,
+        run_id=broadcast.RUN_ID,
+        keep_last=2,
+        listen=["/ip4/127.0.0.1/tcp/0"],
+        http_host="127.0.0.1",
+        http_port=0,
+        serve_once_s=0,
+    )
+    out: dict[str, Any] = {}
+    count = RequestCount()
+    async with (
+        ShardcastNode.open(s.identity(), s.trust(), s.node_config(broadcast.RUN_ID)) as node,
+        trio.open_nursery() as nursery,
+    ):
+        follower = Follower(node, s.follow_config(s.upstream), random.Random(1))
+        nursery.start_soon(follower.run)
+        await trio.sleep(args.idle_s)  # settle: connect, first polls
+        c0, t0 = _cpu_s(), time.perf_counter()
+        await trio.sleep(args.idle_s)
+        out["idle_cpu_s_per_s"] = round((_cpu_s() - c0) / (time.perf_counter() - t0), 4)
+        staged = nodes.stage(1, v1)
+        stage0 = node.metrics.stage_cpu.statistics().seconds
+        prof = cProfile.Profile(time.thread_time) if args.profile else None
+        c0, t0 = _cpu_s(), time.perf_counter()
+        count.on = True
+        if prof is not None:
+            prof.enable()
+        (staged / "DONE").touch()
+        mark = fdir / "versions" / broadcast.RUN_ID / "step-1" / "manifest.json"
+        with trio.fail_after(args.timeout):
+            while not mark.exists():  # noqa: ASYNC110 - a bench's wait
+                await trio.sleep(0.05)
+        if prof is not None:
+            prof.disable()
+        count.on = False
+        out["next_s"] = round(time.perf_counter() - t0, 3)
+        out["next_cpu_s"] = round(_cpu_s() - c0, 3)
+        out["requests_by_route"] = dict(count.by_route)
+        stage1 = node.metrics.stage_cpu.statistics().seconds
+        out["stage_cpu_s"] = {str(k): round(v - stage0[k], 3) for k, v in stage1.items()}
+        count.close()
+        if prof is not None:
+            prof.dump_stats(args.profile)
+            pstats.Stats(prof).sort_stats("tottime").print_stats(30)
+        nursery.cancel_scope.cancel()
+    return out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--cache", required=True, help="where checkpoints are written (/dev/shm)")
+    ap.add_argument("--preset", default="real-1b")
+    ap.add_argument("--changed", type=int, default=CHANGED)
+    ap.add_argument("--shard-size", type=int, default=16 << 20)
+    ap.add_argument("--idle-s", type=float, default=3.0)
+    ap.add_argument("--timeout", type=float, default=600.0)
+    ap.add_argument("--profile", default=None, help="cProfile output path")
+    args = ap.parse_args()
+    print(json.dumps(trio.run(run, args), indent=1))
+
+
+if __name__ == "__main__":
+    main()

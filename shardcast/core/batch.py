@@ -1,0 +1,108 @@
+"""core: which delta blobs go out together in one HTTP request (sans-IO).
+
+Theory of operation
+-------------------
+A next version is one small delta blob per shard (~250 KB for ~1.6 % changed bf16 elements
+of a 16 MiB shard): ~85 for ``real-1b``, ~380 for ``real-6b``. One HTTP request per blob made
+a follower's CPU for a next version grow with the checkpoint, not with the change (request
+building and signing, response parsing, a task, a worker-thread hop per blob). The scheduler
+lets several blob requests share one request slot (:attr:`SchedulerConfig.light_slot_bytes
+<shardcast.core.select.SchedulerConfig>`), and :meth:`BlobBatcher.plan` groups the
+:class:`~shardcast.core.session.Fetch` actions one poll of the session hands out into
+batches, each fetched with one request on the lane's batch route
+(:func:`~shardcast.wire.lane_urls.blobs_url`).
+
+What may share a request: whole blobs (``start == 0``, no resumption) of one encoding from
+one source that is not anonymous (a static mirror has no batch route) and has not shown that
+it lacks the route (:meth:`BlobBatcher.unsupported`: a node of an older release answers the
+batch route ``404``; its blobs are then asked one at a time, for as long as this object
+lives). At most :data:`MAX_BATCH_BLOBS` blobs and :data:`MAX_BATCH_BYTES` bytes go in one
+batch (the server refuses larger ones): memory stays bounded by the slots in flight.
+
+Nothing about verification changes: every blob of a batch is still its own request for the
+session (its own sink, digest check, outcome and verdict), and the whole response comes from
+one source, so a blob that fails its signed digest blames exactly that source.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+from shardcast.core.session import Fetch
+from shardcast.wire import codecs
+
+__all__ = ["MAX_BATCH_BLOBS", "MAX_BATCH_BYTES", "BlobBatcher"]
+
+MAX_BATCH_BLOBS = 64
+"""Most blobs in one batch request (the lane's route accepts no more)."""
+
+MAX_BATCH_BYTES = 8 << 20
+"""Most bytes of blobs in one batch request (the lane's route accepts no more)."""
+
+
+class BlobBatcher:
+    """Groups blob fetches into batch requests (module docstring). Pure; not thread-safe.
+
+    Args:
+        max_blobs: blobs per batch (1..:data:`MAX_BATCH_BLOBS`).
+        max_bytes: bytes per batch (at most :data:`MAX_BATCH_BYTES`).
+    """
+
+    def __init__(self, max_blobs: int = MAX_BATCH_BLOBS, max_bytes: int = MAX_BATCH_BYTES) -> None:
+        if not 1 <= max_blobs <= MAX_BATCH_BLOBS or not 1 <= max_bytes <= MAX_BATCH_BYTES:
+            raise ValueError(f"batch bounds {max_blobs} blobs, {max_bytes} bytes out of range")
+        self.max_blobs = max_blobs
+        self.max_bytes = max_bytes
+        self._unsupported: set[str] = set()
+
+    def unsupported(self, source: str) -> None:
+        """``source`` answered the batch route ``404`` (an older node, or one that does not
+        hold the version): ask it one blob at a time from now on."""
+        self._unsupported.add(source)
+
+    def batches_with(self, source: str) -> bool:
+        """True if ``source`` may be asked for a batch (not shown to lack the route)."""
+        return source not in self._unsupported
+
+    def batchable(self, f: Fetch, anonymous: bool) -> bool:
+        """True if ``f`` may share a request: a whole encoded blob (not raw bytes, not a
+        resumption) from a source that is not anonymous and has the batch route."""
+        return (
+            f.encoding != codecs.RAW
+            and f.start == 0
+            and f.length == f.size
+            and f.size <= self.max_bytes
+            and not anonymous
+            and f.source not in self._unsupported
+        )
+
+    def plan(
+        self, fetches: Iterable[Fetch], anonymous: frozenset[str] = frozenset()
+    ) -> list[tuple[Fetch, ...]]:
+        """Group ``fetches`` (in order) into requests: each tuple is one request, a single
+        fetch (asked on its own route) or a batch of two or more blobs of one source and
+        encoding, within the bounds. ``anonymous``: the ids of anonymous sources. Every
+        fetch appears in exactly one tuple; order within a batch follows ``fetches``."""
+        out: list[tuple[Fetch, ...]] = []
+        open_: dict[tuple[str, str], list[Fetch]] = {}
+        sizes: dict[tuple[str, str], int] = {}
+        groups: list[list[Fetch]] = []
+        for f in fetches:
+            if not self.batchable(f, f.source in anonymous):
+                groups.append([f])
+                continue
+            key = (f.source, f.encoding)
+            group = open_.get(key)
+            if (
+                group is None
+                or len(group) >= self.max_blobs
+                or sizes[key] + f.size > self.max_bytes
+            ):
+                group = open_[key] = []
+                sizes[key] = 0
+                groups.append(group)
+            group.append(f)
+            sizes[key] += f.size
+        for group in groups:
+            out.append(tuple(group))
+        return out
