@@ -319,7 +319,7 @@ class Session:
         self._no_delta: set[int] = set()
         self._reqs: dict[int, _Req] = {}
         self._kept: dict[int, _Prefix] = {}
-        self._suspects: dict[int, list[tuple[int, int, tuple[tuple[str, int, int], ...]]]] = {}
+        self._suspects: dict[int, list[tuple[int, str, int, tuple[tuple[str, int, int], ...]]]] = {}
         self._next_copy = 0
         self._comparing: dict[int, set[str]] = {}  # copy -> its contributors
         self._failed_by: dict[int, list[str]] = {}
@@ -676,7 +676,9 @@ class Session:
             self.sched.on_failure(req, now, kind="suspect")
             copy = self._next_copy
             self._next_copy += 1
-            self._suspects.setdefault(f.shard, []).append((copy, f.size, tuple(r.parts)))
+            self._suspects.setdefault(f.shard, []).append(
+                (copy, f.encoding, f.size, tuple(r.parts))
+            )
             return [KeepSuspect(req, copy)]
         losers = self.sched.on_success(req, now)
         self.watch.on_progress(now)
@@ -686,8 +688,10 @@ class Session:
             out.append(Drop(f.shard))
         if verdict is Verdict.VERIFIED:
             self.verified_bytes += self._lengths[f.shard]
-            for copy, size, parts in self._suspects.pop(f.shard, ()):
-                if size == f.size:  # another encoding cannot be compared byte for byte
+            for copy, encoding, size, parts in self._suspects.pop(f.shard, ()):
+                # another encoding cannot be compared byte for byte, even at the same size (a
+                # 2-byte xor-zstd blob against the 2 raw bytes blamed an honest source)
+                if encoding == f.encoding and size == f.size:
                     self._comparing[copy] = {p[0] for p in parts}
                     out.append(Compare(copy, f.shard, req, parts))
         return out

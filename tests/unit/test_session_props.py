@@ -18,8 +18,11 @@ session must end. Properties, checked at every action:
 from __future__ import annotations
 
 import random
+import sys
 from dataclasses import dataclass
+from typing import cast
 
+import pytest
 from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 
@@ -345,6 +348,40 @@ def test_random_event_orders_keep_the_session_honest_and_bounded(data: st.DataOb
     event(f"fallbacks={min(w.s.stats.delta_fallbacks, 1)}")
     if isinstance(w.end, Fail):
         assert w.end.text
+
+
+class _Replay:
+    """A stand-in for Hypothesis' ``data``: returns recorded draws in order."""
+
+    def __init__(self, draws: list[object]) -> None:
+        self.draws = list(draws)
+
+    def draw(self, strategy: object, label: str | None = None) -> object:
+        return self.draws.pop(0)
+
+
+def test_a_suspect_copy_is_compared_only_with_a_verified_copy_of_its_encoding(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """An event order the property test found (kept verbatim): shard 1's 2-byte ``xor-zstd``
+    blob, half from ``honest`` (broken transfer, prefix kept) and half from ``liar0``, fails
+    its check and is kept as a suspect; the shard's base then proves broken, so it is fetched
+    raw, also 2 bytes. Comparing the suspect blob with the raw bytes (same size, different
+    encoding) blamed ``honest``; a suspect must be compared only with a verified copy in its
+    own encoding (here none comes, so nobody is blamed for that shard)."""
+    monkeypatch.setattr(sys.modules[__name__], "event", lambda *a, **k: None)  # no Hypothesis
+    times = ["time", 1.0] * 6
+    late = ["time", 0.25] * 3 + ["time", 0.01]
+    world_draws: list[object] = [5, 1, 2, 1, 1, 1, {0, 1, 2}, {0, 1}, False, 1, 0, True]
+    world_draws += [False, 147, True]
+    w = World(
+        cast(st.DataObject, _Replay([*world_draws, *times, "end", 0, Outcome.BROKEN, 0.5, *late]))
+    )
+    for _ in range(11):
+        w.step()
+    w.settle(400)
+    assert isinstance(w.end, Commit)
+    assert w.s.stats.delta_fallbacks >= 1  # the path under test was taken
 
 
 def test_a_409_blames_nobody() -> None:
