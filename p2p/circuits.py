@@ -9,7 +9,13 @@ connection upgrade through relay): they exchange their observed addresses and di
 other at once from their listen ports, which opens a direct TCP connection through NATs
 that map a source port the same way for every destination (endpoint-independent mapping;
 Linux ``masquerade`` keeps the source port when it is free). Then the relayed connection is
-closed: circuits are for coordination only. Unspecified addresses (``0.0.0.0``, ``::``) are
+closed: circuits are for coordination only. Each side also sends its private listen
+addresses (at most :data:`MAX_PRIVATE_ADDRS`): two hosts behind one NAT that does not hairpin
+cannot reach each other at their public address, but connect over their LAN; the DCUtR
+initiator leaves the dial over a shared network to the other side (see :class:`_DCUtR`).
+The plain direct dial the library tries before the exchange is bounded by
+:attr:`CircuitConfig.direct_timeout_s` (a router drops a SYN to its own address silently: it
+ate the whole punch's time). Unspecified addresses (``0.0.0.0``, ``::``) are
 never offered to nor dialled from the other side, and the library's routine circuit errors
 (reset streams, the punch's failed simultaneous dial) are logged at DEBUG
 (:func:`quiet_library_noise`). Their relay-side limits are small
