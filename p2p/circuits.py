@@ -94,7 +94,7 @@ class CircuitConfig:
             never for shards (coordination only).
         timeout_s: bound on a reservation, a relayed dial or a hole punch, seconds.
         direct_timeout_s: bound on the plain direct dial a hole punch tries first (to the
-            addresses the peer advertised), seconds; within ``timeout_s``.
+            addresses the peer advertised), seconds; ``timeout_s`` if that is smaller.
 
     Raises:
         ConfigError: a field is out of range (names the field).
@@ -114,8 +114,8 @@ class CircuitConfig:
                 raise ConfigError(name, "must be >= 1")
         if not self.timeout_s > 0:
             raise ConfigError("timeout_s", "must be > 0")
-        if not 0 < self.direct_timeout_s <= self.timeout_s:
-            raise ConfigError("direct_timeout_s", "must be > 0 and <= timeout_s")
+        if not self.direct_timeout_s > 0:
+            raise ConfigError("direct_timeout_s", "must be > 0")
 
 
 def is_unspecified(addr: multiaddr.Multiaddr) -> bool:
@@ -342,7 +342,9 @@ class Circuits:
             host, self.protocol, RelayConfig(roles=roles, limits=limits)
         )
         self.dcutr = _DCUtR(
-            host, dial_timeout_s=config.timeout_s, direct_timeout_s=config.direct_timeout_s
+            host,
+            dial_timeout_s=config.timeout_s,
+            direct_timeout_s=min(config.direct_timeout_s, config.timeout_s),
         )
         quiet_library_noise()
         self._nursery: trio.Nursery | None = None

@@ -443,9 +443,8 @@ def test_on_link_addresses_lie_on_this_hosts_networks() -> None:
 
 def test_circuit_config_bounds_the_direct_dial() -> None:
     with pytest.raises(ConfigError, match="direct_timeout_s"):
-        CircuitConfig(timeout_s=5.0, direct_timeout_s=6.0)
-    with pytest.raises(ConfigError, match="direct_timeout_s"):
         CircuitConfig(direct_timeout_s=0.0)
+    CircuitConfig(timeout_s=2.0)  # the direct dial's bound is capped by the punch's
 
 
 class _Dials:
