@@ -64,6 +64,7 @@ from libp2p.network.connection.swarm_connection import SwarmConn
 from libp2p.peer.id import ID
 from libp2p.pubsub.pb import rpc_pb2
 from libp2p.pubsub.pubsub import Pubsub
+from libp2p.stream_muxer.yamux.yamux import Yamux
 
 from p2p.errors import LocalProtocolError, ShardnetError, short_id
 from p2p.identity import is_valid_peer_id
@@ -86,6 +87,8 @@ _FINGERPRINTS: dict[str, tuple[Callable[..., Any], str]] = {
     # every inbound stream goes through swarm.common_stream_handler, in the connection nursery
     "SwarmConn._handle_muxed_stream": (SwarmConn._handle_muxed_stream, "fb51f8a3e37c9800"),
     "BasicHost._swarm_stream_handler": (BasicHost._swarm_stream_handler, "cec985884b1ba269"),
+    # p2p.whole_frames replaces it per connection: one secured_conn.write under _write_lock
+    "Yamux._write_frame": (Yamux._write_frame, "16ff969cdd0d2b1b"),
 }
 
 PEER_FAULTS: tuple[type[BaseException], ...] = (

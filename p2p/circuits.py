@@ -9,7 +9,13 @@ connection upgrade through relay): they exchange their observed addresses and di
 other at once from their listen ports, which opens a direct TCP connection through NATs
 that map a source port the same way for every destination (endpoint-independent mapping;
 Linux ``masquerade`` keeps the source port when it is free). Then the relayed connection is
-closed: circuits are for coordination only. Unspecified addresses (``0.0.0.0``, ``::``) are
+closed: circuits are for coordination only. Each side also sends its private listen
+addresses (at most :data:`MAX_PRIVATE_ADDRS`): two hosts behind one NAT that does not hairpin
+cannot reach each other at their public address, but connect over their LAN; the DCUtR
+initiator leaves the dial over a shared network to the other side (see :class:`_DCUtR`).
+The plain direct dial the library tries before the exchange is bounded by
+:attr:`CircuitConfig.direct_timeout_s` (a router drops a SYN to its own address silently: it
+ate the whole punch's time). Unspecified addresses (``0.0.0.0``, ``::``) are
 never offered to nor dialled from the other side, and the library's routine circuit errors
 (reset streams, the punch's failed simultaneous dial) are logged at DEBUG
 (:func:`quiet_library_noise`). Their relay-side limits are small
@@ -31,7 +37,7 @@ from __future__ import annotations
 
 import ipaddress
 import logging
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable, Sequence
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
 from typing import Any
@@ -43,19 +49,36 @@ from libp2p.peer.id import ID
 from libp2p.peer.peerinfo import info_from_p2p_addr
 from libp2p.relay.circuit_v2 import CircuitV2Protocol, CircuitV2Transport, DCUtRProtocol
 from libp2p.relay.circuit_v2.config import RelayConfig, RelayRole
+from libp2p.relay.circuit_v2.dcutr import MAX_OBSERVED_ADDRS
 from libp2p.relay.circuit_v2.dcutr import PROTOCOL_ID as DCUTR_PROTOCOL
 from libp2p.relay.circuit_v2.protocol import PROTOCOL_ID as HOP_PROTOCOL
 from libp2p.relay.circuit_v2.protocol import STOP_PROTOCOL_ID as STOP_PROTOCOL
 from libp2p.relay.circuit_v2.resources import RelayLimits
 from libp2p.tools.anyio_service import background_trio_service
 
+from p2p.addresses import Interfaces, interface_addresses, interface_subnets
 from p2p.boundary import InboundGuard
 from p2p.errors import ConfigError, PeerUnreachable
 from p2p.limits import ScopeLimit
 
 log = logging.getLogger(__name__)
+Ma = multiaddr.Multiaddr
+Subnet = ipaddress.IPv4Interface | ipaddress.IPv6Interface
 
-__all__ = ["CircuitConfig", "Circuits", "is_relayed", "is_unspecified", "quiet_library_noise"]
+MAX_PRIVATE_ADDRS = 4
+"""Private listen addresses a host sends in a DCUtR exchange, at most (bounds the dials)."""
+
+__all__ = [
+    "MAX_PRIVATE_ADDRS",
+    "CircuitConfig",
+    "Circuits",
+    "is_private",
+    "is_relayed",
+    "is_unspecified",
+    "on_link",
+    "private_listen_addrs",
+    "quiet_library_noise",
+]
 
 
 @dataclass(frozen=True)
@@ -70,6 +93,8 @@ class CircuitConfig:
         circuit_bytes: ... or after this many bytes each way: enough for identify and DCUtR,
             never for shards (coordination only).
         timeout_s: bound on a reservation, a relayed dial or a hole punch, seconds.
+        direct_timeout_s: bound on the plain direct dial a hole punch tries first (to the
+            addresses the peer advertised), seconds; ``timeout_s`` if that is smaller.
 
     Raises:
         ConfigError: a field is out of range (names the field).
@@ -81,6 +106,7 @@ class CircuitConfig:
     circuit_duration_s: int = 120
     circuit_bytes: int = 1 << 20
     timeout_s: float = 30.0
+    direct_timeout_s: float = 5.0
 
     def __post_init__(self) -> None:
         for name in ("max_reservations", "max_circuits", "circuit_duration_s", "circuit_bytes"):
@@ -88,6 +114,8 @@ class CircuitConfig:
                 raise ConfigError(name, "must be >= 1")
         if not self.timeout_s > 0:
             raise ConfigError("timeout_s", "must be > 0")
+        if not self.direct_timeout_s > 0:
+            raise ConfigError("direct_timeout_s", "must be > 0")
 
 
 def is_unspecified(addr: multiaddr.Multiaddr) -> bool:
@@ -106,18 +134,145 @@ def is_unspecified(addr: multiaddr.Multiaddr) -> bool:
     return False
 
 
+def _tcp_ip_port(addr: multiaddr.Multiaddr) -> tuple[str, int] | None:
+    """``(ip, port)`` of an ``/ip4|ip6/<ip>/tcp/<port>`` multiaddr, or None."""
+    for proto in ("ip4", "ip6"):
+        try:
+            ip, port = addr.value_for_protocol(proto), addr.value_for_protocol("tcp")
+        except (ValueError, KeyError, TypeError, multiaddr.exceptions.Error):
+            continue
+        if ip is not None and port is not None:
+            return str(ip), int(port)
+    return None
+
+
+def is_private(addr: multiaddr.Multiaddr) -> bool:
+    """True if ``addr``'s IP means something only on its own network (private, unique
+    local, shared, but not loopback, link-local, unspecified or multicast): an address that
+    reaches a peer behind the same NAT, never one across the internet."""
+    parsed = _tcp_ip_port(addr)
+    if parsed is None:
+        return False
+    try:
+        ip = ipaddress.ip_address(parsed[0])
+    except ValueError:
+        return False
+    odd = ip.is_loopback or ip.is_link_local or ip.is_unspecified or ip.is_multicast
+    return not ip.is_global and not odd
+
+
+def on_link(addr: multiaddr.Multiaddr, subnets: Sequence[Subnet]) -> bool:
+    """True if ``addr``'s IP lies on the network of one of ``subnets`` (this host's interface
+    addresses with their prefix lengths, :func:`p2p.addresses.interface_subnets`): reached
+    with no NAT in between."""
+    parsed = _tcp_ip_port(addr)
+    if parsed is None:
+        return False
+    try:
+        ip = ipaddress.ip_address(parsed[0])
+    except ValueError:
+        return False
+    return any(ip in s.network for s in subnets)
+
+
+def private_listen_addrs(
+    listen: Sequence[multiaddr.Multiaddr], interfaces: Interfaces, limit: int
+) -> list[multiaddr.Multiaddr]:
+    """This host's private TCP listen addresses, what a peer behind the same NAT dials
+    (pure).
+
+    Args:
+        listen: the host's listen multiaddrs (``/p2p-circuit`` and non-TCP ones skipped);
+            an unspecified IP stands for every interface address of its family.
+        interfaces: this host's interface addresses (:func:`p2p.addresses.interface_addresses`).
+        limit: at most this many are returned.
+
+    Returns:
+        ``/ip4|ip6/<ip>/tcp/<port>`` multiaddrs whose IP :func:`is_private` (never loopback or
+        unspecified), in listen then interface order, without duplicates.
+    """
+    out: list[multiaddr.Multiaddr] = []
+    for addr in listen:
+        parsed = None if "/p2p-circuit" in str(addr) else _tcp_ip_port(addr)
+        if parsed is None:
+            continue
+        ip, port = parsed
+        family = "ip6" if ":" in ip else "ip4"
+        ips = [ip]
+        if is_unspecified(addr):
+            ips = list(interfaces.ipv6 if family == "ip6" else interfaces.ipv4)
+        for candidate in ips:
+            ma = multiaddr.Multiaddr(f"/{family}/{candidate}/tcp/{port}")
+            if is_private(ma) and ma not in out:
+                out.append(ma)
+    return out[:limit]
+
+
 class _DCUtR(DCUtRProtocol):
-    """py-libp2p 0.8.1's DCUtR, but unspecified addresses are neither sent nor dialled: a
-    host listening on ``0.0.0.0`` offers it as its own address when it has no observed
-    one, and the other side dialled it (itself)."""
+    """py-libp2p 0.8.1's DCUtR with four changes.
+
+    - Unspecified addresses are neither sent nor dialled: a host listening on ``0.0.0.0``
+      offers it as its own address when it has no observed one, and the other side dialled
+      it (itself).
+    - This host's private listen addresses (:func:`private_listen_addrs`, at most
+      :data:`MAX_PRIVATE_ADDRS`) are sent too, as go-libp2p's identify does: two peers
+      behind one NAT without hairpinning cannot reach each other at their public
+      addresses, but can over their LAN. A dial that reaches another host with the same
+      private address fails the handshake's PeerID check.
+    - The DCUtR initiator does not dial the other side's addresses on this host's own
+      networks (:func:`on_link`): it upgrades its punch dials as the security handshake's
+      responder (a simultaneous open through NATs merges both sides' dials), but with no NAT
+      in between its dial lands on the other side's listener, which is the responder too,
+      and neither would speak first. The other side dials this host's as the handshake's
+      initiator, and this host's listener answers it.
+    - The unilateral direct dial before the exchange (the spec's step 0, to addresses the
+      peer advertised) is bounded by ``direct_timeout_s``: a NAT drops the SYN to a router's
+      address silently, and the dial ate the whole punch's time.
+    """
+
+    def __init__(
+        self,
+        host: Any,
+        *,
+        dial_timeout_s: float,
+        direct_timeout_s: float,
+        interfaces: Callable[[], Interfaces] = interface_addresses,
+        subnets: Callable[[], Sequence[Subnet]] = interface_subnets,
+    ) -> None:
+        super().__init__(host, dial_timeout=int(dial_timeout_s))
+        self.direct_timeout_s = direct_timeout_s
+        self.interfaces = interfaces  # read at each exchange: interfaces come and go
+        self.subnets = subnets
 
     async def _get_observed_addrs(self) -> list[bytes]:
-        addrs = await super()._get_observed_addrs()
-        return [a for a in addrs if not is_unspecified(multiaddr.Multiaddr(a))]
+        addrs = [a for a in await super()._get_observed_addrs() if not is_unspecified(Ma(a))]
+        listen = [Ma(str(a)) for a in self.host.get_addrs()]
+        for ma in private_listen_addrs(listen, self.interfaces(), MAX_PRIVATE_ADDRS):
+            if ma.to_bytes() not in addrs:
+                addrs.append(ma.to_bytes())
+        return addrs[:MAX_OBSERVED_ADDRS]
 
     def _decode_observed_addrs(self, addr_bytes: list[bytes]) -> list[multiaddr.Multiaddr]:
         decoded: list[multiaddr.Multiaddr] = super()._decode_observed_addrs(addr_bytes)
         return [a for a in decoded if not is_unspecified(a)]
+
+    async def _dial_peer(
+        self,
+        peer_id: ID,
+        addr: multiaddr.Multiaddr,
+        source: tuple[str, int] | None = None,
+        as_responder: bool = False,
+    ) -> None:
+        if as_responder and on_link(addr, self.subnets()):
+            log.debug("punch_skip_on_link peer=%s addr=%s", peer_id, addr)
+            return
+        await super()._dial_peer(peer_id, addr, source, as_responder)
+
+    async def _try_unilateral_upgrade(self, peer_id: ID) -> bool:
+        with trio.move_on_after(self.direct_timeout_s):
+            ok: bool = await super()._try_unilateral_upgrade(peer_id)
+            return ok
+        return bool(await self._verify_direct_connection(peer_id))
 
 
 class _Demote(logging.Filter):
@@ -186,7 +341,11 @@ class Circuits:
         self.transport = CircuitV2Transport(
             host, self.protocol, RelayConfig(roles=roles, limits=limits)
         )
-        self.dcutr = _DCUtR(host, dial_timeout=int(config.timeout_s))
+        self.dcutr = _DCUtR(
+            host,
+            dial_timeout_s=config.timeout_s,
+            direct_timeout_s=min(config.direct_timeout_s, config.timeout_s),
+        )
         quiet_library_noise()
         self._nursery: trio.Nursery | None = None
 

@@ -121,6 +121,7 @@ from p2p.limits import (
     ScopeLimit,
 )
 from p2p.loop_lag import BodyDeadlines, LoopLag
+from p2p.whole_frames import write_frames_whole
 
 if TYPE_CHECKING:
     from libp2p.pubsub.gossipsub import GossipSub
@@ -366,12 +367,15 @@ class _ConnectionWatch(INotifee):
         self.node: P2PNode | None = None
 
     async def connected(self, network: INetwork, conn: INetConn) -> None:
-        """Tune the socket; a peer's first direct connection starts its pings (a relayed one
-        does not: a circuit is for coordination, bounded by the relay and closed after the
-        hole punch; pings over it failed while DCUtR ran and closed it as dead)."""
+        """Tune the socket and make its muxer write frames whole (:mod:`p2p.whole_frames`: a
+        cancelled stream must not corrupt the connection); a peer's first direct connection
+        starts its pings (a relayed one does not: a circuit is for coordination, bounded by
+        the relay and closed after the hole punch; pings over it failed while DCUtR ran and
+        closed it as dead)."""
         sock = socket_of(conn)
         if sock is not None:
             sockopts.tune(sock, self.tcp_user_timeout_s)
+        write_frames_whole(conn.muxed_conn, self.tcp_user_timeout_s)
         if self.node is not None and not is_relayed(conn):
             self.node._on_connected(conn.muxed_conn.peer_id.to_base58())
             self.node._direct_changed.set()

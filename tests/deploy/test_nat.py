@@ -414,6 +414,32 @@ def note_version_times(run: NatRun, peers: list[Node]) -> None:
         run.dep.note(f"step {step}: last peer committed it {last_s:.2f} s after publication")
 
 
+PUNCH_LINE = re.compile(r" punch peer=\*(\w+) relay=\S+ direct=(True|False)")
+
+
+def punch_outcomes(node: Node, target: Node) -> list[bool]:
+    """Whether each hole punch ``node`` made to ``target`` gave a direct connection (from
+    ``node``'s own ``punch`` log lines, which name the target by its short PeerID)."""
+    tail = target.info["peer_id"][-8:]
+    text = node.err_path.read_text(errors="replace")
+    return [m[2] == "True" for m in PUNCH_LINE.finditer(text) if m[1] == tail]
+
+
+def check_punches(run: NatRun) -> None:
+    """The NATed peers behind one router (D and E, no hairpin NAT) punch each other over
+    their LAN: DCUtR sends private listen addresses too, and every punch between them gives a
+    direct connection; and no node punched one peer successfully twice (a punched connection
+    is kept: a cancelled stream no longer corrupts it)."""
+    d_e = punch_outcomes(run.peer_d, run.peer_e) + punch_outcomes(run.peer_e, run.peer_d)
+    assert d_e, "D and E behind one router never punched each other"
+    assert all(d_e), f"punches between D and E behind one router: {d_e}"
+    nodes = [run.peer_c, run.peer_d, run.peer_e, *([run.peer_f] if run.peer_f else [])]
+    for node in nodes:
+        for target in nodes:
+            ok = sum(punch_outcomes(node, target)) if target is not node else 0
+            assert ok <= 1, f"{node.name} punched {target.name} successfully {ok} times"
+
+
 def run_two_routers(hosts: Hosts, *, symmetric: bool) -> tuple[dict[str, float], dict[str, int]]:
     """The two-router deployment of the module docstring run to the trainer's end; checks
     reservations, adverts, every version on every peer and rollouts accepted from each.
@@ -449,6 +475,7 @@ def run_two_routers(hosts: Hosts, *, symmetric: bool) -> tuple[dict[str, float],
     for pid, node in nated.items():
         assert known.get(pid, {}).get("relays") == [relay_id], f"{node.name}: {known.get(pid)}"
     assert punches["ahead"] > 0, f"no punch ahead of need: {punches}"
+    check_punches(run)
     for node in (run.peer_c, *nated.values(), run.relay):
         assert node.stop() == 0, node.tail()
 

@@ -6,14 +6,28 @@
 
 from __future__ import annotations
 
+import ipaddress
 import logging
 import random
+from typing import Any
 
 import multiaddr
 import pytest
+import trio
+from libp2p.peer.id import ID
 
 from p2p import wire
-from p2p.circuits import _DCUtR, is_unspecified, quiet_library_noise
+from p2p.addresses import Interfaces
+from p2p.circuits import (
+    MAX_PRIVATE_ADDRS,
+    CircuitConfig,
+    _DCUtR,
+    is_private,
+    is_unspecified,
+    on_link,
+    private_listen_addrs,
+    quiet_library_noise,
+)
 from p2p.errors import ConfigError, RemoteProtocolError
 from p2p.identity import Identity
 from shardcast.core import (
@@ -271,8 +285,9 @@ async def test_dcutr_neither_sends_nor_dials_unspecified_addresses() -> None:
             ]
 
     dcutr.host = Host()  # type: ignore[assignment]  # a stand-in: get_addrs only
+    dcutr.interfaces = lambda: Interfaces(("10.0.0.2", "127.0.0.1"))
     sent = [str(multiaddr.Multiaddr(a)) for a in await dcutr._get_observed_addrs()]
-    assert sent == ["/ip4/10.0.0.2/tcp/4003"]
+    assert sent == ["/ip4/10.0.0.2/tcp/4003"]  # the private one once, no loopback
     raw = [
         multiaddr.Multiaddr(a).to_bytes()
         for a in ("/ip4/0.0.0.0/tcp/1", "/ip6/::/tcp/1", "/ip4/8.8.8.8/tcp/1")
@@ -374,3 +389,134 @@ def test_discovery_does_not_put_public_lanes_before_punched_stream_lanes() -> No
         assert sorted(s.base_url for s in got) == sorted(["http://8.8.8.8:1", f"p2p://{NAT}"])
         firsts.add(got[0].id)
     assert firsts == {R2, NAT}
+
+
+def _ma(text: str) -> multiaddr.Multiaddr:
+    return multiaddr.Multiaddr(text)
+
+
+def test_private_addresses_are_those_of_a_lan_only() -> None:
+    for addr, want in [
+        ("/ip4/192.168.77.2/tcp/1", True),
+        ("/ip4/10.0.0.2/tcp/1", True),
+        ("/ip6/fd77::2/tcp/1", True),
+        ("/ip4/100.64.0.1/tcp/1", True),  # shared (carrier-grade NAT)
+        ("/ip4/127.0.0.1/tcp/1", False),
+        ("/ip4/169.254.0.1/tcp/1", False),
+        ("/ip4/0.0.0.0/tcp/1", False),
+        ("/ip4/8.8.8.8/tcp/1", False),
+        ("/ip6/2001:4860::1/tcp/1", False),
+        ("/dns4/example.org/tcp/1", False),
+        ("/ip4/192.168.77.2/udp/1/quic-v1", False),  # not TCP
+    ]:
+        assert is_private(_ma(addr)) is want, addr
+
+
+def test_private_listen_addresses_expand_unspecified_ones_bounded() -> None:
+    interfaces = Interfaces(
+        ("192.168.77.2", "8.8.4.4", "10.1.0.2", "127.0.0.1"), ("fd77::2", "::1")
+    )
+    listen = [
+        _ma("/ip4/0.0.0.0/tcp/4003"),
+        _ma("/ip6/::/tcp/4004"),
+        _ma("/ip4/192.168.77.2/tcp/4003"),  # a duplicate of an expanded one
+        _ma("/ip4/127.0.0.1/tcp/5000"),
+        _ma("/ip4/10.9.9.9/tcp/7/p2p-circuit"),
+    ]
+    got = [str(a) for a in private_listen_addrs(listen, interfaces, 10)]
+    assert got == [
+        "/ip4/192.168.77.2/tcp/4003",
+        "/ip4/10.1.0.2/tcp/4003",
+        "/ip6/fd77::2/tcp/4004",
+    ]
+    assert len(private_listen_addrs(listen, interfaces, 2)) == 2
+    assert private_listen_addrs(listen, interfaces, 0) == []
+    assert MAX_PRIVATE_ADDRS > 0
+
+
+def test_on_link_addresses_lie_on_this_hosts_networks() -> None:
+    subnets = [ipaddress.ip_interface("10.212.235.2/24"), ipaddress.ip_interface("::1/128")]
+    assert on_link(_ma("/ip4/10.212.235.3/tcp/4003"), subnets)
+    assert not on_link(_ma("/ip4/10.211.235.5/tcp/4003"), subnets)  # the router's WAN side
+    assert not on_link(_ma("/dns4/example.org/tcp/1"), subnets)
+
+
+def test_circuit_config_bounds_the_direct_dial() -> None:
+    with pytest.raises(ConfigError, match="direct_timeout_s"):
+        CircuitConfig(direct_timeout_s=0.0)
+    CircuitConfig(timeout_s=2.0)  # the direct dial's bound is capped by the punch's
+
+
+class _Dials:
+    """A stand-in host for :class:`_DCUtR`'s dial paths: records each dial and fails it (or
+    never answers, ``hang``)."""
+
+    def __init__(self, addrs: list[str], *, hang: bool = False) -> None:
+        self.known = [_ma(a) for a in addrs]
+        self.hang = hang
+        self.connections: dict[Any, Any] = {}
+        self.dialled: list[tuple[str, bool]] = []
+
+    def get_peerstore(self) -> _Dials:
+        return self
+
+    def get_network(self) -> _Dials:
+        return self
+
+    def addrs(self, peer_id: Any) -> list[multiaddr.Multiaddr]:
+        return list(self.known)
+
+    async def _dial(self, addr: multiaddr.Multiaddr, responder: bool) -> None:
+        self.dialled.append((str(addr), responder))
+        if self.hang:
+            await trio.sleep_forever()
+        raise OSError("refused")
+
+    async def dial_addr(self, addr: multiaddr.Multiaddr, peer_id: Any, source: Any) -> None:
+        await self._dial(addr, False)
+
+    async def dial_addr_as_responder(
+        self, addr: multiaddr.Multiaddr, peer_id: Any, source: Any
+    ) -> None:
+        await self._dial(addr, True)
+
+
+def _dcutr(host: _Dials) -> _DCUtR:
+    return _DCUtR(
+        host,
+        dial_timeout_s=30.0,
+        direct_timeout_s=5.0,
+        interfaces=lambda: Interfaces(("10.212.235.2",)),
+        subnets=lambda: [ipaddress.ip_interface("10.212.235.2/24")],
+    )
+
+
+async def test_the_punch_initiator_leaves_on_link_addresses_to_the_other_side() -> None:
+    """As the handshake's responder, a dial over the LAN would land on the other side's
+    listener (a responder too): the initiator skips it, the other side dials as client."""
+    host = _Dials([])
+    dcutr = _dcutr(host)
+    peer = Identity.from_seed("punch-lan").peer_id
+    pid = ID.from_base58(peer)
+    lan, wan = _ma("/ip4/10.212.235.3/tcp/4003"), _ma("/ip4/10.211.235.5/tcp/4003")
+    for addr in (lan, wan):
+        await dcutr._dial_peer(pid, addr, None, as_responder=True)
+        await dcutr._dial_peer(pid, addr, None, as_responder=False)
+    assert host.dialled == [
+        (str(lan), False),  # as client only
+        (str(wan), True),  # the predicted public address: a simultaneous open
+        (str(wan), False),
+    ]
+
+
+async def test_the_direct_dial_before_a_punch_is_bounded(autojump_clock: trio.abc.Clock) -> None:
+    """A SYN to a router's address is dropped silently: the plain dial the library tries
+    first (to the advertised addresses) gives up after ``direct_timeout_s``, leaving the
+    punch its time."""
+    host = _Dials(["/ip4/10.211.235.5/tcp/4003"], hang=True)
+    dcutr = _dcutr(host)
+    pid = ID.from_base58(Identity.from_seed("punch-router").peer_id)
+    start = trio.current_time()
+    assert not await dcutr._try_unilateral_upgrade(pid)
+    assert trio.current_time() - start == pytest.approx(5.0)
+    assert host.dialled == [("/ip4/10.211.235.5/tcp/4003", False)]
