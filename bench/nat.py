@@ -74,6 +74,7 @@ def table(results: list[ModeResult]) -> list[dict[str, Any]]:
                 "shares": r.shares(),
                 "bytes_by_path": r.bytes_by_path,
                 "punches": r.punches,
+                "phases_s": r.phases_s,
                 "first_ratio": _ratio(first, base.first_s() if base else None),
                 "later_ratio": _ratio(later, base.later_median_s() if base else None),
             }
@@ -164,8 +165,9 @@ def main(argv: list[str] | None = None) -> int:
                     run_mode(hosts, mode, steps=steps, public_rate=args.public_mbit * 1e6 / 8)
                 )
             print(
-                f"{mode.value}: {time.monotonic() - t_mode:.0f} s, "
-                f"versions {results[-1].version_s}",
+                f"{mode.value}: {time.monotonic() - t_mode:.0f} s "
+                + " ".join(f"{k}={v:.0f}" for k, v in results[-1].phases_s.items())
+                + f", versions {results[-1].version_s}",
                 file=sys.stderr,
             )
     rows = table(results)

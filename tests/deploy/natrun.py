@@ -29,6 +29,7 @@ import dataclasses
 import enum
 import statistics
 import subprocess
+import time
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
@@ -104,6 +105,8 @@ class ModeResult:
         accepted: rollouts the trainer accepted, summed over the peers' reports.
         bytes_by_path: bytes the relay and the peers received, by :class:`Path` value.
         punches: the peers' punch counters summed (started, ahead, direct, failed).
+        phases_s: wall seconds of the run's phases: ``start`` (keys, every node ready),
+            ``run`` (until the trainer exited), ``stop`` (measuring, stopping the nodes).
     """
 
     mode: str
@@ -112,6 +115,7 @@ class ModeResult:
     accepted: int
     bytes_by_path: dict[str, int]
     punches: dict[str, int]
+    phases_s: dict[str, float] = dataclasses.field(default_factory=dict)
 
     def first_s(self) -> float | None:
         """Version 0's time, seconds."""
@@ -162,6 +166,7 @@ def run_mode(hosts: Hosts, mode: Mode, *, steps: int, public_rate: float) -> Mod
         AssertionError: a node did not start, exited badly, or the trainer did not finish
             within :data:`~tests.deploy.test_operator_path.PROGRESS_S` per version.
     """
+    t0 = time.monotonic()
     dep = BenchRun(hosts, dict(SWARM), steps)
     a, b = hosts.add("a-trainer"), hosts.add("b-relay")
     public = [hosts.add(n) for n in PUBLIC_PEERS]
@@ -207,11 +212,13 @@ def run_mode(hosts: Hosts, mode: Mode, *, steps: int, public_rate: float) -> Mod
                 peers,
             )
         )
+    t_ready = time.monotonic()
     try:
         code = trainer.wait(PROGRESS_S * (steps + 1))
     except subprocess.TimeoutExpired as exc:
         raise AssertionError(f"the trainer did not finish\n{hosts.logs()}") from exc
     assert code == 0, trainer.tail()
+    t_done = time.monotonic()
     trainer_id = trainer.info["peer_id"]
     published = trainer_digests(a, trainer_id)
 
@@ -225,11 +232,13 @@ def run_mode(hosts: Hosts, mode: Mode, *, steps: int, public_rate: float) -> Mod
         version_s.append(max((t - at).total_seconds() for t in got if t is not None))
 
     punches = {"started": 0, "ahead": 0, "direct": 0, "failed": 0}
-    for node in nodes:
-        for k, v in status(dep, node)["reachability"]["punches"].items():
-            punches[k] = punches.get(k, 0) + int(v)
-    for node in (*nodes, relay):
-        assert node.stop() == 0, node.tail()
+    with ThreadPoolExecutor(len(nodes) + 1) as pool:
+        for doc in pool.map(lambda n: status(dep, n), nodes):
+            for k, v in doc["reachability"]["punches"].items():
+                punches[k] = punches.get(k, 0) + int(v)
+        codes = list(pool.map(lambda n: (n, n.stop()), (*nodes, relay)))
+    for node, code in codes:
+        assert code == 0, node.tail()
 
     pid_router = {n.info["peer_id"]: router_of.get(n.host.name) for n in nodes}
     by_path = dict.fromkeys((p.value for p in Path), 0)
@@ -254,4 +263,5 @@ def run_mode(hosts: Hosts, mode: Mode, *, steps: int, public_rate: float) -> Mod
                 )
                 by_path[path.value] += int(n)
     every_version &= sorted(published) == list(range(steps + 1))
-    return ModeResult(mode.value, version_s, every_version, accepted, by_path, punches)
+    phases = {"start": t_ready - t0, "run": t_done - t_ready, "stop": time.monotonic() - t_done}
+    return ModeResult(mode.value, version_s, every_version, accepted, by_path, punches, phases)
