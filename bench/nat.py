@@ -24,7 +24,8 @@ version, rollouts accepted, the share of bytes peers (and the relay) got from pe
 direct, and the ratio of the time to the all-public run's. Issue 25's targets: endpoint-
 independent <= 1.2x all-public (median later version); symmetric no slower than download-only.
 
-Needs root, iproute2 and nft. Takes about 2-3 minutes a mode on a 2-core machine:
+Needs root, iproute2 and nft. Takes about 2-4 minutes a mode on a 2-core machine (start:
+about a minute of torch imports), 10-11 minutes in all with the default 3 steps:
 
     sudo .venv/bin/python bench/nat.py --json bench/results/nat.json
     sudo .venv/bin/python bench/nat.py --quick             # 2 steps, a smoke run
@@ -129,7 +130,7 @@ def _terminate(signum: int, frame: FrameType | None) -> None:
 def main(argv: list[str] | None = None) -> int:
     """Run the bench; 0, or 2 if it cannot run here (not root, no nft)."""
     ap = argparse.ArgumentParser(description=(__doc__ or "").split("\n\n")[0])
-    ap.add_argument("--steps", type=int, default=4, help="trainer steps (versions 0..steps)")
+    ap.add_argument("--steps", type=int, default=3, help="trainer steps (versions 0..steps)")
     ap.add_argument("--quick", action="store_true", help="2 steps (a smoke run)")
     ap.add_argument(
         "--public-mbit",
