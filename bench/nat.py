@@ -128,7 +128,8 @@ def _terminate(signum: int, frame: FrameType | None) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """Run the bench; 0, or 2 if it cannot run here (not root, no nft)."""
+    """Run the bench; 0, 2 if it cannot run here (not root, no nft), 130 if interrupted
+    (SIGINT, SIGTERM: the current lab is removed first)."""
     ap = argparse.ArgumentParser(description=(__doc__ or "").split("\n\n")[0])
     ap.add_argument("--steps", type=int, default=3, help="trainer steps (versions 0..steps)")
     ap.add_argument("--quick", action="store_true", help="2 steps (a smoke run)")
@@ -161,10 +162,14 @@ def main(argv: list[str] | None = None) -> int:
     with tempfile.TemporaryDirectory(prefix="nat-bench-") as tmp:
         for mode in modes:
             t_mode = time.monotonic()
-            with Hosts(Path(tmp) / mode.value) as hosts:
-                results.append(
-                    run_mode(hosts, mode, steps=steps, public_rate=args.public_mbit * 1e6 / 8)
-                )
+            try:
+                with Hosts(Path(tmp) / mode.value) as hosts:
+                    results.append(
+                        run_mode(hosts, mode, steps=steps, public_rate=args.public_mbit * 1e6 / 8)
+                    )
+            except KeyboardInterrupt:
+                print(f"nat bench: interrupted in {mode.value}; lab removed", file=sys.stderr)
+                return 130
             print(
                 f"{mode.value}: {time.monotonic() - t_mode:.0f} s "
                 + " ".join(f"{k}={v:.0f}" for k, v in results[-1].phases_s.items())
