@@ -485,6 +485,13 @@ class FollowerSettings(CommonSettings):
         description="seconds between dial-back checks of this node's own lane once one gave "
         "a verdict (each asks up to 3 connected nodes to open it)",
     )
+    serve_behind_nat: bool = Field(
+        ReachabilityConfig.serve_behind_nat,
+        description="once this node's lane is found unreachable (behind a NAT), serve anyway "
+        "over the connections it holds (stream lane) and through relay reservations that "
+        "others hole-punch to; off: only download (a LAN lane is still offered to its own "
+        "network)",
+    )
     punch_ahead: int = Field(
         PunchConfig.ahead_max_direct,
         ge=0,
@@ -530,7 +537,9 @@ class FollowerSettings(CommonSettings):
                 max_failures=self.advert_max_failures,
                 drop_s=self.advert_drop_s,
             ),
-            reachability=ReachabilityConfig(recheck_s=self.reachability_recheck_s),
+            reachability=ReachabilityConfig(
+                recheck_s=self.reachability_recheck_s, serve_behind_nat=self.serve_behind_nat
+            ),
             punch=PunchConfig(ahead_max_direct=self.punch_ahead),
         )
 

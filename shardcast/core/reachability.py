@@ -646,12 +646,17 @@ class ReachabilityConfig:
         recheck_s: a reachable or unreachable verdict is checked again after this, seconds.
         retry_s: an unknown one (or a round with no one to ask) after this, seconds.
         ask_timeout_s: one ask's timeout (the asked node's dial included), seconds.
+        serve_behind_nat: while the lane is unreachable, serve through the NAT anyway: offer
+            the stream lane (:meth:`Reachability.advertises_stream`) and hold relay
+            reservations that others hole-punch through; off: such a node only downloads
+            (its ``lan_url`` is still offered to its own network).
     """
 
     askers: int = 3
     recheck_s: float = 600.0
     retry_s: float = 30.0
     ask_timeout_s: float = 10.0
+    serve_behind_nat: bool = True
 
 
 @dataclass
@@ -722,8 +727,9 @@ class Reachability:
 
     def advertises_stream(self) -> bool:
         """True if adverts should offer the stream lane: the URL is known unreachable (the
-        node serves only over connections it holds)."""
-        return self.rounds > 0 and self.state is Reach.UNREACHABLE
+        node serves only over connections it holds) and
+        :attr:`ReachabilityConfig.serve_behind_nat` is on."""
+        return self.config.serve_behind_nat and self.rounds > 0 and self.state is Reach.UNREACHABLE
 
     def lan_advertised(self, interfaces: Sequence[Interface]) -> str:
         """The URL to offer to nodes on this node's own network only (advert key

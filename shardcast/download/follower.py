@@ -334,7 +334,8 @@ class Follower:
                     self._dialback_askers,
                     self._on_reach_change,
                 )
-                nursery.start_soon(self._keep_reservations)
+                if self.config.reachability.serve_behind_nat:
+                    nursery.start_soon(self._keep_reservations)
                 if self.config.punch.ahead_max_direct > 0:
                     nursery.start_soon(self._punch_ahead, nursery)
             while not self.upstreams:

@@ -241,11 +241,12 @@ def test_advert_backoff_and_reachability_recheck_are_settings() -> None:
         "advert_drop_s": 600.0,
         "reachability_recheck_s": 120.0,
         "punch_ahead": 0,
+        "serve_behind_nat": False,
     }
     s = load_settings(RelaySettings, CONFIGS / "relay.toml", overrides)
     follow = s.follow_config(s.upstream)
     assert follow.lane_backoff == LaneBackoff(30.0, 2.0, LaneBackoff.max_s, 2, 600.0)
-    assert follow.reachability == ReachabilityConfig(recheck_s=120.0)
+    assert follow.reachability == ReachabilityConfig(recheck_s=120.0, serve_behind_nat=False)
     assert follow.punch == PunchConfig(ahead_max_direct=0)
     assert (
         load_settings(RelaySettings, CONFIGS / "relay.toml", {}).follow_config(s.upstream).punch

@@ -14,7 +14,7 @@ from p2p.errors import LocalProtocolError, RemoteProtocolError
 from p2p.http_checks import parse_target
 from p2p.identity import Identity
 from shardcast.core import Lane, LaneCheck, choose_lane
-from shardcast.core.reachability import DialbackResult, Reach, Reachability
+from shardcast.core.reachability import DialbackResult, Reach, Reachability, ReachabilityConfig
 from shardcast.download.discovery import NodeAdvert, SourceDirectory
 
 NAT = Identity.from_seed("nated-peer").peer_id
@@ -69,6 +69,13 @@ def test_an_unreachable_node_advertises_its_stream_lane() -> None:
     assert r.status(str)["stream_lane"] is True
     r.observe([DialbackResult.REACHED], 700.0)  # port forwarded later: plain HTTP again
     assert (r.advertised(), r.advertises_stream()) == ("http://192.168.77.2:8003", False)
+
+
+def test_a_node_set_not_to_serve_behind_nat_offers_no_stream_lane() -> None:
+    r = Reachability("http://192.168.77.2:8003", ReachabilityConfig(serve_behind_nat=False))
+    r.observe([DialbackResult.NOT_REACHED], 0.0)
+    assert (r.state, r.advertised(), r.advertises_stream()) == (Reach.UNREACHABLE, "", False)
+    assert r.status(str)["stream_lane"] is False
 
 
 def test_the_advert_carries_stream_lane_and_older_adverts_lack_it() -> None:
