@@ -29,7 +29,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import numpy as np
 import zstandard
 
-from shardcast.wire.sparse import MAGIC, changed_words, encode_sparse
+from shardcast.wire import SPARSE_MAGIC as MAGIC
+from shardcast.wire import changed_words, encode_sparse
 
 
 def reference(raw: bytes, base: bytes, level: int = 3) -> bytes:

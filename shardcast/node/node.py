@@ -163,6 +163,21 @@ async def _open_lane_stream(host: Host, peer_id: str, timeout_s: float) -> ByteS
     return await host.open_stream(peer_id, STREAM_LANE_PROTOCOL, timeout_s)
 
 
+async def _flush_on_stop(store: VersionStore) -> None:
+    """A stopping node's last step: flush the store and mark it clean, waiting at most
+    :data:`SHUTDOWN_FLUSH_S` (shielded: any stop, including cancellation, comes here; only an
+    OS crash or power loss skips it, and then the marker stays behind)."""
+    with trio.CancelScope(shield=True):
+        with trio.move_on_after(SHUTDOWN_FLUSH_S) as flushing:
+            await trio.to_thread.run_sync(store.flush, abandon_on_cancel=True)  # type: ignore[call-arg]
+        if flushing.cancelled_caught:
+            # a slow disk must not hold a SIGTERM: the marker stays, the next start
+            # re-verifies what was committed (correct, only slower)
+            log.warning("store_flush_slow seconds=%.0f next_start=reverify", SHUTDOWN_FLUSH_S)
+        else:
+            store.mark_clean()
+
+
 class ShardcastNode:
     """A running node; only valid inside :meth:`open`."""
 
@@ -288,19 +303,7 @@ class ShardcastNode:
                 )
                 yield node
         finally:
-            # any stop (normal exit, cancellation, an exception) leaves the page cache intact;
-            # only an OS crash or power loss skips this, and then the marker stays behind
-            with trio.CancelScope(shield=True):
-                with trio.move_on_after(SHUTDOWN_FLUSH_S) as flushing:
-                    await trio.to_thread.run_sync(store.flush, abandon_on_cancel=True)  # type: ignore[call-arg]
-                if flushing.cancelled_caught:
-                    # a slow disk must not hold a SIGTERM: the marker stays, the next start
-                    # re-verifies what was committed (correct, only slower)
-                    log.warning(
-                        "store_flush_slow seconds=%.0f next_start=reverify", SHUTDOWN_FLUSH_S
-                    )
-                else:
-                    store.mark_clean()
+            await _flush_on_stop(store)
 
     async def _runcard_route(self) -> HttpResponse:
         """``GET /shardnet/v1/runcard``: the signed run card this node holds (404 if none)."""

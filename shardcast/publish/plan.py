@@ -24,7 +24,7 @@ from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TypeVar
+from typing import BinaryIO, TypeVar
 
 import blake3
 
@@ -295,27 +295,10 @@ def encode_file(
     try:
         with open(path, "rb", buffering=0) as fh:
             if workers > 1 and settings.rooted:
-                local = threading.local()
-
-                def one(offset: int) -> ShardResult:
-                    bufs = getattr(local, "bufs", None)
-                    if bufs is None:  # new bytes; base bytes, XORed in place (scratch)
-                        scratch_bytes = n if settings.encodings else 0
-                        bufs = local.bufs = (bytearray(n), bytearray(scratch_bytes))
-                    length = min(shard_size, size - offset)
-                    view = memoryview(bufs[0])[:length]
-                    if os.preadv(fh.fileno(), [view], offset) != length:
-                        raise CheckpointLayoutError(f"{path} changed while hashing")
-                    base_view = read_base(offset, memoryview(bufs[1])[:length])
-                    shard, blobs = encode_shard(offset, view, base_view, settings, bufs[1])
-                    write_blobs(shard, blobs)
-                    return shard
-
-                shard_list: list[tuple[int, str]] = []
-                for shard in in_order(one, range(0, size, shard_size), workers):
-                    shard_list.append((shard.length, shard.digest))
-                    done = shard.offset + shard.length == size
-                    yield shard, file_root(shard_list) if done else None
+                threaded = _encode_threaded(
+                    path, fh, size, settings, read_base, write_blobs, workers
+                )
+                yield from threaded
                 return
             buf = bytearray(n)
             scratch = bytearray(n if settings.encodings else 0)
@@ -334,6 +317,42 @@ def encode_file(
     finally:
         if base_fh is not None:
             base_fh.close()
+
+
+def _encode_threaded(
+    path: Path,
+    fh: BinaryIO,
+    size: int,
+    settings: EncodeSettings,
+    read_base: Callable[[int, memoryview], memoryview | None],
+    write_blobs: Callable[[ShardResult, dict[str, bytes]], None],
+    workers: int,
+) -> Iterator[tuple[ShardResult, str | None]]:
+    """:func:`encode_file`'s shards on ``workers`` threads (hash-list roots only): each thread
+    reads its shard (and the base's) with ``preadv`` into its own two buffers, hashes,
+    encodes and writes the blobs; results in offset order (:func:`in_order`)."""
+    shard_size = settings.shard_size
+    n = min(shard_size, size)
+    local = threading.local()
+
+    def one(offset: int) -> ShardResult:
+        bufs = getattr(local, "bufs", None)
+        if bufs is None:  # new bytes; base bytes, XORed in place (scratch)
+            bufs = local.bufs = (bytearray(n), bytearray(n if settings.encodings else 0))
+        length = min(shard_size, size - offset)
+        view = memoryview(bufs[0])[:length]
+        if os.preadv(fh.fileno(), [view], offset) != length:
+            raise CheckpointLayoutError(f"{path} changed while hashing")
+        base_view = read_base(offset, memoryview(bufs[1])[:length])
+        shard, blobs = encode_shard(offset, view, base_view, settings, bufs[1])
+        write_blobs(shard, blobs)
+        return shard
+
+    shard_list: list[tuple[int, str]] = []
+    for shard in in_order(one, range(0, size, shard_size), workers):
+        shard_list.append((shard.length, shard.digest))
+        done = shard.offset + shard.length == size
+        yield shard, file_root(shard_list) if done else None
 
 
 def in_order(work: Callable[[int], _T], offsets: Iterable[int], workers: int) -> Iterator[_T]:
@@ -458,12 +477,7 @@ def hash_parts(
         LocalProtocolError: encodings requested without ``blob_dir`` (or delta without base).
     """
     encodings = tuple(encodings)
-    if encodings and blob_dir is None:
-        raise LocalProtocolError("encoded shards need a blob directory")
-    if any(e in codecs.DELTAS for e in encodings) and base is None:
-        raise LocalProtocolError("a delta encoding needs a base version")
-    if blob_dir is not None:
-        blob_dir.mkdir(parents=True, exist_ok=True)
+    _check_outputs(encodings, base, blob_dir)
     settings = EncodeSettings(
         header.shard_size,
         encodings,
@@ -495,6 +509,20 @@ def hash_parts(
             parts.emit_ready()
     parts.emit_ready()
     return parts.in_order()
+
+
+def _check_outputs(encodings: tuple[str, ...], base: Base | None, blob_dir: Path | None) -> None:
+    """:func:`hash_parts`' argument checks; creates ``blob_dir``.
+
+    Raises:
+        LocalProtocolError: encodings without ``blob_dir``, or a delta without ``base``.
+    """
+    if encodings and blob_dir is None:
+        raise LocalProtocolError("encoded shards need a blob directory")
+    if any(e in codecs.DELTAS for e in encodings) and base is None:
+        raise LocalProtocolError("a delta encoding needs a base version")
+    if blob_dir is not None:
+        blob_dir.mkdir(parents=True, exist_ok=True)
 
 
 def _blob_path_of(blob_dir: Path | None, first: int, shard_size: int) -> Callable[[int, str], Path]:

@@ -116,7 +116,17 @@ from shardcast.wire.runcard import (
     next_card,
     sign_card,
 )
-from shardcast.wire.sparse import SparseError, is_identity, sparse_changes, sparse_count
+from shardcast.wire.sparse import (
+    MAGIC as SPARSE_MAGIC,
+)
+from shardcast.wire.sparse import (
+    SparseError,
+    changed_words,
+    encode_sparse,
+    is_identity,
+    sparse_changes,
+    sparse_count,
+)
 
 __all__ = [
     "AUTH_HEADER",
@@ -151,6 +161,7 @@ __all__ = [
     "RUNCARD_PROTOCOL",
     "SCHEMA_VERSION",
     "SPARSE",
+    "SPARSE_MAGIC",
     "STEP_ONLY_BODY",
     "STEP_ONLY_ROUTE",
     "XOR_ZSTD",
@@ -183,6 +194,7 @@ __all__ = [
     "blake3_hex",
     "blob_url",
     "blobs_url",
+    "changed_words",
     "check_file_name",
     "check_mirror_url",
     "check_run_id",
@@ -196,6 +208,7 @@ __all__ = [
     "decode_versions_message",
     "document_signer",
     "encode_prefixes",
+    "encode_sparse",
     "failed_header",
     "file_root",
     "file_url",
