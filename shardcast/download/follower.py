@@ -3,7 +3,9 @@
 Relays and inference peers are followers. A follower is given the multiaddrs of its upstreams
 (a relay's upstream is the origin or another relay; a peer's are relays). For each upstream it
 keeps a connection and polls the upstream's info record every ``poll_interval_s`` (which also
-carries the newest announcement the upstream knows); it also listens to the run's gossip
+carries the newest announcement the upstream knows), or every ``watched_poll_interval_s`` and
+at once when its list of versions changes while it holds a long-poll of that list
+(:mod:`shardcast.download.versionwatch`); it also listens to the run's gossip
 topics: version announcements (each names the run card it was made under; a newer card is
 fetched from an upstream and adopted before the version is used), and node adverts
 (:mod:`shardcast.download.discovery`) that tell which other nodes hold or are filling a version.
