@@ -23,7 +23,7 @@ from collections.abc import Callable
 
 import trio
 
-from p2p.errors import RemoteProtocolError, TransportError, short_id
+from p2p.errors import LocalProtocolError, RemoteProtocolError, TransportError, short_id
 from p2p.lanes import HttpLaneClient
 from shardcast.core import VersionWatch
 from shardcast.wire import VERSIONS_HOLD_S, loads_untrusted, versions_token, versions_url
@@ -64,9 +64,10 @@ async def watch_versions(
     wake: Callable[[], None],
     settled: Callable[[], bool],
 ) -> None:
-    """Long-poll ``base_url``'s ``/versions`` until cancelled, or until it turns out not to
-    hold such requests (returns). ``wake`` is called when the list changed or the watch
-    broke; ``watch.watching`` says whether the follower may poll seldom now.
+    """Long-poll ``base_url``'s ``/versions`` until cancelled; returns when it turns out not
+    to hold such requests, or its URL cannot be used (malformed: the upstream's info record
+    named it). ``wake`` is called when the list changed or the watch broke;
+    ``watch.watching`` says whether the follower may poll seldom now.
 
     Cancellation closes the request in flight; nothing else is left behind.
     """
@@ -78,6 +79,9 @@ async def watch_versions(
                 url + query, max_bytes=MAX_VERSIONS_BYTES, timeout_s=VERSIONS_HOLD_S + 10.0
             )
             step = watch.answered(*parse_versions(data, peer_id))
+        except LocalProtocolError as exc:  # a URL the client cannot use: it will not improve
+            log.info("versions_watch_unusable upstream=%s error=%s", short_id(peer_id), exc)
+            return
         except (TransportError, RemoteProtocolError) as exc:  # 404 etc. are transport errors
             step = watch.failed(settled())
             log.debug("versions_watch_failed upstream=%s error=%s", short_id(peer_id), exc)
