@@ -28,6 +28,20 @@ real-6b    441 -> 98     1.161 (1.11-1.27)       0.557 (0.45-0.62)      0.09
 A waiting follower costs ~0.017 CPU-s per second (polls, adverts): over a window that the
 origin's encode sets (2.6-10 s here), that is 0.05-0.19 CPU-s of the figures above.
 
+Then (issue 24, per-part and idle overhead; real-1b, 6 runs each, base and new alternated,
+load 4-9 on the 2 cores, medians): the origin as a source needs no ``/have`` long-poll (it
+serves a part only once it serves the part's shards), so a version's requests went from 68
+(``have`` 23, ``part`` 22, ``blobs`` 21, manifest, shard) to 46 (one ``/versions`` long-poll
+instead of the have-polls); a waiting follower long-polls its upstream's ``/versions`` and
+polls its info record every 10 s instead of every second: idle 0.0168 -> 0.0114 CPU-s per
+second. The next version's CPU did not move measurably (0.283 -> 0.290 CPU-s, runs spread
+0.22-0.35 either way): what the two save, ~0.03 CPU-s, is inside the noise of this machine.
+Of the rest, ~80 % is the event-loop thread (``time.thread_time``: 0.22 of 0.27 CPU-s),
+spread thin over trio scheduling, the HTTP client and libp2p keep-alives; the checks in
+worker threads are ~0.05 CPU-s. Parts arrive ~75 ms apart while the origin encodes (22
+over 1.6 s), so a route fetching several parts per request would carry one part per answer;
+decoding and verifying a part costs 0.3 ms (7 ms per version).
+
 Usage::
 
     python bench/follower_cpu.py --cache /dev/shm/b24 --preset real-1b --profile out.prof

@@ -18,7 +18,7 @@ from shardcast.core.batch import MAX_BATCH_BLOBS, MAX_BATCH_BYTES, BlobBatcher
 from shardcast.core.catchup import plan
 from shardcast.core.liveness import Abandon, Answer
 from shardcast.core.mirrorpoll import MirrorPoll
-from shardcast.core.pollpolicy import PollPolicy, poll_delay
+from shardcast.core.pollpolicy import PollPolicy, VersionWatch, WatchStep, poll_delay
 from shardcast.core.reachability import (
     DIALBACK_PROTOCOL,
     MAX_DIALBACK_BYTES,
@@ -151,8 +151,10 @@ __all__ = [
     "Verdict",
     "Version",
     "VersionTracker",
+    "VersionWatch",
     "Via",
     "Want",
+    "WatchStep",
     "abandons",
     "blame",
     "catchup",

@@ -285,6 +285,14 @@ class Session:
         rng: seeded randomness for the scheduler.
         config: settings.
         now: start time, seconds.
+        signer: the PeerID that signed the version (the origin), or None. As a source it
+            counts as holding every shard whose part is known, with no have-poll: the origin
+            serves a part only once it serves each of that part's shards (raw and every
+            encoded form, :mod:`shardcast.publish.origin`), and every part comes from it. A
+            long-poll of its ``/have`` (one request per part it signed) only told that again.
+            Were the claim ever wrong (an origin restarted mid-publish), its requests are
+            held or answered ``503``/``404`` like any other source's: a delay, never a byte
+            unchecked.
     """
 
     def __init__(
@@ -298,8 +306,10 @@ class Session:
         rng: random.Random,
         config: SessionConfig,
         now: float,
+        signer: str | None = None,
     ) -> None:
         self.step = step
+        self.signer = signer
         self.config = config
         offers = list(offers)
         held = list(held)
@@ -337,7 +347,9 @@ class Session:
     ) -> list[Action]:
         """A source joined (``banned``: under a ban carried from an earlier version;
         ``extra``: discovered, counted against ``max_extra_sources``). Returns a
-        :class:`PollHave` for a partial source."""
+        :class:`PollHave` for a partial source; the version's signer is never partial (see
+        the class docstring)."""
+        complete = complete or source == self.signer
         self._complete[source] = complete
         self.sched.add_source(source, None if complete else ())
         if banned:

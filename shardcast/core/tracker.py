@@ -385,7 +385,12 @@ class VersionTracker:
         return fin is not None and held_digest(fin.step) == fin.manifest_digest
 
     def polled(
-        self, upstream: str, outcome: PollOutcome, policy: PollPolicy, settled: bool
+        self,
+        upstream: str,
+        outcome: PollOutcome,
+        policy: PollPolicy,
+        settled: bool,
+        watched: bool = False,
     ) -> PollNext:
         """Record how a poll of ``upstream`` ended; when to poll it next.
 
@@ -394,6 +399,8 @@ class VersionTracker:
                 multiaddr: one schedule per poll loop).
             policy: the poll periods (see :func:`shardcast.core.pollpolicy.poll_delay`).
             settled: :meth:`settled` now (polls and retries are then minutes apart).
+            watched: a long-poll of the upstream's ``/versions`` is held
+                (:class:`~shardcast.core.pollpolicy.VersionWatch`): polls are further apart.
         """
         if outcome is PollOutcome.UNREACHABLE:
             failures = self._failures.get(upstream, 0) + 1
@@ -403,4 +410,4 @@ class VersionTracker:
             failures = 0
             self._failures.pop(upstream, None)
             report = True
-        return PollNext(poll_delay(policy, failures, settled), failures, report)
+        return PollNext(poll_delay(policy, failures, settled, watched), failures, report)

@@ -336,4 +336,5 @@ class Downloader:
             self.rng,
             scfg,
             trio.current_time(),
+            signer=m.signed_header.signer,
         )

@@ -3,7 +3,9 @@
 Relays and inference peers are followers. A follower is given the multiaddrs of its upstreams
 (a relay's upstream is the origin or another relay; a peer's are relays). For each upstream it
 keeps a connection and polls the upstream's info record every ``poll_interval_s`` (which also
-carries the newest announcement the upstream knows); it also listens to the run's gossip
+carries the newest announcement the upstream knows), or every ``watched_poll_interval_s`` and
+at once when its list of versions changes while it holds a long-poll of that list
+(:mod:`shardcast.download.versionwatch`); it also listens to the run's gossip
 topics: version announcements (each names the run card it was made under; a newer card is
 fetched from an upstream and adopted before the version is used), and node adverts
 (:mod:`shardcast.download.discovery`) that tell which other nodes hold or are filling a version.
@@ -105,6 +107,7 @@ from shardcast.core import (
     ReachabilityConfig,
     Reservations,
     Stage,
+    VersionWatch,
     Want,
     abandons,
     confirmed_elsewhere,
@@ -124,6 +127,7 @@ from shardcast.download.discovery import (
 )
 from shardcast.download.downloader import Downloader
 from shardcast.download.types import DownloadConfig, Source
+from shardcast.download.versionwatch import watch_versions
 from shardcast.node import (
     DownloadMetrics,
     ShardcastNode,
@@ -312,6 +316,8 @@ class Follower:
             node.status_sections["reachability"] = self.reachability_status
         node.metrics.add_collector(self._families)
         self._changed = trio.Event()
+        self._poll_wake: dict[str, trio.Event] = {}  # upstream -> wakes its info poll
+        self._watches: dict[str, tuple[str, VersionWatch, trio.CancelScope]] = {}
 
     async def run(self, *, task_status: TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
         """Run until cancelled; ``started()`` once the first upstream answered its info."""
@@ -397,6 +403,7 @@ class Follower:
         policy = self.config.poll_policy()
         tracker = self.node.tracker
         while True:
+            wake = self._poll_wake[pid] = trio.Event()
             try:
                 if pid not in self.node.p2p.connected_peers():
                     await self.node.p2p.connect(addr)
@@ -420,7 +427,34 @@ class Follower:
             self._heard[pid] = time.time()
             self._errors.pop(pid, None)
             outcome = await self._take_info(pid, info)
-            await trio.sleep(tracker.polled(addr, outcome, policy, self.settled()).delay_s)
+            watch = self._watch(pid, info.http_url, policy)  # polls seldom while it holds
+            after = tracker.polled(addr, outcome, policy, self.settled(), watch.watching)
+            with trio.move_on_after(after.delay_s):
+                await wake.wait()  # the watch saw the upstream's versions change
+
+    def _watch(self, pid: str, url: str, policy: PollPolicy) -> VersionWatch:
+        """The long-poll of upstream ``pid``'s ``/versions`` at ``url`` (started here, or
+        moved to a new URL), which wakes its info poll when the list changes
+        (:mod:`shardcast.download.versionwatch`)."""
+        held = self._watches.get(pid)
+        if held is not None and held[0] == url:
+            return held[1]
+        if held is not None:
+            held[2].cancel()
+        watch, scope = VersionWatch(policy), trio.CancelScope()
+        self._watches[pid] = (url, watch, scope)
+        client, run_id = self.node.client, self.node.config.run_id
+
+        def wake() -> None:
+            self._poll_wake[pid].set()
+
+        async def run() -> None:
+            with scope:
+                await watch_versions(client, pid, url, run_id, watch, wake, self.settled)
+
+        assert self._nursery is not None
+        self._nursery.start_soon(run)
+        return watch
 
     async def _take_info(self, pid: str, info: NodeInfo) -> PollOutcome:
         """Use upstream ``pid``'s info record: it is ready; its card, announcement and run

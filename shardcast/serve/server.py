@@ -3,7 +3,8 @@
 Routes (``GET``/``HEAD``; paths built by :mod:`shardcast.wire.lane_urls`)::
 
     /shardnet/v1/<run>/versions                          committed versions and those in
-                                                         progress (JSON, with their digests)
+                                                         progress (JSON, with their digests;
+                                                         ``?known=`` long-polls it)
     /shardnet/v1/<run>/<step>/<digest>/manifest          the manifest document so far
     /shardnet/v1/<run>/<step>/<digest>/manifest/part/<k> one signed part (waits until it exists)
     /shardnet/v1/<run>/<step>/<digest>/have              one bit per served shard, MSB first
@@ -110,6 +111,7 @@ from shardcast.wire import (
     ROUTE,
     STEP_ONLY_BODY,
     STEP_ONLY_ROUTE,
+    VERSIONS_HOLD_S,
     Manifest,
     encode_prefixes,
     have_token,
@@ -117,6 +119,7 @@ from shardcast.wire import (
     parse_shards,
     sign_whoami,
     verify_request,
+    versions_token,
 )
 
 log = logging.getLogger(__name__)
@@ -203,6 +206,7 @@ class VersionServer:
         self.wait_s = wait_s
         self.serve_once_s = serve_once_s
         self._live: dict[int, _Live] = {}
+        self._versions_changed = trio.Event()
         self._manifests: dict[int, tuple[Manifest, str]] = {}  # step -> (manifest, digest)
         self._seeding = SuperSeeding(serve_once_s, small_version_bytes=serve_once_min_bytes)
         self._offered: dict[str, int] = {}  # manifest digest -> offered bytes (complete ones)
@@ -224,6 +228,7 @@ class VersionServer:
     def add_live(self, version: LiveVersion) -> None:
         """Start serving a version whose bytes are still arriving."""
         self._live[version.manifest.step] = _Live(version)
+        self.versions_changed()
 
     def progress(self, step: int, shard: int | None = None) -> None:
         """New bytes of ``step`` are available (of ``shard``, if given: a verified chunk, or
@@ -238,6 +243,7 @@ class VersionServer:
         self._manifests.pop(step, None)  # the committed one may differ from a cached older one
         if live is not None:
             live.wake()
+        self.versions_changed()
 
     def holder_gone(self, peer_id: str) -> None:
         """``peer_id``'s last libp2p connection closed: it no longer holds super-seeded
@@ -315,15 +321,7 @@ class VersionServer:
         if mv:
             if mv["run"] != self.store.run_id:
                 return HttpResponse(404)
-            versions = self.versions()
-            body = json.dumps(
-                {
-                    "committed": [s for s, _ in versions if s not in self._live],
-                    "in_progress": self.in_progress(),
-                    "digests": {str(s): d for s, d in versions},
-                }
-            ).encode()
-            return HttpResponse(200, [("content-type", _JSON), _NO_STORE], body)
+            return await self._versions(req)
         mr = ROUTE.match(req.path)
         if not mr or mr["run"] != self.store.run_id:
             if STEP_ONLY_ROUTE.match(req.path):  # an older node: clean "not held", no blame
@@ -356,6 +354,38 @@ class VersionServer:
         if mr["benc"] is not None:
             return await self._blobs(req, step, m, mr["shards"], mr["benc"])
         return await self._file(req, step, m, mr["name"] or "")
+
+    async def _versions(self, req: HttpRequest) -> HttpResponse:
+        """``/versions``; with ``?known=TOKEN`` and :data:`HOLD_HEADER`, a long-poll: held
+        (at most :data:`VERSIONS_HOLD_S` and ``wait_s``) until the set of versions served
+        differs from the one ``TOKEN`` names (:func:`versions_token`). The answer's
+        ``hold_s`` says how long this node holds such a request (a client that sees none
+        is talking to an older node, which answers at once)."""
+        hold_s = min(_hold_s(req, self.wait_s), VERSIONS_HOLD_S)
+        known = req.query.get("known")
+        versions = self.versions()
+        digests = {str(s): d for s, d in versions}
+        if known is not None and hold_s > 0:
+            with trio.move_on_after(hold_s):
+                while versions_token(digests) == known:
+                    await self._versions_changed.wait()
+                    versions = self.versions()
+                    digests = {str(s): d for s, d in versions}
+        body = json.dumps(
+            {
+                "committed": [s for s, _ in versions if s not in self._live],
+                "in_progress": self.in_progress(),
+                "digests": digests,
+                "hold_s": VERSIONS_HOLD_S,
+            }
+        ).encode()
+        return HttpResponse(200, [("content-type", _JSON), _NO_STORE], body)
+
+    def versions_changed(self) -> None:
+        """The set of versions served may have changed (one added, committed, replaced or
+        removed): answer the held ``/versions`` long-polls."""
+        self._versions_changed.set()
+        self._versions_changed = trio.Event()
 
     def _have_now(self, req: HttpRequest, step: int, m: Manifest) -> tuple[bytes, str]:
         """The ``/have`` body now (with the verified prefixes if asked) and its token."""

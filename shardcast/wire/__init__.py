@@ -26,10 +26,12 @@ from shardcast.wire.have import (
     HOLD_HEADER,
     MAX_PREFIX_ENTRIES,
     PREFIX_ENTRY,
+    VERSIONS_HOLD_S,
     decode_have,
     encode_prefixes,
     have_max_bytes,
     have_token,
+    versions_token,
 )
 from shardcast.wire.lane_auth import (
     AUTH_HEADER,
@@ -164,6 +166,7 @@ __all__ = [
     "SPARSE_MAGIC",
     "STEP_ONLY_BODY",
     "STEP_ONLY_ROUTE",
+    "VERSIONS_HOLD_S",
     "XOR_ZSTD",
     "BadRunCardSignature",
     "CardProfile",
@@ -230,6 +233,7 @@ __all__ = [
     "sparse_changes",
     "sparse_count",
     "verify_request",
+    "versions_token",
     "versions_topic",
     "versions_url",
     "whoami_path",

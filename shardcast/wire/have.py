@@ -19,10 +19,12 @@ __all__ = [
     "HOLD_HEADER",
     "MAX_PREFIX_ENTRIES",
     "PREFIX_ENTRY",
+    "VERSIONS_HOLD_S",
     "decode_have",
     "encode_prefixes",
     "have_max_bytes",
     "have_token",
+    "versions_token",
 ]
 
 HOLD_HEADER = "x-shardnet-hold-s"
@@ -81,3 +83,21 @@ def have_token(bits: bytes, prefixes: dict[int, int]) -> str:
 def have_max_bytes(n_shards: int) -> int:
     """Largest ``/have?prefix=1`` answer for a version of ``n_shards`` shards, bytes."""
     return (n_shards + 7) // 8 + MAX_PREFIX_ENTRIES * PREFIX_ENTRY.size
+
+
+VERSIONS_HOLD_S = 10.0
+"""Longest hold of a ``/versions`` long-poll, seconds (also capped by the server's
+``wait_s``). A node that holds such requests says so in its answer (``"hold_s"``); a
+follower watching an upstream this way polls its info record seldom, and at once when the
+answer changes (:mod:`shardcast.download.versionwatch`)."""
+
+
+def versions_token(versions: dict[str, str]) -> str:
+    """The token of a ``/versions`` answer: a digest of its ``digests`` object (every
+    version served, committed or filling, ``{"<step>": "<manifest digest>"}``). Sent back as
+    ``?known=TOKEN`` (with :data:`HOLD_HEADER`), it makes the request a long-poll answered
+    when the set of versions served changes (at most :data:`VERSIONS_HOLD_S` later)."""
+    h = hashlib.blake2s(digest_size=8)
+    for step, digest in sorted(versions.items()):
+        h.update(f"{step}:{digest};".encode())
+    return h.hexdigest()

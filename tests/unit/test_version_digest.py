@@ -19,6 +19,7 @@ from shardcast.node.node import ShardcastNode
 from shardcast.publish.plan import build_manifest
 from shardcast.serve.server import VersionServer
 from shardcast.store.store import VersionStore
+from shardcast.wire.have import VERSIONS_HOLD_S
 from shardcast.wire.lane_urls import (
     HELD_DIGEST_HEADER,
     LaneAnswer,
@@ -84,7 +85,12 @@ async def test_the_lane_answers_by_step_and_digest(tmp_path: Path) -> None:
     assert b"step and manifest digest" in bytes(old.body or b"")
     versions = await server.handle(_get("/shardnet/v1/run/versions"))
     doc = json.loads(bytes(versions.body or b""))
-    assert doc == {"committed": [1], "in_progress": [], "digests": {"1": m.digest}}
+    assert doc == {
+        "committed": [1],
+        "in_progress": [],
+        "digests": {"1": m.digest},
+        "hold_s": VERSIONS_HOLD_S,  # it holds /versions long-polls
+    }
 
 
 async def test_a_replaced_step_is_served_under_its_new_digest_only(tmp_path: Path) -> None:
