@@ -18,7 +18,6 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
-import struct
 import sys
 import time
 from pathlib import Path
@@ -29,28 +28,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import numpy as np
 import zstandard
 
-from shardcast.wire import SPARSE_MAGIC as MAGIC
-from shardcast.wire import changed_words, encode_sparse
-
-
-def reference(raw: bytes, base: bytes, level: int = 3) -> bytes:
-    """The straightforward encoder (as shipped before this bench): the wire format's definition."""
-    n = len(raw)
-    new = np.frombuffer(raw, dtype="<u2", count=n // 2)
-    old = np.frombuffer(base, dtype="<u2", count=n // 2)
-    idx = np.flatnonzero(new != old)
-    gaps = np.diff(idx, prepend=-1).astype("<u4")
-    diffs = (new[idx] - old[idx]).astype("<u2")
-    planes = np.concatenate(
-        [
-            gaps.view(np.uint8).reshape(-1, 4).T.reshape(-1),
-            diffs.view(np.uint8).reshape(-1, 2).T.reshape(-1),
-        ]
-    )
-    has_tail = n % 2
-    header = struct.pack("<4sQIBB", MAGIC, n, len(idx), has_tail, raw[n - 1] if has_tail else 0)
-    cctx = zstandard.ZstdCompressor(level=level, write_content_size=True)
-    return header + cctx.compress(planes.tobytes())
+from shardcast.wire import changed_words, encode_sparse, encode_sparse_reference
 
 
 def rl_shards(n: int, shard_bytes: int, changed: float, seed: int) -> list[tuple[bytes, bytes]]:
@@ -103,12 +81,12 @@ def main() -> None:
     else:
         pairs = rl_shards(a.shards, shard_bytes, a.changed, seed=1)
     for raw, base in pairs:
-        if reference(raw, base) != encode_sparse(raw, base):
+        if encode_sparse_reference(raw, base) != encode_sparse(raw, base):
             raise SystemExit("current and reference encoders differ")
     per = 1e3 / len(pairs)
     runs: dict[str, list[tuple[float, float]]] = {"reference": [], "current": [], "scan": []}
     for _ in range(a.repeat):
-        runs["reference"].append(_time(reference, pairs))
+        runs["reference"].append(_time(encode_sparse_reference, pairs))
         runs["current"].append(_time(encode_sparse, pairs))
         runs["scan"].append(_time(changed_words, pairs))
     med = {

@@ -146,16 +146,23 @@ def _tcp_ip_port(addr: multiaddr.Multiaddr) -> tuple[str, int] | None:
     return None
 
 
+def _ip_of(addr: multiaddr.Multiaddr) -> ipaddress.IPv4Address | ipaddress.IPv6Address | None:
+    """The IP of a TCP multiaddr, or None (not TCP over IP, or not an IP literal)."""
+    parsed = _tcp_ip_port(addr)
+    if parsed is None:
+        return None
+    try:
+        return ipaddress.ip_address(parsed[0])
+    except ValueError:
+        return None
+
+
 def is_private(addr: multiaddr.Multiaddr) -> bool:
     """True if ``addr``'s IP means something only on its own network (private, unique
     local, shared, but not loopback, link-local, unspecified or multicast): an address that
     reaches a peer behind the same NAT, never one across the internet."""
-    parsed = _tcp_ip_port(addr)
-    if parsed is None:
-        return False
-    try:
-        ip = ipaddress.ip_address(parsed[0])
-    except ValueError:
+    ip = _ip_of(addr)
+    if ip is None:
         return False
     odd = ip.is_loopback or ip.is_link_local or ip.is_unspecified or ip.is_multicast
     return not ip.is_global and not odd
@@ -165,14 +172,8 @@ def on_link(addr: multiaddr.Multiaddr, subnets: Sequence[Subnet]) -> bool:
     """True if ``addr``'s IP lies on the network of one of ``subnets`` (this host's interface
     addresses with their prefix lengths, :func:`p2p.addresses.interface_subnets`): reached
     with no NAT in between."""
-    parsed = _tcp_ip_port(addr)
-    if parsed is None:
-        return False
-    try:
-        ip = ipaddress.ip_address(parsed[0])
-    except ValueError:
-        return False
-    return any(ip in s.network for s in subnets)
+    ip = _ip_of(addr)
+    return ip is not None and any(ip in s.network for s in subnets)
 
 
 def private_listen_addrs(

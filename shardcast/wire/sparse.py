@@ -126,6 +126,31 @@ def encode_sparse(raw: Buffer, base: Buffer, level: int = 3) -> bytes:
     return header + cctx.compress(planes.data)  # no copy of the planes
 
 
+def encode_sparse_reference(raw: Buffer, base: Buffer, level: int = 3) -> bytes:
+    """SPD1 written the straightforward way (every 16-bit word compared, planes concatenated):
+    the format's executable definition, slower than :func:`encode_sparse`, which must give the
+    same bytes (tests/unit/test_sparse.py; bench/sparse_encode.py measures one against the
+    other). Same arguments and errors as :func:`encode_sparse`."""
+    if len(raw) != len(base):
+        raise LocalProtocolError(f"sparse delta of {len(raw)} and {len(base)} bytes")
+    n = len(raw)
+    new = _words(raw, n // 2)
+    old = _words(base, n // 2)
+    idx = np.flatnonzero(new != old)
+    gaps = np.diff(idx, prepend=-1).astype("<u4")
+    diffs = (new[idx] - old[idx]).astype("<u2")  # wraps modulo 2**16
+    planes = np.concatenate(
+        [
+            gaps.view(np.uint8).reshape(-1, 4).T.reshape(-1),
+            diffs.view(np.uint8).reshape(-1, 2).T.reshape(-1),
+        ]
+    )
+    has_tail = n % 2
+    header = _HEADER.pack(MAGIC, n, len(idx), has_tail, raw[n - 1] if has_tail else 0)
+    cctx = zstandard.ZstdCompressor(level=level, write_content_size=True)
+    return header + cctx.compress(planes.tobytes())
+
+
 def sparse_count(blob: Buffer) -> int:
     """The number of changed words a sparse blob lists (its header only; not validated)."""
     return int(_HEADER.unpack_from(blob)[2])
