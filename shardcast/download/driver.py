@@ -175,6 +175,11 @@ class _StoreLost(Exception):
     """Writing a verified chunk failed (:meth:`DownloadDriver.write_chunk`)."""
 
 
+_FETCH_FAILURES = (NotAvailable, StreamBroken, PeerUnreachable, RemoteProtocolError)
+"""What a fetch from a source may raise that ends it with a typed :class:`Outcome`
+(:meth:`DownloadDriver._failure`)."""
+
+
 def offer(entry: ShardEntry) -> Offer:
     """What a manifest shard entry offers, for the session."""
     return Offer(entry.index, entry.length, {e.encoding: e.size for e in entry.encodings})
@@ -508,17 +513,8 @@ class DownloadDriver:
                     outcome = Outcome.CORRUPT_CHUNK
                 except _StoreLost:  # the session fails the download at its next poll
                     outcome = Outcome.CANCELLED
-                except NotAvailable as exc:
-                    outcome = _unavailable(exc)
-                    if outcome is Outcome.REFUSED and self.observer is not None:
-                        self.observer.refused(src.id)
-                except (StreamBroken, PeerUnreachable) as exc:
-                    broken = isinstance(exc, StreamBroken)
-                    outcome = Outcome.BROKEN if broken else Outcome.UNREACHABLE
-                    self._log_failure("shard_fetch_failed", f, exc)
-                except RemoteProtocolError as exc:
-                    outcome = Outcome.PROTOCOL_ERROR
-                    self._log_failure("source_protocol_error", f, exc)
+                except _FETCH_FAILURES as exc:
+                    outcome = self._failure(exc, f, src)
             if outcome is not Outcome.OK:
                 sink.rewind()  # a chunked sink keeps whole verified chunks only
             got = sink.pos - begin
@@ -599,21 +595,12 @@ class DownloadDriver:
             if len(data) != total:
                 raise RemoteProtocolError(src.id, f"batch of {len(data)} bytes for {total}")
             return Outcome.OK, data
-        except NotAvailable as exc:
-            if exc.status == 404:  # no batch route there (or no version): one at a time
+        except _FETCH_FAILURES as exc:
+            if isinstance(exc, NotAvailable) and exc.status == 404:
+                # no batch route there (or no version): one blob at a time from now on
                 self.batcher.unsupported(src.id)
                 return Outcome.CANCELLED, b""
-            outcome = _unavailable(exc)
-            if outcome is Outcome.REFUSED and self.observer is not None:
-                self.observer.refused(src.id)
-            return outcome, b""
-        except (StreamBroken, PeerUnreachable) as exc:
-            self._log_failure("shard_fetch_failed", batch[0], exc)
-            broken = isinstance(exc, StreamBroken)
-            return (Outcome.BROKEN if broken else Outcome.UNREACHABLE), b""
-        except RemoteProtocolError as exc:
-            self._log_failure("source_protocol_error", batch[0], exc)
-            return Outcome.PROTOCOL_ERROR, b""
+            return self._failure(exc, batch[0], src), b""
 
     def _hand_out(
         self,
@@ -648,6 +635,21 @@ class DownloadDriver:
             if any(isinstance(a, Check) for a in actions):
                 checks.append((f, sink))
         return checks
+
+    def _failure(self, exc: Exception, f: Fetch, src: Source) -> Outcome:
+        """The outcome of a fetch (or a batch, named by its first fetch ``f``) from ``src``
+        that raised one of :data:`_FETCH_FAILURES`; logs it and tells the observer of a
+        refusal."""
+        if isinstance(exc, NotAvailable):
+            outcome = _unavailable(exc)
+            if outcome is Outcome.REFUSED and self.observer is not None:
+                self.observer.refused(src.id)
+            return outcome
+        if isinstance(exc, StreamBroken | PeerUnreachable):
+            self._log_failure("shard_fetch_failed", f, exc)
+            return Outcome.BROKEN if isinstance(exc, StreamBroken) else Outcome.UNREACHABLE
+        self._log_failure("source_protocol_error", f, exc)
+        return Outcome.PROTOCOL_ERROR
 
     def _log_failure(self, event: str, f: Fetch, exc: Exception) -> None:
         log.info(
