@@ -29,12 +29,9 @@ from __future__ import annotations
 from collections.abc import Iterable
 
 from shardcast.core.session import Fetch
-from shardcast.wire import codecs
+from shardcast.wire import MAX_BATCH_BLOBS, codecs
 
 __all__ = ["MAX_BATCH_BLOBS", "MAX_BATCH_BYTES", "BlobBatcher"]
-
-MAX_BATCH_BLOBS = 64
-"""Most blobs in one batch request (the lane's route accepts no more)."""
 
 MAX_BATCH_BYTES = 8 << 20
 """Most bytes of blobs in one batch request (the lane's route accepts no more)."""
@@ -83,7 +80,6 @@ class BlobBatcher:
         fetch (asked on its own route) or a batch of two or more blobs of one source and
         encoding, within the bounds. ``anonymous``: the ids of anonymous sources. Every
         fetch appears in exactly one tuple; order within a batch follows ``fetches``."""
-        out: list[tuple[Fetch, ...]] = []
         open_: dict[tuple[str, str], list[Fetch]] = {}
         sizes: dict[tuple[str, str], int] = {}
         groups: list[list[Fetch]] = []
@@ -103,6 +99,4 @@ class BlobBatcher:
                 groups.append(group)
             group.append(f)
             sizes[key] += f.size
-        for group in groups:
-            out.append(tuple(group))
-        return out
+        return [tuple(group) for group in groups]

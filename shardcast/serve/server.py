@@ -630,6 +630,15 @@ class VersionServer:
                 break
         return end
 
+    def _blob_paths(self, step: int, index: int, encoding: str) -> tuple[Path, Path]:
+        """Where the ``encoding`` blob of shard ``index`` of ``step`` is: the version's live
+        directory while it is arriving (else the committed one), then the committed one (the
+        live directory is renamed to it at the commit)."""
+        committed = self.store.blob_path(step, index, encoding)
+        live = self._live.get(step)
+        primary = live.version.blob_path(index, encoding) if live is not None else committed
+        return primary, committed
+
     async def _blob(
         self, req: HttpRequest, step: int, m: Manifest, index: int, encoding: str
     ) -> HttpResponse:
@@ -640,9 +649,7 @@ class VersionServer:
         offered = m.shard(index).offered(encoding)
         if offered is None:
             return HttpResponse(404)
-        live = self._live.get(step)
-        committed = self.store.blob_path(step, index, encoding)
-        primary = live.version.blob_path(index, encoding) if live is not None else committed
+        primary, committed = self._blob_paths(step, index, encoding)
         if not primary.exists() and not committed.exists():
             return HttpResponse(404)  # this node did not keep that encoding
         if self._refuse_repeat(req, step, m, range(index, index + 1)):
@@ -692,16 +699,7 @@ class VersionServer:
             return HttpResponse(413)
         if self._refuse_repeat(req, step, m, shards):
             return _refused()
-        live = self._live.get(step)
-        paths = [
-            (
-                self.store.blob_path(step, i, encoding)
-                if live is None
-                else live.version.blob_path(i, encoding),
-                self.store.blob_path(step, i, encoding),
-            )
-            for i in shards
-        ]
+        paths = [self._blob_paths(step, i, encoding) for i in shards]
         with self.store.pinned(step):
             body = await trio.to_thread.run_sync(_read_blobs, paths, sizes)
         if body is None:

@@ -46,6 +46,7 @@ from shardcast.wire.lane_auth import (
 )
 from shardcast.wire.lane_urls import (
     HELD_DIGEST_HEADER,
+    MAX_BATCH_BLOBS,
     ROUTE,
     STEP_ONLY_BODY,
     STEP_ONLY_ROUTE,
@@ -151,6 +152,7 @@ __all__ = [
     "HOLD_HEADER",
     "INFO_PROTOCOL",
     "MANIFEST_FILE",
+    "MAX_BATCH_BLOBS",
     "MAX_CARD_BYTES",
     "MAX_CARD_MIRRORS",
     "MAX_ENGINES",

@@ -42,12 +42,16 @@ PREFIX = "/shardnet/v1"
 HELD_DIGEST_HEADER = "x-shardnet-held-digest"
 """Response header of a ``409``: the manifest digest this node holds the step under."""
 
+MAX_BATCH_BLOBS = 64
+"""Most shards one batch route names (:func:`blobs_url`; the server accepts no more)."""
+
 ROUTE = re.compile(
     r"^/shardnet/v1/(?P<run>[^/]+)/(?P<step>\d{1,18})/(?P<digest>[0-9a-f]{64})/"
     r"(?:(?P<kind>manifest|have)"
     r"|manifest/part/(?P<part>\d{1,9})|files/(?P<name>[^/]+)"
     r"|shard/(?P<shard>\d{1,9})/(?P<enc>zstd|xor-zstd|sparse)"
-    r"|blobs/(?P<benc>zstd|xor-zstd|sparse)/(?P<shards>\d{1,9}(?:,\d{1,9}){0,63}))$"
+    r"|blobs/(?P<benc>zstd|xor-zstd|sparse)/(?P<shards>\d{1,9}(?:,\d{1,9})"
+    rf"{{0,{MAX_BATCH_BLOBS - 1}}}))$"
 )
 """A version route; groups ``run``, ``step``, ``digest`` and one of ``kind``, ``part``,
 ``name``, ``shard``+``enc``, ``benc``+``shards`` (a batch: at most 64 shard indices)."""
@@ -118,7 +122,7 @@ def blobs_url(
     Raises:
         ValueError: no shard, more than 64, or a shard named twice (a caller bug).
     """
-    if not 1 <= len(shards) <= 64 or len(set(shards)) != len(shards):
+    if not 1 <= len(shards) <= MAX_BATCH_BLOBS or len(set(shards)) != len(shards):
         raise ValueError(f"a batch names 1-64 distinct shards, not {list(shards)}")
     listed = ",".join(str(i) for i in shards)
     return f"{version_url(base_url, run_id, step, digest)}/blobs/{enc}/{listed}"
