@@ -371,7 +371,7 @@ def bytes_by_path(run: NatRun, nated: dict[str, Node]) -> dict[str, dict[str, in
     (outbound), over a connection DCUtR made (punched: between the public peer and a NATed
     one, which the NATed peers do not bootstrap from here, or between NATed peers behind two
     routers), or between NATed peers behind one router (lan: its lane URL on their LAN; the
-    router has no hairpin NAT, so they cannot punch each other)."""
+    router has no hairpin NAT: their punches dial each other's LAN addresses)."""
     trainer_id = run.trainer.info["peer_id"]
     router_of = {pid: node.host.ip.rsplit(".", 1)[0] for pid, node in nated.items()}
     published = trainer_digests(run.trainer.host, trainer_id)
