@@ -83,7 +83,7 @@ class NodeAdvert:
             the same order (empty: an advert of an older node, which names steps only).
         tier: hops from the origin (1: a relay fed by the origin; 2: a node fed by relays),
             or None (unknown: an older node). Relays of one tier do not super-seed to each
-            other (:attr:`shardcast.serve.server.VersionServer.exempt`).
+            other (:attr:`shardcast.serve.server.VersionServer.requester_kind`).
         stream_lane: its lane is served over libp2p streams on connections it holds (a node
             behind a NAT; wire key ``stream_lane``, absent when False).
         lan_url: a lane URL on a private, loopback or link-local address, for nodes on the
@@ -427,6 +427,13 @@ class SourceDirectory:
         """The role ``peer_id`` advertised (None: never heard or forgotten)."""
         entry = self._adverts.get(peer_id)
         return entry[0].role if entry is not None else None
+
+    def download_only(self, peer_id: str) -> bool:
+        """True if ``peer_id``'s last advert offers no lane outside its own network (no URL,
+        no stream lane; a LAN URL serves only its neighbours); False also when no advert of
+        it was heard or it was forgotten."""
+        entry = self._adverts.get(peer_id)
+        return entry is not None and not entry[0].http_url and not entry[0].stream_lane
 
     def tier_of(self, peer_id: str) -> int | None:
         """The tier ``peer_id`` advertised (None: never heard, forgotten, or not said)."""

@@ -138,6 +138,7 @@ from shardcast.node import (
     source_kind,
     wall_of,
 )
+from shardcast.serve import Requester
 from shardcast.store import ChainBroken
 from shardcast.wire import (
     Manifest,
@@ -284,8 +285,7 @@ class Follower:
             one_per_url=True,
             backoff=config.lane_backoff,
         )
-        if node.config.role == "relay":
-            node.server.exempt = self._same_tier_relay
+        node.server.requester_kind = self._requester_kind
         self._upstream_changed = trio.Event()
         self._filling: list[tuple[int, str]] = []  # versions being downloaded
         self._advert_wake = trio.Event()
@@ -710,6 +710,17 @@ class Follower:
         tiers = [self.directory.tier_of(pid) for pid in self.upstreams]
         known = [t for t in tiers if t is not None]
         return min(known) + 1 if known else None
+
+    def _requester_kind(self, peer_id: str) -> Requester:
+        """What this node's server knows of requester ``peer_id`` for super-seeding, from its
+        advert: a relay of this relay's tier (:meth:`_same_tier_relay`), a node whose advert
+        offers no lane outside its own network (no URL, no stream lane: download-only), or
+        a serving one (also when no advert was heard)."""
+        if self.node.config.role == "relay" and self._same_tier_relay(peer_id):
+            return Requester.SIBLING
+        if self.directory.download_only(peer_id):
+            return Requester.DOWNLOAD_ONLY
+        return Requester.SERVING
 
     def _same_tier_relay(self, peer_id: str) -> bool:
         """True if ``peer_id`` advertised the relay role at this node's tier: this relay does

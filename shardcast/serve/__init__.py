@@ -13,11 +13,12 @@ from shardcast.serve.mirror import (
     version_problems,
 )
 from shardcast.serve.server import VersionServer
-from shardcast.serve.superseeding import SuperSeeding
+from shardcast.serve.superseeding import Requester, SuperSeeding
 
 __all__ = [
     "PREFIX",
     "MirrorExport",
+    "Requester",
     "SuperSeeding",
     "VersionServer",
     "export_mirror",

@@ -96,7 +96,7 @@ from p2p.http_server import FileSlice, HttpRequest, HttpResponse, file_response
 from p2p.identity import Identity
 from p2p.trust import TrustList
 from shardcast.core import MAX_BATCH_BYTES
-from shardcast.serve.superseeding import SuperSeeding
+from shardcast.serve.superseeding import Requester, SuperSeeding
 from shardcast.store import ChainBroken, VersionStore
 from shardcast.wire import (
     AUTH_HEADER,
@@ -212,12 +212,13 @@ class VersionServer:
         self._offered: dict[str, int] = {}  # manifest digest -> offered bytes (complete ones)
         self._clock = clock
         self.identity = identity
-        self.exempt: Callable[[str], bool] | None = None
-        """Requesters (PeerIDs) this node never super-seeds to; set by a relay's follower to
-        "advertised the relay role": relays fetch a shard from each other at once instead of
-        from the origin again (rule 4 repeats) or from a peer's uplink. The role is the
-        requester's own claim (a signed advert): a peer that lies about it is served as if
-        this node did not super-seed, which costs efficiency, never integrity."""
+        self.requester_kind: Callable[[str], Requester] | None = None
+        """What this node knows of an authenticated requester (PeerID) for super-seeding
+        (:class:`~shardcast.serve.superseeding.Requester`); set by a follower from the signed
+        adverts it heard (None: every requester is :attr:`Requester.SERVING`). The kinds are
+        the requester's own claims: one that lies is served as if this node did not
+        super-seed to it (sibling) or without holding anything (download-only), which costs
+        efficiency, never integrity."""
         self.bytes_by_step: dict[int, int] = {}
         """Body bytes of GET responses started, per step (what was promised, for reports)."""
         self.sent_by_codec: dict[str, int] = {}
@@ -457,8 +458,9 @@ class VersionServer:
         if self.serve_once_s is None:
             return False
         requester = verify_request(req.headers.get(AUTH_HEADER), req.path, self._clock())
-        if requester is not None and self.exempt is not None and self.exempt(requester):
-            return False
+        kind = Requester.SERVING
+        if requester is not None and self.requester_kind is not None:
+            kind = self.requester_kind(requester)
         return not self._seeding.allow(
             requester,
             step,
@@ -467,6 +469,7 @@ class VersionServer:
             len(m.header.shards),
             failed=parse_failed(req.headers.get(FAILED_HEADER)) if requester else (),
             version_bytes=self._offered_bytes(m),
+            kind=kind,
         )
 
     def _offered_bytes(self, m: Manifest) -> int:

@@ -19,6 +19,22 @@ It takes ``now`` as an argument and does no I/O, so :mod:`shardcast.serve.server
 from __future__ import annotations
 
 from collections.abc import Iterable
+from enum import Enum
+
+
+class Requester(Enum):
+    """What a serving node knows of an authenticated requester, from its signed advert
+    (:attr:`shardcast.serve.server.VersionServer.requester_kind`); value = metric label."""
+
+    SERVING = "serving"
+    """It serves others (a reachable lane, or a stream lane behind a NAT), or nothing is
+    known of it: it may hold a shard (rules 1-6)."""
+    SIBLING = "sibling"
+    """A relay of this relay's own tier: never super-seeded to (siblings fetch a shard from
+    each other at once; each shard still enters the tier below once per relay)."""
+    DOWNLOAD_ONLY = "download_only"
+    """Its advert offers no lane anyone outside its own network can use (a peer behind a
+    NAT that does not serve through it): rule 10."""
 
 
 class SuperSeeding:
@@ -50,6 +66,11 @@ class SuperSeeding:
        ``window_s + persist_s``.
     9. a small version (``version_bytes`` given and at most ``small_version_bytes``) is served
        to every requester, without recording a holder or spending a budget.
+    10. a download-only requester (:attr:`Requester.DOWNLOAD_ONLY`) is asked like any other
+        (refused within the window of a shard another node holds) but never becomes a holder:
+        nobody else could fetch the shard from it, so refusing others for its sake only
+        delays them (a relay handed its first copies to download-only peers behind NATs and
+        refused every serving peer for the window: 13x slower versions).
 
     Args:
         window_s: how long a shard is reserved for its last requester, seconds; None: off
@@ -93,6 +114,7 @@ class SuperSeeding:
         self.released = 0
         self.anonymous_served = 0
         self.small_served = 0
+        self.unheld_served = 0
 
     def allow(
         self,
@@ -103,6 +125,7 @@ class SuperSeeding:
         total_shards: int | None = None,
         failed: Iterable[str] = (),
         version_bytes: int | None = None,
+        kind: Requester = Requester.SERVING,
     ) -> bool:
         """True if ``requester`` may get these shards now (and records the serve).
 
@@ -116,8 +139,10 @@ class SuperSeeding:
             failed: ids the requester reports as having failed these shards (rule 6).
             version_bytes: what the version offers in all, bytes (the smallest encoding of
                 each shard: what a requester fetches), for rule 9; None: unknown.
+            kind: what is known of ``requester`` (ignored when it is None): a sibling is
+                always allowed, a download-only requester is never recorded (rule 10).
         """
-        if self.window_s is None:
+        if self.window_s is None or (requester is not None and kind is Requester.SIBLING):
             return True
         if version_bytes is not None and version_bytes <= self.small_version_bytes:
             self.small_served += 1
@@ -156,7 +181,10 @@ class SuperSeeding:
             self._reports[(step, requester)] = reports + len(released)
             _trim(self._reports, self.max_entries)
             self.released += len(released)
-        self._record(requester, step, shards, now)
+        if kind is Requester.DOWNLOAD_ONLY:
+            self.unheld_served += len(shards)  # rule 10: served, holds nothing
+        else:
+            self._record(requester, step, shards, now)
         return True
 
     def _still_refused(

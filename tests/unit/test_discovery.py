@@ -13,6 +13,7 @@ from p2p.errors import RemoteProtocolError
 from shardcast.core.tracker import confirmed_elsewhere
 from shardcast.download.discovery import NodeAdvert, SourceDirectory
 from shardcast.download.follower import Follower
+from shardcast.serve import Requester
 from shardcast.wire.messages import NodeInfo, VersionAnnouncement
 
 
@@ -130,10 +131,12 @@ def _info(pid: str, role: str) -> NodeInfo:
     return NodeInfo(pid, role, "run", "http://127.0.0.1:1", (), None)
 
 
-def _follower(upstreams: dict[str, NodeInfo], d: SourceDirectory) -> Follower:
-    """The two attributes the tier logic reads (it does no I/O)."""
-    f = SimpleNamespace(upstreams=upstreams, directory=d)
+def _follower(upstreams: dict[str, NodeInfo], d: SourceDirectory, role: str = "relay") -> Follower:
+    """The attributes the tier and requester logic read (it does no I/O)."""
+    node = SimpleNamespace(config=SimpleNamespace(role=role))
+    f = SimpleNamespace(upstreams=upstreams, directory=d, node=node)
     f.tier = lambda: Follower.tier(cast(Follower, f))
+    f._same_tier_relay = lambda p: Follower._same_tier_relay(cast(Follower, f), p)
     return cast(Follower, f)
 
 
@@ -151,6 +154,27 @@ def test_a_follower_tier_counts_hops_from_the_origin() -> None:
     assert _follower({"Qm-r2": _info("Qm-r2", "relay")}, d).tier() == 2
     assert _follower({"Qm-old": _info("Qm-old", "relay")}, d).tier() is None
     assert _follower({}, d).tier() is None
+
+
+def test_a_node_whose_advert_offers_no_outside_lane_is_download_only() -> None:
+    """No URL and no stream lane (a LAN URL serves only its neighbours): super-seeding never
+    makes it a holder (``Follower._requester_kind``); unknown nodes are not presumed so."""
+    d = SourceDirectory("me", set(), ttl_s=100.0, max_entries=8, rng=random.Random(0))
+    d.offer(NodeAdvert("Qm-d", "peer", "", (), (), lan_url="http://192.168.77.2:8003"), 0.0)
+    d.offer(NodeAdvert("Qm-e", "peer", "", (), (), stream_lane=True), now=0.0)
+    d.offer(NodeAdvert("Qm-c", "peer", "http://10.0.0.3:8003", (), ()), now=0.0)
+    assert [d.download_only(p) for p in ("Qm-d", "Qm-e", "Qm-c", "Qm-x")] == [
+        True,
+        False,
+        False,
+        False,
+    ]
+    d.offer(NodeAdvert("Qm-r2", "relay", "http://10.0.0.2:8002", (), (), tier=1), now=0.0)
+    origin = {"Qm-o": _info("Qm-o", "origin")}
+    kinds = [Follower._requester_kind(_follower(origin, d), p) for p in ("Qm-r2", "Qm-d")]
+    assert kinds == [Requester.SIBLING, Requester.DOWNLOAD_ONLY]
+    peer = _follower(origin, d, role="peer")  # a peer has no siblings to exempt
+    assert Follower._requester_kind(peer, "Qm-r2") is Requester.SERVING
 
 
 def test_a_same_step_replacement_waits_while_another_upstream_confirms_the_known_one() -> None:

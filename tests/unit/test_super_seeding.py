@@ -10,7 +10,7 @@ from p2p.http_server import HttpRequest
 from p2p.identity import Identity
 from shardcast.publish.plan import build_manifest
 from shardcast.serve.server import VersionServer, offered_bytes
-from shardcast.serve.superseeding import SuperSeeding
+from shardcast.serve.superseeding import Requester, SuperSeeding
 from shardcast.store.store import VersionStore
 from shardcast.wire.lane_auth import (
     AUTH_HEADER,
@@ -25,6 +25,7 @@ from tests.helpers import TRAINER, make_checkpoint, trust
 A = Identity.from_seed("relay-a")
 B = Identity.from_seed("relay-b")
 C = Identity.from_seed("peer-c")
+D = Identity.from_seed("peer-d")
 PATH = "/shardnet/v1/run/1/files/model.safetensors"
 
 
@@ -57,6 +58,32 @@ def test_anonymous_requests_never_hold_a_shard_and_have_a_bounded_share() -> Non
     assert s.allow(None, 0, [2, 3], 0.2, total_shards=4)
     assert not s.allow(None, 0, [0], 0.3, total_shards=4)  # share (1 copy) used up
     assert s.anonymous_served == 4
+
+
+def test_a_download_only_requester_is_served_but_never_holds_a_shard() -> None:
+    """Rule 10: a peer that serves nobody (behind a NAT, no stream lane) gets a shard nobody
+    holds but delays nobody; it is still refused a shard a serving node holds (it fetches it
+    there), like any requester."""
+    s = SuperSeeding(window_s=5.0)
+    nat = Requester.DOWNLOAD_ONLY
+    assert s.allow("peer-d", 0, [0, 1], 0.0, total_shards=4, kind=nat)
+    assert s.allow("peer-e", 0, [0, 1], 0.1, total_shards=4, kind=nat)  # nobody holds them
+    assert s.allow("peer-c", 0, [0], 0.2, total_shards=4)  # the first serving node: holds 0
+    assert not s.allow("peer-g", 0, [0], 0.3, total_shards=4)  # ... so others wait for it
+    assert not s.allow("peer-d", 0, [0], 0.4, total_shards=4, kind=nat)  # again: fetch at C
+    assert s.unheld_served == 4
+    # the same requests from serving nodes: the first one holds both shards
+    t = SuperSeeding(window_s=5.0)
+    assert t.allow("peer-d", 0, [0, 1], 0.0, total_shards=4)
+    assert not t.allow("peer-c", 0, [0], 0.2, total_shards=4)
+
+
+def test_a_sibling_relay_is_never_super_seeded_and_holds_nothing() -> None:
+    s = SuperSeeding(window_s=5.0)
+    assert s.allow("peer-c", 0, [0], 0.0, total_shards=4)
+    assert s.allow("relay-b", 0, [0, 1], 0.1, total_shards=4, kind=Requester.SIBLING)
+    assert s.allow("peer-g", 0, [1], 0.2, total_shards=4)  # the sibling holds nothing
+    assert s.refused == 0
 
 
 def test_a_holder_reported_failing_is_released_at_once() -> None:
@@ -185,14 +212,16 @@ def test_offered_bytes_of_a_version_still_published_follows_its_known_parts(
     )
 
 
-async def test_an_exempt_requester_is_never_super_seeded(tmp_path: Path) -> None:
-    """A relay does not super-seed to its sibling relays (``VersionServer.exempt``, set by
-    the follower from adverts): the sibling gets a shard already served to a peer at once,
-    instead of asking the origin again or a peer's uplink; the peers are still refused."""
+async def test_the_lane_asks_what_a_requester_is(tmp_path: Path) -> None:
+    """A relay does not super-seed to its sibling relays (``VersionServer.requester_kind``,
+    set by the follower from adverts): the sibling gets a shard already served to a peer at
+    once, instead of asking the origin again or a peer's uplink; the peers are still
+    refused; a download-only peer served first does not make the others wait."""
     store, m = _one_version(tmp_path)
     now = 5000.0
     server = VersionServer(store, trust(), serve_once_s=5.0, clock=lambda: now)
-    server.exempt = lambda peer_id: peer_id == A.peer_id
+    kinds = {A.peer_id: Requester.SIBLING, D.peer_id: Requester.DOWNLOAD_ONLY}
+    server.requester_kind = lambda peer_id: kinds.get(peer_id, Requester.SERVING)
     path = f"/shardnet/v1/run/1/{m.digest}/files/{m.header.files[0].name}"
 
     async def get(who: Identity) -> int:
@@ -202,6 +231,7 @@ async def test_an_exempt_requester_is_never_super_seeded(tmp_path: Path) -> None
             resp.body.on_done()
         return resp.status
 
-    assert await get(B) == 206  # the first peer holds the shard now
+    assert await get(D) == 206  # download-only: served, holds nothing
+    assert await get(B) == 206  # the first serving peer holds the shard now
     assert await get(A) == 206  # the sibling relay: served anyway
     assert await get(C) == 429  # another peer: refused, as before
