@@ -5,7 +5,8 @@ Theory of operation
 :func:`run_mode` builds the topology of issue 25's targets on hosts made of network namespaces
 (tests/deploy/hosts.py): on the public bridge A runs the trainer, B a relay, C and G a peer each;
 two home routers R and S (source NAT, no port forwarding) each have two peers on their LAN (D, E
-behind R; F, H behind S). The relay's and the public peers' links are shaped (tc tbf) so that the
+behind R; F, H behind S; the second of each pair on its own libp2p port, 4013, as the README
+tells operators of several peers behind one router). The relay's and the public peers' links are shaped (tc tbf) so that the
 NATed peers' uplinks matter; the NATed peers' stay at the lab's 1 Gb/s. Each :class:`Mode` changes
 one thing on the same hosts: no routers at all (every peer on the bridge: the baseline),
 endpoint-independent routers (plain masquerade), symmetric ones (``masquerade fully-random``), or
@@ -34,7 +35,15 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 from tests.deploy.hosts import LINK_BYTES_PER_S, Host, Hosts, Node
-from tests.deploy.test_nat import PUBLISHED, SWARM, ShortRun, start_behind, status, step_at
+from tests.deploy.test_nat import (
+    PUBLISHED,
+    SECOND_PORT,
+    SWARM,
+    ShortRun,
+    start_behind,
+    status,
+    step_at,
+)
 from tests.deploy.test_operator_path import (
     COMMITTED,
     PROGRESS_S,
@@ -174,6 +183,7 @@ def run_mode(hosts: Hosts, mode: Mode, *, steps: int, public_rate: float) -> Mod
         _shape(hosts, h, public_rate)
     router_of: dict[str, str | None] = {}  # host name -> its router's
     behind: list[tuple[Host, str]] = []  # (host, the --public-host its operator types)
+    port_of: dict[str, int] = {}  # libp2p port of each peer behind a router but the first
     for rname, names in BEHIND.items():
         if mode is Mode.PUBLIC:
             for n in names:
@@ -182,10 +192,12 @@ def run_mode(hosts: Hosts, mode: Mode, *, steps: int, public_rate: float) -> Mod
                 router_of[n] = None
             continue
         router = hosts.add_router(rname, symmetric=mode is Mode.SYMMETRIC)
-        for n in names:
+        for i, n in enumerate(names):
             h = hosts.add_behind(router, n)
             behind.append((h, h.ip))  # its LAN address, as test_nat's D
             router_of[n] = rname
+            if i:
+                port_of[n] = SECOND_PORT + 10 * (i - 1)  # the README's 4013, 4023, ...
     dep.values.update(TRAINER_IP=a.ip, RELAY_IP=b.ip)
     peers: list[tuple[Host, str]] = [(h, h.ip) for h in public] + behind
     with ThreadPoolExecutor(len(peers) + 2) as pool:
@@ -208,6 +220,7 @@ def run_mode(hosts: Hosts, mode: Mode, *, steps: int, public_rate: float) -> Mod
                     f"peer-{hp[0].name[0]}",
                     hp[1],
                     nat_extra if router_of.get(hp[0].name) else (),
+                    port_of.get(hp[0].name),
                 ),
                 peers,
             )

@@ -110,14 +110,27 @@ class ShortRun(Deployment):
         return [*argv, *self.extra.get(role, ())]
 
 
+SECOND_PORT = 4013
+"""The libp2p port of the second peer behind one router (the README's example)."""
+
+
 def start_behind(
-    dep: Deployment, host: Host, name: str, public_host: str, extra: tuple[str, ...] = ()
+    dep: Deployment,
+    host: Host,
+    name: str,
+    public_host: str,
+    extra: tuple[str, ...] = (),
+    listen_port: int | None = None,
 ) -> Node:
     """Start the README's peer on a host behind NAT with ``--public-host public_host`` (and
-    ``extra`` options); its ready line is checked like the others' (it advertises that
-    address)."""
+    ``extra`` options; ``listen_port``: its own libp2p port instead of the README's, as the
+    README tells operators of several peers behind one router); its ready line is checked
+    like the others' (it advertises that address)."""
     named = dataclasses.replace(host, ip=public_host)  # what the operator typed as PEER_IP
     argv = [*dep.argv("peer", named), *extra]
+    if listen_port is not None:
+        at = argv.index("--listen") + 1
+        argv[at] = re.sub(r"/tcp/\d+$", f"/tcp/{listen_port}", argv[at])
     dep.note(f"start {name} on {host.name} ({host.ip}) behind NAT, --public-host {public_host}")
     node = dep.hosts.start(host, name, argv)
     ready = node.wait_ready(READY_S)
@@ -199,7 +212,9 @@ def deploy(
         relay,
         peer_c,
         start_behind(dep, d, "peer-d", d.ip, extra),  # its LAN address
-        start_behind(dep, e, "peer-e", router.port.ip, extra),  # the router's, not forwarded
+        # the router's address, not forwarded; its own port, as the README says for two
+        # peers behind one router
+        start_behind(dep, e, "peer-e", router.port.ip, extra, SECOND_PORT),
         start_behind(dep, f, "peer-f", f.ip, extra) if f is not None else None,
     )
 
