@@ -47,7 +47,7 @@ from rollout.engine_options import VllmOptions
 from rollout.inbox import InboxConfig
 from rollout.pacing import PacingConfig
 from rollout.task import DEFAULT_REWARD_SPEC, DEFAULT_TASK_SPEC
-from shardcast.core import PunchConfig, ReachabilityConfig
+from shardcast.core import PunchConfig, ReachabilityConfig, parse_networks
 from shardcast.download import DownloadConfig, FollowConfig, LaneBackoff
 from shardcast.node import SUPER_SEED_MIN_BYTES, SUPER_SEED_S, NodeConfig
 from shardcast.publish import DEFAULT_SHARD_BYTES, OriginConfig
@@ -492,6 +492,13 @@ class FollowerSettings(CommonSettings):
         "others hole-punch to; off: only download (a LAN lane is still offered to its own "
         "network)",
     )
+    public_network: list[str] = Field(
+        list(ReachabilityConfig.public_networks),
+        description="CIDR whose addresses count as public when judging another node's "
+        "advertised lane, repeatable (a deployment across a VPN, an overlay such as "
+        "100.64.0.0/10, or a private WAN); by default only globally routable addresses do, "
+        "and a private address is tried only from its own network",
+    )
     punch_ahead: int = Field(
         PunchConfig.ahead_max_direct,
         ge=0,
@@ -508,6 +515,12 @@ class FollowerSettings(CommonSettings):
     @classmethod
     def _mirror(cls, v: list[str]) -> list[str]:
         return [check_mirror_url(u, "mirror") for u in v]
+
+    @field_validator("public_network")
+    @classmethod
+    def _public_network(cls, v: list[str]) -> list[str]:
+        parse_networks(v, "public_network")
+        return v
 
     @field_validator("allow_relay")
     @classmethod
@@ -538,7 +551,9 @@ class FollowerSettings(CommonSettings):
                 drop_s=self.advert_drop_s,
             ),
             reachability=ReachabilityConfig(
-                recheck_s=self.reachability_recheck_s, serve_behind_nat=self.serve_behind_nat
+                recheck_s=self.reachability_recheck_s,
+                serve_behind_nat=self.serve_behind_nat,
+                public_networks=tuple(self.public_network),
             ),
             punch=PunchConfig(ahead_max_direct=self.punch_ahead),
         )

@@ -205,6 +205,12 @@ class Lab:
         self.netem = False  # probed in __enter__: sch_netem is missing from some kernels
         self.registry = REGISTRY / f"{self.id}.json"
 
+    @property
+    def bridge_network(self) -> str:
+        """The bridge's IPv4 network (CIDR): the "internet" of this lab (routers' public ports
+        and public nodes are on it, though its addresses are private)."""
+        return f"10.211.{self.octet}.0/24"
+
     def _save(self) -> None:
         REGISTRY.mkdir(parents=True, exist_ok=True)
         tmp = self.registry.with_suffix(".tmp")

@@ -40,6 +40,7 @@ from shardcast.core.reachability import (
     choose_lane,
     judge_request,
     lane_in_scope,
+    parse_networks,
     scoped_lane,
 )
 from shardcast.core.retention import should_materialize, versions_to_prune
@@ -165,6 +166,7 @@ __all__ = [
     "judge_request",
     "lane_in_scope",
     "manifest_retry_s",
+    "parse_networks",
     "plan",
     "poll_delay",
     "scoped_lane",

@@ -53,7 +53,11 @@ it), and a node that hears an advert tries a URL on such an address only if
 advertiser's connection to it comes from, or, with no connection seen from a global
 address, it lies on one of this host's own networks (a loopback URL only from this host).
 :func:`scoped_lane` picks the URL of an advert a node may try. NATed peers of one home network
-thus use each other's lanes, and nodes elsewhere never try them.
+thus use each other's lanes, and nodes elsewhere never try them. A deployment whose "internet"
+is itself a private network (a VPN or overlay mesh such as WireGuard on ``10.0.0.0/8`` or
+``100.64.0.0/10``, a campus or cloud network joined by peering, a lab's namespaces) declares
+it (:attr:`ReachabilityConfig.public_networks`, ``--public-network CIDR``): addresses there are
+treated as global by :func:`lane_in_scope`.
 
 Hole punching (circuit relay v2 and DCUtR, :mod:`p2p.circuits`): an unreachable node holds
 reservations on up to :attr:`PunchConfig.max_relays` of the public relays it is connected to
@@ -508,7 +512,32 @@ def _unmapped(
     return ip
 
 
-def lane_in_scope(url: str, observed: Sequence[str], interfaces: Sequence[Interface]) -> bool:
+Network = ipaddress.IPv4Network | ipaddress.IPv6Network
+
+
+def parse_networks(
+    cidrs: Sequence[str], field_name: str = "public_networks"
+) -> tuple[Network, ...]:
+    """``cidrs`` (``10.0.0.0/8``, ``fd00:1::/48``; host bits allowed) as networks.
+
+    Raises:
+        ConfigError: one is not an IPv4 or IPv6 network (names ``field_name`` and it).
+    """
+    out = []
+    for text in cidrs:
+        try:
+            out.append(ipaddress.ip_network(text, strict=False))
+        except ValueError as exc:
+            raise ConfigError(field_name, f"{text!r} is not a network (CIDR): {exc}") from exc
+    return tuple(out)
+
+
+def lane_in_scope(
+    url: str,
+    observed: Sequence[str],
+    interfaces: Sequence[Interface],
+    public: Sequence[Network] = (),
+) -> bool:
     """Whether this node may try ``url``, a lane URL another node advertised (module
     docstring, "LAN scope").
 
@@ -517,16 +546,16 @@ def lane_in_scope(url: str, observed: Sequence[str], interfaces: Sequence[Interf
         observed: the addresses the advertiser's connections to this node come from, as seen
             here (empty: not connected, or not known).
         interfaces: this host's interface addresses with their prefix lengths.
+        public: networks this deployment treats as global
+            (:attr:`ReachabilityConfig.public_networks`).
 
     Returns:
-        True for a DNS name or a global address; for any other address (private, loopback,
-        link-local, unique local, shared): True if it is one of ``observed``; else False if
-        an ``observed`` address is global (the advertiser reaches this node across the
-        internet, so its LAN is not this node's); else for a loopback address True only if
-        every ``observed`` address is loopback (the advertiser runs on this host), and for
-        the others True if it lies on the network of one of ``interfaces``. False for a URL
-        that is not
-        ``http://host:port``.
+        True for a DNS name, a global address or one in ``public``; for any other address (private,
+        loopback, link-local, unique local, shared): True if it is one of ``observed``; else False
+        if an ``observed`` address is global (the advertiser reaches this node across the internet,
+        so its LAN is not this node's); else for a loopback address True only if every ``observed``
+        address is loopback (the advertiser runs on this host), and for the others True if it lies
+        on the network of one of ``interfaces``. False for a URL that is not ``http://host:port``.
     """
     host = url_host(url)
     if host is None:
@@ -535,6 +564,8 @@ def lane_in_scope(url: str, observed: Sequence[str], interfaces: Sequence[Interf
     if ip is None or ip.is_global:
         return True
     ip = _unmapped(ip)
+    if any(ip in n for n in public):
+        return True
     seen = [_unmapped(o) for o in (_ip(text) for text in observed) if o is not None]
     if ip in seen:
         return True
@@ -546,13 +577,17 @@ def lane_in_scope(url: str, observed: Sequence[str], interfaces: Sequence[Interf
 
 
 def scoped_lane(
-    http_url: str, lan_url: str, observed: Sequence[str], interfaces: Sequence[Interface]
+    http_url: str,
+    lan_url: str,
+    observed: Sequence[str],
+    interfaces: Sequence[Interface],
+    public: Sequence[Network] = (),
 ) -> str:
     """The URL of an advert (its ``http_url`` and ``lan_url``) that this node may try: the
-    first of the two that is non-empty and :func:`lane_in_scope`, else ``""`` (nothing to try:
-    the advert then offers no HTTP source here)."""
+    first of the two that is non-empty and :func:`lane_in_scope` (with ``public``), else
+    ``""`` (nothing to try: the advert then offers no HTTP source here)."""
     for url in (http_url, lan_url):
-        if url and lane_in_scope(url, observed, interfaces):
+        if url and lane_in_scope(url, observed, interfaces, public):
             return url
     return ""
 
@@ -650,6 +685,11 @@ class ReachabilityConfig:
             the stream lane (:meth:`Reachability.advertises_stream`) and hold relay
             reservations that others hole-punch through; off: such a node only downloads
             (its ``lan_url`` is still offered to its own network).
+        public_networks: CIDRs whose addresses count as global for LAN scope
+            (:func:`lane_in_scope`): a deployment across a private WAN, VPN or overlay.
+
+    Raises:
+        ConfigError: a ``public_networks`` entry is not a CIDR.
     """
 
     askers: int = 3
@@ -657,6 +697,14 @@ class ReachabilityConfig:
     retry_s: float = 30.0
     ask_timeout_s: float = 10.0
     serve_behind_nat: bool = True
+    public_networks: tuple[str, ...] = ()
+
+    def __post_init__(self) -> None:
+        parse_networks(self.public_networks)
+
+    def networks(self) -> tuple[Network, ...]:
+        """:attr:`public_networks`, parsed."""
+        return parse_networks(self.public_networks)
 
 
 @dataclass

@@ -295,6 +295,7 @@ class Follower:
         self.mirrors = {url: MirrorPoll(url) for url in config.mirrors}
         self.reachability = Reachability(node.http_url, config.reachability)
         self._interfaces = interface_subnets()  # which private URLs are on this host's LANs
+        self._public_networks = config.reachability.networks()
         self.advert_checks: Counter[LaneCheck] = Counter()
         """Challenges of advertised URLs by outcome (metrics)."""
         self.adverts_out_of_scope = 0
@@ -624,7 +625,9 @@ class Follower:
         if not advert.http_url and not advert.lan_url:
             return advert
         observed = self.node.p2p.remote_hosts(advert.peer_id)
-        url = scoped_lane(advert.http_url, advert.lan_url, observed, self._interfaces)
+        url = scoped_lane(
+            advert.http_url, advert.lan_url, observed, self._interfaces, self._public_networks
+        )
         if not url:
             self.adverts_out_of_scope += 1
         if url == advert.http_url:

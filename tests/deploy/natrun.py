@@ -5,13 +5,13 @@ Theory of operation
 :func:`run_mode` builds the topology of issue 25's targets on hosts made of network namespaces
 (tests/deploy/hosts.py): on the public bridge A runs the trainer, B a relay, C and G a peer each;
 two home routers R and S (source NAT, no port forwarding) each have two peers on their LAN (D, E
-behind R; F, H behind S; the second of each pair on its own libp2p port, 4013, as the README
-tells operators of several peers behind one router). The relay's and the public peers' links are shaped (tc tbf) so that the
-NATed peers' uplinks matter; the NATed peers' stay at the lab's 1 Gb/s. Each :class:`Mode` changes
-one thing on the same hosts: no routers at all (every peer on the bridge: the baseline),
-endpoint-independent routers (plain masquerade), symmetric ones (``masquerade fully-random``), or
-endpoint-independent routers with the NATed peers started with ``--no-serve-behind-nat`` (they
-only download; a LAN neighbour still uses their lane).
+behind R; F, H behind S; the second of each pair on its own libp2p port, 4013, as the README tells
+operators of several peers behind one router). The relay's and the public peers' links are shaped
+(tc tbf) so that the NATed peers' uplinks matter; the NATed peers' stay at the lab's 1 Gb/s. Each
+:class:`Mode` changes one thing on the same hosts: no routers at all (every peer on the bridge: the
+baseline), endpoint-independent routers (plain masquerade), symmetric ones (``masquerade fully-
+random``), or endpoint-independent routers with the NATed peers started with ``--no-serve-behind-
+nat`` (they only download; a LAN neighbour still uses their lane).
 
 Every node runs the README's command with the options of tests/deploy/test_nat.py (its
 :class:`~tests.deploy.test_nat.ShortRun`, :func:`~tests.deploy.test_nat.start_behind`, swarm

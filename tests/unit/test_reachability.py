@@ -9,7 +9,7 @@ import random
 import cbor2
 import pytest
 
-from p2p.errors import RemoteProtocolError
+from p2p.errors import ConfigError, RemoteProtocolError
 from shardcast.core.reachability import (
     DialbackAnswer,
     DialbackLimiter,
@@ -23,6 +23,7 @@ from shardcast.core.reachability import (
     ReachabilityConfig,
     judge_request,
     lane_in_scope,
+    parse_networks,
     scoped_lane,
     verdict,
 )
@@ -251,6 +252,23 @@ def test_an_advert_offers_the_first_url_in_scope() -> None:
     # an older node that failed open names its private URL as http_url: scoped the same way
     assert scoped_lane(nat_lan, "", [], LOOPBACK) == ""
     assert scoped_lane("", "", [], LAN) == ""
+
+
+def test_a_declared_public_network_counts_as_global() -> None:
+    """A deployment across a VPN or a private WAN names it (``--public-network``): its
+    addresses are tried from anywhere, other private ones still only on their own network."""
+    wan = parse_networks(["10.211.0.0/16", "fd77::/16"])
+    peer = "http://10.211.7.4:8003"
+    assert not lane_in_scope(peer, [], LAN)  # private, not on this node's network
+    assert lane_in_scope(peer, [], LAN, wan)
+    assert lane_in_scope("http://[fd77::4]:8003", ["8.8.4.4"], LAN, wan)
+    assert not lane_in_scope("http://192.168.77.3:8003", [], LOOPBACK, wan)
+    assert scoped_lane(peer, "", [], LAN, wan) == peer
+    assert parse_networks(["10.211.7.4/24"]) == (ipaddress.ip_network("10.211.7.0/24"),)
+    with pytest.raises(ConfigError, match=r"public_networks.*'10\.300\.0\.0/8'"):
+        parse_networks(["10.300.0.0/8"])
+    with pytest.raises(ConfigError, match="public_networks"):
+        ReachabilityConfig(public_networks=("lan",))
 
 
 def test_a_private_lane_is_offered_for_its_lan_until_advertised() -> None:
