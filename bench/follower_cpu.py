@@ -42,6 +42,39 @@ worker threads are ~0.05 CPU-s. Parts arrive ~75 ms apart while the origin encod
 over 1.6 s), so a route fetching several parts per request would carry one part per answer;
 decoding and verifying a part costs 0.3 ms (7 ms per version).
 
+Then (issue 24, copies and per-shard work; base = 5470a70, new = this branch, alternated run
+by run, 3 runs per variant and preset, load 4.9-8.5 on the 2 cores from another session's
+measurements; medians, ranges in brackets; ``excess`` = next CPU-s minus the run's own idle
+rate times its ``next_s``, which the origin's encode sets and the load stretches): a blob
+batch is received straight into one buffer (``HttpClient.get_into``: ``recv_into`` past h11;
+the ``get_bytes`` path copied each byte 4-5 times between socket, h11, the body and the
+sinks), each blob's sink is a view of its slice and is kept as it is (no ``bytes`` copy
+before the store writes it); the scheduler counts the shards whose part has not arrived
+instead of scanning every shard at each poll that finds nothing idle; a signed part or
+header keeps its envelope bytes (the verified ones, or encoded once) instead of encoding its
+whole chunk list again for each ``/part`` or manifest served and at each commit.
+
+=========  =================  =================  =================  =================
+preset     base CPU-s         new CPU-s          base excess        new excess
+=========  =================  =================  =================  =================
+real-1b    0.360 (0.20-0.43)  0.199 (0.16-0.20)  0.278 (0.17-0.29)  0.155 (0.14-0.16)
+real-6b    0.688 (0.53-0.84)  0.512 (0.48-0.60)  0.502 (0.39-0.53)  0.362 (0.35-0.41)
+=========  =================  =================  =================  =================
+
+The ``receive`` stage went 0.109 (0.055-0.124) -> 0.029 (0.027-0.032) CPU-s at real-1b and
+0.100 (0.083-0.103) -> 0.055 (0.049-0.055) at real-6b; ``write`` 0.035 -> 0.030 and 0.096
+-> 0.084. An earlier round of the same comparison without the part bytes kept (load
+1.4-9.7) gave 0.295 -> 0.227 and 0.704 -> 0.590 CPU-s. Per GB of checkpoint (excess):
+real-1b 0.21 -> 0.12, real-6b 0.08 -> 0.06.
+
+What is left grows with the blob count (every shard of both presets changes: 85 blobs at
+real-1b, 374 at real-6b), spread thin over the event loop (cProfile of real-6b: trio
+scheduling ~0.5 of ~2.2 profiled s; per blob the session's bookkeeping, the scheduler,
+metrics and debug logs, ~1 ms profiled each; per part its decode and checks, ~4 ms
+profiled), and the ``write`` stage, ~0.2 ms per kept blob. Of ``write`` at real-6b, the
+commit decodes the base version's manifest once (~0.05 CPU-s) because the bench seeds the
+follower's store with hard links: a follower that committed the base itself has it cached.
+
 Usage::
 
     python bench/follower_cpu.py --cache /dev/shm/b24 --preset real-1b --profile out.prof

@@ -53,6 +53,7 @@ __all__ = [
     "ClientCounters",
     "HttpClientStatistics",
     "Target",
+    "check_exact_head",
     "check_range_args",
     "check_range_head",
     "check_whole_head",
@@ -176,6 +177,21 @@ def check_whole_head(response: h11.Response, source: str, url: str, max_bytes: i
     declared = header(response, b"content-length")
     if declared is not None and declared.isdigit() and int(declared) > max_bytes:
         raise MessageTooLarge(source, f"body of {declared} bytes exceeds {max_bytes}")
+
+
+def check_exact_head(response: h11.Response, source: str, url: str, length: int) -> None:
+    """The head of a whole-body GET whose body the caller knows to be exactly ``length``
+    bytes (``get_into``): ``200``, and a declared ``Content-Length`` (if any) equal to it.
+
+    Raises:
+        NotAvailable, StreamBroken, RemoteProtocolError: another status (:func:`status_error`).
+        RemoteProtocolError: a declared ``Content-Length`` other than ``length``.
+    """
+    if response.status_code != 200:
+        raise status_error(response, source, url)
+    declared = header(response, b"content-length")
+    if declared is not None and declared.strip() != str(length):
+        raise RemoteProtocolError(source, f"Content-Length {declared} for {length} bytes expected")
 
 
 def check_range_head(

@@ -55,6 +55,7 @@ from __future__ import annotations
 import socket
 import time
 from collections.abc import AsyncGenerator, Callable, Mapping, Sequence
+from contextlib import aclosing
 from types import TracebackType
 
 import h11
@@ -74,6 +75,7 @@ from p2p.http_checks import (
     ClientCounters,
     HttpClientStatistics,
     Target,
+    check_exact_head,
     check_range_args,
     check_range_head,
     check_whole_head,
@@ -515,34 +517,110 @@ class HttpClient:
             reusable = False
             try:
                 body = BodyCount(source, length, exact=True)
-                if conn.socket is None or header(response, b"content-length") is None:
-                    while (chunk := await self._next_data(conn, source, timeout_s)) is not None:
-                        got = body.received
-                        body.add(len(chunk))
-                        view[got : got + len(chunk)] = chunk
-                        yield len(chunk)
-                    reusable = True
-                else:
-                    buffered, _ = conn.h11.trailing_data  # body bytes read with the head
-                    body.add(len(buffered))
-                    if buffered:
-                        view[: len(buffered)] = buffered
-                        self._counters.bytes_received += len(buffered)
-                        yield len(buffered)
-                    lowat = _LowWater(conn.socket)
-                    try:
-                        while (got := body.received) < length:
-                            n = await _read_body(lowat, view[got:length], source, timeout_s)
-                            body.add(n)
-                            self._counters.bytes_received += n
-                            yield n
-                    finally:
-                        lowat.reset()
-                    conn.reset()  # h11 never saw the body: start its next cycle afresh
-                    reusable = _keeps_alive(response)
+                async with aclosing(
+                    self._body_into(conn, response, source, view, body, timeout_s)
+                ) as pieces:
+                    async for n in pieces:
+                        yield n
                 body.end()
+                reusable = _reusable(conn, response)
             finally:
                 await self._release(conn, reusable)
+
+    async def get_into(
+        self,
+        url: str,
+        view: memoryview,
+        *,
+        timeout_s: float,
+        headers: Sequence[tuple[str, str]] = (),
+        anonymous: bool = False,
+    ) -> None:
+        """GET ``url`` (``200`` only) whose whole body is exactly ``len(view)`` bytes, straight
+        into ``view``: the zero-copy form of :meth:`get_bytes` for a body whose size the
+        caller knows (the blobs of a batch, by their signed sizes), read as
+        :meth:`receive_range_into` reads a range (``recv_into``, past h11).
+
+        Args:
+            view: a writable, contiguous byte buffer of the body's exact length (``0``:
+                an empty body is still asked for and checked).
+            timeout_s, headers, anonymous: as in :meth:`get_bytes`.
+
+        Raises:
+            PeerUnreachable, StreamBroken, NotAvailable, RemoteProtocolError, TransportError:
+                see the module docstring; a declared ``Content-Length`` other than
+                ``len(view)``, or more bytes than that, is a RemoteProtocolError; a body that
+                ends short is StreamBroken. The bytes that arrived stay in ``view``.
+            LocalProtocolError: a malformed URL.
+
+        Safe to call concurrently (with different views). Cancellation closes the connection.
+        """
+        length = len(view)
+        with self._counters.counting_errors():
+            conn, response, source = await self._open(url, timeout_s, [*headers], anonymous)
+            reusable = False
+            try:
+                check_exact_head(response, source, url, length)
+                body = BodyCount(source, length, exact=True)
+                async with aclosing(
+                    self._body_into(conn, response, source, view, body, timeout_s)
+                ) as pieces:
+                    async for _ in pieces:
+                        pass
+                body.end()
+                reusable = _reusable(conn, response)
+            finally:
+                await self._release(conn, reusable)
+
+    async def _body_into(
+        self,
+        conn: _Conn,
+        response: h11.Response,
+        source: str,
+        view: memoryview,
+        body: BodyCount,
+        timeout_s: float,
+    ) -> AsyncGenerator[int, None]:
+        """Read a checked response's body into ``view`` (exactly ``body.limit`` bytes),
+        yielding the count of each piece as it lands: with ``recv_into`` past h11 when the
+        head declares a ``Content-Length`` on a TCP connection (h11 is then reset for the
+        connection's next exchange), else through h11, copied into ``view``."""
+        length = body.limit
+        if not _direct(conn, response):
+            while (chunk := await self._next_data(conn, source, timeout_s)) is not None:
+                got = body.received
+                body.add(len(chunk))
+                view[got : got + len(chunk)] = chunk
+                yield len(chunk)
+            return
+        assert conn.socket is not None  # _direct
+        buffered, _ = conn.h11.trailing_data  # body bytes read with the head
+        body.add(len(buffered))
+        if buffered:
+            view[: len(buffered)] = buffered
+            self._counters.bytes_received += len(buffered)
+            yield len(buffered)
+        lowat = _LowWater(conn.socket)
+        try:
+            while (got := body.received) < length:
+                n = await _read_body(lowat, view[got:length], source, timeout_s)
+                body.add(n)
+                self._counters.bytes_received += n
+                yield n
+        finally:
+            lowat.reset()
+        conn.reset()  # h11 never saw the body: start its next cycle afresh
+
+
+def _direct(conn: _Conn, response: h11.Response) -> bool:
+    """True if the body is read with ``recv_into`` past h11 (a TCP connection and a declared
+    ``Content-Length``); False: through h11 (a stream lane, or a chunked body)."""
+    return conn.socket is not None and header(response, b"content-length") is not None
+
+
+def _reusable(conn: _Conn, response: h11.Response) -> bool:
+    """True if the connection may serve another request after this body was read whole."""
+    return _keeps_alive(response) if _direct(conn, response) else True
 
 
 def _keeps_alive(response: h11.Response) -> bool:

@@ -1033,6 +1033,28 @@ class MemHttpClient:
                     out += piece
             return bytes(out)
 
+    async def get_into(
+        self,
+        url: str,
+        view: memoryview,
+        *,
+        timeout_s: float,
+        headers: Sequence[tuple[str, str]] = (),
+        anonymous: bool = False,
+    ) -> None:
+        """GET a whole body of exactly ``len(view)`` bytes into ``view``; see
+        :meth:`p2p.http_client.HttpClient.get_into` (same errors at the same points)."""
+        with self._counters.counting_errors():
+            a = await self._exchange(url, headers, timeout_s, anonymous)
+            http_checks.check_exact_head(a.event, a.source, url, len(view))
+            body = http_checks.BodyCount(a.source, len(view), exact=True)
+            async with aclosing(self._body_chunks(a, timeout_s)) as chunks:
+                async for piece in chunks:
+                    got = body.received
+                    body.add(len(piece))
+                    view[got : got + len(piece)] = piece
+            body.end()
+
     async def stream_range(
         self,
         url: str,

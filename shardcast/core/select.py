@@ -235,9 +235,11 @@ class Scheduler:
             self._shards[i].done = True
         self._missing = sum(1 for s in self._shards if not s.done)
         # kept in step with the shard and source states so next_request stays cheap with
-        # thousands of shards: shards known, not done, not in flight; and, per shard, how many
+        # thousands of shards: shards known, not done, not in flight (and how many are not yet
+        # known, not done: no endgame before that is 0); and, per shard, how many
         # non-banned partial sources hold it
         self._idle = {i for i, s in enumerate(self._shards) if s.known and not s.done}
+        self._unknown = sum(1 for s in self._shards if not s.known and not s.done)
         self._held: Counter[int] = Counter()
         self._partial: set[int] = set()  # shards with a kept partial transfer (received > 0)
         # ties between equally rare shards are broken by a random order drawn once per
@@ -310,6 +312,8 @@ class Scheduler:
         ``light``: it is fetched as a delta blob, batched by the driver, so a request for it
         takes ``length / light_slot_bytes`` of a request slot (:class:`SchedulerConfig`)."""
         s = self._shards[index]
+        if not s.known and not s.done:
+            self._unknown -= 1
         s.known = True
         s.light = light
         if not s.done and not s.flights:
@@ -373,8 +377,7 @@ class Scheduler:
         (shard, source, seconds since sent, whether a byte arrived); and per source what keeps
         it from taking an idle shard (``banned``, ``full``, ``blocked=<s>``, shards it lacks,
         per-shard delays). At most ``limit`` requests are listed. Pure: reads no clock."""
-        idle = self._idle
-        unknown = sum(1 for s in self._shards if not s.known and not s.done)
+        idle, unknown = self._idle, self._unknown
         flights = sorted(self._flights.values(), key=lambda f: f.started)
         parts = [
             f"missing={self._missing} idle={len(idle)} unknown={unknown} "
@@ -504,7 +507,7 @@ class Scheduler:
         if self._full(self._load, self.config.max_inflight) or not self._missing:
             return None
         if not self._idle:
-            if any(not s.known and not s.done for s in self._shards):
+            if self._unknown:
                 return None  # shards wait for their manifest part: no endgame yet
             return self._endgame(now)
         ready = self._ready(now, set())
@@ -709,6 +712,8 @@ class Scheduler:
             st.bytes_received += fl.req.length
         s = self._shards[fl.req.shard]
         if not s.done:
+            if not s.known:
+                self._unknown -= 1
             s.done = True
             self._set_received(fl.req.shard, 0)
             self._missing -= 1

@@ -550,15 +550,22 @@ class DownloadDriver:
         on the batch route (:meth:`_get_batch`), then hand each to the session as its own
         transfer (:meth:`_hand_out`): split by the signed sizes, hashed into its own sink,
         checked on its own (a bad blob blames this one source: the whole body came from
-        it); the checks share one worker-thread hop."""
+        it); the checks share one worker-thread hop.
+
+        The body lands in one buffer (``recv_into``) and each blob's sink is a view of its
+        slice: no byte is copied between the socket and the store (a sink kept for blame
+        keeps the whole buffer alive, at most one batch)."""
         src, t0 = self.by_id[batch[0].source], trio.current_time()
-        sinks = [ShardSink.pooled(f.size) for f in batch]
-        for f, sink in zip(batch, sinks, strict=True):
-            self.sinks[f.req] = sink
+        body = memoryview(bytearray(sum(f.size for f in batch)))
+        sinks: list[ShardSink] = []
+        pos = 0
+        for f in batch:
+            sinks.append(ShardSink.over(body[pos : pos + f.size]))
+            self.sinks[f.req] = sinks[-1]
+            pos += f.size
         try:
-            outcome, data = await self._get_batch(batch, src)
-            checks = self._hand_out(batch, sinks, outcome, memoryview(data), src, t0)
-            del data
+            outcome = await self._get_batch(batch, src, body)
+            checks = self._hand_out(batch, sinks, outcome, src, t0)
             if checks:
                 await self.check_many(checks, src)
         finally:
@@ -569,13 +576,13 @@ class DownloadDriver:
                     sink.release()
             self.poke()
 
-    async def _get_batch(self, batch: tuple[Fetch, ...], src: Source) -> tuple[Outcome, bytes]:
-        """The body of ``batch`` from ``src`` and how the request ended. A ``404`` means the
-        source lacks the route (an older node) or the version: ``CANCELLED`` (its blobs go
-        back to the scheduler without a penalty) and the :class:`BlobBatcher` asks it one
-        blob at a time from then on. A body of the wrong length is the source's protocol
-        error; any other failure ends every blob of the batch the same way."""
-        total = sum(f.size for f in batch)
+    async def _get_batch(self, batch: tuple[Fetch, ...], src: Source, body: memoryview) -> Outcome:
+        """Receive the body of ``batch`` from ``src`` into ``body`` (exactly the sum of the
+        blobs' signed sizes); returns how the request ended. A ``404`` means the source lacks
+        the route (an older node) or the version: ``CANCELLED`` (its blobs go back to the
+        scheduler without a penalty) and the :class:`BlobBatcher` asks it one blob at a time
+        from then on. A body of the wrong length is the source's protocol error; any other
+        failure ends every blob of the batch the same way."""
         url = blobs_url(
             src.base_url,
             self.m.run_id,
@@ -586,36 +593,30 @@ class DownloadDriver:
         )
         failed = failed_header(sorted({s for f in batch for s in f.failed}))
         try:
-            data = await self.cpu.steps(
+            await self.cpu.steps(
                 Stage.RECEIVE,
-                self.client.get_bytes(
-                    url, max_bytes=total, timeout_s=self.stall_timeout_s, headers=failed
-                ),
+                self.client.get_into(url, body, timeout_s=self.stall_timeout_s, headers=failed),
             )
-            if len(data) != total:
-                raise RemoteProtocolError(src.id, f"batch of {len(data)} bytes for {total}")
-            return Outcome.OK, data
+            return Outcome.OK
         except _FETCH_FAILURES as exc:
             if isinstance(exc, NotAvailable) and exc.status == 404:
                 # no batch route there (or no version): one blob at a time from now on
                 self.batcher.unsupported(src.id)
-                return Outcome.CANCELLED, b""
-            return self._failure(exc, batch[0], src), b""
+                return Outcome.CANCELLED
+            return self._failure(exc, batch[0], src)
 
     def _hand_out(
         self,
         batch: tuple[Fetch, ...],
         sinks: list[ShardSink],
         outcome: Outcome,
-        data: memoryview,
         src: Source,
         t0: float,
     ) -> list[tuple[Fetch, ShardSink]]:
         """End each transfer of ``batch`` with the session (its blob, at its signed size,
-        hashed into its sink when the batch arrived); returns those to check."""
+        already in its sink, hashed when the batch arrived); returns those to check."""
         now, session = trio.current_time(), self.session
         checks: list[tuple[Fetch, ShardSink]] = []
-        pos = 0
         for f, sink in zip(batch, sinks, strict=True):
             mine = outcome
             if mine is Outcome.OK and self.scopes[f.req].cancel_called:
@@ -624,10 +625,8 @@ class DownloadDriver:
             if mine is Outcome.OK:
                 session.first_byte(f.req, now)
                 with self.cpu.measure(Stage.VERIFY):
-                    sink.window(f.size)[:] = data[pos : pos + f.size]
-                    sink.advance(f.size)  # hashed
+                    sink.advance(f.size)  # hashed (the bytes are in place)
                 got = f.size
-            pos += f.size
             actions = session.transfer_ended(f.req, mine, got, now)
             if mine is Outcome.OK and self.observer is not None:
                 self.observer.shard_received(src.id, f.encoding, got, now - t0)

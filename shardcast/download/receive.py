@@ -154,7 +154,8 @@ class ShardSink:
     """The bytes of one shard (or encoded blob) as they arrive, and their running BLAKE3.
 
     Attributes:
-        buffer: the (pooled) buffer; only its first ``size`` bytes are used.
+        buffer: the (pooled) buffer, or a view of a buffer shared with other sinks
+            (:meth:`over`); only its first ``size`` bytes are used.
         size: the expected length in bytes.
         pos: bytes received so far (the prefix ``[0, pos)`` is filled and hashed).
         parts: ``(source, start, end)`` of who sent which bytes (for blame).
@@ -162,7 +163,7 @@ class ShardSink:
             whose chunks matched (a multiple of the chunk size, or ``size``); else 0.
     """
 
-    buffer: bytearray
+    buffer: bytearray | memoryview
     size: int
     pos: int = 0
     parts: list[tuple[str, int, int]] = field(default_factory=list)
@@ -201,6 +202,13 @@ class ShardSink:
         if size < POOLED_MIN_BYTES:
             return cls(bytearray(size), size)
         return cls(pool.get(size), size, _pool=pool)
+
+    @classmethod
+    def over(cls, view: memoryview) -> ShardSink:
+        """A sink of ``len(view)`` bytes whose buffer is ``view`` itself (a slice of a buffer
+        that a whole batch of blobs was received into: nothing is copied); :meth:`release`
+        leaves it alone."""
+        return cls(view, len(view))
 
     @property
     def data(self) -> memoryview:
@@ -288,6 +296,7 @@ class ShardSink:
     def release(self) -> None:
         """Give the buffer back to its pool (idempotent); the sink must not be used after."""
         if self._pool is not None:
+            assert isinstance(self.buffer, bytearray)  # a pooled sink owns its buffer
             self._pool.put(self.buffer)
             self._pool = None
             self.buffer = bytearray()
@@ -429,8 +438,9 @@ def keep_delta(
 ) -> bool:
     """The chain commit of one shard: keep its verified delta blob, read no base, write no
     shard (:meth:`~shardcast.store.store.PartialVersion.keep_delta`; the bytes are verified
-    whenever they are read, :mod:`shardcast.store.chains`)."""
-    return part.keep_delta(entry.index, encoding, bytes(blob), source)
+    whenever they are read, :mod:`shardcast.store.chains`). ``blob`` is written as it is (a
+    view of the received bytes: no copy)."""
+    return part.keep_delta(entry.index, encoding, blob, source)
 
 
 def _write_decompressed(

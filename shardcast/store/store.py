@@ -75,7 +75,7 @@ import mmap
 import os
 import shutil
 import threading
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
 from pathlib import Path
 
@@ -1093,7 +1093,9 @@ class PartialVersion:
                 fd = -1 if self._have[index] else self._fds[self.header.shards[index].file]
             yield fd
 
-    def keep_delta(self, index: int, encoding: str, blob: bytes, source: str = "") -> bool:
+    def keep_delta(
+        self, index: int, encoding: str, blob: bytes | memoryview, source: str = ""
+    ) -> bool:
         """Keep shard ``index`` as its delta blob against :attr:`chain_base`, without reading
         the base or writing the shard (the chain commit of one shard,
         :mod:`shardcast.store.chains`). The caller checked ``blob`` against its signed
@@ -1122,7 +1124,9 @@ class PartialVersion:
         it is kept as a delta blob (its bytes are built on read)."""
         return index not in self._delta
 
-    def _mark(self, index: int, blobs: dict[str, bytes] | None, delta: str | None = None) -> bool:
+    def _mark(
+        self, index: int, blobs: Mapping[str, bytes | memoryview] | None, delta: str | None = None
+    ) -> bool:
         """Keep the blobs, then mark shard ``index`` present and journal it (``delta``: kept
         as that blob, not written)."""
         shard = self.manifest.shard(index)

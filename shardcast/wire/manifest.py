@@ -700,6 +700,13 @@ class SignedHeader:
             LocalProtocolError: the header was signed in the old format.
         """
         _require_sealed(self.legacy)
+        return self._sealed
+
+    @cached_property
+    def _sealed(self) -> bytes:
+        """:meth:`sealed`, encoded once (not a field: equality and hashing ignore it), or the
+        envelope bytes it was verified from (:meth:`from_sealed`): the server sends it with
+        every manifest asked for, and a commit writes it."""
         return envelope.encode_sealed(
             HEADER_KIND, self.header.canonical_bytes(), public_key_of(self.signer), self.signature
         )
@@ -714,7 +721,9 @@ class SignedHeader:
         body, signer, sig = _open_sealed(
             HEADER_KIND, data, trust, MAX_HEADER_BYTES, "manifest header", source
         )
-        return cls(Header.from_obj(body, source), signer, sig)
+        signed = cls(Header.from_obj(body, source), signer, sig)
+        signed.__dict__["_sealed"] = bytes(data)  # the verified bytes: served and stored as is
+        return signed
 
     @classmethod
     def from_envelope(cls, env: Any, *, trust: TrustList, source: str = "") -> SignedHeader:
@@ -739,6 +748,14 @@ class SignedPart:
     def sealed(self) -> bytes:
         """The envelope bytes (new format only; raises LocalProtocolError otherwise)."""
         _require_sealed(self.legacy)
+        return self._sealed
+
+    @cached_property
+    def _sealed(self) -> bytes:
+        """:meth:`sealed`, encoded once (not a field: equality and hashing ignore it), or the
+        envelope bytes it was verified from (:meth:`from_sealed`): a part's canonical JSON
+        lists every chunk digest of its shards, and it was encoded again for every
+        ``/part`` request served and every manifest document written."""
         return envelope.encode_sealed(
             PART_KIND, self.part.canonical_bytes(), public_key_of(self.signer), self.signature
         )
@@ -755,7 +772,9 @@ class SignedPart:
         body, signer, sig = _open_sealed(
             PART_KIND, data, trust, MAX_PART_BYTES, "manifest part", source
         )
-        return cls(Part.from_obj(body, header, source), signer, sig)
+        signed = cls(Part.from_obj(body, header, source), signer, sig)
+        signed.__dict__["_sealed"] = bytes(data)  # the verified bytes: served and stored as is
+        return signed
 
     @classmethod
     def from_envelope(

@@ -817,3 +817,56 @@ async def test_receive_into_a_slow_source_is_read_as_it_arrives(
             pass
         assert bytes(buf) == body
         assert trio.current_time() - start < 3.0
+
+
+# --- get_into: a whole body of known size straight into the caller's buffer -------------------
+
+
+@pytest.mark.parametrize("use_sendfile", [True, False])
+async def test_get_into_is_byte_exact_and_keeps_the_connection(
+    blob: tuple[Path, bytes], use_sendfile: bool
+) -> None:
+    path, data = blob
+    config = HttpServerConfig(use_sendfile=use_sendfile, send_chunk_bytes=256 * 1024)
+    async with open_http_server(serve_file(path), config) as server, HttpClient() as client:
+        buf = bytearray(SIZE)
+        await client.get_into(server.url + "/blob", memoryview(buf), timeout_s=5)
+        assert bytes(buf) == data
+        small = bytearray(14)
+        await client.get_into(server.url + "/small", memoryview(small), timeout_s=5)
+        assert bytes(small) == b"hello shardnet"
+        # the connection read past h11 is reused, and h11 starts the next exchange cleanly
+        assert await collect(client, server.url + "/blob", 3, 10) == data[3:13]
+        stats = server.statistics()
+    assert (stats.requests, stats.connections_total) == (3, 1)
+
+
+async def test_get_into_refuses_another_length_status_or_a_short_body(
+    blob: tuple[Path, bytes],
+) -> None:
+    path, _ = blob
+    async with open_http_server(serve_file(path)) as server, HttpClient() as client:
+        with pytest.raises(RemoteProtocolError, match="Content-Length 14 for 15"):
+            await client.get_into(server.url + "/small", memoryview(bytearray(15)), timeout_s=5)
+        with pytest.raises(NotAvailable):
+            await client.get_into(server.url + "/nothing", memoryview(bytearray(4)), timeout_s=5)
+
+    async def short(stream: trio.SocketStream) -> None:
+        await stream.send_all(b"HTTP/1.1 200 OK\r\ncontent-length: 100\r\n\r\n" + b"x" * 60)
+
+    async with scripted_server(short) as url, HttpClient() as client:
+        buf = bytearray(100)
+        with pytest.raises(StreamBroken, match="closed mid-body"):
+            await client.get_into(url + "/b", memoryview(buf), timeout_s=5)
+        assert bytes(buf[:60]) == b"x" * 60
+
+    async def chunked_long(stream: trio.SocketStream) -> None:  # no length: read through h11
+        body = b"a\r\n0123456789\r\n5\r\nabcde\r\n0\r\n\r\n"
+        await stream.send_all(b"HTTP/1.1 200 OK\r\ntransfer-encoding: chunked\r\n\r\n" + body)
+
+    async with scripted_server(chunked_long) as url, HttpClient() as client:
+        with pytest.raises(RemoteProtocolError, match="more than the 12 bytes"):
+            await client.get_into(url + "/b", memoryview(bytearray(12)), timeout_s=5)
+        buf = bytearray(15)
+        await client.get_into(url + "/b", memoryview(buf), timeout_s=5)
+        assert bytes(buf) == b"0123456789abcde"

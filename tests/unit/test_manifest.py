@@ -67,6 +67,24 @@ def test_round_trip_and_canonical(manifest: Manifest, tmp_path: Path) -> None:
     assert covered == {n: sz for n, sz in on_disk.items() if sz}
 
 
+def test_sealed_bytes_are_the_verified_ones_and_encode_once(manifest: Manifest) -> None:
+    """A decoded part or header serves (and stores) the envelope bytes it was verified from,
+    which are what encoding it again gives; a signed one encodes once."""
+    header = manifest.signed_header
+    for k, signed in manifest.parts.items():
+        data = signed.sealed()
+        assert signed.sealed() is data  # encoded once
+        back = decode_part(data, header.header, trust=trust())
+        assert back.sealed() == data
+        assert back == signed
+        fresh = SignedPart(back.part, back.signer, back.signature)
+        assert fresh.sealed() == data, k  # the verified bytes are the canonical encoding
+    data = header.sealed()
+    back_header = Manifest.decode(manifest.encode(), trust=trust()).signed_header
+    assert back_header.sealed() == data
+    assert header.sealed() is data
+
+
 def test_header_digest_is_the_identity(manifest: Manifest) -> None:
     h = manifest.header
     permuted = dict(reversed(list(h.to_obj().items())))

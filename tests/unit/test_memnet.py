@@ -11,7 +11,7 @@ import pytest
 import trio
 import trio.testing
 
-from p2p.errors import PeerUnreachable, StreamBroken
+from p2p.errors import PeerUnreachable, RemoteProtocolError, StreamBroken
 from p2p.host import HostConfig
 from p2p.http_range import format_content_range, resolve_range
 from p2p.http_server import HttpRequest, HttpResponse, HttpServerConfig
@@ -147,6 +147,22 @@ async def test_receive_range_into_fills_the_view(autojump_clock: trio.testing.Mo
             ]
     assert sum(filled) == len(buf)
     assert bytes(buf) == BODY[5 : 5 + len(buf)]
+
+
+async def test_get_into_fills_the_view_or_refuses_another_length(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    async with MemNetwork(random.Random(1)) as net:
+        ea, eb = net.endpoint(), net.endpoint()
+        async with (
+            eb.open_http_server(_lane, HttpServerConfig(host=eb.ip)) as server,
+            ea.open_http_client() as client,
+        ):
+            buf = bytearray(len(BODY))
+            await client.get_into(server.url + "/x", memoryview(buf), timeout_s=5)
+            with pytest.raises(RemoteProtocolError, match="Content-Length"):
+                await client.get_into(server.url + "/x", memoryview(bytearray(10)), timeout_s=5)
+    assert bytes(buf) == BODY
 
 
 async def _ranged(req: HttpRequest) -> HttpResponse:

@@ -448,6 +448,26 @@ def test_suspect_penalizes_nobody() -> None:
 # --- endgame ---------------------------------------------------------------------------------
 
 
+def test_no_endgame_while_a_shard_waits_for_its_manifest_part() -> None:
+    cfg = SchedulerConfig(max_inflight=20, per_source_inflight=4, explore=0.0)
+    sched = Scheduler([100, 100, 100], random.Random(0), cfg, known=[0])
+    for name in "abc":
+        sched.add_source(name)
+    first = drain(sched, 0.0)
+    assert [r.shard for r in first] == [0]  # no duplicate of 0: shards 1, 2 are unknown
+    assert " unknown=2 " in sched.explain(0.0)
+    sched.mark_known(1)
+    assert [r.shard for r in drain(sched, 0.0)] == [1]  # still no endgame: 2 is unknown
+    sched.on_success(first[0].id, 1.0)  # shard 0 done while 2 is still unknown
+    sched.mark_known(2)
+    sched.mark_known(2)  # a part that arrives twice changes nothing
+    assert " unknown=0 " in sched.explain(1.0)
+    later = drain(sched, 1.0)
+    assert later[0].shard == 2
+    assert not later[0].duplicate
+    assert any(r.duplicate for r in later[1:])  # every shard known: the endgame starts
+
+
 def test_endgame_duplicates_are_bounded_and_losers_are_returned() -> None:
     cfg = SchedulerConfig(
         max_inflight=20,
