@@ -88,10 +88,11 @@ def main() -> None:
     ap.add_argument("--workers", type=int, default=2, help="threads of the last variant")
     ap.add_argument("--repeat", type=int, default=3)
     ap.add_argument("--old-tree", type=Path, help="a checkout of the code to compare with")
+    ap.add_argument("--old-workers", type=int, default=1, help="threads of the old variant")
     ap.add_argument("--cache", type=Path, default=Path("/tmp/shardnet-bench-cache"))
     ap.add_argument("--one", action="store_true", help="(internal) one measurement")
-    ap.add_argument("--v0", type=Path)
-    ap.add_argument("--v1", type=Path)
+    ap.add_argument("--v0", type=Path, help="a base version to use instead of --preset's")
+    ap.add_argument("--v1", type=Path, help="its next version")
     a = ap.parse_args()
     if a.one:
         sys.path.insert(0, os.environ.get("PYTHONPATH", str(ROOT)))
@@ -100,12 +101,15 @@ def main() -> None:
     sys.path.insert(0, str(ROOT))
     from bench.broadcast import prepare_checkpoints
 
-    v0, v1, info = prepare_checkpoints(a.cache, a.preset, a.lr, 1 << 30)
+    if a.v0 and a.v1:  # directories prepared elsewhere (e.g. a real-6b cache already made)
+        v0, v1, info = a.v0, a.v1, {"v0": str(a.v0), "v1": str(a.v1)}
+    else:
+        v0, v1, info = prepare_checkpoints(a.cache, a.preset, a.lr, 1 << 30)
     for p in [*v0.iterdir(), *v1.iterdir()]:  # warm the page cache
         p.read_bytes()
     variants = [(f"this_w{a.workers}", ROOT, a.workers), ("this_w1", ROOT, 1)]
     if a.old_tree:
-        variants.insert(0, ("old", a.old_tree, 1))
+        variants.insert(0, (f"old_w{a.old_workers}", a.old_tree, a.old_workers))
     rows: dict[str, list[dict[str, Any]]] = {name: [] for name, _, _ in variants}
     for k in range(a.repeat):
         for name, tree, workers in variants if k % 2 == 0 else variants[::-1]:
