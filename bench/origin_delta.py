@@ -13,8 +13,31 @@ Python objects; the files stay in the page cache (warmed first). Variants, alter
 ``--workers`` threads. Reports per variant the median wall time and process CPU-seconds
 (every thread's), the ratios against the first variant, and checks that all variants give
 identical parts. The machine may be shared: the ratios, taken side by side, are what to read.
+``--old-workers`` sets the old variant's threads; ``--v0``/``--v1`` measure two directories
+prepared elsewhere instead of ``--preset``'s.
 
     .venv/bin/python bench/origin_delta.py --old-tree /tmp/old --cache /dev/shm/bench
+
+Measured (2026-12-03, 2 cores, 16 MiB shards, sparse + xor-zstd offered, 3 alternating rounds,
+medians; the machine shared with another helper's follower benchmark, 1-min load 5-7, so
+CPU-seconds are inflated and noisy), ``old`` = commit 5470a70 (whole 16 MiB shards read with
+``preadv``, then hashed, chunk-hashed and compared each in its own pass), ``this`` = shards
+read, hashed (shard and 1 MiB chunk) and compared 1 MiB piece by piece while the piece is in
+cache (``plan.scan_shard``), the shard's BLAKE3 on one thread:
+
+============================  ==================  ==================  ==================
+checkpoint (changed words)    old, 2 threads      this, 2 threads     this, 1 thread
+============================  ==================  ==================  ==================
+real-1b, 1.32 GB (1.75 %)     2.73 CPU-s, 5.1 s   2.50 CPU-s, 4.5 s   2.37 CPU-s, 3.5 s
+  same, another run, load 5.7 2.89 CPU-s, 3.5 s   2.40 CPU-s, 2.7 s   2.43 CPU-s, 2.8 s
+real-6b, 6.03 GB (0.38 %)     8.82 CPU-s, 15.7 s  5.94 CPU-s, 8.0 s   5.70 CPU-s, 10.4 s
+============================  ==================  ==================  ==================
+
+(real-6b: the same number of changed elements as real-1b, ``bench/scaled.py``, 512 MB files.)
+Parts and blobs identical in every run. Where the time goes now (real-1b, one thread,
+cProfile, load 6: 2.87 s wall, 2.36 CPU-s): ``preadv`` of both versions 0.72 s, the
+changed-word scan 0.77 s (``nonzero`` 0.28 s of it), BLAKE3 of shards 0.28 s and of chunks
+0.28 s, zstd of the sparse planes 0.27 s, the planes' gaps (``np.diff``) 0.15 s.
 """
 
 from __future__ import annotations
@@ -88,10 +111,11 @@ def main() -> None:
     ap.add_argument("--workers", type=int, default=2, help="threads of the last variant")
     ap.add_argument("--repeat", type=int, default=3)
     ap.add_argument("--old-tree", type=Path, help="a checkout of the code to compare with")
+    ap.add_argument("--old-workers", type=int, default=1, help="threads of the old variant")
     ap.add_argument("--cache", type=Path, default=Path("/tmp/shardnet-bench-cache"))
     ap.add_argument("--one", action="store_true", help="(internal) one measurement")
-    ap.add_argument("--v0", type=Path)
-    ap.add_argument("--v1", type=Path)
+    ap.add_argument("--v0", type=Path, help="a base version to use instead of --preset's")
+    ap.add_argument("--v1", type=Path, help="its next version")
     a = ap.parse_args()
     if a.one:
         sys.path.insert(0, os.environ.get("PYTHONPATH", str(ROOT)))
@@ -100,12 +124,15 @@ def main() -> None:
     sys.path.insert(0, str(ROOT))
     from bench.broadcast import prepare_checkpoints
 
-    v0, v1, info = prepare_checkpoints(a.cache, a.preset, a.lr, 1 << 30)
+    if a.v0 and a.v1:  # directories prepared elsewhere (e.g. a real-6b cache already made)
+        v0, v1, info = a.v0, a.v1, {"v0": str(a.v0), "v1": str(a.v1)}
+    else:
+        v0, v1, info = prepare_checkpoints(a.cache, a.preset, a.lr, 1 << 30)
     for p in [*v0.iterdir(), *v1.iterdir()]:  # warm the page cache
         p.read_bytes()
     variants = [(f"this_w{a.workers}", ROOT, a.workers), ("this_w1", ROOT, 1)]
     if a.old_tree:
-        variants.insert(0, ("old", a.old_tree, 1))
+        variants.insert(0, (f"old_w{a.old_workers}", a.old_tree, a.old_workers))
     rows: dict[str, list[dict[str, Any]]] = {name: [] for name, _, _ in variants}
     for k in range(a.repeat):
         for name, tree, workers in variants if k % 2 == 0 else variants[::-1]:

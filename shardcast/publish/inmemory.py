@@ -13,9 +13,10 @@ byte range of the file (``shard_size`` bytes tiling each file, as on disk); it i
 one buffer when it falls inside one, else its pieces are copied into a scratch buffer (shards
 that straddle tensors or the header). The base's bytes of the same range come the same way
 from the previous version's :class:`FileBytes`. Both go to
-:func:`shardcast.publish.plan.encode_views`, the code that hashes and encodes files read from
-disk, so every shard digest, chunk list, file digest and blob (``sparse``; ``xor-zstd`` where
-denser; ``zstd``) is byte-identical to the file path's: the wire format does not change.
+:func:`shardcast.publish.plan.encode_views`, whose per-shard code (``scan_shard``,
+``shard_blobs``) hashes and encodes files read from disk too, so every shard digest, chunk
+list, file digest and blob (``sparse``; ``xor-zstd`` where denser; ``zstd``) is
+byte-identical to the file path's: the wire format does not change.
 Shards are independent, so several threads may encode them side by side
 (:func:`encode_bytes` ``workers``); the results come back in offset order, the same.
 

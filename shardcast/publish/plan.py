@@ -27,6 +27,7 @@ from pathlib import Path
 from typing import BinaryIO, TypeVar
 
 import blake3
+import numpy as np
 
 from p2p.errors import LocalProtocolError
 from p2p.identity import Identity
@@ -42,10 +43,12 @@ from shardcast.wire import (
     ManifestError,
     Part,
     ShardRef,
+    changed_words,
     check_file_name,
     check_run_id,
     chunk_digests,
     codecs,
+    encode_changes,
     file_root,
     sign_header,
     sign_part,
@@ -256,7 +259,9 @@ def encode_file(
 ) -> Iterator[tuple[ShardResult, str | None]]:
     """Read ``path`` once and yield each shard (offset order) hashed and encoded, with the
     file digest after its last shard (else None): the hash-list root if ``settings.rooted``,
-    else the whole-file BLAKE3 (:func:`encode_views` over the file's bytes).
+    else the whole-file BLAKE3. The same digests and blobs as :func:`encode_views` over the
+    file's bytes (:func:`scan_shard` and :func:`shard_blobs`, piece by piece, read into
+    small buffers here: :class:`_FileShards`).
 
     Args:
         path: the file; ``size`` its expected size, bytes (nonzero).
@@ -265,94 +270,208 @@ def encode_file(
         blob_path: where the blob of (shard offset, encoding) is written.
         workers: threads that read, hash, encode and write shards side by side (hash-list
             roots only; a whole-file digest is taken in one sequential pass); at most
-            ``2 * workers`` shards are in flight, each worker holding two shard buffers.
-            The results do not depend on it.
+            ``2 * workers`` shards are in flight, each worker holding two
+            :data:`SCAN_PIECE_BYTES` buffers (and two shard buffers once a shard needs its
+            whole bytes: ``zstd``, or ``xor-zstd`` of a dense change). The results do not
+            depend on it.
 
     Raises:
         CheckpointLayoutError: the file is shorter than ``size``.
         OSError: it cannot be read, or a blob cannot be written.
     """
     shard_size = settings.shard_size
-    n = min(shard_size, size)
     base_fh = None
     if base_path is not None and any(e in codecs.DELTAS for e in settings.encodings):
         if base_path.is_file() and base_path.stat().st_size == size:
             base_fh = open(base_path, "rb", buffering=0)
-
-    def write_blobs(shard: ShardResult, blobs: dict[str, bytes]) -> None:
-        for enc, data in blobs.items():
-            assert blob_path is not None  # encodings imply a blob path
-            with open(blob_path(shard.offset, enc), "wb") as out:
-                out.write(data)
-
-    def read_base(offset: int, into: memoryview) -> memoryview | None:
-        if base_fh is None:
-            return None
-        if os.preadv(base_fh.fileno(), [into], offset) != len(into):
-            return None  # the base file is shorter than announced: offer no delta
-        return into
-
     try:
         with open(path, "rb", buffering=0) as fh:
-            if workers > 1 and settings.rooted:
-                threaded = _encode_threaded(
-                    path, fh, size, settings, read_base, write_blobs, workers
-                )
-                yield from threaded
-                return
-            buf = bytearray(n)
-            scratch = bytearray(n if settings.encodings else 0)
+            reader = _FileShards(path, fh, base_fh, size, settings)
+            file_hash = None if settings.rooted else blake3.blake3(max_threads=blake3.blake3.AUTO)
 
-            def views() -> ShardViews:
-                for offset in range(0, size, shard_size):
-                    length = min(shard_size, size - offset)
-                    view = memoryview(buf)[:length]
-                    if fh.readinto(view) != length:
-                        raise CheckpointLayoutError(f"{path} changed while hashing")
-                    yield offset, view, read_base(offset, memoryview(scratch)[:length])
+            def one(offset: int) -> ShardResult:
+                shard, blobs = reader.encode(offset, file_hash)
+                for enc, data in blobs.items():
+                    assert blob_path is not None  # encodings imply a blob path
+                    with open(blob_path(shard.offset, enc), "wb") as out:
+                        out.write(data)
+                return shard
 
-            for shard, blobs, file_digest in encode_views(views(), size, settings, scratch):
-                write_blobs(shard, blobs)
-                yield shard, file_digest
+            offsets = range(0, size, shard_size)
+            threaded = workers > 1 and file_hash is None  # a whole-file hash goes in order
+            shards = in_order(one, offsets, workers) if threaded else map(one, offsets)
+            shard_list: list[tuple[int, str]] = []
+            for shard in shards:
+                shard_list.append((shard.length, shard.digest))
+                digest = None
+                if shard.offset + shard.length == size:
+                    digest = file_root(shard_list) if file_hash is None else file_hash.hexdigest()
+                yield shard, digest
     finally:
         if base_fh is not None:
             base_fh.close()
 
 
-def _encode_threaded(
-    path: Path,
-    fh: BinaryIO,
-    size: int,
-    settings: EncodeSettings,
-    read_base: Callable[[int, memoryview], memoryview | None],
-    write_blobs: Callable[[ShardResult, dict[str, bytes]], None],
-    workers: int,
-) -> Iterator[tuple[ShardResult, str | None]]:
-    """:func:`encode_file`'s shards on ``workers`` threads (hash-list roots only): each thread
-    reads its shard (and the base's) with ``preadv`` into its own two buffers, hashes,
-    encodes and writes the blobs; results in offset order (:func:`in_order`)."""
-    shard_size = settings.shard_size
-    n = min(shard_size, size)
-    local = threading.local()
+#: bytes of a shard read, hashed and compared at a time (a multiple of the chunk size when
+#: that is smaller): each pass over a piece (BLAKE3 of the shard, of its chunk, the
+#: comparison with the base) reads it from the CPU's cache, not from memory
+SCAN_PIECE_BYTES = 1 << 20
 
-    def one(offset: int) -> ShardResult:
-        bufs = getattr(local, "bufs", None)
-        if bufs is None:  # new bytes; base bytes, XORed in place (scratch)
-            bufs = local.bufs = (bytearray(n), bytearray(n if settings.encodings else 0))
-        length = min(shard_size, size - offset)
-        view = memoryview(bufs[0])[:length]
-        if os.preadv(fh.fileno(), [view], offset) != length:
-            raise CheckpointLayoutError(f"{path} changed while hashing")
-        base_view = read_base(offset, memoryview(bufs[1])[:length])
-        shard, blobs = encode_shard(offset, view, base_view, settings, bufs[1])
-        write_blobs(shard, blobs)
-        return shard
+Pieces = Iterable[tuple[memoryview, memoryview | None]]
+"""``(new bytes, base bytes or None)`` of consecutive pieces of one shard (see
+:func:`scan_shard`); a base piece of None: the base could not be read (no delta)."""
 
-    shard_list: list[tuple[int, str]] = []
-    for shard in in_order(one, range(0, size, shard_size), workers):
-        shard_list.append((shard.length, shard.digest))
-        done = shard.offset + shard.length == size
-        yield shard, file_root(shard_list) if done else None
+
+def piece_bytes(settings: EncodeSettings) -> int:
+    """The piece size :func:`scan_shard` is given for ``settings``: whole chunks (the chunk
+    list is taken piece by piece) of an even number of bytes (whole 16-bit words, for the
+    sparse comparison), about :data:`SCAN_PIECE_BYTES`; the whole shard if the chunk size is
+    odd."""
+    c = settings.chunk_bytes
+    if c <= 0:
+        return min(SCAN_PIECE_BYTES, settings.shard_size)
+    if c % 2:
+        return settings.shard_size
+    return c * max(1, SCAN_PIECE_BYTES // c)
+
+
+@dataclass(frozen=True)
+class ShardScan:
+    """What one pass over a shard's bytes gives (:func:`scan_shard`).
+
+    Attributes:
+        digest: BLAKE3 of the shard (hex).
+        chunks: its chunk list (``()`` if not asked).
+        changes: ``(index, diff, tail)`` against the base, as
+            :func:`shardcast.wire.sparse.encode_changes` takes them, or None (not asked, or
+            the base could not be read).
+    """
+
+    digest: str
+    chunks: tuple[str, ...]
+    changes: tuple[np.ndarray, np.ndarray, int | None] | None
+
+
+def scan_shard(
+    pieces: Pieces,
+    chunk_bytes: int,
+    diff: bool,
+    file_hash: blake3.blake3 | None = None,
+) -> ShardScan:
+    """Hash a shard and find its changed 16-bit words against the base in one pass over its
+    pieces, each piece read by every step while it is in the CPU's cache.
+
+    Args:
+        pieces: the shard's pieces in order (they tile it); each but the last of a length
+            that is a multiple of ``chunk_bytes`` (if nonzero) and even (:func:`piece_bytes`).
+        chunk_bytes: chunk size of the chunk list (0: none).
+        diff: find the changes against the base pieces
+            (:func:`shardcast.wire.sparse.changed_words`, piece by piece: the same words).
+        file_hash: a whole-file hash to update with the shard's bytes, or None.
+
+    Raises:
+        CheckpointLayoutError: no piece (a shard is never empty).
+    """
+    # one thread: shards are hashed side by side (``workers``), and BLAKE3's own threads cost
+    # ~20 % more CPU-seconds on 1 MiB updates (measured here)
+    shard_hash = blake3.blake3()
+    chunks: list[str] = []
+    index: list[np.ndarray] | None = [] if diff else None
+    diffs: list[np.ndarray] = []
+    at = 0
+    last: memoryview | None = None
+    for new, base in pieces:
+        shard_hash.update(new)
+        if file_hash is not None:
+            file_hash.update(new)
+        if chunk_bytes:
+            chunks.extend(chunk_digests(new, chunk_bytes))
+        if index is not None and base is None:
+            index = None  # the base is shorter than announced: no delta
+        if index is not None and base is not None:
+            i, d = changed_words(new, base)
+            index.append(i + (at >> 1))
+            diffs.append(d)
+        at += len(new)
+        last = new
+    if last is None:
+        raise CheckpointLayoutError("a shard of no bytes")
+    changes = None
+    if index is not None:
+        tail = last[len(last) - 1] if at % 2 else None
+        changes = (np.concatenate(index), np.concatenate(diffs), tail)
+    return ShardScan(shard_hash.hexdigest(), tuple(chunks), changes)
+
+
+class _FileShards:
+    """Shards of one file (and of its base file) for :func:`encode_file`: each read piece by
+    piece into two small buffers per thread (``preadv``) while :func:`scan_shard` hashes and
+    compares it; the whole shard is read again only for a form that needs it
+    (:func:`shard_blobs`). Safe to use from several threads (buffers are per thread)."""
+
+    def __init__(
+        self, path: Path, fh: BinaryIO, base_fh: BinaryIO | None, size: int, s: EncodeSettings
+    ) -> None:
+        self.path, self.fd, self.size, self.settings = path, fh.fileno(), size, s
+        self.base_fd = None if base_fh is None else base_fh.fileno()
+        self.piece = min(piece_bytes(s), s.shard_size, size)
+        self.local = threading.local()
+
+    def encode(
+        self, offset: int, file_hash: blake3.blake3 | None = None
+    ) -> tuple[ShardResult, dict[str, bytes]]:
+        """Hash and encode the shard at ``offset`` (as :func:`encode_shard` does from memory).
+
+        Raises:
+            CheckpointLayoutError: the file is shorter than announced.
+        """
+        s = self.settings
+        length = min(s.shard_size, self.size - offset)
+        diff = self.base_fd is not None and codecs.SPARSE in s.encodings
+        scan = scan_shard(self._pieces(offset, length, diff), s.chunk_bytes, diff, file_hash)
+        blobs = shard_blobs(
+            length,
+            scan.changes,
+            self.base_fd is not None,
+            lambda: self._whole(offset, length),
+            s.encodings,
+            s.zstd_level,
+        )
+        return _result(offset, length, scan, blobs), blobs
+
+    def _bufs(self, name: str, n: int) -> tuple[memoryview, memoryview]:
+        bufs = getattr(self.local, name, None)
+        if bufs is None:
+            bufs = (memoryview(bytearray(n)), memoryview(bytearray(n)))
+            setattr(self.local, name, bufs)
+        return bufs
+
+    def _read(self, fd: int, view: memoryview, offset: int) -> bool:
+        return os.preadv(fd, [view], offset) == len(view)
+
+    def _pieces(self, offset: int, length: int, diff: bool) -> Pieces:
+        new_buf, base_buf = self._bufs("pieces", self.piece)
+        for at in range(0, length, self.piece):
+            n = min(self.piece, length - at)
+            new, base = new_buf[:n], base_buf[:n]
+            if not self._read(self.fd, new, offset + at):
+                raise CheckpointLayoutError(f"{self.path} changed while hashing")
+            if not diff:
+                yield new, None
+                continue
+            assert self.base_fd is not None
+            yield new, (base if self._read(self.base_fd, base, offset + at) else None)
+
+    def _whole(self, offset: int, length: int) -> tuple[memoryview, memoryview | None, bytearray]:
+        new_buf, base_buf = self._bufs("whole", min(self.settings.shard_size, self.size))
+        new, base = new_buf[:length], base_buf[:length]
+        if not self._read(self.fd, new, offset):
+            raise CheckpointLayoutError(f"{self.path} changed while hashing")
+        scratch = base_buf.obj
+        assert isinstance(scratch, bytearray)
+        if self.base_fd is None or not self._read(self.base_fd, base, offset):
+            return new, None, scratch
+        return new, base, scratch  # the base is read into the scratch: XORed in place
 
 
 def in_order(work: Callable[[int], _T], offsets: Iterable[int], workers: int) -> Iterator[_T]:
@@ -376,10 +495,11 @@ def encode_views(
     settings: EncodeSettings,
     scratch: bytearray,
 ) -> Iterator[tuple[ShardResult, dict[str, bytes], str | None]]:
-    """Hash and encode a file of ``size`` bytes given shard by shard, as :func:`encode_file`
-    (which reads them from disk) and :mod:`shardcast.publish.inmemory` (which takes them from
-    bytes held in memory) do: the same code, so the same digests and blobs. Pure but for
-    ``scratch`` (and whatever ``views`` does).
+    """Hash and encode a file of ``size`` bytes given shard by shard, as
+    :mod:`shardcast.publish.inmemory` does (taking them from bytes held in memory), with the
+    per-shard code of :func:`encode_file`, which reads them from disk (:func:`scan_shard`,
+    :func:`shard_blobs`): the same digests and blobs. Pure but for ``scratch`` (and whatever
+    ``views`` does).
 
     Args:
         views: the shards (they must tile ``[0, size)`` in order; ``settings.shard_size``
@@ -419,18 +539,36 @@ def encode_shard(
     scratch: bytearray,
 ) -> tuple[ShardResult, dict[str, bytes]]:
     """Hash and encode the shard at ``offset`` (see :func:`encode_views`; pure but for
-    ``scratch``, safe to call from several threads with a scratch each).
+    ``scratch``, safe to call from several threads with a scratch each): :func:`scan_shard`
+    over its pieces (:func:`piece_bytes`), then :func:`shard_blobs`.
 
     Raises:
         LocalProtocolError: an encoding that cannot be offered.
     """
-    digest = blake3.blake3(view, max_threads=blake3.blake3.AUTO).hexdigest()
-    chunks = chunk_digests(view, settings.chunk_bytes) if settings.chunk_bytes else ()
-    blobs = shard_blobs(view, base_view, settings.encodings, settings.zstd_level, scratch)
+    length = len(view)
+    diff = base_view is not None and codecs.SPARSE in settings.encodings
+    step = piece_bytes(settings)
+    pieces = (
+        (view[at : at + step], base_view[at : at + step] if base_view is not None else None)
+        for at in range(0, length, step)
+    )
+    scan = scan_shard(pieces, settings.chunk_bytes, diff)
+    blobs = shard_blobs(
+        length,
+        scan.changes,
+        base_view is not None,
+        lambda: (view, base_view, scratch),
+        settings.encodings,
+        settings.zstd_level,
+    )
+    return _result(offset, length, scan, blobs), blobs
+
+
+def _result(offset: int, length: int, scan: ShardScan, blobs: dict[str, bytes]) -> ShardResult:
     encoded = tuple(
         Encoded(enc, len(data), blake3.blake3(data).hexdigest()) for enc, data in blobs.items()
     )
-    return ShardResult(offset, len(view), digest, encoded, chunks), blobs
+    return ShardResult(offset, length, scan.digest, encoded, scan.chunks)
 
 
 def hash_parts(
@@ -664,26 +802,31 @@ SPARSE_DENSE_FRACTION = 0.05
 
 
 def shard_blobs(
-    view: memoryview,
-    base_view: memoryview | None,
+    length: int,
+    changes: tuple[np.ndarray, np.ndarray, int | None] | None,
+    has_base: bool,
+    whole: Callable[[], tuple[memoryview, memoryview | None, bytearray]],
     encodings: tuple[str, ...],
     level: int,
-    scratch: bytearray,
 ) -> dict[str, bytes]:
-    """The encoded forms of one shard worth offering (pure but for ``scratch``).
+    """The encoded forms of one ``length``-byte shard worth offering.
 
-    Of the deltas (only with ``base_view``, the same byte range of the base version) only the
-    smallest is kept: ``sparse`` first (cheap: ~25 ms per 32 MiB here), then ``xor-zstd`` only
-    if more than :data:`SPARSE_DENSE_FRACTION` of the words changed, where it can win. Forms
-    not smaller than the raw shard are dropped.
+    Of the deltas (only with a base: the same byte range of the base version) only the
+    smallest is kept: ``sparse`` first (from ``changes``: cheap), then ``xor-zstd`` only if
+    more than :data:`SPARSE_DENSE_FRACTION` of the words changed, where it can win. Forms not
+    smaller than the raw shard are dropped.
 
     Args:
-        view: the shard's bytes.
-        base_view: the base's bytes of the same range, or None (no delta). It may be a view of
-            ``scratch`` (then XORed in place); any other buffer is only read.
+        length: the shard's length, bytes.
+        changes: its changes against the base (:attr:`ShardScan.changes`), or None (no
+            ``sparse``).
+        has_base: a base is offered for the shard (else no delta).
+        whole: the shard's bytes, the base's (None: cannot be read) and a scratch buffer of
+            at least ``length`` bytes for the XOR (the base may be a view of it, then XORed
+            in place); called only for ``zstd`` or a dense ``xor-zstd`` (reads the shard again
+            where :func:`encode_file` reads it).
         encodings: the forms requested (not ``raw``).
         level: zstd level.
-        scratch: at least ``len(view)`` bytes for the XOR (overwritten).
 
     Returns:
         encoding -> blob.
@@ -695,23 +838,24 @@ def shard_blobs(
         if enc not in codecs.ENCODINGS or enc == codecs.RAW:
             raise LocalProtocolError(f"cannot offer encoding {enc!r}")
     blobs: dict[str, bytes] = {}
-    if base_view is not None and any(e in codecs.DELTAS for e in encodings):
-        if codecs.SPARSE in encodings:
-            blobs[codecs.SPARSE] = codecs.encode(codecs.SPARSE, view, base_view)
+    if has_base and any(e in codecs.DELTAS for e in encodings):
+        if codecs.SPARSE in encodings and changes is not None:
+            blobs[codecs.SPARSE] = encode_changes(*changes[:2], length, changes[2])
         dense = codecs.SPARSE not in blobs or (
-            sparse_count(blobs[codecs.SPARSE]) > SPARSE_DENSE_FRACTION * (len(view) // 2)
+            sparse_count(blobs[codecs.SPARSE]) > SPARSE_DENSE_FRACTION * (length // 2)
         )
         if codecs.XOR_ZSTD in encodings and dense:
-            # into ``scratch`` (in place when the base is read there): sparse is already made
-            blobs[codecs.XOR_ZSTD] = codecs.encode(
-                codecs.XOR_ZSTD, view, base_view, level, scratch=scratch
-            )
+            view, base_view, scratch = whole()
+            if base_view is not None:  # into ``scratch`` (in place when the base is there)
+                blobs[codecs.XOR_ZSTD] = codecs.encode(
+                    codecs.XOR_ZSTD, view, base_view, level, scratch=scratch
+                )
         deltas = sorted((len(b), e) for e, b in blobs.items())
         for _, loser in deltas[1:]:
             del blobs[loser]
     if codecs.ZSTD in encodings:
-        blobs[codecs.ZSTD] = codecs.encode(codecs.ZSTD, view, level=level)
-    return {enc: data for enc, data in blobs.items() if len(data) < len(view)}
+        blobs[codecs.ZSTD] = codecs.encode(codecs.ZSTD, whole()[0], level=level)
+    return {enc: data for enc, data in blobs.items() if len(data) < length}
 
 
 def build_manifest(

@@ -125,6 +125,7 @@ from shardcast.wire.sparse import (
 from shardcast.wire.sparse import (
     SparseError,
     changed_words,
+    encode_changes,
     encode_sparse,
     encode_sparse_reference,
     is_identity,
@@ -213,6 +214,7 @@ __all__ = [
     "decode_part",
     "decode_versions_message",
     "document_signer",
+    "encode_changes",
     "encode_prefixes",
     "encode_sparse",
     "encode_sparse_reference",

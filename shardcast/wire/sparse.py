@@ -112,16 +112,38 @@ def encode_sparse(raw: Buffer, base: Buffer, level: int = 3) -> bytes:
         raise LocalProtocolError(f"sparse delta of {len(raw)} and {len(base)} bytes")
     n = len(raw)
     idx, diffs = changed_words(raw, base)
-    count = len(idx)
+    return encode_changes(idx, diffs, n, raw[n - 1] if n % 2 else None, level)
+
+
+def encode_changes(
+    index: np.ndarray, diff: np.ndarray, length: int, tail: int | None, level: int = 3
+) -> bytes:
+    """The sparse blob of a ``length``-byte shard from its changes, as :func:`changed_words`
+    finds them (a caller that scans a shard piece by piece concatenates the pieces' changes,
+    their indices shifted by each piece's word offset): :func:`encode_sparse` is this after
+    :func:`changed_words`, so both give the same bytes.
+
+    Args:
+        index: int64, the strictly increasing indices of the changed words.
+        diff: uint16, each ``new - base`` modulo 2**16.
+        length: the shard's length, bytes.
+        tail: the new last byte of an odd-length shard (carried changed or not), else None.
+        level: zstd level of the planes.
+
+    Raises:
+        LocalProtocolError: ``tail`` given for an even length or missing for an odd one, or
+            ``index`` and ``diff`` of different lengths.
+    """
+    if (tail is None) != (length % 2 == 0) or len(index) != len(diff):
+        raise LocalProtocolError(f"sparse changes do not fit a {length}-byte shard")
+    count = len(index)
     planes = np.empty(6 * count, dtype=np.uint8)
-    gaps = np.diff(idx, prepend=-1).astype("<u4")
+    gaps = np.diff(index, prepend=-1).astype("<u4")
     planes[: 4 * count].reshape(4, count)[...] = gaps.view(np.uint8).reshape(count, 4).T
     planes[4 * count :].reshape(2, count)[...] = (
-        diffs.astype("<u2", copy=False).view(np.uint8).reshape(count, 2).T
+        diff.astype("<u2", copy=False).view(np.uint8).reshape(count, 2).T
     )
-    has_tail = n % 2
-    tail = raw[n - 1] if has_tail else 0
-    header = _HEADER.pack(MAGIC, n, count, has_tail, tail)
+    header = _HEADER.pack(MAGIC, length, count, length % 2, tail or 0)
     cctx = zstandard.ZstdCompressor(level=level, write_content_size=True)
     return header + cctx.compress(planes.data)  # no copy of the planes
 

@@ -12,6 +12,7 @@ import zstandard
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from p2p.errors import LocalProtocolError
 from p2p.identity import Identity
 from shardcast.publish.plan import Base, build_manifest
 from shardcast.wire import codecs
@@ -21,6 +22,7 @@ from shardcast.wire.sparse import (
     SparseError,
     changed_words,
     decode_sparse,
+    encode_changes,
     encode_sparse,
     encode_sparse_reference,
 )
@@ -45,6 +47,37 @@ def test_encoder_matches_the_reference_bytes(raw: bytes, data: st.DataObject) ->
     other = data.draw(st.binary(min_size=len(raw), max_size=len(raw)))
     base = bytes(r if k else o for r, k, o in zip(raw, keep, other, strict=True))
     assert encode_sparse(raw, base) == encode_sparse_reference(raw, base)
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.binary(max_size=300), st.data())
+def test_changes_found_piece_by_piece_give_the_reference_bytes(
+    raw: bytes, data: st.DataObject
+) -> None:
+    """``encode_changes`` of the changes of even-length pieces, concatenated with their
+    indices shifted by each piece's word offset (as the origin scans a shard), is the blob."""
+    keep = data.draw(st.lists(st.booleans(), min_size=len(raw), max_size=len(raw)))
+    other = data.draw(st.binary(min_size=len(raw), max_size=len(raw)))
+    base = bytes(r if k else o for r, k, o in zip(raw, keep, other, strict=True))
+    piece = 2 * data.draw(st.integers(1, 80))
+    found = [
+        changed_words(raw[at : at + piece], base[at : at + piece])
+        for at in range(0, len(raw), piece)
+    ]
+    index = np.concatenate(
+        [np.zeros(0, np.int64)] + [i + k * piece // 2 for k, (i, _) in enumerate(found)]
+    )
+    diff = np.concatenate([np.zeros(0, "<u2")] + [d for _, d in found])
+    tail = raw[-1] if len(raw) % 2 else None
+    assert encode_changes(index, diff, len(raw), tail) == encode_sparse_reference(raw, base)
+
+
+def test_encode_changes_refuses_a_tail_that_does_not_fit() -> None:
+    empty = np.zeros(0, np.int64), np.zeros(0, "<u2")
+    with pytest.raises(LocalProtocolError):
+        encode_changes(*empty, 3, None)
+    with pytest.raises(LocalProtocolError):
+        encode_changes(*empty, 4, 7)
 
 
 @pytest.mark.parametrize(
