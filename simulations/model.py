@@ -942,6 +942,25 @@ def _costs_note(m: Model) -> str:
     return note
 
 
+def _node_entry(n: _NodeState, versions: dict[str, Any], nat: bool) -> dict[str, Any]:
+    """A node's summary entry; its ``nat`` (none, eim, symmetric) when ``nat``."""
+    entry = {
+        "role": n.spec.role,
+        "group": n.spec.group,
+        "behavior": n.spec.behavior,
+        "up_bps": n.spec.up_bps,
+        "down_bps": n.spec.down_bps,
+        "bytes_up": round(n.bytes_up),
+        "bytes_down": round(n.bytes_down),
+        "alive_at_end": n.alive,
+        "committed_at_end": list(n.committed),
+        "versions": versions,
+    }
+    if nat:
+        entry["nat"] = n.spec.nat
+    return entry
+
+
 def model_summary(m: Model) -> dict[str, Any]:
     """The summary of a finished :class:`~simulations.model.Model` run."""
     topo = m.topo
@@ -972,20 +991,7 @@ def model_summary(m: Model) -> dict[str, Any]:
             versions[str(step)] = entry
             if step == 0 and n.spec.role == "peer" and n.spec.behavior == "honest":
                 shard_times.append(rec["shards_s"])
-        nodes[n.spec.name] = {
-            "role": n.spec.role,
-            "group": n.spec.group,
-            "behavior": n.spec.behavior,
-            "up_bps": n.spec.up_bps,
-            "down_bps": n.spec.down_bps,
-            "bytes_up": round(n.bytes_up),
-            "bytes_down": round(n.bytes_down),
-            "alive_at_end": n.alive,
-            "committed_at_end": list(n.committed),
-            "versions": versions,
-        }
-        if m.nat.active:
-            nodes[n.spec.name]["nat"] = n.spec.nat
+        nodes[n.spec.name] = _node_entry(n, versions, m.nat.active)
     summary: dict[str, Any] = {
         "mode": "model",
         "topology": topo.name,
@@ -1022,4 +1028,5 @@ def model_summary(m: Model) -> dict[str, Any]:
     }
     if m.nat.active:
         summary["nat"] = m.nat.summary()
+        summary["notes"].append(m.nat.note())
     return finish(summary, topo)

@@ -257,3 +257,13 @@ class NatModel:
             "bytes_to_peers": {k: round(self.bytes[k]) for k in PATHS},
             "nat_share_of_p2p": round(nat / p2p, 4) if p2p else 0.0,
         }
+
+    def note(self) -> str:
+        """One line for the report: the NATed peers' share and the punches."""
+        sm = self.summary()
+        p = sm["punches"]
+        return (
+            f"NAT: NATed peers served {sm['nat_share_of_p2p']:.1%} of the bytes peers got from "
+            f"peers; punches {p['started']} started ({p['ahead']} ahead), {p['direct']} direct, "
+            f"{p['failed']} failed (policies: Reservations, PunchPlanner, choose_lane)"
+        )
