@@ -531,16 +531,17 @@ class Model:
         self._at(now + ms.advert_interval_s, self._discover, dl)
 
     def _start_punches(self, dl: _Download, conn: frozenset[str]) -> None:
-        """The hole punches ``dl``'s node starts now (:mod:`simulations.nat`): to sources of
-        its version reachable only by a punch, then ahead of need (the follower's
-        ``_start_punches`` and ``_punch_ahead``, run here at each discovery round)."""
+        """The hole punches ``dl``'s node starts now (:mod:`simulations.nat`): ahead of need
+        on the adverts it just heard, then to sources of its version reachable only by a
+        punch (the follower's ``_punch_ahead`` and ``_start_punches``, run here at each
+        discovery round)."""
         node, now = dl.node, self.env.now
         directory = self.nodes[node].directory
         assert directory is not None
+        ahead, held = directory.punch_ahead(now, connected=conn)  # on the adverts just heard
+        pairs = self.nat.to_punch_ahead(node, ahead, held, now)
         cands = directory.punch_candidates(dl.ver.step, now, connected=conn)
-        pairs = self.nat.to_punch(node, cands, now)
-        ahead, held = directory.punch_ahead(now, connected=conn)
-        pairs += self.nat.to_punch_ahead(node, ahead, held, now)
+        pairs += self.nat.to_punch(node, cands, now)
         for peer, relay in pairs:
             pi, ri = self.by_name[peer], self.by_name[relay]
             ok = self.nat.succeeds(node, pi)

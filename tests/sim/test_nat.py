@@ -61,6 +61,7 @@ def test_eim_nat_peers_serve_a_real_share_and_keep_pace_with_public() -> None:
     assert nat["bytes_to_peers"]["nat_lan"] > 0  # the lab's 8 peers share a router
     assert nat["bytes_to_peers"]["other"] == 0  # no path the NATs do not allow
     assert nat["punches"]["direct"] > 0
+    assert nat["punches"]["ahead"] > 0  # PunchPlanner.ahead admitted some
     assert nat["punches"]["failed"] == 0
     assert _last_s(s) <= 1.2 * _last_s(_run("public"))
     assert "nat" not in _run("public")  # no NAT: no NAT section, as before
