@@ -279,6 +279,12 @@ class Emulation:
                 "nodes.behavior",
                 "emulation runs honest nodes only; use `shardnet simulate model` for adversaries",
             )
+        if any(n.natted for n in self.topo.nodes):
+            raise TopologyError(
+                "nodes.nat",
+                "emulation runs public nodes only; use `shardnet simulate model` for NATs "
+                "(tests/deploy/test_nat.py runs the real node behind NATs)",
+            )
         self.notes.append(
             "peers run as download+re-serve followers (no inference): rollouts are modelled only"
         )
@@ -545,7 +551,7 @@ def run(
     timeout or a node that failed, and KeyboardInterrupt is re-raised after cleanup.
 
     Raises:
-        TopologyError: the topology cannot be emulated (adversaries).
+        TopologyError: the topology cannot be emulated (adversaries, NATs).
         EmulationFailed: namespaces required but unavailable.
     """
     old = signal.signal(signal.SIGTERM, _raise_interrupt)

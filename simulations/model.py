@@ -40,6 +40,24 @@ model's clock as ``now`` and a per-node seeded ``random.Random``:
   first fetches the newer manifest from an upstream). A node retries
   :data:`RETRY_S` after an abandoned or failed download, as the follower does.
 
+Peers behind NATs (a topology's ``nat``, ``router`` and ``serve_behind_nat``;
+:mod:`simulations.nat`): a NATed node is a source only to nodes behind its router (its LAN
+URL), to those it dialled (its upstreams, which reach its stream lane), and to those that
+hole-punched to it. The adverts a follower hears say so (no URL, a stream lane, the relays it
+holds a real :class:`shardcast.core.Reservations` reservation on), and the real
+:class:`~shardcast.download.discovery.SourceDirectory` picks the lane
+(:func:`shardcast.core.choose_lane`) from them and the connections the follower holds. At each
+discovery round a real :class:`shardcast.core.PunchPlanner` per node (its config's concurrency,
+backoff and yield rules, its seeded generator, the model's clock) admits punches to sources of
+the version being downloaded and ahead of need (:meth:`~shardcast.core.PunchPlanner.ahead`); a
+punch takes about 2.5 round trips through the relay and one direct, and opens a direct
+connection unless either end's NAT is symmetric (then it fails after three 5 s attempts and
+backs off). A download-only NATed node advertises no lane (its LAN neighbours still use it), and
+the origin's super-seeding serves it without holding a shard for it (rule 10). Without a NATed
+node none of this changes a run. The summary's ``nat`` section counts punches and the bytes
+peers received by path (origin, relays, public peers, NATed peers over LAN, dialled and
+punched connections).
+
 What a node spends besides the network comes from one
 :class:`~simulations.costs.CostModel` (the topology's ``[costs]``; defaults measured, see
 :mod:`simulations.costs`): a shard whose bytes arrived is checked on one of the node's
@@ -53,7 +71,13 @@ topology's ``hash_bytes_per_s``: the whole version, or only the change
 
 Not modelled: CPU shared between nodes, disk bandwidth, TCP slow start, HTTP/libp2p control
 traffic, gossip delays other than one RTT; rollouts start ``rollouts.load_s`` after a commit
-(not at ``ready_s``).
+(not at ``ready_s``). Of NATs: reachability checks (a NATed node knows it is unreachable from
+the start), reservations that fail or expire, a relay's circuit limits, connections a NATed
+node dials to sources (only its upstreams count as dialled), LAN links other than the two
+nodes' access links, connection reversal to a public node (a punch with a symmetric NAT at
+either end fails), connections that die silently, punches ahead between downloads (a node
+punches only at its discovery rounds, which run while it downloads), a punched source joining
+a download before the next discovery round, and NATed relays or origins.
 """
 
 from __future__ import annotations
@@ -92,11 +116,12 @@ from shardcast.core import (
     catchup,
     versions_to_prune,
 )
-from shardcast.download import NodeAdvert, SourceDirectory
+from shardcast.download import SourceDirectory
 from shardcast.serve import SuperSeeding
 from shardcast.wire import RAW, XOR_ZSTD, Manifest
 from simulations.costs import GB, CostModel
 from simulations.flows import FlowNetwork
+from simulations.nat import NatModel, punch_s
 from simulations.progress import SimProgress, Snapshot
 from simulations.summary import finish, progress_bands
 from simulations.topology import Node, Topology
@@ -227,6 +252,9 @@ class Model:
         self.by_name = {n.name: n.index for n in topo.nodes}
         self.origin = topo.origin.index
         self.seeding = SuperSeeding(ms.serve_once_s)
+        self.nat = NatModel(topo.nodes, self.seed)
+        self.pid = self.nat.pids  # the id a node goes by as a source (its name if public)
+        self.by_name.update({p: i for i, p in enumerate(self.pid)})
         self.versions: dict[int, SimVersion] = {}
         self.board: dict[int, list[int]] = defaultdict(list)  # step -> nodes holding/filling
         self.rollouts = {"sent": 0, "accepted": 0, "rejected": 0}
@@ -443,7 +471,7 @@ class Model:
         if n.directory is None and self.spec.model.discovery:
             ms = self.spec.model
             n.directory = SourceDirectory(
-                n.spec.name,
+                self.pid[node],
                 set(n.spec.upstreams),
                 5 * ms.advert_interval_s,
                 5 * ms.gossip_sample,
@@ -481,25 +509,51 @@ class Model:
         assert n.directory is not None
         for c in n.rng.sample(cands, min(len(cands), ms.gossip_sample)):
             cn = self.nodes[c]
-            role = "relay" if cn.spec.role == "relay" else "peer"
-            adv = NodeAdvert(
-                cn.spec.name,
-                role,
-                "http://sim",
-                tuple(cn.committed[-16:]),
-                (step,) if step in cn.have else (),
-            )
-            n.directory.offer(adv, now)
+            filling = (step,) if step in cn.have else ()
+            n.directory.offer(self.nat.advert(c, dl.node, tuple(cn.committed[-16:]), filling), now)
+        conn = self.nat.connected(dl.node)
         room = dl.session.extra_room()  # the session's bound on discovered sources
-        for src in n.directory.sources_for(step, now, ms.max_extra_sources) if room > 0 else ():
+        found = (  # only with room: sources_for draws from the node's generator
+            n.directory.sources_for(step, now, ms.max_extra_sources, connected=conn)
+            if room > 0
+            else []
+        )
+        for src in found:
             si = self.by_name[src.id]
             if si in dl.sources or room <= 0:
                 continue
             room -= 1
             dl.sources.add(si)
             self._apply(dl, dl.session.add_source(src.id, src.complete, now, extra=True))
+        if self.nat.active:
+            self._start_punches(dl, conn)
         self._pump(dl)
         self._at(now + ms.advert_interval_s, self._discover, dl)
+
+    def _start_punches(self, dl: _Download, conn: frozenset[str]) -> None:
+        """The hole punches ``dl``'s node starts now (:mod:`simulations.nat`): ahead of need
+        on the adverts it just heard, then to sources of its version reachable only by a
+        punch (the follower's ``_punch_ahead`` and ``_start_punches``, run here at each
+        discovery round)."""
+        node, now = dl.node, self.env.now
+        directory = self.nodes[node].directory
+        assert directory is not None
+        ahead, held = directory.punch_ahead(now, connected=conn)  # on the adverts just heard
+        pairs = self.nat.to_punch_ahead(node, ahead, held, now)
+        cands = directory.punch_candidates(dl.ver.step, now, connected=conn)
+        pairs += self.nat.to_punch(node, cands, now)
+        for peer, relay in pairs:
+            pi, ri = self.by_name[peer], self.by_name[relay]
+            ok = self.nat.succeeds(node, pi)
+            relayed = self._path(node, ri)[0] + self._path(ri, pi)[0]
+            end = now + punch_s(relayed, self._path(node, pi)[0], ok)
+            self._at(end, self._punch_ended, node, pi, ok)
+
+    def _punch_ended(self, node: int, peer: int, ok: bool) -> None:
+        """``node``'s punch to ``peer`` ended: direct if ``ok`` and both are still up (the
+        next discovery round offers ``peer``'s stream lane)."""
+        alive = self.nodes[node].alive and self.nodes[peer].alive
+        self.nat.punch_ended(node, peer, ok and alive, self.env.now)
 
     def _apply(
         self, dl: _Download, actions: list[Action] | list[Action | End], t: float | None = None
@@ -586,6 +640,7 @@ class Model:
             (fl.req.shard,),
             self.env.now,
             self._n_shards,
+            kind=self.nat.requester_kind(dl.node),
         ):
             self._at(start, self._fail, dl, fl, Outcome.REFUSED)
             return
@@ -633,7 +688,7 @@ class Model:
         src = self.nodes[fl.src]
         corrupt = src.spec.behavior == "corrupt" and src.rng.random() < src.spec.corrupt_fraction
         if corrupt:
-            dl.corrupt[req.req] = src.spec.name
+            dl.corrupt[req.req] = self.pid[fl.src]
         actions = dl.session.transfer_ended(req.req, Outcome.OK, req.length, t)
         self._apply(dl, actions)
         if not any(isinstance(a, Check) for a in actions):
@@ -685,6 +740,7 @@ class Model:
         src.serving[dl.ver.step] -= 1
         src.bytes_up += moved
         self.nodes[dl.node].bytes_down += moved
+        self.nat.count(fl.src, dl.node, moved)
 
     def _shard_ready(self, node: int, step: int, i: int) -> None:
         n = self.nodes[node]
@@ -704,7 +760,7 @@ class Model:
         for step, shards in unpolled.items():
             for w in n.watchers.get(step, ()):
                 if w.alive:
-                    w.session.have_changed(n.spec.name, shards, self.env.now)
+                    w.session.have_changed(self.pid[node], shards, self.env.now)
                     self._pump(w)
 
     def _commit(self, dl: _Download, t: float) -> None:
@@ -720,7 +776,7 @@ class Model:
         del n.have[step]
         for w in n.watchers.pop(step, ()):
             if w.alive:
-                w.session.have_changed(n.spec.name, None, self.env.now)
+                w.session.have_changed(self.pid[dl.node], None, self.env.now)
                 self._pump(w)
         rec = self._record(dl.node, step)
         rec["commit_s"] = t
@@ -796,6 +852,7 @@ class Model:
             self.net.set_capacity(nn + node, float(self.net.capacity[nn + node]) * factor)
         elif action == "leave" and n.alive:
             n.alive = False
+            self.nat.left(node)
             for fid, (dl, rid) in list(n.out.items()):
                 fl = dl.flights.get(rid)
                 moved = self.net.cancel(fid)
@@ -886,6 +943,25 @@ def _costs_note(m: Model) -> str:
     return note
 
 
+def _node_entry(n: _NodeState, versions: dict[str, Any], nat: bool) -> dict[str, Any]:
+    """A node's summary entry; its ``nat`` (none, eim, symmetric) when ``nat``."""
+    entry = {
+        "role": n.spec.role,
+        "group": n.spec.group,
+        "behavior": n.spec.behavior,
+        "up_bps": n.spec.up_bps,
+        "down_bps": n.spec.down_bps,
+        "bytes_up": round(n.bytes_up),
+        "bytes_down": round(n.bytes_down),
+        "alive_at_end": n.alive,
+        "committed_at_end": list(n.committed),
+        "versions": versions,
+    }
+    if nat:
+        entry["nat"] = n.spec.nat
+    return entry
+
+
 def model_summary(m: Model) -> dict[str, Any]:
     """The summary of a finished :class:`~simulations.model.Model` run."""
     topo = m.topo
@@ -916,18 +992,7 @@ def model_summary(m: Model) -> dict[str, Any]:
             versions[str(step)] = entry
             if step == 0 and n.spec.role == "peer" and n.spec.behavior == "honest":
                 shard_times.append(rec["shards_s"])
-        nodes[n.spec.name] = {
-            "role": n.spec.role,
-            "group": n.spec.group,
-            "behavior": n.spec.behavior,
-            "up_bps": n.spec.up_bps,
-            "down_bps": n.spec.down_bps,
-            "bytes_up": round(n.bytes_up),
-            "bytes_down": round(n.bytes_down),
-            "alive_at_end": n.alive,
-            "committed_at_end": list(n.committed),
-            "versions": versions,
-        }
+        nodes[n.spec.name] = _node_entry(n, versions, m.nat.active)
     summary: dict[str, Any] = {
         "mode": "model",
         "topology": topo.name,
@@ -962,4 +1027,7 @@ def model_summary(m: Model) -> dict[str, Any]:
             len(m.versions[0].lengths) if 0 in m.versions else 0,
         ),
     }
+    if m.nat.active:
+        summary["nat"] = m.nat.summary()
+        summary["notes"].append(m.nat.note())
     return finish(summary, topo)

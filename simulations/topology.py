@@ -59,6 +59,14 @@ fail verification). The path model: a flow a → b is limited by a's uplink, b's
 ``[[links]]`` entry of the pair if any; its one-way delay is ``latency_ms(a) + latency_ms(b)``
 (+ the link's), its loss ``1 - (1-loss_a)(1-loss_b)(1-loss_link)``.
 
+NAT (model only; a peer group's keys): ``nat = "eim"`` puts each member behind a NAT with
+endpoint-independent mapping (hole punches to it succeed), ``nat = "symmetric"`` behind one
+that maps each destination to its own port (punches fail); ``router = "home1"`` puts every
+node naming that router on one LAN (they reach each other directly; without it each node has
+a router of its own); ``serve_behind_nat = false`` makes the members download-only (the
+real node's ``--no-serve-behind-nat``). Relays and the origin are public; a NATed node is the
+upstream of its LAN neighbours only. How the model uses them: :mod:`simulations.model`.
+
 :func:`load` validates everything and raises :class:`TopologyError` naming the field
 (``nodes[2].up_mbps: ...``).
 """
@@ -78,6 +86,7 @@ from p2p.errors import ConfigError
 from simulations.costs import CommitMode, CostModel, OriginDigest
 
 Role = Literal["origin", "trainer", "relay", "peer"]
+Nat = Literal["none", "eim", "symmetric"]
 Behavior = Literal["honest", "corrupt", "forge"]
 Rate = float | tuple[float, float]
 
@@ -125,9 +134,18 @@ class NodeSpec(_Model):
     loss: float = Field(0.0, ge=0, lt=1)
     behavior: Behavior = "honest"
     corrupt_fraction: float = Field(1.0, ge=0, le=1)
+    nat: Nat = Field("none", description="none (public), eim or symmetric mapping (peers)")
+    router: str | None = Field(
+        None, pattern=r"^[A-Za-z0-9_.-]{1,64}$", description="nodes of one router share a LAN"
+    )
+    serve_behind_nat: bool = Field(True, description="False: a NATed peer is download-only")
 
     @model_validator(mode="after")
     def _check(self) -> NodeSpec:
+        if self.nat != "none" and self.role != "peer":
+            raise ValueError("nat: only a peer can be behind a NAT (relays are public)")
+        if self.router is not None and self.nat == "none":
+            raise ValueError("router: only a node behind a NAT has a router")
         for fld in ("up_mbps", "down_mbps"):
             v = getattr(self, fld)
             lo, hi = v if isinstance(v, tuple) else (v, v)
@@ -272,6 +290,14 @@ class Node:
     loss: float
     behavior: str
     corrupt_fraction: float
+    nat: str = "none"  # none (public), eim or symmetric
+    router: str = ""  # nodes behind one router share a LAN ("": its own router)
+    serve_behind_nat: bool = True
+
+    @property
+    def natted(self) -> bool:
+        """Behind a NAT: no one outside its LAN can open a connection to it."""
+        return self.nat != "none"
 
 
 @dataclass(frozen=True)
@@ -373,6 +399,7 @@ def parse(data: dict[str, object], path: Path | None = None) -> Topology:
     expanded = _with_upstreams(spec, nodes, resolve, where)
     idx = {n.name: n.index for n in expanded}
     _check_reachable(expanded, where)
+    _check_nat_upstreams(expanded, where)
     links = _links(spec, resolve, idx, where)
     events = []
     for k, es in enumerate(spec.events):
@@ -415,6 +442,9 @@ def _expand_groups(spec: TopologyFile, where: str) -> tuple[list[Node], dict[str
                     ns.loss,
                     ns.behavior,
                     ns.corrupt_fraction,
+                    ns.nat,
+                    ns.router or "",
+                    ns.serve_behind_nat,
                 )
             )
     return nodes, groups
@@ -490,6 +520,23 @@ def _check_reachable(nodes: list[Node], where: str) -> None:
             f"{where}{', '.join(bad[:5])} cannot reach the origin through upstreams",
         )
     del by_name
+
+
+def _check_nat_upstreams(nodes: list[Node], where: str) -> None:
+    """A node behind a NAT is no one's upstream but its LAN neighbours' (no one else can open
+    a connection to it).
+
+    Raises:
+        TopologyError: naming the first node with such an upstream.
+    """
+    by_name = {n.name: n for n in nodes}
+    for n in nodes:
+        for u in (by_name[x] for x in n.upstreams):
+            if u.natted and not (n.natted and u.router and u.router == n.router):
+                raise TopologyError(
+                    "nodes.upstreams",
+                    f"{where}{n.name}'s upstream {u.name} is behind a NAT (not on its LAN)",
+                )
 
 
 def load(path: Path) -> Topology:
