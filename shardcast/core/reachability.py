@@ -170,6 +170,12 @@ class PunchConfig:
         backoff_initial_s: a PeerID whose punch failed is not tried again for this long,
             seconds; doubled after each further failure in a row ...
         backoff_max_s: ... up to this, seconds.
+        circuit_retry_s: a punch whose relayed dial failed (no circuit: the peer's
+            reservation not made yet, the relay's circuit slots full, a stream that did not
+            open) never tried the NATs, so that PeerID is tried again after this, seconds,
+            doubling, at most ``backoff_initial_s``: a node that just started met such
+            failures with the full backoff and held punched connections to few NATed peers
+            for the first minute.
         max_tracked: bound on remembered PeerIDs (the oldest failure is forgotten first).
         reserve_interval_s: an unreachable node looks for relays to reserve on at least this
             often, seconds.
@@ -188,6 +194,7 @@ class PunchConfig:
     max_concurrent: int = 2
     backoff_initial_s: float = 60.0
     backoff_max_s: float = 1800.0
+    circuit_retry_s: float = 5.0
     max_tracked: int = 1024
     reserve_interval_s: float = 30.0
     yield_s: float = 10.0
@@ -204,6 +211,8 @@ class PunchConfig:
             raise ConfigError("ahead_interval_s", "must be > 0")
         if not 0 < self.backoff_initial_s <= self.backoff_max_s:
             raise ConfigError("backoff_initial_s", "must be > 0 and <= backoff_max_s")
+        if not 0 < self.circuit_retry_s <= self.backoff_initial_s:
+            raise ConfigError("circuit_retry_s", "must be > 0 and <= backoff_initial_s")
         if not self.reserve_interval_s > 0:
             raise ConfigError("reserve_interval_s", "must be > 0")
         if self.yield_s < 0:
@@ -365,16 +374,21 @@ class PunchPlanner:
                 out.append((t.peer_id, relay))
         return out
 
-    def done(self, peer_id: str, *, direct: bool, now: float) -> None:
+    def done(self, peer_id: str, *, direct: bool, now: float, circuit: bool = True) -> None:
         """A punch admitted by :meth:`start` ended: ``direct`` if a direct connection
-        came of it (forgets the failures), else backs off."""
+        came of it (forgets the failures), else backs off: from ``backoff_initial_s``, or
+        from ``circuit_retry_s`` (at most ``backoff_initial_s``) when ``circuit`` is False
+        (the relayed dial failed: the NATs were not tried)."""
         self.running.discard(peer_id)
         self._first_wanted.pop(peer_id, None)
         if direct:
             self._failures.pop(peer_id, None)
             return
         n = self._failures.pop(peer_id, (0, 0.0))[0] + 1
-        wait = min(self.config.backoff_max_s, self.config.backoff_initial_s * 2 ** (n - 1))
+        if circuit:
+            wait = min(self.config.backoff_max_s, self.config.backoff_initial_s * 2 ** (n - 1))
+        else:
+            wait = min(self.config.backoff_initial_s, self.config.circuit_retry_s * 2 ** (n - 1))
         self._failures[peer_id] = (n, now + wait)
         while len(self._failures) > self.config.max_tracked:
             self._failures.popitem(last=False)

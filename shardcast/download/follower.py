@@ -304,7 +304,8 @@ class Follower:
         self.reservations = Reservations(config.punch)
         self.punches = PunchPlanner(config.punch)
         self._punch_rng = rng
-        self._punched = {"started": 0, "ahead": 0, "direct": 0, "failed": 0}  # hole punches
+        # hole punches (no_circuit: failed ones whose relayed dial failed)
+        self._punched = {"started": 0, "ahead": 0, "direct": 0, "failed": 0, "no_circuit": 0}
         self._reach_changed = trio.Event()
         self._nursery: trio.Nursery | None = None
         node.status_sections.update(
@@ -821,16 +822,19 @@ class Follower:
                 await self.directory.changed.wait()
 
     async def _punch(self, peer_id: str, relay: str) -> None:
-        direct = False
+        direct, circuit = False, True
         try:
             direct = await self.node.p2p.punch(peer_id, relay)
-        except ShardnetError as exc:
+        except ShardnetError as exc:  # no circuit: the NATs were not tried
+            circuit = False
             log.info(
                 "punch_failed peer=%s relay=%s error=%s", short_id(peer_id), short_id(relay), exc
             )
         finally:
-            self.punches.done(peer_id, direct=direct, now=trio.current_time())
+            self.punches.done(peer_id, direct=direct, now=trio.current_time(), circuit=circuit)
         self._punched["direct" if direct else "failed"] += 1
+        if not circuit:
+            self._punched["no_circuit"] += 1
         log.info("punch peer=%s relay=%s direct=%s", short_id(peer_id), short_id(relay), direct)
 
     def _upstream_sources(self) -> list[Source]:

@@ -119,6 +119,28 @@ def test_the_planner_backs_off_a_failed_peer_doubling_to_the_cap() -> None:
     assert p.retry_at(NAT) is None
 
 
+def test_a_punch_without_a_circuit_is_retried_soon() -> None:
+    """The relayed dial failed (the peer's reservation not made yet): the NATs were not
+    tried, so the retry comes after ``circuit_retry_s``, doubling, at most the backoff of a
+    failed punch; a punch that failed through its circuit backs off fully."""
+    p = PunchPlanner(PunchConfig(backoff_initial_s=20.0, circuit_retry_s=5.0))
+    rng, conn = random.Random(0), frozenset({R1})
+    waits, now = [], 0.0
+    for _ in range(4):
+        assert p.start(NAT, (R1,), conn, now, rng) == R1
+        p.done(NAT, direct=False, now=now, circuit=False)
+        retry = p.retry_at(NAT)
+        assert retry is not None
+        waits.append(retry - now)
+        now = retry
+    assert waits == [5.0, 10.0, 20.0, 20.0]
+    assert p.start(NAT, (R1,), conn, now, rng) == R1
+    p.done(NAT, direct=False, now=now)  # the punch itself failed: the NAT's verdict
+    assert p.retry_at(NAT) == now + 20.0 * 2**4
+    with pytest.raises(ConfigError, match="circuit_retry_s"):
+        PunchConfig(backoff_initial_s=20.0, circuit_retry_s=30.0)
+
+
 def test_the_planner_forgets_the_oldest_failures_beyond_its_bound() -> None:
     p = PunchPlanner(PunchConfig(max_tracked=2))
     peers = [Identity.from_seed(f"punch-many-{i}").peer_id for i in range(3)]
