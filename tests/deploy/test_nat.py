@@ -483,14 +483,14 @@ def run_two_routers(hosts: Hosts, *, symmetric: bool) -> tuple[dict[str, float],
     assert code == 0, trainer.tail()
     note_version_times(run, [run.peer_c, *nated.values()])
 
-    punches = {"started": 0, "ahead": 0, "direct": 0, "failed": 0}
+    punches = {"started": 0, "ahead": 0, "direct": 0, "failed": 0, "no_circuit": 0}
     for node in (run.peer_c, *nated.values()):
         reach = status(dep, node)["reachability"]
         if node is not run.peer_c:
             assert reach["state"] == "unreachable", f"{node.name}: {reach}"
             assert reach["relays"] == [relay_id], f"{node.name} holds no reservation: {reach}"
         for k, v in reach["punches"].items():
-            punches[k] += int(v)
+            punches[k] = punches.get(k, 0) + int(v)
         dep.note(f"{node.name} punches {reach['punches']}")
     known = {n["peer_id"]: n for n in status(dep, run.relay)["known_nodes"]}
     for pid, node in nated.items():
