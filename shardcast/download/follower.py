@@ -288,6 +288,7 @@ class Follower:
         node.server.requester_kind = self._requester_kind
         self._upstream_changed = trio.Event()
         self._filling: list[tuple[int, str]] = []  # versions being downloaded
+        self._hooking: set[int] = set()  # steps downloading, or committed before on_commit
         self._advert_wake = trio.Event()
         self._heard: dict[str, float] = {}  # upstream -> Unix time of its last info answer
         self._errors: dict[str, str] = {}  # upstream -> its last error
@@ -391,8 +392,11 @@ class Follower:
         return self.node.store.digest_of(step)
 
     def settled(self) -> bool:
-        """True once the run finished and its final version is committed here."""
-        return self.node.tracker.settled(self.held_digest)
+        """True once the run finished and its final version is committed here and handed
+        to :attr:`on_commit`."""
+        return self.node.tracker.settled(
+            lambda step: None if step in self._hooking else self.held_digest(step)
+        )
 
     async def wait_settled(self) -> None:
         """Wait until :meth:`settled`."""
@@ -1036,6 +1040,18 @@ class Follower:
         return p.steps, chain
 
     async def _download(self, m: Manifest) -> bool:
+        """Download, commit and hand ``m`` to :attr:`on_commit` (:meth:`_fetch_commit`);
+        until that returns, :meth:`settled` does not count ``m``'s step as held, though the
+        store commits it before the hook runs (a peer leaving on its run's end left before its
+        final version's hook had recorded and loaded it)."""
+        self._hooking.add(m.step)
+        try:
+            return await self._fetch_commit(m)
+        finally:
+            self._hooking.discard(m.step)
+            self._note_change()
+
+    async def _fetch_commit(self, m: Manifest) -> bool:
         step = m.step
         learned = self.node.tracker.learned_at(step)
         record = VersionRecord(
