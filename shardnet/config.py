@@ -667,7 +667,7 @@ class PublishSettings(CommonSettings):
         DEFAULT_SHARD_BYTES, ge=4096, description="shard size of versions"
     )
     shards_per_part: int = Field(
-        4,
+        OriginConfig.shards_per_part,
         ge=1,
         description="shards per signed manifest part: no byte of a shard moves before its part "
         "is hashed and signed, so smaller parts mean earlier first bytes (and more part "

@@ -60,7 +60,9 @@ _T = TypeVar("_T")
 
 INDEX_FILE = "model.safetensors.index.json"
 DEFAULT_SHARD_BYTES = 32 * 1024 * 1024
-DEFAULT_SHARDS_PER_PART = 16
+#: shards per signed manifest part: no byte of a shard moves before its part is hashed and
+#: signed, so smaller parts mean earlier first bytes (and more part requests)
+DEFAULT_SHARDS_PER_PART = 4
 #: threads that hash and encode a file's shards side by side (BLAKE3, numpy's comparisons,
 #: zstd and file reads release the GIL); the results do not depend on it
 ENCODE_WORKERS = min(8, os.cpu_count() or 1)
