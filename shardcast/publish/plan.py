@@ -842,7 +842,7 @@ def shard_blobs(
     blobs: dict[str, bytes] = {}
     if has_base and any(e in codecs.DELTAS for e in encodings):
         if codecs.SPARSE in encodings and changes is not None:
-            blobs[codecs.SPARSE] = encode_changes(*changes[:2], length, changes[2])
+            blobs[codecs.SPARSE] = encode_changes(*changes[:2], length, changes[2], level)
         dense = codecs.SPARSE not in blobs or (
             sparse_count(blobs[codecs.SPARSE]) > SPARSE_DENSE_FRACTION * (length // 2)
         )

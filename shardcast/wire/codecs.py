@@ -105,7 +105,7 @@ def encode(
         from shardcast.wire.sparse import encode_sparse
 
         assert base is not None
-        return encode_sparse(raw, base)
+        return encode_sparse(raw, base, level)
     if encoding == ZSTD:
         data = raw
     elif encoding == XOR_ZSTD:

@@ -42,7 +42,7 @@ def _reference(
         blobs: dict[str, bytes] = {}
         if base is not None:
             old = base[off : off + s.shard_size]
-            blobs[codecs.SPARSE] = encode_sparse_reference(raw, old)
+            blobs[codecs.SPARSE] = encode_sparse_reference(raw, old, s.zstd_level)
             if sparse_count(blobs[codecs.SPARSE]) > SPARSE_DENSE_FRACTION * (len(raw) // 2):
                 blobs[codecs.XOR_ZSTD] = codecs.encode(codecs.XOR_ZSTD, raw, old, s.zstd_level)
             for _, loser in sorted((len(b), e) for e, b in blobs.items())[1:]:
