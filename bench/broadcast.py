@@ -595,12 +595,16 @@ class _ShardnetRun:
         t0 = time.perf_counter()
         (staged / "DONE").touch()
         done: dict[str, float] = {}
+        origin_s: float | None = None  # the origin committed the version: every part signed
         with trio.fail_after(timeout_s):
-            while len(done) < len(peers):
+            while len(done) < len(peers) or origin_s is None:
+                now = time.perf_counter() - t0
+                if origin_s is None and (self.committed(step) / "manifest.json").exists():
+                    origin_s = now
                 for p in peers:
                     mark = self.committed(step, p.name) / "manifest.json"
                     if p.name not in done and mark.exists():
-                        done[p.name] = time.perf_counter() - t0
+                        done[p.name] = now
                 await trio.sleep(0.02)
         cpu = {p.name: round(_cpu_s(p) - cpu0[p.name], 2) for p in procs}
         cpu_sys = {p.name: round(_cpu_s(p, "sys") - sys0[p.name], 2) for p in procs}
@@ -613,6 +617,7 @@ class _ShardnetRun:
             "step": step,
             "first_s": round(min(done.values()), 3),
             "last_s": round(max(done.values()), 3),
+            "origin_s": round(origin_s, 3),
             "peers_s": done,
             "origin_bytes": sent["origin"],
             "relay_bytes": {f"relay{i}": sent[f"relay{i}"] for i in range(1, N_RELAYS + 1)},
@@ -883,6 +888,8 @@ def _shaped_version(step: int, vs: list[dict[str, Any]], bound: float) -> dict[s
         "first_s": round(_median([v["first_s"] for v in vs if v["first_s"]] or [0]), 3),
         "last_s": round(last, 3),
         "last_s_all": lasts,
+        # DONE to the origin's commit (every part hashed, encoded, signed); SHARDCAST: None
+        "origin_s": _median_or_none([v.get("origin_s") for v in vs]),
         "origin_bytes": int(_median([v["origin_bytes"] or 0 for v in vs])),
         "bound_s": bound,
         "eta": round(bound / last, 3),
@@ -899,6 +906,12 @@ def _shaped_version(step: int, vs: list[dict[str, Any]], bound: float) -> dict[s
         "repeats": len(vs),
         "failed": len(vs) - len(lasts),
     }
+
+
+def _median_or_none(xs: list[float | None]) -> float | None:
+    """The median of the values that are not None, rounded to ms; None if there is none."""
+    got = [x for x in xs if x is not None]
+    return round(_median(got), 3) if got else None
 
 
 def shaped_checkpoints(args: argparse.Namespace) -> dict[str, tuple[Path, Path, dict[str, Any]]]:
@@ -1003,8 +1016,8 @@ def print_shaped_table(out: dict[str, Any]) -> None:
             "copy; SHARDCAST (no deltas) published the next version alone"
         )
     print(
-        f"{'link':<11}{'checkpoint':<11}{'system':<18}{'version':>8}{'first s':>9}"
-        f"{'last s':>9}{'bound s':>9}{'eta':>7}{'origin MB':>11}  CPU-s per node"
+        f"{'link':<11}{'checkpoint':<11}{'system':<18}{'version':>8}{'origin s':>9}"
+        f"{'first s':>9}{'last s':>9}{'bound s':>9}{'eta':>7}{'origin MB':>11}  CPU-s per node"
     )
     for label, by_preset in out["rates"].items():
         for preset, res in by_preset.items():
@@ -1026,8 +1039,10 @@ def _version_row(label: str, preset: str, system: str, e: dict[str, Any], seeded
         why = "not run: base seeded" if seeded and e["step"] == 0 else "did not finish"
         return f"{head}  ({why})"
     cpu = " ".join(f"{k}={v:g}" for k, v in e["cpu_s"].items())
+    origin = "-" if e.get("origin_s") is None else f"{e['origin_s']:.2f}"
     return (
-        f"{head}{e['first_s']:>9.2f}{e['last_s']:>9.2f}{e['bound_s']:>9.2f}{e['eta']:>7.3f}"
+        f"{head}{origin:>9}{e['first_s']:>9.2f}{e['last_s']:>9.2f}{e['bound_s']:>9.2f}"
+        f"{e['eta']:>7.3f}"
         f"{e['origin_bytes'] / 1e6:>11.1f}  {cpu}"
     )
 
