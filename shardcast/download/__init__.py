@@ -7,7 +7,13 @@ receiving data path (:mod:`.receive`) and the types they share (:mod:`.types`).
 from __future__ import annotations
 
 from shardcast.download import driver
-from shardcast.download.discovery import LaneBackoff, NodeAdvert, SourceDirectory, nodes_topic
+from shardcast.download.discovery import (
+    HolderReach,
+    LaneBackoff,
+    NodeAdvert,
+    SourceDirectory,
+    nodes_topic,
+)
 from shardcast.download.downloader import Downloader
 from shardcast.download.driver import DownloadDriver, check_limiter, offer
 from shardcast.download.follower import (
@@ -39,6 +45,7 @@ __all__ = [
     "Downloader",
     "FollowConfig",
     "Follower",
+    "HolderReach",
     "LaneBackoff",
     "NodeAdvert",
     "ProgressFn",

@@ -25,7 +25,8 @@ from collections import OrderedDict
 from collections.abc import Callable, Sequence
 
 from p2p.errors import IntegrityError
-from p2p.http_checks import HOLDER_HEADER, MAX_HOLDERS, parse_holders
+from p2p.http_checks import HOLDER_HEADER as HOLDER_HEADER
+from p2p.http_checks import MAX_HOLDERS, parse_holders
 from p2p.keys import DomainSigner, verify
 
 AUTH_HEADER = "x-shardnet-auth"
