@@ -11,6 +11,7 @@ from shardcast.download.discovery import (
     HolderReach,
     LaneBackoff,
     NodeAdvert,
+    PunchRecord,
     SourceDirectory,
     nodes_topic,
 )
@@ -49,6 +50,7 @@ __all__ = [
     "LaneBackoff",
     "NodeAdvert",
     "ProgressFn",
+    "PunchRecord",
     "ShardSink",
     "Source",
     "SourceDirectory",

@@ -126,6 +126,7 @@ from shardcast.download.discovery import (
     HolderReach,
     LaneBackoff,
     NodeAdvert,
+    PunchRecord,
     SourceDirectory,
     check_advert_gossip,
     nodes_topic,
@@ -312,6 +313,7 @@ class Follower:
         network; "LAN scope" in :mod:`shardcast.core.reachability`)."""
         self.reservations = Reservations(config.punch)
         self.punches = PunchPlanner(config.punch)
+        self.punch_record = PunchRecord()  # whether this node's punches keep failing
         self._punch_rng = rng
         # hole punches (no_circuit: failed ones whose relayed dial failed)
         self._punched = {"started": 0, "ahead": 0, "direct": 0, "failed": 0, "no_circuit": 0}
@@ -741,12 +743,16 @@ class Follower:
     def _unreachable_holders(self, holders: Sequence[str]) -> tuple[str, ...]:
         """Of the ``holders`` a super-seeding refusal named, those this node cannot reach
         (:meth:`~shardcast.download.discovery.SourceDirectory.holder_reach`, with the direct
-        connections held now and the punches that failed)."""
+        connections held now, the punches that failed and whether its punches keep failing)."""
         now, direct = trio.current_time(), frozenset(self.node.p2p.direct_peers())
         out = []
         for h in holders:
             reach = self.directory.holder_reach(
-                h, now, connected=direct, punch_failed=self._punch_failed
+                h,
+                now,
+                connected=direct,
+                punch_failed=self._punch_failed,
+                punching_fails=self.punch_record.failing(),
             )
             self.holders_named[reach] += 1
             if reach is HolderReach.UNREACHABLE:
@@ -864,7 +870,9 @@ class Follower:
         finally:
             self.punches.done(peer_id, direct=direct, now=trio.current_time(), circuit=circuit)
         self._punched["direct" if direct else "failed"] += 1
-        if not circuit:
+        if circuit:  # the NATs were tried: evidence of whether this node's punches work
+            self.punch_record.done(direct)
+        else:
             self._punched["no_circuit"] += 1
         log.info("punch peer=%s relay=%s direct=%s", short_id(peer_id), short_id(relay), direct)
 

@@ -22,7 +22,7 @@ It takes ``now`` as an argument and does no I/O, so :mod:`shardcast.serve.server
 from __future__ import annotations
 
 from collections.abc import Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from enum import Enum
 
 MAX_NAMED_HOLDERS = 4
@@ -74,6 +74,17 @@ class Decision:
 
 
 ALLOWED = Decision(True)
+
+
+@dataclass
+class _Scan:
+    """What :meth:`SuperSeeding._scan` found over a request's shards."""
+
+    repeats: int = 0
+    released: list[int] = field(default_factory=list)  # rule 6
+    bypassed: list[int] = field(default_factory=list)  # rule 11
+    refused: int | None = None  # the first shard refused within the window (rule 3)
+    holders: list[str] = field(default_factory=list)  # of the refused shards
 
 
 class SuperSeeding:
@@ -227,59 +238,64 @@ class SuperSeeding:
         shards = list(shards)
         if requester is None:
             return self._allow_anonymous(step, shards, total_shards)
-        failing, unreached = set(failed), set(unreachable)
-        reports = self._reports.get((step, requester), 0)
-        report_limit = max(4, int(self.report_share * (total_shards or 0)))
-        bypasses = self._unreached.get((step, requester), 0)
-        bypass_limit = max(4, int(self.unreachable_share * (total_shards or 0)))
-        repeats = 0
-        released: list[int] = []
-        bypassed: list[int] = []
-        refused: int | None = None
-        holders: list[str] = []
-        for i in shards:
-            prev = self._served_to.get((step, i))
-            if prev is None or prev[0] == requester or self._left(prev):
-                continue
-            if prev[0] in failing and reports + len(released) < report_limit:
-                released.append(i)  # its holder is failing: serve now (rule 6)
-                continue
-            if prev[0] in unreached and bypasses + len(bypassed) < bypass_limit:
-                bypassed.append(i)  # the requester cannot reach its holder: serve now (rule 11)
-                continue
-            if now - prev[1] < self.window_s:
-                refused = i if refused is None else refused
-                _name(holders, prev[0])
-                continue
-            repeats += 1
-        if refused is not None:
-            return self._refuse(requester, step, refused, now, Refusal.WINDOW, holders)
-        if repeats:
+        scan = self._scan(requester, step, shards, now, total_shards, failed, unreachable)
+        if scan.refused is not None:
+            return self._refuse(requester, step, scan.refused, now, Refusal.WINDOW, scan.holders)
+        if scan.repeats:
             budget = (
                 None
                 if self.repeat_budget is None or total_shards is None
                 else self.repeat_budget * total_shards
             )
-            if budget is not None and self._repeats.get(step, 0) + repeats > budget:
+            if budget is not None and self._repeats.get(step, 0) + scan.repeats > budget:
                 held = self._still_refused(requester, step, shards, now)
                 if held is not None:
                     holder = self._served_to[(step, held)][0]
                     return self._refuse(requester, step, held, now, Refusal.BUDGET, [holder])
-            self._repeats[step] = self._repeats.get(step, 0) + repeats
-            self.repeats += repeats
-        if released:
-            self._reports[(step, requester)] = reports + len(released)
-            _trim(self._reports, self.max_entries)
-            self.released += len(released)
-        if bypassed:
-            self._unreached[(step, requester)] = bypasses + len(bypassed)
-            _trim(self._unreached, self.max_entries)
-            self.unreachable_served += len(bypassed)
+            self._repeats[step] = self._repeats.get(step, 0) + scan.repeats
+            self.repeats += scan.repeats
+        _spend(self._reports, (step, requester), len(scan.released), self.max_entries)
+        self.released += len(scan.released)
+        _spend(self._unreached, (step, requester), len(scan.bypassed), self.max_entries)
+        self.unreachable_served += len(scan.bypassed)
         if kind is Requester.DOWNLOAD_ONLY:
             self.unheld_served += len(shards)  # rule 10: served, holds nothing
         else:
             self._record(requester, step, shards, now)
         return ALLOWED
+
+    def _scan(
+        self,
+        requester: str,
+        step: int,
+        shards: list[int],
+        now: float,
+        total_shards: int | None,
+        failed: Iterable[str],
+        unreachable: Iterable[str],
+    ) -> _Scan:
+        """Rules 1-3, 6 and 11 over each of ``shards`` (nothing recorded)."""
+        window = self.window_s if self.window_s is not None else 0.0
+        failing, unreached = set(failed), set(unreachable)
+        reports = self._reports.get((step, requester), 0)
+        report_limit = max(4, int(self.report_share * (total_shards or 0)))
+        bypasses = self._unreached.get((step, requester), 0)
+        bypass_limit = max(4, int(self.unreachable_share * (total_shards or 0)))
+        scan = _Scan()
+        for i in shards:
+            prev = self._served_to.get((step, i))
+            if prev is None or prev[0] == requester or self._left(prev):
+                continue
+            if prev[0] in failing and reports + len(scan.released) < report_limit:
+                scan.released.append(i)  # its holder is failing: serve now (rule 6)
+            elif prev[0] in unreached and bypasses + len(scan.bypassed) < bypass_limit:
+                scan.bypassed.append(i)  # the requester cannot reach its holder (rule 11)
+            elif now - prev[1] < window:
+                scan.refused = i if scan.refused is None else scan.refused
+                _name(scan.holders, prev[0])
+            else:
+                scan.repeats += 1
+        return scan
 
     def _still_refused(
         self, requester: str, step: int, shards: list[int], now: float
@@ -342,6 +358,13 @@ def _name(holders: list[str], holder: str) -> None:
     """Add ``holder`` to a refusal's ``holders`` (distinct, at most MAX_NAMED_HOLDERS)."""
     if holder not in holders and len(holders) < MAX_NAMED_HOLDERS:
         holders.append(holder)
+
+
+def _spend(used: dict[tuple[int, str], int], key: tuple[int, str], n: int, limit: int) -> None:
+    """Add ``n`` (if any) to a per-(step, requester) share ``used`` (at most ``limit`` keys)."""
+    if n:
+        used[key] = used.get(key, 0) + n
+        _trim(used, limit)
 
 
 def _trim(d: dict, limit: int) -> None:  # type: ignore[type-arg]

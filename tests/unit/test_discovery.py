@@ -14,7 +14,7 @@ from p2p import wire
 from p2p.errors import RemoteProtocolError
 from shardcast.core import LaneCheck, PunchConfig, PunchPlanner
 from shardcast.core.tracker import confirmed_elsewhere
-from shardcast.download.discovery import HolderReach, NodeAdvert, SourceDirectory
+from shardcast.download.discovery import HolderReach, NodeAdvert, PunchRecord, SourceDirectory
 from shardcast.download.follower import Follower
 from shardcast.serve import Requester
 from shardcast.wire.messages import NodeInfo, VersionAnnouncement
@@ -244,6 +244,7 @@ async def test_a_follower_names_back_only_the_unreachable_holders() -> None:
     f.holders_named = Counter()
     f.node.p2p = SimpleNamespace(direct_peers=lambda: ["Qm-r"])
     f.punches = PunchPlanner(PunchConfig())
+    f.punch_record = PunchRecord()
     f._punch_failed = lambda p: Follower._punch_failed(cast(Follower, f), p)
     named = ["Qm-pub", "Qm-sym", "Qm-x"]
     assert Follower._unreachable_holders(cast(Follower, f), named) == ()  # no punch failed yet
@@ -255,3 +256,28 @@ async def test_a_follower_names_back_only_the_unreachable_holders() -> None:
         {HolderReach.USABLE: 2, HolderReach.PENDING: 1, HolderReach.UNKNOWN: 2,
          HolderReach.UNREACHABLE: 1}
     )  # fmt: skip
+
+
+def test_a_node_whose_punches_keep_failing_counts_punch_only_holders_unreachable() -> None:
+    """``PunchRecord``: after ``window`` failed punches in a row (a symmetric NAT here, say)
+    a holder reachable only by a punch not tried yet is unreachable, not pending; one direct
+    punch ends that."""
+    record = PunchRecord(window=2)
+    assert not record.failing()
+    record.done(False)
+    assert not record.failing()  # one failure says little: that peer's NAT, perhaps
+    record.done(False)
+    assert record.failing()
+    record.done(True)
+    assert not record.failing()
+    with pytest.raises(ValueError, match="window"):
+        PunchRecord(window=0)
+    d = SourceDirectory("me", set(), ttl_s=100.0, max_entries=8, rng=random.Random(0))
+    d.offer(NodeAdvert("Qm-eim", "peer", "", (), (), stream_lane=True, relays=("Qm-r",)), 0.0)
+    d.offer(NodeAdvert("Qm-pub", "peer", "http://10.0.0.3:8003", (), ()), 0.0)
+    conn = frozenset({"Qm-r"})
+    assert d.holder_reach("Qm-eim", 1.0, connected=conn) is HolderReach.PENDING
+    hopeless = d.holder_reach("Qm-eim", 1.0, connected=conn, punching_fails=True)
+    assert hopeless is HolderReach.UNREACHABLE
+    usable = d.holder_reach("Qm-pub", 1.0, connected=conn, punching_fails=True)
+    assert usable is HolderReach.USABLE  # a lane needs no punch
