@@ -22,10 +22,14 @@ it, so it is a source for another node only
 
 Which lane a follower uses is the real :class:`shardcast.download.discovery.SourceDirectory`'s
 decision (:func:`shardcast.core.choose_lane`), given the adverts :meth:`NatModel.advert` makes
-and the connections :meth:`NatModel.connected` lists. A download-only NATed node
-(``serve_behind_nat = false``) advertises no URL and no stream lane (its LAN neighbours still
-hear its LAN URL), and the origin's super-seeding treats it by rule 10
-(:attr:`shardcast.serve.Requester.DOWNLOAD_ONLY`, as the real ``Follower._requester_kind``).
+and the connections :meth:`NatModel.connected` lists. Whether a holder a super-seeding refusal
+named is reachable is its :meth:`~shardcast.download.discovery.SourceDirectory.holder_reach`
+too, with the node's punch failures (:meth:`NatModel.punch_failed`) and a real
+:class:`shardcast.download.PunchRecord` per node (:attr:`NatModel.records`).
+
+A download-only NATed node (``serve_behind_nat = false``) advertises no URL and no stream
+lane (its LAN neighbours still hear its LAN URL), and the origin's super-seeding treats it by
+rule 10 (:attr:`shardcast.serve.Requester.DOWNLOAD_ONLY`, as the real ``Follower._requester_kind``).
 
 With no NATed node in the topology, :attr:`NatModel.active` is False and the model makes no
 call here that changes what it does (its adverts and results are as before).
