@@ -48,6 +48,8 @@ from p2p.http_errors import NotAvailable
 from p2p.http_range import RangeError, parse_content_range, parse_retry_after
 
 __all__ = [
+    "HOLDER_HEADER",
+    "MAX_HOLDERS",
     "NOT_AVAILABLE_STATUSES",
     "BodyCount",
     "ClientCounters",
@@ -58,6 +60,7 @@ __all__ = [
     "check_range_head",
     "check_whole_head",
     "header",
+    "parse_holders",
     "parse_target",
     "request_headers",
     "status_error",
@@ -65,6 +68,26 @@ __all__ = [
 
 #: statuses that mean "not from this source now": 404, 409, 429, 503 (:class:`NotAvailable`)
 NOT_AVAILABLE_STATUSES = frozenset({404, 409, 429, 503})
+
+HOLDER_HEADER = "x-shardnet-holder"
+"""Response header of a super-seeding refusal (``429``): the PeerIDs holding the refused
+bytes, comma-separated (:class:`shardcast.serve.superseeding.SuperSeeding` rule 11); carried
+in :attr:`NotAvailable.holders <p2p.http_errors.NotAvailable>`. Older servers send none."""
+
+MAX_HOLDERS = 4
+"""Holders a :data:`HOLDER_HEADER` names at most (more are ignored)."""
+
+_MAX_ID = 128
+
+
+def parse_holders(value: str | None) -> tuple[str, ...]:
+    """The PeerIDs a :data:`HOLDER_HEADER` value names: at most :data:`MAX_HOLDERS`, each
+    1-128 characters without ``,:/`` and spaces (others are dropped); empty for None, an
+    empty value or one longer than ``MAX_HOLDERS`` names could be."""
+    if not value or len(value) > MAX_HOLDERS * (_MAX_ID + 1):
+        return ()
+    names = (v.strip() for v in value.split(",")[:MAX_HOLDERS])
+    return tuple(v for v in names if 0 < len(v) <= _MAX_ID and not set(v) & set(",:/ "))
 
 
 class Target(NamedTuple):
@@ -151,14 +174,16 @@ def header(response: h11.Response, name: bytes) -> str | None:
 
 def status_error(response: h11.Response, source: str, url: str) -> ShardnetError:
     """The typed error for a status the request cannot use: :class:`NotAvailable` (with
-    ``Retry-After`` in seconds) for :data:`NOT_AVAILABLE_STATUSES`, StreamBroken for another
-    5xx (the server failed, the bytes were not wrong), RemoteProtocolError otherwise."""
+    ``Retry-After`` in seconds, and for a ``429`` the holders :data:`HOLDER_HEADER` names)
+    for :data:`NOT_AVAILABLE_STATUSES`, StreamBroken for another 5xx (the server failed, the
+    bytes were not wrong), RemoteProtocolError otherwise."""
     status = response.status_code
     what = f"HTTP {status} for {urlsplit(url).path}"
     if status in NOT_AVAILABLE_STATUSES:
         retry = header(response, b"retry-after")
         delay = None if retry is None else parse_retry_after(retry, now_unix_s=time.time())
-        return NotAvailable(source, what, retry_after_s=delay, status=status)
+        holders = parse_holders(header(response, HOLDER_HEADER.encode())) if status == 429 else ()
+        return NotAvailable(source, what, retry_after_s=delay, status=status, holders=holders)
     if 500 <= status <= 599:
         return StreamBroken(source, f"server error {what}")
     return RemoteProtocolError(source, f"unexpected {what}")

@@ -27,11 +27,21 @@ class NotAvailable(TransportError):
         retry_after_s: the source's ``Retry-After`` hint in seconds, or ``None`` when it gave
             none (a plain 404 may mean "never").
         status: the HTTP status code.
+        holders: the nodes (PeerIDs) the source names as holding the bytes, to be fetched
+            from instead (a super-seeding ``429``'s ``X-Shardnet-Holder``,
+            :func:`p2p.http_checks.parse_holders`); empty when it named none.
     """
 
     def __init__(
-        self, peer: str, message: str, *, retry_after_s: float | None = None, status: int = 503
+        self,
+        peer: str,
+        message: str,
+        *,
+        retry_after_s: float | None = None,
+        status: int = 503,
+        holders: tuple[str, ...] = (),
     ) -> None:
         super().__init__(peer, message)
         self.retry_after_s = retry_after_s
         self.status = status
+        self.holders = holders

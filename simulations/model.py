@@ -25,7 +25,12 @@ model's clock as ``now`` and a per-node seeded ``random.Random``:
   :class:`~shardcast.download.discovery.NodeAdvert`\\ s (a node hears ``gossip_sample`` random
   adverts per
   ``advert_interval_s`` instead of all N: that keeps a round O(1) per node);
-- the origin refuses repeats with :class:`shardcast.serve.superseeding.SuperSeeding`;
+- the origin refuses repeats with :class:`shardcast.serve.superseeding.SuperSeeding`, and so
+  does each relay with ``relay_serve_once_s`` (``shardnet relay``'s default; relays never
+  super-seed to each other, as to siblings of one tier); a refusal names the holder, and a
+  requester whose :class:`~shardcast.download.discovery.SourceDirectory` finds it unreachable
+  (:meth:`~shardcast.download.discovery.SourceDirectory.holder_reach`: e.g. its punch to it
+  failed) names it back on the session's next request and is served at once (rule 11);
 - relays and peers serve a shard as soon as they verified it (a request for a shard a source
   is still filling waits there, as in :mod:`shardcast.serve.server`), keep versions by
   :func:`shardcast.core.retention.versions_to_prune` with served versions and delta bases pinned,
@@ -116,8 +121,8 @@ from shardcast.core import (
     catchup,
     versions_to_prune,
 )
-from shardcast.download import SourceDirectory
-from shardcast.serve import SuperSeeding
+from shardcast.download import HolderReach, SourceDirectory
+from shardcast.serve import Requester, SuperSeeding
 from shardcast.wire import RAW, XOR_ZSTD, Manifest
 from simulations.costs import GB, CostModel
 from simulations.flows import FlowNetwork
@@ -252,6 +257,11 @@ class Model:
         self.by_name = {n.name: n.index for n in topo.nodes}
         self.origin = topo.origin.index
         self.seeding = SuperSeeding(ms.serve_once_s)
+        self.seedings = {self.origin: self.seeding}  # node -> its super-seeding, if any
+        if ms.relay_serve_once_s is not None:
+            for n in topo.nodes:
+                if n.role == "relay":
+                    self.seedings[n.index] = SuperSeeding(ms.relay_serve_once_s)
         self.nat = NatModel(topo.nodes, self.seed)
         self.pid = self.nat.pids  # the id a node goes by as a source (its name if public)
         self.by_name.update({p: i for i, p in enumerate(self.pid)})
@@ -634,16 +644,21 @@ class Model:
             return
         fl.waiting = False
         step = dl.ver.step
-        if fl.src == self.origin and not self.seeding.allow(
-            self.topo.nodes[dl.node].name,
-            step,
-            (fl.req.shard,),
-            self.env.now,
-            self._n_shards,
-            kind=self.nat.requester_kind(dl.node),
-        ):
-            self._at(start, self._fail, dl, fl, Outcome.REFUSED)
-            return
+        seeding = self.seedings.get(fl.src)
+        if seeding is not None:
+            decision = seeding.decide(
+                self.pid[dl.node],
+                step,
+                (fl.req.shard,),
+                self.env.now,
+                self._n_shards,
+                kind=self._requester_kind(fl.src, dl.node),
+                unreachable=fl.req.unreachable,
+            )
+            if not decision.allowed:
+                unreached = self._unreachable(dl.node, decision.holders)
+                self._at(start, self._fail, dl, fl, Outcome.REFUSED, 0, unreached)
+                return
         src = self.nodes[fl.src]
         src.serving[step] += 1
         fl.fid = self._add_flow(
@@ -656,6 +671,32 @@ class Model:
         )
         src.out[fl.fid] = (dl, fl.req.req)
 
+    def _requester_kind(self, server: int, node: int) -> Requester:
+        """What super-seeding ``server`` knows of requester ``node``: relays are siblings of
+        each other (the model has one relay tier), else :meth:`NatModel.requester_kind`."""
+        relays = self.topo.nodes[server].role == self.topo.nodes[node].role == "relay"
+        return Requester.SIBLING if relays else self.nat.requester_kind(node)
+
+    def _unreachable(self, node: int, holders: tuple[str, ...]) -> tuple[str, ...]:
+        """Of the ``holders`` a refusal named, those ``node`` cannot reach (the follower's
+        ``_unreachable_holders``: its directory's
+        :meth:`~shardcast.download.discovery.SourceDirectory.holder_reach`, with its
+        connections, its punch planner's failures and its
+        :class:`~shardcast.download.PunchRecord`)."""
+        directory = self.nodes[node].directory
+        if directory is None or not holders:
+            return ()
+        conn, now = self.nat.connected(node), self.env.now
+        failed, failing = self.nat.punch_failed(node), self.nat.records[node].failing()
+        return tuple(
+            h
+            for h in holders
+            if directory.holder_reach(
+                h, now, connected=conn, punch_failed=failed, punching_fails=failing
+            )
+            is HolderReach.UNREACHABLE
+        )
+
     def _wait_expired(self, dl: _Download, fl: _Flight) -> None:
         if fl.waiting and not fl.done:
             self._fail(dl, fl, Outcome.NOT_AVAILABLE)
@@ -667,13 +708,24 @@ class Model:
         if rec["first_byte_s"] is None:
             rec["first_byte_s"] = t
 
-    def _fail(self, dl: _Download, fl: _Flight, outcome: Outcome, received: int = 0) -> None:
+    def _fail(
+        self,
+        dl: _Download,
+        fl: _Flight,
+        outcome: Outcome,
+        received: int = 0,
+        unreachable: tuple[str, ...] = (),
+    ) -> None:
         if fl.done:
             return
         fl.done = True
         dl.flights.pop(fl.req.req, None)
         if dl.alive:
-            self._apply(dl, dl.session.transfer_ended(fl.req.req, outcome, received, self.env.now))
+            now = self.env.now
+            ended = dl.session.transfer_ended(
+                fl.req.req, outcome, received, now, unreachable=unreachable
+            )
+            self._apply(dl, ended)
             self._pump(dl)
 
     def _complete(self, dl: _Download, fl: _Flight, t: float) -> None:
@@ -1019,6 +1071,8 @@ def model_summary(m: Model) -> dict[str, Any]:
             "virtual_s": round(m.env.now, 3),
             "time_step_s": m.dt,
             "seeding_refused": m.seeding.refused,
+            "relay_seeding_refused": sum(v.refused for k, v in m.seedings.items() if k != m.origin),
+            "unreachable_served": sum(v.unreachable_served for v in m.seedings.values()),
         },
         "nodes": nodes,
         "progress": progress_bands(

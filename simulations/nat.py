@@ -22,10 +22,14 @@ it, so it is a source for another node only
 
 Which lane a follower uses is the real :class:`shardcast.download.discovery.SourceDirectory`'s
 decision (:func:`shardcast.core.choose_lane`), given the adverts :meth:`NatModel.advert` makes
-and the connections :meth:`NatModel.connected` lists. A download-only NATed node
-(``serve_behind_nat = false``) advertises no URL and no stream lane (its LAN neighbours still
-hear its LAN URL), and the origin's super-seeding treats it by rule 10
-(:attr:`shardcast.serve.Requester.DOWNLOAD_ONLY`, as the real ``Follower._requester_kind``).
+and the connections :meth:`NatModel.connected` lists. Whether a holder a super-seeding refusal
+named is reachable is its :meth:`~shardcast.download.discovery.SourceDirectory.holder_reach`
+too, with the node's punch failures (:meth:`NatModel.punch_failed`) and a real
+:class:`shardcast.download.PunchRecord` per node (:attr:`NatModel.records`).
+
+A download-only NATed node (``serve_behind_nat = false``) advertises no URL and no stream
+lane (its LAN neighbours still hear its LAN URL), and the origin's super-seeding treats it by
+rule 10 (:attr:`shardcast.serve.Requester.DOWNLOAD_ONLY`, as the real ``Follower._requester_kind``).
 
 With no NATed node in the topology, :attr:`NatModel.active` is False and the model makes no
 call here that changes what it does (its adverts and results are as before).
@@ -35,11 +39,11 @@ from __future__ import annotations
 
 import random
 from collections import Counter
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 from shardcast.core import PunchConfig, PunchPlanner, PunchTarget, Reach, Reservations
-from shardcast.download import NodeAdvert
+from shardcast.download import NodeAdvert, PunchRecord
 from shardcast.serve import Requester
 from simulations.topology import Node
 
@@ -101,6 +105,7 @@ class NatModel:
         self.conns: list[set[int]] = [set() for _ in nodes]  # direct connections held
         self.punched: set[frozenset[int]] = set()
         self.planners = [PunchPlanner(self.config) for _ in nodes] if self.active else []
+        self.records = [PunchRecord() for _ in nodes]  # whether a node's punches keep failing
         self.rngs = [random.Random(f"{seed}:{n.name}:punch") for n in nodes]
         self.relays: list[tuple[str, ...]] = [() for _ in nodes]
         self.punches: Counter[str] = Counter()
@@ -213,6 +218,14 @@ class NatModel:
         self.punches["ahead"] += len(out)
         return out
 
+    def punch_failed(self, node: int) -> Callable[[str], bool]:
+        """True for a PeerID whose last punch by ``node`` failed (its planner's
+        :meth:`~shardcast.core.PunchPlanner.retry_at` is set; never without NATs)."""
+        if not self.active:
+            return lambda _: False
+        planner = self.planners[node]
+        return lambda peer: planner.retry_at(peer) is not None
+
     def succeeds(self, a: int, b: int) -> bool:
         """A punch between ``a`` and ``b`` opens a direct connection (neither NAT symmetric)."""
         return "symmetric" not in (self.nodes[a].nat, self.nodes[b].nat)
@@ -220,6 +233,7 @@ class NatModel:
     def punch_ended(self, node: int, peer: int, ok: bool, now: float) -> None:
         """``node``'s punch to ``peer`` ended at ``now``: direct if ``ok``."""
         self.planners[node].done(self.pids[peer], direct=ok, now=now)
+        self.records[node].done(ok)
         self.punches["direct" if ok else "failed"] += 1
         if ok:
             self._connect(node, peer)

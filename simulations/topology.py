@@ -200,6 +200,12 @@ class ModelSpec(_Model):
     per_source_inflight: int = Field(4, ge=1)
     serve_wait_s: float = Field(10.0, gt=0)
     serve_once_s: float | None = Field(5.0, gt=0, description="origin super-seeding window")
+    relay_serve_once_s: float | None = Field(
+        None,
+        gt=0,
+        description="relays' super-seeding window, seconds (shardnet relay's default is "
+        "5 s; None: relays serve every requester, as the model did before)",
+    )
     discovery: bool = True
     max_extra_sources: int = Field(16, ge=0)
     advert_interval_s: float = Field(2.0, gt=0)

@@ -53,6 +53,7 @@ FOLLOWER = {
     "shardnet_dialback_answers": "counter",
     "shardnet_advert_checks": "counter",
     "shardnet_adverts_out_of_scope": "counter",
+    "shardnet_refusal_holders": "counter",
 }
 TRAINER = {
     "shardnet_trainer_step": "gauge",

@@ -735,7 +735,9 @@ class Scheduler:
             now: current time, seconds.
             kind: ``"timeout"``, ``"broken"``, ``"unavailable"`` (source does not have it
                 yet), ``"refused"`` (source holds it but serves it to others first:
-                super-seeding), ``"corrupt"`` (this source alone sent bytes that failed the
+                super-seeding), ``"refused_unreachable"`` (a refusal that named a holder this
+                node cannot reach: the source may be asked again at once, naming it),
+                ``"corrupt"`` (this source alone sent bytes that failed the
                 digest) or
                 ``"suspect"`` (a copy assembled from several sources failed: nobody is
                 penalized until :func:`blame` names the culprit).
@@ -769,6 +771,8 @@ class Scheduler:
             return []
         if kind == "refused":  # it holds the shard but serves others first: ask elsewhere
             st.not_before[fl.req.shard] = now + self.config.refused_s
+            return []
+        if kind == "refused_unreachable":  # it serves us once we name the holder: no wait
             return []
         if kind == "unavailable":  # this source lacks this shard for now: ask others first
             if st.have is not None:

@@ -33,6 +33,14 @@ Events (methods) and what they return (lists of actions):
   ``BASE_MISMATCH``/``UNDECODABLE`` (a blob that matched its signed digest but decodes to
   wrong bytes, or does not decode) is no source's fault: the shard falls back to raw.
 
+A super-seeding refusal (``REFUSED``) may name the shard's holders; those the driver found
+this node cannot reach (:meth:`shardcast.download.discovery.SourceDirectory.holder_reach`)
+come back in :meth:`transfer_ended`'s ``unreachable``: the next request of that shard names
+them (:attr:`Fetch.unreachable`, at most 4 per shard) and may go out at once, to the same
+source, which then serves it (:class:`shardcast.serve.superseeding.SuperSeeding` rule 11). A
+refusal that names no holder new to the request waits ``refused_s`` as before, so a source
+that ignores the names (an older node) costs one extra round trip per holder, not a loop.
+
 Nobody is blamed for anything but bytes proven wrong: a source that sent only correct bytes
 is never named by :class:`Blame`. A ``409`` (the source holds another version under this
 step, :attr:`Outcome.WRONG_VERSION`) blames nobody either.
@@ -98,7 +106,9 @@ class Fetch:
     """Transfer bytes ``[start, start + length)`` of shard ``shard`` in ``encoding``
     (whose whole size is ``size`` bytes) from ``source``. ``start > 0``: append to the prefix
     kept for the shard (:class:`Keep`); otherwise into a fresh buffer. ``failed``: sources
-    that failed this shard lately (told to the source, so an origin can serve it again)."""
+    that failed this shard lately (told to the source, so an origin can serve it again).
+    ``unreachable``: holders a refusal of this shard named that this node cannot reach (told
+    to the source, which then serves it at once)."""
 
     req: int
     shard: int
@@ -109,6 +119,7 @@ class Fetch:
     size: int
     duplicate: bool
     failed: tuple[str, ...] = ()
+    unreachable: tuple[str, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -249,6 +260,8 @@ class DownloadStats:
     unavailable_by_source: dict[str, int] = field(default_factory=dict)
     other_digest_by_source: dict[str, int] = field(default_factory=dict)
     """Requests answered ``409`` (the source holds the step under another digest)."""
+    refused_unreachable: int = 0
+    """Refusals that named a holder this node cannot reach (asked again at once)."""
     elapsed_s: float = 0.0
 
 
@@ -333,6 +346,7 @@ class Session:
         self._next_copy = 0
         self._comparing: dict[int, set[str]] = {}  # copy -> its contributors
         self._failed_by: dict[int, list[str]] = {}
+        self._unreachable_by: dict[int, list[str]] = {}  # shard -> holders named unreachable
         self._complete: dict[str, bool] = {}
         self._extra: set[str] = set()
         self._probing: set[str] = set()
@@ -523,6 +537,7 @@ class Session:
             size,
             req.duplicate,
             tuple(self._failed_by.get(req.shard, ())),
+            tuple(self._unreachable_by.get(req.shard, ())),
         )
         self._reqs[req.id] = _Req(fetch, list(parts))
         return fetch
@@ -553,8 +568,18 @@ class Session:
             names.append(source)
             del names[:-4]
 
-    def transfer_ended(self, req: int, outcome: Outcome, received: int, now: float) -> list[Action]:
-        """Request ``req`` ended with ``outcome`` after ``received`` bytes of it arrived."""
+    def transfer_ended(
+        self,
+        req: int,
+        outcome: Outcome,
+        received: int,
+        now: float,
+        *,
+        unreachable: Iterable[str] = (),
+    ) -> list[Action]:
+        """Request ``req`` ended with ``outcome`` after ``received`` bytes of it arrived;
+        ``unreachable``: for ``REFUSED``, the holders the refusal named that this node cannot
+        reach (module docstring)."""
         r = self._reqs.get(req)
         if r is None:
             return []
@@ -576,7 +601,8 @@ class Session:
         out += self.answered(f.source, outcome, now)
         self._failed(f.shard, f.source)
         if outcome in (Outcome.NOT_AVAILABLE, Outcome.REFUSED, Outcome.GONE, Outcome.WRONG_VERSION):
-            return out + self._unavailable(req, r, outcome, now)
+            again = outcome is Outcome.REFUSED and self._unreachable(f, unreachable)
+            return out + self._unavailable(req, r, outcome, now, again=again)
         self.stats.failures += 1
         if outcome is Outcome.PROTOCOL_ERROR:
             cancel = self.sched.on_failure(req, now, kind="corrupt")
@@ -585,9 +611,28 @@ class Session:
             return out + self._corrupt_chunk(req, r, received, now)
         return out + self._broken(req, r, outcome, received, now)
 
-    def _unavailable(self, req: int, r: _Req, outcome: Outcome, now: float) -> list[Action]:
+    def _unreachable(self, f: Fetch, holders: Iterable[str]) -> bool:
+        """Remember the ``holders`` a refusal of ``f`` named that this node cannot reach (the
+        last 4 per shard); True if one of them was not named in ``f`` already (ask again at
+        once, naming it)."""
+        names = self._unreachable_by.setdefault(f.shard, [])
+        new = False
+        for h in holders:
+            if h not in f.unreachable:
+                new = True
+            if h not in names:
+                names.append(h)
+        del names[:-4]
+        if not names:
+            del self._unreachable_by[f.shard]
+        return new
+
+    def _unavailable(
+        self, req: int, r: _Req, outcome: Outcome, now: float, *, again: bool = False
+    ) -> list[Action]:
         """``req`` was answered that its source does not serve the shard (not available,
-        refused, gone, another version): no blame for bytes; a prefix it resumed from stays."""
+        refused, gone, another version): no blame for bytes; a prefix it resumed from stays.
+        ``again``: a refusal to ask again at once (it named a holder this node cannot reach)."""
         f = r.fetch
         out: list[Action] = []
         _bump(self.stats.unavailable_by_source, f.source)
@@ -598,7 +643,10 @@ class Session:
             out.append(Keep(req, f.shard))
         elif not f.duplicate:
             self.sched.discard_partial(f.shard)
-        kind = "refused" if outcome is Outcome.REFUSED else "unavailable"
+        kind = "unavailable"
+        if outcome is Outcome.REFUSED:
+            kind = "refused_unreachable" if again else "refused"
+            self.stats.refused_unreachable += again
         self.sched.on_failure(req, now, kind=kind)
         return out
 

@@ -7,7 +7,14 @@ receiving data path (:mod:`.receive`) and the types they share (:mod:`.types`).
 from __future__ import annotations
 
 from shardcast.download import driver
-from shardcast.download.discovery import LaneBackoff, NodeAdvert, SourceDirectory, nodes_topic
+from shardcast.download.discovery import (
+    HolderReach,
+    LaneBackoff,
+    NodeAdvert,
+    PunchRecord,
+    SourceDirectory,
+    nodes_topic,
+)
 from shardcast.download.downloader import Downloader
 from shardcast.download.driver import DownloadDriver, check_limiter, offer
 from shardcast.download.follower import (
@@ -39,9 +46,11 @@ __all__ = [
     "Downloader",
     "FollowConfig",
     "Follower",
+    "HolderReach",
     "LaneBackoff",
     "NodeAdvert",
     "ProgressFn",
+    "PunchRecord",
     "ShardSink",
     "Source",
     "SourceDirectory",

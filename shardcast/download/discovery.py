@@ -37,13 +37,24 @@ manifest. But adverts must not steer the swarm's requests, so:
   ``MIN_SCORE`` are not offered (their score recovers by one point per ``ttl_s``);
 - **slots are shared fairly**: one source per URL (many identities pointing at one server
   share one slot), best scored first within each class.
+
+When a super-seeding source refuses a shard and names its holder (``X-Shardnet-Holder``,
+:class:`shardcast.serve.superseeding.SuperSeeding` rule 11), :meth:`SourceDirectory.holder_reach`
+says whether this node can fetch it from that holder (:class:`HolderReach`): a holder it has
+no lane to and will not get one to soon is named back as unreachable, and the source serves
+the shard at once instead of after its window. A holder reachable only by a punch not tried
+yet is waited for, unless this node's own recent punches all failed (:class:`PunchRecord`: its
+NAT or its network defeats hole punching, e.g. a symmetric NAT), since a punch takes seconds
+to fail and would have to fail for every holder before the window had passed anyway.
 """
 
 from __future__ import annotations
 
+import enum
 import logging
 import random
-from collections.abc import Sequence
+from collections import deque
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 from urllib.parse import urlsplit
@@ -290,6 +301,53 @@ class LaneBackoff:
         return min(self.first_s * self.factor ** (failures - 1), self.max_s)
 
 
+class HolderReach(enum.Enum):
+    """Whether this node can fetch from a holder a super-seeding refusal named
+    (:meth:`SourceDirectory.holder_reach`; value = metric label)."""
+
+    USABLE = "usable"
+    """A lane now (a proven URL, or its stream lane over a direct connection): fetch from
+    it, the refusal's wait is short."""
+    PENDING = "pending"
+    """No lane yet, but one may open soon: a hole punch to it not failed yet, or its URL's
+    first challenge still to come. Wait as before."""
+    UNKNOWN = "unknown"
+    """No advert of it heard (or forgotten): nothing known, so wait as before (naming every
+    unknown holder would undo super-seeding wherever adverts are sampled)."""
+    UNREACHABLE = "unreachable"
+    """No lane and none coming: no URL in scope that proved itself (or it failed its
+    challenge), no direct connection, and no shared relay or a punch to it that failed
+    (backing off: both behind NATs, one of them symmetric); or it kept failing this node
+    (scored out). Named back to the source, which then serves at once (rule 11)."""
+
+
+class PunchRecord:
+    """This node's last ``window`` hole-punch outcomes (pure, bounded): :meth:`failing` when
+    each of them failed, whatever the peers, which says that its own NAT or network defeats
+    hole punching (a symmetric NAT) and a punch to a holder not tried yet would fail too
+    (:meth:`SourceDirectory.holder_reach`). One direct punch clears it.
+
+    Args:
+        window: outcomes kept (>= 1).
+
+    Raises:
+        ValueError: ``window`` < 1.
+    """
+
+    def __init__(self, window: int = 3) -> None:
+        if window < 1:
+            raise ValueError(f"PunchRecord window must be >= 1, got {window}")
+        self._last: deque[bool] = deque(maxlen=window)
+
+    def done(self, direct: bool) -> None:
+        """A punch ended: ``direct`` if a direct connection came of it."""
+        self._last.append(direct)
+
+    def failing(self) -> bool:
+        """True when the last ``window`` punches all failed."""
+        return len(self._last) == self._last.maxlen and not any(self._last)
+
+
 @dataclass(frozen=True)
 class LaneStatus:
     """What this node knows of one advertised URL.
@@ -505,6 +563,44 @@ class SourceDirectory:
                     kept.append(src)
             out = kept
         return out[:limit]
+
+    def holder_reach(
+        self,
+        peer_id: str,
+        now: float,
+        *,
+        connected: frozenset[str] = frozenset(),
+        punch_failed: Callable[[str], bool] = lambda _: False,
+        punching_fails: bool = False,
+    ) -> HolderReach:
+        """Whether this node can fetch from ``peer_id``, a holder a super-seeding refusal
+        named (:class:`HolderReach`; pure: reads adverts, lane checks and scores).
+
+        Args:
+            peer_id: the holder.
+            now: trio seconds.
+            connected: PeerIDs this node holds a direct libp2p connection to.
+            punch_failed: True for a PeerID whose last hole punch failed (its
+                :meth:`shardcast.core.PunchPlanner.retry_at` is set).
+            punching_fails: this node's recent punches all failed
+                (:meth:`PunchRecord.failing`): a holder reachable only by a punch is
+                unreachable even before a punch to it was tried.
+        """
+        entry = self._adverts.get(peer_id)
+        if peer_id == self.self_id or entry is None or now - entry[1] > self.ttl_s:
+            return HolderReach.UNKNOWN
+        advert = entry[0]
+        if self.score(peer_id, now) <= MIN_SCORE:
+            return HolderReach.UNREACHABLE  # it kept failing here
+        lane = self.lane(advert, connected)
+        if lane in (Lane.HTTP, Lane.STREAM):
+            return HolderReach.USABLE
+        if lane is Lane.PUNCH:
+            hopeless = punching_fails or punch_failed(peer_id)
+            return HolderReach.UNREACHABLE if hopeless else HolderReach.PENDING
+        if advert.http_url and self._lanes.get((peer_id, advert.http_url)) is None:
+            return HolderReach.PENDING  # its URL is still to be challenged
+        return HolderReach.UNREACHABLE
 
     def punch_candidates(
         self,

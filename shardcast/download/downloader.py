@@ -56,7 +56,7 @@ from __future__ import annotations
 import logging
 import math
 import random
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
 import trio
@@ -132,6 +132,10 @@ class Downloader:
         self.batcher = BlobBatcher()  # which sources lack the batch route: kept across versions
         self._upstreams: Callable[[], list[Source]] | None = None
         self.last_stats: DownloadStats | None = None  # of the latest download, even failed
+        self.unreachable: Callable[[Sequence[str]], tuple[str, ...]] | None = None
+        """Of the holders a super-seeding refusal named, those this node cannot reach
+        (:class:`~shardcast.download.driver.DownloadDriver`'s ``unreachable``); set by a
+        follower (None: none is named back, as an older node)."""
 
     async def download(
         self,
@@ -306,6 +310,7 @@ class Downloader:
             progress=progress,
             cpu=self.cpu,
             batcher=self.batcher,
+            unreachable=self.unreachable,
         )
         end = await driver.run(sources)
         if isinstance(end, Fail):  # raised here, outside the nursery: a plain exception type

@@ -45,6 +45,12 @@ each piece, so the other tasks of the loop are never charged), the hashing of ea
 it lands (``verify``), chunk writes (``write``) and, in the worker thread, what
 :func:`~shardcast.download.receive.verify_and_write` does.
 
+A super-seeding refusal (``429``) may name the shard's holders
+(:attr:`~p2p.http_errors.NotAvailable.holders`); those the ``unreachable`` hook (the
+follower's :meth:`~shardcast.download.discovery.SourceDirectory.holder_reach`) finds this node
+cannot reach go back to the session with the outcome, and the session's next request of the
+shard names them (``X-Shardnet-Unreachable``), so the source serves it at once.
+
 Every request names the version as ``(step, manifest digest)`` (:mod:`shardcast.wire.lane_urls`);
 a ``409`` (the source holds the step under another digest) goes to the session as
 :attr:`~shardcast.core.session.Outcome.WRONG_VERSION` and, at ``/have``, counts as gone, like a
@@ -56,7 +62,7 @@ from __future__ import annotations
 import functools
 import logging
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from contextlib import aclosing
 from typing import TYPE_CHECKING
 
@@ -125,6 +131,7 @@ from shardcast.wire import (
     have_url,
     lane_answer,
     part_url,
+    unreachable_header,
 )
 
 if TYPE_CHECKING:
@@ -232,7 +239,7 @@ async def _stream(
             offset,
             sink.window(f.length),
             timeout_s=timeout_s,
-            headers=failed_header(f.failed),
+            headers=[*failed_header(f.failed), *unreachable_header(f.unreachable)],
             anonymous=src.anonymous,
         )
     ) as pieces:
@@ -267,6 +274,8 @@ class DownloadDriver:
         cpu: the node's CPU account by stage (module docstring), or None.
         batcher: which blob fetches share a request (kept across versions by the
             downloader: a source found without the batch route stays so), or None.
+        unreachable: of the holders a refusal named, those this node cannot reach (module
+            docstring), or None (none is ever named back).
     """
 
     def __init__(
@@ -287,8 +296,10 @@ class DownloadDriver:
         progress: ProgressFn | None,
         cpu: StageCpu | None = None,
         batcher: BlobBatcher | None = None,
+        unreachable: Callable[[Sequence[str]], tuple[str, ...]] | None = None,
     ) -> None:
         self.client = client
+        self.unreachable = unreachable
         self.batcher = batcher if batcher is not None else BlobBatcher()
         self.cpu = cpu if cpu is not None else StageCpu()
         self.part = part
@@ -478,6 +489,7 @@ class DownloadDriver:
         self.sinks[f.req] = sink
         begin = sink.pos
         outcome = Outcome.CANCELLED
+        unreached: tuple[str, ...] = ()
         t0 = trio.current_time()
 
         def on_piece() -> None:
@@ -514,7 +526,7 @@ class DownloadDriver:
                 except _StoreLost:  # the session fails the download at its next poll
                     outcome = Outcome.CANCELLED
                 except _FETCH_FAILURES as exc:
-                    outcome = self._failure(exc, f, src)
+                    outcome, unreached = self._failure(exc, f, src)
             if outcome is not Outcome.OK:
                 sink.rewind()  # a chunked sink keeps whole verified chunks only
             got = sink.pos - begin
@@ -532,7 +544,7 @@ class DownloadDriver:
                 got,
                 now - t0,
             )
-            actions = session.transfer_ended(f.req, outcome, got, now)
+            actions = session.transfer_ended(f.req, outcome, got, now, unreachable=unreached)
             if outcome is Outcome.OK and self.observer is not None:
                 self.observer.shard_received(src.id, f.encoding, got, now - t0)
             self.apply(actions)
@@ -564,8 +576,8 @@ class DownloadDriver:
             self.sinks[f.req] = sinks[-1]
             pos += f.size
         try:
-            outcome = await self._get_batch(batch, src, body)
-            checks = self._hand_out(batch, sinks, outcome, src, t0)
+            outcome, unreached = await self._get_batch(batch, src, body)
+            checks = self._hand_out(batch, sinks, outcome, src, t0, unreached)
             if checks:
                 await self.check_many(checks, src)
         finally:
@@ -576,9 +588,12 @@ class DownloadDriver:
                     sink.release()
             self.poke()
 
-    async def _get_batch(self, batch: tuple[Fetch, ...], src: Source, body: memoryview) -> Outcome:
+    async def _get_batch(
+        self, batch: tuple[Fetch, ...], src: Source, body: memoryview
+    ) -> tuple[Outcome, tuple[str, ...]]:
         """Receive the body of ``batch`` from ``src`` into ``body`` (exactly the sum of the
-        blobs' signed sizes); returns how the request ended. A ``404`` means the source lacks
+        blobs' signed sizes); returns how the request ended (and, for a refusal, the holders
+        it named that this node cannot reach). A ``404`` means the source lacks
         the route (an older node) or the version: ``CANCELLED`` (its blobs go back to the
         scheduler without a penalty) and the :class:`BlobBatcher` asks it one blob at a time
         from then on. A body of the wrong length is the source's protocol error; any other
@@ -591,18 +606,21 @@ class DownloadDriver:
             [f.shard for f in batch],
             batch[0].encoding,
         )
-        failed = failed_header(sorted({s for f in batch for s in f.failed}))
+        headers = [
+            *failed_header(sorted({s for f in batch for s in f.failed})),
+            *unreachable_header(sorted({s for f in batch for s in f.unreachable})),
+        ]
         try:
             await self.cpu.steps(
                 Stage.RECEIVE,
-                self.client.get_into(url, body, timeout_s=self.stall_timeout_s, headers=failed),
+                self.client.get_into(url, body, timeout_s=self.stall_timeout_s, headers=headers),
             )
-            return Outcome.OK
+            return Outcome.OK, ()
         except _FETCH_FAILURES as exc:
             if isinstance(exc, NotAvailable) and exc.status == 404:
                 # no batch route there (or no version): one blob at a time from now on
                 self.batcher.unsupported(src.id)
-                return Outcome.CANCELLED
+                return Outcome.CANCELLED, ()
             return self._failure(exc, batch[0], src)
 
     def _hand_out(
@@ -612,9 +630,11 @@ class DownloadDriver:
         outcome: Outcome,
         src: Source,
         t0: float,
+        unreached: tuple[str, ...] = (),
     ) -> list[tuple[Fetch, ShardSink]]:
         """End each transfer of ``batch`` with the session (its blob, at its signed size,
-        already in its sink, hashed when the batch arrived); returns those to check."""
+        already in its sink, hashed when the batch arrived); returns those to check.
+        ``unreached``: a refusal's holders this node cannot reach."""
         now, session = trio.current_time(), self.session
         checks: list[tuple[Fetch, ShardSink]] = []
         for f, sink in zip(batch, sinks, strict=True):
@@ -627,7 +647,7 @@ class DownloadDriver:
                 with self.cpu.measure(Stage.VERIFY):
                     sink.advance(f.size)  # hashed (the bytes are in place)
                 got = f.size
-            actions = session.transfer_ended(f.req, mine, got, now)
+            actions = session.transfer_ended(f.req, mine, got, now, unreachable=unreached)
             if mine is Outcome.OK and self.observer is not None:
                 self.observer.shard_received(src.id, f.encoding, got, now - t0)
             self.apply(actions)
@@ -635,20 +655,26 @@ class DownloadDriver:
                 checks.append((f, sink))
         return checks
 
-    def _failure(self, exc: Exception, f: Fetch, src: Source) -> Outcome:
+    def _failure(self, exc: Exception, f: Fetch, src: Source) -> tuple[Outcome, tuple[str, ...]]:
         """The outcome of a fetch (or a batch, named by its first fetch ``f``) from ``src``
-        that raised one of :data:`_FETCH_FAILURES`; logs it and tells the observer of a
-        refusal."""
+        that raised one of :data:`_FETCH_FAILURES`, and for a refusal the holders it named
+        that this node cannot reach (the ``unreachable`` hook); logs it and tells the
+        observer of a refusal."""
         if isinstance(exc, NotAvailable):
             outcome = _unavailable(exc)
-            if outcome is Outcome.REFUSED and self.observer is not None:
-                self.observer.refused(src.id)
-            return outcome
+            unreached: tuple[str, ...] = ()
+            if outcome is Outcome.REFUSED:
+                if self.observer is not None:
+                    self.observer.refused(src.id)
+                if exc.holders and self.unreachable is not None:
+                    unreached = self.unreachable(exc.holders)
+            return outcome, unreached
         if isinstance(exc, StreamBroken | PeerUnreachable):
             self._log_failure("shard_fetch_failed", f, exc)
-            return Outcome.BROKEN if isinstance(exc, StreamBroken) else Outcome.UNREACHABLE
+            broken = Outcome.BROKEN if isinstance(exc, StreamBroken) else Outcome.UNREACHABLE
+            return broken, ()
         self._log_failure("source_protocol_error", f, exc)
-        return Outcome.PROTOCOL_ERROR
+        return Outcome.PROTOCOL_ERROR, ()
 
     def _log_failure(self, event: str, f: Fetch, exc: Exception) -> None:
         log.info(

@@ -30,7 +30,11 @@ hold or fill the version and are reachable only through such a relay; a punched 
 download at the next poll, over the direct connection (never the circuit). A punch takes
 longer than a small version's download, so the follower also punches ahead: each advert heard
 of such a node starts the punches :meth:`shardcast.core.PunchPlanner.ahead` admits, so that the
-direct connections exist when the next version is announced.
+direct connections exist when the next version is announced. A super-seeding source that
+refuses a shard names its holder; a holder this follower has no lane to and will not get one
+to soon (:meth:`shardcast.download.discovery.SourceDirectory.holder_reach`: say its punch to
+it failed) is named back, and the source serves the shard at once (rule 11 of
+:class:`shardcast.serve.superseeding.SuperSeeding`).
 
 A download always ends (:mod:`shardcast.core.liveness`): it fails when the version is gone from
 every source (pruned: the next plan falls back to the newest version in full), when nothing
@@ -79,7 +83,7 @@ import random
 import secrets
 import time
 from collections import Counter
-from collections.abc import Awaitable, Callable, Iterable
+from collections.abc import Awaitable, Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -119,8 +123,10 @@ from shardcast.core import (
     want,
 )
 from shardcast.download.discovery import (
+    HolderReach,
     LaneBackoff,
     NodeAdvert,
+    PunchRecord,
     SourceDirectory,
     check_advert_gossip,
     nodes_topic,
@@ -286,6 +292,9 @@ class Follower:
             backoff=config.lane_backoff,
         )
         node.server.requester_kind = self._requester_kind
+        self.downloader.unreachable = self._unreachable_holders
+        self.holders_named: Counter[HolderReach] = Counter()
+        """Holders named by super-seeding refusals, by what this node knew of them (metrics)."""
         self._upstream_changed = trio.Event()
         self._filling: list[tuple[int, str]] = []  # versions being downloaded
         self._hooking: set[int] = set()  # steps downloading, or committed before on_commit
@@ -304,6 +313,7 @@ class Follower:
         network; "LAN scope" in :mod:`shardcast.core.reachability`)."""
         self.reservations = Reservations(config.punch)
         self.punches = PunchPlanner(config.punch)
+        self.punch_record = PunchRecord()  # whether this node's punches keep failing
         self._punch_rng = rng
         # hole punches (no_circuit: failed ones whose relayed dial failed)
         self._punched = {"started": 0, "ahead": 0, "direct": 0, "failed": 0, "no_circuit": 0}
@@ -730,6 +740,29 @@ class Follower:
             return Requester.DOWNLOAD_ONLY
         return Requester.SERVING
 
+    def _unreachable_holders(self, holders: Sequence[str]) -> tuple[str, ...]:
+        """Of the ``holders`` a super-seeding refusal named, those this node cannot reach
+        (:meth:`~shardcast.download.discovery.SourceDirectory.holder_reach`, with the direct
+        connections held now, the punches that failed and whether its punches keep failing)."""
+        now, direct = trio.current_time(), frozenset(self.node.p2p.direct_peers())
+        out = []
+        for h in holders:
+            reach = self.directory.holder_reach(
+                h,
+                now,
+                connected=direct,
+                punch_failed=self._punch_failed,
+                punching_fails=self.punch_record.failing(),
+            )
+            self.holders_named[reach] += 1
+            if reach is HolderReach.UNREACHABLE:
+                out.append(h)
+        return tuple(out)
+
+    def _punch_failed(self, peer_id: str) -> bool:
+        """True if the last hole punch to ``peer_id`` failed (it backs off, or did)."""
+        return self.punches.retry_at(peer_id) is not None
+
     def _same_tier_relay(self, peer_id: str) -> bool:
         """True if ``peer_id`` advertised the relay role at this node's tier: this relay does
         not super-seed to it (siblings fetch from each other at once; each shard still
@@ -837,7 +870,9 @@ class Follower:
         finally:
             self.punches.done(peer_id, direct=direct, now=trio.current_time(), circuit=circuit)
         self._punched["direct" if direct else "failed"] += 1
-        if not circuit:
+        if circuit:  # the NATs were tried: evidence of whether this node's punches work
+            self.punch_record.done(direct)
+        else:
             self._punched["no_circuit"] += 1
         log.info("punch peer=%s relay=%s direct=%s", short_id(peer_id), short_id(relay), direct)
 
@@ -1322,7 +1357,15 @@ class Follower:
             "adverts heard whose URL is a private address of another network (not tried)",
         )
         scope.add_metric([], self.adverts_out_of_scope)
-        return [state, answers, checks, scope]
+        named = CounterMetricFamily(
+            "shardnet_refusal_holders",
+            "holders super-seeding refusals named, by whether this node could reach them "
+            "(unreachable ones are named back and served at once)",
+            labels=["reach"],
+        )
+        for h in HolderReach:
+            named.add_metric([h.value], self.holders_named[h])
+        return [state, answers, checks, scope, named]
 
 
 __all__ = [

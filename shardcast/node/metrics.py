@@ -70,7 +70,9 @@ Followers (``relay``/``peer``): ``shardnet_received_bytes_total{source_kind,code
 ``failed``), ``shardnet_advert_checks_total{result}`` (its whoami challenges of other nodes'
 advertised URLs: ``verified``, ``unreachable``, ``bad_answer``) and
 ``shardnet_adverts_out_of_scope_total`` (adverts whose URL is a private address of another
-network, not tried).
+network, not tried), ``shardnet_refusal_holders_total{reach}`` (holders super-seeding
+refusals named: ``usable``, ``pending``, ``unknown``, ``unreachable``; the unreachable ones are
+named back and served at once).
 
 ``source_kind`` is ``origin``, ``relay``, ``peer``, ``mirror`` (a static mirror) or
 ``unknown``; ``codec`` is ``raw``, ``zstd`` or ``xor-zstd``; ``code`` is ``1xx``…``5xx``.

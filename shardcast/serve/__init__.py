@@ -13,11 +13,13 @@ from shardcast.serve.mirror import (
     version_problems,
 )
 from shardcast.serve.server import VersionServer
-from shardcast.serve.superseeding import Requester, SuperSeeding
+from shardcast.serve.superseeding import Decision, Refusal, Requester, SuperSeeding
 
 __all__ = [
     "PREFIX",
+    "Decision",
     "MirrorExport",
+    "Refusal",
     "Requester",
     "SuperSeeding",
     "VersionServer",

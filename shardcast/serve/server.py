@@ -68,7 +68,11 @@ whatever the number of relays. The requester is the PeerID proven by the request
 anonymous (curl, a mirror) and is served from a bounded share without ever reserving a shard,
 so it cannot delay the nodes. A requester that names the holder of a shard in
 ``X-Shardnet-Failed`` (it failed that shard for it) is served at once
-(:class:`~shardcast.serve.superseeding.SuperSeeding` rule 6). A version offering at most
+(:class:`~shardcast.serve.superseeding.SuperSeeding` rule 6). A ``429`` names the holders of
+the refused shards in ``X-Shardnet-Holder`` (at most 4 PeerIDs); a requester with no lane to
+one (a node behind a NAT that it cannot punch through) names it in ``X-Shardnet-Unreachable``
+on its next request and is served at once, from its own bounded share (rule 11). Older
+requesters ignore the holder; older servers ignore the unreachable ones. A version offering at most
 ``serve_once_min_bytes`` in all (:func:`offered_bytes`: a delta, usually) is served to every
 requester (rule 9): a refusal would cost each requester a round trip and the bytes a hop.
 Relays super-seed to their downloaders the same way (``shardnet relay``'s default).
@@ -111,12 +115,15 @@ from shardcast.wire import (
     ROUTE,
     STEP_ONLY_BODY,
     STEP_ONLY_ROUTE,
+    UNREACHABLE_HEADER,
     VERSIONS_HOLD_S,
     Manifest,
     encode_prefixes,
     have_token,
+    holder_header,
     parse_failed,
     parse_shards,
+    parse_unreachable,
     sign_whoami,
     verify_request,
     versions_token,
@@ -452,16 +459,17 @@ class VersionServer:
 
     def _refuse_repeat(
         self, req: HttpRequest, step: int, m: Manifest, shards: Iterable[int]
-    ) -> bool:
-        """Origin super-seeding (:class:`shardcast.serve.superseeding.SuperSeeding`): True if these
-        shards must be fetched from another node."""
+    ) -> HttpResponse | None:
+        """Origin super-seeding (:class:`shardcast.serve.superseeding.SuperSeeding`): the
+        ``429`` to answer if these shards must be fetched from another node (naming their
+        holders), else None."""
         if self.serve_once_s is None:
-            return False
+            return None
         requester = verify_request(req.headers.get(AUTH_HEADER), req.path, self._clock())
         kind = Requester.SERVING
         if requester is not None and self.requester_kind is not None:
             kind = self.requester_kind(requester)
-        return not self._seeding.allow(
+        decision = self._seeding.decide(
             requester,
             step,
             shards,
@@ -470,7 +478,9 @@ class VersionServer:
             failed=parse_failed(req.headers.get(FAILED_HEADER)) if requester else (),
             version_bytes=self._offered_bytes(m),
             kind=kind,
+            unreachable=parse_unreachable(req.headers.get(UNREACHABLE_HEADER)) if requester else (),
         )
+        return None if decision.allowed else _refused(decision.holders)
 
     def _offered_bytes(self, m: Manifest) -> int:
         """What version ``m`` offers in all, bytes: per shard its smallest encoding (raw
@@ -516,8 +526,8 @@ class VersionServer:
         if self._chained(step, live, name, shards):  # bytes built from blobs, verified
             if not await self._wait(req, step, lambda: all(self._has(step, i) for i in shards)):
                 return _retry()
-            if self._refuse_repeat(req, step, m, shards):
-                return _refused()
+            if (refused := self._refuse_repeat(req, step, m, shards)) is not None:
+                return refused
             return await self._built(req, step, name, entry.size, etag, last_modified, cache)
         if live is not None and shards and _hold_s(req, self.wait_s) > 0:
             # stream the verified prefix as it grows (module docstring): start at the first byte
@@ -538,8 +548,8 @@ class VersionServer:
             ready = ready_fn
         elif not await self._wait(req, step, lambda: all(self._has(step, i) for i in shards)):
             return _retry()
-        if self._refuse_repeat(req, step, m, shards):
-            return _refused()
+        if (refused := self._refuse_repeat(req, step, m, shards)) is not None:
+            return refused
         committed = self.store.version_dir(step) / name
         return self._slice(
             req,
@@ -655,8 +665,8 @@ class VersionServer:
         primary, committed = self._blob_paths(step, index, encoding)
         if not primary.exists() and not committed.exists():
             return HttpResponse(404)  # this node did not keep that encoding
-        if self._refuse_repeat(req, step, m, range(index, index + 1)):
-            return _refused()
+        if (refused := self._refuse_repeat(req, step, m, range(index, index + 1))) is not None:
+            return refused
         last_modified, cache = self._validators(step)
         return self._slice(
             req,
@@ -700,8 +710,8 @@ class VersionServer:
             sizes.append(offered.size)
         if sum(sizes) > MAX_BATCH_BYTES:
             return HttpResponse(413)
-        if self._refuse_repeat(req, step, m, shards):
-            return _refused()
+        if (refused := self._refuse_repeat(req, step, m, shards)) is not None:
+            return refused
         paths = [self._blob_paths(step, i, encoding) for i in shards]
         with self.store.pinned(step):
             body = await trio.to_thread.run_sync(_read_blobs, paths, sizes)
@@ -815,9 +825,10 @@ def _hold_s(req: HttpRequest, limit_s: float) -> float:
     return max(0.0, min(asked, limit_s)) if asked == asked else 0.0
 
 
-def _refused() -> HttpResponse:
-    """Super-seeding: fetch these bytes from another node (429 + Retry-After)."""
-    return HttpResponse(429, [("retry-after", "1")])
+def _refused(holders: tuple[str, ...] = ()) -> HttpResponse:
+    """Super-seeding: fetch these bytes from another node (429 + Retry-After), naming the
+    nodes that hold them (``X-Shardnet-Holder``, none for an anonymous requester)."""
+    return HttpResponse(429, [("retry-after", "1"), *holder_header(holders)])
 
 
 OFFERED_ENCODINGS = tuple(e for e in ENCODINGS if e != RAW)

@@ -6,7 +6,10 @@ window come out of a budget (10 % of the shards by default), so the origin's egr
 one copy of each version however many nodes ask (BitTorrent "super-seeding"; the budget is
 ours). Requesters are authenticated PeerIDs (:mod:`shardcast.wire.lane_auth`); anonymous
 clients never hold a reservation and get their own bounded share; a reservation whose holder a
-requester reports failing is released at once. A version whose offered bytes are few
+requester reports failing is released at once. A refusal names the shard's holder
+(:attr:`Decision.holders`; on the wire ``X-Shardnet-Holder``); a requester with no lane to it
+(behind a NAT the holder's cannot be punched through, say) says so on its next request and is
+served at once (rule 11), instead of waiting out the window. A version whose offered bytes are few
 (``small_version_bytes``, e.g. a sparse delta) is not super-seeded at all: a refusal costs
 every requester a round trip and the version an extra hop, which buys nothing when serving
 every requester a copy costs the origin less than a second of its uplink.
@@ -19,7 +22,12 @@ It takes ``now`` as an argument and does no I/O, so :mod:`shardcast.serve.server
 from __future__ import annotations
 
 from collections.abc import Iterable
+from dataclasses import dataclass, field
 from enum import Enum
+
+MAX_NAMED_HOLDERS = 4
+"""Holders a refusal names at most (:attr:`Decision.holders`), and holders a request may
+name as failing (rule 6) or unreachable (rule 11) at most (the wire bounds both lists)."""
 
 
 class Requester(Enum):
@@ -35,6 +43,48 @@ class Requester(Enum):
     DOWNLOAD_ONLY = "download_only"
     """Its advert offers no lane anyone outside its own network can use (a peer behind a
     NAT that does not serve through it): rule 10."""
+
+
+class Refusal(Enum):
+    """Why a request was refused (value = metric label)."""
+
+    WINDOW = "window"
+    """Another node was served a shard of it less than ``window_s`` ago (rule 3)."""
+    BUDGET = "budget"
+    """The step's repeat budget is spent and the requester has not persisted (rule 5)."""
+    ANONYMOUS_SHARE = "anonymous_share"
+    """The step's anonymous share is spent (rule 7)."""
+
+
+@dataclass(frozen=True)
+class Decision:
+    """:meth:`SuperSeeding.decide`'s answer.
+
+    Attributes:
+        allowed: the request may be served now (the serve is recorded).
+        refusal: why not (None when allowed).
+        holders: for a refusal, the nodes (PeerIDs) holding the refused shards, which the
+            requester should fetch them from, at most :data:`MAX_NAMED_HOLDERS`, in the
+            order of the request's shards; empty when allowed or anonymous.
+    """
+
+    allowed: bool
+    refusal: Refusal | None = None
+    holders: tuple[str, ...] = ()
+
+
+ALLOWED = Decision(True)
+
+
+@dataclass
+class _Scan:
+    """What :meth:`SuperSeeding._scan` found over a request's shards."""
+
+    repeats: int = 0
+    released: list[int] = field(default_factory=list)  # rule 6
+    bypassed: list[int] = field(default_factory=list)  # rule 11
+    refused: int | None = None  # the first shard refused within the window (rule 3)
+    holders: list[str] = field(default_factory=list)  # of the refused shards
 
 
 class SuperSeeding:
@@ -71,6 +121,16 @@ class SuperSeeding:
         nobody else could fetch the shard from it, so refusing others for its sake only
         delays them (a relay handed its first copies to download-only peers behind NATs and
         refused every serving peer for the window: 13x slower versions).
+    11. a refusal names the shards' holders (:attr:`Decision.holders`); a requester that
+        names a shard's holder as unreachable (it has no lane to it: none in its network's
+        scope, or only through a hole punch that failed, e.g. both behind NATs, one of them
+        symmetric) is served that shard at once and becomes its holder, as under rule 6, but
+        from its own share: at most ``unreachable_share`` of a step's shards per requester
+        (at least 4). A stream-lane-only holder behind a NAT keeps its reservation for those
+        who can punch to it (treating it as download-only, rule 10, would send every
+        requester to the origin when NATs allow punches) while those who cannot are not
+        delayed by ``window_s``. A requester that lies gets at most that share of each step
+        from the origin: what rules 4-5 give it after ``window_s + persist_s`` anyway.
 
     Args:
         window_s: how long a shard is reserved for its last requester, seconds; None: off
@@ -84,6 +144,7 @@ class SuperSeeding:
         report_share: rule 6's bound per requester and step, as a share of its shards.
         anonymous_share: rule 7's bound per step, as a share of its shards.
         small_version_bytes: rule 9's bound, bytes (0: every version is super-seeded).
+        unreachable_share: rule 11's bound per requester and step, as a share of its shards.
     """
 
     def __init__(
@@ -95,6 +156,7 @@ class SuperSeeding:
         report_share: float = 0.1,
         anonymous_share: float = 1.0,
         small_version_bytes: int = 0,
+        unreachable_share: float = 0.5,
     ) -> None:
         self.window_s = window_s
         self.max_entries = max_entries
@@ -103,10 +165,12 @@ class SuperSeeding:
         self.report_share = report_share
         self.anonymous_share = anonymous_share
         self.small_version_bytes = small_version_bytes
+        self.unreachable_share = unreachable_share
         self._served_to: dict[tuple[int, int], tuple[str, float]] = {}
         self._refused_since: dict[tuple[int, int, str], float] = {}
         self._repeats: dict[int, int] = {}
         self._reports: dict[tuple[int, str], int] = {}
+        self._unreached: dict[tuple[int, str], int] = {}  # rule 11's use per (step, requester)
         self._anonymous: dict[int, int] = {}
         self._gone: dict[str, float] = {}  # holder -> when it left
         self.refused = 0
@@ -115,6 +179,9 @@ class SuperSeeding:
         self.anonymous_served = 0
         self.small_served = 0
         self.unheld_served = 0
+        self.unreachable_served = 0
+        """Shards served at once because the requester named their holder unreachable
+        (rule 11)."""
 
     def allow(
         self,
@@ -126,8 +193,28 @@ class SuperSeeding:
         failed: Iterable[str] = (),
         version_bytes: int | None = None,
         kind: Requester = Requester.SERVING,
+        unreachable: Iterable[str] = (),
     ) -> bool:
-        """True if ``requester`` may get these shards now (and records the serve).
+        """True if ``requester`` may get these shards now (and records the serve): the
+        ``allowed`` of :meth:`decide`, which takes the same arguments."""
+        return self.decide(
+            requester, step, shards, now, total_shards, failed, version_bytes, kind, unreachable
+        ).allowed
+
+    def decide(
+        self,
+        requester: str | None,
+        step: int,
+        shards: Iterable[int],
+        now: float,
+        total_shards: int | None = None,
+        failed: Iterable[str] = (),
+        version_bytes: int | None = None,
+        kind: Requester = Requester.SERVING,
+        unreachable: Iterable[str] = (),
+    ) -> Decision:
+        """Whether ``requester`` may get these shards now (an allowed serve is recorded), and
+        for a refusal why and from whom to fetch them instead.
 
         Args:
             requester: the requesting node's authenticated id (its PeerID), or None for an
@@ -141,51 +228,74 @@ class SuperSeeding:
                 each shard: what a requester fetches), for rule 9; None: unknown.
             kind: what is known of ``requester`` (ignored when it is None): a sibling is
                 always allowed, a download-only requester is never recorded (rule 10).
+            unreachable: ids the requester reports it has no lane to (rule 11).
         """
         if self.window_s is None or (requester is not None and kind is Requester.SIBLING):
-            return True
+            return ALLOWED
         if version_bytes is not None and version_bytes <= self.small_version_bytes:
             self.small_served += 1
-            return True
+            return ALLOWED
         shards = list(shards)
         if requester is None:
             return self._allow_anonymous(step, shards, total_shards)
-        failing = set(failed)
-        reports = self._reports.get((step, requester), 0)
-        report_limit = max(4, int(self.report_share * (total_shards or 0)))
-        repeats = 0
-        released: list[int] = []
-        for i in shards:
-            prev = self._served_to.get((step, i))
-            if prev is None or prev[0] == requester or self._left(prev):
-                continue
-            if prev[0] in failing and reports + len(released) < report_limit:
-                released.append(i)  # its holder is failing: serve now (rule 6)
-                continue
-            if now - prev[1] < self.window_s:
-                return self._refuse(requester, step, i, now)
-            repeats += 1
-        if repeats:
+        scan = self._scan(requester, step, shards, now, total_shards, failed, unreachable)
+        if scan.refused is not None:
+            return self._refuse(requester, step, scan.refused, now, Refusal.WINDOW, scan.holders)
+        if scan.repeats:
             budget = (
                 None
                 if self.repeat_budget is None or total_shards is None
                 else self.repeat_budget * total_shards
             )
-            if budget is not None and self._repeats.get(step, 0) + repeats > budget:
+            if budget is not None and self._repeats.get(step, 0) + scan.repeats > budget:
                 held = self._still_refused(requester, step, shards, now)
                 if held is not None:
-                    return self._refuse(requester, step, held, now)
-            self._repeats[step] = self._repeats.get(step, 0) + repeats
-            self.repeats += repeats
-        if released:
-            self._reports[(step, requester)] = reports + len(released)
-            _trim(self._reports, self.max_entries)
-            self.released += len(released)
+                    holder = self._served_to[(step, held)][0]
+                    return self._refuse(requester, step, held, now, Refusal.BUDGET, [holder])
+            self._repeats[step] = self._repeats.get(step, 0) + scan.repeats
+            self.repeats += scan.repeats
+        _spend(self._reports, (step, requester), len(scan.released), self.max_entries)
+        self.released += len(scan.released)
+        _spend(self._unreached, (step, requester), len(scan.bypassed), self.max_entries)
+        self.unreachable_served += len(scan.bypassed)
         if kind is Requester.DOWNLOAD_ONLY:
             self.unheld_served += len(shards)  # rule 10: served, holds nothing
         else:
             self._record(requester, step, shards, now)
-        return True
+        return ALLOWED
+
+    def _scan(
+        self,
+        requester: str,
+        step: int,
+        shards: list[int],
+        now: float,
+        total_shards: int | None,
+        failed: Iterable[str],
+        unreachable: Iterable[str],
+    ) -> _Scan:
+        """Rules 1-3, 6 and 11 over each of ``shards`` (nothing recorded)."""
+        window = self.window_s if self.window_s is not None else 0.0
+        failing, unreached = set(failed), set(unreachable)
+        reports = self._reports.get((step, requester), 0)
+        report_limit = max(4, int(self.report_share * (total_shards or 0)))
+        bypasses = self._unreached.get((step, requester), 0)
+        bypass_limit = max(4, int(self.unreachable_share * (total_shards or 0)))
+        scan = _Scan()
+        for i in shards:
+            prev = self._served_to.get((step, i))
+            if prev is None or prev[0] == requester or self._left(prev):
+                continue
+            if prev[0] in failing and reports + len(scan.released) < report_limit:
+                scan.released.append(i)  # its holder is failing: serve now (rule 6)
+            elif prev[0] in unreached and bypasses + len(scan.bypassed) < bypass_limit:
+                scan.bypassed.append(i)  # the requester cannot reach its holder (rule 11)
+            elif now - prev[1] < window:
+                scan.refused = i if scan.refused is None else scan.refused
+                _name(scan.holders, prev[0])
+            else:
+                scan.repeats += 1
+        return scan
 
     def _still_refused(
         self, requester: str, step: int, shards: list[int], now: float
@@ -223,22 +333,38 @@ class SuperSeeding:
         gone = self._gone.get(prev[0])
         return gone is not None and prev[1] <= gone
 
-    def _allow_anonymous(self, step: int, shards: list[int], total_shards: int | None) -> bool:
+    def _allow_anonymous(self, step: int, shards: list[int], total_shards: int | None) -> Decision:
         """Rule 7: served within the step's anonymous share, never recorded as a holder."""
         used = self._anonymous.get(step, 0)
         if total_shards is not None and used + len(shards) > self.anonymous_share * total_shards:
             self.refused += 1
-            return False
+            return Decision(False, Refusal.ANONYMOUS_SHARE)
         self._anonymous[step] = used + len(shards)
         _trim(self._anonymous, self.max_entries)
         self.anonymous_served += len(shards)
-        return True
+        return ALLOWED
 
-    def _refuse(self, requester: str, step: int, shard: int, now: float) -> bool:
+    def _refuse(
+        self, requester: str, step: int, shard: int, now: float, why: Refusal, holders: list[str]
+    ) -> Decision:
+        """Refuse ``requester`` (first refused for ``shard`` at ``now``, for rule 5)."""
         self.refused += 1
         self._refused_since.setdefault((step, shard, requester), now)
         _trim(self._refused_since, self.max_entries)
-        return False
+        return Decision(False, why, tuple(holders))
+
+
+def _name(holders: list[str], holder: str) -> None:
+    """Add ``holder`` to a refusal's ``holders`` (distinct, at most MAX_NAMED_HOLDERS)."""
+    if holder not in holders and len(holders) < MAX_NAMED_HOLDERS:
+        holders.append(holder)
+
+
+def _spend(used: dict[tuple[int, str], int], key: tuple[int, str], n: int, limit: int) -> None:
+    """Add ``n`` (if any) to a per-(step, requester) share ``used`` (at most ``limit`` keys)."""
+    if n:
+        used[key] = used.get(key, 0) + n
+        _trim(used, limit)
 
 
 def _trim(d: dict, limit: int) -> None:  # type: ignore[type-arg]

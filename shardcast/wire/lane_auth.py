@@ -25,10 +25,16 @@ from collections import OrderedDict
 from collections.abc import Callable, Sequence
 
 from p2p.errors import IntegrityError
+from p2p.http_checks import HOLDER_HEADER as HOLDER_HEADER
+from p2p.http_checks import MAX_HOLDERS, parse_holders
 from p2p.keys import DomainSigner, verify
 
 AUTH_HEADER = "x-shardnet-auth"
 FAILED_HEADER = "x-shardnet-failed"
+UNREACHABLE_HEADER = "x-shardnet-unreachable"
+"""Request header: holders (PeerIDs, comma-separated, at most 4) a super-seeding refusal
+named (:data:`HOLDER_HEADER`) that the requester has no lane to
+(:class:`shardcast.serve.superseeding.SuperSeeding` rule 11). Older servers ignore it."""
 WINDOW_S = 30
 _DOMAIN = "lane-request"
 _MAX_PEER_ID = 128
@@ -138,3 +144,30 @@ def parse_failed(value: str | None) -> tuple[str, ...]:
     if not value or len(value) > 4 * (_MAX_PEER_ID + 1):
         return ()
     return tuple(v for v in value.split(",")[:4] if v)
+
+
+def _ids(sources: Sequence[str]) -> list[str]:
+    """The last :data:`MAX_HOLDERS` of ``sources`` that are node ids (not URLs)."""
+    return [s for s in sources if 0 < len(s) <= _MAX_PEER_ID and not set(s) & set(",:/ ")][
+        -MAX_HOLDERS:
+    ]
+
+
+def holder_header(holders: Sequence[str]) -> list[tuple[str, str]]:
+    """The :data:`HOLDER_HEADER` of a super-seeding refusal naming ``holders`` (at most
+    :data:`MAX_HOLDERS`, the first ones kept; none: no header, as an older server answers)."""
+    ids = _ids(list(holders)[:MAX_HOLDERS])
+    return [(HOLDER_HEADER, ",".join(ids))] if ids else []
+
+
+def unreachable_header(holders: Sequence[str]) -> list[tuple[str, str]]:
+    """The :data:`UNREACHABLE_HEADER` naming holders the requester cannot reach (the last
+    :data:`MAX_HOLDERS`; URLs left out: a mirror holds no reservation)."""
+    ids = _ids(holders)
+    return [(UNREACHABLE_HEADER, ",".join(ids))] if ids else []
+
+
+def parse_unreachable(value: str | None) -> tuple[str, ...]:
+    """The PeerIDs an :data:`UNREACHABLE_HEADER` value names (bounded like
+    :func:`p2p.http_checks.parse_holders`)."""
+    return parse_holders(value)

@@ -3,15 +3,18 @@
 from __future__ import annotations
 
 import random
+from collections import Counter
 from types import SimpleNamespace
 from typing import cast
 
 import pytest
+import trio
 
 from p2p import wire
 from p2p.errors import RemoteProtocolError
+from shardcast.core import LaneCheck, PunchConfig, PunchPlanner
 from shardcast.core.tracker import confirmed_elsewhere
-from shardcast.download.discovery import NodeAdvert, SourceDirectory
+from shardcast.download.discovery import HolderReach, NodeAdvert, PunchRecord, SourceDirectory
 from shardcast.download.follower import Follower
 from shardcast.serve import Requester
 from shardcast.wire.messages import NodeInfo, VersionAnnouncement
@@ -189,3 +192,92 @@ def test_a_same_step_replacement_waits_while_another_upstream_confirms_the_known
     ready.discard("r1")  # r1 gone: its last word counts no more
     assert not confirmed_elsewhere(known, "r2", said, ready)
     assert not confirmed_elsewhere(None, "r2", said, ready)  # nothing known: nothing waits
+
+
+def test_a_refusals_holder_is_unreachable_only_with_no_lane_now_and_none_coming() -> None:
+    """``SourceDirectory.holder_reach``: what a follower names back to a super-seeding source
+    (rule 11). Usable and pending holders are waited for as before; only one with no lane in
+    scope, no direct connection, and no shared relay or a failed punch is named."""
+    d = SourceDirectory(
+        "me", set(), ttl_s=100.0, max_entries=16, rng=random.Random(0), require_verified=True
+    )
+    nat = dict(stream_lane=True, relays=("Qm-relay",))
+    d.offer(NodeAdvert("Qm-pub", "peer", "http://10.0.0.3:8003", (), ()), 0.0)
+    d.offer(NodeAdvert("Qm-bad", "peer", "http://10.0.0.4:8003", (), ()), 0.0)
+    d.offer(NodeAdvert("Qm-eim", "peer", "", (), (), **nat), 0.0)  # type: ignore[arg-type]
+    d.offer(NodeAdvert("Qm-sym", "peer", "", (), (), **nat), 0.0)  # type: ignore[arg-type]
+    d.offer(NodeAdvert("Qm-far", "peer", "", (), (), stream_lane=True, relays=("Qm-other",)), 0.0)
+    d.offer(NodeAdvert("Qm-lan", "peer", "", (), ()), 0.0)  # out of scope: no URL, no stream
+    d.verified("Qm-pub", "http://10.0.0.3:8003", LaneCheck.VERIFIED, 1.0)
+    d.verified("Qm-bad", "http://10.0.0.4:8003", LaneCheck.UNREACHABLE, 1.0)
+    conn = frozenset({"Qm-relay"})
+    failed = {"Qm-sym"}.__contains__
+
+    def reach(pid: str, connected: frozenset[str] = conn, now: float = 2.0) -> HolderReach:
+        return d.holder_reach(pid, now, connected=connected, punch_failed=failed)
+
+    assert reach("Qm-pub") is HolderReach.USABLE  # a proven URL
+    assert reach("Qm-bad") is HolderReach.UNREACHABLE  # its URL failed the challenge
+    assert reach("Qm-eim") is HolderReach.PENDING  # a punch may open it: wait
+    assert reach("Qm-eim", conn | {"Qm-eim"}) is HolderReach.USABLE  # punched: stream lane
+    assert reach("Qm-sym") is HolderReach.UNREACHABLE  # its punch failed
+    assert reach("Qm-sym", conn | {"Qm-sym"}) is HolderReach.USABLE  # ... unless held anyway
+    assert reach("Qm-far") is HolderReach.UNREACHABLE  # no relay in common
+    assert reach("Qm-lan") is HolderReach.UNREACHABLE
+    assert reach("Qm-never") is HolderReach.UNKNOWN  # no advert: wait as before
+    assert reach("me") is HolderReach.UNKNOWN
+    assert reach("Qm-pub", now=200.0) is HolderReach.UNKNOWN  # its advert expired
+    d.offer(NodeAdvert("Qm-new", "peer", "http://10.0.0.5:8003", (), ()), 0.0)
+    assert reach("Qm-new") is HolderReach.PENDING  # its URL is still to be challenged
+    for _ in range(5):  # it kept failing this node: scored out
+        d.record("Qm-pub", delivered=False, now=2.0)
+    assert reach("Qm-pub") is HolderReach.UNREACHABLE
+
+
+async def test_a_follower_names_back_only_the_unreachable_holders() -> None:
+    """``Follower._unreachable_holders``: the holders of a refusal the follower names back,
+    read from its directory, its direct connections and its punch planner's failures."""
+    d = SourceDirectory("me", set(), ttl_s=1e9, max_entries=8, rng=random.Random(0))
+    d.offer(NodeAdvert("Qm-pub", "peer", "http://10.0.0.3:8003", (), ()), 0.0)
+    d.offer(NodeAdvert("Qm-sym", "peer", "", (), (), stream_lane=True, relays=("Qm-r",)), 0.0)
+    f = cast(SimpleNamespace, _follower({}, d, role="peer"))
+    f.holders_named = Counter()
+    f.node.p2p = SimpleNamespace(direct_peers=lambda: ["Qm-r"])
+    f.punches = PunchPlanner(PunchConfig())
+    f.punch_record = PunchRecord()
+    f._punch_failed = lambda p: Follower._punch_failed(cast(Follower, f), p)
+    named = ["Qm-pub", "Qm-sym", "Qm-x"]
+    assert Follower._unreachable_holders(cast(Follower, f), named) == ()  # no punch failed yet
+    now = trio.current_time()
+    assert f.punches.start("Qm-sym", ("Qm-r",), frozenset({"Qm-r"}), now, random.Random(0))
+    f.punches.done("Qm-sym", direct=False, now=now)
+    assert Follower._unreachable_holders(cast(Follower, f), named) == ("Qm-sym",)
+    assert f.holders_named == Counter(
+        {HolderReach.USABLE: 2, HolderReach.PENDING: 1, HolderReach.UNKNOWN: 2,
+         HolderReach.UNREACHABLE: 1}
+    )  # fmt: skip
+
+
+def test_a_node_whose_punches_keep_failing_counts_punch_only_holders_unreachable() -> None:
+    """``PunchRecord``: after ``window`` failed punches in a row (a symmetric NAT here, say)
+    a holder reachable only by a punch not tried yet is unreachable, not pending; one direct
+    punch ends that."""
+    record = PunchRecord(window=2)
+    assert not record.failing()
+    record.done(False)
+    assert not record.failing()  # one failure says little: that peer's NAT, perhaps
+    record.done(False)
+    assert record.failing()
+    record.done(True)
+    assert not record.failing()
+    with pytest.raises(ValueError, match="window"):
+        PunchRecord(window=0)
+    d = SourceDirectory("me", set(), ttl_s=100.0, max_entries=8, rng=random.Random(0))
+    d.offer(NodeAdvert("Qm-eim", "peer", "", (), (), stream_lane=True, relays=("Qm-r",)), 0.0)
+    d.offer(NodeAdvert("Qm-pub", "peer", "http://10.0.0.3:8003", (), ()), 0.0)
+    conn = frozenset({"Qm-r"})
+    assert d.holder_reach("Qm-eim", 1.0, connected=conn) is HolderReach.PENDING
+    hopeless = d.holder_reach("Qm-eim", 1.0, connected=conn, punching_fails=True)
+    assert hopeless is HolderReach.UNREACHABLE
+    usable = d.holder_reach("Qm-pub", 1.0, connected=conn, punching_fails=True)
+    assert usable is HolderReach.USABLE  # a lane needs no punch

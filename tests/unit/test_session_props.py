@@ -422,3 +422,35 @@ def test_a_broken_transfer_resumes_at_the_kept_prefix_from_another_source() -> N
     assert s.shard_checked(resume.req, Verdict.VERIFIED, 0.2) == []
     assert s.poll(0.2) == [Commit()]
     assert s.stats.resumed == 1
+
+
+def test_a_refusal_naming_an_unreachable_holder_is_asked_again_at_once_naming_it() -> None:
+    """Super-seeding rule 11 on the requester's side: a 429 whose named holder this node
+    cannot reach is retried at once with that holder in ``Fetch.unreachable``; a refusal that
+    names nothing new (an older source ignoring the names) waits ``refused_s`` as before."""
+    s = Session(3, [8], 1, [0], [Offer(0, 8)], [], random.Random(1), SessionConfig(SCHED), 0.0)
+    s.add_source("relay", True, 0.0)
+    (first,) = [a for a in s.poll(0.0) if isinstance(a, Fetch)]
+    assert first.unreachable == ()
+    s.transfer_ended(first.req, Outcome.REFUSED, 0, 0.0, unreachable=["nat-a"])
+    (again,) = [a for a in s.poll(0.0) if isinstance(a, Fetch)]  # at once, same time
+    assert (again.source, again.unreachable) == ("relay", ("nat-a",))
+    assert s.stats.refused_unreachable == 1
+    s.transfer_ended(again.req, Outcome.REFUSED, 0, 0.0, unreachable=["nat-a"])  # ignored
+    assert [a for a in s.poll(0.0) if isinstance(a, Fetch)] == []  # no loop: it waits
+    assert [a for a in s.poll(0.5) if isinstance(a, Fetch)] == []
+    (later,) = [a for a in s.poll(SCHED.refused_s + 0.01) if isinstance(a, Fetch)]
+    assert later.unreachable == ("nat-a",)  # still named: the holder is no nearer
+    assert s.stats.refused_unreachable == 1
+    s.transfer_ended(later.req, Outcome.REFUSED, 0, 1.1)  # a refusal naming no holder
+    assert [a for a in s.poll(1.1) if isinstance(a, Fetch)] == []
+
+
+def test_a_plain_refusal_waits_and_names_nobody() -> None:
+    s = Session(3, [8], 1, [0], [Offer(0, 8)], [], random.Random(1), SessionConfig(SCHED), 0.0)
+    s.add_source("relay", True, 0.0)
+    (first,) = [a for a in s.poll(0.0) if isinstance(a, Fetch)]
+    s.transfer_ended(first.req, Outcome.REFUSED, 0, 0.0)
+    assert [a for a in s.poll(0.0) if isinstance(a, Fetch)] == []
+    (again,) = [a for a in s.poll(SCHED.refused_s + 0.01) if isinstance(a, Fetch)]
+    assert again.unreachable == ()

@@ -5,18 +5,23 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from p2p.http_checks import HOLDER_HEADER, parse_holders
 from p2p.http_range import ByteRange
 from p2p.http_server import HttpRequest
 from p2p.identity import Identity
 from shardcast.publish.plan import build_manifest
 from shardcast.serve.server import VersionServer, offered_bytes
-from shardcast.serve.superseeding import Requester, SuperSeeding
+from shardcast.serve.superseeding import Decision, Refusal, Requester, SuperSeeding
 from shardcast.store.store import VersionStore
 from shardcast.wire.lane_auth import (
     AUTH_HEADER,
     FAILED_HEADER,
+    UNREACHABLE_HEADER,
     RequestSigner,
+    holder_header,
+    parse_unreachable,
     sign_request,
+    unreachable_header,
     verify_request,
 )
 from shardcast.wire.manifest import Manifest
@@ -108,6 +113,75 @@ def test_a_withholding_holder_costs_at_most_window_plus_three_windows() -> None:
     assert s.allow("relay-b", 0, [0], 20.0, total_shards=10)  # 5 s + 3 x 5 s, not 150 s
 
 
+def test_a_refusal_names_the_holders_and_why() -> None:
+    s = SuperSeeding(window_s=5.0, repeat_budget=0.0)
+    assert s.decide("peer-a", 0, [0, 1], 0.0, total_shards=10) == Decision(True)
+    assert s.decide("peer-b", 0, [2, 3], 0.0, total_shards=10).allowed
+    refused = s.decide("peer-c", 0, [0, 1, 2, 9], 1.0, total_shards=10)
+    assert refused == Decision(False, Refusal.WINDOW, ("peer-a", "peer-b"))  # distinct, in order
+    assert s.refused == 1
+    over = s.decide("peer-c", 0, [0], 6.0, total_shards=10)  # past the window, no budget
+    assert over == Decision(False, Refusal.BUDGET, ("peer-a",))
+    many = SuperSeeding(window_s=5.0)
+    for i in range(6):
+        assert many.allow(f"peer-{i}", 0, [i], 0.0, total_shards=6)
+    assert len(many.decide("peer-x", 0, range(6), 0.1, total_shards=6).holders) == 4  # bounded
+    anonymous = SuperSeeding(window_s=5.0, anonymous_share=0.0)
+    assert anonymous.decide(None, 0, [0], 0.0, total_shards=4) == Decision(
+        False, Refusal.ANONYMOUS_SHARE
+    )
+
+
+def test_a_holder_named_unreachable_is_bypassed_within_the_requesters_share() -> None:
+    """Rule 11: a requester that cannot reach the holder is served at once (it need not wait
+    out the window), becomes the holder, and may do so for at most its share of the step."""
+    s = SuperSeeding(window_s=5.0, repeat_budget=0.0, unreachable_share=0.25)
+    assert s.allow("nat-a", 0, range(40), 0.0, total_shards=40)  # took every shard first
+    refused = s.decide("sym-b", 0, [0], 0.5, total_shards=40)
+    assert refused.holders == ("nat-a",)
+    assert s.allow("sym-b", 0, [0], 0.5, total_shards=40, unreachable=refused.holders)
+    assert s.unreachable_served == 1
+    assert s.released == 0  # not rule 6's report: its own count
+    # sym-b holds shard 0 now: naming nat-a no longer helps another requester
+    assert s.decide("peer-c", 0, [0], 0.6, total_shards=40, unreachable=["nat-a"]).holders == (
+        "sym-b",
+    )
+    # a holder not named stays reserved: naming someone else releases nothing
+    assert not s.allow("sym-b", 0, [1], 0.7, total_shards=40, unreachable=["nat-z"])
+    # the share: 25 % of 40 = 10 shards per requester and step, then the window as before
+    assert s.allow("sym-b", 0, range(1, 10), 0.8, total_shards=40, unreachable=["nat-a"])
+    assert not s.allow("sym-b", 0, [10], 0.9, total_shards=40, unreachable=["nat-a"])
+    assert s.unreachable_served == 10
+    assert s.allow("sym-b", 1, [10], 0.9, unreachable=["nat-a"])  # another step: a fresh share
+    # at least 4 whatever the share, and unbounded budgets do not bypass it
+    tiny = SuperSeeding(window_s=5.0, unreachable_share=0.0)
+    assert tiny.allow("nat-a", 0, range(8), 0.0, total_shards=8)
+    assert tiny.allow("sym-b", 0, range(4), 0.1, total_shards=8, unreachable=["nat-a"])
+    assert not tiny.allow("sym-b", 0, [4], 0.1, total_shards=8, unreachable=["nat-a"])
+
+
+def test_rules_6_and_11_have_separate_shares() -> None:
+    s = SuperSeeding(window_s=5.0, report_share=0.0, unreachable_share=0.0)
+    assert s.allow("nat-a", 0, range(10), 0.0, total_shards=10)
+    assert s.allow("sym-b", 0, range(4), 0.1, total_shards=10, failed=["nat-a"])  # rule 6: 4
+    assert s.allow("sym-b", 0, range(4, 8), 0.1, total_shards=10, unreachable=["nat-a"])
+    assert not s.allow("sym-b", 0, [8], 0.1, total_shards=10, unreachable=["nat-a"])
+    assert (s.released, s.unreachable_served) == (4, 4)
+
+
+def test_holder_headers_are_bounded_both_ways() -> None:
+    ids = [f"12D3KooW{c}" for c in "abcdef"]
+    assert holder_header(ids) == [(HOLDER_HEADER, ",".join(ids[:4]))]  # the first 4
+    assert holder_header([]) == []  # none: no header, as an older server
+    assert unreachable_header(ids) == [(UNREACHABLE_HEADER, ",".join(ids[-4:]))]  # the last 4
+    assert unreachable_header(["http://mirror:80"]) == []  # URLs are not nodes
+    assert parse_holders(",".join(ids)) == tuple(ids[:4])
+    for junk in (None, "", ",,", "a" * 600, "http://x:1", "a b"):
+        assert parse_holders(junk) == ()
+    assert parse_holders("a,http://x:1, b ") == ("a", "b")
+    assert parse_unreachable("x" * 129 + ",y") == ("y",)
+
+
 def _one_version(tmp_path: Path) -> tuple[VersionStore, Manifest]:
     """A store holding step 1 of run ``run``: one 4,000-byte file in 1,000-byte shards."""
     store = VersionStore(tmp_path / "store", "run", keep_last=2)
@@ -136,6 +210,35 @@ async def test_the_origin_lane_believes_signatures_not_claims(tmp_path: Path) ->
     assert await get({AUTH_HEADER: sign_request(A, path, now)}) == 429  # reserved for B: refused
     report = {AUTH_HEADER: sign_request(A, path, now), FAILED_HEADER: B.peer_id}
     assert await get(report) == 206  # B failed it for A: released
+
+
+async def test_the_lane_names_the_holder_and_serves_one_who_cannot_reach_it(
+    tmp_path: Path,
+) -> None:
+    store, m = _one_version(tmp_path)
+    now = 5000.0
+    server = VersionServer(store, trust(), serve_once_s=5.0, clock=lambda: now)
+    path = f"/shardnet/v1/run/1/{m.digest}/files/{m.header.files[0].name}"
+
+    async def get(who: Identity | None, **extra: str) -> tuple[int, dict[str, str]]:
+        asked = {"range": "bytes=0-999", **{k.replace("_", "-"): v for k, v in extra.items()}}
+        if who is not None:
+            asked[AUTH_HEADER] = sign_request(who, path, now)
+        resp = await server.handle(HttpRequest("GET", path, {}, asked, ByteRange(0, 999)))
+        if resp.body is not None and hasattr(resp.body, "on_done") and resp.body.on_done:
+            resp.body.on_done()
+        return resp.status, dict(resp.headers)
+
+    assert (await get(B))[0] == 206  # B holds shard 0
+    status, headers = await get(A)
+    assert status == 429
+    assert parse_holders(headers.get(HOLDER_HEADER)) == (B.peer_id,)
+    status, _ = await get(A, **{UNREACHABLE_HEADER: B.peer_id})
+    assert status == 206  # A cannot reach B: served at once, and A holds it now
+    status, headers = await get(C, **{UNREACHABLE_HEADER: B.peer_id})
+    assert (status, parse_holders(headers.get(HOLDER_HEADER))) == (429, (A.peer_id,))
+    anonymous = await get(None, **{UNREACHABLE_HEADER: A.peer_id})
+    assert anonymous[0] == 206  # anonymous: its own share, no holder named or recorded
 
 
 def test_a_holder_that_left_holds_nothing() -> None:
