@@ -881,8 +881,6 @@ def _shaped_version(step: int, vs: list[dict[str, Any]], bound: float) -> dict[s
         return {"step": step, "last_s": None, "repeats": len(vs)}
     last = _median(lasts)
     nodes = sorted({k for v in vs for k in (v.get("cpu_s") or {})})
-    stage_nodes = sorted({k for v in vs for k in (v.get("stage_cpu_s") or {})})
-    stages = sorted({st for v in vs for per in (v.get("stage_cpu_s") or {}).values() for st in per})
     return {
         "step": step,
         "first_s": round(_median([v["first_s"] for v in vs if v["first_s"]] or [0]), 3),
@@ -896,15 +894,22 @@ def _shaped_version(step: int, vs: list[dict[str, Any]], bound: float) -> dict[s
         "cpu_s": {
             k: round(_median([(v.get("cpu_s") or {}).get(k, 0.0) for v in vs]), 2) for k in nodes
         },
-        "stage_cpu_s": {
-            k: {
-                st: round(_median([v["stage_cpu_s"].get(k, {}).get(st, 0.0) for v in vs]), 3)
-                for st in stages
-            }
-            for k in stage_nodes
-        },
+        "stage_cpu_s": _median_stages(vs),
         "repeats": len(vs),
         "failed": len(vs) - len(lasts),
+    }
+
+
+def _median_stages(vs: list[dict[str, Any]]) -> dict[str, dict[str, float]]:
+    """Per node and stage, the median over the repeats ``vs`` of the stage CPU-seconds."""
+    stage_nodes = sorted({k for v in vs for k in (v.get("stage_cpu_s") or {})})
+    stages = sorted({st for v in vs for per in (v.get("stage_cpu_s") or {}).values() for st in per})
+    return {
+        k: {
+            st: round(_median([v["stage_cpu_s"].get(k, {}).get(st, 0.0) for v in vs]), 3)
+            for st in stages
+        }
+        for k in stage_nodes
     }
 
 
