@@ -13,6 +13,14 @@ is advertised only once proven reachable). When cancelled (shutdown) it deletes 
 shielded but bounded by :attr:`~shardcast.core.portmap.PortMapConfig.delete_timeout_s`: a
 gateway that does not answer never holds shutdown up (the lease then ends the mapping).
 
+:class:`PortMapping` ties this to a node: it maps the node's libp2p TCP port and its HTTP lane
+port, and runs the node's dial-back check (:func:`~shardcast.node.dialback.keep_reachability`)
+on the external lane URL ``http://<external address>:<external lane port>`` as a candidate,
+afresh each time the mapping changes; :meth:`PortMapping.advertised` offers that URL only once
+a dial-back reached it. The mapped libp2p port is shown in ``/status`` but not advertised:
+nodes learn each other's libp2p addresses from their configuration (upstreams, bootstrap), not
+from adverts, so there is nothing to hand it to yet.
+
 The protocol is the ``miniupnpc`` library's (the miniupnp project's own client, UPnP IGD v1/v2
 over SSDP); its calls block, so each runs in a worker thread
 (``trio.to_thread.run_sync(..., abandon_on_cancel=True)``). ``miniupnpc`` does not speak
@@ -23,13 +31,17 @@ implements it, tests use a fake.
 
 from __future__ import annotations
 
+import functools
 import logging
 from collections.abc import Awaitable, Callable
 from typing import Any, Protocol
 
 import trio
 
-from shardcast.core.portmap import MapFailure, Mapping, MapState, PortMapPolicy
+from p2p.lanes import Host
+from shardcast.core.portmap import MapFailure, Mapping, MapState, PortMapConfig, PortMapPolicy
+from shardcast.core.reachability import Reach, Reachability, ReachabilityConfig
+from shardcast.node.dialback import keep_reachability
 
 log = logging.getLogger(__name__)
 
@@ -274,3 +286,111 @@ async def keep_port_mappings(
                 on_change()
     finally:
         await _delete(gateway, list(policy.mappings.values()), cfg.delete_timeout_s, run_sync)
+
+
+def tcp_port(multiaddrs: list[str]) -> int | None:
+    """The TCP port of the first ``/tcp/<port>`` multiaddr in ``multiaddrs`` (None: none)."""
+    for addr in multiaddrs:
+        parts = addr.split("/")
+        if "tcp" in parts:
+            i = parts.index("tcp")
+            if i + 1 < len(parts) and parts[i + 1].isdigit():
+                return int(parts[i + 1])
+    return None
+
+
+class PortMapping:
+    """A node's port mappings and the dial-back check of the external lane URL they give
+    (see the module docstring). Only valid inside the node; :meth:`run` until cancelled.
+
+    Args:
+        host: the node's libp2p host (dial-back asks go over it).
+        ports: name -> this host's TCP port to map (``"http"`` is the lane, checked and
+            advertised; others, such as ``"libp2p"``, are mapped and shown only).
+        config: when and how to map.
+        reachability: the dial-back check's settings (as for the node's own URL).
+        askers: connected PeerIDs to ask for a dial-back, best first.
+        on_change: called when :meth:`advertised` may have changed (re-advertise).
+        gateway_factory: the gateway (default: :class:`MiniupnpcGateway`).
+        run_sync: how blocking gateway calls run (default: :func:`in_thread`).
+    """
+
+    def __init__(
+        self,
+        host: Host,
+        ports: dict[str, int],
+        config: PortMapConfig,
+        reachability: ReachabilityConfig,
+        askers: Callable[[], list[str]],
+        on_change: Callable[[], None],
+        gateway_factory: Callable[[], Gateway] = MiniupnpcGateway,
+        run_sync: RunSync = in_thread,
+    ) -> None:
+        self.host = host
+        self.ports = dict(ports)
+        self.policy = PortMapPolicy(config)
+        self.reachability = reachability
+        self.candidate: Reachability | None = None
+        """The dial-back state of the external lane URL (None: nothing mapped)."""
+        self._askers = askers
+        self._on_change = on_change
+        self._gateway_factory = gateway_factory
+        self._run_sync = run_sync
+        self._mapping_changed = trio.Event()
+        self._checking: trio.CancelScope | None = None
+
+    def candidate_url(self) -> str:
+        """The external lane URL the mapping gives ("" if the lane is not mapped)."""
+        port = self.policy.external_port("http")
+        host = self.policy.external_host
+        if port is None or not host:
+            return ""
+        return f"http://[{host}]:{port}" if ":" in host else f"http://{host}:{port}"
+
+    def advertised(self) -> str:
+        """The external lane URL once a dial-back reached it, else ""."""
+        c = self.candidate
+        if c is not None and c.state is Reach.REACHABLE and c.url == self.candidate_url():
+            return c.url
+        return ""
+
+    def _mapped(self) -> None:
+        self._mapping_changed.set()
+        if self._checking is not None:
+            self._checking.cancel()
+        self._on_change()
+
+    async def run(self) -> None:
+        """Map, renew and check until cancelled; deletes the mappings then (bounded)."""
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(
+                functools.partial(
+                    keep_port_mappings,
+                    self._gateway_factory,
+                    self.policy,
+                    self.ports,
+                    self._mapped,
+                    run_sync=self._run_sync,
+                )
+            )
+            while True:
+                url = self.candidate_url()
+                self.candidate = Reachability(url, self.reachability) if url else None
+                if self.candidate is not None:
+                    with trio.CancelScope() as self._checking:
+                        await keep_reachability(
+                            self.host, self.candidate, self._askers, self._on_change
+                        )
+                    self._checking = None
+                await self._mapping_changed.wait()
+                self._mapping_changed = trio.Event()
+
+    def status(self, now: float, wall_of: Callable[[float], str]) -> dict[str, Any]:
+        """The ``port_mapping`` section of ``/status``: the policy's (state, external address,
+        lease left, last error) and the candidate URL's dial-back state."""
+        out = self.policy.status(now, wall_of)
+        c = self.candidate
+        out["candidate_url"] = c.url if c is not None else ""
+        out["candidate_state"] = c.state.value if c is not None else None
+        out["advertised"] = bool(self.advertised())
+        return out
