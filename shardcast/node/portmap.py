@@ -170,9 +170,11 @@ class MiniupnpcGateway:
                         external_port, "TCP", lan, internal_port, description, "", 0
                     )
                 elif _CONFLICT in low:
+                    # IGDv2 AddAnyPortMapping; miniupnpc's binding takes no lease here (the
+                    # one granted is read back below)
                     external_port = int(
                         upnp.addanyportmapping(
-                            external_port, "TCP", lan, internal_port, description, "", lease_s
+                            external_port, "TCP", lan, internal_port, description, ""
                         )
                     )
                 else:

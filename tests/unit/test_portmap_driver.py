@@ -11,7 +11,20 @@ import trio
 import trio.testing
 
 from shardcast.core.portmap import MapFailure, MapState, PortMapConfig, PortMapPolicy
-from shardcast.node.portmap import GatewayError, MiniupnpcGateway, in_thread, keep_port_mappings
+from shardcast.core.reachability import (
+    DialbackAnswer,
+    DialbackRequest,
+    DialbackResult,
+    ReachabilityConfig,
+)
+from shardcast.node.portmap import (
+    GatewayError,
+    MiniupnpcGateway,
+    PortMapping,
+    in_thread,
+    keep_port_mappings,
+    tcp_port,
+)
 
 PORTS = {"libp2p": 4003, "http": 8003}
 
@@ -174,6 +187,7 @@ class FakeUPnP:
         return True
 
     def addanyportmapping(self, *args: Any) -> int:
+        assert len(args) == 6  # extPort, proto, intClient, intPort, desc, remoteHost: no lease
         self.calls.append(("any", *args))
         return self.any_port
 
@@ -220,3 +234,91 @@ async def test_in_thread_runs_the_call_in_a_worker_thread() -> None:
 
     main = threading.get_ident()
     assert await in_thread(threading.get_ident) != main
+
+
+class FakeHost:
+    """The libp2p host surface the dial-back check uses: every asked peer answers
+    ``answer`` about the URL it was asked to dial."""
+
+    def __init__(self, answer: DialbackResult) -> None:
+        self.answer = answer
+        self.asked: list[str] = []
+
+    async def request(
+        self, peer_id: str, protocol: str, data: bytes, max_response_bytes: int, timeout_s: float
+    ) -> bytes:
+        self.asked.append(DialbackRequest.decode(data, "me").url)
+        return DialbackAnswer(self.answer, "203.0.113.7").encode()
+
+
+async def _run_mapping(
+    answer: DialbackResult, seconds: float, gateway: FakeGateway | None = None
+) -> tuple[PortMapping, FakeHost, list[str]]:
+    gateway = gateway or FakeGateway()
+    host = FakeHost(answer)
+    adverts: list[str] = []
+    mapping: PortMapping
+
+    def readvertise() -> None:
+        adverts.append(mapping.advertised())
+
+    mapping = PortMapping(
+        host,  # type: ignore[arg-type]
+        PORTS,
+        PortMapConfig(enabled=True),
+        ReachabilityConfig(),
+        lambda: ["relay"],
+        readvertise,
+        gateway_factory=lambda: gateway,
+        run_sync=lambda fn, *args: _inline(gateway, fn, *args),
+    )
+    with trio.move_on_after(seconds):
+        await mapping.run()
+    return mapping, host, adverts
+
+
+async def test_the_mapped_url_is_advertised_once_a_dial_back_reached_it(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    mapping, host, adverts = await _run_mapping(DialbackResult.REACHED, 10.0)
+    assert host.asked[0] == "http://203.0.113.7:8003"
+    assert adverts == ["", "http://203.0.113.7:8003"]  # mapped (not proven yet), then reached
+    assert mapping.advertised() == "http://203.0.113.7:8003"
+    doc = mapping.status(trio.current_time(), str)
+    assert doc["candidate_state"] == "reachable"
+    assert doc["advertised"] is True
+
+
+async def test_a_mapped_url_no_one_reaches_is_not_advertised(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    # a router behind a carrier-grade NAT maps ports no one outside can open
+    mapping, host, adverts = await _run_mapping(DialbackResult.NOT_REACHED, 10.0)
+    assert host.asked == ["http://203.0.113.7:8003"]
+    assert set(adverts) == {""}
+    assert mapping.candidate is not None
+    assert mapping.candidate.state.value == "unreachable"
+    assert mapping.advertised() == ""
+
+
+async def test_a_lost_mapping_is_no_longer_advertised(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    gateway = FakeGateway()
+
+    async def router_forgets() -> None:
+        await trio.sleep(30.0)
+        gateway.fail = GatewayError(MapFailure.ERROR, "HTTP error")
+
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(router_forgets)
+        mapping, _, adverts = await _run_mapping(DialbackResult.REACHED, 70.0, gateway)
+    assert adverts[-1] == ""  # the renewal at 60 s failed: withdrawn at once
+    assert mapping.candidate is None
+    assert mapping.candidate_url() == ""
+
+
+def test_tcp_port_of_multiaddrs() -> None:
+    assert tcp_port(["/ip4/10.0.0.2/tcp/4003"]) == 4003
+    assert tcp_port(["/ip4/10.0.0.2/udp/4003/quic", "/ip6/::/tcp/4013"]) == 4013
+    assert tcp_port([]) is None
