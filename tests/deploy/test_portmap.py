@@ -12,15 +12,19 @@ STUN check says no NAT filters in front of it: S answers that check (the lab's b
 10.211.K.0/24, plays the internet). SSDP multicast stays on R's LAN: nothing here leaves the
 lab's namespaces.
 
-Peer D behind R runs the README's peer command with ``--port-mapping`` (and its LAN address
-as ``--public-host``, what an operator behind a home router types). What is checked:
+Peers D and E behind R run the README's peer command with ``--port-mapping`` (and their LAN
+address as ``--public-host``, what an operator behind a home router types; E on its own libp2p
+port, as the README says for a second peer behind one router, but the same HTTP lane port as D,
+so its lane's external port is taken). What is checked:
 
 1. D maps its HTTP lane and libp2p ports on R (``/status`` ``port_mapping``: ``mapped``, the
    router's address, a lease), and the dial-back check reached the external lane URL, which D
    then advertises; its own LAN URL stays unreachable from outside;
-2. the relay, a public node, verified that URL (``known_nodes``: ``verified``), and a plain
-   HTTP GET from public host A at the router's address and mapped port reaches D's lane (its
-   whoami answer names D's PeerID): no hole punch, no relay;
+   E's lane is mapped to another external port, the one the router gave (IGDv2
+   ``AddAnyPortMapping`` after ``ConflictInMappingEntry``), and reached there too;
+2. the relay, a public node, verified D's URL (``known_nodes``: ``verified``), and a plain
+   HTTP GET from public host A at the router's address and each mapped port reaches D's and
+   E's lanes (their whoami answers name their PeerIDs): no hole punch, no relay;
 3. D logged no WARNING or ERROR about port mapping, and when D stops it deletes its mappings:
    the external URL no longer answers.
 
@@ -40,7 +44,7 @@ import pytest
 
 from simulations import netns
 from tests.deploy.hosts import Host, Hosts, Node
-from tests.deploy.test_nat import ShortRun, start_behind, status
+from tests.deploy.test_nat import SECOND_PORT, ShortRun, start_behind, status
 from tests.deploy.test_operator_path import PROGRESS_S
 
 pytestmark = [
@@ -132,29 +136,34 @@ def test_peer_behind_upnp_router_maps_its_ports_and_is_reached_directly(hosts: H
     dep = ShortRun(hosts)
     a, b, s = (hosts.add(n) for n in ("a-trainer", "b-relay", "s-stun"))
     router = hosts.add_router("r-router")
-    d = hosts.add_behind(router, "d-peer")
+    d, e = hosts.add_behind(router, "d-peer"), hosts.add_behind(router, "e-peer")
     stun = hosts.start(s, "stun", [sys.executable, "-m", "tests.deploy.stun", s.ip, str(STUN_PORT)])
     assert stun.wait_line(lambda line: "stun_ready" in line or None, 30), stun.tail()
     daemon = start_miniupnpd(hosts, router, s)
     dep.values.update(TRAINER_IP=a.ip, RELAY_IP=b.ip)
     trainer_id = dep.keygen(a, "trainer")
     relay_id = dep.keygen(b, "relay")
-    dep.values.update(TRAINER_ID=trainer_id, RELAY_ID=relay_id, PEER_ID=[dep.keygen(d, "peer")])
+    peer_ids = [dep.keygen(h, "peer") for h in (d, e)]
+    dep.values.update(TRAINER_ID=trainer_id, RELAY_ID=relay_id, PEER_ID=peer_ids)
     trainer = dep.start("trainer", a, "trainer")
     relay = dep.start("relay", b, "relay")
     peer = start_behind(dep, d, "peer-d", d.ip, ("--port-mapping",))
+    peer_e = start_behind(dep, e, "peer-e", e.ip, ("--port-mapping",), SECOND_PORT)
     peer_id = peer.info["peer_id"]
     lane_port = urlsplit(peer.info["http_url"]).port
 
-    # 1. mapped, and the external URL reached by a dial-back (D logs its state once)
+    # 1. mapped, and the external URL reached by a dial-back (each logs its state once)
     want = f"http_url=http://{router.port.ip}:"
-    reached = peer.wait_line(
-        lambda line: (
-            line if "reachability" in line and want in line and "state=reachable" in line else None
-        ),
-        MAPPED_S,
-    )
-    assert reached, f"D's external lane URL was not reached\n{hosts.logs()}\n{daemon.tail()}"
+    for node in (peer, peer_e):
+        reached = node.wait_line(
+            lambda line: (
+                line
+                if "reachability" in line and want in line and "state=reachable" in line
+                else None
+            ),
+            MAPPED_S,
+        )
+        assert reached, f"{node.name}'s external URL not reached\n{hosts.logs()}\n{daemon.tail()}"
     doc = status(dep, peer)
     pm = doc["port_mapping"]
     assert pm["state"] == "mapped", pm
@@ -166,6 +175,11 @@ def test_peer_behind_upnp_router_maps_its_ports_and_is_reached_directly(hosts: H
     assert pm["candidate_state"] == "reachable", pm
     assert pm["advertised"], pm
     mapped_url = pm["candidate_url"]
+    pm_e = status(dep, peer_e)["port_mapping"]
+    assert pm_e["mappings"]["http"]["internal_port"] == lane_port, pm_e  # the same as D's
+    assert pm_e["mappings"]["http"]["external_port"] != lane_port, pm_e  # taken: another one
+    assert pm_e["mappings"]["libp2p"]["external_port"] == SECOND_PORT, pm_e
+    assert pm_e["advertised"], pm_e
 
     # 2. once the run ended (adverts every 2 s meanwhile), the relay has verified the mapped
     # URL; a public host reaches D's lane there directly
@@ -180,14 +194,16 @@ def test_peer_behind_upnp_router_maps_its_ports_and_is_reached_directly(hosts: H
     own = status(dep, peer)["reachability"]  # its own (LAN) URL: not reachable from outside
     assert own["state"] == "unreachable", own
     assert whoami(hosts, a, mapped_url) == peer_id
+    assert whoami(hosts, a, pm_e["candidate_url"]) == peer_e.info["peer_id"]
     assert whoami(hosts, a, peer.info["http_url"]) is None  # the LAN URL: not from outside
 
     # 3. no warning about mapping; the mappings are deleted at exit
-    assert peer.stop() == 0, peer.tail()
-    text = peer.err_path.read_text(errors="replace")
-    assert not [
-        line
-        for line in text.splitlines()
-        if "port_mapping" in line and ("WARNING" in line or "ERROR" in line)
-    ], text[-3000:]
-    assert whoami(hosts, a, mapped_url) is None, daemon.tail()
+    for node, url in ((peer, mapped_url), (peer_e, pm_e["candidate_url"])):
+        assert node.stop() == 0, node.tail()
+        text = node.err_path.read_text(errors="replace")
+        assert not [
+            line
+            for line in text.splitlines()
+            if "port_mapping" in line and ("WARNING" in line or "ERROR" in line)
+        ], text[-3000:]
+        assert whoami(hosts, a, url) is None, daemon.tail()
