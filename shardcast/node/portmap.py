@@ -32,12 +32,14 @@ implements it, tests use a fake.
 from __future__ import annotations
 
 import functools
+import importlib.util
 import logging
 from collections.abc import Awaitable, Callable
 from typing import Any, Protocol
 
 import trio
 
+from p2p.errors import ConfigError
 from p2p.lanes import Host
 from shardcast.core.portmap import MapFailure, Mapping, MapState, PortMapConfig, PortMapPolicy
 from shardcast.core.reachability import Reach, Reachability, ReachabilityConfig
@@ -126,6 +128,17 @@ def _classify(exc: Exception) -> GatewayError:
 class MiniupnpcGateway:
     """:class:`Gateway` over ``miniupnpc`` (UPnP IGD). ``miniupnpc`` raises plain
     ``Exception`` with the UPnP error text; it is translated to :class:`GatewayError` here."""
+
+    @staticmethod
+    def check_installed() -> None:
+        """Raise unless ``miniupnpc`` can be imported.
+
+        Raises:
+            ConfigError: it is not installed (a broken install: it is a dependency)."""
+        if importlib.util.find_spec("miniupnpc") is None:
+            raise ConfigError(
+                "port_mapping", "needs the miniupnpc package (pip install miniupnpc==2.3.3)"
+            )
 
     def __init__(self) -> None:
         import miniupnpc  # type: ignore[import-not-found,unused-ignore]
@@ -315,6 +328,9 @@ class PortMapping:
         on_change: called when :meth:`advertised` may have changed (re-advertise).
         gateway_factory: the gateway (default: :class:`MiniupnpcGateway`).
         run_sync: how blocking gateway calls run (default: :func:`in_thread`).
+
+    Raises:
+        ConfigError: the default gateway's library, ``miniupnpc``, is not installed.
     """
 
     def __init__(
@@ -328,6 +344,8 @@ class PortMapping:
         gateway_factory: Callable[[], Gateway] = MiniupnpcGateway,
         run_sync: RunSync = in_thread,
     ) -> None:
+        if gateway_factory is MiniupnpcGateway:
+            MiniupnpcGateway.check_installed()
         self.host = host
         self.ports = dict(ports)
         self.policy = PortMapPolicy(config)

@@ -33,6 +33,7 @@ Marked ``slow`` (torch imports); skips without ``miniupnpd`` or ``nft``.
 
 from __future__ import annotations
 
+import importlib.util
 import secrets
 import shutil
 import subprocess
@@ -53,6 +54,10 @@ pytestmark = [
     pytest.mark.skipif(
         shutil.which("miniupnpd") is None,
         reason="miniupnpd missing (Debian: apt-get install miniupnpd); .ci/run installs it",
+    ),
+    pytest.mark.skipif(
+        importlib.util.find_spec("miniupnpc") is None,
+        reason="the miniupnpc package is not installed in this venv (pip install -e .)",
     ),
 ]
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib.util
 import logging
 from collections.abc import Callable
 from typing import Any
@@ -10,6 +11,7 @@ import pytest
 import trio
 import trio.testing
 
+from p2p.errors import ConfigError
 from shardcast.core.portmap import MapFailure, MapState, PortMapConfig, PortMapPolicy
 from shardcast.core.reachability import (
     DialbackAnswer,
@@ -322,3 +324,9 @@ def test_tcp_port_of_multiaddrs() -> None:
     assert tcp_port(["/ip4/10.0.0.2/tcp/4003"]) == 4003
     assert tcp_port(["/ip4/10.0.0.2/udp/4003/quic", "/ip6/::/tcp/4013"]) == 4013
     assert tcp_port([]) is None
+
+
+def test_a_missing_miniupnpc_is_a_config_error(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name: None)
+    with pytest.raises(ConfigError, match="port_mapping: needs the miniupnpc package"):
+        MiniupnpcGateway.check_installed()
