@@ -48,6 +48,7 @@ from rollout.inbox import InboxConfig
 from rollout.pacing import PacingConfig
 from rollout.task import DEFAULT_REWARD_SPEC, DEFAULT_TASK_SPEC
 from shardcast.core import PunchConfig, ReachabilityConfig, parse_networks
+from shardcast.core.portmap import PortMapConfig
 from shardcast.download import DownloadConfig, FollowConfig, LaneBackoff
 from shardcast.node import SUPER_SEED_MIN_BYTES, SUPER_SEED_S, NodeConfig
 from shardcast.publish import DEFAULT_SHARD_BYTES, OriginConfig
@@ -499,6 +500,13 @@ class FollowerSettings(CommonSettings):
         "100.64.0.0/10, or a private WAN); by default only globally routable addresses do, "
         "and a private address is tried only from its own network",
     )
+    port_mapping: bool = Field(
+        PortMapConfig.enabled,
+        description="ask the home router (UPnP IGD, found by SSDP multicast on the LAN) to "
+        "forward this node's libp2p and HTTP lane ports, renewed while it runs and deleted at "
+        "exit; the external lane URL is advertised once a dial-back reached it (for a node "
+        "behind a home router; off: nothing is sent to the router)",
+    )
     punch_ahead: int = Field(
         PunchConfig.ahead_max_direct,
         ge=0,
@@ -556,6 +564,7 @@ class FollowerSettings(CommonSettings):
                 public_networks=tuple(self.public_network),
             ),
             punch=PunchConfig(ahead_max_direct=self.punch_ahead),
+            port_mapping=PortMapConfig(enabled=self.port_mapping),
         )
 
 

@@ -172,6 +172,26 @@ def _reach_line(reach: dict[str, Any]) -> str:
     return line
 
 
+def _port_map_line(pm: dict[str, Any]) -> str:
+    """This node's port mappings: state, external address and ports, lease left, whether the
+    external lane URL was reached by a dial-back, and the last error."""
+    line = str(pm.get("state"))
+    ports = pm.get("mappings") or {}
+    if ports:
+        line += " " + ", ".join(
+            f"{name} {m['internal_port']}->{pm.get('external_host')}:{m['external_port']}"
+            for name, m in sorted(ports.items())
+        )
+        left = pm.get("lease_left_s")
+        line += f"; lease left {_secs(left)}" if left is not None else "; permanent lease"
+        if pm.get("candidate_url"):
+            line += f"; lane {pm.get('candidate_state')}"
+            line += " (advertised)" if pm.get("advertised") else ""
+    if pm.get("last_error"):
+        line += f"; last error {pm['last_error']}"
+    return line
+
+
 def _lane(node: dict[str, Any]) -> str:
     """A known node's lane as this node found it: ``verified``, ``unreachable x2``,
     ``dropped``, ``untried``, or ``none`` (a download-only node)."""
@@ -228,6 +248,9 @@ def render(doc: dict[str, Any]) -> RenderableType:
     reach = doc.get("reachability")
     if reach:
         _row(head, "reachable", _reach_line(reach))
+    port_map = doc.get("port_mapping")
+    if port_map:
+        _row(head, "port map", _port_map_line(port_map))
     tr = doc.get("trainer")
     if tr:
         _row(

@@ -122,6 +122,7 @@ from shardcast.core import (
     should_materialize,
     want,
 )
+from shardcast.core.portmap import PortMapConfig
 from shardcast.download.discovery import (
     HolderReach,
     LaneBackoff,
@@ -144,6 +145,7 @@ from shardcast.node import (
     source_kind,
     wall_of,
 )
+from shardcast.node.portmap import PortMapping, tcp_port
 from shardcast.serve import Requester
 from shardcast.store import ChainBroken
 from shardcast.wire import (
@@ -189,6 +191,9 @@ class FollowConfig:
         punch: reservations on relays (when this node is unreachable) and hole punches to
             unreachable sources (:class:`shardcast.core.PunchPlanner`); used only on a host
             with circuits (:class:`p2p.circuits.CircuitConfig`).
+        port_mapping: ask the LAN's UPnP gateway to forward this node's ports (off by
+            default); the external lane URL is advertised once a dial-back reached it
+            (:class:`shardcast.node.portmap.PortMapping`). Needs ``discovery``.
     """
 
     upstreams: tuple[str, ...]
@@ -204,6 +209,7 @@ class FollowConfig:
     lane_backoff: LaneBackoff = field(default_factory=LaneBackoff)
     reachability: ReachabilityConfig = field(default_factory=ReachabilityConfig)
     punch: PunchConfig = field(default_factory=PunchConfig)
+    port_mapping: PortMapConfig = field(default_factory=PortMapConfig)
 
     def poll_policy(self) -> PollPolicy:
         """The poll/retry periods."""
@@ -327,6 +333,22 @@ class Follower:
         )
         if config.discovery:
             node.status_sections["reachability"] = self.reachability_status
+        self.port_mapping: PortMapping | None = None
+        """This node's port mappings (None: ``port_mapping`` off, or no discovery)."""
+        if config.discovery and config.port_mapping.enabled:
+            ports = {"http": node.http.port}
+            p2p_port = tcp_port(node.p2p.listen_multiaddrs())
+            if p2p_port is not None:
+                ports["libp2p"] = p2p_port
+            self.port_mapping = PortMapping(
+                node.p2p,
+                ports,
+                config.port_mapping,
+                config.reachability,
+                self._dialback_askers,
+                self._on_reach_change,
+            )
+            node.status_sections["port_mapping"] = self.port_mapping_status
         node.metrics.add_collector(self._families)
         self._changed = trio.Event()
         self._poll_wake: dict[str, trio.Event] = {}  # upstream -> wakes its info poll
@@ -355,6 +377,8 @@ class Follower:
                 )
                 if self.config.reachability.serve_behind_nat:
                     nursery.start_soon(self._keep_reservations)
+                if self.port_mapping is not None:
+                    nursery.start_soon(self.port_mapping.run)
                 if self.config.punch.ahead_max_direct > 0:
                     nursery.start_soon(self._punch_ahead, nursery)
             while not self.upstreams:
@@ -702,7 +726,7 @@ class Follower:
             advert = NodeAdvert.of(
                 node.identity.peer_id,
                 role,
-                self.reachability.advertised(),
+                self._advertised_url(),
                 committed,
                 list(self._filling),
                 tier=self.tier(),
@@ -716,6 +740,12 @@ class Follower:
                 log.info("advert_failed error=%s", exc)
             with trio.move_on_after(self.config.advert_interval_s):
                 await self._advert_wake.wait()
+
+    def _advertised_url(self) -> str:
+        """The lane URL to advertise: the port-mapped external one once a dial-back reached
+        it, else this node's own (:meth:`Reachability.advertised`)."""
+        mapped = self.port_mapping.advertised() if self.port_mapping is not None else ""
+        return mapped or self.reachability.advertised()
 
     def tier(self) -> int | None:
         """Hops from the origin (see :class:`~shardcast.download.discovery.NodeAdvert`): 1 if an
@@ -1282,6 +1312,13 @@ class Follower:
         out["relays"] = list(self.reservations.held)
         out["punches"] = dict(self._punched)
         return out
+
+    def port_mapping_status(self) -> dict[str, Any]:
+        """The ``port_mapping`` section of ``/status`` (see
+        :meth:`shardcast.node.portmap.PortMapping.status`)."""
+        assert self.port_mapping is not None
+        now, wall = trio.current_time(), time.time()
+        return self.port_mapping.status(now, lambda t: iso(wall_of(t, now, wall)))
 
     def known_nodes_status(self) -> list[dict[str, Any]]:
         """The ``known_nodes`` section of ``/status``: nodes heard through adverts, with what

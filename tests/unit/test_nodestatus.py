@@ -9,6 +9,7 @@ from typing import Any, cast
 from rich.console import Console
 
 from p2p.identity import Identity
+from shardcast.core.portmap import MapFailure, Mapping, PortMapPolicy
 from shardcast.node.nodestatus import node_status
 from shardcast.wire.runcard import EngineSpec, RunCard, SamplingRules, TaskSpec, sign_card
 from shardnet.status import render
@@ -174,3 +175,24 @@ def test_status_lists_versions_kept_as_chains_with_their_depth() -> None:
     console = Console(width=200, record=True)
     console.print(render(doc))
     assert "4 (depth 1), 5 (depth 2)" in console.export_text()
+
+
+def test_status_renders_port_mapping() -> None:
+    policy = PortMapPolicy()
+    policy.mapped("203.0.113.7", [Mapping("http", 8003, 8003)], 3600, now=0.0)
+    policy.failed(MapFailure.REFUSED, "ConflictInMappingEntry", now=1800.0)
+    policy.mapped("203.0.113.7", [Mapping("http", 8003, 40001)], 3600, now=1830.0)
+    doc = node_status(_node(None))
+    doc["port_mapping"] = {
+        **policy.status(2430.0, str),
+        "candidate_url": "http://203.0.113.7:40001",
+        "candidate_state": "reachable",
+        "advertised": True,
+    }
+    console = Console(width=200, record=True)
+    console.print(render(doc))
+    text = console.export_text()
+    assert "port map" in text
+    assert "mapped http 8003->203.0.113.7:40001; lease left 50m00s" in text
+    assert "lane reachable (advertised)" in text
+    assert "last error refused: ConflictInMappingEntry" in text
