@@ -47,8 +47,7 @@ from rollout.engine_options import VllmOptions
 from rollout.inbox import InboxConfig
 from rollout.pacing import PacingConfig
 from rollout.task import DEFAULT_REWARD_SPEC, DEFAULT_TASK_SPEC
-from shardcast.core import PunchConfig, ReachabilityConfig, parse_networks
-from shardcast.core.portmap import PortMapConfig
+from shardcast.core import PortMapConfig, PunchConfig, ReachabilityConfig, parse_networks
 from shardcast.download import DownloadConfig, FollowConfig, LaneBackoff
 from shardcast.node import SUPER_SEED_MIN_BYTES, SUPER_SEED_S, NodeConfig
 from shardcast.publish import DEFAULT_SHARD_BYTES, OriginConfig

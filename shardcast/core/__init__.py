@@ -19,6 +19,7 @@ from shardcast.core.catchup import plan
 from shardcast.core.liveness import Abandon, Answer
 from shardcast.core.mirrorpoll import MirrorPoll
 from shardcast.core.pollpolicy import PollPolicy, VersionWatch, WatchStep, poll_delay
+from shardcast.core.portmap import MapFailure, Mapping, MapState, PortMapConfig, PortMapPolicy
 from shardcast.core.reachability import (
     DIALBACK_PROTOCOL,
     MAX_DIALBACK_BYTES,
@@ -126,6 +127,9 @@ __all__ = [
     "KeepSuspect",
     "Lane",
     "LaneCheck",
+    "MapFailure",
+    "MapState",
+    "Mapping",
     "MirrorPoll",
     "Offer",
     "Outcome",
@@ -133,6 +137,8 @@ __all__ = [
     "PollNext",
     "PollOutcome",
     "PollPolicy",
+    "PortMapConfig",
+    "PortMapPolicy",
     "Probe",
     "PunchConfig",
     "PunchPlanner",

@@ -103,6 +103,7 @@ from shardcast.core import (
     MirrorPoll,
     PollOutcome,
     PollPolicy,
+    PortMapConfig,
     PunchConfig,
     PunchPlanner,
     PunchTarget,
@@ -122,7 +123,6 @@ from shardcast.core import (
     should_materialize,
     want,
 )
-from shardcast.core.portmap import PortMapConfig
 from shardcast.download.discovery import (
     HolderReach,
     LaneBackoff,
@@ -137,15 +137,16 @@ from shardcast.download.types import DownloadConfig, Source
 from shardcast.download.versionwatch import watch_versions
 from shardcast.node import (
     DownloadMetrics,
+    PortMapping,
     ShardcastNode,
     challenge_lane,
     fetch_card,
     iso,
     keep_reachability,
     source_kind,
+    tcp_port,
     wall_of,
 )
-from shardcast.node.portmap import PortMapping, tcp_port
 from shardcast.serve import Requester
 from shardcast.store import ChainBroken
 from shardcast.wire import (
@@ -247,6 +248,21 @@ class VersionRecord:
 CommitHook = Callable[[Manifest, Path, VersionRecord], Awaitable[None]]
 
 
+def _directory(own_id: str, config: FollowConfig, rng: random.Random) -> SourceDirectory:
+    """The follower's directory of nodes to download from (its upstreams are trusted; an
+    advert's lane is offered only once verified, one node per URL)."""
+    return SourceDirectory(
+        own_id,
+        {peer_id_of(a) for a in config.upstreams},
+        ttl_s=5 * config.advert_interval_s,
+        max_entries=1024,
+        rng=rng,
+        require_verified=True,
+        one_per_url=True,
+        backoff=config.lane_backoff,
+    )
+
+
 class Follower:
     """Follows a run from upstreams into ``node``'s store (see module docstring).
 
@@ -287,16 +303,7 @@ class Follower:
         self.progress = progress
         self.upstreams: dict[str, NodeInfo] = {}
         self.records: list[VersionRecord] = []
-        self.directory = SourceDirectory(
-            node.identity.peer_id,
-            {peer_id_of(a) for a in config.upstreams},
-            ttl_s=5 * config.advert_interval_s,
-            max_entries=1024,
-            rng=rng,
-            require_verified=True,
-            one_per_url=True,
-            backoff=config.lane_backoff,
-        )
+        self.directory = _directory(node.identity.peer_id, config, rng)
         node.server.requester_kind = self._requester_kind
         self.downloader.unreachable = self._unreachable_holders
         self.holders_named: Counter[HolderReach] = Counter()
@@ -333,22 +340,8 @@ class Follower:
         )
         if config.discovery:
             node.status_sections["reachability"] = self.reachability_status
-        self.port_mapping: PortMapping | None = None
+        self.port_mapping = self._port_mapping(config)
         """This node's port mappings (None: ``port_mapping`` off, or no discovery)."""
-        if config.discovery and config.port_mapping.enabled:
-            ports = {"http": node.http.port}
-            p2p_port = tcp_port(node.p2p.listen_multiaddrs())
-            if p2p_port is not None:
-                ports["libp2p"] = p2p_port
-            self.port_mapping = PortMapping(
-                node.p2p,
-                ports,
-                config.port_mapping,
-                config.reachability,
-                self._dialback_askers,
-                self._on_reach_change,
-            )
-            node.status_sections["port_mapping"] = self.port_mapping_status
         node.metrics.add_collector(self._families)
         self._changed = trio.Event()
         self._poll_wake: dict[str, trio.Event] = {}  # upstream -> wakes its info poll
@@ -1312,6 +1305,27 @@ class Follower:
         out["relays"] = list(self.reservations.held)
         out["punches"] = dict(self._punched)
         return out
+
+    def _port_mapping(self, config: FollowConfig) -> PortMapping | None:
+        """The node's port mappings of its HTTP lane and libp2p TCP ports (registered in
+        ``/status``), or None when ``port_mapping`` is off or discovery is."""
+        if not (config.discovery and config.port_mapping.enabled):
+            return None
+        node = self.node
+        ports = {"http": node.http.port}
+        p2p_port = tcp_port(node.p2p.listen_multiaddrs())
+        if p2p_port is not None:
+            ports["libp2p"] = p2p_port
+        mapping = PortMapping(
+            node.p2p,
+            ports,
+            config.port_mapping,
+            config.reachability,
+            self._dialback_askers,
+            self._on_reach_change,
+        )
+        node.status_sections["port_mapping"] = self.port_mapping_status
+        return mapping
 
     def port_mapping_status(self) -> dict[str, Any]:
         """The ``port_mapping`` section of ``/status`` (see

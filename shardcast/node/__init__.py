@@ -10,6 +10,7 @@ from shardcast.node.dialback import challenge_lane, keep_reachability
 from shardcast.node.metrics import DownloadMetrics, source_kind
 from shardcast.node.node import SUPER_SEED_MIN_BYTES, SUPER_SEED_S, NodeConfig, ShardcastNode
 from shardcast.node.nodestatus import iso, wall_of
+from shardcast.node.portmap import PortMapping, tcp_port
 from shardcast.node.view import NodeView, RoleView
 
 __all__ = [
@@ -18,6 +19,7 @@ __all__ = [
     "DownloadMetrics",
     "NodeConfig",
     "NodeView",
+    "PortMapping",
     "RoleView",
     "ShardcastNode",
     "bootstrap_card",
@@ -28,5 +30,6 @@ __all__ = [
     "keep_reachability",
     "save_card",
     "source_kind",
+    "tcp_port",
     "wall_of",
 ]

@@ -41,8 +41,16 @@ import trio
 
 from p2p.errors import ConfigError
 from p2p.lanes import Host
-from shardcast.core.portmap import MapFailure, Mapping, MapState, PortMapConfig, PortMapPolicy
-from shardcast.core.reachability import Reach, Reachability, ReachabilityConfig
+from shardcast.core import (
+    MapFailure,
+    Mapping,
+    MapState,
+    PortMapConfig,
+    PortMapPolicy,
+    Reach,
+    Reachability,
+    ReachabilityConfig,
+)
 from shardcast.node.dialback import keep_reachability
 
 log = logging.getLogger(__name__)
