@@ -30,7 +30,14 @@ nothing: the state stays ``unknown``. The node advertises its URL when ``reachab
 failing open as before this check existed, when ``unknown`` after a round; never when
 ``unreachable`` (it is then download-only) and not before the first round has finished.
 Verdicts are re-checked every :attr:`ReachabilityConfig.recheck_s` (an unknown one after
-:attr:`ReachabilityConfig.retry_s`).
+:attr:`ReachabilityConfig.retry_s`). An asker on the lane's own network (:func:`lan_asker`: a
+neighbour behind the same home router, connected to the node over the LAN) reaches a private
+URL that nobody outside can, so its answers count only in rounds where no asker from outside
+says anything and only until an outside round has decided (a flat private network or one
+host, where every asker is a neighbour, still gets a verdict). Found in the namespaced lab: a
+NATed peer told ``not_reached`` by its relay and ``reached`` by its neighbour became
+``reachable``, advertised its private URL and dropped its stream lane, so it stopped serving
+through its NAT.
 
 An unreachable lane is not the end of serving: a node behind a NAT holds the libp2p
 connections it dialled (relay, trainer, public peers), and the lane also runs over libp2p
@@ -674,6 +681,36 @@ class DialbackLimiter:
         self.running -= 1
 
 
+def lan_asker(
+    url: str,
+    asker_hosts: Sequence[str],
+    interfaces: Sequence[Interface],
+    public: Sequence[Network] = (),
+) -> bool:
+    """Whether an asker seen here at ``asker_hosts`` (the remote addresses of this node's
+    connections to it) sits on the network of this node's own lane ``url``, so that its
+    answer speaks for that network only: a neighbour behind the same home router reaches a
+    private URL that nobody outside can (:meth:`Reachability.observe`).
+
+    True if ``url``'s host is a non-global address (not in ``public``) on the network of one
+    of ``interfaces`` (loopback: the loopback network) and an asker address lies on that same
+    network; False otherwise (a DNS name, a global or ``public`` address, an asker elsewhere,
+    or nothing known of the asker).
+    """
+    host = url_host(url)
+    ip = _ip(host) if host is not None else None
+    if ip is None or ip.is_global:
+        return False
+    ip = _unmapped(ip)
+    if any(ip in n for n in public):
+        return False
+    nets = [i.network for i in interfaces if ip in i.network]
+    if ip.is_loopback:
+        nets.append(ipaddress.ip_network("127.0.0.0/8" if ip.version == 4 else "::1/128"))
+    seen = [_unmapped(o) for o in (_ip(text) for text in asker_hosts) if o is not None]
+    return any(o in n for o in seen for n in nets if o.version == n.version)
+
+
 def verdict(url: str, answers: list[DialbackResult]) -> Reach:
     """What one round of answers about ``url`` says (see the module docstring)."""
     if DialbackResult.REACHED in answers:
@@ -742,6 +779,8 @@ class Reachability:
     last_answers: tuple[DialbackResult, ...] = ()
     rounds: int = 0
     answers_total: Counter[DialbackResult] = field(default_factory=Counter)
+    from_outside: bool = False
+    """``state`` came from askers outside the lane's own network (:meth:`observe`)."""
 
     def _wait_s(self) -> float:
         if self.rounds == 0:
@@ -758,12 +797,19 @@ class Reachability:
             return 0.0
         return max(0.0, self.checked_at + self._wait_s() - now)
 
-    def observe(self, answers: list[DialbackResult], now: float) -> bool:
+    def observe(self, answers: list[DialbackResult], now: float, lan: Sequence[bool] = ()) -> bool:
         """Record a round's answers; True if what to advertise changed (the URL,
         :meth:`advertised`, or the stream lane, :meth:`advertises_stream`: a node whose
         unreachable URL was never advertised still starts to offer its stream lane). A round
         with no answers or only ``refused`` ones (no one could check now) only schedules the
         next one, soon.
+
+        ``lan[i]`` (:func:`lan_asker`) marks ``answers[i]`` as given from the lane's own
+        network. Answers from outside decide when they say anything (``reached`` or not); a
+        round of neighbours only decides while no outside round has (a flat private network,
+        or one host: every asker is a neighbour), else it tells nothing: a peer behind a home
+        router, told ``not_reached`` by its relay, stays unreachable (and keeps its stream
+        lane) when a neighbour behind the same router reaches its private URL.
 
         A round that tells nothing (``unknown``) does not undo an earlier verdict."""
         before = (self.advertised(), self.advertises_stream())
@@ -773,7 +819,15 @@ class Reachability:
             return False  # no one could check now (rate limits): ask again soon
         self.rounds += 1
         self.last_answers = tuple(answers)
-        new = verdict(self.url, answers)
+        marks = list(lan) + [False] * (len(answers) - len(lan))
+        outside = verdict(self.url, [a for a, m in zip(answers, marks, strict=True) if not m])
+        new: Reach
+        if outside is not Reach.UNKNOWN:
+            new, self.from_outside = outside, True
+        elif self.from_outside:
+            new = Reach.UNKNOWN  # neighbours only: they cannot undo what outside said
+        else:
+            new = verdict(self.url, [a for a, m in zip(answers, marks, strict=True) if m])
         if new is Reach.UNKNOWN and self.state is not Reach.UNKNOWN:
             return False
         if new is not self.state or self.since is None:

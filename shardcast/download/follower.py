@@ -367,6 +367,7 @@ class Follower:
                     self.reachability,
                     self._dialback_askers,
                     self._on_reach_change,
+                    self._interfaces,
                 )
                 if self.config.reachability.serve_behind_nat:
                     nursery.start_soon(self._keep_reservations)

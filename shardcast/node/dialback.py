@@ -13,10 +13,11 @@ from __future__ import annotations
 
 import logging
 import secrets
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 import trio
 
+from p2p.addresses import interface_subnets
 from p2p.errors import ShardnetError, TransportError, short_id
 from p2p.lanes import Host, HttpLaneClient
 from shardcast.core import (
@@ -27,9 +28,11 @@ from shardcast.core import (
     DialbackLimits,
     DialbackRequest,
     DialbackResult,
+    Interface,
     LaneCheck,
     Reachability,
     judge_request,
+    lan_asker,
 )
 from shardcast.wire import check_whoami, whoami_path
 
@@ -124,11 +127,13 @@ async def ask(host: Host, peer_id: str, url: str, timeout_s: float) -> DialbackR
         return DialbackResult.FAILED
 
 
-async def _round(host: Host, reach: Reachability, peers: list[str]) -> list[DialbackResult]:
-    answers: list[DialbackResult] = []
+async def _round(
+    host: Host, reach: Reachability, peers: list[str]
+) -> list[tuple[DialbackResult, str]]:
+    answers: list[tuple[DialbackResult, str]] = []
 
     async def one(pid: str) -> None:
-        answers.append(await ask(host, pid, reach.url, reach.config.ask_timeout_s))
+        answers.append((await ask(host, pid, reach.url, reach.config.ask_timeout_s), pid))
 
     async with trio.open_nursery() as nursery:
         for pid in peers:
@@ -141,22 +146,31 @@ async def keep_reachability(
     reach: Reachability,
     askers: Callable[[], list[str]],
     on_change: Callable[[], None],
+    interfaces: Sequence[Interface] | None = None,
 ) -> None:
     """Check ``reach.url`` whenever due, forever: ask up to ``reach.config.askers`` of
-    ``askers()`` (connected PeerIDs, best first) at once, record the round, and call
-    ``on_change()`` when the URL to advertise changed. Logs each new state once."""
+    ``askers()`` (connected PeerIDs, best first) at once, record the round (each answer
+    marked as a neighbour's or not, :func:`~shardcast.core.lan_asker`, from the addresses
+    the asker's connections come from and this host's ``interfaces``, read here if None),
+    and call ``on_change()`` when the URL to advertise changed. Logs each new state once."""
+    nets = interface_subnets() if interfaces is None else interfaces
+    public = reach.config.networks()
     while True:
         await trio.sleep(reach.next_due(trio.current_time()))
-        answers = await _round(host, reach, askers()[: reach.config.askers])
+        got = await _round(host, reach, askers()[: reach.config.askers])
+        answers = [a for a, _ in got]
+        lan = [lan_asker(reach.url, host.remote_hosts(pid), nets, public) for _, pid in got]
         before = reach.state
-        changed = reach.observe(answers, trio.current_time())
+        changed = reach.observe(answers, trio.current_time(), lan)
         if answers and (reach.state is not before or reach.rounds == 1):
             log.info(
                 "reachability http_url=%s state=%s advertised=%s answers=%s",
                 reach.url,
                 reach.state.value,
                 bool(reach.advertised()),
-                ",".join(a.value for a in answers),
+                ",".join(
+                    a.value + ("(lan)" if m else "") for a, m in zip(answers, lan, strict=True)
+                ),
             )
         if changed:
             on_change()

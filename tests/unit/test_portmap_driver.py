@@ -252,6 +252,9 @@ class FakeHost:
         self.asked.append(DialbackRequest.decode(data, "me").url)
         return DialbackAnswer(self.answer, "203.0.113.7").encode()
 
+    def remote_hosts(self, peer_id: str) -> list[str]:
+        return ["203.0.113.7"]  # every asker outside the gateway's LAN
+
 
 async def _run_mapping(
     answer: DialbackResult, seconds: float, gateway: FakeGateway | None = None

@@ -22,6 +22,7 @@ from shardcast.core.reachability import (
     Reachability,
     ReachabilityConfig,
     judge_request,
+    lan_asker,
     lane_in_scope,
     parse_networks,
     scoped_lane,
@@ -301,3 +302,41 @@ def test_the_lan_url_travels_under_its_own_key() -> None:
     bad = cbor2.loads(lan.encode()) | {"lan_url": "http://10.0.0.2:8003/x"}
     with pytest.raises(RemoteProtocolError, match="url"):
         NodeAdvert.decode(cbor2.dumps(bad), "p")
+
+
+def test_a_neighbour_behind_the_same_router_is_a_lan_asker() -> None:
+    mine = "http://192.168.77.2:8003"
+    assert lan_asker(mine, ["192.168.77.3"], LAN)  # a neighbour on the home LAN
+    assert not lan_asker(mine, ["10.211.0.1"], LAN)  # the relay, across the router
+    assert not lan_asker(mine, [], LAN)  # nothing known of the asker: not a neighbour
+    assert not lan_asker("http://8.8.8.8:8003", ["8.8.4.4"], LAN)  # a global lane
+    assert not lan_asker("http://relay.example:8002", ["192.168.77.3"], LAN)  # a DNS name
+    assert lan_asker("http://[fd77::2]:8003", ["fd77::9"], LAN)
+    assert lan_asker("http://127.0.0.1:8003", ["127.0.0.1"], LOOPBACK)  # one host
+    public = parse_networks(["192.168.77.0/24"])  # a deployment's private "internet"
+    assert not lan_asker(mine, ["192.168.77.3"], LAN, public)
+
+
+def test_a_neighbour_cannot_make_a_natted_lane_reachable() -> None:
+    """A peer behind a home router: its relay (outside) cannot reach its private URL, a
+    neighbour behind the same router can. The neighbour's answer must not make the peer
+    advertise the URL and drop its stream lane (it would stop serving through the NAT)."""
+    r = Reachability("http://192.168.77.2:8003", ReachabilityConfig(serve_behind_nat=True))
+    assert r.observe([R.NOT_REACHED, R.REACHED], 0.0, [False, True])
+    assert (r.state, r.advertised(), r.advertises_stream()) == (Reach.UNREACHABLE, "", True)
+    # a later round that only a neighbour answered tells nothing
+    assert not r.observe([R.REACHED], 700.0, [True])
+    assert (r.state, r.advertises_stream()) == (Reach.UNREACHABLE, True)
+    # the relay reaching it (a port forward set up since) does
+    assert r.observe([R.REACHED, R.REACHED], 1400.0, [False, True])
+    assert (r.state, r.advertised()) == (Reach.REACHABLE, "http://192.168.77.2:8003")
+
+
+def test_on_a_flat_network_neighbours_decide() -> None:
+    """Every asker on the lane's own network (one LAN, one host): their answers decide, as
+    long as no asker from outside has."""
+    r = Reachability("http://192.168.77.2:8003", ReachabilityConfig())
+    assert r.observe([R.REACHED, R.REACHED], 0.0, [True, True])
+    assert (r.state, r.from_outside) == (Reach.REACHABLE, False)
+    assert r.observe([R.NOT_REACHED], 700.0, [True])
+    assert r.state is Reach.UNREACHABLE
