@@ -604,9 +604,15 @@ def scoped_lane(
     interfaces: Sequence[Interface],
     public: Sequence[Network] = (),
 ) -> str:
-    """The URL of an advert (its ``http_url`` and ``lan_url``) that this node may try: the
-    first of the two that is non-empty and :func:`lane_in_scope` (with ``public``), else
+    """The URL of an advert (its ``http_url`` and ``lan_url``) that this node may try:
+    ``lan_url`` if the advertiser's connection to this node comes from that very address (a
+    neighbour on this LAN: its ``http_url``, say a port mapped on the home router, would go
+    out through the router and back, which routers without NAT loopback refuse); else the
+    first of the two that is non-empty and :func:`lane_in_scope` (with ``public``); else
     ``""`` (nothing to try: the advert then offers no HTTP source here)."""
+    lan_host = url_host(lan_url) if lan_url else None
+    if lan_host is not None and any(same_address(lan_host, o) for o in observed):
+        return lan_url
     for url in (http_url, lan_url):
         if url and lane_in_scope(url, observed, interfaces, public):
             return url
