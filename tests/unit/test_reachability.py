@@ -346,7 +346,7 @@ def test_a_neighbour_on_the_lan_is_tried_at_its_lan_url() -> None:
     """A peer with a port mapped on its home router advertises the router's URL and its LAN
     URL: a neighbour connected to it over the LAN takes the LAN URL (no hairpin through the
     router); anyone else the router's."""
-    mapped, lan = "http://203.0.113.9:8003", "http://192.168.77.2:8003"
+    mapped, lan = "http://8.8.8.9:8003", "http://192.168.77.2:8003"
     assert scoped_lane(mapped, lan, ["192.168.77.2"], LAN) == lan
     assert scoped_lane(mapped, lan, [], LAN) == mapped  # not connected: the mapped URL
-    assert scoped_lane(mapped, lan, ["203.0.113.9"], LAN) == mapped  # across the internet
+    assert scoped_lane(mapped, lan, ["8.8.8.9"], LAN) == mapped  # across the internet
