@@ -61,7 +61,7 @@ from libp2p.relay.circuit_v2.resources import RelayLimits
 from libp2p.tools.anyio_service import background_trio_service
 
 from p2p.addresses import Interfaces, interface_addresses, interface_subnets
-from p2p.boundary import InboundGuard, reset_quietly
+from p2p.boundary import InboundGuard, close_quietly, reset_quietly
 from p2p.errors import ConfigError, PeerUnreachable
 from p2p.limits import ScopeLimit
 
@@ -92,7 +92,12 @@ class CircuitConfig:
     Attributes:
         hop: serve reservations and relay circuits for others (a public relay).
         max_reservations: reservations held for others at once (``hop`` only).
-        max_circuits: circuits relayed at once (``hop`` only).
+        max_circuits: circuits relayed at once (``hop`` only). The relay's inbound HOP
+            streams are capped at ``max_circuits + max_reservations``: a circuit holds one for
+            its life, a reservation (also the one py-libp2p's client makes before each
+            relayed dial) one for its exchange. Capped at ``max_circuits`` alone, the NAT
+            lab's first burst of punches (two public peers and four NATed ones punching
+            ahead at once) had 4 of ~20 relayed dials refused (``global_limit``).
         circuit_duration_s: a relayed circuit is cut after this many seconds.
         circuit_bytes: ... or after this many bytes each way: enough for identify and DCUtR,
             never for shards (coordination only).
@@ -467,8 +472,8 @@ class Circuits:
     @asynccontextmanager
     async def running(self, guard: InboundGuard, per_peer: int) -> AsyncIterator[Circuits]:
         """Run the relay protocol and DCUtR as services; their inbound protocols pass
-        ``guard`` (at most ``per_peer`` streams of one peer on each, ``max_circuits`` in all
-        on the relay's)."""
+        ``guard`` (at most ``per_peer`` streams of one peer on each, ``max_circuits +
+        max_reservations`` in all on the relay's)."""
         async with (
             trio.open_nursery() as nursery,
             background_trio_service(self.protocol),
@@ -480,7 +485,11 @@ class Circuits:
                 [HOP_PROTOCOL] if self.config.hop else []
             )
             for proto in protocols:
-                total = self.config.max_circuits if proto == HOP_PROTOCOL else 4 * per_peer
+                total = (
+                    self.config.max_circuits + self.config.max_reservations
+                    if proto == HOP_PROTOCOL
+                    else 4 * per_peer
+                )
                 guard.resources.set_limit(str(proto), ScopeLimit(per_peer, total))
                 inner = self.host.get_mux().handlers[proto]
                 # not closed after the handler: a stop or hop stream lives on as the circuit
@@ -506,7 +515,13 @@ class Circuits:
         try:
             with trio.fail_after(self.config.timeout_s):
                 stream = await self.host.new_stream(pid, [HOP_PROTOCOL])
-                ok = await self.transport.reserve(stream, pid, self._nursery)
+                try:
+                    ok = await self.transport.reserve(stream, pid, self._nursery)
+                finally:
+                    # one exchange per HOP stream (as the library's own refreshes do): left
+                    # open, the relay's handler held it, and one of its HOP slots, waiting
+                    # 30 s for a next message
+                    await close_quietly(stream)
         except trio.TooSlowError as exc:
             raise PeerUnreachable(relay_peer_id, "reservation timed out") from exc
         except (BaseLibp2pError, OSError) as exc:
