@@ -29,11 +29,16 @@ about a minute of torch imports), 10-11 minutes in all with the default 3 steps:
 
     sudo .venv/bin/python bench/nat.py --json bench/results/nat.json
     sudo .venv/bin/python bench/nat.py --quick             # 2 steps, a smoke run
+
+``--keep DIR`` keeps every host's directory (its node's ``.err`` log, reports); with
+``SHARDNET_LOG_LEVEL=DEBUG`` in the environment the nodes log each transfer
+(``transfer_ended``: shard, source, outcome, seconds).
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import shutil
 import signal
@@ -145,6 +150,12 @@ def main(argv: list[str] | None = None) -> int:
         help="comma-separated modes, run in this order",
     )
     ap.add_argument("--json", type=Path, help="also write the rows and targets here")
+    ap.add_argument(
+        "--keep",
+        type=Path,
+        help="keep each mode's host directories (the nodes' logs, reports) under this "
+        "directory (it must not exist) instead of a temporary one",
+    )
     args = ap.parse_args(argv)
     ok, why = available()
     if not ok or shutil.which("nft") is None:
@@ -159,7 +170,17 @@ def main(argv: list[str] | None = None) -> int:
     signal.signal(signal.SIGTERM, _terminate)
     results: list[ModeResult] = []
     t0 = time.monotonic()
-    with tempfile.TemporaryDirectory(prefix="nat-bench-") as tmp:
+    if args.keep is not None:
+        try:
+            args.keep.mkdir(parents=True)
+        except OSError as exc:
+            print(f"nat bench: --keep: {exc}", file=sys.stderr)
+            return 2
+    with (
+        contextlib.nullcontext(str(args.keep))
+        if args.keep is not None
+        else tempfile.TemporaryDirectory(prefix="nat-bench-")
+    ) as tmp:
         for mode in modes:
             t_mode = time.monotonic()
             try:

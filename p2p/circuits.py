@@ -25,7 +25,9 @@ they go over the direct connection, on the stream lane (:mod:`p2p.bytestream`).
 :class:`Circuits` wraps py-libp2p 0.8.1's ``relay.circuit_v2`` (protocol, transport, DCUtR):
 built on a host, run as services while the host runs (:meth:`Circuits.running`), their
 inbound protocols behind :mod:`p2p.boundary`'s guard like every other protocol (admission
-caps, fault isolation). It is opt-in (``HostConfig.circuits``; the command line turns it on
+caps, fault isolation); the relay's splice of a circuit is this project's (:class:`_Relay`:
+the library's ended the wrong circuit of a peer in two at once, failing a third of the NAT
+lab's relayed dials). It is opt-in (``HostConfig.circuits``; the command line turns it on
 for relays, which relay, and peers, which reserve and punch); a host without it neither
 relays nor dials through relays. Measured in network namespaces (two hosts behind two
 ``masquerade`` routers, a relay on the public side): reservation, relayed dial, a stream over
@@ -37,9 +39,11 @@ from __future__ import annotations
 
 import ipaddress
 import logging
+import math
+import time
 from collections.abc import AsyncIterator, Callable, Sequence
 from contextlib import asynccontextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import multiaddr
@@ -57,7 +61,7 @@ from libp2p.relay.circuit_v2.resources import RelayLimits
 from libp2p.tools.anyio_service import background_trio_service
 
 from p2p.addresses import Interfaces, interface_addresses, interface_subnets
-from p2p.boundary import InboundGuard
+from p2p.boundary import InboundGuard, close_quietly, reset_quietly
 from p2p.errors import ConfigError, PeerUnreachable
 from p2p.limits import ScopeLimit
 
@@ -88,7 +92,12 @@ class CircuitConfig:
     Attributes:
         hop: serve reservations and relay circuits for others (a public relay).
         max_reservations: reservations held for others at once (``hop`` only).
-        max_circuits: circuits relayed at once (``hop`` only).
+        max_circuits: circuits relayed at once (``hop`` only). The relay's inbound HOP
+            streams are capped at ``max_circuits + max_reservations``: a circuit holds one for
+            its life, a reservation (also the one py-libp2p's client makes before each
+            relayed dial) one for its exchange. Capped at ``max_circuits`` alone, the NAT
+            lab's first burst of punches (two public peers and four NATed ones punching
+            ahead at once) had 4 of ~20 relayed dials refused (``global_limit``).
         circuit_duration_s: a relayed circuit is cut after this many seconds.
         circuit_bytes: ... or after this many bytes each way: enough for identify and DCUtR,
             never for shards (coordination only).
@@ -276,6 +285,116 @@ class _DCUtR(DCUtRProtocol):
         return bool(await self._verify_direct_connection(peer_id))
 
 
+RELAY_READ_BYTES = 64 * 1024
+"""Bytes a relay reads from one side of a circuit at a time."""
+
+
+class _Relay(CircuitV2Protocol):
+    """py-libp2p 0.8.1's circuit relay protocol with its splice replaced: each circuit ends
+    by itself, and whole.
+
+    The library keeps the streams of its circuits in a map keyed by PeerID (the source's and
+    the destination's) and, when either direction of a circuit ends, closes the streams it
+    finds under that direction's PeerID: whichever circuit of that peer was stored *last*,
+    not necessarily the one that ended. A peer that is in two circuits at once (a NATed peer
+    punched by two peers ahead of need, a public peer punching four) lost its newer circuit
+    when the older one ended (after its punch), mid-handshake: the other side's relayed dial
+    failed ("failed to upgrade mux", "failed to open a stream", status 203) in about a third
+    of the NAT lab's punches; and the end of a circuit closed only its source's stream, so
+    the destination held the dead relayed connection until something was written on it
+    (which then killed yet another circuit). Here :meth:`_relay_data` (one call per
+    direction, both in one nursery of the library's ``_handle_connect``) reads from one
+    stream and writes to the other until either ends, breaks the circuit's duration or byte
+    budget (shared by both directions, as the library passes it), or the write stalls
+    ``write_timeout``; then it cancels the other direction (the library's stream ``read``
+    does not wake on a local reset) and resets *its own two* streams, which ends both ends'
+    relayed connections at once. The library's bookkeeping entry is dropped only if it is
+    still this circuit's. :attr:`ended` counts the circuits' directions that
+    ended (two a circuit); :meth:`wait_ended` waits for a count.
+    """
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.ended = 0
+        self._ended_changed = trio.Event()
+        self._splices: dict[frozenset[int], _Splice] = {}  # by the ids of a circuit's streams
+
+    async def wait_ended(self, count: int) -> None:
+        """Return once :attr:`ended` is at least ``count``."""
+        while self.ended < count:
+            await self._ended_changed.wait()
+
+    async def _relay_data(
+        self,
+        src_stream: Any,
+        dst_stream: Any,
+        peer_id: ID,
+        deadline: float | None = None,
+        circuit_data_limit: list[int] | None = None,
+    ) -> None:
+        key = frozenset((id(src_stream), id(dst_stream)))
+        splice = self._splices.setdefault(key, _Splice())
+        scope = trio.CancelScope(
+            deadline=math.inf
+            if deadline is None
+            else trio.current_time() + (deadline - time.monotonic())  # monotonic -> trio
+        )
+        splice.scopes.append(scope)
+        try:
+            if not splice.ended:
+                with scope:
+                    await self._pump(src_stream, dst_stream, circuit_data_limit)
+        finally:
+            splice.ended = True
+            for other in splice.scopes:  # the other direction stops too
+                other.cancel()
+            splice.done += 1
+            if splice.done == 2:
+                del self._splices[key]
+            with trio.CancelScope(shield=True):
+                if self._active_relays.get(peer_id, (None, None))[0] in (src_stream, dst_stream):
+                    del self._active_relays[peer_id]
+                # both ends learn at once (a circuit carries coordination only: nothing
+                # in flight matters once one side has ended)
+                await reset_quietly(src_stream)
+                await reset_quietly(dst_stream)
+            self.ended += 1
+            self._ended_changed.set()
+            self._ended_changed = trio.Event()
+
+    async def _pump(self, src: Any, dst: Any, budget: list[int] | None) -> None:
+        """Copy ``src`` to ``dst`` until ``src`` ends, ``budget[0]`` (bytes left to the
+        circuit, shared by both directions) would go below 0, or a write fails or stalls for
+        ``write_timeout`` seconds."""
+        while True:
+            try:
+                data = await src.read(RELAY_READ_BYTES)
+            except (BaseLibp2pError, OSError, trio.BrokenResourceError):
+                return  # EOF, reset, or the connection went
+            if not data:
+                return
+            if budget is not None:
+                if len(data) > budget[0]:
+                    return
+                budget[0] -= len(data)
+            with trio.move_on_after(self.write_timeout):
+                try:
+                    await dst.write(data)
+                    continue
+                except (BaseLibp2pError, OSError, trio.BrokenResourceError):
+                    pass
+            return  # the other side is gone or stalled
+
+
+@dataclass
+class _Splice:
+    """The two directions of one relayed circuit (:class:`_Relay`)."""
+
+    scopes: list[trio.CancelScope] = field(default_factory=list)
+    ended: bool = False  # a direction has ended: the other stops
+    done: int = 0  # directions finished
+
+
 class _Demote(logging.Filter):
     """Turns a library logger's records that are routine on circuits (streams reset when a
     relay cuts a circuit or a peer goes, the hole punch's simultaneous dials failing) into
@@ -337,7 +456,7 @@ class Circuits:
             max_circuit_conns=config.max_circuits,
             max_reservations=config.max_reservations,
         )
-        self.protocol = CircuitV2Protocol(host, limits, allow_hop=config.hop)
+        self.protocol = _Relay(host, limits, allow_hop=config.hop)
         roles = RelayRole.STOP | RelayRole.CLIENT | (RelayRole.HOP if config.hop else RelayRole(0))
         self.transport = CircuitV2Transport(
             host, self.protocol, RelayConfig(roles=roles, limits=limits)
@@ -353,8 +472,8 @@ class Circuits:
     @asynccontextmanager
     async def running(self, guard: InboundGuard, per_peer: int) -> AsyncIterator[Circuits]:
         """Run the relay protocol and DCUtR as services; their inbound protocols pass
-        ``guard`` (at most ``per_peer`` streams of one peer on each, ``max_circuits`` in all
-        on the relay's)."""
+        ``guard`` (at most ``per_peer`` streams of one peer on each, ``max_circuits +
+        max_reservations`` in all on the relay's)."""
         async with (
             trio.open_nursery() as nursery,
             background_trio_service(self.protocol),
@@ -366,7 +485,11 @@ class Circuits:
                 [HOP_PROTOCOL] if self.config.hop else []
             )
             for proto in protocols:
-                total = self.config.max_circuits if proto == HOP_PROTOCOL else 4 * per_peer
+                total = (
+                    self.config.max_circuits + self.config.max_reservations
+                    if proto == HOP_PROTOCOL
+                    else 4 * per_peer
+                )
                 guard.resources.set_limit(str(proto), ScopeLimit(per_peer, total))
                 inner = self.host.get_mux().handlers[proto]
                 # not closed after the handler: a stop or hop stream lives on as the circuit
@@ -392,7 +515,13 @@ class Circuits:
         try:
             with trio.fail_after(self.config.timeout_s):
                 stream = await self.host.new_stream(pid, [HOP_PROTOCOL])
-                ok = await self.transport.reserve(stream, pid, self._nursery)
+                try:
+                    ok = await self.transport.reserve(stream, pid, self._nursery)
+                finally:
+                    # one exchange per HOP stream (as the library's own refreshes do): left
+                    # open, the relay's handler held it, and one of its HOP slots, waiting
+                    # 30 s for a next message
+                    await close_quietly(stream)
         except trio.TooSlowError as exc:
             raise PeerUnreachable(relay_peer_id, "reservation timed out") from exc
         except (BaseLibp2pError, OSError) as exc:

@@ -89,6 +89,17 @@ from p2p.keepalive import KeepaliveConfig
 __all__ = ["HttpClient", "HttpClientStatistics"]
 
 _RECV_BYTES = 1 << 20
+#: idle seconds before a pooled stream-lane connection is dropped: longer than the TCP lane's
+#: (``keepalive_expiry_s``) so that it outlives the pause between two versions, but below
+#: the servers' ``HttpServerConfig.idle_timeout_s`` (30 s). Opening a libp2p stream costs a
+#: multistream-select round trip through both nodes' event loops before the request's own:
+#: in the NAT lab (bench/nat.py, nine nodes on two busy cores) a new stream took 0.66 s
+#: median (p90 1.36 s) before its request was sent, a reused one's answer 0.33 s, a TCP
+#: request's 0.036 s; with the TCP lane's 5 s every version opened its streams again
+STREAM_KEEPALIVE_EXPIRY_S = 25.0
+#: idle stream-lane connections kept for reuse (apart from the TCP ones: an idle stream is a
+#: yamux stream, no socket, and the TCP lane's idle connections must not evict them)
+MAX_KEEPALIVE_STREAMS = 64
 _MAX_HEAD_BYTES = 64 * 1024
 #: a body read into the caller's buffer wakes when this many bytes wait in the socket
 #: (``SO_RCVLOWAT``), not for every segment: on a link of 1,500-byte packets a read returned
@@ -159,6 +170,8 @@ class HttpClient:
         max_keepalive_connections: idle connections kept for reuse.
         keepalive_expiry_s: idle seconds before a pooled connection is dropped; keep it below
             the servers' ``idle_timeout_s`` so a reused connection is rarely closed under us.
+        max_keepalive_streams, stream_keepalive_expiry_s: the same for stream-lane
+            connections (:data:`MAX_KEEPALIVE_STREAMS`, :data:`STREAM_KEEPALIVE_EXPIRY_S`).
         headers: sent with every request (e.g. ``X-Shardnet-Peer``).
         sign: called with each request's target (path and query) and returning headers to
             add to it (e.g. a signature binding the requester to the path); must be cheap
@@ -177,15 +190,19 @@ class HttpClient:
         max_connections: int = 64,
         max_keepalive_connections: int = 16,
         keepalive_expiry_s: float = 5.0,
+        max_keepalive_streams: int = MAX_KEEPALIVE_STREAMS,
+        stream_keepalive_expiry_s: float = STREAM_KEEPALIVE_EXPIRY_S,
         headers: Mapping[str, str] | None = None,
         sign: Callable[[str], Sequence[tuple[str, str]]] | None = None,
         open_stream: StreamOpener | None = None,
     ) -> None:
-        if max_connections < 1 or max_keepalive_connections < 0:
+        if max_connections < 1 or max_keepalive_connections < 0 or max_keepalive_streams < 0:
             raise LocalProtocolError("connection limits must be positive")
         self._slots = trio.Semaphore(max_connections)
         self._max_idle = max_keepalive_connections
         self._expiry_s = keepalive_expiry_s
+        self._max_idle_streams = max_keepalive_streams
+        self._stream_expiry_s = stream_keepalive_expiry_s
         self._headers = [(k.lower(), v) for k, v in (headers or {}).items()]
         self._sign = sign
         self._open_stream = open_stream
@@ -228,7 +245,8 @@ class HttpClient:
                 if conn is None:
                     break
                 self._idle.remove(conn)
-                if now - conn.idle_since <= self._expiry_s:
+                expiry_s = self._expiry_s if conn.socket is not None else self._stream_expiry_s
+                if now - conn.idle_since <= expiry_s:
                     conn.reused = True
                     return conn
                 await conn.aclose()
@@ -263,8 +281,12 @@ class HttpClient:
                     conn.h11.start_next_cycle()
                 conn.idle_since = time.monotonic()
                 self._idle.append(conn)
-                while len(self._idle) > self._max_idle:
-                    await self._idle.pop(0).aclose()
+                tcp = conn.socket is not None
+                cap = self._max_idle if tcp else self._max_idle_streams
+                kind = [c for c in self._idle if (c.socket is not None) == tcp]  # oldest first
+                for old in kind[: max(0, len(kind) - cap)]:
+                    self._idle.remove(old)
+                    await old.aclose()
             else:
                 await conn.aclose()
         finally:

@@ -17,9 +17,10 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
+import trio
 
 from p2p.bytestream import STREAM_LANE_PROTOCOL, ByteStream, stream_lane_url
-from p2p.circuits import CircuitConfig, Circuits
+from p2p.circuits import CircuitConfig, Circuits, _Relay
 from p2p.errors import ConfigError, PeerUnreachable, StreamBroken
 from p2p.host import HostConfig, P2PNode
 from p2p.http_client import HttpClient
@@ -90,13 +91,14 @@ async def test_a_relayed_dial_becomes_a_direct_connection_for_the_lane(tmp_path:
 
 async def test_a_circuit_carries_no_shards(tmp_path: Path) -> None:
     """The relay cuts a circuit after ``circuit_bytes``: a small answer passes, a body bigger
-    than that, asked over the circuit alone, breaks."""
+    than that, asked over the circuit alone, breaks (the relay resets both ends at once, so
+    the client's retry on a fresh stream finds no connection left)."""
     relay = CircuitConfig(hop=True, circuit_bytes=64 * 1024)
     async with relay_and_two(tmp_path, relay) as t:
         await circuits_of(t.b).connect_via(t.r.multiaddrs()[0], t.a.peer_id)
         small = [c async for c in t.client.stream_range(t.url, 0, 1000, timeout_s=5)]
         assert b"".join(small) == BLOB[:1000]  # coordination-sized exchanges pass
-        with pytest.raises(StreamBroken):
+        with pytest.raises((StreamBroken, PeerUnreachable)):
             await t.client.get_bytes(t.url, max_bytes=len(BLOB), timeout_s=5)
 
 
@@ -136,3 +138,30 @@ async def test_a_host_without_circuits_neither_reserves_nor_punches() -> None:
         with pytest.raises(PeerUnreachable, match="circuits are off"):
             await node.punch(ids[0], ids[1])
         assert node.direct_peers() == []
+
+
+async def test_one_circuit_ending_leaves_another_to_the_same_peer_open(tmp_path: Path) -> None:
+    """Two sources reach A through R at once (as two peers punching A ahead of need); the
+    first closes its circuit (its punch is done). The second circuit still carries an
+    exchange: the relay ends only the circuit that ended (py-libp2p 0.8.1's relay kept its
+    circuits by PeerID and, on the end of one, closed the streams of whichever other circuit
+    of that peer came last: ``relayed dial failed`` in a third of the lab's punches)."""
+    async with relay_and_two(tmp_path, CircuitConfig(hop=True)) as t:
+        cfg = HostConfig(("/ip4/127.0.0.1/tcp/0",), dial_timeout_s=3.0, circuits=CircuitConfig())
+        async with P2PNode.open(Identity.from_seed("circuit-c"), cfg) as c:
+            await c.connect(t.r.multiaddrs()[0], keep=False)
+            await circuits_of(t.b).connect_via(t.r.multiaddrs()[0], t.a.peer_id)
+            await circuits_of(c).connect_via(t.r.multiaddrs()[0], t.a.peer_id)
+            await circuits_of(t.b).close_relayed(t.a.peer_id)
+            relay = circuits_of(t.r).protocol
+            assert isinstance(relay, _Relay)
+            with trio.fail_after(10):
+                await relay.wait_ended(2)  # both directions of B's circuit
+
+            async def opener(peer: str, timeout_s: float) -> ByteStream:
+                return await c.open_stream(peer, STREAM_LANE_PROTOCOL, timeout_s)
+
+            async with HttpClient(open_stream=opener) as client:
+                for _ in range(3):
+                    got = [ch async for ch in client.stream_range(t.url, 0, 1000, timeout_s=5)]
+                    assert b"".join(got) == BLOB[:1000]

@@ -21,7 +21,7 @@ import trio.testing
 from p2p.bytestream import STREAM_LANE_PROTOCOL, ByteStream, stream_lane_url
 from p2p.errors import LocalProtocolError, PeerUnreachable, StreamBroken
 from p2p.host import HostConfig, P2PNode
-from p2p.http_client import HttpClient
+from p2p.http_client import STREAM_KEEPALIVE_EXPIRY_S, HttpClient
 from p2p.http_server import HttpRequest, HttpResponse, HttpServer, HttpServerConfig, file_response
 from p2p.identity import Identity
 
@@ -124,3 +124,30 @@ async def test_stream_lane_takes_the_servers_slots(tmp_path: Path) -> None:
         assert lane.server.statistics().errors["stream_limit"] == 1
         lane.release.set()
     assert held == [b"held"]
+
+
+async def test_stream_lane_connections_outlive_the_tcp_lanes_keepalive(tmp_path: Path) -> None:
+    """An idle stream-lane connection is reused after the TCP lane's keep-alive expiry (its
+    own is :data:`p2p.http_client.STREAM_KEEPALIVE_EXPIRY_S`): a second request opens no
+    second libp2p stream. With that expiry at 0 it does."""
+    async with nated_lane(tmp_path) as lane:
+        opened: list[str] = []
+
+        async def opener(peer: str, timeout_s: float) -> ByteStream:
+            opened.append(peer)
+            return await lane.b.open_stream(peer, STREAM_LANE_PROTOCOL, timeout_s)
+
+        for stream_expiry_s, streams in ((STREAM_KEEPALIVE_EXPIRY_S, 1), (0.0, 2)):
+            opened.clear()
+
+            async with HttpClient(
+                open_stream=opener,
+                keepalive_expiry_s=0.0,
+                stream_keepalive_expiry_s=stream_expiry_s,
+            ) as client:
+                for _ in range(2):
+                    got = await client.get_bytes(
+                        lane.url + "/blob", max_bytes=len(BLOB), timeout_s=10
+                    )
+                    assert got == BLOB
+            assert opened == [lane.a.peer_id] * streams
