@@ -39,6 +39,7 @@ from typing import Any, Protocol
 
 import trio
 
+from p2p.addresses import host_url
 from p2p.errors import ConfigError
 from p2p.lanes import Host
 from shardcast.core import (
@@ -373,7 +374,7 @@ class PortMapping:
         host = self.policy.external_host
         if port is None or not host:
             return ""
-        return f"http://[{host}]:{port}" if ":" in host else f"http://{host}:{port}"
+        return host_url(host, port)
 
     def advertised(self) -> str:
         """The external lane URL once a dial-back reached it, else ""."""

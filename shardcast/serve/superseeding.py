@@ -25,7 +25,9 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 from enum import Enum
 
-MAX_NAMED_HOLDERS = 4
+from p2p.http_checks import MAX_HOLDERS
+
+MAX_NAMED_HOLDERS = MAX_HOLDERS
 """Holders a refusal names at most (:attr:`Decision.holders`), and holders a request may
 name as failing (rule 6) or unreachable (rule 11) at most (the wire bounds both lists)."""
 

@@ -135,15 +135,15 @@ def failed_header(sources: Sequence[str]) -> list[tuple[str, str]]:
     """The ``X-Shardnet-Failed`` header naming sources that failed this shard for the
     requester (at most 4), so the origin can release their reservation. Sources that are
     not nodes (a static mirror, named by its URL) hold no reservation and are left out."""
-    ids = [s for s in sources if 0 < len(s) <= _MAX_PEER_ID and not set(s) & set(",:/")][-4:]
+    ids = _ids(sources)
     return [(FAILED_HEADER, ",".join(ids))] if ids else []
 
 
 def parse_failed(value: str | None) -> tuple[str, ...]:
     """The PeerIDs named in an ``X-Shardnet-Failed`` value (bounded)."""
-    if not value or len(value) > 4 * (_MAX_PEER_ID + 1):
+    if not value or len(value) > MAX_HOLDERS * (_MAX_PEER_ID + 1):
         return ()
-    return tuple(v for v in value.split(",")[:4] if v)
+    return tuple(v for v in value.split(",")[:MAX_HOLDERS] if v)
 
 
 def _ids(sources: Sequence[str]) -> list[str]:
