@@ -60,7 +60,7 @@ from dataclasses import dataclass, field
 from p2p.errors import short_id
 from shardcast.core.liveness import Abandon, Answer, DownloadWatch
 from shardcast.core.select import Request, Scheduler, SchedulerConfig
-from shardcast.wire import codecs
+from shardcast.wire import MAX_HOLDERS, codecs
 
 log = logging.getLogger(__name__)
 
@@ -566,7 +566,7 @@ class Session:
         names = self._failed_by.setdefault(shard, [])
         if source not in names:
             names.append(source)
-            del names[:-4]
+            del names[:-MAX_HOLDERS]  # the wire names at most this many
 
     def transfer_ended(
         self,
@@ -622,7 +622,7 @@ class Session:
                 new = True
             if h not in names:
                 names.append(h)
-        del names[:-4]
+        del names[:-MAX_HOLDERS]
         if not names:
             del self._unreachable_by[f.shard]
         return new

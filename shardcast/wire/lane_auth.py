@@ -26,7 +26,8 @@ from collections.abc import Callable, Sequence
 
 from p2p.errors import IntegrityError
 from p2p.http_checks import HOLDER_HEADER as HOLDER_HEADER
-from p2p.http_checks import MAX_HOLDERS, parse_holders
+from p2p.http_checks import MAX_HOLDERS as MAX_HOLDERS
+from p2p.http_checks import parse_holders
 from p2p.keys import DomainSigner, verify
 
 AUTH_HEADER = "x-shardnet-auth"
