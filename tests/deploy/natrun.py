@@ -146,21 +146,6 @@ class ModeResult:
         return out
 
 
-class BenchRun(ShortRun):
-    """test_nat's deployment with ``--steps steps``."""
-
-    def __init__(self, hosts: Hosts, extra: dict[str, tuple[str, ...]], steps: int) -> None:
-        super().__init__(hosts, extra)
-        self.steps = steps
-
-    def argv(self, role: str, host: Host) -> list[str]:
-        """As :meth:`ShortRun.argv`, with ``--steps`` :attr:`steps`."""
-        argv = super().argv(role, host)
-        if role == "trainer":
-            argv[argv.index("--steps") + 1] = str(self.steps)
-        return argv
-
-
 def _shape(hosts: Hosts, host: Host, rate_bytes_per_s: float) -> None:
     index = next(i for i, port in hosts.lab.ports.items() if port.ip == host.ip)
     hosts.lab.set_rate(index, rate_bytes_per_s / LINK_BYTES_PER_S)
@@ -176,7 +161,7 @@ def run_mode(hosts: Hosts, mode: Mode, *, steps: int, public_rate: float) -> Mod
             within :data:`~tests.deploy.test_operator_path.PROGRESS_S` per version.
     """
     t0 = time.monotonic()
-    dep = BenchRun(hosts, dict(SWARM), steps)
+    dep = ShortRun(hosts, dict(SWARM), steps)
     a, b = hosts.add("a-trainer"), hosts.add("b-relay")
     public = [hosts.add(n) for n in PUBLIC_PEERS]
     for h in (b, *public):
