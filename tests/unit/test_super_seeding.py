@@ -338,3 +338,42 @@ async def test_the_lane_asks_what_a_requester_is(tmp_path: Path) -> None:
     assert await get(B) == 206  # the first serving peer holds the shard now
     assert await get(A) == 206  # the sibling relay: served anyway
     assert await get(C) == 429  # another peer: refused, as before
+
+
+def test_shards_nobody_holds_are_spread_over_the_askers() -> None:
+    """Rule 12: among veterans (served an earlier step), an asker holding its share
+    (ceil(shards / askers within the window)) is refused a shard nobody holds, naming no
+    holder; another asker takes it. A lone asker's share is the whole version; a shard asked
+    for over the window is served anyway; a new asker turns the rule off for the step."""
+    s = SuperSeeding(window_s=5.0)
+    a, b, c = "peer-a", "peer-b", "peer-c"
+    # step 0: a and b are new here (their lanes may not be known yet): first come, first served
+    assert s.decide(b, 0, [2], 0.0, 3).allowed
+    assert s.decide(a, 0, [0, 1], 0.0, 3).allowed  # 2 > ceil(3 / 2), but both are new
+    assert s.decide(a, 1, [0], 0.0, 6).allowed  # lone asker: share 6
+    assert s.decide(b, 1, [0], 0.1, 6) == Decision(False, Refusal.WINDOW, (a,))  # b asks too
+    assert s.decide(a, 1, [1], 0.2, 6).allowed
+    assert s.decide(a, 1, [2], 0.3, 6).allowed  # a holds 3 = ceil(6 / 2)
+    assert s.decide(a, 1, [3], 0.4, 6) == Decision(False, Refusal.SPREAD)
+    assert s.decide(b, 1, [3], 0.5, 6).allowed  # b takes it
+    assert s.decide(a, 1, [3], 0.6, 6) == Decision(False, Refusal.WINDOW, (b,))
+    assert s.spread_refused == 1
+    # a download-only asker neither counts as an asker nor is refused for its share
+    assert s.decide(c, 1, [4, 5], 0.7, 6, kind=Requester.DOWNLOAD_ONLY).allowed
+    assert s.decide(a, 1, [4], 0.8, 6) == Decision(False, Refusal.SPREAD)  # still 2 askers
+    # b keeps asking; a has asked for shard 4 for the window: served
+    assert s.decide(b, 1, [3], 5.7, 6).allowed  # its own shard again (rule 2)
+    assert s.decide(a, 1, [5], 5.75, 6) == Decision(False, Refusal.SPREAD)
+    assert s.decide(a, 1, [4], 5.8, 6).allowed
+    # alone again (b silent for the window): a's share is the whole version
+    assert s.decide(a, 1, [5], 10.8, 6).allowed
+    # step 2: a over its share is refused until a newcomer asks; then first come again
+    assert s.decide(b, 2, [0], 20.0, 5).allowed
+    assert s.decide(a, 2, [1, 2, 3, 4], 20.0, 5) == Decision(False, Refusal.SPREAD)
+    # c was served before only as download-only (never a holder): new here
+    assert s.decide(c, 2, [0], 20.1, 5) == Decision(False, Refusal.WINDOW, (b,))
+    assert s.decide(a, 2, [1, 2, 3, 4], 20.2, 5).allowed
+    off = SuperSeeding(window_s=5.0, spread=False)
+    assert off.decide(a, 1, [0], 0.0, 2).allowed
+    assert not off.decide(b, 1, [0], 0.1, 2).allowed
+    assert off.decide(a, 1, [1], 0.2, 2).allowed  # first come, first served
