@@ -1073,6 +1073,7 @@ def model_summary(m: Model) -> dict[str, Any]:
             "seeding_refused": m.seeding.refused,
             "relay_seeding_refused": sum(v.refused for k, v in m.seedings.items() if k != m.origin),
             "unreachable_served": sum(v.unreachable_served for v in m.seedings.values()),
+            "spread_refused": sum(v.spread_refused for v in m.seedings.values()),
         },
         "nodes": nodes,
         "progress": progress_bands(
