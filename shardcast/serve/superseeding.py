@@ -29,11 +29,9 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 from enum import Enum
 
+# the wire's bound on the holders a refusal names (:attr:`Decision.holders`) and on those a
+# request names as failing (rule 6) or unreachable (rule 11)
 from p2p.http_checks import MAX_HOLDERS
-
-MAX_NAMED_HOLDERS = MAX_HOLDERS
-"""Holders a refusal names at most (:attr:`Decision.holders`), and holders a request may
-name as failing (rule 6) or unreachable (rule 11) at most (the wire bounds both lists)."""
 
 
 class Requester(Enum):
@@ -73,7 +71,7 @@ class Decision:
         allowed: the request may be served now (the serve is recorded).
         refusal: why not (None when allowed).
         holders: for a refusal, the nodes (PeerIDs) holding the refused shards, which the
-            requester should fetch them from, at most :data:`MAX_NAMED_HOLDERS`, in the
+            requester should fetch them from, at most :data:`p2p.http_checks.MAX_HOLDERS`, in the
             order of the request's shards; empty when allowed or anonymous.
     """
 
@@ -269,12 +267,13 @@ class SuperSeeding:
         shards = list(shards)
         if requester is None:
             return self._allow_anonymous(step, shards, total_shards)
-        if kind is not Requester.DOWNLOAD_ONLY:
+        may_hold = kind is not Requester.DOWNLOAD_ONLY  # rule 10
+        if may_hold:
             self._note_ask(requester, step, now)
         scan = self._scan(requester, step, shards, now, total_shards, failed, unreachable)
         if scan.refused is not None:
             return self._refuse(requester, step, scan.refused, now, Refusal.WINDOW, scan.holders)
-        if kind is not Requester.DOWNLOAD_ONLY:
+        if may_hold:
             over = self._over_share(requester, step, scan.fresh, now, total_shards)
             if over is not None:
                 self.spread_refused += 1
@@ -296,7 +295,7 @@ class SuperSeeding:
         self.released += len(scan.released)
         _spend(self._unreached, (step, requester), len(scan.bypassed), self.max_entries)
         self.unreachable_served += len(scan.bypassed)
-        if kind is Requester.DOWNLOAD_ONLY:
+        if not may_hold:
             self.unheld_served += len(shards)  # rule 10: served, holds nothing
         else:
             self._record(requester, step, shards, now)
@@ -342,10 +341,11 @@ class SuperSeeding:
         self, requester: str, step: int, fresh: list[int], now: float, total: int | None
     ) -> int | None:
         """Rule 12: the first of the ``fresh`` shards (nobody holds them) that ``requester``
-        may not take yet because it holds its share of ``step``, or None."""
-        if not self.spread or self.window_s is None or total is None or not fresh:
+        may not take yet because it holds its share of ``step``, or None (only called with
+        a window: :meth:`decide` allows everything without one)."""
+        if not self.spread or total is None or not fresh:
             return None
-        window = self.window_s
+        window = self.window_s or 0.0
         askers = [w for w, t in self._asked.get(step, {}).items() if now - t < window]
         if not all(self._veteran(w, step) for w in askers):
             return None  # someone new asks: the others may not reach it yet (first come)
@@ -366,7 +366,7 @@ class SuperSeeding:
     def _note_ask(self, requester: str, step: int, now: float) -> None:
         """Rule 12: ``requester`` asked for shards of ``step`` at ``now`` (bounded memory:
         at most ``max_entries`` askers per step, 64 steps)."""
-        if not self.spread or self.window_s is None:
+        if not self.spread:
             return
         asked = self._asked.setdefault(step, {})
         asked.pop(requester, None)  # most recent last: the oldest asker is trimmed first
@@ -396,16 +396,15 @@ class SuperSeeding:
         """``requester`` now holds ``shards`` of ``step`` (served at ``now``)."""
         for i in shards:
             prev = self._served_to.get((step, i))
-            if prev is not None and prev[0] != requester:
-                self._held[(step, prev[0])] = max(0, self._held.get((step, prev[0]), 0) - 1)
-            if prev is None or prev[0] != requester:
+            if prev is None or prev[0] != requester:  # rule 12's count moves to the requester
                 self._held[(step, requester)] = self._held.get((step, requester), 0) + 1
+                if prev is not None:
+                    self._held[(step, prev[0])] = max(0, self._held.get((step, prev[0]), 0) - 1)
             self._served_to[(step, i)] = (requester, now)
             self._refused_since.pop((step, i, requester), None)
         _trim(self._served_to, self.max_entries)
         _trim(self._held, self.max_entries)
-        if self._first_step.setdefault(requester, step) > step:
-            self._first_step[requester] = step
+        self._first_step[requester] = min(step, self._first_step.get(requester, step))
         _trim(self._first_step, self.max_entries)
 
     def holder_gone(self, holder: str, now: float) -> None:
@@ -441,8 +440,8 @@ class SuperSeeding:
 
 
 def _name(holders: list[str], holder: str) -> None:
-    """Add ``holder`` to a refusal's ``holders`` (distinct, at most MAX_NAMED_HOLDERS)."""
-    if holder not in holders and len(holders) < MAX_NAMED_HOLDERS:
+    """Add ``holder`` to a refusal's ``holders`` (distinct, at most MAX_HOLDERS)."""
+    if holder not in holders and len(holders) < MAX_HOLDERS:
         holders.append(holder)
 
 
