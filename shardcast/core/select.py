@@ -15,17 +15,25 @@ hold them), ties broken by the seeded RNG so that peers spread over different sh
 of all pulling shard 0 first. A partially received shard (a transfer broke mid-shard) resumes
 at the byte where it stopped, from another source if one is eligible.
 
-Choosing a source: among eligible sources (hold the shard, not penalized, below their
-in-flight cap), pick the best expected completion time ``(queued bytes + shard) / rate``,
-where ``rate`` is an EWMA of measured throughput (first byte to last byte, so time spent
-waiting for a relay to receive the shard itself is not held against it); its first sample
-replaces the prior. An unmeasured source is assumed as fast as the median measured one (or
+Choosing a source: among eligible sources (hold the shard, not penalized, below their in-flight
+cap), pick the best expected completion time ``(queued bytes + shard) / rate``, where ``rate``
+is an EWMA of measured throughput; its first sample replaces the prior. A sample runs from the
+first byte to the last, so time spent waiting for a source to receive the shard itself (a
+complete source, relay or origin, still filling the version; a peer streaming its verified
+prefix) is not held against it, except for a shard a partial source (a peer) held whole when it
+was asked: its wait for the first byte is then its own (a busy process, a slow lane, a queue on
+its uplink), and the sample runs from the request (not for a light shard, a delta blob: the
+driver reports a batch's blobs only once the batch has arrived, so their first byte and last
+are one instant and every source is measured the same way there). Otherwise a NATed peer whose
+libp2p stream lane answers only after hundreds of milliseconds on a loaded machine, then sends
+a small shard at once, would look faster than every public source and draw the requests that
+then wait on it. An unmeasured source is assumed as fast as the median measured one (or
 ``initial_rate_bps`` before any measurement): a fixed optimistic prior would make every newly
 discovered peer look faster than relays whose per-request throughput is split by the
 downloader's own downlink, and pull traffic onto congested peer uplinks. Ties go to complete
-sources (relays, origin) before partial ones (peers, whose uplinks also carry their own
-work). With probability ``explore`` pick a random eligible source instead, so a source that
-was slow once, or is new, gets measured again (epsilon-greedy).
+sources (relays, origin) before partial ones (peers, whose uplinks also carry their own work).
+With probability ``explore`` pick a random eligible source instead, so a source that was slow
+once, or is new, gets measured again (epsilon-greedy).
 
 Sources still receiving (the swarm): a partial source advertises, besides the shards it holds
 whole, how many bytes of each shard it is receiving it has verified (chunk by chunk,
@@ -184,6 +192,7 @@ class _Flight:
     outage: int = 0  # the source's ``outages`` when the request started
     first_byte: float | None = None
     units: int = 0  # the request's share of a slot (``light_slot_bytes`` = one slot)
+    held_whole: bool = False  # a partial source held the (not light) shard whole when asked
 
 
 @dataclass(frozen=True)
@@ -661,7 +670,8 @@ class Scheduler:
         self._next_id += 1
         slot = self.config.light_slot_bytes
         units = min(slot, max(1, req.length)) if s.light else slot
-        self._flights[req.id] = _Flight(req, now, st.outages, units=units)
+        held_whole = not s.light and st.have is not None and shard in st.have
+        self._flights[req.id] = _Flight(req, now, st.outages, units=units, held_whole=held_whole)
         s.flights.append(req.id)
         self._idle.discard(shard)
         st.inflight += 1
@@ -689,7 +699,8 @@ class Scheduler:
         return fl, st
 
     def on_first_byte(self, req_id: int, now: float) -> None:
-        """The first byte of a request arrived (starts its throughput clock)."""
+        """The first byte of a request arrived (starts its throughput clock, unless a partial
+        source held the shard whole when asked: see the module docstring)."""
         fl = self._flights.get(req_id)
         if fl is not None and fl.first_byte is None:
             fl.first_byte = now
@@ -703,7 +714,8 @@ class Scheduler:
         """
         fl, st = self._finish(req_id)
         if st is not None:
-            elapsed = max(now - (fl.first_byte if fl.first_byte is not None else fl.started), 1e-6)
+            t0 = fl.first_byte if fl.first_byte is not None and not fl.held_whole else fl.started
+            elapsed = max(now - t0, 1e-6)
             sample = fl.req.length / elapsed
             a = self.config.ewma_alpha
             st.rate_bps = (1 - a) * st.rate_bps + a * sample if st.samples else sample

@@ -138,6 +138,39 @@ def test_failure_of_an_unmeasured_source_decays_from_the_prior_it_is_judged_by()
     assert state(sched, "peer").rate_bps == pytest.approx(5 * MB)  # half the 10 MB/s prior
 
 
+@pytest.mark.parametrize(
+    ("late", "expect"),
+    [("held", "quick-peer"), ("streamed", "late-peer")],
+)
+def test_a_peer_slow_to_answer_for_a_shard_it_holds_is_measured_from_the_request(
+    late: str, expect: str
+) -> None:
+    """A peer that held the shard whole when asked and sent its first byte only after 0.5 s
+    is measured from the request (its wait is its own: a busy process, a slow lane), so a
+    peer that answers at once wins the next shard; a peer that was still receiving the shard
+    (streaming its verified prefix) is measured from its first byte, as relays are."""
+    cfg = SchedulerConfig(explore=0.0, per_source_inflight=1, max_inflight=2)
+    sched = Scheduler([MB] * 4, random.Random(0), cfg)
+    sched.add_source("late-peer", (0, 1, 2, 3) if late == "held" else ())
+    if late == "streamed":
+        sched.set_prefixes("late-peer", {0: MB, 1: MB, 2: MB, 3: MB})
+    sched.add_source("quick-peer", (0, 1, 2, 3))
+    first, second = sched.next_request(0.0), sched.next_request(0.0)
+    assert first is not None
+    assert second is not None
+    by_source = {first.source: first, second.source: second}
+    slow, quick = by_source["late-peer"], by_source["quick-peer"]
+    sched.on_first_byte(slow.id, 0.5)
+    sched.on_success(slow.id, 0.51)  # 1 MB in 10 ms after a 0.5 s wait
+    sched.on_first_byte(quick.id, 0.01)
+    sched.on_success(quick.id, 0.11)  # 1 MB in 100 ms, from an answer at once
+    late_rate = state(sched, "late-peer").rate_bps
+    assert late_rate == pytest.approx(MB / 0.51 if late == "held" else MB / 0.01)
+    req = sched.next_request(1.0)
+    assert req is not None
+    assert req.source == expect
+
+
 def _measured(sched: Scheduler, source: str, rate_bps: float, now: float) -> None:
     """Give ``source`` one request and complete it at ``rate_bps``."""
     req = sched.next_request(now)
