@@ -27,7 +27,7 @@ driver reports a batch's blobs only once the batch has arrived, so their first b
 are one instant and every source is measured the same way there). Otherwise a NATed peer whose
 libp2p stream lane answers only after hundreds of milliseconds on a loaded machine, then sends
 a small shard at once, would look faster than every public source and draw the requests that
-then wait on it. An unmeasured source is assumed as fast as the median measured one (or
+then wait on it. An unmeasured source is assumed as fast as the best measured one (or
 ``initial_rate_bps`` before any measurement): a fixed optimistic prior would make every newly
 discovered peer look faster than relays whose per-request throughput is split by the
 downloader's own downlink, and pull traffic onto congested peer uplinks. Ties go to complete
