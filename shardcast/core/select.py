@@ -37,16 +37,15 @@ once, or is new, gets measured again (epsilon-greedy).
 
 Sources still receiving (the swarm): a partial source advertises, besides the shards it holds
 whole, how many bytes of each shard it is receiving it has verified (chunk by chunk,
-:mod:`shardcast.download.receive`), :meth:`Scheduler.set_prefixes`. Such a shard is eligible from
-that
-source as soon as the source's verified prefix reaches past this node's own resume offset:
-the source's HTTP lane streams the range as its chunks verify. A shard counts as held by every
-source holding any of it, so rarest-first sends distinct shards to distinct peers from the
-relays and leaves the common ones to the peers. Complete sources (relays, the origin) cost
+:mod:`shardcast.download.receive`), :meth:`Scheduler.set_prefixes`. Such a shard is eligible
+from that source as soon as the source's verified prefix reaches past this node's own resume
+offset: the source's HTTP lane streams the range as its chunks verify. A shard counts as held
+by every source holding any of it, so rarest-first sends distinct shards to distinct peers from
+the relays and leaves the common ones to the peers. Complete sources (relays, the origin) cost
 ``complete_cost_factor`` times their expected time, so a peer whose *measured* rate is within
-that factor of a relay's takes the range and the relays' uplinks stay free for the bytes
-only they have yet (an unmeasured peer gets no such bonus: it is not assumed faster than the
-best measured source, and loses ties to complete ones).
+that factor of a relay's takes the range and the relays' uplinks stay free for the bytes only
+they have yet (an unmeasured peer gets no such bonus: it is not assumed faster than the best
+measured source, and loses ties to complete ones).
 
 Failures: a timeout or broken transfer multiplies the source's rate by ``failure_decay``
 and blocks it for ``penalty_s`` (doubling per consecutive failure). Requests that were already

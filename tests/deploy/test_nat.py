@@ -100,11 +100,11 @@ NEXT_VERSION_S = 30.0  # after a conntrack flush, the next version reaches a pee
 class ShortRun(Deployment):
     """The operator path's deployment with a shorter run (the trainer's ``--steps``: ``steps``,
     :data:`STEPS` unless told) and ``extra[role]`` appended to each role's command. Relays and
-    peers also name the lab's
-    bridge as ``--public-network``: its addresses are private (10.211.K.0/24) but it plays the
-    internet here, so a NATed peer may use a public peer's lane that no libp2p connection
-    showed it, as it would across the internet (without it, the LAN-scope rule kept NATed peers
-    off the public peers' lanes, and download-only peers fetched from the relay alone)."""
+    peers also name the lab's bridge as ``--public-network``: its addresses are private
+    (10.211.K.0/24) but it plays the internet here, so a NATed peer may use a public peer's
+    lane that no libp2p connection showed it, as it would across the internet (without it, the
+    LAN-scope rule kept NATed peers off the public peers' lanes, and download-only peers
+    fetched from the relay alone)."""
 
     def __init__(
         self,
