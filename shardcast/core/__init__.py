@@ -14,7 +14,7 @@ Imports only :mod:`shardcast.wire` (and ``p2p.errors``).
 from __future__ import annotations
 
 from shardcast.core import catchup
-from shardcast.core.batch import MAX_BATCH_BLOBS, MAX_BATCH_BYTES, BlobBatcher
+from shardcast.core.batch import MAX_BATCH_BLOBS, MAX_BATCH_BYTES, BlobBatcher, first_byte_times
 from shardcast.core.catchup import plan
 from shardcast.core.liveness import Abandon, Answer
 from shardcast.core.mirrorpoll import MirrorPoll
@@ -168,6 +168,7 @@ __all__ = [
     "catchup",
     "choose_lane",
     "confirmed_elsewhere",
+    "first_byte_times",
     "judge",
     "judge_finished",
     "judge_request",

@@ -22,19 +22,55 @@ batch (the server refuses larger ones): memory stays bounded by the slots in fli
 Nothing about verification changes: every blob of a batch is still its own request for the
 session (its own sink, digest check, outcome and verdict), and the whole response comes from
 one source, so a blob that fails its signed digest blames exactly that source.
+
+Measuring a batch: the driver learns of a batch's blobs only once the whole body has arrived,
+so each blob's first byte and last are one instant. Reported that way every blob would be a
+sample of infinite throughput, and the scheduler could not tell a fast source of a next version
+from a slow one. :func:`first_byte_times` instead gives each blob the share of the batch's
+time (from the request to the last byte) that its bytes took, so every blob's sample is the
+batch's throughput, measured from the request as for a source that held a shard whole.
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterable
 
+from p2p.errors import LocalProtocolError
 from shardcast.core.session import Fetch
 from shardcast.wire import MAX_BATCH_BLOBS, codecs
 
-__all__ = ["MAX_BATCH_BLOBS", "MAX_BATCH_BYTES", "BlobBatcher"]
+__all__ = ["MAX_BATCH_BLOBS", "MAX_BATCH_BYTES", "BlobBatcher", "first_byte_times"]
 
 MAX_BATCH_BYTES = 8 << 20
 """Most bytes of blobs in one batch request (the lane's route accepts no more)."""
+
+
+def first_byte_times(sizes: Iterable[int], requested: float, arrived: float) -> list[float]:
+    """The first-byte instant to report for each blob of a batch whose request went out at
+    ``requested`` and whose whole body had arrived at ``arrived`` (seconds, one clock), so
+    that each blob's throughput sample (its size over ``arrived`` minus its instant) is the
+    batch's: total bytes over ``arrived - requested``.
+
+    Args:
+        sizes: each blob's size in bytes, in the batch's order (``>= 0``).
+        requested, arrived: seconds; ``arrived >= requested``.
+
+    Returns:
+        one instant per blob, each in ``[requested, arrived]``: ``arrived - elapsed * size /
+        total`` (``arrived`` for an empty blob; every blob ``requested`` if all are empty).
+
+    Raises:
+        LocalProtocolError: a negative size, or ``arrived`` before ``requested``.
+    """
+    sizes = list(sizes)
+    if any(n < 0 for n in sizes):
+        raise LocalProtocolError(f"blob sizes must be >= 0, got {sizes}")
+    if arrived < requested:
+        raise LocalProtocolError(f"batch arrived ({arrived}) before its request ({requested})")
+    total, elapsed = sum(sizes), arrived - requested
+    if total == 0:
+        return [requested] * len(sizes)
+    return [arrived - elapsed * n / total for n in sizes]
 
 
 class BlobBatcher:

@@ -22,9 +22,9 @@ first byte to the last, so time spent waiting for a source to receive the shard 
 complete source, relay or origin, still filling the version; a peer streaming its verified
 prefix) is not held against it, except for a shard a partial source (a peer) held whole when it
 was asked: its wait for the first byte is then its own (a busy process, a slow lane, a queue on
-its uplink), and the sample runs from the request (not for a light shard, a delta blob: the
-driver reports a batch's blobs only once the batch has arrived, so their first byte and last
-are one instant and every source is measured the same way there). Otherwise a NATed peer whose
+its uplink), and the sample runs from the request (a light shard, a delta blob, fetched in a
+batch is measured by the driver from the batch's request too: see
+:func:`~shardcast.core.batch.first_byte_times`). Otherwise a NATed peer whose
 libp2p stream lane answers only after hundreds of milliseconds on a loaded machine, then sends
 a small shard at once, would look faster than every public source and draw the requests that
 then wait on it. An unmeasured source is assumed as fast as the best measured one (or

@@ -544,12 +544,14 @@ class Session:
 
     # -- transfers ---------------------------------------------------------------------------
 
-    def first_byte(self, req: int, now: float) -> None:
-        """The first byte of ``req`` arrived."""
+    def first_byte(self, req: int, now: float, *, measure_from: float | None = None) -> None:
+        """The first byte of ``req`` arrived (seconds). ``measure_from``: the instant the
+        scheduler measures the transfer's throughput from, if not ``now`` (a blob of a batch:
+        :func:`~shardcast.core.batch.first_byte_times`)."""
         r = self._reqs.get(req)
         if r is not None:
             self.watch.on_answer(r.fetch.source, Answer.DELIVERED, now)
-            self.sched.on_first_byte(req, now)
+            self.sched.on_first_byte(req, now if measure_from is None else measure_from)
         self.watch.on_progress(now)
 
     def progress(self, now: float) -> None:

@@ -104,6 +104,7 @@ from shardcast.core import (
     StageCpu,
     Verdict,
     blame,
+    first_byte_times,
 )
 from shardcast.download.receive import (
     BaseMismatch,
@@ -636,14 +637,16 @@ class DownloadDriver:
         already in its sink, hashed when the batch arrived); returns those to check.
         ``unreached``: a refusal's holders this node cannot reach."""
         now, session = trio.current_time(), self.session
+        # each blob's share of the batch's time: its sample is the batch's throughput
+        firsts = first_byte_times((f.size for f in batch), t0, now)
         checks: list[tuple[Fetch, ShardSink]] = []
-        for f, sink in zip(batch, sinks, strict=True):
+        for f, sink, first in zip(batch, sinks, firsts, strict=True):
             mine = outcome
             if mine is Outcome.OK and self.scopes[f.req].cancel_called:
                 mine = Outcome.CANCELLED  # cancelled (endgame) while the batch was out
             got = 0
             if mine is Outcome.OK:
-                session.first_byte(f.req, now)
+                session.first_byte(f.req, now, measure_from=first)
                 with self.cpu.measure(Stage.VERIFY):
                     sink.advance(f.size)  # hashed (the bytes are in place)
                 got = f.size

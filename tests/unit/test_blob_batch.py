@@ -9,7 +9,17 @@ import random
 import pytest
 
 from p2p.errors import LocalProtocolError
-from shardcast.core import MAX_BATCH_BLOBS, BlobBatcher, Fetch, Offer, Session, SessionConfig
+from shardcast.core import (
+    MAX_BATCH_BLOBS,
+    BlobBatcher,
+    Fetch,
+    Offer,
+    Outcome,
+    Session,
+    SessionConfig,
+    Verdict,
+    first_byte_times,
+)
 from shardcast.core.select import Scheduler, SchedulerConfig
 from shardcast.wire import ROUTE, blobs_url, codecs, parse_shards
 
@@ -187,3 +197,49 @@ def test_batch_url_parses_back_and_is_bounded() -> None:
     assert ROUTE.match(path.replace("sparse", "raw")) is None
     with pytest.raises(ValueError, match="twice"):
         parse_shards("3,4,3")
+
+
+# --- measuring a batch -------------------------------------------------------------------------
+
+
+def test_each_blob_of_a_batch_is_given_its_share_of_the_batch_time() -> None:
+    sizes = [100, 300, 0, 600]
+    firsts = first_byte_times(sizes, 10.0, 12.0)
+    assert firsts == [pytest.approx(t) for t in (11.8, 11.4, 12.0, 10.8)]
+    for n, t in zip(sizes, firsts, strict=True):
+        if n:
+            assert n / (12.0 - t) == pytest.approx(1000 / 2.0)  # the batch's bytes per second
+    assert first_byte_times([0, 0], 1.0, 2.0) == [1.0, 1.0]
+    with pytest.raises(LocalProtocolError, match="sizes"):
+        first_byte_times([-1], 0.0, 1.0)
+    with pytest.raises(LocalProtocolError, match="before its request"):
+        first_byte_times([1], 2.0, 1.0)
+
+
+def _deliver_batches(s: Session, seconds_by_source: dict[str, float]) -> None:
+    """One poll's fetches, each source's as one batch whose whole body took that many
+    seconds from the request (reported as the driver reports a batch)."""
+    fetches = [a for a in s.poll(0.0) if isinstance(a, Fetch)]
+    for source, seconds in seconds_by_source.items():
+        mine = [f for f in fetches if f.source == source]
+        assert mine
+        firsts = first_byte_times((f.size for f in mine), 0.0, seconds)
+        for f, first in zip(mine, firsts, strict=True):
+            s.first_byte(f.req, seconds, measure_from=first)
+            assert s.transfer_ended(f.req, Outcome.OK, f.size, seconds)
+            s.shard_checked(f.req, Verdict.VERIFIED, seconds)
+
+
+def test_a_batch_is_measured_at_its_throughput_so_a_slow_source_looks_slow() -> None:
+    offers = [Offer(i, 16 * MiB, {codecs.SPARSE: 250_000}) for i in range(40)]
+    s = Session(
+        1, [16 * MiB] * 40, 1, [0], offers, [], random.Random(1), SessionConfig(use_base=True), 0
+    )
+    s.add_source("A", True, 0.0)
+    s.add_source("B", True, 0.0)
+    _deliver_batches(s, {"A": 0.1, "B": 2.0})
+    rates = {st.source: st.rate_bps for st in s.sched.sources()}
+    bytes_by = s.stats.bytes_by_source
+    assert rates["A"] == pytest.approx(bytes_by["A"] / 0.1)
+    assert rates["B"] == pytest.approx(bytes_by["B"] / 2.0)
+    assert rates["A"] > 10 * rates["B"]
