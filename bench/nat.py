@@ -147,7 +147,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument(
         "--modes",
         default=",".join(m.value for m in Mode),
-        help="comma-separated modes, run in this order",
+        help="comma-separated modes, run in this order (a mode may repeat)",
     )
     ap.add_argument("--json", type=Path, help="also write the rows and targets here")
     ap.add_argument(
@@ -181,10 +181,14 @@ def main(argv: list[str] | None = None) -> int:
         if args.keep is not None
         else tempfile.TemporaryDirectory(prefix="nat-bench-")
     ) as tmp:
-        for mode in modes:
+        for i, mode in enumerate(modes):
             t_mode = time.monotonic()
+            # a mode repeated gets its own directory: reusing one would resume its trainer
+            # from the previous run's last step, with nothing left to publish
+            repeat = modes[:i].count(mode)
+            name = mode.value if not repeat else f"{mode.value}-{repeat + 1}"
             try:
-                with Hosts(Path(tmp) / mode.value) as hosts:
+                with Hosts(Path(tmp) / name) as hosts:
                     results.append(
                         run_mode(hosts, mode, steps=steps, public_rate=args.public_mbit * 1e6 / 8)
                     )
