@@ -63,9 +63,15 @@ fraction), and the table adds, per system, the ratio of the next versions' last-
 (last preset over first). ``--seed-base`` runs only the next version: the origin publishes
 version 0 alone, and each follower's store gets it hard-linked from the origin's verified
 copy before the follower starts (SHARDCAST, which has no deltas, publishes the next version
-alone); the output says so. ``--size-bytes`` cuts both versions of each preset to the same
-subset of weight files (still a valid checkpoint); ``--quick`` here means 1 repeat of
-``real-1b`` cut to ~240 MB (about 5 minutes for 200 Mb/s and 1 Gb/s).
+alone); the output says so. ``--save-mb-s RATE`` writes shardnet's next version into the
+origin's watched directory at RATE MB/s, file by file, before the ready marker, as a trainer's
+save does (:func:`save_paced`), instead of hard-linking it there at once: the origin's
+pre-encoder (``--pre-encode-settle-s``) then hashes and encodes each file once it has been
+quiet, while the later ones are written, and only what was not done ahead is left after the
+marker. The times still count from the marker, so they leave the save itself out: that is
+the trainer's cost, whichever system publishes. ``--size-bytes`` cuts both versions of each
+preset to the same subset of weight files (still a valid checkpoint); ``--quick`` here means 1
+repeat of ``real-1b`` cut to ~240 MB (about 5 minutes for 200 Mb/s and 1 Gb/s).
 
 Disk: checkpoints are cached under ``--cache`` (``/tmp/shardnet-bench-cache``: ``real-6b``
 takes 12 GB there; remove it when done); each node writes its own copy of every version it
@@ -456,6 +462,29 @@ def warm_page_cache(directories: list[Path], block: int = 16 << 20) -> None:
                         pass
 
 
+def save_paced(src: Path, dst: Path, bytes_per_s: float, block: int = 16 << 20) -> float:
+    """Write a copy of every file of ``src`` into the existing directory ``dst`` as a
+    trainer's save does: file by file in name order, each under its final name, ``block``
+    bytes at a time, no faster than ``bytes_per_s`` bytes per second over the whole save (a
+    block waits until its scheduled time); nothing is synced. Returns the seconds it took.
+
+    Raises:
+        OSError: a file cannot be read or written."""
+    start, written = time.monotonic(), 0
+    buf = bytearray(block)
+    for path in sorted(src.iterdir()):
+        if not path.is_file():
+            continue
+        with path.open("rb") as fin, (dst / path.name).open("wb") as fout:
+            while n := fin.readinto(buf):
+                fout.write(memoryview(buf)[:n])
+                written += n
+                ahead = start + written / bytes_per_s - time.monotonic()
+                if ahead > 0:
+                    time.sleep(ahead)
+    return time.monotonic() - start
+
+
 async def run_shardnet(
     v0: Path,
     v1: Path,
@@ -468,6 +497,7 @@ async def run_shardnet(
     place: Callable[[str], Place] | None = None,
     relay_serve_once_s: float | None = None,
     seed_base: bool = False,
+    save_bytes_per_s: float | None = None,
 ) -> dict[str, Any]:
     """One shardnet run: publish v0 then v1; returns per-version measurements.
 
@@ -477,6 +507,9 @@ async def run_shardnet(
     default, on). The peers never super-seed. ``seed_base``: the origin alone publishes v0,
     which is then placed into every follower's store before the followers start
     (:func:`seed_store`); only v1 is measured (the run's ``seeded`` is True).
+    ``save_bytes_per_s``: v1 is written into the watched directory at this rate
+    (:func:`save_paced`) instead of hard-linked there at once, so the origin's pre-encoder
+    works while it is written; its times still count from the ready marker.
     """
     from p2p.http_client import HttpClient
     from p2p.identity import Identity
@@ -521,14 +554,20 @@ async def run_shardnet(
                 await run.follower(nursery, f"peer{i}", relay_addrs, ["--serve-once-s", "0"])
             for step, src in todo:
                 await trio.to_thread.run_sync(warm_page_cache, [v0, v1][: step + 1])
-                versions.append(await run.measure(client, step, src, timeout_s))
+                rate = save_bytes_per_s if step == 1 else None
+                versions.append(await run.measure(client, step, src, timeout_s, rate))
         finally:
             with trio.CancelScope(shield=True):
                 for p in reversed(run.procs):
                     await p.stop()
             nursery.cancel_scope.cancel()
     system = "shardnet" if deltas else "shardnet-nodelta"
-    return {"system": system, "versions": versions, "seeded": seed_base}
+    return {
+        "system": system,
+        "versions": versions,
+        "seeded": seed_base,
+        "save_bytes_per_s": save_bytes_per_s,
+    }
 
 
 class _ShardnetRun:
@@ -605,14 +644,37 @@ class _ShardnetRun:
             while not (self.committed(step) / "manifest.json").exists():  # noqa: ASYNC110
                 await trio.sleep(0.1)
 
-    async def measure(self, client: Any, step: int, src: Path, timeout_s: float) -> dict[str, Any]:
-        """Publish ``src`` as version ``step`` and measure it until every peer holds it."""
+    async def measure(
+        self,
+        client: Any,
+        step: int,
+        src: Path,
+        timeout_s: float,
+        save_bytes_per_s: float | None = None,
+    ) -> dict[str, Any]:
+        """Publish ``src`` as version ``step`` and measure it until every peer holds it.
+
+        Without ``save_bytes_per_s`` the files are hard-linked into the watched directory at
+        once; with it they are written there at that rate (:func:`save_paced`, the
+        ``save_s`` of the result) before the ready marker. Times count from the marker; CPU
+        (and ``origin_save_cpu_s``, the origin's CPU-seconds during the save: its
+        pre-encoding) from before the first file."""
         procs = self.procs
         peers = [p for p in procs if p.name.startswith("peer")]
-        staged = self.stage(step, src)
+        if save_bytes_per_s is None:
+            staged = self.stage(step, src)
+        else:
+            staged = self.workdir / "publish" / f"step-{step}"
+            staged.mkdir()
         before = {p.name: await _scrape(client, p.ready["http_url"], p.prefix) for p in procs}
         cpu0 = {p.name: _cpu_s(p) for p in procs}
         sys0 = {p.name: _cpu_s(p, "sys") for p in procs}
+        save_s: float | None = None
+        origin_save_cpu: float | None = None
+        if save_bytes_per_s is not None:
+            save_s = await trio.to_thread.run_sync(save_paced, src, staged, save_bytes_per_s)
+            origin = next(p for p in procs if p.name == "origin")
+            origin_save_cpu = round(_cpu_s(origin) - cpu0["origin"], 2)
         t0 = time.perf_counter()
         (staged / "DONE").touch()
         done: dict[str, float] = {}
@@ -636,6 +698,8 @@ class _ShardnetRun:
         )
         return {
             "step": step,
+            "save_s": None if save_s is None else round(save_s, 3),
+            "origin_save_cpu_s": origin_save_cpu,
             "first_s": round(min(done.values()), 3),
             "last_s": round(max(done.values()), 3),
             "origin_s": round(origin_s, 3),
@@ -846,6 +910,7 @@ async def _shaped_run(
         place=places.__getitem__,
         relay_serve_once_s=args.relay_serve_once_s,
         seed_base=args.seed_base,
+        save_bytes_per_s=None if args.save_mb_s is None else args.save_mb_s * 1e6,
     )
 
 
@@ -910,6 +975,9 @@ def _shaped_version(step: int, vs: list[dict[str, Any]], bound: float) -> dict[s
         "last_s_all": lasts,
         # DONE to the origin's commit (every part hashed, encoded, signed); SHARDCAST: None
         "origin_s": _median_or_none([v.get("origin_s") for v in vs]),
+        # --save-mb-s: the paced save before the marker, and the origin's CPU during it
+        "save_s": _median_or_none([v.get("save_s") for v in vs]),
+        "origin_save_cpu_s": _median_or_none([v.get("origin_save_cpu_s") for v in vs]),
         "origin_bytes": int(_median([v["origin_bytes"] or 0 for v in vs])),
         "bound_s": bound,
         "eta": round(bound / last, 3),
@@ -973,6 +1041,7 @@ def run_shaped(args: argparse.Namespace) -> dict[str, Any]:
     out: dict[str, Any] = {
         "checkpoints": {p: info for p, (_, _, info) in checkpoints.items()},
         "seed_base": args.seed_base,
+        "save_mb_s": args.save_mb_s,
         "rates": {},
         "runs": {},
         "scaling": {},
@@ -1042,6 +1111,13 @@ def print_shaped_table(out: dict[str, Any]) -> None:
             "started, each one's store got version 0 hard-linked from the origin's verified "
             "copy; SHARDCAST (no deltas) published the next version alone"
         )
+    if out.get("save_mb_s"):
+        print(
+            f"next version saved (--save-mb-s): written into shardnet's watched directory at "
+            f"{out['save_mb_s']:g} MB/s before its ready marker (the origin pre-encodes each "
+            "file once it is quiet); its times count from the marker, the save_s and the "
+            "origin's CPU during it are in the stage table"
+        )
     print(
         f"{'link':<11}{'checkpoint':<11}{'system':<18}{'version':>8}{'origin s':>9}"
         f"{'first s':>9}{'last s':>9}{'bound s':>9}{'eta':>7}{'origin MB':>11}  CPU-s per node"
@@ -1083,7 +1159,13 @@ def _print_stage_table(label: str, by_preset: dict[str, Any]) -> None:
             e = per[1] if len(per) > 1 else {}
             if not e.get("stage_cpu_s"):
                 continue
-            print(f"{label} {preset} {system}: next version, CPU-s by stage (medians)")
+            saved = ""
+            if e.get("save_s") is not None:
+                saved = (
+                    f"; saved in {e['save_s']:.2f} s before the marker, origin CPU-s during the "
+                    f"save {e['origin_save_cpu_s']}"
+                )
+            print(f"{label} {preset} {system}: next version, CPU-s by stage (medians){saved}")
             print(f"  {'node':<8}{head}")
             for node, stages in e["stage_cpu_s"].items():
                 cells = [stages.get(c, 0.0) for c in STAGE_COLUMNS]
@@ -1265,6 +1347,14 @@ def main(argv: list[str] | None = None) -> int:
     )
     ap.add_argument("--shard-size", type=int, default=16 << 20, help="shardnet shard size")
     ap.add_argument(
+        "--save-mb-s",
+        type=float,
+        help="--shaped: write shardnet's next version into the origin's watched directory at "
+        "this many MB/s (1e6 bytes), file by file, before its ready marker, as a trainer's "
+        "save does, instead of hard-linking it there at once (times still count from the "
+        "marker; SHARDCAST, which encodes nothing ahead, is unchanged)",
+    )
+    ap.add_argument(
         "--systems",
         nargs="+",
         default=DEFAULT_SYSTEMS,
@@ -1329,8 +1419,8 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     if args.shaped:
         return shaped_main(args)
-    if args.seed_base:
-        print("broadcast: --seed-base needs --shaped", file=sys.stderr)
+    if args.seed_base or args.save_mb_s is not None:
+        print("broadcast: --seed-base and --save-mb-s need --shaped", file=sys.stderr)
         return 2
     args.preset = args.preset or "real-2b"
     if args.quick:
@@ -1370,6 +1460,9 @@ def shaped_main(args: argparse.Namespace) -> int:
             "process a private /tmp, where this venv does not exist; choose a path outside /tmp",
             file=sys.stderr,
         )
+        return 2
+    if args.save_mb_s is not None and not args.save_mb_s > 0:
+        print(f"broadcast: --save-mb-s {args.save_mb_s}: not a positive rate", file=sys.stderr)
         return 2
     args.presets = [p.strip() for p in (args.preset or "real-1b").split(",") if p.strip()]
     if args.quick:

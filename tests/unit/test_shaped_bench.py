@@ -100,6 +100,30 @@ def test_operator_errors_exit_2(capsys: pytest.CaptureFixture[str]) -> None:
     assert "--shaped" in err
 
 
+def test_save_rate_needs_shaped_and_a_positive_rate(capsys: pytest.CaptureFixture[str]) -> None:
+    assert broadcast.main(["--save-mb-s", "500"]) == 2
+    assert "--save-mb-s need --shaped" in capsys.readouterr().err
+    if OK:
+        assert broadcast.main(["--shaped", "1G", "--save-mb-s", "0"]) == 2
+        err = capsys.readouterr().err
+        assert err.count("\n") == 1
+        assert "--save-mb-s 0.0: not a positive rate" in err
+
+
+def test_a_paced_save_writes_every_file_whole_under_its_final_name(tmp_path: Path) -> None:
+    src, dst = tmp_path / "v1", tmp_path / "step-1"
+    src.mkdir()
+    dst.mkdir()
+    (src / "sub").mkdir()  # not a file of the checkpoint's top level: left out
+    files = {"a.safetensors": bytes(range(256)) * 300, "config.json": b"{}", "empty": b""}
+    for name, data in files.items():
+        (src / name).write_bytes(data)
+    seconds = broadcast.save_paced(src, dst, bytes_per_s=1e12, block=1000)
+    assert seconds >= 0
+    assert {p.name: p.read_bytes() for p in dst.iterdir()} == files
+    assert all(p.stat().st_ino != (src / p.name).stat().st_ino for p in dst.iterdir())
+
+
 @needs_netns
 def test_shardcast_venv_under_tmp_is_refused(capsys: pytest.CaptureFixture[str]) -> None:
     # each SHARDCAST process gets a private /tmp in --shaped mode: a venv there is not found
