@@ -63,8 +63,9 @@ def first_byte_times(sizes: Iterable[int], requested: float, arrived: float) -> 
         LocalProtocolError: a negative size, or ``arrived`` before ``requested``.
     """
     sizes = list(sizes)
-    if any(n < 0 for n in sizes):
-        raise LocalProtocolError(f"blob sizes must be >= 0, got {sizes}")
+    bad = next((i for i, n in enumerate(sizes) if n < 0), None)
+    if bad is not None:
+        raise LocalProtocolError(f"blob sizes must be >= 0: blob {bad} has {sizes[bad]}")
     if arrived < requested:
         raise LocalProtocolError(f"batch arrived ({arrived}) before its request ({requested})")
     total, elapsed = sum(sizes), arrived - requested

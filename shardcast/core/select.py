@@ -22,12 +22,11 @@ first byte to the last, so time spent waiting for a source to receive the shard 
 complete source, relay or origin, still filling the version; a peer streaming its verified
 prefix) is not held against it, except for a shard a partial source (a peer) held whole when it
 was asked: its wait for the first byte is then its own (a busy process, a slow lane, a queue on
-its uplink), and the sample runs from the request (a light shard, a delta blob, fetched in a
-batch is measured by the driver from the batch's request too: see
-:func:`~shardcast.core.batch.first_byte_times`). Otherwise a NATed peer whose
-libp2p stream lane answers only after hundreds of milliseconds on a loaded machine, then sends
-a small shard at once, would look faster than every public source and draw the requests that
-then wait on it. An unmeasured source is assumed as fast as the best measured one (or
+its uplink), and the sample runs from the request (as for a light shard, a delta blob, that
+arrived in a batch: :func:`~shardcast.core.batch.first_byte_times`). Otherwise a NATed peer
+whose libp2p stream lane answers only after hundreds of milliseconds on a loaded machine, then
+sends a small shard at once, would look faster than every public source and draw the requests
+that then wait on it. An unmeasured source is assumed as fast as the best measured one (or
 ``initial_rate_bps`` before any measurement): a fixed optimistic prior would make every newly
 discovered peer look faster than relays whose per-request throughput is split by the
 downloader's own downlink, and pull traffic onto congested peer uplinks. Ties go to complete

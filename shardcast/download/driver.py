@@ -634,7 +634,9 @@ class DownloadDriver:
         unreached: tuple[str, ...] = (),
     ) -> list[tuple[Fetch, ShardSink]]:
         """End each transfer of ``batch`` with the session (its blob, at its signed size,
-        already in its sink, hashed when the batch arrived); returns those to check.
+        already in its sink, hashed when the batch arrived; measured at the batch's throughput
+        since ``t0``, the request: :func:`~shardcast.core.batch.first_byte_times`); returns
+        those to check.
         ``unreached``: a refusal's holders this node cannot reach."""
         now, session = trio.current_time(), self.session
         # each blob's share of the batch's time: its sample is the batch's throughput

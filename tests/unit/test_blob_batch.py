@@ -210,7 +210,7 @@ def test_each_blob_of_a_batch_is_given_its_share_of_the_batch_time() -> None:
         if n:
             assert n / (12.0 - t) == pytest.approx(1000 / 2.0)  # the batch's bytes per second
     assert first_byte_times([0, 0], 1.0, 2.0) == [1.0, 1.0]
-    with pytest.raises(LocalProtocolError, match="sizes"):
+    with pytest.raises(LocalProtocolError, match="blob 0 has -1"):
         first_byte_times([-1], 0.0, 1.0)
     with pytest.raises(LocalProtocolError, match="before its request"):
         first_byte_times([1], 2.0, 1.0)
