@@ -527,18 +527,7 @@ async def run_shardnet(
     (workdir / "publish").mkdir()
     common = ["--run-id", RUN_ID, "--keep-last", "2", "--log-level", log_level]
     run = _ShardnetRun(workdir, trainer_id, common, place)
-    origin_args = [
-        "origin",
-        "--key",
-        str(trainer_key),
-        "--data-dir",
-        str(workdir / "origin"),
-        "--watch",
-        str(workdir / "publish"),
-        "--shard-size-bytes",
-        str(shard_size),
-        "--deltas" if deltas else "--no-deltas",
-    ]
+    origin_args = _origin_args(workdir, trainer_key, shard_size, deltas)
     versions = []
     async with trio.open_nursery() as nursery, HttpClient() as client:
         try:
@@ -549,16 +538,7 @@ async def run_shardnet(
                 for name in run.followers():
                     seed_store(run.committed(0), workdir / name, 0)
                 todo = todo[1:]
-            window = [] if relay_serve_once_s is None else [f"{relay_serve_once_s:g}"]
-            extra = ["--serve-once-s", *window] if window else []
-            relay_addrs = [
-                await run.follower(nursery, f"relay{i}", [oaddr], extra)
-                for i in range(1, N_RELAYS + 1)
-            ]
-            for i in range(1, N_PEERS + 1):
-                # download-only followers standing in for inference peers, which never
-                # super-seed
-                await run.follower(nursery, f"peer{i}", relay_addrs, ["--serve-once-s", "0"])
+            await _start_followers(run, nursery, oaddr, relay_serve_once_s)
             for step, src in todo:
                 await trio.to_thread.run_sync(warm_page_cache, [v0, v1][: step + 1])
                 rate = save_bytes_per_s if step == 1 else None
@@ -575,6 +555,38 @@ async def run_shardnet(
         "seeded": seed_base,
         "save_bytes_per_s": save_bytes_per_s,
     }
+
+
+def _origin_args(workdir: Path, key: Path, shard_size: int, deltas: bool) -> list[str]:
+    """The bench origin's command line: it watches ``workdir/publish`` (``--watch``)."""
+    return [
+        "origin",
+        "--key",
+        str(key),
+        "--data-dir",
+        str(workdir / "origin"),
+        "--watch",
+        str(workdir / "publish"),
+        "--shard-size-bytes",
+        str(shard_size),
+        "--deltas" if deltas else "--no-deltas",
+    ]
+
+
+async def _start_followers(
+    run: _ShardnetRun, nursery: trio.Nursery, origin_addr: str, relay_serve_once_s: float | None
+) -> None:
+    """Start the relays (following the origin at ``origin_addr``), then the peers (following
+    the relays). ``relay_serve_once_s``: the relays' super-seeding window (None: the default)."""
+    window = [] if relay_serve_once_s is None else [f"{relay_serve_once_s:g}"]
+    extra = ["--serve-once-s", *window] if window else []
+    relay_addrs = [
+        await run.follower(nursery, f"relay{i}", [origin_addr], extra)
+        for i in range(1, N_RELAYS + 1)
+    ]
+    for i in range(1, N_PEERS + 1):
+        # download-only followers standing in for inference peers, which never super-seed
+        await run.follower(nursery, f"peer{i}", relay_addrs, ["--serve-once-s", "0"])
 
 
 class _ShardnetRun:

@@ -132,9 +132,8 @@ def _terminate(signum: int, frame: FrameType | None) -> None:
     raise KeyboardInterrupt  # unwinds through Hosts.__exit__: nodes stopped, lab removed
 
 
-def main(argv: list[str] | None = None) -> int:
-    """Run the bench; 0, 2 if it cannot run here (not root, no nft), 130 if interrupted
-    (SIGINT, SIGTERM: the current lab is removed first)."""
+def _parser() -> argparse.ArgumentParser:
+    """The bench's command line (see :func:`main`)."""
     ap = argparse.ArgumentParser(description=(__doc__ or "").split("\n\n")[0])
     ap.add_argument("--steps", type=int, default=3, help="trainer steps (versions 0..steps)")
     ap.add_argument("--quick", action="store_true", help="2 steps (a smoke run)")
@@ -156,7 +155,13 @@ def main(argv: list[str] | None = None) -> int:
         help="keep each mode's host directories (the nodes' logs, reports) under this "
         "directory (it must not exist) instead of a temporary one",
     )
-    args = ap.parse_args(argv)
+    return ap
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Run the bench; 0, 2 if it cannot run here (not root, no nft), 130 if interrupted
+    (SIGINT, SIGTERM: the current lab is removed first)."""
+    args = _parser().parse_args(argv)
     ok, why = available()
     if not ok or shutil.which("nft") is None:
         print(f"nat bench: cannot run here: {why or 'nft (nftables) missing'}", file=sys.stderr)
