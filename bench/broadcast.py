@@ -527,11 +527,12 @@ async def run_shardnet(
     (workdir / "publish").mkdir()
     common = ["--run-id", RUN_ID, "--keep-last", "2", "--log-level", log_level]
     run = _ShardnetRun(workdir, trainer_id, common, place)
-    origin_args = _origin_args(workdir, trainer_key, shard_size, deltas)
     versions = []
     async with trio.open_nursery() as nursery, HttpClient() as client:
         try:
-            oaddr = await run.start(nursery, "origin", origin_args)
+            oaddr = await run.start(
+                nursery, "origin", origin_args(workdir, trainer_key, shard_size, deltas)
+            )
             todo = [(0, v0), (1, v1)]
             if seed_base:
                 await run.publish_alone(0, v0, timeout_s)
@@ -557,7 +558,7 @@ async def run_shardnet(
     }
 
 
-def _origin_args(workdir: Path, key: Path, shard_size: int, deltas: bool) -> list[str]:
+def origin_args(workdir: Path, key: Path, shard_size: int, deltas: bool) -> list[str]:
     """The bench origin's command line: it watches ``workdir/publish`` (``--watch``)."""
     return [
         "origin",

@@ -152,21 +152,6 @@ class RequestCount:
         self._cls._send = self._real  # type: ignore[method-assign]
 
 
-def _origin_args(workdir: Path, trainer_key: Path, shard_size: int) -> list[str]:
-    return [
-        "origin",
-        "--key",
-        str(trainer_key),
-        "--data-dir",
-        str(workdir / "origin"),
-        "--watch",
-        str(workdir / "publish"),
-        "--shard-size-bytes",
-        str(shard_size),
-        "--deltas",
-    ]
-
-
 async def run(args: argparse.Namespace) -> dict[str, Any]:
     """Publish version 0 alone, seed the follower with it, measure the next version."""
     from p2p.identity import Identity
@@ -183,7 +168,9 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
     async with trio.open_nursery() as nursery:
         try:
             oaddr = await nodes.start(
-                nursery, "origin", _origin_args(workdir, trainer_key, args.shard_size)
+                nursery,
+                "origin",
+                broadcast.origin_args(workdir, trainer_key, args.shard_size, deltas=True),
             )
             await nodes.publish_alone(0, v0, args.timeout)
             fdir = workdir / "follower"
