@@ -579,8 +579,7 @@ async def _start_followers(
 ) -> None:
     """Start the relays (following the origin at ``origin_addr``), then the peers (following
     the relays). ``relay_serve_once_s``: the relays' super-seeding window (None: the default)."""
-    window = [] if relay_serve_once_s is None else [f"{relay_serve_once_s:g}"]
-    extra = ["--serve-once-s", *window] if window else []
+    extra = [] if relay_serve_once_s is None else ["--serve-once-s", f"{relay_serve_once_s:g}"]
     relay_addrs = [
         await run.follower(nursery, f"relay{i}", [origin_addr], extra)
         for i in range(1, N_RELAYS + 1)
