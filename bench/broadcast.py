@@ -81,6 +81,14 @@ needs about 6 x 6 GB per version there. Before a version is handed to either sys
 origin, the bench reads it and its base once, untimed (:func:`warm_page_cache`): the origin
 then reads them from the page cache, as it would a checkpoint its trainer has just written.
 
+The machine. Every node of the shaped lab runs on this machine's cores. The output starts
+with what they had (:func:`machine_probe`: the cores, and what writing 1 GiB into the page
+cache cost; on the VMs this was developed on that moved 0.26-8.7 CPU-s from one try to the
+next) and gives, per version, every node's CPU-seconds together and the least time that is
+on those cores, beside the last peer's time. Where the two are close (a real-1b next version
+on 2 cores: ~6 CPU-s over 7 nodes), the run measured the machine, not the link or the
+protocol; one node per machine would not be bound by it.
+
 Run (about 30-40 minutes with 3 repeats; ``--quick`` for a 1-repeat smoke run):
 
     .venv/bin/python bench/broadcast.py --json
@@ -461,6 +469,38 @@ def warm_page_cache(directories: list[Path], block: int = 16 << 20) -> None:
                 with open(path, "rb", buffering=0) as fh:
                     while fh.readinto(buf):
                         pass
+
+
+def machine_probe(directory: Path, size: int = 1 << 30, block: int = 16 << 20) -> dict[str, Any]:
+    """What this machine charges for what every shardnet node does, measured once per run
+    and printed beside the results, so that a reader can tell the machine's spread from
+    shardnet's: the cores this process may run on, and the cost of writing ``size`` bytes
+    into the page cache (a temporary file in ``directory``, written ``block`` bytes at a
+    time, not synced, then deleted).
+
+    Returns:
+        ``{"cores": int, "write_bytes": size, "write_s": wall seconds, "write_cpu_s":
+        this process's CPU-seconds (user + system) for the write}``.
+
+    Raises:
+        OSError: ``directory`` is not writable or lacks ``size`` bytes of space.
+    """
+    buf = b"\x5a" * block
+    fd, name = tempfile.mkstemp(prefix="probe-", dir=directory)
+    try:
+        t, c = time.perf_counter(), time.process_time()
+        for _ in range(0, size, block):
+            os.write(fd, buf)
+        wall, cpu = time.perf_counter() - t, time.process_time() - c
+    finally:
+        os.close(fd)
+        os.unlink(name)
+    return {
+        "cores": len(os.sched_getaffinity(0)),
+        "write_bytes": size,
+        "write_s": round(wall, 3),
+        "write_cpu_s": round(cpu, 3),
+    }
 
 
 def save_paced(src: Path, dst: Path, bytes_per_s: float, block: int = 16 << 20) -> float:
@@ -1003,6 +1043,9 @@ def _shaped_version(step: int, vs: list[dict[str, Any]], bound: float) -> dict[s
         "cpu_s": {
             k: round(_median([(v.get("cpu_s") or {}).get(k, 0.0) for v in vs]), 2) for k in nodes
         },
+        # every node's CPU together: on a machine of C cores the version cannot finish in
+        # less than cpu_total_s / C (print_shaped_table prints that floor)
+        "cpu_total_s": round(_median([sum((v.get("cpu_s") or {}).values()) for v in vs]), 2),
         "stage_cpu_s": _median_stages(vs),
         "repeats": len(vs),
         "failed": len(vs) - len(lasts),
@@ -1059,6 +1102,7 @@ def run_shaped(args: argparse.Namespace) -> dict[str, Any]:
     root = Path(tempfile.mkdtemp(prefix="shardnet-shaped-", dir=args.workdir))
     out: dict[str, Any] = {
         "checkpoints": {p: info for p, (_, _, info) in checkpoints.items()},
+        "machine": machine_probe(root),
         "seed_base": args.seed_base,
         "save_mb_s": args.save_mb_s,
         "rates": {},
@@ -1124,6 +1168,13 @@ def print_shaped_table(out: dict[str, Any]) -> None:
     per node, the next version's CPU-seconds by stage; the next versions' scaling."""
     for preset, info in out["checkpoints"].items():
         print(f"checkpoint {preset}: {info}")
+    machine = out.get("machine")
+    if machine:
+        print(
+            f"machine: {machine['cores']} cores for all nodes; writing "
+            f"{machine['write_bytes'] / 2**30:g} GiB into the page cache took "
+            f"{machine['write_s']:.2f} s and {machine['write_cpu_s']:.2f} CPU-s"
+        )
     if out.get("seed_base"):
         print(
             "base seeded (--seed-base): the full version was not run; before the followers "
@@ -1151,7 +1202,27 @@ def print_shaped_table(out: dict[str, Any]) -> None:
                 f"delta_ratio_vs_shardcast={res['delta_ratio_vs_shardcast']}"
             )
         _print_stage_table(label, by_preset)
+        if machine:
+            _print_cpu_floor(label, by_preset, machine["cores"])
         _print_scaling(label, out["scaling"].get(label, {}))
+
+
+def _print_cpu_floor(label: str, by_preset: dict[str, Any], cores: int) -> None:
+    """Per version, every node's CPU-seconds together and the least wall time that is on
+    ``cores`` cores shared by all nodes, beside the last peer's time: where the two are
+    close, the run measured this machine's cores more than the network or the protocol."""
+    for preset, res in by_preset.items():
+        for system, per in res["systems"].items():
+            for e in per:
+                if e.get("last_s") is None or e.get("cpu_total_s") is None:
+                    continue
+                version = "full" if e["step"] == 0 else "next"
+                floor = e["cpu_total_s"] / cores
+                print(
+                    f"{label} {preset} {system} {version}: all nodes {e['cpu_total_s']:.2f} "
+                    f"CPU-s, at least {floor:.2f} s on {cores} cores; last peer "
+                    f"{e['last_s']:.2f} s ({floor / e['last_s']:.0%} of it)"
+                )
 
 
 def _version_row(label: str, preset: str, system: str, e: dict[str, Any], seeded: bool) -> str:
