@@ -343,6 +343,30 @@ def socket_of(conn: object) -> Any | None:
     return None
 
 
+def remote_endpoint(conn: Any) -> tuple[str, int] | None:
+    """``(IP address, port)`` that a py-libp2p connection comes from, as this node sees it,
+    or None (a relayed circuit, a closed socket, an unknown layering).
+
+    py-libp2p's own ``get_remote_address`` answers None for every IPv6 connection (it takes
+    only 2-tuples from ``getpeername``, and an IPv6 socket gives 4), so the socket
+    (:func:`socket_of`) is asked where the library does not answer: without this, an
+    IPv6-only node never saw where an asker came from and refused every dial-back.
+    """
+    remote = conn.muxed_conn.get_remote_address()
+    if remote is not None:
+        return str(remote[0]), int(remote[1])
+    sock = socket_of(conn)
+    if sock is None:
+        return None
+    try:
+        peer = sock.getpeername()
+    except OSError:
+        return None
+    if not isinstance(peer, tuple) or len(peer) < 2:
+        return None
+    return str(peer[0]), int(peer[1])
+
+
 def abort_connections(network: Any, peer: ID | None = None) -> int:
     """Abort (RST) the sockets of every connection, or of ``peer``'s; returns how many."""
     conns = (
@@ -758,9 +782,9 @@ class P2PNode:
             return []
         out = []
         for conn in self._host.get_network().get_connections(pid):  # type: ignore[attr-defined]
-            remote = conn.muxed_conn.get_remote_address()
+            remote = remote_endpoint(conn)
             if remote is not None and remote[0] not in out:
-                out.append(str(remote[0]))
+                out.append(remote[0])
         return out
 
     def mesh_sizes(self) -> dict[str, int]:
@@ -978,10 +1002,10 @@ class P2PNode:
         for conn in self._host.get_network().get_connections(pid):  # type: ignore[attr-defined]
             if is_relayed(conn):
                 continue
-            remote = conn.muxed_conn.get_remote_address()
+            remote = remote_endpoint(conn)
             if remote is None:
                 continue
-            host, port = str(remote[0]), int(remote[1])
+            host, port = remote
             family = "ip6" if ":" in host else "ip4"
             return f"/{family}/{host}/tcp/{port}/p2p/{peer_id}"
         return None

@@ -7,7 +7,8 @@ nothing can pass over IPv4 and no traffic leaves the namespaces. The commands ar
 with ``/ip4/`` written ``/ip6/`` (the peer's ``--listen /ip4/0.0.0.0/…`` as ``/ip6/::/…``), as
 the README's "Addresses" paragraph says. Checked: every node binds ``::`` and advertises its
 IPv6 address (multiaddrs and bracketed HTTP lane URL), the peer commits versions through the
-relay, the trainer accepts its rollouts, and every node stops with exit 0.
+relay, the relay and the peer prove their lanes by dial-back over IPv6 (and advertise them),
+the trainer accepts its rollouts, and every node stops with exit 0.
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ from urllib.parse import urlsplit
 from simulations import netns
 from tests.deploy.hosts import Host, Hosts, Node
 from tests.deploy.test_operator_path import (
+    PROGRESS_S,
     READY_S,
     Deployment,
     committed,
@@ -72,6 +74,12 @@ def test_readme_commands_on_ipv6_only_hosts(hosts: Hosts) -> None:
     relay = start(dep, "relay", b, "relay")
     peer = start(dep, "peer", c, "peer")
     dep.wait_latest([peer], 1, a, "the peer committed version 2 over IPv6")
+    for node in (relay, peer):  # dial-back over IPv6: the lane is proven and advertised
+        verdict = node.wait_line(
+            lambda line: line if "reachability http_url=" in line else None, PROGRESS_S
+        )
+        assert verdict is not None, f"{node.name}: no reachability verdict\n{node.tail()}"
+        assert "state=reachable advertised=True" in verdict, f"{node.name}: {verdict}"
 
     for node in (peer, relay, trainer):
         code = node.stop()

@@ -5,6 +5,8 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import trio
+
 from p2p.addresses import default_http_host, default_listen, interface_addresses
 from p2p.host import HostConfig
 from p2p.http_server import HttpServerConfig
@@ -35,3 +37,31 @@ async def test_an_ipv6_public_host_binds_and_is_reachable(tmp_path: Path) -> Non
         assert info.http_url.startswith("http://[::1]:")
         body = await b.client.get_bytes(info.http_url + "/status", max_bytes=1 << 20, timeout_s=10)
         assert json.loads(body)["http_url"] == info.http_url
+
+
+async def test_an_ipv6_asker_is_seen_and_its_lane_reached(tmp_path: Path) -> None:
+    """py-libp2p gives no remote address for an IPv6 connection; the node reads it from the
+    socket, so an IPv6 node sees where an asker comes from and dials its lane back (before,
+    every IPv6 dial-back was refused: no IPv6 node ever learned it was reachable)."""
+    from shardcast.core.reachability import DialbackResult
+    from shardcast.node.dialback import ask
+
+    def v6(name: str) -> NodeConfig:
+        return NodeConfig(
+            "relay" if name == "a" else "peer",
+            "run",
+            tmp_path / name,
+            host=HostConfig(("/ip6/::1/tcp/0",), public_host="::1"),
+            http=HttpServerConfig(host="::1", port=0),
+        )
+
+    async with (
+        ShardcastNode.open(TRAINER, trust(), v6("a")) as a,
+        ShardcastNode.open(Identity.from_seed("v6-asker"), trust(), v6("b")) as b,
+    ):
+        a_id = await b.p2p.connect(a.p2p.multiaddrs()[0])
+        assert b.p2p.remote_hosts(a_id) == ["::1"]
+        assert a.p2p.remote_hosts(b.identity.peer_id) == ["::1"]
+        assert b.http_url.startswith("http://[::1]:")
+        with trio.fail_after(30):
+            assert await ask(b.p2p, a_id, b.http_url, 10.0) is DialbackResult.REACHED
