@@ -153,14 +153,19 @@ class MessageTooLarge(RemoteProtocolError):
 
 
 def short_id(peer: str) -> str:
-    """Shorten a PeerID for logs: the last 8 characters (``…K7mYU3q``); URLs are kept.
+    """Shorten a PeerID for logs: the last 8 characters (``…K7mYU3q``); anything else (a
+    URL, a path, a host name) is kept whole.
 
     Args:
-        peer: a base58 PeerID, a URL or any label.
+        peer: a base58 PeerID, a URL, a path or any label.
 
     Returns:
-        ``peer`` unchanged if it looks like a URL or is short, else ``"*" + last 8 chars``.
+        ``peer`` unchanged if it is short or not base58 (a PeerID is), else ``"*"`` and its
+        last 8 characters.
     """
-    if "://" in peer or len(peer) <= 12:
+    if len(peer) <= 12 or not _BASE58.issuperset(peer):
         return peer
     return "*" + peer[-8:]
+
+
+_BASE58 = frozenset("123456789ABCDEFGHJKLMNPQRSTUVWXYZabcdefghijkmnopqrstuvwxyz")

@@ -115,11 +115,13 @@ class DeltaMismatch(IntegrityError):
 
     Attributes:
         reason: why (:class:`MismatchReason`).
+        what: the detail, without the prefixes of the message (for logs).
     """
 
     def __init__(self, reason: MismatchReason, what: str) -> None:
         super().__init__(f"in-place update impossible ({reason.value}): {what}")
         self.reason = reason
+        self.what = what
 
 
 @dataclass(frozen=True)

@@ -129,6 +129,10 @@ def gather_changes(
         OSError: a blob could not be read for another reason than being absent.
     """
     header, base = manifest.header, held.manifest
+    if header.base_step is None:  # an anchor: the expected full reload, not a fault
+        raise DeltaMismatch(
+            MismatchReason.BASE, f"step {manifest.step} is a full version (no delta base)"
+        )
     if (header.base_step, header.base_digest) != (base.step, base.digest):
         raise DeltaMismatch(
             MismatchReason.BASE,
@@ -220,7 +224,12 @@ def _swap(
             engine.apply_update(plan, directory)
         except DeltaMismatch as exc:
             fallback = exc.reason
-            log.info("in_place_update_refused step=%d reason=%s", manifest.step, exc)
+            log.info(
+                "in_place_update_refused step=%d reason=%s detail=%s",
+                manifest.step,
+                exc.reason.value,
+                exc.what,
+            )
         else:
             return SwapResult(
                 SwapPath.IN_PLACE,

@@ -185,6 +185,8 @@ async def test_bad_cards_and_data_dirs_are_refused(tmp_path: Path) -> None:
     with pytest.raises(ConfigError, match="signature") as info:
         check_data_dir(bad, None, TRAINER.peer_id)
     assert info.value.field == "data_dir"
+    # the path is named whole where it says where the card came from (not as a PeerID)
+    assert str(info.value).endswith(f"(from {bad / 'runcard.json'})"), str(info.value)
     # a data dir of another run: refused at open, before anything is served
     other_run = tmp_path / "other"
     save_card(other_run, sign_card(replace(_rules(), run_id="old-run"), TRAINER), False)

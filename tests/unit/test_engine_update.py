@@ -81,7 +81,9 @@ def test_a_swap_charges_engine_update_on_the_nodes_account(tmp_path: Path) -> No
     assert result.path is SwapPath.IN_PLACE
 
 
-def test_a_skipped_version_falls_back_to_a_full_load(tmp_path: Path) -> None:
+def test_a_skipped_version_falls_back_to_a_full_load(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
     chain = Chain(tmp_path, torch.bfloat16, steps=2)
     engine = TransformersEngine()
     held = chain.swap(engine, 0, None).held
@@ -90,10 +92,26 @@ def test_a_skipped_version_falls_back_to_a_full_load(tmp_path: Path) -> None:
     with pytest.raises(DeltaMismatch) as err:  # a delta of 1; the engine holds 0
         gather_changes(chain.store, chain.manifests[2], held)
     assert err.value.reason is MismatchReason.BASE
+    assert err.value.what == "step 2 is a delta of 1, the engine holds 0"
     assert bits(engine.model) == before
-    result = chain.swap(engine, 2, held)
+    with caplog.at_level("INFO", logger="shardnet.engine_update"):
+        result = chain.swap(engine, 2, held)
     assert (result.path, result.fallback) == (SwapPath.FULL, MismatchReason.BASE)
     assert_holds(engine, chain.store.version_dir(2), torch.bfloat16)
+    # an expected fallback is said plainly: the reason code, then the detail, no "integrity"
+    (line,) = [r.getMessage() for r in caplog.records if "in_place_update_refused" in r.msg]
+    assert line == (
+        "in_place_update_refused step=2 reason=base detail=step 2 is a delta of 1, "
+        "the engine holds 0"
+    )
+    # a full version (an anchor: no delta base) is named as one
+    assert result.held is not None
+    with pytest.raises(DeltaMismatch) as err:
+        gather_changes(chain.store, chain.manifests[0], result.held)
+    assert (err.value.reason, err.value.what) == (
+        MismatchReason.BASE,
+        "step 0 is a full version (no delta base)",
+    )
 
 
 @pytest.mark.parametrize(
