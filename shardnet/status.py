@@ -61,6 +61,12 @@ def status_url(target: str) -> str | None:
     return f"http://{parts.netloc}{path}"
 
 
+def _clip(text: str, width: int) -> str:
+    """``text``, or its first ``width - 1`` characters and an ellipsis if it is longer (a
+    clipped error says it was clipped)."""
+    return text if len(text) <= width else text[: width - 1] + "\u2026"
+
+
 async def fetch_status(target: str) -> dict[str, Any]:
     """The status document of ``target`` (see :func:`status_url`).
 
@@ -76,8 +82,9 @@ async def fetch_status(target: str) -> dict[str, Any]:
             url = await _url_over_libp2p(target)
         async with HttpClient() as client:
             data = await client.get_bytes(url, max_bytes=MAX_STATUS_BYTES, timeout_s=TIMEOUT_S)
-    except ShardnetError as exc:
-        raise StatusError(f"{target}: {exc}") from exc
+    except ShardnetError as exc:  # named once: a transport error already names the URL
+        msg = str(exc)
+        raise StatusError(msg if msg.startswith(target) else f"{target}: {msg}") from exc
     try:
         doc = json.loads(data)
     except ValueError as exc:
@@ -292,7 +299,7 @@ def render(doc: dict[str, Any]) -> RenderableType:
                 u.get("role") or "-",
                 _opt(u.get("latest_step")),
                 _time(u.get("last_heard")),
-                (u.get("error") or "")[:60],
+                _clip(u.get("error") or "", 60),
             )
         parts.append(t)
     if doc.get("network"):

@@ -120,6 +120,17 @@ def test_status_brackets_an_ipv6_lane() -> None:
     assert "http://[fd77::3]:8001" in text
 
 
+def test_a_long_upstream_error_is_clipped_with_an_ellipsis() -> None:
+    doc = node_status(_node(None))
+    long = "request/response exchange failed: " + "x" * 80
+    doc["upstreams"] = [{"peer_id": TRAINER.peer_id, "state": "down", "error": long}]
+    console = Console(width=300, record=True)
+    console.print(render(doc))
+    text = console.export_text()
+    assert long[:59] + "\u2026" in text
+    assert long not in text
+
+
 def test_status_shows_own_reachability_and_each_known_lane() -> None:
     doc = node_status(_node(None))
     doc["reachability"] = {
