@@ -355,6 +355,8 @@ def remote_endpoint(conn: Any) -> tuple[str, int] | None:
     remote = conn.muxed_conn.get_remote_address()
     if remote is not None:
         return str(remote[0]), int(remote[1])
+    if is_relayed(conn):  # its socket is the relay's: not where the peer comes from
+        return None
     sock = socket_of(conn)
     if sock is None:
         return None
