@@ -31,6 +31,8 @@ from __future__ import annotations
 from collections.abc import Awaitable, Callable
 from typing import Protocol
 
+from p2p.errors import BASE58_CHARS
+
 __all__ = [
     "STREAM_LANE_PROTOCOL",
     "STREAM_LANE_SCHEME",
@@ -46,8 +48,6 @@ STREAM_LANE_PROTOCOL = "/http/1.1"
 
 STREAM_LANE_SCHEME = "p2p"
 """URL scheme of a stream lane: ``p2p://<PeerID>``."""
-
-_B58 = frozenset("123456789ABCDEFGHJKLMNPQRSTUVWXYZabcdefghijkmnopqrstuvwxyz")
 
 
 class ByteStream(Protocol):
@@ -87,7 +87,7 @@ def stream_lane_url(peer_id: str) -> str:
     Raises:
         ValueError: ``peer_id`` is not a base58 string (a caller bug).
     """
-    if not peer_id or not set(peer_id) <= _B58:
+    if not peer_id or not set(peer_id) <= BASE58_CHARS:
         raise ValueError(f"{peer_id!r} is not a base58 PeerID")
     return f"{STREAM_LANE_SCHEME}://{peer_id}"
 
@@ -99,4 +99,4 @@ def stream_lane_peer(url: str) -> str | None:
     if not url.startswith(prefix):
         return None
     peer = url[len(prefix) :].split("/", 1)[0].split("?", 1)[0]
-    return peer if peer and set(peer) <= _B58 else None
+    return peer if peer and set(peer) <= BASE58_CHARS else None

@@ -24,6 +24,8 @@ class                       meaning
 
 from __future__ import annotations
 
+import base58
+
 
 class ShardnetError(Exception):
     """Base class of every error shardnet raises on purpose."""
@@ -152,6 +154,10 @@ class MessageTooLarge(RemoteProtocolError):
     """A frame, response or body exceeded the configured bound (the sender's fault)."""
 
 
+BASE58_CHARS = frozenset(base58.BITCOIN_ALPHABET.decode("ascii"))
+"""The characters of a PeerID's text form (base58btc, the ``base58`` library's alphabet)."""
+
+
 def short_id(peer: str) -> str:
     """Shorten a PeerID for logs: the last 8 characters (``…K7mYU3q``); anything else (a
     URL, a path, a host name) is kept whole.
@@ -163,9 +169,6 @@ def short_id(peer: str) -> str:
         ``peer`` unchanged if it is short or not base58 (a PeerID is), else ``"*"`` and its
         last 8 characters.
     """
-    if len(peer) <= 12 or not _BASE58.issuperset(peer):
+    if len(peer) <= 12 or not BASE58_CHARS.issuperset(peer):
         return peer
     return "*" + peer[-8:]
-
-
-_BASE58 = frozenset("123456789ABCDEFGHJKLMNPQRSTUVWXYZabcdefghijkmnopqrstuvwxyz")

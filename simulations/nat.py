@@ -42,6 +42,8 @@ from collections import Counter
 from collections.abc import Callable, Sequence
 from typing import Any
 
+import base58
+
 from shardcast.core import PunchConfig, PunchPlanner, PunchTarget, Reach, Reservations
 from shardcast.download import NodeAdvert, PunchRecord
 from shardcast.serve import Requester
@@ -52,18 +54,12 @@ LAN_URL = "http://lan"  # a NATed node's LAN URL, as a node behind its router he
 PUNCH_ATTEMPTS = 3  # DCUtR attempts before a punch fails
 PUNCH_ATTEMPT_S = 5.0  # each bounded by p2p.circuits.CircuitConfig.direct_timeout_s, seconds
 
-_B58 = "123456789ABCDEFGHJKLMNPQRSTUVWXYZabcdefghijkmnopqrstuvwxyz"
-
 
 def peer_id_of(name: str) -> str:
     """A NATed node's PeerID-like id: ``12D3KooW`` and ``name``'s bytes in base58 (a stream
     lane is named by a base58 PeerID, :func:`p2p.bytestream.stream_lane_url`; node names
     start with a letter, so no name equals one of these)."""
-    n, out = int.from_bytes(name.encode(), "big"), ""
-    while n:
-        n, r = divmod(n, 58)
-        out = _B58[r] + out
-    return "12D3KooW" + out
+    return "12D3KooW" + base58.b58encode(name.encode()).decode("ascii")
 
 
 PATHS = ("origin", "relay", "public_peer", "nat_lan", "nat_dialled", "nat_punched", "other")
