@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import random
+import socket
 from pathlib import Path
 
 from p2p.identity import Identity
@@ -13,6 +14,13 @@ from shardcast.store.chains import read_record
 from shardcast.wire.manifest import Manifest
 
 TRAINER = Identity.from_seed("test-trainer")
+
+
+def closed_port() -> int:
+    """A loopback port nothing listens on (bound, then closed)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
 
 
 def trust() -> TrustList:

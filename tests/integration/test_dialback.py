@@ -6,7 +6,6 @@ neighbour verifies and uses it), with the metrics that show it."""
 from __future__ import annotations
 
 import random
-import socket
 from pathlib import Path
 
 import trio
@@ -18,14 +17,7 @@ from shardcast.download.discovery import NodeAdvert, check_advert_gossip, nodes_
 from shardcast.download.follower import FollowConfig, Follower
 from shardcast.node.dialback import ask
 from shardcast.node.node import NodeConfig, ShardcastNode
-from tests.helpers import TRAINER, trust
-
-
-def closed_port() -> int:
-    """A loopback port nothing listens on (bound, then closed)."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
+from tests.helpers import TRAINER, closed_port, trust
 
 
 async def test_dialback_reaches_an_open_lane_and_not_a_closed_one(tmp_path: Path) -> None:

@@ -10,7 +10,6 @@ punch, lane), not NAT traversal (tests/deploy/test_nat.py does that in namespace
 from __future__ import annotations
 
 import random
-import socket
 from pathlib import Path
 
 import pytest
@@ -25,17 +24,10 @@ from shardcast.download.follower import FollowConfig, Follower, VersionRecord
 from shardcast.node.node import NodeConfig, ShardcastNode
 from shardcast.publish.origin import Origin, OriginConfig
 from shardcast.wire.manifest import Manifest
-from tests.helpers import TRAINER, make_checkpoint, trust
+from tests.helpers import TRAINER, closed_port, make_checkpoint, trust
 
 SIZES = {"model-00001-of-00002.safetensors": 400_000, "model-00002-of-00002.safetensors": 150_001}
 LOOPBACK = ("/ip4/127.0.0.1/tcp/0",)
-
-
-def closed_port() -> int:
-    """A loopback port nothing listens on (bound, then closed)."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 async def _open(identity: Identity, cfg: NodeConfig, *, task_status) -> None:  # type: ignore[no-untyped-def]
