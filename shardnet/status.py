@@ -61,12 +61,6 @@ def status_url(target: str) -> str | None:
     return f"http://{parts.netloc}{path}"
 
 
-def _clip(text: str, width: int) -> str:
-    """``text``, or its first ``width - 1`` characters and an ellipsis if it is longer (a
-    clipped error says it was clipped)."""
-    return text if len(text) <= width else text[: width - 1] + "\u2026"
-
-
 async def fetch_status(target: str) -> dict[str, Any]:
     """The status document of ``target`` (see :func:`status_url`).
 
@@ -288,8 +282,9 @@ def render(doc: dict[str, Any]) -> RenderableType:
         parts.append(t)
     if doc.get("upstreams"):
         t = Table(title="upstreams", title_justify="left")
-        for col in ("peer", "state", "role", "latest", "last heard", "error"):
+        for col in ("peer", "state", "role", "latest", "last heard"):
             t.add_column(col)
+        t.add_column("error", max_width=60, overflow="ellipsis", no_wrap=True)
         for u in doc["upstreams"]:
             style = "green" if u["state"] == "ready" else "red"
             _row(
@@ -299,7 +294,7 @@ def render(doc: dict[str, Any]) -> RenderableType:
                 u.get("role") or "-",
                 _opt(u.get("latest_step")),
                 _time(u.get("last_heard")),
-                _clip(u.get("error") or "", 60),
+                u.get("error") or "",
             )
         parts.append(t)
     if doc.get("network"):
