@@ -46,7 +46,7 @@ import trio.testing
 from p2p.memnet import LinkProfile, MemNetwork
 from rollout.exchange import Ack
 from rollout.reasons import RejectReason
-from simulations.world import TRAINER, NodeHandle, World, inline_threads
+from simulations.world import TRAINER, NodeHandle, World, inline_threads, seeded_scheduler
 
 __all__ = ["SCENARIOS", "Scenario", "ScenarioResult", "main", "run_scenario"]
 
@@ -411,7 +411,7 @@ def run_scenario(
             n.cancel_scope.cancel()
 
     try:
-        with inline_threads():
+        with inline_threads(), seeded_scheduler(f"{spec.name}:{seed}"):
             trio.run(body, clock=trio.testing.MockClock(autojump_threshold=0))
     finally:
         if root is None:

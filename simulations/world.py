@@ -20,6 +20,13 @@ waiting for a worker thread counts as blocked, so the clock would jump past ever
 timeout while a file is written; inline, the clock stands still during local work. The files
 are small (checkpoints of a few hundred KiB), so blocking the loop costs nothing real.
 
+And trio's scheduler is seeded (:func:`seeded_scheduler`). Trio runs each batch of runnable tasks
+in an order it draws from an unseeded ``random.Random`` on purpose, so that code never comes to
+rely on one order; the same scenario and seed could then take another interleaving on each run
+(two relays answering in the same virtual instant, in either order) and a sweep failure could
+not be replayed. Seeded, each run's interleaving follows from its seed: the sweep still explores
+one interleaving per seed, and a failing seed fails the same way every time.
+
 Every record here is in virtual seconds (``trio.current_time()``).
 """
 
@@ -96,6 +103,35 @@ def inline_threads() -> Iterator[None]:
     finally:
         trio.to_thread.run_sync = real
         trio.from_thread.run_sync = real_back
+
+
+@contextlib.contextmanager
+def seeded_scheduler(seed: int | str) -> Iterator[None]:
+    """Make trio's task order a function of ``seed`` for the duration (see module docstring).
+
+    This is the switch trio itself throws for Hypothesis (``trio._core._run``'s
+    ``_hypothesis_plugin_setup``): sort each batch of runnable tasks by creation order, then
+    shuffle it with trio's scheduler RNG, here seeded. Both are private to trio (checked against
+    trio 0.35): if they move, this raises ``LocalProtocolError`` rather than silently running
+    unseeded.
+
+    Raises:
+        LocalProtocolError: this trio has no such switch.
+    """
+    run = getattr(getattr(trio, "_core", None), "_run", None)
+    rng = getattr(run, "_r", None)
+    if run is None or not isinstance(rng, random.Random):
+        raise LocalProtocolError("trio has no seedable scheduler (trio._core._run._r)")
+    if not hasattr(run, "_ALLOW_DETERMINISTIC_SCHEDULING"):
+        raise LocalProtocolError("trio has no _ALLOW_DETERMINISTIC_SCHEDULING switch")
+    was, state = run._ALLOW_DETERMINISTIC_SCHEDULING, rng.getstate()
+    run._ALLOW_DETERMINISTIC_SCHEDULING = True
+    rng.seed(f"scheduler:{seed}")
+    try:
+        yield
+    finally:
+        run._ALLOW_DETERMINISTIC_SCHEDULING = was
+        rng.setstate(state)
 
 
 class SimOracle:
