@@ -81,6 +81,7 @@ class Kind(enum.StrEnum):
     MANIFEST_PART = "manifest-part"
     VERSION_ANNOUNCEMENT = "version-announcement"
     RUN_FINISHED = "run-finished"
+    RUN_CONTINUED = "run-continued"
     RUN_CARD = "run-card"
     ROLLOUT_ANNOUNCEMENT = "rollout-announcement"
 

@@ -270,6 +270,8 @@ class InferencePeer:
         while True:
             if node.finished is not None:
                 await node.wait_change()
+                if node.finished is None:  # the run goes on (continued, or a newer step)
+                    self._wake_generation()
                 continue
             await self._ensure_trainer()
             latest = self._latest

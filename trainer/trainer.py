@@ -27,7 +27,10 @@ Restart: started on a data directory that holds versions, the trainer resumes
 (:func:`trainer.resume.plan_resume`): it loads the saved state of its newest version ``L``,
 announces ``L`` again at once and trains ``L+1`` next; it never commits a step number twice.
 Each trainer process has a random session id, sent in its answers to peers' hellos, so
-running peers notice the restart and re-introduce themselves.
+running peers notice the restart and re-introduce themselves. Restarted on a finished run with
+a larger ``steps``, it first signs that the run continues
+(:class:`~shardcast.wire.finish.RunContinued`): peers holding the run's end send no hello and
+no rollouts until that lifts it.
 
 The step counter seen by the inbox (``current_step``) is the newest *published* version, so
 rollouts are judged against the versions peers can actually hold. Every figure of the per-step
@@ -344,6 +347,9 @@ class Trainer:
                 # peers that saw the signed run end no longer say hello.
                 log.info("run_already_complete step=%d steps=%d", plan.step, self.config.steps)
             else:
+                # Followers may hold this run's signed end (an earlier process finished it):
+                # peers that hold it say no hello and send no rollouts, so lift it first.
+                await origin.announce_continued()
                 await self._wait_joined()
             return plan.step + 1
         step = 0 if plan.kind is ResumeKind.FRESH else plan.step

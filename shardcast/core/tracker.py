@@ -32,8 +32,12 @@ The rules, each a pure function the tracker and its drivers share:
   announced; it is abandoned (:attr:`shardcast.core.liveness.Abandon.SUPERSEDED`) if it cannot be
   the base of the newer version's delta chain (:func:`shardcast.core.catchup.worth_finishing`).
 - :func:`judge_finished` — a run end is taken if it is newer than the one known and not older
-  than the known announcement (an old run end after the trainer resumed is stale); an
-  announcement of a newer step than the run end lifts it (the trainer resumed).
+  than the known announcement (an old run end after the trainer resumed is stale), nor than
+  the newest continuation (:func:`shardcast.wire.finish.end_order`); an announcement of a
+  newer step than the run end lifts it (the trainer resumed).
+- :func:`judge_continued` — a continuation (the trainer restarted on a finished run with more
+  steps, :class:`~shardcast.wire.finish.RunContinued`) is taken if it is newer than the
+  newest continuation and the run end known; it lifts that run end.
 - :func:`manifest_retry_s` — a manifest document (or run card) that no source serves yet is
   asked for again after a short doubling wait, capped at :data:`MANIFEST_RETRY_MAX_S`.
 - :meth:`VersionTracker.polled` — an upstream's polls are spaced by
@@ -56,7 +60,7 @@ from typing import Protocol
 from shardcast.core.catchup import worth_finishing
 from shardcast.core.liveness import Abandon
 from shardcast.core.pollpolicy import PollPolicy, poll_delay
-from shardcast.wire import Manifest, RunFinished, VersionAnnouncement
+from shardcast.wire import Manifest, RunContinued, RunFinished, VersionAnnouncement, end_order
 
 __all__ = [
     "LEARNED_KEPT",
@@ -133,7 +137,7 @@ class FinishedTake(enum.Enum):
 
     TAKEN = "taken"
     OTHER_RUN = "other_run"  # refused: another run's
-    NOT_NEWER = "not_newer"  # refused: not newer than the run end known
+    NOT_NEWER = "not_newer"  # refused: not newer than the run end (or continuation) known
     STALE = "stale"  # refused: older than the known announcement (the trainer resumed since)
 
 
@@ -269,14 +273,33 @@ def judge_finished(
     known: VersionAnnouncement | None,
     msg: RunFinished,
     run_id: str,
+    continued: RunContinued | None = None,
 ) -> FinishedTake:
-    """Whether run end ``msg`` is taken, given the run end and announcement known (pure)."""
+    """Whether run end ``msg`` is taken, given the run end, announcement and continuation
+    known (pure)."""
     if msg.run_id != run_id:
         return FinishedTake.OTHER_RUN
-    if finished is not None and msg.step <= finished.step:
+    newest = max((end_order(m) for m in (finished, continued) if m is not None), default=(-1, -1))
+    if end_order(msg) <= newest:
         return FinishedTake.NOT_NEWER
     if known is not None and msg.step < known.step:
         return FinishedTake.STALE
+    return FinishedTake.TAKEN
+
+
+def judge_continued(
+    finished: RunFinished | None,
+    continued: RunContinued | None,
+    msg: RunContinued,
+    run_id: str,
+) -> FinishedTake:
+    """Whether continuation ``msg`` is taken, given the run end and continuation known
+    (pure). One that is taken lifts the run end known (the caller drops it)."""
+    if msg.run_id != run_id:
+        return FinishedTake.OTHER_RUN
+    newest = max((end_order(m) for m in (finished, continued) if m is not None), default=(-1, -1))
+    if end_order(msg) <= newest:
+        return FinishedTake.NOT_NEWER
     return FinishedTake.TAKEN
 
 
@@ -293,7 +316,9 @@ class VersionTracker:
         self.announcement: VersionAnnouncement | None = None
         """The newest announcement taken."""
         self.finished: RunFinished | None = None
-        """The trainer's run end, while no newer step is announced."""
+        """The trainer's run end, while no newer step is announced and no newer continuation."""
+        self.continued: RunContinued | None = None
+        """The newest continuation taken (kept after a newer step, to refuse older run ends)."""
         self._said: dict[str, Version] = {}  # upstream -> its last info record's version
         self._learned: dict[int, float] = {}  # step -> when first taken (newest LEARNED_KEPT)
         self._failures: dict[str, int] = {}  # upstream -> consecutive failed polls
@@ -359,7 +384,7 @@ class VersionTracker:
 
     def offer_finished(self, msg: RunFinished) -> FinishedTake:
         """Take run end ``msg`` (already verified) if it is news (see :func:`judge_finished`)."""
-        take = judge_finished(self.finished, self.announcement, msg, self.run_id)
+        take = judge_finished(self.finished, self.announcement, msg, self.run_id, self.continued)
         if take is FinishedTake.TAKEN:
             self.finished = msg
         return take
@@ -367,6 +392,26 @@ class VersionTracker:
     def finish(self, msg: RunFinished) -> None:
         """Record this node's own run end, unconditionally (the origin)."""
         self.finished = msg
+
+    def offer_continued(self, msg: RunContinued) -> tuple[FinishedTake, bool]:
+        """Take continuation ``msg`` (already verified) if it is news (see
+        :func:`judge_continued`).
+
+        Returns:
+            the verdict, and True if it lifted a known run end.
+        """
+        take = judge_continued(self.finished, self.continued, msg, self.run_id)
+        if take is not FinishedTake.TAKEN:
+            return take, False
+        self.continued = msg
+        lifted = self.finished is not None
+        self.finished = None
+        return take, lifted
+
+    def continue_(self, msg: RunContinued) -> None:
+        """Record this node's own continuation, unconditionally (the origin)."""
+        self.continued = msg
+        self.finished = None
 
     # -- decisions ----------------------------------------------------------------------------
 

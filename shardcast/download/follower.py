@@ -390,8 +390,20 @@ class Follower:
 
     def _offer(self, data: bytes, sender: str, *, upstream: bool = True) -> None:
         replace = upstream and not self._confirmed_elsewhere(sender)
+        was_settled = self.settled()
         if self.node.offer_versions_message(data, sender, replace_same_step=replace) is not None:
             self._note_change()
+            self._wake_polls_if_resumed(was_settled)
+
+    def _wake_polls_if_resumed(self, was_settled: bool) -> None:
+        """Poll every upstream now if the run was settled and no longer is (the trainer
+        continued the run, or announced a newer step): settled polls and retries are minutes
+        apart (:func:`shardcast.core.pollpolicy.poll_delay`), and a download waits for its
+        upstream's info record."""
+        if was_settled and not self.settled():
+            log.info("polls_woken reason=run_resumed upstreams=%d", len(self._poll_wake))
+            for wake in self._poll_wake.values():
+                wake.set()
 
     def _confirmed_elsewhere(self, sender: str) -> bool:
         """True if another reachable upstream's last info record names the version this node
@@ -414,6 +426,12 @@ class Follower:
     def _offer_finished(self, data: bytes, sender: str) -> None:
         if self.node.offer_finished(data, sender) is not None:
             self._note_change()
+
+    def _offer_continued(self, data: bytes, sender: str) -> None:
+        was_settled = self.settled()
+        if self.node.offer_continued(data, sender) is not None:
+            self._note_change()
+            self._wake_polls_if_resumed(was_settled)
 
     def held_digest(self, step: int) -> str | None:
         """Manifest digest of committed ``step`` in this node's store, or None."""
@@ -456,7 +474,8 @@ class Follower:
                         after.delay_s,
                         settled,
                     )
-                await trio.sleep(after.delay_s)
+                with trio.move_on_after(after.delay_s):
+                    await wake.wait()  # the run resumed: retry now
                 continue
             self._heard[pid] = time.time()
             self._errors.pop(pid, None)
@@ -518,6 +537,8 @@ class Follower:
         if info.announcement is not None:
             self._offer(info.announcement, pid)
             self._note_upstream_said(pid, info.announcement)
+        if info.continued is not None:
+            self._offer_continued(info.continued, pid)
         if info.finished is not None:
             self._offer_finished(info.finished, pid)
         return PollOutcome.ANSWERED

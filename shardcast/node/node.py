@@ -22,7 +22,8 @@ It owns, for the duration of :meth:`ShardcastNode.open`:
   checks that the data directory belongs to the configured run
   (:func:`shardcast.node.cardsync.check_data_dir`);
 - the trainer's signed :class:`~shardcast.wire.finish.RunFinished`, once the run has ended (lifted
-  again by an announcement of a newer step).
+  again by an announcement of a newer step, or by the trainer's signed
+  :class:`~shardcast.wire.finish.RunContinued` when it was restarted with more steps).
 """
 
 from __future__ import annotations
@@ -62,6 +63,7 @@ from shardcast.wire import (
     RUNCARD_PROTOCOL,
     NodeInfo,
     RequestSigner,
+    RunContinued,
     RunFinished,
     SignedRunCard,
     VersionAnnouncement,
@@ -232,6 +234,11 @@ class ShardcastNode:
         """The trainer's run end, while no newer step is announced (held by :attr:`tracker`)."""
         return self.tracker.finished
 
+    @property
+    def continued(self) -> RunContinued | None:
+        """The trainer's newest run continuation known (held by :attr:`tracker`)."""
+        return self.tracker.continued
+
     @classmethod
     @asynccontextmanager
     async def open(
@@ -357,6 +364,7 @@ class ShardcastNode:
             self.card.version if self.card else 0,
             self.card.digest if self.card else "",
             self.finished.encode() if self.finished else None,
+            self.continued.encode() if self.continued else None,
         )
 
     async def _on_info(self, sender: str, request: bytes) -> bytes:
@@ -450,8 +458,9 @@ class ShardcastNode:
 
     def offer_versions_message(
         self, data: bytes, sender: str, *, replace_same_step: bool = True
-    ) -> VersionAnnouncement | RunFinished | None:
-        """Verify a message of the versions topic (announcement or run end) and keep it if new.
+    ) -> VersionAnnouncement | RunFinished | RunContinued | None:
+        """Verify a message of the versions topic (announcement, run end or continuation) and
+        keep it if new.
 
         Args:
             replace_same_step: an announcement of the known step with another digest
@@ -471,6 +480,8 @@ class ShardcastNode:
             return None
         if isinstance(msg, RunFinished):
             return self._keep_finished(msg)
+        if isinstance(msg, RunContinued):
+            return self._keep_continued(msg)
         return self._keep_announcement(msg, sender, replace_same_step=replace_same_step)
 
     def offer_finished(self, data: bytes, sender: str) -> RunFinished | None:
@@ -481,6 +492,15 @@ class ShardcastNode:
             self._rejected(exc, sender)
             return None
         return self._keep_finished(msg)
+
+    def offer_continued(self, data: bytes, sender: str) -> RunContinued | None:
+        """Verify a run-continued message (e.g. from an info record) and keep it if new."""
+        try:
+            msg = RunContinued.decode(data, trust=self.trust, sender=sender)
+        except ShardnetError as exc:
+            self._rejected(exc, sender)
+            return None
+        return self._keep_continued(msg)
 
     def _rejected(self, exc: ShardnetError, sender: str) -> None:
         """Log a refused versions-topic message once per cause (not on every poll)."""
@@ -534,6 +554,23 @@ class ShardcastNode:
             return None
         self._finished_news(msg)
         return msg
+
+    def _keep_continued(self, msg: RunContinued) -> RunContinued | None:
+        take, lifted = self.tracker.offer_continued(msg)
+        if take is not FinishedTake.TAKEN:
+            return None
+        self._continued_news(msg, lifted)
+        return msg
+
+    def set_continued(self, msg: RunContinued) -> None:
+        """Record that the run goes on after ``msg.step`` (the origin's own; logged once)."""
+        self.tracker.continue_(msg)
+        self._continued_news(msg, True)
+
+    def _continued_news(self, msg: RunContinued, lifted: bool) -> None:
+        log.info("run_continued run=%s step=%d lifted_end=%s", msg.run_id, msg.step, lifted)
+        self._announced.set()
+        self._announced = trio.Event()
 
     def set_finished(self, msg: RunFinished) -> None:
         """Record that the run ended at ``msg.step`` (logged once) and wake waiters."""

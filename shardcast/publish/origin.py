@@ -33,7 +33,9 @@ committed.
 sends the announcement of the newest committed version again, and keeps it in the node's info
 record, so a restarted origin is followed at once, not from its next step.
 ``Origin.announce_finished()`` signs and sends the run's end
-(:class:`~shardcast.wire.finish.RunFinished`).
+(:class:`~shardcast.wire.finish.RunFinished`); ``Origin.announce_continued()`` signs and sends
+that a finished run goes on (:class:`~shardcast.wire.finish.RunContinued`), each numbered by
+the counter of :mod:`shardcast.publish.runend`.
 
 With ``serve_once_s`` set on the node's server, the origin sends each shard to one relay and
 lets relays exchange the rest (super-seeding), keeping its egress near one copy per version.
@@ -65,11 +67,13 @@ from shardcast.publish.plan import (
     hash_parts,
     make_header,
 )
+from shardcast.publish.runend import END_SEQ_FILE, next_end_seq
 from shardcast.store import BLOB_DIR
 from shardcast.wire import (
     Header,
     Manifest,
     Part,
+    RunContinued,
     RunFinished,
     VersionAnnouncement,
     codecs,
@@ -381,9 +385,35 @@ class Origin:
         ann = node.announcement
         if ann is None:
             return None
-        msg = RunFinished.create(node.identity, node.config.run_id, ann.step, ann.manifest_digest)
+        seq = await trio.to_thread.run_sync(next_end_seq, node.store.run_dir / END_SEQ_FILE)
+        msg = RunFinished.create(
+            node.identity, node.config.run_id, ann.step, ann.manifest_digest, seq
+        )
         node.set_finished(msg)
         await node.p2p.publish(versions_topic(node.config.run_id), msg.encode())
+        return msg
+
+    async def announce_continued(self) -> RunContinued | None:
+        """Sign and send "the run goes on after the newest committed version", which lifts
+        a run end followers hold (the trainer restarted on a finished run with more steps).
+        Sent only if this origin ever signed a run end of this run (its counter exists).
+
+        Returns:
+            the message, or None if nothing was published or no run end was ever signed.
+
+        Raises:
+            OSError: the run-end counter cannot be written.
+        """
+        node = self.node
+        ann = node.announcement
+        path = node.store.run_dir / END_SEQ_FILE
+        if ann is None or not await trio.to_thread.run_sync(path.exists):
+            return None
+        seq = await trio.to_thread.run_sync(next_end_seq, path)
+        msg = RunContinued.create(node.identity, node.config.run_id, ann.step, seq)
+        node.set_continued(msg)
+        await node.p2p.publish(versions_topic(node.config.run_id), msg.encode())
+        log.info("run_continued_announced step=%d seq=%d", msg.step, seq)
         return msg
 
     def egress_bytes(self) -> int:

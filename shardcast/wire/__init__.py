@@ -2,9 +2,10 @@
 
 Canonical JSON and digests (:mod:`.canonical`), the signed manifest of a version
 (:mod:`.manifest`), control messages (:mod:`.messages`: announcements and node info;
-:mod:`.finish`: the run-finished message), the run card (:mod:`.runcard`), the HTTP lane's URLs
-(:mod:`.lane_urls`), its signed request header (:mod:`.lane_auth`) and have-bitmap
-(:mod:`.have`), and the shard encodings (:mod:`.codecs`, :mod:`.sparse`, :mod:`.codec_errors`).
+:mod:`.finish`: the run-finished and run-continued messages), the run card
+(:mod:`.runcard`), the HTTP lane's URLs (:mod:`.lane_urls`), its signed request header
+(:mod:`.lane_auth`) and have-bitmap (:mod:`.have`), and the shard encodings (:mod:`.codecs`,
+:mod:`.sparse`, :mod:`.codec_errors`).
 Every other shardcast package may import this one; it imports none of them.
 """
 
@@ -16,9 +17,11 @@ from shardcast.wire.codec_errors import CodecError
 from shardcast.wire.codecs import ENCODINGS, RAW, SPARSE, XOR_ZSTD
 from shardcast.wire.finish import (
     FINISHED_KIND,
+    RunContinued,
     RunFinished,
     check_versions_gossip,
     decode_versions_message,
+    end_order,
 )
 from shardcast.wire.have import (
     HAVE_HOLD_S,
@@ -196,6 +199,7 @@ __all__ = [
     "Part",
     "RequestSigner",
     "RunCard",
+    "RunContinued",
     "RunFinished",
     "SamplingRules",
     "ShardEntry",
@@ -227,6 +231,7 @@ __all__ = [
     "encode_prefixes",
     "encode_sparse",
     "encode_sparse_reference",
+    "end_order",
     "failed_header",
     "file_root",
     "file_url",

@@ -213,6 +213,7 @@ class NodeInfo:
     card_version: int = 0
     card_digest: str = ""
     finished: bytes | None = None  # the trainer's signed RunFinished (shardcast.wire.finish)
+    continued: bytes | None = None  # the trainer's signed RunContinued (shardcast.wire.finish)
 
     def encode(self) -> bytes:
         """Canonical CBOR bytes."""
@@ -230,6 +231,8 @@ class NodeInfo:
             obj["card"] = [self.card_version, self.card_digest]
         if self.finished is not None:
             obj["finished"] = self.finished
+        if self.continued is not None:
+            obj["continued"] = self.continued
         return wire.encode(obj)
 
     @classmethod
@@ -256,9 +259,11 @@ class NodeInfo:
         ann = obj.get("announcement")
         if ann is not None and (not isinstance(ann, bytes) or len(ann) > MAX_ANNOUNCEMENT_BYTES):
             raise RemoteProtocolError(sender, "announcement must be bytes")
-        fin = obj.get("finished")
+        fin, cont = obj.get("finished"), obj.get("continued")
         if fin is not None and (not isinstance(fin, bytes) or len(fin) > MAX_ANNOUNCEMENT_BYTES):
             raise RemoteProtocolError(sender, "finished must be bytes")
+        if cont is not None and (not isinstance(cont, bytes) or len(cont) > MAX_ANNOUNCEMENT_BYTES):
+            raise RemoteProtocolError(sender, "continued must be bytes")
         return cls(
             peer_id,
             role,
@@ -268,4 +273,5 @@ class NodeInfo:
             ann,
             *_card_ref(obj.get("card"), sender),
             fin,
+            cont,
         )

@@ -1,4 +1,5 @@
-"""Write the committed fuzz corpus: ``python -m tests.fuzz.make_corpus`` from the repo root.
+"""Write the committed fuzz corpus: ``python -m tests.fuzz.make_corpus [NAME ...]`` from the repo
+root (names: only those decoders' folders, e.g. a new decoder's, leaving the others as they are).
 
 Per decoder (tests/fuzz/corpus/<name>/): its valid seeds, inputs that once broke a decoder
 (``regress-*``), and a few deterministic mutations of the seeds. Files are raw decoder input
@@ -8,6 +9,8 @@ Per decoder (tests/fuzz/corpus/<name>/): its valid seeds, inputs that once broke
 from __future__ import annotations
 
 import random
+import sys
+from collections.abc import Sequence
 from pathlib import Path
 
 import blake3
@@ -39,8 +42,17 @@ def _raw(target: Target, data: object) -> bytes:
     return data.encode("latin-1") if isinstance(data, str) else bytes(data)  # type: ignore[arg-type]
 
 
-def main() -> None:
+def main(only: Sequence[str] = ()) -> None:
+    """Write the corpus of every decoder, or of the decoders named in ``only``.
+
+    Raises:
+        KeyError: a name in ``only`` is not a decoder's.
+    """
+    for name in only:
+        BY_NAME[name]
     for target in TARGETS:
+        if only and target.name not in only:
+            continue
         directory = CORPUS / target.name
         for data in target.seeds:
             _write(directory, "seed-" + blake3.blake3(data).hexdigest()[:16], data)
@@ -64,4 +76,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    main(sys.argv[1:])

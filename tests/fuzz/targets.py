@@ -45,6 +45,7 @@ from rollout.toploc_codec import decode_proof_base64, encode_proof_base64, parse
 from shardcast.download.discovery import NodeAdvert
 from shardcast.wire import codecs
 from shardcast.wire.canonical import canonical_json
+from shardcast.wire.finish import RunContinued, RunFinished, decode_versions_message
 from shardcast.wire.manifest import (
     HEADER_DOMAIN,
     PART_DOMAIN,
@@ -314,6 +315,19 @@ VERSION_ANNOUNCEMENT = Target(
     ],
     json_only=False,
 )
+RUN_ENDS = (
+    RunFinished.create(TRAINER, RUN, 9, "cd" * 32),
+    RunFinished.create(TRAINER, RUN, 9, "cd" * 32, seq=4),
+    RunContinued.create(TRAINER, RUN, 9, seq=5),
+)
+VERSIONS_MESSAGE = Target(
+    "versions-message",
+    lambda data: decode_versions_message(data, trust=TRUST, sender="fuzz"),
+    [m.encode() for m in (*RUN_ENDS, ANNOUNCEMENTS[0])],
+    CBOR_TOKENS,
+    trees=[(cbor2.loads(m._body()), _seal_cbor(m.KIND, TRAINER)) for m in RUN_ENDS],
+    json_only=False,
+)
 INFOS = (
     NodeInfo(
         PEER.peer_id,
@@ -326,6 +340,16 @@ INFOS = (
         _digest(),
     ),
     NodeInfo(PEER.peer_id, "peer", RUN, "http://127.0.0.1:1", (), None),
+    NodeInfo(
+        PEER.peer_id,
+        "relay",
+        RUN,
+        "http://127.0.0.1:8002",
+        (9,),
+        ANNOUNCEMENTS[1].encode(),
+        finished=RUN_ENDS[1].encode(),
+        continued=RUN_ENDS[2].encode(),
+    ),
 )
 NODE_INFO = Target(
     "node-info",
@@ -671,6 +695,7 @@ TARGETS = (
     MANIFEST_DOC,
     MANIFEST_PART,
     VERSION_ANNOUNCEMENT,
+    VERSIONS_MESSAGE,
     NODE_INFO,
     NODE_ADVERT,
     RUN_CARD,

@@ -293,3 +293,78 @@ def test_trainer_restarted_after_its_last_step_finishes_at_once(
     assert t2.proc.wait(timeout=60) == 0
     t2.wait_for(r"run_finished_announced step=0 ")
     assert t2.count(r"waiting_for_peers") == 0
+
+
+def test_a_finished_run_continues_when_the_trainer_is_restarted_with_more_steps(
+    tmp_path: Path, nodes: list[Node]
+) -> None:
+    """Finished at step 0, then started again with ``--steps 1``: the trainer signs that the
+    run continues, the peer that holds the run's end takes it back, says hello, sends
+    rollouts for version 0, and the trainer trains and publishes step 1, then ends again."""
+    tdir, pdir, logs = tmp_path / "trainer", tmp_path / "peer", tmp_path / "logs"
+    trainer_id = Identity.load_or_create(tdir / "node.key").peer_id
+    relay_id = Identity.load_or_create(tmp_path / "relay" / "node.key").peer_id
+    peer_id = Identity.load_or_create(pdir / "node.key").peer_id
+    port, relay_port = free_port(), free_port()
+    taddr = f"/ip4/127.0.0.1/tcp/{port}/p2p/{trainer_id}"
+    raddr = f"/ip4/127.0.0.1/tcp/{relay_port}/p2p/{relay_id}"
+    trainer_args = [
+        "trainer",
+        "--data-dir", str(tdir),
+        "--run-id", RUN,
+        "--preset", "tiny",
+        *SAMPLING,
+        "--no-check-model",
+        "--listen", f"/ip4/127.0.0.1/tcp/{port}",
+        "--http-host", "127.0.0.1",
+        "--http-port", "0",
+        "--expect-peer", peer_id,
+        "--start-wait-s", "120",
+        "--step-timeout-s", "120",
+    ]  # fmt: skip
+    t1 = Node("trainer1", [*trainer_args, "--steps", "0"], logs, {})
+    nodes.append(t1)
+    t1.wait_for(r"node_ready role=trainer")
+    relay = Node(
+        "relay",
+        [
+            *("relay", "--data-dir", str(tmp_path / "relay"), "--run-id", RUN),
+            *("--upstream", taddr, "--trainer-id", trainer_id),
+            *("--listen", f"/ip4/127.0.0.1/tcp/{relay_port}"),
+            *("--http-host", "127.0.0.1", "--http-port", "0"),
+        ],
+        logs,
+        {},
+    )
+    nodes.append(relay)
+    peer = Node(
+        "peer",
+        [
+            *("peer", "--data-dir", str(pdir), "--run-id", RUN),
+            *("--bootstrap", raddr, "--trainer-id", trainer_id, "--trainer-addr", taddr),
+            *LOOPBACK_ANY,
+        ],
+        logs,
+        {},
+    )
+    nodes.append(peer)
+    assert t1.proc.wait(timeout=240) == 0
+    peer.wait_for(r"run_finished run=restart step=0 ", timeout_s=60)
+
+    t2 = Node("trainer2", [*trainer_args, "--steps", "1"], logs, {})
+    nodes.append(t2)
+    t2.wait_for(r"run_continued_announced step=0 seq=2", timeout_s=240)
+    peer.wait_for(r"run_continued run=restart step=0 lifted_end=True", timeout_s=120)
+    t2.wait_for(r"version_published step=1 ", timeout_s=240)
+    assert t2.proc.wait(timeout=240) == 0
+    t2.wait_for(r"run_finished_announced step=1 ")
+    peer.wait_for(r"run_finished run=restart step=1 ", timeout_s=120)
+    assert peer.count(r"version_downloaded step=1 ") == 1
+    assert relay.count(r"run_continued run=restart step=0 lifted_end=True") == 1
+    assert t2.count(r"step_ready step=1 ") == 1
+    # the relay's settled retries of the departed trainer (minutes apart) were cut short: it
+    # fetched step 1 within seconds, and the trainer did not wait for its final broadcast
+    relay.wait_for(r"polls_woken reason=run_resumed")
+    assert t2.count(r"waiting_for_final_broadcast step=1 .* waited_s=(1[5-9]|[2-9]\d)") == 0
+    assert peer.stop(signal.SIGTERM) == 0
+    assert relay.stop(signal.SIGTERM) == 0

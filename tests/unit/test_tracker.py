@@ -21,9 +21,11 @@ from shardcast.core.tracker import (
     Want,
     abandons,
     judge,
+    judge_continued,
+    judge_finished,
     want,
 )
-from shardcast.wire.finish import RunFinished
+from shardcast.wire.finish import RunContinued, RunFinished
 from shardcast.wire.manifest import Manifest
 from shardcast.wire.messages import VersionAnnouncement
 
@@ -35,8 +37,12 @@ def ann(step: int, digest: str = "a", run: str = RUN) -> VersionAnnouncement:
     return VersionAnnouncement(run, step, digest, (), "Qm-trainer", b"")
 
 
-def fin(step: int, digest: str = "a", run: str = RUN) -> RunFinished:
-    return RunFinished(run, step, digest, "Qm-trainer", b"")
+def fin(step: int, digest: str = "a", run: str = RUN, seq: int = 0) -> RunFinished:
+    return RunFinished(run, step, digest, "Qm-trainer", b"", seq)
+
+
+def cont(step: int, seq: int, run: str = RUN) -> RunContinued:
+    return RunContinued(run, step, seq, "Qm-trainer", b"")
 
 
 class Store:
@@ -114,6 +120,43 @@ def test_run_end_is_lifted_by_a_newer_step_and_a_stale_one_is_refused() -> None:
     assert not t.settled(Store({5: "a"}).digest_of)
     t.finish(fin(6))  # the origin's own
     assert t.finished == fin(6)
+
+
+def test_a_continuation_lifts_the_run_end_and_replays_do_not_flip_it() -> None:
+    """The trainer finished at 5 (seq 1), was restarted with more steps (continued, seq 2),
+    crashed before step 6 and was started again with the old step count (finished, seq 3)."""
+    t = VersionTracker(RUN)
+    t.offer(ann(5), Via.UPSTREAM, 0.0, "r")
+    assert t.offer_finished(fin(5, seq=1)) is FinishedTake.TAKEN
+    assert t.offer_continued(cont(5, 2, run="other")) == (FinishedTake.OTHER_RUN, False)
+    assert t.offer_continued(cont(5, 2)) == (FinishedTake.TAKEN, True)
+    assert t.finished is None
+    assert not t.settled(Store({5: "a"}).digest_of)
+    assert t.offer_continued(cont(5, 2)) == (FinishedTake.NOT_NEWER, False)  # a replay
+    assert t.offer_finished(fin(5, seq=1)) is FinishedTake.NOT_NEWER  # the old end, replayed
+    assert t.offer_finished(fin(5)) is FinishedTake.NOT_NEWER  # one signed without a counter
+    assert t.offer_finished(fin(5, seq=3)) is FinishedTake.TAKEN  # it ended again
+    assert t.offer_continued(cont(5, 2)) == (FinishedTake.NOT_NEWER, False)
+    assert t.finished == fin(5, seq=3)
+    # a continuation known before any run end (this node joined late) is kept, lifts nothing,
+    # and still refuses the older end it supersedes
+    late = VersionTracker(RUN)
+    assert late.offer_continued(cont(5, 2)) == (FinishedTake.TAKEN, False)
+    assert late.offer_finished(fin(5, seq=1)) is FinishedTake.NOT_NEWER
+    assert late.offer_finished(fin(6, seq=1)) is FinishedTake.TAKEN  # a later step's end
+    # the origin's own
+    t.continue_(cont(5, 4))
+    assert (t.finished, t.continued) == (None, cont(5, 4))
+
+
+def test_judging_run_ends_is_pure_and_ordered_by_step_then_seq() -> None:
+    assert judge_continued(None, None, cont(3, 1), RUN) is FinishedTake.TAKEN
+    assert judge_continued(fin(3, seq=2), None, cont(3, 1), RUN) is FinishedTake.NOT_NEWER
+    assert judge_continued(fin(3, seq=2), None, cont(3, 3), RUN) is FinishedTake.TAKEN
+    assert judge_continued(fin(4, seq=1), None, cont(3, 9), RUN) is FinishedTake.NOT_NEWER
+    assert judge_continued(None, cont(3, 3), cont(3, 3), RUN) is FinishedTake.NOT_NEWER
+    assert judge_finished(None, None, fin(3, seq=1), RUN, cont(3, 2)) is FinishedTake.NOT_NEWER
+    assert judge_finished(None, None, fin(4, seq=1), RUN, cont(3, 2)) is FinishedTake.TAKEN
 
 
 def _manifest(step: int, base_step: int | None, base_digest: str | None) -> Manifest:
