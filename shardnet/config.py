@@ -95,7 +95,11 @@ class CommonSettings(BaseSettings):
         examples=["my-run"],
     )
     data_dir: Path = Field(Path("shardnet-data"), description="versions, key and state")
-    key: Path | None = Field(None, description="Ed25519 key file (default DATA_DIR/node.key)")
+    key: Path | None = Field(
+        None,
+        description="Ed25519 key file made by `shardnet keygen` (default: DATA_DIR/node.key, "
+        "created on first start)",
+    )
     listen: list[str] = Field(
         [],
         description="libp2p listen multiaddrs (default /ip4/0.0.0.0/tcp/PORT with the role's "
@@ -257,9 +261,9 @@ class CommonSettings(BaseSettings):
                 use or an address is not this host's, or ``announce``/``public_host``/
                 ``public_url`` when it names an address family nothing binds.
         """
-        _check_writable_dir(self.data_dir, "data_dir")
         if self.key is not None and not self.key.exists():
-            _check_writable_dir(self.key.parent, "key")
+            raise _missing_key(self.key)
+        _check_writable_dir(self.data_dir, "data_dir")
         for name in ("report", "ready_file"):
             path = getattr(self, name)
             if path is not None:
@@ -276,8 +280,21 @@ class CommonSettings(BaseSettings):
         ensure_bindable(cfg.http.host, cfg.http.port, "http_port", "HTTP lane", "http_host")
 
     def identity(self) -> Identity:
-        """Load or create the node key (mode 0600)."""
-        return Identity.load_or_create(self.key or self.data_dir / "node.key")
+        """Load the node key named by ``key``, or load or create (mode 0600) the default
+        ``DATA_DIR/node.key``.
+
+        A key named with ``--key`` must exist (``shardnet keygen`` makes one): other nodes pin
+        this node's PeerID, so a mistyped path must not start the node as somebody new.
+
+        Raises:
+            ConfigError: ``key`` does not exist (field ``key``), or a key file is malformed
+                or readable by others.
+        """
+        if self.key is None:
+            return Identity.load_or_create(self.data_dir / "node.key")
+        if not self.key.exists():
+            raise _missing_key(self.key)
+        return Identity.load(self.key)
 
     def listen_multiaddrs(self) -> tuple[str, ...]:
         """``listen``, or all interfaces on the role's port, IPv6 too where this host has
@@ -346,6 +363,15 @@ class CommonSettings(BaseSettings):
                 max_connections_per_ip=self.http_max_connections_per_ip,
             ),
         )
+
+
+def _missing_key(path: Path) -> ConfigError:
+    """The error of a ``--key`` that names no file (a typo must not make a new identity)."""
+    return ConfigError(
+        "key",
+        f"{path}: no such key file (create it with `shardnet keygen --key {path}`, or leave "
+        "--key out to keep one in the data directory)",
+    )
 
 
 def _check_writable_dir(path: Path, option: str) -> None:

@@ -169,6 +169,7 @@ class Emulation:
 
     def _argv(self, n: Node) -> list[str]:
         d = self.wd / n.name
+        Identity.load_or_create(d / "node.key")  # as `shardnet keygen` would: --key must exist
         ip, p2p_port, http_port = self._addr(n)
         ms = self.topo.spec.model
         common = [

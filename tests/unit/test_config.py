@@ -405,6 +405,37 @@ def test_keygen_creates_private_key_once(tmp_path: Path) -> None:
     assert bad.output.startswith("shardnet: error: --key: ")
 
 
+@pytest.mark.parametrize("role", ["relay", "peer", "trainer", "origin"])
+def test_a_missing_key_file_is_a_config_error_not_a_new_identity(
+    tmp_path: Path, role: str
+) -> None:
+    """``--key`` names a key made by ``shardnet keygen``; a mistyped path fails before
+    anything is created (no key, no key directory, no data directory)."""
+    key = tmp_path / "nodir" / "k.key"
+    data = tmp_path / "data"
+    upstream = f"/ip4/127.0.0.1/tcp/9/p2p/{PID}"
+    extra = {
+        "relay": ["--trainer-id", PID, "--upstream", upstream],
+        "peer": ["--trainer-id", PID, "--bootstrap", upstream],
+        "trainer": [],
+        "origin": ["--watch", str(tmp_path)],
+    }[role]
+    args = [role, "--key", str(key), "--data-dir", str(data), *extra]
+    result = CliRunner().invoke(app, args)
+    assert result.exit_code == 2, result.output
+    assert result.output.strip() == (
+        f"shardnet: error: --key: {key}: no such key file (create it with `shardnet keygen "
+        f"--key {key}`, or leave --key out to keep one in the data directory)"
+    )
+    assert not key.parent.exists()
+    assert not data.exists()
+    # without --key, the data directory's key is created on first start, as before
+    settings = load_settings(OriginSettings, None, {"watch": tmp_path, "data_dir": data})
+    ident = settings.identity()
+    assert (data / "node.key").is_file()
+    assert settings.identity().peer_id == ident.peer_id
+
+
 def test_relay_without_upstream_is_a_config_error(tmp_path: Path) -> None:
     result = CliRunner().invoke(app, ["relay", "--trainer-id", PID, "--data-dir", str(tmp_path)])
     assert result.exit_code == 2
