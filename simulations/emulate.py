@@ -168,6 +168,8 @@ class Emulation:
         return self.lab.ports[n.index].ip, 4001, 8000
 
     def _argv(self, n: Node) -> list[str]:
+        from p2p.identity import Identity
+
         d = self.wd / n.name
         Identity.load_or_create(d / "node.key")  # as `shardnet keygen` would: --key must exist
         ip, p2p_port, http_port = self._addr(n)
