@@ -406,9 +406,7 @@ def test_keygen_creates_private_key_once(tmp_path: Path) -> None:
 
 
 @pytest.mark.parametrize("role", ["relay", "peer", "trainer", "origin"])
-def test_a_missing_key_file_is_a_config_error_not_a_new_identity(
-    tmp_path: Path, role: str
-) -> None:
+def test_a_missing_key_file_is_a_config_error_not_a_new_identity(tmp_path: Path, role: str) -> None:
     """``--key`` names a key made by ``shardnet keygen``; a mistyped path fails before
     anything is created (no key, no key directory, no data directory)."""
     key = tmp_path / "nodir" / "k.key"
