@@ -226,7 +226,8 @@ def render(doc: dict[str, Any]) -> RenderableType:
         "versions",
         f"held {_step_list(v.get('committed', []))}; announced "
         f"{_step_list([ann['step']] if ann else [])}; in progress "
-        f"{_step_list(v.get('in_progress', []))}",
+        f"{_step_list(v.get('in_progress', []))}"
+        + (f"; run finished at step {fin['step']}" if (fin := v.get("finished")) else ""),
     )
     chained = v.get("chained") or {}
     if chained:

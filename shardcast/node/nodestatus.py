@@ -9,7 +9,8 @@ wall-clock ISO-8601 (UTC); durations and sizes carry their unit in the key. Sche
       "started_at": "…Z", "uptime_s": 12.3,
       "versions": {"committed": [3, 4], "latest": 4, "in_progress": [5],
                    "chained": {"4": 1},
-                   "announced": {"step": 5, "manifest_digest": "…"} | null},
+                   "announced": {"step": 5, "manifest_digest": "…"} | null,
+                   "finished": {"step": 5, "manifest_digest": "…"} | null},
       "http": {"requests": {"2xx": n, …}, "sent_bytes": n, "received_bytes": n,
                "open_connections": n},
       "libp2p": {"connected_peers": n, "mesh_peers": {"<topic>": n}},
@@ -18,7 +19,8 @@ wall-clock ISO-8601 (UTC); durations and sizes carry their unit in the key. Sche
 
 ``chained`` maps each committed version kept as a chain (:mod:`shardcast.store.chains`: its
 base plus verified delta blobs, no full files) to its depth, the links down to a full version;
-full versions are not listed.
+full versions are not listed. ``finished`` is the trainer's signed end of the run, while in force
+(a newer step or the trainer's continuation lifts it).
 
 Role sections (added through :attr:`ShardcastNode.status_sections`):
 
@@ -87,7 +89,7 @@ def node_status(node: StatusView) -> dict[str, Any]:
     now = time.time()
     http = node.http.statistics()
     steps = node.store.committed_steps()
-    ann = node.announcement
+    ann, fin = node.announcement, node.finished
     out: dict[str, Any] = {
         "schema": SCHEMA,
         "time": iso(now),
@@ -107,6 +109,11 @@ def node_status(node: StatusView) -> dict[str, Any]:
             "announced": (
                 {"step": ann.step, "manifest_digest": ann.manifest_digest}
                 if ann is not None
+                else None
+            ),
+            "finished": (
+                {"step": fin.step, "manifest_digest": fin.manifest_digest}
+                if fin is not None
                 else None
             ),
         },

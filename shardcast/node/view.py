@@ -15,7 +15,7 @@ from p2p.identity import Identity
 from p2p.lanes import Host, HttpLaneClient, HttpLaneServer
 from shardcast.serve import VersionServer
 from shardcast.store import VersionStore
-from shardcast.wire import SignedRunCard, VersionAnnouncement
+from shardcast.wire import RunFinished, SignedRunCard, VersionAnnouncement
 
 __all__ = ["NodeView", "RoleView"]
 
@@ -75,6 +75,11 @@ class NodeView(Protocol):
     @property
     def announcement(self) -> VersionAnnouncement | None:
         """The newest version announcement it knows (None: none)."""
+        ...
+
+    @property
+    def finished(self) -> RunFinished | None:
+        """The trainer's run end, while in force (None: the run goes on)."""
         ...
 
     @property

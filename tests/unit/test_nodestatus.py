@@ -11,6 +11,7 @@ from rich.console import Console
 from p2p.identity import Identity
 from shardcast.core.portmap import MapFailure, Mapping, PortMapPolicy
 from shardcast.node.nodestatus import node_status
+from shardcast.wire.finish import RunFinished
 from shardcast.wire.runcard import EngineSpec, RunCard, SamplingRules, TaskSpec, sign_card
 from shardnet.status import render
 
@@ -33,6 +34,7 @@ def _node(card: object) -> Any:
         store=SimpleNamespace(committed_steps=lambda: [3], chain_depth=lambda step: 0),
         server=SimpleNamespace(in_progress=lambda: []),
         announcement=None,
+        finished=None,
         metrics=SimpleNamespace(requests_by_class={"2xx": 1}, observability_bytes=0),
         client=SimpleNamespace(statistics=lambda: SimpleNamespace(bytes_received=5)),
         started_at=time.time() - 5,
@@ -207,3 +209,18 @@ def test_status_renders_port_mapping() -> None:
     assert "mapped http 8003->203.0.113.7:40001; lease left 50m00s" in text
     assert "lane reachable (advertised)" in text
     assert "last error refused: ConflictInMappingEntry" in text
+
+
+def test_status_says_when_the_run_finished() -> None:
+    node = _node(None)
+    doc = node_status(node)
+    assert doc["versions"]["finished"] is None
+    console = Console(width=200, record=True)
+    console.print(render(doc))
+    assert "finished" not in console.export_text()
+    node.finished = RunFinished.create(TRAINER, "run-1", 3, "ab" * 32, seq=1)
+    doc = node_status(node)
+    assert doc["versions"]["finished"] == {"step": 3, "manifest_digest": "ab" * 32}
+    console = Console(width=200, record=True)
+    console.print(render(doc))
+    assert "run finished at step 3" in console.export_text()
