@@ -434,7 +434,11 @@ class Validator:
     def _reject(self, reason: RejectReason, detail: str, n: int, batch: RolloutBatch) -> Verdict:
         self._rejected_batches += 1
         self._rejected[reason] += n
-        log.warning(
+        # A duplicate is routine (an ack lost, or a peer that regenerated for a restarted
+        # trainer while the gossip copy of its earlier batch still arrived) and harmless: it is
+        # counted and scored, and logged at INFO. Every other rejection is worth a look.
+        log.log(
+            logging.INFO if reason is RejectReason.DUPLICATE else logging.WARNING,
             "batch_rejected submitter=%s step=%d reason=%s detail=%s",
             batch.submitter[-8:],
             batch.policy_step,

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import logging
 from collections.abc import Iterator, Sequence
 from pathlib import Path
 
@@ -149,11 +150,19 @@ def test_each_check_rejects(world: tuple[TrainerOracle, RolloutBatch, Path]) -> 
     )
 
 
-def test_duplicate_batch_rejected(world: tuple[TrainerOracle, RolloutBatch, Path]) -> None:
+def test_duplicate_batch_rejected(
+    world: tuple[TrainerOracle, RolloutBatch, Path], caplog: pytest.LogCaptureFixture
+) -> None:
     oracle, batch, _ = world
     v = _validator(oracle)
     assert v.check(batch, sender=PEER.peer_id, current_step=0).accepted
-    assert v.check(batch, sender=PEER.peer_id, current_step=0).reason == "duplicate"
+    with caplog.at_level(logging.INFO, logger="rollout.verify"):
+        assert v.check(batch, sender=PEER.peer_id, current_step=0).reason == "duplicate"
+        bad = dataclasses.replace(batch, policy_step=7)
+        assert not v.check(bad, sender=PEER.peer_id, current_step=0).accepted
+    # a duplicate is routine (INFO); any other rejection is a WARNING
+    levels = [(r.levelno, "reason=duplicate" in r.getMessage()) for r in caplog.records]
+    assert levels == [(logging.INFO, True), (logging.WARNING, False)]
 
 
 def test_partial_batch_twice_for_one_step_is_a_duplicate(
