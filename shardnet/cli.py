@@ -147,7 +147,12 @@ def status(
     interval_s: Annotated[float, Opt("--interval-s", help="Refresh period, seconds.")] = 2.0,
 ) -> None:
     """Show a node's status: versions, downloads, upstreams, known nodes, rollouts, run card."""
+    from shardnet import logs
     from shardnet.status import run_status
+
+    # The tables, or one line saying why there are none: the dial's own log records (ours
+    # and py-libp2p's) would only repeat that line in another form.
+    logs.configure("CRITICAL")
 
     raise typer.Exit(run_status(target, json_out, watch, interval_s))
 

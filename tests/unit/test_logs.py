@@ -80,6 +80,12 @@ def test_expected_library_noise_only_at_debug(capsys: pytest.CaptureFixture[str]
     configure("INFO", name="peer")
     logging.getLogger("libp2p.pubsub.gossipsub").warning(graft, "12D3KooWX")
     logging.getLogger("libp2p.transport.tcp.tcp").error("Failed to open TCP stream: x")
+    logging.getLogger("libp2p.pubsub.gossipsub").warning(
+        "GRAFT flood detected from peer %s for topic %s, applying penalty", "12D3KooWX", "t"
+    )
+    logging.getLogger("libp2p.host.basic_host").error(
+        "Failed to open stream to peer %s:\n  Error: handshake read failed", "12D3KooWX"
+    )
     logging.getLogger("libp2p.pubsub.gossipsub").warning("something else")
     err = capsys.readouterr().err.splitlines()
     assert len(err) == 1

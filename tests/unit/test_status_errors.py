@@ -1,6 +1,9 @@
-"""``shardnet status`` names an unreachable target once, with what failed."""
+"""``shardnet status`` names an unreachable target once, with what failed, and nothing else."""
 
 from __future__ import annotations
+
+import subprocess
+import sys
 
 import pytest
 
@@ -15,3 +18,32 @@ async def test_an_unreachable_target_is_named_once() -> None:
     msg = str(err.value)
     assert msg.startswith(f"{target}: connect failed"), msg
     assert msg.count(target) == 1, msg
+
+
+FAKE_DIAL = """
+import logging
+import typer
+import shardnet.status
+
+def fake_run_status(target, *_):
+    logging.getLogger("p2p.host").warning("dial_failed addr=%s", target)
+    logging.getLogger("libp2p.network.swarm").error("failed to upgrade security")
+    typer.echo(f"shardnet status: {target}: dial failed", err=True)
+    return 1
+
+shardnet.status.run_status = fake_run_status
+from shardnet.cli import app
+app(["status", "http://127.0.0.1:9"])
+"""
+
+
+def test_the_status_command_prints_its_line_and_no_dial_logs() -> None:
+    """A failed dial logs on its way (ours: ``dial_failed``; py-libp2p's: the handshake);
+    the command prints only its own one-line reason (a process of its own: pytest's log
+    capture would hide what Python's last-resort handler prints)."""
+    done = subprocess.run(
+        [sys.executable, "-c", FAKE_DIAL], capture_output=True, text=True, timeout=120
+    )
+    assert done.returncode == 1
+    assert done.stderr == "shardnet status: http://127.0.0.1:9: dial failed\n"
+    assert done.stdout == ""
