@@ -210,6 +210,16 @@ def _row(table: Table, *cells: RenderableType) -> None:
     table.add_row(*(Text(c) if isinstance(c, str) else c for c in cells))
 
 
+ROLLOUT_LABELS = {
+    # a batch announced directly and then again by gossip (every batch, in a clean run)
+    "redelivered": "also by 2nd route",
+    # the same batch again by a route that had carried it (a retry after a lost ack)
+    "duplicates": "repeats",
+}
+"""Labels of the trainer's rollout counters in the table, where the JSON key reads like a
+fault (the JSON keeps its keys)."""
+
+
 def render(doc: dict[str, Any]) -> RenderableType:
     """Tables for one status document."""
     parts: list[RenderableType] = []
@@ -341,7 +351,7 @@ def render(doc: dict[str, Any]) -> RenderableType:
                 for label, rows in _acceptance_rows(val):
                     _row(t, label, rows)
                 continue
-            _row(t, k.replace("_", " "), _fmt(val))
+            _row(t, ROLLOUT_LABELS.get(k, k.replace("_", " ")), _fmt(val))
         if tr and tr.get("reputation", {}).get("scores"):
             rep = tr["reputation"]
             _row(

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 import time
 from types import SimpleNamespace
 from typing import Any, cast
@@ -104,7 +105,8 @@ def test_status_renders_rollout_acceptance_as_text() -> None:
     assert "257-1024: 0 decided, 8 admitted, 6 trained, 2 late" in text
     assert "acceptance by submitter" in text
     assert TRAINER.peer_id[-8:] in text
-    assert "redelivered" in text
+    assert re.search(r"also by 2nd route\s+│ 26 ", text)  # a clean run's gossip copies
+    assert "redelivered" not in text
     assert "{" not in text
     assert "acceptance_rate" not in text
 
