@@ -157,6 +157,16 @@ class PaceMeter:
         self._order.append(step)
         self._seen[step] = at_s
 
+    def trainer_resumed(self, step: int, at_s: float) -> None:
+        """Start the clock again at ``at_s`` for version ``step``, the newest held here: the
+        trainer paused (a finished run it continued, or a restart) and takes rollouts of
+        ``step`` from now. The versions seen before the pause are forgotten, so neither the
+        batch's budget nor the step interval counts the pause (until two versions are seen
+        again, only a newer version cuts a batch)."""
+        self._seen.clear()
+        self._order.clear()
+        self.version_seen(step, at_s)
+
     def seen_at(self, step: int, default: float) -> float:
         """When ``step`` was committed here, or ``default`` if it was not recorded."""
         return self._seen.get(step, default)

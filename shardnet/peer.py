@@ -271,7 +271,7 @@ class InferencePeer:
             if node.finished is not None:
                 await node.wait_change()
                 if node.finished is None:  # the run goes on (continued, or a newer step)
-                    self._wake_generation()
+                    self._trainer_resumed()
                 continue
             await self._ensure_trainer()
             latest = self._latest
@@ -303,7 +303,15 @@ class InferencePeer:
             )
             if not pending:  # what the old process accepted but never trained on is lost
                 self._restart_seen_at = trio.current_time()
-                self._wake_generation()
+                self._trainer_resumed()
+
+    def _trainer_resumed(self) -> None:
+        """The trainer takes rollouts again after a pause (a restart, a continued run): the
+        newest version's batch budget counts from now, not from its commit, and generation
+        wakes up."""
+        if self._latest is not None:
+            self.pace.trainer_resumed(self._latest[0].step, time.monotonic())
+        self._wake_generation()
 
     def _wake_generation(self) -> None:
         self._new_version.set()
@@ -417,7 +425,12 @@ class InferencePeer:
                     f"config.json of version {step} is not the architecture of run "
                     f"card v{card.version}"
                 )
-            held, self._held = self._held, None  # unknown until the swap returns
+            held = self._held
+            if held is not None and held.manifest.digest == signed.digest:
+                # the same version again (regenerating for a restarted or continued trainer)
+                log.info("engine_weights_kept step=%d reason=already_loaded", step)
+                return await _abandoned_on_cancel(load_tokenizer, path)
+            self._held = None  # unknown until the swap returns
             swap = await _abandoned_on_cancel(
                 swap_weights, self.engine, store, signed, path, held, self.node.metrics.stage_cpu
             )

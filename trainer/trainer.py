@@ -67,7 +67,14 @@ from rollout.verify import DEFAULT_PROFILES, EngineProfile, Validator, Validator
 from shardcast.node import ShardcastNode, iso, wall_of
 from shardcast.publish import Origin, PreEncoded
 from shardcast.store import latest_committed
-from shardcast.wire import RunCard, SamplingRules, TaskSpec, architecture_digest, next_card
+from shardcast.wire import (
+    RunCard,
+    RunContinued,
+    SamplingRules,
+    TaskSpec,
+    architecture_digest,
+    next_card,
+)
 from trainer.checkpoint import (
     config_json,
     file_bytes,
@@ -105,6 +112,10 @@ if TYPE_CHECKING:
     from trio_typing import TaskStatus
 
 log = logging.getLogger(__name__)
+
+CONTINUE_REPEAT_S = 5.0
+"""Period of the continuation's resending while no newer version is out, seconds (a protocol
+constant, not a setting: the message is ~200 bytes, on the versions topic only)."""
 
 
 @dataclass
@@ -226,7 +237,9 @@ class Trainer:
             if plan.kind is not ResumeKind.FRESH:
                 await self._load_resumed_state(plan, model, optimizer)
             task_status.started(node)
-            start = await self._start(plan, origin, oracle, model, optimizer, tokenizer, staging)
+            start = await self._start(
+                plan, origin, oracle, model, optimizer, tokenizer, staging, nursery
+            )
             for k in range(start, cfg.steps + 1):
                 batches = await self._collect(k)
                 stats = await self._train(model, optimizer, tokenizer, oracle, batches, k)
@@ -337,8 +350,13 @@ class Trainer:
         optimizer: Any,
         tokenizer: Any,
         staging: Path,
+        nursery: trio.Nursery,
     ) -> int:
-        """Publish (or re-announce) the version training starts from; returns the next step."""
+        """Publish (or re-announce) the version training starts from; returns the next step.
+
+        On a finished run with more steps to go, the continuation is sent again in the
+        background (``nursery``) until the next version is out (see :meth:`_repeat_continued`).
+        """
         if plan.kind is ResumeKind.RESUME:
             await self._resume(origin, oracle, plan.step)
             if plan.step >= self.config.steps:
@@ -349,7 +367,9 @@ class Trainer:
             else:
                 # Followers may hold this run's signed end (an earlier process finished it):
                 # peers that hold it say no hello and send no rollouts, so lift it first.
-                await origin.announce_continued()
+                cont = await origin.announce_continued()
+                if cont is not None:
+                    nursery.start_soon(self._repeat_continued, origin, cont)
                 await self._wait_joined()
             return plan.step + 1
         step = 0 if plan.kind is ResumeKind.FRESH else plan.step
@@ -358,6 +378,22 @@ class Trainer:
         await self._wait_joined()
         await self._publish(origin, oracle, model, tokenizer, staging, step, optimizer)
         return step + 1
+
+    async def _repeat_continued(self, origin: Origin, cont: RunContinued) -> None:
+        """Send the continuation ``cont`` again every :data:`CONTINUE_REPEAT_S` until a newer
+        version is published (which lifts the run end by itself) or the run ends again.
+
+        Sent once, it reaches only the nodes connected at that instant, which after a restart
+        is often none: relays and peers that hold the run end poll minutes apart
+        (``finished_poll_interval_s``), and peers send no hello until they learn it.
+        """
+        assert self.node is not None
+        node = self.node
+        while True:
+            await trio.sleep(CONTINUE_REPEAT_S)
+            if self.published > cont.step or node.finished is not None:
+                return
+            await origin.resend(cont)
 
     async def _register_versions(self, oracle: TrainerOracle, newest: int) -> None:
         """Give the validator the committed versions of the async window ending at ``newest``."""

@@ -416,6 +416,12 @@ class Origin:
         log.info("run_continued_announced step=%d seq=%d", msg.step, seq)
         return msg
 
+    async def resend(self, msg: RunContinued | RunFinished | VersionAnnouncement) -> None:
+        """Send an already signed versions-topic message again (gossip is best effort: a
+        node that was not connected when it was first sent never saw it)."""
+        node = self.node
+        await node.p2p.publish(versions_topic(node.config.run_id), msg.encode())
+
     def egress_bytes(self) -> int:
         """Body bytes the origin's HTTP lane has sent so far."""
         return self.node.http.statistics().bytes_sent

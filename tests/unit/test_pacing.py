@@ -104,6 +104,24 @@ def test_meter_measures_cadence_and_group_time() -> None:
     assert off.decide(8, 8, step=0, newest=9, now_s=0.0, async_level=0) is Pace.COMPLETE
 
 
+def test_a_pause_of_the_trainer_is_not_counted_against_the_next_batch() -> None:
+    """Version 4 was committed at t=140 and the trainer then stopped (the run finished); it
+    continued at t=500. Counted from the commit, the batch of 4 would be cut at once; counted
+    from the continuation, with the step history before the pause forgotten, it is not."""
+    m = PaceMeter(PacingConfig(group_weight=0.5))
+    for step, t in ((2, 120.0), (3, 130.0), (4, 140.0)):
+        m.version_seen(step, t)
+    m.group_done(3.0)
+    assert m.decide(1, 8, step=4, newest=4, now_s=501.0, async_level=2) is Pace.TIME_BUDGET
+    m.trainer_resumed(4, 500.0)
+    assert m.seen_at(4, -1.0) == 500.0
+    assert m.seen_at(3, -1.0) == -1.0
+    assert m.step_interval_s() is None  # the pause is no step interval
+    assert m.decide(1, 8, step=4, newest=4, now_s=501.0, async_level=2) is Pace.GENERATE
+    m.version_seen(5, 510.0)
+    assert m.step_interval_s() == 10.0
+
+
 @pytest.mark.parametrize(
     "kw", [{"margin_steps": -1.0}, {"margin_steps": math.inf}, {"group_weight": 0.0}]
 )
