@@ -19,6 +19,7 @@ class                       meaning
 ``PeerUnreachable``         could not dial / connect to a peer or an HTTP source
 ``StreamBroken``            an established stream/transfer ended early or timed out
 ``MessageTooLarge``         a frame or body exceeded the configured bound
+``NotHeld``                 a request names what this node held once and dropped (no fault)
 ==========================  =====================================================
 """
 
@@ -152,6 +153,12 @@ class StreamBroken(TransportError):
 
 class MessageTooLarge(RemoteProtocolError):
     """A frame, response or body exceeded the configured bound (the sender's fault)."""
+
+
+class NotHeld(ShardnetError):
+    """A request names something this node held and has since dropped (a rollout batch
+    delivered and acknowledged, asked for again by a trainer restarted since): refused
+    without blaming the asker, and logged at INFO (see :meth:`p2p.host.P2PNode.serve`)."""
 
 
 BASE58_CHARS = frozenset(base58.BITCOIN_ALPHABET.decode("ascii"))

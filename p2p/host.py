@@ -99,6 +99,7 @@ from p2p.errors import (
     ConfigError,
     LocalProtocolError,
     MessageTooLarge,
+    NotHeld,
     PeerIdMismatch,
     PeerUnreachable,
     RemoteProtocolError,
@@ -886,8 +887,9 @@ class P2PNode:
         and the response then get ``timeout_s``.
         A request over ``max_request_bytes`` is refused before the handler runs. A handler that
         raises a :class:`ShardnetError` resets the stream (the caller sees ``StreamBroken``);
-        the error is logged with the caller's short PeerID, and a
-        :class:`RemoteProtocolError` (the caller's fault) lowers the caller's score.
+        the error is logged with the caller's short PeerID (at WARNING; at INFO for
+        :class:`NotHeld`, which blames nobody), and a :class:`RemoteProtocolError` (the
+        caller's fault) lowers the caller's score.
         """
         limits = self.config.limits
         self._guard.resources.set_limit(
@@ -1069,7 +1071,8 @@ class P2PNode:
                     )
                 await VarIntLengthMsgReadWriter(stream, max_response_bytes).write_msg(response)
             except ShardnetError as exc:
-                log.warning(
+                log.log(
+                    logging.INFO if isinstance(exc, NotHeld) else logging.WARNING,
                     "request_refused protocol=%s peer=%s error=%s",
                     protocol,
                     short_id(sender),

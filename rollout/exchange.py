@@ -34,7 +34,14 @@ from dataclasses import dataclass
 import trio
 
 from p2p import wire
-from p2p.errors import ConfigError, RemoteProtocolError, ShardnetError, TransportError, short_id
+from p2p.errors import (
+    ConfigError,
+    NotHeld,
+    RemoteProtocolError,
+    ShardnetError,
+    TransportError,
+    short_id,
+)
 from p2p.identity import Identity
 from p2p.lanes import Host
 from rollout.schema import MAX_BATCH_BYTES, RolloutAnnouncement, rollouts_topic
@@ -46,6 +53,9 @@ FETCH_PROTOCOL = "/shardnet/rollout/fetch/1.0.0"
 STATUS_PROTOCOL = "/shardnet/status/1.0.0"
 ACK_STATUSES = ("accepted", "rejected", "ignored", "retry")
 MAX_ACK_BYTES = 4096
+DROPPED_KEPT = 1024
+"""Ids of delivered batches a sender remembers (32 bytes each), so that a fetch of one of them
+by a restarted trainer is answered "no longer held" rather than charged as a bad request."""
 
 
 @dataclass(frozen=True)
@@ -167,6 +177,9 @@ class RolloutSender:
         self._idle.set()
         self._submitted = self._retries = self._given_up = self._served = 0
         self._acked: dict[str, int] = {}
+        # ids of batches handed over and dropped, newest last (bounded): a restarted trainer
+        # that heard an old announcement again asks for them; that is no offence
+        self._dropped: dict[str, None] = {}
         self.acks: list[Ack] = []
         node.serve(
             FETCH_PROTOCOL,
@@ -183,6 +196,8 @@ class RolloutSender:
         batch_id = wire.need_str(req, "batch_id", 32, sender)
         payload = self._pending.get(batch_id)
         if payload is None:
+            if batch_id in self._dropped:
+                raise NotHeld(f"batch {batch_id[:8]} was delivered and is no longer held")
             raise RemoteProtocolError(sender, f"unknown batch {batch_id}")
         self._served += 1
         return payload
@@ -237,6 +252,9 @@ class RolloutSender:
                 backoff = min(backoff * 2, self.config.backoff_max_s)
         finally:
             self._pending.pop(ann.batch_id, None)
+            self._dropped[ann.batch_id] = None
+            if len(self._dropped) > DROPPED_KEPT:
+                del self._dropped[next(iter(self._dropped))]
             self._room.release()
             if not self._pending:
                 self._idle.set()

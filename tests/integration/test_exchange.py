@@ -12,13 +12,16 @@ from pathlib import Path
 import pytest
 import trio
 
+from p2p import wire
+from p2p.errors import TransportError
 from p2p.host import HostConfig, P2PNode
 from p2p.identity import Identity
-from rollout.exchange import ANNOUNCE_PROTOCOL, Ack, RolloutSender, SenderConfig
+from rollout.exchange import ANNOUNCE_PROTOCOL, FETCH_PROTOCOL, Ack, RolloutSender, SenderConfig
 from rollout.inbox import InboxConfig, RolloutInbox
 from rollout.model import build_tokenizer
 from rollout.reputation import Reputation, ReputationConfig
 from rollout.schema import (
+    MAX_BATCH_BYTES,
     Group,
     RolloutAnnouncement,
     RolloutBatch,
@@ -290,3 +293,31 @@ async def test_second_route_is_redelivery_not_duplicate(tmp_path: Path) -> None:
         stats = w.inbox.statistics()
         assert (stats.redelivered, stats.duplicates) == (1, 2)
         assert stats.by_submitter[PEER.peer_id].decided == 1  # still decided exactly once
+
+
+async def test_a_delivered_batch_asked_for_again_is_not_held_and_no_offence(
+    tmp_path: Path,
+) -> None:
+    """A restarted trainer hears an old announcement again (gossip) and asks for a batch its
+    previous process acknowledged: the peer no longer holds it and says so without charging
+    the trainer; an id it never sent is still a bad request."""
+    async with world(tmp_path) as w, trio.open_nursery() as n:
+        ann = await w.sender.submit(make_batch(w.oracle, PEER.peer_id, 0).encode(), 0, n)
+        with trio.fail_after(20):
+            await w.sender.wait_idle()
+
+        async def fetch(batch_id: str) -> None:
+            await w.trainer.request(
+                PEER.peer_id,
+                FETCH_PROTOCOL,
+                wire.encode({"v": 1, "batch_id": batch_id}),
+                max_response_bytes=MAX_BATCH_BYTES,
+                timeout_s=10,
+            )
+
+        with pytest.raises(TransportError):
+            await fetch(ann.batch_id)
+        assert w.peer.boundary_statistics().peers.offences.get("bad_request", 0) == 0
+        with pytest.raises(TransportError):
+            await fetch("00" * 16)
+        assert w.peer.boundary_statistics().peers.offences.get("bad_request", 0) == 1
