@@ -121,11 +121,19 @@ class Identity:
         Raises:
             ConfigError: missing, unreadable, wrong key type, or too permissive mode.
         """
+        if str(path) in ("", "."):
+            raise ConfigError("key", f"{str(path)!r} names no key file: give the key file's path")
+        if path.is_dir():
+            raise ConfigError("key", f"{path} is a directory, not a key file")
         try:
             st = path.stat()
             data = path.read_bytes()
         except OSError as exc:
-            raise ConfigError("key", f"cannot read {path}: {exc}") from exc
+            raise ConfigError("key", f"cannot read {path}: {exc.strerror or exc}") from exc
+        if not data:
+            raise ConfigError(
+                "key", f"{path} is empty (make a key with `shardnet keygen --key {path}`)"
+            )
         if st.st_mode & 0o077:
             raise ConfigError(
                 "key",

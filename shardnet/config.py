@@ -261,8 +261,8 @@ class CommonSettings(BaseSettings):
                 use or an address is not this host's, or ``announce``/``public_host``/
                 ``public_url`` when it names an address family nothing binds.
         """
-        if self.key is not None and not self.key.exists():
-            raise _missing_key(self.key)
+        if self.key is not None:  # read before anything is created (data_dir below)
+            self.identity()
         _check_writable_dir(self.data_dir, "data_dir")
         for name in ("report", "ready_file"):
             path = getattr(self, name)
@@ -292,7 +292,7 @@ class CommonSettings(BaseSettings):
         """
         if self.key is None:
             return Identity.load_or_create(self.data_dir / "node.key")
-        if not self.key.exists():
+        if str(self.key) not in ("", ".") and not self.key.exists():
             raise _missing_key(self.key)
         return Identity.load(self.key)
 

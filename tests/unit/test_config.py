@@ -11,6 +11,7 @@ import pytest
 from typer.testing import CliRunner
 
 from p2p.errors import ConfigError
+from p2p.identity import Identity
 from shardnet.cli import ROLES, app
 from shardnet.config import (
     OriginSettings,
@@ -427,6 +428,29 @@ def test_a_missing_key_file_is_a_config_error_not_a_new_identity(tmp_path: Path,
     )
     assert not key.parent.exists()
     assert not data.exists()
+    # a key path that exists but holds no usable key: one line each, nothing created
+    bad = tmp_path / "bad"
+    bad.mkdir()
+    (bad / "empty.key").touch(mode=0o600)
+    (bad / "garbage.key").write_bytes(b"garbage")
+    (bad / "garbage.key").chmod(0o600)
+    Identity.load_or_create(bad / "open.key")
+    (bad / "open.key").chmod(0o644)
+    for path, says in (
+        (bad, "is a directory, not a key file"),
+        (bad / "empty.key", "is empty (make a key with `shardnet keygen"),
+        (bad / "garbage.key", "is not a libp2p private key"),
+        (bad / "open.key", "is accessible by group/others (mode 644); run: chmod 600"),
+        (Path(""), "'.' names no key file"),
+    ):
+        args[2] = str(path)
+        result = CliRunner().invoke(app, args)
+        assert result.exit_code == 2, result.output
+        out = result.output.strip()
+        assert out.startswith("shardnet: error: --key: "), out
+        assert says in out, out
+        assert len(out.splitlines()) == 1
+        assert not data.exists()
     # without --key, the data directory's key is created on first start, as before
     settings = load_settings(OriginSettings, None, {"watch": tmp_path, "data_dir": data})
     ident = settings.identity()
@@ -444,7 +468,6 @@ def test_relay_without_upstream_is_a_config_error(tmp_path: Path) -> None:
 def test_an_upstream_naming_the_node_itself_is_a_config_error(
     tmp_path: Path, role: str, option: str
 ) -> None:
-    from p2p.identity import Identity
 
     key = tmp_path / "node.key"
     me = Identity.load_or_create(key).peer_id
