@@ -294,8 +294,7 @@ def render(doc: dict[str, Any]) -> RenderableType:
     if doc.get("upstreams"):
         t = Table(title="upstreams", title_justify="left")
         for col in ("peer", "state", "role", "latest", "last heard"):
-            t.add_column(col)
-        t.add_column("error", max_width=60, overflow="ellipsis", no_wrap=True)
+            t.add_column(col, no_wrap=True)
         for u in doc["upstreams"]:
             style = "green" if u["state"] == "ready" else "red"
             _row(
@@ -305,9 +304,16 @@ def render(doc: dict[str, Any]) -> RenderableType:
                 u.get("role") or "-",
                 _opt(u.get("latest_step")),
                 _time(u.get("last_heard")),
-                u.get("error") or "",
             )
         parts.append(t)
+        # errors below the table, one line each, clipped at the terminal's width (an error
+        # column squeezed every other column to nothing in 80 columns)
+        for u in doc["upstreams"]:
+            if u.get("error"):
+                line = Text(no_wrap=True, overflow="ellipsis")
+                line.append(f"  {short_id(u['peer_id'])} error: ", style="red")
+                line.append(str(u["error"]))
+                parts.append(line)
     if doc.get("network"):
         latest = (tr or {}).get("published_step")
         window = (tr or {}).get("async_window_versions")

@@ -124,15 +124,24 @@ def test_status_brackets_an_ipv6_lane() -> None:
     assert "http://[fd77::3]:8001" in text
 
 
-def test_a_long_upstream_error_is_clipped_with_an_ellipsis() -> None:
+def test_a_long_upstream_error_is_clipped_at_the_terminal_width() -> None:
     doc = node_status(_node(None))
     long = "request/response exchange failed: " + "x" * 80
     doc["upstreams"] = [{"peer_id": TRAINER.peer_id, "state": "down", "error": long}]
-    console = Console(width=300, record=True)
-    console.print(render(doc))
-    text = console.export_text()
-    assert long[:59] + "\u2026" in text
+    wide = Console(width=300, record=True)
+    wide.print(render(doc))
+    assert long in wide.export_text()  # room for all of it
+    narrow = Console(width=80, record=True)
+    narrow.print(render(doc))
+    text = narrow.export_text()
     assert long not in text
+    line = next(ln for ln in text.splitlines() if "error: request/response" in ln)
+    assert line.rstrip().endswith("\u2026")
+    assert len(line.rstrip()) == 80
+    # the table's columns keep their width in 80 columns (the error squeezed them before)
+    head = next(ln for ln in text.splitlines() if "peer" in ln and "last heard" in ln)
+    for col in ("peer", "state", "role", "latest", "last heard"):
+        assert col in head
 
 
 def test_status_shows_own_reachability_and_each_known_lane() -> None:
