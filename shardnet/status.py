@@ -210,6 +210,33 @@ def _row(table: Table, *cells: RenderableType) -> None:
     table.add_row(*(Text(c) if isinstance(c, str) else c for c in cells))
 
 
+def _upstreams(upstreams: list[dict[str, Any]]) -> list[RenderableType]:
+    """The upstreams table, then each upstream's error on a line of its own."""
+    t = Table(title="upstreams", title_justify="left")
+    for col in ("peer", "state", "role", "latest", "last heard"):
+        t.add_column(col, no_wrap=True)
+    for u in upstreams:
+        style = "green" if u["state"] == "ready" else "red"
+        _row(
+            t,
+            short_id(u["peer_id"]),
+            Text(u["state"], style=style),
+            u.get("role") or "-",
+            _opt(u.get("latest_step")),
+            _time(u.get("last_heard")),
+        )
+    parts: list[RenderableType] = [t]
+    # errors below the table, one line each, clipped at the terminal's width (an error
+    # column squeezed every other column to nothing in 80 columns)
+    for u in upstreams:
+        if u.get("error"):
+            line = Text(no_wrap=True, overflow="ellipsis")
+            line.append(f"  {short_id(u['peer_id'])} error: ", style="red")
+            line.append(str(u["error"]))
+            parts.append(line)
+    return parts
+
+
 ROLLOUT_LABELS = {
     # a batch announced directly and then again by gossip (every batch, in a clean run)
     "redelivered": "also by 2nd route",
@@ -292,28 +319,7 @@ def render(doc: dict[str, Any]) -> RenderableType:
             )
         parts.append(t)
     if doc.get("upstreams"):
-        t = Table(title="upstreams", title_justify="left")
-        for col in ("peer", "state", "role", "latest", "last heard"):
-            t.add_column(col, no_wrap=True)
-        for u in doc["upstreams"]:
-            style = "green" if u["state"] == "ready" else "red"
-            _row(
-                t,
-                short_id(u["peer_id"]),
-                Text(u["state"], style=style),
-                u.get("role") or "-",
-                _opt(u.get("latest_step")),
-                _time(u.get("last_heard")),
-            )
-        parts.append(t)
-        # errors below the table, one line each, clipped at the terminal's width (an error
-        # column squeezed every other column to nothing in 80 columns)
-        for u in doc["upstreams"]:
-            if u.get("error"):
-                line = Text(no_wrap=True, overflow="ellipsis")
-                line.append(f"  {short_id(u['peer_id'])} error: ", style="red")
-                line.append(str(u["error"]))
-                parts.append(line)
+        parts.extend(_upstreams(doc["upstreams"]))
     if doc.get("network"):
         latest = (tr or {}).get("published_step")
         window = (tr or {}).get("async_window_versions")
