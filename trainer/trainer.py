@@ -389,11 +389,11 @@ class Trainer:
         """
         assert self.node is not None
         node = self.node
-        while True:
-            await trio.sleep(CONTINUE_REPEAT_S)
-            if self.published > cont.step or node.finished is not None:
-                return
-            await origin.resend(cont)
+        await origin.resend_until(
+            cont,
+            CONTINUE_REPEAT_S,
+            lambda: self.published > cont.step or node.finished is not None,
+        )
 
     async def _register_versions(self, oracle: TrainerOracle, newest: int) -> None:
         """Give the validator the committed versions of the async window ending at ``newest``."""

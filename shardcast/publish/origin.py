@@ -416,11 +416,27 @@ class Origin:
         log.info("run_continued_announced step=%d seq=%d", msg.step, seq)
         return msg
 
-    async def resend(self, msg: RunContinued | RunFinished | VersionAnnouncement) -> None:
-        """Send an already signed versions-topic message again (gossip is best effort: a
-        node that was not connected when it was first sent never saw it)."""
+    async def resend_until(
+        self,
+        msg: RunContinued | RunFinished | VersionAnnouncement,
+        interval_s: float,
+        done: Callable[[], bool],
+    ) -> None:
+        """Send an already signed versions-topic message again every ``interval_s`` seconds
+        until ``done()`` (checked before each send). Gossip reaches only the nodes connected
+        at the instant of sending: a node that reconnects later would otherwise learn the
+        message only at its next info poll.
+
+        Raises:
+            MessageTooLarge: never for a message this origin signed (bounded bodies).
+        """
         node = self.node
-        await node.p2p.publish(versions_topic(node.config.run_id), msg.encode())
+        data = msg.encode()
+        while True:
+            await trio.sleep(interval_s)
+            if done():
+                return
+            await node.p2p.publish(versions_topic(node.config.run_id), data)
 
     def egress_bytes(self) -> int:
         """Body bytes the origin's HTTP lane has sent so far."""
