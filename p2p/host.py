@@ -515,6 +515,7 @@ class P2PNode:
         self._rng = random.Random(identity.peer_id)  # re-dial jitter: reproducible per node
         self._keepalive_changed = trio.Event()
         self._closing = False
+        self._departures_expected: str | None = None  # see expect_departures
         self._direct_changed = trio.Event()  # set at each new direct connection
         self.circuits: Circuits | None = None
         """Circuit relay v2 and DCUtR (:mod:`p2p.circuits`), when configured."""
@@ -531,8 +532,12 @@ class P2PNode:
     def _on_disconnected(self, peer_id: str) -> None:
         self._keepalive.disconnected(peer_id, trio.current_time(), self._rng)
         if not self._closing and self._keepalive.lost_all():
-            log.warning(
-                "all_kept_peers_lost kept=%d retrying=yes", self._keepalive.statistics().kept
+            expected = self._departures_expected
+            log.log(
+                logging.INFO if expected else logging.WARNING,
+                "all_kept_peers_lost kept=%d retrying=yes%s",
+                self._keepalive.statistics().kept,
+                f" expected={expected}" if expected else "",
             )
         self._wake_keepalive()
 
@@ -763,6 +768,12 @@ class P2PNode:
             self._guard.resources.statistics(),
             self._guard.ledger.statistics(trio.current_time()),
         )
+
+    def expect_departures(self, reason: str | None) -> None:
+        """Say that kept peers may leave for ``reason`` (``"run_finished"``: the trainer
+        exits after the run's end; None: no longer). Losing every kept peer is then logged
+        at INFO with ``expected=<reason>`` instead of at WARNING; re-dialling goes on."""
+        self._departures_expected = reason
 
     def on_peer_gone(self, callback: Callable[[str], None]) -> None:
         """Call ``callback(peer_id)`` (base58) whenever a remote's last connection closes.

@@ -126,6 +126,11 @@ class Host(Protocol):
         """Call ``callback(peer_id)`` when a remote's last connection closes (must not block)."""
         ...
 
+    def expect_departures(self, reason: str | None) -> None:
+        """Say that kept peers may leave for ``reason`` (e.g. ``"run_finished"``; None: no
+        longer): losing all of them is then logged at INFO, not WARNING."""
+        ...
+
     async def connect(self, addr: str) -> str:
         """Dial a ``/p2p/``-suffixed multiaddr; return the remote PeerID.
 

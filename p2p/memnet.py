@@ -438,6 +438,7 @@ class MemHost:
         self._seen: OrderedDict[tuple[str, int], None] = OrderedDict()
         self._seq = 0
         self._gone: list[Callable[[str], None]] = []
+        self.departures_expected: str | None = None  # see expect_departures
         self._loop_lag = LoopLag()
 
     # -- identity and addresses
@@ -492,6 +493,10 @@ class MemHost:
     def on_peer_gone(self, callback: Callable[[str], None]) -> None:
         """Call ``callback(peer_id)`` when a connection closes (synchronously; must not block)."""
         self._gone.append(callback)
+
+    def expect_departures(self, reason: str | None) -> None:
+        """Recorded only (:attr:`departures_expected`): the in-memory host keeps no peers."""
+        self.departures_expected = reason
 
     # -- connections
 

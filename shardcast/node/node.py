@@ -569,6 +569,7 @@ class ShardcastNode:
 
     def _continued_news(self, msg: RunContinued, lifted: bool) -> None:
         log.info("run_continued run=%s step=%d lifted_end=%s", msg.run_id, msg.step, lifted)
+        self.p2p.expect_departures(None)
         self._announced.set()
         self._announced = trio.Event()
 
@@ -584,6 +585,7 @@ class ShardcastNode:
             msg.step,
             msg.manifest_digest[:16],
         )
+        self.p2p.expect_departures("run_finished")  # the trainer leaves after its linger
         self._announced.set()
         self._announced = trio.Event()
 
@@ -595,6 +597,7 @@ class ShardcastNode:
         """
         if self.tracker.take(ann, trio.current_time()):
             log.info("run_resumed run=%s step=%d", ann.run_id, ann.step)
+            self.p2p.expect_departures(None)
         if sender is None:
             log.info(
                 "version_announced run=%s step=%d digest=%s",

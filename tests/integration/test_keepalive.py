@@ -249,3 +249,30 @@ async def test_a_slow_disk_does_not_hold_a_stop(
     async with ShardcastNode.open(Identity.from_seed("slow-disk"), trust(), cfg) as node:
         assert marker.exists()  # this start recovered; the marker is its own again
     assert not marker.exists()
+
+
+@pytest.mark.parametrize("expected", [None, "run_finished"])
+async def test_losing_every_kept_peer_is_a_warning_unless_departures_are_expected(
+    caplog: pytest.LogCaptureFixture, expected: str | None
+) -> None:
+    """After the run's end the trainer leaves (its linger over): the relay that kept it says
+    so at INFO, not WARNING; otherwise losing every kept peer is a WARNING."""
+    a_id, b_id = Identity.from_seed("kd-a"), Identity.from_seed("kd-b")
+    caplog.set_level(logging.INFO, logger="p2p.host")
+    async with P2PNode.open(a_id, HostConfig(keepalive=FAST)) as a:
+        gone = trio.Event()
+        a.on_peer_gone(lambda pid: gone.set())
+        async with P2PNode.open(b_id, HostConfig()) as b:
+            await a.connect(b.multiaddrs()[0])
+            a.expect_departures(expected)
+        with trio.fail_after(30):
+            await gone.wait()
+        await trio.testing.wait_all_tasks_blocked()
+    lost = [r for r in caplog.records if r.getMessage().startswith("all_kept_peers_lost")]
+    assert len(lost) == 1
+    if expected is None:
+        assert lost[0].levelno == logging.WARNING
+        assert "expected=" not in lost[0].getMessage()
+    else:
+        assert lost[0].levelno == logging.INFO
+        assert lost[0].getMessage().endswith("expected=run_finished")
