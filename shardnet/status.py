@@ -43,12 +43,18 @@ def status_url(target: str) -> str | None:
     """The ``/status`` URL for an HTTP target, or None if ``target`` is a multiaddr.
 
     Raises:
-        ConfigError: neither an ``http://`` URL, ``host:port`` nor a ``/p2p/`` multiaddr.
+        ConfigError: neither an ``http://`` URL, ``host:port`` nor a ``/p2p/`` multiaddr, or
+            the multiaddr's PeerID is malformed.
     """
     t = target.strip()
     if t.startswith("/"):
         if "/p2p/" not in t:
             raise ConfigError("target", f"{target!r}: a multiaddr needs /p2p/<PeerID>")
+        from p2p.keys import is_valid_peer_id
+
+        pid = t.split("/p2p/", 1)[1].split("/", 1)[0]
+        if not is_valid_peer_id(pid):
+            raise ConfigError("target", f"{pid!r} is not a PeerID (12D3KooW…, base58)")
         return None
     if "://" not in t:
         t = "http://" + t

@@ -7,7 +7,7 @@ import sys
 
 import pytest
 
-from shardnet.status import StatusError, fetch_status
+from shardnet.status import StatusError, fetch_status, run_status
 from tests.helpers import closed_port
 
 
@@ -47,3 +47,20 @@ def test_the_status_command_prints_its_line_and_no_dial_logs() -> None:
     assert done.returncode == 1
     assert done.stderr == "shardnet status: http://127.0.0.1:9: dial failed\n"
     assert done.stdout == ""
+
+
+@pytest.mark.parametrize(
+    ("target", "says"),
+    [
+        ("/ip4/127.0.0.1/tcp/4001", "a multiaddr needs /p2p/<PeerID>"),
+        ("/ip4/127.0.0.1/tcp/4001/p2p/12D3KooWXXXX", "'12D3KooWXXXX' is not a PeerID"),
+        ("ftp://h:1", "is not http://HOST:PORT or a multiaddr"),
+    ],
+)
+def test_a_malformed_target_is_a_usage_error(
+    target: str, says: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    assert run_status(target) == 2
+    err = capsys.readouterr().err
+    assert says in err, err
+    assert len(err.splitlines()) == 1
