@@ -671,8 +671,13 @@ class P2PNode:
 
     @classmethod
     @asynccontextmanager
-    async def open(cls, identity: Identity, config: HostConfig) -> AsyncIterator[P2PNode]:
+    async def open(
+        cls, identity: Identity, config: HostConfig, *, helper: bool = False
+    ) -> AsyncIterator[P2PNode]:
         """Start the host, listen, and start gossip; stop and close everything on exit.
+
+        ``helper``: a short-lived host that runs before the node's own (the run-card fetch at
+        start): its ``host_started`` line is DEBUG, so an operator sees one host per node.
 
         Raises:
             ConfigError: a listen port is in use or its address is not this host's
@@ -708,7 +713,8 @@ class P2PNode:
                                 parts.watch.node = node
                                 nursery.start_soon(node._watch_loop)
                                 nursery.start_soon(node._keepalive_loop)
-                                log.info(
+                                log.log(
+                                    logging.DEBUG if helper else logging.INFO,
                                     "host_started peer_id=%s addrs=%s",
                                     identity.peer_id,
                                     ",".join(node.multiaddrs()),

@@ -150,7 +150,7 @@ async def bootstrap_card(
     """
     pids = [peer_id_of(a) for a in addrs]
     delay = retry_s
-    async with P2PNode.open(identity, HostConfig(("/ip4/127.0.0.1/tcp/0",))) as p2p:
+    async with P2PNode.open(identity, HostConfig(("/ip4/127.0.0.1/tcp/0",)), helper=True) as p2p:
         while True:
             refused: list[ShardnetError] = []
             for addr, pid in zip(addrs, pids, strict=True):

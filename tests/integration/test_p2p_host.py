@@ -127,3 +127,14 @@ def test_repeat_filter_passes_a_message_once_per_interval() -> None:
         now[0] = float(t)
         seen.append(f.filter(rec(msg)))
     assert seen == [True, False, True, True, True, True]
+
+
+@pytest.mark.parametrize("helper", [False, True])
+async def test_a_helper_host_starts_quietly(helper: bool, caplog: pytest.LogCaptureFixture) -> None:
+    """The short-lived host that fetches the run card before a node starts logs its start at
+    DEBUG: an operator reads one ``host_started`` per node (the node's own)."""
+    caplog.set_level(logging.DEBUG, logger="p2p.host")
+    async with P2PNode.open(Identity.from_seed("helper-host"), HostConfig(), helper=helper):
+        pass
+    started = [r for r in caplog.records if r.getMessage().startswith("host_started")]
+    assert [r.levelno for r in started] == [logging.DEBUG if helper else logging.INFO]
