@@ -363,7 +363,16 @@ class Trainer:
                 # Restarted after the last step: announce the end again at once. Waiting for
                 # the expected peers would take start_wait_s + final_wait_s for nothing, since
                 # peers that saw the signed run end no longer say hello.
-                log.info("run_already_complete step=%d steps=%d", plan.step, self.config.steps)
+                log.log(
+                    logging.WARNING if plan.step > self.config.steps else logging.INFO,
+                    "run_already_complete step=%d steps=%d%s",
+                    plan.step,
+                    self.config.steps,
+                    " hint=--steps is below the newest published step; to go on with the run, "
+                    f"give --steps above {plan.step}"
+                    if plan.step > self.config.steps
+                    else "",
+                )
             else:
                 # Followers may hold this run's signed end (an earlier process finished it):
                 # peers that hold it say no hello and send no rollouts, so lift it first.

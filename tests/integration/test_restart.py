@@ -366,6 +366,11 @@ def test_a_finished_run_continues_when_the_trainer_is_restarted_with_more_steps(
     # its batch for version 0 after the continuation was whole (no cut for staleness)
     assert peer.count(r"rollouts_submitted step=0 .*pace=complete") >= 1
     assert peer.count(r"batch_cut") == 0
+    # a --steps below what was published ends the run again at once, and says why
+    t3 = Node("trainer3", [*trainer_args, "--steps", "0"], logs, {})
+    nodes.append(t3)
+    assert t3.proc.wait(timeout=240) == 0
+    t3.wait_for(r"WARNING .*run_already_complete step=1 steps=0 hint=--steps is below")
     assert t2.count(r"step_ready step=1 ") == 1
     # the relay's settled retries of the departed trainer (minutes apart) were cut short: it
     # fetched step 1 within seconds, and the trainer did not wait for its final broadcast
