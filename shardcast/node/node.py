@@ -35,7 +35,7 @@ from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import trio
 
@@ -72,6 +72,8 @@ from shardcast.wire import (
 )
 
 log = logging.getLogger(__name__)
+
+EndT = TypeVar("EndT", RunFinished, RunContinued)
 
 SUPER_SEED_S = 5.0
 """The super-seeding window the command line's origin and relays use (``serve_once_s``),
@@ -486,21 +488,21 @@ class ShardcastNode:
 
     def offer_finished(self, data: bytes, sender: str) -> RunFinished | None:
         """Verify a run-finished message (e.g. from an info record) and keep it if new."""
-        try:
-            msg = RunFinished.decode(data, trust=self.trust, sender=sender)
-        except ShardnetError as exc:
-            self._rejected(exc, sender)
-            return None
-        return self._keep_finished(msg)
+        msg = self._decode_end(RunFinished, data, sender)
+        return None if msg is None else self._keep_finished(msg)
 
     def offer_continued(self, data: bytes, sender: str) -> RunContinued | None:
         """Verify a run-continued message (e.g. from an info record) and keep it if new."""
+        msg = self._decode_end(RunContinued, data, sender)
+        return None if msg is None else self._keep_continued(msg)
+
+    def _decode_end(self, kind: type[EndT], data: bytes, sender: str) -> EndT | None:
+        """``kind.decode`` of ``data``, or None (logged once per cause) if it does not verify."""
         try:
-            msg = RunContinued.decode(data, trust=self.trust, sender=sender)
+            return kind.decode(data, trust=self.trust, sender=sender)
         except ShardnetError as exc:
             self._rejected(exc, sender)
             return None
-        return self._keep_continued(msg)
 
     def _rejected(self, exc: ShardnetError, sender: str) -> None:
         """Log a refused versions-topic message once per cause (not on every poll)."""

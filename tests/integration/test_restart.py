@@ -20,6 +20,7 @@ import signal
 import subprocess
 import sys
 from pathlib import Path
+from typing import NamedTuple
 
 from p2p.identity import Identity
 from p2p.trust import TrustList
@@ -33,6 +34,30 @@ RUN = "restart"
 SAMPLING = ["--n-prompts", "2", "--group-size", "4", "--max-new-tokens", "8"]
 
 
+class Lab(NamedTuple):
+    """A trainer and a relay on 127.0.0.1: their keys (in ``<tmp>/trainer``, ``<tmp>/relay``),
+    libp2p ports and ``/p2p/`` multiaddrs."""
+
+    trainer_id: str
+    port: int
+    relay_port: int
+    taddr: str
+    raddr: str
+
+    @classmethod
+    def make(cls, tmp_path: Path) -> Lab:
+        trainer_id = Identity.load_or_create(tmp_path / "trainer" / "node.key").peer_id
+        relay_id = Identity.load_or_create(tmp_path / "relay" / "node.key").peer_id
+        port, relay_port = free_port(), free_port()
+        return cls(
+            trainer_id,
+            port,
+            relay_port,
+            f"/ip4/127.0.0.1/tcp/{port}/p2p/{trainer_id}",
+            f"/ip4/127.0.0.1/tcp/{relay_port}/p2p/{relay_id}",
+        )
+
+
 def digest_of(data_dir: Path, step: int, trainer: str) -> str:
     raw = (data_dir / "versions" / RUN / f"step-{step}" / MANIFEST_FILE).read_bytes()
     return Manifest.decode(raw, trust=TrustList(trainer=trainer)).digest
@@ -42,11 +67,8 @@ def test_trainer_sigkill_resumes_at_next_step_and_peer_follows(
     tmp_path: Path, nodes: list[Node]
 ) -> None:
     tdir, pdir, logs = tmp_path / "trainer", tmp_path / "peer", tmp_path / "logs"
-    trainer_id = Identity.load_or_create(tdir / "node.key").peer_id
-    relay_id = Identity.load_or_create(tmp_path / "relay" / "node.key").peer_id
-    port, http_port, relay_port = free_port(), free_port(), free_port()
-    taddr = f"/ip4/127.0.0.1/tcp/{port}/p2p/{trainer_id}"
-    raddr = f"/ip4/127.0.0.1/tcp/{relay_port}/p2p/{relay_id}"
+    trainer_id, port, relay_port, taddr, raddr = Lab.make(tmp_path)
+    http_port = free_port()
     trainer_args = [
         "trainer",
         "--data-dir", str(tdir),
@@ -302,12 +324,8 @@ def test_a_finished_run_continues_when_the_trainer_is_restarted_with_more_steps(
     run continues, the peer that holds the run's end takes it back, says hello, sends
     rollouts for version 0, and the trainer trains and publishes step 1, then ends again."""
     tdir, pdir, logs = tmp_path / "trainer", tmp_path / "peer", tmp_path / "logs"
-    trainer_id = Identity.load_or_create(tdir / "node.key").peer_id
-    relay_id = Identity.load_or_create(tmp_path / "relay" / "node.key").peer_id
+    trainer_id, port, relay_port, taddr, raddr = Lab.make(tmp_path)
     peer_id = Identity.load_or_create(pdir / "node.key").peer_id
-    port, relay_port = free_port(), free_port()
-    taddr = f"/ip4/127.0.0.1/tcp/{port}/p2p/{trainer_id}"
-    raddr = f"/ip4/127.0.0.1/tcp/{relay_port}/p2p/{relay_id}"
     trainer_args = [
         "trainer",
         "--data-dir", str(tdir),
