@@ -279,12 +279,17 @@ def judge_finished(
     known (pure)."""
     if msg.run_id != run_id:
         return FinishedTake.OTHER_RUN
-    newest = max((end_order(m) for m in (finished, continued) if m is not None), default=(-1, -1))
-    if end_order(msg) <= newest:
+    if end_order(msg) <= _newest_end(finished, continued):
         return FinishedTake.NOT_NEWER
     if known is not None and msg.step < known.step:
         return FinishedTake.STALE
     return FinishedTake.TAKEN
+
+
+def _newest_end(finished: RunFinished | None, continued: RunContinued | None) -> tuple[int, int]:
+    """The greater :func:`~shardcast.wire.finish.end_order` of the two known (``(-1, -1)``:
+    neither)."""
+    return max((end_order(m) for m in (finished, continued) if m is not None), default=(-1, -1))
 
 
 def judge_continued(
@@ -297,8 +302,7 @@ def judge_continued(
     (pure). One that is taken lifts the run end known (the caller drops it)."""
     if msg.run_id != run_id:
         return FinishedTake.OTHER_RUN
-    newest = max((end_order(m) for m in (finished, continued) if m is not None), default=(-1, -1))
-    if end_order(msg) <= newest:
+    if end_order(msg) <= _newest_end(finished, continued):
         return FinishedTake.NOT_NEWER
     return FinishedTake.TAKEN
 
