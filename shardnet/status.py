@@ -287,7 +287,7 @@ def render(doc: dict[str, Any]) -> RenderableType:
         head,
         "traffic",
         f"sent {_bytes(http.get('sent_bytes'))}, received {_bytes(http.get('received_bytes'))}"
-        f"; requests {' '.join(f'{k}={n}' for k, n in req.items() if n)}"
+        f"; requests {' '.join(f'{k}={n}' for k, n in req.items() if n) or 'none'}"
         f"; libp2p peers {p2p.get('connected_peers', 0)}",
     )
     reach = doc.get("reachability")

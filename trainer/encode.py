@@ -85,7 +85,12 @@ class TensorEncoder:
         """
         old = self.base_for(base)
         if base is not None and old is None:
-            log.info("tensor_encode_skipped step=%d reason=base_not_held", layouts.step)
+            # after a restart: the base's tensors are no longer in memory; the origin then
+            # encodes the delta from the files (the standalone path), as before
+            log.info(
+                "tensor_encode_skipped step=%d reason=base_not_in_memory fallback=file_diff",
+                layouts.step,
+            )
             return {}
         return {
             name: pre_encode_bytes(

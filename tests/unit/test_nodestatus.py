@@ -235,3 +235,11 @@ def test_status_says_when_the_run_finished() -> None:
     console = Console(width=200, record=True)
     console.print(render(doc))
     assert "run finished at step 3" in console.export_text()
+
+
+def test_status_says_none_for_no_requests() -> None:
+    doc = node_status(_node(None))
+    doc["http"]["requests"] = {"2xx": 0}
+    console = Console(width=200, record=True)
+    console.print(render(doc))
+    assert "requests none;" in console.export_text()
