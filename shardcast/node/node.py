@@ -571,9 +571,7 @@ class ShardcastNode:
 
     def _continued_news(self, msg: RunContinued, lifted: bool) -> None:
         log.info("run_continued run=%s step=%d lifted_end=%s", msg.run_id, msg.step, lifted)
-        self.p2p.expect_departures(None)
-        self._announced.set()
-        self._announced = trio.Event()
+        self._changed()
 
     def set_finished(self, msg: RunFinished) -> None:
         """Record that the run ended at ``msg.step`` (logged once) and wake waiters."""
@@ -587,9 +585,7 @@ class ShardcastNode:
             msg.step,
             msg.manifest_digest[:16],
         )
-        self.p2p.expect_departures("run_finished")  # the trainer leaves after its linger
-        self._announced.set()
-        self._announced = trio.Event()
+        self._changed()
 
     def set_announcement(self, ann: VersionAnnouncement, sender: str | None = None) -> None:
         """Record ``ann`` as the newest known version and wake waiters.
@@ -599,7 +595,6 @@ class ShardcastNode:
         """
         if self.tracker.take(ann, trio.current_time()):
             log.info("run_resumed run=%s step=%d", ann.run_id, ann.step)
-            self.p2p.expect_departures(None)
         if sender is None:
             log.info(
                 "version_announced run=%s step=%d digest=%s",
@@ -615,6 +610,13 @@ class ShardcastNode:
                 ann.manifest_digest[:16],
                 short_id(sender),
             )
+        self._changed()
+
+    def _changed(self) -> None:
+        """Wake what waits for a change (:meth:`wait_change`). While the run's end is in force
+        the host expects its kept peers to leave (the trainer exits after its linger), so
+        losing them is no warning (:meth:`p2p.lanes.Host.expect_departures`)."""
+        self.p2p.expect_departures("run_finished" if self.finished is not None else None)
         self._announced.set()
         self._announced = trio.Event()
 
@@ -633,8 +635,7 @@ class ShardcastNode:
         :mod:`shardcast.store.chains`): wake what waits for a change, so a follower fetches
         the version again. Runs on the event loop (scheduled from the thread that found it)."""
         log.warning("versions_lost steps=%s", steps)
-        self._announced.set()
-        self._announced = trio.Event()
+        self._changed()
 
     def versions_dir(self) -> Path:
         """The run's directory of committed versions."""
