@@ -184,6 +184,22 @@ def need_bytes(
     return val
 
 
+def opt_bytes(
+    msg: Mapping[str, Any],
+    key: str,
+    max_len: int,
+    sender: str = "",
+    *,
+    error: _Error = FieldError,
+    prefix: str = "",
+) -> bytes | None:
+    """``msg[key]`` as bytes of at most ``max_len`` bytes, or None when the field is absent
+    (or null)."""
+    if msg.get(key) is None:
+        return None
+    return need_bytes(msg, key, max_len, sender, error=error, prefix=prefix)
+
+
 def need_list(
     msg: Mapping[str, Any],
     key: str,

@@ -39,6 +39,7 @@ from typing import Any, ClassVar
 from p2p import envelope, wire
 from p2p.envelope import Kind
 from p2p.errors import RemoteProtocolError
+from p2p.fields import opt_int
 from p2p.keys import KeyHolder
 from p2p.trust import TrustList
 from shardcast.wire.canonical import RUN_ID_RE
@@ -107,7 +108,7 @@ class RunFinished(TrainerSigned):
     def _from_body(
         cls, body: dict[str, Any], signer: str, signature: bytes, sender: str
     ) -> RunFinished:
-        seq = wire.need_int(body, "seq", 1, MAX_SEQ, sender) if "seq" in body else 0
+        seq = opt_int(body, "seq", 1, MAX_SEQ, 0, sender)  # absent: signed without a counter
         return cls(
             wire.need_str(body, "run_id", 128, sender, pattern=RUN_ID_RE),
             wire.need_int(body, "step", 0, 1 << 62, sender),

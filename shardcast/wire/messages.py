@@ -26,6 +26,7 @@ from typing import Any, ClassVar, Self
 from p2p import envelope, wire
 from p2p.envelope import Kind
 from p2p.errors import RemoteProtocolError
+from p2p.fields import opt_bytes
 from p2p.keys import KeyHolder, public_key_of
 from p2p.trust import TrustList
 from shardcast.wire.canonical import DIGEST_RE, RUN_ID_RE
@@ -256,22 +257,14 @@ class NodeInfo:
         committed = wire.need_list(obj, "committed", 1024, sender)
         if not all(isinstance(s, int) and not isinstance(s, bool) and s >= 0 for s in committed):
             raise RemoteProtocolError(sender, "committed must be non-negative integers")
-        ann = obj.get("announcement")
-        if ann is not None and (not isinstance(ann, bytes) or len(ann) > MAX_ANNOUNCEMENT_BYTES):
-            raise RemoteProtocolError(sender, "announcement must be bytes")
-        fin, cont = obj.get("finished"), obj.get("continued")
-        if fin is not None and (not isinstance(fin, bytes) or len(fin) > MAX_ANNOUNCEMENT_BYTES):
-            raise RemoteProtocolError(sender, "finished must be bytes")
-        if cont is not None and (not isinstance(cont, bytes) or len(cont) > MAX_ANNOUNCEMENT_BYTES):
-            raise RemoteProtocolError(sender, "continued must be bytes")
         return cls(
             peer_id,
             role,
             wire.need_str(obj, "run_id", 128, sender),
             url,
             tuple(committed),
-            ann,
+            opt_bytes(obj, "announcement", MAX_ANNOUNCEMENT_BYTES, sender),
             *_card_ref(obj.get("card"), sender),
-            fin,
-            cont,
+            opt_bytes(obj, "finished", MAX_ANNOUNCEMENT_BYTES, sender),
+            opt_bytes(obj, "continued", MAX_ANNOUNCEMENT_BYTES, sender),
         )
