@@ -30,6 +30,7 @@ from p2p.errors import ConfigError, IntegrityError, ShardnetError, short_id
 from p2p.host import HostConfig, P2PNode, peer_id_of
 from p2p.identity import Identity
 from p2p.lanes import Host
+from shardcast.store import replace_file
 from shardcast.wire import (
     CARD_FILE,
     MAX_CARD_BYTES,
@@ -97,13 +98,7 @@ def save_card(data_dir: Path, card: SignedRunCard, durable: bool) -> None:
     """Store ``card`` as ``data_dir/runcard.json`` (temporary file, rename; fsync if durable)."""
     path = card_path(data_dir)
     path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    with open(tmp, "wb") as fh:
-        fh.write(card.encode())
-        if durable:
-            fh.flush()
-            os.fsync(fh.fileno())
-    os.replace(tmp, path)
+    replace_file(path, card.encode(), durable=durable)
 
 
 async def fetch_card(

@@ -47,7 +47,6 @@ import dataclasses
 import functools
 import json
 import logging
-import os
 from collections.abc import Callable, Mapping
 from contextlib import nullcontext
 from dataclasses import dataclass
@@ -68,7 +67,7 @@ from shardcast.publish.plan import (
     make_header,
 )
 from shardcast.publish.runend import END_SEQ_FILE, next_end_seq
-from shardcast.store import BLOB_DIR
+from shardcast.store import BLOB_DIR, replace_file
 from shardcast.wire import (
     Header,
     Manifest,
@@ -469,12 +468,9 @@ def stable_header(path: Path, directory: Path, header: Header) -> Header:
             return dataclasses.replace(header, nonce=old["nonce"])
     except (OSError, ValueError):
         pass
-    tmp = path.with_suffix(".tmp")
-    with open(tmp, "w", encoding="utf-8") as fh:
-        json.dump({"identity": identity, "nonce": header.nonce}, fh)
-        fh.flush()
-        os.fsync(fh.fileno())
-    os.rename(tmp, path)
+    replace_file(
+        path, json.dumps({"identity": identity, "nonce": header.nonce}).encode(), durable=True
+    )
     return header
 
 

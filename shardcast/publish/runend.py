@@ -13,9 +13,10 @@ from __future__ import annotations
 
 import json
 import logging
-import os
 import time
 from pathlib import Path
+
+from shardcast.store import replace_file
 
 __all__ = ["END_SEQ_FILE", "next_end_seq"]
 
@@ -44,10 +45,5 @@ def next_end_seq(path: Path) -> int:
         current = time.time_ns() // 1000
         log.warning("run_end_seq_unreadable path=%s error=%s seq_from=%d", path, exc, current)
     seq = current + 1
-    tmp = path.with_suffix(".tmp")
-    with open(tmp, "w", encoding="utf-8") as fh:
-        json.dump({"seq": seq}, fh)
-        fh.flush()
-        os.fsync(fh.fileno())
-    os.replace(tmp, path)
+    replace_file(path, json.dumps({"seq": seq}).encode(), durable=True)
     return seq

@@ -21,6 +21,7 @@ from shardcast.store.store import (
     hash_file,
     latest_committed,
     pwrite_all,
+    replace_file,
 )
 
 __all__ = [
@@ -38,5 +39,6 @@ __all__ = [
     "hash_file",
     "latest_committed",
     "pwrite_all",
+    "replace_file",
     "store",
 ]

@@ -209,6 +209,23 @@ def pwrite_all(fd: int, data: bytes | bytearray | memoryview, offset: int) -> No
         pos += os.pwrite(fd, view[pos : pos + WRITE_BYTES], offset + pos)
 
 
+def replace_file(path: Path, data: bytes, *, durable: bool) -> None:
+    """Make ``path`` hold ``data`` all at once: a temporary file beside it
+    (``.<name>.<pid>.tmp``), fsynced if ``durable``, then renamed over ``path``. A crash
+    leaves the old contents or the new, never a part. Blocking.
+
+    Raises:
+        OSError: the file cannot be written or renamed.
+    """
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    with open(tmp, "wb") as fh:
+        fh.write(data)
+        if durable:
+            fh.flush()
+            os.fsync(fh.fileno())
+    os.replace(tmp, path)
+
+
 class VersionStore:
     """The versions of one run kept by one node.
 
@@ -745,13 +762,7 @@ def _commit_dir(store: VersionStore, directory: Path, m: Manifest) -> Path:
             os.fsync(fd)
         finally:
             os.close(fd)
-    tmp = directory / f".{MANIFEST_FILE}.tmp"
-    with open(tmp, "wb") as fh:
-        fh.write(m.encode())
-        if store.durable:
-            fh.flush()
-            os.fsync(fh.fileno())
-    os.rename(tmp, directory / MANIFEST_FILE)
+    replace_file(directory / MANIFEST_FILE, m.encode(), durable=store.durable)
     if store.durable:
         fsync_dir(directory)
     final = store.version_dir(m.step)

@@ -137,4 +137,4 @@ def test_the_run_end_counter_only_goes_up(tmp_path: Path, caplog: pytest.LogCapt
     assert next_end_seq(path) == jumped + 1
     path.write_text('{"seq": -4}')
     assert next_end_seq(path) > jumped
-    assert not path.with_suffix(".tmp").exists()
+    assert [p.name for p in tmp_path.iterdir()] == [".run-end.json"]  # no temporary file left
