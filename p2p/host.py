@@ -638,6 +638,18 @@ class P2PNode:
         """Stop re-dialling ``peer_id`` (kept by :meth:`connect`); its connection stays."""
         self._keepalive.release(peer_id)
 
+    def keep(self, addr: str) -> None:
+        """Keep dialling ``addr`` (a multiaddr with ``/p2p/<PeerID>``) with the keepalive's
+        backoff until it connects, and re-dial it whenever it is lost, as for a peer dialled
+        with :meth:`connect`; for a peer this node must reach although its first dial failed
+        (an upstream that is down when this node starts).
+
+        Raises:
+            ConfigError: ``addr`` is malformed or has no ``/p2p/`` part.
+        """
+        self._keepalive.keep(peer_id_of(addr), addr, trio.current_time(), self._rng)
+        self._wake_keepalive()
+
     async def _watch_loop(self) -> None:
         """Sample the loop's lateness forever; cancel request-body reads that are overdue in
         this node's own time (see :mod:`p2p.loop_lag`); log a stall of at least

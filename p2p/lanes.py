@@ -131,6 +131,15 @@ class Host(Protocol):
         longer): losing all of them is then logged at INFO, not WARNING."""
         ...
 
+    def keep(self, addr: str) -> None:
+        """Keep dialling ``addr`` (``/p2p/``-suffixed) with backoff until it connects, and
+        re-dial it whenever it is lost, although no dial of it has succeeded yet.
+
+        Raises:
+            ConfigError: malformed address.
+        """
+        ...
+
     async def connect(self, addr: str) -> str:
         """Dial a ``/p2p/``-suffixed multiaddr; return the remote PeerID.
 

@@ -439,6 +439,7 @@ class MemHost:
         self._seq = 0
         self._gone: list[Callable[[str], None]] = []
         self.departures_expected: str | None = None  # see expect_departures
+        self.kept: set[str] = set()  # addresses given to keep
         self._loop_lag = LoopLag()
 
     # -- identity and addresses
@@ -497,6 +498,13 @@ class MemHost:
     def expect_departures(self, reason: str | None) -> None:
         """Recorded only (:attr:`departures_expected`): the in-memory host keeps no peers."""
         self.departures_expected = reason
+
+    def keep(self, addr: str) -> None:
+        """Recorded only (:attr:`kept`): the in-memory host re-dials nothing; callers that
+        must reach a peer retry on their own schedule (the follower's upstream polls)."""
+        if _MULTIADDR.match(addr) is None:
+            raise ConfigError("multiaddr", f"{addr!r} is not /ip4/<ip>/tcp/<port>/p2p/<id>")
+        self.kept.add(addr)
 
     # -- connections
 

@@ -349,6 +349,7 @@ class Follower:
 
     async def run(self, *, task_status: TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
         """Run until cancelled; ``started()`` once the first upstream answered its info."""
+        self.node.restore_run_end()  # before the first poll: a settled node polls seldom
         async with trio.open_nursery() as nursery:
             for addr in self.config.upstreams:
                 nursery.start_soon(self._poll_upstream, addr)
@@ -462,6 +463,9 @@ class Follower:
                 info = await self.node.query_info(pid)
             except ShardnetError as exc:
                 self._errors[pid] = str(exc)
+                # the host re-dials it on the keepalive's schedule (seconds) while this poll
+                # backs off (minutes once settled), so a run continued reaches this node soon
+                self.node.p2p.keep(addr)
                 if self.upstreams.pop(pid, None) is not None:
                     self._note_upstream()
                 settled = self.settled()

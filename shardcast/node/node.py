@@ -51,6 +51,7 @@ from p2p.trust import TrustList
 from shardcast.core import DialbackLimits, FinishedTake, Take, VersionTracker, judge
 from shardcast.node.cardsync import check_data_dir, save_card
 from shardcast.node.dialback import serve_dialback
+from shardcast.node.endrecord import load_end, save_end
 from shardcast.node.metrics import CONTENT_TYPE, NodeMetrics
 from shardcast.node.nodestatus import node_status_json
 from shardcast.serve import VersionServer
@@ -225,6 +226,7 @@ class ShardcastNode:
         )
         self.card: SignedRunCard | None = None
         self._card_changed = trio.Event()
+        self._record_end = False  # keep the run end on disk (followers, see restore_run_end)
 
     @property
     def announcement(self) -> VersionAnnouncement | None:
@@ -554,6 +556,7 @@ class ShardcastNode:
     def _keep_finished(self, msg: RunFinished) -> RunFinished | None:
         if self.tracker.offer_finished(msg) is not FinishedTake.TAKEN:
             return None
+        self._record(msg)
         self._finished_news(msg)
         return msg
 
@@ -561,8 +564,29 @@ class ShardcastNode:
         take, lifted = self.tracker.offer_continued(msg)
         if take is not FinishedTake.TAKEN:
             return None
+        self._record(msg)
         self._continued_news(msg, lifted)
         return msg
+
+    def _record(self, msg: RunFinished | RunContinued) -> None:
+        if self._record_end:
+            save_end(self.versions_dir(), msg)
+
+    def restore_run_end(self) -> None:
+        """Take the run end or continuation recorded before a restart, if it still verifies
+        (:mod:`shardcast.node.endrecord`), and record every one taken from now on. For
+        followers; the origin's run ends are its own. Blocking (one small file)."""
+        self._record_end = True
+        msg = load_end(self.versions_dir(), self.trust, self.config.run_id, self.store.latest())
+        if msg is None:
+            return
+        if isinstance(msg, RunFinished):
+            taken = self.tracker.offer_finished(msg)
+        else:
+            taken = self.tracker.offer_continued(msg)[0]
+        if taken is FinishedTake.TAKEN:
+            log.info("run_end_restored kind=%s step=%d seq=%d", msg.NAME, msg.step, msg.seq)
+            self._changed()
 
     def set_continued(self, msg: RunContinued) -> None:
         """Record that the run goes on after ``msg.step`` (the origin's own; logged once)."""

@@ -26,7 +26,7 @@ from shardcast.download.follower import FollowConfig, Follower
 from shardcast.node.node import NodeConfig, ShardcastNode
 from shardcast.publish.origin import Origin, OriginConfig
 from shardcast.wire.manifest import Manifest
-from tests.helpers import TRAINER, make_checkpoint, trust
+from tests.helpers import TRAINER, closed_port, make_checkpoint, trust
 
 if TYPE_CHECKING:
     from trio_typing import TaskStatus
@@ -276,3 +276,23 @@ async def test_losing_every_kept_peer_is_a_warning_unless_departures_are_expecte
     else:
         assert lost[0].levelno == logging.INFO
         assert lost[0].getMessage().endswith("expected=run_finished")
+
+
+async def test_a_peer_kept_before_it_listens_is_dialled_when_it_comes_up() -> None:
+    """An upstream that is down when the node starts (its first dial failed) is kept all the
+    same: the host dials it on the keepalive's backoff and connects once it listens."""
+    a_id, b_id = Identity.from_seed("kk-a"), Identity.from_seed("kk-b")
+    port = closed_port()
+    addr = f"/ip4/127.0.0.1/tcp/{port}/p2p/{b_id.peer_id}"
+    async with P2PNode.open(a_id, HostConfig(keepalive=FAST)) as a:
+        with pytest.raises(PeerUnreachable):
+            await a.connect(addr)
+        assert a.keepalive_statistics().kept == 0  # a failed connect keeps nothing
+        a.keep(addr)
+        assert a.keepalive_statistics().kept == 1
+        async with P2PNode.open(b_id, HostConfig((f"/ip4/127.0.0.1/tcp/{port}",))):
+            with trio.fail_after(30):
+                await a.wait_direct(b_id.peer_id)
+            stats = a.keepalive_statistics()
+            assert (stats.kept, stats.kept_connected) == (1, 1)
+            assert stats.redials >= 1

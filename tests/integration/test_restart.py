@@ -15,6 +15,7 @@ event, with a deadline; every process is stopped by the test.
 from __future__ import annotations
 
 import json
+import re
 import shutil
 import signal
 import subprocess
@@ -343,17 +344,13 @@ def test_a_finished_run_continues_when_the_trainer_is_restarted_with_more_steps(
     t1 = Node("trainer1", [*trainer_args, "--steps", "0"], logs, {})
     nodes.append(t1)
     t1.wait_for(r"node_ready role=trainer")
-    relay = Node(
-        "relay",
-        [
-            *("relay", "--data-dir", str(tmp_path / "relay"), "--run-id", RUN),
-            *("--upstream", taddr, "--trainer-id", trainer_id),
-            *("--listen", f"/ip4/127.0.0.1/tcp/{relay_port}"),
-            *("--http-host", "127.0.0.1", "--http-port", "0"),
-        ],
-        logs,
-        {},
-    )
+    relay_args = [
+        *("relay", "--data-dir", str(tmp_path / "relay"), "--run-id", RUN),
+        *("--upstream", taddr, "--trainer-id", trainer_id),
+        *("--listen", f"/ip4/127.0.0.1/tcp/{relay_port}"),
+        *("--http-host", "127.0.0.1", "--http-port", "0"),
+    ]
+    relay = Node("relay", relay_args, logs, {})
     nodes.append(relay)
     peer = Node(
         "peer",
@@ -368,9 +365,17 @@ def test_a_finished_run_continues_when_the_trainer_is_restarted_with_more_steps(
     nodes.append(peer)
     assert t1.proc.wait(timeout=240) == 0
     peer.wait_for(r"run_finished run=restart step=0 ", timeout_s=60)
+    relay.wait_for(r"run_finished run=restart step=0 ", timeout_s=60)
+    # the relay restarted while the trainer is gone remembers that the run is over, and
+    # keeps dialling the trainer on the keepalive's schedule although its first dial failed
+    assert relay.stop(signal.SIGTERM) == 0
+    relay = Node("relay2", relay_args, logs, {})
+    nodes.append(relay)
+    relay.wait_for(r"run_end_restored kind=run-finished step=0 seq=1", timeout_s=120)
 
     t2 = Node("trainer2", [*trainer_args, "--steps", "1"], logs, {})
     nodes.append(t2)
+    relay.wait_for(r"peer_redialled peer=\S+ addr=" + re.escape(taddr), timeout_s=120)
     t2.wait_for(r"run_continued_announced step=0 seq=2", timeout_s=240)
     peer.wait_for(r"run_continued run=restart step=0 lifted_end=True", timeout_s=120)
     t2.wait_for(r"version_published step=1 ", timeout_s=240)
