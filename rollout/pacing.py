@@ -12,11 +12,15 @@ time. Before each group it asks :func:`next_group`, which answers with a :class:
   less stale than one finished later);
 * ``TIME_BUDGET`` — the next group is expected to end after the batch's time budget: a slow
   peer hands over fewer groups rather than a batch that arrives outside the async window;
+* ``RUN_FINISHED`` — the trainer's signed run end arrived: it trains on no more rollouts, so
+  the batch under way is dropped (not sent) and no group more is generated, however many are
+  done; a continuation of the run makes the peer generate for its newest version again;
 * ``GENERATE`` — generate the next group.
 
-At least one group is generated per version (a partial batch holds ``1 <= k <= n_prompts``
-groups, those of the first ``k`` assigned prompts: :mod:`rollout.verify` accepts exactly that,
-one batch per (submitter, step)), so a peer always makes progress however fast versions come.
+Apart from a run end, at least one group is generated per version (a partial batch holds
+``1 <= k <= n_prompts`` groups, those of the first ``k`` assigned prompts: :mod:`rollout.verify`
+accepts exactly that, one batch per (submitter, step)), so a peer always makes progress however
+fast versions come.
 The rest of a cut batch is dropped, never sent later: that is what keeps exactly-once simple.
 
 The time budget of a batch is ``(async_level + 1 - margin_steps) * step_interval_s``,
@@ -52,6 +56,7 @@ class Pace(enum.Enum):
     COMPLETE = "complete"
     NEWER_VERSION = "newer_version"
     TIME_BUDGET = "time_budget"
+    RUN_FINISHED = "run_finished"
 
 
 @dataclass(frozen=True)
@@ -90,6 +95,7 @@ def next_group(
     elapsed_s: float,
     budget_s: float | None,
     group_estimate_s: float | None,
+    run_finished: bool = False,
 ) -> Pace:
     """Decide what to do before group ``done`` (0-based) of a batch of ``n_prompts``.
 
@@ -101,12 +107,16 @@ def next_group(
         budget_s: the batch's time budget in seconds (:func:`batch_budget_s`), or None for
             no budget.
         group_estimate_s: expected seconds of one group, or None if unknown.
+        run_finished: the trainer's run end is in force (it takes no more rollouts).
 
     Returns:
-        ``COMPLETE`` when ``done >= n_prompts``; ``GENERATE`` when ``done == 0`` (at least one
-        group per version); else ``NEWER_VERSION``, ``TIME_BUDGET`` (when
-        ``elapsed_s + group_estimate_s > budget_s``) or ``GENERATE``, in that order.
+        ``RUN_FINISHED`` when ``run_finished`` (the batch is dropped); else ``COMPLETE``
+        when ``done >= n_prompts``; ``GENERATE`` when ``done == 0`` (at least one group per
+        version); else ``NEWER_VERSION``, ``TIME_BUDGET`` (when ``elapsed_s +
+        group_estimate_s > budget_s``) or ``GENERATE``, in that order.
     """
+    if run_finished:
+        return Pace.RUN_FINISHED
     if done >= n_prompts:
         return Pace.COMPLETE
     if done == 0:
@@ -193,10 +203,21 @@ class PaceMeter:
         return self._group_s
 
     def decide(
-        self, done: int, n_prompts: int, *, step: int, newest: int, now_s: float, async_level: int
+        self,
+        done: int,
+        n_prompts: int,
+        *,
+        step: int,
+        newest: int,
+        now_s: float,
+        async_level: int,
+        run_finished: bool = False,
     ) -> Pace:
         """:func:`next_group` for a batch of version ``step`` when ``newest`` is the newest
-        committed version, at ``now_s``; pacing disabled: ``GENERATE`` until ``COMPLETE``."""
+        committed version, at ``now_s``; pacing disabled: ``GENERATE`` until ``COMPLETE``
+        (a run end still drops the batch: ``RUN_FINISHED``)."""
+        if run_finished:
+            return Pace.RUN_FINISHED
         if not self.config.enabled:
             return Pace.COMPLETE if done >= n_prompts else Pace.GENERATE
         return next_group(

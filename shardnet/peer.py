@@ -383,6 +383,8 @@ class InferencePeer:
                 log.error("generation_failed step=%d error=%s", step, exc)
                 done_step, done_at = step, trio.current_time()
                 continue
+            if batch is None:  # the run ended meanwhile; a continuation generates again
+                continue
             if self.on_generation is not None:
                 tokens = sum(len(x.completion_ids) for g in batch.groups for x in g.samples)
                 self.on_generation(tokens, time.perf_counter() - t0)
@@ -485,13 +487,15 @@ class InferencePeer:
         tokenizer: Any,
         cfg: SamplingConfig,
         async_level: int,
-    ) -> tuple[RolloutBatch, Pace]:
+    ) -> tuple[RolloutBatch | None, Pace]:
         """Generate the batch of ``step`` group by group, in worker threads, until the pace
         meter cuts it or it is complete (:mod:`rollout.pacing`). Cancelled, it returns at once
         and abandons the thread of the group under way.
 
         Returns:
-            the batch (the first ``k >= 1`` prompts' groups) and why it ended.
+            the batch (the first ``k >= 1`` prompts' groups) and why it ended; None for the
+            batch if the run's end arrived before it was done (``Pace.RUN_FINISHED``: the
+            trainer trains on no more rollouts, so nothing is sent; logged here).
 
         Raises:
             LocalProtocolError: the engine has nothing loaded, or the task's prompts are bad.
@@ -508,6 +512,7 @@ class InferencePeer:
                 newest=newest,
                 now_s=time.monotonic(),
                 async_level=async_level,
+                run_finished=self.node is not None and self.node.finished is not None,
             )
             if pace is not Pace.GENERATE:
                 break
@@ -530,6 +535,15 @@ class InferencePeer:
                 )
             )
             self.pace.group_done(time.monotonic() - t0)
+        if pace is Pace.RUN_FINISHED:
+            self.batches_by_pace[pace.value] += 1
+            log.info(
+                "batch_dropped step=%d groups=%d of=%d reason=run_finished",
+                step,
+                len(groups),
+                cfg.n_prompts,
+            )
+            return None, pace
         if pace is not Pace.COMPLETE:
             log.info(
                 "batch_cut step=%d groups=%d of=%d pace=%s newest=%d group_s=%.2f",

@@ -71,6 +71,25 @@ def test_first_group_always_then_newer_version_then_budget() -> None:
     assert _next(1, elapsed_s=99.0, estimate_s=3.0) is Pace.GENERATE
 
 
+def test_a_run_end_drops_the_batch_whatever_is_done() -> None:
+    for done in (0, 1, 4):
+        pace = next_group(
+            done,
+            4,
+            newer_version=False,
+            elapsed_s=0.0,
+            budget_s=None,
+            group_estimate_s=None,
+            run_finished=True,
+        )
+        assert pace is Pace.RUN_FINISHED
+    for enabled in (True, False):
+        m = PaceMeter(PacingConfig(enabled=enabled))
+        pace = m.decide(0, 8, step=0, newest=0, now_s=0.0, async_level=2, run_finished=True)
+        assert pace is Pace.RUN_FINISHED
+        assert m.decide(0, 8, step=0, newest=0, now_s=0.0, async_level=2) is Pace.GENERATE
+
+
 def test_budget_is_the_async_window_less_the_margin() -> None:
     assert batch_budget_s(None, 2, 0.5) is None
     assert batch_budget_s(10.0, 2, 0.5) == 25.0

@@ -4,6 +4,7 @@ with every check, model checks included."""
 
 from __future__ import annotations
 
+import logging
 import types
 from collections.abc import Iterator, Sequence
 from pathlib import Path
@@ -99,6 +100,7 @@ async def test_a_newer_version_cuts_the_batch(
     engine.load(root / "v0")
     peer = _peer(root, engine, PacingConfig(enabled=enabled))
     batch, pace = await peer._generate(0, DIGEST, tok, SAMPLING, async_level=2)
+    assert batch is not None
     if enabled:  # group 1 was under way when version 1 came: two groups, then the cut
         assert pace is Pace.NEWER_VERSION
         assert [g.prompt_index for g in batch.groups] == [0, 1]
@@ -120,4 +122,30 @@ async def test_no_newer_version_gives_a_whole_batch(
     peer = _peer(root, engine, PacingConfig())
     batch, pace = await peer._generate(0, DIGEST, tok, SAMPLING, async_level=2)
     assert pace is Pace.COMPLETE
+    assert batch is not None
     assert len(batch.groups) == SAMPLING.n_prompts
+
+
+async def test_a_run_end_during_a_batch_drops_it(
+    world: tuple[Any, Path, TrainerOracle], caplog: pytest.LogCaptureFixture
+) -> None:
+    """The trainer's run end arrives while group 1 is generated: no more groups, and the
+    batch is not handed over (the trainer trains on no more rollouts)."""
+    tok, root, _ = world
+    node = types.SimpleNamespace(finished=None)
+
+    def finish() -> None:
+        node.finished = object()
+
+    engine = NewVersionAfter(2, finish)
+    engine.load(root / "v0")
+    peer = _peer(root, engine, PacingConfig())
+    peer.node = node  # type: ignore[assignment]
+    caplog.set_level(logging.INFO, logger="shardnet.peer")
+    batch, pace = await peer._generate(0, DIGEST, tok, SAMPLING, async_level=2)
+    assert (batch, pace) == (None, Pace.RUN_FINISHED)
+    assert engine.calls == 2  # the group under way was finished, no third one started
+    assert peer.batches_by_pace == {"run_finished": 1}
+    assert f"batch_dropped step=0 groups=2 of={SAMPLING.n_prompts} reason=run_finished" in (
+        caplog.text
+    )
