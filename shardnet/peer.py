@@ -535,25 +535,10 @@ class InferencePeer:
                 )
             )
             self.pace.group_done(time.monotonic() - t0)
+        self._log_batch_end(step, len(groups), cfg.n_prompts, pace, newest)
         if pace is Pace.RUN_FINISHED:
             self.batches_by_pace[pace.value] += 1
-            log.info(
-                "batch_dropped step=%d groups=%d of=%d reason=run_finished",
-                step,
-                len(groups),
-                cfg.n_prompts,
-            )
             return None, pace
-        if pace is not Pace.COMPLETE:
-            log.info(
-                "batch_cut step=%d groups=%d of=%d pace=%s newest=%d group_s=%.2f",
-                step,
-                len(groups),
-                cfg.n_prompts,
-                pace.value,
-                newest,
-                self.pace.group_estimate_s or 0.0,
-            )
         batch = pack_batch(
             groups,
             self.task,
@@ -565,6 +550,21 @@ class InferencePeer:
             engine_id=self.config.engine_spec.id,
         )
         return batch, pace
+
+    def _log_batch_end(self, step: int, groups: int, of: int, pace: Pace, newest: int) -> None:
+        """Say why a batch of ``step`` ended short of ``of`` groups (nothing if complete)."""
+        if pace is Pace.RUN_FINISHED:
+            log.info("batch_dropped step=%d groups=%d of=%d reason=run_finished", step, groups, of)
+        elif pace is not Pace.COMPLETE:
+            log.info(
+                "batch_cut step=%d groups=%d of=%d pace=%s newest=%d group_s=%.2f",
+                step,
+                groups,
+                of,
+                pace.value,
+                newest,
+                self.pace.group_estimate_s or 0.0,
+            )
 
     def _sampling(self, card: SignedRunCard) -> SamplingConfig:
         """The sampling rules of ``card``, after checking this peer can follow it.

@@ -222,11 +222,13 @@ def _upstreams(upstreams: list[dict[str, Any]]) -> list[RenderableType]:
     for col in ("peer", "state", "role", "latest", "last heard"):
         t.add_column(col, no_wrap=True)
     for u in upstreams:
-        style = "green" if u["state"] == "ready" else "red"
+        state, style = u["state"], "green" if u["state"] == "ready" else "red"
+        if state != "ready" and u.get("expected") == "run_finished":
+            state, style = "left (run over)", "yellow"  # the trainer exits after its end
         _row(
             t,
             short_id(u["peer_id"]),
-            Text(u["state"], style=style),
+            Text(state, style=style),
             u.get("role") or "-",
             _opt(u.get("latest_step")),
             _time(u.get("last_heard")),

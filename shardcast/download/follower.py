@@ -345,6 +345,8 @@ class Follower:
         node.metrics.add_collector(self._families)
         self._changed = trio.Event()
         self._poll_wake: dict[str, trio.Event] = {}  # upstream -> wakes its info poll
+        self._upstream_ids = {peer_id_of(a) for a in config.upstreams}
+        node.p2p.on_peer_gone(self._peer_gone)
         self._watches: dict[str, tuple[str, VersionWatch, trio.CancelScope]] = {}
 
     async def run(self, *, task_status: TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
@@ -380,6 +382,16 @@ class Follower:
                 await self._upstream_changed.wait()
             task_status.started()
             await self._download_loop()
+
+    def _peer_gone(self, peer_id: str) -> None:
+        """A remote's last connection closed: an upstream that was ready is no longer, now,
+        not at its next poll (minutes away once settled). Its poll keeps its schedule (an
+        extra failed poll would only stretch the settled backoff); the host re-dials it
+        (:meth:`p2p.lanes.Host.keep`). Called by the host; never blocks."""
+        if peer_id not in self._upstream_ids or self.upstreams.pop(peer_id, None) is None:
+            return
+        self._errors[peer_id] = "connection closed"
+        self._note_upstream()
 
     def _note_upstream(self) -> None:
         self._upstream_changed.set()
@@ -1285,8 +1297,11 @@ class Follower:
         return out
 
     def upstreams_status(self) -> list[dict[str, Any]]:
-        """The ``upstreams`` section of ``/status``: each configured upstream's state."""
+        """The ``upstreams`` section of ``/status``: each configured upstream's state
+        (``ready`` or ``unreachable``), and ``expected`` (``"run_finished"``: the run's end
+        is in force, so an upstream that left is no fault; else None)."""
         out = []
+        expected = "run_finished" if self.node.finished is not None else None
         for addr in self.config.upstreams:
             pid = peer_id_of(addr)
             info = self.upstreams.get(pid)
@@ -1301,6 +1316,7 @@ class Follower:
                     "latest_step": info.committed[-1] if info and info.committed else None,
                     "last_heard": iso(heard) if heard is not None else None,
                     "error": self._errors.get(pid),
+                    "expected": expected,
                 }
             )
         return out

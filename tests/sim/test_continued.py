@@ -93,3 +93,47 @@ def test_a_continuation_reaches_nodes_that_were_cut_off_when_it_was_sent(resend:
     # the first resend may still meet the connections the partition broke; the next one not
     assert relay_s <= 2 * RESEND_S + 1.0
     assert peer_s <= 2 * RESEND_S + 1.0
+
+
+def test_an_upstream_that_leaves_after_the_run_end_shows_at_once() -> None:
+    """The trainer exits after its run end: the relay's upstream row turns unreachable when
+    the connection closes (and says the departure is expected), not at its next settled
+    poll a minute or more later."""
+    tmp = Path(tempfile.mkdtemp(prefix="sim-upstream-gone-"))
+    seen: list[dict[str, object]] = []
+
+    async def body() -> None:
+        profile = LinkProfile(latency_s=0.01, jitter_s=0.0, bandwidth_bytes_per_s=20e6)
+        async with MemNetwork(random.Random(2), profile) as net, trio.open_nursery() as n:
+            w = World(net, tmp, 2, SIZES)
+            await w.start(n)
+            assert w.trainer is not None
+            assert w.trainer.node is not None
+            relay = w.add_relay([w.trainer.node.p2p.multiaddrs()[0]])
+            await w.run_node(relay)
+            await w.publish(0, seed=1)
+            assert await converge(w, 120)
+            assert w.origin is not None
+            await w.origin.announce_finished()
+            with trio.fail_after(120):
+                while not _finished(relay):
+                    await w.changed()
+            await trio.sleep(30)  # settled: the next poll is a minute or more away
+            assert relay.follower is not None
+            [before] = relay.follower.upstreams_status()
+            assert before["state"] == "ready"
+            w.kill(w.trainer)
+            await w.trainer.stopped.wait()
+            await trio.sleep(1.0)
+            seen.extend(relay.follower.upstreams_status())
+            n.cancel_scope.cancel()
+
+    try:
+        with inline_threads(), seeded_scheduler("upstream-gone"):
+            trio.run(body, clock=trio.testing.MockClock(autojump_threshold=0))
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    [after] = seen
+    assert after["state"] == "unreachable"
+    assert after["expected"] == "run_finished"
+    assert after["error"]

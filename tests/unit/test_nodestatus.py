@@ -9,6 +9,7 @@ from typing import Any, cast
 
 from rich.console import Console
 
+from p2p.errors import short_id
 from p2p.identity import Identity
 from shardcast.core.portmap import MapFailure, Mapping, PortMapPolicy
 from shardcast.node.nodestatus import node_status
@@ -243,3 +244,22 @@ def test_status_says_none_for_no_requests() -> None:
     console = Console(width=200, record=True)
     console.print(render(doc))
     assert "requests none;" in console.export_text()
+
+
+def test_an_upstream_that_left_after_the_run_end_is_no_fault() -> None:
+    doc = node_status(_node(None))
+    up = {
+        "peer_id": TRAINER.peer_id,
+        "state": "unreachable",
+        "role": None,
+        "latest_step": None,
+        "last_heard": "2026-01-01T00:00:05Z",
+        "error": "connection closed",
+    }
+    doc["upstreams"] = [{**up, "expected": "run_finished"}, {**up, "expected": None}]
+    console = Console(width=80, record=True)
+    console.print(render(doc))
+    rows = [ln for ln in console.export_text().splitlines() if short_id(TRAINER.peer_id) in ln]
+    assert "left (run over)" in rows[0]
+    assert "unreachable" in rows[1]
+    assert all(len(r.rstrip()) <= 80 for r in rows)
