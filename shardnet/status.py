@@ -158,6 +158,21 @@ def _step_list(steps: list[int]) -> str:
     return f"step {steps[0]}" if len(steps) == 1 else f"steps {_steps(steps)}"
 
 
+def _chains_line(chained: dict[str, int], versions: dict[str, Any]) -> str:
+    """The versions kept as chains (delta on a base), and why more versions are held than
+    ``--keep-last`` says: the bases those chains are built from."""
+    items = sorted((int(s), d) for s, d in chained.items())
+    if len(items) <= 4:
+        line = ", ".join(f"{s} (depth {d})" for s, d in items)
+    else:
+        line = f"{len(items)} (steps {items[0][0]}…{items[-1][0]}), "
+        line += f"up to {max(d for _, d in items)} links"
+    beyond = versions.get("beyond_keep_last") or []
+    if beyond:
+        line += f"; +{len(beyond)} bases beyond keep-last {versions.get('keep_last')}"
+    return line
+
+
 def _reach_line(reach: dict[str, Any]) -> str:
     """This node's own lane: its dial-back verdict and whether it is advertised; the relays
     it holds a reservation on and its hole punches, when there are any."""
@@ -276,22 +291,16 @@ def render(doc: dict[str, Any]) -> RenderableType:
     )
     chained = v.get("chained") or {}
     if chained:
-        _row(
-            head,
-            "chains",
-            ", ".join(
-                f"{s} (depth {d})" for s, d in sorted(chained.items(), key=lambda i: int(i[0]))
-            ),
-        )
+        _row(head, "chains", _chains_line(chained, v))
     http, p2p = doc.get("http", {}), doc.get("libp2p", {})
     req = http.get("requests", {})
     _row(
         head,
         "traffic",
         f"sent {_bytes(http.get('sent_bytes'))}, received {_bytes(http.get('received_bytes'))}"
-        f"; requests {' '.join(f'{k}={n}' for k, n in req.items() if n) or 'none'}"
         f"; libp2p peers {p2p.get('connected_peers', 0)}",
     )
+    _row(head, "requests", " ".join(f"{k}={n}" for k, n in req.items() if n) or "none")
     reach = doc.get("reachability")
     if reach:
         _row(head, "reachable", _reach_line(reach))

@@ -8,7 +8,7 @@ wall-clock ISO-8601 (UTC); durations and sizes carry their unit in the key. Sche
       "run_id": "…", "version": "0.1.0", "http_url": "http://…", "multiaddrs": [...],
       "started_at": "…Z", "uptime_s": 12.3,
       "versions": {"committed": [3, 4], "latest": 4, "in_progress": [5],
-                   "chained": {"4": 1},
+                   "chained": {"4": 1}, "keep_last": 3, "beyond_keep_last": [],
                    "announced": {"step": 5, "manifest_digest": "…"} | null,
                    "finished": {"step": 5, "manifest_digest": "…"} | null},
       "http": {"requests": {"2xx": n, …}, "sent_bytes": n, "received_bytes": n,
@@ -19,8 +19,10 @@ wall-clock ISO-8601 (UTC); durations and sizes carry their unit in the key. Sche
 
 ``chained`` maps each committed version kept as a chain (:mod:`shardcast.store.chains`: its
 base plus verified delta blobs, no full files) to its depth, the links down to a full version;
-full versions are not listed. ``finished`` is the trainer's signed end of the run, while in force
-(a newer step or the trainer's continuation lifts it).
+full versions are not listed. ``beyond_keep_last`` lists the versions held although older than
+the newest ``keep_last`` (``--keep-last``): the bases newer chains are built from, or versions
+pinned while read or served (:mod:`shardcast.core.retention`). ``finished`` is the trainer's
+signed end of the run, while in force (a newer step or the trainer's continuation lifts it).
 
 Role sections (added through :attr:`ShardcastNode.status_sections`):
 
@@ -106,6 +108,8 @@ def node_status(node: StatusView) -> dict[str, Any]:
             "latest": steps[-1] if steps else None,
             "in_progress": node.server.in_progress(),
             "chained": _chained(node, steps),
+            "keep_last": node.config.keep_last,
+            "beyond_keep_last": steps[: max(0, len(steps) - node.config.keep_last)],
             "announced": (
                 {"step": ann.step, "manifest_digest": ann.manifest_digest}
                 if ann is not None

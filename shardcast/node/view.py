@@ -33,6 +33,11 @@ class RoleView(Protocol):
         """The run this node serves."""
         ...
 
+    @property
+    def keep_last(self) -> int:
+        """How many of the newest committed versions retention keeps (``--keep-last``)."""
+        ...
+
 
 class NodeView(Protocol):
     """A running node as the metrics collector and the status document read it."""

@@ -24,7 +24,7 @@ def _node(card: object) -> Any:
     """The attributes :func:`node_status` reads, bound to 0.0.0.0 and advertised elsewhere."""
     stats = SimpleNamespace(bytes_sent=10, open_connections=1)
     return SimpleNamespace(
-        config=SimpleNamespace(role="relay", run_id="run-1"),
+        config=SimpleNamespace(role="relay", run_id="run-1", keep_last=3),
         identity=TRAINER,
         http=SimpleNamespace(url="http://0.0.0.0:8002", statistics=lambda: stats),
         http_url="http://10.1.2.3:8002",
@@ -200,6 +200,21 @@ def test_status_lists_versions_kept_as_chains_with_their_depth() -> None:
     console = Console(width=200, record=True)
     console.print(render(doc))
     assert "4 (depth 1), 5 (depth 2)" in console.export_text()
+    assert doc["versions"]["beyond_keep_last"] == [3]
+
+
+def test_a_long_chain_is_summed_up_and_says_why_more_than_keep_last_are_held() -> None:
+    """keep-last 3 on a relay with a chain of 8 deltas on full version 0: all 9 are held,
+    and the status says why (the chains need their bases), in 80 columns."""
+    node = _node(None)
+    node.store = SimpleNamespace(committed_steps=lambda: list(range(9)), chain_depth=lambda s: s)
+    doc = node_status(node)
+    assert doc["versions"]["beyond_keep_last"] == [0, 1, 2, 3, 4, 5]
+    console = Console(width=80, record=True)
+    console.print(render(doc))
+    text = console.export_text()
+    line = next(ln for ln in text.splitlines() if ln.startswith("chains"))
+    assert line.rstrip().endswith("8 (steps 1…8), up to 8 links; +6 bases beyond keep-last 3")
 
 
 def test_status_renders_port_mapping() -> None:
@@ -243,7 +258,19 @@ def test_status_says_none_for_no_requests() -> None:
     doc["http"]["requests"] = {"2xx": 0}
     console = Console(width=200, record=True)
     console.print(render(doc))
-    assert "requests none;" in console.export_text()
+    assert re.search(r"^requests +none *$", console.export_text(), re.M)
+
+
+def test_the_traffic_lines_fit_80_columns_with_large_counts() -> None:
+    doc = node_status(_node(None))
+    doc["http"].update(sent_bytes=1_320_000_000_000, received_bytes=1_320_000_000_000)
+    doc["http"]["requests"] = {"2xx": 1_234_567, "3xx": 0, "4xx": 21_000, "5xx": 17}
+    doc["libp2p"]["connected_peers"] = 120
+    console = Console(width=80, record=True)
+    console.print(render(doc))
+    lines = console.export_text().splitlines()
+    traffic = next(i for i, ln in enumerate(lines) if ln.startswith("traffic"))
+    assert lines[traffic + 1].startswith("requests  2xx=1234567 4xx=21000 5xx=17")
 
 
 def test_an_upstream_that_left_after_the_run_end_is_no_fault() -> None:
