@@ -158,6 +158,33 @@ def _step_list(steps: list[int]) -> str:
     return f"step {steps[0]}" if len(steps) == 1 else f"steps {_steps(steps)}"
 
 
+CLIENT_ERROR_LABELS = {
+    "400": "bad request",
+    "404": "not held",
+    "405": "bad method",
+    "409": "other digest",
+    "413": "too large",
+    "416": "bad range",
+    "429": "sent elsewhere",
+}
+"""What each 4xx of the lane means to an operator (see :mod:`shardcast.serve.server`)."""
+
+
+def _requests_line(by_class: dict[str, int], client_errors: dict[str, int]) -> str:
+    """Lane answers by class, then the 4xx by code with their meaning, most frequent first."""
+    line = " ".join(f"{k}={n}" for k, n in by_class.items() if n) or "none"
+    if client_errors:
+        top = sorted(client_errors.items(), key=lambda i: (-i[1], i[0]))
+        line += (
+            " ("
+            + ", ".join(
+                f"{c} {CLIENT_ERROR_LABELS.get(c, '')} {n}".replace("  ", " ") for c, n in top
+            )
+            + ")"
+        )
+    return line
+
+
 def _chains_line(chained: dict[str, int], versions: dict[str, Any]) -> str:
     """The versions kept as chains (delta on a base), and why more versions are held than
     ``--keep-last`` says: the bases those chains are built from."""
@@ -300,7 +327,7 @@ def render(doc: dict[str, Any]) -> RenderableType:
         f"sent {_bytes(http.get('sent_bytes'))}, received {_bytes(http.get('received_bytes'))}"
         f"; libp2p peers {p2p.get('connected_peers', 0)}",
     )
-    _row(head, "requests", " ".join(f"{k}={n}" for k, n in req.items() if n) or "none")
+    _row(head, "requests", _requests_line(req, http.get("client_errors") or {}))
     reach = doc.get("reachability")
     if reach:
         _row(head, "reachable", _reach_line(reach))

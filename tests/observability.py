@@ -11,6 +11,7 @@ from prometheus_client.parser import text_string_to_metric_families
 COMMON = {
     "shardnet_build_info": "gauge",
     "shardnet_http_requests": "counter",
+    "shardnet_http_client_errors": "counter",
     "shardnet_http_sent_bytes": "counter",
     "shardnet_sent_bytes": "counter",
     "shardnet_http_open_connections": "gauge",

@@ -18,6 +18,8 @@ Families every node exports (besides ``process_*`` and ``python_info``):
 ``shardnet_build_info{version,role,run_id,peer_id}``  always 1
 ``shardnet_http_requests_total{code}``          lane responses by status class (``2xx``…),
                                                 excluding ``/metrics`` and ``/status``
+``shardnet_http_client_errors_total{code}``     of those, the ``4xx`` by exact code (``404``
+                                                not held, ``429`` sent to another holder…)
 ``shardnet_http_sent_bytes_total``              lane body bytes sent, excluding scrapes
 ``shardnet_sent_bytes_total{codec}``            shard bytes actually sent (``raw`` file
                                                 ranges, ``zstd``, ``xor-zstd`` blobs)
@@ -202,6 +204,8 @@ class NodeMetrics:
         )
         self.requests_by_class: dict[str, int] = dict.fromkeys(CODE_CLASSES, 0)
         """HTTP lane responses by status class, excluding ``/metrics`` and ``/status``."""
+        self.client_errors: dict[int, int] = {}
+        """Of those, the ``4xx`` answers by exact code (at most 100 keys)."""
         self.observability_bytes = 0
         """Body bytes of ``/metrics`` and ``/status`` responses (not lane traffic)."""
         self.follower = role in FOLLOWER_ROLES
@@ -275,6 +279,8 @@ class NodeMetrics:
     def count_request(self, status: int) -> None:
         """One lane response with ``status`` was produced."""
         self.requests_by_class[code_class(status)] += 1
+        if 400 <= status < 500:
+            self.client_errors[status] = self.client_errors.get(status, 0) + 1
 
     def bind(self, node: NodeView) -> None:
         """Add the families read from ``node`` at scrape time."""
@@ -334,6 +340,14 @@ def _http_families(node: NodeView, m: NodeMetrics) -> Iterator[Metric]:
     for c, n in m.requests_by_class.items():
         requests.add_metric([c], n)
     yield requests
+    client_errors = CounterMetricFamily(
+        "shardnet_http_client_errors",
+        "HTTP lane 4xx responses by exact code (404 not held, 429 sent to another holder, ...)",
+        labels=["code"],
+    )
+    for code, n in sorted(m.client_errors.items()):
+        client_errors.add_metric([str(code)], n)
+    yield client_errors
     yield CounterMetricFamily(
         "shardnet_http_sent_bytes",
         "HTTP lane body bytes sent, excluding /metrics and /status",

@@ -11,11 +11,15 @@ wall-clock ISO-8601 (UTC); durations and sizes carry their unit in the key. Sche
                    "chained": {"4": 1}, "keep_last": 3, "beyond_keep_last": [],
                    "announced": {"step": 5, "manifest_digest": "…"} | null,
                    "finished": {"step": 5, "manifest_digest": "…"} | null},
-      "http": {"requests": {"2xx": n, …}, "sent_bytes": n, "received_bytes": n,
-               "open_connections": n},
+      "http": {"requests": {"2xx": n, …}, "client_errors": {"404": n, …},
+               "sent_bytes": n, "received_bytes": n, "open_connections": n},
       "libp2p": {"connected_peers": n, "mesh_peers": {"<topic>": n}},
       …sections added by the role (see below)
     }
+
+``client_errors`` splits the ``4xx`` answers by code: in a healthy swarm they are mostly ``404``
+(asked for a version or shard not held here yet) and ``429`` (super-seeding: fetch it from the
+holder named in the answer); ``400``, ``409`` or ``416`` point at a confused or hostile asker.
 
 ``chained`` maps each committed version kept as a chain (:mod:`shardcast.store.chains`: its
 base plus verified delta blobs, no full files) to its depth, the links down to a full version;
@@ -123,6 +127,7 @@ def node_status(node: StatusView) -> dict[str, Any]:
         },
         "http": {
             "requests": dict(node.metrics.requests_by_class),
+            "client_errors": {str(c): n for c, n in sorted(node.metrics.client_errors.items())},
             "sent_bytes": max(0, http.bytes_sent - node.metrics.observability_bytes),
             "received_bytes": node.client.statistics().bytes_received,
             "open_connections": http.open_connections,

@@ -37,7 +37,9 @@ def _node(card: object) -> Any:
         server=SimpleNamespace(in_progress=lambda: []),
         announcement=None,
         finished=None,
-        metrics=SimpleNamespace(requests_by_class={"2xx": 1}, observability_bytes=0),
+        metrics=SimpleNamespace(
+            requests_by_class={"2xx": 1}, client_errors={}, observability_bytes=0
+        ),
         client=SimpleNamespace(statistics=lambda: SimpleNamespace(bytes_received=5)),
         started_at=time.time() - 5,
         status_sections={},
@@ -265,12 +267,14 @@ def test_the_traffic_lines_fit_80_columns_with_large_counts() -> None:
     doc = node_status(_node(None))
     doc["http"].update(sent_bytes=1_320_000_000_000, received_bytes=1_320_000_000_000)
     doc["http"]["requests"] = {"2xx": 1_234_567, "3xx": 0, "4xx": 21_000, "5xx": 17}
+    doc["http"]["client_errors"] = {"404": 6_000, "429": 15_000}
     doc["libp2p"]["connected_peers"] = 120
     console = Console(width=80, record=True)
     console.print(render(doc))
     lines = console.export_text().splitlines()
     traffic = next(i for i, ln in enumerate(lines) if ln.startswith("traffic"))
     assert lines[traffic + 1].startswith("requests  2xx=1234567 4xx=21000 5xx=17")
+    assert "(429 sent elsewhere 15000, 404 not held 6000)" in " ".join(" ".join(lines).split())
 
 
 def test_an_upstream_that_left_after_the_run_end_is_no_fault() -> None:
