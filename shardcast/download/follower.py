@@ -547,7 +547,6 @@ class Follower:
                 info.role,
                 info.http_url,
             )
-            self._note_upstream()
         if info.card_version > self._card_version():
             await self._fetch_card(pid)
         if info.announcement is not None:
@@ -557,6 +556,8 @@ class Follower:
             self._offer_continued(info.continued, pid)
         if info.finished is not None:
             self._offer_finished(info.finished, pid)
+        if new:  # after its run end or continuation was taken: a restored end may be stale
+            self._note_upstream()
         return PollOutcome.ANSWERED
 
     async def _poll_mirror(self, url: str) -> None:

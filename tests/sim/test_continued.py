@@ -10,6 +10,7 @@ after the partition healed; with it, they take the continuation within a resend 
 
 from __future__ import annotations
 
+import logging
 import random
 import shutil
 import tempfile
@@ -137,3 +138,57 @@ def test_an_upstream_that_leaves_after_the_run_end_shows_at_once() -> None:
     assert after["state"] == "unreachable"
     assert after["expected"] == "run_finished"
     assert after["error"]
+
+
+def test_a_peer_restarted_after_a_continuation_does_not_take_its_old_run_end_for_news(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """A peer that held the run's end is restarted after the trainer continued the run: it
+    restores the end it recorded, but by the time it is started (its first upstream
+    answered), the relay's continuation has lifted it: it is not settled (a peer with
+    ``--exit-on-finish`` would otherwise exit at once)."""
+    caplog.set_level(logging.INFO, logger="shardcast.node.node")
+    tmp = Path(tempfile.mkdtemp(prefix="sim-restored-end-"))
+    seen: dict[str, object] = {}
+
+    async def body() -> None:
+        profile = LinkProfile(latency_s=0.01, jitter_s=0.0, bandwidth_bytes_per_s=20e6)
+        async with MemNetwork(random.Random(3), profile) as net, trio.open_nursery() as n:
+            w = World(net, tmp, 3, SIZES)
+            await w.start(n)
+            assert w.trainer is not None
+            assert w.trainer.node is not None
+            relay = w.add_relay([w.trainer.node.p2p.multiaddrs()[0]])
+            await w.run_node(relay)
+            assert relay.node is not None
+            peer = w.add_peer([relay.node.p2p.multiaddrs()[0]])
+            await w.run_node(peer)
+            await w.publish(0, seed=1)
+            assert await converge(w, 120)
+            assert w.origin is not None
+            await w.origin.announce_finished()
+            with trio.fail_after(120):
+                while not (_finished(relay) and _finished(peer)):
+                    await w.changed()
+            w.kill(peer)
+            await peer.stopped.wait()
+            await w.origin.announce_continued()
+            with trio.fail_after(60):
+                while _finished(relay):
+                    await w.changed()
+            await w.run_node(peer)
+            assert peer.node is not None
+            assert peer.follower is not None
+            seen["restored"] = peer.node.continued is not None
+            seen["finished"] = peer.node.finished
+            seen["settled"] = peer.follower.settled()
+            n.cancel_scope.cancel()
+
+    try:
+        with inline_threads(), seeded_scheduler("restored-end"):
+            trio.run(body, clock=trio.testing.MockClock(autojump_threshold=0))
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    assert seen == {"restored": True, "finished": None, "settled": False}
+    # it did restore the end it had recorded (then the relay's continuation lifted it)
+    assert "run_end_restored kind=run-finished step=0" in caplog.text
