@@ -407,8 +407,9 @@ STAGED_FILE_MODE = 0o644
 STAGED_DIR_MODE = 0o755
 
 
-def stage_checkpoint(src: Path, dst: Path) -> list[Path]:
-    """Hard-link (or copy, across file systems) the regular files of ``src`` into ``dst``.
+def stage_checkpoint(src: Path, dst: Path, ready_marker: str = "") -> list[Path]:
+    """Hard-link (or copy, across file systems) the regular files of ``src`` into ``dst``
+    (all but the ``ready_marker`` file, which is the trainer's, not the checkpoint's).
 
     ``dst`` (replaced if present) becomes the version directory in the origin's store, which
     relays, ``shardnet mirror export`` and web servers read, so it is made ``0755`` and every
@@ -437,6 +438,8 @@ def stage_checkpoint(src: Path, dst: Path) -> list[Path]:
         log.warning("staged_dir_mode dir=%s error=%s", dst, exc)
     for entry in os.scandir(src):
         if not entry.is_file(follow_symlinks=False) or entry.name.startswith("."):
+            continue
+        if entry.name == ready_marker:
             continue
         target = dst / entry.name
         try:
@@ -480,6 +483,8 @@ async def run_origin(s: OriginSettings) -> int:
     (:class:`trainer.dataplane.OriginDataPlane`)."""
     from shardcast.node import ShardcastNode
     from shardcast.publish import Origin
+    from shardcast.publish.plan import CheckpointLayoutError
+    from shardcast.publish.watchdir import RefusedSteps, fingerprint, ready_steps
 
     identity = s.identity()
     trust = s.trust(identity)
@@ -508,11 +513,23 @@ async def run_origin(s: OriginSettings) -> int:
                 await plane.intake.add_committed(node.store, trust, latest)
                 plane.current = latest
             await origin.reannounce()  # a restarted origin is followed at once
+            refused = RefusedSteps()
             while True:
-                for step in _ready_steps(s, latest):
-                    published.append(
-                        await _publish_step(s, identity, node, origin, plane, pre, nursery, step)
-                    )
+                for step in ready_steps(s.watch, s.ready_marker, latest):
+                    src = s.watch / f"step-{step}"
+                    files = fingerprint(src)
+                    if not refused.should_try(step, files):
+                        continue
+                    try:
+                        entry = await _publish_step(
+                            s, identity, node, origin, plane, pre, nursery, step
+                        )
+                    except (CheckpointLayoutError, ConfigError, FileNotFoundError) as exc:
+                        refused.refused(step, files)
+                        _refused_step(s, step, exc)
+                        continue
+                    published.append(entry)
+                    refused.published(step)
                     latest = step
                 await trio.sleep(s.poll_interval_s)
 
@@ -531,20 +548,20 @@ async def run_origin(s: OriginSettings) -> int:
     return 0
 
 
-def _ready_steps(s: OriginSettings, latest: int | None) -> list[int]:
-    """The steps newer than ``latest`` whose ``WATCH/step-<N>/`` holds the ready marker, in
-    step order (none while ``WATCH`` does not exist)."""
-    import re
+def _refused_step(s: OriginSettings, step: int, exc: Exception) -> None:
+    """Say once why ``WATCH/step-<step>/`` was not published (nothing of it was signed), and
+    remove what was staged of it; it is tried again when its files change."""
+    import shutil
 
-    ready = []
-    if s.watch.is_dir():
-        for entry in os.scandir(s.watch):
-            m = re.fullmatch(r"step-(\d+)", entry.name)
-            if m and entry.is_dir() and (Path(entry.path) / s.ready_marker).exists():
-                step = int(m.group(1))
-                if latest is None or step > latest:
-                    ready.append(step)
-    return sorted(ready)
+    shutil.rmtree(s.data_dir / "staging" / f"step-{step}", ignore_errors=True)
+    log.warning(
+        "checkpoint_refused step=%d error=%s hint=nothing was published; it is tried again "
+        "when %s changes (write the ready marker %s last, after every file is whole)",
+        step,
+        exc,
+        s.watch / f"step-{step}",
+        s.ready_marker,
+    )
 
 
 def _start_pre_encoder(
@@ -582,17 +599,26 @@ async def _publish_step(
     step: int,
 ) -> dict[str, Any]:
     """Stage ``WATCH/step-<step>/``, sign the run card for it, and publish it (the rollout
-    plane, if any, serving first); returns its entry of the origin's report."""
+    plane, if any, serving first); returns its entry of the origin's report.
+
+    Raises:
+        CheckpointLayoutError: not a whole checkpoint (:func:`check_layout`); nothing signed.
+        ConfigError: its ``config.json`` is not a JSON object.
+        FileNotFoundError: a file vanished while it was staged.
+    """
+    from shardcast.publish.plan import check_layout
+
     staging = s.data_dir / "staging" / f"step-{step}"
     src = s.watch / f"step-{step}"
     # before staging (it may chmod the files): what was encoded ahead, unchanged
     ahead = await pre.take(step, src) if pre is not None else {}
-    await trio.to_thread.run_sync(stage_checkpoint, src, staging)
-    rules = origin_card_rules(s, identity.peer_id, staging)
-    node.set_card(next_card(rules, node.card, identity))
-    if plane is not None and plane.intake is None:  # serve before announcing
-        await plane.start(nursery, node.p2p, staging)
     try:
+        await trio.to_thread.run_sync(stage_checkpoint, src, staging, s.ready_marker)
+        await trio.to_thread.run_sync(check_layout, staging)  # before the card is signed
+        rules = origin_card_rules(s, identity.peer_id, staging)
+        node.set_card(next_card(rules, node.card, identity))
+        if plane is not None and plane.intake is None:  # serve before announcing
+            await plane.start(nursery, node.p2p, staging)
         result = await origin.publish(staging, step, pre_encoded=ahead)
     finally:
         if pre is not None:

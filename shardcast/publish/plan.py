@@ -28,6 +28,7 @@ from typing import BinaryIO, TypeVar
 
 import blake3
 import numpy as np
+from safetensors import SafetensorError, safe_open
 
 from p2p.errors import LocalProtocolError
 from p2p.identity import Identity
@@ -97,10 +98,13 @@ def list_files(directory: Path) -> list[str]:
 def check_layout(directory: Path) -> list[str]:
     """Validate a checkpoint directory and return its file names (sorted).
 
+    Every ``*.safetensors`` file is checked to be whole (:func:`check_weights_file`), so a
+    file cut short or still being written is refused before anything is signed.
+
     Raises:
         CheckpointLayoutError: no ``config.json``; no ``*.safetensors``; several safetensors
             files without an index; an index whose weight map names files that are absent
-            or omits files that are present.
+            or omits files that are present; a safetensors file that is not whole.
     """
     if not directory.is_dir():
         raise CheckpointLayoutError(f"{directory} is not a directory")
@@ -124,7 +128,51 @@ def check_layout(directory: Path) -> list[str]:
             raise CheckpointLayoutError(
                 f"{directory}/{INDEX_FILE} maps {sorted(mapped)} but the directory holds {weights}"
             )
+    for name in weights:
+        check_weights_file(directory / name)
     return names
+
+
+#: a safetensors header longer than this is not one (the library's own limit is 100 MB)
+MAX_SAFETENSORS_HEADER = 100_000_000
+
+
+def check_weights_file(path: Path) -> None:
+    """Refuse a ``*.safetensors`` file that is not whole: shorter than the 8-byte header
+    length, cut short inside its header, or (checked by the ``safetensors`` library, header
+    only) with tensors that do not cover the rest of the file exactly (``file not fully
+    covered``: cut short, or still being written). Blocking; reads the header only.
+
+    A file whose first 8 bytes do not declare a JSON header of a plausible length (under
+    :data:`MAX_SAFETENSORS_HEADER`, starting with ``{``) is not parsed: sharding does not
+    need the format, and the random bytes of test and benchmark checkpoints are no header.
+
+    Raises:
+        CheckpointLayoutError: the file is not whole, or cannot be read.
+    """
+    try:
+        size = path.stat().st_size
+        with path.open("rb") as f:
+            head = f.read(9)
+    except OSError as exc:
+        raise CheckpointLayoutError(f"{path} cannot be read: {exc}") from exc
+    if size < 8:
+        raise CheckpointLayoutError(f"{path} holds {size} bytes: empty, or still being written")
+    declared = int.from_bytes(head[:8], "little")
+    if declared >= MAX_SAFETENSORS_HEADER or head[8:9] != b"{":
+        return
+    if 8 + declared > size:
+        raise CheckpointLayoutError(
+            f"{path} is cut short inside its safetensors header ({size} bytes of at least "
+            f"{8 + declared}): still being written?"
+        )
+    try:
+        with safe_open(str(path), framework="numpy"):
+            pass
+    except (SafetensorError, OSError) as exc:
+        raise CheckpointLayoutError(
+            f"{path} is not a whole safetensors file ({exc}): cut short, or still being written?"
+        ) from exc
 
 
 def plan_shards(sizes: dict[str, int], shard_size: int) -> list[ShardRef]:
@@ -160,7 +208,8 @@ def make_header(
     base: Base | None = None,
     schema: int = SCHEMA_VERSION,
 ) -> Header:
-    """Describe a checkpoint directory as a version header (reads no file content).
+    """Describe a checkpoint directory as a version header (reads no file content but the
+    safetensors headers, :func:`check_layout`).
 
     ``schema`` 3 (the default) has hash-list root file digests; 2 (whole-file digests) is
     for tests of old versions.

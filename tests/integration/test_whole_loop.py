@@ -188,7 +188,9 @@ async def test_whole_loop_own_qwen2_model_and_dataset_task(tmp_path: Path) -> No
         path = peer.node.store.version_dir(1)
         assert (path / TOKENIZER_NAME).read_bytes() == (src / TOKENIZER_NAME).read_bytes()
         assert len(load_tokenizer(path)) > 128
-        assert all(r.generated for r in peer.records)
+        # a batch for every version trained on (the final one's is dropped if the run's end
+        # comes first: the trainer trains on no more rollouts)
+        assert all(r.generated for r in peer.records if r.step < 1)
 
 
 async def test_forged_rewards_rejected_honest_peers_continue(tmp_path: Path) -> None:

@@ -51,7 +51,7 @@ def test_layout_checks(tmp_path: Path) -> None:
 
 
 def test_parts_come_out_in_order_as_hashed(tmp_path: Path) -> None:
-    ck = make_checkpoint(tmp_path / "c", {**SIZES, "empty.safetensors": 0})
+    ck = make_checkpoint(tmp_path / "c", {**SIZES, "empty.bin": 0})
     header = make_header(ck, "run", 0, shard_size=1000, shards_per_part=2)
     seen: list[int] = []
     parts = hash_parts(ck, header, header.digest(), on_part=lambda p: seen.append(p.index))
@@ -59,7 +59,7 @@ def test_parts_come_out_in_order_as_hashed(tmp_path: Path) -> None:
     # every file digest is carried by exactly one part; the empty file by part 0
     carried = [n for p in parts for n, _ in p.file_digests]
     assert sorted(carried) == sorted(f.name for f in header.files)
-    assert "empty.safetensors" in dict(parts[0].file_digests)
+    assert "empty.bin" in dict(parts[0].file_digests)
 
 
 def _partial(tmp_path: Path, step: int = 1, keep: int = 2, schema: int = 3):  # type: ignore[no-untyped-def]
