@@ -9,7 +9,11 @@ The loop an external trainer (prime-rl, verl, TRL, your own) runs against the da
 2. for ``k = 1..steps``: wait until ``R/step-<k-1>/`` holds ``--min-batches`` files (one per
    peer, say) or ``--wait-s`` passes; read them, compute GRPO group advantages from the
    rewards, take one plain PyTorch optimizer step (the clipped GRPO loss of
-   ``trainer/grpo.py``), and write ``W/step-<k>/`` (renamed into place, then ``DONE``).
+   ``trainer/grpo.py``), and write ``W/step-<k>/`` (renamed into place, then ``DONE``);
+3. after the last step, wait for the last version's rollouts as for the others (nobody trains
+   on them: they show where the reward got to), then write ``W/FINISHED``: the origin signs
+   the run's end (peers stop generating, ``--exit-on-finish`` ones exit). Started again, it
+   removes ``W/FINISHED`` first, which continues the run.
 
 The rewards are the trainer's own: every row is scored again with ``--task``/``--task-reward``
 (the same specs the origin and the peers were given; the prompt is recomputed from the row's
@@ -128,6 +132,7 @@ def main(argv: list[str] | None = None) -> int:
     model, tokenizer = load_trainable(model_dir)
     task = load_task(args.task, args.task_reward)
     optimizer = make_optimizer(model, args.lr)
+    (args.watch / "FINISHED").unlink(missing_ok=True)  # the run goes on (again)
     if not (args.watch / "step-0" / "DONE").exists():
         publish(model, tokenizer, model_dir, args.watch, 0)
     for k in range(1, args.steps + 1):
@@ -144,6 +149,8 @@ def main(argv: list[str] | None = None) -> int:
             report |= {"mean_reward": sum(rewards) / len(rewards), "loss": stats.loss}
         publish(model, tokenizer, model_dir, args.watch, k)
         print(json.dumps(report), flush=True)
+    wait_rollouts(args.rollouts, args.steps, args.min_batches, args.wait_s)  # the last ones
+    (args.watch / "FINISHED").write_text("")  # the origin signs the run's end
     return 0
 
 

@@ -966,6 +966,12 @@ class OriginSettings(PublishSettings):
         examples=["checkpoints"],
     )
     ready_marker: str = Field("DONE", description="file that marks a step-<N>/ as complete")
+    finished_marker: str = Field(
+        "FINISHED",
+        description="file in WATCH that ends the run: the origin signs the run's end at the "
+        "newest published version (peers stop generating; --exit-on-finish ones exit); "
+        "removing it continues the run",
+    )
     poll_interval_s: float = Field(
         0.1,
         gt=0,

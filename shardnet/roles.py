@@ -514,6 +514,7 @@ async def run_origin(s: OriginSettings) -> int:
                 plane.current = latest
             await origin.reannounce()  # a restarted origin is followed at once
             refused = RefusedSteps()
+            ended: bool | None = None  # what followers hold is not known after a restart
             while True:
                 for step in ready_steps(s.watch, s.ready_marker, latest):
                     src = s.watch / f"step-{step}"
@@ -530,7 +531,8 @@ async def run_origin(s: OriginSettings) -> int:
                         continue
                     published.append(entry)
                     refused.published(step)
-                    latest = step
+                    latest, ended = step, False  # a newer version lifts an end
+                ended = await _follow_finished_marker(s, origin, nursery, latest, ended)
                 await trio.sleep(s.poll_interval_s)
 
     try:
@@ -546,6 +548,35 @@ async def run_origin(s: OriginSettings) -> int:
                 report["rollouts"] = plane.report()
             write_json_atomic(s.report, report)
     return 0
+
+
+async def _follow_finished_marker(
+    s: OriginSettings,
+    origin: Origin,
+    nursery: trio.Nursery,
+    latest: int | None,
+    ended: bool | None,
+) -> bool | None:
+    """End the run when ``WATCH/<finished_marker>`` appears, continue it when it goes
+    (:func:`shardcast.publish.watchdir.end_action`); returns what is signed now."""
+    from shardcast.publish.watchdir import EndAction, end_action
+
+    marker = await trio.to_thread.run_sync((s.watch / s.finished_marker).exists)
+    action = end_action(marker, ended, latest)
+    if action is EndAction.FINISH:
+        fin = await origin.announce_finished()
+        if fin is not None:
+            log.info(
+                "run_finished_announced step=%d seq=%d marker=%s",
+                fin.step,
+                fin.seq,
+                s.watch / s.finished_marker,
+            )
+        return True
+    if action is EndAction.CONTINUE:
+        await origin.continue_run(nursery)  # logs run_continued_announced if it signed one
+        return False
+    return ended
 
 
 def _refused_step(s: OriginSettings, step: int, exc: Exception) -> None:

@@ -66,6 +66,7 @@ from rollout.task import Task, load_task, task_spec
 from rollout.verify import DEFAULT_PROFILES, EngineProfile, Validator, ValidatorConfig
 from shardcast.node import ShardcastNode, iso, wall_of
 from shardcast.publish import Origin, PreEncoded
+from shardcast.publish.origin import CONTINUE_REPEAT_S
 from shardcast.store import latest_committed
 from shardcast.wire import (
     RunCard,
@@ -112,10 +113,6 @@ if TYPE_CHECKING:
     from trio_typing import TaskStatus
 
 log = logging.getLogger(__name__)
-
-CONTINUE_REPEAT_S = 5.0
-"""Period of the continuation's resending while no newer version is out, seconds (a protocol
-constant, not a setting: the message is ~200 bytes, on the versions topic only)."""
 
 
 @dataclass
@@ -389,7 +386,7 @@ class Trainer:
         return step + 1
 
     async def _repeat_continued(self, origin: Origin, cont: RunContinued) -> None:
-        """Send the continuation ``cont`` again every :data:`CONTINUE_REPEAT_S` until a newer
+        """Send the continuation ``cont`` again every ``CONTINUE_REPEAT_S`` until a newer
         version is published (which lifts the run end by itself) or the run ends again.
 
         Sent once, it reaches only the nodes connected at that instant, which after a restart

@@ -83,6 +83,10 @@ from shardcast.wire import (
 
 log = logging.getLogger(__name__)
 
+CONTINUE_REPEAT_S = 5.0
+"""Period of the continuation's resending while no newer version is out, seconds (a protocol
+constant, not a setting: the message is ~200 bytes, on the versions topic only)."""
+
 
 @dataclass(frozen=True)
 class OriginConfig:
@@ -436,6 +440,27 @@ class Origin:
             if done():
                 return
             await node.p2p.publish(versions_topic(node.config.run_id), data)
+
+    async def continue_run(self, nursery: trio.Nursery) -> RunContinued | None:
+        """:meth:`announce_continued`, then its resending every :data:`CONTINUE_REPEAT_S`
+        (in ``nursery``) until a newer version is announced or the run ends again.
+
+        Returns:
+            the continuation, or None (nothing published, or no run end ever signed).
+
+        Raises:
+            OSError: the run-end counter cannot be written.
+        """
+        node = self.node
+        cont = await self.announce_continued()
+        if cont is not None:
+
+            def done() -> bool:
+                ann = node.announcement
+                return (ann is not None and ann.step > cont.step) or node.finished is not None
+
+            nursery.start_soon(self.resend_until, cont, CONTINUE_REPEAT_S, done)
+        return cont
 
     def egress_bytes(self) -> int:
         """Body bytes the origin's HTTP lane has sent so far."""

@@ -17,18 +17,27 @@ One bad directory therefore neither stops the origin nor gets published; newer s
 published as they become ready (a refused step older than the newest published one is never
 published: versions only go forward).
 
-:class:`RefusedSteps` is pure (the caller lists the files); memory is bounded by the refused
-steps newer than the newest published one.
+The run's end: the trainer writes the finished marker (``FINISHED``) into ``WATCH`` when it
+has written its last step. The origin then signs the run's end at the newest published version
+(:class:`~shardcast.wire.finish.RunFinished`: relays and peers log it, peers stop generating,
+``--exit-on-finish`` peers exit). Removing the marker continues the run
+(:class:`~shardcast.wire.finish.RunContinued`, resent until the next version is out), as a
+trainer restarted with more steps does. :func:`end_action` decides which (pure); after a restart
+the origin does not know which of the two followers hold, so it signs the one the marker says.
+
+:class:`RefusedSteps` and :func:`end_action` are pure (the caller lists the files and checks
+the marker); memory is bounded by the refused steps newer than the newest published one.
 """
 
 from __future__ import annotations
 
+import enum
 import os
 import re
 from collections.abc import Hashable
 from pathlib import Path
 
-__all__ = ["RefusedSteps", "fingerprint", "ready_steps"]
+__all__ = ["EndAction", "RefusedSteps", "end_action", "fingerprint", "ready_steps"]
 
 _STEP_DIR = re.compile(r"step-(\d+)")
 
@@ -91,3 +100,34 @@ class RefusedSteps:
 
     def __len__(self) -> int:
         return len(self._refused)
+
+
+class EndAction(enum.Enum):
+    """What the origin signs about the run's end after a scan of ``WATCH``."""
+
+    NONE = "none"
+    FINISH = "finish"  # sign RunFinished at the newest published version
+    CONTINUE = "continue"  # sign RunContinued (and resend it until the next version)
+
+
+def end_action(marker: bool, ended: bool | None, latest: int | None) -> EndAction:
+    """Whether to end or continue the run (pure).
+
+    Args:
+        marker: the finished marker is in ``WATCH`` now.
+        ended: what this origin last signed: True a run end, False a continuation or a newer
+            version (which lifts an end by itself), None not known (just started: followers
+            may hold either).
+        latest: the newest published step (None: none, so there is nothing to end).
+
+    Returns:
+        ``FINISH`` when the marker is there and the end is not known to be signed;
+        ``CONTINUE`` when it is not there and an end may be in force; else ``NONE``.
+    """
+    if latest is None:
+        return EndAction.NONE
+    if marker and ended is not True:
+        return EndAction.FINISH
+    if not marker and ended is not False:
+        return EndAction.CONTINUE
+    return EndAction.NONE

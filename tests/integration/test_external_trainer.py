@@ -135,6 +135,10 @@ def test_external_trainer_loop(tmp_path: Path, nodes: list[Node]) -> None:
     print("mean reward by version:", mean)
     # measured: 0.072, 0.100, 0.170, 0.214, 0.238, 0.338 (test_grpo.py's loop: +0.18 by 5)
     assert mean[STEPS] > mean[0] + 0.1, mean
+    # then the trainer wrote the finished marker: the origin signed the run's end at STEPS
+    origin.wait_for(rf"run_finished_announced step={STEPS} ", timeout_s=60)
+    for peer in peers:
+        peer.wait_for(rf"run_finished run=\S+ step={STEPS} ", timeout_s=120)
 
     assert origin.stop(signal.SIGTERM) == 0
     report = json.loads((tmp_path / "origin.json").read_text())["rollouts"]

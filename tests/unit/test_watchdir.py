@@ -11,7 +11,13 @@ import pytest
 from safetensors.numpy import save_file
 
 from shardcast.publish.plan import CheckpointLayoutError, check_layout, check_weights_file
-from shardcast.publish.watchdir import RefusedSteps, fingerprint, ready_steps
+from shardcast.publish.watchdir import (
+    EndAction,
+    RefusedSteps,
+    end_action,
+    fingerprint,
+    ready_steps,
+)
 from shardnet.roles import stage_checkpoint
 
 
@@ -92,3 +98,19 @@ def test_staging_leaves_the_ready_marker_out(tmp_path: Path) -> None:
     (src / "DONE").write_text("")
     stage_checkpoint(src, tmp_path / "staged", "DONE")
     assert sorted(p.name for p in (tmp_path / "staged").iterdir()) == ["config.json"]
+
+
+def test_the_finished_marker_ends_or_continues_the_run() -> None:
+    finish, cont, none = EndAction.FINISH, EndAction.CONTINUE, EndAction.NONE
+    table = {
+        # (marker, ended, latest): action
+        (True, None, None): none,  # nothing published: nothing to end
+        (True, None, 3): finish,  # just started: sign what the marker says
+        (True, False, 3): finish,
+        (True, True, 3): none,  # already signed
+        (False, None, 3): cont,  # just started: an earlier end may be in force
+        (False, True, 3): cont,  # the marker was removed
+        (False, False, 3): none,
+    }
+    for (marker, ended, latest), want in table.items():
+        assert end_action(marker, ended, latest) is want, (marker, ended, latest)

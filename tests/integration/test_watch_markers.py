@@ -1,0 +1,131 @@
+"""``shardnet origin --watch`` and the trainer's markers, with real processes on 127.0.0.1.
+
+* A step whose weights file is cut short, and a step holding only the ready marker, are
+  refused before anything of them is signed (one WARNING each, however often the directory is
+  polled); the origin keeps running and publishes newer steps, and a refused step is published
+  once its files are whole. The ready marker itself is never published.
+* The finished marker in ``WATCH`` ends the run (a relay takes the signed end); removing it
+  continues the run (the relay takes the continuation and the next step); an origin restarted
+  with the marker there signs the end again.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+from pathlib import Path
+
+import numpy as np
+from safetensors.numpy import save_file
+
+from p2p.identity import Identity
+from tests.integration.procs import LOOPBACK_ANY, Node, free_port, nodes
+
+__all__ = ["nodes"]  # the fixture
+
+RUN = "refusals"
+
+
+def _write(watch: Path, step: int, *, cut: bool = False, marker: bool = True) -> None:
+    """``watch/step-<step>/`` as a trainer writes it: config, weights (temp file, rename),
+    then the ready marker; ``cut``: the weights cut to half their size."""
+    d = watch / f"step-{step}"
+    d.mkdir(parents=True, exist_ok=True)
+    (d / "config.json").write_text(json.dumps({"model_type": "llama", "step": step}))
+    tmp = d / ".model.safetensors.tmp"
+    save_file({"w": np.full(20_000, step, dtype=np.float32)}, str(tmp))
+    if cut:
+        tmp.write_bytes(tmp.read_bytes()[:40_000])
+    os.replace(tmp, d / "model.safetensors")
+    if marker:
+        (d / "DONE").write_text("")
+
+
+def test_refused_steps_are_never_signed_and_the_origin_goes_on(
+    tmp_path: Path, nodes: list[Node]
+) -> None:
+    watch, data, logs = tmp_path / "watch", tmp_path / "origin", tmp_path / "logs"
+    args = [
+        *("origin", "--watch", str(watch), "--data-dir", str(data), "--run-id", RUN),
+        *("--poll-interval-s", "0.1", "--no-pre-encode"),
+        *LOOPBACK_ANY,
+    ]
+    _write(watch, 0)
+    origin = Node("origin", args, logs, {})
+    nodes.append(origin)
+    origin.wait_for(r"version_published step=0 ")
+    # the marker before the weights are whole, and a marker alone
+    _write(watch, 1, cut=True)
+    (watch / "step-2").mkdir()
+    (watch / "step-2" / "DONE").write_text("")
+    origin.wait_for(r"WARNING .*checkpoint_refused step=1 error=.*not fully covered", 60)
+    origin.wait_for(r"WARNING .*checkpoint_refused step=2 error=.*config\.json", 60)
+    # a newer whole step is published meanwhile
+    _write(watch, 3)
+    origin.wait_for(r"version_published step=3 ", 60)
+    assert origin.count(r"checkpoint_refused step=1 ") == 1  # said once, not at every poll
+    assert origin.count(r"checkpoint_refused step=2 ") == 1
+    assert origin.count(r"version_announced .*step=[12] ") == 0  # nothing of them signed
+    assert not (data / "versions" / RUN / "step-1").exists()
+    # step 4 refused, then written whole: tried again because its files changed
+    _write(watch, 4, cut=True)
+    origin.wait_for(r"checkpoint_refused step=4 ", 60)
+    _write(watch, 4)
+    origin.wait_for(r"version_published step=4 ", 60)
+    published = sorted(p.name for p in (data / "versions" / RUN / "step-4").iterdir())
+    assert "DONE" not in published
+    assert "model.safetensors" in published
+    assert origin.proc.poll() is None  # still running
+    assert origin.stop(signal.SIGTERM) == 0
+
+
+def test_the_finished_marker_ends_the_run_and_removing_it_continues_it(
+    tmp_path: Path, nodes: list[Node]
+) -> None:
+    watch, data, logs = tmp_path / "watch", tmp_path / "origin", tmp_path / "logs"
+    origin_id = Identity.load_or_create(data / "node.key").peer_id
+    port = free_port()
+    args = [
+        *("origin", "--watch", str(watch), "--data-dir", str(data), "--run-id", RUN),
+        *("--key", str(data / "node.key"), "--poll-interval-s", "0.1", "--no-pre-encode"),
+        *("--listen", f"/ip4/127.0.0.1/tcp/{port}", "--http-host", "127.0.0.1"),
+        *("--http-port", "0"),
+    ]
+    _write(watch, 0)
+    origin = Node("origin", args, logs, {})
+    nodes.append(origin)
+    origin.wait_for(r"version_published step=0 ")
+    relay = Node(
+        "relay",
+        [
+            *("relay", "--data-dir", str(tmp_path / "relay"), "--run-id", RUN),
+            *("--upstream", f"/ip4/127.0.0.1/tcp/{port}/p2p/{origin_id}"),
+            *("--trainer-id", origin_id),
+            *LOOPBACK_ANY,
+        ],
+        logs,
+        {},
+    )
+    nodes.append(relay)
+    relay.wait_for(r"version_committed run=refusals step=0 ", 60)
+    _write(watch, 1)
+    (watch / "FINISHED").write_text("")
+    origin.wait_for(r"run_finished_announced step=1 seq=1 ", 60)
+    relay.wait_for(r"run_finished run=refusals step=1 ", 60)
+    assert origin.count(r"version_published step=1 ") == 1  # published before the end
+    (watch / "FINISHED").unlink()
+    origin.wait_for(r"run_continued_announced step=1 seq=2", 60)
+    relay.wait_for(r"run_continued run=refusals step=1 lifted_end=True", 60)
+    _write(watch, 2)
+    relay.wait_for(r"version_committed run=refusals step=2 ", 60)
+    # restarted with the marker there: the end is signed again, above the continuation
+    assert origin.stop(signal.SIGTERM) == 0
+    (watch / "FINISHED").write_text("")
+    origin2 = Node("origin2", args, logs, {})
+    nodes.append(origin2)
+    origin2.wait_for(r"run_finished_announced step=2 seq=3 ", 60)
+    relay.wait_for(r"run_finished run=refusals step=2 ", 60)
+    assert origin2.count(r"run_continued_announced") == 0
+    assert relay.stop(signal.SIGTERM) == 0
+    assert origin2.stop(signal.SIGTERM) == 0
