@@ -66,11 +66,9 @@ from rollout.task import Task, load_task, task_spec
 from rollout.verify import DEFAULT_PROFILES, EngineProfile, Validator, ValidatorConfig
 from shardcast.node import ShardcastNode, iso, wall_of
 from shardcast.publish import Origin, PreEncoded
-from shardcast.publish.origin import CONTINUE_REPEAT_S
 from shardcast.store import latest_committed
 from shardcast.wire import (
     RunCard,
-    RunContinued,
     SamplingRules,
     TaskSpec,
     architecture_digest,
@@ -352,7 +350,7 @@ class Trainer:
         """Publish (or re-announce) the version training starts from; returns the next step.
 
         On a finished run with more steps to go, the continuation is sent again in the
-        background (``nursery``) until the next version is out (see :meth:`_repeat_continued`).
+        background (``nursery``) until the next version is out (:meth:`Origin.continue_run`).
         """
         if plan.kind is ResumeKind.RESUME:
             await self._resume(origin, oracle, plan.step)
@@ -373,9 +371,7 @@ class Trainer:
             else:
                 # Followers may hold this run's signed end (an earlier process finished it):
                 # peers that hold it say no hello and send no rollouts, so lift it first.
-                cont = await origin.announce_continued()
-                if cont is not None:
-                    nursery.start_soon(self._repeat_continued, origin, cont)
+                await origin.continue_run(nursery)  # resent until the next version is out
                 await self._wait_joined()
             return plan.step + 1
         step = 0 if plan.kind is ResumeKind.FRESH else plan.step
@@ -384,22 +380,6 @@ class Trainer:
         await self._wait_joined()
         await self._publish(origin, oracle, model, tokenizer, staging, step, optimizer)
         return step + 1
-
-    async def _repeat_continued(self, origin: Origin, cont: RunContinued) -> None:
-        """Send the continuation ``cont`` again every ``CONTINUE_REPEAT_S`` until a newer
-        version is published (which lifts the run end by itself) or the run ends again.
-
-        Sent once, it reaches only the nodes connected at that instant, which after a restart
-        is often none: relays and peers that hold the run end poll minutes apart
-        (``finished_poll_interval_s``), and peers send no hello until they learn it.
-        """
-        assert self.node is not None
-        node = self.node
-        await origin.resend_until(
-            cont,
-            CONTINUE_REPEAT_S,
-            lambda: self.published > cont.step or node.finished is not None,
-        )
 
     async def _register_versions(self, oracle: TrainerOracle, newest: int) -> None:
         """Give the validator the committed versions of the async window ending at ``newest``."""
