@@ -49,6 +49,7 @@ if TYPE_CHECKING:
     from rollout.verify import EngineProfile
     from shardcast.node import ShardcastNode
     from shardcast.publish import Origin, PreEncoder
+    from shardcast.publish.watchdir import Fingerprint
     from trainer.dataplane import OriginDataPlane
 
 log = logging.getLogger(__name__)
@@ -515,6 +516,7 @@ async def run_origin(s: OriginSettings) -> int:
             await origin.reannounce()  # a restarted origin is followed at once
             refused = RefusedSteps()
             ended: bool | None = None  # what followers hold is not known after a restart
+            held = await trio.to_thread.run_sync(_fingerprints, node, node.store.committed_steps())
             while True:
                 for step in ready_steps(s.watch, s.ready_marker, latest):
                     src = s.watch / f"step-{step}"
@@ -532,6 +534,8 @@ async def run_origin(s: OriginSettings) -> int:
                     published.append(entry)
                     refused.published(step)
                     latest, ended = step, False  # a newer version lifts an end
+                    held |= await trio.to_thread.run_sync(_fingerprints, node, [step])
+                await trio.to_thread.run_sync(_quarantine_changed, node, held)
                 ended = await _follow_finished_marker(s, origin, nursery, latest, ended)
                 await trio.sleep(s.poll_interval_s)
 
@@ -577,6 +581,38 @@ async def _follow_finished_marker(
         await origin.continue_run(nursery)  # logs run_continued_announced if it signed one
         return False
     return ended
+
+
+def _fingerprints(node: ShardcastNode, steps: list[int]) -> dict[int, Fingerprint]:
+    """What the files of the published ``steps`` are now (blocking)."""
+    from shardcast.publish.watchdir import fingerprint
+
+    return {step: fingerprint(node.store.version_dir(step)) for step in steps}
+
+
+def _quarantine_changed(node: ShardcastNode, held: dict[int, Fingerprint]) -> None:
+    """Quarantine each published version whose files changed since it was published (the
+    trainer rewrote a hard-linked file in place: the bytes no longer match the signed
+    manifest), and forget the versions retention removed. Blocking; mutates ``held``."""
+    from shardcast.publish.watchdir import changed_files, fingerprint
+
+    committed = set(node.store.committed_steps())
+    for step in list(held):
+        if step not in committed:
+            del held[step]
+            continue
+        changed = changed_files(held[step], fingerprint(node.store.version_dir(step)))
+        if changed:
+            del held[step]
+            log.error(
+                "published_files_changed step=%d files=%s hint=a published step's files were "
+                "rewritten in place (the origin hard-links them from WATCH); the version no "
+                "longer matches its signed manifest and is no longer served here; write each "
+                "step to a new directory",
+                step,
+                ",".join(changed),
+            )
+            node.store.quarantine(step, "published files changed in place")
 
 
 def _refused_step(s: OriginSettings, step: int, exc: Exception) -> None:

@@ -25,8 +25,18 @@ has written its last step. The origin then signs the run's end at the newest pub
 trainer restarted with more steps does. :func:`end_action` decides which (pure); after a restart
 the origin does not know which of the two followers hold, so it signs the one the marker says.
 
-:class:`RefusedSteps` and :func:`end_action` are pure (the caller lists the files and checks
-the marker); memory is bounded by the refused steps newer than the newest published one.
+A published step's files must not change: the origin hard-links them from ``WATCH`` into its
+store where it can, so a trainer that rewrites one in place changes the bytes the origin
+serves, which no longer match the signed manifest (every follower refuses them as corrupt and
+bans the origin). The origin keeps the :func:`fingerprint` of each version it published and
+compares it at every scan (:func:`changed_files`); a version whose files changed is
+quarantined (removed, no longer served; followers that hold it still serve it) and said at
+ERROR. A version held before a restart is fingerprinted at start (a change while the origin
+was down is not seen; the store re-hashes after an unclean stop).
+
+:class:`RefusedSteps`, :func:`changed_files` and :func:`end_action` are pure (the caller lists
+the files and checks the marker); memory is bounded by the refused steps newer than the newest
+published one, and the fingerprints of the versions held.
 """
 
 from __future__ import annotations
@@ -37,9 +47,19 @@ import re
 from collections.abc import Hashable
 from pathlib import Path
 
-__all__ = ["EndAction", "RefusedSteps", "end_action", "fingerprint", "ready_steps"]
+__all__ = [
+    "EndAction",
+    "RefusedSteps",
+    "changed_files",
+    "end_action",
+    "fingerprint",
+    "ready_steps",
+]
 
 _STEP_DIR = re.compile(r"step-(\d+)")
+
+Fingerprint = frozenset[tuple[str, int, int, int]]
+"""``(name, inode, size, mtime_ns)`` of each file of a directory (:func:`fingerprint`)."""
 
 
 def ready_steps(watch: Path, ready_marker: str, latest: int | None) -> list[int]:
@@ -59,10 +79,10 @@ def ready_steps(watch: Path, ready_marker: str, latest: int | None) -> list[int]
     return sorted(ready)
 
 
-def fingerprint(directory: Path) -> frozenset[tuple[str, int, int, int]]:
-    """``(name, inode, size, mtime_ns)`` of each regular file directly in ``directory``
-    (empty if it cannot be read): what a trainer changes when it writes a file again, in
-    place or by rename. Blocking."""
+def fingerprint(directory: Path) -> Fingerprint:
+    """``(name, inode, size, mtime_ns)`` of each regular, not hidden file directly in
+    ``directory`` (empty if it cannot be read): what a trainer changes when it writes a file
+    again, in place or by rename (a hidden temp file counts once renamed). Blocking."""
     out = set()
     try:
         entries = list(os.scandir(directory))
@@ -70,12 +90,19 @@ def fingerprint(directory: Path) -> frozenset[tuple[str, int, int, int]]:
         return frozenset()
     for entry in entries:
         try:
-            if entry.is_file(follow_symlinks=False):
+            if entry.is_file(follow_symlinks=False) and not entry.name.startswith("."):
                 st = entry.stat(follow_symlinks=False)
                 out.add((entry.name, st.st_ino, st.st_size, st.st_mtime_ns))
         except OSError:
             continue  # vanished meanwhile
     return frozenset(out)
+
+
+def changed_files(published: Fingerprint, now: Fingerprint) -> list[str]:
+    """Names of the files of a published version whose ``(inode, size, mtime)`` differs now
+    or that are gone (pure; files added since are not the version's and are ignored)."""
+    current = {name: rest for name, *rest in now}
+    return sorted(name for name, *rest in published if current.get(name) != rest)
 
 
 class RefusedSteps:

@@ -17,6 +17,7 @@ import signal
 from pathlib import Path
 
 import numpy as np
+import pytest
 from safetensors.numpy import save_file
 
 from p2p.identity import Identity
@@ -129,3 +130,35 @@ def test_the_finished_marker_ends_the_run_and_removing_it_continues_it(
     assert origin2.count(r"run_continued_announced") == 0
     assert relay.stop(signal.SIGTERM) == 0
     assert origin2.stop(signal.SIGTERM) == 0
+
+
+def test_a_published_step_rewritten_in_place_is_no_longer_served(
+    tmp_path: Path, nodes: list[Node]
+) -> None:
+    """The origin hard-links WATCH files into its store: a trainer that rewrites one of a
+    published step in place changes the bytes served under the signed manifest. The origin
+    sees it at its next scan, says so at ERROR and stops serving that version; the next step
+    is published as usual."""
+    watch, data, logs = tmp_path / "watch", tmp_path / "origin", tmp_path / "logs"
+    args = [
+        *("origin", "--watch", str(watch), "--data-dir", str(data), "--run-id", RUN),
+        *("--poll-interval-s", "0.1", "--no-pre-encode"),
+        *LOOPBACK_ANY,
+    ]
+    _write(watch, 0)
+    origin = Node("origin", args, logs, {})
+    nodes.append(origin)
+    origin.wait_for(r"version_published step=0 ")
+    stored = data / "versions" / RUN / "step-0" / "model.safetensors"
+    if stored.stat().st_ino != (watch / "step-0" / "model.safetensors").stat().st_ino:
+        pytest.skip("the origin copied the files (another file system): nothing is shared")
+    with (watch / "step-0" / "model.safetensors").open("r+b") as f:  # in place
+        f.seek(200)
+        f.write(b"\x01" * 64)
+    origin.wait_for(r"ERROR .*published_files_changed step=0 files=model\.safetensors", 60)
+    origin.wait_for(r"versions_quarantined run=refusals steps=\[0\]", 60)
+    assert not (data / "versions" / RUN / "step-0").exists()
+    _write(watch, 1)
+    origin.wait_for(r"version_published step=1 ", 60)
+    assert origin.count(r"published_files_changed") == 1
+    assert origin.stop(signal.SIGTERM) == 0

@@ -14,6 +14,7 @@ from shardcast.publish.plan import CheckpointLayoutError, check_layout, check_we
 from shardcast.publish.watchdir import (
     EndAction,
     RefusedSteps,
+    changed_files,
     end_action,
     fingerprint,
     ready_steps,
@@ -114,3 +115,20 @@ def test_the_finished_marker_ends_or_continues_the_run() -> None:
     }
     for (marker, ended, latest), want in table.items():
         assert end_action(marker, ended, latest) is want, (marker, ended, latest)
+
+
+def test_changed_files_of_a_published_version(tmp_path: Path) -> None:
+    d = tmp_path / "step-0"
+    d.mkdir()
+    (d / "a.safetensors").write_bytes(b"a" * 10)
+    (d / "config.json").write_text("{}")
+    published = fingerprint(d)
+    (d / ".tmp").write_bytes(b"x")  # hidden files are not the version's
+    (d / "extra.json").write_text("{}")  # nor files added since
+    os.chmod(d / "a.safetensors", 0o600)  # nor a new ctime
+    assert changed_files(published, fingerprint(d)) == []
+    with (d / "a.safetensors").open("r+b") as f:  # in place: new mtime
+        f.write(b"b")
+    os.utime(d / "a.safetensors", ns=(1, 1))
+    (d / "config.json").unlink()
+    assert changed_files(published, fingerprint(d)) == ["a.safetensors", "config.json"]
