@@ -48,8 +48,7 @@ if TYPE_CHECKING:
     from rollout.engine import Engine
     from rollout.verify import EngineProfile
     from shardcast.node import ShardcastNode
-    from shardcast.publish import Origin, PreEncoder
-    from shardcast.publish.watchdir import Fingerprint
+    from shardcast.publish import Fingerprint, Origin, PreEncoder
     from trainer.dataplane import OriginDataPlane
 
 log = logging.getLogger(__name__)
@@ -483,9 +482,13 @@ async def run_origin(s: OriginSettings) -> int:
     ``--rollouts-out``, also receive, verify and write peers' rollouts
     (:class:`trainer.dataplane.OriginDataPlane`)."""
     from shardcast.node import ShardcastNode
-    from shardcast.publish import Origin
-    from shardcast.publish.plan import CheckpointLayoutError
-    from shardcast.publish.watchdir import RefusedSteps, fingerprint, ready_steps
+    from shardcast.publish import (
+        CheckpointLayoutError,
+        Origin,
+        RefusedSteps,
+        fingerprint,
+        ready_steps,
+    )
 
     identity = s.identity()
     trust = s.trust(identity)
@@ -563,7 +566,7 @@ async def _follow_finished_marker(
 ) -> bool | None:
     """End the run when ``WATCH/<finished_marker>`` appears, continue it when it goes
     (:func:`shardcast.publish.watchdir.end_action`); returns what is signed now."""
-    from shardcast.publish.watchdir import EndAction, end_action
+    from shardcast.publish import EndAction, end_action
 
     marker = await trio.to_thread.run_sync((s.watch / s.finished_marker).exists)
     action = end_action(marker, ended, latest)
@@ -585,7 +588,7 @@ async def _follow_finished_marker(
 
 def _fingerprints(node: ShardcastNode, steps: list[int]) -> dict[int, Fingerprint]:
     """What the files of the published ``steps`` are now (blocking)."""
-    from shardcast.publish.watchdir import fingerprint
+    from shardcast.publish import fingerprint
 
     return {step: fingerprint(node.store.version_dir(step)) for step in steps}
 
@@ -594,7 +597,7 @@ def _quarantine_changed(node: ShardcastNode, held: dict[int, Fingerprint]) -> No
     """Quarantine each published version whose files changed since it was published (the
     trainer rewrote a hard-linked file in place: the bytes no longer match the signed
     manifest), and forget the versions retention removed. Blocking; mutates ``held``."""
-    from shardcast.publish.watchdir import changed_files, fingerprint
+    from shardcast.publish import changed_files, fingerprint
 
     committed = set(node.store.committed_steps())
     for step in list(held):
@@ -673,7 +676,7 @@ async def _publish_step(
         ConfigError: its ``config.json`` is not a JSON object.
         FileNotFoundError: a file vanished while it was staged.
     """
-    from shardcast.publish.plan import check_layout
+    from shardcast.publish import check_layout
 
     staging = s.data_dir / "staging" / f"step-{step}"
     src = s.watch / f"step-{step}"

@@ -1,7 +1,8 @@
 """publish: the origin side: checkpoint layout, shard plans and hashing
 (:mod:`.plan`), encoding while the trainer writes (:mod:`.preencode` for files in a watched
 directory, :mod:`.inmemory` for the bytes a trainer holds) and publishing signed, pipelined
-versions (:mod:`.origin`).
+versions (:mod:`.origin`), and what the standalone origin makes of a watched directory
+(:mod:`.watchdir`).
 """
 
 from __future__ import annotations
@@ -20,31 +21,51 @@ from shardcast.publish.plan import (
     DEFAULT_SHARD_BYTES,
     ENCODE_WORKERS,
     Base,
+    CheckpointLayoutError,
     EncodeSettings,
     PreEncoded,
     build_manifest,
+    check_layout,
     hash_parts,
     make_header,
 )
 from shardcast.publish.preencode import PreEncoder
+from shardcast.publish.watchdir import (
+    EndAction,
+    Fingerprint,
+    RefusedSteps,
+    changed_files,
+    end_action,
+    fingerprint,
+    ready_steps,
+)
 
 __all__ = [
     "DEFAULT_SHARD_BYTES",
     "ENCODE_WORKERS",
     "Base",
+    "CheckpointLayoutError",
     "EncodeSettings",
+    "EndAction",
     "FileBytes",
+    "Fingerprint",
     "Origin",
     "OriginConfig",
     "PreEncoded",
     "PreEncoder",
+    "RefusedSteps",
     "TensorBytes",
     "build_manifest",
+    "changed_files",
+    "check_layout",
     "encode_bytes",
+    "end_action",
+    "fingerprint",
     "hash_parts",
     "header_matches",
     "make_header",
     "pre_encode_bytes",
+    "ready_steps",
     "safetensors_file",
     "safetensors_header",
 ]
