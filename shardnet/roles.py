@@ -48,7 +48,7 @@ if TYPE_CHECKING:
     from rollout.engine import Engine
     from rollout.verify import EngineProfile
     from shardcast.node import ShardcastNode
-    from shardcast.publish import Fingerprint, Origin, PreEncoder
+    from shardcast.publish import Fingerprint, Origin, PreEncoder, RefusedSteps
     from trainer.dataplane import OriginDataPlane
 
 log = logging.getLogger(__name__)
@@ -518,6 +518,7 @@ async def run_origin(s: OriginSettings) -> int:
                 plane.current = latest
             await origin.reannounce()  # a restarted origin is followed at once
             refused = RefusedSteps()
+            node.status_sections["watch"] = lambda: _watch_status(s, node, refused)
             ended: bool | None = None  # what followers hold is not known after a restart
             held = await trio.to_thread.run_sync(_fingerprints, node, node.store.committed_steps())
             while True:
@@ -584,6 +585,18 @@ async def _follow_finished_marker(
         await origin.continue_run(nursery)  # logs run_continued_announced if it signed one
         return False
     return ended
+
+
+def _watch_status(s: OriginSettings, node: ShardcastNode, refused: RefusedSteps) -> dict[str, Any]:
+    """The ``watch`` section of the origin's ``/status`` (what it waits for in ``WATCH``)."""
+    return {
+        "dir": str(s.watch),
+        "ready_marker": s.ready_marker,
+        "finished_marker": s.finished_marker,
+        "finished_marker_present": (s.watch / s.finished_marker).exists(),
+        "latest_published": node.store.latest(),
+        "refused": refused.steps(),
+    }
 
 
 def _fingerprints(node: ShardcastNode, steps: list[int]) -> dict[int, Fingerprint]:

@@ -185,6 +185,20 @@ def _requests_line(by_class: dict[str, int], client_errors: dict[str, int]) -> s
     return line
 
 
+def _watch_line(watch: dict[str, Any]) -> str:
+    """The standalone origin's watched directory: what it published, refused, and whether
+    the trainer ended the run."""
+    line = f"{watch.get('dir')}: published {_opt(watch.get('latest_published'))}"
+    refused = watch.get("refused") or []
+    if refused:
+        line += f"; refused {_steps(refused)} (see checkpoint_refused in the log)"
+    else:
+        line += f"; waiting for step-<N>/{watch.get('ready_marker')}"
+    if watch.get("finished_marker_present"):
+        line += f"; {watch.get('finished_marker')} present: run ended"
+    return line
+
+
 def _chains_line(chained: dict[str, int], versions: dict[str, Any]) -> str:
     """The versions kept as chains (delta on a base), and why more versions are held than
     ``--keep-last`` says: the bases those chains are built from."""
@@ -334,6 +348,9 @@ def render(doc: dict[str, Any]) -> RenderableType:
     port_map = doc.get("port_mapping")
     if port_map:
         _row(head, "port map", _port_map_line(port_map))
+    watch = doc.get("watch")
+    if watch:
+        _row(head, "watch", _watch_line(watch))
     tr = doc.get("trainer")
     if tr:
         _row(

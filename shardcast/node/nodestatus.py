@@ -38,6 +38,9 @@ Role sections (added through :attr:`ShardcastNode.status_sections`):
 - trainer: ``network`` (per peer: latest reported step, lag in versions, last heard),
   ``rollouts`` (announced, pending, accepted, rejected by reason), ``reputation``;
 - peer: ``rollouts`` (submitted, acknowledged by status, pending, retries, given up);
+- standalone origin (``shardnet origin --watch``): ``watch`` (``dir``, ``ready_marker``,
+  ``finished_marker``, ``finished_marker_present``, ``latest_published``, ``refused``: the
+  steps refused and waiting for their files to change);
 - ``run_card`` where the run card is known.
 """
 

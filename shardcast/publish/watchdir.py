@@ -125,6 +125,10 @@ class RefusedSteps:
         for s in [s for s in self._refused if s <= step]:
             del self._refused[s]
 
+    def steps(self) -> list[int]:
+        """The refused steps, ascending."""
+        return sorted(self._refused)
+
     def __len__(self) -> int:
         return len(self._refused)
 

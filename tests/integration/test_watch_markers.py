@@ -13,7 +13,9 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
+import urllib.request
 from pathlib import Path
 
 import numpy as np
@@ -72,6 +74,11 @@ def test_refused_steps_are_never_signed_and_the_origin_goes_on(
     # step 4 refused, then written whole: tried again because its files changed
     _write(watch, 4, cut=True)
     origin.wait_for(r"checkpoint_refused step=4 ", 60)
+    url = re.search(r"http_url=(\S+)", origin.wait_for(r"node_ready role=origin")).group(1)
+    with urllib.request.urlopen(f"{url}/status", timeout=10) as r:
+        watched = json.loads(r.read())["watch"]
+    # 1 and 2 are older than the published 3: never published now, no longer listed
+    assert (watched["refused"], watched["latest_published"]) == ([4], 3)
     _write(watch, 4)
     origin.wait_for(r"version_published step=4 ", 60)
     published = sorted(p.name for p in (data / "versions" / RUN / "step-4").iterdir())

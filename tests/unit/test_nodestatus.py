@@ -294,3 +294,25 @@ def test_an_upstream_that_left_after_the_run_end_is_no_fault() -> None:
     assert "left (run over)" in rows[0]
     assert "unreachable" in rows[1]
     assert all(len(r.rstrip()) <= 80 for r in rows)
+
+
+def test_the_standalone_origin_says_what_it_waits_for_in_watch() -> None:
+    doc = node_status(_node(None))
+    doc["watch"] = {
+        "dir": "ckpts",
+        "ready_marker": "DONE",
+        "finished_marker": "FINISHED",
+        "finished_marker_present": False,
+        "latest_published": 3,
+        "refused": [4],
+    }
+    console = Console(width=200, record=True)
+    console.print(render(doc))
+    text = console.export_text()
+    assert "ckpts: published 3; refused 4 (see checkpoint_refused in the log)" in text
+    doc["watch"].update(refused=[], finished_marker_present=True)
+    console = Console(width=200, record=True)
+    console.print(render(doc))
+    assert "published 3; waiting for step-<N>/DONE; FINISHED present: run ended" in (
+        console.export_text()
+    )
