@@ -473,6 +473,12 @@ class FollowerSettings(CommonSettings):
         "`shardnet mirror export` behind any web server): an extra, untrusted shard source "
         "for announced versions it lists",
     )
+    mirror_poll_interval_s: float = Field(
+        FollowConfig.mirror_poll_interval_s,
+        gt=0,
+        description="how often each --mirror's version list is fetched while the run is "
+        "live, seconds (one GET per follower and mirror each time: a CDN bills them)",
+    )
     exit_on_finish: bool = Field(
         False,
         description="exit (code 0) once the trainer announced the run's end and this node "
@@ -570,6 +576,7 @@ class FollowerSettings(CommonSettings):
             upstreams=tuple(upstreams),
             poll_interval_s=self.poll_interval_s,
             mirrors=tuple(self.mirror),
+            mirror_poll_interval_s=self.mirror_poll_interval_s,
             download=DownloadConfig(
                 stall_timeout_s=self.stall_timeout_s,
                 source_ban_s=self.source_ban_s,

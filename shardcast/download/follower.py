@@ -186,6 +186,9 @@ class FollowConfig:
         finished_max_backoff_s: retry backoff cap once settled, seconds.
         mirrors: base URLs of static mirrors (``http://HOST[:PORT][/PATH]``) used as extra,
             untrusted HTTP-only sources (see the module docstring).
+        mirror_poll_interval_s: period of the ``/versions`` poll per mirror while the run is
+            live, seconds (a plain GET of a static file on a web server or CDN, billed per
+            request: slower than the libp2p info poll of upstreams).
         lane_backoff: when an advertised URL that failed its whoami challenge is tried again,
             and when it is dropped.
         reachability: when this node checks its own lane by dial-back.
@@ -207,6 +210,7 @@ class FollowConfig:
     finished_poll_interval_s: float = 60.0
     finished_max_backoff_s: float = 600.0
     mirrors: tuple[str, ...] = ()
+    mirror_poll_interval_s: float = 5.0
     lane_backoff: LaneBackoff = field(default_factory=LaneBackoff)
     reachability: ReachabilityConfig = field(default_factory=ReachabilityConfig)
     punch: PunchConfig = field(default_factory=PunchConfig)
@@ -228,6 +232,8 @@ class FollowConfig:
             peer_id_of(a)
         if self.poll_interval_s <= 0 or self.advert_interval_s <= 0:
             raise ConfigError("poll_interval_s", "intervals must be > 0")
+        if self.mirror_poll_interval_s <= 0:
+            raise ConfigError("mirror_poll_interval_s", "must be > 0")
         object.__setattr__(
             self, "mirrors", tuple(check_mirror_url(u, "mirror") for u in self.mirrors)
         )
@@ -563,7 +569,12 @@ class Follower:
     async def _poll_mirror(self, url: str) -> None:
         """Keep ``self.mirrors[url]`` up to date with the mirror's ``/versions`` list."""
         poll = self.mirrors[url]
-        policy = self.config.poll_policy()
+        cfg = self.config
+        policy = dataclasses.replace(
+            cfg.poll_policy(),
+            poll_interval_s=cfg.mirror_poll_interval_s,
+            max_backoff_s=max(cfg.max_backoff_s, cfg.mirror_poll_interval_s),
+        )
         versions = versions_url(url, self.node.config.run_id)
         while True:
             try:

@@ -93,6 +93,7 @@ def test_errors_name_the_field(tmp_path: Path) -> None:
         ({"allow_relay": ["nope"]}, "allow_relay"),
         ({"mirror": ["ftp://example.org/m"]}, "mirror"),
         ({"mirror": ["http://0.0.0.0:80"]}, "mirror"),
+        ({"mirror_poll_interval_s": 0}, "mirror_poll_interval_s"),
     ],
 )
 def test_addresses_and_ids_are_checked_at_load(overrides: dict[str, object], field: str) -> None:
