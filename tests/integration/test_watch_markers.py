@@ -30,6 +30,24 @@ __all__ = ["nodes"]  # the fixture
 RUN = "refusals"
 
 
+def _origin_args(watch: Path, data: Path, *extra: str) -> list[str]:
+    """``shardnet origin`` on ``watch`` with data in ``data``, scanning every 0.1 s."""
+    return [
+        *("origin", "--watch", str(watch), "--data-dir", str(data), "--run-id", RUN),
+        *("--poll-interval-s", "0.1", "--no-pre-encode", *extra),
+    ]
+
+
+def _origin_with_step_0(tmp_path: Path, nodes: list[Node]) -> tuple[Path, Path, Node]:
+    """An origin on ``<tmp>/watch`` (data in ``<tmp>/origin``) that has published step 0."""
+    watch, data = tmp_path / "watch", tmp_path / "origin"
+    _write(watch, 0)
+    origin = Node("origin", _origin_args(watch, data, *LOOPBACK_ANY), tmp_path / "logs", {})
+    nodes.append(origin)
+    origin.wait_for(r"version_published step=0 ")
+    return watch, data, origin
+
+
 def _write(watch: Path, step: int, *, cut: bool = False, marker: bool = True) -> None:
     """``watch/step-<step>/`` as a trainer writes it: config, weights (temp file, rename),
     then the ready marker; ``cut``: the weights cut to half their size."""
@@ -48,16 +66,7 @@ def _write(watch: Path, step: int, *, cut: bool = False, marker: bool = True) ->
 def test_refused_steps_are_never_signed_and_the_origin_goes_on(
     tmp_path: Path, nodes: list[Node]
 ) -> None:
-    watch, data, logs = tmp_path / "watch", tmp_path / "origin", tmp_path / "logs"
-    args = [
-        *("origin", "--watch", str(watch), "--data-dir", str(data), "--run-id", RUN),
-        *("--poll-interval-s", "0.1", "--no-pre-encode"),
-        *LOOPBACK_ANY,
-    ]
-    _write(watch, 0)
-    origin = Node("origin", args, logs, {})
-    nodes.append(origin)
-    origin.wait_for(r"version_published step=0 ")
+    watch, data, origin = _origin_with_step_0(tmp_path, nodes)
     # the marker before the weights are whole, and a marker alone
     _write(watch, 1, cut=True)
     (watch / "step-2").mkdir()
@@ -94,12 +103,12 @@ def test_the_finished_marker_ends_the_run_and_removing_it_continues_it(
     watch, data, logs = tmp_path / "watch", tmp_path / "origin", tmp_path / "logs"
     origin_id = Identity.load_or_create(data / "node.key").peer_id
     port = free_port()
-    args = [
-        *("origin", "--watch", str(watch), "--data-dir", str(data), "--run-id", RUN),
-        *("--key", str(data / "node.key"), "--poll-interval-s", "0.1", "--no-pre-encode"),
-        *("--listen", f"/ip4/127.0.0.1/tcp/{port}", "--http-host", "127.0.0.1"),
-        *("--http-port", "0"),
-    ]
+    args = _origin_args(
+        watch,
+        data,
+        *("--key", str(data / "node.key"), "--listen", f"/ip4/127.0.0.1/tcp/{port}"),
+        *("--http-host", "127.0.0.1", "--http-port", "0"),
+    )
     _write(watch, 0)
     origin = Node("origin", args, logs, {})
     nodes.append(origin)
@@ -146,16 +155,7 @@ def test_a_published_step_rewritten_in_place_is_no_longer_served(
     published step in place changes the bytes served under the signed manifest. The origin
     sees it at its next scan, says so at ERROR and stops serving that version; the next step
     is published as usual."""
-    watch, data, logs = tmp_path / "watch", tmp_path / "origin", tmp_path / "logs"
-    args = [
-        *("origin", "--watch", str(watch), "--data-dir", str(data), "--run-id", RUN),
-        *("--poll-interval-s", "0.1", "--no-pre-encode"),
-        *LOOPBACK_ANY,
-    ]
-    _write(watch, 0)
-    origin = Node("origin", args, logs, {})
-    nodes.append(origin)
-    origin.wait_for(r"version_published step=0 ")
+    watch, data, origin = _origin_with_step_0(tmp_path, nodes)
     stored = data / "versions" / RUN / "step-0" / "model.safetensors"
     if stored.stat().st_ino != (watch / "step-0" / "model.safetensors").stat().st_ino:
         pytest.skip("the origin copied the files (another file system): nothing is shared")

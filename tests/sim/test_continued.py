@@ -14,6 +14,7 @@ import logging
 import random
 import shutil
 import tempfile
+from collections.abc import Awaitable, Callable
 from pathlib import Path
 
 import pytest
@@ -31,55 +32,73 @@ def _finished(h: NodeHandle) -> bool:
     return h.node is not None and h.node.finished is not None
 
 
-def _run(resend: bool) -> list[float | None]:
-    """Seconds after the partition healed when the relay and the peer took the continuation
-    (None: not within 90 s)."""
-    tmp = Path(tempfile.mkdtemp(prefix="sim-continued-"))
-    out: list[float | None] = []
+Then = Callable[[World, trio.Nursery, NodeHandle, NodeHandle | None], Awaitable[None]]
+
+
+def _in_a_finished_run(seed: int, name: str, with_peer: bool, then: Then) -> None:
+    """Run ``then(world, nursery, relay, peer)`` in virtual time once a trainer, a relay and
+    (``with_peer``) a peer behind it hold version 0 and the run's end; then stop everything.
+    ``name`` and ``seed`` seed the scheduler (:func:`seeded_scheduler`) and the network."""
+    tmp = Path(tempfile.mkdtemp(prefix=f"sim-{name}-"))
 
     async def body() -> None:
         profile = LinkProfile(latency_s=0.01, jitter_s=0.0, bandwidth_bytes_per_s=20e6)
-        async with MemNetwork(random.Random(1), profile) as net, trio.open_nursery() as n:
-            w = World(net, tmp, 1, SIZES)
+        async with MemNetwork(random.Random(seed), profile) as net, trio.open_nursery() as n:
+            w = World(net, tmp, seed, SIZES)
             await w.start(n)
             assert w.trainer is not None
             assert w.trainer.node is not None
             relay = w.add_relay([w.trainer.node.p2p.multiaddrs()[0]])
             await w.run_node(relay)
             assert relay.node is not None
-            peer = w.add_peer([relay.node.p2p.multiaddrs()[0]])
-            await w.run_node(peer)
+            peer = w.add_peer([relay.node.p2p.multiaddrs()[0]]) if with_peer else None
+            if peer is not None:
+                await w.run_node(peer)
             await w.publish(0, seed=1)
             assert await converge(w, 120)
             assert w.origin is not None
             await w.origin.announce_finished()
             with trio.fail_after(120):
-                while not (_finished(relay) and _finished(peer)):
+                while not all(_finished(h) for h in (relay, peer) if h is not None):
                     await w.changed()
-            await trio.sleep(30)  # settled: polls are minutes apart now
-            w.net.partition([w.trainer.endpoint.ip], [relay.endpoint.ip, peer.endpoint.ip])
-            cont = await w.origin.announce_continued()  # sent to nobody
-            assert cont is not None
-            await trio.sleep(2)
-            w.net.heal()
-            healed = trio.current_time()
-            if resend:
-                n.start_soon(w.origin.resend_until, cont, RESEND_S, lambda: False)
-            lifted: dict[str, float] = {}
-            with trio.move_on_after(90):
-                while len(lifted) < 2:
-                    for h in (relay, peer):
-                        if not _finished(h):
-                            lifted.setdefault(h.name, trio.current_time() - healed)
-                    await w.changed(0.5)
-            out.extend(lifted.get(h.name) for h in (relay, peer))
+            await then(w, n, relay, peer)
             n.cancel_scope.cancel()
 
     try:
-        with inline_threads(), seeded_scheduler("continued"):
+        with inline_threads(), seeded_scheduler(name):
             trio.run(body, clock=trio.testing.MockClock(autojump_threshold=0))
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
+
+
+def _run(resend: bool) -> list[float | None]:
+    """Seconds after the partition healed when the relay and the peer took the continuation
+    (None: not within 90 s)."""
+    out: list[float | None] = []
+
+    async def then(w: World, n: trio.Nursery, relay: NodeHandle, peer: NodeHandle | None) -> None:
+        assert w.trainer is not None
+        assert w.origin is not None
+        assert peer is not None
+        await trio.sleep(30)  # settled: polls are minutes apart now
+        w.net.partition([w.trainer.endpoint.ip], [relay.endpoint.ip, peer.endpoint.ip])
+        cont = await w.origin.announce_continued()  # sent to nobody
+        assert cont is not None
+        await trio.sleep(2)
+        w.net.heal()
+        healed = trio.current_time()
+        if resend:
+            n.start_soon(w.origin.resend_until, cont, RESEND_S, lambda: False)
+        lifted: dict[str, float] = {}
+        with trio.move_on_after(90):
+            while len(lifted) < 2:
+                for h in (relay, peer):
+                    if not _finished(h):
+                        lifted.setdefault(h.name, trio.current_time() - healed)
+                await w.changed(0.5)
+        out.extend(lifted.get(h.name) for h in (relay, peer))
+
+    _in_a_finished_run(1, "continued", True, then)
     return out
 
 
@@ -100,40 +119,20 @@ def test_an_upstream_that_leaves_after_the_run_end_shows_at_once() -> None:
     """The trainer exits after its run end: the relay's upstream row turns unreachable when
     the connection closes (and says the departure is expected), not at its next settled
     poll a minute or more later."""
-    tmp = Path(tempfile.mkdtemp(prefix="sim-upstream-gone-"))
     seen: list[dict[str, object]] = []
 
-    async def body() -> None:
-        profile = LinkProfile(latency_s=0.01, jitter_s=0.0, bandwidth_bytes_per_s=20e6)
-        async with MemNetwork(random.Random(2), profile) as net, trio.open_nursery() as n:
-            w = World(net, tmp, 2, SIZES)
-            await w.start(n)
-            assert w.trainer is not None
-            assert w.trainer.node is not None
-            relay = w.add_relay([w.trainer.node.p2p.multiaddrs()[0]])
-            await w.run_node(relay)
-            await w.publish(0, seed=1)
-            assert await converge(w, 120)
-            assert w.origin is not None
-            await w.origin.announce_finished()
-            with trio.fail_after(120):
-                while not _finished(relay):
-                    await w.changed()
-            await trio.sleep(30)  # settled: the next poll is a minute or more away
-            assert relay.follower is not None
-            [before] = relay.follower.upstreams_status()
-            assert before["state"] == "ready"
-            w.kill(w.trainer)
-            await w.trainer.stopped.wait()
-            await trio.sleep(1.0)
-            seen.extend(relay.follower.upstreams_status())
-            n.cancel_scope.cancel()
+    async def then(w: World, n: trio.Nursery, relay: NodeHandle, peer: NodeHandle | None) -> None:
+        assert w.trainer is not None
+        assert relay.follower is not None
+        await trio.sleep(30)  # settled: the next poll is a minute or more away
+        [before] = relay.follower.upstreams_status()
+        assert before["state"] == "ready"
+        w.kill(w.trainer)
+        await w.trainer.stopped.wait()
+        await trio.sleep(1.0)
+        seen.extend(relay.follower.upstreams_status())
 
-    try:
-        with inline_threads(), seeded_scheduler("upstream-gone"):
-            trio.run(body, clock=trio.testing.MockClock(autojump_threshold=0))
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
+    _in_a_finished_run(2, "upstream-gone", False, then)
     [after] = seen
     assert after["state"] == "unreachable"
     assert after["expected"] == "run_finished"
@@ -148,47 +147,25 @@ def test_a_peer_restarted_after_a_continuation_does_not_take_its_old_run_end_for
     answered), the relay's continuation has lifted it: it is not settled (a peer with
     ``--exit-on-finish`` would otherwise exit at once)."""
     caplog.set_level(logging.INFO, logger="shardcast.node.node")
-    tmp = Path(tempfile.mkdtemp(prefix="sim-restored-end-"))
     seen: dict[str, object] = {}
 
-    async def body() -> None:
-        profile = LinkProfile(latency_s=0.01, jitter_s=0.0, bandwidth_bytes_per_s=20e6)
-        async with MemNetwork(random.Random(3), profile) as net, trio.open_nursery() as n:
-            w = World(net, tmp, 3, SIZES)
-            await w.start(n)
-            assert w.trainer is not None
-            assert w.trainer.node is not None
-            relay = w.add_relay([w.trainer.node.p2p.multiaddrs()[0]])
-            await w.run_node(relay)
-            assert relay.node is not None
-            peer = w.add_peer([relay.node.p2p.multiaddrs()[0]])
-            await w.run_node(peer)
-            await w.publish(0, seed=1)
-            assert await converge(w, 120)
-            assert w.origin is not None
-            await w.origin.announce_finished()
-            with trio.fail_after(120):
-                while not (_finished(relay) and _finished(peer)):
-                    await w.changed()
-            w.kill(peer)
-            await peer.stopped.wait()
-            await w.origin.announce_continued()
-            with trio.fail_after(60):
-                while _finished(relay):
-                    await w.changed()
-            await w.run_node(peer)
-            assert peer.node is not None
-            assert peer.follower is not None
-            seen["restored"] = peer.node.continued is not None
-            seen["finished"] = peer.node.finished
-            seen["settled"] = peer.follower.settled()
-            n.cancel_scope.cancel()
+    async def then(w: World, n: trio.Nursery, relay: NodeHandle, peer: NodeHandle | None) -> None:
+        assert w.origin is not None
+        assert peer is not None
+        w.kill(peer)
+        await peer.stopped.wait()
+        await w.origin.announce_continued()
+        with trio.fail_after(60):
+            while _finished(relay):
+                await w.changed()
+        await w.run_node(peer)
+        assert peer.node is not None
+        assert peer.follower is not None
+        seen["restored"] = peer.node.continued is not None
+        seen["finished"] = peer.node.finished
+        seen["settled"] = peer.follower.settled()
 
-    try:
-        with inline_threads(), seeded_scheduler("restored-end"):
-            trio.run(body, clock=trio.testing.MockClock(autojump_threshold=0))
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
+    _in_a_finished_run(3, "restored-end", True, then)
     assert seen == {"restored": True, "finished": None, "settled": False}
     # it did restore the end it had recorded (then the relay's continuation lifted it)
     assert "run_end_restored kind=run-finished step=0" in caplog.text
