@@ -8,7 +8,8 @@ document is :mod:`shardcast.node.nodestatus`'s.
 Output: a set of tables (role, versions with progress, upstreams, known nodes; for the
 trainer the network's versions at a glance and the rollouts), ``--json`` the document itself
 (one object per line with ``--watch``), ``--watch`` a live view refreshed every
-``interval_s`` seconds until Ctrl-C.
+``interval_s`` seconds until Ctrl-C (written to a file or a pipe: one view after another,
+each under a time rule).
 
 Exit status: 0; 1 when the node cannot be reached or answers garbage (one line on stderr);
 2 for a target that is neither a URL nor a multiaddr with a PeerID.
@@ -19,6 +20,7 @@ from __future__ import annotations
 import json
 import math
 import sys
+import time
 from typing import Any
 from urllib.parse import urlsplit
 
@@ -562,12 +564,24 @@ async def _watch(
             shown += 1
             await trio.sleep(interval_s)
         return
-    with Live(Text("asking " + target), console=out, auto_refresh=False) as live:
+    if not out.is_terminal:  # a file or a pipe: a live view draws nothing there
         while max_refreshes is None or shown < max_refreshes:
-            try:
-                view: RenderableType = render(await fetch_status(target))
-            except StatusError as exc:
-                view = Text(f"{exc} (retrying every {interval_s:g}s)", style="red")
-            live.update(view, refresh=True)
+            out.rule(time.strftime("%Y-%m-%d %H:%M:%S"))
+            out.print(await _view(target, interval_s))
+            out.file.flush()
             shown += 1
             await trio.sleep(interval_s)
+        return
+    with Live(Text("asking " + target), console=out, auto_refresh=False) as live:
+        while max_refreshes is None or shown < max_refreshes:
+            live.update(await _view(target, interval_s), refresh=True)
+            shown += 1
+            await trio.sleep(interval_s)
+
+
+async def _view(target: str, interval_s: float) -> RenderableType:
+    """The tables of ``target``'s status now, or the error in red."""
+    try:
+        return render(await fetch_status(target))
+    except StatusError as exc:
+        return Text(f"{exc} (retrying every {interval_s:g}s)", style="red")

@@ -7,6 +7,7 @@ import time
 from types import SimpleNamespace
 from typing import Any, cast
 
+import pytest
 from rich.console import Console
 
 from p2p.errors import short_id
@@ -316,3 +317,34 @@ def test_the_standalone_origin_says_what_it_waits_for_in_watch() -> None:
     assert "published 3; waiting for step-<N>/DONE; FINISHED present: run ended" in (
         console.export_text()
     )
+
+
+def test_watching_into_a_file_prints_one_view_after_another(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A live view draws nothing when the output is not a terminal (``status --watch >
+    file``): each refresh is printed whole instead."""
+    import io
+
+    from shardnet import status
+
+    doc = node_status(_node(None))
+    answers = iter([doc, status.StatusError("connection refused")])
+
+    async def fetch(target: str) -> dict[str, Any]:
+        answer = next(answers)
+        if isinstance(answer, Exception):
+            raise answer
+        return answer
+
+    monkeypatch.setattr(status, "fetch_status", fetch)
+    buf = io.StringIO()
+    out = Console(file=buf, width=100)
+    assert not out.is_terminal
+    rc = status.run_status(
+        "http://127.0.0.1:1", watch=True, interval_s=0.01, console=out, max_refreshes=2
+    )
+    text = buf.getvalue()
+    assert rc == 0
+    assert "held step 3" in text
+    assert "connection refused (retrying every 0.01s)" in text
