@@ -569,7 +569,7 @@ async def _follow_finished_marker(
     (:func:`shardcast.publish.watchdir.end_action`); returns what is signed now."""
     from shardcast.publish import EndAction, end_action
 
-    marker = await trio.to_thread.run_sync((s.watch / s.finished_marker).exists)
+    marker = (s.watch / s.finished_marker).exists()  # one stat, as ready_steps' scan
     action = end_action(marker, ended, latest)
     if action is EndAction.FINISH:
         fin = await origin.announce_finished()

@@ -17,6 +17,7 @@ Exit status: 0; 1 when the node cannot be reached or answers garbage (one line o
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import sys
@@ -177,13 +178,8 @@ def _requests_line(by_class: dict[str, int], client_errors: dict[str, int]) -> s
     line = " ".join(f"{k}={n}" for k, n in by_class.items() if n) or "none"
     if client_errors:
         top = sorted(client_errors.items(), key=lambda i: (-i[1], i[0]))
-        line += (
-            " ("
-            + ", ".join(
-                f"{c} {CLIENT_ERROR_LABELS.get(c, '')} {n}".replace("  ", " ") for c, n in top
-            )
-            + ")"
-        )
+        named = (" ".join(filter(None, (c, CLIENT_ERROR_LABELS.get(c), str(n)))) for c, n in top)
+        line += f" ({', '.join(named)})"
     return line
 
 
@@ -553,28 +549,26 @@ def run_status(
 async def _watch(
     target: str, json_out: bool, interval_s: float, out: Console, max_refreshes: int | None
 ) -> None:
-    shown = 0
-    if json_out:
+    with contextlib.ExitStack() as stack:
+        live = None
+        if not json_out and out.is_terminal:  # a file or a pipe: a live view draws nothing
+            live = stack.enter_context(
+                Live(Text("asking " + target), console=out, auto_refresh=False)
+            )
+        shown = 0
         while max_refreshes is None or shown < max_refreshes:
-            try:
-                doc: dict[str, Any] | str = await fetch_status(target)
-            except StatusError as exc:
-                doc = {"error": str(exc)}
-            print(json.dumps(doc), flush=True)
-            shown += 1
-            await trio.sleep(interval_s)
-        return
-    if not out.is_terminal:  # a file or a pipe: a live view draws nothing there
-        while max_refreshes is None or shown < max_refreshes:
-            out.rule(time.strftime("%Y-%m-%d %H:%M:%S"))
-            out.print(await _view(target, interval_s))
-            out.file.flush()
-            shown += 1
-            await trio.sleep(interval_s)
-        return
-    with Live(Text("asking " + target), console=out, auto_refresh=False) as live:
-        while max_refreshes is None or shown < max_refreshes:
-            live.update(await _view(target, interval_s), refresh=True)
+            if json_out:
+                try:
+                    doc: dict[str, Any] = await fetch_status(target)
+                except StatusError as exc:
+                    doc = {"error": str(exc)}
+                print(json.dumps(doc), flush=True)
+            elif live is not None:
+                live.update(await _view(target, interval_s), refresh=True)
+            else:  # one view after another, each under a time rule
+                out.rule(time.strftime("%Y-%m-%d %H:%M:%S"))
+                out.print(await _view(target, interval_s))
+                out.file.flush()
             shown += 1
             await trio.sleep(interval_s)
 

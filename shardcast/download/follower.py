@@ -225,6 +225,15 @@ class FollowConfig:
             self.finished_max_backoff_s,
         )
 
+    def mirror_poll_policy(self) -> PollPolicy:
+        """The poll/retry periods of a static mirror's version list: ``poll_policy`` at the
+        mirror's live period (a billed GET, not a libp2p request)."""
+        return dataclasses.replace(
+            self.poll_policy(),
+            poll_interval_s=self.mirror_poll_interval_s,
+            max_backoff_s=max(self.max_backoff_s, self.mirror_poll_interval_s),
+        )
+
     def __post_init__(self) -> None:
         if not self.upstreams:
             raise ConfigError("upstreams", "at least one upstream multiaddr is required")
@@ -569,12 +578,7 @@ class Follower:
     async def _poll_mirror(self, url: str) -> None:
         """Keep ``self.mirrors[url]`` up to date with the mirror's ``/versions`` list."""
         poll = self.mirrors[url]
-        cfg = self.config
-        policy = dataclasses.replace(
-            cfg.poll_policy(),
-            poll_interval_s=cfg.mirror_poll_interval_s,
-            max_backoff_s=max(cfg.max_backoff_s, cfg.mirror_poll_interval_s),
-        )
+        policy = self.config.mirror_poll_policy()
         versions = versions_url(url, self.node.config.run_id)
         while True:
             try:
