@@ -1,9 +1,11 @@
-"""The trainer's and the inference peer's own ``/status`` sections and metric families.
+"""The trainer's, the standalone origin's and the inference peer's own ``/status`` sections
+and metric families.
 
-:func:`attach_trainer` and :func:`attach_peer` register them on the role's running
-:class:`~shardcast.node.node.ShardcastNode` (the role runners call them once the node is up; tests
-that run a role in-process call them too). Everything is read at scrape or request time from
-the statistics objects the role already keeps, so nothing here can drift from the reports.
+:func:`attach_trainer`, :func:`attach_origin` and :func:`attach_peer` register them on the
+role's running :class:`~shardcast.node.node.ShardcastNode` (the role runners call them once the
+node is up; tests that run a role in-process call them too). Everything is read at scrape or
+request time from the statistics objects the role already keeps, so nothing here can drift
+from the reports.
 
 Trainer families: ``shardnet_trainer_step``, ``shardnet_trainer_async_window_versions``,
 ``shardnet_trainer_mean_reward``, ``shardnet_trainer_peers{state}`` (``current``/``lagging``:
@@ -19,6 +21,13 @@ more than the async window behind), ``shardnet_rollouts_announced_total``,
 completion tokens per sample rounded up to a power of two: whether long rollouts are lost). The
 same counts per submitter PeerID, with the acceptance and trained-on rates, are in ``/status``
 (``rollouts.acceptance``), not in metrics (one label value per PeerID is unbounded).
+
+Standalone origin (``shardnet origin``, an external trainer):
+``shardnet_trainer_async_window_versions`` always; with ``--rollouts-out``, once its intake
+started, the trainer's rollout-side families above (all but ``shardnet_trainer_step``,
+``…_mean_reward`` and ``…_optimizer_step_seconds``: it does not train) plus
+``shardnet_rollouts_out_files_total`` and ``shardnet_rollouts_out_rows_total``. The same names
+as the trainer's, so the alert rules and dashboards in ``deploy/`` hold under either.
 
 Peer families: ``shardnet_rollout_batches_submitted_total``,
 ``shardnet_rollout_batches_acked_total{status}``, ``shardnet_rollout_retries_total``,
@@ -47,11 +56,13 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 from shardcast.node import iso, wall_of
 
 if TYPE_CHECKING:
-    from rollout.inbox import InboxStats
+    from rollout.inbox import InboxStats, RolloutInbox
     from rollout.intake import Acceptance
-    from rollout.verify import ValidatorStats
+    from rollout.reputation import Reputation
+    from rollout.verify import Validator, ValidatorStats
     from shardcast.node import ShardcastNode
     from shardnet.peer import InferencePeer
+    from trainer.dataplane import OriginDataPlane
     from trainer.trainer import Trainer
 
 
@@ -75,27 +86,26 @@ def _counter_by(name: str, doc: str, label: str, counts: Mapping[str, int]) -> C
     return family
 
 
-# -- trainer --------------------------------------------------------------------------------
+# -- the rollout side: the trainer, or the origin on an external trainer's behalf -------------
 
 
-def trainer_network(trainer: Trainer) -> list[dict[str, Any]]:
-    """Per peer that said hello: newest version it reported, lag in versions, last heard."""
-    if trainer.inbox is None:
+def network_view(inbox: RolloutInbox | None, published: int) -> list[dict[str, Any]]:
+    """Per peer that said hello to ``inbox``: newest version it reported, lag in versions
+    behind ``published`` (the newest published step; -1: none), last heard (ISO 8601 UTC)."""
+    if inbox is None:
         return []
     now, wall = trio.current_time(), time.time()
     out = []
-    for peer in sorted(set(trainer.inbox.joined) | set(trainer.inbox.statuses)):
-        versions = trainer.inbox.statuses.get(peer, {})
+    for peer in sorted(set(inbox.joined) | set(inbox.statuses)):
+        versions = inbox.statuses.get(peer, {})
         latest = max(versions) if versions else None
-        heard = max((t for _, t in versions.values()), default=trainer.inbox.joined.get(peer))
+        heard = max((t for _, t in versions.values()), default=inbox.joined.get(peer))
         out.append(
             {
                 "peer_id": peer,
                 "latest_step": latest,
                 "lag_versions": (
-                    trainer.published - latest
-                    if latest is not None and trainer.published >= 0
-                    else None
+                    published - latest if latest is not None and published >= 0 else None
                 ),
                 "last_heard": iso(wall_of(heard, now, wall)) if heard is not None else None,
             }
@@ -103,11 +113,12 @@ def trainer_network(trainer: Trainer) -> list[dict[str, Any]]:
     return out
 
 
-def trainer_rollouts(trainer: Trainer) -> dict[str, Any]:
-    """Rollouts announced, pending, accepted and rejected by reason; submitter reputation."""
+def rollouts_view(inbox: RolloutInbox | None, validator: Validator | None) -> dict[str, Any]:
+    """Rollouts announced, pending, accepted and rejected by reason; acceptance per submitter
+    and per rollout length (``/status`` ``rollouts``)."""
     out: dict[str, Any] = {}
-    if trainer.inbox is not None:
-        st = trainer.inbox.statistics()
+    if inbox is not None:
+        st = inbox.statistics()
         out.update(
             announced=st.announcements,
             duplicates=st.duplicates,
@@ -121,15 +132,14 @@ def trainer_rollouts(trainer: Trainer) -> dict[str, Any]:
                 "by_length": {k: _acceptance(a) for k, a in sorted(st.by_length.items())},
             },
         )
-    if trainer.validator is not None:
-        vs = trainer.validator.statistics()
+    if validator is not None:
+        vs = validator.statistics()
         out.update(
             accepted_batches=vs.accepted_batches,
             accepted_samples=vs.accepted_samples,
             rejected_batches=vs.rejected_batches,
             rejected_samples_by_reason=dict(vs.rejected_samples),
         )
-    out["trained_samples"] = trainer.trained_samples
     return out
 
 
@@ -145,30 +155,30 @@ def _acceptance(a: Acceptance) -> dict[str, Any]:
     }
 
 
-def trainer_section(trainer: Trainer) -> dict[str, Any]:
-    """The trainer's own state: step, window, newest mean reward, reputation."""
-    rewards = [r.mean_reward for r in trainer.records if r.mean_reward is not None]
-    rs = trainer.reputation.statistics()
+def reputation_view(reputation: Reputation) -> dict[str, Any]:
+    """Submitter scores, refused submitters and rate-limited announcements."""
+    rs = reputation.statistics()
     return {
-        "published_step": trainer.published if trainer.published >= 0 else None,
-        "steps": trainer.config.steps,
-        "async_window_versions": trainer.config.async_level,
-        "mean_reward": rewards[-1] if rewards else None,
-        "reputation": {
-            "scores": dict(sorted(rs.scores.items())),
-            "refused": list(rs.refused),
-            "rate_limited": rs.rate_limited,
-        },
+        "scores": dict(sorted(rs.scores.items())),
+        "refused": list(rs.refused),
+        "rate_limited": rs.rate_limited,
     }
 
 
-def trainer_families(trainer: Trainer) -> list[Metric]:
-    """The trainer's families (see module docstring)."""
-    cfg = trainer.config
-    rewards = [r.mean_reward for r in trainer.records if r.mean_reward is not None]
-    network = trainer_network(trainer)
+def rollout_side_families(
+    inbox: RolloutInbox | None,
+    validator: Validator | None,
+    reputation: Reputation,
+    published: int,
+    async_level: int,
+) -> list[Metric]:
+    """The families of whoever takes the run's rollouts (the trainer, or ``shardnet origin
+    --rollouts-out`` for an external trainer): peers by state, the async window, refused
+    submitters, rate limits, the inbox's and the validator's counts. The same names from
+    both, so the alert rules in ``deploy/alerts.yml`` hold under either."""
+    network = network_view(inbox, published)
     lagging = sum(
-        1 for p in network if p["latest_step"] is None or (p["lag_versions"] or 0) > cfg.async_level
+        1 for p in network if p["latest_step"] is None or (p["lag_versions"] or 0) > async_level
     )
     peers = GaugeMetricFamily(
         "shardnet_trainer_peers",
@@ -177,18 +187,12 @@ def trainer_families(trainer: Trainer) -> list[Metric]:
     )
     peers.add_metric(["current"], len(network) - lagging)
     peers.add_metric(["lagging"], lagging)
-    rs = trainer.reputation.statistics()
+    rs = reputation.statistics()
     out: list[Metric] = [
-        _gauge("shardnet_trainer_step", "newest published step (-1: none)", trainer.published),
         _gauge(
             "shardnet_trainer_async_window_versions",
             "how many versions behind a rollout's policy may be",
-            cfg.async_level,
-        ),
-        _gauge(
-            "shardnet_trainer_mean_reward",
-            "mean recomputed reward of the newest trained step (NaN: none yet)",
-            rewards[-1] if rewards else float("nan"),
+            async_level,
         ),
         peers,
         _gauge(
@@ -198,10 +202,10 @@ def trainer_families(trainer: Trainer) -> list[Metric]:
             "shardnet_rollout_rate_limited", "announcements dropped by rate limits", rs.rate_limited
         ),
     ]
-    if trainer.inbox is not None:
-        out += _inbox_families(trainer.inbox.statistics())
-    if trainer.validator is not None:
-        out += _validator_families(trainer.validator.statistics())
+    if inbox is not None:
+        out += _inbox_families(inbox.statistics())
+    if validator is not None:
+        out += _validator_families(validator.statistics())
     return out
 
 
@@ -262,12 +266,50 @@ def _validator_families(vs: ValidatorStats) -> list[Metric]:
     ]
 
 
+# -- trainer --------------------------------------------------------------------------------
+
+
+def trainer_section(trainer: Trainer) -> dict[str, Any]:
+    """The trainer's own state: step, window, newest mean reward, reputation."""
+    rewards = [r.mean_reward for r in trainer.records if r.mean_reward is not None]
+    return {
+        "published_step": trainer.published if trainer.published >= 0 else None,
+        "steps": trainer.config.steps,
+        "async_window_versions": trainer.config.async_level,
+        "mean_reward": rewards[-1] if rewards else None,
+        "reputation": reputation_view(trainer.reputation),
+    }
+
+
+def trainer_families(trainer: Trainer) -> list[Metric]:
+    """The trainer's families (see module docstring)."""
+    rewards = [r.mean_reward for r in trainer.records if r.mean_reward is not None]
+    return [
+        _gauge("shardnet_trainer_step", "newest published step (-1: none)", trainer.published),
+        _gauge(
+            "shardnet_trainer_mean_reward",
+            "mean recomputed reward of the newest trained step (NaN: none yet)",
+            rewards[-1] if rewards else float("nan"),
+        ),
+        *rollout_side_families(
+            trainer.inbox,
+            trainer.validator,
+            trainer.reputation,
+            trainer.published,
+            trainer.config.async_level,
+        ),
+    ]
+
+
 def attach_trainer(trainer: Trainer, node: ShardcastNode) -> None:
     """Add the trainer's ``/status`` sections and metric families to ``node``."""
     node.status_sections.update(
         trainer=lambda: trainer_section(trainer),
-        network=lambda: trainer_network(trainer),
-        rollouts=lambda: trainer_rollouts(trainer),
+        network=lambda: network_view(trainer.inbox, trainer.published),
+        rollouts=lambda: {
+            **rollouts_view(trainer.inbox, trainer.validator),
+            "trained_samples": trainer.trained_samples,
+        },
     )
     node.metrics.add_collector(lambda: trainer_families(trainer))
     trainer.on_optimizer_step = Histogram(
@@ -276,6 +318,86 @@ def attach_trainer(trainer: Trainer, node: ShardcastNode) -> None:
         buckets=_STEP_BUCKETS_S,
         registry=node.metrics.registry,
     ).observe
+
+
+# -- standalone origin (an external trainer) -------------------------------------------------
+
+
+def _origin_published(node: ShardcastNode) -> int:
+    latest = node.store.latest()
+    return latest if latest is not None else -1
+
+
+def origin_intake_section(
+    node: ShardcastNode, plane: OriginDataPlane | None, async_level: int
+) -> dict[str, Any]:
+    """The standalone origin's ``intake`` section: the run's async window and, with
+    ``--rollouts-out``, where verified rollouts go, what was written, submitter reputation."""
+    out: dict[str, Any] = {"async_window_versions": async_level, "rollouts_out": None}
+    if plane is not None:
+        out["rollouts_out"] = str(plane.out_dir)
+        out["started"] = plane.intake is not None
+        if plane.sink is not None:
+            out["files_written"] = plane.sink.stats.files
+            out["rows_written"] = sum(plane.sink.stats.rows_by_step.values())
+        if plane.intake is not None:
+            out["reputation"] = reputation_view(plane.intake.reputation)
+    return out
+
+
+def origin_families(
+    node: ShardcastNode, plane: OriginDataPlane | None, async_level: int
+) -> list[Metric]:
+    """The standalone origin's rollout-side families: the async window always (peers' lag
+    alerts compare against it); with ``--rollouts-out`` once its intake started, the same
+    families as the trainer's rollout side (:func:`rollout_side_families`) plus
+    ``shardnet_rollouts_out_files_total`` and ``shardnet_rollouts_out_rows_total``."""
+    if plane is None or plane.intake is None:
+        return [
+            _gauge(
+                "shardnet_trainer_async_window_versions",
+                "how many versions behind a rollout's policy may be",
+                async_level,
+            )
+        ]
+    intake = plane.intake
+    out = rollout_side_families(
+        intake.inbox, intake.validator, intake.reputation, _origin_published(node), async_level
+    )
+    if plane.sink is not None:
+        st = plane.sink.stats
+        out += [
+            _counter(
+                "shardnet_rollouts_out_files", "Parquet files written to --rollouts-out", st.files
+            ),
+            _counter(
+                "shardnet_rollouts_out_rows",
+                "verified rollout samples written to --rollouts-out",
+                sum(st.rows_by_step.values()),
+            ),
+        ]
+    return out
+
+
+def attach_origin(node: ShardcastNode, plane: OriginDataPlane | None, async_level: int) -> None:
+    """Add the standalone origin's rollout side to ``node``'s ``/status`` (``intake``, and
+    with ``--rollouts-out`` ``network`` and ``rollouts`` as the trainer has them) and
+    metrics (:func:`origin_families`). ``plane`` may start later (with the first version):
+    everything is read at request time."""
+
+    node.status_sections["intake"] = lambda: origin_intake_section(node, plane, async_level)
+    if plane is not None:
+
+        def network() -> list[dict[str, Any]]:
+            i = plane.intake
+            return network_view(i.inbox, _origin_published(node)) if i is not None else []
+
+        def rollouts() -> dict[str, Any]:
+            i = plane.intake
+            return rollouts_view(i.inbox, i.validator) if i is not None else {}
+
+        node.status_sections.update(network=network, rollouts=rollouts)
+    node.metrics.add_collector(lambda: origin_families(node, plane, async_level))
 
 
 # -- inference peer -------------------------------------------------------------------------

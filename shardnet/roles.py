@@ -40,7 +40,7 @@ from shardcast.wire import (
     next_card,
 )
 from shardnet.config import OriginSettings, PeerSettings, RelaySettings, TrainerSettings
-from shardnet.observe import attach_peer, attach_trainer
+from shardnet.observe import attach_origin, attach_peer, attach_trainer
 from shardnet.progress import DownloadProgress
 
 if TYPE_CHECKING:
@@ -507,6 +507,7 @@ async def run_origin(s: OriginSettings) -> int:
             trio.open_nursery() as nursery,
         ):
             origin = Origin(node, s.origin_config())
+            attach_origin(node, plane, s.async_level)
             # hash and encode files while the trainer writes the others
             pre = _start_pre_encoder(s, node, origin, nursery) if s.pre_encode else None
             emit_ready("origin", node, s.ready_file)

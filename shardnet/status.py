@@ -197,6 +197,21 @@ def _watch_line(watch: dict[str, Any]) -> str:
     return line
 
 
+def _intake_line(intake: dict[str, Any]) -> str:
+    """The standalone origin's rollout intake: the async window, and where verified rollouts
+    go (``--rollouts-out``) with what was written there."""
+    line = f"async window {intake.get('async_window_versions')}"
+    out = intake.get("rollouts_out")
+    if out is None:
+        return line + "; rollouts not taken (no --rollouts-out)"
+    if not intake.get("started"):
+        return line + f"; rollouts to {out} once the first version is published"
+    return (
+        line + f"; rollouts to {out}: {intake.get('files_written', 0)} files, "
+        f"{intake.get('rows_written', 0)} samples"
+    )
+
+
 def _chains_line(chained: dict[str, int], versions: dict[str, Any]) -> str:
     """The versions kept as chains (delta on a base), and why more versions are held than
     ``--keep-last`` says: the bases those chains are built from."""
@@ -349,6 +364,9 @@ def render(doc: dict[str, Any]) -> RenderableType:
     watch = doc.get("watch")
     if watch:
         _row(head, "watch", _watch_line(watch))
+    intake = doc.get("intake")
+    if intake:
+        _row(head, "intake", _intake_line(intake))
     tr = doc.get("trainer")
     if tr:
         _row(
@@ -379,10 +397,13 @@ def render(doc: dict[str, Any]) -> RenderableType:
         parts.append(t)
     if doc.get("upstreams"):
         parts.extend(_upstreams(doc["upstreams"]))
+    # whoever takes the rollouts: the trainer, or a standalone origin for an external one
+    taker = tr or intake or {}
     if doc.get("network"):
-        latest = (tr or {}).get("published_step")
-        window = (tr or {}).get("async_window_versions")
-        t = Table(title="network (peers reporting to the trainer)", title_justify="left")
+        latest = tr.get("published_step") if tr else v.get("latest")
+        window = taker.get("async_window_versions")
+        title = "peers reporting to the " + ("trainer" if tr else doc["role"])
+        t = Table(title=f"network ({title})", title_justify="left")
         for col in ("peer", "latest", "behind", "last heard"):
             t.add_column(col)
         for p in doc["network"]:
@@ -423,8 +444,8 @@ def render(doc: dict[str, Any]) -> RenderableType:
                     _row(t, label, rows)
                 continue
             _row(t, ROLLOUT_LABELS.get(k, k.replace("_", " ")), _fmt(val))
-        if tr and tr.get("reputation", {}).get("scores"):
-            rep = tr["reputation"]
+        if (taker.get("reputation") or {}).get("scores"):
+            rep = taker["reputation"]
             _row(
                 t,
                 "reputation",

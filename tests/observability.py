@@ -56,10 +56,8 @@ FOLLOWER = {
     "shardnet_adverts_out_of_scope": "counter",
     "shardnet_refusal_holders": "counter",
 }
-TRAINER = {
-    "shardnet_trainer_step": "gauge",
+ROLLOUT_SIDE = {  # whoever takes the rollouts: the trainer, or the origin for an external one
     "shardnet_trainer_async_window_versions": "gauge",
-    "shardnet_trainer_mean_reward": "gauge",
     "shardnet_trainer_peers": "gauge",
     "shardnet_submitters_refused": "gauge",
     "shardnet_rollout_rate_limited": "counter",
@@ -75,7 +73,15 @@ TRAINER = {
     "shardnet_rollout_batches_admitted": "counter",
     "shardnet_rollout_batches_trained": "counter",
     "shardnet_rollout_batches_late": "counter",
+}
+TRAINER = ROLLOUT_SIDE | {
+    "shardnet_trainer_step": "gauge",
+    "shardnet_trainer_mean_reward": "gauge",
     "shardnet_trainer_optimizer_step_seconds": "histogram",
+}
+ROLLOUTS_OUT = ROLLOUT_SIDE | {
+    "shardnet_rollouts_out_files": "counter",
+    "shardnet_rollouts_out_rows": "counter",
 }
 PEER = {
     "shardnet_peer_versions_generated": "counter",
@@ -92,6 +98,9 @@ PEER = {
 }
 BY_ROLE = {
     "trainer": COMMON | ORIGIN | TRAINER,
+    # shardnet origin for an external trainer: without --rollouts-out, and with it
+    "origin": COMMON | ORIGIN | {"shardnet_trainer_async_window_versions": "gauge"},
+    "origin_rollouts": COMMON | ORIGIN | ROLLOUTS_OUT,
     "relay": COMMON | FOLLOWER,
     "peer": COMMON | FOLLOWER | PEER,
 }

@@ -11,14 +11,19 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
+import urllib.request
 from pathlib import Path
+
+from prometheus_client.parser import text_string_to_metric_families
 
 from p2p.identity import Identity
 from rollout.parquet_out import SCHEMA, read_rollouts
 from tests.integration.procs import LOOPBACK_ANY, Node, free_port, nodes
+from tests.observability import BY_ROLE, families, promtool, promtool_check_metrics
 
 __all__ = ["nodes"]
 
@@ -53,7 +58,8 @@ def test_external_trainer_loop(tmp_path: Path, nodes: list[Node]) -> None:
         {},
     )  # fmt: skip
     nodes.append(origin)
-    origin.wait_for(r"node_ready role=origin")
+    origin_url = re.search(r"http_url=(\S+)", origin.wait_for(r"node_ready role=origin"))
+    assert origin_url is not None
     relay = Node(
         "relay",
         [
@@ -71,6 +77,7 @@ def test_external_trainer_loop(tmp_path: Path, nodes: list[Node]) -> None:
     nodes.append(relay)
     relay.wait_for(r"node_ready role=relay")
     peers = []
+    peer_ids = {Identity.load_or_create(tmp_path / f"peer{i}" / "node.key").peer_id for i in (0, 1)}
     for i in range(2):
         peer = Node(
             f"peer{i}",
@@ -140,6 +147,8 @@ def test_external_trainer_loop(tmp_path: Path, nodes: list[Node]) -> None:
     for peer in peers:
         peer.wait_for(rf"run_finished run=\S+ step={STEPS} ", timeout_s=120)
 
+    _check_origin_observability(origin_url.group(1), peer_ids)
+
     assert origin.stop(signal.SIGTERM) == 0
     report = json.loads((tmp_path / "origin.json").read_text())["rollouts"]
     print("origin rollouts report:", report)
@@ -147,3 +156,43 @@ def test_external_trainer_loop(tmp_path: Path, nodes: list[Node]) -> None:
     assert report["files"] >= 2 * STEPS
     assert report["accepted_samples"] >= 2 * STEPS * 32
     assert sum(report["rejected_samples"].values()) == 0, report["rejected_samples"]
+
+
+def _check_origin_observability(url: str, peer_ids: set[str]) -> None:
+    """The origin's ``/metrics`` and ``/status`` show the rollout side it runs for the external
+    trainer, under the trainer's names (the alert rules in ``deploy/`` read them)."""
+    with urllib.request.urlopen(url + "/metrics", timeout=10) as resp:
+        text = resp.read().decode()
+    fams = families(text)
+    ours = {f for f in fams if f.startswith("shardnet_") and not f.endswith("_created")}
+    want = BY_ROLE["origin_rollouts"]
+    assert ours == {f for f in want if f.startswith("shardnet_")}, ours ^ set(want)
+    assert all(fams[f] == kind for f, kind in want.items()), fams
+    if promtool() is not None:
+        promtool_check_metrics(text)
+    samples = {
+        s.name + str(sorted(s.labels.items())): s.value
+        for f in text_string_to_metric_families(text)
+        for s in f.samples
+    }
+    assert samples["shardnet_rollout_samples_accepted_total[]"] >= 2 * STEPS * 32
+    assert samples["shardnet_rollouts_out_files_total[]"] >= 2 * STEPS
+    assert samples["shardnet_rollouts_out_rows_total[]"] >= 2 * STEPS * 32
+    assert samples["shardnet_trainer_peers[('state', 'current')]"] == 2
+    assert samples["shardnet_trainer_async_window_versions[]"] >= 1
+    with urllib.request.urlopen(url + "/status", timeout=10) as resp:
+        doc = json.loads(resp.read())
+    assert {p["peer_id"] for p in doc["network"]} == peer_ids
+    assert doc["rollouts"]["accepted_samples"] >= 2 * STEPS * 32
+    assert doc["intake"]["files_written"] >= 2 * STEPS
+    status = subprocess.run(
+        [sys.executable, "-m", "shardnet.cli", "status", url],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+        env={**os.environ, "PYTHONPATH": str(ROOT), "COLUMNS": "200"},
+    )
+    assert status.returncode == 0, status.stderr
+    assert "network (peers reporting to the origin)" in status.stdout
+    assert re.search(r"intake\s+async window \d+; rollouts to \S+: \d+ files", status.stdout)

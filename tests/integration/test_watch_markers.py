@@ -23,7 +23,9 @@ import pytest
 from safetensors.numpy import save_file
 
 from p2p.identity import Identity
+from shardcast.wire.runcard import DEFAULT_ASYNC_LEVEL
 from tests.integration.procs import LOOPBACK_ANY, Node, free_port, nodes
+from tests.observability import BY_ROLE, families
 
 __all__ = ["nodes"]  # the fixture
 
@@ -85,7 +87,15 @@ def test_refused_steps_are_never_signed_and_the_origin_goes_on(
     origin.wait_for(r"checkpoint_refused step=4 ", 60)
     url = re.search(r"http_url=(\S+)", origin.wait_for(r"node_ready role=origin")).group(1)
     with urllib.request.urlopen(f"{url}/status", timeout=10) as r:
-        watched = json.loads(r.read())["watch"]
+        doc = json.loads(r.read())
+    watched = doc["watch"]
+    # no --rollouts-out: the run's async window only (the peers' lag alert reads it)
+    assert doc["intake"] == {"async_window_versions": DEFAULT_ASYNC_LEVEL, "rollouts_out": None}
+    with urllib.request.urlopen(f"{url}/metrics", timeout=10) as r:
+        fams = families(r.read().decode())
+    assert {f for f in fams if f.startswith("shardnet_") and not f.endswith("_created")} == {
+        f for f in BY_ROLE["origin"] if f.startswith("shardnet_")
+    }
     # 1 and 2 are older than the published 3: never published now, no longer listed
     assert (watched["refused"], watched["latest_published"]) == ([4], 3)
     _write(watch, 4)

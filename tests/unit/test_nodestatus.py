@@ -115,6 +115,35 @@ def test_status_renders_rollout_acceptance_as_text() -> None:
     assert "acceptance_rate" not in text
 
 
+def test_status_renders_a_standalone_origins_intake() -> None:
+    """An origin for an external trainer: its intake line, and the peers reporting to it
+    judged against its newest version and the run's async window."""
+    doc = node_status(_node(None))
+    doc["role"] = "origin"
+    doc["intake"] = {
+        "async_window_versions": 1,
+        "rollouts_out": "/data/rollouts",
+        "started": True,
+        "files_written": 12,
+        "rows_written": 384,
+        "reputation": {"scores": {TRAINER.peer_id: 0.75}, "refused": [], "rate_limited": 0},
+    }
+    doc["network"] = [
+        {"peer_id": TRAINER.peer_id, "latest_step": 1, "lag_versions": 2, "last_heard": None}
+    ]
+    doc["rollouts"] = {"announced": 3}
+    console = Console(width=200, record=True)
+    console.print(render(doc))
+    text = console.export_text()
+    assert "async window 1; rollouts to /data/rollouts: 12 files, 384 samples" in text
+    assert "network (peers reporting to the origin)" in text
+    assert f"{short_id(TRAINER.peer_id)}=0.75" in text
+    doc["intake"] = {"async_window_versions": 2, "rollouts_out": None}
+    console = Console(width=200, record=True)
+    console.print(render(doc))
+    assert "async window 2; rollouts not taken (no --rollouts-out)" in console.export_text()
+
+
 def test_status_brackets_an_ipv6_lane() -> None:
     doc = node_status(_node(None))
     doc["http_url"] = "http://[fd77::2]:8002"
