@@ -48,7 +48,7 @@ if TYPE_CHECKING:
     from rollout.engine import Engine
     from rollout.verify import EngineProfile
     from shardcast.node import ShardcastNode
-    from shardcast.publish import Fingerprint, Origin, PreEncoder, RefusedSteps
+    from shardcast.publish import Origin, PreEncoder, RefusedSteps
     from trainer.dataplane import OriginDataPlane
 
 log = logging.getLogger(__name__)
@@ -485,6 +485,7 @@ async def run_origin(s: OriginSettings) -> int:
     from shardcast.publish import (
         CheckpointLayoutError,
         Origin,
+        PublishedFiles,
         RefusedSteps,
         fingerprint,
         ready_steps,
@@ -508,6 +509,8 @@ async def run_origin(s: OriginSettings) -> int:
         ):
             origin = Origin(node, s.origin_config())
             attach_origin(node, plane, s.async_level)
+            held = PublishedFiles(node.store, trust)  # files changed while down: found here
+            await trio.to_thread.run_sync(held.start)
             # hash and encode files while the trainer writes the others
             pre = _start_pre_encoder(s, node, origin, nursery) if s.pre_encode else None
             emit_ready("origin", node, s.ready_file)
@@ -521,7 +524,6 @@ async def run_origin(s: OriginSettings) -> int:
             refused = RefusedSteps()
             node.status_sections["watch"] = lambda: _watch_status(s, node, refused)
             ended: bool | None = None  # what followers hold is not known after a restart
-            held = await trio.to_thread.run_sync(_fingerprints, node, node.store.committed_steps())
             while True:
                 for step in ready_steps(s.watch, s.ready_marker, latest):
                     src = s.watch / f"step-{step}"
@@ -539,8 +541,8 @@ async def run_origin(s: OriginSettings) -> int:
                     published.append(entry)
                     refused.published(step)
                     latest, ended = step, False  # a newer version lifts an end
-                    held |= await trio.to_thread.run_sync(_fingerprints, node, [step])
-                await trio.to_thread.run_sync(_quarantine_changed, node, held)
+                    await trio.to_thread.run_sync(held.add, step)
+                await trio.to_thread.run_sync(held.check)
                 ended = await _follow_finished_marker(s, origin, nursery, latest, ended)
                 await trio.sleep(s.poll_interval_s)
 
@@ -598,38 +600,6 @@ def _watch_status(s: OriginSettings, node: ShardcastNode, refused: RefusedSteps)
         "latest_published": node.store.latest(),
         "refused": refused.steps(),
     }
-
-
-def _fingerprints(node: ShardcastNode, steps: list[int]) -> dict[int, Fingerprint]:
-    """What the files of the published ``steps`` are now (blocking)."""
-    from shardcast.publish import fingerprint
-
-    return {step: fingerprint(node.store.version_dir(step)) for step in steps}
-
-
-def _quarantine_changed(node: ShardcastNode, held: dict[int, Fingerprint]) -> None:
-    """Quarantine each published version whose files changed since it was published (the
-    trainer rewrote a hard-linked file in place: the bytes no longer match the signed
-    manifest), and forget the versions retention removed. Blocking; mutates ``held``."""
-    from shardcast.publish import changed_files, fingerprint
-
-    committed = set(node.store.committed_steps())
-    for step in list(held):
-        if step not in committed:
-            del held[step]
-            continue
-        changed = changed_files(held[step], fingerprint(node.store.version_dir(step)))
-        if changed:
-            del held[step]
-            log.error(
-                "published_files_changed step=%d files=%s hint=a published step's files were "
-                "rewritten in place (the origin hard-links them from WATCH); the version no "
-                "longer matches its signed manifest and is no longer served here; write each "
-                "step to a new directory",
-                step,
-                ",".join(changed),
-            )
-            node.store.quarantine(step, "published files changed in place")
 
 
 def _refused_step(s: OriginSettings, step: int, exc: Exception) -> None:

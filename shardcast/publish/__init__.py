@@ -1,8 +1,8 @@
 """publish: the origin side: checkpoint layout, shard plans and hashing
 (:mod:`.plan`), encoding while the trainer writes (:mod:`.preencode` for files in a watched
 directory, :mod:`.inmemory` for the bytes a trainer holds) and publishing signed, pipelined
-versions (:mod:`.origin`), and what the standalone origin makes of a watched directory
-(:mod:`.watchdir`).
+versions (:mod:`.origin`), what the standalone origin makes of a watched directory
+(:mod:`.watchdir`) and how it watches the files it published (:mod:`.published`).
 """
 
 from __future__ import annotations
@@ -30,6 +30,7 @@ from shardcast.publish.plan import (
     make_header,
 )
 from shardcast.publish.preencode import PreEncoder
+from shardcast.publish.published import PublishedFiles
 from shardcast.publish.watchdir import (
     EndAction,
     Fingerprint,
@@ -53,6 +54,7 @@ __all__ = [
     "OriginConfig",
     "PreEncoded",
     "PreEncoder",
+    "PublishedFiles",
     "RefusedSteps",
     "TensorBytes",
     "build_manifest",

@@ -28,11 +28,11 @@ the origin does not know which of the two followers hold, so it signs the one th
 A published step's files must not change: the origin hard-links them from ``WATCH`` into its
 store where it can, so a trainer that rewrites one in place changes the bytes the origin
 serves, which no longer match the signed manifest (every follower refuses them as corrupt and
-bans the origin). The origin keeps the :func:`fingerprint` of each version it published and
-compares it at every scan (:func:`changed_files`); a version whose files changed is
-quarantined (removed, no longer served; followers that hold it still serve it) and said at
-ERROR. A version held before a restart is fingerprinted at start (a change while the origin
-was down is not seen; the store re-hashes after an unclean stop).
+bans the origin). The origin keeps the :func:`fingerprint` of each version it published, on
+disk too, and compares it at every scan and at start (:func:`changed_files`,
+:class:`~shardcast.publish.published.PublishedFiles`); the changed files are re-hashed, and a
+version whose bytes changed is quarantined (removed, no longer served; followers that hold it
+still serve it) and said at ERROR.
 
 :class:`RefusedSteps`, :func:`changed_files` and :func:`end_action` are pure (the caller lists
 the files and checks the marker); memory is bounded by the refused steps newer than the newest

@@ -179,3 +179,31 @@ def test_a_published_step_rewritten_in_place_is_no_longer_served(
     origin.wait_for(r"version_published step=1 ", 60)
     assert origin.count(r"published_files_changed") == 1
     assert origin.stop(signal.SIGTERM) == 0
+
+
+def test_a_step_rewritten_while_the_origin_was_down_is_found_at_start(
+    tmp_path: Path, nodes: list[Node]
+) -> None:
+    """A touched file (same bytes) is re-hashed and served on; a file rewritten in place while
+    the origin was stopped is found when it starts again, before it serves the version."""
+    watch, data, origin = _origin_with_step_0(tmp_path, nodes)
+    _write(watch, 1)
+    origin.wait_for(r"version_published step=1 ", 60)
+    stored = data / "versions" / RUN / "step-0" / "model.safetensors"
+    if stored.stat().st_ino != (watch / "step-0" / "model.safetensors").stat().st_ino:
+        pytest.skip("the origin copied the files (another file system): nothing is shared")
+    os.utime(watch / "step-1" / "model.safetensors", ns=(10**9, 10**9))  # no byte changed
+    origin.wait_for(r"published_files_touched step=1 files=model\.safetensors", 60)
+    assert origin.stop(signal.SIGTERM) == 0
+    with (watch / "step-0" / "model.safetensors").open("r+b") as f:  # while it is down
+        f.seek(200)
+        f.write(b"\x01" * 64)
+    again = Node("origin-again", _origin_args(watch, data, *LOOPBACK_ANY), tmp_path / "logs", {})
+    nodes.append(again)
+    again.wait_for(r"ERROR .*published_files_changed step=0 files=model\.safetensors", 60)
+    again.wait_for(r"node_ready role=origin")
+    assert not (data / "versions" / RUN / "step-0").exists()
+    assert (data / "versions" / RUN / "step-1").exists()
+    assert again.count(r"published_files_changed") == 1
+    assert origin.count(r"published_files_changed") == 0
+    assert again.stop(signal.SIGTERM) == 0
