@@ -48,7 +48,7 @@ if TYPE_CHECKING:
     from rollout.engine import Engine
     from rollout.verify import EngineProfile
     from shardcast.node import ShardcastNode
-    from shardcast.publish import Origin, PreEncoder, RefusedSteps
+    from shardcast.publish import Origin, PreEncoder, PublishedFiles, RefusedSteps
     from trainer.dataplane import OriginDataPlane
 
 log = logging.getLogger(__name__)
@@ -516,10 +516,7 @@ async def run_origin(s: OriginSettings) -> int:
             emit_ready("origin", node, s.ready_file)
             latest = node.store.latest()
             if plane is not None and latest is not None:  # restarted: judge against held ones
-                await plane.start(nursery, node.p2p, node.store.version_dir(latest))
-                assert plane.intake is not None
-                await plane.intake.add_committed(node.store, trust, latest)
-                plane.current = latest
+                await _resume_plane(plane, node, trust, nursery, latest)
             await origin.reannounce()  # a restarted origin is followed at once
             refused = RefusedSteps()
             node.status_sections["watch"] = lambda: _watch_status(s, node, refused)
@@ -532,7 +529,7 @@ async def run_origin(s: OriginSettings) -> int:
                         continue
                     try:
                         entry = await _publish_step(
-                            s, identity, node, origin, plane, pre, nursery, step
+                            s, identity, node, origin, plane, pre, nursery, step, held
                         )
                     except (CheckpointLayoutError, ConfigError, FileNotFoundError) as exc:
                         refused.refused(step, files)
@@ -541,7 +538,6 @@ async def run_origin(s: OriginSettings) -> int:
                     published.append(entry)
                     refused.published(step)
                     latest, ended = step, False  # a newer version lifts an end
-                    await trio.to_thread.run_sync(held.add, step)
                 await trio.to_thread.run_sync(held.check)
                 ended = await _follow_finished_marker(s, origin, nursery, latest, ended)
                 await trio.sleep(s.poll_interval_s)
@@ -642,6 +638,21 @@ def _start_pre_encoder(
     return pre
 
 
+async def _resume_plane(
+    plane: OriginDataPlane,
+    node: ShardcastNode,
+    trust: TrustList,
+    nursery: trio.Nursery,
+    latest: int,
+) -> None:
+    """A restarted origin's rollout plane: started on the newest version held, which
+    rollouts are judged against until the next one is published."""
+    await plane.start(nursery, node.p2p, node.store.version_dir(latest))
+    assert plane.intake is not None
+    await plane.intake.add_committed(node.store, trust, latest)
+    plane.current = latest
+
+
 async def _publish_step(
     s: OriginSettings,
     identity: Identity,
@@ -651,16 +662,19 @@ async def _publish_step(
     pre: PreEncoder | None,
     nursery: trio.Nursery,
     step: int,
+    held: PublishedFiles,
 ) -> dict[str, Any]:
     """Stage ``WATCH/step-<step>/``, sign the run card for it, and publish it (the rollout
-    plane, if any, serving first); returns its entry of the origin's report.
+    plane, if any, serving first); returns its entry of the origin's report. The staged
+    files' fingerprint, taken before they are hashed, goes to ``held``: a file rewritten
+    while or after it is hashed is then found at the next check.
 
     Raises:
         CheckpointLayoutError: not a whole checkpoint (:func:`check_layout`); nothing signed.
         ConfigError: its ``config.json`` is not a JSON object.
         FileNotFoundError: a file vanished while it was staged.
     """
-    from shardcast.publish import check_layout
+    from shardcast.publish import check_layout, fingerprint
 
     staging = s.data_dir / "staging" / f"step-{step}"
     src = s.watch / f"step-{step}"
@@ -669,6 +683,7 @@ async def _publish_step(
     try:
         await trio.to_thread.run_sync(stage_checkpoint, src, staging, s.ready_marker)
         await trio.to_thread.run_sync(check_layout, staging)  # before the card is signed
+        files = await trio.to_thread.run_sync(fingerprint, staging)  # before hashing
         rules = origin_card_rules(s, identity.peer_id, staging)
         node.set_card(next_card(rules, node.card, identity))
         if plane is not None and plane.intake is None:  # serve before announcing
@@ -677,6 +692,7 @@ async def _publish_step(
     finally:
         if pre is not None:
             pre.published(step)
+    await trio.to_thread.run_sync(held.add, step, files)
     if plane is not None:
         await plane.published(step, result.manifest.digest, result.path)
     return {

@@ -117,9 +117,11 @@ class PublishedFiles:
             self._save()
         return quarantined
 
-    def add(self, step: int) -> None:
-        """Keep the fingerprint of ``step``, just published."""
-        self.held[step] = self._now(step)
+    def add(self, step: int, files: Fingerprint | None = None) -> None:
+        """Keep the fingerprint of ``step``, just published: ``files``, taken before its
+        files were hashed (so a change while they were hashed is found at the next
+        :meth:`check`), or else the files as they are now."""
+        self.held[step] = files if files is not None else self._now(step)
         self._save()
 
     def check(self) -> list[int]:

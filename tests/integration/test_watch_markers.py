@@ -194,6 +194,7 @@ def test_a_step_rewritten_while_the_origin_was_down_is_found_at_start(
         pytest.skip("the origin copied the files (another file system): nothing is shared")
     os.utime(watch / "step-1" / "model.safetensors", ns=(10**9, 10**9))  # no byte changed
     origin.wait_for(r"published_files_touched step=1 files=model\.safetensors", 60)
+    assert origin.count(r"published_files_touched step=0 ") == 0  # publishing changes nothing
     assert origin.stop(signal.SIGTERM) == 0
     with (watch / "step-0" / "model.safetensors").open("r+b") as f:  # while it is down
         f.seek(200)
