@@ -165,6 +165,15 @@ def reputation_view(reputation: Reputation) -> dict[str, Any]:
     }
 
 
+def _async_window(async_level: int) -> GaugeMetricFamily:
+    """``shardnet_trainer_async_window_versions``: the run's async level (versions)."""
+    return _gauge(
+        "shardnet_trainer_async_window_versions",
+        "how many versions behind a rollout's policy may be",
+        async_level,
+    )
+
+
 def rollout_side_families(
     inbox: RolloutInbox | None,
     validator: Validator | None,
@@ -189,11 +198,7 @@ def rollout_side_families(
     peers.add_metric(["lagging"], lagging)
     rs = reputation.statistics()
     out: list[Metric] = [
-        _gauge(
-            "shardnet_trainer_async_window_versions",
-            "how many versions behind a rollout's policy may be",
-            async_level,
-        ),
+        _async_window(async_level),
         peers,
         _gauge(
             "shardnet_submitters_refused", "submitters refused for low reputation", len(rs.refused)
@@ -339,7 +344,7 @@ def origin_intake_section(
         out["started"] = plane.intake is not None
         if plane.sink is not None:
             out["files_written"] = plane.sink.stats.files
-            out["rows_written"] = sum(plane.sink.stats.rows_by_step.values())
+            out["rows_written"] = plane.sink.stats.rows
         if plane.intake is not None:
             out["reputation"] = reputation_view(plane.intake.reputation)
     return out
@@ -353,13 +358,7 @@ def origin_families(
     families as the trainer's rollout side (:func:`rollout_side_families`) plus
     ``shardnet_rollouts_out_files_total`` and ``shardnet_rollouts_out_rows_total``."""
     if plane is None or plane.intake is None:
-        return [
-            _gauge(
-                "shardnet_trainer_async_window_versions",
-                "how many versions behind a rollout's policy may be",
-                async_level,
-            )
-        ]
+        return [_async_window(async_level)]
     intake = plane.intake
     out = rollout_side_families(
         intake.inbox, intake.validator, intake.reputation, _origin_published(node), async_level
@@ -373,7 +372,7 @@ def origin_families(
             _counter(
                 "shardnet_rollouts_out_rows",
                 "verified rollout samples written to --rollouts-out",
-                sum(st.rows_by_step.values()),
+                st.rows,
             ),
         ]
     return out

@@ -355,18 +355,14 @@ def render(doc: dict[str, Any]) -> RenderableType:
         f"; libp2p peers {p2p.get('connected_peers', 0)}",
     )
     _row(head, "requests", _requests_line(req, http.get("client_errors") or {}))
-    reach = doc.get("reachability")
-    if reach:
-        _row(head, "reachable", _reach_line(reach))
-    port_map = doc.get("port_mapping")
-    if port_map:
-        _row(head, "port map", _port_map_line(port_map))
-    watch = doc.get("watch")
-    if watch:
-        _row(head, "watch", _watch_line(watch))
-    intake = doc.get("intake")
-    if intake:
-        _row(head, "intake", _intake_line(intake))
+    for key, label, line in (
+        ("reachability", "reachable", _reach_line),
+        ("port_mapping", "port map", _port_map_line),
+        ("watch", "watch", _watch_line),
+        ("intake", "intake", _intake_line),
+    ):
+        if doc.get(key):
+            _row(head, label, line(doc[key]))
     tr = doc.get("trainer")
     if tr:
         _row(
@@ -398,7 +394,7 @@ def render(doc: dict[str, Any]) -> RenderableType:
     if doc.get("upstreams"):
         parts.extend(_upstreams(doc["upstreams"]))
     # whoever takes the rollouts: the trainer, or a standalone origin for an external one
-    taker = tr or intake or {}
+    taker = tr or doc.get("intake") or {}
     if doc.get("network"):
         latest = tr.get("published_step") if tr else v.get("latest")
         window = taker.get("async_window_versions")

@@ -161,6 +161,11 @@ class SinkStats:
     rows_by_step: dict[int, int] = field(default_factory=dict)
     reward_sum_by_step: dict[int, float] = field(default_factory=dict)
 
+    @property
+    def rows(self) -> int:
+        """Rows written over all policy steps."""
+        return sum(self.rows_by_step.values())
+
     def mean_reward(self, step: int) -> float | None:
         """Mean recomputed reward of policy step ``step``'s rows, or None."""
         n = self.rows_by_step.get(step, 0)

@@ -111,8 +111,12 @@ class PublishedFiles:
             pass
         except (OSError, ValueError) as exc:
             log.warning("watch_fingerprints_ignored path=%s error=%s", self.path, exc)
-        self.held = {step: kept.get(step, self._now(step)) for step in self.store.committed_steps()}
-        quarantined = self.check()
+        committed = self.store.committed_steps()
+        self.held = {step: kept[step] for step in committed if step in kept}
+        quarantined = self.check()  # scans each version once; the others once below
+        for step in committed:
+            if step not in kept and self.store.has(step):
+                self.held[step] = self._now(step)
         if self.held != kept:
             self._save()
         return quarantined
