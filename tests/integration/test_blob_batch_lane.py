@@ -28,17 +28,27 @@ RUN = "run"
 class Lane:
     """A lane in front of the origin's real :class:`VersionServer` that records the paths it
     is asked for and misbehaves as told: ``corrupt`` flips a byte of the first blob of every
-    batch body, ``old`` answers the batch route ``404`` as a node of an older release does."""
+    batch body, ``old`` answers the batch route ``404`` as a node of an older release does,
+    and with ``gate`` it holds every blob request until the gate is set."""
 
-    def __init__(self, server: VersionServer, corrupt: bool = False, old: bool = False) -> None:
+    def __init__(
+        self,
+        server: VersionServer,
+        corrupt: bool = False,
+        old: bool = False,
+        gate: trio.Event | None = None,
+    ) -> None:
         self.server = server
         self.corrupt = corrupt
         self.old = old
+        self.gate = gate
         self.paths: list[str] = []
 
     async def handle(self, req: HttpRequest) -> HttpResponse:
         self.paths.append(req.path)
         batch = "/blobs/" in req.path
+        if self.gate is not None and (batch or "/shard/" in req.path):
+            await self.gate.wait()
         if batch and self.old:
             return HttpResponse(404)
         resp = await self.server.handle(req)
@@ -73,18 +83,44 @@ def _store(tmp_path: Path, m0: Manifest, seed: Path) -> VersionStore:
     return store
 
 
+class Blamed:
+    """A :class:`~shardcast.download.types.DownloadObserver` that sets ``event`` when a
+    source is first blamed for a corrupt shard."""
+
+    def __init__(self) -> None:
+        self.event = trio.Event()
+
+    def shard_received(self, source: str, codec: str, size_bytes: int, fetch_s: float) -> None:
+        pass
+
+    def shard_verified(self, source: str, verify_s: float) -> None:
+        pass
+
+    def shard_corrupt(self, source: str) -> None:
+        self.event.set()
+
+    def refused(self, source: str) -> None:
+        pass
+
+
 async def test_a_corrupt_blob_in_a_batch_blames_only_its_source(tmp_path: Path) -> None:
     cfg = NodeConfig("trainer", RUN, tmp_path / "o")
     async with ShardcastNode.open(TRAINER, trust(), cfg) as o:
         m0, m1, seed = await _two_versions(tmp_path, o)
         store = _store(tmp_path, m0, seed)
-        bad, good = Lane(o.server, corrupt=True), Lane(o.server)
+        # the good source answers blobs only once the bad one was blamed: otherwise, on a
+        # loaded machine, the good copy of the corrupted blob can arrive first and the bad
+        # one is cancelled (endgame) before it is checked, blaming nobody
+        blamed = Blamed()
+        bad, good = Lane(o.server, corrupt=True), Lane(o.server, gate=blamed.event)
         async with (
             open_http_server(bad.handle) as bad_http,
             open_http_server(good.handle) as good_http,
             HttpClient() as client,
         ):
-            dl = Downloader(client, store, DownloadConfig(), random.Random(1), trust())
+            dl = Downloader(
+                client, store, DownloadConfig(), random.Random(1), trust(), observer=blamed
+            )
             sources = [Source("a-bad", bad_http.url), Source("b-good", good_http.url)]
             with trio.fail_after(60):
                 m = Manifest.decode(m1.encode(), trust=trust())
