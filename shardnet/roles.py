@@ -522,7 +522,8 @@ async def run_origin(s: OriginSettings) -> int:
             node.status_sections["watch"] = lambda: _watch_status(s, node, refused)
             ended: bool | None = None  # what followers hold is not known after a restart
             while True:
-                for step in ready_steps(s.watch, s.ready_marker, latest):
+                # after held.newest: a step number is never published twice (quarantined)
+                for step in ready_steps(s.watch, s.ready_marker, held.newest):
                     src = s.watch / f"step-{step}"
                     files = fingerprint(src)
                     if not refused.should_try(step, files):

@@ -24,6 +24,13 @@ origin was down is found at its next start, before anything is served
 file existed) are fingerprinted as they are then. Memory and the file are bounded by the
 versions the store holds.
 
+The same file keeps the newest step ever published (:attr:`PublishedFiles.newest`), which a
+quarantine does not lower: a step number is published once. Without it an origin restarted
+after quarantining its newest version(s) would take the store's newest remaining version as
+where it stands and publish the rewritten ``WATCH/step-<N>/`` again, under a step number the
+followers already hold with other bytes (they would replace their copy, and rollouts of two
+models would carry one step number). Versions only go forward; a rewritten step stays out.
+
 Every method blocks (scans, hashes): call them in a worker thread.
 """
 
@@ -47,26 +54,36 @@ FINGERPRINTS_FILE = ".watch-published.json"
 """In the run's directory of the store: the fingerprints of the versions published."""
 
 
-def encode_fingerprints(held: dict[int, Fingerprint]) -> bytes:
-    """``held`` as JSON bytes (schema 1), steps and files sorted."""
-    doc = {
+def encode_fingerprints(held: dict[int, Fingerprint], newest: int | None = None) -> bytes:
+    """``held`` (and ``newest``, the newest step ever published, if known) as JSON bytes
+    (schema 1), steps and files sorted."""
+    doc: dict[str, object] = {
         "schema": 1,
         "steps": {str(step): sorted(list(f) for f in fp) for step, fp in sorted(held.items())},
     }
+    if newest is not None:
+        doc["newest"] = newest
     return json.dumps(doc, separators=(",", ":")).encode()
 
 
-def decode_fingerprints(data: bytes) -> dict[int, Fingerprint]:
-    """The inverse of :func:`encode_fingerprints`.
+def decode_fingerprints(data: bytes) -> tuple[dict[int, Fingerprint], int | None]:
+    """The inverse of :func:`encode_fingerprints`: ``(held, newest)`` (``newest`` None in a
+    file written before it was kept).
 
     Raises:
-        ValueError: not JSON, another schema, or an entry that is not
-            ``[name, inode, size, mtime_ns]`` (the message starts ``bad fingerprint file``).
+        ValueError: not JSON, another schema, an entry that is not
+            ``[name, inode, size, mtime_ns]``, or a ``newest`` that is not a step number
+            (the message starts ``bad fingerprint file``).
     """
     try:
         doc = json.loads(data)
         if not isinstance(doc, dict) or doc.get("schema") != 1:
             raise ValueError("not schema 1")
+        newest = doc.get("newest")
+        if newest is not None and (
+            not isinstance(newest, int) or isinstance(newest, bool) or newest < 0
+        ):
+            raise ValueError(f"newest {newest!r}")
         out: dict[int, Fingerprint] = {}
         for step, files in doc.get("steps", {}).items():
             entries = set()
@@ -80,7 +97,7 @@ def decode_fingerprints(data: bytes) -> dict[int, Fingerprint]:
             out[int(step)] = frozenset(entries)
     except (TypeError, ValueError, AttributeError) as exc:
         raise ValueError(f"bad fingerprint file: {exc}") from exc
-    return out
+    return out, newest
 
 
 class PublishedFiles:
@@ -96,6 +113,9 @@ class PublishedFiles:
         self.store, self.trust = store, trust
         self.path = store.run_dir / FINGERPRINTS_FILE
         self.held: dict[int, Fingerprint] = {}
+        self.newest: int | None = None
+        """The newest step ever published here (kept across restarts; a quarantine does not
+        lower it): ``WATCH`` steps up to it are never published (again)."""
 
     def start(self) -> list[int]:
         """Fingerprint every committed version, check those with a kept fingerprint (files
@@ -105,19 +125,21 @@ class PublishedFiles:
             the versions quarantined.
         """
         kept: dict[int, Fingerprint] = {}
+        newest: int | None = None
         try:
-            kept = decode_fingerprints(self.path.read_bytes())
+            kept, newest = decode_fingerprints(self.path.read_bytes())
         except FileNotFoundError:
             pass
         except (OSError, ValueError) as exc:
             log.warning("watch_fingerprints_ignored path=%s error=%s", self.path, exc)
         committed = self.store.committed_steps()
+        self.newest = max([*committed, *([] if newest is None else [newest])], default=None)
         self.held = {step: kept[step] for step in committed if step in kept}
         quarantined = self.check()  # scans each version once; the others once below
         for step in committed:
             if step not in kept and self.store.has(step):
                 self.held[step] = self._now(step)
-        if self.held != kept:
+        if self.held != kept or self.newest != newest:
             self._save()
         return quarantined
 
@@ -126,6 +148,7 @@ class PublishedFiles:
         files were hashed (so a change while they were hashed is found at the next
         :meth:`check`), or else the files as they are now."""
         self.held[step] = files if files is not None else self._now(step)
+        self.newest = step if self.newest is None else max(self.newest, step)
         self._save()
 
     def check(self) -> list[int]:
@@ -182,6 +205,8 @@ class PublishedFiles:
 
     def _save(self) -> None:
         try:
-            replace_file(self.path, encode_fingerprints(self.held), durable=False)
+            # durable: ``newest`` cannot be found again from the store once its version is
+            # quarantined (one fsync per published step)
+            replace_file(self.path, encode_fingerprints(self.held, self.newest), durable=True)
         except OSError as exc:
             log.warning("watch_fingerprints_unsaved path=%s error=%s", self.path, exc)

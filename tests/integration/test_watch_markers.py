@@ -208,3 +208,37 @@ def test_a_step_rewritten_while_the_origin_was_down_is_found_at_start(
     assert again.count(r"published_files_changed") == 1
     assert origin.count(r"published_files_changed") == 0
     assert again.stop(signal.SIGTERM) == 0
+
+
+def test_a_quarantined_step_is_never_published_again_under_its_number(
+    tmp_path: Path, nodes: list[Node]
+) -> None:
+    """The newest step rewritten in place while the origin was down is quarantined at start;
+    the origin must not then take the step before it as where it stands and publish the
+    rewritten ``WATCH/step-1/`` again (followers hold step 1 with the old bytes). The next
+    step is published as usual, and the restart after that keeps both facts."""
+    watch, data, origin = _origin_with_step_0(tmp_path, nodes)
+    _write(watch, 1)
+    origin.wait_for(r"version_published step=1 ", 60)
+    stored = data / "versions" / RUN / "step-1" / "model.safetensors"
+    if stored.stat().st_ino != (watch / "step-1" / "model.safetensors").stat().st_ino:
+        pytest.skip("the origin copied the files (another file system): nothing is shared")
+    assert origin.stop(signal.SIGTERM) == 0
+    with (watch / "step-1" / "model.safetensors").open("r+b") as f:  # while it is down
+        f.seek(200)
+        f.write(b"\x01" * 64)
+    again = Node("origin-again", _origin_args(watch, data, *LOOPBACK_ANY), tmp_path / "logs", {})
+    nodes.append(again)
+    again.wait_for(r"ERROR .*published_files_changed step=1 files=model\.safetensors", 60)
+    _write(watch, 2)  # the scan that publishes step 2 has passed step-1/DONE
+    again.wait_for(r"version_published step=2 ", 60)
+    assert again.count(r"version_published step=1 ") == 0
+    assert not (data / "versions" / RUN / "step-1").exists()
+    assert again.stop(signal.SIGTERM) == 0
+    third = Node("origin-third", _origin_args(watch, data, *LOOPBACK_ANY), tmp_path / "logs", {})
+    nodes.append(third)
+    third.wait_for(r"node_ready role=origin")
+    _write(watch, 3)
+    third.wait_for(r"version_published step=3 ", 60)
+    assert third.count(r"version_published step=[12] ") == 0
+    assert third.stop(signal.SIGTERM) == 0

@@ -39,9 +39,12 @@ def _rewrite(path: Path, at: int, data: bytes) -> None:
 
 def test_fingerprints_round_trip_and_bad_files_are_refused() -> None:
     held = {3: frozenset({("a", 1, 2, 3), ("b", 4, 5, 6)}), 1: frozenset()}
-    assert decode_fingerprints(encode_fingerprints(held)) == held
+    assert decode_fingerprints(encode_fingerprints(held)) == (held, None)
+    assert decode_fingerprints(encode_fingerprints(held, 7)) == (held, 7)
     for bad in (b"[]", b'{"schema": 2}', b'{"schema": 1, "steps": {"0": [["a", 1, 2]]}}',
-                b'{"schema": 1, "steps": {"0": [["a", 1, true, 3]]}}', b"{"):  # fmt: skip
+                b'{"schema": 1, "steps": {"0": [["a", 1, true, 3]]}}', b"{",
+                b'{"schema": 1, "steps": {}, "newest": -1}',
+                b'{"schema": 1, "steps": {}, "newest": true}'):  # fmt: skip
         with pytest.raises(ValueError, match="bad fingerprint file"):
             decode_fingerprints(bad)
 
@@ -66,7 +69,9 @@ def test_a_file_changed_in_place_is_quarantined_a_touched_one_is_not(
     assert f"published_files_changed step=1 files={WEIGHTS}" in caplog.text
     assert not store.has(1)
     assert set(files.held) == {0}
-    assert set(decode_fingerprints((store.run_dir / FINGERPRINTS_FILE).read_bytes())) == {0}
+    held, newest = decode_fingerprints((store.run_dir / FINGERPRINTS_FILE).read_bytes())
+    assert set(held) == {0}
+    assert newest == files.newest == 1  # a quarantine does not lower it
 
 
 def test_a_change_while_the_origin_was_down_is_found_at_start(tmp_path: Path) -> None:
@@ -77,6 +82,29 @@ def test_a_change_while_the_origin_was_down_is_found_at_start(tmp_path: Path) ->
     restarted = PublishedFiles(VersionStore(tmp_path / "versions", "run", keep_last=4), trust())
     assert restarted.start() == [2]
     assert set(restarted.held) == {0, 1}
+    assert restarted.newest == 2
+
+
+def test_the_newest_step_published_outlives_its_quarantine_across_restarts(
+    tmp_path: Path,
+) -> None:
+    """The origin publishes WATCH steps after :attr:`PublishedFiles.newest`: a version
+    quarantined at start must not lower it, or the rewritten step would be published again
+    under its number (followers hold it with other bytes)."""
+    store = _store(tmp_path, range(3))
+    first = PublishedFiles(store, trust())
+    first.start()
+    assert first.newest == 2
+    _rewrite(store.version_dir(2) / WEIGHTS, 0, b"\x00" * 4)  # while it was down
+    second = PublishedFiles(VersionStore(tmp_path / "versions", "run", keep_last=4), trust())
+    assert second.start() == [2]
+    assert second.store.latest() == 1
+    assert second.newest == 2
+    third = PublishedFiles(VersionStore(tmp_path / "versions", "run", keep_last=4), trust())
+    assert third.start() == []  # nothing held remembers step 2: only the file does
+    assert third.newest == 2
+    third.add(1)  # adding an older step (never done by the origin) does not lower it
+    assert third.newest == 2
 
 
 def test_a_copied_data_directory_serves_on(tmp_path: Path) -> None:
@@ -95,4 +123,6 @@ def test_an_unreadable_fingerprint_file_is_ignored(tmp_path: Path) -> None:
     (store.run_dir / FINGERPRINTS_FILE).write_bytes(b"not json")
     files = PublishedFiles(store, trust())
     assert files.start() == []  # fingerprinted as the files are now, and kept
-    assert set(decode_fingerprints((store.run_dir / FINGERPRINTS_FILE).read_bytes())) == {0}
+    held, newest = decode_fingerprints((store.run_dir / FINGERPRINTS_FILE).read_bytes())
+    assert set(held) == {0}
+    assert newest == files.newest == 0
