@@ -115,6 +115,8 @@ def keygen(key: Annotated[Path, Opt("--key", help="Key file to create (or read).
         typer.echo(Identity.load_or_create(key).peer_id)
     except ShardnetError as exc:
         fail(exc)
+    except OSError as exc:  # an unwritable place: the operator's, not a bug
+        fail(ConfigError("key", f"{key}: cannot create the key file ({exc.strerror or exc})"))
 
 
 @app.command("sample-config")

@@ -1003,3 +1003,20 @@ class OriginSettings(PublishSettings):
         "WATCH) and write the accepted ones here as Parquet files, one per batch under "
         "step-<N>/ (schema: rollout/parquet_out.py); unset: rollouts are not taken",
     )
+
+    def preflight(self) -> None:
+        """Publisher checks, then ``watch`` and ``rollouts_out``.
+
+        ``watch`` may not exist yet (the trainer, started after the origin, creates it: the
+        origin waits for it and says so), but must not be something other than a directory;
+        ``rollouts_out`` is created if missing and must be writable.
+
+        Raises:
+            ConfigError: naming ``watch`` (not a directory) or ``rollouts_out`` (cannot be
+                created or written), besides :meth:`PublishSettings.preflight`'s.
+        """
+        super().preflight()
+        if self.watch.exists() and not self.watch.is_dir():
+            raise ConfigError("watch", f"{self.watch} is not a directory")
+        if self.rollouts_out is not None:
+            _check_writable_dir(self.rollouts_out, "rollouts_out")

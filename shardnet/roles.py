@@ -48,7 +48,7 @@ if TYPE_CHECKING:
     from rollout.engine import Engine
     from rollout.verify import EngineProfile
     from shardcast.node import ShardcastNode
-    from shardcast.publish import Origin, PreEncoder, PublishedFiles, RefusedSteps
+    from shardcast.publish import Origin, PreEncoder, PublishedFiles, RefusedSteps, WatchPresence
     from trainer.dataplane import OriginDataPlane
 
 log = logging.getLogger(__name__)
@@ -487,8 +487,8 @@ async def run_origin(s: OriginSettings) -> int:
         Origin,
         PublishedFiles,
         RefusedSteps,
+        WatchPresence,
         fingerprint,
-        ready_steps,
     )
 
     identity = s.identity()
@@ -518,12 +518,11 @@ async def run_origin(s: OriginSettings) -> int:
             if plane is not None and latest is not None:  # restarted: judge against held ones
                 await _resume_plane(plane, node, trust, nursery, latest)
             await origin.reannounce()  # a restarted origin is followed at once
-            refused = RefusedSteps()
-            node.status_sections["watch"] = lambda: _watch_status(s, node, refused)
+            refused, presence = RefusedSteps(), WatchPresence()
+            node.status_sections["watch"] = lambda: _watch_status(s, node, refused, presence)
             ended: bool | None = None  # what followers hold is not known after a restart
             while True:
-                # after held.newest: a step number is never published twice (quarantined)
-                for step in ready_steps(s.watch, s.ready_marker, held.newest):
+                for step in _ready_steps(s, presence, held.newest):
                     src = s.watch / f"step-{step}"
                     files = fingerprint(src)
                     if not refused.should_try(step, files):
@@ -587,10 +586,34 @@ async def _follow_finished_marker(
     return ended
 
 
-def _watch_status(s: OriginSettings, node: ShardcastNode, refused: RefusedSteps) -> dict[str, Any]:
+def _ready_steps(s: OriginSettings, presence: WatchPresence, newest: int | None) -> list[int]:
+    """The ``WATCH`` steps ready to publish: newer than ``newest``, the newest step this
+    origin ever published (:attr:`~shardcast.publish.PublishedFiles.newest`, which a
+    quarantine does not lower: a step number is never published twice). Says once that
+    ``WATCH`` is missing (the trainer creates it later), found, or gone."""
+    from shardcast.publish import WatchChange, ready_steps
+
+    change = presence.seen(s.watch.is_dir())
+    if change is WatchChange.MISSING:
+        log.info("watch_dir_missing dir=%s hint=waiting for the trainer to create it", s.watch)
+    elif change is WatchChange.FOUND:
+        log.info("watch_dir_found dir=%s", s.watch)
+    elif change is WatchChange.GONE:
+        log.warning(
+            "watch_dir_gone dir=%s hint=nothing new is published until it is back (moved, "
+            "deleted or unmounted?)",
+            s.watch,
+        )
+    return ready_steps(s.watch, s.ready_marker, newest)
+
+
+def _watch_status(
+    s: OriginSettings, node: ShardcastNode, refused: RefusedSteps, presence: WatchPresence
+) -> dict[str, Any]:
     """The ``watch`` section of the origin's ``/status`` (what it waits for in ``WATCH``)."""
     return {
         "dir": str(s.watch),
+        "dir_present": presence.present,
         "ready_marker": s.ready_marker,
         "finished_marker": s.finished_marker,
         "finished_marker_present": (s.watch / s.finished_marker).exists(),

@@ -187,6 +187,8 @@ def _watch_line(watch: dict[str, Any]) -> str:
     """The standalone origin's watched directory: what it published, refused, and whether
     the trainer ended the run."""
     line = f"{watch.get('dir')}: published {_opt(watch.get('latest_published'))}"
+    if watch.get("dir_present") is False:
+        return line + "; the directory does not exist (waiting for the trainer to create it)"
     refused = watch.get("refused") or []
     if refused:
         line += f"; refused {_steps(refused)} (see checkpoint_refused in the log)"

@@ -50,6 +50,8 @@ from pathlib import Path
 __all__ = [
     "EndAction",
     "RefusedSteps",
+    "WatchChange",
+    "WatchPresence",
     "changed_files",
     "end_action",
     "fingerprint",
@@ -131,6 +133,33 @@ class RefusedSteps:
 
     def __len__(self) -> int:
         return len(self._refused)
+
+
+class WatchChange(enum.Enum):
+    """What :meth:`WatchPresence.seen` found changed about ``WATCH`` itself."""
+
+    MISSING = "missing"  # not there at the first scan: the trainer has not created it yet
+    FOUND = "found"  # there now, after it was missing or gone
+    GONE = "gone"  # there before, not any more (moved, deleted, unmounted)
+
+
+class WatchPresence:
+    """Whether ``WATCH`` is there, scan after scan (pure): each change is reported once, so
+    the origin says that it waits for a directory the trainer creates later (the README's
+    order: origin first), and that a directory it watched went away, without a line per
+    scan."""
+
+    def __init__(self) -> None:
+        self.present: bool | None = None  # None: not scanned yet
+
+    def seen(self, present: bool) -> WatchChange | None:
+        """Record a scan's finding; returns the change to say, if any."""
+        before, self.present = self.present, present
+        if before is None:
+            return None if present else WatchChange.MISSING
+        if before == present:
+            return None
+        return WatchChange.FOUND if present else WatchChange.GONE
 
 
 class EndAction(enum.Enum):

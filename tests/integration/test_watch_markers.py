@@ -202,7 +202,9 @@ def test_a_step_rewritten_while_the_origin_was_down_is_found_at_start(
     again = Node("origin-again", _origin_args(watch, data, *LOOPBACK_ANY), tmp_path / "logs", {})
     nodes.append(again)
     again.wait_for(r"ERROR .*published_files_changed step=0 files=model\.safetensors", 60)
-    again.wait_for(r"node_ready role=origin")
+    # said once the version is removed (published_files_changed comes just before, and
+    # node_ready may come first: the check runs right after the node opened)
+    again.wait_for(r"versions_quarantined run=refusals steps=\[0\]", 60)
     assert not (data / "versions" / RUN / "step-0").exists()
     assert (data / "versions" / RUN / "step-1").exists()
     assert again.count(r"published_files_changed") == 1
@@ -242,3 +244,28 @@ def test_a_quarantined_step_is_never_published_again_under_its_number(
     third.wait_for(r"version_published step=3 ", 60)
     assert third.count(r"version_published step=[12] ") == 0
     assert third.stop(signal.SIGTERM) == 0
+
+
+def test_the_origin_waits_for_a_watch_directory_created_later_and_says_when_it_goes(
+    tmp_path: Path, nodes: list[Node]
+) -> None:
+    """The README starts the origin before the trainer, which creates ``WATCH``: the origin
+    says once that it waits for it (and ``/status`` shows it), publishes once it is there,
+    and says at WARNING, once, when it goes away."""
+    watch, data = tmp_path / "watch", tmp_path / "origin"
+    origin = Node("origin", _origin_args(watch, data, *LOOPBACK_ANY), tmp_path / "logs", {})
+    nodes.append(origin)
+    url = re.search(r"http_url=(\S+)", origin.wait_for(r"node_ready role=origin")).group(1)
+    origin.wait_for(r"INFO .*watch_dir_missing dir=\S*watch hint=waiting for the trainer")
+    with urllib.request.urlopen(f"{url}/status", timeout=10) as r:
+        assert json.load(r)["watch"]["dir_present"] is False
+    _write(watch, 0)
+    origin.wait_for(r"version_published step=0 ", 60)
+    assert origin.count(r"watch_dir_found") == 1
+    watch.rename(tmp_path / "moved")
+    origin.wait_for(r"WARNING .*watch_dir_gone dir=\S*watch", 60)
+    (tmp_path / "moved").rename(watch)
+    origin.wait_for(r"watch_dir_found", 60, count=2)
+    assert origin.count(r"watch_dir_missing") == 1
+    assert origin.count(r"watch_dir_gone") == 1
+    assert origin.stop(signal.SIGTERM) == 0

@@ -407,6 +407,47 @@ def test_keygen_creates_private_key_once(tmp_path: Path) -> None:
     assert bad.output.startswith("shardnet: error: --key: ")
 
 
+def test_keygen_into_an_unwritable_place_is_one_line_and_exit_2() -> None:
+    result = CliRunner().invoke(app, ["keygen", "--key", "/proc/no-such-dir/node.key"])
+    assert result.exit_code == 2
+    assert result.output.startswith("shardnet: error: --key: /proc/no-such-dir/node.key: ")
+    assert len(result.output.strip().splitlines()) == 1, result.output
+
+
+@pytest.mark.parametrize(
+    ("option", "make", "needle"),
+    [
+        ("--watch", "file", "--watch: {path} is not a directory"),
+        ("--rollouts-out", "file", "--rollouts-out: {path} is not a writable directory"),
+        ("--rollouts-out", "proc", "--rollouts-out: {path} is not a writable directory"),
+    ],
+)
+def test_origin_watch_and_rollouts_out_mistakes_are_one_line_and_exit_2(
+    tmp_path: Path, option: str, make: str, needle: str
+) -> None:
+    """Checked before anything listens (the origin said ``shardnet-ready`` and then failed
+    with a traceback when ``--rollouts-out`` could not be created)."""
+    path = tmp_path / "a-file"
+    if make == "file":
+        path.write_text("")
+    else:
+        path = Path("/proc/no-such-dir/rollouts")
+    args = {
+        "--watch": str(tmp_path / "ckpts"),
+        "--data-dir": str(tmp_path / "d"),
+        "--listen": "/ip4/127.0.0.1/tcp/0",
+        "--http-host": "127.0.0.1",
+        "--http-port": "0",
+        option: str(path),
+    }
+    result = CliRunner().invoke(app, ["origin", *[a for kv in args.items() for a in kv]])
+    assert result.exit_code == 2, result.output
+    lines = result.output.strip().splitlines()
+    assert len(lines) == 1, result.output
+    assert needle.format(path=path) in lines[0]
+    assert "shardnet-ready" not in result.output
+
+
 @pytest.mark.parametrize("role", ["relay", "peer", "trainer", "origin"])
 def test_a_missing_key_file_is_a_config_error_not_a_new_identity(tmp_path: Path, role: str) -> None:
     """``--key`` names a key made by ``shardnet keygen``; a mistyped path fails before

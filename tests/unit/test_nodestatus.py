@@ -346,6 +346,13 @@ def test_the_standalone_origin_says_what_it_waits_for_in_watch() -> None:
     assert "published 3; waiting for step-<N>/DONE; FINISHED present: run ended" in (
         console.export_text()
     )
+    doc["watch"].update(latest_published=None, finished_marker_present=False, dir_present=False)
+    console = Console(width=200, record=True)
+    console.print(render(doc))
+    assert (
+        "ckpts: published -; the directory does not exist (waiting for the trainer to create it)"
+        in console.export_text()
+    )
 
 
 def test_watching_into_a_file_prints_one_view_after_another(

@@ -14,6 +14,8 @@ from shardcast.publish.plan import CheckpointLayoutError, check_layout, check_we
 from shardcast.publish.watchdir import (
     EndAction,
     RefusedSteps,
+    WatchChange,
+    WatchPresence,
     changed_files,
     end_action,
     fingerprint,
@@ -132,3 +134,18 @@ def test_changed_files_of_a_published_version(tmp_path: Path) -> None:
     os.utime(d / "a.safetensors", ns=(1, 1))
     (d / "config.json").unlink()
     assert changed_files(published, fingerprint(d)) == ["a.safetensors", "config.json"]
+
+
+def test_the_watch_directory_missing_found_and_gone_is_said_once_each() -> None:
+    p = WatchPresence()
+    assert p.present is None
+    assert p.seen(False) is WatchChange.MISSING  # the trainer creates it later
+    assert p.seen(False) is None
+    assert p.seen(True) is WatchChange.FOUND
+    assert p.seen(True) is None
+    assert p.seen(False) is WatchChange.GONE
+    assert p.seen(False) is None
+    assert p.seen(True) is WatchChange.FOUND
+    there = WatchPresence()
+    assert there.seen(True) is None  # present from the start: nothing to say
+    assert there.seen(False) is WatchChange.GONE
