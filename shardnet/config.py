@@ -689,8 +689,20 @@ class PeerSettings(FollowerSettings):
         return _check_task_reward(v)
 
     def preflight(self) -> None:
-        """Common checks, then the task loads (see :meth:`CommonSettings.preflight`)."""
+        """Common checks, then each ``trainer_addr`` names ``trainer_id`` (a multiaddr of
+        another node would be dialled and asked for hellos that it never answers), then the
+        task loads (see :meth:`CommonSettings.preflight`).
+
+        Raises:
+            ConfigError: naming ``trainer_addr`` or the task's fields.
+        """
         super().preflight()
+        for addr in self.trainer_addr:
+            if addr.rsplit("/p2p/", 1)[1] != self.trainer_id:
+                raise ConfigError(
+                    "trainer_addr",
+                    f"{addr} ends in another PeerID than --trainer-id {self.trainer_id}",
+                )
         _preflight_task(self.task, self.task_reward)
 
     def vllm_options(self) -> VllmOptions:

@@ -590,7 +590,8 @@ def _ready_steps(s: OriginSettings, presence: WatchPresence, newest: int | None)
     """The ``WATCH`` steps ready to publish: newer than ``newest``, the newest step this
     origin ever published (:attr:`~shardcast.publish.PublishedFiles.newest`, which a
     quarantine does not lower: a step number is never published twice). Says once that
-    ``WATCH`` is missing (the trainer creates it later), found, or gone."""
+    ``WATCH`` is missing (the trainer creates it later), found, or gone, and once per
+    zero-padded step directory that it is not published."""
     from shardcast.publish import WatchChange, ready_steps
 
     change = presence.seen(s.watch.is_dir())
@@ -604,7 +605,16 @@ def _ready_steps(s: OriginSettings, presence: WatchPresence, newest: int | None)
             "deleted or unmounted?)",
             s.watch,
         )
-    return ready_steps(s.watch, s.ready_marker, newest)
+    padded: set[str] = set()
+    ready = ready_steps(s.watch, s.ready_marker, newest, padded)
+    for name in presence.padded(padded):
+        log.warning(
+            "watch_dir_misnamed dir=%s hint=not published: name step directories step-<N> "
+            "without leading zeros (step-%s)",
+            s.watch / name,
+            int(name.removeprefix("step-")),
+        )
+    return ready
 
 
 def _watch_status(
@@ -627,13 +637,14 @@ def _refused_step(s: OriginSettings, step: int, exc: Exception) -> None:
     remove what was staged of it; it is tried again when its files change."""
     import shutil
 
-    shutil.rmtree(s.data_dir / "staging" / f"step-{step}", ignore_errors=True)
+    staging, src = s.data_dir / "staging" / f"step-{step}", s.watch / f"step-{step}"
+    shutil.rmtree(staging, ignore_errors=True)
     log.warning(
         "checkpoint_refused step=%d error=%s hint=nothing was published; it is tried again "
         "when %s changes (write the ready marker %s last, after every file is whole)",
         step,
-        exc,
-        s.watch / f"step-{step}",
+        str(exc).replace(str(staging), str(src)),  # the operator's files, not the staged copy
+        src,
         s.ready_marker,
     )
 

@@ -46,7 +46,6 @@ from __future__ import annotations
 
 import logging
 import os
-import re
 import shutil
 import time
 from collections.abc import Callable, Mapping
@@ -64,12 +63,12 @@ from shardcast.publish.plan import (
     ShardResult,
     encode_file,
 )
+from shardcast.publish.watchdir import STEP_DIR
 from shardcast.wire import MANIFEST_FILE, ManifestError, check_file_name
 
 log = logging.getLogger(__name__)
 
 TEMP_SUFFIXES = (".tmp", ".part", ".partial", ".incomplete", ".lock")
-STEP_DIR = re.compile(r"step-(\d+)")
 
 
 @dataclass(frozen=True)

@@ -48,6 +48,7 @@ from collections.abc import Hashable
 from pathlib import Path
 
 __all__ = [
+    "STEP_DIR",
     "EndAction",
     "RefusedSteps",
     "WatchChange",
@@ -58,22 +59,32 @@ __all__ = [
     "ready_steps",
 ]
 
-_STEP_DIR = re.compile(r"step-(\d+)")
+STEP_DIR = re.compile(r"step-(0|[1-9][0-9]*)")
+"""A step directory's name: ``step-<N>``, ``N`` in decimal without leading zeros (the origin
+names a step by its number: ``step-020`` would be step 20 read from ``step-20``)."""
+
+_PADDED_STEP_DIR = re.compile(r"step-0[0-9]+")
 
 Fingerprint = frozenset[tuple[str, int, int, int]]
 """``(name, inode, size, mtime_ns)`` of each file of a directory (:func:`fingerprint`)."""
 
 
-def ready_steps(watch: Path, ready_marker: str, latest: int | None) -> list[int]:
+def ready_steps(
+    watch: Path, ready_marker: str, latest: int | None, padded: set[str] | None = None
+) -> list[int]:
     """The steps newer than ``latest`` whose ``watch/step-<N>/`` holds ``ready_marker``, in
-    step order (none while ``watch`` does not exist or cannot be read)."""
+    step order (none while ``watch`` does not exist or cannot be read). Directories named
+    with leading zeros (``step-020``) are not steps (:data:`STEP_DIR`): their names are added
+    to ``padded`` if given, for the caller to say so."""
     ready = []
     try:
         entries = list(os.scandir(watch))
     except OSError:
         return []
     for entry in entries:
-        m = _STEP_DIR.fullmatch(entry.name)
+        if padded is not None and _PADDED_STEP_DIR.fullmatch(entry.name) and entry.is_dir():
+            padded.add(entry.name)
+        m = STEP_DIR.fullmatch(entry.name)
         if m and entry.is_dir() and (Path(entry.path) / ready_marker).exists():
             step = int(m.group(1))
             if latest is None or step > latest:
@@ -151,6 +162,15 @@ class WatchPresence:
 
     def __init__(self) -> None:
         self.present: bool | None = None  # None: not scanned yet
+        self.padded_said: set[str] = set()
+
+    def padded(self, names: set[str]) -> list[str]:
+        """Of the zero-padded step directory names a scan found (:func:`ready_steps`), those
+        not said yet, sorted (each is said once; the set is bounded by ``WATCH``'s
+        entries)."""
+        new = sorted(names - self.padded_said)
+        self.padded_said |= names
+        return new
 
     def seen(self, present: bool) -> WatchChange | None:
         """Record a scan's finding; returns the change to say, if any."""

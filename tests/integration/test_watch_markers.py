@@ -74,10 +74,18 @@ def test_refused_steps_are_never_signed_and_the_origin_goes_on(
     (watch / "step-2").mkdir()
     (watch / "step-2" / "DONE").write_text("")
     origin.wait_for(r"WARNING .*checkpoint_refused step=1 error=.*not fully covered", 60)
-    origin.wait_for(r"WARNING .*checkpoint_refused step=2 error=.*config\.json", 60)
+    # the error names the operator's directory, not the origin's staged copy of it
+    step_2 = re.escape(str(watch / "step-2"))
+    origin.wait_for(rf"WARNING .*checkpoint_refused step=2 error={step_2} .*config\.json", 60)
+    # a zero-padded name is not a step: said once, never published
+    _write(watch, 5)
+    (watch / "step-5").rename(watch / "step-05")
+    origin.wait_for(r"WARNING .*watch_dir_misnamed dir=\S*step-05 .*\(step-5\)", 60)
     # a newer whole step is published meanwhile
     _write(watch, 3)
     origin.wait_for(r"version_published step=3 ", 60)
+    assert origin.count(r"watch_dir_misnamed") == 1
+    assert origin.count(r"step=5 ") == 0
     assert origin.count(r"checkpoint_refused step=1 ") == 1  # said once, not at every poll
     assert origin.count(r"checkpoint_refused step=2 ") == 1
     assert origin.count(r"version_announced .*step=[12] ") == 0  # nothing of them signed

@@ -407,6 +407,24 @@ def test_keygen_creates_private_key_once(tmp_path: Path) -> None:
     assert bad.output.startswith("shardnet: error: --key: ")
 
 
+def test_a_trainer_addr_of_another_peer_id_is_one_line_and_exit_2(tmp_path: Path) -> None:
+    """A peer given the relay's multiaddr as ``--trainer-addr`` started and then failed every
+    status report to it, forever."""
+    other = Identity.generate().peer_id
+    args = [
+        *("peer", "--trainer-id", PID, "--bootstrap", UP, "--data-dir", str(tmp_path / "d")),
+        *("--listen", "/ip4/127.0.0.1/tcp/0", "--http-host", "127.0.0.1", "--http-port", "0"),
+        *("--trainer-addr", f"/ip4/127.0.0.1/tcp/4001/p2p/{other}"),
+    ]
+    result = CliRunner().invoke(app, args)
+    assert result.exit_code == 2, result.output
+    lines = result.output.strip().splitlines()
+    assert len(lines) == 1, result.output
+    assert (
+        f"--trainer-addr: /ip4/127.0.0.1/tcp/4001/p2p/{other} ends in another PeerID" in (lines[0])
+    )
+
+
 def test_keygen_into_an_unwritable_place_is_one_line_and_exit_2() -> None:
     result = CliRunner().invoke(app, ["keygen", "--key", "/proc/no-such-dir/node.key"])
     assert result.exit_code == 2

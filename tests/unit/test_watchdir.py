@@ -149,3 +149,19 @@ def test_the_watch_directory_missing_found_and_gone_is_said_once_each() -> None:
     there = WatchPresence()
     assert there.seen(True) is None  # present from the start: nothing to say
     assert there.seen(False) is WatchChange.GONE
+
+
+def test_zero_padded_step_directories_are_not_steps_and_are_reported(tmp_path: Path) -> None:
+    """``step-020`` was read as step 20 and then looked for as ``step-20`` (refused: no such
+    directory). It is not a step; :func:`ready_steps` names it for the origin to say so once."""
+    for name in ("step-0", "step-020", "step-7", "step-00"):
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "DONE").write_text("")
+    (tmp_path / "step-030").write_text("")  # a file: not a step directory either way
+    padded: set[str] = set()
+    assert ready_steps(tmp_path, "DONE", None, padded) == [0, 7]
+    assert padded == {"step-020", "step-00"}
+    p = WatchPresence()
+    assert p.padded(padded) == ["step-00", "step-020"]
+    assert p.padded(padded | {"step-05"}) == ["step-05"]
+    assert p.padded(padded) == []
