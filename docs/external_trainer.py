@@ -13,7 +13,10 @@ The loop an external trainer (prime-rl, verl, TRL, your own) runs against the da
 3. after the last step, wait for the last version's rollouts as for the others (nobody trains
    on them: they show where the reward got to), then write ``W/FINISHED``: the origin signs
    the run's end (peers stop generating, ``--exit-on-finish`` ones exit). Started again, it
-   removes ``W/FINISHED`` first, which continues the run.
+   removes ``W/FINISHED`` first, which continues the run: it resumes from the newest complete
+   ``W/step-<N>/`` (its weights; the optimizer state starts afresh, as this example does not
+   save it) and trains steps ``N+1..--steps``; a step number the origin published is never
+   written again (the origin would not publish it twice).
 
 The rewards are the trainer's own: every row is scored again with ``--task``/``--task-reward``
 (the same specs the origin and the peers were given; the prompt is recomputed from the row's
@@ -39,6 +42,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import shutil
 import sys
 import time
@@ -54,6 +58,8 @@ from rollout.task import Task, load_task, task_prompts
 from trainer.checkpoint import save_checkpoint, write_preset_dir
 from trainer.grpo import Rollout, collate, group_advantages, make_optimizer, train_step
 
+STEP_DIR = re.compile(r"step-(0|[1-9][0-9]*)")
+
 
 def publish(model: torch.nn.Module, tokenizer: object, assets: Path, watch: Path, k: int) -> None:
     """Write ``watch/step-<k>/`` (bf16, HF layout) atomically, then its ``DONE`` marker."""
@@ -63,6 +69,13 @@ def publish(model: torch.nn.Module, tokenizer: object, assets: Path, watch: Path
     save_checkpoint(model, tokenizer, tmp, 1 << 30, assets_from=assets)  # type: ignore[arg-type]
     os.replace(tmp, final)
     (final / "DONE").write_text("")
+
+
+def newest_step(watch: Path) -> int | None:
+    """The newest ``watch/step-<N>/`` holding its ``DONE`` marker (``N`` without leading
+    zeros, as the origin reads them), or None."""
+    names = (STEP_DIR.fullmatch(d.name) for d in watch.iterdir())
+    return max((int(m[1]) for m in names if m and (watch / m[0] / "DONE").exists()), default=None)
 
 
 def wait_rollouts(rollouts: Path, step: int, min_batches: int, wait_s: float) -> None:
@@ -111,7 +124,9 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--watch", type=Path, required=True, help="directory the origin watches")
     ap.add_argument("--rollouts", type=Path, required=True, help="the origin's --rollouts-out")
-    ap.add_argument("--steps", type=int, default=5, help="optimizer steps")
+    ap.add_argument(
+        "--steps", type=int, default=5, help="optimizer steps in all (a restart continues)"
+    )
     ap.add_argument(
         "--model", type=Path, help="HF model directory to start from (its tokenizer is kept)"
     )
@@ -130,12 +145,15 @@ def main(argv: list[str] | None = None) -> int:
         args.preset, args.seed, args.watch.parent / f".{args.preset}-seed{args.seed}"
     )
     model, tokenizer = load_trainable(model_dir)
+    done = newest_step(args.watch)
+    if done is not None:  # started again: go on from the newest version written
+        model, _ = load_trainable(args.watch / f"step-{done}")
     task = load_task(args.task, args.task_reward)
     optimizer = make_optimizer(model, args.lr)
     (args.watch / "FINISHED").unlink(missing_ok=True)  # the run goes on (again)
-    if not (args.watch / "step-0" / "DONE").exists():
+    if done is None:
         publish(model, tokenizer, model_dir, args.watch, 0)
-    for k in range(1, args.steps + 1):
+    for k in range((done or 0) + 1, args.steps + 1):
         wait_rollouts(args.rollouts, k - 1, args.min_batches, args.wait_s)
         rows = read_rollouts(args.rollouts, step=k - 1).to_pylist()
         report: dict[str, object] = {"step": k, "rows": len(rows)}

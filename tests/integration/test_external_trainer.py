@@ -94,22 +94,7 @@ def test_external_trainer_loop(tmp_path: Path, nodes: list[Node]) -> None:
         )  # fmt: skip
         nodes.append(peer)
         peers.append(peer)
-    trainer = subprocess.run(
-        [
-            sys.executable, str(ROOT / "docs" / "external_trainer.py"),
-            "--watch", str(watch),
-            "--rollouts", str(out),
-            "--steps", str(STEPS),
-            "--min-batches", "2",
-            "--wait-s", "300",
-        ],
-        capture_output=True,
-        text=True,
-        timeout=800,
-        check=False,
-        cwd=ROOT,
-        env={**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"},
-    )  # fmt: skip
+    trainer = _external_trainer(watch, out, STEPS, wait_s=300)
     assert trainer.returncode == 0, trainer.stderr[-3000:]
     curve = [json.loads(line) for line in trainer.stdout.splitlines()]
     print("external trainer:", curve)
@@ -149,6 +134,16 @@ def test_external_trainer_loop(tmp_path: Path, nodes: list[Node]) -> None:
 
     _check_origin_observability(origin_url.group(1), peer_ids)
 
+    # started again with one more step: it goes on from W/step-STEPS (it rewrote step-1 and
+    # failed), the origin continues the run, publishes the new step once, and ends it there
+    again = _external_trainer(watch, out, STEPS + 1, wait_s=120)
+    assert again.returncode == 0, again.stderr[-3000:]
+    assert [json.loads(line)["step"] for line in again.stdout.splitlines()] == [STEPS + 1]
+    origin.wait_for(rf"version_published step={STEPS + 1} ", timeout_s=120)
+    origin.wait_for(rf"run_finished_announced step={STEPS + 1} ", timeout_s=60)
+    assert all(origin.count(rf"version_published step={k} ") == 1 for k in range(STEPS + 2))
+    assert not list(watch.glob(".step-*"))  # no half-written step left behind
+
     assert origin.stop(signal.SIGTERM) == 0
     report = json.loads((tmp_path / "origin.json").read_text())["rollouts"]
     print("origin rollouts report:", report)
@@ -156,6 +151,28 @@ def test_external_trainer_loop(tmp_path: Path, nodes: list[Node]) -> None:
     assert report["files"] >= 2 * STEPS
     assert report["accepted_samples"] >= 2 * STEPS * 32
     assert sum(report["rejected_samples"].values()) == 0, report["rejected_samples"]
+
+
+def _external_trainer(
+    watch: Path, out: Path, steps: int, wait_s: float
+) -> subprocess.CompletedProcess[str]:
+    """``docs/external_trainer.py`` on ``watch`` and ``out`` up to ``steps``, run to its end."""
+    return subprocess.run(
+        [
+            sys.executable, str(ROOT / "docs" / "external_trainer.py"),
+            "--watch", str(watch),
+            "--rollouts", str(out),
+            "--steps", str(steps),
+            "--min-batches", "2",
+            "--wait-s", str(wait_s),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=800,
+        check=False,
+        cwd=ROOT,
+        env={**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"},
+    )  # fmt: skip
 
 
 def _check_origin_observability(url: str, peer_ids: set[str]) -> None:
