@@ -970,9 +970,42 @@ def load_settings(cls: type[S], config_file: Path | None, overrides: dict[str, A
     except ValidationError as exc:
         err = exc.errors()[0]
         field = ".".join(str(p) for p in err["loc"]) or cls.role
-        raise ConfigError(field, err["msg"]) from exc
+        raise _where(field, err["type"], err["msg"], config_file, overrides, cls.role) from exc
     except ValueError as exc:  # TOML syntax errors
         raise ConfigError("config", f"{config_file}: {exc}") from exc
+
+
+def _where(
+    field: str,
+    kind: str,
+    msg: str,
+    config_file: Path | None,
+    overrides: dict[str, Any],
+    role: str,
+) -> ConfigError:
+    """The error of an invalid ``field``, named where its value came from: the command line
+    (its option), the environment (``SHARDNET_<FIELD>``) or the config file (its key; an
+    unknown key says so)."""
+    import os
+    import tomllib
+
+    name = field.split(".")[0]
+    if name in overrides:
+        return ConfigError(field, msg)
+    env = f"SHARDNET_{name.upper()}"
+    if env in os.environ:
+        return ConfigError("config", f"environment {env}: {msg}")
+    if config_file is not None:
+        try:
+            in_file = name in tomllib.loads(config_file.read_text())
+        except (OSError, ValueError):
+            in_file = False
+        if in_file and kind == "extra_forbidden":
+            unknown = f"{name} is not a setting of `shardnet {role}`"
+            return ConfigError("config", f"{config_file}: {unknown}")
+        if in_file:
+            return ConfigError("config", f"{config_file}: {name}: {msg}")
+    return ConfigError(field, msg)
 
 
 class OriginSettings(PublishSettings):

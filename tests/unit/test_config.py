@@ -63,7 +63,15 @@ def test_errors_name_the_field(tmp_path: Path) -> None:
     cfg.write_text(f'trainer_id = "{PID}"\nupstream = []\nbogus = 1\n')
     with pytest.raises(ConfigError) as info:
         load_settings(RelaySettings, cfg, {})
-    assert info.value.field in ("upstream", "bogus")
+    # named where the value came from: the file and its key (an unknown key says so)
+    assert info.value.field == "config"
+    assert str(info.value).startswith(f"config: {cfg}: ")
+    assert "upstream:" in str(info.value) or "bogus is not a setting of `shardnet relay`" in (
+        str(info.value)
+    )
+    cfg.write_text(f'trainer_id = "{PID}"\nupstream = ["{UP}"]\nbogus = 1\n')
+    with pytest.raises(ConfigError, match=r"r\.toml: bogus is not a setting of `shardnet relay`"):
+        load_settings(RelaySettings, cfg, {})
     with pytest.raises(ConfigError) as info:
         load_settings(RelaySettings, None, {"trainer_id": "x", "upstream": [UP]})
     assert info.value.field == "trainer_id"
@@ -126,6 +134,19 @@ def test_samples_are_generated_from_the_models(role: str) -> None:
     result = CliRunner().invoke(app, ["sample-config", role])
     assert result.exit_code == 0
     assert result.output == sample_toml(cls)
+
+
+def test_a_bad_environment_value_is_named_as_the_environment(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setenv("SHARDNET_KEEP_LAST", "abc")
+    with pytest.raises(ConfigError, match=r"^config: environment SHARDNET_KEEP_LAST: ") as info:
+        load_settings(RelaySettings, None, {"trainer_id": PID, "upstream": [UP]})
+    assert info.value.field == "config"
+    # the same value given as an option is named as the option
+    with pytest.raises(ConfigError) as info:
+        load_settings(RelaySettings, None, {"trainer_id": PID, "upstream": [UP], "keep_last": "x"})
+    assert info.value.field == "keep_last"
 
 
 def test_environment_uses_the_field_name(monkeypatch: pytest.MonkeyPatch) -> None:
