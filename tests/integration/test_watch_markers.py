@@ -65,6 +65,29 @@ def _write(watch: Path, step: int, *, cut: bool = False, marker: bool = True) ->
         (d / "DONE").write_text("")
 
 
+def _linked_or_skip(watch: Path, data: Path, step: int) -> None:
+    """Skip the test where the origin copied ``step``'s weights file into its store instead
+    of hard-linking it (another file system: nothing is shared)."""
+    name = Path(f"step-{step}") / "model.safetensors"
+    if (data / "versions" / RUN / name).stat().st_ino != (watch / name).stat().st_ino:
+        pytest.skip("the origin copied the files (another file system): nothing is shared")
+
+
+def _rewrite_in_place(watch: Path, step: int) -> None:
+    """Rewrite bytes of ``watch/step-<step>/model.safetensors`` in place (the same inode, as
+    a trainer's in-place save)."""
+    with (watch / f"step-{step}" / "model.safetensors").open("r+b") as f:
+        f.seek(200)
+        f.write(b"\x01" * 64)
+
+
+def _origin(name: str, watch: Path, data: Path, tmp_path: Path, nodes: list[Node]) -> Node:
+    """Start ``shardnet origin`` on ``watch`` with data in ``data`` (again, after a stop)."""
+    node = Node(name, _origin_args(watch, data, *LOOPBACK_ANY), tmp_path / "logs", {})
+    nodes.append(node)
+    return node
+
+
 def test_refused_steps_are_never_signed_and_the_origin_goes_on(
     tmp_path: Path, nodes: list[Node]
 ) -> None:
@@ -174,12 +197,8 @@ def test_a_published_step_rewritten_in_place_is_no_longer_served(
     sees it at its next scan, says so at ERROR and stops serving that version; the next step
     is published as usual."""
     watch, data, origin = _origin_with_step_0(tmp_path, nodes)
-    stored = data / "versions" / RUN / "step-0" / "model.safetensors"
-    if stored.stat().st_ino != (watch / "step-0" / "model.safetensors").stat().st_ino:
-        pytest.skip("the origin copied the files (another file system): nothing is shared")
-    with (watch / "step-0" / "model.safetensors").open("r+b") as f:  # in place
-        f.seek(200)
-        f.write(b"\x01" * 64)
+    _linked_or_skip(watch, data, 0)
+    _rewrite_in_place(watch, 0)
     origin.wait_for(r"ERROR .*published_files_changed step=0 files=model\.safetensors", 60)
     origin.wait_for(r"versions_quarantined run=refusals steps=\[0\]", 60)
     assert not (data / "versions" / RUN / "step-0").exists()
@@ -197,18 +216,13 @@ def test_a_step_rewritten_while_the_origin_was_down_is_found_at_start(
     watch, data, origin = _origin_with_step_0(tmp_path, nodes)
     _write(watch, 1)
     origin.wait_for(r"version_published step=1 ", 60)
-    stored = data / "versions" / RUN / "step-0" / "model.safetensors"
-    if stored.stat().st_ino != (watch / "step-0" / "model.safetensors").stat().st_ino:
-        pytest.skip("the origin copied the files (another file system): nothing is shared")
+    _linked_or_skip(watch, data, 0)
     os.utime(watch / "step-1" / "model.safetensors", ns=(10**9, 10**9))  # no byte changed
     origin.wait_for(r"published_files_touched step=1 files=model\.safetensors", 60)
     assert origin.count(r"published_files_touched step=0 ") == 0  # publishing changes nothing
     assert origin.stop(signal.SIGTERM) == 0
-    with (watch / "step-0" / "model.safetensors").open("r+b") as f:  # while it is down
-        f.seek(200)
-        f.write(b"\x01" * 64)
-    again = Node("origin-again", _origin_args(watch, data, *LOOPBACK_ANY), tmp_path / "logs", {})
-    nodes.append(again)
+    _rewrite_in_place(watch, 0)  # while it is down
+    again = _origin("origin-again", watch, data, tmp_path, nodes)
     again.wait_for(r"ERROR .*published_files_changed step=0 files=model\.safetensors", 60)
     # said once the version is removed (published_files_changed comes just before, and
     # node_ready may come first: the check runs right after the node opened)
@@ -230,23 +244,17 @@ def test_a_quarantined_step_is_never_published_again_under_its_number(
     watch, data, origin = _origin_with_step_0(tmp_path, nodes)
     _write(watch, 1)
     origin.wait_for(r"version_published step=1 ", 60)
-    stored = data / "versions" / RUN / "step-1" / "model.safetensors"
-    if stored.stat().st_ino != (watch / "step-1" / "model.safetensors").stat().st_ino:
-        pytest.skip("the origin copied the files (another file system): nothing is shared")
+    _linked_or_skip(watch, data, 1)
     assert origin.stop(signal.SIGTERM) == 0
-    with (watch / "step-1" / "model.safetensors").open("r+b") as f:  # while it is down
-        f.seek(200)
-        f.write(b"\x01" * 64)
-    again = Node("origin-again", _origin_args(watch, data, *LOOPBACK_ANY), tmp_path / "logs", {})
-    nodes.append(again)
+    _rewrite_in_place(watch, 1)  # while it is down
+    again = _origin("origin-again", watch, data, tmp_path, nodes)
     again.wait_for(r"ERROR .*published_files_changed step=1 files=model\.safetensors", 60)
     _write(watch, 2)  # the scan that publishes step 2 has passed step-1/DONE
     again.wait_for(r"version_published step=2 ", 60)
     assert again.count(r"version_published step=1 ") == 0
     assert not (data / "versions" / RUN / "step-1").exists()
     assert again.stop(signal.SIGTERM) == 0
-    third = Node("origin-third", _origin_args(watch, data, *LOOPBACK_ANY), tmp_path / "logs", {})
-    nodes.append(third)
+    third = _origin("origin-third", watch, data, tmp_path, nodes)
     third.wait_for(r"node_ready role=origin")
     _write(watch, 3)
     third.wait_for(r"version_published step=3 ", 60)
