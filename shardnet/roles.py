@@ -494,7 +494,7 @@ async def run_origin(s: OriginSettings) -> int:
     identity = s.identity()
     trust = s.trust(identity)
     published: list[dict[str, Any]] = []
-    check_data_dir(s.data_dir, s.run(), identity.peer_id)  # before anything listens
+    await trio.to_thread.run_sync(_before_listening, s, trust)
     plane = _origin_plane(s, trust) if s.rollouts_out is not None else None
 
     async def body() -> None:
@@ -509,7 +509,7 @@ async def run_origin(s: OriginSettings) -> int:
         ):
             origin = Origin(node, s.origin_config())
             attach_origin(node, plane, s.async_level)
-            held = PublishedFiles(node.store, trust)  # files changed while down: found here
+            held = PublishedFiles(node.store, trust)  # quarantined before the lane listened
             await trio.to_thread.run_sync(held.start)
             # hash and encode files while the trainer writes the others
             pre = _start_pre_encoder(s, node, origin, nursery) if s.pre_encode else None
@@ -555,6 +555,20 @@ async def run_origin(s: OriginSettings) -> int:
                 report["rollouts"] = plane.report()
             write_json_atomic(s.report, report)
     return 0
+
+
+def _before_listening(s: OriginSettings, trust: TrustList) -> None:
+    """The origin's start, before anything listens: the data directory is this run's
+    (:func:`check_data_dir`), and the published versions whose files changed while the
+    origin was down are quarantined (:meth:`~shardcast.publish.PublishedFiles.start`, on a
+    store of its own), so no follower is served their changed bytes (blocking)."""
+    from shardcast.publish import PublishedFiles
+    from shardcast.store import VersionStore
+
+    check_data_dir(s.data_dir, s.run(), trust.trainer)
+    cfg = s.node_config()
+    store = VersionStore(cfg.data_dir / "versions", cfg.run_id, cfg.keep_last, cfg.durable)
+    PublishedFiles(store, trust).start()
 
 
 async def _follow_finished_marker(

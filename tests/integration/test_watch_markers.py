@@ -224,10 +224,14 @@ def test_a_step_rewritten_while_the_origin_was_down_is_found_at_start(
     _rewrite_in_place(watch, 0)  # while it is down
     again = _origin("origin-again", watch, data, tmp_path, nodes)
     again.wait_for(r"ERROR .*published_files_changed step=0 files=model\.safetensors", 60)
-    # said once the version is removed (published_files_changed comes just before, and
-    # node_ready may come first: the check runs right after the node opened)
+    # said once the version is removed (published_files_changed comes just before it)
     again.wait_for(r"versions_quarantined run=refusals steps=\[0\]", 60)
     assert not (data / "versions" / RUN / "step-0").exists()
+    # ... before the lane listened: no follower could be served the changed bytes
+    again.wait_for(r"node_ready role=origin")
+    lines = again.drain()
+    first = next(i for i, ln in enumerate(lines) if "versions_quarantined" in ln)
+    assert first < next(i for i, ln in enumerate(lines) if "http_server_listening" in ln)
     assert (data / "versions" / RUN / "step-1").exists()
     assert again.count(r"published_files_changed") == 1
     assert origin.count(r"published_files_changed") == 0
