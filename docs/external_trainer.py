@@ -144,10 +144,8 @@ def main(argv: list[str] | None = None) -> int:
     model_dir = args.model or write_preset_dir(
         args.preset, args.seed, args.watch.parent / f".{args.preset}-seed{args.seed}"
     )
-    model, tokenizer = load_trainable(model_dir)
-    done = newest_step(args.watch)
-    if done is not None:  # started again: go on from the newest version written
-        model, _ = load_trainable(args.watch / f"step-{done}")
+    done = newest_step(args.watch)  # started again: go on from the newest version written
+    model, tokenizer = load_trainable(model_dir if done is None else args.watch / f"step-{done}")
     task = load_task(args.task, args.task_reward)
     optimizer = make_optimizer(model, args.lr)
     (args.watch / "FINISHED").unlink(missing_ok=True)  # the run goes on (again)

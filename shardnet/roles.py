@@ -13,6 +13,7 @@ after a signal.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 import logging
 import os
@@ -49,6 +50,7 @@ if TYPE_CHECKING:
     from rollout.verify import EngineProfile
     from shardcast.node import ShardcastNode
     from shardcast.publish import Origin, PreEncoder, PublishedFiles, RefusedSteps, WatchPresence
+    from shardcast.store import VersionStore
     from trainer.dataplane import OriginDataPlane
 
 log = logging.getLogger(__name__)
@@ -485,7 +487,6 @@ async def run_origin(s: OriginSettings) -> int:
     from shardcast.publish import (
         CheckpointLayoutError,
         Origin,
-        PublishedFiles,
         RefusedSteps,
         WatchPresence,
         fingerprint,
@@ -494,7 +495,7 @@ async def run_origin(s: OriginSettings) -> int:
     identity = s.identity()
     trust = s.trust(identity)
     published: list[dict[str, Any]] = []
-    await trio.to_thread.run_sync(_before_listening, s, trust)
+    check_data_dir(s.data_dir, s.run(), identity.peer_id)  # before anything listens
     plane = _origin_plane(s, trust) if s.rollouts_out is not None else None
 
     async def body() -> None:
@@ -503,14 +504,15 @@ async def run_origin(s: OriginSettings) -> int:
             serve_once_s=s.serve_once_s,
             serve_once_min_bytes=s.serve_once_min_bytes,
         )
+        checked: list[PublishedFiles] = []  # files changed while down: quarantined first
+        start = functools.partial(_start_published_files, trust, checked)
         async with (
-            ShardcastNode.open(identity, trust, node_cfg) as node,
+            ShardcastNode.open(identity, trust, node_cfg, before_listening=start) as node,
             trio.open_nursery() as nursery,
         ):
             origin = Origin(node, s.origin_config())
             attach_origin(node, plane, s.async_level)
-            held = PublishedFiles(node.store, trust)  # quarantined before the lane listened
-            await trio.to_thread.run_sync(held.start)
+            held = checked[0]
             # hash and encode files while the trainer writes the others
             pre = _start_pre_encoder(s, node, origin, nursery) if s.pre_encode else None
             emit_ready("origin", node, s.ready_file)
@@ -557,18 +559,18 @@ async def run_origin(s: OriginSettings) -> int:
     return 0
 
 
-def _before_listening(s: OriginSettings, trust: TrustList) -> None:
-    """The origin's start, before anything listens: the data directory is this run's
-    (:func:`check_data_dir`), and the published versions whose files changed while the
-    origin was down are quarantined (:meth:`~shardcast.publish.PublishedFiles.start`, on a
-    store of its own), so no follower is served their changed bytes (blocking)."""
+def _start_published_files(
+    trust: TrustList, into: list[PublishedFiles], store: VersionStore
+) -> None:
+    """Start the origin's watch over the files it published, on its store, before the lane
+    listens (``ShardcastNode.open``'s ``before_listening``): versions whose files changed
+    while it was down are quarantined before any follower could be served them; the
+    :class:`~shardcast.publish.PublishedFiles` goes to ``into`` (blocking)."""
     from shardcast.publish import PublishedFiles
-    from shardcast.store import VersionStore
 
-    check_data_dir(s.data_dir, s.run(), trust.trainer)
-    cfg = s.node_config()
-    store = VersionStore(cfg.data_dir / "versions", cfg.run_id, cfg.keep_last, cfg.durable)
-    PublishedFiles(store, trust).start()
+    held = PublishedFiles(store, trust)
+    held.start()
+    into.append(held)
 
 
 async def _follow_finished_marker(

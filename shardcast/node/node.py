@@ -252,12 +252,16 @@ class ShardcastNode:
         config: NodeConfig,
         *,
         network: Network | None = None,
+        before_listening: Callable[[VersionStore], object] | None = None,
     ) -> AsyncIterator[ShardcastNode]:
         """Start host, HTTP lane and store; stop everything on exit.
 
         Args:
             network: opens the host and the HTTP lane (default: :data:`p2p.lanes.REAL_NETWORK`;
                 tests pass an in-memory one, :mod:`p2p.memnet`).
+            before_listening: run on the opened store, in a worker thread, before the host
+                and the lane listen (the standalone origin quarantines versions whose files
+                changed while it was down there, so none is ever served).
 
         Raises:
             ConfigError: a port in use or an address not of this host (``listen`` or
@@ -281,6 +285,8 @@ class ShardcastNode:
             identity=identity,
             serve_once_min_bytes=config.serve_once_min_bytes,
         )
+        if before_listening is not None:
+            await trio.to_thread.run_sync(before_listening, store)
         routes: dict[str, _Route] = {}
         metrics = NodeMetrics(config.role, config.run_id, identity.peer_id)
         handle = _http_handler(routes, server, metrics)
