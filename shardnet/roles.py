@@ -89,26 +89,39 @@ def emit_ready(role: str, node: Any, ready_file: Path | None) -> dict[str, Any]:
 
 
 async def until_signal(body: Callable[[], Awaitable[None]]) -> bool:
-    """Run ``body`` until it returns or SIGINT/SIGTERM arrives.
+    """Run ``body`` until it returns or SIGINT/SIGTERM arrives; then cancel it and wait for
+    its cleanup (a node's shielded store flush, :func:`shardcast.node.node._flush_on_stop`).
+
+    The signal receiver stays installed until ``body`` has finished its cleanup: a repeated
+    signal while stopping is logged (``shutdown_signal_repeated``) and otherwise ignored, the
+    stop being bounded by the body's own deadlines. (``timeout(1)`` and a process-group
+    ``kill`` deliver SIGTERM twice; with the receiver closed after the first, trio re-raised
+    the second under the default action, which killed the process before its flush and left
+    the store's unclean-stop marker, so the next start re-hashed every version.)
 
     Returns:
         True if a signal ended it.
     """
     stopped = False
-    async with trio.open_nursery() as nursery:
+    with trio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as signals:
+        async with trio.open_nursery() as nursery:
+            body_scope = trio.CancelScope()
 
-        async def watch() -> None:
-            nonlocal stopped
-            with trio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as signals:
+            async def watch() -> None:
+                nonlocal stopped
                 async for sig in signals:
-                    log.info("shutdown signal=%s", signal.Signals(sig).name)
+                    name = signal.Signals(sig).name
+                    if stopped:
+                        log.info("shutdown_signal_repeated signal=%s state=stopping", name)
+                        continue
+                    log.info("shutdown signal=%s", name)
                     stopped = True
-                    nursery.cancel_scope.cancel()
-                    return
+                    body_scope.cancel()
 
-        nursery.start_soon(watch)
-        await body()
-        nursery.cancel_scope.cancel()
+            nursery.start_soon(watch)
+            with body_scope:
+                await body()
+            nursery.cancel_scope.cancel()
     return stopped
 
 

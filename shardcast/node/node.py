@@ -285,12 +285,12 @@ class ShardcastNode:
             identity=identity,
             serve_once_min_bytes=config.serve_once_min_bytes,
         )
-        if before_listening is not None:
-            await trio.to_thread.run_sync(before_listening, store)
         routes: dict[str, _Route] = {}
         metrics = NodeMetrics(config.role, config.run_id, identity.peer_id)
         handle = _http_handler(routes, server, metrics)
         try:
+            if before_listening is not None:  # a stop while it runs still flushes the store
+                await trio.to_thread.run_sync(before_listening, store)
             async with (
                 network.open_host(identity, config.host) as p2p,
                 network.open_http_server(handle, config.http) as http,
