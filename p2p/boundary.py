@@ -62,6 +62,7 @@ from libp2p.exceptions import BaseLibp2pError
 from libp2p.host.basic_host import BasicHost
 from libp2p.network.connection.swarm_connection import SwarmConn
 from libp2p.peer.id import ID
+from libp2p.peer.peerstore import PeerStore, issue_and_cache_local_record
 from libp2p.pubsub.pb import rpc_pb2
 from libp2p.pubsub.pubsub import Pubsub
 from libp2p.stream_muxer.yamux.yamux import Yamux
@@ -87,6 +88,10 @@ _FINGERPRINTS: dict[str, tuple[Callable[..., Any], str]] = {
     # every inbound stream goes through swarm.common_stream_handler, in the connection nursery
     "SwarmConn._handle_muxed_stream": (SwarmConn._handle_muxed_stream, "fb51f8a3e37c9800"),
     "BasicHost._swarm_stream_handler": (BasicHost._swarm_stream_handler, "cec985884b1ba269"),
+    # p2p.peer_records: a record older (lower seq) than the held one is refused; the new
+    # local record is cached and sent with every pubsub RPC after it
+    "PeerStore.consume_peer_record": (PeerStore.consume_peer_record, "35e869e7ba6df92b"),
+    "issue_and_cache_local_record": (issue_and_cache_local_record, "a4cc66ecd75b4900"),
     # p2p.whole_frames replaces it per connection: one secured_conn.write under _write_lock
     "Yamux._write_frame": (Yamux._write_frame, "16ff969cdd0d2b1b"),
 }

@@ -122,6 +122,7 @@ from p2p.limits import (
     ScopeLimit,
 )
 from p2p.loop_lag import BodyDeadlines, LoopLag
+from p2p.peer_records import RecordConflicts, refresh_every, refresh_record, watch_records
 from p2p.whole_frames import write_frames_whole
 
 if TYPE_CHECKING:
@@ -154,7 +155,9 @@ class RepeatFilter(logging.Filter):
 
     Installed on py-libp2p's swarm logger, whose dial loop logs the same ERROR ``failed to
     upgrade security for peer …: handshake failed`` for every attempt (4 per dial, each retry):
-    :meth:`P2PNode.connect` reports that failure itself, once, naming the address.
+    :meth:`P2PNode.connect` reports that failure itself, once, naming the address; and on its
+    pubsub loggers, whose refused-peer-record ERROR pair comes with every RPC of the refused
+    node (:mod:`p2p.peer_records` names that node).
     """
 
     def __init__(
@@ -184,10 +187,20 @@ class RepeatFilter(logging.Filter):
         return True
 
 
+#: py-libp2p's anonymous ERROR pair for each pubsub RPC whose peer record was refused (it names
+#: no peer; :mod:`p2p.peer_records` logs ``peer_record_conflict`` naming it): once per interval
+_RECORD_REFUSED = (
+    ("libp2p.pubsub.pubsub", "Received an invalid-signed-record"),
+    ("libp2p.pubsub.gossipsub", "Received an invalid-signed-record"),
+    ("libp2p.pubsub.utils", "Failed to update the Certified-Addr-Book"),
+)
+
+
 def _install_swarm_filter() -> None:
-    swarm = logging.getLogger(_SWARM_LOGGER)
-    if not any(isinstance(f, RepeatFilter) for f in swarm.filters):
-        swarm.addFilter(RepeatFilter(_SWARM_HANDSHAKE_PREFIX))
+    for name, prefix in ((_SWARM_LOGGER, _SWARM_HANDSHAKE_PREFIX), *_RECORD_REFUSED):
+        logger = logging.getLogger(name)
+        if not any(isinstance(f, RepeatFilter) for f in logger.filters):
+            logger.addFilter(RepeatFilter(prefix))
 
 
 _install_swarm_filter()
@@ -233,6 +246,9 @@ class HostConfig:
         ledger: misbehaviour scores and bans of remote peers.
         keepalive: pings, dead connections, re-dials, close timeout (:mod:`p2p.keepalive`).
         circuits: circuit relay v2 and DCUtR (:mod:`p2p.circuits`); None: neither.
+        record_refresh_s: this node's signed peer record is re-issued this often, seconds
+            (> 0; see :mod:`p2p.peer_records`: after a node with the same key left, the
+            others hear this one again within this long).
     """
 
     listen_multiaddrs: tuple[str, ...] = ("/ip4/127.0.0.1/tcp/0",)
@@ -244,6 +260,7 @@ class HostConfig:
     ledger: LedgerConfig = field(default_factory=LedgerConfig)
     keepalive: KeepaliveConfig = field(default_factory=KeepaliveConfig)
     circuits: CircuitConfig | None = None
+    record_refresh_s: float = 30.0
 
     def __post_init__(self) -> None:
         if not self.listen_multiaddrs:
@@ -256,6 +273,8 @@ class HostConfig:
             check_public_host(self.public_host, "public_host")
         if self.dial_timeout_s <= 0:
             raise ConfigError("dial_timeout_s", "must be > 0")
+        if not self.record_refresh_s > 0:
+            raise ConfigError("record_refresh_s", "must be > 0")
 
 
 async def _close_host(host: Any, close_timeout_s: float) -> None:
@@ -440,6 +459,7 @@ class _HostParts:
     pubsub: GuardedPubsub
     rr: RequestResponse
     circuits: Circuits | None
+    record_conflicts: RecordConflicts
 
     @classmethod
     def build(cls, identity: Identity, config: HostConfig) -> _HostParts:
@@ -455,6 +475,8 @@ class _HostParts:
         ensure_listen_bindable(config.listen_multiaddrs)
         host = new_host(key_pair=identity.key_pair, muxer_preference="YAMUX", listen_addrs=listen)
         _disable_auto_connect(host)
+        conflicts = RecordConflicts()
+        watch_records(host.get_peerstore(), conflicts, time.monotonic)
         limits = config.limits
         resources = ResourceManager()
         resources.set_limit(ANY_STREAM, ScopeLimit(limits.streams_per_peer, limits.streams_total))
@@ -472,7 +494,7 @@ class _HostParts:
             guard.wrap_protocol(proto)
         rr = RequestResponse(host)
         circuits = Circuits(host, config.circuits) if config.circuits is not None else None
-        return cls(host, listen, guard, router, peering, watch, pubsub, rr, circuits)
+        return cls(host, listen, guard, router, peering, watch, pubsub, rr, circuits, conflicts)
 
     def run_circuits(self, config: HostConfig) -> AbstractAsyncContextManager[Circuits | None]:
         """The circuit services while the host runs (a no-op without ``config.circuits``)."""
@@ -519,6 +541,14 @@ class P2PNode:
         self._direct_changed = trio.Event()  # set at each new direct connection
         self.circuits: Circuits | None = None
         """Circuit relay v2 and DCUtR (:mod:`p2p.circuits`), when configured."""
+        self.record_conflicts = RecordConflicts()
+        """Peer records refused while another one of the same PeerID was held
+        (:mod:`p2p.peer_records`; replaced by the host's own in :meth:`open`)."""
+
+    def refresh_record(self) -> None:
+        """Re-issue this node's signed peer record now (also done every
+        ``config.record_refresh_s``; see :mod:`p2p.peer_records`)."""
+        refresh_record(self._host)
 
     def _wake_keepalive(self) -> None:
         self._keepalive_changed.set()
@@ -722,9 +752,13 @@ class P2PNode:
                                 )
                                 node._peering = parts.peering
                                 node.circuits = circuits
+                                node.record_conflicts = parts.record_conflicts
                                 parts.watch.node = node
                                 nursery.start_soon(node._watch_loop)
                                 nursery.start_soon(node._keepalive_loop)
+                                nursery.start_soon(
+                                    refresh_every, config.record_refresh_s, node.refresh_record
+                                )
                                 log.log(
                                     logging.DEBUG if helper else logging.INFO,
                                     "host_started peer_id=%s addrs=%s",
