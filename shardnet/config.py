@@ -37,7 +37,7 @@ from p2p.addresses import (
 )
 from p2p.circuits import CircuitConfig
 from p2p.errors import ConfigError
-from p2p.host import HostConfig, parse_multiaddr
+from p2p.host import HostConfig, parse_multiaddr, peer_id_of
 from p2p.http_server import HttpServerConfig
 from p2p.identity import Identity, is_valid_peer_id
 from p2p.keepalive import KeepaliveConfig
@@ -698,7 +698,7 @@ class PeerSettings(FollowerSettings):
         """
         super().preflight()
         for addr in self.trainer_addr:
-            if addr.rsplit("/p2p/", 1)[1] != self.trainer_id:
+            if peer_id_of(addr) != self.trainer_id:
                 raise ConfigError(
                     "trainer_addr",
                     f"{addr} ends in another PeerID than --trainer-id {self.trainer_id}",

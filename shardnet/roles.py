@@ -27,6 +27,7 @@ from typing import TYPE_CHECKING, Any
 import trio
 
 from p2p.errors import ConfigError
+from p2p.host import peer_id_of
 from p2p.identity import Identity
 from rollout.engine_options import VllmOptions
 from rollout.task import load_task, task_spec
@@ -336,7 +337,7 @@ def check_not_self(identity: Identity, addrs: list[str], option: str) -> None:
         ConfigError: naming ``option``.
     """
     for addr in addrs:
-        if addr.rsplit("/p2p/", 1)[-1] == identity.peer_id:
+        if peer_id_of(addr) == identity.peer_id:
             raise ConfigError(
                 option, f"{addr} is this node itself (the PeerID of its --key): name another node"
             )
