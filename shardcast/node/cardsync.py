@@ -34,6 +34,7 @@ from shardcast.store import replace_file
 from shardcast.wire import (
     CARD_FILE,
     MAX_CARD_BYTES,
+    NO_RUNCARD,
     RUNCARD_PROTOCOL,
     BadRunCardSignature,
     MalformedRunCard,
@@ -120,7 +121,7 @@ async def fetch_card(
         max_response_bytes=MAX_CARD_BYTES,
         timeout_s=timeout_s,
     )
-    if not data:
+    if not data or data == NO_RUNCARD:
         return None
     return SignedRunCard.decode(data, trainer=trainer, source=peer_id)
 

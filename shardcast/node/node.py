@@ -61,6 +61,7 @@ from shardcast.wire import (
     INFO_PROTOCOL,
     MAX_CARD_BYTES,
     MAX_INFO_BYTES,
+    NO_RUNCARD,
     RUNCARD_PROTOCOL,
     NodeInfo,
     RequestSigner,
@@ -383,7 +384,7 @@ class ShardcastNode:
 
     async def _on_runcard(self, sender: str, request: bytes) -> bytes:
         wire.decode(request, max_bytes=1024, sender=sender)
-        return self.card.encode() if self.card is not None else b""
+        return self.card.encode() if self.card is not None else NO_RUNCARD
 
     def set_card(self, card: SignedRunCard) -> bool:
         """Adopt a verified run card if it is newer than the one held; store and serve it.

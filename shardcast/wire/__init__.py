@@ -96,6 +96,7 @@ from shardcast.wire.manifest import (
 from shardcast.wire.messages import (
     INFO_PROTOCOL,
     MAX_INFO_BYTES,
+    NO_RUNCARD,
     RUNCARD_PROTOCOL,
     NodeInfo,
     VersionAnnouncement,
@@ -171,6 +172,7 @@ __all__ = [
     "MAX_INFO_BYTES",
     "MAX_MIRROR_URL",
     "MAX_PREFIX_ENTRIES",
+    "NO_RUNCARD",
     "PREFIX_ENTRY",
     "PROFILE_THRESHOLD_KEYS",
     "RAW",

@@ -34,7 +34,11 @@ from shardcast.wire.canonical import DIGEST_RE, RUN_ID_RE
 INFO_PROTOCOL = "/shardnet/info/1.0.0"
 RUNCARD_PROTOCOL = "/shardnet/runcard/1.0.0"
 """Request ``{"v": 1}`` (CBOR); response: the run card envelope (:mod:`shardcast.wire.runcard`),
-or empty when the node has no card yet."""
+or :data:`NO_RUNCARD` when the node has no card yet."""
+NO_RUNCARD = wire.encode({"v": 1, "card": None})
+"""The runcard response of a node without a card yet (an origin before its first version).
+Not empty: py-libp2p 0.8.1's request/response cannot carry an empty message (the requester
+saw ``request/response exchange failed while reading or writing the stream``)."""
 ANNOUNCE_KIND = Kind.VERSION_ANNOUNCEMENT
 MAX_ANNOUNCEMENT_BYTES = 8 * 1024
 MAX_INFO_BYTES = 64 * 1024

@@ -17,12 +17,13 @@ import pytest
 import trio
 
 from p2p.errors import ConfigError
+from p2p.host import HostConfig, P2PNode
 from p2p.http_client import HttpClient
 from p2p.identity import Identity
 from p2p.trust import TrustList
 from rollout.task import DigitTask, task_data_digest
 from shardcast.download.follower import FollowConfig, Follower, VersionRecord
-from shardcast.node.cardsync import bootstrap_card, check_data_dir, save_card
+from shardcast.node.cardsync import bootstrap_card, check_data_dir, fetch_card, save_card
 from shardcast.node.node import NodeConfig, ShardcastNode
 from shardcast.publish.origin import Origin, OriginConfig
 from shardcast.wire.manifest import Manifest
@@ -159,6 +160,22 @@ async def test_peer_joins_from_the_card_and_follows_a_new_version(tmp_path: Path
         info = await peer.query_info(relay.identity.peer_id)
         assert (info.card_version, info.card_digest) == (2, card2.digest)
         nursery.cancel_scope.cancel()
+
+
+async def test_a_node_without_a_card_yet_says_so(tmp_path: Path) -> None:
+    """An origin before its first version has no card: the answer says so (it was an empty
+    message, which py-libp2p's request/response reports as a broken stream, so a relay
+    waiting for the origin logged ``runcard_unavailable`` instead of ``runcard_not_yet``)."""
+    cfg = NodeConfig("trainer", "card-run", tmp_path / "o")
+    async with (
+        ShardcastNode.open(TRAINER, trust(), cfg) as o,
+        P2PNode.open(Identity.from_seed("asker"), HostConfig()) as asker,
+    ):
+        await asker.connect(o.p2p.multiaddrs()[0])
+        assert await fetch_card(asker, TRAINER.peer_id, TRAINER.peer_id) is None
+        card = sign_card(_rules(), TRAINER)
+        assert o.set_card(card)
+        assert await fetch_card(asker, TRAINER.peer_id, TRAINER.peer_id) == card
 
 
 async def test_bad_cards_and_data_dirs_are_refused(tmp_path: Path) -> None:
