@@ -93,37 +93,43 @@ async def until_signal(body: Callable[[], Awaitable[None]]) -> bool:
     """Run ``body`` until it returns or SIGINT/SIGTERM arrives; then cancel it and wait for
     its cleanup (a node's shielded store flush, :func:`shardcast.node.node._flush_on_stop`).
 
-    The signal receiver stays installed until ``body`` has finished its cleanup: a repeated
+    The signal receiver stays installed until ``body`` has finished its cleanup: a second
     signal while stopping is logged (``shutdown_signal_repeated``) and otherwise ignored, the
-    stop being bounded by the body's own deadlines. (``timeout(1)`` and a process-group
-    ``kill`` deliver SIGTERM twice; with the receiver closed after the first, trio re-raised
-    the second under the default action, which killed the process before its flush and left
-    the store's unclean-stop marker, so the next start re-hashed every version.)
+    stop being bounded by the body's own deadlines; a third ends the process at once
+    (``shutdown_forced``, exit status 128 + the signal's number; the store is then re-verified
+    at the next start). (``timeout(1)`` and a process-group ``kill`` deliver SIGTERM twice;
+    with the receiver closed after the first, trio re-raised the second under the default
+    action, which killed the process before its flush and left the store's unclean-stop
+    marker, so the next start re-hashed every version.)
 
     Returns:
         True if a signal ended it.
     """
-    stopped = False
+    received = 0
     with trio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as signals:
         async with trio.open_nursery() as nursery:
             body_scope = trio.CancelScope()
 
             async def watch() -> None:
-                nonlocal stopped
+                nonlocal received
                 async for sig in signals:
                     name = signal.Signals(sig).name
-                    if stopped:
+                    received += 1
+                    if received == 1:
+                        log.info("shutdown signal=%s", name)
+                        body_scope.cancel()
+                    elif received == 2:
                         log.info("shutdown_signal_repeated signal=%s state=stopping", name)
-                        continue
-                    log.info("shutdown signal=%s", name)
-                    stopped = True
-                    body_scope.cancel()
+                    else:
+                        log.warning("shutdown_forced signal=%s store=unclean", name)
+                        logging.shutdown()
+                        os._exit(128 + sig)
 
             nursery.start_soon(watch)
             with body_scope:
                 await body()
             nursery.cancel_scope.cancel()
-    return stopped
+    return received > 0
 
 
 async def run_trainer(s: TrainerSettings) -> int:

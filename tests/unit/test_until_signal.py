@@ -60,6 +60,33 @@ def test_a_second_sigterm_while_stopping_does_not_cut_the_cleanup() -> None:
     ]
 
 
+def test_a_third_signal_forces_the_exit() -> None:
+    """A stop that hangs (a bug, a stuck disk) ends at the third signal, not never."""
+    hung = CHILD.replace(
+        "for _ in range(20):\n                await trio.lowlevel.checkpoint()",
+        "os.kill(os.getpid(), signal.SIGINT)\n            await trio.sleep_forever()",
+    )
+    assert hung != CHILD
+    proc = subprocess.Popen(
+        [sys.executable, "-c", hung], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+    )
+    try:
+        assert proc.stdout is not None
+        assert proc.stdout.readline() == "ready\n"
+        proc.send_signal(signal.SIGTERM)
+        out, err = proc.communicate(timeout=60)
+    finally:
+        proc.kill()
+        proc.wait()
+    assert proc.returncode == 128 + signal.SIGINT, err
+    assert out == ""
+    assert err.splitlines() == [
+        "shutdown signal=SIGTERM",
+        "shutdown_signal_repeated signal=SIGTERM state=stopping",
+        "shutdown_forced signal=SIGINT store=unclean",
+    ]
+
+
 def test_a_body_that_returns_is_not_a_signal() -> None:
     import trio
 
