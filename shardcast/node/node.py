@@ -28,6 +28,7 @@ It owns, for the duration of :meth:`ShardcastNode.open`:
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import logging
 import time
@@ -50,6 +51,7 @@ from p2p.lanes import REAL_NETWORK, Host, HttpLaneClient, HttpLaneServer, Networ
 from p2p.trust import TrustList
 from shardcast.core import DialbackLimits, FinishedTake, Take, VersionTracker, judge
 from shardcast.node.cardsync import check_data_dir, save_card
+from shardcast.node.datalock import lock_data_dir
 from shardcast.node.dialback import serve_dialback
 from shardcast.node.endrecord import load_end, save_end
 from shardcast.node.metrics import CONTENT_TYPE, NodeMetrics
@@ -266,7 +268,8 @@ class ShardcastNode:
 
         Raises:
             ConfigError: a port in use or an address not of this host (``listen`` or
-                ``http_port``); the data directory holds another run's card or versions, or a
+                ``http_port``); the data directory is another running node's
+                (:mod:`shardcast.node.datalock`), holds another run's card or versions, or a
                 card not signed by the pinned trainer (all before anything listens).
         """
         if network is None:
@@ -274,6 +277,23 @@ class ShardcastNode:
             ensure_bindable(
                 config.http.host, config.http.port, "http_port", "HTTP lane", "http_host"
             )
+        with lock_data_dir(config.data_dir):  # one node per data directory
+            async with cls._open_locked(identity, trust, config, network, before_listening) as n:
+                yield n
+
+    @classmethod
+    @asynccontextmanager
+    async def _open_locked(
+        cls,
+        identity: Identity,
+        trust: TrustList,
+        config: NodeConfig,
+        network: Network,
+        before_listening: Callable[[VersionStore], object] | None,
+    ) -> AsyncIterator[ShardcastNode]:
+        """:meth:`open` once the data directory's lock is held."""
+        ledger = dataclasses.replace(config.host.ledger, never_ban=frozenset({trust.trainer}))
+        config = dataclasses.replace(config, host=dataclasses.replace(config.host, ledger=ledger))
         stored_card = check_data_dir(config.data_dir, config.run_id, trust.trainer)
         store = VersionStore(
             config.data_dir / "versions", config.run_id, config.keep_last, durable=config.durable

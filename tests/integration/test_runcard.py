@@ -7,6 +7,7 @@ the rules from the card, follows a new card version, and refuses bad cards and d
 from __future__ import annotations
 
 import json
+import os
 import random
 import time
 from dataclasses import replace
@@ -176,6 +177,23 @@ async def test_a_node_without_a_card_yet_says_so(tmp_path: Path) -> None:
         card = sign_card(_rules(), TRAINER)
         assert o.set_card(card)
         assert await fetch_card(asker, TRAINER.peer_id, TRAINER.peer_id) == card
+
+
+async def test_a_data_dir_holds_one_node_at_a_time(tmp_path: Path) -> None:
+    """A second node on a running node's data directory is refused before it reads or writes
+    anything there (a second trainer on a live one's directory resumed its run and signed its
+    end into the shared store); once the first has stopped, the directory is free again."""
+    cfg = NodeConfig("trainer", "card-run", tmp_path / "o")
+    async with ShardcastNode.open(TRAINER, trust(), cfg) as o:
+        # and the pinned trainer is never banned by a node (see p2p.limits.LedgerConfig)
+        assert o.p2p.config.ledger.never_ban == frozenset({TRAINER.peer_id})  # type: ignore[attr-defined]
+        with pytest.raises(ConfigError, match="in use by another shardnet node") as info:
+            async with ShardcastNode.open(TRAINER, trust(), cfg):
+                pass
+        assert info.value.field == "data_dir"
+        assert f"(pid {os.getpid()})" in str(info.value)
+    async with ShardcastNode.open(TRAINER, trust(), cfg):
+        pass
 
 
 async def test_bad_cards_and_data_dirs_are_refused(tmp_path: Path) -> None:
