@@ -199,6 +199,9 @@ class LedgerConfig:
         ban_s: how long a ban lasts, seconds.
         max_peers: bound on remembered peers.
         penalties: score lost per offence.
+        never_ban: PeerIDs whose offences are counted and logged but never lower a score or
+            ban (a node's pinned trainer: it is trusted with everything already, and a peer
+            that banned it, for asking again after the peer restarted, say, left the run).
     """
 
     ban_score: float = -100.0
@@ -206,6 +209,7 @@ class LedgerConfig:
     ban_s: float = 600.0
     max_peers: int = 4096
     penalties: dict[Offence, float] = field(default_factory=lambda: dict(DEFAULT_PENALTIES))
+    never_ban: frozenset[str] = frozenset()
 
     def __post_init__(self) -> None:
         if not self.ban_score < 0 or self.recovery_per_s < 0 or self.ban_s < 0:
@@ -261,6 +265,8 @@ class PeerLedger:
     def offend(self, peer: str, offence: Offence, now: float) -> bool:
         """Record ``offence`` by ``peer``; returns True if this offence starts a ban."""
         self._offences[offence.value] = self._offences.get(offence.value, 0) + 1
+        if peer in self.config.never_ban:
+            return False
         e = self._entry(peer, now)
         e.score -= self.config.penalties.get(offence, 0.0)
         if e.score <= self.config.ban_score and e.banned_until <= now:

@@ -198,7 +198,9 @@ class RolloutSender:
         if payload is None:
             if batch_id in self._dropped:
                 raise NotHeld(f"batch {batch_id[:8]} was delivered and is no longer held")
-            raise RemoteProtocolError(sender, f"unknown batch {batch_id}")
+            # the trainer may ask for a batch announced before this peer restarted (or by
+            # another node with this peer's key): not held, and no offence
+            raise NotHeld(f"batch {batch_id[:8]} is not held here")
         self._served += 1
         return payload
 

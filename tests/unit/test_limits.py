@@ -75,6 +75,16 @@ def test_ledger_bans_repeat_offenders_and_forgives_with_time() -> None:
     assert ledger.is_banned("B", now=1.0)
 
 
+def test_a_never_banned_peer_is_counted_but_not_banned() -> None:
+    ledger = PeerLedger(LedgerConfig(ban_score=-100, ban_s=60, never_ban=frozenset({"T"})))
+    bans = [ledger.offend("T", Offence.BAD_REQUEST, now=0.0) for _ in range(20)]
+    assert bans == [False] * 20
+    assert ledger.score("T", now=0.0) == 0.0
+    assert not ledger.is_banned("T", now=0.0)
+    assert ledger.statistics(now=0.0).offences == {"bad_request": 20}
+    assert ledger.statistics(now=0.0).banned == ()
+
+
 def test_ledger_is_bounded() -> None:
     ledger = PeerLedger(LedgerConfig(max_peers=3))
     for p in "ABCD":
