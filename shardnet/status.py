@@ -62,8 +62,13 @@ def status_url(target: str) -> str | None:
     if "://" not in t:
         t = "http://" + t
     parts = urlsplit(t)
-    if parts.scheme != "http" or not parts.hostname or parts.port is None:
-        raise ConfigError("target", f"{target!r} is not http://HOST:PORT or a multiaddr")
+    try:
+        port = parts.port
+    except ValueError:  # an unbracketed IPv6 address: urllib reads its last group as a port
+        port = None
+    if parts.scheme != "http" or not parts.hostname or port is None:
+        hint = " (an IPv6 address goes in brackets: [fd77::3]:8003)" if t.count(":") > 2 else ""
+        raise ConfigError("target", f"{target!r} is not http://HOST:PORT or a multiaddr{hint}")
     path = parts.path.rstrip("/")
     if not path.endswith("/status"):
         path += "/status"
@@ -88,6 +93,8 @@ async def fetch_status(target: str) -> dict[str, Any]:
     except ShardnetError as exc:  # named once: a transport error already names the URL
         msg = str(exc)
         raise StatusError(msg if msg.startswith(target) else f"{target}: {msg}") from exc
+    except trio.TooSlowError as exc:  # the libp2p dial (a node behind a NAT, say)
+        raise StatusError(f"{target}: connect timed out after {TIMEOUT_S:g}s") from exc
     try:
         doc = json.loads(data)
     except ValueError as exc:

@@ -20,6 +20,28 @@ async def test_an_unreachable_target_is_named_once() -> None:
     assert msg.count(target) == 1, msg
 
 
+async def test_a_multiaddr_that_does_not_answer_is_one_line(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A node that does not answer the libp2p dial (behind a NAT: the SYN is dropped; here a
+    socket that never accepts) is a StatusError naming the target, not a TooSlowError
+    traceback."""
+    import socket
+
+    import shardnet.status
+    from p2p.identity import Identity
+
+    monkeypatch.setattr(shardnet.status, "TIMEOUT_S", 0.5)
+    with socket.socket() as silent:
+        silent.bind(("127.0.0.1", 0))
+        silent.listen(0)
+        port = silent.getsockname()[1]
+        target = f"/ip4/127.0.0.1/tcp/{port}/p2p/{Identity.from_seed('silent').peer_id}"
+        with pytest.raises(StatusError) as err:
+            await fetch_status(target)
+    assert str(err.value) == f"{target}: connect timed out after 0.5s"
+
+
 FAKE_DIAL = """
 import logging
 import typer
@@ -55,6 +77,8 @@ def test_the_status_command_prints_its_line_and_no_dial_logs() -> None:
         ("/ip4/127.0.0.1/tcp/4001", "a multiaddr needs /p2p/<PeerID>"),
         ("/ip4/127.0.0.1/tcp/4001/p2p/12D3KooWXXXX", "'12D3KooWXXXX' is not a PeerID"),
         ("ftp://h:1", "is not http://HOST:PORT or a multiaddr"),
+        ("fd77::3", "an IPv6 address goes in brackets"),  # was a ValueError traceback
+        ("http://fd77::3:8003", "an IPv6 address goes in brackets"),
     ],
 )
 def test_a_malformed_target_is_a_usage_error(
