@@ -17,7 +17,9 @@ balancer. The rules here follow go-libp2p's ``AddrsFactory``/kubo's ``Addresses.
 
 Which families a node binds by default (:func:`default_listen`, :func:`default_http_host`):
 IPv4 always; IPv6 too where this host has a routable IPv6 address (global or ULA) or where
-the node advertises an IPv6 address (an IPv6 ``--public-host`` or an ``/ip6/`` announce).
+the node advertises an IPv6 address (an IPv6 ``--public-host`` or an ``/ip6/`` announce). The
+HTTP lane has one listener: ``::`` where it advertises IPv6 or the host has no IPv4 address
+but loopback, else ``0.0.0.0``.
 An IPv6 listener binds ``::`` without ``IPV6_V6ONLY`` (py-libp2p and the HTTP lane leave the
 Linux default), so it accepts IPv4 too. Advertising a family that no listener binds is an
 operator error (:func:`check_advertised_families`), never a silent "connection refused".
@@ -260,13 +262,22 @@ def default_listen(
     return tuple(out)
 
 
-def default_http_host(public_host: str | None, public_url: str | None) -> str:
+def default_http_host(
+    public_host: str | None, public_url: str | None, interfaces: Interfaces | None = None
+) -> str:
     """The HTTP lane's bind address given no ``--http-host``: ``::`` (both families) when
-    the advertised lane host is an IPv6 address, else ``0.0.0.0``."""
+    the advertised lane host is an IPv6 address, or when none is named and this host has a
+    routable IPv6 address but no IPv4 one other than loopback (an IPv6-only host: bound to
+    ``0.0.0.0`` its lane advertised ``http://127.0.0.1:PORT``); else ``0.0.0.0``."""
     host = public_host
     if public_url:
         host = urlsplit(public_url).hostname
-    return "::" if host is not None and ip_family(host) == 6 else "0.0.0.0"
+    if host is not None:
+        return "::" if ip_family(host) == 6 else "0.0.0.0"
+    if interfaces is not None and has_routable_ipv6(interfaces):
+        if all(ipaddress.IPv4Address(a).is_loopback for a in interfaces.ipv4):
+            return "::"
+    return "0.0.0.0"
 
 
 def _bound_families(hosts: Iterable[str]) -> set[int]:

@@ -309,7 +309,7 @@ class CommonSettings(BaseSettings):
         """``http_host``, or :func:`p2p.addresses.default_http_host`."""
         if self.http_host is not None:
             return self.http_host
-        return default_http_host(self.public_host, self.public_url)
+        return default_http_host(self.public_host, self.public_url, interface_addresses())
 
     def run(self) -> str:
         """The run id: ``run_id``, or :data:`DEFAULT_RUN_ID` when unset."""

@@ -547,10 +547,14 @@ class Follower:
             if self.node.report_once(("run_id", pid, info.run_id)):
                 log.error(
                     "upstream_wrong_run upstream=%s upstream_run_id=%s run_id=%s "
-                    "hint=check --run-id on both nodes",
+                    "hint=this node follows run %s (its --run-id, or the run card stored in "
+                    "%s); to follow run %s start it with another --data-dir",
                     short_id(pid),
                     info.run_id,
                     self.node.config.run_id,
+                    self.node.config.run_id,
+                    self.node.config.data_dir,
+                    info.run_id,
                 )
             return PollOutcome.WRONG_RUN
         new = pid not in self.upstreams or self.upstreams[pid].http_url != info.http_url

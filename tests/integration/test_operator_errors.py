@@ -53,3 +53,6 @@ async def test_wrong_ids_are_reported_once(
         records = [m for m in caplog.messages if m.startswith("upstream_wrong_run")]
         assert len(records) == 1, caplog.messages
         assert "upstream_run_id=run run_id=other-run" in records[0]
+        # what to do, for a node that took its run from a card stored by an earlier run
+        assert f"run card stored in {tmp_path / 'r'}" in records[0]
+        assert "to follow run run start it with another --data-dir" in records[0]

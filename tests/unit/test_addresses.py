@@ -165,6 +165,16 @@ def test_default_http_host_follows_the_advertised_family() -> None:
     assert default_http_host("fd77::2", "http://203.0.113.5:8002") == "0.0.0.0"  # URL wins
     assert default_http_host(None, "http://[fd77::2]:8002") == "::"
     assert default_http_host("relay.example.org", None) == "0.0.0.0"
+    # no host named: an IPv6-only host binds :: (its lane then advertises its IPv6 address);
+    # a dual-stack one keeps IPv4, which its followers may be limited to
+    v6_only = Interfaces(("127.0.0.1",), ("fd77::3", "::1"))
+    dual = Interfaces(("192.0.2.7", "127.0.0.1"), ("fd77::3", "::1"))
+    v4_only = Interfaces(("192.0.2.7", "127.0.0.1"), ("::1",))
+    assert default_http_host(None, None, v6_only) == "::"
+    assert default_http_host(None, None, dual) == "0.0.0.0"
+    assert default_http_host(None, None, v4_only) == "0.0.0.0"
+    assert default_http_host("203.0.113.5", None, v6_only) == "0.0.0.0"  # named: its family
+    assert advertised_url("::", 8003, None, v6_only) == "http://[fd77::3]:8003"
 
 
 def test_public_host_advertises_the_listener_of_its_own_family() -> None:
