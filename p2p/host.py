@@ -854,10 +854,18 @@ class P2PNode:
         return out
 
     def mesh_sizes(self) -> dict[str, int]:
-        """Gossipsub mesh size (peers) per joined topic, for metrics and status."""
+        """Per joined topic, the peers this node sends the topic's messages to: its gossipsub
+        mesh and its direct peers subscribed to the topic (every connection is a direct peer,
+        :class:`p2p.gossip.DirectPeering`, so the mesh proper stays empty; counting it alone
+        showed 0 on every node while gossip flowed). For metrics and status."""
         router = self._pubsub.router
         mesh = getattr(router, "mesh", None) or {}
-        return {str(topic): len(peers) for topic, peers in mesh.items()}
+        direct = set(getattr(router, "direct_peers", None) or {})
+        subscribed = self._pubsub.peer_topics
+        return {
+            str(topic): len(set(peers) | (direct & set(subscribed.get(topic, ()))))
+            for topic, peers in mesh.items()
+        }
 
     async def connect(self, addr: str, *, keep: bool = True) -> str:
         """Dial ``addr`` (a multiaddr with ``/p2p/<PeerID>``) and return the remote PeerID.

@@ -32,7 +32,7 @@ Families every node exports (besides ``process_*`` and ``python_info``):
 ``shardnet_latest_step``                        newest committed step (-1: none)
 ``shardnet_announced_step``                     newest announced step known (-1: none)
 ``shardnet_libp2p_connected_peers``             peers with an open libp2p connection
-``shardnet_gossip_mesh_peers{topic}``           gossipsub mesh size per topic kind
+``shardnet_gossip_mesh_peers{topic}``           peers sent each gossip message, per topic kind
 ``shardnet_event_loop_lag_seconds_total``       summed lateness of the event loop (0.1 s
                                                 samples; rate() > 0.2: overloaded host)
 ``shardnet_event_loop_lag_max_seconds``         worst lateness over the last 10 s
@@ -448,7 +448,9 @@ def _p2p_families(node: NodeView) -> Iterator[Metric]:
     redials.add_metric(["failed"], ka.redials_failed)
     yield redials
     mesh = GaugeMetricFamily(
-        "shardnet_gossip_mesh_peers", "gossipsub mesh peers, by topic kind", labels=["topic"]
+        "shardnet_gossip_mesh_peers",
+        "peers sent each gossip message (gossipsub mesh and direct peers), by topic kind",
+        labels=["topic"],
     )
     sizes = node.p2p.mesh_sizes()
     for kind in TOPIC_KINDS:

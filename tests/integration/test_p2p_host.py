@@ -58,6 +58,8 @@ async def test_gossip_delivers_burst_without_drops() -> None:
         sub = await a.subscribe("t", _accept)
         await b.subscribe("t", _accept)
         await b.wait_for_subscriber(a.peer_id, "t", timeout_s=10)
+        # a, a direct peer subscribed to "t", is sent b's messages (the mesh proper is empty)
+        assert b.mesh_sizes() == {"t": 1}
         n = 200  # far above the library's 32-message queues and 10 msg/s limit
         for i in range(n):
             await b.publish("t", b"m%d" % i)
