@@ -545,6 +545,13 @@ class P2PNode:
         """Peer records refused while another one of the same PeerID was held
         (:mod:`p2p.peer_records`; replaced by the host's own in :meth:`open`)."""
 
+    def _start_loops(self) -> None:
+        """Start the node's own background tasks in its nursery: the watch of inbound
+        connections, the keepalive and the signed peer record's refresh."""
+        self._nursery.start_soon(self._watch_loop)
+        self._nursery.start_soon(self._keepalive_loop)
+        self._nursery.start_soon(refresh_every, self.config.record_refresh_s, self.refresh_record)
+
     def refresh_record(self) -> None:
         """Re-issue this node's signed peer record now (also done every
         ``config.record_refresh_s``; see :mod:`p2p.peer_records`)."""
@@ -754,11 +761,7 @@ class P2PNode:
                                 node.circuits = circuits
                                 node.record_conflicts = parts.record_conflicts
                                 parts.watch.node = node
-                                nursery.start_soon(node._watch_loop)
-                                nursery.start_soon(node._keepalive_loop)
-                                nursery.start_soon(
-                                    refresh_every, config.record_refresh_s, node.refresh_record
-                                )
+                                node._start_loops()
                                 log.log(
                                     logging.DEBUG if helper else logging.INFO,
                                     "host_started peer_id=%s addrs=%s",
