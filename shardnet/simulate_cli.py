@@ -2,12 +2,13 @@
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 from typing import Annotated, Any
 
 import typer
 
-from p2p.errors import ShardnetError
+from p2p.errors import ConfigError, ShardnetError
 from shardnet.errors import fail
 
 Opt = typer.Option
@@ -22,6 +23,33 @@ OutOpt = Annotated[
 CompareOpt = Annotated[
     Path | None, Opt("--compare", help="Another report directory to put side by side.")
 ]
+
+
+def _report_dir(out: Path) -> Path:
+    """``out``, created and writable, checked before a run (one line and exit 2 if not)."""
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        fail(ConfigError("out", f"cannot create {out}: {exc.strerror or exc}"))
+    if not os.access(out, os.W_OK | os.X_OK):
+        fail(ConfigError("out", f"{out} is not writable"))
+    return out
+
+
+def _check_compare(compare: Path | None) -> None:
+    """A ``--compare`` report must load before a run spends its time (exit 2 if not)."""
+    from simulations import report
+
+    if compare is not None:
+        try:
+            report.load(compare)
+        except report.ReportError as exc:
+            fail(ConfigError("compare", str(exc)))
+
+
+def _positive(value: float | None, option: str) -> None:
+    if value is not None and not value > 0:
+        fail(ConfigError(option, f"must be > 0, not {value:g}"))
 
 
 def _sim_finish(summary: dict[str, Any], out: Path, compare: Path | None) -> None:
@@ -61,6 +89,7 @@ def simulate_model(
     modes = [m.value for m in CommitMode]
     if commit is not None and commit not in modes:
         fail(ShardnetError(f"--commit must be {' or '.join(modes)}, not {commit!r}"))
+    _check_compare(compare)
     try:
         topo = with_overrides(
             load(topology),
@@ -69,11 +98,12 @@ def simulate_model(
             shard_size_bytes=shard_size,
             commit=None if commit is None else CommitMode(commit),
         )
+        out = _report_dir(out or Path("sim-reports") / f"model-{topo.name}")
         with SimProgress("model") as progress:
             summary = Model(topo, seed=seed).run(progress)
     except TopologyError as exc:
         fail(exc)
-    _sim_finish(summary, out or Path("sim-reports") / f"model-{topo.name}", compare)
+    _sim_finish(summary, out, compare)
 
 
 @simulate_app.command("emulate")
@@ -101,8 +131,12 @@ def simulate_emulate(
     logs.configure("INFO", False, "simulate")
     if shaping not in ("auto", "netns", "transport"):
         fail(ShardnetError(f"--shaping must be auto, netns or transport, not {shaping!r}"))
+    _positive(scale, "scale")
+    _positive(timeout, "timeout")
+    _check_compare(compare)
     try:
         topo = load(topology)
+        out = _report_dir(out or Path("sim-reports") / f"emulate-{topo.name}")
         with SimProgress("emulate") as progress:
             summary = run(
                 topo,
@@ -117,7 +151,7 @@ def simulate_emulate(
     except RuntimeError as exc:
         typer.echo(f"shardnet: error: {exc}", err=True)
         raise typer.Exit(2) from None
-    _sim_finish(summary, out or Path("sim-reports") / f"emulate-{topo.name}", compare)
+    _sim_finish(summary, out, compare)
     if summary["run"].get("failure"):
         typer.echo(f"shardnet: emulation failed: {summary['run']['failure']}", err=True)
         raise typer.Exit(1)
@@ -138,8 +172,10 @@ def simulate_calibrate(
     from simulations.topology import TopologyError, load
 
     logs.configure("INFO", False, "simulate")
+    _positive(scale, "scale")
+    _positive(tolerance, "tolerance")
     try:
-        res = calibrate(load(topology), out, scale, tolerance)
+        res = calibrate(load(topology), _report_dir(out), scale, tolerance)
     except TopologyError as exc:
         fail(exc)
     except KeyboardInterrupt:
@@ -159,7 +195,11 @@ def simulate_compare(
     """Put two simulation reports side by side."""
     from simulations import report
 
-    typer.echo(report.compare(a, b, out))
+    try:
+        text = report.compare(a, b, _report_dir(out))
+    except report.ReportError as exc:
+        fail(exc)
+    typer.echo(text)
 
 
 @simulate_app.command("cleanup")

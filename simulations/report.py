@@ -21,6 +21,8 @@ import json
 from pathlib import Path
 from typing import Any
 
+from p2p.errors import ShardnetError
+
 GB = 1e9
 
 
@@ -295,10 +297,25 @@ def write(summary: dict[str, Any], out: Path) -> Path:
     return out
 
 
+class ReportError(ShardnetError):
+    """A path that is not a simulation report (a directory with ``summary.json``, or that
+    file)."""
+
+
 def load(path: Path) -> dict[str, Any]:
-    """A summary from a report directory or a summary.json file."""
+    """A summary from a report directory or a summary.json file.
+
+    Raises:
+        ReportError: missing, unreadable, or not a summary (names the path).
+    """
     p = path / "summary.json" if path.is_dir() else path
-    data: dict[str, Any] = json.loads(p.read_text())
+    try:
+        data = json.loads(p.read_text())
+    except (OSError, ValueError) as exc:
+        why = exc.strerror if isinstance(exc, OSError) and exc.strerror else str(exc)
+        raise ReportError(f"{path} is not a simulation report ({why})") from exc
+    if not isinstance(data, dict) or "run" not in data or "mode" not in data:
+        raise ReportError(f"{path} is not a simulation report (no summary in {p})")
     return data
 
 

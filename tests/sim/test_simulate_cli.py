@@ -1,0 +1,53 @@
+"""``shardnet simulate``: an unusable option is one line and exit 2, before any run (a fresh
+user's trial found tracebacks after a whole model run for an ``--out`` that was a file, a
+traceback for a missing ``compare`` directory, and ``emulate --scale 0`` or ``-1`` run)."""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+
+import pytest
+from typer.testing import CliRunner
+
+from shardnet.cli import app
+
+TOPOLOGIES = Path(__file__).parents[2] / "simulations" / "topologies"
+
+
+def _invoke(args: list[str]) -> tuple[int, str]:
+    root = logging.getLogger()
+    handlers, level = root.handlers[:], root.level
+    try:  # the command points the root logger at the runner's stream, closed afterwards
+        result = CliRunner().invoke(app, args)
+    finally:
+        root.handlers[:] = handlers
+        root.setLevel(level)
+    return result.exit_code, result.output
+
+
+@pytest.mark.parametrize(
+    ("args", "says"),
+    [
+        (["emulate", "calibration.toml", "--scale", "0"], "--scale: must be > 0, not 0"),
+        (["emulate", "calibration.toml", "--scale", "-1"], "--scale: must be > 0, not -1"),
+        (["emulate", "calibration.toml", "--timeout", "0"], "--timeout: must be > 0, not 0"),
+        (["calibrate", "calibration.toml", "--scale", "0"], "--scale: must be > 0, not 0"),
+        (["model", "bound.toml", "--out", "{file}"], "--out: cannot create {file}"),
+        (["model", "bound.toml", "--compare", "{missing}"], "--compare: {missing} is not a"),
+        (["compare", "{missing}", "{missing}"], "{missing} is not a simulation report"),
+    ],
+)
+def test_an_unusable_option_is_one_line_and_exit_2(
+    tmp_path: Path, args: list[str], says: str
+) -> None:
+    afile = tmp_path / "afile"
+    afile.write_text("not a directory")
+    names = {"file": str(afile), "missing": str(tmp_path / "nonexist")}
+    argv = ["simulate"] + [
+        str(TOPOLOGIES / a) if a.endswith(".toml") else a.format(**names) for a in args
+    ]
+    code, output = _invoke(argv)
+    assert code == 2, output
+    assert says.format(**names) in output, output
+    assert "Traceback" not in output
