@@ -44,6 +44,10 @@ class ConfigError(ShardnetError):
         message: what is wrong with it.
     """
 
+    names_option = True
+    """``field`` is a setting, which the CLI names as its command-line option (a subclass
+    whose fields are of a file, such as a topology's, sets False)."""
+
     def __init__(self, field: str, message: str) -> None:
         super().__init__(f"{field}: {message}")
         self.field = field

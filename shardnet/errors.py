@@ -12,7 +12,7 @@ from shardnet.options import option_name
 
 def fail(exc: ShardnetError) -> NoReturn:
     """Print ``exc`` as one line (a setting is named by its option) and exit with status 2."""
-    if isinstance(exc, ConfigError) and exc.field.split(".")[0] != "config":
+    if isinstance(exc, ConfigError) and exc.names_option and exc.field.split(".")[0] != "config":
         name = exc.field.split(".")[0]
         msg = str(exc)[len(exc.field) + 2 :]
         typer.echo(f"shardnet: error: {option_name(name)}: {msg}", err=True)

@@ -92,7 +92,10 @@ Rate = float | tuple[float, float]
 
 
 class TopologyError(ConfigError):
-    """A topology file is unreadable or invalid (the message names the field)."""
+    """A topology file is unreadable or invalid (the message names the field, by its path
+    in the file: ``nodes[1].up_mbps``)."""
+
+    names_option = False
 
 
 class _Model(BaseModel):

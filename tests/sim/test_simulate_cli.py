@@ -36,6 +36,9 @@ def _invoke(args: list[str]) -> tuple[int, str]:
         (["model", "bound.toml", "--out", "{file}"], "--out: cannot create {file}"),
         (["model", "bound.toml", "--compare", "{missing}"], "--compare: {missing} is not a"),
         (["compare", "{missing}", "{missing}"], "{missing} is not a simulation report"),
+        # a topology's field is named by its path in the file, not as an option (it read
+        # "--nodes[1]: typo.toml: Extra inputs are not permitted")
+        (["model", "{typo}"], "error: nodes[1].up_mbsp: {typo}: Extra inputs are not permitted"),
     ],
 )
 def test_an_unusable_option_is_one_line_and_exit_2(
@@ -43,7 +46,13 @@ def test_an_unusable_option_is_one_line_and_exit_2(
 ) -> None:
     afile = tmp_path / "afile"
     afile.write_text("not a directory")
-    names = {"file": str(afile), "missing": str(tmp_path / "nonexist")}
+    typo = tmp_path / "typo.toml"
+    typo.write_text(
+        'name = "typo"\n[checkpoint]\nsize_bytes = 1000000\n'
+        '[[nodes]]\nname = "o"\nrole = "origin"\nup_mbps = 100\n'
+        '[[nodes]]\nname = "p"\nrole = "peer"\nup_mbsp = 100\nupstreams = ["o"]\n'
+    )
+    names = {"file": str(afile), "missing": str(tmp_path / "nonexist"), "typo": str(typo)}
     argv = ["simulate"] + [
         str(TOPOLOGIES / a) if a.endswith(".toml") else a.format(**names) for a in args
     ]
