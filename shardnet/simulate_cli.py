@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import signal
 from pathlib import Path
 from typing import Annotated, Any
 
@@ -145,9 +146,9 @@ def simulate_emulate(
             )
     except TopologyError as exc:
         fail(exc)
-    except KeyboardInterrupt:
+    except KeyboardInterrupt as exc:
         typer.echo("shardnet: interrupted; processes and namespaces removed", err=True)
-        raise typer.Exit(130) from None
+        raise typer.Exit(128 + getattr(exc, "signum", signal.SIGINT)) from None
     except RuntimeError as exc:
         typer.echo(f"shardnet: error: {exc}", err=True)
         raise typer.Exit(2) from None
@@ -204,7 +205,8 @@ def simulate_compare(
 
 @simulate_app.command("cleanup")
 def simulate_cleanup() -> None:
-    """Remove namespaces and processes left by emulations whose owner died (e.g. SIGKILL)."""
+    """Remove namespaces, processes and temporary data left by emulations whose owner died
+    (e.g. SIGKILL)."""
     from simulations import netns
 
     removed = netns.cleanup_stale()

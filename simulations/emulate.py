@@ -90,8 +90,17 @@ class _Proc:
     logged_step: int = -1  # highest step the node's log says it committed
 
 
+class Interrupted(KeyboardInterrupt):
+    """SIGTERM during an emulation, unwinding through its cleanup like Ctrl-C does;
+    ``signum`` is the signal's number (the CLI exits with 128 + it)."""
+
+    def __init__(self, signum: int) -> None:
+        super().__init__(f"signal {signum}")
+        self.signum = signum
+
+
 def _raise_interrupt(signum: int, frame: FrameType | None) -> None:
-    raise KeyboardInterrupt(f"signal {signum}")
+    raise Interrupted(signum)
 
 
 def logged_commit(p: _Proc, step: int) -> bool:
@@ -318,7 +327,8 @@ class Emulation:
         if self.opts.shaping == "netns" and not ok:
             raise EmulationFailed(f"network namespaces unavailable: {why}")
         if ok:
-            self.lab = netns.Lab()
+            # a scratch directory of ours is removed by `simulate cleanup` if we are killed
+            self.lab = netns.Lab(scratch=self.wd if self.opts.workdir is None else None)
             self.lab.__enter__()
             for n in self.topo.nodes:
                 self.lab.add_node(n.index, n.up_bps, n.down_bps, n.latency_s, n.loss)

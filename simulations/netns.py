@@ -39,6 +39,7 @@ import secrets
 import shutil
 import signal
 import subprocess
+import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -195,8 +196,12 @@ class Lab:
     Use as a context manager: teardown runs on exit, whatever the exit.
     """
 
-    def __init__(self, run_id: str | None = None) -> None:
+    def __init__(self, run_id: str | None = None, scratch: Path | None = None) -> None:
         self.id = run_id or secrets.token_hex(3)
+        self.scratch = scratch
+        """A temporary directory of the lab's owner (an emulation's keys, data and logs),
+        removed by :func:`cleanup_stale` if the owner died (its own cleanup removes it
+        otherwise)."""
         self.octet = int(self.id, 16) % 250 + 1
         self.bridge = f"{PREFIX}{self.id}-br"
         self.created: list[str] = []
@@ -214,7 +219,10 @@ class Lab:
     def _save(self) -> None:
         REGISTRY.mkdir(parents=True, exist_ok=True)
         tmp = self.registry.with_suffix(".tmp")
-        tmp.write_text(json.dumps({"owner_pid": os.getpid(), "namespaces": self.created}))
+        record: dict[str, object] = {"owner_pid": os.getpid(), "namespaces": self.created}
+        if self.scratch is not None:
+            record["scratch"] = str(self.scratch)
+        tmp.write_text(json.dumps(record))
         os.replace(tmp, self.registry)
 
     def _add_ns(self, name: str) -> None:
@@ -380,6 +388,17 @@ def teardown_namespaces(names: list[str]) -> None:
         _run(["ip", "netns", "del", ns], check=False)
 
 
+def _remove_scratch(path: object) -> None:
+    """Remove a dead lab owner's scratch directory: only a ``shardnet-emulate-*`` directory
+    right under the system's temporary directory (the registry is root's, but a path read
+    back from disk is checked before a recursive delete)."""
+    if not isinstance(path, str):
+        return
+    p = Path(path)
+    if p.parent == Path(tempfile.gettempdir()) and p.name.startswith("shardnet-emulate-"):
+        shutil.rmtree(p, ignore_errors=True)
+
+
 def cleanup_stale() -> list[str]:
     """Tear down labs whose owner process is gone; returns the lab ids removed."""
     removed: list[str] = []
@@ -399,6 +418,7 @@ def cleanup_stale() -> list[str]:
         except PermissionError:
             continue
         teardown_namespaces(list(data.get("namespaces", [])))
+        _remove_scratch(data.get("scratch"))
         entry.unlink(missing_ok=True)
         removed.append(entry.stem)
     return removed
