@@ -2,14 +2,10 @@
 
 from __future__ import annotations
 
-import logging
-from pathlib import Path
 from typing import Any
 
 import pytest
-from typer.testing import CliRunner
 
-from shardnet.cli import app
 from simulations.costs import GB, CommitMode, CostModel, OriginDigest
 from simulations.model import Model
 from simulations.topology import TopologyError, parse
@@ -128,17 +124,3 @@ def test_changed_fraction_and_delta_ratio_are_one_setting() -> None:
     del data["checkpoint"]["delta_ratio"]
     with pytest.raises(TopologyError, match=r"costs\.commit"):
         parse(data)
-
-
-def test_cli_commit_mode_is_checked(tmp_path: Path) -> None:
-    topo = Path(__file__).parents[2] / "simulations" / "topologies" / "bound.toml"
-    args = ["simulate", "model", str(topo), "--commit", "copy", "--out", str(tmp_path)]
-    root = logging.getLogger()
-    handlers, level = root.handlers[:], root.level
-    try:  # the command points the root logger at the runner's stream, closed afterwards
-        result = CliRunner().invoke(app, args)
-    finally:
-        root.handlers[:] = handlers
-        root.setLevel(level)
-    assert result.exit_code == 2
-    assert "--commit must be chain or materialize, not 'copy'" in result.output

@@ -36,6 +36,7 @@ def _invoke(args: list[str]) -> tuple[int, str]:
         (["model", "bound.toml", "--out", "{file}"], "--out: cannot create {file}"),
         (["model", "bound.toml", "--compare", "{missing}"], "--compare: {missing} is not a"),
         (["compare", "{missing}", "{missing}"], "{missing} is not a simulation report"),
+        (["model", "bound.toml", "--commit", "copy"], "--commit must be chain or materialize"),
         # a topology's field is named by its path in the file, not as an option (it read
         # "--nodes[1]: typo.toml: Extra inputs are not permitted")
         (["model", "{typo}"], "error: nodes[1].up_mbsp: {typo}: Extra inputs are not permitted"),

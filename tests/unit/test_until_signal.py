@@ -37,12 +37,11 @@ CHILD = textwrap.dedent(
 )
 
 
-def test_a_second_sigterm_while_stopping_does_not_cut_the_cleanup() -> None:
+def _stop(script: str) -> tuple[int, str, str]:
+    """Run ``script``, send it SIGTERM once it printed ``ready``; its exit status, stdout
+    (after ``ready``) and stderr."""
     proc = subprocess.Popen(
-        [sys.executable, "-c", CHILD],
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
+        [sys.executable, "-c", script], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
     )
     try:
         assert proc.stdout is not None
@@ -52,7 +51,12 @@ def test_a_second_sigterm_while_stopping_does_not_cut_the_cleanup() -> None:
     finally:
         proc.kill()
         proc.wait()
-    assert proc.returncode == 0, err
+    return proc.returncode, out, err
+
+
+def test_a_second_sigterm_while_stopping_does_not_cut_the_cleanup() -> None:
+    code, out, err = _stop(CHILD)
+    assert code == 0, err
     assert out.splitlines() == ["cleaned", "stopped True"]
     assert err.splitlines() == [
         "shutdown signal=SIGTERM",
@@ -67,18 +71,8 @@ def test_a_third_signal_forces_the_exit() -> None:
         "os.kill(os.getpid(), signal.SIGINT)\n            await trio.sleep_forever()",
     )
     assert hung != CHILD
-    proc = subprocess.Popen(
-        [sys.executable, "-c", hung], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
-    )
-    try:
-        assert proc.stdout is not None
-        assert proc.stdout.readline() == "ready\n"
-        proc.send_signal(signal.SIGTERM)
-        out, err = proc.communicate(timeout=60)
-    finally:
-        proc.kill()
-        proc.wait()
-    assert proc.returncode == 128 + signal.SIGINT, err
+    code, out, err = _stop(hung)
+    assert code == 128 + signal.SIGINT, err
     assert out == ""
     assert err.splitlines() == [
         "shutdown signal=SIGTERM",
