@@ -48,11 +48,6 @@ def _check_compare(compare: Path | None) -> None:
             fail(ConfigError("compare", str(exc)))
 
 
-def _positive(value: float | None, option: str) -> None:
-    if value is not None and not value > 0:
-        fail(ConfigError(option, f"must be > 0, not {value:g}"))
-
-
 def _sim_finish(summary: dict[str, Any], out: Path, compare: Path | None) -> None:
     from simulations import report
 
@@ -127,24 +122,19 @@ def simulate_emulate(
     from shardnet import logs
     from simulations.emulate import EmulateOptions, run
     from simulations.progress import SimProgress
-    from simulations.topology import TopologyError, load
+    from simulations.topology import load
 
     logs.configure("INFO", False, "simulate")
     if shaping not in ("auto", "netns", "transport"):
         fail(ShardnetError(f"--shaping must be auto, netns or transport, not {shaping!r}"))
-    _positive(scale, "scale")
-    _positive(timeout, "timeout")
     _check_compare(compare)
     try:
+        opts = EmulateOptions(scale=scale, timeout_s=timeout, shaping=shaping, workdir=workdir)
         topo = load(topology)
         out = _report_dir(out or Path("sim-reports") / f"emulate-{topo.name}")
         with SimProgress("emulate") as progress:
-            summary = run(
-                topo,
-                EmulateOptions(scale=scale, timeout_s=timeout, shaping=shaping, workdir=workdir),
-                progress,
-            )
-    except TopologyError as exc:
+            summary = run(topo, opts, progress)
+    except ConfigError as exc:  # the options, or the topology (TopologyError)
         fail(exc)
     except KeyboardInterrupt as exc:
         typer.echo("shardnet: interrupted; processes and namespaces removed", err=True)
@@ -170,14 +160,12 @@ def simulate_calibrate(
 
     from shardnet import logs
     from simulations.calibrate import calibrate
-    from simulations.topology import TopologyError, load
+    from simulations.topology import load
 
     logs.configure("INFO", False, "simulate")
-    _positive(scale, "scale")
-    _positive(tolerance, "tolerance")
     try:
         res = calibrate(load(topology), _report_dir(out), scale, tolerance)
-    except TopologyError as exc:
+    except ConfigError as exc:  # scale, tolerance, or the topology (TopologyError)
         fail(exc)
     except KeyboardInterrupt:
         raise typer.Exit(130) from None

@@ -13,6 +13,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+from p2p.errors import ConfigError
 from simulations import report
 from simulations.emulate import EmulateOptions
 from simulations.emulate import run as run_emulation
@@ -29,8 +30,13 @@ def calibrate(
         ``{"emulate_s", "model_s", "ratio", "bound_s", "emulate_vs_bound", "ok"}`` where the
         times are the time to the last honest peer of version 0, seconds, ``ratio`` is model /
         emulation, and ``ok`` says ``|ratio - 1| <= tolerance`` and the emulation finished.
+
+    Raises:
+        ConfigError: ``scale`` or ``tolerance`` not > 0 (before anything runs).
     """
-    s = scale or topo.spec.emulation.scale
+    if not tolerance > 0:
+        raise ConfigError("tolerance", f"must be > 0, not {tolerance:g}")
+    s = scale if scale is not None else topo.spec.emulation.scale
     em = run_emulation(topo, EmulateOptions(scale=s))
     report.write(em, out / "emulate")
     mo = Model(scaled(topo, s)).run()

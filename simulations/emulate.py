@@ -44,6 +44,7 @@ from typing import Any
 
 import numpy as np
 
+from p2p.errors import ConfigError
 from simulations import netns
 from simulations.progress import SimProgress, Snapshot
 from simulations.summary import finish, progress_bands
@@ -64,6 +65,10 @@ class EmulationFailed(RuntimeError):
 class EmulateOptions:
     """Options of one emulation run.
 
+    Raises:
+        ConfigError: ``scale`` or ``timeout_s`` given and not > 0 (named ``scale``,
+            ``timeout``: the CLI's options).
+
     Attributes:
         scale: checkpoint size factor (None: the topology's ``[emulation] scale``).
         timeout_s: give up after this long, seconds (None: the topology's).
@@ -77,6 +82,11 @@ class EmulateOptions:
     shaping: str = "auto"
     workdir: Path | None = None
     start_timeout_s: float = 60.0
+
+    def __post_init__(self) -> None:
+        for name, value in (("scale", self.scale), ("timeout", self.timeout_s)):
+            if value is not None and not value > 0:
+                raise ConfigError(name, f"must be > 0, not {value:g}")
 
 
 @dataclass
@@ -156,10 +166,12 @@ class Emulation:
     """One emulation run (see module docstring); use :func:`run`."""
 
     def __init__(self, topo: Topology, opts: EmulateOptions, workdir: Path) -> None:
-        self.scale = opts.scale or topo.spec.emulation.scale
+        self.scale = opts.scale if opts.scale is not None else topo.spec.emulation.scale
         self.topo = scaled(topo, self.scale)
         self.opts = opts
-        self.timeout_s = opts.timeout_s or topo.spec.emulation.timeout_s
+        self.timeout_s = (
+            opts.timeout_s if opts.timeout_s is not None else topo.spec.emulation.timeout_s
+        )
         self.wd = workdir
         self.procs: dict[int, _Proc] = {}
         self.lab: netns.Lab | None = None
