@@ -64,6 +64,7 @@ from libp2p.io.exceptions import MessageTooLarge as LibMessageTooLarge
 from libp2p.io.msgio import VarIntLengthMsgReadWriter
 from libp2p.peer.id import ID
 from libp2p.peer.peerinfo import info_from_p2p_addr
+from libp2p.peer.peerstore import issue_and_cache_local_record
 from libp2p.request_response import (
     BytesCodec,
     MessageTooLargeError,
@@ -122,7 +123,7 @@ from p2p.limits import (
     ScopeLimit,
 )
 from p2p.loop_lag import BodyDeadlines, LoopLag
-from p2p.peer_records import RecordConflicts, refresh_every, refresh_record, watch_records
+from p2p.peer_records import RecordConflicts, refresh_every, watch_records
 from p2p.whole_frames import write_frames_whole
 
 if TYPE_CHECKING:
@@ -514,21 +515,18 @@ class P2PNode:
         self,
         identity: Identity,
         config: HostConfig,
-        host: object,
-        pubsub: GuardedPubsub,
-        rr: RequestResponse,
+        parts: _HostParts,
         nursery: trio.Nursery,
-        guard: InboundGuard,
     ) -> None:
         self.identity = identity
         self.config = config
-        self._host = host
-        self._pubsub = pubsub
-        self._rr = rr
+        self._host: object = parts.host
+        self._pubsub = parts.pubsub
+        self._rr = parts.rr
         self._nursery = nursery
-        self._guard = guard
+        self._guard = parts.guard
         self._subscriptions: dict[str, Subscription] = {}
-        self._peering: DirectPeering | None = None
+        self._peering: DirectPeering | None = parts.peering
         self._interfaces = interface_addresses()
         self._mismatch_logged: dict[str, float] = {}  # addr -> trio time of its ERROR line
         self._loop_lag = LoopLag()
@@ -541,9 +539,9 @@ class P2PNode:
         self._direct_changed = trio.Event()  # set at each new direct connection
         self.circuits: Circuits | None = None
         """Circuit relay v2 and DCUtR (:mod:`p2p.circuits`), when configured."""
-        self.record_conflicts = RecordConflicts()
+        self.record_conflicts = parts.record_conflicts
         """Peer records refused while another one of the same PeerID was held
-        (:mod:`p2p.peer_records`; replaced by the host's own in :meth:`open`)."""
+        (:mod:`p2p.peer_records`)."""
 
     def _start_loops(self) -> None:
         """Start the node's own background tasks in its nursery: the watch of inbound
@@ -553,9 +551,10 @@ class P2PNode:
         self._nursery.start_soon(refresh_every, self.config.record_refresh_s, self.refresh_record)
 
     def refresh_record(self) -> None:
-        """Re-issue this node's signed peer record now (also done every
-        ``config.record_refresh_s``; see :mod:`p2p.peer_records`)."""
-        refresh_record(self._host)
+        """Re-issue and cache this node's signed peer record now, with a newer ``seq`` (the
+        pubsub RPCs sent after it carry it); also done every ``config.record_refresh_s`` (see
+        :mod:`p2p.peer_records`)."""
+        issue_and_cache_local_record(self._host)  # type: ignore[arg-type]
 
     def _wake_keepalive(self) -> None:
         self._keepalive_changed.set()
@@ -754,12 +753,8 @@ class P2PNode:
                             ):
                                 with trio.fail_after(30):
                                     await pubsub.wait_until_ready()
-                                node = cls(
-                                    identity, config, host, pubsub, parts.rr, nursery, parts.guard
-                                )
-                                node._peering = parts.peering
+                                node = cls(identity, config, parts, nursery)
                                 node.circuits = circuits
-                                node.record_conflicts = parts.record_conflicts
                                 parts.watch.node = node
                                 node._start_loops()
                                 log.log(

@@ -9,8 +9,9 @@ runs with the same key (a cloned VM image with its ``node.key``) and starts late
 the first node is dropped by the nodes that saw the second one: for good, even after the
 second one exits. Two measures, both here:
 
-- :func:`refresh_every` re-issues this node's record every ``HostConfig.record_refresh_s``
-  (a newer ``seq``), which ends that within one period of the duplicate leaving;
+- :func:`refresh_every` drives :meth:`p2p.host.P2PNode.refresh_record`, which re-issues this
+  node's record (a newer ``seq``) every ``HostConfig.record_refresh_s``: that ends it within
+  one period of the duplicate leaving;
 - :class:`RecordConflicts` names the PeerID whose older record was refused while a record with
   other addresses was held (the sign of two nodes with one key), at WARNING, once per PeerID
   per :data:`CONFLICT_LOG_INTERVAL_S`, instead of the library's anonymous ERROR every RPC.
@@ -23,7 +24,6 @@ from collections.abc import Callable
 from typing import Any
 
 import trio
-from libp2p.peer.peerstore import issue_and_cache_local_record
 
 log = logging.getLogger(__name__)
 
@@ -103,12 +103,6 @@ def watch_records(peerstore: Any, conflicts: RecordConflicts, clock: Callable[[]
         return False
 
     peerstore.consume_peer_record = consume_peer_record
-
-
-def refresh_record(host: Any) -> None:
-    """Issue and cache a new signed peer record for ``host`` (a newer ``seq``): the pubsub
-    RPCs sent after it carry it."""
-    issue_and_cache_local_record(host)
 
 
 async def refresh_every(interval_s: float, refresh: Callable[[], None]) -> None:
