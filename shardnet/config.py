@@ -49,8 +49,9 @@ from rollout.pacing import PacingConfig
 from rollout.task import DEFAULT_REWARD_SPEC, DEFAULT_TASK_SPEC
 from shardcast.core import PortMapConfig, PunchConfig, ReachabilityConfig, parse_networks
 from shardcast.download import DownloadConfig, FollowConfig, LaneBackoff
-from shardcast.node import SUPER_SEED_MIN_BYTES, SUPER_SEED_S, NodeConfig
+from shardcast.node import NodeConfig
 from shardcast.publish import DEFAULT_SHARD_BYTES, OriginConfig
+from shardcast.serve import SUPER_SEED_MIN_BYTES, SUPER_SEED_S
 from shardcast.wire import (
     DEFAULT_ASYNC_LEVEL,
     DEFAULT_ENGINE,

@@ -240,7 +240,10 @@ class Emulation:
             ups = []
             for u in n.upstreams:
                 ups += ["--upstream", self.procs[self.topo.index(u)].ready["multiaddrs"][0]]
-            role = ["relay", *ups, "--trainer-id", self.trainer_id]
+            # peers stand in as download+re-serve relays; like `shardnet peer` they never
+            # super-seed, and relays use the model's window (0: off), as the model does
+            once = ms.relay_serve_once_s if n.role == "relay" else 0.0
+            role = ["relay", *ups, "--trainer-id", self.trainer_id, "--serve-once-s", f"{once:g}"]
         prefix = self.lab.exec_prefix(n.index) if self.lab is not None else []
         return [*prefix, sys.executable, "-m", "shardnet.cli", *role, *common]
 

@@ -83,6 +83,8 @@ from typing import Literal
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 from p2p.errors import ConfigError
+from shardcast.core import SchedulerConfig
+from shardcast.serve import SUPER_SEED_S
 from simulations.costs import CommitMode, CostModel, OriginDigest
 
 Role = Literal["origin", "trainer", "relay", "peer"]
@@ -195,19 +197,24 @@ class RolloutSpec(_Model):
     batch_bytes: int = Field(1 << 20, ge=1, description="size of one rollout batch")
 
 
+_SCHED = SchedulerConfig()
+
+
 class ModelSpec(_Model):
     """Knobs of the virtual-time model (defaults mirror the real nodes')."""
 
     time_step_s: float | None = Field(None, gt=0, description="flow-model step (None: auto)")
-    max_inflight: int = Field(8, ge=1)
-    per_source_inflight: int = Field(4, ge=1)
+    max_inflight: int = Field(_SCHED.max_inflight, ge=1)
+    per_source_inflight: int = Field(_SCHED.per_source_inflight, ge=1)
     serve_wait_s: float = Field(10.0, gt=0)
-    serve_once_s: float | None = Field(5.0, gt=0, description="origin super-seeding window")
-    relay_serve_once_s: float | None = Field(
-        None,
-        gt=0,
-        description="relays' super-seeding window, seconds (shardnet relay's default is "
-        "5 s; None: relays serve every requester, as the model did before)",
+    serve_once_s: float | None = Field(
+        SUPER_SEED_S, gt=0, description="origin super-seeding window"
+    )
+    relay_serve_once_s: float = Field(
+        SUPER_SEED_S,
+        ge=0,
+        description="relays' super-seeding window, seconds (shardnet relay's --serve-once-s "
+        "and its default; 0: off, relays serve every requester)",
     )
     discovery: bool = True
     max_extra_sources: int = Field(16, ge=0)

@@ -8,14 +8,12 @@ from __future__ import annotations
 from shardcast.node.cardsync import bootstrap_card, check_data_dir, fetch_card, save_card
 from shardcast.node.dialback import challenge_lane, keep_reachability
 from shardcast.node.metrics import DownloadMetrics, source_kind
-from shardcast.node.node import SUPER_SEED_MIN_BYTES, SUPER_SEED_S, NodeConfig, ShardcastNode
+from shardcast.node.node import NodeConfig, ShardcastNode
 from shardcast.node.nodestatus import iso, wall_of
 from shardcast.node.portmap import PortMapping, tcp_port
 from shardcast.node.view import NodeView, RoleView
 
 __all__ = [
-    "SUPER_SEED_MIN_BYTES",
-    "SUPER_SEED_S",
     "DownloadMetrics",
     "NodeConfig",
     "NodeView",

@@ -79,14 +79,6 @@ log = logging.getLogger(__name__)
 
 EndT = TypeVar("EndT", RunFinished, RunContinued)
 
-SUPER_SEED_S = 5.0
-"""The super-seeding window the command line's origin and relays use (``serve_once_s``),
-seconds: shaped 200 Mb/s bench, last peer 17.7 s with it, 20.0 s without; relays' egress
--30 %. A library :class:`NodeConfig` has it off (None) unless told."""
-
-SUPER_SEED_MIN_BYTES = 32 << 20
-"""With :data:`SUPER_SEED_S`: versions offering at most this many bytes in all (deltas,
-usually) are served to every requester (``serve_once_min_bytes``), bytes."""
 
 SHUTDOWN_FLUSH_S = 2.0
 """How long a stopping node waits for its store's ``sync`` (seconds) before it leaves the

@@ -13,10 +13,19 @@ from shardcast.serve.mirror import (
     version_problems,
 )
 from shardcast.serve.server import VersionServer
-from shardcast.serve.superseeding import Decision, Refusal, Requester, SuperSeeding
+from shardcast.serve.superseeding import (
+    SUPER_SEED_MIN_BYTES,
+    SUPER_SEED_S,
+    Decision,
+    Refusal,
+    Requester,
+    SuperSeeding,
+)
 
 __all__ = [
     "PREFIX",
+    "SUPER_SEED_MIN_BYTES",
+    "SUPER_SEED_S",
     "Decision",
     "MirrorExport",
     "Refusal",

@@ -12,6 +12,7 @@ import signal
 import subprocess
 import sys
 import tempfile
+import tomllib
 from pathlib import Path
 from typing import Any
 
@@ -235,3 +236,32 @@ def test_logged_commit_reads_only_whole_new_lines(tmp_path: Path) -> None:
     assert logged_commit(p, 0)
     assert not logged_commit(p, 2)
     assert p.log_pos == log.stat().st_size
+
+
+@pytest.mark.parametrize("window", [None, 0.0, 2.5])
+def test_emulated_peers_never_super_seed_relays_use_the_models_window(
+    tmp_path: Path, window: float | None
+) -> None:
+    """Emulated peers run ``shardnet relay`` (a download+re-serve follower) and must serve as a
+    ``shardnet peer`` does, to every requester (``--serve-once-s 0``; with the relay's default
+    window they refused their neighbours); relays get the model's ``relay_serve_once_s``, so
+    model and emulation run the same rules (the default: ``shardnet relay``'s)."""
+    from shardcast.serve import SUPER_SEED_S
+    from simulations.emulate import EmulateOptions, Emulation, _Proc
+    from simulations.topology import parse
+
+    data = tomllib.loads(TINY)
+    if window is not None:
+        data["model"] = {"relay_serve_once_s": window}
+    topo = parse(data)
+    em = Emulation(topo, EmulateOptions(), tmp_path)
+    addr = "/ip4/127.0.0.1/tcp/1/p2p/12D3KooWExample"
+    for n in topo.nodes:
+        em.procs[n.index] = _Proc(n, [], tmp_path, ready={"multiaddrs": [addr]})
+
+    def window_of(role: str) -> float:
+        argv = em._argv(next(n for n in topo.nodes if n.role == role))
+        return float(argv[argv.index("--serve-once-s") + 1])
+
+    assert window_of("peer") == 0.0
+    assert window_of("relay") == (SUPER_SEED_S if window is None else window)

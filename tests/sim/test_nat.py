@@ -25,12 +25,11 @@ MODES = {  # mode -> (nat of the NATed groups, serve_behind_nat)
 
 
 @cache
-def _run(mode: str, relay_serve_once_s: float | None = None) -> dict[str, Any]:
+def _run(mode: str, relay_serve_once_s: float = 0.0) -> dict[str, Any]:
     """``volunteers.toml`` with its NATed groups in ``mode``, at 1/4 size (relays super-seeding
-    with ``relay_serve_once_s`` if given): the summary."""
+    with ``relay_serve_once_s``; 0: off, so that only the NATs differ): the summary."""
     data = tomllib.loads((TOPOS / "volunteers.toml").read_text())
-    if relay_serve_once_s is not None:
-        data["model"] = {"relay_serve_once_s": relay_serve_once_s}
+    data["model"] = {"relay_serve_once_s": relay_serve_once_s}
     nat, serve = MODES[mode]
     for g in data["nodes"]:
         if "nat" not in g:
@@ -98,19 +97,22 @@ def test_symmetric_nat_peers_do_not_wait_out_relays_super_seeding_windows() -> N
     """Relays super-seed (``shardnet relay``'s default): a NATed peer served a shard first holds
     it for 5 s, and peers behind symmetric NATs cannot punch to it. The refusal names it, they
     name it back as unreachable (``SourceDirectory.holder_reach``) and are served at once
-    (``SuperSeeding`` rule 11), so the relays' super-seeding costs them nothing: the last peer
-    is as fast as with relays serving everyone (67.4 s; without rule 11 it took 77.6 s).
-    Where punches work (EIM NATs) nobody is served that way: holders stay reserved."""
+    (``SuperSeeding`` rule 11), so super-seeding costs them no more than it costs peers whose
+    punches work (it halves the relays' egress for some time to the last peer: here +13 %
+    behind symmetric NATs, +14 % behind EIM NATs; without rule 11 the symmetric run took
+    +30 %). Where punches work nobody is served that way: holders stay reserved."""
     s = _run("symmetric", 5.0)
     _every_version_on_every_peer(s)
     assert s["run"]["unreachable_served"] > 0
     assert s["run"]["relay_seeding_refused"] > 0
-    assert _last_s(s) <= 1.02 * _last_s(_run("symmetric"))
     eim = _run("eim", 5.0)
     _every_version_on_every_peer(eim)
+    cost_symmetric = _last_s(s) / _last_s(_run("symmetric"))
+    cost_eim = _last_s(eim) / _last_s(_run("eim"))
+    assert cost_symmetric <= 1.05 * cost_eim
     assert eim["run"]["relay_seeding_refused"] > 0
     assert eim["run"]["unreachable_served"] == 0
-    assert _run("symmetric")["run"]["relay_seeding_refused"] == 0  # off unless asked
+    assert _run("symmetric")["run"]["relay_seeding_refused"] == 0  # off at 0
 
 
 def _small(nat: str, serve: bool) -> dict[str, Any]:
