@@ -20,6 +20,17 @@ passes over the flows.
 step boundary; a flow that completes inside a step gets its exact completion time, and a flow
 that starts inside a step starts moving at the next boundary (error <= dt per transfer; the
 model picks dt much smaller than a shard's transfer time).
+
+Cut-through: a flow may *follow* another (:meth:`FlowNetwork.add`'s ``follows``), as a node
+serves the verified prefix of a shard it is still receiving (:mod:`shardcast.serve.server`):
+the follower never has moved more than its leader plus a fixed ``slack`` (the bytes the
+leader's receiver held before the leader started, less the follower's own start). While a
+follower is caught up it is capped at its leader's rate (two max-min passes: the first gives
+the leaders' rates, the second the followers' capped ones, so an idle follower leaves its share
+of the sender's uplink to others); the bound itself is applied after each step, leaders first
+(a leader is always older than its followers). When a leader completes, its followers are
+bound by its size (free to finish); when it is cancelled, by what it moved (they stall until
+the caller ends them).
 """
 
 from __future__ import annotations
@@ -134,11 +145,17 @@ class FlowNetwork:
         self._size = np.zeros(n)
         self._moved = np.zeros(n)
         self._lag = np.zeros(n)
+        self._leader = np.full(n, -1, dtype=np.int64)  # slot of the flow it follows, or -1
+        self._limit = np.full(n, INF)  # a follower whose leader ended: bytes it may move
+        self._bound = np.zeros(n, dtype=bool)  # follows a live leader, or has a finite limit
+        self._slack = np.zeros(n)
         self._free = list(range(n - 1, -1, -1))
         self._slot: dict[int, int] = {}
         self._flow_of_slot: dict[int, int] = {}
         self._cb: dict[int, tuple[DoneFn, Callable[[int, float], None] | None]] = {}
         self._pending: list[_Pending] = []
+        self._n_bound = 0  # flows bound by a leader or a limit (cut-through)
+        self._caught = np.zeros(0, dtype=np.int64)  # bound slots capped at the last rates
         self._next_id = 0
         self.dirty = True
 
@@ -148,9 +165,12 @@ class FlowNetwork:
     def _grow(self) -> None:
         n = self._left.shape[0]
         self._res = np.vstack([self._res, np.full((n, self.k), -1, dtype=np.int64)])
-        for name in ("_left", "_rate", "_moved", "_lag", "_size"):
+        for name in ("_left", "_rate", "_moved", "_lag", "_size", "_slack"):
             setattr(self, name, np.concatenate([getattr(self, name), np.zeros(n)]))
         self._cap = np.concatenate([self._cap, np.full(n, INF)])
+        self._limit = np.concatenate([self._limit, np.full(n, INF)])
+        self._leader = np.concatenate([self._leader, np.full(n, -1, dtype=np.int64)])
+        self._bound = np.concatenate([self._bound, np.zeros(n, dtype=bool)])
         self._active = np.concatenate([self._active, np.zeros(n, dtype=bool)])
         self._live = np.concatenate([self._live, np.zeros(n, dtype=bool)])
         self._free.extend(range(2 * n - 1, n - 1, -1))
@@ -163,8 +183,23 @@ class FlowNetwork:
         on_done: DoneFn,
         on_start: Callable[[int, float], None] | None = None,
         cap_bps: float = INF,
+        follows: int | None = None,
+        slack: float = 0.0,
     ) -> int:
-        """Add a flow that starts moving at ``start_at`` (s); returns its id."""
+        """Add a flow that starts moving at ``start_at`` (s); returns its id.
+
+        Args:
+            resources: the resources it crosses (at most ``max_res``).
+            size_bytes: bytes to move.
+            start_at: when it starts moving, s.
+            on_done: called with its id and completion time, s.
+            on_start: called with its id and the time it started moving, s.
+            cap_bps: its own rate cap, bytes/s.
+            follows: a live flow's id: this flow never moves more than that flow's bytes
+                plus ``slack`` (cut-through; see the module docstring). An id that is not live
+                (done or cancelled) binds nothing.
+            slack: bytes this flow may be ahead of the flow it follows.
+        """
         if not self._free:
             self._grow()
         slot = self._free.pop()
@@ -178,6 +213,13 @@ class FlowNetwork:
         self._cap[slot] = cap_bps
         self._rate[slot] = 0.0
         self._moved[slot] = 0.0
+        self._leader[slot] = -1
+        self._limit[slot] = INF
+        self._slack[slot] = slack
+        lead = self._slot.get(follows) if follows is not None else None
+        if lead is not None:
+            self._leader[slot] = lead
+            self._set_bound(slot, True)
         self._slot[fid] = slot
         self._flow_of_slot[slot] = fid
         self._cb[fid] = (on_done, on_start)
@@ -192,11 +234,116 @@ class FlowNetwork:
         moved = float(self._moved[slot])
         self._active[slot] = False
         self._live[slot] = False
+        self._release(slot, float(self._moved[slot]))
+        self._set_bound(slot, False)
         del self._flow_of_slot[slot]
         self._cb.pop(fid, None)
         self._free.append(slot)
         self.dirty = True
         return moved
+
+    def _set_bound(self, slot: int, bound: bool) -> None:
+        if bool(self._bound[slot]) != bound:
+            self._bound[slot] = bound
+            self._n_bound += 1 if bound else -1
+            self.dirty = True
+
+    def _bound_view(self, act: IArr) -> tuple[IArr, IArr, IArr, IArr] | None:
+        """The moving flows bound by a leader or a limit: ``(k, slots, lead, j)``, their
+        indices in ``act``, their slots, their leaders' slots (-1: a limit) and their leaders'
+        indices in ``act`` (-1: a limit, or a leader not moving yet). None if there are none."""
+        if self._n_bound == 0:
+            return None
+        k = np.flatnonzero(self._bound[act])
+        if k.size == 0:
+            return None
+        slots = act[k]
+        lead = self._leader[slots]
+        pos = np.full(self._left.shape[0], -1, dtype=np.int64)
+        pos[act] = np.arange(act.size)
+        j = np.where(lead >= 0, pos[np.maximum(lead, 0)], -1)
+        return k, slots, lead, j
+
+    def _room(self, view: tuple[IArr, IArr, IArr, IArr], step: FArr | None) -> FArr:
+        """Bytes each bound flow of ``view`` may still move (counting its leader's ``step``,
+        if given)."""
+        _, slots, lead, j = view
+        ahead = self._moved[np.maximum(lead, 0)] + self._slack[slots]
+        if step is not None:
+            ahead = ahead + np.where(j >= 0, step[np.maximum(j, 0)], 0.0)
+        return np.where(lead >= 0, ahead, self._limit[slots]) - self._moved[slots]
+
+    def _rates(self, act: IArr, view: tuple[IArr, IArr, IArr, IArr] | None, dt: float) -> FArr:
+        """Max-min rates of the flows ``act``; a bound flow that would reach its bound within
+        ``dt`` is capped at its leader's rate (0 if its leader ended or does not move yet):
+        a second max-min pass gives the others what it leaves."""
+        cap = self._cap[act]
+        rate = maxmin(self.capacity, self._res[act], None, cap)
+        if view is None:
+            self._caught = np.zeros(0, dtype=np.int64)
+            return rate
+        k, slots, _, j = view
+        room = self._room(view, None)
+        caught = (room < self._left[slots] - 1e-6) & (room <= rate[k] * dt)
+        self._caught = slots[caught]
+        if not caught.any():
+            return rate
+        capped = rate.copy()
+        for _ in range(32):  # down chains of followers: a leader's cap passes to its own
+            lead_rate = np.where(j >= 0, capped[np.maximum(j, 0)], 0.0)
+            new = np.where(caught, np.minimum(capped[k], lead_rate), capped[k])
+            if np.array_equal(new, capped[k]):
+                break
+            capped[k] = new
+        cap = cap.copy()
+        cap[k[caught]] = capped[k[caught]]
+        return maxmin(self.capacity, self._res[act], None, cap)
+
+    def _recheck(self, act: IArr, view: tuple[IArr, IArr, IArr, IArr] | None, dt: float) -> bool:
+        """True if the set of bound flows that caught up with their bound changed since the
+        rates were computed (their caps must change)."""
+        if view is None:
+            return self._caught.size > 0
+        k, slots, _, _ = view
+        room = self._room(view, None)
+        caught = slots[(room < self._left[slots] - 1e-6) & (room <= self._rate[act][k] * dt)]
+        return not np.array_equal(np.sort(caught), np.sort(self._caught))
+
+    def _clamp(self, view: tuple[IArr, IArr, IArr, IArr], step: FArr) -> None:
+        """Cut each bound flow's ``step`` (bytes, in place) to what its leader or limit allows,
+        down chains of followers until nothing changes."""
+        k = view[0]
+        for _ in range(64):
+            new = np.minimum(step[k], np.maximum(self._room(view, step), 0.0))
+            if np.array_equal(new, step[k]):
+                return
+            step[k] = new
+
+    def _release(self, slot: int, reached: float) -> None:
+        """``slot``'s flow ended having moved ``reached`` bytes (``inf``: it completed): its
+        followers are bound by that from now on."""
+        if self._n_bound == 0:
+            return
+        for f in np.flatnonzero(self._bound & (self._leader == slot)).tolist():
+            self._leader[f] = -1
+            if reached + self._slack[f] < self._moved[f] + self._left[f] - 1e-6:
+                self._limit[f] = reached + self._slack[f]
+            else:
+                self._set_bound(f, False)
+
+    def refollow(self, fid: int, leader: int | None, slack: float = 0.0) -> None:
+        """Bind flow ``fid`` to another live flow ``leader`` (its source now receives the
+        shard through that one) with a new ``slack`` (see :meth:`add`), or to nothing (None:
+        its source holds the whole range now). A ``fid`` that is not live is ignored, and so is
+        a ``leader`` that is not (the flow is then unbound)."""
+        slot = self._slot.get(fid)
+        if slot is None:
+            return
+        lead = self._slot.get(leader) if leader is not None else None
+        self._leader[slot] = -1 if lead is None else lead
+        self._slack[slot] = slack
+        self._limit[slot] = INF
+        self._set_bound(slot, lead is not None)
 
     def moved(self, fid: int) -> float:
         """Bytes a flow has moved so far."""
@@ -246,14 +393,17 @@ class FlowNetwork:
         act = np.flatnonzero(self._active)
         if act.size == 0:
             return
-        if self.dirty:
-            self._rate[act] = maxmin(self.capacity, self._res[act], None, self._cap[act])
+        view = self._bound_view(act)
+        if self.dirty or self._recheck(act, view, dt):
+            self._rate[act] = self._rates(act, view, dt)
             self.dirty = False
         rate = self._rate[act]
         left = self._left[act]
         lags = self._lag[act]
         self._lag[act] = 0.0
         step = np.minimum(rate * (dt + lags), left)
+        if view is not None:
+            self._clamp(view, step)
         self._left[act] = left - step
         self._moved[act] += step
         fin = (left - step <= 1e-6) & ((rate > 0) | (left <= 1e-6))
@@ -269,6 +419,8 @@ class FlowNetwork:
             slot = self._slot[fid]
             self._active[slot] = False
             self._live[slot] = False
+            self._release(slot, INF)  # its receiver holds the rest of the range: no bound
+            self._set_bound(slot, False)
         self.dirty = True
         for fid, t in finished:
             cbs = self._cb.pop(fid, None)

@@ -18,6 +18,7 @@ of a version (unsigned: the tracker takes announcements already verified).
 
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass, field
 from typing import Any
@@ -90,6 +91,13 @@ class SimVersion:
     def total_bytes(self) -> int:
         """Raw bytes of the version."""
         return sum(self.lengths)
+
+    @functools.cached_property
+    def offered_bytes(self) -> int:
+        """Bytes a follower holding the base fetches (each shard's delta blob, or its raw
+        bytes): what super-seeding's small-version rule weighs
+        (:func:`shardcast.serve.server.offered_bytes`)."""
+        return sum(self.enc_len(i, True) for i in range(len(self.lengths)))
 
     def part_range(self, k: int) -> range:
         """Shard indices described by part ``k``."""

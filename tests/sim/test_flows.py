@@ -177,6 +177,132 @@ ORACLE = textwrap.dedent(
 )
 
 
+def _run(net: FlowNetwork, dt: float = 0.01, until: float = 100.0) -> None:
+    t = 0.0
+    while not net.idle() and t < until:
+        net.advance(t, dt)
+        t += dt
+
+
+def test_follower_never_ahead_of_its_leader() -> None:
+    """Cut-through: a node serves what it is still receiving. Leader 0 -> 1 at 2 MB/s; the
+    follower 1 -> 2 could go at 10 MB/s but is capped at the leader's rate and ends with it;
+    a third flow sharing node 1's uplink gets what the follower leaves."""
+    n = 3
+    caps = [100e6, 10e6, 100e6, 100e6, 2e6, 100e6]  # uplinks, then downlinks
+    net = FlowNetwork(caps)
+    got: dict[int, float] = {}
+
+    def done(fid: int, t: float) -> None:
+        got[fid] = t
+
+    lead = net.add((0, n + 1), 10e6, 0.0, done)
+    seen: list[tuple[float, float]] = []
+    follow = net.add((1, n + 2), 10e6, 0.0, done, follows=lead)
+    other = net.add((1, n + 0), 20e6, 0.0, done)  # node 1 -> node 0 (its downlink is 100 MB/s)
+    t = 0.0
+    while not net.idle():
+        net.advance(t, 0.01)
+        t += 0.01
+        if lead not in got:  # moved() of a finished flow is 0
+            seen.append((net.moved(follow), net.moved(lead)))
+    assert len(seen) > 400
+    assert all(f <= ld + 1e-6 for f, ld in seen)
+    assert got[lead] == pytest.approx(5.0, abs=0.02)
+    assert got[follow] == pytest.approx(got[lead], abs=0.02)
+    # the other flow got node 1's uplink less the follower's 2 MB/s: 20 MB in 2.5 s
+    assert got[other] == pytest.approx(20e6 / 8e6, abs=0.05)
+
+
+def test_follower_with_slack_and_chains() -> None:
+    """``slack`` bytes were at the source before its leader started; a chain (0 -> 1 -> 2 -> 3)
+    moves at the first link's rate; without ``follows`` the same flows race ahead."""
+    n = 4
+    caps = [100e6] * n + [100e6, 1e6, 100e6, 100e6]
+    net = FlowNetwork(caps)
+    got: dict[int, float] = {}
+
+    def done(fid: int, t: float) -> None:
+        got[fid] = t
+
+    a = net.add((0, n + 1), 4e6, 0.0, done)  # 1 MB/s: 4 s
+    b = net.add((1, n + 2), 5e6, 0.0, done, follows=a, slack=1e6)  # node 1 held 1 MB already
+    c = net.add((2, n + 3), 5e6, 0.0, done, follows=b)
+    _run(net)
+    assert got[a] == pytest.approx(4.0, abs=0.02)
+    assert got[b] == pytest.approx(4.0, abs=0.02)
+    assert got[c] == pytest.approx(4.0, abs=0.02)
+    free = FlowNetwork(caps)
+    got.clear()
+    a, b = free.add((0, n + 1), 4e6, 0.0, done), free.add((1, n + 2), 5e6, 0.0, done)
+    _run(free)
+    assert got[b] == pytest.approx(0.05, abs=0.02)
+
+
+def test_follower_of_a_cancelled_leader_stalls() -> None:
+    """A leader cancelled after 2 MB binds its follower to 2 MB (+ slack): the follower stops
+    there (the caller ends it), and its share goes to others."""
+    n = 3
+    caps = [100e6, 100e6, 100e6, 100e6, 1e6, 100e6]  # uplinks, then downlinks
+    net = FlowNetwork(caps)
+    lead = net.add((0, n + 1), 10e6, 0.0, lambda f, t: None)
+    follow = net.add((1, n + 2), 10e6, 0.0, lambda f, t: None, follows=lead)
+    t = 0.0
+    while t < 2.0 - 1e-9:
+        net.advance(t, 0.01)
+        t += 0.01
+    assert net.cancel(lead) == pytest.approx(2e6, rel=1e-3)
+    while t < 5.0:
+        net.advance(t, 0.01)
+        t += 0.01
+    assert net.moved(follow) == pytest.approx(2e6, rel=1e-3)
+    assert not net.idle()
+
+
+def test_refollow_moves_a_follower_to_another_leader_or_frees_it() -> None:
+    """The node a follower streams from gets the shard through a second transfer (an endgame
+    duplicate) when the first is cancelled: the follower follows that one; once the node holds
+    the shard whole it is free."""
+    n = 4
+    caps = [100e6] * n + [100e6, 1e6, 100e6, 100e6]
+    net = FlowNetwork(caps)
+    first = net.add((0, n + 1), 10e6, 0.0, lambda f, t: None)
+    second = net.add((3, n + 1), 10e6, 0.0, lambda f, t: None)  # shares node 1's 1 MB/s
+    got: dict[int, float] = {}
+    follow = net.add((1, n + 2), 10e6, 0.0, lambda f, t: got.__setitem__(f, t), follows=first)
+    t = 0.0
+    while t < 2.0 - 1e-9:
+        net.advance(t, 0.01)
+        t += 0.01
+    assert net.moved(follow) == pytest.approx(net.moved(first), rel=1e-2)
+    net.cancel(first)
+    net.refollow(follow, second)
+    while t < 4.0 - 1e-9:
+        net.advance(t, 0.01)
+        t += 0.01
+    assert net.moved(follow) <= net.moved(second) + 1e-6
+    assert net.moved(second) == pytest.approx(3e6, rel=1e-2)  # alone on the downlink since 2 s
+    assert follow not in got
+    net.refollow(follow, None)
+    while t < 4.2:
+        net.advance(t, 0.01)
+        t += 0.01
+    assert got[follow] < 4.1  # unbound: the 7 MB left at 100 MB/s
+
+
+def test_follows_a_finished_flow_binds_nothing() -> None:
+    net = FlowNetwork([10e6, 10e6, 10e6, 10e6])
+    got: dict[int, float] = {}
+    a = net.add((0, 3), 1e6, 0.0, lambda f, t: got.__setitem__(f, t))
+    _run(net)
+    b = net.add((1, 2), 1e6, 1.0, lambda f, t: got.__setitem__(f, t), follows=a)
+    t = 1.0
+    while not net.idle():
+        net.advance(t, 0.01)
+        t += 0.01
+    assert got[b] == pytest.approx(1.1, abs=0.02)
+
+
 def test_simgrid_oracle() -> None:
     """Completion times match SimGrid's CM02 model (network/optim:Full, no cross-traffic) on
     random scenarios of uplinks and downlinks; skipped when SimGrid is not importable (Debian
