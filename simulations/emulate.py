@@ -313,7 +313,8 @@ class Emulation:
                 "(tests/deploy/test_nat.py runs the real node behind NATs)",
             )
         self.notes.append(
-            "peers run as download+re-serve followers (no inference): rollouts are modelled only"
+            "peers run as download+re-serve followers (no inference; serving every requester, "
+            "as shardnet peer does): rollouts are modelled only"
         )
         ck = self.topo.spec.checkpoint
         write_checkpoints(
