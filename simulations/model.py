@@ -760,7 +760,13 @@ class Model:
         which learn the prefix at their next poll)."""
         n, step, i = self.nodes[dl.node], dl.ver.step, fl.req.shard
         key = (step, i)
-        if fl.done or fl.fid is None or not dl.alive or key in n.filling or i in n.have[step]:
+        if (
+            fl.done
+            or fl.fid is None
+            or not dl.alive
+            or key in n.filling
+            or i in n.have.get(step, ())
+        ):
             return
         n.filling[key] = (fl.fid, fl.req.start)
         waiting = n.waiters.pop(key, [])
