@@ -68,6 +68,10 @@ def simulate_model(
     ] = None,
     time_step: Annotated[float | None, Opt(help="Flow-model time step, seconds.")] = None,
     shard_size: Annotated[int | None, Opt(help="Override the shard size, bytes.")] = None,
+    scale: Annotated[
+        float | None,
+        Opt(help="Checkpoint size factor, as emulate --scale (default: 1, the full size)."),
+    ] = None,
     commit: Annotated[
         str | None,
         Opt(help="How followers commit a delta version: chain or materialize (costs.commit)."),
@@ -79,7 +83,7 @@ def simulate_model(
     from simulations.costs import CommitMode
     from simulations.model import Model
     from simulations.progress import SimProgress
-    from simulations.topology import TopologyError, load, with_overrides
+    from simulations.topology import load, scaled, with_overrides
 
     logs.configure("INFO", False, "simulate")
     modes = [m.value for m in CommitMode]
@@ -94,10 +98,11 @@ def simulate_model(
             shard_size_bytes=shard_size,
             commit=None if commit is None else CommitMode(commit),
         )
+        topo = scaled(topo, 1.0 if scale is None else scale)
         out = _report_dir(out or Path("sim-reports") / f"model-{topo.name}")
         with SimProgress("model") as progress:
             summary = Model(topo, seed=seed).run(progress)
-    except TopologyError as exc:
+    except ConfigError as exc:  # a TopologyError names a field of the file, not an option
         fail(exc)
     _sim_finish(summary, out, compare)
 

@@ -1201,7 +1201,7 @@ def model_summary(m: Model) -> dict[str, Any]:
             "shard_size_bytes": ck.shard_size_bytes,
             "n_shards": math.ceil(ck.size_bytes / ck.shard_size_bytes),
             "versions": ck.versions,
-            "scale": 1.0,
+            "scale": m.topo.scale,
         },
         "run": {
             "rollouts": dict(m.rollouts),

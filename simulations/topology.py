@@ -73,6 +73,7 @@ upstream of its LAN neighbours only. How the model uses them: :mod:`simulations.
 
 from __future__ import annotations
 
+import dataclasses
 import re
 import tomllib
 from collections.abc import Callable
@@ -346,6 +347,7 @@ class Topology:
     links: tuple[Link, ...]
     events: tuple[Event, ...]
     source: Path | None = None
+    scale: float = 1.0  # the checkpoint's size against the file's (:func:`scaled`)
 
     @property
     def name(self) -> str:
@@ -575,7 +577,12 @@ def scaled(topo: Topology, scale: float) -> Topology:
 
     Shards shrink with the checkpoint down to 64 KiB so a scaled run keeps about as many
     shards (pipelining depth) as the full one.
+
+    Raises:
+        ConfigError: ``scale`` not > 0 (named as ``--scale``).
     """
+    if not scale > 0:
+        raise ConfigError("scale", f"must be > 0, not {scale:g}")
     if scale == 1.0:
         return topo
     ck = topo.spec.checkpoint
@@ -591,6 +598,7 @@ def scaled(topo: Topology, scale: float) -> Topology:
         topo.links,
         topo.events,
         topo.source,
+        topo.scale * scale,
     )
 
 
@@ -607,8 +615,17 @@ def with_overrides(
     --peers/--time-step/--shard-size/--commit``).
 
     Raises:
+        ConfigError: ``peers``, ``time_step_s`` or ``shard_size_bytes`` not positive (named as
+            the command-line option, before the topology is touched).
         TopologyError: no peer group, or the result is invalid.
     """
+    for option, value in (
+        ("peers", peers),
+        ("time-step", time_step_s),
+        ("shard-size", shard_size_bytes),
+    ):
+        if value is not None and not value > 0:
+            raise ConfigError(option, f"must be > 0, not {value:g}")
     if peers is None and time_step_s is None and shard_size_bytes is None and commit is None:
         return topo
     data = topo.spec.model_dump(mode="python", exclude_none=False)
@@ -624,4 +641,4 @@ def with_overrides(
         data["checkpoint"]["shard_size_bytes"] = shard_size_bytes
     if commit is not None:
         data["costs"]["commit"] = commit
-    return parse(data, topo.source)
+    return dataclasses.replace(parse(data, topo.source), scale=topo.scale)

@@ -37,6 +37,11 @@ def _invoke(args: list[str]) -> tuple[int, str]:
         (["model", "bound.toml", "--compare", "{missing}"], "--compare: {missing} is not a"),
         (["compare", "{missing}", "{missing}"], "{missing} is not a simulation report"),
         (["model", "bound.toml", "--commit", "copy"], "--commit must be chain or materialize"),
+        # model's overrides are named as options (--peers 0 read "nodes[2].count: bound.toml")
+        (["model", "bound.toml", "--peers", "0"], "--peers: must be > 0, not 0"),
+        (["model", "bound.toml", "--time-step", "-1"], "--time-step: must be > 0, not -1"),
+        (["model", "bound.toml", "--shard-size", "0"], "--shard-size: must be > 0, not 0"),
+        (["model", "bound.toml", "--scale", "0"], "--scale: must be > 0, not 0"),
         # a topology's field is named by its path in the file, not as an option (it read
         # "--nodes[1]: typo.toml: Extra inputs are not permitted")
         (["model", "{typo}"], "error: nodes[1].up_mbsp: {typo}: Extra inputs are not permitted"),
@@ -61,3 +66,17 @@ def test_an_unusable_option_is_one_line_and_exit_2(
     assert code == 2, output
     assert says.format(**names) in output, output
     assert "Traceback" not in output
+
+
+def test_model_scale_shrinks_the_checkpoint_as_emulate_does(tmp_path: Path) -> None:
+    """``simulate model --scale`` runs the topology ``emulate --scale`` would (the same
+    :func:`simulations.topology.scaled`), so the two line up, and the report says so."""
+    import json
+
+    out = tmp_path / "report"
+    topology = str(TOPOLOGIES / "calibration.toml")
+    code, output = _invoke(["simulate", "model", topology, "--scale", "0.25", "--out", str(out)])
+    assert code == 0, output
+    ck = json.loads((out / "summary.json").read_text())["checkpoint"]
+    assert ck["scale"] == 0.25
+    assert ck["size_bytes"] == 1_073_741_824 // 4
