@@ -27,10 +27,10 @@ the follower never has moved more than its leader plus a fixed ``slack`` (the by
 leader's receiver held before the leader started, less the follower's own start). While a
 follower is caught up it is capped at its leader's rate (two max-min passes: the first gives
 the leaders' rates, the second the followers' capped ones, so an idle follower leaves its share
-of the sender's uplink to others); the bound itself is applied after each step, leaders first
-(a leader is always older than its followers). When a leader completes, its followers are
-bound by its size (free to finish); when it is cancelled, by what it moved (they stall until
-the caller ends them).
+of the sender's uplink to others); the bound itself is applied after each step, down chains of
+followers until nothing changes. When a leader completes, its followers are free; when it is
+cancelled, they are bound by what it moved (they stall until the caller ends them or
+:meth:`FlowNetwork.refollow` binds them to another leader).
 """
 
 from __future__ import annotations
@@ -148,6 +148,7 @@ class FlowNetwork:
         self._leader = np.full(n, -1, dtype=np.int64)  # slot of the flow it follows, or -1
         self._limit = np.full(n, INF)  # a follower whose leader ended: bytes it may move
         self._bound = np.zeros(n, dtype=bool)  # follows a live leader, or has a finite limit
+        self._free_rate = np.zeros(n)  # max-min rate before followers' caps (last computed)
         self._slack = np.zeros(n)
         self._free = list(range(n - 1, -1, -1))
         self._slot: dict[int, int] = {}
@@ -165,7 +166,7 @@ class FlowNetwork:
     def _grow(self) -> None:
         n = self._left.shape[0]
         self._res = np.vstack([self._res, np.full((n, self.k), -1, dtype=np.int64)])
-        for name in ("_left", "_rate", "_moved", "_lag", "_size", "_slack"):
+        for name in ("_left", "_rate", "_moved", "_lag", "_size", "_slack", "_free_rate"):
             setattr(self, name, np.concatenate([getattr(self, name), np.zeros(n)]))
         self._cap = np.concatenate([self._cap, np.full(n, INF)])
         self._limit = np.concatenate([self._limit, np.full(n, INF)])
@@ -216,7 +217,7 @@ class FlowNetwork:
         self._leader[slot] = -1
         self._limit[slot] = INF
         self._slack[slot] = slack
-        lead = self._slot.get(follows) if follows is not None else None
+        lead = self._live_slot(follows)
         if lead is not None:
             self._leader[slot] = lead
             self._set_bound(slot, True)
@@ -283,13 +284,14 @@ class FlowNetwork:
             self._caught = np.zeros(0, dtype=np.int64)
             return rate
         k, slots, _, j = view
+        self._free_rate[act] = rate  # what _recheck compares with
         room = self._room(view, None)
         caught = (room < self._left[slots] - 1e-6) & (room <= rate[k] * dt)
         self._caught = slots[caught]
         if not caught.any():
             return rate
         capped = rate.copy()
-        for _ in range(32):  # down chains of followers: a leader's cap passes to its own
+        for _ in range(self._n_bound + 1):  # down chains: a leader's cap passes to its own
             lead_rate = np.where(j >= 0, capped[np.maximum(j, 0)], 0.0)
             new = np.where(caught, np.minimum(capped[k], lead_rate), capped[k])
             if np.array_equal(new, capped[k]):
@@ -304,16 +306,16 @@ class FlowNetwork:
         rates were computed (their caps must change)."""
         if view is None:
             return self._caught.size > 0
-        k, slots, _, _ = view
+        slots = view[1]
         room = self._room(view, None)
-        caught = slots[(room < self._left[slots] - 1e-6) & (room <= self._rate[act][k] * dt)]
+        caught = slots[(room < self._left[slots] - 1e-6) & (room <= self._free_rate[slots] * dt)]
         return not np.array_equal(np.sort(caught), np.sort(self._caught))
 
     def _clamp(self, view: tuple[IArr, IArr, IArr, IArr], step: FArr) -> None:
         """Cut each bound flow's ``step`` (bytes, in place) to what its leader or limit allows,
         down chains of followers until nothing changes."""
         k = view[0]
-        for _ in range(64):
+        for _ in range(self._n_bound + 1):  # each round settles one more level of a chain
             new = np.minimum(step[k], np.maximum(self._room(view, step), 0.0))
             if np.array_equal(new, step[k]):
                 return
@@ -331,19 +333,47 @@ class FlowNetwork:
             else:
                 self._set_bound(f, False)
 
-    def refollow(self, fid: int, leader: int | None, slack: float = 0.0) -> None:
+    def refollow(self, fid: int, leader: int | None, slack: float = 0.0) -> bool:
         """Bind flow ``fid`` to another live flow ``leader`` (its source now receives the
-        shard through that one) with a new ``slack`` (see :meth:`add`), or to nothing (None:
-        its source holds the whole range now). A ``fid`` that is not live is ignored, and so is
-        a ``leader`` that is not (the flow is then unbound)."""
-        slot = self._slot.get(fid)
+        shard through that one) with a new ``slack`` (see :meth:`add`), or to nothing (None,
+        or a ``leader`` that is not live: its source holds the whole range now).
+
+        Returns:
+            False, changing nothing, if ``fid`` is not live or ``leader`` follows ``fid``
+            (directly or down a chain): the two would wait for each other forever.
+        """
+        slot = self._live_slot(fid)
         if slot is None:
-            return
-        lead = self._slot.get(leader) if leader is not None else None
+            return False
+        lead = self._live_slot(leader)
+        hop, hops = lead, 0
+        while hop is not None and hop >= 0 and hops <= self._n_bound:  # a cycle?
+            if hop == slot:
+                return False
+            hop, hops = int(self._leader[hop]) if self._bound[hop] else None, hops + 1
         self._leader[slot] = -1 if lead is None else lead
         self._slack[slot] = slack
         self._limit[slot] = INF
         self._set_bound(slot, lead is not None)
+        return True
+
+    def _depths(self, slots: IArr) -> IArr:
+        """How many leaders each of ``slots`` follows, down its chain (0: none)."""
+        depth = np.zeros(slots.size, dtype=np.int64)
+        if self._n_bound == 0:
+            return depth
+        for n, slot in enumerate(slots.tolist()):
+            hop = slot
+            while self._bound[hop] and self._leader[hop] >= 0 and depth[n] <= self._n_bound:
+                hop = int(self._leader[hop])
+                depth[n] += 1
+        return depth
+
+    def _live_slot(self, fid: int | None) -> int | None:
+        """The slot of flow ``fid`` if it is live (added, neither done nor cancelled; a flow
+        that finished in the step being advanced keeps its slot until its callback ran)."""
+        slot = self._slot.get(fid) if fid is not None else None
+        return slot if slot is not None and self._live[slot] else None
 
     def moved(self, fid: int) -> float:
         """Bytes a flow has moved so far."""
@@ -413,7 +443,8 @@ class FlowNetwork:
         with np.errstate(divide="ignore", invalid="ignore"):
             t_done = t0 - lags[fin] + np.where(rate[fin] > 0, left[fin] / rate[fin], 0.0)
         t_done = np.maximum(t_done, t0)
-        order = np.argsort(t_done, kind="stable")
+        depth = self._depths(done)
+        order = np.lexsort((depth, t_done))  # by time, leaders before their followers
         finished = [(self._flow_of_slot[int(done[i])], float(min(t_done[i], t1))) for i in order]
         for fid, _ in finished:
             slot = self._slot[fid]

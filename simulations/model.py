@@ -86,15 +86,17 @@ topology's ``hash_bytes_per_s``: the whole version, or only the change
 
 Not modelled: CPU shared between nodes, disk bandwidth, TCP slow start, HTTP/libp2p control
 traffic, gossip delays other than one RTT, the chunk a cut-through source verifies before it
-serves the first byte (1 MiB), a broken leader's requests following its resumed transfer
-(they end and resume elsewhere); rollouts start ``rollouts.load_s`` after a commit
-(not at ``ready_s``). Of NATs: reachability checks (a NATed node knows it is unreachable from
-the start), reservations that fail or expire, a relay's circuit limits, connections a NATed
-node dials to sources (only its upstreams count as dialled), LAN links other than the two
-nodes' access links, connection reversal to a public node (a punch with a symmetric NAT at
-either end fails), connections that die silently, punches ahead between downloads (a node
-punches only at its discovery rounds, which run while it downloads), a punched source joining
-a download before the next discovery round, and NATed relays or origins.
+serves the first byte (1 MiB; a prefix is advertised from the leader's first byte), a broken
+leader's requests following its resumed transfer (they end and resume elsewhere), a corrupt
+leader's requests keeping only the prefix before its first bad chunk (they keep all they
+received), a held request cut after the server's hold when its prefix stops growing; rollouts
+start ``rollouts.load_s`` after a commit (not at ``ready_s``). Of NATs: reachability checks (a
+NATed node knows it is unreachable from the start), reservations that fail or expire, a relay's
+circuit limits, connections a NATed node dials to sources (only its upstreams count as dialled),
+LAN links other than the two nodes' access links, connection reversal to a public node (a punch
+with a symmetric NAT at either end fails), connections that die silently, punches ahead between
+downloads (a node punches only at its discovery rounds, which run while it downloads), a punched
+source joining a download before the next discovery round, and NATed relays or origins.
 """
 
 from __future__ import annotations
@@ -175,6 +177,7 @@ class _Download:
     pump_due: bool = False
     alive: bool = True
     committing: bool = False  # the session said Commit; the commit takes costs.commit_s
+    arrived: set[int] = field(default_factory=set)  # shards whose raw bytes all arrived
 
     @property
     def delta(self) -> bool:
@@ -766,6 +769,7 @@ class Model:
             or not dl.alive
             or key in n.filling
             or i in n.have.get(step, ())
+            or i in dl.arrived  # being checked: an endgame duplicate leads nothing
         ):
             return
         n.filling[key] = (fl.fid, fl.req.start)
@@ -792,11 +796,14 @@ class Model:
             # an endgame duplicate still brings the shard in: the node's verified prefix
             # keeps growing through it, and so do the responses that followed this one
             n.filling[key] = other
-            for _, ffl in fed:
-                if ffl.fid is not None:
-                    self.net.refollow(ffl.fid, other[0], other[1] - ffl.req.start)
-            self._followers.setdefault(other[0], []).extend(fed)
-            return
+            stuck = []  # those the duplicate itself waits for (a cycle): cut, as below
+            for fdl, ffl in fed:
+                slack = other[1] - ffl.req.start
+                if ffl.fid is not None and self.net.refollow(ffl.fid, other[0], slack):
+                    self._followers.setdefault(other[0], []).append((fdl, ffl))
+                else:
+                    stuck.append((fdl, ffl))
+            fed = stuck
         for fdl, ffl in fed:
             if cut and ffl.fid is not None:
                 moved = self.net.cancel(ffl.fid)
@@ -816,6 +823,7 @@ class Model:
         """``fl`` brought its whole shard into ``dl``'s node: the responses that followed
         another transfer of it (an endgame duplicate, about to be cancelled) may finish."""
         n, key = self.nodes[dl.node], (dl.ver.step, fl.req.shard)
+        dl.arrived.add(fl.req.shard)
         lead = n.filling.pop(key, None)
         if lead is None:
             return

@@ -290,6 +290,68 @@ def test_refollow_moves_a_follower_to_another_leader_or_frees_it() -> None:
     assert got[follow] < 4.1  # unbound: the 7 MB left at 100 MB/s
 
 
+def test_a_flow_finished_in_this_step_leads_nothing() -> None:
+    """A callback that adds a follower of a flow that finished earlier in the same step (its
+    slot not yet freed) binds nothing: that slot is handed to the next flow, and the follower
+    would have followed a stranger (and stalled for good when the stranger was cancelled)."""
+    net = FlowNetwork([100.0, 100.0, 100.0, 10.0])
+    got: dict[int, float] = {}
+    made: list[int] = []
+
+    def x_done(_fid: int, t: float) -> None:
+        made.append(net.add((2,), 50.0, t, lambda f, tt: got.__setitem__(f, tt), follows=lead))
+
+    net.add((0,), 10.0, 0.0, x_done)  # ends at 0.1 s
+    lead = net.add((1,), 10.5, 0.0, lambda f, t: None)  # ends at 0.105 s, same step
+    net.advance(0.0, 0.2)
+    stranger = net.add((3,), 1e6, 0.2, lambda f, t: None)  # 10 B/s, in lead's old slot
+    t = 0.2
+    while made[0] not in got and t < 5:
+        net.advance(t, 0.2)
+        t += 0.2
+        if t > 0.5:
+            net.cancel(stranger)
+    assert got[made[0]] < 1.0  # 50 bytes at 100 B/s, bound to nothing
+
+
+def test_leaders_finish_before_their_followers_in_a_step() -> None:
+    """A caught-up follower ends with its leader: the leader's callback comes first (a model
+    judges the leader's bytes before it accepts what followed them)."""
+    net = FlowNetwork([100e6, 100e6, 100e6, 100e6, 1e6, 100e6])
+    seen: list[str] = []
+    filler = net.add((0, 3), 1.0, 0.0, lambda f, t: None)  # takes the lowest slot
+    lead = net.add((0, 4), 1e6, 0.0, lambda f, t: seen.append("leader"))
+    net.cancel(filler)  # the follower gets the lower slot, ahead of its leader's
+    net.add((1, 5), 1e6, 0.0, lambda f, t: seen.append("follower"), follows=lead)
+    _run(net, dt=0.01)
+    assert seen == ["leader", "follower"]
+
+
+def test_deep_chains_keep_the_bound() -> None:
+    """120 flows, each following the last: none gets ahead of the head (1 B/s)."""
+    n = 121
+    net = FlowNetwork([1e6] * n + [1.0] + [1e6] * (n - 1))
+    done: list[int] = []
+    ids = [net.add((0, n + 0), 100.0, 0.0, lambda f, t: done.append(f))]
+    for i in range(1, n):
+        ids.append(net.add((i, n + i), 100.0, 0.0, lambda f, t: done.append(f), follows=ids[-1]))
+    net.advance(0.0, 0.1)
+    net.advance(0.1, 0.1)
+    assert not done  # a follower that raced ahead would have finished its 100 bytes
+    assert net.moved(ids[0]) == pytest.approx(0.2)
+    assert max(net.moved(f) for f in ids) <= net.moved(ids[0]) + 1e-9
+
+
+def test_refollow_refuses_a_cycle() -> None:
+    net = FlowNetwork([1e6] * 6)
+    a = net.add((0, 3), 1e3, 0.0, lambda f, t: None)
+    b = net.add((1, 4), 1e3, 0.0, lambda f, t: None, follows=a)
+    c = net.add((2, 5), 1e3, 0.0, lambda f, t: None, follows=b)
+    assert not net.refollow(a, c)  # a -> c -> b -> a: each would wait for the other
+    assert not net.refollow(b, b)
+    assert net.refollow(c, a)
+
+
 def test_follows_a_finished_flow_binds_nothing() -> None:
     net = FlowNetwork([10e6, 10e6, 10e6, 10e6])
     got: dict[int, float] = {}
