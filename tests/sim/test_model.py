@@ -179,23 +179,10 @@ def test_nodes_serve_the_shards_they_are_still_receiving() -> None:
     the relay sending 1.8 copies (the model before cut-through). Emulated at 512 MiB: 135.0 s;
     modelled: 123.9 s (the model without cut-through: 149.3 s)."""
     size = 64 << 20
-    relay = {"name": "relay", "role": "relay", "upstreams": ["origin"], "latency_ms": 1}
-    data = _small(
-        checkpoint={"size_bytes": size, "shard_size_bytes": 16 << 20, "versions": 1},
-        nodes=[
-            {"name": "origin", "role": "origin", "up_mbps": 1000, "down_mbps": 1000},
-            {**relay, "up_mbps": 40, "down_mbps": 1000},
-            {
-                "name": "peer",
-                "role": "peer",
-                "count": 6,
-                "upstreams": ["relay"],
-                "up_mbps": 100,
-                "down_mbps": 100,
-                "latency_ms": 5,
-            },
-        ],
-    )
+    data = _small(checkpoint={"size_bytes": size, "shard_size_bytes": 16 << 20, "versions": 1})
+    _, relay, peers = data["nodes"]
+    relay.update(count=1, up_mbps=40, latency_ms=1)  # the bottleneck: 5 MB/s
+    peers.update(latency_ms=5)
     s = Model(parse(data)).run()
     assert len(_honest_peers(s)) == 6
     once_s = size / 5e6  # 40 Mb/s
