@@ -36,7 +36,7 @@ cancelled, they are bound by what it moved (they stall until the caller ends the
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
 import numpy as np
@@ -285,8 +285,7 @@ class FlowNetwork:
             return rate
         k, slots, _, j = view
         self._free_rate[act] = rate  # what _recheck compares with
-        room = self._room(view, None)
-        caught = (room < self._left[slots] - 1e-6) & (room <= rate[k] * dt)
+        caught = self._caught_up(view, dt)
         self._caught = slots[caught]
         if not caught.any():
             return rate
@@ -306,10 +305,15 @@ class FlowNetwork:
         rates were computed (their caps must change)."""
         if view is None:
             return self._caught.size > 0
+        caught = view[1][self._caught_up(view, dt)]
+        return not np.array_equal(np.sort(caught), np.sort(self._caught))
+
+    def _caught_up(self, view: tuple[IArr, IArr, IArr, IArr], dt: float) -> npt.NDArray[np.bool_]:
+        """Which bound flows of ``view`` would reach their bound within ``dt`` at their
+        uncapped max-min rate (short of their own end)."""
         slots = view[1]
         room = self._room(view, None)
-        caught = slots[(room < self._left[slots] - 1e-6) & (room <= self._free_rate[slots] * dt)]
-        return not np.array_equal(np.sort(caught), np.sort(self._caught))
+        return (room < self._left[slots] - 1e-6) & (room <= self._free_rate[slots] * dt)
 
     def _clamp(self, view: tuple[IArr, IArr, IArr, IArr], step: FArr) -> None:
         """Cut each bound flow's ``step`` (bytes, in place) to what its leader or limit allows,
@@ -346,27 +350,29 @@ class FlowNetwork:
         if slot is None:
             return False
         lead = self._live_slot(leader)
-        hop, hops = lead, 0
-        while hop is not None and hop >= 0 and hops <= self._n_bound:  # a cycle?
-            if hop == slot:
-                return False
-            hop, hops = int(self._leader[hop]) if self._bound[hop] else None, hops + 1
+        if lead is not None and (lead == slot or slot in self._leaders_of(lead)):
+            return False
         self._leader[slot] = -1 if lead is None else lead
         self._slack[slot] = slack
         self._limit[slot] = INF
         self._set_bound(slot, lead is not None)
         return True
 
+    def _leaders_of(self, slot: int) -> Iterator[int]:
+        """The slots of the flows ``slot``'s flow follows, nearest first, down its chain (at
+        most as many as there are bound flows)."""
+        for _ in range(self._n_bound):
+            if not self._bound[slot] or self._leader[slot] < 0:
+                return
+            slot = int(self._leader[slot])
+            yield slot
+
     def _depths(self, slots: IArr) -> IArr:
         """How many leaders each of ``slots`` follows, down its chain (0: none)."""
         depth = np.zeros(slots.size, dtype=np.int64)
-        if self._n_bound == 0:
-            return depth
-        for n, slot in enumerate(slots.tolist()):
-            hop = slot
-            while self._bound[hop] and self._leader[hop] >= 0 and depth[n] <= self._n_bound:
-                hop = int(self._leader[hop])
-                depth[n] += 1
+        if self._n_bound:
+            for n, slot in enumerate(slots.tolist()):
+                depth[n] = sum(1 for _ in self._leaders_of(slot))
         return depth
 
     def _live_slot(self, fid: int | None) -> int | None:

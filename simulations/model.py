@@ -781,17 +781,18 @@ class Model:
             n.waiters[key] = rest
         self._poll_soon(dl.node, step)
 
-    def _end_leader(self, dl: _Download, fl: _Flight, cut: bool) -> None:
-        """``fl``'s flow ended: it no longer brings its shard into ``dl``'s node. ``cut``: it
-        did not deliver the whole shard, or delivered bad bytes, which a node never serves
-        (it verifies each chunk first): the requests it was feeding end broken, keeping
-        what arrived (the session resumes them elsewhere). Otherwise they may finish."""
+    def _end_leader(self, dl: _Download, fl: _Flight) -> None:
+        """``fl``'s flow ended without its whole shard (cancelled, its source gone) or with
+        bad bytes, which a node never serves (it verifies each chunk first): if it led the
+        shard into ``dl``'s node, the requests it was feeding follow an endgame duplicate
+        still under way, or end broken, keeping what arrived (the session resumes them
+        elsewhere). A shard that arrived whole is :meth:`_arrived`."""
         n, key = self.nodes[dl.node], (dl.ver.step, fl.req.shard)
         if fl.fid is None or n.filling.get(key, (None, 0))[0] != fl.fid:
             return
         del n.filling[key]
         fed = [(fdl, ffl) for fdl, ffl in self._followers.pop(fl.fid, []) if not ffl.done]
-        other = self._other_leader(dl, fl) if cut and dl.alive else None
+        other = self._other_leader(dl, fl) if dl.alive else None
         if other is not None:
             # an endgame duplicate still brings the shard in: the node's verified prefix
             # keeps growing through it, and so do the responses that followed this one
@@ -805,7 +806,7 @@ class Model:
                     stuck.append((fdl, ffl))
             fed = stuck
         for fdl, ffl in fed:
-            if cut and ffl.fid is not None:
+            if ffl.fid is not None:
                 moved = self.net.cancel(ffl.fid)
                 self._account(fdl, ffl, moved)
                 self._fail(fdl, ffl, Outcome.BROKEN, int(moved))
@@ -820,8 +821,8 @@ class Model:
         return None
 
     def _arrived(self, dl: _Download, fl: _Flight) -> None:
-        """``fl`` brought its whole shard into ``dl``'s node: the responses that followed
-        another transfer of it (an endgame duplicate, about to be cancelled) may finish."""
+        """``fl`` brought its whole shard into ``dl``'s node: the responses that followed it,
+        or another transfer of it (an endgame duplicate, about to be cancelled), may finish."""
         n, key = self.nodes[dl.node], (dl.ver.step, fl.req.shard)
         dl.arrived.add(fl.req.shard)
         lead = n.filling.pop(key, None)
@@ -871,8 +872,9 @@ class Model:
         req, i = fl.req, fl.req.shard
         src = self.nodes[fl.src]
         corrupt = src.spec.behavior == "corrupt" and src.rng.random() < src.spec.corrupt_fraction
-        self._end_leader(dl, fl, cut=corrupt)
-        if not corrupt:
+        if corrupt:
+            self._end_leader(dl, fl)
+        else:
             self._arrived(dl, fl)
         self._account(dl, fl, float(fl.req.length))
         if corrupt:
@@ -923,7 +925,7 @@ class Model:
     def _account(self, dl: _Download, fl: _Flight, moved: float) -> None:
         if fl.fid is None:
             return
-        self._end_leader(dl, fl, cut=True)  # a no-op after a complete transfer (_complete)
+        self._end_leader(dl, fl)  # a no-op after a complete transfer (_complete)
         src = self.nodes[fl.src]
         src.out.pop(fl.fid, None)
         src.serving[dl.ver.step] -= 1
