@@ -5,7 +5,7 @@ from __future__ import annotations
 import os
 import signal
 from pathlib import Path
-from typing import Annotated, Any
+from typing import Annotated, Any, NoReturn
 
 import typer
 
@@ -46,6 +46,13 @@ def _check_compare(compare: Path | None) -> None:
             report.load(compare)
         except report.ReportError as exc:
             fail(ConfigError("compare", str(exc)))
+
+
+def _interrupted(exc: KeyboardInterrupt) -> NoReturn:
+    """An emulation ended by Ctrl-C or SIGTERM (:class:`simulations.emulate.Interrupted`)
+    after its cleanup: say so and exit 128 + the signal's number (130, 143)."""
+    typer.echo("shardnet: interrupted; processes and namespaces removed", err=True)
+    raise typer.Exit(128 + getattr(exc, "signum", signal.SIGINT)) from None
 
 
 def _sim_finish(summary: dict[str, Any], out: Path, compare: Path | None) -> None:
@@ -142,8 +149,7 @@ def simulate_emulate(
     except ConfigError as exc:  # the options, or the topology (TopologyError)
         fail(exc)
     except KeyboardInterrupt as exc:
-        typer.echo("shardnet: interrupted; processes and namespaces removed", err=True)
-        raise typer.Exit(128 + getattr(exc, "signum", signal.SIGINT)) from None
+        _interrupted(exc)
     except RuntimeError as exc:
         typer.echo(f"shardnet: error: {exc}", err=True)
         raise typer.Exit(2) from None
@@ -172,8 +178,8 @@ def simulate_calibrate(
         res = calibrate(load(topology), _report_dir(out), scale, tolerance)
     except ConfigError as exc:  # scale, tolerance, or the topology (TopologyError)
         fail(exc)
-    except KeyboardInterrupt:
-        raise typer.Exit(130) from None
+    except KeyboardInterrupt as exc:
+        _interrupted(exc)
     typer.echo(json.dumps(res))
     raise typer.Exit(0 if res["ok"] else 1)
 

@@ -80,3 +80,17 @@ def test_model_scale_shrinks_the_checkpoint_as_emulate_does(tmp_path: Path) -> N
     ck = json.loads((out / "summary.json").read_text())["checkpoint"]
     assert ck["scale"] == 0.25
     assert ck["size_bytes"] == 1_073_741_824 // 4
+
+
+@pytest.mark.parametrize(("signum", "code"), [(15, 143), (2, 130)])
+def test_interrupted_emulation_or_calibration_exits_128_plus_signal(signum: int, code: int) -> None:
+    """``emulate`` and ``calibrate`` both end an interrupted emulation the same way (calibrate
+    exited 130 for SIGTERM too)."""
+    import typer
+
+    from shardnet.simulate_cli import _interrupted
+    from simulations.emulate import Interrupted
+
+    with pytest.raises(typer.Exit) as info:
+        _interrupted(Interrupted(signum) if signum != 2 else KeyboardInterrupt())
+    assert info.value.exit_code == code
