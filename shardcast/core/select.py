@@ -244,7 +244,8 @@ class Scheduler:
         # kept in step with the shard and source states so next_request stays cheap with
         # thousands of shards: shards known, not done, not in flight (and how many are not yet
         # known, not done: no endgame before that is 0); and, per shard, how many
-        # non-banned partial sources hold it
+        # non-banned partial sources hold it (whole, or a prefix: ``prefix`` maps shards to
+        # bytes, so it is counted by its keys, never as a Counter would read a mapping)
         self._idle = {i for i, s in enumerate(self._shards) if s.known and not s.done}
         self._unknown = sum(1 for s in self._shards if not s.known and not s.done)
         self._held: Counter[int] = Counter()
@@ -278,7 +279,7 @@ class Scheduler:
         else:
             if st.have is not None and not st.banned:
                 self._held.subtract(st.have)
-                self._held.subtract(st.prefix)
+                self._held.subtract(st.prefix.keys())  # one per shard, not its bytes
             st.prefix = {}
             st.have = hv
         if hv is not None and not st.banned:
@@ -334,7 +335,7 @@ class Scheduler:
         st = self._sources.pop(source, None)
         if st is not None and st.have is not None and not st.banned:
             self._held.subtract(st.have)
-            self._held.subtract(st.prefix)
+            self._held.subtract(st.prefix.keys())  # one per shard, not its bytes
 
     def sources(self) -> list[SourceState]:
         """Snapshot of the source states (for progress display)."""
@@ -862,7 +863,7 @@ class Scheduler:
             return []
         if st.have is not None:
             self._held.subtract(st.have)
-            self._held.subtract(st.prefix)
+            self._held.subtract(st.prefix.keys())  # one per shard, not its bytes
         st.banned = True
         return [rid for rid, fl in self._flights.items() if fl.req.source == source]
 

@@ -229,6 +229,32 @@ def test_rarest_shard_first() -> None:
     assert [(r.shard, r.source) for r in drain(sched, 0.0)] == [(0, "a"), (1, "b"), (2, "c")]
 
 
+@pytest.mark.parametrize("leaves", ["completes", "is_removed", "is_banned"])
+def test_a_source_that_held_prefixes_leaves_the_rarity_counts_right(leaves: str) -> None:
+    """A partial source that served prefixes and then completes, leaves or is banned stops
+    counting as one holder of each of those shards: rarity is counted in holders, never in
+    the prefixes' bytes (they were once subtracted as counts, which made a shard held by
+    many look rarer than any other for the rest of the download)."""
+    for seed in range(6):
+        cfg = SchedulerConfig(explore=0.0, endgame_duplicates=0)
+        sched = Scheduler([100, 100, 100], random.Random(seed), cfg)
+        sched.add_source("q", have={0, 1})
+        sched.add_source("r", have={1, 2})
+        sched.add_source("s", have={0})
+        sched.add_source("p", have=())
+        sched.set_prefixes("p", {0: 50})
+        if leaves == "completes":
+            sched.add_source("p")  # its /have now says it holds every shard
+        elif leaves == "is_removed":
+            sched.remove_source("p")
+        else:
+            sched.ban("p")
+        # holders now: shard 0 -> q, s; shard 1 -> q, r; shard 2 -> r alone
+        req = sched.next_request(0.0)
+        assert req is not None
+        assert req.shard == 2, seed
+
+
 def test_equally_rare_shards_are_spread_by_the_seed() -> None:
     firsts = set()
     for seed in range(10):
