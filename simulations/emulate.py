@@ -585,11 +585,13 @@ def run(
     """
     old = signal.signal(signal.SIGTERM, _raise_interrupt)
     tmp = opts.workdir is None
-    wd = Path(tempfile.mkdtemp(prefix="shardnet-emulate-")) if tmp else opts.workdir
-    assert wd is not None
-    wd.mkdir(parents=True, exist_ok=True)
-    em = Emulation(topo, opts, wd)
-    try:
+    wd: Path | None = None
+    em: Emulation | None = None
+    try:  # everything after the handler, so that whatever raises undoes what was done
+        wd = Path(tempfile.mkdtemp(prefix="shardnet-emulate-")) if tmp else opts.workdir
+        assert wd is not None
+        wd.mkdir(parents=True, exist_ok=True)
+        em = Emulation(topo, opts, wd)
         netns.cleanup_stale()
         try:
             em.start()
@@ -601,10 +603,11 @@ def run(
         return em.summary()
     finally:
         try:
-            em.stop_all()
+            if em is not None:
+                em.stop_all()
         finally:
-            if em.lab is not None:
+            if em is not None and em.lab is not None:
                 em.lab.teardown()
             signal.signal(signal.SIGTERM, old)
-            if tmp:
+            if tmp and wd is not None:
                 shutil.rmtree(wd, ignore_errors=True)

@@ -265,3 +265,24 @@ def test_emulated_peers_never_super_seed_relays_use_the_models_window(
 
     assert window_of("peer") == 0.0
     assert window_of("relay") == (SUPER_SEED_S if window is None else window)
+
+
+def test_a_run_that_fails_to_set_up_undoes_its_signal_handler_and_directory(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``run`` installs a SIGTERM handler and creates its temporary directory first: an error
+    while the emulation is set up (here its constructor) must restore the handler and remove
+    the directory, as an error during the run does."""
+    from simulations import emulate
+    from simulations.topology import TopologyError, parse
+
+    def refuse(*args: object) -> None:
+        raise TopologyError("checkpoint.size_bytes", "refused for the test")
+
+    monkeypatch.setattr(emulate, "Emulation", refuse)
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+    before = signal.getsignal(signal.SIGTERM)
+    with pytest.raises(TopologyError):
+        emulate.run(parse(tomllib.loads(TINY)), emulate.EmulateOptions())
+    assert signal.getsignal(signal.SIGTERM) is before
+    assert list(tmp_path.iterdir()) == []
