@@ -682,10 +682,60 @@ def _check_invariants(
         assert 0 <= sched.resume_offset(i) < world.lengths[i]
     # white-box: the index of resumable shards matches the per-shard offsets
     assert sched._partial == {i for i in range(len(world.lengths)) if sched.resume_offset(i)}
+    _check_rarity(sched, len(world.lengths))
     cfg = world.config
     per_shard = Counter(r.shard for r in flights.values())
     assert all(n <= 1 + cfg.endgame_duplicates for n in per_shard.values())
     assert sum(r.duplicate for r in flights.values()) <= cfg.endgame_max_total
+
+
+def _check_rarity(sched: Scheduler, n_shards: int) -> None:
+    """White-box: each shard's rarity count is the number of non-banned partial sources that
+    hold it whole or a prefix of it."""
+    for i in range(n_shards):
+        holders = sum(
+            1
+            for src in sched.sources()
+            if src.have is not None and not src.banned and (i in src.have or i in src.prefix)
+        )
+        assert sched._held[i] == holders, i
+
+
+_SOURCE_OPS = st.lists(
+    st.tuples(
+        st.sampled_from(["add_have", "prefixes", "complete", "remove", "ban", "re_add"]),
+        st.sampled_from("pqrs"),
+        st.sets(st.integers(0, 5), max_size=4),
+        st.integers(1, 99),
+    ),
+    max_size=30,
+)
+
+
+@settings(max_examples=300, deadline=None, derandomize=True, database=None)
+@given(ops=_SOURCE_OPS)
+def test_rarity_counts_follow_what_sources_hold(
+    ops: list[tuple[str, str, set[int], int]],
+) -> None:
+    """Sources gain shards and prefixes, complete, leave, are banned and come back in any
+    order: the rarity counts stay the number of holders (prefixes once counted their bytes)."""
+    sched = Scheduler([100] * 6, random.Random(0), SchedulerConfig(explore=0.0))
+    for name in "pqrs":
+        sched.add_source(name, have=())
+    for what, name, shards, nbytes in ops:
+        if what == "add_have":
+            sched.add_have(name, shards)
+        elif what == "prefixes":
+            sched.set_prefixes(name, dict.fromkeys(shards, nbytes))
+        elif what == "complete":
+            sched.add_source(name)
+        elif what == "remove":
+            sched.remove_source(name)
+        elif what == "ban":
+            sched.ban(name)
+        else:
+            sched.add_source(name, have=shards)
+        _check_rarity(sched, 6)
 
 
 @settings(max_examples=250, deadline=None, derandomize=True, database=None)
