@@ -66,8 +66,9 @@ class EmulateOptions:
     """Options of one emulation run.
 
     Raises:
-        ConfigError: ``scale`` or ``timeout_s`` given and not > 0 (named ``scale``,
-            ``timeout``: the CLI's options).
+        ConfigError: ``timeout_s`` given and not > 0 (named ``timeout``, the CLI's option; a
+            ``scale`` not > 0 is refused by :func:`~simulations.topology.scaled` when
+            :func:`run` builds the emulation, before any node starts).
 
     Attributes:
         scale: checkpoint size factor (None: the topology's ``[emulation] scale``).
@@ -84,9 +85,8 @@ class EmulateOptions:
     start_timeout_s: float = 60.0
 
     def __post_init__(self) -> None:
-        for name, value in (("scale", self.scale), ("timeout", self.timeout_s)):
-            if value is not None and not value > 0:
-                raise ConfigError(name, f"must be > 0, not {value:g}")
+        if self.timeout_s is not None and not self.timeout_s > 0:
+            raise ConfigError("timeout", f"must be > 0, not {self.timeout_s:g}")
 
 
 @dataclass

@@ -592,13 +592,8 @@ def scaled(topo: Topology, scale: float) -> Topology:
             "shard_size_bytes": max(64 << 10, int(ck.shard_size_bytes * scale)),
         }
     )
-    return Topology(
-        topo.spec.model_copy(update={"checkpoint": new_ck}),
-        topo.nodes,
-        topo.links,
-        topo.events,
-        topo.source,
-        topo.scale * scale,
+    return dataclasses.replace(
+        topo, spec=topo.spec.model_copy(update={"checkpoint": new_ck}), scale=topo.scale * scale
     )
 
 
