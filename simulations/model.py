@@ -41,7 +41,8 @@ model's clock as ``now`` and a per-node seeded ``random.Random``:
   shard the source will receive but does not yet, or for a delta blob, waits there for it
   (up to ``serve_wait_s``). Without cut-through, a relay whose uplink is the bottleneck sent
   1.8 copies and its peers took 1.9x as long (``tests/sim/test_model.py``); emulated, a
-  40 Mb/s relay and six 100 Mb/s peers (512 MiB): 135.0 s, modelled 123.9 s, 149.3 s before.
+  40 Mb/s relay and six 100 Mb/s peers (512 MiB): 135.0 s, modelled 123.9 s, 149.3 s before
+  (since overdue transfers are cut: emulated 119.4 s, modelled 123.9 s).
   Nodes keep versions by
   :func:`shardcast.core.retention.versions_to_prune` with served versions and delta bases pinned,
   and catch up with :func:`shardcast.core.catchup.plan`;
@@ -160,6 +161,7 @@ class _Flight:
     fid: int | None = None
     waiting: bool = False
     done: bool = False
+    reported: int = 0  # bytes told to the session (Session.progress)
 
 
 @dataclass
@@ -605,13 +607,17 @@ class Model:
         for a in actions:
             if isinstance(a, Fetch):
                 self._request(dl, a, now)
-            elif isinstance(a, Cancel):
+            elif isinstance(a, Cancel):  # an endgame loser, a ban's, or an overdue transfer
                 loser = dl.flights.pop(a.req, None)
+                moved = 0.0
                 if loser is not None:
-                    loser.done = True
                     if loser.fid is not None:
-                        self._account(dl, loser, self.net.cancel(loser.fid))
-                self._apply(dl, dl.session.transfer_ended(a.req, Outcome.CANCELLED, 0, now))
+                        self._end_leader(dl, loser)  # what it fed resumes elsewhere
+                        moved = self.net.cancel(loser.fid)
+                        self._account(dl, loser, moved)
+                    loser.done = True
+                ended = dl.session.transfer_ended(a.req, Outcome.CANCELLED, int(moved), now)
+                self._apply(dl, ended)
             elif isinstance(a, KeepSuspect):
                 bad = dl.corrupt.get(a.req)
                 dl.bad_copies[a.copy] = {bad} if bad is not None else set()
@@ -643,6 +649,12 @@ class Model:
         if not dl.alive or self.env.now < dl.started:
             return
         now = self.env.now
+        for fl in dl.flights.values():  # what the driver reports per piece (overdue rule)
+            if fl.fid is not None and not fl.done:
+                moved = int(self.net.moved(fl.fid))
+                if moved > fl.reported:
+                    fl.reported = moved
+                    dl.session.progress(now, fl.req.req, moved)
         self._apply(dl, dl.session.poll(now), t)
         if not dl.alive:
             return
@@ -709,6 +721,19 @@ class Model:
         src.out[fl.fid] = (dl, fl.req.req)
         if lead is not None:
             self._followers.setdefault(lead[0], []).append((dl, fl))
+        if not math.isinf(self.sched_cfg.overdue_factor):
+            self._at(start + self.sched_cfg.overdue_min_s, self._judge, dl, fl)
+
+    def _judge(self, dl: _Download, fl: _Flight) -> None:
+        """While ``fl`` runs, poll its session every ``overdue_min_s``, so a slow transfer is
+        judged overdue without waiting for another event of its download (the driver's loop
+        polls every quarter of that, :meth:`~shardcast.core.session.Session.next_wake`: the
+        model's coarser tick cuts at most ``overdue_min_s`` later and keeps it fast)."""
+        if fl.done or not dl.alive:
+            return
+        self._pump(dl)
+        if not fl.done:
+            self._at(self.env.now + self.sched_cfg.overdue_min_s, self._judge, dl, fl)
 
     def _leader(self, src: int, step: int, fl: _Flight) -> tuple[int, int] | None:
         """(flow id, start byte) of the raw transfer bringing ``fl``'s shard into ``src``, if

@@ -115,6 +115,10 @@ async def honest_source(version: Version) -> AsyncIterator[tuple[HttpServer, lis
         yield http, asked
 
 
+TRICKLE_BYTES = 1024  # Fault.TRICKLE: bytes per piece
+TRICKLE_S = 1.0  # Fault.TRICKLE: seconds between pieces
+
+
 class Fault(enum.Enum):
     """How a fault source answers one range request."""
 
@@ -126,6 +130,7 @@ class Fault(enum.Enum):
     UNAVAILABLE = "unavailable"  # 503 with Retry-After: 1
     WRONG_VERSION = "wrong_version"  # 409: it holds another version under this step
     SHORT_FILE = "short_file"  # serves every file as if it were shorter (a stale copy)
+    TRICKLE = "trickle"  # sends the body TRICKLE_BYTES every TRICKLE_S (a congested uplink)
 
 
 @dataclass(frozen=True)
@@ -240,6 +245,20 @@ async def _answer_one(
     if fault is Fault.STALL_AFTER_HEADERS:
         await _send(stream, conn, 206, content_range, b"", length=length)
         await trio.sleep_forever()
+    if fault is Fault.TRICKLE:
+        await stream.send_all(
+            conn.send(
+                h11.Response(
+                    status_code=206, headers=[*content_range, ("content-length", str(length))]
+                )
+            )
+        )
+        for at in range(0, length, TRICKLE_BYTES):
+            await trio.sleep(TRICKLE_S)
+            await stream.send_all(conn.send(h11.Data(data=bytes(body[at : at + TRICKLE_BYTES]))))
+            src.body_bytes_sent += len(body[at : at + TRICKLE_BYTES])
+        await stream.send_all(conn.send(h11.EndOfMessage()))
+        return True
     if fault is Fault.TRUNCATE:
         await _send(stream, conn, 206, content_range, bytes(body[: length // 2]), length=length)
         src.body_bytes_sent += length // 2

@@ -59,6 +59,17 @@ sources whose byte ranges differ. A source with ``max_corrupt`` (default 1: the 
 corrupt transfers is banned, and the requests it still has in flight are returned for the
 driver to cancel. :class:`SourceBans` carries bans across versions for a set time.
 
+Overdue transfers: a transfer whose own progress (bytes since its first byte, reported by the
+driver through :meth:`Scheduler.on_progress`) projects it to end ``overdue_factor`` times later
+than the best other ready, measured source could deliver the rest, and at least
+``overdue_min_s`` from now, is handed back by :meth:`Scheduler.overdue` for the driver to
+cancel. The shard resumes at the byte the transfer reached, from another source; the slow
+one's measured throughput becomes a sample of its rate, and it is not asked for that shard
+again for ``overdue_min_s``.
+Without this a node's request slots can all sit on home peers' congested uplinks for a
+minute while a relay that could send the same bytes in a second stands idle: the rate of a
+source is otherwise learnt only when a transfer from it ends.
+
 Endgame: when every missing shard is already in flight, up to ``endgame_duplicates`` extra
 requests per shard (and ``endgame_max_total`` overall) go to other sources; the first copy
 to verify wins and :meth:`on_success` returns the duplicates to cancel.
@@ -114,6 +125,12 @@ class SchedulerConfig:
             request slot (at most one), here and in ``per_source_inflight``: with 4 MiB,
             two slots of a source hold ~32 blobs of 250 KB (a next version's typical blob)
             instead of 2, so they go out in one or two batches, not one request each.
+        overdue_factor: a transfer projected (at its own throughput so far) to need more than
+            this factor times what the best other ready, measured source is expected to take
+            for the bytes it still lacks is handed back by :meth:`Scheduler.overdue` (> 1;
+            inf: never).
+        overdue_min_s: ... but not before it has run this long, nor when it is projected to
+            end sooner than this, seconds (a short transfer is never worth cutting).
     """
 
     max_inflight: int = 4
@@ -130,6 +147,8 @@ class SchedulerConfig:
     complete_cost_factor: float = 1.25
     refused_s: float = 1.0
     light_slot_bytes: int = 4 << 20
+    overdue_factor: float = 4.0
+    overdue_min_s: float = 4.0
 
     def __post_init__(self) -> None:
         if not self.complete_cost_factor >= 1:
@@ -138,6 +157,8 @@ class SchedulerConfig:
             raise LocalProtocolError("in-flight limits must be >= 1")
         if self.light_slot_bytes < 1:
             raise LocalProtocolError("light_slot_bytes must be >= 1")
+        if not self.overdue_factor > 1 or not self.overdue_min_s >= 0:
+            raise LocalProtocolError("overdue_factor must be > 1 and overdue_min_s >= 0")
         if not self.rarity_slack >= 1:
             raise LocalProtocolError("rarity_slack must be >= 1")
         if not 0 <= self.explore <= 1 or not 0 < self.ewma_alpha <= 1:
@@ -191,6 +212,8 @@ class _Flight:
     first_byte: float | None = None
     units: int = 0  # the request's share of a slot (``light_slot_bytes`` = one slot)
     held_whole: bool = False  # a partial source held the (not light) shard whole when asked
+    received: int = 0  # bytes of the request received so far (:meth:`Scheduler.on_progress`)
+    overdue: bool = False  # handed back by :meth:`Scheduler.overdue`, not yet ended
 
 
 @dataclass(frozen=True)
@@ -203,6 +226,7 @@ class SchedulerStats:
     corrupt: int
     resumed: int
     banned: tuple[str, ...]
+    overdue: int = 0
 
 
 @dataclass
@@ -263,6 +287,7 @@ class Scheduler:
         self._load = 0  # request slots in flight, in units (see SourceState.load)
         self._next_id = 0
         self._requests = self._duplicates = self._failures = self._corrupt = self._resumed = 0
+        self._overdue = 0
 
     # -- sources -----------------------------------------------------------------------------
 
@@ -377,6 +402,7 @@ class Scheduler:
             self._corrupt,
             self._resumed,
             tuple(s.source for s in self._sources.values() if s.banned),
+            self._overdue,
         )
 
     def explain(self, now: float, limit: int = 8) -> str:
@@ -704,6 +730,62 @@ class Scheduler:
         if fl is not None and fl.first_byte is None:
             fl.first_byte = now
 
+    def on_progress(self, req_id: int, received: int) -> None:
+        """``received`` bytes of request ``req_id`` have arrived so far (its throughput, from
+        its first byte, is what :meth:`overdue` projects with)."""
+        fl = self._flights.get(req_id)
+        if fl is not None:
+            fl.received = received
+
+    def overdue(self, now: float) -> list[int]:
+        """Requests the driver should cancel (then report with ``on_failure(kind="overdue",
+        received=...)``) because another source is expected to deliver the rest of their
+        shard much sooner (module docstring, ``overdue_factor``, ``overdue_min_s``).
+
+        Only first copies of whole shards (not endgame duplicates, not delta blobs, which are
+        batched) that have received bytes are judged; each one is returned once. Only measured
+        sources are alternatives: an unmeasured one is assumed as fast as the best measured
+        (or ``initial_rate_bps``), a guess too optimistic to cut a transfer for (a relay whose
+        uplink is the bottleneck would draw every transfer its peers forward to each other).
+        Sources it picks as the alternative are charged the bytes they would take over, so
+        several slow transfers are not all handed to one source that can take one. Pure:
+        reads no clock.
+        """
+        cfg = self.config
+        if math.isinf(cfg.overdue_factor):
+            return []
+        out: list[int] = []
+        prior = 0.0  # unused: only measured sources are alternatives (see _cost)
+        extra: dict[str, int] = {}  # bytes this call already plans to move to a source
+        for rid, fl in self._flights.items():
+            req = fl.req
+            if fl.overdue or req.duplicate or fl.first_byte is None or not fl.received:
+                continue
+            s = self._shards[req.shard]
+            if s.light or s.done or now - fl.started < cfg.overdue_min_s:
+                continue
+            rest = req.length - fl.received
+            rate = fl.received / max(now - fl.first_byte, 1e-6)
+            projected = rest / rate
+            if projected < cfg.overdue_min_s:
+                continue
+            offset = req.start + fl.received
+            best: tuple[float, SourceState] | None = None
+            for st in self._ready(now, {req.source}):
+                if not st.samples:  # an unmeasured source's speed is a guess: no reason to cut
+                    continue
+                if not st.holds(req.shard, offset) or st.not_before.get(req.shard, 0.0) > now:
+                    continue
+                cost = self._cost(st, rest + extra.get(st.source, 0), prior)[0]
+                if best is None or cost < best[0]:
+                    best = (cost, st)
+            if best is None or projected <= cfg.overdue_factor * best[0]:
+                continue
+            extra[best[1].source] = extra.get(best[1].source, 0) + rest
+            fl.overdue = True
+            out.append(rid)
+        return out
+
     def on_success(self, req_id: int, now: float) -> list[int]:
         """The request's bytes completed the shard and it verified.
 
@@ -749,12 +831,15 @@ class Scheduler:
                 super-seeding), ``"refused_unreachable"`` (a refusal that named a holder this
                 node cannot reach: the source may be asked again at once, naming it),
                 ``"corrupt"`` (this source alone sent bytes that failed the
-                digest) or
+                digest),
                 ``"suspect"`` (a copy assembled from several sources failed: nobody is
-                penalized until :func:`blame` names the culprit).
+                penalized until :func:`blame` names the culprit) or ``"overdue"`` (cancelled
+                after :meth:`overdue` returned it: its throughput so far becomes a sample of
+                the source's rate, which is not blocked, but not asked for this shard for
+                ``overdue_min_s``).
             received: bytes of this request received and kept by the driver for resuming
-                (``timeout``/``broken``, and ``corrupt`` with ``kept``); the shard's resume
-                offset advances by it.
+                (``timeout``/``broken``/``overdue``, and ``corrupt`` with ``kept``); the
+                shard's resume offset advances by it.
             kept: for ``corrupt``: the driver kept the bytes before the bad chunk (each
                 verified against the signed chunk list), so the shard resumes at
                 ``start + received`` instead of from 0.
@@ -769,13 +854,16 @@ class Scheduler:
             self._tiebreak[failed.shard] += 1.0
         fl, st = self._finish(req_id)
         s = self._shards[fl.req.shard]
-        if not fl.req.duplicate and not s.done and kind in ("timeout", "broken"):
+        if not fl.req.duplicate and not s.done and kind in ("timeout", "broken", "overdue"):
             self._set_received(fl.req.shard, fl.req.start + received)
         elif kind == "corrupt" and kept and not fl.req.duplicate and not s.done:
             self._set_received(fl.req.shard, fl.req.start + received)  # verified chunks kept
         elif kind in ("corrupt", "suspect"):
             self._set_received(fl.req.shard, 0)
         if st is None:
+            return []
+        if kind == "overdue":
+            self._cut(fl, st, now)
             return []
         self._failures += 1
         if kind == "suspect":
@@ -806,6 +894,17 @@ class Scheduler:
             32.0, 2.0 ** (st.consecutive_failures - 1)
         )
         return []
+
+    def _cut(self, fl: _Flight, st: SourceState, now: float) -> None:
+        """``fl`` was cut as overdue: slow, not failed. Its throughput so far is a sample of
+        its source's rate, and that source is not asked for the shard for ``overdue_min_s``."""
+        self._overdue += 1
+        if fl.first_byte is not None and fl.received:
+            sample = fl.received / max(now - fl.first_byte, 1e-6)
+            a = self.config.ewma_alpha
+            st.rate_bps = (1 - a) * st.rate_bps + a * sample if st.samples else sample
+            st.samples += 1
+        st.not_before[fl.req.shard] = now + self.config.overdue_min_s
 
     def source_back(self, source: str, now: float) -> None:
         """The driver learned that ``source`` is reachable again (its upstream answered after

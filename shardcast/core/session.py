@@ -53,6 +53,7 @@ from __future__ import annotations
 
 import enum
 import logging
+import math
 import random
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
@@ -262,6 +263,8 @@ class DownloadStats:
     """Requests answered ``409`` (the source holds the step under another digest)."""
     refused_unreachable: int = 0
     """Refusals that named a holder this node cannot reach (asked again at once)."""
+    overdue: int = 0
+    """Transfers cancelled as overdue and resumed from a faster source."""
     elapsed_s: float = 0.0
 
 
@@ -351,6 +354,7 @@ class Session:
         self._extra: set[str] = set()
         self._probing: set[str] = set()
         self._store_lost: str | None = None
+        self._overdue: set[int] = set()  # requests cancelled as overdue, not yet ended
         for o in offers:
             self._offer(o)
 
@@ -468,6 +472,9 @@ class Session:
         if self.finished:
             return []
         out: list[Action | End] = []
+        for rid in self.sched.overdue(now):  # ended by the driver: transfer_ended(CANCELLED)
+            self._overdue.add(rid)
+            out.append(Cancel(rid))
         while (req := self.sched.next_request(now)) is not None:
             fetch = self._begin(req, out)
             if fetch is not None:
@@ -503,8 +510,13 @@ class Session:
 
     def next_wake(self, now: float) -> float:
         """Seconds until :meth:`poll` must be called again if nothing happens (penalties
-        expire, the watch's verdict can change)."""
-        return min(self.config.scheduler.penalty_s / 4, self.watch.next_change(now) + 1e-3)
+        expire, the watch's verdict can change, a transfer in flight may be overdue: every
+        quarter of ``overdue_min_s``, at least 0.1 s apart)."""
+        sc = self.config.scheduler
+        wake = min(sc.penalty_s / 4, self.watch.next_change(now) + 1e-3)
+        if self.sched.inflight() and not math.isinf(sc.overdue_factor):
+            wake = min(wake, max(sc.overdue_min_s / 4, 0.1))
+        return wake
 
     def _begin(self, req: Request, out: list[Action | End]) -> Fetch | None:
         enc = self._chosen[req.shard]
@@ -554,9 +566,12 @@ class Session:
             self.sched.on_first_byte(req, now if measure_from is None else measure_from)
         self.watch.on_progress(now)
 
-    def progress(self, now: float) -> None:
-        """More bytes of the version arrived."""
+    def progress(self, now: float, req: int | None = None, received: int = 0) -> None:
+        """More bytes of the version arrived: ``received`` bytes of request ``req`` so far,
+        if the driver tracks them (the scheduler judges overdue transfers by them)."""
         self.watch.on_progress(now)
+        if req is not None:
+            self.sched.on_progress(req, received)
 
     def store_lost(self, req: int | None, error: str) -> None:
         """The partial directory vanished (checking ``req`` hit it): the next poll fails."""
@@ -587,6 +602,8 @@ class Session:
             return []
         f = r.fetch
         out: list[Action] = []
+        cut = req in self._overdue  # a Cancel sent as overdue (it may have ended otherwise)
+        self._overdue.discard(req)
         if outcome is Outcome.OK:
             r.parts.append((f.source, f.start, f.start + received))
             r.checking = True
@@ -595,6 +612,8 @@ class Session:
             _bump(self.stats.bytes_by_encoding, f.encoding, received)
             return [Check(req, f.shard, f.encoding)]
         del self._reqs[req]
+        if cut and outcome is Outcome.CANCELLED:  # cut for a faster source: resume there
+            return self._cut(req, r, received, now)
         if outcome is Outcome.CANCELLED:
             self.sched.on_cancelled(req)
             if not f.duplicate and not self.sched.is_done(f.shard):
@@ -689,6 +708,24 @@ class Session:
         if keep is None and not f.duplicate:
             self.sched.discard_partial(f.shard)
         return out
+
+    def _cut(self, req: int, r: _Req, received: int, now: float) -> list[Action]:
+        """``req`` was cancelled as overdue after ``received`` bytes: keep them (bounded) and
+        resume the shard from the faster source the scheduler found; nobody is blamed."""
+        f = r.fetch
+        keep = self._keep_prefix(req, r, received)
+        self.stats.overdue += 1
+        self.sched.on_failure(req, now, kind="overdue", received=received if keep else 0)
+        if keep is None and not f.duplicate:
+            self.sched.discard_partial(f.shard)
+        log.debug(
+            "transfer_overdue step=%d shard=%d source=%s received=%d",
+            self.step,
+            f.shard,
+            short_id(f.source),
+            received,
+        )
+        return [keep] if keep is not None else []
 
     def _keep_prefix(self, req: int, r: _Req, received: int) -> Keep | None:
         """Keep the prefix of ``r``'s shard that arrived (its first ``f.start + received``

@@ -506,7 +506,7 @@ class DownloadDriver:
                         short_id(src.id),
                     )
             else:
-                session.progress(now)
+                session.progress(now, f.req, sink.pos - begin)
 
         try:
             with self.scopes[f.req]:

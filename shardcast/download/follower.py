@@ -1247,10 +1247,13 @@ class Follower:
         if self._metrics is not None:
             self._metrics.committed(record.committed_at - record.learned_at, stats.elapsed_s)
         log.info(
-            "version_downloaded step=%d size_bytes=%d download_s=%.3f encodings=%s sources=%s",
+            "version_downloaded step=%d size_bytes=%d download_s=%.3f resumed=%d overdue=%d "
+            "encodings=%s sources=%s",
             m.step,
             m.total_bytes,
             stats.elapsed_s,
+            stats.resumed,
+            stats.overdue,
             stats.bytes_by_encoding,
             ",".join(f"{short_id(k)}:{v}" for k, v in sorted(stats.bytes_by_source.items())),
         )

@@ -13,6 +13,7 @@ has gone quiet. Tests that must finish *before* a timeout could fire use the rea
 
 from __future__ import annotations
 
+import dataclasses
 import errno
 import logging
 import random
@@ -28,7 +29,16 @@ from shardcast.core.select import SchedulerConfig
 from shardcast.download.downloader import Downloader
 from shardcast.download.types import DownloadConfig, DownloadFailed, Source
 from shardcast.store.store import PartialVersion, VersionStore
-from tests.faults import RUN, Ask, Fault, Version, fault_source, honest_source, make_version
+from tests.faults import (
+    RUN,
+    TRICKLE_S,
+    Ask,
+    Fault,
+    Version,
+    fault_source,
+    honest_source,
+    make_version,
+)
 from tests.helpers import trust
 
 SHARD = 16 * 1024
@@ -203,6 +213,38 @@ async def test_stalled_source_costs_one_stall_timeout(
     assert stats.failures == 2
     assert stats.corrupt_by_source == {}
     assert stats.bytes_by_source == {"b-honest": 4 * SHARD}
+
+
+async def test_a_transfer_that_crawls_is_cut_and_resumed_from_a_faster_source(
+    tmp_path: Path, jump_clock: trio.testing.MockClock
+) -> None:
+    """Two shards, one request per source: the honest source sends its shard at once (it is
+    measured), the other sends 1 KiB a second (a congested home uplink). Once that transfer
+    has run ``overdue_min_s`` the downloader cuts it and takes the rest from the honest source,
+    instead of waiting the 16 s the crawl would take. Nobody is blamed; the slow source is
+    asked once."""
+    two = make_version(tmp_path, {FILE: 2 * SHARD}, SHARD)
+    store = target_store(tmp_path)
+    cfg = config()
+    cfg = dataclasses.replace(
+        cfg, scheduler=dataclasses.replace(cfg.scheduler, per_source_inflight=1)
+    )
+    async with (
+        fault_source(two, Fault.TRICKLE) as slow,
+        honest_source(two) as (honest, _),
+        HttpClient() as client,
+    ):
+        sources = [Source("a-honest", honest.url), Source("b-slow", slow.url)]
+        dl = Downloader(client, store, cfg, random.Random(1), trust())
+        start = trio.current_time()
+        path, stats = await dl.download(two.signed, sources)
+        elapsed = trio.current_time() - start
+    assert_committed(store, two, path)
+    assert len(slow.asks) == 1
+    assert (stats.overdue, stats.failures, stats.corrupt_by_source) == (1, 0, {})
+    assert stats.bytes_by_source["a-honest"] > SHARD  # its shard, and the rest of the other
+    min_s = cfg.scheduler.overdue_min_s
+    assert min_s <= elapsed < min_s + 2 * TRICKLE_S  # cut at once, not after 16 s
 
 
 async def test_a_download_that_waits_logs_what_it_waits_for(

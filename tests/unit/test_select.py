@@ -7,6 +7,7 @@ event sequences and checks the scheduler's invariants after every event.
 
 from __future__ import annotations
 
+import math
 import random
 from collections import Counter
 from dataclasses import dataclass
@@ -355,6 +356,130 @@ def test_transfer_failure_keeps_bytes_and_resumes_elsewhere(kind: str) -> None:
     assert sched.statistics().failures == 2
 
 
+# --- overdue transfers -------------------------------------------------------------------------
+
+
+def _overdue_world(factor: float = 4.0, min_s: float = 4.0) -> tuple[Scheduler, Request]:
+    """One 100 MB shard in flight from the slow home peer ``p`` (unmeasured, so it was
+    assumed as fast as relay ``r``, measured at 100 MB/s); ``r`` has a free slot."""
+    cfg = SchedulerConfig(
+        explore=0.0,
+        max_inflight=1,
+        per_source_inflight=1,
+        endgame_duplicates=0,
+        complete_cost_factor=1.0,
+        overdue_factor=factor,
+        overdue_min_s=min_s,
+    )
+    sched = Scheduler([100 * MB] * 2, random.Random(0), cfg)
+    sched.add_source("r")
+    warm = sched.next_request(0.0)
+    assert warm is not None
+    assert warm.source == "r"
+    sched.on_first_byte(warm.id, 0.0)
+    sched.on_success(warm.id, 1.0)  # r: 100 MB/s
+    left = 1 - warm.shard
+    sched.add_source("p", have=[0, 1])  # a peer, rate unmeasured
+    state(sched, "r").not_before[left] = 2.0  # r refused the other shard a moment ago
+    req = sched.next_request(1.0)
+    assert req is not None
+    assert (req.shard, req.source) == (left, "p")
+    sched.on_first_byte(req.id, 1.0)
+    return sched, req
+
+
+def test_a_transfer_far_slower_than_a_ready_source_is_handed_back_and_resumes_there() -> None:
+    sched, req = _overdue_world()
+    sched.on_progress(req.id, 4 * MB)  # 1 MB/s: 96 s to go, r would take ~1 s
+    assert sched.overdue(4.9) == []  # not before it ran overdue_min_s
+    assert sched.overdue(5.0) == [req.id]
+    assert sched.overdue(5.5) == []  # handed back once
+    sched.on_failure(req.id, 6.0, kind="overdue", received=4 * MB)
+    assert sched.resume_offset(req.shard) == 4 * MB
+    p = state(sched, "p")
+    assert p.samples == 1
+    assert p.rate_bps == pytest.approx(4 * MB / 5.0)
+    assert p.blocked_until <= 6.0
+    assert p.not_before[req.shard] == 10.0
+    resumed = sched.next_request(6.0)
+    assert resumed is not None
+    assert (resumed.source, resumed.start, resumed.length) == ("r", 4 * MB, 96 * MB)
+    stats = sched.statistics()
+    assert (stats.overdue, stats.failures, stats.resumed) == (1, 0, 1)
+
+
+@pytest.mark.parametrize(
+    ("relay_mb_s", "received_mb", "handed_back"),
+    [
+        (100, 40, True),  # 10 MB/s: 6 s to go; r 0.6 s
+        (100, 99, False),  # 1 MB to go: ends within overdue_min_s
+        (2, 20, False),  # 5 MB/s: 16 s to go; r 40 s (slower)
+        (10, 12, False),  # 3 MB/s: 29.3 s to go; r 8.8 s, within 4x
+        (10, 8, True),  # 2 MB/s: 46 s to go; r 9.2 s, 5x
+    ],
+)
+def test_overdue_judges_the_projection_against_the_best_other_source(
+    relay_mb_s: int, received_mb: int, handed_back: bool
+) -> None:
+    """After 4 s of a 100 MB transfer, the rest's projected time at its own throughput
+    against the relay's expected time for the rest (overdue_factor 4, overdue_min_s 4 s)."""
+    sched, req = _overdue_world()
+    state(sched, "r").rate_bps = relay_mb_s * MB
+    sched.on_progress(req.id, received_mb * MB)
+    assert (sched.overdue(5.0) == [req.id]) == handed_back
+
+
+def test_no_transfer_is_handed_back_without_a_ready_source_that_holds_the_rest() -> None:
+    sched, req = _overdue_world()
+    sched.on_progress(req.id, 4 * MB)
+    state(sched, "r").not_before[req.shard] = 100.0  # r will not serve this shard for now
+    assert sched.overdue(5.0) == []
+    state(sched, "r").not_before[req.shard] = 0.0
+    state(sched, "r").blocked_until = 100.0  # r failed: blocked
+    assert sched.overdue(5.0) == []
+    state(sched, "r").blocked_until = 0.0
+    assert sched.overdue(5.0) == [req.id]
+
+
+def test_overdue_off_with_an_infinite_factor_and_never_for_unmeasured_progress() -> None:
+    sched, req = _overdue_world(factor=math.inf)
+    sched.on_progress(req.id, 1 * MB)
+    assert sched.overdue(50.0) == []
+    sched, req = _overdue_world()
+    assert sched.overdue(50.0) == []  # no bytes reported: the stall timeout's business
+
+
+def test_several_slow_transfers_are_not_all_handed_to_one_source() -> None:
+    """Two 100 MB transfers crawl from peers; the one relay with room could take the rest of
+    one of them in ~1 s, but of both only in ~2 s: each is projected to take 196 s, so with
+    factor 150 the first is handed back (196 > 150 x 0.98) and the second is not
+    (196 < 150 x 1.96)."""
+    cfg = SchedulerConfig(
+        explore=0.0,
+        max_inflight=3,
+        per_source_inflight=2,
+        endgame_duplicates=0,
+        complete_cost_factor=1.0,
+        overdue_factor=150.0,
+        overdue_min_s=4.0,
+    )
+    sched = Scheduler([100 * MB] * 3, random.Random(0), cfg)
+    sched.add_source("r")
+    warm = sched.next_request(0.0)
+    assert warm is not None
+    sched.on_first_byte(warm.id, 0.0)
+    sched.on_success(warm.id, 1.0)
+    for name in ("p", "q"):
+        sched.add_source(name, have=[0, 1, 2])
+    state(sched, "r").not_before.update({0: 2.0, 1: 2.0, 2: 2.0})
+    reqs = drain(sched, 1.0)
+    assert sorted(r.source for r in reqs) == ["p", "q"]
+    for r in reqs:
+        sched.on_first_byte(r.id, 1.0)
+        sched.on_progress(r.id, 2 * MB)  # 0.5 MB/s: 196 s to go
+    assert len(sched.overdue(5.0)) == 1
+
+
 def test_penalty_doubles_per_consecutive_failure_and_resets_on_success() -> None:
     cfg = SchedulerConfig(penalty_s=1.0)
     sched = Scheduler([100] * 10, random.Random(0), cfg)
@@ -634,6 +759,8 @@ _ops = st.one_of(
         st.floats(0, 1),
     ),
     st.builds(_Op, st.just("cancel"), st.integers(0, 50)),
+    # bytes of one request arrive (frac of it), then the driver hands back what is overdue
+    st.builds(_Op, st.just("progress"), st.integers(0, 50), st.floats(0, 10), frac=st.floats(0, 1)),
 )
 
 
@@ -661,6 +788,8 @@ def _worlds(draw: st.DrawFn) -> _World:
         max_corrupt=draw(st.integers(1, 3)),
         endgame_duplicates=draw(st.integers(0, 2)),
         endgame_max_total=draw(st.integers(0, 3)),
+        overdue_factor=draw(st.sampled_from([1.5, 4.0, math.inf])),
+        overdue_min_s=draw(st.sampled_from([0.0, 1.0, 4.0])),
     )
     done = frozenset(draw(st.sets(st.integers(0, n - 1), max_size=n - 1)))
     return _World(lengths, have, done, config)
@@ -747,6 +876,7 @@ def test_random_event_sequences_keep_the_invariants(
     for name, hv in world.have.items():
         sched.add_source(name, hv)
     flights: dict[int, Request] = {}
+    got: dict[int, int] = {}  # bytes reported with on_progress, per request
     verified = set(world.initially_done)
     now = 0.0
     _check_invariants(sched, world, flights, verified)
@@ -795,6 +925,20 @@ def test_random_event_sequences_keep_the_invariants(
                 received = int(op.frac * (req.length - 1)) if keeps else 0
                 del flights[req.id]
                 sched.on_failure(req.id, now, kind=op.kind, received=received)
+            elif op.what == "progress":
+                sched.on_first_byte(req.id, now - op.dt)
+                got[req.id] = max(got.get(req.id, 0), int(op.frac * (req.length - 1)))
+                sched.on_progress(req.id, got[req.id])
+                handed = sched.overdue(now)
+                assert len(set(handed)) == len(handed)
+                assert set(handed) <= set(flights)
+                assert sched.overdue(now) == []  # each once
+                for rid in handed:
+                    cut = flights.pop(rid)
+                    assert not cut.duplicate
+                    assert got.get(rid, 0) > 0
+                    sched.on_failure(rid, now, kind="overdue", received=got[rid])
+                    assert sched.resume_offset(cut.shard) == cut.start + got[rid]
             else:
                 del flights[req.id]
                 sched.on_cancelled(req.id)

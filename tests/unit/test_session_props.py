@@ -71,6 +71,14 @@ FAILURES = [
     Outcome.WRONG_VERSION,
 ]
 
+_AFTER_BYTES = {  # how a transfer can end once bytes of it arrived
+    Outcome.OK,
+    Outcome.BROKEN,
+    Outcome.TIMEOUT,
+    Outcome.PROTOCOL_ERROR,
+    Outcome.CORRUPT_CHUNK,
+}
+
 
 @dataclass
 class _Req:
@@ -218,7 +226,7 @@ class World:
     def end_transfer(self, rid: int, outcome: Outcome, lie: bool, frac: float) -> None:
         r = self.reqs[rid]
         f = r.f
-        begin = r.pos
+        begin = f.start  # bytes may have arrived before (progress)
         if outcome is Outcome.OK:
             self.send(r, f.size, lie)
         elif outcome in (Outcome.BROKEN, Outcome.TIMEOUT, Outcome.UNREACHABLE):
@@ -263,7 +271,7 @@ class World:
         open_reqs = sorted(rid for rid in self.reqs if rid not in self.checks)
         kinds = ["time"]
         if open_reqs:
-            kinds.append("end")
+            kinds += ["end", "progress"]
         if self.checks:
             kinds.append("check")
         if len(self.parts) < self.n_parts:
@@ -280,11 +288,23 @@ class World:
             choices = [Outcome.OK, *FAILURES]
             if src in self.liars:
                 choices += [Outcome.PROTOCOL_ERROR, Outcome.CORRUPT_CHUNK]
+            if self.reqs[rid].pos > self.reqs[rid].f.start:  # bytes came: no status now
+                choices = [c for c in choices if c in _AFTER_BYTES]
             if self.reqs[rid].cancel:
                 choices = [Outcome.CANCELLED, Outcome.OK]
             outcome = draw(st.sampled_from(choices))
             lie = src in self.liars and draw(st.booleans())
             self.end_transfer(rid, outcome, lie, draw(st.floats(0, 1)))
+        elif kind == "progress":  # some bytes arrive; the session may judge it overdue
+            rid = draw(st.sampled_from(open_reqs))
+            r = self.reqs[rid]
+            if r.pos == r.f.start:
+                self.s.first_byte(rid, self.now)
+            lie = r.f.source in self.liars and draw(st.booleans())
+            self.send(r, r.pos + int(draw(st.floats(0, 1)) * (r.f.size - r.pos)), lie)
+            self.now += draw(st.floats(0.01, 6.0))
+            self.s.progress(self.now, rid, r.pos - r.f.start)
+            self.poll()
         elif kind == "check":
             self.finish_check(draw(st.sampled_from(self.checks)))
         elif kind == "part":
