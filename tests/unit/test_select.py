@@ -359,18 +359,23 @@ def test_transfer_failure_keeps_bytes_and_resumes_elsewhere(kind: str) -> None:
 # --- overdue transfers -------------------------------------------------------------------------
 
 
-def _overdue_world(factor: float = 4.0, min_s: float = 4.0) -> tuple[Scheduler, Request]:
-    """One 100 MB shard in flight from the slow home peer ``p`` (unmeasured, so it was
-    assumed as fast as relay ``r``, measured at 100 MB/s); ``r`` has a free slot."""
-    cfg = SchedulerConfig(
+def _overdue_config(factor: float, inflight: int, per_source: int) -> SchedulerConfig:
+    """No exploration, endgame or preference for complete sources; overdue_min_s 4 s."""
+    return SchedulerConfig(
         explore=0.0,
-        max_inflight=1,
-        per_source_inflight=1,
+        max_inflight=inflight,
+        per_source_inflight=per_source,
         endgame_duplicates=0,
         complete_cost_factor=1.0,
         overdue_factor=factor,
-        overdue_min_s=min_s,
+        overdue_min_s=4.0,
     )
+
+
+def _overdue_world(factor: float = 4.0) -> tuple[Scheduler, Request]:
+    """One 100 MB shard in flight from the slow home peer ``p`` (unmeasured, so it was
+    assumed as fast as relay ``r``, measured at 100 MB/s); ``r`` has a free slot."""
+    cfg = _overdue_config(factor, 1, 1)
     sched = Scheduler([100 * MB] * 2, random.Random(0), cfg)
     sched.add_source("r")
     warm = sched.next_request(0.0)
@@ -454,16 +459,7 @@ def test_several_slow_transfers_are_not_all_handed_to_one_source() -> None:
     one of them in ~1 s, but of both only in ~2 s: each is projected to take 196 s, so with
     factor 150 the first is handed back (196 > 150 x 0.98) and the second is not
     (196 < 150 x 1.96)."""
-    cfg = SchedulerConfig(
-        explore=0.0,
-        max_inflight=3,
-        per_source_inflight=2,
-        endgame_duplicates=0,
-        complete_cost_factor=1.0,
-        overdue_factor=150.0,
-        overdue_min_s=4.0,
-    )
-    sched = Scheduler([100 * MB] * 3, random.Random(0), cfg)
+    sched = Scheduler([100 * MB] * 3, random.Random(0), _overdue_config(150.0, 3, 2))
     sched.add_source("r")
     warm = sched.next_request(0.0)
     assert warm is not None
