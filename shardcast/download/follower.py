@@ -1254,7 +1254,7 @@ class Follower:
             stats.elapsed_s,
             stats.resumed,
             stats.overdue,
-            stats.bytes_by_encoding,
+            ",".join(f"{k}:{v}" for k, v in sorted(stats.bytes_by_encoding.items())),
             ",".join(f"{short_id(k)}:{v}" for k, v in sorted(stats.bytes_by_source.items())),
         )
         if self.on_commit is not None:
