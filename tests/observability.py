@@ -44,6 +44,7 @@ FOLLOWER = {
     "shardnet_shards_verified": "counter",
     "shardnet_shards_corrupt": "counter",
     "shardnet_superseeding_refusals_seen": "counter",
+    "shardnet_transfers_cut": "counter",
     "shardnet_version_commit_latency_seconds": "histogram",
     "shardnet_version_download_seconds": "histogram",
     "shardnet_shard_fetch_seconds": "histogram",

@@ -545,9 +545,13 @@ class DownloadDriver:
                 got,
                 now - t0,
             )
+            cuts = session.stats.overdue
             actions = session.transfer_ended(f.req, outcome, got, now, unreachable=unreached)
-            if outcome is Outcome.OK and self.observer is not None:
-                self.observer.shard_received(src.id, f.encoding, got, now - t0)
+            if self.observer is not None:
+                if outcome is Outcome.OK:
+                    self.observer.shard_received(src.id, f.encoding, got, now - t0)
+                elif session.stats.overdue > cuts:  # the session cut it (Scheduler.overdue)
+                    self.observer.transfer_cut(src.id)
             self.apply(actions)
             if any(isinstance(a, Check) for a in actions):
                 await self.check(f, sink, src)

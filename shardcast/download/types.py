@@ -120,3 +120,9 @@ class DownloadObserver(Protocol):
     def refused(self, source: str) -> None:
         """``source`` refused a request under super-seeding (HTTP 429)."""
         ...
+
+    def transfer_cut(self, source: str) -> None:
+        """A transfer from ``source`` was cut as overdue (a measured source was expected to
+        deliver the rest several times sooner: :meth:`~shardcast.core.select.Scheduler.overdue`)
+        and resumed elsewhere."""
+        ...

@@ -245,10 +245,18 @@ class NodeMetrics:
             ["source_kind"],
             registry=reg,
         )
+        self.transfers_cut = Counter(
+            "shardnet_transfers_cut",
+            "transfers cut as overdue and resumed from a source expected to be much faster, "
+            "by the kind of node that was slow",
+            ["source_kind"],
+            registry=reg,
+        )
         for k in SOURCE_KINDS:
             self.shards_verified.labels(k)
             self.shards_corrupt.labels(k)
             self.refusals_seen.labels(k)
+            self.transfers_cut.labels(k)
             for c in CODECS:
                 self.received_bytes.labels(k, c)
         self.commit_latency = Histogram(
@@ -500,6 +508,10 @@ class DownloadMetrics:
     def refused(self, source: str) -> None:
         """Count a super-seeding refusal."""
         self.m.refusals_seen.labels(self.kind_of(source)).inc()
+
+    def transfer_cut(self, source: str) -> None:
+        """Count a transfer cut as overdue against its source's kind."""
+        self.m.transfers_cut.labels(self.kind_of(source)).inc()
 
     def committed(self, heard_s: float, download_s: float) -> None:
         """A version was committed ``heard_s`` after its announcement was heard, after a

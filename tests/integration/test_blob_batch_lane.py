@@ -102,6 +102,9 @@ class Blamed:
     def refused(self, source: str) -> None:
         pass
 
+    def transfer_cut(self, source: str) -> None:
+        pass
+
 
 async def test_a_corrupt_blob_in_a_batch_blames_only_its_source(tmp_path: Path) -> None:
     cfg = NodeConfig("trainer", RUN, tmp_path / "o")

@@ -28,6 +28,7 @@ from shardcast.core.liveness import Abandon
 from shardcast.core.select import SchedulerConfig
 from shardcast.download.downloader import Downloader
 from shardcast.download.types import DownloadConfig, DownloadFailed, Source
+from shardcast.node.metrics import DownloadMetrics, NodeMetrics
 from shardcast.store.store import PartialVersion, VersionStore
 from tests.faults import (
     RUN,
@@ -222,7 +223,7 @@ async def test_a_transfer_that_crawls_is_cut_and_resumed_from_a_faster_source(
     measured), the other sends 1 KiB a second (a congested home uplink). Once that transfer
     has run ``overdue_min_s`` the downloader cuts it and takes the rest from the honest source,
     instead of waiting the 16 s the crawl would take. Nobody is blamed; the slow source is
-    asked once."""
+    asked once; the node's metrics count the cut against the slow source's kind."""
     two = make_version(tmp_path, {FILE: 2 * SHARD}, SHARD)
     store = target_store(tmp_path)
     cfg = config()
@@ -235,7 +236,10 @@ async def test_a_transfer_that_crawls_is_cut_and_resumed_from_a_faster_source(
         HttpClient() as client,
     ):
         sources = [Source("a-honest", honest.url), Source("b-slow", slow.url)]
-        dl = Downloader(client, store, cfg, random.Random(1), trust())
+        metrics = NodeMetrics("peer", RUN, "12D3KooWtest", process=False)
+        kinds = {"a-honest": "relay", "b-slow": "peer"}
+        observer = DownloadMetrics(metrics, kinds.__getitem__)
+        dl = Downloader(client, store, cfg, random.Random(1), trust(), observer)
         start = trio.current_time()
         path, stats = await dl.download(two.signed, sources)
         elapsed = trio.current_time() - start
@@ -245,6 +249,11 @@ async def test_a_transfer_that_crawls_is_cut_and_resumed_from_a_faster_source(
     assert stats.bytes_by_source["a-honest"] > SHARD  # its shard, and the rest of the other
     min_s = cfg.scheduler.overdue_min_s
     assert min_s <= elapsed < min_s + 2 * TRICKLE_S  # cut at once, not after 16 s
+    cut = {
+        k: metrics.registry.get_sample_value("shardnet_transfers_cut_total", {"source_kind": k})
+        for k in ("peer", "relay")
+    }
+    assert cut == {"peer": 1, "relay": 0}
 
 
 async def test_a_download_that_waits_logs_what_it_waits_for(
