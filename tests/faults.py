@@ -246,17 +246,12 @@ async def _answer_one(
         await _send(stream, conn, 206, content_range, b"", length=length)
         await trio.sleep_forever()
     if fault is Fault.TRICKLE:
-        await stream.send_all(
-            conn.send(
-                h11.Response(
-                    status_code=206, headers=[*content_range, ("content-length", str(length))]
-                )
-            )
-        )
+        await _send(stream, conn, 206, content_range, b"", length=length)
         for at in range(0, length, TRICKLE_BYTES):
             await trio.sleep(TRICKLE_S)
-            await stream.send_all(conn.send(h11.Data(data=bytes(body[at : at + TRICKLE_BYTES]))))
-            src.body_bytes_sent += len(body[at : at + TRICKLE_BYTES])
+            piece = bytes(body[at : at + TRICKLE_BYTES])
+            await stream.send_all(conn.send(h11.Data(data=piece)))
+            src.body_bytes_sent += len(piece)
         await stream.send_all(conn.send(h11.EndOfMessage()))
         return True
     if fault is Fault.TRUNCATE:

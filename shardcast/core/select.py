@@ -755,7 +755,6 @@ class Scheduler:
         if math.isinf(cfg.overdue_factor):
             return []
         out: list[int] = []
-        prior = 0.0  # unused: only measured sources are alternatives (see _cost)
         extra: dict[str, int] = {}  # bytes this call already plans to move to a source
         for rid, fl in self._flights.items():
             req = fl.req
@@ -765,8 +764,7 @@ class Scheduler:
             if s.light or s.done or now - fl.started < cfg.overdue_min_s:
                 continue
             rest = req.length - fl.received
-            rate = fl.received / max(now - fl.first_byte, 1e-6)
-            projected = rest / rate
+            projected = rest / _throughput(fl, fl.first_byte, now)
             if projected < cfg.overdue_min_s:
                 continue
             offset = req.start + fl.received
@@ -776,7 +774,7 @@ class Scheduler:
                     continue
                 if not st.holds(req.shard, offset) or st.not_before.get(req.shard, 0.0) > now:
                     continue
-                cost = self._cost(st, rest + extra.get(st.source, 0), prior)[0]
+                cost = self._cost(st, rest + extra.get(st.source, 0), st.rate_bps)[0]
                 if best is None or cost < best[0]:
                     best = (cost, st)
             if best is None or projected <= cfg.overdue_factor * best[0]:
@@ -785,6 +783,12 @@ class Scheduler:
             fl.overdue = True
             out.append(rid)
         return out
+
+    def handed_back(self, req_id: int) -> bool:
+        """True if request ``req_id`` is in flight and :meth:`overdue` returned it (the driver
+        was told to cancel it; it has not been reported ended yet)."""
+        fl = self._flights.get(req_id)
+        return fl is not None and fl.overdue
 
     def on_success(self, req_id: int, now: float) -> list[int]:
         """The request's bytes completed the shard and it verified.
@@ -796,11 +800,7 @@ class Scheduler:
         fl, st = self._finish(req_id)
         if st is not None:
             t0 = fl.first_byte if fl.first_byte is not None and not fl.held_whole else fl.started
-            elapsed = max(now - t0, 1e-6)
-            sample = fl.req.length / elapsed
-            a = self.config.ewma_alpha
-            st.rate_bps = (1 - a) * st.rate_bps + a * sample if st.samples else sample
-            st.samples += 1
+            self._sample(st, fl.req.length / max(now - t0, 1e-6))
             st.consecutive_failures = 0
             st.bytes_received += fl.req.length
         s = self._shards[fl.req.shard]
@@ -900,11 +900,15 @@ class Scheduler:
         its source's rate, and that source is not asked for the shard for ``overdue_min_s``."""
         self._overdue += 1
         if fl.first_byte is not None and fl.received:
-            sample = fl.received / max(now - fl.first_byte, 1e-6)
-            a = self.config.ewma_alpha
-            st.rate_bps = (1 - a) * st.rate_bps + a * sample if st.samples else sample
-            st.samples += 1
+            self._sample(st, _throughput(fl, fl.first_byte, now))
         st.not_before[fl.req.shard] = now + self.config.overdue_min_s
+
+    def _sample(self, st: SourceState, rate_bps: float) -> None:
+        """A measured throughput of ``st``, bytes/s: its first replaces the prior, later ones
+        enter the EWMA (``ewma_alpha``)."""
+        a = self.config.ewma_alpha
+        st.rate_bps = (1 - a) * st.rate_bps + a * rate_bps if st.samples else rate_bps
+        st.samples += 1
 
     def source_back(self, source: str, now: float) -> None:
         """The driver learned that ``source`` is reachable again (its upstream answered after
@@ -970,6 +974,11 @@ class Scheduler:
         """True if ``source`` is banned in this download."""
         st = self._sources.get(source)
         return st is not None and st.banned
+
+
+def _throughput(fl: _Flight, since: float, now: float) -> float:
+    """Bytes/s of ``fl``'s bytes received so far, counted from ``since`` (seconds)."""
+    return fl.received / max(now - since, 1e-6)
 
 
 class SourceBans:

@@ -354,7 +354,6 @@ class Session:
         self._extra: set[str] = set()
         self._probing: set[str] = set()
         self._store_lost: str | None = None
-        self._overdue: set[int] = set()  # requests cancelled as overdue, not yet ended
         for o in offers:
             self._offer(o)
 
@@ -472,9 +471,8 @@ class Session:
         if self.finished:
             return []
         out: list[Action | End] = []
-        for rid in self.sched.overdue(now):  # ended by the driver: transfer_ended(CANCELLED)
-            self._overdue.add(rid)
-            out.append(Cancel(rid))
+        # ended by the driver with transfer_ended(CANCELLED): then resumed elsewhere (_cut)
+        out += [Cancel(rid) for rid in self.sched.overdue(now)]
         while (req := self.sched.next_request(now)) is not None:
             fetch = self._begin(req, out)
             if fetch is not None:
@@ -602,8 +600,7 @@ class Session:
             return []
         f = r.fetch
         out: list[Action] = []
-        cut = req in self._overdue  # a Cancel sent as overdue (it may have ended otherwise)
-        self._overdue.discard(req)
+        cut = self.sched.handed_back(req)  # a Cancel sent as overdue (it may end otherwise)
         if outcome is Outcome.OK:
             r.parts.append((f.source, f.start, f.start + received))
             r.checking = True
@@ -630,7 +627,8 @@ class Session:
             return out + self._corrupt(f.source, f.shard, cancel)
         if outcome is Outcome.CORRUPT_CHUNK:
             return out + self._corrupt_chunk(req, r, received, now)
-        return out + self._broken(req, r, outcome, received, now)
+        kind = "timeout" if outcome is Outcome.TIMEOUT else "broken"
+        return out + self._resume_elsewhere(req, r, kind, received, now)
 
     def _unreachable(self, f: Fetch, holders: Iterable[str]) -> bool:
         """Remember the ``holders`` a refusal of ``f`` named that this node cannot reach (the
@@ -693,39 +691,30 @@ class Session:
         )
         return out + self._corrupt(f.source, f.shard, cancel)
 
-    def _broken(
-        self, req: int, r: _Req, outcome: Outcome, received: int, now: float
+    def _resume_elsewhere(
+        self, req: int, r: _Req, kind: str, received: int, now: float
     ) -> list[Action]:
-        """``req`` broke, timed out or found its source unreachable after ``received`` bytes:
-        keep what arrived (bounded) and resume elsewhere."""
-        f = r.fetch
-        out: list[Action] = []
+        """``req`` broke, timed out, found its source unreachable or was cut as overdue
+        (``kind``, as :meth:`~shardcast.core.select.Scheduler.on_failure` takes it) after
+        ``received`` bytes: keep what arrived (bounded) and resume elsewhere."""
         keep = self._keep_prefix(req, r, received)
-        if keep is not None:
-            out.append(keep)
-        kind = "timeout" if outcome is Outcome.TIMEOUT else "broken"
         self.sched.on_failure(req, now, kind=kind, received=received if keep is not None else 0)
-        if keep is None and not f.duplicate:
-            self.sched.discard_partial(f.shard)
-        return out
+        if keep is None and not r.fetch.duplicate:
+            self.sched.discard_partial(r.fetch.shard)
+        return [keep] if keep is not None else []
 
     def _cut(self, req: int, r: _Req, received: int, now: float) -> list[Action]:
         """``req`` was cancelled as overdue after ``received`` bytes: keep them (bounded) and
         resume the shard from the faster source the scheduler found; nobody is blamed."""
-        f = r.fetch
-        keep = self._keep_prefix(req, r, received)
         self.stats.overdue += 1
-        self.sched.on_failure(req, now, kind="overdue", received=received if keep else 0)
-        if keep is None and not f.duplicate:
-            self.sched.discard_partial(f.shard)
         log.debug(
             "transfer_overdue step=%d shard=%d source=%s received=%d",
             self.step,
-            f.shard,
-            short_id(f.source),
+            r.fetch.shard,
+            short_id(r.fetch.source),
             received,
         )
-        return [keep] if keep is not None else []
+        return self._resume_elsewhere(req, r, "overdue", received, now)
 
     def _keep_prefix(self, req: int, r: _Req, received: int) -> Keep | None:
         """Keep the prefix of ``r``'s shard that arrived (its first ``f.start + received``
