@@ -73,6 +73,9 @@ out: that is the trainer's cost, whichever system publishes. ``--size-bytes`` cu
 versions of each preset to the same subset of weight files (still a valid checkpoint);
 ``--quick`` here means 1 repeat of ``real-1b`` cut to ~240 MB (about 5 minutes for 200 Mb/s
 and 1 Gb/s).
+``--origin-args`` and ``--relay-args`` append options to the shardnet origin's and relays'
+command lines (e.g. ``--origin-args '--shards-per-part 8'``), so a setting can be tried
+side by side with the defaults without editing the bench; the output names them.
 
 Disk: checkpoints are cached under ``--cache`` (``/tmp/shardnet-bench-cache``: ``real-6b``
 takes 12 GB there; remove it when done); each node writes its own copy of every version it
@@ -105,6 +108,7 @@ import json
 import math
 import os
 import re
+import shlex
 import shutil
 import signal
 import statistics
@@ -112,7 +116,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -545,6 +549,8 @@ async def run_shardnet(
     relay_serve_once_s: float | None = None,
     seed_base: bool = False,
     save_bytes_per_s: float | None = None,
+    origin_extra: Sequence[str] = (),
+    relay_extra: Sequence[str] = (),
 ) -> dict[str, Any]:
     """One shardnet run: publish v0 then v1; returns per-version measurements.
 
@@ -557,6 +563,9 @@ async def run_shardnet(
     ``save_bytes_per_s``: v1 is written into the watched directory at this rate
     (:func:`save_paced`) instead of hard-linked there at once, so the origin's pre-encoder
     works while it is written; its times still count from the ready marker.
+    ``origin_extra``, ``relay_extra``: options appended to the origin's and the two relays'
+    command lines (``--origin-args``, ``--relay-args``: a setting tried without editing the
+    bench, e.g. ``--shards-per-part 8``).
     """
     from p2p.http_client import HttpClient
     from p2p.identity import Identity
@@ -571,7 +580,9 @@ async def run_shardnet(
     async with trio.open_nursery() as nursery, HttpClient() as client:
         try:
             oaddr = await run.start(
-                nursery, "origin", origin_args(workdir, trainer_key, shard_size, deltas)
+                nursery,
+                "origin",
+                [*origin_args(workdir, trainer_key, shard_size, deltas), *origin_extra],
             )
             todo = [(0, v0), (1, v1)]
             if seed_base:
@@ -579,7 +590,7 @@ async def run_shardnet(
                 for name in run.followers():
                     seed_store(run.committed(0), workdir / name, 0)
                 todo = todo[1:]
-            await _start_followers(run, nursery, oaddr, relay_serve_once_s)
+            await _start_followers(run, nursery, oaddr, relay_serve_once_s, relay_extra)
             for step, src in todo:
                 await trio.to_thread.run_sync(warm_page_cache, [v0, v1][: step + 1])
                 rate = save_bytes_per_s if step == 1 else None
@@ -595,6 +606,8 @@ async def run_shardnet(
         "versions": versions,
         "seeded": seed_base,
         "save_bytes_per_s": save_bytes_per_s,
+        "origin_extra": list(origin_extra),
+        "relay_extra": list(relay_extra),
     }
 
 
@@ -615,11 +628,17 @@ def origin_args(workdir: Path, key: Path, shard_size: int, deltas: bool) -> list
 
 
 async def _start_followers(
-    run: _ShardnetRun, nursery: trio.Nursery, origin_addr: str, relay_serve_once_s: float | None
+    run: _ShardnetRun,
+    nursery: trio.Nursery,
+    origin_addr: str,
+    relay_serve_once_s: float | None,
+    relay_extra: Sequence[str] = (),
 ) -> None:
     """Start the relays (following the origin at ``origin_addr``), then the peers (following
-    the relays). ``relay_serve_once_s``: the relays' super-seeding window (None: the default)."""
+    the relays). ``relay_serve_once_s``: the relays' super-seeding window (None: the default);
+    ``relay_extra``: more options of the relays' command line."""
     extra = [] if relay_serve_once_s is None else ["--serve-once-s", f"{relay_serve_once_s:g}"]
+    extra += relay_extra
     relay_addrs = [
         await run.follower(nursery, f"relay{i}", [origin_addr], extra)
         for i in range(1, N_RELAYS + 1)
@@ -970,6 +989,8 @@ async def _shaped_run(
         relay_serve_once_s=args.relay_serve_once_s,
         seed_base=args.seed_base,
         save_bytes_per_s=None if args.save_mb_s is None else args.save_mb_s * 1e6,
+        origin_extra=shlex.split(args.origin_args),
+        relay_extra=shlex.split(args.relay_args),
     )
 
 
@@ -1105,6 +1126,8 @@ def run_shaped(args: argparse.Namespace) -> dict[str, Any]:
         "machine": machine_probe(root),
         "seed_base": args.seed_base,
         "save_mb_s": args.save_mb_s,
+        "origin_args": args.origin_args,
+        "relay_args": args.relay_args,
         "rates": {},
         "runs": {},
         "scaling": {},
@@ -1175,6 +1198,9 @@ def print_shaped_table(out: dict[str, Any]) -> None:
             f"{machine['write_bytes'] / 2**30:g} GiB into the page cache took "
             f"{machine['write_s']:.2f} s and {machine['write_cpu_s']:.2f} CPU-s"
         )
+    for role in ("origin", "relay"):
+        if out.get(f"{role}_args"):
+            print(f"shardnet {role} options added (--{role}-args): {out[f'{role}_args']}")
     if out.get("seed_base"):
         print(
             "base seeded (--seed-base): the full version was not run; before the followers "
@@ -1362,6 +1388,8 @@ async def amain(args: argparse.Namespace) -> dict[str, Any]:
                         timeout_s=args.timeout,
                         log_level=args.log_level,
                         relay_serve_once_s=args.relay_serve_once_s,
+                        origin_extra=shlex.split(args.origin_args),
+                        relay_extra=shlex.split(args.relay_args),
                     )
                 runs[system].append(r)
                 print(json.dumps(r["versions"], default=str)[:2000], file=sys.stderr, flush=True)
@@ -1485,6 +1513,20 @@ def main(argv: list[str] | None = None) -> int:
         help="shardnet relays' super-seeding window, seconds (0: off; default: the relay "
         "role's default, 5 s)",
     )
+    ap.add_argument(
+        "--origin-args",
+        default="",
+        metavar="OPTIONS",
+        help="options appended to the shardnet origin's command line (shell-quoted, e.g. "
+        "'--shards-per-part 8'); recorded in the JSON",
+    )
+    ap.add_argument(
+        "--relay-args",
+        default="",
+        metavar="OPTIONS",
+        help="options appended to both shardnet relays' command lines (e.g. "
+        "'--serve-once-min-bytes 0'); recorded in the JSON",
+    )
     args = ap.parse_args(argv)
     unknown = sorted(set(args.systems) - set(DEFAULT_SYSTEMS))
     if unknown:
@@ -1494,6 +1536,12 @@ def main(argv: list[str] | None = None) -> int:
             file=sys.stderr,
         )
         return 2
+    for role in ("origin", "relay"):
+        try:
+            shlex.split(getattr(args, f"{role}_args"))
+        except ValueError as exc:
+            print(f"broadcast: --{role}-args: {exc}", file=sys.stderr)
+            return 2
     if args.shardcast_venv is None:
         args.shardcast_venv = _baseline().DEFAULT_VENV
     if args.workdir is not None:

@@ -100,6 +100,13 @@ def test_operator_errors_exit_2(capsys: pytest.CaptureFixture[str]) -> None:
     assert "--shaped" in err
 
 
+def test_added_node_options_must_split_like_a_shell(capsys: pytest.CaptureFixture[str]) -> None:
+    assert broadcast.main(["--origin-args", "--shards-per-part '8"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1
+    assert "--origin-args: No closing quotation" in err
+
+
 def test_save_rate_needs_shaped_and_a_positive_rate(capsys: pytest.CaptureFixture[str]) -> None:
     assert broadcast.main(["--save-mb-s", "500"]) == 2
     assert "--save-mb-s need --shaped" in capsys.readouterr().err
