@@ -275,7 +275,9 @@ class Model:
             self.nodes[ev.node].alive = first.action != "join"
         self.by_name = {n.name: n.index for n in topo.nodes}
         self.origin = topo.origin.index
-        self.seeding = SuperSeeding(ms.serve_once_s, small_version_bytes=SUPER_SEED_MIN_BYTES)
+        self.seeding = SuperSeeding(  # the origin's, as ShardcastNode gives it (rule 13 on)
+            ms.serve_once_s, small_version_bytes=SUPER_SEED_MIN_BYTES, first_copies_first=True
+        )
         self.seedings = {self.origin: self.seeding}  # node -> its super-seeding, if any
         if ms.relay_serve_once_s > 0:
             for n in topo.nodes:

@@ -54,7 +54,7 @@ from shardcast.node.cardsync import check_data_dir, save_card
 from shardcast.node.datalock import lock_data_dir
 from shardcast.node.dialback import serve_dialback
 from shardcast.node.endrecord import load_end, save_end
-from shardcast.node.metrics import CONTENT_TYPE, NodeMetrics
+from shardcast.node.metrics import CONTENT_TYPE, ORIGIN_ROLES, NodeMetrics
 from shardcast.node.nodestatus import node_status_json
 from shardcast.serve import VersionServer
 from shardcast.store import VersionStore
@@ -297,6 +297,7 @@ class ShardcastNode:
             serve_once_s=config.serve_once_s,
             identity=identity,
             serve_once_min_bytes=config.serve_once_min_bytes,
+            first_copies_first=config.role in ORIGIN_ROLES,  # the origin's uplink
         )
         routes: dict[str, _Route] = {}
         metrics = NodeMetrics(config.role, config.run_id, identity.peer_id)

@@ -196,6 +196,8 @@ class VersionServer:
             :class:`~shardcast.serve.superseeding.SuperSeeding`).
         clock: wall-clock seconds, for the time window of signed requests.
         identity: the node's key, to answer identity challenges (None: no ``whoami``).
+        first_copies_first: refuse repeats while first copies go out (rule 13 of
+            :class:`~shardcast.serve.superseeding.SuperSeeding`: the origin's).
     """
 
     def __init__(
@@ -207,6 +209,7 @@ class VersionServer:
         clock: Callable[[], float] = time.time,
         identity: Identity | None = None,
         serve_once_min_bytes: int = 0,
+        first_copies_first: bool = False,
     ) -> None:
         self.store = store
         self.trust = trust
@@ -215,7 +218,11 @@ class VersionServer:
         self._live: dict[int, _Live] = {}
         self._versions_changed = trio.Event()
         self._manifests: dict[int, tuple[Manifest, str]] = {}  # step -> (manifest, digest)
-        self._seeding = SuperSeeding(serve_once_s, small_version_bytes=serve_once_min_bytes)
+        self._seeding = SuperSeeding(
+            serve_once_s,
+            small_version_bytes=serve_once_min_bytes,
+            first_copies_first=first_copies_first,
+        )
         self._offered: dict[str, int] = {}  # manifest digest -> offered bytes (complete ones)
         self._clock = clock
         self.identity = identity

@@ -71,6 +71,9 @@ class Refusal(Enum):
     SPREAD = "spread"
     """The requester already holds its share of the step's shards; a shard nobody holds
     goes to another requester first (rule 12). Names no holder."""
+    FIRST_COPIES = "first_copies"
+    """A repeat while this node is still sending first copies of the step, and the
+    requester has not persisted (rule 13)."""
 
 
 @dataclass(frozen=True)
@@ -162,6 +165,20 @@ class SuperSeeding:
         (the first version of a run, spread: 7.1 s instead of 1.9 s to the last of six
         peers, four behind NATs; later versions 2.4 s instead of 3.5 s). Off with
         ``spread=False``.
+    13. first copies first (``first_copies_first``, the origin's): a repeat (rule 4) is
+        refused as if the budget were spent (rule 5: served once the requester has kept
+        asking for ``persist_s``) while this node served a first copy of a shard of the step
+        (rule 1) less than ``window_s`` ago. The origin is the only source of a shard until
+        it has sent it once, so its uplink bounds the whole broadcast: a repeat sent while
+        first copies are still going out delays every node by its length. Measured on the
+        shaped bench (``real-1b``, 2 relays, 4 peers, 200 Mb/s, DEBUG logs of two runs): in
+        the last 10 s of a full version the relays fetched again from the origin, their
+        fastest measured source, shards that five other nodes held, or the rest of a cut
+        transfer: 33-37 MB, 1.4 s of the origin's uplink, while it still sent its last
+        unique shards. With the rule the origin sent one copy (1,319.4 MB for 1,319.2 MB in
+        three runs; 1,356-1,386 MB without). Off for relays: a relay is one source among
+        several, and its repeats are what a downstream fast link is for
+        (``fast_relay_home``).
 
     Args:
         window_s: how long a shard is reserved for its last requester, seconds; None: off
@@ -177,6 +194,7 @@ class SuperSeeding:
         small_version_bytes: rule 9's bound, bytes (0: every version is super-seeded).
         unreachable_share: rule 11's bound per requester and step, as a share of its shards.
         spread: rule 12 on (the default) or off.
+        first_copies_first: rule 13 on or off (the default).
     """
 
     def __init__(
@@ -190,6 +208,7 @@ class SuperSeeding:
         small_version_bytes: int = 0,
         unreachable_share: float = 0.5,
         spread: bool = True,
+        first_copies_first: bool = False,
     ) -> None:
         self.window_s = window_s
         self.max_entries = max_entries
@@ -200,6 +219,8 @@ class SuperSeeding:
         self.small_version_bytes = small_version_bytes
         self.unreachable_share = unreachable_share
         self.spread = spread
+        self.first_copies_first = first_copies_first
+        self._first_at: dict[int, float] = {}  # rule 13: step -> its latest first copy
         self._held: dict[tuple[int, str], int] = {}  # rule 12: shards held per (step, holder)
         self._asked: dict[int, dict[str, float]] = {}  # rule 12: step -> asker -> last asked
         self._first_step: dict[str, int] = {}  # rule 12: requester -> first step it was served
@@ -221,6 +242,8 @@ class SuperSeeding:
         (rule 11)."""
         self.spread_refused = 0
         """Requests refused because the requester held its share already (rule 12)."""
+        self.first_copies_refused = 0
+        """Repeats refused while first copies of their step were going out (rule 13)."""
 
     def allow(
         self,
@@ -294,11 +317,16 @@ class SuperSeeding:
                 if self.repeat_budget is None or total_shards is None
                 else self.repeat_budget * total_shards
             )
-            if budget is not None and self._repeats.get(step, 0) + scan.repeats > budget:
+            over = budget is not None and self._repeats.get(step, 0) + scan.repeats > budget
+            busy = self._sending_first_copies(step, now)
+            if over or busy:
                 held = self._still_refused(requester, step, shards, now)
                 if held is not None:
                     holder = self._served_to[(step, held)][0]
-                    return self._refuse(requester, step, held, now, Refusal.BUDGET, [holder])
+                    why = Refusal.BUDGET if over else Refusal.FIRST_COPIES
+                    if not over:
+                        self.first_copies_refused += 1
+                    return self._refuse(requester, step, held, now, why, [holder])
             self._repeats[step] = self._repeats.get(step, 0) + scan.repeats
             self.repeats += scan.repeats
         _spend(self._reports, (step, requester), len(scan.released), self.max_entries)
@@ -309,7 +337,16 @@ class SuperSeeding:
             self.unheld_served += len(shards)  # rule 10: served, holds nothing
         else:
             self._record(requester, step, shards, now)
+        if scan.fresh and self.first_copies_first:
+            self._first_at[step] = now  # rule 13
+            _trim(self._first_at, 64)
         return ALLOWED
+
+    def _sending_first_copies(self, step: int, now: float) -> bool:
+        """Rule 13: a first copy of a shard of ``step`` was served less than ``window_s``
+        ago (always False with the rule off)."""
+        last = self._first_at.get(step)
+        return last is not None and now - last < (self.window_s or 0.0)
 
     def _scan(
         self,

@@ -377,3 +377,37 @@ def test_shards_nobody_holds_are_spread_over_the_askers() -> None:
     assert off.decide(a, 1, [0], 0.0, 2).allowed
     assert not off.decide(b, 1, [0], 0.1, 2).allowed
     assert off.decide(a, 1, [1], 0.2, 2).allowed  # first come, first served
+
+
+def test_the_origin_sends_no_repeat_while_first_copies_go_out() -> None:
+    """Rule 13, the origin's: a repeat waits while a first copy of its step went out less than
+    the window ago, unless its requester kept asking (rule 5) or names the holder failing
+    (rule 6); without the rule (relays) the repeat comes out of the budget at once."""
+
+    def world(first_copies_first: bool) -> SuperSeeding:
+        s = SuperSeeding(window_s=5.0, spread=False, first_copies_first=first_copies_first)
+        assert s.allow("relay-a", 0, [0], 0.0, total_shards=10)
+        assert s.allow("relay-b", 0, [1], 4.0, total_shards=10)  # a first copy at 4 s
+        return s
+
+    assert world(False).allow("relay-b", 0, [0], 6.0, total_shards=10)  # rule 4
+    origin = world(True)
+    refused = origin.decide("relay-b", 0, [0], 6.0, total_shards=10)
+    assert refused == Decision(False, Refusal.FIRST_COPIES, ("relay-a",))
+    assert origin.first_copies_refused == 1
+    assert not origin.allow("relay-b", 0, [0], 8.9, total_shards=10)
+    assert origin.allow("relay-b", 0, [0], 9.0, total_shards=10)  # 5 s after the first copy
+    assert origin.repeats == 1
+    assert world(True).allow("relay-b", 0, [0], 6.0, total_shards=10, failed=["relay-a"])
+    assert world(True).allow("relay-b", 1, [0], 6.0, total_shards=10)  # another step: fresh
+
+    # first copies all along: the requester that keeps asking is served after persist_s
+    s = SuperSeeding(window_s=5.0, spread=False, first_copies_first=True)
+    assert s.allow("relay-a", 0, [0], 0.0, total_shards=100)
+    t = 6.0
+    while True:
+        assert s.allow(f"peer-{t:g}", 0, [int(t)], t, total_shards=100)  # one a second
+        if s.allow("relay-b", 0, [0], t + 0.5, total_shards=100):
+            break
+        t += 1.0
+    assert t + 0.5 == 6.5 + s.persist_s == 21.5  # refused first at 6.5 s
