@@ -176,9 +176,9 @@ class SuperSeeding:
         fastest measured source, shards that five other nodes held, or the rest of a cut
         transfer: 33-37 MB, 1.4 s of the origin's uplink, while it still sent its last
         unique shards. With the rule the origin sent one copy (1,319.4 MB for 1,319.2 MB in
-        three runs; 1,356-1,386 MB without). Off for relays: a relay is one source among
-        several, and its repeats are what a downstream fast link is for
-        (``fast_relay_home``).
+        three runs; 1,356-1,392 MB in five without); the last peer's time stayed within the
+        runs' spread. Off for relays: a relay is one source among several, and its repeats
+        are what a downstream fast link is for (``fast_relay_home``).
 
     Args:
         window_s: how long a shard is reserved for its last requester, seconds; None: off
