@@ -606,8 +606,6 @@ async def run_shardnet(
         "versions": versions,
         "seeded": seed_base,
         "save_bytes_per_s": save_bytes_per_s,
-        "origin_extra": list(origin_extra),
-        "relay_extra": list(relay_extra),
     }
 
 
@@ -1198,9 +1196,7 @@ def print_shaped_table(out: dict[str, Any]) -> None:
             f"{machine['write_bytes'] / 2**30:g} GiB into the page cache took "
             f"{machine['write_s']:.2f} s and {machine['write_cpu_s']:.2f} CPU-s"
         )
-    for role in ("origin", "relay"):
-        if out.get(f"{role}_args"):
-            print(f"shardnet {role} options added (--{role}-args): {out[f'{role}_args']}")
+    _print_added_options(out)
     if out.get("seed_base"):
         print(
             "base seeded (--seed-base): the full version was not run; before the followers "
@@ -1402,12 +1398,21 @@ async def amain(args: argparse.Namespace) -> dict[str, Any]:
             shutil.rmtree(root, ignore_errors=True)
     out = summarize(runs, size, loopback)
     out["checkpoint"] = info
+    out["origin_args"], out["relay_args"] = args.origin_args, args.relay_args
     out["runs"] = runs
     return out
 
 
+def _print_added_options(out: dict[str, Any]) -> None:
+    """Say which options ``--origin-args``/``--relay-args`` added to the shardnet nodes."""
+    for role in ("origin", "relay"):
+        if out.get(f"{role}_args"):
+            print(f"shardnet {role} options added (--{role}-args): {out[f'{role}_args']}")
+
+
 def print_table(out: dict[str, Any]) -> None:
     print(f"checkpoint: {out['checkpoint']}")
+    _print_added_options(out)
     print(f"loopback plain-socket throughput: {out['loopback_bytes_per_s'] / 1e9:.2f} GB/s")
     print(
         f"{'system':<18}{'version':>8}{'last peer s':>13}{'first s':>9}{'origin bytes':>16}"

@@ -464,10 +464,17 @@ class Scheduler:
         ]
 
     def _eligible(
-        self, shard: int, now: float, exclude: set[str], ready: list[SourceState] | None = None
+        self,
+        shard: int,
+        now: float,
+        exclude: set[str],
+        ready: list[SourceState] | None = None,
+        offset: int | None = None,
     ) -> list[SourceState]:
+        """Ready sources (or those of ``ready``) not in ``exclude`` that hold ``shard`` from
+        ``offset`` (default: where the shard resumes) and may be asked for it now."""
         out = []
-        offset = self._shards[shard].received
+        offset = self._shards[shard].received if offset is None else offset
         for st in self._ready(now, exclude) if ready is None else ready:
             if not st.holds(shard, offset):
                 continue
@@ -769,10 +776,8 @@ class Scheduler:
                 continue
             offset = req.start + fl.received
             best: tuple[float, SourceState] | None = None
-            for st in self._ready(now, {req.source}):
+            for st in self._eligible(req.shard, now, {req.source}, offset=offset):
                 if not st.samples:  # an unmeasured source's speed is a guess: no reason to cut
-                    continue
-                if not st.holds(req.shard, offset) or st.not_before.get(req.shard, 0.0) > now:
                     continue
                 cost = self._cost(st, rest + extra.get(st.source, 0), st.rate_bps)[0]
                 if best is None or cost < best[0]:
