@@ -37,7 +37,10 @@ same code, handler, slots, timeouts and counters as a TCP connection. Under the 
 connection is a small ``_Wire``: a TCP socket (``send`` may send part of a buffer; file bodies
 by ``sendfile``) or a :class:`~p2p.bytestream.ByteStream` (at most ``_STREAM_SEND_BYTES`` per
 send, so ``send_timeout_s`` still bounds the time without progress; file bodies read with
-``pread`` and written). A stream finds a slot free or is closed at once (counted as
+``pread`` and written, a piece of up to ``_INLINE_READ_BYTES`` on the event loop as sendfile
+reads, and the response head in the same send as the body's first piece: every send is at
+least one yamux frame and one Noise message, whose cost per request dominates a 64 KiB shard
+over a stream). A stream finds a slot free or is closed at once (counted as
 ``stream_limit``: libp2p has no listen backlog to wait in); one PeerID holds at most
 ``max_connections_per_ip`` slots.
 
@@ -110,6 +113,8 @@ _RECV_BYTES = 64 * 1024
 #: 18-22: the cost is py-libp2p's yamux and Noise (TCP: ~1 CPU-s/GiB)
 _STREAM_SEND_BYTES = 1024 * 1024
 _COPY_CHUNK_BYTES = 1 << 20
+#: file pieces up to this size are read on the event loop (page cache), not in a worker thread
+_INLINE_READ_BYTES = 256 * 1024
 _HOP_HEADERS = frozenset({"content-length", "transfer-encoding", "connection", "keep-alive"})
 _NO_SENDFILE_ERRNOS = frozenset({errno.EINVAL, errno.ENOSYS, errno.EOPNOTSUPP, errno.ENOTSOCK})
 _ACCEPT_RETRY_ERRNOS = frozenset({errno.EMFILE, errno.ENFILE, errno.ENOMEM, errno.ENOBUFS})
@@ -733,7 +738,11 @@ class HttpServer:
                 logger.error("http_bad_response status=%s error=%s", response.status, exc)
                 event, body, length = _to_h11_response(HttpResponse(500), 0, close=True), b"", 0
             self._requests += 1
-            await self._send_bytes(wire, conn.send(event), throttle=False)
+            head_bytes = conn.send(event)
+            # over a stream the head rides in the body's first muxer frame (see _send_file)
+            pending = [head_bytes] if isinstance(wire, _StreamWire) and length and not head else []
+            if not pending:
+                await self._send_bytes(wire, head_bytes, throttle=False)
             if length and not head:
                 # h11 only needs len(); the bytes go out below, by sendfile or in chunks.
                 placeholder = body if isinstance(body, bytes) else cast(bytes, _Sized(length))
@@ -741,11 +750,19 @@ class HttpServer:
                 if isinstance(body, FileSlice):
                     done = [0]
                     try:
-                        await self._send_file(wire, fd, body, done)
+                        await self._send_file(wire, fd, body, done, pending)
                     finally:
                         if body.on_sent is not None:
                             body.on_sent(done[0])
+                elif (
+                    pending
+                    and self._bucket is None
+                    and len(head_bytes) + length <= _STREAM_SEND_BYTES
+                ):
+                    await self._send_bytes(wire, head_bytes + body, throttle=False)
+                    self._bytes_sent += length
                 else:
+                    await self._flush(wire, pending)
                     await self._send_bytes(wire, body, throttle=True)
             await self._send_bytes(wire, conn.send(h11.EndOfMessage()), throttle=False)
         finally:
@@ -767,8 +784,20 @@ class HttpServer:
                 continue
             raise _Abort("send_timeout")
 
-    async def _send_file(self, wire: _Wire, fd: int, part: FileSlice, done: list[int]) -> None:
-        """Send ``part``; ``done[0]`` follows the bytes sent so far (also when this raises)."""
+    async def _flush(self, wire: _Wire, pending: list[bytes]) -> None:
+        """Send the response head held back in ``pending`` (if any) on its own."""
+        if pending:
+            await self._send_bytes(wire, pending.pop(), throttle=False)
+
+    async def _send_file(
+        self, wire: _Wire, fd: int, part: FileSlice, done: list[int], pending: list[bytes]
+    ) -> None:
+        """Send ``part``; ``done[0]`` follows the bytes sent so far (also when this raises).
+
+        ``pending`` holds the response head when it was held back to go out with the first
+        piece (a stream wire: one muxer frame less); it is sent alone before any wait (a piece
+        not yet ready, the rate limit) so the client sees the head as early as over TCP.
+        """
         offset, end = part.offset, part.offset + part.length
         use_sendfile = (
             self._config.use_sendfile and hasattr(os, "sendfile") and wire.fileno is not None
@@ -777,20 +806,30 @@ class HttpServer:
         while offset < end:
             if offset >= avail:
                 assert part.ready is not None
+                await self._flush(wire, pending)
                 avail = min(end, await part.ready(offset))
                 if avail <= offset:
                     raise _Abort("not_ready")
+            if self._bucket is not None:
+                await self._flush(wire, pending)
             want = await self._grant(min(avail - offset, self._config.send_chunk_bytes))
             try:
                 if use_sendfile:
                     assert wire.fileno is not None
                     sent = os.sendfile(wire.fileno, fd, offset, want)
                 else:
-                    chunk = await trio.to_thread.run_sync(
-                        os.pread, fd, min(want, _COPY_CHUNK_BYTES), offset
-                    )
+                    n = min(want, _COPY_CHUNK_BYTES)
+                    # a small piece is read on the event loop, as sendfile reads (from the
+                    # page cache, where shards are): a worker thread's hand-off costs more
+                    if n <= _INLINE_READ_BYTES:
+                        chunk = os.pread(fd, n, offset)
+                    else:
+                        chunk = await trio.to_thread.run_sync(os.pread, fd, n, offset)
                     sent = len(chunk)
-                    if chunk:
+                    if pending and chunk and len(pending[0]) + sent <= _STREAM_SEND_BYTES:
+                        await self._send_bytes(wire, pending.pop() + chunk, throttle=False)
+                    elif chunk:
+                        await self._flush(wire, pending)
                         await self._send_bytes(wire, chunk, throttle=False)
             except BlockingIOError:
                 self._refund(want)
@@ -808,6 +847,7 @@ class HttpServer:
             self._refund(want - sent)
             if sent == 0:
                 logger.warning("http_short_file path=%s offset=%d", part.path, offset)
+                await self._flush(wire, pending)  # the client sees a short body, as over TCP
                 raise _Abort("short_file")
             offset += sent
             self._bytes_sent += sent
