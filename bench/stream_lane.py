@@ -16,17 +16,17 @@ in all, over each lane in turn (pooled connections and streams, reused as the do
 reuses them). It prints per request the median and 90th-percentile latency and the process
 CPU (both ends, ``time.process_time``), and the stream lane's ratio to TCP.
 
-Measured (this machine, 2 cores, quiet; 64 KiB, 1 at a time, 2,000 requests, process CPU per
-request, both ends):
+Measured (this machine, 2 cores, quiet; 64 KiB, one at a time, 2,000 requests per lane;
+median latency and process CPU per request, both ends):
 
-==========================================  ============  ============
-change                                      TCP lane      stream lane
-==========================================  ============  ============
-before (head and body in separate sends,    0.49 ms       2.6-2.9 ms
-file pieces read in a worker thread)
-head in the body's first send, pieces of    0.49 ms       1.8 ms
-<= 256 KiB read on the event loop
-==========================================  ============  ============
+==========================================  ==================  ==================
+server                                      TCP lane            stream lane
+==========================================  ==================  ==================
+head and body in separate sends, file       0.45 ms, 0.47 ms    2.72 ms, 2.79 ms
+pieces read in a worker thread (before)
+head in the body's first send, pieces of    0.46 ms, 0.48 ms    1.81 ms, 1.82 ms
+<= 256 KiB read on the event loop (now)
+==========================================  ==================  ==================
 
 The head and a 64 KiB body in separate sends took three yamux frames (the head; 65,524 bytes,
 yamux's largest; 12 bytes), together two; each frame is a Noise message, a socket write and,
