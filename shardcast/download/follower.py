@@ -23,14 +23,9 @@ the simulator); this module does the I/O. The download loop
    (pipelining), and commits it. Upstreams that become reachable during a download join it.
 
 Behind a NAT (its lane found unreachable by dial-back), a follower holds circuit relay
-reservations on up to two relays it is connected to and names them in its advert
-(:class:`shardcast.core.Reservations`). Each time a download polls for extra sources, the
-follower also starts the hole punches :class:`shardcast.core.PunchPlanner` admits to nodes that
-hold or fill the version and are reachable only through such a relay; a punched node joins the
-download at the next poll, over the direct connection (never the circuit). A punch takes
-longer than a small version's download, so the follower also punches ahead: each advert heard
-of such a node starts the punches :meth:`shardcast.core.PunchPlanner.ahead` admits, so that the
-direct connections exist when the next version is announced. A super-seeding source that
+reservations and punches holes to nodes reachable only through a relay, ahead of a download and
+during one (:mod:`shardcast.download.punching`); a punched node joins the download at the next
+poll, over the direct connection (never the circuit). A super-seeding source that
 refuses a shard names its holder; a holder this follower has no lane to and will not get one
 to soon (:meth:`shardcast.download.discovery.SourceDirectory.holder_reach`: say its punch to
 it failed) is named back, and the source serves the shard at once (rule 11 of
@@ -83,13 +78,11 @@ import random
 import secrets
 import time
 from collections import Counter
-from collections.abc import Awaitable, Callable, Iterable, Sequence
-from dataclasses import dataclass, field
+from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import trio
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 
 from p2p.addresses import interface_subnets
 from p2p.errors import ConfigError, ShardnetError, TransportError, short_id
@@ -97,20 +90,12 @@ from p2p.host import peer_id_of
 from p2p.http_errors import NotAvailable
 from shardcast.core import (
     MANIFEST_RETRY_MAX_S,
-    DialbackResult,
     DownloadStats,
     LaneCheck,
     MirrorPoll,
     PollOutcome,
     PollPolicy,
-    PortMapConfig,
-    PunchConfig,
-    PunchPlanner,
-    PunchTarget,
-    Reach,
     Reachability,
-    ReachabilityConfig,
-    Reservations,
     Stage,
     VersionWatch,
     Want,
@@ -123,17 +108,18 @@ from shardcast.core import (
     should_materialize,
     want,
 )
+from shardcast.download import followstatus
 from shardcast.download.discovery import (
     HolderReach,
-    LaneBackoff,
     NodeAdvert,
-    PunchRecord,
     SourceDirectory,
     check_advert_gossip,
     nodes_topic,
 )
 from shardcast.download.downloader import Downloader
-from shardcast.download.types import DownloadConfig, Source
+from shardcast.download.followconfig import CommitHook, FollowConfig, VersionRecord
+from shardcast.download.punching import Punching
+from shardcast.download.types import Source
 from shardcast.download.versionwatch import watch_versions
 from shardcast.node import (
     DownloadMetrics,
@@ -153,7 +139,6 @@ from shardcast.wire import (
     Manifest,
     NodeInfo,
     VersionAnnouncement,
-    check_mirror_url,
     check_versions_gossip,
     decode_versions_message,
     manifest_url,
@@ -167,100 +152,6 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 _MAX_CHAIN = 32  # longest delta chain looked at when deciding to finish a superseded version
-
-
-@dataclass(frozen=True)
-class FollowConfig:
-    """Follower settings.
-
-    Attributes:
-        upstreams: multiaddrs (with ``/p2p/<PeerID>``) of the nodes to follow.
-        poll_interval_s: period of the info poll per upstream, seconds.
-        max_backoff_s: cap of the retry backoff for a failing upstream, seconds.
-        discovery: advertise this node and use other nodes as extra sources.
-        advert_interval_s: period of this node's advert, seconds.
-        max_extra_sources: discovered sources added to one download.
-        download: downloader settings.
-        finished_poll_interval_s: upstream poll period once settled (run finished, final
-            version held), seconds.
-        finished_max_backoff_s: retry backoff cap once settled, seconds.
-        mirrors: base URLs of static mirrors (``http://HOST[:PORT][/PATH]``) used as extra,
-            untrusted HTTP-only sources (see the module docstring).
-        mirror_poll_interval_s: period of the ``/versions`` poll per mirror while the run is
-            live, seconds (a plain GET of a static file on a web server or CDN, billed per
-            request: slower than the libp2p info poll of upstreams).
-        lane_backoff: when an advertised URL that failed its whoami challenge is tried again,
-            and when it is dropped.
-        reachability: when this node checks its own lane by dial-back.
-        punch: reservations on relays (when this node is unreachable) and hole punches to
-            unreachable sources (:class:`shardcast.core.PunchPlanner`); used only on a host
-            with circuits (:class:`p2p.circuits.CircuitConfig`).
-        port_mapping: ask the LAN's UPnP gateway to forward this node's ports (off by
-            default); the external lane URL is advertised once a dial-back reached it
-            (:class:`shardcast.node.portmap.PortMapping`). Needs ``discovery``.
-    """
-
-    upstreams: tuple[str, ...]
-    poll_interval_s: float = 1.0
-    max_backoff_s: float = 10.0
-    discovery: bool = True
-    advert_interval_s: float = 2.0
-    max_extra_sources: int = 16
-    download: DownloadConfig = field(default_factory=DownloadConfig)
-    finished_poll_interval_s: float = 60.0
-    finished_max_backoff_s: float = 600.0
-    mirrors: tuple[str, ...] = ()
-    mirror_poll_interval_s: float = 5.0
-    lane_backoff: LaneBackoff = field(default_factory=LaneBackoff)
-    reachability: ReachabilityConfig = field(default_factory=ReachabilityConfig)
-    punch: PunchConfig = field(default_factory=PunchConfig)
-    port_mapping: PortMapConfig = field(default_factory=PortMapConfig)
-
-    def poll_policy(self) -> PollPolicy:
-        """The poll/retry periods."""
-        return PollPolicy(
-            self.poll_interval_s,
-            self.max_backoff_s,
-            self.finished_poll_interval_s,
-            self.finished_max_backoff_s,
-        )
-
-    def mirror_poll_policy(self) -> PollPolicy:
-        """The poll/retry periods of a static mirror's version list: ``poll_policy`` at the
-        mirror's live period (a billed GET, not a libp2p request)."""
-        return dataclasses.replace(
-            self.poll_policy(),
-            poll_interval_s=self.mirror_poll_interval_s,
-            max_backoff_s=max(self.max_backoff_s, self.mirror_poll_interval_s),
-        )
-
-    def __post_init__(self) -> None:
-        if not self.upstreams:
-            raise ConfigError("upstreams", "at least one upstream multiaddr is required")
-        for a in self.upstreams:
-            peer_id_of(a)
-        if self.poll_interval_s <= 0 or self.advert_interval_s <= 0:
-            raise ConfigError("poll_interval_s", "intervals must be > 0")
-        if self.mirror_poll_interval_s <= 0:
-            raise ConfigError("mirror_poll_interval_s", "must be > 0")
-        object.__setattr__(
-            self, "mirrors", tuple(check_mirror_url(u, "mirror") for u in self.mirrors)
-        )
-
-
-@dataclass
-class VersionRecord:
-    """What happened to one version on this node (times are ``trio.current_time()``)."""
-
-    step: int
-    digest: str
-    learned_at: float
-    committed_at: float = 0.0
-    stats: DownloadStats | None = None
-    path: Path | None = None
-
-
-CommitHook = Callable[[Manifest, Path, VersionRecord], Awaitable[None]]
 
 
 def _directory(own_id: str, config: FollowConfig, rng: random.Random) -> SourceDirectory:
@@ -303,7 +194,7 @@ class Follower:
         self.node = node
         self.config = config
         self._metrics = (
-            DownloadMetrics(node.metrics, self._kind_of) if node.metrics.follower else None
+            DownloadMetrics(node.metrics, self.kind_of) if node.metrics.follower else None
         )
         self.downloader = Downloader(
             node.client,
@@ -327,9 +218,13 @@ class Follower:
         self._filling: list[tuple[int, str]] = []  # versions being downloaded
         self._hooking: set[int] = set()  # steps downloading, or committed before on_commit
         self._advert_wake = trio.Event()
-        self._heard: dict[str, float] = {}  # upstream -> Unix time of its last info answer
-        self._errors: dict[str, str] = {}  # upstream -> its last error
-        self._progress: dict[int, tuple[int, int, float]] = {}  # step -> done, total, start
+        self.heard: dict[str, float] = {}
+        """Upstream PeerID -> Unix time (s) of its last info answer (``/status``)."""
+        self.upstream_errors: dict[str, str] = {}
+        """Upstream PeerID -> its last error, until it answers again (``/status``)."""
+        self.filling_progress: dict[int, tuple[int, int, float]] = {}
+        """Step being downloaded -> (verified bytes, total bytes, ``trio.current_time()`` it
+        started at) (``/status``)."""
         self.mirrors = {url: MirrorPoll(url) for url in config.mirrors}
         self.reachability = Reachability(node.http_url, config.reachability)
         self._interfaces = interface_subnets()  # which private URLs are on this host's LANs
@@ -339,13 +234,16 @@ class Follower:
         self.adverts_out_of_scope = 0
         """Adverts heard whose URL was not this node's to try (a private address of another
         network; "LAN scope" in :mod:`shardcast.core.reachability`)."""
-        self.reservations = Reservations(config.punch)
-        self.punches = PunchPlanner(config.punch)
-        self.punch_record = PunchRecord()  # whether this node's punches keep failing
-        self._punch_rng = rng
-        # hole punches (no_circuit: failed ones whose relayed dial failed)
-        self._punched = {"started": 0, "ahead": 0, "direct": 0, "failed": 0, "no_circuit": 0}
-        self._reach_changed = trio.Event()
+        self.punching = Punching(
+            node.p2p,
+            node.identity.peer_id,
+            config.punch,
+            self.directory,
+            self.reachability,
+            rng,
+            self._readvertise,
+            self._relay_upstreams,
+        )
         self._nursery: trio.Nursery | None = None
         node.status_sections.update(
             downloads=self.downloads_status,
@@ -357,7 +255,7 @@ class Follower:
             node.status_sections["reachability"] = self.reachability_status
         self.port_mapping = self._port_mapping(config)
         """This node's port mappings (None: ``port_mapping`` off, or no discovery)."""
-        node.metrics.add_collector(self._families)
+        node.metrics.add_collector(functools.partial(followstatus.families, self))
         self._changed = trio.Event()
         self._poll_wake: dict[str, trio.Event] = {}  # upstream -> wakes its info poll
         self._upstream_ids = {peer_id_of(a) for a in config.upstreams}
@@ -388,11 +286,11 @@ class Follower:
                     self._interfaces,
                 )
                 if self.config.reachability.serve_behind_nat:
-                    nursery.start_soon(self._keep_reservations)
+                    nursery.start_soon(self.punching.keep_reservations)
                 if self.port_mapping is not None:
                     nursery.start_soon(self.port_mapping.run)
                 if self.config.punch.ahead_max_direct > 0:
-                    nursery.start_soon(self._punch_ahead, nursery)
+                    nursery.start_soon(self.punching.ahead, nursery)
             while not self.upstreams:
                 await self._upstream_changed.wait()
             task_status.started()
@@ -405,7 +303,7 @@ class Follower:
         (:meth:`p2p.lanes.Host.keep`). Called by the host; never blocks."""
         if peer_id not in self._upstream_ids or self.upstreams.pop(peer_id, None) is None:
             return
-        self._errors[peer_id] = "connection closed"
+        self.upstream_errors[peer_id] = "connection closed"
         self._note_upstream()
 
     def _note_upstream(self) -> None:
@@ -489,7 +387,7 @@ class Follower:
                     await self.node.p2p.connect(addr)
                 info = await self.node.query_info(pid)
             except ShardnetError as exc:
-                self._errors[pid] = str(exc)
+                self.upstream_errors[pid] = str(exc)
                 # the host re-dials it on the keepalive's schedule (seconds) while this poll
                 # backs off (minutes once settled), so a run continued reaches this node soon
                 self.node.p2p.keep(addr)
@@ -508,8 +406,8 @@ class Follower:
                 with trio.move_on_after(after.delay_s):
                     await wake.wait()  # the run resumed: retry now
                 continue
-            self._heard[pid] = time.time()
-            self._errors.pop(pid, None)
+            self.heard[pid] = time.time()
+            self.upstream_errors.pop(pid, None)
             outcome = await self._take_info(pid, info)
             watch = self._watch(pid, info.http_url, policy)  # polls seldom while it holds
             after = tracker.polled(addr, outcome, policy, self.settled(), watch.watching)
@@ -783,7 +681,7 @@ class Follower:
                 tier=self.tier(),
                 stream_lane=self.reachability.advertises_stream(),
                 lan_url=self.reachability.lan_advertised(self._interfaces),
-                relays=self.reservations.advertised(self.reachability.state),
+                relays=self.punching.advertised_relays(),
             )
             try:
                 await node.p2p.publish(topic, advert.encode())
@@ -832,17 +730,13 @@ class Follower:
                 h,
                 now,
                 connected=direct,
-                punch_failed=self._punch_failed,
-                punching_fails=self.punch_record.failing(),
+                punch_failed=self.punching.failed,
+                punching_fails=self.punching.record.failing(),
             )
             self.holders_named[reach] += 1
             if reach is HolderReach.UNREACHABLE:
                 out.append(h)
         return tuple(out)
-
-    def _punch_failed(self, peer_id: str) -> bool:
-        """True if the last hole punch to ``peer_id`` failed (it backs off, or did)."""
-        return self.punches.retry_at(peer_id) is not None
 
     def _same_tier_relay(self, peer_id: str) -> bool:
         """True if ``peer_id`` advertised the relay role at this node's tier: this relay does
@@ -861,101 +755,12 @@ class Follower:
 
     def _on_reach_change(self) -> None:
         self._readvertise()
-        self._reach_changed.set()
-        self._reach_changed = trio.Event()
+        self.punching.reach_changed()
 
-    def _relay_candidates(self, direct: frozenset[str]) -> list[str]:
-        """Relays this node holds a direct connection to: its relay upstreams first, then
-        other nodes that advertised the relay role."""
-        ups = [p for p, info in sorted(self.upstreams.items()) if info.role == "relay"]
-        known = [a.peer_id for a, _ in self.directory.entries(trio.current_time())]
-        others = [p for p in known if self.directory.role_of(p) == "relay" and p not in ups]
-        return [p for p in ups + others if p in direct]
-
-    async def _keep_reservations(self) -> None:
-        """While this node's lane is unreachable, hold reservations on relays
-        (:class:`shardcast.core.Reservations`) and advertise them."""
-        while True:
-            direct = frozenset(self.node.p2p.direct_peers())
-            if self.reservations.keep_connected(direct):
-                self._readvertise()
-            now = trio.current_time()
-            for relay in self.reservations.wanted(
-                self.reachability.state, self._relay_candidates(direct), now
-            ):
-                try:
-                    await self.node.p2p.reserve(relay)
-                except ShardnetError as exc:
-                    self.reservations.failed(relay, trio.current_time())
-                    log.info("reservation_failed relay=%s error=%s", short_id(relay), exc)
-                    continue
-                self.reservations.reserved(relay)
-                log.info("reservation relay=%s", short_id(relay))
-                self._readvertise()
-            with trio.move_on_after(self.config.punch.reserve_interval_s):
-                await self._reach_changed.wait()
-
-    def _yields_to(self, peer_id: str) -> bool:
-        """True if ``peer_id`` may be punching this node (this node names relays too) and
-        this node is the one that waits (:attr:`shardcast.core.PunchConfig.yield_s`)."""
-        punchable = bool(self.reservations.advertised(self.reachability.state))
-        return punchable and self.node.identity.peer_id > peer_id
-
-    def _start_punches(self, step: int, digest: str, direct: frozenset[str]) -> None:
-        """Start the hole punches :class:`shardcast.core.PunchPlanner` admits to sources of
-        ``(step, digest)`` reachable only that way; each joins the download once direct."""
-        if self._nursery is None:
-            return
-        now = trio.current_time()
-        for advert in self.directory.punch_candidates(step, now, digest=digest, connected=direct):
-            relay = self.punches.start(
-                advert.peer_id,
-                advert.relays,
-                direct,
-                now,
-                self._punch_rng,
-                yield_to_peer=self._yields_to(advert.peer_id),
-            )
-            if relay is not None:
-                self._punched["started"] += 1
-                self._nursery.start_soon(self._punch, advert.peer_id, relay)
-
-    async def _punch_ahead(self, nursery: trio.Nursery) -> None:
-        """Punch to nodes behind NATs before a download needs them (module docstring of
-        :mod:`shardcast.core.reachability`, "Punching ahead"): on each advert heard, and every
-        :attr:`shardcast.core.PunchConfig.ahead_interval_s`; the punches run in ``nursery``."""
-        while True:
-            direct = frozenset(self.node.p2p.direct_peers())
-            now = trio.current_time()
-            adverts, held = self.directory.punch_ahead(now, connected=direct)
-            targets = [
-                PunchTarget(a.peer_id, a.relays, a.newest(), self._yields_to(a.peer_id))
-                for a in adverts
-            ]
-            for peer_id, relay in self.punches.ahead(targets, direct, held, now, self._punch_rng):
-                self._punched["started"] += 1
-                self._punched["ahead"] += 1
-                nursery.start_soon(self._punch, peer_id, relay)
-            with trio.move_on_after(self.config.punch.ahead_interval_s):
-                await self.directory.changed.wait()
-
-    async def _punch(self, peer_id: str, relay: str) -> None:
-        direct, circuit = False, True
-        try:
-            direct = await self.node.p2p.punch(peer_id, relay)
-        except ShardnetError as exc:  # no circuit: the NATs were not tried
-            circuit = False
-            log.info(
-                "punch_failed peer=%s relay=%s error=%s", short_id(peer_id), short_id(relay), exc
-            )
-        finally:
-            self.punches.done(peer_id, direct=direct, now=trio.current_time(), circuit=circuit)
-        self._punched["direct" if direct else "failed"] += 1
-        if circuit:  # the NATs were tried: evidence of whether this node's punches work
-            self.punch_record.done(direct)
-        else:
-            self._punched["no_circuit"] += 1
-        log.info("punch peer=%s relay=%s direct=%s", short_id(peer_id), short_id(relay), direct)
+    def _relay_upstreams(self) -> list[str]:
+        """This node's upstreams that are relays (PeerIDs, sorted): its first candidates for
+        a circuit relay reservation."""
+        return [p for p, info in sorted(self.upstreams.items()) if info.role == "relay"]
 
     def _upstream_sources(self) -> list[Source]:
         """The upstreams as partial sources: asked only for what their have-set and verified
@@ -972,7 +777,8 @@ class Follower:
         if not self.config.discovery:
             return []
         direct = frozenset(self.node.p2p.direct_peers())
-        self._start_punches(step, digest, direct)
+        if self._nursery is not None:
+            self.punching.start(step, digest, direct, self._nursery)
         return self.directory.sources_for(
             step,
             trio.current_time(),
@@ -1192,10 +998,10 @@ class Follower:
             m.header.n_parts,
             started - record.learned_at,
         )
-        self._progress[step] = (0, m.total_bytes, started)
+        self.filling_progress[step] = (0, m.total_bytes, started)
 
         def progress(done: int, total: int) -> None:
-            self._progress[step] = (done, total, started)
+            self.filling_progress[step] = (done, total, started)
             if self.progress is not None:
                 self.progress(step, done, total)
 
@@ -1222,7 +1028,7 @@ class Follower:
                 nursery.cancel_scope.cancel()
         finally:
             server.live_done(step)
-            self._progress.pop(step, None)
+            self.filling_progress.pop(step, None)
             self._filling.remove((step, digest))
             self._readvertise()
             self._score_sources({peer_id_of(a) for a in self.config.upstreams} | set(self.mirrors))
@@ -1284,7 +1090,7 @@ class Follower:
 
     # -- observability ----------------------------------------------------------------------
 
-    def _kind_of(self, source: str) -> str:
+    def kind_of(self, source: str) -> str:
         """``source_kind`` of a source id: its upstream info's role, else its advert's."""
         if source in self.mirrors:
             return source_kind("mirror")
@@ -1292,84 +1098,30 @@ class Follower:
         return source_kind(info.role if info is not None else self.directory.role_of(source))
 
     def downloads_status(self) -> list[dict[str, Any]]:
-        """The ``downloads`` section of ``/status``: versions in progress, with progress."""
-        now = trio.current_time()
-        current = self.downloader.current
-        out = []
-        for step, (done, total, started) in sorted(self._progress.items()):
-            elapsed = now - started
-            rate = done / elapsed if elapsed > 0 else 0.0
-            stats = current if current is not None and current.step == step else None
-            sources = stats.bytes_by_source if stats is not None else {}
-            out.append(
-                {
-                    "step": step,
-                    "verified_bytes": done,
-                    "total_bytes": total,
-                    "percent": round(100.0 * done / total, 2) if total else 100.0,
-                    "rate_bytes_per_s": round(rate, 1),
-                    "eta_s": round((total - done) / rate, 1) if rate > 0 else None,
-                    "elapsed_s": round(elapsed, 3),
-                    "corrupt_shards": sum(stats.corrupt_by_source.values()) if stats else 0,
-                    "sources": [
-                        {"peer_id": pid, "kind": self._kind_of(pid), "bytes": n}
-                        for pid, n in sorted(sources.items(), key=lambda kv: -kv[1])
-                    ],
-                }
-            )
-        return out
+        """The ``downloads`` section of ``/status`` (:func:`.followstatus.downloads`)."""
+        return followstatus.downloads(self)
 
     def upstreams_status(self) -> list[dict[str, Any]]:
-        """The ``upstreams`` section of ``/status``: each configured upstream's state
-        (``ready`` or ``unreachable``), and ``expected`` (``"run_finished"``: the run's end
-        is in force, so an upstream that left is no fault; else None)."""
-        out = []
-        expected = "run_finished" if self.node.finished is not None else None
-        for addr in self.config.upstreams:
-            pid = peer_id_of(addr)
-            info = self.upstreams.get(pid)
-            heard = self._heard.get(pid)
-            out.append(
-                {
-                    "peer_id": pid,
-                    "addr": addr,
-                    "state": "ready" if info is not None else "unreachable",
-                    "role": info.role if info is not None else None,
-                    "http_url": info.http_url if info is not None else None,
-                    "latest_step": info.committed[-1] if info and info.committed else None,
-                    "last_heard": iso(heard) if heard is not None else None,
-                    "error": self._errors.get(pid),
-                    "expected": expected,
-                }
-            )
-        return out
+        """The ``upstreams`` section of ``/status`` (:func:`.followstatus.upstreams`)."""
+        return followstatus.upstreams(self)
 
     def mirrors_status(self) -> list[dict[str, Any]]:
-        """The ``mirrors`` section of ``/status``: each configured static mirror's state."""
-        return [
-            {
-                "url": url,
-                "state": "unreachable" if poll.error is not None or poll.heard is None else "ready",
-                "committed": sorted(poll.steps),
-                "last_heard": iso(poll.heard) if poll.heard is not None else None,
-                "error": poll.error,
-            }
-            for url, poll in sorted(self.mirrors.items())
-        ]
+        """The ``mirrors`` section of ``/status`` (:func:`.followstatus.mirrors`)."""
+        return followstatus.mirrors(self)
+
+    def known_nodes_status(self) -> list[dict[str, Any]]:
+        """The ``known_nodes`` section of ``/status`` (:func:`.followstatus.known_nodes`)."""
+        return followstatus.known_nodes(self)
+
+    def reachability_status(self) -> dict[str, Any]:
+        """The ``reachability`` section of ``/status`` (:func:`.followstatus.reachability`)."""
+        return followstatus.reachability(self)
 
     def _dialback_askers(self) -> list[str]:
         """Connected nodes to ask for a dial-back: upstreams first, then the others."""
         connected = self.node.p2p.connected_peers()
         ups = [peer_id_of(a) for a in self.config.upstreams]
         return [p for p in ups if p in connected] + [p for p in connected if p not in ups]
-
-    def reachability_status(self) -> dict[str, Any]:
-        """The ``reachability`` section of ``/status``: this node's own lane."""
-        now, wall = trio.current_time(), time.time()
-        out = self.reachability.status(lambda t: iso(wall_of(t, now, wall)))
-        out["relays"] = list(self.reservations.held)
-        out["punches"] = dict(self._punched)
-        return out
 
     def _port_mapping(self, config: FollowConfig) -> PortMapping | None:
         """The node's port mappings of its HTTP lane and libp2p TCP ports (registered in
@@ -1398,90 +1150,6 @@ class Follower:
         assert self.port_mapping is not None
         now, wall = trio.current_time(), time.time()
         return self.port_mapping.status(now, lambda t: iso(wall_of(t, now, wall)))
-
-    def known_nodes_status(self) -> list[dict[str, Any]]:
-        """The ``known_nodes`` section of ``/status``: nodes heard through adverts, with what
-        this node's challenges of their lanes gave (``lane``: ``verified``, ``unreachable``,
-        ``bad_answer``, ``untried``, or ``none`` for a node with no URL; ``stream_lane``: it
-        serves over libp2p streams on connections it holds)."""
-        now, wall = trio.current_time(), time.time()
-        out = []
-        for a, t in reversed(self.directory.entries(now)):
-            lane = self.directory.lane_status(a.peer_id, a.http_url) if a.http_url else None
-            out.append(
-                {
-                    "peer_id": a.peer_id,
-                    "role": a.role,
-                    "http_url": a.http_url,
-                    "latest_step": max(a.committed) if a.committed else None,
-                    "filling": list(a.filling),
-                    "last_heard": iso(wall_of(t, now, wall)),
-                    "lane": (
-                        lane.result.value
-                        if lane is not None
-                        else ("untried" if a.http_url else "none")
-                    ),
-                    "lane_failures": lane.failures if lane is not None else 0,
-                    "lane_dropped": lane.dropped(self.directory.backoff) if lane else False,
-                    "lane_checked": iso(wall_of(lane.at, now, wall)) if lane else None,
-                    "stream_lane": a.stream_lane,
-                    "relays": list(a.relays),
-                }
-            )
-        return out
-
-    def _families(self) -> list[Metric]:
-        ready = GaugeMetricFamily(
-            "shardnet_upstreams", "configured upstreams by state", labels=["state"]
-        )
-        n_ready = sum(1 for a in self.config.upstreams if peer_id_of(a) in self.upstreams)
-        ready.add_metric(["ready"], n_ready)
-        ready.add_metric(["unreachable"], len(self.config.upstreams) - n_ready)
-        known = GaugeMetricFamily(
-            "shardnet_known_nodes", "nodes heard through adverts, by role", labels=["role"]
-        )
-        entries = self.directory.entries(trio.current_time())
-        for role in ("relay", "peer"):
-            known.add_metric([role], sum(1 for a, _ in entries if a.role == role))
-        return [ready, known, *self._reachability_families()]
-
-    def _reachability_families(self) -> list[Metric]:
-        reach = self.reachability
-        state = GaugeMetricFamily(
-            "shardnet_lane_reachability",
-            "this node's lane as its dial-back checks found it: 1 for the current state",
-            labels=["state"],
-        )
-        for r in Reach:
-            state.add_metric([r.value], 1.0 if reach.state is r else 0.0)
-        answers = CounterMetricFamily(
-            "shardnet_dialback_answers",
-            "answers to this node's dial-back asks, by result",
-            labels=["result"],
-        )
-        for d in DialbackResult:
-            answers.add_metric([d.value], reach.answers_total[d])
-        checks = CounterMetricFamily(
-            "shardnet_advert_checks",
-            "whoami challenges of other nodes' advertised lane URLs, by result",
-            labels=["result"],
-        )
-        for c in LaneCheck:
-            checks.add_metric([c.value], self.advert_checks[c])
-        scope = CounterMetricFamily(
-            "shardnet_adverts_out_of_scope",
-            "adverts heard whose URL is a private address of another network (not tried)",
-        )
-        scope.add_metric([], self.adverts_out_of_scope)
-        named = CounterMetricFamily(
-            "shardnet_refusal_holders",
-            "holders super-seeding refusals named, by whether this node could reach them "
-            "(unreachable ones are named back and served at once)",
-            labels=["reach"],
-        )
-        for h in HolderReach:
-            named.add_metric([h.value], self.holders_named[h])
-        return [state, answers, checks, scope, named]
 
 
 __all__ = [

@@ -12,10 +12,11 @@ import trio
 
 from p2p import wire
 from p2p.errors import RemoteProtocolError
-from shardcast.core import LaneCheck, PunchConfig, PunchPlanner
+from shardcast.core import LaneCheck, PunchConfig
 from shardcast.core.tracker import confirmed_elsewhere
 from shardcast.download.discovery import HolderReach, NodeAdvert, PunchRecord, SourceDirectory
 from shardcast.download.follower import Follower
+from shardcast.download.punching import Punching
 from shardcast.serve import Requester
 from shardcast.wire.messages import NodeInfo, VersionAnnouncement
 
@@ -243,14 +244,16 @@ async def test_a_follower_names_back_only_the_unreachable_holders() -> None:
     f = cast(SimpleNamespace, _follower({}, d, role="peer"))
     f.holders_named = Counter()
     f.node.p2p = SimpleNamespace(direct_peers=lambda: ["Qm-r"])
-    f.punches = PunchPlanner(PunchConfig())
-    f.punch_record = PunchRecord()
-    f._punch_failed = lambda p: Follower._punch_failed(cast(Follower, f), p)
+    # no reachability: only the planner's failures and the punch record are read here
+    f.punching = Punching(
+        f.node.p2p, "me", PunchConfig(), d, None, random.Random(0), lambda: None, list
+    )
     named = ["Qm-pub", "Qm-sym", "Qm-x"]
     assert Follower._unreachable_holders(cast(Follower, f), named) == ()  # no punch failed yet
     now = trio.current_time()
-    assert f.punches.start("Qm-sym", ("Qm-r",), frozenset({"Qm-r"}), now, random.Random(0))
-    f.punches.done("Qm-sym", direct=False, now=now)
+    planner = f.punching.planner
+    assert planner.start("Qm-sym", ("Qm-r",), frozenset({"Qm-r"}), now, random.Random(0))
+    planner.done("Qm-sym", direct=False, now=now)
     assert Follower._unreachable_holders(cast(Follower, f), named) == ("Qm-sym",)
     assert f.holders_named == Counter(
         {HolderReach.USABLE: 2, HolderReach.PENDING: 1, HolderReach.UNKNOWN: 2,

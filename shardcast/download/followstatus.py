@@ -1,0 +1,192 @@
+"""download: what a follower shows: its ``/status`` sections and its metric families.
+
+Views only: each function reads a running :class:`~shardcast.download.follower.Follower`'s
+state (its upstreams, the downloads it fills, its directory of advertised nodes, its own lane's
+reachability and punches) and returns JSON-ready dicts (times as ISO 8601 UTC strings) or
+Prometheus metric families; nothing here changes the follower. The follower registers them with
+its node (``/status`` sections, the metrics collector).
+"""
+
+from __future__ import annotations
+
+import time
+from typing import TYPE_CHECKING, Any
+
+import trio
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+
+from p2p.host import peer_id_of
+from shardcast.core import DialbackResult, LaneCheck, Reach
+from shardcast.download.discovery import HolderReach
+from shardcast.node import iso, wall_of
+
+if TYPE_CHECKING:
+    from shardcast.download.follower import Follower
+
+__all__ = ["downloads", "families", "known_nodes", "mirrors", "reachability", "upstreams"]
+
+
+def downloads(f: Follower) -> list[dict[str, Any]]:
+    """The ``downloads`` section of ``/status``: versions in progress, with progress."""
+    now = trio.current_time()
+    current = f.downloader.current
+    out = []
+    for step, (done, total, started) in sorted(f.filling_progress.items()):
+        elapsed = now - started
+        rate = done / elapsed if elapsed > 0 else 0.0
+        stats = current if current is not None and current.step == step else None
+        sources = stats.bytes_by_source if stats is not None else {}
+        out.append(
+            {
+                "step": step,
+                "verified_bytes": done,
+                "total_bytes": total,
+                "percent": round(100.0 * done / total, 2) if total else 100.0,
+                "rate_bytes_per_s": round(rate, 1),
+                "eta_s": round((total - done) / rate, 1) if rate > 0 else None,
+                "elapsed_s": round(elapsed, 3),
+                "corrupt_shards": sum(stats.corrupt_by_source.values()) if stats else 0,
+                "sources": [
+                    {"peer_id": pid, "kind": f.kind_of(pid), "bytes": n}
+                    for pid, n in sorted(sources.items(), key=lambda kv: -kv[1])
+                ],
+            }
+        )
+    return out
+
+
+def upstreams(f: Follower) -> list[dict[str, Any]]:
+    """The ``upstreams`` section of ``/status``: each configured upstream's state
+    (``ready`` or ``unreachable``), and ``expected`` (``"run_finished"``: the run's end
+    is in force, so an upstream that left is no fault; else None)."""
+    out = []
+    expected = "run_finished" if f.node.finished is not None else None
+    for addr in f.config.upstreams:
+        pid = peer_id_of(addr)
+        info = f.upstreams.get(pid)
+        heard = f.heard.get(pid)
+        out.append(
+            {
+                "peer_id": pid,
+                "addr": addr,
+                "state": "ready" if info is not None else "unreachable",
+                "role": info.role if info is not None else None,
+                "http_url": info.http_url if info is not None else None,
+                "latest_step": info.committed[-1] if info and info.committed else None,
+                "last_heard": iso(heard) if heard is not None else None,
+                "error": f.upstream_errors.get(pid),
+                "expected": expected,
+            }
+        )
+    return out
+
+
+def mirrors(f: Follower) -> list[dict[str, Any]]:
+    """The ``mirrors`` section of ``/status``: each configured static mirror's state."""
+    return [
+        {
+            "url": url,
+            "state": "unreachable" if poll.error is not None or poll.heard is None else "ready",
+            "committed": sorted(poll.steps),
+            "last_heard": iso(poll.heard) if poll.heard is not None else None,
+            "error": poll.error,
+        }
+        for url, poll in sorted(f.mirrors.items())
+    ]
+
+
+def reachability(f: Follower) -> dict[str, Any]:
+    """The ``reachability`` section of ``/status``: this node's own lane."""
+    now, wall = trio.current_time(), time.time()
+    out = f.reachability.status(lambda t: iso(wall_of(t, now, wall)))
+    out.update(f.punching.status())
+    return out
+
+
+def known_nodes(f: Follower) -> list[dict[str, Any]]:
+    """The ``known_nodes`` section of ``/status``: nodes heard through adverts, with what
+    this node's challenges of their lanes gave (``lane``: ``verified``, ``unreachable``,
+    ``bad_answer``, ``untried``, or ``none`` for a node with no URL; ``stream_lane``: it
+    serves over libp2p streams on connections it holds)."""
+    now, wall = trio.current_time(), time.time()
+    out = []
+    for a, t in reversed(f.directory.entries(now)):
+        lane = f.directory.lane_status(a.peer_id, a.http_url) if a.http_url else None
+        out.append(
+            {
+                "peer_id": a.peer_id,
+                "role": a.role,
+                "http_url": a.http_url,
+                "latest_step": max(a.committed) if a.committed else None,
+                "filling": list(a.filling),
+                "last_heard": iso(wall_of(t, now, wall)),
+                "lane": (
+                    lane.result.value if lane is not None else ("untried" if a.http_url else "none")
+                ),
+                "lane_failures": lane.failures if lane is not None else 0,
+                "lane_dropped": lane.dropped(f.directory.backoff) if lane else False,
+                "lane_checked": iso(wall_of(lane.at, now, wall)) if lane else None,
+                "stream_lane": a.stream_lane,
+                "relays": list(a.relays),
+            }
+        )
+    return out
+
+
+def families(f: Follower) -> list[Metric]:
+    """The follower's metric families: configured upstreams by state, nodes heard through
+    adverts by role, and its lane's reachability (dial-back answers, advert checks, adverts
+    out of scope, holders named by refusals); the names and types are listed in
+    :mod:`shardcast.node.metrics`."""
+    ready = GaugeMetricFamily(
+        "shardnet_upstreams", "configured upstreams by state", labels=["state"]
+    )
+    n_ready = sum(1 for a in f.config.upstreams if peer_id_of(a) in f.upstreams)
+    ready.add_metric(["ready"], n_ready)
+    ready.add_metric(["unreachable"], len(f.config.upstreams) - n_ready)
+    known = GaugeMetricFamily(
+        "shardnet_known_nodes", "nodes heard through adverts, by role", labels=["role"]
+    )
+    entries = f.directory.entries(trio.current_time())
+    for role in ("relay", "peer"):
+        known.add_metric([role], sum(1 for a, _ in entries if a.role == role))
+    return [ready, known, *_reachability_families(f)]
+
+
+def _reachability_families(f: Follower) -> list[Metric]:
+    reach = f.reachability
+    state = GaugeMetricFamily(
+        "shardnet_lane_reachability",
+        "this node's lane as its dial-back checks found it: 1 for the current state",
+        labels=["state"],
+    )
+    for r in Reach:
+        state.add_metric([r.value], 1.0 if reach.state is r else 0.0)
+    answers = CounterMetricFamily(
+        "shardnet_dialback_answers",
+        "answers to this node's dial-back asks, by result",
+        labels=["result"],
+    )
+    for d in DialbackResult:
+        answers.add_metric([d.value], reach.answers_total[d])
+    checks = CounterMetricFamily(
+        "shardnet_advert_checks",
+        "whoami challenges of other nodes' advertised lane URLs, by result",
+        labels=["result"],
+    )
+    for c in LaneCheck:
+        checks.add_metric([c.value], f.advert_checks[c])
+    scope = CounterMetricFamily(
+        "shardnet_adverts_out_of_scope",
+        "adverts heard whose URL is a private address of another network (not tried)",
+    )
+    scope.add_metric([], f.adverts_out_of_scope)
+    named = CounterMetricFamily(
+        "shardnet_refusal_holders",
+        "holders super-seeding refusals named, by whether this node could reach them "
+        "(unreachable ones are named back and served at once)",
+        labels=["reach"],
+    )
+    for h in HolderReach:
+        named.add_metric([h.value], f.holders_named[h])
+    return [state, answers, checks, scope, named]
