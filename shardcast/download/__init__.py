@@ -1,7 +1,10 @@
 """download: the follower side: following upstreams and learning of versions
-(:mod:`.follower`), finding extra sources (:mod:`.discovery`), downloading one version
-(:mod:`.downloader`, the trio driver :mod:`.driver` of a :class:`shardcast.core.Session`), the
-receiving data path (:mod:`.receive`) and the types they share (:mod:`.types`).
+(:mod:`.follower`, its settings :mod:`.followconfig`, the run card it waits for :mod:`.cards`,
+its ``/status`` and metrics :mod:`.followstatus`), finding extra sources (:mod:`.discovery`;
+the adverts heard, :mod:`.adverts`; static mirrors, :mod:`.mirrors`; relay reservations and
+hole punches, :mod:`.punching`), downloading one version (:mod:`.downloader`, the trio driver
+:mod:`.driver` of a :class:`shardcast.core.Session`), the receiving data path
+(:mod:`.receive`) and the types they share (:mod:`.types`).
 """
 
 from __future__ import annotations

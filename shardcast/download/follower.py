@@ -36,18 +36,14 @@ every source (pruned: the next plan falls back to the newest version in full), w
 arrives for too long, and it is abandoned as soon as a newer version is announced that it
 cannot be the base of (:func:`shardcast.core.catchup.worth_finishing`).
 
-Static mirrors (``mirrors``: base URLs of trees written by
-:func:`shardcast.serve.mirror.export_mirror`
-and served by any web server) are HTTP-only sources: no PeerID, no libp2p, source id = the URL.
-Each is polled for its ``/versions`` list every ``poll_interval_s``; a mirror never tells this
-node that a version exists (only the trainer's signed announcements do), it is only added as a
-source — for the manifest document and for shards — to the download of an announced version it
-lists. It is never trusted: its manifest is checked like any other against the pinned trainer
-and the announced digest, every shard against its signed digest, and a mirror that serves wrong
-bytes is blamed and banned like any bad source. Requests to it are unsigned (anonymous).
-Mirrors named in the run card (``mirrors``, signed by the trainer) are added to the configured
-ones whenever this node adopts a card (:meth:`Follower.add_mirrors`); a mirror, once added, is
-kept for the life of the process (a later card without it does not remove it).
+Static mirrors (``mirrors``, and those the run card names) are HTTP-only, untrusted sources,
+polled for the versions they list (:mod:`shardcast.download.mirrors`): a mirror joins the
+download of an announced version it lists, for the manifest document and for shards; its
+manifest is checked like any other against the pinned trainer and the announced digest, every
+shard against its signed digest, and a mirror that serves wrong bytes is blamed and banned like
+any bad source. Requests to it are unsigned (anonymous). Node adverts are heard, scoped and
+their lanes challenged by :mod:`shardcast.download.adverts`; the ``/status`` sections and
+metric families are :mod:`shardcast.download.followstatus`.
 
 Every loop here has a timeout or a bounded backoff; a failing upstream is logged with its
 short PeerID and retried, never allowed to stop the others.
@@ -71,28 +67,24 @@ serving, and polls and retries its upstreams minutes apart instead of seconds
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 import logging
 import random
-import secrets
 import time
 from collections import Counter
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import trio
+from prometheus_client.core import Metric
 
-from p2p.addresses import interface_subnets
 from p2p.errors import ConfigError, ShardnetError, TransportError, short_id
 from p2p.host import peer_id_of
 from p2p.http_errors import NotAvailable
 from shardcast.core import (
     MANIFEST_RETRY_MAX_S,
     DownloadStats,
-    LaneCheck,
-    MirrorPoll,
     PollOutcome,
     PollPolicy,
     Reachability,
@@ -103,21 +95,21 @@ from shardcast.core import (
     confirmed_elsewhere,
     manifest_retry_s,
     plan,
-    poll_delay,
-    scoped_lane,
     should_materialize,
     want,
 )
 from shardcast.download import followstatus
+from shardcast.download.adverts import AdvertIntake
+from shardcast.download.cards import adopt_card_of, card_version, ensure_card
 from shardcast.download.discovery import (
     HolderReach,
     NodeAdvert,
     SourceDirectory,
-    check_advert_gossip,
     nodes_topic,
 )
 from shardcast.download.downloader import Downloader
 from shardcast.download.followconfig import CommitHook, FollowConfig, VersionRecord
+from shardcast.download.mirrors import Mirrors
 from shardcast.download.punching import Punching
 from shardcast.download.types import Source
 from shardcast.download.versionwatch import watch_versions
@@ -125,8 +117,6 @@ from shardcast.node import (
     DownloadMetrics,
     PortMapping,
     ShardcastNode,
-    challenge_lane,
-    fetch_card,
     iso,
     keep_reachability,
     source_kind,
@@ -143,7 +133,6 @@ from shardcast.wire import (
     decode_versions_message,
     manifest_url,
     versions_topic,
-    versions_url,
 )
 
 if TYPE_CHECKING:
@@ -225,15 +214,22 @@ class Follower:
         self.filling_progress: dict[int, tuple[int, int, float]] = {}
         """Step being downloaded -> (verified bytes, total bytes, ``trio.current_time()`` it
         started at) (``/status``)."""
-        self.mirrors = {url: MirrorPoll(url) for url in config.mirrors}
+        self.mirrors = Mirrors(
+            node.client,
+            node.config.run_id,
+            config.mirrors,
+            config.mirror_poll_policy(),
+            self.settled,
+        )
         self.reachability = Reachability(node.http_url, config.reachability)
-        self._interfaces = interface_subnets()  # which private URLs are on this host's LANs
-        self._public_networks = config.reachability.networks()
-        self.advert_checks: Counter[LaneCheck] = Counter()
-        """Challenges of advertised URLs by outcome (metrics)."""
-        self.adverts_out_of_scope = 0
-        """Adverts heard whose URL was not this node's to try (a private address of another
-        network; "LAN scope" in :mod:`shardcast.core.reachability`)."""
+        self.intake = AdvertIntake(
+            node.p2p,
+            node.client,
+            node.config.run_id,
+            self.directory,
+            config.reachability,
+            config.advert_interval_s,
+        )
         self.punching = Punching(
             node.p2p,
             node.identity.peer_id,
@@ -245,17 +241,9 @@ class Follower:
             self._relay_upstreams,
         )
         self._nursery: trio.Nursery | None = None
-        node.status_sections.update(
-            downloads=self.downloads_status,
-            upstreams=self.upstreams_status,
-            mirrors=self.mirrors_status,
-            known_nodes=self.known_nodes_status,
-        )
-        if config.discovery:
-            node.status_sections["reachability"] = self.reachability_status
+        self._register_views()
         self.port_mapping = self._port_mapping(config)
         """This node's port mappings (None: ``port_mapping`` off, or no discovery)."""
-        node.metrics.add_collector(functools.partial(followstatus.families, self))
         self._changed = trio.Event()
         self._poll_wake: dict[str, trio.Event] = {}  # upstream -> wakes its info poll
         self._upstream_ids = {peer_id_of(a) for a in config.upstreams}
@@ -269,13 +257,11 @@ class Follower:
             for addr in self.config.upstreams:
                 nursery.start_soon(self._poll_upstream, addr)
             self._nursery = nursery
-            for url in self.config.mirrors:
-                nursery.start_soon(self._poll_mirror, url)
-            nursery.start_soon(self._follow_card_mirrors)
+            nursery.start_soon(self.mirrors.run, self.node)
             nursery.start_soon(self._listen_versions)
             if self.config.discovery:
-                nursery.start_soon(self._listen_adverts)
-                nursery.start_soon(self._verify_adverts)
+                nursery.start_soon(self.intake.listen)
+                nursery.start_soon(self.intake.verify)
                 nursery.start_soon(self._advertise)
                 nursery.start_soon(
                     keep_reachability,
@@ -283,7 +269,7 @@ class Follower:
                     self.reachability,
                     self._dialback_askers,
                     self._on_reach_change,
-                    self._interfaces,
+                    self.intake.interfaces,
                 )
                 if self.config.reachability.serve_behind_nat:
                     nursery.start_soon(self.punching.keep_reservations)
@@ -464,8 +450,8 @@ class Follower:
                 info.role,
                 info.http_url,
             )
-        if info.card_version > self._card_version():
-            await self._fetch_card(pid)
+        if info.card_version > card_version(self.node):
+            await adopt_card_of(self.node, pid)
         if info.announcement is not None:
             self._offer(info.announcement, pid)
             self._note_upstream_said(pid, info.announcement)
@@ -477,180 +463,12 @@ class Follower:
             self._note_upstream()
         return PollOutcome.ANSWERED
 
-    async def _poll_mirror(self, url: str) -> None:
-        """Keep ``self.mirrors[url]`` up to date with the mirror's ``/versions`` list."""
-        poll = self.mirrors[url]
-        policy = self.config.mirror_poll_policy()
-        versions = versions_url(url, self.node.config.run_id)
-        while True:
-            try:
-                data = await self.node.client.get_bytes(
-                    versions, max_bytes=1 << 20, timeout_s=10.0, anonymous=True
-                )
-            except (TransportError, ShardnetError) as exc:
-                if poll.failed(str(exc)):
-                    log.info("mirror_unreachable mirror=%s error=%s", url, exc)
-            else:
-                if poll.answered(data, time.time()):
-                    log.info("mirror_versions mirror=%s committed=%s", url, sorted(poll.steps))
-                elif poll.error is not None and poll.failures == 1:
-                    log.warning("mirror_bad_versions mirror=%s error=%s", url, poll.error)
-            await trio.sleep(poll_delay(policy, poll.failures, self.settled()))
-
-    def add_mirrors(self, urls: Iterable[str]) -> list[str]:
-        """Add static mirrors (already validated URLs) not known yet and start polling them.
-
-        Returns:
-            the URLs added. Must be called while :meth:`run` runs (from the trio thread).
-        """
-        added = [u for u in dict.fromkeys(urls) if u not in self.mirrors]
-        for url in added:
-            self.mirrors[url] = MirrorPoll(url)
-            assert self._nursery is not None, "add_mirrors needs a running follower"
-            self._nursery.start_soon(self._poll_mirror, url)
-            log.info("mirror_added mirror=%s from=runcard", url)
-        return added
-
-    async def _follow_card_mirrors(self) -> None:
-        """Add the mirrors of every run card the node adopts (held at start, or later)."""
-        version = 0
-        while True:
-            signed = await self.node.wait_card(version + 1)
-            version = signed.version
-            self.add_mirrors(signed.card.mirrors)
-
-    def _mirror_sources(self, step: int, digest: str) -> list[Source]:
-        """The mirrors that list version ``(step, digest)`` (untrusted, anonymous, HTTP-only
-        sources)."""
-        return [
-            Source(url, url, complete=False, anonymous=True)
-            for url, poll in sorted(self.mirrors.items())
-            if poll.holds(step, digest)
-        ]
-
-    def _card_version(self) -> int:
-        card = self.node.card
-        return card.version if card is not None else 0
-
-    async def _fetch_card(self, pid: str) -> bool:
-        """Fetch ``pid``'s run card, verify it and adopt it if newer; False on any failure."""
-        try:
-            card = await fetch_card(self.node.p2p, pid, self.node.trust.trainer)
-        except ShardnetError as exc:
-            log.warning("runcard_refused upstream=%s error=%s", short_id(pid), exc)
-            return False
-        return card is not None and self.node.set_card(card)
-
-    async def _ensure_card(self, ann: VersionAnnouncement) -> None:
-        """Hold the version back until the node has the card its announcement names.
-
-        Every upstream is asked at once, and the wait ends the moment the card is held,
-        whichever path brought it (an answer here, or the info poll's own fetch): one
-        upstream that is slow to answer (seconds, on a loaded machine) does not hold the
-        version back while another already gave the card."""
-        attempt = 0
-        while self._card_version() < ann.card_version and not self._superseded(ann.step):
-            await self._fetch_card_any(ann.card_version)
-            if self._card_version() >= ann.card_version:
-                return
-            log.info(
-                "runcard_waiting step=%d card_version=%d have=%d",
-                ann.step,
-                ann.card_version,
-                self._card_version(),
-            )
-            # the upstreams may not hold it yet either (they fetch it from theirs): ask again
-            # soon, as for a manifest
-            with trio.move_on_after(manifest_retry_s(attempt)):
-                await self.node.wait_card(ann.card_version)
-            attempt += 1
-
-    async def _fetch_card_any(self, version: int) -> None:
-        """Ask every upstream for its run card at once; return when the node holds a card of
-        ``version`` or newer (from any of them, or from another path) or when every answer
-        is in."""
-        async with trio.open_nursery() as nursery:
-            pending = sorted(self.upstreams)
-
-            async def ask(pid: str) -> None:
-                await self._fetch_card(pid)
-                pending.remove(pid)
-                if not pending or self._card_version() >= version:
-                    nursery.cancel_scope.cancel()
-
-            async def held() -> None:
-                await self.node.wait_card(version)
-                nursery.cancel_scope.cancel()
-
-            if not pending:
-                return
-            nursery.start_soon(held)
-            for pid in list(pending):
-                nursery.start_soon(ask, pid)
-
     async def _listen_versions(self) -> None:
         run_id = self.node.config.run_id
         check = check_versions_gossip(self.node.trust, run_id)
         sub = await self.node.p2p.subscribe(versions_topic(run_id), check)
         async for msg in sub:
             self._offer(msg.data, msg.origin, upstream=False)  # open gossip: no same-step swap
-
-    async def _listen_adverts(self) -> None:
-        sub = await self.node.p2p.subscribe(
-            nodes_topic(self.node.config.run_id), check_advert_gossip
-        )
-        async for msg in sub:
-            try:
-                advert = NodeAdvert.decode(msg.data, msg.origin)
-            except ShardnetError as exc:
-                log.info("advert_rejected origin=%s error=%s", short_id(msg.origin), exc)
-                continue
-            self.directory.offer(self._in_scope(advert), trio.current_time())
-
-    def _in_scope(self, advert: NodeAdvert) -> NodeAdvert:
-        """``advert`` with the URL this node may try as its ``http_url`` (empty: none), by
-        :func:`shardcast.core.scoped_lane`."""
-        if not advert.http_url and not advert.lan_url:
-            return advert
-        observed = self.node.p2p.remote_hosts(advert.peer_id)
-        url = scoped_lane(
-            advert.http_url, advert.lan_url, observed, self._interfaces, self._public_networks
-        )
-        if not url:
-            self.adverts_out_of_scope += 1
-        if url == advert.http_url:
-            return advert
-        return dataclasses.replace(advert, http_url=url)
-
-    async def _verify_adverts(self) -> None:
-        """Challenge the lane behind each new advert: its URL is used only once it proved
-        that it holds the advertiser's key; failed URLs back off and are dropped (see
-        :mod:`shardcast.download.discovery`)."""
-        while True:
-            now = trio.current_time()
-            for advert in self.directory.to_verify(now)[:8]:
-                result = await challenge_lane(
-                    self.node.client,
-                    advert.http_url,
-                    advert.peer_id,
-                    secrets.token_hex(16),
-                    timeout_s=5.0,
-                )
-                self.advert_checks[result] += 1
-                lane = self.directory.verified(
-                    advert.peer_id, advert.http_url, result, trio.current_time()
-                )
-                if result is not LaneCheck.VERIFIED:
-                    log.info(
-                        "advert_unproven advertiser=%s http_url=%s result=%s failures=%d%s",
-                        short_id(advert.peer_id),
-                        advert.http_url,
-                        result.value,
-                        lane.failures,
-                        " dropped" if lane.dropped(self.directory.backoff) else "",
-                    )
-            with trio.move_on_after(self.config.advert_interval_s):
-                await self.directory.changed.wait()
 
     def _score_sources(self, upstream_ids: set[str]) -> None:
         """Feed the outcome of the latest download to the advertisers' scores."""
@@ -680,7 +498,7 @@ class Follower:
                 list(self._filling),
                 tier=self.tier(),
                 stream_lane=self.reachability.advertises_stream(),
-                lan_url=self.reachability.lan_advertised(self._interfaces),
+                lan_url=self.reachability.lan_advertised(self.intake.interfaces),
                 relays=self.punching.advertised_relays(),
             )
             try:
@@ -807,7 +625,7 @@ class Follower:
         attempt = 0
         until = None if timeout_s is None else trio.current_time() + timeout_s
         while True:
-            for src in self._upstream_sources() + self._mirror_sources(step, digest):
+            for src in self._upstream_sources() + self.mirrors.sources(step, digest):
                 url = manifest_url(src.base_url, run_id, step, digest)
                 try:
                     data = await self.node.client.get_bytes(
@@ -856,7 +674,7 @@ class Follower:
                 await self.node.wait_change()
             while not self.upstreams:
                 await self._upstream_changed.wait()
-            await self._ensure_card(ann)
+            await ensure_card(self.node, self.upstreams.keys, ann, self._superseded)
             held = self.held_digest(ann.step)
             if held is not None and held != ann.manifest_digest:
                 log.warning(
@@ -985,7 +803,7 @@ class Follower:
         digest = m.digest
         sources = (
             self._upstream_sources() or self._extra_sources(step, digest)
-        ) + self._mirror_sources(step, digest)
+        ) + self.mirrors.sources(step, digest)
         self._filling.append((step, digest))
         self._readvertise()
         started = trio.current_time()
@@ -1020,7 +838,7 @@ class Follower:
                         extra_sources=functools.partial(self._extra_sources, step, digest),
                         max_extra_sources=self.config.max_extra_sources,
                         upstreams=lambda: (
-                            self._upstream_sources() + self._mirror_sources(step, digest)
+                            self._upstream_sources() + self.mirrors.sources(step, digest)
                         ),
                     )
                 except ShardnetError as exc:  # caught here: a nursery would wrap it in a group
@@ -1099,23 +917,52 @@ class Follower:
 
     def downloads_status(self) -> list[dict[str, Any]]:
         """The ``downloads`` section of ``/status`` (:func:`.followstatus.downloads`)."""
-        return followstatus.downloads(self)
+        return followstatus.downloads(self.filling_progress, self.downloader.current, self.kind_of)
 
     def upstreams_status(self) -> list[dict[str, Any]]:
         """The ``upstreams`` section of ``/status`` (:func:`.followstatus.upstreams`)."""
-        return followstatus.upstreams(self)
+        return followstatus.upstreams(
+            self.config.upstreams,
+            self.upstreams,
+            self.heard,
+            self.upstream_errors,
+            self.node.finished is not None,
+        )
 
     def mirrors_status(self) -> list[dict[str, Any]]:
         """The ``mirrors`` section of ``/status`` (:func:`.followstatus.mirrors`)."""
-        return followstatus.mirrors(self)
+        return followstatus.mirrors(self.mirrors.polls)
 
     def known_nodes_status(self) -> list[dict[str, Any]]:
         """The ``known_nodes`` section of ``/status`` (:func:`.followstatus.known_nodes`)."""
-        return followstatus.known_nodes(self)
+        return followstatus.known_nodes(self.directory)
 
     def reachability_status(self) -> dict[str, Any]:
         """The ``reachability`` section of ``/status`` (:func:`.followstatus.reachability`)."""
-        return followstatus.reachability(self)
+        return followstatus.reachability(self.reachability, self.punching)
+
+    def _register_views(self) -> None:
+        """Register this follower's ``/status`` sections and metric families with its node."""
+        sections = self.node.status_sections
+        sections.update(
+            downloads=self.downloads_status,
+            upstreams=self.upstreams_status,
+            mirrors=self.mirrors_status,
+            known_nodes=self.known_nodes_status,
+        )
+        if self.config.discovery:
+            sections["reachability"] = self.reachability_status
+        self.node.metrics.add_collector(self._families)
+
+    def _families(self) -> list[Metric]:
+        return followstatus.families(
+            self.config.upstreams,
+            self.upstreams,
+            self.directory,
+            self.reachability,
+            self.intake,
+            self.holders_named,
+        )
 
     def _dialback_askers(self) -> list[str]:
         """Connected nodes to ask for a dial-back: upstreams first, then the others."""

@@ -1,37 +1,56 @@
 """download: what a follower shows: its ``/status`` sections and its metric families.
 
-Views only: each function reads a running :class:`~shardcast.download.follower.Follower`'s
-state (its upstreams, the downloads it fills, its directory of advertised nodes, its own lane's
+Views only: each function is given the parts of a running follower's state it shows (its
+upstreams, the downloads it fills, its directory of advertised nodes, its own lane's
 reachability and punches) and returns JSON-ready dicts (times as ISO 8601 UTC strings) or
-Prometheus metric families; nothing here changes the follower. The follower registers them with
-its node (``/status`` sections, the metrics collector).
+Prometheus metric families; nothing here changes them. The follower
+(:class:`~shardcast.download.follower.Follower`) registers them with its node (``/status``
+sections, the metrics collector).
 """
 
 from __future__ import annotations
 
 import time
-from typing import TYPE_CHECKING, Any
+from collections import Counter
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
 
 import trio
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 
 from p2p.host import peer_id_of
-from shardcast.core import DialbackResult, LaneCheck, Reach
-from shardcast.download.discovery import HolderReach
+from shardcast.core import (
+    DialbackResult,
+    DownloadStats,
+    LaneCheck,
+    MirrorPoll,
+    Reach,
+    Reachability,
+)
+from shardcast.download.adverts import AdvertIntake
+from shardcast.download.discovery import HolderReach, SourceDirectory
+from shardcast.download.punching import Punching
 from shardcast.node import iso, wall_of
-
-if TYPE_CHECKING:
-    from shardcast.download.follower import Follower
+from shardcast.wire import NodeInfo
 
 __all__ = ["downloads", "families", "known_nodes", "mirrors", "reachability", "upstreams"]
 
 
-def downloads(f: Follower) -> list[dict[str, Any]]:
-    """The ``downloads`` section of ``/status``: versions in progress, with progress."""
+def downloads(
+    progress: Mapping[int, tuple[int, int, float]],
+    current: DownloadStats | None,
+    kind_of: Callable[[str], str],
+) -> list[dict[str, Any]]:
+    """The ``downloads`` section of ``/status``: versions in progress, with progress.
+
+    Args:
+        progress: step -> (verified bytes, total bytes, ``trio.current_time()`` it started).
+        current: the statistics of the download running now (None: none).
+        kind_of: the kind of a source id (``relay``, ``peer``, ``mirror``, ...).
+    """
     now = trio.current_time()
-    current = f.downloader.current
     out = []
-    for step, (done, total, started) in sorted(f.filling_progress.items()):
+    for step, (done, total, started) in sorted(progress.items()):
         elapsed = now - started
         rate = done / elapsed if elapsed > 0 else 0.0
         stats = current if current is not None and current.step == step else None
@@ -47,7 +66,7 @@ def downloads(f: Follower) -> list[dict[str, Any]]:
                 "elapsed_s": round(elapsed, 3),
                 "corrupt_shards": sum(stats.corrupt_by_source.values()) if stats else 0,
                 "sources": [
-                    {"peer_id": pid, "kind": f.kind_of(pid), "bytes": n}
+                    {"peer_id": pid, "kind": kind_of(pid), "bytes": n}
                     for pid, n in sorted(sources.items(), key=lambda kv: -kv[1])
                 ],
             }
@@ -55,16 +74,30 @@ def downloads(f: Follower) -> list[dict[str, Any]]:
     return out
 
 
-def upstreams(f: Follower) -> list[dict[str, Any]]:
+def upstreams(
+    addrs: Sequence[str],
+    infos: Mapping[str, NodeInfo],
+    heard: Mapping[str, float],
+    errors: Mapping[str, str],
+    finished: bool,
+) -> list[dict[str, Any]]:
     """The ``upstreams`` section of ``/status``: each configured upstream's state
     (``ready`` or ``unreachable``), and ``expected`` (``"run_finished"``: the run's end
-    is in force, so an upstream that left is no fault; else None)."""
+    is in force, so an upstream that left is no fault; else None).
+
+    Args:
+        addrs: the configured upstreams' multiaddrs.
+        infos: PeerID -> its latest info record, for the upstreams ready now.
+        heard: PeerID -> Unix time (s) of its last info answer.
+        errors: PeerID -> its last error.
+        finished: the run's end is in force.
+    """
     out = []
-    expected = "run_finished" if f.node.finished is not None else None
-    for addr in f.config.upstreams:
+    expected = "run_finished" if finished else None
+    for addr in addrs:
         pid = peer_id_of(addr)
-        info = f.upstreams.get(pid)
-        heard = f.heard.get(pid)
+        info = infos.get(pid)
+        last = heard.get(pid)
         out.append(
             {
                 "peer_id": pid,
@@ -73,16 +106,17 @@ def upstreams(f: Follower) -> list[dict[str, Any]]:
                 "role": info.role if info is not None else None,
                 "http_url": info.http_url if info is not None else None,
                 "latest_step": info.committed[-1] if info and info.committed else None,
-                "last_heard": iso(heard) if heard is not None else None,
-                "error": f.upstream_errors.get(pid),
+                "last_heard": iso(last) if last is not None else None,
+                "error": errors.get(pid),
                 "expected": expected,
             }
         )
     return out
 
 
-def mirrors(f: Follower) -> list[dict[str, Any]]:
-    """The ``mirrors`` section of ``/status``: each configured static mirror's state."""
+def mirrors(polls: Mapping[str, MirrorPoll]) -> list[dict[str, Any]]:
+    """The ``mirrors`` section of ``/status``: each static mirror's state (``polls``: base
+    URL -> what its polls found)."""
     return [
         {
             "url": url,
@@ -91,27 +125,28 @@ def mirrors(f: Follower) -> list[dict[str, Any]]:
             "last_heard": iso(poll.heard) if poll.heard is not None else None,
             "error": poll.error,
         }
-        for url, poll in sorted(f.mirrors.items())
+        for url, poll in sorted(polls.items())
     ]
 
 
-def reachability(f: Follower) -> dict[str, Any]:
-    """The ``reachability`` section of ``/status``: this node's own lane."""
+def reachability(reach: Reachability, punching: Punching) -> dict[str, Any]:
+    """The ``reachability`` section of ``/status``: this node's own lane (``reach``), the
+    relays it holds reservations on and its hole punches (``punching``)."""
     now, wall = trio.current_time(), time.time()
-    out = f.reachability.status(lambda t: iso(wall_of(t, now, wall)))
-    out.update(f.punching.status())
+    out = reach.status(lambda t: iso(wall_of(t, now, wall)))
+    out.update(punching.status())
     return out
 
 
-def known_nodes(f: Follower) -> list[dict[str, Any]]:
+def known_nodes(directory: SourceDirectory) -> list[dict[str, Any]]:
     """The ``known_nodes`` section of ``/status``: nodes heard through adverts, with what
     this node's challenges of their lanes gave (``lane``: ``verified``, ``unreachable``,
     ``bad_answer``, ``untried``, or ``none`` for a node with no URL; ``stream_lane``: it
     serves over libp2p streams on connections it holds)."""
     now, wall = trio.current_time(), time.time()
     out = []
-    for a, t in reversed(f.directory.entries(now)):
-        lane = f.directory.lane_status(a.peer_id, a.http_url) if a.http_url else None
+    for a, t in reversed(directory.entries(now)):
+        lane = directory.lane_status(a.peer_id, a.http_url) if a.http_url else None
         out.append(
             {
                 "peer_id": a.peer_id,
@@ -124,7 +159,7 @@ def known_nodes(f: Follower) -> list[dict[str, Any]]:
                     lane.result.value if lane is not None else ("untried" if a.http_url else "none")
                 ),
                 "lane_failures": lane.failures if lane is not None else 0,
-                "lane_dropped": lane.dropped(f.directory.backoff) if lane else False,
+                "lane_dropped": lane.dropped(directory.backoff) if lane else False,
                 "lane_checked": iso(wall_of(lane.at, now, wall)) if lane else None,
                 "stream_lane": a.stream_lane,
                 "relays": list(a.relays),
@@ -133,28 +168,37 @@ def known_nodes(f: Follower) -> list[dict[str, Any]]:
     return out
 
 
-def families(f: Follower) -> list[Metric]:
-    """The follower's metric families: configured upstreams by state, nodes heard through
-    adverts by role, and its lane's reachability (dial-back answers, advert checks, adverts
-    out of scope, holders named by refusals); the names and types are listed in
+def families(
+    addrs: Sequence[str],
+    infos: Mapping[str, NodeInfo],
+    directory: SourceDirectory,
+    reach: Reachability,
+    intake: AdvertIntake,
+    holders_named: Counter[HolderReach],
+) -> list[Metric]:
+    """The follower's metric families: configured upstreams (``addrs``; ready: those in
+    ``infos``) by state, nodes heard through adverts (``directory``) by role, and its lane's
+    reachability (``reach``: dial-back answers; ``intake``: advert checks, adverts out of
+    scope; holders named by refusals); the names and types are listed in
     :mod:`shardcast.node.metrics`."""
     ready = GaugeMetricFamily(
         "shardnet_upstreams", "configured upstreams by state", labels=["state"]
     )
-    n_ready = sum(1 for a in f.config.upstreams if peer_id_of(a) in f.upstreams)
+    n_ready = sum(1 for a in addrs if peer_id_of(a) in infos)
     ready.add_metric(["ready"], n_ready)
-    ready.add_metric(["unreachable"], len(f.config.upstreams) - n_ready)
+    ready.add_metric(["unreachable"], len(addrs) - n_ready)
     known = GaugeMetricFamily(
         "shardnet_known_nodes", "nodes heard through adverts, by role", labels=["role"]
     )
-    entries = f.directory.entries(trio.current_time())
+    entries = directory.entries(trio.current_time())
     for role in ("relay", "peer"):
         known.add_metric([role], sum(1 for a, _ in entries if a.role == role))
-    return [ready, known, *_reachability_families(f)]
+    return [ready, known, *_reachability_families(reach, intake, holders_named)]
 
 
-def _reachability_families(f: Follower) -> list[Metric]:
-    reach = f.reachability
+def _reachability_families(
+    reach: Reachability, intake: AdvertIntake, holders_named: Counter[HolderReach]
+) -> list[Metric]:
     state = GaugeMetricFamily(
         "shardnet_lane_reachability",
         "this node's lane as its dial-back checks found it: 1 for the current state",
@@ -175,12 +219,12 @@ def _reachability_families(f: Follower) -> list[Metric]:
         labels=["result"],
     )
     for c in LaneCheck:
-        checks.add_metric([c.value], f.advert_checks[c])
+        checks.add_metric([c.value], intake.checks[c])
     scope = CounterMetricFamily(
         "shardnet_adverts_out_of_scope",
         "adverts heard whose URL is a private address of another network (not tried)",
     )
-    scope.add_metric([], f.adverts_out_of_scope)
+    scope.add_metric([], intake.out_of_scope)
     named = CounterMetricFamily(
         "shardnet_refusal_holders",
         "holders super-seeding refusals named, by whether this node could reach them "
@@ -188,5 +232,5 @@ def _reachability_families(f: Follower) -> list[Metric]:
         labels=["reach"],
     )
     for h in HolderReach:
-        named.add_metric([h.value], f.holders_named[h])
+        named.add_metric([h.value], holders_named[h])
     return [state, answers, checks, scope, named]

@@ -145,13 +145,13 @@ async def test_a_lan_url_is_verified_and_used_by_a_neighbour_not_offered_to_othe
         lane = b.directory.lane_status(a_id, a_node.http_url)
         assert lane is not None
         assert lane.result is LaneCheck.VERIFIED
-        assert b.advert_checks[LaneCheck.VERIFIED] >= 1
+        assert b.intake.checks[LaneCheck.VERIFIED] >= 1
         assert 'shardnet_advert_checks_total{result="verified"}' in b_node.metrics.render().decode()
         # the same advert with a private address of another network: not B's to try
         foreign = NodeAdvert("x", "peer", "", (1,), (), lan_url="http://198.18.231.7:8003")
-        before = b.adverts_out_of_scope
-        assert b._in_scope(foreign).http_url == ""
-        assert b.adverts_out_of_scope == before + 1
+        before = b.intake.out_of_scope
+        assert b.intake.in_scope(foreign).http_url == ""
+        assert b.intake.out_of_scope == before + 1
         nursery.cancel_scope.cancel()
 
 
