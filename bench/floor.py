@@ -11,7 +11,7 @@ machine, and whether a target ratio against SHARDCAST is reachable at all.
 - **full version**: one sender process serves the version's files from the page cache with
   ``sendfile`` over 127.0.0.1; 6 receiver processes (2 relays + 4 peers) at once each
   ``recv_into`` a reused 16 MiB buffer, BLAKE3-hash every byte and write it into a new file in
-  its own directory with the store's own write (:func:`shardcast.store.store.pwrite_all`), so the
+  its own directory with the store's own write (:func:`shardcast.store.files.pwrite_all`), so the
   floor writes no dearer than the nodes do. No tree (every receiver pulls from the one sender,
   so nothing waits on a hop), no shards, manifest, signatures, control messages or fsync.
 - **next version**: each receiver builds the new version's files from its copy of the previous
@@ -131,7 +131,7 @@ def receive(port: int, sizes: list[tuple[str, int]], dst: Path) -> None:
 
 
 def rebuild(base: Path, names: list[str], dst: Path) -> None:
-    """Next version: copy each base file into ``dst`` (:func:`shardcast.store.store.copy_range`, the
+    """Next version: copy each base file into ``dst`` (:func:`shardcast.store.files.copy_range`, the
     store's own in-kernel copy); waits for ``go``."""
     dst.mkdir(parents=True, exist_ok=True)
     print("ready", flush=True)

@@ -9,6 +9,7 @@ inference peer loads the weights there).
 from __future__ import annotations
 
 import dataclasses
+import random
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -22,11 +23,11 @@ from shardcast.core import (
     PunchConfig,
     ReachabilityConfig,
 )
-from shardcast.download.discovery import LaneBackoff
+from shardcast.download.discovery import LaneBackoff, SourceDirectory
 from shardcast.download.types import DownloadConfig
 from shardcast.wire import Manifest, check_mirror_url
 
-__all__ = ["CommitHook", "FollowConfig", "VersionRecord"]
+__all__ = ["CommitHook", "FollowConfig", "VersionRecord", "source_directory"]
 
 
 @dataclass(frozen=True)
@@ -121,3 +122,20 @@ class VersionRecord:
 
 
 CommitHook = Callable[[Manifest, Path, VersionRecord], Awaitable[None]]
+
+
+def source_directory(own_id: str, config: FollowConfig, rng: random.Random) -> SourceDirectory:
+    """The directory of nodes a follower of ``config`` downloads from: its upstreams are
+    trusted; an advert is kept for five advert intervals, its lane offered only once
+    verified, one node per URL, failing URLs backed off by ``config.lane_backoff``; at most
+    1,024 entries."""
+    return SourceDirectory(
+        own_id,
+        {peer_id_of(a) for a in config.upstreams},
+        ttl_s=5 * config.advert_interval_s,
+        max_entries=1024,
+        rng=rng,
+        require_verified=True,
+        one_per_url=True,
+        backoff=config.lane_backoff,
+    )

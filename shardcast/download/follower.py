@@ -104,11 +104,15 @@ from shardcast.download.cards import adopt_card_of, card_version, ensure_card
 from shardcast.download.discovery import (
     HolderReach,
     NodeAdvert,
-    SourceDirectory,
     nodes_topic,
 )
 from shardcast.download.downloader import Downloader
-from shardcast.download.followconfig import CommitHook, FollowConfig, VersionRecord
+from shardcast.download.followconfig import (
+    CommitHook,
+    FollowConfig,
+    VersionRecord,
+    source_directory,
+)
 from shardcast.download.mirrors import Mirrors
 from shardcast.download.punching import Punching
 from shardcast.download.types import Source
@@ -141,21 +145,6 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 _MAX_CHAIN = 32  # longest delta chain looked at when deciding to finish a superseded version
-
-
-def _directory(own_id: str, config: FollowConfig, rng: random.Random) -> SourceDirectory:
-    """The follower's directory of nodes to download from (its upstreams are trusted; an
-    advert's lane is offered only once verified, one node per URL)."""
-    return SourceDirectory(
-        own_id,
-        {peer_id_of(a) for a in config.upstreams},
-        ttl_s=5 * config.advert_interval_s,
-        max_entries=1024,
-        rng=rng,
-        require_verified=True,
-        one_per_url=True,
-        backoff=config.lane_backoff,
-    )
 
 
 class Follower:
@@ -198,7 +187,7 @@ class Follower:
         self.progress = progress
         self.upstreams: dict[str, NodeInfo] = {}
         self.records: list[VersionRecord] = []
-        self.directory = _directory(node.identity.peer_id, config, rng)
+        self.directory = source_directory(node.identity.peer_id, config, rng)
         node.server.requester_kind = self._requester_kind
         self.downloader.unreachable = self._unreachable_holders
         self.holders_named: Counter[HolderReach] = Counter()

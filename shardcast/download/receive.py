@@ -21,13 +21,13 @@ Every byte of a shard (or of an encoded blob) crosses Python's memory once:
    (:func:`verify_and_write`);
 3. **write**: the shard's digest, known when its last byte arrived, is compared with the
    signed one and the buffer is written with one ``pwrite``
-   (:meth:`~shardcast.store.store.PartialVersion.write_shard` with ``hashed=``); a schema-3
+   (:meth:`~shardcast.store.partial.PartialVersion.write_shard` with ``hashed=``); a schema-3
    manifest then commits without reading any file again (:mod:`shardcast.wire.manifest`).
 
 Chunks (issue 16, "a swarm that swarms"): when the shard's manifest part lists a chunk list
 (:mod:`shardcast.wire.manifest`), a raw shard's sink checks each 1 MiB chunk the moment its last
 byte arrives (:meth:`ShardSink.expect_chunks`) instead of hashing the whole shard: a chunk
-that matches is written at once (:meth:`~shardcast.store.store.PartialVersion.write_prefix`) and
+that matches is written at once (:meth:`~shardcast.store.partial.PartialVersion.write_prefix`) and
 this node's HTTP lane serves it to others while the rest of the shard still streams in; a
 chunk that does not match raises :class:`ChunkCorrupt` before any of its bytes are written or
 served, and since a transfer that breaks keeps only whole verified chunks
@@ -40,9 +40,9 @@ its signed digest, then the shard is built one of two ways, by how many pages ch
 
 - **sparse, fewer changed words than 4 KiB pages** (a shard that barely moved, e.g. a
   frozen tensor): the shard's range of the base file is cloned into the new file inside the
-  kernel (:func:`~shardcast.store.store.copy_range`: ``copy_file_range``, a reflink where the
+  kernel (:func:`~shardcast.store.files.copy_range`: ``copy_file_range``, a reflink where the
   filesystem shares extents, a page-cache copy elsewhere), patched in place through a memory
-  map and hashed there (:meth:`~shardcast.store.store.PartialVersion.patch_shard`): most pages are
+  map and hashed there (:meth:`~shardcast.store.partial.PartialVersion.patch_shard`): most pages are
   never touched by Python, and with reflinks never copied. A blob that lists no change is
   only the copy (still hashed: a base damaged at rest must not pass into the new version).
 - **denser** (a typical RL step changes ~2 % of bf16 words, ~40 per page: every page
@@ -64,7 +64,7 @@ hashed as they arrive are charged by the driver (``verify``), and so are the soc
 (``receive``).
 
 Chains (the default, ``DownloadConfig.keep_chains``): when the download keeps the version as a
-chain (:attr:`~shardcast.store.store.PartialVersion.chain_base`), a delta blob that matches
+chain (:attr:`~shardcast.store.partial.PartialVersion.chain_base`), a delta blob that matches
 its signed digest is only kept (:func:`keep_delta`): the base is not read and the shard is not
 written; its bytes are built and verified whenever something reads them
 (:mod:`shardcast.store.chains`, which argues why they are the trainer's). The paths above are
@@ -437,7 +437,7 @@ def keep_delta(
     part: PartialVersion, entry: ShardEntry, encoding: str, blob: memoryview, source: str
 ) -> bool:
     """The chain commit of one shard: keep its verified delta blob, read no base, write no
-    shard (:meth:`~shardcast.store.store.PartialVersion.keep_delta`; the bytes are verified
+    shard (:meth:`~shardcast.store.partial.PartialVersion.keep_delta`; the bytes are verified
     whenever they are read, :mod:`shardcast.store.chains`). ``blob`` is written as it is (a
     view of the received bytes: no copy)."""
     return part.keep_delta(entry.index, encoding, blob, source)

@@ -18,7 +18,7 @@ ERROR (``published_files_changed``), one whose bytes match keeps being served un
 fingerprint (``published_files_touched``, INFO).
 
 The fingerprints are kept in ``versions/<run>/.watch-published.json`` (written whole by
-:func:`~shardcast.store.store.replace_file` after each change), so a file rewritten while the
+:func:`~shardcast.store.files.replace_file` after each change), so a file rewritten while the
 origin was down is found at its next start, before anything is served
 (:meth:`PublishedFiles.start`). Versions without a kept fingerprint (published before this
 file existed) are fingerprinted as they are then. Memory and the file are bounded by the

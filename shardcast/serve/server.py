@@ -24,7 +24,7 @@ step-only form ``404`` with a one-line explanation (:mod:`shardcast.wire.lane_ur
 Theory of operation
 -------------------
 A *live* version is one whose bytes are still arriving: a download (a relay or peer
-registers its :class:`~shardcast.store.store.PartialVersion` as soon as the manifest header is
+registers its :class:`~shardcast.store.partial.PartialVersion` as soon as the manifest header is
 verified) or the origin's own version while it is still being hashed. A request for a part,
 a range or a blob that is not verified yet is answered at once with ``503``, ``Retry-After``
 and ``Cache-Control: no-store`` — what an HTTP cache or a plain client understands. A shardnet

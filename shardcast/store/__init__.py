@@ -1,10 +1,12 @@
-"""store: the on-disk store of checkpoint versions (verified writes, atomic commit, versions
-kept as chains and read verified, retention through :mod:`shardcast.core`).
+"""store: the on-disk store of checkpoint versions (:mod:`.store`: committed versions, read
+verified, retention through :mod:`shardcast.core`; :mod:`.partial`: a version being
+downloaded, verified writes and the atomic commit; :mod:`.chains`: versions kept as a base and
+delta blobs; :mod:`.files`: file primitives).
 """
 
 from __future__ import annotations
 
-from shardcast.store import chains, store
+from shardcast.store import chains, files, partial, store
 from shardcast.store.chains import (
     BLOB_DIR,
     CHAIN_FILE,
@@ -13,16 +15,9 @@ from shardcast.store.chains import (
     ChainRecord,
     build_file,
 )
-from shardcast.store.store import (
-    PartialVersion,
-    VersionStore,
-    copy_range,
-    file_matches,
-    hash_file,
-    latest_committed,
-    pwrite_all,
-    replace_file,
-)
+from shardcast.store.files import copy_range, file_matches, hash_file, pwrite_all, replace_file
+from shardcast.store.partial import PartialVersion
+from shardcast.store.store import VersionStore, latest_committed
 
 __all__ = [
     "BLOB_DIR",
@@ -36,8 +31,10 @@ __all__ = [
     "chains",
     "copy_range",
     "file_matches",
+    "files",
     "hash_file",
     "latest_committed",
+    "partial",
     "pwrite_all",
     "replace_file",
     "store",

@@ -16,8 +16,8 @@ from shardcast.download.follower import FollowConfig, Follower, VersionRecord
 from shardcast.node.node import NodeConfig, ShardcastNode
 from shardcast.publish import plan
 from shardcast.publish.origin import Origin, OriginConfig
+from shardcast.store import VersionStore, file_matches
 from shardcast.store.chains import ChainBroken, read_record
-from shardcast.store.store import VersionStore, file_matches
 from shardcast.wire import codecs
 from shardcast.wire.codecs import DELTAS
 from shardcast.wire.manifest import Manifest

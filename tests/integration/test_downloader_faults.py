@@ -29,7 +29,7 @@ from shardcast.core.select import SchedulerConfig
 from shardcast.download.downloader import Downloader
 from shardcast.download.types import DownloadConfig, DownloadFailed, Source
 from shardcast.node.metrics import DownloadMetrics, NodeMetrics
-from shardcast.store.store import PartialVersion, VersionStore
+from shardcast.store import PartialVersion, VersionStore
 from tests.faults import (
     RUN,
     TRICKLE_S,

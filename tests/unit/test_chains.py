@@ -19,8 +19,8 @@ from shardcast.core import should_materialize
 from shardcast.download.receive import BaseVersion, ShardSink, verify_and_write
 from shardcast.publish.plan import Base, build_manifest
 from shardcast.serve.server import VersionServer
+from shardcast.store import BLOB_DIR, PartialVersion, VersionStore
 from shardcast.store.chains import CHAIN_DIR, CHAIN_FILE, MATERIALIZE_DIR, ChainBroken
-from shardcast.store.store import BLOB_DIR, PartialVersion, VersionStore
 from shardcast.wire import codecs
 from shardcast.wire.manifest import Manifest
 from shardnet.engine_update import swap_weights

@@ -6,7 +6,8 @@ import os
 from pathlib import Path
 
 from shardcast.publish.plan import build_manifest
-from shardcast.store.store import JOURNAL_FILE, VersionStore
+from shardcast.store import VersionStore
+from shardcast.store.partial import JOURNAL_FILE
 from shardcast.wire.manifest import Manifest
 from tests.helpers import TRAINER, make_checkpoint
 

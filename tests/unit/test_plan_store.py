@@ -16,7 +16,7 @@ from shardcast.publish.plan import (
     make_header,
     plan_shards,
 )
-from shardcast.store.store import VersionStore, file_matches
+from shardcast.store import VersionStore, file_matches
 from shardcast.wire.manifest import Manifest
 from tests.helpers import TRAINER, make_checkpoint, trust
 
@@ -273,7 +273,7 @@ def test_unclean_stop_of_a_non_durable_store_is_recovered(tmp_path: Path) -> Non
 def test_pwrite_all_writes_in_bounded_calls_and_survives_short_writes(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    from shardcast.store import store as store_mod
+    from shardcast.store import files as store_mod
 
     data = bytes(range(256)) * 40  # 10 240 bytes
     calls: list[int] = []

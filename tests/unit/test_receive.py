@@ -22,7 +22,7 @@ from shardcast.download.receive import (
     verify_and_write,
 )
 from shardcast.publish.plan import Base, build_manifest
-from shardcast.store.store import BLOB_DIR, VersionStore, copy_range, file_matches
+from shardcast.store import BLOB_DIR, VersionStore, copy_range, file_matches
 from shardcast.wire import codecs
 from shardcast.wire.manifest import FILE_ROOT_CONTEXT, Header, Manifest, ManifestError, file_root
 from shardcast.wire.sparse import is_identity
