@@ -46,7 +46,7 @@ import logging
 import math
 import random
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
+from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import AbstractAsyncContextManager, asynccontextmanager, nullcontext
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
@@ -54,7 +54,6 @@ from typing import TYPE_CHECKING, Any
 import multiaddr
 import trio
 from libp2p import new_host
-from libp2p.abc import INetConn, INetStream, INetwork, INotifee
 from libp2p.custom_types import TProtocol
 from libp2p.exceptions import BaseLibp2pError
 from libp2p.host.ping import ID as PING_PROTOCOL
@@ -75,7 +74,6 @@ from libp2p.request_response import (
     RequestTimeoutError,
 )
 from libp2p.tools.anyio_service import background_trio_service
-from libp2p.transport.exceptions import SecurityUpgradeFailure
 
 from p2p import sockopts
 from p2p.addresses import (
@@ -96,6 +94,14 @@ from p2p.boundary import (
 )
 from p2p.bytestream import ByteStream, StreamHandler
 from p2p.circuits import CircuitConfig, Circuits, is_relayed
+from p2p.connections import (
+    ConnectionWatch,
+    abort_connections,
+    close_host,
+    disable_auto_connect,
+    remote_endpoint,
+    socket_of,
+)
 from p2p.errors import (
     ConfigError,
     LocalProtocolError,
@@ -112,6 +118,7 @@ from p2p.gossip import DirectPeering, GossipConfig, Subscription, make_router, p
 from p2p.identity import Identity
 from p2p.keepalive import Keepalive, KeepaliveConfig, KeepaliveStats, Outcome, Verdict
 from p2p.libp2p_stream import Libp2pByteStream, open_lane_stream
+from p2p.library_logs import MISMATCH_LOG_INTERVAL_S, install_library_filters, is_handshake_failure
 from p2p.limits import (
     ANY_STREAM,
     BoundaryStats,
@@ -124,13 +131,14 @@ from p2p.limits import (
 )
 from p2p.loop_lag import BodyDeadlines, LoopLag
 from p2p.peer_records import RecordConflicts, refresh_every, watch_records
-from p2p.whole_frames import write_frames_whole
 
 if TYPE_CHECKING:
     from libp2p.pubsub.gossipsub import GossipSub
     from trio_typing import TaskStatus
 
 log = logging.getLogger(__name__)
+
+install_library_filters()
 
 Handler = Callable[[str, bytes], Awaitable[bytes]]
 
@@ -143,93 +151,6 @@ LAG_LOG_INTERVAL_S = 10.0
 #: a request body may take this many times ``request_read_timeout_s`` of wall time when the
 #: node's own loop was late (:class:`p2p.loop_lag.BodyDeadlines`)
 BODY_WALL_FACTOR = 3.0
-
-#: a dial failure that names the wrong PeerID is logged at ERROR once per address per this long
-MISMATCH_LOG_INTERVAL_S = 600.0
-_SWARM_LOGGER = "libp2p.network.swarm"
-_SWARM_HANDSHAKE_PREFIX = "failed to upgrade security for peer"
-
-
-class RepeatFilter(logging.Filter):
-    """Drops a record whose message starts with ``prefix`` if the same message passed less than
-    ``interval_s`` ago (``clock`` in seconds, monotonic).
-
-    Installed on py-libp2p's swarm logger, whose dial loop logs the same ERROR ``failed to
-    upgrade security for peer …: handshake failed`` for every attempt (4 per dial, each retry):
-    :meth:`P2PNode.connect` reports that failure itself, once, naming the address; and on its
-    pubsub loggers, whose refused-peer-record ERROR pair comes with every RPC of the refused
-    node (:mod:`p2p.peer_records` names that node).
-    """
-
-    def __init__(
-        self,
-        prefix: str,
-        interval_s: float = MISMATCH_LOG_INTERVAL_S,
-        clock: Callable[[], float] = time.monotonic,
-    ) -> None:
-        super().__init__()
-        self.prefix = prefix
-        self.interval_s = interval_s
-        self.clock = clock
-        self._last: dict[str, float] = {}
-
-    def filter(self, record: logging.LogRecord) -> bool:
-        text = record.getMessage()
-        if not text.startswith(self.prefix):
-            return True
-        now = self.clock()
-        last = self._last.get(text)
-        if last is not None and now - last < self.interval_s:
-            return False
-        if len(self._last) > 1024:  # bounded: forget the oldest half
-            for key in sorted(self._last, key=self._last.__getitem__)[:512]:
-                del self._last[key]
-        self._last[text] = now
-        return True
-
-
-#: py-libp2p's anonymous ERROR pair for each pubsub RPC whose peer record was refused (it names
-#: no peer; :mod:`p2p.peer_records` logs ``peer_record_conflict`` naming it): once per interval
-_RECORD_REFUSED = (
-    ("libp2p.pubsub.pubsub", "Received an invalid-signed-record"),
-    ("libp2p.pubsub.gossipsub", "Received an invalid-signed-record"),
-    ("libp2p.pubsub.utils", "Failed to update the Certified-Addr-Book"),
-)
-
-
-def _install_swarm_filter() -> None:
-    for name, prefix in ((_SWARM_LOGGER, _SWARM_HANDSHAKE_PREFIX), *_RECORD_REFUSED):
-        logger = logging.getLogger(name)
-        if not any(isinstance(f, RepeatFilter) for f in logger.filters):
-            logger.addFilter(RepeatFilter(prefix))
-
-
-_install_swarm_filter()
-
-
-def _exception_tree(exc: BaseException) -> Iterator[BaseException]:
-    """``exc``, its causes/contexts and the members of exception groups, each once."""
-    seen: set[int] = set()
-    todo: list[BaseException] = [exc]
-    while todo:
-        e = todo.pop()
-        if id(e) in seen:
-            continue
-        seen.add(id(e))
-        yield e
-        todo.extend(x for x in (e.__cause__, e.__context__) if x is not None)
-        for attr in ("exceptions", "errors"):  # ExceptionGroup; libp2p's MultiError
-            members = getattr(e, attr, None)
-            if isinstance(members, (list, tuple)):
-                todo.extend(m for m in members if isinstance(m, BaseException))
-
-
-def is_handshake_failure(exc: BaseException) -> bool:
-    """True if a dial failed because the remote did not prove the expected PeerID."""
-    return any(
-        isinstance(e, SecurityUpgradeFailure) or str(e).startswith(_SWARM_HANDSHAKE_PREFIX)
-        for e in _exception_tree(exc)
-    )
 
 
 @dataclass(frozen=True)
@@ -278,25 +199,6 @@ class HostConfig:
             raise ConfigError("record_refresh_s", "must be > 0")
 
 
-async def _close_host(host: Any, close_timeout_s: float) -> None:
-    """Close ``host``: gracefully for ``close_timeout_s``; then every socket still open is
-    aborted, which wakes a close stuck behind a full send buffer (yamux's GO_AWAY waits for
-    the connection's write lock, held by a write the dead peer never acknowledges), and the
-    close gets as long again to finish."""
-    async with trio.open_nursery() as nursery:
-
-        async def abort_late() -> None:
-            await trio.sleep(close_timeout_s)
-            n = abort_connections(host.get_network())
-            if n:
-                log.info("connections_aborted count=%d reason=close_timeout", n)
-
-        nursery.start_soon(abort_late)
-        with trio.move_on_after(2 * close_timeout_s):
-            await host.close()
-        nursery.cancel_scope.cancel()
-
-
 def parse_multiaddr(text: str, field_name: str = "multiaddr") -> multiaddr.Multiaddr:
     """Parse a multiaddr string.
 
@@ -323,130 +225,6 @@ def peer_id_of(addr: str) -> str:
         raise ConfigError("multiaddr", f"{addr!r} has no /p2p/<PeerID> part: {exc}") from exc
 
 
-async def _no_auto_connect() -> None:
-    """Replacement for py-libp2p's AutoConnector cycle: shardnet dials only what it is told."""
-
-
-def _disable_auto_connect(host: object) -> None:
-    """Turn off py-libp2p 0.8.1's AutoConnector.
-
-    By default it dials every peer in the peerstore until 200 connections are open
-    (learnt addresses included). shardnet's topology is explicit (upstreams, bootstrap peers,
-    the trainer), so a node must never dial an address it was not configured with or told to
-    use by a signed announcement. The library has no switch for this, so the connector's
-    cycle is replaced by a no-op on this host only.
-    """
-    network = host.get_network()  # type: ignore[attr-defined]
-    connector = getattr(network, "auto_connector", None)
-    if connector is not None:
-        connector.maybe_connect = _no_auto_connect
-
-
-def socket_of(conn: object) -> Any | None:
-    """The trio socket under a py-libp2p connection (SwarmConn → Yamux → SecureSession →
-    Noise → RawConnection → TrioTCPStream → trio.SocketStream), or None if the layering is
-    not the expected one (another transport, another library version)."""
-    obj: object = conn
-    for _ in range(10):
-        if isinstance(obj, trio.SocketStream):
-            return obj.socket
-        nxt = next(
-            (
-                getattr(obj, a)
-                for a in ("muxed_conn", "secured_conn", "conn", "stream")
-                if getattr(obj, a, None) is not None
-            ),
-            None,
-        )
-        if nxt is None or nxt is obj:
-            return None
-        obj = nxt
-    return None
-
-
-def remote_endpoint(conn: Any) -> tuple[str, int] | None:
-    """``(IP address, port)`` that a py-libp2p connection comes from, as this node sees it,
-    or None (a relayed circuit, a closed socket, an unknown layering).
-
-    py-libp2p's own ``get_remote_address`` answers None for every IPv6 connection (it takes
-    only 2-tuples from ``getpeername``, and an IPv6 socket gives 4), so the socket
-    (:func:`socket_of`) is asked where the library does not answer: without this, an
-    IPv6-only node never saw where an asker came from and refused every dial-back.
-    """
-    remote = conn.muxed_conn.get_remote_address()
-    if remote is not None:
-        return str(remote[0]), int(remote[1])
-    if is_relayed(conn):  # its socket is the relay's: not where the peer comes from
-        return None
-    sock = socket_of(conn)
-    if sock is None:
-        return None
-    try:
-        peer = sock.getpeername()
-    except OSError:
-        return None
-    if not isinstance(peer, tuple) or len(peer) < 2:
-        return None
-    return str(peer[0]), int(peer[1])
-
-
-def abort_connections(network: Any, peer: ID | None = None) -> int:
-    """Abort (RST) the sockets of every connection, or of ``peer``'s; returns how many."""
-    conns = (
-        network.get_connections(peer)
-        if peer is not None
-        else [c for cs in network.get_connections_map().values() for c in cs]
-    )
-    n = 0
-    for c in conns:
-        sock = socket_of(c)
-        if sock is not None:
-            sockopts.abort(sock)
-            n += 1
-    return n
-
-
-class _ConnectionWatch(INotifee):
-    """Forwards connection events of the swarm to :class:`P2PNode`'s keepalive driver."""
-
-    def __init__(self, tcp_user_timeout_s: float) -> None:
-        self.tcp_user_timeout_s = tcp_user_timeout_s
-        self.node: P2PNode | None = None
-
-    async def connected(self, network: INetwork, conn: INetConn) -> None:
-        """Tune the socket and make its muxer write frames whole (:mod:`p2p.whole_frames`: a
-        cancelled stream must not corrupt the connection); a peer's first direct connection
-        starts its pings (a relayed one does not: a circuit is for coordination, bounded by
-        the relay and closed after the hole punch; pings over it failed while DCUtR ran and
-        closed it as dead)."""
-        sock = socket_of(conn)
-        if sock is not None:
-            sockopts.tune(sock, self.tcp_user_timeout_s)
-        write_frames_whole(conn.muxed_conn, self.tcp_user_timeout_s)
-        if self.node is not None and not is_relayed(conn):
-            self.node._on_connected(conn.muxed_conn.peer_id.to_base58())
-            self.node._direct_changed.set()
-            self.node._direct_changed = trio.Event()
-
-    async def disconnected(self, network: INetwork, conn: INetConn) -> None:
-        """A peer's last connection closed: stop its pings, re-dial it if it is kept."""
-        pid = conn.muxed_conn.peer_id
-        if self.node is not None and not network.get_connections(pid):
-            self.node._on_disconnected(pid.to_base58())
-
-    async def opened_stream(self, network: INetwork, stream: INetStream) -> None:
-        """Unused."""
-
-    async def closed_stream(self, network: INetwork, stream: INetStream) -> None:
-        """Unused."""
-
-    async def listen(self, network: INetwork, multiaddr: multiaddr.Multiaddr) -> None:
-        """Unused."""
-
-    async def listen_close(self, network: INetwork, multiaddr: multiaddr.Multiaddr) -> None:
-        """Unused."""
-
-
 @dataclass(frozen=True)
 class _HostParts:
     """The pieces of a libp2p host, built and wired but not started (see :meth:`build`)."""
@@ -456,7 +234,7 @@ class _HostParts:
     guard: InboundGuard
     router: GossipSub
     peering: DirectPeering
-    watch: _ConnectionWatch
+    watch: ConnectionWatch
     pubsub: GuardedPubsub
     rr: RequestResponse
     circuits: Circuits | None
@@ -475,7 +253,7 @@ class _HostParts:
         listen = [parse_multiaddr(a) for a in config.listen_multiaddrs]
         ensure_listen_bindable(config.listen_multiaddrs)
         host = new_host(key_pair=identity.key_pair, muxer_preference="YAMUX", listen_addrs=listen)
-        _disable_auto_connect(host)
+        disable_auto_connect(host)
         conflicts = RecordConflicts()
         watch_records(host.get_peerstore(), conflicts, time.monotonic)
         limits = config.limits
@@ -486,7 +264,7 @@ class _HostParts:
         router = make_router(config.gossip)
         peering = DirectPeering(router)
         host.get_network().register_notifee(peering)
-        watch = _ConnectionWatch(config.keepalive.tcp_user_timeout_s)
+        watch = ConnectionWatch(config.keepalive.tcp_user_timeout_s)
         host.get_network().register_notifee(watch)
         pubsub = GuardedPubsub(host, router, guard, config.gossip.max_message_bytes)
         for proto in router.get_protocols():
@@ -565,7 +343,16 @@ class P2PNode:
             self._keepalive.connected(peer_id, trio.current_time())
             self._wake_keepalive()
 
-    def _on_disconnected(self, peer_id: str) -> None:
+    def direct_connected(self, peer_id: str) -> None:
+        """A direct connection to ``peer_id`` opened (:class:`p2p.connections.ConnectionWatch`):
+        its pings start with its first one; :meth:`wait_direct` wakes."""
+        self._on_connected(peer_id)
+        self._direct_changed.set()
+        self._direct_changed = trio.Event()
+
+    def last_connection_closed(self, peer_id: str) -> None:
+        """``peer_id``'s last connection closed (:class:`p2p.connections.ConnectionWatch`):
+        its pings stop; it is re-dialled if kept."""
         self._keepalive.disconnected(peer_id, trio.current_time(), self._rng)
         if not self._closing and self._keepalive.lost_all():
             expected = self._departures_expected
@@ -755,7 +542,7 @@ class P2PNode:
                                     await pubsub.wait_until_ready()
                                 node = cls(identity, config, parts, nursery)
                                 node.circuits = circuits
-                                parts.watch.node = node
+                                parts.watch.listener = node
                                 node._start_loops()
                                 log.log(
                                     logging.DEBUG if helper else logging.INFO,
@@ -771,10 +558,10 @@ class P2PNode:
                                 teardown.deadline = trio.current_time() + 3 * close_s
                                 # Connections first, while pubsub still runs: a message that
                                 # arrives during shutdown must find a live pubsub manager.
-                                await _close_host(host, close_s)
+                                await close_host(host, close_s)
                                 nursery.cancel_scope.cancel()
                     finally:
-                        await _close_host(host, close_s)  # when the start failed
+                        await close_host(host, close_s)  # when the start failed
 
         try:
             async with trio.open_nursery() as outer:

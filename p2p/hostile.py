@@ -27,7 +27,7 @@ from libp2p.pubsub.pb import rpc_pb2
 from libp2p.utils.varint import encode_uvarint
 
 from p2p.boundary import reset_quietly
-from p2p.host import _disable_auto_connect
+from p2p.connections import disable_auto_connect
 from p2p.identity import Identity
 
 MESHSUB = "/meshsub/1.1.0"
@@ -86,7 +86,7 @@ class HostileClient:
         """Start a host on 127.0.0.1 (a fresh identity unless one is given); close on exit."""
         ident = identity or Identity.generate()
         host = new_host(key_pair=ident.key_pair, muxer_preference="YAMUX")
-        _disable_auto_connect(host)
+        disable_auto_connect(host)
         listen = [multiaddr.Multiaddr("/ip4/127.0.0.1/tcp/0")]
         async with host.run(listen_addrs=listen):
             try:

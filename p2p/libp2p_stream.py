@@ -14,8 +14,8 @@ translated here into ``trio.BrokenResourceError`` (after :meth:`~Libp2pByteStrea
 
 :func:`open_lane_stream` opens such a stream to a peer *only over a connection the host
 already holds* (the peer dialled us, or we dialled it): shardnet dials nothing it was not told
-to (see :func:`p2p.host._disable_auto_connect`), and a node behind a NAT is reachable only over
-the connections it opened itself.
+to (see :func:`p2p.connections.disable_auto_connect`), and a node behind a NAT is reachable
+only over the connections it opened itself.
 """
 
 from __future__ import annotations

@@ -8,8 +8,9 @@ import pytest
 import trio
 
 from p2p.errors import MessageTooLarge, PeerIdMismatch, RemoteProtocolError, StreamBroken
-from p2p.host import HostConfig, P2PNode, RepeatFilter, peer_id_of
+from p2p.host import HostConfig, P2PNode, peer_id_of
 from p2p.identity import Identity
+from p2p.library_logs import RepeatFilter
 
 PROTO = "/shardnet/test-echo/1.0.0"
 

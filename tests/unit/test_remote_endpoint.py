@@ -11,7 +11,7 @@ from typing import Any
 import pytest
 import trio
 
-from p2p.host import remote_endpoint
+from p2p.connections import remote_endpoint
 
 
 @pytest.fixture
