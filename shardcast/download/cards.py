@@ -17,7 +17,7 @@ logged and never adopted.
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable, Iterable
+from collections.abc import Awaitable, Callable, Iterable, Sequence
 
 import trio
 
@@ -28,7 +28,10 @@ from shardcast.wire import VersionAnnouncement
 
 log = logging.getLogger(__name__)
 
-__all__ = ["adopt_card_of", "card_version", "ensure_card"]
+__all__ = ["Adopt", "adopt_card_of", "adopt_from_any", "card_version", "ensure_card"]
+
+Adopt = Callable[[str], Awaitable[bool]]
+"""Fetch one upstream's run card (by PeerID) and adopt it if newer; True if adopted."""
 
 
 def card_version(node: ShardcastNode) -> int:
@@ -57,16 +60,18 @@ async def ensure_card(
     upstreams: Callable[[], Iterable[str]],
     ann: VersionAnnouncement,
     superseded: Callable[[int], bool],
+    adopt: Adopt,
 ) -> None:
     """Return once ``node`` holds the run card ``ann`` names (or a newer one), or once
     ``superseded(ann.step)`` (a newer version was announced).
 
     Args:
         upstreams: the PeerIDs of the upstreams to ask (read at each attempt).
+        adopt: fetches one upstream's card (:func:`adopt_card_of` with ``node``).
     """
     attempt = 0
     while card_version(node) < ann.card_version and not superseded(ann.step):
-        await _adopt_from_any(node, sorted(upstreams()), ann.card_version)
+        await adopt_from_any(node, sorted(upstreams()), ann.card_version, adopt)
         if card_version(node) >= ann.card_version:
             return
         log.info(
@@ -80,17 +85,19 @@ async def ensure_card(
         attempt += 1
 
 
-async def _adopt_from_any(node: ShardcastNode, upstreams: list[str], version: int) -> None:
-    """Ask every upstream for its run card at once; return when ``node`` holds a card of
-    ``version`` or newer (from any of them, or from another path) or when every answer is
-    in."""
+async def adopt_from_any(
+    node: ShardcastNode, upstreams: Sequence[str], version: int, adopt: Adopt
+) -> None:
+    """Ask every upstream (``adopt``) for its run card at once; return when ``node`` holds a
+    card of ``version`` or newer (from any of them, or from another path) or when every
+    answer is in."""
     if not upstreams:
         return
     async with trio.open_nursery() as nursery:
         pending = list(upstreams)
 
         async def ask(pid: str) -> None:
-            await adopt_card_of(node, pid)
+            await adopt(pid)
             pending.remove(pid)
             if not pending or card_version(node) >= version:
                 nursery.cancel_scope.cancel()

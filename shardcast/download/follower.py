@@ -79,9 +79,8 @@ from typing import TYPE_CHECKING, Any
 import trio
 from prometheus_client.core import Metric
 
-from p2p.errors import ConfigError, ShardnetError, TransportError, short_id
+from p2p.errors import ConfigError, ShardnetError, short_id
 from p2p.host import peer_id_of
-from p2p.http_errors import NotAvailable
 from shardcast.core import (
     MANIFEST_RETRY_MAX_S,
     DownloadStats,
@@ -113,6 +112,7 @@ from shardcast.download.followconfig import (
     VersionRecord,
     source_directory,
 )
+from shardcast.download.manifests import fetch_chain, fetch_manifest
 from shardcast.download.mirrors import Mirrors
 from shardcast.download.punching import Punching
 from shardcast.download.types import Source
@@ -135,7 +135,6 @@ from shardcast.wire import (
     VersionAnnouncement,
     check_versions_gossip,
     decode_versions_message,
-    manifest_url,
     versions_topic,
 )
 
@@ -143,8 +142,6 @@ if TYPE_CHECKING:
     from trio_typing import TaskStatus
 
 log = logging.getLogger(__name__)
-
-_MAX_CHAIN = 32  # longest delta chain looked at when deciding to finish a superseded version
 
 
 class Follower:
@@ -603,7 +600,7 @@ class Follower:
         timeout_s: float | None = None,
     ) -> Manifest | None:
         """The manifest document of version ``(step, digest)`` from any upstream or mirror
-        that holds it (parts may be missing).
+        that holds it (parts may be missing; :func:`.manifests.fetch_manifest`).
 
         Args:
             digest: the header digest (from a signed announcement, or the base digest a
@@ -611,34 +608,16 @@ class Follower:
             give_up: polled between attempts; True abandons the fetch (returns None).
             timeout_s: give up after this long too, seconds (None: only ``give_up``).
         """
-        attempt = 0
-        until = None if timeout_s is None else trio.current_time() + timeout_s
-        while True:
-            for src in self._upstream_sources() + self.mirrors.sources(step, digest):
-                url = manifest_url(src.base_url, run_id, step, digest)
-                try:
-                    data = await self.node.client.get_bytes(
-                        url, max_bytes=64 << 20, timeout_s=10.0, anonymous=src.anonymous
-                    )
-                    m = Manifest.decode(data, trust=self.node.trust, source=src.id)
-                except NotAvailable:
-                    continue
-                except (TransportError, ShardnetError) as exc:
-                    log.warning(
-                        "manifest_fetch_failed source=%s step=%d error=%s",
-                        short_id(src.id),
-                        step,
-                        exc,
-                    )
-                    continue
-                if m.step != step or m.run_id != run_id or m.digest != digest:
-                    log.warning("manifest_mismatch source=%s step=%d", short_id(src.id), step)
-                    continue
-                return m
-            if give_up() or (until is not None and trio.current_time() >= until):
-                return None
-            await trio.sleep(manifest_retry_s(attempt))
-            attempt += 1
+        return await fetch_manifest(
+            self.node.client,
+            self.node.trust,
+            lambda: self._upstream_sources() + self.mirrors.sources(step, digest),
+            run_id,
+            step,
+            digest,
+            give_up,
+            timeout_s,
+        )
 
     def _wanted(self) -> VersionAnnouncement | None:
         """The known announcement if it names a version to fetch, else None (see
@@ -663,7 +642,13 @@ class Follower:
                 await self.node.wait_change()
             while not self.upstreams:
                 await self._upstream_changed.wait()
-            await ensure_card(self.node, self.upstreams.keys, ann, self._superseded)
+            await ensure_card(
+                self.node,
+                self.upstreams.keys,
+                ann,
+                self._superseded,
+                functools.partial(adopt_card_of, self.node),
+            )
             held = self.held_digest(ann.step)
             if held is not None and held != ann.manifest_digest:
                 log.warning(
@@ -730,22 +715,13 @@ class Follower:
         return self.node.tracker.superseded(step)
 
     async def _fetch_chain(self, target: Manifest, down_to: int) -> dict[int, Manifest]:
-        """Manifests of the delta chain below ``target``, newest first, by the base digest
-        each link names, down to (not including) step ``down_to``; at most ``_MAX_CHAIN``
-        links. Stops at an anchor (no base), a gap, or a manifest no source has."""
-        chain: dict[int, Manifest] = {}
-        link = target
-        while len(chain) < _MAX_CHAIN:
-            h = link.header
-            if h.base_step is None or h.base_digest is None or h.base_step != link.step - 1:
-                break
-            if h.base_step <= down_to:
-                break
-            got = await self.fetch_manifest(target.run_id, h.base_step, h.base_digest, lambda: True)
-            if got is None:
-                break
-            chain[got.step] = link = got
-        return chain
+        """The delta chain below ``target`` down to ``down_to`` (:func:`.manifests.fetch_chain`),
+        each link fetched in one round."""
+
+        async def once(run_id: str, step: int, digest: str) -> Manifest | None:
+            return await self.fetch_manifest(run_id, step, digest, lambda: True)
+
+        return await fetch_chain(once, target, down_to)
 
     async def _plan(self, target: Manifest) -> tuple[tuple[int, ...], dict[int, Manifest]]:
         """The steps to download to reach ``target`` and the chain manifests they need."""

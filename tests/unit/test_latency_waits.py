@@ -14,7 +14,8 @@ import trio
 
 from bench import timeline
 from p2p.errors import LocalProtocolError
-from shardcast.download.follower import MANIFEST_RETRY_MAX_S, Follower, manifest_retry_s
+from shardcast.download import cards
+from shardcast.download.follower import MANIFEST_RETRY_MAX_S, manifest_retry_s
 from shardcast.node.node import NodeConfig, ShardcastNode
 from shardcast.publish.origin import Origin, OriginConfig, parts_of
 from shardcast.publish.plan import make_header
@@ -138,11 +139,15 @@ def test_cpu_window_and_medians() -> None:
 
 
 class _CardNode:
-    """The part of a node that :meth:`Follower._fetch_card_any` uses: its card version."""
+    """The part of a node that :mod:`shardcast.download.cards` uses: its card's version."""
 
     def __init__(self) -> None:
         self.version = 0
         self.changed = trio.Event()
+
+    @property
+    def card(self) -> SimpleNamespace | None:
+        return SimpleNamespace(version=self.version) if self.version else None
 
     def set(self, version: int) -> None:
         self.version = version
@@ -170,10 +175,7 @@ class _CardFollower:
     def _superseded(self, step: int) -> bool:
         return False
 
-    def _card_version(self) -> int:
-        return self.node.version
-
-    async def _fetch_card(self, pid: str) -> bool:
+    async def adopt(self, pid: str) -> bool:
         self.asked.append(pid)
         await trio.sleep(self.delays[pid])
         gives = self.gives[pid] and trio.current_time() >= self.from_s
@@ -181,15 +183,14 @@ class _CardFollower:
             self.node.set(1)
         return gives
 
-    async def _fetch_card_any(self, version: int) -> None:  # what _ensure_card calls
-        await self.fetch_any(version)
-
     async def fetch_any(self, version: int) -> None:
-        await Follower._fetch_card_any(cast(Follower, self), version)
+        node = cast(ShardcastNode, self.node)
+        await cards.adopt_from_any(node, sorted(self.upstreams), version, self.adopt)
 
     async def ensure(self, card_version: int) -> None:
         ann = cast(VersionAnnouncement, SimpleNamespace(step=1, card_version=card_version))
-        await Follower._ensure_card(cast(Follower, self), ann)
+        node = cast(ShardcastNode, self.node)
+        await cards.ensure_card(node, self.upstreams.keys, ann, self._superseded, self.adopt)
 
 
 async def test_run_card_is_taken_from_the_first_upstream_that_answers(
