@@ -12,7 +12,8 @@ from __future__ import annotations
 
 import time
 from collections import Counter
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from enum import Enum
 from typing import Any
 
 import trio
@@ -196,6 +197,16 @@ def families(
     return [ready, known, *_reachability_families(reach, intake, holders_named)]
 
 
+def _by_enum(
+    name: str, doc: str, label: str, members: Iterable[Enum], counts: Mapping[Any, int]
+) -> CounterMetricFamily:
+    """A counter family with one sample per member of an enum (its value as the label)."""
+    family = CounterMetricFamily(name, doc, labels=[label])
+    for m in members:
+        family.add_metric([m.value], counts.get(m, 0))
+    return family
+
+
 def _reachability_families(
     reach: Reachability, intake: AdvertIntake, holders_named: Counter[HolderReach]
 ) -> list[Metric]:
@@ -206,31 +217,31 @@ def _reachability_families(
     )
     for r in Reach:
         state.add_metric([r.value], 1.0 if reach.state is r else 0.0)
-    answers = CounterMetricFamily(
+    answers = _by_enum(
         "shardnet_dialback_answers",
         "answers to this node's dial-back asks, by result",
-        labels=["result"],
+        "result",
+        DialbackResult,
+        reach.answers_total,
     )
-    for d in DialbackResult:
-        answers.add_metric([d.value], reach.answers_total[d])
-    checks = CounterMetricFamily(
+    checks = _by_enum(
         "shardnet_advert_checks",
         "whoami challenges of other nodes' advertised lane URLs, by result",
-        labels=["result"],
+        "result",
+        LaneCheck,
+        intake.checks,
     )
-    for c in LaneCheck:
-        checks.add_metric([c.value], intake.checks[c])
     scope = CounterMetricFamily(
         "shardnet_adverts_out_of_scope",
         "adverts heard whose URL is a private address of another network (not tried)",
     )
     scope.add_metric([], intake.out_of_scope)
-    named = CounterMetricFamily(
+    named = _by_enum(
         "shardnet_refusal_holders",
         "holders super-seeding refusals named, by whether this node could reach them "
         "(unreachable ones are named back and served at once)",
-        labels=["reach"],
+        "reach",
+        HolderReach,
+        holders_named,
     )
-    for h in HolderReach:
-        named.add_metric([h.value], holders_named[h])
     return [state, answers, checks, scope, named]
