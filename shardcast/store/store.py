@@ -77,11 +77,8 @@ from shardcast.wire import (
     MANIFEST_FILE,
     Manifest,
     check_run_id,
-    codecs,
     document_signer,
 )
-
-_DELTAS = codecs.DELTAS
 
 log = logging.getLogger(__name__)
 
