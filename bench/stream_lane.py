@@ -154,7 +154,10 @@ def main(argv: list[str] | None = None) -> int:
     shm = "/dev/shm" if os.path.isdir("/dev/shm") else None
     with tempfile.TemporaryDirectory(prefix="bench-stream-lane-", dir=shm) as tmp:
         blob = Path(tmp) / "piece"
-        blob.write_bytes(random.Random(25).randbytes(args.size_kib * 1024 * PIECES))
+        rng = random.Random(25)
+        with open(blob, "wb") as fh:  # piece by piece: one randbytes call is capped at 2**31 bits
+            for _ in range(PIECES):
+                fh.write(rng.randbytes(args.size_kib * 1024))
         trio.run(_run, args, blob)
     return 0
 

@@ -30,14 +30,12 @@ from p2p.lanes import HttpLaneClient
 from p2p.trust import TrustList
 from shardcast.core import manifest_retry_s
 from shardcast.download.types import Source
-from shardcast.wire import Manifest, manifest_url
+from shardcast.wire import MAX_MANIFEST_BYTES, Manifest, manifest_url
 
 log = logging.getLogger(__name__)
 
-__all__ = ["MANIFEST_MAX_BYTES", "MAX_CHAIN", "fetch_chain", "fetch_manifest"]
+__all__ = ["MAX_CHAIN", "fetch_chain", "fetch_manifest"]
 
-#: the largest manifest document read, bytes
-MANIFEST_MAX_BYTES = 64 << 20
 #: seconds one source may take to answer a manifest request
 MANIFEST_TIMEOUT_S = 10.0
 #: the longest delta chain walked below a target (links)
@@ -76,7 +74,7 @@ async def fetch_manifest(
             try:
                 data = await client.get_bytes(
                     url,
-                    max_bytes=MANIFEST_MAX_BYTES,
+                    max_bytes=MAX_MANIFEST_BYTES,
                     timeout_s=MANIFEST_TIMEOUT_S,
                     anonymous=src.anonymous,
                 )

@@ -29,15 +29,14 @@ from p2p.errors import ShardnetError, TransportError
 from p2p.lanes import HttpLaneClient
 from shardcast.core import MirrorPoll, PollPolicy, poll_delay
 from shardcast.download.types import Source
+from shardcast.download.versionwatch import MAX_VERSIONS_BYTES
 from shardcast.node import ShardcastNode
 from shardcast.wire import versions_url
 
 log = logging.getLogger(__name__)
 
-__all__ = ["VERSIONS_MAX_BYTES", "Mirrors"]
+__all__ = ["Mirrors"]
 
-#: the largest ``/versions`` document read from a mirror, bytes
-VERSIONS_MAX_BYTES = 1 << 20
 #: seconds a ``/versions`` poll may take
 POLL_TIMEOUT_S = 10.0
 
@@ -121,7 +120,7 @@ class Mirrors:
         while True:
             try:
                 data = await self.client.get_bytes(
-                    versions, max_bytes=VERSIONS_MAX_BYTES, timeout_s=POLL_TIMEOUT_S, anonymous=True
+                    versions, max_bytes=MAX_VERSIONS_BYTES, timeout_s=POLL_TIMEOUT_S, anonymous=True
                 )
             except (TransportError, ShardnetError) as exc:
                 if poll.failed(str(exc)):
