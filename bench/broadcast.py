@@ -104,6 +104,7 @@ Run (about 30-40 minutes with 3 repeats; ``--quick`` for a 1-repeat smoke run):
 from __future__ import annotations
 
 import argparse
+import errno
 import json
 import math
 import os
@@ -706,11 +707,17 @@ class _ShardnetRun:
 
     def stage(self, step: int, src: Path) -> Path:
         """Hard-link ``src`` into the origin's watched directory as ``step-N`` (not yet
-        ``DONE``)."""
+        ``DONE``); copy where the cache is on another filesystem than the work directory
+        (``--cache`` on /dev/shm, the work directory in /tmp), before any timing starts."""
         staged = self.workdir / "publish" / f"step-{step}"
         staged.mkdir()
         for f in src.iterdir():
-            os.link(f, staged / f.name)
+            try:
+                os.link(f, staged / f.name)
+            except OSError as exc:
+                if exc.errno != errno.EXDEV:
+                    raise
+                shutil.copyfile(f, staged / f.name)
         return staged
 
     async def publish_alone(self, step: int, src: Path, timeout_s: float) -> None:

@@ -379,6 +379,13 @@ class SourceDirectory:
         max_entries: bound on remembered nodes.
         rng: seeded randomness to spread load over equivalent sources.
         backoff: when failed URLs are challenged again.
+
+    Attributes:
+        changed: set (and replaced) at every advert heard and every challenge recorded.
+        news: set (and replaced) only when what :meth:`sources_for` can offer may have
+            changed: an advert from a new node or one whose content differs from that node's
+            last (not the periodic repeat of the same advert), or a challenge whose result
+            differs from the URL's last. Downloads wake their discovery on it.
     """
 
     def __init__(
@@ -406,6 +413,19 @@ class SourceDirectory:
         self._lanes: dict[tuple[str, str], LaneStatus] = {}  # (PeerID, URL) -> last challenge
         self._scores: dict[str, tuple[float, float]] = {}  # PeerID -> (score, when set)
         self.changed = trio.Event()
+        self.news = trio.Event()
+
+    def _pulse(self, news: bool) -> None:
+        self.changed.set()
+        self.changed = trio.Event()
+        if news:
+            self.news.set()
+            self.news = trio.Event()
+
+    def reach_changed(self) -> None:
+        """This node's reach of an advertiser changed (a hole punch opened a direct
+        connection): what :meth:`sources_for` offers may have changed; wakes :attr:`news`."""
+        self._pulse(True)
 
     # -- verification and scores ----------------------------------------------------------
 
@@ -437,8 +457,7 @@ class SourceDirectory:
             lane = LaneStatus(result, failures, now, now + self.backoff.delay_s(failures))
             self.record(peer_id, delivered=False, now=now)
         self._lanes[(peer_id, url)] = lane
-        self.changed.set()
-        self.changed = trio.Event()
+        self._pulse(old is None or old.result is not result)
         _bound(self._verified, self.max_entries)
         _bound(self._lanes, self.max_entries)
         return lane
@@ -470,12 +489,11 @@ class SourceDirectory:
         """
         if advert.peer_id == self.self_id or advert.peer_id in self.exclude:
             return
-        self._adverts.pop(advert.peer_id, None)
+        old = self._adverts.pop(advert.peer_id, None)
         self._adverts[advert.peer_id] = (advert, now)
         if len(self._adverts) > self.max_entries:
             del self._adverts[next(iter(self._adverts))]
-        self.changed.set()
-        self.changed = trio.Event()
+        self._pulse(old is None or old[0] != advert or now - old[1] > self.ttl_s)
 
     def entries(self, now: float) -> list[tuple[NodeAdvert, float]]:
         """Adverts heard within ``ttl_s`` and when (``now``'s clock), oldest first."""

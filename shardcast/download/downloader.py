@@ -56,7 +56,7 @@ from __future__ import annotations
 import logging
 import math
 import random
-from collections.abc import Callable, Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from pathlib import Path
 
 import trio
@@ -131,6 +131,7 @@ class Downloader:
         self.bans = SourceBans(config.source_ban_s)
         self.batcher = BlobBatcher()  # which sources lack the batch route: kept across versions
         self._upstreams: Callable[[], list[Source]] | None = None
+        self._sources_changed: Callable[[], Awaitable[None]] | None = None
         self.last_stats: DownloadStats | None = None  # of the latest download, even failed
         self.unreachable: Callable[[Sequence[str]], tuple[str, ...]] | None = None
         """Of the holders a super-seeding refusal named, those this node cannot reach
@@ -148,6 +149,7 @@ class Downloader:
         extra_sources: Callable[[], list[Source]] | None = None,
         max_extra_sources: int = 16,
         upstreams: Callable[[], list[Source]] | None = None,
+        sources_changed: Callable[[], Awaitable[None]] | None = None,
     ) -> tuple[Path, DownloadStats]:
         """Fetch every part and shard of ``manifest`` from ``sources``, verify, and commit.
 
@@ -166,6 +168,9 @@ class Downloader:
             upstreams: polled like ``extra_sources``; the configured upstreams reachable now.
                 Those not yet in the download (one that recovered) join it, unbounded, and
                 one whose URL changed (restarted elsewhere) is used at its new URL.
+            sources_changed: returns when ``extra_sources`` may give something new (an
+                advert heard); discovery then runs at once instead of at its next
+                ``have_poll_s`` tick. None: the tick only.
 
         Returns:
             the committed ``step-N`` directory and the stats.
@@ -185,6 +190,7 @@ class Downloader:
         self._extra = extra_sources
         self._max_extra = max_extra_sources
         self._upstreams = upstreams
+        self._sources_changed = sources_changed
         part, base_step = await self._begin(manifest)
         session = self._session(part, base_step is not None)
         stats = self.current = self.last_stats = session.stats
@@ -311,6 +317,7 @@ class Downloader:
             cpu=self.cpu,
             batcher=self.batcher,
             unreachable=self.unreachable,
+            sources_changed=self._sources_changed,
         )
         end = await driver.run(sources)
         if isinstance(end, Fail):  # raised here, outside the nursery: a plain exception type

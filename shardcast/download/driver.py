@@ -62,7 +62,7 @@ from __future__ import annotations
 import functools
 import logging
 import os
-from collections.abc import Callable, Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from contextlib import aclosing
 from typing import TYPE_CHECKING
 
@@ -148,6 +148,11 @@ doubling): a part that appears is fetched within this."""
 NO_HOLD = ((HOLD_HEADER, "0"),)
 """Request headers that ask a source to answer at once, not hold the request for content it
 does not have yet (replacing the node's default hold)."""
+
+DISCOVERY_SETTLE_S = 0.02
+"""After ``sources_changed`` wakes discovery, wait this long before the pass, seconds: the
+adverts of a version's start arrive in a burst (every node readvertises as it starts), and one
+pass takes them all."""
 
 IDLE_REPORT_S = 10.0
 """A download that receives nothing for this long logs why (``download_idle``: what is in
@@ -269,7 +274,7 @@ class DownloadDriver:
         observer: told of shard-level events, or None.
         stall_timeout_s: a request that makes no progress for this long fails, seconds.
         have_poll_s: period of have-polls and discovery, seconds.
-        extra_sources, upstreams: discovery callbacks (see
+        extra_sources, upstreams, sources_changed: discovery callbacks (see
             :meth:`~shardcast.download.downloader.Downloader.download`), or None.
         on_shard, progress: as in :meth:`~shardcast.download.downloader.Downloader.download`.
         cpu: the node's CPU account by stage (module docstring), or None.
@@ -298,8 +303,10 @@ class DownloadDriver:
         cpu: StageCpu | None = None,
         batcher: BlobBatcher | None = None,
         unreachable: Callable[[Sequence[str]], tuple[str, ...]] | None = None,
+        sources_changed: Callable[[], Awaitable[None]] | None = None,
     ) -> None:
         self.client = client
+        self.sources_changed = sources_changed
         self.unreachable = unreachable
         self.batcher = batcher if batcher is not None else BlobBatcher()
         self.cpu = cpu if cpu is not None else StageCpu()
@@ -895,4 +902,18 @@ class DownloadDriver:
                 if not session.known(s.id) and room > 0:
                     room -= 1
                     self.join(s, extra=True)
-            await trio.sleep(self.have_poll_s)
+            await self._next_discovery()
+
+    async def _next_discovery(self) -> None:
+        """Wait for the next discovery pass: ``have_poll_s``, or less when ``sources_changed``
+        returns first (the node heard of a new source or a changed one), then
+        :data:`DISCOVERY_SETTLE_S`. Polling alone added up to ``have_poll_s`` (0.25 s) to the
+        moment every download of a version could use the peers that started it too: in the
+        NAT bench's 1.65 MB versions, peers' first discovered sources joined 0.26-0.38 s
+        after the announcement, while the relay super-seeding refused them."""
+        with trio.move_on_after(self.have_poll_s):
+            if self.sources_changed is None:
+                await trio.sleep_forever()
+            else:
+                await self.sources_changed()
+                await trio.sleep(DISCOVERY_SETTLE_S)

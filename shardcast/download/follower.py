@@ -591,6 +591,10 @@ class Follower:
             connected=direct,
         )
 
+    async def _sources_news(self) -> None:
+        """Returns when the directory may offer new sources (its ``news``)."""
+        await self.directory.news.wait()
+
     async def fetch_manifest(
         self,
         run_id: str,
@@ -805,6 +809,7 @@ class Follower:
                         upstreams=lambda: (
                             self._upstream_sources() + self.mirrors.sources(step, digest)
                         ),
+                        sources_changed=self._sources_news,
                     )
                 except ShardnetError as exc:  # caught here: a nursery would wrap it in a group
                     error = exc

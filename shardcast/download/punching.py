@@ -196,6 +196,8 @@ class Punching:
         finally:
             self.planner.done(peer_id, direct=direct, now=trio.current_time(), circuit=circuit)
         self.counts["direct" if direct else "failed"] += 1
+        if direct:  # a stream-lane source for the downloads now: they need not wait a poll
+            self.directory.reach_changed()
         if circuit:  # the NATs were tried: evidence of whether this node's punches work
             self.record.done(direct)
         else:

@@ -460,6 +460,56 @@ async def test_discovered_sources_are_bounded(
     assert len(added) == 3
 
 
+@pytest.mark.parametrize("woken", [True, False], ids=["sources_changed", "tick_only"])
+async def test_discovery_runs_when_the_node_hears_of_a_source(
+    tmp_path: Path, version: Version, jump_clock: trio.testing.MockClock, woken: bool
+) -> None:
+    """A source the node hears of while a download runs joins it as soon as the node says
+    so (``sources_changed``), not at the next ``have_poll_s`` tick (5 s here); without the
+    hook it waits for the tick. The upstream answers 503 to everything, so the download
+    needs the discovered source."""
+    store = target_store(tmp_path)
+    heard, news = trio.Event(), trio.Event()
+    HEARD_AT_S = 1.0
+    joined_at: list[float] = []
+    async with (
+        fault_source(version, Fault.UNAVAILABLE) as upstream,
+        honest_source(version) as (honest, _),
+        HttpClient() as client,
+    ):
+        found = Source("b-found", honest.url)
+
+        def extra() -> list[Source]:
+            if not heard.is_set():
+                return []
+            joined_at.append(trio.current_time())
+            return [found]
+
+        async def hear_later() -> None:
+            await trio.sleep(HEARD_AT_S)
+            heard.set()
+            news.set()
+
+        cfg = dataclasses.replace(config(), have_poll_s=5.0)
+        dl = Downloader(client, store, cfg, random.Random(1), trust())
+        t0 = trio.current_time()
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(hear_later)
+            path, stats = await dl.download(
+                version.signed,
+                [Source("a-upstream", upstream.url)],
+                extra_sources=extra,
+                sources_changed=news.wait if woken else None,
+            )
+    assert_committed(store, version, path)
+    assert stats.bytes_by_source == {"b-found": 4 * SHARD}
+    waited = joined_at[0] - t0 - HEARD_AT_S
+    if woken:
+        assert waited < 0.5
+    else:
+        assert waited >= 3.9  # the tick: 5 s after the start
+
+
 async def test_ban_for_corrupt_bytes_carries_to_the_next_version(tmp_path: Path) -> None:
     v1 = make_version(tmp_path / "v1", {FILE: 4 * SHARD}, SHARD, step=1, seed=1)
     v2 = make_version(tmp_path / "v2", {FILE: 4 * SHARD}, SHARD, step=2, seed=2)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import random
 from collections import Counter
+from collections.abc import Callable
 from types import SimpleNamespace
 from typing import cast
 
@@ -74,6 +75,28 @@ def test_directory_skips_itself_upstreams_and_stale_adverts() -> None:
     d.offer(advert("old", committed=(1,)), 0.0)
     d.offer(advert("new", committed=(1,)), 15.0)
     assert [s.id for s in d.sources_for(1, now=20.0, limit=10)] == ["new"]
+
+
+def test_directory_news_only_for_what_may_change_its_sources() -> None:
+    """``news`` (which wakes downloads' discovery) is set by a new advertiser, a changed
+    advert, one heard again after its TTL, a challenge result that changed and a reach
+    change; not by the periodic repeat of the same advert, which still sets ``changed``."""
+    d = SourceDirectory("me", set(), ttl_s=10.0, max_entries=10, rng=random.Random(0))
+
+    def pulses(act: Callable[[], object]) -> tuple[bool, bool]:
+        news, changed = d.news, d.changed
+        act()
+        return news.is_set(), changed.is_set()
+
+    a = advert("n1", filling=(1,))
+    assert pulses(lambda: d.offer(a, 0.0)) == (True, True)
+    assert pulses(lambda: d.offer(a, 2.0)) == (False, True)
+    assert pulses(lambda: d.offer(advert("n1", committed=(1,)), 4.0)) == (True, True)
+    assert pulses(lambda: d.offer(advert("n1", committed=(1,)), 20.0)) == (True, True)
+    url = a.http_url
+    assert pulses(lambda: d.verified("n1", url, LaneCheck.VERIFIED, 21.0)) == (True, True)
+    assert pulses(lambda: d.verified("n1", url, LaneCheck.VERIFIED, 22.0)) == (False, True)
+    assert pulses(d.reach_changed) == (True, True)
 
 
 def test_sources_complete_first_then_filling_relays_then_filling_peers() -> None:
