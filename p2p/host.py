@@ -11,8 +11,9 @@ host explicitly (leaving ``host.run()`` alone does not close the listener in 0.8
 Request/response: ``serve(protocol, handler)`` registers a handler ``(peer_id, request) ->
 response`` on a protocol id such as ``/shardnet/info/1.0.0``; ``request(peer_id, protocol,
 payload)`` sends one length-prefixed request and reads one length-prefixed response. Both
-directions enforce a byte bound and a timeout. Library exceptions are translated here, once,
-into :mod:`p2p.errors` types.
+directions enforce a byte bound and a timeout (:mod:`p2p.requests`, which translates the
+library's exceptions into :mod:`p2p.errors` types). Elsewhere library exceptions are
+translated here, once.
 
 Byte streams: ``serve_stream(protocol, handler)`` hands each inbound stream on ``protocol``, as
 a :class:`p2p.bytestream.ByteStream`, to ``handler(peer_id, stream)``, and ``open_stream``
@@ -46,7 +47,7 @@ import logging
 import math
 import random
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Callable
 from contextlib import AbstractAsyncContextManager, asynccontextmanager, nullcontext
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
@@ -58,20 +59,11 @@ from libp2p.custom_types import TProtocol
 from libp2p.exceptions import BaseLibp2pError
 from libp2p.host.ping import ID as PING_PROTOCOL
 from libp2p.host.ping import perform_ping_roundtrip
-from libp2p.io.exceptions import IOException
-from libp2p.io.exceptions import MessageTooLarge as LibMessageTooLarge
-from libp2p.io.msgio import VarIntLengthMsgReadWriter
 from libp2p.peer.id import ID
 from libp2p.peer.peerinfo import info_from_p2p_addr
 from libp2p.peer.peerstore import issue_and_cache_local_record
 from libp2p.request_response import (
-    BytesCodec,
-    MessageTooLargeError,
-    ProtocolNotSupportedError,
     RequestResponse,
-    RequestResponseConfig,
-    RequestResponseError,
-    RequestTimeoutError,
 )
 from libp2p.tools.anyio_service import background_trio_service
 
@@ -104,12 +96,9 @@ from p2p.connections import (
 )
 from p2p.errors import (
     ConfigError,
-    LocalProtocolError,
     MessageTooLarge,
-    NotHeld,
     PeerIdMismatch,
     PeerUnreachable,
-    RemoteProtocolError,
     ShardnetError,
     StreamBroken,
     short_id,
@@ -123,7 +112,6 @@ from p2p.limits import (
     ANY_STREAM,
     BoundaryStats,
     LedgerConfig,
-    Offence,
     PeerLedger,
     ResourceLimits,
     ResourceManager,
@@ -131,6 +119,7 @@ from p2p.limits import (
 )
 from p2p.loop_lag import BodyDeadlines, LoopLag
 from p2p.peer_records import RecordConflicts, refresh_every, watch_records
+from p2p.requests import Handler, RequestStreams
 
 if TYPE_CHECKING:
     from libp2p.pubsub.gossipsub import GossipSub
@@ -139,8 +128,6 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 install_library_filters()
-
-Handler = Callable[[str, bytes], Awaitable[bytes]]
 
 #: how often the node's event loop is sampled for lateness (:class:`p2p.loop_lag.LoopLag`), s
 LAG_TICK_S = 0.1
@@ -310,6 +297,15 @@ class P2PNode:
         self._loop_lag = LoopLag()
         self._bodies = BodyDeadlines(config.limits.request_read_timeout_s, BODY_WALL_FACTOR)
         self._keepalive = Keepalive(config.keepalive)
+        self._requests = RequestStreams(
+            parts.host,
+            parts.guard,
+            parts.rr,
+            self._bodies,
+            config.limits,
+            self._observe,
+            self.connected_peers,
+        )
         self._rng = random.Random(identity.peer_id)  # re-dial jitter: reproducible per node
         self._keepalive_changed = trio.Event()
         self._closing = False
@@ -731,37 +727,16 @@ class P2PNode:
         timeout_s: float,
         max_concurrent: int = 64,
     ) -> None:
-        """Register ``handler(peer_id, request_bytes) -> response_bytes`` on ``protocol``.
-
-        Admission: at most ``max_concurrent`` requests run at once on ``protocol``, and at most
-        ``config.limits.requests_per_peer`` of them from one peer; a stream over either cap is
-        reset at once (the caller sees ``StreamBroken``). The request body must arrive within
-        ``config.limits.request_read_timeout_s`` of this node's own time: the wall time minus
-        the lateness of this node's event loop meanwhile, at most ``BODY_WALL_FACTOR`` times
-        the timeout of wall time (:mod:`p2p.loop_lag`; a peer that sends nothing or half a
-        frame loses the slot and is charged, but not for this node's overload); the handler
-        and the response then get ``timeout_s``.
-        A request over ``max_request_bytes`` is refused before the handler runs. A handler that
-        raises a :class:`ShardnetError` resets the stream (the caller sees ``StreamBroken``);
-        the error is logged with the caller's short PeerID (at WARNING; at INFO for
-        :class:`NotHeld`, which blames nobody), and a :class:`RemoteProtocolError` (the
-        caller's fault) lowers the caller's score.
-        """
-        limits = self.config.limits
-        self._guard.resources.set_limit(
-            protocol, ScopeLimit(min(limits.requests_per_peer, max_concurrent), max_concurrent)
-        )
-
-        async def inbound(stream: Any) -> None:
-            sender = stream_peer(stream)
-            request = await self._read_request(stream, sender, protocol, max_request_bytes)
-            if request is not None:
-                await self._answer(
-                    stream, sender, protocol, handler, request, max_response_bytes, timeout_s
-                )
-
-        self._host.set_stream_handler(  # type: ignore[attr-defined]
-            TProtocol(protocol), self._guard.wrap(protocol, inbound)
+        """Register ``handler(peer_id, request_bytes) -> response_bytes`` on ``protocol``,
+        each request and response bounded in bytes and time, inbound streams capped
+        (:meth:`p2p.requests.RequestStreams.serve`)."""
+        self._requests.serve(
+            protocol,
+            handler,
+            max_request_bytes=max_request_bytes,
+            max_response_bytes=max_response_bytes,
+            timeout_s=timeout_s,
+            max_concurrent=max_concurrent,
         )
 
     def serve_stream(
@@ -870,92 +845,6 @@ class P2PNode:
             return f"/{family}/{host}/tcp/{port}/p2p/{peer_id}"
         return None
 
-    async def _read_request(
-        self, stream: Any, sender: str, protocol: str, max_request_bytes: int
-    ) -> bytes | None:
-        """The request body of an inbound ``stream``, or None when it was refused: oversize,
-        lost, or not sent in time (the stream is then reset and the sender charged where it
-        is at fault; see :meth:`serve`)."""
-        guard = self._guard
-        bodies = self._bodies
-        started = trio.current_time()
-        # Cancelled by _watch_loop once overdue in this node's own time; the deadline is
-        # the backstop should that task not run.
-        with trio.CancelScope(deadline=started + bodies.max_factor * bodies.timeout_s) as reading:
-            bodies.begin(reading, started)
-            try:
-                request = await VarIntLengthMsgReadWriter(stream, max_request_bytes).read_msg()
-            except LibMessageTooLarge:
-                await guard.offend(sender, Offence.MALFORMED_FRAME, f"{protocol} oversize", stream)
-                return None
-            except IOException:
-                await reset_quietly(stream)  # closed or reset by the caller: its loss
-                return None
-            finally:
-                own_s = bodies.own_time(reading, trio.current_time())
-                bodies.end(reading)
-        if reading.cancelled_caught:
-            wall_s = trio.current_time() - started
-            await guard.offend(
-                sender,
-                Offence.SLOW_REQUEST,
-                f"{protocol} body not sent in {own_s:.1f}s of own time ({wall_s:.1f}s wall)",
-                stream,
-            )
-            return None
-        return request
-
-    async def _answer(
-        self,
-        stream: Any,
-        sender: str,
-        protocol: str,
-        handler: Handler,
-        request: bytes,
-        max_response_bytes: int,
-        timeout_s: float,
-    ) -> None:
-        """Run ``handler`` on ``request`` and write its response on ``stream`` within
-        ``timeout_s`` seconds, then close the stream; reset it on a refusal or a timeout
-        (see :meth:`serve`)."""
-        with trio.move_on_after(timeout_s) as handling:
-            try:
-                response = await handler(sender, request)
-                if len(response) > max_response_bytes:
-                    raise LocalProtocolError(
-                        f"{protocol} response of {len(response)} bytes over {max_response_bytes}"
-                    )
-                await VarIntLengthMsgReadWriter(stream, max_response_bytes).write_msg(response)
-            except ShardnetError as exc:
-                log.log(
-                    logging.INFO if isinstance(exc, NotHeld) else logging.WARNING,
-                    "request_refused protocol=%s peer=%s error=%s",
-                    protocol,
-                    short_id(sender),
-                    exc,
-                )
-                if isinstance(exc, RemoteProtocolError):
-                    await self._guard.offend(sender, Offence.BAD_REQUEST, f"{protocol}: {exc}")
-                await reset_quietly(stream)
-                return
-            except IOException:
-                await reset_quietly(stream)
-                return
-        if handling.cancelled_caught:
-            log.warning(
-                "request_timed_out protocol=%s peer=%s timeout_s=%s",
-                protocol,
-                short_id(sender),
-                timeout_s,
-            )
-            await reset_quietly(stream)
-            return
-        with trio.move_on_after(1):
-            try:
-                await stream.close()
-            except IOException:
-                pass
-
     async def request(
         self,
         peer_id: str,
@@ -965,7 +854,8 @@ class P2PNode:
         max_response_bytes: int,
         timeout_s: float,
     ) -> bytes:
-        """Send one request on a new stream to ``peer_id`` and return the response bytes.
+        """Send one request on a new stream to ``peer_id`` and return the response bytes
+        (:meth:`p2p.requests.RequestStreams.request`).
 
         Raises:
             PeerUnreachable: no connection could be opened.
@@ -973,33 +863,9 @@ class P2PNode:
             MessageTooLarge: the response exceeded ``max_response_bytes``.
             RemoteProtocolError: the peer does not speak ``protocol``.
         """
-        cfg = RequestResponseConfig(
-            timeout=timeout_s,
-            max_request_size=max(len(payload), 1),
-            max_response_size=max_response_bytes,
+        return await self._requests.request(
+            peer_id, protocol, payload, max_response_bytes=max_response_bytes, timeout_s=timeout_s
         )
-        try:
-            codec: Any = BytesCodec()
-            response = bytes(
-                await self._rr.send_request(
-                    ID.from_base58(peer_id), [TProtocol(protocol)], payload, codec, cfg
-                )
-            )
-            self._observe(peer_id, Outcome.REQUEST_ANSWERED)
-            return response
-        except RequestTimeoutError as exc:
-            self._observe(peer_id, Outcome.REQUEST_TIMEOUT)
-            raise StreamBroken(peer_id, f"{protocol} timed out after {timeout_s}s") from exc
-        except MessageTooLargeError as exc:
-            raise MessageTooLarge(
-                peer_id, f"{protocol} response over {max_response_bytes} bytes"
-            ) from exc
-        except ProtocolNotSupportedError as exc:
-            raise RemoteProtocolError(peer_id, f"does not speak {protocol}") from exc
-        except RequestResponseError as exc:
-            if peer_id not in self.connected_peers():
-                raise PeerUnreachable(peer_id, f"{protocol}: {exc}") from exc
-            raise StreamBroken(peer_id, f"{protocol}: {exc}") from exc
 
     async def publish(self, topic: str, data: bytes) -> None:
         """Publish ``data`` on a gossipsub topic (best effort: gossip may drop; see p2p.gossip).
