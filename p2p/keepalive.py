@@ -9,7 +9,11 @@ request on the connection times out while the node still counts the peer as conn
 nothing ever re-dials it). :class:`Keepalive` decides, per remote peer:
 
 1. **when to ping**: every ``ping_interval_s`` on each connected peer (libp2p ping,
-   ``/ipfs/ping/1.0.0``), one ping in flight at a time, and again at once after a failure;
+   ``/ipfs/ping/1.0.0``), one ping in flight at a time; again at once after a ping that timed
+   out, and ``ping_timeout_s`` after one that failed fast (refused, reset: the connection is
+   closing, as when its peer leaves, and the swarm reports it gone meanwhile; pinged again at
+   once, three such failures in a few milliseconds declared a departing peer's connection
+   "dead", a WARNING for a clean exit);
 2. **when a connection is dead**: after ``dead_after_failures`` consecutive failures, a failure
    being a ping that timed out or broke, or a request on the connection that timed out
    (:class:`Outcome`), the last of them a ping: a timed-out request makes the connection
@@ -240,8 +244,8 @@ class Keepalive:
             self._pings += 1
             if p is not None and p.pinging:
                 p.pinging = False
-                if p.connected:  # a suspect connection is pinged again at once
-                    p.next_ping = now + (0.0 if outcome.failed else self.config.ping_interval_s)
+                if p.connected:
+                    p.next_ping = now + self._ping_delay_s(outcome)
         if p is None or not p.connected or p.next_ping is None:
             return Verdict.ALIVE
         if not outcome.failed:
@@ -258,6 +262,14 @@ class Keepalive:
         self._closed[outcome.value] = self._closed.get(outcome.value, 0) + 1
         p.next_ping = None  # no more pings or verdicts on this connection
         return Verdict.DEAD
+
+    def _ping_delay_s(self, outcome: Outcome) -> float:
+        """Seconds from a ping's end to the next ping (module docstring, point 1)."""
+        if outcome is Outcome.PING_TIMEOUT:
+            return 0.0  # a suspect path: ask it again at once
+        if outcome is Outcome.PING_FAILED:
+            return self.config.ping_timeout_s  # a closing connection: let the swarm say so
+        return self.config.ping_interval_s
 
     def dials_due(self, now: float) -> list[tuple[str, str]]:
         """Kept peers to dial now, as ``(peer, addr)``; each is marked as being dialled."""

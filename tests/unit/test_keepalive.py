@@ -47,6 +47,24 @@ def test_consecutive_failures_make_a_connection_dead_once() -> None:
     assert stats.pings == 2
 
 
+def test_a_ping_that_fails_fast_is_retried_after_the_ping_timeout() -> None:
+    """A refused or reset ping (the connection closing: its peer left) is not retried at
+    once: three of them in a few milliseconds declared a departing peer's connection dead
+    (a WARNING) before the swarm reported it gone. A timed-out one still is."""
+    ka = Keepalive(CFG)
+    ka.connected("a", 0.0)
+    assert ka.pings_due(5.0) == ["a"]
+    assert ka.observe("a", Outcome.PING_FAILED, 5.01) is Verdict.SUSPECT
+    assert ka.pings_due(5.02) == []
+    assert ka.next_wakeup() == pytest.approx(10.01)
+    ka.disconnected("a", 5.5, random.Random(0))  # the swarm's report comes meanwhile
+    assert ka.statistics().closed_dead == {}
+    ka.connected("b", 0.0)
+    assert ka.pings_due(5.0) == ["b"]
+    assert ka.observe("b", Outcome.PING_TIMEOUT, 10.0) is Verdict.SUSPECT
+    assert ka.pings_due(10.0) == ["b"]
+
+
 def test_request_timeouts_alone_only_ask_for_a_ping_now() -> None:
     ka = Keepalive(CFG)
     ka.connected("a", 0.0)
