@@ -10,8 +10,11 @@ authenticated by libp2p's message signatures, and an advert naming another PeerI
 origin is dropped. A follower keeps the adverts it heard in a :class:`SourceDirectory`
 (bounded, entries expire after ``ttl_s``) and adds, for a version it downloads, a few of the
 nodes that hold it — complete ones as full sources, filling ones as partial sources whose
-have-set it polls. No trust is needed for integrity: every byte is checked against the signed
-manifest. But adverts must not steer the swarm's requests, so:
+have-set it polls; a download asks for them again whenever the directory has news (an advert
+whose content changed, a lane proven, a hole punched: :attr:`SourceDirectory.news`), so the
+peers that start a version join each other's downloads as their adverts arrive. No trust is
+needed for integrity: every byte is checked against the signed manifest. But adverts must not
+steer the swarm's requests, so:
 
 - **the URL is bound to the PeerID**: a follower uses an advertised URL only after the lane
   there answered a fresh challenge (``/shardnet/v1/whoami/<nonce>``, see

@@ -40,7 +40,9 @@ which does what the session's actions say:
   :attr:`~shardcast.core.session.DownloadStats.other_digest_by_source`).
 - **have-sets**: partial sources (peers re-serving what they hold) are polled for their
   have-bitmap every ``have_poll_s`` seconds; **discovery** adds sources from
-  ``extra_sources``/``upstreams``.
+  ``extra_sources``/``upstreams`` every ``have_poll_s`` seconds, and at once (after
+  :data:`~shardcast.download.driver.DISCOVERY_SETTLE_S`) when ``sources_changed`` says the node
+  heard of a new source.
 
 When the session commits, the version is committed atomically (file digests derived from the
 checked shard digests for a schema-3 manifest, every file re-hashed for schema 2; then one
@@ -159,8 +161,9 @@ class Downloader:
             on_partial: called once with the partial version (to serve it while it fills).
             on_shard: called after each verified shard or part (to wake downstream waiters).
             progress: called with (verified bytes, total bytes).
-            extra_sources: polled every ``have_poll_s``; sources it returns that are new are
-                added to the download (nodes discovered while it runs), while fewer than
+            extra_sources: polled every ``have_poll_s`` (and when ``sources_changed``
+                returns); sources it returns that are new are added to the download (nodes
+                discovered while it runs), while fewer than
                 ``max_extra_sources`` added this way are usable (not banned): the source set,
                 its have-polls and their traffic stay bounded however many nodes are
                 discovered.
