@@ -15,6 +15,7 @@ from __future__ import annotations
 
 from shardcast.core import catchup
 from shardcast.core.batch import MAX_BATCH_BLOBS, MAX_BATCH_BYTES, BlobBatcher, first_byte_times
+from shardcast.core.blame import SourceBans, blame
 from shardcast.core.catchup import plan
 from shardcast.core.liveness import Abandon, Answer
 from shardcast.core.mirrorpoll import MirrorPoll
@@ -46,7 +47,7 @@ from shardcast.core.reachability import (
     scoped_lane,
 )
 from shardcast.core.retention import should_materialize, versions_to_prune
-from shardcast.core.select import SchedulerConfig, SourceBans, blame
+from shardcast.core.select import SchedulerConfig
 from shardcast.core.session import (
     Action,
     Ban,

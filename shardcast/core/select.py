@@ -54,10 +54,11 @@ requests in flight costs one ``penalty_s``, not ``2**per_source_inflight`` of th
 that the driver learns is back (:meth:`Scheduler.source_back`: its upstream answered again,
 or it moved to a new URL) is unblocked at once. Bytes that fail their
 digest penalize only the source that sent them: if a shard was assembled from several
-sources, :func:`blame` compares it with the verified copy obtained later and names the
-sources whose byte ranges differ. A source with ``max_corrupt`` (default 1: the first proven)
-corrupt transfers is banned, and the requests it still has in flight are returned for the
-driver to cancel. :class:`SourceBans` carries bans across versions for a set time.
+sources, :func:`shardcast.core.blame.blame` compares it with the verified copy obtained later
+and names the sources whose byte ranges differ. A source with ``max_corrupt`` (default 1: the
+first proven) corrupt transfers is banned, and the requests it still has in flight are
+returned for the driver to cancel. :class:`shardcast.core.blame.SourceBans` carries bans
+across versions for a set time.
 
 Overdue transfers: a transfer whose own progress (bytes since its first byte, reported by the
 driver through :meth:`Scheduler.on_progress`) projects it to end ``overdue_factor`` times later
@@ -984,59 +985,3 @@ class Scheduler:
 def _throughput(fl: _Flight, since: float, now: float) -> float:
     """Bytes/s of ``fl``'s bytes received so far, counted from ``since`` (seconds)."""
     return fl.received / max(now - since, 1e-6)
-
-
-class SourceBans:
-    """Sources banned for sending corrupt bytes, remembered across versions for ``ban_s``.
-
-    Pure and bounded: at most ``max_sources`` bans are kept (the one ending first is dropped).
-    """
-
-    def __init__(self, ban_s: float, max_sources: int = 1024) -> None:
-        self.ban_s = ban_s
-        self.max_sources = max_sources
-        self._until: dict[str, float] = {}
-
-    def ban(self, source: str, now: float) -> None:
-        """Ban ``source`` until ``now + ban_s``."""
-        if self.ban_s <= 0:
-            return
-        self._until[source] = now + self.ban_s
-        if len(self._until) > self.max_sources:
-            del self._until[min(self._until, key=self._until.__getitem__)]
-
-    def is_banned(self, source: str, now: float) -> bool:
-        """True while ``source``'s ban lasts."""
-        until = self._until.get(source)
-        if until is not None and now >= until:
-            del self._until[source]
-            return False
-        return until is not None
-
-    def banned(self, now: float) -> list[str]:
-        """Sources banned at ``now``, sorted."""
-        return sorted(s for s in list(self._until) if self.is_banned(s, now))
-
-
-def blame(
-    contributions: Sequence[tuple[str, int, int]],
-    bad: bytes | bytearray | memoryview,
-    good: bytes | bytearray | memoryview,
-) -> set[str]:
-    """Which sources sent bytes that differ from the verified copy.
-
-    Args:
-        contributions: ``(source, start, end)`` byte ranges of the bad copy, by sender.
-        bad: the assembled copy that failed its digest.
-        good: the verified copy of the same shard.
-
-    Returns:
-        the sources whose range differs from ``good`` (empty if none can be blamed).
-    """
-    if len(bad) != len(good):
-        raise LocalProtocolError("blame needs copies of equal length")
-    out = set()
-    for source, start, end in contributions:
-        if bytes(bad[start:end]) != bytes(good[start:end]):
-            out.add(source)
-    return out

@@ -29,7 +29,7 @@ which does what the session's actions say:
   transfer that breaks mid-shard keeps what arrived (and its running hash); the next request
   resumes at that byte, usually from another source. A copy assembled from several sources
   that fails its digest is kept until a verified copy exists, then
-  :func:`~shardcast.core.select.blame` names the culprit; only it is penalized. A blob that matches
+  :func:`~shardcast.core.blame.blame` names the culprit; only it is penalized. A blob that matches
   its signed digest but does not decode, or decodes to wrong bytes, is not the source's doing
   (a delta against a base this node does not share with the origin, or a blob the origin
   encoded badly): the shard falls back to raw, nobody is blamed.
@@ -161,12 +161,10 @@ class Downloader:
             on_partial: called once with the partial version (to serve it while it fills).
             on_shard: called after each verified shard or part (to wake downstream waiters).
             progress: called with (verified bytes, total bytes).
-            extra_sources: polled every ``have_poll_s`` (and when ``sources_changed``
-                returns); sources it returns that are new are added to the download (nodes
-                discovered while it runs), while fewer than
+            extra_sources: polled every ``have_poll_s`` and when ``sources_changed``
+                returns; new sources it returns join the download while fewer than
                 ``max_extra_sources`` added this way are usable (not banned): the source set,
-                its have-polls and their traffic stay bounded however many nodes are
-                discovered.
+                its have-polls and their traffic stay bounded however many are discovered.
             max_extra_sources: bound on usable discovered sources in this download.
             upstreams: polled like ``extra_sources``; the configured upstreams reachable now.
                 Those not yet in the download (one that recovered) join it, unbounded, and

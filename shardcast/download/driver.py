@@ -26,7 +26,7 @@ the session owns everything it *decides*. One driver serves one call of
   per shard when the session says :class:`~shardcast.core.session.Keep` and the next request
   appends to it; a failed copy assembled from several sources is kept until the session
   asks to :class:`~shardcast.core.session.Compare` it with a verified copy
-  (:func:`~shardcast.core.select.blame`). Pooled buffers go back to their pool once nothing
+  (:func:`~shardcast.core.blame.blame`). Pooled buffers go back to their pool once nothing
   refers to them.
 - **parts**, **have-polls**, **probes** and **discovery** (``extra_sources``,
   ``upstreams``).

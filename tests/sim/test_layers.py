@@ -239,7 +239,6 @@ MAX_MODULE_LINES = 1000
 LARGE_ALLOWED = {
     "p2p/memnet.py": "the in-memory network: the other implementation of that same surface",
     "shardcast/wire/manifest.py": "the manifest's signed types, codecs and checks, one format",
-    "shardcast/core/select.py": "the scheduler's rules, one sans-IO decision read top down",
     "shardnet/config.py": "every setting declared once, with its CLI, TOML and env mapping",
     "simulations/model.py": "the fluid model of a whole run, one event loop",
     "bench/broadcast.py": "benchmark driver, measured as it is",

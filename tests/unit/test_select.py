@@ -17,7 +17,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from p2p.errors import LocalProtocolError
-from shardcast.core.select import Request, Scheduler, SchedulerConfig, SourceState, blame
+from shardcast.core.blame import blame
+from shardcast.core.select import Request, Scheduler, SchedulerConfig, SourceState
 
 MB = 1_000_000
 
@@ -961,7 +962,7 @@ def test_first_proven_corrupt_bans_and_returns_its_other_flights() -> None:
 
 
 def test_source_bans_last_their_time_and_are_bounded() -> None:
-    from shardcast.core.select import SourceBans
+    from shardcast.core.blame import SourceBans
 
     bans = SourceBans(ban_s=60, max_sources=2)
     bans.ban("a", now=0.0)

@@ -2,7 +2,7 @@
 
 A stand-in driver plays the network, the checker and the byte buffers exactly as the trio
 driver does (real bytes: honest sources send the true bytes, liars flip them; kept prefixes,
-suspect copies and byte comparisons with :func:`shardcast.core.select.blame`), and Hypothesis
+suspect copies and byte comparisons with :func:`shardcast.core.blame.blame`), and Hypothesis
 chooses what happens next: which transfer ends and how, which check finishes, which manifest
 part or have-set arrives, how far the clock moves. Then every source turns well behaved and the
 session must end. Properties, checked at every action:
@@ -26,8 +26,9 @@ import pytest
 from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 
+from shardcast.core.blame import blame
 from shardcast.core.liveness import Answer
-from shardcast.core.select import SchedulerConfig, blame
+from shardcast.core.select import SchedulerConfig
 from shardcast.core.session import (
     Action,
     Ban,
