@@ -62,9 +62,6 @@ from libp2p.host.ping import perform_ping_roundtrip
 from libp2p.peer.id import ID
 from libp2p.peer.peerinfo import info_from_p2p_addr
 from libp2p.peer.peerstore import issue_and_cache_local_record
-from libp2p.request_response import (
-    RequestResponse,
-)
 from libp2p.tools.anyio_service import background_trio_service
 
 from p2p import sockopts
@@ -223,7 +220,6 @@ class _HostParts:
     peering: DirectPeering
     watch: ConnectionWatch
     pubsub: GuardedPubsub
-    rr: RequestResponse
     circuits: Circuits | None
     record_conflicts: RecordConflicts
 
@@ -258,9 +254,8 @@ class _HostParts:
             cap = ScopeLimit(limits.pubsub_streams_per_peer, limits.streams_total)
             resources.set_limit(str(proto), cap)
             guard.wrap_protocol(proto)
-        rr = RequestResponse(host)
         circuits = Circuits(host, config.circuits) if config.circuits is not None else None
-        return cls(host, listen, guard, router, peering, watch, pubsub, rr, circuits, conflicts)
+        return cls(host, listen, guard, router, peering, watch, pubsub, circuits, conflicts)
 
     def run_circuits(self, config: HostConfig) -> AbstractAsyncContextManager[Circuits | None]:
         """The circuit services while the host runs (a no-op without ``config.circuits``)."""
@@ -287,7 +282,6 @@ class P2PNode:
         self.config = config
         self._host: object = parts.host
         self._pubsub = parts.pubsub
-        self._rr = parts.rr
         self._nursery = nursery
         self._guard = parts.guard
         self._subscriptions: dict[str, Subscription] = {}
@@ -300,7 +294,6 @@ class P2PNode:
         self._requests = RequestStreams(
             parts.host,
             parts.guard,
-            parts.rr,
             self._bodies,
             config.limits,
             self._observe,

@@ -76,7 +76,6 @@ class RequestStreams:
     Args:
         host: the py-libp2p host (its stream handlers are set here).
         guard: the host's inbound guard: stream caps, offences charged to senders.
-        rr: py-libp2p's request/response helper of ``host`` (the calling side).
         bodies: deadlines of request bodies in this node's own time, cancelled by the host's
             watch task when overdue.
         limits: the host's stream caps (``requests_per_peer``).
@@ -88,7 +87,6 @@ class RequestStreams:
         self,
         host: Any,
         guard: InboundGuard,
-        rr: RequestResponse,
         bodies: BodyDeadlines,
         limits: ResourceLimits,
         observe: Callable[[str, Outcome], None],
@@ -96,7 +94,7 @@ class RequestStreams:
     ) -> None:
         self._host = host
         self._guard = guard
-        self._rr = rr
+        self._rr = RequestResponse(host)  # py-libp2p's helper for the calling side
         self._bodies = bodies
         self._limits = limits
         self._observe = observe
