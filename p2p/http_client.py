@@ -83,6 +83,7 @@ from p2p.http_checks import (
     parse_target,
     request_headers,
 )
+from p2p.http_errors import NotAvailable
 from p2p.http_range import ByteRange, format_range
 from p2p.keepalive import KeepaliveConfig
 
@@ -101,6 +102,13 @@ STREAM_KEEPALIVE_EXPIRY_S = 25.0
 #: yamux stream, no socket, and the TCP lane's idle connections must not evict them)
 MAX_KEEPALIVE_STREAMS = 64
 _MAX_HEAD_BYTES = 64 * 1024
+#: a refusal (404, 409, 429, 503) whose declared body is at most this many bytes is read to
+#: its end so that its connection goes back to the pool; a larger or undeclared one closes
+#: it. Refusals are routine (a super-seeding relay's 429s, have-probes and part asks to peers
+#: that do not hold the version yet), and closing after each one made the next request to
+#: that source open a new connection: a TCP handshake, or on a stream lane a new libp2p
+#: stream and its multistream-select round trip (see ``STREAM_KEEPALIVE_EXPIRY_S``)
+REFUSAL_DRAIN_BYTES = 4096
 #: a body read into the caller's buffer wakes when this many bytes wait in the socket
 #: (``SO_RCVLOWAT``), not for every segment: on a link of 1,500-byte packets a read returned
 #: ~15 KB and each cost a trip through the event loop (16,000 per 241 MB on a relay)
@@ -167,7 +175,9 @@ class HttpClient:
 
     Args:
         max_connections: connections open at once, over all sources.
-        max_keepalive_connections: idle connections kept for reuse.
+        max_keepalive_connections: idle connections kept for reuse (32: a follower's
+            bursts of requests to its upstreams left 17 idle at once, and with 16 kept it
+            closed and later reopened ~15 per next version of real-1b in the shaped bench).
         keepalive_expiry_s: idle seconds before a pooled connection is dropped; keep it below
             the servers' ``idle_timeout_s`` so a reused connection is rarely closed under us.
         max_keepalive_streams, stream_keepalive_expiry_s: the same for stream-lane
@@ -188,7 +198,7 @@ class HttpClient:
         self,
         *,
         max_connections: int = 64,
-        max_keepalive_connections: int = 16,
+        max_keepalive_connections: int = 32,
         keepalive_expiry_s: float = 5.0,
         max_keepalive_streams: int = MAX_KEEPALIVE_STREAMS,
         stream_keepalive_expiry_s: float = STREAM_KEEPALIVE_EXPIRY_S,
@@ -354,10 +364,15 @@ class HttpClient:
         conn, response, source = await self._open(
             url, timeout_s, [("range", spec), *headers], anonymous
         )
+        reusable = False
         try:
-            check_range_head(response, source, url, start, length)
+            try:
+                check_range_head(response, source, url, start, length)
+            except NotAvailable:
+                reusable = await self._drained(conn, response, source, timeout_s)
+                raise
         except BaseException:
-            await self._release(conn, False)
+            await self._release(conn, reusable)
             raise
         return conn, response, source
 
@@ -386,6 +401,27 @@ class HttpClient:
                 await self._release(conn, False)
                 raise
         raise AssertionError("unreachable")
+
+    async def _drained(
+        self, conn: _Conn, response: h11.Response, source: str, timeout_s: float
+    ) -> bool:
+        """Read the body of a refusal (``response``, whose status raised
+        :class:`~p2p.http_errors.NotAvailable`) to its end, so that ``conn`` can serve the
+        next request. True if it may: the server keeps the connection alive and declared a
+        body of at most :data:`REFUSAL_DRAIN_BYTES`, which arrived whole within ``timeout_s``
+        (seconds). False (close it) otherwise, or on any failure while reading: the refusal
+        itself is what the caller reports."""
+        declared = header(response, b"content-length")
+        if declared is None or not declared.strip().isdigit() or not _keeps_alive(response):
+            return False
+        if int(declared) > REFUSAL_DRAIN_BYTES:
+            return False
+        try:
+            while await self._next_data(conn, source, timeout_s) is not None:
+                pass
+        except (TransportError, RemoteProtocolError):
+            return False
+        return True
 
     async def _next_data(self, conn: _Conn, source: str, timeout_s: float) -> bytes | None:
         """The next piece of the body, or None at its end (a coroutine, not a generator, so
@@ -430,7 +466,11 @@ class HttpClient:
             conn, response, source = await self._open(url, timeout_s, [*headers], anonymous)
             reusable = False
             try:
-                check_whole_head(response, source, url, max_bytes)
+                try:
+                    check_whole_head(response, source, url, max_bytes)
+                except NotAvailable:
+                    reusable = await self._drained(conn, response, source, timeout_s)
+                    raise
                 body, bound = bytearray(), BodyCount(source, max_bytes, exact=False)
                 while (chunk := await self._next_data(conn, source, timeout_s)) is not None:
                     bound.add(len(chunk))
@@ -582,7 +622,11 @@ class HttpClient:
             conn, response, source = await self._open(url, timeout_s, [*headers], anonymous)
             reusable = False
             try:
-                check_exact_head(response, source, url, length)
+                try:
+                    check_exact_head(response, source, url, length)
+                except NotAvailable:
+                    reusable = await self._drained(conn, response, source, timeout_s)
+                    raise
                 body = BodyCount(source, length, exact=True)
                 async with aclosing(
                     self._body_into(conn, response, source, view, body, timeout_s)

@@ -311,6 +311,59 @@ async def test_not_available_and_other_statuses() -> None:
             await collect(client, server.url + "/200", 1, 10)
 
 
+async def test_a_refusal_leaves_its_connection_for_the_next_request(
+    blob: tuple[Path, bytes],
+) -> None:
+    """A 404/409/429/503 with a small body is read to its end and its connection reused, for
+    every kind of request (whole, ranged, into a buffer); a 5xx failure, a refusal with a
+    body over ``REFUSAL_DRAIN_BYTES`` or one that says ``Connection: close`` closes it."""
+    path, data = blob
+
+    async def handler(request: HttpRequest) -> HttpResponse:
+        name = request.path.strip("/")
+        if name == "blob":
+            return file_response(request, path, SIZE)
+        if name == "big-refusal":
+            return HttpResponse(503, [], b"x" * (http_client.REFUSAL_DRAIN_BYTES + 1))
+        return HttpResponse(int(name), [("retry-after", "1")], b"not here yet")
+
+    async with open_http_server(handler) as server, HttpClient() as client:
+        for status in (404, 409, 429, 503):
+            with pytest.raises(NotAvailable):
+                await client.get_bytes(f"{server.url}/{status}", max_bytes=100, timeout_s=5)
+            with pytest.raises(NotAvailable):
+                await collect(client, f"{server.url}/{status}", 0, 10)
+            with pytest.raises(NotAvailable):
+                await client.get_into(
+                    f"{server.url}/{status}", memoryview(bytearray(10)), timeout_s=5
+                )
+        assert await collect(client, server.url + "/blob", 5, 100) == data[5:105]
+        assert server.statistics().connections_total == 1
+        with pytest.raises(StreamBroken):
+            await client.get_bytes(server.url + "/500", max_bytes=100, timeout_s=5)
+        assert await collect(client, server.url + "/blob", 0, 10) == data[:10]
+        assert server.statistics().connections_total == 2
+        with pytest.raises(NotAvailable):
+            await client.get_bytes(f"{server.url}/big-refusal", max_bytes=1 << 20, timeout_s=5)
+        assert await collect(client, server.url + "/blob", 0, 10) == data[:10]
+        assert server.statistics().connections_total == 3
+
+    connections = 0
+
+    async def closing_refusal(stream: trio.SocketStream) -> None:
+        nonlocal connections
+        connections += 1
+        await stream.send_all(
+            b"HTTP/1.1 429 Too Many Requests\r\nconnection: close\r\ncontent-length: 4\r\n\r\nbusy"
+        )
+
+    async with scripted_server(closing_refusal) as url, HttpClient() as client:
+        for _ in range(2):
+            with pytest.raises(NotAvailable):
+                await client.get_bytes(url + "/x", max_bytes=100, timeout_s=5)
+    assert connections == 2
+
+
 async def test_client_rejects_wrong_ranges(blob: tuple[Path, bytes]) -> None:
     path, _ = blob
     async with open_http_server(serve_file(path)) as server, HttpClient() as client:
