@@ -145,6 +145,21 @@ PART_RETRY_MAX_S = 0.25
 """Longest wait between asks for a missing manifest part, seconds (the first is 0.05 s,
 doubling): a part that appears is fetched within this."""
 
+PARTS_IN_FLIGHT = 8
+"""Manifest parts asked for at once, in part order (each ask races every source, and an
+upstream holds it until it has the part). Asking for every missing part at once held a
+connection per part and upstream: 44 at the start of a real-1b version with two upstreams,
+~190 at real-6b, past the client's 64 and ahead of the blob fetches that need them; parts
+reach an upstream in order, ~75 ms apart while the origin encodes, so 8 ahead is enough."""
+
+PART_RACE_GRACE_S = 1.0
+"""Once one source's answer gave a manifest part, the other asks of that round may still end
+on their own for this long, seconds; then they are cancelled. An ask held by an upstream
+usually ends within milliseconds (the upstreams get the part at about the same time), and
+one that ends returns its connection to the pool: cancelling it at once closed a connection
+per part and upstream (20 of the ~50 TCP connections a follower opened per next version of
+real-1b in the shaped bench). The late answer's body (a few KB) is read and dropped."""
+
 NO_HOLD = ((HOLD_HEADER, "0"),)
 """Request headers that ask a source to answer at once, not hold the request for content it
 does not have yet (replacing the node's default hold)."""
@@ -326,6 +341,8 @@ class DownloadDriver:
         self.progress = progress
         self.by_id: dict[str, Source] = {}
         self.part_failed: set[str] = set()  # sources whose part_fetch_failed was logged
+        self.part_slots = trio.Semaphore(PARTS_IN_FLIGHT)  # parts being asked for
+        self.part_slot_held: set[int] = set()  # parts that hold one of part_slots
         self.sinks: dict[int, ShardSink] = {}  # request -> its sink
         self.kept: dict[int, ShardSink] = {}  # shard -> prefix kept for resuming
         self.suspects: dict[int, ShardSink] = {}  # copy -> a failed assembled copy
@@ -358,8 +375,7 @@ class DownloadDriver:
                 self.nursery = nursery
                 for s in sources:
                     self.join(s, quiet=True)
-                for k in self.session.missing_parts:
-                    nursery.start_soon(self.fetch_part, k)
+                nursery.start_soon(self.fetch_parts)
                 nursery.start_soon(self.discover)
                 report_at = IDLE_REPORT_S
                 while end is None:
@@ -812,10 +828,26 @@ class DownloadDriver:
                 pass
             await trio.sleep(self.have_poll_s)
 
+    async def fetch_parts(self) -> None:
+        """Fetch every missing manifest part, in part order, :data:`PARTS_IN_FLIGHT` at a
+        time (:meth:`fetch_part`)."""
+        async with trio.open_nursery() as nursery:
+            for k in sorted(self.session.missing_parts):
+                await self.part_slots.acquire()
+                self.part_slot_held.add(k)
+                nursery.start_soon(self.fetch_part, k)
+
+    def release_part_slot(self, k: int) -> None:
+        """Part ``k`` arrived or its fetch ended: the next part may be asked for (once)."""
+        if k in self.part_slot_held:
+            self.part_slot_held.discard(k)
+            self.part_slots.release()
+
     async def fetch_part(self, k: int) -> None:
-        """Get manifest part ``k``: ask every source at once (:meth:`ask_part`), the first
-        verified answer wins and ends the others; while none has it, ask again after a
-        backoff (0.05 s doubling to :data:`PART_RETRY_MAX_S`).
+        """Get manifest part ``k``: once it is among the first :data:`PARTS_IN_FLIGHT`
+        missing parts, ask every source at once (:meth:`ask_part`), the first verified answer
+        wins, and the others end within :data:`PART_RACE_GRACE_S`; while none has it, ask
+        again after a backoff (0.05 s doubling to :data:`PART_RETRY_MAX_S`).
 
         Asking one source after another let each hold the request for its ``wait_s`` (10 s)
         while it lacked the part itself: a relay whose origin was still hashing the last file
@@ -823,17 +855,22 @@ class DownloadDriver:
         it), and every node waited 40-50 s on one part of a version the origin had published
         long before."""
         delay = 0.05
-        while k not in self.m.parts:
-            async with trio.open_nursery() as race:
-                for src in list(self.by_id.values()):
-                    race.start_soon(self.ask_part, k, src, race.cancel_scope)
-            if k in self.m.parts:
-                return
-            await trio.sleep(delay)
-            delay = min(delay * 2, PART_RETRY_MAX_S)
+        try:
+            while k not in self.m.parts:
+                async with trio.open_nursery() as race:
+                    for src in list(self.by_id.values()):
+                        race.start_soon(self.ask_part, k, src, race.cancel_scope)
+                if k in self.m.parts:
+                    return
+                await trio.sleep(delay)
+                delay = min(delay * 2, PART_RETRY_MAX_S)
+        finally:
+            self.release_part_slot(k)  # if its arrival did not already
 
     async def ask_part(self, k: int, src: Source, race: trio.CancelScope) -> None:
-        """Ask ``src`` for manifest part ``k``; if it verifies, add it and end ``race``.
+        """Ask ``src`` for manifest part ``k``; if it verifies, add it and end ``race``
+        within :data:`PART_RACE_GRACE_S` (an answer that comes once the part is there is
+        dropped undecoded).
 
         Only an upstream (a source the download was given, not one found by discovery) is
         asked to hold the request until it has the part: the part reaches this node through
@@ -849,6 +886,8 @@ class DownloadDriver:
                 headers=NO_HOLD if self.session.discovered(src.id) else (),
                 anonymous=src.anonymous,
             )
+            if k in m.parts:  # another source's answer came first
+                return
             signed = decode_part(data, m.header, trust=self.trust, source=src.id)
         except NotAvailable as exc:
             self.apply(self.session.answered(src.id, _unavailable(exc), trio.current_time()))
@@ -867,7 +906,8 @@ class DownloadDriver:
             )
             return
         self.session.answered(src.id, Outcome.OK, trio.current_time())
-        race.cancel()
+        race.deadline = min(race.deadline, trio.current_time() + PART_RACE_GRACE_S)
+        self.release_part_slot(k)  # the losers' grace does not hold up the next part
         if m.add_part(signed):
             offers = [offer(m.shard(i)) for i in m.header.part_range(k)]
             self.session.part_arrived(k, offers, trio.current_time())

@@ -15,6 +15,7 @@ import random
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from pathlib import Path
+from typing import Any
 
 import pytest
 import trio
@@ -23,13 +24,15 @@ import trio.testing
 from p2p.http_client import HttpClient
 from p2p.http_server import HttpRequest, HttpResponse, open_http_server
 from shardcast.download.downloader import Downloader
+from shardcast.download.driver import PARTS_IN_FLIGHT
 from shardcast.download.types import Source
+from shardcast.publish.plan import hash_parts
 from shardcast.serve.server import VersionServer
 from shardcast.store.store import VersionStore
 from shardcast.wire.have import HOLD_HEADER
-from shardcast.wire.manifest import Manifest
+from shardcast.wire.manifest import FileEntry, Header, Manifest, sign_header, sign_part
 from tests.faults import RUN, Version, make_version
-from tests.helpers import trust
+from tests.helpers import TRAINER, trust
 from tests.integration.procs import free_port
 from tests.integration.test_downloader_faults import assert_committed, config
 
@@ -148,3 +151,97 @@ async def test_a_late_part_arrives_the_moment_its_origin_signs_it(
     assert [r.levelno for r in failed].count(logging.INFO) == 1  # and said so once
     assert set(origin_holds) == {f"{WAIT_S:g}"}  # held where the part comes from
     assert set(peer_holds) == ({"0"} if discovered else {f"{WAIT_S:g}"})
+
+
+def _version_of_single_shard_parts(root: Path, n_shards: int) -> Version:
+    """A committed version of ``n_shards`` shards, each in a part of its own."""
+    rng = random.Random(3)
+    directory = root / "src"
+    directory.mkdir()
+    data = rng.randbytes(n_shards * SHARD)
+    (directory / FILE).write_bytes(data)
+    header = Header(RUN, 1, SHARD, (FileEntry(FILE, n_shards * SHARD),), 1, nonce="ab" * 16)
+    signed = Manifest(sign_header(header, TRAINER))
+    hash_parts(
+        directory,
+        header,
+        signed.digest,
+        on_part=lambda p: signed.add_part(sign_part(p, TRAINER)),  # type: ignore[func-returns-value]
+    )
+    store = VersionStore(root / "honest", RUN, keep_last=2)
+    store.adopt(directory, signed)
+    return Version(signed, {FILE: data}, store)
+
+
+async def test_parts_are_asked_in_order_a_few_at_a_time_and_a_late_answer_keeps_its_connection(
+    tmp_path: Path, jump_clock: trio.testing.MockClock
+) -> None:
+    """Two upstreams that sign a version's 12 parts one per second, the second 0.1 s after
+    the first (as two relays that get them from one origin): the downloader asks for at
+    most ``PARTS_IN_FLIGHT`` parts at once, in part order, and the slower upstream's held
+    ask ends on its own after the race is won, so its connection is reused instead of a new
+    one per part."""
+    n = 12
+    assert n > PARTS_IN_FLIGHT
+    version = _version_of_single_shard_parts(tmp_path, n)
+    step = version.step
+    held: dict[str, set[int]] = {"a": set(), "b": set()}
+    most_held = {"a": 0, "b": 0}
+    first_asked: dict[int, float] = {}  # part -> when it was first asked
+    asked = trio.Event()  # the parts are signed from the first ask on
+
+    @asynccontextmanager
+    async def upstream(name: str, lag_s: float) -> AsyncIterator[tuple[str, Any]]:
+        m = _header_only(version)
+        server = VersionServer(version.store, trust(), wait_s=WAIT_S)
+        server.add_live(_Live(m, version.store.version_dir(step)))
+
+        async def handle(req: HttpRequest) -> HttpResponse:
+            if "/manifest/part/" not in req.path:
+                return await server.handle(req)
+            k = int(req.path.rsplit("/", 1)[1])
+            first_asked.setdefault(k, trio.current_time())
+            asked.set()
+            held[name].add(k)
+            most_held[name] = max(most_held[name], len(held[name]))
+            try:
+                return await server.handle(req)
+            finally:
+                held[name].discard(k)
+
+        async def publish() -> None:
+            await asked.wait()
+            await trio.sleep(lag_s)
+            for k in range(n):
+                await trio.sleep(1.0)
+                m.add_part(version.signed.parts[k])
+                server.progress(step)
+
+        async with open_http_server(handle) as http, trio.open_nursery() as nursery:
+            nursery.start_soon(publish)
+            yield http.url, http
+            nursery.cancel_scope.cancel()
+
+    target = VersionStore(tmp_path / "downloader", RUN, keep_last=2)
+    async with (
+        upstream("a", 0.0) as (url_a, _),
+        upstream("b", 0.1) as (url_b, http_b),
+        HttpClient(headers={HOLD_HEADER: f"{WAIT_S:g}"}) as client,
+    ):
+        dl = Downloader(client, target, config(), random.Random(1), trust())
+        path, _ = await dl.download(
+            _header_only(version),
+            [Source("a", url_a, complete=False), Source("b", url_b, complete=False)],
+        )
+        connections_b = http_b.statistics().connections_total
+    assert_committed(target, version, path)
+    assert sorted(first_asked) == list(range(n))
+    start = min(first_asked.values())
+    for k in range(PARTS_IN_FLIGHT, n):  # asked only once part k - PARTS_IN_FLIGHT came (at
+        # 1 s per part after the first ask): in order, a few at a time
+        assert first_asked[k] - start >= k - PARTS_IN_FLIGHT + 1
+    assert most_held["a"] <= PARTS_IN_FLIGHT
+    assert most_held["b"] <= PARTS_IN_FLIGHT + 1  # and the one ask still in its grace
+    # one connection per part ask held at once, reused as each ask ends; cancelling the
+    # slower upstream's ask at once closed it, and the next part needed a new connection
+    assert connections_b <= PARTS_IN_FLIGHT + 2
