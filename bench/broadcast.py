@@ -129,6 +129,12 @@ RUN_ID = "bench"
 # every node of the benchmark runs on this machine: loopback only, any free port
 LOOPBACK = ["--listen", "/ip4/127.0.0.1/tcp/0", "--http-host", "127.0.0.1", "--http-port", "0"]
 N_RELAYS, N_PEERS = 2, 4
+
+IDLE_S = 2.0
+"""Seconds each version's measurement first waits with every node idle, to read each node's
+CPU rate while it waits (``idle_cpu_s_per_s``: keep-alives, gossip heartbeats, adverts); the
+stage table's ``excess`` is a node's CPU over the version minus that rate times the version's
+duration."""
 DEFAULT_SYSTEMS = ["shardnet", "shardnet-nodelta", "shardcast", "floor"]
 
 
@@ -401,6 +407,14 @@ def _cpu_s(proc: Proc, which: str = "all") -> float:
         return 0.0
     ticks = int(fields[12]) if which == "sys" else int(fields[11]) + int(fields[12])
     return ticks / os.sysconf("SC_CLK_TCK")
+
+
+async def _idle_rates(procs: Sequence[Proc]) -> dict[str, float]:
+    """Each node's CPU-seconds per second over :data:`IDLE_S` seconds of waiting."""
+    cpu0, t0 = {p.name: _cpu_s(p) for p in procs}, time.perf_counter()
+    await trio.sleep(IDLE_S)
+    spell = time.perf_counter() - t0
+    return {p.name: round((_cpu_s(p) - cpu0[p.name]) / spell, 4) for p in procs}
 
 
 _SCRAPE = (
@@ -741,9 +755,11 @@ class _ShardnetRun:
         once; with it they are written there at that rate (:func:`save_paced`, the
         ``save_s`` of the result) before the ready marker. Times count from the marker; CPU
         (and ``origin_save_cpu_s``, the origin's CPU-seconds during the save: its
-        pre-encoding) from before the first file."""
+        pre-encoding) from before the first file; before any file, :data:`IDLE_S` seconds
+        of waiting nodes give each one's ``idle_cpu_s_per_s``."""
         procs = self.procs
         peers = [p for p in procs if p.name.startswith("peer")]
+        idle = await _idle_rates(procs)
         if save_bytes_per_s is None:
             staged = self.stage(step, src)
         else:
@@ -795,6 +811,7 @@ class _ShardnetRun:
             "shards": n_shards,
             "cpu_s": cpu,
             "cpu_sys_s": cpu_sys,
+            "idle_cpu_s_per_s": idle,
             "stage_cpu_s": {p.name: after[p.name].stage_delta(before[p.name]) for p in procs},
         }
 
@@ -1072,6 +1089,10 @@ def _shaped_version(step: int, vs: list[dict[str, Any]], bound: float) -> dict[s
         # every node's CPU together: on a machine of C cores the version cannot finish in
         # less than cpu_total_s / C (print_shaped_table prints that floor)
         "cpu_total_s": round(_median([sum((v.get("cpu_s") or {}).values()) for v in vs]), 2),
+        "idle_cpu_s_per_s": {
+            k: round(_median([(v.get("idle_cpu_s_per_s") or {}).get(k, 0.0) for v in vs]), 4)
+            for k in nodes
+        },
         "stage_cpu_s": _median_stages(vs),
         "repeats": len(vs),
         "failed": len(vs) - len(lasts),
@@ -1271,8 +1292,11 @@ def _version_row(label: str, preset: str, system: str, e: dict[str, Any], seeded
 
 def _print_stage_table(label: str, by_preset: dict[str, Any]) -> None:
     """Per node, the next version's CPU-seconds by stage (``shardnet_stage_cpu_seconds_total``
-    before and after the version; SHARDCAST exports none)."""
-    head = "".join(f"{c:>14}" for c in (*STAGE_COLUMNS, "stages", "process"))
+    before and after the version; SHARDCAST exports none), the process's, its idle rate
+    (CPU-s per s, :data:`IDLE_S` before the version) and ``excess``: the process's CPU-s
+    minus that rate times the last peer's time."""
+    cols = (*STAGE_COLUMNS, "stages", "process", "idle/s", "excess")
+    head = "".join(f"{c:>14}" for c in cols)
     for preset, res in by_preset.items():
         for system, per in res["systems"].items():
             e = per[1] if len(per) > 1 else {}
@@ -1288,7 +1312,9 @@ def _print_stage_table(label: str, by_preset: dict[str, Any]) -> None:
             print(f"  {'node':<8}{head}")
             for node, stages in e["stage_cpu_s"].items():
                 cells = [stages.get(c, 0.0) for c in STAGE_COLUMNS]
-                cells += [sum(stages.values()), e["cpu_s"].get(node, float("nan"))]
+                process = e["cpu_s"].get(node, float("nan"))
+                idle = (e.get("idle_cpu_s_per_s") or {}).get(node, float("nan"))
+                cells += [sum(stages.values()), process, idle, process - idle * e["last_s"]]
                 print(f"  {node:<8}" + "".join(f"{x:>14.3f}" for x in cells))
 
 
