@@ -28,8 +28,10 @@ the session owns everything it *decides*. One driver serves one call of
   asks to :class:`~shardcast.core.session.Compare` it with a verified copy
   (:func:`~shardcast.core.blame.blame`). Pooled buffers go back to their pool once nothing
   refers to them.
-- **parts**, **have-polls**, **probes** and **discovery** (``extra_sources``,
-  ``upstreams``).
+- **parts** (:data:`PARTS_IN_FLIGHT` at a time, in part order, each asked of every source
+  at once; the asks that lose the race end on their own within :data:`PART_RACE_GRACE_S`,
+  keeping their connections), **have-polls**, **probes** and **discovery**
+  (``extra_sources``, ``upstreams``).
 
 Checks (verify, decode, write) of complete shards run in worker threads, at most one per
 core at once in the whole process (:func:`check_limiter`): the blobs of a next version tend
