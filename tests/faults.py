@@ -66,11 +66,15 @@ def make_version(
     seed: int = 0,
     nonce: int = 1000,
     chunk_bytes: int = 0,
+    shards_per_part: int = 1000,
 ) -> Version:
     """Write files of seeded random bytes, sign their manifest and commit them under ``root``.
 
     ``chunk_bytes``: the parts list per-shard chunk digests of that size (0: none, so a
     receiver verifies whole shards, byte-granular resumption and assembled-copy blame).
+
+    ``shards_per_part``: shards listed by each signed part (the default puts a test's whole
+    version in one part).
 
     Any flat file names will do: sharding does not look at the content or the layout. Two
     versions of one step differ in manifest digest only if their ``nonce`` (or sizes) differ.
@@ -81,9 +85,8 @@ def make_version(
     directory.mkdir(parents=True)
     for name, data in files.items():
         (directory / name).write_bytes(data)
-    header = Header(
-        RUN, step, shard_size, tuple(FileEntry(n, len(d)) for n, d in files.items()), nonce
-    )
+    entries = tuple(FileEntry(n, len(d)) for n, d in files.items())
+    header = Header(RUN, step, shard_size, entries, shards_per_part, nonce=f"{nonce:032x}")
     signed = Manifest(sign_header(header, TRAINER))
     hash_parts(
         directory,

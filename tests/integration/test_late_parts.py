@@ -26,13 +26,12 @@ from p2p.http_server import HttpRequest, HttpResponse, open_http_server
 from shardcast.download.downloader import Downloader
 from shardcast.download.driver import PARTS_IN_FLIGHT
 from shardcast.download.types import Source
-from shardcast.publish.plan import hash_parts
 from shardcast.serve.server import VersionServer
 from shardcast.store.store import VersionStore
 from shardcast.wire.have import HOLD_HEADER
-from shardcast.wire.manifest import FileEntry, Header, Manifest, sign_header, sign_part
+from shardcast.wire.manifest import Manifest
 from tests.faults import RUN, Version, make_version
-from tests.helpers import TRAINER, trust
+from tests.helpers import trust
 from tests.integration.procs import free_port
 from tests.integration.test_downloader_faults import assert_committed, config
 
@@ -153,26 +152,6 @@ async def test_a_late_part_arrives_the_moment_its_origin_signs_it(
     assert set(peer_holds) == ({"0"} if discovered else {f"{WAIT_S:g}"})
 
 
-def _version_of_single_shard_parts(root: Path, n_shards: int) -> Version:
-    """A committed version of ``n_shards`` shards, each in a part of its own."""
-    rng = random.Random(3)
-    directory = root / "src"
-    directory.mkdir()
-    data = rng.randbytes(n_shards * SHARD)
-    (directory / FILE).write_bytes(data)
-    header = Header(RUN, 1, SHARD, (FileEntry(FILE, n_shards * SHARD),), 1, nonce="ab" * 16)
-    signed = Manifest(sign_header(header, TRAINER))
-    hash_parts(
-        directory,
-        header,
-        signed.digest,
-        on_part=lambda p: signed.add_part(sign_part(p, TRAINER)),  # type: ignore[func-returns-value]
-    )
-    store = VersionStore(root / "honest", RUN, keep_last=2)
-    store.adopt(directory, signed)
-    return Version(signed, {FILE: data}, store)
-
-
 async def test_parts_are_asked_in_order_a_few_at_a_time_and_a_late_answer_keeps_its_connection(
     tmp_path: Path, jump_clock: trio.testing.MockClock
 ) -> None:
@@ -183,7 +162,7 @@ async def test_parts_are_asked_in_order_a_few_at_a_time_and_a_late_answer_keeps_
     one per part."""
     n = 12
     assert n > PARTS_IN_FLIGHT
-    version = _version_of_single_shard_parts(tmp_path, n)
+    version = make_version(tmp_path, {FILE: n * SHARD}, SHARD, shards_per_part=1)
     step = version.step
     held: dict[str, set[int]] = {"a": set(), "b": set()}
     most_held = {"a": 0, "b": 0}
