@@ -159,7 +159,7 @@ PART_RACE_GRACE_S = 1.0
 on their own for this long, seconds; then they are cancelled. An ask held by an upstream
 usually ends within milliseconds (the upstreams get the part at about the same time), and
 one that ends returns its connection to the pool: cancelling it at once closed a connection
-per part and upstream (20 of the ~50 TCP connections a follower opened per next version of
+per part and upstream (16-20 of the ~50 TCP connections a follower opened per next version of
 real-1b in the shaped bench). The late answer's body (a few KB) is read and dropped."""
 
 NO_HOLD = ((HOLD_HEADER, "0"),)
