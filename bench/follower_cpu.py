@@ -75,6 +75,15 @@ profiled), and the ``write`` stage, ~0.2 ms per kept blob. Of ``write`` at real-
 commit decodes the base version's manifest once (~0.05 CPU-s) because the bench seeds the
 follower's store with hard links: a follower that committed the base itself has it cached.
 
+Then (issue 24, session 49; real-1b, this bench alone on the machine): 0.117-0.141 CPU-s per
+next version in five runs (idle 0.008 CPU-s per second), 0.146 in two runs with two busy
+loops taking both cores. The peers of the shaped bench (``bench/broadcast.py --shaped``,
+seeded) took 0.33-0.49 CPU-s for the same version: contention explains ~20 % of the gap; the
+rest is their requests to two relays that are still receiving the version (have long-polls
+and part asks, ~215 requests per peer against this follower's ~46, plus ~115 have answers
+served), which a follower fed by the origin alone does not make. So this bench's figure is a
+floor for a follower in a tree, not its cost.
+
 Usage::
 
     python bench/follower_cpu.py --cache /dev/shm/b24 --preset real-1b --profile out.prof
