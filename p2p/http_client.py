@@ -57,6 +57,7 @@ import time
 from collections.abc import AsyncGenerator, Callable, Mapping, Sequence
 from contextlib import aclosing
 from types import TracebackType
+from typing import NoReturn
 
 import h11
 import trio
@@ -71,6 +72,7 @@ from p2p.errors import (
     TransportError,
 )
 from p2p.http_checks import (
+    NOT_AVAILABLE_STATUSES,
     BodyCount,
     ClientCounters,
     HttpClientStatistics,
@@ -82,8 +84,8 @@ from p2p.http_checks import (
     header,
     parse_target,
     request_headers,
+    status_error,
 )
-from p2p.http_errors import NotAvailable
 from p2p.http_range import ByteRange, format_range
 from p2p.keepalive import KeepaliveConfig
 
@@ -364,22 +366,22 @@ class HttpClient:
         conn, response, source = await self._open(
             url, timeout_s, [("range", spec), *headers], anonymous
         )
-        reusable = False
         try:
-            try:
-                check_range_head(response, source, url, start, length)
-            except NotAvailable:
-                reusable = await self._drained(conn, response, source, timeout_s)
-                raise
+            check_range_head(response, source, url, start, length)
         except BaseException:
-            await self._release(conn, reusable)
+            await self._release(conn, False)
             raise
         return conn, response, source
 
     async def _open(
         self, url: str, timeout_s: float, extra: list[tuple[str, str]], anonymous: bool = False
     ) -> tuple[_Conn, h11.Response, str]:
-        """Send a GET and read the response head; a stale pooled connection is retried once."""
+        """Send a GET and read the response head; a stale pooled connection is retried once.
+
+        Raises:
+            NotAvailable: a refusal (:data:`~p2p.http_checks.NOT_AVAILABLE_STATUSES`), after
+                its connection went back to the pool or was closed (:meth:`_refused`).
+            and the module's transport errors."""
         where = parse_target(url)
         source, target, host = where.source, where.target, where.netloc
         for attempt in (0, 1):
@@ -392,7 +394,6 @@ class HttpClient:
                     raise StreamBroken(source, "connection closed before any answer")
                 if not isinstance(event, h11.Response):
                     raise RemoteProtocolError(source, f"unexpected {type(event).__name__}")
-                return conn, event, source
             except StreamBroken:
                 await self._release(conn, False)
                 if not conn.reused or attempt:
@@ -400,14 +401,29 @@ class HttpClient:
             except BaseException:
                 await self._release(conn, False)
                 raise
+            else:
+                if event.status_code in NOT_AVAILABLE_STATUSES:
+                    await self._refused(conn, event, source, url, timeout_s)
+                return conn, event, source
         raise AssertionError("unreachable")
+
+    async def _refused(
+        self, conn: _Conn, response: h11.Response, source: str, url: str, timeout_s: float
+    ) -> NoReturn:
+        """Release ``conn`` after the refusal ``response`` (reused if :meth:`_drained` read
+        its body whole), then raise its :class:`~p2p.http_errors.NotAvailable`."""
+        reusable = False
+        try:
+            reusable = await self._drained(conn, response, source, timeout_s)
+        finally:
+            await self._release(conn, reusable)
+        raise status_error(response, source, url)
 
     async def _drained(
         self, conn: _Conn, response: h11.Response, source: str, timeout_s: float
     ) -> bool:
-        """Read the body of a refusal (``response``, whose status raised
-        :class:`~p2p.http_errors.NotAvailable`) to its end, so that ``conn`` can serve the
-        next request. True if it may: the server keeps the connection alive and declared a
+        """Read the body of a refusal (``response``) to its end, so that ``conn`` can serve
+        the next request. True if it may: the server keeps the connection alive and declared a
         body of at most :data:`REFUSAL_DRAIN_BYTES`, which arrived whole within ``timeout_s``
         (seconds). False (close it) otherwise, or on any failure while reading: the refusal
         itself is what the caller reports."""
@@ -466,11 +482,7 @@ class HttpClient:
             conn, response, source = await self._open(url, timeout_s, [*headers], anonymous)
             reusable = False
             try:
-                try:
-                    check_whole_head(response, source, url, max_bytes)
-                except NotAvailable:
-                    reusable = await self._drained(conn, response, source, timeout_s)
-                    raise
+                check_whole_head(response, source, url, max_bytes)
                 body, bound = bytearray(), BodyCount(source, max_bytes, exact=False)
                 while (chunk := await self._next_data(conn, source, timeout_s)) is not None:
                     bound.add(len(chunk))
@@ -622,11 +634,7 @@ class HttpClient:
             conn, response, source = await self._open(url, timeout_s, [*headers], anonymous)
             reusable = False
             try:
-                try:
-                    check_exact_head(response, source, url, length)
-                except NotAvailable:
-                    reusable = await self._drained(conn, response, source, timeout_s)
-                    raise
+                check_exact_head(response, source, url, length)
                 body = BodyCount(source, length, exact=True)
                 async with aclosing(
                     self._body_into(conn, response, source, view, body, timeout_s)
