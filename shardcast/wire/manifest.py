@@ -70,6 +70,11 @@ digest does (same signature, same collision assumption): a shard whose every chu
 signed chunk digest *is* the origin's shard, so a receiver that checked every chunk does not
 hash the whole shard again (the shard digest stays the shard's identity for file roots, the
 journal and checks at rest). The origin computes both in the one pass that reads the shard.
+A shard of a delta version that is offered as a delta gets no chunk list (its part then lists
+none): it travels as a small blob checked against its own signed digest, nobody streams its
+raw bytes, and the list would cost the origin a second hash of every byte
+(:func:`shardcast.publish.plan.scan_chunk_bytes`). A follower without the base takes such a
+shard whole and checks its shard digest.
 
 Header and parts are canonical JSON (UTF-8, sorted keys, no whitespace, integers and strings
 only), each sealed by the trainer's Ed25519 PeerID key in a :mod:`p2p.envelope` of its own kind

@@ -1,8 +1,9 @@
 """The origin's file path (``plan.encode_file``: shards read, hashed and compared piece by
 piece) gives exactly the digests, chunk lists and blobs of the straightforward definition:
-BLAKE3 of the whole shard, ``chunk_digests`` of it, ``encode_sparse_reference`` against the
-base's range, ``xor-zstd`` where more than 5 % of the words changed, ``zstd``; the smallest
-delta kept, forms not smaller than the shard dropped."""
+BLAKE3 of the whole shard, ``chunk_digests`` of it unless a delta of it is kept (a shard sent
+as a delta has no chunk list), ``encode_sparse_reference`` against the base's range,
+``xor-zstd`` where more than 5 % of the words changed, ``zstd``; the smallest delta kept,
+forms not smaller than the shard dropped."""
 
 from __future__ import annotations
 
@@ -21,7 +22,8 @@ ENCODINGS = (codecs.SPARSE, codecs.XOR_ZSTD, codecs.ZSTD)
 
 def _versions(size: int, seed: int) -> tuple[bytes, bytes]:
     """A base and its next version: a few words moved by one unit in most of the file, an
-    unchanged stretch, and a densely changed stretch (where ``xor-zstd`` is tried)."""
+    unchanged stretch, a densely changed stretch (where ``xor-zstd`` is tried), and a last
+    stretch of 45,000 random bytes (no form smaller than the raw shard)."""
     rng = random.Random(seed)
     base = bytearray(rng.getrandbits(4) for _ in range(size))  # compressible: zstd is kept
     new = bytearray(base)
@@ -30,6 +32,8 @@ def _versions(size: int, seed: int) -> tuple[bytes, bytes]:
     for i in range(2 * size // 3, size):  # dense: every byte of the last third, where
         new[i] ^= 0x80  # the XOR is one repeated byte and xor-zstd wins
     new[size - 1] ^= 0x5A
+    for i in range(size - 45_000, size):  # rewritten at random: no delta beats the raw
+        new[i] = rng.getrandbits(8)  # bytes, so the last shard goes whole, with a chunk list
     return bytes(base), bytes(new)
 
 
@@ -49,7 +53,8 @@ def _reference(
                 del blobs[loser]
         blobs[codecs.ZSTD] = codecs.encode(codecs.ZSTD, raw, level=s.zstd_level)
         blobs = {e: b for e, b in blobs.items() if len(b) < len(raw)}
-        chunks = chunk_digests(raw, s.chunk_bytes) if s.chunk_bytes else ()
+        whole = base is None or not any(e in codecs.DELTAS for e in blobs)
+        chunks = chunk_digests(raw, s.chunk_bytes) if s.chunk_bytes and whole else ()
         out.append((blake3.blake3(raw).hexdigest(), chunks, blobs))
     return out
 

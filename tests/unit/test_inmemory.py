@@ -34,7 +34,7 @@ from shardcast.publish.plan import (
     make_header,
 )
 from shardcast.store.store import BLOB_DIR
-from shardcast.wire import codecs
+from shardcast.wire import chunk_digests, codecs
 from trainer.checkpoint import METADATA, WeightFile, file_bytes, save_checkpoint, weight_files
 from trainer.encode import Layouts, TensorEncoder, usable
 
@@ -168,6 +168,61 @@ def test_dense_update_keeps_xor_zstd(tmp_path: Path) -> None:
     memory = {f"{s.offset}.{e}": b for s, blobs, _ in from_memory for e, b in blobs.items()}
     assert memory == {k: (tmp_path / "blobs" / k).read_bytes() for k in kept}
     assert any(k.endswith(codecs.XOR_ZSTD) for k in memory)
+
+
+def test_a_shard_sent_whole_has_a_chunk_list_and_a_delta_none(tmp_path: Path) -> None:
+    """Every word rewritten at random (no delta, nor zstd, beats the raw bytes): each shard
+    goes whole and gets its chunk list after all, from memory as from the file; in a sparse
+    step's shards, which go as deltas, there is none."""
+    model = build_model("tiny", 1, dtype=torch.float32)
+    w0 = weight_files(model, 1 << 30, copy=True)
+    gen = torch.Generator().manual_seed(6)
+    rewritten = {
+        name: torch.randint(-(1 << 15), 1 << 15, t.view(torch.int16).shape, generator=gen)
+        .to(torch.int16)
+        .view(t.dtype)
+        for name, t in w0[0].tensors.items()
+    }
+    w1 = [WeightFile(w0[0].name, rewritten)]
+    old, new = _layouts(w0, 0), _layouts(w1, 1)
+    for step, w in enumerate([w0, w1]):
+        (tmp_path / f"v{step}").mkdir()
+        (tmp_path / f"v{step}" / SINGLE_WEIGHTS_NAME).write_bytes(
+            save(w[0].tensors, metadata=METADATA)
+        )
+    f, settings = new.files[SINGLE_WEIGHTS_NAME], _settings(8192)
+    path, base = tmp_path / "v1" / SINGLE_WEIGHTS_NAME, tmp_path / "v0" / SINGLE_WEIGHTS_NAME
+    (tmp_path / "blobs").mkdir()
+    from_file = list(
+        encode_file(path, f.size, settings, base, lambda o, e: tmp_path / "blobs" / f"{o}.{e}")
+    )
+    from_memory = list(encode_bytes(f, old.files[SINGLE_WEIGHTS_NAME], settings, 2))
+    assert [s for s, _ in from_file] == [s for s, _, _ in from_memory]
+    data, whole = path.read_bytes(), 0
+    for shard, blobs, _ in from_memory:
+        raw = data[shard.offset : shard.offset + shard.length]
+        if any(e in codecs.DELTAS for e in blobs):  # the safetensors header, unchanged
+            assert shard.offset == 0
+            assert shard.chunks == ()
+        else:
+            whole += 1
+            assert shard.chunks == chunk_digests(raw, settings.chunk_bytes)
+    assert whole >= len(from_memory) - 1 > 0
+
+
+def test_a_shard_sent_as_a_delta_has_no_chunk_list(
+    versions: tuple[Path, Path, Layouts, Layouts],
+) -> None:
+    _, _, old, new = versions
+    deltas = 0
+    for name, f in new.files.items():
+        for shard, blobs, _ in encode_bytes(f, old.files[name], _settings(4096), 2):
+            if any(e in codecs.DELTAS for e in blobs):
+                deltas += 1
+                assert shard.chunks == ()
+            else:
+                assert len(shard.chunks) == -(-shard.length // 1024)
+    assert deltas
 
 
 def test_no_base_or_another_size_gives_no_delta(
