@@ -85,13 +85,17 @@ served), which a follower fed by the origin alone does not make. So this bench's
 floor for a follower in a tree, not its cost.
 
 Then (session 50, real-6b, yappi's CPU clock over the next version, one run): the ``write``
-stage (0.45 CPU-s in that run) is mostly creating one file per kept delta blob
-(``PartialVersion._mark``: 374 ``open`` calls, 0.155 CPU-s). Creating an empty file costs
-0.45 ms of CPU on this machine's ext4 whatever its size (374 files of 50 KB: 0.17-0.19
-CPU-s; the same bytes appended to one file: 0.008-0.016), so a version's kept blobs in one
-pack file per version or batch would save ~0.45 ms per changed shard on every follower and
-at the origin. Not done: blob paths are read by the server, the chains, materialization and
-the journal.
+stage (0.45 CPU-s in that run) was mostly creating one file per kept delta blob
+(``PartialVersion._mark``: 374 ``open`` calls, 0.155 CPU-s). Creating a file on this
+machine's ext4 cost 0.29-0.51 ms of CPU in the minutes after that run and the shaped
+benches before it, whatever the file's size (374 files of 50 KB, or empty); the same bytes
+appended to one file took 0.008-0.016 CPU-s. Half an hour later the same measurement gave
+0.01-0.11 ms, and writing, syncing or deleting 2 GB just before did not bring the high
+figure back. So the per-blob files cost between ~0.02 and ~0.17 CPU-s per real-6b next
+version per follower, depending on a state of the machine I did not pin down; the shaped
+bench's ``write`` stage varied as much (0.07-0.36 CPU-s per real-6b follower in one run).
+One pack file per version or batch would make it small either way. Not done: blob paths are
+read by the server, the chains, materialization and the journal.
 
 Usage::
 
