@@ -544,6 +544,8 @@ async def run_origin(s: OriginSettings) -> int:
             node.status_sections["watch"] = lambda: _watch_status(s, node, refused, presence)
             ended: bool | None = None  # what followers hold is not known after a restart
             while True:
+                # the marker is read before the scan: see _follow_finished_marker
+                marker = (s.watch / s.finished_marker).exists()
                 for step in _ready_steps(s, presence, held.newest):
                     src = s.watch / f"step-{step}"
                     files = fingerprint(src)
@@ -561,7 +563,7 @@ async def run_origin(s: OriginSettings) -> int:
                     refused.published(step)
                     latest, ended = step, False  # a newer version lifts an end
                 await trio.to_thread.run_sync(held.check)
-                ended = await _follow_finished_marker(s, origin, nursery, latest, ended)
+                ended = await _follow_finished_marker(s, origin, nursery, marker, latest, ended)
                 await trio.sleep(s.poll_interval_s)
 
     try:
@@ -597,14 +599,22 @@ async def _follow_finished_marker(
     s: OriginSettings,
     origin: Origin,
     nursery: trio.Nursery,
+    marker: bool,
     latest: int | None,
     ended: bool | None,
 ) -> bool | None:
     """End the run when ``WATCH/<finished_marker>`` appears, continue it when it goes
-    (:func:`shardcast.publish.watchdir.end_action`); returns what is signed now."""
+    (:func:`shardcast.publish.watchdir.end_action`); returns what is signed now.
+
+    ``marker``: the finished marker was there *before* this pass scanned ``WATCH`` for
+    ready steps. A trainer writes the marker after its last step's ready marker, so every
+    step it finished is seen by the scan that follows and published before the end is
+    signed. Read after the scan, a step whose ready marker appeared between the scan and
+    the read was ended unpublished: its followers were told the run had ended at the step
+    before (those with ``--exit-on-finish`` left without it), and the end was signed again
+    once the step was published."""
     from shardcast.publish import EndAction, end_action
 
-    marker = (s.watch / s.finished_marker).exists()  # one stat, as ready_steps' scan
     action = end_action(marker, ended, latest)
     if action is EndAction.FINISH:
         fin = await origin.announce_finished()

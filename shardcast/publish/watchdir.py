@@ -18,7 +18,10 @@ published as they become ready (a refused step older than the newest published o
 published: versions only go forward).
 
 The run's end: the trainer writes the finished marker (``FINISHED``) into ``WATCH`` when it
-has written its last step. The origin then signs the run's end at the newest published version
+has written its last step (after that step's ready marker). The origin looks for it before
+each scan of ``WATCH`` and acts on what it saw after publishing what the scan found, so the
+steps made ready before the marker are out first. The origin then signs the run's end at the
+newest published version
 (:class:`~shardcast.wire.finish.RunFinished`: relays and peers log it, peers stop generating,
 ``--exit-on-finish`` peers exit). Removing the marker continues the run
 (:class:`~shardcast.wire.finish.RunContinued`, resent until the next version is out), as a

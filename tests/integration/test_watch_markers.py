@@ -289,3 +289,56 @@ def test_the_origin_waits_for_a_watch_directory_created_later_and_says_when_it_g
     assert origin.count(r"watch_dir_missing") == 1
     assert origin.count(r"watch_dir_gone") == 1
     assert origin.stop(signal.SIGTERM) == 0
+
+
+async def test_a_step_made_ready_just_before_the_marker_is_published_before_the_end(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """In process: the trainer writes its last step and then the finished marker while the
+    origin is between its scan of ``WATCH`` and its look for the marker. The end is signed
+    once, at that step. (Read after the scan, the marker ended the run at the step before,
+    so ``--exit-on-finish`` followers left without the last step, and the end was signed
+    again once the step was published.)"""
+    import trio
+
+    from shardnet import roles
+    from shardnet.config import OriginSettings
+
+    watch = tmp_path / "watch"
+    _write(watch, 0)
+    real_scan, real_follow = roles._ready_steps, roles._follow_finished_marker
+    ends: list[int | None] = []
+    ended = trio.Event()
+
+    def scan(s: OriginSettings, presence: object, newest: int | None) -> list[int]:
+        steps = real_scan(s, presence, newest)  # type: ignore[arg-type]
+        if newest == 0 and not (watch / "FINISHED").exists():  # step 0 is out: the last one
+            _write(watch, 1)  # comes now, just after this scan, and then the marker
+            (watch / "FINISHED").write_text("")
+        return steps
+
+    async def follow(*args: object) -> bool | None:
+        signed = await real_follow(*args)  # type: ignore[arg-type]
+        if signed is True and args[-1] is not True:  # an end signed in this pass
+            ends.append(args[-2])  # type: ignore[arg-type]
+            ended.set()
+        return signed
+
+    monkeypatch.setattr(roles, "_ready_steps", scan)
+    monkeypatch.setattr(roles, "_follow_finished_marker", follow)
+    settings = OriginSettings(
+        watch=watch,
+        data_dir=tmp_path / "origin",
+        run_id=RUN,
+        listen=["/ip4/127.0.0.1/tcp/0"],
+        http_host="127.0.0.1",
+        http_port=0,
+        poll_interval_s=0.05,
+        pre_encode=False,
+    )
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(roles.run_origin, settings)
+        with trio.fail_after(60):
+            await ended.wait()
+        nursery.cancel_scope.cancel()
+    assert ends == [1]
