@@ -607,14 +607,20 @@ async def _follow_finished_marker(
     (:func:`shardcast.publish.watchdir.end_action`); returns what is signed now.
 
     ``marker``: the finished marker was there *before* this pass scanned ``WATCH`` for
-    ready steps. A trainer writes the marker after its last step's ready marker, so every
-    step it finished is seen by the scan that follows and published before the end is
-    signed. Read after the scan, a step whose ready marker appeared between the scan and
-    the read was ended unpublished: its followers were told the run had ended at the step
-    before (those with ``--exit-on-finish`` left without it), and the end was signed again
-    once the step was published."""
+    ready steps; it is acted on only if it is still so now, after the pass published what
+    the scan found (else nothing is signed and the next pass decides).
+
+    - A trainer writes the marker after its last step's ready marker, so a marker seen
+      before the scan comes after every step that scan finds. Read only after the scan, a
+      step made ready between the scan and the read was ended unpublished: its followers
+      were told the run had ended at the step before (those with ``--exit-on-finish`` left
+      without it), and the end was signed again once the step was published.
+    - A restarted trainer removes the marker, then writes its next step. Read only before
+      the scan, a removal during the scan that found that step would end the run at it."""
     from shardcast.publish import EndAction, end_action
 
+    if (s.watch / s.finished_marker).exists() != marker:
+        return ended  # it came or went during this pass: the next pass sees it before its scan
     action = end_action(marker, ended, latest)
     if action is EndAction.FINISH:
         fin = await origin.announce_finished()

@@ -19,9 +19,10 @@ published: versions only go forward).
 
 The run's end: the trainer writes the finished marker (``FINISHED``) into ``WATCH`` when it
 has written its last step (after that step's ready marker). The origin looks for it before
-each scan of ``WATCH`` and acts on what it saw after publishing what the scan found, so the
-steps made ready before the marker are out first. The origin then signs the run's end at the
-newest published version
+each scan of ``WATCH`` and acts on it after publishing what the scan found, if it is still as
+it was (else at the next scan): the steps made ready before the marker are out first, and a
+marker removed while a new step was found does not end the run at that step. The origin
+then signs the run's end at the newest published version
 (:class:`~shardcast.wire.finish.RunFinished`: relays and peers log it, peers stop generating,
 ``--exit-on-finish`` peers exit). Removing the marker continues the run
 (:class:`~shardcast.wire.finish.RunContinued`, resent until the next version is out), as a

@@ -16,6 +16,7 @@ import os
 import re
 import signal
 import urllib.request
+from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
@@ -291,43 +292,49 @@ def test_the_origin_waits_for_a_watch_directory_created_later_and_says_when_it_g
     assert origin.stop(signal.SIGTERM) == 0
 
 
-async def test_a_step_made_ready_just_before_the_marker_is_published_before_the_end(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    """In process: the trainer writes its last step and then the finished marker while the
-    origin is between its scan of ``WATCH`` and its look for the marker. The end is signed
-    once, at that step. (Read after the scan, the marker ended the run at the step before,
-    so ``--exit-on-finish`` followers left without the last step, and the end was signed
-    again once the step was published.)"""
+async def _origin_passes(
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    during_scan: Callable[[int | None], None],
+    done: Callable[[int | None, bool | None], bool],
+    *,
+    after_listing: bool,
+) -> list[int | None]:
+    """Run ``shardnet origin`` in process on ``<tmp>/watch`` (step 0 written) with
+    ``during_scan(newest)`` called inside each scan of ``WATCH``, before or after it lists
+    the ready steps, until ``done(latest, ended)`` after a pass; returns the step of each
+    end signed."""
     import trio
 
     from shardnet import roles
     from shardnet.config import OriginSettings
 
-    watch = tmp_path / "watch"
-    _write(watch, 0)
+    _write(tmp_path / "watch", 0)
     real_scan, real_follow = roles._ready_steps, roles._follow_finished_marker
     ends: list[int | None] = []
-    ended = trio.Event()
+    finished = trio.Event()
 
     def scan(s: OriginSettings, presence: object, newest: int | None) -> list[int]:
+        if not after_listing:
+            during_scan(newest)
         steps = real_scan(s, presence, newest)  # type: ignore[arg-type]
-        if newest == 0 and not (watch / "FINISHED").exists():  # step 0 is out: the last one
-            _write(watch, 1)  # comes now, just after this scan, and then the marker
-            (watch / "FINISHED").write_text("")
+        if after_listing:
+            during_scan(newest)
         return steps
 
     async def follow(*args: object) -> bool | None:
+        *_, latest, ended = args
         signed = await real_follow(*args)  # type: ignore[arg-type]
-        if signed is True and args[-1] is not True:  # an end signed in this pass
-            ends.append(args[-2])  # type: ignore[arg-type]
-            ended.set()
+        if signed is True and ended is not True:  # an end signed in this pass
+            ends.append(latest)  # type: ignore[arg-type]
+        if done(latest, signed):  # type: ignore[arg-type]
+            finished.set()
         return signed
 
     monkeypatch.setattr(roles, "_ready_steps", scan)
     monkeypatch.setattr(roles, "_follow_finished_marker", follow)
     settings = OriginSettings(
-        watch=watch,
+        watch=tmp_path / "watch",
         data_dir=tmp_path / "origin",
         run_id=RUN,
         listen=["/ip4/127.0.0.1/tcp/0"],
@@ -339,6 +346,52 @@ async def test_a_step_made_ready_just_before_the_marker_is_published_before_the_
     async with trio.open_nursery() as nursery:
         nursery.start_soon(roles.run_origin, settings)
         with trio.fail_after(60):
-            await ended.wait()
+            await finished.wait()
         nursery.cancel_scope.cancel()
+    return ends
+
+
+async def test_a_step_made_ready_just_before_the_marker_is_published_before_the_end(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The trainer writes its last step, then the finished marker, while the origin scans
+    ``WATCH``, after its listing: the end is signed once, at that step. (With the marker read
+    after the scan, the run ended at the step before, so ``--exit-on-finish`` followers left
+    without the last step, and the end was signed again once it was published.)"""
+    watch = tmp_path / "watch"
+
+    def during_scan(newest: int | None) -> None:
+        if newest == 0 and not (watch / "FINISHED").exists():  # step 0 is out: the last
+            _write(watch, 1)  # step and the marker come now (the listing still lacks them)
+            (watch / "FINISHED").write_text("")
+
+    ends = await _origin_passes(
+        tmp_path, monkeypatch, during_scan, lambda _, e: e is True, after_listing=True
+    )
     assert ends == [1]
+
+
+async def test_a_marker_removed_as_the_next_step_comes_does_not_end_the_run_there(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The run ended at step 0; a restarted trainer removes the marker and writes step 1
+    while the origin scans ``WATCH``, before its listing: step 1 is published and no end is
+    signed at it, in that pass or the next three. (With the marker read only before the
+    scan, the run ended at step 1.)"""
+    watch = tmp_path / "watch"
+    (watch / "FINISHED").parent.mkdir(parents=True, exist_ok=True)
+    (watch / "FINISHED").write_text("")
+    passes_at_1: list[int] = []
+
+    def during_scan(newest: int | None) -> None:
+        if newest == 0 and (watch / "FINISHED").exists() and not (watch / "step-1").exists():
+            (watch / "FINISHED").unlink()  # the restarted trainer: no end, then its next step
+            _write(watch, 1)
+
+    def done(latest: int | None, _ended: bool | None) -> bool:
+        if latest == 1:
+            passes_at_1.append(1)
+        return len(passes_at_1) >= 4
+
+    ends = await _origin_passes(tmp_path, monkeypatch, during_scan, done, after_listing=False)
+    assert ends == [0]
