@@ -479,20 +479,17 @@ class _FileShards:
         s = self.settings
         length = min(s.shard_size, self.size - offset)
         diff = self.base_fd is not None and codecs.SPARSE in s.encodings
-        pieces = self._pieces(offset, length, diff)
-        scan = scan_shard(pieces, scan_chunk_bytes(s, diff), diff, file_hash)
-        blobs = shard_blobs(
-            length,
-            scan.changes,
-            self.base_fd is not None,
-            lambda: self._whole(offset, length),
-            s.encodings,
-            s.zstd_level,
+        scan = scan_shard(
+            self._pieces(offset, length, diff), scan_chunk_bytes(s, diff), diff, file_hash
         )
-        chunks = scan.chunks
-        if late_chunk_list(s, diff, blobs):  # read again: the shard goes whole, not as a delta
-            chunks = chunk_list(self._pieces(offset, length, False), s.chunk_bytes)
-        return _result(offset, length, scan.digest, chunks, blobs), blobs
+        read: list[tuple[memoryview, memoryview | None, bytearray]] = []
+
+        def whole() -> tuple[memoryview, memoryview | None, bytearray]:
+            if not read:  # once per shard, however many forms need its whole bytes
+                read.append(self._whole(offset, length))
+            return read[0]
+
+        return _encoded(offset, length, scan, self.base_fd is not None, diff, whole, s)
 
     def _bufs(self, name: str, n: int) -> tuple[memoryview, memoryview]:
         bufs = getattr(self.local, name, None)
@@ -608,18 +605,40 @@ def encode_shard(
         for at in range(0, length, step)
     )
     scan = scan_shard(pieces, scan_chunk_bytes(settings, diff), diff)
-    blobs = shard_blobs(
+    return _encoded(
+        offset,
         length,
-        scan.changes,
+        scan,
         base_view is not None,
+        diff,
         lambda: (view, base_view, scratch),
-        settings.encodings,
-        settings.zstd_level,
+        settings,
+    )
+
+
+def _encoded(
+    offset: int,
+    length: int,
+    scan: ShardScan,
+    has_base: bool,
+    diff: bool,
+    whole: Callable[[], tuple[memoryview, memoryview | None, bytearray]],
+    settings: EncodeSettings,
+) -> tuple[ShardResult, dict[str, bytes]]:
+    """The shard's result and blobs after its :func:`scan_shard`, from disk or memory: its
+    forms (:func:`shard_blobs`, ``whole`` as there), and its chunk list taken late from its
+    whole bytes if it was scanned without one and goes whole (:func:`late_chunk_list`; the
+    bytes ``whole`` gives are those a ``zstd`` or ``xor-zstd`` attempt already read)."""
+    blobs = shard_blobs(
+        length, scan.changes, has_base, whole, settings.encodings, settings.zstd_level
     )
     chunks = scan.chunks
     if late_chunk_list(settings, diff, blobs):
-        chunks = chunk_digests(view, settings.chunk_bytes)
-    return _result(offset, length, scan.digest, chunks, blobs), blobs
+        chunks = chunk_digests(whole()[0], settings.chunk_bytes)
+    encoded = tuple(
+        Encoded(enc, len(data), blake3.blake3(data).hexdigest()) for enc, data in blobs.items()
+    )
+    return ShardResult(offset, length, scan.digest, encoded, chunks), blobs
 
 
 def scan_chunk_bytes(settings: EncodeSettings, diff: bool) -> int:
@@ -643,21 +662,6 @@ def late_chunk_list(settings: EncodeSettings, diff: bool, blobs: Mapping[str, by
     where no delta beat the raw shard, or a base that could not be read), so receivers take
     it whole. Its part lists chunks only if every shard of the part has a list."""
     return diff and settings.chunk_bytes > 0 and not any(e in codecs.DELTAS for e in blobs)
-
-
-def chunk_list(pieces: Pieces, chunk_bytes: int) -> tuple[str, ...]:
-    """The chunk list of a shard given as pieces (each but the last a multiple of
-    ``chunk_bytes``, :func:`piece_bytes`); the base halves are not read."""
-    return tuple(d for new, _base in pieces for d in chunk_digests(new, chunk_bytes))
-
-
-def _result(
-    offset: int, length: int, digest: str, chunks: tuple[str, ...], blobs: dict[str, bytes]
-) -> ShardResult:
-    encoded = tuple(
-        Encoded(enc, len(data), blake3.blake3(data).hexdigest()) for enc, data in blobs.items()
-    )
-    return ShardResult(offset, length, digest, encoded, chunks)
 
 
 def hash_parts(
@@ -912,8 +916,9 @@ def shard_blobs(
         has_base: a base is offered for the shard (else no delta).
         whole: the shard's bytes, the base's (None: cannot be read) and a scratch buffer of
             at least ``length`` bytes for the XOR (the base may be a view of it, then XORed
-            in place); called only for ``zstd`` or a dense ``xor-zstd`` (reads the shard again
-            where :func:`encode_file` reads it).
+            in place); called only for ``zstd`` or a dense ``xor-zstd``, maybe more than once:
+            it gives the same shard bytes each time (:func:`encode_file` reads them once per
+            shard), and a base that an earlier call's ``xor-zstd`` may have XORed.
         encodings: the forms requested (not ``raw``).
         level: zstd level.
 
