@@ -544,8 +544,8 @@ async def run_origin(s: OriginSettings) -> int:
             node.status_sections["watch"] = lambda: _watch_status(s, node, refused, presence)
             ended: bool | None = None  # what followers hold is not known after a restart
             while True:
-                # the marker is read before the scan: see _follow_finished_marker
-                marker = (s.watch / s.finished_marker).exists()
+                # the marker is looked at before the scan and after: see end_action
+                before = (s.watch / s.finished_marker).exists()
                 for step in _ready_steps(s, presence, held.newest):
                     src = s.watch / f"step-{step}"
                     files = fingerprint(src)
@@ -563,7 +563,7 @@ async def run_origin(s: OriginSettings) -> int:
                     refused.published(step)
                     latest, ended = step, False  # a newer version lifts an end
                 await trio.to_thread.run_sync(held.check)
-                ended = await _follow_finished_marker(s, origin, nursery, marker, latest, ended)
+                ended = await _follow_finished_marker(s, origin, nursery, before, latest, ended)
                 await trio.sleep(s.poll_interval_s)
 
     try:
@@ -599,29 +599,17 @@ async def _follow_finished_marker(
     s: OriginSettings,
     origin: Origin,
     nursery: trio.Nursery,
-    marker: bool,
+    before: bool,
     latest: int | None,
     ended: bool | None,
 ) -> bool | None:
     """End the run when ``WATCH/<finished_marker>`` appears, continue it when it goes
-    (:func:`shardcast.publish.watchdir.end_action`); returns what is signed now.
-
-    ``marker``: the finished marker was there *before* this pass scanned ``WATCH`` for
-    ready steps; it is acted on only if it is still so now, after the pass published what
-    the scan found (else nothing is signed and the next pass decides).
-
-    - A trainer writes the marker after its last step's ready marker, so a marker seen
-      before the scan comes after every step that scan finds. Read only after the scan, a
-      step made ready between the scan and the read was ended unpublished: its followers
-      were told the run had ended at the step before (those with ``--exit-on-finish`` left
-      without it), and the end was signed again once the step was published.
-    - A restarted trainer removes the marker, then writes its next step. Read only before
-      the scan, a removal during the scan that found that step would end the run at it."""
+    (:func:`shardcast.publish.watchdir.end_action`, given ``before``: whether the marker
+    was there before this pass's scan); returns what is signed now."""
     from shardcast.publish import EndAction, end_action
 
-    if (s.watch / s.finished_marker).exists() != marker:
-        return ended  # it came or went during this pass: the next pass sees it before its scan
-    action = end_action(marker, ended, latest)
+    after = (s.watch / s.finished_marker).exists()
+    action = end_action(before, after, ended, latest)
     if action is EndAction.FINISH:
         fin = await origin.announce_finished()
         if fin is not None:

@@ -194,22 +194,36 @@ class EndAction(enum.Enum):
     CONTINUE = "continue"  # sign RunContinued (and resend it until the next version)
 
 
-def end_action(marker: bool, ended: bool | None, latest: int | None) -> EndAction:
-    """Whether to end or continue the run (pure).
+def end_action(before: bool, after: bool, ended: bool | None, latest: int | None) -> EndAction:
+    """Whether to end or continue the run after one pass over ``WATCH`` (pure).
+
+    The marker is acted on only if it was the same before the pass's scan for ready steps
+    and after the pass published what the scan found:
+
+    - A trainer writes the marker after its last step's ready marker, so a marker seen
+      before the scan comes after every step that scan finds. Seen only after it, a step
+      made ready between the scan and the look was ended unpublished: its followers were
+      told the run had ended at the step before (those with ``--exit-on-finish`` left
+      without it), and the end was signed again once the step was published.
+    - A restarted trainer removes the marker, then writes its next step. Seen only before
+      the scan, a removal during the pass that found that step would end the run at it.
 
     Args:
-        marker: the finished marker is in ``WATCH`` now.
+        before: the finished marker was in ``WATCH`` before the pass's scan.
+        after: it is there after the pass.
         ended: what this origin last signed: True a run end, False a continuation or a newer
             version (which lifts an end by itself), None not known (just started: followers
             may hold either).
         latest: the newest published step (None: none, so there is nothing to end).
 
     Returns:
-        ``FINISH`` when the marker is there and the end is not known to be signed;
-        ``CONTINUE`` when it is not there and an end may be in force; else ``NONE``.
+        ``NONE`` when the marker came or went during the pass (the next pass decides);
+        ``FINISH`` when it is there and the end is not known to be signed; ``CONTINUE`` when
+        it is not there and an end may be in force; else ``NONE``.
     """
-    if latest is None:
+    if latest is None or before != after:
         return EndAction.NONE
+    marker = after
     if marker and ended is not True:
         return EndAction.FINISH
     if not marker and ended is not False:

@@ -21,10 +21,13 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+import trio
 from safetensors.numpy import save_file
 
 from p2p.identity import Identity
 from shardcast.wire.runcard import DEFAULT_ASYNC_LEVEL
+from shardnet import roles
+from shardnet.config import OriginSettings
 from tests.integration.procs import LOOPBACK_ANY, Node, free_port, nodes
 from tests.observability import BY_ROLE, families
 
@@ -304,11 +307,6 @@ async def _origin_passes(
     ``during_scan(newest)`` called inside each scan of ``WATCH``, before or after it lists
     the ready steps, until ``done(latest, ended)`` after a pass; returns the step of each
     end signed."""
-    import trio
-
-    from shardnet import roles
-    from shardnet.config import OriginSettings
-
     _write(tmp_path / "watch", 0)
     real_scan, real_follow = roles._ready_steps, roles._follow_finished_marker
     ends: list[int | None] = []

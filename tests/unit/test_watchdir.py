@@ -116,7 +116,10 @@ def test_the_finished_marker_ends_or_continues_the_run() -> None:
         (False, False, 3): none,
     }
     for (marker, ended, latest), want in table.items():
-        assert end_action(marker, ended, latest) is want, (marker, ended, latest)
+        assert end_action(marker, marker, ended, latest) is want, (marker, ended, latest)
+    for ended in (None, False, True):  # it came or went during the pass: the next one decides
+        assert end_action(False, True, ended, 3) is none
+        assert end_action(True, False, ended, 3) is none
 
 
 def test_changed_files_of_a_published_version(tmp_path: Path) -> None:
