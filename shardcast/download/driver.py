@@ -28,9 +28,9 @@ the session owns everything it *decides*. One driver serves one call of
   asks to :class:`~shardcast.core.session.Compare` it with a verified copy
   (:func:`~shardcast.core.blame.blame`). Pooled buffers go back to their pool once nothing
   refers to them.
-- **parts** (:data:`PARTS_IN_FLIGHT` at a time, in part order, each asked of every source
-  at once; the asks that lose the race end on their own within :data:`PART_RACE_GRACE_S`,
-  keeping their connections), **have-polls**, **probes** and **discovery**
+- **parts** (:class:`~shardcast.download.parts.PartFetcher`: a few at a time, in part
+  order, each asked of every upstream at once and of the discovered peers only if the
+  upstreams do not give it), **have-polls**, **probes** and **discovery**
   (``extra_sources``, ``upstreams``).
 
 Checks (verify, decode, write) of complete shards run in worker threads, at most one per
@@ -108,6 +108,7 @@ from shardcast.core import (
     blame,
     first_byte_times,
 )
+from shardcast.download.parts import PartFetcher
 from shardcast.download.receive import (
     BaseMismatch,
     BaseVersion,
@@ -117,23 +118,19 @@ from shardcast.download.receive import (
 )
 from shardcast.store import PartialVersion
 from shardcast.wire import (
-    HOLD_HEADER,
     LaneAnswer,
     Manifest,
-    ManifestError,
     ShardEntry,
     blob_url,
     blobs_url,
     codecs,
     decode_have,
-    decode_part,
     failed_header,
     file_url,
     have_max_bytes,
     have_token,
     have_url,
     lane_answer,
-    part_url,
     unreachable_header,
 )
 
@@ -142,29 +139,6 @@ if TYPE_CHECKING:
 
 # the download's events keep the logger they had before the driver got its own module
 log = logging.getLogger("shardcast.download.downloader")
-
-PART_RETRY_MAX_S = 0.25
-"""Longest wait between asks for a missing manifest part, seconds (the first is 0.05 s,
-doubling): a part that appears is fetched within this."""
-
-PARTS_IN_FLIGHT = 8
-"""Manifest parts asked for at once, in part order (each ask races every source, and an
-upstream holds it until it has the part). Asking for every missing part at once held a
-connection per part and upstream: 44 at the start of a real-1b version with two upstreams,
-~190 at real-6b, past the client's 64 and ahead of the blob fetches that need them; parts
-reach an upstream in order, ~75 ms apart while the origin encodes, so 8 ahead is enough."""
-
-PART_RACE_GRACE_S = 1.0
-"""Once one source's answer gave a manifest part, the other asks of that round may still end
-on their own for this long, seconds; then they are cancelled. An ask held by an upstream
-usually ends within milliseconds (the upstreams get the part at about the same time), and
-one that ends returns its connection to the pool: cancelling it at once closed a connection
-per part and upstream (16-20 of the ~50 TCP connections a follower opened per next version of
-real-1b in the shaped bench). The late answer's body (a few KB) is read and dropped."""
-
-NO_HOLD = ((HOLD_HEADER, "0"),)
-"""Request headers that ask a source to answer at once, not hold the request for content it
-does not have yet (replacing the node's default hold)."""
 
 DISCOVERY_SETTLE_S = 0.02
 """After ``sources_changed`` wakes discovery, wait this long before the pass, seconds: the
@@ -342,9 +316,17 @@ class DownloadDriver:
         self.on_shard = on_shard
         self.progress = progress
         self.by_id: dict[str, Source] = {}
-        self.part_failed: set[str] = set()  # sources whose part_fetch_failed was logged
-        self.part_slots = trio.Semaphore(PARTS_IN_FLIGHT)  # parts being asked for
-        self.part_slot_held: set[int] = set()  # parts that hold one of part_slots
+        self.parts = PartFetcher(
+            self.m,
+            self.digest,
+            session,
+            self.by_id,
+            client,
+            trust,
+            stall_timeout_s,
+            self.part_answered,
+            self.part_arrived,
+        )
         self.sinks: dict[int, ShardSink] = {}  # request -> its sink
         self.kept: dict[int, ShardSink] = {}  # shard -> prefix kept for resuming
         self.suspects: dict[int, ShardSink] = {}  # copy -> a failed assembled copy
@@ -377,7 +359,7 @@ class DownloadDriver:
                 self.nursery = nursery
                 for s in sources:
                     self.join(s, quiet=True)
-                nursery.start_soon(self.fetch_parts)
+                nursery.start_soon(self.parts.run)
                 nursery.start_soon(self.discover)
                 report_at = IDLE_REPORT_S
                 while end is None:
@@ -805,7 +787,9 @@ class DownloadDriver:
         """Follow ``src``'s have-bitmap until it holds everything: each request a long-poll
         that names the last answer's token (the source answers when its bitmap, or the set
         of shards it serves a prefix of, changes); after an unchanged answer (the hold ran
-        out, or an older node that does not hold) or a failure, wait ``have_poll_s``."""
+        out, or an older node that does not hold) or a failure, wait ``have_poll_s``; after
+        a changed answer of a discovered peer,
+        :meth:`~shardcast.core.session.Session.have_gap_s`."""
         n, nbytes, known = len(self.m.header.shards), (len(self.m.header.shards) + 7) // 8, None
         while True:
             try:
@@ -822,100 +806,35 @@ class DownloadDriver:
                     return
                 token = have_token(data[:nbytes], prefixes)
                 changed, known = token != known, token
-                if changed:
-                    continue  # ask again at once: held until the next change
+                if changed:  # ask again (held until the next change), a peer after a gap
+                    gap = self.session.have_gap_s(src.id)
+                    if gap > 0:
+                        await trio.sleep(gap)
+                    continue
             except NotAvailable as exc:  # 404, 409: it does not hold this version
                 self.session.probed(src.id, _presence(exc), trio.current_time())
             except (TransportError, RemoteProtocolError):
                 pass
             await trio.sleep(self.have_poll_s)
 
-    async def fetch_parts(self) -> None:
-        """Fetch every missing manifest part, in part order, :data:`PARTS_IN_FLIGHT` at a
-        time (:meth:`fetch_part`)."""
-        async with trio.open_nursery() as nursery:
-            for k in sorted(self.session.missing_parts):
-                await self.part_slots.acquire()
-                self.part_slot_held.add(k)
-                nursery.start_soon(self.fetch_part, k)
+    def part_answered(self, source: str, exc: NotAvailable | None) -> None:
+        """A source's answer to a manifest part ask (:class:`PartFetcher`): the part, or a
+        ``404``/``409``/``429``/``503``."""
+        now = trio.current_time()
+        if exc is None:
+            self.session.answered(source, Outcome.OK, now)
+        else:
+            self.apply(self.session.answered(source, _unavailable(exc), now))
 
-    def release_part_slot(self, k: int) -> None:
-        """Part ``k`` arrived or its fetch ended: the next part may be asked for (once)."""
-        if k in self.part_slot_held:
-            self.part_slot_held.discard(k)
-            self.part_slots.release()
-
-    async def fetch_part(self, k: int) -> None:
-        """Get manifest part ``k``: once it is among the first :data:`PARTS_IN_FLIGHT`
-        missing parts, ask every source at once (:meth:`ask_part`), the first verified answer
-        wins, and the others end within :data:`PART_RACE_GRACE_S`; while none has it, ask
-        again after a backoff (0.05 s doubling to :data:`PART_RETRY_MAX_S`).
-
-        Asking one source after another let each hold the request for its ``wait_s`` (10 s)
-        while it lacked the part itself: a relay whose origin was still hashing the last file
-        asked the origin (held, then 503), then each peer in turn (held 10 s each, none had
-        it), and every node waited 40-50 s on one part of a version the origin had published
-        long before."""
-        delay = 0.05
-        try:
-            while k not in self.m.parts:
-                async with trio.open_nursery() as race:
-                    for src in list(self.by_id.values()):
-                        race.start_soon(self.ask_part, k, src, race.cancel_scope)
-                if k in self.m.parts:
-                    return
-                await trio.sleep(delay)
-                delay = min(delay * 2, PART_RETRY_MAX_S)
-        finally:
-            self.release_part_slot(k)  # if its arrival did not already
-
-    async def ask_part(self, k: int, src: Source, race: trio.CancelScope) -> None:
-        """Ask ``src`` for manifest part ``k``; if it verifies, add it and end ``race``
-        within :data:`PART_RACE_GRACE_S` (an answer that comes once the part is there is
-        dropped undecoded).
-
-        Only an upstream (a source the download was given, not one found by discovery) is
-        asked to hold the request until it has the part: the part reaches this node through
-        it. A discovered peer answers at once, so a part that no peer has yet costs no held
-        request per peer (they are asked again each round)."""
+    def part_arrived(self, k: int) -> None:
+        """Manifest part ``k`` verified and was added: its shards become fetchable."""
         m = self.m
-        url = part_url(src.base_url, m.run_id, m.step, self.digest, k)
-        try:
-            data = await self.client.get_bytes(
-                url,
-                max_bytes=8 << 20,
-                timeout_s=self.stall_timeout_s,
-                headers=NO_HOLD if self.session.discovered(src.id) else (),
-                anonymous=src.anonymous,
-            )
-            if k in m.parts:  # another source's answer came first
-                return
-            signed = decode_part(data, m.header, trust=self.trust, source=src.id)
-        except NotAvailable as exc:
-            self.apply(self.session.answered(src.id, _unavailable(exc), trio.current_time()))
-            return
-        except (TransportError, ManifestError, IntegrityError) as exc:
-            # every round asks every source: say it once per source, not 4 times a second
-            first = src.id not in self.part_failed
-            self.part_failed.add(src.id)
-            log.log(
-                logging.INFO if first else logging.DEBUG,
-                "part_fetch_failed step=%d part=%d source=%s error=%s",
-                m.step,
-                k,
-                short_id(src.id),
-                exc,
-            )
-            return
-        self.session.answered(src.id, Outcome.OK, trio.current_time())
-        race.deadline = min(race.deadline, trio.current_time() + PART_RACE_GRACE_S)
-        self.release_part_slot(k)  # the losers' grace does not hold up the next part
-        if m.add_part(signed):
-            offers = [offer(m.shard(i)) for i in m.header.part_range(k)]
-            self.session.part_arrived(k, offers, trio.current_time())
-            if self.on_shard is not None:
-                self.on_shard(-1)
-            self.poke()
+        self.session.part_arrived(
+            k, [offer(m.shard(i)) for i in m.header.part_range(k)], trio.current_time()
+        )
+        if self.on_shard is not None:
+            self.on_shard(-1)
+        self.poke()
 
     async def discover(self) -> None:
         session = self.session

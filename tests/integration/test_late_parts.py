@@ -6,10 +6,14 @@ The bug this pins (issue 16, the next-version stall): parts were asked of one so
 another, each holding the request up to its ``wait_s`` (10 s) while it lacked the part itself;
 a relay waited on the origin, then on each peer in turn, and every node of the benchmark sat
 idle for 40-50 s on one part of a version the origin had published long before.
+
+Also what a download asks of discovered peers while its upstreams feed it: parts only if the
+upstreams do not give them, and ``/have`` long-polls spaced out while a peer has nothing new.
 """
 
 from __future__ import annotations
 
+import itertools
 import logging
 import random
 from collections.abc import AsyncIterator
@@ -24,11 +28,11 @@ import trio.testing
 from p2p.http_client import HttpClient
 from p2p.http_server import HttpRequest, HttpResponse, open_http_server
 from shardcast.download.downloader import Downloader
-from shardcast.download.driver import PARTS_IN_FLIGHT
+from shardcast.download.parts import PART_PEERS_AFTER_S, PARTS_IN_FLIGHT
 from shardcast.download.types import Source
 from shardcast.serve.server import VersionServer
 from shardcast.store.store import VersionStore
-from shardcast.wire.have import HOLD_HEADER
+from shardcast.wire.have import HOLD_HEADER, encode_prefixes
 from shardcast.wire.manifest import Manifest
 from tests.faults import RUN, Version, make_version
 from tests.helpers import trust
@@ -84,18 +88,22 @@ def _header_only(version: Version) -> Manifest:
     return Manifest(version.signed.signed_header)
 
 
+@pytest.mark.parametrize("part_at_s", [PART_AT_S, 1.0])
 @pytest.mark.parametrize("discovered", [False, True])
 async def test_a_late_part_arrives_the_moment_its_origin_signs_it(
     tmp_path: Path,
     jump_clock: trio.testing.MockClock,
     discovered: bool,
+    part_at_s: float,
     caplog: pytest.LogCaptureFixture,
 ) -> None:
     """An origin still hashing (the part comes at 15 s) and a peer that lacks the part too
     (it would hold a request 10 s): the download has the part at 15 s, not after a hold at
     the origin (10 s) plus one at the peer (10 s). A peer found by discovery is asked not to
     hold at all: a part no peer has costs no held request per peer. A source that cannot be
-    reached is asked every round but logged once."""
+    reached is asked every round but logged once. A part the origin signs within
+    ``PART_PEERS_AFTER_S`` (1 s) is never asked of the discovered peer: the origin holds the
+    ask and gives it."""
     caplog.set_level(logging.DEBUG, logger="shardcast.download.downloader")
     version = make_version(tmp_path, {FILE: 4 * SHARD}, SHARD)
     step = version.step
@@ -117,7 +125,7 @@ async def test_a_late_part_arrives_the_moment_its_origin_signs_it(
         async def publish() -> None:  # the origin signs its parts, then commits
             await asked.wait()  # (the clock jumps while the downloader sets up in a thread)
             first_ask.append(trio.current_time())
-            await trio.sleep(PART_AT_S)
+            await trio.sleep(part_at_s)
             for part in version.signed.parts.values():
                 origin_m.add_part(part)
             origin.progress(step)
@@ -144,12 +152,17 @@ async def test_a_late_part_arrives_the_moment_its_origin_signs_it(
     assert_committed(target, version, path)
     # (the time of the part, not of the commit: the mock clock jumps while worker threads
     # verify shards, to the next deadline of the servers' held requests)
-    assert part_at == [pytest.approx(PART_AT_S)]
+    assert part_at == [pytest.approx(part_at_s)]
     failed = [r for r in caplog.records if r.getMessage().startswith("part_fetch_failed")]
-    assert len(failed) >= 2  # the unreachable source was asked in each round
+    assert len(failed) >= (2 if part_at_s > WAIT_S else 1)  # asked in each round
     assert [r.levelno for r in failed].count(logging.INFO) == 1  # and said so once
     assert set(origin_holds) == {f"{WAIT_S:g}"}  # held where the part comes from
-    assert set(peer_holds) == ({"0"} if discovered else {f"{WAIT_S:g}"})
+    if not discovered:  # an upstream: asked at once, held
+        assert set(peer_holds) == {f"{WAIT_S:g}"}
+    elif part_at_s > PART_PEERS_AFTER_S:  # asked once the origin had not given it
+        assert set(peer_holds) == {"0"}
+    else:
+        assert peer_holds == []
 
 
 async def test_parts_are_asked_in_order_a_few_at_a_time_and_a_late_answer_keeps_its_connection(
@@ -224,3 +237,60 @@ async def test_parts_are_asked_in_order_a_few_at_a_time_and_a_late_answer_keeps_
     # one connection per part ask held at once, reused as each ask ends; cancelling the
     # slower upstream's ask at once closed it, and the next part needed a new connection
     assert connections_b <= PARTS_IN_FLIGHT + 2
+
+
+async def test_a_peer_that_reports_nothing_new_is_long_polled_seldom(
+    tmp_path: Path, jump_clock: trio.testing.MockClock
+) -> None:
+    """A discovered peer whose ``/have`` changes every 10 ms but names only shards the
+    download has verified (as peers taking a next version from the same relays do) is
+    long-polled with a growing gap (``Session.have_gap_s``: 0.1 s doubling to 1 s), not at
+    each change: ~15 asks while the origin holds the last part back for 10 s, not ~1,000."""
+    version = make_version(tmp_path, {FILE: 4 * SHARD}, SHARD, shards_per_part=1)
+    step = version.step
+    m = _header_only(version)
+    asked = trio.Event()
+    have_asks: list[float] = []
+    server = VersionServer(version.store, trust(), wait_s=WAIT_S)
+    server.add_live(_Live(m, version.store.version_dir(step)))
+
+    async def origin(req: HttpRequest) -> HttpResponse:
+        asked.set()
+        return await server.handle(req)
+
+    async def peer(req: HttpRequest) -> HttpResponse:
+        if not req.path.endswith("/have"):
+            return HttpResponse(503, [("retry-after", "1")])
+        have_asks.append(trio.current_time())
+        await trio.sleep(0.01)
+        bits = bytes([0b11000000 if len(have_asks) % 2 else 0b11100000])
+        return HttpResponse(200, [], bits + encode_prefixes({}))
+
+    async def publish() -> None:
+        await asked.wait()
+        for k in range(3):
+            m.add_part(version.signed.parts[k])
+        server.progress(step)
+        await trio.sleep(10.0)
+        m.add_part(version.signed.parts[3])
+        server.progress(step)
+        server.live_done(step)
+
+    target = VersionStore(tmp_path / "downloader", RUN, keep_last=2)
+    async with (
+        open_http_server(origin) as o,
+        open_http_server(peer) as p,
+        HttpClient(headers={HOLD_HEADER: f"{WAIT_S:g}"}) as client,
+        trio.open_nursery() as nursery,
+    ):
+        nursery.start_soon(publish)
+        dl = Downloader(client, target, config(), random.Random(1), trust())
+        path, _ = await dl.download(
+            _header_only(version),
+            [Source("a-origin", o.url, complete=False)],
+            extra_sources=lambda: [Source("b-peer", p.url, complete=False)],
+        )
+    assert_committed(target, version, path)
+    assert 5 <= len(have_asks) <= 30
+    gaps = [b - a for a, b in itertools.pairwise(have_asks)]
+    assert max(gaps) == pytest.approx(1.01, abs=0.02)  # PEER_HAVE_GAP_MAX_S and the answer
