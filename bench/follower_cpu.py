@@ -97,6 +97,15 @@ bench's ``write`` stage varied as much (0.07-0.36 CPU-s per real-6b follower in 
 One pack file per version or batch would make it small either way. Not done: blob paths are
 read by the server, the chains, materialization and the journal.
 
+Then (session 51): the state is the directory. On the same ext4 filesystem, at the same
+minute, creating 374 files (empty, or 110 KB each) cost 0.43-0.82 ms of CPU per file under
+``/var/tmp`` (a new subdirectory included) and 0.015-0.063 ms under ``/tmp``, ``/var``,
+``/root`` and ``/work``; 0.006-0.056 ms on tmpfs. ``/var/tmp`` is where the shaped benchmark
+puts its nodes by default (``--workdir``) and where this machine's benchmark caches have been
+written and deleted for weeks. With ``--workdir /tmp/...`` the real-6b followers' ``write``
+stage was 0.09 CPU-s per next version against 0.24-0.36 under ``/var/tmp``
+(``bench/results/issue24-shaped-200M-s51-peer-asks.txt``).
+
 Usage::
 
     python bench/follower_cpu.py --cache /dev/shm/b24 --preset real-1b --profile out.prof
