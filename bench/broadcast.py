@@ -85,12 +85,13 @@ origin, the bench reads it and its base once, untimed (:func:`warm_page_cache`):
 then reads them from the page cache, as it would a checkpoint its trainer has just written.
 
 The machine. Every node of the shaped lab runs on this machine's cores. The output starts
-with what they had (:func:`machine_probe`: the cores, and what writing 1 GiB into the page
-cache cost; on the VMs this was developed on that moved 0.26-8.7 CPU-s from one try to the
-next) and gives, per version, every node's CPU-seconds together and the least time that is
-on those cores, beside the last peer's time. Where the two are close (a real-1b next version
-on 2 cores: ~6 CPU-s over 7 nodes), the run measured the machine, not the link or the
-protocol; one node per machine would not be bound by it.
+with what they had (:func:`machine_probe`: the cores, what writing 1 GiB into the page
+cache cost, on the VMs this was developed on 0.26-8.7 CPU-s from one try to the next, and
+what creating a file in the work directory cost) and gives, per version, every node's
+CPU-seconds together and the least time that is on those cores, beside the last peer's
+time. Where the two are close (a real-1b next version on 2 cores: ~6 CPU-s over 7 nodes),
+the run measured the machine, not the link or the protocol; one node per machine would not
+be bound by it.
 
 Run (about 30-40 minutes with 3 repeats; ``--quick`` for a 1-repeat smoke run):
 
@@ -490,16 +491,22 @@ def warm_page_cache(directories: list[Path], block: int = 16 << 20) -> None:
                         pass
 
 
-def machine_probe(directory: Path, size: int = 1 << 30, block: int = 16 << 20) -> dict[str, Any]:
+def machine_probe(
+    directory: Path, size: int = 1 << 30, block: int = 16 << 20, files: int = 200
+) -> dict[str, Any]:
     """What this machine charges for what every shardnet node does, measured once per run
     and printed beside the results, so that a reader can tell the machine's spread from
-    shardnet's: the cores this process may run on, and the cost of writing ``size`` bytes
-    into the page cache (a temporary file in ``directory``, written ``block`` bytes at a
-    time, not synced, then deleted).
+    shardnet's: the cores this process may run on, the cost of writing ``size`` bytes into
+    the page cache (a temporary file in ``directory``, written ``block`` bytes at a time, not
+    synced, then deleted), and the CPU cost of creating one file there (``files`` files of
+    100 KB in a new subdirectory, as a follower keeps one file per delta blob; removed). On
+    the machine this was developed on, the last was 0.4-0.8 ms under ``/var/tmp`` and
+    0.02-0.06 ms under ``/tmp`` of the same filesystem (``bench/follower_cpu.py``).
 
     Returns:
         ``{"cores": int, "write_bytes": size, "write_s": wall seconds, "write_cpu_s":
-        this process's CPU-seconds (user + system) for the write}``.
+        this process's CPU-seconds (user + system) for the write, "create_ms": CPU
+        milliseconds per file created}``.
 
     Raises:
         OSError: ``directory`` is not writable or lacks ``size`` bytes of space.
@@ -514,11 +521,21 @@ def machine_probe(directory: Path, size: int = 1 << 30, block: int = 16 << 20) -
     finally:
         os.close(fd)
         os.unlink(name)
+    small = buf[: 100 * 1000]
+    sub = Path(tempfile.mkdtemp(prefix="probe-", dir=directory))
+    try:
+        c = time.process_time()
+        for i in range(files):
+            (sub / f"{i}.blob").write_bytes(small)
+        create = time.process_time() - c
+    finally:
+        shutil.rmtree(sub)
     return {
         "cores": len(os.sched_getaffinity(0)),
         "write_bytes": size,
         "write_s": round(wall, 3),
         "write_cpu_s": round(cpu, 3),
+        "create_ms": round(1000 * create / files, 3),
     }
 
 
@@ -1223,6 +1240,11 @@ def print_shaped_table(out: dict[str, Any]) -> None:
             f"machine: {machine['cores']} cores for all nodes; writing "
             f"{machine['write_bytes'] / 2**30:g} GiB into the page cache took "
             f"{machine['write_s']:.2f} s and {machine['write_cpu_s']:.2f} CPU-s"
+            + (
+                f"; creating a 100 KB file there {machine['create_ms']:.3f} ms of CPU"
+                if "create_ms" in machine
+                else ""
+            )
         )
     _print_added_options(out)
     if out.get("seed_base"):

@@ -271,7 +271,13 @@ def test_seeded_runs_summarize_the_next_version_only_with_its_stages(
     broadcast.print_shaped_table(
         {
             "checkpoints": infos,
-            "machine": {"cores": 2, "write_bytes": 1 << 30, "write_s": 0.5, "write_cpu_s": 0.25},
+            "machine": {
+                "cores": 2,
+                "write_bytes": 1 << 30,
+                "write_s": 0.5,
+                "write_cpu_s": 0.25,
+                "create_ms": 0.4,
+            },
             "seed_base": True,
             "rates": {"200 Mb/s": {"real-1b": small, "real-6b": out}},
             "scaling": {"200 Mb/s": sc},
@@ -283,6 +289,7 @@ def test_seeded_runs_summarize_the_next_version_only_with_its_stages(
     assert "next(last)/next(first)=2.0" in text
     assert "CPU-s by stage" in text
     assert "machine: 2 cores for all nodes; writing 1 GiB into the page cache took 0.50 s" in text
+    assert "; creating a 100 KB file there 0.400 ms of CPU" in text
     # the two seeded repeats spent 3.0 CPU-s each over the nodes: 1.5 s on 2 cores, of 4 s
     assert "200 Mb/s real-6b shardnet next: all nodes 3.00 CPU-s, at least 1.50 s on 2" in text
     assert "last peer 4.00 s (38% of it)" in text
@@ -294,7 +301,8 @@ def test_machine_probe_writes_then_removes_its_file(tmp_path: Path) -> None:
     assert got["write_bytes"] == 4 << 20
     assert got["write_s"] >= 0
     assert got["write_cpu_s"] >= 0
-    assert list(tmp_path.iterdir()) == []
+    assert got["create_ms"] >= 0
+    assert list(tmp_path.iterdir()) == []  # the file and the created files are gone
     with pytest.raises(FileNotFoundError):
         broadcast.machine_probe(tmp_path / "missing", size=1 << 20, block=1 << 20)
 
