@@ -364,6 +364,7 @@ class Session:
         self._complete: dict[str, bool] = {}
         self._extra: set[str] = set()
         self._have_gap: dict[str, float] = {}  # discovered source -> have_gap_s
+        self._peers_give_parts = False  # a discovered peer gave a part (part_given)
         self._probing: set[str] = set()
         self._store_lost: str | None = None
         for o in offers:
@@ -408,12 +409,22 @@ class Session:
         ~54 part asks of its 3 neighbours, ~2.5 per part and neighbour, nearly all ``503``.
         The driver asks the discovered ones once no upstream ask is pending (each ended
         without the part: a dead or lagging upstream) or after a bounded wait. With no
-        upstream left, every source is asked at once: ``([], [])`` never happens for a
-        non-empty ``sources``."""
+        upstream left, or once a discovered peer gave a part (:meth:`part_given`: the
+        upstreams lag behind the peers), every source is asked at once: ``([], [])`` never
+        happens for a non-empty ``sources``."""
         ids = list(sources)
         ups = [s for s in ids if s not in self._extra]
         found = [s for s in ids if s in self._extra]
+        if self._peers_give_parts:
+            return ups + found, []
         return (ups, found) if ups else (found, [])
+
+    def part_given(self, source: str) -> None:
+        """``source`` gave a manifest part first: if it is a discovered peer, the
+        upstreams lagged behind it, and :meth:`part_asks` asks the peers at once from now
+        on (a stalled upstream costs the wait for one round of parts, not for each)."""
+        if source in self._extra:
+            self._peers_give_parts = True
 
     def have_gap_s(self, source: str) -> float:
         """Seconds to wait after a changed ``/have`` answer of ``source`` before its next

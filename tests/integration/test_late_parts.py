@@ -294,3 +294,47 @@ async def test_a_peer_that_reports_nothing_new_is_long_polled_seldom(
     assert 5 <= len(have_asks) <= 30
     gaps = [b - a for a, b in itertools.pairwise(have_asks)]
     assert max(gaps) == pytest.approx(1.01, abs=0.02)  # PEER_HAVE_GAP_MAX_S and the answer
+
+
+async def test_an_upstream_that_lags_behind_the_peers_costs_one_wait_not_one_per_part(
+    tmp_path: Path, jump_clock: trio.testing.MockClock
+) -> None:
+    """An upstream that holds every part ask and never has the part (its own upstream is
+    gone), and a discovered peer that holds the whole version: the first parts come from
+    the peer after ``PART_PEERS_AFTER_S``, and every later part is asked of the peer at
+    once (``Session.part_given``), so the 12 parts are in by then plus a little, not after
+    one wait per ``PARTS_IN_FLIGHT`` parts."""
+    n = 12
+    assert n > PARTS_IN_FLIGHT
+    version = make_version(tmp_path, {FILE: n * SHARD}, SHARD, shards_per_part=1)
+    peer_server = VersionServer(version.store, trust(), wait_s=WAIT_S)
+
+    async def stalled(req: HttpRequest) -> HttpResponse:
+        if "/manifest/part/" in req.path:
+            await trio.sleep_forever()
+        return HttpResponse(503, [("retry-after", "1")])
+
+    part_at: list[float] = []
+
+    def on_shard(index: int) -> None:  # -1: a manifest part arrived
+        if index < 0:
+            part_at.append(trio.current_time())
+
+    target = VersionStore(tmp_path / "downloader", RUN, keep_last=2)
+    async with (
+        open_http_server(stalled) as up,
+        open_http_server(peer_server.handle) as p,
+        HttpClient(headers={HOLD_HEADER: f"{WAIT_S:g}"}) as client,
+    ):
+        start = trio.current_time()
+        dl = Downloader(client, target, config(), random.Random(1), trust())
+        path, _ = await dl.download(
+            _header_only(version),
+            [Source("a-relay", up.url, complete=False)],
+            extra_sources=lambda: [Source("b-peer", p.url, complete=True)],
+            on_shard=on_shard,
+        )
+    assert_committed(target, version, path)
+    assert len(part_at) == n
+    assert min(part_at) - start >= PART_PEERS_AFTER_S  # the relay was waited for, once
+    assert max(part_at) - start < PART_PEERS_AFTER_S + 1.0

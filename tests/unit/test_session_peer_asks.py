@@ -85,3 +85,16 @@ def test_a_peer_that_has_what_this_node_lacks_is_followed_at_once_again() -> Non
     assert s.have_gap_s("peer") == 2 * PEER_HAVE_GAP_S
     s.have_changed("peer", [0, 1, 2], 0.7, {3: 6, 4: 2})  # a shard it just started
     assert s.have_gap_s("peer") == 0.0
+
+
+def test_once_a_peer_gave_a_part_every_source_is_asked_at_once() -> None:
+    """An upstream that lags behind the peers costs the wait for one round of parts: after
+    a discovered peer gave one, parts are asked of everyone at once. A part given by an
+    upstream changes nothing."""
+    s = _session()
+    s.add_source("relay", False, 0.0)
+    s.add_source("peer", False, 0.0, extra=True)
+    s.part_given("relay")
+    assert s.part_asks(["relay", "peer"]) == (["relay"], ["peer"])
+    s.part_given("peer")
+    assert s.part_asks(["peer", "relay"]) == (["relay", "peer"], [])
