@@ -7,10 +7,9 @@ upstream, an origin still hashing) gets the version's signed manifest parts as t
 :class:`PartFetcher` asks for the missing parts in part order, :data:`PARTS_IN_FLIGHT` at a
 time. Each part is asked in rounds (:meth:`PartFetcher.ask_round`): the upstreams at once,
 each asked to hold the request until it has the part, and the discovered peers only if the
-upstreams do not give it, or at once after a peer gave one (whom to ask when is the session's
-decision,
-:meth:`~shardcast.core.session.Session.part_asks`); the first answer that verifies against
-the trusted origin key wins. The driver (:class:`~shardcast.download.driver.DownloadDriver`)
+upstreams do not give it, or at once after a peer gave one (whom to ask when is the
+session's decision, :meth:`~shardcast.core.session.Session.part_asks`); the first answer
+that verifies against the trusted origin key wins. The driver (:class:`~shardcast.download.driver.DownloadDriver`)
 owns the sources and the session and is told of each answer and each new part.
 """
 
