@@ -97,14 +97,19 @@ bench's ``write`` stage varied as much (0.07-0.36 CPU-s per real-6b follower in 
 One pack file per version or batch would make it small either way. Not done: blob paths are
 read by the server, the chains, materialization and the journal.
 
-Then (session 51): the state is the directory. On the same ext4 filesystem, at the same
-minute, creating 374 files (empty, or 110 KB each) cost 0.43-0.82 ms of CPU per file under
-``/var/tmp`` (a new subdirectory included) and 0.015-0.063 ms under ``/tmp``, ``/var``,
-``/root`` and ``/work``; 0.006-0.056 ms on tmpfs. ``/var/tmp`` is where the shaped benchmark
-puts its nodes by default (``--workdir``) and where this machine's benchmark caches have been
-written and deleted for weeks. With ``--workdir /tmp/...`` the real-6b followers' ``write``
-stage was 0.09 CPU-s per next version against 0.24-0.36 under ``/var/tmp``
-(``bench/results/issue24-shaped-200M-s51-peer-asks.txt``).
+Then (session 51): much of the state is where the files go. On the same ext4 filesystem,
+measured side by side (374 files, empty or 110 KB each, CPU per file): ``/var/tmp``
+0.21-0.82 ms, ``/tmp`` 0.015-0.34 ms, ``/work`` 0.015-0.052 ms, tmpfs 0.006-0.17 ms;
+``/var/tmp`` was the slowest in every pairing, and ``/tmp`` and ``/var/tmp`` moved 10x over
+an hour while ``/work`` did not. ext4 allocates a new inode near its directory's block group;
+``/tmp`` and ``/var/tmp`` sit where this machine's benchmark caches and work directories
+(tens of GB) have been written and deleted for weeks, ``/work`` far from them. The shaped
+benchmark puts its nodes under ``/var/tmp`` by default (``--workdir``). With ``--workdir
+/tmp/...`` in a fast spell the real-6b followers' ``write`` stage was 0.09 CPU-s per next
+version against 0.24-0.36 under ``/var/tmp`` in earlier sessions
+(``bench/results/issue24-shaped-200M-s51-peer-asks.txt``). The benchmark's machine line now
+prints what creating a file in its work directory cost. A pack file would make the count of
+files, not this state, what a version costs.
 
 Usage::
 
