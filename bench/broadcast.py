@@ -500,8 +500,8 @@ def machine_probe(
     the page cache (a temporary file in ``directory``, written ``block`` bytes at a time, not
     synced, then deleted), and the CPU cost of creating one file there (``files`` files of
     100 KB in a new subdirectory, as a follower keeps one file per delta blob; removed). On
-    the machine this was developed on, the last was 0.4-0.8 ms under ``/var/tmp`` and
-    0.02-0.06 ms under ``/tmp`` of the same filesystem (``bench/follower_cpu.py``).
+    the machine this was developed on, the last moved from 0.02 to 0.8 ms with the
+    directory and the hour, on one filesystem (``bench/follower_cpu.py``).
 
     Returns:
         ``{"cores": int, "write_bytes": size, "write_s": wall seconds, "write_cpu_s":
