@@ -221,16 +221,6 @@ Action = (
 End = Commit | Fail
 
 
-PEER_HAVE_GAP_S = 0.1
-"""Wait before the next ``/have`` long-poll of a discovered peer whose changed answer had
-nothing new for this node, seconds (:meth:`Session.have_gap_s`); doubled with each such
-answer in a row."""
-
-PEER_HAVE_GAP_MAX_S = 1.0
-"""Longest such wait, seconds: what this node learns of a peer is at most this much late
-once that peer has something it lacks (a 16 MiB shard takes 0.7 s at 200 Mb/s)."""
-
-
 @dataclass(frozen=True)
 class SessionConfig:
     """Settings of one session (units in names).
@@ -336,7 +326,6 @@ class Session:
     ) -> None:
         self.step = step
         self.signer = signer
-        self._n_shards = len(lengths)
         self.config = config
         offers = list(offers)
         held = list(held)
@@ -363,7 +352,6 @@ class Session:
         self._unreachable_by: dict[int, list[str]] = {}  # shard -> holders named unreachable
         self._complete: dict[str, bool] = {}
         self._extra: set[str] = set()
-        self._have_gap: dict[str, float] = {}  # discovered source -> have_gap_s
         self._peers_give_parts = False  # a discovered peer gave a part (part_given)
         self._probing: set[str] = set()
         self._store_lost: str | None = None
@@ -426,23 +414,6 @@ class Session:
         if source in self._extra:
             self._peers_give_parts = True
 
-    def have_gap_s(self, source: str) -> float:
-        """Seconds to wait after a changed ``/have`` answer of ``source`` before its next
-        long-poll (pure): 0 for an upstream, and for a discovered peer whose last answer
-        named a shard this node lacks (:meth:`_news_for_us`); after an answer with nothing new
-        for this node, :data:`PEER_HAVE_GAP_S`, doubling with each such answer up to
-        :data:`PEER_HAVE_GAP_MAX_S`.
-
-        A long-poll is answered at each change of the source's bitmap or verified prefixes,
-        and a peer's change with every blob batch or chunk it verifies. When peers take a
-        version from the same upstreams at the same time (a next version's deltas), what a
-        peer reports is what this node has already: in the shaped benchmark (a real-1b next
-        version, 4 peers under 2 relays) each peer answered ~80-100 long-polls of its 3
-        neighbours, ~1 ms of CPU at each end, while nearly all of their blobs came from the
-        relays. A peer that is ahead (a full version, spread through the swarm) keeps being
-        followed at once."""
-        return self._have_gap.get(source, 0.0) if source in self._extra else 0.0
-
     def extra_room(self) -> int:
         """How many more discovered sources may join (usable ones count against the bound)."""
         banned = set(self.sched.statistics().banned)
@@ -465,31 +436,8 @@ class Session:
         if have is None:
             self.sched.add_source(source, None)
         else:
-            have = list(have)
-            if source in self._extra:  # how soon to follow it (have_gap_s)
-                news = self._news_for_us(source, have, prefixes or {})
-                gap = self._have_gap.get(source, 0.0)
-                self._have_gap[source] = (
-                    0.0 if news else min(max(2 * gap, PEER_HAVE_GAP_S), PEER_HAVE_GAP_MAX_S)
-                )
             self.sched.add_have(source, have)
             self.sched.set_prefixes(source, dict(prefixes or {}))
-
-    def _news_for_us(self, source: str, have: list[int], prefixes: Mapping[int, int]) -> bool:
-        """True if ``source``'s have-set ``have`` and verified ``prefixes`` (bytes), not yet
-        recorded, name a shard this node lacks that ``source`` could not serve from the byte
-        this node has reached before: one it now holds, or a prefix grown past that byte."""
-        st = next((s for s in self.sched.sources() if s.source == source), None)
-        if st is None or st.have is None:
-            return False
-        n = self._n_shards
-        for i, got in [(i, -1) for i in have] + list(prefixes.items()):
-            if not 0 <= i < n or self.sched.is_done(i) or i in st.have:
-                continue
-            at = self.sched.resume_offset(i)
-            if got < 0 or (got > at and not st.holds(i, at)):
-                return True
-        return False
 
     def answered(self, source: str, outcome: Outcome, now: float) -> list[Action]:
         """What a request to ``source`` (a shard or a part) said about the version."""

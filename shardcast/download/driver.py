@@ -787,9 +787,7 @@ class DownloadDriver:
         """Follow ``src``'s have-bitmap until it holds everything: each request a long-poll
         that names the last answer's token (the source answers when its bitmap, or the set
         of shards it serves a prefix of, changes); after an unchanged answer (the hold ran
-        out, or an older node that does not hold) or a failure, wait ``have_poll_s``; after
-        a changed answer of a discovered peer,
-        :meth:`~shardcast.core.session.Session.have_gap_s`."""
+        out, or an older node that does not hold) or a failure, wait ``have_poll_s``."""
         n, nbytes, known = len(self.m.header.shards), (len(self.m.header.shards) + 7) // 8, None
         while True:
             try:
@@ -806,11 +804,8 @@ class DownloadDriver:
                     return
                 token = have_token(data[:nbytes], prefixes)
                 changed, known = token != known, token
-                if changed:  # ask again (held until the next change), a peer after a gap
-                    gap = self.session.have_gap_s(src.id)
-                    if gap > 0:
-                        await trio.sleep(gap)
-                    continue
+                if changed:
+                    continue  # ask again at once: held until the next change
             except NotAvailable as exc:  # 404, 409: it does not hold this version
                 self.session.probed(src.id, _presence(exc), trio.current_time())
             except (TransportError, RemoteProtocolError):

@@ -9,8 +9,9 @@ time. Each part is asked in rounds (:meth:`PartFetcher.ask_round`): the upstream
 each asked to hold the request until it has the part, and the discovered peers only if the
 upstreams do not give it, or at once after a peer gave one (whom to ask when is the
 session's decision, :meth:`~shardcast.core.session.Session.part_asks`); the first answer
-that verifies against the trusted origin key wins. The driver (:class:`~shardcast.download.driver.DownloadDriver`)
-owns the sources and the session and is told of each answer and each new part.
+that verifies against the trusted origin key wins. The driver
+(:class:`~shardcast.download.driver.DownloadDriver`) owns the sources and the session and is
+told of each answer and each new part.
 """
 
 from __future__ import annotations

@@ -7,13 +7,12 @@ another, each holding the request up to its ``wait_s`` (10 s) while it lacked th
 a relay waited on the origin, then on each peer in turn, and every node of the benchmark sat
 idle for 40-50 s on one part of a version the origin had published long before.
 
-Also what a download asks of discovered peers while its upstreams feed it: parts only if the
-upstreams do not give them, and ``/have`` long-polls spaced out while a peer has nothing new.
+Also when a download asks discovered peers for parts while its upstreams feed it: only if the
+upstreams do not give them, and at once after a peer gave one.
 """
 
 from __future__ import annotations
 
-import itertools
 import logging
 import random
 from collections.abc import AsyncIterator
@@ -32,7 +31,7 @@ from shardcast.download.parts import PART_PEERS_AFTER_S, PARTS_IN_FLIGHT
 from shardcast.download.types import Source
 from shardcast.serve.server import VersionServer
 from shardcast.store.store import VersionStore
-from shardcast.wire.have import HOLD_HEADER, encode_prefixes
+from shardcast.wire.have import HOLD_HEADER
 from shardcast.wire.manifest import Manifest
 from tests.faults import RUN, Version, make_version
 from tests.helpers import trust
@@ -237,63 +236,6 @@ async def test_parts_are_asked_in_order_a_few_at_a_time_and_a_late_answer_keeps_
     # one connection per part ask held at once, reused as each ask ends; cancelling the
     # slower upstream's ask at once closed it, and the next part needed a new connection
     assert connections_b <= PARTS_IN_FLIGHT + 2
-
-
-async def test_a_peer_that_reports_nothing_new_is_long_polled_seldom(
-    tmp_path: Path, jump_clock: trio.testing.MockClock
-) -> None:
-    """A discovered peer whose ``/have`` changes every 10 ms but names only shards the
-    download has verified (as peers taking a next version from the same relays do) is
-    long-polled with a growing gap (``Session.have_gap_s``: 0.1 s doubling to 1 s), not at
-    each change: ~15 asks while the origin holds the last part back for 10 s, not ~1,000."""
-    version = make_version(tmp_path, {FILE: 4 * SHARD}, SHARD, shards_per_part=1)
-    step = version.step
-    m = _header_only(version)
-    asked = trio.Event()
-    have_asks: list[float] = []
-    server = VersionServer(version.store, trust(), wait_s=WAIT_S)
-    server.add_live(_Live(m, version.store.version_dir(step)))
-
-    async def origin(req: HttpRequest) -> HttpResponse:
-        asked.set()
-        return await server.handle(req)
-
-    async def peer(req: HttpRequest) -> HttpResponse:
-        if not req.path.endswith("/have"):
-            return HttpResponse(503, [("retry-after", "1")])
-        have_asks.append(trio.current_time())
-        await trio.sleep(0.01)
-        bits = bytes([0b11000000 if len(have_asks) % 2 else 0b11100000])
-        return HttpResponse(200, [], bits + encode_prefixes({}))
-
-    async def publish() -> None:
-        await asked.wait()
-        for k in range(3):
-            m.add_part(version.signed.parts[k])
-        server.progress(step)
-        await trio.sleep(10.0)
-        m.add_part(version.signed.parts[3])
-        server.progress(step)
-        server.live_done(step)
-
-    target = VersionStore(tmp_path / "downloader", RUN, keep_last=2)
-    async with (
-        open_http_server(origin) as o,
-        open_http_server(peer) as p,
-        HttpClient(headers={HOLD_HEADER: f"{WAIT_S:g}"}) as client,
-        trio.open_nursery() as nursery,
-    ):
-        nursery.start_soon(publish)
-        dl = Downloader(client, target, config(), random.Random(1), trust())
-        path, _ = await dl.download(
-            _header_only(version),
-            [Source("a-origin", o.url, complete=False)],
-            extra_sources=lambda: [Source("b-peer", p.url, complete=False)],
-        )
-    assert_committed(target, version, path)
-    assert 5 <= len(have_asks) <= 30
-    gaps = [b - a for a, b in itertools.pairwise(have_asks)]
-    assert max(gaps) == pytest.approx(1.01, abs=0.02)  # PEER_HAVE_GAP_MAX_S and the answer
 
 
 async def test_an_upstream_that_lags_behind_the_peers_costs_one_wait_not_one_per_part(
