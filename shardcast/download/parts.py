@@ -145,7 +145,7 @@ class PartFetcher:
         pending = len(first)
         upstreams_done = trio.Event()
 
-        async def ask(src: Source, race: trio.CancelScope) -> None:
+        async def ask_upstream(src: Source, race: trio.CancelScope) -> None:
             nonlocal pending
             try:
                 await self.ask(k, src, race)
@@ -164,7 +164,7 @@ class PartFetcher:
 
         async with trio.open_nursery() as race:
             for sid in first:
-                race.start_soon(ask, self.sources[sid], race.cancel_scope)
+                race.start_soon(ask_upstream, self.sources[sid], race.cancel_scope)
             if then:
                 race.start_soon(ask_later, race)
 
@@ -194,7 +194,8 @@ class PartFetcher:
             self.answered(src.id, exc)
             return
         except (TransportError, ManifestError, IntegrityError) as exc:
-            # every round asks every source: say it once per source, not 4 times a second
+            # each round asks the same sources again: say it once per source, not 4 times a
+            # second
             first = src.id not in self.failed
             self.failed.add(src.id)
             log.log(
