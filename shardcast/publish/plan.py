@@ -14,6 +14,7 @@ as that part is done (pipelining: the origin serves the first shards while it ha
 
 from __future__ import annotations
 
+import functools
 import itertools
 import json
 import logging
@@ -482,13 +483,8 @@ class _FileShards:
         scan = scan_shard(
             self._pieces(offset, length, diff), scan_chunk_bytes(s, diff), diff, file_hash
         )
-        read: list[tuple[memoryview, memoryview | None, bytearray]] = []
-
-        def whole() -> tuple[memoryview, memoryview | None, bytearray]:
-            if not read:  # once per shard, however many forms need its whole bytes
-                read.append(self._whole(offset, length))
-            return read[0]
-
+        # read once per shard, however many forms need its whole bytes
+        whole = functools.cache(lambda: self._whole(offset, length))
         return _encoded(offset, length, scan, self.base_fd is not None, diff, whole, s)
 
     def _bufs(self, name: str, n: int) -> tuple[memoryview, memoryview]:

@@ -223,9 +223,8 @@ def end_action(before: bool, after: bool, ended: bool | None, latest: int | None
     """
     if latest is None or before != after:
         return EndAction.NONE
-    marker = after
-    if marker and ended is not True:
+    if after and ended is not True:
         return EndAction.FINISH
-    if not marker and ended is not False:
+    if not after and ended is not False:
         return EndAction.CONTINUE
     return EndAction.NONE
