@@ -382,6 +382,12 @@ class Scheduler:
         """True if ``shard`` is verified."""
         return self._shards[shard].done
 
+    def coming(self, shard: int) -> bool:
+        """True if ``shard`` is a delta blob (light) with a request in flight: a source
+        that completes it too is no news to this downloader (see :meth:`Session.lacking`)."""
+        s = self._shards[shard]
+        return s.light and bool(s.flights)
+
     def inflight(self) -> int:
         """Requests in flight."""
         return len(self._flights)

@@ -523,6 +523,17 @@ class Session:
             out.append(Commit())
         return out
 
+    def lacking(self) -> bytes:
+        """The shards not yet verified here, as a bitmap laid out as a ``/have`` answer (bit
+        ``i`` of byte ``i // 8``, most significant first): the ``want`` of a have long-poll
+        (:func:`shardcast.wire.have.encode_want`), so a source answers only with news."""
+        n = len(self._lengths)
+        out = bytearray((n + 7) // 8)
+        for i in range(n):
+            if not self.sched.is_done(i) and not self.sched.coming(i):
+                out[i // 8] |= 0x80 >> (i % 8)
+        return bytes(out)
+
     def quiet_for(self, now: float) -> float:
         """Seconds since the last byte, part or delivery of the version arrived."""
         return self.watch.quiet_for(now)

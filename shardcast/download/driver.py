@@ -20,8 +20,9 @@ the session owns everything it *decides*. One driver serves one call of
   arrives; each verified chunk is written at once (:meth:`DownloadDriver.write_chunk`) and
   this node's lane serves it while the rest streams in; a bad chunk ends the transfer
   (``CORRUPT_CHUNK``) with the chunks before it kept. Have-polls ask for ``?prefix=1``: the
-  sources' verified prefixes go to the scheduler; each names the last answer's token, so the
-  source holds it until something changes (a long-poll, :meth:`DownloadDriver.poll_have`).
+  sources' verified prefixes go to the scheduler; each names the last answer's token and the
+  shards this node lacks, so the source holds it until something changes among those (a
+  long-poll, :meth:`DownloadDriver.poll_have`).
 - **sinks**: one per request; a broken transfer's sink (bytes *and* running hash) is kept
   per shard when the session says :class:`~shardcast.core.session.Keep` and the next request
   appends to it; a failed copy assembled from several sources is kept until the session
@@ -125,6 +126,7 @@ from shardcast.wire import (
     blobs_url,
     codecs,
     decode_have,
+    encode_want,
     failed_header,
     file_url,
     have_max_bytes,
@@ -132,6 +134,7 @@ from shardcast.wire import (
     have_url,
     lane_answer,
     unreachable_header,
+    wanted_token,
 )
 
 if TYPE_CHECKING:
@@ -758,13 +761,26 @@ class DownloadDriver:
             if self.progress is not None:
                 self.progress(self.session.verified_bytes, self.m.total_bytes)
 
-    async def get_have(self, src: Source, known: str | None = None) -> bytes:
+    async def get_have(
+        self,
+        src: Source,
+        known: str | None = None,
+        last: tuple[bytes, dict[int, int]] | None = None,
+    ) -> bytes:
         """``/have?prefix=1``: the bitmap, then the verified prefixes of shards being
         received (:func:`shardcast.wire.have.decode_have`; an older node sends the bitmap).
         ``known``: the :func:`~shardcast.wire.have.have_token` of the last answer: the source
         holds the request until its answer differs (a long-poll; an older node answers at
-        once)."""
+        once). ``last``: that answer's bitmap and prefixes; with it the request also names
+        the shards this node lacks (``want``, :meth:`Session.lacking`) and the last answer's
+        :func:`~shardcast.wire.have.wanted_token` (``wknown``), so that a source that knows
+        ``want`` holds it until it has news for this node, not on any change."""
         query = "?prefix=1" if known is None else f"?prefix=1&known={known}"
+        if known is not None and last is not None:
+            lacking = self.session.lacking()
+            want = encode_want(lacking)
+            if want is not None:
+                query += f"&want={want}&wknown={wanted_token(*last, lacking)}"
         return await self.client.get_bytes(
             have_url(src.base_url, self.m.run_id, self.m.step, self.digest) + query,
             max_bytes=have_max_bytes(len(self.m.header.shards)),
@@ -785,14 +801,17 @@ class DownloadDriver:
 
     async def poll_have(self, src: Source) -> None:
         """Follow ``src``'s have-bitmap until it holds everything: each request a long-poll
-        that names the last answer's token (the source answers when its bitmap, or the set
-        of shards it serves a prefix of, changes); after an unchanged answer (the hold ran
-        out, or an older node that does not hold) or a failure, wait ``have_poll_s``."""
-        n, nbytes, known = len(self.m.header.shards), (len(self.m.header.shards) + 7) // 8, None
+        that names the last answer's token and the shards this node lacks (the source
+        answers when what it holds or serves a prefix of changes among those, :meth:`get_have`);
+        after an unchanged answer (the hold ran out, or an older node that does not hold) or
+        a failure, wait ``have_poll_s``."""
+        n, nbytes = len(self.m.header.shards), (len(self.m.header.shards) + 7) // 8
+        known: str | None = None
+        last: tuple[bytes, dict[int, int]] | None = None
         while True:
             try:
                 try:
-                    data = await self.get_have(src, known)
+                    data = await self.get_have(src, known, last)
                     held, prefixes = decode_have(data, n)
                 except ValueError as exc:
                     raise RemoteProtocolError(src.id, f"have: {exc}") from exc
@@ -802,7 +821,8 @@ class DownloadDriver:
                 self.poke()
                 if full:
                     return
-                token = have_token(data[:nbytes], prefixes)
+                last = data[:nbytes], prefixes
+                token = have_token(*last)
                 changed, known = token != known, token
                 if changed:
                     continue  # ask again at once: held until the next change

@@ -48,7 +48,9 @@ verified prefix of each shard being received (:func:`encode_prefixes`), so downl
 whom to ask. ``/have`` is a long-poll for a held request that names the last answer's token
 (``?known=``, :func:`have_token`): it is answered when the bitmap or the set of shards with a
 verified prefix changes (at most :data:`HAVE_HOLD_S` later), so downloaders learn of a shard
-the moment a source holds or starts it, without polling.
+the moment a source holds or starts it, without polling. A long-poll that also names the
+shards its requester lacks (``?want=`` and ``?wknown=``, :func:`wanted_token`) is held until
+a change among those: a source does not answer a poller with shards it holds already.
 
 Cache semantics. A version is immutable and content-addressed, so every answer with content
 has a strong ``ETag`` taken from the signed manifest: a file's signed whole-file digest, an
@@ -118,6 +120,7 @@ from shardcast.wire import (
     UNREACHABLE_HEADER,
     VERSIONS_HOLD_S,
     Manifest,
+    decode_want,
     encode_prefixes,
     have_token,
     holder_header,
@@ -127,6 +130,7 @@ from shardcast.wire import (
     sign_whoami,
     verify_request,
     versions_token,
+    wanted_token,
 )
 
 log = logging.getLogger(__name__)
@@ -402,8 +406,11 @@ class VersionServer:
         self._versions_changed.set()
         self._versions_changed = trio.Event()
 
-    def _have_now(self, req: HttpRequest, step: int, m: Manifest) -> tuple[bytes, str]:
-        """The ``/have`` body now (with the verified prefixes if asked) and its token."""
+    def _have_now(
+        self, req: HttpRequest, step: int, m: Manifest
+    ) -> tuple[bytes, bytes, dict[int, int]]:
+        """The ``/have`` body now (with the verified prefixes if asked), its bitmap and the
+        verified prefixes (bytes) of the shards being received here."""
         bits = self._have_bits(step, m)
         live = self._live.get(step)
         prefixes: dict[int, int] = {}
@@ -411,16 +418,31 @@ class VersionServer:
             get = getattr(live.version, "prefixes", None)
             prefixes = get() if get is not None else {}
         body = bits + encode_prefixes(prefixes) if req.query.get("prefix") == "1" else bits
-        return body, have_token(bits, prefixes)
+        return body, bits, prefixes
 
     async def _have(self, req: HttpRequest, step: int, m: Manifest) -> HttpResponse:
         """``/have``; with ``?known=TOKEN`` and :data:`HOLD_HEADER`, a long-poll: held (at
-        most :data:`HAVE_HOLD_S`) until the answer's token differs from ``TOKEN``."""
-        body, token = self._have_now(req, step, m)
-        known = req.query.get("known")
-        if known is not None and token == known and step in self._live:
+        most :data:`HAVE_HOLD_S`) until the answer's token differs from ``TOKEN``. With
+        ``?want=`` (the shards the requester lacks) and ``?wknown=``, held instead until
+        the answer's :func:`~shardcast.wire.have.wanted_token` differs from ``wknown``: news
+        for the requester. ``400`` for a ``want`` that is not a bitmap of this version."""
+        want: bytes | None = None
+        if "want" in req.query and "wknown" in req.query:
+            try:
+                want = decode_want(req.query["want"], len(m.header.shards))
+            except ValueError:
+                return HttpResponse(400)
+
+        def key(bits: bytes, prefixes: dict[int, int]) -> str:
+            if want is None:
+                return have_token(bits, prefixes)
+            return wanted_token(bits, prefixes, want)
+
+        body, bits, prefixes = self._have_now(req, step, m)
+        known = req.query.get("known") if want is None else req.query.get("wknown")
+        if known is not None and key(bits, prefixes) == known and step in self._live:
             deadline = trio.current_time() + min(_hold_s(req, self.wait_s), HAVE_HOLD_S)
-            while token == known and step in self._live:
+            while key(bits, prefixes) == known and step in self._live:
                 remaining = deadline - trio.current_time()
                 if remaining <= 0:
                     break
@@ -429,8 +451,9 @@ class VersionServer:
                 held = self._manifest(step)
                 if held is None or held[1] != m.digest:
                     break
-                body, token = self._have_now(req, step, m)
+                body, bits, prefixes = self._have_now(req, step, m)
         headers = [("content-type", "application/octet-stream"), _NO_STORE]
+        token = have_token(bits, prefixes)
         return HttpResponse(200, [*headers, (HAVE_TOKEN_HEADER, token)], body)
 
     def _validators(self, step: int) -> tuple[str | None, list[tuple[str, str]]]:

@@ -5,12 +5,16 @@ most significant bit first), followed with ``?prefix=1`` by the verified prefix 
 being received (:func:`encode_prefixes`). The server (:mod:`shardcast.serve.server`) writes
 it; a downloader (:mod:`shardcast.download.driver`) reads it with :func:`decode_have`, bounded
 by :func:`have_max_bytes`, and long-polls it with :data:`HAVE_TOKEN_HEADER` and
-:data:`HOLD_HEADER`.
+:data:`HOLD_HEADER`, naming the shards it still lacks (:func:`encode_want`) so that the
+source answers only with news for it (:func:`wanted_token`).
 """
 
 from __future__ import annotations
 
+import base64
+import binascii
 import hashlib
+import re
 import struct
 
 __all__ = [
@@ -20,11 +24,15 @@ __all__ = [
     "MAX_PREFIX_ENTRIES",
     "PREFIX_ENTRY",
     "VERSIONS_HOLD_S",
+    "WANT_MAX_CHARS",
     "decode_have",
+    "decode_want",
     "encode_prefixes",
+    "encode_want",
     "have_max_bytes",
     "have_token",
     "versions_token",
+    "wanted_token",
 ]
 
 HOLD_HEADER = "x-shardnet-hold-s"
@@ -78,6 +86,60 @@ def have_token(bits: bytes, prefixes: dict[int, int]) -> str:
     h = hashlib.blake2s(bits, digest_size=8)
     h.update(b"".join(struct.pack(">I", i) for i, n in listed if n))
     return h.hexdigest()
+
+
+WANT_MAX_CHARS = 4096
+"""Longest ``?want=`` a downloader sends, characters: the bitmap of up to 24,576 shards (a
+393 GB version in 16 MiB shards). A larger version's long-polls name no ``want`` and are
+answered on any change, as before ``want`` existed."""
+
+
+_BASE64URL = re.compile(r"[A-Za-z0-9_-]*")
+
+
+def encode_want(bits: bytes) -> str | None:
+    """The ``?want=`` value of a ``/have`` long-poll: ``bits``, a bitmap laid out as the
+    answer's (bit ``i`` of byte ``i // 8``, most significant first) of the shards the
+    downloader still lacks, in unpadded base64url; None if longer than
+    :data:`WANT_MAX_CHARS` (then no ``want`` is sent)."""
+    text = base64.urlsafe_b64encode(bits).rstrip(b"=").decode()
+    return text if len(text) <= WANT_MAX_CHARS else None
+
+
+def decode_want(text: str, n_shards: int) -> bytes:
+    """The bitmap of an :func:`encode_want` value, for a version of ``n_shards`` shards.
+
+    Raises:
+        ValueError: not unpadded base64url, or not ``(n_shards + 7) // 8`` bytes.
+    """
+    if len(text) > WANT_MAX_CHARS:
+        raise ValueError(f"want of {len(text)} characters")
+    if not _BASE64URL.fullmatch(text):
+        raise ValueError("want is not base64url")
+    try:
+        bits = base64.urlsafe_b64decode(text + "=" * (-len(text) % 4))
+    except (binascii.Error, ValueError) as exc:
+        raise ValueError(f"want is not base64url: {exc}") from None
+    if len(bits) != (n_shards + 7) // 8:
+        raise ValueError(f"want of {len(bits)} bytes for {n_shards} shards")
+    return bits
+
+
+def wanted_token(bits: bytes, prefixes: dict[int, int], want: bytes) -> str:
+    """The :func:`have_token` of a ``/have`` answer seen through ``want`` (an
+    :func:`encode_want` bitmap): only the shards the downloader lacks count, so that two
+    answers differing only in shards it holds already have the same token.
+
+    A downloader sends ``?want=`` with ``?wknown=`` (this token of the last answer, under the
+    ``want`` it sends now) beside ``?known=``. A server that knows ``want`` holds the
+    long-poll until this token differs (a shard the downloader lacks completed or started at
+    the source); one that does not holds it on ``known`` as before. In the shaped benchmark
+    (``bench/broadcast.py --shaped``, a next version) about half of the ``/have`` answers a
+    peer served named only shards its poller had already."""
+    masked = bytes(b & w for b, w in zip(bits, want, strict=False))
+    listed = sorted(prefixes.items())[:MAX_PREFIX_ENTRIES]  # what the answer carries
+    inside = {i: n for i, n in listed if i // 8 < len(want) and want[i // 8] & (0x80 >> i % 8)}
+    return have_token(masked, inside)
 
 
 def have_max_bytes(n_shards: int) -> int:

@@ -1,0 +1,127 @@
+"""A ``/have`` long-poll that names the shards its poller lacks (``?want=``, ``?wknown=``):
+the wire encoding (:mod:`shardcast.wire.have`) and what a download names
+(:meth:`shardcast.core.session.Session.lacking`: not verified, and not a delta blob already on
+its way)."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from shardcast.core.session import Check, Fetch, Offer, Outcome, Session, SessionConfig, Verdict
+from shardcast.wire.codecs import XOR_ZSTD
+from shardcast.wire.have import (
+    MAX_PREFIX_ENTRIES,
+    WANT_MAX_CHARS,
+    decode_have,
+    decode_want,
+    encode_prefixes,
+    encode_want,
+    have_token,
+    wanted_token,
+)
+
+
+def _bits(n: int, shards: set[int]) -> bytes:
+    out = bytearray((n + 7) // 8)
+    for i in shards:
+        out[i // 8] |= 0x80 >> (i % 8)
+    return bytes(out)
+
+
+@pytest.mark.parametrize("n", [1, 7, 8, 9, 100, 1000])
+def test_want_round_trips_for_any_number_of_shards(n: int) -> None:
+    rng = random.Random(n)
+    bits = _bits(n, {i for i in range(n) if rng.random() < 0.5})
+    text = encode_want(bits)
+    assert text is not None
+    assert "=" not in text
+    assert set(text) <= set("ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789-_")
+    assert decode_want(text, n) == bits
+
+
+def test_a_want_that_is_not_this_versions_bitmap_is_refused() -> None:
+    good = encode_want(_bits(20, {3}))
+    assert good is not None
+    with pytest.raises(ValueError, match="bytes for 30 shards"):
+        decode_want(good, 30)
+    with pytest.raises(ValueError, match="base64url"):
+        decode_want("a+b/", 20)  # standard base64, not base64url
+    with pytest.raises(ValueError, match="base64url"):
+        decode_want("A", 20)  # not a whole byte
+    with pytest.raises(ValueError, match="characters"):
+        decode_want("A" * (WANT_MAX_CHARS + 1), 6 * (WANT_MAX_CHARS + 1) // 8)
+
+
+def test_a_version_too_large_for_a_want_sends_none() -> None:
+    most = WANT_MAX_CHARS * 6 // 8  # bytes whose base64url fits
+    assert encode_want(bytes(most)) is not None
+    assert encode_want(bytes(most + 1)) is None
+
+
+def test_the_wanted_token_changes_only_with_the_shards_wanted() -> None:
+    """Two answers that differ in a shard the poller holds have one wanted token; a shard it
+    lacks completing, or starting (a verified prefix), changes it; prefix growth does not."""
+    n = 12
+    want = _bits(n, {2, 9})
+    before = wanted_token(_bits(n, {0}), {5: 100}, want)
+    assert wanted_token(_bits(n, {0, 1, 3}), {5: 900, 6: 10, 11: 4}, want) == before
+    assert wanted_token(_bits(n, {0, 9}), {5: 100}, want) != before  # 9 completed
+    started = wanted_token(_bits(n, {0}), {2: 10}, want)
+    assert started != before  # 2 started
+    assert wanted_token(_bits(n, {0}), {2: 20000}, want) == started  # and grew
+    everything = _bits(n, set(range(n)))
+    assert wanted_token(_bits(n, {0}), {5: 1}, everything) == have_token(_bits(n, {0}), {5: 1})
+
+
+def test_server_and_client_compute_one_wanted_token_past_the_prefix_limit() -> None:
+    """The server takes the token from every prefix it holds; the poller from the answer,
+    which lists only the first ``MAX_PREFIX_ENTRIES``: both must agree."""
+    n = MAX_PREFIX_ENTRIES + 40
+    prefixes = {i: 7 for i in range(n)}
+    bits = bytes((n + 7) // 8)
+    _, listed = decode_have(bits + encode_prefixes(prefixes), n)
+    assert len(listed) == MAX_PREFIX_ENTRIES < len(prefixes)
+    for want in (_bits(n, {n - 1}), _bits(n, {0, n - 1}), _bits(n, set(range(n)))):
+        assert wanted_token(bits, prefixes, want) == wanted_token(bits, listed, want)
+
+
+def _session(delta: bool) -> Session:
+    """Ten shards of 8 bytes in one part, 0 and 1 verified; with ``delta``, every offer also
+    has a 3-byte delta blob (fetched as a light, batched request)."""
+    sizes = {XOR_ZSTD: 3} if delta else {}
+    offers = [Offer(i, 8, sizes) for i in range(10)]
+    cfg = SessionConfig(use_base=delta)
+    return Session(3, [8] * 10, 1, [0], offers, [0, 1], random.Random(1), cfg, 0.0)
+
+
+def _lacking(s: Session) -> set[int]:
+    bits = s.lacking()
+    assert len(bits) == 2
+    return {i for i in range(10) if bits[i // 8] & (0x80 >> i % 8)}
+
+
+@pytest.mark.parametrize("delta", [False, True])
+def test_a_download_wants_news_of_what_it_lacks_but_not_of_a_delta_on_its_way(
+    delta: bool,
+) -> None:
+    """A raw shard in flight is still wanted (another holder may serve it sooner, or in an
+    endgame); a delta blob in flight is not: its batch is held at the source it asked, and a
+    neighbour completing it at about the same time is no news. One that fails is wanted
+    again; one verified never is."""
+    s = _session(delta)
+    assert _lacking(s) == set(range(2, 10))
+    s.add_source("relay", True, 0.0)
+    fetches = [a for a in s.poll(0.0) if isinstance(a, Fetch)]
+    assert fetches
+    flying = {f.shard for f in fetches}
+    assert _lacking(s) == set(range(2, 10)) - (flying if delta else set())
+    done, failed = fetches[0], fetches[-1]
+    assert done is not failed
+    out = s.transfer_ended(done.req, Outcome.OK, done.length, 0.1)
+    assert [type(a) for a in out] == [Check]
+    s.shard_checked(done.req, Verdict.VERIFIED, 0.1)
+    s.transfer_ended(failed.req, Outcome.BROKEN, 0, 0.1)
+    left = set(range(2, 10)) - {done.shard} - (flying - {failed.shard} if delta else set())
+    assert _lacking(s) == left
