@@ -524,9 +524,13 @@ class Session:
         return out
 
     def lacking(self) -> bytes:
-        """The shards not yet verified here, as a bitmap laid out as a ``/have`` answer (bit
-        ``i`` of byte ``i // 8``, most significant first): the ``want`` of a have long-poll
-        (:func:`shardcast.wire.have.encode_want`), so a source answers only with news."""
+        """The shards a source's news of would help this download, as a bitmap laid out as
+        a ``/have`` answer (bit ``i`` of byte ``i // 8``, most significant first): the
+        ``want`` of a have long-poll (:func:`shardcast.wire.have.encode_want`), so a source
+        answers only with news. That is every shard not verified yet, except a delta blob
+        already asked for (:meth:`Scheduler.coming`): its batch is held at the source asked,
+        and a neighbour that gets it from the same relay at about the same time is no news.
+        A raw shard in flight stays wanted: another holder may serve it sooner (endgame)."""
         n = len(self._lengths)
         out = bytearray((n + 7) // 8)
         for i in range(n):
