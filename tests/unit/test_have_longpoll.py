@@ -12,6 +12,7 @@ import trio.testing
 
 from p2p.http_server import HttpRequest, HttpResponse
 from shardcast.serve.server import VersionServer
+from shardcast.store import PartialVersion
 from shardcast.store.store import VersionStore
 from shardcast.wire.have import (
     HAVE_HOLD_S,
@@ -23,6 +24,7 @@ from shardcast.wire.have import (
     wanted_token,
 )
 from shardcast.wire.lane_urls import have_url
+from shardcast.wire.manifest import Manifest
 from tests.faults import RUN, make_version
 from tests.helpers import trust
 
@@ -45,16 +47,23 @@ def _token(resp: HttpResponse, n: int) -> str:
     return token
 
 
-async def test_have_is_held_until_a_shard_starts_or_completes(
-    tmp_path: Path, autojump_clock: trio.testing.MockClock
-) -> None:
-    version = make_version(tmp_path, {FILE: 2 * SHARD}, SHARD, chunk_bytes=CHUNK)
+def _filling(tmp_path: Path, n: int) -> tuple[Manifest, bytes, PartialVersion, VersionServer, str]:
+    """A version of ``n`` shards being received (nothing held yet) and served live: its
+    manifest, its bytes, the partial version, the server and the ``/have`` path."""
+    version = make_version(tmp_path, {FILE: n * SHARD}, SHARD, chunk_bytes=CHUNK)
     m, data = version.signed, version.files[FILE]
     store = VersionStore(tmp_path / "filling", RUN, keep_last=2)
     part = store.begin(m)
     server = VersionServer(store, trust(), wait_s=10.0)
     server.add_live(part)
     path = have_url("http://x", RUN, m.step, m.digest).removeprefix("http://x")
+    return m, data, part, server, path
+
+
+async def test_have_is_held_until_a_shard_starts_or_completes(
+    tmp_path: Path, autojump_clock: trio.testing.MockClock
+) -> None:
+    m, data, part, server, path = _filling(tmp_path, 2)
     first = await server.handle(_get(path, None))
     token = _token(first, 2)
     got: list[HttpResponse] = []
@@ -105,13 +114,7 @@ async def test_a_poll_naming_what_it_lacks_is_held_until_news_for_it(
     shard 0, which it holds, nor when a prefix it does not want grows; it is when shard 2
     starts here. A poll naming only ``known`` is answered on any change, as before; a
     ``want`` that is not a bitmap of the version is a ``400``."""
-    version = make_version(tmp_path, {FILE: 3 * SHARD}, SHARD, chunk_bytes=CHUNK)
-    m, data = version.signed, version.files[FILE]
-    store = VersionStore(tmp_path / "filling", RUN, keep_last=2)
-    part = store.begin(m)
-    server = VersionServer(store, trust(), wait_s=10.0)
-    server.add_live(part)
-    path = have_url("http://x", RUN, m.step, m.digest).removeprefix("http://x")
+    m, data, part, server, path = _filling(tmp_path, 3)
     part.write_prefix(1, 0, data[SHARD : SHARD + CHUNK])
     first = await server.handle(_get(path, None))
     assert isinstance(first.body, bytes)
