@@ -134,8 +134,9 @@ def wanted_token(bits: bytes, prefixes: dict[int, int], want: bytes) -> str:
     ``want`` it sends now) beside ``?known=``. A server that knows ``want`` holds the
     long-poll until this token differs (a shard the downloader lacks completed or started at
     the source); one that does not holds it on ``known`` as before. In the shaped benchmark
-    (``bench/broadcast.py --shaped``, a next version) about half of the ``/have`` answers a
-    peer served named only shards its poller had already."""
+    (``bench/broadcast.py --shaped --seed-base``, real-1b) each peer then served 39-53
+    ``/have`` answers per next version instead of 105-130
+    (``bench/results/issue24-shaped-200M-s52-have-want.txt``)."""
     masked = bytes(b & w for b, w in zip(bits, want, strict=False))
     listed = sorted(prefixes.items())[:MAX_PREFIX_ENTRIES]  # what the answer carries
     inside = {i: n for i, n in listed if i // 8 < len(want) and want[i // 8] & (0x80 >> i % 8)}
