@@ -61,7 +61,7 @@ from dataclasses import dataclass, field
 from p2p.errors import short_id
 from shardcast.core.liveness import Abandon, Answer, DownloadWatch
 from shardcast.core.select import Request, Scheduler, SchedulerConfig
-from shardcast.wire import MAX_HOLDERS, codecs
+from shardcast.wire import MAX_HOLDERS, codecs, shard_bits
 
 log = logging.getLogger(__name__)
 
@@ -531,12 +531,8 @@ class Session:
         already asked for (:meth:`Scheduler.coming`): its batch is held at the source asked,
         and a neighbour that gets it from the same relay at about the same time is no news.
         A raw shard in flight stays wanted: another holder may serve it sooner (endgame)."""
-        n = len(self._lengths)
-        out = bytearray((n + 7) // 8)
-        for i in range(n):
-            if not self.sched.is_done(i) and not self.sched.coming(i):
-                out[i // 8] |= 0x80 >> (i % 8)
-        return bytes(out)
+        sched = self.sched
+        return shard_bits(len(self._lengths), lambda i: not (sched.is_done(i) or sched.coming(i)))
 
     def quiet_for(self, now: float) -> float:
         """Seconds since the last byte, part or delivery of the version arrived."""

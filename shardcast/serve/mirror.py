@@ -66,6 +66,7 @@ from shardcast.wire import (
     Manifest,
     check_run_id,
     document_signer,
+    shard_bits,
 )
 
 log = logging.getLogger(__name__)
@@ -278,10 +279,7 @@ def _export_version(
         _mkdir(tmp)
         _write(tmp / "manifest", doc)
         n = len(m.header.shards)
-        bits = bytearray(b"\xff" * (n // 8))
-        if n % 8:
-            bits.append((0xFF << (8 - n % 8)) & 0xFF)
-        _write(tmp / "have", bytes(bits))
+        _write(tmp / "have", shard_bits(n, lambda i: True))
         _mkdir(tmp / "files")
         chained = store.chained_files(step)
         for f in m.header.files:

@@ -127,6 +127,7 @@ from shardcast.wire import (
     parse_failed,
     parse_shards,
     parse_unreachable,
+    shard_bits,
     sign_whoami,
     verify_request,
     versions_token,
@@ -480,12 +481,7 @@ class VersionServer:
         return HttpResponse(200, headers, body)
 
     def _have_bits(self, step: int, m: Manifest) -> bytes:
-        n = len(m.header.shards)
-        out = bytearray((n + 7) // 8)
-        for i in range(n):
-            if self._has(step, i):
-                out[i // 8] |= 0x80 >> (i % 8)
-        return bytes(out)
+        return shard_bits(len(m.header.shards), lambda i: self._has(step, i))
 
     def _refuse_repeat(
         self, req: HttpRequest, step: int, m: Manifest, shards: Iterable[int]

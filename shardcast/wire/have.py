@@ -16,6 +16,7 @@ import binascii
 import hashlib
 import re
 import struct
+from collections.abc import Callable
 
 __all__ = [
     "HAVE_HOLD_S",
@@ -29,8 +30,10 @@ __all__ = [
     "decode_want",
     "encode_prefixes",
     "encode_want",
+    "has_bit",
     "have_max_bytes",
     "have_token",
+    "shard_bits",
     "versions_token",
     "wanted_token",
 ]
@@ -39,6 +42,22 @@ HOLD_HEADER = "x-shardnet-hold-s"
 """Request header: how long (seconds) the client accepts to be held for unverified content."""
 PREFIX_ENTRY = struct.Struct(">IQ")  #: (shard index, verified bytes) after the have-bitmap
 MAX_PREFIX_ENTRIES = 256  #: at most this many partial shards are advertised
+
+
+def shard_bits(n_shards: int, holds: Callable[[int], bool]) -> bytes:
+    """The have-bitmap of a version of ``n_shards`` shards: bit ``i`` (of byte ``i // 8``,
+    most significant first) set where ``holds(i)``; ``(n_shards + 7) // 8`` bytes. The
+    layout of a ``/have`` answer and of a long-poll's ``want``."""
+    out = bytearray((n_shards + 7) // 8)
+    for i in range(n_shards):
+        if holds(i):
+            out[i // 8] |= 0x80 >> (i % 8)
+    return bytes(out)
+
+
+def has_bit(bits: bytes, i: int) -> bool:
+    """True if :func:`shard_bits` ``bits`` names shard ``i`` (False past its end)."""
+    return i // 8 < len(bits) and bool(bits[i // 8] & (0x80 >> i % 8))
 
 
 def encode_prefixes(prefixes: dict[int, int]) -> bytes:
@@ -57,7 +76,7 @@ def decode_have(data: bytes, n_shards: int) -> tuple[list[int], dict[int, int]]:
     """
     nbytes = (n_shards + 7) // 8
     bits, rest = data[:nbytes], data[nbytes:]
-    held = [i for i in range(n_shards) if i // 8 < len(bits) and bits[i // 8] & (0x80 >> i % 8)]
+    held = [i for i in range(n_shards) if has_bit(bits, i)]
     if len(rest) % PREFIX_ENTRY.size or len(rest) > MAX_PREFIX_ENTRIES * PREFIX_ENTRY.size:
         raise ValueError(f"have suffix of {len(rest)} bytes")
     prefixes: dict[int, int] = {}
@@ -139,7 +158,7 @@ def wanted_token(bits: bytes, prefixes: dict[int, int], want: bytes) -> str:
     (``bench/results/issue24-shaped-200M-s52-have-want.txt``)."""
     masked = bytes(b & w for b, w in zip(bits, want, strict=False))
     listed = sorted(prefixes.items())[:MAX_PREFIX_ENTRIES]  # what the answer carries
-    inside = {i: n for i, n in listed if i // 8 < len(want) and want[i // 8] & (0x80 >> i % 8)}
+    inside = {i: n for i, n in listed if has_bit(want, i)}
     return have_token(masked, inside)
 
 

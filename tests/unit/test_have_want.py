@@ -18,7 +18,9 @@ from shardcast.wire.have import (
     decode_want,
     encode_prefixes,
     encode_want,
+    has_bit,
     have_token,
+    shard_bits,
     wanted_token,
 )
 
@@ -28,6 +30,16 @@ def _bits(n: int, shards: set[int]) -> bytes:
     for i in shards:
         out[i // 8] |= 0x80 >> (i % 8)
     return bytes(out)
+
+
+@pytest.mark.parametrize("n", [1, 7, 8, 9, 100])
+def test_shard_bits_lays_out_a_have_bitmap_msb_first(n: int) -> None:
+    rng = random.Random(n)
+    shards = {i for i in range(n) if rng.random() < 0.5}
+    bits = shard_bits(n, shards.__contains__)
+    assert bits == _bits(n, shards)
+    assert {i for i in range(n + 9) if has_bit(bits, i)} == shards  # nothing past the end
+    assert shard_bits(9, lambda i: True) == b"\xff\x80"
 
 
 @pytest.mark.parametrize("n", [1, 7, 8, 9, 100, 1000])
