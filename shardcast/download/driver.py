@@ -762,21 +762,19 @@ class DownloadDriver:
                 self.progress(self.session.verified_bytes, self.m.total_bytes)
 
     async def get_have(
-        self,
-        src: Source,
-        known: str | None = None,
-        last: tuple[bytes, dict[int, int]] | None = None,
+        self, src: Source, last: tuple[bytes, dict[int, int]] | None = None
     ) -> bytes:
         """``/have?prefix=1``: the bitmap, then the verified prefixes of shards being
         received (:func:`shardcast.wire.have.decode_have`; an older node sends the bitmap).
-        ``known``: the :func:`~shardcast.wire.have.have_token` of the last answer: the source
-        holds the request until its answer differs (a long-poll; an older node answers at
-        once). ``last``: that answer's bitmap and prefixes; with it the request also names
-        the shards this node lacks (``want``, :meth:`Session.lacking`) and the last answer's
-        :func:`~shardcast.wire.have.wanted_token` (``wknown``), so that a source that knows
-        ``want`` holds it until it has news for this node, not on any change."""
-        query = "?prefix=1" if known is None else f"?prefix=1&known={known}"
-        if known is not None and last is not None:
+        ``last``: the bitmap and prefixes of ``src``'s last answer. With it the request is a
+        long-poll naming that answer's :func:`~shardcast.wire.have.have_token` (``known``:
+        the source holds it until its answer differs; an older node answers at once), the
+        shards this node lacks (``want``, :meth:`Session.lacking`) and the last answer's
+        :func:`~shardcast.wire.have.wanted_token` under them (``wknown``), so that a source
+        that knows ``want`` holds it until it has news for this node, not on any change."""
+        query = "?prefix=1"
+        if last is not None:
+            query += f"&known={have_token(*last)}"
             lacking = self.session.lacking()
             want = encode_want(lacking)
             if want is not None:
@@ -806,12 +804,12 @@ class DownloadDriver:
         after an unchanged answer (the hold ran out, or an older node that does not hold) or
         a failure, wait ``have_poll_s``."""
         n, nbytes = len(self.m.header.shards), (len(self.m.header.shards) + 7) // 8
-        known: str | None = None
+        known: str | None = None  # the token of ``last``
         last: tuple[bytes, dict[int, int]] | None = None
         while True:
             try:
                 try:
-                    data = await self.get_have(src, known, last)
+                    data = await self.get_have(src, last)
                     held, prefixes = decode_have(data, n)
                 except ValueError as exc:
                     raise RemoteProtocolError(src.id, f"have: {exc}") from exc
