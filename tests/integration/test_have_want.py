@@ -7,6 +7,7 @@ from __future__ import annotations
 import random
 from pathlib import Path
 
+import pytest
 import trio
 import trio.testing
 
@@ -33,8 +34,15 @@ def _shards(bits: bytes) -> set[int]:
     return {i for i in range(N) if bits[i // 8] & (0x80 >> i % 8)}
 
 
+@pytest.fixture
+def jump_clock() -> trio.testing.MockClock:
+    """Jumps after 50 ms of real idleness, not at once: shards are verified in worker
+    threads, which trio cannot see (``test_late_parts.jump_clock``)."""
+    return trio.testing.MockClock(autojump_threshold=0.05)
+
+
 async def test_have_polls_name_what_the_downloader_lacks_and_the_token_under_it(
-    tmp_path: Path, autojump_clock: trio.testing.MockClock
+    tmp_path: Path, jump_clock: trio.testing.MockClock
 ) -> None:
     """The origin serves shards 0-17 at once and 18-19 only at 3 s; a peer that is still
     receiving, once polled, gains a shard every 0.1 s, each one the downloader verified

@@ -46,7 +46,12 @@ WAIT_S = 10.0  # every server's longest hold, as a node's default
 
 @pytest.fixture
 def jump_clock() -> trio.testing.MockClock:
-    return trio.testing.MockClock(autojump_threshold=0)
+    """Virtual time that jumps only after 50 ms of real idleness, as in
+    ``test_downloader_faults``: the downloader verifies shards in worker threads, which
+    trio cannot see, and with a threshold of 0 the clock ran through every held request's
+    and idle timer's deadline up to the download's 60 s while one thread hashed a shard
+    (1 run in 20-30 failed with ``TooSlowError``, before and after the ``want`` change)."""
+    return trio.testing.MockClock(autojump_threshold=0.05)
 
 
 class _Live:
