@@ -51,7 +51,9 @@ version: each peer is shown a quarter of their sum). Per shardnet node it also r
 next version's CPU-seconds by stage (``receive``, ``verify``, ``apply``, ``write``,
 ``materialize``, ``engine_update``: the change of ``shardnet_stage_cpu_seconds_total`` on
 the node's ``/metrics`` over the version; the followers here are ``shardnet relay``
-processes, so ``engine_update`` stays 0). Every namespace (and every process in one) is
+processes, so ``engine_update`` stays 0), and the lane requests each node served over the
+version by route (``shardnet_http_requests_total{route}``: ``have``, ``blobs``, ``part``...).
+Every namespace (and every process in one) is
 removed on any exit, Ctrl-C and SIGTERM included; labs left by a killed run are removed at
 the next start.
 
@@ -432,6 +434,8 @@ class Scrape:
     """``shardnet_http_sent_bytes_total``: lane body bytes sent so far."""
     stage_cpu_s: dict[str, float]
     """``shardnet_stage_cpu_seconds_total`` by stage: CPU-seconds of the data path so far."""
+    served: dict[str, int]
+    """``shardnet_http_requests_total`` by route, every status class: lane requests served."""
 
     @classmethod
     def parse(cls, text: str) -> Scrape:
@@ -439,13 +443,32 @@ class Scrape:
         stages = re.findall(
             r'^shardnet_stage_cpu_seconds_total\{stage="(\w+)"\} (\S+)', text, re.MULTILINE
         )
-        return cls(int(float(m.group(1))) if m else 0, {k: float(v) for k, v in stages})
+        served: dict[str, int] = {}
+        for route, n in re.findall(
+            r'^shardnet_http_requests_total\{code="\w+",route="(\w+)"\} (\S+)', text, re.MULTILINE
+        ):
+            served[route] = served.get(route, 0) + int(float(n))
+        return cls(int(float(m.group(1))) if m else 0, {k: float(v) for k, v in stages}, served)
+
+    def served_delta(self, before: Scrape) -> dict[str, int]:
+        """Lane requests served by route since ``before`` (routes with none left out)."""
+        got = {k: v - before.served.get(k, 0) for k, v in self.served.items()}
+        return {k: v for k, v in got.items() if v}
 
     def stage_delta(self, before: Scrape) -> dict[str, float]:
         """CPU-seconds by stage since ``before``."""
         return {
             k: round(v - before.stage_cpu_s.get(k, 0.0), 3) for k, v in self.stage_cpu_s.items()
         }
+
+
+def _scrape_deltas(before: dict[str, Scrape], after: dict[str, Scrape]) -> dict[str, Any]:
+    """Per node (the keys of ``before``), what changed between two scrapes: CPU-seconds by
+    stage (``stage_cpu_s``) and lane requests served by route (``served``)."""
+    return {
+        "stage_cpu_s": {n: after[n].stage_delta(b) for n, b in before.items()},
+        "served": {n: after[n].served_delta(b) for n, b in before.items()},
+    }
 
 
 async def _scrape(client: Any, url: str, prefix: list[str] | None = None) -> Scrape:
@@ -829,7 +852,7 @@ class _ShardnetRun:
             "cpu_s": cpu,
             "cpu_sys_s": cpu_sys,
             "idle_cpu_s_per_s": idle,
-            "stage_cpu_s": {p.name: after[p.name].stage_delta(before[p.name]) for p in procs},
+            **_scrape_deltas(before, after),
         }
 
 
@@ -1111,20 +1134,21 @@ def _shaped_version(step: int, vs: list[dict[str, Any]], bound: float) -> dict[s
             for k in nodes
         },
         "stage_cpu_s": _median_stages(vs),
+        "served": _median_stages(vs, "served"),
         "repeats": len(vs),
         "failed": len(vs) - len(lasts),
     }
 
 
-def _median_stages(vs: list[dict[str, Any]]) -> dict[str, dict[str, float]]:
-    """Per node and stage, the median over the repeats ``vs`` of the stage CPU-seconds."""
-    stage_nodes = sorted({k for v in vs for k in (v.get("stage_cpu_s") or {})})
-    stages = sorted({st for v in vs for per in (v.get("stage_cpu_s") or {}).values() for st in per})
+def _median_stages(
+    vs: list[dict[str, Any]], key: str = "stage_cpu_s"
+) -> dict[str, dict[str, float]]:
+    """Per node and stage, the median over the repeats ``vs`` of the stage CPU-seconds (with
+    ``key="served"``: of the lane requests served, per route)."""
+    stage_nodes = sorted({k for v in vs for k in (v.get(key) or {})})
+    stages = sorted({st for v in vs for per in (v.get(key) or {}).values() for st in per})
     return {
-        k: {
-            st: round(_median([v["stage_cpu_s"].get(k, {}).get(st, 0.0) for v in vs]), 3)
-            for st in stages
-        }
+        k: {st: round(_median([v[key].get(k, {}).get(st, 0.0) for v in vs]), 3) for st in stages}
         for k in stage_nodes
     }
 
@@ -1338,6 +1362,14 @@ def _print_stage_table(label: str, by_preset: dict[str, Any]) -> None:
                 idle = (e.get("idle_cpu_s_per_s") or {}).get(node, float("nan"))
                 cells += [sum(stages.values()), process, idle, process - idle * e["last_s"]]
                 print(f"  {node:<8}" + "".join(f"{x:>14.3f}" for x in cells))
+            served = e.get("served") or {}
+            routes = sorted({r for per_node in served.values() for r in per_node})
+            if routes:
+                print(f"{label} {preset} {system}: next version, lane requests served by route")
+                print(f"  {'node':<8}" + "".join(f"{r:>10}" for r in (*routes, "all")))
+                for node, per_node in served.items():
+                    cells = [per_node.get(r, 0) for r in routes]
+                    print(f"  {node:<8}" + "".join(f"{x:>10.0f}" for x in (*cells, sum(cells))))
 
 
 def _print_scaling(label: str, sc: dict[str, Any]) -> None:

@@ -16,8 +16,10 @@ Families every node exports (besides ``process_*`` and ``python_info``):
 
 ==============================================  ==========================================
 ``shardnet_build_info{version,role,run_id,peer_id}``  always 1
-``shardnet_http_requests_total{code}``          lane responses by status class (``2xx``…),
-                                                excluding ``/metrics`` and ``/status``
+``shardnet_http_requests_total{route,code}``    lane responses by route (``have``,
+                                                ``blobs``…: :class:`LaneRoute`) and status
+                                                class (``2xx``…), excluding ``/metrics``
+                                                and ``/status``
 ``shardnet_http_client_errors_total{code}``     of those, the ``4xx`` by exact code (``404``
                                                 not held, ``429`` sent to another holder…)
 ``shardnet_http_sent_bytes_total``              lane body bytes sent, excluding scrapes
@@ -105,7 +107,7 @@ from p2p.keepalive import Outcome
 from p2p.limits import Offence
 from shardcast.core import Stage, StageCpu
 from shardcast.node.view import NodeView
-from shardcast.wire import codecs
+from shardcast.wire import LaneRoute, codecs
 
 log = logging.getLogger(__name__)
 
@@ -202,8 +204,11 @@ class NodeMetrics:
             "versions committed on this node (downloaded and verified, or published)",
             registry=reg,
         )
-        self.requests_by_class: dict[str, int] = dict.fromkeys(CODE_CLASSES, 0)
-        """HTTP lane responses by status class, excluding ``/metrics`` and ``/status``."""
+        self.requests: dict[tuple[LaneRoute, str], int] = {
+            (r, c): 0 for r in LaneRoute for c in CODE_CLASSES
+        }
+        """HTTP lane responses by route and status class, excluding ``/metrics`` and
+        ``/status``."""
         self.client_errors: dict[int, int] = {}
         """Of those, the ``4xx`` answers by exact code (at most 100 keys)."""
         self.observability_bytes = 0
@@ -284,9 +289,17 @@ class NodeMetrics:
             registry=reg,
         )
 
-    def count_request(self, status: int) -> None:
-        """One lane response with ``status`` was produced."""
-        self.requests_by_class[code_class(status)] += 1
+    @property
+    def requests_by_class(self) -> dict[str, int]:
+        """HTTP lane responses by status class (every route)."""
+        out = dict.fromkeys(CODE_CLASSES, 0)
+        for (_, c), n in self.requests.items():
+            out[c] += n
+        return out
+
+    def count_request(self, status: int, route: LaneRoute = LaneRoute.OTHER) -> None:
+        """One lane response with ``status`` was produced for a request on ``route``."""
+        self.requests[route, code_class(status)] += 1
         if 400 <= status < 500:
             self.client_errors[status] = self.client_errors.get(status, 0) + 1
 
@@ -342,11 +355,11 @@ def _http_families(node: NodeView, m: NodeMetrics) -> Iterator[Metric]:
     client = node.client.statistics()
     requests = CounterMetricFamily(
         "shardnet_http_requests",
-        "HTTP lane responses by status class, excluding /metrics and /status",
-        labels=["code"],
+        "HTTP lane responses by route and status class, excluding /metrics and /status",
+        labels=["route", "code"],
     )
-    for c, n in m.requests_by_class.items():
-        requests.add_metric([c], n)
+    for (route, c), n in m.requests.items():
+        requests.add_metric([route.value, c], n)
     yield requests
     client_errors = CounterMetricFamily(
         "shardnet_http_client_errors",

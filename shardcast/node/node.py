@@ -73,6 +73,7 @@ from shardcast.wire import (
     VersionAnnouncement,
     check_run_id,
     decode_versions_message,
+    lane_route,
 )
 
 log = logging.getLogger(__name__)
@@ -151,7 +152,7 @@ def _http_handler(
                 metrics.observability_bytes += len(resp.body)
             return resp
         resp = await server.handle(req)
-        metrics.count_request(resp.status)
+        metrics.count_request(resp.status, lane_route(req.path))
         return resp
 
     return handle

@@ -89,7 +89,6 @@ import dataclasses
 import email.utils
 import json
 import logging
-import re
 import time
 from collections.abc import Awaitable, Callable, Iterable
 from pathlib import Path
@@ -119,6 +118,8 @@ from shardcast.wire import (
     STEP_ONLY_ROUTE,
     UNREACHABLE_HEADER,
     VERSIONS_HOLD_S,
+    VERSIONS_ROUTE,
+    WHOAMI_ROUTE,
     Manifest,
     decode_want,
     encode_prefixes,
@@ -141,8 +142,6 @@ MAX_BUILT_BYTES = 64 << 20
 """Largest range of a chain version built in memory per request (larger ones of a committed
 chain materialize it first), bytes."""
 _JSON = "application/json"
-_VERSIONS = re.compile(r"^/shardnet/v1/(?P<run>[^/]+)/versions$")
-_WHOAMI = re.compile(r"^/shardnet/v1/whoami/(?P<nonce>[0-9a-f]{32})$")
 
 
 class LiveVersion(Protocol):
@@ -332,12 +331,12 @@ class VersionServer:
         """Answer one HTTP request (see the routes in the module docstring)."""
         if req.method not in ("GET", "HEAD"):
             return HttpResponse(405, [("allow", "GET, HEAD")])
-        mw = _WHOAMI.match(req.path)
+        mw = WHOAMI_ROUTE.match(req.path)
         if mw and self.identity is not None:
             host = req.headers.get("host", "")
             body = sign_whoami(self.identity, mw["nonce"], f"http://{host}")
             return HttpResponse(200, [("content-type", "text/plain")], body)
-        mv = _VERSIONS.match(req.path)
+        mv = VERSIONS_ROUTE.match(req.path)
         if mv:
             if mv["run"] != self.store.run_id:
                 return HttpResponse(404)

@@ -56,6 +56,12 @@ ROUTE = re.compile(
 """A version route; groups ``run``, ``step``, ``digest`` and one of ``kind``, ``part``,
 ``name``, ``shard``+``enc``, ``benc``+``shards`` (a batch: at most 64 shard indices)."""
 
+VERSIONS_ROUTE = re.compile(r"^/shardnet/v1/(?P<run>[^/]+)/versions$")
+"""The ``/versions`` route (:func:`versions_url`); group ``run``."""
+
+WHOAMI_ROUTE = re.compile(r"^/shardnet/v1/whoami/(?P<nonce>[0-9a-f]{32})$")
+"""The signed dial-back challenge (:func:`shardcast.wire.lane_auth.whoami_path`)."""
+
 STEP_ONLY_ROUTE = re.compile(
     r"^/shardnet/v1/[^/]+/\d{1,18}/(?:manifest|have|manifest/part/\d+|files/[^/]+|shard/.+)$"
 )
@@ -158,6 +164,40 @@ def lane_answer(status: int) -> LaneAnswer:
     if status == 409:
         return LaneAnswer.OTHER_DIGEST
     return LaneAnswer.BUSY
+
+
+class LaneRoute(enum.Enum):
+    """The route of a lane request, the ``route`` label of ``shardnet_http_requests_total``
+    (a fixed set: a path cannot add series)."""
+
+    VERSIONS = "versions"
+    WHOAMI = "whoami"
+    MANIFEST = "manifest"
+    PART = "part"
+    HAVE = "have"
+    FILE = "file"
+    SHARD = "shard"
+    """one encoded shard blob"""
+    BLOBS = "blobs"
+    """a batch of blobs"""
+    OTHER = "other"
+    """anything else (answered ``404`` or ``405``)"""
+
+
+def lane_route(path: str) -> LaneRoute:
+    """The :class:`LaneRoute` of a request path (its query removed); pure."""
+    m = ROUTE.match(path)
+    if m is None:
+        if VERSIONS_ROUTE.match(path):
+            return LaneRoute.VERSIONS
+        return LaneRoute.WHOAMI if WHOAMI_ROUTE.match(path) else LaneRoute.OTHER
+    if m["kind"] is not None:
+        return LaneRoute(m["kind"])
+    if m["part"] is not None:
+        return LaneRoute.PART
+    if m["name"] is not None:
+        return LaneRoute.FILE
+    return LaneRoute.SHARD if m["shard"] is not None else LaneRoute.BLOBS
 
 
 def check_mirror_url(text: str, option: str) -> str:

@@ -21,6 +21,7 @@ from rollout.batch import SamplingConfig
 from shardcast.download.follower import FollowConfig, Follower
 from shardcast.node.node import NodeConfig, ShardcastNode
 from shardcast.publish.origin import OriginConfig
+from shardcast.wire import LaneRoute
 from shardnet.observe import attach_peer, attach_trainer
 from shardnet.peer import InferencePeer, PeerConfig
 from shardnet.status import fetch_status
@@ -212,7 +213,12 @@ async def test_status_and_metrics_of_every_role(tmp_path: Path) -> None:
         )
         assert got > 0
     # the origin's lane counts only lane traffic, not these scrapes
-    assert _value(trainer_text, 'shardnet_http_requests_total{code="2xx"}') > 0
+    served = {
+        r: _value(trainer_text, f'shardnet_http_requests_total{{code="2xx",route="{r.value}"}}')
+        for r in LaneRoute
+    }
+    assert served[LaneRoute.MANIFEST] + served[LaneRoute.PART] > 0  # the relays asked it
+    assert served[LaneRoute.OTHER] == 0
     if promtool() is None:
         pytest.skip("promtool not installed (Debian package prometheus): lint not run")
 

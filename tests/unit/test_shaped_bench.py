@@ -212,6 +212,9 @@ METRICS = """# HELP shardnet_http_sent_bytes_total lane body bytes
 shardnet_http_sent_bytes_total 1.5e+06
 shardnet_stage_cpu_seconds_total{stage="receive"} 0.5
 shardnet_stage_cpu_seconds_total{stage="apply"} 1.25
+shardnet_http_requests_total{code="2xx",route="have"} 40.0
+shardnet_http_requests_total{code="4xx",route="have"} 2.0
+shardnet_http_requests_total{code="2xx",route="blobs"} 0.0
 """
 
 
@@ -221,7 +224,11 @@ def test_scrape_reads_sent_bytes_and_stage_cpu() -> None:
     assert before.stage_cpu_s == {"receive": 0.5, "apply": 1.25}
     after = broadcast.Scrape.parse(METRICS.replace("1.25", "2.0"))
     assert after.stage_delta(before) == {"receive": 0.0, "apply": 0.75}
-    assert broadcast.Scrape.parse("") == broadcast.Scrape(0, {})
+    assert before.served == {"have": 42, "blobs": 0}  # every status class of a route
+    later = broadcast.Scrape.parse(METRICS.replace("40.0", "45.0").replace("0.0\n", "3.0\n"))
+    assert later.served_delta(before) == {"have": 5, "blobs": 3}
+    assert before.served_delta(before) == {}
+    assert broadcast.Scrape.parse("") == broadcast.Scrape(0, {}, {})
 
 
 def _seeded(system: str, last: float, stages: dict[str, float] | None) -> dict[str, Any]:
@@ -234,6 +241,7 @@ def _seeded(system: str, last: float, stages: dict[str, float] | None) -> dict[s
     }
     if stages is not None:
         v["stage_cpu_s"] = {"peer1": stages, "origin": {"apply": 0.0}}
+        v["served"] = {"peer1": {"have": 10 * last}, "origin": {"part": 8}}
         v["least_bytes"], v["shards"] = 1_000_000, 10
     return {"system": system, "versions": [v], "seeded": True}
 
@@ -288,6 +296,8 @@ def test_seeded_runs_summarize_the_next_version_only_with_its_stages(
     assert "(not run: base seeded)" in text
     assert "next(last)/next(first)=2.0" in text
     assert "CPU-s by stage" in text
+    assert "next version, lane requests served by route" in text
+    assert "  peer1           40         0        40" in text  # median of 30 and 50 have
     assert "machine: 2 cores for all nodes; writing 1 GiB into the page cache took 0.50 s" in text
     assert "; creating a 100 KB file there 0.400 ms of CPU" in text
     # the two seeded repeats spent 3.0 CPU-s each over the nodes: 1.5 s on 2 cores, of 4 s
