@@ -375,7 +375,17 @@ class Session:
         if extra:
             self._extra.add(source)
         self.watch.add_source(source)
+        self._assure_light(source, self._offers)
         return [] if complete else [PollHave(source)]
+
+    def _assure_light(self, source: str, shards: Iterable[int]) -> None:
+        """Count an upstream (a partial source the download was given, not a discovered
+        one) as holding those of ``shards`` that are fetched as delta blobs (light): see
+        :meth:`lacking`."""
+        if source in self._extra or self._complete.get(source, True):
+            return
+        light = [i for i in shards if self._chosen.get(i) in codecs.DELTAS]
+        self.sched.add_have(source, light)
 
     def known(self, source: str) -> bool:
         """True if ``source`` is part of the download."""
@@ -468,8 +478,11 @@ class Session:
         """Manifest part ``part`` was verified; ``offers`` are its shards."""
         self.missing_parts.discard(part)
         self.watch.on_progress(now)
+        offers = list(offers)
         for o in offers:
             self._offer(o)
+        for source in list(self._complete):
+            self._assure_light(source, (o.index for o in offers))
 
     def _offer(self, o: Offer) -> None:
         self._offers[o.index] = o
@@ -530,9 +543,37 @@ class Session:
         answers only with news. That is every shard not verified yet, except a delta blob
         already asked for (:meth:`Scheduler.coming`): its batch is held at the source asked,
         and a neighbour that gets it from the same relay at about the same time is no news.
-        A raw shard in flight stays wanted: another holder may serve it sooner (endgame)."""
+        A raw shard in flight stays wanted: another holder may serve it sooner (endgame).
+
+        Nor are delta blobs wanted while an upstream is usable (given to the download, not
+        banned, not gone): an upstream counts as holding every delta blob of a known part
+        (:meth:`_assure_light`), as the signer holds every shard. It is a relay that gets
+        each blob from the origin (or the origin itself), and it holds a request for a blob
+        it has not yet got until it has it (a batch's hold), so it is asked at once. The
+        blobs are ~1 % of the version: the neighbours' uplinks are not needed for them, and
+        news of neighbours' blobs was most of the ``/have`` answers of a next version (a
+        seeded real-6b: 103-108 answers served per peer, 165-166 per relay, before this
+        rule). Once no upstream is usable, they are wanted from everyone again."""
         sched = self.sched
-        return shard_bits(len(self._lengths), lambda i: not (sched.is_done(i) or sched.coming(i)))
+        skip_light = self._upstream_usable()
+        return shard_bits(
+            len(self._lengths),
+            lambda i: (
+                not (
+                    sched.is_done(i)
+                    or sched.coming(i)
+                    or (skip_light and self._chosen.get(i) in codecs.DELTAS)
+                )
+            ),
+        )
+
+    def _upstream_usable(self) -> bool:
+        """True if a source given to the download (not discovered) is neither banned nor
+        gone."""
+        return any(
+            s not in self._extra and not self.sched.is_banned(s) and not self.watch.gone(s)
+            for s in self._complete
+        )
 
     def quiet_for(self, now: float) -> float:
         """Seconds since the last byte, part or delivery of the version arrived."""

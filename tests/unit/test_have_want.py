@@ -9,6 +9,7 @@ import random
 
 import pytest
 
+from shardcast.core.liveness import Answer
 from shardcast.core.session import Check, Fetch, Offer, Outcome, Session, SessionConfig, Verdict
 from shardcast.wire.codecs import XOR_ZSTD
 from shardcast.wire.have import (
@@ -124,7 +125,7 @@ def test_a_download_wants_news_of_what_it_lacks_but_not_of_a_delta_on_its_way(
     again; one verified never is."""
     s = _session(delta)
     assert _lacking(s) == set(range(2, 10))
-    s.add_source("relay", True, 0.0)
+    s.add_source("relay", True, 0.0, extra=True)  # discovered: it assures nothing
     fetches = [a for a in s.poll(0.0) if isinstance(a, Fetch)]
     assert fetches
     flying = {f.shard for f in fetches}
@@ -137,3 +138,44 @@ def test_a_download_wants_news_of_what_it_lacks_but_not_of_a_delta_on_its_way(
     s.transfer_ended(failed.req, Outcome.BROKEN, 0, 0.1)
     left = set(range(2, 10)) - {done.shard} - (flying - {failed.shard} if delta else set())
     assert _lacking(s) == left
+
+
+def _upstream_session() -> Session:
+    """Ten shards of 8 bytes in two parts, part 0 (shards 0-6) known, shard 0 verified:
+    1-5 offered as delta blobs, 6 raw only."""
+    offers = [Offer(i, 8, {XOR_ZSTD: 3} if i < 6 else {}) for i in range(7)]
+    cfg = SessionConfig(use_base=True)
+    return Session(3, [8] * 10, 2, [0], offers, [0], random.Random(1), cfg, 0.0)
+
+
+def test_an_upstream_counts_as_holding_every_delta_blob_so_none_is_wanted_from_others() -> None:
+    """A source given to the download (a relay) is asked for every delta blob of a known
+    part at once, with no ``/have`` answer (it holds the batch until it has the blobs), and
+    while one is usable nobody's news of a delta blob is wanted; raw shards stay wanted."""
+    s = _upstream_session()
+    assert _lacking(s) == set(range(1, 10))  # no upstream yet
+    s.add_source("peer", False, 0.0, extra=True)
+    assert _lacking(s) == set(range(1, 10))  # a discovered peer assures nothing
+    s.add_source("relay", False, 0.0)
+    assert _lacking(s) == {6, 7, 8, 9}  # raw shard 6, and the shards of the missing part
+    fetched = {f.shard: f.source for f in s.poll(0.0) if isinstance(f, Fetch)}
+    assert fetched == dict.fromkeys(range(1, 6), "relay")  # asked at once, no /have answer
+    s.part_arrived(1, [Offer(i, 8, {XOR_ZSTD: 3}) for i in (7, 8, 9)], 0.1)
+    assert _lacking(s) == {6}
+    fetched = {f.shard: f.source for f in s.poll(0.1) if isinstance(f, Fetch)}
+    assert fetched == dict.fromkeys((7, 8, 9), "relay")  # the new part's blobs too
+
+
+def test_a_banned_or_gone_upstream_assures_nothing() -> None:
+    """Without a usable upstream the delta blobs are wanted from everyone again."""
+    gone = _upstream_session()
+    gone.add_source("relay", False, 0.0)
+    assert _lacking(gone) == {6, 7, 8, 9}
+    gone.probed("relay", Answer.GONE, 0.1)
+    assert _lacking(gone) == set(range(1, 10))
+    gone.probed("relay", Answer.PRESENT, 0.2)  # back
+    assert _lacking(gone) == {6, 7, 8, 9}
+    banned = _upstream_session()
+    banned.add_source("relay", False, 0.0, banned=True)
+    assert _lacking(banned) == set(range(1, 10))
+    assert not [a for a in banned.poll(0.0) if isinstance(a, Fetch)]  # never asked
