@@ -550,19 +550,24 @@ class Session:
         (:meth:`_assure_light`), as the signer holds every shard. It is a relay that gets
         each blob from the origin (or the origin itself), and it holds a request for a blob
         it has not yet got until it has it (a batch's hold), so it is asked at once. The
-        blobs are ~1 % of the version: the neighbours' uplinks are not needed for them, and
-        news of neighbours' blobs was most of the ``/have`` answers of a next version (a
-        seeded real-6b: 103-108 answers served per peer, 165-166 per relay, before this
-        rule). Once no upstream is usable, they are wanted from everyone again."""
-        sched = self.sched
+        blobs are ~1 % of the version: the neighbours' uplinks are not needed for them.
+        When this node holds the base (``use_base``), the shards of parts not yet known are
+        not wanted either: they are nearly all delta blobs, and neighbours that knew a part
+        first were the rest of that news (the origin signs parts over its whole encode).
+        A ``/have`` answer still carries the source's whole state, so a raw shard among
+        them is known the moment its part is. Once no upstream is usable, all of these are
+        wanted from everyone again."""
+        sched, chosen = self.sched, self._chosen
         skip_light = self._upstream_usable()
+        skip_unknown = skip_light and self.config.use_base
         return shard_bits(
             len(self._lengths),
             lambda i: (
                 not (
                     sched.is_done(i)
                     or sched.coming(i)
-                    or (skip_light and self._chosen.get(i) in codecs.DELTAS)
+                    or (skip_light and chosen.get(i) in codecs.DELTAS)
+                    or (skip_unknown and i not in chosen)
                 )
             ),
         )

@@ -151,30 +151,32 @@ def _upstream_session() -> Session:
 def test_an_upstream_counts_as_holding_every_delta_blob_so_none_is_wanted_from_others() -> None:
     """A source given to the download (a relay) is asked for every delta blob of a known
     part at once, with no ``/have`` answer (it holds the batch until it has the blobs), and
-    while one is usable nobody's news of a delta blob is wanted; raw shards stay wanted."""
+    while one is usable nobody's news of a delta blob is wanted, nor of a shard whose part is
+    not known yet (this node holds the base: most likely a delta blob too); raw shards of
+    known parts stay wanted."""
     s = _upstream_session()
     assert _lacking(s) == set(range(1, 10))  # no upstream yet
     s.add_source("peer", False, 0.0, extra=True)
     assert _lacking(s) == set(range(1, 10))  # a discovered peer assures nothing
     s.add_source("relay", False, 0.0)
-    assert _lacking(s) == {6, 7, 8, 9}  # raw shard 6, and the shards of the missing part
+    assert _lacking(s) == {6}  # raw shard 6 (the missing part's shards: deltas, most likely)
     fetched = {f.shard: f.source for f in s.poll(0.0) if isinstance(f, Fetch)}
     assert fetched == dict.fromkeys(range(1, 6), "relay")  # asked at once, no /have answer
-    s.part_arrived(1, [Offer(i, 8, {XOR_ZSTD: 3}) for i in (7, 8, 9)], 0.1)
-    assert _lacking(s) == {6}
+    s.part_arrived(1, [Offer(7, 8, {}), *(Offer(i, 8, {XOR_ZSTD: 3}) for i in (8, 9))], 0.1)
+    assert _lacking(s) == {6, 7}  # a raw shard of the new part is wanted
     fetched = {f.shard: f.source for f in s.poll(0.1) if isinstance(f, Fetch)}
-    assert fetched == dict.fromkeys((7, 8, 9), "relay")  # the new part's blobs too
+    assert fetched == dict.fromkeys((8, 9), "relay")  # the new part's blobs too
 
 
 def test_a_banned_or_gone_upstream_assures_nothing() -> None:
     """Without a usable upstream the delta blobs are wanted from everyone again."""
     gone = _upstream_session()
     gone.add_source("relay", False, 0.0)
-    assert _lacking(gone) == {6, 7, 8, 9}
+    assert _lacking(gone) == {6}
     gone.probed("relay", Answer.GONE, 0.1)
     assert _lacking(gone) == set(range(1, 10))
     gone.probed("relay", Answer.PRESENT, 0.2)  # back
-    assert _lacking(gone) == {6, 7, 8, 9}
+    assert _lacking(gone) == {6}
     banned = _upstream_session()
     banned.add_source("relay", False, 0.0, banned=True)
     assert _lacking(banned) == set(range(1, 10))
