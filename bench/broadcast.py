@@ -1133,23 +1133,21 @@ def _shaped_version(step: int, vs: list[dict[str, Any]], bound: float) -> dict[s
             k: round(_median([(v.get("idle_cpu_s_per_s") or {}).get(k, 0.0) for v in vs]), 4)
             for k in nodes
         },
-        "stage_cpu_s": _median_stages(vs),
-        "served": _median_stages(vs, "served"),
+        "stage_cpu_s": _median_per_node(vs, "stage_cpu_s"),
+        "served": _median_per_node(vs, "served"),
         "repeats": len(vs),
         "failed": len(vs) - len(lasts),
     }
 
 
-def _median_stages(
-    vs: list[dict[str, Any]], key: str = "stage_cpu_s"
-) -> dict[str, dict[str, float]]:
-    """Per node and stage, the median over the repeats ``vs`` of the stage CPU-seconds (with
-    ``key="served"``: of the lane requests served, per route)."""
-    stage_nodes = sorted({k for v in vs for k in (v.get(key) or {})})
-    stages = sorted({st for v in vs for per in (v.get(key) or {}).values() for st in per})
+def _median_per_node(vs: list[dict[str, Any]], key: str) -> dict[str, dict[str, float]]:
+    """Per node and column, the median over the repeats ``vs`` of ``v[key][node][column]``:
+    CPU-seconds by stage (``stage_cpu_s``), lane requests served by route (``served``)."""
+    nodes = sorted({k for v in vs for k in (v.get(key) or {})})
+    cols = sorted({c for v in vs for per in (v.get(key) or {}).values() for c in per})
     return {
-        k: {st: round(_median([v[key].get(k, {}).get(st, 0.0) for v in vs]), 3) for st in stages}
-        for k in stage_nodes
+        k: {c: round(_median([v[key].get(k, {}).get(c, 0.0) for v in vs]), 3) for c in cols}
+        for k in nodes
     }
 
 

@@ -375,17 +375,17 @@ class Session:
         if extra:
             self._extra.add(source)
         self.watch.add_source(source)
-        self._assure_light(source, self._offers)
+        self._assure_light(self._offers, [source])
         return [] if complete else [PollHave(source)]
 
-    def _assure_light(self, source: str, shards: Iterable[int]) -> None:
-        """Count an upstream (a partial source the download was given, not a discovered
-        one) as holding those of ``shards`` that are fetched as delta blobs (light): see
-        :meth:`lacking`."""
-        if source in self._extra or self._complete.get(source, True):
-            return
+    def _assure_light(self, shards: Iterable[int], sources: Iterable[str]) -> None:
+        """Count each upstream of ``sources`` (a partial source the download was given, not
+        a discovered one) as holding those of ``shards`` that are fetched as delta blobs
+        (light): see :meth:`lacking`."""
         light = [i for i in shards if self._chosen.get(i) in codecs.DELTAS]
-        self.sched.add_have(source, light)
+        for source in sources:
+            if source not in self._extra and not self._complete[source]:
+                self.sched.add_have(source, light)
 
     def known(self, source: str) -> bool:
         """True if ``source`` is part of the download."""
@@ -481,8 +481,7 @@ class Session:
         offers = list(offers)
         for o in offers:
             self._offer(o)
-        for source in list(self._complete):
-            self._assure_light(source, (o.index for o in offers))
+        self._assure_light((o.index for o in offers), self._complete)
 
     def _offer(self, o: Offer) -> None:
         self._offers[o.index] = o

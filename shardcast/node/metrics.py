@@ -297,7 +297,7 @@ class NodeMetrics:
             out[c] += n
         return out
 
-    def count_request(self, status: int, route: LaneRoute = LaneRoute.OTHER) -> None:
+    def count_request(self, status: int, route: LaneRoute) -> None:
         """One lane response with ``status`` was produced for a request on ``route``."""
         self.requests[route, code_class(status)] += 1
         if 400 <= status < 500:
