@@ -76,6 +76,7 @@ from shardcast.wire import (
     RunFinished,
     VersionAnnouncement,
     codecs,
+    shard_bits,
     sign_header,
     sign_part,
     versions_topic,
@@ -167,9 +168,18 @@ class _Publishing:
     def __init__(self, manifest: Manifest, directory: Path) -> None:
         self.manifest = manifest
         self.dir = directory
+        self._bits = (0, shard_bits(len(manifest.header.shards), manifest.known))
 
     def has(self, index: int) -> bool:
         return self.manifest.known(index)
+
+    def have_bits(self) -> bytes:
+        """The ``/have`` bitmap (the shards of the parts signed so far), rebuilt only when a
+        part was added."""
+        if self._bits[0] != len(self.manifest.parts):
+            parts = len(self.manifest.parts)
+            self._bits = (parts, shard_bits(len(self.manifest.header.shards), self.manifest.known))
+        return self._bits[1]
 
     def blob_path(self, index: int, encoding: str) -> Path:
         return self.dir / BLOB_DIR / f"{index}.{encoding}"

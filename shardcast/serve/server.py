@@ -123,6 +123,7 @@ from shardcast.wire import (
     Manifest,
     decode_want,
     encode_prefixes,
+    full_bits,
     have_token,
     holder_header,
     parse_failed,
@@ -227,7 +228,7 @@ class VersionServer:
             small_version_bytes=serve_once_min_bytes,
             first_copies_first=first_copies_first,
         )
-        self._offered: dict[str, int] = {}  # manifest digest -> offered bytes (complete ones)
+        self._offered: dict[str, tuple[int, int]] = {}  # digest -> (parts known, offered bytes)
         self._clock = clock
         self.identity = identity
         self.requester_kind: Callable[[str], Requester] | None = None
@@ -480,7 +481,14 @@ class VersionServer:
         return HttpResponse(200, headers, body)
 
     def _have_bits(self, step: int, m: Manifest) -> bytes:
-        return shard_bits(len(m.header.shards), lambda i: self._has(step, i))
+        """The ``/have`` bitmap of ``step`` now: a live version's own (``have_bits()``,
+        O(shards / 8)) where it keeps one, else one :meth:`_has` per shard."""
+        n = len(m.header.shards)
+        live = self._live.get(step)
+        if live is None:
+            return full_bits(n) if self.store.has(step) else bytes((n + 7) // 8)
+        kept = getattr(live.version, "have_bits", None)
+        return kept() if kept is not None else shard_bits(n, live.version.has)
 
     def _refuse_repeat(
         self, req: HttpRequest, step: int, m: Manifest, shards: Iterable[int]
@@ -511,13 +519,12 @@ class VersionServer:
         """What version ``m`` offers in all, bytes: per shard its smallest encoding (raw
         length where its part has not arrived yet)."""
         cached = self._offered.get(m.digest)
-        if cached is not None:
-            return cached
-        total = offered_bytes(m)  # O(shards): cached once complete, else per refusable request
-        if m.complete:
-            self._offered[m.digest] = total
-            while len(self._offered) > 64:
-                self._offered.pop(next(iter(self._offered)))
+        if cached is not None and cached[0] == len(m.parts):  # it changes as parts arrive
+            return cached[1]
+        total = offered_bytes(m)  # O(shards): once per version and number of parts known
+        self._offered[m.digest] = (len(m.parts), total)
+        while len(self._offered) > 64:
+            self._offered.pop(next(iter(self._offered)))
         return total
 
     async def _file(self, req: HttpRequest, step: int, m: Manifest, name: str) -> HttpResponse:

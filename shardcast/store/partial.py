@@ -151,6 +151,7 @@ class PartialVersion:
         self.header = manifest.header
         self.dir = store.partial_dir(manifest.step)
         self._have = [False] * len(self.header.shards)
+        self._bits = bytearray((len(self._have) + 7) // 8)  # _have as a /have bitmap
         self._prefix: dict[int, int] = {}  # shard -> bytes from its start verified and written
         self._lock = threading.Lock()
         self._shard_locks: dict[int, threading.Lock] = {}
@@ -223,13 +224,13 @@ class PartialVersion:
                     and path.is_file()
                     and blake3.blake3(path.read_bytes()).hexdigest() == offered.digest
                 ):
-                    self._have[index] = True
+                    self._set_have(index)
                     self._delta[index] = enc
                     kept += 1
                 continue
             data = os.pread(self._fds[shard.file], shard.length, shard.offset)
             if blake3.blake3(data, max_threads=blake3.blake3.AUTO).hexdigest() == digest:
-                self._have[index] = True
+                self._set_have(index)
                 kept += 1
         blob_dir = self.dir / BLOB_DIR
         for path in blob_dir.iterdir() if blob_dir.is_dir() else ():
@@ -297,6 +298,20 @@ class PartialVersion:
     def have_bitmap(self) -> list[bool]:
         """Copy of the per-shard availability."""
         return list(self._have)
+
+    def have_bits(self) -> bytes:
+        """The shards present as a ``/have`` bitmap (:func:`~shardcast.wire.have.shard_bits`'
+        layout, ``(shards + 7) // 8`` bytes), kept up to date as shards arrive: O(shards / 8)
+        per call, where building it from :meth:`has` costs a Python call per shard (held
+        ``/have`` long-polls rebuild their answer on every shard that starts or completes,
+        so that was O(shards²) per version)."""
+        with self._lock:
+            return bytes(self._bits)
+
+    def _set_have(self, index: int) -> None:
+        """Mark shard ``index`` present (caller holds :attr:`_lock`, or is the constructor)."""
+        self._have[index] = True
+        self._bits[index >> 3] |= 0x80 >> (index & 7)
 
     @property
     def missing(self) -> int:
@@ -476,7 +491,7 @@ class PartialVersion:
         with self._lock:
             if self._have[index]:
                 return False
-            self._have[index] = True
+            self._set_have(index)
             if delta is not None:
                 self._delta[index] = delta
             self._prefix.pop(index, None)

@@ -18,6 +18,8 @@ import re
 import struct
 from collections.abc import Callable
 
+import numpy as np
+
 __all__ = [
     "HAVE_HOLD_S",
     "HAVE_TOKEN_HEADER",
@@ -30,6 +32,7 @@ __all__ = [
     "decode_want",
     "encode_prefixes",
     "encode_want",
+    "full_bits",
     "has_bit",
     "have_max_bytes",
     "have_token",
@@ -55,6 +58,15 @@ def shard_bits(n_shards: int, holds: Callable[[int], bool]) -> bytes:
     return bytes(out)
 
 
+def full_bits(n_shards: int) -> bytes:
+    """:func:`shard_bits` of a version whose every shard is held (a committed one), without a
+    call per shard: ``(n_shards + 7) // 8`` bytes, the bits past ``n_shards`` clear."""
+    out = bytearray(b"\xff" * ((n_shards + 7) // 8))
+    if n_shards % 8:
+        out[-1] = (0xFF << (8 - n_shards % 8)) & 0xFF
+    return bytes(out)
+
+
 def has_bit(bits: bytes, i: int) -> bool:
     """True if :func:`shard_bits` ``bits`` names shard ``i`` (False past its end)."""
     return i // 8 < len(bits) and bool(bits[i // 8] & (0x80 >> i % 8))
@@ -76,7 +88,10 @@ def decode_have(data: bytes, n_shards: int) -> tuple[list[int], dict[int, int]]:
     """
     nbytes = (n_shards + 7) // 8
     bits, rest = data[:nbytes], data[nbytes:]
-    held = [i for i in range(n_shards) if has_bit(bits, i)]
+    # one C pass over the bits (a Python test per shard made each answer O(shards) calls)
+    whole = np.frombuffer(bytes(bits).ljust(nbytes, b"\0"), np.uint8)  # short: none past it
+    unpacked = np.unpackbits(whole, count=n_shards)
+    held: list[int] = np.flatnonzero(unpacked).tolist()
     if len(rest) % PREFIX_ENTRY.size or len(rest) > MAX_PREFIX_ENTRIES * PREFIX_ENTRY.size:
         raise ValueError(f"have suffix of {len(rest)} bytes")
     prefixes: dict[int, int] = {}

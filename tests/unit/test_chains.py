@@ -21,7 +21,7 @@ from shardcast.publish.plan import Base, build_manifest
 from shardcast.serve.server import VersionServer
 from shardcast.store import BLOB_DIR, PartialVersion, VersionStore
 from shardcast.store.chains import CHAIN_DIR, CHAIN_FILE, MATERIALIZE_DIR, ChainBroken
-from shardcast.wire import codecs
+from shardcast.wire import codecs, full_bits
 from shardcast.wire.manifest import Manifest
 from shardnet.engine_update import swap_weights
 from tests.helpers import TRAINER, make_checkpoint, trust
@@ -280,11 +280,14 @@ def test_a_crash_mid_commit_leaves_no_version_and_the_download_resumes(tmp_path:
     for ref in m.header.shards:
         blob = (t.dirs[2] / BLOB_DIR / f"{ref.index}.{codecs.SPARSE}").read_bytes()
         verify_and_write(part, m.shard(ref.index), codecs.SPARSE, _sink(blob), None, "src")
+    n = len(m.header.shards)
+    assert part.have_bits() == full_bits(n)  # kept deltas count as held
     part.close()  # stopped before the commit: blobs and journal kept
     again = VersionStore(tmp_path / "recv", RUN, keep_last=8, durable=False)  # unclean: recover
     assert again.committed_steps() == [1]
     resumed = again.begin(m, 1)
-    assert resumed.restored == len(m.header.shards)  # the kept blobs, journaled, re-checked
+    assert resumed.restored == n  # the kept blobs, journaled, re-checked
+    assert resumed.have_bits() == full_bits(n)
     resumed.commit()
     assert again.read_file_range(2, NAME, 0, 4 * SHARD) == t.bytes_of(2)
     # a crash inside the commit, after chain.json was written in the partial, before the

@@ -19,6 +19,7 @@ from shardcast.wire.have import (
     decode_want,
     encode_prefixes,
     encode_want,
+    full_bits,
     has_bit,
     have_token,
     shard_bits,
@@ -41,6 +42,25 @@ def test_shard_bits_lays_out_a_have_bitmap_msb_first(n: int) -> None:
     assert bits == _bits(n, shards)
     assert {i for i in range(n + 9) if has_bit(bits, i)} == shards  # nothing past the end
     assert shard_bits(9, lambda i: True) == b"\xff\x80"
+
+
+@pytest.mark.parametrize("n", [0, 1, 7, 8, 9, 100, 3900])
+def test_decode_have_reads_every_bit_and_none_past_the_shards(n: int) -> None:
+    rng = random.Random(n)
+    shards = {i for i in range(n) if rng.random() < 0.5}
+    bits = _bits(n, shards)
+    assert decode_have(bits, n) == (sorted(shards), {})
+    if n % 8:  # the padding bits of the last byte name no shard
+        padded = bits[:-1] + bytes([bits[-1] | (0xFF >> (n % 8))])
+        assert decode_have(padded, n)[0] == sorted(shards)
+    assert decode_have(bits[: len(bits) // 2], n)[0] == sorted(
+        i for i in shards if i < 8 * (len(bits) // 2)
+    )
+
+
+@pytest.mark.parametrize("n", [0, 1, 7, 8, 9, 100])
+def test_full_bits_is_the_bitmap_of_every_shard(n: int) -> None:
+    assert full_bits(n) == shard_bits(n, lambda i: True)
 
 
 @pytest.mark.parametrize("n", [1, 7, 8, 9, 100, 1000])

@@ -8,6 +8,7 @@ from pathlib import Path
 from shardcast.publish.plan import build_manifest
 from shardcast.store import VersionStore
 from shardcast.store.partial import JOURNAL_FILE
+from shardcast.wire.have import shard_bits
 from shardcast.wire.manifest import Manifest
 from tests.helpers import TRAINER, make_checkpoint
 
@@ -43,6 +44,19 @@ def test_restart_keeps_journaled_shards_and_commits(tmp_path: Path) -> None:
     assert not (final / JOURNAL_FILE).exists()
     for f in m.header.files:
         assert (final / f.name).read_bytes() == (ck / f.name).read_bytes()
+
+
+def test_the_have_bitmap_follows_every_shard_written_and_restored(tmp_path: Path) -> None:
+    ck, m = _setup(tmp_path)
+    n = len(m.header.shards)
+    part = _store(tmp_path).begin(m)
+    assert part.have_bits() == bytes((n + 7) // 8)
+    for i in (7, 0, 5):
+        assert part.write_shard(i, _bytes(ck, m, i))
+        assert part.have_bits() == shard_bits(n, part.has)  # what one has() per shard gives
+    assert part.have_bits() == shard_bits(n, {0, 5, 7}.__contains__)
+    part2 = _store(tmp_path).begin(m)  # restored from the journal
+    assert part2.have_bits() == shard_bits(n, {0, 5, 7}.__contains__)
 
 
 def test_journaled_shard_whose_bytes_changed_is_fetched_again(tmp_path: Path) -> None:

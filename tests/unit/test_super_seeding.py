@@ -315,6 +315,25 @@ def test_offered_bytes_of_a_version_still_published_follows_its_known_parts(
     )
 
 
+def test_a_servers_offered_bytes_follow_the_parts_as_they_arrive(tmp_path: Path) -> None:
+    """:meth:`VersionServer._offered_bytes` keeps its O(shards) sum per version and number
+    of parts known: a new part gives a new figure, not the cached one."""
+    ck = make_checkpoint(tmp_path / "c1", {"model-00001-of-00001.safetensors": 0})
+    (ck / "model-00001-of-00001.safetensors").write_bytes(bytes(8000))  # zstd: tiny
+    full = build_manifest(
+        ck, "run", 1, TRAINER, 1000, 2, encodings=["zstd"], blob_dir=tmp_path / "blobs"
+    )
+    live = Manifest(full.signed_header)
+    server = VersionServer(_one_version(tmp_path / "s")[0], trust())
+    total = full.total_bytes  # nothing known: raw lengths
+    assert server._offered_bytes(live) == server._offered_bytes(live) == total
+    live.add_part(full.parts[0])
+    assert server._offered_bytes(live) == offered_bytes(live) < total - 4000
+    for k in range(1, full.header.n_parts):
+        live.add_part(full.parts[k])
+    assert server._offered_bytes(live) == offered_bytes(full) < total - 7000
+
+
 async def test_the_lane_asks_what_a_requester_is(tmp_path: Path) -> None:
     """A relay does not super-seed to its sibling relays (``VersionServer.requester_kind``,
     set by the follower from adverts): the sibling gets a shard already served to a peer at
