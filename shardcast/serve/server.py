@@ -146,7 +146,11 @@ _JSON = "application/json"
 
 
 class LiveVersion(Protocol):
-    """A version whose bytes are still arriving (a download, or the origin hashing)."""
+    """A version whose bytes are still arriving (a download, or the origin hashing).
+
+    Two methods are optional, looked up where used: ``have_bits()`` (its ``/have`` bitmap,
+    kept as shards arrive; without it the server makes one :meth:`has` call per shard) and
+    ``prefixes()`` (the verified prefixes of shards being received)."""
 
     manifest: Manifest
     dir: Path
