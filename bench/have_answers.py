@@ -68,7 +68,9 @@ RUN = "bench"
 
 class PerShard:
     """A live version seen through ``has()`` only (no ``have_bits``): the server builds its
-    bitmap with one call per shard, as before the bitmap was kept."""
+    bitmap with one call per shard, as before the bitmap was kept. It offers no
+    ``prefixes()`` either, which the server then skips: if anything, this side's CPU is
+    low."""
 
     def __init__(self, part: PartialVersion) -> None:
         self.part = part
