@@ -168,7 +168,7 @@ class _Publishing:
     def __init__(self, manifest: Manifest, directory: Path) -> None:
         self.manifest = manifest
         self.dir = directory
-        self._bits = (0, shard_bits(len(manifest.header.shards), manifest.known))
+        self._bits: tuple[int, bytes] = (-1, b"")  # (parts known, bitmap): built on first use
 
     def has(self, index: int) -> bool:
         return self.manifest.known(index)
@@ -176,8 +176,8 @@ class _Publishing:
     def have_bits(self) -> bytes:
         """The ``/have`` bitmap (the shards of the parts signed so far), rebuilt only when a
         part was added."""
-        if self._bits[0] != len(self.manifest.parts):
-            parts = len(self.manifest.parts)
+        parts = len(self.manifest.parts)
+        if self._bits[0] != parts:
             self._bits = (parts, shard_bits(len(self.manifest.header.shards), self.manifest.known))
         return self._bits[1]
 

@@ -66,7 +66,7 @@ from shardcast.wire import (
     Manifest,
     check_run_id,
     document_signer,
-    shard_bits,
+    full_bits,
 )
 
 log = logging.getLogger(__name__)
@@ -279,7 +279,7 @@ def _export_version(
         _mkdir(tmp)
         _write(tmp / "manifest", doc)
         n = len(m.header.shards)
-        _write(tmp / "have", shard_bits(n, lambda i: True))
+        _write(tmp / "have", full_bits(n))
         _mkdir(tmp / "files")
         chained = store.chained_files(step)
         for f in m.header.files:

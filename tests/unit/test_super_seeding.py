@@ -9,10 +9,12 @@ from p2p.http_checks import HOLDER_HEADER, parse_holders
 from p2p.http_range import ByteRange
 from p2p.http_server import HttpRequest
 from p2p.identity import Identity
+from shardcast.publish.origin import _Publishing
 from shardcast.publish.plan import build_manifest
 from shardcast.serve.server import VersionServer, offered_bytes
 from shardcast.serve.superseeding import Decision, Refusal, Requester, SuperSeeding
 from shardcast.store.store import VersionStore
+from shardcast.wire.have import full_bits, shard_bits
 from shardcast.wire.lane_auth import (
     AUTH_HEADER,
     FAILED_HEADER,
@@ -332,6 +334,21 @@ def test_a_servers_offered_bytes_follow_the_parts_as_they_arrive(tmp_path: Path)
     for k in range(1, full.header.n_parts):
         live.add_part(full.parts[k])
     assert server._offered_bytes(live) == offered_bytes(full) < total - 7000
+
+
+def test_the_origins_have_bitmap_follows_the_parts_it_signed(tmp_path: Path) -> None:
+    """While publishing, the origin serves the shards of the parts signed so far; its kept
+    bitmap is rebuilt when a part is added, never stale."""
+    ck = make_checkpoint(tmp_path / "c1", {"model-00001-of-00001.safetensors": 8000}, seed=2)
+    full = build_manifest(ck, "run", 1, TRAINER, 1000, 2)
+    live = Manifest(full.signed_header)
+    publishing = _Publishing(live, tmp_path)
+    n = len(full.header.shards)
+    assert publishing.have_bits() == bytes((n + 7) // 8)
+    for k in range(full.header.n_parts):
+        live.add_part(full.parts[k])
+        assert publishing.have_bits() == shard_bits(n, live.known)
+    assert publishing.have_bits() == full_bits(n)
 
 
 async def test_the_lane_asks_what_a_requester_is(tmp_path: Path) -> None:
