@@ -82,7 +82,7 @@ import heapq
 import math
 import random
 from collections import Counter
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 
 from p2p.errors import LocalProtocolError, short_id
@@ -112,8 +112,8 @@ class SchedulerConfig:
         endgame_duplicates: extra concurrent requests per shard in the endgame.
         endgame_max_total: bound on duplicate requests in flight at once.
         rarity_slack: a rarer shard is skipped for a more common one when its best source is
-            expected to take more than this factor longer (per byte) than the best source
-            holding some idle shard; inf: strict rarest first.
+            expected to take more than this factor longer to deliver it than the best source
+            holding some idle shard would take for as many bytes; inf: strict rarest first.
         complete_cost_factor: expected time of a complete source (relay, origin) is
             multiplied by this when ranking sources (>= 1; 1: no preference for peers).
         refused_s: a source that refused a shard (``429``, super-seeding: it served that
@@ -281,7 +281,6 @@ class Scheduler:
         # O(log n) instead of scanning every idle shard on every request
         self._tiebreak = [rng.random() for _ in shard_lengths]
         self._heap: list[tuple[int, float, int]] = [(0, self._tiebreak[i], i) for i in self._idle]
-        self._typical = max(1, sum(shard_lengths) // max(1, len(shard_lengths)))  # bytes
         heapq.heapify(self._heap)
         self._sources: dict[str, SourceState] = {}
         self._flights: dict[int, _Flight] = {}
@@ -588,7 +587,7 @@ class Scheduler:
         entries, then every idle shard; the entries popped go back on the heap."""
         explore = len(ready) > 1 and self._rng.random() < self.config.explore
         prior = self._prior_rate()
-        bar = None if explore else self._best_ready_cost(ready, prior)
+        bars = None if explore else self._ready_bars(ready, prior)
         aside: list[tuple[int, float, int]] = []
         fallback: tuple[int, SourceState] | None = None
         rankings: dict[int, list[SourceState]] = {}  # shard length -> ready sources by cost
@@ -604,7 +603,7 @@ class Scheduler:
                 st = self._pick_cheapest(i, now, ready, explore, prior, rankings)
                 if st is None:
                     continue
-                if bar is None or self._cost(st, length, prior)[0] <= bar * length:
+                if bars is None or self._cost(st, length, prior)[0] <= bars(length):
                     return self._start(i, st, now, duplicate=False)
                 if fallback is None:
                     fallback = (i, st)
@@ -666,19 +665,27 @@ class Scheduler:
                 return self._start(i, st, now, duplicate=False)
         return None
 
-    def _best_ready_cost(self, ready: list[SourceState], prior: float) -> float:
-        """``rarity_slack`` x the best expected seconds per byte over ready sources that hold
-        an idle shard (a bar in s/byte; inf if none)."""
-        best = math.inf
-        for st in ready:
-            if st.have is not None and st.have.isdisjoint(self._idle) and not st.prefix:
-                continue
-            rate = st.rate_bps if st.samples else min(st.rate_bps, prior)
-            factor = self.config.complete_cost_factor if st.have is None or not st.samples else 1.0
-            best = min(
-                best, (st.queued_bytes + self._typical) / max(rate, 1.0) / self._typical * factor
-            )
-        return best * self.config.rarity_slack
+    def _ready_bars(self, ready: list[SourceState], prior: float) -> Callable[[int], float]:
+        """The rarity bar of one :meth:`_next_rarest` scan, by shard length (bytes):
+        ``rarity_slack`` x the least expected seconds for that many bytes over the ready
+        sources holding an idle shard (inf if none), computed once per length. Taken at the
+        candidate's own length: a bar per byte at the typical shard length failed every delta
+        blob (~1 % of a shard) once a few were queued: each scan looked at 64 for nothing."""
+        offers = [
+            (st.queued_bytes, max(st.rate_bps if st.samples else min(st.rate_bps, prior), 1.0),
+             self.config.complete_cost_factor if st.have is None or not st.samples else 1.0)
+            for st in ready
+            if st.have is None or not st.have.isdisjoint(self._idle) or st.prefix
+        ]  # fmt: skip
+        bars: dict[int, float] = {}
+
+        def bar(length: int) -> float:
+            if length not in bars:
+                best = min(((q + length) / r * f for q, r, f in offers), default=math.inf)
+                bars[length] = best * self.config.rarity_slack
+            return bars[length]
+
+        return bar
 
     def _availability(self, shard: int) -> int:
         return sum(1 for s in self._sources.values() if not s.banned and s.holds(shard, 0))

@@ -207,6 +207,37 @@ def test_rare_shard_on_a_slow_source_yields_to_a_common_one_on_a_fast_source(
     assert (req.shard in (1, 2, 3)) == (expect == "relay")
 
 
+def test_a_queued_source_gets_the_next_delta_blob_at_the_first_look() -> None:
+    """Delta blobs (light shards, ~1 % of a raw shard) from the one source a follower has
+    (its upstream), with requests queued there: the rarity bar is taken at the blob's own
+    length, so the first idle blob looked at passes it. A bar per byte at the raw shard's
+    length failed every blob once a few were queued, and each request looked at 64 idle
+    shards before falling back to the first one (half of a follower's CPU in a next version
+    with 1,260 shards, ``bench/follower_cpu.py``). A second source holding nothing idle
+    sets no bar."""
+    n, blob = 1000, 12_000
+    cfg = SchedulerConfig(explore=0.0, per_source_inflight=1000, max_inflight=1000)
+    sched = Scheduler([MB] * n, random.Random(0), cfg)
+    for i in range(n):
+        sched.mark_known(i, blob, light=True)
+    sched.add_source("relay")
+    sched.add_source("peer", set())
+    _measured(sched, "relay", 10 * MB, 0.0)
+    looked = 0
+    pop = sched._pop_idle
+
+    def counting(aside: list[tuple[int, float, int]]) -> tuple[int, int] | None:
+        nonlocal looked
+        looked += 1
+        return pop(aside)
+
+    sched._pop_idle = counting  # type: ignore[method-assign]
+    got = [sched.next_request(1.0) for _ in range(200)]
+    assert all(r is not None and r.source == "relay" and r.length == blob for r in got)
+    assert len({r.shard for r in got if r is not None}) == 200
+    assert looked <= 2 * len(got)
+
+
 def test_decisions_replay_exactly_for_a_seed() -> None:
     def run(seed: int) -> list[tuple[int, str]]:
         sched = Scheduler([100] * 12, random.Random(seed), SchedulerConfig(explore=0.5))
