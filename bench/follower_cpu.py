@@ -133,6 +133,9 @@ from typing import Any
 
 import trio
 
+# the repository this file is in, then its bench/: a worktree of another revision runs its
+# own code, not the editable install's (an A/B against old code would be new against new)
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import broadcast
