@@ -3,7 +3,8 @@
 
 Default suite: each fault at a small size (7-20 nodes, a few real seconds each). ``slow``: the
 scenarios at full size (21-45 nodes) and the seeded sweep (``SHARDNET_SIM_SWEEP`` runs,
-default 1,000, cycling through the scenarios on tiny worlds).
+default 1,000, from seed ``SHARDNET_SIM_SWEEP_FROM``, default 0, cycling through the scenarios
+on tiny worlds; ``.ci/run`` runs it in chunks of seeds).
 """
 
 from __future__ import annotations
@@ -75,10 +76,11 @@ def test_scenario_full_size(name: str) -> None:
 
 
 SWEEP = int(os.environ.get("SHARDNET_SIM_SWEEP", "1000"))
+SWEEP_FROM = int(os.environ.get("SHARDNET_SIM_SWEEP_FROM", "0"))
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("seed", range(SWEEP))
+@pytest.mark.parametrize("seed", range(SWEEP_FROM, SWEEP_FROM + SWEEP))
 def test_sweep(seed: int) -> None:
     name, relays, peers = sweep_case(seed)
     _check(name, seed=seed, relays=relays, peers=peers)
