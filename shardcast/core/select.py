@@ -82,7 +82,7 @@ import heapq
 import math
 import random
 from collections import Counter
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 
 from p2p.errors import LocalProtocolError, short_id
@@ -587,7 +587,7 @@ class Scheduler:
         entries, then every idle shard; the entries popped go back on the heap."""
         explore = len(ready) > 1 and self._rng.random() < self.config.explore
         prior = self._prior_rate()
-        bars = None if explore else self._ready_bars(ready, prior)
+        holders = None if explore else self._idle_holders(ready)  # the rarity bar's sources
         aside: list[tuple[int, float, int]] = []
         fallback: tuple[int, SourceState] | None = None
         rankings: dict[int, list[SourceState]] = {}  # shard length -> ready sources by cost
@@ -603,7 +603,8 @@ class Scheduler:
                 st = self._pick_cheapest(i, now, ready, explore, prior, rankings)
                 if st is None:
                     continue
-                if bars is None or self._cost(st, length, prior)[0] <= bars(length):
+                bar = None if holders is None else self._rarity_bar(holders, length, prior)
+                if bar is None or self._cost(st, length, prior)[0] <= bar:
                     return self._start(i, st, now, duplicate=False)
                 if fallback is None:
                     fallback = (i, st)
@@ -665,27 +666,19 @@ class Scheduler:
                 return self._start(i, st, now, duplicate=False)
         return None
 
-    def _ready_bars(self, ready: list[SourceState], prior: float) -> Callable[[int], float]:
-        """The rarity bar of one :meth:`_next_rarest` scan, by shard length (bytes):
-        ``rarity_slack`` x the least expected seconds for that many bytes over the ready
-        sources holding an idle shard (inf if none), computed once per length. Taken at the
-        candidate's own length: a bar per byte at the typical shard length failed every delta
-        blob (~1 % of a shard) once a few were queued: each scan looked at 64 for nothing."""
-        offers = [
-            (st.queued_bytes, max(st.rate_bps if st.samples else min(st.rate_bps, prior), 1.0),
-             self.config.complete_cost_factor if st.have is None or not st.samples else 1.0)
-            for st in ready
-            if st.have is None or not st.have.isdisjoint(self._idle) or st.prefix
-        ]  # fmt: skip
-        bars: dict[int, float] = {}
+    def _idle_holders(self, ready: list[SourceState]) -> list[SourceState]:
+        """The ready sources that hold an idle shard (whole or a verified prefix)."""
+        return [
+            st for st in ready if st.have is None or not st.have.isdisjoint(self._idle) or st.prefix
+        ]
 
-        def bar(length: int) -> float:
-            if length not in bars:
-                best = min(((q + length) / r * f for q, r, f in offers), default=math.inf)
-                bars[length] = best * self.config.rarity_slack
-            return bars[length]
-
-        return bar
+    def _rarity_bar(self, holders: list[SourceState], length: int, prior: float) -> float:
+        """``rarity_slack`` x the least :meth:`_cost` of ``length`` bytes (a candidate
+        shard's own length) over ``holders`` (inf if none). Taken per byte at the typical
+        shard length instead, it failed every delta blob (~1 % of a shard) once a few were
+        queued, and each :meth:`_next_rarest` scan looked at 64 shards for nothing."""
+        best = min((self._cost(st, length, prior)[0] for st in holders), default=math.inf)
+        return best * self.config.rarity_slack
 
     def _availability(self, shard: int) -> int:
         return sum(1 for s in self._sources.values() if not s.banned and s.holds(shard, 0))
