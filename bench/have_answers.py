@@ -60,7 +60,7 @@ from p2p.identity import Identity
 from p2p.trust import TrustList
 from shardcast.publish import build_manifest
 from shardcast.serve import VersionServer
-from shardcast.store import PartialVersion, VersionStore
+from shardcast.store import BlobRef, PartialVersion, VersionStore
 from shardcast.wire import HAVE_TOKEN_HEADER, HOLD_HEADER, encode_want, have_url
 
 RUN = "bench"
@@ -80,8 +80,8 @@ class PerShard:
     def has(self, index: int) -> bool:
         return self.part.has(index)
 
-    def blob_path(self, index: int, encoding: str) -> Path:
-        return self.part.blob_path(index, encoding)
+    def blob_ref(self, index: int, encoding: str) -> BlobRef | None:
+        return self.part.blob_ref(index, encoding)
 
 
 async def one_version(

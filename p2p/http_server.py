@@ -238,6 +238,9 @@ class FileSlice:
     length: int
     total_size: int
     fallbacks: tuple[Path, ...] = ()
+    base: int = 0
+    """Byte of the file where the representation starts (``offset`` 0): a representation
+    stored inside a larger file, e.g. a blob in a pack."""
     """Paths tried in order if ``path`` no longer exists when the body is sent (the same
     bytes moved, e.g. a directory renamed on commit)."""
     on_done: Callable[[], None] | None = field(default=None, compare=False)
@@ -253,7 +256,10 @@ class FileSlice:
     client sees a short body and resumes elsewhere). None: every byte may be sent now."""
 
     def __post_init__(self) -> None:
-        if self.offset < 0 or self.length < 0 or self.offset + self.length > self.total_size:
+        if (
+            min(self.offset, self.length, self.base) < 0
+            or self.offset + self.length > self.total_size
+        ):
             raise ValueError(f"slice {self.offset}+{self.length} outside {self.total_size} bytes")
 
 
@@ -816,15 +822,16 @@ class HttpServer:
             try:
                 if use_sendfile:
                     assert wire.fileno is not None
-                    sent = os.sendfile(wire.fileno, fd, offset, want)
+                    sent = os.sendfile(wire.fileno, fd, part.base + offset, want)
                 else:
                     n = min(want, _COPY_CHUNK_BYTES)
                     # a small piece is read on the event loop, as sendfile reads (from the
                     # page cache, where shards are): a worker thread's hand-off costs more
+                    at = part.base + offset
                     if n <= _INLINE_READ_BYTES:
-                        chunk = os.pread(fd, n, offset)
+                        chunk = os.pread(fd, n, at)
                     else:
-                        chunk = await trio.to_thread.run_sync(os.pread, fd, n, offset)
+                        chunk = await trio.to_thread.run_sync(os.pread, fd, n, at)
                     sent = len(chunk)
                     if pending and chunk and len(pending[0]) + sent <= _STREAM_SEND_BYTES:
                         await self._send_bytes(wire, pending.pop() + chunk, throttle=False)

@@ -908,7 +908,7 @@ def _read_slice(part: FileSlice, limit: int | None = None) -> bytes:
     for candidate in (part.path, *part.fallbacks):
         try:
             with open(candidate, "rb") as f:
-                f.seek(part.offset)
+                f.seek(part.base + part.offset)
                 return f.read(length)
         except FileNotFoundError:
             continue

@@ -4,7 +4,8 @@ Theory of operation
 -------------------
 A peer whose engine holds version ``N`` and commits ``N+1`` as a delta against ``N`` already
 has what changed: the follower keeps every verified encoded blob of a committed version
-(``step-<N+1>/.enc/<shard>.sparse``, :mod:`shardcast.store.store`). :func:`swap_weights` then
+(the ``sparse`` blobs in ``step-<N+1>/.enc/``, :mod:`shardcast.store.blobpack`).
+:func:`swap_weights` then
 
 1. checks that the delta fits what the engine holds (:func:`gather_changes`): the new
    manifest's delta base is the held version (step and header digest), the file list and
@@ -147,16 +148,19 @@ def gather_changes(
 
     def decode(ref: ShardRef) -> ShardChanges:
         offered = manifest.shard(ref.index).offered(codecs.SPARSE)
-        path = store.blob_path(manifest.step, ref.index, codecs.SPARSE)
+        at = store.blob_ref(manifest.step, ref.index, codecs.SPARSE)
         try:
-            blob = path.read_bytes()
+            blob = at.read() if at is not None else None
         except FileNotFoundError:
             blob = None
-        if offered is None or blob is None:
+        except OSError:  # cut short: the digest check below names it
+            blob = b""
+        if offered is None or at is None or blob is None:
             raise DeltaMismatch(MismatchReason.ENCODING, f"shard {ref.index} has no sparse blob")
+        where = f"{at.path}@{at.offset}"
         if len(blob) != offered.size or blake3_hex(blob) != offered.digest:
-            raise DeltaMismatch(MismatchReason.BLOB, f"{path} does not match its signed digest")
-        return ShardChanges.from_sparse(ref.file, ref.offset, ref.length, blob, str(path))
+            raise DeltaMismatch(MismatchReason.BLOB, f"{where} does not match its signed digest")
+        return ShardChanges.from_sparse(ref.file, ref.offset, ref.length, blob, where)
 
     if threads <= 1 or len(refs) <= 1:
         return [decode(ref) for ref in refs]

@@ -95,7 +95,9 @@ def receive_as_chain(src: VersionStore, m: Manifest, dst: VersionStore) -> None:
     for ref in m.header.shards:
         entry = m.shard(ref.index)
         if entry.offered(codecs.SPARSE) is not None:
-            enc, data = codecs.SPARSE, src.blob_path(m.step, ref.index, codecs.SPARSE).read_bytes()
+            blob = src.blob_ref(m.step, ref.index, codecs.SPARSE)
+            assert blob is not None
+            enc, data = codecs.SPARSE, blob.read()
         else:
             enc, data = codecs.RAW, bytes(src.read_shard(m.step, ref.index))
         sink = ShardSink(bytearray(data), len(data))

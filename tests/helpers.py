@@ -10,6 +10,7 @@ from pathlib import Path
 from p2p.identity import Identity
 from p2p.trust import TrustList
 from shardcast.serve.mirror import open_store, version_problems
+from shardcast.store.blobpack import PACK_INDEX, BlobRef, read_index
 from shardcast.store.chains import read_record
 from shardcast.wire.manifest import Manifest
 
@@ -67,3 +68,25 @@ def committed_bytes(path: Path, run_id: str, name: str) -> bytes:
     m = view.manifest_of(step)
     assert m is not None, path
     return view.read_file_range(step, name, 0, m.header.file(name).size)
+
+
+def rot_blob(ref: BlobRef) -> None:
+    """Flip one bit in the middle of a kept blob where it lies (a pack or its own file): the
+    blob rots at rest."""
+    with open(ref.path, "r+b") as fh:
+        at = ref.offset + ref.length // 2
+        fh.seek(at)
+        byte = fh.read(1)[0]
+        fh.seek(at)
+        fh.write(bytes([byte ^ 1]))
+
+
+def drop_blob(enc_dir: Path, index: int, encoding: str) -> None:
+    """Remove shard ``index``'s ``encoding`` blob from ``enc_dir`` (its pack's index, or its
+    own file): as if the shard had been received without it."""
+    entries = read_index(enc_dir)
+    if entries.pop((index, encoding), None) is None:
+        (enc_dir / f"{index}.{encoding}").unlink()
+        return
+    lines = "".join(f"{i} {e} {o} {n}\n" for (i, e), (o, n) in entries.items())
+    (enc_dir / PACK_INDEX).write_text(lines)

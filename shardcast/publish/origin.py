@@ -67,7 +67,7 @@ from shardcast.publish.plan import (
     make_header,
 )
 from shardcast.publish.runend import END_SEQ_FILE, next_end_seq
-from shardcast.store import BLOB_DIR, replace_file
+from shardcast.store import BLOB_DIR, BlobRef, find_blob, replace_file
 from shardcast.wire import (
     Header,
     Manifest,
@@ -181,8 +181,9 @@ class _Publishing:
             self._bits = (parts, shard_bits(len(self.manifest.header.shards), self.manifest.known))
         return self._bits[1]
 
-    def blob_path(self, index: int, encoding: str) -> Path:
-        return self.dir / BLOB_DIR / f"{index}.{encoding}"
+    def blob_ref(self, index: int, encoding: str) -> BlobRef | None:
+        """Where the encoder wrote shard ``index``'s ``encoding`` blob (one file per blob)."""
+        return find_blob(self.dir / BLOB_DIR, index, encoding)
 
 
 class Origin:

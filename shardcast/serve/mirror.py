@@ -64,6 +64,7 @@ from shardcast.wire import (
     MANIFEST_FILE,
     RAW,
     Manifest,
+    blake3_hex,
     check_run_id,
     document_signer,
     full_bits,
@@ -298,16 +299,23 @@ def _export_version(
             entry = m.shard(i)
             for enc in ENCODINGS:
                 offered = entry.offered(enc) if enc != RAW else None
-                path = store.blob_path(step, i, enc)
-                if offered is None or not path.is_file():
+                ref = store.blob_ref(step, i, enc) if offered is not None else None
+                if ref is None or offered is None:
                     continue
+                alone = ref.offset == 0 and ref.path.stat().st_size == ref.length
+                data = None if alone else ref.read()  # in a pack: written out
                 if verify and (
-                    path.stat().st_size != offered.size or hash_file(path) != offered.digest
+                    ref.length != offered.size
+                    or (hash_file(ref.path) if data is None else blake3_hex(data)) != offered.digest
                 ):
                     log.warning("mirror_blob_skipped step=%d shard=%d encoding=%s", step, i, enc)
                     continue
                 _mkdir(blobs / str(i))
-                _place(path, blobs / str(i) / enc, result)
+                if data is None:
+                    _place(ref.path, blobs / str(i) / enc, result)
+                else:
+                    _write(blobs / str(i) / enc, data)
+                    result.copied += 1
         if not step_dir.is_dir():
             _mkdir(step_dir)
         if final.exists():

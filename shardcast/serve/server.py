@@ -102,7 +102,7 @@ from p2p.identity import Identity
 from p2p.trust import TrustList
 from shardcast.core import MAX_BATCH_BYTES
 from shardcast.serve.superseeding import Requester, SuperSeeding
-from shardcast.store import ChainBroken, VersionStore
+from shardcast.store import BLOB_DIR, BlobRef, ChainBroken, VersionStore
 from shardcast.wire import (
     AUTH_HEADER,
     ENCODINGS,
@@ -159,8 +159,8 @@ class LiveVersion(Protocol):
         """True if shard ``index`` can be served."""
         ...
 
-    def blob_path(self, index: int, encoding: str) -> Path:
-        """Where shard ``index``'s ``encoding`` blob is (it may not exist)."""
+    def blob_ref(self, index: int, encoding: str) -> BlobRef | None:
+        """Where shard ``index``'s ``encoding`` blob is (None: not kept here)."""
         ...
 
 
@@ -679,14 +679,18 @@ class VersionServer:
                 break
         return end
 
-    def _blob_paths(self, step: int, index: int, encoding: str) -> tuple[Path, Path]:
-        """Where the ``encoding`` blob of shard ``index`` of ``step`` is: the version's live
-        directory while it is arriving (else the committed one), then the committed one (the
-        live directory is renamed to it at the commit)."""
-        committed = self.store.blob_path(step, index, encoding)
+    def _blob_ref(self, step: int, index: int, encoding: str) -> tuple[BlobRef, Path] | None:
+        """Where the ``encoding`` blob of shard ``index`` of ``step`` is: in the version's
+        live directory while it is arriving (else the committed one), and the same file in
+        the committed directory (the live directory is renamed to it at the commit, the
+        blob at the same offset); None if this node does not keep it."""
         live = self._live.get(step)
-        primary = live.version.blob_path(index, encoding) if live is not None else committed
-        return primary, committed
+        ref = live.version.blob_ref(index, encoding) if live is not None else None
+        if ref is None:
+            ref = self.store.blob_ref(step, index, encoding)
+        if ref is None:
+            return None
+        return ref, self.store.version_dir(step) / BLOB_DIR / ref.path.name
 
     async def _blob(
         self, req: HttpRequest, step: int, m: Manifest, index: int, encoding: str
@@ -698,9 +702,10 @@ class VersionServer:
         offered = m.shard(index).offered(encoding)
         if offered is None:
             return HttpResponse(404)
-        primary, committed = self._blob_paths(step, index, encoding)
-        if not primary.exists() and not committed.exists():
+        found = self._blob_ref(step, index, encoding)
+        if found is None or found[0].length != offered.size:
             return HttpResponse(404)  # this node did not keep that encoding
+        ref, committed = found
         if (refused := self._refuse_repeat(req, step, m, range(index, index + 1))) is not None:
             return refused
         last_modified, cache = self._validators(step)
@@ -709,8 +714,9 @@ class VersionServer:
             step,
             encoding,
             offered.size,
-            primary,
+            ref.path,
             committed,
+            base=ref.offset,
             etag=f'"{offered.digest}"',
             last_modified=last_modified,
             headers=cache,
@@ -748,9 +754,9 @@ class VersionServer:
             return HttpResponse(413)
         if (refused := self._refuse_repeat(req, step, m, shards)) is not None:
             return refused
-        paths = [self._blob_paths(step, i, encoding) for i in shards]
+        refs = [self._blob_ref(step, i, encoding) for i in shards]
         with self.store.pinned(step):
-            body = await trio.to_thread.run_sync(_read_blobs, paths, sizes)
+            body = await trio.to_thread.run_sync(_read_blobs, refs, sizes)
         if body is None:
             return HttpResponse(404)  # this node did not keep that encoding of a shard
         last_modified, cache = self._validators(step)
@@ -776,9 +782,11 @@ class VersionServer:
         headers: list[tuple[str, str]],
         content_type: str = "application/octet-stream",
         ready: Callable[[int], Awaitable[int]] | None = None,
+        base: int = 0,
     ) -> HttpResponse:
-        """A (ranged) file response for ``primary``, falling back to the committed path if the
-        live directory was renamed meanwhile, with the step pinned until it is sent."""
+        """A (ranged) file response for ``primary`` (the representation starting at its byte
+        ``base``), falling back to the committed path if the live directory was renamed
+        meanwhile, with the step pinned until it is sent."""
         resp = file_response(
             req,
             primary,
@@ -800,7 +808,7 @@ class VersionServer:
             self.sent_by_codec[codec] = self.sent_by_codec.get(codec, 0) + n
 
         body = dataclasses.replace(
-            resp.body, fallbacks=(committed,), on_done=release, on_sent=sent, ready=ready
+            resp.body, fallbacks=(committed,), on_done=release, on_sent=sent, ready=ready, base=base
         )
         if req.method == "GET" and resp.status < 300:
             self.bytes_by_step[step] = self.bytes_by_step.get(step, 0) + body.length
@@ -828,21 +836,24 @@ def offered_bytes(m: Manifest) -> int:
     return smallest + -(-unknown * smallest // known)
 
 
-def _read_blobs(paths: list[tuple[Path, Path]], sizes: list[int]) -> bytes | None:
-    """The blobs at ``paths`` (each the live path, then the committed one if the live
-    directory was renamed meanwhile) concatenated, or None if one is missing or not its
-    size. Blocking: run it in a worker thread."""
+def _read_blobs(refs: list[tuple[BlobRef, Path] | None], sizes: list[int]) -> bytes | None:
+    """The blobs at ``refs`` (each where it lies, then at the same offset of the committed
+    path if the live directory was renamed meanwhile) concatenated, or None if one is not
+    kept, missing or not its size. Blocking: run it in a worker thread."""
     out = bytearray()
-    for (primary, committed), size in zip(paths, sizes, strict=True):
-        for path in (primary, committed):
+    for found, size in zip(refs, sizes, strict=True):
+        if found is None or found[0].length != size:
+            return None
+        ref, committed = found
+        for at in (ref, dataclasses.replace(ref, path=committed)):
             try:
-                data = path.read_bytes()
+                data = at.read()
             except FileNotFoundError:
                 continue
+            except OSError:
+                return None
             break
         else:
-            return None
-        if len(data) != size:
             return None
         out += data
     return bytes(out)

@@ -10,7 +10,8 @@ signed in ``N``'s manifest) and ``B`` determine ``N``'s bytes. It commits ``N`` 
   not present in full (*chained* files), and, per shard built from a blob, the blob's
   encoding. Written inside the partial directory before the commit's atomic rename, so a
   crash leaves either the old state or a whole chain.
-- ``step-N/.enc/<shard>.<encoding>``: the kept blobs (served to downstream nodes as received).
+- ``step-N/.enc/pack`` and its index ``pack.idx``: the kept blobs (served to downstream nodes
+  as received; :mod:`shardcast.store.blobpack`).
 - ``step-N/.chain/<file>``: a chained file's shards that came raw (fetched raw after a
   mismatch, or never offered as a delta), at their offsets; the delta shards' ranges are holes.
   Files with no delta shard stay ``step-N/<file>`` in full; so do unchanged files hard-linked
@@ -57,6 +58,7 @@ from typing import Protocol
 import blake3
 
 from p2p.errors import IntegrityError
+from shardcast.store.blobpack import blob_file, find_blob
 from shardcast.wire import Manifest, codecs
 
 log = logging.getLogger(__name__)
@@ -180,6 +182,9 @@ class Level:
     path: Path
     encoding: str | None = None
     committed: bool = True
+    span: tuple[int, int] | None = None
+    """Where ``blob`` lies in ``path``: (offset, length) bytes (a pack,
+    :mod:`shardcast.store.blobpack`); None: the whole file."""
 
 
 class ChainReader:
@@ -217,7 +222,10 @@ class ChainReader:
         enc = rec.deltas.get(index)
         if enc is None:
             return Level(step, m, vdir / CHAIN_DIR / ref.file)
-        return Level(step, m, vdir / BLOB_DIR / f"{index}.{enc}", enc)
+        at = find_blob(vdir / BLOB_DIR, index, enc)
+        if at is None:  # gone: read as missing (damage, unless the version changed form)
+            return Level(step, m, blob_file(vdir / BLOB_DIR, index, enc), enc)
+        return Level(step, m, at.path, enc, span=(at.offset, at.length))
 
     def read_shard(self, step: int, index: int, top: Level | None = None) -> bytearray:
         """The bytes of shard ``index`` of committed ``step`` (or of ``top``, a partial
@@ -288,7 +296,7 @@ class ChainReader:
         for lv in reversed(levels[:-1]):
             assert lv.encoding is not None
             try:
-                blob = lv.path.read_bytes()
+                blob = _blob_bytes(lv)
             except FileNotFoundError:
                 if self._form_changed(lv, index):
                     raise
@@ -313,7 +321,7 @@ class ChainReader:
             now = self.level(lv.step, index)
         except ChainBroken:
             return False
-        return (now.path, now.encoding) != (lv.path, lv.encoding)
+        return (now.path, now.encoding, now.span) != (lv.path, lv.encoding, lv.span)
 
     def _check(self, lv: Level, index: int, data: bytearray | None) -> None:
         """Raise (and remove a damaged committed version) unless ``data`` is the shard."""
@@ -373,6 +381,18 @@ class ChainReader:
             shutil.rmtree(work, ignore_errors=True)
             log.info("version_materialized step=%d files=%d", step, len(rec.files))
             return True
+
+
+def _blob_bytes(lv: Level) -> bytes:
+    """Delta level ``lv``'s blob as stored (short if its file was cut: the check fails).
+
+    Raises:
+        FileNotFoundError: its file is gone.
+    """
+    if lv.span is None:
+        return lv.path.read_bytes()
+    with open(lv.path, "rb", buffering=0) as fh:
+        return os.pread(fh.fileno(), lv.span[1], lv.span[0])
 
 
 def build_file(

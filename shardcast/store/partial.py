@@ -52,10 +52,12 @@ from typing import Protocol
 import blake3
 
 from p2p.errors import IntegrityError, LocalProtocolError
+from shardcast.store.blobpack import PACK_FILE, PACK_INDEX, BlobPack, BlobRef, read_index
 from shardcast.store.chains import (
     BLOB_DIR,
     CHAIN_DIR,
     CHAIN_FILE,
+    ChainBroken,
     ChainReader,
     ChainRecord,
     Level,
@@ -206,9 +208,28 @@ class PartialVersion:
 
     def _restore(self, entries: dict[int, tuple[str, str]]) -> int:
         """Keep the journaled shards whose part is known and whose bytes hash to the journaled
-        digest (a kept delta: whose blob hashes to its offered digest, in chain mode only);
-        drop every blob of a shard not kept (or not matching its offered digest)."""
+        digest (a kept delta: whose blob in the pack hashes to its offered digest, in chain
+        mode only); keep in the pack's index only the blobs of kept shards that match their
+        offered digests (:mod:`shardcast.store.blobpack`), and remove blobs kept one per file
+        (the layout before packs: their shards are fetched again)."""
         kept = 0
+        blob_dir = self.dir / BLOB_DIR
+        stored = read_index(blob_dir)
+        good: dict[tuple[int, str], tuple[int, int]] = {}
+        pack = blob_dir / PACK_FILE
+
+        def matches(index: int, enc: str) -> bool:
+            offered = self.manifest.shard(index).offered(enc)
+            at = stored.get((index, enc))
+            if offered is None or at is None or at[1] != offered.size:
+                return False
+            if (index, enc) not in good:
+                data = BlobRef(pack, *at).read()
+                if blake3.blake3(data).hexdigest() != offered.digest:
+                    return False
+                good[(index, enc)] = at
+            return True
+
         for index, (digest, enc) in sorted(entries.items()):
             if index >= len(self._have) or not self.manifest.known(index):
                 continue
@@ -216,14 +237,7 @@ class PartialVersion:
             if shard.digest != digest:
                 continue
             if enc:
-                offered = shard.offered(enc)
-                path = self.blob_path(index, enc)
-                if (
-                    self.chain_base is not None
-                    and offered is not None
-                    and path.is_file()
-                    and blake3.blake3(path.read_bytes()).hexdigest() == offered.digest
-                ):
+                if self.chain_base is not None and matches(index, enc):
                     self._set_have(index)
                     self._delta[index] = enc
                     kept += 1
@@ -232,13 +246,14 @@ class PartialVersion:
             if blake3.blake3(data, max_threads=blake3.blake3.AUTO).hexdigest() == digest:
                 self._set_have(index)
                 kept += 1
-        blob_dir = self.dir / BLOB_DIR
+        for index, enc in stored:
+            if index < len(self._have) and self._have[index] and self._delta.get(index, enc) == enc:
+                matches(index, enc)
+        good = {k: v for k, v in good.items() if self._have[k[0]]}
         for path in blob_dir.iterdir() if blob_dir.is_dir() else ():
-            stem, _, enc = path.name.partition(".")
-            ok = stem.isdigit() and int(stem) < len(self._have) and self._have[int(stem)]
-            offered = self.manifest.shard(int(stem)).offered(enc) if ok else None
-            if offered is None or blake3.blake3(path.read_bytes()).hexdigest() != offered.digest:
+            if path.name not in (PACK_FILE, PACK_INDEX):
                 path.unlink(missing_ok=True)
+        self._pack = BlobPack(blob_dir, good)
         return kept
 
     @property
@@ -318,9 +333,9 @@ class PartialVersion:
         """Number of shards not yet verified and written."""
         return self._missing
 
-    def blob_path(self, index: int, encoding: str) -> Path:
-        """Where this partial keeps shard ``index``'s ``encoding`` blob."""
-        return self.dir / BLOB_DIR / f"{index}.{encoding}"
+    def blob_ref(self, index: int, encoding: str) -> BlobRef | None:
+        """Where this partial keeps shard ``index``'s ``encoding`` blob (None: not kept)."""
+        return self._pack.ref(index, encoding)
 
     def write_shard(
         self,
@@ -484,10 +499,8 @@ class PartialVersion:
         as that blob, not written)."""
         shard = self.manifest.shard(index)
         for enc, blob in (blobs or {}).items():
-            path = self.blob_path(index, enc)
-            path.parent.mkdir(exist_ok=True)
-            with open(path, "wb") as fh:
-                fh.write(blob)
+            if self._pack.append(index, enc, blob) is None:
+                return False  # closed meanwhile
         with self._lock:
             if self._have[index]:
                 return False
@@ -514,7 +527,11 @@ class PartialVersion:
         enc = self._delta.get(index)
         if enc is not None:
             assert self.chain_base is not None
-            top = Level(self.step, self.manifest, self.blob_path(index, enc), enc, False)
+            ref = self._pack.ref(index, enc)
+            if ref is None:
+                raise ChainBroken(self.step, index, f"its {enc} blob is not kept")
+            span = (ref.offset, ref.length)
+            top = Level(self.step, self.manifest, ref.path, enc, False, span)
             with self.store.pinned(self.chain_base):
                 return bytes(self.store.chains.read_shard(self.chain_base, index, top))
         s = self.header.shards[index]
@@ -548,6 +565,8 @@ class PartialVersion:
                 f"{self._missing} shards missing (manifest complete: "
                 f"{self.manifest.complete}), cannot commit"
             )
+        if self.store.durable:
+            self._pack.sync()  # kept blobs: a chain version's shards are built from them
         self._close_fds()
         if self._delta:
             self._write_chain()
@@ -644,3 +663,5 @@ class PartialVersion:
             os.close(fd)
         if journal >= 0:
             os.close(journal)
+        if hasattr(self, "_pack"):
+            self._pack.close()

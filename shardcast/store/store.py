@@ -3,7 +3,8 @@
 Layout under a node's data directory::
 
     <root>/<run_id>/step-<N>/               a committed version: every file + manifest.json
-    <root>/<run_id>/step-<N>/.enc/          encoded shard blobs kept for re-serving
+    <root>/<run_id>/step-<N>/.enc/          encoded shard blobs kept for re-serving (one pack
+                                            file and its index; see blobpack.py)
     <root>/<run_id>/step-<N>/chain.json     a version kept as a chain (base + delta blobs;
     <root>/<run_id>/step-<N>/.chain/        its chained files' raw shards; see chains.py)
     <root>/<run_id>/.partial-step-<N>/      a version being downloaded (never served as complete)
@@ -62,6 +63,7 @@ from pathlib import Path
 from p2p.errors import IntegrityError, LocalProtocolError, ShardnetError
 from p2p.trust import TrustList
 from shardcast.core import versions_to_prune
+from shardcast.store.blobpack import BlobRef, find_blob
 from shardcast.store.chains import BLOB_DIR as BLOB_DIR  # where it always was, too
 from shardcast.store.chains import (
     MATERIALIZE_DIR,
@@ -457,9 +459,11 @@ class VersionStore:
             raise OSError(f"step {step} {name}: short read at {offset}")
         return view
 
-    def blob_path(self, step: int, index: int, encoding: str) -> Path:
-        """Where a committed version keeps shard ``index``'s ``encoding`` blob."""
-        return self.version_dir(step) / BLOB_DIR / f"{index}.{encoding}"
+    def blob_ref(self, step: int, index: int, encoding: str) -> BlobRef | None:
+        """Where committed ``step`` keeps shard ``index``'s ``encoding`` blob (None: not
+        kept; :func:`shardcast.store.blobpack.find_blob`). Unverified bytes: check them
+        against the signed blob digest."""
+        return find_blob(self.version_dir(step) / BLOB_DIR, index, encoding)
 
     def begin(self, manifest: Manifest, chain_base: int | None = None) -> PartialVersion:
         """Start (or restart) downloading a version; returns its partial handle.

@@ -76,8 +76,8 @@ class _Live:
     def has(self, index: int) -> bool:
         return self.ready
 
-    def blob_path(self, index: int, encoding: str) -> Path:
-        return self.dir / "none"
+    def blob_ref(self, index: int, encoding: str) -> None:
+        return None
 
 
 async def test_unverified_shard_is_503_at_once_unless_held(

@@ -14,6 +14,7 @@ from shardcast.download.follower import FollowConfig, Follower, VersionRecord
 from shardcast.node.node import NodeConfig, ShardcastNode
 from shardcast.publish.origin import Origin, OriginConfig
 from shardcast.publish.plan import build_manifest
+from shardcast.store import BLOB_DIR, BlobRef, find_blob
 from shardcast.wire.manifest import Manifest
 from shardcast.wire.messages import VersionAnnouncement, versions_topic
 from tests.helpers import TRAINER, make_checkpoint, trust
@@ -34,8 +35,8 @@ class _Stuck:
         self.asked.set()  # a follower is downloading it
         return False
 
-    def blob_path(self, index: int, encoding: str) -> Path:
-        return self.dir / ".enc" / f"{index}.{encoding}"
+    def blob_ref(self, index: int, encoding: str) -> BlobRef | None:
+        return find_blob(self.dir / BLOB_DIR, index, encoding)
 
 
 async def test_a_download_superseded_by_an_anchor_is_abandoned(

@@ -7,6 +7,7 @@ only jumps once every task, including the kernel's side of the sockets, has gone
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 import random
@@ -154,6 +155,27 @@ async def test_full_and_ranged_gets_are_byte_exact(
         stats = server.statistics()
     assert stats.bytes_sent == SIZE + 1 + 1 + (1 << 20) + 100
     assert (stats.requests, stats.errors) == (5, {})
+
+
+@pytest.mark.parametrize("use_sendfile", [True, False])
+async def test_a_representation_inside_a_larger_file_is_served_from_its_base(
+    blob: tuple[Path, bytes], use_sendfile: bool
+) -> None:
+    path, data = blob
+    base, size = 4096 + 3, 100_000  # a blob in a pack: its bytes start inside the file
+
+    async def handler(request: HttpRequest) -> HttpResponse:
+        resp = file_response(request, path, size)
+        assert isinstance(resp.body, FileSlice)
+        return dataclasses.replace(resp, body=dataclasses.replace(resp.body, base=base))
+
+    want = data[base : base + size]
+    config = HttpServerConfig(use_sendfile=use_sendfile)
+    async with open_http_server(handler, config) as server, HttpClient() as client:
+        url = server.url + "/inner"
+        assert await collect(client, url, 0, size) == want
+        for start, length in [(0, 1), (size - 1, 1), (777, 50_000)]:
+            assert await collect(client, url, start, length) == want[start : start + length]
 
 
 async def test_chunks_respect_chunk_bytes(blob: tuple[Path, bytes]) -> None:

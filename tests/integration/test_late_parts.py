@@ -65,8 +65,8 @@ class _Live:
     def has(self, index: int) -> bool:
         return any(index in self.manifest.header.part_range(k) for k in self.manifest.parts)
 
-    def blob_path(self, index: int, encoding: str) -> Path:
-        return self.dir / "none"
+    def blob_ref(self, index: int, encoding: str) -> None:
+        return None
 
 
 @asynccontextmanager

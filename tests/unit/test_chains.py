@@ -20,11 +20,12 @@ from shardcast.download.receive import BaseVersion, ShardSink, verify_and_write
 from shardcast.publish.plan import Base, build_manifest
 from shardcast.serve.server import VersionServer
 from shardcast.store import BLOB_DIR, PartialVersion, VersionStore
+from shardcast.store.blobpack import PACK_FILE, PACK_INDEX, read_index
 from shardcast.store.chains import CHAIN_DIR, CHAIN_FILE, MATERIALIZE_DIR, ChainBroken
 from shardcast.wire import codecs, full_bits
 from shardcast.wire.manifest import Manifest
 from shardnet.engine_update import swap_weights
-from tests.helpers import TRAINER, make_checkpoint, trust
+from tests.helpers import TRAINER, make_checkpoint, rot_blob, trust
 
 SHARD = 8192
 NAME = "model.safetensors"
@@ -151,7 +152,7 @@ def test_verified_read_equals_the_trainer_bytes_and_materialization(tmp_path: Pa
     assert not (d / CHAIN_FILE).exists()
     assert not (d / CHAIN_DIR).exists()
     assert not (d / MATERIALIZE_DIR).exists()
-    assert (d / BLOB_DIR / f"1.{codecs.SPARSE}").is_file()  # blobs stay (in-place updates)
+    assert store.blob_ref(2, 1, codecs.SPARSE) is not None  # blobs stay (in-place updates)
     assert store.chained_files(2) == frozenset()
 
 
@@ -249,10 +250,10 @@ def test_a_damaged_blob_is_the_chain_version_s_fault_not_the_base_s(tmp_path: Pa
     store = _store(tmp_path, t)
     _receive(store, t, 2)
     shard = t.manifests[2].header.first_shard(NAME) + 1
-    blob = store.blob_path(2, shard, codecs.SPARSE)
-    data = bytearray(blob.read_bytes())
-    data[len(data) // 2] ^= 1
-    blob.write_bytes(bytes(data))  # the kept blob rots at rest
+    blob = store.blob_ref(2, shard, codecs.SPARSE)
+    assert blob is not None
+    assert blob.path.name == PACK_FILE  # kept in the version's pack
+    rot_blob(blob)  # the kept blob rots at rest
     with pytest.raises(ChainBroken) as caught:
         store.read_shard(2, shard)
     assert caught.value.step == 2
@@ -270,6 +271,47 @@ def test_retention_keeps_the_bases_chains_need(tmp_path: Path) -> None:
     _receive(store, t, 4)
     assert store.committed_steps() == [3, 4]
     assert store.read_file_range(4, NAME, 0, 4 * SHARD) == t.bytes_of(4)
+
+
+def test_a_chain_version_keeps_its_blobs_in_one_pack(tmp_path: Path) -> None:
+    t = Trainer(tmp_path, 2)
+    store = _store(tmp_path, t)
+    _receive(store, t, 2)
+    m = t.manifests[2]
+    enc_dir = store.version_dir(2) / BLOB_DIR
+    assert sorted(p.name for p in enc_dir.iterdir()) == [PACK_FILE, PACK_INDEX]  # no file each
+    for ref in m.header.shards:
+        blob = store.blob_ref(2, ref.index, codecs.SPARSE)
+        assert blob is not None
+        want = (t.dirs[2] / BLOB_DIR / f"{ref.index}.{codecs.SPARSE}").read_bytes()
+        assert blob.read() == want  # the blob as the origin signed it
+    assert store.read_file_range(2, NAME, 0, 4 * SHARD) == t.bytes_of(2)
+
+
+def test_a_resumed_download_drops_a_blob_that_rotted_in_its_pack(tmp_path: Path) -> None:
+    t = Trainer(tmp_path, 2)
+    store = _store(tmp_path, t)
+    m = t.manifests[2]
+    part = store.begin(m, 1)
+    blobs = {}
+    for ref in m.header.shards:
+        blobs[ref.index] = (t.dirs[2] / BLOB_DIR / f"{ref.index}.{codecs.SPARSE}").read_bytes()
+        verify_and_write(part, m.shard(ref.index), codecs.SPARSE, _sink(blobs[ref.index]),
+                         None, "src")  # fmt: skip
+    victim = part.blob_ref(1, codecs.SPARSE)
+    assert victim is not None
+    part.close()
+    rot_blob(victim)  # at rest, while the node was down
+    again = VersionStore(tmp_path / "recv", RUN, keep_last=8, durable=False)
+    resumed = again.begin(m, 1)
+    n = len(m.header.shards)
+    assert resumed.restored == n - 1  # the rotten blob's shard is fetched again
+    assert not resumed.has(1)
+    assert resumed.blob_ref(1, codecs.SPARSE) is None  # and never served
+    assert (1, codecs.SPARSE) not in read_index(resumed.dir / BLOB_DIR)
+    verify_and_write(resumed, m.shard(1), codecs.SPARSE, _sink(blobs[1]), None, "src")
+    resumed.commit()
+    assert again.read_file_range(2, NAME, 0, 4 * SHARD) == t.bytes_of(2)
 
 
 def test_a_crash_mid_commit_leaves_no_version_and_the_download_resumes(tmp_path: Path) -> None:

@@ -19,8 +19,10 @@ from rollout.engine import TransformersEngine
 from rollout.model import build_model, build_tokenizer, load_model, stored_state, tensor_files
 from shardcast.core import Stage, StageCpu
 from shardcast.store.store import BLOB_DIR, VersionStore
+from shardcast.wire import codecs
 from shardnet.engine_update import HeldVersion, SwapPath, gather_changes, swap_weights
 from tests.delta_chain import RUN, Chain, evolve, publish, receive_as_chain
+from tests.helpers import drop_blob, rot_blob
 from trainer.checkpoint import save_checkpoint
 
 
@@ -124,14 +126,16 @@ def test_a_missing_or_damaged_blob_falls_back_to_a_full_load(
     chain = Chain(tmp_path, torch.bfloat16, steps=1)
     engine = TransformersEngine()
     held = chain.swap(engine, 0, None).held
-    blobs = sorted((chain.store.version_dir(1) / BLOB_DIR).glob("*.sparse"))
-    victim = blobs[len(blobs) // 2]
+    enc_dir = chain.store.version_dir(1) / BLOB_DIR
+    m = chain.manifests[1]
+    sparse = [r.index for r in m.header.shards if m.shard(r.index).offered(codecs.SPARSE)]
+    index = sparse[len(sparse) // 2]
     if damage == "remove":
-        victim.unlink()  # as if that shard had been received raw
+        drop_blob(enc_dir, index, codecs.SPARSE)  # as if that shard had been received raw
     else:
-        data = bytearray(victim.read_bytes())
-        data[-1] ^= 1
-        victim.write_bytes(data)
+        ref = chain.store.blob_ref(1, index, codecs.SPARSE)
+        assert ref is not None
+        rot_blob(ref)
     result = chain.swap(engine, 1, held)
     assert (result.path, result.fallback) == (SwapPath.FULL, reason)
     assert_holds(engine, chain.store.version_dir(1), torch.bfloat16)

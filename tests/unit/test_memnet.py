@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import random
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -14,7 +15,7 @@ import trio.testing
 from p2p.errors import PeerUnreachable, RemoteProtocolError, StreamBroken
 from p2p.host import HostConfig
 from p2p.http_range import format_content_range, resolve_range
-from p2p.http_server import HttpRequest, HttpResponse, HttpServerConfig
+from p2p.http_server import FileSlice, HttpRequest, HttpResponse, HttpServerConfig, file_response
 from p2p.identity import Identity
 from p2p.memnet import LinkProfile, MemNetwork
 
@@ -200,3 +201,31 @@ async def test_wait_quiet_returns_when_every_hop_has_landed(
             t1 = trio.current_time()
             await net.wait_quiet()
             assert trio.current_time() == t1
+
+
+async def test_a_file_slice_is_read_from_its_base(
+    autojump_clock: trio.testing.MockClock, tmp_path: Path
+) -> None:
+    path = tmp_path / "pack"
+    path.write_bytes(BODY)
+    base, size = 1000, 5000  # a blob inside a pack
+
+    async def lane(req: HttpRequest) -> HttpResponse:
+        resp = file_response(req, path, size)
+        assert isinstance(resp.body, FileSlice)
+        return dataclasses.replace(resp, body=dataclasses.replace(resp.body, base=base))
+
+    async with MemNetwork(random.Random(1)) as net:
+        ea, eb = net.endpoint(), net.endpoint()
+        async with (
+            eb.open_http_server(lane, HttpServerConfig(host=eb.ip)) as server,
+            ea.open_http_client() as client,
+        ):
+            got = await client.get_bytes(server.url + "/x", max_bytes=size, timeout_s=10)
+            buf = bytearray(100)
+            async for _ in client.receive_range_into(
+                server.url + "/x", 7, memoryview(buf), timeout_s=5
+            ):
+                pass
+    assert got == BODY[base : base + size]
+    assert bytes(buf) == BODY[base + 7 : base + 107]
