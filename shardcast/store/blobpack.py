@@ -140,7 +140,8 @@ class BlobPack:
     Args:
         enc_dir: the version's ``.enc`` directory (created at the first append).
         entries: blobs already in its pack that the caller verified (a resumed download);
-            the index is rewritten to hold exactly these (atomically).
+            the index is rewritten to hold exactly these (atomically); with none, an old pack
+            and index are removed.
     """
 
     def __init__(self, enc_dir: Path, entries: Mapping[Key, tuple[int, int]] | None = None):
@@ -150,7 +151,10 @@ class BlobPack:
         self._pack = self._index = -1
         self._end = 0
         self._closed = False
-        if enc_dir.is_dir():
+        if enc_dir.is_dir() and not self._entries:  # nothing kept: start the pack afresh
+            (enc_dir / PACK_INDEX).unlink(missing_ok=True)
+            (enc_dir / PACK_FILE).unlink(missing_ok=True)
+        elif enc_dir.is_dir():
             tmp = enc_dir / f".{PACK_INDEX}.tmp"
             with open(tmp, "w", encoding="ascii") as fh:
                 fh.writelines(f"{i} {e} {o} {n}\n" for (i, e), (o, n) in self._entries.items())

@@ -66,6 +66,7 @@ from shardcast.core import versions_to_prune
 from shardcast.store.blobpack import BlobRef, find_blob
 from shardcast.store.chains import BLOB_DIR as BLOB_DIR  # where it always was, too
 from shardcast.store.chains import (
+    CHAIN_DIR,
     MATERIALIZE_DIR,
     ChainBroken,
     ChainReader,
@@ -536,15 +537,20 @@ class VersionStore:
                 committed).
         """
         for f in m.header.files if self.durable else ():
-            if not (directory / f.name).exists():  # a chained file: see .chain/
-                continue
-            fd = os.open(directory / f.name, os.O_RDONLY)
+            path = directory / f.name
+            if not path.exists():  # a chained file: its raw shards are in .chain/
+                path = directory / CHAIN_DIR / f.name
+                if not path.exists():
+                    continue
+            fd = os.open(path, os.O_RDONLY)
             try:
                 os.fsync(fd)
             finally:
                 os.close(fd)
         replace_file(directory / MANIFEST_FILE, m.encode(), durable=self.durable)
         if self.durable:
+            if (directory / CHAIN_DIR).is_dir():
+                fsync_dir(directory / CHAIN_DIR)
             fsync_dir(directory)
         final = self.version_dir(m.step)
         os.rename(directory, final)

@@ -288,6 +288,28 @@ def test_a_chain_version_keeps_its_blobs_in_one_pack(tmp_path: Path) -> None:
     assert store.read_file_range(2, NAME, 0, 4 * SHARD) == t.bytes_of(2)
 
 
+def test_a_durable_chain_commit_syncs_its_blobs_and_chained_files(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    t = Trainer(tmp_path, 2)
+    store = _store(tmp_path, t)
+    store.durable = True
+    synced: list[str] = []
+    real = os.fsync
+
+    def fsync(fd: int) -> None:
+        synced.append(os.readlink(f"/proc/self/fd/{fd}"))
+        real(fd)
+
+    monkeypatch.setattr(os, "fsync", fsync)
+    _receive(store, t, 2)
+    assert store.chained_files(2)  # some shards came raw: kept in .chain/
+    for rel in (f"{BLOB_DIR}/{PACK_FILE}", f"{BLOB_DIR}/{PACK_INDEX}", f"{CHAIN_DIR}/{NAME}"):
+        assert any(p.endswith(f"/{rel}") for p in synced), rel  # blobs, the raw shards
+    assert any(p.endswith(f"/{CHAIN_DIR}") for p in synced)  # and the entries of both dirs
+    assert any(p.endswith(f"/{BLOB_DIR}") for p in synced)
+
+
 def test_a_resumed_download_drops_a_blob_that_rotted_in_its_pack(tmp_path: Path) -> None:
     t = Trainer(tmp_path, 2)
     store = _store(tmp_path, t)
