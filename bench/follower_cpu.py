@@ -111,6 +111,24 @@ version against 0.24-0.36 under ``/var/tmp`` in earlier sessions
 prints what creating a file in its work directory cost. A pack file would make the count of
 files, not this state, what a version costs.
 
+Then (session 56): the follower appends its kept blobs to one pack file per version
+(:mod:`shardcast.store.blobpack`) instead of one file each. Alternated with the code before
+(abb369b, from a worktree), run alone, real-1b (1.32 GB):
+
+=========================  ===========================  ===========================
+shards                     next CPU-s, files -> pack    ``write`` CPU-s
+=========================  ===========================  ===========================
+85 (16 MiB), 6 runs each   0.340 (0.25-0.42) -> 0.242   0.112 (0.04-0.18) -> 0.033
+                           (0.20-0.25)                  (0.026-0.035)
+1,266 (1 MiB), 3 runs      1.20-2.52 -> 0.55-0.68       0.60-1.83 -> 0.12-0.15
+=========================  ===========================  ===========================
+
+Medians, ranges in brackets (``bench/results/issue24-follower-cpu-pack-s56.txt``). The pack
+took out both the cost and its spread: at 85 shards a next version now costs 0.15-0.19
+CPU-s per GB (0.15 per GB is the target), of which ~0.025 is what waiting costs over its
+~1.6 s; the stages (receive 0.03, verify 0.007, write 0.03) are ~0.07, the rest is the
+event-loop thread's HTTP client, trio and libp2p keep-alives.
+
 Usage::
 
     python bench/follower_cpu.py --cache /dev/shm/b24 --preset real-1b --profile out.prof
