@@ -231,18 +231,19 @@ def parse_request_head(
 
 @dataclass(frozen=True)
 class FileSlice:
-    """``length`` bytes at ``offset`` of the file at ``path``, whose full size is ``total_size``."""
+    """``length`` bytes at ``offset`` of the representation at ``path`` (from its byte
+    ``base``), whose full size is ``total_size``."""
 
     path: Path
     offset: int
     length: int
     total_size: int
     fallbacks: tuple[Path, ...] = ()
-    base: int = 0
-    """Byte of the file where the representation starts (``offset`` 0): a representation
-    stored inside a larger file, e.g. a blob in a pack."""
     """Paths tried in order if ``path`` no longer exists when the body is sent (the same
     bytes moved, e.g. a directory renamed on commit)."""
+    base: int = 0
+    """Byte of the file where the representation starts (its ``offset`` 0): a representation
+    stored inside a larger file, e.g. a blob in a pack (each fallback holds it there too)."""
     on_done: Callable[[], None] | None = field(default=None, compare=False)
     """Called once when the server is done with this slice (sent, failed or abandoned), e.g.
     to release a pin that kept the file from being deleted."""

@@ -18,6 +18,7 @@ from p2p.http_server import FileSlice, HttpRequest, HttpResponse
 from shardcast.core import should_materialize
 from shardcast.download.receive import BaseVersion, ShardSink, verify_and_write
 from shardcast.publish.plan import Base, build_manifest
+from shardcast.serve.mirror import PREFIX, export_mirror
 from shardcast.serve.server import VersionServer
 from shardcast.store import BLOB_DIR, PartialVersion, VersionStore
 from shardcast.store.blobpack import PACK_FILE, PACK_INDEX, read_index
@@ -286,6 +287,19 @@ def test_a_chain_version_keeps_its_blobs_in_one_pack(tmp_path: Path) -> None:
         want = (t.dirs[2] / BLOB_DIR / f"{ref.index}.{codecs.SPARSE}").read_bytes()
         assert blob.read() == want  # the blob as the origin signed it
     assert store.read_file_range(2, NAME, 0, 4 * SHARD) == t.bytes_of(2)
+
+
+def test_a_mirror_export_writes_out_each_packed_blob(tmp_path: Path) -> None:
+    t = Trainer(tmp_path, 2)
+    store = _store(tmp_path, t)
+    _receive(store, t, 2)
+    m = t.manifests[2]
+    r = export_mirror(store, tmp_path / "www", trainer_id=TRAINER.peer_id)
+    assert r.exported == [1, 2]
+    shard_dir = tmp_path / "www" / PREFIX / RUN / "2" / m.digest / "shard"
+    for ref in m.header.shards:
+        want = (t.dirs[2] / BLOB_DIR / f"{ref.index}.{codecs.SPARSE}").read_bytes()
+        assert (shard_dir / str(ref.index) / codecs.SPARSE).read_bytes() == want
 
 
 def test_a_durable_chain_commit_syncs_its_blobs_and_chained_files(
