@@ -274,11 +274,16 @@ def test_retention_keeps_the_bases_chains_need(tmp_path: Path) -> None:
     assert store.read_file_range(4, NAME, 0, 4 * SHARD) == t.bytes_of(4)
 
 
-def test_a_chain_version_keeps_its_blobs_in_one_pack(tmp_path: Path) -> None:
+def _chain_of_2(tmp_path: Path) -> tuple[Trainer, VersionStore, Manifest]:
+    """Version 2 received as a chain over version 1, as a follower keeps it."""
     t = Trainer(tmp_path, 2)
     store = _store(tmp_path, t)
     _receive(store, t, 2)
-    m = t.manifests[2]
+    return t, store, t.manifests[2]
+
+
+def test_a_chain_version_keeps_its_blobs_in_one_pack(tmp_path: Path) -> None:
+    t, store, m = _chain_of_2(tmp_path)
     enc_dir = store.version_dir(2) / BLOB_DIR
     assert sorted(p.name for p in enc_dir.iterdir()) == [PACK_FILE, PACK_INDEX]  # no file each
     for ref in m.header.shards:
@@ -290,10 +295,7 @@ def test_a_chain_version_keeps_its_blobs_in_one_pack(tmp_path: Path) -> None:
 
 
 def test_a_mirror_export_writes_out_each_packed_blob(tmp_path: Path) -> None:
-    t = Trainer(tmp_path, 2)
-    store = _store(tmp_path, t)
-    _receive(store, t, 2)
-    m = t.manifests[2]
+    t, store, m = _chain_of_2(tmp_path)
     r = export_mirror(store, tmp_path / "www", trainer_id=TRAINER.peer_id)
     assert r.exported == [1, 2]
     shard_dir = tmp_path / "www" / PREFIX / RUN / "2" / m.digest / "shard"
