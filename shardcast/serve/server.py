@@ -850,10 +850,10 @@ def _read_blobs(refs: list[tuple[BlobRef, Path] | None], sizes: list[int]) -> by
                 data = at.read()
             except FileNotFoundError:
                 continue
-            except OSError:
-                return None
             break
         else:
+            return None
+        if len(data) != size:
             return None
         out += data
     return bytes(out)

@@ -27,14 +27,14 @@ Blocking file I/O; thread-safe.
 
 from __future__ import annotations
 
+import functools
 import os
 import threading
-from collections import OrderedDict
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
-from shardcast.store.files import pwrite_all
+from shardcast.store.files import fsync_dir, pwrite_all, replace_file
 
 __all__ = ["PACK_FILE", "PACK_INDEX", "BlobPack", "BlobRef", "find_blob", "read_index"]
 
@@ -57,17 +57,15 @@ class BlobRef:
     length: int
 
     def read(self) -> bytes:
-        """The blob's bytes (unverified: check them against the signed blob digest).
+        """The blob's bytes as stored: unverified, and short if the file was cut (check them
+        against the signed blob digest and size).
 
         Raises:
             FileNotFoundError: the file is gone (e.g. its directory was renamed meanwhile).
-            OSError: it cannot be read, or holds fewer than ``length`` bytes there.
+            OSError: it cannot be read.
         """
         with open(self.path, "rb", buffering=0) as fh:
-            data = os.pread(fh.fileno(), self.length, self.offset)
-        if len(data) != self.length:
-            raise OSError(f"{self.path}: {len(data)} of {self.length} bytes at {self.offset}")
-        return data
+            return os.pread(fh.fileno(), self.length, self.offset)
 
 
 def blob_file(enc_dir: Path, index: int, encoding: str) -> Path:
@@ -98,9 +96,11 @@ def read_index(enc_dir: Path) -> dict[Key, tuple[int, int]]:
     return out
 
 
-_CACHE_VERSIONS = 32
-_cache: OrderedDict[Path, tuple[tuple[int, int, int], dict[Key, tuple[int, int]]]] = OrderedDict()
-_cache_lock = threading.Lock()
+@functools.lru_cache(maxsize=32)
+def _parsed(enc_dir: Path, stamp: tuple[int, int, int]) -> dict[Key, tuple[int, int]]:
+    """:func:`read_index` of ``enc_dir`` while its index file has ``stamp`` (inode, size,
+    mtime): a committed version's index is parsed once, not per lookup."""
+    return read_index(enc_dir)
 
 
 def find_blob(enc_dir: Path, index: int, encoding: str) -> BlobRef | None:
@@ -113,18 +113,7 @@ def find_blob(enc_dir: Path, index: int, encoding: str) -> BlobRef | None:
     except FileNotFoundError:
         st = None
     if st is not None:
-        stamp = (st.st_ino, st.st_size, st.st_mtime_ns)
-        with _cache_lock:
-            hit = _cache.get(idx)
-            if hit is not None:
-                _cache.move_to_end(idx)
-        if hit is None or hit[0] != stamp:
-            hit = (stamp, read_index(enc_dir))
-            with _cache_lock:
-                _cache[idx] = hit
-                while len(_cache) > _CACHE_VERSIONS:
-                    _cache.popitem(last=False)
-        at = hit[1].get((index, encoding))
+        at = _parsed(enc_dir, (st.st_ino, st.st_size, st.st_mtime_ns)).get((index, encoding))
         if at is not None:
             return BlobRef(enc_dir / PACK_FILE, *at)
     path = blob_file(enc_dir, index, encoding)
@@ -155,10 +144,8 @@ class BlobPack:
             (enc_dir / PACK_INDEX).unlink(missing_ok=True)
             (enc_dir / PACK_FILE).unlink(missing_ok=True)
         elif enc_dir.is_dir():
-            tmp = enc_dir / f".{PACK_INDEX}.tmp"
-            with open(tmp, "w", encoding="ascii") as fh:
-                fh.writelines(f"{i} {e} {o} {n}\n" for (i, e), (o, n) in self._entries.items())
-            os.rename(tmp, enc_dir / PACK_INDEX)
+            lines = "".join(f"{i} {e} {o} {n}\n" for (i, e), (o, n) in self._entries.items())
+            replace_file(enc_dir / PACK_INDEX, lines.encode(), durable=False)
 
     def append(
         self, index: int, encoding: str, data: bytes | bytearray | memoryview
@@ -205,11 +192,7 @@ class BlobPack:
             for fd in fds:
                 os.fsync(fd)
         if fds:
-            fd = os.open(self.dir, os.O_RDONLY | os.O_DIRECTORY)
-            try:
-                os.fsync(fd)
-            finally:
-                os.close(fd)
+            fsync_dir(self.dir)
 
     def close(self) -> None:
         """Close the files (idempotent); :meth:`ref` keeps answering."""

@@ -58,7 +58,8 @@ from typing import Protocol
 import blake3
 
 from p2p.errors import IntegrityError
-from shardcast.store.blobpack import blob_file, find_blob
+from shardcast.store.blobpack import BlobRef, blob_file, find_blob
+from shardcast.store.files import fsync_dir
 from shardcast.wire import Manifest, codecs
 
 log = logging.getLogger(__name__)
@@ -296,7 +297,9 @@ class ChainReader:
         for lv in reversed(levels[:-1]):
             assert lv.encoding is not None
             try:
-                blob = _blob_bytes(lv)
+                blob = (
+                    lv.path.read_bytes() if lv.span is None else BlobRef(lv.path, *lv.span).read()
+                )
             except FileNotFoundError:
                 if self._form_changed(lv, index):
                     raise
@@ -383,18 +386,6 @@ class ChainReader:
             return True
 
 
-def _blob_bytes(lv: Level) -> bytes:
-    """Delta level ``lv``'s blob as stored (short if its file was cut: the check fails).
-
-    Raises:
-        FileNotFoundError: its file is gone.
-    """
-    if lv.span is None:
-        return lv.path.read_bytes()
-    with open(lv.path, "rb", buffering=0) as fh:
-        return os.pread(fh.fileno(), lv.span[1], lv.span[0])
-
-
 def build_file(
     reader: ChainReader, step: int, m: Manifest, name: str, path: Path, durable: bool
 ) -> None:
@@ -416,18 +407,5 @@ def build_file(
                     pos += os.pwrite(fd, data[pos : pos + (1 << 20)], ref.offset + pos)
         if durable:
             os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-def fsync_dir(path: Path) -> None:
-    """Make ``path``'s entries (renames, new files) durable: ``fsync`` of the directory.
-
-    Raises:
-        OSError: it cannot be opened or synced.
-    """
-    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
-    try:
-        os.fsync(fd)
     finally:
         os.close(fd)

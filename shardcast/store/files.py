@@ -23,6 +23,7 @@ __all__ = [
     "copy_range",
     "file_digest_on_disk",
     "file_matches",
+    "fsync_dir",
     "hash_file",
     "pwrite_all",
     "range_of",
@@ -170,3 +171,16 @@ def range_of(
         out += memoryview(data)[pos - start : pos - start + take]
         pos += take
     return bytes(out)
+
+
+def fsync_dir(path: Path) -> None:
+    """Make ``path``'s entries (renames, new files) durable: ``fsync`` of the directory.
+
+    Raises:
+        OSError: it cannot be opened or synced.
+    """
+    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)

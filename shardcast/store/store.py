@@ -71,10 +71,9 @@ from shardcast.store.chains import (
     ChainBroken,
     ChainReader,
     ChainRecord,
-    fsync_dir,
     read_record,
 )
-from shardcast.store.files import file_matches, range_of, replace_file
+from shardcast.store.files import file_matches, fsync_dir, range_of, replace_file
 from shardcast.store.partial import JOURNAL_FILE, PartialVersion
 from shardcast.wire import (
     MANIFEST_FILE,
