@@ -273,9 +273,12 @@ def converged(w: World, byzantine: set[str]) -> bool:
 
 
 async def converge(w: World, deadline_s: float, byzantine: set[str] | None = None) -> bool:
-    """Wait (virtual time) until :func:`converged`; False after ``deadline_s``."""
+    """Wait (virtual time) until :func:`converged`; False after ``deadline_s`` or once the
+    world's wall-clock budget is spent (:meth:`World.out_of_wall_time`)."""
     with trio.move_on_after(deadline_s):
         while not converged(w, byzantine or set()):
+            if w.out_of_wall_time():
+                return False
             await w.changed()
         return True
     return False
@@ -357,6 +360,7 @@ def run_scenario(
     peers: int | None = None,
     root: Path | None = None,
     deadline_s: float = 600.0,
+    wall_s: float = 600.0,
 ) -> ScenarioResult:
     """Run one scenario under ``MockClock(autojump_threshold=0)`` and check its invariants.
 
@@ -364,6 +368,9 @@ def run_scenario(
         relays, peers: override the scenario's size.
         root: where node data goes (default: a temporary directory, removed after).
         deadline_s: virtual seconds allowed to converge after the script.
+        wall_s: real seconds allowed for the whole run; past them every wait for convergence
+            gives up and the result fails its ``within_wall_clock`` invariant (a run that
+            cannot converge fails instead of hanging).
     """
     n_relays = relays if relays is not None else spec.relays
     n_peers = peers if peers is not None else spec.peers
@@ -376,6 +383,7 @@ def run_scenario(
         profile = LinkProfile(latency_s=0.01, jitter_s=0.01, bandwidth_bytes_per_s=20e6)
         async with MemNetwork(random.Random(seed), profile) as net, trio.open_nursery() as n:
             w = World(net, tmp, seed, SIZES)
+            w.wall_deadline = started + wall_s
             await w.start(n)
             assert w.trainer is not None
             assert w.trainer.node is not None
@@ -393,8 +401,15 @@ def run_scenario(
             await spec.script(ctx)
             done = await converge(w, deadline_s, ctx.byzantine)
             converge_s = trio.current_time() - w.published_at if done else None
-            await settle_rollouts(w, 120.0)
+            out_of_time = w.out_of_wall_time()
+            if not out_of_time:
+                await settle_rollouts(w, 120.0)
             invariants, notes = check_invariants(w, ctx.byzantine)
+            invariants["within_wall_clock"] = not out_of_time
+            if out_of_time:
+                notes.append(
+                    f"wall-clock limit of {wall_s:g} s spent at {trio.current_time():.0f} virtual s"
+                )
             nodes = 1 + len(w.relays) + len(w.peers) + len(w.sybils)
             out.append(
                 ScenarioResult(

@@ -37,6 +37,7 @@ import json
 import logging
 import random
 import shutil
+import time
 from collections import Counter
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
@@ -293,11 +294,19 @@ class World:
         self.published_at = 0.0
         self._nursery: trio.Nursery | None = None
         self._changed = trio.Event()
+        self.wall_deadline: float | None = None
+        """``time.perf_counter()`` after which waits for convergence give up (None: never)."""
 
     def notify(self) -> None:
         """Wake :meth:`changed` waiters (a commit, a crash, a restart)."""
         self._changed.set()
         self._changed = trio.Event()
+
+    def out_of_wall_time(self) -> bool:
+        """Whether the real-time budget (:attr:`wall_deadline`) is spent: a run that cannot
+        converge spends its virtual deadline slowly (every retry is real work), so the wall
+        clock, not virtual time, is what bounds it."""
+        return self.wall_deadline is not None and time.perf_counter() > self.wall_deadline
 
     async def changed(self, at_most_s: float = 1.0) -> None:
         """Wait for a change, or ``at_most_s`` virtual seconds."""

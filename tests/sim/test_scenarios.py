@@ -45,6 +45,16 @@ def test_a_seed_replays_the_same_run() -> None:
     ] * 2
 
 
+def test_a_run_out_of_wall_time_fails_instead_of_hanging() -> None:
+    """A run that cannot converge spends its virtual deadline slowly (each retry is real work):
+    the wall-clock budget turns that into a failed invariant, not a hang."""
+    result = run_scenario(SCENARIOS["baseline"], 1, relays=1, peers=2, wall_s=0.0)
+    assert not result.ok
+    assert result.invariants["within_wall_clock"] is False
+    assert result.converge_s is None
+    assert any("wall-clock limit" in note for note in result.notes)
+
+
 def test_the_scheduler_switch_is_found_and_restored() -> None:
     run: Any = importlib.import_module("trio._core._run")
     before = (run._ALLOW_DETERMINISTIC_SCHEDULING, run._r.getstate())
