@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import atexit
 import base64
+import functools
 import json
 import random
 import shutil
@@ -660,15 +661,20 @@ HTTP_RANGE = Target(
 
 # --- safetensors headers of received checkpoints -------------------------------------------
 
-_SHM = Path("/dev/shm")
-_ST_DIR = Path(tempfile.mkdtemp(prefix="shardnet-fuzz-", dir=_SHM if _SHM.is_dir() else None))
-atexit.register(shutil.rmtree, _ST_DIR, True)
-_ST_PATH = _ST_DIR / "model.safetensors"
+
+@functools.cache
+def _st_path() -> Path:
+    """Where fuzzed headers are written (tmpfs where there is one), made on first use so that
+    a run that only collects these targets leaves nothing behind, even when killed."""
+    shm = Path("/dev/shm")
+    tmp = Path(tempfile.mkdtemp(prefix="shardnet-fuzz-", dir=shm if shm.is_dir() else None))
+    atexit.register(shutil.rmtree, tmp, True)
+    return tmp / "model.safetensors"
 
 
 def _safetensors(data: bytes) -> None:
-    _ST_PATH.write_bytes(data)
-    read_tensor_shapes(_ST_PATH)
+    _st_path().write_bytes(data)
+    read_tensor_shapes(_st_path())
 
 
 SAFETENSORS = Target(
