@@ -129,6 +129,26 @@ CPU-s per GB (0.15 per GB is the target), of which ~0.025 is what waiting costs 
 ~1.6 s; the stages (receive 0.03, verify 0.007, write 0.03) are ~0.07, the rest is the
 event-loop thread's HTTP client, trio and libp2p keep-alives.
 
+Then (session 57): what was left was per request (the profile: trio's scheduling, the HTTP
+client and the driver, ~4 ms of the event loop per request, spread thin), and a next version
+cost a part long-poll and a blob batch per part of 4 shards. A delta version's parts now cover
+``delta_shards_per_part`` (16) shards: 46 -> 14 requests. Alternated, 4 runs each, run alone
+(``--origin-args '--delta-shards-per-part 4'`` for the code before; a slow day):
+
+=========================  ===========================  ===========================
+parts of a delta version   next CPU-s                   next version, s
+=========================  ===========================  ===========================
+4 shards (22 parts)        0.303 (0.275-0.329)          1.95 (1.60-2.11)
+16 shards (6 parts)        0.190 (0.179-0.212)          1.57 (1.54-1.80)
+=========================  ===========================  ===========================
+
+0.144 CPU-s per GB (0.136-0.161); the ``receive`` stage went 0.051 -> 0.020. The wall time
+fell too: the last part goes out when the last shard is encoded whatever the part size
+(``bench/results/issue24-delta-parts-s57.txt``).
+
+``--origin-args`` adds options to the origin's command line (a setting tried against the
+default without editing the bench).
+
 Usage::
 
     python bench/follower_cpu.py --cache /dev/shm/b24 --preset real-1b --profile out.prof
@@ -142,6 +162,7 @@ import json
 import pstats
 import random
 import resource
+import shlex
 import shutil
 import sys
 import time
@@ -227,7 +248,10 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
             oaddr = await nodes.start(
                 nursery,
                 "origin",
-                broadcast.origin_args(workdir, trainer_key, args.shard_size, deltas=True),
+                [
+                    *broadcast.origin_args(workdir, trainer_key, args.shard_size, deltas=True),
+                    *shlex.split(args.origin_args),
+                ],
             )
             await nodes.publish_alone(0, v0, args.timeout)
             fdir = workdir / "follower"
@@ -238,7 +262,12 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
             with trio.CancelScope(shield=True):
                 for p in reversed(nodes.procs):
                     await p.stop()
-    return {"preset": args.preset, "changed": args.changed, **out}
+    return {
+        "preset": args.preset,
+        "changed": args.changed,
+        "origin_args": args.origin_args,
+        **out,
+    }
 
 
 async def _follow(
@@ -309,6 +338,12 @@ def main() -> None:
     ap.add_argument("--idle-s", type=float, default=3.0)
     ap.add_argument("--timeout", type=float, default=600.0)
     ap.add_argument("--profile", default=None, help="cProfile output path")
+    ap.add_argument(
+        "--origin-args",
+        default="",
+        metavar="OPTIONS",
+        help="options added to the origin's command line (e.g. '--delta-shards-per-part 4')",
+    )
     args = ap.parse_args()
     print(json.dumps(trio.run(run, args), indent=1))
 

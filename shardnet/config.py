@@ -727,6 +727,12 @@ class PublishSettings(CommonSettings):
         "is hashed and signed, so smaller parts mean earlier first bytes (and more part "
         "requests)",
     )
+    delta_shards_per_part: int = Field(
+        OriginConfig.delta_shards_per_part,
+        ge=1,
+        description="shards per signed manifest part of a version offered as a delta: its "
+        "bytes are few, so larger parts save every follower requests at no cost in time",
+    )
     anchor_every: int = Field(
         OriginConfig.anchor_every, ge=1, description="a full version every N steps"
     )
@@ -877,6 +883,7 @@ class PublishSettings(CommonSettings):
         return OriginConfig(
             shard_size=self.shard_size_bytes,
             shards_per_part=self.shards_per_part,
+            delta_shards_per_part=self.delta_shards_per_part,
             anchor_every=self.anchor_every,
             deltas=self.deltas,
             zstd=self.zstd,

@@ -65,6 +65,10 @@ DEFAULT_SHARD_BYTES = 32 * 1024 * 1024
 #: shards per signed manifest part: no byte of a shard moves before its part is hashed and
 #: signed, so smaller parts mean earlier first bytes (and more part requests)
 DEFAULT_SHARDS_PER_PART = 4
+#: shards per part of a version offered as a delta: its bytes to move are small, so every part
+#: costs each follower more in requests (a part long-poll and a blob batch) than it saves in
+#: first bytes, and its last part goes out when its last shard is encoded either way
+DEFAULT_DELTA_SHARDS_PER_PART = 16
 #: threads that hash and encode a file's shards side by side (BLAKE3, numpy's comparisons,
 #: zstd and file reads release the GIL); the results do not depend on it
 ENCODE_WORKERS = min(8, os.cpu_count() or 1)

@@ -76,6 +76,29 @@ async def test_origin_caps_the_part_count_of_a_large_version(tmp_path: Path) -> 
     assert header.n_parts <= 8
 
 
+async def test_a_delta_version_gets_its_own_larger_parts(tmp_path: Path) -> None:
+    """A delta version's bytes are few: its parts cover ``delta_shards_per_part`` shards (each
+    part costs every follower a part request and a blob batch); a full version, an anchor
+    and a version published without deltas keep ``shards_per_part``."""
+    for settings in (OriginSettings, TrainerSettings):
+        assert settings.model_fields["delta_shards_per_part"].default == 16
+    v0 = make_checkpoint(tmp_path / "v0", {"model.safetensors": 24 * 4096}, seed=0)
+    v1 = make_checkpoint(tmp_path / "v1", {"model.safetensors": 24 * 4096}, seed=1)
+    v2 = make_checkpoint(tmp_path / "v2", {"model.safetensors": 24 * 4096}, seed=2)
+    cfg = NodeConfig("trainer", "run", tmp_path / "o")
+    oc = OriginConfig(shard_size=4096, shards_per_part=2, delta_shards_per_part=8, anchor_every=2)
+    async with ShardcastNode.open(TRAINER, trust(), cfg) as node:
+        origin = Origin(node, oc)
+        full = (await origin.publish(v0, 0)).manifest.header
+        delta = (await origin.publish(v1, 1)).manifest.header
+        anchor = (await origin.publish(v2, 2)).manifest.header
+    assert (full.shards_per_part, delta.shards_per_part, anchor.shards_per_part) == (2, 8, 2)
+    assert (delta.base_step, full.base_step, anchor.base_step) == (0, None, None)
+    assert delta.n_parts == -(-len(delta.shards) // 8) < full.n_parts
+    with pytest.raises(LocalProtocolError):
+        OriginConfig(delta_shards_per_part=0)
+
+
 LOG = """\
 2026-12-01T18:54:18.600Z INFO origin shardcast.node.node version_announced run=bench step=1 digest=ab
 2026-12-01T18:54:18.655Z INFO relay shardcast.node.node announcement_received run=bench step=1 from=x
