@@ -101,8 +101,8 @@ class OriginConfig:
             (``deltas`` on and a base held). Its delta blobs are ~1-2 % of the shards' bytes,
             so first bytes gain little from small parts while each part costs every follower a
             part request and a blob batch: on ``real-1b`` (85 shards, one follower, loopback,
-            ``bench/follower_cpu.py``) 4 -> 16 took a follower's next version from ~0.28 to
-            ~0.17 CPU-s, and its wall time did not grow.
+            ``bench/follower_cpu.py``) 4 -> 16 took a follower's next version from 46 to 14
+            requests and from ~0.30 to ~0.19 CPU-s, and its wall time fell.
         max_parts: at most this many parts per version: a larger version gets larger parts
             (:func:`parts_of`). Downloaders fetch every missing part at once, each request
             held open at its source until the part exists, on a connection pool of 64: a
