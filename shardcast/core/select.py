@@ -125,7 +125,7 @@ class SchedulerConfig:
             request, :mod:`shardcast.core.batch`) takes ``length / light_slot_bytes`` of a
             request slot (at most one), here and in ``per_source_inflight``: with 4 MiB,
             two slots of a source hold ~32 blobs of 250 KB (a next version's typical blob)
-            instead of 2, so they go out in one or two batches, not one request each.
+            instead of 2, in batches of 4 (1 MiB, ``batch.BATCH_BYTES``), not one request each.
         overdue_factor: a transfer projected (at its own throughput so far) to need more than
             this factor times what the best other ready, measured source is expected to take
             for the bytes it still lacks is handed back by :meth:`Scheduler.overdue` (> 1;

@@ -20,6 +20,7 @@ from shardcast.core import (
     Verdict,
     first_byte_times,
 )
+from shardcast.core.batch import BATCH_BYTES, MAX_BATCH_BYTES
 from shardcast.core.select import Scheduler, SchedulerConfig
 from shardcast.wire import ROUTE, blobs_url, codecs, parse_shards
 
@@ -152,6 +153,18 @@ def test_batches_are_bounded_in_blobs_and_bytes() -> None:
     )
     with pytest.raises(ValueError, match="batch bounds"):
         BlobBatcher(max_blobs=MAX_BATCH_BLOBS + 1)
+
+
+def test_a_batch_asks_for_a_mebibyte_by_default() -> None:
+    """A batch is held at its source until every blob of it is there and handed out only
+    whole, so it is the unit of forwarding through a relay: 250 KB blobs go four to a
+    batch, not 32; the lane still accepts batches up to MAX_BATCH_BYTES."""
+    assert BlobBatcher().max_bytes == BATCH_BYTES == 1 << 20 < MAX_BATCH_BYTES
+    groups = BlobBatcher().plan([fetch(i, size=250_000) for i in range(32)])
+    assert [len(g) for g in groups] == [4] * 8
+    big = fetch(99, size=BATCH_BYTES + 1)  # a blob over the batch size is asked alone
+    assert not BlobBatcher().batchable(big, anonymous=False)
+    assert BlobBatcher(max_bytes=MAX_BATCH_BYTES).batchable(big, anonymous=False)
 
 
 def test_every_fetch_is_in_exactly_one_group() -> None:
