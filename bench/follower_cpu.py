@@ -146,6 +146,14 @@ parts of a delta version   next CPU-s                   next version, s
 fell too: the last part goes out when the last shard is encoded whatever the part size
 (``bench/results/issue24-delta-parts-s57.txt``).
 
+Then the downloader's blob batches went from up to 8 MiB to 1 MiB
+(:data:`shardcast.core.batch.BATCH_BYTES`: in a tree, a batch is what a relay forwards as a
+unit, and the next version behind a trainer's save is complete at once). Here, with the
+origin alone and parts arriving one by one, that costs requests: 27 instead of 14, and
+0.248-0.263 CPU-s instead of 0.190-0.223 (3 runs each, alternated): 0.19-0.20 CPU-s per GB,
+over the 0.15 target again. Streaming a batch's blobs out as they arrive (the requester) and
+in as they are verified (the source) would let batches grow again without the wait.
+
 ``--origin-args`` adds options to the origin's command line (a setting tried against the
 default without editing the bench).
 
