@@ -174,18 +174,19 @@ class Versions(Protocol):
 
 @dataclass(frozen=True)
 class Level:
-    """One version on the way down a chain, for one shard: read its own bytes (``blob`` is
-    None: ``path`` holds the shard at its offset) or decode ``blob`` against the level
-    below."""
+    """One version on the way down a chain, for one shard: read its own bytes (``encoding``
+    is None: ``path`` holds the shard at its offset) or decode its ``encoding`` blob against
+    the level below."""
 
     step: int
     manifest: Manifest
     path: Path
     encoding: str | None = None
     committed: bool = True
-    span: tuple[int, int] | None = None
-    """Where ``blob`` lies in ``path``: (offset, length) bytes (a pack,
-    :mod:`shardcast.store.blobpack`); None: the whole file."""
+    blob: BlobRef | None = None
+    """Where a delta level's blob lies (in a pack or a file of its own,
+    :func:`~shardcast.store.blobpack.find_blob`); None: not found, and ``path`` is where it
+    would be (reading it fails as a missing blob)."""
 
 
 class ChainReader:
@@ -226,7 +227,7 @@ class ChainReader:
         at = find_blob(vdir / BLOB_DIR, index, enc)
         if at is None:  # gone: read as missing (damage, unless the version changed form)
             return Level(step, m, blob_file(vdir / BLOB_DIR, index, enc), enc)
-        return Level(step, m, at.path, enc, span=(at.offset, at.length))
+        return Level(step, m, at.path, enc, blob=at)
 
     def read_shard(self, step: int, index: int, top: Level | None = None) -> bytearray:
         """The bytes of shard ``index`` of committed ``step`` (or of ``top``, a partial
@@ -297,9 +298,7 @@ class ChainReader:
         for lv in reversed(levels[:-1]):
             assert lv.encoding is not None
             try:
-                blob = (
-                    lv.path.read_bytes() if lv.span is None else BlobRef(lv.path, *lv.span).read()
-                )
+                blob = lv.blob.read() if lv.blob is not None else lv.path.read_bytes()
             except FileNotFoundError:
                 if self._form_changed(lv, index):
                     raise
@@ -324,7 +323,7 @@ class ChainReader:
             now = self.level(lv.step, index)
         except ChainBroken:
             return False
-        return (now.path, now.encoding, now.span) != (lv.path, lv.encoding, lv.span)
+        return (now.path, now.encoding, now.blob) != (lv.path, lv.encoding, lv.blob)
 
     def _check(self, lv: Level, index: int, data: bytearray | None) -> None:
         """Raise (and remove a damaged committed version) unless ``data`` is the shard."""

@@ -530,8 +530,7 @@ class PartialVersion:
             ref = self._pack.ref(index, enc)
             if ref is None:
                 raise ChainBroken(self.step, index, f"its {enc} blob is not kept")
-            span = (ref.offset, ref.length)
-            top = Level(self.step, self.manifest, ref.path, enc, False, span)
+            top = Level(self.step, self.manifest, ref.path, enc, False, ref)
             with self.store.pinned(self.chain_base):
                 return bytes(self.store.chains.read_shard(self.chain_base, index, top))
         s = self.header.shards[index]
