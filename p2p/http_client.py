@@ -611,23 +611,48 @@ class HttpClient:
         anonymous: bool = False,
     ) -> None:
         """GET ``url`` (``200`` only) whose whole body is exactly ``len(view)`` bytes, straight
-        into ``view``: the zero-copy form of :meth:`get_bytes` for a body whose size the
-        caller knows (the blobs of a batch, by their signed sizes), read as
+        into ``view``: :meth:`receive_into`, waited to its end.
+
+        Raises:
+            as :meth:`receive_into`.
+        """
+        async with aclosing(
+            self.receive_into(url, view, timeout_s=timeout_s, headers=headers, anonymous=anonymous)
+        ) as pieces:
+            async for _ in pieces:
+                pass
+
+    async def receive_into(
+        self,
+        url: str,
+        view: memoryview,
+        *,
+        timeout_s: float,
+        headers: Sequence[tuple[str, str]] = (),
+        anonymous: bool = False,
+    ) -> AsyncGenerator[int, None]:
+        """GET ``url`` (``200`` only) whose whole body is exactly ``len(view)`` bytes, straight
+        into ``view``, yielding the count of each piece as it lands (the next ``n`` bytes of
+        ``view`` after those already announced are filled): the zero-copy form of
+        :meth:`get_bytes` for a body whose size the caller knows (a batch of blobs, by their
+        signed sizes, handed out one by one as each is whole), read as
         :meth:`receive_range_into` reads a range (``recv_into``, past h11).
 
         Args:
             view: a writable, contiguous byte buffer of the body's exact length (``0``:
-                an empty body is still asked for and checked).
-            timeout_s, headers, anonymous: as in :meth:`get_bytes`.
+                an empty body is still asked for and checked; nothing is yielded).
+            timeout_s: seconds to connect, for the head, and without a byte of the body.
+            headers, anonymous: as in :meth:`get_bytes`.
 
         Raises:
             PeerUnreachable, StreamBroken, NotAvailable, RemoteProtocolError, TransportError:
                 see the module docstring; a declared ``Content-Length`` other than
                 ``len(view)``, or more bytes than that, is a RemoteProtocolError; a body that
-                ends short is StreamBroken. The bytes that arrived stay in ``view``.
+                ends short is StreamBroken. The bytes announced so far stay in ``view``.
             LocalProtocolError: a malformed URL.
 
-        Safe to call concurrently (with different views). Cancellation closes the connection.
+        Safe to run several concurrently (with different views). Cancellation or an early
+        close closes the connection.
         """
         length = len(view)
         with self._counters.counting_errors():
@@ -639,8 +664,8 @@ class HttpClient:
                 async with aclosing(
                     self._body_into(conn, response, source, view, body, timeout_s)
                 ) as pieces:
-                    async for _ in pieces:
-                        pass
+                    async for n in pieces:
+                        yield n
                 body.end()
                 reusable = _reusable(conn, response)
             finally:

@@ -18,18 +18,20 @@ has verified a shard; bounded by ``handler_timeout_s``, after which the client g
 ``Retry-After``), then send the :class:`HttpResponse`. Only ``GET`` and ``HEAD`` are served and
 request bodies are refused (``413``).
 
-Bodies are ``bytes`` or a :class:`FileSlice`. A file slice goes out with ``os.sendfile`` from
-the page cache straight to the non-blocking socket: on ``EAGAIN`` the task awaits
-``trio.lowlevel.wait_writable`` for at most ``send_timeout_s``, so a client that stops reading
-frees its connection after that long. Where sendfile is unavailable or disabled the file is
-read with ``os.pread`` in a worker thread, one chunk at a time. h11 is told about the body
-with ``send_with_data_passthrough`` (its documented sendfile hook) so its framing checks still
-hold. An optional :class:`~p2p.http_range.TokenBucket`, shared by all connections, caps the
-server's upload rate (body bytes only). Every abnormal end of a connection is counted by kind
-in :meth:`HttpServer.statistics`; none of them stops the server. Aborted connections are
-logged one by one at DEBUG only; at INFO one summary line
-(``http_connections_aborted count=N since_s=S kinds=...``) covers every abort of an interval of
-``abort_log_interval_s``, so a flood of bad clients cannot flood the log.
+Bodies are ``bytes``, a :class:`~p2p.http_body.FileSlice` or a
+:class:`~p2p.http_body.StreamedBody` (pieces sent as an async generator produces them, at most
+its declared length, the connection cut if they end short). A file slice goes out with
+``os.sendfile`` from the page cache straight to the non-blocking socket: on ``EAGAIN`` the
+task awaits ``trio.lowlevel.wait_writable`` for at most ``send_timeout_s``, so a client that
+stops reading frees its connection after that long. Where sendfile is unavailable or disabled
+the file is read with ``os.pread`` in a worker thread, one chunk at a time. h11 is told about
+the body with ``send_with_data_passthrough`` (its documented sendfile hook) so its framing
+checks still hold. An optional :class:`~p2p.http_range.TokenBucket`, shared by all
+connections, caps the server's upload rate (body bytes only). Every abnormal end of a
+connection is counted by kind in :meth:`HttpServer.statistics`; none of them stops the server.
+Aborted connections are logged one by one at DEBUG only; at INFO one summary line
+(``http_connections_aborted count=N since_s=S kinds=...``) covers every abort of an interval
+of ``abort_log_interval_s``, so a flood of bad clients cannot flood the log.
 
 The same connections can arrive over libp2p streams (:mod:`p2p.bytestream`): the host hands
 each inbound stream-lane stream to :meth:`HttpServer.serve_stream`, which serves it with the
@@ -59,7 +61,7 @@ import logging
 import os
 from collections import Counter
 from collections.abc import AsyncIterator, Awaitable, Callable, Mapping, Sequence
-from contextlib import asynccontextmanager
+from contextlib import aclosing, asynccontextmanager
 from dataclasses import dataclass, field
 from http import HTTPStatus
 from pathlib import Path
@@ -73,6 +75,7 @@ import trio
 from p2p import sockopts
 from p2p.bytestream import ByteStream
 from p2p.errors import ConfigError, LocalProtocolError, RemoteProtocolError
+from p2p.http_body import FileSlice, StreamedBody
 from p2p.http_range import (
     RangeError,
     RangeSpec,
@@ -99,6 +102,7 @@ __all__ = [
     "HttpServer",
     "HttpServerConfig",
     "HttpServerStatistics",
+    "StreamedBody",
     "file_response",
     "open_http_server",
     "parse_request_head",
@@ -230,47 +234,12 @@ def parse_request_head(
 
 
 @dataclass(frozen=True)
-class FileSlice:
-    """``length`` bytes at ``offset`` of the representation at ``path`` (from its byte
-    ``base``), whose full size is ``total_size``."""
-
-    path: Path
-    offset: int
-    length: int
-    total_size: int
-    fallbacks: tuple[Path, ...] = ()
-    """Paths tried in order if ``path`` no longer exists when the body is sent (the same
-    bytes moved, e.g. a directory renamed on commit)."""
-    base: int = 0
-    """Byte of the file where the representation starts (its ``offset`` 0): a representation
-    stored inside a larger file, e.g. a blob in a pack (each fallback holds it there too)."""
-    on_done: Callable[[], None] | None = field(default=None, compare=False)
-    """Called once when the server is done with this slice (sent, failed or abandoned), e.g.
-    to release a pin that kept the file from being deleted."""
-    on_sent: Callable[[int], None] | None = field(default=None, compare=False)
-    """Called once with the body bytes of this slice actually sent (a broken or abandoned
-    response reports what left before it ended), e.g. to count traffic by kind."""
-    ready: Callable[[int], Awaitable[int]] | None = field(default=None, compare=False)
-    """For a file still being filled: ``await ready(offset)`` waits until bytes from
-    ``offset`` (in the file) may be sent and returns where that run ends (exclusive); a
-    return of ``offset`` or less means none came in time, and the response is cut there (the
-    client sees a short body and resumes elsewhere). None: every byte may be sent now."""
-
-    def __post_init__(self) -> None:
-        if (
-            min(self.offset, self.length, self.base) < 0
-            or self.offset + self.length > self.total_size
-        ):
-            raise ValueError(f"slice {self.offset}+{self.length} outside {self.total_size} bytes")
-
-
-@dataclass(frozen=True)
 class HttpResponse:
     """What a handler returns. The server sets Content-Length, Connection, Date and Server."""
 
     status: int
     headers: Sequence[tuple[str, str]] = ()
-    body: bytes | FileSlice = b""
+    body: bytes | FileSlice | StreamedBody = b""
 
 
 Handler = Callable[[HttpRequest], Awaitable[HttpResponse]]
@@ -737,7 +706,7 @@ class HttpServer:
                 logger.warning("http_file_open_failed path=%s error=%s", body.path, exc)
                 response, body, close = HttpResponse(500), b"", True
         try:
-            length = body.length if isinstance(body, FileSlice) else len(body)
+            length = body.length if isinstance(body, FileSlice | StreamedBody) else len(body)
             try:
                 event = _to_h11_response(response, length, close=close)
             except h11.LocalProtocolError as exc:  # the handler returned an invalid header
@@ -754,10 +723,13 @@ class HttpServer:
                 # h11 only needs len(); the bytes go out below, by sendfile or in chunks.
                 placeholder = body if isinstance(body, bytes) else cast(bytes, _Sized(length))
                 conn.send_with_data_passthrough(h11.Data(data=placeholder))
-                if isinstance(body, FileSlice):
+                if isinstance(body, FileSlice | StreamedBody):
                     done = [0]
                     try:
-                        await self._send_file(wire, fd, body, done, pending)
+                        if isinstance(body, FileSlice):
+                            await self._send_file(wire, fd, body, done, pending)
+                        else:
+                            await self._send_streamed(wire, body, done, pending)
                     finally:
                         if body.on_sent is not None:
                             body.on_sent(done[0])
@@ -795,6 +767,23 @@ class HttpServer:
         """Send the response head held back in ``pending`` (if any) on its own."""
         if pending:
             await self._send_bytes(wire, pending.pop(), throttle=False)
+
+    async def _send_streamed(
+        self, wire: _Wire, body: StreamedBody, done: list[int], pending: list[bytes]
+    ) -> None:
+        """Send ``body``'s pieces as they come; ``done[0]`` follows the bytes sent. The
+        connection is cut (``not_ready``) if the pieces end short of ``body.length`` and
+        (``body_overrun``) if they go past it."""
+        async with aclosing(body.pieces) as pieces:
+            async for piece in pieces:
+                if done[0] + len(piece) > body.length:
+                    raise _Abort("body_overrun")
+                await self._flush(wire, pending)
+                await self._send_bytes(wire, piece, throttle=True)
+                done[0] += len(piece)
+        if done[0] < body.length:
+            await self._flush(wire, pending)  # the client sees a short body, as over TCP
+            raise _Abort("not_ready")
 
     async def _send_file(
         self, wire: _Wire, fd: int, part: FileSlice, done: list[int], pending: list[bytes]

@@ -282,6 +282,20 @@ class HttpLaneClient(Protocol):
         :meth:`p2p.http_client.HttpClient.get_into`)."""
         ...
 
+    def receive_into(
+        self,
+        url: str,
+        view: memoryview,
+        *,
+        timeout_s: float,
+        headers: Sequence[tuple[str, str]] = (),
+        anonymous: bool = False,
+    ) -> AsyncGenerator[int, None]:
+        """GET a whole body (``200`` only) of exactly ``len(view)`` bytes into ``view``,
+        yielding the count of each newly filled piece (as
+        :meth:`p2p.http_client.HttpClient.receive_into`)."""
+        ...
+
     def receive_range_into(
         self,
         url: str,

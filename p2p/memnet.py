@@ -82,6 +82,7 @@ from p2p.http_server import (
     HttpResponse,
     HttpServerConfig,
     HttpServerStatistics,
+    StreamedBody,
     _to_h11_response,
     parse_request_head,
 )
@@ -857,16 +858,27 @@ class MemHttpServer:
         return result[0]
 
     def _body(
-        self, response: HttpResponse, path: str, limit: int | None = None
+        self,
+        response: HttpResponse,
+        path: str,
+        limit: int | None = None,
+        streamed: bytes = b"",
     ) -> tuple[bytes, int, Callable[[int], None] | None]:
         """The body bytes, the length the head declares, and the slice's ``on_sent``.
 
         A file slice is read now (and released: ``on_done``); a file shorter than the slice
         promised yields fewer bytes than declared, so the client sees the body cut short, as
         from the real server. ``limit``: read at most this many bytes of the slice (those
-        its ``ready`` callback vouched for; the body is then cut short there).
+        its ``ready`` callback vouched for; the body is then cut short there). ``streamed``:
+        the bytes a :class:`~p2p.http_body.StreamedBody` produced (:func:`_gather`).
         """
         body = response.body
+        if isinstance(body, StreamedBody):
+            if len(streamed) < body.length:
+                self._errors["not_ready"] += 1
+            fn = self.net._tamper.get(self.ip)
+            data = fn(path, streamed) if fn is not None else streamed
+            return data, body.length, body.on_sent
         if isinstance(body, FileSlice):
             data = b""
             try:
@@ -901,6 +913,23 @@ async def _ready_limit(response: HttpResponse) -> int | None:
             break
         pos = min(end, got)
     return pos - body.offset
+
+
+async def _gather(response: HttpResponse) -> bytes:
+    """The bytes a streamed body (:class:`~p2p.http_body.StreamedBody`) produces, at most its
+    length (its pieces closed after), as the real server sends them (there piece by piece;
+    here the body goes out once whole, or cut short where the pieces ended). ``b""`` for any
+    other body."""
+    body = response.body
+    if not isinstance(body, StreamedBody):
+        return b""
+    out = bytearray()
+    async with aclosing(body.pieces) as pieces:
+        async for piece in pieces:
+            if len(out) + len(piece) > body.length:
+                break  # the producer's bug: cut there, as the real server does
+            out += piece
+    return bytes(out)
 
 
 def _read_slice(part: FileSlice, limit: int | None = None) -> bytes:
@@ -983,10 +1012,13 @@ class MemHttpClient:
                 await net._carry(self.ip, host, len(head), server._live)
                 response = await server._respond(head, f"{self.ip}:0")
             limit = await _ready_limit(response)  # a slice still filling: its verified bytes
+            streamed = await _gather(response)  # a streamed body: the pieces it produced
             with trio.fail_after(timeout_s):
                 on_sent: Callable[[int], None] | None = None
                 try:
-                    body, declared, on_sent = server._body(response, urlsplit_path(target), limit)
+                    body, declared, on_sent = server._body(
+                        response, urlsplit_path(target), limit, streamed
+                    )
                 except OSError:
                     response, body, declared = HttpResponse(500), b"", 0
                 event = _to_h11_response(response, declared, close=False)
@@ -1057,6 +1089,24 @@ class MemHttpClient:
     ) -> None:
         """GET a whole body of exactly ``len(view)`` bytes into ``view``; see
         :meth:`p2p.http_client.HttpClient.get_into` (same errors at the same points)."""
+        async with aclosing(
+            self.receive_into(url, view, timeout_s=timeout_s, headers=headers, anonymous=anonymous)
+        ) as pieces:
+            async for _ in pieces:
+                pass
+
+    async def receive_into(
+        self,
+        url: str,
+        view: memoryview,
+        *,
+        timeout_s: float,
+        headers: Sequence[tuple[str, str]] = (),
+        anonymous: bool = False,
+    ) -> AsyncGenerator[int, None]:
+        """GET a whole body of exactly ``len(view)`` bytes into ``view``, yielding the count
+        of each piece as it lands; see :meth:`p2p.http_client.HttpClient.receive_into` (same
+        errors at the same points)."""
         with self._counters.counting_errors():
             a = await self._exchange(url, headers, timeout_s, anonymous)
             http_checks.check_exact_head(a.event, a.source, url, len(view))
@@ -1066,6 +1116,7 @@ class MemHttpClient:
                     got = body.received
                     body.add(len(piece))
                     view[got : got + len(piece)] = piece
+                    yield len(piece)
             body.end()
 
     async def stream_range(

@@ -24,12 +24,14 @@ Nothing about verification changes: every blob of a batch is still its own reque
 session (its own sink, digest check, outcome and verdict), and the whole response comes from
 one source, so a blob that fails its signed digest blames exactly that source.
 
-Measuring a batch: the driver learns of a batch's blobs only once the whole body has arrived,
-so each blob's first byte and last are one instant. Reported that way every blob would be a
-sample of infinite throughput, and the scheduler could not tell a fast source of a next version
-from a slow one. :func:`first_byte_times` instead gives each blob the share of the batch's
-time (from the request to the last byte) that its bytes took, so every blob's sample is the
-batch's throughput, measured from the request as for a source that held a shard whole.
+Measuring a batch: the driver hands each blob out the moment its last byte lands. A small
+blob's bytes come in one or two reads, so its own first-to-last-byte time says nothing of the
+source's rate: reported that way every blob would be a sample of near-infinite throughput, and
+the scheduler could not tell a fast source of a next version from a slow one.
+:func:`first_byte_times`, over the blobs of the batch received so far, instead gives each blob
+the share of the batch's time so far (from the request to now) that its bytes took, so every
+blob's sample is the batch's throughput so far, measured from the request as for a source
+that held a shard whole.
 """
 
 from __future__ import annotations

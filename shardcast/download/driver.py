@@ -62,6 +62,7 @@ a ``409`` (the source holds the step under another digest) goes to the session a
 
 from __future__ import annotations
 
+import bisect
 import functools
 import logging
 import os
@@ -574,10 +575,14 @@ class DownloadDriver:
 
     async def fetch_batch(self, batch: tuple[Fetch, ...]) -> None:
         """Receive the whole blobs of ``batch`` (one source, one encoding) with one request
-        on the batch route (:meth:`_get_batch`), then hand each to the session as its own
-        transfer (:meth:`_hand_out`): split by the signed sizes, hashed into its own sink,
-        checked on its own (a bad blob blames this one source: the whole body came from
-        it); the checks share one worker-thread hop.
+        on the batch route (:meth:`_get_batch`), handing each blob to the session as its own
+        transfer the moment its last byte lands (:meth:`_hand_out`): split by the signed
+        sizes, hashed into its own sink, checked on its own while the later blobs arrive (a
+        bad blob blames this one source: the whole body came from it); the blobs that
+        complete in one piece share one worker-thread hop. A body that ends short (the
+        source's hold ran out before a later blob was verified there, or the connection
+        broke) ends the blobs it did not bring whole with its failure; those it brought
+        stand.
 
         The body lands in one buffer (``recv_into``) and each blob's sink is a view of its
         slice: no byte is copied between the socket and the store (a sink kept for blame
@@ -585,16 +590,32 @@ class DownloadDriver:
         src, t0 = self.by_id[batch[0].source], trio.current_time()
         body = memoryview(bytearray(sum(f.size for f in batch)))
         sinks: list[ShardSink] = []
+        ends: list[int] = []
         pos = 0
         for f in batch:
             sinks.append(ShardSink.over(body[pos : pos + f.size]))
             self.sinks[f.req] = sinks[-1]
             pos += f.size
+            ends.append(pos)
+        handed = 0
         try:
-            outcome, unreached = await self._get_batch(batch, src, body)
-            checks = self._hand_out(batch, sinks, outcome, src, t0, unreached)
-            if checks:
-                await self.check_many(checks, src)
+            async with trio.open_nursery() as checking:
+
+                def hand_out(upto: int, outcome: Outcome, unreached: tuple[str, ...]) -> None:
+                    nonlocal handed
+                    checks = self._hand_out(batch, sinks, handed, upto, outcome, src, t0, unreached)
+                    handed = upto
+                    if checks:
+                        checking.start_soon(self.check_many, checks, src)
+
+                def arrived(received: int) -> None:
+                    whole = bisect.bisect_right(ends, received)
+                    if whole > handed:
+                        hand_out(whole, Outcome.OK, ())
+
+                outcome, unreached = await self._get_batch(batch, src, body, arrived)
+                if handed < len(batch):
+                    hand_out(len(batch), outcome, unreached)
         finally:
             for f, sink in zip(batch, sinks, strict=True):
                 self.scopes.pop(f.req, None)
@@ -604,15 +625,20 @@ class DownloadDriver:
             self.poke()
 
     async def _get_batch(
-        self, batch: tuple[Fetch, ...], src: Source, body: memoryview
+        self,
+        batch: tuple[Fetch, ...],
+        src: Source,
+        body: memoryview,
+        arrived: Callable[[int], None],
     ) -> tuple[Outcome, tuple[str, ...]]:
         """Receive the body of ``batch`` from ``src`` into ``body`` (exactly the sum of the
-        blobs' signed sizes); returns how the request ended (and, for a refusal, the holders
-        it named that this node cannot reach). A ``404`` means the source lacks
-        the route (an older node) or the version: ``CANCELLED`` (its blobs go back to the
-        scheduler without a penalty) and the :class:`BlobBatcher` asks it one blob at a time
-        from then on. A body of the wrong length is the source's protocol error; any other
-        failure ends every blob of the batch the same way."""
+        blobs' signed sizes), calling ``arrived(bytes so far)`` after each piece lands;
+        returns how the request ended (and, for a refusal, the holders it named that this
+        node cannot reach). A ``404`` means the source lacks the route (an older node), the
+        version or the first blobs' encoding: ``CANCELLED`` (its blobs go back to the
+        scheduler without a penalty) and the :class:`BlobBatcher` asks it one blob at a
+        time from then on. A body of the wrong length is the source's protocol error; any
+        other failure ends every blob not yet whole the same way."""
         url = blobs_url(
             src.base_url,
             self.m.run_id,
@@ -625,11 +651,17 @@ class DownloadDriver:
             *failed_header(sorted({s for f in batch for s in f.failed})),
             *unreachable_header(sorted({s for f in batch for s in f.unreachable})),
         ]
+        received = 0
         try:
-            await self.cpu.steps(
-                Stage.RECEIVE,
-                self.client.get_into(url, body, timeout_s=self.stall_timeout_s, headers=headers),
-            )
+            async with aclosing(
+                self.client.receive_into(url, body, timeout_s=self.stall_timeout_s, headers=headers)
+            ) as pieces:
+                while True:
+                    try:  # only the generator's own steps: the socket reads and the framing
+                        received += await self.cpu.steps(Stage.RECEIVE, anext(pieces))
+                    except StopAsyncIteration:
+                        break
+                    arrived(received)
             return Outcome.OK, ()
         except _FETCH_FAILURES as exc:
             if isinstance(exc, NotAvailable) and exc.status == 404:
@@ -642,27 +674,30 @@ class DownloadDriver:
         self,
         batch: tuple[Fetch, ...],
         sinks: list[ShardSink],
+        start: int,
+        stop: int,
         outcome: Outcome,
         src: Source,
         t0: float,
         unreached: tuple[str, ...] = (),
     ) -> list[tuple[Fetch, ShardSink]]:
-        """End each transfer of ``batch`` with the session (its blob, at its signed size,
-        already in its sink, hashed when the batch arrived; measured at the batch's throughput
-        since ``t0``, the request: :func:`~shardcast.core.batch.first_byte_times`); returns
-        those to check.
-        ``unreached``: a refusal's holders this node cannot reach."""
+        """End the transfers ``batch[start:stop]`` with the session, each with ``outcome``
+        (its blob, at its signed size, already in its sink when ``OK``; hashed now); returns
+        those to check. Measured at the batch's throughput so far, from ``t0`` (the request)
+        to now over the bytes of ``batch[:stop]``
+        (:func:`~shardcast.core.batch.first_byte_times`). ``unreached``: a refusal's holders
+        this node cannot reach."""
         now, session = trio.current_time(), self.session
-        # each blob's share of the batch's time: its sample is the batch's throughput
-        firsts = first_byte_times((f.size for f in batch), t0, now)
+        # each blob's share of the batch's time so far: its sample is the batch's throughput
+        firsts = first_byte_times((f.size for f in batch[:stop]), t0, now)
         checks: list[tuple[Fetch, ShardSink]] = []
-        for f, sink, first in zip(batch, sinks, firsts, strict=True):
-            mine = outcome
+        for k in range(start, stop):
+            f, sink, mine = batch[k], sinks[k], outcome
             if mine is Outcome.OK and self.scopes[f.req].cancel_called:
                 mine = Outcome.CANCELLED  # cancelled (endgame) while the batch was out
             got = 0
             if mine is Outcome.OK:
-                session.first_byte(f.req, now, measure_from=first)
+                session.first_byte(f.req, now, measure_from=firsts[k])
                 with self.cpu.measure(Stage.VERIFY):
                     sink.advance(f.size)  # hashed (the bytes are in place)
                 got = f.size

@@ -79,25 +79,36 @@ requesters ignore the holder; older servers ignore the unreachable ones. A versi
 requester (rule 9): a refusal would cost each requester a round trip and the bytes a hop.
 Relays super-seed to their downloaders the same way (``shardnet relay``'s default).
 
-A version being served is pinned in the store until the response is sent, so retention never
-deletes a file under a reader.
+Batches (the ``blobs`` route: a next version's delta blobs, several per request) are
+streamed: a held batch request is answered as soon as every shard of it is known (its signed
+part gives the blob sizes, hence the ``Content-Length``) and its first blob is verified here,
+and each later blob goes out the moment it is verified here (a
+:class:`~p2p.http_body.StreamedBody`). So a batch is no longer the unit of forwarding through
+a relay: the relay's downloader hands each blob of its own batch out as soon as it is whole
+(:meth:`~shardcast.download.driver.DownloadDriver.fetch_batch`), and its peers' batches
+follow blob by blob. A blob not verified within the request's hold ends the body short (the
+requester keeps the whole blobs before it and asks for the rest again).
+
+A version being served is pinned in the store until the response is sent (a streamed batch:
+while each of its blobs is read), so retention never deletes a file under a reader.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import email.utils
+import functools
 import json
 import logging
 import time
-from collections.abc import Awaitable, Callable, Iterable
+from collections.abc import AsyncGenerator, Awaitable, Callable, Iterable
 from pathlib import Path
 from typing import Protocol
 
 import trio
 
 from p2p.http_range import UnsatisfiableRange, choose_range, if_range_holds
-from p2p.http_server import FileSlice, HttpRequest, HttpResponse, file_response
+from p2p.http_server import FileSlice, HttpRequest, HttpResponse, StreamedBody, file_response
 from p2p.identity import Identity
 from p2p.trust import TrustList
 from shardcast.core import MAX_BATCH_BYTES
@@ -314,15 +325,18 @@ class VersionServer:
         live = self._live.get(step)
         return self.store.has(step) if live is None else live.version.has(index)
 
-    async def _wait(self, req: HttpRequest, step: int, ready: object) -> bool:
+    async def _wait(self, req: HttpRequest, step: int, ready: Callable[[], bool]) -> bool:
         """Wait until ``ready()``, for as long as the request asked to be held (at most
         ``wait_s``; not at all without :data:`HOLD_HEADER`). False on timeout or if the version
         vanished."""
-        deadline = trio.current_time() + _hold_s(req, self.wait_s)
-        while not ready():  # type: ignore[operator]
+        return await self._wait_until(step, ready, trio.current_time() + _hold_s(req, self.wait_s))
+
+    async def _wait_until(self, step: int, ready: Callable[[], bool], deadline: float) -> bool:
+        """Wait until ``ready()`` or ``deadline`` (seconds, trio's clock), as :meth:`_wait`."""
+        while not ready():
             live = self._live.get(step)
             if live is None:
-                return bool(ready())  # type: ignore[operator]
+                return bool(ready())
             remaining = deadline - trio.current_time()
             if remaining <= 0:
                 return False
@@ -728,20 +742,30 @@ class VersionServer:
         """A batch (:func:`~shardcast.wire.lane_urls.blobs_url`): the ``encoding`` blobs of
         ``shards``, one after the other, each exactly its signed size (the requester splits
         the body by the sizes its manifest lists and checks each blob against its signed
-        digest). Held like one blob until every shard of the batch is verified here;
-        ``404`` if one is not offered in ``encoding`` or not kept here (the requester then
-        asks one blob at a time); ``413`` above :data:`~shardcast.core.batch.MAX_BATCH_BYTES`
-        (read into memory: bounded); super-seeding decides for the batch as a whole;
-        ``400`` for a shard named twice in ``listed`` (the route's ``i,j,..``)."""
+        digest as soon as it is whole).
+
+        Streamed (module docstring): a held request is answered once every shard of the
+        batch is known (its manifest part, for the sizes) and the first is verified here;
+        each later blob is sent the moment it is verified here, within the request's hold,
+        and the body is cut short if one is not (the requester keeps the whole blobs before
+        it). A request that is not held is answered only with every blob verified. ``404`` if
+        a shard is not offered in ``encoding`` or the first blobs are not kept here (the
+        requester then asks one blob at a time); ``413`` above
+        :data:`~shardcast.core.batch.MAX_BATCH_BYTES`; super-seeding decides for the batch as
+        a whole; ``400`` for a shard named twice in ``listed`` (the route's ``i,j,..``)."""
         try:
             shards = parse_shards(listed)
         except ValueError:
             return HttpResponse(400)
         n = len(m.header.shards)
-        if any(i >= n for i in shards):
+        if not shards or any(i >= n for i in shards):
             return HttpResponse(404)
+        deadline = trio.current_time() + _hold_s(req, self.wait_s)
+        first = shards if deadline <= trio.current_time() else shards[:1]
         if not await self._wait(
-            req, step, lambda: all(m.known(i) and self._has(step, i) for i in shards)
+            req,
+            step,
+            lambda: all(m.known(i) for i in shards) and all(self._has(step, i) for i in first),
         ):
             return _retry()
         sizes = []
@@ -754,19 +778,60 @@ class VersionServer:
             return HttpResponse(413)
         if (refused := self._refuse_repeat(req, step, m, shards)) is not None:
             return refused
-        refs = [self._blob_ref(step, i, encoding) for i in shards]
-        with self.store.pinned(step):
-            body = await trio.to_thread.run_sync(_read_blobs, refs, sizes)
-        if body is None:
+        head = await self._read_held(step, shards, sizes, encoding)
+        if head is None:
             return HttpResponse(404)  # this node did not keep that encoding of a shard
         last_modified, cache = self._validators(step)
         headers = [("content-type", "application/octet-stream"), *cache]
         if last_modified is not None:
             headers.append(("last-modified", last_modified))
         if req.method == "GET":
-            self.sent_by_codec[encoding] = self.sent_by_codec.get(encoding, 0) + len(body)
-            self.bytes_by_step[step] = self.bytes_by_step.get(step, 0) + len(body)
-        return HttpResponse(200, headers, body)
+            self.bytes_by_step[step] = self.bytes_by_step.get(step, 0) + sum(sizes)
+
+        def sent(count: int) -> None:
+            self.sent_by_codec[encoding] = self.sent_by_codec.get(encoding, 0) + count
+
+        pieces = self._blob_pieces(step, shards, sizes, encoding, head, deadline)
+        return HttpResponse(200, headers, StreamedBody(sum(sizes), pieces, on_sent=sent))
+
+    async def _blob_pieces(
+        self,
+        step: int,
+        shards: list[int],
+        sizes: list[int],
+        encoding: str,
+        head: tuple[int, bytes],
+        deadline: float,
+    ) -> AsyncGenerator[bytes, None]:
+        """A batch's body (:meth:`_blobs`): ``head`` (its first ``head[0]`` blobs, read), then
+        each run of blobs verified here, read as it appears; it ends early (the server cuts
+        the body short) if the next blob is not verified by ``deadline`` (seconds, trio's
+        clock), the version is gone, or this node did not keep the blob."""
+        done, data = head
+        yield data
+        while done < len(shards):
+            held = functools.partial(self._has, step, shards[done])
+            if not await self._wait_until(step, held, deadline):
+                return
+            got = await self._read_held(step, shards[done:], sizes[done:], encoding)
+            if got is None:
+                return
+            done += got[0]
+            yield got[1]
+
+    async def _read_held(
+        self, step: int, shards: list[int], sizes: list[int], encoding: str
+    ) -> tuple[int, bytes] | None:
+        """Read the leading run of ``shards`` whose blobs are verified here (at least the
+        first, which must be), in one worker-thread hop: ``(count, bytes)``, or None if this
+        node did not keep one of them in ``encoding`` (or its size is not ``sizes``')."""
+        count = 1
+        while count < len(shards) and self._has(step, shards[count]):
+            count += 1
+        refs = [self._blob_ref(step, i, encoding) for i in shards[:count]]
+        with self.store.pinned(step):
+            body = await trio.to_thread.run_sync(_read_blobs, refs, sizes[:count])
+        return None if body is None else (count, body)
 
     def _slice(
         self,

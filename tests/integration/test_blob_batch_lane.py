@@ -1,23 +1,31 @@
 """A next version's delta blobs fetched several per request on real HTTP on 127.0.0.1: a
 batch with a corrupted blob blames exactly its source, the other blobs of the version still
-verify, and a node without the batch route (an older release) is asked one blob at a time."""
+verify, a node without the batch route (an older release) is asked one blob at a time, a
+source still receiving the version streams each blob of a batch the moment it holds it, and a
+downloader checks each blob of a batch as soon as it is whole."""
 
 from __future__ import annotations
 
+import dataclasses
 import random
 import shutil
+from collections.abc import AsyncGenerator
+from contextlib import aclosing
 from pathlib import Path
 
+import pytest
 import trio
 
 from p2p.http_client import HttpClient
-from p2p.http_server import HttpRequest, HttpResponse, open_http_server
+from p2p.http_server import HttpRequest, HttpResponse, StreamedBody, open_http_server
 from shardcast.download import DownloadConfig, Downloader, Source
 from shardcast.node.node import NodeConfig, ShardcastNode
 from shardcast.publish.origin import Origin, OriginConfig
 from shardcast.serve.server import VersionServer
+from shardcast.store import BlobRef
 from shardcast.store.store import VersionStore
-from shardcast.wire import codecs
+from shardcast.wire import HOLD_HEADER, codecs
+from shardcast.wire.lane_urls import blobs_url
 from shardcast.wire.manifest import Manifest
 from tests.helpers import TRAINER, check_committed, make_checkpoint, trust
 from tests.integration.test_deltas import SIZES, evolve_bytes
@@ -52,14 +60,26 @@ class Lane:
         if batch and self.old:
             return HttpResponse(404)
         resp = await self.server.handle(req)
-        if batch and self.corrupt and resp.status == 200 and isinstance(resp.body, bytes):
-            body = bytearray(resp.body)
-            body[3] ^= 0xFF
-            return HttpResponse(resp.status, resp.headers, bytes(body))
+        if batch and self.corrupt and resp.status == 200:
+            assert isinstance(resp.body, StreamedBody)  # each blob sent once verified here
+            body = dataclasses.replace(resp.body, pieces=_flip_first(resp.body.pieces))
+            return HttpResponse(resp.status, resp.headers, body)
         return resp
 
     def count(self, word: str) -> int:
         return sum(1 for p in self.paths if f"/{word}/" in p)
+
+
+async def _flip_first(pieces: AsyncGenerator[bytes, None]) -> AsyncGenerator[bytes, None]:
+    """``pieces`` with byte 3 of the first flipped (a byte of the batch's first blob)."""
+    async with aclosing(pieces):
+        first = True
+        async for piece in pieces:
+            if first:
+                flipped = bytearray(piece)
+                flipped[3] ^= 0xFF
+                piece, first = bytes(flipped), False
+            yield piece
 
 
 async def _two_versions(tmp_path: Path, o: ShardcastNode) -> tuple[Manifest, Manifest, Path]:
@@ -155,3 +175,148 @@ async def test_a_node_without_the_batch_route_is_asked_one_blob_at_a_time(
     assert not dl.batcher.batches_with("old")
     assert stats.corrupt_by_source == {}
     assert stats.failures == 0
+
+
+class _Filling:
+    """Version ``m`` as a relay still receiving it: shard ``i`` servable once in ``held``,
+    its blobs where ``store`` (the origin's, which committed it) keeps them."""
+
+    def __init__(self, m: Manifest, store: VersionStore, held: set[int]) -> None:
+        self.manifest, self.store, self.held = m, store, held
+        self.dir = store.version_dir(m.step)
+
+    def has(self, index: int) -> bool:
+        return index in self.held
+
+    def blob_ref(self, index: int, encoding: str) -> BlobRef | None:
+        if index not in self.held:
+            return None
+        return self.store.blob_ref(self.manifest.step, index, encoding)
+
+
+def _delta_shards(m: Manifest, count: int) -> tuple[str, list[int]]:
+    """An encoding and ``count`` shards of ``m`` that offer it."""
+    for enc in (codecs.SPARSE, codecs.XOR_ZSTD, codecs.ZSTD):
+        shards = [i for i in range(len(m.header.shards)) if m.shard(i).offered(enc)]
+        if len(shards) >= count:
+            return enc, shards[:count]
+    raise AssertionError("no encoding offered for enough shards")
+
+
+@pytest.mark.parametrize("arrives", [True, False])
+async def test_a_source_streams_each_blob_of_a_batch_the_moment_it_holds_it(
+    tmp_path: Path, arrives: bool
+) -> None:
+    """A relay holding the first blob of a batch answers at once and sends the first blob;
+    the second goes out when the relay has verified it, or, if that does not happen within
+    the request's hold, the body ends there (the lane then cuts it short)."""
+    cfg = NodeConfig("trainer", RUN, tmp_path / "o")
+    async with ShardcastNode.open(TRAINER, trust(), cfg) as o:
+        _, m1, _ = await _two_versions(tmp_path, o)
+        enc, (a, b) = _delta_shards(m1, 2)
+        blob = {i: o.store.blob_ref(1, i, enc).read() for i in (a, b)}  # type: ignore[union-attr]
+        held = {a}
+        relay = VersionServer(o.store, trust(), wait_s=10.0)
+        relay.add_live(_Filling(Manifest.decode(m1.encode(), trust=trust()), o.store, held))
+        url = blobs_url("", RUN, 1, m1.digest, [a, b], enc)
+        hold = "10" if arrives else "0.2"
+        with trio.fail_after(30):
+            resp = await relay.handle(HttpRequest("GET", url, {}, {HOLD_HEADER: hold}, None))
+            assert resp.status == 200
+            assert b not in held  # answered before b was there
+            assert isinstance(resp.body, StreamedBody)
+            assert resp.body.length == len(blob[a]) + len(blob[b])
+            async with aclosing(resp.body.pieces) as pieces:
+                assert await anext(pieces) == blob[a]
+                if arrives:
+                    held.add(b)
+                    relay.progress(1, b)
+                    assert await anext(pieces) == blob[b]
+                with pytest.raises(StopAsyncIteration):  # done, or b not there in time
+                    await anext(pieces)
+
+
+class Verified:
+    """A :class:`~shardcast.download.types.DownloadObserver` that sets ``event`` when the
+    first shard is verified."""
+
+    def __init__(self) -> None:
+        self.event = trio.Event()
+
+    def shard_received(self, source: str, codec: str, size_bytes: int, fetch_s: float) -> None:
+        pass
+
+    def shard_verified(self, source: str, verify_s: float) -> None:
+        self.event.set()
+
+    def shard_corrupt(self, source: str) -> None:
+        pass
+
+    def refused(self, source: str) -> None:
+        pass
+
+    def transfer_cut(self, source: str) -> None:
+        pass
+
+
+class FirstBlobFirst(Lane):
+    """A lane that sends the first blob of the first batch, then the rest of that batch
+    only once ``gate`` is set; every other blob request waits for ``gate`` before it is
+    answered. So nothing can be verified before ``gate`` but that first blob."""
+
+    def __init__(self, server: VersionServer, m: Manifest, gate: trio.Event) -> None:
+        super().__init__(server)
+        self.m, self.gate_set, self.first = m, gate, True
+
+    async def handle(self, req: HttpRequest) -> HttpResponse:
+        self.paths.append(req.path)
+        if "/blobs/" not in req.path and "/shard/" not in req.path:
+            return await self.server.handle(req)
+        if not (self.first and "/blobs/" in req.path):
+            await self.gate_set.wait()
+            return await self.server.handle(req)
+        self.first = False
+        resp = await self.server.handle(req)
+        assert isinstance(resp.body, StreamedBody)
+        _, enc, listed = req.path.rsplit("/", 2)
+        size = self.m.shard(int(listed.split(",")[0])).offered(enc).size  # type: ignore[union-attr]
+        pieces = _split_then_wait(resp.body.pieces, size, self.gate_set)
+        return HttpResponse(
+            resp.status, resp.headers, dataclasses.replace(resp.body, pieces=pieces)
+        )
+
+
+async def _split_then_wait(
+    pieces: AsyncGenerator[bytes, None], size: int, gate: trio.Event
+) -> AsyncGenerator[bytes, None]:
+    """``pieces``' bytes: the first ``size``, then the rest once ``gate`` is set."""
+    async with aclosing(pieces):
+        data = b"".join([p async for p in pieces])
+    yield data[:size]
+    await gate.wait()
+    yield data[size:]
+
+
+async def test_a_downloader_checks_each_blob_of_a_batch_as_soon_as_it_is_whole(
+    tmp_path: Path,
+) -> None:
+    """The rest of the first batch is sent only after a blob was verified, and only its first
+    blob can be: a downloader that waited for the whole body before checking any blob of it
+    would wait forever."""
+    cfg = NodeConfig("trainer", RUN, tmp_path / "o")
+    async with ShardcastNode.open(TRAINER, trust(), cfg) as o:
+        m0, m1, seed = await _two_versions(tmp_path, o)
+        store = _store(tmp_path, m0, seed)
+        verified = Verified()
+        lane = FirstBlobFirst(o.server, m1, verified.event)
+        async with open_http_server(lane.handle) as http, HttpClient() as client:
+            dl = Downloader(
+                client, store, DownloadConfig(), random.Random(1), trust(), observer=verified
+            )
+            with trio.fail_after(60):
+                m = Manifest.decode(m1.encode(), trust=trust())
+                path, stats = await dl.download(m, [Source("relay", http.url)])
+    check_committed(path, m1)
+    assert not lane.first  # a batch was asked for
+    assert stats.failures == 0
+    assert stats.bytes_by_encoding.get(codecs.RAW, 0) == 0
