@@ -50,16 +50,17 @@ MAX_BATCH_BYTES = 8 << 20
 BATCH_BYTES = 1 << 20
 """Bytes of blobs a downloader puts in one batch request (:class:`BlobBatcher`'s default).
 
-A batch is the unit of forwarding through the tree: a source holds a batch until every blob of
-it is there, and the requester hands its blobs out only once the whole body has arrived. So
-when a next version is complete at once (the origin encoded it while the trainer saved), a
-relay asking the origin for 8 MiB batches got its first blobs ~1.2 s into its download, and its
-peers' batches waited on those. Measured on the shaped bench (``bench/broadcast.py --shaped
-200M --seed-base --save-mb-s 1000``, real-1b, alternated, session 57): last peer 3.51-5.09 s
-(median 3.98, 5 runs) with 8 MiB, 3.19-3.56 s (3 runs) with 2 MiB, 3.15-3.75 s (median 3.25,
-8 runs) with 1 MiB; 1 MiB to relays and peers but 8 MiB to the origin gave 3.46-3.90. The cost is
-requests: a follower fed part by part by the origin alone (``bench/follower_cpu.py``) made 27
-instead of 14 and spent 0.25-0.26 instead of 0.19-0.22 CPU-s on the real-1b next version."""
+Batches are streamed at both ends (a source sends each blob the moment it has verified it, a
+requester hands each out the moment it is whole: :mod:`shardcast.serve.server`), so a batch is
+no longer the unit of forwarding through a relay; before that (session 57), 1 MiB beat 8 MiB on
+the shaped bench because a whole batch was held at its source. With streaming, on the shaped
+bench (``bench/broadcast.py --shaped 200M --seed-base --save-mb-s 1000``, real-1b, alternated,
+session 58) the last peer had the next version in 2.69-2.99 s (median 2.71, 6 runs) with 1 MiB,
+2.70-2.90 s (3 runs) with 4 MiB and 2.72-3.17 s (3 runs, reads not yet stopped at blob ends)
+with 8 MiB, against 2.91-3.18 s (median 3.0, 6 runs) for whole-batch forwarding at 1 MiB. A
+follower fed part by part by the origin alone (``bench/follower_cpu.py``) spent about the same
+CPU at every size (0.16-0.23 CPU-s, 3 runs each): fewer requests, but as many blobs handed out
+and checked."""
 
 
 def first_byte_times(sizes: Iterable[int], requested: float, arrived: float) -> list[float]:

@@ -578,11 +578,11 @@ class DownloadDriver:
         on the batch route (:meth:`_get_batch`), handing each blob to the session as its own
         transfer the moment its last byte lands (:meth:`_hand_out`): split by the signed
         sizes, hashed into its own sink, checked on its own while the later blobs arrive (a
-        bad blob blames this one source: the whole body came from it); the blobs that
-        complete in one piece share one worker-thread hop. A body that ends short (the
-        source's hold ran out before a later blob was verified there, or the connection
-        broke) ends the blobs it did not bring whole with its failure; those it brought
-        stand.
+        bad blob blames this one source: the whole body came from it); the blobs handed out
+        while a check runs are checked together, in one worker-thread hop, after it. A body
+        that ends short (the source's hold ran out before a later blob was verified there,
+        or the connection broke) ends the blobs it did not bring whole with its failure;
+        those it brought stand.
 
         The body lands in one buffer (``recv_into``) and each blob's sink is a view of its
         slice: no byte is copied between the socket and the store (a sink kept for blame
@@ -597,16 +597,30 @@ class DownloadDriver:
             self.sinks[f.req] = sinks[-1]
             pos += f.size
             ends.append(pos)
-        handed = 0
+        handed, checker = 0, False
+        queued: list[tuple[Fetch, ShardSink]] = []  # handed out, not yet being checked
+
+        async def check_queued() -> None:  # one hop at a time: what waits meanwhile goes together
+            nonlocal checker
+            try:
+                while queued:
+                    items = queued.copy()
+                    queued.clear()
+                    await self.check_many(items, src)
+            finally:
+                checker = False
+
         try:
             async with trio.open_nursery() as checking:
 
                 def hand_out(upto: int, outcome: Outcome, unreached: tuple[str, ...]) -> None:
-                    nonlocal handed
+                    nonlocal handed, checker
                     checks = self._hand_out(batch, sinks, handed, upto, outcome, src, t0, unreached)
                     handed = upto
-                    if checks:
-                        checking.start_soon(self.check_many, checks, src)
+                    queued.extend(checks)
+                    if queued and not checker:
+                        checker = True
+                        checking.start_soon(check_queued)
 
                 def arrived(received: int) -> None:
                     whole = bisect.bisect_right(ends, received)
