@@ -52,7 +52,6 @@ detected on reuse and the request is retried once on a fresh connection.
 
 from __future__ import annotations
 
-import bisect
 import socket
 import time
 from collections.abc import AsyncGenerator, Callable, Mapping, Sequence
@@ -631,7 +630,6 @@ class HttpClient:
         timeout_s: float,
         headers: Sequence[tuple[str, str]] = (),
         anonymous: bool = False,
-        marks: Sequence[int] = (),
     ) -> AsyncGenerator[int, None]:
         """GET ``url`` (``200`` only) whose whole body is exactly ``len(view)`` bytes, straight
         into ``view``, yielding the count of each piece as it lands (the next ``n`` bytes of
@@ -645,10 +643,6 @@ class HttpClient:
                 an empty body is still asked for and checked; nothing is yielded).
             timeout_s: seconds to connect, for the head, and without a byte of the body.
             headers, anonymous: as in :meth:`get_bytes`.
-            marks: ascending offsets of ``view`` at which the caller acts (the end of each
-                blob of a batch): a read never waits for bytes past the next mark
-                (``SO_RCVLOWAT`` is clipped there), so the bytes before a mark are yielded
-                as soon as they are all in, even if the source pauses right after them.
 
         Raises:
             PeerUnreachable, StreamBroken, NotAvailable, RemoteProtocolError, TransportError:
@@ -668,7 +662,7 @@ class HttpClient:
                 check_exact_head(response, source, url, length)
                 body = BodyCount(source, length, exact=True)
                 async with aclosing(
-                    self._body_into(conn, response, source, view, body, timeout_s, marks)
+                    self._body_into(conn, response, source, view, body, timeout_s)
                 ) as pieces:
                     async for n in pieces:
                         yield n
@@ -685,13 +679,11 @@ class HttpClient:
         view: memoryview,
         body: BodyCount,
         timeout_s: float,
-        marks: Sequence[int] = (),
     ) -> AsyncGenerator[int, None]:
         """Read a checked response's body into ``view`` (exactly ``body.limit`` bytes),
         yielding the count of each piece as it lands: with ``recv_into`` past h11 when the
         head declares a ``Content-Length`` on a TCP connection (h11 is then reset for the
-        connection's next exchange), else through h11, copied into ``view``. No read waits
-        past the next of ``marks`` (:meth:`receive_into`)."""
+        connection's next exchange), else through h11, copied into ``view``."""
         length = body.limit
         if not _direct(conn, response):
             while (chunk := await self._next_data(conn, source, timeout_s)) is not None:
@@ -710,9 +702,7 @@ class HttpClient:
         lowat = _LowWater(conn.socket)
         try:
             while (got := body.received) < length:
-                at = bisect.bisect_right(marks, got)  # the next mark past what is in
-                stop = min(marks[at], length) if at < len(marks) else length
-                n = await _read_body(lowat, view[got:stop], source, timeout_s)
+                n = await _read_body(lowat, view[got:length], source, timeout_s)
                 body.add(n)
                 self._counters.bytes_received += n
                 yield n

@@ -290,11 +290,10 @@ class HttpLaneClient(Protocol):
         timeout_s: float,
         headers: Sequence[tuple[str, str]] = (),
         anonymous: bool = False,
-        marks: Sequence[int] = (),
     ) -> AsyncGenerator[int, None]:
         """GET a whole body (``200`` only) of exactly ``len(view)`` bytes into ``view``,
-        yielding the count of each newly filled piece, never waiting past the next of
-        ``marks`` (as :meth:`p2p.http_client.HttpClient.receive_into`)."""
+        yielding the count of each newly filled piece (as
+        :meth:`p2p.http_client.HttpClient.receive_into`)."""
         ...
 
     def receive_range_into(

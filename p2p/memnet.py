@@ -1103,12 +1103,10 @@ class MemHttpClient:
         timeout_s: float,
         headers: Sequence[tuple[str, str]] = (),
         anonymous: bool = False,
-        marks: Sequence[int] = (),
     ) -> AsyncGenerator[int, None]:
         """GET a whole body of exactly ``len(view)`` bytes into ``view``, yielding the count
         of each piece as it lands; see :meth:`p2p.http_client.HttpClient.receive_into` (same
-        errors at the same points; ``marks`` changes nothing here: pieces are yielded as
-        they are carried, never held for more bytes)."""
+        errors at the same points)."""
         with self._counters.counting_errors():
             a = await self._exchange(url, headers, timeout_s, anonymous)
             http_checks.check_exact_head(a.event, a.source, url, len(view))

@@ -627,7 +627,7 @@ class DownloadDriver:
                     if whole > handed:
                         hand_out(whole, Outcome.OK, ())
 
-                outcome, unreached = await self._get_batch(batch, src, body, ends, arrived)
+                outcome, unreached = await self._get_batch(batch, src, body, arrived)
                 if handed < len(batch):
                     hand_out(len(batch), outcome, unreached)
         finally:
@@ -643,12 +643,10 @@ class DownloadDriver:
         batch: tuple[Fetch, ...],
         src: Source,
         body: memoryview,
-        ends: list[int],
         arrived: Callable[[int], None],
     ) -> tuple[Outcome, tuple[str, ...]]:
         """Receive the body of ``batch`` from ``src`` into ``body`` (exactly the sum of the
-        blobs' signed sizes; ``ends``: where each blob ends in it, no read waits past the
-        next), calling ``arrived(bytes so far)`` after each piece lands;
+        blobs' signed sizes), calling ``arrived(bytes so far)`` after each piece lands;
         returns how the request ended (and, for a refusal, the holders it named that this
         node cannot reach). A ``404`` means the source lacks the route (an older node), the
         version or the first blobs' encoding: ``CANCELLED`` (its blobs go back to the
@@ -670,9 +668,7 @@ class DownloadDriver:
         received = 0
         try:
             async with aclosing(
-                self.client.receive_into(
-                    url, body, timeout_s=self.stall_timeout_s, headers=headers, marks=ends
-                )
+                self.client.receive_into(url, body, timeout_s=self.stall_timeout_s, headers=headers)
             ) as pieces:
                 while True:
                     try:  # only the generator's own steps: the socket reads and the framing

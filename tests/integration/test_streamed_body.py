@@ -13,7 +13,6 @@ import pytest
 import trio
 import trio.testing
 
-from p2p import http_client
 from p2p.errors import StreamBroken
 from p2p.http_client import HttpClient
 from p2p.http_server import (
@@ -71,30 +70,6 @@ async def test_each_piece_reaches_the_client_before_the_next_exists() -> None:
         stats = server.statistics()
     assert closed == [True, True]
     assert (stats.requests, stats.connections_total, stats.bytes_sent) == (2, 1, 2 * len(BODY))
-
-
-async def test_a_read_never_waits_past_a_mark(monkeypatch: pytest.MonkeyPatch) -> None:
-    """A read waits for ``RECV_LOWAT_BYTES`` (here for as long as the test runs) but not past
-    a mark: the bytes before it are announced while the source pauses right after them (a
-    batch's blob, whole, while the next is not verified at the source yet)."""
-    monkeypatch.setattr(http_client, "RECV_LOWAT_WAIT_S", 3600.0)
-    seen_first = trio.Event()
-
-    async def produce() -> AsyncGenerator[bytes, None]:
-        yield BODY[:HALF]  # fewer than RECV_LOWAT_BYTES
-        await seen_first.wait()
-        yield BODY[HALF:]
-
-    async with open_http_server(_handler(produce)) as server, HttpClient() as client:
-        buf, got = bytearray(len(BODY)), 0
-        with trio.fail_after(10):
-            url = server.url + "/b"
-            async for n in client.receive_into(url, memoryview(buf), timeout_s=5, marks=[HALF]):
-                got += n
-                assert got <= HALF or seen_first.is_set()  # no read crosses the mark
-                if got == HALF:
-                    seen_first.set()
-        assert bytes(buf) == BODY
 
 
 @pytest.mark.parametrize(("sent", "kind"), [(HALF, "not_ready"), (len(BODY) + 1, "body_overrun")])
