@@ -53,14 +53,13 @@ BATCH_BYTES = 1 << 20
 Batches are streamed at both ends (a source sends each blob the moment it has verified it, a
 requester hands each out the moment it is whole: :mod:`shardcast.serve.server`), so a batch is
 no longer the unit of forwarding through a relay; before that (session 57), 1 MiB beat 8 MiB on
-the shaped bench because a whole batch was held at its source. With streaming, on the shaped
-bench (``bench/broadcast.py --shaped 200M --seed-base --save-mb-s 1000``, real-1b, alternated,
-session 58) the last peer had the next version in 2.69-2.99 s (median 2.71, 6 runs) with 1 MiB,
-2.70-2.90 s (3 runs) with 4 MiB and 2.72-3.17 s (3 runs, reads not yet stopped at blob ends)
-with 8 MiB, against 2.91-3.18 s (median 3.0, 6 runs) for whole-batch forwarding at 1 MiB. A
-follower fed part by part by the origin alone (``bench/follower_cpu.py``) spent about the same
-CPU at every size (0.16-0.23 CPU-s, 3 runs each): fewer requests, but as many blobs handed out
-and checked."""
+the shaped bench because a whole batch was held at its source. With streaming (shaped bench,
+``bench/broadcast.py --shaped 200M --seed-base --save-mb-s 1000``, real-1b, alternated, session
+58) the last peer had the next version in 2.69-2.70 s (3 runs) with 1 MiB and 2.72-3.17 s (3
+runs) with 8 MiB, against 2.91-3.21 s (9 runs) for whole-batch forwarding at 1 MiB; 4 MiB was no
+better than 1 MiB either. A follower fed part by part by the origin alone
+(``bench/follower_cpu.py``) spent about the same CPU at 1, 4 and 8 MiB (0.16-0.23 CPU-s): fewer
+requests, but as many blobs handed out and checked."""
 
 
 def first_byte_times(sizes: Iterable[int], requested: float, arrived: float) -> list[float]:
