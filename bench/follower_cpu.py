@@ -46,7 +46,7 @@ Then (issue 24, copies and per-shard work; base = 5470a70, new = this branch, al
 by run, 3 runs per variant and preset, load 4.9-8.5 on the 2 cores from another session's
 measurements; medians, ranges in brackets; ``excess`` = next CPU-s minus the run's own idle
 rate times its ``next_s``, which the origin's encode sets and the load stretches): a blob
-batch is received straight into one buffer (``HttpClient.get_into``: ``recv_into`` past h11;
+batch is received straight into one buffer (``HttpClient.receive_into``: ``recv_into`` past h11;
 the ``get_bytes`` path copied each byte 4-5 times between socket, h11, the body and the
 sinks), each blob's sink is a view of its slice and is kept as it is (no ``bytes`` copy
 before the store writes it); the scheduler counts the shards whose part has not arrived

@@ -206,7 +206,7 @@ def check_whole_head(response: h11.Response, source: str, url: str, max_bytes: i
 
 def check_exact_head(response: h11.Response, source: str, url: str, length: int) -> None:
     """The head of a whole-body GET whose body the caller knows to be exactly ``length``
-    bytes (``get_into``): ``200``, and a declared ``Content-Length`` (if any) equal to it.
+    bytes (``receive_into``): ``200``, and a declared ``Content-Length`` (if any) equal to it.
 
     Raises:
         NotAvailable, StreamBroken, RemoteProtocolError: another status (:func:`status_error`).

@@ -601,27 +601,6 @@ class HttpClient:
             finally:
                 await self._release(conn, reusable)
 
-    async def get_into(
-        self,
-        url: str,
-        view: memoryview,
-        *,
-        timeout_s: float,
-        headers: Sequence[tuple[str, str]] = (),
-        anonymous: bool = False,
-    ) -> None:
-        """GET ``url`` (``200`` only) whose whole body is exactly ``len(view)`` bytes, straight
-        into ``view``: :meth:`receive_into`, waited to its end.
-
-        Raises:
-            as :meth:`receive_into`.
-        """
-        async with aclosing(
-            self.receive_into(url, view, timeout_s=timeout_s, headers=headers, anonymous=anonymous)
-        ) as pieces:
-            async for _ in pieces:
-                pass
-
     async def receive_into(
         self,
         url: str,

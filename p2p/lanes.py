@@ -269,19 +269,6 @@ class HttpLaneClient(Protocol):
         """Yield exactly bytes ``[start, start + length)`` of ``url``, or raise."""
         ...
 
-    async def get_into(
-        self,
-        url: str,
-        view: memoryview,
-        *,
-        timeout_s: float,
-        headers: Sequence[tuple[str, str]] = (),
-        anonymous: bool = False,
-    ) -> None:
-        """GET a whole body (``200`` only) of exactly ``len(view)`` bytes into ``view`` (as
-        :meth:`p2p.http_client.HttpClient.get_into`)."""
-        ...
-
     def receive_into(
         self,
         url: str,

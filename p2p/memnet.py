@@ -1078,23 +1078,6 @@ class MemHttpClient:
                     out += piece
             return bytes(out)
 
-    async def get_into(
-        self,
-        url: str,
-        view: memoryview,
-        *,
-        timeout_s: float,
-        headers: Sequence[tuple[str, str]] = (),
-        anonymous: bool = False,
-    ) -> None:
-        """GET a whole body of exactly ``len(view)`` bytes into ``view``; see
-        :meth:`p2p.http_client.HttpClient.get_into` (same errors at the same points)."""
-        async with aclosing(
-            self.receive_into(url, view, timeout_s=timeout_s, headers=headers, anonymous=anonymous)
-        ) as pieces:
-            async for _ in pieces:
-                pass
-
     async def receive_into(
         self,
         url: str,

@@ -5,9 +5,12 @@ from __future__ import annotations
 import json
 import random
 import socket
+from contextlib import aclosing
 from pathlib import Path
+from typing import Any
 
 from p2p.identity import Identity
+from p2p.lanes import HttpLaneClient
 from p2p.trust import TrustList
 from shardcast.serve.mirror import open_store, version_problems
 from shardcast.store.blobpack import PACK_INDEX, BlobRef, read_index
@@ -90,3 +93,11 @@ def drop_blob(enc_dir: Path, index: int, encoding: str) -> None:
         return
     lines = "".join(f"{i} {e} {o} {n}\n" for (i, e), (o, n) in entries.items())
     (enc_dir / PACK_INDEX).write_text(lines)
+
+
+async def get_into(client: HttpLaneClient, url: str, view: memoryview, **kwargs: Any) -> None:
+    """GET a whole body of exactly ``len(view)`` bytes into ``view``: ``client.receive_into``
+    drained (its errors, at the same points)."""
+    async with aclosing(client.receive_into(url, view, **kwargs)) as pieces:
+        async for _ in pieces:
+            pass

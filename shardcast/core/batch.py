@@ -56,7 +56,7 @@ no longer the unit of forwarding through a relay; before that (session 57), 1 Mi
 the shaped bench because a whole batch was held at its source. With streaming (shaped bench,
 ``bench/broadcast.py --shaped 200M --seed-base --save-mb-s 1000``, real-1b, alternated, session
 58) the last peer had the next version in 2.69-2.70 s (3 runs) with 1 MiB and 2.72-3.17 s (3
-runs) with 8 MiB, against 2.91-3.21 s (9 runs) for whole-batch forwarding at 1 MiB; 4 MiB was no
+runs) with 8 MiB, against 2.91-3.21 s (13 runs) for whole-batch forwarding at 1 MiB; 4 MiB was no
 better than 1 MiB either. A follower fed part by part by the origin alone
 (``bench/follower_cpu.py``) spent about the same CPU at 1, 4 and 8 MiB (0.16-0.23 CPU-s): fewer
 requests, but as many blobs handed out and checked."""

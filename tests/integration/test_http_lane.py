@@ -45,6 +45,7 @@ from p2p.http_server import (
     file_response,
     open_http_server,
 )
+from tests.helpers import get_into
 
 SIZE = 3 * 1024 * 1024 + 17
 BIG = 64 * 1024 * 1024
@@ -356,8 +357,8 @@ async def test_a_refusal_leaves_its_connection_for_the_next_request(
             with pytest.raises(NotAvailable):
                 await collect(client, f"{server.url}/{status}", 0, 10)
             with pytest.raises(NotAvailable):
-                await client.get_into(
-                    f"{server.url}/{status}", memoryview(bytearray(10)), timeout_s=5
+                await get_into(
+                    client, f"{server.url}/{status}", memoryview(bytearray(10)), timeout_s=5
                 )
         assert await collect(client, server.url + "/blob", 5, 100) == data[5:105]
         assert server.statistics().connections_total == 1
@@ -905,10 +906,10 @@ async def test_get_into_is_byte_exact_and_keeps_the_connection(
     config = HttpServerConfig(use_sendfile=use_sendfile, send_chunk_bytes=256 * 1024)
     async with open_http_server(serve_file(path), config) as server, HttpClient() as client:
         buf = bytearray(SIZE)
-        await client.get_into(server.url + "/blob", memoryview(buf), timeout_s=5)
+        await get_into(client, server.url + "/blob", memoryview(buf), timeout_s=5)
         assert bytes(buf) == data
         small = bytearray(14)
-        await client.get_into(server.url + "/small", memoryview(small), timeout_s=5)
+        await get_into(client, server.url + "/small", memoryview(small), timeout_s=5)
         assert bytes(small) == b"hello shardnet"
         # the connection read past h11 is reused, and h11 starts the next exchange cleanly
         assert await collect(client, server.url + "/blob", 3, 10) == data[3:13]
@@ -922,9 +923,9 @@ async def test_get_into_refuses_another_length_status_or_a_short_body(
     path, _ = blob
     async with open_http_server(serve_file(path)) as server, HttpClient() as client:
         with pytest.raises(RemoteProtocolError, match="Content-Length 14 for 15"):
-            await client.get_into(server.url + "/small", memoryview(bytearray(15)), timeout_s=5)
+            await get_into(client, server.url + "/small", memoryview(bytearray(15)), timeout_s=5)
         with pytest.raises(NotAvailable):
-            await client.get_into(server.url + "/nothing", memoryview(bytearray(4)), timeout_s=5)
+            await get_into(client, server.url + "/nothing", memoryview(bytearray(4)), timeout_s=5)
 
     async def short(stream: trio.SocketStream) -> None:
         await stream.send_all(b"HTTP/1.1 200 OK\r\ncontent-length: 100\r\n\r\n" + b"x" * 60)
@@ -932,7 +933,7 @@ async def test_get_into_refuses_another_length_status_or_a_short_body(
     async with scripted_server(short) as url, HttpClient() as client:
         buf = bytearray(100)
         with pytest.raises(StreamBroken, match="closed mid-body"):
-            await client.get_into(url + "/b", memoryview(buf), timeout_s=5)
+            await get_into(client, url + "/b", memoryview(buf), timeout_s=5)
         assert bytes(buf[:60]) == b"x" * 60
 
     async def chunked_long(stream: trio.SocketStream) -> None:  # no length: read through h11
@@ -941,7 +942,7 @@ async def test_get_into_refuses_another_length_status_or_a_short_body(
 
     async with scripted_server(chunked_long) as url, HttpClient() as client:
         with pytest.raises(RemoteProtocolError, match="more than the 12 bytes"):
-            await client.get_into(url + "/b", memoryview(bytearray(12)), timeout_s=5)
+            await get_into(client, url + "/b", memoryview(bytearray(12)), timeout_s=5)
         buf = bytearray(15)
-        await client.get_into(url + "/b", memoryview(buf), timeout_s=5)
+        await get_into(client, url + "/b", memoryview(buf), timeout_s=5)
         assert bytes(buf) == b"0123456789abcde"

@@ -24,6 +24,7 @@ from p2p.http_server import (
     open_http_server,
 )
 from p2p.memnet import MemNetwork
+from tests.helpers import get_into
 
 BODY = bytes(range(256)) * 40  # 10,240 bytes
 HALF = len(BODY) // 2
@@ -66,7 +67,7 @@ async def test_each_piece_reaches_the_client_before_the_next_exists() -> None:
                     seen_first.set()
         assert bytes(buf) == BODY
         # the connection is reused: the body's framing ended where its length said
-        await client.get_into(server.url + "/b", memoryview(buf), timeout_s=5)
+        await get_into(client, server.url + "/b", memoryview(buf), timeout_s=5)
         stats = server.statistics()
     assert closed == [True, True]
     assert (stats.requests, stats.connections_total, stats.bytes_sent) == (2, 1, 2 * len(BODY))
@@ -85,7 +86,7 @@ async def test_a_body_that_ends_short_or_runs_over_is_cut(sent: int, kind: str) 
     ):
         buf = bytearray(len(BODY))
         with trio.fail_after(10), pytest.raises(StreamBroken, match="closed mid-body"):
-            await client.get_into(server.url + "/b", memoryview(buf), timeout_s=5)
+            await get_into(client, server.url + "/b", memoryview(buf), timeout_s=5)
         assert bytes(buf[:HALF]) == BODY[:HALF]  # what arrived stays
     assert server.statistics().errors[kind] == 1  # counted by the connection's task, ended
 
@@ -119,6 +120,6 @@ async def test_the_in_memory_network_sends_a_streamed_body_or_cuts_it(
             short[0] = True
             buf = bytearray(len(BODY))
             with pytest.raises(StreamBroken):
-                await client.get_into(server.url + "/b", memoryview(buf), timeout_s=5)
+                await get_into(client, server.url + "/b", memoryview(buf), timeout_s=5)
             assert bytes(buf[:HALF]) == BODY[:HALF]
             assert server.statistics().errors["not_ready"] == 1

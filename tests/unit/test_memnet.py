@@ -18,6 +18,7 @@ from p2p.http_range import format_content_range, resolve_range
 from p2p.http_server import FileSlice, HttpRequest, HttpResponse, HttpServerConfig, file_response
 from p2p.identity import Identity
 from p2p.memnet import LinkProfile, MemNetwork
+from tests.helpers import get_into
 
 if TYPE_CHECKING:
     from trio_typing import TaskStatus
@@ -160,9 +161,9 @@ async def test_get_into_fills_the_view_or_refuses_another_length(
             ea.open_http_client() as client,
         ):
             buf = bytearray(len(BODY))
-            await client.get_into(server.url + "/x", memoryview(buf), timeout_s=5)
+            await get_into(client, server.url + "/x", memoryview(buf), timeout_s=5)
             with pytest.raises(RemoteProtocolError, match="Content-Length"):
-                await client.get_into(server.url + "/x", memoryview(bytearray(10)), timeout_s=5)
+                await get_into(client, server.url + "/x", memoryview(bytearray(10)), timeout_s=5)
     assert bytes(buf) == BODY
 
 
