@@ -917,9 +917,9 @@ async def _ready_limit(response: HttpResponse) -> int | None:
 
 async def _gather(response: HttpResponse) -> bytes:
     """The bytes a streamed body (:class:`~p2p.http_body.StreamedBody`) produces, at most its
-    length (its pieces closed after), as the real server sends them (there piece by piece;
-    here the body goes out once whole, or cut short where the pieces ended). ``b""`` for any
-    other body."""
+    length (its pieces closed after), for a server with a tamper hook, which sees the whole
+    body: it then goes out once whole, or cut short where the pieces ended (without a hook,
+    the pieces go out as they come, :func:`_produced`). ``b""`` for any other body."""
     body = response.body
     if not isinstance(body, StreamedBody):
         return b""
@@ -952,6 +952,37 @@ class _Answer:
     declared: int
     on_sent: Callable[[int], None] | None
     source: str
+    stream: StreamedBody | None = None
+    """A streamed body sent piece by piece as its producer yields them (``body`` is then
+    empty), as the real server sends it."""
+
+
+async def _produced(a: _Answer, timeout_s: float) -> AsyncGenerator[bytes, None]:
+    """The body's bytes as the server has them: ``a.body`` at once, or a streamed body's
+    pieces as its producer yields them (at most its length; a producer silent for
+    ``timeout_s`` is the client's StreamBroken, as a silent socket is). A streamed body that
+    ends short or runs over is counted on the server (``not_ready``, ``body_overrun``) and
+    ends there: the caller sees the body cut short."""
+    if a.stream is None:
+        yield a.body
+        return
+    sent, length = 0, a.stream.length
+    async with aclosing(a.stream.pieces) as pieces:
+        while True:
+            try:
+                with trio.fail_after(timeout_s):
+                    piece = await anext(pieces)
+            except StopAsyncIteration:
+                break
+            except trio.TooSlowError as exc:
+                raise StreamBroken(a.source, f"no progress for {timeout_s}s") from exc
+            if sent + len(piece) > length:
+                a.server._errors["body_overrun"] += 1
+                return
+            sent += len(piece)
+            yield piece
+    if sent < length:
+        a.server._errors["not_ready"] += 1
 
 
 class MemHttpClient:
@@ -1012,13 +1043,19 @@ class MemHttpClient:
                 await net._carry(self.ip, host, len(head), server._live)
                 response = await server._respond(head, f"{self.ip}:0")
             limit = await _ready_limit(response)  # a slice still filling: its verified bytes
-            streamed = await _gather(response)  # a streamed body: the pieces it produced
+            live = response.body if isinstance(response.body, StreamedBody) else None
+            if live is not None and net._tamper.get(server.ip) is not None:
+                live = None  # a tamper hook sees the whole body: gathered first
+            streamed = b"" if live is not None else await _gather(response)
             with trio.fail_after(timeout_s):
                 on_sent: Callable[[int], None] | None = None
                 try:
-                    body, declared, on_sent = server._body(
-                        response, urlsplit_path(target), limit, streamed
-                    )
+                    if live is not None:  # sent piece by piece as produced (_body_chunks)
+                        body, declared, on_sent = b"", live.length, live.on_sent
+                    else:
+                        body, declared, on_sent = server._body(
+                            response, urlsplit_path(target), limit, streamed
+                        )
                 except OSError:
                     response, body, declared = HttpResponse(500), b"", 0
                 event = _to_h11_response(response, declared, close=False)
@@ -1030,28 +1067,33 @@ class MemHttpClient:
             raise StreamBroken(source, "connection closed before any answer") from exc
         finally:
             server._open -= 1
-        return _Answer(server, event, body, declared, on_sent, source)
+        return _Answer(server, event, body, declared, on_sent, source, live)
 
     async def _body_chunks(self, a: _Answer, timeout_s: float) -> AsyncGenerator[bytes, None]:
-        """The body as it arrives; StreamBroken if the server dies, the link is cut, or the
-        body ends short of what the head declared."""
+        """The body as it arrives; StreamBroken if the server dies, the link is cut, no
+        byte comes for ``timeout_s``, or the body ends short of what the head declared."""
         server, delivered = a.server, 0
         try:
-            for i in range(0, len(a.body), CHUNK_BYTES):
-                piece = a.body[i : i + CHUNK_BYTES]
-                try:
-                    with trio.fail_after(timeout_s):
-                        await self.net._carry(
-                            server.ip, self.ip, len(piece), lambda: server.alive and self.alive
-                        )
-                except trio.TooSlowError as exc:
-                    raise StreamBroken(a.source, f"no progress for {timeout_s}s") from exc
-                except _Cut as exc:
-                    raise StreamBroken(a.source, "connection broken mid-body") from exc
-                delivered += len(piece)
-                server._bytes_sent += len(piece)
-                self._counters.bytes_received += len(piece)
-                yield piece
+            async with aclosing(_produced(a, timeout_s)) as produced:
+                async for data in produced:
+                    for i in range(0, len(data), CHUNK_BYTES):
+                        piece = data[i : i + CHUNK_BYTES]
+                        try:
+                            with trio.fail_after(timeout_s):
+                                await self.net._carry(
+                                    server.ip,
+                                    self.ip,
+                                    len(piece),
+                                    lambda: server.alive and self.alive,
+                                )
+                        except trio.TooSlowError as exc:
+                            raise StreamBroken(a.source, f"no progress for {timeout_s}s") from exc
+                        except _Cut as exc:
+                            raise StreamBroken(a.source, "connection broken mid-body") from exc
+                        delivered += len(piece)
+                        server._bytes_sent += len(piece)
+                        self._counters.bytes_received += len(piece)
+                        yield piece
             if delivered < a.declared:
                 raise StreamBroken(a.source, "connection closed mid-body")
         finally:
