@@ -50,6 +50,7 @@ handler tasks (``max_concurrent`` per protocol).
 from __future__ import annotations
 
 import logging
+import math
 import random
 import re
 from collections import Counter, OrderedDict
@@ -874,12 +875,8 @@ class MemHttpServer:
         """
         body = response.body
         if isinstance(body, StreamedBody):
-            if len(streamed) < body.length:
-                self._errors["not_ready"] += 1
-            fn = self.net._tamper.get(self.ip)
-            data = fn(path, streamed) if fn is not None else streamed
-            return data, body.length, body.on_sent
-        if isinstance(body, FileSlice):
+            data, declared, on_sent = streamed, body.length, body.on_sent
+        elif isinstance(body, FileSlice):
             data = b""
             try:
                 if body.length:
@@ -915,21 +912,46 @@ async def _ready_limit(response: HttpResponse) -> int | None:
     return pos - body.offset
 
 
-async def _gather(response: HttpResponse) -> bytes:
-    """The bytes a streamed body (:class:`~p2p.http_body.StreamedBody`) produces, at most its
-    length (its pieces closed after), for a server with a tamper hook, which sees the whole
-    body: it then goes out once whole, or cut short where the pieces ended (without a hook,
-    the pieces go out as they come, :func:`_produced`). ``b""`` for any other body."""
+async def _gather(response: HttpResponse, server: MemHttpServer) -> bytes:
+    """The bytes a streamed body (:class:`~p2p.http_body.StreamedBody`) produces
+    (:func:`_capped`, waited for as long as it takes), for a server with a tamper hook, which
+    sees the whole body: it then goes out once whole, or cut short where the pieces ended
+    (without a hook, the pieces go out as they come, :func:`_produced`). ``b""`` for any
+    other body."""
     body = response.body
     if not isinstance(body, StreamedBody):
         return b""
-    out = bytearray()
+    return b"".join([piece async for piece in _capped(body, server, "", math.inf)])
+
+
+async def _capped(
+    body: StreamedBody, server: MemHttpServer, source: str, timeout_s: float
+) -> AsyncGenerator[bytes, None]:
+    """``body``'s pieces as its producer yields them, at most its length (its generator
+    closed after), as the real server sends them: a body that ends short or runs over is
+    counted on ``server`` (``not_ready``, ``body_overrun``) and ends there.
+
+    Raises:
+        StreamBroken: (from ``source``) the producer yielded nothing for ``timeout_s``
+            seconds, as a silent socket is the client's StreamBroken.
+    """
+    sent = 0
     async with aclosing(body.pieces) as pieces:
-        async for piece in pieces:
-            if len(out) + len(piece) > body.length:
-                break  # the producer's bug: cut there, as the real server does
-            out += piece
-    return bytes(out)
+        while True:
+            try:
+                with trio.fail_after(timeout_s):
+                    piece = await anext(pieces)
+            except StopAsyncIteration:
+                break
+            except trio.TooSlowError as exc:
+                raise StreamBroken(source, f"no progress for {timeout_s}s") from exc
+            if sent + len(piece) > body.length:
+                server._errors["body_overrun"] += 1
+                return
+            sent += len(piece)
+            yield piece
+    if sent < body.length:
+        server._errors["not_ready"] += 1
 
 
 def _read_slice(part: FileSlice, limit: int | None = None) -> bytes:
@@ -959,30 +981,13 @@ class _Answer:
 
 async def _produced(a: _Answer, timeout_s: float) -> AsyncGenerator[bytes, None]:
     """The body's bytes as the server has them: ``a.body`` at once, or a streamed body's
-    pieces as its producer yields them (at most its length; a producer silent for
-    ``timeout_s`` is the client's StreamBroken, as a silent socket is). A streamed body that
-    ends short or runs over is counted on the server (``not_ready``, ``body_overrun``) and
-    ends there: the caller sees the body cut short."""
+    pieces as its producer yields them (:func:`_capped`)."""
     if a.stream is None:
         yield a.body
         return
-    sent, length = 0, a.stream.length
-    async with aclosing(a.stream.pieces) as pieces:
-        while True:
-            try:
-                with trio.fail_after(timeout_s):
-                    piece = await anext(pieces)
-            except StopAsyncIteration:
-                break
-            except trio.TooSlowError as exc:
-                raise StreamBroken(a.source, f"no progress for {timeout_s}s") from exc
-            if sent + len(piece) > length:
-                a.server._errors["body_overrun"] += 1
-                return
-            sent += len(piece)
+    async with aclosing(_capped(a.stream, a.server, a.source, timeout_s)) as pieces:
+        async for piece in pieces:
             yield piece
-    if sent < length:
-        a.server._errors["not_ready"] += 1
 
 
 class MemHttpClient:
@@ -1046,7 +1051,7 @@ class MemHttpClient:
             live = response.body if isinstance(response.body, StreamedBody) else None
             if live is not None and net._tamper.get(server.ip) is not None:
                 live = None  # a tamper hook sees the whole body: gathered first
-            streamed = b"" if live is not None else await _gather(response)
+            streamed = b"" if live is not None else await _gather(response, server)
             with trio.fail_after(timeout_s):
                 on_sent: Callable[[int], None] | None = None
                 try:
