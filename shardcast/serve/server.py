@@ -760,12 +760,13 @@ class VersionServer:
         n = len(m.header.shards)
         if not shards or any(i >= n for i in shards):
             return HttpResponse(404)
-        deadline = trio.current_time() + _hold_s(req, self.wait_s)
-        first = shards if deadline <= trio.current_time() else shards[:1]
-        if not await self._wait(
-            req,
+        hold_s = _hold_s(req, self.wait_s)
+        deadline = trio.current_time() + hold_s  # for the whole body (_blob_pieces)
+        first = shards[:1] if hold_s > 0 else shards  # not held: every blob, as before
+        if not await self._wait_until(
             step,
             lambda: all(m.known(i) for i in shards) and all(self._has(step, i) for i in first),
+            deadline,
         ):
             return _retry()
         sizes = []
