@@ -103,9 +103,9 @@ def _store(tmp_path: Path, m0: Manifest, seed: Path) -> VersionStore:
     return store
 
 
-class Blamed:
-    """A :class:`~shardcast.download.types.DownloadObserver` that sets ``event`` when a
-    source is first blamed for a corrupt shard."""
+class Watch:
+    """A :class:`~shardcast.download.types.DownloadObserver` that notes nothing; subclasses
+    set ``event`` at the first event of their kind."""
 
     def __init__(self) -> None:
         self.event = trio.Event()
@@ -117,13 +117,20 @@ class Blamed:
         pass
 
     def shard_corrupt(self, source: str) -> None:
-        self.event.set()
+        pass
 
     def refused(self, source: str) -> None:
         pass
 
     def transfer_cut(self, source: str) -> None:
         pass
+
+
+class Blamed(Watch):
+    """Sets ``event`` when a source is first blamed for a corrupt shard."""
+
+    def shard_corrupt(self, source: str) -> None:
+        self.event.set()
 
 
 async def test_a_corrupt_blob_in_a_batch_blames_only_its_source(tmp_path: Path) -> None:
@@ -236,27 +243,11 @@ async def test_a_source_streams_each_blob_of_a_batch_the_moment_it_holds_it(
                     await anext(pieces)
 
 
-class Verified:
-    """A :class:`~shardcast.download.types.DownloadObserver` that sets ``event`` when the
-    first shard is verified."""
-
-    def __init__(self) -> None:
-        self.event = trio.Event()
-
-    def shard_received(self, source: str, codec: str, size_bytes: int, fetch_s: float) -> None:
-        pass
+class Verified(Watch):
+    """Sets ``event`` when the first shard is verified."""
 
     def shard_verified(self, source: str, verify_s: float) -> None:
         self.event.set()
-
-    def shard_corrupt(self, source: str) -> None:
-        pass
-
-    def refused(self, source: str) -> None:
-        pass
-
-    def transfer_cut(self, source: str) -> None:
-        pass
 
 
 class FirstBlobFirst(Lane):
