@@ -155,6 +155,14 @@ class StreamBroken(TransportError):
     """A stream or transfer started but ended early, was reset or timed out."""
 
 
+class ClosedMidBody(StreamBroken):
+    """The peer closed the connection in order (not a reset, not a timeout) before the body
+    reached the length its head declared. A lane server does that when a streamed body's
+    producer ends short (:class:`p2p.http_body.StreamedBody`): for a batch of blobs, when the
+    request's hold ran out before the next blob was verified there, right after a whole blob
+    (:mod:`shardcast.core.batch`). A connection that dies for good also ends this way."""
+
+
 class MessageTooLarge(RemoteProtocolError):
     """A frame, response or body exceeded the configured bound (the sender's fault)."""
 

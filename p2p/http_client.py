@@ -65,6 +65,7 @@ import trio
 from p2p import sockopts
 from p2p.bytestream import ByteStream, StreamOpener
 from p2p.errors import (
+    ClosedMidBody,
     LocalProtocolError,
     PeerUnreachable,
     RemoteProtocolError,
@@ -345,10 +346,9 @@ class HttpClient:
             except (trio.BrokenResourceError, OSError) as exc:
                 raise StreamBroken(source, f"connection broken: {exc}") from exc
             if not data and conn.h11.their_state is not h11.DONE:
-                where = (
-                    "before any answer" if conn.h11.their_state is h11.SEND_RESPONSE else "mid-body"
-                )
-                raise StreamBroken(source, f"connection closed {where}")
+                if conn.h11.their_state is h11.SEND_RESPONSE:
+                    raise StreamBroken(source, "connection closed before any answer")
+                raise ClosedMidBody(source, "connection closed mid-body")
             conn.h11.receive_data(data)
 
     async def _open_range(
@@ -720,7 +720,8 @@ async def _read_body(lowat: _LowWater, view: memoryview, source: str, timeout_s:
         bytes read (at least 1).
 
     Raises:
-        StreamBroken: no byte for ``timeout_s`` seconds, a socket error, or the peer closed.
+        StreamBroken: no byte for ``timeout_s`` seconds, or a socket error.
+        ClosedMidBody: the peer closed the connection in order.
     """
     try:
         with trio.fail_after(timeout_s):
@@ -730,7 +731,7 @@ async def _read_body(lowat: _LowWater, view: memoryview, source: str, timeout_s:
     except OSError as exc:
         raise StreamBroken(source, f"connection broken: {exc}") from exc
     if n == 0:
-        raise StreamBroken(source, "connection closed mid-body")
+        raise ClosedMidBody(source, "connection closed mid-body")
     return n
 
 

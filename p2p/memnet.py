@@ -65,6 +65,7 @@ import trio
 from p2p import http_checks
 from p2p.bytestream import ByteStream, StreamHandler, StreamOpener
 from p2p.errors import (
+    ClosedMidBody,
     ConfigError,
     LocalProtocolError,
     MessageTooLarge,
@@ -1100,7 +1101,7 @@ class MemHttpClient:
                         self._counters.bytes_received += len(piece)
                         yield piece
             if delivered < a.declared:
-                raise StreamBroken(a.source, "connection closed mid-body")
+                raise ClosedMidBody(a.source, "connection closed mid-body")
         finally:
             if a.on_sent is not None:
                 a.on_sent(delivered)

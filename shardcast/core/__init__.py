@@ -14,7 +14,13 @@ Imports only :mod:`shardcast.wire` (and ``p2p.errors``).
 from __future__ import annotations
 
 from shardcast.core import catchup
-from shardcast.core.batch import MAX_BATCH_BLOBS, MAX_BATCH_BYTES, BlobBatcher, first_byte_times
+from shardcast.core.batch import (
+    MAX_BATCH_BLOBS,
+    MAX_BATCH_BYTES,
+    BlobBatcher,
+    cut_between_blobs,
+    first_byte_times,
+)
 from shardcast.core.blame import SourceBans, blame
 from shardcast.core.catchup import plan
 from shardcast.core.liveness import Abandon, Answer
@@ -170,6 +176,7 @@ __all__ = [
     "catchup",
     "choose_lane",
     "confirmed_elsewhere",
+    "cut_between_blobs",
     "first_byte_times",
     "judge",
     "judge_continued",

@@ -32,6 +32,17 @@ the scheduler could not tell a fast source of a next version from a slow one.
 the share of the batch's time so far (from the request to now) that its bytes took, so every
 blob's sample is the batch's throughput so far, measured from the request as for a source
 that held a shard whole.
+
+A body cut between two blobs: a source still receiving the version answers a held batch once
+its first blob is verified there, and sends each later one as it verifies it; if one is not
+verified within the request's hold, the source closes the connection right after the last
+blob it sent (its head is out: it can no longer answer ``503``). :func:`cut_between_blobs`
+tells that cut from a broken stream: the body ended in order (no reset, no timeout), exactly
+at a blob's end, after at least one whole blob. The blobs it did not bring then end as that
+``503`` would have ended them (``NOT_AVAILABLE``: asked again, elsewhere or later, and no
+failure counted against the source), not as a broken stream. A source gains nothing by
+cutting a batch this way that it could not get by answering ``503`` to every request; and
+the bytes of a cut batch it sent are whole blobs, each checked against its signed digest.
 """
 
 from __future__ import annotations
@@ -42,7 +53,14 @@ from p2p.errors import LocalProtocolError
 from shardcast.core.session import Fetch
 from shardcast.wire import MAX_BATCH_BLOBS, codecs
 
-__all__ = ["BATCH_BYTES", "MAX_BATCH_BLOBS", "MAX_BATCH_BYTES", "BlobBatcher", "first_byte_times"]
+__all__ = [
+    "BATCH_BYTES",
+    "MAX_BATCH_BLOBS",
+    "MAX_BATCH_BYTES",
+    "BlobBatcher",
+    "cut_between_blobs",
+    "first_byte_times",
+]
 
 MAX_BATCH_BYTES = 8 << 20
 """Most bytes of blobs in one batch request (the lane's route accepts no more)."""
@@ -89,6 +107,28 @@ def first_byte_times(sizes: Iterable[int], requested: float, arrived: float) -> 
     if total == 0:
         return [requested] * len(sizes)
     return [arrived - elapsed * n / total for n in sizes]
+
+
+def cut_between_blobs(received: int, sizes: Iterable[int]) -> bool:
+    """True if a batch body whose source closed the connection in order after ``received``
+    bytes was cut between two blobs (module docstring): ``received`` is the end of a blob
+    of the batch, not of the last one, and not 0.
+
+    Args:
+        received: bytes of the body that arrived before the close (``>= 0``).
+        sizes: each blob's signed size in bytes, in the batch's order.
+
+    Returns:
+        True for a cut right after whole blob ``k`` (``0 <= k < len(sizes) - 1``); False for
+        a cut inside a blob, before any byte, or at the body's end (a complete body is never
+        a cut).
+    """
+    end = 0
+    for n in list(sizes)[:-1]:
+        end += n
+        if end >= received:
+            return end == received and received > 0
+    return False
 
 
 class BlobBatcher:

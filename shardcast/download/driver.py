@@ -73,6 +73,7 @@ from typing import TYPE_CHECKING
 import trio
 
 from p2p.errors import (
+    ClosedMidBody,
     IntegrityError,
     PeerUnreachable,
     RemoteProtocolError,
@@ -108,6 +109,7 @@ from shardcast.core import (
     StageCpu,
     Verdict,
     blame,
+    cut_between_blobs,
     first_byte_times,
 )
 from shardcast.download.parts import PartFetcher
@@ -651,8 +653,10 @@ class DownloadDriver:
         node cannot reach). A ``404`` means the source lacks the route (an older node), the
         version or the first blobs' encoding: ``CANCELLED`` (its blobs go back to the
         scheduler without a penalty) and the :class:`BlobBatcher` asks it one blob at a
-        time from then on. A body of the wrong length is the source's protocol error; any
-        other failure ends every blob not yet whole the same way."""
+        time from then on. A body of the wrong length is the source's protocol error. A body
+        its source ended in order right after a whole blob ends the blobs it did not bring as
+        ``NOT_AVAILABLE`` (:func:`~shardcast.core.batch.cut_between_blobs`); any other
+        failure ends every blob not yet whole the same way."""
         url = blobs_url(
             src.base_url,
             self.m.run_id,
@@ -682,6 +686,11 @@ class DownloadDriver:
                 # no batch route there (or no version): one blob at a time from now on
                 self.batcher.unsupported(src.id)
                 return Outcome.CANCELLED, ()
+            if isinstance(exc, ClosedMidBody) and cut_between_blobs(
+                received, (f.size for f in batch)
+            ):  # the source's hold ran out before it had the next blob: its late 503
+                self._log_failure("batch_cut_between_blobs", batch[0], exc)
+                return Outcome.NOT_AVAILABLE, ()
             return self._failure(exc, batch[0], src)
 
     def _hand_out(

@@ -400,8 +400,8 @@ HEAD_FAILURES = [
     ("NotAvailable", "/busy", "get", 0, 10),  # 503 with Retry-After: 3
     ("StreamBroken", "/boom", "get", 0, 10),  # 500
     ("StreamBroken", "/bad-gateway", "range", 0, 5),  # 502
-    ("StreamBroken", "/short", "range", 0, len(FILE_BYTES) + 100),  # body short of its length
-    ("StreamBroken", "/short", "into", 0, len(FILE_BYTES) + 100),
+    ("ClosedMidBody", "/short", "range", 0, len(FILE_BYTES) + 100),  # closed short of its length
+    ("ClosedMidBody", "/short", "into", 0, len(FILE_BYTES) + 100),
     ("MessageTooLarge", "/blob", "get", 0, 100),  # declared body over the bound
     ("LocalProtocolError", "ftp://x", "get", 0, 10),  # not an http:// URL
     ("LocalProtocolError", "/blob", "range", -1, 5),  # a negative start

@@ -2,7 +2,9 @@
 batch with a corrupted blob blames exactly its source, the other blobs of the version still
 verify, a node without the batch route (an older release) is asked one blob at a time, a
 source still receiving the version streams each blob of a batch the moment it holds it, and a
-downloader checks each blob of a batch as soon as it is whole."""
+downloader checks each blob of a batch as soon as it is whole; a batch body its source ends
+right after a whole blob (its hold ran out) is not counted against it, a body cut inside a
+blob is."""
 
 from __future__ import annotations
 
@@ -311,3 +313,63 @@ async def test_a_downloader_checks_each_blob_of_a_batch_as_soon_as_it_is_whole(
     assert not lane.first  # a batch was asked for
     assert stats.failures == 0
     assert stats.bytes_by_encoding.get(codecs.RAW, 0) == 0
+
+
+class CutFirstBatch(Lane):
+    """A lane whose first batch body ends after its first blob (``inside``: 7 bytes into the
+    second blob), as a source ends it when its hold runs out (the server then closes the
+    connection); later requests go through."""
+
+    def __init__(self, server: VersionServer, m: Manifest, inside: bool) -> None:
+        super().__init__(server)
+        self.m, self.inside, self.first = m, inside, True
+
+    async def handle(self, req: HttpRequest) -> HttpResponse:
+        self.paths.append(req.path)
+        resp = await self.server.handle(req)
+        if not (self.first and "/blobs/" in req.path and resp.status == 200):
+            return resp
+        self.first = False
+        assert isinstance(resp.body, StreamedBody)
+        _, enc, listed = req.path.rsplit("/", 2)
+        size = self.m.shard(int(listed.split(",")[0])).offered(enc).size  # type: ignore[union-attr]
+        keep = size + 7 if self.inside else size
+        pieces = _first_bytes(resp.body.pieces, keep)
+        return HttpResponse(
+            resp.status, resp.headers, dataclasses.replace(resp.body, pieces=pieces)
+        )
+
+
+async def _first_bytes(
+    pieces: AsyncGenerator[bytes, None], count: int
+) -> AsyncGenerator[bytes, None]:
+    """The first ``count`` bytes of ``pieces``, then the end (short of the declared length)."""
+    async with aclosing(pieces):
+        data = b"".join([p async for p in pieces])
+    yield data[:count]
+
+
+@pytest.mark.parametrize("inside", [False, True])
+async def test_a_batch_cut_right_after_a_blob_is_not_counted_against_its_source(
+    tmp_path: Path, inside: bool
+) -> None:
+    """Cut right after its first blob, a batch body is its source's late ``503`` for the
+    rest: no failure; cut inside the second blob, it is a broken stream: one failure per
+    blob it did not bring. Either way the first blob stands and the version completes."""
+    cfg = NodeConfig("trainer", RUN, tmp_path / "o")
+    async with ShardcastNode.open(TRAINER, trust(), cfg) as o:
+        m0, m1, seed = await _two_versions(tmp_path, o)
+        store = _store(tmp_path, m0, seed)
+        lane = CutFirstBatch(o.server, m1, inside)
+        async with open_http_server(lane.handle) as http, HttpClient() as client:
+            dl = Downloader(client, store, DownloadConfig(), random.Random(1), trust())
+            with trio.fail_after(60):
+                m = Manifest.decode(m1.encode(), trust=trust())
+                path, stats = await dl.download(m, [Source("relay", http.url)])
+    check_committed(path, m1)
+    assert not lane.first  # a batch was asked for, and cut
+    first_batch = next(p for p in lane.paths if "/blobs/" in p)
+    blobs = len(first_batch.rsplit("/", 1)[1].split(","))
+    assert blobs >= 2
+    assert stats.failures == (blobs - 1 if inside else 0)
+    assert stats.corrupt_by_source == {}

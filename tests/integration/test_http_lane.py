@@ -26,6 +26,7 @@ import trio.testing
 
 from p2p import http_client
 from p2p.errors import (
+    ClosedMidBody,
     LocalProtocolError,
     MessageTooLarge,
     PeerUnreachable,
@@ -802,11 +803,11 @@ async def test_receive_into_a_body_cut_short_keeps_what_arrived() -> None:
             async for n in client.receive_range_into(url + "/b", 0, memoryview(buf), timeout_s=5):
                 pieces.append(n)
 
-        with pytest.raises(StreamBroken, match="closed mid-body"):
+        with pytest.raises(ClosedMidBody, match="closed mid-body"):
             await receive()
         assert sum(pieces) == 60
         assert bytes(buf[:60]) == b"x" * 60
-        assert client.statistics().errors == {"StreamBroken": 1}
+        assert client.statistics().errors == {"ClosedMidBody": 1}
 
 
 async def test_receive_into_refuses_a_wrong_range_and_connection_close() -> None:
@@ -932,7 +933,7 @@ async def test_get_into_refuses_another_length_status_or_a_short_body(
 
     async with scripted_server(short) as url, HttpClient() as client:
         buf = bytearray(100)
-        with pytest.raises(StreamBroken, match="closed mid-body"):
+        with pytest.raises(ClosedMidBody, match="closed mid-body"):
             await get_into(client, url + "/b", memoryview(buf), timeout_s=5)
         assert bytes(buf[:60]) == b"x" * 60
 

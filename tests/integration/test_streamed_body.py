@@ -2,7 +2,8 @@
 sent the moment it is verified) on real HTTP on 127.0.0.1 and on the in-memory network: its
 pieces reach the client as they are produced, ``receive_into`` announces them as they land,
 and a body that ends short of its length, or runs past it, is cut (the client keeps what
-arrived and sees ``StreamBroken``), never padded."""
+arrived and sees ``ClosedMidBody``, the in-order close a requester tells from a reset), never
+padded."""
 
 from __future__ import annotations
 
@@ -13,7 +14,7 @@ import pytest
 import trio
 import trio.testing
 
-from p2p.errors import StreamBroken
+from p2p.errors import ClosedMidBody
 from p2p.http_client import HttpClient
 from p2p.http_server import (
     Handler,
@@ -85,7 +86,7 @@ async def test_a_body_that_ends_short_or_runs_over_is_cut(sent: int, kind: str) 
         HttpClient() as client,
     ):
         buf = bytearray(len(BODY))
-        with trio.fail_after(10), pytest.raises(StreamBroken, match="closed mid-body"):
+        with trio.fail_after(10), pytest.raises(ClosedMidBody, match="closed mid-body"):
             await get_into(client, server.url + "/b", memoryview(buf), timeout_s=5)
         assert bytes(buf[:HALF]) == BODY[:HALF]  # what arrived stays
     assert server.statistics().errors[kind] == 1  # counted by the connection's task, ended
@@ -95,7 +96,7 @@ async def test_the_in_memory_network_sends_a_streamed_body_or_cuts_it(
     autojump_clock: trio.testing.MockClock,
 ) -> None:
     """The simulator's lane takes the same body: the first piece reaches the client before
-    the second is produced, and the body is cut short (``StreamBroken``, the pieces that came
+    the second is produced, and the body is cut short (``ClosedMidBody``, the pieces that came
     kept) when the pieces end early."""
     short, seen_first = [False], trio.Event()
 
@@ -125,7 +126,7 @@ async def test_the_in_memory_network_sends_a_streamed_body_or_cuts_it(
             assert bytes(buf) == BODY
             short[0] = True
             buf = bytearray(len(BODY))
-            with pytest.raises(StreamBroken):
+            with pytest.raises(ClosedMidBody):
                 await get_into(client, server.url + "/b", memoryview(buf), timeout_s=5)
             assert bytes(buf[:HALF]) == BODY[:HALF]
             assert server.statistics().errors["not_ready"] == 1

@@ -18,6 +18,7 @@ from shardcast.core import (
     Session,
     SessionConfig,
     Verdict,
+    cut_between_blobs,
     first_byte_times,
 )
 from shardcast.core.batch import BATCH_BYTES, MAX_BATCH_BYTES
@@ -227,6 +228,15 @@ def test_each_blob_of_a_batch_is_given_its_share_of_the_batch_time() -> None:
         first_byte_times([-1], 0.0, 1.0)
     with pytest.raises(LocalProtocolError, match="before its request"):
         first_byte_times([1], 2.0, 1.0)
+
+
+def test_a_body_is_cut_between_blobs_only_right_after_a_whole_blob_before_the_last() -> None:
+    sizes = [100, 300, 50]
+    assert [r for r in range(0, 451) if cut_between_blobs(r, sizes)] == [100, 400]
+    assert not cut_between_blobs(450, sizes)  # the whole body: not a cut
+    assert not cut_between_blobs(0, sizes)  # nothing arrived: the stream broke
+    assert not cut_between_blobs(100, [100])  # a single blob is whole or broken
+    assert not cut_between_blobs(0, [0, 5])  # an empty first blob: still nothing arrived
 
 
 def _deliver_batches(s: Session, seconds_by_source: dict[str, float]) -> None:
