@@ -747,8 +747,9 @@ class VersionServer:
         Streamed (module docstring): a held request is answered once every shard of the
         batch is known (its manifest part, for the sizes) and the first is verified here;
         each later blob is sent the moment it is verified here, within the request's hold,
-        and the body is cut short if one is not (the requester keeps the whole blobs before
-        it). A request that is not held is answered only with every blob verified. ``404`` if
+        and the body is cut short right after the last blob sent if one is not (the requester
+        keeps the whole blobs before it, and takes the cut as this node's late ``503`` for the
+        rest: :func:`~shardcast.core.batch.cut_between_blobs`). A request that is not held is answered only with every blob verified. ``404`` if
         a shard is not offered in ``encoding`` or the first blobs are not kept here (the
         requester then asks one blob at a time); ``413`` above
         :data:`~shardcast.core.batch.MAX_BATCH_BYTES`; super-seeding decides for the batch as
