@@ -749,9 +749,10 @@ class VersionServer:
         each later blob is sent the moment it is verified here, within the request's hold,
         and the body is cut short right after the last blob sent if one is not (the requester
         keeps the whole blobs before it, and takes the cut as this node's late ``503`` for the
-        rest: :func:`~shardcast.core.batch.cut_between_blobs`). A request that is not held is answered only with every blob verified. ``404`` if
-        a shard is not offered in ``encoding`` or the first blobs are not kept here (the
-        requester then asks one blob at a time); ``413`` above
+        rest: :func:`~shardcast.core.batch.cut_between_blobs`). A request that is not held
+        is answered only with every blob verified. ``404`` if a shard is not offered in
+        ``encoding`` or the first blobs are not kept here (the requester then asks one blob
+        at a time); ``413`` above
         :data:`~shardcast.core.batch.MAX_BATCH_BYTES`; super-seeding decides for the batch as
         a whole; ``400`` for a shard named twice in ``listed`` (the route's ``i,j,..``)."""
         try:
