@@ -26,7 +26,7 @@ from shardcast.publish.origin import Origin, OriginConfig
 from shardcast.serve.server import VersionServer
 from shardcast.store import BlobRef
 from shardcast.store.store import VersionStore
-from shardcast.wire import HOLD_HEADER, codecs
+from shardcast.wire import HOLD_HEADER, ROUTE, codecs, parse_shards
 from shardcast.wire.lane_urls import blobs_url
 from shardcast.wire.manifest import Manifest
 from tests.helpers import TRAINER, check_committed, make_checkpoint, trust
@@ -64,12 +64,34 @@ class Lane:
         resp = await self.server.handle(req)
         if batch and self.corrupt and resp.status == 200:
             assert isinstance(resp.body, StreamedBody)  # each blob sent once verified here
-            body = dataclasses.replace(resp.body, pieces=_flip_first(resp.body.pieces))
-            return HttpResponse(resp.status, resp.headers, body)
+            return _with_pieces(resp, _flip_first(resp.body.pieces))
         return resp
 
     def count(self, word: str) -> int:
         return sum(1 for p in self.paths if f"/{word}/" in p)
+
+
+def _with_pieces(resp: HttpResponse, pieces: AsyncGenerator[bytes, None]) -> HttpResponse:
+    """``resp`` (a streamed body) with its pieces replaced by ``pieces``."""
+    assert isinstance(resp.body, StreamedBody)
+    return HttpResponse(resp.status, resp.headers, dataclasses.replace(resp.body, pieces=pieces))
+
+
+def _batch(path: str) -> tuple[str, list[int]] | None:
+    """The encoding and shards a batch route names, parsed as the server parses them (None
+    for any other route)."""
+    match = ROUTE.match(path)
+    if match is None or match["benc"] is None:
+        return None
+    return match["benc"], parse_shards(match["shards"])
+
+
+def _first_blob_size(m: Manifest, batch: tuple[str, list[int]]) -> int:
+    """The signed size of the first blob of ``batch`` (:func:`_batch`)."""
+    enc, shards = batch
+    offered = m.shard(shards[0]).offered(enc)
+    assert offered is not None
+    return offered.size
 
 
 async def _flip_first(pieces: AsyncGenerator[bytes, None]) -> AsyncGenerator[bytes, None]:
@@ -270,24 +292,24 @@ class FirstBlobFirst(Lane):
             return await self.server.handle(req)
         self.first = False
         resp = await self.server.handle(req)
+        batch = _batch(req.path)
         assert isinstance(resp.body, StreamedBody)
-        _, enc, listed = req.path.rsplit("/", 2)
-        size = self.m.shard(int(listed.split(",")[0])).offered(enc).size  # type: ignore[union-attr]
-        pieces = _split_then_wait(resp.body.pieces, size, self.gate_set)
-        return HttpResponse(
-            resp.status, resp.headers, dataclasses.replace(resp.body, pieces=pieces)
-        )
+        assert batch is not None
+        size = _first_blob_size(self.m, batch)
+        return _with_pieces(resp, _split(resp.body.pieces, size, self.gate_set))
 
 
-async def _split_then_wait(
-    pieces: AsyncGenerator[bytes, None], size: int, gate: trio.Event
+async def _split(
+    pieces: AsyncGenerator[bytes, None], size: int, gate: trio.Event | None
 ) -> AsyncGenerator[bytes, None]:
-    """``pieces``' bytes: the first ``size``, then the rest once ``gate`` is set."""
+    """``pieces``' bytes: the first ``size``, then the rest once ``gate`` is set; without a
+    ``gate``, only the first ``size`` (the body then ends short of its declared length)."""
     async with aclosing(pieces):
         data = b"".join([p async for p in pieces])
     yield data[:size]
-    await gate.wait()
-    yield data[size:]
+    if gate is not None:
+        await gate.wait()
+        yield data[size:]
 
 
 async def test_a_downloader_checks_each_blob_of_a_batch_as_soon_as_it_is_whole(
@@ -327,26 +349,14 @@ class CutFirstBatch(Lane):
     async def handle(self, req: HttpRequest) -> HttpResponse:
         self.paths.append(req.path)
         resp = await self.server.handle(req)
-        _, enc, listed = req.path.rsplit("/", 2)
-        if not (self.first and "/blobs/" in req.path and "," in listed and resp.status == 200):
+        batch = _batch(req.path)
+        if not (self.first and batch is not None and len(batch[1]) > 1 and resp.status == 200):
             return resp
         self.first = False
         assert isinstance(resp.body, StreamedBody)
-        size = self.m.shard(int(listed.split(",")[0])).offered(enc).size  # type: ignore[union-attr]
+        size = _first_blob_size(self.m, batch)
         keep = size + 7 if self.inside else size
-        pieces = _first_bytes(resp.body.pieces, keep)
-        return HttpResponse(
-            resp.status, resp.headers, dataclasses.replace(resp.body, pieces=pieces)
-        )
-
-
-async def _first_bytes(
-    pieces: AsyncGenerator[bytes, None], count: int
-) -> AsyncGenerator[bytes, None]:
-    """The first ``count`` bytes of ``pieces``, then the end (short of the declared length)."""
-    async with aclosing(pieces):
-        data = b"".join([p async for p in pieces])
-    yield data[:count]
+        return _with_pieces(resp, _split(resp.body.pieces, keep, None))
 
 
 @pytest.mark.parametrize("inside", [False, True])
@@ -368,7 +378,6 @@ async def test_a_batch_cut_right_after_a_blob_is_not_counted_against_its_source(
                 path, stats = await dl.download(m, [Source("relay", http.url)])
     check_committed(path, m1)
     assert not lane.first  # a batch of two or more blobs was asked for, and cut
-    cut = next(p for p in lane.paths if "/blobs/" in p and "," in p.rsplit("/", 1)[1])
-    blobs = len(cut.rsplit("/", 1)[1].split(","))
-    assert stats.failures == (blobs - 1 if inside else 0)
+    cut = next(b for p in lane.paths if (b := _batch(p)) is not None and len(b[1]) > 1)
+    assert stats.failures == (len(cut[1]) - 1 if inside else 0)
     assert stats.corrupt_by_source == {}
