@@ -76,6 +76,7 @@ from shardcast.core.session import (
     Session,
     SessionConfig,
     Verdict,
+    ended_at_hold,
 )
 from shardcast.core.stagecpu import Stage, StageCpu, StageCpuStatistics
 from shardcast.core.tracker import (
@@ -177,6 +178,7 @@ __all__ = [
     "choose_lane",
     "confirmed_elsewhere",
     "cut_between_blobs",
+    "ended_at_hold",
     "first_byte_times",
     "judge",
     "judge_continued",

@@ -848,10 +848,12 @@ class Scheduler:
                 penalized until :func:`blame` names the culprit) or ``"overdue"`` (cancelled
                 after :meth:`overdue` returned it: its throughput so far becomes a sample of
                 the source's rate, which is not blocked, but not asked for this shard for
-                ``overdue_min_s``).
+                ``overdue_min_s``) or ``"hold_ended"`` (the source ended the body at the end
+                of its verified prefix: its late ``503``, taken as ``"unavailable"`` after the
+                bytes received are kept).
             received: bytes of this request received and kept by the driver for resuming
-                (``timeout``/``broken``/``overdue``, and ``corrupt`` with ``kept``); the
-                shard's resume offset advances by it.
+                (``timeout``/``broken``/``overdue``/``hold_ended``, and ``corrupt`` with
+                ``kept``); the shard's resume offset advances by it.
             kept: for ``corrupt``: the driver kept the bytes before the bad chunk (each
                 verified against the signed chunk list), so the shard resumes at
                 ``start + received`` instead of from 0.
@@ -866,7 +868,8 @@ class Scheduler:
             self._tiebreak[failed.shard] += 1.0
         fl, st = self._finish(req_id)
         s = self._shards[fl.req.shard]
-        if not fl.req.duplicate and not s.done and kind in ("timeout", "broken", "overdue"):
+        resumable = ("timeout", "broken", "overdue", "hold_ended")
+        if not fl.req.duplicate and not s.done and kind in resumable:
             self._set_received(fl.req.shard, fl.req.start + received)
         elif kind == "corrupt" and kept and not fl.req.duplicate and not s.done:
             self._set_received(fl.req.shard, fl.req.start + received)  # verified chunks kept
@@ -885,7 +888,7 @@ class Scheduler:
             return []
         if kind == "refused_unreachable":  # it serves us once we name the holder: no wait
             return []
-        if kind == "unavailable":  # this source lacks this shard for now: ask others first
+        if kind in ("unavailable", "hold_ended"):  # it lacks (the rest of) it: others first
             if st.have is not None:
                 if fl.req.shard in st.have or fl.req.shard in st.prefix:
                     st.have.discard(fl.req.shard)

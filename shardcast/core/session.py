@@ -26,6 +26,9 @@ Events (methods) and what they return (lists of actions):
   lists chunk digests is checked chunk by chunk as it streams (:mod:`shardcast.download.receive`): a
   chunk that fails ends the transfer with ``CORRUPT_CHUNK``, its one sender is blamed at once
   and the verified chunks before it are kept (a broken transfer keeps whole chunks only).
+  A body its source closed right after a whole chunk ended at the source's hold
+  (:func:`ended_at_hold`, ``HOLD_ENDED``): the chunks are kept and the source is asked for
+  that shard again later, as after a ``503``, without blame.
 - :meth:`shard_checked` with a :class:`Verdict`: ``VERIFIED`` completes the shard (endgame
   duplicates are cancelled); ``CORRUPT`` bytes from one source ban it; a copy assembled from
   several sources is kept (:class:`KeepSuspect`) until a verified copy exists, then compared
@@ -81,6 +84,31 @@ class Outcome(enum.Enum):
     CORRUPT_CHUNK = "corrupt_chunk"  # a chunk failed its signed digest; the whole verified
     # chunks before it (``received`` bytes of this request) are kept, the sender is blamed
     CANCELLED = "cancelled"  # the driver cancelled it (after a Cancel action, or shutdown)
+    HOLD_ENDED = "hold_ended"  # the source ended the body in order at the end of the prefix
+    # it had verified (its hold ran out, :func:`ended_at_hold`): its late 503; the bytes
+    # received are kept and nobody is blamed
+
+
+def ended_at_hold(received: int, dropped: int, *, chunked: bool) -> bool:
+    """Whether a raw shard's body that its source closed in order before its end was cut at
+    the source's hold (:mod:`shardcast.serve.server`, "Partial shards"): a held range request
+    follows the source's verified prefix and ends there when no new chunk is verified within
+    the hold; the source's head is out, so this is its late ``503``.
+
+    Args:
+        received: bytes of the request kept after the close (whole verified chunks).
+        dropped: bytes past the last whole chunk that the close left, and the sink dropped
+            (:meth:`~shardcast.download.receive.ShardSink.rewind`).
+        chunked: the shard is checked chunk by chunk (its manifest part lists chunks); a
+            source serves a shard it is still receiving only then.
+
+    Returns:
+        True only if the body ended exactly at a chunk boundary after at least one chunk:
+        where a source's verified prefix ends. A close inside a chunk is no hold's end (the
+        request's outcome stays ``BROKEN``). A source gains nothing from cutting a body this
+        way: it could answer ``503`` at once, and every byte it did send is whole chunks, each
+        checked against its signed digest."""
+    return chunked and received > 0 and dropped == 0
 
 
 class Verdict(enum.Enum):
@@ -453,7 +481,7 @@ class Session:
         """What a request to ``source`` (a shard or a part) said about the version."""
         if outcome is Outcome.OK:
             self.watch.on_answer(source, Answer.DELIVERED, now)
-        elif outcome in (Outcome.NOT_AVAILABLE, Outcome.REFUSED):
+        elif outcome in (Outcome.NOT_AVAILABLE, Outcome.REFUSED, Outcome.HOLD_ENDED):
             self.watch.on_answer(source, Answer.PRESENT, now)
         elif outcome is Outcome.WRONG_VERSION:
             self.watch.on_answer(source, Answer.GONE, now)
@@ -707,6 +735,9 @@ class Session:
         if outcome in (Outcome.NOT_AVAILABLE, Outcome.REFUSED, Outcome.GONE, Outcome.WRONG_VERSION):
             again = outcome is Outcome.REFUSED and self._unreachable(f, unreachable)
             return out + self._unavailable(req, r, outcome, now, again=again)
+        if outcome is Outcome.HOLD_ENDED:  # its late 503: ask again after its next /have
+            _bump(self.stats.unavailable_by_source, f.source)
+            return out + self._resume_elsewhere(req, r, "hold_ended", received, now)
         self.stats.failures += 1
         if outcome is Outcome.PROTOCOL_ERROR:
             cancel = self.sched.on_failure(req, now, kind="corrupt")
@@ -780,9 +811,9 @@ class Session:
     def _resume_elsewhere(
         self, req: int, r: _Req, kind: str, received: int, now: float
     ) -> list[Action]:
-        """``req`` broke, timed out, found its source unreachable or was cut as overdue
-        (``kind``, as :meth:`~shardcast.core.select.Scheduler.on_failure` takes it) after
-        ``received`` bytes: keep what arrived (bounded) and resume elsewhere."""
+        """``req`` broke, timed out, found its source unreachable, was cut as overdue or ended
+        at its source's hold (``kind``, as :meth:`~shardcast.core.select.Scheduler.on_failure`
+        takes it) after ``received`` bytes: keep what arrived (bounded) and resume elsewhere."""
         keep = self._keep_prefix(req, r, received)
         self.sched.on_failure(req, now, kind=kind, received=received if keep is not None else 0)
         if keep is None and not r.fetch.duplicate:

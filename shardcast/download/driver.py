@@ -110,6 +110,7 @@ from shardcast.core import (
     Verdict,
     blame,
     cut_between_blobs,
+    ended_at_hold,
     first_byte_times,
 )
 from shardcast.download.parts import PartFetcher
@@ -499,11 +500,17 @@ class DownloadDriver:
         )
 
     async def fetch(self, f: Fetch, sink: ShardSink) -> None:
+        """Receive ``f`` (a range of one shard or blob) from its source into ``sink`` and end
+        it with the session: ``OK`` bytes go to :meth:`check`; a failure keeps whole verified
+        chunks only (:meth:`~shardcast.download.receive.ShardSink.rewind`). A body its source
+        closed in order at the end of a chunk ended at the source's hold
+        (:func:`~shardcast.core.session.ended_at_hold`): ``HOLD_ENDED``, not ``BROKEN``."""
         src, session = self.by_id[f.source], self.session
         self.sinks[f.req] = sink
         begin = sink.pos
         outcome = Outcome.CANCELLED
         unreached: tuple[str, ...] = ()
+        closed: ClosedMidBody | None = None
         t0 = trio.current_time()
 
         def on_piece() -> None:
@@ -539,25 +546,15 @@ class DownloadDriver:
                     outcome = Outcome.CORRUPT_CHUNK
                 except _StoreLost:  # the session fails the download at its next poll
                     outcome = Outcome.CANCELLED
+                except ClosedMidBody as exc:  # decided below, once the sink is rewound
+                    outcome, closed = Outcome.BROKEN, exc
                 except _FETCH_FAILURES as exc:
                     outcome, unreached = self._failure(exc, f, src)
-            if outcome is not Outcome.OK:
-                sink.rewind()  # a chunked sink keeps whole verified chunks only
-            got = sink.pos - begin
-            now = trio.current_time()
-            log.debug(
-                "transfer_ended step=%d shard=%d encoding=%s source=%s start=%d length=%d "
-                "outcome=%s bytes=%d s=%.3f",
-                self.m.step,
-                f.shard,
-                f.encoding,
-                short_id(src.id),
-                f.start,
-                f.length,
-                outcome.name,
-                got,
-                now - t0,
-            )
+            dropped = sink.rewind() if outcome is not Outcome.OK else 0
+            if closed is not None:
+                outcome = self._closed(f, src, closed, sink.pos - begin, dropped, sink.chunked)
+            got, now = sink.pos - begin, trio.current_time()
+            self._log_ended(f, src, outcome, got, now - t0)
             cuts = session.stats.overdue
             actions = session.transfer_ended(f.req, outcome, got, now, unreachable=unreached)
             if self.observer is not None:
@@ -574,6 +571,33 @@ class DownloadDriver:
             if not self._held(sink):
                 sink.release()  # written, failed or dropped: the buffer is reusable
             self.poke()
+
+    def _closed(
+        self, f: Fetch, src: Source, exc: ClosedMidBody, got: int, dropped: int, chunked: bool
+    ) -> Outcome:
+        """The outcome of ``f``, whose body ``src`` closed in order after ``got`` bytes kept
+        (``dropped`` more past the last whole chunk): ``HOLD_ENDED`` if it ended where the
+        source's verified prefix ends (:func:`~shardcast.core.session.ended_at_hold`), else
+        ``BROKEN``; logged either way."""
+        if ended_at_hold(got, dropped, chunked=chunked):
+            self._log_failure("range_cut_at_hold", f, exc)
+            return Outcome.HOLD_ENDED
+        return self._failure(exc, f, src)[0]
+
+    def _log_ended(self, f: Fetch, src: Source, outcome: Outcome, got: int, took_s: float) -> None:
+        log.debug(
+            "transfer_ended step=%d shard=%d encoding=%s source=%s start=%d length=%d "
+            "outcome=%s bytes=%d s=%.3f",
+            self.m.step,
+            f.shard,
+            f.encoding,
+            short_id(src.id),
+            f.start,
+            f.length,
+            outcome.name,
+            got,
+            took_s,
+        )
 
     async def fetch_batch(self, batch: tuple[Fetch, ...]) -> None:
         """Receive the whole blobs of ``batch`` (one source, one encoding) with one request

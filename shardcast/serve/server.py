@@ -42,7 +42,9 @@ prefix
 of every shard (``prefix``). A held file-range request starts as soon as its first byte is
 verified and its body then follows the verified prefix: each run of verified bytes is sent
 as it appears, and the response waits (up to the hold) for the next chunk, or is cut short
-if none comes (the client keeps what arrived and resumes elsewhere). A request that is not
+if none comes: the client keeps what arrived and takes the cut, which ends right after a
+whole chunk, as this node's late ``503`` (``HOLD_ENDED``: no blame, asked again for the
+shard once ``/have`` shows more). A request that is not
 held still waits for whole shards, as before. ``/have?prefix=1`` appends to the bitmap the
 verified prefix of each shard being received (:func:`encode_prefixes`), so downloaders know
 whom to ask. ``/have`` is a long-poll for a held request that names the last answer's token

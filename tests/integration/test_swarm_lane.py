@@ -12,6 +12,7 @@ import pytest
 import trio
 
 from p2p.errors import StreamBroken
+from p2p.http_body import FileSlice
 from p2p.http_client import HttpClient
 from p2p.http_errors import NotAvailable
 from p2p.http_range import ByteRange
@@ -177,4 +178,71 @@ async def test_a_downloader_takes_a_shard_from_a_peer_that_is_still_receiving_it
     assert stats.bytes_by_source == {"a-peer": 2 * SHARD}
     assert stats.asked_by_source == {"a-peer": 2}  # one streamed request per shard
     assert min(asked_at) < SHARD  # asked while the peer was still receiving that shard
+    part.abort()
+
+
+async def test_a_range_cut_at_its_sources_hold_keeps_its_bytes_and_counts_no_failure(
+    tmp_path: Path,
+) -> None:
+    """The only source is a peer whose shard 0 stalls after two verified chunks: the held
+    request is streamed those two chunks and cut when the hold (0.2 s) runs out, right where
+    the peer's verified prefix ends. The downloader keeps the two chunks and takes the cut as
+    the peer's late 503 (``HOLD_ENDED``): no failure, the peer not blocked (a ``BROKEN``
+    would block it for the whole ``penalty_s``). Once the rest of shard 0 verifies there, it
+    is asked again from the kept byte and the version commits."""
+    version = _version(tmp_path)
+    m = version.signed
+    data = version.files[FILE]
+    filling = VersionStore(tmp_path / "filling", RUN, keep_last=2)
+    part = filling.begin(m)
+    server = VersionServer(filling, trust(), wait_s=0.2)
+    server.add_live(part)
+    for start in range(0, SHARD, CHUNK):  # shard 1 whole, shard 0 two chunks
+        part.write_prefix(1, start, data[SHARD + start : SHARD + start + CHUNK])
+    part.write_prefix(0, 0, data[:CHUNK])
+    part.write_prefix(0, CHUNK, data[CHUNK : 2 * CHUNK])
+    store = VersionStore(tmp_path / "downloader", RUN, keep_last=2)
+    cfg = dataclasses.replace(config(penalty_s=60.0), have_poll_s=0.05)
+    asks: list[int] = []
+    sent: list[int] = []
+    cut = trio.Event()
+
+    async def handler(req: HttpRequest) -> HttpResponse:
+        response = await server.handle(req)
+        body = response.body
+        if isinstance(req.range, ByteRange) and req.range.first < SHARD:
+            asks.append(req.range.first)
+            if len(asks) == 1 and isinstance(body, FileSlice) and body.on_sent is not None:
+                served = body.on_sent  # the server's own count, still called
+
+                def first_sent(n: int) -> None:
+                    served(n)
+                    sent.append(n)
+                    cut.set()
+
+                response = dataclasses.replace(
+                    response, body=dataclasses.replace(body, on_sent=first_sent)
+                )
+        return response
+
+    async def fill() -> None:  # the rest of shard 0 verifies there once the hold cut it
+        await cut.wait()
+        for start in range(2 * CHUNK, SHARD, CHUNK):
+            part.write_prefix(0, start, data[start : start + CHUNK])
+        server.progress(m.step)
+
+    async with (
+        open_http_server(handler) as http,
+        HttpClient(headers={HOLD_HEADER: "5"}) as client,
+        trio.open_nursery() as nursery,
+    ):
+        nursery.start_soon(fill)
+        dl = Downloader(client, store, cfg, random.Random(1), trust())
+        with trio.fail_after(8):  # a BROKEN cut would wait out penalty_s = 60 s here
+            path, stats = await dl.download(m, [Source("a-peer", http.url, complete=False)])
+    assert_committed(store, version, path)
+    assert sent == [2 * CHUNK]  # the cut: where the peer's verified prefix ended
+    assert asks == [0, 2 * CHUNK]  # resumed at the kept byte, from the same peer
+    assert stats.failures == 0
+    assert stats.unavailable_by_source == {"a-peer": 1}
     part.abort()

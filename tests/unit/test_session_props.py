@@ -17,6 +17,7 @@ session must end. Properties, checked at every action:
 
 from __future__ import annotations
 
+import dataclasses
 import random
 import sys
 from dataclasses import dataclass
@@ -64,6 +65,7 @@ SCHED = SchedulerConfig(
 )
 FAILURES = [
     Outcome.BROKEN,
+    Outcome.HOLD_ENDED,
     Outcome.TIMEOUT,
     Outcome.UNREACHABLE,
     Outcome.NOT_AVAILABLE,
@@ -75,6 +77,7 @@ FAILURES = [
 _AFTER_BYTES = {  # how a transfer can end once bytes of it arrived
     Outcome.OK,
     Outcome.BROKEN,
+    Outcome.HOLD_ENDED,
     Outcome.TIMEOUT,
     Outcome.PROTOCOL_ERROR,
     Outcome.CORRUPT_CHUNK,
@@ -230,7 +233,7 @@ class World:
         begin = f.start  # bytes may have arrived before (progress)
         if outcome is Outcome.OK:
             self.send(r, f.size, lie)
-        elif outcome in (Outcome.BROKEN, Outcome.TIMEOUT, Outcome.UNREACHABLE):
+        elif outcome in (Outcome.BROKEN, Outcome.TIMEOUT, Outcome.UNREACHABLE, Outcome.HOLD_ENDED):
             self.send(r, f.start + int(frac * f.length), lie)
         elif outcome is Outcome.PROTOCOL_ERROR:
             self.sent_wrong.add(f.source)
@@ -443,6 +446,36 @@ def test_a_broken_transfer_resumes_at_the_kept_prefix_from_another_source() -> N
     assert s.shard_checked(resume.req, Verdict.VERIFIED, 0.2) == []
     assert s.poll(0.2) == [Commit()]
     assert s.stats.resumed == 1
+
+
+def test_a_body_ended_at_its_sources_hold_keeps_its_bytes_and_blocks_only_that_shard() -> None:
+    """``HOLD_ENDED`` (a held range cut where the source's verified prefix ends) is the
+    source's late 503: the bytes stay, nothing counts as a failure, the source is asked at
+    once for another shard, and for this one again after ``penalty_s / 10``, resuming at the
+    kept byte. ``BROKEN`` after the same bytes blocks the whole source for ``penalty_s``."""
+    cfg = SessionConfig(dataclasses.replace(SCHED, per_source_inflight=1))
+
+    def cut(outcome: Outcome) -> tuple[Session, Fetch]:
+        s = Session(3, [10, 10], 1, [0], [Offer(0, 10), Offer(1, 10)], [], random.Random(1), cfg, 0)
+        s.add_source("a", True, 0.0)
+        (first,) = [a for a in s.poll(0.0) if isinstance(a, Fetch)]
+        assert s.transfer_ended(first.req, outcome, 4, 0.0) == [Keep(first.req, first.shard)]
+        return s, first
+
+    s, first = cut(Outcome.HOLD_ENDED)
+    assert (s.stats.failures, s.stats.unavailable_by_source) == (0, {"a": 1})
+    (other,) = [a for a in s.poll(0.0) if isinstance(a, Fetch)]  # the source is not blocked
+    assert (other.source, other.shard) == ("a", 1 - first.shard)
+    s.transfer_ended(other.req, Outcome.OK, 10, 0.05)
+    s.shard_checked(other.req, Verdict.VERIFIED, 0.05)
+    assert not [a for a in s.poll(0.05) if isinstance(a, Fetch)]  # this shard: not yet
+    (resume,) = [a for a in s.poll(0.11) if isinstance(a, Fetch)]
+    assert (resume.source, resume.shard, resume.start) == ("a", first.shard, 4)
+
+    s, first = cut(Outcome.BROKEN)
+    assert s.stats.failures == 1
+    assert not [a for a in s.poll(0.5) if isinstance(a, Fetch)]  # the whole source waits
+    assert [a.start for a in s.poll(1.01) if isinstance(a, Fetch) and a.shard == first.shard] == [4]
 
 
 def test_a_refusal_naming_an_unreachable_holder_is_asked_again_at_once_naming_it() -> None:

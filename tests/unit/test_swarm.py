@@ -12,6 +12,7 @@ import blake3
 import pytest
 
 from shardcast.core.select import Scheduler, SchedulerConfig
+from shardcast.core.session import ended_at_hold
 from shardcast.download.receive import ChunkCorrupt, ShardSink, verify_and_write
 from shardcast.publish.plan import build_manifest
 from shardcast.store.store import VersionStore
@@ -226,3 +227,19 @@ def test_shards_peers_are_receiving_count_as_held_so_relays_serve_the_rare_ones(
     req = sched.next_request(0.0)
     assert req is not None
     assert (req.source, req.shard) == ("relay", 3)
+
+
+@pytest.mark.parametrize(
+    ("received", "dropped", "chunked", "hold"),
+    [
+        (2 * 4096, 0, True, True),  # two whole chunks, the close right after: the hold
+        (2 * 4096, 100, True, False),  # a close inside the third chunk: broken
+        (0, 0, True, False),  # nothing arrived: broken
+        (0, 100, True, False),
+        (2 * 4096, 0, False, False),  # no chunk list: a source serves only whole shards
+    ],
+)
+def test_a_close_is_the_sources_hold_only_right_after_a_whole_chunk(
+    received: int, dropped: int, chunked: bool, hold: bool
+) -> None:
+    assert ended_at_hold(received, dropped, chunked=chunked) is hold
