@@ -17,6 +17,8 @@ import dataclasses
 import sys
 from urllib.parse import urlsplit
 
+import pytest
+
 from simulations import netns
 from tests.deploy.hosts import Host, Hosts, Node
 from tests.deploy.test_operator_path import (
@@ -59,6 +61,7 @@ def start(dep: Deployment, role: str, host: Host, name: str) -> Node:
     return node
 
 
+@pytest.mark.slow  # 0.4-2 min of node processes: outside the 15-minute default run
 def test_readme_commands_on_ipv6_only_hosts(hosts: Hosts) -> None:
     bridge = hosts.lab.bridge
     netns._run(["ip", "-n", bridge, "link", "set", "br0", "type", "bridge", "mcast_snooping", "0"])

@@ -245,6 +245,7 @@ def committed(report: dict[str, Any]) -> dict[int, str]:
     return {int(v["step"]): v["manifest_digest"] for v in report["versions"]}
 
 
+@pytest.mark.slow  # 0.4-2 min of node processes: outside the 15-minute default run
 def test_operator_path_on_four_hosts(hosts: Hosts) -> None:
     checks = Checks()
     dep = Deployment(hosts)

@@ -35,6 +35,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 from p2p.identity import Identity
 from rollout.model_dir import load_tokenizer
 from rollout.parquet_out import read_rollouts
@@ -43,7 +45,7 @@ from tests.integration.procs import LOOPBACK_ANY, NEEDS_NGINX, Node, free_port, 
 
 __all__ = ["nodes"]  # the fixture
 
-pytestmark = NEEDS_NGINX  # ~40 s on 2 cores: not marked slow
+pytestmark = NEEDS_NGINX
 
 RUN = "byo"
 STEPS = 8
@@ -78,6 +80,7 @@ def _mirror_bytes(peer: Node, url: str) -> dict[int, int]:
     return out
 
 
+@pytest.mark.slow  # 0.4-2 min of node processes: outside the 15-minute default run
 def test_byo_model_task_trainer_and_mirror(tmp_path: Path, nodes: list[Node]) -> None:
     logs, watch, out = tmp_path / "logs", tmp_path / "watch", tmp_path / "rollouts"
     model = write_model_dir(tmp_path / "qwen2", "qwen2", seed=0)

@@ -7,7 +7,10 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
 
+
+@pytest.mark.slow  # 0.4-2 min of node processes: outside the 15-minute default run
 def test_demo_two_steps_end_to_end(tmp_path: Path) -> None:
     report = tmp_path / "r.json"
     proc = subprocess.run(

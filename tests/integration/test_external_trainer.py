@@ -18,6 +18,7 @@ import sys
 import urllib.request
 from pathlib import Path
 
+import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from p2p.identity import Identity
@@ -32,6 +33,7 @@ STEPS = 5
 ROOT = Path(__file__).resolve().parents[2]
 
 
+@pytest.mark.slow  # 0.4-2 min of node processes: outside the 15-minute default run
 def test_external_trainer_loop(tmp_path: Path, nodes: list[Node]) -> None:
     logs, watch, out = tmp_path / "logs", tmp_path / "watch", tmp_path / "rollouts"
     odir = tmp_path / "origin"

@@ -81,6 +81,7 @@ async def _cli(*args: str) -> tuple[int, str, str]:
     return proc.returncode, proc.stdout.decode(), proc.stderr.decode()
 
 
+@pytest.mark.slow  # 0.4-2 min of node processes: outside the 15-minute default run
 async def test_status_and_metrics_of_every_role(tmp_path: Path) -> None:
     trainer_id = Identity.from_seed("obs-trainer")
     peer_ids = [Identity.from_seed(f"obs-{n}") for n in ("p1", "p2")]

@@ -22,6 +22,8 @@ import sys
 from pathlib import Path
 from typing import NamedTuple
 
+import pytest
+
 from p2p.identity import Identity
 from p2p.trust import TrustList
 from shardcast.wire.manifest import MANIFEST_FILE, Manifest
@@ -63,6 +65,7 @@ def digest_of(data_dir: Path, step: int, trainer: str) -> str:
     return Manifest.decode(raw, trust=TrustList(trainer=trainer)).digest
 
 
+@pytest.mark.slow  # 0.4-2 min of node processes: outside the 15-minute default run
 def test_trainer_sigkill_resumes_at_next_step_and_peer_follows(
     tmp_path: Path, nodes: list[Node]
 ) -> None:
@@ -285,6 +288,7 @@ def test_relay_replaces_a_step_held_with_another_digest(tmp_path: Path, nodes: l
     assert o2.stop(signal.SIGTERM) == 0
 
 
+@pytest.mark.slow  # 0.4-2 min of node processes: outside the 15-minute default run
 def test_trainer_restarted_after_its_last_step_finishes_at_once(
     tmp_path: Path, nodes: list[Node]
 ) -> None:
@@ -317,6 +321,7 @@ def test_trainer_restarted_after_its_last_step_finishes_at_once(
     assert t2.count(r"waiting_for_peers") == 0
 
 
+@pytest.mark.slow  # 0.4-2 min of node processes: outside the 15-minute default run
 def test_a_finished_run_continues_when_the_trainer_is_restarted_with_more_steps(
     tmp_path: Path, nodes: list[Node]
 ) -> None:

@@ -138,7 +138,14 @@ def test_bound_topology_within_design_bound() -> None:
     assert s["checkpoint"]["size_bytes"] / (100e6 / 8) <= last <= 1.3 * bound
 
 
-@pytest.mark.parametrize("name", ["calibration", "slow_relay", "home"])
+@pytest.mark.parametrize(
+    "name",
+    [
+        "calibration",
+        "slow_relay",
+        pytest.param("home", marks=pytest.mark.slow),  # ~50 s of simulation: -m slow
+    ],
+)
 def test_sample_topologies_complete(name: str) -> None:
     topo = load(TOPOS / f"{name}.toml")
     s = Model(topo).run()
