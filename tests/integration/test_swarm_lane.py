@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import dataclasses
 import random
+from collections.abc import Awaitable, Callable
 from pathlib import Path
 
 import pytest
@@ -16,11 +17,14 @@ from p2p.http_body import FileSlice
 from p2p.http_client import HttpClient
 from p2p.http_errors import NotAvailable
 from p2p.http_range import ByteRange
-from p2p.http_server import HttpRequest, HttpResponse, open_http_server
+from p2p.http_server import Handler, HttpRequest, HttpResponse, open_http_server
+from shardcast.core import DownloadStats
 from shardcast.download.downloader import Downloader
-from shardcast.download.types import Source
+from shardcast.download.types import DownloadConfig, Source
 from shardcast.serve.server import VersionServer
+from shardcast.store.partial import PartialVersion
 from shardcast.store.store import VersionStore
+from shardcast.wire import Manifest
 from shardcast.wire.have import HOLD_HEADER, decode_have
 from shardcast.wire.lane_urls import file_url, have_url
 from tests.faults import RUN, Fault, Version, fault_source, honest_source, make_version
@@ -36,14 +40,41 @@ def _version(tmp_path: Path) -> Version:
     return make_version(tmp_path, {FILE: 2 * SHARD}, SHARD, chunk_bytes=CHUNK)
 
 
-async def test_a_shard_still_arriving_is_served_chunk_by_chunk(tmp_path: Path) -> None:
+def _filling(tmp_path: Path, wait_s: float) -> tuple[Version, PartialVersion, VersionServer]:
+    """:func:`_version`, being received by a node that serves it live (``part``, empty) with
+    a hold of ``wait_s`` seconds."""
     version = _version(tmp_path)
+    store = VersionStore(tmp_path / "filling", RUN, keep_last=2)
+    part = store.begin(version.signed)
+    server = VersionServer(store, trust(), wait_s=wait_s)
+    server.add_live(part)
+    return version, part, server
+
+
+async def _download_beside(
+    handler: Handler,
+    fill: Callable[[], Awaitable[None]],
+    store: VersionStore,
+    cfg: DownloadConfig,
+    m: Manifest,
+) -> tuple[Path, DownloadStats]:
+    """Download ``m`` into ``store`` from one peer (``handler``, asked with held requests)
+    while ``fill`` runs beside it (the peer's own download); fails after 8 s."""
+    async with (
+        open_http_server(handler) as http,
+        HttpClient(headers={HOLD_HEADER: "5"}) as client,
+        trio.open_nursery() as nursery,
+    ):
+        nursery.start_soon(fill)
+        dl = Downloader(client, store, cfg, random.Random(1), trust())
+        with trio.fail_after(8):
+            return await dl.download(m, [Source("a-peer", http.url, complete=False)])
+
+
+async def test_a_shard_still_arriving_is_served_chunk_by_chunk(tmp_path: Path) -> None:
+    version, part, server = _filling(tmp_path, 5.0)  # a node still receiving the version
     m = version.signed
     data = version.files[FILE]
-    store = VersionStore(tmp_path / "filling", RUN, keep_last=2)
-    part = store.begin(m)  # a node still receiving the version
-    server = VersionServer(store, trust(), wait_s=5.0)
-    server.add_live(part)
     got = bytearray()
     async with (
         open_http_server(server.handle) as http,
@@ -81,13 +112,9 @@ async def test_a_shard_still_arriving_is_served_chunk_by_chunk(tmp_path: Path) -
 
 
 async def test_a_stalled_prefix_cuts_the_response_short(tmp_path: Path) -> None:
-    version = _version(tmp_path)
+    version, part, server = _filling(tmp_path, 0.2)
     m = version.signed
     data = version.files[FILE]
-    store = VersionStore(tmp_path / "filling", RUN, keep_last=2)
-    part = store.begin(m)
-    server = VersionServer(store, trust(), wait_s=0.2)
-    server.add_live(part)
     part.write_prefix(0, 0, data[: 2 * CHUNK])
     got = bytearray()
     async with (
@@ -141,13 +168,9 @@ async def test_a_downloader_takes_a_shard_from_a_peer_that_is_still_receiving_it
     """The only source is a peer whose shards are still arriving chunk by chunk: the
     downloader learns its verified prefixes from ``/have?prefix=1``, asks it for the shards,
     is streamed each chunk as it verifies there, and commits."""
-    version = _version(tmp_path)
+    version, part, server = _filling(tmp_path, 5.0)
     m = version.signed
     data = version.files[FILE]
-    filling = VersionStore(tmp_path / "filling", RUN, keep_last=2)
-    part = filling.begin(m)
-    server = VersionServer(filling, trust(), wait_s=5.0)
-    server.add_live(part)
     store = VersionStore(tmp_path / "downloader", RUN, keep_last=2)
     cfg = dataclasses.replace(config(), have_poll_s=0.05)
 
@@ -166,14 +189,7 @@ async def test_a_downloader_takes_a_shard_from_a_peer_that_is_still_receiving_it
             asked_at.append(part.prefix(req.range.first // SHARD))
         return await server.handle(req)
 
-    async with (
-        open_http_server(handler) as http,
-        HttpClient(headers={HOLD_HEADER: "5"}) as client,
-        trio.open_nursery() as nursery,
-    ):
-        nursery.start_soon(fill)
-        dl = Downloader(client, store, cfg, random.Random(1), trust())
-        path, stats = await dl.download(m, [Source("a-peer", http.url, complete=False)])
+    path, stats = await _download_beside(handler, fill, store, cfg, m)
     assert_committed(store, version, path)
     assert stats.bytes_by_source == {"a-peer": 2 * SHARD}
     assert stats.asked_by_source == {"a-peer": 2}  # one streamed request per shard
@@ -190,13 +206,9 @@ async def test_a_range_cut_at_its_sources_hold_keeps_its_bytes_and_counts_no_fai
     the peer's late 503 (``HOLD_ENDED``): no failure, the peer not blocked (a ``BROKEN``
     would block it for the whole ``penalty_s``). Once the rest of shard 0 verifies there, it
     is asked again from the kept byte and the version commits."""
-    version = _version(tmp_path)
+    version, part, server = _filling(tmp_path, 0.2)
     m = version.signed
     data = version.files[FILE]
-    filling = VersionStore(tmp_path / "filling", RUN, keep_last=2)
-    part = filling.begin(m)
-    server = VersionServer(filling, trust(), wait_s=0.2)
-    server.add_live(part)
     for start in range(0, SHARD, CHUNK):  # shard 1 whole, shard 0 two chunks
         part.write_prefix(1, start, data[SHARD + start : SHARD + start + CHUNK])
     part.write_prefix(0, 0, data[:CHUNK])
@@ -231,15 +243,8 @@ async def test_a_range_cut_at_its_sources_hold_keeps_its_bytes_and_counts_no_fai
             part.write_prefix(0, start, data[start : start + CHUNK])
         server.progress(m.step)
 
-    async with (
-        open_http_server(handler) as http,
-        HttpClient(headers={HOLD_HEADER: "5"}) as client,
-        trio.open_nursery() as nursery,
-    ):
-        nursery.start_soon(fill)
-        dl = Downloader(client, store, cfg, random.Random(1), trust())
-        with trio.fail_after(8):  # a BROKEN cut would wait out penalty_s = 60 s here
-            path, stats = await dl.download(m, [Source("a-peer", http.url, complete=False)])
+    # within _download_beside's 8 s: a BROKEN cut would wait out penalty_s = 60 s here
+    path, stats = await _download_beside(handler, fill, store, cfg, m)
     assert_committed(store, version, path)
     assert sent == [2 * CHUNK]  # the cut: where the peer's verified prefix ended
     assert asks == [0, 2 * CHUNK]  # resumed at the kept byte, from the same peer
