@@ -38,9 +38,10 @@ its first blob is verified there, and sends each later one as it verifies it; if
 verified within the request's hold, the source closes the connection right after the last
 blob it sent (its head is out: it can no longer answer ``503``). :func:`cut_between_blobs`
 tells that cut from a broken stream: the body ended in order (no reset, no timeout), exactly
-at a blob's end, after at least one whole blob. The blobs it did not bring then end as that
-``503`` would have ended them (``NOT_AVAILABLE``: asked again, elsewhere or later, and no
-failure counted against the source), not as a broken stream. A source gains nothing by
+at a blob's end, after at least one whole blob. The blobs it did not bring then end as a
+range cut at the hold ends (``HOLD_ENDED``, :func:`~shardcast.core.session.ended_at_hold`):
+as that ``503`` would have ended them (asked again, elsewhere or later, and no failure
+counted against the source), not as a broken stream. A source gains nothing by
 cutting a batch this way that it could not get by answering ``503`` to every request; and
 the bytes of a cut batch it sent are whole blobs, each checked against its signed digest.
 """

@@ -88,6 +88,8 @@ from dataclasses import dataclass, field
 from p2p.errors import LocalProtocolError, short_id
 
 _SCAN_LIMIT = 64  # idle shards looked at in heap order before a full scan
+#: failure kinds after which the bytes the request received are kept (the shard resumes there)
+_RESUMABLE = ("timeout", "broken", "overdue", "hold_ended")
 
 
 @dataclass(frozen=True)
@@ -868,8 +870,7 @@ class Scheduler:
             self._tiebreak[failed.shard] += 1.0
         fl, st = self._finish(req_id)
         s = self._shards[fl.req.shard]
-        resumable = ("timeout", "broken", "overdue", "hold_ended")
-        if not fl.req.duplicate and not s.done and kind in resumable:
+        if not fl.req.duplicate and not s.done and kind in _RESUMABLE:
             self._set_received(fl.req.shard, fl.req.start + received)
         elif kind == "corrupt" and kept and not fl.req.duplicate and not s.done:
             self._set_received(fl.req.shard, fl.req.start + received)  # verified chunks kept

@@ -84,9 +84,10 @@ class Outcome(enum.Enum):
     CORRUPT_CHUNK = "corrupt_chunk"  # a chunk failed its signed digest; the whole verified
     # chunks before it (``received`` bytes of this request) are kept, the sender is blamed
     CANCELLED = "cancelled"  # the driver cancelled it (after a Cancel action, or shutdown)
-    HOLD_ENDED = "hold_ended"  # the source ended the body in order at the end of the prefix
-    # it had verified (its hold ran out, :func:`ended_at_hold`): its late 503; the bytes
-    # received are kept and nobody is blamed
+    HOLD_ENDED = "hold_ended"  # the source ended the body in order at the end of what it
+    # had verified (its hold ran out): a range at a chunk's end (:func:`ended_at_hold`), a
+    # batch at a blob's end (:func:`~shardcast.core.batch.cut_between_blobs`); its late 503:
+    # the bytes received are kept and nobody is blamed
 
 
 def ended_at_hold(received: int, dropped: int, *, chunked: bool) -> bool:

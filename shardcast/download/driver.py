@@ -679,8 +679,9 @@ class DownloadDriver:
         scheduler without a penalty) and the :class:`BlobBatcher` asks it one blob at a
         time from then on. A body of the wrong length is the source's protocol error. A body
         its source ended in order right after a whole blob ends the blobs it did not bring as
-        ``NOT_AVAILABLE`` (:func:`~shardcast.core.batch.cut_between_blobs`); any other
-        failure ends every blob not yet whole the same way."""
+        ``HOLD_ENDED`` (:func:`~shardcast.core.batch.cut_between_blobs`), as a range cut at
+        the hold ends (:meth:`_closed`); any other failure ends every blob not yet whole the
+        same way."""
         url = blobs_url(
             src.base_url,
             self.m.run_id,
@@ -714,7 +715,7 @@ class DownloadDriver:
                 received, (f.size for f in batch)
             ):  # the source's hold ran out before it had the next blob: its late 503
                 self._log_failure("batch_cut_between_blobs", batch[0], exc)
-                return Outcome.NOT_AVAILABLE, ()
+                return Outcome.HOLD_ENDED, ()
             return self._failure(exc, batch[0], src)
 
     def _hand_out(
