@@ -2,12 +2,13 @@
 ``random.Random`` come in as arguments).
 
 One download's decisions (:mod:`.session`, events in, actions out), source selection
-(:mod:`.select`), which delta blobs share a request (:mod:`.batch`), when to abandon a
-download (:mod:`.liveness`), which versions to fetch to catch up (:mod:`.catchup`), retention
-(:mod:`.retention`), upstream poll pacing (:mod:`.pollpolicy`), what a mirror listed
-(:mod:`.mirrorpoll`), and a node's CPU-seconds by stage of its data path (:mod:`.stagecpu`,
-an account with an injected clock). The trio drivers (:mod:`shardcast.download`) and the
-simulator (``simulations/``) run the same objects.
+(:mod:`.select`), what a failed request costs its source (:mod:`.failure`), which delta blobs
+share a request (:mod:`.batch`), when to abandon a download (:mod:`.liveness`), which
+versions to fetch to catch up (:mod:`.catchup`), retention (:mod:`.retention`), upstream
+poll pacing (:mod:`.pollpolicy`), what a mirror listed (:mod:`.mirrorpoll`), and a node's
+CPU-seconds by stage of its data path (:mod:`.stagecpu`, an account with an injected clock).
+The trio drivers (:mod:`shardcast.download`) and the simulator (``simulations/``) run the
+same objects.
 Imports only :mod:`shardcast.wire` (and ``p2p.errors``).
 """
 
@@ -23,6 +24,7 @@ from shardcast.core.batch import (
 )
 from shardcast.core.blame import SourceBans, blame
 from shardcast.core.catchup import plan
+from shardcast.core.failure import FailureKind
 from shardcast.core.liveness import Abandon, Answer
 from shardcast.core.mirrorpoll import MirrorPoll
 from shardcast.core.pollpolicy import PollPolicy, VersionWatch, WatchStep, poll_delay
@@ -129,6 +131,7 @@ __all__ = [
     "Drop",
     "End",
     "Fail",
+    "FailureKind",
     "Fetch",
     "FinishedTake",
     "Held",

@@ -86,10 +86,9 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 
 from p2p.errors import LocalProtocolError, short_id
+from shardcast.core.failure import FailureKind
 
 _SCAN_LIMIT = 64  # idle shards looked at in heap order before a full scan
-#: failure kinds after which the bytes the request received are kept (the shard resumes there)
-_RESUMABLE = ("timeout", "broken", "overdue", "hold_ended")
 
 
 @dataclass(frozen=True)
@@ -754,7 +753,7 @@ class Scheduler:
             fl.received = received
 
     def overdue(self, now: float) -> list[int]:
-        """Requests the driver should cancel (then report with ``on_failure(kind="overdue",
+        """Requests the driver should cancel (then report with ``on_failure(kind=OVERDUE,
         received=...)``) because another source is expected to deliver the rest of their
         shard much sooner (module docstring, ``overdue_factor``, ``overdue_min_s``).
 
@@ -833,30 +832,25 @@ class Scheduler:
             self._finish(req_id)
 
     def on_failure(
-        self, req_id: int, now: float, *, kind: str, received: int = 0, kept: bool = False
+        self,
+        req_id: int,
+        now: float,
+        *,
+        kind: FailureKind,
+        received: int = 0,
+        kept: bool = False,
     ) -> list[int]:
         """A request failed.
 
         Args:
             req_id: the request.
             now: current time, seconds.
-            kind: ``"timeout"``, ``"broken"``, ``"unavailable"`` (source does not have it
-                yet), ``"refused"`` (source holds it but serves it to others first:
-                super-seeding), ``"refused_unreachable"`` (a refusal that named a holder this
-                node cannot reach: the source may be asked again at once, naming it),
-                ``"corrupt"`` (this source alone sent bytes that failed the
-                digest),
-                ``"suspect"`` (a copy assembled from several sources failed: nobody is
-                penalized until :func:`blame` names the culprit) or ``"overdue"`` (cancelled
-                after :meth:`overdue` returned it: its throughput so far becomes a sample of
-                the source's rate, which is not blocked, but not asked for this shard for
-                ``overdue_min_s``) or ``"hold_ended"`` (the source ended the body at the end
-                of its verified prefix: its late ``503``, taken as ``"unavailable"`` after the
-                bytes received are kept).
+            kind: how it failed; each :class:`~shardcast.core.failure.FailureKind` says
+                what the source and the shard pay.
             received: bytes of this request received and kept by the driver for resuming
-                (``timeout``/``broken``/``overdue``/``hold_ended``, and ``corrupt`` with
+                (the kinds that are :attr:`~FailureKind.resumable`, and ``CORRUPT`` with
                 ``kept``); the shard's resume offset advances by it.
-            kept: for ``corrupt``: the driver kept the bytes before the bad chunk (each
+            kept: for ``CORRUPT``: the driver kept the bytes before the bad chunk (each
                 verified against the signed chunk list), so the shard resumes at
                 ``start + received`` instead of from 0.
 
@@ -864,32 +858,32 @@ class Scheduler:
             requests to cancel: those still in flight to a source this failure just banned.
         """
         failed = self._flights[req_id].req
-        if kind in ("timeout", "broken") and not failed.duplicate:
+        if kind.stalls and not failed.duplicate:
             # behind the shards nobody tried yet (same rarity): a source that stalls on some
             # shards must not get the same ones first again and hold every request slot
             self._tiebreak[failed.shard] += 1.0
         fl, st = self._finish(req_id)
         s = self._shards[fl.req.shard]
-        if not fl.req.duplicate and not s.done and kind in _RESUMABLE:
+        if not fl.req.duplicate and not s.done and kind.resumable:
             self._set_received(fl.req.shard, fl.req.start + received)
-        elif kind == "corrupt" and kept and not fl.req.duplicate and not s.done:
+        elif kind is FailureKind.CORRUPT and kept and not fl.req.duplicate and not s.done:
             self._set_received(fl.req.shard, fl.req.start + received)  # verified chunks kept
-        elif kind in ("corrupt", "suspect"):
+        elif kind in (FailureKind.CORRUPT, FailureKind.SUSPECT):
             self._set_received(fl.req.shard, 0)
         if st is None:
             return []
-        if kind == "overdue":
+        if kind is FailureKind.OVERDUE:
             self._cut(fl, st, now)
             return []
         self._failures += 1
-        if kind == "suspect":
+        if kind is FailureKind.SUSPECT:
             return []
-        if kind == "refused":  # it holds the shard but serves others first: ask elsewhere
+        if kind is FailureKind.REFUSED:  # it serves others first: ask elsewhere
             st.not_before[fl.req.shard] = now + self.config.refused_s
             return []
-        if kind == "refused_unreachable":  # it serves us once we name the holder: no wait
+        if kind is FailureKind.REFUSED_UNREACHABLE:  # asked again naming the holder: no wait
             return []
-        if kind in ("unavailable", "hold_ended"):  # it lacks (the rest of) it: others first
+        if kind in (FailureKind.UNAVAILABLE, FailureKind.HOLD_ENDED):  # others first
             if st.have is not None:
                 if fl.req.shard in st.have or fl.req.shard in st.prefix:
                     st.have.discard(fl.req.shard)
@@ -898,7 +892,7 @@ class Scheduler:
                         self._held[fl.req.shard] -= 1
             st.not_before[fl.req.shard] = now + self.config.penalty_s / 10
             return []
-        if kind == "corrupt":
+        if kind is FailureKind.CORRUPT:
             return self.penalize_corrupt(st.source, now)
         st.failures += 1
         if fl.outage < st.outages:

@@ -62,6 +62,7 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 
 from p2p.errors import short_id
+from shardcast.core.failure import FailureKind
 from shardcast.core.liveness import Abandon, Answer, DownloadWatch
 from shardcast.core.select import Request, Scheduler, SchedulerConfig
 from shardcast.wire import MAX_HOLDERS, codecs, shard_bits
@@ -738,14 +739,14 @@ class Session:
             return out + self._unavailable(req, r, outcome, now, again=again)
         if outcome is Outcome.HOLD_ENDED:  # its late 503: ask again after its next /have
             _bump(self.stats.unavailable_by_source, f.source)
-            return out + self._resume_elsewhere(req, r, "hold_ended", received, now)
+            return out + self._resume_elsewhere(req, r, FailureKind.HOLD_ENDED, received, now)
         self.stats.failures += 1
         if outcome is Outcome.PROTOCOL_ERROR:
-            cancel = self.sched.on_failure(req, now, kind="corrupt")
+            cancel = self.sched.on_failure(req, now, kind=FailureKind.CORRUPT)
             return out + self._corrupt(f.source, f.shard, cancel)
         if outcome is Outcome.CORRUPT_CHUNK:
             return out + self._corrupt_chunk(req, r, received, now)
-        kind = "timeout" if outcome is Outcome.TIMEOUT else "broken"
+        kind = FailureKind.TIMEOUT if outcome is Outcome.TIMEOUT else FailureKind.BROKEN
         return out + self._resume_elsewhere(req, r, kind, received, now)
 
     def _unreachable(self, f: Fetch, holders: Iterable[str]) -> bool:
@@ -780,9 +781,9 @@ class Session:
             out.append(Keep(req, f.shard))
         elif not f.duplicate:
             self.sched.discard_partial(f.shard)
-        kind = "unavailable"
+        kind = FailureKind.UNAVAILABLE
         if outcome is Outcome.REFUSED:
-            kind = "refused_unreachable" if again else "refused"
+            kind = FailureKind.REFUSED_UNREACHABLE if again else FailureKind.REFUSED
             self.stats.refused_unreachable += again
         self.sched.on_failure(req, now, kind=kind)
         return out
@@ -805,12 +806,12 @@ class Session:
             short_id(f.source),
         )
         cancel = self.sched.on_failure(
-            req, now, kind="corrupt", received=received, kept=keep is not None
+            req, now, kind=FailureKind.CORRUPT, received=received, kept=keep is not None
         )
         return out + self._corrupt(f.source, f.shard, cancel)
 
     def _resume_elsewhere(
-        self, req: int, r: _Req, kind: str, received: int, now: float
+        self, req: int, r: _Req, kind: FailureKind, received: int, now: float
     ) -> list[Action]:
         """``req`` broke, timed out, found its source unreachable, was cut as overdue or ended
         at its source's hold (``kind``, as :meth:`~shardcast.core.select.Scheduler.on_failure`
@@ -832,7 +833,7 @@ class Session:
             short_id(r.fetch.source),
             received,
         )
-        return self._resume_elsewhere(req, r, "overdue", received, now)
+        return self._resume_elsewhere(req, r, FailureKind.OVERDUE, received, now)
 
     def _keep_prefix(self, req: int, r: _Req, received: int) -> Keep | None:
         """Keep the prefix of ``r``'s shard that arrived (its first ``f.start + received``
@@ -857,7 +858,7 @@ class Session:
         if verdict in (Verdict.BASE_MISMATCH, Verdict.UNDECODABLE):
             self._no_delta.add(f.shard)
             self.stats.delta_fallbacks += 1
-            self.sched.on_failure(req, now, kind="suspect")
+            self.sched.on_failure(req, now, kind=FailureKind.SUSPECT)
             self._reschedule(f.shard)
             log.warning(
                 "encoded_blob_unusable step=%d shard=%d encoding=%s: fetching raw",
@@ -877,9 +878,9 @@ class Session:
                 ",".join(short_id(c) for c in contributors),
             )
             if len(contributors) == 1:
-                cancel = self.sched.on_failure(req, now, kind="corrupt")
+                cancel = self.sched.on_failure(req, now, kind=FailureKind.CORRUPT)
                 return self._corrupt(contributors[0], f.shard, cancel)
-            self.sched.on_failure(req, now, kind="suspect")
+            self.sched.on_failure(req, now, kind=FailureKind.SUSPECT)
             copy = self._next_copy
             self._next_copy += 1
             self._suspects.setdefault(f.shard, []).append(

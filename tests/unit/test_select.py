@@ -18,6 +18,7 @@ from hypothesis import strategies as st
 
 from p2p.errors import LocalProtocolError
 from shardcast.core.blame import blame
+from shardcast.core.failure import FailureKind
 from shardcast.core.select import Request, Scheduler, SchedulerConfig, SourceState
 
 MB = 1_000_000
@@ -136,7 +137,7 @@ def test_failure_of_an_unmeasured_source_decays_from_the_prior_it_is_judged_by()
     r = sched.next_request(1.0)
     assert r is not None
     assert r.source == "peer"
-    sched.on_failure(r.id, 1.0, kind="broken")
+    sched.on_failure(r.id, 1.0, kind=FailureKind.BROKEN)
     assert state(sched, "peer").rate_bps == pytest.approx(5 * MB)  # half the 10 MB/s prior
 
 
@@ -305,7 +306,7 @@ def test_partially_received_shard_resumes_before_rarer_ones() -> None:
     sched.add_source("a")
     first = sched.next_request(0.0)
     assert first is not None
-    sched.on_failure(first.id, 0.0, kind="broken", received=10)
+    sched.on_failure(first.id, 0.0, kind=FailureKind.BROKEN, received=10)
     sched.add_source("b", have={first.shard})  # the partial shard is now the least rare
     req = sched.next_request(1.0)
     assert req is not None
@@ -361,8 +362,8 @@ def test_a_source_never_gets_a_shard_it_does_not_hold(seed: int) -> None:
 # --- failures ----------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("kind", ["timeout", "broken"])
-def test_transfer_failure_keeps_bytes_and_resumes_elsewhere(kind: str) -> None:
+@pytest.mark.parametrize("kind", [FailureKind.TIMEOUT, FailureKind.BROKEN])
+def test_transfer_failure_keeps_bytes_and_resumes_elsewhere(kind: FailureKind) -> None:
     cfg = SchedulerConfig(explore=0.0, penalty_s=2.0, endgame_duplicates=0)
     sched = Scheduler([1000], random.Random(0), cfg)
     sched.add_source("a")
@@ -431,7 +432,7 @@ def test_a_transfer_far_slower_than_a_ready_source_is_handed_back_and_resumes_th
     assert sched.overdue(4.9) == []  # not before it ran overdue_min_s
     assert sched.overdue(5.0) == [req.id]
     assert sched.overdue(5.5) == []  # handed back once
-    sched.on_failure(req.id, 6.0, kind="overdue", received=4 * MB)
+    sched.on_failure(req.id, 6.0, kind=FailureKind.OVERDUE, received=4 * MB)
     assert sched.resume_offset(req.shard) == 4 * MB
     p = state(sched, "p")
     assert p.samples == 1
@@ -516,7 +517,7 @@ def test_penalty_doubles_per_consecutive_failure_and_resets_on_success() -> None
     for expected_block in (1.0, 2.0, 4.0, 8.0):
         req = sched.next_request(now)
         assert req is not None
-        sched.on_failure(req.id, now, kind="timeout")
+        sched.on_failure(req.id, now, kind=FailureKind.TIMEOUT)
         assert sched.next_request(now + expected_block - 1e-6) is None
         now += expected_block
     req = sched.next_request(now)
@@ -525,7 +526,7 @@ def test_penalty_doubles_per_consecutive_failure_and_resets_on_success() -> None
     assert state(sched, "a").consecutive_failures == 0
     req = sched.next_request(now + 1.0)
     assert req is not None
-    sched.on_failure(req.id, now + 1.0, kind="broken")
+    sched.on_failure(req.id, now + 1.0, kind=FailureKind.BROKEN)
     assert state(sched, "a").blocked_until == now + 1.0 + 1.0  # back to one penalty_s
 
 
@@ -537,7 +538,7 @@ def test_penalty_is_capped_at_32_times() -> None:
         now = max(now, state(sched, "a").blocked_until)
         req = sched.next_request(now)
         assert req is not None
-        sched.on_failure(req.id, now, kind="timeout")
+        sched.on_failure(req.id, now, kind=FailureKind.TIMEOUT)
     assert state(sched, "a").blocked_until == now + 32.0
 
 
@@ -550,7 +551,7 @@ def test_requests_in_flight_when_a_source_failed_share_that_failure() -> None:
     reqs = drain(sched, 0.0)
     assert len(reqs) == 4
     for k, req in enumerate(reqs):
-        sched.on_failure(req.id, 0.5 + k * 0.01, kind="broken")
+        sched.on_failure(req.id, 0.5 + k * 0.01, kind=FailureKind.BROKEN)
     a = state(sched, "a")
     assert a.consecutive_failures == 1
     assert a.failures == 4
@@ -559,7 +560,7 @@ def test_requests_in_flight_when_a_source_failed_share_that_failure() -> None:
     # a request started after that failure that fails again is a new failure: it doubles
     again = sched.next_request(1.5)
     assert again is not None
-    sched.on_failure(again.id, 2.0, kind="timeout")
+    sched.on_failure(again.id, 2.0, kind=FailureKind.TIMEOUT)
     assert state(sched, "a").blocked_until == 2.0 + 2.0
 
 
@@ -571,14 +572,16 @@ def test_a_source_back_after_an_outage_is_asked_at_once() -> None:
         now = max(now, state(sched, "a").blocked_until)
         req = sched.next_request(now)
         assert req is not None
-        sched.on_failure(req.id, now, kind="broken")
+        sched.on_failure(req.id, now, kind=FailureKind.BROKEN)
     assert state(sched, "a").blocked_until == now + 32.0
     assert sched.next_request(now + 1.0) is None
     sched.source_back("a", now + 1.0)
     req = sched.next_request(now + 1.0)
     assert req is not None
     assert req.source == "a"
-    sched.on_failure(req.id, now + 1.5, kind="broken")  # a new failure starts from penalty_s
+    sched.on_failure(
+        req.id, now + 1.5, kind=FailureKind.BROKEN
+    )  # a new failure starts from penalty_s
     assert state(sched, "a").blocked_until == now + 2.5
     sched.source_back("unknown", now)  # a source the scheduler never heard of: ignored
 
@@ -590,7 +593,7 @@ def test_unavailable_blocks_only_briefly_and_does_not_count_as_a_fault() -> None
     rate = state(sched, "a").rate_bps
     req = sched.next_request(0.0)
     assert req is not None
-    sched.on_failure(req.id, 0.0, kind="unavailable")
+    sched.on_failure(req.id, 0.0, kind=FailureKind.UNAVAILABLE)
     a = state(sched, "a")
     assert (a.rate_bps, a.consecutive_failures, a.corrupt, a.banned) == (rate, 0, 0, False)
     assert sched.next_request(0.399) is None  # only this shard, only for penalty_s / 10
@@ -606,7 +609,7 @@ def test_unavailable_removes_the_shard_from_a_partial_sources_have_set() -> None
     sched.add_source("b")
     reqs = {r.source: r for r in drain(sched, 0.0)}
     shard_a = reqs["a"].shard
-    sched.on_failure(reqs["a"].id, 0.0, kind="unavailable")
+    sched.on_failure(reqs["a"].id, 0.0, kind=FailureKind.UNAVAILABLE)
     assert shard_a not in (state(sched, "a").have or set())
 
 
@@ -616,18 +619,18 @@ def test_corrupt_bans_after_max_corrupt_and_drops_partial_bytes() -> None:
     sched.add_source("a")
     r1 = sched.next_request(0.0)
     assert r1 is not None
-    sched.on_failure(r1.id, 0.0, kind="broken", received=30)
+    sched.on_failure(r1.id, 0.0, kind=FailureKind.BROKEN, received=30)
     assert sched.resume_offset(r1.shard) == 30
     r2 = sched.next_request(1.0)
     assert r2 is not None
     assert r2.start == 30
-    sched.on_failure(r2.id, 1.0, kind="corrupt")
+    sched.on_failure(r2.id, 1.0, kind=FailureKind.CORRUPT)
     assert sched.resume_offset(r1.shard) == 0  # the kept prefix can no longer be trusted
     assert not state(sched, "a").banned
     assert sched.next_request(1.0 + 4.0 - 1e-6) is None  # corrupt: 4 x penalty_s
     r3 = sched.next_request(5.0)
     assert r3 is not None
-    sched.on_failure(r3.id, 5.0, kind="corrupt")
+    sched.on_failure(r3.id, 5.0, kind=FailureKind.CORRUPT)
     assert state(sched, "a").banned
     assert sched.statistics().banned == ("a",)
     assert sched.statistics().corrupt == 2
@@ -641,12 +644,12 @@ def test_suspect_penalizes_nobody() -> None:
     sched.add_source("b")
     r1 = sched.next_request(0.0)
     assert r1 is not None
-    sched.on_failure(r1.id, 0.0, kind="broken", received=50)
+    sched.on_failure(r1.id, 0.0, kind=FailureKind.BROKEN, received=50)
     r2 = sched.next_request(0.0)
     assert r2 is not None
     assert (r2.source, r2.start) == ("b", 50)
     b_rate = state(sched, "b").rate_bps
-    sched.on_failure(r2.id, 0.0, kind="suspect")  # the copy of a + b failed its digest
+    sched.on_failure(r2.id, 0.0, kind=FailureKind.SUSPECT)  # the copy of a + b failed its digest
     b = state(sched, "b")
     assert (b.rate_bps, b.blocked_until, b.corrupt, b.consecutive_failures) == (b_rate, 0, 0, 0)
     assert sched.resume_offset(0) == 0  # the assembled bytes are dropped
@@ -758,7 +761,8 @@ def test_blame_names_only_the_sources_whose_bytes_differ() -> None:
 
 # --- invariants under random events ---------------------------------------------------------
 
-KINDS = ("timeout", "broken", "unavailable", "refused", "corrupt", "suspect")
+# every kind but OVERDUE, which only follows Scheduler.overdue (the "progress" event)
+KINDS = tuple(k for k in FailureKind if k is not FailureKind.OVERDUE)
 
 
 @dataclass(frozen=True)
@@ -768,7 +772,7 @@ class _Op:
     what: str
     pick: int = 0  # which in-flight request (modulo their number)
     dt: float = 0.0  # time advanced before the event, seconds
-    kind: str = "broken"  # failure kind
+    kind: FailureKind = FailureKind.BROKEN
     frac: float = 0.0  # fraction of the request received before a timeout/broken failure
 
 
@@ -953,7 +957,7 @@ def test_random_event_sequences_keep_the_invariants(
                     f.id for f in flights.values() if f.shard == req.shard
                 )
             elif op.what == "failure":
-                keeps = op.kind in ("timeout", "broken")
+                keeps = op.kind.resumable
                 received = int(op.frac * (req.length - 1)) if keeps else 0
                 del flights[req.id]
                 sched.on_failure(req.id, now, kind=op.kind, received=received)
@@ -969,7 +973,7 @@ def test_random_event_sequences_keep_the_invariants(
                     cut = flights.pop(rid)
                     assert not cut.duplicate
                     assert got.get(rid, 0) > 0
-                    sched.on_failure(rid, now, kind="overdue", received=got[rid])
+                    sched.on_failure(rid, now, kind=FailureKind.OVERDUE, received=got[rid])
                     assert sched.resume_offset(cut.shard) == cut.start + got[rid]
             else:
                 del flights[req.id]
@@ -984,7 +988,7 @@ def test_first_proven_corrupt_bans_and_returns_its_other_flights() -> None:
     reqs = [sched.next_request(0.0) for _ in range(4)]
     to_bad = [r.id for r in reqs if r is not None and r.source == "bad"]
     assert len(to_bad) >= 2
-    cancel = sched.on_failure(to_bad[0], 1.0, kind="corrupt")
+    cancel = sched.on_failure(to_bad[0], 1.0, kind=FailureKind.CORRUPT)
     assert sched.is_banned("bad")
     assert sorted(cancel) == sorted(to_bad[1:])
     assert sched.statistics().banned == ("bad",)
@@ -1016,13 +1020,15 @@ def test_refused_keeps_the_shard_off_that_source_for_refused_s_and_keeps_its_hav
     req = sched.next_request(0.0)
     assert req is not None
     assert req.source == "a"  # complete and unmeasured peers lose ties
-    sched.on_failure(req.id, 0.0, kind="refused")  # a 429: a's super-seeding served others
+    sched.on_failure(
+        req.id, 0.0, kind=FailureKind.REFUSED
+    )  # a 429: a's super-seeding served others
     a = state(sched, "a")
     assert (a.consecutive_failures, a.corrupt, a.blocked_until) == (0, 0, 0.0)
     again = sched.next_request(0.0)  # at once, from the source that has it for us
     assert again is not None
     assert again.source == "p"
-    sched.on_failure(again.id, 0.0, kind="refused")
+    sched.on_failure(again.id, 0.0, kind=FailureKind.REFUSED)
     assert state(sched, "p").have == {0}  # it holds the shard: still counted as a holder
     assert sched.next_request(0.999) is None  # not 0.4 s (503's penalty_s / 10) ...
     last = sched.next_request(1.0)  # ... but refused_s
@@ -1041,7 +1047,7 @@ def test_shards_that_failed_go_behind_the_untried_ones() -> None:
     tried = {r.shard for r in first if r is not None}
     for r in first:
         assert r is not None
-        sched.on_failure(r.id, 5.0, kind="timeout")
+        sched.on_failure(r.id, 5.0, kind=FailureKind.TIMEOUT)
     assert sched.next_request(5.5) is None  # blocked for penalty_s
     again = [sched.next_request(6.0), sched.next_request(6.0)]
     assert {r.shard for r in again if r is not None} == set(range(4)) - tried
@@ -1056,7 +1062,7 @@ def test_explain_names_what_each_source_waits_for() -> None:
     first = drain(sched, 0.0)
     assert len(first) == 3  # one per source: relay-a, relay-b, peer-c (shard 0)
     failed = next(r for r in first if r.source == "relay-b")
-    sched.on_failure(failed.id, 1.0, kind="timeout")  # blocked for 2 s
+    sched.on_failure(failed.id, 1.0, kind=FailureKind.TIMEOUT)  # blocked for 2 s
     peer = next(r for r in first if r.source == "peer-c")
     sched.on_first_byte(peer.id, 1.0)
     line = sched.explain(2.5)

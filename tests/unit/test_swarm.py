@@ -11,6 +11,7 @@ from pathlib import Path
 import blake3
 import pytest
 
+from shardcast.core.failure import FailureKind
 from shardcast.core.select import Scheduler, SchedulerConfig
 from shardcast.core.session import ended_at_hold
 from shardcast.download.receive import ChunkCorrupt, ShardSink, verify_and_write
@@ -166,7 +167,7 @@ def test_a_peer_still_receiving_a_shard_serves_it_past_our_offset() -> None:
     req = sched.next_request(0.0)
     assert req is not None
     assert (req.shard, req.source, req.start) == (1, "peer", 0)
-    sched.on_failure(req.id, 1.0, kind="broken", received=MB)  # got its prefix, then cut
+    sched.on_failure(req.id, 1.0, kind=FailureKind.BROKEN, received=MB)  # got its prefix, then cut
     assert sched.resume_offset(1) == MB
     sched.source_back("peer", 1.0)
     assert sched.next_request(1.0) is None  # its prefix does not reach past our offset
@@ -181,7 +182,7 @@ def test_a_corrupt_chunk_keeps_the_verified_chunks_before_it() -> None:
     sched.add_source("a")
     req = sched.next_request(0.0)
     assert req is not None
-    sched.on_failure(req.id, 1.0, kind="corrupt", received=2 * MB, kept=True)
+    sched.on_failure(req.id, 1.0, kind=FailureKind.CORRUPT, received=2 * MB, kept=True)
     assert sched.resume_offset(0) == 2 * MB
     assert sched.statistics().corrupt == 1
 
