@@ -44,6 +44,7 @@ from p2p.errors import (
 )
 from p2p.identity import Identity
 from p2p.lanes import Host
+from rollout.reasons import AckStatus
 from rollout.schema import MAX_BATCH_BYTES, RolloutAnnouncement, rollouts_topic
 
 log = logging.getLogger(__name__)
@@ -51,7 +52,6 @@ log = logging.getLogger(__name__)
 ANNOUNCE_PROTOCOL = "/shardnet/rollout/announce/1.0.0"
 FETCH_PROTOCOL = "/shardnet/rollout/fetch/1.0.0"
 STATUS_PROTOCOL = "/shardnet/status/1.0.0"
-ACK_STATUSES = ("accepted", "rejected", "ignored", "retry")
 MAX_ACK_BYTES = 4096
 DROPPED_KEPT = 1024
 """Ids of delivered batches a sender remembers (32 bytes each), so that a fetch of one of them
@@ -64,13 +64,15 @@ class Ack:
 
     Attributes:
         batch_id: the batch.
-        status: ``accepted`` | ``rejected`` | ``ignored`` (final) or ``retry``.
-        reason: why (``ok``, a rejection reason, ``busy``, ``rate_limited``…).
+        status: ``ACCEPTED``, ``REJECTED``, ``IGNORED`` (final) or ``RETRY``.
+        reason: why: a :class:`~rollout.reasons.RejectReason` for ``REJECTED``, an
+            :class:`~rollout.reasons.AckReason` otherwise (from the wire: any string of at
+            most 64 characters, so that an ack from a newer trainer still decodes).
         accepted, rejected: samples accepted / rejected.
     """
 
     batch_id: str
-    status: str
+    status: AckStatus
     reason: str
     accepted: int = 0
     rejected: int = 0
@@ -78,7 +80,7 @@ class Ack:
     @property
     def final(self) -> bool:
         """True unless the peer should retry."""
-        return self.status != "retry"
+        return self.status is not AckStatus.RETRY
 
     def encode(self) -> bytes:
         """Canonical CBOR bytes."""
@@ -98,9 +100,11 @@ class Ack:
         """Parse an ack. Raises RemoteProtocolError if malformed."""
         obj = wire.decode(data, max_bytes=MAX_ACK_BYTES, sender=sender)
         wire.need_version(obj, 1, "ack", sender)
-        status = wire.need_str(obj, "status", 16, sender)
-        if status not in ACK_STATUSES:
-            raise RemoteProtocolError(sender, f"ack status {status!r}")
+        raw = wire.need_str(obj, "status", 16, sender)
+        try:
+            status = AckStatus(raw)
+        except ValueError:
+            raise RemoteProtocolError(sender, f"ack status {raw!r}") from None
         return cls(
             wire.need_str(obj, "batch_id", 32, sender),
             status,

@@ -63,7 +63,7 @@ from rollout.intake import (
     length_bucket,
     oldest_trainable_step,
 )
-from rollout.reasons import RejectReason
+from rollout.reasons import AckReason, AckStatus, RejectReason
 from rollout.reputation import Reputation
 from rollout.schema import (
     MAX_ANNOUNCEMENT_BYTES,
@@ -302,7 +302,9 @@ class RolloutInbox:
         late: bool = False,
     ) -> Ack:
         self.ledger.remember(_key(ann), ack)
-        self.ledger.count(ann.submitter, bucket, accepted=ack.status == "accepted", late=late)
+        self.ledger.count(
+            ann.submitter, bucket, accepted=ack.status is AckStatus.ACCEPTED, late=late
+        )
         self._acks[ack.status] = self._acks.get(ack.status, 0) + 1
         return ack
 
@@ -338,7 +340,7 @@ class RolloutInbox:
             )
             return None
         if ann.run_id != self.run_id:
-            return Ack(ann.batch_id, "rejected", RejectReason.WRONG_RUN)
+            return Ack(ann.batch_id, AckStatus.REJECTED, RejectReason.WRONG_RUN)
         if ann.submitter in self.joined:
             self.last_seen[ann.submitter] = trio.current_time()
         key = _key(ann)
@@ -352,19 +354,25 @@ class RolloutInbox:
             self._count_repeat(new_route)
             await event.wait()
             done = self.ledger.decision(key)
-            return done if isinstance(done, Ack) else Ack(ann.batch_id, "retry", "fetch_failed")
+            return (
+                done
+                if isinstance(done, Ack)
+                else Ack(ann.batch_id, AckStatus.RETRY, AckReason.FETCH_FAILED)
+            )
         if self.reputation.refused(ann.submitter, trio.current_time()):
-            return Ack(ann.batch_id, "ignored", "refused")
+            return Ack(ann.batch_id, AckStatus.IGNORED, AckReason.REFUSED)
         if not self.reputation.allow_announcement(ann.submitter, trio.current_time()):
-            return Ack(ann.batch_id, "retry", "rate_limited")
+            return Ack(ann.batch_id, AckStatus.RETRY, AckReason.RATE_LIMITED)
         staleness = self._staleness(ann.step)
         if staleness is Staleness.AHEAD:  # the trainer's clock has not caught up: not final
-            return Ack(ann.batch_id, "retry", "ahead")
+            return Ack(ann.batch_id, AckStatus.RETRY, AckReason.AHEAD)
         if staleness is Staleness.TOO_OLD:  # no fault: costs the submitter no reputation
             self.validator.reject_unchecked(RejectReason.STALE_STEP, 0)
-            return self._remember(ann, Ack(ann.batch_id, "rejected", RejectReason.STALE_STEP))
+            return self._remember(
+                ann, Ack(ann.batch_id, AckStatus.REJECTED, RejectReason.STALE_STEP)
+            )
         if len(self._buffer) >= self.config.max_buffer_batches:
-            return Ack(ann.batch_id, "retry", "busy")
+            return Ack(ann.batch_id, AckStatus.RETRY, AckReason.BUSY)
         self._inflight[key] = trio.Event()
         try:
             return await self._fetch_and_check(ann)
@@ -410,7 +418,7 @@ class RolloutInbox:
                 short_id(ann.submitter),
                 exc,
             )
-            return Ack(ann.batch_id, "retry", "fetch_failed")
+            return Ack(ann.batch_id, AckStatus.RETRY, AckReason.FETCH_FAILED)
         except RemoteProtocolError as exc:
             return self._refuse(ann, RejectReason.INTEGRITY, f"fetch: {exc}")
         self._fetched += len(payload)
@@ -446,14 +454,16 @@ class RolloutInbox:
             self._notify()
             return self._remember(
                 ann,
-                Ack(ann.batch_id, "accepted", "ok", accepted=verdict.samples),
+                Ack(ann.batch_id, AckStatus.ACCEPTED, AckReason.OK, accepted=verdict.samples),
                 bucket,
                 late=late,
             )
         self._note_rejected(ann.submitter, batch.policy_step)
         self._notify()  # readiness: this submitter has answered for the step
         return self._remember(
-            ann, Ack(ann.batch_id, "rejected", verdict.reason, rejected=verdict.samples), bucket
+            ann,
+            Ack(ann.batch_id, AckStatus.REJECTED, verdict.reason, rejected=verdict.samples),
+            bucket,
         )
 
     def _refuse(self, ann: RolloutAnnouncement, reason: RejectReason, detail: str) -> Ack:
@@ -466,7 +476,7 @@ class RolloutInbox:
         )
         self.validator.reject_unchecked(reason, 0)
         self.reputation.record(ann.submitter, False, reason, trio.current_time())
-        return self._remember(ann, Ack(ann.batch_id, "rejected", reason))
+        return self._remember(ann, Ack(ann.batch_id, AckStatus.REJECTED, reason))
 
     async def take(self, *, min_batches: int, step: int, timeout_s: float) -> list[AcceptedBatch]:
         """Remove and return the buffered batches usable at ``step``.

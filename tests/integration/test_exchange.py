@@ -19,6 +19,7 @@ from p2p.identity import Identity
 from rollout.exchange import ANNOUNCE_PROTOCOL, FETCH_PROTOCOL, Ack, RolloutSender, SenderConfig
 from rollout.inbox import InboxConfig, RolloutInbox
 from rollout.model import build_tokenizer
+from rollout.reasons import AckReason, AckStatus
 from rollout.reputation import Reputation, ReputationConfig
 from rollout.schema import (
     MAX_BATCH_BYTES,
@@ -229,7 +230,7 @@ async def test_bad_signature_is_dropped(tmp_path: Path) -> None:
                 timeout_s=10,
             )
         assert w.inbox.statistics().acks == {}
-        assert isinstance(Ack("x", "retry", "busy"), Ack)
+        assert isinstance(Ack("x", AckStatus.RETRY, AckReason.BUSY), Ack)
 
 
 async def test_decisions_are_per_submitter(tmp_path: Path) -> None:

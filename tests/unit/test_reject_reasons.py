@@ -12,7 +12,7 @@ import pytest
 
 import rollout.verify
 from rollout.exchange import Ack
-from rollout.reasons import RejectReason
+from rollout.reasons import AckStatus, RejectReason
 from rollout.reputation import Reputation, ReputationConfig
 from rollout.toploc_judge import ToplocReason, judge
 
@@ -33,8 +33,8 @@ def test_every_reason_has_a_penalty() -> None:
 
 @pytest.mark.parametrize("reason", list(RejectReason))
 def test_a_reason_round_trips_the_wire_as_its_string(reason: RejectReason) -> None:
-    sent = Ack("b" * 32, "rejected", reason)
-    assert sent.encode() == Ack("b" * 32, "rejected", reason.value).encode()
+    sent = Ack("b" * 32, AckStatus.REJECTED, reason)
+    assert sent.encode() == Ack("b" * 32, AckStatus.REJECTED, reason.value).encode()
     got = Ack.decode(sent.encode())
     assert type(got.reason) is str
     assert got.reason == reason

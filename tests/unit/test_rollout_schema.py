@@ -13,6 +13,7 @@ from p2p.envelope import Kind
 from p2p.errors import IntegrityError, MalformedEnvelope, RemoteProtocolError, UntrustedSigner
 from p2p.identity import Identity
 from rollout.exchange import Ack
+from rollout.reasons import AckReason, AckStatus
 from rollout.reputation import Reputation, ReputationConfig
 from rollout.schema import (
     ANNOUNCE_KIND,
@@ -124,10 +125,10 @@ def test_announcement_signature_and_payload_binding() -> None:
 
 
 def test_ack_round_trip_and_validation() -> None:
-    a = Ack("ab" * 16, "accepted", "ok", 3, 0)
+    a = Ack("ab" * 16, AckStatus.ACCEPTED, AckReason.OK, 3, 0)
     assert Ack.decode(a.encode()) == a
     assert a.final
-    assert not Ack("x", "retry", "busy").final
+    assert not Ack("x", AckStatus.RETRY, AckReason.BUSY).final
     bad = wire.decode(a.encode(), max_bytes=4096)
     bad["status"] = "maybe"
     with pytest.raises(RemoteProtocolError):
