@@ -56,6 +56,7 @@ verified, hence cached.
 from __future__ import annotations
 
 import email.utils
+import enum
 import errno
 import logging
 import os
@@ -102,6 +103,7 @@ __all__ = [
     "HttpServer",
     "HttpServerConfig",
     "HttpServerStatistics",
+    "ServerError",
     "StreamedBody",
     "file_response",
     "open_http_server",
@@ -301,24 +303,42 @@ def _none_match(value: str | None, etag: str) -> bool:
     return "*" in tags or etag.removeprefix("W/") in (t.removeprefix("W/") for t in tags)
 
 
+class ServerError(enum.StrEnum):
+    """Why a server ended a connection abnormally or refused a request (the value is the key
+    of :attr:`HttpServerStatistics.errors` and of the ``http_connections_aborted`` log line)."""
+
+    BAD_REQUEST = "bad_request"  # a head h11 rejects, or a request target we do not parse
+    REQUEST_BODY = "request_body"  # a GET/HEAD that carries a body
+    HEADER_TIMEOUT = "header_timeout"  # a head not complete within header_timeout_s
+    SEND_TIMEOUT = "send_timeout"  # a send that made no progress within send_timeout_s
+    CLIENT_DISCONNECTED = "client_disconnected"  # the client reset or closed mid-request
+    HANDLER = "handler"  # the handler raised: answered 500
+    HANDLER_TIMEOUT = "handler_timeout"  # the handler took over handler_timeout_s: 503
+    BAD_RESPONSE = "bad_response"  # the handler returned a head h11 cannot send: 500
+    SHORT_FILE = "short_file"  # a file ended before the length its head declared
+    FILE_ERROR = "file_error"  # a file of the response could not be opened: 500
+    BODY_OVERRUN = "body_overrun"  # a streamed body produced more than it declared
+    NOT_READY = "not_ready"  # a streamed body ended short of its length (a hold ran out)
+    OS_ERROR = "os_error"  # another socket error
+    ACCEPT_ERROR = "accept_error"  # accept failed (out of fds or memory); retried
+    PER_IP_LIMIT = "per_ip_limit"  # closed at accept: its IP had too many connections open
+    STREAM_LIMIT = "stream_limit"  # a stream-lane stream closed: no slot, or its PeerID
+    # held too many
+
+
 @dataclass(frozen=True)
 class HttpServerStatistics:
     """Counters of one server since it was built.
 
     ``bytes_sent`` counts body bytes only; ``requests`` counts responses started; ``errors``
-    counts abnormal connection ends and refused requests by kind (``bad_request``,
-    ``header_timeout``, ``send_timeout``, ``client_disconnected``, ``handler``,
-    ``handler_timeout``, ``short_file``, ``file_error``, ``os_error``, ``accept_error``,
-    ``per_ip_limit``: a connection closed at accept because its IP had too many open;
-    ``stream_limit``: a stream-lane stream closed because no slot was free or its PeerID held
-    too many)...
+    counts abnormal connection ends and refused requests by :class:`ServerError`.
     """
 
     bytes_sent: int
     requests: int
     open_connections: int
     connections_total: int
-    errors: Mapping[str, int] = field(default_factory=dict)
+    errors: Mapping[ServerError, int] = field(default_factory=dict)
 
 
 def _client_ip(addr: object) -> str:
@@ -376,9 +396,9 @@ _Wire = _SocketWire | _StreamWire
 
 
 class _Abort(Exception):
-    """Internal: end this connection now, counting ``kind`` (``""``: a normal close)."""
+    """Internal: end this connection now, counting ``kind`` (None: a normal close)."""
 
-    def __init__(self, kind: str) -> None:
+    def __init__(self, kind: ServerError | None) -> None:
         super().__init__(kind)
         self.kind = kind
 
@@ -402,9 +422,9 @@ class HttpServer:
         self._requests = 0
         self._open = 0
         self._connections_total = 0
-        self._errors: Counter[str] = Counter()
+        self._errors: Counter[ServerError] = Counter()
         self._per_ip: Counter[str] = Counter()  # open connections by client IP
-        self._aborts: Counter[str] = Counter()  # aborts by kind not yet in a summary line
+        self._aborts: Counter[ServerError] = Counter()  # aborts by kind not yet in a summary line
         self._aborts_since: float | None = None  # when the first of them happened
         self._aborts_pending = trio.Event()
 
@@ -465,7 +485,7 @@ class HttpServer:
             finally:
                 self._log_aborts()
 
-    def _note_abort(self, kind: str, peer: str) -> None:
+    def _note_abort(self, kind: ServerError, peer: str) -> None:
         logger.debug("http_connection_aborted kind=%s peer=%s", kind, peer)
         self._aborts[kind] += 1
         if self._aborts_since is None:
@@ -504,7 +524,7 @@ class HttpServer:
             except OSError as exc:
                 if exc.errno not in _ACCEPT_RETRY_ERRNOS:
                     raise
-                self._errors["accept_error"] += 1
+                self._errors[ServerError.ACCEPT_ERROR] += 1
                 logger.warning("http_accept_failed errno=%s", errno.errorcode.get(exc.errno or 0))
                 await trio.sleep(0.1)  # back off while the process is out of fds/memory
             finally:
@@ -514,8 +534,8 @@ class HttpServer:
                 continue
             ip = _client_ip(addr)
             if self._per_ip[ip] >= self._config.max_connections_per_ip:
-                self._errors["per_ip_limit"] += 1
-                self._note_abort("per_ip_limit", ip)
+                self._errors[ServerError.PER_IP_LIMIT] += 1
+                self._note_abort(ServerError.PER_IP_LIMIT, ip)
                 sock.close()
                 self._slots.release()
                 continue
@@ -558,8 +578,8 @@ class HttpServer:
         await self._run_tracked(serve, key, key)
 
     def _refuse_stream(self, peer_id: str) -> None:
-        self._errors["stream_limit"] += 1
-        self._note_abort("stream_limit", f"p2p/{peer_id}")
+        self._errors[ServerError.STREAM_LIMIT] += 1
+        self._note_abort(ServerError.STREAM_LIMIT, f"p2p/{peer_id}")
 
     async def _run_connection(self, sock: trio.socket.SocketType, addr: object, ip: str) -> None:
         peer = ":".join(str(part) for part in addr[:2]) if isinstance(addr, tuple) else str(addr)
@@ -584,14 +604,14 @@ class HttpServer:
         try:
             await serve()
         except _Abort as exc:
-            if exc.kind:
+            if exc.kind is not None:
                 self._errors[exc.kind] += 1
                 self._note_abort(exc.kind, peer)
         except ConnectionError:
-            self._errors["client_disconnected"] += 1
+            self._errors[ServerError.CLIENT_DISCONNECTED] += 1
             logger.debug("http_client_disconnected peer=%s", peer)
         except OSError as exc:
-            self._errors["os_error"] += 1
+            self._errors[ServerError.OS_ERROR] += 1
             errname = errno.errorcode.get(exc.errno or 0)
             logger.warning("http_connection_error errno=%s peer=%s", errname, peer)
         finally:
@@ -612,14 +632,14 @@ class HttpServer:
                 request = _to_request(event, peer)
                 if not _has_no_body(event):
                     await self._send(wire, conn, HttpResponse(413), head=False, close=True)
-                    raise _Abort("request_body")
+                    raise _Abort(ServerError.REQUEST_BODY)
                 end = await self._receive(wire, conn, first=False, started=True)
                 assert isinstance(end, h11.EndOfMessage)
             except (h11.RemoteProtocolError, BadRequest) as exc:
                 if conn.our_state in (h11.IDLE, h11.SEND_RESPONSE):
                     status = exc.status if isinstance(exc, BadRequest) else exc.error_status_hint
                     await self._send(wire, conn, HttpResponse(status), head=False, close=True)
-                raise _Abort("bad_request") from None
+                raise _Abort(ServerError.BAD_REQUEST) from None
             first = False
             response, close = await self._call_handler(request)
             await self._send(wire, conn, response, head=request.method == "HEAD", close=close)
@@ -655,7 +675,7 @@ class HttpServer:
                     started = True
                     scope.deadline = trio.current_time() + cfg.header_timeout_s
                 conn.receive_data(data)
-        raise _Abort("header_timeout" if started or first else "")
+        raise _Abort(ServerError.HEADER_TIMEOUT if started or first else None)
 
     async def _call_handler(self, request: HttpRequest) -> tuple[HttpResponse, bool]:
         if request.method not in ("GET", "HEAD"):
@@ -664,10 +684,10 @@ class HttpServer:
             with trio.fail_after(self._config.handler_timeout_s):
                 return await self._handler(request), False
         except trio.TooSlowError:
-            self._errors["handler_timeout"] += 1
+            self._errors[ServerError.HANDLER_TIMEOUT] += 1
             return HttpResponse(503, [("retry-after", "1")]), False
         except Exception:  # the application's bug: answer 500, keep serving others
-            self._errors["handler"] += 1
+            self._errors[ServerError.HANDLER] += 1
             logger.exception("http_handler_failed method=%s path=%s", request.method, request.path)
             return HttpResponse(500), True
 
@@ -702,7 +722,7 @@ class HttpServer:
             try:
                 fd = _open_first(body.path, body.fallbacks)
             except OSError as exc:
-                self._errors["file_error"] += 1
+                self._errors[ServerError.FILE_ERROR] += 1
                 logger.warning("http_file_open_failed path=%s error=%s", body.path, exc)
                 response, body, close = HttpResponse(500), b"", True
         try:
@@ -710,7 +730,7 @@ class HttpServer:
             try:
                 event = _to_h11_response(response, length, close=close)
             except h11.LocalProtocolError as exc:  # the handler returned an invalid header
-                self._errors["bad_response"] += 1
+                self._errors[ServerError.BAD_RESPONSE] += 1
                 logger.error("http_bad_response status=%s error=%s", response.status, exc)
                 event, body, length = _to_h11_response(HttpResponse(500), 0, close=True), b"", 0
             self._requests += 1
@@ -761,7 +781,7 @@ class HttpServer:
                     self._bytes_sent += sent
                     self._refund(want - sent)
                 continue
-            raise _Abort("send_timeout")
+            raise _Abort(ServerError.SEND_TIMEOUT)
 
     async def _flush(self, wire: _Wire, pending: list[bytes]) -> None:
         """Send the response head held back in ``pending`` (if any) on its own."""
@@ -777,13 +797,13 @@ class HttpServer:
         async with aclosing(body.pieces) as pieces:
             async for piece in pieces:
                 if done[0] + len(piece) > body.length:
-                    raise _Abort("body_overrun")
+                    raise _Abort(ServerError.BODY_OVERRUN)
                 await self._flush(wire, pending)
                 await self._send_bytes(wire, piece, throttle=True)
                 done[0] += len(piece)
         if done[0] < body.length:
             await self._flush(wire, pending)  # the client sees a short body, as over TCP
-            raise _Abort("not_ready")
+            raise _Abort(ServerError.NOT_READY)
 
     async def _send_file(
         self, wire: _Wire, fd: int, part: FileSlice, done: list[int], pending: list[bytes]
@@ -805,7 +825,7 @@ class HttpServer:
                 await self._flush(wire, pending)
                 avail = min(end, await part.ready(offset))
                 if avail <= offset:
-                    raise _Abort("not_ready")
+                    raise _Abort(ServerError.NOT_READY)
             if self._bucket is not None:
                 await self._flush(wire, pending)
             want = await self._grant(min(avail - offset, self._config.send_chunk_bytes))
@@ -834,7 +854,7 @@ class HttpServer:
                     assert wire.fileno is not None  # only sendfile raises BlockingIOError
                     await trio.lowlevel.wait_writable(wire.fileno)
                     continue
-                raise _Abort("send_timeout") from None
+                raise _Abort(ServerError.SEND_TIMEOUT) from None
             except OSError as exc:
                 self._refund(want)
                 if use_sendfile and offset == part.offset and exc.errno in _NO_SENDFILE_ERRNOS:
@@ -845,7 +865,7 @@ class HttpServer:
             if sent == 0:
                 logger.warning("http_short_file path=%s offset=%d", part.path, offset)
                 await self._flush(wire, pending)  # the client sees a short body, as over TCP
-                raise _Abort("short_file")
+                raise _Abort(ServerError.SHORT_FILE)
             offset += sent
             self._bytes_sent += sent
             done[0] += sent

@@ -84,6 +84,7 @@ from p2p.http_server import (
     HttpResponse,
     HttpServerConfig,
     HttpServerStatistics,
+    ServerError,
     StreamedBody,
     _to_h11_response,
     parse_request_head,
@@ -797,7 +798,7 @@ class MemHttpServer:
         self._requests = 0
         self._open = 0
         self._total = 0
-        self._errors: Counter[str] = Counter()
+        self._errors: Counter[ServerError] = Counter()
 
     @property
     def port(self) -> int:
@@ -829,10 +830,10 @@ class MemHttpServer:
                 head, max_header_bytes=self._config.max_header_bytes, peer=client
             )
         except BadRequest as exc:
-            self._errors["bad_request"] += 1
+            self._errors[ServerError.BAD_REQUEST] += 1
             return HttpResponse(exc.status)
         if request is None:
-            self._errors["bad_request"] += 1
+            self._errors[ServerError.BAD_REQUEST] += 1
             return HttpResponse(400)
         if request.method not in ("GET", "HEAD"):
             return HttpResponse(405, [("allow", "GET, HEAD")])
@@ -844,10 +845,10 @@ class MemHttpServer:
                 with trio.fail_after(self._config.handler_timeout_s):
                     result.append(await self._handler(request))
             except trio.TooSlowError:
-                self._errors["handler_timeout"] += 1
+                self._errors[ServerError.HANDLER_TIMEOUT] += 1
                 result.append(HttpResponse(503, [("retry-after", "1")]))
             except Exception:
-                self._errors["handler"] += 1
+                self._errors[ServerError.HANDLER] += 1
                 log.exception("http_handler_failed path=%s", request.path)
                 result.append(HttpResponse(500))
             finally:
@@ -883,14 +884,14 @@ class MemHttpServer:
                 if body.length:
                     data = _read_slice(body, limit)
             except OSError:
-                self._errors["file_error"] += 1
+                self._errors[ServerError.FILE_ERROR] += 1
                 raise
             finally:
                 if body.on_done is not None:
                     body.on_done()
             declared, on_sent = body.length, body.on_sent
             if len(data) < declared:
-                self._errors["short_file"] += 1
+                self._errors[ServerError.SHORT_FILE] += 1
         else:
             data, declared, on_sent = body, len(body), None
         fn = self.net._tamper.get(self.ip)
@@ -947,12 +948,12 @@ async def _capped(
             except trio.TooSlowError as exc:
                 raise StreamBroken(source, f"no progress for {timeout_s}s") from exc
             if sent + len(piece) > body.length:
-                server._errors["body_overrun"] += 1
+                server._errors[ServerError.BODY_OVERRUN] += 1
                 return
             sent += len(piece)
             yield piece
     if sent < body.length:
-        server._errors["not_ready"] += 1
+        server._errors[ServerError.NOT_READY] += 1
 
 
 def _read_slice(part: FileSlice, limit: int | None = None) -> bytes:
