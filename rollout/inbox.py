@@ -35,6 +35,7 @@ re-introduces itself.
 
 from __future__ import annotations
 
+import enum
 import logging
 from collections import OrderedDict, deque
 from collections.abc import Callable
@@ -81,6 +82,13 @@ log = logging.getLogger(__name__)
 
 MAX_REJECTED_SUBMITTERS = 4096
 """Submitters remembered as having a rejected batch (readiness), oldest forgotten first."""
+
+
+class AnnounceRoute(enum.StrEnum):
+    """How an announcement reached the trainer (the value keys ``InboxStats.by_route``)."""
+
+    DIRECT = "direct"  # the announce stream from the submitter (answered with its Ack)
+    GOSSIP = "gossip"  # the run's rollouts gossipsub topic (no answer on that route)
 
 
 @dataclass(frozen=True)
@@ -190,7 +198,7 @@ class RolloutInbox:
         self._fetched_batches = 0
         self._redelivered = 0
         # batch -> the routes that brought it; bounded like the ledger (remember_batches)
-        self._routes: OrderedDict[BatchKey, frozenset[str]] = OrderedDict()
+        self._routes: OrderedDict[BatchKey, frozenset[AnnounceRoute]] = OrderedDict()
         self._by_route: dict[str, int] = {}
         self._acks: dict[str, int] = {}
         self._answers: dict[str, int] = {}
@@ -235,13 +243,13 @@ class RolloutInbox:
             raise RemoteProtocolError(origin, f"submitter {short_id(ann.submitter)} is refused")
 
     async def _on_direct(self, sender: str, request: bytes) -> bytes:
-        ack = await self.ingest(request, sender, route="direct")
+        ack = await self.ingest(request, sender, route=AnnounceRoute.DIRECT)
         if ack is None:
             raise RemoteProtocolError(sender, "invalid rollout announcement")
         return ack.encode()
 
     async def _on_gossip(self, data: bytes, origin: str) -> None:
-        await self.ingest(data, origin, route="gossip")
+        await self.ingest(data, origin, route=AnnounceRoute.GOSSIP)
 
     async def _on_status(self, sender: str, request: bytes) -> bytes:
         msg = wire.decode(request, max_bytes=512, sender=sender)
@@ -308,7 +316,7 @@ class RolloutInbox:
         self._acks[ack.status] = self._acks.get(ack.status, 0) + 1
         return ack
 
-    async def ingest(self, data: bytes, sender: str, *, route: str) -> Ack | None:
+    async def ingest(self, data: bytes, sender: str, *, route: AnnounceRoute) -> Ack | None:
         """Handle one announcement (see module docstring); returns the ack, or None if invalid.
 
         Every answer is counted by ``status:reason`` in ``statistics().answers``.
@@ -326,7 +334,7 @@ class RolloutInbox:
         while self._answers.get(key, 0) < count:
             await self._answered.wait()
 
-    async def _ingest(self, data: bytes, sender: str, *, route: str) -> Ack | None:
+    async def _ingest(self, data: bytes, sender: str, *, route: AnnounceRoute) -> Ack | None:
         self._announcements += 1
         self._by_route[route] = self._by_route.get(route, 0) + 1
         try:
@@ -379,7 +387,7 @@ class RolloutInbox:
         finally:
             self._inflight.pop(key).set()
 
-    def _note_route(self, key: BatchKey, route: str) -> bool:
+    def _note_route(self, key: BatchKey, route: AnnounceRoute) -> bool:
         """Remember that ``route`` brought ``key``; True if it had not brought it before."""
         seen = self._routes.pop(key, frozenset())
         self._routes[key] = seen | {route}

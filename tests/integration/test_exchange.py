@@ -17,7 +17,7 @@ from p2p.errors import TransportError
 from p2p.host import HostConfig, P2PNode
 from p2p.identity import Identity
 from rollout.exchange import ANNOUNCE_PROTOCOL, FETCH_PROTOCOL, Ack, RolloutSender, SenderConfig
-from rollout.inbox import InboxConfig, RolloutInbox
+from rollout.inbox import AnnounceRoute, InboxConfig, RolloutInbox
 from rollout.model import build_tokenizer
 from rollout.reasons import AckReason, AckStatus
 from rollout.reputation import Reputation, ReputationConfig
@@ -124,7 +124,7 @@ async def test_batch_is_ingested_exactly_once_across_routes(tmp_path: Path) -> N
         assert [a.status for a in w.sender.acks] == ["accepted"]
         assert w.sender.statistics().fetches_served == 1  # payload fetched once
         # a replay of the same announcement (any route) returns the stored ack, no fetch
-        again = await w.inbox.ingest(ann.encode(), PEER.peer_id, route="direct")
+        again = await w.inbox.ingest(ann.encode(), PEER.peer_id, route=AnnounceRoute.DIRECT)
         assert again == w.sender.acks[0]
         assert w.sender.statistics().fetches_served == 1
         batches = await w.inbox.take(min_batches=1, step=0, timeout_s=5)
@@ -206,7 +206,9 @@ async def test_flooding_peer_is_rate_limited(tmp_path: Path) -> None:
         acks = []
         for i in range(10):  # announcements of payloads the trainer cannot even fetch
             ann = RolloutAnnouncement.for_payload(PEER, RUN, 0, b"junk%d" % i)
-            acks.append(await w.inbox.ingest(ann.encode(), PEER.peer_id, route="direct"))
+            acks.append(
+                await w.inbox.ingest(ann.encode(), PEER.peer_id, route=AnnounceRoute.DIRECT)
+            )
         reasons = [a.reason for a in acks if a is not None]
         assert reasons.count("rate_limited") == 7
         assert w.inbox.reputation.statistics().rate_limited == 7
@@ -218,7 +220,9 @@ async def test_bad_signature_is_dropped(tmp_path: Path) -> None:
         forged = RolloutAnnouncement(
             ann.run_id, ann.batch_id, ann.digest, ann.size, ann.step, ann.submitter, bytes(64)
         )
-        assert await w.inbox.ingest(forged.encode(), PEER.peer_id, route="gossip") is None
+        assert (
+            await w.inbox.ingest(forged.encode(), PEER.peer_id, route=AnnounceRoute.GOSSIP) is None
+        )
         from p2p.errors import StreamBroken
 
         with pytest.raises(StreamBroken):  # the direct route answers by resetting the stream
@@ -245,7 +249,7 @@ async def test_decisions_are_per_submitter(tmp_path: Path) -> None:
         honest = RolloutAnnouncement.for_payload(PEER, RUN, 3, payload)
         assert copy.digest == honest.digest
         assert copy.batch_id != honest.batch_id
-        ack = await w.inbox.ingest(copy.encode(), sybil.peer_id, route="gossip")
+        ack = await w.inbox.ingest(copy.encode(), sybil.peer_id, route=AnnounceRoute.GOSSIP)
         assert ack is not None
         assert (ack.status, ack.reason) == ("rejected", "stale_step")
         assert w.inbox.reputation.score(sybil.peer_id) == 1.0  # late is no fault
@@ -254,7 +258,7 @@ async def test_decisions_are_per_submitter(tmp_path: Path) -> None:
             await w.sender.wait_idle()
         assert [(a.status, a.reason) for a in w.sender.acks] == [("accepted", "ok")]
         before = w.inbox.statistics().duplicates
-        replay = await w.inbox.ingest(honest.encode(), PEER.peer_id, route="direct")
+        replay = await w.inbox.ingest(honest.encode(), PEER.peer_id, route=AnnounceRoute.DIRECT)
         assert replay is not None
         assert (replay.status, replay.batch_id) == ("accepted", honest.batch_id)
         stats = w.inbox.statistics()
@@ -286,7 +290,12 @@ async def test_second_route_is_redelivery_not_duplicate(tmp_path: Path) -> None:
         ann = RolloutAnnouncement.for_payload(PEER, RUN, 0, payload)  # too old: decided unfetched
         acks = [
             await w.inbox.ingest(ann.encode(), PEER.peer_id, route=route)
-            for route in ("gossip", "direct", "direct", "gossip")
+            for route in (
+                AnnounceRoute.GOSSIP,
+                AnnounceRoute.DIRECT,
+                AnnounceRoute.DIRECT,
+                AnnounceRoute.GOSSIP,
+            )
         ]
         assert [(a.status, a.reason) for a in acks if a is not None] == [
             ("rejected", "stale_step")
