@@ -1044,11 +1044,18 @@ class OriginSettings(PublishSettings):
         "complete, while the trainer still writes the others (before the ready marker); "
         "results whose file changed since are never used",
     )
+    # 0.25, not 1.0: a file finished less than this before the marker is encoded after it, on
+    # the next version's critical path. Measured (bench/broadcast.py --shaped 200M --seed-base
+    # --save-mb-s 1000, real-1b, 3 runs each, alternated; bench/results/issue24-s61.txt): last
+    # peer 3.38/3.11/3.00 s at 1.0, 3.06/2.81/2.71 s at 0.25; the origin's part 1.82/1.81/1.24
+    # -> 1.46/0.92/0.91 s. Still longer than the longest pause the kernel imposes on a writer
+    # over its dirty-page limit (MAX_PAUSE, 0.2 s, mm/page-writeback.c).
     pre_encode_settle_s: float = Field(
-        1.0,
+        0.25,
         ge=0,
         description="a file counts as complete for pre-encoding once its size, mtime and ctime "
-        "have not changed for this long, seconds (a wrong guess costs only work twice)",
+        "have not changed for this long, seconds (a wrong guess costs only work twice: a "
+        "writer that pauses longer mid-file gets that file encoded again)",
     )
     rollouts_out: Path | None = Field(
         None,
