@@ -80,7 +80,7 @@ class Ack:
     @property
     def final(self) -> bool:
         """True unless the peer should retry."""
-        return self.status is not AckStatus.RETRY
+        return self.status != AckStatus.RETRY  # a plain "retry" too (StrEnum)
 
     def encode(self) -> bytes:
         """Canonical CBOR bytes."""
