@@ -486,6 +486,9 @@ class HttpServer:
                 self._log_aborts()
 
     def _note_abort(self, kind: ServerError, peer: str) -> None:
+        """Count a connection this server ended or refused (``errors``), for the next
+        ``http_connections_aborted`` summary line too."""
+        self._errors[kind] += 1
         logger.debug("http_connection_aborted kind=%s peer=%s", kind, peer)
         self._aborts[kind] += 1
         if self._aborts_since is None:
@@ -534,7 +537,6 @@ class HttpServer:
                 continue
             ip = _client_ip(addr)
             if self._per_ip[ip] >= self._config.max_connections_per_ip:
-                self._errors[ServerError.PER_IP_LIMIT] += 1
                 self._note_abort(ServerError.PER_IP_LIMIT, ip)
                 sock.close()
                 self._slots.release()
@@ -578,7 +580,6 @@ class HttpServer:
         await self._run_tracked(serve, key, key)
 
     def _refuse_stream(self, peer_id: str) -> None:
-        self._errors[ServerError.STREAM_LIMIT] += 1
         self._note_abort(ServerError.STREAM_LIMIT, f"p2p/{peer_id}")
 
     async def _run_connection(self, sock: trio.socket.SocketType, addr: object, ip: str) -> None:
@@ -605,7 +606,6 @@ class HttpServer:
             await serve()
         except _Abort as exc:
             if exc.kind is not None:
-                self._errors[exc.kind] += 1
                 self._note_abort(exc.kind, peer)
         except ConnectionError:
             self._errors[ServerError.CLIENT_DISCONNECTED] += 1
