@@ -864,10 +864,9 @@ class Scheduler:
             self._tiebreak[failed.shard] += 1.0
         fl, st = self._finish(req_id)
         s = self._shards[fl.req.shard]
-        if not fl.req.duplicate and not s.done and kind.resumable:
+        keeps = kind.resumable or (kind is FailureKind.CORRUPT and kept)  # verified chunks
+        if keeps and not fl.req.duplicate and not s.done:
             self._set_received(fl.req.shard, fl.req.start + received)
-        elif kind is FailureKind.CORRUPT and kept and not fl.req.duplicate and not s.done:
-            self._set_received(fl.req.shard, fl.req.start + received)  # verified chunks kept
         elif kind in (FailureKind.CORRUPT, FailureKind.SUSPECT):
             self._set_received(fl.req.shard, 0)
         if st is None:
