@@ -11,7 +11,7 @@ thread writes the files. ``Origin.publish(..., pre_encoded=...)`` then signs the
 files at once and reads only the small files (config, tokenizer).
 
 Exactness: the blobs and digests come from the same code as the file path
-(:func:`shardcast.publish.plan.encode_views`) fed the same bytes: each file's bytes are its
+(:func:`shardcast.publish.encode.encode_views`) fed the same bytes: each file's bytes are its
 predicted safetensors header followed by the tensors at the header's offsets, and a result is
 used only if the header on disk equals the predicted one (:func:`usable`). The delta base is
 the previous version *this process published* (:attr:`TensorEncoder.previous`), the same bytes

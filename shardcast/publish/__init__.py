@@ -1,4 +1,5 @@
-"""publish: the origin side: checkpoint layout, shard plans and hashing
+"""publish: the origin side: checkpoint layout and its cut into shards (:mod:`.layout`),
+hashing and encoding a file's shards (:mod:`.encode`), a version's header and signed parts
 (:mod:`.plan`), encoding while the trainer writes (:mod:`.preencode` for files in a watched
 directory, :mod:`.inmemory` for the bytes a trainer holds) and publishing signed, pipelined
 versions (:mod:`.origin`), what the standalone origin makes of a watched directory
@@ -7,6 +8,7 @@ versions (:mod:`.origin`), what the standalone origin makes of a watched directo
 
 from __future__ import annotations
 
+from shardcast.publish.encode import ENCODE_WORKERS, EncodeSettings, PreEncoded
 from shardcast.publish.inmemory import (
     FileBytes,
     TensorBytes,
@@ -16,16 +18,12 @@ from shardcast.publish.inmemory import (
     safetensors_file,
     safetensors_header,
 )
+from shardcast.publish.layout import CheckpointLayoutError, check_layout
 from shardcast.publish.origin import Origin, OriginConfig
 from shardcast.publish.plan import (
     DEFAULT_SHARD_BYTES,
-    ENCODE_WORKERS,
     Base,
-    CheckpointLayoutError,
-    EncodeSettings,
-    PreEncoded,
     build_manifest,
-    check_layout,
     hash_parts,
     make_header,
 )

@@ -13,7 +13,7 @@ byte range of the file (``shard_size`` bytes tiling each file, as on disk); it i
 one buffer when it falls inside one, else its pieces are copied into a scratch buffer (shards
 that straddle tensors or the header). The base's bytes of the same range come the same way
 from the previous version's :class:`FileBytes`. Both go to
-:func:`shardcast.publish.plan.encode_views`, whose per-shard code (``scan_shard``,
+:func:`shardcast.publish.encode.encode_views`, whose per-shard code (``scan_shard``,
 ``shard_blobs``) hashes and encodes files read from disk too, so every shard digest, chunk
 list, file digest and blob (``sparse``; ``xor-zstd`` where denser; ``zstd``) is
 byte-identical to the file path's: the wire format does not change.
@@ -42,8 +42,7 @@ from pathlib import Path
 
 import blake3
 
-from shardcast.publish.plan import (
-    CheckpointLayoutError,
+from shardcast.publish.encode import (
     EncodeSettings,
     PreEncoded,
     ShardResult,
@@ -52,6 +51,7 @@ from shardcast.publish.plan import (
     encode_views,
     in_order,
 )
+from shardcast.publish.layout import CheckpointLayoutError
 from shardcast.wire import codecs, file_root
 
 __all__ = [
@@ -270,7 +270,7 @@ def encode_bytes(
 
     Yields:
         ``(shard, {encoding: blob}, file digest after the last shard else None)`` in offset
-        order, exactly as :func:`shardcast.publish.plan.encode_views` gives for the same
+        order, exactly as :func:`shardcast.publish.encode.encode_views` gives for the same
         bytes read from disk (the same code, shard by shard).
 
     Raises:
@@ -317,7 +317,7 @@ def encode_bytes(
 
 
 def _file_digest(f: FileBytes, shard_list: list[tuple[int, str]], rooted: bool) -> str:
-    """As :func:`shardcast.publish.plan.encode_views` computes it: the hash-list root, or the
+    """As :func:`shardcast.publish.encode.encode_views` computes it: the hash-list root, or the
     whole-file BLAKE3 (over the pieces, which tile the file)."""
     if rooted:
         return file_root(shard_list)
@@ -335,7 +335,7 @@ def pre_encode_bytes(
     workers: int = 1,
 ) -> PreEncoded:
     """:func:`encode_bytes`, with the blobs written to ``cache_dir`` as
-    ``<name>.<offset>.<encoding>``: the :class:`~shardcast.publish.plan.PreEncoded` that
+    ``<name>.<offset>.<encoding>``: the :class:`~shardcast.publish.encode.PreEncoded` that
     ``Origin.publish(..., pre_encoded=...)`` links into the version without reading the file.
 
     Raises:

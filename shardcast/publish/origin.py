@@ -56,14 +56,12 @@ import trio
 
 from p2p.errors import LocalProtocolError
 from shardcast.node import ShardcastNode
+from shardcast.publish.encode import ENCODE_WORKERS, EncodeSettings, PreEncoded
 from shardcast.publish.plan import (
     DEFAULT_DELTA_SHARDS_PER_PART,
     DEFAULT_SHARD_BYTES,
     DEFAULT_SHARDS_PER_PART,
-    ENCODE_WORKERS,
     Base,
-    EncodeSettings,
-    PreEncoded,
     hash_parts,
     make_header,
 )
@@ -113,8 +111,8 @@ class OriginConfig:
         zstd: also offer ``zstd`` of every shard (worth it on slow links only).
         zstd_level: compression level.
         encode_workers: threads that hash and encode a file's shards side by side
-            (:func:`shardcast.publish.plan.encode_file`; 0: one per CPU core, at most 8,
-            :data:`~shardcast.publish.plan.ENCODE_WORKERS`); the version does not depend on
+            (:func:`shardcast.publish.encode.encode_file`; 0: one per CPU core, at most 8,
+            :data:`~shardcast.publish.encode.ENCODE_WORKERS`); the version does not depend on
             it.
     """
 

@@ -7,7 +7,7 @@ A trainer writes ``WATCH/step-<N>/`` file by file and then its ready marker (``D
 this module the origin did all of its hashing and delta encoding after the marker, on the
 critical path (12.8 s of a 25 s run, issue 16). :class:`PreEncoder` instead scans the step
 directories that have no marker yet and hashes and encodes
-(:func:`shardcast.publish.plan.encode_file`,
+(:func:`shardcast.publish.encode.encode_file`,
 the very code the publish uses) every file that looks complete, in a worker thread, one file
 at a time, as soon as it looks complete (a file that completes while another is being
 encoded is taken right after it, not a poll later). When the marker appears,
@@ -31,7 +31,7 @@ guesses and then *checks*:
   file is read at publish as before. The only cost of a wrong guess is work done twice.
 
 The delta encodings depend on the base (the previous step) and the settings
-(:class:`~shardcast.publish.plan.EncodeSettings`); a step whose base is not decided yet (the
+(:class:`~shardcast.publish.encode.EncodeSettings`); a step whose base is not decided yet (the
 previous
 step still exists in WATCH but is not committed) waits. A result is used only if its settings
 equal the version's at publish.
@@ -55,14 +55,9 @@ from pathlib import Path
 
 import trio
 
-from shardcast.publish.plan import (
-    Base,
-    CheckpointLayoutError,
-    EncodeSettings,
-    PreEncoded,
-    ShardResult,
-    encode_file,
-)
+from shardcast.publish.encode import EncodeSettings, PreEncoded, ShardResult, encode_file
+from shardcast.publish.layout import CheckpointLayoutError
+from shardcast.publish.plan import Base
 from shardcast.publish.watchdir import STEP_DIR
 from shardcast.wire import MANIFEST_FILE, ManifestError, check_file_name
 

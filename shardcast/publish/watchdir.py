@@ -9,7 +9,7 @@ writes last. :func:`ready_steps` lists the ready steps newer than the newest pub
 
 A trainer can get this wrong: the marker written before the files, a file still being written
 or cut short, a weights file missing. Such a directory is refused before anything is signed
-(:func:`shardcast.publish.plan.check_layout` checks the layout and that every safetensors file
+(:func:`shardcast.publish.layout.check_layout` checks the layout and that every safetensors file
 is whole), logged once, and tried again only when the directory changes: :class:`RefusedSteps`
 keeps, per refused step, the :func:`fingerprint` of its directory (each file's name, inode,
 size and mtime: not its ctime, which the origin's own staging changes) when it was refused.

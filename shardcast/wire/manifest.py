@@ -73,7 +73,7 @@ journal and checks at rest). The origin computes both in the one pass that reads
 A shard of a delta version that is offered as a delta gets no chunk list (its part then lists
 none): it travels as a small blob checked against its own signed digest, nobody streams its
 raw bytes, and the list would cost the origin a second hash of every byte
-(:func:`shardcast.publish.plan.scan_chunk_bytes`). A follower without the base takes such a
+(:func:`shardcast.publish.encode.scan_chunk_bytes`). A follower without the base takes such a
 shard whole and checks its shard digest.
 
 Header and parts are canonical JSON (UTF-8, sorted keys, no whitespace, integers and strings

@@ -14,7 +14,7 @@ from shardcast.core import Stage
 from shardcast.download import DownloadConfig
 from shardcast.download.follower import FollowConfig, Follower, VersionRecord
 from shardcast.node.node import NodeConfig, ShardcastNode
-from shardcast.publish import plan
+from shardcast.publish import encode
 from shardcast.publish.origin import Origin, OriginConfig
 from shardcast.store import VersionStore, file_matches
 from shardcast.store.chains import ChainBroken, read_record
@@ -252,9 +252,9 @@ async def test_blob_the_origin_encoded_badly_falls_back_without_blame(
         await nursery.start(Follower(p, follow, random.Random(1), w.hook("p")).run)
         await origin.publish(ck0, 0)
         await w.until("p", 0)
-        real, real_sparse = codecs.encode, plan.encode_changes  # sparse: from a shard's scan
+        real, real_sparse = codecs.encode, encode.encode_changes  # sparse: from a shard's scan
         monkeypatch.setattr(codecs, "encode", lambda *a, **kw: real(*a, **kw)[:-3])
-        monkeypatch.setattr(plan, "encode_changes", lambda *a, **kw: real_sparse(*a, **kw)[:-3])
+        monkeypatch.setattr(encode, "encode_changes", lambda *a, **kw: real_sparse(*a, **kw)[:-3])
         r1 = await origin.publish(ck1, 1)
         rec = await w.until("p", 1)
         if keep_chains:

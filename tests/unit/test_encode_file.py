@@ -1,4 +1,4 @@
-"""The origin's file path (``plan.encode_file``: shards read, hashed and compared piece by
+"""The origin's file path (``encode.encode_file``: shards read, hashed and compared piece by
 piece) gives exactly the digests, chunk lists and blobs of the straightforward definition:
 BLAKE3 of the whole shard, ``chunk_digests`` of it unless a delta of it is kept (a shard sent
 as a delta has no chunk list), ``encode_sparse_reference`` against the base's range,
@@ -13,8 +13,8 @@ from pathlib import Path
 import blake3
 import pytest
 
-from shardcast.publish import plan
-from shardcast.publish.plan import SPARSE_DENSE_FRACTION, EncodeSettings, encode_file
+from shardcast.publish import encode
+from shardcast.publish.encode import SPARSE_DENSE_FRACTION, EncodeSettings, encode_file
 from shardcast.wire import chunk_digests, codecs, encode_sparse_reference, sparse_count
 
 ENCODINGS = (codecs.SPARSE, codecs.XOR_ZSTD, codecs.ZSTD)
@@ -80,7 +80,7 @@ def test_encode_file_matches_the_definition(
     workers: int,
     with_base: bool,
 ) -> None:
-    monkeypatch.setattr(plan, "SCAN_PIECE_BYTES", piece)
+    monkeypatch.setattr(encode, "SCAN_PIECE_BYTES", piece)
     base, new = _versions(150_001, seed=shard + chunk + piece)
     (tmp_path / "v0").write_bytes(base)
     (tmp_path / "v1").write_bytes(new)
@@ -111,7 +111,7 @@ def test_encode_file_matches_the_definition(
 
 def test_encode_file_whole_file_digest(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """Schema 2 (whole-file BLAKE3): the file digest over every piece, in order."""
-    monkeypatch.setattr(plan, "SCAN_PIECE_BYTES", 4096)
+    monkeypatch.setattr(encode, "SCAN_PIECE_BYTES", 4096)
     base, new = _versions(100_003, seed=7)
     (tmp_path / "v0").write_bytes(base)
     (tmp_path / "v1").write_bytes(new)

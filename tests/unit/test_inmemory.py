@@ -16,6 +16,7 @@ import torch
 from safetensors.torch import save
 
 from rollout.model import SINGLE_WEIGHTS_NAME, build_model, build_tokenizer
+from shardcast.publish.encode import EncodeSettings, encode_file
 from shardcast.publish.inmemory import (
     FileBytes,
     TensorBytes,
@@ -25,14 +26,8 @@ from shardcast.publish.inmemory import (
     safetensors_header,
     shard_views,
 )
-from shardcast.publish.plan import (
-    Base,
-    CheckpointLayoutError,
-    EncodeSettings,
-    encode_file,
-    hash_parts,
-    make_header,
-)
+from shardcast.publish.layout import CheckpointLayoutError
+from shardcast.publish.plan import Base, hash_parts, make_header
 from shardcast.store.store import BLOB_DIR
 from shardcast.wire import chunk_digests, codecs
 from trainer.checkpoint import METADATA, WeightFile, file_bytes, save_checkpoint, weight_files

@@ -29,7 +29,7 @@ from rollout.model_dir import (
 from rollout.task import Prompt, encode_prompt, load_task
 from rollout.tasks.arithmetic import DATASET
 from rollout.verify import Validator, ValidatorConfig
-from shardcast.publish.plan import list_files
+from shardcast.publish.layout import list_files
 from tests.byo_models import write_model_dir
 from trainer.checkpoint import save_checkpoint, write_preset_dir
 from trainer.oracle import TrainerOracle

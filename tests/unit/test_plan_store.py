@@ -8,14 +8,8 @@ from pathlib import Path
 import pytest
 
 from p2p.errors import IntegrityError, LocalProtocolError
-from shardcast.publish.plan import (
-    CheckpointLayoutError,
-    build_manifest,
-    check_layout,
-    hash_parts,
-    make_header,
-    plan_shards,
-)
+from shardcast.publish.layout import CheckpointLayoutError, check_layout, plan_shards
+from shardcast.publish.plan import build_manifest, hash_parts, make_header
 from shardcast.store import VersionStore, file_matches
 from shardcast.wire.manifest import Manifest
 from tests.helpers import TRAINER, make_checkpoint, trust

@@ -14,15 +14,9 @@ from typing import Any
 import pytest
 import trio
 
-from shardcast.publish.plan import (
-    Base,
-    CheckpointLayoutError,
-    EncodeSettings,
-    PreEncoded,
-    encode_file,
-    hash_parts,
-    make_header,
-)
+from shardcast.publish.encode import EncodeSettings, PreEncoded, encode_file
+from shardcast.publish.layout import CheckpointLayoutError
+from shardcast.publish.plan import Base, hash_parts, make_header
 from shardcast.publish.preencode import (
     FileIdentity,
     PreEncodeCache,

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from bench import broadcast
-from shardcast.publish.plan import check_layout
+from shardcast.publish.layout import check_layout
 from simulations import netns
 from tests.helpers import make_checkpoint
 

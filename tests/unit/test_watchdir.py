@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 from safetensors.numpy import save_file
 
-from shardcast.publish.plan import CheckpointLayoutError, check_layout, check_weights_file
+from shardcast.publish.layout import CheckpointLayoutError, check_layout, check_weights_file
 from shardcast.publish.watchdir import (
     EndAction,
     RefusedSteps,
