@@ -749,12 +749,12 @@ async def _publish_step(
         ConfigError: its ``config.json`` is not a JSON object.
         FileNotFoundError: a file vanished while it was staged.
     """
-    from shardcast.publish import check_layout, fingerprint
+    from shardcast.publish import Ahead, check_layout, fingerprint
 
     staging = s.data_dir / "staging" / f"step-{step}"
     src = s.watch / f"step-{step}"
     # before staging (it may chmod the files): what was encoded ahead, unchanged
-    ahead = await pre.take(step, src) if pre is not None else {}
+    ahead = await pre.take(step, src) if pre is not None else Ahead()
     try:
         await trio.to_thread.run_sync(stage_checkpoint, src, staging, s.ready_marker)
         await trio.to_thread.run_sync(check_layout, staging)  # before the card is signed
@@ -763,7 +763,7 @@ async def _publish_step(
         node.set_card(next_card(rules, node.card, identity))
         if plane is not None and plane.intake is None:  # serve before announcing
             await plane.start(nursery, node.p2p, staging)
-        result = await origin.publish(staging, step, pre_encoded=ahead)
+        result = await origin.publish(staging, step, pre_encoded=ahead.files, known=ahead.known)
     finally:
         if pre is not None:
             pre.published(step)

@@ -27,7 +27,7 @@ from shardcast.publish.plan import (
     hash_parts,
     make_header,
 )
-from shardcast.publish.preencode import PreEncoder
+from shardcast.publish.preencode import Ahead, PreEncoder
 from shardcast.publish.published import PublishedFiles
 from shardcast.publish.watchdir import (
     EndAction,
@@ -44,6 +44,7 @@ from shardcast.publish.watchdir import (
 __all__ = [
     "DEFAULT_SHARD_BYTES",
     "ENCODE_WORKERS",
+    "Ahead",
     "Base",
     "CheckpointLayoutError",
     "EncodeSettings",

@@ -12,13 +12,14 @@ a version's signed parts.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import itertools
 import logging
 import os
 import threading
 from collections import deque
-from collections.abc import Callable, Iterable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
@@ -111,6 +112,48 @@ class PreEncoded:
         return self.blob_dir / f"{self.blob_prefix}{offset}.{encoding}"
 
 
+@dataclass(frozen=True)
+class KnownShards:
+    """Whole shards of one file hashed and encoded while the file was still being written
+    (:func:`encode_known`, for :mod:`shardcast.publish.preencode`). Nobody vouches that the
+    file still holds those bytes: :func:`encode_file` uses a shard only where the file's bytes
+    at its offset hash to its digest again, and encodes the others.
+
+    Attributes:
+        name: the file's name in the checkpoint directory.
+        settings: what the results depend on; used only if the file's are equal.
+        with_base: they were encoded against the base file (taken to be as long as the
+            final file); used only where the final file has a base of its size too.
+        shards: by offset; each ``settings.shard_size`` bytes long.
+        blob_dir: where the encoded blobs are, named ``<blob_prefix><offset>.<encoding>``.
+        blob_prefix: see ``blob_dir``.
+    """
+
+    name: str
+    settings: EncodeSettings
+    with_base: bool
+    shards: Mapping[int, ShardResult]
+    blob_dir: Path
+    blob_prefix: str = ""
+
+    def blob(self, offset: int, encoding: str) -> Path:
+        """Path of the encoded blob of the shard at ``offset``."""
+        return self.blob_dir / f"{self.blob_prefix}{offset}.{encoding}"
+
+    def joined(self, more: KnownShards) -> KnownShards:
+        """These shards and ``more``'s (``more`` wins at an offset in both); ``more`` alone if
+        it was encoded otherwise (settings, base, file or blob directory)."""
+        if (self.name, self.settings, self.with_base, self.blob_dir, self.blob_prefix) != (
+            more.name,
+            more.settings,
+            more.with_base,
+            more.blob_dir,
+            more.blob_prefix,
+        ):
+            return more
+        return dataclasses.replace(self, shards={**self.shards, **more.shards})
+
+
 ShardViews = Iterator[tuple[int, memoryview, memoryview | None]]
 """``(offset, new bytes, base bytes or None)`` of each shard of a file, in offset order."""
 
@@ -122,6 +165,7 @@ def encode_file(
     base_path: Path | None,
     blob_path: Callable[[int, str], Path] | None,
     workers: int = 1,
+    known: KnownShards | None = None,
 ) -> Iterator[tuple[ShardResult, str | None]]:
     """Read ``path`` once and yield each shard (offset order) hashed and encoded, with the
     file digest after its last shard (else None): the hash-list root if ``settings.rooted``,
@@ -140,6 +184,11 @@ def encode_file(
             :data:`SCAN_PIECE_BYTES` buffers (and two shard buffers once a shard needs its
             whole bytes: ``zstd``, or ``xor-zstd`` of a dense change). The results do not
             depend on it.
+        known: shards of this file encoded while it was being written (hash-list roots
+            only). A shard of it whose bytes here hash to its digest is not encoded again:
+            its blobs are linked to ``blob_path`` (one BLAKE3 pass over the shard instead of
+            reading it and its base, comparing and encoding), and the very
+            :class:`ShardResult` object of ``known`` is yielded. The results are the same.
 
     Raises:
         CheckpointLayoutError: the file is shorter than ``size``.
@@ -154,8 +203,14 @@ def encode_file(
         with open(path, "rb", buffering=0) as fh:
             reader = _FileShards(path, fh, base_fh, size, settings)
             file_hash = None if settings.rooted else blake3.blake3(max_threads=blake3.blake3.AUTO)
+            reuse: Mapping[int, ShardResult] = {}
+            if known is not None and file_hash is None and known.settings == settings:
+                reuse = known.shards if known.with_base == (base_fh is not None) else {}
 
             def one(offset: int) -> ShardResult:
+                prior = reuse.get(offset)
+                if prior is not None and _confirmed(reader, prior, known, blob_path):
+                    return prior
                 shard, blobs = reader.encode(offset, file_hash)
                 for enc, data in blobs.items():
                     assert blob_path is not None  # encodings imply a blob path
@@ -176,6 +231,93 @@ def encode_file(
     finally:
         if base_fh is not None:
             base_fh.close()
+
+
+def _confirmed(
+    reader: _FileShards,
+    prior: ShardResult,
+    known: KnownShards | None,
+    blob_path: Callable[[int, str], Path] | None,
+) -> bool:
+    """True if the file's bytes at ``prior``'s offset are still the ones ``prior`` was encoded
+    from (same length, same BLAKE3) and its blobs are now at ``blob_path``; False: encode it
+    again (nothing that matters was linked)."""
+    assert known is not None
+    if prior.offset + prior.length > reader.size or not reader.holds(prior):
+        return False
+    try:
+        for e in prior.encoded:
+            assert blob_path is not None  # encodings imply a blob path
+            src, dst = known.blob(prior.offset, e.encoding), blob_path(prior.offset, e.encoding)
+            if src != dst:
+                dst.unlink(missing_ok=True)
+                os.link(src, dst)
+    except OSError as exc:  # the blob is gone: encode the shard again
+        log.warning(
+            "known_shard_unusable file=%s offset=%d error=%s", known.name, prior.offset, exc
+        )
+        return False
+    return True
+
+
+def encode_known(
+    path: Path,
+    offsets: Sequence[int],
+    settings: EncodeSettings,
+    base_path: Path | None,
+    blob_dir: Path,
+    blob_prefix: str,
+    workers: int = 1,
+) -> KnownShards:
+    """Hash and encode the whole shards at ``offsets`` of a file still being written (each
+    of them below its current size), for :func:`encode_file` to confirm later
+    (:class:`KnownShards`). Blocking.
+
+    The base file (``base_path``, if it exists) is taken to be as long as the final file will
+    be. Each shard's digest, chunk list and blobs come from the same bytes: a shard whose
+    bytes are read again for a form that needs them whole (``zstd``, dense ``xor-zstd``) must
+    hash to the digest of its first read (:class:`_FileShards`, ``strict``), else it is left
+    out. Memory and threads as :func:`encode_file`.
+
+    Args:
+        path: the file; ``offsets`` multiples of ``settings.shard_size``.
+        settings: as for :func:`encode_file` (hash-list roots: ``settings.rooted``).
+        base_path: the delta base's file of the same name, or None.
+        blob_dir: where the blobs go, as ``<blob_prefix><offset>.<encoding>``.
+        workers: threads that encode shards side by side.
+
+    Raises:
+        CheckpointLayoutError: the file is shorter than the last shard's end.
+        OSError: it cannot be read, or a blob cannot be written.
+    """
+    size = max(offsets, default=0) + settings.shard_size
+    blob_dir.mkdir(parents=True, exist_ok=True)
+    base_fh = None
+    if base_path is not None and any(e in codecs.DELTAS for e in settings.encodings):
+        if base_path.is_file():
+            base_fh = open(base_path, "rb", buffering=0)
+    with_base = base_fh is not None
+    try:
+        with open(path, "rb", buffering=0) as fh:
+            reader = _FileShards(path, fh, base_fh, size, settings, strict=True)
+
+            def one(offset: int) -> ShardResult | None:
+                try:
+                    shard, blobs = reader.encode(offset)
+                except ShardChanged:
+                    return None
+                for enc, data in blobs.items():
+                    with open(blob_dir / f"{blob_prefix}{offset}.{enc}", "wb") as out:
+                        out.write(data)
+                return shard
+
+            done = {
+                o: r for o, r in zip(offsets, in_order(one, offsets, workers), strict=True) if r
+            }
+    finally:
+        if base_fh is not None:
+            base_fh.close()
+    return KnownShards(path.name, settings, with_base, done, blob_dir, blob_prefix)
 
 
 #: bytes of a shard read, hashed and compared at a time (a multiple of the chunk size when
@@ -269,18 +411,31 @@ def scan_shard(
     return ShardScan(shard_hash.hexdigest(), tuple(chunks), changes)
 
 
+class ShardChanged(CheckpointLayoutError):
+    """A shard's bytes changed between two reads of it (a file still being written)."""
+
+
 class _FileShards:
     """Shards of one file (and of its base file) for :func:`encode_file`: each read piece by
     piece into two small buffers per thread (``preadv``) while :func:`scan_shard` hashes and
     compares it; the whole shard is read again only for a form that needs it
-    (:func:`shard_blobs`). Safe to use from several threads (buffers are per thread)."""
+    (:func:`shard_blobs`). ``strict`` (a file still being written): that second read must
+    hash to the first one's digest, else :class:`ShardChanged`. Safe to use from several
+    threads (buffers are per thread)."""
 
     def __init__(
-        self, path: Path, fh: BinaryIO, base_fh: BinaryIO | None, size: int, s: EncodeSettings
+        self,
+        path: Path,
+        fh: BinaryIO,
+        base_fh: BinaryIO | None,
+        size: int,
+        s: EncodeSettings,
+        strict: bool = False,
     ) -> None:
         self.path, self.fd, self.size, self.settings = path, fh.fileno(), size, s
         self.base_fd = None if base_fh is None else base_fh.fileno()
         self.piece = min(piece_bytes(s), s.shard_size, size)
+        self.strict = strict
         self.local = threading.local()
 
     def encode(
@@ -290,6 +445,7 @@ class _FileShards:
 
         Raises:
             CheckpointLayoutError: the file is shorter than announced.
+            ShardChanged: ``strict``, and the shard's bytes changed between two reads.
         """
         s = self.settings
         length = min(s.shard_size, self.size - offset)
@@ -298,8 +454,20 @@ class _FileShards:
             self._pieces(offset, length, diff), scan_chunk_bytes(s, diff), diff, file_hash
         )
         # read once per shard, however many forms need its whole bytes
-        whole = functools.cache(lambda: self._whole(offset, length))
+        whole = functools.cache(lambda: self._whole(offset, length, scan.digest))
         return _encoded(offset, length, scan, self.base_fd is not None, diff, whole, s)
+
+    def holds(self, shard: ShardResult) -> bool:
+        """True if the file's bytes at ``shard.offset`` hash to ``shard.digest`` (one BLAKE3
+        pass, piece by piece; the base is not read).
+
+        Raises:
+            CheckpointLayoutError: the file is shorter than the shard's end.
+        """
+        h = blake3.blake3()
+        for new, _ in self._pieces(shard.offset, shard.length, False):
+            h.update(new)
+        return h.hexdigest() == shard.digest
 
     def _bufs(self, name: str, n: int) -> tuple[memoryview, memoryview]:
         bufs = getattr(self.local, name, None)
@@ -324,11 +492,15 @@ class _FileShards:
             assert self.base_fd is not None
             yield new, (base if self._read(self.base_fd, base, offset + at) else None)
 
-    def _whole(self, offset: int, length: int) -> tuple[memoryview, memoryview | None, bytearray]:
+    def _whole(
+        self, offset: int, length: int, digest: str
+    ) -> tuple[memoryview, memoryview | None, bytearray]:
         new_buf, base_buf = self._bufs("whole", min(self.settings.shard_size, self.size))
         new, base = new_buf[:length], base_buf[:length]
         if not self._read(self.fd, new, offset):
             raise CheckpointLayoutError(f"{self.path} changed while hashing")
+        if self.strict and blake3.blake3(new).hexdigest() != digest:
+            raise ShardChanged(f"{self.path}: the shard at {offset} changed while encoding")
         scratch = base_buf.obj
         assert isinstance(scratch, bytearray)
         if self.base_fd is None or not self._read(self.base_fd, base, offset):

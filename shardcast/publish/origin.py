@@ -56,7 +56,7 @@ import trio
 
 from p2p.errors import LocalProtocolError
 from shardcast.node import ShardcastNode
-from shardcast.publish.encode import ENCODE_WORKERS, EncodeSettings, PreEncoded
+from shardcast.publish.encode import ENCODE_WORKERS, EncodeSettings, KnownShards, PreEncoded
 from shardcast.publish.plan import (
     DEFAULT_DELTA_SHARDS_PER_PART,
     DEFAULT_SHARD_BYTES,
@@ -261,12 +261,15 @@ class Origin:
         directory: Path,
         step: int,
         pre_encoded: Mapping[str, PreEncoded] | None = None,
+        known: Mapping[str, KnownShards] | None = None,
     ) -> PublishResult:
         """Announce, hash (pipelined), sign, commit and serve ``directory`` as ``step``.
 
         ``pre_encoded``: files of ``directory`` hashed and encoded ahead, unchanged since
         (:meth:`shardcast.publish.preencode.PreEncoder.take`); their parts go out at once, nothing
-        of them is read again (:func:`shardcast.publish.plan.hash_parts`).
+        of them is read again (:func:`shardcast.publish.plan.hash_parts`). ``known``: shards of
+        the other files encoded while they were being written; each is hashed again here
+        and used if its bytes are the same.
 
         Raises:
             CheckpointLayoutError: not a valid checkpoint directory.
@@ -299,6 +302,7 @@ class Origin:
                         on_part=on_part,
                         pre_encoded=pre_encoded,
                         workers=cfg.workers,
+                        known=known,
                     )
                 )
             hashed_at = trio.current_time()
@@ -314,7 +318,7 @@ class Origin:
         encoded = _encoded_bytes(parts)
         log.info(
             "version_published step=%d size_bytes=%d shards=%d parts=%d base=%s "
-            "hash_s=%.3f pre_encoded_files=%d encoded=%s digest=%s",
+            "hash_s=%.3f pre_encoded_files=%d known_files=%d encoded=%s digest=%s",
             step,
             header.total_bytes,
             len(header.shards),
@@ -322,6 +326,7 @@ class Origin:
             base.step if base else None,
             hashed_at - announced_at,
             len(pre_encoded or {}),
+            len(known or {}),
             encoded,
             manifest.digest[:16],
         )

@@ -25,6 +25,7 @@ from p2p.errors import LocalProtocolError
 from p2p.identity import Identity
 from shardcast.publish.encode import (
     EncodeSettings,
+    KnownShards,
     PreEncoded,
     ShardResult,
     encode_file,
@@ -116,6 +117,7 @@ def hash_parts(
     pre_encoded: Mapping[str, PreEncoded] | None = None,
     chunk_bytes: int = CHUNK_BYTES,
     workers: int = 1,
+    known: Mapping[str, KnownShards] | None = None,
 ) -> list[Part]:
     """Read every file once and emit the version's parts as they complete.
 
@@ -138,6 +140,8 @@ def hash_parts(
         chunk_bytes: chunk size of the parts' chunk lists (schema 3 only; 0: none).
         workers: threads that encode a file's shards side by side (:func:`encode_file`);
             the parts do not depend on it.
+        known: by name, shards of the files read here encoded while they were being written
+            (used where the bytes hash the same again: :func:`encode_file`); same parts.
 
     Returns:
         all parts, in index order.
@@ -171,7 +175,8 @@ def hash_parts(
         first = first_shard[f.name]
         base_path = None if base is None else base.directory / f.name
         blob_path = _blob_path_of(blob_dir, first, header.shard_size)
-        shards = encode_file(directory / f.name, f.size, settings, base_path, blob_path, workers)
+        path, ahead = directory / f.name, (known or {}).get(f.name)
+        shards = encode_file(path, f.size, settings, base_path, blob_path, workers, ahead)
         for j, (shard, file_digest) in enumerate(shards):
             parts.shard_done(first + j, shard)
             if file_digest is not None:

@@ -18,6 +18,7 @@ from shardcast.publish.encode import EncodeSettings, PreEncoded, encode_file
 from shardcast.publish.layout import CheckpointLayoutError
 from shardcast.publish.plan import Base, hash_parts, make_header
 from shardcast.publish.preencode import (
+    Ahead,
     FileIdentity,
     PreEncodeCache,
     PreEncoder,
@@ -236,8 +237,8 @@ def test_cache_decisions() -> None:
     assert cache.wanted(3, s, listing, now, 1.0) == ["a.safetensors"]
     assert cache.add(3, "a.safetensors", old, old, res)
     # at the marker: only results whose file is unchanged since
-    assert cache.take(3, {"a.safetensors": moved}) == {}
-    assert cache.take(3, {"a.safetensors": old}) == {"a.safetensors": res}
+    assert cache.take(3, {"a.safetensors": moved}).files == {}
+    assert cache.take(3, {"a.safetensors": old}).files == {"a.safetensors": res}
     # closed: nothing more for steps up to 3
     assert cache.wanted(3, s, {"z.safetensors": old}, now, 1.0) == []
     assert cache.wanted(2, s, {"z.safetensors": old}, now, 1.0) == []
@@ -279,7 +280,7 @@ def test_pre_encoder_in_place_and_atomic_writes(tmp_path: Path) -> None:
         with a.open("r+b") as fh:
             fh.write(a_data)
         (step_dir / "DONE").touch()
-        taken = await pre.take(1, step_dir)
+        taken = (await pre.take(1, step_dir)).files
         assert sorted(taken) == ["b.safetensors"]
         assert (
             taken["b.safetensors"].digest
@@ -295,7 +296,7 @@ def test_pre_encoder_in_place_and_atomic_writes(tmp_path: Path) -> None:
         pre2 = make()
         assert not cache_dir.exists()
         (watch / "step-2" / "DONE").touch()
-        assert await pre2.take(2, watch / "step-2") == {}
+        assert await pre2.take(2, watch / "step-2") == Ahead()
 
     trio.run(main)
 
