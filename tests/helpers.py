@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import random
+import shutil
 import socket
 from contextlib import aclosing
 from pathlib import Path
@@ -49,6 +50,22 @@ def make_checkpoint(directory: Path, sizes: dict[str, int], seed: int = 0) -> Pa
             json.dumps({"metadata": {"total_size": sum(sizes.values())}, "weight_map": wm})
         )
     return directory
+
+
+def next_checkpoint(
+    base: Path, new: Path, sizes: dict[str, int], seed: int, every: int = 200
+) -> Path:
+    """Copy checkpoint ``base`` to ``new`` with about one random 16-bit word in every ``every``
+    bytes of each file of ``sizes`` changed (seeded): a sparse next version. Returns ``new``."""
+    shutil.copytree(base, new)
+    rng = random.Random(seed)
+    for name, size in sizes.items():
+        data = bytearray((new / name).read_bytes())
+        for _ in range(size // every):
+            i = rng.randrange(0, size // 2) * 2
+            data[i : i + 2] = rng.randbytes(2)
+        (new / name).write_bytes(bytes(data))
+    return new
 
 
 def check_committed(path: Path, m: Manifest) -> None:

@@ -5,7 +5,6 @@ of a serial publish, whatever the writer did meanwhile."""
 from __future__ import annotations
 
 import dataclasses
-import random
 import shutil
 import time
 from pathlib import Path
@@ -26,7 +25,7 @@ from shardcast.publish.preencode import FileIdentity, PreEncodeCache, PreEncoder
 from shardcast.store.store import BLOB_DIR
 from shardcast.wire import codecs
 from shardcast.wire.manifest import Part
-from tests.helpers import make_checkpoint
+from tests.helpers import make_checkpoint, next_checkpoint
 
 SHARD = 2048
 NAME = "model-00001-of-00002.safetensors"
@@ -38,15 +37,7 @@ BASE_DIGEST = "cd" * 32
 def _versions(tmp_path: Path) -> tuple[Base, Path]:
     """A base checkpoint and its next version with a few 16-bit words changed per file."""
     base = make_checkpoint(tmp_path / "base", SIZES, seed=1)
-    new = tmp_path / "new"
-    shutil.copytree(base, new)
-    rng = random.Random(5)
-    for name, size in SIZES.items():
-        data = bytearray((new / name).read_bytes())
-        for _ in range(size // 300):
-            i = rng.randrange(0, size // 2) * 2
-            data[i : i + 2] = rng.randbytes(2)
-        (new / name).write_bytes(bytes(data))
+    new = next_checkpoint(base, tmp_path / "new", SIZES, seed=5, every=300)
     return Base(0, BASE_DIGEST, base), new
 
 

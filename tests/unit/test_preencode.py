@@ -30,7 +30,7 @@ from shardcast.publish.preencode import (
 from shardcast.store.store import BLOB_DIR
 from shardcast.wire import codecs
 from shardcast.wire.manifest import Part
-from tests.helpers import make_checkpoint
+from tests.helpers import make_checkpoint, next_checkpoint
 
 SIZES = {
     "model-00001-of-00002.safetensors": 10_000,
@@ -44,15 +44,7 @@ BASE_DIGEST = "ab" * 32
 def _versions(tmp_path: Path) -> tuple[Path, Path]:
     """A base checkpoint and its next version with a few 16-bit words changed per file."""
     base = make_checkpoint(tmp_path / "base", SIZES, seed=1)
-    new = tmp_path / "new"
-    shutil.copytree(base, new)
-    rng = random.Random(7)
-    for name, size in SIZES.items():
-        data = bytearray((new / name).read_bytes())
-        for _ in range(size // 200):
-            i = rng.randrange(0, size // 2) * 2
-            data[i : i + 2] = rng.randbytes(2)
-        (new / name).write_bytes(bytes(data))
+    new = next_checkpoint(base, tmp_path / "new", SIZES, seed=7, every=200)
     return base, new
 
 
