@@ -8,6 +8,10 @@ one pass, :func:`shard_blobs` keeps the smallest delta and the forms smaller tha
 shard. The same bytes give the same digests and blobs either way; the results do not depend on
 how many threads encode side by side. :mod:`shardcast.publish.plan` assembles the results into
 a version's signed parts.
+
+Shards of a file still being written are encoded ahead by :func:`encode_known`
+(:class:`KnownShards`); :func:`encode_file` later uses each only where the file's bytes hash to
+its digest again (:mod:`shardcast.publish.preencode`).
 """
 
 from __future__ import annotations
