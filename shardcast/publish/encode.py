@@ -25,6 +25,7 @@ import threading
 from collections import deque
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import BinaryIO, TypeVar
@@ -89,6 +90,13 @@ class ShardResult:
     chunks: tuple[str, ...] = ()
 
 
+def cached_blob(blob_dir: Path, prefix: str, offset: int, encoding: str) -> Path:
+    """Where an encoding cache keeps the blob of (shard offset, encoding) of a file:
+    ``blob_dir/<prefix><offset>.<encoding>`` (the prefix is ``<file name>.`` in the origin's
+    caches)."""
+    return blob_dir / f"{prefix}{offset}.{encoding}"
+
+
 @dataclass(frozen=True)
 class PreEncoded:
     """A file hashed and encoded ahead of its version (:mod:`shardcast.publish.preencode`).
@@ -113,7 +121,7 @@ class PreEncoded:
 
     def blob(self, offset: int, encoding: str) -> Path:
         """Path of the encoded blob of the shard at ``offset``."""
-        return self.blob_dir / f"{self.blob_prefix}{offset}.{encoding}"
+        return cached_blob(self.blob_dir, self.blob_prefix, offset, encoding)
 
 
 @dataclass(frozen=True)
@@ -142,18 +150,17 @@ class KnownShards:
 
     def blob(self, offset: int, encoding: str) -> Path:
         """Path of the encoded blob of the shard at ``offset``."""
-        return self.blob_dir / f"{self.blob_prefix}{offset}.{encoding}"
+        return cached_blob(self.blob_dir, self.blob_prefix, offset, encoding)
+
+    def fits(self, settings: EncodeSettings, with_base: bool) -> bool:
+        """True if these shards may be confirmed for a file encoded with ``settings``
+        (hash-list roots only) and with (or without) a base file of its size."""
+        return settings.rooted and self.settings == settings and self.with_base == with_base
 
     def joined(self, more: KnownShards) -> KnownShards:
         """These shards and ``more``'s (``more`` wins at an offset in both); ``more`` alone if
         it was encoded otherwise (settings, base, file or blob directory)."""
-        if (self.name, self.settings, self.with_base, self.blob_dir, self.blob_prefix) != (
-            more.name,
-            more.settings,
-            more.with_base,
-            more.blob_dir,
-            more.blob_prefix,
-        ):
+        if dataclasses.replace(self, shards={}) != dataclasses.replace(more, shards={}):
             return more
         return dataclasses.replace(self, shards={**self.shards, **more.shards})
 
@@ -198,57 +205,73 @@ def encode_file(
         CheckpointLayoutError: the file is shorter than ``size``.
         OSError: it cannot be read, or a blob cannot be written.
     """
-    shard_size = settings.shard_size
-    base_fh = None
+    with _base_file(base_path, settings, size) as base_fh, open(path, "rb", buffering=0) as fh:
+        reader = _FileShards(path, fh, base_fh, size, settings)
+        file_hash = None if settings.rooted else blake3.blake3(max_threads=blake3.blake3.AUTO)
+        with_base = base_fh is not None
+        reuse = known if known is not None and known.fits(settings, with_base) else None
+
+        def one(offset: int) -> ShardResult:
+            prior = None if reuse is None else _confirmed(reader, reuse, offset, blob_path)
+            if prior is not None:
+                return prior
+            shard, blobs = reader.encode(offset, file_hash)
+            _write_blobs(blobs, shard.offset, blob_path)
+            return shard
+
+        offsets = range(0, size, settings.shard_size)
+        threaded = workers > 1 and file_hash is None  # a whole-file hash goes in order
+        shards = in_order(one, offsets, workers) if threaded else map(one, offsets)
+        shard_list: list[tuple[int, str]] = []
+        for shard in shards:
+            shard_list.append((shard.length, shard.digest))
+            digest = None
+            if shard.offset + shard.length == size:
+                digest = file_root(shard_list) if file_hash is None else file_hash.hexdigest()
+            yield shard, digest
+
+
+@contextmanager
+def _base_file(
+    base_path: Path | None, settings: EncodeSettings, size: int | None
+) -> Iterator[BinaryIO | None]:
+    """The delta base's file, open for reading, if ``settings`` ask for a delta and it exists
+    (with ``size`` bytes, unless ``size`` is None); else None."""
+    fh = None
     if base_path is not None and any(e in codecs.DELTAS for e in settings.encodings):
-        if base_path.is_file() and base_path.stat().st_size == size:
-            base_fh = open(base_path, "rb", buffering=0)
+        if base_path.is_file() and (size is None or base_path.stat().st_size == size):
+            fh = open(base_path, "rb", buffering=0)
     try:
-        with open(path, "rb", buffering=0) as fh:
-            reader = _FileShards(path, fh, base_fh, size, settings)
-            file_hash = None if settings.rooted else blake3.blake3(max_threads=blake3.blake3.AUTO)
-            reuse: Mapping[int, ShardResult] = {}
-            if known is not None and file_hash is None and known.settings == settings:
-                reuse = known.shards if known.with_base == (base_fh is not None) else {}
-
-            def one(offset: int) -> ShardResult:
-                prior = reuse.get(offset)
-                if prior is not None and _confirmed(reader, prior, known, blob_path):
-                    return prior
-                shard, blobs = reader.encode(offset, file_hash)
-                for enc, data in blobs.items():
-                    assert blob_path is not None  # encodings imply a blob path
-                    with open(blob_path(shard.offset, enc), "wb") as out:
-                        out.write(data)
-                return shard
-
-            offsets = range(0, size, shard_size)
-            threaded = workers > 1 and file_hash is None  # a whole-file hash goes in order
-            shards = in_order(one, offsets, workers) if threaded else map(one, offsets)
-            shard_list: list[tuple[int, str]] = []
-            for shard in shards:
-                shard_list.append((shard.length, shard.digest))
-                digest = None
-                if shard.offset + shard.length == size:
-                    digest = file_root(shard_list) if file_hash is None else file_hash.hexdigest()
-                yield shard, digest
+        yield fh
     finally:
-        if base_fh is not None:
-            base_fh.close()
+        if fh is not None:
+            fh.close()
+
+
+def _write_blobs(
+    blobs: Mapping[str, bytes], offset: int, blob_path: Callable[[int, str], Path] | None
+) -> None:
+    """Write the blobs of the shard at ``offset``, each to ``blob_path(offset, encoding)``."""
+    for enc, data in blobs.items():
+        assert blob_path is not None  # encodings imply a blob path
+        with open(blob_path(offset, enc), "wb") as out:
+            out.write(data)
 
 
 def _confirmed(
     reader: _FileShards,
-    prior: ShardResult,
-    known: KnownShards | None,
+    known: KnownShards,
+    offset: int,
     blob_path: Callable[[int, str], Path] | None,
-) -> bool:
-    """True if the file's bytes at ``prior``'s offset are still the ones ``prior`` was encoded
-    from (same length, same BLAKE3) and its blobs are now at ``blob_path``; False: encode it
-    again (nothing that matters was linked)."""
-    assert known is not None
+) -> ShardResult | None:
+    """``known``'s shard at ``offset`` if the file's bytes there are still the ones it was
+    encoded from (same length, same BLAKE3) and its blobs are now at ``blob_path``; None: encode
+    it again (nothing that matters was linked)."""
+    prior = known.shards.get(offset)
+    if prior is None:
+        return None
     if prior.offset + prior.length > reader.size or not reader.holds(prior):
-        return False
+        return None
     try:
         for e in prior.encoded:
             assert blob_path is not None  # encodings imply a blob path
@@ -260,8 +283,8 @@ def _confirmed(
         log.warning(
             "known_shard_unusable file=%s offset=%d error=%s", known.name, prior.offset, exc
         )
-        return False
-    return True
+        return None
+    return prior
 
 
 def encode_known(
@@ -296,31 +319,24 @@ def encode_known(
     """
     size = max(offsets, default=0) + settings.shard_size
     blob_dir.mkdir(parents=True, exist_ok=True)
-    base_fh = None
-    if base_path is not None and any(e in codecs.DELTAS for e in settings.encodings):
-        if base_path.is_file():
-            base_fh = open(base_path, "rb", buffering=0)
-    with_base = base_fh is not None
-    try:
-        with open(path, "rb", buffering=0) as fh:
-            reader = _FileShards(path, fh, base_fh, size, settings, strict=True)
 
-            def one(offset: int) -> ShardResult | None:
-                try:
-                    shard, blobs = reader.encode(offset)
-                except ShardChanged:
-                    return None
-                for enc, data in blobs.items():
-                    with open(blob_dir / f"{blob_prefix}{offset}.{enc}", "wb") as out:
-                        out.write(data)
-                return shard
+    def blob_path(offset: int, encoding: str) -> Path:
+        return cached_blob(blob_dir, blob_prefix, offset, encoding)
 
-            done = {
-                o: r for o, r in zip(offsets, in_order(one, offsets, workers), strict=True) if r
-            }
-    finally:
-        if base_fh is not None:
-            base_fh.close()
+    with _base_file(base_path, settings, None) as base_fh, open(path, "rb", buffering=0) as fh:
+        with_base = base_fh is not None
+        reader = _FileShards(path, fh, base_fh, size, settings, strict=True)
+
+        def one(offset: int) -> ShardResult | None:
+            try:
+                shard, blobs = reader.encode(offset)
+            except ShardChanged:
+                return None
+            _write_blobs(blobs, offset, blob_path)
+            return shard
+
+        results = zip(offsets, in_order(one, offsets, workers), strict=True)
+        done = {o: r for o, r in results if r is not None}
     return KnownShards(path.name, settings, with_base, done, blob_dir, blob_prefix)
 
 

@@ -47,6 +47,7 @@ from shardcast.publish.encode import (
     PreEncoded,
     ShardResult,
     ShardViews,
+    cached_blob,
     encode_shard,
     encode_views,
     in_order,
@@ -347,7 +348,7 @@ def pre_encode_bytes(
     digest = ""
     for shard, blobs, file_digest in encode_bytes(new, old, settings, workers):
         for enc, data in blobs.items():
-            (cache_dir / f"{new.name}.{shard.offset}.{enc}").write_bytes(data)
+            cached_blob(cache_dir, f"{new.name}.", shard.offset, enc).write_bytes(data)
         shards.append(shard)
         if file_digest is not None:
             digest = file_digest

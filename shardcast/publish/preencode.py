@@ -72,6 +72,7 @@ from shardcast.publish.encode import (
     KnownShards,
     PreEncoded,
     ShardResult,
+    cached_blob,
     encode_file,
     encode_known,
 )
@@ -323,7 +324,7 @@ def pre_encode_file(
     base_path = None if base is None else base.directory / name
 
     def blob(offset: int, encoding: str) -> Path:
-        return cache_dir / f"{name}.{offset}.{encoding}"
+        return cached_blob(cache_dir, f"{name}.", offset, encoding)
 
     for shard, file_digest in encode_file(path, size, settings, base_path, blob, workers, known):
         shards.append(shard)
@@ -397,6 +398,10 @@ class PreEncoder:
                     done += 1
         return done
 
+    def _pin(self, base: Base | None) -> AbstractContextManager[object]:
+        """Keeps ``base``'s step from being pruned while it is read (if pinning is given)."""
+        return self.pinned(base.step) if self.pinned and base else nullcontext()
+
     @contextmanager
     def _busy(self, step: int) -> Iterator[None]:
         """Marks ``step`` as being encoded (:meth:`take` waits for it)."""
@@ -421,8 +426,7 @@ class PreEncoder:
         base_path = None if base is None else base.directory / name
 
         def work() -> KnownShards:
-            pin = self.pinned(base.step) if self.pinned and base else nullcontext()
-            with pin:
+            with self._pin(base):
                 return encode_known(
                     directory / name,
                     offsets,
@@ -458,8 +462,7 @@ class PreEncoder:
         known = self.cache.known(step, name)
 
         def work() -> PreEncoded:
-            pin = self.pinned(base.step) if self.pinned and base else nullcontext()
-            with pin:
+            with self._pin(base):
                 return pre_encode_file(
                     path,
                     name,
